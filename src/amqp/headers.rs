@@ -1,0 +1,196 @@
+//! The headers warren reads and writes: `x-retries` (read robustly, always written as an
+//! integer), `x-retry-reason`, and `x-error-kind` / `x-error-reason` on dead-lettered messages.
+
+use lapin::BasicProperties;
+use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
+
+pub const X_RETRIES: &str = "x-retries";
+pub const X_RETRY_REASON: &str = "x-retry-reason";
+pub const X_ERROR_KIND: &str = "x-error-kind";
+pub const X_ERROR_REASON: &str = "x-error-reason";
+
+/// What reading `x-retries` found.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Retries {
+    /// A usable count (missing counts as 0).
+    Count(u32),
+    /// Present but unusable (a string, a negative number, a float...): treated as 0, and the
+    /// description says what was there so it can be logged.
+    Invalid(String),
+}
+
+impl Retries {
+    /// The count to act on: invalid values count as 0, so the next retry rewrites them.
+    pub fn count(&self) -> u32 {
+        match self {
+            Retries::Count(n) => *n,
+            Retries::Invalid(_) => 0,
+        }
+    }
+}
+
+/// Reads `x-retries`: missing is 0, any AMQP integer type is read, anything else is invalid.
+pub fn retries(properties: &BasicProperties) -> Retries {
+    let Some(value) = properties
+        .headers()
+        .as_ref()
+        .and_then(|h| h.inner().get(X_RETRIES))
+    else {
+        return Retries::Count(0);
+    };
+    let n: Option<i128> = match value {
+        AMQPValue::ShortShortInt(v) => Some(*v as i128),
+        AMQPValue::ShortShortUInt(v) => Some(*v as i128),
+        AMQPValue::ShortInt(v) => Some(*v as i128),
+        AMQPValue::ShortUInt(v) => Some(*v as i128),
+        AMQPValue::LongInt(v) => Some(*v as i128),
+        AMQPValue::LongUInt(v) => Some(*v as i128),
+        AMQPValue::LongLongInt(v) => Some(*v as i128),
+        _ => None,
+    };
+    match n {
+        Some(n) if n >= 0 => Retries::Count(n.min(u32::MAX as i128) as u32),
+        Some(n) => Retries::Invalid(format!("negative x-retries {n}")),
+        None => Retries::Invalid(format!("x-retries of unusable type: {value:?}")),
+    }
+}
+
+/// A header value as readable text (for logs, `dlq inspect` and the parked table).
+pub fn text(properties: &BasicProperties, key: &str) -> Option<String> {
+    let value = properties.headers().as_ref()?.inner().get(key)?;
+    Some(value_text(value))
+}
+
+/// An AMQP value as text.
+pub fn value_text(value: &AMQPValue) -> String {
+    match value {
+        AMQPValue::LongString(s) => String::from_utf8_lossy(s.as_bytes()).into_owned(),
+        AMQPValue::ShortString(s) => s.as_str().to_string(),
+        AMQPValue::ShortShortInt(v) => v.to_string(),
+        AMQPValue::ShortShortUInt(v) => v.to_string(),
+        AMQPValue::ShortInt(v) => v.to_string(),
+        AMQPValue::ShortUInt(v) => v.to_string(),
+        AMQPValue::LongInt(v) => v.to_string(),
+        AMQPValue::LongUInt(v) => v.to_string(),
+        AMQPValue::LongLongInt(v) => v.to_string(),
+        AMQPValue::Boolean(v) => v.to_string(),
+        AMQPValue::Float(v) => v.to_string(),
+        AMQPValue::Double(v) => v.to_string(),
+        AMQPValue::Timestamp(v) => v.to_string(),
+        other => format!("{other:?}"),
+    }
+}
+
+/// The headers as JSON (for the `dead_letters` table).
+pub fn to_json(properties: &BasicProperties) -> serde_json::Value {
+    let mut map = serde_json::Map::new();
+    if let Some(headers) = properties.headers() {
+        for (k, v) in headers.inner() {
+            let json = match v {
+                AMQPValue::LongLongInt(n) => serde_json::json!(n),
+                AMQPValue::LongInt(n) => serde_json::json!(n),
+                AMQPValue::ShortInt(n) => serde_json::json!(n),
+                AMQPValue::Boolean(b) => serde_json::json!(b),
+                other => serde_json::Value::String(value_text(other)),
+            };
+            map.insert(k.as_str().to_string(), json);
+        }
+    }
+    serde_json::Value::Object(map)
+}
+
+fn long(s: &str) -> AMQPValue {
+    AMQPValue::LongString(LongString::from(s.as_bytes().to_vec()))
+}
+
+/// Copies `properties` with the given headers set (others kept).
+pub fn with_headers(properties: &BasicProperties, set: &[(&str, AMQPValue)]) -> BasicProperties {
+    let mut headers: FieldTable = properties.headers().clone().unwrap_or_default();
+    for (k, v) in set {
+        headers.insert(ShortString::from(*k), v.clone());
+    }
+    properties.clone().with_headers(headers)
+}
+
+/// Properties for a retry: `x-retries` = `retries`, `x-retry-reason` = `reason`.
+pub fn for_retry(properties: &BasicProperties, retries: u32, reason: &str) -> BasicProperties {
+    with_headers(
+        properties,
+        &[
+            (X_RETRIES, AMQPValue::LongLongInt(retries as i64)),
+            (X_RETRY_REASON, long(reason)),
+        ],
+    )
+}
+
+/// Properties for a dead-lettered message.
+pub fn for_dead_letter(
+    properties: &BasicProperties,
+    retries: u32,
+    kind: &str,
+    reason: &str,
+) -> BasicProperties {
+    with_headers(
+        properties,
+        &[
+            (X_RETRIES, AMQPValue::LongLongInt(retries as i64)),
+            (X_ERROR_KIND, long(kind)),
+            (X_ERROR_REASON, long(reason)),
+        ],
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn props(v: AMQPValue) -> BasicProperties {
+        let mut h = FieldTable::default();
+        h.insert(X_RETRIES.into(), v);
+        BasicProperties::default().with_headers(h)
+    }
+
+    #[test]
+    fn missing_is_zero_and_every_integer_type_is_read() {
+        assert_eq!(retries(&BasicProperties::default()), Retries::Count(0));
+        assert_eq!(retries(&props(AMQPValue::ShortShortInt(2))).count(), 2);
+        assert_eq!(retries(&props(AMQPValue::ShortShortUInt(2))).count(), 2);
+        assert_eq!(retries(&props(AMQPValue::ShortInt(2))).count(), 2);
+        assert_eq!(retries(&props(AMQPValue::ShortUInt(2))).count(), 2);
+        assert_eq!(retries(&props(AMQPValue::LongInt(3))).count(), 3);
+        assert_eq!(retries(&props(AMQPValue::LongUInt(3))).count(), 3);
+        assert_eq!(retries(&props(AMQPValue::LongLongInt(1))).count(), 1);
+    }
+
+    #[test]
+    fn strings_negatives_and_floats_are_invalid_and_count_as_zero() {
+        for v in [
+            long("2"),
+            AMQPValue::LongLongInt(-1),
+            AMQPValue::Double(1.5),
+            AMQPValue::Boolean(true),
+        ] {
+            let r = retries(&props(v));
+            assert!(matches!(r, Retries::Invalid(_)), "{r:?}");
+            assert_eq!(r.count(), 0);
+        }
+    }
+
+    #[test]
+    fn retry_headers_replace_the_count_and_keep_the_rest() {
+        let mut h = FieldTable::default();
+        h.insert("trace".into(), long("abc"));
+        h.insert(X_RETRIES.into(), long("junk"));
+        let p = BasicProperties::default()
+            .with_message_id("m1".into())
+            .with_headers(h);
+        let next = for_retry(&p, 1, "db_error: x");
+        assert_eq!(retries(&next), Retries::Count(1));
+        assert_eq!(text(&next, X_RETRY_REASON).unwrap(), "db_error: x");
+        assert_eq!(text(&next, "trace").unwrap(), "abc");
+        assert_eq!(next.message_id().as_ref().unwrap().as_str(), "m1");
+        let dead = for_dead_letter(&next, 3, "retries_exhausted", "r");
+        assert_eq!(text(&dead, X_ERROR_KIND).unwrap(), "retries_exhausted");
+        assert_eq!(to_json(&dead)["x-retries"], serde_json::json!(3));
+    }
+}

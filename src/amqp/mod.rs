@@ -1,0 +1,110 @@
+//! RabbitMQ plumbing: bounded connects with heartbeats, exponential backoff with jitter for
+//! reconnect loops, the AMQP error enum, and the `x-*` headers warren reads and writes.
+
+pub mod headers;
+
+use std::time::Duration;
+
+use backon::{BackoffBuilder, ExponentialBuilder};
+use lapin::uri::AMQPUri;
+use lapin::{Channel, Connection, ConnectionProperties};
+
+use crate::config::Settings;
+
+/// An AMQP failure at warren's boundary.
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum AmqpError {
+    /// AMQP_URL cannot be parsed.
+    #[error("AMQP_URL: {0}")]
+    BadUrl(String),
+    /// The connect attempt did not finish within the bound.
+    #[error("connecting to the broker timed out after {0:?}")]
+    ConnectTimeout(Duration),
+    /// No connection or channel right now.
+    #[error("broker unavailable: {0}")]
+    Unavailable(String),
+    /// The broker did not confirm in time.
+    #[error("the broker did not confirm the publish within {0:?}")]
+    ConfirmTimeout(Duration),
+    /// The broker refused the message (basic.nack).
+    #[error("the broker refused the message (nack)")]
+    Nacked,
+    /// A mandatory publish reached no queue.
+    #[error(
+        "unroutable: no queue is bound for exchange {exchange:?} with routing key {routing_key:?}"
+    )]
+    Unroutable {
+        exchange: String,
+        routing_key: String,
+    },
+    /// Any other protocol or IO error from lapin.
+    #[error("{0}")]
+    Protocol(String),
+}
+
+impl AmqpError {
+    /// Whether trying again later can help (all but configuration and routing mistakes).
+    pub fn is_transient(&self) -> bool {
+        !matches!(self, AmqpError::BadUrl(_) | AmqpError::Unroutable { .. })
+    }
+}
+
+impl From<lapin::Error> for AmqpError {
+    fn from(e: lapin::Error) -> Self {
+        AmqpError::Protocol(e.to_string())
+    }
+}
+
+/// Opens a connection for `purpose` (shown in the broker's connection list), with the configured
+/// heartbeat, bounded by the connect timeout.
+pub async fn connect(settings: &Settings, purpose: &str) -> Result<Connection, AmqpError> {
+    let mut uri: AMQPUri = settings
+        .amqp_url
+        .parse()
+        .map_err(|e: String| AmqpError::BadUrl(e))?;
+    uri.query.heartbeat = Some(settings.amqp_heartbeat_s);
+    uri.query.connection_timeout = Some(settings.amqp_connect_timeout_ms);
+    let name = format!(
+        "warren {purpose} {}:{}",
+        crate::hostname(),
+        std::process::id()
+    );
+    let props = ConnectionProperties::default().with_connection_name(name.into());
+    let timeout = settings.connect_timeout();
+    match tokio::time::timeout(timeout, Connection::connect_uri(uri, props)).await {
+        Ok(Ok(conn)) => Ok(conn),
+        Ok(Err(e)) => Err(AmqpError::Unavailable(e.to_string())),
+        Err(_) => Err(AmqpError::ConnectTimeout(timeout)),
+    }
+}
+
+/// Opens a connection and one channel on it.
+pub async fn connect_channel(
+    settings: &Settings,
+    purpose: &str,
+) -> Result<(Connection, Channel), AmqpError> {
+    let conn = connect(settings, purpose).await?;
+    let channel = conn.create_channel().await?;
+    Ok((conn, channel))
+}
+
+/// The reconnect backoff: 200 ms doubling up to 30 s, with jitter, forever.
+pub fn reconnect_backoff() -> impl Iterator<Item = Duration> {
+    ExponentialBuilder::default()
+        .with_min_delay(Duration::from_millis(200))
+        .with_max_delay(Duration::from_secs(30))
+        .with_factor(2.0)
+        .with_jitter()
+        .without_max_times()
+        .build()
+}
+
+/// Closes a channel and its connection, ignoring errors (they are already gone, or going).
+pub async fn close(channel: Option<Channel>, conn: Option<Connection>) {
+    if let Some(ch) = channel {
+        let _ = ch.close(200, "bye".into()).await;
+    }
+    if let Some(conn) = conn {
+        let _ = conn.close(200, "bye".into()).await;
+    }
+}

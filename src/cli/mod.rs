@@ -1,0 +1,86 @@
+//! The command line: global flags (`--config`, `--set`), one file per subcommand, and the
+//! dispatch that turns a subcommand's result into an exit code.
+
+pub mod config;
+pub mod declare;
+pub mod publish;
+pub mod run;
+
+use std::path::PathBuf;
+
+use clap::{Parser, Subcommand};
+
+use crate::config::{ConfigError, Settings, Sources};
+
+/// warren: RabbitMQ -> PostgreSQL through a supervised, batched pipeline.
+#[derive(Debug, Parser)]
+#[command(name = "warren", version, about, long_about = None)]
+pub struct Cli {
+    /// A TOML file layered over the built-in defaults (see config/default.toml).
+    #[arg(long, global = true, value_name = "PATH", env = "WARREN_CONFIG")]
+    pub config: Option<PathBuf>,
+    /// Override a setting, KEY=VALUE (repeatable); wins over the file and the environment.
+    #[arg(long = "set", global = true, value_name = "KEY=VALUE")]
+    pub set: Vec<String>,
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Run the pipeline roles (consumer, dlq, api) until SIGTERM or SIGINT.
+    Run(run::Args),
+    /// Declare the RabbitMQ topology and apply the database migrations, idempotently.
+    Declare(declare::Args),
+    /// Publish users (a load generator, or JSON lines from stdin) with publisher confirms.
+    Publish(publish::Args),
+    /// Print the effective configuration, passwords redacted.
+    Config(config::Args),
+}
+
+impl Cli {
+    /// The settings: defaults < --config file < environment < --set and named flags.
+    pub fn settings(&self) -> Result<Settings, ConfigError> {
+        let mut sources = Sources::new(self.config.clone()).with_set_flags(&self.set)?;
+        if let Command::Run(args) = &self.command
+            && let Some(roles) = &args.roles
+        {
+            sources = sources.with_override("roles", roles.clone());
+        }
+        Settings::load(&sources)
+    }
+}
+
+/// Logs to stderr: readable text, or JSON with `LOG_FORMAT=json`; level from `RUST_LOG`.
+pub fn init_logs(settings: &Settings) {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| {
+        tracing_subscriber::EnvFilter::new(
+            "info,lapin=off,actix_server=warn,tokio_postgres=warn,refinery_core=warn",
+        )
+    });
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr);
+    let _ = if settings.log_format == "json" {
+        builder.json().flatten_event(true).try_init()
+    } else {
+        builder.try_init()
+    };
+}
+
+/// Runs the subcommand; returns the process exit code.
+pub async fn dispatch(cli: Cli, settings: Settings) -> i32 {
+    let result = match cli.command {
+        Command::Run(args) => run::execute(settings, args, run::signals()).await,
+        Command::Declare(args) => declare::execute(&settings, args).await,
+        Command::Publish(args) => publish::execute(&settings, args).await,
+        Command::Config(args) => config::execute(&settings, args),
+    };
+    match result {
+        Ok(code) => code,
+        Err(e) => {
+            eprintln!("warren: {e:#}");
+            1
+        }
+    }
+}

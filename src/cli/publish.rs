@@ -1,0 +1,187 @@
+//! `warren publish`: a load generator (`--count N [--rate R] [--invalid-every K]`) and a JSON
+//! lines publisher (`--stdin`), both with publisher confirms and pipelined publishes.
+
+use std::time::{Duration, Instant};
+
+use actix::{Actor, Addr};
+use anyhow::bail;
+use futures::StreamExt;
+use tokio::io::AsyncBufReadExt;
+use uuid::Uuid;
+
+use crate::config::{Settings, redact_url};
+use crate::pipeline::publisher::{Close, IsConnected, Publish, Publisher, json_properties};
+
+#[derive(Debug, clap::Args)]
+pub struct Args {
+    /// How many users to generate and publish.
+    #[arg(long, default_value_t = 1000, conflicts_with = "stdin")]
+    pub count: u64,
+    /// Publish at most this many messages per second (default: as fast as confirms allow).
+    #[arg(long, value_name = "MSG_PER_S")]
+    pub rate: Option<f64>,
+    /// Make every K-th message invalid (alternately not JSON and failing validation).
+    #[arg(long, value_name = "K")]
+    pub invalid_every: Option<u64>,
+    /// Publish one JSON object per line of standard input instead of generating users.
+    #[arg(long)]
+    pub stdin: bool,
+    /// Publishes awaiting their confirm at once.
+    #[arg(long, default_value_t = 512)]
+    pub in_flight: usize,
+}
+
+/// A generated message: a valid user, or every K-th an invalid one.
+fn generated(i: u64, invalid_every: Option<u64>) -> (String, Vec<u8>) {
+    let id = Uuid::new_v4().to_string();
+    let invalid = invalid_every.is_some_and(|k| k > 0 && (i + 1).is_multiple_of(k));
+    let body = if invalid && (i / invalid_every.unwrap_or(1)).is_multiple_of(2) {
+        format!("not json {i}").into_bytes()
+    } else if invalid {
+        format!(r#"{{"id":"{id}","name":"","email":"not-an-email"}}"#).into_bytes()
+    } else {
+        format!(r#"{{"id":"{id}","name":"user {i}","email":"user-{id}@example.com"}}"#).into_bytes()
+    };
+    (id, body)
+}
+
+async fn connected_publisher(settings: &Settings) -> anyhow::Result<Addr<Publisher>> {
+    let publisher = Publisher::new(settings.clone(), "cli").start();
+    let deadline = Instant::now() + settings.connect_timeout() + Duration::from_secs(1);
+    while Instant::now() < deadline {
+        if publisher.send(IsConnected).await.unwrap_or(false) {
+            return Ok(publisher);
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    bail!(
+        "cannot reach the broker at {}",
+        redact_url(&settings.amqp_url)
+    )
+}
+
+pub async fn execute(settings: &Settings, args: Args) -> anyhow::Result<i32> {
+    if args.rate.is_some_and(|r| r.is_nan() || r <= 0.0) {
+        bail!("--rate: expected a number of messages per second above 0");
+    }
+    if args.in_flight == 0 {
+        bail!("--in-flight: expected at least 1");
+    }
+    let publisher = connected_publisher(settings).await?;
+    let exchange = settings.main_exchange.clone();
+    let routing_key = settings.main_queue.clone();
+    let make = |id: String, body: Vec<u8>| Publish {
+        exchange: exchange.clone(),
+        routing_key: routing_key.clone(),
+        properties: json_properties(&id),
+        body,
+    };
+    let started = Instant::now();
+    let mut failed = 0u64;
+    let mut published = 0u64;
+    let mut first_error: Option<String> = None;
+
+    let messages: futures::stream::BoxStream<'_, (String, Vec<u8>)> = if args.stdin {
+        let lines = tokio_stream_lines();
+        lines
+            .filter_map(|(n, line)| async move {
+                match serde_json::from_str::<serde_json::Value>(&line) {
+                    Ok(serde_json::Value::Object(o)) => {
+                        let id = o
+                            .get("id")
+                            .and_then(|v| v.as_str())
+                            .map(str::to_string)
+                            .unwrap_or_else(|| Uuid::new_v4().to_string());
+                        Some((id, line.into_bytes()))
+                    }
+                    Ok(_) => {
+                        eprintln!("warren publish: line {n}: expected a JSON object, skipped");
+                        None
+                    }
+                    Err(e) => {
+                        eprintln!("warren publish: line {n}: not JSON ({e}), skipped");
+                        None
+                    }
+                }
+            })
+            .boxed()
+    } else {
+        let rate = args.rate;
+        let invalid_every = args.invalid_every;
+        futures::stream::iter(0..args.count)
+            .then(move |i| async move {
+                if let Some(rate) = rate {
+                    let due = started + Duration::from_secs_f64(i as f64 / rate);
+                    tokio::time::sleep_until(due.into()).await;
+                }
+                generated(i, invalid_every)
+            })
+            .boxed()
+    };
+
+    let mut results = messages
+        .map(|(id, body)| publisher.send(make(id, body)))
+        .buffer_unordered(args.in_flight);
+    while let Some(result) = results.next().await {
+        match result {
+            Ok(Ok(())) => published += 1,
+            Ok(Err(e)) => {
+                failed += 1;
+                first_error.get_or_insert(e.to_string());
+            }
+            Err(e) => {
+                failed += 1;
+                first_error.get_or_insert(e.to_string());
+            }
+        }
+    }
+    let secs = started.elapsed().as_secs_f64();
+    let _ = publisher.send(Close).await;
+    println!(
+        "published {published} messages in {secs:.2} s ({:.0} msg/s), {failed} failed",
+        published as f64 / secs.max(1e-9)
+    );
+    if let Some(e) = first_error {
+        eprintln!("warren publish: first failure: {e}");
+        return Ok(1);
+    }
+    Ok(0)
+}
+
+/// Standard input as numbered, non-empty lines.
+fn tokio_stream_lines() -> futures::stream::BoxStream<'static, (u64, String)> {
+    let reader = tokio::io::BufReader::new(tokio::io::stdin());
+    futures::stream::unfold((reader.lines(), 0u64), |(mut lines, n)| async move {
+        loop {
+            match lines.next_line().await {
+                Ok(Some(line)) if line.trim().is_empty() => continue,
+                Ok(Some(line)) => return Some(((n + 1, line), (lines, n + 1))),
+                Ok(None) => return None,
+                Err(e) => {
+                    eprintln!("warren publish: cannot read standard input: {e}");
+                    return None;
+                }
+            }
+        }
+    })
+    .boxed()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::domain::{Domain, users::Users};
+
+    #[test]
+    fn every_kth_generated_message_is_invalid() {
+        let mut invalid = 0;
+        for i in 0..100 {
+            let (_, body) = generated(i, Some(10));
+            if Users.decode(&body).is_err() {
+                invalid += 1;
+            }
+        }
+        assert_eq!(invalid, 10);
+        assert!(Users.decode(&generated(0, None).1).is_ok());
+    }
+}

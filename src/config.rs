@@ -1,0 +1,667 @@
+//! Typed settings: the layering (shipped defaults < `--config` file < environment < CLI flags)
+//! and the validation whose errors name the setting, the value and what was expected.
+
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use figment::Figment;
+use figment::providers::{Env, Format, Serialized, Toml};
+use figment::value::Value;
+use serde::{Deserialize, Serialize};
+
+/// The shipped `config/default.toml`, built into the binary so warren runs from any directory.
+pub const DEFAULT_TOML: &str = include_str!("../config/default.toml");
+
+/// Every setting of warren. The key in `config/default.toml` is the field name; the environment
+/// variable is the same name in upper case.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Settings {
+    /// Where the broker is; consumers and publishers open their own connections to it.
+    pub amqp_url: String,
+    /// AMQP heartbeat so a half-open socket is noticed (0 disables).
+    pub amqp_heartbeat_s: u16,
+    /// Bound on one connect attempt, so a black-holed broker cannot hang a reconnect loop.
+    pub amqp_connect_timeout_ms: u64,
+    /// Where the rows go.
+    pub database_url: String,
+    /// Schema holding the tables, so several deployments (or tests) share one database.
+    pub database_schema: String,
+    /// Pool size; at least the batch concurrency so batches never wait for a connection.
+    pub database_pool_size: usize,
+    /// Redis for the instance registry and remote control.
+    pub redis_url: String,
+    /// Prefix of every Redis key, so several deployments share one Redis.
+    pub redis_prefix: String,
+    /// HTTP API listen address.
+    pub http_addr: String,
+    /// Prometheus endpoint listen address.
+    pub metrics_addr: String,
+    /// Exchange the publisher writes to and the retry queue dead-letters back to.
+    pub main_exchange: String,
+    /// Queue the main pipeline consumes.
+    pub main_queue: String,
+    /// Exchange transient failures are republished to.
+    pub retry_exchange: String,
+    /// TTL queue that holds retried messages for `retry_ttl_ms`.
+    pub retry_queue: String,
+    /// Dead-letter exchange.
+    pub dlx_exchange: String,
+    /// Dead-letter queue the DLQ consumer drains.
+    pub dlq_queue: String,
+    /// Roles `warren run` runs (consumer, dlq, api).
+    pub roles: String,
+    /// Message TTL of the retry queue.
+    pub retry_ttl_ms: u64,
+    /// Retries before a message is dead-lettered as `retries_exhausted`.
+    pub max_retries: u32,
+    /// Flush a batch at this many messages.
+    pub users_batch_size: usize,
+    /// Flush a batch this long after its first message.
+    pub users_batch_timeout_ms: u64,
+    /// Processor actors.
+    pub users_proc_concurrency: usize,
+    /// Batcher actors (batch inserts in flight at once).
+    pub users_batch_concurrency: usize,
+    /// Consumer prefetch; 0 derives it from batch size x batch concurrency.
+    pub prefetch: u32,
+    /// Largest accepted body; larger ones are dead-lettered unread.
+    pub max_message_bytes: usize,
+    /// How long a failing batch is retried in place before going to the retry queue.
+    pub db_retry_window_ms: u64,
+    /// Bound on waiting for a publisher confirm.
+    pub publish_timeout_ms: u64,
+    /// Bound on the graceful shutdown.
+    pub shutdown_timeout_ms: u64,
+    /// `text` or `json` logs.
+    pub log_format: String,
+}
+
+/// A configuration error; each names the setting it is about. Exit code 2.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    /// A value of the wrong type or outside its range.
+    #[error("{setting}: expected {expected}, got {got}")]
+    Invalid {
+        setting: String,
+        expected: String,
+        got: String,
+    },
+    /// A key in a configuration file that warren does not know.
+    #[error(
+        "unknown setting `{key}` in {source_name}; known settings are listed in config/default.toml"
+    )]
+    Unknown { key: String, source_name: String },
+    /// A `--set` flag that is not `KEY=VALUE`.
+    #[error("--set {0}: expected KEY=VALUE, for example --set users_batch_size=500")]
+    BadFlag(String),
+    /// The file given with `--config` could not be read.
+    #[error("--config {path}: {reason}")]
+    File { path: PathBuf, reason: String },
+    /// Anything else figment reports.
+    #[error("configuration: {0}")]
+    Other(String),
+}
+
+/// What a setting accepts.
+enum Rule {
+    Int { min: u64, max: u64 },
+    Url(&'static [&'static str]),
+    Addr,
+    Name,
+    Ident,
+    Roles,
+    OneOf(&'static [&'static str]),
+}
+
+/// Every setting and its rule, in the order of `config/default.toml`.
+const RULES: &[(&str, Rule)] = &[
+    ("amqp_url", Rule::Url(&["amqp", "amqps"])),
+    ("amqp_heartbeat_s", Rule::Int { min: 0, max: 600 }),
+    (
+        "amqp_connect_timeout_ms",
+        Rule::Int {
+            min: 100,
+            max: 600_000,
+        },
+    ),
+    ("database_url", Rule::Url(&["postgres", "postgresql"])),
+    ("database_schema", Rule::Ident),
+    ("database_pool_size", Rule::Int { min: 1, max: 256 }),
+    ("redis_url", Rule::Url(&["redis", "rediss"])),
+    ("redis_prefix", Rule::Name),
+    ("http_addr", Rule::Addr),
+    ("metrics_addr", Rule::Addr),
+    ("main_exchange", Rule::Name),
+    ("main_queue", Rule::Name),
+    ("retry_exchange", Rule::Name),
+    ("retry_queue", Rule::Name),
+    ("dlx_exchange", Rule::Name),
+    ("dlq_queue", Rule::Name),
+    ("roles", Rule::Roles),
+    (
+        "retry_ttl_ms",
+        Rule::Int {
+            min: 1,
+            max: 86_400_000,
+        },
+    ),
+    ("max_retries", Rule::Int { min: 0, max: 100 }),
+    (
+        "users_batch_size",
+        Rule::Int {
+            min: 1,
+            max: 10_000,
+        },
+    ),
+    (
+        "users_batch_timeout_ms",
+        Rule::Int {
+            min: 0,
+            max: 600_000,
+        },
+    ),
+    ("users_proc_concurrency", Rule::Int { min: 1, max: 256 }),
+    ("users_batch_concurrency", Rule::Int { min: 1, max: 64 }),
+    (
+        "prefetch",
+        Rule::Int {
+            min: 0,
+            max: 65_535,
+        },
+    ),
+    (
+        "max_message_bytes",
+        Rule::Int {
+            min: 1,
+            max: 134_217_728,
+        },
+    ),
+    (
+        "db_retry_window_ms",
+        Rule::Int {
+            min: 0,
+            max: 600_000,
+        },
+    ),
+    (
+        "publish_timeout_ms",
+        Rule::Int {
+            min: 100,
+            max: 600_000,
+        },
+    ),
+    (
+        "shutdown_timeout_ms",
+        Rule::Int {
+            min: 0,
+            max: 3_600_000,
+        },
+    ),
+    ("log_format", Rule::OneOf(&["text", "json"])),
+];
+
+/// The roles `warren run` knows.
+pub const ROLES: &[&str] = &["consumer", "dlq", "api"];
+
+/// Where settings come from, besides the shipped defaults and the environment.
+#[derive(Debug, Default, Clone)]
+pub struct Sources {
+    /// A TOML file layered over the defaults (`--config PATH`).
+    pub file: Option<PathBuf>,
+    /// CLI overrides, `key -> raw value` (from `--set` and named flags); they win over all.
+    pub overrides: BTreeMap<String, String>,
+    /// Whether to read the process environment (tests turn it off to stay hermetic).
+    pub use_env: bool,
+}
+
+impl Sources {
+    /// Defaults < file < environment < overrides.
+    pub fn new(file: Option<PathBuf>) -> Self {
+        Self {
+            file,
+            overrides: BTreeMap::new(),
+            use_env: true,
+        }
+    }
+
+    /// Adds `--set KEY=VALUE` flags; keys are accepted in either case.
+    pub fn with_set_flags(mut self, flags: &[String]) -> Result<Self, ConfigError> {
+        for flag in flags {
+            let (key, value) = flag
+                .split_once('=')
+                .ok_or_else(|| ConfigError::BadFlag(flag.clone()))?;
+            let key = key.trim().to_ascii_lowercase();
+            if !RULES.iter().any(|(k, _)| *k == key) {
+                return Err(ConfigError::Unknown {
+                    key,
+                    source_name: "--set".into(),
+                });
+            }
+            self.overrides.insert(key, value.to_string());
+        }
+        Ok(self)
+    }
+
+    /// Adds one override from a named CLI flag.
+    pub fn with_override(mut self, key: &str, value: impl Into<String>) -> Self {
+        self.overrides.insert(key.to_string(), value.into());
+        self
+    }
+}
+
+impl Settings {
+    /// Loads and validates the settings from `sources`.
+    pub fn load(sources: &Sources) -> Result<Self, ConfigError> {
+        let mut figment = Figment::from(Toml::string(DEFAULT_TOML));
+        if let Some(path) = &sources.file {
+            let text = std::fs::read_to_string(path).map_err(|e| ConfigError::File {
+                path: path.clone(),
+                reason: e.to_string(),
+            })?;
+            check_file_keys(&text, path)?;
+            figment = figment.merge(Toml::string(&text));
+        }
+        if sources.use_env {
+            let keys: Vec<&str> = RULES.iter().map(|(k, _)| *k).collect();
+            figment = figment.merge(Env::raw().only(&keys));
+        }
+        let overrides: BTreeMap<String, Value> = sources
+            .overrides
+            .iter()
+            .map(|(k, v)| (k.clone(), parse_raw(v)))
+            .collect();
+        figment = figment.merge(Serialized::defaults(overrides));
+
+        for (key, rule) in RULES {
+            let value = figment
+                .find_value(key)
+                .map_err(|e| ConfigError::Other(e.to_string()))?;
+            check(key, rule, &value)?;
+        }
+        let settings: Settings = figment
+            .extract()
+            .map_err(|e| ConfigError::Other(e.to_string()))?;
+        settings.validate()?;
+        Ok(settings)
+    }
+
+    /// Loads the shipped defaults only (no file, no environment): for tests and tools.
+    pub fn defaults() -> Self {
+        let sources = Sources {
+            use_env: false,
+            ..Sources::default()
+        };
+        Self::load(&sources).expect("the shipped config/default.toml is valid")
+    }
+
+    /// Checks that span several settings.
+    fn validate(&self) -> Result<(), ConfigError> {
+        let names = [
+            ("main_queue", &self.main_queue),
+            ("retry_queue", &self.retry_queue),
+            ("dlq_queue", &self.dlq_queue),
+        ];
+        for (i, (a, va)) in names.iter().enumerate() {
+            for (b, vb) in names.iter().skip(i + 1) {
+                if va == vb {
+                    return Err(ConfigError::Invalid {
+                        setting: b.to_ascii_uppercase(),
+                        expected: format!("a queue name different from {}", a.to_ascii_uppercase()),
+                        got: format!("{vb:?}"),
+                    });
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// The prefetch actually used: the setting, or batch size x batch concurrency.
+    pub fn effective_prefetch(&self) -> u16 {
+        if self.prefetch > 0 {
+            return self.prefetch.min(u16::MAX as u32) as u16;
+        }
+        let derived = self
+            .users_batch_size
+            .saturating_mul(self.users_batch_concurrency);
+        derived.clamp(1, u16::MAX as usize) as u16
+    }
+
+    /// The roles of `warren run`, parsed.
+    pub fn role_list(&self) -> Vec<String> {
+        self.roles
+            .split(',')
+            .map(|r| r.trim().to_string())
+            .filter(|r| !r.is_empty())
+            .collect()
+    }
+
+    /// Whether `role` is among the configured roles.
+    pub fn has_role(&self, role: &str) -> bool {
+        self.role_list().iter().any(|r| r == role)
+    }
+
+    pub fn batch_timeout(&self) -> Duration {
+        Duration::from_millis(self.users_batch_timeout_ms)
+    }
+
+    pub fn shutdown_timeout(&self) -> Duration {
+        Duration::from_millis(self.shutdown_timeout_ms)
+    }
+
+    pub fn publish_timeout(&self) -> Duration {
+        Duration::from_millis(self.publish_timeout_ms)
+    }
+
+    pub fn connect_timeout(&self) -> Duration {
+        Duration::from_millis(self.amqp_connect_timeout_ms)
+    }
+
+    /// The settings as TOML with passwords in URLs replaced by `***`.
+    pub fn to_redacted_toml(&self) -> String {
+        let mut shown = self.clone();
+        shown.amqp_url = redact_url(&shown.amqp_url);
+        shown.database_url = redact_url(&shown.database_url);
+        shown.redis_url = redact_url(&shown.redis_url);
+        toml::to_string(&shown).unwrap_or_else(|e| format!("# cannot render settings: {e}\n"))
+    }
+}
+
+/// Replaces the password of a URL with `***`.
+pub fn redact_url(raw: &str) -> String {
+    match url::Url::parse(raw) {
+        Ok(mut url) if url.password().is_some() => {
+            let _ = url.set_password(Some("***"));
+            url.to_string()
+        }
+        _ => raw.to_string(),
+    }
+}
+
+/// Parses a raw string the way environment variables are parsed (numbers become numbers).
+fn parse_raw(raw: &str) -> Value {
+    raw.parse::<Value>()
+        .unwrap_or_else(|_| Value::from(raw.to_string()))
+}
+
+/// Rejects keys in a user's file that warren does not know, naming the key and the file.
+fn check_file_keys(text: &str, path: &Path) -> Result<(), ConfigError> {
+    let table: toml::Table = text
+        .parse()
+        .map_err(|e: toml::de::Error| ConfigError::File {
+            path: path.to_path_buf(),
+            reason: e.to_string(),
+        })?;
+    for key in table.keys() {
+        if !RULES.iter().any(|(k, _)| k == key) {
+            return Err(ConfigError::Unknown {
+                key: key.clone(),
+                source_name: path.display().to_string(),
+            });
+        }
+    }
+    Ok(())
+}
+
+/// How a value is shown in an error: strings quoted, numbers bare.
+fn show(value: &Value) -> String {
+    match value {
+        Value::String(_, s) => format!("{s:?}"),
+        Value::Num(_, n) => match (n.to_u128(), n.to_i128(), n.to_f64()) {
+            (Some(u), _, _) => u.to_string(),
+            (_, Some(i), _) => i.to_string(),
+            (_, _, Some(f)) => f.to_string(),
+            _ => format!("{n:?}"),
+        },
+        Value::Bool(_, b) => b.to_string(),
+        Value::Char(_, c) => format!("{c:?}"),
+        Value::Empty(_, _) => "nothing".into(),
+        Value::Dict(_, _) => "a table".into(),
+        Value::Array(_, _) => "a list".into(),
+    }
+}
+
+fn check(key: &str, rule: &Rule, value: &Value) -> Result<(), ConfigError> {
+    let invalid = |expected: String| ConfigError::Invalid {
+        setting: key.to_ascii_uppercase(),
+        expected,
+        got: show(value),
+    };
+    match rule {
+        Rule::Int { min, max } => {
+            let ok = match value {
+                Value::Num(_, n) => n
+                    .to_u128_lossy()
+                    .is_some_and(|v| v >= *min as u128 && v <= *max as u128),
+                _ => false,
+            };
+            if !ok {
+                return Err(invalid(format!("an integer from {min} to {max}")));
+            }
+        }
+        Rule::Url(schemes) => {
+            let expected = || format!("a URL starting with {}://", schemes.join(":// or "));
+            let Value::String(_, s) = value else {
+                return Err(invalid(expected()));
+            };
+            match url::Url::parse(s) {
+                Ok(u) if schemes.contains(&u.scheme()) && u.host_str().is_some() => {}
+                _ => return Err(invalid(expected())),
+            }
+        }
+        Rule::Addr => {
+            let ok = matches!(value, Value::String(_, s) if s.parse::<SocketAddr>().is_ok());
+            if !ok {
+                return Err(invalid(
+                    "an address host:port such as 127.0.0.1:8080".into(),
+                ));
+            }
+        }
+        Rule::Name => {
+            let ok = matches!(value, Value::String(_, s)
+                if !s.is_empty() && s.len() <= 255 && !s.starts_with("amq.") && !s.chars().any(char::is_control));
+            if !ok {
+                return Err(invalid(
+                    "a name of 1 to 255 characters, not starting with \"amq.\"".into(),
+                ));
+            }
+        }
+        Rule::Ident => {
+            let ok = matches!(value, Value::String(_, s)
+                if !s.is_empty() && s.len() <= 63
+                    && s.chars().next().is_some_and(|c| c.is_ascii_lowercase() || c == '_')
+                    && s.chars().all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_'));
+            if !ok {
+                return Err(invalid(
+                    "an SQL identifier: lower-case letters, digits and _, at most 63".into(),
+                ));
+            }
+        }
+        Rule::Roles => {
+            let ok = matches!(value, Value::String(_, s) if {
+                let roles: Vec<&str> = s.split(',').map(str::trim).collect();
+                !roles.is_empty() && roles.iter().all(|r| ROLES.contains(r))
+            });
+            if !ok {
+                return Err(invalid(format!(
+                    "a comma-separated subset of {}",
+                    ROLES.join(",")
+                )));
+            }
+        }
+        Rule::OneOf(choices) => {
+            let ok = matches!(value, Value::String(_, s) if choices.contains(&s.as_str()));
+            if !ok {
+                return Err(invalid(format!("one of {}", choices.join(", "))));
+            }
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn with(pairs: &[(&str, &str)]) -> Result<Settings, ConfigError> {
+        let mut sources = Sources {
+            use_env: false,
+            ..Sources::default()
+        };
+        for (k, v) in pairs {
+            sources = sources.with_override(k, *v);
+        }
+        Settings::load(&sources)
+    }
+
+    #[test]
+    fn shipped_defaults_parse_and_match_the_documented_values() {
+        let s = Settings::defaults();
+        assert_eq!(s.retry_ttl_ms, 10_000);
+        assert_eq!(s.max_retries, 3);
+        assert_eq!(s.users_batch_size, 1000);
+        assert_eq!(s.users_batch_timeout_ms, 1000);
+        assert_eq!(s.users_proc_concurrency, 8);
+        assert_eq!(s.users_batch_concurrency, 2);
+        assert_eq!(s.amqp_url, "amqp://guest:guest@127.0.0.1:5672/%2f");
+        assert_eq!(
+            s.database_url,
+            "postgres://warren:warren@127.0.0.1:5432/warren"
+        );
+        assert_eq!(s.redis_url, "redis://127.0.0.1:6379");
+        assert_eq!(s.http_addr, "127.0.0.1:8080");
+        assert_eq!(s.metrics_addr, "127.0.0.1:9898");
+        assert_eq!(s.shutdown_timeout_ms, 20_000);
+        assert_eq!(s.effective_prefetch(), 2000);
+    }
+
+    #[test]
+    fn every_rule_has_a_key_in_the_shipped_file_and_back() {
+        let table: toml::Table = DEFAULT_TOML.parse().unwrap();
+        for (key, _) in RULES {
+            assert!(table.contains_key(*key), "{key} missing from default.toml");
+        }
+        assert_eq!(table.len(), RULES.len());
+    }
+
+    #[test]
+    fn a_non_integer_names_setting_range_and_value() {
+        let err = with(&[("users_batch_size", "abc")]).unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            "USERS_BATCH_SIZE: expected an integer from 1 to 10000, got \"abc\""
+        );
+    }
+
+    #[test]
+    fn out_of_range_and_negative_are_refused() {
+        let err = with(&[("users_batch_size", "0")]).unwrap_err();
+        assert!(err.to_string().contains("got 0"), "{err}");
+        let err = with(&[("max_retries", "-1")]).unwrap_err();
+        assert!(
+            err.to_string()
+                .starts_with("MAX_RETRIES: expected an integer from 0 to 100"),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn urls_addresses_and_roles_are_checked() {
+        let err = with(&[("amqp_url", "http://x")]).unwrap_err();
+        assert!(
+            err.to_string()
+                .starts_with("AMQP_URL: expected a URL starting with amqp://"),
+            "{err}"
+        );
+        let err = with(&[("http_addr", "localhost")]).unwrap_err();
+        assert!(err.to_string().starts_with("HTTP_ADDR:"), "{err}");
+        let err = with(&[("roles", "consumer,web")]).unwrap_err();
+        assert!(
+            err.to_string()
+                .starts_with("ROLES: expected a comma-separated subset"),
+            "{err}"
+        );
+        assert!(with(&[("roles", "consumer, api")]).unwrap().has_role("api"));
+    }
+
+    #[test]
+    fn overrides_win_and_prefetch_is_derived_or_capped() {
+        let s = with(&[
+            ("users_batch_size", "100"),
+            ("users_batch_concurrency", "3"),
+        ])
+        .unwrap();
+        assert_eq!(s.effective_prefetch(), 300);
+        let s = with(&[
+            ("users_batch_size", "10000"),
+            ("users_batch_concurrency", "64"),
+        ])
+        .unwrap();
+        assert_eq!(s.effective_prefetch(), 65535);
+        let s = with(&[("prefetch", "50")]).unwrap();
+        assert_eq!(s.effective_prefetch(), 50);
+    }
+
+    #[test]
+    fn unknown_set_flags_and_file_keys_are_named() {
+        let err = Sources::default()
+            .with_set_flags(&["nope=1".into()])
+            .unwrap_err();
+        assert!(err.to_string().contains("`nope`"), "{err}");
+        let err = Sources::default()
+            .with_set_flags(&["nope".into()])
+            .unwrap_err();
+        assert!(err.to_string().contains("KEY=VALUE"), "{err}");
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("w.toml");
+        std::fs::write(&path, "users_batch_size = 10\nbogus = 1\n").unwrap();
+        let err = Settings::load(&Sources {
+            file: Some(path),
+            use_env: false,
+            ..Sources::default()
+        })
+        .unwrap_err();
+        assert!(err.to_string().contains("`bogus`"), "{err}");
+    }
+
+    #[test]
+    fn a_config_file_layers_over_the_defaults() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("w.toml");
+        std::fs::write(&path, "users_batch_size = 10\n").unwrap();
+        let s = Settings::load(&Sources {
+            file: Some(path),
+            use_env: false,
+            ..Sources::default()
+        })
+        .unwrap();
+        assert_eq!(s.users_batch_size, 10);
+        assert_eq!(s.max_retries, 3);
+    }
+
+    #[test]
+    fn passwords_are_redacted() {
+        let shown = Settings::defaults().to_redacted_toml();
+        assert!(
+            shown.contains("amqp://guest:***@127.0.0.1:5672/%2f"),
+            "{shown}"
+        );
+        assert!(
+            shown.contains("postgres://warren:***@127.0.0.1:5432/warren"),
+            "{shown}"
+        );
+        assert!(!shown.contains(":guest@"));
+    }
+
+    #[test]
+    fn identical_queue_names_are_refused() {
+        let err = with(&[("dlq_queue", "raffle_queue")]).unwrap_err();
+        assert!(
+            err.to_string()
+                .starts_with("DLQ_QUEUE: expected a queue name different from MAIN_QUEUE"),
+            "{err}"
+        );
+    }
+}

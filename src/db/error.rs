@@ -1,0 +1,159 @@
+//! Database errors and their classification by SQLSTATE: transient (retry), permanent for the
+//! row (dead-letter it, spend no retries) or systemic (the deployment is wrong: stop, never
+//! dead-letter).
+
+use deadpool_postgres::PoolError;
+use tokio_postgres::error::SqlState;
+
+/// How a database failure is handled.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ErrorClass {
+    /// Will likely succeed later: connection loss, serialization failure, deadlock, overload.
+    Transient,
+    /// This row will fail the same way again: data (22) and integrity (23) errors.
+    Permanent,
+    /// The deployment is wrong (missing table, privileges, authentication, database): no message
+    /// is at fault, so none is dead-lettered.
+    Systemic,
+}
+
+/// A database failure at warren's boundary.
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum DbError {
+    /// An error the server reported, with its SQLSTATE.
+    #[error("{message} (SQLSTATE {code})")]
+    Server { code: String, message: String },
+    /// No connection: refused, dropped, timed out, pool exhausted.
+    #[error("{0}")]
+    Connection(String),
+    /// The configuration cannot work (bad URL).
+    #[error("{0}")]
+    Config(String),
+    /// A migration failed.
+    #[error("migration failed: {0}")]
+    Migration(String),
+}
+
+impl DbError {
+    pub fn from_pg(e: tokio_postgres::Error) -> Self {
+        match e.as_db_error() {
+            Some(db) => DbError::Server {
+                code: db.code().code().to_string(),
+                message: db.message().to_string(),
+            },
+            None => DbError::Connection(flatten(&e)),
+        }
+    }
+
+    pub fn from_pool(e: PoolError) -> Self {
+        match e {
+            PoolError::Backend(e) => Self::from_pg(e),
+            other => DbError::Connection(format!("pool: {other}")),
+        }
+    }
+
+    /// The SQLSTATE, when the server sent one.
+    pub fn sqlstate(&self) -> Option<&str> {
+        match self {
+            DbError::Server { code, .. } => Some(code),
+            _ => None,
+        }
+    }
+
+    pub fn class(&self) -> ErrorClass {
+        match self {
+            DbError::Server { code, .. } => classify_sqlstate(code),
+            DbError::Connection(_) => ErrorClass::Transient,
+            DbError::Config(_) | DbError::Migration(_) => ErrorClass::Systemic,
+        }
+    }
+
+    pub fn is_transient(&self) -> bool {
+        self.class() == ErrorClass::Transient
+    }
+
+    /// A short reason for headers and logs: `db_error: connection refused`.
+    pub fn short_reason(&self) -> String {
+        let text = match self {
+            DbError::Server { code, message } => format!("{code} {message}"),
+            other => other.to_string(),
+        };
+        let mut reason = format!("db_error: {text}");
+        if reason.len() > 200 {
+            let mut cut = 200;
+            while !reason.is_char_boundary(cut) {
+                cut -= 1;
+            }
+            reason.truncate(cut);
+        }
+        reason
+    }
+}
+
+/// An error with its sources, on one line (tokio-postgres hides the io cause in `source`).
+fn flatten(e: &dyn std::error::Error) -> String {
+    let mut text = e.to_string();
+    let mut source = e.source();
+    while let Some(s) = source {
+        let s_text = s.to_string();
+        if !text.contains(&s_text) {
+            text.push_str(": ");
+            text.push_str(&s_text);
+        }
+        source = s.source();
+    }
+    text
+}
+
+/// The class of a SQLSTATE. Unknown codes are treated as transient: a bounded number of
+/// retries, then the DLQ, is the safe default for an error nobody has classified.
+pub fn classify_sqlstate(code: &str) -> ErrorClass {
+    const TRANSIENT: &[&str] = &[
+        "40001", "40P01", "53300", "57P01", "57P02", "57P03", "57014",
+    ];
+    if code.starts_with("08") || TRANSIENT.contains(&code) {
+        return ErrorClass::Transient;
+    }
+    if code.starts_with("22") || code.starts_with("23") {
+        return ErrorClass::Permanent;
+    }
+    if code.starts_with("42")
+        || code.starts_with("28")
+        || code == SqlState::INVALID_CATALOG_NAME.code()
+    {
+        return ErrorClass::Systemic;
+    }
+    // Resource and system errors (53 out of memory/disk, 58 I/O) are conditions of the server
+    // that pass; everything else unknown is retried a bounded number of times.
+    ErrorClass::Transient
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sqlstates_are_classified_as_documented() {
+        for code in [
+            "08000", "08006", "08001", "40001", "40P01", "53300", "57P01", "57P02", "57P03",
+            "57014",
+        ] {
+            assert_eq!(classify_sqlstate(code), ErrorClass::Transient, "{code}");
+        }
+        for code in ["22001", "22P02", "23505", "23502", "23503"] {
+            assert_eq!(classify_sqlstate(code), ErrorClass::Permanent, "{code}");
+        }
+        for code in ["42P01", "42501", "28P01", "28000", "3D000"] {
+            assert_eq!(classify_sqlstate(code), ErrorClass::Systemic, "{code}");
+        }
+    }
+
+    #[test]
+    fn connection_errors_are_transient_and_reasons_are_short() {
+        let e = DbError::Connection("connection refused".into());
+        assert!(e.is_transient());
+        assert_eq!(e.short_reason(), "db_error: connection refused");
+        let long = DbError::Connection("é".repeat(300));
+        assert!(long.short_reason().len() <= 200);
+    }
+}

@@ -1,0 +1,114 @@
+//! PostgreSQL: the connection pool, the embedded migrations and the error classification that
+//! decides between retrying, dead-lettering and stopping.
+
+mod error;
+pub use error::{DbError, ErrorClass, classify_sqlstate};
+
+use std::time::Duration;
+
+use deadpool_postgres::{Manager, ManagerConfig, Pool, RecyclingMethod, Runtime};
+use tokio_postgres::NoTls;
+
+use crate::config::Settings;
+
+mod embedded {
+    refinery::embed_migrations!("./src/db/migrations");
+}
+
+/// Advisory lock key held while migrating, so concurrent `warren declare` runs take turns.
+const MIGRATION_LOCK: i64 = 0x7761_7272_656e; // "warren"
+
+/// The `tokio_postgres` configuration for `settings`, with the schema on the search path.
+pub fn pg_config(settings: &Settings) -> Result<tokio_postgres::Config, DbError> {
+    let mut config: tokio_postgres::Config = settings
+        .database_url
+        .parse()
+        .map_err(|e: tokio_postgres::Error| DbError::Config(format!("DATABASE_URL: {e}")))?;
+    config.options(format!("-c search_path={}", settings.database_schema));
+    config.application_name("warren");
+    config.connect_timeout(Duration::from_secs(5));
+    config.keepalives(true);
+    Ok(config)
+}
+
+/// A pool that connects lazily (so warren starts while the database is down) and reconnects by
+/// itself: a connection that fails its recycle check is replaced.
+pub fn pool(settings: &Settings) -> Result<Pool, DbError> {
+    let manager = Manager::from_config(
+        pg_config(settings)?,
+        NoTls,
+        ManagerConfig {
+            recycling_method: RecyclingMethod::Fast,
+        },
+    );
+    Pool::builder(manager)
+        .max_size(
+            settings
+                .database_pool_size
+                .max(settings.users_batch_concurrency + 1),
+        )
+        .runtime(Runtime::Tokio1)
+        .wait_timeout(Some(Duration::from_secs(5)))
+        .create_timeout(Some(Duration::from_secs(5)))
+        .recycle_timeout(Some(Duration::from_secs(2)))
+        .build()
+        .map_err(|e| DbError::Config(format!("DATABASE_URL: {e}")))
+}
+
+/// What `migrate` did.
+#[derive(Debug, Clone)]
+pub struct MigrationReport {
+    /// Versions applied now, as `V1__users`.
+    pub applied: Vec<String>,
+}
+
+/// Creates the schema if needed and applies the embedded, versioned migrations in it.
+pub async fn migrate(settings: &Settings) -> Result<MigrationReport, DbError> {
+    let (mut client, connection) = pg_config(settings)?
+        .connect(NoTls)
+        .await
+        .map_err(DbError::from_pg)?;
+    let task = tokio::spawn(connection);
+    let result = async {
+        client
+            .batch_execute(&format!(
+                "CREATE SCHEMA IF NOT EXISTS {}",
+                settings.database_schema
+            ))
+            .await
+            .map_err(DbError::from_pg)?;
+        client
+            .execute("SELECT pg_advisory_lock($1)", &[&MIGRATION_LOCK])
+            .await
+            .map_err(DbError::from_pg)?;
+        let report = embedded::migrations::runner()
+            .run_async(&mut client)
+            .await
+            .map_err(|e| DbError::Migration(e.to_string()));
+        let _ = client
+            .execute("SELECT pg_advisory_unlock($1)", &[&MIGRATION_LOCK])
+            .await;
+        let report = report?;
+        Ok(MigrationReport {
+            applied: report
+                .applied_migrations()
+                .iter()
+                .map(|m| format!("V{}__{}", m.version(), m.name()))
+                .collect(),
+        })
+    }
+    .await;
+    drop(client);
+    let _ = task.await;
+    result
+}
+
+/// One cheap round trip: whether the database answers.
+pub async fn ping(pool: &Pool) -> Result<(), DbError> {
+    let client = pool.get().await.map_err(DbError::from_pool)?;
+    client
+        .simple_query("SELECT 1")
+        .await
+        .map_err(DbError::from_pg)?;
+    Ok(())
+}

@@ -1,0 +1,70 @@
+//! The seam between the pipeline core and what it stores: a [`Domain`] decodes and validates a
+//! message body into a record and inserts a batch of records with one statement. The core
+//! (consume, process, batch, ack, retry, dead-letter) knows nothing else of the data.
+
+pub mod users;
+
+use futures::future::BoxFuture;
+
+use crate::db::DbError;
+
+/// Why a body was refused before it reached the database. Refused messages go straight to the
+/// DLQ, with no retries.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Rejection {
+    /// `x-error-kind` of the dead-lettered message.
+    pub kind: RejectKind,
+    /// Readable text for `x-error-reason`.
+    pub reason: String,
+}
+
+/// The kinds of refusal, as written in `x-error-kind`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RejectKind {
+    /// Empty, not UTF-8, not JSON, or over the size limit.
+    InvalidJson,
+    /// JSON of the wrong shape or types, or values that fail validation.
+    InvalidPayload,
+}
+
+impl RejectKind {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            RejectKind::InvalidJson => "invalid_json",
+            RejectKind::InvalidPayload => "invalid_payload",
+        }
+    }
+}
+
+impl Rejection {
+    pub fn json(reason: impl Into<String>) -> Self {
+        Self {
+            kind: RejectKind::InvalidJson,
+            reason: reason.into(),
+        }
+    }
+
+    pub fn payload(reason: impl Into<String>) -> Self {
+        Self {
+            kind: RejectKind::InvalidPayload,
+            reason: reason.into(),
+        }
+    }
+}
+
+/// A kind of data the pipeline can move into PostgreSQL.
+pub trait Domain: Send + Sync + 'static {
+    /// A decoded, validated message.
+    type Record: Send + Sync + Unpin + 'static;
+
+    /// Decodes and validates one body. Must not panic on any input.
+    fn decode(&self, body: &[u8]) -> Result<Self::Record, Rejection>;
+
+    /// Inserts `records` with ONE statement, idempotently (a record already stored is skipped),
+    /// and returns how many rows were new. The caller commits or splits on error.
+    fn insert<'a>(
+        &'a self,
+        client: &'a deadpool_postgres::Client,
+        records: &'a [&'a Self::Record],
+    ) -> BoxFuture<'a, Result<u64, DbError>>;
+}

@@ -1,0 +1,212 @@
+//! The users domain: `{"id","name","email"}` messages, their validation (shared with the HTTP
+//! API) and the batch insert into `users` with one `INSERT .. SELECT FROM UNNEST` statement.
+
+use futures::FutureExt;
+use futures::future::BoxFuture;
+use serde::{Deserialize, Serialize};
+use uuid::Uuid;
+
+use super::{Domain, Rejection};
+use crate::db::DbError;
+
+/// Longest accepted name, in characters.
+pub const NAME_MAX_CHARS: usize = 200;
+/// Longest accepted email, in bytes (RFC 5321 path limit).
+pub const EMAIL_MAX: usize = 254;
+
+/// One user, as carried in a message body.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct User {
+    pub id: Uuid,
+    pub name: String,
+    pub email: String,
+}
+
+/// One field that failed validation, for a 422 answer or a DLQ reason.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct FieldError {
+    pub field: &'static str,
+    pub message: String,
+}
+
+/// Validates a name and an email; every failing field is reported.
+pub fn validate(name: &str, email: &str) -> Vec<FieldError> {
+    let mut errors = Vec::new();
+    let chars = name.trim().chars().count();
+    if chars == 0 {
+        errors.push(FieldError {
+            field: "name",
+            message: "must not be empty".into(),
+        });
+    } else if name.chars().count() > NAME_MAX_CHARS {
+        errors.push(FieldError {
+            field: "name",
+            message: format!("must be at most {NAME_MAX_CHARS} characters"),
+        });
+    } else if name.chars().any(char::is_control) {
+        errors.push(FieldError {
+            field: "name",
+            message: "must not contain control characters".into(),
+        });
+    }
+    if let Some(message) = email_problem(email) {
+        errors.push(FieldError {
+            field: "email",
+            message,
+        });
+    }
+    errors
+}
+
+/// Why `email` is not a plausible address, if it is not.
+fn email_problem(email: &str) -> Option<String> {
+    if email.len() > EMAIL_MAX {
+        return Some(format!("must be at most {EMAIL_MAX} characters"));
+    }
+    let plausible = match email.rsplit_once('@') {
+        Some((local, domain)) => {
+            !local.is_empty()
+                && local.len() <= 64
+                && !local.contains('@')
+                && domain.contains('.')
+                && !domain.starts_with('.')
+                && !domain.ends_with('.')
+                && !domain.contains("..")
+                && domain
+                    .chars()
+                    .all(|c| c.is_alphanumeric() || c == '-' || c == '.')
+                && !email.chars().any(|c| c.is_whitespace() || c.is_control())
+        }
+        None => false,
+    };
+    (!plausible).then(|| "must be a valid email address such as ana@example.com".to_string())
+}
+
+/// The users domain behind the pipeline.
+#[derive(Debug, Default, Clone)]
+pub struct Users;
+
+const INSERT: &str = "INSERT INTO users (id, name, email) \
+     SELECT * FROM UNNEST($1::uuid[], $2::text[], $3::text[]) \
+     ON CONFLICT (id) DO NOTHING";
+
+impl Domain for Users {
+    type Record = User;
+
+    fn decode(&self, body: &[u8]) -> Result<User, Rejection> {
+        if body.is_empty() {
+            return Err(Rejection::json("empty body"));
+        }
+        if let Err(e) = std::str::from_utf8(body) {
+            return Err(Rejection::json(format!("body is not UTF-8: {e}")));
+        }
+        let user: User = serde_json::from_slice(body).map_err(|e| match e.classify() {
+            serde_json::error::Category::Data => Rejection::payload(format!("wrong shape: {e}")),
+            _ => Rejection::json(format!("not JSON: {e}")),
+        })?;
+        let errors = validate(&user.name, &user.email);
+        if !errors.is_empty() {
+            let text: Vec<String> = errors
+                .iter()
+                .map(|e| format!("{} {}", e.field, e.message))
+                .collect();
+            return Err(Rejection::payload(text.join("; ")));
+        }
+        Ok(user)
+    }
+
+    fn insert<'a>(
+        &'a self,
+        client: &'a deadpool_postgres::Client,
+        records: &'a [&'a User],
+    ) -> BoxFuture<'a, Result<u64, DbError>> {
+        async move {
+            let mut ids = Vec::with_capacity(records.len());
+            let mut names = Vec::with_capacity(records.len());
+            let mut emails = Vec::with_capacity(records.len());
+            for r in records {
+                ids.push(r.id);
+                names.push(r.name.as_str());
+                emails.push(r.email.as_str());
+            }
+            let statement = client
+                .prepare_cached(INSERT)
+                .await
+                .map_err(DbError::from_pg)?;
+            client
+                .execute(&statement, &[&ids, &names, &emails])
+                .await
+                .map_err(DbError::from_pg)
+        }
+        .boxed()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::domain::RejectKind;
+
+    fn decode(body: &[u8]) -> Result<User, Rejection> {
+        Users.decode(body)
+    }
+
+    #[test]
+    fn a_valid_user_decodes() {
+        let id = Uuid::new_v4();
+        let body = format!(r#"{{"id":"{id}","name":"Ana","email":"ana@example.com"}}"#);
+        assert_eq!(decode(body.as_bytes()).unwrap().id, id);
+    }
+
+    #[test]
+    fn bad_bodies_get_the_right_kind() {
+        assert_eq!(decode(b"").unwrap_err().kind, RejectKind::InvalidJson);
+        assert_eq!(
+            decode(&[0xff, 0xfe]).unwrap_err().kind,
+            RejectKind::InvalidJson
+        );
+        assert_eq!(
+            decode(b"{not json").unwrap_err().kind,
+            RejectKind::InvalidJson
+        );
+        assert_eq!(
+            decode(b"[1,2]").unwrap_err().kind,
+            RejectKind::InvalidPayload
+        );
+        assert_eq!(
+            decode(br#"{"id":"x","name":"a","email":"a@b.co"}"#)
+                .unwrap_err()
+                .kind,
+            RejectKind::InvalidPayload
+        );
+        let id = Uuid::new_v4();
+        let no_email = format!(r#"{{"id":"{id}","name":"Ana"}}"#);
+        assert_eq!(
+            decode(no_email.as_bytes()).unwrap_err().kind,
+            RejectKind::InvalidPayload
+        );
+        let bad_email = format!(r#"{{"id":"{id}","name":"Ana","email":"nope"}}"#);
+        let err = decode(bad_email.as_bytes()).unwrap_err();
+        assert_eq!(err.kind, RejectKind::InvalidPayload);
+        assert!(err.reason.contains("email"), "{}", err.reason);
+    }
+
+    #[test]
+    fn validation_reports_every_failing_field() {
+        let errors = validate("", "x");
+        assert_eq!(errors.len(), 2);
+        assert!(
+            validate(&"a".repeat(201), "a@b.co")[0]
+                .message
+                .contains("200")
+        );
+        assert!(validate(&"é".repeat(200), "a@b.co").is_empty());
+        let long_email = format!("{}@example.com", "a".repeat(250));
+        assert_eq!(validate("Ana", &long_email)[0].field, "email");
+        for bad in ["a@b", "@b.co", "a b@c.co", "a@.co", "a@b..co", "a@b.co."] {
+            assert_eq!(validate("Ana", bad).len(), 1, "{bad}");
+        }
+        assert!(validate("Ana", "ana.maria+tag@sub.example.com").is_empty());
+    }
+}

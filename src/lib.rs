@@ -1,0 +1,35 @@
+//! warren moves messages from RabbitMQ into PostgreSQL through a supervised pipeline of actix
+//! actors shaped like Elixir's Broadway: consume, decode and validate, batch, insert with one
+//! statement, ack after commit; retry what can be retried, dead-letter the rest, lose nothing.
+//!
+//! # Layout
+//! - [`config`]: typed settings, their layering and validation.
+//! - [`topology`]: the declared RabbitMQ topology and its idempotent declare.
+//! - [`amqp`]: connections with heartbeats and backoff, the `x-*` headers.
+//! - [`pipeline`]: the actors, wired in flow order (consumer, processor, batcher, router,
+//!   publisher).
+//! - [`domain`]: the seam the pipeline stores through, and the users domain behind it.
+//! - [`db`]: pool, embedded migrations, SQLSTATE classification.
+//! - [`http`]: the actix-web API.
+//! - [`metrics`]: every metric name and label.
+//! - [`cli`]: one file per subcommand of the `warren` binary.
+
+pub mod amqp;
+pub mod cli;
+pub mod config;
+pub mod db;
+pub mod domain;
+pub mod http;
+pub mod metrics;
+pub mod pipeline;
+pub mod topology;
+
+/// This machine's host name (for connection names, consumer tags and the registry).
+pub fn hostname() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .ok()
+        .map(|s| s.trim().to_string())
+        .filter(|s| !s.is_empty())
+        .or_else(|| std::env::var("HOSTNAME").ok())
+        .unwrap_or_else(|| "localhost".into())
+}

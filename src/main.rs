@@ -1,0 +1,25 @@
+//! The `warren` binary: parse the CLI, load the settings (exit 2 on a bad one), set up logs,
+//! and hand over to the subcommand in `cli/`.
+
+use clap::Parser;
+
+fn main() {
+    let cli = warren::cli::Cli::parse();
+    let settings = match cli.settings() {
+        Ok(s) => s,
+        Err(e) => {
+            eprintln!("warren: {e}");
+            std::process::exit(2);
+        }
+    };
+    warren::cli::init_logs(&settings);
+    let system = actix::System::with_tokio_rt(|| {
+        tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .enable_all()
+            .build()
+            .expect("cannot build the tokio runtime")
+    });
+    let code = system.block_on(warren::cli::dispatch(cli, settings));
+    std::process::exit(code);
+}

@@ -1,0 +1,173 @@
+//! Turns per-message settlements into as few channel operations as possible, in an order the
+//! broker accepts: one `basic.ack multiple=true` for each contiguous run of settled deliveries,
+//! rejects and requeues sent individually before any multi-ack that would cover them.
+
+use std::collections::VecDeque;
+
+/// How a delivery ends.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Disposition {
+    /// Done (inserted, or safely republished elsewhere): ack.
+    Ack,
+    /// Give it back to the queue (nack with requeue).
+    Requeue,
+    /// Refuse it without requeue: the broker dead-letters it through the queue's DLX.
+    Reject,
+}
+
+/// A channel operation to perform, in order.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Op {
+    /// `basic.ack(tag, multiple = true)`.
+    AckUpTo(u64),
+    /// `basic.nack(tag, multiple = false, requeue)`.
+    Nack { tag: u64, requeue: bool },
+}
+
+/// Outstanding deliveries of one channel, in delivery order.
+#[derive(Debug, Default)]
+pub struct AckTracker {
+    /// (delivery tag, settled with Ack?) in delivery order; `None` while unsettled.
+    outstanding: VecDeque<(u64, Option<bool>)>,
+    /// Highest tag acked so far.
+    acked: u64,
+}
+
+impl AckTracker {
+    /// Records a delivery (tags grow on a channel).
+    pub fn delivered(&mut self, tag: u64) {
+        self.outstanding.push_back((tag, None));
+    }
+
+    /// Deliveries not settled yet.
+    pub fn len(&self) -> usize {
+        self.outstanding.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.outstanding.is_empty()
+    }
+
+    /// Settles `tag` and appends the operations that become possible to `ops`.
+    /// Unknown or already settled tags are ignored (never acked twice).
+    pub fn settle(&mut self, tag: u64, disposition: Disposition, ops: &mut Vec<Op>) {
+        let Ok(i) = self.outstanding.binary_search_by_key(&tag, |(t, _)| *t) else {
+            return;
+        };
+        if self.outstanding[i].1.is_some() {
+            return;
+        }
+        match disposition {
+            Disposition::Ack => self.outstanding[i].1 = Some(true),
+            Disposition::Requeue | Disposition::Reject => {
+                self.outstanding[i].1 = Some(false);
+                ops.push(Op::Nack {
+                    tag,
+                    requeue: disposition == Disposition::Requeue,
+                });
+            }
+        }
+        let mut ack_to = None;
+        while let Some((t, Some(acked))) = self.outstanding.front().copied() {
+            if acked {
+                ack_to = Some(t);
+            }
+            self.outstanding.pop_front();
+        }
+        if let Some(t) = ack_to {
+            self.acked = t;
+            ops.push(Op::AckUpTo(t));
+        }
+    }
+}
+
+/// Collapses consecutive `AckUpTo` into the last one (they are cumulative).
+pub fn coalesce(ops: Vec<Op>) -> Vec<Op> {
+    let mut out: Vec<Op> = Vec::with_capacity(ops.len());
+    for op in ops {
+        if let (Some(Op::AckUpTo(_)), Op::AckUpTo(_)) = (out.last(), op) {
+            out.pop();
+        }
+        out.push(op);
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn tracker(n: u64) -> AckTracker {
+        let mut t = AckTracker::default();
+        for tag in 1..=n {
+            t.delivered(tag);
+        }
+        t
+    }
+
+    #[test]
+    fn in_order_acks_become_one_multi_ack_per_settle() {
+        let mut t = tracker(3);
+        let mut ops = Vec::new();
+        t.settle(1, Disposition::Ack, &mut ops);
+        t.settle(2, Disposition::Ack, &mut ops);
+        assert_eq!(ops, [Op::AckUpTo(1), Op::AckUpTo(2)]);
+        assert_eq!(coalesce(ops), [Op::AckUpTo(2)]);
+        assert_eq!(t.len(), 1);
+    }
+
+    #[test]
+    fn a_gap_holds_later_acks_until_it_is_filled() {
+        let mut t = tracker(4);
+        let mut ops = Vec::new();
+        for tag in [2, 3, 4] {
+            t.settle(tag, Disposition::Ack, &mut ops);
+        }
+        assert!(ops.is_empty());
+        t.settle(1, Disposition::Ack, &mut ops);
+        assert_eq!(ops, [Op::AckUpTo(4)]);
+        assert!(t.is_empty());
+    }
+
+    #[test]
+    fn nacks_go_out_at_once_and_before_the_multi_ack_that_passes_them() {
+        let mut t = tracker(3);
+        let mut ops = Vec::new();
+        t.settle(2, Disposition::Requeue, &mut ops);
+        t.settle(3, Disposition::Reject, &mut ops);
+        assert_eq!(
+            ops,
+            [
+                Op::Nack {
+                    tag: 2,
+                    requeue: true
+                },
+                Op::Nack {
+                    tag: 3,
+                    requeue: false
+                }
+            ]
+        );
+        t.settle(1, Disposition::Ack, &mut ops);
+        // The multi-ack names tag 1, the last acked one: 2 and 3 are already gone.
+        assert_eq!(ops.last(), Some(&Op::AckUpTo(1)));
+        assert!(t.is_empty());
+    }
+
+    #[test]
+    fn a_run_of_nacks_only_produces_no_ack_and_repeats_are_ignored() {
+        let mut t = tracker(2);
+        let mut ops = Vec::new();
+        t.settle(1, Disposition::Reject, &mut ops);
+        t.settle(1, Disposition::Ack, &mut ops);
+        t.settle(9, Disposition::Ack, &mut ops);
+        assert_eq!(
+            ops,
+            [Op::Nack {
+                tag: 1,
+                requeue: false
+            }]
+        );
+        assert_eq!(t.len(), 1);
+    }
+}

@@ -1,0 +1,468 @@
+//! The consumer actor: owns the consuming connection and channel (qos set on every connect),
+//! hands deliveries to processors, and performs the acks and nacks the batchers decide, only on
+//! the channel that delivered them. Reconnects with backoff; a watchdog rebuilds a consumer whose
+//! channel closed or whose stream ended.
+
+use std::time::Duration;
+
+use actix::prelude::*;
+use futures::StreamExt;
+use lapin::message::Delivery;
+use lapin::options::{
+    BasicAckOptions, BasicCancelOptions, BasicConsumeOptions, BasicNackOptions, BasicQosOptions,
+};
+use lapin::types::FieldTable;
+use lapin::{Channel, Connection};
+use tokio::sync::{mpsc, oneshot};
+use tracing::{debug, info, warn};
+
+use super::Drain;
+use super::acks::{AckTracker, Disposition, Op, coalesce};
+use super::processor::Delivered;
+use crate::amqp::{self, AmqpError};
+use crate::config::Settings;
+
+/// Batchers report how deliveries of a channel generation ended.
+#[derive(Debug, Message)]
+#[rtype(result = "()")]
+pub struct Settle {
+    /// The channel generation the deliveries came from; settlements for an older one are
+    /// dropped (the broker already requeued those messages).
+    pub generation: u64,
+    pub items: Vec<(u64, Disposition)>,
+}
+
+/// Stop taking deliveries, let everything in flight settle, close. Answers when done.
+#[derive(Debug, Message)]
+#[rtype(result = "()")]
+pub struct Shutdown;
+
+/// What the consumer is told about its broker link.
+#[derive(Message)]
+#[rtype(result = "()")]
+struct Connected {
+    conn: Connection,
+    channel: Channel,
+    consumer: lapin::Consumer,
+    tag: String,
+}
+
+/// The consumer stream, tagged with its generation, and its end.
+enum Event {
+    Delivery(u64, Box<lapin::Result<Delivery>>),
+    Ended(u64),
+}
+
+/// What the consumer consumes and how.
+#[derive(Debug, Clone)]
+pub struct ConsumerConfig {
+    /// `main` or `dlq`: for logs and metrics.
+    pub pipeline: &'static str,
+    pub queue: String,
+    pub prefetch: u16,
+    /// Deliveries sent to one batcher before moving to the next, so batches fill one at a time.
+    pub batch_size: usize,
+}
+
+/// The consumer actor.
+pub struct Consumer {
+    config: ConsumerConfig,
+    settings: Settings,
+    /// Processors, fed round-robin.
+    processors: Vec<Recipient<Delivered>>,
+    /// The same processors, for the `Drain` marker that follows their deliveries.
+    processor_drains: Vec<Recipient<Drain>>,
+    next_processor: usize,
+    /// Number of batchers and the one the current chunk of deliveries goes to.
+    batchers: usize,
+    current_batcher: usize,
+    chunk_filled: usize,
+    /// Bumped on every (re)connect; deliveries carry it back in `Settle`.
+    generation: u64,
+    connection: Option<Connection>,
+    channel: Option<Channel>,
+    consumer_tag: Option<String>,
+    /// Ordered channel operations, executed by one task per channel.
+    ops: Option<mpsc::UnboundedSender<Vec<Op>>>,
+    ops_task: Option<tokio::task::JoinHandle<()>>,
+    tracker: AckTracker,
+    /// Delivered but not yet settled, over all generations (drain waits for 0).
+    inflight: usize,
+    connecting: bool,
+    stopping: bool,
+    /// The stream ended after a cancel: nothing more will arrive.
+    stream_ended: bool,
+    drain_sent: bool,
+    done: Vec<oneshot::Sender<()>>,
+}
+
+impl Consumer {
+    pub fn new(
+        config: ConsumerConfig,
+        settings: Settings,
+        processors: Vec<Recipient<Delivered>>,
+        processor_drains: Vec<Recipient<Drain>>,
+        batchers: usize,
+    ) -> Self {
+        Self {
+            config,
+            settings,
+            processors,
+            processor_drains,
+            next_processor: 0,
+            batchers: batchers.max(1),
+            current_batcher: 0,
+            chunk_filled: 0,
+            generation: 0,
+            connection: None,
+            channel: None,
+            consumer_tag: None,
+            ops: None,
+            ops_task: None,
+            tracker: AckTracker::default(),
+            inflight: 0,
+            connecting: false,
+            stopping: false,
+            stream_ended: false,
+            drain_sent: false,
+            done: Vec::new(),
+        }
+    }
+
+    fn connect(&mut self, ctx: &mut Context<Self>) {
+        if self.connecting || self.stopping {
+            return;
+        }
+        self.connecting = true;
+        let settings = self.settings.clone();
+        let config = self.config.clone();
+        let addr = ctx.address();
+        let next_generation = self.generation + 1;
+        actix::spawn(async move {
+            let mut delays = amqp::reconnect_backoff();
+            let mut attempt = 0u32;
+            loop {
+                attempt += 1;
+                let tag = format!(
+                    "warren-{}-{}-{}-{}",
+                    crate::hostname(),
+                    std::process::id(),
+                    config.pipeline,
+                    next_generation + attempt as u64 - 1
+                );
+                match open(&settings, &config, &tag).await {
+                    Ok((conn, channel, consumer)) => {
+                        addr.do_send(Connected {
+                            conn,
+                            channel,
+                            consumer,
+                            tag,
+                        });
+                        return;
+                    }
+                    Err(e) => {
+                        let delay = delays.next().unwrap_or(Duration::from_secs(30));
+                        if attempt == 1 || attempt.is_power_of_two() {
+                            warn!(pipeline = config.pipeline, queue = %config.queue, attempt, error = %e,
+                                retry_in_ms = delay.as_millis() as u64, "consumer cannot consume; retrying");
+                        }
+                        tokio::time::sleep(delay).await;
+                        if !addr.connected() {
+                            return;
+                        }
+                    }
+                }
+            }
+        });
+    }
+
+    /// Drops the current channel: its unacked deliveries go back to the queue on the broker.
+    fn teardown(&mut self) {
+        self.ops = None;
+        self.ops_task = None;
+        self.tracker = AckTracker::default();
+        self.consumer_tag = None;
+        let channel = self.channel.take();
+        let conn = self.connection.take();
+        actix::spawn(amqp::close(channel, conn));
+    }
+
+    fn dispatch(&mut self, delivery: Delivery) {
+        self.tracker.delivered(delivery.delivery_tag);
+        self.inflight += 1;
+        let batcher = self.current_batcher;
+        self.chunk_filled += 1;
+        if self.chunk_filled >= self.config.batch_size {
+            self.chunk_filled = 0;
+            self.current_batcher = (self.current_batcher + 1) % self.batchers;
+        }
+        let message = Delivered {
+            generation: self.generation,
+            tag: delivery.delivery_tag,
+            redelivered: delivery.redelivered,
+            body: delivery.data,
+            properties: delivery.properties,
+            batcher,
+        };
+        let processor = &self.processors[self.next_processor];
+        self.next_processor = (self.next_processor + 1) % self.processors.len();
+        processor.do_send(message);
+    }
+
+    fn send_drain(&mut self) {
+        if self.drain_sent {
+            return;
+        }
+        self.drain_sent = true;
+        for p in &self.processor_drains {
+            p.do_send(Drain);
+        }
+    }
+
+    fn maybe_finish(&mut self, ctx: &mut Context<Self>) {
+        if !(self.stopping && self.stream_ended && self.inflight == 0) || self.done.is_empty() {
+            return;
+        }
+        let ops = self.ops.take();
+        let task = self.ops_task.take();
+        let channel = self.channel.take();
+        let conn = self.connection.take();
+        let waiters = std::mem::take(&mut self.done);
+        let pipeline = self.config.pipeline;
+        ctx.spawn(
+            async move {
+                drop(ops);
+                if let Some(task) = task {
+                    let _ = task.await;
+                }
+                amqp::close(channel, conn).await;
+                info!(pipeline, "consumer drained and closed");
+                for w in waiters {
+                    let _ = w.send(());
+                }
+            }
+            .into_actor(self),
+        );
+    }
+}
+
+async fn open(
+    settings: &Settings,
+    config: &ConsumerConfig,
+    tag: &str,
+) -> Result<(Connection, Channel, lapin::Consumer), AmqpError> {
+    let (conn, channel) = amqp::connect_channel(settings, config.pipeline).await?;
+    let result = async {
+        channel
+            .basic_qos(config.prefetch, BasicQosOptions { global: false })
+            .await?;
+        channel
+            .basic_consume(
+                config.queue.as_str().into(),
+                tag.into(),
+                BasicConsumeOptions::default(),
+                FieldTable::default(),
+            )
+            .await
+    }
+    .await;
+    match result {
+        Ok(consumer) => Ok((conn, channel, consumer)),
+        Err(e) => {
+            amqp::close(Some(channel), Some(conn)).await;
+            Err(e.into())
+        }
+    }
+}
+
+/// Executes channel operations in order; stops at the first failure (the channel is gone and
+/// the broker requeues whatever was not acked).
+async fn run_ops(
+    channel: Channel,
+    mut rx: mpsc::UnboundedReceiver<Vec<Op>>,
+    pipeline: &'static str,
+) {
+    while let Some(mut ops) = rx.recv().await {
+        while let Ok(more) = rx.try_recv() {
+            ops.extend(more);
+        }
+        for op in coalesce(ops) {
+            let result = match op {
+                Op::AckUpTo(tag) => {
+                    channel
+                        .basic_ack(tag, BasicAckOptions { multiple: true })
+                        .await
+                }
+                Op::Nack { tag, requeue } => {
+                    channel
+                        .basic_nack(
+                            tag,
+                            BasicNackOptions {
+                                multiple: false,
+                                requeue,
+                            },
+                        )
+                        .await
+                }
+            };
+            if let Err(e) = result {
+                warn!(pipeline, error = %e, "cannot ack on this channel any more; the broker will redeliver");
+                return;
+            }
+        }
+    }
+}
+
+impl Actor for Consumer {
+    type Context = Context<Self>;
+
+    fn started(&mut self, ctx: &mut Self::Context) {
+        self.connect(ctx);
+        // Watchdog: a closed channel or connection is noticed and the consumer rebuilt.
+        ctx.run_interval(Duration::from_secs(1), |act, ctx| {
+            if act.stopping || act.connecting {
+                return;
+            }
+            let alive = act
+                .channel
+                .as_ref()
+                .is_some_and(|ch| ch.status().connected());
+            if !alive {
+                warn!(
+                    pipeline = act.config.pipeline,
+                    "consumer channel is closed; rebuilding it"
+                );
+                act.teardown();
+                act.connect(ctx);
+            }
+        });
+    }
+}
+
+impl Handler<Connected> for Consumer {
+    type Result = ();
+
+    fn handle(&mut self, msg: Connected, ctx: &mut Self::Context) {
+        self.connecting = false;
+        if self.stopping {
+            actix::spawn(amqp::close(Some(msg.channel), Some(msg.conn)));
+            self.stream_ended = true;
+            self.send_drain();
+            self.maybe_finish(ctx);
+            return;
+        }
+        self.generation += 1;
+        let generation = self.generation;
+        let (tx, rx) = mpsc::unbounded_channel();
+        self.ops = Some(tx);
+        self.ops_task = Some(tokio::spawn(run_ops(
+            msg.channel.clone(),
+            rx,
+            self.config.pipeline,
+        )));
+        self.tracker = AckTracker::default();
+        self.channel = Some(msg.channel);
+        self.connection = Some(msg.conn);
+        info!(pipeline = self.config.pipeline, queue = %self.config.queue, prefetch = self.config.prefetch,
+            consumer_tag = %msg.tag, generation, "consuming");
+        self.consumer_tag = Some(msg.tag);
+        let stream = msg
+            .consumer
+            .map(move |d| Event::Delivery(generation, Box::new(d)))
+            .chain(futures::stream::once(
+                async move { Event::Ended(generation) },
+            ));
+        ctx.add_stream(stream);
+    }
+}
+
+impl StreamHandler<Event> for Consumer {
+    fn handle(&mut self, event: Event, ctx: &mut Self::Context) {
+        match event {
+            Event::Delivery(generation, delivery) if generation == self.generation => {
+                match *delivery {
+                    Ok(d) => self.dispatch(d),
+                    Err(e) => {
+                        warn!(pipeline = self.config.pipeline, error = %e, "consumer stream error")
+                    }
+                }
+            }
+            Event::Delivery(..) => {}
+            Event::Ended(generation) if generation == self.generation => {
+                if self.stopping {
+                    self.stream_ended = true;
+                    self.send_drain();
+                    self.maybe_finish(ctx);
+                } else if !self.connecting {
+                    warn!(pipeline = self.config.pipeline, queue = %self.config.queue,
+                        "consumer stream ended (cancelled by the broker or channel closed); rebuilding it");
+                    self.teardown();
+                    self.connect(ctx);
+                }
+            }
+            Event::Ended(_) => {}
+        }
+    }
+
+    fn finished(&mut self, _: &mut Self::Context) {
+        // Each stream ends with an `Ended` event; the actor lives on.
+    }
+}
+
+impl Handler<Settle> for Consumer {
+    type Result = ();
+
+    fn handle(&mut self, msg: Settle, ctx: &mut Self::Context) {
+        self.inflight = self.inflight.saturating_sub(msg.items.len());
+        if msg.generation == self.generation && self.ops.is_some() {
+            let mut ops = Vec::new();
+            for (tag, disposition) in msg.items {
+                self.tracker.settle(tag, disposition, &mut ops);
+            }
+            if !ops.is_empty()
+                && let Some(tx) = &self.ops
+            {
+                let _ = tx.send(ops);
+            }
+        } else {
+            debug!(
+                pipeline = self.config.pipeline,
+                generation = msg.generation,
+                "settlement for a closed channel dropped; the broker redelivers those messages"
+            );
+        }
+        self.maybe_finish(ctx);
+    }
+}
+
+impl Handler<Shutdown> for Consumer {
+    type Result = ResponseFuture<()>;
+
+    fn handle(&mut self, _: Shutdown, ctx: &mut Self::Context) -> Self::Result {
+        let (tx, rx) = oneshot::channel();
+        self.done.push(tx);
+        if !self.stopping {
+            self.stopping = true;
+            match (&self.channel, &self.consumer_tag) {
+                (Some(ch), Some(tag)) if ch.status().connected() => {
+                    info!(pipeline = self.config.pipeline, "cancelling the consumer");
+                    let ch = ch.clone();
+                    let tag = tag.clone();
+                    actix::spawn(async move {
+                        let _ = ch
+                            .basic_cancel(tag.as_str().into(), BasicCancelOptions::default())
+                            .await;
+                    });
+                }
+                _ => {
+                    self.stream_ended = true;
+                    self.send_drain();
+                }
+            }
+        }
+        self.maybe_finish(ctx);
+        Box::pin(async move {
+            let _ = rx.await;
+        })
+    }
+}

@@ -1,0 +1,249 @@
+//! The publisher actor: one connection of its own, publisher confirms, persistent and
+//! `mandatory` publishes that return only once the broker confirmed them, and a reconnect loop
+//! with backoff so callers get a fast `Unavailable` while the broker is away.
+
+use std::time::Duration;
+
+use actix::prelude::*;
+use lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
+use lapin::{BasicProperties, Channel, Confirmation, Connection};
+use tracing::{info, warn};
+
+use crate::amqp::{self, AmqpError};
+use crate::config::Settings;
+
+/// Publish one message and wait for the broker's confirm.
+#[derive(Debug, Message)]
+#[rtype(result = "Result<(), AmqpError>")]
+pub struct Publish {
+    pub exchange: String,
+    pub routing_key: String,
+    pub body: Vec<u8>,
+    pub properties: BasicProperties,
+}
+
+/// Whether the publisher has a live channel (for `/readyz`).
+#[derive(Debug, Message)]
+#[rtype(result = "bool")]
+pub struct IsConnected;
+
+/// Close the connection and stop.
+#[derive(Debug, Message)]
+#[rtype(result = "()")]
+pub struct Close;
+
+/// A connection attempt finished.
+#[derive(Message)]
+#[rtype(result = "()")]
+struct Connected(Connection, Channel);
+
+/// The publisher actor.
+pub struct Publisher {
+    /// Connection settings and the confirm timeout.
+    settings: Settings,
+    /// Shown in the broker's connection list (`api`, `router`, `cli`).
+    purpose: &'static str,
+    /// The live connection, kept so it can be closed cleanly.
+    connection: Option<Connection>,
+    /// The confirm-mode channel publishes go through; `None` while disconnected.
+    channel: Option<Channel>,
+    /// Whether a reconnect loop is running, so only one runs.
+    connecting: bool,
+    /// Set by `Close`, so a dropped connection is not re-opened during shutdown.
+    closing: bool,
+}
+
+impl Publisher {
+    pub fn new(settings: Settings, purpose: &'static str) -> Self {
+        Self {
+            settings,
+            purpose,
+            connection: None,
+            channel: None,
+            connecting: false,
+            closing: false,
+        }
+    }
+
+    fn live_channel(&mut self) -> Option<Channel> {
+        match &self.channel {
+            Some(ch) if ch.status().connected() => Some(ch.clone()),
+            Some(_) => {
+                self.channel = None;
+                self.connection = None;
+                None
+            }
+            None => None,
+        }
+    }
+
+    fn reconnect(&mut self, ctx: &mut Context<Self>) {
+        if self.connecting || self.closing {
+            return;
+        }
+        self.connecting = true;
+        let settings = self.settings.clone();
+        let purpose = self.purpose;
+        let addr = ctx.address();
+        actix::spawn(async move {
+            let mut delays = amqp::reconnect_backoff();
+            let mut attempt = 0u32;
+            loop {
+                attempt += 1;
+                match open(&settings, purpose).await {
+                    Ok((conn, ch)) => {
+                        addr.do_send(Connected(conn, ch));
+                        return;
+                    }
+                    Err(e) => {
+                        let delay = delays.next().unwrap_or(Duration::from_secs(30));
+                        if attempt == 1 || attempt.is_power_of_two() {
+                            warn!(purpose, attempt, error = %e, retry_in_ms = delay.as_millis() as u64, "publisher cannot reach the broker");
+                        }
+                        tokio::time::sleep(delay).await;
+                        if !addr.connected() {
+                            return;
+                        }
+                    }
+                }
+            }
+        });
+    }
+}
+
+async fn open(settings: &Settings, purpose: &str) -> Result<(Connection, Channel), AmqpError> {
+    let (conn, channel) = amqp::connect_channel(settings, purpose).await?;
+    channel
+        .confirm_select(ConfirmSelectOptions::default())
+        .await
+        .map_err(AmqpError::from)?;
+    Ok((conn, channel))
+}
+
+impl Actor for Publisher {
+    type Context = Context<Self>;
+
+    fn started(&mut self, ctx: &mut Self::Context) {
+        self.reconnect(ctx);
+        // Notice a dead channel even when nobody publishes.
+        ctx.run_interval(Duration::from_secs(1), |act, ctx| {
+            if act.live_channel().is_none() {
+                act.reconnect(ctx);
+            }
+        });
+    }
+}
+
+impl Handler<Connected> for Publisher {
+    type Result = ();
+
+    fn handle(&mut self, msg: Connected, _: &mut Self::Context) {
+        self.connecting = false;
+        if self.closing {
+            actix::spawn(amqp::close(Some(msg.1), Some(msg.0)));
+            return;
+        }
+        info!(purpose = self.purpose, "publisher connected");
+        self.connection = Some(msg.0);
+        self.channel = Some(msg.1);
+    }
+}
+
+impl Handler<Publish> for Publisher {
+    type Result = ResponseFuture<Result<(), AmqpError>>;
+
+    fn handle(&mut self, msg: Publish, ctx: &mut Self::Context) -> Self::Result {
+        let Some(channel) = self.live_channel() else {
+            self.reconnect(ctx);
+            return Box::pin(async {
+                Err(AmqpError::Unavailable("no connection to the broker".into()))
+            });
+        };
+        let timeout = self.settings.publish_timeout();
+        Box::pin(async move { publish_confirmed(&channel, msg, timeout).await })
+    }
+}
+
+/// Publishes on `channel` (in confirm mode) and waits for the confirm; an unroutable mandatory
+/// message comes back as an `Ack` carrying the returned message, which is a failure here.
+pub async fn publish_confirmed(
+    channel: &Channel,
+    msg: Publish,
+    timeout: Duration,
+) -> Result<(), AmqpError> {
+    let exchange = msg.exchange;
+    let routing_key = msg.routing_key;
+    let work = async {
+        let confirm = channel
+            .basic_publish(
+                exchange.as_str().into(),
+                routing_key.as_str().into(),
+                BasicPublishOptions {
+                    mandatory: true,
+                    ..Default::default()
+                },
+                &msg.body,
+                msg.properties,
+            )
+            .await?;
+        confirm.await
+    };
+    match tokio::time::timeout(timeout, work).await {
+        Err(_) => Err(AmqpError::ConfirmTimeout(timeout)),
+        Ok(Err(e)) => Err(AmqpError::Unavailable(e.to_string())),
+        Ok(Ok(Confirmation::Ack(None))) => Ok(()),
+        Ok(Ok(Confirmation::Ack(Some(_)))) | Ok(Ok(Confirmation::Nack(Some(_)))) => {
+            Err(AmqpError::Unroutable {
+                exchange,
+                routing_key,
+            })
+        }
+        Ok(Ok(Confirmation::Nack(None))) => Err(AmqpError::Nacked),
+        Ok(Ok(Confirmation::NotRequested)) => Err(AmqpError::Protocol(
+            "publisher confirms are not enabled on this channel".into(),
+        )),
+    }
+}
+
+impl Handler<IsConnected> for Publisher {
+    type Result = bool;
+
+    fn handle(&mut self, _: IsConnected, _: &mut Self::Context) -> bool {
+        self.live_channel().is_some()
+    }
+}
+
+impl Handler<Close> for Publisher {
+    type Result = ResponseActFuture<Self, ()>;
+
+    fn handle(&mut self, _: Close, _: &mut Self::Context) -> Self::Result {
+        self.closing = true;
+        let channel = self.channel.take();
+        let conn = self.connection.take();
+        Box::pin(
+            async move {
+                if let Some(ch) = &channel {
+                    // Confirms still outstanding are waited for before the channel closes.
+                    let _ =
+                        tokio::time::timeout(Duration::from_secs(5), ch.wait_for_confirms()).await;
+                }
+                amqp::close(channel, conn).await;
+            }
+            .into_actor(self)
+            .map(|_, _, ctx| ctx.stop()),
+        )
+    }
+}
+
+/// Standard properties of a message warren publishes: persistent, JSON, with id and timestamp.
+pub fn json_properties(message_id: &str) -> BasicProperties {
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0);
+    BasicProperties::default()
+        .with_delivery_mode(2)
+        .with_content_type("application/json".into())
+        .with_message_id(message_id.into())
+        .with_timestamp(now)
+}
