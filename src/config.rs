@@ -71,6 +71,8 @@ pub struct Settings {
     pub max_message_bytes: usize,
     /// How long a failing batch is retried in place before going to the retry queue.
     pub db_retry_window_ms: u64,
+    /// Consecutive transient batch failures that open the sink-outage breaker.
+    pub breaker_failures: u32,
     /// Bound on waiting for a publisher confirm.
     pub publish_timeout_ms: u64,
     /// Bound on the graceful shutdown.
@@ -186,6 +188,7 @@ const RULES: &[(&str, Rule)] = &[
             max: 600_000,
         },
     ),
+    ("breaker_failures", Rule::Int { min: 1, max: 1000 }),
     (
         "publish_timeout_ms",
         Rule::Int {

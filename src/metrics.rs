@@ -28,6 +28,7 @@ pub const RECONNECTS: &str = "warren_reconnects_total";
 pub const HTTP_REQUESTS: &str = "warren_http_requests_total";
 pub const HTTP_REQUEST_SECONDS: &str = "warren_http_request_seconds";
 pub const BUILD_INFO: &str = "warren_build_info";
+pub const BREAKER_OPEN: &str = "warren_breaker_open";
 
 /// Starts the Prometheus endpoint on `addr` and describes every series.
 pub fn install(addr: SocketAddr) -> Result<(), String> {
@@ -130,6 +131,10 @@ fn describe() {
         BUILD_INFO,
         "Always 1; the version label says which build runs."
     );
+    describe_gauge!(
+        BREAKER_OPEN,
+        "1 while the sink-outage breaker holds the pipeline's consumer."
+    );
     gauge!(BUILD_INFO, "version" => env!("CARGO_PKG_VERSION")).set(1.0);
 }
 
@@ -187,6 +192,11 @@ pub fn message_routed(pipeline: &'static str, kind: &'static str, message: &Deli
 /// The DLQ consumer parked a message in `dead_letters`.
 pub fn message_parked(kind: &'static str) {
     counter!(PARKED, "kind" => kind).increment(1);
+}
+
+/// The sink-outage breaker of `pipeline` opened or closed.
+pub fn breaker(pipeline: &'static str, open: bool) {
+    gauge!(BREAKER_OPEN, "pipeline" => pipeline).set(if open { 1.0 } else { 0.0 });
 }
 
 /// A publish finished with `outcome`.

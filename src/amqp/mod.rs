@@ -88,15 +88,22 @@ pub async fn connect_channel(
     Ok((conn, channel))
 }
 
-/// The reconnect backoff: 200 ms doubling up to 30 s, with jitter, forever.
-pub fn reconnect_backoff() -> impl Iterator<Item = Duration> {
+/// Exponential backoff (backon): `min` doubling up to `max`, each delay with up to 100% jitter
+/// on top, forever.
+pub fn backoff(min: Duration, max: Duration) -> impl Iterator<Item = Duration> {
     ExponentialBuilder::default()
-        .with_min_delay(Duration::from_millis(200))
-        .with_max_delay(Duration::from_secs(30))
+        .with_min_delay(min)
+        .with_max_delay(max)
         .with_factor(2.0)
         .with_jitter()
         .without_max_times()
         .build()
+}
+
+/// The reconnect backoff: 200 ms doubling up to 10 s (so at most 20 s with jitter): an outage
+/// is never a hot loop, and a recovered broker or database is noticed within seconds.
+pub fn reconnect_backoff() -> impl Iterator<Item = Duration> {
+    backoff(Duration::from_millis(200), Duration::from_secs(10))
 }
 
 /// Closes a channel and its connection, ignoring errors (they are already gone, or going).

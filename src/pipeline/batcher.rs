@@ -12,7 +12,7 @@ use tracing::{error, info, warn};
 
 use super::Drain;
 use super::acks::Disposition;
-use super::consumer::Settle;
+use super::consumer::{Hold, HoldReason, Settle};
 use super::processor::Delivered;
 use super::router::{Route, Router};
 use crate::amqp::headers;
@@ -52,8 +52,67 @@ pub struct Shared<D: Domain> {
     pub db_retry_window: Duration,
     /// Set at shutdown: in-place retries give up and requeue.
     pub stopping: Arc<AtomicBool>,
-    /// Consecutive failed batches (drives the DLQ backoff).
+    /// Consecutive failed batches (drives the DLQ backoff and the breaker).
     pub failures: AtomicU32,
+    /// The consumer, held while the sink-outage breaker is open.
+    pub hold: Recipient<Hold>,
+    /// Consecutive transient failures that open the breaker.
+    pub breaker_threshold: u32,
+    /// Whether the breaker is open (a probe task is running).
+    pub breaker_open: AtomicBool,
+}
+
+/// Opens the sink-outage breaker once: the consumer stops taking deliveries, and a probe runs
+/// the domain's insert of zero rows with backoff until the database takes it again.
+fn open_breaker<D: Domain>(shared: &Arc<Shared<D>>, reason: &str) {
+    if shared.breaker_open.swap(true, Ordering::SeqCst) {
+        return;
+    }
+    error!(
+        pipeline = shared.pipeline,
+        reason,
+        "sink-outage breaker OPEN: the database keeps failing; \
+        consuming stops until it answers again"
+    );
+    metrics::breaker(shared.pipeline, true);
+    shared.hold.do_send(Hold {
+        reason: HoldReason::Breaker,
+        on: true,
+    });
+    let shared = shared.clone();
+    tokio::spawn(async move {
+        let mut delays = crate::amqp::reconnect_backoff();
+        loop {
+            let delay = delays.next().unwrap_or(Duration::from_secs(10));
+            sleep_unless_stopping(&shared, delay).await;
+            if shared.stopping.load(Ordering::Relaxed) {
+                return;
+            }
+            let probe = match shared.pool.get().await {
+                Ok(client) => shared.domain.insert(&client, &[]).await.map(|_| ()),
+                Err(e) => Err(DbError::from_pool(e)),
+            };
+            match probe {
+                Ok(()) => {
+                    shared.failures.store(0, Ordering::Relaxed);
+                    shared.breaker_open.store(false, Ordering::SeqCst);
+                    metrics::breaker(shared.pipeline, false);
+                    info!(
+                        pipeline = shared.pipeline,
+                        "sink-outage breaker closed: the database answers; consuming again"
+                    );
+                    shared.hold.do_send(Hold {
+                        reason: HoldReason::Breaker,
+                        on: false,
+                    });
+                    return;
+                }
+                Err(e) => {
+                    warn!(pipeline = shared.pipeline, error = %e, "breaker probe: database still failing")
+                }
+            }
+        }
+    });
 }
 
 /// The batcher actor.
@@ -219,8 +278,11 @@ async fn process<D: Domain>(
         metrics::batch_inserted(shared.pipeline, valid_count, inserted, started.elapsed());
     }
     if transient.is_some() || dispositions.contains(&Some(Disposition::Requeue)) {
-        shared.failures.fetch_add(1, Ordering::Relaxed);
-    } else {
+        let failures = shared.failures.fetch_add(1, Ordering::Relaxed) + 1;
+        if shared.mode == Mode::Main && failures >= shared.breaker_threshold {
+            open_breaker(&shared, transient.as_deref().unwrap_or("database failing"));
+        }
+    } else if valid_count > 0 {
         shared.failures.store(0, Ordering::Relaxed);
     }
 
@@ -288,7 +350,7 @@ async fn process<D: Domain>(
 /// The DLQ requeue delay (backon): 200 ms doubling per consecutive failure up to 30 s, each
 /// with up to 100% jitter on top.
 fn dlq_backoff(failures: u32) -> Duration {
-    crate::amqp::reconnect_backoff()
+    crate::amqp::backoff(Duration::from_millis(200), Duration::from_secs(30))
         .nth(failures.saturating_sub(1).min(32) as usize)
         .unwrap_or(Duration::from_secs(30))
 }
@@ -304,7 +366,7 @@ async fn sleep_unless_stopping<D: Domain>(shared: &Shared<D>, delay: Duration) {
 /// only the offending rows fail. Transient errors are retried in place within the retry window;
 /// systemic errors are retried with backoff until they clear or warren stops.
 async fn insert_isolating<D: Domain>(
-    shared: &Shared<D>,
+    shared: &Arc<Shared<D>>,
     records: Vec<(usize, &D::Record)>,
     batch_id: &str,
 ) -> Vec<(usize, Inserted)> {
@@ -348,7 +410,7 @@ async fn insert_isolating<D: Domain>(
 /// One insert statement, retried in place: transient errors until `deadline`, systemic errors
 /// (the deployment is wrong) with backoff until they clear or warren stops.
 async fn insert_retrying<D: Domain>(
-    shared: &Shared<D>,
+    shared: &Arc<Shared<D>>,
     records: &[&D::Record],
     deadline: Instant,
     batch_id: &str,
@@ -380,6 +442,7 @@ async fn insert_retrying<D: Domain>(
                 error!(pipeline = shared.pipeline, batch_id, error = %e, retry_in_ms = delay.as_millis() as u64,
                     "SYSTEMIC database error: the deployment is wrong (table, privileges, database); \
                      holding the batch, no message is dead-lettered");
+                open_breaker(shared, "systemic database error");
             }
         }
         sleep_unless_stopping(shared, delay).await;

@@ -37,6 +37,41 @@ pub struct Settle {
 #[rtype(result = "()")]
 pub struct Shutdown;
 
+/// Why the consumer stops taking deliveries for a while.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum HoldReason {
+    /// The database keeps failing: the sink-outage breaker is open.
+    Breaker,
+    /// An operator asked for it (`warren ctl pause`).
+    Operator,
+}
+
+/// Stop (`on = true`) or resume (`on = false`) taking deliveries for `reason`. Deliveries in
+/// flight finish normally; the channel stays open so they can be acked.
+#[derive(Debug, Message)]
+#[rtype(result = "()")]
+pub struct Hold {
+    pub reason: HoldReason,
+    pub on: bool,
+}
+
+/// A consumer re-subscribed on the live channel after a hold.
+#[derive(Message)]
+#[rtype(result = "()")]
+struct Resubscribed {
+    generation: u64,
+    consumer: lapin::Consumer,
+    tag: String,
+}
+
+/// The idle watchdog found messages waiting while nothing arrives: rebuild the consumer.
+#[derive(Message)]
+#[rtype(result = "()")]
+struct Stuck {
+    generation: u64,
+    ready: u32,
+}
+
 /// What the consumer is told about its broker link.
 #[derive(Message)]
 #[rtype(result = "()")]
@@ -50,7 +85,8 @@ struct Connected {
 /// The consumer stream, tagged with its generation, and its end.
 enum Event {
     Delivery(u64, Box<lapin::Result<Delivery>>),
-    Ended(u64),
+    /// The subscription with this consumer tag ended.
+    Ended(u64, String),
 }
 
 /// What the consumer consumes and how.
@@ -82,6 +118,8 @@ pub struct Consumer {
     connection: Option<Connection>,
     channel: Option<Channel>,
     consumer_tag: Option<String>,
+    /// Numbers re-subscriptions after holds, so consumer tags stay unique.
+    resubscriptions: u64,
     /// Ordered channel operations, executed by one task per channel.
     ops: Option<mpsc::UnboundedSender<Vec<Op>>>,
     ops_task: Option<tokio::task::JoinHandle<()>>,
@@ -89,6 +127,12 @@ pub struct Consumer {
     /// Delivered but not yet settled, over all generations (drain waits for 0).
     inflight: usize,
     connecting: bool,
+    /// Held by the breaker and/or an operator: no consumer subscribed while non-empty.
+    holds: Vec<HoldReason>,
+    /// When the last delivery arrived, for the idle watchdog.
+    last_delivery: std::time::Instant,
+    /// Counts deliveries, resolved once.
+    received: metrics::Counter,
     stopping: bool,
     /// The stream ended after a cancel: nothing more will arrive.
     stream_ended: bool,
@@ -104,6 +148,7 @@ impl Consumer {
         processor_drains: Vec<Recipient<Drain>>,
         batchers: usize,
     ) -> Self {
+        let received = crate::metrics::received_counter(config.pipeline);
         Self {
             config,
             settings,
@@ -117,11 +162,15 @@ impl Consumer {
             connection: None,
             channel: None,
             consumer_tag: None,
+            resubscriptions: 0,
             ops: None,
             ops_task: None,
             tracker: AckTracker::default(),
             inflight: 0,
             connecting: false,
+            holds: Vec::new(),
+            last_delivery: std::time::Instant::now(),
+            received,
             stopping: false,
             stream_ended: false,
             drain_sent: false,
@@ -190,6 +239,8 @@ impl Consumer {
     fn dispatch(&mut self, delivery: Delivery) {
         self.tracker.delivered(delivery.delivery_tag);
         self.inflight += 1;
+        self.received.increment(1);
+        self.last_delivery = std::time::Instant::now();
         let batcher = self.current_batcher;
         self.chunk_filled += 1;
         if self.chunk_filled >= self.config.batch_size {
@@ -217,6 +268,115 @@ impl Consumer {
         for p in &self.processor_drains {
             p.do_send(Drain);
         }
+    }
+
+    /// Cancels the subscription (deliveries in flight still settle on the open channel).
+    fn unsubscribe(&mut self) {
+        if let (Some(ch), Some(tag)) = (&self.channel, self.consumer_tag.take()) {
+            let ch = ch.clone();
+            actix::spawn(async move {
+                let _ = ch
+                    .basic_cancel(tag.as_str().into(), BasicCancelOptions::default())
+                    .await;
+            });
+        }
+    }
+
+    /// Subscribes again on the live channel, or reconnects if it is gone.
+    fn resubscribe(&mut self, ctx: &mut Context<Self>) {
+        let Some(channel) = self.channel.clone().filter(|c| c.status().connected()) else {
+            self.teardown();
+            self.connect(ctx);
+            return;
+        };
+        let generation = self.generation;
+        let tag = format!(
+            "warren-{}-{}-{}-{}-r{}",
+            crate::hostname(),
+            std::process::id(),
+            self.config.pipeline,
+            generation,
+            self.resubscriptions
+        );
+        self.resubscriptions += 1;
+        let queue = self.config.queue.clone();
+        let addr = ctx.address();
+        actix::spawn(async move {
+            match channel
+                .basic_consume(
+                    queue.as_str().into(),
+                    tag.as_str().into(),
+                    BasicConsumeOptions::default(),
+                    FieldTable::default(),
+                )
+                .await
+            {
+                Ok(consumer) => addr.do_send(Resubscribed {
+                    generation,
+                    consumer,
+                    tag,
+                }),
+                Err(e) => {
+                    warn!(error = %e, "cannot resubscribe; the watchdog rebuilds the channel")
+                }
+            }
+        });
+    }
+
+    fn add_consumer_stream(
+        &mut self,
+        ctx: &mut Context<Self>,
+        consumer: lapin::Consumer,
+        tag: String,
+    ) {
+        let generation = self.generation;
+        self.consumer_tag = Some(tag.clone());
+        self.last_delivery = std::time::Instant::now();
+        let stream = consumer
+            .map(move |d| Event::Delivery(generation, Box::new(d)))
+            .chain(futures::stream::once(async move {
+                Event::Ended(generation, tag)
+            }));
+        ctx.add_stream(stream);
+    }
+
+    /// The idle watchdog: nothing delivered for a while, nothing in flight, yet the queue holds
+    /// messages -> the consumer is silently dead; rebuild it.
+    fn check_idle(&mut self, ctx: &mut Context<Self>) {
+        const IDLE: Duration = Duration::from_secs(15);
+        if self.stopping || self.connecting || !self.holds.is_empty() || self.inflight > 0 {
+            return;
+        }
+        if self.last_delivery.elapsed() < IDLE || self.consumer_tag.is_none() {
+            return;
+        }
+        let Some(channel) = self.channel.clone() else {
+            return;
+        };
+        self.last_delivery = std::time::Instant::now();
+        let queue = self.config.queue.clone();
+        let generation = self.generation;
+        let addr = ctx.address();
+        actix::spawn(async move {
+            let passive = channel
+                .queue_declare(
+                    queue.as_str().into(),
+                    lapin::options::QueueDeclareOptions {
+                        passive: true,
+                        ..Default::default()
+                    },
+                    FieldTable::default(),
+                )
+                .await;
+            if let Ok(q) = passive
+                && q.message_count() > 0
+            {
+                addr.do_send(Stuck {
+                    generation,
+                    ready: q.message_count(),
+                });
+            }
+        });
     }
 
     fn maybe_finish(&mut self, ctx: &mut Context<Self>) {
@@ -332,8 +492,11 @@ impl Actor for Consumer {
                     pipeline = act.config.pipeline,
                     "consumer channel is closed; rebuilding it"
                 );
+                crate::metrics::connection("amqp", false);
                 act.teardown();
                 act.connect(ctx);
+            } else {
+                act.check_idle(ctx);
             }
         });
     }
@@ -365,14 +528,14 @@ impl Handler<Connected> for Consumer {
         self.connection = Some(msg.conn);
         info!(pipeline = self.config.pipeline, queue = %self.config.queue, prefetch = self.config.prefetch,
             consumer_tag = %msg.tag, generation, "consuming");
-        self.consumer_tag = Some(msg.tag);
-        let stream = msg
-            .consumer
-            .map(move |d| Event::Delivery(generation, Box::new(d)))
-            .chain(futures::stream::once(
-                async move { Event::Ended(generation) },
-            ));
-        ctx.add_stream(stream);
+        crate::metrics::connection("amqp", true);
+        if generation > 1 {
+            crate::metrics::reconnected("amqp");
+        }
+        self.add_consumer_stream(ctx, msg.consumer, msg.tag);
+        if !self.holds.is_empty() {
+            self.unsubscribe();
+        }
     }
 }
 
@@ -388,7 +551,14 @@ impl StreamHandler<Event> for Consumer {
                 }
             }
             Event::Delivery(..) => {}
-            Event::Ended(generation) if generation == self.generation => {
+            Event::Ended(generation, tag) => {
+                // Only the end of the current subscription matters; an older one was cancelled
+                // by us for a hold.
+                let current = generation == self.generation
+                    && self.consumer_tag.as_deref() == Some(tag.as_str());
+                if !current {
+                    return;
+                }
                 if self.stopping {
                     self.stream_ended = true;
                     self.send_drain();
@@ -400,7 +570,6 @@ impl StreamHandler<Event> for Consumer {
                     self.connect(ctx);
                 }
             }
-            Event::Ended(_) => {}
         }
     }
 
@@ -464,5 +633,56 @@ impl Handler<Shutdown> for Consumer {
         Box::pin(async move {
             let _ = rx.await;
         })
+    }
+}
+
+impl Handler<Hold> for Consumer {
+    type Result = ();
+
+    fn handle(&mut self, msg: Hold, ctx: &mut Self::Context) {
+        let was_held = !self.holds.is_empty();
+        if msg.on {
+            if !self.holds.contains(&msg.reason) {
+                self.holds.push(msg.reason);
+            }
+        } else {
+            self.holds.retain(|r| *r != msg.reason);
+        }
+        let held = !self.holds.is_empty();
+        if held && !was_held {
+            warn!(pipeline = self.config.pipeline, reason = ?msg.reason, "holding: no new deliveries");
+            self.unsubscribe();
+        } else if !held && was_held && !self.stopping {
+            info!(pipeline = self.config.pipeline, reason = ?msg.reason, "resuming deliveries");
+            self.resubscribe(ctx);
+        }
+    }
+}
+
+impl Handler<Resubscribed> for Consumer {
+    type Result = ();
+
+    fn handle(&mut self, msg: Resubscribed, ctx: &mut Self::Context) {
+        if msg.generation != self.generation || self.stopping {
+            return;
+        }
+        self.add_consumer_stream(ctx, msg.consumer, msg.tag);
+        if !self.holds.is_empty() {
+            self.unsubscribe();
+        }
+    }
+}
+
+impl Handler<Stuck> for Consumer {
+    type Result = ();
+
+    fn handle(&mut self, msg: Stuck, ctx: &mut Self::Context) {
+        if msg.generation != self.generation || self.stopping || self.inflight > 0 {
+            return;
+        }
+        warn!(pipeline = self.config.pipeline, queue = %self.config.queue, ready = msg.ready,
+            "consumer receives nothing while its queue holds messages; rebuilding it");
+        self.teardown();
+        self.connect(ctx);
     }
 }

@@ -86,6 +86,9 @@ pub fn start<D: Domain>(settings: &Settings, domain: Arc<D>, pool: Pool, mode: M
         db_retry_window: Duration::from_millis(settings.db_retry_window_ms),
         stopping: stopping.clone(),
         failures: AtomicU32::new(0),
+        hold: consumer_addr.clone().recipient(),
+        breaker_threshold: settings.breaker_failures,
+        breaker_open: AtomicBool::new(false),
     });
 
     let batch_size = settings.users_batch_size;
