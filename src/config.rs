@@ -430,7 +430,10 @@ fn check(key: &str, rule: &Rule, value: &Value) -> Result<(), ConfigError> {
     let invalid = |expected: String| ConfigError::Invalid {
         setting: key.to_ascii_uppercase(),
         expected,
-        got: show(value),
+        got: match (rule, value) {
+            (Rule::Url(_), Value::String(_, s)) => format!("{:?}", redact_url(s)),
+            _ => show(value),
+        },
     };
     match rule {
         Rule::Int { min, max } => {
@@ -452,6 +455,13 @@ fn check(key: &str, rule: &Rule, value: &Value) -> Result<(), ConfigError> {
             match url::Url::parse(s) {
                 Ok(u) if schemes.contains(&u.scheme()) && u.host_str().is_some() => {}
                 _ => return Err(invalid(expected())),
+            }
+            // The AMQP client has its own parser (query options such as heartbeat): a URL it
+            // refuses must stop warren now, not loop in a reconnect.
+            if schemes.contains(&"amqp")
+                && let Err(e) = s.parse::<lapin::uri::AMQPUri>()
+            {
+                return Err(invalid(format!("an AMQP URL the client accepts ({e})")));
             }
         }
         Rule::Addr => {
@@ -642,6 +652,19 @@ mod tests {
         .unwrap();
         assert_eq!(s.users_batch_size, 10);
         assert_eq!(s.max_retries, 3);
+    }
+
+    #[test]
+    fn urls_are_checked_by_the_amqp_parser_and_redacted_in_errors() {
+        let err = with(&[("amqp_url", "amqp://u:s3cret@h:5672/%2f?heartbeat=10s")]).unwrap_err();
+        let text = err.to_string();
+        assert!(
+            text.starts_with("AMQP_URL: expected an AMQP URL the client accepts"),
+            "{text}"
+        );
+        assert!(!text.contains("s3cret"), "{text}");
+        let err = with(&[("database_url", "http://u:s3cret@h/db")]).unwrap_err();
+        assert!(!err.to_string().contains("s3cret"), "{err}");
     }
 
     #[test]

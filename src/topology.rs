@@ -93,7 +93,7 @@ pub enum TopologyError {
     "{object} exists with {argument} = {existing}, but warren declares {argument} = {wanted}.\n\
      warren never deletes or changes an existing object. To resolve it, either\n\
      - make the configuration match what exists ({hint}), or\n\
-     - move its messages away, delete it (rabbitmqctl {delete_cmd}) and run `warren declare` again."
+     - move its messages away, delete it ({delete_cmd}) and run `warren declare` again."
 )]
 pub struct Drift {
     pub object: String,
@@ -362,7 +362,10 @@ async fn declare_exchange(conn: &Connection, e: &Exchange) -> Result<Outcome, To
             "exchange",
             &e.name,
             "",
-            &format!("delete_exchange {}", e.name),
+            &format!(
+                "rabbitmqadmin delete exchange name={}, or the management UI",
+                e.name
+            ),
         )),
     }
 }
@@ -400,7 +403,7 @@ async fn declare_queue(conn: &Connection, q: &Queue) -> Result<Outcome, Topology
                 "queue",
                 &q.name,
                 hint,
-                &format!("delete_queue {}", q.name),
+                &format!("rabbitmqctl delete_queue {}", q.name),
             ))
         }
     }

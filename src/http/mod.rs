@@ -251,6 +251,10 @@ async fn create_user(
             StatusCode::SERVICE_UNAVAILABLE,
             format!("{e}; run `warren declare` to create the topology"),
         ),
+        Err(e) if e.to_string().contains("NOT_FOUND") => error(
+            StatusCode::SERVICE_UNAVAILABLE,
+            format!("{e}; run `warren declare` to create the topology"),
+        ),
         Err(e) => error(StatusCode::SERVICE_UNAVAILABLE, e.to_string()),
     }
 }

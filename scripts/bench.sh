@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# Benchmark: publish N persistent messages with `warren publish` (default 200,000), then drain
+# them with `warren run --roles consumer` and print the throughput (messages per second, from
+# the first row committed to the last) and warren's peak RSS. Uses its own queue names
+# (warren_bench_*) and schema (warren_bench); re-runs purge them first.
+#   scripts/bench.sh [N] [extra settings as KEY=VALUE ...]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+N="${1:-200000}"; shift || true
+./scripts/setup.sh >/dev/null 2>&1 || ./scripts/setup.sh
+cargo build --release -q
+BIN=target/release/warren
+
+export MAIN_EXCHANGE=warren_bench_exchange MAIN_QUEUE=warren_bench_queue
+export RETRY_EXCHANGE=warren_bench_retry_exchange RETRY_QUEUE=warren_bench_retry
+export DLX_EXCHANGE=warren_bench_dlx DLQ_QUEUE=warren_bench_dlq
+export DATABASE_SCHEMA=warren_bench METRICS_ADDR=127.0.0.1:0 HTTP_ADDR=127.0.0.1:0
+export DATABASE_URL="${DATABASE_URL:-postgres://warren:warren@127.0.0.1:5432/warren}"
+for kv in "$@"; do export "${kv?}"; done
+
+psql "$DATABASE_URL" -qc "DROP SCHEMA IF EXISTS warren_bench CASCADE" 2>/dev/null
+"$BIN" declare >/dev/null
+for q in "$MAIN_QUEUE" "$RETRY_QUEUE" "$DLQ_QUEUE"; do rabbitmqctl -q purge_queue "$q" >/dev/null; done
+
+echo "publishing $N messages..."
+"$BIN" publish --count "$N"
+
+"$BIN" run --roles consumer 2>/tmp/warren-bench.log &
+PID=$!
+START=$(date +%s.%N)
+while :; do
+  ROWS=$(psql "$DATABASE_URL" -qtAc "SELECT count(*) FROM warren_bench.users")
+  [ "$ROWS" -ge "$N" ] && break
+  kill -0 "$PID" 2>/dev/null || { echo "warren exited; see /tmp/warren-bench.log"; exit 1; }
+  sleep 0.2
+done
+END=$(date +%s.%N)
+PEAK_KB=$(awk '/VmHWM/ {print $2}' "/proc/$PID/status")
+kill -TERM "$PID"; wait "$PID" || true
+
+SPAN=$(psql "$DATABASE_URL" -qtAc \
+  "SELECT extract(epoch FROM max(inserted_at) - min(inserted_at)) FROM warren_bench.users")
+awk -v n="$N" -v span="$SPAN" -v start="$START" -v end="$END" -v kb="$PEAK_KB" 'BEGIN {
+  printf "drained %d messages\n", n
+  printf "throughput: %.0f msg/s (first to last commit, %.2f s)\n", n / span, span
+  printf "wall clock from process start: %.2f s (%.0f msg/s)\n", end - start, n / (end - start)
+  printf "peak RSS: %.1f MiB\n", kb / 1024
+}'
+psql "$DATABASE_URL" -qc "DROP SCHEMA IF EXISTS warren_bench CASCADE"

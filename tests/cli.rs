@@ -1,0 +1,333 @@
+//! The `warren` command line: bad settings stop `run` with exit code 2 and a message naming the
+//! setting, `config` shows the effective settings with passwords redacted, and `publish`
+//! (generated load with invalid messages, or JSON lines from stdin) end to end.
+
+mod common;
+
+use std::io::Write as _;
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use common::*;
+use lapin::types::AMQPValue;
+use uuid::Uuid;
+
+/// Runs `cmd` to completion, killing it after `timeout` (a `run` that should have refused to
+/// start must not hang the test): (exit code, stdout, stderr).
+fn run_bounded(mut cmd: Command, timeout: Duration) -> (i32, String, String) {
+    let mut child = cmd
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("start warren");
+    let deadline = Instant::now() + timeout;
+    loop {
+        if child.try_wait().expect("wait").is_some() {
+            break;
+        }
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            let out = child.wait_with_output().expect("output");
+            panic!(
+                "warren still running after {timeout:?}:\n{}\n{}",
+                String::from_utf8_lossy(&out.stdout),
+                String::from_utf8_lossy(&out.stderr)
+            );
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let out = child.wait_with_output().expect("output");
+    (
+        out.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+/// `warren run` with `env`'s settings plus `extra` variables and `args` must exit 2 at once
+/// with `message` on stderr.
+fn assert_refused(env: &TestEnv, extra: &[(&str, &str)], args: &[&str], message: &str) {
+    let mut cmd = env.command(args);
+    cmd.envs(extra.iter().copied());
+    let (code, out, err) = run_bounded(cmd, Duration::from_secs(10));
+    assert_eq!(
+        code, 2,
+        "warren {args:?} with {extra:?}: exit {code}\n{out}\n{err}"
+    );
+    assert!(
+        err.contains(message),
+        "warren {args:?} with {extra:?}: stderr lacks {message:?}:\n{err}"
+    );
+    // Refused before doing anything: one line, no logs of a started pipeline.
+    assert!(!err.contains("warren running"), "{err}");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn bad_settings_stop_run_with_exit_code_2_naming_them() {
+    let env = TestEnv::new("cli_bad").await;
+    assert_refused(
+        &env,
+        &[("USERS_BATCH_SIZE", "abc")],
+        &["run"],
+        r#"USERS_BATCH_SIZE: expected an integer from 1 to 10000, got "abc""#,
+    );
+    assert_refused(
+        &env,
+        &[],
+        &["run", "--set", "users_batch_size=0"],
+        "USERS_BATCH_SIZE: expected an integer from 1 to 10000, got 0",
+    );
+    // `--set` before the subcommand is the same flag.
+    assert_refused(
+        &env,
+        &[],
+        &["--set", "users_batch_size=10001", "run"],
+        "USERS_BATCH_SIZE: expected an integer from 1 to 10000, got 10001",
+    );
+    assert_refused(
+        &env,
+        &[],
+        &["run", "--set", "nope=1"],
+        "unknown setting `nope` in --set",
+    );
+    assert_refused(
+        &env,
+        &[],
+        &["run", "--set", "users_batch_size"],
+        "expected KEY=VALUE",
+    );
+    assert_refused(
+        &env,
+        &[("AMQP_URL", "http://127.0.0.1:5672")],
+        &["run"],
+        r#"AMQP_URL: expected a URL starting with amqp:// or amqps://, got "http://127.0.0.1:5672""#,
+    );
+    assert_refused(
+        &env,
+        &[("AMQP_URL", "not a url")],
+        &["run"],
+        r#"AMQP_URL: expected a URL starting with amqp:// or amqps://, got "not a url""#,
+    );
+    // The CLI flag wins over a good environment value, and a bad one is refused even when the
+    // environment is fine.
+    assert_refused(
+        &env,
+        &[("USERS_BATCH_SIZE", "500")],
+        &["run", "--roles", "consumer,web"],
+        "ROLES: expected a comma-separated subset of consumer,dlq,api",
+    );
+    // Nothing was declared or consumed by the refused runs.
+    let (code, out, err) = env.run(&["declare", "--dry-run"]);
+    assert_eq!(code, 0, "{out}\n{err}");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn an_amqp_url_the_amqp_client_cannot_parse_is_refused_at_startup() {
+    // A well-formed URL whose query the AMQP client refuses (heartbeat is a number of seconds):
+    // no connection can ever be made with it, so it is a bad value like any other.
+    let env = TestEnv::new("cli_bad_url").await;
+    assert_refused(
+        &env,
+        &[(
+            "AMQP_URL",
+            "amqp://guest:guest@127.0.0.1:5672/%2f?heartbeat=10s",
+        )],
+        &["run", "--roles", "consumer"],
+        "AMQP_URL:",
+    );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn config_prints_the_effective_settings_with_passwords_redacted() {
+    let mut env = TestEnv::new("cli_config").await;
+    env.set("USERS_BATCH_SIZE", "123")
+        .set("REDIS_URL", "redis://:hunter2@127.0.0.1:6379");
+    let (code, out, err) = env.run(&["config"]);
+    assert_eq!(code, 0, "{out}\n{err}");
+
+    // Valid TOML with exactly the settings of the shipped config/default.toml.
+    let table: toml::Table = out.parse().unwrap_or_else(|e| panic!("{e}:\n{out}"));
+    let shipped: toml::Table =
+        std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/config/default.toml"))
+            .unwrap()
+            .parse()
+            .unwrap();
+    let keys = |t: &toml::Table| t.keys().cloned().collect::<std::collections::BTreeSet<_>>();
+    assert_eq!(keys(&table), keys(&shipped), "{out}");
+    // The environment override and the env's own names are in effect.
+    assert_eq!(table["users_batch_size"].as_integer(), Some(123), "{out}");
+    assert_eq!(table["main_queue"].as_str(), Some(env.main_queue.as_str()));
+    assert_eq!(table["retry_ttl_ms"].as_integer(), Some(10_000));
+    assert!(out.contains("# effective prefetch: 246"), "{out}");
+
+    // Passwords redacted, users and hosts kept.
+    assert_eq!(
+        table["amqp_url"].as_str(),
+        Some("amqp://guest:***@127.0.0.1:5672/%2f"),
+        "{out}"
+    );
+    assert_eq!(
+        table["database_url"].as_str(),
+        Some("postgres://warren:***@127.0.0.1:5432/warren"),
+        "{out}"
+    );
+    assert!(
+        table["redis_url"]
+            .as_str()
+            .is_some_and(|u| u.contains(":***@127.0.0.1:6379")),
+        "{out}"
+    );
+    for secret in [":guest@", ":warren@", "hunter2"] {
+        assert!(!out.contains(secret), "{secret} shown:\n{out}");
+    }
+
+    // `--set` wins over the environment.
+    let (code, out, err) = env.run(&["config", "--set", "users_batch_size=77"]);
+    assert_eq!(code, 0, "{out}\n{err}");
+    assert!(out.contains("users_batch_size = 77"), "{out}");
+    assert!(out.contains("# effective prefetch: 154"), "{out}");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn publish_with_invalid_messages_sends_them_to_the_dlq() {
+    let env = TestEnv::new("cli_pub_inv").await;
+    env.declare();
+    let (code, out, err) = env.run(&["publish", "--count", "500", "--invalid-every", "100"]);
+    assert_eq!(code, 0, "{out}\n{err}");
+    assert!(out.contains("published 500 messages"), "{out}");
+    assert!(out.contains(", 0 failed"), "{out}");
+    assert_eq!(env.queue_state(&env.main_queue).await.0, 500);
+
+    // Only the main consumer: the DLQ consumer would take the dead letters away.
+    let mut warren = env.start(&["--roles", "consumer"]);
+    wait_until("495 rows", Duration::from_secs(30), || async {
+        env.count_rows().await >= 495
+    })
+    .await;
+    wait_until(
+        "5 dead letters and an empty main queue",
+        Duration::from_secs(15),
+        || async {
+            env.queue_state(&env.dlq_queue).await.0 == 5
+                && env.queue_state(&env.main_queue).await.0 == 0
+        },
+    )
+    .await;
+    assert_eq!(env.count_rows().await, 495, "log:\n{}", warren.logs());
+    assert_eq!(
+        warren.terminate(Duration::from_secs(30)).code(),
+        Some(0),
+        "log:\n{}",
+        warren.logs()
+    );
+
+    let dead = env.drain_queue(&env.dlq_queue, 10).await;
+    assert_eq!(dead.len(), 5);
+    let mut kinds = Vec::new();
+    for m in &dead {
+        let headers = m
+            .properties
+            .headers()
+            .clone()
+            .expect("headers on a dead letter");
+        let header = |key: &str| match headers.inner().get(key) {
+            Some(AMQPValue::LongString(s)) => String::from_utf8_lossy(s.as_bytes()).into_owned(),
+            other => panic!("{key}: {other:?} on {:?}", String::from_utf8_lossy(&m.data)),
+        };
+        let kind = header("x-error-kind");
+        assert!(!header("x-error-reason").is_empty());
+        // The body is the original one, unchanged.
+        let body = String::from_utf8_lossy(&m.data).into_owned();
+        match kind.as_str() {
+            "invalid_json" => assert!(body.starts_with("not json"), "{body}"),
+            "invalid_payload" => assert!(body.contains("not-an-email"), "{body}"),
+            other => panic!("unexpected x-error-kind {other}"),
+        }
+        kinds.push(kind);
+    }
+    kinds.sort();
+    assert_eq!(
+        kinds,
+        [
+            "invalid_json",
+            "invalid_json",
+            "invalid_json",
+            "invalid_payload",
+            "invalid_payload"
+        ]
+    );
+    assert_queue_empty(&env, &env.retry_queue).await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn publish_stdin_sends_json_lines_and_names_the_bad_one() {
+    let env = TestEnv::new("cli_pub_stdin").await;
+    env.declare();
+    let ids: Vec<Uuid> = (0..3).map(|_| Uuid::new_v4()).collect();
+    let lines = [
+        String::from_utf8(user_body(ids[0])).unwrap(),
+        String::from_utf8(user_body(ids[1])).unwrap(),
+        "this line is not JSON".to_string(),
+        String::from_utf8(user_body(ids[2])).unwrap(),
+        "[1, 2]".to_string(),
+    ];
+    let mut child = env
+        .command(&["publish", "--stdin"])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("start warren publish");
+    {
+        let mut stdin = child.stdin.take().unwrap();
+        for line in &lines {
+            writeln!(stdin, "{line}").unwrap();
+        }
+    }
+    let out = tokio::task::block_in_place(|| child.wait_with_output()).expect("publish");
+    let (stdout, stderr) = (
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr),
+    );
+    assert_eq!(out.status.code(), Some(0), "{stdout}\n{stderr}");
+    assert!(stdout.contains("published 3 messages"), "{stdout}");
+    assert!(
+        stderr.contains("line 3: not JSON"),
+        "stderr does not name line 3:\n{stderr}"
+    );
+    assert!(
+        stderr.contains("line 5: expected a JSON object"),
+        "stderr does not name line 5:\n{stderr}"
+    );
+    assert!(
+        !stderr.contains("line 1:") && !stderr.contains("line 4"),
+        "{stderr}"
+    );
+    assert_eq!(env.queue_state(&env.main_queue).await.0, 3);
+
+    let mut warren = env.start(&["--roles", "consumer"]);
+    wait_until("3 rows", Duration::from_secs(30), || async {
+        env.count_rows().await >= 3
+    })
+    .await;
+    wait_until("the main queue empty", Duration::from_secs(10), || async {
+        env.queue_state(&env.main_queue).await.0 == 0
+    })
+    .await;
+    assert_eq!(env.row_ids().await, ids.iter().copied().collect());
+    let email: String = env
+        .db
+        .query_one("SELECT email FROM users WHERE id = $1", &[&ids[1]])
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(email, format!("{}@example.com", ids[1]));
+    assert_queue_empty(&env, &env.dlq_queue).await;
+    assert_eq!(
+        warren.terminate(Duration::from_secs(30)).code(),
+        Some(0),
+        "log:\n{}",
+        warren.logs()
+    );
+}

@@ -1,0 +1,662 @@
+//! `warren declare` against the real broker and database: the exact topology it creates (checked
+//! with `rabbitmqctl` and by routing through every binding), idempotence, drift that is reported
+//! and never "fixed" by deleting, `--dry-run`, and the migrations it applies.
+
+mod common;
+
+use std::collections::BTreeMap;
+use std::time::{Duration, Instant};
+
+use common::*;
+use lapin::options::{BasicGetOptions, BasicRejectOptions, QueueDeclareOptions};
+use lapin::types::{AMQPValue, FieldTable};
+use lapin::{BasicProperties, ExchangeKind};
+use serde_json::{Value, json};
+
+/// `rabbitmqctl <args> --formatter json`, parsed.
+async fn rabbitmqctl(args: &[&str]) -> Vec<Value> {
+    let out = tokio::process::Command::new("rabbitmqctl")
+        .args(args)
+        .args(["--formatter", "json", "--quiet"])
+        .output()
+        .await
+        .expect("run rabbitmqctl");
+    assert!(
+        out.status.success(),
+        "rabbitmqctl {args:?} failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let text = String::from_utf8_lossy(&out.stdout);
+    // `--quiet` still prints nothing but the JSON array; be lenient about leading noise.
+    let start = text
+        .find('[')
+        .unwrap_or_else(|| panic!("no JSON in {text}"));
+    serde_json::from_str(&text[start..]).unwrap_or_else(|e| panic!("{e}: {text}"))
+}
+
+/// The broker's view of one queue: durable flag and arguments (name -> value).
+#[derive(Debug, Clone, PartialEq)]
+struct QueueInfo {
+    durable: bool,
+    arguments: BTreeMap<String, Value>,
+}
+
+/// Queues whose names start with this env's id.
+async fn queues(env: &TestEnv) -> BTreeMap<String, QueueInfo> {
+    rabbitmqctl(&["list_queues", "name", "durable", "arguments"])
+        .await
+        .into_iter()
+        .filter(|q| q["name"].as_str().is_some_and(|n| n.starts_with(&env.id)))
+        .map(|q| {
+            let arguments = q["arguments"]
+                .as_array()
+                .expect("arguments")
+                .iter()
+                .map(|a| (a[0].as_str().unwrap().to_string(), a[2].clone()))
+                .collect();
+            (
+                q["name"].as_str().unwrap().to_string(),
+                QueueInfo {
+                    durable: q["durable"].as_bool().unwrap(),
+                    arguments,
+                },
+            )
+        })
+        .collect()
+}
+
+/// Exchanges of this env: name -> (type, durable, auto_delete).
+async fn exchanges(env: &TestEnv) -> BTreeMap<String, (String, bool, bool)> {
+    rabbitmqctl(&["list_exchanges", "name", "type", "durable", "auto_delete"])
+        .await
+        .into_iter()
+        .filter(|e| e["name"].as_str().is_some_and(|n| n.starts_with(&env.id)))
+        .map(|e| {
+            (
+                e["name"].as_str().unwrap().to_string(),
+                (
+                    e["type"].as_str().unwrap().to_string(),
+                    e["durable"].as_bool().unwrap(),
+                    e["auto_delete"].as_bool().unwrap(),
+                ),
+            )
+        })
+        .collect()
+}
+
+/// Bindings whose source is one of this env's exchanges: (source, destination, routing key).
+async fn bindings(env: &TestEnv) -> Vec<(String, String, String)> {
+    let mut out: Vec<_> = rabbitmqctl(&[
+        "list_bindings",
+        "source_name",
+        "destination_name",
+        "destination_kind",
+        "routing_key",
+    ])
+    .await
+    .into_iter()
+    .filter(|b| {
+        b["source_name"]
+            .as_str()
+            .is_some_and(|n| n.starts_with(&env.id))
+    })
+    .map(|b| {
+        assert_eq!(b["destination_kind"], "queue", "{b}");
+        (
+            b["source_name"].as_str().unwrap().to_string(),
+            b["destination_name"].as_str().unwrap().to_string(),
+            b["routing_key"].as_str().unwrap().to_string(),
+        )
+    })
+    .collect();
+    out.sort();
+    out
+}
+
+/// Whether `queue` exists (passive declare on a channel of its own).
+async fn queue_exists(env: &TestEnv, queue: &str) -> bool {
+    let ch = env.conn.create_channel().await.expect("channel");
+    let found = ch
+        .queue_declare(
+            queue.into(),
+            QueueDeclareOptions {
+                passive: true,
+                ..Default::default()
+            },
+            FieldTable::default(),
+        )
+        .await
+        .is_ok();
+    if found {
+        let _ = ch.close(200, "ok".into()).await;
+    }
+    found
+}
+
+/// Whether `exchange` exists (passive declare on a channel of its own).
+async fn exchange_exists(env: &TestEnv, exchange: &str) -> bool {
+    let ch = env.conn.create_channel().await.expect("channel");
+    let found = ch
+        .exchange_declare(
+            exchange.into(),
+            ExchangeKind::Direct,
+            lapin::options::ExchangeDeclareOptions {
+                passive: true,
+                ..Default::default()
+            },
+            FieldTable::default(),
+        )
+        .await
+        .is_ok();
+    if found {
+        let _ = ch.close(200, "ok".into()).await;
+    }
+    found
+}
+
+/// The line of `stdout` that mentions `object` (for example `queue NAME (`).
+fn line_of<'a>(stdout: &'a str, object: &str) -> &'a str {
+    stdout
+        .lines()
+        .find(|l| l.contains(object))
+        .unwrap_or_else(|| panic!("no line for {object:?} in:\n{stdout}"))
+}
+
+fn expected_queues(env: &TestEnv, ttl: u64) -> BTreeMap<String, QueueInfo> {
+    let q = |args: Vec<(&str, Value)>| QueueInfo {
+        durable: true,
+        arguments: args.into_iter().map(|(k, v)| (k.to_string(), v)).collect(),
+    };
+    BTreeMap::from([
+        (
+            env.main_queue.clone(),
+            q(vec![
+                ("x-dead-letter-exchange", json!(env.dlx_exchange)),
+                ("x-dead-letter-routing-key", json!(env.dlq_queue)),
+            ]),
+        ),
+        (
+            env.retry_queue.clone(),
+            q(vec![
+                ("x-message-ttl", json!(ttl)),
+                ("x-dead-letter-exchange", json!(env.main_exchange)),
+                ("x-dead-letter-routing-key", json!(env.main_queue)),
+            ]),
+        ),
+        (env.dlq_queue.clone(), q(vec![])),
+    ])
+}
+
+fn expected_bindings(env: &TestEnv) -> Vec<(String, String, String)> {
+    let mut b = vec![
+        (
+            env.main_exchange.clone(),
+            env.main_queue.clone(),
+            env.main_queue.clone(),
+        ),
+        (
+            env.retry_exchange.clone(),
+            env.retry_queue.clone(),
+            env.retry_queue.clone(),
+        ),
+        (
+            env.dlx_exchange.clone(),
+            env.dlq_queue.clone(),
+            env.dlq_queue.clone(),
+        ),
+    ];
+    b.sort();
+    b
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn declare_creates_exactly_the_topology() {
+    let mut env = TestEnv::new("decl_new").await;
+    // A TTL that is not the default proves it comes from RETRY_TTL_MS.
+    env.set("RETRY_TTL_MS", "1500");
+    let (code, out, err) = env.run(&["declare"]);
+    assert_eq!(code, 0, "declare failed:\n{out}\n{err}");
+
+    // Exactly three durable direct exchanges, not auto-deleted.
+    let found = exchanges(&env).await;
+    let wanted: BTreeMap<String, (String, bool, bool)> =
+        [&env.main_exchange, &env.retry_exchange, &env.dlx_exchange]
+            .into_iter()
+            .map(|n| (n.clone(), ("direct".to_string(), true, false)))
+            .collect();
+    assert_eq!(found, wanted);
+
+    // Exactly three durable queues with exactly these arguments.
+    assert_eq!(queues(&env).await, expected_queues(&env, 1500));
+
+    // Exactly the three bindings, routing key = queue name.
+    assert_eq!(bindings(&env).await, expected_bindings(&env));
+
+    // The report names every object, exchanges and queues as created.
+    for e in [&env.main_exchange, &env.retry_exchange, &env.dlx_exchange] {
+        let line = line_of(&out, &format!("exchange {e} ("));
+        assert!(line.contains("direct, durable"), "{line}");
+        assert!(line.trim_end().ends_with("created"), "{line}");
+    }
+    for q in [&env.main_queue, &env.retry_queue, &env.dlq_queue] {
+        let line = line_of(&out, &format!("queue {q} ("));
+        assert!(line.trim_end().ends_with("created"), "{line}");
+    }
+    assert!(line_of(&out, &format!("queue {} (", env.retry_queue)).contains("x-message-ttl=1500"));
+    for (exchange, queue, key) in expected_bindings(&env) {
+        let line = line_of(&out, &format!("binding {exchange} -> {queue} "));
+        assert!(line.contains(&format!("routing key {key}")), "{line}");
+    }
+    let line = line_of(&out, &format!("database schema {}", env.schema));
+    assert!(
+        line.contains("V1__users") && line.contains("V2__dead_letters"),
+        "{line}"
+    );
+
+    // The arguments work, not only exist: every binding routes (publish_to asserts it), a
+    // retried message comes back to the main queue after the TTL, and a message the main queue
+    // rejects is dead-lettered to the DLQ.
+    env.publish_to(
+        &env.dlx_exchange,
+        &env.dlq_queue,
+        b"to dlq",
+        BasicProperties::default(),
+    )
+    .await;
+    assert_eq!(env.queue_state(&env.dlq_queue).await.0, 1);
+    env.publish_to(
+        &env.retry_exchange,
+        &env.retry_queue,
+        b"to retry",
+        BasicProperties::default(),
+    )
+    .await;
+    assert_eq!(env.queue_state(&env.retry_queue).await.0, 1);
+    wait_until(
+        "the retried message back in the main queue after the TTL",
+        Duration::from_secs(10),
+        || async {
+            env.queue_state(&env.retry_queue).await.0 == 0
+                && env.queue_state(&env.main_queue).await.0 == 1
+        },
+    )
+    .await;
+    env.publish_to(
+        &env.main_exchange,
+        &env.main_queue,
+        b"to main",
+        BasicProperties::default(),
+    )
+    .await;
+    let ch = env.conn.create_channel().await.unwrap();
+    for _ in 0..2 {
+        let m = ch
+            .basic_get(
+                env.main_queue.as_str().into(),
+                BasicGetOptions { no_ack: false },
+            )
+            .await
+            .unwrap()
+            .expect("a message in the main queue");
+        m.reject(BasicRejectOptions { requeue: false })
+            .await
+            .unwrap();
+    }
+    wait_until(
+        "both rejected messages in the DLQ",
+        Duration::from_secs(5),
+        || async { env.queue_state(&env.dlq_queue).await.0 == 3 },
+    )
+    .await;
+    assert_queue_empty(&env, &env.main_queue).await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_second_declare_matches_everything_and_changes_nothing() {
+    let env = TestEnv::new("decl_again").await;
+    env.declare();
+    let before = (
+        exchanges(&env).await,
+        queues(&env).await,
+        bindings(&env).await,
+    );
+    assert_eq!(before.1, expected_queues(&env, 10_000));
+    // Messages waiting in the queues must survive a re-declare.
+    let ids = env.publish_users(3).await;
+    env.publish_to(
+        &env.dlx_exchange,
+        &env.dlq_queue,
+        b"parked",
+        BasicProperties::default(),
+    )
+    .await;
+
+    let (code, out, err) = env.run(&["declare"]);
+    assert_eq!(code, 0, "second declare failed:\n{out}\n{err}");
+    for e in [&env.main_exchange, &env.retry_exchange, &env.dlx_exchange] {
+        let line = line_of(&out, &format!("exchange {e} ("));
+        assert!(line.trim_end().ends_with("already matched"), "{line}");
+    }
+    for q in [&env.main_queue, &env.retry_queue, &env.dlq_queue] {
+        let line = line_of(&out, &format!("queue {q} ("));
+        assert!(line.trim_end().ends_with("already matched"), "{line}");
+    }
+    assert!(
+        !out.contains("created"),
+        "second declare created something:\n{out}"
+    );
+    let line = line_of(&out, &format!("database schema {}", env.schema));
+    assert!(line.contains("already up to date"), "{line}");
+
+    let after = (
+        exchanges(&env).await,
+        queues(&env).await,
+        bindings(&env).await,
+    );
+    assert_eq!(before, after, "the second declare changed the topology");
+    assert_eq!(env.queue_state(&env.main_queue).await.0, ids.len() as u32);
+    assert_eq!(env.queue_state(&env.dlq_queue).await.0, 1);
+    // The migration history did not grow either.
+    let applied: i64 = env
+        .db
+        .query_one("SELECT count(*) FROM refinery_schema_history", &[])
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(applied, 2);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_drifted_retry_queue_is_reported_and_left_alone() {
+    let env = TestEnv::new("decl_drift").await;
+    // Someone created the retry queue with another TTL (RETRY_TTL_MS stays at its 10000 default).
+    let mut args = FieldTable::default();
+    args.insert("x-message-ttl".into(), AMQPValue::LongInt(5000));
+    args.insert(
+        "x-dead-letter-exchange".into(),
+        long_string(&env.main_exchange),
+    );
+    args.insert(
+        "x-dead-letter-routing-key".into(),
+        long_string(&env.main_queue),
+    );
+    env.channel
+        .queue_declare(
+            env.retry_queue.as_str().into(),
+            QueueDeclareOptions {
+                durable: true,
+                ..Default::default()
+            },
+            args,
+        )
+        .await
+        .expect("declare the drifted retry queue");
+    // Messages in it (through the default exchange); they expire 5 s after this.
+    let published = Instant::now();
+    for i in 0..3 {
+        env.publish_to(
+            "",
+            &env.retry_queue,
+            format!("waiting {i}").as_bytes(),
+            BasicProperties::default(),
+        )
+        .await;
+    }
+
+    let (code, out, err) = env.run(&["declare"]);
+    let waiting = env.queue_state(&env.retry_queue).await.0;
+    let checked_after = published.elapsed();
+
+    assert_ne!(
+        code, 0,
+        "declare succeeded over a drifted queue:\n{out}\n{err}"
+    );
+    for needle in [
+        env.retry_queue.as_str(),
+        "x-message-ttl",
+        "5000",
+        "10000",
+        "RETRY_TTL_MS",
+        "delete_queue",
+    ] {
+        assert!(err.contains(needle), "stderr lacks {needle:?}:\n{err}");
+    }
+    // Which value is which: the broker holds 5000, warren wants 10000.
+    assert!(
+        err.contains(&format!(
+            "queue {} exists with x-message-ttl = 5000, but warren declares x-message-ttl = 10000",
+            env.retry_queue
+        )),
+        "{err}"
+    );
+    assert!(
+        err.contains("resolve"),
+        "stderr does not say how to resolve it:\n{err}"
+    );
+    assert!(
+        checked_after < Duration::from_millis(4500),
+        "declare too slow ({checked_after:?}) to check the messages before their 5 s TTL"
+    );
+    assert_eq!(waiting, 3, "messages of the drifted queue were lost");
+
+    // Still there, unchanged: same TTL, same arguments, still durable.
+    let found = queues(&env).await;
+    let retry = found.get(&env.retry_queue).expect("retry queue deleted");
+    assert!(retry.durable);
+    assert_eq!(retry.arguments["x-message-ttl"], json!(5000));
+    assert_eq!(
+        retry.arguments["x-dead-letter-exchange"],
+        json!(env.main_exchange)
+    );
+    assert_eq!(retry.arguments.len(), 3, "{retry:?}");
+
+    // Following the advice (delete it with the command given, declare again) resolves it.
+    follow_the_delete_advice(&err).await;
+    env.declare();
+    assert_eq!(queues(&env).await, expected_queues(&env, 10_000));
+}
+
+/// Runs the `rabbitmqctl ...` command the drift message suggests for deleting the object.
+async fn follow_the_delete_advice(stderr: &str) {
+    let start = stderr
+        .find("delete it (rabbitmqctl ")
+        .unwrap_or_else(|| panic!("no delete command suggested:\n{stderr}"))
+        + "delete it (".len();
+    let end = start + stderr[start..].find(')').expect("closing parenthesis");
+    let advice: Vec<&str> = stderr[start..end].split_whitespace().collect();
+    let out = tokio::process::Command::new(advice[0])
+        .args(&advice[1..])
+        .output()
+        .await
+        .expect("run the suggested command");
+    assert!(
+        out.status.success(),
+        "the suggested `{}` fails: {}{}",
+        advice.join(" "),
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_drifted_exchange_is_reported_and_left_alone() {
+    let env = TestEnv::new("decl_xdrift").await;
+    // The retry exchange exists with another type.
+    env.channel
+        .exchange_declare(
+            env.retry_exchange.as_str().into(),
+            ExchangeKind::Fanout,
+            lapin::options::ExchangeDeclareOptions {
+                durable: true,
+                ..Default::default()
+            },
+            FieldTable::default(),
+        )
+        .await
+        .expect("declare the drifted exchange");
+
+    let (code, out, err) = env.run(&["declare"]);
+    assert_ne!(
+        code, 0,
+        "declare succeeded over a drifted exchange:\n{out}\n{err}"
+    );
+    assert!(
+        err.contains(&format!(
+            "exchange {} exists with type = fanout, but warren declares type = direct",
+            env.retry_exchange
+        )),
+        "{err}"
+    );
+    assert!(err.contains("resolve"), "{err}");
+    assert_eq!(
+        exchanges(&env).await.get(&env.retry_exchange),
+        Some(&("fanout".to_string(), true, false)),
+        "the drifted exchange was changed"
+    );
+
+    // The advice names a real way to delete an exchange (rabbitmqctl has none; rabbitmqadmin
+    // needs the management plugin, so the test deletes it over AMQP), after which declare works.
+    assert!(
+        err.contains(&format!(
+            "rabbitmqadmin delete exchange name={}",
+            env.retry_exchange
+        )),
+        "{err}"
+    );
+    env.channel
+        .exchange_delete(
+            env.retry_exchange.as_str().into(),
+            lapin::options::ExchangeDeleteOptions::default(),
+        )
+        .await
+        .expect("delete the drifted exchange");
+    env.declare();
+    assert_eq!(
+        exchanges(&env).await.get(&env.retry_exchange),
+        Some(&("direct".to_string(), true, false))
+    );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn dry_run_prints_the_plan_and_creates_nothing() {
+    let env = TestEnv::new("decl_dry").await;
+    let (code, out, err) = env.run(&["declare", "--dry-run"]);
+    assert_eq!(code, 0, "dry run failed:\n{out}\n{err}");
+    assert!(out.contains("nothing declared"), "{out}");
+    for e in [&env.main_exchange, &env.retry_exchange, &env.dlx_exchange] {
+        line_of(&out, &format!("exchange {e} ("));
+    }
+    for q in [&env.main_queue, &env.retry_queue, &env.dlq_queue] {
+        line_of(&out, &format!("queue {q} ("));
+    }
+    assert!(line_of(&out, &format!("queue {} (", env.retry_queue)).contains("x-message-ttl=10000"));
+    for (exchange, queue, _) in expected_bindings(&env) {
+        line_of(&out, &format!("binding {exchange} -> {queue} "));
+    }
+    line_of(&out, &format!("database schema {}", env.schema));
+    assert!(!out.contains("created"), "{out}");
+
+    for q in [&env.main_queue, &env.retry_queue, &env.dlq_queue] {
+        assert!(!queue_exists(&env, q).await, "dry run created queue {q}");
+    }
+    for e in [&env.main_exchange, &env.retry_exchange, &env.dlx_exchange] {
+        assert!(
+            !exchange_exists(&env, e).await,
+            "dry run created exchange {e}"
+        );
+    }
+    let tables: i64 = env
+        .db
+        .query_one(
+            "SELECT count(*) FROM information_schema.tables WHERE table_schema = $1",
+            &[&env.schema],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(tables, 0, "dry run touched the database");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn declare_applies_the_migrations_in_the_schema() {
+    let env = TestEnv::new("decl_migr").await;
+    env.declare();
+    let columns: Vec<(String, String, String)> = env
+        .db
+        .query(
+            "SELECT column_name::text, data_type::text, is_nullable::text \
+             FROM information_schema.columns \
+             WHERE table_schema = $1 AND table_name = 'users' ORDER BY ordinal_position",
+            &[&env.schema],
+        )
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| (r.get(0), r.get(1), r.get(2)))
+        .collect();
+    let owned = |a: &str, b: &str, c: &str| (a.to_string(), b.to_string(), c.to_string());
+    assert_eq!(
+        columns,
+        vec![
+            owned("id", "uuid", "NO"),
+            owned("name", "text", "NO"),
+            owned("email", "text", "NO"),
+            owned("inserted_at", "timestamp with time zone", "NO"),
+        ]
+    );
+    let constraints: Vec<(String, String)> = env
+        .db
+        .query(
+            "SELECT tc.constraint_type::text, kcu.column_name::text \
+             FROM information_schema.table_constraints tc \
+             JOIN information_schema.key_column_usage kcu \
+               ON kcu.constraint_name = tc.constraint_name AND kcu.table_schema = tc.table_schema \
+             WHERE tc.table_schema = $1 AND tc.table_name = 'users' \
+               AND tc.constraint_type IN ('PRIMARY KEY', 'UNIQUE') \
+             ORDER BY 1, 2",
+            &[&env.schema],
+        )
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| (r.get(0), r.get(1)))
+        .collect();
+    assert_eq!(
+        constraints,
+        vec![
+            ("PRIMARY KEY".to_string(), "id".to_string()),
+            ("UNIQUE".to_string(), "email".to_string()),
+        ]
+    );
+    // The other migration too, and nothing in the public schema was needed.
+    let dead_letters: i64 = env
+        .db
+        .query_one(
+            "SELECT count(*) FROM information_schema.tables \
+             WHERE table_schema = $1 AND table_name = 'dead_letters'",
+            &[&env.schema],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(dead_letters, 1);
+    // inserted_at defaults to now().
+    let id = uuid::Uuid::new_v4();
+    env.db
+        .execute(
+            "INSERT INTO users (id, name, email) VALUES ($1, 'Ana', $2)",
+            &[&id, &format!("{id}@example.com")],
+        )
+        .await
+        .unwrap();
+    let recent: bool = env
+        .db
+        .query_one(
+            "SELECT inserted_at > now() - interval '1 minute' FROM users WHERE id = $1",
+            &[&id],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert!(recent);
+}

@@ -1,0 +1,248 @@
+//! Graceful shutdown of `warren run`: SIGTERM in the middle of a large run drains and exits 0
+//! in time with every inserted message acked and nothing lost; a second SIGTERM during a stuck
+//! shutdown exits at once, and a restart still delivers every message exactly once.
+
+mod common;
+
+use std::collections::HashSet;
+use std::time::{Duration, Instant};
+
+use common::*;
+use tokio_postgres::NoTls;
+
+/// A transaction holding a lock that blocks INSERT into `users` (but not SELECT), so warren's
+/// batches hang in the database and a graceful shutdown cannot drain.
+struct InsertLock {
+    client: tokio_postgres::Client,
+    pid: i32,
+}
+
+impl InsertLock {
+    async fn release(self) {
+        self.client.batch_execute("ROLLBACK").await.expect("unlock");
+    }
+}
+
+async fn lock_inserts(env: &TestEnv) -> InsertLock {
+    let (client, connection) = tokio_postgres::connect(&database_url(), NoTls)
+        .await
+        .expect("connect");
+    tokio::spawn(connection);
+    client
+        .batch_execute(&format!(
+            "SET search_path TO {}; BEGIN; LOCK TABLE users IN SHARE MODE",
+            env.schema
+        ))
+        .await
+        .expect("lock users");
+    let pid: i32 = client
+        .query_one("SELECT pg_backend_pid()", &[])
+        .await
+        .unwrap()
+        .get(0);
+    InsertLock { client, pid }
+}
+
+/// Waits until some backend (warren's batch INSERT) waits for `lock`.
+async fn wait_for_a_blocked_insert(env: &TestEnv, lock: &InsertLock) {
+    wait_until(
+        "a warren INSERT blocked by the lock",
+        Duration::from_secs(30),
+        || async {
+            env.db
+                .query_one(
+                    "SELECT count(*) FROM pg_stat_activity WHERE $1 = ANY(pg_blocking_pids(pid))",
+                    &[&lock.pid],
+                )
+                .await
+                .map(|r| r.get::<_, i64>(0) > 0)
+                .unwrap_or(false)
+        },
+    )
+    .await;
+}
+
+/// Waits until the restarted consumer stored every id in `ids`, then checks the end state.
+async fn assert_everything_arrives_once(env: &TestEnv, ids: &[uuid::Uuid]) {
+    let total = ids.len() as i64;
+    let mut warren = env.start(&["--roles", "consumer"]);
+    wait_until(
+        &format!("{total} rows after the restart"),
+        Duration::from_secs(90),
+        || async { env.count_rows().await >= total },
+    )
+    .await;
+    wait_until("the main queue empty", Duration::from_secs(10), || async {
+        env.queue_state(&env.main_queue).await.0 == 0
+    })
+    .await;
+    // The primary key rules out duplicate rows; the count and the set rule out extra or
+    // missing ones.
+    assert_eq!(env.count_rows().await, total, "log:\n{}", warren.logs());
+    let expected: HashSet<uuid::Uuid> = ids.iter().copied().collect();
+    assert_eq!(expected.len(), ids.len());
+    let stored = env.row_ids().await;
+    let missing = expected.difference(&stored).count();
+    let unexpected = stored.difference(&expected).count();
+    assert!(
+        missing == 0 && unexpected == 0,
+        "{missing} published ids missing, {unexpected} unexpected ids stored"
+    );
+    assert_queue_empty(env, &env.retry_queue).await;
+    assert_queue_empty(env, &env.dlq_queue).await;
+    let status = warren.terminate(Duration::from_secs(30));
+    assert_eq!(status.code(), Some(0), "log:\n{}", warren.logs());
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn sigterm_mid_run_drains_exits_zero_and_loses_nothing() {
+    const TOTAL: usize = 50_000;
+    const SHUTDOWN_TIMEOUT_MS: u64 = 20_000;
+    let mut env = TestEnv::new("term_mid").await;
+    env.set("SHUTDOWN_TIMEOUT_MS", SHUTDOWN_TIMEOUT_MS.to_string());
+    env.declare();
+    let ids = env.publish_users(TOTAL).await;
+    assert_eq!(env.queue_state(&env.main_queue).await.0, TOTAL as u32);
+
+    let mut warren = env.start(&["--roles", "consumer"]);
+    wait_until("the first rows", Duration::from_secs(60), || async {
+        env.count_rows().await > 0
+    })
+    .await;
+    let before_signal = env.count_rows().await;
+    assert!(
+        before_signal < TOTAL as i64,
+        "warren finished the whole run before the SIGTERM; the test proves nothing"
+    );
+
+    let signalled = Instant::now();
+    let margin = Duration::from_secs(10);
+    let status = warren.terminate(Duration::from_millis(SHUTDOWN_TIMEOUT_MS) + margin);
+    let took = signalled.elapsed();
+    assert_eq!(
+        status.code(),
+        Some(0),
+        "exit after SIGTERM: {status:?}; log:\n{}",
+        warren.logs()
+    );
+    assert!(
+        took <= Duration::from_millis(SHUTDOWN_TIMEOUT_MS) + Duration::from_secs(5),
+        "shutdown took {took:?}"
+    );
+    let logs = warren.logs();
+    assert!(logs.contains("shutting down"), "log:\n{logs}");
+
+    // A graceful stop acks exactly what it inserted: the rows plus what the broker holds again
+    // is the whole run, with no consumer left.
+    let rows = env.count_rows().await;
+    assert!(
+        rows >= before_signal && rows < TOTAL as i64,
+        "rows {rows}, before the signal {before_signal}"
+    );
+    wait_until(
+        "rows + messages back in the queue = everything published",
+        Duration::from_secs(10),
+        || async {
+            let (ready, consumers) = env.queue_state(&env.main_queue).await;
+            consumers == 0 && rows + ready as i64 == TOTAL as i64
+        },
+    )
+    .await;
+    assert_eq!(env.count_rows().await, rows, "rows appeared after the exit");
+    eprintln!("SIGTERM at {before_signal} rows; exited 0 after {took:?} with {rows} rows stored");
+
+    assert_everything_arrives_once(&env, &ids).await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_second_sigterm_during_shutdown_exits_at_once() {
+    const TOTAL: usize = 5_000;
+    let mut env = TestEnv::new("term_twice").await;
+    // Long enough that the first shutdown cannot finish by itself during the test.
+    env.set("SHUTDOWN_TIMEOUT_MS", "120000");
+    env.declare();
+    let ids = env.publish_users(TOTAL).await;
+
+    let locker = lock_inserts(&env).await;
+    let mut warren = env.start(&["--roles", "consumer"]);
+    wait_for_a_blocked_insert(&env, &locker).await;
+
+    warren.signal("TERM");
+    wait_until(
+        "the graceful shutdown started",
+        Duration::from_secs(10),
+        || async { warren.logs().contains("shutting down") },
+    )
+    .await;
+    assert!(
+        warren.is_running(),
+        "warren exited although its batches were blocked; log:\n{}",
+        warren.logs()
+    );
+
+    let second = Instant::now();
+    let status = warren.terminate(Duration::from_secs(10));
+    let took = second.elapsed();
+    assert!(
+        took < Duration::from_secs(3),
+        "the second SIGTERM took {took:?} to exit"
+    );
+    assert_ne!(status.code(), Some(0), "log:\n{}", warren.logs());
+    assert!(
+        warren.logs().contains("second signal"),
+        "log:\n{}",
+        warren.logs()
+    );
+
+    // Let the database go; whatever was not acked is still with the broker.
+    locker.release().await;
+    wait_until(
+        "no consumer on the main queue",
+        Duration::from_secs(10),
+        || async { env.queue_state(&env.main_queue).await.1 == 0 },
+    )
+    .await;
+
+    assert_everything_arrives_once(&env, &ids).await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_shutdown_that_cannot_drain_still_exits_zero_after_the_timeout() {
+    const TOTAL: usize = 3_000;
+    const SHUTDOWN_TIMEOUT_MS: u64 = 3_000;
+    let mut env = TestEnv::new("term_stuck").await;
+    env.set("SHUTDOWN_TIMEOUT_MS", SHUTDOWN_TIMEOUT_MS.to_string());
+    env.declare();
+    let ids = env.publish_users(TOTAL).await;
+    let locker = lock_inserts(&env).await;
+    let mut warren = env.start(&["--roles", "consumer"]);
+    wait_for_a_blocked_insert(&env, &locker).await;
+
+    let signalled = Instant::now();
+    let status =
+        warren.terminate(Duration::from_millis(SHUTDOWN_TIMEOUT_MS) + Duration::from_secs(15));
+    let took = signalled.elapsed();
+    assert_eq!(status.code(), Some(0), "log:\n{}", warren.logs());
+    assert!(
+        took >= Duration::from_millis(SHUTDOWN_TIMEOUT_MS) - Duration::from_millis(200),
+        "exited after {took:?}, before the timeout, although nothing could drain"
+    );
+    assert!(
+        took <= Duration::from_millis(SHUTDOWN_TIMEOUT_MS) + Duration::from_secs(7),
+        "exited after {took:?}"
+    );
+    assert!(
+        warren.logs().contains("shutdown timeout reached"),
+        "log:\n{}",
+        warren.logs()
+    );
+
+    locker.release().await;
+    wait_until(
+        "no consumer on the main queue",
+        Duration::from_secs(10),
+        || async { env.queue_state(&env.main_queue).await.1 == 0 },
+    )
+    .await;
+    assert_everything_arrives_once(&env, &ids).await;
+}
