@@ -36,14 +36,16 @@ while :; do
 done
 END=$(date +%s.%N)
 PEAK_KB=$(awk '/VmHWM/ {print $2}' "/proc/$PID/status")
+CPU_S=$(awk -v hz="$(getconf CLK_TCK)" '{print ($14 + $15) / hz}' "/proc/$PID/stat")
 kill -TERM "$PID"; wait "$PID" || true
 
 SPAN=$(psql "$DATABASE_URL" -qtAc \
   "SELECT extract(epoch FROM max(inserted_at) - min(inserted_at)) FROM warren_bench.users")
-awk -v n="$N" -v span="$SPAN" -v start="$START" -v end="$END" -v kb="$PEAK_KB" 'BEGIN {
+awk -v n="$N" -v span="$SPAN" -v start="$START" -v end="$END" -v kb="$PEAK_KB" -v cpu="$CPU_S" 'BEGIN {
   printf "drained %d messages\n", n
   printf "throughput: %.0f msg/s (first to last commit, %.2f s)\n", n / span, span
   printf "wall clock from process start: %.2f s (%.0f msg/s)\n", end - start, n / (end - start)
   printf "peak RSS: %.1f MiB\n", kb / 1024
+  printf "warren CPU: %.2f s (%.1f us per message)\n", cpu, cpu * 1e6 / n
 }'
 psql "$DATABASE_URL" -qc "DROP SCHEMA IF EXISTS warren_bench CASCADE"
