@@ -3,6 +3,7 @@
 
 pub mod config;
 pub mod declare;
+pub mod dlq;
 pub mod publish;
 pub mod run;
 
@@ -36,6 +37,8 @@ pub enum Command {
     Publish(publish::Args),
     /// Print the effective configuration, passwords redacted.
     Config(config::Args),
+    /// Inspect and replay the dead-letter queue and the parked messages.
+    Dlq(dlq::Args),
 }
 
 impl Cli {
@@ -75,6 +78,7 @@ pub async fn dispatch(cli: Cli, settings: Settings) -> i32 {
         Command::Declare(args) => declare::execute(&settings, args).await,
         Command::Publish(args) => publish::execute(&settings, args).await,
         Command::Config(args) => config::execute(&settings, args),
+        Command::Dlq(args) => dlq::execute(&settings, args).await,
     };
     match result {
         Ok(code) => code,
