@@ -35,6 +35,8 @@ pub struct Settings {
     pub redis_url: String,
     /// Prefix of every Redis key, so several deployments share one Redis.
     pub redis_prefix: String,
+    /// Registry heartbeat period (the entry's TTL is 30 s).
+    pub registry_heartbeat_ms: u64,
     /// HTTP API listen address.
     pub http_addr: String,
     /// Prometheus endpoint listen address.
@@ -134,6 +136,13 @@ const RULES: &[(&str, Rule)] = &[
     ("database_pool_size", Rule::Int { min: 1, max: 256 }),
     ("redis_url", Rule::Url(&["redis", "rediss"])),
     ("redis_prefix", Rule::Name),
+    (
+        "registry_heartbeat_ms",
+        Rule::Int {
+            min: 100,
+            max: 20_000,
+        },
+    ),
     ("http_addr", Rule::Addr),
     ("metrics_addr", Rule::Addr),
     ("main_exchange", Rule::Name),

@@ -12,6 +12,7 @@
 //! - [`db`]: pool, embedded migrations, SQLSTATE classification.
 //! - [`http`]: the actix-web API.
 //! - [`metrics`]: every metric name and label.
+//! - [`registry`]: the Redis instance registry, heartbeats, shutdown history, remote control.
 //! - [`cli`]: one file per subcommand of the `warren` binary.
 
 pub mod amqp;
@@ -22,6 +23,7 @@ pub mod domain;
 pub mod http;
 pub mod metrics;
 pub mod pipeline;
+pub mod registry;
 pub mod topology;
 
 /// This machine's host name (for connection names, consumer tags and the registry).

@@ -2,10 +2,11 @@
 //! that both logs and counts it. Labels stay low-cardinality: `pipeline`, `kind`, `reason`.
 
 use std::net::SocketAddr;
+use std::sync::atomic::{AtomicI64, AtomicU8, AtomicU64, Ordering};
 use std::time::Duration;
 
 use metrics::{
-    Counter, counter, describe_counter, describe_gauge, describe_histogram, gauge, histogram,
+    Counter, Gauge, counter, describe_counter, describe_gauge, describe_histogram, gauge, histogram,
 };
 use metrics_exporter_prometheus::{Matcher, PrometheusBuilder};
 use tracing::warn;
@@ -21,6 +22,8 @@ pub const BATCH_SIZE: &str = "warren_batch_size";
 pub const BATCH_INSERT_SECONDS: &str = "warren_batch_insert_seconds";
 pub const END_TO_END_SECONDS: &str = "warren_end_to_end_seconds";
 pub const INFLIGHT: &str = "warren_inflight_messages";
+pub const QUEUE_MESSAGES: &str = "warren_queue_messages";
+pub const QUEUE_CONSUMERS: &str = "warren_queue_consumers";
 pub const PUBLISHED: &str = "warren_published_total";
 pub const PUBLISH_CONFIRM_SECONDS: &str = "warren_publish_confirm_seconds";
 pub const CONNECTION_UP: &str = "warren_connection_up";
@@ -29,6 +32,30 @@ pub const HTTP_REQUESTS: &str = "warren_http_requests_total";
 pub const HTTP_REQUEST_SECONDS: &str = "warren_http_request_seconds";
 pub const BUILD_INFO: &str = "warren_build_info";
 pub const BREAKER_OPEN: &str = "warren_breaker_open";
+
+/// Process-wide counts, for the Redis registry and the shutdown record (the Prometheus
+/// recorder cannot be read back).
+#[derive(Debug, Default)]
+pub struct Stats {
+    pub received: AtomicU64,
+    pub inserted: AtomicU64,
+    pub retried: AtomicU64,
+    pub dead_lettered: AtomicU64,
+    pub parked: AtomicU64,
+    pub inflight: AtomicI64,
+}
+
+pub static STATS: Stats = Stats {
+    received: AtomicU64::new(0),
+    inserted: AtomicU64::new(0),
+    retried: AtomicU64::new(0),
+    dead_lettered: AtomicU64::new(0),
+    parked: AtomicU64::new(0),
+    inflight: AtomicI64::new(0),
+};
+
+/// The database link as last seen: 0 unknown, 1 up, 2 down (to count reconnections).
+static POSTGRES_STATE: AtomicU8 = AtomicU8::new(0);
 
 /// Starts the Prometheus endpoint on `addr` and describes every series.
 pub fn install(addr: SocketAddr) -> Result<(), String> {
@@ -112,6 +139,14 @@ fn describe() {
         INFLIGHT,
         "Deliveries received but not yet acked or requeued."
     );
+    describe_gauge!(
+        QUEUE_MESSAGES,
+        "Messages ready in the main, retry and DLQ queues (passive declare every few seconds)."
+    );
+    describe_gauge!(
+        QUEUE_CONSUMERS,
+        "Consumers of the main, retry and DLQ queues."
+    );
     describe_counter!(
         PUBLISHED,
         "Publishes by outcome (confirmed, unroutable, nacked, unavailable, timeout)."
@@ -143,9 +178,19 @@ pub fn received_counter(pipeline: &'static str) -> Counter {
     counter!(RECEIVED, "pipeline" => pipeline)
 }
 
-/// The in-flight gauge, shared by the pipelines.
-pub fn set_inflight(pipeline: &'static str, n: usize) {
-    gauge!(INFLIGHT, "pipeline" => pipeline).set(n as f64);
+/// The in-flight gauge (all pipelines), resolved once.
+pub fn inflight_gauge() -> Gauge {
+    gauge!(INFLIGHT)
+}
+
+/// `n` deliveries entered (`n > 0`) or left (`n < 0`) the pipeline.
+pub fn inflight(gauge: &Gauge, n: i64) {
+    STATS.inflight.fetch_add(n, Ordering::Relaxed);
+    if n >= 0 {
+        gauge.increment(n as f64);
+    } else {
+        gauge.decrement((-n) as f64);
+    }
 }
 
 /// A body the domain refused (it is dead-lettered or parked next).
@@ -158,6 +203,19 @@ pub fn batch_inserted(pipeline: &'static str, attempted: usize, inserted: usize,
     histogram!(BATCH_SIZE, "pipeline" => pipeline).record(attempted as f64);
     histogram!(BATCH_INSERT_SECONDS, "pipeline" => pipeline).record(took.as_secs_f64());
     counter!(INSERTED, "pipeline" => pipeline).increment(inserted as u64);
+    STATS.inserted.fetch_add(inserted as u64, Ordering::Relaxed);
+}
+
+/// The database answered (`up`) or could not be reached; counts reconnections.
+pub fn postgres(up: bool) {
+    let now = if up { 1 } else { 2 };
+    let was = POSTGRES_STATE.swap(now, Ordering::Relaxed);
+    if was != now {
+        connection("postgres", up);
+        if up && was == 2 {
+            reconnected("postgres");
+        }
+    }
 }
 
 /// End-to-end latency of rows committed now, from their message timestamps (seconds).
@@ -178,6 +236,7 @@ pub fn end_to_end(timestamps: impl Iterator<Item = u64>) {
 pub fn message_routed(pipeline: &'static str, kind: &'static str, message: &Delivered) {
     if kind == "retry" {
         counter!(RETRIED, "pipeline" => pipeline, "reason" => "db_transient").increment(1);
+        STATS.retried.fetch_add(1, Ordering::Relaxed);
     } else {
         warn!(
             pipeline,
@@ -186,12 +245,14 @@ pub fn message_routed(pipeline: &'static str, kind: &'static str, message: &Deli
             "message dead-lettered"
         );
         counter!(DEAD_LETTERED, "pipeline" => pipeline, "kind" => kind).increment(1);
+        STATS.dead_lettered.fetch_add(1, Ordering::Relaxed);
     }
 }
 
 /// The DLQ consumer parked a message in `dead_letters`.
 pub fn message_parked(kind: &'static str) {
     counter!(PARKED, "kind" => kind).increment(1);
+    STATS.parked.fetch_add(1, Ordering::Relaxed);
 }
 
 /// The sink-outage breaker of `pipeline` opened or closed.
@@ -199,10 +260,18 @@ pub fn breaker(pipeline: &'static str, open: bool) {
     gauge!(BREAKER_OPEN, "pipeline" => pipeline).set(if open { 1.0 } else { 0.0 });
 }
 
-/// A publish finished with `outcome`.
-pub fn published(outcome: &'static str, took: Duration) {
+/// A publish finished: counts it by outcome, and times confirmed ones.
+pub fn published(result: &Result<(), crate::amqp::AmqpError>, took: Duration) {
+    use crate::amqp::AmqpError;
+    let outcome = match result {
+        Ok(()) => "confirmed",
+        Err(AmqpError::Unroutable { .. }) => "unroutable",
+        Err(AmqpError::Nacked) => "nacked",
+        Err(AmqpError::ConfirmTimeout(_)) => "timeout",
+        Err(_) => "unavailable",
+    };
     counter!(PUBLISHED, "outcome" => outcome).increment(1);
-    if outcome == "confirmed" {
+    if result.is_ok() {
         histogram!(PUBLISH_CONFIRM_SECONDS).record(took.as_secs_f64());
     }
 }
@@ -215,4 +284,29 @@ pub fn connection(target: &'static str, up: bool) {
 /// A reconnection to `target` succeeded.
 pub fn reconnected(target: &'static str) {
     counter!(RECONNECTS, "target" => target).increment(1);
+}
+
+/// Polls the depth and consumer count of the main, retry and DLQ queues every `every`, on a
+/// connection of its own, into `warren_queue_messages` / `warren_queue_consumers`.
+pub async fn poll_queues(settings: crate::config::Settings, every: Duration) {
+    let queues = [
+        settings.main_queue.clone(),
+        settings.retry_queue.clone(),
+        settings.dlq_queue.clone(),
+    ];
+    let mut conn: Option<lapin::Connection> = None;
+    loop {
+        if conn.as_ref().is_none_or(|c| !c.status().connected()) {
+            conn = crate::amqp::connect(&settings, "monitor").await.ok();
+        }
+        if let Some(c) = &conn {
+            for q in &queues {
+                if let Ok((messages, consumers)) = crate::amqp::queue_stats(c, q).await {
+                    gauge!(QUEUE_MESSAGES, "queue" => q.clone()).set(messages as f64);
+                    gauge!(QUEUE_CONSUMERS, "queue" => q.clone()).set(consumers as f64);
+                }
+            }
+        }
+        tokio::time::sleep(every).await;
+    }
 }

@@ -115,3 +115,26 @@ pub async fn close(channel: Option<Channel>, conn: Option<Connection>) {
         let _ = conn.close(200, "bye".into()).await;
     }
 }
+
+/// (messages ready, consumers) of `queue`, by a passive declare on a channel of its own (a
+/// missing queue closes that channel, not the caller's).
+pub async fn queue_stats(conn: &Connection, queue: &str) -> Result<(u32, u32), AmqpError> {
+    let channel = conn.create_channel().await?;
+    let result = channel
+        .queue_declare(
+            queue.into(),
+            lapin::options::QueueDeclareOptions {
+                passive: true,
+                ..Default::default()
+            },
+            lapin::types::FieldTable::default(),
+        )
+        .await;
+    match result {
+        Ok(q) => {
+            let _ = channel.close(200, "ok".into()).await;
+            Ok((q.message_count(), q.consumer_count()))
+        }
+        Err(e) => Err(e.into()),
+    }
+}

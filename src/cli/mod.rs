@@ -2,10 +2,12 @@
 //! dispatch that turns a subcommand's result into an exit code.
 
 pub mod config;
+pub mod ctl;
 pub mod declare;
 pub mod dlq;
 pub mod publish;
 pub mod run;
+pub mod status;
 
 use std::path::PathBuf;
 
@@ -37,6 +39,10 @@ pub enum Command {
     Publish(publish::Args),
     /// Print the effective configuration, passwords redacted.
     Config(config::Args),
+    /// Live instances (from Redis) and queue depths (from the broker).
+    Status(status::Args),
+    /// Remote control of running instances through Redis: pause, resume, drain, scale, history.
+    Ctl(ctl::Args),
     /// Inspect and replay the dead-letter queue and the parked messages.
     Dlq(dlq::Args),
 }
@@ -78,6 +84,8 @@ pub async fn dispatch(cli: Cli, settings: Settings) -> i32 {
         Command::Declare(args) => declare::execute(&settings, args).await,
         Command::Publish(args) => publish::execute(&settings, args).await,
         Command::Config(args) => config::execute(&settings, args),
+        Command::Status(args) => status::execute(&settings, args).await,
+        Command::Ctl(args) => ctl::execute(&settings, args).await,
         Command::Dlq(args) => dlq::execute(&settings, args).await,
     };
     match result {

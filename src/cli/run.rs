@@ -4,13 +4,16 @@
 use std::future::Future;
 use std::net::SocketAddr;
 use std::sync::Arc;
+use std::time::Duration;
 
 use anyhow::Context as _;
+use tokio::sync::{mpsc, oneshot, watch};
 use tracing::{info, warn};
 
 use crate::config::Settings;
 use crate::domain::users::Users;
-use crate::pipeline::{self, batcher::Mode};
+use crate::pipeline::{self, Pipeline, batcher::Mode};
+use crate::registry::{CtlCommand, Registry, Report};
 use crate::topology::Topology;
 use crate::{db, http, metrics};
 
@@ -68,6 +71,13 @@ pub async fn execute(
         info!("topology declared and migrations applied");
     }
 
+    tokio::spawn(metrics::poll_queues(
+        settings.clone(),
+        Duration::from_secs(5),
+    ));
+    metrics::connection("amqp", false);
+    metrics::connection("postgres", false);
+
     let pool = db::pool(&settings)?;
     let domain = Arc::new(Users);
     let mut pipelines = Vec::new();
@@ -94,18 +104,152 @@ pub async fn execute(
     };
     info!(roles = %settings.roles, version = env!("CARGO_PKG_VERSION"), "warren running");
 
-    shutdown.await;
-    info!(timeout_ms = settings.shutdown_timeout_ms, "shutting down");
+    let probe_pool = pool.clone();
+    tokio::spawn(async move {
+        loop {
+            metrics::postgres(db::ping(&probe_pool).await.is_ok());
+            tokio::time::sleep(Duration::from_secs(5)).await;
+        }
+    });
+
+    // Remote control: the registry task reads commands from Redis; they are applied here, on
+    // the actor system's thread, in the same loop that waits for the shutdown signal.
+    let (ctl_tx, mut ctl_rx) = mpsc::unbounded_channel::<Control>();
+    let (report_tx, report_rx) = watch::channel(Report {
+        status: "running",
+        processors: settings.users_proc_concurrency,
+    });
+    let (stop_tx, stop_rx) = oneshot::channel::<String>();
+    let registry = tokio::spawn(registry_loop(settings.clone(), ctl_tx, report_rx, stop_rx));
+
+    tokio::pin!(shutdown);
+    let reason = loop {
+        tokio::select! {
+            _ = &mut shutdown => break "signal",
+            Some((command, reply)) = ctl_rx.recv() => {
+                let result = apply(&command, &pipelines, &report_tx);
+                let drain = command.command == "drain" && result.is_ok();
+                info!(command = %command.command, id = %command.id, ok = result.is_ok(), "remote command");
+                let _ = reply.send(result);
+                if drain {
+                    break "drain";
+                }
+            }
+        }
+    };
+    report_tx.send_modify(|r| r.status = "draining");
+    info!(
+        reason,
+        timeout_ms = settings.shutdown_timeout_ms,
+        "shutting down"
+    );
 
     let timeout = settings.shutdown_timeout();
     let results = futures::future::join_all(pipelines.iter().map(|p| p.shutdown(timeout))).await;
     if let Some(api) = api {
         api.stop().await;
     }
+    let _ = stop_tx.send(reason.to_string());
+    let _ = tokio::time::timeout(Duration::from_secs(5), registry).await;
     if results.iter().all(|drained| *drained) {
         info!("stopped cleanly");
     } else {
         warn!("stopped with messages still in flight; the broker redelivers them");
     }
     Ok(0)
+}
+
+/// A remote command and where to answer whether it was applied.
+type Control = (CtlCommand, oneshot::Sender<Result<(), String>>);
+
+/// Applies one remote command to this instance's pipelines.
+fn apply(
+    command: &CtlCommand,
+    pipelines: &[Pipeline],
+    report: &watch::Sender<Report>,
+) -> Result<(), String> {
+    let needs_consumer = || {
+        if pipelines.is_empty() {
+            Err("this instance runs no consumer role".to_string())
+        } else {
+            Ok(())
+        }
+    };
+    match command.command.as_str() {
+        "pause" => {
+            needs_consumer()?;
+            pipelines.iter().for_each(|p| p.hold(true));
+            report.send_modify(|r| r.status = "paused");
+            Ok(())
+        }
+        "resume" => {
+            needs_consumer()?;
+            pipelines.iter().for_each(|p| p.hold(false));
+            report.send_modify(|r| r.status = "running");
+            Ok(())
+        }
+        "drain" => Ok(()),
+        "scale" => {
+            needs_consumer()?;
+            let n = command
+                .processors
+                .ok_or_else(|| "scale needs a number of processors".to_string())?;
+            for p in pipelines {
+                p.scale(n)?;
+            }
+            report.send_modify(|r| r.processors = n);
+            Ok(())
+        }
+        other => Err(format!("unknown command {other:?}")),
+    }
+}
+
+/// Keeps this instance registered in Redis, relays remote commands, and deregisters at the end.
+async fn registry_loop(
+    settings: Settings,
+    ctl: mpsc::UnboundedSender<Control>,
+    mut report: watch::Receiver<Report>,
+    mut stop: oneshot::Receiver<String>,
+) {
+    let mut registry = Registry::new(&settings);
+    let mut beat = tokio::time::interval(Duration::from_millis(settings.registry_heartbeat_ms));
+    let mut poll = tokio::time::interval(Duration::from_millis(500));
+    beat.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    poll.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            reason = &mut stop => {
+                let reason = reason.unwrap_or_else(|_| "stopped".into());
+                registry.deregister(&reason).await;
+                return;
+            }
+            _ = beat.tick() => {
+                let now = *report.borrow();
+                registry.heartbeat(now).await;
+            }
+            _ = poll.tick() => {
+                while let Some(command) = registry.next_command().await {
+                    let (tx, rx) = oneshot::channel();
+                    let result = if ctl.send((command.clone(), tx)).is_ok() {
+                        rx.await.unwrap_or_else(|_| Err("warren is stopping".into()))
+                    } else {
+                        Err("warren is stopping".into())
+                    };
+                    registry.record(&command, result).await;
+                    let now = *report.borrow();
+                    registry.heartbeat(now).await;
+                }
+            }
+            changed = report.changed() => {
+                if changed.is_ok() {
+                    let now = *report.borrow();
+                    registry.heartbeat(now).await;
+                } else {
+                    let reason = (&mut stop).await.unwrap_or_else(|_| "stopped".into());
+                    registry.deregister(&reason).await;
+                    return;
+                }
+            }
+        }
+    }
 }

@@ -21,9 +21,9 @@ pub struct Rejection {
 /// The kinds of refusal, as written in `x-error-kind`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum RejectKind {
-    /// Empty, not UTF-8, not JSON, or over the size limit.
+    /// Empty, not UTF-8, or not JSON.
     InvalidJson,
-    /// JSON of the wrong shape or types, or values that fail validation.
+    /// JSON of the wrong shape or types, values that fail validation, or over the size limit.
     InvalidPayload,
 }
 

@@ -101,6 +101,16 @@ impl Domain for Users {
         if let Err(e) = std::str::from_utf8(body) {
             return Err(Rejection::json(format!("body is not UTF-8: {e}")));
         }
+        // Only an object is a user: serde would also take an array of the fields in order.
+        let first = body.iter().find(|b| !b.is_ascii_whitespace());
+        if first != Some(&b'{') {
+            return Err(
+                match serde_json::from_slice::<serde::de::IgnoredAny>(body) {
+                    Ok(_) => Rejection::payload("wrong shape: expected a JSON object"),
+                    Err(e) => Rejection::json(format!("not JSON: {e}")),
+                },
+            );
+        }
         let user: User = serde_json::from_slice(body).map_err(|e| match e.classify() {
             serde_json::error::Category::Data => Rejection::payload(format!("wrong shape: {e}")),
             _ => Rejection::json(format!("not JSON: {e}")),
@@ -174,6 +184,11 @@ mod tests {
             decode(b"[1,2]").unwrap_err().kind,
             RejectKind::InvalidPayload
         );
+        let id = Uuid::new_v4();
+        let as_array = format!(r#"["{id}","Ana","ana@example.com"]"#);
+        let err = decode(as_array.as_bytes()).unwrap_err();
+        assert_eq!(err.kind, RejectKind::InvalidPayload);
+        assert_eq!(decode(b"  nope").unwrap_err().kind, RejectKind::InvalidJson);
         assert_eq!(
             decode(br#"{"id":"x","name":"a","email":"a@b.co"}"#)
                 .unwrap_err()

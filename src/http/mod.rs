@@ -229,7 +229,6 @@ async fn create_user(
         body,
         properties: json_properties(&id),
     };
-    let started = Instant::now();
     let outcome =
         tokio::time::timeout(Duration::from_secs(10), state.publisher.send(publish)).await;
     let result = match outcome {
@@ -237,14 +236,6 @@ async fn create_user(
         Ok(Err(e)) => Err(AmqpError::Unavailable(e.to_string())),
         Err(_) => Err(AmqpError::ConfirmTimeout(Duration::from_secs(10))),
     };
-    let label = match &result {
-        Ok(()) => "confirmed",
-        Err(AmqpError::Unroutable { .. }) => "unroutable",
-        Err(AmqpError::Nacked) => "nacked",
-        Err(AmqpError::ConfirmTimeout(_)) => "timeout",
-        Err(_) => "unavailable",
-    };
-    crate::metrics::published(label, started.elapsed());
     match result {
         Ok(()) => HttpResponse::Ok().json(json!({"id": id})),
         Err(e @ AmqpError::Unroutable { .. }) => error(

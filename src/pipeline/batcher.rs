@@ -276,6 +276,13 @@ async fn process<D: Domain>(
     }
     if valid_count > 0 {
         metrics::batch_inserted(shared.pipeline, valid_count, inserted, started.elapsed());
+        metrics::end_to_end(
+            batch
+                .iter()
+                .zip(&dispositions)
+                .filter(|(p, d)| p.result.is_ok() && **d == Some(Disposition::Ack))
+                .filter_map(|(p, _)| *p.delivered.properties.timestamp()),
+        );
     }
     if transient.is_some() || dispositions.contains(&Some(Disposition::Requeue)) {
         let failures = shared.failures.fetch_add(1, Ordering::Relaxed) + 1;
@@ -422,9 +429,15 @@ async fn insert_retrying<D: Domain>(
             Err(e) => Err(DbError::from_pool(e)),
         };
         let e = match result {
-            Ok(n) => return Ok(n),
+            Ok(n) => {
+                metrics::postgres(true);
+                return Ok(n);
+            }
             Err(e) => e,
         };
+        if matches!(e, DbError::Connection(_)) {
+            metrics::postgres(false);
+        }
         if shared.stopping.load(Ordering::Relaxed) {
             return Err(e);
         }

@@ -37,6 +37,15 @@ pub struct Settle {
 #[rtype(result = "()")]
 pub struct Shutdown;
 
+/// Replace the processors deliveries are spread over (live scaling). Processors no longer used
+/// finish what their mailboxes hold and stop when their last address is dropped.
+#[derive(Message)]
+#[rtype(result = "()")]
+pub struct SetProcessors {
+    pub deliveries: Vec<Recipient<Delivered>>,
+    pub drains: Vec<Recipient<Drain>>,
+}
+
 /// Why the consumer stops taking deliveries for a while.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum HoldReason {
@@ -133,6 +142,8 @@ pub struct Consumer {
     last_delivery: std::time::Instant,
     /// Counts deliveries, resolved once.
     received: metrics::Counter,
+    /// Deliveries in flight, resolved once.
+    inflight_gauge: metrics::Gauge,
     stopping: bool,
     /// The stream ended after a cancel: nothing more will arrive.
     stream_ended: bool,
@@ -171,6 +182,7 @@ impl Consumer {
             holds: Vec::new(),
             last_delivery: std::time::Instant::now(),
             received,
+            inflight_gauge: crate::metrics::inflight_gauge(),
             stopping: false,
             stream_ended: false,
             drain_sent: false,
@@ -240,6 +252,10 @@ impl Consumer {
         self.tracker.delivered(delivery.delivery_tag);
         self.inflight += 1;
         self.received.increment(1);
+        crate::metrics::STATS
+            .received
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        crate::metrics::inflight(&self.inflight_gauge, 1);
         self.last_delivery = std::time::Instant::now();
         let batcher = self.current_batcher;
         self.chunk_filled += 1;
@@ -583,6 +599,7 @@ impl Handler<Settle> for Consumer {
 
     fn handle(&mut self, msg: Settle, ctx: &mut Self::Context) {
         self.inflight = self.inflight.saturating_sub(msg.items.len());
+        crate::metrics::inflight(&self.inflight_gauge, -(msg.items.len() as i64));
         if msg.generation == self.generation && self.ops.is_some() {
             let mut ops = Vec::new();
             for (tag, disposition) in msg.items {
@@ -684,5 +701,28 @@ impl Handler<Stuck> for Consumer {
             "consumer receives nothing while its queue holds messages; rebuilding it");
         self.teardown();
         self.connect(ctx);
+    }
+}
+
+impl Handler<SetProcessors> for Consumer {
+    type Result = ();
+
+    fn handle(&mut self, msg: SetProcessors, _: &mut Self::Context) {
+        if msg.deliveries.is_empty() || msg.deliveries.len() != msg.drains.len() {
+            return;
+        }
+        info!(
+            pipeline = self.config.pipeline,
+            processors = msg.deliveries.len(),
+            "processors scaled"
+        );
+        self.processors = msg.deliveries;
+        self.processor_drains = msg.drains;
+        self.next_processor = 0;
+        if self.drain_sent {
+            for p in &self.processor_drains {
+                p.do_send(Drain);
+            }
+        }
     }
 }

@@ -54,10 +54,15 @@ use router::Router;
 #[rtype(result = "()")]
 pub struct Drain;
 
+/// Starts one more processor wired to the pipeline's batchers.
+type ProcessorFactory = Box<dyn Fn() -> (Recipient<processor::Delivered>, Recipient<Drain>)>;
+
 /// A running pipeline.
 pub struct Pipeline {
     pub name: &'static str,
     consumer: Addr<Consumer>,
+    /// Starts processors for live scaling.
+    spawn_processor: ProcessorFactory,
     publisher: Addr<Publisher>,
     stopping: Arc<AtomicBool>,
 }
@@ -100,15 +105,25 @@ pub fn start<D: Domain>(settings: &Settings, domain: Arc<D>, pool: Pool, mode: M
         })
         .collect();
 
-    let processors: Vec<Addr<Processor<D>>> = (0..settings.users_proc_concurrency)
-        .map(|_| {
-            let domain = domain.clone();
-            let records = batchers.iter().map(|b| b.clone().recipient()).collect();
-            let drains = batchers.iter().map(|b| b.clone().recipient()).collect();
-            let max = settings.max_message_bytes;
-            Supervisor::start(move |_| Processor::new(domain, max, records, drains))
-        })
-        .collect();
+    let max = settings.max_message_bytes;
+    let factory_batchers = batchers.clone();
+    let spawn_processor: ProcessorFactory = Box::new(move || {
+        let domain = domain.clone();
+        let records = factory_batchers
+            .iter()
+            .map(|b| b.clone().recipient())
+            .collect();
+        let drains = factory_batchers
+            .iter()
+            .map(|b| b.clone().recipient())
+            .collect();
+        let addr: Addr<Processor<D>> =
+            Supervisor::start(move |_| Processor::new(domain, max, records, drains));
+        (addr.clone().recipient(), addr.recipient())
+    });
+    let (deliveries, drains): (Vec<_>, Vec<_>) = (0..settings.users_proc_concurrency)
+        .map(|_| spawn_processor())
+        .unzip();
 
     let config = ConsumerConfig {
         pipeline: name,
@@ -116,24 +131,38 @@ pub fn start<D: Domain>(settings: &Settings, domain: Arc<D>, pool: Pool, mode: M
         prefetch: settings.effective_prefetch(),
         batch_size,
     };
-    let consumer = Consumer::new(
-        config,
-        settings.clone(),
-        processors.iter().map(|p| p.clone().recipient()).collect(),
-        processors.iter().map(|p| p.clone().recipient()).collect(),
-        batchers.len(),
-    );
+    let consumer = Consumer::new(config, settings.clone(), deliveries, drains, batchers.len());
     consumer_ctx.run(consumer);
 
     Pipeline {
         name,
         consumer: consumer_addr,
+        spawn_processor,
         publisher,
         stopping,
     }
 }
 
 impl Pipeline {
+    /// Stops (`on`) or resumes taking deliveries on an operator's request.
+    pub fn hold(&self, on: bool) {
+        self.consumer.do_send(consumer::Hold {
+            reason: consumer::HoldReason::Operator,
+            on,
+        });
+    }
+
+    /// Runs `n` processors from now on (1 to 256).
+    pub fn scale(&self, n: usize) -> Result<(), String> {
+        if !(1..=256).contains(&n) {
+            return Err(format!("processors: expected 1 to 256, got {n}"));
+        }
+        let (deliveries, drains) = (0..n).map(|_| (self.spawn_processor)()).unzip();
+        self.consumer
+            .do_send(consumer::SetProcessors { deliveries, drains });
+        Ok(())
+    }
+
     /// Graceful stop in the fixed order (see the module doc), bounded by `timeout`. Returns
     /// whether everything in flight was settled; what was not is redelivered by the broker.
     pub async fn shutdown(&self, timeout: Duration) -> bool {

@@ -155,12 +155,17 @@ impl Handler<Publish> for Publisher {
     fn handle(&mut self, msg: Publish, ctx: &mut Self::Context) -> Self::Result {
         let Some(channel) = self.live_channel() else {
             self.reconnect(ctx);
-            return Box::pin(async {
-                Err(AmqpError::Unavailable("no connection to the broker".into()))
-            });
+            let result = Err(AmqpError::Unavailable("no connection to the broker".into()));
+            crate::metrics::published(&result, Duration::ZERO);
+            return Box::pin(async { result });
         };
         let timeout = self.settings.publish_timeout();
-        Box::pin(async move { publish_confirmed(&channel, msg, timeout).await })
+        Box::pin(async move {
+            let started = std::time::Instant::now();
+            let result = publish_confirmed(&channel, msg, timeout).await;
+            crate::metrics::published(&result, started.elapsed());
+            result
+        })
     }
 }
 

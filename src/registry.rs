@@ -1,0 +1,438 @@
+//! The Redis instance registry, never on the data path: each instance keeps a hash
+//! `{prefix}:instances:{host}:{pid}` with a 30 s TTL renewed by heartbeats, reads remote-control
+//! commands from `{prefix}:commands:{host}:{pid}`, records their outcomes in
+//! `{prefix}:ctl:history`, and on a graceful stop deletes its hash and appends a record to the
+//! sorted set `{prefix}:shutdowns`. When Redis is unreachable warren keeps working, warns once
+//! per outage, reports `warren_connection_up{target="redis"} 0`, and registers again later.
+
+use std::collections::HashMap;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use redis::aio::MultiplexedConnection;
+use serde::{Deserialize, Serialize};
+use tracing::{info, warn};
+
+use crate::config::Settings;
+use crate::metrics;
+
+/// Lifetime of an instance hash without a heartbeat.
+pub const INSTANCE_TTL_S: u64 = 30;
+/// Bound on any one Redis call, so a hung Redis never stalls the control loop.
+const CALL_TIMEOUT: Duration = Duration::from_secs(2);
+/// History entries kept.
+const HISTORY_MAX: isize = 1000;
+
+/// Seconds since the Unix epoch.
+pub fn now_s() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0)
+}
+
+/// `2026-11-21 05:35:46Z` for a Unix time in seconds (UTC).
+pub fn utc(secs: u64) -> String {
+    let days = (secs / 86_400) as i64;
+    let rem = secs % 86_400;
+    // Civil date from days since 1970-01-01 (Howard Hinnant's algorithm).
+    let z = days + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z.rem_euclid(146_097);
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let day = doy - (153 * mp + 2) / 5 + 1;
+    let month = if mp < 10 { mp + 3 } else { mp - 9 };
+    let year = yoe + era * 400 + i64::from(month <= 2);
+    format!(
+        "{year:04}-{month:02}-{day:02} {:02}:{:02}:{:02}Z",
+        rem / 3600,
+        rem % 3600 / 60,
+        rem % 60
+    )
+}
+
+/// The Redis keys of one deployment.
+#[derive(Debug, Clone)]
+pub struct Keys {
+    prefix: String,
+}
+
+impl Keys {
+    pub fn new(prefix: &str) -> Self {
+        Self {
+            prefix: prefix.to_string(),
+        }
+    }
+    pub fn instance(&self, host: &str, pid: u32) -> String {
+        format!("{}:instances:{host}:{pid}", self.prefix)
+    }
+    pub fn instances_pattern(&self) -> String {
+        format!("{}:instances:*", self.prefix)
+    }
+    pub fn commands(&self, host: &str, pid: u32) -> String {
+        format!("{}:commands:{host}:{pid}", self.prefix)
+    }
+    pub fn history(&self) -> String {
+        format!("{}:ctl:history", self.prefix)
+    }
+    pub fn shutdowns(&self) -> String {
+        format!("{}:shutdowns", self.prefix)
+    }
+}
+
+/// A remote-control command, as queued for one instance.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct CtlCommand {
+    /// Shared by the copies sent to several instances, to find their outcomes.
+    pub id: String,
+    /// `pause`, `resume`, `drain` or `scale`.
+    pub command: String,
+    /// For `scale`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub processors: Option<usize>,
+    pub issued_at: u64,
+    /// Who asked (`host:pid` of the `warren ctl` process).
+    pub by: String,
+}
+
+/// What an instance did with a command.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct CtlOutcome {
+    pub id: String,
+    pub command: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub processors: Option<usize>,
+    pub host: String,
+    pub pid: u32,
+    /// `executed` or `failed`.
+    pub outcome: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub error: Option<String>,
+    pub at: u64,
+}
+
+/// What this instance publishes about itself.
+#[derive(Debug, Clone)]
+pub struct Instance {
+    pub host: String,
+    pub pid: u32,
+    pub roles: String,
+    pub started_at: u64,
+}
+
+impl Instance {
+    pub fn this(settings: &Settings) -> Self {
+        Self {
+            host: crate::hostname(),
+            pid: std::process::id(),
+            roles: settings.roles.clone(),
+            started_at: now_s(),
+        }
+    }
+}
+
+/// A Redis link that reconnects lazily and never blocks for long.
+pub struct Redis {
+    url: String,
+    conn: Option<MultiplexedConnection>,
+    /// Last known state, to warn once per outage.
+    up: Option<bool>,
+}
+
+impl Redis {
+    pub fn new(url: &str) -> Self {
+        Self {
+            url: url.to_string(),
+            conn: None,
+            up: None,
+        }
+    }
+
+    /// Connects to `url` now, or fails with a message naming it.
+    pub async fn connect(url: &str) -> Result<MultiplexedConnection, String> {
+        let client = redis::Client::open(url).map_err(|e| format!("REDIS_URL: {e}"))?;
+        match tokio::time::timeout(CALL_TIMEOUT, client.get_multiplexed_async_connection()).await {
+            Ok(Ok(c)) => Ok(c),
+            Ok(Err(e)) => Err(format!("cannot reach Redis at {url}: {e}")),
+            Err(_) => Err(format!("cannot reach Redis at {url}: timed out")),
+        }
+    }
+
+    fn mark(&mut self, up: bool, error: Option<&str>) {
+        if self.up != Some(up) {
+            metrics::connection("redis", up);
+            match (up, self.up) {
+                (true, Some(false)) => {
+                    metrics::reconnected("redis");
+                    info!("Redis is back; the instance registers again");
+                }
+                (false, _) => warn!(
+                    error = error.unwrap_or(""),
+                    "Redis unreachable: the registry and remote control pause; consuming and inserting go on"
+                ),
+                _ => {}
+            }
+        }
+        self.up = Some(up);
+    }
+
+    async fn link(&mut self) -> Option<MultiplexedConnection> {
+        if self.conn.is_none() {
+            match Self::connect(&self.url).await {
+                Ok(c) => self.conn = Some(c),
+                Err(e) => {
+                    self.mark(false, Some(&e));
+                    return None;
+                }
+            }
+        }
+        self.conn.clone()
+    }
+
+    fn failed(&mut self, error: String) {
+        self.conn = None;
+        self.mark(false, Some(&error));
+    }
+
+    /// Runs one command; `None` while Redis is away.
+    pub async fn query<T: redis::FromRedisValue>(&mut self, cmd: &redis::Cmd) -> Option<T> {
+        let mut conn = self.link().await?;
+        match tokio::time::timeout(CALL_TIMEOUT, cmd.query_async::<T>(&mut conn)).await {
+            Ok(Ok(v)) => {
+                self.mark(true, None);
+                Some(v)
+            }
+            Ok(Err(e)) => {
+                self.failed(e.to_string());
+                None
+            }
+            Err(_) => {
+                self.failed("timed out".into());
+                None
+            }
+        }
+    }
+
+    /// Runs a pipeline (atomically); `None` while Redis is away.
+    pub async fn pipe<T: redis::FromRedisValue>(&mut self, pipe: &redis::Pipeline) -> Option<T> {
+        let mut conn = self.link().await?;
+        match tokio::time::timeout(CALL_TIMEOUT, pipe.query_async::<T>(&mut conn)).await {
+            Ok(Ok(v)) => {
+                self.mark(true, None);
+                Some(v)
+            }
+            Ok(Err(e)) => {
+                self.failed(e.to_string());
+                None
+            }
+            Err(_) => {
+                self.failed("timed out".into());
+                None
+            }
+        }
+    }
+}
+
+/// This instance's registration.
+pub struct Registry {
+    redis: Redis,
+    keys: Keys,
+    instance: Instance,
+}
+
+/// The live state an instance reports.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Report {
+    /// `running`, `paused` or `draining`.
+    pub status: &'static str,
+    pub processors: usize,
+}
+
+impl Registry {
+    pub fn new(settings: &Settings) -> Self {
+        Self {
+            redis: Redis::new(&settings.redis_url),
+            keys: Keys::new(&settings.redis_prefix),
+            instance: Instance::this(settings),
+        }
+    }
+
+    fn key(&self) -> String {
+        self.keys.instance(&self.instance.host, self.instance.pid)
+    }
+
+    /// Writes the hash with live counters and renews its TTL.
+    pub async fn heartbeat(&mut self, report: Report) {
+        use std::sync::atomic::Ordering::Relaxed;
+        let stats = &metrics::STATS;
+        let i = &self.instance;
+        let fields: Vec<(&str, String)> = vec![
+            ("host", i.host.clone()),
+            ("pid", i.pid.to_string()),
+            ("roles", i.roles.clone()),
+            ("version", env!("CARGO_PKG_VERSION").to_string()),
+            ("started_at", i.started_at.to_string()),
+            ("status", report.status.to_string()),
+            ("processors", report.processors.to_string()),
+            ("received", stats.received.load(Relaxed).to_string()),
+            ("inserted", stats.inserted.load(Relaxed).to_string()),
+            ("retried", stats.retried.load(Relaxed).to_string()),
+            (
+                "dead_lettered",
+                stats.dead_lettered.load(Relaxed).to_string(),
+            ),
+            ("inflight", stats.inflight.load(Relaxed).max(0).to_string()),
+            ("last_heartbeat", now_s().to_string()),
+        ];
+        let key = self.key();
+        let mut pipe = redis::pipe();
+        pipe.atomic()
+            .hset_multiple(&key, &fields)
+            .ignore()
+            .expire(&key, INSTANCE_TTL_S as i64)
+            .ignore();
+        let _: Option<()> = self.redis.pipe(&pipe).await;
+    }
+
+    /// The next command addressed to this instance, if any.
+    pub async fn next_command(&mut self) -> Option<CtlCommand> {
+        let key = self.keys.commands(&self.instance.host, self.instance.pid);
+        let raw: Option<String> = self
+            .redis
+            .query::<Option<String>>(redis::cmd("LPOP").arg(&key))
+            .await
+            .flatten();
+        let raw = raw?;
+        match serde_json::from_str(&raw) {
+            Ok(c) => Some(c),
+            Err(e) => {
+                warn!(error = %e, command = %raw, "unreadable remote command ignored");
+                None
+            }
+        }
+    }
+
+    /// Records what this instance did with `command`.
+    pub async fn record(&mut self, command: &CtlCommand, result: Result<(), String>) {
+        let outcome = CtlOutcome {
+            id: command.id.clone(),
+            command: command.command.clone(),
+            processors: command.processors,
+            host: self.instance.host.clone(),
+            pid: self.instance.pid,
+            outcome: if result.is_ok() { "executed" } else { "failed" }.into(),
+            error: result.err(),
+            at: now_s(),
+        };
+        let Ok(json) = serde_json::to_string(&outcome) else {
+            return;
+        };
+        let key = self.keys.history();
+        let mut pipe = redis::pipe();
+        pipe.lpush(&key, json)
+            .ignore()
+            .ltrim(&key, 0, HISTORY_MAX - 1)
+            .ignore();
+        let _: Option<()> = self.redis.pipe(&pipe).await;
+    }
+
+    /// Graceful stop: deletes the hash and appends the shutdown record.
+    pub async fn deregister(&mut self, reason: &str) {
+        use std::sync::atomic::Ordering::Relaxed;
+        let stats = &metrics::STATS;
+        let record = serde_json::json!({
+            "host": self.instance.host,
+            "pid": self.instance.pid,
+            "roles": self.instance.roles,
+            "reason": reason,
+            "started_at": self.instance.started_at,
+            "stopped_at": now_s(),
+            "uptime_s": now_s().saturating_sub(self.instance.started_at),
+            "received": stats.received.load(Relaxed),
+            "inserted": stats.inserted.load(Relaxed),
+            "retried": stats.retried.load(Relaxed),
+            "dead_lettered": stats.dead_lettered.load(Relaxed),
+            "parked": stats.parked.load(Relaxed),
+        });
+        let key = self.key();
+        let mut pipe = redis::pipe();
+        pipe.atomic()
+            .del(&key)
+            .ignore()
+            .zadd(self.keys.shutdowns(), record.to_string(), now_s())
+            .ignore();
+        let _: Option<()> = self.redis.pipe(&pipe).await;
+    }
+}
+
+/// One registered instance, as `warren status` reads it.
+pub type InstanceFields = HashMap<String, String>;
+
+/// Every live instance of the deployment (SCAN + HGETALL).
+pub async fn instances(redis: &mut Redis, keys: &Keys) -> Option<Vec<InstanceFields>> {
+    let mut cursor: u64 = 0;
+    let mut names: Vec<String> = Vec::new();
+    loop {
+        let (next, batch): (u64, Vec<String>) = redis
+            .query(
+                redis::cmd("SCAN")
+                    .arg(cursor)
+                    .arg("MATCH")
+                    .arg(keys.instances_pattern())
+                    .arg("COUNT")
+                    .arg(500),
+            )
+            .await?;
+        names.extend(batch);
+        cursor = next;
+        if cursor == 0 {
+            break;
+        }
+    }
+    names.sort();
+    names.dedup();
+    let mut out = Vec::with_capacity(names.len());
+    for name in names {
+        let fields: InstanceFields = redis.query(redis::cmd("HGETALL").arg(&name)).await?;
+        if !fields.is_empty() {
+            out.push(fields);
+        }
+    }
+    Some(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn utc_times_are_formatted() {
+        assert_eq!(utc(0), "1970-01-01 00:00:00Z");
+        assert_eq!(utc(1_795_239_346), "2026-11-21 05:35:46Z");
+        assert_eq!(utc(951_782_400), "2000-02-29 00:00:00Z");
+    }
+
+    #[test]
+    fn keys_follow_the_documented_layout() {
+        let k = Keys::new("warren");
+        assert_eq!(k.instance("h", 7), "warren:instances:h:7");
+        assert_eq!(k.instances_pattern(), "warren:instances:*");
+        assert_eq!(k.commands("h", 7), "warren:commands:h:7");
+        assert_eq!(k.history(), "warren:ctl:history");
+        assert_eq!(k.shutdowns(), "warren:shutdowns");
+    }
+
+    #[test]
+    fn commands_round_trip_as_json() {
+        let c = CtlCommand {
+            id: "x".into(),
+            command: "scale".into(),
+            processors: Some(4),
+            issued_at: 1,
+            by: "h:1".into(),
+        };
+        let back: CtlCommand = serde_json::from_str(&serde_json::to_string(&c).unwrap()).unwrap();
+        assert_eq!(back, c);
+    }
+}

@@ -1,0 +1,390 @@
+//! Bad input: every malformed body goes straight to the DLQ with the right `x-error-kind` and its
+//! original bytes, and unusable `x-retries` values (a string, a negative number, a float) count
+//! as 0 and are rewritten as an integer on the next retry.
+
+mod common;
+
+use std::collections::HashMap;
+use std::time::Duration;
+
+use common::*;
+use lapin::BasicProperties;
+use lapin::message::BasicGetMessage;
+use lapin::options::BasicGetOptions;
+use lapin::types::AMQPValue;
+use uuid::Uuid;
+
+// ---- fault injection and probes (this file's own copy; tests/common is shared and fixed) ----
+
+/// Installs the failing triggers in the test schema (the fault starts active): a BEFORE INSERT
+/// row trigger counts every insert attempt per id in a sequence of its own (`nextval` survives
+/// the rollback), an AFTER INSERT statement trigger raises SQLSTATE 40001 while the flag is set.
+async fn install_fault(env: &TestEnv) {
+    let s = &env.schema;
+    env.db
+        .batch_execute(&format!(
+            r#"
+            CREATE TABLE {s}.fault_flag (active boolean NOT NULL);
+            INSERT INTO {s}.fault_flag VALUES (true);
+            CREATE FUNCTION {s}.count_attempt() RETURNS trigger LANGUAGE plpgsql AS $f$
+            DECLARE
+                counter regclass := to_regclass(format('%I.%I', TG_TABLE_SCHEMA,
+                    'attempts_' || replace(NEW.id::text, '-', '')));
+            BEGIN
+                IF counter IS NOT NULL THEN
+                    PERFORM nextval(counter);
+                END IF;
+                RETURN NEW;
+            END $f$;
+            CREATE FUNCTION {s}.fail_while_flagged() RETURNS trigger LANGUAGE plpgsql AS $f$
+            BEGIN
+                IF (SELECT active FROM {s}.fault_flag) THEN
+                    RAISE EXCEPTION 'injected transient failure'
+                        USING ERRCODE = 'serialization_failure';
+                END IF;
+                RETURN NULL;
+            END $f$;
+            CREATE TRIGGER users_count_attempts BEFORE INSERT ON {s}.users
+                FOR EACH ROW EXECUTE FUNCTION {s}.count_attempt();
+            CREATE TRIGGER users_fail_while_flagged AFTER INSERT ON {s}.users
+                FOR EACH STATEMENT EXECUTE FUNCTION {s}.fail_while_flagged();
+            "#
+        ))
+        .await
+        .expect("install the fault triggers");
+}
+
+async fn track_attempts(env: &TestEnv, ids: &[Uuid]) {
+    let sql: String = ids
+        .iter()
+        .map(|id| format!("CREATE SEQUENCE {}.attempts_{};", env.schema, id.simple()))
+        .collect();
+    env.db.batch_execute(&sql).await.expect("attempt counters");
+}
+
+async fn attempts(env: &TestEnv, id: Uuid) -> i64 {
+    env.db
+        .query_one(
+            &format!(
+                "SELECT CASE WHEN is_called THEN last_value ELSE 0 END FROM {}.attempts_{}",
+                env.schema,
+                id.simple()
+            ),
+            &[],
+        )
+        .await
+        .expect("read attempt counter")
+        .get(0)
+}
+
+/// Reads up to `max` messages of `queue` without taking them (requeued, original TTL kept, when
+/// the peeking channel closes).
+async fn peek(env: &TestEnv, queue: &str, max: usize) -> Vec<BasicGetMessage> {
+    let ch = env.conn.create_channel().await.expect("channel");
+    let mut out = Vec::new();
+    while out.len() < max {
+        match ch
+            .basic_get(queue.into(), BasicGetOptions { no_ack: false })
+            .await
+            .expect("basic.get")
+        {
+            Some(m) => out.push(m),
+            None => break,
+        }
+    }
+    let _ = ch.close(200, "peeked".into()).await;
+    out
+}
+
+fn header<'a>(props: &'a BasicProperties, key: &str) -> Option<&'a AMQPValue> {
+    props.headers().as_ref()?.inner().get(key)
+}
+
+/// An integer header of any AMQP integer type; `None` if missing or of another type.
+fn int_header(props: &BasicProperties, key: &str) -> Option<i64> {
+    match header(props, key)? {
+        AMQPValue::ShortShortInt(v) => Some(*v as i64),
+        AMQPValue::ShortShortUInt(v) => Some(*v as i64),
+        AMQPValue::ShortInt(v) => Some(*v as i64),
+        AMQPValue::ShortUInt(v) => Some(*v as i64),
+        AMQPValue::LongInt(v) => Some(*v as i64),
+        AMQPValue::LongUInt(v) => Some(*v as i64),
+        AMQPValue::LongLongInt(v) => Some(*v),
+        _ => None,
+    }
+}
+
+fn text_header(props: &BasicProperties, key: &str) -> Option<String> {
+    match header(props, key)? {
+        AMQPValue::LongString(s) => Some(String::from_utf8_lossy(s.as_bytes()).into_owned()),
+        AMQPValue::ShortString(s) => Some(s.as_str().to_string()),
+        _ => None,
+    }
+}
+
+fn message_id(m: &BasicGetMessage) -> String {
+    m.delivery
+        .properties
+        .message_id()
+        .as_ref()
+        .map(|s| s.as_str().to_string())
+        .unwrap_or_default()
+}
+
+fn labelled(label: &str) -> BasicProperties {
+    BasicProperties::default()
+        .with_content_type("application/json".into())
+        .with_message_id(label.into())
+}
+
+async fn ready(env: &TestEnv, queue: &str) -> u32 {
+    env.queue_state(queue).await.0
+}
+
+// ---- tests -------------------------------------------------------------------------------------
+
+/// Every kind of malformed body: straight to the DLQ, right kind, body kept, no retry, no row.
+#[tokio::test(flavor = "multi_thread")]
+async fn malformed_messages_go_straight_to_the_dlq_with_their_kind() {
+    let mut env = TestEnv::new("bad_bodies").await;
+    env.set("MAX_MESSAGE_BYTES", "1024");
+    env.declare();
+
+    // Each body carries an id of its own, so a row reveals which body it came from.
+    let valid = |name: &str, email: &str| {
+        let id = Uuid::new_v4();
+        format!(r#"{{"id":"{id}","name":{name},"email":{email}}}"#).into_bytes()
+    };
+    let fresh = Uuid::new_v4;
+    // A valid user padded with whitespace past MAX_MESSAGE_BYTES: only the size is wrong.
+    let mut oversize = valid("\"Ana\"", "\"ana@example.com\"");
+    oversize.extend(std::iter::repeat_n(b' ', 2000));
+    assert!(serde_json::from_slice::<serde_json::Value>(&oversize).is_ok());
+
+    // (label = message_id, body, expected x-error-kind)
+    let cases: Vec<(&str, Vec<u8>, &str)> = vec![
+        ("empty", Vec::new(), "invalid_json"),
+        (
+            "not_utf8",
+            b"{\"id\":\"\xff\xfe\",\"name\":\"Ana\"}".to_vec(),
+            "invalid_json",
+        ),
+        ("not_json", b"{not json".to_vec(), "invalid_json"),
+        (
+            "trailing_garbage",
+            [valid("\"Ana\"", "\"ana@example.com\""), b"}x".to_vec()].concat(),
+            "invalid_json",
+        ),
+        ("array", b"[1,2]".to_vec(), "invalid_payload"),
+        // An array holding the three fields in order is still not a user object.
+        (
+            "array_of_fields",
+            format!(r#"["{}","Ana","ana@example.com"]"#, fresh()).into_bytes(),
+            "invalid_payload",
+        ),
+        (
+            "id_not_uuid",
+            br#"{"id":"not-a-uuid","name":"Ana","email":"ana@example.com"}"#.to_vec(),
+            "invalid_payload",
+        ),
+        (
+            "name_number",
+            valid("42", "\"ana@example.com\""),
+            "invalid_payload",
+        ),
+        (
+            "missing_email",
+            format!(r#"{{"id":"{}","name":"Ana"}}"#, fresh()).into_bytes(),
+            "invalid_payload",
+        ),
+        (
+            "unknown_field",
+            format!(
+                r#"{{"id":"{}","name":"Ana","email":"ana@example.com","admin":true}}"#,
+                fresh()
+            )
+            .into_bytes(),
+            "invalid_payload",
+        ),
+        (
+            "empty_name",
+            valid("\"\"", "\"ana@example.com\""),
+            "invalid_payload",
+        ),
+        ("bad_email", valid("\"Ana\"", "\"nope\""), "invalid_payload"),
+        // README failure table: "larger than MAX_MESSAGE_BYTES" -> invalid_payload.
+        ("oversize", oversize.clone(), "invalid_payload"),
+    ];
+    for (label, body, _) in &cases {
+        env.publish_raw(body, labelled(label)).await;
+    }
+    // The sentinel, published last: once its row exists, every batch before it was processed.
+    let sentinel = Uuid::new_v4();
+    env.publish_raw(&user_body(sentinel), json_props(sentinel))
+        .await;
+
+    let mut warren = env.start(&["--roles", "consumer"]);
+    wait_until("the sentinel row", Duration::from_secs(30), || async {
+        env.row_ids().await.contains(&sentinel)
+    })
+    .await;
+    // The DLQ copies are confirmed before the batch that holds the sentinel is settled, and a
+    // graceful stop waits for every settlement: after it, the DLQ holds all it will get.
+    assert!(warren.terminate(Duration::from_secs(25)).success());
+    assert_eq!(env.queue_state(&env.main_queue).await, (0, 0));
+    assert_queue_empty(&env, &env.retry_queue).await;
+
+    let dead = env.drain_queue(&env.dlq_queue, cases.len() + 5).await;
+    let by_label: HashMap<String, &BasicGetMessage> =
+        dead.iter().map(|m| (message_id(m), m)).collect();
+    assert_eq!(
+        dead.len(),
+        by_label.len(),
+        "a message was dead-lettered twice"
+    );
+    let mut wrong = Vec::new();
+    for (label, body, kind) in &cases {
+        let Some(m) = by_label.get(*label) else {
+            wrong.push(format!("{label}: not in the DLQ"));
+            continue;
+        };
+        let p = &m.delivery.properties;
+        assert_eq!(&m.delivery.data, body, "{label}: body changed");
+        assert_eq!(
+            int_header(p, "x-retries").unwrap_or(0),
+            0,
+            "{label}: retried"
+        );
+        let reason = text_header(p, "x-error-reason").unwrap_or_default();
+        assert!(!reason.is_empty(), "{label}: no x-error-reason");
+        let got = text_header(p, "x-error-kind").unwrap_or_default();
+        if got != *kind {
+            wrong.push(format!(
+                "{label}: x-error-kind {got:?}, expected {kind:?} (reason {reason:?})"
+            ));
+        }
+        if *label == "oversize" {
+            assert!(
+                reason.contains("MAX_MESSAGE_BYTES"),
+                "oversize reason {reason:?}"
+            );
+        }
+    }
+    // Only the sentinel may become a row (the padded user and the array of fields would be
+    // valid users otherwise).
+    let rows = env.row_ids().await;
+    for (label, body, _) in &cases {
+        if label.starts_with("array") || *label == "oversize" {
+            let text = String::from_utf8_lossy(body);
+            if rows
+                .iter()
+                .any(|r| r != &sentinel && text.contains(&r.to_string()))
+            {
+                wrong.push(format!("{label}: inserted as a row"));
+            }
+        }
+    }
+    if rows.len() != 1 {
+        wrong.push(format!("{} rows, expected only the sentinel", rows.len()));
+    }
+    if dead.len() != cases.len() {
+        wrong.push(format!(
+            "{} DLQ messages, expected {}",
+            dead.len(),
+            cases.len()
+        ));
+    }
+    assert!(wrong.is_empty(), "wrong outcomes:\n{}", wrong.join("\n"));
+}
+
+/// `x-retries` as a string, as -1 and as a float on messages that hit a transient failure: read as
+/// 0, so each goes to the retry queue with x-retries = 1 as an integer (not to the DLQ), and from
+/// there on counts normally to retries_exhausted (no loop). Integer types are read as numbers.
+#[tokio::test(flavor = "multi_thread")]
+async fn unusable_x_retries_count_as_zero_and_are_rewritten_as_integers() {
+    let mut env = TestEnv::new("bad_retries").await;
+    env.set("RETRY_TTL_MS", "3000")
+        .set("DB_RETRY_WINDOW_MS", "0")
+        .set("MAX_RETRIES", "3")
+        // Retry-queue semantics only: the sink-outage breaker must not hold the consumer.
+        .set("BREAKER_FAILURES", "1000");
+    env.declare();
+    install_fault(&env).await;
+
+    // (label, x-retries sent, x-retries expected after the first failure, attempts in all)
+    let cases: Vec<(&str, AMQPValue, Option<i64>, i64)> = vec![
+        ("string", long_string("7"), Some(1), 4),
+        ("negative", AMQPValue::LongLongInt(-1), Some(1), 4),
+        ("float", AMQPValue::Double(7.5), Some(1), 4),
+        // Controls: integers of other AMQP types are read as their value.
+        ("u8_one", AMQPValue::ShortShortUInt(1), Some(2), 3),
+        ("i32_two", AMQPValue::LongInt(2), Some(3), 2),
+        // Spent already: dead-lettered at its first failure.
+        ("i64_three", AMQPValue::LongLongInt(3), None, 1),
+    ];
+    let ids: Vec<Uuid> = cases.iter().map(|_| Uuid::new_v4()).collect();
+    track_attempts(&env, &ids).await;
+    let label_of: HashMap<Uuid, &str> =
+        ids.iter().copied().zip(cases.iter().map(|c| c.0)).collect();
+    for ((_, value, _, _), id) in cases.iter().zip(&ids) {
+        let props = with_header(json_props(*id), "x-retries", value.clone());
+        env.publish_raw(&user_body(*id), props).await;
+    }
+    let mut warren = env.start(&["--roles", "consumer"]);
+
+    // First failure: five in the retry queue, the spent one in the DLQ.
+    wait_until("first failure routed", Duration::from_secs(20), || async {
+        ready(&env, &env.retry_queue).await == 5 && ready(&env, &env.dlq_queue).await == 1
+    })
+    .await;
+    let peeked = peek(&env, &env.retry_queue, 10).await;
+    assert_eq!(peeked.len(), 5, "log:\n{}", warren.logs());
+    for m in &peeked {
+        let id: Uuid = message_id(m).parse().unwrap();
+        let label = label_of[&id];
+        let (_, _, expected, _) = cases.iter().find(|c| c.0 == label).unwrap();
+        let p = &m.delivery.properties;
+        assert!(
+            matches!(header(p, "x-retries"), Some(AMQPValue::LongLongInt(_))),
+            "{label}: x-retries not rewritten as an integer: {:?}",
+            header(p, "x-retries")
+        );
+        assert_eq!(int_header(p, "x-retries"), *expected, "{label}");
+        let reason = text_header(p, "x-retry-reason").unwrap_or_default();
+        assert!(reason.starts_with("db_error"), "{label}: {reason:?}");
+    }
+    for (id, (label, _, _, _)) in ids.iter().zip(&cases) {
+        assert_eq!(attempts(&env, *id).await, 1, "{label}: attempts at first");
+    }
+
+    // From there on they count normally and end in the DLQ: no loop.
+    wait_until("all in the DLQ", Duration::from_secs(40), || async {
+        ready(&env, &env.dlq_queue).await as usize == cases.len()
+    })
+    .await;
+    assert!(warren.terminate(Duration::from_secs(25)).success());
+    for (id, (label, _, _, tries)) in ids.iter().zip(&cases) {
+        assert_eq!(
+            attempts(&env, *id).await,
+            *tries,
+            "{label}: attempts in all"
+        );
+    }
+    let dead = env.drain_queue(&env.dlq_queue, 10).await;
+    assert_eq!(dead.len(), cases.len());
+    for m in &dead {
+        let id: Uuid = message_id(m).parse().unwrap();
+        let label = label_of[&id];
+        let p = &m.delivery.properties;
+        assert_eq!(int_header(p, "x-retries"), Some(3), "{label}");
+        assert_eq!(
+            text_header(p, "x-error-kind").as_deref(),
+            Some("retries_exhausted"),
+            "{label}"
+        );
+        assert_eq!(m.delivery.data, user_body(id), "{label}: body changed");
+    }
+    assert_eq!(env.queue_state(&env.main_queue).await, (0, 0));
+    assert_queue_empty(&env, &env.retry_queue).await;
+    assert_eq!(env.count_rows().await, 0);
+}

@@ -1,0 +1,350 @@
+//! The DLQ consumer (`--roles dlq`): a message it can insert is inserted and acked; one that can
+//! never be inserted (invalid, or refused permanently by the database) is parked in
+//! `dead_letters` with its body and headers and acked; while the database fails transiently the
+//! message stays in the DLQ and is requeued after a growing backoff, then inserted once the
+//! database recovers.
+
+mod common;
+
+use std::time::Duration;
+
+use common::*;
+use lapin::BasicProperties;
+use lapin::types::AMQPValue;
+use uuid::Uuid;
+
+// ---- fault injection and probes (this file's own copy; tests/common is shared and fixed) ----
+
+/// Installs the failing triggers in the test schema (the fault starts active): a BEFORE INSERT
+/// row trigger counts every insert attempt per id in a sequence of its own (`nextval` survives
+/// the rollback), an AFTER INSERT statement trigger raises SQLSTATE 40001 while the flag is set.
+async fn install_fault(env: &TestEnv) {
+    let s = &env.schema;
+    env.db
+        .batch_execute(&format!(
+            r#"
+            CREATE TABLE {s}.fault_flag (active boolean NOT NULL);
+            INSERT INTO {s}.fault_flag VALUES (true);
+            CREATE FUNCTION {s}.count_attempt() RETURNS trigger LANGUAGE plpgsql AS $f$
+            DECLARE
+                counter regclass := to_regclass(format('%I.%I', TG_TABLE_SCHEMA,
+                    'attempts_' || replace(NEW.id::text, '-', '')));
+            BEGIN
+                IF counter IS NOT NULL THEN
+                    PERFORM nextval(counter);
+                END IF;
+                RETURN NEW;
+            END $f$;
+            CREATE FUNCTION {s}.fail_while_flagged() RETURNS trigger LANGUAGE plpgsql AS $f$
+            BEGIN
+                IF (SELECT active FROM {s}.fault_flag) THEN
+                    RAISE EXCEPTION 'injected transient failure'
+                        USING ERRCODE = 'serialization_failure';
+                END IF;
+                RETURN NULL;
+            END $f$;
+            CREATE TRIGGER users_count_attempts BEFORE INSERT ON {s}.users
+                FOR EACH ROW EXECUTE FUNCTION {s}.count_attempt();
+            CREATE TRIGGER users_fail_while_flagged AFTER INSERT ON {s}.users
+                FOR EACH STATEMENT EXECUTE FUNCTION {s}.fail_while_flagged();
+            "#
+        ))
+        .await
+        .expect("install the fault triggers");
+}
+
+async fn clear_fault(env: &TestEnv) {
+    env.db
+        .execute(
+            &format!("UPDATE {}.fault_flag SET active = false", env.schema),
+            &[],
+        )
+        .await
+        .expect("clear the fault");
+}
+
+async fn track_attempts(env: &TestEnv, ids: &[Uuid]) {
+    let sql: String = ids
+        .iter()
+        .map(|id| format!("CREATE SEQUENCE {}.attempts_{};", env.schema, id.simple()))
+        .collect();
+    env.db.batch_execute(&sql).await.expect("attempt counters");
+}
+
+async fn attempts(env: &TestEnv, id: Uuid) -> i64 {
+    env.db
+        .query_one(
+            &format!(
+                "SELECT CASE WHEN is_called THEN last_value ELSE 0 END FROM {}.attempts_{}",
+                env.schema,
+                id.simple()
+            ),
+            &[],
+        )
+        .await
+        .expect("read attempt counter")
+        .get(0)
+}
+
+async fn parked_count(env: &TestEnv) -> i64 {
+    env.db
+        .query_one("SELECT count(*) FROM dead_letters", &[])
+        .await
+        .map(|r| r.get(0))
+        .unwrap_or(-1)
+}
+
+/// Properties of a message the main pipeline dead-lettered.
+fn dead_lettered(message_id: &str, kind: &str, retries: i64) -> BasicProperties {
+    let props = BasicProperties::default()
+        .with_content_type("application/json".into())
+        .with_message_id(message_id.into());
+    let props = with_header(props, "x-retries", AMQPValue::LongLongInt(retries));
+    let props = with_header(props, "x-error-kind", long_string(kind));
+    with_header(
+        props,
+        "x-error-reason",
+        long_string("set by the main pipeline"),
+    )
+}
+
+/// Publishes into the DLQ the way the main pipeline does: through the DLX with the DLQ's key.
+async fn publish_to_dlq(env: &TestEnv, body: &[u8], props: BasicProperties) {
+    env.publish_to(&env.dlx_exchange, &env.dlq_queue, body, props)
+        .await;
+}
+
+/// The `delay_ms` of every "requeueing the DLQ batch after a backoff" line of a JSON log.
+fn requeue_delays(log: &str) -> Vec<u64> {
+    log.lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        .filter(|v| {
+            v["message"]
+                .as_str()
+                .is_some_and(|m| m.contains("requeueing the DLQ batch"))
+        })
+        .map(|v| {
+            v["delay_ms"]
+                .as_u64()
+                .expect("delay_ms in the requeue log line")
+        })
+        .collect()
+}
+
+// ---- tests -------------------------------------------------------------------------------------
+
+/// A valid user in the DLQ is inserted and acked; nothing is parked or republished.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_valid_dlq_message_is_inserted_and_acked() {
+    let env = TestEnv::new("dlq_valid").await;
+    env.declare();
+    let id = Uuid::new_v4();
+    publish_to_dlq(
+        &env,
+        &user_body(id),
+        dead_lettered(&id.to_string(), "retries_exhausted", 3),
+    )
+    .await;
+    assert_eq!(env.queue_state(&env.dlq_queue).await.0, 1);
+
+    let mut warren = env.start(&["--roles", "dlq"]);
+    wait_until("the row", Duration::from_secs(30), || async {
+        env.row_ids().await.contains(&id)
+    })
+    .await;
+    wait_until("the DLQ empty", Duration::from_secs(10), || async {
+        env.queue_state(&env.dlq_queue).await.0 == 0
+    })
+    .await;
+    assert!(warren.terminate(Duration::from_secs(25)).success());
+    // Acked, not merely held: nothing came back when warren closed its channel.
+    assert_eq!(
+        env.queue_state(&env.dlq_queue).await,
+        (0, 0),
+        "log:\n{}",
+        warren.logs()
+    );
+    assert_eq!(env.count_rows().await, 1);
+    assert_eq!(parked_count(&env).await, 0);
+    assert_queue_empty(&env, &env.main_queue).await;
+    assert_queue_empty(&env, &env.retry_queue).await;
+}
+
+/// Messages that can never be inserted are parked with their exact body, their headers as
+/// jsonb, the kind and reason; then acked. A valid sentinel behind them is inserted.
+#[tokio::test(flavor = "multi_thread")]
+async fn invalid_and_permanently_refused_dlq_messages_are_parked() {
+    let env = TestEnv::new("dlq_park").await;
+    env.declare();
+
+    // Not JSON, with the headers the main pipeline set and one of the publisher's own.
+    let not_json = b"{not json".to_vec();
+    let props = with_header(
+        dead_lettered("not-json-1", "invalid_json", 0),
+        "x-trace",
+        long_string("abc-123"),
+    );
+    publish_to_dlq(&env, &not_json, props).await;
+    // Binary garbage: the bytea must keep every byte.
+    let binary = b"\x00\xff\xfe binary \x80\x00".to_vec();
+    publish_to_dlq(&env, &binary, dead_lettered("binary-1", "invalid_json", 0)).await;
+    // A valid user whose email is taken by another row: refused permanently (23505).
+    let taken = Uuid::new_v4();
+    env.db
+        .execute(
+            "INSERT INTO users (id, name, email) VALUES ($1, 'owner', $2)",
+            &[&taken, &format!("{taken}@example.com")],
+        )
+        .await
+        .unwrap();
+    let dup = Uuid::new_v4();
+    let dup_body =
+        format!(r#"{{"id":"{dup}","name":"dup","email":"{taken}@example.com"}}"#).into_bytes();
+    publish_to_dlq(
+        &env,
+        &dup_body,
+        dead_lettered("dup-1", "retries_exhausted", 3),
+    )
+    .await;
+    let sentinel = Uuid::new_v4();
+    publish_to_dlq(
+        &env,
+        &user_body(sentinel),
+        dead_lettered(&sentinel.to_string(), "retries_exhausted", 3),
+    )
+    .await;
+
+    let mut warren = env.start(&["--roles", "dlq"]);
+    wait_until(
+        "3 parked and the sentinel row",
+        Duration::from_secs(30),
+        || async { parked_count(&env).await == 3 && env.row_ids().await.contains(&sentinel) },
+    )
+    .await;
+    assert!(warren.terminate(Duration::from_secs(25)).success());
+    assert_eq!(
+        env.queue_state(&env.dlq_queue).await,
+        (0, 0),
+        "log:\n{}",
+        warren.logs()
+    );
+    assert_queue_empty(&env, &env.main_queue).await;
+    assert_queue_empty(&env, &env.retry_queue).await;
+    assert_eq!(parked_count(&env).await, 3, "parked twice?");
+    assert_eq!(env.count_rows().await, 2, "the owner and the sentinel");
+
+    let rows = env
+        .db
+        .query(
+            "SELECT message_id, body, headers, error_kind, error_reason, parked_at IS NOT NULL, \
+             replayed_at IS NULL FROM dead_letters ORDER BY seq",
+            &[],
+        )
+        .await
+        .unwrap();
+    let find = |mid: &str| {
+        rows.iter()
+            .find(|r| r.get::<_, Option<String>>(0).as_deref() == Some(mid))
+            .unwrap_or_else(|| panic!("{mid} not parked"))
+    };
+
+    let r = find("not-json-1");
+    assert_eq!(r.get::<_, Vec<u8>>(1), not_json);
+    let headers: serde_json::Value = r.get(2);
+    assert_eq!(headers["x-trace"], "abc-123", "{headers}");
+    assert_eq!(headers["x-error-kind"], "invalid_json", "{headers}");
+    assert_eq!(headers["x-retries"], 0, "{headers}");
+    assert_eq!(r.get::<_, String>(3), "invalid_json");
+    assert!(!r.get::<_, String>(4).is_empty());
+    assert!(r.get::<_, bool>(5) && r.get::<_, bool>(6));
+
+    let r = find("binary-1");
+    assert_eq!(r.get::<_, Vec<u8>>(1), binary);
+    assert_eq!(r.get::<_, String>(3), "invalid_json");
+
+    let r = find("dup-1");
+    assert_eq!(r.get::<_, Vec<u8>>(1), dup_body);
+    assert_eq!(r.get::<_, String>(3), "db_permanent");
+    let reason: String = r.get(4);
+    assert!(reason.contains("23505"), "error_reason {reason:?}");
+    let headers: serde_json::Value = r.get(2);
+    assert_eq!(headers["x-retries"], 3, "{headers}");
+    assert!(!env.row_ids().await.contains(&dup));
+}
+
+/// While the database fails transiently the DLQ message is neither parked nor dropped: it is
+/// requeued after a growing delay (visible in the log), stays in the DLQ across a restart, and
+/// is inserted once the database recovers.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_dlq_message_is_requeued_with_a_growing_backoff_while_the_database_fails() {
+    let mut env = TestEnv::new("dlq_backoff").await;
+    env.set("DB_RETRY_WINDOW_MS", "0").set("LOG_FORMAT", "json");
+    env.declare();
+    install_fault(&env).await;
+    let id = Uuid::new_v4();
+    track_attempts(&env, &[id]).await;
+    publish_to_dlq(
+        &env,
+        &user_body(id),
+        dead_lettered(&id.to_string(), "retries_exhausted", 3),
+    )
+    .await;
+
+    // Phase 1: five failures, each requeue delayed longer than the one before.
+    let mut warren = env.start(&["--roles", "dlq"]);
+    wait_until("five attempts", Duration::from_secs(30), || async {
+        attempts(&env, id).await >= 5
+    })
+    .await;
+    wait_until("four delays logged", Duration::from_secs(10), || async {
+        requeue_delays(&warren.logs()).len() >= 4
+    })
+    .await;
+    assert_eq!(parked_count(&env).await, 0, "parked on a transient error");
+    assert_eq!(env.count_rows().await, 0);
+    let delays = requeue_delays(&warren.logs());
+    for pair in delays.windows(2) {
+        assert!(pair[1] > pair[0], "delays do not grow: {delays:?}");
+    }
+    for (k, d) in delays.iter().enumerate() {
+        let base = (200u64 << k.min(20)).min(30_000);
+        assert!(
+            *d >= base && *d <= 2 * base,
+            "delay #{} = {d} ms, expected {base}..={} ms: {delays:?}",
+            k + 1,
+            2 * base
+        );
+    }
+    // Stopped during the outage: the message is still in the DLQ, never acked.
+    assert!(warren.terminate(Duration::from_secs(25)).success());
+    assert_eq!(
+        env.queue_state(&env.dlq_queue).await,
+        (1, 0),
+        "the DLQ was emptied; log:\n{}",
+        warren.logs()
+    );
+    assert_eq!(parked_count(&env).await, 0);
+
+    // Phase 2: a new DLQ consumer, still failing, then the database recovers.
+    let before = attempts(&env, id).await;
+    let mut warren = env.start(&["--roles", "dlq"]);
+    wait_until("two more attempts", Duration::from_secs(20), || async {
+        attempts(&env, id).await >= before + 2
+    })
+    .await;
+    clear_fault(&env).await;
+    wait_until("the row", Duration::from_secs(30), || async {
+        env.row_ids().await.contains(&id)
+    })
+    .await;
+    wait_until("the DLQ empty", Duration::from_secs(10), || async {
+        env.queue_state(&env.dlq_queue).await.0 == 0
+    })
+    .await;
+    assert!(warren.terminate(Duration::from_secs(25)).success());
+    assert_eq!(env.queue_state(&env.dlq_queue).await, (0, 0));
+    assert_eq!(parked_count(&env).await, 0);
+    assert_eq!(env.count_rows().await, 1);
+    assert_queue_empty(&env, &env.main_queue).await;
+    assert_queue_empty(&env, &env.retry_queue).await;
+}
