@@ -2,7 +2,15 @@
 # Brings up RabbitMQ, PostgreSQL and Redis on localhost for warren, on Debian or Ubuntu:
 # installs them with apt-get if missing, starts them if stopped, creates the `warren` role and
 # database. Idempotent: whatever is already done is left alone. Run as root or with sudo.
+#   --with-promtool   also install Debian's prometheus package for `promtool` (the tests use it)
 set -euo pipefail
+WITH_PROMTOOL=""
+for arg in "$@"; do
+  case "$arg" in
+    --with-promtool) WITH_PROMTOOL=1 ;;
+    *) echo "setup: unknown argument $arg" >&2; exit 2 ;;
+  esac
+done
 
 log() { printf 'setup: %s\n' "$*" >&2; }
 SUDO=""
@@ -62,6 +70,11 @@ if ! port_open 6379; then
   if have_systemd; then $SUDO systemctl start redis-server
   else $SUDO redis-server --daemonize yes --bind 127.0.0.1 --port 6379 --save "" --appendonly no; fi
   wait_port Redis 6379 30
+fi
+
+# --- promtool (tests only) -------------------------------------------------------------------
+if [ -n "$WITH_PROMTOOL" ] && ! command -v promtool >/dev/null; then
+  install_pkg prometheus
 fi
 
 log "RabbitMQ :5672, PostgreSQL :5432 (role and database warren), Redis :6379 are up"

@@ -3,5 +3,5 @@
 # then run every unit and integration test against them. Extra arguments go to `cargo test`.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-./scripts/setup.sh
+./scripts/setup.sh --with-promtool
 exec cargo test --all-targets "$@"
