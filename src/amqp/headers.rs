@@ -140,6 +140,24 @@ pub fn for_dead_letter(
     )
 }
 
+/// Properties for a message replayed from the DLQ: `x-retries` = 0 and every `x-error-*` header
+/// removed; all other headers and properties are kept.
+pub fn for_replay(properties: &BasicProperties) -> BasicProperties {
+    let mut kept: std::collections::BTreeMap<ShortString, AMQPValue> = properties
+        .headers()
+        .as_ref()
+        .map(|h| {
+            h.inner()
+                .iter()
+                .filter(|(k, _)| !k.as_str().starts_with("x-error-"))
+                .map(|(k, v)| (k.clone(), v.clone()))
+                .collect()
+        })
+        .unwrap_or_default();
+    kept.insert(ShortString::from(X_RETRIES), AMQPValue::LongLongInt(0));
+    properties.clone().with_headers(FieldTable::from(kept))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -192,5 +210,35 @@ mod tests {
         let dead = for_dead_letter(&next, 3, "retries_exhausted", "r");
         assert_eq!(text(&dead, X_ERROR_KIND).unwrap(), "retries_exhausted");
         assert_eq!(to_json(&dead)["x-retries"], serde_json::json!(3));
+    }
+
+    #[test]
+    fn replay_resets_the_count_drops_the_error_headers_and_keeps_the_rest() {
+        let dead = for_dead_letter(
+            &BasicProperties::default()
+                .with_message_id("m2".into())
+                .with_content_type("application/json".into())
+                .with_delivery_mode(2)
+                .with_timestamp(42),
+            3,
+            "retries_exhausted",
+            "db_error: x",
+        );
+        let dead = with_headers(&dead, &[("trace", long("abc"))]);
+        let replay = for_replay(&dead);
+        assert_eq!(retries(&replay), Retries::Count(0));
+        assert_eq!(text(&replay, X_ERROR_KIND), None);
+        assert_eq!(text(&replay, X_ERROR_REASON), None);
+        assert_eq!(text(&replay, "trace").unwrap(), "abc");
+        assert_eq!(replay.message_id().as_ref().unwrap().as_str(), "m2");
+        assert_eq!(
+            replay.content_type().as_ref().unwrap().as_str(),
+            "application/json"
+        );
+        assert_eq!(*replay.delivery_mode(), Some(2));
+        assert_eq!(*replay.timestamp(), Some(42));
+        // No headers at all: only x-retries = 0 is added.
+        let bare = for_replay(&BasicProperties::default());
+        assert_eq!(to_json(&bare), serde_json::json!({"x-retries": 0}));
     }
 }

@@ -92,6 +92,12 @@ pub async fn execute(settings: &Settings, args: Args) -> anyhow::Result<i32> {
                             .and_then(|v| v.as_str())
                             .map(str::to_string)
                             .unwrap_or_else(|| Uuid::new_v4().to_string());
+                        if id.len() > 255 {
+                            eprintln!(
+                                "warren publish: line {n}: \"id\" is longer than 255 bytes (an AMQP message id cannot be), skipped"
+                            );
+                            return None;
+                        }
                         Some((id, line.into_bytes()))
                     }
                     Ok(_) => {

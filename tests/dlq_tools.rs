@@ -1,0 +1,574 @@
+//! `warren dlq`: `inspect` shows the DLQ and leaves it as it was; `replay` moves dead letters
+//! back to the main exchange (x-retries 0, x-error-* gone, each republish confirmed before the
+//! DLQ copy is acked), all or one `--kind`; `parked list` / `parked replay` work on the
+//! `dead_letters` table; bad arguments are refused with a clear message.
+
+mod common;
+
+use std::collections::HashSet;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use common::*;
+use lapin::BasicProperties;
+use lapin::types::{AMQPValue, FieldTable};
+use uuid::Uuid;
+
+/// Properties of a dead letter as warren's router writes them.
+fn dead_props(id: Uuid, kind: &str, retries: i64) -> BasicProperties {
+    let p = with_header(json_props(id), "x-error-kind", long_string(kind));
+    let p = with_header(p, "x-error-reason", long_string(&format!("{kind}: test")));
+    with_header(p, "x-retries", AMQPValue::LongLongInt(retries))
+}
+
+/// Puts one message in the env's DLQ the way the pipeline does: through the DLX.
+async fn put_dead(env: &TestEnv, body: &[u8], props: BasicProperties) {
+    env.publish_to(&env.dlx_exchange, &env.dlq_queue, body, props)
+        .await;
+}
+
+/// Puts a valid user in the DLQ as `kind` and returns its id.
+async fn put_dead_user(env: &TestEnv, kind: &str) -> Uuid {
+    let id = Uuid::new_v4();
+    put_dead(env, &user_body(id), dead_props(id, kind, 3)).await;
+    id
+}
+
+/// Puts a body that is not JSON in the DLQ as `invalid_json` and returns its id.
+async fn put_dead_garbage(env: &TestEnv) -> Uuid {
+    let id = Uuid::new_v4();
+    put_dead(
+        env,
+        format!("not json {id}").as_bytes(),
+        dead_props(id, "invalid_json", 0),
+    )
+    .await;
+    id
+}
+
+fn header(m: &lapin::message::BasicGetMessage, key: &str) -> Option<AMQPValue> {
+    m.properties
+        .headers()
+        .as_ref()
+        .and_then(|h| h.inner().get(key).cloned())
+}
+
+fn message_id(m: &lapin::message::BasicGetMessage) -> String {
+    m.properties
+        .message_id()
+        .as_ref()
+        .map(|s| s.as_str().to_string())
+        .unwrap_or_default()
+}
+
+/// Runs `warren dlq ...` and asserts exit code `code`: (stdout, stderr).
+fn dlq(env: &TestEnv, args: &[&str], code: i32) -> (String, String) {
+    let mut full = vec!["dlq"];
+    full.extend_from_slice(args);
+    let (got, out, err) = env.run(&full);
+    assert_eq!(got, code, "warren {full:?}: exit {got}\n{out}\n{err}");
+    (out, err)
+}
+
+async fn wait_depth(env: &TestEnv, queue: &str, n: u32) {
+    wait_until(
+        &format!("{n} messages in {queue}"),
+        Duration::from_secs(10),
+        || async { env.queue_state(queue).await.0 == n },
+    )
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn replay_of_100_dead_letters_lets_the_pipeline_insert_them() {
+    let env = TestEnv::new("dlqt_replay100").await;
+    env.declare();
+    let mut ids = HashSet::new();
+    for _ in 0..100 {
+        ids.insert(put_dead_user(&env, "retries_exhausted").await);
+    }
+    wait_depth(&env, &env.dlq_queue, 100).await;
+
+    let (out, _) = dlq(&env, &["replay"], 0);
+    assert!(out.contains("replayed 100 messages"), "{out}");
+    assert!(out.contains("skipped 0"), "{out}");
+    assert!(out.contains("failed 0"), "{out}");
+    wait_depth(&env, &env.main_queue, 100).await;
+    assert_queue_empty(&env, &env.dlq_queue).await;
+
+    let mut warren = env.start(&["--roles", "consumer"]);
+    wait_until("100 rows", Duration::from_secs(30), || async {
+        env.count_rows().await >= 100
+    })
+    .await;
+    wait_until("the main queue empty", Duration::from_secs(10), || async {
+        env.queue_state(&env.main_queue).await.0 == 0
+    })
+    .await;
+    assert_eq!(env.row_ids().await, ids, "log:\n{}", warren.logs());
+    // x-retries was reset: nothing came back as retries_exhausted.
+    assert_queue_empty(&env, &env.dlq_queue).await;
+    assert_queue_empty(&env, &env.retry_queue).await;
+    assert_eq!(
+        warren.terminate(Duration::from_secs(30)).code(),
+        Some(0),
+        "log:\n{}",
+        warren.logs()
+    );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn inspect_shows_the_dlq_and_leaves_it_unchanged() {
+    let env = TestEnv::new("dlqt_inspect").await;
+    env.declare();
+    let now = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .unwrap()
+        .as_secs();
+    let mut ids = Vec::new();
+    // Two minutes old, with a timestamp.
+    let old = Uuid::new_v4();
+    put_dead(
+        &env,
+        &user_body(old),
+        dead_props(old, "db_permanent", 0).with_timestamp(now - 125),
+    )
+    .await;
+    ids.push(old);
+    for _ in 0..3 {
+        ids.push(put_dead_user(&env, "retries_exhausted").await);
+    }
+    ids.push(put_dead_garbage(&env).await);
+    wait_depth(&env, &env.dlq_queue, 5).await;
+
+    let (out, _) = dlq(&env, &["inspect"], 0);
+    assert!(
+        out.contains(&format!("dlq {}: 5 messages, 5 shown", env.dlq_queue)),
+        "{out}"
+    );
+    let lines: Vec<&str> = out.lines().collect();
+    assert!(
+        lines[1].starts_with("MESSAGE ID") && lines[1].contains("KIND"),
+        "{out}"
+    );
+    for id in &ids {
+        assert!(out.contains(&id.to_string()), "{id} missing:\n{out}");
+    }
+    let old_line = lines.iter().find(|l| l.contains(&old.to_string())).unwrap();
+    assert!(
+        old_line.contains("db_permanent") && old_line.contains(" 2m"),
+        "{old_line}"
+    );
+    assert!(out.contains("retries_exhausted: test"), "{out}");
+    // Columns are aligned: KIND starts at the same offset on every line.
+    let at = lines[1].find("KIND").unwrap();
+    for line in &lines[2..] {
+        assert_ne!(line.as_bytes()[at], b' ', "{out}");
+        assert_eq!(line.as_bytes()[at - 1], b' ', "{out}");
+    }
+
+    // Unchanged: the same count right away, and after --limit and --json runs.
+    wait_depth(&env, &env.dlq_queue, 5).await;
+    let (out, _) = dlq(&env, &["inspect", "--limit", "2"], 0);
+    assert!(out.contains("5 messages, 2 shown"), "{out}");
+    assert_eq!(out.lines().count(), 4, "{out}");
+    let (out, err) = dlq(&env, &["inspect", "--json"], 0);
+    assert!(err.contains("5 messages"), "{err}");
+    let objects: Vec<serde_json::Value> = out
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("{e}: {l}")))
+        .collect();
+    assert_eq!(objects.len(), 5, "{out}");
+    let old_json = objects
+        .iter()
+        .find(|o| o["message_id"] == old.to_string())
+        .unwrap();
+    assert_eq!(old_json["kind"], "db_permanent");
+    assert!(old_json["age_s"].as_u64().unwrap() >= 125, "{old_json}");
+    let other = objects
+        .iter()
+        .find(|o| o["kind"] == "retries_exhausted")
+        .unwrap();
+    assert_eq!(other["retries"], 3);
+    assert!(other["age_s"].is_null(), "{other}");
+
+    wait_depth(&env, &env.dlq_queue, 5).await;
+    let left = env.drain_queue(&env.dlq_queue, 100).await;
+    let left: HashSet<String> = left.iter().map(message_id).collect();
+    assert_eq!(left, ids.iter().map(Uuid::to_string).collect());
+    assert_queue_empty(&env, &env.main_queue).await;
+
+    // An empty DLQ is a short report.
+    let (out, _) = dlq(&env, &["inspect"], 0);
+    assert_eq!(
+        out.trim(),
+        format!(
+            "dlq {}: 0 messages, 0 shown, all left in the queue",
+            env.dlq_queue
+        )
+    );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn replay_of_one_kind_moves_only_those_with_clean_headers() {
+    let env = TestEnv::new("dlqt_kind").await;
+    env.declare();
+    let mut garbage = HashSet::new();
+    let mut users = HashSet::new();
+    for i in 0..6 {
+        if i % 2 == 0 {
+            garbage.insert(put_dead_garbage(&env).await.to_string());
+        } else {
+            users.insert(put_dead_user(&env, "retries_exhausted").await.to_string());
+        }
+    }
+    // A traced header that must survive the replay.
+    let traced = Uuid::new_v4();
+    put_dead(
+        &env,
+        format!("not json {traced}").as_bytes(),
+        with_header(
+            dead_props(traced, "invalid_json", 2).with_timestamp(1_700_000_000),
+            "trace",
+            long_string("abc"),
+        ),
+    )
+    .await;
+    garbage.insert(traced.to_string());
+    wait_depth(&env, &env.dlq_queue, 7).await;
+
+    let (out, _) = dlq(&env, &["replay", "--kind", "invalid_json"], 0);
+    assert!(
+        out.contains("replayed 4 messages of kind invalid_json"),
+        "{out}"
+    );
+    assert!(out.contains("skipped 3"), "{out}");
+    wait_depth(&env, &env.dlq_queue, 3).await;
+    wait_depth(&env, &env.main_queue, 4).await;
+
+    let moved = env.drain_queue(&env.main_queue, 100).await;
+    assert_eq!(
+        moved.iter().map(message_id).collect::<HashSet<_>>(),
+        garbage
+    );
+    for m in &moved {
+        assert_eq!(header(m, "x-retries"), Some(AMQPValue::LongLongInt(0)));
+        assert_eq!(header(m, "x-error-kind"), None);
+        assert_eq!(header(m, "x-error-reason"), None);
+        let body = String::from_utf8_lossy(&m.data).into_owned();
+        assert_eq!(body, format!("not json {}", message_id(m)));
+        assert_eq!(*m.properties.delivery_mode(), Some(2));
+        assert_eq!(
+            m.properties.content_type().as_ref().map(|c| c.as_str()),
+            Some("application/json")
+        );
+        if message_id(m) == traced.to_string() {
+            assert_eq!(header(m, "trace"), Some(long_string("abc")));
+            assert_eq!(*m.properties.timestamp(), Some(1_700_000_000));
+        }
+    }
+
+    // --limit stops early; the rest stays.
+    let (out, _) = dlq(&env, &["replay", "--limit", "1"], 0);
+    assert!(out.contains("replayed 1 message "), "{out}");
+    wait_depth(&env, &env.dlq_queue, 2).await;
+    wait_depth(&env, &env.main_queue, 1).await;
+    let mut seen: HashSet<String> = env
+        .drain_queue(&env.dlq_queue, 100)
+        .await
+        .iter()
+        .map(message_id)
+        .collect();
+    seen.extend(
+        env.drain_queue(&env.main_queue, 100)
+            .await
+            .iter()
+            .map(message_id),
+    );
+    assert_eq!(seen, users);
+
+    // Nothing of that kind: everything is skipped and stays.
+    let id = put_dead_user(&env, "db_permanent").await;
+    let (out, _) = dlq(&env, &["replay", "--kind", "invalid_payload"], 0);
+    assert!(out.contains("replayed 0 messages"), "{out}");
+    assert!(out.contains("skipped 1"), "{out}");
+    wait_depth(&env, &env.dlq_queue, 1).await;
+    let left = env.drain_queue(&env.dlq_queue, 10).await;
+    assert_eq!(message_id(&left[0]), id.to_string());
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_replay_that_cannot_be_routed_leaves_the_dlq_intact_and_exits_1() {
+    let env = TestEnv::new("dlqt_unroutable").await;
+    env.declare();
+    let mut ids = HashSet::new();
+    for _ in 0..3 {
+        ids.insert(put_dead_user(&env, "retries_exhausted").await.to_string());
+    }
+    wait_depth(&env, &env.dlq_queue, 3).await;
+    env.channel
+        .queue_unbind(
+            env.main_queue.as_str().into(),
+            env.main_exchange.as_str().into(),
+            env.main_queue.as_str().into(),
+            FieldTable::default(),
+        )
+        .await
+        .expect("unbind the main queue");
+
+    let (out, err) = dlq(&env, &["replay"], 1);
+    assert!(out.contains("replayed 0 messages"), "{out}");
+    assert!(out.contains("failed 1"), "{out}");
+    assert!(err.contains("unroutable"), "{err}");
+    assert!(err.contains("stays in the DLQ"), "{err}");
+    wait_depth(&env, &env.dlq_queue, 3).await;
+    let left = env.drain_queue(&env.dlq_queue, 10).await;
+    assert_eq!(left.iter().map(message_id).collect::<HashSet<_>>(), ids);
+    // Still dead letters, headers untouched.
+    for m in &left {
+        assert_eq!(
+            header(m, "x-error-kind"),
+            Some(long_string("retries_exhausted"))
+        );
+        assert_eq!(header(m, "x-retries"), Some(AMQPValue::LongLongInt(3)));
+    }
+}
+
+/// Inserts one parked row into the env's `dead_letters`; returns its seq.
+async fn park(env: &TestEnv, id: Option<Uuid>, body: &[u8], kind: &str) -> i64 {
+    env.db
+        .query_one(
+            &format!(
+                "INSERT INTO {}.dead_letters (message_id, body, headers, error_kind, error_reason) \
+                 VALUES ($1, $2, $3, $4, $5) RETURNING seq",
+                env.schema
+            ),
+            &[
+                &id.map(|i| i.to_string()),
+                &body,
+                &serde_json::json!({"x-error-kind": kind}),
+                &kind,
+                &format!("{kind}: parked by the test"),
+            ],
+        )
+        .await
+        .expect("insert a parked row")
+        .get(0)
+}
+
+async fn replayed_at_set(env: &TestEnv, seq: i64) -> bool {
+    env.db
+        .query_one(
+            &format!(
+                "SELECT replayed_at IS NOT NULL FROM {}.dead_letters WHERE seq = $1",
+                env.schema
+            ),
+            &[&seq],
+        )
+        .await
+        .expect("select replayed_at")
+        .get(0)
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn parked_rows_are_listed_and_replayed_into_rows() {
+    let env = TestEnv::new("dlqt_parked").await;
+    env.declare();
+    let a = Uuid::new_v4();
+    let b = Uuid::new_v4();
+    let c = Uuid::new_v4();
+    let g = Uuid::new_v4();
+    let done = Uuid::new_v4();
+    let seq_a = park(&env, Some(a), &user_body(a), "db_permanent").await;
+    let seq_g = park(&env, Some(g), b"not json \x01\n at all", "invalid_json").await;
+    let seq_b = park(&env, Some(b), &user_body(b), "db_permanent").await;
+    let seq_c = park(&env, None, &user_body(c), "invalid_payload").await;
+    let seq_done = park(&env, Some(done), &user_body(done), "db_permanent").await;
+    env.db
+        .execute(
+            &format!(
+                "UPDATE {}.dead_letters SET replayed_at = now() WHERE seq = $1",
+                env.schema
+            ),
+            &[&seq_done],
+        )
+        .await
+        .unwrap();
+
+    // The list: not-replayed rows only, newest first.
+    let (out, _) = dlq(&env, &["parked", "list"], 0);
+    assert!(out.contains("not replayed: 4 messages, 4 shown"), "{out}");
+    assert!(!out.contains(&done.to_string()), "{out}");
+    let lines: Vec<&str> = out.lines().collect();
+    assert!(
+        lines[1].starts_with("SEQ") && lines[1].contains("BODY"),
+        "{out}"
+    );
+    let order: Vec<&str> = lines[2..]
+        .iter()
+        .filter_map(|l| l.split_whitespace().next())
+        .collect();
+    let want: Vec<String> = [seq_c, seq_b, seq_g, seq_a]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+    assert_eq!(order, want, "{out}");
+    // Control characters of the body never reach the terminal.
+    assert_eq!(lines.len(), 6, "{out}");
+    assert!(out.contains("not json"), "{out}");
+
+    let (out, _) = dlq(
+        &env,
+        &["parked", "list", "--kind", "db_permanent", "--limit", "1"],
+        0,
+    );
+    assert!(
+        out.contains("2 messages of kind db_permanent, 1 shown"),
+        "{out}"
+    );
+    assert!(
+        out.contains(&b.to_string()) && !out.contains(&a.to_string()),
+        "{out}"
+    );
+    let (out, _) = dlq(&env, &["parked", "list", "--json"], 0);
+    let objects: Vec<serde_json::Value> = out
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("{e}: {l}")))
+        .collect();
+    assert_eq!(objects.len(), 4);
+    assert_eq!(objects[0]["seq"], seq_c);
+    assert!(objects[0]["message_id"].is_null());
+
+    // Replay one kind, oldest first, one at a time.
+    let (out, _) = dlq(
+        &env,
+        &["parked", "replay", "--kind", "db_permanent", "--limit", "1"],
+        0,
+    );
+    assert!(out.contains("replayed 1 parked message "), "{out}");
+    assert!(replayed_at_set(&env, seq_a).await);
+    assert!(!replayed_at_set(&env, seq_b).await);
+    // Then everything that is left.
+    let (out, _) = dlq(&env, &["parked", "replay"], 0);
+    assert!(out.contains("replayed 3 parked messages"), "{out}");
+    assert!(out.contains("failed 0"), "{out}");
+    for seq in [seq_a, seq_b, seq_c, seq_g] {
+        assert!(replayed_at_set(&env, seq).await, "row {seq} not marked");
+    }
+    wait_depth(&env, &env.main_queue, 4).await;
+    let (out, _) = dlq(&env, &["parked", "list"], 0);
+    assert!(out.contains("not replayed: 0 messages"), "{out}");
+    let (out, _) = dlq(&env, &["parked", "replay"], 0);
+    assert!(out.contains("replayed 0 parked messages"), "{out}");
+
+    // The valid ones become rows; the garbage goes back to the DLQ.
+    let mut warren = env.start(&["--roles", "consumer"]);
+    wait_until("3 rows", Duration::from_secs(30), || async {
+        env.count_rows().await >= 3
+    })
+    .await;
+    wait_depth(&env, &env.dlq_queue, 1).await;
+    assert_eq!(
+        env.row_ids().await,
+        [a, b, c].into_iter().collect(),
+        "log:\n{}",
+        warren.logs()
+    );
+    assert_eq!(
+        warren.terminate(Duration::from_secs(30)).code(),
+        Some(0),
+        "log:\n{}",
+        warren.logs()
+    );
+    let dead = env.drain_queue(&env.dlq_queue, 10).await;
+    assert_eq!(message_id(&dead[0]), g.to_string());
+    assert_eq!(
+        header(&dead[0], "x-error-kind"),
+        Some(long_string("invalid_json"))
+    );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_parked_replay_that_cannot_be_routed_leaves_the_rows_untouched() {
+    let env = TestEnv::new("dlqt_parked_fail").await;
+    env.declare();
+    let a = Uuid::new_v4();
+    let seq = park(&env, Some(a), &user_body(a), "db_permanent").await;
+    env.channel
+        .queue_unbind(
+            env.main_queue.as_str().into(),
+            env.main_exchange.as_str().into(),
+            env.main_queue.as_str().into(),
+            FieldTable::default(),
+        )
+        .await
+        .expect("unbind the main queue");
+    let (out, err) = dlq(&env, &["parked", "replay"], 1);
+    assert!(out.contains("replayed 0 parked messages"), "{out}");
+    assert!(out.contains("failed 1"), "{out}");
+    assert!(err.contains("unroutable"), "{err}");
+    assert!(!replayed_at_set(&env, seq).await);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn bad_arguments_and_missing_objects_get_a_clear_error() {
+    let env = TestEnv::new("dlqt_args").await;
+    let refused: &[(&[&str], &str)] = &[
+        (
+            &["replay", "--kind", "bogus"],
+            "invalid value 'bogus' for '--kind <KIND>'",
+        ),
+        (
+            &["parked", "list", "--kind", "INVALID_JSON"],
+            "invalid_json, invalid_payload, db_permanent, retries_exhausted",
+        ),
+        (
+            &["inspect", "--limit", "0"],
+            "expected a whole number of at least 1",
+        ),
+        (
+            &["replay", "--limit", "-3"],
+            "invalid value '-3' for '--limit <N>': expected a whole number of at least 1",
+        ),
+        (&["parked", "replay", "--limit", "abc"], "at least 1"),
+        (&["inspect", "--bogus"], "--bogus"),
+        (&[], "Usage: warren dlq"),
+        (&["parked"], "Usage: warren dlq parked"),
+    ];
+    for (args, message) in refused {
+        let (_, err) = dlq(&env, args, 2);
+        assert!(
+            err.contains(message),
+            "warren dlq {args:?}: {message:?} not in:\n{err}"
+        );
+    }
+
+    // Nothing declared yet: the queue and the table are named, with what to do.
+    let (_, err) = dlq(&env, &["inspect"], 1);
+    assert!(
+        err.contains(&env.dlq_queue) && err.contains("warren declare"),
+        "{err}"
+    );
+    let (_, err) = dlq(&env, &["replay"], 1);
+    assert!(
+        err.contains(&env.dlq_queue) && err.contains("warren declare"),
+        "{err}"
+    );
+    let (_, err) = dlq(&env, &["parked", "list"], 1);
+    assert!(
+        err.contains("dead_letters") && err.contains("warren declare"),
+        "{err}"
+    );
+    let (_, err) = dlq(&env, &["parked", "replay"], 1);
+    assert!(
+        err.contains("dead_letters") && err.contains("warren declare"),
+        "{err}"
+    );
+
+    // An unreachable broker is named (without its password).
+    let mut env = env;
+    env.set("AMQP_URL", "amqp://guest:secret@127.0.0.1:1/%2f");
+    env.set("AMQP_CONNECT_TIMEOUT_MS", "1000");
+    let (_, err) = dlq(&env, &["inspect"], 1);
+    assert!(err.contains("cannot reach the broker"), "{err}");
+    assert!(!err.contains("secret"), "{err}");
+}
