@@ -1,0 +1,301 @@
+//! Broker faults under a running warren: every connection closed by the broker, a frozen process
+//! that misses its heartbeats, the main queue deleted and re-declared. Nothing lost, nothing twice.
+
+mod common;
+
+use std::collections::HashSet;
+use std::time::{Duration, Instant};
+
+use common::*;
+use lapin::options::QueueDeleteOptions;
+use serde_json::Value;
+use uuid::Uuid;
+
+/// `close_all_connections` hits every connection on the broker (other tests' harness and warren
+/// connections included), so the tests of this file run one at a time.
+static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
+/// Prints the logs of warren processes when the test fails (their files go with them).
+struct LogsOnPanic(Vec<std::path::PathBuf>);
+
+impl Drop for LogsOnPanic {
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            for log in &self.0 {
+                let text = std::fs::read_to_string(log).unwrap_or_default();
+                eprintln!("---- warren log {}:\n{text}", log.display());
+            }
+        }
+    }
+}
+
+/// Runs `rabbitmqctl -q args...`: (success, stdout and stderr).
+async fn try_rabbitmqctl(args: &[&str]) -> (bool, String) {
+    let out = tokio::process::Command::new("rabbitmqctl")
+        .arg("-q")
+        .args(args)
+        .output()
+        .await
+        .expect("run rabbitmqctl");
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    if out.status.success() {
+        (true, text)
+    } else {
+        (
+            false,
+            format!("{text}{}", String::from_utf8_lossy(&out.stderr)),
+        )
+    }
+}
+
+/// Runs `rabbitmqctl -q args...`, which must succeed; returns its stdout.
+async fn rabbitmqctl(args: &[&str]) -> String {
+    let (ok, text) = try_rabbitmqctl(args).await;
+    assert!(ok, "rabbitmqctl {args:?} failed: {text}");
+    text
+}
+
+/// A read-only `rabbitmqctl list_*` command with the JSON formatter, one object per row. Tried
+/// up to three times: the CLI itself can time out on a busy node.
+async fn rabbitmqctl_rows(args: &[&str]) -> Vec<Value> {
+    let mut full = args.to_vec();
+    full.extend(["--formatter", "json"]);
+    let mut attempts = 0;
+    loop {
+        attempts += 1;
+        let (ok, text) = try_rabbitmqctl(&full).await;
+        if ok && let Ok(rows) = serde_json::from_str(&text) {
+            return rows;
+        }
+        assert!(attempts < 3, "rabbitmqctl {args:?} failed: {text}");
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+}
+
+/// One consumer of a queue, as the broker sees it.
+#[derive(Debug, Clone, PartialEq)]
+struct BrokerConsumer {
+    tag: String,
+    prefetch: u64,
+}
+
+/// The consumers of `queue`, from `rabbitmqctl list_consumers` (needs no AMQP connection, so it
+/// works after `close_all_connections` killed the harness's own).
+async fn consumers_of(queue: &str) -> Vec<BrokerConsumer> {
+    rabbitmqctl_rows(&[
+        "list_consumers",
+        "queue_name",
+        "consumer_tag",
+        "prefetch_count",
+    ])
+    .await
+    .into_iter()
+    .filter(|row| row["queue_name"].as_str() == Some(queue))
+    .map(|row| BrokerConsumer {
+        tag: row["consumer_tag"].as_str().unwrap_or_default().to_string(),
+        prefetch: row["prefetch_count"].as_u64().unwrap_or(0),
+    })
+    .collect()
+}
+
+/// (ready, unacknowledged) messages of `queue`, from `rabbitmqctl list_queues`.
+async fn queue_counts(queue: &str) -> (u64, u64) {
+    let rows = rabbitmqctl_rows(&[
+        "list_queues",
+        "name",
+        "messages_ready",
+        "messages_unacknowledged",
+    ])
+    .await;
+    let row = rows
+        .iter()
+        .find(|row| row["name"].as_str() == Some(queue))
+        .unwrap_or_else(|| panic!("queue {queue} does not exist"));
+    (
+        row["messages_ready"].as_u64().unwrap_or(u64::MAX),
+        row["messages_unacknowledged"].as_u64().unwrap_or(u64::MAX),
+    )
+}
+
+/// Waits until exactly one consumer (warren's) is on `queue` with a tag other than `old`, and
+/// returns it: proof that warren (re)subscribed.
+async fn wait_new_consumer(queue: &str, old: Option<&str>, timeout: Duration) -> BrokerConsumer {
+    let found = std::sync::Mutex::new(None);
+    wait_until(
+        &format!("a new warren consumer on {queue} (previous tag {old:?})"),
+        timeout,
+        || async {
+            match consumers_of(queue).await.as_slice() {
+                [c] if Some(c.tag.as_str()) != old => {
+                    *found.lock().unwrap() = Some(c.clone());
+                    true
+                }
+                _ => false,
+            }
+        },
+    )
+    .await;
+    found
+        .into_inner()
+        .unwrap()
+        .expect("set when the wait succeeded")
+}
+
+/// Waits for every published id to be a row, then checks that nothing else is and the queue
+/// holds nothing, ready or unacknowledged.
+async fn assert_all_once(env: &TestEnv, expected: &HashSet<Uuid>, warren: &Warren) {
+    let n = expected.len() as i64;
+    wait_until(&format!("{n} rows"), Duration::from_secs(120), || async {
+        env.count_rows().await >= n
+    })
+    .await;
+    assert_eq!(env.count_rows().await, n, "log:\n{}", warren.logs());
+    assert!(env.row_ids().await == *expected, "the ids differ");
+    wait_until(
+        "main queue empty and all acked",
+        Duration::from_secs(30),
+        || async { queue_counts(&env.main_queue).await == (0, 0) },
+    )
+    .await;
+    assert_eq!(queue_counts(&env.dlq_queue).await, (0, 0), "DLQ not empty");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn all_connections_closed_twice_by_the_broker_lose_nothing() {
+    let _serial = SERIAL.lock().await;
+    let mut env = TestEnv::new("close_all").await;
+    env.set("PREFETCH", "1500");
+    env.declare();
+    let total = 50_000usize;
+    let expected: HashSet<Uuid> = env.publish_users(total).await.into_iter().collect();
+    let mut warren = env.start(&["--roles", "consumer"]);
+    let _logs = LogsOnPanic(vec![warren.log.clone()]);
+    let mut consumer = wait_new_consumer(&env.main_queue, None, Duration::from_secs(30)).await;
+
+    for threshold in [5_000i64, 15_000] {
+        wait_until(
+            &format!("{threshold} rows"),
+            Duration::from_secs(60),
+            || async { env.count_rows().await >= threshold },
+        )
+        .await;
+        rabbitmqctl(&["close_all_connections", "test"]).await;
+        let rows = env.count_rows().await;
+        assert!(
+            rows < total as i64,
+            "the run was over ({rows} rows) before the connections were closed"
+        );
+        consumer = wait_new_consumer(
+            &env.main_queue,
+            Some(&consumer.tag),
+            Duration::from_secs(60),
+        )
+        .await;
+    }
+
+    assert_all_once(&env, &expected, &warren).await;
+    // The rebuilt consumer has the configured prefetch again (qos is set on every connect).
+    let consumers = consumers_of(&env.main_queue).await;
+    assert_eq!(consumers.len(), 1, "{consumers:?}");
+    assert_eq!(consumers[0].prefetch, 1500, "{consumers:?}");
+    assert!(warren.terminate(Duration::from_secs(25)).success());
+    assert_eq!(queue_counts(&env.main_queue).await, (0, 0));
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_process_frozen_past_its_heartbeats_rebuilds_its_connection() {
+    let _serial = SERIAL.lock().await;
+    let mut env = TestEnv::new("sigstop").await;
+    env.set("AMQP_HEARTBEAT_S", "2");
+    env.declare();
+    let total = 30_000usize;
+    let expected: HashSet<Uuid> = env.publish_users(total).await.into_iter().collect();
+    let mut warren = env.start(&["--roles", "consumer"]);
+    let _logs = LogsOnPanic(vec![warren.log.clone()]);
+    let consumer = wait_new_consumer(&env.main_queue, None, Duration::from_secs(30)).await;
+    wait_until("3,000 rows", Duration::from_secs(60), || async {
+        env.count_rows().await >= 3_000
+    })
+    .await;
+
+    warren.signal("STOP");
+    let frozen_at = Instant::now();
+    let rows = env.count_rows().await;
+    // Two missed heartbeats (4 s) and the broker closes the connection and requeues.
+    wait_until(
+        "the broker drops the frozen warren's consumer",
+        Duration::from_secs(20),
+        || async { consumers_of(&env.main_queue).await.is_empty() },
+    )
+    .await;
+    // The fault is the pause itself: frozen for 8 s, four heartbeat intervals.
+    tokio::time::sleep(Duration::from_secs(8).saturating_sub(frozen_at.elapsed())).await;
+    warren.signal("CONT");
+    assert!(
+        rows < total as i64,
+        "the run was over ({rows} rows) before warren was frozen"
+    );
+
+    let rebuilt = wait_new_consumer(
+        &env.main_queue,
+        Some(&consumer.tag),
+        Duration::from_secs(60),
+    )
+    .await;
+    assert_ne!(rebuilt.tag, consumer.tag);
+    assert_all_once(&env, &expected, &warren).await;
+    assert!(warren.terminate(Duration::from_secs(25)).success());
+    assert_eq!(queue_counts(&env.main_queue).await, (0, 0));
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn the_consumer_comes_back_after_its_queue_is_deleted_and_redeclared() {
+    let _serial = SERIAL.lock().await;
+    let env = TestEnv::new("queue_gone").await;
+    env.declare();
+    let mut warren = env.start(&["--roles", "consumer"]);
+    let _logs = LogsOnPanic(vec![warren.log.clone()]);
+    let consumer = wait_new_consumer(&env.main_queue, None, Duration::from_secs(30)).await;
+    let mut expected: HashSet<Uuid> = env.publish_users(200).await.into_iter().collect();
+    wait_until("200 rows", Duration::from_secs(30), || async {
+        env.count_rows().await == 200
+    })
+    .await;
+    wait_until("the first 200 acked", Duration::from_secs(30), || async {
+        queue_counts(&env.main_queue).await == (0, 0)
+    })
+    .await;
+
+    env.channel
+        .queue_delete(
+            env.main_queue.as_str().into(),
+            QueueDeleteOptions::default(),
+        )
+        .await
+        .expect("delete the main queue");
+    env.declare();
+    expected.extend(env.publish_users(1_000).await);
+
+    // The consumer reconnect backs off (up to 10 s plus jitter): allow several of its waits.
+    wait_until(
+        "the messages published after the re-declare are rows",
+        Duration::from_secs(60),
+        || async { env.count_rows().await == 1_200 },
+    )
+    .await;
+    assert!(env.row_ids().await == expected, "the ids differ");
+    let back = wait_new_consumer(
+        &env.main_queue,
+        Some(&consumer.tag),
+        Duration::from_secs(10),
+    )
+    .await;
+    assert_ne!(back.tag, consumer.tag);
+    wait_until(
+        "main queue empty and all acked",
+        Duration::from_secs(30),
+        || async { queue_counts(&env.main_queue).await == (0, 0) },
+    )
+    .await;
+    assert!(warren.terminate(Duration::from_secs(25)).success());
+}
