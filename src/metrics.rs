@@ -281,6 +281,58 @@ pub fn connection(target: &'static str, up: bool) {
     gauge!(CONNECTION_UP, "target" => target).set(if up { 1.0 } else { 0.0 });
 }
 
+/// One AMQP link of this process (a consumer or a publisher, by name) came up or went down;
+/// `warren_connection_up{target="amqp"}` is 1 while every known link is up.
+pub fn amqp_link(link: &str, up: bool) {
+    use std::collections::HashMap;
+    use std::sync::Mutex;
+    static LINKS: Mutex<Option<HashMap<String, bool>>> = Mutex::new(None);
+    let all_up = {
+        let mut guard = LINKS
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner());
+        let links = guard.get_or_insert_with(HashMap::new);
+        links.insert(link.to_string(), up);
+        links.values().all(|u| *u)
+    };
+    connection("amqp", all_up);
+}
+
+/// Registers the labelled series that exist from the start at 0, so dashboards show 0 rather
+/// than "no data" before the first event.
+pub fn preregister(pipelines: &[&'static str]) {
+    for p in pipelines {
+        counter!(RECEIVED, "pipeline" => *p).absolute(0);
+        counter!(INSERTED, "pipeline" => *p).absolute(0);
+        counter!(RETRIED, "pipeline" => *p, "reason" => "db_transient").absolute(0);
+        for kind in [
+            "invalid_json",
+            "invalid_payload",
+            "db_permanent",
+            "retries_exhausted",
+        ] {
+            counter!(DEAD_LETTERED, "pipeline" => *p, "kind" => kind).absolute(0);
+        }
+        gauge!(BREAKER_OPEN, "pipeline" => *p).set(0.0);
+    }
+    for kind in ["invalid_json", "invalid_payload", "db_permanent"] {
+        counter!(PARKED, "kind" => kind).absolute(0);
+    }
+    for outcome in [
+        "confirmed",
+        "unroutable",
+        "nacked",
+        "unavailable",
+        "timeout",
+    ] {
+        counter!(PUBLISHED, "outcome" => outcome).absolute(0);
+    }
+    for target in ["amqp", "postgres", "redis"] {
+        counter!(RECONNECTS, "target" => target).absolute(0);
+    }
+    gauge!(INFLIGHT).set(0.0);
+}
+
 /// A reconnection to `target` succeeded.
 pub fn reconnected(target: &'static str) {
     counter!(RECONNECTS, "target" => target).increment(1);

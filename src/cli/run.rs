@@ -75,6 +75,14 @@ pub async fn execute(
         settings.clone(),
         Duration::from_secs(5),
     ));
+    let mut names = Vec::new();
+    if settings.has_role("consumer") {
+        names.push("main");
+    }
+    if settings.has_role("dlq") {
+        names.push("dlq");
+    }
+    metrics::preregister(&names);
     metrics::connection("amqp", false);
     metrics::connection("postgres", false);
 

@@ -508,7 +508,7 @@ impl Actor for Consumer {
                     pipeline = act.config.pipeline,
                     "consumer channel is closed; rebuilding it"
                 );
-                crate::metrics::connection("amqp", false);
+                crate::metrics::amqp_link(act.config.pipeline, false);
                 act.teardown();
                 act.connect(ctx);
             } else {
@@ -544,7 +544,7 @@ impl Handler<Connected> for Consumer {
         self.connection = Some(msg.conn);
         info!(pipeline = self.config.pipeline, queue = %self.config.queue, prefetch = self.config.prefetch,
             consumer_tag = %msg.tag, generation, "consuming");
-        crate::metrics::connection("amqp", true);
+        crate::metrics::amqp_link(self.config.pipeline, true);
         if generation > 1 {
             crate::metrics::reconnected("amqp");
         }

@@ -71,6 +71,7 @@ impl Publisher {
             Some(_) => {
                 self.channel = None;
                 self.connection = None;
+                crate::metrics::amqp_link(self.purpose, false);
                 None
             }
             None => None,
@@ -144,6 +145,7 @@ impl Handler<Connected> for Publisher {
             return;
         }
         info!(purpose = self.purpose, "publisher connected");
+        crate::metrics::amqp_link(self.purpose, true);
         self.connection = Some(msg.0);
         self.channel = Some(msg.1);
     }

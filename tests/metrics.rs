@@ -1,0 +1,1073 @@
+//! The Prometheus metrics and the Grafana dashboard: exact counts after a run with known
+//! outcomes, `promtool check metrics` on a real scrape, and a dashboard (grafana/) that is valid,
+//! names the provisioned datasource on every panel and queries only series warren exports.
+//!
+//! promtool comes from Debian's `prometheus` package (`scripts/test.sh` installs it through
+//! `scripts/setup.sh --with-promtool`); without it the tests that need it fail and say so.
+
+mod common;
+
+use std::collections::{BTreeMap, BTreeSet, HashSet};
+use std::io::Write as _;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::Duration;
+
+use common::*;
+use lapin::BasicProperties;
+use serde_json::Value;
+use uuid::Uuid;
+
+// ---- reading /metrics ------------------------------------------------------------------------
+
+/// One sample line of the exposition format.
+#[derive(Debug, Clone)]
+struct Sample {
+    name: String,
+    labels: BTreeMap<String, String>,
+    value: f64,
+}
+
+/// A parsed scrape: its text, its samples, and the family types of its `# TYPE` lines.
+#[derive(Debug, Clone)]
+struct Scrape {
+    text: String,
+    samples: Vec<Sample>,
+    types: BTreeMap<String, String>,
+}
+
+impl Scrape {
+    fn parse(text: String) -> Self {
+        let mut samples = Vec::new();
+        let mut types = BTreeMap::new();
+        for line in text.lines() {
+            let line = line.trim();
+            if line.is_empty() {
+                continue;
+            }
+            if let Some(rest) = line.strip_prefix("# TYPE ") {
+                let mut parts = rest.split_whitespace();
+                if let (Some(name), Some(kind)) = (parts.next(), parts.next()) {
+                    types.insert(name.to_string(), kind.to_string());
+                }
+                continue;
+            }
+            if line.starts_with('#') {
+                continue;
+            }
+            samples.push(
+                parse_sample(line).unwrap_or_else(|| panic!("unparsable metrics line {line:?}")),
+            );
+        }
+        Scrape {
+            text,
+            samples,
+            types,
+        }
+    }
+
+    /// The samples of `name` whose labels include every `(label, value)` of `labels`.
+    fn matching<'a>(
+        &'a self,
+        name: &'a str,
+        labels: &'a [(&'a str, &'a str)],
+    ) -> impl Iterator<Item = &'a Sample> + 'a {
+        self.samples.iter().filter(move |s| {
+            s.name == name
+                && labels
+                    .iter()
+                    .all(|(k, v)| s.labels.get(*k).map(String::as_str) == Some(*v))
+        })
+    }
+
+    /// The sum of the matching samples; 0 when there is none.
+    fn sum(&self, name: &str, labels: &[(&str, &str)]) -> f64 {
+        self.matching(name, labels).map(|s| s.value).sum()
+    }
+
+    /// The value of the one matching sample, if there is exactly one.
+    fn one(&self, name: &str, labels: &[(&str, &str)]) -> Option<f64> {
+        let found: Vec<f64> = self.matching(name, labels).map(|s| s.value).collect();
+        (found.len() == 1).then(|| found[0])
+    }
+
+    /// Every distinct value of `label` among the samples of `name`.
+    fn label_values(&self, name: &str, label: &str) -> BTreeSet<String> {
+        self.samples
+            .iter()
+            .filter(|s| s.name == name)
+            .filter_map(|s| s.labels.get(label).cloned())
+            .collect()
+    }
+}
+
+/// `name{a="x",b="y"} value [timestamp]`, with escaped label values.
+fn parse_sample(line: &str) -> Option<Sample> {
+    let name_end = line
+        .find(|c: char| c == '{' || c.is_whitespace())
+        .unwrap_or(line.len());
+    let name = line[..name_end].to_string();
+    let mut rest = &line[name_end..];
+    let mut labels = BTreeMap::new();
+    if let Some(inner) = rest.strip_prefix('{') {
+        let mut chars = inner.char_indices().peekable();
+        let consumed = loop {
+            // Skip separators, then read `key="value"` or the closing brace.
+            while let Some((_, c)) = chars.peek() {
+                if *c == ',' || c.is_whitespace() {
+                    chars.next();
+                } else {
+                    break;
+                }
+            }
+            let (i, c) = chars.next()?;
+            if c == '}' {
+                break i + 1;
+            }
+            let mut key = String::from(c);
+            for (_, c) in chars.by_ref() {
+                if c == '=' {
+                    break;
+                }
+                key.push(c);
+            }
+            if chars.next()?.1 != '"' {
+                return None;
+            }
+            let mut value = String::new();
+            loop {
+                match chars.next()?.1 {
+                    '\\' => match chars.next()?.1 {
+                        'n' => value.push('\n'),
+                        other => value.push(other),
+                    },
+                    '"' => break,
+                    other => value.push(other),
+                }
+            }
+            labels.insert(key.trim().to_string(), value);
+        };
+        rest = &inner[consumed..];
+    }
+    let value = rest.split_whitespace().next()?;
+    let value = match value {
+        "+Inf" => f64::INFINITY,
+        "-Inf" => f64::NEG_INFINITY,
+        v => v.parse().ok()?,
+    };
+    Some(Sample {
+        name,
+        labels,
+        value,
+    })
+}
+
+/// The text of `/metrics`, or the error if nothing answers yet.
+async fn try_scrape_text(env: &TestEnv) -> Result<String, String> {
+    let url = format!("http://127.0.0.1:{}/metrics", env.metrics_port);
+    tokio::task::spawn_blocking(move || {
+        ureq::get(&url)
+            .call()
+            .and_then(|mut r| r.body_mut().read_to_string())
+            .map_err(|e| e.to_string())
+    })
+    .await
+    .expect("metrics task")
+}
+
+/// Waits until `/metrics` answers and `condition` holds on its scrape; returns that scrape.
+async fn wait_scrape(
+    env: &TestEnv,
+    warren: &Warren,
+    what: &str,
+    timeout: Duration,
+    condition: impl Fn(&Scrape) -> bool,
+) -> Scrape {
+    let deadline = std::time::Instant::now() + timeout;
+    let mut last = String::new();
+    loop {
+        if let Ok(text) = try_scrape_text(env).await {
+            let s = Scrape::parse(text);
+            if condition(&s) {
+                return s;
+            }
+            last = s.text;
+        }
+        if std::time::Instant::now() > deadline {
+            panic!(
+                "timed out after {timeout:?} waiting for: {what}\nlast scrape:\n{last}\nlog:\n{}",
+                warren.logs()
+            );
+        }
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+}
+
+/// Waits until the env's `users` table holds `n` rows; panics with the queues and warren's log.
+async fn wait_rows(env: &TestEnv, warren: &Warren, n: i64, timeout: Duration) {
+    let deadline = std::time::Instant::now() + timeout;
+    while env.count_rows().await != n {
+        if std::time::Instant::now() > deadline {
+            panic!(
+                "timed out after {timeout:?} waiting for {n} rows (have {}; main {:?}, retry {:?}, \
+                 dlq {:?}); log:\n{}",
+                env.count_rows().await,
+                env.queue_state(&env.main_queue).await,
+                env.queue_state(&env.retry_queue).await,
+                env.queue_state(&env.dlq_queue).await,
+                warren.logs()
+            );
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// Whether the scrape has a `warren_queue_messages` sample for each of the env's queues.
+fn has_queue_gauges(s: &Scrape, env: &TestEnv) -> bool {
+    [&env.main_queue, &env.retry_queue, &env.dlq_queue]
+        .iter()
+        .all(|q| {
+            s.one("warren_queue_messages", &[("queue", q.as_str())])
+                .is_some()
+        })
+}
+
+// ---- promtool --------------------------------------------------------------------------------
+
+/// `promtool`, which must be installed: a missing promtool is a failure, never a skip.
+fn promtool() -> Command {
+    match Command::new("promtool")
+        .arg("--version")
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .status()
+    {
+        Ok(_) => Command::new("promtool"),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => panic!(
+            "promtool is not installed: run `apt-get install prometheus` \
+             (Debian's package ships promtool; scripts/test.sh installs it through \
+             `scripts/setup.sh --with-promtool`)"
+        ),
+        Err(e) => panic!("cannot run promtool: {e}"),
+    }
+}
+
+/// Runs `promtool args...` with `stdin`; (success, stdout + stderr).
+fn run_promtool(args: &[&str], stdin: Option<&str>) -> (bool, String) {
+    let mut child = promtool()
+        .args(args)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("start promtool");
+    {
+        let mut input = child.stdin.take().expect("promtool stdin");
+        if let Some(text) = stdin {
+            input.write_all(text.as_bytes()).expect("write to promtool");
+        }
+    }
+    let out = child.wait_with_output().expect("promtool output");
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    (out.status.success(), text)
+}
+
+// ---- the dashboard ---------------------------------------------------------------------------
+
+fn repo_path(relative: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join(relative)
+}
+
+fn read(relative: &str) -> String {
+    std::fs::read_to_string(repo_path(relative))
+        .unwrap_or_else(|e| panic!("cannot read {relative}: {e}"))
+}
+
+const DASHBOARD: &str = "grafana/dashboards/warren.json";
+const DATASOURCE: &str = "grafana/provisioning/datasources/prometheus.yml";
+const PROVIDER: &str = "grafana/provisioning/dashboards/warren.yml";
+const PROMETHEUS_CONFIG: &str = "grafana/prometheus.yml";
+
+fn dashboard() -> Value {
+    serde_json::from_str(&read(DASHBOARD))
+        .unwrap_or_else(|e| panic!("{DASHBOARD} is not valid JSON: {e}"))
+}
+
+/// The value of every `key: value` line of a small YAML file (quotes removed).
+fn yaml_values(text: &str, key: &str) -> Vec<String> {
+    text.lines()
+        .map(|l| l.trim().trim_start_matches("- ").trim())
+        .filter(|l| !l.starts_with('#'))
+        .filter_map(|l| l.strip_prefix(key)?.strip_prefix(':'))
+        .map(|v| {
+            v.split(" #")
+                .next()
+                .unwrap_or("")
+                .trim()
+                .trim_matches(|c| c == '"' || c == '\'')
+                .to_string()
+        })
+        .collect()
+}
+
+/// The uid of the provisioned Prometheus datasource.
+fn provisioned_uid() -> String {
+    let text = read(DATASOURCE);
+    let uids = yaml_values(&text, "uid");
+    assert_eq!(
+        uids.len(),
+        1,
+        "{DATASOURCE} must provision one datasource uid"
+    );
+    assert_eq!(
+        yaml_values(&text, "type"),
+        vec!["prometheus".to_string()],
+        "{DATASOURCE}: the datasource is of type prometheus"
+    );
+    assert!(!uids[0].is_empty(), "{DATASOURCE}: empty uid");
+    uids[0].clone()
+}
+
+/// Every panel, nested ones (inside rows) included.
+fn panels(dashboard: &Value) -> Vec<&Value> {
+    fn walk<'a>(list: &'a Value, out: &mut Vec<&'a Value>) {
+        for p in list.as_array().into_iter().flatten() {
+            out.push(p);
+            if let Some(nested) = p.get("panels") {
+                walk(nested, out);
+            }
+        }
+    }
+    let mut out = Vec::new();
+    walk(&dashboard["panels"], &mut out);
+    out
+}
+
+/// Every PromQL query of the dashboard, with where it is: panel targets and query variables.
+fn queries(dashboard: &Value) -> Vec<(String, String)> {
+    let mut out = Vec::new();
+    for p in panels(dashboard) {
+        for t in p["targets"].as_array().into_iter().flatten() {
+            if let Some(expr) = t["expr"].as_str() {
+                out.push((
+                    format!("panel {} target {}", p["title"], t["refId"]),
+                    expr.to_string(),
+                ));
+            }
+        }
+    }
+    for v in dashboard["templating"]["list"]
+        .as_array()
+        .into_iter()
+        .flatten()
+    {
+        let q = v["query"]["query"].as_str().or(v["query"].as_str());
+        if let (Some(q), Some("query")) = (q, v["type"].as_str()) {
+            out.push((format!("variable {}", v["name"]), q.to_string()));
+        }
+    }
+    out
+}
+
+/// The identifiers starting with `warren_` in a PromQL expression (metric names; warren uses
+/// no such label names).
+fn warren_identifiers(expr: &str) -> BTreeSet<String> {
+    let ident = |c: char| c.is_ascii_alphanumeric() || c == '_' || c == ':';
+    let mut out = BTreeSet::new();
+    let bytes: Vec<char> = expr.chars().collect();
+    let mut i = 0;
+    while i < bytes.len() {
+        let starts = (i == 0 || !ident(bytes[i - 1]))
+            && bytes[i..].iter().take(7).collect::<String>() == "warren_";
+        if starts {
+            let end = (i..bytes.len())
+                .find(|&j| !ident(bytes[j]))
+                .unwrap_or(bytes.len());
+            out.insert(bytes[i..end].iter().collect());
+            i = end;
+        } else {
+            i += 1;
+        }
+    }
+    out
+}
+
+/// Grafana's variables replaced by concrete values, so promtool can parse the expression.
+fn concrete(expr: &str) -> String {
+    let e = expr
+        .replace("$__rate_interval", "1m")
+        .replace("$__interval", "1m")
+        .replace("$__range", "1h")
+        .replace("$instance", ".*")
+        .replace("$job", "warren");
+    assert!(!e.contains('$'), "unknown Grafana variable in {expr:?}");
+    e
+}
+
+/// Whether the scrape's families explain `name`: a counter or gauge family of that name, or
+/// `<histogram>_bucket|_sum|_count`. Returns why not otherwise.
+fn exported(types: &BTreeMap<String, String>, name: &str) -> Result<(), String> {
+    match types.get(name).map(String::as_str) {
+        Some("histogram") | Some("summary") => {
+            return Err(format!(
+                "{name} is a {}: query {name}_bucket, {name}_sum or {name}_count",
+                types[name]
+            ));
+        }
+        Some(_) => return Ok(()),
+        None => {}
+    }
+    for suffix in ["_bucket", "_sum", "_count"] {
+        if let Some(base) = name.strip_suffix(suffix) {
+            return match types.get(base).map(String::as_str) {
+                Some("histogram") => Ok(()),
+                Some("summary") if suffix != "_bucket" => Ok(()),
+                Some(other) => Err(format!("{base} is a {other}, it has no {suffix} series")),
+                None => Err(format!("{name}: warren exports no family {base}")),
+            };
+        }
+    }
+    Err(format!("{name}: warren exports no such family"))
+}
+
+// ---- a warren that has done a bit of everything ------------------------------------------------
+
+/// Makes `users` inserts fail with SQLSTATE 40001 (transient) while `fault_flag.active` is set;
+/// the statement trigger also fires for the breaker's probe (an insert of zero rows).
+async fn install_fault(env: &TestEnv) {
+    let s = &env.schema;
+    env.db
+        .batch_execute(&format!(
+            r#"
+            CREATE TABLE {s}.fault_flag (active boolean NOT NULL);
+            INSERT INTO {s}.fault_flag VALUES (true);
+            CREATE FUNCTION {s}.fail_while_flagged() RETURNS trigger LANGUAGE plpgsql AS $f$
+            BEGIN
+                IF (SELECT active FROM {s}.fault_flag) THEN
+                    RAISE EXCEPTION 'injected transient failure'
+                        USING ERRCODE = 'serialization_failure';
+                END IF;
+                RETURN NULL;
+            END $f$;
+            CREATE TRIGGER users_fail_while_flagged AFTER INSERT ON {s}.users
+                FOR EACH STATEMENT EXECUTE FUNCTION {s}.fail_while_flagged();
+            "#
+        ))
+        .await
+        .expect("install the fault trigger");
+}
+
+async fn clear_fault(env: &TestEnv) {
+    env.db
+        .execute(
+            &format!("UPDATE {}.fault_flag SET active = false", env.schema),
+            &[],
+        )
+        .await
+        .expect("clear the fault");
+}
+
+fn http_agent() -> ureq::Agent {
+    ureq::Agent::config_builder()
+        .http_status_as_error(false)
+        .timeout_global(Some(Duration::from_secs(15)))
+        .build()
+        .into()
+}
+
+/// (status, body) of one API request; `None` if nothing answers.
+async fn http(
+    env: &TestEnv,
+    method: &str,
+    path: &str,
+    body: Option<&str>,
+) -> Option<(u16, String)> {
+    let url = format!("{}{path}", env.http_base());
+    let method = method.to_string();
+    let body = body.map(str::to_string);
+    tokio::task::spawn_blocking(move || {
+        let agent = http_agent();
+        let response = match (method.as_str(), body) {
+            ("POST", Some(b)) => agent
+                .post(&url)
+                .header("content-type", "application/json")
+                .send(b.as_bytes()),
+            _ => agent.get(&url).call(),
+        };
+        response.ok().map(|mut r| {
+            let status = r.status().as_u16();
+            (status, r.body_mut().read_to_string().unwrap_or_default())
+        })
+    })
+    .await
+    .expect("http task")
+}
+
+/// Starts `warren run` with every role and makes it do a bit of everything the dashboard shows:
+/// API requests (200, 422, 400, 404), valid and invalid messages with and without timestamps
+/// (inserted, dead-lettered, parked by the DLQ consumer), and a database outage that sends
+/// messages through the retry queue and opens, then closes, the breaker. Returns the warren and
+/// its scrape once it has polled the queues.
+async fn busy_warren(env: &mut TestEnv) -> (Warren, Scrape) {
+    env.set("RETRY_TTL_MS", "1000")
+        .set("DB_RETRY_WINDOW_MS", "0")
+        .set("BREAKER_FAILURES", "1");
+    env.declare();
+    let warren = env.start(&["--roles", "consumer,dlq,api"]);
+    wait_until("/readyz answers 200", Duration::from_secs(30), || async {
+        matches!(http(env, "GET", "/readyz", None).await, Some((200, _)))
+    })
+    .await;
+
+    // The API: one user through the broker, a 422, a 400, a 404 and the health checks.
+    let (status, body) = http(
+        env,
+        "POST",
+        "/api/v1/users",
+        Some(r#"{"name":"Metrics Ana","email":"metrics-ana@example.com"}"#),
+    )
+    .await
+    .expect("POST answers");
+    assert_eq!(status, 200, "POST /api/v1/users: {body}");
+    let id = serde_json::from_str::<Value>(&body).expect("JSON answer")["id"]
+        .as_str()
+        .expect("an id")
+        .to_string();
+    let (status, _) = http(env, "POST", "/api/v1/users", Some(r#"{"name":""}"#))
+        .await
+        .expect("POST answers");
+    assert_eq!(status, 422);
+    let (status, _) = http(env, "GET", "/api/v1/users/not-a-uuid", None)
+        .await
+        .expect("GET answers");
+    assert_eq!(status, 400);
+    let (status, _) = http(env, "GET", "/no/such/route", None)
+        .await
+        .expect("GET answers");
+    assert_eq!(status, 404);
+    let (status, _) = http(env, "GET", "/healthz", None)
+        .await
+        .expect("GET answers");
+    assert_eq!(status, 200);
+
+    // Messages: `warren publish` (timestamped, every 5th invalid) and the harness's users.
+    let (code, out, err) = env.run(&["publish", "--count", "20", "--invalid-every", "5"]);
+    assert_eq!(code, 0, "warren publish failed:\n{out}\n{err}");
+    env.publish_users(10).await;
+    wait_rows(env, &warren, 1 + 16 + 10, Duration::from_secs(30)).await;
+    let path = format!("/api/v1/users/{id}");
+    let (status, _) = http(env, "GET", &path, None).await.expect("GET answers");
+    assert_eq!(status, 200, "GET {path}");
+    wait_scrape(
+        env,
+        &warren,
+        "the 4 invalid messages parked by the DLQ consumer",
+        Duration::from_secs(30),
+        |s| s.sum("warren_messages_parked_total", &[]) == 4.0,
+    )
+    .await;
+
+    // An outage: the batch fails, goes to the retry queue, the breaker opens; then it clears.
+    install_fault(env).await;
+    env.publish_users(3).await;
+    wait_scrape(
+        env,
+        &warren,
+        "the breaker open",
+        Duration::from_secs(30),
+        |s| s.one("warren_breaker_open", &[("pipeline", "main")]) == Some(1.0),
+    )
+    .await;
+    clear_fault(env).await;
+    wait_rows(env, &warren, 1 + 16 + 10 + 3, Duration::from_secs(60)).await;
+    let s = wait_scrape(
+        env,
+        &warren,
+        "the breaker closed, retries counted, queue gauges polled",
+        Duration::from_secs(30),
+        |s| {
+            s.one("warren_breaker_open", &[("pipeline", "main")]) == Some(0.0)
+                && s.sum("warren_messages_retried_total", &[]) >= 1.0
+                && has_queue_gauges(s, env)
+        },
+    )
+    .await;
+    (warren, s)
+}
+
+// ---- tests -----------------------------------------------------------------------------------
+
+/// 50 valid users, 3 bodies that are not JSON, 2 invalid payloads and 2 messages reusing the
+/// email of another message of the same batch, through `--roles consumer`: the scrape shows
+/// exactly received 57, inserted 50, dead-lettered 3 invalid_json + 2 invalid_payload +
+/// 2 db_permanent, nothing retried, the build info and the env's queue gauges.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_run_with_known_outcomes_shows_exactly_those_counts() {
+    let mut env = TestEnv::new("metrics_counts").await;
+    // One batch: every message is in the queue before warren starts, one batcher, 2 s timer.
+    env.set("USERS_BATCH_SIZE", "1000")
+        .set("USERS_BATCH_CONCURRENCY", "1")
+        .set("USERS_BATCH_TIMEOUT_MS", "2000");
+    env.declare();
+
+    let ids = env.publish_users(50).await;
+    let not_json: [&[u8]; 3] = [b"{not json", b"  nope", &[0xff, 0xfe, 0xfd]];
+    for body in not_json {
+        env.publish_raw(body, BasicProperties::default()).await;
+    }
+    let invalid_payloads = [
+        format!(
+            r#"{{"id":"{}","name":"","email":"empty-name@example.com"}}"#,
+            Uuid::new_v4()
+        ),
+        format!(r#"{{"id":"{}","name":"No Email"}}"#, Uuid::new_v4()),
+    ];
+    for body in &invalid_payloads {
+        env.publish_raw(body.as_bytes(), BasicProperties::default())
+            .await;
+    }
+    // Two valid messages whose emails belong to two of the 50 users (same batch): the
+    // database refuses one of each pair (23505), isolated as db_permanent.
+    for original in [ids[3], ids[40]] {
+        let id = Uuid::new_v4();
+        let body = format!(r#"{{"id":"{id}","name":"dup {id}","email":"{original}@example.com"}}"#);
+        env.publish_raw(body.as_bytes(), json_props(id)).await;
+    }
+    assert_eq!(env.queue_state(&env.main_queue).await.0, 57);
+
+    let mut warren = env.start(&["--roles", "consumer"]);
+    wait_rows(&env, &warren, 50, Duration::from_secs(60)).await;
+    wait_until("7 messages in the DLQ", Duration::from_secs(30), || async {
+        env.queue_state(&env.dlq_queue).await.0 == 7
+    })
+    .await;
+    // Settled (in flight back to 0: every count is made before its delivery settles), and the
+    // queue poller (every 5 s) has seen the final depths.
+    let (main_q, retry_q, dlq_q) = (
+        env.main_queue.as_str(),
+        env.retry_queue.as_str(),
+        env.dlq_queue.as_str(),
+    );
+    let s = wait_scrape(
+        &env,
+        &warren,
+        "nothing in flight and the queue gauges at main 0, retry 0, DLQ 7",
+        Duration::from_secs(30),
+        |s| {
+            s.one("warren_inflight_messages", &[]) == Some(0.0)
+                && s.one("warren_queue_messages", &[("queue", main_q)]) == Some(0.0)
+                && s.one("warren_queue_messages", &[("queue", retry_q)]) == Some(0.0)
+                && s.one("warren_queue_messages", &[("queue", dlq_q)]) == Some(7.0)
+        },
+    )
+    .await;
+    let ctx = format!("scrape:\n{}\nlog:\n{}", s.text, warren.logs());
+
+    assert_eq!(
+        s.one("warren_messages_received_total", &[("pipeline", "main")]),
+        Some(57.0),
+        "received; {ctx}"
+    );
+    assert_eq!(
+        s.sum("warren_messages_received_total", &[("pipeline", "dlq")]),
+        0.0,
+        "no DLQ consumer runs; {ctx}"
+    );
+    assert_eq!(
+        s.one("warren_messages_inserted_total", &[("pipeline", "main")]),
+        Some(50.0),
+        "inserted; {ctx}"
+    );
+    let dead = |kind: &str| {
+        s.one(
+            "warren_messages_dead_lettered_total",
+            &[("pipeline", "main"), ("kind", kind)],
+        )
+    };
+    assert_eq!(dead("invalid_json"), Some(3.0), "invalid_json; {ctx}");
+    assert_eq!(dead("invalid_payload"), Some(2.0), "invalid_payload; {ctx}");
+    assert_eq!(dead("db_permanent"), Some(2.0), "db_permanent; {ctx}");
+    assert_eq!(
+        s.sum("warren_messages_dead_lettered_total", &[]),
+        7.0,
+        "no other kind; {ctx}"
+    );
+    assert_eq!(
+        s.sum("warren_messages_retried_total", &[]),
+        0.0,
+        "retried (0 or absent); {ctx}"
+    );
+    assert_eq!(s.sum("warren_messages_parked_total", &[]), 0.0, "{ctx}");
+    assert_eq!(
+        s.sum("warren_messages_received_total", &[]),
+        s.sum("warren_messages_inserted_total", &[])
+            + s.sum("warren_messages_dead_lettered_total", &[])
+            + s.sum("warren_messages_retried_total", &[]),
+        "every delivery is inserted, dead-lettered or retried; {ctx}"
+    );
+    // One batch of the 52 valid messages (50 users + the 2 duplicates).
+    assert_eq!(
+        (
+            s.one("warren_batch_size_count", &[("pipeline", "main")]),
+            s.one("warren_batch_size_sum", &[("pipeline", "main")]),
+        ),
+        (Some(1.0), Some(52.0)),
+        "batch count and size; {ctx}"
+    );
+    assert_eq!(
+        s.one("warren_batch_insert_seconds_count", &[("pipeline", "main")]),
+        Some(1.0),
+        "{ctx}"
+    );
+    // The build info: one series, value 1, this crate's version.
+    assert_eq!(
+        s.one(
+            "warren_build_info",
+            &[("version", env!("CARGO_PKG_VERSION"))]
+        ),
+        Some(1.0),
+        "warren_build_info; {ctx}"
+    );
+    assert_eq!(s.matching("warren_build_info", &[]).count(), 1, "{ctx}");
+    // Queue gauges for exactly the env's queues, consumers included.
+    let expected: BTreeSet<String> = [main_q, retry_q, dlq_q].map(String::from).into();
+    assert_eq!(
+        s.label_values("warren_queue_messages", "queue"),
+        expected,
+        "{ctx}"
+    );
+    assert_eq!(
+        s.label_values("warren_queue_consumers", "queue"),
+        expected,
+        "{ctx}"
+    );
+    assert_eq!(
+        s.one("warren_queue_consumers", &[("queue", main_q)]),
+        Some(1.0),
+        "warren consumes the main queue; {ctx}"
+    );
+    for target in ["amqp", "postgres", "redis"] {
+        assert_eq!(
+            s.one("warren_connection_up", &[("target", target)]),
+            Some(1.0),
+            "connection {target}; {ctx}"
+        );
+    }
+
+    assert!(warren.terminate(Duration::from_secs(25)).success());
+    assert_eq!(env.queue_state(&env.main_queue).await, (0, 0));
+    assert_queue_empty(&env, &env.retry_queue).await;
+}
+
+/// `promtool check metrics` accepts a scrape of a warren that has done a bit of everything
+/// (every family present: counters, gauges, histograms with and without labels).
+#[tokio::test(flavor = "multi_thread")]
+async fn promtool_accepts_the_scrape() {
+    let _ = promtool(); // fail first, and fast, if promtool is missing
+    let mut env = TestEnv::new("metrics_promtool").await;
+    let (mut warren, s) = busy_warren(&mut env).await;
+    let (ok, report) = run_promtool(&["check", "metrics"], Some(&s.text));
+    assert!(
+        ok,
+        "promtool check metrics refused the scrape:\n{report}\nscrape:\n{}",
+        s.text
+    );
+    // The scrape is not trivially small: the families the dashboard relies on are all there.
+    for family in [
+        "warren_messages_received_total",
+        "warren_messages_retried_total",
+        "warren_batch_size",
+        "warren_end_to_end_seconds",
+        "warren_http_request_seconds",
+        "warren_breaker_open",
+    ] {
+        assert!(
+            s.types.contains_key(family),
+            "{family} missing from the scrape:\n{}",
+            s.text
+        );
+    }
+    assert!(warren.terminate(Duration::from_secs(25)).success());
+}
+
+/// The Grafana files: valid JSON with a uid, the provisioned datasource uid on every panel,
+/// target and query variable, the panels the README promises, PromQL that parses, and a
+/// Prometheus scrape config that `promtool check config` accepts.
+#[tokio::test(flavor = "multi_thread")]
+async fn the_dashboard_and_provisioning_are_valid() {
+    // Touches no shared state (no server), but keeps the suite's convention of one env per test.
+    let _env = TestEnv::new("metrics_dashboard_files").await;
+    let uid = provisioned_uid();
+    let provider = read(PROVIDER);
+    assert_eq!(
+        yaml_values(&provider, "type"),
+        vec!["file".to_string()],
+        "{PROVIDER}: a file provider"
+    );
+    let paths = yaml_values(&provider, "path");
+    assert!(
+        paths.len() == 1 && paths[0].starts_with('/'),
+        "{PROVIDER}: one absolute dashboards path, got {paths:?}"
+    );
+
+    let d = dashboard();
+    assert_eq!(d["uid"].as_str(), Some("warren"), "dashboard uid");
+    assert!(
+        d["title"].as_str().is_some_and(|t| !t.is_empty()),
+        "dashboard title"
+    );
+    assert!(
+        d["id"].is_null(),
+        "a provisioned dashboard carries no numeric id"
+    );
+    let all = panels(&d);
+    assert!(!all.is_empty(), "no panels");
+    let mut panel_ids = HashSet::new();
+    for p in &all {
+        let title = &p["title"];
+        assert!(
+            panel_ids.insert(p["id"].as_i64().expect("panel id")),
+            "duplicate panel id {}",
+            p["id"]
+        );
+        if p["type"] == "row" {
+            continue;
+        }
+        assert!(p["gridPos"].is_object(), "panel {title} has no gridPos");
+        assert_eq!(
+            p["datasource"]["uid"].as_str(),
+            Some(uid.as_str()),
+            "panel {title}: datasource"
+        );
+        assert_eq!(p["datasource"]["type"].as_str(), Some("prometheus"));
+        let targets = p["targets"].as_array().expect("targets");
+        assert!(!targets.is_empty(), "panel {title} has no target");
+        for t in targets {
+            assert_eq!(
+                t["datasource"]["uid"].as_str(),
+                Some(uid.as_str()),
+                "panel {title} target {}: datasource",
+                t["refId"]
+            );
+            assert!(
+                t["expr"].as_str().is_some_and(|e| !e.trim().is_empty()),
+                "panel {title} target {}: no expr",
+                t["refId"]
+            );
+        }
+    }
+    for v in d["templating"]["list"].as_array().into_iter().flatten() {
+        if v["type"] == "query" {
+            assert_eq!(
+                v["datasource"]["uid"].as_str(),
+                Some(uid.as_str()),
+                "variable {}: datasource",
+                v["name"]
+            );
+        }
+    }
+
+    // The panels the README promises, by what they query.
+    let exprs: Vec<String> = queries(&d).into_iter().map(|(_, e)| e).collect();
+    let uses = |needle: &str| exprs.iter().any(|e| e.contains(needle));
+    for needle in [
+        "rate(warren_messages_received_total",
+        "rate(warren_messages_inserted_total",
+        "rate(warren_messages_retried_total",
+        "rate(warren_messages_dead_lettered_total",
+        "warren_queue_messages",
+        "warren_batch_size_bucket",
+        "warren_batch_insert_seconds_bucket",
+        "warren_connection_up",
+        "warren_build_info",
+        "warren_published_total",
+        "warren_breaker_open",
+        "warren_http_requests_total",
+    ] {
+        assert!(uses(needle), "no panel queries {needle}");
+    }
+    assert!(
+        exprs.iter().any(|e| {
+            e.contains("rate(warren_messages_inserted_total")
+                && e.contains("/")
+                && e.contains("rate(warren_messages_received_total")
+        }),
+        "no success ratio (inserted / received)"
+    );
+    for q in ["0.5", "0.95", "0.99"] {
+        assert!(
+            exprs.iter().any(|e| {
+                e.contains(&format!("histogram_quantile({q},"))
+                    && e.contains("warren_end_to_end_seconds_bucket")
+            }),
+            "no end-to-end p{q} panel"
+        );
+    }
+
+    // Every query parses as PromQL: promtool checks them as recording rules.
+    let mut rules = String::from("groups:\n  - name: warren_dashboard\n    rules:\n");
+    for (i, (_, e)) in queries(&d).iter().enumerate() {
+        let expr = concrete(e);
+        if expr.starts_with("label_values(") {
+            continue; // a Grafana function, not PromQL
+        }
+        rules += &format!(
+            "      - record: warren_dashboard:query_{i}\n        expr: {}\n",
+            Value::String(expr)
+        );
+    }
+    let dir = tempfile::tempdir().expect("temp dir");
+    let rules_file = dir.path().join("dashboard-rules.yml");
+    std::fs::write(&rules_file, &rules).expect("write rules");
+    let (ok, report) = run_promtool(
+        &["check", "rules", rules_file.to_str().expect("utf-8 path")],
+        None,
+    );
+    assert!(
+        ok,
+        "a dashboard query is not valid PromQL:\n{report}\n{rules}"
+    );
+
+    // The example scrape config.
+    let config = read(PROMETHEUS_CONFIG);
+    assert_eq!(yaml_values(&config, "job_name"), vec!["warren".to_string()]);
+    assert!(
+        config.contains("127.0.0.1:9898"),
+        "{PROMETHEUS_CONFIG}: default target"
+    );
+    let (ok, report) = run_promtool(
+        &[
+            "check",
+            "config",
+            repo_path(PROMETHEUS_CONFIG).to_str().expect("utf-8 path"),
+        ],
+        None,
+    );
+    assert!(ok, "promtool check config {PROMETHEUS_CONFIG}:\n{report}");
+}
+
+/// Every metric name in every query of the dashboard is one a running warren exports: a
+/// counter or gauge family of its scrape, or a histogram family's _bucket/_sum/_count.
+#[tokio::test(flavor = "multi_thread")]
+async fn every_dashboard_metric_is_exported_by_a_running_warren() {
+    let mut env = TestEnv::new("metrics_dashboard_names").await;
+    let d = dashboard();
+    let (mut warren, s) = busy_warren(&mut env).await;
+
+    let mut used = BTreeSet::new();
+    let mut problems = Vec::new();
+    for (place, expr) in queries(&d) {
+        for name in warren_identifiers(&expr) {
+            if let Err(why) = exported(&s.types, &name) {
+                problems.push(format!("{place}: {why}\n    {expr}"));
+            }
+            used.insert(name);
+        }
+    }
+    assert!(
+        problems.is_empty(),
+        "the dashboard queries series warren does not export:\n{}\nfamilies in the scrape: {:?}",
+        problems.join("\n"),
+        s.types
+    );
+    assert!(used.len() >= 15, "suspiciously few metric names: {used:?}");
+    assert!(warren.terminate(Duration::from_secs(25)).success());
+}
+
+/// The breaker gauge of each running pipeline is exported from the start (0, closed), so the
+/// dashboard's breaker panels and alerts see "closed" instead of no data before the first
+/// outage.
+#[tokio::test(flavor = "multi_thread")]
+async fn the_breaker_gauge_is_exported_closed_from_the_start() {
+    let env = TestEnv::new("metrics_breaker_initial").await;
+    env.declare();
+    let mut warren = env.start(&["--roles", "consumer,dlq"]);
+    let s = wait_scrape(
+        &env,
+        &warren,
+        "warren up: connected to the broker, queues polled",
+        Duration::from_secs(30),
+        |s| {
+            s.one("warren_connection_up", &[("target", "amqp")]) == Some(1.0)
+                && has_queue_gauges(s, &env)
+        },
+    )
+    .await;
+    for pipeline in ["main", "dlq"] {
+        assert_eq!(
+            s.one("warren_breaker_open", &[("pipeline", pipeline)]),
+            Some(0.0),
+            "warren_breaker_open{{pipeline=\"{pipeline}\"}} should be exported as 0 from the \
+             start (a state gauge with no series reads as no data before the first outage); \
+             scrape:\n{}",
+            s.text
+        );
+    }
+    assert!(warren.terminate(Duration::from_secs(25)).success());
+}
+
+/// An instance that runs only the API (its broker link is the publisher's) reports
+/// `warren_connection_up{target="amqp"}` 1 once it is connected, like a consumer does; otherwise
+/// the dashboard shows the broker down on every API-only host.
+#[tokio::test(flavor = "multi_thread")]
+async fn an_api_only_instance_reports_its_broker_connection_up() {
+    let env = TestEnv::new("metrics_api_amqp_up").await;
+    env.declare();
+    let mut warren = env.start(&["--roles", "api"]);
+    wait_until(
+        "/readyz 200 (broker and database answer)",
+        Duration::from_secs(30),
+        || async { matches!(http(&env, "GET", "/readyz", None).await, Some((200, _))) },
+    )
+    .await;
+    let (status, body) = http(
+        &env,
+        "POST",
+        "/api/v1/users",
+        Some(r#"{"name":"Up Ana","email":"up-ana@example.com"}"#),
+    )
+    .await
+    .expect("POST answers");
+    assert_eq!(
+        status, 200,
+        "a publish through the connected broker: {body}"
+    );
+    wait_scrape(
+        &env,
+        &warren,
+        "warren_connection_up{target=\"amqp\"} 1 on an API-only instance whose publisher is \
+         connected (readyz says broker true, a publish was confirmed)",
+        Duration::from_secs(15),
+        |s| {
+            s.one("warren_connection_up", &[("target", "postgres")]) == Some(1.0)
+                && s.one("warren_connection_up", &[("target", "amqp")]) == Some(1.0)
+        },
+    )
+    .await;
+    assert!(warren.terminate(Duration::from_secs(25)).success());
+}
+
+/// The scrape parser itself (it decides what every other test sees).
+#[test]
+fn the_scrape_parser_reads_labels_values_and_types() {
+    let s = Scrape::parse(
+        "# HELP a_total A.\n# TYPE a_total counter\na_total{x=\"1\",y=\"q\\\"z\"} 3\n\
+         # TYPE h histogram\nh_bucket{le=\"+Inf\"} 2\nh_sum 0.5\nh_count 2\nb 1e3\n"
+            .to_string(),
+    );
+    assert_eq!(s.one("a_total", &[("x", "1"), ("y", "q\"z")]), Some(3.0));
+    assert_eq!(s.one("h_bucket", &[("le", "+Inf")]), Some(2.0));
+    assert_eq!(s.sum("b", &[]), 1000.0);
+    assert_eq!(s.types["h"], "histogram");
+    assert!(exported(&s.types, "h_bucket").is_ok());
+    assert!(exported(&s.types, "h").is_err());
+    assert!(exported(&s.types, "a_total_count").is_err());
+    assert_eq!(
+        warren_identifiers("sum(rate(warren_x_total{a=\"warren\"}[1m])) / xwarren_y"),
+        BTreeSet::from(["warren_x_total".to_string()])
+    );
+}
