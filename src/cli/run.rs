@@ -27,32 +27,35 @@ pub struct Args {
     pub roles: Option<String>,
 }
 
-/// Resolves on the first SIGTERM or SIGINT; a second one exits the process at once (the broker
-/// redelivers whatever was not acked).
-pub async fn signals() {
-    wait_signal().await;
-    tokio::spawn(async {
-        wait_signal().await;
-        eprintln!("warren: second signal, exiting now");
-        std::process::exit(130);
-    });
-}
-
-async fn wait_signal() {
-    use tokio::signal::unix::{SignalKind, signal};
-    match (
+/// Installs the SIGTERM and SIGINT handlers now (so a signal during start-up is not fatal) and
+/// returns a future that resolves on the first one; a second one exits the process at once (the
+/// broker redelivers whatever was not acked).
+pub fn signals() -> impl Future<Output = ()> {
+    use tokio::signal::unix::{Signal, SignalKind, signal};
+    let streams: Option<(Signal, Signal)> = match (
         signal(SignalKind::terminate()),
         signal(SignalKind::interrupt()),
     ) {
-        (Ok(mut term), Ok(mut int)) => {
+        (Ok(term), Ok(int)) => Some((term, int)),
+        _ => None,
+    };
+    async move {
+        let Some((mut term, mut int)) = streams else {
+            let _ = tokio::signal::ctrl_c().await;
+            return;
+        };
+        tokio::select! {
+            _ = term.recv() => {}
+            _ = int.recv() => {}
+        }
+        tokio::spawn(async move {
             tokio::select! {
                 _ = term.recv() => {}
                 _ = int.recv() => {}
             }
-        }
-        _ => {
-            let _ = tokio::signal::ctrl_c().await;
-        }
+            eprintln!("warren: second signal, exiting now");
+            std::process::exit(130);
+        });
     }
 }
 
@@ -145,6 +148,11 @@ pub async fn execute(
             }
         }
     };
+    // Commands that arrive from now on are answered as failed, never left waiting.
+    ctl_rx.close();
+    while let Ok((_, reply)) = ctl_rx.try_recv() {
+        let _ = reply.send(Err("warren is stopping".into()));
+    }
     report_tx.send_modify(|r| r.status = "draining");
     info!(
         reason,

@@ -1,0 +1,595 @@
+//! Remote control through Redis (`warren ctl`): pause holds deliveries and resume drains the
+//! backlog, scale changes the processors live, drain stops an instance with nothing lost, every
+//! outcome lands in `warren ctl history`, bad targets are refused, `--all` reaches every
+//! instance, and a command to an instance already stopping fails without spoiling its stop.
+
+mod common;
+
+use std::collections::HashMap;
+use std::time::{Duration, Instant};
+
+use common::*;
+use serde_json::Value;
+
+/// The host name as warren records it.
+fn host() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .map(|s| s.trim().to_string())
+        .ok()
+        .filter(|s| !s.is_empty())
+        .or_else(|| std::env::var("HOSTNAME").ok())
+        .unwrap_or_else(|| "localhost".into())
+}
+
+/// Every key under a test's prefix, deleted when dropped (also when the test panics).
+struct RedisCleanup {
+    prefix: String,
+}
+
+impl Drop for RedisCleanup {
+    fn drop(&mut self) {
+        let Ok(client) = redis::Client::open(redis_url()) else {
+            return;
+        };
+        let Ok(mut conn) = client.get_connection_with_timeout(Duration::from_secs(2)) else {
+            return;
+        };
+        let keys: Vec<String> = redis::cmd("KEYS")
+            .arg(format!("{}:*", self.prefix))
+            .query(&mut conn)
+            .unwrap_or_default();
+        if !keys.is_empty() {
+            let _: redis::RedisResult<i64> = redis::cmd("DEL").arg(&keys).query(&mut conn);
+        }
+    }
+}
+
+/// One command on the test Redis.
+async fn redis_query<T: redis::FromRedisValue>(cmd: &redis::Cmd) -> T {
+    let client = redis::Client::open(redis_url()).expect("REDIS_URL");
+    let mut conn = client
+        .get_multiplexed_async_connection()
+        .await
+        .unwrap_or_else(|e| panic!("cannot reach Redis at {}: {e}", redis_url()));
+    cmd.query_async(&mut conn).await.expect("redis command")
+}
+
+fn instance_key(env: &TestEnv, pid: i32) -> String {
+    format!("{}:instances:{}:{pid}", env.id, host())
+}
+
+/// The instance hash of `pid` (empty when absent).
+async fn instance(env: &TestEnv, pid: i32) -> HashMap<String, String> {
+    redis_query(redis::cmd("HGETALL").arg(instance_key(env, pid))).await
+}
+
+/// Waits until the hash of `pid` has `field` = `value`.
+async fn wait_field(env: &TestEnv, pid: i32, field: &str, value: &str) {
+    wait_until(
+        &format!("{field} = {value} in the hash of {pid}"),
+        Duration::from_secs(15),
+        || async { instance(env, pid).await.get(field).map(String::as_str) == Some(value) },
+    )
+    .await;
+}
+
+/// The shutdown records of the deployment, oldest first.
+async fn shutdowns(env: &TestEnv) -> Vec<Value> {
+    let raw: Vec<String> = redis_query(
+        redis::cmd("ZRANGE")
+            .arg(format!("{}:shutdowns", env.id))
+            .arg(0)
+            .arg(-1),
+    )
+    .await;
+    raw.iter()
+        .map(|r| serde_json::from_str(r).unwrap_or_else(|e| panic!("record {r:?}: {e}")))
+        .collect()
+}
+
+/// A `warren` subcommand run off the async threads: (exit code, stdout, stderr).
+async fn warren_cmd(env: &TestEnv, args: &[&str]) -> (i32, String, String) {
+    let mut cmd = env.command(args);
+    let out = tokio::task::spawn_blocking(move || cmd.output())
+        .await
+        .expect("join")
+        .expect("run warren");
+    (
+        out.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+/// `warren ctl ARGS`, which must succeed with one `executed` line per pid in `pids`.
+async fn ctl_ok(env: &TestEnv, args: &[&str], pids: &[i32]) {
+    let mut full = vec!["ctl"];
+    full.extend_from_slice(args);
+    let (code, out, err) = warren_cmd(env, &full).await;
+    assert_eq!(code, 0, "warren {full:?}:\n{out}\n{err}");
+    let command = args[0];
+    for pid in pids {
+        let me = format!("{}:{pid}", host());
+        assert!(
+            out.lines().any(|l| {
+                let t: Vec<&str> = l.split_whitespace().collect();
+                t == [me.as_str(), command, "executed"]
+            }),
+            "no `{me}  {command}  executed` line from warren {full:?}:\n{out}"
+        );
+    }
+    assert_eq!(
+        out.lines().filter(|l| !l.trim().is_empty()).count(),
+        pids.len(),
+        "warren {full:?}:\n{out}"
+    );
+}
+
+/// `warren ctl history` and `--json` both show `command` on `pid` with `outcome`; returns the
+/// JSON entry.
+async fn assert_in_history(env: &TestEnv, command: &str, pid: i32, outcome: &str) -> Value {
+    let me = format!("{}:{pid}", host());
+    let (code, out, err) = warren_cmd(env, &["ctl", "history"]).await;
+    assert_eq!(code, 0, "warren ctl history:\n{out}\n{err}");
+    // WHEN is two words (date, time), then INSTANCE COMMAND OUTCOME [DETAIL].
+    assert!(
+        out.lines().skip(1).any(|l| {
+            let t: Vec<&str> = l.split_whitespace().collect();
+            t.len() >= 5 && t[2] == me && t[3] == command && t[4] == outcome
+        }),
+        "no {command} {outcome} for {me} in the history:\n{out}"
+    );
+    let (code, out, err) = warren_cmd(env, &["ctl", "history", "--json"]).await;
+    assert_eq!(code, 0, "warren ctl history --json:\n{out}\n{err}");
+    let entries: Vec<Value> = out
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("{e}: {l:?}")))
+        .collect();
+    let entry = entries
+        .iter()
+        .find(|e| e["command"] == command && e["pid"] == pid)
+        .unwrap_or_else(|| panic!("no {command} for {me} in:\n{out}"))
+        .clone();
+    assert_eq!(entry["outcome"], outcome, "{entry}");
+    assert_eq!(entry["host"], host().as_str(), "{entry}");
+    assert!(
+        entry["id"].as_str().is_some_and(|s| !s.is_empty()),
+        "{entry}"
+    );
+    entry
+}
+
+/// A fresh env with a fast heartbeat, declared.
+async fn env_for(test: &str) -> (TestEnv, RedisCleanup) {
+    let mut env = TestEnv::new(test).await;
+    env.set("REGISTRY_HEARTBEAT_MS", "300");
+    env.declare();
+    let cleanup = RedisCleanup {
+        prefix: env.id.clone(),
+    };
+    (env, cleanup)
+}
+
+/// A transaction holding a lock that blocks INSERT into `users` (not SELECT), so a command can
+/// land while batches are in flight; released by `ROLLBACK`.
+struct InsertLock {
+    client: tokio_postgres::Client,
+}
+
+impl InsertLock {
+    /// Takes the lock and waits until one of warren's batch inserts is blocked by it.
+    async fn take(env: &TestEnv) -> Self {
+        let (client, connection) = tokio_postgres::connect(&database_url(), tokio_postgres::NoTls)
+            .await
+            .expect("connect");
+        tokio::spawn(connection);
+        client
+            .batch_execute(&format!(
+                "SET search_path TO {}; BEGIN; LOCK TABLE users IN SHARE MODE",
+                env.schema
+            ))
+            .await
+            .expect("lock users");
+        InsertLock { client }
+    }
+
+    async fn wait_for_a_blocked_insert(&self, env: &TestEnv) {
+        let pid: i32 = self
+            .client
+            .query_one("SELECT pg_backend_pid()", &[])
+            .await
+            .unwrap()
+            .get(0);
+        wait_until(
+            "a warren INSERT blocked by the lock",
+            Duration::from_secs(30),
+            || async {
+                env.db
+                    .query_one(
+                        "SELECT count(*) FROM pg_stat_activity WHERE $1 = ANY(pg_blocking_pids(pid))",
+                        &[&pid],
+                    )
+                    .await
+                    .map(|r| r.get::<_, i64>(0) > 0)
+                    .unwrap_or(false)
+            },
+        )
+        .await;
+    }
+
+    async fn release(self) {
+        self.client.batch_execute("ROLLBACK").await.expect("unlock");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn pause_holds_deliveries_and_resume_drains_them() {
+    let (env, _cleanup) = env_for("ctl_pause").await;
+    let mut warren = env.start(&["--roles", "consumer"]);
+    let pid = warren.pid();
+    wait_field(&env, pid, "status", "running").await;
+    env.publish_users(20).await;
+    wait_until("20 rows", Duration::from_secs(20), || async {
+        env.count_rows().await == 20
+    })
+    .await;
+
+    ctl_ok(&env, &["pause", "--all"], &[pid]).await;
+    wait_field(&env, pid, "status", "paused").await;
+
+    // Published while paused: the messages wait in the queue and nothing is inserted.
+    let held = env.publish_users(300).await;
+    wait_until("300 messages ready", Duration::from_secs(10), || async {
+        env.queue_state(&env.main_queue).await.0 == 300
+    })
+    .await;
+    let until = Instant::now() + Duration::from_millis(2_500);
+    while Instant::now() < until {
+        assert_eq!(env.count_rows().await, 20, "rows inserted while paused");
+        assert_eq!(
+            env.queue_state(&env.main_queue).await.0,
+            300,
+            "messages taken while paused"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    assert_eq!(instance(&env, pid).await["status"], "paused");
+    assert!(warren.is_running());
+
+    ctl_ok(&env, &["resume", "--host", &host()], &[pid]).await;
+    wait_until("320 rows after resume", Duration::from_secs(30), || async {
+        env.count_rows().await == 320
+    })
+    .await;
+    let ids = env.row_ids().await;
+    assert!(held.iter().all(|id| ids.contains(id)));
+    wait_field(&env, pid, "status", "running").await;
+    wait_until("the queue drained", Duration::from_secs(10), || async {
+        env.queue_state(&env.main_queue).await.0 == 0
+    })
+    .await;
+
+    assert_in_history(&env, "pause", pid, "executed").await;
+    assert_in_history(&env, "resume", pid, "executed").await;
+    // Newest first.
+    let (_, out, _) = warren_cmd(&env, &["ctl", "history", "--json"]).await;
+    let commands: Vec<String> = out
+        .lines()
+        .map(|l| serde_json::from_str::<Value>(l).unwrap()["command"].to_string())
+        .collect();
+    assert_eq!(commands, ["\"resume\"", "\"pause\""], "{out}");
+
+    // A paused instance drains at once: the held messages stay in the queue.
+    ctl_ok(&env, &["pause", "--all"], &[pid]).await;
+    wait_field(&env, pid, "status", "paused").await;
+    env.publish_users(50).await;
+    let asked = Instant::now();
+    ctl_ok(&env, &["drain", "--all"], &[pid]).await;
+    let status = warren.wait(Duration::from_secs(25));
+    assert!(status.success(), "exit {status:?}; log:\n{}", warren.logs());
+    assert!(
+        asked.elapsed() < Duration::from_secs(10),
+        "a paused instance took {:?} to drain",
+        asked.elapsed()
+    );
+    assert_eq!(env.count_rows().await, 320);
+    assert_eq!(env.queue_state(&env.main_queue).await, (50, 0));
+    let records = shutdowns(&env).await;
+    assert_eq!(records.len(), 1, "{records:?}");
+    assert_eq!(records[0]["reason"], "drain");
+    assert_eq!(records[0]["inserted"], 320);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn scale_changes_the_number_of_processors() {
+    let (mut env, _cleanup) = env_for("ctl_scale").await;
+    env.set("USERS_PROC_CONCURRENCY", "2")
+        .set("USERS_BATCH_SIZE", "100");
+    let mut warren = env.start(&["--roles", "consumer"]);
+    let pid = warren.pid();
+    wait_field(&env, pid, "status", "running").await;
+    assert_eq!(instance(&env, pid).await["processors"], "2");
+
+    // Scaled up while batches are in flight (held by a table lock), then more published.
+    let lock = InsertLock::take(&env).await;
+    let mut ids = env.publish_users(2_000).await;
+    lock.wait_for_a_blocked_insert(&env).await;
+    ctl_ok(&env, &["scale", "--processors", "3", "--all"], &[pid]).await;
+    wait_field(&env, pid, "processors", "3").await;
+    lock.release().await;
+    ids.extend(env.publish_users(1_000).await);
+    wait_until("3,000 rows", Duration::from_secs(60), || async {
+        env.count_rows().await >= 3_000
+    })
+    .await;
+
+    // And down to one.
+    ctl_ok(
+        &env,
+        &["scale", "--processors", "1", "--host", &host()],
+        &[pid],
+    )
+    .await;
+    wait_field(&env, pid, "processors", "1").await;
+    ids.extend(env.publish_users(500).await);
+    wait_until("3,500 rows", Duration::from_secs(60), || async {
+        env.count_rows().await >= 3_500
+    })
+    .await;
+    assert_eq!(env.row_ids().await, ids.iter().copied().collect());
+    wait_until("the queue drained", Duration::from_secs(10), || async {
+        env.queue_state(&env.main_queue).await.0 == 0
+    })
+    .await;
+    assert_queue_empty(&env, &env.dlq_queue).await;
+    assert_eq!(instance(&env, pid).await["status"], "running");
+
+    let entry = assert_in_history(&env, "scale", pid, "executed").await;
+    assert_eq!(entry["processors"], 1, "the newest scale: {entry}");
+    let (_, out, _) = warren_cmd(&env, &["ctl", "history"]).await;
+    assert!(out.contains("processors=3"), "{out}");
+    assert!(out.contains("processors=1"), "{out}");
+
+    // The scaled processors take part in the graceful stop: it completes, and promptly.
+    let asked = Instant::now();
+    let status = warren.terminate(Duration::from_secs(25));
+    assert!(status.success(), "exit {status:?}; log:\n{}", warren.logs());
+    assert!(
+        asked.elapsed() < Duration::from_secs(10),
+        "stop took {:?}",
+        asked.elapsed()
+    );
+    assert!(
+        warren.logs().contains("stopped cleanly"),
+        "log:\n{}",
+        warren.logs()
+    );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn drain_exits_zero_with_nothing_lost() {
+    const N: i64 = 3_000;
+    let (mut env, _cleanup) = env_for("ctl_drain").await;
+    env.set("USERS_BATCH_SIZE", "100");
+    let mut warren = env.start(&["--roles", "consumer,dlq"]);
+    let pid = warren.pid();
+    wait_field(&env, pid, "status", "running").await;
+
+    // Drain in the middle of a backlog, with batches in flight (held by a table lock).
+    let lock = InsertLock::take(&env).await;
+    let ids = env.publish_users(N as usize).await;
+    lock.wait_for_a_blocked_insert(&env).await;
+    ctl_ok(&env, &["drain", "--all"], &[pid]).await;
+    assert!(
+        warren.is_running(),
+        "exited before its batches were inserted"
+    );
+    lock.release().await;
+    let status = warren.wait(Duration::from_secs(30));
+    assert!(status.success(), "exit {status:?}; log:\n{}", warren.logs());
+
+    // Whatever it took is inserted and acked; the rest waits in the queue.
+    let rows = env.count_rows().await;
+    let (ready, consumers) = env.queue_state(&env.main_queue).await;
+    assert_eq!(consumers, 0);
+    assert!(
+        rows > 0 && ready > 0,
+        "the drain should land mid-run: {rows} rows, {ready} ready"
+    );
+    assert_eq!(
+        rows + ready as i64,
+        N,
+        "{rows} rows + {ready} ready; log:\n{}",
+        warren.logs()
+    );
+    let exists: i64 = redis_query(redis::cmd("EXISTS").arg(instance_key(&env, pid))).await;
+    assert_eq!(exists, 0, "the instance hash outlived the drain");
+    let records = shutdowns(&env).await;
+    assert_eq!(records.len(), 1, "{records:?}");
+    let r = &records[0];
+    assert_eq!(r["reason"], "drain", "{r}");
+    assert_eq!(r["pid"], pid, "{r}");
+    assert_eq!(r["inserted"], rows, "{r}");
+    assert_eq!(r["received"], rows, "{r}");
+    assert_in_history(&env, "drain", pid, "executed").await;
+
+    // Another instance takes the rest: every message arrives.
+    let mut next = env.start(&["--roles", "consumer"]);
+    wait_field(&env, next.pid(), "status", "running").await;
+    wait_until("every row", Duration::from_secs(60), || async {
+        env.count_rows().await >= N
+    })
+    .await;
+    assert_eq!(env.row_ids().await, ids.iter().copied().collect());
+    let status = next.terminate(Duration::from_secs(25));
+    assert!(status.success(), "exit {status:?}; log:\n{}", next.logs());
+    assert_queue_empty(&env, &env.dlq_queue).await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn bad_targets_and_failed_commands_are_refused_clearly() {
+    let (env, _cleanup) = env_for("ctl_refuse").await;
+    // An API-only instance: live, but with no consumer to pause.
+    let mut warren = env.start(&["--roles", "api"]);
+    let pid = warren.pid();
+    wait_field(&env, pid, "status", "running").await;
+
+    // No instance on that host.
+    let (code, out, err) = warren_cmd(&env, &["ctl", "pause", "--host", "nonexistent"]).await;
+    assert_eq!(code, 1, "{out}\n{err}");
+    assert!(
+        err.contains("no live instance") && err.contains("nonexistent"),
+        "unclear message:\n{err}"
+    );
+
+    // Clap refuses a missing or double target and an out-of-range count.
+    for args in [
+        &["ctl", "pause"][..],
+        &["ctl", "resume"],
+        &["ctl", "drain"],
+        &["ctl", "scale", "--processors", "2"],
+        &["ctl", "pause", "--all", "--host", "x"],
+        &["ctl", "scale", "--processors", "0", "--all"],
+        &["ctl", "scale", "--processors", "257", "--all"],
+    ] {
+        let (code, out, err) = warren_cmd(&env, args).await;
+        assert_eq!(code, 2, "warren {args:?}:\n{out}\n{err}");
+        assert!(out.is_empty(), "warren {args:?} printed:\n{out}");
+    }
+    let (_, _, err) = warren_cmd(&env, &["ctl", "pause"]).await;
+    assert!(
+        err.contains("--host") && err.contains("--all"),
+        "clap's message should name the choices:\n{err}"
+    );
+    // Nothing refused reached an instance.
+    let (code, out, _) = warren_cmd(&env, &["ctl", "history", "--json"]).await;
+    assert_eq!(code, 0);
+    assert_eq!(out.trim(), "", "refused commands must not be recorded");
+
+    // A command the instance cannot apply: exit 1, the reason, recorded as failed.
+    let (code, out, err) = warren_cmd(&env, &["ctl", "pause", "--all"]).await;
+    assert_eq!(code, 1, "{out}\n{err}");
+    assert!(
+        out.contains(&format!("{}:{pid}", host())) && out.contains("no consumer"),
+        "{out}"
+    );
+    let entry = assert_in_history(&env, "pause", pid, "failed").await;
+    assert!(
+        entry["error"]
+            .as_str()
+            .is_some_and(|e| e.contains("consumer")),
+        "{entry}"
+    );
+    assert_eq!(instance(&env, pid).await["status"], "running");
+    assert!(warren.terminate(Duration::from_secs(25)).success());
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn all_reaches_every_instance() {
+    let (mut env, _cleanup) = env_for("ctl_all").await;
+    let mut first = env.start(&["--roles", "consumer"]);
+    env.set("METRICS_ADDR", format!("127.0.0.1:{}", free_port()));
+    let mut second = env.start(&["--roles", "consumer"]);
+    let pids = [first.pid(), second.pid()];
+    for pid in pids {
+        wait_field(&env, pid, "status", "running").await;
+    }
+
+    ctl_ok(&env, &["pause", "--all"], &pids).await;
+    for pid in pids {
+        wait_field(&env, pid, "status", "paused").await;
+    }
+    let ids = env.publish_users(400).await;
+    wait_until("400 messages ready", Duration::from_secs(10), || async {
+        env.queue_state(&env.main_queue).await.0 == 400
+    })
+    .await;
+    tokio::time::sleep(Duration::from_millis(1_000)).await;
+    assert_eq!(env.count_rows().await, 0, "rows inserted while paused");
+
+    ctl_ok(&env, &["scale", "--processors", "4", "--all"], &pids).await;
+    ctl_ok(&env, &["resume", "--all"], &pids).await;
+    for pid in pids {
+        wait_field(&env, pid, "status", "running").await;
+        wait_field(&env, pid, "processors", "4").await;
+    }
+    wait_until("400 rows", Duration::from_secs(30), || async {
+        env.count_rows().await == 400
+    })
+    .await;
+    assert_eq!(env.row_ids().await, ids.iter().copied().collect());
+
+    ctl_ok(&env, &["drain", "--all"], &pids).await;
+    for w in [&mut first, &mut second] {
+        let status = w.wait(Duration::from_secs(30));
+        assert!(status.success(), "exit {status:?}; log:\n{}", w.logs());
+    }
+    let records = shutdowns(&env).await;
+    assert_eq!(records.len(), 2, "{records:?}");
+    for pid in pids {
+        assert!(
+            records
+                .iter()
+                .any(|r| r["pid"] == pid && r["reason"] == "drain"),
+            "no drain record for {pid}: {records:?}"
+        );
+        let exists: i64 = redis_query(redis::cmd("EXISTS").arg(instance_key(&env, pid))).await;
+        assert_eq!(exists, 0);
+        for command in ["pause", "scale", "resume", "drain"] {
+            assert_in_history(&env, command, pid, "executed").await;
+        }
+    }
+    let inserted: i64 = records
+        .iter()
+        .map(|r| r["inserted"].as_i64().unwrap())
+        .sum();
+    assert_eq!(inserted, 400, "{records:?}");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_command_to_a_stopping_instance_fails_and_it_still_deregisters() {
+    let (mut env, _cleanup) = env_for("ctl_stopping").await;
+    env.set("SHUTDOWN_TIMEOUT_MS", "60000");
+    let mut warren = env.start(&["--roles", "consumer"]);
+    let pid = warren.pid();
+    wait_field(&env, pid, "status", "running").await;
+
+    // SIGTERM while a batch is held by a table lock: the instance stays in its graceful stop.
+    let lock = InsertLock::take(&env).await;
+    let ids = env.publish_users(300).await;
+    lock.wait_for_a_blocked_insert(&env).await;
+    warren.signal("TERM");
+    wait_field(&env, pid, "status", "draining").await;
+
+    // A command that arrives now cannot be applied: it is answered as failed, promptly.
+    let asked = Instant::now();
+    let (code, out, err) = warren_cmd(&env, &["ctl", "pause", "--all"]).await;
+    let took = asked.elapsed();
+    assert_eq!(code, 1, "{out}\n{err}");
+    assert!(
+        out.contains(&format!("{}:{pid}  pause  failed", host())),
+        "expected a failed outcome, got (after {took:?}):\n{out}"
+    );
+    assert!(took < Duration::from_secs(10), "ctl took {took:?}");
+    assert!(warren.is_running());
+
+    // The stop then completes as usual: exit 0, hash gone, a shutdown record.
+    lock.release().await;
+    let status = warren.wait(Duration::from_secs(30));
+    assert!(status.success(), "exit {status:?}; log:\n{}", warren.logs());
+    let exists: i64 = redis_query(redis::cmd("EXISTS").arg(instance_key(&env, pid))).await;
+    assert_eq!(exists, 0, "the instance hash outlived the process");
+    let records = shutdowns(&env).await;
+    assert_eq!(records.len(), 1, "no shutdown record: {records:?}");
+    assert_eq!(records[0]["reason"], "signal");
+    let entry = assert_in_history(&env, "pause", pid, "failed").await;
+    assert!(
+        entry["error"].as_str().is_some_and(|e| !e.is_empty()),
+        "{entry}"
+    );
+
+    // Nothing lost: what it did not insert is back in the queue.
+    let rows = env.count_rows().await;
+    let (ready, _) = env.queue_state(&env.main_queue).await;
+    assert_eq!(rows + ready as i64, ids.len() as i64);
+}

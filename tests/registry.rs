@@ -1,0 +1,559 @@
+//! The Redis instance registry: a running instance keeps a hash with a TTL and live counters and
+//! leaves a shutdown record when it stops; a Redis outage loses no message, shows on
+//! `warren_connection_up{target="redis"}` and ends with the instance registered again; `warren
+//! status` lists the instances and the queues.
+
+mod common;
+
+use std::collections::HashMap;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use common::*;
+use lapin::BasicProperties;
+use serde_json::Value;
+
+/// The host name as warren records it.
+fn host() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .map(|s| s.trim().to_string())
+        .ok()
+        .filter(|s| !s.is_empty())
+        .or_else(|| std::env::var("HOSTNAME").ok())
+        .unwrap_or_else(|| "localhost".into())
+}
+
+/// Every key under a test's prefix, deleted when dropped (also when the test panics).
+struct RedisCleanup {
+    url: String,
+    prefix: String,
+}
+
+impl Drop for RedisCleanup {
+    fn drop(&mut self) {
+        let Ok(client) = redis::Client::open(self.url.as_str()) else {
+            return;
+        };
+        let Ok(mut conn) = client.get_connection_with_timeout(Duration::from_secs(2)) else {
+            return;
+        };
+        let keys: Vec<String> = redis::cmd("KEYS")
+            .arg(format!("{}:*", self.prefix))
+            .query(&mut conn)
+            .unwrap_or_default();
+        if !keys.is_empty() {
+            let _: redis::RedisResult<i64> = redis::cmd("DEL").arg(&keys).query(&mut conn);
+        }
+    }
+}
+
+/// One Redis command on a fresh connection; `None` while that Redis is unreachable.
+async fn redis_query<T: redis::FromRedisValue>(url: &str, cmd: &redis::Cmd) -> Option<T> {
+    let client = redis::Client::open(url).ok()?;
+    let mut conn = tokio::time::timeout(
+        Duration::from_secs(2),
+        client.get_multiplexed_async_connection(),
+    )
+    .await
+    .ok()?
+    .ok()?;
+    tokio::time::timeout(Duration::from_secs(2), cmd.query_async(&mut conn))
+        .await
+        .ok()?
+        .ok()
+}
+
+/// The instance hash of `pid` (empty when absent or Redis is away).
+async fn instance(url: &str, prefix: &str, pid: i32) -> HashMap<String, String> {
+    let key = format!("{prefix}:instances:{}:{pid}", host());
+    redis_query(url, redis::cmd("HGETALL").arg(key))
+        .await
+        .unwrap_or_default()
+}
+
+/// The shutdown records under `prefix`, oldest first.
+async fn shutdowns(url: &str, prefix: &str) -> Vec<Value> {
+    let raw: Vec<String> = redis_query(
+        url,
+        redis::cmd("ZRANGE")
+            .arg(format!("{prefix}:shutdowns"))
+            .arg(0)
+            .arg(-1),
+    )
+    .await
+    .expect("read the shutdown records");
+    raw.iter()
+        .map(|r| serde_json::from_str(r).unwrap_or_else(|e| panic!("record {r:?}: {e}")))
+        .collect()
+}
+
+/// The value of the series `name` whose labels contain `label`; `None` when the series does not
+/// exist or the endpoint does not answer.
+async fn metric(env: &TestEnv, name: &str, label: &str) -> Option<f64> {
+    let url = format!("http://127.0.0.1:{}/metrics", env.metrics_port);
+    let text = tokio::task::spawn_blocking(move || {
+        ureq::get(&url)
+            .call()
+            .and_then(|mut r| r.body_mut().read_to_string())
+    })
+    .await
+    .ok()?
+    .ok()?;
+    let mut found = None;
+    for line in text.lines().filter(|l| !l.starts_with('#')) {
+        let Some(rest) = line.strip_prefix(name) else {
+            continue;
+        };
+        if (rest.starts_with('{') || rest.starts_with(' ')) && rest.contains(label) {
+            let v: f64 = rest.rsplit(' ').next()?.parse().ok()?;
+            found = Some(found.unwrap_or(0.0) + v);
+        }
+    }
+    found
+}
+
+/// A `warren` subcommand run off the async threads: (exit code, stdout, stderr).
+async fn warren_cmd(env: &TestEnv, args: &[&str]) -> (i32, String, String) {
+    let mut cmd = env.command(args);
+    let out = tokio::task::spawn_blocking(move || cmd.output())
+        .await
+        .expect("join")
+        .expect("run warren");
+    (
+        out.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+/// A private `redis-server` on its own port, killed on drop.
+struct RedisServer {
+    port: u16,
+    child: Option<Child>,
+}
+
+impl RedisServer {
+    async fn start(port: u16) -> Self {
+        let child = Command::new("redis-server")
+            .args(["--port", &port.to_string(), "--bind", "127.0.0.1"])
+            .args(["--save", "", "--appendonly", "no", "--daemonize", "no"])
+            .arg("--dir")
+            .arg(std::env::temp_dir())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("start redis-server (is it installed?)");
+        let server = RedisServer {
+            port,
+            child: Some(child),
+        };
+        let url = server.url();
+        wait_until(
+            &format!("redis-server on port {port}"),
+            Duration::from_secs(10),
+            || async {
+                redis_query::<String>(&url, &redis::cmd("PING"))
+                    .await
+                    .is_some()
+            },
+        )
+        .await;
+        server
+    }
+
+    fn url(&self) -> String {
+        format!("redis://127.0.0.1:{}", self.port)
+    }
+
+    /// SIGKILL: the server disappears without a word.
+    fn kill(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+impl Drop for RedisServer {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+/// Waits until `pid` is registered with status `running`; returns the hash.
+async fn wait_registered(url: &str, prefix: &str, warren: &Warren) -> HashMap<String, String> {
+    wait_until(
+        "the instance registered as running",
+        Duration::from_secs(20),
+        || async {
+            instance(url, prefix, warren.pid()).await.get("status") == Some(&"running".into())
+        },
+    )
+    .await;
+    instance(url, prefix, warren.pid()).await
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn an_instance_registers_with_live_counters_and_leaves_a_shutdown_record() {
+    const N: usize = 500;
+    let mut env = TestEnv::new("reg_live").await;
+    env.set("REGISTRY_HEARTBEAT_MS", "300")
+        .set("USERS_PROC_CONCURRENCY", "3");
+    let (url, prefix) = (redis_url(), env.id.clone());
+    let _cleanup = RedisCleanup {
+        url: url.clone(),
+        prefix: prefix.clone(),
+    };
+    env.declare();
+    let before = registry_now();
+    let started = Instant::now();
+    let mut warren = env.start(&["--roles", "consumer,dlq"]);
+    let pid = warren.pid();
+    let key = format!("{prefix}:instances:{}:{pid}", host());
+
+    let hash = wait_registered(&url, &prefix, &warren).await;
+    let field = |k: &str| hash.get(k).cloned().unwrap_or_default();
+    assert_eq!(field("host"), host(), "{hash:?}");
+    assert_eq!(field("pid"), pid.to_string(), "{hash:?}");
+    assert_eq!(field("roles"), "consumer,dlq", "{hash:?}");
+    assert_eq!(field("version"), env!("CARGO_PKG_VERSION"), "{hash:?}");
+    assert_eq!(field("processors"), "3", "{hash:?}");
+    let started_at: u64 = field("started_at").parse().expect("started_at");
+    assert!(
+        started_at >= before && started_at <= registry_now(),
+        "started_at {started_at}, test started at {before}"
+    );
+    for counter in [
+        "received",
+        "inserted",
+        "retried",
+        "dead_lettered",
+        "inflight",
+    ] {
+        assert_eq!(
+            field(counter),
+            "0",
+            "{counter} before any message: {hash:?}"
+        );
+    }
+    let ttl: i64 = redis_query(&url, redis::cmd("TTL").arg(&key))
+        .await
+        .expect("TTL");
+    assert!(ttl > 0 && ttl <= 30, "TTL {ttl}");
+
+    // Live counters.
+    env.publish_users(N).await;
+    wait_until(
+        "received and inserted reach N in the hash",
+        Duration::from_secs(30),
+        || async {
+            let h = instance(&url, &prefix, pid).await;
+            h.get("received") == Some(&N.to_string()) && h.get("inserted") == Some(&N.to_string())
+        },
+    )
+    .await;
+    assert_eq!(env.count_rows().await, N as i64);
+    let hash = instance(&url, &prefix, pid).await;
+    assert_eq!(hash.get("status").map(String::as_str), Some("running"));
+    assert_eq!(hash.get("retried").map(String::as_str), Some("0"));
+    assert_eq!(hash.get("dead_lettered").map(String::as_str), Some("0"));
+
+    // The heartbeat renews the TTL (without it, 2 s later it would be under 28 s) and the time.
+    let first_beat: u64 = hash["last_heartbeat"].parse().expect("last_heartbeat");
+    tokio::time::sleep(Duration::from_millis(2_200)).await;
+    let pttl: i64 = redis_query(&url, redis::cmd("PTTL").arg(&key))
+        .await
+        .expect("PTTL");
+    assert!(pttl > 28_500 && pttl <= 30_000, "PTTL {pttl} ms");
+    let hash = instance(&url, &prefix, pid).await;
+    let last_beat: u64 = hash["last_heartbeat"].parse().expect("last_heartbeat");
+    assert!(last_beat > first_beat, "last_heartbeat did not advance");
+
+    // A graceful stop deregisters and records why.
+    let status = warren.terminate(Duration::from_secs(25));
+    let elapsed = started.elapsed().as_secs();
+    assert!(status.success(), "exit {status:?}; log:\n{}", warren.logs());
+    let exists: i64 = redis_query(&url, redis::cmd("EXISTS").arg(&key))
+        .await
+        .unwrap();
+    assert_eq!(exists, 0, "the instance hash outlived the process");
+    let records = shutdowns(&url, &prefix).await;
+    assert_eq!(records.len(), 1, "{records:?}");
+    let r = &records[0];
+    assert_eq!(r["host"], host().as_str(), "{r}");
+    assert_eq!(r["pid"], pid, "{r}");
+    assert_eq!(r["roles"], "consumer,dlq", "{r}");
+    assert_eq!(r["reason"], "signal", "{r}");
+    assert_eq!(r["received"], N as u64, "{r}");
+    assert_eq!(r["inserted"], N as u64, "{r}");
+    assert_eq!(r["retried"], 0, "{r}");
+    assert_eq!(r["dead_lettered"], 0, "{r}");
+    assert_eq!(r["started_at"], started_at, "{r}");
+    let uptime = r["uptime_s"].as_u64().expect("uptime_s");
+    let stopped_at = r["stopped_at"].as_u64().expect("stopped_at");
+    assert!(
+        (2..=elapsed + 1).contains(&uptime),
+        "uptime {uptime} s, the test ran {elapsed} s: {r}"
+    );
+    assert_eq!(stopped_at - started_at, uptime, "{r}");
+}
+
+/// Seconds since the Unix epoch.
+fn registry_now() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs()
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_redis_outage_loses_nothing_and_the_instance_registers_again() {
+    const HALF: usize = 1_500;
+    let port = free_port();
+    let mut server = RedisServer::start(port).await;
+    let url = server.url();
+    let mut env = TestEnv::new("reg_outage").await;
+    env.set("REDIS_URL", url.clone())
+        .set("REGISTRY_HEARTBEAT_MS", "300")
+        .set("USERS_BATCH_SIZE", "100");
+    let prefix = env.id.clone();
+    env.declare();
+    let mut warren = env.start(&["--roles", "consumer"]);
+    let pid = warren.pid();
+    wait_registered(&url, &prefix, &warren).await;
+    wait_until("redis gauge 1", Duration::from_secs(10), || async {
+        metric(&env, "warren_connection_up", "target=\"redis\"").await == Some(1.0)
+    })
+    .await;
+
+    // Redis dies in the middle of a run.
+    let mut ids = env.publish_users(HALF).await;
+    wait_until("the first rows", Duration::from_secs(30), || async {
+        env.count_rows().await > 0
+    })
+    .await;
+    server.kill();
+    ids.extend(env.publish_users(HALF).await);
+    wait_until(
+        "warren_connection_up{target=\"redis\"} 0",
+        Duration::from_secs(15),
+        || async { metric(&env, "warren_connection_up", "target=\"redis\"").await == Some(0.0) },
+    )
+    .await;
+    wait_until(
+        "every row while Redis is down",
+        Duration::from_secs(60),
+        || async { env.count_rows().await >= ids.len() as i64 },
+    )
+    .await;
+    assert!(warren.is_running(), "warren died; log:\n{}", warren.logs());
+    assert_eq!(env.row_ids().await, ids.iter().copied().collect());
+    assert_queue_empty(&env, &env.main_queue).await;
+    assert_queue_empty(&env, &env.retry_queue).await;
+    assert_queue_empty(&env, &env.dlq_queue).await;
+    assert_eq!(
+        metric(&env, "warren_connection_up", "target=\"redis\"").await,
+        Some(0.0),
+        "the gauge must stay 0 while Redis is away"
+    );
+    // The operator tools say so instead of hanging or failing obscurely.
+    let (code, out, err) = warren_cmd(&env, &["status"]).await;
+    assert_eq!(code, 0, "status without Redis:\n{out}\n{err}");
+    assert!(out.contains("Redis unreachable"), "{out}");
+    assert!(out.contains(&env.main_queue), "queues still listed:\n{out}");
+    let (code, out, err) = warren_cmd(&env, &["status", "--json"]).await;
+    assert_eq!(code, 0, "status --json without Redis:\n{out}\n{err}");
+    let doc: Value = serde_json::from_str(&out).expect("json");
+    assert_eq!(doc["instances"], Value::Null, "{doc}");
+    assert_eq!(doc["queues"].as_array().map(Vec::len), Some(3), "{doc}");
+    let (code, out, err) = warren_cmd(&env, &["ctl", "pause", "--all"]).await;
+    assert_eq!(code, 1, "ctl without Redis:\n{out}\n{err}");
+    assert!(
+        err.contains("cannot reach Redis") && err.contains(&port.to_string()),
+        "{err}"
+    );
+    assert!(warren.is_running());
+
+    // Redis comes back on the same port, empty: the instance registers again.
+    let _server = {
+        drop(server);
+        RedisServer::start(port).await
+    };
+    let _cleanup = RedisCleanup {
+        url: url.clone(),
+        prefix: prefix.clone(),
+    };
+    let total = (2 * HALF).to_string();
+    wait_until(
+        "the instance hash back, with every insert counted",
+        Duration::from_secs(20),
+        || async {
+            let h = instance(&url, &prefix, pid).await;
+            h.get("status") == Some(&"running".into()) && h.get("inserted") == Some(&total)
+        },
+    )
+    .await;
+    wait_until("redis gauge back to 1", Duration::from_secs(10), || async {
+        metric(&env, "warren_connection_up", "target=\"redis\"").await == Some(1.0)
+    })
+    .await;
+    let reconnects = metric(&env, "warren_reconnects_total", "target=\"redis\"").await;
+    assert!(
+        reconnects.is_some_and(|n| n >= 1.0),
+        "warren_reconnects_total{{target=\"redis\"}} = {reconnects:?}"
+    );
+    let key = format!("{prefix}:instances:{}:{pid}", host());
+    let ttl: i64 = redis_query(&url, redis::cmd("TTL").arg(&key))
+        .await
+        .unwrap();
+    assert!(ttl > 0 && ttl <= 30, "TTL {ttl}");
+    // One warning for the whole outage, not one per failed heartbeat.
+    let logs = warren.logs();
+    assert_eq!(logs.matches("Redis unreachable").count(), 1, "log:\n{logs}");
+
+    let status = warren.terminate(Duration::from_secs(25));
+    assert!(status.success(), "exit {status:?}; log:\n{}", warren.logs());
+    let records = shutdowns(&url, &prefix).await;
+    assert_eq!(records.len(), 1, "{records:?}");
+    assert_eq!(records[0]["reason"], "signal");
+    assert_eq!(records[0]["inserted"], 2 * HALF as u64);
+    assert_eq!(env.count_rows().await, 2 * HALF as i64);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn status_lists_the_instance_and_the_queues() {
+    let mut env = TestEnv::new("reg_status").await;
+    env.set("REGISTRY_HEARTBEAT_MS", "300")
+        .set("RETRY_TTL_MS", "600000");
+    let (url, prefix) = (redis_url(), env.id.clone());
+    let _cleanup = RedisCleanup {
+        url: url.clone(),
+        prefix: prefix.clone(),
+    };
+    env.declare();
+    let mut warren = env.start(&["--roles", "consumer,dlq"]);
+    let pid = warren.pid();
+    wait_registered(&url, &prefix, &warren).await;
+
+    // Five rows through the pipeline; three messages parked in the retry queue (long TTL).
+    env.publish_users(5).await;
+    for _ in 0..3 {
+        let id = uuid::Uuid::new_v4();
+        env.publish_to(
+            &env.retry_exchange,
+            &env.retry_queue,
+            &user_body(id),
+            BasicProperties::default(),
+        )
+        .await;
+    }
+    wait_until(
+        "5 rows, counted in the hash",
+        Duration::from_secs(20),
+        || async {
+            env.count_rows().await == 5
+                && instance(&url, &prefix, pid).await.get("inserted") == Some(&"5".into())
+        },
+    )
+    .await;
+    wait_until("the queues settle", Duration::from_secs(10), || async {
+        env.queue_state(&env.main_queue).await == (0, 1)
+            && env.queue_state(&env.retry_queue).await == (3, 0)
+            && env.queue_state(&env.dlq_queue).await == (0, 1)
+    })
+    .await;
+    let expected_queues = [
+        (env.main_queue.clone(), 0, 1),
+        (env.retry_queue.clone(), 3, 0),
+        (env.dlq_queue.clone(), 0, 1),
+    ];
+    let me = format!("{}:{pid}", host());
+
+    // The tables.
+    let (code, out, err) = warren_cmd(&env, &["status"]).await;
+    assert_eq!(code, 0, "warren status:\n{out}\n{err}");
+    let row = out
+        .lines()
+        .map(|l| l.split_whitespace().collect::<Vec<_>>())
+        .find(|t| t.first() == Some(&me.as_str()))
+        .unwrap_or_else(|| panic!("no row for {me}:\n{out}"));
+    assert_eq!(row.get(1), Some(&"consumer,dlq"), "{out}");
+    assert_eq!(row.get(2), Some(&"running"), "{out}");
+    assert_eq!(row.get(5), Some(&"5"), "inserted column:\n{out}");
+    for (name, messages, consumers) in &expected_queues {
+        let row = out
+            .lines()
+            .map(|l| l.split_whitespace().collect::<Vec<_>>())
+            .find(|t| t.first() == Some(&name.as_str()))
+            .unwrap_or_else(|| panic!("no row for queue {name}:\n{out}"));
+        assert_eq!(
+            row[1..].to_vec(),
+            vec![messages.to_string(), consumers.to_string()],
+            "queue {name}:\n{out}"
+        );
+    }
+
+    // The JSON document.
+    let (code, out, err) = warren_cmd(&env, &["status", "--json"]).await;
+    assert_eq!(code, 0, "warren status --json:\n{out}\n{err}");
+    let doc: Value = serde_json::from_str(&out).unwrap_or_else(|e| panic!("{e}:\n{out}"));
+    let instances = doc["instances"].as_array().expect("instances array");
+    assert_eq!(instances.len(), 1, "{doc}");
+    let i = &instances[0];
+    assert_eq!(i["host"], host().as_str(), "{i}");
+    assert_eq!(i["pid"], pid.to_string().as_str(), "{i}");
+    assert_eq!(i["status"], "running", "{i}");
+    assert_eq!(i["roles"], "consumer,dlq", "{i}");
+    assert_eq!(i["inserted"], "5", "{i}");
+    let queues = doc["queues"].as_array().expect("queues array");
+    assert_eq!(queues.len(), 3, "{doc}");
+    for (name, messages, consumers) in &expected_queues {
+        let q = queues
+            .iter()
+            .find(|q| q["name"] == name.as_str())
+            .unwrap_or_else(|| panic!("no queue {name}: {doc}"));
+        assert_eq!(q["messages"], *messages, "{q}");
+        assert_eq!(q["consumers"], *consumers, "{q}");
+    }
+
+    assert!(warren.terminate(Duration::from_secs(25)).success());
+    // Once stopped it is no longer listed.
+    let (code, out, _) = warren_cmd(&env, &["status", "--json"]).await;
+    assert_eq!(code, 0);
+    let doc: Value = serde_json::from_str(&out).expect("json");
+    assert_eq!(doc["instances"], serde_json::json!([]), "{doc}");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_killed_instance_expires_without_a_shutdown_record() {
+    let mut env = TestEnv::new("reg_expire").await;
+    env.set("REGISTRY_HEARTBEAT_MS", "300");
+    let (url, prefix) = (redis_url(), env.id.clone());
+    let _cleanup = RedisCleanup {
+        url: url.clone(),
+        prefix: prefix.clone(),
+    };
+    env.declare();
+    let mut warren = env.start(&["--roles", "consumer"]);
+    let pid = warren.pid();
+    wait_registered(&url, &prefix, &warren).await;
+    let key = format!("{prefix}:instances:{}:{pid}", host());
+
+    // SIGKILL: no deregistration, so the hash lives out its TTL and then disappears.
+    warren.kill9();
+    let killed = Instant::now();
+    let ttl: i64 = redis_query(&url, redis::cmd("TTL").arg(&key))
+        .await
+        .unwrap();
+    assert!(ttl > 25 && ttl <= 30, "TTL {ttl} right after the kill");
+    wait_until("the hash expired", Duration::from_secs(35), || async {
+        redis_query::<i64>(&url, redis::cmd("EXISTS").arg(&key)).await == Some(0)
+    })
+    .await;
+    assert!(
+        killed.elapsed() > Duration::from_secs(25),
+        "expired after {:?}",
+        killed.elapsed()
+    );
+    assert!(shutdowns(&url, &prefix).await.is_empty());
+}
