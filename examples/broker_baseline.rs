@@ -38,7 +38,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         let delivery = delivery?;
         started.get_or_insert_with(Instant::now);
         seen += 1;
-        if seen % 1000 == 0 || seen == n {
+        if seen.is_multiple_of(1000) || seen == n {
             channel
                 .basic_ack(delivery.delivery_tag, BasicAckOptions { multiple: true })
                 .await?;
