@@ -194,8 +194,15 @@ pub fn inflight(gauge: &Gauge, n: i64) {
 }
 
 /// A body the domain refused (it is dead-lettered or parked next).
-pub fn message_refused(pipeline: &'static str, kind: &str, reason: &str, delivery_tag: u64) {
-    warn!(pipeline, delivery_tag, kind, reason, "message refused");
+pub fn message_refused(pipeline: &'static str, kind: &str, reason: &str, message: &Delivered) {
+    warn!(
+        message_id = message.message_id(),
+        pipeline,
+        delivery_tag = message.tag,
+        kind,
+        reason,
+        "message refused"
+    );
 }
 
 /// One batch insert finished: `attempted` valid rows, `inserted` of them committed.
@@ -239,6 +246,7 @@ pub fn message_routed(pipeline: &'static str, kind: &'static str, message: &Deli
         STATS.retried.fetch_add(1, Ordering::Relaxed);
     } else {
         warn!(
+            message_id = message.message_id(),
             pipeline,
             delivery_tag = message.tag,
             kind,

@@ -195,10 +195,14 @@ impl Redis {
         self.mark(false, Some(&error));
     }
 
-    /// Runs one command; `None` while Redis is away.
-    pub async fn query<T: redis::FromRedisValue>(&mut self, cmd: &redis::Cmd) -> Option<T> {
-        let mut conn = self.link().await?;
-        match tokio::time::timeout(CALL_TIMEOUT, cmd.query_async::<T>(&mut conn)).await {
+    /// Runs one Redis call with the bound, reconnecting if needed; `None` while Redis is away.
+    async fn call<T, F, Fut>(&mut self, f: F) -> Option<T>
+    where
+        F: FnOnce(MultiplexedConnection) -> Fut,
+        Fut: std::future::Future<Output = redis::RedisResult<T>>,
+    {
+        let conn = self.link().await?;
+        match tokio::time::timeout(CALL_TIMEOUT, f(conn)).await {
             Ok(Ok(v)) => {
                 self.mark(true, None);
                 Some(v)
@@ -214,23 +218,16 @@ impl Redis {
         }
     }
 
-    /// Runs a pipeline (atomically); `None` while Redis is away.
+    /// Runs one command; `None` while Redis is away.
+    pub async fn query<T: redis::FromRedisValue>(&mut self, cmd: &redis::Cmd) -> Option<T> {
+        self.call(|mut c| async move { cmd.query_async::<T>(&mut c).await })
+            .await
+    }
+
+    /// Runs a pipeline (atomically when built with `atomic()`); `None` while Redis is away.
     pub async fn pipe<T: redis::FromRedisValue>(&mut self, pipe: &redis::Pipeline) -> Option<T> {
-        let mut conn = self.link().await?;
-        match tokio::time::timeout(CALL_TIMEOUT, pipe.query_async::<T>(&mut conn)).await {
-            Ok(Ok(v)) => {
-                self.mark(true, None);
-                Some(v)
-            }
-            Ok(Err(e)) => {
-                self.failed(e.to_string());
-                None
-            }
-            Err(_) => {
-                self.failed("timed out".into());
-                None
-            }
-        }
+        self.call(|mut c| async move { pipe.query_async::<T>(&mut c).await })
+            .await
     }
 }
 

@@ -223,7 +223,7 @@ async fn process<D: Domain>(
                     shared.pipeline,
                     rejection.kind.as_str(),
                     &rejection.reason,
-                    p.delivered.tag,
+                    &p.delivered,
                 );
                 match shared.mode {
                     Mode::Main => routes.push((

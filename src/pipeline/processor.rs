@@ -25,6 +25,17 @@ pub struct Delivered {
     pub batcher: usize,
 }
 
+impl Delivered {
+    /// The AMQP message id, for logs (`-` when the publisher set none).
+    pub fn message_id(&self) -> &str {
+        self.properties
+            .message_id()
+            .as_ref()
+            .map(|m| m.as_str())
+            .unwrap_or("-")
+    }
+}
+
 /// The processor actor.
 pub struct Processor<D: Domain> {
     domain: Arc<D>,

@@ -59,7 +59,7 @@ impl Router {
     pub fn plan(&self, message: &Delivered, route: &Route) -> (Publish, &'static str) {
         let retries = headers::retries(&message.properties);
         if let Retries::Invalid(what) = &retries {
-            warn!(pipeline = self.pipeline, delivery_tag = message.tag, problem = %what,
+            warn!(message_id = message.message_id(), pipeline = self.pipeline, delivery_tag = message.tag, problem = %what,
                 "unusable x-retries treated as 0; it is rewritten as an integer");
         }
         let count = retries.count();
@@ -108,7 +108,7 @@ impl Router {
                 match publisher.send(publish).await {
                     Ok(Ok(())) => (Disposition::Ack, kind),
                     Ok(Err(e)) => {
-                        error!(pipeline = self.pipeline, delivery_tag = message.tag, error = %e, kind,
+                        error!(message_id = message.message_id(), pipeline = self.pipeline, delivery_tag = message.tag, error = %e, kind,
                             "republish failed; the message stays with the broker");
                         (self.on_failure, kind)
                     }
