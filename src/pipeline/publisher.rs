@@ -13,7 +13,7 @@ use crate::amqp::{self, AmqpError};
 use crate::config::Settings;
 
 /// Publish one message and wait for the broker's confirm.
-#[derive(Debug, Message)]
+#[derive(Debug, Clone, Message)]
 #[rtype(result = "Result<(), AmqpError>")]
 pub struct Publish {
     pub exchange: String,

@@ -9,6 +9,7 @@ use tracing::{error, warn};
 use super::acks::Disposition;
 use super::processor::Delivered;
 use super::publisher::{Publish, Publisher};
+use crate::amqp::AmqpError;
 use crate::amqp::headers::{self, Retries};
 use crate::config::Settings;
 
@@ -34,6 +35,8 @@ pub struct Router {
     /// still catches the message); the DLQ has no DLX, so it must `Requeue`.
     on_failure: Disposition,
     pipeline: &'static str,
+    /// How long a publish waits for the publisher to (re)connect.
+    patience: std::time::Duration,
 }
 
 impl Router {
@@ -52,6 +55,7 @@ impl Router {
             max_retries: settings.max_retries,
             on_failure,
             pipeline,
+            patience: settings.publish_timeout(),
         }
     }
 
@@ -99,21 +103,29 @@ impl Router {
         )
     }
 
-    /// Routes every message; each disposition is `Ack` once its republish was confirmed.
+    /// Routes every message; each disposition is `Ack` once its republish was confirmed. While
+    /// the publisher has no connection (at start-up, or during a reconnect) a publish is retried
+    /// for up to `patience` before it counts as failed.
     pub async fn route(&self, items: &[(&Delivered, Route)]) -> Vec<(Disposition, &'static str)> {
         let sends = items.iter().map(|(message, route)| {
             let (publish, kind) = self.plan(message, route);
             let publisher = self.publisher.clone();
             async move {
-                match publisher.send(publish).await {
-                    Ok(Ok(())) => (Disposition::Ack, kind),
-                    Ok(Err(e)) => {
+                let deadline = std::time::Instant::now() + self.patience;
+                let result = loop {
+                    match publisher.send(publish.clone()).await {
+                        Ok(Err(AmqpError::Unavailable(_))) if std::time::Instant::now() < deadline => {
+                            tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+                        }
+                        Ok(result) => break result,
+                        Err(e) => break Err(AmqpError::Unavailable(format!("publisher actor is gone: {e}"))),
+                    }
+                };
+                match result {
+                    Ok(()) => (Disposition::Ack, kind),
+                    Err(e) => {
                         error!(message_id = message.message_id(), pipeline = self.pipeline, delivery_tag = message.tag, error = %e, kind,
                             "republish failed; the message stays with the broker");
-                        (self.on_failure, kind)
-                    }
-                    Err(e) => {
-                        error!(pipeline = self.pipeline, error = %e, "publisher actor is gone");
                         (self.on_failure, kind)
                     }
                 }
