@@ -10,7 +10,7 @@ use common::*;
 use serde_json::{Value, json};
 use uuid::Uuid;
 
-/// A blocking HTTP client that returns every status as a value (no error for 4xx/5xx).
+/// The harness's blocking HTTP client (every status is a value) on the env's API.
 struct Http {
     agent: ureq::Agent,
     base: String,
@@ -26,13 +26,8 @@ struct Answer {
 
 impl Http {
     fn new(env: &TestEnv) -> Self {
-        let agent: ureq::Agent = ureq::Agent::config_builder()
-            .http_status_as_error(false)
-            .timeout_global(Some(Duration::from_secs(15)))
-            .build()
-            .into();
         Self {
-            agent,
+            agent: http_agent(),
             base: env.http_base(),
         }
     }
@@ -167,12 +162,7 @@ async fn a_posted_user_becomes_a_readable_row() {
     let bad = http.get("/api/v1/users/not-a-uuid");
     assert_json_error(&bad, 400);
 
-    assert_eq!(
-        warren.terminate(Duration::from_secs(30)).code(),
-        Some(0),
-        "log:\n{}",
-        warren.logs()
-    );
+    warren.terminate_ok(Duration::from_secs(30));
 }
 
 #[tokio::test(flavor = "multi_thread")]
@@ -251,12 +241,7 @@ async fn invalid_users_get_422_naming_the_field() {
 
     // Nothing invalid reached the broker.
     assert_queue_empty(&env, &env.main_queue).await;
-    assert_eq!(
-        warren.terminate(Duration::from_secs(30)).code(),
-        Some(0),
-        "log:\n{}",
-        warren.logs()
-    );
+    warren.terminate_ok(Duration::from_secs(30));
 }
 
 #[tokio::test(flavor = "multi_thread")]
@@ -301,12 +286,7 @@ async fn bodies_over_64_kib_get_413() {
 
     // Only the accepted one was published.
     assert_eq!(env.queue_state(&env.main_queue).await.0, 1);
-    assert_eq!(
-        warren.terminate(Duration::from_secs(30)).code(),
-        Some(0),
-        "log:\n{}",
-        warren.logs()
-    );
+    warren.terminate_ok(Duration::from_secs(30));
 }
 
 #[tokio::test(flavor = "multi_thread")]
@@ -340,10 +320,5 @@ async fn an_unreachable_broker_gives_503_fast() {
 
     // Liveness is not readiness: the process itself is fine.
     assert_eq!(http.get("/healthz").status, 200);
-    assert_eq!(
-        warren.terminate(Duration::from_secs(30)).code(),
-        Some(0),
-        "log:\n{}",
-        warren.logs()
-    );
+    warren.terminate_ok(Duration::from_secs(30));
 }

@@ -10,138 +10,19 @@ use std::time::Duration;
 use common::*;
 use lapin::BasicProperties;
 use lapin::message::BasicGetMessage;
-use lapin::options::BasicGetOptions;
 use lapin::types::AMQPValue;
 use uuid::Uuid;
 
-// ---- fault injection and probes (this file's own copy; tests/common is shared and fixed) ----
+// ---- this file's messages -------------------------------------------------------------------
 
-/// Installs the failing triggers in the test schema (the fault starts active): a BEFORE INSERT
-/// row trigger counts every insert attempt per id in a sequence of its own (`nextval` survives
-/// the rollback), an AFTER INSERT statement trigger raises SQLSTATE 40001 while the flag is set.
-async fn install_fault(env: &TestEnv) {
-    let s = &env.schema;
-    env.db
-        .batch_execute(&format!(
-            r#"
-            CREATE TABLE {s}.fault_flag (active boolean NOT NULL);
-            INSERT INTO {s}.fault_flag VALUES (true);
-            CREATE FUNCTION {s}.count_attempt() RETURNS trigger LANGUAGE plpgsql AS $f$
-            DECLARE
-                counter regclass := to_regclass(format('%I.%I', TG_TABLE_SCHEMA,
-                    'attempts_' || replace(NEW.id::text, '-', '')));
-            BEGIN
-                IF counter IS NOT NULL THEN
-                    PERFORM nextval(counter);
-                END IF;
-                RETURN NEW;
-            END $f$;
-            CREATE FUNCTION {s}.fail_while_flagged() RETURNS trigger LANGUAGE plpgsql AS $f$
-            BEGIN
-                IF (SELECT active FROM {s}.fault_flag) THEN
-                    RAISE EXCEPTION 'injected transient failure'
-                        USING ERRCODE = 'serialization_failure';
-                END IF;
-                RETURN NULL;
-            END $f$;
-            CREATE TRIGGER users_count_attempts BEFORE INSERT ON {s}.users
-                FOR EACH ROW EXECUTE FUNCTION {s}.count_attempt();
-            CREATE TRIGGER users_fail_while_flagged AFTER INSERT ON {s}.users
-                FOR EACH STATEMENT EXECUTE FUNCTION {s}.fail_while_flagged();
-            "#
-        ))
-        .await
-        .expect("install the fault triggers");
-}
-
-async fn track_attempts(env: &TestEnv, ids: &[Uuid]) {
-    let sql: String = ids
-        .iter()
-        .map(|id| format!("CREATE SEQUENCE {}.attempts_{};", env.schema, id.simple()))
-        .collect();
-    env.db.batch_execute(&sql).await.expect("attempt counters");
-}
-
-async fn attempts(env: &TestEnv, id: Uuid) -> i64 {
-    env.db
-        .query_one(
-            &format!(
-                "SELECT CASE WHEN is_called THEN last_value ELSE 0 END FROM {}.attempts_{}",
-                env.schema,
-                id.simple()
-            ),
-            &[],
-        )
-        .await
-        .expect("read attempt counter")
-        .get(0)
-}
-
-/// Reads up to `max` messages of `queue` without taking them (requeued, original TTL kept, when
-/// the peeking channel closes).
-async fn peek(env: &TestEnv, queue: &str, max: usize) -> Vec<BasicGetMessage> {
-    let ch = env.conn.create_channel().await.expect("channel");
-    let mut out = Vec::new();
-    while out.len() < max {
-        match ch
-            .basic_get(queue.into(), BasicGetOptions { no_ack: false })
-            .await
-            .expect("basic.get")
-        {
-            Some(m) => out.push(m),
-            None => break,
-        }
-    }
-    let _ = ch.close(200, "peeked".into()).await;
-    out
-}
-
-fn header<'a>(props: &'a BasicProperties, key: &str) -> Option<&'a AMQPValue> {
-    props.headers().as_ref()?.inner().get(key)
-}
-
-/// An integer header of any AMQP integer type; `None` if missing or of another type.
-fn int_header(props: &BasicProperties, key: &str) -> Option<i64> {
-    match header(props, key)? {
-        AMQPValue::ShortShortInt(v) => Some(*v as i64),
-        AMQPValue::ShortShortUInt(v) => Some(*v as i64),
-        AMQPValue::ShortInt(v) => Some(*v as i64),
-        AMQPValue::ShortUInt(v) => Some(*v as i64),
-        AMQPValue::LongInt(v) => Some(*v as i64),
-        AMQPValue::LongUInt(v) => Some(*v as i64),
-        AMQPValue::LongLongInt(v) => Some(*v),
-        _ => None,
-    }
-}
-
-fn text_header(props: &BasicProperties, key: &str) -> Option<String> {
-    match header(props, key)? {
-        AMQPValue::LongString(s) => Some(String::from_utf8_lossy(s.as_bytes()).into_owned()),
-        AMQPValue::ShortString(s) => Some(s.as_str().to_string()),
-        _ => None,
-    }
-}
-
-fn message_id(m: &BasicGetMessage) -> String {
-    m.delivery
-        .properties
-        .message_id()
-        .as_ref()
-        .map(|s| s.as_str().to_string())
-        .unwrap_or_default()
-}
-
+/// JSON properties with `label` as the message id.
 fn labelled(label: &str) -> BasicProperties {
     BasicProperties::default()
         .with_content_type("application/json".into())
         .with_message_id(label.into())
 }
 
-async fn ready(env: &TestEnv, queue: &str) -> u32 {
-    env.queue_state(queue).await.0
-}
-
-// ---- tests -------------------------------------------------------------------------------------
+// ---- tests ----------------------------------------------------------------------------------
 
 /// Every kind of malformed body: straight to the DLQ, right kind, body kept, no retry, no row.
 #[tokio::test(flavor = "multi_thread")]
@@ -309,7 +190,7 @@ async fn unusable_x_retries_count_as_zero_and_are_rewritten_as_integers() {
         // Retry-queue semantics only: the sink-outage breaker must not hold the consumer.
         .set("BREAKER_FAILURES", "1000");
     env.declare();
-    install_fault(&env).await;
+    install_fault(&env, CountAttempts::Yes).await;
 
     // (label, x-retries sent, x-retries expected after the first failure, attempts in all)
     let cases: Vec<(&str, AMQPValue, Option<i64>, i64)> = vec![
@@ -334,13 +215,13 @@ async fn unusable_x_retries_count_as_zero_and_are_rewritten_as_integers() {
 
     // First failure: five in the retry queue, the spent one in the DLQ.
     wait_until("first failure routed", Duration::from_secs(20), || async {
-        ready(&env, &env.retry_queue).await == 5 && ready(&env, &env.dlq_queue).await == 1
+        env.ready(&env.retry_queue).await == 5 && env.ready(&env.dlq_queue).await == 1
     })
     .await;
-    let peeked = peek(&env, &env.retry_queue, 10).await;
+    let peeked = env.peek(&env.retry_queue, 10).await;
     assert_eq!(peeked.len(), 5, "log:\n{}", warren.logs());
     for m in &peeked {
-        let id: Uuid = message_id(m).parse().unwrap();
+        let id = message_uuid(m);
         let label = label_of[&id];
         let (_, _, expected, _) = cases.iter().find(|c| c.0 == label).unwrap();
         let p = &m.delivery.properties;
@@ -359,7 +240,7 @@ async fn unusable_x_retries_count_as_zero_and_are_rewritten_as_integers() {
 
     // From there on they count normally and end in the DLQ: no loop.
     wait_until("all in the DLQ", Duration::from_secs(40), || async {
-        ready(&env, &env.dlq_queue).await as usize == cases.len()
+        env.ready(&env.dlq_queue).await as usize == cases.len()
     })
     .await;
     assert!(warren.terminate(Duration::from_secs(25)).success());
@@ -373,7 +254,7 @@ async fn unusable_x_retries_count_as_zero_and_are_rewritten_as_integers() {
     let dead = env.drain_queue(&env.dlq_queue, 10).await;
     assert_eq!(dead.len(), cases.len());
     for m in &dead {
-        let id: Uuid = message_id(m).parse().unwrap();
+        let id = message_uuid(m);
         let label = label_of[&id];
         let p = &m.delivery.properties;
         assert_eq!(int_header(p, "x-retries"), Some(3), "{label}");

@@ -8,69 +8,11 @@ use std::time::{Duration, Instant};
 
 use common::*;
 use lapin::options::QueueDeleteOptions;
-use serde_json::Value;
 use uuid::Uuid;
 
 /// `close_all_connections` hits every connection on the broker (other tests' harness and warren
 /// connections included), so the tests of this file run one at a time.
 static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
-
-/// Prints the logs of warren processes when the test fails (their files go with them).
-struct LogsOnPanic(Vec<std::path::PathBuf>);
-
-impl Drop for LogsOnPanic {
-    fn drop(&mut self) {
-        if std::thread::panicking() {
-            for log in &self.0 {
-                let text = std::fs::read_to_string(log).unwrap_or_default();
-                eprintln!("---- warren log {}:\n{text}", log.display());
-            }
-        }
-    }
-}
-
-/// Runs `rabbitmqctl -q args...`: (success, stdout and stderr).
-async fn try_rabbitmqctl(args: &[&str]) -> (bool, String) {
-    let out = tokio::process::Command::new("rabbitmqctl")
-        .arg("-q")
-        .args(args)
-        .output()
-        .await
-        .expect("run rabbitmqctl");
-    let text = String::from_utf8_lossy(&out.stdout).into_owned();
-    if out.status.success() {
-        (true, text)
-    } else {
-        (
-            false,
-            format!("{text}{}", String::from_utf8_lossy(&out.stderr)),
-        )
-    }
-}
-
-/// Runs `rabbitmqctl -q args...`, which must succeed; returns its stdout.
-async fn rabbitmqctl(args: &[&str]) -> String {
-    let (ok, text) = try_rabbitmqctl(args).await;
-    assert!(ok, "rabbitmqctl {args:?} failed: {text}");
-    text
-}
-
-/// A read-only `rabbitmqctl list_*` command with the JSON formatter, one object per row. Tried
-/// up to three times: the CLI itself can time out on a busy node.
-async fn rabbitmqctl_rows(args: &[&str]) -> Vec<Value> {
-    let mut full = args.to_vec();
-    full.extend(["--formatter", "json"]);
-    let mut attempts = 0;
-    loop {
-        attempts += 1;
-        let (ok, text) = try_rabbitmqctl(&full).await;
-        if ok && let Ok(rows) = serde_json::from_str(&text) {
-            return rows;
-        }
-        assert!(attempts < 3, "rabbitmqctl {args:?} failed: {text}");
-        tokio::time::sleep(Duration::from_millis(500)).await;
-    }
-}
 
 /// One consumer of a queue, as the broker sees it.
 #[derive(Debug, Clone, PartialEq)]
@@ -144,13 +86,7 @@ async fn wait_new_consumer(queue: &str, old: Option<&str>, timeout: Duration) ->
 /// Waits for every published id to be a row, then checks that nothing else is and the queue
 /// holds nothing, ready or unacknowledged.
 async fn assert_all_once(env: &TestEnv, expected: &HashSet<Uuid>, warren: &Warren) {
-    let n = expected.len() as i64;
-    wait_until(&format!("{n} rows"), Duration::from_secs(120), || async {
-        env.count_rows().await >= n
-    })
-    .await;
-    assert_eq!(env.count_rows().await, n, "log:\n{}", warren.logs());
-    assert!(env.row_ids().await == *expected, "the ids differ");
+    assert_rows_exactly(env, expected, Duration::from_secs(120), &|| warren.logs()).await;
     wait_until(
         "main queue empty and all acked",
         Duration::from_secs(30),

@@ -215,12 +215,7 @@ async fn publish_with_invalid_messages_sends_them_to_the_dlq() {
     )
     .await;
     assert_eq!(env.count_rows().await, 495, "log:\n{}", warren.logs());
-    assert_eq!(
-        warren.terminate(Duration::from_secs(30)).code(),
-        Some(0),
-        "log:\n{}",
-        warren.logs()
-    );
+    warren.terminate_ok(Duration::from_secs(30));
 
     let dead = env.drain_queue(&env.dlq_queue, 10).await;
     assert_eq!(dead.len(), 5);
@@ -324,10 +319,5 @@ async fn publish_stdin_sends_json_lines_and_names_the_bad_one() {
         .get(0);
     assert_eq!(email, format!("{}@example.com", ids[1]));
     assert_queue_empty(&env, &env.dlq_queue).await;
-    assert_eq!(
-        warren.terminate(Duration::from_secs(30)).code(),
-        Some(0),
-        "log:\n{}",
-        warren.logs()
-    );
+    warren.terminate_ok(Duration::from_secs(30));
 }

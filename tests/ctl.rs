@@ -5,63 +5,10 @@
 
 mod common;
 
-use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
 use common::*;
 use serde_json::Value;
-
-/// The host name as warren records it.
-fn host() -> String {
-    std::fs::read_to_string("/proc/sys/kernel/hostname")
-        .map(|s| s.trim().to_string())
-        .ok()
-        .filter(|s| !s.is_empty())
-        .or_else(|| std::env::var("HOSTNAME").ok())
-        .unwrap_or_else(|| "localhost".into())
-}
-
-/// Every key under a test's prefix, deleted when dropped (also when the test panics).
-struct RedisCleanup {
-    prefix: String,
-}
-
-impl Drop for RedisCleanup {
-    fn drop(&mut self) {
-        let Ok(client) = redis::Client::open(redis_url()) else {
-            return;
-        };
-        let Ok(mut conn) = client.get_connection_with_timeout(Duration::from_secs(2)) else {
-            return;
-        };
-        let keys: Vec<String> = redis::cmd("KEYS")
-            .arg(format!("{}:*", self.prefix))
-            .query(&mut conn)
-            .unwrap_or_default();
-        if !keys.is_empty() {
-            let _: redis::RedisResult<i64> = redis::cmd("DEL").arg(&keys).query(&mut conn);
-        }
-    }
-}
-
-/// One command on the test Redis.
-async fn redis_query<T: redis::FromRedisValue>(cmd: &redis::Cmd) -> T {
-    let client = redis::Client::open(redis_url()).expect("REDIS_URL");
-    let mut conn = client
-        .get_multiplexed_async_connection()
-        .await
-        .unwrap_or_else(|e| panic!("cannot reach Redis at {}: {e}", redis_url()));
-    cmd.query_async(&mut conn).await.expect("redis command")
-}
-
-fn instance_key(env: &TestEnv, pid: i32) -> String {
-    format!("{}:instances:{}:{pid}", env.id, host())
-}
-
-/// The instance hash of `pid` (empty when absent).
-async fn instance(env: &TestEnv, pid: i32) -> HashMap<String, String> {
-    redis_query(redis::cmd("HGETALL").arg(instance_key(env, pid))).await
-}
 
 /// Waits until the hash of `pid` has `field` = `value`.
 async fn wait_field(env: &TestEnv, pid: i32, field: &str, value: &str) {
@@ -73,39 +20,11 @@ async fn wait_field(env: &TestEnv, pid: i32, field: &str, value: &str) {
     .await;
 }
 
-/// The shutdown records of the deployment, oldest first.
-async fn shutdowns(env: &TestEnv) -> Vec<Value> {
-    let raw: Vec<String> = redis_query(
-        redis::cmd("ZRANGE")
-            .arg(format!("{}:shutdowns", env.id))
-            .arg(0)
-            .arg(-1),
-    )
-    .await;
-    raw.iter()
-        .map(|r| serde_json::from_str(r).unwrap_or_else(|e| panic!("record {r:?}: {e}")))
-        .collect()
-}
-
-/// A `warren` subcommand run off the async threads: (exit code, stdout, stderr).
-async fn warren_cmd(env: &TestEnv, args: &[&str]) -> (i32, String, String) {
-    let mut cmd = env.command(args);
-    let out = tokio::task::spawn_blocking(move || cmd.output())
-        .await
-        .expect("join")
-        .expect("run warren");
-    (
-        out.status.code().unwrap_or(-1),
-        String::from_utf8_lossy(&out.stdout).into_owned(),
-        String::from_utf8_lossy(&out.stderr).into_owned(),
-    )
-}
-
 /// `warren ctl ARGS`, which must succeed with one `executed` line per pid in `pids`.
 async fn ctl_ok(env: &TestEnv, args: &[&str], pids: &[i32]) {
     let mut full = vec!["ctl"];
     full.extend_from_slice(args);
-    let (code, out, err) = warren_cmd(env, &full).await;
+    let (code, out, err) = env.run_async(&full).await;
     assert_eq!(code, 0, "warren {full:?}:\n{out}\n{err}");
     let command = args[0];
     for pid in pids {
@@ -129,7 +48,7 @@ async fn ctl_ok(env: &TestEnv, args: &[&str], pids: &[i32]) {
 /// JSON entry.
 async fn assert_in_history(env: &TestEnv, command: &str, pid: i32, outcome: &str) -> Value {
     let me = format!("{}:{pid}", host());
-    let (code, out, err) = warren_cmd(env, &["ctl", "history"]).await;
+    let (code, out, err) = env.run_async(&["ctl", "history"]).await;
     assert_eq!(code, 0, "warren ctl history:\n{out}\n{err}");
     // WHEN is two words (date, time), then INSTANCE COMMAND OUTCOME [DETAIL].
     assert!(
@@ -139,7 +58,7 @@ async fn assert_in_history(env: &TestEnv, command: &str, pid: i32, outcome: &str
         }),
         "no {command} {outcome} for {me} in the history:\n{out}"
     );
-    let (code, out, err) = warren_cmd(env, &["ctl", "history", "--json"]).await;
+    let (code, out, err) = env.run_async(&["ctl", "history", "--json"]).await;
     assert_eq!(code, 0, "warren ctl history --json:\n{out}\n{err}");
     let entries: Vec<Value> = out
         .lines()
@@ -164,62 +83,8 @@ async fn env_for(test: &str) -> (TestEnv, RedisCleanup) {
     let mut env = TestEnv::new(test).await;
     env.set("REGISTRY_HEARTBEAT_MS", "300");
     env.declare();
-    let cleanup = RedisCleanup {
-        prefix: env.id.clone(),
-    };
+    let cleanup = RedisCleanup::new(&env);
     (env, cleanup)
-}
-
-/// A transaction holding a lock that blocks INSERT into `users` (not SELECT), so a command can
-/// land while batches are in flight; released by `ROLLBACK`.
-struct InsertLock {
-    client: tokio_postgres::Client,
-}
-
-impl InsertLock {
-    /// Takes the lock and waits until one of warren's batch inserts is blocked by it.
-    async fn take(env: &TestEnv) -> Self {
-        let (client, connection) = tokio_postgres::connect(&database_url(), tokio_postgres::NoTls)
-            .await
-            .expect("connect");
-        tokio::spawn(connection);
-        client
-            .batch_execute(&format!(
-                "SET search_path TO {}; BEGIN; LOCK TABLE users IN SHARE MODE",
-                env.schema
-            ))
-            .await
-            .expect("lock users");
-        InsertLock { client }
-    }
-
-    async fn wait_for_a_blocked_insert(&self, env: &TestEnv) {
-        let pid: i32 = self
-            .client
-            .query_one("SELECT pg_backend_pid()", &[])
-            .await
-            .unwrap()
-            .get(0);
-        wait_until(
-            "a warren INSERT blocked by the lock",
-            Duration::from_secs(30),
-            || async {
-                env.db
-                    .query_one(
-                        "SELECT count(*) FROM pg_stat_activity WHERE $1 = ANY(pg_blocking_pids(pid))",
-                        &[&pid],
-                    )
-                    .await
-                    .map(|r| r.get::<_, i64>(0) > 0)
-                    .unwrap_or(false)
-            },
-        )
-        .await;
-    }
-
-    async fn release(self) {
-        self.client.batch_execute("ROLLBACK").await.expect("unlock");
-    }
 }
 
 #[tokio::test(flavor = "multi_thread")]
@@ -272,7 +137,7 @@ async fn pause_holds_deliveries_and_resume_drains_them() {
     assert_in_history(&env, "pause", pid, "executed").await;
     assert_in_history(&env, "resume", pid, "executed").await;
     // Newest first.
-    let (_, out, _) = warren_cmd(&env, &["ctl", "history", "--json"]).await;
+    let (_, out, _) = env.run_async(&["ctl", "history", "--json"]).await;
     let commands: Vec<String> = out
         .lines()
         .map(|l| serde_json::from_str::<Value>(l).unwrap()["command"].to_string())
@@ -346,7 +211,7 @@ async fn scale_changes_the_number_of_processors() {
 
     let entry = assert_in_history(&env, "scale", pid, "executed").await;
     assert_eq!(entry["processors"], 1, "the newest scale: {entry}");
-    let (_, out, _) = warren_cmd(&env, &["ctl", "history"]).await;
+    let (_, out, _) = env.run_async(&["ctl", "history"]).await;
     assert!(out.contains("processors=3"), "{out}");
     assert!(out.contains("processors=1"), "{out}");
 
@@ -402,7 +267,7 @@ async fn drain_exits_zero_with_nothing_lost() {
         "{rows} rows + {ready} ready; log:\n{}",
         warren.logs()
     );
-    let exists: i64 = redis_query(redis::cmd("EXISTS").arg(instance_key(&env, pid))).await;
+    let exists: i64 = redis_query(&env, redis::cmd("EXISTS").arg(instance_key(&env, pid))).await;
     assert_eq!(exists, 0, "the instance hash outlived the drain");
     let records = shutdowns(&env).await;
     assert_eq!(records.len(), 1, "{records:?}");
@@ -435,7 +300,9 @@ async fn bad_targets_and_failed_commands_are_refused_clearly() {
     wait_field(&env, pid, "status", "running").await;
 
     // No instance on that host.
-    let (code, out, err) = warren_cmd(&env, &["ctl", "pause", "--host", "nonexistent"]).await;
+    let (code, out, err) = env
+        .run_async(&["ctl", "pause", "--host", "nonexistent"])
+        .await;
     assert_eq!(code, 1, "{out}\n{err}");
     assert!(
         err.contains("no live instance") && err.contains("nonexistent"),
@@ -452,22 +319,22 @@ async fn bad_targets_and_failed_commands_are_refused_clearly() {
         &["ctl", "scale", "--processors", "0", "--all"],
         &["ctl", "scale", "--processors", "257", "--all"],
     ] {
-        let (code, out, err) = warren_cmd(&env, args).await;
+        let (code, out, err) = env.run_async(args).await;
         assert_eq!(code, 2, "warren {args:?}:\n{out}\n{err}");
         assert!(out.is_empty(), "warren {args:?} printed:\n{out}");
     }
-    let (_, _, err) = warren_cmd(&env, &["ctl", "pause"]).await;
+    let (_, _, err) = env.run_async(&["ctl", "pause"]).await;
     assert!(
         err.contains("--host") && err.contains("--all"),
         "clap's message should name the choices:\n{err}"
     );
     // Nothing refused reached an instance.
-    let (code, out, _) = warren_cmd(&env, &["ctl", "history", "--json"]).await;
+    let (code, out, _) = env.run_async(&["ctl", "history", "--json"]).await;
     assert_eq!(code, 0);
     assert_eq!(out.trim(), "", "refused commands must not be recorded");
 
     // A command the instance cannot apply: exit 1, the reason, recorded as failed.
-    let (code, out, err) = warren_cmd(&env, &["ctl", "pause", "--all"]).await;
+    let (code, out, err) = env.run_async(&["ctl", "pause", "--all"]).await;
     assert_eq!(code, 1, "{out}\n{err}");
     assert!(
         out.contains(&format!("{}:{pid}", host())) && out.contains("no consumer"),
@@ -533,7 +400,8 @@ async fn all_reaches_every_instance() {
                 .any(|r| r["pid"] == pid && r["reason"] == "drain"),
             "no drain record for {pid}: {records:?}"
         );
-        let exists: i64 = redis_query(redis::cmd("EXISTS").arg(instance_key(&env, pid))).await;
+        let exists: i64 =
+            redis_query(&env, redis::cmd("EXISTS").arg(instance_key(&env, pid))).await;
         assert_eq!(exists, 0);
         for command in ["pause", "scale", "resume", "drain"] {
             assert_in_history(&env, command, pid, "executed").await;
@@ -563,7 +431,7 @@ async fn a_command_to_a_stopping_instance_fails_and_it_still_deregisters() {
 
     // A command that arrives now cannot be applied: it is answered as failed, promptly.
     let asked = Instant::now();
-    let (code, out, err) = warren_cmd(&env, &["ctl", "pause", "--all"]).await;
+    let (code, out, err) = env.run_async(&["ctl", "pause", "--all"]).await;
     let took = asked.elapsed();
     assert_eq!(code, 1, "{out}\n{err}");
     assert!(
@@ -577,7 +445,7 @@ async fn a_command_to_a_stopping_instance_fails_and_it_still_deregisters() {
     lock.release().await;
     let status = warren.wait(Duration::from_secs(30));
     assert!(status.success(), "exit {status:?}; log:\n{}", warren.logs());
-    let exists: i64 = redis_query(redis::cmd("EXISTS").arg(instance_key(&env, pid))).await;
+    let exists: i64 = redis_query(&env, redis::cmd("EXISTS").arg(instance_key(&env, pid))).await;
     assert_eq!(exists, 0, "the instance hash outlived the process");
     let records = shutdowns(&env).await;
     assert_eq!(records.len(), 1, "no shutdown record: {records:?}");

@@ -14,20 +14,6 @@ use tokio::sync::watch;
 use tokio_postgres::NoTls;
 use uuid::Uuid;
 
-/// Prints the logs of warren processes when the test fails (their files go with them).
-struct LogsOnPanic(Vec<std::path::PathBuf>);
-
-impl Drop for LogsOnPanic {
-    fn drop(&mut self) {
-        if std::thread::panicking() {
-            for log in &self.0 {
-                let text = std::fs::read_to_string(log).unwrap_or_default();
-                eprintln!("---- warren log {}:\n{text}", log.display());
-            }
-        }
-    }
-}
-
 /// A superuser connection, for `pg_terminate_backend` (`WARREN_TEST_PG_SUPERUSER_URL`).
 fn superuser_url() -> String {
     std::env::var("WARREN_TEST_PG_SUPERUSER_URL")
@@ -195,13 +181,7 @@ async fn backends_terminated_by_the_server_lose_nothing() {
         );
     }
 
-    let n = total as i64;
-    wait_until(&format!("{n} rows"), Duration::from_secs(120), || async {
-        env.count_rows().await >= n
-    })
-    .await;
-    assert_eq!(env.count_rows().await, n, "log:\n{}", warren.logs());
-    assert!(env.row_ids().await == expected, "the ids differ");
+    assert_rows_exactly(&env, &expected, Duration::from_secs(120), &|| warren.logs()).await;
     wait_until("main queue empty", Duration::from_secs(30), || async {
         env.queue_state(&env.main_queue).await.0 == 0
     })
@@ -209,7 +189,7 @@ async fn backends_terminated_by_the_server_lose_nothing() {
     assert!(warren.terminate(Duration::from_secs(25)).success());
     assert_eq!(env.queue_state(&env.main_queue).await, (0, 0));
     assert_eq!(env.queue_state(&env.dlq_queue).await.0, 0, "DLQ not empty");
-    assert_eq!(env.count_rows().await, n);
+    assert_eq!(env.count_rows().await, total as i64);
 }
 
 /// Publishes `n` users every `every` until `duration` is over; returns their ids and the highest
@@ -295,15 +275,8 @@ async fn a_60_s_database_outage_holds_messages_in_the_queue_and_loses_none() {
         warren.logs()
     );
 
-    let n = expected.len() as i64;
-    wait_until(
-        "every row after the database came back",
-        Duration::from_secs(90),
-        || async { env.count_rows().await >= n },
-    )
-    .await;
-    assert_eq!(env.count_rows().await, n, "log:\n{}", warren.logs());
-    assert!(env.row_ids().await == expected, "the ids differ");
+    // Every row after the database came back.
+    assert_rows_exactly(&env, &expected, Duration::from_secs(90), &|| warren.logs()).await;
     wait_until("main queue empty", Duration::from_secs(30), || async {
         env.queue_state(&env.main_queue).await.0 == 0
     })

@@ -13,27 +13,6 @@ use lapin::types::{AMQPValue, FieldTable};
 use lapin::{BasicProperties, ExchangeKind};
 use serde_json::{Value, json};
 
-/// `rabbitmqctl <args> --formatter json`, parsed.
-async fn rabbitmqctl(args: &[&str]) -> Vec<Value> {
-    let out = tokio::process::Command::new("rabbitmqctl")
-        .args(args)
-        .args(["--formatter", "json", "--quiet"])
-        .output()
-        .await
-        .expect("run rabbitmqctl");
-    assert!(
-        out.status.success(),
-        "rabbitmqctl {args:?} failed: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let text = String::from_utf8_lossy(&out.stdout);
-    // `--quiet` still prints nothing but the JSON array; be lenient about leading noise.
-    let start = text
-        .find('[')
-        .unwrap_or_else(|| panic!("no JSON in {text}"));
-    serde_json::from_str(&text[start..]).unwrap_or_else(|e| panic!("{e}: {text}"))
-}
-
 /// The broker's view of one queue: durable flag and arguments (name -> value).
 #[derive(Debug, Clone, PartialEq)]
 struct QueueInfo {
@@ -43,7 +22,7 @@ struct QueueInfo {
 
 /// Queues whose names start with this env's id.
 async fn queues(env: &TestEnv) -> BTreeMap<String, QueueInfo> {
-    rabbitmqctl(&["list_queues", "name", "durable", "arguments"])
+    rabbitmqctl_rows(&["list_queues", "name", "durable", "arguments"])
         .await
         .into_iter()
         .filter(|q| q["name"].as_str().is_some_and(|n| n.starts_with(&env.id)))
@@ -67,7 +46,7 @@ async fn queues(env: &TestEnv) -> BTreeMap<String, QueueInfo> {
 
 /// Exchanges of this env: name -> (type, durable, auto_delete).
 async fn exchanges(env: &TestEnv) -> BTreeMap<String, (String, bool, bool)> {
-    rabbitmqctl(&["list_exchanges", "name", "type", "durable", "auto_delete"])
+    rabbitmqctl_rows(&["list_exchanges", "name", "type", "durable", "auto_delete"])
         .await
         .into_iter()
         .filter(|e| e["name"].as_str().is_some_and(|n| n.starts_with(&env.id)))
@@ -86,7 +65,7 @@ async fn exchanges(env: &TestEnv) -> BTreeMap<String, (String, bool, bool)> {
 
 /// Bindings whose source is one of this env's exchanges: (source, destination, routing key).
 async fn bindings(env: &TestEnv) -> Vec<(String, String, String)> {
-    let mut out: Vec<_> = rabbitmqctl(&[
+    let mut out: Vec<_> = rabbitmqctl_rows(&[
         "list_bindings",
         "source_name",
         "destination_name",
@@ -111,47 +90,6 @@ async fn bindings(env: &TestEnv) -> Vec<(String, String, String)> {
     .collect();
     out.sort();
     out
-}
-
-/// Whether `queue` exists (passive declare on a channel of its own).
-async fn queue_exists(env: &TestEnv, queue: &str) -> bool {
-    let ch = env.conn.create_channel().await.expect("channel");
-    let found = ch
-        .queue_declare(
-            queue.into(),
-            QueueDeclareOptions {
-                passive: true,
-                ..Default::default()
-            },
-            FieldTable::default(),
-        )
-        .await
-        .is_ok();
-    if found {
-        let _ = ch.close(200, "ok".into()).await;
-    }
-    found
-}
-
-/// Whether `exchange` exists (passive declare on a channel of its own).
-async fn exchange_exists(env: &TestEnv, exchange: &str) -> bool {
-    let ch = env.conn.create_channel().await.expect("channel");
-    let found = ch
-        .exchange_declare(
-            exchange.into(),
-            ExchangeKind::Direct,
-            lapin::options::ExchangeDeclareOptions {
-                passive: true,
-                ..Default::default()
-            },
-            FieldTable::default(),
-        )
-        .await
-        .is_ok();
-    if found {
-        let _ = ch.close(200, "ok".into()).await;
-    }
-    found
 }
 
 /// The line of `stdout` that mentions `object` (for example `queue NAME (`).
@@ -557,11 +495,11 @@ async fn dry_run_prints_the_plan_and_creates_nothing() {
     assert!(!out.contains("created"), "{out}");
 
     for q in [&env.main_queue, &env.retry_queue, &env.dlq_queue] {
-        assert!(!queue_exists(&env, q).await, "dry run created queue {q}");
+        assert!(!env.queue_exists(q).await, "dry run created queue {q}");
     }
     for e in [&env.main_exchange, &env.retry_exchange, &env.dlx_exchange] {
         assert!(
-            !exchange_exists(&env, e).await,
+            !env.exchange_exists(e).await,
             "dry run created exchange {e}"
         );
     }

@@ -10,82 +10,11 @@ use std::time::Duration;
 
 use common::*;
 use lapin::BasicProperties;
-use lapin::types::AMQPValue;
 use uuid::Uuid;
 
-// ---- fault injection and probes (this file's own copy; tests/common is shared and fixed) ----
+// ---- this file's probes ---------------------------------------------------------------------
 
-/// Installs the failing triggers in the test schema (the fault starts active): a BEFORE INSERT
-/// row trigger counts every insert attempt per id in a sequence of its own (`nextval` survives
-/// the rollback), an AFTER INSERT statement trigger raises SQLSTATE 40001 while the flag is set.
-async fn install_fault(env: &TestEnv) {
-    let s = &env.schema;
-    env.db
-        .batch_execute(&format!(
-            r#"
-            CREATE TABLE {s}.fault_flag (active boolean NOT NULL);
-            INSERT INTO {s}.fault_flag VALUES (true);
-            CREATE FUNCTION {s}.count_attempt() RETURNS trigger LANGUAGE plpgsql AS $f$
-            DECLARE
-                counter regclass := to_regclass(format('%I.%I', TG_TABLE_SCHEMA,
-                    'attempts_' || replace(NEW.id::text, '-', '')));
-            BEGIN
-                IF counter IS NOT NULL THEN
-                    PERFORM nextval(counter);
-                END IF;
-                RETURN NEW;
-            END $f$;
-            CREATE FUNCTION {s}.fail_while_flagged() RETURNS trigger LANGUAGE plpgsql AS $f$
-            BEGIN
-                IF (SELECT active FROM {s}.fault_flag) THEN
-                    RAISE EXCEPTION 'injected transient failure'
-                        USING ERRCODE = 'serialization_failure';
-                END IF;
-                RETURN NULL;
-            END $f$;
-            CREATE TRIGGER users_count_attempts BEFORE INSERT ON {s}.users
-                FOR EACH ROW EXECUTE FUNCTION {s}.count_attempt();
-            CREATE TRIGGER users_fail_while_flagged AFTER INSERT ON {s}.users
-                FOR EACH STATEMENT EXECUTE FUNCTION {s}.fail_while_flagged();
-            "#
-        ))
-        .await
-        .expect("install the fault triggers");
-}
-
-async fn clear_fault(env: &TestEnv) {
-    env.db
-        .execute(
-            &format!("UPDATE {}.fault_flag SET active = false", env.schema),
-            &[],
-        )
-        .await
-        .expect("clear the fault");
-}
-
-async fn track_attempts(env: &TestEnv, ids: &[Uuid]) {
-    let sql: String = ids
-        .iter()
-        .map(|id| format!("CREATE SEQUENCE {}.attempts_{};", env.schema, id.simple()))
-        .collect();
-    env.db.batch_execute(&sql).await.expect("attempt counters");
-}
-
-async fn attempts(env: &TestEnv, id: Uuid) -> i64 {
-    env.db
-        .query_one(
-            &format!(
-                "SELECT CASE WHEN is_called THEN last_value ELSE 0 END FROM {}.attempts_{}",
-                env.schema,
-                id.simple()
-            ),
-            &[],
-        )
-        .await
-        .expect("read attempt counter")
-        .get(0)
-}
-
+/// Rows in `dead_letters`; -1 while the table cannot be read.
 async fn parked_count(env: &TestEnv) -> i64 {
     env.db
         .query_one("SELECT count(*) FROM dead_letters", &[])
@@ -96,22 +25,43 @@ async fn parked_count(env: &TestEnv) -> i64 {
 
 /// Properties of a message the main pipeline dead-lettered.
 fn dead_lettered(message_id: &str, kind: &str, retries: i64) -> BasicProperties {
-    let props = BasicProperties::default()
-        .with_content_type("application/json".into())
-        .with_message_id(message_id.into());
-    let props = with_header(props, "x-retries", AMQPValue::LongLongInt(retries));
-    let props = with_header(props, "x-error-kind", long_string(kind));
-    with_header(
-        props,
-        "x-error-reason",
-        long_string("set by the main pipeline"),
-    )
+    dead_letter_props(message_id, kind, retries, "set by the main pipeline")
 }
 
-/// Publishes into the DLQ the way the main pipeline does: through the DLX with the DLQ's key.
-async fn publish_to_dlq(env: &TestEnv, body: &[u8], props: BasicProperties) {
-    env.publish_to(&env.dlx_exchange, &env.dlq_queue, body, props)
-        .await;
+/// Puts a valid user in the DLQ as the main pipeline leaves it once its retries are spent.
+async fn publish_exhausted_user(env: &TestEnv, id: Uuid) {
+    env.publish_to_dlq(
+        &user_body(id),
+        dead_lettered(&id.to_string(), "retries_exhausted", 3),
+    )
+    .await;
+}
+
+/// Stops `warren` cleanly and checks that it settled everything it took: the DLQ is empty with
+/// no consumer (acked, not merely held: nothing came back when warren closed its channel), and
+/// nothing went to the main or the retry queue.
+async fn stop_with_everything_acked(env: &TestEnv, warren: &mut Warren) {
+    assert!(warren.terminate(Duration::from_secs(25)).success());
+    assert_eq!(
+        env.queue_state(&env.dlq_queue).await,
+        (0, 0),
+        "log:\n{}",
+        warren.logs()
+    );
+    assert_queue_empty(env, &env.main_queue).await;
+    assert_queue_empty(env, &env.retry_queue).await;
+}
+
+/// Waits until `id` is a row and the DLQ is empty.
+async fn wait_inserted_and_dlq_empty(env: &TestEnv, id: Uuid) {
+    wait_until("the row", Duration::from_secs(30), || async {
+        env.row_ids().await.contains(&id)
+    })
+    .await;
+    wait_until("the DLQ empty", Duration::from_secs(10), || async {
+        env.queue_state(&env.dlq_queue).await.0 == 0
+    })
+    .await;
 }
 
 /// The `delay_ms` of every "requeueing the DLQ batch after a backoff" line of a JSON log.
@@ -131,7 +81,7 @@ fn requeue_delays(log: &str) -> Vec<u64> {
         .collect()
 }
 
-// ---- tests -------------------------------------------------------------------------------------
+// ---- tests ----------------------------------------------------------------------------------
 
 /// A valid user in the DLQ is inserted and acked; nothing is parked or republished.
 #[tokio::test(flavor = "multi_thread")]
@@ -139,35 +89,14 @@ async fn a_valid_dlq_message_is_inserted_and_acked() {
     let env = TestEnv::new("dlq_valid").await;
     env.declare();
     let id = Uuid::new_v4();
-    publish_to_dlq(
-        &env,
-        &user_body(id),
-        dead_lettered(&id.to_string(), "retries_exhausted", 3),
-    )
-    .await;
+    publish_exhausted_user(&env, id).await;
     assert_eq!(env.queue_state(&env.dlq_queue).await.0, 1);
 
     let mut warren = env.start(&["--roles", "dlq"]);
-    wait_until("the row", Duration::from_secs(30), || async {
-        env.row_ids().await.contains(&id)
-    })
-    .await;
-    wait_until("the DLQ empty", Duration::from_secs(10), || async {
-        env.queue_state(&env.dlq_queue).await.0 == 0
-    })
-    .await;
-    assert!(warren.terminate(Duration::from_secs(25)).success());
-    // Acked, not merely held: nothing came back when warren closed its channel.
-    assert_eq!(
-        env.queue_state(&env.dlq_queue).await,
-        (0, 0),
-        "log:\n{}",
-        warren.logs()
-    );
+    wait_inserted_and_dlq_empty(&env, id).await;
+    stop_with_everything_acked(&env, &mut warren).await;
     assert_eq!(env.count_rows().await, 1);
     assert_eq!(parked_count(&env).await, 0);
-    assert_queue_empty(&env, &env.main_queue).await;
-    assert_queue_empty(&env, &env.retry_queue).await;
 }
 
 /// Messages that can never be inserted are parked with their exact body, their headers as
@@ -184,10 +113,11 @@ async fn invalid_and_permanently_refused_dlq_messages_are_parked() {
         "x-trace",
         long_string("abc-123"),
     );
-    publish_to_dlq(&env, &not_json, props).await;
+    env.publish_to_dlq(&not_json, props).await;
     // Binary garbage: the bytea must keep every byte.
     let binary = b"\x00\xff\xfe binary \x80\x00".to_vec();
-    publish_to_dlq(&env, &binary, dead_lettered("binary-1", "invalid_json", 0)).await;
+    env.publish_to_dlq(&binary, dead_lettered("binary-1", "invalid_json", 0))
+        .await;
     // A valid user whose email is taken by another row: refused permanently (23505).
     let taken = Uuid::new_v4();
     env.db
@@ -200,19 +130,10 @@ async fn invalid_and_permanently_refused_dlq_messages_are_parked() {
     let dup = Uuid::new_v4();
     let dup_body =
         format!(r#"{{"id":"{dup}","name":"dup","email":"{taken}@example.com"}}"#).into_bytes();
-    publish_to_dlq(
-        &env,
-        &dup_body,
-        dead_lettered("dup-1", "retries_exhausted", 3),
-    )
-    .await;
+    env.publish_to_dlq(&dup_body, dead_lettered("dup-1", "retries_exhausted", 3))
+        .await;
     let sentinel = Uuid::new_v4();
-    publish_to_dlq(
-        &env,
-        &user_body(sentinel),
-        dead_lettered(&sentinel.to_string(), "retries_exhausted", 3),
-    )
-    .await;
+    publish_exhausted_user(&env, sentinel).await;
 
     let mut warren = env.start(&["--roles", "dlq"]);
     wait_until(
@@ -221,15 +142,7 @@ async fn invalid_and_permanently_refused_dlq_messages_are_parked() {
         || async { parked_count(&env).await == 3 && env.row_ids().await.contains(&sentinel) },
     )
     .await;
-    assert!(warren.terminate(Duration::from_secs(25)).success());
-    assert_eq!(
-        env.queue_state(&env.dlq_queue).await,
-        (0, 0),
-        "log:\n{}",
-        warren.logs()
-    );
-    assert_queue_empty(&env, &env.main_queue).await;
-    assert_queue_empty(&env, &env.retry_queue).await;
+    stop_with_everything_acked(&env, &mut warren).await;
     assert_eq!(parked_count(&env).await, 3, "parked twice?");
     assert_eq!(env.count_rows().await, 2, "the owner and the sentinel");
 
@@ -280,15 +193,10 @@ async fn a_dlq_message_is_requeued_with_a_growing_backoff_while_the_database_fai
     let mut env = TestEnv::new("dlq_backoff").await;
     env.set("DB_RETRY_WINDOW_MS", "0").set("LOG_FORMAT", "json");
     env.declare();
-    install_fault(&env).await;
+    install_fault(&env, CountAttempts::Yes).await;
     let id = Uuid::new_v4();
     track_attempts(&env, &[id]).await;
-    publish_to_dlq(
-        &env,
-        &user_body(id),
-        dead_lettered(&id.to_string(), "retries_exhausted", 3),
-    )
-    .await;
+    publish_exhausted_user(&env, id).await;
 
     // Phase 1: five failures, each requeue delayed longer than the one before.
     let mut warren = env.start(&["--roles", "dlq"]);
@@ -333,18 +241,8 @@ async fn a_dlq_message_is_requeued_with_a_growing_backoff_while_the_database_fai
     })
     .await;
     clear_fault(&env).await;
-    wait_until("the row", Duration::from_secs(30), || async {
-        env.row_ids().await.contains(&id)
-    })
-    .await;
-    wait_until("the DLQ empty", Duration::from_secs(10), || async {
-        env.queue_state(&env.dlq_queue).await.0 == 0
-    })
-    .await;
-    assert!(warren.terminate(Duration::from_secs(25)).success());
-    assert_eq!(env.queue_state(&env.dlq_queue).await, (0, 0));
+    wait_inserted_and_dlq_empty(&env, id).await;
+    stop_with_everything_acked(&env, &mut warren).await;
     assert_eq!(parked_count(&env).await, 0);
     assert_eq!(env.count_rows().await, 1);
-    assert_queue_empty(&env, &env.main_queue).await;
-    assert_queue_empty(&env, &env.retry_queue).await;
 }

@@ -15,29 +15,21 @@ use uuid::Uuid;
 
 /// Properties of a dead letter as warren's router writes them.
 fn dead_props(id: Uuid, kind: &str, retries: i64) -> BasicProperties {
-    let p = with_header(json_props(id), "x-error-kind", long_string(kind));
-    let p = with_header(p, "x-error-reason", long_string(&format!("{kind}: test")));
-    with_header(p, "x-retries", AMQPValue::LongLongInt(retries))
-}
-
-/// Puts one message in the env's DLQ the way the pipeline does: through the DLX.
-async fn put_dead(env: &TestEnv, body: &[u8], props: BasicProperties) {
-    env.publish_to(&env.dlx_exchange, &env.dlq_queue, body, props)
-        .await;
+    dead_letter_props(&id.to_string(), kind, retries, &format!("{kind}: test"))
 }
 
 /// Puts a valid user in the DLQ as `kind` and returns its id.
 async fn put_dead_user(env: &TestEnv, kind: &str) -> Uuid {
     let id = Uuid::new_v4();
-    put_dead(env, &user_body(id), dead_props(id, kind, 3)).await;
+    env.publish_to_dlq(&user_body(id), dead_props(id, kind, 3))
+        .await;
     id
 }
 
 /// Puts a body that is not JSON in the DLQ as `invalid_json` and returns its id.
 async fn put_dead_garbage(env: &TestEnv) -> Uuid {
     let id = Uuid::new_v4();
-    put_dead(
-        env,
+    env.publish_to_dlq(
         format!("not json {id}").as_bytes(),
         dead_props(id, "invalid_json", 0),
     )
@@ -45,19 +37,17 @@ async fn put_dead_garbage(env: &TestEnv) -> Uuid {
     id
 }
 
-fn header(m: &lapin::message::BasicGetMessage, key: &str) -> Option<AMQPValue> {
-    m.properties
-        .headers()
-        .as_ref()
-        .and_then(|h| h.inner().get(key).cloned())
-}
-
-fn message_id(m: &lapin::message::BasicGetMessage) -> String {
-    m.properties
-        .message_id()
-        .as_ref()
-        .map(|s| s.as_str().to_string())
-        .unwrap_or_default()
+/// Unbinds the main queue from the main exchange: a replay to it is unroutable.
+async fn unbind_main_queue(env: &TestEnv) {
+    env.channel
+        .queue_unbind(
+            env.main_queue.as_str().into(),
+            env.main_exchange.as_str().into(),
+            env.main_queue.as_str().into(),
+            FieldTable::default(),
+        )
+        .await
+        .expect("unbind the main queue");
 }
 
 /// Runs `warren dlq ...` and asserts exit code `code`: (stdout, stderr).
@@ -69,6 +59,7 @@ fn dlq(env: &TestEnv, args: &[&str], code: i32) -> (String, String) {
     (out, err)
 }
 
+/// Waits until `queue` holds `n` ready messages.
 async fn wait_depth(env: &TestEnv, queue: &str, n: u32) {
     wait_until(
         &format!("{n} messages in {queue}"),
@@ -108,12 +99,7 @@ async fn replay_of_100_dead_letters_lets_the_pipeline_insert_them() {
     // x-retries was reset: nothing came back as retries_exhausted.
     assert_queue_empty(&env, &env.dlq_queue).await;
     assert_queue_empty(&env, &env.retry_queue).await;
-    assert_eq!(
-        warren.terminate(Duration::from_secs(30)).code(),
-        Some(0),
-        "log:\n{}",
-        warren.logs()
-    );
+    warren.terminate_ok(Duration::from_secs(30));
 }
 
 #[tokio::test(flavor = "multi_thread")]
@@ -127,8 +113,7 @@ async fn inspect_shows_the_dlq_and_leaves_it_unchanged() {
     let mut ids = Vec::new();
     // Two minutes old, with a timestamp.
     let old = Uuid::new_v4();
-    put_dead(
-        &env,
+    env.publish_to_dlq(
         &user_body(old),
         dead_props(old, "db_permanent", 0).with_timestamp(now - 125),
     )
@@ -223,8 +208,7 @@ async fn replay_of_one_kind_moves_only_those_with_clean_headers() {
     }
     // A traced header that must survive the replay.
     let traced = Uuid::new_v4();
-    put_dead(
-        &env,
+    env.publish_to_dlq(
         format!("not json {traced}").as_bytes(),
         with_header(
             dead_props(traced, "invalid_json", 2).with_timestamp(1_700_000_000),
@@ -251,9 +235,12 @@ async fn replay_of_one_kind_moves_only_those_with_clean_headers() {
         garbage
     );
     for m in &moved {
-        assert_eq!(header(m, "x-retries"), Some(AMQPValue::LongLongInt(0)));
-        assert_eq!(header(m, "x-error-kind"), None);
-        assert_eq!(header(m, "x-error-reason"), None);
+        assert_eq!(
+            header(&m.properties, "x-retries"),
+            Some(&AMQPValue::LongLongInt(0))
+        );
+        assert_eq!(header(&m.properties, "x-error-kind"), None);
+        assert_eq!(header(&m.properties, "x-error-reason"), None);
         let body = String::from_utf8_lossy(&m.data).into_owned();
         assert_eq!(body, format!("not json {}", message_id(m)));
         assert_eq!(*m.properties.delivery_mode(), Some(2));
@@ -262,7 +249,7 @@ async fn replay_of_one_kind_moves_only_those_with_clean_headers() {
             Some("application/json")
         );
         if message_id(m) == traced.to_string() {
-            assert_eq!(header(m, "trace"), Some(long_string("abc")));
+            assert_eq!(header(&m.properties, "trace"), Some(&long_string("abc")));
             assert_eq!(*m.properties.timestamp(), Some(1_700_000_000));
         }
     }
@@ -305,15 +292,7 @@ async fn a_replay_that_cannot_be_routed_leaves_the_dlq_intact_and_exits_1() {
         ids.insert(put_dead_user(&env, "retries_exhausted").await.to_string());
     }
     wait_depth(&env, &env.dlq_queue, 3).await;
-    env.channel
-        .queue_unbind(
-            env.main_queue.as_str().into(),
-            env.main_exchange.as_str().into(),
-            env.main_queue.as_str().into(),
-            FieldTable::default(),
-        )
-        .await
-        .expect("unbind the main queue");
+    unbind_main_queue(&env).await;
 
     let (out, err) = dlq(&env, &["replay"], 1);
     assert!(out.contains("replayed 0 messages"), "{out}");
@@ -326,10 +305,13 @@ async fn a_replay_that_cannot_be_routed_leaves_the_dlq_intact_and_exits_1() {
     // Still dead letters, headers untouched.
     for m in &left {
         assert_eq!(
-            header(m, "x-error-kind"),
-            Some(long_string("retries_exhausted"))
+            header(&m.properties, "x-error-kind"),
+            Some(&long_string("retries_exhausted"))
         );
-        assert_eq!(header(m, "x-retries"), Some(AMQPValue::LongLongInt(3)));
+        assert_eq!(
+            header(&m.properties, "x-retries"),
+            Some(&AMQPValue::LongLongInt(3))
+        );
     }
 }
 
@@ -473,17 +455,12 @@ async fn parked_rows_are_listed_and_replayed_into_rows() {
         "log:\n{}",
         warren.logs()
     );
-    assert_eq!(
-        warren.terminate(Duration::from_secs(30)).code(),
-        Some(0),
-        "log:\n{}",
-        warren.logs()
-    );
+    warren.terminate_ok(Duration::from_secs(30));
     let dead = env.drain_queue(&env.dlq_queue, 10).await;
     assert_eq!(message_id(&dead[0]), g.to_string());
     assert_eq!(
-        header(&dead[0], "x-error-kind"),
-        Some(long_string("invalid_json"))
+        header(&dead[0].properties, "x-error-kind"),
+        Some(&long_string("invalid_json"))
     );
 }
 
@@ -493,15 +470,7 @@ async fn a_parked_replay_that_cannot_be_routed_leaves_the_rows_untouched() {
     env.declare();
     let a = Uuid::new_v4();
     let seq = park(&env, Some(a), &user_body(a), "db_permanent").await;
-    env.channel
-        .queue_unbind(
-            env.main_queue.as_str().into(),
-            env.main_exchange.as_str().into(),
-            env.main_queue.as_str().into(),
-            FieldTable::default(),
-        )
-        .await
-        .expect("unbind the main queue");
+    unbind_main_queue(&env).await;
     let (out, err) = dlq(&env, &["parked", "replay"], 1);
     assert!(out.contains("replayed 0 parked messages"), "{out}");
     assert!(out.contains("failed 1"), "{out}");

@@ -8,71 +8,9 @@ use std::collections::HashSet;
 use std::time::Duration;
 
 use common::*;
-use lapin::BasicProperties;
-use lapin::message::BasicGetMessage;
-use lapin::options::BasicPublishOptions;
-use lapin::types::AMQPValue;
 use uuid::Uuid;
 
-/// The sum of the samples of metric `name` whose labels contain every `labels` item; 0 when the
-/// series does not exist. Panics if the endpoint does not answer.
-async fn metric(env: &TestEnv, name: &str, labels: &[&str]) -> f64 {
-    let url = format!("http://127.0.0.1:{}/metrics", env.metrics_port);
-    let text = tokio::task::spawn_blocking(move || {
-        ureq::get(&url)
-            .call()
-            .and_then(|mut r| r.body_mut().read_to_string())
-    })
-    .await
-    .expect("metrics task")
-    .expect("metrics endpoint");
-    text.lines()
-        .filter(|l| !l.starts_with('#'))
-        .filter(|l| {
-            l.strip_prefix(name)
-                .is_some_and(|rest| rest.starts_with('{') || rest.starts_with(' '))
-        })
-        .filter(|l| labels.iter().all(|x| l.contains(x)))
-        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-        .sum()
-}
-
-fn header<'a>(props: &'a BasicProperties, key: &str) -> Option<&'a AMQPValue> {
-    props.headers().as_ref()?.inner().get(key)
-}
-
-fn int_header(props: &BasicProperties, key: &str) -> Option<i64> {
-    match header(props, key)? {
-        AMQPValue::ShortShortInt(v) => Some(*v as i64),
-        AMQPValue::ShortShortUInt(v) => Some(*v as i64),
-        AMQPValue::ShortInt(v) => Some(*v as i64),
-        AMQPValue::ShortUInt(v) => Some(*v as i64),
-        AMQPValue::LongInt(v) => Some(*v as i64),
-        AMQPValue::LongUInt(v) => Some(*v as i64),
-        AMQPValue::LongLongInt(v) => Some(*v),
-        other => panic!("{key} is not an integer: {other:?}"),
-    }
-}
-
-fn text_header(props: &BasicProperties, key: &str) -> Option<String> {
-    match header(props, key)? {
-        AMQPValue::LongString(s) => Some(String::from_utf8_lossy(s.as_bytes()).into_owned()),
-        AMQPValue::ShortString(s) => Some(s.as_str().to_string()),
-        _ => None,
-    }
-}
-
-fn message_id(m: &BasicGetMessage) -> Uuid {
-    m.delivery
-        .properties
-        .message_id()
-        .as_ref()
-        .expect("message_id kept")
-        .as_str()
-        .parse()
-        .expect("a uuid message_id")
-}
-
+/// A user body with a chosen email.
 fn body(id: Uuid, email: &str) -> Vec<u8> {
     format!(r#"{{"id":"{id}","name":"user {id}","email":"{email}"}}"#).into_bytes()
 }
@@ -96,27 +34,12 @@ async fn duplicate_emails_in_a_batch_of_1000_are_isolated_and_dead_lettered() {
         emails[dup] = emails[orig].clone();
     }
     // Published (pipelined confirms) before warren starts, so they form one batch.
-    let mut confirms = Vec::with_capacity(N);
-    for (id, email) in ids.iter().zip(&emails) {
-        let confirm = env
-            .channel
-            .basic_publish(
-                env.main_exchange.as_str().into(),
-                env.main_queue.as_str().into(),
-                BasicPublishOptions {
-                    mandatory: true,
-                    ..Default::default()
-                },
-                &body(*id, email),
-                json_props(*id),
-            )
-            .await
-            .expect("publish");
-        confirms.push(confirm);
-    }
-    for c in confirms {
-        assert!(c.await.expect("confirm").is_ack());
-    }
+    env.publish_pipelined(
+        ids.iter()
+            .zip(&emails)
+            .map(|(id, email)| (body(*id, email), json_props(*id))),
+    )
+    .await;
     assert_eq!(env.queue_state(&env.main_queue).await.0 as usize, N);
 
     let mut warren = env.start(&["--roles", "consumer"]);
@@ -130,8 +53,8 @@ async fn duplicate_emails_in_a_batch_of_1000_are_isolated_and_dead_lettered() {
     .await;
 
     // One batch of 1,000 valid messages, no retry, 3 dead-lettered as db_permanent.
-    let batches = metric(&env, "warren_batch_size_count", &["pipeline=\"main\""]).await;
-    let batched = metric(&env, "warren_batch_size_sum", &["pipeline=\"main\""]).await;
+    let batches = metric(&env, "warren_batch_size_count", &[("pipeline", "main")]).await;
+    let batched = metric(&env, "warren_batch_size_sum", &[("pipeline", "main")]).await;
     assert_eq!(
         (batches, batched),
         (1.0, N as f64),
@@ -143,14 +66,14 @@ async fn duplicate_emails_in_a_batch_of_1000_are_isolated_and_dead_lettered() {
     let permanent = metric(
         &env,
         "warren_messages_dead_lettered_total",
-        &["kind=\"db_permanent\""],
+        &[("kind", "db_permanent")],
     )
     .await;
     assert_eq!(permanent, DUPLICATES.len() as f64);
     let inserted = metric(
         &env,
         "warren_messages_inserted_total",
-        &["pipeline=\"main\""],
+        &[("pipeline", "main")],
     )
     .await;
     assert_eq!(inserted, (N - DUPLICATES.len()) as f64);
@@ -170,7 +93,7 @@ async fn duplicate_emails_in_a_batch_of_1000_are_isolated_and_dead_lettered() {
 
     let dead = env.drain_queue(&env.dlq_queue, 10).await;
     assert_eq!(dead.len(), DUPLICATES.len());
-    let dead_ids: HashSet<Uuid> = dead.iter().map(message_id).collect();
+    let dead_ids: HashSet<Uuid> = dead.iter().map(message_uuid).collect();
     let rows = env.row_ids().await;
     for (dup, orig) in DUPLICATES {
         let (a, b) = (ids[dup], ids[orig]);
@@ -192,7 +115,7 @@ async fn duplicate_emails_in_a_batch_of_1000_are_isolated_and_dead_lettered() {
     let position = |id: Uuid| ids.iter().position(|x| *x == id).unwrap();
     for m in &dead {
         let p = &m.delivery.properties;
-        let id = message_id(m);
+        let id = message_uuid(m);
         assert_eq!(
             m.delivery.data,
             body(id, &emails[position(id)]),
@@ -210,7 +133,7 @@ async fn duplicate_emails_in_a_batch_of_1000_are_isolated_and_dead_lettered() {
             "x-error-reason {reason:?}"
         );
         assert_eq!(
-            int_header(p, "x-retries").unwrap_or(0),
+            strict_int_header(p, "x-retries").unwrap_or(0),
             0,
             "a retry was spent"
         );

@@ -9,31 +9,6 @@ use std::time::Duration;
 use common::*;
 use uuid::Uuid;
 
-/// Prints the logs of warren processes when the test fails (their files go with them).
-struct LogsOnPanic(Vec<std::path::PathBuf>);
-
-impl Drop for LogsOnPanic {
-    fn drop(&mut self) {
-        if std::thread::panicking() {
-            for log in &self.0 {
-                let text = std::fs::read_to_string(log).unwrap_or_default();
-                eprintln!("---- warren log {}:\n{text}", log.display());
-            }
-        }
-    }
-}
-
-/// Waits until every id of `expected` is a row and nothing else is.
-async fn assert_rows_exactly(env: &TestEnv, expected: &HashSet<Uuid>, logs: &dyn Fn() -> String) {
-    let n = expected.len() as i64;
-    wait_until(&format!("{n} rows"), Duration::from_secs(120), || async {
-        env.count_rows().await >= n
-    })
-    .await;
-    assert_eq!(env.count_rows().await, n, "logs:\n{}", logs());
-    assert!(env.row_ids().await == *expected, "the ids differ");
-}
-
 #[tokio::test(flavor = "multi_thread")]
 async fn kill_9_mid_run_then_restart_writes_every_row_once() {
     let env = TestEnv::new("kill9").await;
@@ -63,7 +38,7 @@ async fn kill_9_mid_run_then_restart_writes_every_row_once() {
 
     let mut second = env.start(&["--roles", "consumer"]);
     let _logs_second = LogsOnPanic(vec![second.log.clone()]);
-    assert_rows_exactly(&env, &expected, &|| second.logs()).await;
+    assert_rows_exactly(&env, &expected, Duration::from_secs(120), &|| second.logs()).await;
     wait_until("main queue empty", Duration::from_secs(30), || async {
         env.queue_state(&env.main_queue).await.0 == 0
     })
@@ -117,7 +92,7 @@ async fn one_of_three_consumers_killed_midway_loses_nothing() {
             .collect::<Vec<_>>()
             .join("\n----\n")
     };
-    assert_rows_exactly(&env, &expected, &logs).await;
+    assert_rows_exactly(&env, &expected, Duration::from_secs(120), &logs).await;
     wait_until("main queue empty", Duration::from_secs(30), || async {
         env.queue_state(&env.main_queue).await == (0, 2)
     })

@@ -13,119 +13,6 @@ use common::*;
 use lapin::BasicProperties;
 use serde_json::Value;
 
-/// The host name as warren records it.
-fn host() -> String {
-    std::fs::read_to_string("/proc/sys/kernel/hostname")
-        .map(|s| s.trim().to_string())
-        .ok()
-        .filter(|s| !s.is_empty())
-        .or_else(|| std::env::var("HOSTNAME").ok())
-        .unwrap_or_else(|| "localhost".into())
-}
-
-/// Every key under a test's prefix, deleted when dropped (also when the test panics).
-struct RedisCleanup {
-    url: String,
-    prefix: String,
-}
-
-impl Drop for RedisCleanup {
-    fn drop(&mut self) {
-        let Ok(client) = redis::Client::open(self.url.as_str()) else {
-            return;
-        };
-        let Ok(mut conn) = client.get_connection_with_timeout(Duration::from_secs(2)) else {
-            return;
-        };
-        let keys: Vec<String> = redis::cmd("KEYS")
-            .arg(format!("{}:*", self.prefix))
-            .query(&mut conn)
-            .unwrap_or_default();
-        if !keys.is_empty() {
-            let _: redis::RedisResult<i64> = redis::cmd("DEL").arg(&keys).query(&mut conn);
-        }
-    }
-}
-
-/// One Redis command on a fresh connection; `None` while that Redis is unreachable.
-async fn redis_query<T: redis::FromRedisValue>(url: &str, cmd: &redis::Cmd) -> Option<T> {
-    let client = redis::Client::open(url).ok()?;
-    let mut conn = tokio::time::timeout(
-        Duration::from_secs(2),
-        client.get_multiplexed_async_connection(),
-    )
-    .await
-    .ok()?
-    .ok()?;
-    tokio::time::timeout(Duration::from_secs(2), cmd.query_async(&mut conn))
-        .await
-        .ok()?
-        .ok()
-}
-
-/// The instance hash of `pid` (empty when absent or Redis is away).
-async fn instance(url: &str, prefix: &str, pid: i32) -> HashMap<String, String> {
-    let key = format!("{prefix}:instances:{}:{pid}", host());
-    redis_query(url, redis::cmd("HGETALL").arg(key))
-        .await
-        .unwrap_or_default()
-}
-
-/// The shutdown records under `prefix`, oldest first.
-async fn shutdowns(url: &str, prefix: &str) -> Vec<Value> {
-    let raw: Vec<String> = redis_query(
-        url,
-        redis::cmd("ZRANGE")
-            .arg(format!("{prefix}:shutdowns"))
-            .arg(0)
-            .arg(-1),
-    )
-    .await
-    .expect("read the shutdown records");
-    raw.iter()
-        .map(|r| serde_json::from_str(r).unwrap_or_else(|e| panic!("record {r:?}: {e}")))
-        .collect()
-}
-
-/// The value of the series `name` whose labels contain `label`; `None` when the series does not
-/// exist or the endpoint does not answer.
-async fn metric(env: &TestEnv, name: &str, label: &str) -> Option<f64> {
-    let url = format!("http://127.0.0.1:{}/metrics", env.metrics_port);
-    let text = tokio::task::spawn_blocking(move || {
-        ureq::get(&url)
-            .call()
-            .and_then(|mut r| r.body_mut().read_to_string())
-    })
-    .await
-    .ok()?
-    .ok()?;
-    let mut found = None;
-    for line in text.lines().filter(|l| !l.starts_with('#')) {
-        let Some(rest) = line.strip_prefix(name) else {
-            continue;
-        };
-        if (rest.starts_with('{') || rest.starts_with(' ')) && rest.contains(label) {
-            let v: f64 = rest.rsplit(' ').next()?.parse().ok()?;
-            found = Some(found.unwrap_or(0.0) + v);
-        }
-    }
-    found
-}
-
-/// A `warren` subcommand run off the async threads: (exit code, stdout, stderr).
-async fn warren_cmd(env: &TestEnv, args: &[&str]) -> (i32, String, String) {
-    let mut cmd = env.command(args);
-    let out = tokio::task::spawn_blocking(move || cmd.output())
-        .await
-        .expect("join")
-        .expect("run warren");
-    (
-        out.status.code().unwrap_or(-1),
-        String::from_utf8_lossy(&out.stdout).into_owned(),
-        String::from_utf8_lossy(&out.stderr).into_owned(),
-    )
-}
-
 /// A private `redis-server` on its own port, killed on drop.
 struct RedisServer {
     port: u16,
@@ -152,7 +39,7 @@ impl RedisServer {
             &format!("redis-server on port {port}"),
             Duration::from_secs(10),
             || async {
-                redis_query::<String>(&url, &redis::cmd("PING"))
+                try_redis_query::<String>(&url, &redis::cmd("PING"))
                     .await
                     .is_some()
             },
@@ -180,17 +67,15 @@ impl Drop for RedisServer {
     }
 }
 
-/// Waits until `pid` is registered with status `running`; returns the hash.
-async fn wait_registered(url: &str, prefix: &str, warren: &Warren) -> HashMap<String, String> {
+/// Waits until `warren` is registered with status `running`; returns the hash.
+async fn wait_registered(env: &TestEnv, warren: &Warren) -> HashMap<String, String> {
     wait_until(
         "the instance registered as running",
         Duration::from_secs(20),
-        || async {
-            instance(url, prefix, warren.pid()).await.get("status") == Some(&"running".into())
-        },
+        || async { instance(env, warren.pid()).await.get("status") == Some(&"running".into()) },
     )
     .await;
-    instance(url, prefix, warren.pid()).await
+    instance(env, warren.pid()).await
 }
 
 #[tokio::test(flavor = "multi_thread")]
@@ -199,19 +84,15 @@ async fn an_instance_registers_with_live_counters_and_leaves_a_shutdown_record()
     let mut env = TestEnv::new("reg_live").await;
     env.set("REGISTRY_HEARTBEAT_MS", "300")
         .set("USERS_PROC_CONCURRENCY", "3");
-    let (url, prefix) = (redis_url(), env.id.clone());
-    let _cleanup = RedisCleanup {
-        url: url.clone(),
-        prefix: prefix.clone(),
-    };
+    let _cleanup = RedisCleanup::new(&env);
     env.declare();
     let before = registry_now();
     let started = Instant::now();
     let mut warren = env.start(&["--roles", "consumer,dlq"]);
     let pid = warren.pid();
-    let key = format!("{prefix}:instances:{}:{pid}", host());
+    let key = instance_key(&env, pid);
 
-    let hash = wait_registered(&url, &prefix, &warren).await;
+    let hash = wait_registered(&env, &warren).await;
     let field = |k: &str| hash.get(k).cloned().unwrap_or_default();
     assert_eq!(field("host"), host(), "{hash:?}");
     assert_eq!(field("pid"), pid.to_string(), "{hash:?}");
@@ -236,9 +117,7 @@ async fn an_instance_registers_with_live_counters_and_leaves_a_shutdown_record()
             "{counter} before any message: {hash:?}"
         );
     }
-    let ttl: i64 = redis_query(&url, redis::cmd("TTL").arg(&key))
-        .await
-        .expect("TTL");
+    let ttl: i64 = redis_query(&env, redis::cmd("TTL").arg(&key)).await;
     assert!(ttl > 0 && ttl <= 30, "TTL {ttl}");
 
     // Live counters.
@@ -247,13 +126,13 @@ async fn an_instance_registers_with_live_counters_and_leaves_a_shutdown_record()
         "received and inserted reach N in the hash",
         Duration::from_secs(30),
         || async {
-            let h = instance(&url, &prefix, pid).await;
+            let h = instance(&env, pid).await;
             h.get("received") == Some(&N.to_string()) && h.get("inserted") == Some(&N.to_string())
         },
     )
     .await;
     assert_eq!(env.count_rows().await, N as i64);
-    let hash = instance(&url, &prefix, pid).await;
+    let hash = instance(&env, pid).await;
     assert_eq!(hash.get("status").map(String::as_str), Some("running"));
     assert_eq!(hash.get("retried").map(String::as_str), Some("0"));
     assert_eq!(hash.get("dead_lettered").map(String::as_str), Some("0"));
@@ -261,11 +140,9 @@ async fn an_instance_registers_with_live_counters_and_leaves_a_shutdown_record()
     // The heartbeat renews the TTL (without it, 2 s later it would be under 28 s) and the time.
     let first_beat: u64 = hash["last_heartbeat"].parse().expect("last_heartbeat");
     tokio::time::sleep(Duration::from_millis(2_200)).await;
-    let pttl: i64 = redis_query(&url, redis::cmd("PTTL").arg(&key))
-        .await
-        .expect("PTTL");
+    let pttl: i64 = redis_query(&env, redis::cmd("PTTL").arg(&key)).await;
     assert!(pttl > 28_500 && pttl <= 30_000, "PTTL {pttl} ms");
-    let hash = instance(&url, &prefix, pid).await;
+    let hash = instance(&env, pid).await;
     let last_beat: u64 = hash["last_heartbeat"].parse().expect("last_heartbeat");
     assert!(last_beat > first_beat, "last_heartbeat did not advance");
 
@@ -273,11 +150,9 @@ async fn an_instance_registers_with_live_counters_and_leaves_a_shutdown_record()
     let status = warren.terminate(Duration::from_secs(25));
     let elapsed = started.elapsed().as_secs();
     assert!(status.success(), "exit {status:?}; log:\n{}", warren.logs());
-    let exists: i64 = redis_query(&url, redis::cmd("EXISTS").arg(&key))
-        .await
-        .unwrap();
+    let exists: i64 = redis_query(&env, redis::cmd("EXISTS").arg(&key)).await;
     assert_eq!(exists, 0, "the instance hash outlived the process");
-    let records = shutdowns(&url, &prefix).await;
+    let records = shutdowns(&env).await;
     assert_eq!(records.len(), 1, "{records:?}");
     let r = &records[0];
     assert_eq!(r["host"], host().as_str(), "{r}");
@@ -311,18 +186,16 @@ async fn a_redis_outage_loses_nothing_and_the_instance_registers_again() {
     const HALF: usize = 1_500;
     let port = free_port();
     let mut server = RedisServer::start(port).await;
-    let url = server.url();
     let mut env = TestEnv::new("reg_outage").await;
-    env.set("REDIS_URL", url.clone())
+    env.set("REDIS_URL", server.url())
         .set("REGISTRY_HEARTBEAT_MS", "300")
         .set("USERS_BATCH_SIZE", "100");
-    let prefix = env.id.clone();
     env.declare();
     let mut warren = env.start(&["--roles", "consumer"]);
     let pid = warren.pid();
-    wait_registered(&url, &prefix, &warren).await;
+    wait_registered(&env, &warren).await;
     wait_until("redis gauge 1", Duration::from_secs(10), || async {
-        metric(&env, "warren_connection_up", "target=\"redis\"").await == Some(1.0)
+        try_metric(&env, "warren_connection_up", &[("target", "redis")]).await == Some(1.0)
     })
     .await;
 
@@ -337,7 +210,9 @@ async fn a_redis_outage_loses_nothing_and_the_instance_registers_again() {
     wait_until(
         "warren_connection_up{target=\"redis\"} 0",
         Duration::from_secs(15),
-        || async { metric(&env, "warren_connection_up", "target=\"redis\"").await == Some(0.0) },
+        || async {
+            try_metric(&env, "warren_connection_up", &[("target", "redis")]).await == Some(0.0)
+        },
     )
     .await;
     wait_until(
@@ -352,21 +227,21 @@ async fn a_redis_outage_loses_nothing_and_the_instance_registers_again() {
     assert_queue_empty(&env, &env.retry_queue).await;
     assert_queue_empty(&env, &env.dlq_queue).await;
     assert_eq!(
-        metric(&env, "warren_connection_up", "target=\"redis\"").await,
+        try_metric(&env, "warren_connection_up", &[("target", "redis")]).await,
         Some(0.0),
         "the gauge must stay 0 while Redis is away"
     );
     // The operator tools say so instead of hanging or failing obscurely.
-    let (code, out, err) = warren_cmd(&env, &["status"]).await;
+    let (code, out, err) = env.run_async(&["status"]).await;
     assert_eq!(code, 0, "status without Redis:\n{out}\n{err}");
     assert!(out.contains("Redis unreachable"), "{out}");
     assert!(out.contains(&env.main_queue), "queues still listed:\n{out}");
-    let (code, out, err) = warren_cmd(&env, &["status", "--json"]).await;
+    let (code, out, err) = env.run_async(&["status", "--json"]).await;
     assert_eq!(code, 0, "status --json without Redis:\n{out}\n{err}");
     let doc: Value = serde_json::from_str(&out).expect("json");
     assert_eq!(doc["instances"], Value::Null, "{doc}");
     assert_eq!(doc["queues"].as_array().map(Vec::len), Some(3), "{doc}");
-    let (code, out, err) = warren_cmd(&env, &["ctl", "pause", "--all"]).await;
+    let (code, out, err) = env.run_async(&["ctl", "pause", "--all"]).await;
     assert_eq!(code, 1, "ctl without Redis:\n{out}\n{err}");
     assert!(
         err.contains("cannot reach Redis") && err.contains(&port.to_string()),
@@ -379,33 +254,28 @@ async fn a_redis_outage_loses_nothing_and_the_instance_registers_again() {
         drop(server);
         RedisServer::start(port).await
     };
-    let _cleanup = RedisCleanup {
-        url: url.clone(),
-        prefix: prefix.clone(),
-    };
+    let _cleanup = RedisCleanup::new(&env);
     let total = (2 * HALF).to_string();
     wait_until(
         "the instance hash back, with every insert counted",
         Duration::from_secs(20),
         || async {
-            let h = instance(&url, &prefix, pid).await;
+            let h = instance(&env, pid).await;
             h.get("status") == Some(&"running".into()) && h.get("inserted") == Some(&total)
         },
     )
     .await;
     wait_until("redis gauge back to 1", Duration::from_secs(10), || async {
-        metric(&env, "warren_connection_up", "target=\"redis\"").await == Some(1.0)
+        try_metric(&env, "warren_connection_up", &[("target", "redis")]).await == Some(1.0)
     })
     .await;
-    let reconnects = metric(&env, "warren_reconnects_total", "target=\"redis\"").await;
+    let reconnects = try_metric(&env, "warren_reconnects_total", &[("target", "redis")]).await;
     assert!(
         reconnects.is_some_and(|n| n >= 1.0),
         "warren_reconnects_total{{target=\"redis\"}} = {reconnects:?}"
     );
-    let key = format!("{prefix}:instances:{}:{pid}", host());
-    let ttl: i64 = redis_query(&url, redis::cmd("TTL").arg(&key))
-        .await
-        .unwrap();
+    let key = instance_key(&env, pid);
+    let ttl: i64 = redis_query(&env, redis::cmd("TTL").arg(&key)).await;
     assert!(ttl > 0 && ttl <= 30, "TTL {ttl}");
     // One warning for the whole outage, not one per failed heartbeat.
     let logs = warren.logs();
@@ -413,7 +283,7 @@ async fn a_redis_outage_loses_nothing_and_the_instance_registers_again() {
 
     let status = warren.terminate(Duration::from_secs(25));
     assert!(status.success(), "exit {status:?}; log:\n{}", warren.logs());
-    let records = shutdowns(&url, &prefix).await;
+    let records = shutdowns(&env).await;
     assert_eq!(records.len(), 1, "{records:?}");
     assert_eq!(records[0]["reason"], "signal");
     assert_eq!(records[0]["inserted"], 2 * HALF as u64);
@@ -425,15 +295,11 @@ async fn status_lists_the_instance_and_the_queues() {
     let mut env = TestEnv::new("reg_status").await;
     env.set("REGISTRY_HEARTBEAT_MS", "300")
         .set("RETRY_TTL_MS", "600000");
-    let (url, prefix) = (redis_url(), env.id.clone());
-    let _cleanup = RedisCleanup {
-        url: url.clone(),
-        prefix: prefix.clone(),
-    };
+    let _cleanup = RedisCleanup::new(&env);
     env.declare();
     let mut warren = env.start(&["--roles", "consumer,dlq"]);
     let pid = warren.pid();
-    wait_registered(&url, &prefix, &warren).await;
+    wait_registered(&env, &warren).await;
 
     // Five rows through the pipeline; three messages parked in the retry queue (long TTL).
     env.publish_users(5).await;
@@ -452,7 +318,7 @@ async fn status_lists_the_instance_and_the_queues() {
         Duration::from_secs(20),
         || async {
             env.count_rows().await == 5
-                && instance(&url, &prefix, pid).await.get("inserted") == Some(&"5".into())
+                && instance(&env, pid).await.get("inserted") == Some(&"5".into())
         },
     )
     .await;
@@ -470,7 +336,7 @@ async fn status_lists_the_instance_and_the_queues() {
     let me = format!("{}:{pid}", host());
 
     // The tables.
-    let (code, out, err) = warren_cmd(&env, &["status"]).await;
+    let (code, out, err) = env.run_async(&["status"]).await;
     assert_eq!(code, 0, "warren status:\n{out}\n{err}");
     let row = out
         .lines()
@@ -494,7 +360,7 @@ async fn status_lists_the_instance_and_the_queues() {
     }
 
     // The JSON document.
-    let (code, out, err) = warren_cmd(&env, &["status", "--json"]).await;
+    let (code, out, err) = env.run_async(&["status", "--json"]).await;
     assert_eq!(code, 0, "warren status --json:\n{out}\n{err}");
     let doc: Value = serde_json::from_str(&out).unwrap_or_else(|e| panic!("{e}:\n{out}"));
     let instances = doc["instances"].as_array().expect("instances array");
@@ -518,7 +384,7 @@ async fn status_lists_the_instance_and_the_queues() {
 
     assert!(warren.terminate(Duration::from_secs(25)).success());
     // Once stopped it is no longer listed.
-    let (code, out, _) = warren_cmd(&env, &["status", "--json"]).await;
+    let (code, out, _) = env.run_async(&["status", "--json"]).await;
     assert_eq!(code, 0);
     let doc: Value = serde_json::from_str(&out).expect("json");
     assert_eq!(doc["instances"], serde_json::json!([]), "{doc}");
@@ -528,26 +394,20 @@ async fn status_lists_the_instance_and_the_queues() {
 async fn a_killed_instance_expires_without_a_shutdown_record() {
     let mut env = TestEnv::new("reg_expire").await;
     env.set("REGISTRY_HEARTBEAT_MS", "300");
-    let (url, prefix) = (redis_url(), env.id.clone());
-    let _cleanup = RedisCleanup {
-        url: url.clone(),
-        prefix: prefix.clone(),
-    };
+    let _cleanup = RedisCleanup::new(&env);
     env.declare();
     let mut warren = env.start(&["--roles", "consumer"]);
     let pid = warren.pid();
-    wait_registered(&url, &prefix, &warren).await;
-    let key = format!("{prefix}:instances:{}:{pid}", host());
+    wait_registered(&env, &warren).await;
+    let key = instance_key(&env, pid);
 
     // SIGKILL: no deregistration, so the hash lives out its TTL and then disappears.
     warren.kill9();
     let killed = Instant::now();
-    let ttl: i64 = redis_query(&url, redis::cmd("TTL").arg(&key))
-        .await
-        .unwrap();
+    let ttl: i64 = redis_query(&env, redis::cmd("TTL").arg(&key)).await;
     assert!(ttl > 25 && ttl <= 30, "TTL {ttl} right after the kill");
     wait_until("the hash expired", Duration::from_secs(35), || async {
-        redis_query::<i64>(&url, redis::cmd("EXISTS").arg(&key)).await == Some(0)
+        try_redis_query::<i64>(&redis_url(), redis::cmd("EXISTS").arg(&key)).await == Some(0)
     })
     .await;
     assert!(
@@ -555,5 +415,5 @@ async fn a_killed_instance_expires_without_a_shutdown_record() {
         "expired after {:?}",
         killed.elapsed()
     );
-    assert!(shutdowns(&url, &prefix).await.is_empty());
+    assert!(shutdowns(&env).await.is_empty());
 }

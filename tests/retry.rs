@@ -2,187 +2,35 @@
 //! each pass, the retry queue's TTL bringing messages back, insertion once the fault clears, and
 //! the DLQ with `retries_exhausted` once MAX_RETRIES is spent.
 //!
-//! The fault is a trigger pair installed in the test schema after `declare`: a BEFORE INSERT row
-//! trigger counts every insert attempt per id in a sequence of its own (`nextval` is not rolled
-//! back, so the count survives the failed statement), and an AFTER INSERT statement trigger
-//! raises `serialization_failure` (SQLSTATE 40001) while `fault_flag.active` is set. Every row of
-//! a batch is therefore counted before the statement fails.
+//! The fault is the harness's trigger pair (`install_fault` with `CountAttempts::Yes`), installed
+//! in the test schema after `declare`: a BEFORE INSERT row trigger counts every insert attempt per
+//! id in a sequence of its own (`nextval` is not rolled back, so the count survives the failed
+//! statement), and an AFTER INSERT statement trigger raises `serialization_failure` (SQLSTATE
+//! 40001) while `fault_flag.active` is set. Every row of a batch is therefore counted before the
+//! statement fails.
 
 mod common;
 
 use std::time::{Duration, Instant};
 
 use common::*;
-use lapin::BasicProperties;
-use lapin::message::BasicGetMessage;
-use lapin::options::BasicGetOptions;
 use lapin::types::AMQPValue;
 use uuid::Uuid;
 
-// ---- fault injection and probes (this file's own copy; tests/common is shared and fixed) ----
+// ---- this file's setup ----------------------------------------------------------------------
 
-/// Installs the failing triggers; the fault starts active.
-async fn install_fault(env: &TestEnv) {
-    let s = &env.schema;
-    env.db
-        .batch_execute(&format!(
-            r#"
-            CREATE TABLE {s}.fault_flag (active boolean NOT NULL);
-            INSERT INTO {s}.fault_flag VALUES (true);
-            CREATE FUNCTION {s}.count_attempt() RETURNS trigger LANGUAGE plpgsql AS $f$
-            DECLARE
-                counter regclass := to_regclass(format('%I.%I', TG_TABLE_SCHEMA,
-                    'attempts_' || replace(NEW.id::text, '-', '')));
-            BEGIN
-                IF counter IS NOT NULL THEN
-                    PERFORM nextval(counter);
-                END IF;
-                RETURN NEW;
-            END $f$;
-            CREATE FUNCTION {s}.fail_while_flagged() RETURNS trigger LANGUAGE plpgsql AS $f$
-            BEGIN
-                IF (SELECT active FROM {s}.fault_flag) THEN
-                    RAISE EXCEPTION 'injected transient failure'
-                        USING ERRCODE = 'serialization_failure';
-                END IF;
-                RETURN NULL;
-            END $f$;
-            CREATE TRIGGER users_count_attempts BEFORE INSERT ON {s}.users
-                FOR EACH ROW EXECUTE FUNCTION {s}.count_attempt();
-            CREATE TRIGGER users_fail_while_flagged AFTER INSERT ON {s}.users
-                FOR EACH STATEMENT EXECUTE FUNCTION {s}.fail_while_flagged();
-            "#
-        ))
-        .await
-        .expect("install the fault triggers");
+/// Declares, installs the counting fault, publishes `n` tracked users and starts a consumer:
+/// (their ids, the consumer).
+async fn publish_into_a_failing_database(env: &TestEnv, n: usize) -> (Vec<Uuid>, Warren) {
+    env.declare();
+    install_fault(env, CountAttempts::Yes).await;
+    let ids: Vec<Uuid> = (0..n).map(|_| Uuid::new_v4()).collect();
+    track_attempts(env, &ids).await;
+    env.publish_ids(&ids).await;
+    (ids, env.start(&["--roles", "consumer"]))
 }
 
-/// Clears the fault: inserts succeed from now on.
-async fn clear_fault(env: &TestEnv) {
-    env.db
-        .execute(
-            &format!("UPDATE {}.fault_flag SET active = false", env.schema),
-            &[],
-        )
-        .await
-        .expect("clear the fault");
-}
-
-/// Creates the attempt counters of `ids` (before they are published).
-async fn track_attempts(env: &TestEnv, ids: &[Uuid]) {
-    let sql: String = ids
-        .iter()
-        .map(|id| format!("CREATE SEQUENCE {}.attempts_{};", env.schema, id.simple()))
-        .collect();
-    env.db.batch_execute(&sql).await.expect("attempt counters");
-}
-
-/// Insert attempts seen for `id` (committed or not).
-async fn attempts(env: &TestEnv, id: Uuid) -> i64 {
-    env.db
-        .query_one(
-            &format!(
-                "SELECT CASE WHEN is_called THEN last_value ELSE 0 END FROM {}.attempts_{}",
-                env.schema,
-                id.simple()
-            ),
-            &[],
-        )
-        .await
-        .expect("read attempt counter")
-        .get(0)
-}
-
-/// Publishes one valid user per id, confirmed, in order.
-async fn publish_ids(env: &TestEnv, ids: &[Uuid]) {
-    for id in ids {
-        env.publish_raw(&user_body(*id), json_props(*id)).await;
-    }
-}
-
-/// The sum of the samples of metric `name` whose labels contain every `labels` item; 0 when the
-/// series does not exist yet. Panics if the endpoint does not answer.
-async fn metric(env: &TestEnv, name: &str, labels: &[&str]) -> f64 {
-    let url = format!("http://127.0.0.1:{}/metrics", env.metrics_port);
-    let text = tokio::task::spawn_blocking(move || {
-        ureq::get(&url)
-            .call()
-            .and_then(|mut r| r.body_mut().read_to_string())
-    })
-    .await
-    .expect("metrics task")
-    .expect("metrics endpoint");
-    text.lines()
-        .filter(|l| !l.starts_with('#'))
-        .filter(|l| {
-            l.strip_prefix(name)
-                .is_some_and(|rest| rest.starts_with('{') || rest.starts_with(' '))
-        })
-        .filter(|l| labels.iter().all(|x| l.contains(x)))
-        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-        .sum()
-}
-
-/// Reads up to `max` messages of `queue` without taking them: they are returned unacked and go
-/// back to their place (with their original TTL) when the peeking channel closes.
-async fn peek(env: &TestEnv, queue: &str, max: usize) -> Vec<BasicGetMessage> {
-    let ch = env.conn.create_channel().await.expect("channel");
-    let mut out = Vec::new();
-    while out.len() < max {
-        match ch
-            .basic_get(queue.into(), BasicGetOptions { no_ack: false })
-            .await
-            .expect("basic.get")
-        {
-            Some(m) => out.push(m),
-            None => break,
-        }
-    }
-    let _ = ch.close(200, "peeked".into()).await;
-    out
-}
-
-fn header<'a>(props: &'a BasicProperties, key: &str) -> Option<&'a AMQPValue> {
-    props.headers().as_ref()?.inner().get(key)
-}
-
-/// An integer header of any AMQP integer type; `None` if missing or not an integer.
-fn int_header(props: &BasicProperties, key: &str) -> Option<i64> {
-    match header(props, key)? {
-        AMQPValue::ShortShortInt(v) => Some(*v as i64),
-        AMQPValue::ShortShortUInt(v) => Some(*v as i64),
-        AMQPValue::ShortInt(v) => Some(*v as i64),
-        AMQPValue::ShortUInt(v) => Some(*v as i64),
-        AMQPValue::LongInt(v) => Some(*v as i64),
-        AMQPValue::LongUInt(v) => Some(*v as i64),
-        AMQPValue::LongLongInt(v) => Some(*v),
-        _ => None,
-    }
-}
-
-/// A string header.
-fn text_header(props: &BasicProperties, key: &str) -> Option<String> {
-    match header(props, key)? {
-        AMQPValue::LongString(s) => Some(String::from_utf8_lossy(s.as_bytes()).into_owned()),
-        AMQPValue::ShortString(s) => Some(s.as_str().to_string()),
-        _ => None,
-    }
-}
-
-fn message_id(m: &BasicGetMessage) -> String {
-    m.delivery
-        .properties
-        .message_id()
-        .as_ref()
-        .map(|s| s.as_str().to_string())
-        .unwrap_or_default()
-}
-
-async fn ready(env: &TestEnv, queue: &str) -> u32 {
-    env.queue_state(queue).await.0
-}
-
-// ---- tests -------------------------------------------------------------------------------------
+// ---- tests ----------------------------------------------------------------------------------
 
 /// A failure that clears: one pass through the retry queue with x-retries = 1, back after the
 /// TTL, inserted once the fault is gone, every id exactly once, every queue empty.
@@ -195,26 +43,21 @@ async fn a_transient_failure_goes_through_the_retry_queue_until_it_clears() {
         .set("MAX_RETRIES", "10")
         // Retry-queue semantics only: the sink-outage breaker must not hold the consumer.
         .set("BREAKER_FAILURES", "1000");
-    env.declare();
-    install_fault(&env).await;
-    let ids: Vec<Uuid> = (0..N).map(|_| Uuid::new_v4()).collect();
-    track_attempts(&env, &ids).await;
-    publish_ids(&env, &ids).await;
-    let mut warren = env.start(&["--roles", "consumer"]);
+    let (ids, mut warren) = publish_into_a_failing_database(&env, N).await;
 
     // First failure: every message waits in the retry queue, counted once, tagged.
     wait_until(
         "all messages in the retry queue",
         Duration::from_secs(20),
-        || async { ready(&env, &env.retry_queue).await as usize == N },
+        || async { env.ready(&env.retry_queue).await as usize == N },
     )
     .await;
     let first_pass_seen = Instant::now();
-    let peeked = peek(&env, &env.retry_queue, N).await;
+    let peeked = env.peek(&env.retry_queue, N).await;
     assert_eq!(peeked.len(), N, "log:\n{}", warren.logs());
     for m in &peeked {
         let p = &m.delivery.properties;
-        let id: Uuid = message_id(m).parse().expect("message_id kept");
+        let id = message_uuid(m);
         assert!(ids.contains(&id));
         assert_eq!(m.delivery.data, user_body(id), "body changed on retry");
         assert!(
@@ -272,9 +115,9 @@ async fn a_transient_failure_goes_through_the_retry_queue_until_it_clears() {
         "main, retry and DLQ empty",
         Duration::from_secs(15),
         || async {
-            ready(&env, &env.main_queue).await == 0
-                && ready(&env, &env.retry_queue).await == 0
-                && ready(&env, &env.dlq_queue).await == 0
+            env.ready(&env.main_queue).await == 0
+                && env.ready(&env.retry_queue).await == 0
+                && env.ready(&env.dlq_queue).await == 0
         },
     )
     .await;
@@ -284,13 +127,13 @@ async fn a_transient_failure_goes_through_the_retry_queue_until_it_clears() {
     let inserted = metric(
         &env,
         "warren_messages_inserted_total",
-        &["pipeline=\"main\""],
+        &[("pipeline", "main")],
     )
     .await;
     let retried = metric(
         &env,
         "warren_messages_retried_total",
-        &["pipeline=\"main\""],
+        &[("pipeline", "main")],
     )
     .await;
     let mut total_attempts = 0;
@@ -327,37 +170,32 @@ async fn a_failure_that_never_clears_ends_in_the_dlq_after_max_retries() {
         // Without this the sink-outage breaker (BREAKER_FAILURES, default 3) holds the consumer
         // while the database keeps failing, and the retries are never spent.
         .set("BREAKER_FAILURES", "1000");
-    env.declare();
-    install_fault(&env).await;
-    let ids: Vec<Uuid> = (0..N).map(|_| Uuid::new_v4()).collect();
-    track_attempts(&env, &ids).await;
-    publish_ids(&env, &ids).await;
-    let mut warren = env.start(&["--roles", "consumer"]);
+    let (ids, mut warren) = publish_into_a_failing_database(&env, N).await;
 
     wait_until(
         "every message in the DLQ",
         Duration::from_secs(40),
-        || async { ready(&env, &env.dlq_queue).await as usize == N },
+        || async { env.ready(&env.dlq_queue).await as usize == N },
     )
     .await;
     wait_until(
         "main and retry queues empty",
         Duration::from_secs(10),
         || async {
-            ready(&env, &env.main_queue).await == 0 && ready(&env, &env.retry_queue).await == 0
+            env.ready(&env.main_queue).await == 0 && env.ready(&env.retry_queue).await == 0
         },
     )
     .await;
     let retried = metric(
         &env,
         "warren_messages_retried_total",
-        &["pipeline=\"main\""],
+        &[("pipeline", "main")],
     )
     .await;
     let exhausted = metric(
         &env,
         "warren_messages_dead_lettered_total",
-        &["pipeline=\"main\"", "kind=\"retries_exhausted\""],
+        &[("pipeline", "main"), ("kind", "retries_exhausted")],
     )
     .await;
     assert!(warren.terminate(Duration::from_secs(25)).success());
@@ -377,7 +215,7 @@ async fn a_failure_that_never_clears_ends_in_the_dlq_after_max_retries() {
     assert_eq!(dead.len(), N);
     for m in &dead {
         let p = &m.delivery.properties;
-        let id: Uuid = message_id(m).parse().expect("message_id kept");
+        let id = message_uuid(m);
         assert!(ids.contains(&id));
         assert_eq!(m.delivery.data, user_body(id), "body changed");
         assert_eq!(int_header(p, "x-retries"), Some(3), "{:?}", p.headers());
@@ -401,17 +239,13 @@ async fn a_failure_that_never_clears_ends_in_the_dlq_after_max_retries() {
 async fn at_the_default_ttl_a_retried_message_comes_back_after_ten_seconds() {
     let mut env = TestEnv::new("retry_default_ttl").await;
     env.set("DB_RETRY_WINDOW_MS", "0");
-    env.declare();
-    install_fault(&env).await;
-    let id = Uuid::new_v4();
-    track_attempts(&env, &[id]).await;
-    publish_ids(&env, &[id]).await;
-    let mut warren = env.start(&["--roles", "consumer"]);
+    let (ids, mut warren) = publish_into_a_failing_database(&env, 1).await;
+    let id = ids[0];
 
     wait_until(
         "the message failed once and sits in the retry queue",
         Duration::from_secs(20),
-        || async { attempts(&env, id).await == 1 && ready(&env, &env.retry_queue).await == 1 },
+        || async { attempts(&env, id).await == 1 && env.ready(&env.retry_queue).await == 1 },
     )
     .await;
     // Seen at most one poll after it entered the retry queue: `elapsed` below underestimates

@@ -8,58 +8,23 @@ use std::collections::HashSet;
 use std::time::{Duration, Instant};
 
 use common::*;
-use tokio_postgres::NoTls;
 
-/// A transaction holding a lock that blocks INSERT into `users` (but not SELECT), so warren's
-/// batches hang in the database and a graceful shutdown cannot drain.
-struct InsertLock {
-    client: tokio_postgres::Client,
-    pid: i32,
-}
-
-impl InsertLock {
-    async fn release(self) {
-        self.client.batch_execute("ROLLBACK").await.expect("unlock");
-    }
-}
-
-async fn lock_inserts(env: &TestEnv) -> InsertLock {
-    let (client, connection) = tokio_postgres::connect(&database_url(), NoTls)
-        .await
-        .expect("connect");
-    tokio::spawn(connection);
-    client
-        .batch_execute(&format!(
-            "SET search_path TO {}; BEGIN; LOCK TABLE users IN SHARE MODE",
-            env.schema
-        ))
-        .await
-        .expect("lock users");
-    let pid: i32 = client
-        .query_one("SELECT pg_backend_pid()", &[])
-        .await
-        .unwrap()
-        .get(0);
-    InsertLock { client, pid }
-}
-
-/// Waits until some backend (warren's batch INSERT) waits for `lock`.
-async fn wait_for_a_blocked_insert(env: &TestEnv, lock: &InsertLock) {
+/// Lets the database go once `warren` has exited: waits until its consumer has left the main
+/// queue (whatever it did not ack is still with the broker), then checks that a restarted
+/// consumer stores every id of `ids` exactly once.
+async fn release_and_assert_everything_arrives_once(
+    env: &TestEnv,
+    locker: InsertLock,
+    ids: &[uuid::Uuid],
+) {
+    locker.release().await;
     wait_until(
-        "a warren INSERT blocked by the lock",
-        Duration::from_secs(30),
-        || async {
-            env.db
-                .query_one(
-                    "SELECT count(*) FROM pg_stat_activity WHERE $1 = ANY(pg_blocking_pids(pid))",
-                    &[&lock.pid],
-                )
-                .await
-                .map(|r| r.get::<_, i64>(0) > 0)
-                .unwrap_or(false)
-        },
+        "no consumer on the main queue",
+        Duration::from_secs(10),
+        || async { env.queue_state(&env.main_queue).await.1 == 0 },
     )
     .await;
+    assert_everything_arrives_once(env, ids).await;
 }
 
 /// Waits until the restarted consumer stored every id in `ids`, then checks the end state.
@@ -163,9 +128,9 @@ async fn a_second_sigterm_during_shutdown_exits_at_once() {
     env.declare();
     let ids = env.publish_users(TOTAL).await;
 
-    let locker = lock_inserts(&env).await;
+    let locker = InsertLock::take(&env).await;
     let mut warren = env.start(&["--roles", "consumer"]);
-    wait_for_a_blocked_insert(&env, &locker).await;
+    locker.wait_for_a_blocked_insert(&env).await;
 
     warren.signal("TERM");
     wait_until(
@@ -195,15 +160,7 @@ async fn a_second_sigterm_during_shutdown_exits_at_once() {
     );
 
     // Let the database go; whatever was not acked is still with the broker.
-    locker.release().await;
-    wait_until(
-        "no consumer on the main queue",
-        Duration::from_secs(10),
-        || async { env.queue_state(&env.main_queue).await.1 == 0 },
-    )
-    .await;
-
-    assert_everything_arrives_once(&env, &ids).await;
+    release_and_assert_everything_arrives_once(&env, locker, &ids).await;
 }
 
 #[tokio::test(flavor = "multi_thread")]
@@ -214,9 +171,9 @@ async fn a_shutdown_that_cannot_drain_still_exits_zero_after_the_timeout() {
     env.set("SHUTDOWN_TIMEOUT_MS", SHUTDOWN_TIMEOUT_MS.to_string());
     env.declare();
     let ids = env.publish_users(TOTAL).await;
-    let locker = lock_inserts(&env).await;
+    let locker = InsertLock::take(&env).await;
     let mut warren = env.start(&["--roles", "consumer"]);
-    wait_for_a_blocked_insert(&env, &locker).await;
+    locker.wait_for_a_blocked_insert(&env).await;
 
     let signalled = Instant::now();
     let status =
@@ -237,12 +194,5 @@ async fn a_shutdown_that_cannot_drain_still_exits_zero_after_the_timeout() {
         warren.logs()
     );
 
-    locker.release().await;
-    wait_until(
-        "no consumer on the main queue",
-        Duration::from_secs(10),
-        || async { env.queue_state(&env.main_queue).await.1 == 0 },
-    )
-    .await;
-    assert_everything_arrives_once(&env, &ids).await;
+    release_and_assert_everything_arrives_once(&env, locker, &ids).await;
 }
