@@ -498,6 +498,13 @@ impl Drop for TestEnv {
             ],
         );
         let schema = self.schema.clone();
+        let redis_prefix = self.id.clone();
+        let redis_at = self
+            .vars
+            .iter()
+            .find(|(k, _)| k == "REDIS_URL")
+            .map(|(_, v)| v.clone())
+            .unwrap_or_else(redis_url);
         // Cleanup needs its own runtime: Drop may run while the test's runtime is unwinding.
         let _ = std::thread::spawn(move || {
             let Ok(rt) = tokio::runtime::Builder::new_current_thread()
@@ -535,6 +542,25 @@ impl Drop for TestEnv {
                         .batch_execute(&format!("DROP SCHEMA IF EXISTS {schema} CASCADE"))
                         .await;
                 }
+                // Every Redis key under the env's prefix (registry, commands, history, shutdowns).
+                let redis = async {
+                    let client = redis::Client::open(redis_at.as_str()).ok()?;
+                    let mut conn = client.get_multiplexed_async_connection().await.ok()?;
+                    let keys: Vec<String> = redis::cmd("KEYS")
+                        .arg(format!("{redis_prefix}:*"))
+                        .query_async(&mut conn)
+                        .await
+                        .ok()?;
+                    if !keys.is_empty() {
+                        let _: Option<()> = redis::cmd("DEL")
+                            .arg(&keys)
+                            .query_async(&mut conn)
+                            .await
+                            .ok();
+                    }
+                    Some(())
+                };
+                let _ = tokio::time::timeout(Duration::from_secs(3), redis).await;
             });
         })
         .join();
