@@ -322,3 +322,51 @@ async fn an_unreachable_broker_gives_503_fast() {
     assert_eq!(http.get("/healthz").status, 200);
     warren.terminate_ok(Duration::from_secs(30));
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn the_api_recovers_by_itself_when_the_broker_comes_back() {
+    let mut env = TestEnv::new("api_back").await;
+    env.declare();
+    // The API reaches the broker through a proxy the test can cut.
+    let proxy = TcpProxy::start(&amqp_url(), 5672).await;
+    env.set("AMQP_URL", proxy.url());
+    let mut warren = env.start(&["--roles", "api,consumer"]);
+    let http = Http::new(&env);
+    http.wait_status("/readyz", 200, Duration::from_secs(20))
+        .await;
+    let user = json!({"name": "Ana", "email": "ana-before@example.com"}).to_string();
+    assert_eq!(http.post("/api/v1/users", user).status, 200);
+
+    // The broker goes away: 503 quickly, readiness says so.
+    proxy.cut();
+    wait_until(
+        "readyz reports the broker down",
+        Duration::from_secs(15),
+        || async { http.get("/readyz").status == 503 },
+    )
+    .await;
+    let started = Instant::now();
+    let during = json!({"name": "Ana", "email": "ana-during@example.com"}).to_string();
+    assert_json_error(&http.post("/api/v1/users", during), 503);
+    assert!(
+        started.elapsed() < Duration::from_secs(6),
+        "503 took {:?}",
+        started.elapsed()
+    );
+
+    // It comes back: the API recovers with no restart, and what it accepts is inserted.
+    proxy.restore();
+    http.wait_status("/readyz", 200, Duration::from_secs(40))
+        .await;
+    let after = json!({"name": "Ana", "email": "ana-after@example.com"}).to_string();
+    let answer = http.post("/api/v1/users", after);
+    assert_eq!(answer.status, 200, "{answer:?}");
+    let id = answer.body["id"].as_str().expect("an id").to_string();
+    wait_until(
+        "the row accepted after the outage",
+        Duration::from_secs(30),
+        || async { http.get(&format!("/api/v1/users/{id}")).status == 200 },
+    )
+    .await;
+    warren.terminate_ok(Duration::from_secs(30));
+}

@@ -4,13 +4,9 @@
 mod common;
 
 use std::collections::HashSet;
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use common::*;
-use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::watch;
 use tokio_postgres::NoTls;
 use uuid::Uuid;
 
@@ -18,122 +14,6 @@ use uuid::Uuid;
 fn superuser_url() -> String {
     std::env::var("WARREN_TEST_PG_SUPERUSER_URL")
         .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/postgres".into())
-}
-
-/// A TCP proxy in front of the test database that one test's warren connects through, so the
-/// test can cut and restore that warren's database alone, and knows which backends are its own.
-struct PgProxy {
-    port: u16,
-    /// The database URL of the harness, to rewrite for the proxy.
-    upstream_url: url::Url,
-    state: Arc<ProxyState>,
-    accept: tokio::task::JoinHandle<()>,
-}
-
-/// What the accept loop and the connection tasks share with the test.
-struct ProxyState {
-    /// Where the database listens.
-    upstream: String,
-    /// While false, new connections are reset as soon as they are accepted.
-    up: AtomicBool,
-    /// Bumped by `cut`: every live connection ends when it changes.
-    cuts: watch::Sender<u64>,
-    /// Local ports of the live upstream connections: PostgreSQL's `client_port` for them.
-    upstream_ports: Mutex<HashSet<u16>>,
-}
-
-impl PgProxy {
-    async fn start() -> Self {
-        let upstream_url = url::Url::parse(&database_url()).expect("database URL");
-        let upstream = format!(
-            "{}:{}",
-            upstream_url.host_str().unwrap_or("127.0.0.1"),
-            upstream_url.port().unwrap_or(5432)
-        );
-        let listener = TcpListener::bind(("127.0.0.1", free_port()))
-            .await
-            .expect("bind the proxy");
-        let port = listener.local_addr().expect("proxy address").port();
-        let state = Arc::new(ProxyState {
-            upstream,
-            up: AtomicBool::new(true),
-            cuts: watch::Sender::new(0),
-            upstream_ports: Mutex::new(HashSet::new()),
-        });
-        let accept = tokio::spawn({
-            let state = state.clone();
-            async move {
-                loop {
-                    if let Ok((client, _)) = listener.accept().await {
-                        tokio::spawn(state.clone().serve(client));
-                    }
-                }
-            }
-        });
-        PgProxy {
-            port,
-            upstream_url,
-            state,
-            accept,
-        }
-    }
-
-    /// The harness's database URL, through the proxy.
-    fn url(&self) -> String {
-        let mut url = self.upstream_url.clone();
-        url.set_host(Some("127.0.0.1")).expect("host");
-        url.set_port(Some(self.port)).expect("port");
-        url.to_string()
-    }
-
-    /// The database goes away: live connections are reset, new ones are reset on accept.
-    fn cut(&self) {
-        self.state.up.store(false, Ordering::SeqCst);
-        self.state.cuts.send_modify(|n| *n += 1);
-    }
-
-    /// The database is back for new connections.
-    fn restore(&self) {
-        self.state.up.store(true, Ordering::SeqCst);
-    }
-
-    /// `client_port`s of the backends serving connections made through this proxy.
-    fn backend_client_ports(&self) -> Vec<i32> {
-        let ports = self.state.upstream_ports.lock().unwrap();
-        ports.iter().map(|p| i32::from(*p)).collect()
-    }
-}
-
-impl Drop for PgProxy {
-    fn drop(&mut self) {
-        self.accept.abort();
-        self.cut();
-    }
-}
-
-impl ProxyState {
-    async fn serve(self: Arc<Self>, mut client: TcpStream) {
-        // Subscribe before looking at `up`, so a cut in between is not missed.
-        let mut cuts = self.cuts.subscribe();
-        if !self.up.load(Ordering::SeqCst) {
-            let _ = client.set_zero_linger();
-            return;
-        }
-        let Ok(mut upstream) = TcpStream::connect(&self.upstream).await else {
-            let _ = client.set_zero_linger();
-            return;
-        };
-        let port = upstream.local_addr().map(|a| a.port()).unwrap_or(0);
-        self.upstream_ports.lock().unwrap().insert(port);
-        tokio::select! {
-            _ = tokio::io::copy_bidirectional(&mut client, &mut upstream) => {}
-            _ = cuts.changed() => {
-                let _ = client.set_zero_linger();
-                let _ = upstream.set_zero_linger();
-            }
-        }
-        self.upstream_ports.lock().unwrap().remove(&port);
-    }
 }
 
 /// Terminates, as superuser, the backends whose client port is in `ports`; returns how many.
@@ -156,7 +36,7 @@ async fn terminate_backends(ports: &[i32]) -> usize {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn backends_terminated_by_the_server_lose_nothing() {
-    let proxy = PgProxy::start().await;
+    let proxy = TcpProxy::start(&database_url(), 5432).await;
     let mut env = TestEnv::new("pg_terminate").await;
     env.set("DATABASE_URL", proxy.url());
     env.declare();
@@ -216,7 +96,7 @@ async fn publish_steadily(
 #[tokio::test(flavor = "multi_thread")]
 async fn a_60_s_database_outage_holds_messages_in_the_queue_and_loses_none() {
     let prefetch = 500u32;
-    let proxy = PgProxy::start().await;
+    let proxy = TcpProxy::start(&database_url(), 5432).await;
     let mut env = TestEnv::new("pg_outage").await;
     env.set("DATABASE_URL", proxy.url())
         .set("RETRY_TTL_MS", "10000")
