@@ -300,8 +300,10 @@ impl Settings {
         Ok(settings)
     }
 
-    /// Loads the shipped defaults only (no file, no environment): for tests and tools.
-    pub fn defaults() -> Self {
+    /// Loads the shipped defaults only (no file, no environment), for unit tests; the shipped
+    /// file is checked by `shipped_defaults_parse_and_match_the_documented_values`.
+    #[cfg(test)]
+    pub(crate) fn defaults() -> Self {
         let sources = Sources {
             use_env: false,
             ..Sources::default()

@@ -13,13 +13,19 @@ fn main() {
         }
     };
     warren::cli::init_logs(&settings);
-    let system = actix::System::with_tokio_rt(|| {
-        tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(2)
-            .enable_all()
-            .build()
-            .expect("cannot build the tokio runtime")
-    });
+    // Built here so a failure is an error message, not a panic inside actix.
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("warren: cannot start the async runtime: {e}");
+            std::process::exit(1);
+        }
+    };
+    let system = actix::System::with_tokio_rt(move || runtime);
     let code = system.block_on(warren::cli::dispatch(cli, settings));
     std::process::exit(code);
 }
