@@ -346,8 +346,28 @@ pub fn reconnected(target: &'static str) {
     counter!(RECONNECTS, "target" => target).increment(1);
 }
 
+/// Depths seen by the last polls, with when: the consumers' idle watchdog reads them.
+static QUEUE_DEPTHS: std::sync::Mutex<
+    Option<std::collections::HashMap<String, (u32, std::time::Instant)>>,
+> = std::sync::Mutex::new(None);
+
+/// The depth of `queue` as polled within the last 15 s, if any.
+pub fn queue_depth(queue: &str) -> Option<u32> {
+    let guard = QUEUE_DEPTHS.lock().unwrap_or_else(|p| p.into_inner());
+    let (depth, at) = guard.as_ref()?.get(queue)?;
+    (at.elapsed() < Duration::from_secs(15)).then_some(*depth)
+}
+
+fn remember_depth(queue: &str, depth: u32) {
+    let mut guard = QUEUE_DEPTHS.lock().unwrap_or_else(|p| p.into_inner());
+    guard
+        .get_or_insert_with(Default::default)
+        .insert(queue.to_string(), (depth, std::time::Instant::now()));
+}
+
 /// Polls the depth and consumer count of the main, retry and DLQ queues every `every`, on a
-/// connection of its own, into `warren_queue_messages` / `warren_queue_consumers`.
+/// connection of its own, into `warren_queue_messages` / `warren_queue_consumers` (and for the
+/// consumers' idle watchdog).
 pub async fn poll_queues(settings: crate::config::Settings, every: Duration) {
     let queues = [
         settings.main_queue.clone(),
@@ -363,6 +383,7 @@ pub async fn poll_queues(settings: crate::config::Settings, every: Duration) {
             for q in &queues {
                 if let Ok((messages, consumers)) = crate::amqp::queue_stats(c, q).await {
                     gauge!(QUEUE_MESSAGES, "queue" => q.clone()).set(messages as f64);
+                    remember_depth(q, messages);
                     gauge!(QUEUE_CONSUMERS, "queue" => q.clone()).set(consumers as f64);
                 }
             }

@@ -138,11 +138,16 @@ pub struct Consumer {
     connecting: bool,
     /// Held by the breaker and/or an operator: no consumer subscribed while non-empty.
     holds: Vec<HoldReason>,
-    /// When the last delivery arrived, for the idle watchdog.
-    last_delivery: std::time::Instant,
-    /// Counts deliveries, resolved once.
-    received: metrics::Counter,
-    /// Deliveries in flight, resolved once.
+    /// Deliveries taken so far; metrics and the idle watchdog derive from it.
+    received: u64,
+    /// `received` and `inflight` as last published to the metrics (per settle and per tick,
+    /// not per message).
+    published: (u64, usize),
+    /// `received` at the last watchdog tick, and the ticks since it last moved.
+    idle: (u64, u32),
+    /// The received counter, resolved once.
+    received_counter: metrics::Counter,
+    /// The in-flight gauge, resolved once.
     inflight_gauge: metrics::Gauge,
     stopping: bool,
     /// The stream ended after a cancel: nothing more will arrive.
@@ -159,7 +164,7 @@ impl Consumer {
         processor_drains: Vec<Recipient<Drain>>,
         batchers: usize,
     ) -> Self {
-        let received = crate::metrics::received_counter(config.pipeline);
+        let received_counter = crate::metrics::received_counter(config.pipeline);
         Self {
             config,
             settings,
@@ -180,8 +185,10 @@ impl Consumer {
             inflight: 0,
             connecting: false,
             holds: Vec::new(),
-            last_delivery: std::time::Instant::now(),
-            received,
+            received: 0,
+            published: (0, 0),
+            idle: (0, 0),
+            received_counter,
             inflight_gauge: crate::metrics::inflight_gauge(),
             stopping: false,
             stream_ended: false,
@@ -204,12 +211,9 @@ impl Consumer {
             let mut attempt = 0u32;
             loop {
                 attempt += 1;
-                let tag = format!(
-                    "warren-{}-{}-{}-{}",
-                    crate::hostname(),
-                    std::process::id(),
+                let tag = consumer_tag(
                     config.pipeline,
-                    next_generation + attempt as u64 - 1
+                    &(next_generation + attempt as u64 - 1).to_string(),
                 );
                 match open(&settings, &config, &tag).await {
                     Ok((conn, channel, consumer)) => {
@@ -251,12 +255,7 @@ impl Consumer {
     fn dispatch(&mut self, delivery: Delivery) {
         self.tracker.delivered(delivery.delivery_tag);
         self.inflight += 1;
-        self.received.increment(1);
-        crate::metrics::STATS
-            .received
-            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        crate::metrics::inflight(&self.inflight_gauge, 1);
-        self.last_delivery = std::time::Instant::now();
+        self.received += 1;
         let batcher = self.current_batcher;
         self.chunk_filled += 1;
         if self.chunk_filled >= self.config.batch_size {
@@ -289,13 +288,25 @@ impl Consumer {
     /// Cancels the subscription (deliveries in flight still settle on the open channel).
     fn unsubscribe(&mut self) {
         if let (Some(ch), Some(tag)) = (&self.channel, self.consumer_tag.take()) {
-            let ch = ch.clone();
-            actix::spawn(async move {
-                let _ = ch
-                    .basic_cancel(tag.as_str().into(), BasicCancelOptions::default())
-                    .await;
-            });
+            cancel(ch, tag);
         }
+    }
+
+    /// Publishes the received count and the in-flight gauge (deltas since the last call).
+    fn publish_counts(&mut self) {
+        let (received, inflight) = self.published;
+        if self.received > received {
+            let delta = self.received - received;
+            self.received_counter.increment(delta);
+            crate::metrics::STATS
+                .received
+                .fetch_add(delta, std::sync::atomic::Ordering::Relaxed);
+        }
+        let delta = self.inflight as i64 - inflight as i64;
+        if delta != 0 {
+            crate::metrics::inflight(&self.inflight_gauge, delta);
+        }
+        self.published = (self.received, self.inflight);
     }
 
     /// Subscribes again on the live channel, or reconnects if it is gone.
@@ -306,13 +317,9 @@ impl Consumer {
             return;
         };
         let generation = self.generation;
-        let tag = format!(
-            "warren-{}-{}-{}-{}-r{}",
-            crate::hostname(),
-            std::process::id(),
+        let tag = consumer_tag(
             self.config.pipeline,
-            generation,
-            self.resubscriptions
+            &format!("{generation}-r{}", self.resubscriptions),
         );
         self.resubscriptions += 1;
         let queue = self.config.queue.clone();
@@ -347,7 +354,7 @@ impl Consumer {
     ) {
         let generation = self.generation;
         self.consumer_tag = Some(tag.clone());
-        self.last_delivery = std::time::Instant::now();
+        self.idle = (self.received, 0);
         let stream = consumer
             .map(move |d| Event::Delivery(generation, Box::new(d)))
             .chain(futures::stream::once(async move {
@@ -356,43 +363,34 @@ impl Consumer {
         ctx.add_stream(stream);
     }
 
-    /// The idle watchdog: nothing delivered for a while, nothing in flight, yet the queue holds
-    /// messages -> the consumer is silently dead; rebuild it.
+    /// The idle watchdog, once per tick: nothing delivered for 15 ticks, nothing in flight,
+    /// yet the queue holds messages -> the consumer is silently dead; rebuild it.
     fn check_idle(&mut self, ctx: &mut Context<Self>) {
-        const IDLE: Duration = Duration::from_secs(15);
-        if self.stopping || self.connecting || !self.holds.is_empty() || self.inflight > 0 {
+        const IDLE_TICKS: u32 = 15;
+        if self.received != self.idle.0 {
+            self.idle = (self.received, 0);
             return;
         }
-        if self.last_delivery.elapsed() < IDLE || self.consumer_tag.is_none() {
+        self.idle.1 += 1;
+        if self.idle.1 < IDLE_TICKS
+            || self.stopping
+            || self.connecting
+            || !self.holds.is_empty()
+            || self.inflight > 0
+            || self.consumer_tag.is_none()
+        {
             return;
         }
-        let Some(channel) = self.channel.clone() else {
-            return;
-        };
-        self.last_delivery = std::time::Instant::now();
-        let queue = self.config.queue.clone();
-        let generation = self.generation;
-        let addr = ctx.address();
-        actix::spawn(async move {
-            let passive = channel
-                .queue_declare(
-                    queue.as_str().into(),
-                    lapin::options::QueueDeclareOptions {
-                        passive: true,
-                        ..Default::default()
-                    },
-                    FieldTable::default(),
-                )
-                .await;
-            if let Ok(q) = passive
-                && q.message_count() > 0
-            {
-                addr.do_send(Stuck {
-                    generation,
-                    ready: q.message_count(),
-                });
-            }
-        });
+        self.idle.1 = 0;
+        // The depth comes from the queue poller (`metrics::poll_queues`), no extra round trip.
+        if let Some(ready) = crate::metrics::queue_depth(&self.config.queue)
+            && ready > 0
+        {
+            ctx.notify(Stuck {
+                generation: self.generation,
+                ready,
+            });
+        }
     }
 
     fn maybe_finish(&mut self, ctx: &mut Context<Self>) {
@@ -420,6 +418,25 @@ impl Consumer {
             .into_actor(self),
         );
     }
+}
+
+/// This process's consumer tag for `pipeline`, unique per subscription (`suffix`).
+fn consumer_tag(pipeline: &str, suffix: &str) -> String {
+    format!(
+        "warren-{}-{}-{pipeline}-{suffix}",
+        crate::hostname(),
+        std::process::id()
+    )
+}
+
+/// Cancels the subscription `tag` on `channel` in the background; the stream then ends.
+fn cancel(channel: &Channel, tag: String) {
+    let channel = channel.clone();
+    actix::spawn(async move {
+        let _ = channel
+            .basic_cancel(tag.as_str().into(), BasicCancelOptions::default())
+            .await;
+    });
 }
 
 async fn open(
@@ -496,6 +513,7 @@ impl Actor for Consumer {
         self.connect(ctx);
         // Watchdog: a closed channel or connection is noticed and the consumer rebuilt.
         ctx.run_interval(Duration::from_secs(1), |act, ctx| {
+            act.publish_counts();
             if act.stopping || act.connecting {
                 return;
             }
@@ -599,7 +617,7 @@ impl Handler<Settle> for Consumer {
 
     fn handle(&mut self, msg: Settle, ctx: &mut Self::Context) {
         self.inflight = self.inflight.saturating_sub(msg.items.len());
-        crate::metrics::inflight(&self.inflight_gauge, -(msg.items.len() as i64));
+        self.publish_counts();
         if msg.generation == self.generation && self.ops.is_some() {
             let mut ops = Vec::new();
             for (tag, disposition) in msg.items {
@@ -632,13 +650,7 @@ impl Handler<Shutdown> for Consumer {
             match (&self.channel, &self.consumer_tag) {
                 (Some(ch), Some(tag)) if ch.status().connected() => {
                     info!(pipeline = self.config.pipeline, "cancelling the consumer");
-                    let ch = ch.clone();
-                    let tag = tag.clone();
-                    actix::spawn(async move {
-                        let _ = ch
-                            .basic_cancel(tag.as_str().into(), BasicCancelOptions::default())
-                            .await;
-                    });
+                    cancel(ch, tag.clone());
                 }
                 _ => {
                     self.stream_ended = true;
