@@ -287,55 +287,8 @@ pub fn arguments(q: &Queue) -> FieldTable {
     table
 }
 
-/// Whether the object exists: a passive declare on a channel of its own (a miss closes it).
-async fn exists(
-    conn: &Connection,
-    exchange: Option<&str>,
-    queue: Option<&str>,
-) -> Result<bool, AmqpError> {
-    let channel = conn.create_channel().await?;
-    let passive = match (exchange, queue) {
-        (Some(e), _) => channel
-            .exchange_declare(
-                e.into(),
-                ExchangeKind::Direct,
-                ExchangeDeclareOptions {
-                    passive: true,
-                    ..Default::default()
-                },
-                FieldTable::default(),
-            )
-            .await
-            .map(|_| ()),
-        (_, Some(q)) => channel
-            .queue_declare(
-                q.into(),
-                QueueDeclareOptions {
-                    passive: true,
-                    ..Default::default()
-                },
-                FieldTable::default(),
-            )
-            .await
-            .map(|_| ()),
-        _ => Ok(()),
-    };
-    match passive {
-        Ok(()) => {
-            let _ = channel.close(200, "ok".into()).await;
-            Ok(true)
-        }
-        Err(e) if is_not_found(&e) => Ok(false),
-        Err(e) => Err(e.into()),
-    }
-}
-
-fn is_not_found(e: &lapin::Error) -> bool {
-    e.to_string().contains("NOT_FOUND")
-}
-
 async fn declare_exchange(conn: &Connection, e: &Exchange) -> Result<Outcome, TopologyError> {
-    let existed = exists(conn, Some(&e.name), None).await?;
+    let existed = crate::amqp::exchange_exists(conn, &e.name).await?;
     let channel: Channel = conn.create_channel().await.map_err(AmqpError::from)?;
     let result = channel
         .exchange_declare(
@@ -371,7 +324,7 @@ async fn declare_exchange(conn: &Connection, e: &Exchange) -> Result<Outcome, To
 }
 
 async fn declare_queue(conn: &Connection, q: &Queue) -> Result<Outcome, TopologyError> {
-    let existed = exists(conn, None, Some(&q.name)).await?;
+    let existed = crate::amqp::queue_exists(conn, &q.name).await?;
     let channel: Channel = conn.create_channel().await.map_err(AmqpError::from)?;
     let result = channel
         .queue_declare(

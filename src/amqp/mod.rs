@@ -37,6 +37,9 @@ pub enum AmqpError {
         exchange: String,
         routing_key: String,
     },
+    /// A passive declare found no such object.
+    #[error("{0} does not exist")]
+    NotFound(String),
     /// Any other protocol or IO error from lapin.
     #[error("{0}")]
     Protocol(String),
@@ -45,7 +48,10 @@ pub enum AmqpError {
 impl AmqpError {
     /// Whether trying again later can help (all but configuration and routing mistakes).
     pub fn is_transient(&self) -> bool {
-        !matches!(self, AmqpError::BadUrl(_) | AmqpError::Unroutable { .. })
+        !matches!(
+            self,
+            AmqpError::BadUrl(_) | AmqpError::Unroutable { .. } | AmqpError::NotFound(_)
+        )
     }
 }
 
@@ -135,6 +141,45 @@ pub async fn queue_stats(conn: &Connection, queue: &str) -> Result<(u32, u32), A
             let _ = channel.close(200, "ok".into()).await;
             Ok((q.message_count(), q.consumer_count()))
         }
+        Err(e) if is_not_found(&e) => Err(AmqpError::NotFound(format!("queue {queue}"))),
         Err(e) => Err(e.into()),
     }
+}
+
+/// Whether `queue` exists.
+pub async fn queue_exists(conn: &Connection, queue: &str) -> Result<bool, AmqpError> {
+    match queue_stats(conn, queue).await {
+        Ok(_) => Ok(true),
+        Err(AmqpError::NotFound(_)) => Ok(false),
+        Err(e) => Err(e),
+    }
+}
+
+/// Whether `exchange` exists, by a passive declare on a channel of its own.
+pub async fn exchange_exists(conn: &Connection, exchange: &str) -> Result<bool, AmqpError> {
+    let channel = conn.create_channel().await?;
+    let result = channel
+        .exchange_declare(
+            exchange.into(),
+            lapin::ExchangeKind::Direct,
+            lapin::options::ExchangeDeclareOptions {
+                passive: true,
+                ..Default::default()
+            },
+            lapin::types::FieldTable::default(),
+        )
+        .await;
+    match result {
+        Ok(()) => {
+            let _ = channel.close(200, "ok".into()).await;
+            Ok(true)
+        }
+        Err(e) if is_not_found(&e) => Ok(false),
+        Err(e) => Err(e.into()),
+    }
+}
+
+/// Whether the broker answered 404 NOT_FOUND (the channel is closed by it).
+fn is_not_found(e: &lapin::Error) -> bool {
+    e.to_string().contains("NOT_FOUND")
 }

@@ -33,11 +33,11 @@ use std::time::{Duration, Instant};
 
 use lapin::message::BasicGetMessage;
 use lapin::options::{
-    BasicGetOptions, BasicPublishOptions, ConfirmSelectOptions, ExchangeDeclareOptions,
-    ExchangeDeleteOptions, QueueDeclareOptions, QueueDeleteOptions,
+    BasicGetOptions, BasicPublishOptions, ConfirmSelectOptions, ExchangeDeleteOptions,
+    QueueDeleteOptions,
 };
-use lapin::types::{AMQPValue, FieldTable, LongString};
-use lapin::{BasicProperties, Channel, Connection, ConnectionProperties, ExchangeKind};
+use lapin::types::{AMQPValue, LongString};
+use lapin::{BasicProperties, Channel, Connection, ConnectionProperties};
 use serde_json::Value;
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::watch;
@@ -392,20 +392,11 @@ impl TestEnv {
 
     /// (messages ready, consumers) of `queue`, by passive declare on a channel of its own; the
     /// broker's refusal if the queue does not exist.
-    pub async fn try_queue_state(&self, queue: &str) -> lapin::Result<(u32, u32)> {
-        let ch = self.conn.create_channel().await.expect("channel");
-        let q = ch
-            .queue_declare(
-                queue.into(),
-                QueueDeclareOptions {
-                    passive: true,
-                    ..Default::default()
-                },
-                FieldTable::default(),
-            )
-            .await?;
-        let _ = ch.close(200, "ok".into()).await;
-        Ok((q.message_count(), q.consumer_count()))
+    pub async fn try_queue_state(
+        &self,
+        queue: &str,
+    ) -> Result<(u32, u32), warren::amqp::AmqpError> {
+        warren::amqp::queue_stats(&self.conn, queue).await
     }
 
     /// (messages ready, consumers) of `queue`, which must exist.
@@ -425,25 +416,11 @@ impl TestEnv {
         self.try_queue_state(queue).await.is_ok()
     }
 
-    /// Whether `exchange` exists (passive declare on a channel of its own).
+    /// Whether `exchange` exists.
     pub async fn exchange_exists(&self, exchange: &str) -> bool {
-        let ch = self.conn.create_channel().await.expect("channel");
-        let found = ch
-            .exchange_declare(
-                exchange.into(),
-                ExchangeKind::Direct,
-                ExchangeDeclareOptions {
-                    passive: true,
-                    ..Default::default()
-                },
-                FieldTable::default(),
-            )
+        warren::amqp::exchange_exists(&self.conn, exchange)
             .await
-            .is_ok();
-        if found {
-            let _ = ch.close(200, "ok".into()).await;
-        }
-        found
+            .unwrap_or(false)
     }
 
     /// Reads up to `max` messages of `queue` without taking them: they are returned unacked and
