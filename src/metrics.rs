@@ -239,12 +239,10 @@ pub fn end_to_end(timestamps: impl Iterator<Item = u64>) {
     }
 }
 
-/// A message was republished (retry queue or DLX) and confirmed.
+/// A message was republished (retry queue or DLX) and confirmed: logs a dead-letter (the
+/// counts go through [`messages_routed`], once per batch).
 pub fn message_routed(pipeline: &'static str, kind: &'static str, message: &Delivered) {
-    if kind == "retry" {
-        counter!(RETRIED, "pipeline" => pipeline, "reason" => "db_transient").increment(1);
-        STATS.retried.fetch_add(1, Ordering::Relaxed);
-    } else {
+    if kind != "retry" {
         warn!(
             message_id = message.message_id(),
             pipeline,
@@ -252,15 +250,24 @@ pub fn message_routed(pipeline: &'static str, kind: &'static str, message: &Deli
             kind,
             "message dead-lettered"
         );
-        counter!(DEAD_LETTERED, "pipeline" => pipeline, "kind" => kind).increment(1);
-        STATS.dead_lettered.fetch_add(1, Ordering::Relaxed);
     }
 }
 
-/// The DLQ consumer parked a message in `dead_letters`.
-pub fn message_parked(kind: &'static str) {
-    counter!(PARKED, "kind" => kind).increment(1);
-    STATS.parked.fetch_add(1, Ordering::Relaxed);
+/// `n` messages of one batch were republished as `kind` (`retry` or an `x-error-kind`).
+pub fn messages_routed(pipeline: &'static str, kind: &'static str, n: u64) {
+    if kind == "retry" {
+        counter!(RETRIED, "pipeline" => pipeline, "reason" => "db_transient").increment(n);
+        STATS.retried.fetch_add(n, Ordering::Relaxed);
+    } else {
+        counter!(DEAD_LETTERED, "pipeline" => pipeline, "kind" => kind).increment(n);
+        STATS.dead_lettered.fetch_add(n, Ordering::Relaxed);
+    }
+}
+
+/// The DLQ consumer parked `n` messages of `kind` in `dead_letters`.
+pub fn messages_parked(kind: &'static str, n: u64) {
+    counter!(PARKED, "kind" => kind).increment(n);
+    STATS.parked.fetch_add(n, Ordering::Relaxed);
 }
 
 /// The sink-outage breaker of `pipeline` opened or closed.

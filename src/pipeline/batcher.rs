@@ -195,13 +195,6 @@ impl<D: Domain> Handler<Drain> for Batcher<D> {
     }
 }
 
-/// How one valid record's insert ended.
-#[derive(Debug, Clone)]
-enum Inserted {
-    Yes,
-    Failed(DbError),
-}
-
 /// Processes one batch and sends its settlement.
 async fn process<D: Domain>(
     shared: Arc<Shared<D>>,
@@ -243,35 +236,43 @@ async fn process<D: Domain>(
     let results = insert_isolating(&shared, valid, &batch_id).await;
     let mut inserted = 0usize;
     let mut transient: Option<String> = None;
-    for (i, result) in results {
-        match result {
-            Inserted::Yes => {
-                dispositions[i] = Some(Disposition::Ack);
-                inserted += 1;
+    // Per group of rows that ended alike: the reason is formatted once, not per message.
+    for (indices, result) in results {
+        let e = match result {
+            Ok(()) => {
+                inserted += indices.len();
+                for i in indices {
+                    dispositions[i] = Some(Disposition::Ack);
+                }
+                continue;
             }
-            Inserted::Failed(e) => match (e.class(), shared.mode) {
+            Err(e) => e,
+        };
+        let reason = e.short_reason();
+        for i in indices {
+            match (e.class(), shared.mode) {
                 (ErrorClass::Permanent, Mode::Main) => routes.push((
                     i,
                     Route::DeadLetter {
                         kind: "db_permanent",
-                        reason: e.short_reason(),
+                        reason: reason.clone(),
                     },
                 )),
                 (ErrorClass::Permanent, Mode::Dlq) => {
-                    parks.push((i, "db_permanent", e.short_reason()))
+                    parks.push((i, "db_permanent", reason.clone()))
                 }
-                (ErrorClass::Transient, Mode::Main) => {
-                    transient.get_or_insert_with(|| e.short_reason());
-                    routes.push((
-                        i,
-                        Route::Retry {
-                            reason: e.short_reason(),
-                        },
-                    ));
-                }
+                (ErrorClass::Transient, Mode::Main) => routes.push((
+                    i,
+                    Route::Retry {
+                        reason: reason.clone(),
+                    },
+                )),
                 // Systemic errors only end here at shutdown; the DLQ requeues transient ones.
                 _ => dispositions[i] = Some(Disposition::Requeue),
-            },
+            }
+        }
+        if e.class() == ErrorClass::Transient {
+            transient.get_or_insert(reason);
         }
     }
     if valid_count > 0 {
@@ -303,8 +304,8 @@ async fn process<D: Domain>(
             });
         }
         if parked {
-            for (_, kind, _) in &parks {
-                metrics::message_parked(kind);
+            for (kind, n) in count_by_kind(parks.iter().map(|(_, kind, _)| *kind)) {
+                metrics::messages_parked(kind, n);
             }
         }
     }
@@ -315,11 +316,16 @@ async fn process<D: Domain>(
             .map(|(i, r)| (&batch[*i].delivered, r.clone()))
             .collect();
         let outcomes = shared.router.route(&items).await;
+        let mut routed = Vec::new();
         for ((i, _), (disposition, kind)) in routes.iter().zip(outcomes) {
             dispositions[*i] = Some(disposition);
             if disposition == Disposition::Ack {
                 metrics::message_routed(shared.pipeline, kind, &batch[*i].delivered);
+                routed.push(kind);
             }
+        }
+        for (kind, n) in count_by_kind(routed.into_iter()) {
+            metrics::messages_routed(shared.pipeline, kind, n);
         }
     }
 
@@ -354,6 +360,18 @@ async fn process<D: Domain>(
     }
 }
 
+/// How many of each kind, in first-seen order (a handful of kinds per batch at most).
+fn count_by_kind(kinds: impl Iterator<Item = &'static str>) -> Vec<(&'static str, u64)> {
+    let mut counts: Vec<(&'static str, u64)> = Vec::new();
+    for kind in kinds {
+        match counts.iter_mut().find(|(k, _)| *k == kind) {
+            Some((_, n)) => *n += 1,
+            None => counts.push((kind, 1)),
+        }
+    }
+    counts
+}
+
 /// The DLQ requeue delay (backon): 200 ms doubling per consecutive failure up to 30 s, each
 /// with up to 100% jitter on top.
 fn dlq_backoff(failures: u32) -> Duration {
@@ -376,8 +394,8 @@ async fn insert_isolating<D: Domain>(
     shared: &Arc<Shared<D>>,
     records: Vec<(usize, &D::Record)>,
     batch_id: &str,
-) -> Vec<(usize, Inserted)> {
-    let mut out = Vec::with_capacity(records.len());
+) -> Vec<(Vec<usize>, Result<(), DbError>)> {
+    let mut out = Vec::new();
     if records.is_empty() {
         return out;
     }
@@ -387,7 +405,7 @@ async fn insert_isolating<D: Domain>(
     while let Some(group) = stack.pop() {
         let refs: Vec<&D::Record> = group.iter().map(|(_, r)| *r).collect();
         match insert_retrying(shared, &refs, deadline, batch_id).await {
-            Ok(_) => out.extend(group.into_iter().map(|(i, _)| (i, Inserted::Yes))),
+            Ok(_) => out.push((group.into_iter().map(|(i, _)| i).collect(), Ok(()))),
             Err(e) if e.class() == ErrorClass::Permanent && group.len() > 1 => {
                 splits += 1;
                 let mut left = group;
@@ -395,14 +413,7 @@ async fn insert_isolating<D: Domain>(
                 stack.push(right);
                 stack.push(left);
             }
-            Err(e) => {
-                let failed = e.clone();
-                out.extend(
-                    group
-                        .into_iter()
-                        .map(|(i, _)| (i, Inserted::Failed(failed.clone()))),
-                );
-            }
+            Err(e) => out.push((group.into_iter().map(|(i, _)| i).collect(), Err(e))),
         }
     }
     if splits > 0 {
