@@ -956,14 +956,14 @@ pub async fn install_fault(env: &TestEnv, count: CountAttempts) {
     env.db
         .batch_execute(&format!(
             r#"
-            CREATE TABLE {s}.fault_flag (active boolean NOT NULL);
+            CREATE TABLE {s}.fault_flag (active boolean NOT NULL, sqlstate text NOT NULL DEFAULT '40001');
             INSERT INTO {s}.fault_flag VALUES (true);
             {counting}
             CREATE FUNCTION {s}.fail_while_flagged() RETURNS trigger LANGUAGE plpgsql AS $f$
             BEGIN
                 IF (SELECT active FROM {s}.fault_flag) THEN
-                    RAISE EXCEPTION 'injected transient failure'
-                        USING ERRCODE = 'serialization_failure';
+                    RAISE EXCEPTION 'injected failure'
+                        USING ERRCODE = (SELECT sqlstate FROM {s}.fault_flag);
                 END IF;
                 RETURN NULL;
             END $f$;
@@ -973,6 +973,17 @@ pub async fn install_fault(env: &TestEnv, count: CountAttempts) {
         ))
         .await
         .expect("install the fault triggers");
+}
+
+/// Makes the fault raise `sqlstate` instead of 40001 (for example 42501, a systemic error).
+pub async fn set_fault_sqlstate(env: &TestEnv, sqlstate: &str) {
+    env.db
+        .execute(
+            &format!("UPDATE {}.fault_flag SET sqlstate = $1", env.schema),
+            &[&sqlstate],
+        )
+        .await
+        .expect("set the fault's SQLSTATE");
 }
 
 /// Clears the fault: inserts succeed from now on.
