@@ -4,13 +4,13 @@
 # the first row committed to the last), warren's peak RSS and CPU time, and the same drain by a
 # minimal lapin consumer without a database (examples/broker_baseline.rs) for comparison. Uses its own queue names
 # (warren_bench_*) and schema (warren_bench); re-runs purge them first.
-#   scripts/bench.sh [N] [extra settings as KEY=VALUE ...]
+#   scripts/bench.sh [N] [extra settings as KEY=VALUE ...]   (WARREN_BIN=path measures another build)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 N="${1:-200000}"; shift || true
 ./scripts/setup.sh >/dev/null 2>&1 || ./scripts/setup.sh
 cargo build --release -q --bins --examples
-BIN=target/release/warren
+BIN="${WARREN_BIN:-target/release/warren}"
 
 export MAIN_EXCHANGE=warren_bench_exchange MAIN_QUEUE=warren_bench_queue
 export RETRY_EXCHANGE=warren_bench_retry_exchange RETRY_QUEUE=warren_bench_retry
