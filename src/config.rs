@@ -31,10 +31,18 @@ pub struct Settings {
     pub database_schema: String,
     /// Pool size; at least the batch concurrency so batches never wait for a connection.
     pub database_pool_size: usize,
+    /// Server-side `statement_timeout` of warren's sessions; the client gives up on a statement
+    /// this long plus a margin after sending it, so a half-open connection cannot hang a batch.
+    pub database_statement_timeout_ms: u64,
+    /// Connections of the HTTP API's own pool, so API traffic can never starve the pipeline.
+    pub api_pool_size: usize,
     /// Redis for the instance registry and remote control.
     pub redis_url: String,
     /// Prefix of every Redis key, so several deployments share one Redis.
     pub redis_prefix: String,
+    /// Shared secret that signs remote-control commands (HMAC-SHA256); empty = unsigned
+    /// commands are accepted, with a warning at start.
+    pub control_secret: String,
     /// Registry heartbeat period (the entry's TTL is 30 s).
     pub registry_heartbeat_ms: u64,
     /// HTTP API listen address.
@@ -59,6 +67,9 @@ pub struct Settings {
     pub retry_ttl_ms: u64,
     /// Retries before a message is dead-lettered as `retries_exhausted`.
     pub max_retries: u32,
+    /// Attempts the DLQ consumer makes at a message whose insert keeps failing with a database
+    /// error before it parks it, so no message loops in the DLQ forever.
+    pub dlq_max_attempts: u32,
     /// Flush a batch at this many messages.
     pub users_batch_size: usize,
     /// Flush a batch this long after its first message.
@@ -118,6 +129,8 @@ enum Rule {
     Ident,
     Roles,
     OneOf(&'static [&'static str]),
+    /// Any string, never shown in errors or `warren config`.
+    Secret,
 }
 
 /// Every setting and its rule, in the order of `config/default.toml`.
@@ -134,8 +147,17 @@ const RULES: &[(&str, Rule)] = &[
     ("database_url", Rule::Url(&["postgres", "postgresql"])),
     ("database_schema", Rule::Ident),
     ("database_pool_size", Rule::Int { min: 1, max: 256 }),
+    (
+        "database_statement_timeout_ms",
+        Rule::Int {
+            min: 100,
+            max: 3_600_000,
+        },
+    ),
+    ("api_pool_size", Rule::Int { min: 1, max: 64 }),
     ("redis_url", Rule::Url(&["redis", "rediss"])),
     ("redis_prefix", Rule::Name),
+    ("control_secret", Rule::Secret),
     (
         "registry_heartbeat_ms",
         Rule::Int {
@@ -160,6 +182,7 @@ const RULES: &[(&str, Rule)] = &[
         },
     ),
     ("max_retries", Rule::Int { min: 0, max: 100 }),
+    ("dlq_max_attempts", Rule::Int { min: 1, max: 1000 }),
     (
         "users_batch_size",
         Rule::Int {
@@ -280,11 +303,31 @@ impl Settings {
             let keys: Vec<&str> = RULES.iter().map(|(k, _)| *k).collect();
             figment = figment.merge(Env::raw().only(&keys));
         }
-        let overrides: BTreeMap<String, Value> = sources
+        let mut overrides: BTreeMap<String, Value> = sources
             .overrides
             .iter()
-            .map(|(k, v)| (k.clone(), parse_raw(v)))
+            .map(|(k, v)| {
+                let secret = RULES.iter().any(|(key, r)| key == k && matches!(r, Rule::Secret));
+                let value = if secret {
+                    Value::from(v.clone())
+                } else {
+                    parse_raw(v)
+                };
+                (k.clone(), value)
+            })
             .collect();
+        // A secret is text even when it looks like a number (the environment parser would
+        // turn "123" into one).
+        if sources.use_env {
+            for (key, rule) in RULES {
+                if matches!(rule, Rule::Secret)
+                    && !overrides.contains_key(*key)
+                    && let Ok(raw) = std::env::var(key.to_ascii_uppercase())
+                {
+                    overrides.insert(key.to_string(), Value::from(raw));
+                }
+            }
+        }
         figment = figment.merge(Serialized::defaults(overrides));
 
         for (key, rule) in RULES {
@@ -379,6 +422,9 @@ impl Settings {
         shown.amqp_url = redact_url(&shown.amqp_url);
         shown.database_url = redact_url(&shown.database_url);
         shown.redis_url = redact_url(&shown.redis_url);
+        if !shown.control_secret.is_empty() {
+            shown.control_secret = "***".into();
+        }
         toml::to_string(&shown).unwrap_or_else(|e| format!("# cannot render settings: {e}\n"))
     }
 }
@@ -513,6 +559,15 @@ fn check(key: &str, rule: &Rule, value: &Value) -> Result<(), ConfigError> {
                     "a comma-separated subset of {}",
                     ROLES.join(",")
                 )));
+            }
+        }
+        Rule::Secret => {
+            if !matches!(value, Value::String(..)) {
+                return Err(ConfigError::Invalid {
+                    setting: key.to_ascii_uppercase(),
+                    expected: "a string".into(),
+                    got: "a value of another type (not shown)".into(),
+                });
             }
         }
         Rule::OneOf(choices) => {
