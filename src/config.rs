@@ -122,7 +122,10 @@ pub enum ConfigError {
 
 /// What a setting accepts.
 enum Rule {
-    Int { min: u64, max: u64 },
+    Int {
+        min: u64,
+        max: u64,
+    },
     Url(&'static [&'static str]),
     Addr,
     Name,
@@ -307,7 +310,9 @@ impl Settings {
             .overrides
             .iter()
             .map(|(k, v)| {
-                let secret = RULES.iter().any(|(key, r)| key == k && matches!(r, Rule::Secret));
+                let secret = RULES
+                    .iter()
+                    .any(|(key, r)| key == k && matches!(r, Rule::Secret));
                 let value = if secret {
                     Value::from(v.clone())
                 } else {

@@ -32,6 +32,8 @@ pub const HTTP_REQUESTS: &str = "warren_http_requests_total";
 pub const HTTP_REQUEST_SECONDS: &str = "warren_http_request_seconds";
 pub const BUILD_INFO: &str = "warren_build_info";
 pub const BREAKER_OPEN: &str = "warren_breaker_open";
+pub const CONSUMER_RESTARTS: &str = "warren_consumer_restarts_total";
+pub const REQUEUED: &str = "warren_messages_requeued_total";
 
 /// Process-wide counts, for the Redis registry and the shutdown record (the Prometheus
 /// recorder cannot be read back).
@@ -170,7 +172,28 @@ fn describe() {
         BREAKER_OPEN,
         "1 while the sink-outage breaker holds the pipeline's consumer."
     );
+    describe_counter!(
+        CONSUMER_RESTARTS,
+        "Consumer links rebuilt, by pipeline and reason (connection_lost, cancelled, stuck, \
+         parse_error); each rebuild after a short-lived link waits a growing backoff."
+    );
+    describe_counter!(
+        REQUEUED,
+        "Messages given back to their queue (nack with requeue) after a backoff, by pipeline and \
+         reason (publish_failed: a retry or dead-letter republish was not confirmed; db_unavailable: \
+         the DLQ consumer found no database)."
+    );
     gauge!(BUILD_INFO, "version" => env!("CARGO_PKG_VERSION")).set(1.0);
+}
+
+/// A pipeline's consumer link is rebuilt, for `reason`.
+pub fn consumer_restart(pipeline: &'static str, reason: &'static str) {
+    counter!(CONSUMER_RESTARTS, "pipeline" => pipeline, "reason" => reason).increment(1);
+}
+
+/// `n` messages of a pipeline are given back to their queue, for `reason`.
+pub fn requeued(pipeline: &'static str, reason: &'static str, n: u64) {
+    counter!(REQUEUED, "pipeline" => pipeline, "reason" => reason).increment(n);
 }
 
 /// The received counter of a pipeline, resolved once (it is hit per message).
@@ -253,9 +276,10 @@ pub fn message_routed(pipeline: &'static str, kind: &'static str, message: &Deli
     }
 }
 
-/// `n` messages of one batch were republished as `kind` (`retry` or an `x-error-kind`).
+/// `n` messages of one batch were republished as `kind` (`retry`, `dlq_retry` or an
+/// `x-error-kind`).
 pub fn messages_routed(pipeline: &'static str, kind: &'static str, n: u64) {
-    if kind == "retry" {
+    if kind == "retry" || kind == "dlq_retry" {
         counter!(RETRIED, "pipeline" => pipeline, "reason" => "db_transient").increment(n);
         STATS.retried.fetch_add(n, Ordering::Relaxed);
     } else {
@@ -324,13 +348,26 @@ pub fn preregister(pipelines: &[&'static str]) {
             "invalid_json",
             "invalid_payload",
             "db_permanent",
+            "id_conflict",
             "retries_exhausted",
         ] {
             counter!(DEAD_LETTERED, "pipeline" => *p, "kind" => kind).absolute(0);
         }
+        for reason in ["publish_failed", "db_unavailable"] {
+            counter!(REQUEUED, "pipeline" => *p, "reason" => reason).absolute(0);
+        }
+        for reason in ["connection_lost", "cancelled", "stuck", "parse_error"] {
+            counter!(CONSUMER_RESTARTS, "pipeline" => *p, "reason" => reason).absolute(0);
+        }
         gauge!(BREAKER_OPEN, "pipeline" => *p).set(0.0);
     }
-    for kind in ["invalid_json", "invalid_payload", "db_permanent"] {
+    for kind in [
+        "invalid_json",
+        "invalid_payload",
+        "db_permanent",
+        "id_conflict",
+        "retries_exhausted",
+    ] {
         counter!(PARKED, "kind" => kind).absolute(0);
     }
     for outcome in [

@@ -269,3 +269,47 @@ async fn unusable_x_retries_count_as_zero_and_are_rewritten_as_integers() {
     assert_queue_empty(&env, &env.retry_queue).await;
     assert_eq!(env.count_rows().await, 0);
 }
+
+/// A delivery whose properties are not valid UTF-8 (a foreign publisher's Latin-1 message-id,
+/// reply-to and content-type; the broker accepts any bytes) used to make the AMQP client fail
+/// the connection: the message went back to the head of the queue and nothing behind it was
+/// ever inserted. Now it is delivered like any other (its body is a valid user: inserted), and
+/// everything behind it flows, without a single reconnect.
+#[tokio::test(flavor = "multi_thread")]
+async fn undecodable_properties_do_not_stall_the_queue() {
+    let env = TestEnv::new("bad_props").await;
+    env.declare();
+    let mut warren = env.start(&["--roles", "consumer"]);
+    let _logs = LogsOnPanic(vec![warren.log.clone()]);
+
+    let first = Uuid::new_v4();
+    let props = raw_amqp::RawProperties {
+        content_type: Some(b"application/json; charset=\xe9".to_vec()),
+        reply_to: Some(b"r\xff\xfe".to_vec()),
+        message_id: Some(b"caf\xe9-\xff".to_vec()),
+        delivery_mode: Some(2),
+    };
+    raw_amqp::publish(
+        &amqp_url(),
+        &env.main_exchange,
+        &env.main_queue,
+        &props,
+        &user_body(first),
+    )
+    .await
+    .expect("raw publish");
+    let behind = env.publish_users(200).await;
+
+    let mut expected: std::collections::HashSet<Uuid> = behind.into_iter().collect();
+    expected.insert(first);
+    assert_rows_exactly(&env, &expected, Duration::from_secs(30), &|| warren.logs()).await;
+    assert_queue_empty(&env, &env.main_queue).await;
+    let reconnects = try_metric(&env, "warren_reconnects_total", &[("target", "amqp")])
+        .await
+        .unwrap_or(0.0);
+    assert_eq!(
+        reconnects, 0.0,
+        "the consumer reconnected {reconnects} times"
+    );
+    warren.terminate_ok(Duration::from_secs(20));
+}

@@ -40,25 +40,6 @@ async fn consumers_of(queue: &str) -> Vec<BrokerConsumer> {
     .collect()
 }
 
-/// (ready, unacknowledged) messages of `queue`, from `rabbitmqctl list_queues`.
-async fn queue_counts(queue: &str) -> (u64, u64) {
-    let rows = rabbitmqctl_rows(&[
-        "list_queues",
-        "name",
-        "messages_ready",
-        "messages_unacknowledged",
-    ])
-    .await;
-    let row = rows
-        .iter()
-        .find(|row| row["name"].as_str() == Some(queue))
-        .unwrap_or_else(|| panic!("queue {queue} does not exist"));
-    (
-        row["messages_ready"].as_u64().unwrap_or(u64::MAX),
-        row["messages_unacknowledged"].as_u64().unwrap_or(u64::MAX),
-    )
-}
-
 /// Waits until exactly one consumer (warren's) is on `queue` with a tag other than `old`, and
 /// returns it: proof that warren (re)subscribed.
 async fn wait_new_consumer(queue: &str, old: Option<&str>, timeout: Duration) -> BrokerConsumer {

@@ -165,3 +165,141 @@ async fn a_60_s_database_outage_holds_messages_in_the_queue_and_loses_none() {
     assert!(warren.terminate(Duration::from_secs(25)).success());
     assert_eq!(env.queue_state(&env.main_queue).await, (0, 0));
 }
+
+/// A hold survives a broker reconnect. With the breaker open (the database cut), warren's link
+/// to the broker is cut and restored: the new link must not subscribe while the breaker holds,
+/// so no prefetch window is taken and no message spends a retry. Before, the reconnect consumed
+/// at once and sent a whole window through the retry queue.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_breaker_hold_survives_a_broker_reconnect() {
+    let pg = TcpProxy::start(&database_url(), 5432).await;
+    let amqp = TcpProxy::start(&amqp_url(), 5672).await;
+    let mut env = TestEnv::new("hold_reconnect").await;
+    env.set("DATABASE_URL", pg.url())
+        .set("AMQP_URL", amqp.url())
+        .set("DB_RETRY_WINDOW_MS", "0")
+        .set("BREAKER_FAILURES", "1")
+        .set("RETRY_TTL_MS", "500")
+        .set("PREFETCH", "100");
+    env.declare();
+    let mut warren = env.start(&["--roles", "consumer"]);
+    let _logs = LogsOnPanic(vec![warren.log.clone()]);
+    let first = env.publish_users(1).await;
+    let mut expected: HashSet<Uuid> = first.into_iter().collect();
+    wait_until("the first row", Duration::from_secs(20), || async {
+        env.count_rows().await == 1
+    })
+    .await;
+
+    // The database goes away: one message fails, the breaker opens and holds the consumer.
+    pg.cut();
+    expected.extend(env.publish_users(1).await);
+    wait_until("the breaker open", Duration::from_secs(30), || async {
+        try_metric(&env, "warren_breaker_open", &[("pipeline", "main")]).await == Some(1.0)
+    })
+    .await;
+    let retried_before = metric(
+        &env,
+        "warren_messages_retried_total",
+        &[("pipeline", "main")],
+    )
+    .await;
+    let held = env.publish_users(300).await;
+    expected.extend(held.iter().copied());
+
+    // The broker link is cut and comes back while the breaker still holds.
+    let before = amqp_reconnects(&env).await;
+    amqp.cut();
+    amqp.restore();
+    wait_until(
+        "the consumer reconnected",
+        Duration::from_secs(30),
+        || async { amqp_reconnects(&env).await > before },
+    )
+    .await;
+    // The sentinel: a message published after the reconnect is still ready, like the 300.
+    env.publish_users(1).await.into_iter().for_each(|id| {
+        expected.insert(id);
+    });
+    // 300 + the sentinel + the message that failed when the breaker opened (back from the
+    // retry queue after its TTL, or still there).
+    let (ready, unacked) = queue_counts(&env.main_queue).await;
+    let (retrying, _) = queue_counts(&env.retry_queue).await;
+    let consumers = env.queue_state(&env.main_queue).await.1;
+    assert_eq!(
+        (ready + retrying, unacked, consumers),
+        (302, 0, 0),
+        "deliveries taken (or a consumer subscribed) while the breaker held; log:\n{}",
+        warren.logs()
+    );
+    let retried = metric(
+        &env,
+        "warren_messages_retried_total",
+        &[("pipeline", "main")],
+    )
+    .await;
+    assert_eq!(retried, retried_before, "retries spent during the hold");
+
+    // The database is back: the breaker closes and everything lands once.
+    pg.restore();
+    assert_rows_exactly(&env, &expected, Duration::from_secs(60), &|| warren.logs()).await;
+    assert!(warren.terminate(Duration::from_secs(25)).success());
+    assert_eq!(env.queue_state(&env.main_queue).await, (0, 0));
+    assert_eq!(env.queue_state(&env.dlq_queue).await.0, 0);
+}
+
+/// A half-open database connection (the link goes silent without closing, as a partition
+/// leaves it) used to hang a batch for the kernel's ~15 minutes of retransmissions, holding its
+/// acks, with the breaker never opening. Now the client-side bound on each statement fails it
+/// within seconds as a transient error: the breaker opens, and after the link is back every row
+/// lands once.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_half_open_database_connection_fails_within_seconds() {
+    let pg = TcpProxy::start(&database_url(), 5432).await;
+    let mut env = TestEnv::new("pg_half_open").await;
+    env.set("DATABASE_URL", pg.url())
+        .set("DATABASE_STATEMENT_TIMEOUT_MS", "1000")
+        .set("DB_RETRY_WINDOW_MS", "0")
+        .set("BREAKER_FAILURES", "1")
+        .set("RETRY_TTL_MS", "1000");
+    env.declare();
+    let mut warren = env.start(&["--roles", "consumer"]);
+    let _logs = LogsOnPanic(vec![warren.log.clone()]);
+    let mut expected: HashSet<Uuid> = env.publish_users(10).await.into_iter().collect();
+    assert_rows_exactly(&env, &expected, Duration::from_secs(20), &|| warren.logs()).await;
+
+    pg.freeze();
+    let frozen_at = Instant::now();
+    expected.extend(env.publish_users(10).await);
+    wait_until(
+        "the breaker open after the silent link",
+        Duration::from_secs(30),
+        || async {
+            try_metric(&env, "warren_breaker_open", &[("pipeline", "main")]).await == Some(1.0)
+        },
+    )
+    .await;
+    let took = frozen_at.elapsed();
+    assert!(
+        took < Duration::from_secs(20),
+        "the breaker opened only after {took:?}"
+    );
+    assert!(
+        warren.logs().contains("no answer from the database within"),
+        "log:\n{}",
+        warren.logs()
+    );
+
+    pg.thaw();
+    assert_rows_exactly(&env, &expected, Duration::from_secs(60), &|| warren.logs()).await;
+    assert!(warren.terminate(Duration::from_secs(25)).success());
+    assert_eq!(env.queue_state(&env.main_queue).await, (0, 0));
+    assert_eq!(env.queue_state(&env.dlq_queue).await.0, 0);
+}
+
+/// AMQP reconnections counted by the env's warren.
+async fn amqp_reconnects(env: &TestEnv) -> f64 {
+    try_metric(env, "warren_reconnects_total", &[("target", "amqp")])
+        .await
+        .unwrap_or(0.0)
+}

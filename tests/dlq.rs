@@ -64,14 +64,15 @@ async fn wait_inserted_and_dlq_empty(env: &TestEnv, id: Uuid) {
     .await;
 }
 
-/// The `delay_ms` of every "requeueing the DLQ batch after a backoff" line of a JSON log.
+/// The `delay_ms` of every "... after a backoff" line of a JSON log (a DLQ batch tried again
+/// later, or given back to its queue).
 fn requeue_delays(log: &str) -> Vec<u64> {
     log.lines()
         .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
         .filter(|v| {
             v["message"]
                 .as_str()
-                .is_some_and(|m| m.contains("requeueing the DLQ batch"))
+                .is_some_and(|m| m.contains("after a backoff"))
         })
         .map(|v| {
             v["delay_ms"]
@@ -191,7 +192,9 @@ async fn invalid_and_permanently_refused_dlq_messages_are_parked() {
 #[tokio::test(flavor = "multi_thread")]
 async fn a_dlq_message_is_requeued_with_a_growing_backoff_while_the_database_fails() {
     let mut env = TestEnv::new("dlq_backoff").await;
-    env.set("DB_RETRY_WINDOW_MS", "0").set("LOG_FORMAT", "json");
+    env.set("DB_RETRY_WINDOW_MS", "0")
+        .set("LOG_FORMAT", "json")
+        .set("DLQ_MAX_ATTEMPTS", "50");
     env.declare();
     install_fault(&env, CountAttempts::Yes).await;
     let id = Uuid::new_v4();
@@ -245,4 +248,158 @@ async fn a_dlq_message_is_requeued_with_a_growing_backoff_while_the_database_fai
     stop_with_everything_acked(&env, &mut warren).await;
     assert_eq!(parked_count(&env).await, 0);
     assert_eq!(env.count_rows().await, 1);
+}
+
+/// NUL bytes (which PostgreSQL's text and jsonb cannot hold) in the message id, a header key, a
+/// header value and the reason: the park statement used to be refused, and the whole park set,
+/// innocent messages with it, was requeued forever. Now the text is escaped and every message of
+/// the set is parked, with a sentinel row inserted behind them.
+#[tokio::test(flavor = "multi_thread")]
+async fn text_postgresql_cannot_store_is_escaped_and_parking_never_blocks() {
+    let env = TestEnv::new("dlq_nul").await;
+    env.declare();
+    let nul_props = with_header(
+        with_header(
+            dead_letter_props("nul\0id", "invalid_json", 0, "reason with \0 inside"),
+            "x-note\0key",
+            long_string("value\0with nul"),
+        ),
+        "x-long",
+        long_string(&"r".repeat(5000)),
+    );
+    env.publish_to_dlq(b"\0{not json", nul_props).await;
+    let innocent: Vec<String> = (0..5).map(|i| format!("innocent-{i}")).collect();
+    for label in &innocent {
+        env.publish_to_dlq(b"{not json", dead_lettered(label, "invalid_json", 0))
+            .await;
+    }
+    let sentinel = Uuid::new_v4();
+    publish_exhausted_user(&env, sentinel).await;
+
+    let mut warren = env.start(&["--roles", "dlq"]);
+    wait_until(
+        "6 parked and the sentinel row",
+        Duration::from_secs(30),
+        || async { parked_count(&env).await == 6 && env.row_ids().await.contains(&sentinel) },
+    )
+    .await;
+    stop_with_everything_acked(&env, &mut warren).await;
+    let row = env
+        .db
+        .query_one(
+            "SELECT message_id, headers, body FROM dead_letters WHERE message_id LIKE 'nul%'",
+            &[],
+        )
+        .await
+        .expect("the NUL message parked with its id");
+    assert_eq!(row.get::<_, String>(0), "nul\\u0000id");
+    let headers: serde_json::Value = row.get(1);
+    assert_eq!(
+        headers["x-note\\u0000key"], "value\\u0000with nul",
+        "{headers}"
+    );
+    assert_eq!(
+        row.get::<_, Vec<u8>>(2),
+        b"\0{not json",
+        "body kept byte for byte"
+    );
+}
+
+/// A row the parking table itself refuses (a trigger on dead_letters refusing one message's
+/// headers) does not block the others: the set is parked row by row, and the refused row is
+/// parked as its raw body and reason alone.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_refused_park_row_is_split_off_and_parked_bare() {
+    let env = TestEnv::new("dlq_refused_row").await;
+    env.declare();
+    let s = &env.schema;
+    env.db
+        .batch_execute(&format!(
+            r#"
+            CREATE FUNCTION {s}.refuse_marked() RETURNS trigger LANGUAGE plpgsql AS $f$
+            BEGIN
+                IF NEW.headers ? 'x-refuse-me' THEN
+                    RAISE EXCEPTION 'refused by a trigger' USING ERRCODE = 'P0001';
+                END IF;
+                RETURN NEW;
+            END $f$;
+            CREATE TRIGGER dead_letters_refuse BEFORE INSERT ON {s}.dead_letters
+                FOR EACH ROW EXECUTE FUNCTION {s}.refuse_marked();
+            "#
+        ))
+        .await
+        .expect("install the trigger");
+    let marked = with_header(
+        dead_lettered("marked", "invalid_json", 0),
+        "x-refuse-me",
+        long_string("yes"),
+    );
+    env.publish_to_dlq(b"marked body", marked).await;
+    for i in 0..4 {
+        env.publish_to_dlq(
+            b"{not json",
+            dead_lettered(&format!("plain-{i}"), "invalid_json", 0),
+        )
+        .await;
+    }
+    let mut warren = env.start(&["--roles", "dlq"]);
+    wait_until("5 parked", Duration::from_secs(30), || async {
+        parked_count(&env).await == 5
+    })
+    .await;
+    stop_with_everything_acked(&env, &mut warren).await;
+    let bare = env
+        .db
+        .query_one(
+            "SELECT message_id, headers, error_reason FROM dead_letters WHERE body = 'marked body'",
+            &[],
+        )
+        .await
+        .expect("the refused row, parked bare");
+    assert_eq!(bare.get::<_, Option<String>>(0), None);
+    assert_eq!(bare.get::<_, serde_json::Value>(1), serde_json::json!({}));
+    assert!(
+        bare.get::<_, String>(2)
+            .starts_with("parked without message id and headers"),
+        "{}",
+        bare.get::<_, String>(2)
+    );
+}
+
+/// Parking is idempotent: the same message parked twice (its ack lost after the park commit, so
+/// the DLQ delivers it again) is one row; parked again after a replay, its row is re-opened.
+#[tokio::test(flavor = "multi_thread")]
+async fn parking_the_same_message_twice_keeps_one_row() {
+    let env = TestEnv::new("dlq_idempotent").await;
+    env.declare();
+    for _ in 0..2 {
+        env.publish_to_dlq(b"{not json", dead_lettered("twice", "invalid_json", 0))
+            .await;
+    }
+    let mut warren = env.start(&["--roles", "dlq"]);
+    wait_until("the DLQ empty", Duration::from_secs(30), || async {
+        queue_counts(&env.dlq_queue).await == (0, 0)
+    })
+    .await;
+    assert_eq!(parked_count(&env).await, 1, "parked twice");
+    // As `warren dlq parked replay` leaves it, then the message fails and is parked once more.
+    env.db
+        .execute("UPDATE dead_letters SET replayed_at = now()", &[])
+        .await
+        .unwrap();
+    env.publish_to_dlq(b"{not json", dead_lettered("twice", "invalid_json", 0))
+        .await;
+    wait_until("re-opened", Duration::from_secs(30), || async {
+        env.db
+            .query_one(
+                "SELECT count(*) FROM dead_letters WHERE replayed_at IS NULL AND park_count = 2",
+                &[],
+            )
+            .await
+            .map(|r| r.get::<_, i64>(0) == 1)
+            .unwrap_or(false)
+    })
+    .await;
+    stop_with_everything_acked(&env, &mut warren).await;
+    assert_eq!(parked_count(&env).await, 1);
 }

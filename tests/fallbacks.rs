@@ -1,6 +1,7 @@
-//! The two endings the other files do not reach: a systemic database error (the deployment is
-//! wrong) holds the messages and never dead-letters them, and a retry republish the broker cannot
-//! route falls back to a reject, so the main queue's own DLX still keeps the message.
+//! The endings the other files do not reach: a systemic database error (the deployment is wrong)
+//! holds the messages and never dead-letters them; a retry or dead-letter republish the broker
+//! cannot route keeps the message with warren's queue (requeued after a backoff, never handed to
+//! the broker's at-most-once dead-lettering) until the route is back.
 
 mod common;
 
@@ -54,12 +55,17 @@ async fn a_systemic_error_holds_the_messages_and_never_dead_letters_them() {
     assert_eq!(env.queue_state(&env.main_queue).await, (0, 0));
 }
 
+/// A retry republish that comes back unroutable (the retry queue unbound, as during a
+/// migration) is not handed to the broker's dead-lettering: the message goes back to the main
+/// queue after a backoff, again and again, spending no retry, until the retry queue is bound
+/// again; then it goes through it and is inserted once the database recovers.
 #[tokio::test(flavor = "multi_thread")]
-async fn an_unroutable_retry_is_rejected_into_the_dlq_and_not_lost() {
+async fn an_unroutable_retry_keeps_the_message_with_warren_until_the_route_is_back() {
     let mut env = TestEnv::new("unroutable_retry").await;
     env.set("DB_RETRY_WINDOW_MS", "0")
         .set("BREAKER_FAILURES", "1000")
-        .set("PUBLISH_TIMEOUT_MS", "500");
+        .set("PUBLISH_TIMEOUT_MS", "500")
+        .set("RETRY_TTL_MS", "500");
     env.declare();
     install_fault(&env, CountAttempts::No).await;
     // The retry exchange routes nowhere: the router's mandatory republish comes back unroutable.
@@ -74,30 +80,117 @@ async fn an_unroutable_retry_is_rejected_into_the_dlq_and_not_lost() {
         .expect("unbind the retry queue");
     let id = env.publish_users(1).await[0];
     let mut warren = env.start(&["--roles", "consumer"]);
+    let _logs = LogsOnPanic(vec![warren.log.clone()]);
 
-    wait_until(
-        "the message in the DLQ",
-        Duration::from_secs(30),
-        || async { env.ready(&env.dlq_queue).await == 1 },
-    )
+    wait_until("three requeues", Duration::from_secs(30), || async {
+        try_metric(
+            &env,
+            "warren_messages_requeued_total",
+            &[("pipeline", "main"), ("reason", "publish_failed")],
+        )
+        .await
+        .unwrap_or(0.0)
+            >= 3.0
+    })
     .await;
-    let dead = env.drain_queue(&env.dlq_queue, 10).await;
-    assert_eq!(dead.len(), 1);
-    let message = &dead[0];
-    assert_eq!(message.delivery.data, user_body(id), "body kept");
-    // Dead-lettered by the broker (a reject), not republished by warren: x-death, no x-error-kind.
-    assert!(
-        header(&message.delivery.properties, "x-death").is_some(),
-        "{message:?}"
+    // Still with warren's queue: nothing in the DLQ, nothing lost, no retry spent.
+    let (ready, unacked) = queue_counts(&env.main_queue).await;
+    assert_eq!(ready + unacked, 1, "the message left the main queue");
+    assert_eq!(
+        env.ready(&env.dlq_queue).await,
+        0,
+        "dead-lettered by the broker"
     );
-    assert!(text_header(&message.delivery.properties, "x-error-kind").is_none());
     assert!(
-        warren.logs().contains("republish failed"),
+        warren.logs().contains("republish not confirmed"),
         "log:\n{}",
         warren.logs()
     );
-    assert_eq!(env.count_rows().await, 0);
-    assert_eq!(env.ready(&env.retry_queue).await, 0);
+
+    // The route is back: the message goes through the retry queue and is inserted once.
+    env.channel
+        .queue_bind(
+            env.retry_queue.as_str().into(),
+            env.retry_exchange.as_str().into(),
+            env.retry_queue.as_str().into(),
+            Default::default(),
+            FieldTable::default(),
+        )
+        .await
+        .expect("bind the retry queue again");
+    clear_fault(&env).await;
+    let expected = [id].into_iter().collect();
+    assert_rows_exactly(&env, &expected, Duration::from_secs(30), &|| warren.logs()).await;
+    assert_eq!(env.ready(&env.dlq_queue).await, 0);
     warren.terminate_ok(Duration::from_secs(30));
+    assert_eq!(env.queue_state(&env.main_queue).await, (0, 0));
+    assert_eq!(env.queue_state(&env.retry_queue).await, (0, 0));
+}
+
+/// The DLQ deleted and re-declared (what the drift advice has operators do) while warren
+/// dead-letters: each dead-letter republish comes back unroutable, the message stays with the
+/// main queue (requeued after a backoff; never rejected into the broker's at-most-once
+/// dead-lettering, which would drop it), and once the DLQ is back every one arrives there once.
+#[tokio::test(flavor = "multi_thread")]
+async fn malformed_messages_survive_the_dlq_being_deleted_and_redeclared() {
+    const N: usize = 20;
+    let mut env = TestEnv::new("dlq_gone").await;
+    env.set("PUBLISH_TIMEOUT_MS", "500");
+    env.declare();
+    let mut warren = env.start(&["--roles", "consumer"]);
+    let _logs = LogsOnPanic(vec![warren.log.clone()]);
+    env.channel
+        .queue_delete(env.dlq_queue.as_str().into(), Default::default())
+        .await
+        .expect("delete the DLQ");
+
+    let labels: Vec<String> = (0..N).map(|i| format!("malformed-{i}")).collect();
+    for label in &labels {
+        let props = lapin::BasicProperties::default().with_message_id(label.as_str().into());
+        env.publish_raw(b"{not json", props).await;
+    }
+    wait_until(
+        "every message requeued at least once",
+        Duration::from_secs(30),
+        || async {
+            try_metric(
+                &env,
+                "warren_messages_requeued_total",
+                &[("pipeline", "main"), ("reason", "publish_failed")],
+            )
+            .await
+            .unwrap_or(0.0)
+                >= N as f64
+        },
+    )
+    .await;
+    let (ready, unacked) = queue_counts(&env.main_queue).await;
+    assert_eq!(
+        (ready + unacked) as usize,
+        N,
+        "messages left the main queue while the DLQ was gone; log:\n{}",
+        warren.logs()
+    );
+
+    env.declare();
+    wait_until(
+        "every message in the DLQ",
+        Duration::from_secs(60),
+        || async { env.ready(&env.dlq_queue).await as usize >= N },
+    )
+    .await;
+    warren.terminate_ok(Duration::from_secs(30));
+    let dead = env.drain_queue(&env.dlq_queue, 100).await;
+    let mut got: Vec<String> = dead.iter().map(message_id).collect();
+    got.sort();
+    let mut want = labels.clone();
+    want.sort();
+    assert_eq!(got, want, "each malformed message once in the DLQ");
+    for m in &dead {
+        assert_eq!(
+            text_header(&m.delivery.properties, "x-error-kind").as_deref(),
+            Some("invalid_json")
+        );
+    }
     assert_eq!(env.queue_state(&env.main_queue).await, (0, 0));
 }

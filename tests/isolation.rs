@@ -1,6 +1,8 @@
 //! Row isolation: a batch the database refuses permanently (a duplicate email, SQLSTATE 23505)
 //! is split in halves until only the offending rows fail; the others are committed, the
-//! offenders go to the DLQ as `db_permanent` and no retry is spent on them.
+//! offenders go to the DLQ as `db_permanent` and no retry is spent on them. A batch refused with
+//! an unclassified code (a trigger's P0001) is split the same way once its in-place retries are
+//! spent. A message whose id is stored with other content is dead-lettered as `id_conflict`.
 
 mod common;
 
@@ -147,4 +149,195 @@ async fn duplicate_emails_in_a_batch_of_1000_are_isolated_and_dead_lettered() {
         .unwrap()
         .get(0);
     assert_eq!(stored, (N - DUPLICATES.len()) as i64);
+}
+
+/// A trigger that refuses rows whose email starts with `poison` with an unclassified SQLSTATE
+/// (P0001, raise_exception), row by row.
+async fn install_poison_trigger(env: &TestEnv) {
+    let s = &env.schema;
+    env.db
+        .batch_execute(&format!(
+            r#"
+            CREATE FUNCTION {s}.refuse_poison() RETURNS trigger LANGUAGE plpgsql AS $f$
+            BEGIN
+                IF NEW.email LIKE 'poison%' THEN
+                    RAISE EXCEPTION 'poisoned row %', NEW.id;
+                END IF;
+                RETURN NEW;
+            END $f$;
+            CREATE TRIGGER users_refuse_poison BEFORE INSERT ON {s}.users
+                FOR EACH ROW EXECUTE FUNCTION {s}.refuse_poison();
+            "#
+        ))
+        .await
+        .expect("install the poison trigger");
+}
+
+/// One row raising P0001 in a batch of 500 no longer drags the batch through the retry queue
+/// into the DLQ: the batch is split, 499 rows commit at once, and only the poisoned message goes
+/// on: retried MAX_RETRIES times, dead-lettered as retries_exhausted, then tried by the DLQ
+/// consumer DLQ_MAX_ATTEMPTS times and parked. Nothing loops, nothing is left in a queue.
+#[tokio::test(flavor = "multi_thread")]
+async fn an_unclassified_error_on_one_row_is_isolated_and_ends_parked() {
+    const N: usize = 500;
+    let mut env = TestEnv::new("isolate_p0001").await;
+    env.set("USERS_BATCH_SIZE", "500")
+        .set("USERS_BATCH_CONCURRENCY", "1")
+        .set("USERS_BATCH_TIMEOUT_MS", "2000")
+        .set("DB_RETRY_WINDOW_MS", "300")
+        .set("MAX_RETRIES", "2")
+        .set("RETRY_TTL_MS", "300")
+        .set("DLQ_MAX_ATTEMPTS", "3");
+    env.declare();
+    install_poison_trigger(&env).await;
+
+    let ids: Vec<Uuid> = (0..N).map(|_| Uuid::new_v4()).collect();
+    let poison = ids[250];
+    env.publish_pipelined(ids.iter().map(|id| {
+        let email = if *id == poison {
+            format!("poison-{id}@example.com")
+        } else {
+            format!("{id}@example.com")
+        };
+        (body(*id, &email), json_props(*id))
+    }))
+    .await;
+    let mut warren = env.start(&["--roles", "consumer,dlq"]);
+    let _logs = LogsOnPanic(vec![warren.log.clone()]);
+
+    let innocent: HashSet<Uuid> = ids.iter().copied().filter(|id| *id != poison).collect();
+    assert_rows_exactly(&env, &innocent, Duration::from_secs(30), &|| warren.logs()).await;
+    // The innocent rows were committed by the first batch: no retry was spent on them.
+    let parked = wait_parked(&env, 1).await;
+    assert_eq!(parked[0].0, poison.to_string());
+    assert_eq!(parked[0].1, "retries_exhausted");
+    assert!(
+        parked[0].2.contains("P0001") && parked[0].2.contains("gave up after 3 attempts"),
+        "{:?}",
+        parked[0].2
+    );
+    let retried = metric(
+        &env,
+        "warren_messages_retried_total",
+        &[("pipeline", "main")],
+    )
+    .await;
+    assert_eq!(
+        retried, 2.0,
+        "only the poisoned message is retried, MAX_RETRIES times"
+    );
+    for q in [&env.main_queue, &env.retry_queue, &env.dlq_queue] {
+        assert_eq!(env.queue_state(q).await.0, 0, "{q} not empty");
+    }
+    warren.terminate_ok(Duration::from_secs(30));
+    assert_eq!(env.count_rows().await, (N - 1) as i64);
+}
+
+/// Waits until `n` rows are parked; returns (message_id, kind, reason) of each.
+async fn wait_parked(env: &TestEnv, n: i64) -> Vec<(String, String, String)> {
+    wait_until(&format!("{n} parked"), Duration::from_secs(60), || async {
+        env.db
+            .query_one("SELECT count(*) FROM dead_letters", &[])
+            .await
+            .map(|r| r.get::<_, i64>(0) >= n)
+            .unwrap_or(false)
+    })
+    .await;
+    env.db
+        .query(
+            "SELECT coalesce(message_id, ''), error_kind, error_reason FROM dead_letters ORDER BY seq",
+            &[],
+        )
+        .await
+        .expect("parked rows")
+        .iter()
+        .map(|r| (r.get(0), r.get(1), r.get(2)))
+        .collect()
+}
+
+/// The same id with another name is not "already inserted": it is dead-lettered as id_conflict
+/// with the stored row untouched, while the very same message again is an idempotent success.
+/// Both cases in one batch and across batches.
+#[tokio::test(flavor = "multi_thread")]
+async fn same_id_other_content_is_dead_lettered_as_id_conflict() {
+    let env = TestEnv::new("id_conflict").await;
+    env.declare();
+    let mut warren = env.start(&["--roles", "consumer"]);
+    let _logs = LogsOnPanic(vec![warren.log.clone()]);
+
+    let stored = Uuid::new_v4();
+    let email = format!("{stored}@example.com");
+    env.publish_raw(&body(stored, &email), json_props(stored))
+        .await;
+    wait_until("the first row", Duration::from_secs(20), || async {
+        env.count_rows().await == 1
+    })
+    .await;
+
+    // Across batches: the same message again (a duplicate delivery), and the same id renamed.
+    let renamed = format!(r#"{{"id":"{stored}","name":"someone else","email":"{email}"}}"#);
+    env.publish_raw(&body(stored, &email), json_props(stored))
+        .await;
+    env.publish_raw(renamed.as_bytes(), labelled_props("renamed"))
+        .await;
+    // In one batch: a new id twice, with two different emails.
+    let twice = Uuid::new_v4();
+    env.publish_pipelined([
+        (
+            body(twice, &format!("{twice}@example.com")),
+            labelled_props("twice-a"),
+        ),
+        (
+            body(twice, &format!("{twice}@example.org")),
+            labelled_props("twice-b"),
+        ),
+    ])
+    .await;
+
+    wait_until("2 messages in the DLQ", Duration::from_secs(20), || async {
+        env.queue_state(&env.dlq_queue).await.0 == 2
+    })
+    .await;
+    let dead = env.drain_queue(&env.dlq_queue, 10).await;
+    let mut labels: Vec<(String, String, String)> = dead
+        .iter()
+        .map(|m| {
+            let p = &m.delivery.properties;
+            (
+                message_id(m),
+                text_header(p, "x-error-kind").unwrap_or_default(),
+                text_header(p, "x-error-reason").unwrap_or_default(),
+            )
+        })
+        .collect();
+    labels.sort();
+    assert_eq!(labels[0].0, "renamed");
+    assert_eq!(labels[0].1, "id_conflict");
+    assert!(labels[0].2.contains("another name"), "{:?}", labels[0]);
+    assert_eq!(labels[1].1, "id_conflict");
+    assert!(labels[1].2.contains("another email"), "{:?}", labels[1]);
+    // The stored rows are the first versions.
+    let row = env
+        .db
+        .query_one("SELECT name FROM users WHERE id = $1", &[&stored])
+        .await
+        .expect("row");
+    assert_eq!(row.get::<_, String>(0), format!("user {stored}"));
+    assert_eq!(env.count_rows().await, 2);
+    let conflicts = metric(
+        &env,
+        "warren_messages_dead_lettered_total",
+        &[("pipeline", "main"), ("kind", "id_conflict")],
+    )
+    .await;
+    assert_eq!(conflicts, 2.0);
+    warren.terminate_ok(Duration::from_secs(20));
+    assert_queue_empty(&env, &env.main_queue).await;
+}
+
+/// JSON properties with `label` as the message id.
+fn labelled_props(label: &str) -> lapin::BasicProperties {
+    lapin::BasicProperties::default()
+        .with_content_type("application/json".into())
+        .with_message_id(label.into())
 }

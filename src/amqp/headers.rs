@@ -1,5 +1,6 @@
 //! The headers warren reads and writes: `x-retries` (read robustly, always written as an
-//! integer), `x-retry-reason`, and `x-error-kind` / `x-error-reason` on dead-lettered messages.
+//! integer), `x-retry-reason`, `x-error-kind` / `x-error-reason` on dead-lettered messages (reasons
+//! capped at [`REASON_MAX`] bytes), and `x-dlq-attempts`, the DLQ consumer's own attempt count.
 
 use lapin::BasicProperties;
 use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
@@ -8,6 +9,22 @@ pub const X_RETRIES: &str = "x-retries";
 pub const X_RETRY_REASON: &str = "x-retry-reason";
 pub const X_ERROR_KIND: &str = "x-error-kind";
 pub const X_ERROR_REASON: &str = "x-error-reason";
+pub const X_DLQ_ATTEMPTS: &str = "x-dlq-attempts";
+
+/// Longest reason written to a header, in bytes (cut on a character boundary).
+pub const REASON_MAX: usize = 1024;
+
+/// `text` cut to at most `max` bytes on a character boundary, with `…` when cut.
+pub fn capped(text: &str, max: usize) -> std::borrow::Cow<'_, str> {
+    if text.len() <= max {
+        return text.into();
+    }
+    let mut cut = max.saturating_sub('…'.len_utf8());
+    while !text.is_char_boundary(cut) {
+        cut -= 1;
+    }
+    format!("{}…", &text[..cut]).into()
+}
 
 /// What reading `x-retries` found.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -31,10 +48,20 @@ impl Retries {
 
 /// Reads `x-retries`: missing is 0, any AMQP integer type is read, anything else is invalid.
 pub fn retries(properties: &BasicProperties) -> Retries {
+    count(properties, X_RETRIES)
+}
+
+/// Reads `x-dlq-attempts` the same way as `x-retries`.
+pub fn dlq_attempts(properties: &BasicProperties) -> Retries {
+    count(properties, X_DLQ_ATTEMPTS)
+}
+
+/// Reads a count header: missing is 0, any AMQP integer type is read, anything else is invalid.
+fn count(properties: &BasicProperties, key: &str) -> Retries {
     let Some(value) = properties
         .headers()
         .as_ref()
-        .and_then(|h| h.inner().get(X_RETRIES))
+        .and_then(|h| h.inner().get(key))
     else {
         return Retries::Count(0);
     };
@@ -50,8 +77,8 @@ pub fn retries(properties: &BasicProperties) -> Retries {
     };
     match n {
         Some(n) if n >= 0 => Retries::Count(n.min(u32::MAX as i128) as u32),
-        Some(n) => Retries::Invalid(format!("negative x-retries {n}")),
-        None => Retries::Invalid(format!("x-retries of unusable type: {value:?}")),
+        Some(n) => Retries::Invalid(format!("negative {key} {n}")),
+        None => Retries::Invalid(format!("{key} of unusable type: {value:?}")),
     }
 }
 
@@ -118,7 +145,7 @@ pub fn for_retry(properties: &BasicProperties, retries: u32, reason: &str) -> Ba
         properties,
         &[
             (X_RETRIES, AMQPValue::LongLongInt(retries as i64)),
-            (X_RETRY_REASON, long(reason)),
+            (X_RETRY_REASON, long(&capped(reason, REASON_MAX))),
         ],
     )
 }
@@ -135,7 +162,23 @@ pub fn for_dead_letter(
         &[
             (X_RETRIES, AMQPValue::LongLongInt(retries as i64)),
             (X_ERROR_KIND, long(kind)),
-            (X_ERROR_REASON, long(reason)),
+            (X_ERROR_REASON, long(&capped(reason, REASON_MAX))),
+        ],
+    )
+}
+
+/// Properties for a DLQ message the DLQ consumer tries again later: `x-dlq-attempts` =
+/// `attempts`, the reason of the last failure in `x-error-reason`; the rest kept.
+pub fn for_dlq_attempt(
+    properties: &BasicProperties,
+    attempts: u32,
+    reason: &str,
+) -> BasicProperties {
+    with_headers(
+        properties,
+        &[
+            (X_DLQ_ATTEMPTS, AMQPValue::LongLongInt(attempts as i64)),
+            (X_ERROR_REASON, long(&capped(reason, REASON_MAX))),
         ],
     )
 }
@@ -149,7 +192,9 @@ pub fn for_replay(properties: &BasicProperties) -> BasicProperties {
         .map(|h| {
             h.inner()
                 .iter()
-                .filter(|(k, _)| !k.as_str().starts_with("x-error-"))
+                .filter(|(k, _)| {
+                    !k.as_str().starts_with("x-error-") && k.as_str() != X_DLQ_ATTEMPTS
+                })
                 .map(|(k, v)| (k.clone(), v.clone()))
                 .collect()
         })
@@ -166,6 +211,20 @@ mod tests {
         let mut h = FieldTable::default();
         h.insert(X_RETRIES.into(), v);
         BasicProperties::default().with_headers(h)
+    }
+
+    #[test]
+    fn reasons_are_capped_on_a_character_boundary() {
+        let long_reason = "é".repeat(2000);
+        let p = for_dead_letter(&BasicProperties::default(), 0, "k", &long_reason);
+        let written = text(&p, X_ERROR_REASON).unwrap();
+        assert!(written.len() <= REASON_MAX, "{}", written.len());
+        assert!(written.ends_with('…'));
+        assert_eq!(capped("short", REASON_MAX), "short");
+        let p = for_dlq_attempt(&p, 2, &long_reason);
+        assert_eq!(dlq_attempts(&p), Retries::Count(2));
+        assert!(text(&p, X_ERROR_REASON).unwrap().len() <= REASON_MAX);
+        assert_eq!(text(&for_replay(&p), X_DLQ_ATTEMPTS), None);
     }
 
     #[test]

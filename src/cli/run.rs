@@ -116,9 +116,14 @@ pub async fn execute(
     info!(roles = %settings.roles, version = env!("CARGO_PKG_VERSION"), "warren running");
 
     let probe_pool = pool.clone();
+    let probe_settings = settings.clone();
     tokio::spawn(async move {
         loop {
-            metrics::postgres(db::ping(&probe_pool).await.is_ok());
+            metrics::postgres(
+                db::ping(&probe_pool, db::call_bound(&probe_settings))
+                    .await
+                    .is_ok(),
+            );
             tokio::time::sleep(Duration::from_secs(5)).await;
         }
     });

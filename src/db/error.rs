@@ -72,6 +72,30 @@ impl DbError {
         self.class() == ErrorClass::Transient
     }
 
+    /// Whether a row of the statement may have caused this transient-looking error, so that
+    /// splitting the batch can find that row: a code nobody classified (a trigger's P0001,
+    /// 54000, 0A000, 25006...). Known retry-the-statement codes (40 transaction rollback, 57
+    /// operator intervention, 08 connection) and server conditions (53 resources, 58 system)
+    /// are about the moment, not a row: splitting would only multiply the load. A batch failing
+    /// with an unclassified code is split like a permanent failure once its in-place retries are
+    /// spent, so only the offending row goes on.
+    pub fn may_be_row_specific(&self) -> bool {
+        match self {
+            DbError::Server { code, .. } => {
+                classify_sqlstate(code) == ErrorClass::Transient
+                    && !["08", "40", "53", "57", "58"]
+                        .iter()
+                        .any(|class| code.starts_with(class))
+            }
+            _ => false,
+        }
+    }
+
+    /// Whether the server answered (as opposed to no connection at all).
+    pub fn server_answered(&self) -> bool {
+        matches!(self, DbError::Server { .. })
+    }
+
     /// A short reason for headers and logs: `db_error: connection refused`.
     pub fn short_reason(&self) -> String {
         let text = match self {
@@ -146,6 +170,23 @@ mod tests {
         for code in ["42P01", "42501", "28P01", "28000", "3D000"] {
             assert_eq!(classify_sqlstate(code), ErrorClass::Systemic, "{code}");
         }
+    }
+
+    #[test]
+    fn only_unclassified_codes_may_be_row_specific() {
+        let server = |code: &str| DbError::Server {
+            code: code.into(),
+            message: "x".into(),
+        };
+        for code in ["P0001", "54000", "0A000", "25006"] {
+            assert!(server(code).may_be_row_specific(), "{code}");
+        }
+        for code in [
+            "08006", "53300", "57P01", "40001", "40P01", "57014", "58030", "23505",
+        ] {
+            assert!(!server(code).may_be_row_specific(), "{code}");
+        }
+        assert!(!DbError::Connection("refused".into()).may_be_row_specific());
     }
 
     #[test]

@@ -1,6 +1,7 @@
 //! PostgreSQL: the connection pool, the embedded migrations and the error classification that
 //! decides between retrying, dead-lettering and stopping.
 
+pub mod dead_letters;
 mod error;
 pub use error::{DbError, ErrorClass, classify_sqlstate};
 
@@ -24,11 +25,39 @@ pub fn pg_config(settings: &Settings) -> Result<tokio_postgres::Config, DbError>
         .database_url
         .parse()
         .map_err(|e: tokio_postgres::Error| DbError::Config(format!("DATABASE_URL: {e}")))?;
-    config.options(format!("-c search_path={}", settings.database_schema));
+    config.options(format!(
+        "-c search_path={} -c statement_timeout={}",
+        settings.database_schema, settings.database_statement_timeout_ms
+    ));
     config.application_name("warren");
     config.connect_timeout(Duration::from_secs(5));
+    // A peer that vanished (a partition, a dead host) is noticed by the kernel within about
+    // ten seconds instead of the default fifteen minutes of retransmissions.
     config.keepalives(true);
+    config.keepalives_idle(Duration::from_secs(5));
+    config.keepalives_interval(Duration::from_secs(2));
+    config.keepalives_retries(3);
+    config.tcp_user_timeout(Duration::from_secs(10));
     Ok(config)
+}
+
+/// The client-side bound on one statement: the server's `statement_timeout` plus a margin for
+/// the round trip. A statement with no answer by then is abandoned with its connection.
+pub fn call_bound(settings: &Settings) -> Duration {
+    Duration::from_millis(settings.database_statement_timeout_ms) + Duration::from_secs(2)
+}
+
+/// Gives up on `client` after its statement passed the client-side bound (a half-open link, a
+/// server that stopped answering): the connection is taken out of the pool and closed, and the
+/// error to report is a connection error (transient), not a hang.
+///
+/// Use: `match timeout(bound, work(&client)).await { Ok(r) => r, Err(_) => Err(abandon(client, bound)) }`.
+pub fn abandon(client: deadpool_postgres::Object, bound: Duration) -> DbError {
+    drop(deadpool_postgres::Object::take(client));
+    DbError::Connection(format!(
+        "no answer from the database within {} ms; the connection was dropped",
+        bound.as_millis()
+    ))
 }
 
 /// A pool that connects lazily (so warren starts while the database is down) and reconnects by
@@ -103,12 +132,11 @@ pub async fn migrate(settings: &Settings) -> Result<MigrationReport, DbError> {
     result
 }
 
-/// One cheap round trip: whether the database answers.
-pub async fn ping(pool: &Pool) -> Result<(), DbError> {
+/// One cheap round trip within `bound`: whether the database answers.
+pub async fn ping(pool: &Pool, bound: Duration) -> Result<(), DbError> {
     let client = pool.get().await.map_err(DbError::from_pool)?;
-    client
-        .simple_query("SELECT 1")
-        .await
-        .map_err(DbError::from_pg)?;
-    Ok(())
+    match tokio::time::timeout(bound, client.simple_query("SELECT 1")).await {
+        Ok(result) => result.map(|_| ()).map_err(DbError::from_pg),
+        Err(_) => Err(abandon(client, bound)),
+    }
 }

@@ -60,11 +60,26 @@ pub trait Domain: Send + Sync + 'static {
     /// Decodes and validates one body. Must not panic on any input.
     fn decode(&self, body: &[u8]) -> Result<Self::Record, Rejection>;
 
-    /// Inserts `records` with ONE statement, idempotently (a record already stored is skipped),
-    /// and returns how many rows were new. The caller commits or splits on error.
+    /// Inserts `records` with ONE statement, idempotently: a record already stored exactly as
+    /// it is counts as done. A record whose key is stored with other content is not done: it is
+    /// reported in [`Inserted::conflicts`] (dead-lettered as `id_conflict`), never dropped
+    /// silently. The caller commits or splits on error.
     fn insert<'a>(
         &'a self,
         client: &'a deadpool_postgres::Client,
         records: &'a [&'a Self::Record],
-    ) -> BoxFuture<'a, Result<u64, DbError>>;
+    ) -> BoxFuture<'a, Result<Inserted, DbError>>;
 }
+
+/// What one insert did.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Inserted {
+    /// Rows that were new.
+    pub rows: u64,
+    /// Records (by index in the slice given) whose key is already stored with other content,
+    /// each with the reason to dead-letter it with.
+    pub conflicts: Vec<(usize, String)>,
+}
+
+/// The `x-error-kind` of a record whose key is stored with other content.
+pub const ID_CONFLICT: &str = "id_conflict";

@@ -6,7 +6,9 @@ use futures::future::BoxFuture;
 use serde::{Deserialize, Serialize};
 use uuid::Uuid;
 
-use super::{Domain, Rejection};
+use std::collections::{HashMap, HashSet};
+
+use super::{Domain, Inserted, Rejection};
 use crate::db::DbError;
 
 /// Longest accepted name, in characters.
@@ -89,7 +91,10 @@ pub struct Users;
 
 const INSERT: &str = "INSERT INTO users (id, name, email) \
      SELECT * FROM UNNEST($1::uuid[], $2::text[], $3::text[]) \
-     ON CONFLICT (id) DO NOTHING";
+     ON CONFLICT (id) DO NOTHING RETURNING id";
+
+/// What is stored under ids the insert did not take (only run when there are such ids).
+const STORED: &str = "SELECT id, name, email FROM users WHERE id = ANY($1::uuid[])";
 
 impl Domain for Users {
     type Record = User;
@@ -130,7 +135,7 @@ impl Domain for Users {
         &'a self,
         client: &'a deadpool_postgres::Client,
         records: &'a [&'a User],
-    ) -> BoxFuture<'a, Result<u64, DbError>> {
+    ) -> BoxFuture<'a, Result<Inserted, DbError>> {
         async move {
             let mut ids = Vec::with_capacity(records.len());
             let mut names = Vec::with_capacity(records.len());
@@ -144,19 +149,92 @@ impl Domain for Users {
                 .prepare_cached(INSERT)
                 .await
                 .map_err(DbError::from_pg)?;
-            client
-                .execute(&statement, &[&ids, &names, &emails])
+            let new_ids = client
+                .query(&statement, &[&ids, &names, &emails])
                 .await
-                .map_err(DbError::from_pg)
+                .map_err(DbError::from_pg)?;
+            let rows = new_ids.len() as u64;
+            if new_ids.len() == records.len() {
+                return Ok(Inserted {
+                    rows,
+                    conflicts: Vec::new(),
+                });
+            }
+            // Some ids were already there (or twice in this batch): compare what is stored.
+            let taken: HashSet<Uuid> = new_ids.iter().map(|r| r.get(0)).collect();
+            let mut seen = HashSet::with_capacity(ids.len());
+            let check: Vec<Uuid> = ids
+                .iter()
+                .filter(|id| !seen.insert(**id) || !taken.contains(id))
+                .copied()
+                .collect();
+            let stored: HashMap<Uuid, (String, String)> = client
+                .query(STORED, &[&check])
+                .await
+                .map_err(DbError::from_pg)?
+                .iter()
+                .map(|r| (r.get(0), (r.get(1), r.get(2))))
+                .collect();
+            Ok(Inserted {
+                rows,
+                conflicts: conflicts(records, &stored),
+            })
         }
         .boxed()
     }
+}
+
+/// The records whose id is stored with another name or email, with the reason.
+fn conflicts(records: &[&User], stored: &HashMap<Uuid, (String, String)>) -> Vec<(usize, String)> {
+    records
+        .iter()
+        .enumerate()
+        .filter_map(|(i, r)| {
+            let (name, email) = stored.get(&r.id)?;
+            let differs: Vec<&str> = [("name", *name != r.name), ("email", *email != r.email)]
+                .into_iter()
+                .filter(|(_, d)| *d)
+                .map(|(field, _)| field)
+                .collect();
+            (!differs.is_empty()).then(|| {
+                (
+                    i,
+                    format!(
+                        "id {} is already stored with another {}",
+                        r.id,
+                        differs.join(" and ")
+                    ),
+                )
+            })
+        })
+        .collect()
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::domain::RejectKind;
+
+    #[test]
+    fn only_other_content_under_a_stored_id_is_a_conflict() {
+        let id = Uuid::new_v4();
+        let same = User {
+            id,
+            name: "Ana".into(),
+            email: "ana@example.com".into(),
+        };
+        let other = User {
+            name: "Bea".into(),
+            ..same.clone()
+        };
+        let stored = HashMap::from([(id, ("Ana".to_string(), "ana@example.com".to_string()))]);
+        assert!(conflicts(&[&same], &stored).is_empty());
+        let found = conflicts(&[&same, &other], &stored);
+        assert_eq!(found.len(), 1);
+        assert_eq!(found[0].0, 1);
+        assert!(found[0].1.ends_with("another name"), "{}", found[0].1);
+        assert!(conflicts(&[&other], &HashMap::new()).is_empty());
+    }
 
     fn decode(body: &[u8]) -> Result<User, Rejection> {
         Users.decode(body)

@@ -118,7 +118,11 @@ async fn readyz(state: web::Data<AppState>) -> HttpResponse {
         Ok(Ok(true))
     );
     let database = matches!(
-        tokio::time::timeout(Duration::from_secs(2), db::ping(&state.pool)).await,
+        tokio::time::timeout(
+            Duration::from_secs(2),
+            db::ping(&state.pool, Duration::from_secs(2))
+        )
+        .await,
         Ok(Ok(()))
     );
     let body = json!({"broker": broker, "database": database});

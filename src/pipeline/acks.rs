@@ -1,6 +1,7 @@
 //! Turns per-message settlements into as few channel operations as possible, in an order the
 //! broker accepts: one `basic.ack multiple=true` for each contiguous run of settled deliveries,
-//! rejects and requeues sent individually before any multi-ack that would cover them.
+//! requeues sent individually before any multi-ack that would cover them. There is no reject:
+//! the broker's own dead-lettering is at-most-once, so warren never hands a message to it.
 
 use std::collections::VecDeque;
 
@@ -11,8 +12,6 @@ pub enum Disposition {
     Ack,
     /// Give it back to the queue (nack with requeue).
     Requeue,
-    /// Refuse it without requeue: the broker dead-letters it through the queue's DLX.
-    Reject,
 }
 
 /// A channel operation to perform, in order.
@@ -20,8 +19,8 @@ pub enum Disposition {
 pub enum Op {
     /// `basic.ack(tag, multiple = true)`.
     AckUpTo(u64),
-    /// `basic.nack(tag, multiple = false, requeue)`.
-    Nack { tag: u64, requeue: bool },
+    /// `basic.nack(tag, multiple = false, requeue = true)`.
+    Requeue(u64),
 }
 
 /// Outstanding deliveries of one channel, in delivery order.
@@ -59,12 +58,9 @@ impl AckTracker {
         }
         match disposition {
             Disposition::Ack => self.outstanding[i].1 = Some(true),
-            Disposition::Requeue | Disposition::Reject => {
+            Disposition::Requeue => {
                 self.outstanding[i].1 = Some(false);
-                ops.push(Op::Nack {
-                    tag,
-                    requeue: disposition == Disposition::Requeue,
-                });
+                ops.push(Op::Requeue(tag));
             }
         }
         let mut ack_to = None;
@@ -134,20 +130,8 @@ mod tests {
         let mut t = tracker(3);
         let mut ops = Vec::new();
         t.settle(2, Disposition::Requeue, &mut ops);
-        t.settle(3, Disposition::Reject, &mut ops);
-        assert_eq!(
-            ops,
-            [
-                Op::Nack {
-                    tag: 2,
-                    requeue: true
-                },
-                Op::Nack {
-                    tag: 3,
-                    requeue: false
-                }
-            ]
-        );
+        t.settle(3, Disposition::Requeue, &mut ops);
+        assert_eq!(ops, [Op::Requeue(2), Op::Requeue(3)]);
         t.settle(1, Disposition::Ack, &mut ops);
         // The multi-ack names tag 1, the last acked one: 2 and 3 are already gone.
         assert_eq!(ops.last(), Some(&Op::AckUpTo(1)));
@@ -158,16 +142,10 @@ mod tests {
     fn a_run_of_nacks_only_produces_no_ack_and_repeats_are_ignored() {
         let mut t = tracker(2);
         let mut ops = Vec::new();
-        t.settle(1, Disposition::Reject, &mut ops);
+        t.settle(1, Disposition::Requeue, &mut ops);
         t.settle(1, Disposition::Ack, &mut ops);
         t.settle(9, Disposition::Ack, &mut ops);
-        assert_eq!(
-            ops,
-            [Op::Nack {
-                tag: 1,
-                requeue: false
-            }]
-        );
+        assert_eq!(ops, [Op::Requeue(1)]);
         assert_eq!(t.len(), 1);
     }
 }

@@ -16,8 +16,8 @@ use super::consumer::{Hold, HoldReason, Settle};
 use super::processor::Delivered;
 use super::router::{Route, Router};
 use crate::amqp::headers;
-use crate::db::{DbError, ErrorClass};
-use crate::domain::{Domain, Rejection};
+use crate::db::{DbError, ErrorClass, dead_letters};
+use crate::domain::{Domain, ID_CONFLICT, Inserted, Rejection};
 use crate::metrics;
 
 /// A processed message: its delivery and the decoded record, or why it was refused.
@@ -52,7 +52,7 @@ pub struct Shared<D: Domain> {
     pub db_retry_window: Duration,
     /// Set at shutdown: in-place retries give up and requeue.
     pub stopping: Arc<AtomicBool>,
-    /// Consecutive failed batches (drives the DLQ backoff and the breaker).
+    /// Consecutive batches the database took nothing of (drives the breaker).
     pub failures: AtomicU32,
     /// The consumer, held while the sink-outage breaker is open.
     pub hold: Recipient<Hold>,
@@ -60,6 +60,12 @@ pub struct Shared<D: Domain> {
     pub breaker_threshold: u32,
     /// Whether the breaker is open (a probe task is running).
     pub breaker_open: AtomicBool,
+    /// DLQ consumer: attempts at a message the database keeps refusing before it is parked.
+    pub dlq_max_attempts: u32,
+    /// Client-side bound on one statement.
+    pub db_bound: Duration,
+    /// Consecutive batches that gave messages back to their queue (drives their backoff).
+    pub requeues: AtomicU32,
 }
 
 /// Opens the sink-outage breaker once: the consumer stops taking deliveries, and a probe runs
@@ -195,6 +201,57 @@ impl<D: Domain> Handler<Drain> for Batcher<D> {
     }
 }
 
+/// How one message of a batch ends, before its settlement.
+enum Fate {
+    /// Settled as is (inserted, or already given its disposition).
+    Settled(Disposition),
+    /// Republished (retry, DLX, back to the DLQ), then acked once confirmed.
+    Route(Route),
+    /// Parked in `dead_letters` (DLQ consumer), then acked once committed.
+    Park { kind: &'static str, reason: String },
+    /// Given back to its queue after a backoff, for this reason (counted).
+    Requeue(&'static str),
+}
+
+/// Where a message that failed for `kind` goes: the main pipeline dead-letters it, the DLQ
+/// consumer parks it.
+fn refused<D: Domain>(shared: &Shared<D>, kind: &'static str, reason: String) -> Fate {
+    match shared.mode {
+        Mode::Main => Fate::Route(Route::DeadLetter { kind, reason }),
+        Mode::Dlq => Fate::Park { kind, reason },
+    }
+}
+
+/// Where a message whose insert failed with `e` goes.
+fn failed<D: Domain>(shared: &Shared<D>, message: &Delivered, e: &DbError, reason: &str) -> Fate {
+    match (e.class(), shared.mode) {
+        (ErrorClass::Permanent, _) => refused(shared, "db_permanent", reason.to_string()),
+        (ErrorClass::Transient, Mode::Main) => Fate::Route(Route::Retry {
+            reason: reason.to_string(),
+        }),
+        // The DLQ consumer counts its own attempts while the database answers with an error,
+        // and parks after the bound: no message loops in the DLQ forever.
+        (ErrorClass::Transient, Mode::Dlq) if e.server_answered() => {
+            let attempts = headers::dlq_attempts(&message.properties).count() + 1;
+            if attempts >= shared.dlq_max_attempts {
+                Fate::Park {
+                    kind: "retries_exhausted",
+                    reason: format!("the DLQ consumer gave up after {attempts} attempts: {reason}"),
+                }
+            } else {
+                Fate::Route(Route::DlqAttempt {
+                    attempts,
+                    reason: reason.to_string(),
+                })
+            }
+        }
+        // No database at all (an outage): wait, count nothing.
+        (ErrorClass::Transient, Mode::Dlq) => Fate::Requeue("db_unavailable"),
+        // Systemic errors only end here at shutdown: the message stays with the broker.
+        (ErrorClass::Systemic, _) => Fate::Settled(Disposition::Requeue),
+    }
+}
+
 /// Processes one batch and sends its settlement.
 async fn process<D: Domain>(
     shared: Arc<Shared<D>>,
@@ -203,9 +260,7 @@ async fn process<D: Domain>(
 ) {
     let started = Instant::now();
     let n = batch.len();
-    let mut dispositions: Vec<Option<Disposition>> = vec![None; n];
-    let mut routes: Vec<(usize, Route)> = Vec::new();
-    let mut parks: Vec<(usize, &'static str, String)> = Vec::new();
+    let mut fates: Vec<Option<Fate>> = (0..n).map(|_| None).collect();
     let mut valid: Vec<(usize, &D::Record)> = Vec::with_capacity(n);
 
     for (i, p) in batch.iter().enumerate() {
@@ -218,16 +273,11 @@ async fn process<D: Domain>(
                     &rejection.reason,
                     &p.delivered,
                 );
-                match shared.mode {
-                    Mode::Main => routes.push((
-                        i,
-                        Route::DeadLetter {
-                            kind: rejection.kind.as_str(),
-                            reason: rejection.reason.clone(),
-                        },
-                    )),
-                    Mode::Dlq => parks.push((i, rejection.kind.as_str(), rejection.reason.clone())),
-                }
+                fates[i] = Some(refused(
+                    &shared,
+                    rejection.kind.as_str(),
+                    rejection.reason.clone(),
+                ));
             }
         }
     }
@@ -238,41 +288,27 @@ async fn process<D: Domain>(
     let mut transient: Option<String> = None;
     // Per group of rows that ended alike: the reason is formatted once, not per message.
     for (indices, result) in results {
-        let e = match result {
-            Ok(()) => {
-                inserted += indices.len();
+        match result {
+            Ok(conflicts) => {
+                for (i, reason) in conflicts {
+                    fates[i] = Some(refused(&shared, ID_CONFLICT, reason));
+                }
                 for i in indices {
-                    dispositions[i] = Some(Disposition::Ack);
+                    if fates[i].is_none() {
+                        inserted += 1;
+                        fates[i] = Some(Fate::Settled(Disposition::Ack));
+                    }
                 }
-                continue;
             }
-            Err(e) => e,
-        };
-        let reason = e.short_reason();
-        for i in indices {
-            match (e.class(), shared.mode) {
-                (ErrorClass::Permanent, Mode::Main) => routes.push((
-                    i,
-                    Route::DeadLetter {
-                        kind: "db_permanent",
-                        reason: reason.clone(),
-                    },
-                )),
-                (ErrorClass::Permanent, Mode::Dlq) => {
-                    parks.push((i, "db_permanent", reason.clone()))
+            Err(e) => {
+                let reason = e.short_reason();
+                for i in indices {
+                    fates[i] = Some(failed(&shared, &batch[i].delivered, &e, &reason));
                 }
-                (ErrorClass::Transient, Mode::Main) => routes.push((
-                    i,
-                    Route::Retry {
-                        reason: reason.clone(),
-                    },
-                )),
-                // Systemic errors only end here at shutdown; the DLQ requeues transient ones.
-                _ => dispositions[i] = Some(Disposition::Requeue),
+                if e.class() == ErrorClass::Transient {
+                    transient.get_or_insert(reason);
+                }
             }
-        }
-        if e.class() == ErrorClass::Transient {
-            transient.get_or_insert(reason);
         }
     }
     if valid_count > 0 {
@@ -280,72 +316,78 @@ async fn process<D: Domain>(
         metrics::end_to_end(
             batch
                 .iter()
-                .zip(&dispositions)
-                .filter(|(p, d)| p.result.is_ok() && **d == Some(Disposition::Ack))
+                .zip(&fates)
+                .filter(|(_, f)| matches!(f, Some(Fate::Settled(Disposition::Ack))))
                 .filter_map(|(p, _)| *p.delivered.properties.timestamp()),
         );
     }
-    if transient.is_some() || dispositions.contains(&Some(Disposition::Requeue)) {
+    // The breaker counts batches where the database took nothing; a batch that lost one bad
+    // row and committed the rest is a sign of health.
+    if transient.is_some() && inserted == 0 {
         let failures = shared.failures.fetch_add(1, Ordering::Relaxed) + 1;
         if shared.mode == Mode::Main && failures >= shared.breaker_threshold {
             open_breaker(&shared, transient.as_deref().unwrap_or("database failing"));
         }
-    } else if valid_count > 0 {
+    } else if inserted > 0 {
         shared.failures.store(0, Ordering::Relaxed);
     }
 
-    if !parks.is_empty() {
-        let parked = park(&shared, &batch, &parks).await;
-        for (i, _, _) in &parks {
-            dispositions[*i] = Some(if parked {
-                Disposition::Ack
-            } else {
-                Disposition::Requeue
-            });
-        }
-        if parked {
-            for (kind, n) in count_by_kind(parks.iter().map(|(_, kind, _)| *kind)) {
-                metrics::messages_parked(kind, n);
-            }
-        }
-    }
+    park_all(&shared, &batch, &mut fates).await;
 
-    if !routes.is_empty() {
-        let items: Vec<(&Delivered, Route)> = routes
-            .iter()
-            .map(|(i, r)| (&batch[*i].delivered, r.clone()))
-            .collect();
-        let outcomes = shared.router.route(&items).await;
-        let mut routed = Vec::new();
-        for ((i, _), (disposition, kind)) in routes.iter().zip(outcomes) {
-            dispositions[*i] = Some(disposition);
-            if disposition == Disposition::Ack {
-                metrics::message_routed(shared.pipeline, kind, &batch[*i].delivered);
-                routed.push(kind);
-            }
-        }
-        for (kind, n) in count_by_kind(routed.into_iter()) {
-            metrics::messages_routed(shared.pipeline, kind, n);
-        }
-    }
-
-    // A DLQ batch that is requeued waits first, so an outage is never a hot loop.
-    if shared.mode == Mode::Dlq && dispositions.contains(&Some(Disposition::Requeue)) {
-        let delay = dlq_backoff(shared.failures.load(Ordering::Relaxed));
-        warn!(pipeline = shared.pipeline, batch_id = %batch_id, delay_ms = delay.as_millis() as u64,
-            "database unavailable; requeueing the DLQ batch after a backoff");
+    // What goes back (to its queue, or to the DLQ for another attempt) waits a backoff first,
+    // so a failing hop or a database that keeps refusing is never a hot loop.
+    let mut waited = false;
+    let retrying = fates
+        .iter()
+        .filter(|f| matches!(f, Some(Fate::Route(Route::DlqAttempt { .. }))))
+        .count();
+    if retrying > 0 {
+        let delay = requeue_backoff(shared.requeues.fetch_add(1, Ordering::Relaxed) + 1);
+        warn!(pipeline = shared.pipeline, batch_id = %batch_id, count = retrying,
+            delay_ms = delay.as_millis() as u64,
+            "the database refused DLQ messages; trying them again after a backoff");
         sleep_unless_stopping(&shared, delay).await;
+        waited = true;
+    }
+    route_all(&shared, &batch, &mut fates).await;
+
+    let requeued: Vec<&'static str> = fates
+        .iter()
+        .filter_map(|f| match f {
+            Some(Fate::Requeue(reason)) => Some(*reason),
+            _ => None,
+        })
+        .collect();
+    if !requeued.is_empty() {
+        let streak = if waited {
+            shared.requeues.load(Ordering::Relaxed)
+        } else {
+            shared.requeues.fetch_add(1, Ordering::Relaxed) + 1
+        };
+        let delay = requeue_backoff(streak);
+        for (reason, n) in count_by_kind(requeued.into_iter()) {
+            metrics::requeued(shared.pipeline, reason, n);
+            warn!(pipeline = shared.pipeline, batch_id = %batch_id, reason, count = n,
+                delay_ms = delay.as_millis() as u64,
+                "messages go back to their queue after a backoff");
+        }
+        if !waited {
+            sleep_unless_stopping(&shared, delay).await;
+        }
+    } else if !waited && fates.iter().all(|f| matches!(f, Some(Fate::Settled(_)))) {
+        shared.requeues.store(0, Ordering::Relaxed);
     }
 
     if let Some(reason) = transient {
-        warn!(pipeline = shared.pipeline, batch_id = %batch_id, reason = %reason, "batch failed; messages sent to the retry queue");
+        warn!(pipeline = shared.pipeline, batch_id = %batch_id, reason = %reason,
+            "batch insert failed for some rows; they went their way (retry queue, DLQ attempt or requeue)");
     }
-    let generation_items = batch.iter().zip(dispositions).map(|(p, d)| {
-        (
-            p.delivered.generation,
-            p.delivered.tag,
-            d.unwrap_or(Disposition::Requeue),
-        )
+    let generation_items = batch.iter().zip(fates).map(|(p, f)| {
+        let disposition = match f {
+            Some(Fate::Settled(d)) => d,
+            _ => Disposition::Requeue,
+        };
+        (p.delivered.generation, p.delivered.tag, disposition)
     });
     // One settle per generation present in the batch (normally exactly one).
     let mut by_generation: Vec<(u64, Vec<(u64, Disposition)>)> = Vec::new();
@@ -357,6 +399,112 @@ async fn process<D: Domain>(
     }
     for (generation, items) in by_generation {
         shared.settle.do_send(Settle { generation, items });
+    }
+}
+
+/// Parks every `Fate::Park` of the batch with one statement (row by row if refused); each
+/// becomes an ack once committed, or a requeue if the database does not take it.
+async fn park_all<D: Domain>(
+    shared: &Shared<D>,
+    batch: &[Processed<D::Record>],
+    fates: &mut [Option<Fate>],
+) {
+    let rows: Vec<(usize, dead_letters::ParkRow)> = fates
+        .iter()
+        .enumerate()
+        .filter_map(|(i, f)| match f {
+            Some(Fate::Park { kind, reason }) => {
+                let d = &batch[i].delivered;
+                Some((
+                    i,
+                    dead_letters::ParkRow {
+                        message_id: d.properties.message_id().as_ref().map(|m| m.as_str()),
+                        body: &d.body,
+                        headers: headers::to_json(&d.properties),
+                        kind,
+                        reason,
+                    },
+                ))
+            }
+            _ => None,
+        })
+        .collect();
+    if rows.is_empty() {
+        return;
+    }
+    let only: Vec<dead_letters::ParkRow> = rows.iter().map(|(_, r)| r.clone()).collect();
+    let result = dead_letters::park(&shared.pool, shared.db_bound, &only).await;
+    let kinds: Vec<&'static str> = rows
+        .iter()
+        .map(|(i, _)| match &fates[*i] {
+            Some(Fate::Park { kind, .. }) => *kind,
+            _ => "unknown",
+        })
+        .collect();
+    let indices: Vec<usize> = rows.iter().map(|(i, _)| *i).collect();
+    drop(rows);
+    match result {
+        Ok(parked) => {
+            if parked.bare > 0 {
+                warn!(
+                    pipeline = shared.pipeline,
+                    bare = parked.bare,
+                    "some messages were parked without their headers (the database refused them)"
+                );
+            }
+            for i in indices {
+                fates[i] = Some(Fate::Settled(Disposition::Ack));
+            }
+            for (kind, n) in count_by_kind(kinds.into_iter()) {
+                metrics::messages_parked(kind, n);
+            }
+        }
+        Err(e) => {
+            error!(pipeline = shared.pipeline, error = %e, count = indices.len(),
+                "cannot park messages; they go back to the DLQ");
+            for i in indices {
+                fates[i] = Some(Fate::Requeue("db_unavailable"));
+            }
+        }
+    }
+}
+
+/// Republishes every `Fate::Route` of the batch (confirmed); each becomes an ack once
+/// confirmed, or a requeue.
+async fn route_all<D: Domain>(
+    shared: &Shared<D>,
+    batch: &[Processed<D::Record>],
+    fates: &mut [Option<Fate>],
+) {
+    let routes: Vec<(usize, Route)> = fates
+        .iter()
+        .enumerate()
+        .filter_map(|(i, f)| match f {
+            Some(Fate::Route(r)) => Some((i, r.clone())),
+            _ => None,
+        })
+        .collect();
+    if routes.is_empty() {
+        return;
+    }
+    let items: Vec<(&Delivered, Route)> = routes
+        .iter()
+        .map(|(i, r)| (&batch[*i].delivered, r.clone()))
+        .collect();
+    let outcomes = shared.router.route(&items).await;
+    let mut routed = Vec::new();
+    for ((i, _), (disposition, kind)) in routes.iter().zip(outcomes) {
+        fates[*i] = Some(match disposition {
+            Disposition::Ack => {
+                metrics::message_routed(shared.pipeline, kind, &batch[*i].delivered);
+                routed.push(kind);
+                Fate::Settled(Disposition::Ack)
+            }
+            Disposition::Requeue => Fate::Requeue("publish_failed"),
+        });
+    }
+    for (kind, n) in count_by_kind(routed.into_iter()) {
+        metrics::messages_routed(shared.pipeline, kind, n);
     }
 }
 
@@ -372,11 +520,11 @@ fn count_by_kind(kinds: impl Iterator<Item = &'static str>) -> Vec<(&'static str
     counts
 }
 
-/// The DLQ requeue delay (backon): 200 ms doubling per consecutive failure up to 30 s, each
-/// with up to 100% jitter on top.
-fn dlq_backoff(failures: u32) -> Duration {
+/// The delay before messages go back to their queue (backon): 200 ms doubling per consecutive
+/// batch that requeued something, up to 30 s, each with up to 100% jitter on top.
+fn requeue_backoff(streak: u32) -> Duration {
     crate::amqp::backoff(Duration::from_millis(200), Duration::from_secs(30))
-        .nth(failures.saturating_sub(1).min(32) as usize)
+        .nth(streak.saturating_sub(1).min(32) as usize)
         .unwrap_or(Duration::from_secs(30))
 }
 
@@ -387,14 +535,19 @@ async fn sleep_unless_stopping<D: Domain>(shared: &Shared<D>, delay: Duration) {
     }
 }
 
-/// Inserts `records`, splitting a group in halves when the database refuses it permanently, so
-/// only the offending rows fail. Transient errors are retried in place within the retry window;
-/// systemic errors are retried with backoff until they clear or warren stops.
+/// Indices of a group and how its insert ended: the conflicting records (by batch index, with
+/// their reason) when it committed, or the error.
+type GroupResult = (Vec<usize>, Result<Vec<(usize, String)>, DbError>);
+
+/// Inserts `records`, splitting a group in halves when the database refuses it in a way a row
+/// may have caused (permanently, or transiently with a server error once the in-place retries
+/// are spent), so only the offending rows fail. Transient errors are retried in place within the
+/// retry window; systemic errors are retried with backoff until they clear or warren stops.
 async fn insert_isolating<D: Domain>(
     shared: &Arc<Shared<D>>,
     records: Vec<(usize, &D::Record)>,
     batch_id: &str,
-) -> Vec<(Vec<usize>, Result<(), DbError>)> {
+) -> Vec<GroupResult> {
     let mut out = Vec::new();
     if records.is_empty() {
         return out;
@@ -405,8 +558,20 @@ async fn insert_isolating<D: Domain>(
     while let Some(group) = stack.pop() {
         let refs: Vec<&D::Record> = group.iter().map(|(_, r)| *r).collect();
         match insert_retrying(shared, &refs, deadline, batch_id).await {
-            Ok(_) => out.push((group.into_iter().map(|(i, _)| i).collect(), Ok(()))),
-            Err(e) if e.class() == ErrorClass::Permanent && group.len() > 1 => {
+            Ok(done) => {
+                let conflicts = done
+                    .conflicts
+                    .into_iter()
+                    .filter_map(|(j, reason)| group.get(j).map(|(i, _)| (*i, reason)))
+                    .collect();
+                out.push((group.into_iter().map(|(i, _)| i).collect(), Ok(conflicts)));
+            }
+            Err(e)
+                if group.len() > 1
+                    && !shared.stopping.load(Ordering::Relaxed)
+                    && (e.class() == ErrorClass::Permanent
+                        || (e.class() == ErrorClass::Transient && e.may_be_row_specific())) =>
+            {
                 splits += 1;
                 let mut left = group;
                 let right = left.split_off(left.len() / 2);
@@ -426,23 +591,31 @@ async fn insert_isolating<D: Domain>(
 }
 
 /// One insert statement, retried in place: transient errors until `deadline`, systemic errors
-/// (the deployment is wrong) with backoff until they clear or warren stops.
+/// (the deployment is wrong) with backoff until they clear or warren stops. Each attempt is
+/// bounded on the client side, so a half-open connection fails it within seconds.
 async fn insert_retrying<D: Domain>(
     shared: &Arc<Shared<D>>,
     records: &[&D::Record],
     deadline: Instant,
     batch_id: &str,
-) -> Result<u64, DbError> {
+) -> Result<Inserted, DbError> {
     let mut delays = crate::amqp::reconnect_backoff();
     loop {
         let result = match shared.pool.get().await {
-            Ok(client) => shared.domain.insert(&client, records).await,
+            Ok(client) => {
+                match tokio::time::timeout(shared.db_bound, shared.domain.insert(&client, records))
+                    .await
+                {
+                    Ok(result) => result,
+                    Err(_) => Err(crate::db::abandon(client, shared.db_bound)),
+                }
+            }
             Err(e) => Err(DbError::from_pool(e)),
         };
         let e = match result {
-            Ok(n) => {
+            Ok(done) => {
                 metrics::postgres(true);
-                return Ok(n);
+                return Ok(done);
             }
             Err(e) => e,
         };
@@ -473,65 +646,20 @@ async fn insert_retrying<D: Domain>(
     }
 }
 
-/// Parks messages that can never be inserted in `dead_letters`, with one statement.
-async fn park<D: Domain>(
-    shared: &Shared<D>,
-    batch: &[Processed<D::Record>],
-    parks: &[(usize, &'static str, String)],
-) -> bool {
-    let mut ids: Vec<Option<String>> = Vec::with_capacity(parks.len());
-    let mut bodies: Vec<&[u8]> = Vec::with_capacity(parks.len());
-    let mut hdrs: Vec<serde_json::Value> = Vec::with_capacity(parks.len());
-    let mut kinds: Vec<&str> = Vec::with_capacity(parks.len());
-    let mut reasons: Vec<&str> = Vec::with_capacity(parks.len());
-    for (i, kind, reason) in parks {
-        let d = &batch[*i].delivered;
-        ids.push(
-            d.properties
-                .message_id()
-                .as_ref()
-                .map(|m| m.as_str().to_string()),
-        );
-        bodies.push(&d.body);
-        hdrs.push(headers::to_json(&d.properties));
-        kinds.push(kind);
-        reasons.push(reason);
-    }
-    let result = async {
-        let client = shared.pool.get().await.map_err(DbError::from_pool)?;
-        client
-            .execute(
-                "INSERT INTO dead_letters (message_id, body, headers, error_kind, error_reason) \
-                 SELECT * FROM UNNEST($1::text[], $2::bytea[], $3::jsonb[], $4::text[], $5::text[])",
-                &[&ids, &bodies, &hdrs, &kinds, &reasons],
-            )
-            .await
-            .map_err(DbError::from_pg)
-    }
-    .await;
-    match result {
-        Ok(_) => true,
-        Err(e) => {
-            error!(pipeline = shared.pipeline, error = %e, count = parks.len(), "cannot park messages; requeueing them");
-            false
-        }
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
 
     #[test]
-    fn dlq_backoff_grows_from_200ms_to_30s() {
-        let first = dlq_backoff(1);
+    fn requeue_backoff_grows_from_200ms_to_30s() {
+        let first = requeue_backoff(1);
         assert!(
             first >= Duration::from_millis(200) && first < Duration::from_millis(400),
             "{first:?}"
         );
-        let later = dlq_backoff(5);
+        let later = requeue_backoff(5);
         assert!(later >= Duration::from_millis(3200), "{later:?}");
-        let capped = dlq_backoff(40);
+        let capped = requeue_backoff(40);
         assert!(
             capped >= Duration::from_secs(30) && capped < Duration::from_secs(60),
             "{capped:?}"

@@ -1,9 +1,14 @@
 //! The consumer actor: owns the consuming connection and channel (qos set on every connect),
 //! hands deliveries to processors, and performs the acks and nacks the batchers decide, only on
-//! the channel that delivered them. Reconnects with backoff; a watchdog rebuilds a consumer whose
-//! channel closed or whose stream ended.
+//! the channel that delivered them. A watchdog rebuilds a consumer whose channel closed or whose
+//! stream ended; every rebuild of a link that died young waits a growing backoff first, so a
+//! link that keeps failing is never a hot loop.
+//!
+//! Subscribing (`basic.consume`) has one path, [`Consumer::maybe_subscribe`], taken only when
+//! nothing holds the pipeline (breaker, operator) and the previous window is fully settled: a
+//! hold survives a reconnect, and warren never has more than one prefetch window in memory.
 
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use actix::prelude::*;
 use futures::StreamExt;
@@ -14,7 +19,7 @@ use lapin::options::{
 use lapin::types::FieldTable;
 use lapin::{Channel, Connection};
 use tokio::sync::{mpsc, oneshot};
-use tracing::{debug, info, warn};
+use tracing::{debug, error, info, warn};
 
 use super::Drain;
 use super::acks::{AckTracker, Disposition, Op, coalesce};
@@ -64,14 +69,17 @@ pub struct Hold {
     pub on: bool,
 }
 
-/// A consumer re-subscribed on the live channel after a hold.
+/// A `basic.consume` finished on the channel of `generation`: the consumer, or why not.
 #[derive(Message)]
 #[rtype(result = "()")]
-struct Resubscribed {
+struct Subscribed {
     generation: u64,
-    consumer: lapin::Consumer,
+    result: Result<lapin::Consumer, String>,
     tag: String,
 }
+
+/// A link that lived at least this long was healthy: the next rebuild starts without delay.
+const HEALTHY_LINK: Duration = Duration::from_secs(30);
 
 /// The idle watchdog found messages waiting while nothing arrives: rebuild the consumer.
 #[derive(Message)]
@@ -81,14 +89,12 @@ struct Stuck {
     ready: u32,
 }
 
-/// What the consumer is told about its broker link.
+/// What the consumer is told about its broker link (connected, qos set, not yet consuming).
 #[derive(Message)]
 #[rtype(result = "()")]
 struct Connected {
     conn: Connection,
     channel: Channel,
-    consumer: lapin::Consumer,
-    tag: String,
 }
 
 /// The consumer stream, tagged with its generation, and its end.
@@ -127,8 +133,16 @@ pub struct Consumer {
     connection: Option<Connection>,
     channel: Option<Channel>,
     consumer_tag: Option<String>,
-    /// Numbers re-subscriptions after holds, so consumer tags stay unique.
-    resubscriptions: u64,
+    /// A `basic.consume` is under way.
+    subscribing: bool,
+    /// Numbers subscriptions, so consumer tags stay unique.
+    subscriptions: u64,
+    /// When the current link came up, to tell a young death (back off) from an old one.
+    linked_at: Option<Instant>,
+    /// Delays before rebuilding links that died young (backon), reset by a healthy link.
+    rebuild_delays: Box<dyn Iterator<Item = Duration> + Send>,
+    /// The last error the consumer stream reported, to name why the link ended.
+    last_stream_error: Option<String>,
     /// Ordered channel operations, executed by one task per channel.
     ops: Option<mpsc::UnboundedSender<Vec<Op>>>,
     ops_task: Option<tokio::task::JoinHandle<()>>,
@@ -178,7 +192,11 @@ impl Consumer {
             connection: None,
             channel: None,
             consumer_tag: None,
-            resubscriptions: 0,
+            subscribing: false,
+            subscriptions: 0,
+            linked_at: None,
+            rebuild_delays: Box::new(amqp::reconnect_backoff()),
+            last_stream_error: None,
             ops: None,
             ops_task: None,
             tracker: AckTracker::default(),
@@ -205,24 +223,18 @@ impl Consumer {
         let settings = self.settings.clone();
         let config = self.config.clone();
         let addr = ctx.address();
-        let next_generation = self.generation + 1;
+        let first_delay = self.rebuild_delay();
         actix::spawn(async move {
+            if !first_delay.is_zero() {
+                tokio::time::sleep(first_delay).await;
+            }
             let mut delays = amqp::reconnect_backoff();
             let mut attempt = 0u32;
             loop {
                 attempt += 1;
-                let tag = consumer_tag(
-                    config.pipeline,
-                    &(next_generation + attempt as u64 - 1).to_string(),
-                );
-                match open(&settings, &config, &tag).await {
-                    Ok((conn, channel, consumer)) => {
-                        addr.do_send(Connected {
-                            conn,
-                            channel,
-                            consumer,
-                            tag,
-                        });
+                match open(&settings, &config).await {
+                    Ok((conn, channel)) => {
+                        addr.do_send(Connected { conn, channel });
                         return;
                     }
                     Err(e) => {
@@ -241,12 +253,79 @@ impl Consumer {
         });
     }
 
+    /// How long to wait before rebuilding the link: nothing for the first one or after a
+    /// healthy one, a growing backoff (200 ms doubling to 10 s, jittered) after each link that
+    /// died young.
+    fn rebuild_delay(&mut self) -> Duration {
+        match self.linked_at.take() {
+            None if self.generation == 0 => Duration::ZERO,
+            Some(at) if at.elapsed() >= HEALTHY_LINK => {
+                self.rebuild_delays = Box::new(amqp::reconnect_backoff());
+                Duration::ZERO
+            }
+            _ => self
+                .rebuild_delays
+                .next()
+                .unwrap_or(Duration::from_secs(10)),
+        }
+    }
+
+    /// Rebuilds the link for `reason` (counted), after the backoff `connect` applies.
+    fn rebuild(&mut self, ctx: &mut Context<Self>, reason: &'static str) {
+        crate::metrics::consumer_restart(self.config.pipeline, reason);
+        self.teardown();
+        self.connect(ctx);
+    }
+
+    /// Subscribes (`basic.consume`) when nothing holds the pipeline, no subscription exists or is
+    /// under way, and every delivery of the previous window is settled: one window at a time.
+    fn maybe_subscribe(&mut self, ctx: &mut Context<Self>) {
+        if self.stopping
+            || self.connecting
+            || self.subscribing
+            || !self.holds.is_empty()
+            || self.consumer_tag.is_some()
+            || self.inflight > 0
+        {
+            return;
+        }
+        let Some(channel) = self.channel.clone().filter(|c| c.status().connected()) else {
+            return;
+        };
+        self.subscribing = true;
+        let generation = self.generation;
+        let tag = consumer_tag(
+            self.config.pipeline,
+            &format!("{generation}-{}", self.subscriptions),
+        );
+        self.subscriptions += 1;
+        let queue = self.config.queue.clone();
+        let addr = ctx.address();
+        actix::spawn(async move {
+            let result = channel
+                .basic_consume(
+                    queue.as_str().into(),
+                    tag.as_str().into(),
+                    BasicConsumeOptions::default(),
+                    FieldTable::default(),
+                )
+                .await
+                .map_err(|e| e.to_string());
+            addr.do_send(Subscribed {
+                generation,
+                result,
+                tag,
+            });
+        });
+    }
+
     /// Drops the current channel: its unacked deliveries go back to the queue on the broker.
     fn teardown(&mut self) {
         self.ops = None;
         self.ops_task = None;
         self.tracker = AckTracker::default();
         self.consumer_tag = None;
+        self.subscribing = false;
         let channel = self.channel.take();
         let conn = self.connection.take();
         actix::spawn(amqp::close(channel, conn));
@@ -309,43 +388,6 @@ impl Consumer {
         self.published = (self.received, self.inflight);
     }
 
-    /// Subscribes again on the live channel, or reconnects if it is gone.
-    fn resubscribe(&mut self, ctx: &mut Context<Self>) {
-        let Some(channel) = self.channel.clone().filter(|c| c.status().connected()) else {
-            self.teardown();
-            self.connect(ctx);
-            return;
-        };
-        let generation = self.generation;
-        let tag = consumer_tag(
-            self.config.pipeline,
-            &format!("{generation}-r{}", self.resubscriptions),
-        );
-        self.resubscriptions += 1;
-        let queue = self.config.queue.clone();
-        let addr = ctx.address();
-        actix::spawn(async move {
-            match channel
-                .basic_consume(
-                    queue.as_str().into(),
-                    tag.as_str().into(),
-                    BasicConsumeOptions::default(),
-                    FieldTable::default(),
-                )
-                .await
-            {
-                Ok(consumer) => addr.do_send(Resubscribed {
-                    generation,
-                    consumer,
-                    tag,
-                }),
-                Err(e) => {
-                    warn!(error = %e, "cannot resubscribe; the watchdog rebuilds the channel")
-                }
-            }
-        });
-    }
-
     fn add_consumer_stream(
         &mut self,
         ctx: &mut Context<Self>,
@@ -390,6 +432,30 @@ impl Consumer {
                 generation: self.generation,
                 ready,
             });
+        }
+    }
+
+    /// Why the current link ended, from what the stream reported; a delivery the AMQP client
+    /// cannot parse is named with what to do about it.
+    fn link_end_reason(&self) -> &'static str {
+        match &self.last_stream_error {
+            Some(e) if e.contains("failed to parse") => {
+                error!(pipeline = self.config.pipeline, queue = %self.config.queue, error = %e,
+                    "a delivery at the head of the queue cannot be parsed by the AMQP client; \
+                     it is redelivered on every reconnect (paced by a backoff) and blocks the \
+                     messages behind it. Remove it with a tool that tolerates it (for example the \
+                     management UI's Get Messages with 'Reject requeue false', which sends it to \
+                     the DLX); on a quorum queue its delivery limit dead-letters it by itself");
+                "parse_error"
+            }
+            _ if self
+                .channel
+                .as_ref()
+                .is_some_and(|c| c.status().connected()) =>
+            {
+                "cancelled"
+            }
+            _ => "connection_lost",
         }
     }
 
@@ -439,28 +505,17 @@ fn cancel(channel: &Channel, tag: String) {
     });
 }
 
+/// Connects and sets the prefetch; subscribing is left to [`Consumer::maybe_subscribe`].
 async fn open(
     settings: &Settings,
     config: &ConsumerConfig,
-    tag: &str,
-) -> Result<(Connection, Channel, lapin::Consumer), AmqpError> {
+) -> Result<(Connection, Channel), AmqpError> {
     let (conn, channel) = amqp::connect_channel(settings, config.pipeline).await?;
-    let result = async {
-        channel
-            .basic_qos(config.prefetch, BasicQosOptions { global: false })
-            .await?;
-        channel
-            .basic_consume(
-                config.queue.as_str().into(),
-                tag.into(),
-                BasicConsumeOptions::default(),
-                FieldTable::default(),
-            )
-            .await
-    }
-    .await;
+    let result = channel
+        .basic_qos(config.prefetch, BasicQosOptions { global: false })
+        .await;
     match result {
-        Ok(consumer) => Ok((conn, channel, consumer)),
+        Ok(()) => Ok((conn, channel)),
         Err(e) => {
             amqp::close(Some(channel), Some(conn)).await;
             Err(e.into())
@@ -486,13 +541,13 @@ async fn run_ops(
                         .basic_ack(tag, BasicAckOptions { multiple: true })
                         .await
                 }
-                Op::Nack { tag, requeue } => {
+                Op::Requeue(tag) => {
                     channel
                         .basic_nack(
                             tag,
                             BasicNackOptions {
                                 multiple: false,
-                                requeue,
+                                requeue: true,
                             },
                         )
                         .await
@@ -527,8 +582,8 @@ impl Actor for Consumer {
                     "consumer channel is closed; rebuilding it"
                 );
                 crate::metrics::amqp_link(act.config.pipeline, false);
-                act.teardown();
-                act.connect(ctx);
+                let reason = act.link_end_reason();
+                act.rebuild(ctx, reason);
             } else {
                 act.check_idle(ctx);
             }
@@ -560,16 +615,15 @@ impl Handler<Connected> for Consumer {
         self.tracker = AckTracker::default();
         self.channel = Some(msg.channel);
         self.connection = Some(msg.conn);
+        self.linked_at = Some(Instant::now());
+        self.last_stream_error = None;
         info!(pipeline = self.config.pipeline, queue = %self.config.queue, prefetch = self.config.prefetch,
-            consumer_tag = %msg.tag, generation, "consuming");
+            generation, held = !self.holds.is_empty(), "connected");
         crate::metrics::amqp_link(self.config.pipeline, true);
         if generation > 1 {
             crate::metrics::reconnected("amqp");
         }
-        self.add_consumer_stream(ctx, msg.consumer, msg.tag);
-        if !self.holds.is_empty() {
-            self.unsubscribe();
-        }
+        self.maybe_subscribe(ctx);
     }
 }
 
@@ -580,7 +634,8 @@ impl StreamHandler<Event> for Consumer {
                 match *delivery {
                     Ok(d) => self.dispatch(d),
                     Err(e) => {
-                        warn!(pipeline = self.config.pipeline, error = %e, "consumer stream error")
+                        warn!(pipeline = self.config.pipeline, error = %e, "consumer stream error");
+                        self.last_stream_error = Some(e.to_string());
                     }
                 }
             }
@@ -598,10 +653,10 @@ impl StreamHandler<Event> for Consumer {
                     self.send_drain();
                     self.maybe_finish(ctx);
                 } else if !self.connecting {
-                    warn!(pipeline = self.config.pipeline, queue = %self.config.queue,
+                    let reason = self.link_end_reason();
+                    warn!(pipeline = self.config.pipeline, queue = %self.config.queue, reason,
                         "consumer stream ended (cancelled by the broker or channel closed); rebuilding it");
-                    self.teardown();
-                    self.connect(ctx);
+                    self.rebuild(ctx, reason);
                 }
             }
         }
@@ -634,6 +689,9 @@ impl Handler<Settle> for Consumer {
                 generation = msg.generation,
                 "settlement for a closed channel dropped; the broker redelivers those messages"
             );
+        }
+        if self.inflight == 0 {
+            self.maybe_subscribe(ctx);
         }
         self.maybe_finish(ctx);
     }
@@ -682,22 +740,54 @@ impl Handler<Hold> for Consumer {
             warn!(pipeline = self.config.pipeline, reason = ?msg.reason, "holding: no new deliveries");
             self.unsubscribe();
         } else if !held && was_held && !self.stopping {
-            info!(pipeline = self.config.pipeline, reason = ?msg.reason, "resuming deliveries");
-            self.resubscribe(ctx);
+            info!(pipeline = self.config.pipeline, reason = ?msg.reason, inflight = self.inflight,
+                "resuming deliveries once the last window is settled");
+            if self
+                .channel
+                .as_ref()
+                .is_some_and(|c| c.status().connected())
+            {
+                self.maybe_subscribe(ctx);
+            } else if !self.connecting {
+                self.rebuild(ctx, "connection_lost");
+            }
         }
     }
 }
 
-impl Handler<Resubscribed> for Consumer {
+impl Handler<Subscribed> for Consumer {
     type Result = ();
 
-    fn handle(&mut self, msg: Resubscribed, ctx: &mut Self::Context) {
-        if msg.generation != self.generation || self.stopping {
+    fn handle(&mut self, msg: Subscribed, ctx: &mut Self::Context) {
+        if msg.generation != self.generation {
             return;
         }
-        self.add_consumer_stream(ctx, msg.consumer, msg.tag);
-        if !self.holds.is_empty() {
-            self.unsubscribe();
+        self.subscribing = false;
+        match msg.result {
+            Ok(consumer) if self.stopping => {
+                // Stopping began while subscribing: whatever this subscription delivered before
+                // the cancel stays unacked and goes back to the queue when the channel closes.
+                drop(consumer);
+                if let Some(ch) = &self.channel {
+                    cancel(ch, msg.tag);
+                }
+            }
+            Ok(consumer) => {
+                info!(pipeline = self.config.pipeline, queue = %self.config.queue,
+                    consumer_tag = %msg.tag, generation = msg.generation, "consuming");
+                self.add_consumer_stream(ctx, consumer, msg.tag);
+                // A hold that came while subscribing wins at once.
+                if !self.holds.is_empty() {
+                    self.unsubscribe();
+                }
+            }
+            Err(e) => {
+                warn!(pipeline = self.config.pipeline, queue = %self.config.queue, error = %e,
+                    "cannot subscribe; rebuilding the link");
+                if !self.stopping && !self.connecting {
+                    self.rebuild(ctx, "connection_lost");
+                }
+            }
         }
     }
 }
@@ -711,8 +801,7 @@ impl Handler<Stuck> for Consumer {
         }
         warn!(pipeline = self.config.pipeline, queue = %self.config.queue, ready = msg.ready,
             "consumer receives nothing while its queue holds messages; rebuilding it");
-        self.teardown();
-        self.connect(ctx);
+        self.rebuild(ctx, "stuck");
     }
 }
 

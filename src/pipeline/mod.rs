@@ -41,7 +41,6 @@ use tracing::{info, warn};
 
 use crate::config::Settings;
 use crate::domain::Domain;
-use acks::Disposition;
 use batcher::{Batcher, Mode, Shared};
 use consumer::{Consumer, ConsumerConfig, Shutdown};
 use processor::Processor;
@@ -70,9 +69,9 @@ pub struct Pipeline {
 /// Starts a pipeline consuming `queue` into `domain`: the main one (`Mode::Main`) or the DLQ
 /// consumer (`Mode::Dlq`).
 pub fn start<D: Domain>(settings: &Settings, domain: Arc<D>, pool: Pool, mode: Mode) -> Pipeline {
-    let (name, queue, on_failure) = match mode {
-        Mode::Main => ("main", settings.main_queue.clone(), Disposition::Reject),
-        Mode::Dlq => ("dlq", settings.dlq_queue.clone(), Disposition::Requeue),
+    let (name, queue) = match mode {
+        Mode::Main => ("main", settings.main_queue.clone()),
+        Mode::Dlq => ("dlq", settings.dlq_queue.clone()),
     };
     let stopping = Arc::new(AtomicBool::new(false));
 
@@ -84,7 +83,7 @@ pub fn start<D: Domain>(settings: &Settings, domain: Arc<D>, pool: Pool, mode: M
     let shared = Arc::new(Shared {
         domain: domain.clone(),
         pool,
-        router: Router::new(publisher.clone(), settings, on_failure, name),
+        router: Router::new(publisher.clone(), settings, name),
         settle: consumer_addr.clone().recipient(),
         mode,
         pipeline: name,
@@ -94,6 +93,9 @@ pub fn start<D: Domain>(settings: &Settings, domain: Arc<D>, pool: Pool, mode: M
         hold: consumer_addr.clone().recipient(),
         breaker_threshold: settings.breaker_failures,
         breaker_open: AtomicBool::new(false),
+        dlq_max_attempts: settings.dlq_max_attempts,
+        db_bound: crate::db::call_bound(settings),
+        requeues: AtomicU32::new(0),
     });
 
     let batch_size = settings.users_batch_size;

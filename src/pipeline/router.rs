@@ -1,8 +1,14 @@
 //! Where a message that was not inserted goes: back through the retry queue with `x-retries` + 1,
-//! or to the dead-letter exchange with `x-error-kind` / `x-error-reason`. Every republish is
-//! confirmed by the broker before the original is acked.
+//! to the dead-letter exchange with `x-error-kind` / `x-error-reason`, or (the DLQ consumer) back
+//! to the DLQ with `x-dlq-attempts` + 1. Every republish is confirmed by the broker before the
+//! original is acked. A republish that is not confirmed leaves the message with warren's queue
+//! (nack with requeue, after a backoff): never with the broker's own dead-lettering, which is
+//! at-most-once and drops a message whose target is missing at that moment.
+
+use std::time::Duration;
 
 use actix::Addr;
+use backon::{ConstantBuilder, Retryable};
 use futures::future::join_all;
 use tracing::{error, warn};
 
@@ -20,6 +26,8 @@ pub enum Route {
     Retry { reason: String },
     /// Straight to the DLQ with this `x-error-kind`.
     DeadLetter { kind: &'static str, reason: String },
+    /// The DLQ consumer tries again later: back to the DLQ with `x-dlq-attempts` = `attempts`.
+    DlqAttempt { attempts: u32, reason: String },
 }
 
 /// Republishes messages to the retry exchange or the DLX.
@@ -31,21 +39,13 @@ pub struct Router {
     dlx_exchange: String,
     dlq_queue: String,
     max_retries: u32,
-    /// What to do when the republish fails: the main queue may `Reject` (its broker-level DLX
-    /// still catches the message); the DLQ has no DLX, so it must `Requeue`.
-    on_failure: Disposition,
     pipeline: &'static str,
     /// How long a publish waits for the publisher to (re)connect.
-    patience: std::time::Duration,
+    patience: Duration,
 }
 
 impl Router {
-    pub fn new(
-        publisher: Addr<Publisher>,
-        settings: &Settings,
-        on_failure: Disposition,
-        pipeline: &'static str,
-    ) -> Self {
+    pub fn new(publisher: Addr<Publisher>, settings: &Settings, pipeline: &'static str) -> Self {
         Self {
             publisher,
             retry_exchange: settings.retry_exchange.clone(),
@@ -53,13 +53,13 @@ impl Router {
             dlx_exchange: settings.dlx_exchange.clone(),
             dlq_queue: settings.dlq_queue.clone(),
             max_retries: settings.max_retries,
-            on_failure,
             pipeline,
             patience: settings.publish_timeout(),
         }
     }
 
-    /// The publish for `message` along `route`, after applying the retry budget.
+    /// The publish for `message` along `route`, after applying the retry budget, and the kind
+    /// it is counted as (`retry`, `dlq_retry` or an `x-error-kind`).
     pub fn plan(&self, message: &Delivered, route: &Route) -> (Publish, &'static str) {
         let retries = headers::retries(&message.properties);
         if let Retries::Invalid(what) = &retries {
@@ -91,6 +91,12 @@ impl Router {
                 headers::for_dead_letter(&message.properties, count, kind, reason),
                 *kind,
             ),
+            Route::DlqAttempt { attempts, reason } => (
+                &self.dlx_exchange,
+                &self.dlq_queue,
+                headers::for_dlq_attempt(&message.properties, *attempts, reason),
+                "dlq_retry",
+            ),
         };
         (
             Publish {
@@ -103,30 +109,38 @@ impl Router {
         )
     }
 
-    /// Routes every message; each disposition is `Ack` once its republish was confirmed. While
-    /// the publisher has no connection (at start-up, or during a reconnect) a publish is retried
-    /// for up to `patience` before it counts as failed.
+    /// Routes every message; each disposition is `Ack` once its republish was confirmed, and
+    /// `Requeue` otherwise (the caller waits a backoff first). While the publisher has no
+    /// connection (at start-up, or during a reconnect) a publish is retried for up to
+    /// `patience` before it counts as failed.
     pub async fn route(&self, items: &[(&Delivered, Route)]) -> Vec<(Disposition, &'static str)> {
+        let attempts = (self.patience.as_millis() / 100).max(1) as usize;
         let sends = items.iter().map(|(message, route)| {
             let (publish, kind) = self.plan(message, route);
             let publisher = self.publisher.clone();
             async move {
-                let deadline = std::time::Instant::now() + self.patience;
-                let result = loop {
+                let send = || async {
                     match publisher.send(publish.clone()).await {
-                        Ok(Err(AmqpError::Unavailable(_))) if std::time::Instant::now() < deadline => {
-                            tokio::time::sleep(std::time::Duration::from_millis(100)).await;
-                        }
-                        Ok(result) => break result,
-                        Err(e) => break Err(AmqpError::Unavailable(format!("publisher actor is gone: {e}"))),
+                        Ok(result) => result,
+                        Err(e) => Err(AmqpError::Unavailable(format!(
+                            "publisher actor is gone: {e}"
+                        ))),
                     }
                 };
+                let result = send
+                    .retry(
+                        ConstantBuilder::default()
+                            .with_delay(Duration::from_millis(100))
+                            .with_max_times(attempts),
+                    )
+                    .when(|e| matches!(e, AmqpError::Unavailable(_)))
+                    .await;
                 match result {
                     Ok(()) => (Disposition::Ack, kind),
                     Err(e) => {
                         error!(message_id = message.message_id(), pipeline = self.pipeline, delivery_tag = message.tag, error = %e, kind,
-                            "republish failed; the message stays with the broker");
-                        (self.on_failure, kind)
+                            "republish not confirmed; the message goes back to its queue after a backoff");
+                        (Disposition::Requeue, kind)
                     }
                 }
             }

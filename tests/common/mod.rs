@@ -25,6 +25,8 @@
 //! - **RabbitMQ CLI**: `try_rabbitmqctl`, `rabbitmqctl`, `rabbitmqctl_rows`.
 #![allow(dead_code)]
 
+pub mod raw_amqp;
+
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::process::{Child, Command, ExitStatus, Output, Stdio};
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
@@ -568,6 +570,9 @@ pub struct ProxyState {
     up: AtomicBool,
     /// Bumped by `cut`: every live connection ends when it changes.
     cuts: watch::Sender<u64>,
+    /// While true, nothing passes in either direction, but every socket stays open: a
+    /// half-open link, as a network partition leaves it.
+    frozen: watch::Sender<bool>,
     /// Local ports of the live upstream connections: PostgreSQL's `client_port` for them.
     upstream_ports: Mutex<HashSet<u16>>,
 }
@@ -589,6 +594,7 @@ impl TcpProxy {
             upstream,
             up: AtomicBool::new(true),
             cuts: watch::Sender::new(0),
+            frozen: watch::Sender::new(false),
             upstream_ports: Mutex::new(HashSet::new()),
         });
         let accept = tokio::spawn({
@@ -628,6 +634,18 @@ impl TcpProxy {
         self.state.up.store(true, Ordering::SeqCst);
     }
 
+    /// The link goes silent without closing: live and new connections stay open, but no byte
+    /// passes either way (a half-open connection; only timeouts can notice it).
+    pub fn freeze(&self) {
+        self.state.frozen.send_replace(true);
+    }
+
+    /// Ends a freeze: the frozen connections are reset, new ones pass again.
+    pub fn thaw(&self) {
+        self.state.frozen.send_replace(false);
+        self.state.cuts.send_modify(|n| *n += 1);
+    }
+
     /// Local ports of the live upstream connections (PostgreSQL's `client_port` for them).
     pub fn backend_client_ports(&self) -> Vec<i32> {
         let ports = self.state.upstream_ports.lock().unwrap();
@@ -646,7 +664,15 @@ impl ProxyState {
     async fn serve(self: Arc<Self>, mut client: TcpStream) {
         // Subscribe before looking at `up`, so a cut in between is not missed.
         let mut cuts = self.cuts.subscribe();
+        let mut frozen = self.frozen.subscribe();
         if !self.up.load(Ordering::SeqCst) {
+            let _ = client.set_zero_linger();
+            return;
+        }
+        let frozen_now = *frozen.borrow_and_update();
+        if frozen_now {
+            // Accepted, never answered, until the freeze ends.
+            let _ = cuts.changed().await;
             let _ = client.set_zero_linger();
             return;
         }
@@ -659,6 +685,12 @@ impl ProxyState {
         tokio::select! {
             _ = tokio::io::copy_bidirectional(&mut client, &mut upstream) => {}
             _ = cuts.changed() => {
+                let _ = client.set_zero_linger();
+                let _ = upstream.set_zero_linger();
+            }
+            _ = async { frozen.wait_for(|f| *f).await.is_ok() } => {
+                // Silent from now on; both sockets stay open until the freeze ends.
+                let _ = cuts.changed().await;
                 let _ = client.set_zero_linger();
                 let _ = upstream.set_zero_linger();
             }
@@ -1428,6 +1460,25 @@ pub async fn shutdowns(env: &TestEnv) -> Vec<Value> {
 // ---- RabbitMQ CLI ---------------------------------------------------------------------------
 
 /// Runs `rabbitmqctl -q args...`: (success, stdout, plus stderr on failure).
+/// (ready, unacknowledged) messages of `queue`, from `rabbitmqctl list_queues`.
+pub async fn queue_counts(queue: &str) -> (u64, u64) {
+    let rows = rabbitmqctl_rows(&[
+        "list_queues",
+        "name",
+        "messages_ready",
+        "messages_unacknowledged",
+    ])
+    .await;
+    let row = rows
+        .iter()
+        .find(|row| row["name"].as_str() == Some(queue))
+        .unwrap_or_else(|| panic!("queue {queue} does not exist"));
+    (
+        row["messages_ready"].as_u64().unwrap_or(u64::MAX),
+        row["messages_unacknowledged"].as_u64().unwrap_or(u64::MAX),
+    )
+}
+
 pub async fn try_rabbitmqctl(args: &[&str]) -> (bool, String) {
     let out = tokio::process::Command::new("rabbitmqctl")
         .arg("-q")
