@@ -25,6 +25,8 @@
 //! - **RabbitMQ CLI**: `try_rabbitmqctl`, `rabbitmqctl`, `rabbitmqctl_rows`.
 #![allow(dead_code)]
 
+pub mod ops;
+
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::process::{Child, Command, ExitStatus, Output, Stdio};
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
