@@ -149,7 +149,10 @@ fn warren_identifiers(expr: &str) -> BTreeSet<String> {
 
 /// The rule's expression: the `expr:` line, or the folded block under `expr: >-`.
 fn expression(alert: &Alert) -> String {
-    let mut lines = alert.text.lines().skip_while(|l| !l.trim().starts_with("expr:"));
+    let mut lines = alert
+        .text
+        .lines()
+        .skip_while(|l| !l.trim().starts_with("expr:"));
     let first = lines
         .next()
         .unwrap_or_else(|| panic!("alert {} has no expr", alert.name));
@@ -203,7 +206,10 @@ fn every_alert_is_tested_firing_and_quiet() {
     );
     let names: BTreeSet<String> = alerts().into_iter().map(|a| a.name).collect();
     let unknown: Vec<&String> = cases.keys().filter(|n| !names.contains(*n)).collect();
-    assert!(unknown.is_empty(), "{RULE_TESTS} tests unknown alerts {unknown:?}");
+    assert!(
+        unknown.is_empty(),
+        "{RULE_TESTS} tests unknown alerts {unknown:?}"
+    );
 }
 
 #[test]
@@ -275,7 +281,10 @@ fn the_helpers_read_the_rule_file_as_written() {
         .find(|a| a.name == "WarrenRetryStorm")
         .expect("WarrenRetryStorm");
     let expr = expression(retry);
-    assert!(expr.contains("rate(warren_messages_retried_total[5m])"), "{expr}");
+    assert!(
+        expr.contains("rate(warren_messages_retried_total[5m])"),
+        "{expr}"
+    );
     assert!(expr.ends_with("> 0.1"), "{expr}");
     assert_eq!(
         warren_identifiers(&expr),
@@ -286,4 +295,19 @@ fn the_helpers_read_the_rule_file_as_written() {
     );
     assert!(exported_series().contains("warren_end_to_end_seconds_bucket"));
     assert!(!exported_series().contains("warren_breaker_open_bucket"));
+}
+
+#[test]
+fn promtool_accepts_the_example_config_with_the_rules_and_file_sd_targets() {
+    let (ok, report) = promtool(&["check", "config", "prometheus/prometheus.yml"]);
+    assert!(
+        ok,
+        "promtool check config prometheus/prometheus.yml:\n{report}"
+    );
+    assert!(report.contains("1 rule files found"), "{report}");
+    let targets = read("prometheus/targets/warren.yml");
+    assert!(
+        targets.contains("- targets:") && targets.contains("127.0.0.1:9901"),
+        "prometheus/targets/warren.yml: {targets}"
+    );
 }

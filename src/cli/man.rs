@@ -55,7 +55,10 @@ mod tests {
     #[test]
     fn the_top_page_lists_the_subcommands_and_a_subcommand_has_its_own() {
         let top = String::from_utf8(page(&[]).expect("page")).expect("UTF-8");
-        assert!(top.starts_with(".ie") || top.contains(".TH warren 1"), "{top}");
+        assert!(
+            top.starts_with(".ie") || top.contains(".TH warren 1"),
+            "{top}"
+        );
         for sub in ["run", "declare", "completions", "man"] {
             assert!(top.contains(sub), "warren(1) lacks {sub}");
         }

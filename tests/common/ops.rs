@@ -157,8 +157,8 @@ impl Prometheus {
     /// The `data` of a successful API answer; `Err` with Prometheus's error otherwise.
     async fn api(&self, path: &str, params: &[(&str, &str)]) -> Result<Value, String> {
         let (status, body) = self.get(path, params).await?;
-        let json: Value =
-            serde_json::from_str(&body).map_err(|e| format!("HTTP {status}, not JSON ({e}): {body}"))?;
+        let json: Value = serde_json::from_str(&body)
+            .map_err(|e| format!("HTTP {status}, not JSON ({e}): {body}"))?;
         if json["status"] == "success" {
             Ok(json["data"].clone())
         } else {
@@ -201,27 +201,35 @@ impl Prometheus {
         data["groups"].as_array().cloned().unwrap_or_default()
     }
 
-    /// Waits until every target of `job` (`expected` of them) has been scraped successfully at
-    /// least twice after `after` (seconds since the epoch): with a 1 s interval, a latest scrape
-    /// at `after + 2` or later means two scrapes at or after `after`.
-    pub async fn wait_scrapes_after(&self, job: &str, expected: usize, after: f64) {
+    /// Waits until every target of `job` (`expected` of them) is up and has been scraped at
+    /// least `scrapes` times since `after` (seconds since the epoch). Prometheus applies new
+    /// targets only every 5 s, so the first scrape comes a few seconds after its start.
+    pub async fn wait_scrapes_after(&self, job: &str, expected: usize, after: f64, scrapes: usize) {
         let timeout = Duration::from_secs(60);
         let deadline = Instant::now() + timeout;
-        let expr = format!("timestamp(up{{job=\"{job}\"}} == 1)");
+        // Every sample of `up` of the last 2 minutes (at least that much must have passed).
+        let expr = format!("up{{job=\"{job}\"}}[2m]");
         loop {
-            if let Ok(series) = self.query(&expr).await
-                && series.len() == expected
-                && series
-                    .iter()
-                    .all(|s| series_value(s).is_some_and(|t| t >= after + 2.0))
-            {
+            let done = self.query(&expr).await.is_ok_and(|targets| {
+                targets.len() == expected
+                    && targets.iter().all(|target| {
+                        let samples = target["values"].as_array().cloned().unwrap_or_default();
+                        let since: Vec<&Value> = samples
+                            .iter()
+                            .filter(|s| s[0].as_f64().is_some_and(|t| t >= after))
+                            .collect();
+                        since.len() >= scrapes
+                            && since.last().and_then(|s| s[1].as_str()) == Some("1")
+                    })
+            });
+            if done {
                 return;
             }
             assert!(
                 Instant::now() < deadline,
-                "Prometheus did not scrape the {expected} targets of job {job} twice within \
-                 {timeout:?}; up: {:?}\nlog:\n{}",
-                self.query(&format!("up{{job=\"{job}\"}}")).await,
+                "Prometheus did not scrape the {expected} targets of job {job} {scrapes} times \
+                 within {timeout:?}; up: {:?}\nlog:\n{}",
+                self.query(&expr).await,
                 self.logs()
             );
             tokio::time::sleep(Duration::from_millis(250)).await;
