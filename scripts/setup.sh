@@ -2,7 +2,9 @@
 # Brings up RabbitMQ, PostgreSQL and Redis on localhost for warren, on Debian or Ubuntu:
 # installs them with apt-get if missing, starts them if stopped, creates the `warren` role and
 # database. Idempotent: whatever is already done is left alone. Run as root or with sudo.
-#   --with-promtool   also install Debian's prometheus package for `promtool` (the tests use it)
+#   --with-promtool   also install what the tests need beyond the servers: Debian's prometheus
+#                     package (`promtool`, `prometheus`) and, if missing, systemd's
+#                     `systemd-analyze` (the unit checks of tests/deploy.rs)
 set -euo pipefail
 WITH_PROMTOOL=""
 for arg in "$@"; do
@@ -72,9 +74,14 @@ if ! port_open 6379; then
   wait_port Redis 6379 30
 fi
 
-# --- promtool (tests only) -------------------------------------------------------------------
-if [ -n "$WITH_PROMTOOL" ] && ! command -v promtool >/dev/null; then
-  install_pkg prometheus
+# --- test tools: promtool and prometheus, systemd-analyze (tests only) ----------------------
+if [ -n "$WITH_PROMTOOL" ]; then
+  if ! command -v promtool >/dev/null || ! command -v prometheus >/dev/null; then
+    install_pkg prometheus
+  fi
+  if ! command -v systemd-analyze >/dev/null; then
+    install_pkg systemd
+  fi
 fi
 
 log "RabbitMQ :5672, PostgreSQL :5432 (role and database warren), Redis :6379 are up"

@@ -5,6 +5,9 @@ use clap::Parser;
 
 fn main() {
     let cli = warren::cli::Cli::parse();
+    if let Some(code) = warren::cli::standalone(&cli) {
+        std::process::exit(code);
+    }
     let settings = match cli.settings() {
         Ok(s) => s,
         Err(e) => {

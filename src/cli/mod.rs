@@ -1,10 +1,12 @@
 //! The command line: global flags (`--config`, `--set`), one file per subcommand, and the
 //! dispatch that turns a subcommand's result into an exit code.
 
+pub mod completions;
 pub mod config;
 pub mod ctl;
 pub mod declare;
 pub mod dlq;
+pub mod man;
 pub mod publish;
 pub mod run;
 pub mod status;
@@ -45,6 +47,10 @@ pub enum Command {
     Ctl(ctl::Args),
     /// Inspect and replay the dead-letter queue and the parked messages.
     Dlq(dlq::Args),
+    /// Print the shell completion script (bash, zsh, fish) to stdout.
+    Completions(completions::Args),
+    /// Print the man page (roff) to stdout: warren(1), or a subcommand's page.
+    Man(man::Args),
 }
 
 impl Cli {
@@ -58,6 +64,17 @@ impl Cli {
         }
         Settings::load(&sources)
     }
+}
+
+/// Runs the subcommands that need no settings (`completions`, `man`), so that a bad setting
+/// in the environment cannot stop them; `None` for every other subcommand.
+pub fn standalone(cli: &Cli) -> Option<i32> {
+    let result = match &cli.command {
+        Command::Completions(args) => completions::execute(args),
+        Command::Man(args) => man::execute(args),
+        _ => return None,
+    };
+    Some(exit_code(result))
 }
 
 /// Logs to stderr: readable text, or JSON with `LOG_FORMAT=json`; level from `RUST_LOG`.
@@ -87,7 +104,14 @@ pub async fn dispatch(cli: Cli, settings: Settings) -> i32 {
         Command::Status(args) => status::execute(&settings, args).await,
         Command::Ctl(args) => ctl::execute(&settings, args).await,
         Command::Dlq(args) => dlq::execute(&settings, args).await,
+        Command::Completions(args) => completions::execute(&args),
+        Command::Man(args) => man::execute(&args),
     };
+    exit_code(result)
+}
+
+/// A subcommand's result as the process exit code; an error is printed first.
+fn exit_code(result: anyhow::Result<i32>) -> i32 {
     match result {
         Ok(code) => code,
         Err(e) => {

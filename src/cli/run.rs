@@ -114,6 +114,10 @@ pub async fn execute(
         None
     };
     info!(roles = %settings.roles, version = env!("CARGO_PKG_VERSION"), "warren running");
+    // systemd (Type=notify): the roles are up. A no-op when NOTIFY_SOCKET is unset.
+    if let Err(e) = sd_notify::notify(&[sd_notify::NotifyState::Ready]) {
+        warn!(error = %e, "cannot tell systemd (NOTIFY_SOCKET) that warren is ready");
+    }
 
     let probe_pool = pool.clone();
     let probe_settings = settings.clone();
@@ -159,6 +163,9 @@ pub async fn execute(
         let _ = reply.send(Err("warren is stopping".into()));
     }
     report_tx.send_modify(|r| r.status = "draining");
+    if let Err(e) = sd_notify::notify(&[sd_notify::NotifyState::Stopping]) {
+        warn!(error = %e, "cannot tell systemd (NOTIFY_SOCKET) that warren is stopping");
+    }
     info!(
         reason,
         timeout_ms = settings.shutdown_timeout_ms,

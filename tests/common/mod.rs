@@ -25,6 +25,7 @@
 //! - **RabbitMQ CLI**: `try_rabbitmqctl`, `rabbitmqctl`, `rabbitmqctl_rows`.
 #![allow(dead_code)]
 
+pub mod ops;
 pub mod raw_amqp;
 
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
