@@ -7,32 +7,7 @@ use std::collections::HashSet;
 use std::time::{Duration, Instant};
 
 use common::*;
-use tokio_postgres::NoTls;
 use uuid::Uuid;
-
-/// A superuser connection, for `pg_terminate_backend` (`WARREN_TEST_PG_SUPERUSER_URL`).
-fn superuser_url() -> String {
-    std::env::var("WARREN_TEST_PG_SUPERUSER_URL")
-        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/postgres".into())
-}
-
-/// Terminates, as superuser, the backends whose client port is in `ports`; returns how many.
-async fn terminate_backends(ports: &[i32]) -> usize {
-    let (db, connection) = tokio_postgres::connect(&superuser_url(), NoTls)
-        .await
-        .unwrap_or_else(|e| panic!("superuser connection to {}: {e}", superuser_url()));
-    tokio::spawn(connection);
-    db.query(
-        "SELECT pg_terminate_backend(pid) FROM pg_stat_activity \
-         WHERE client_port = ANY($1) AND application_name = 'warren' AND pid <> pg_backend_pid()",
-        &[&ports],
-    )
-    .await
-    .expect("pg_terminate_backend")
-    .iter()
-    .filter(|row| row.get::<_, bool>(0))
-    .count()
-}
 
 #[tokio::test(flavor = "multi_thread")]
 async fn backends_terminated_by_the_server_lose_nothing() {

@@ -1,0 +1,386 @@
+//! The ledger: warren's promise checked the way Jepsen's total-queue checker does. One seeded run
+//! publishes a known mix (good users, malformed bodies, duplicate emails, same-id conflicts, rows
+//! a trigger refuses with an unclassified SQLSTATE, NUL bytes, exact duplicates of a message)
+//! while faults hit at random moments (the broker link cut, backends terminated, kill -9 and
+//! restart, the DLQ deleted and re-declared, a database outage); then every published message
+//! must end exactly once: in `users` (its row holds its content) or in `dead_letters` (by its
+//! message id), none twice, none missing, and every queue empty within a bound.
+//!
+//! The seed is printed; `WARREN_LEDGER_SEED=N` replays it, `WARREN_LEDGER_MESSAGES=N` (default
+//! 2000) and `WARREN_LEDGER_FAULT_SECONDS=N` (default 20) run it longer by hand.
+
+mod common;
+
+use std::collections::{HashMap, HashSet};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use common::*;
+use lapin::BasicProperties;
+use lapin::options::QueueDeleteOptions;
+use tokio::sync::Mutex;
+use uuid::Uuid;
+
+/// What one published message is, and where it may end.
+#[derive(Debug, Clone)]
+struct Entry {
+    /// The ledger key: the AMQP message id (unique per message; exact duplicates share it).
+    message_id: String,
+    /// The user it carries, if its body is a valid user.
+    user: Option<(Uuid, String, String)>,
+    /// The mix's label, for the report.
+    kind: &'static str,
+}
+
+fn env_number(key: &str, default: u64) -> u64 {
+    std::env::var(key)
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(default)
+}
+
+/// The seeded mix: (entry, body, properties) per publish, exact duplicates included.
+fn mix(rng: &mut fastrand::Rng, n: usize) -> Vec<(Entry, Vec<u8>, BasicProperties)> {
+    let mut out: Vec<(Entry, Vec<u8>, BasicProperties)> = Vec::with_capacity(n + n / 20);
+    let mut good: Vec<(Uuid, String)> = Vec::new();
+    for i in 0..n {
+        let message_id = format!("m-{i}");
+        let props = BasicProperties::default()
+            .with_content_type("application/json".into())
+            .with_message_id(message_id.as_str().into())
+            .with_delivery_mode(2);
+        let roll = rng.u32(0..100);
+        let user = |id: Uuid, name: String, email: String| {
+            (
+                format!(r#"{{"id":"{id}","name":"{name}","email":"{email}"}}"#).into_bytes(),
+                Some((id, name, email)),
+            )
+        };
+        let (kind, (body, user)) = match roll {
+            0..=5 => ("malformed", (b"{not json".to_vec(), None)),
+            6..=7 => (
+                "invalid_payload",
+                (br#"{"id":"x","name":"","email":"nope"}"#.to_vec(), None),
+            ),
+            8..=12 if !good.is_empty() => {
+                let (_, email) = &good[rng.usize(0..good.len())];
+                ("duplicate_email", user(Uuid::new_v4(), format!("dup {i}"), email.clone()))
+            }
+            13..=16 if !good.is_empty() => {
+                let (id, email) = &good[rng.usize(0..good.len())];
+                ("same_id_conflict", user(*id, format!("other {i}"), email.clone()))
+            }
+            17..=19 => {
+                let id = Uuid::new_v4();
+                ("poison", user(id, format!("poison {i}"), format!("poison-{id}@example.com")))
+            }
+            20..=22 => (
+                "nul_bytes",
+                (format!("\0{{\"id\":\"{}\",\"name\":\"a\\u0000b\"}}", Uuid::new_v4()).into_bytes(), None),
+            ),
+            _ => {
+                let id = Uuid::new_v4();
+                let email = format!("{id}@example.com");
+                good.push((id, email.clone()));
+                ("good", user(id, format!("user {i}"), email))
+            }
+        };
+        let props = if kind == "nul_bytes" {
+            with_header(props, "x-note", long_string("has \0 a nul"))
+        } else {
+            props
+        };
+        let entry = Entry {
+            message_id,
+            user,
+            kind,
+        };
+        // Exact duplicates (a publisher that retried): the same message twice.
+        if rng.u32(0..100) < 3 {
+            out.push((entry.clone(), body.clone(), props.clone()));
+        }
+        out.push((entry, body, props));
+    }
+    // Interleave a little, as several publishers would.
+    for i in (1..out.len()).rev() {
+        if rng.u32(0..10) == 0 {
+            let j = rng.usize(i.saturating_sub(20)..=i);
+            out.swap(i, j);
+        }
+    }
+    out
+}
+
+/// One fault, as injected.
+#[derive(Debug, Clone, Copy)]
+enum Fault {
+    CutBroker,
+    TerminateBackends,
+    Kill9,
+    DeleteDlq,
+    DatabaseOutage,
+}
+
+const FAULTS: [Fault; 5] = [
+    Fault::CutBroker,
+    Fault::TerminateBackends,
+    Fault::Kill9,
+    Fault::DeleteDlq,
+    Fault::DatabaseOutage,
+];
+
+#[tokio::test(flavor = "multi_thread")]
+#[ignore = "work in progress: not settling under faults yet"]
+async fn every_published_message_ends_exactly_once_under_faults() {
+    let seed = env_number("WARREN_LEDGER_SEED", fastrand::u64(..));
+    let n = env_number("WARREN_LEDGER_MESSAGES", 2000) as usize;
+    let fault_window = Duration::from_secs(env_number("WARREN_LEDGER_FAULT_SECONDS", 20));
+    eprintln!("ledger: seed {seed} (replay with WARREN_LEDGER_SEED={seed}), {n} messages");
+    let mut rng = fastrand::Rng::with_seed(seed);
+
+    let pg = TcpProxy::start(&database_url(), 5432).await;
+    let amqp = TcpProxy::start(&amqp_url(), 5672).await;
+    let mut env = TestEnv::new("ledger").await;
+    env.set("DATABASE_URL", pg.url())
+        .set("AMQP_URL", amqp.url())
+        .set("USERS_BATCH_SIZE", "200")
+        .set("MAX_RETRIES", "2")
+        .set("RETRY_TTL_MS", "300")
+        .set("DLQ_MAX_ATTEMPTS", "3")
+        .set("DB_RETRY_WINDOW_MS", "300")
+        .set("PUBLISH_TIMEOUT_MS", "1000")
+        .set("DATABASE_STATEMENT_TIMEOUT_MS", "3000")
+        .set("SHUTDOWN_TIMEOUT_MS", "5000");
+    env.declare();
+    let s = &env.schema;
+    env.db
+        .batch_execute(&format!(
+            r#"
+            CREATE FUNCTION {s}.refuse_poison() RETURNS trigger LANGUAGE plpgsql AS $f$
+            BEGIN
+                IF NEW.email LIKE 'poison%' THEN
+                    RAISE EXCEPTION 'poisoned row %', NEW.id;
+                END IF;
+                RETURN NEW;
+            END $f$;
+            CREATE TRIGGER users_refuse_poison BEFORE INSERT ON {s}.users
+                FOR EACH ROW EXECUTE FUNCTION {s}.refuse_poison();
+            "#
+        ))
+        .await
+        .expect("install the poison trigger");
+
+    let published = mix(&mut rng, n);
+    let mut ledger: HashMap<String, Vec<Entry>> = HashMap::new();
+    for (entry, _, _) in &published {
+        let copies = ledger.entry(entry.message_id.clone()).or_default();
+        if copies.is_empty() {
+            copies.push(entry.clone());
+        }
+    }
+    let mut counts: HashMap<&str, usize> = HashMap::new();
+    for entries in ledger.values() {
+        *counts.entry(entries[0].kind).or_default() += 1;
+    }
+    eprintln!("ledger: mix {counts:?}, {} publishes", published.len());
+
+    // Two instances: the main pipeline, and the DLQ consumer (stopped for DLQ maintenance).
+    let main = Arc::new(Mutex::new(env.start(&["--roles", "consumer"])));
+    let dlq = Arc::new(Mutex::new(env.start(&["--roles", "dlq"])));
+    let logs = vec![main.lock().await.log.clone(), dlq.lock().await.log.clone()];
+    let _logs = LogsOnPanic(logs.clone());
+
+    // Publishing in chunks while the faults hit.
+    let faults: Vec<(Duration, Fault)> = {
+        let mut at = Duration::ZERO;
+        let mut v = Vec::new();
+        loop {
+            at += Duration::from_millis(rng.u64(1000..3000));
+            if at > fault_window {
+                break v;
+            }
+            v.push((at, FAULTS[rng.usize(0..FAULTS.len())]));
+        }
+    };
+    eprintln!("ledger: faults {faults:?}");
+    let started = Instant::now();
+    let publish = async {
+        for chunk in published.chunks(50) {
+            env.publish_pipelined(chunk.iter().map(|(_, b, p)| (b.clone(), p.clone())))
+                .await;
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    };
+    let inject = async {
+        for (at, fault) in &faults {
+            tokio::time::sleep(at.saturating_sub(started.elapsed())).await;
+            match fault {
+                Fault::CutBroker => {
+                    amqp.cut();
+                    amqp.restore();
+                }
+                Fault::TerminateBackends => {
+                    terminate_backends(&pg.backend_client_ports()).await;
+                }
+                Fault::Kill9 => {
+                    let (which, roles) = if rng.bool() {
+                        (&main, "consumer")
+                    } else {
+                        (&dlq, "dlq")
+                    };
+                    let mut w = which.lock().await;
+                    w.kill9();
+                    *w = env.start(&["--roles", roles]);
+                }
+                Fault::DeleteDlq => {
+                    // DLQ maintenance as the drift advice describes it: its consumer stopped,
+                    // the queue deleted only if empty (deleting messages is the operator losing
+                    // them, not warren), re-declared, the consumer started again. Meanwhile the
+                    // main pipeline keeps dead-lettering into a DLX that routes nowhere.
+                    let mut w = dlq.lock().await;
+                    w.terminate(Duration::from_secs(30));
+                    let channel = env.conn.create_channel().await.expect("channel");
+                    let deleted = channel
+                        .queue_delete(
+                            env.dlq_queue.as_str().into(),
+                            QueueDeleteOptions {
+                                if_empty: true,
+                                ..Default::default()
+                            },
+                        )
+                        .await;
+                    if deleted.is_ok() {
+                        tokio::time::sleep(Duration::from_millis(1500)).await;
+                        env.declare();
+                    } else {
+                        eprintln!("ledger: DLQ not empty, not deleted");
+                    }
+                    *w = env.start(&["--roles", "dlq"]);
+                }
+                Fault::DatabaseOutage => {
+                    pg.cut();
+                    tokio::time::sleep(Duration::from_secs(3)).await;
+                    pg.restore();
+                }
+            }
+            eprintln!("ledger: {:?} at {:?}", fault, started.elapsed());
+        }
+    };
+    tokio::join!(publish, inject);
+    pg.restore();
+    amqp.restore();
+
+    // Everything accounted for within a bound.
+    let expected = ledger.len();
+    let accounted = || async {
+        let users: i64 = env
+            .db
+            .query_one("SELECT count(*) FROM users", &[])
+            .await
+            .map(|r| r.get(0))
+            .unwrap_or(0);
+        let parked: i64 = env
+            .db
+            .query_one("SELECT count(*) FROM dead_letters", &[])
+            .await
+            .map(|r| r.get(0))
+            .unwrap_or(0);
+        (users + parked) as usize
+    };
+    let deadline = Instant::now() + Duration::from_secs(180);
+    loop {
+        let done = accounted().await >= expected;
+        let mut empty = true;
+        for q in [&env.main_queue, &env.retry_queue, &env.dlq_queue] {
+            if queue_counts(q).await != (0, 0) {
+                empty = false;
+            }
+        }
+        if done && empty {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "seed {seed}: not settled within 180 s: {} of {expected} accounted",
+            accounted().await,
+        );
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    main.lock().await.terminate(Duration::from_secs(30));
+    dlq.lock().await.terminate(Duration::from_secs(30));
+
+    // The check: every message once, in users (holding its content) or in dead_letters.
+    let users: HashMap<Uuid, (String, String)> = env
+        .db
+        .query("SELECT id, name, email FROM users", &[])
+        .await
+        .expect("users")
+        .iter()
+        .map(|r| (r.get(0), (r.get(1), r.get(2))))
+        .collect();
+    let parked: Vec<(Option<String>, String)> = env
+        .db
+        .query("SELECT message_id, error_kind FROM dead_letters", &[])
+        .await
+        .expect("dead_letters")
+        .iter()
+        .map(|r| (r.get(0), r.get(1)))
+        .collect();
+    let mut parked_ids: HashMap<String, usize> = HashMap::new();
+    for (id, _) in &parked {
+        let id = id.clone().unwrap_or_else(|| "<none>".into());
+        *parked_ids.entry(id).or_default() += 1;
+    }
+    let mut problems = Vec::new();
+    let mut owners: HashSet<Uuid> = HashSet::new();
+    for (message_id, entries) in &ledger {
+        let entry = &entries[0];
+        let in_users = entry.user.as_ref().is_some_and(|(id, name, email)| {
+            users.get(id).is_some_and(|(n, e)| n == name && e == email)
+        });
+        let times_parked = parked_ids.get(message_id).copied().unwrap_or(0);
+        match (in_users, times_parked) {
+            (true, 0) => {
+                if let Some((id, ..)) = &entry.user {
+                    owners.insert(*id);
+                }
+            }
+            (false, 1) => {}
+            (in_users, times) => problems.push(format!(
+                "{message_id} ({}): in users {in_users}, parked {times} times",
+                entry.kind
+            )),
+        }
+    }
+    for (id, times) in &parked_ids {
+        if !ledger.contains_key(id) {
+            problems.push(format!("parked message {id:?} ({times}x) was never published"));
+        }
+    }
+    if users.len() != owners.len() {
+        problems.push(format!(
+            "{} rows in users, {} owned by a published message",
+            users.len(),
+            owners.len()
+        ));
+    }
+    let mut kinds: HashMap<&str, usize> = HashMap::new();
+    for (_, kind) in &parked {
+        *kinds.entry(kind.as_str()).or_default() += 1;
+    }
+    eprintln!(
+        "ledger: seed {seed}: {expected} messages, {} in users, {} parked {kinds:?}, {} faults, \
+         settled after {:?}, {} problems",
+        owners.len(),
+        parked.len(),
+        faults.len(),
+        started.elapsed(),
+        problems.len()
+    );
+    assert!(
+        problems.is_empty(),
+        "seed {seed}: {} problems:\n{}",
+        problems.len(),
+        problems.join("\n")
+    );
+}
