@@ -2,8 +2,9 @@
 //! `{prefix}:instances:{host}:{pid}` with a 30 s TTL renewed by heartbeats, reads remote-control
 //! commands from `{prefix}:commands:{host}:{pid}`, records their outcomes in
 //! `{prefix}:ctl:history`, and on a graceful stop deletes its hash and appends a record to the
-//! sorted set `{prefix}:shutdowns`. When Redis is unreachable warren keeps working, warns once
-//! per outage, reports `warren_connection_up{target="redis"} 0`, and registers again later.
+//! sorted set `{prefix}:shutdowns` (the newest [`SHUTDOWNS_MAX`] kept). When Redis is
+//! unreachable warren keeps working, warns once per outage, reports
+//! `warren_connection_up{target="redis"} 0`, and registers again later.
 
 use std::collections::HashMap;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
@@ -21,6 +22,8 @@ pub const INSTANCE_TTL_S: u64 = 30;
 const CALL_TIMEOUT: Duration = Duration::from_secs(2);
 /// History entries kept.
 const HISTORY_MAX: isize = 1000;
+/// Shutdown records kept (the newest).
+pub const SHUTDOWNS_MAX: isize = 1000;
 
 /// Seconds since the Unix epoch.
 pub fn now_s() -> u64 {
@@ -358,6 +361,8 @@ impl Registry {
             .del(&key)
             .ignore()
             .zadd(self.keys.shutdowns(), record.to_string(), now_s())
+            .ignore()
+            .zremrangebyrank(self.keys.shutdowns(), 0, -(SHUTDOWNS_MAX + 1))
             .ignore();
         let _: Option<()> = self.redis.pipe(&pipe).await;
     }

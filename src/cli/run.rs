@@ -1,5 +1,6 @@
 //! `warren run [--declare] [--roles consumer,dlq,api]`: run the roles until SIGTERM or SIGINT,
-//! then shut down gracefully in the pipeline's fixed order. A second signal exits at once.
+//! then shut down gracefully in the pipeline's fixed order. A second signal exits at once; a
+//! shutdown that reached SHUTDOWN_TIMEOUT_MS with messages in flight exits 1.
 
 use std::future::Future;
 use std::net::SocketAddr;
@@ -59,7 +60,8 @@ pub fn signals() -> impl Future<Output = ()> {
     }
 }
 
-/// Runs until `shutdown` resolves, then stops gracefully. Tests pass their own trigger.
+/// Runs until `shutdown` resolves, then stops gracefully. Tests pass their own trigger. The exit
+/// code is 0 after a complete drain, 1 when the shutdown timeout left messages in flight.
 pub async fn execute(
     settings: Settings,
     args: Args,
@@ -169,10 +171,13 @@ pub async fn execute(
     let _ = tokio::time::timeout(Duration::from_secs(5), registry).await;
     if results.iter().all(|drained| *drained) {
         info!("stopped cleanly");
+        Ok(0)
     } else {
-        warn!("stopped with messages still in flight; the broker redelivers them");
+        warn!(
+            "stopped with messages still in flight after SHUTDOWN_TIMEOUT_MS; the broker redelivers them; exit 1"
+        );
+        Ok(1)
     }
-    Ok(0)
 }
 
 /// A remote command and where to answer whether it was applied.
