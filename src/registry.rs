@@ -4,7 +4,8 @@
 //! `{prefix}:ctl:history`, and on a graceful stop deletes its hash and appends a record to the
 //! sorted set `{prefix}:shutdowns` (the newest [`SHUTDOWNS_MAX`] kept). When Redis is
 //! unreachable warren keeps working, warns once per outage, reports
-//! `warren_connection_up{target="redis"} 0`, and registers again later.
+//! `warren_connection_up{target="redis"} 0`, and registers again later. No message built here
+//! shows the password of `REDIS_URL`.
 
 use std::collections::HashMap;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
@@ -13,7 +14,7 @@ use redis::aio::MultiplexedConnection;
 use serde::{Deserialize, Serialize};
 use tracing::{info, warn};
 
-use crate::config::Settings;
+use crate::config::{Settings, redact_url};
 use crate::metrics;
 
 /// Lifetime of an instance hash without a heartbeat.
@@ -143,6 +144,48 @@ pub struct Redis {
     up: Option<bool>,
 }
 
+/// `text` (a message about the Redis at `url`) with `url` redacted and its password, as written
+/// and percent-decoded, replaced by `***` wherever it appears, as in an error the redis crate
+/// built from the URL.
+pub fn scrub(text: &str, url: &str) -> String {
+    let mut out = text.replace(url, &redact_url(url));
+    if let Ok(parsed) = url::Url::parse(url)
+        && let Some(password) = parsed.password()
+    {
+        for secret in [password.to_string(), percent_decode(password)] {
+            // "***" itself, or a one-character password, would turn every message to noise.
+            if secret.len() > 1 && secret != "***" {
+                out = out.replace(&secret, "***");
+            }
+        }
+    }
+    out
+}
+
+/// `%XX` sequences decoded (as the redis crate decodes a password), the rest kept.
+fn percent_decode(text: &str) -> String {
+    let bytes = text.as_bytes();
+    let mut out = Vec::with_capacity(bytes.len());
+    let mut i = 0;
+    while i < bytes.len() {
+        let hex = (bytes[i] == b'%')
+            .then(|| text.get(i + 1..i + 3))
+            .flatten()
+            .and_then(|h| u8::from_str_radix(h, 16).ok());
+        match hex {
+            Some(b) => {
+                out.push(b);
+                i += 3;
+            }
+            None => {
+                out.push(bytes[i]);
+                i += 1;
+            }
+        }
+    }
+    String::from_utf8_lossy(&out).into_owned()
+}
+
 impl Redis {
     pub fn new(url: &str) -> Self {
         Self {
@@ -152,13 +195,18 @@ impl Redis {
         }
     }
 
-    /// Connects to `url` now, or fails with a message naming it.
+    /// Connects to `url` now, or fails with a message naming it (password redacted).
     pub async fn connect(url: &str) -> Result<MultiplexedConnection, String> {
-        let client = redis::Client::open(url).map_err(|e| format!("REDIS_URL: {e}"))?;
+        let shown = redact_url(url);
+        let client = redis::Client::open(url)
+            .map_err(|e| format!("REDIS_URL {shown}: {}", scrub(&e.to_string(), url)))?;
         match tokio::time::timeout(CALL_TIMEOUT, client.get_multiplexed_async_connection()).await {
             Ok(Ok(c)) => Ok(c),
-            Ok(Err(e)) => Err(format!("cannot reach Redis at {url}: {e}")),
-            Err(_) => Err(format!("cannot reach Redis at {url}: timed out")),
+            Ok(Err(e)) => Err(format!(
+                "cannot reach Redis at {shown}: {}",
+                scrub(&e.to_string(), url)
+            )),
+            Err(_) => Err(format!("cannot reach Redis at {shown}: timed out")),
         }
     }
 
@@ -211,7 +259,8 @@ impl Redis {
                 Some(v)
             }
             Ok(Err(e)) => {
-                self.failed(e.to_string());
+                let error = scrub(&e.to_string(), &self.url);
+                self.failed(error);
                 None
             }
             Err(_) => {
@@ -436,5 +485,36 @@ mod tests {
         };
         let back: CtlCommand = serde_json::from_str(&serde_json::to_string(&c).unwrap()).unwrap();
         assert_eq!(back, c);
+    }
+
+    #[test]
+    fn redis_messages_never_show_the_password() {
+        let url = "redis://user:p%40ss-W0rd@127.0.0.1:1/0";
+        let text = format!("cannot connect to {url}: auth p@ss-W0rd and p%40ss-W0rd failed");
+        let shown = scrub(&text, url);
+        assert!(
+            !shown.contains("p@ss-W0rd") && !shown.contains("p%40ss-W0rd"),
+            "{shown}"
+        );
+        assert!(shown.contains("redis://user:***@127.0.0.1:1/0"), "{shown}");
+        assert_eq!(
+            scrub("no url here", "redis://127.0.0.1:6379"),
+            "no url here"
+        );
+        assert_eq!(percent_decode("a%41%zz%4"), "aA%zz%4");
+    }
+
+    #[tokio::test]
+    async fn an_unreachable_redis_is_named_without_its_password() {
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .and_then(|l| l.local_addr())
+            .map(|a| a.port())
+            .unwrap();
+        let url = format!("redis://:Hidden-Pw-77@127.0.0.1:{port}");
+        let e = Redis::connect(&url).await.unwrap_err();
+        assert!(!e.contains("Hidden-Pw-77"), "{e}");
+        assert!(e.contains(&format!("127.0.0.1:{port}")), "{e}");
+        let mut redis = Redis::new(&url);
+        assert_eq!(redis.query::<String>(&redis::cmd("PING")).await, None);
     }
 }

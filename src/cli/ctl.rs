@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 use anyhow::bail;
 use clap::Subcommand;
 
-use crate::config::{Settings, redact_url};
+use crate::config::Settings;
 use crate::registry::{self, CtlCommand, CtlOutcome, Keys, Redis, now_s, utc};
 
 #[derive(Debug, clap::Args)]
@@ -59,10 +59,7 @@ pub async fn execute(settings: &Settings, args: Args) -> anyhow::Result<i32> {
     let keys = Keys::new(&settings.redis_prefix);
     let mut redis = Redis::new(&settings.redis_url);
     if let Err(e) = Redis::connect(&settings.redis_url).await {
-        bail!(
-            "{}",
-            e.replace(&settings.redis_url, &redact_url(&settings.redis_url))
-        );
+        bail!("{e}");
     }
     let (name, processors, target) = match args.action {
         Action::History { limit, json } => return history(&mut redis, &keys, limit, json).await,
