@@ -67,6 +67,11 @@ pub async fn execute(
     args: Args,
     shutdown: impl Future<Output = ()>,
 ) -> anyhow::Result<i32> {
+    if settings.control_secret.is_empty() {
+        warn!(
+            "CONTROL_SECRET is not set: anyone with write access to Redis can pause, drain or scale this instance; set CONTROL_SECRET (the same on every instance and for `warren ctl`) to accept only signed commands"
+        );
+    }
     let metrics_addr: SocketAddr = settings.metrics_addr.parse().context("METRICS_ADDR")?;
     metrics::install(metrics_addr).map_err(anyhow::Error::msg)?;
 
@@ -249,12 +254,18 @@ async fn registry_loop(
                 registry.heartbeat(now).await;
             }
             _ = poll.tick() => {
-                while let Some(command) = registry.next_command().await {
-                    let (tx, rx) = oneshot::channel();
-                    let result = if ctl.send((command.clone(), tx)).is_ok() {
-                        rx.await.unwrap_or_else(|_| Err("warren is stopping".into()))
-                    } else {
-                        Err("warren is stopping".into())
+                while let Some((command, verdict)) = registry.next_command().await {
+                    // A refused command never reaches the pipelines; it is only recorded.
+                    let result = match verdict {
+                        Err(refused) => Err(refused),
+                        Ok(()) => {
+                            let (tx, rx) = oneshot::channel();
+                            if ctl.send((command.clone(), tx)).is_ok() {
+                                rx.await.unwrap_or_else(|_| Err("warren is stopping".into()))
+                            } else {
+                                Err("warren is stopping".into())
+                            }
+                        }
                     };
                     registry.record(&command, result).await;
                     let now = *report.borrow();
