@@ -2,17 +2,25 @@
 //! `{prefix}:instances:{host}:{pid}` with a 30 s TTL renewed by heartbeats, reads remote-control
 //! commands from `{prefix}:commands:{host}:{pid}`, records their outcomes in
 //! `{prefix}:ctl:history`, and on a graceful stop deletes its hash and appends a record to the
-//! sorted set `{prefix}:shutdowns`. When Redis is unreachable warren keeps working, warns once
-//! per outage, reports `warren_connection_up{target="redis"} 0`, and registers again later.
+//! sorted set `{prefix}:shutdowns` (the newest [`SHUTDOWNS_MAX`] kept). When Redis is
+//! unreachable warren keeps working, warns once per outage, reports
+//! `warren_connection_up{target="redis"} 0`, and registers again later.
+//!
+//! Remote commands are signed with HMAC-SHA256 under `CONTROL_SECRET` over a canonical
+//! encoding of every field and the target instance ([`CtlCommand::canonical`]); [`Guard`]
+//! refuses unsigned, badly signed, stale, future and replayed ones. No message built here shows
+//! the password of `REDIS_URL`.
 
 use std::collections::HashMap;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
+use hmac::{Hmac, KeyInit, Mac};
 use redis::aio::MultiplexedConnection;
 use serde::{Deserialize, Serialize};
+use sha2::Sha256;
 use tracing::{info, warn};
 
-use crate::config::Settings;
+use crate::config::{Settings, redact_url};
 use crate::metrics;
 
 /// Lifetime of an instance hash without a heartbeat.
@@ -21,6 +29,14 @@ pub const INSTANCE_TTL_S: u64 = 30;
 const CALL_TIMEOUT: Duration = Duration::from_secs(2);
 /// History entries kept.
 const HISTORY_MAX: isize = 1000;
+/// Shutdown records kept (the newest).
+pub const SHUTDOWNS_MAX: isize = 1000;
+/// A signed command issued further than this from the instance's clock is refused.
+pub const MAX_SKEW_S: u64 = 120;
+/// Start of the error of a command refused for carrying no signature.
+pub const REFUSED_UNSIGNED: &str = "refused: unsigned command";
+/// Start of the error of a command refused for a signature that does not verify.
+pub const REFUSED_BAD_SIGNATURE: &str = "refused: bad signature";
 
 /// Seconds since the Unix epoch.
 pub fn now_s() -> u64 {
@@ -94,6 +110,163 @@ pub struct CtlCommand {
     pub issued_at: u64,
     /// Who asked (`host:pid` of the `warren ctl` process).
     pub by: String,
+    /// The instance (`host:pid`) it is meant for, so a copy pushed to another instance's list
+    /// is refused; absent in commands from older `warren ctl`s.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub target: Option<String>,
+    /// Lower-case hex HMAC-SHA256 of [`CtlCommand::canonical`] under `CONTROL_SECRET`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub signature: Option<String>,
+}
+
+impl CtlCommand {
+    /// The bytes the signature covers: a version line, then each field as
+    /// `name=<byte length>:<value>` and a newline, in this order: `id`, `command`, `processors`
+    /// (empty when absent), `issued_at`, `by`, `target` (the instance that applies it, as
+    /// `host:pid`). The length prefixes make the encoding unambiguous whatever the values hold.
+    pub fn canonical(&self, target: &str) -> Vec<u8> {
+        // No `..`: a new field does not compile until it is added here, so every argument is
+        // covered by the signature.
+        let CtlCommand {
+            id,
+            command,
+            processors,
+            issued_at,
+            by,
+            target: _,
+            signature: _,
+        } = self;
+        let processors = processors.map(|n| n.to_string()).unwrap_or_default();
+        let issued_at = issued_at.to_string();
+        let mut out = b"warren-ctl-v1\n".to_vec();
+        for (name, value) in [
+            ("id", id.as_str()),
+            ("command", command.as_str()),
+            ("processors", processors.as_str()),
+            ("issued_at", issued_at.as_str()),
+            ("by", by.as_str()),
+            ("target", target),
+        ] {
+            out.extend_from_slice(format!("{name}={}:", value.len()).as_bytes());
+            out.extend_from_slice(value.as_bytes());
+            out.push(b'\n');
+        }
+        out
+    }
+
+    /// The HMAC of this command for `target`; HMAC accepts keys of any length, so the error
+    /// only names the setting in case that ever changes.
+    fn mac(&self, secret: &str, target: &str) -> Result<Hmac<Sha256>, String> {
+        let mut mac = <Hmac<Sha256> as KeyInit>::new_from_slice(secret.as_bytes())
+            .map_err(|e| format!("CONTROL_SECRET: not usable as an HMAC-SHA256 key ({e})"))?;
+        mac.update(&self.canonical(target));
+        Ok(mac)
+    }
+
+    /// Addresses the command to `target` (`host:pid`) and signs it with `secret`.
+    pub fn sign(&mut self, secret: &str, target: &str) -> Result<(), String> {
+        let tag = self.mac(secret, target)?.finalize().into_bytes();
+        self.target = Some(target.to_string());
+        self.signature = Some(tag.iter().map(|b| format!("{b:02x}")).collect());
+        Ok(())
+    }
+
+    /// Whether the signature is the one `secret` gives for this command applied by `target`
+    /// (compared in constant time).
+    pub fn signature_matches(&self, secret: &str, target: &str) -> bool {
+        let Some(tag) = self.signature.as_deref().and_then(from_hex) else {
+            return false;
+        };
+        self.mac(secret, target)
+            .is_ok_and(|mac| mac.verify_slice(&tag).is_ok())
+    }
+}
+
+/// Bytes from lower- or upper-case hex; `None` for anything else.
+fn from_hex(text: &str) -> Option<Vec<u8>> {
+    if !text.len().is_multiple_of(2) {
+        return None;
+    }
+    (0..text.len())
+        .step_by(2)
+        .map(|i| u8::from_str_radix(text.get(i..i + 2)?, 16).ok())
+        .collect()
+}
+
+/// Decides which remote commands this instance applies. With a secret, only commands signed
+/// for this instance, issued within [`MAX_SKEW_S`] of now and not seen before; without one,
+/// every command (as before signing existed).
+pub struct Guard {
+    /// `CONTROL_SECRET`; `None` when unset.
+    secret: Option<String>,
+    /// This instance as `host:pid`, which the signature must cover.
+    me: String,
+    /// Ids of the commands already accepted, with their `issued_at`, so a replay is refused;
+    /// forgotten once they are too old to pass the freshness check anyway.
+    seen: HashMap<String, u64>,
+}
+
+impl Guard {
+    pub fn new(secret: &str, me: String) -> Self {
+        Self {
+            secret: Some(secret.to_string()).filter(|s| !s.is_empty()),
+            me,
+            seen: HashMap::new(),
+        }
+    }
+
+    /// `Ok` when `command` may be applied now (`now` in Unix seconds), else why it is refused.
+    pub fn check(&mut self, command: &CtlCommand, now: u64) -> Result<(), String> {
+        if let Some(target) = &command.target
+            && *target != self.me
+        {
+            return Err(format!(
+                "refused: addressed to {target}, not to this instance ({})",
+                self.me
+            ));
+        }
+        let Some(secret) = &self.secret else {
+            return Ok(());
+        };
+        if command.signature.is_none() {
+            return Err(format!(
+                "{REFUSED_UNSIGNED}: this instance has CONTROL_SECRET set and accepts only \
+                 signed commands (run `warren ctl` with the same CONTROL_SECRET)"
+            ));
+        }
+        if !command.signature_matches(secret, &self.me) {
+            return Err(format!(
+                "{REFUSED_BAD_SIGNATURE}: not signed with this instance's CONTROL_SECRET for \
+                 this instance, or altered on the way"
+            ));
+        }
+        if command.issued_at + MAX_SKEW_S < now {
+            return Err(format!(
+                "refused: stale command, issued {} s ago (more than {MAX_SKEW_S} s; check the clocks \
+                 if it was just sent)",
+                now - command.issued_at
+            ));
+        }
+        if command.issued_at > now + MAX_SKEW_S {
+            return Err(format!(
+                "refused: command from the future, issued {} s ahead of this instance's clock \
+                 (more than {MAX_SKEW_S} s; check the clocks)",
+                command.issued_at - now
+            ));
+        }
+        // Keep ids while a copy could still pass the freshness check, with a margin for a clock
+        // that steps back.
+        self.seen
+            .retain(|_, issued| *issued + 2 * MAX_SKEW_S >= now);
+        if self.seen.contains_key(&command.id) {
+            return Err(format!(
+                "refused: replay, command {} was already received by this instance",
+                command.id
+            ));
+        }
+        self.seen.insert(command.id.clone(), command.issued_at);
+        Ok(())
+    }
 }
 
 /// What an instance did with a command.
@@ -140,6 +313,48 @@ pub struct Redis {
     up: Option<bool>,
 }
 
+/// `text` (a message about the Redis at `url`) with `url` redacted and its password, as written
+/// and percent-decoded, replaced by `***` wherever it appears, as in an error the redis crate
+/// built from the URL.
+pub fn scrub(text: &str, url: &str) -> String {
+    let mut out = text.replace(url, &redact_url(url));
+    if let Ok(parsed) = url::Url::parse(url)
+        && let Some(password) = parsed.password()
+    {
+        for secret in [password.to_string(), percent_decode(password)] {
+            // "***" itself, or a one-character password, would turn every message to noise.
+            if secret.len() > 1 && secret != "***" {
+                out = out.replace(&secret, "***");
+            }
+        }
+    }
+    out
+}
+
+/// `%XX` sequences decoded (as the redis crate decodes a password), the rest kept.
+fn percent_decode(text: &str) -> String {
+    let bytes = text.as_bytes();
+    let mut out = Vec::with_capacity(bytes.len());
+    let mut i = 0;
+    while i < bytes.len() {
+        let hex = (bytes[i] == b'%')
+            .then(|| text.get(i + 1..i + 3))
+            .flatten()
+            .and_then(|h| u8::from_str_radix(h, 16).ok());
+        match hex {
+            Some(b) => {
+                out.push(b);
+                i += 3;
+            }
+            None => {
+                out.push(bytes[i]);
+                i += 1;
+            }
+        }
+    }
+    String::from_utf8_lossy(&out).into_owned()
+}
+
 impl Redis {
     pub fn new(url: &str) -> Self {
         Self {
@@ -149,13 +364,18 @@ impl Redis {
         }
     }
 
-    /// Connects to `url` now, or fails with a message naming it.
+    /// Connects to `url` now, or fails with a message naming it (password redacted).
     pub async fn connect(url: &str) -> Result<MultiplexedConnection, String> {
-        let client = redis::Client::open(url).map_err(|e| format!("REDIS_URL: {e}"))?;
+        let shown = redact_url(url);
+        let client = redis::Client::open(url)
+            .map_err(|e| format!("REDIS_URL {shown}: {}", scrub(&e.to_string(), url)))?;
         match tokio::time::timeout(CALL_TIMEOUT, client.get_multiplexed_async_connection()).await {
             Ok(Ok(c)) => Ok(c),
-            Ok(Err(e)) => Err(format!("cannot reach Redis at {url}: {e}")),
-            Err(_) => Err(format!("cannot reach Redis at {url}: timed out")),
+            Ok(Err(e)) => Err(format!(
+                "cannot reach Redis at {shown}: {}",
+                scrub(&e.to_string(), url)
+            )),
+            Err(_) => Err(format!("cannot reach Redis at {shown}: timed out")),
         }
     }
 
@@ -208,7 +428,8 @@ impl Redis {
                 Some(v)
             }
             Ok(Err(e)) => {
-                self.failed(e.to_string());
+                let error = scrub(&e.to_string(), &self.url);
+                self.failed(error);
                 None
             }
             Err(_) => {
@@ -236,6 +457,8 @@ pub struct Registry {
     redis: Redis,
     keys: Keys,
     instance: Instance,
+    /// Which remote commands are applied (signatures, freshness, replays).
+    guard: Guard,
 }
 
 /// The live state an instance reports.
@@ -248,10 +471,13 @@ pub struct Report {
 
 impl Registry {
     pub fn new(settings: &Settings) -> Self {
+        let instance = Instance::this(settings);
+        let me = format!("{}:{}", instance.host, instance.pid);
         Self {
             redis: Redis::new(&settings.redis_url),
             keys: Keys::new(&settings.redis_prefix),
-            instance: Instance::this(settings),
+            instance,
+            guard: Guard::new(&settings.control_secret, me),
         }
     }
 
@@ -292,8 +518,9 @@ impl Registry {
         let _: Option<()> = self.redis.pipe(&pipe).await;
     }
 
-    /// The next command addressed to this instance, if any.
-    pub async fn next_command(&mut self) -> Option<CtlCommand> {
+    /// The next command addressed to this instance, if any, with whether it may be applied
+    /// (see [`Guard`]); a refused one is logged here and is to be recorded as failed.
+    pub async fn next_command(&mut self) -> Option<(CtlCommand, Result<(), String>)> {
         let key = self.keys.commands(&self.instance.host, self.instance.pid);
         let raw: Option<String> = self
             .redis
@@ -301,8 +528,14 @@ impl Registry {
             .await
             .flatten();
         let raw = raw?;
-        match serde_json::from_str(&raw) {
-            Ok(c) => Some(c),
+        match serde_json::from_str::<CtlCommand>(&raw) {
+            Ok(c) => {
+                let verdict = self.guard.check(&c, now_s());
+                if let Err(error) = &verdict {
+                    warn!(id = %c.id, command = %c.command, by = %c.by, %error, "remote command refused");
+                }
+                Some((c, verdict))
+            }
             Err(e) => {
                 warn!(error = %e, command = %raw, "unreadable remote command ignored");
                 None
@@ -358,6 +591,8 @@ impl Registry {
             .del(&key)
             .ignore()
             .zadd(self.keys.shutdowns(), record.to_string(), now_s())
+            .ignore()
+            .zremrangebyrank(self.keys.shutdowns(), 0, -(SHUTDOWNS_MAX + 1))
             .ignore();
         let _: Option<()> = self.redis.pipe(&pipe).await;
     }
@@ -422,14 +657,193 @@ mod tests {
 
     #[test]
     fn commands_round_trip_as_json() {
-        let c = CtlCommand {
+        let mut c = CtlCommand {
             id: "x".into(),
             command: "scale".into(),
             processors: Some(4),
             issued_at: 1,
             by: "h:1".into(),
+            target: None,
+            signature: None,
         };
         let back: CtlCommand = serde_json::from_str(&serde_json::to_string(&c).unwrap()).unwrap();
         assert_eq!(back, c);
+        c.sign("k", "h:2").unwrap();
+        let back: CtlCommand = serde_json::from_str(&serde_json::to_string(&c).unwrap()).unwrap();
+        assert_eq!(back, c);
+    }
+
+    #[test]
+    fn commands_of_older_ctls_still_parse() {
+        let c: CtlCommand =
+            serde_json::from_str(r#"{"id":"x","command":"pause","issued_at":5,"by":"h:1"}"#)
+                .unwrap();
+        assert_eq!((c.target, c.signature), (None, None));
+    }
+
+    fn sample() -> CtlCommand {
+        CtlCommand {
+            id: "0b8f".into(),
+            command: "scale".into(),
+            processors: Some(4),
+            issued_at: 1_795_239_346,
+            by: "ops:42".into(),
+            target: None,
+            signature: None,
+        }
+    }
+
+    #[test]
+    fn the_canonical_encoding_and_signature_are_the_documented_ones() {
+        let c = sample();
+        assert_eq!(
+            String::from_utf8(c.canonical("vm:20740")).unwrap(),
+            "warren-ctl-v1\nid=4:0b8f\ncommand=5:scale\nprocessors=1:4\n\
+             issued_at=10:1795239346\nby=6:ops:42\ntarget=8:vm:20740\n"
+        );
+        // Computed independently (Python's hmac module over the bytes above).
+        let mut signed = c.clone();
+        signed.sign("s3cret", "vm:20740").unwrap();
+        assert_eq!(signed.target.as_deref(), Some("vm:20740"));
+        assert_eq!(
+            signed.signature.as_deref(),
+            Some("6c14c808b9ddffaed54779e9a952a26961fa099c52957be11545e8033fd069ce")
+        );
+        assert!(signed.signature_matches("s3cret", "vm:20740"));
+        let mut upper = signed.clone();
+        upper.signature = upper.signature.map(|s| s.to_uppercase());
+        assert!(upper.signature_matches("s3cret", "vm:20740"));
+    }
+
+    #[test]
+    fn the_signature_covers_every_field_and_the_target() {
+        let mut signed = sample();
+        signed.sign("k", "vm:1").unwrap();
+        assert!(signed.signature_matches("k", "vm:1"));
+        assert!(!signed.signature_matches("other", "vm:1"), "another secret");
+        assert!(!signed.signature_matches("k", "vm:2"), "another target");
+        let altered: [fn(&mut CtlCommand); 6] = [
+            |c| c.id.push('x'),
+            |c| c.command = "drain".into(),
+            |c| c.processors = Some(5),
+            |c| c.processors = None,
+            |c| c.issued_at += 1,
+            |c| c.by = "someone:1".into(),
+        ];
+        for (i, alter) in altered.iter().enumerate() {
+            let mut c = signed.clone();
+            alter(&mut c);
+            assert!(!c.signature_matches("k", "vm:1"), "alteration {i} verified");
+        }
+        // Field boundaries cannot be moved: "ab" + "c" differs from "a" + "bc".
+        let (mut a, mut b) = (sample(), sample());
+        (a.id, a.command) = ("ab".into(), "c".into());
+        (b.id, b.command) = ("a".into(), "bc".into());
+        assert_ne!(a.canonical("t"), b.canonical("t"));
+        for bad in ["", "zz", "abc", "6c14"] {
+            let mut c = signed.clone();
+            c.signature = Some(bad.into());
+            assert!(!c.signature_matches("k", "vm:1"), "{bad:?}");
+        }
+    }
+
+    fn signed(id: &str, issued_at: u64, secret: &str, target: &str) -> CtlCommand {
+        let mut c = sample();
+        c.id = id.into();
+        c.issued_at = issued_at;
+        c.sign(secret, target).unwrap();
+        c
+    }
+
+    #[test]
+    fn the_guard_refuses_unsigned_forged_stale_future_replayed_and_redirected_commands() {
+        let now = 1_000_000;
+        let mut guard = Guard::new("k", "vm:1".into());
+        assert_eq!(guard.check(&signed("a", now, "k", "vm:1"), now), Ok(()));
+        // The edges of the window are accepted.
+        assert_eq!(
+            guard.check(&signed("b", now - 120, "k", "vm:1"), now),
+            Ok(())
+        );
+        assert_eq!(
+            guard.check(&signed("c", now + 120, "k", "vm:1"), now),
+            Ok(())
+        );
+
+        let refused = |guard: &mut Guard, c: &CtlCommand| guard.check(c, now).unwrap_err();
+        let e = refused(&mut guard, &sample());
+        assert!(
+            e.starts_with(REFUSED_UNSIGNED) && e.contains("CONTROL_SECRET"),
+            "{e}"
+        );
+        let e = refused(&mut guard, &signed("d", now, "wrong", "vm:1"));
+        assert!(e.starts_with(REFUSED_BAD_SIGNATURE), "{e}");
+        let e = refused(&mut guard, &signed("e", now - 121, "k", "vm:1"));
+        assert!(e.contains("stale") && e.contains("121 s ago"), "{e}");
+        let e = refused(&mut guard, &signed("f", now + 121, "k", "vm:1"));
+        assert!(e.contains("future") && e.contains("121 s"), "{e}");
+        let e = refused(&mut guard, &signed("a", now, "k", "vm:1"));
+        assert!(e.contains("replay") && e.contains('a'), "{e}");
+        // Signed for another instance: its target says so; without the field the signature
+        // still does not verify.
+        let mut other = signed("g", now, "k", "vm:2");
+        let e = refused(&mut guard, &other);
+        assert!(e.contains("addressed to vm:2"), "{e}");
+        other.target = None;
+        assert!(refused(&mut guard, &other).starts_with(REFUSED_BAD_SIGNATURE));
+        // Refusals do not mark an id as seen; a valid copy still goes through once.
+        assert_eq!(guard.check(&signed("d", now, "k", "vm:1"), now), Ok(()));
+
+        // Ids are forgotten only once a copy would be refused as stale anyway.
+        let later = now + 241;
+        assert!(
+            guard
+                .check(&signed("a", now, "k", "vm:1"), later)
+                .unwrap_err()
+                .contains("stale")
+        );
+        assert_eq!(guard.check(&signed("h", later, "k", "vm:1"), later), Ok(()));
+        assert!(!guard.seen.contains_key("a"));
+    }
+
+    #[test]
+    fn without_a_secret_every_command_is_accepted_as_before() {
+        let mut guard = Guard::new("", "vm:1".into());
+        assert_eq!(guard.check(&sample(), 0), Ok(()));
+        assert_eq!(guard.check(&sample(), u64::MAX / 2), Ok(()));
+        assert_eq!(guard.check(&signed("x", 0, "whatever", "vm:1"), 0), Ok(()));
+        let e = guard.check(&signed("x", 0, "k", "vm:2"), 0).unwrap_err();
+        assert!(e.contains("addressed to vm:2"), "{e}");
+    }
+
+    #[test]
+    fn redis_messages_never_show_the_password() {
+        let url = "redis://user:p%40ss-W0rd@127.0.0.1:1/0";
+        let text = format!("cannot connect to {url}: auth p@ss-W0rd and p%40ss-W0rd failed");
+        let shown = scrub(&text, url);
+        assert!(
+            !shown.contains("p@ss-W0rd") && !shown.contains("p%40ss-W0rd"),
+            "{shown}"
+        );
+        assert!(shown.contains("redis://user:***@127.0.0.1:1/0"), "{shown}");
+        assert_eq!(
+            scrub("no url here", "redis://127.0.0.1:6379"),
+            "no url here"
+        );
+        assert_eq!(percent_decode("a%41%zz%4"), "aA%zz%4");
+    }
+
+    #[tokio::test]
+    async fn an_unreachable_redis_is_named_without_its_password() {
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .and_then(|l| l.local_addr())
+            .map(|a| a.port())
+            .unwrap();
+        let url = format!("redis://:Hidden-Pw-77@127.0.0.1:{port}");
+        let e = Redis::connect(&url).await.unwrap_err();
+        assert!(!e.contains("Hidden-Pw-77"), "{e}");
+        assert!(e.contains(&format!("127.0.0.1:{port}")), "{e}");
+        let mut redis = Redis::new(&url);
+        assert_eq!(redis.query::<String>(&redis::cmd("PING")).await, None);
     }
 }

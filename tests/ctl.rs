@@ -2,13 +2,18 @@
 //! backlog, scale changes the processors live, drain stops an instance with nothing lost, every
 //! outcome lands in `warren ctl history`, bad targets are refused, `--all` reaches every
 //! instance, and a command to an instance already stopping fails without spoiling its stop.
+//! With CONTROL_SECRET, commands are signed: `ctl` with the secret works, and commands that are
+//! unsigned, badly signed, stale, from the future, redirected or replayed are refused, recorded
+//! as failed and change nothing; without it, everything works as before, with a warning.
 
 mod common;
 
 use std::time::{Duration, Instant};
 
 use common::*;
-use serde_json::Value;
+use hmac::{Hmac, KeyInit, Mac};
+use serde_json::{Value, json};
+use sha2::Sha256;
 
 /// Waits until the hash of `pid` has `field` = `value`.
 async fn wait_field(env: &TestEnv, pid: i32, field: &str, value: &str) {
@@ -460,4 +465,286 @@ async fn a_command_to_a_stopping_instance_fails_and_it_still_deregisters() {
     let rows = env.count_rows().await;
     let (ready, _) = env.queue_state(&env.main_queue).await;
     assert_eq!(rows + ready as i64, ids.len() as i64);
+}
+
+// ---- signed commands ------------------------------------------------------------------------
+
+const SECRET: &str = "test-control-secret";
+
+/// Unix seconds.
+fn now_s() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs()
+}
+
+/// A command as `warren ctl` queues it, for the instance `target` (`host:pid`), signed with
+/// `secret` by the encoding the README documents (computed here, not by warren's code).
+fn command_json(
+    command: &str,
+    issued_at: u64,
+    target: &str,
+    sign: Option<(&str, &str)>,
+) -> (String, String) {
+    let id = uuid::Uuid::new_v4().to_string();
+    let by = "test:1";
+    let mut doc = json!({
+        "id": id, "command": command, "issued_at": issued_at, "by": by, "target": target,
+    });
+    if let Some((secret, signed_for)) = sign {
+        let issued = issued_at.to_string();
+        let mut canonical = b"warren-ctl-v1\n".to_vec();
+        for (name, value) in [
+            ("id", id.as_str()),
+            ("command", command),
+            ("processors", ""),
+            ("issued_at", issued.as_str()),
+            ("by", by),
+            ("target", signed_for),
+        ] {
+            canonical.extend_from_slice(format!("{name}={}:{value}\n", value.len()).as_bytes());
+        }
+        let mut mac = <Hmac<Sha256> as KeyInit>::new_from_slice(secret.as_bytes()).unwrap();
+        mac.update(&canonical);
+        let tag: String = mac
+            .finalize()
+            .into_bytes()
+            .iter()
+            .map(|b| format!("{b:02x}"))
+            .collect();
+        doc["signature"] = json!(tag);
+    }
+    (id, doc.to_string())
+}
+
+/// Pushes raw command JSON into the command list of the env's instance `pid`, as anyone with
+/// write access to Redis could.
+async fn push_raw(env: &TestEnv, pid: i32, commands: &[&str]) {
+    let prefix = env.setting("REDIS_PREFIX").unwrap_or(&env.id).to_string();
+    let key = format!("{prefix}:commands:{}:{pid}", host());
+    let _: i64 = redis_query(env, redis::cmd("RPUSH").arg(&key).arg(commands)).await;
+}
+
+/// Every history entry of command `id`, newest first.
+async fn outcomes_of(env: &TestEnv, id: &str) -> Vec<Value> {
+    let prefix = env.setting("REDIS_PREFIX").unwrap_or(&env.id).to_string();
+    let raw: Vec<String> = redis_query(
+        env,
+        redis::cmd("LRANGE")
+            .arg(format!("{prefix}:ctl:history"))
+            .arg(0)
+            .arg(-1),
+    )
+    .await;
+    raw.iter()
+        .map(|r| serde_json::from_str::<Value>(r).unwrap())
+        .filter(|v| v["id"] == id)
+        .collect()
+}
+
+/// Waits until command `id` has `n` outcomes; returns them, newest first.
+async fn wait_outcomes(env: &TestEnv, id: &str, n: usize) -> Vec<Value> {
+    wait_until(
+        &format!("{n} outcome(s) of command {id}"),
+        Duration::from_secs(15),
+        || async { outcomes_of(env, id).await.len() >= n },
+    )
+    .await;
+    outcomes_of(env, id).await
+}
+
+/// `warren ctl ARGS` with CONTROL_SECRET replaced by `secret` (removed for `None`).
+async fn ctl_with_secret(
+    env: &TestEnv,
+    args: &[&str],
+    secret: Option<&str>,
+) -> (i32, String, String) {
+    let mut full = vec!["ctl"];
+    full.extend_from_slice(args);
+    let mut cmd = env.command(&full);
+    match secret {
+        Some(s) => cmd.env("CONTROL_SECRET", s),
+        None => cmd.env_remove("CONTROL_SECRET"),
+    };
+    let out = tokio::task::spawn_blocking(move || cmd.output())
+        .await
+        .unwrap()
+        .unwrap();
+    (
+        out.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+/// Publishes `n` users and waits until the table holds `total` rows: the instance consumes.
+async fn still_consumes(env: &TestEnv, n: usize, total: i64) {
+    env.publish_users(n).await;
+    wait_until(
+        &format!("{total} rows"),
+        Duration::from_secs(30),
+        || async { env.count_rows().await == total },
+    )
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn with_a_secret_signed_commands_work_and_forged_ones_are_refused() {
+    let (mut env, _cleanup) = env_for("ctl_signed").await;
+    env.set("CONTROL_SECRET", SECRET);
+    let warren = env.start(&["--roles", "consumer"]);
+    let _logs = LogsOnPanic(vec![warren.log.clone()]);
+    let pid = warren.pid();
+    let me = format!("{}:{pid}", host());
+    wait_field(&env, pid, "status", "running").await;
+
+    // `warren ctl` with the same secret: pause and resume work.
+    ctl_ok(&env, &["pause", "--all"], &[pid]).await;
+    wait_field(&env, pid, "status", "paused").await;
+    ctl_ok(&env, &["resume", "--all"], &[pid]).await;
+    wait_field(&env, pid, "status", "running").await;
+    assert_in_history(&env, "pause", pid, "executed").await;
+    assert_in_history(&env, "resume", pid, "executed").await;
+    still_consumes(&env, 10, 10).await;
+
+    // A correctly signed pause, captured by someone who can read Redis: it works once...
+    let (captured_id, captured) = command_json("pause", now_s(), &me, Some((SECRET, &me)));
+    push_raw(&env, pid, &[&captured]).await;
+    let o = wait_outcomes(&env, &captured_id, 1).await;
+    assert_eq!(o[0]["outcome"], "executed", "{o:?}");
+    wait_field(&env, pid, "status", "paused").await;
+    ctl_ok(&env, &["resume", "--all"], &[pid]).await;
+    wait_field(&env, pid, "status", "running").await;
+
+    // ...and every forged or replayed pause is refused.
+    let other = format!("{}:{}", host(), pid + 1);
+    let (unsigned, unsigned_json) = command_json("pause", now_s(), &me, None);
+    let (wrong, wrong_json) = command_json("pause", now_s(), &me, Some(("not-the-secret", &me)));
+    let (stale, stale_json) = command_json("pause", now_s() - 600, &me, Some((SECRET, &me)));
+    let (future, future_json) = command_json("pause", now_s() + 600, &me, Some((SECRET, &me)));
+    // Signed for another instance, its target field rewritten to this one.
+    let (redirected, redirected_json) = command_json("pause", now_s(), &me, Some((SECRET, &other)));
+    push_raw(
+        &env,
+        pid,
+        &[
+            &unsigned_json,
+            &wrong_json,
+            &stale_json,
+            &future_json,
+            &redirected_json,
+            &captured,
+        ],
+    )
+    .await;
+    for (id, words) in [
+        (&unsigned, &["unsigned", "CONTROL_SECRET"][..]),
+        (&wrong, &["bad signature"]),
+        (&stale, &["stale", "s ago"]),
+        (&future, &["future", "ahead"]),
+        (&redirected, &["bad signature"]),
+    ] {
+        let o = wait_outcomes(&env, id, 1).await;
+        assert_eq!(o.len(), 1, "{o:?}");
+        assert_eq!(o[0]["outcome"], "failed", "{o:?}");
+        assert_eq!(o[0]["command"], "pause", "{o:?}");
+        assert_eq!(o[0]["pid"], pid, "{o:?}");
+        let error = o[0]["error"].as_str().unwrap_or_default();
+        for w in words {
+            assert!(error.contains(w), "{id}: {error:?} lacks {w:?}");
+        }
+    }
+    let o = wait_outcomes(&env, &captured_id, 2).await;
+    assert_eq!(o.len(), 2, "{o:?}");
+    assert_eq!(o[0]["outcome"], "failed", "the replay: {o:?}");
+    assert!(
+        o[0]["error"].as_str().is_some_and(|e| e.contains("replay")),
+        "{o:?}"
+    );
+    assert_eq!(o[1]["outcome"], "executed", "{o:?}");
+    let (code, out, err) = env.run_async(&["ctl", "history"]).await;
+    assert_eq!(code, 0, "{err}");
+    assert!(out.contains("refused: replay"), "{out}");
+
+    // None of them paused it: still running, and messages published now are inserted.
+    assert_eq!(instance(&env, pid).await["status"], "running");
+    still_consumes(&env, 25, 35).await;
+    let logs = warren.logs();
+    assert!(logs.contains("remote command refused"), "{logs}");
+    assert!(!logs.contains("CONTROL_SECRET is not set"), "{logs}");
+    assert!(!logs.contains(SECRET), "the secret is in the log:\n{logs}");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn ctl_without_the_instances_secret_is_refused_clearly() {
+    let (mut env, _cleanup) = env_for("ctl_nosecret").await;
+    env.set("CONTROL_SECRET", SECRET);
+    let warren = env.start(&["--roles", "consumer"]);
+    let _logs = LogsOnPanic(vec![warren.log.clone()]);
+    let pid = warren.pid();
+    let me = format!("{}:{pid}", host());
+    wait_field(&env, pid, "status", "running").await;
+
+    let (code, out, err) = ctl_with_secret(&env, &["pause", "--all"], None).await;
+    assert_eq!(code, 1, "{out}\n{err}");
+    assert!(
+        out.contains(&format!("{me}  pause  failed: refused: unsigned command")),
+        "{out}"
+    );
+    assert!(
+        err.contains("CONTROL_SECRET is not set here"),
+        "no clear hint on stderr:\n{err}"
+    );
+
+    let (code, out, err) = ctl_with_secret(&env, &["pause", "--all"], Some("another-secret")).await;
+    assert_eq!(code, 1, "{out}\n{err}");
+    assert!(
+        out.contains(&format!("{me}  pause  failed: refused: bad signature")),
+        "{out}"
+    );
+    assert!(err.contains("CONTROL_SECRET here differs"), "{err}");
+    assert!(!out.contains("another-secret") && !err.contains("another-secret"));
+
+    let entry = assert_in_history(&env, "pause", pid, "failed").await;
+    assert!(
+        entry["error"]
+            .as_str()
+            .is_some_and(|e| e.starts_with("refused")),
+        "{entry}"
+    );
+    assert_eq!(instance(&env, pid).await["status"], "running");
+    still_consumes(&env, 20, 20).await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn without_a_secret_commands_work_as_before_and_a_warning_is_logged() {
+    let (env, _cleanup) = env_for("ctl_open").await;
+    assert_eq!(env.setting("CONTROL_SECRET"), None);
+    let warren = env.start(&["--roles", "consumer"]);
+    let _logs = LogsOnPanic(vec![warren.log.clone()]);
+    let pid = warren.pid();
+    wait_field(&env, pid, "status", "running").await;
+    let warnings: Vec<String> = warren
+        .logs()
+        .lines()
+        .filter(|l| l.contains("CONTROL_SECRET"))
+        .map(String::from)
+        .collect();
+    assert_eq!(warnings.len(), 1, "{warnings:?}");
+    assert!(
+        warnings[0].contains("WARN") && warnings[0].contains("anyone with write access to Redis"),
+        "{warnings:?}"
+    );
+
+    ctl_ok(&env, &["pause", "--all"], &[pid]).await;
+    wait_field(&env, pid, "status", "paused").await;
+    // A command in the format of older `warren ctl`s (no target, no signature) still works.
+    let id = uuid::Uuid::new_v4().to_string();
+    let old = json!({"id": id, "command": "resume", "issued_at": now_s(), "by": "old:1"});
+    push_raw(&env, pid, &[&old.to_string()]).await;
+    let o = wait_outcomes(&env, &id, 1).await;
+    assert_eq!(o[0]["outcome"], "executed", "{o:?}");
+    wait_field(&env, pid, "status", "running").await;
+    still_consumes(&env, 15, 15).await;
 }

@@ -1,5 +1,5 @@
 //! The Redis instance registry: a running instance keeps a hash with a TTL and live counters and
-//! leaves a shutdown record when it stops; a Redis outage loses no message, shows on
+//! leaves a shutdown record when it stops (the newest 1,000 kept); a Redis outage loses no message, shows on
 //! `warren_connection_up{target="redis"}` and ends with the instance registered again; `warren
 //! status` lists the instances and the queues.
 
@@ -171,6 +171,38 @@ async fn an_instance_registers_with_live_counters_and_leaves_a_shutdown_record()
         "uptime {uptime} s, the test ran {elapsed} s: {r}"
     );
     assert_eq!(stopped_at - started_at, uptime, "{r}");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn the_shutdown_history_keeps_the_newest_thousand_records() {
+    let mut env = TestEnv::new("reg_trim").await;
+    env.set("REGISTRY_HEARTBEAT_MS", "300");
+    let _cleanup = RedisCleanup::new(&env);
+    env.declare();
+    // 1,005 records of earlier stops (scored long ago, oldest first).
+    let key = format!("{}:shutdowns", env.id);
+    let mut zadd = redis::cmd("ZADD");
+    zadd.arg(&key);
+    for i in 0..1_005 {
+        zadd.arg(i).arg(format!(r#"{{"old":{i}}}"#));
+    }
+    let added: i64 = redis_query(&env, &zadd).await;
+    assert_eq!(added, 1_005);
+
+    let mut warren = env.start(&["--roles", "consumer"]);
+    let pid = warren.pid();
+    wait_registered(&env, &warren).await;
+    let status = warren.terminate(Duration::from_secs(25));
+    assert!(status.success(), "exit {status:?}; log:\n{}", warren.logs());
+
+    // The new record went in and the six oldest went out, in the same step.
+    let records = shutdowns(&env).await;
+    assert_eq!(records.len(), 1_000);
+    assert_eq!(records[0]["old"], 6, "{}", records[0]);
+    assert_eq!(records[998]["old"], 1_004, "{}", records[998]);
+    let newest = &records[999];
+    assert_eq!(newest["pid"], pid, "{newest}");
+    assert_eq!(newest["reason"], "signal", "{newest}");
 }
 
 /// Seconds since the Unix epoch.

@@ -1,5 +1,6 @@
 //! `warren ctl`: remote control through Redis. `pause`, `resume`, `drain` and `scale` are queued
-//! for the chosen instances, which apply them and record the outcome; `history` lists outcomes.
+//! for the chosen instances (signed for each one with CONTROL_SECRET when it is set), which
+//! apply them and record the outcome; `history` lists outcomes.
 
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
@@ -7,8 +8,10 @@ use std::time::{Duration, Instant};
 use anyhow::bail;
 use clap::Subcommand;
 
-use crate::config::{Settings, redact_url};
-use crate::registry::{self, CtlCommand, CtlOutcome, Keys, Redis, now_s, utc};
+use crate::config::Settings;
+use crate::registry::{
+    self, CtlCommand, CtlOutcome, Keys, REFUSED_BAD_SIGNATURE, REFUSED_UNSIGNED, Redis, now_s, utc,
+};
 
 #[derive(Debug, clap::Args)]
 pub struct Args {
@@ -59,10 +62,7 @@ pub async fn execute(settings: &Settings, args: Args) -> anyhow::Result<i32> {
     let keys = Keys::new(&settings.redis_prefix);
     let mut redis = Redis::new(&settings.redis_url);
     if let Err(e) = Redis::connect(&settings.redis_url).await {
-        bail!(
-            "{}",
-            e.replace(&settings.redis_url, &redact_url(&settings.redis_url))
-        );
+        bail!("{e}");
     }
     let (name, processors, target) = match args.action {
         Action::History { limit, json } => return history(&mut redis, &keys, limit, json).await,
@@ -94,9 +94,20 @@ pub async fn execute(settings: &Settings, args: Args) -> anyhow::Result<i32> {
         processors,
         issued_at: now_s(),
         by: format!("{}:{}", crate::hostname(), std::process::id()),
+        target: None,
+        signature: None,
     };
-    let json = serde_json::to_string(&command)?;
     for (host, pid) in &chosen {
+        // One copy per instance: the signature covers the target, so it cannot be redirected.
+        let target = format!("{host}:{pid}");
+        let mut copy = command.clone();
+        if settings.control_secret.is_empty() {
+            copy.target = Some(target);
+        } else {
+            copy.sign(&settings.control_secret, &target)
+                .map_err(anyhow::Error::msg)?;
+        }
+        let json = serde_json::to_string(&copy)?;
         let key = keys.commands(host, *pid);
         let mut pipe = redis::pipe();
         pipe.rpush(&key, &json).ignore().expire(&key, 60).ignore();
@@ -123,21 +134,33 @@ pub async fn execute(settings: &Settings, args: Args) -> anyhow::Result<i32> {
         }
     }
     let mut all_ok = true;
+    let (mut unsigned, mut bad_signature) = (false, false);
     for (host, pid) in &chosen {
         match outcomes.get(&(host.clone(), *pid)) {
             Some(o) if o.outcome == "executed" => println!("{host}:{pid}  {name}  executed"),
             Some(o) => {
                 all_ok = false;
-                println!(
-                    "{host}:{pid}  {name}  failed: {}",
-                    o.error.as_deref().unwrap_or("?")
-                );
+                let error = o.error.as_deref().unwrap_or("?");
+                unsigned |= error.starts_with(REFUSED_UNSIGNED);
+                bad_signature |= error.starts_with(REFUSED_BAD_SIGNATURE);
+                println!("{host}:{pid}  {name}  failed: {error}");
             }
             None => {
                 all_ok = false;
                 println!("{host}:{pid}  {name}  no answer within 15 s (busy, or gone)");
             }
         }
+    }
+    if unsigned {
+        eprintln!(
+            "warren: refused: the instance requires signed commands and CONTROL_SECRET is not set here; \
+             run `warren ctl` with the deployment's CONTROL_SECRET"
+        );
+    }
+    if bad_signature {
+        eprintln!(
+            "warren: refused: the signature did not verify; CONTROL_SECRET here differs from the instance's"
+        );
     }
     Ok(if all_ok { 0 } else { 1 })
 }

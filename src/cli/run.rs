@@ -1,5 +1,6 @@
 //! `warren run [--declare] [--roles consumer,dlq,api]`: run the roles until SIGTERM or SIGINT,
-//! then shut down gracefully in the pipeline's fixed order. A second signal exits at once.
+//! then shut down gracefully in the pipeline's fixed order. A second signal exits at once; a
+//! shutdown that reached SHUTDOWN_TIMEOUT_MS with messages in flight exits 1.
 
 use std::future::Future;
 use std::net::SocketAddr;
@@ -59,12 +60,18 @@ pub fn signals() -> impl Future<Output = ()> {
     }
 }
 
-/// Runs until `shutdown` resolves, then stops gracefully. Tests pass their own trigger.
+/// Runs until `shutdown` resolves, then stops gracefully. Tests pass their own trigger. The exit
+/// code is 0 after a complete drain, 1 when the shutdown timeout left messages in flight.
 pub async fn execute(
     settings: Settings,
     args: Args,
     shutdown: impl Future<Output = ()>,
 ) -> anyhow::Result<i32> {
+    if settings.control_secret.is_empty() {
+        warn!(
+            "CONTROL_SECRET is not set: anyone with write access to Redis can pause, drain or scale this instance; set CONTROL_SECRET (the same on every instance and for `warren ctl`) to accept only signed commands"
+        );
+    }
     let metrics_addr: SocketAddr = settings.metrics_addr.parse().context("METRICS_ADDR")?;
     metrics::install(metrics_addr).map_err(anyhow::Error::msg)?;
 
@@ -181,10 +188,13 @@ pub async fn execute(
     let _ = tokio::time::timeout(Duration::from_secs(5), registry).await;
     if results.iter().all(|drained| *drained) {
         info!("stopped cleanly");
+        Ok(0)
     } else {
-        warn!("stopped with messages still in flight; the broker redelivers them");
+        warn!(
+            "stopped with messages still in flight after SHUTDOWN_TIMEOUT_MS; the broker redelivers them; exit 1"
+        );
+        Ok(1)
     }
-    Ok(0)
 }
 
 /// A remote command and where to answer whether it was applied.
@@ -256,12 +266,18 @@ async fn registry_loop(
                 registry.heartbeat(now).await;
             }
             _ = poll.tick() => {
-                while let Some(command) = registry.next_command().await {
-                    let (tx, rx) = oneshot::channel();
-                    let result = if ctl.send((command.clone(), tx)).is_ok() {
-                        rx.await.unwrap_or_else(|_| Err("warren is stopping".into()))
-                    } else {
-                        Err("warren is stopping".into())
+                while let Some((command, verdict)) = registry.next_command().await {
+                    // A refused command never reaches the pipelines; it is only recorded.
+                    let result = match verdict {
+                        Err(refused) => Err(refused),
+                        Ok(()) => {
+                            let (tx, rx) = oneshot::channel();
+                            if ctl.send((command.clone(), tx)).is_ok() {
+                                rx.await.unwrap_or_else(|_| Err("warren is stopping".into()))
+                            } else {
+                                Err("warren is stopping".into())
+                            }
+                        }
                     };
                     registry.record(&command, result).await;
                     let now = *report.borrow();

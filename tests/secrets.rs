@@ -1,0 +1,202 @@
+//! Secrets never reach the output: every role of `warren run` and every subcommand that
+//! connects, pointed at unreachable servers whose URLs carry distinctive passwords, with
+//! CONTROL_SECRET set and `RUST_LOG=debug`, prints none of them on stdout or stderr.
+
+mod common;
+
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use common::*;
+
+/// Four distinctive secrets (letters, digits and `-` only, so they read the same
+/// percent-encoded) and an env whose servers are closed ports on 127.0.0.1.
+struct Leaky {
+    env: TestEnv,
+    secrets: [String; 4],
+    ports: [u16; 3],
+}
+
+impl Leaky {
+    async fn new(test: &str) -> Self {
+        let mut env = TestEnv::new(test).await;
+        let tag = &uuid::Uuid::new_v4().simple().to_string()[..10];
+        let secrets = [
+            format!("amqpPw-{tag}"),
+            format!("pgPw-{tag}"),
+            format!("redisPw-{tag}"),
+            format!("ctlSecret-{tag}"),
+        ];
+        let ports = [free_port(), free_port(), free_port()];
+        env.set(
+            "AMQP_URL",
+            format!("amqp://u:{}@127.0.0.1:{}/%2f", secrets[0], ports[0]),
+        )
+        .set(
+            "DATABASE_URL",
+            format!("postgres://u:{}@127.0.0.1:{}/db", secrets[1], ports[1]),
+        )
+        .set(
+            "REDIS_URL",
+            format!("redis://:{}@127.0.0.1:{}", secrets[2], ports[2]),
+        )
+        .set("CONTROL_SECRET", secrets[3].clone())
+        .set("RUST_LOG", "debug")
+        .set("AMQP_CONNECT_TIMEOUT_MS", "1000")
+        .set("SHUTDOWN_TIMEOUT_MS", "3000")
+        .set("REGISTRY_HEARTBEAT_MS", "300");
+        Leaky {
+            env,
+            secrets,
+            ports,
+        }
+    }
+
+    /// Fails naming the secret and the line if `output` shows any of the secrets.
+    fn assert_clean(&self, what: &str, output: &str) {
+        for secret in &self.secrets {
+            if let Some(line) = output.lines().find(|l| l.contains(secret.as_str())) {
+                panic!("{what} printed the secret {secret:?}:\n{line}\n\nwhole output:\n{output}");
+            }
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn no_role_of_run_prints_a_password() {
+    let leaky = Leaky::new("secrets_run").await;
+    let env = &leaky.env;
+    let dir = tempfile::tempdir().expect("temp dir");
+    for roles in ["consumer", "dlq", "api", "consumer,dlq,api"] {
+        let out_path = dir.path().join(format!("{roles}.out"));
+        let err_path = dir.path().join(format!("{roles}.err"));
+        let mut child = env
+            .command(&["run", "--roles", roles])
+            .stdout(std::fs::File::create(&out_path).expect("stdout file"))
+            .stderr(std::fs::File::create(&err_path).expect("stderr file"))
+            .spawn()
+            .expect("start warren");
+        let read = || {
+            format!(
+                "{}{}",
+                std::fs::read_to_string(&out_path).unwrap_or_default(),
+                std::fs::read_to_string(&err_path).unwrap_or_default()
+            )
+        };
+        let started = Instant::now();
+        // Redis and the broker have been tried and found unreachable, for at least a few
+        // seconds so reconnects and heartbeats run too (the database is tried through the API).
+        let mut needed = vec![
+            format!(
+                "cannot reach Redis at redis://:***@127.0.0.1:{}",
+                leaky.ports[2]
+            ),
+            "Redis unreachable".to_string(),
+        ];
+        if roles.contains("consumer") || roles.contains("dlq") {
+            needed.push("consumer cannot consume".into());
+        }
+        if roles.contains("api") {
+            needed.push("publisher cannot reach the broker".into());
+        }
+        if roles.contains("api") {
+            wait_until("the API answers", Duration::from_secs(20), || async {
+                http(env, "GET", "/healthz", None).await.is_some()
+            })
+            .await;
+            // The paths that reach the broker and the database, failing.
+            let post = http(
+                env,
+                "POST",
+                "/api/v1/users",
+                Some(r#"{"name":"Ana","email":"ana@example.com"}"#),
+            )
+            .await;
+            assert_eq!(post.map(|(s, _)| s), Some(503));
+            let get = http(
+                env,
+                "GET",
+                &format!("/api/v1/users/{}", uuid::Uuid::new_v4()),
+                None,
+            )
+            .await;
+            assert_eq!(get.map(|(s, _)| s), Some(503));
+            let ready = http(env, "GET", "/readyz", None).await;
+            assert_eq!(ready.map(|(s, _)| s), Some(503));
+        }
+        wait_until(
+            &format!("--roles {roles}: {needed:?} in the log"),
+            Duration::from_secs(30),
+            || async {
+                let log = read();
+                needed.iter().all(|n| log.contains(n.as_str()))
+                    && started.elapsed() >= Duration::from_secs(3)
+            },
+        )
+        .await;
+        assert!(
+            matches!(child.try_wait(), Ok(None)),
+            "--roles {roles} exited early:\n{}",
+            read()
+        );
+        let _ = Command::new("kill")
+            .args(["-TERM", &child.id().to_string()])
+            .status();
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while matches!(child.try_wait(), Ok(None)) && Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        let exited = !matches!(child.try_wait(), Ok(None));
+        let _ = child.kill();
+        let _ = child.wait();
+        let output = read();
+        assert!(exited, "--roles {roles} ignored SIGTERM:\n{output}");
+        assert!(
+            output.contains("DEBUG"),
+            "--roles {roles}: RUST_LOG=debug did not apply:\n{output}"
+        );
+        leaky.assert_clean(&format!("warren run --roles {roles}"), &output);
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn no_subcommand_prints_a_password() {
+    let leaky = Leaky::new("secrets_cli").await;
+    let env = &leaky.env;
+    for args in [
+        &["declare"][..],
+        &["publish", "--count", "1"],
+        &["status"],
+        &["status", "--json"],
+        &["ctl", "pause", "--all"],
+        &["ctl", "history"],
+        &["dlq", "inspect"],
+        &["dlq", "parked", "list"],
+        &["config"],
+    ] {
+        let mut cmd = env.command(args);
+        cmd.stdin(Stdio::null());
+        let out = tokio::task::spawn_blocking(move || cmd.output())
+            .await
+            .expect("join")
+            .expect("run warren");
+        let text = format!(
+            "{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        assert!(!text.trim().is_empty(), "warren {args:?} printed nothing");
+        leaky.assert_clean(&format!("warren {args:?}"), &text);
+        if args == ["config"] {
+            assert_eq!(out.status.code(), Some(0), "{text}");
+            assert!(text.contains("***"), "{text}");
+        } else if args != ["status"] && args != ["status", "--json"] {
+            // They fail, and say where they could not connect.
+            assert_ne!(out.status.code(), Some(0), "warren {args:?}:\n{text}");
+            assert!(
+                leaky.ports.iter().any(|p| text.contains(&p.to_string())),
+                "warren {args:?} does not name the unreachable server:\n{text}"
+            );
+        }
+    }
+}
