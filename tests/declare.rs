@@ -301,7 +301,7 @@ async fn a_second_declare_matches_everything_and_changes_nothing() {
         .await
         .unwrap()
         .get(0);
-    assert_eq!(applied, 2);
+    assert_eq!(applied, 3);
 }
 
 #[tokio::test(flavor = "multi_thread")]

@@ -130,7 +130,6 @@ const FAULTS: [Fault; 5] = [
 ];
 
 #[tokio::test(flavor = "multi_thread")]
-#[ignore = "work in progress: not settling under faults yet"]
 async fn every_published_message_ends_exactly_once_under_faults() {
     let seed = env_number("WARREN_LEDGER_SEED", fastrand::u64(..));
     let n = env_number("WARREN_LEDGER_MESSAGES", 2000) as usize;
@@ -185,10 +184,16 @@ async fn every_published_message_ends_exactly_once_under_faults() {
     eprintln!("ledger: mix {counts:?}, {} publishes", published.len());
 
     // Two instances: the main pipeline, and the DLQ consumer (stopped for DLQ maintenance).
-    let main = Arc::new(Mutex::new(env.start(&["--roles", "consumer"])));
-    let dlq = Arc::new(Mutex::new(env.start(&["--roles", "dlq"])));
-    let logs = vec![main.lock().await.log.clone(), dlq.lock().await.log.clone()];
-    let _logs = LogsOnPanic(logs.clone());
+    let main = Arc::new(Mutex::new(env.start(&["--roles", "consumer", "--set", "metrics_addr=127.0.0.1:0"])));
+    let dlq = Arc::new(Mutex::new(env.start(&["--roles", "dlq", "--set", "metrics_addr=127.0.0.1:0"])));
+    // Logs of replaced instances, kept for the report (a dropped instance deletes its log).
+    let history: Arc<std::sync::Mutex<Vec<String>>> = Arc::default();
+    let retire = |w: &Warren| {
+        history
+            .lock()
+            .unwrap()
+            .push(format!("---- {}:\n{}", w.log.display(), tail(&w.logs(), 60)));
+    };
 
     // Publishing in chunks while the faults hit.
     let faults: Vec<(Duration, Fault)> = {
@@ -230,7 +235,8 @@ async fn every_published_message_ends_exactly_once_under_faults() {
                     };
                     let mut w = which.lock().await;
                     w.kill9();
-                    *w = env.start(&["--roles", roles]);
+                    retire(&w);
+                    *w = env.start(&["--roles", roles, "--set", "metrics_addr=127.0.0.1:0"]);
                 }
                 Fault::DeleteDlq => {
                     // DLQ maintenance as the drift advice describes it: its consumer stopped,
@@ -239,6 +245,7 @@ async fn every_published_message_ends_exactly_once_under_faults() {
                     // main pipeline keeps dead-lettering into a DLX that routes nowhere.
                     let mut w = dlq.lock().await;
                     w.terminate(Duration::from_secs(30));
+                    retire(&w);
                     let channel = env.conn.create_channel().await.expect("channel");
                     let deleted = channel
                         .queue_delete(
@@ -255,7 +262,7 @@ async fn every_published_message_ends_exactly_once_under_faults() {
                     } else {
                         eprintln!("ledger: DLQ not empty, not deleted");
                     }
-                    *w = env.start(&["--roles", "dlq"]);
+                    *w = env.start(&["--roles", "dlq", "--set", "metrics_addr=127.0.0.1:0"]);
                 }
                 Fault::DatabaseOutage => {
                     pg.cut();
@@ -299,11 +306,20 @@ async fn every_published_message_ends_exactly_once_under_faults() {
         if done && empty {
             break;
         }
-        assert!(
-            Instant::now() < deadline,
-            "seed {seed}: not settled within 180 s: {} of {expected} accounted",
-            accounted().await,
-        );
+        if Instant::now() > deadline {
+            let mut report = history.lock().unwrap().join("\n");
+            for w in [&main, &dlq] {
+                let w = w.lock().await;
+                report.push_str(&format!("\n---- {}:\n{}", w.log.display(), tail(&w.logs(), 120)));
+            }
+            for q in [&env.main_queue, &env.retry_queue, &env.dlq_queue] {
+                report.push_str(&format!("\n{q}: {:?}", queue_counts(q).await));
+            }
+            panic!(
+                "seed {seed}: not settled within 180 s: {} of {expected} accounted\n{report}",
+                accounted().await,
+            );
+        }
         tokio::time::sleep(Duration::from_millis(500)).await;
     }
     main.lock().await.terminate(Duration::from_secs(30));
@@ -383,4 +399,10 @@ async fn every_published_message_ends_exactly_once_under_faults() {
         problems.len(),
         problems.join("\n")
     );
+}
+
+/// The last `n` lines of `text`.
+fn tail(text: &str, n: usize) -> String {
+    let lines: Vec<&str> = text.lines().collect();
+    lines[lines.len().saturating_sub(n)..].join("\n")
 }

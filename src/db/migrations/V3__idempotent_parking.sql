@@ -20,3 +20,15 @@ DELETE FROM dead_letters d USING dead_letters e
  WHERE d.fingerprint = e.fingerprint AND d.seq > e.seq;
 ALTER TABLE dead_letters ALTER COLUMN fingerprint SET NOT NULL;
 CREATE UNIQUE INDEX IF NOT EXISTS dead_letters_fingerprint ON dead_letters (fingerprint);
+-- Rows written by anything else than warren's park statement (an operator, a script) get their
+-- fingerprint too.
+CREATE OR REPLACE FUNCTION dead_letters_fingerprint() RETURNS trigger LANGUAGE plpgsql AS $f$
+BEGIN
+    IF NEW.fingerprint IS NULL THEN
+        NEW.fingerprint := sha256(convert_to(coalesce(NEW.message_id, ''), 'UTF8') || '\x00'::bytea || NEW.body);
+    END IF;
+    RETURN NEW;
+END $f$;
+DROP TRIGGER IF EXISTS dead_letters_fingerprint ON dead_letters;
+CREATE TRIGGER dead_letters_fingerprint BEFORE INSERT ON dead_letters
+    FOR EACH ROW EXECUTE FUNCTION dead_letters_fingerprint();
