@@ -1,9 +1,16 @@
 //! The HTTP API of `warren run --roles api`: health and readiness, `POST /api/v1/users` through
 //! the broker into a row readable with `GET /api/v1/users/{id}`, 422 naming the failing field,
-//! 413 over 64 KiB, and 503 (fast, JSON) while the broker is unreachable.
+//! 413 over 64 KiB, and 503 (fast, JSON) while the broker is unreachable. Idempotent creation
+//! (`PUT` with the client's id, `POST` with an `Idempotency-Key`), 409 for what the database
+//! already holds, the fate of a parked message on `GET`, and the API's own bounded pool: a slow
+//! database answers 503 within seconds, a flood of requests never touches the pipeline's
+//! connections.
 
 mod common;
 
+use std::collections::{BTreeMap, BTreeSet, HashSet};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use common::*;
@@ -68,6 +75,30 @@ impl Http {
         Self::answer(tokio::task::block_in_place(|| {
             self.agent
                 .post(&url)
+                .header("content-type", "application/json")
+                .send(body.as_ref())
+        }))
+    }
+
+    /// POST a raw JSON body with an `Idempotency-Key` header of exactly these bytes.
+    fn post_with_key(&self, path: &str, key: &[u8], body: impl AsRef<[u8]>) -> Answer {
+        let url = format!("{}{path}", self.base);
+        let key = ureq::http::HeaderValue::from_bytes(key).expect("a header value");
+        Self::answer(tokio::task::block_in_place(|| {
+            self.agent
+                .post(&url)
+                .header("content-type", "application/json")
+                .header("idempotency-key", key)
+                .send(body.as_ref())
+        }))
+    }
+
+    /// PUT a raw body as `application/json`.
+    fn put(&self, path: &str, body: impl AsRef<[u8]>) -> Answer {
+        let url = format!("{}{path}", self.base);
+        Self::answer(tokio::task::block_in_place(|| {
+            self.agent
+                .put(&url)
                 .header("content-type", "application/json")
                 .send(body.as_ref())
         }))
@@ -368,5 +399,465 @@ async fn the_api_recovers_by_itself_when_the_broker_comes_back() {
         || async { http.get(&format!("/api/v1/users/{id}")).status == 200 },
     )
     .await;
+    warren.terminate_ok(Duration::from_secs(30));
+}
+
+/// The namespace warren derives `Idempotency-Key` ids under (README, "HTTP API").
+const IDEMPOTENCY_NAMESPACE: &str = "cfe141c5-49af-4aba-bc86-746006d123dc";
+
+/// The `id` of a 200 or 409 answer.
+fn answered_id(answer: &Answer) -> Uuid {
+    answer.body["id"]
+        .as_str()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(|| panic!("no UUID id in {answer:?}"))
+}
+
+/// Stores a user directly in the env's `users` table.
+async fn store_user(env: &TestEnv, id: Uuid, name: &str, email: &str) {
+    env.db
+        .execute(
+            "INSERT INTO users (id, name, email) VALUES ($1, $2, $3)",
+            &[&id, &name, &email],
+        )
+        .await
+        .expect("insert a user");
+}
+
+/// The API's confirmed publishes so far.
+async fn confirmed_publishes(env: &TestEnv) -> f64 {
+    metric(env, "warren_published_total", &[("outcome", "confirmed")]).await
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn put_with_the_clients_id_is_idempotent() {
+    let env = TestEnv::new("api_put").await;
+    env.declare();
+    let mut warren = env.start(&["--roles", "api,consumer"]);
+    let _logs = LogsOnPanic(vec![warren.log.clone()]);
+    let http = Http::new(&env);
+    http.wait_status("/readyz", 200, Duration::from_secs(20))
+        .await;
+
+    let id = Uuid::new_v4();
+    let path = format!("/api/v1/users/{id}");
+    let email = format!("put-{}@example.com", id.simple());
+    let body = json!({"name": "Ana", "email": email}).to_string();
+    // The client retries at once (say its first answer was lost): both are accepted, same id.
+    let first = http.put(&path, &body);
+    let second = http.put(&path, &body);
+    assert_eq!(first.status, 200, "{first:?}");
+    assert_eq!(second.status, 200, "{second:?}");
+    assert_eq!(answered_id(&first), id);
+    assert_eq!(answered_id(&second), id);
+    http.wait_status(&path, 200, Duration::from_secs(30)).await;
+    assert_rows_exactly(
+        &env,
+        &[id].into_iter().collect(),
+        Duration::from_secs(10),
+        &|| warren.logs(),
+    )
+    .await;
+
+    // Once the row is there, the same PUT is answered from it without publishing again; an "id"
+    // in the body equal to the path's is accepted.
+    let published = confirmed_publishes(&env).await;
+    let with_id = json!({"id": id, "name": "Ana", "email": email}).to_string();
+    let again = http.put(&path, &with_id);
+    assert_eq!(again.status, 200, "{again:?}");
+    assert_eq!(answered_id(&again), id);
+    assert_eq!(confirmed_publishes(&env).await, published);
+
+    // An "id" in the body that is not the path's is refused, naming the field.
+    let other = json!({"id": Uuid::new_v4(), "name": "Bea", "email": "bea@example.com"});
+    let answer = http.put(
+        &format!("/api/v1/users/{}", Uuid::new_v4()),
+        other.to_string(),
+    );
+    assert_json_error(&answer, 422);
+    assert_eq!(fields(&answer)[0].0, "id", "{answer:?}");
+    let not_text = json!({"id": 7, "name": "Bea", "email": "bea@example.com"});
+    let answer = http.put(
+        &format!("/api/v1/users/{}", Uuid::new_v4()),
+        not_text.to_string(),
+    );
+    assert_json_error(&answer, 422);
+    assert_eq!(fields(&answer)[0].0, "id", "{answer:?}");
+    // The body is validated as for POST; a path that is not a UUID is a 400.
+    let answer = http.put(&path, json!({"name": "", "email": email}).to_string());
+    assert_json_error(&answer, 422);
+    assert_json_error(&http.put("/api/v1/users/not-a-uuid", &body), 400);
+
+    assert_eq!(confirmed_publishes(&env).await, published);
+    assert_eq!(env.count_rows().await, 1);
+    warren.terminate_ok(Duration::from_secs(30));
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn post_with_the_same_idempotency_key_publishes_the_same_id() {
+    let env = TestEnv::new("api_key").await;
+    env.declare();
+    let mut warren = env.start(&["--roles", "api,consumer"]);
+    let _logs = LogsOnPanic(vec![warren.log.clone()]);
+    let http = Http::new(&env);
+    http.wait_status("/readyz", 200, Duration::from_secs(20))
+        .await;
+
+    let key = format!("signup-{}", Uuid::new_v4().simple());
+    let email = format!("{key}@example.com");
+    let body = json!({"name": "Ana", "email": email}).to_string();
+    let first = http.post_with_key("/api/v1/users", key.as_bytes(), &body);
+    let retry = http.post_with_key("/api/v1/users", key.as_bytes(), &body);
+    assert_eq!(first.status, 200, "{first:?}");
+    assert_eq!(retry.status, 200, "{retry:?}");
+    let id = answered_id(&first);
+    assert_eq!(answered_id(&retry), id);
+    // The documented derivation: UUID v5 of the key under warren's namespace.
+    let namespace: Uuid = IDEMPOTENCY_NAMESPACE.parse().unwrap();
+    assert_eq!(id, Uuid::new_v5(&namespace, key.as_bytes()));
+    http.wait_status(&format!("/api/v1/users/{id}"), 200, Duration::from_secs(30))
+        .await;
+    // A retry after the row arrived gets the same id too.
+    let late = http.post_with_key("/api/v1/users", key.as_bytes(), &body);
+    assert_eq!(late.status, 200, "{late:?}");
+    assert_eq!(answered_id(&late), id);
+    assert_rows_exactly(
+        &env,
+        &[id].into_iter().collect(),
+        Duration::from_secs(10),
+        &|| warren.logs(),
+    )
+    .await;
+
+    // Without the header every POST gets a new random id.
+    let a = http.post(
+        "/api/v1/users",
+        json!({"name": "Bea", "email": format!("bea-{key}@example.com")}).to_string(),
+    );
+    let b = http.post(
+        "/api/v1/users",
+        json!({"name": "Cy", "email": format!("cy-{key}@example.com")}).to_string(),
+    );
+    assert_eq!((a.status, b.status), (200, 200), "{a:?} {b:?}");
+    assert_ne!(answered_id(&a), answered_id(&b));
+    assert_eq!(answered_id(&a).get_version_num(), 4);
+
+    // Malformed keys are refused, naming the header, and nothing is published for them.
+    let published = confirmed_publishes(&env).await;
+    let too_long = "k".repeat(201);
+    let longest = "k".repeat(200);
+    for bad in [
+        &b""[..],
+        too_long.as_bytes(),
+        b"two words",
+        "clé".as_bytes(),
+    ] {
+        let answer = http.post_with_key("/api/v1/users", bad, &body);
+        assert_json_error(&answer, 400);
+        assert!(
+            answer.body["error"]
+                .as_str()
+                .unwrap()
+                .contains("Idempotency-Key"),
+            "{answer:?}"
+        );
+    }
+    assert_eq!(confirmed_publishes(&env).await, published);
+    let body = json!({"name": "Dee", "email": format!("dee-{key}@example.com")}).to_string();
+    let answer = http.post_with_key("/api/v1/users", longest.as_bytes(), &body);
+    assert_eq!(answer.status, 200, "{answer:?}");
+    warren.terminate_ok(Duration::from_secs(30));
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn what_the_database_already_holds_is_answered_409_before_publishing() {
+    let env = TestEnv::new("api_409").await;
+    env.declare();
+    let stored = Uuid::new_v4();
+    store_user(&env, stored, "Ana", "ana@example.com").await;
+    let mut warren = env.start(&["--roles", "api"]);
+    let _logs = LogsOnPanic(vec![warren.log.clone()]);
+    let http = Http::new(&env);
+    http.wait_status("/readyz", 200, Duration::from_secs(20))
+        .await;
+
+    // The email is stored under another id: the client learns which.
+    let taken = http.post(
+        "/api/v1/users",
+        json!({"name": "Ana Again", "email": "ana@example.com"}).to_string(),
+    );
+    assert_json_error(&taken, 409);
+    assert_eq!(taken.body["kind"], json!("email_taken"), "{taken:?}");
+    assert_eq!(answered_id(&taken), stored);
+    let taken = http.put(
+        &format!("/api/v1/users/{}", Uuid::new_v4()),
+        json!({"name": "Ana", "email": "ana@example.com"}).to_string(),
+    );
+    assert_json_error(&taken, 409);
+    assert_eq!(taken.body["kind"], json!("email_taken"), "{taken:?}");
+    assert_eq!(answered_id(&taken), stored);
+
+    // The id is stored with other content: PUT, and POST whose key derives a stored id.
+    let path = format!("/api/v1/users/{stored}");
+    for body in [
+        json!({"name": "Bea", "email": "ana@example.com"}),
+        json!({"name": "Ana", "email": "bea@example.com"}),
+    ] {
+        let conflict = http.put(&path, body.to_string());
+        assert_json_error(&conflict, 409);
+        assert_eq!(conflict.body["kind"], json!("id_conflict"), "{conflict:?}");
+        assert_eq!(answered_id(&conflict), stored);
+    }
+    let namespace: Uuid = IDEMPOTENCY_NAMESPACE.parse().unwrap();
+    let keyed = Uuid::new_v5(&namespace, b"order-42");
+    store_user(&env, keyed, "Cy", "cy@example.com").await;
+    let conflict = http.post_with_key(
+        "/api/v1/users",
+        b"order-42",
+        json!({"name": "Dee", "email": "dee@example.com"}).to_string(),
+    );
+    assert_json_error(&conflict, 409);
+    assert_eq!(conflict.body["kind"], json!("id_conflict"), "{conflict:?}");
+    assert_eq!(answered_id(&conflict), keyed);
+
+    // The same content under the stored id is a success, still without publishing.
+    let same = http.put(
+        &path,
+        json!({"name": "Ana", "email": "ana@example.com"}).to_string(),
+    );
+    assert_eq!(same.status, 200, "{same:?}");
+    assert_eq!(answered_id(&same), stored);
+
+    // Nothing of the above reached the broker.
+    assert_queue_empty(&env, &env.main_queue).await;
+    warren.terminate_ok(Duration::from_secs(30));
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn get_answers_the_fate_of_a_parked_message() {
+    let env = TestEnv::new("api_parked").await;
+    env.declare();
+    store_user(&env, Uuid::new_v4(), "Ana", "ana@example.com").await;
+    let mut warren = env.start(&["--roles", "consumer,dlq,api"]);
+    let _logs = LogsOnPanic(vec![warren.log.clone()]);
+    let http = Http::new(&env);
+    http.wait_status("/readyz", 200, Duration::from_secs(20))
+        .await;
+
+    // Straight to the broker (as a client whose check was skipped or raced would have): a new id
+    // with an email that is already stored. The pipeline dead-letters it as db_permanent, the
+    // DLQ consumer cannot insert it either and parks it.
+    let clash = Uuid::new_v4();
+    let body = json!({"id": clash, "name": "Ana Again", "email": "ana@example.com"});
+    env.publish_raw(body.to_string().as_bytes(), json_props(clash))
+        .await;
+    // And one the pipeline refuses as invalid: it is parked as invalid_payload.
+    let invalid = Uuid::new_v4();
+    let body = json!({"id": invalid, "name": "", "email": "bea@example.com"});
+    env.publish_raw(body.to_string().as_bytes(), json_props(invalid))
+        .await;
+
+    let clash_path = format!("/api/v1/users/{clash}");
+    http.wait_status(&clash_path, 409, Duration::from_secs(60))
+        .await;
+    let answer = http.get(&clash_path);
+    assert_json_error(&answer, 409);
+    assert_eq!(answer.body["id"], json!(clash.to_string()), "{answer:?}");
+    assert_eq!(answer.body["state"], json!("parked"), "{answer:?}");
+    assert_eq!(answer.body["kind"], json!("db_permanent"), "{answer:?}");
+    assert!(
+        answer.body["reason"]
+            .as_str()
+            .is_some_and(|r| r.contains("23505") || r.contains("duplicate")),
+        "the reason names the unique violation: {answer:?}"
+    );
+    assert!(answer.body["parked_at"].as_str().is_some(), "{answer:?}");
+
+    let invalid_path = format!("/api/v1/users/{invalid}");
+    http.wait_status(&invalid_path, 422, Duration::from_secs(60))
+        .await;
+    let answer = http.get(&invalid_path);
+    assert_json_error(&answer, 422);
+    assert_eq!(answer.body["state"], json!("parked"), "{answer:?}");
+    assert_eq!(answer.body["kind"], json!("invalid_payload"), "{answer:?}");
+    assert!(
+        answer.body["reason"]
+            .as_str()
+            .is_some_and(|r| r.contains("name")),
+        "{answer:?}"
+    );
+
+    // A replayed row is no longer its fate: GET goes back to 404 (nothing inserted yet).
+    env.db
+        .execute(
+            "UPDATE dead_letters SET replayed_at = now() WHERE message_id = $1",
+            &[&invalid.to_string()],
+        )
+        .await
+        .expect("mark replayed");
+    assert_json_error(&http.get(&invalid_path), 404);
+    // An id nobody published is still a plain 404.
+    assert_json_error(&http.get(&format!("/api/v1/users/{}", Uuid::new_v4())), 404);
+    warren.terminate_ok(Duration::from_secs(30));
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_slow_database_answers_503_quickly_and_publishing_goes_on() {
+    let mut env = TestEnv::new("api_slow_db").await;
+    env.declare();
+    // One connection: a statement stuck past the bound must not keep it.
+    env.set("API_POOL_SIZE", "1");
+    let mut warren = env.start(&["--roles", "api"]);
+    let _logs = LogsOnPanic(vec![warren.log.clone()]);
+    let http = Http::new(&env);
+    http.wait_status("/readyz", 200, Duration::from_secs(20))
+        .await;
+
+    // Every read of `users` now waits for this lock, held on a connection of its own that goes
+    // (and releases it) before the env cleans up, even when the test fails.
+    let (locker, connection) = tokio_postgres::connect(&database_url(), tokio_postgres::NoTls)
+        .await
+        .expect("connect");
+    tokio::spawn(connection);
+    locker
+        .batch_execute(&format!(
+            "BEGIN; LOCK TABLE {}.users IN ACCESS EXCLUSIVE MODE",
+            env.schema
+        ))
+        .await
+        .expect("lock users");
+    let path = format!("/api/v1/users/{}", Uuid::new_v4());
+    for _ in 0..2 {
+        let started = Instant::now();
+        let answer = http.get(&path);
+        let took = started.elapsed();
+        assert_json_error(&answer, 503);
+        assert!(took < Duration::from_secs(6), "503 took {took:?}");
+    }
+    // The check before publishing is best effort: it cannot be made, the user is published.
+    let started = Instant::now();
+    let answer = http.post(
+        "/api/v1/users",
+        json!({"name": "Ana", "email": "ana@example.com"}).to_string(),
+    );
+    assert_eq!(answer.status, 200, "{answer:?}");
+    assert!(started.elapsed() < Duration::from_secs(10));
+    assert_eq!(env.ready(&env.main_queue).await, 1);
+
+    // The lock goes: the one connection the API may have answers again at once.
+    locker.batch_execute("ROLLBACK").await.expect("unlock");
+    let started = Instant::now();
+    assert_json_error(&http.get(&path), 404);
+    assert!(started.elapsed() < Duration::from_secs(3));
+    warren.terminate_ok(Duration::from_secs(30));
+}
+
+/// Connections of the env's warren (through `proxy`) by `application_name`.
+async fn connections_by_name(env: &TestEnv, proxy: &TcpProxy) -> BTreeMap<String, i64> {
+    let ports = proxy.backend_client_ports();
+    env.db
+        .query(
+            "SELECT coalesce(application_name, ''), count(*) FROM pg_stat_activity \
+             WHERE client_port = ANY($1) GROUP BY 1",
+            &[&ports],
+        )
+        .await
+        .expect("pg_stat_activity")
+        .iter()
+        .map(|r| (r.get(0), r.get(1)))
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_flood_of_api_requests_never_takes_the_pipelines_connections() {
+    const API_POOL: i64 = 2;
+    const FLOODERS: usize = 16;
+    let mut env = TestEnv::new("api_flood").await;
+    env.declare();
+    // Through a proxy, so this warren's connections can be told from every other test's.
+    let proxy = TcpProxy::start(&database_url(), 5432).await;
+    env.set("DATABASE_URL", proxy.url());
+    env.set("API_POOL_SIZE", API_POOL.to_string());
+    // Small batches: many inserts, each needing a pipeline connection during the flood.
+    env.set("USERS_BATCH_SIZE", "50");
+    let mut warren = env.start(&["--roles", "consumer,api"]);
+    let _logs = LogsOnPanic(vec![warren.log.clone()]);
+    let http = Http::new(&env);
+    http.wait_status("/readyz", 200, Duration::from_secs(20))
+        .await;
+
+    // The flood: GETs of unknown ids and readiness probes, as fast as they are answered.
+    let stop = Arc::new(AtomicBool::new(false));
+    let statuses = Arc::new(Mutex::new(BTreeMap::<u16, u64>::new()));
+    let flooders: Vec<_> = (0..FLOODERS)
+        .map(|n| {
+            let (stop, statuses, base) = (stop.clone(), statuses.clone(), env.http_base());
+            std::thread::spawn(move || {
+                let agent = http_agent();
+                let mut i = 0u64;
+                while !stop.load(Ordering::Relaxed) {
+                    i += 1;
+                    let url = if (i + n as u64).is_multiple_of(4) {
+                        format!("{base}/readyz")
+                    } else {
+                        format!("{base}/api/v1/users/{}", Uuid::new_v4())
+                    };
+                    let status = agent.get(&url).call().map_or(0, |r| r.status().as_u16());
+                    *statuses.lock().unwrap().entry(status).or_default() += 1;
+                }
+            })
+        })
+        .collect();
+
+    let answered = || statuses.lock().unwrap().values().sum::<u64>();
+    wait_until(
+        "the flood is under way",
+        Duration::from_secs(30),
+        || async { answered() >= 500 },
+    )
+    .await;
+
+    // Meanwhile the pipeline drains a few thousand messages; the connections are sampled.
+    let seen = Mutex::new(BTreeMap::<String, i64>::new());
+    let ids: HashSet<Uuid> = env.publish_users(3000).await.into_iter().collect();
+    wait_until("3000 rows", Duration::from_secs(120), || async {
+        let now = connections_by_name(&env, &proxy).await;
+        {
+            let mut seen = seen.lock().unwrap();
+            for (name, n) in now {
+                let max = seen.entry(name).or_default();
+                *max = (*max).max(n);
+            }
+        }
+        env.count_rows().await >= 3000
+    })
+    .await;
+    let seen = seen.into_inner().unwrap();
+    stop.store(true, Ordering::Relaxed);
+    for f in flooders {
+        f.join().expect("flooder");
+    }
+    let statuses = statuses.lock().unwrap().clone();
+
+    assert_rows_exactly(&env, &ids, Duration::from_secs(10), &|| warren.logs()).await;
+    let names: BTreeSet<&str> = seen.keys().map(String::as_str).collect();
+    assert_eq!(
+        names,
+        BTreeSet::from(["warren-api", "warren-pipeline"]),
+        "connections seen: {seen:?}"
+    );
+    assert!(
+        seen["warren-api"] <= API_POOL,
+        "the API used more than API_POOL_SIZE connections: {seen:?}"
+    );
+    assert!(
+        statuses.get(&404).copied().unwrap_or(0) > 300,
+        "the flood was answered: {statuses:?}"
+    );
+    assert_eq!(
+        metric(&env, "warren_messages_retried_total", &[]).await,
+        0.0,
+        "no batch failed for want of a connection; statuses {statuses:?}"
+    );
     warren.terminate_ok(Duration::from_secs(30));
 }

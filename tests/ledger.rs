@@ -64,19 +64,36 @@ fn mix(rng: &mut fastrand::Rng, n: usize) -> Vec<(Entry, Vec<u8>, BasicPropertie
             ),
             8..=12 if !good.is_empty() => {
                 let (_, email) = &good[rng.usize(0..good.len())];
-                ("duplicate_email", user(Uuid::new_v4(), format!("dup {i}"), email.clone()))
+                (
+                    "duplicate_email",
+                    user(Uuid::new_v4(), format!("dup {i}"), email.clone()),
+                )
             }
             13..=16 if !good.is_empty() => {
                 let (id, email) = &good[rng.usize(0..good.len())];
-                ("same_id_conflict", user(*id, format!("other {i}"), email.clone()))
+                (
+                    "same_id_conflict",
+                    user(*id, format!("other {i}"), email.clone()),
+                )
             }
             17..=19 => {
                 let id = Uuid::new_v4();
-                ("poison", user(id, format!("poison {i}"), format!("poison-{id}@example.com")))
+                (
+                    "poison",
+                    user(
+                        id,
+                        format!("poison {i}"),
+                        format!("poison-{id}@example.com"),
+                    ),
+                )
             }
             20..=22 => (
                 "nul_bytes",
-                (format!("\0{{\"id\":\"{}\",\"name\":\"a\\u0000b\"}}", Uuid::new_v4()).into_bytes(), None),
+                (
+                    format!("\0{{\"id\":\"{}\",\"name\":\"a\\u0000b\"}}", Uuid::new_v4())
+                        .into_bytes(),
+                    None,
+                ),
             ),
             _ => {
                 let id = Uuid::new_v4();
@@ -184,15 +201,26 @@ async fn every_published_message_ends_exactly_once_under_faults() {
     eprintln!("ledger: mix {counts:?}, {} publishes", published.len());
 
     // Two instances: the main pipeline, and the DLQ consumer (stopped for DLQ maintenance).
-    let main = Arc::new(Mutex::new(env.start(&["--roles", "consumer", "--set", "metrics_addr=127.0.0.1:0"])));
-    let dlq = Arc::new(Mutex::new(env.start(&["--roles", "dlq", "--set", "metrics_addr=127.0.0.1:0"])));
+    let main = Arc::new(Mutex::new(env.start(&[
+        "--roles",
+        "consumer",
+        "--set",
+        "metrics_addr=127.0.0.1:0",
+    ])));
+    let dlq = Arc::new(Mutex::new(env.start(&[
+        "--roles",
+        "dlq",
+        "--set",
+        "metrics_addr=127.0.0.1:0",
+    ])));
     // Logs of replaced instances, kept for the report (a dropped instance deletes its log).
     let history: Arc<std::sync::Mutex<Vec<String>>> = Arc::default();
     let retire = |w: &Warren| {
-        history
-            .lock()
-            .unwrap()
-            .push(format!("---- {}:\n{}", w.log.display(), tail(&w.logs(), 60)));
+        history.lock().unwrap().push(format!(
+            "---- {}:\n{}",
+            w.log.display(),
+            tail(&w.logs(), 60)
+        ));
     };
 
     // Publishing in chunks while the faults hit.
@@ -310,7 +338,11 @@ async fn every_published_message_ends_exactly_once_under_faults() {
             let mut report = history.lock().unwrap().join("\n");
             for w in [&main, &dlq] {
                 let w = w.lock().await;
-                report.push_str(&format!("\n---- {}:\n{}", w.log.display(), tail(&w.logs(), 120)));
+                report.push_str(&format!(
+                    "\n---- {}:\n{}",
+                    w.log.display(),
+                    tail(&w.logs(), 120)
+                ));
             }
             for q in [&env.main_queue, &env.retry_queue, &env.dlq_queue] {
                 report.push_str(&format!("\n{q}: {:?}", queue_counts(q).await));
@@ -370,7 +402,9 @@ async fn every_published_message_ends_exactly_once_under_faults() {
     }
     for (id, times) in &parked_ids {
         if !ledger.contains_key(id) {
-            problems.push(format!("parked message {id:?} ({times}x) was never published"));
+            problems.push(format!(
+                "parked message {id:?} ({times}x) was never published"
+            ));
         }
     }
     if users.len() != owners.len() {

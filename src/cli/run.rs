@@ -116,7 +116,9 @@ pub async fn execute(
         ));
     }
     let api = if settings.has_role("api") {
-        Some(http::serve(&settings, pool.clone()).await?)
+        // The API's own pool: a flood of reads can never take the pipeline's connections.
+        let api_pool = db::pool_for(&settings, settings.api_pool_size, "warren-api")?;
+        Some(http::serve(&settings, api_pool).await?)
     } else {
         None
     };

@@ -60,22 +60,38 @@ pub fn abandon(client: deadpool_postgres::Object, bound: Duration) -> DbError {
     ))
 }
 
-/// A pool that connects lazily (so warren starts while the database is down) and reconnects by
-/// itself: a connection that fails its recycle check is replaced.
+/// The pipeline's pool (`warren-pipeline` in `pg_stat_activity`): `DATABASE_POOL_SIZE`
+/// connections, at least one more than the batch concurrency so batches never wait for one.
 pub fn pool(settings: &Settings) -> Result<Pool, DbError> {
+    pool_for(
+        settings,
+        settings
+            .database_pool_size
+            .max(settings.users_batch_concurrency + 1),
+        "warren-pipeline",
+    )
+}
+
+/// A pool of at most `max_size` connections whose sessions carry `application_name`, so each
+/// user of the database (pipeline, API) has its own and can be told apart in
+/// `pg_stat_activity`. It connects lazily (so warren starts while the database is down) and
+/// reconnects by itself: a connection that fails its recycle check is replaced.
+pub fn pool_for(
+    settings: &Settings,
+    max_size: usize,
+    application_name: &str,
+) -> Result<Pool, DbError> {
+    let mut config = pg_config(settings)?;
+    config.application_name(application_name);
     let manager = Manager::from_config(
-        pg_config(settings)?,
+        config,
         NoTls,
         ManagerConfig {
             recycling_method: RecyclingMethod::Fast,
         },
     );
     Pool::builder(manager)
-        .max_size(
-            settings
-                .database_pool_size
-                .max(settings.users_batch_concurrency + 1),
-        )
+        .max_size(max_size.max(1))
         .runtime(Runtime::Tokio1)
         .wait_timeout(Some(Duration::from_secs(5)))
         .create_timeout(Some(Duration::from_secs(5)))

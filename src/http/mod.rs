@@ -1,6 +1,8 @@
-//! The HTTP API (actix-web): `POST /api/v1/users` publishes a user with a broker confirm,
-//! `GET /api/v1/users/{id}` reads the row, `/healthz` and `/readyz` for orchestrators. It starts
-//! and answers while the broker or the database is away (503), and recovers by itself.
+//! The HTTP API (actix-web): `POST /api/v1/users` and `PUT /api/v1/users/{id}` publish a user
+//! with a broker confirm (idempotently: `PUT` with the client's id, `POST` with an id derived from
+//! its `Idempotency-Key`), `GET /api/v1/users/{id}` reads the row or the message's parked fate,
+//! `/healthz` and `/readyz` for orchestrators. It has its own bounded database pool, starts and
+//! answers while the broker or the database is away (503), and recovers by itself.
 
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
@@ -9,23 +11,37 @@ use actix::Addr;
 use actix_web::dev::{ServerHandle, Service};
 use actix_web::http::StatusCode;
 use actix_web::{App, HttpRequest, HttpResponse, HttpServer, web};
-use deadpool_postgres::Pool;
+use deadpool_postgres::{Object, Pool};
 use futures::StreamExt;
+use futures::future::{BoxFuture, FutureExt};
 use serde_json::{Value, json};
+use tokio_postgres::NoTls;
 use uuid::Uuid;
 
 use crate::amqp::AmqpError;
 use crate::config::Settings;
-use crate::db::{self, DbError};
+use crate::db::DbError;
 use crate::domain::users::{FieldError, User, validate};
 use crate::pipeline::publisher::{IsConnected, Publish, Publisher, json_properties};
 
 /// Largest accepted request body.
 pub const BODY_LIMIT: usize = 64 * 1024;
 
+/// Bound on the database work of one request (waiting for a connection of the API's pool and
+/// the queries), so a slow or unreachable database answers 503 within seconds.
+pub const QUERY_TIMEOUT: Duration = Duration::from_secs(3);
+
+/// Longest accepted `Idempotency-Key`, in characters.
+pub const IDEMPOTENCY_KEY_MAX: usize = 200;
+
+/// The UUID v5 namespace of ids derived from an `Idempotency-Key`. Fixed forever: changing it
+/// would give a retried request another id than its first attempt.
+pub const IDEMPOTENCY_NAMESPACE: Uuid = Uuid::from_u128(0xcfe1_41c5_49af_4aba_bc86_7460_06d1_23dc);
+
 /// What every handler needs.
 struct AppState {
     publisher: Addr<Publisher>,
+    /// The API's own pool (`API_POOL_SIZE`, `warren-api`), never the pipeline's.
     pool: Pool,
     exchange: String,
     routing_key: String,
@@ -49,7 +65,8 @@ impl Api {
     }
 }
 
-/// Binds `HTTP_ADDR` and serves the API in the background.
+/// Binds `HTTP_ADDR` and serves the API in the background; `pool` is the API's own (see
+/// [`crate::db::pool_for`]).
 pub async fn serve(settings: &Settings, pool: Pool) -> anyhow::Result<Api> {
     let addr: SocketAddr = settings.http_addr.parse()?;
     let publisher = actix::Actor::start(Publisher::new(settings.clone(), "api"));
@@ -79,7 +96,11 @@ pub async fn serve(settings: &Settings, pool: Pool) -> anyhow::Result<Api> {
             .route("/healthz", web::get().to(healthz))
             .route("/readyz", web::get().to(readyz))
             .route("/api/v1/users", web::post().to(create_user))
-            .route("/api/v1/users/{id}", web::get().to(get_user))
+            .service(
+                web::resource("/api/v1/users/{id}")
+                    .route(web::get().to(get_user))
+                    .route(web::put().to(put_user)),
+            )
             .default_service(web::to(|| async {
                 HttpResponse::NotFound().json(json!({"error": "no such route"}))
             }))
@@ -117,14 +138,11 @@ async fn readyz(state: web::Data<AppState>) -> HttpResponse {
         tokio::time::timeout(Duration::from_secs(2), state.publisher.send(IsConnected)).await,
         Ok(Ok(true))
     );
-    let database = matches!(
-        tokio::time::timeout(
-            Duration::from_secs(2),
-            db::ping(&state.pool, Duration::from_secs(2))
-        )
-        .await,
-        Ok(Ok(()))
-    );
+    let database = bounded(&state.pool, |client| {
+        async move { client.simple_query("SELECT 1").await.map(|_| ()) }.boxed()
+    })
+    .await
+    .is_ok();
     let body = json!({"broker": broker, "database": database});
     if broker && database {
         HttpResponse::Ok().json(body)
@@ -189,41 +207,184 @@ fn string_field<'a>(
     }
 }
 
-async fn create_user(
-    req: HttpRequest,
+/// Reads and validates a `{"name","email"}` body into a user with `id`. With `path_id` (a
+/// `PUT`), an `"id"` in the body must be that id. `Err` is the response to send.
+async fn read_user(
+    req: &HttpRequest,
     payload: web::Payload,
-    state: web::Data<AppState>,
-) -> HttpResponse {
-    let body = match read_body(&req, payload).await {
-        Ok(b) => b,
-        Err(response) => return response,
-    };
-    let value: Value = match serde_json::from_slice(&body) {
-        Ok(v) => v,
-        Err(e) => return unprocessable(&format!("body is not valid JSON: {e}"), Vec::new()),
-    };
+    id: Uuid,
+    path_id: Option<Uuid>,
+) -> Result<User, HttpResponse> {
+    let body = read_body(req, payload).await?;
+    let value: Value = serde_json::from_slice(&body)
+        .map_err(|e| unprocessable(&format!("body is not valid JSON: {e}"), Vec::new()))?;
     let Some(object) = value.as_object() else {
-        return unprocessable("body must be a JSON object with name and email", Vec::new());
+        return Err(unprocessable(
+            "body must be a JSON object with name and email",
+            Vec::new(),
+        ));
     };
     let mut errors = Vec::new();
+    if let (Some(path_id), Some(given)) = (path_id, object.get("id")) {
+        let matches = given
+            .as_str()
+            .and_then(|s| Uuid::parse_str(s).ok())
+            .is_some_and(|given| given == path_id);
+        if !matches {
+            errors.push(FieldError {
+                field: "id",
+                message: format!("must be the id in the path ({path_id}) or left out"),
+            });
+        }
+    }
     let name = string_field(object, "name", &mut errors);
     let email = string_field(object, "email", &mut errors);
     if let (Some(name), Some(email)) = (name, email) {
         errors.extend(validate(name, email));
     }
-    if !errors.is_empty() {
-        return unprocessable("validation failed", errors);
+    match (name, email) {
+        (Some(name), Some(email)) if errors.is_empty() => Ok(User {
+            id,
+            name: name.to_string(),
+            email: email.to_string(),
+        }),
+        _ => Err(unprocessable("validation failed", errors)),
     }
-    let (Some(name), Some(email)) = (name, email) else {
-        return unprocessable("validation failed", errors);
+}
+
+/// The id a `POST` publishes under: derived from its `Idempotency-Key` (UUID v5 under
+/// [`IDEMPOTENCY_NAMESPACE`]) so a retry gets the same id, or a new random one without the
+/// header. `Err` is the message of the 400 to send for a malformed key.
+fn post_id(req: &HttpRequest) -> Result<Uuid, String> {
+    let mut values = req.headers().get_all("idempotency-key");
+    let Some(key) = values.next() else {
+        return Ok(Uuid::new_v4());
     };
-    let user = User {
-        id: Uuid::new_v4(),
-        name: name.to_string(),
-        email: email.to_string(),
+    if values.next().is_some() {
+        return Err("Idempotency-Key header: expected one value, got several".into());
+    }
+    let key = key.as_bytes();
+    if key.is_empty()
+        || key.len() > IDEMPOTENCY_KEY_MAX
+        || !key.iter().all(|b| b.is_ascii_graphic())
+    {
+        return Err(format!(
+            "Idempotency-Key header: expected 1 to {IDEMPOTENCY_KEY_MAX} visible ASCII \
+             characters (no spaces), got {} bytes",
+            key.len()
+        ));
+    }
+    Ok(Uuid::new_v5(&IDEMPOTENCY_NAMESPACE, key))
+}
+
+/// `POST /api/v1/users`: publishes a user under a new id, or under the id derived from its
+/// `Idempotency-Key`.
+async fn create_user(
+    req: HttpRequest,
+    payload: web::Payload,
+    state: web::Data<AppState>,
+) -> HttpResponse {
+    let id = match post_id(&req) {
+        Ok(id) => id,
+        Err(message) => return error(StatusCode::BAD_REQUEST, message),
     };
+    match read_user(&req, payload, id, None).await {
+        Ok(user) => accept(&state, user).await,
+        Err(response) => response,
+    }
+}
+
+/// `PUT /api/v1/users/{id}`: publishes a user under the client's id; repeating it is safe.
+async fn put_user(
+    req: HttpRequest,
+    path: web::Path<String>,
+    payload: web::Payload,
+    state: web::Data<AppState>,
+) -> HttpResponse {
+    let id = match parse_id(&path) {
+        Ok(id) => id,
+        Err(message) => return error(StatusCode::BAD_REQUEST, message),
+    };
+    match read_user(&req, payload, id, Some(id)).await {
+        Ok(user) => accept(&state, user).await,
+        Err(response) => response,
+    }
+}
+
+/// What `users` already holds for a user about to be published.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Stored {
+    /// Neither its id nor its email.
+    Nothing,
+    /// Its id, with the same name and email: it is already done.
+    Same,
+    /// Its id, with another name or email.
+    IdConflict,
+    /// Its email, under this other id.
+    EmailTaken(Uuid),
+}
+
+/// Judges the rows `users` holds with `user`'s id or email, as (id, name, email).
+fn judge(user: &User, rows: &[(Uuid, String, String)]) -> Stored {
+    if let Some((_, name, email)) = rows.iter().find(|(id, _, _)| *id == user.id) {
+        if *name == user.name && *email == user.email {
+            Stored::Same
+        } else {
+            Stored::IdConflict
+        }
+    } else if let Some((other, _, _)) = rows.iter().find(|(_, _, email)| *email == user.email) {
+        Stored::EmailTaken(*other)
+    } else {
+        Stored::Nothing
+    }
+}
+
+/// Answers a valid user: refuses what the database would refuse anyway, answers what is already
+/// stored, and publishes the rest. The check is best effort: when the database cannot tell
+/// within [`QUERY_TIMEOUT`], the user is published and the pipeline decides.
+async fn accept(state: &AppState, user: User) -> HttpResponse {
+    let (id, email) = (user.id, user.email.clone());
+    let looked_up = bounded(&state.pool, move |client| {
+        async move {
+            let rows = client
+                .query(
+                    "SELECT id, name, email FROM users WHERE id = $1 OR email = $2",
+                    &[&id, &email],
+                )
+                .await?;
+            Ok(rows
+                .iter()
+                .map(|r| (r.get(0), r.get(1), r.get(2)))
+                .collect::<Vec<(Uuid, String, String)>>())
+        }
+        .boxed()
+    })
+    .await;
+    match looked_up.map(|rows| judge(&user, &rows)) {
+        Ok(Stored::Same) => HttpResponse::Ok().json(json!({"id": user.id})),
+        Ok(Stored::IdConflict) => HttpResponse::Conflict().json(json!({
+            "error": format!("user {} is already stored with another name or email", user.id),
+            "kind": "id_conflict",
+            "id": user.id,
+        })),
+        Ok(Stored::EmailTaken(other)) => HttpResponse::Conflict().json(json!({
+            "error": format!("email {} is already stored under user {other}", user.email),
+            "kind": "email_taken",
+            "id": other,
+        })),
+        Ok(Stored::Nothing) => publish(state, &user).await,
+        Err(e) => {
+            tracing::warn!(message_id = %user.id, error = %e,
+                "cannot check the users table before publishing; publishing anyway");
+            publish(state, &user).await
+        }
+    }
+}
+
+/// Publishes `user` (message id = its id) and answers 200 once the broker confirmed it.
+async fn publish(state: &AppState, user: &User) -> HttpResponse {
     let id = user.id.to_string();
-    let body = match serde_json::to_vec(&user) {
+    let body = match serde_json::to_vec(user) {
         Ok(b) => b,
         Err(e) => return error(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()),
     };
@@ -254,37 +415,204 @@ async fn create_user(
     }
 }
 
-async fn get_user(path: web::Path<String>, state: web::Data<AppState>) -> HttpResponse {
-    let Ok(id) = Uuid::parse_str(&path) else {
-        return error(
-            StatusCode::BAD_REQUEST,
-            format!("{:?} is not a UUID", path.as_str()),
-        );
-    };
-    let result = async {
-        let client = state.pool.get().await.map_err(DbError::from_pool)?;
-        client
-            .query_opt(
-                "SELECT id, name, email, \
-                 to_char(inserted_at AT TIME ZONE 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS.US\"Z\"') \
-                 FROM users WHERE id = $1",
-                &[&id],
-            )
-            .await
-            .map_err(DbError::from_pg)
+/// The `{id}` of a path; `Err` is the message of the 400 to send.
+fn parse_id(path: &str) -> Result<Uuid, String> {
+    Uuid::parse_str(path).map_err(|_| format!("{path:?} is not a UUID"))
+}
+
+/// Why the API's database work failed.
+#[derive(Debug, thiserror::Error)]
+enum QueryError {
+    /// No answer within [`QUERY_TIMEOUT`] (no free connection, or a slow statement).
+    #[error("the database did not answer within {} ms", QUERY_TIMEOUT.as_millis())]
+    Timeout,
+    /// The pool or the server refused.
+    #[error(transparent)]
+    Db(#[from] DbError),
+}
+
+/// Runs `work` on a connection of `pool`, all within [`QUERY_TIMEOUT`]. A statement still
+/// running at the deadline is cancelled and its connection leaves the pool, so a slow database
+/// cannot keep the API's connections.
+async fn bounded<T, W>(pool: &Pool, work: W) -> Result<T, QueryError>
+where
+    W: for<'c> FnOnce(&'c Object) -> BoxFuture<'c, Result<T, tokio_postgres::Error>>,
+{
+    let deadline = tokio::time::Instant::now() + QUERY_TIMEOUT;
+    let client = tokio::time::timeout_at(deadline, pool.get())
+        .await
+        .map_err(|_| QueryError::Timeout)?
+        .map_err(DbError::from_pool)?;
+    let outcome = tokio::time::timeout_at(deadline, work(&client)).await;
+    match outcome {
+        Ok(result) => result.map_err(|e| DbError::from_pg(e).into()),
+        Err(_) => {
+            let token = client.cancel_token();
+            drop(Object::take(client));
+            tokio::spawn(cancel(token));
+            Err(QueryError::Timeout)
+        }
     }
+}
+
+/// Asks the server to cancel a statement, within [`QUERY_TIMEOUT`].
+async fn cancel(token: tokio_postgres::CancelToken) {
+    let _ = tokio::time::timeout(QUERY_TIMEOUT, token.cancel_query(NoTls)).await;
+}
+
+/// What `GET /api/v1/users/{id}` found.
+enum Found {
+    /// The row, as the answer's body.
+    User(Value),
+    /// The message was parked in `dead_letters` (and not replayed): (kind, reason, parked at).
+    Parked(String, String, String),
+    /// Neither (yet).
+    Nothing,
+}
+
+/// `GET /api/v1/users/{id}`: the row; else the fate of a parked message with that id; else 404.
+async fn get_user(path: web::Path<String>, state: web::Data<AppState>) -> HttpResponse {
+    let id = match parse_id(&path) {
+        Ok(id) => id,
+        Err(message) => return error(StatusCode::BAD_REQUEST, message),
+    };
+    let found = bounded(&state.pool, move |client| {
+        async move {
+            let row = client
+                .query_opt(
+                    "SELECT id, name, email, \
+                     to_char(inserted_at AT TIME ZONE 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS.US\"Z\"') \
+                     FROM users WHERE id = $1",
+                    &[&id],
+                )
+                .await?;
+            if let Some(row) = row {
+                return Ok(Found::User(json!({
+                    "id": row.get::<_, Uuid>(0),
+                    "name": row.get::<_, String>(1),
+                    "email": row.get::<_, String>(2),
+                    "inserted_at": row.get::<_, String>(3),
+                })));
+            }
+            let parked = client
+                .query_opt(
+                    "SELECT error_kind, error_reason, \
+                     to_char(parked_at AT TIME ZONE 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS.US\"Z\"') \
+                     FROM dead_letters WHERE message_id = $1 AND replayed_at IS NULL \
+                     ORDER BY seq DESC LIMIT 1",
+                    &[&id.to_string()],
+                )
+                .await?;
+            Ok(match parked {
+                Some(row) => Found::Parked(row.get(0), row.get(1), row.get(2)),
+                None => Found::Nothing,
+            })
+        }
+        .boxed()
+    })
     .await;
-    match result {
-        Ok(Some(row)) => HttpResponse::Ok().json(json!({
-            "id": row.get::<_, Uuid>(0),
-            "name": row.get::<_, String>(1),
-            "email": row.get::<_, String>(2),
-            "inserted_at": row.get::<_, String>(3),
-        })),
-        Ok(None) => error(StatusCode::NOT_FOUND, format!("no user {id} (yet)")),
+    match found {
+        Ok(Found::User(body)) => HttpResponse::Ok().json(body),
+        Ok(Found::Parked(kind, reason, parked_at)) => {
+            let status = parked_status(&kind);
+            HttpResponse::build(status).json(json!({
+                "error": format!("message {id} was parked ({kind}) and will not be inserted unless replayed"),
+                "id": id,
+                "state": "parked",
+                "kind": kind,
+                "reason": reason,
+                "parked_at": parked_at,
+            }))
+        }
+        Ok(Found::Nothing) => error(StatusCode::NOT_FOUND, format!("no user {id} (yet)")),
         Err(e) => error(
             StatusCode::SERVICE_UNAVAILABLE,
             format!("database unavailable: {e}"),
         ),
+    }
+}
+
+/// The status that tells a client why its parked message was not inserted: 422 when the
+/// message itself was bad, 409 when it clashed with what the database holds (or ran out of
+/// retries).
+fn parked_status(kind: &str) -> StatusCode {
+    match kind {
+        "invalid_json" | "invalid_payload" => StatusCode::UNPROCESSABLE_ENTITY,
+        _ => StatusCode::CONFLICT,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn user(id: Uuid, name: &str, email: &str) -> User {
+        User {
+            id,
+            name: name.into(),
+            email: email.into(),
+        }
+    }
+
+    #[test]
+    fn stored_rows_are_judged_by_id_first_then_email() {
+        let (a, b) = (Uuid::new_v4(), Uuid::new_v4());
+        let ana = user(a, "Ana", "ana@example.com");
+        let row = |id, name: &str, email: &str| (id, name.to_string(), email.to_string());
+        assert_eq!(judge(&ana, &[]), Stored::Nothing);
+        assert_eq!(
+            judge(&ana, &[row(a, "Ana", "ana@example.com")]),
+            Stored::Same
+        );
+        assert_eq!(
+            judge(&ana, &[row(a, "Ana B", "ana@example.com")]),
+            Stored::IdConflict
+        );
+        assert_eq!(
+            judge(&ana, &[row(a, "Ana", "other@example.com")]),
+            Stored::IdConflict
+        );
+        assert_eq!(
+            judge(&ana, &[row(b, "Bea", "ana@example.com")]),
+            Stored::EmailTaken(b)
+        );
+        // Its id with other content and its email elsewhere: the id is what conflicts.
+        assert_eq!(
+            judge(
+                &ana,
+                &[
+                    row(b, "Bea", "ana@example.com"),
+                    row(a, "Ana", "x@example.com")
+                ]
+            ),
+            Stored::IdConflict
+        );
+    }
+
+    #[test]
+    fn parked_kinds_map_to_422_or_409() {
+        assert_eq!(
+            parked_status("invalid_json"),
+            StatusCode::UNPROCESSABLE_ENTITY
+        );
+        assert_eq!(
+            parked_status("invalid_payload"),
+            StatusCode::UNPROCESSABLE_ENTITY
+        );
+        assert_eq!(parked_status("db_permanent"), StatusCode::CONFLICT);
+        assert_eq!(parked_status("retries_exhausted"), StatusCode::CONFLICT);
+        assert_eq!(parked_status("something_new"), StatusCode::CONFLICT);
+    }
+
+    #[test]
+    fn the_idempotency_namespace_never_changes() {
+        // Ids already handed out depend on it.
+        assert_eq!(
+            IDEMPOTENCY_NAMESPACE.to_string(),
+            "cfe141c5-49af-4aba-bc86-746006d123dc"
+        );
+        let id = Uuid::new_v5(&IDEMPOTENCY_NAMESPACE, b"order-42");
+        assert_eq!(id.get_version_num(), 5);
+        assert_eq!(id, Uuid::new_v5(&IDEMPOTENCY_NAMESPACE, b"order-42"));
     }
 }

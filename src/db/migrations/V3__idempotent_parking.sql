@@ -32,3 +32,5 @@ END $f$;
 DROP TRIGGER IF EXISTS dead_letters_fingerprint ON dead_letters;
 CREATE TRIGGER dead_letters_fingerprint BEFORE INSERT ON dead_letters
     FOR EACH ROW EXECUTE FUNCTION dead_letters_fingerprint();
+-- The API answers the fate of a parked id (GET /api/v1/users/{id}) by message id.
+CREATE INDEX IF NOT EXISTS dead_letters_open_message_id ON dead_letters (message_id) WHERE replayed_at IS NULL;
