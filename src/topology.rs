@@ -93,7 +93,8 @@ pub enum TopologyError {
     "{object} exists with {argument} = {existing}, but warren declares {argument} = {wanted}.\n\
      warren never deletes or changes an existing object. To resolve it, either\n\
      - make the configuration match what exists ({hint}), or\n\
-     - move its messages away, delete it ({delete_cmd}) and run `warren declare` again."
+     - stop what routes to it first (unbind it: RabbitMQ confirms and drops a message routed to a queue \
+     being deleted), move its messages away, delete it ({delete_cmd}) and run `warren declare` again."
 )]
 pub struct Drift {
     pub object: String,

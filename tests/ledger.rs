@@ -268,13 +268,26 @@ async fn every_published_message_ends_exactly_once_under_faults() {
                 }
                 Fault::DeleteDlq => {
                     // DLQ maintenance as the drift advice describes it: its consumer stopped,
-                    // the queue deleted only if empty (deleting messages is the operator losing
-                    // them, not warren), re-declared, the consumer started again. Meanwhile the
-                    // main pipeline keeps dead-lettering into a DLX that routes nowhere.
+                    // the DLQ unbound (from now on the main pipeline's dead-letter publishes are
+                    // unroutable), then deleted (only if empty: deleting messages is the
+                    // operator losing them) and re-declared, and its consumer started again.
+                    // Unbinding first matters: RabbitMQ confirms a message routed to a queue
+                    // that is deleted before it is enqueued, so deleting a queue that still
+                    // receives publishes drops them whatever the publisher does.
                     let mut w = dlq.lock().await;
                     w.terminate(Duration::from_secs(30));
                     retire(&w);
                     let channel = env.conn.create_channel().await.expect("channel");
+                    channel
+                        .queue_unbind(
+                            env.dlq_queue.as_str().into(),
+                            env.dlx_exchange.as_str().into(),
+                            env.dlq_queue.as_str().into(),
+                            Default::default(),
+                        )
+                        .await
+                        .expect("unbind the DLQ");
+                    tokio::time::sleep(Duration::from_millis(1500)).await;
                     let deleted = channel
                         .queue_delete(
                             env.dlq_queue.as_str().into(),
@@ -284,12 +297,11 @@ async fn every_published_message_ends_exactly_once_under_faults() {
                             },
                         )
                         .await;
-                    if deleted.is_ok() {
-                        tokio::time::sleep(Duration::from_millis(1500)).await;
-                        env.declare();
-                    } else {
+                    if deleted.is_err() {
                         eprintln!("ledger: DLQ not empty, not deleted");
                     }
+                    tokio::time::sleep(Duration::from_millis(500)).await;
+                    env.declare();
                     *w = env.start(&["--roles", "dlq", "--set", "metrics_addr=127.0.0.1:0"]);
                 }
                 Fault::DatabaseOutage => {
@@ -323,6 +335,7 @@ async fn every_published_message_ends_exactly_once_under_faults() {
         (users + parked) as usize
     };
     let deadline = Instant::now() + Duration::from_secs(180);
+    let mut unsettled: Option<String> = None;
     loop {
         let done = accounted().await >= expected;
         let mut empty = true;
@@ -335,22 +348,23 @@ async fn every_published_message_ends_exactly_once_under_faults() {
             break;
         }
         if Instant::now() > deadline {
-            let mut report = history.lock().unwrap().join("\n");
             for w in [&main, &dlq] {
                 let w = w.lock().await;
-                report.push_str(&format!(
-                    "\n---- {}:\n{}",
+                history.lock().unwrap().push(format!(
+                    "---- {}:\n{}",
                     w.log.display(),
                     tail(&w.logs(), 120)
                 ));
             }
+            let mut state = String::new();
             for q in [&env.main_queue, &env.retry_queue, &env.dlq_queue] {
-                report.push_str(&format!("\n{q}: {:?}", queue_counts(q).await));
+                state.push_str(&format!("{q}: {:?}; ", queue_counts(q).await));
             }
-            panic!(
-                "seed {seed}: not settled within 180 s: {} of {expected} accounted\n{report}",
-                accounted().await,
-            );
+            unsettled = Some(format!(
+                "not settled within 180 s: {} of {expected} accounted; {state}",
+                accounted().await
+            ));
+            break;
         }
         tokio::time::sleep(Duration::from_millis(500)).await;
     }
@@ -379,7 +393,7 @@ async fn every_published_message_ends_exactly_once_under_faults() {
         let id = id.clone().unwrap_or_else(|| "<none>".into());
         *parked_ids.entry(id).or_default() += 1;
     }
-    let mut problems = Vec::new();
+    let mut problems: Vec<String> = unsettled.into_iter().collect();
     let mut owners: HashSet<Uuid> = HashSet::new();
     for (message_id, entries) in &ledger {
         let entry = &entries[0];
@@ -429,9 +443,10 @@ async fn every_published_message_ends_exactly_once_under_faults() {
     );
     assert!(
         problems.is_empty(),
-        "seed {seed}: {} problems:\n{}",
+        "seed {seed}: {} problems:\n{}\n{}",
         problems.len(),
-        problems.join("\n")
+        problems.join("\n"),
+        history.lock().unwrap().join("\n")
     );
 }
 
