@@ -301,16 +301,19 @@ impl Consumer {
         self.subscriptions += 1;
         let queue = self.config.queue.clone();
         let addr = ctx.address();
+        let bound = self.settings.connect_timeout();
         actix::spawn(async move {
-            let result = channel
-                .basic_consume(
-                    queue.as_str().into(),
-                    tag.as_str().into(),
-                    BasicConsumeOptions::default(),
-                    FieldTable::default(),
-                )
-                .await
-                .map_err(|e| e.to_string());
+            // Bounded: a consume that never answers must not leave the pipeline unsubscribed.
+            let consume = channel.basic_consume(
+                queue.as_str().into(),
+                tag.as_str().into(),
+                BasicConsumeOptions::default(),
+                FieldTable::default(),
+            );
+            let result = match tokio::time::timeout(bound, consume).await {
+                Ok(result) => result.map_err(|e| e.to_string()),
+                Err(_) => Err(format!("basic.consume not answered within {bound:?}")),
+            };
             addr.do_send(Subscribed {
                 generation,
                 result,
