@@ -337,6 +337,15 @@ pub fn amqp_link(link: &str, up: bool) {
     connection("amqp", all_up);
 }
 
+/// The `x-error-kind` values warren writes, registered at 0 for dead-lettered and parked.
+const ERROR_KINDS: [&str; 5] = [
+    "invalid_json",
+    "invalid_payload",
+    "db_permanent",
+    "id_conflict",
+    "retries_exhausted",
+];
+
 /// Registers the labelled series that exist from the start at 0, so dashboards show 0 rather
 /// than "no data" before the first event.
 pub fn preregister(pipelines: &[&'static str]) {
@@ -344,13 +353,7 @@ pub fn preregister(pipelines: &[&'static str]) {
         counter!(RECEIVED, "pipeline" => *p).absolute(0);
         counter!(INSERTED, "pipeline" => *p).absolute(0);
         counter!(RETRIED, "pipeline" => *p, "reason" => "db_transient").absolute(0);
-        for kind in [
-            "invalid_json",
-            "invalid_payload",
-            "db_permanent",
-            "id_conflict",
-            "retries_exhausted",
-        ] {
+        for kind in ERROR_KINDS {
             counter!(DEAD_LETTERED, "pipeline" => *p, "kind" => kind).absolute(0);
         }
         for reason in ["publish_failed", "db_unavailable"] {
@@ -361,13 +364,7 @@ pub fn preregister(pipelines: &[&'static str]) {
         }
         gauge!(BREAKER_OPEN, "pipeline" => *p).set(0.0);
     }
-    for kind in [
-        "invalid_json",
-        "invalid_payload",
-        "db_permanent",
-        "id_conflict",
-        "retries_exhausted",
-    ] {
+    for kind in ERROR_KINDS {
         counter!(PARKED, "kind" => kind).absolute(0);
     }
     for outcome in [

@@ -82,17 +82,7 @@ async fn an_unroutable_retry_keeps_the_message_with_warren_until_the_route_is_ba
     let mut warren = env.start(&["--roles", "consumer"]);
     let _logs = LogsOnPanic(vec![warren.log.clone()]);
 
-    wait_until("three requeues", Duration::from_secs(30), || async {
-        try_metric(
-            &env,
-            "warren_messages_requeued_total",
-            &[("pipeline", "main"), ("reason", "publish_failed")],
-        )
-        .await
-        .unwrap_or(0.0)
-            >= 3.0
-    })
-    .await;
+    wait_requeued(&env, 3).await;
     // Still with warren's queue: nothing in the DLQ, nothing lost, no retry spent.
     let (ready, unacked) = queue_counts(&env.main_queue).await;
     assert_eq!(ready + unacked, 1, "the message left the main queue");
@@ -149,21 +139,7 @@ async fn malformed_messages_survive_the_dlq_being_deleted_and_redeclared() {
         let props = lapin::BasicProperties::default().with_message_id(label.as_str().into());
         env.publish_raw(b"{not json", props).await;
     }
-    wait_until(
-        "every message requeued at least once",
-        Duration::from_secs(30),
-        || async {
-            try_metric(
-                &env,
-                "warren_messages_requeued_total",
-                &[("pipeline", "main"), ("reason", "publish_failed")],
-            )
-            .await
-            .unwrap_or(0.0)
-                >= N as f64
-        },
-    )
-    .await;
+    wait_requeued(&env, N).await;
     let (ready, unacked) = queue_counts(&env.main_queue).await;
     assert_eq!(
         (ready + unacked) as usize,
@@ -193,4 +169,23 @@ async fn malformed_messages_survive_the_dlq_being_deleted_and_redeclared() {
         );
     }
     assert_eq!(env.queue_state(&env.main_queue).await, (0, 0));
+}
+
+/// Waits until the main pipeline gave `n` messages back to their queue for a failed republish.
+async fn wait_requeued(env: &TestEnv, n: usize) {
+    wait_until(
+        &format!("{n} requeues"),
+        Duration::from_secs(30),
+        || async {
+            try_metric(
+                env,
+                "warren_messages_requeued_total",
+                &[("pipeline", "main"), ("reason", "publish_failed")],
+            )
+            .await
+            .unwrap_or(0.0)
+                >= n as f64
+        },
+    )
+    .await;
 }

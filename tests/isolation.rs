@@ -151,28 +151,6 @@ async fn duplicate_emails_in_a_batch_of_1000_are_isolated_and_dead_lettered() {
     assert_eq!(stored, (N - DUPLICATES.len()) as i64);
 }
 
-/// A trigger that refuses rows whose email starts with `poison` with an unclassified SQLSTATE
-/// (P0001, raise_exception), row by row.
-async fn install_poison_trigger(env: &TestEnv) {
-    let s = &env.schema;
-    env.db
-        .batch_execute(&format!(
-            r#"
-            CREATE FUNCTION {s}.refuse_poison() RETURNS trigger LANGUAGE plpgsql AS $f$
-            BEGIN
-                IF NEW.email LIKE 'poison%' THEN
-                    RAISE EXCEPTION 'poisoned row %', NEW.id;
-                END IF;
-                RETURN NEW;
-            END $f$;
-            CREATE TRIGGER users_refuse_poison BEFORE INSERT ON {s}.users
-                FOR EACH ROW EXECUTE FUNCTION {s}.refuse_poison();
-            "#
-        ))
-        .await
-        .expect("install the poison trigger");
-}
-
 /// One row raising P0001 in a batch of 500 no longer drags the batch through the retry queue
 /// into the DLQ: the batch is split, 499 rows commit at once, and only the poisoned message goes
 /// on: retried MAX_RETRIES times, dead-lettered as retries_exhausted, then tried by the DLQ

@@ -168,23 +168,7 @@ async fn every_published_message_ends_exactly_once_under_faults() {
         .set("DATABASE_STATEMENT_TIMEOUT_MS", "3000")
         .set("SHUTDOWN_TIMEOUT_MS", "5000");
     env.declare();
-    let s = &env.schema;
-    env.db
-        .batch_execute(&format!(
-            r#"
-            CREATE FUNCTION {s}.refuse_poison() RETURNS trigger LANGUAGE plpgsql AS $f$
-            BEGIN
-                IF NEW.email LIKE 'poison%' THEN
-                    RAISE EXCEPTION 'poisoned row %', NEW.id;
-                END IF;
-                RETURN NEW;
-            END $f$;
-            CREATE TRIGGER users_refuse_poison BEFORE INSERT ON {s}.users
-                FOR EACH ROW EXECUTE FUNCTION {s}.refuse_poison();
-            "#
-        ))
-        .await
-        .expect("install the poison trigger");
+    install_poison_trigger(&env).await;
 
     let published = mix(&mut rng, n);
     let mut ledger: HashMap<String, Vec<Entry>> = HashMap::new();

@@ -1032,6 +1032,28 @@ pub async fn install_fault(env: &TestEnv, count: CountAttempts) {
         .expect("install the fault triggers");
 }
 
+/// A trigger that refuses rows whose email starts with `poison` with an unclassified SQLSTATE
+/// (P0001, raise_exception), row by row.
+pub async fn install_poison_trigger(env: &TestEnv) {
+    let s = &env.schema;
+    env.db
+        .batch_execute(&format!(
+            r#"
+            CREATE FUNCTION {s}.refuse_poison() RETURNS trigger LANGUAGE plpgsql AS $f$
+            BEGIN
+                IF NEW.email LIKE 'poison%' THEN
+                    RAISE EXCEPTION 'poisoned row %', NEW.id;
+                END IF;
+                RETURN NEW;
+            END $f$;
+            CREATE TRIGGER users_refuse_poison BEFORE INSERT ON {s}.users
+                FOR EACH ROW EXECUTE FUNCTION {s}.refuse_poison();
+            "#
+        ))
+        .await
+        .expect("install the poison trigger");
+}
+
 /// Makes the fault raise `sqlstate` instead of 40001 (for example 42501, a systemic error).
 pub async fn set_fault_sqlstate(env: &TestEnv, sqlstate: &str) {
     env.db
