@@ -80,6 +80,9 @@ pub struct Settings {
     pub users_batch_concurrency: usize,
     /// Consumer prefetch; 0 derives it from batch size x batch concurrency.
     pub prefetch: u32,
+    /// Messages per second each pipeline takes from its queue; 0 = no limit. Changed at run
+    /// time by `warren ctl rate`.
+    pub rate_limit_per_s: u32,
     /// Largest accepted body; larger ones are dead-lettered unread.
     pub max_message_bytes: usize,
     /// How long a failing batch is retried in place before going to the retry queue.
@@ -207,6 +210,13 @@ const RULES: &[(&str, Rule)] = &[
         Rule::Int {
             min: 0,
             max: 65_535,
+        },
+    ),
+    (
+        "rate_limit_per_s",
+        Rule::Int {
+            min: 0,
+            max: 1_000_000,
         },
     ),
     (

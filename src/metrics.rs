@@ -45,6 +45,9 @@ pub struct Stats {
     pub dead_lettered: AtomicU64,
     pub parked: AtomicU64,
     pub inflight: AtomicI64,
+    /// One bit per pipeline whose sink-outage breaker is open (main 1, dlq 2, others 4), so
+    /// the registry can report the breaker state.
+    pub breakers_open: AtomicU8,
 }
 
 pub static STATS: Stats = Stats {
@@ -54,6 +57,7 @@ pub static STATS: Stats = Stats {
     dead_lettered: AtomicU64::new(0),
     parked: AtomicU64::new(0),
     inflight: AtomicI64::new(0),
+    breakers_open: AtomicU8::new(0),
 };
 
 /// The database link as last seen: 0 unknown, 1 up, 2 down (to count reconnections).
@@ -297,6 +301,16 @@ pub fn messages_parked(kind: &'static str, n: u64) {
 /// The sink-outage breaker of `pipeline` opened or closed.
 pub fn breaker(pipeline: &'static str, open: bool) {
     gauge!(BREAKER_OPEN, "pipeline" => pipeline).set(if open { 1.0 } else { 0.0 });
+    let bit = match pipeline {
+        "main" => 1,
+        "dlq" => 2,
+        _ => 4,
+    };
+    if open {
+        STATS.breakers_open.fetch_or(bit, Ordering::Relaxed);
+    } else {
+        STATS.breakers_open.fetch_and(!bit, Ordering::Relaxed);
+    }
 }
 
 /// A publish finished: counts it by outcome, and times confirmed ones.

@@ -102,11 +102,14 @@ impl Keys {
 pub struct CtlCommand {
     /// Shared by the copies sent to several instances, to find their outcomes.
     pub id: String,
-    /// `pause`, `resume`, `drain` or `scale`.
+    /// `pause`, `resume`, `drain`, `scale` or `rate`.
     pub command: String,
     /// For `scale`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub processors: Option<usize>,
+    /// For `rate`: messages per second, 0 = no limit.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rate: Option<u32>,
     pub issued_at: u64,
     /// Who asked (`host:pid` of the `warren ctl` process).
     pub by: String,
@@ -122,8 +125,9 @@ pub struct CtlCommand {
 impl CtlCommand {
     /// The bytes the signature covers: a version line, then each field as
     /// `name=<byte length>:<value>` and a newline, in this order: `id`, `command`, `processors`
-    /// (empty when absent), `issued_at`, `by`, `target` (the instance that applies it, as
-    /// `host:pid`). The length prefixes make the encoding unambiguous whatever the values hold.
+    /// (empty when absent), `rate` (only when present, so commands without it keep the
+    /// signatures they always had), `issued_at`, `by`, `target` (the instance that applies it,
+    /// as `host:pid`). The length prefixes make the encoding unambiguous whatever the values hold.
     pub fn canonical(&self, target: &str) -> Vec<u8> {
         // No `..`: a new field does not compile until it is added here, so every argument is
         // covered by the signature.
@@ -131,22 +135,26 @@ impl CtlCommand {
             id,
             command,
             processors,
+            rate,
             issued_at,
             by,
             target: _,
             signature: _,
         } = self;
         let processors = processors.map(|n| n.to_string()).unwrap_or_default();
+        let rate = rate.map(|n| n.to_string());
         let issued_at = issued_at.to_string();
         let mut out = b"warren-ctl-v1\n".to_vec();
-        for (name, value) in [
-            ("id", id.as_str()),
-            ("command", command.as_str()),
-            ("processors", processors.as_str()),
-            ("issued_at", issued_at.as_str()),
-            ("by", by.as_str()),
-            ("target", target),
-        ] {
+        let fields = [
+            Some(("id", id.as_str())),
+            Some(("command", command.as_str())),
+            Some(("processors", processors.as_str())),
+            rate.as_deref().map(|r| ("rate", r)),
+            Some(("issued_at", issued_at.as_str())),
+            Some(("by", by.as_str())),
+            Some(("target", target)),
+        ];
+        for (name, value) in fields.into_iter().flatten() {
             out.extend_from_slice(format!("{name}={}:", value.len()).as_bytes());
             out.extend_from_slice(value.as_bytes());
             out.push(b'\n');
@@ -276,6 +284,8 @@ pub struct CtlOutcome {
     pub command: String,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub processors: Option<usize>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rate: Option<u32>,
     pub host: String,
     pub pid: u32,
     /// `executed` or `failed`.
@@ -459,6 +469,29 @@ pub struct Registry {
     instance: Instance,
     /// Which remote commands are applied (signatures, freshness, replays).
     guard: Guard,
+    /// Counters at the last rate computation, to derive msg/s from their deltas.
+    last: Sample,
+    /// Rates are recomputed once at least this long has passed (half the heartbeat period),
+    /// so an extra heartbeat after a command does not compute them over a sliver of time.
+    rate_window: Duration,
+}
+
+/// The instance's own counters at one moment, and the rates derived at that moment.
+#[derive(Debug, Clone, Copy)]
+struct Sample {
+    at: std::time::Instant,
+    received: u64,
+    inserted: u64,
+    received_per_s: f64,
+    inserted_per_s: f64,
+}
+
+/// `(now - before) / seconds`, 0 when no time passed or a counter went back.
+pub fn per_second(before: u64, now: u64, seconds: f64) -> f64 {
+    if seconds <= 0.0 {
+        return 0.0;
+    }
+    now.saturating_sub(before) as f64 / seconds
 }
 
 /// The live state an instance reports.
@@ -467,6 +500,8 @@ pub struct Report {
     /// `running`, `paused` or `draining`.
     pub status: &'static str,
     pub processors: usize,
+    /// Messages per second each pipeline takes, 0 = no limit.
+    pub rate_limit_per_s: u32,
 }
 
 impl Registry {
@@ -478,7 +513,32 @@ impl Registry {
             keys: Keys::new(&settings.redis_prefix),
             instance,
             guard: Guard::new(&settings.control_secret, me),
+            last: Sample {
+                at: std::time::Instant::now(),
+                received: 0,
+                inserted: 0,
+                received_per_s: 0.0,
+                inserted_per_s: 0.0,
+            },
+            rate_window: Duration::from_millis(settings.registry_heartbeat_ms / 2),
         }
+    }
+
+    /// The received and inserted rates (msg/s) over the last heartbeat interval, from the
+    /// deltas of this instance's own counters.
+    fn rates(&mut self, received: u64, inserted: u64) -> (f64, f64) {
+        let elapsed = self.last.at.elapsed();
+        if elapsed >= self.rate_window && elapsed > Duration::ZERO {
+            let secs = elapsed.as_secs_f64();
+            self.last = Sample {
+                at: std::time::Instant::now(),
+                received,
+                inserted,
+                received_per_s: per_second(self.last.received, received, secs),
+                inserted_per_s: per_second(self.last.inserted, inserted, secs),
+            };
+        }
+        (self.last.received_per_s, self.last.inserted_per_s)
     }
 
     fn key(&self) -> String {
@@ -489,6 +549,14 @@ impl Registry {
     pub async fn heartbeat(&mut self, report: Report) {
         use std::sync::atomic::Ordering::Relaxed;
         let stats = &metrics::STATS;
+        let received = stats.received.load(Relaxed);
+        let inserted = stats.inserted.load(Relaxed);
+        let (received_per_s, inserted_per_s) = self.rates(received, inserted);
+        let breaker = if stats.breakers_open.load(Relaxed) != 0 {
+            "open"
+        } else {
+            "closed"
+        };
         let i = &self.instance;
         let fields: Vec<(&str, String)> = vec![
             ("host", i.host.clone()),
@@ -498,8 +566,12 @@ impl Registry {
             ("started_at", i.started_at.to_string()),
             ("status", report.status.to_string()),
             ("processors", report.processors.to_string()),
-            ("received", stats.received.load(Relaxed).to_string()),
-            ("inserted", stats.inserted.load(Relaxed).to_string()),
+            ("received", received.to_string()),
+            ("inserted", inserted.to_string()),
+            ("received_per_s", format!("{received_per_s:.1}")),
+            ("inserted_per_s", format!("{inserted_per_s:.1}")),
+            ("breaker", breaker.to_string()),
+            ("rate_limit_per_s", report.rate_limit_per_s.to_string()),
             ("retried", stats.retried.load(Relaxed).to_string()),
             (
                 "dead_lettered",
@@ -549,6 +621,7 @@ impl Registry {
             id: command.id.clone(),
             command: command.command.clone(),
             processors: command.processors,
+            rate: command.rate,
             host: self.instance.host.clone(),
             pid: self.instance.pid,
             outcome: if result.is_ok() { "executed" } else { "failed" }.into(),
@@ -661,6 +734,7 @@ mod tests {
             id: "x".into(),
             command: "scale".into(),
             processors: Some(4),
+            rate: None,
             issued_at: 1,
             by: "h:1".into(),
             target: None,
@@ -686,6 +760,7 @@ mod tests {
             id: "0b8f".into(),
             command: "scale".into(),
             processors: Some(4),
+            rate: None,
             issued_at: 1_795_239_346,
             by: "ops:42".into(),
             target: None,
@@ -745,6 +820,32 @@ mod tests {
             c.signature = Some(bad.into());
             assert!(!c.signature_matches("k", "vm:1"), "{bad:?}");
         }
+    }
+
+    #[test]
+    fn the_rate_joins_the_signed_encoding_only_when_present() {
+        let mut c = sample();
+        (c.command, c.processors, c.rate) = ("rate".into(), None, Some(500));
+        assert_eq!(
+            String::from_utf8(c.canonical("vm:1")).unwrap(),
+            "warren-ctl-v1\nid=4:0b8f\ncommand=4:rate\nprocessors=0:\nrate=3:500\n\
+             issued_at=10:1795239346\nby=6:ops:42\ntarget=4:vm:1\n"
+        );
+        c.sign("k", "vm:1").unwrap();
+        for altered in [Some(5000), Some(0), None] {
+            let mut other = c.clone();
+            other.rate = altered;
+            assert!(!other.signature_matches("k", "vm:1"), "{altered:?}");
+        }
+        assert!(c.signature_matches("k", "vm:1"));
+    }
+
+    #[test]
+    fn rates_are_counter_deltas_over_the_elapsed_time() {
+        assert_eq!(per_second(100, 600, 2.0), 250.0);
+        assert_eq!(per_second(100, 100, 2.0), 0.0);
+        assert_eq!(per_second(600, 100, 2.0), 0.0, "a counter going back");
+        assert_eq!(per_second(0, 10, 0.0), 0.0, "no time passed");
     }
 
     fn signed(id: &str, issued_at: u64, secret: &str, target: &str) -> CtlCommand {

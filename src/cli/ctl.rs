@@ -1,4 +1,4 @@
-//! `warren ctl`: remote control through Redis. `pause`, `resume`, `drain` and `scale` are queued
+//! `warren ctl`: remote control through Redis. `pause`, `resume`, `drain`, `scale` and `rate` are queued
 //! for the chosen instances (signed for each one with CONTROL_SECRET when it is set), which
 //! apply them and record the outcome; `history` lists outcomes.
 
@@ -47,6 +47,14 @@ pub enum Action {
         #[command(flatten)]
         target: Target,
     },
+    /// Change the messages per second each pipeline takes from its queue (0 = no limit).
+    Rate {
+        /// Messages per second (0 to 1000000; 0 turns the limit off).
+        #[arg(value_parser = clap::value_parser!(u32).range(0..=1_000_000))]
+        per_s: u32,
+        #[command(flatten)]
+        target: Target,
+    },
     /// Recorded outcomes of remote commands, newest first.
     History {
         /// How many entries.
@@ -64,12 +72,13 @@ pub async fn execute(settings: &Settings, args: Args) -> anyhow::Result<i32> {
     if let Err(e) = Redis::connect(&settings.redis_url).await {
         bail!("{e}");
     }
-    let (name, processors, target) = match args.action {
+    let (name, processors, rate, target) = match args.action {
         Action::History { limit, json } => return history(&mut redis, &keys, limit, json).await,
-        Action::Pause(t) => ("pause", None, t),
-        Action::Resume(t) => ("resume", None, t),
-        Action::Drain(t) => ("drain", None, t),
-        Action::Scale { processors, target } => ("scale", Some(processors as usize), target),
+        Action::Pause(t) => ("pause", None, None, t),
+        Action::Resume(t) => ("resume", None, None, t),
+        Action::Drain(t) => ("drain", None, None, t),
+        Action::Scale { processors, target } => ("scale", Some(processors as usize), None, target),
+        Action::Rate { per_s, target } => ("rate", None, Some(per_s), target),
     };
     let Some(instances) = registry::instances(&mut redis, &keys).await else {
         bail!("lost the connection to Redis while listing instances");
@@ -92,6 +101,7 @@ pub async fn execute(settings: &Settings, args: Args) -> anyhow::Result<i32> {
         id: uuid::Uuid::new_v4().to_string(),
         command: name.to_string(),
         processors,
+        rate,
         issued_at: now_s(),
         by: format!("{}:{}", crate::hostname(), std::process::id()),
         target: None,
@@ -192,9 +202,10 @@ async fn history(redis: &mut Redis, keys: &Keys, limit: usize, json: bool) -> an
         let Ok(o) = serde_json::from_str::<CtlOutcome>(&line) else {
             continue;
         };
-        let detail = match (&o.error, o.processors) {
-            (Some(e), _) => e.clone(),
-            (None, Some(n)) => format!("processors={n}"),
+        let detail = match (&o.error, o.processors, o.rate) {
+            (Some(e), _, _) => e.clone(),
+            (None, Some(n), _) => format!("processors={n}"),
+            (None, None, Some(n)) => format!("rate={n}/s"),
             _ => String::new(),
         };
         println!(

@@ -147,6 +147,7 @@ pub async fn execute(
     let (report_tx, report_rx) = watch::channel(Report {
         status: "running",
         processors: settings.users_proc_concurrency,
+        rate_limit_per_s: settings.rate_limit_per_s,
     });
     let (stop_tx, stop_rx) = oneshot::channel::<String>();
     let registry = tokio::spawn(registry_loop(settings.clone(), ctl_tx, report_rx, stop_rx));
@@ -238,6 +239,17 @@ fn apply(
                 p.scale(n)?;
             }
             report.send_modify(|r| r.processors = n);
+            Ok(())
+        }
+        "rate" => {
+            needs_consumer()?;
+            let n = command
+                .rate
+                .ok_or_else(|| "rate needs a number of messages per second".to_string())?;
+            for p in pipelines {
+                p.rate(n)?;
+            }
+            report.send_modify(|r| r.rate_limit_per_s = n);
             Ok(())
         }
         other => Err(format!("unknown command {other:?}")),

@@ -1,110 +1,244 @@
-//! `warren status [--json]`: the live instances from the Redis registry and, for each queue, its
-//! depth and consumer count from the broker.
+//! `warren status [--json] [--watch [SECONDS]]`: the live instances from the Redis registry
+//! (with the rates each one computes and writes itself at every heartbeat) and, for each queue,
+//! its depth, consumer count and depth trend from the broker. `--watch` redraws in place until
+//! interrupted, like `top`.
 
-use std::time::Duration;
+use std::collections::HashMap;
+use std::fmt::Write as _;
+use std::io::Write as _;
+use std::time::{Duration, Instant};
 
 use serde_json::json;
 
 use crate::config::{Settings, redact_url};
-use crate::registry::{self, Keys, Redis, now_s};
+use crate::registry::{self, InstanceFields, Keys, Redis, now_s};
 
 #[derive(Debug, clap::Args)]
 pub struct Args {
-    /// Print one JSON document instead of tables.
+    /// Print one JSON document instead of tables (one per line with --watch).
     #[arg(long)]
     pub json: bool,
+    /// Redraw every SECONDS (1 to 3600, default 2) until interrupted.
+    #[arg(long, value_name = "SECONDS", num_args = 0..=1, default_missing_value = "2",
+          value_parser = clap::value_parser!(u64).range(1..=3600))]
+    pub watch: Option<u64>,
+}
+
+/// Time between the two depth samples of a single `warren status`, for the trend.
+const TREND_SAMPLE: Duration = Duration::from_secs(1);
+
+/// (queue, messages, consumers); the numbers are `None` when the queue cannot be read.
+type QueueRow = (String, Option<u32>, Option<u32>);
+
+/// What one redraw shows.
+struct Snapshot {
+    instances: Option<Vec<InstanceFields>>,
+    queues: Option<Vec<QueueRow>>,
+    /// When the queue depths were read.
+    at: Instant,
 }
 
 pub async fn execute(settings: &Settings, args: Args) -> anyhow::Result<i32> {
+    let Some(every) = args.watch else {
+        let first = queue_rows(settings).await.map(|q| (q, Instant::now()));
+        if first.is_some() {
+            tokio::time::sleep(TREND_SAMPLE).await;
+        }
+        let now = snapshot(settings).await;
+        let trends = trends(first.as_ref().map(|(q, at)| (q.as_slice(), *at)), &now);
+        print!("{}", render(settings, &now, &trends, args.json, true));
+        return Ok(if now.instances.is_none() && now.queues.is_none() {
+            1
+        } else {
+            0
+        });
+    };
+    let every = Duration::from_secs(every);
+    let mut previous: Option<(Vec<QueueRow>, Instant)> = None;
+    loop {
+        let now = snapshot(settings).await;
+        let trends = trends(previous.as_ref().map(|(q, at)| (q.as_slice(), *at)), &now);
+        let text = render(settings, &now, &trends, args.json, false);
+        let mut out = std::io::stdout().lock();
+        if args.json {
+            let _ = write!(out, "{text}");
+        } else {
+            // Clear the screen and home the cursor, then draw.
+            let _ = write!(out, "\x1b[2J\x1b[H{text}");
+        }
+        let _ = out.flush();
+        drop(out);
+        if let Some(q) = now.queues {
+            previous = Some((q, now.at));
+        }
+        tokio::select! {
+            _ = tokio::signal::ctrl_c() => return Ok(0),
+            _ = tokio::time::sleep(every) => {}
+        }
+    }
+}
+
+async fn snapshot(settings: &Settings) -> Snapshot {
     let keys = Keys::new(&settings.redis_prefix);
     let instances = match Redis::connect(&settings.redis_url).await {
         Ok(_) => registry::instances(&mut Redis::new(&settings.redis_url), &keys).await,
         Err(_) => None,
     };
     let queues = queue_rows(settings).await;
+    Snapshot {
+        instances,
+        queues,
+        at: Instant::now(),
+    }
+}
 
-    if args.json {
-        let doc = json!({
-            "instances": instances.as_ref().map(|list| list.iter().map(|i| json!(i)).collect::<Vec<_>>()),
-            "queues": queues.as_ref().map(|q| q.iter().map(|(name, m, c)| json!({
-                "name": name, "messages": m, "consumers": c,
-            })).collect::<Vec<_>>()),
-        });
-        println!("{}", serde_json::to_string_pretty(&doc)?);
-    } else {
-        match &instances {
-            Some(list) => {
-                println!(
-                    "{:<28} {:<18} {:<9} {:>5} {:>10} {:>10} {:>8} {:>6} {:>8} {:>9}",
-                    "INSTANCE",
-                    "ROLES",
-                    "STATUS",
-                    "PROCS",
-                    "RECEIVED",
-                    "INSERTED",
-                    "RETRIED",
-                    "DEAD",
-                    "INFLIGHT",
-                    "HEARTBEAT"
-                );
-                for i in list {
-                    let get = |k: &str| i.get(k).map(String::as_str).unwrap_or("-");
-                    let age = get("last_heartbeat")
-                        .parse::<u64>()
-                        .map(|t| format!("{}s ago", now_s().saturating_sub(t)))
-                        .unwrap_or_else(|_| "-".into());
-                    println!(
-                        "{:<28} {:<18} {:<9} {:>5} {:>10} {:>10} {:>8} {:>6} {:>8} {:>9}",
-                        format!("{}:{}", get("host"), get("pid")),
-                        get("roles"),
-                        get("status"),
-                        get("processors"),
-                        get("received"),
-                        get("inserted"),
-                        get("retried"),
-                        get("dead_lettered"),
-                        get("inflight"),
-                        age
-                    );
-                }
-                if list.is_empty() {
-                    println!(
-                        "(no live instance under REDIS_PREFIX {:?})",
-                        settings.redis_prefix
-                    );
-                }
-            }
-            None => println!(
-                "instances: Redis unreachable at {}",
-                redact_url(&settings.redis_url)
-            ),
-        }
-        println!();
-        match &queues {
-            Some(rows) => {
-                println!("{:<40} {:>10} {:>10}", "QUEUE", "MESSAGES", "CONSUMERS");
-                for (name, m, c) in rows {
-                    match (m, c) {
-                        (Some(m), Some(c)) => println!("{name:<40} {m:>10} {c:>10}"),
-                        _ => println!("{name:<40} {:>10} {:>10}", "missing", "-"),
-                    }
-                }
-            }
-            None => println!(
-                "queues: broker unreachable at {}",
-                redact_url(&settings.amqp_url)
-            ),
+/// Change of each queue's depth per second between `before` and `now` (`None` without two
+/// readings).
+fn trends(before: Option<(&[QueueRow], Instant)>, now: &Snapshot) -> HashMap<String, f64> {
+    let mut out = HashMap::new();
+    let (Some((before, then)), Some(rows)) = (before, &now.queues) else {
+        return out;
+    };
+    let secs = now.at.saturating_duration_since(then).as_secs_f64();
+    if secs <= 0.0 {
+        return out;
+    }
+    for (name, messages, _) in rows {
+        let earlier = before
+            .iter()
+            .find(|(n, _, _)| n == name)
+            .and_then(|(_, m, _)| *m);
+        if let (Some(a), Some(b)) = (earlier, messages) {
+            out.insert(name.clone(), (f64::from(*b) - f64::from(a)) / secs);
         }
     }
-    Ok(if instances.is_none() && queues.is_none() {
-        1
-    } else {
-        0
-    })
+    out
+}
+
+/// `+12.5/s`, `-3.0/s`, `0/s`, or `-` when unknown.
+fn trend_text(trend: Option<f64>) -> String {
+    match trend {
+        None => "-".into(),
+        Some(t) if t.abs() < 0.05 => "0/s".into(),
+        Some(t) => format!("{t:+.1}/s"),
+    }
+}
+
+/// The tables (or the JSON document, pretty or on one line) for one snapshot.
+fn render(
+    settings: &Settings,
+    snap: &Snapshot,
+    trends: &HashMap<String, f64>,
+    json: bool,
+    pretty: bool,
+) -> String {
+    let mut out = String::new();
+    if json {
+        let doc = json!({
+            "instances": snap.instances.as_ref().map(|list| list.iter().map(|i| json!(i)).collect::<Vec<_>>()),
+            "queues": snap.queues.as_ref().map(|q| q.iter().map(|(name, m, c)| json!({
+                "name": name, "messages": m, "consumers": c,
+                "trend_per_s": trends.get(name).map(|t| (t * 10.0).round() / 10.0),
+            })).collect::<Vec<_>>()),
+        });
+        let text = if pretty {
+            serde_json::to_string_pretty(&doc)
+        } else {
+            serde_json::to_string(&doc)
+        };
+        let _ = writeln!(out, "{}", text.unwrap_or_default());
+        return out;
+    }
+    match &snap.instances {
+        Some(list) => {
+            let _ = writeln!(
+                out,
+                "{:<28} {:<18} {:<9} {:>5} {:>10} {:>10} {:>8} {:>8} {:>8} {:>7} {:>7} {:>9}",
+                "INSTANCE",
+                "ROLES",
+                "STATUS",
+                "PROCS",
+                "RECEIVED",
+                "INSERTED",
+                "RECV/S",
+                "INS/S",
+                "INFLIGHT",
+                "BREAKER",
+                "LIMIT/S",
+                "HEARTBEAT"
+            );
+            for i in list {
+                let get = |k: &str| i.get(k).map(String::as_str).unwrap_or("-");
+                let age = get("last_heartbeat")
+                    .parse::<u64>()
+                    .map(|t| format!("{}s ago", now_s().saturating_sub(t)))
+                    .unwrap_or_else(|_| "-".into());
+                let limit = match get("rate_limit_per_s") {
+                    "0" => "off",
+                    other => other,
+                };
+                let _ = writeln!(
+                    out,
+                    "{:<28} {:<18} {:<9} {:>5} {:>10} {:>10} {:>8} {:>8} {:>8} {:>7} {:>7} {:>9}",
+                    format!("{}:{}", get("host"), get("pid")),
+                    get("roles"),
+                    get("status"),
+                    get("processors"),
+                    get("received"),
+                    get("inserted"),
+                    get("received_per_s"),
+                    get("inserted_per_s"),
+                    get("inflight"),
+                    get("breaker"),
+                    limit,
+                    age
+                );
+            }
+            if list.is_empty() {
+                let _ = writeln!(
+                    out,
+                    "(no live instance under REDIS_PREFIX {:?})",
+                    settings.redis_prefix
+                );
+            }
+        }
+        None => {
+            let _ = writeln!(
+                out,
+                "instances: Redis unreachable at {}",
+                redact_url(&settings.redis_url)
+            );
+        }
+    }
+    let _ = writeln!(out);
+    match &snap.queues {
+        Some(rows) => {
+            let _ = writeln!(
+                out,
+                "{:<40} {:>10} {:>10} {:>10}",
+                "QUEUE", "MESSAGES", "CONSUMERS", "TREND"
+            );
+            for (name, m, c) in rows {
+                let trend = trend_text(trends.get(name).copied());
+                let _ = match (m, c) {
+                    (Some(m), Some(c)) => writeln!(out, "{name:<40} {m:>10} {c:>10} {trend:>10}"),
+                    _ => writeln!(out, "{name:<40} {:>10} {:>10} {:>10}", "missing", "-", "-"),
+                };
+            }
+        }
+        None => {
+            let _ = writeln!(
+                out,
+                "queues: broker unreachable at {}",
+                redact_url(&settings.amqp_url)
+            );
+        }
+    }
+    out
 }
 
 /// (queue, messages, consumers) for the main, retry and DLQ queues; `None` without a broker.
-async fn queue_rows(settings: &Settings) -> Option<Vec<(String, Option<u32>, Option<u32>)>> {
+async fn queue_rows(settings: &Settings) -> Option<Vec<QueueRow>> {
     let mut fast = settings.clone();
     fast.amqp_connect_timeout_ms = fast.amqp_connect_timeout_ms.min(3000);
     let conn = crate::amqp::connect(&fast, "status").await.ok()?;
@@ -123,4 +257,31 @@ async fn queue_rows(settings: &Settings) -> Option<Vec<(String, Option<u32>, Opt
     }
     crate::amqp::close(None, Some(conn)).await;
     Some(rows)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn trends_are_depth_changes_per_second() {
+        let then = Instant::now();
+        let before = vec![("q".to_string(), Some(100), Some(1))];
+        let now = Snapshot {
+            instances: None,
+            queues: Some(vec![
+                ("q".to_string(), Some(40), Some(1)),
+                ("new".to_string(), Some(5), Some(0)),
+            ]),
+            at: then + Duration::from_secs(2),
+        };
+        let t = trends(Some((&before, then)), &now);
+        assert_eq!(t.get("q"), Some(&-30.0));
+        assert_eq!(t.get("new"), None, "one reading only");
+        assert!(trends(None, &now).is_empty());
+        assert_eq!(trend_text(Some(-30.0)), "-30.0/s");
+        assert_eq!(trend_text(Some(2.25)), "+2.2/s");
+        assert_eq!(trend_text(Some(0.0)), "0/s");
+        assert_eq!(trend_text(None), "-");
+    }
 }

@@ -7,11 +7,21 @@
 //! Subscribing (`basic.consume`) has one path, [`Consumer::maybe_subscribe`], taken only when
 //! nothing holds the pipeline (breaker, operator) and the previous window is fully settled: a
 //! hold survives a reconnect, and warren never has more than one prefetch window in memory.
+//!
+//! Rate limiting (`RATE_LIMIT_PER_S`, `warren ctl rate`): a `governor` limiter decides when each
+//! delivery is handed onwards; deliveries that arrive faster wait in `held`, which the prefetch
+//! window bounds (they stay unacked, so the broker, seeing the window full, keeps the rest in
+//! the queue). A timer (`run_later`) releases them. A stopping consumer hands everything held
+//! onwards at once, so every delivery settles before the drain.
 
+use std::collections::VecDeque;
+use std::num::NonZeroU32;
 use std::time::{Duration, Instant};
 
 use actix::prelude::*;
 use futures::StreamExt;
+use governor::clock::Clock;
+use governor::{DefaultDirectRateLimiter, Quota, RateLimiter};
 use lapin::message::Delivery;
 use lapin::options::{
     BasicAckOptions, BasicCancelOptions, BasicConsumeOptions, BasicNackOptions, BasicQosOptions,
@@ -49,6 +59,23 @@ pub struct Shutdown;
 pub struct SetProcessors {
     pub deliveries: Vec<Recipient<Delivered>>,
     pub drains: Vec<Recipient<Drain>>,
+}
+
+/// Hand at most `per_s` deliveries per second onwards from now on; 0 removes the limit.
+#[derive(Debug, Message)]
+#[rtype(result = "()")]
+pub struct SetRate {
+    pub per_s: u32,
+}
+
+/// The limiter for `per_s` messages per second, none for 0. Its burst is a twentieth of a
+/// second's worth (at least 1): smooth, yet one timer wake-up releases a chunk even at high rates.
+fn limiter(per_s: u32) -> Option<DefaultDirectRateLimiter> {
+    let rate = NonZeroU32::new(per_s)?;
+    let burst = NonZeroU32::new(per_s / 20).unwrap_or(NonZeroU32::MIN);
+    Some(RateLimiter::direct(
+        Quota::per_second(rate).allow_burst(burst),
+    ))
 }
 
 /// Why the consumer stops taking deliveries for a while.
@@ -168,6 +195,14 @@ pub struct Consumer {
     stream_ended: bool,
     drain_sent: bool,
     done: Vec<oneshot::Sender<()>>,
+    /// Caps the deliveries handed onwards per second (RATE_LIMIT_PER_S, `warren ctl rate`);
+    /// `None` = no limit.
+    limiter: Option<DefaultDirectRateLimiter>,
+    /// Deliveries taken but held back by the limiter, oldest first; unacked, so the prefetch
+    /// window bounds them.
+    held: VecDeque<Delivered>,
+    /// A timer to release `held` is pending.
+    release_pending: bool,
 }
 
 impl Consumer {
@@ -179,6 +214,7 @@ impl Consumer {
         batchers: usize,
     ) -> Self {
         let received_counter = crate::metrics::received_counter(config.pipeline);
+        let limiter = limiter(settings.rate_limit_per_s);
         Self {
             config,
             settings,
@@ -212,6 +248,9 @@ impl Consumer {
             stream_ended: false,
             drain_sent: false,
             done: Vec::new(),
+            limiter,
+            held: VecDeque::new(),
+            release_pending: false,
         }
     }
 
@@ -329,29 +368,79 @@ impl Consumer {
         self.tracker = AckTracker::default();
         self.consumer_tag = None;
         self.subscribing = false;
+        // Held deliveries of this channel go back to the queue with it.
+        self.inflight = self.inflight.saturating_sub(self.held.len());
+        self.held.clear();
         let channel = self.channel.take();
         let conn = self.connection.take();
         actix::spawn(amqp::close(channel, conn));
     }
 
-    fn dispatch(&mut self, delivery: Delivery) {
+    fn dispatch(&mut self, delivery: Delivery, ctx: &mut Context<Self>) {
         self.tracker.delivered(delivery.delivery_tag);
         self.inflight += 1;
         self.received += 1;
-        let batcher = self.current_batcher;
-        self.chunk_filled += 1;
-        if self.chunk_filled >= self.config.batch_size {
-            self.chunk_filled = 0;
-            self.current_batcher = (self.current_batcher + 1) % self.batchers;
-        }
         let message = Delivered {
             generation: self.generation,
             tag: delivery.delivery_tag,
             redelivered: delivery.redelivered,
             body: delivery.data,
             properties: delivery.properties,
-            batcher,
+            batcher: 0,
         };
+        if self.limiter.is_none() && self.held.is_empty() {
+            self.hand_on(message);
+        } else {
+            self.held.push_back(message);
+            self.release(ctx);
+        }
+    }
+
+    /// Hands held deliveries onwards as fast as the limiter allows, in order, and schedules
+    /// itself for when the next one may go. Without a limiter, or while stopping, everything
+    /// held goes at once. Deliveries of a closed channel are dropped (the broker requeued them).
+    fn release(&mut self, ctx: &mut Context<Self>) {
+        while let Some(front) = self.held.front() {
+            if front.generation != self.generation {
+                self.held.pop_front();
+                self.inflight = self.inflight.saturating_sub(1);
+                continue;
+            }
+            let wait = match &self.limiter {
+                Some(l) if !self.stopping => l
+                    .check()
+                    .err()
+                    .map(|not_until| not_until.wait_time_from(l.clock().now())),
+                _ => None,
+            };
+            if let Some(wait) = wait {
+                if !self.release_pending {
+                    self.release_pending = true;
+                    ctx.run_later(wait.max(Duration::from_millis(1)), |act, ctx| {
+                        act.release_pending = false;
+                        act.release(ctx);
+                    });
+                }
+                return;
+            }
+            if let Some(message) = self.held.pop_front() {
+                self.hand_on(message);
+            }
+        }
+        if self.inflight == 0 {
+            self.maybe_subscribe(ctx);
+            self.maybe_finish(ctx);
+        }
+    }
+
+    /// Sends one delivery to the next processor, for the batcher of the current chunk.
+    fn hand_on(&mut self, mut message: Delivered) {
+        message.batcher = self.current_batcher;
+        self.chunk_filled += 1;
+        if self.chunk_filled >= self.config.batch_size {
+            self.chunk_filled = 0;
+            self.current_batcher = (self.current_batcher + 1) % self.batchers;
+        }
         let processor = &self.processors[self.next_processor];
         self.next_processor = (self.next_processor + 1) % self.processors.len();
         processor.do_send(message);
@@ -635,7 +724,7 @@ impl StreamHandler<Event> for Consumer {
         match event {
             Event::Delivery(generation, delivery) if generation == self.generation => {
                 match *delivery {
-                    Ok(d) => self.dispatch(d),
+                    Ok(d) => self.dispatch(d, ctx),
                     Err(e) => {
                         warn!(pipeline = self.config.pipeline, error = %e, "consumer stream error");
                         self.last_stream_error = Some(e.to_string());
@@ -708,6 +797,8 @@ impl Handler<Shutdown> for Consumer {
         self.done.push(tx);
         if !self.stopping {
             self.stopping = true;
+            // Whatever the limiter holds goes onwards now, ahead of the drain marker.
+            self.release(ctx);
             match (&self.channel, &self.consumer_tag) {
                 (Some(ch), Some(tag)) if ch.status().connected() => {
                     info!(pipeline = self.config.pipeline, "cancelling the consumer");
@@ -828,5 +919,19 @@ impl Handler<SetProcessors> for Consumer {
                 p.do_send(Drain);
             }
         }
+    }
+}
+
+impl Handler<SetRate> for Consumer {
+    type Result = ();
+
+    fn handle(&mut self, msg: SetRate, ctx: &mut Self::Context) {
+        info!(
+            pipeline = self.config.pipeline,
+            rate_limit_per_s = msg.per_s,
+            "rate limit set"
+        );
+        self.limiter = limiter(msg.per_s);
+        self.release(ctx);
     }
 }

@@ -165,6 +165,18 @@ impl Pipeline {
         Ok(())
     }
 
+    /// Hands at most `per_s` messages per second onwards from now on (0 = no limit, up to
+    /// 1,000,000); the rest wait in the queue.
+    pub fn rate(&self, per_s: u32) -> Result<(), String> {
+        if per_s > 1_000_000 {
+            return Err(format!(
+                "rate: expected 0 to 1000000 messages per second, got {per_s}"
+            ));
+        }
+        self.consumer.do_send(consumer::SetRate { per_s });
+        Ok(())
+    }
+
     /// Graceful stop in the fixed order (see the module doc), bounded by `timeout`. Returns
     /// whether everything in flight was settled; what was not is redelivered by the broker.
     pub async fn shutdown(&self, timeout: Duration) -> bool {
