@@ -1,7 +1,9 @@
 //! `warren dlq`: `inspect` shows the DLQ and leaves it as it was; `replay` moves dead letters
 //! back to the main exchange (x-retries 0, x-error-* gone, each republish confirmed before the
-//! DLQ copy is acked), all or one `--kind`; `parked list` / `parked replay` work on the
-//! `dead_letters` table; bad arguments are refused with a clear message.
+//! DLQ copy is acked), all or one `--kind`, including the `broker_*` kinds of messages the broker
+//! dead-lettered itself; `parked list` / `parked replay` work on the `dead_letters` table (the
+//! parked headers go out again; a re-park racing a replay waits and re-opens its row); bad
+//! arguments are refused with a clear message.
 
 mod common;
 
@@ -10,7 +12,9 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use common::*;
 use lapin::BasicProperties;
+use lapin::options::{BasicGetOptions, BasicRejectOptions};
 use lapin::types::{AMQPValue, FieldTable};
+use tokio_postgres::NoTls;
 use uuid::Uuid;
 
 /// Properties of a dead letter as warren's router writes them.
@@ -284,6 +288,71 @@ async fn replay_of_one_kind_moves_only_those_with_clean_headers() {
 }
 
 #[tokio::test(flavor = "multi_thread")]
+async fn messages_the_broker_dead_lettered_have_a_broker_kind_and_replay_selects_it() {
+    let env = TestEnv::new("dlqt_broker_kind").await;
+    env.declare();
+    let rejected = put_rejected_by_broker(&env).await;
+    wait_depth(&env, &env.dlq_queue, 1).await;
+    let expired = put_expired_by_broker(&env).await;
+    wait_depth(&env, &env.dlq_queue, 2).await;
+    let ours = put_dead_user(&env, "db_permanent").await;
+    wait_depth(&env, &env.dlq_queue, 3).await;
+
+    let (out, _) = dlq(&env, &["inspect", "--json"], 0);
+    let objects: Vec<serde_json::Value> = out
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("{e}: {l}")))
+        .collect();
+    let kind_of = |id: Uuid| {
+        objects
+            .iter()
+            .find(|o| o["message_id"] == id.to_string())
+            .unwrap_or_else(|| panic!("{id} not shown:\n{out}"))
+    };
+    assert_eq!(kind_of(rejected)["kind"], "broker_rejected", "{out}");
+    assert_eq!(
+        kind_of(rejected)["reason"],
+        format!(
+            "dead-lettered by the broker (rejected) in queue {}",
+            env.main_queue
+        ),
+        "{out}"
+    );
+    assert_eq!(kind_of(expired)["kind"], "broker_expired", "{out}");
+    assert_eq!(kind_of(ours)["kind"], "db_permanent", "{out}");
+    let (table, _) = dlq(&env, &["inspect"], 0);
+    let line = table
+        .lines()
+        .find(|l| l.contains(&rejected.to_string()))
+        .unwrap_or_else(|| panic!("{table}"));
+    assert!(line.contains("broker_rejected"), "{table}");
+
+    wait_depth(&env, &env.dlq_queue, 3).await;
+    let (out, _) = dlq(&env, &["replay", "--kind", "broker_rejected"], 0);
+    assert!(
+        out.contains("replayed 1 message of kind broker_rejected"),
+        "{out}"
+    );
+    assert!(out.contains("skipped 2"), "{out}");
+    wait_depth(&env, &env.main_queue, 1).await;
+    wait_depth(&env, &env.dlq_queue, 2).await;
+    let moved = env.drain_queue(&env.main_queue, 10).await;
+    assert_eq!(moved.len(), 1);
+    assert_eq!(message_id(&moved[0]), rejected.to_string());
+    assert_eq!(moved[0].data, user_body(rejected), "body kept");
+    assert_eq!(
+        header(&moved[0].properties, "x-retries"),
+        Some(&AMQPValue::LongLongInt(0))
+    );
+    // The other kinds stayed in the DLQ, untouched.
+    let left = env.drain_queue(&env.dlq_queue, 10).await;
+    assert_eq!(
+        left.iter().map(message_id).collect::<HashSet<_>>(),
+        [expired, ours].iter().map(Uuid::to_string).collect()
+    );
+}
+
+#[tokio::test(flavor = "multi_thread")]
 async fn a_replay_that_cannot_be_routed_leaves_the_dlq_intact_and_exits_1() {
     let env = TestEnv::new("dlqt_unroutable").await;
     env.declare();
@@ -315,8 +384,59 @@ async fn a_replay_that_cannot_be_routed_leaves_the_dlq_intact_and_exits_1() {
     }
 }
 
+/// Puts a valid user in the DLQ the way the broker does it: published to the main queue, taken
+/// and rejected without requeue, so the main queue's DLX dead-letters it with `x-death`
+/// (reason `rejected`) and no `x-error-kind`. Returns its id.
+async fn put_rejected_by_broker(env: &TestEnv) -> Uuid {
+    let id = Uuid::new_v4();
+    env.publish_raw(&user_body(id), json_props(id)).await;
+    let ch = env.conn.create_channel().await.expect("channel");
+    let m = ch
+        .basic_get(
+            env.main_queue.as_str().into(),
+            BasicGetOptions { no_ack: false },
+        )
+        .await
+        .expect("basic.get")
+        .expect("the message in the main queue");
+    assert_eq!(message_id(&m), id.to_string());
+    m.acker
+        .reject(BasicRejectOptions { requeue: false })
+        .await
+        .expect("reject");
+    let _ = ch.close(200, "bye".into()).await;
+    id
+}
+
+/// Puts a valid user in the DLQ through an expired per-message TTL in the main queue (x-death
+/// reason `expired`). Returns its id.
+async fn put_expired_by_broker(env: &TestEnv) -> Uuid {
+    let id = Uuid::new_v4();
+    env.publish_raw(&user_body(id), json_props(id).with_expiration("1".into()))
+        .await;
+    id
+}
+
 /// Inserts one parked row into the env's `dead_letters`; returns its seq.
 async fn park(env: &TestEnv, id: Option<Uuid>, body: &[u8], kind: &str) -> i64 {
+    park_with_headers(
+        env,
+        id,
+        body,
+        kind,
+        serde_json::json!({"x-error-kind": kind}),
+    )
+    .await
+}
+
+/// [`park`] with the row's `headers` column given.
+async fn park_with_headers(
+    env: &TestEnv,
+    id: Option<Uuid>,
+    body: &[u8],
+    kind: &str,
+    headers: serde_json::Value,
+) -> i64 {
     env.db
         .query_one(
             &format!(
@@ -327,7 +447,7 @@ async fn park(env: &TestEnv, id: Option<Uuid>, body: &[u8], kind: &str) -> i64 {
             &[
                 &id.map(|i| i.to_string()),
                 &body,
-                &serde_json::json!({"x-error-kind": kind}),
+                &headers,
                 &kind,
                 &format!("{kind}: parked by the test"),
             ],
@@ -462,6 +582,149 @@ async fn parked_rows_are_listed_and_replayed_into_rows() {
         header(&dead[0].properties, "x-error-kind"),
         Some(&long_string("invalid_json"))
     );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_parked_replay_sends_the_parked_headers_again() {
+    let env = TestEnv::new("dlqt_parked_headers").await;
+    env.declare();
+    let a = Uuid::new_v4();
+    let seq = park_with_headers(
+        &env,
+        Some(a),
+        &user_body(a),
+        "db_permanent",
+        serde_json::json!({
+            "trace": "abc-123",
+            "tenant": 42,
+            "vip": true,
+            "score": 1.5,
+            "tags": ["a", "b"],
+            "x-retries": 3,
+            "x-error-kind": "db_permanent",
+            "x-error-reason": "db_permanent: 23514",
+            "x-dlq-attempts": 4,
+        }),
+    )
+    .await;
+    let (out, _) = dlq(&env, &["parked", "replay"], 0);
+    assert!(out.contains("replayed 1 parked message "), "{out}");
+    assert!(replayed_at_set(&env, seq).await);
+    wait_depth(&env, &env.main_queue, 1).await;
+    let got = env.drain_queue(&env.main_queue, 10).await;
+    let p = &got[0].properties;
+    assert_eq!(message_id(&got[0]), a.to_string());
+    assert_eq!(got[0].data, user_body(a));
+    assert_eq!(*p.delivery_mode(), Some(2));
+    assert_eq!(
+        p.content_type().as_ref().map(|c| c.as_str()),
+        Some("application/json")
+    );
+    let mut want = FieldTable::default();
+    want.insert("trace".into(), long_string("abc-123"));
+    want.insert("tenant".into(), AMQPValue::LongLongInt(42));
+    want.insert("vip".into(), AMQPValue::Boolean(true));
+    want.insert("score".into(), long_string("1.5"));
+    want.insert("tags".into(), long_string(r#"["a","b"]"#));
+    want.insert("x-retries".into(), AMQPValue::LongLongInt(0));
+    assert_eq!(p.headers().as_ref(), Some(&want));
+}
+
+/// The pid of `client`'s server process.
+async fn backend_pid(client: &tokio_postgres::Client) -> i32 {
+    client
+        .query_one("SELECT pg_backend_pid()", &[])
+        .await
+        .expect("pg_backend_pid")
+        .get(0)
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_re_park_racing_a_parked_replay_waits_for_it_and_re_opens_the_row() {
+    let env = TestEnv::new("dlqt_repark").await;
+    env.declare();
+    let a = Uuid::new_v4();
+    let seq = park(&env, Some(a), &user_body(a), "db_permanent").await;
+    // A gate: every UPDATE statement on dead_letters waits, before it touches any row, for an
+    // advisory lock this test holds. So the replay is caught after its publish and before its
+    // mark, holding only the locks it took before publishing. The re-parking session opts out.
+    // (lock_timeout: a failed test does not leave the replay waiting for ever.)
+    let s = &env.schema;
+    env.db
+        .batch_execute(&format!(
+            r#"
+            CREATE FUNCTION {s}.mark_gate() RETURNS trigger LANGUAGE plpgsql AS $f$
+            BEGIN
+                IF current_setting('warren_test.no_gate', true) IS DISTINCT FROM 'on' THEN
+                    PERFORM set_config('lock_timeout', '30s', true);
+                    PERFORM pg_advisory_xact_lock(hashtext(TG_TABLE_SCHEMA));
+                END IF;
+                RETURN NULL;
+            END $f$;
+            CREATE TRIGGER dead_letters_mark_gate BEFORE UPDATE ON {s}.dead_letters
+                FOR EACH STATEMENT EXECUTE FUNCTION {s}.mark_gate();
+            SELECT pg_advisory_lock(hashtext('{s}'));
+            "#
+        ))
+        .await
+        .expect("install the gate");
+    let (reparker, connection) = tokio_postgres::connect(&database_url(), NoTls)
+        .await
+        .expect("a second connection");
+    tokio::spawn(connection);
+    reparker
+        .batch_execute("SET warren_test.no_gate = 'on'")
+        .await
+        .expect("opt out of the gate");
+    let reparker_pid = backend_pid(&reparker).await;
+
+    let replay = env.run_async(&["dlq", "parked", "replay"]);
+    let race = async {
+        // The message is out: the replay now waits at the gate, before its mark.
+        wait_depth(&env, &env.main_queue, 1).await;
+        // The DLQ consumer's re-park of the same message: an insert that conflicts with the
+        // row (here on seq) and re-opens it if, and only if, it is marked replayed.
+        let sql = format!(
+            "INSERT INTO {s}.dead_letters SELECT * FROM {s}.dead_letters WHERE seq = $1 \
+             ON CONFLICT (seq) DO UPDATE SET replayed_at = NULL \
+             WHERE dead_letters.replayed_at IS NOT NULL"
+        );
+        let params: [&(dyn tokio_postgres::types::ToSql + Sync); 1] = [&seq];
+        let repark = reparker.execute(&sql, &params);
+        let open_the_gate = async {
+            wait_until(
+                "the re-park waits for the replay's row lock",
+                Duration::from_secs(10),
+                || async {
+                    env.db
+                        .query_one(
+                            "SELECT count(*) FROM pg_stat_activity WHERE pid = $1 \
+                             AND wait_event_type = 'Lock' \
+                             AND wait_event IN ('transactionid', 'tuple')",
+                            &[&reparker_pid],
+                        )
+                        .await
+                        .map(|r| r.get::<_, i64>(0) == 1)
+                        .unwrap_or(false)
+                },
+            )
+            .await;
+            env.db
+                .execute(&format!("SELECT pg_advisory_unlock(hashtext('{s}'))"), &[])
+                .await
+                .expect("open the gate");
+        };
+        let (reopened, ()) = tokio::join!(repark, open_the_gate);
+        reopened.expect("re-park")
+    };
+    let ((code, out, err), reopened) = tokio::join!(replay, race);
+    assert_eq!(code, 0, "{out}\n{err}");
+    assert!(out.contains("replayed 1 parked message "), "{out}");
+    // The re-park saw the committed mark and re-opened the row: it is parked again.
+    assert_eq!(reopened, 1);
+    assert!(!replayed_at_set(&env, seq).await);
+    let (out, _) = dlq(&env, &["parked", "list"], 0);
+    assert!(out.contains("not replayed: 1 message"), "{out}");
 }
 
 #[tokio::test(flavor = "multi_thread")]

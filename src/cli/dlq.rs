@@ -1,6 +1,7 @@
 //! `warren dlq`: inspect the dead-letter queue without taking anything out of it, replay its
 //! messages to the main exchange (each republish confirmed before the DLQ copy is acked), and
-//! list or replay the messages parked in the `dead_letters` table.
+//! list or replay the messages parked in the `dead_letters` table (rows locked, published and
+//! marked in one transaction, so a concurrent re-park waits and then re-opens the row).
 
 use std::time::{SystemTime, UNIX_EPOCH};
 
@@ -8,7 +9,7 @@ use anyhow::Context as _;
 use clap::builder::PossibleValuesParser;
 use lapin::message::BasicGetMessage;
 use lapin::options::{BasicAckOptions, BasicGetOptions, BasicNackOptions, ConfirmSelectOptions};
-use lapin::types::{AMQPValue, ShortString};
+use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
 use lapin::{BasicProperties, Channel, Connection};
 use tokio_postgres::NoTls;
 
@@ -17,13 +18,89 @@ use crate::config::{Settings, redact_url};
 use crate::db::{self, DbError};
 use crate::pipeline::publisher::{Publish, json_properties, publish_confirmed};
 
-/// The values of `x-error-kind` (and of `dead_letters.error_kind`).
-pub const KINDS: [&str; 4] = [
+/// The kinds of dead letter `--kind` selects: the values of `x-error-kind` (and of
+/// `dead_letters.error_kind`), then the kinds of messages the broker dead-lettered itself (see
+/// [`kind_of`]).
+pub const KINDS: [&str; 9] = [
     "invalid_json",
     "invalid_payload",
     "db_permanent",
     "retries_exhausted",
+    "id_conflict",
+    "broker_rejected",
+    "broker_expired",
+    "broker_maxlen",
+    "broker_delivery_limit",
 ];
+
+/// The header the DLQ consumer counts its attempts in; a replay starts the count again.
+const X_DLQ_ATTEMPTS: &str = "x-dlq-attempts";
+
+/// The broker's `x-death` reasons and the kinds they are shown and selected as.
+const BROKER_KINDS: [(&str, &str); 4] = [
+    ("rejected", "broker_rejected"),
+    ("expired", "broker_expired"),
+    ("maxlen", "broker_maxlen"),
+    ("delivery_limit", "broker_delivery_limit"),
+];
+
+/// The newest entry of the `x-death` header the broker adds when it dead-letters a message
+/// itself (a reject or nack without requeue, an expired TTL, an overflowing queue, a quorum
+/// queue's delivery limit).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct BrokerDeath {
+    /// The entry's `reason`, as the broker wrote it (`rejected`, `expired`, ...).
+    pub reason: String,
+    /// The queue the message died in, when the entry names it.
+    pub queue: Option<String>,
+}
+
+impl BrokerDeath {
+    /// The first entry of `x-death` (the broker puts the newest death first); `None` when the
+    /// header is missing or not an array of tables with a `reason`.
+    pub fn of(properties: &BasicProperties) -> Option<Self> {
+        let AMQPValue::FieldArray(deaths) =
+            properties.headers().as_ref()?.inner().get("x-death")?
+        else {
+            return None;
+        };
+        let AMQPValue::FieldTable(first) = deaths.as_slice().first()? else {
+            return None;
+        };
+        Some(Self {
+            reason: headers::value_text(first.inner().get("reason")?),
+            queue: first.inner().get("queue").map(headers::value_text),
+        })
+    }
+
+    /// `broker_rejected`, `broker_expired`, `broker_maxlen` or `broker_delivery_limit`; `None`
+    /// for a reason the broker did not document.
+    pub fn kind(&self) -> Option<&'static str> {
+        BROKER_KINDS
+            .iter()
+            .find(|(reason, _)| *reason == self.reason)
+            .map(|(_, kind)| *kind)
+    }
+
+    /// What `dlq inspect` shows as the reason of a message without `x-error-reason`.
+    fn describe(&self) -> String {
+        match &self.queue {
+            Some(q) => format!("dead-lettered by the broker ({}) in queue {q}", self.reason),
+            None => format!("dead-lettered by the broker ({})", self.reason),
+        }
+    }
+}
+
+/// The kind of a dead letter: its `x-error-kind`, or, when warren did not write one (the
+/// broker dead-lettered the message itself), the kind of the broker's reason in the newest
+/// `x-death` entry (`broker_rejected`, ...).
+pub fn kind_of(properties: &BasicProperties) -> Option<String> {
+    headers::text(properties, headers::X_ERROR_KIND).or_else(|| {
+        BrokerDeath::of(properties)
+            .and_then(|d| d.kind())
+            .map(str::to_string)
+    })
+}
 
 #[derive(Debug, clap::Args)]
 pub struct Args {
@@ -37,7 +114,9 @@ pub enum DlqCommand {
     Inspect(InspectArgs),
     /// Move DLQ messages back to the main exchange, with x-retries reset to 0.
     ///
-    /// The x-error-* headers are removed; the body and the other properties are kept. Each
+    /// The x-error-* headers are removed; the body and the other properties are kept. A message
+    /// the broker dead-lettered itself (x-death, no x-error-kind) has the kind broker_<reason>
+    /// (broker_rejected, broker_expired, broker_maxlen, broker_delivery_limit). Each
     /// republish is confirmed by the broker before the DLQ copy is acked, so nothing is lost;
     /// a failed republish leaves its message in the DLQ, stops the replay and exits 1.
     Replay(ReplayArgs),
@@ -64,7 +143,8 @@ pub struct InspectArgs {
 
 #[derive(Debug, clap::Args)]
 pub struct ReplayArgs {
-    /// Replay only messages with this x-error-kind; the others stay in the DLQ.
+    /// Replay only messages of this kind (x-error-kind, or broker_<reason> from x-death); the
+    /// others stay in the DLQ.
     #[arg(long, value_name = "KIND", value_parser = PossibleValuesParser::new(KINDS))]
     pub kind: Option<String>,
     /// Replay at most N messages (default: every message in the queue when the command starts).
@@ -83,9 +163,11 @@ pub enum ParkedCommand {
     List(ParkedListArgs),
     /// Publish parked messages not yet replayed to the main exchange, oldest first.
     ///
-    /// Each row's body goes out as a persistent JSON message with its message id and x-retries
-    /// 0; once the broker confirmed it, the row's replayed_at is set. A row whose publish failed
-    /// is left untouched, and the command exits 1.
+    /// Each row's body goes out as a persistent JSON message with its message id, its parked
+    /// headers (without x-error-* and x-dlq-attempts) and x-retries 0. Rows are locked (FOR
+    /// UPDATE SKIP LOCKED, up to 100 at a time), published with confirms, and marked replayed in
+    /// the same transaction, so a concurrent re-park of a row waits and then re-opens it. A row
+    /// whose publish failed is left untouched, and the command exits 1.
     Replay(ParkedReplayArgs),
 }
 
@@ -205,10 +287,16 @@ struct Seen {
 impl Seen {
     fn of(m: &BasicGetMessage) -> Self {
         let p = &m.properties;
+        let reason = headers::text(p, headers::X_ERROR_REASON).or_else(|| {
+            headers::text(p, headers::X_ERROR_KIND)
+                .is_none()
+                .then(|| BrokerDeath::of(p).map(|d| d.describe()))
+                .flatten()
+        });
         Self {
             message_id: p.message_id().as_ref().map(|s| s.as_str().to_string()),
-            kind: headers::text(p, headers::X_ERROR_KIND),
-            reason: headers::text(p, headers::X_ERROR_REASON),
+            kind: kind_of(p),
+            reason,
             retries: headers::text(p, headers::X_RETRIES),
             timestamp: *p.timestamp(),
             bytes: m.data.len(),
@@ -397,7 +485,7 @@ async fn replay_on(
         };
         seen += 1;
         if let Some(want) = &args.kind
-            && headers::text(&m.properties, headers::X_ERROR_KIND).as_deref() != Some(want)
+            && kind_of(&m.properties).as_deref() != Some(want)
         {
             tally.skipped += 1;
             held = Some(m.delivery_tag);
@@ -596,9 +684,60 @@ async fn parked_list(settings: &Settings, args: ParkedListArgs) -> anyhow::Resul
     Ok(0)
 }
 
-/// Properties of a replayed parked message: persistent JSON, `x-retries` = 0, the row's
-/// message id. A message id longer than AMQP allows (255 bytes) cannot be published.
-fn parked_properties(message_id: Option<&str>) -> Result<BasicProperties, String> {
+/// The AMQP headers of a replayed parked row, rebuilt from its `headers` column: strings become
+/// long strings, integers long long ints, booleans booleans, anything else (floats, integers
+/// beyond `i64`, null, arrays, objects) its JSON text; every `x-error-*` header and
+/// `x-dlq-attempts` are left out and `x-retries` is 0. A JSON null column means no headers; a
+/// column that is not an object, or a name longer than AMQP allows (255 bytes), is refused.
+pub fn replay_headers(json: &serde_json::Value) -> Result<FieldTable, String> {
+    let mut table = FieldTable::default();
+    match json {
+        serde_json::Value::Null => {}
+        serde_json::Value::Object(map) => {
+            for (name, value) in map {
+                if name.starts_with("x-error-") || name == X_DLQ_ATTEMPTS {
+                    continue;
+                }
+                let key = ShortString::try_new(name.as_str()).map_err(|_| {
+                    format!(
+                        "header name of {} bytes is longer than AMQP allows (255)",
+                        name.len()
+                    )
+                })?;
+                let value = match (value, value.as_i64()) {
+                    (_, Some(n)) => AMQPValue::LongLongInt(n),
+                    (serde_json::Value::String(s), _) => {
+                        AMQPValue::LongString(LongString::from(s.as_bytes().to_vec()))
+                    }
+                    (serde_json::Value::Bool(b), _) => AMQPValue::Boolean(*b),
+                    (other, _) => {
+                        AMQPValue::LongString(LongString::from(other.to_string().into_bytes()))
+                    }
+                };
+                table.insert(key, value);
+            }
+        }
+        other => {
+            return Err(format!(
+                "headers must be a JSON object, got {}",
+                preview(&other.to_string(), 40)
+            ));
+        }
+    }
+    table.insert(
+        ShortString::from(headers::X_RETRIES),
+        AMQPValue::LongLongInt(0),
+    );
+    Ok(table)
+}
+
+/// Properties of a replayed parked message: persistent JSON, the row's message id and the
+/// headers of [`replay_headers`]. A message id longer than AMQP allows (255 bytes) cannot be
+/// published.
+fn parked_properties(
+    message_id: Option<&str>,
+    headers_json: &serde_json::Value,
+) -> Result<BasicProperties, String> {
     let base = match message_id {
         Some(id) if ShortString::try_new(id).is_err() => {
             return Err(format!(
@@ -612,10 +751,7 @@ fn parked_properties(message_id: Option<&str>) -> Result<BasicProperties, String
             .with_content_type("application/json".into())
             .with_timestamp(now_s()),
     };
-    Ok(headers::with_headers(
-        &base,
-        &[(headers::X_RETRIES, AMQPValue::LongLongInt(0))],
-    ))
+    Ok(base.with_headers(replay_headers(headers_json)?))
 }
 
 async fn parked_replay(settings: &Settings, args: ParkedReplayArgs) -> anyhow::Result<i32> {
@@ -648,11 +784,35 @@ async fn parked_replay(settings: &Settings, args: ParkedReplayArgs) -> anyhow::R
     Ok(0)
 }
 
-/// `seq`, `message_id` and `body` of a row selected for replay.
-fn replay_fields(
-    row: &tokio_postgres::Row,
-) -> Result<(i64, Option<String>, Vec<u8>), tokio_postgres::Error> {
-    Ok((row.try_get(0)?, row.try_get(1)?, row.try_get(2)?))
+/// One row selected for replay.
+struct ReplayRow {
+    seq: i64,
+    message_id: Option<String>,
+    body: Vec<u8>,
+    headers: serde_json::Value,
+}
+
+impl ReplayRow {
+    fn from_row(r: &tokio_postgres::Row) -> Result<Self, tokio_postgres::Error> {
+        Ok(Self {
+            seq: r.try_get(0)?,
+            message_id: r.try_get(1)?,
+            body: r.try_get(2)?,
+            headers: r.try_get(3)?,
+        })
+    }
+}
+
+/// Rows locked, published and marked per transaction: bounds how long a concurrent re-park of
+/// one of them waits.
+const REPLAY_CHUNK: u64 = 100;
+
+/// `seq`s as text for a message, `3, 4, 5`.
+fn seq_list(seqs: &[i64]) -> String {
+    seqs.iter()
+        .map(i64::to_string)
+        .collect::<Vec<_>>()
+        .join(", ")
 }
 
 async fn parked_replay_on(
@@ -669,68 +829,105 @@ async fn parked_replay_on(
     let timeout = settings.publish_timeout();
     let mut tally = Tally::default();
     let mut after = 0i64;
-    while args
-        .limit
-        .is_none_or(|limit| tally.replayed + tally.failed < limit)
-    {
-        // One row at a time, locked while it is published: two concurrent replays never send
-        // the same row, and each row is marked as soon as the broker confirmed it.
-        let tx = client.transaction().await?;
-        let row = tx
-            .query_opt(
-                "SELECT seq, message_id, body FROM dead_letters \
-                 WHERE replayed_at IS NULL AND seq > $1 AND ($2::text IS NULL OR error_kind = $2) \
-                 ORDER BY seq LIMIT 1 FOR UPDATE SKIP LOCKED",
-                &[&after, &args.kind],
-            )
+    loop {
+        let budget = args
+            .limit
+            .map_or(REPLAY_CHUNK, |limit| {
+                limit.saturating_sub(tally.replayed + tally.failed)
+            })
+            .min(REPLAY_CHUNK);
+        if budget == 0 {
+            break;
+        }
+        // The rows stay locked from before their publish until replayed_at is committed: two
+        // replays never send the same row, and a re-park of a row (`ON CONFLICT .. DO UPDATE SET
+        // replayed_at = NULL .. WHERE replayed_at IS NOT NULL`) waits for the commit and then
+        // re-opens it instead of being overwritten by a late mark.
+        let tx = client
+            .transaction()
             .await
             .map_err(|e| table_error(settings, e))?;
-        let Some(row) = row else { break };
-        let (seq, id, body) = replay_fields(&row).map_err(|e| table_error(settings, e))?;
-        after = seq;
-        let properties = match parked_properties(id.as_deref()) {
-            Ok(p) => p,
-            Err(e) => {
-                // A problem of this row only: leave it, go on with the others.
-                tally.failed += 1;
-                tally
-                    .failure
-                    .get_or_insert(format!("row {seq} is left untouched: {e}"));
-                let _ = tx.rollback().await;
-                continue;
-            }
-        };
-        let msg = Publish {
-            exchange: settings.main_exchange.clone(),
-            routing_key: settings.main_queue.clone(),
-            body,
-            properties,
-        };
-        if let Err(e) = publish_confirmed(&channel, msg, timeout).await {
-            tally.failed += 1;
-            tally.failure = Some(format!(
-                "stopped: row {seq} was not published and is left untouched: {e}"
-            ));
-            let _ = tx.rollback().await;
+        let rows = tx
+            .query(
+                "SELECT seq, message_id, body, headers FROM dead_letters \
+                 WHERE replayed_at IS NULL AND seq > $1 AND ($2::text IS NULL OR error_kind = $2) \
+                 ORDER BY seq LIMIT $3 FOR UPDATE SKIP LOCKED",
+                &[&after, &args.kind, &sql_limit(budget)],
+            )
+            .await
+            .and_then(|rows| {
+                rows.iter()
+                    .map(ReplayRow::from_row)
+                    .collect::<Result<Vec<_>, _>>()
+            })
+            .map_err(|e| table_error(settings, e))?;
+        if rows.is_empty() {
             break;
+        }
+        let mut confirmed: Vec<i64> = Vec::with_capacity(rows.len());
+        let mut stopped = false;
+        for row in rows {
+            after = row.seq;
+            let properties = match parked_properties(row.message_id.as_deref(), &row.headers) {
+                Ok(p) => p,
+                Err(e) => {
+                    // A problem of this row only: leave it, go on with the others.
+                    tally.failed += 1;
+                    tally
+                        .failure
+                        .get_or_insert(format!("row {} is left untouched: {e}", row.seq));
+                    continue;
+                }
+            };
+            let msg = Publish {
+                exchange: settings.main_exchange.clone(),
+                routing_key: settings.main_queue.clone(),
+                body: row.body,
+                properties,
+            };
+            match publish_confirmed(&channel, msg, timeout).await {
+                Ok(()) => confirmed.push(row.seq),
+                Err(e) => {
+                    // Not marked: what was confirmed before it is committed below.
+                    tally.failed += 1;
+                    tally.failure = Some(format!(
+                        "stopped: row {} was not published and is left untouched: {e}",
+                        row.seq
+                    ));
+                    stopped = true;
+                    break;
+                }
+            }
+        }
+        if confirmed.is_empty() {
+            // Nothing to mark: dropping the transaction releases the locks.
+            drop(tx);
+            if stopped {
+                break;
+            }
+            continue;
         }
         let marked = async {
             tx.execute(
-                "UPDATE dead_letters SET replayed_at = now() WHERE seq = $1",
-                &[&seq],
+                "UPDATE dead_letters SET replayed_at = now() WHERE seq = ANY($1)",
+                &[&confirmed],
             )
             .await?;
             tx.commit().await
         }
         .await;
-        tally.replayed += 1;
+        tally.replayed += confirmed.len() as u64;
         if let Err(e) = marked {
-            // Published but not marked: a later replay sends it again, which the idempotent
+            // Published but not marked: a later replay sends them again, which the idempotent
             // insert makes harmless.
             tally.failure = Some(format!(
-                "row {seq} was published but cannot be marked as replayed: {}",
+                "rows {} were published but cannot be marked as replayed: {}",
+                seq_list(&confirmed),
                 DbError::from_pg(e)
             ));
+            break;
+        }
+        if stopped {
             break;
         }
     }
@@ -868,9 +1065,118 @@ mod tests {
         assert!(parse(&["parked", "replay", "--limit", "-1"]).is_err());
     }
 
+    fn long(s: &str) -> AMQPValue {
+        AMQPValue::LongString(LongString::from(s.as_bytes().to_vec()))
+    }
+
+    fn with(pairs: &[(&str, AMQPValue)]) -> BasicProperties {
+        headers::with_headers(&BasicProperties::default(), pairs)
+    }
+
+    /// An `x-death` header as the broker writes it: the newest death first.
+    fn x_death(reasons: &[&str]) -> AMQPValue {
+        let entries = reasons
+            .iter()
+            .map(|r| {
+                let mut t = FieldTable::default();
+                t.insert("reason".into(), long(r));
+                t.insert("queue".into(), long("raffle_queue"));
+                t.insert("count".into(), AMQPValue::LongLongInt(1));
+                AMQPValue::FieldTable(t)
+            })
+            .collect::<Vec<_>>();
+        AMQPValue::FieldArray(entries.into())
+    }
+
+    #[test]
+    fn broker_dead_letters_get_a_kind_from_the_newest_x_death_entry() {
+        for (reason, kind) in BROKER_KINDS {
+            let p = with(&[("x-death", x_death(&[reason, "expired"]))]);
+            assert_eq!(kind_of(&p).as_deref(), Some(kind), "{reason}");
+            assert!(KINDS.contains(&kind));
+        }
+        let p = with(&[("x-death", x_death(&["rejected"]))]);
+        let death = BrokerDeath::of(&p).unwrap();
+        assert_eq!(death.queue.as_deref(), Some("raffle_queue"));
+        assert_eq!(
+            death.describe(),
+            "dead-lettered by the broker (rejected) in queue raffle_queue"
+        );
+        // warren's own kind wins over the broker's.
+        let p = with(&[
+            ("x-death", x_death(&["rejected"])),
+            (headers::X_ERROR_KIND, long("db_permanent")),
+        ]);
+        assert_eq!(kind_of(&p).as_deref(), Some("db_permanent"));
+        // Unknown reasons, empty arrays and malformed headers have no kind.
+        for bad in [
+            x_death(&["something_new"]),
+            x_death(&[]),
+            long("FieldArray([...])"),
+            AMQPValue::FieldArray(vec![long("rejected")].into()),
+        ] {
+            let p = with(&[("x-death", bad.clone())]);
+            assert_eq!(kind_of(&p), None, "{bad:?}");
+        }
+        assert_eq!(kind_of(&BasicProperties::default()), None);
+        assert!(!KINDS.contains(&"unparkable"));
+        assert!(KINDS.contains(&"id_conflict"));
+    }
+
+    #[test]
+    fn replay_headers_convert_json_types_and_drop_the_error_headers() {
+        let json = serde_json::json!({
+            "trace": "abc",
+            "n": 5,
+            "neg": -7,
+            "flag": true,
+            "f": 1.5,
+            "big": u64::MAX,
+            "nothing": null,
+            "list": [1, "a"],
+            "obj": {"a": 1},
+            "x-death": "FieldArray([...])",
+            "x-retries": 3,
+            "x-error-kind": "db_permanent",
+            "x-error-reason": "boom",
+            "x-dlq-attempts": 4,
+        });
+        let table = replay_headers(&json).unwrap();
+        let mut want = FieldTable::default();
+        want.insert("trace".into(), long("abc"));
+        want.insert("n".into(), AMQPValue::LongLongInt(5));
+        want.insert("neg".into(), AMQPValue::LongLongInt(-7));
+        want.insert("flag".into(), AMQPValue::Boolean(true));
+        want.insert("f".into(), long("1.5"));
+        want.insert("big".into(), long("18446744073709551615"));
+        want.insert("nothing".into(), long("null"));
+        want.insert("list".into(), long(r#"[1,"a"]"#));
+        want.insert("obj".into(), long(r#"{"a":1}"#));
+        want.insert("x-death".into(), long("FieldArray([...])"));
+        want.insert("x-retries".into(), AMQPValue::LongLongInt(0));
+        assert_eq!(table, want);
+
+        let mut only_retries = FieldTable::default();
+        only_retries.insert("x-retries".into(), AMQPValue::LongLongInt(0));
+        assert_eq!(
+            replay_headers(&serde_json::json!({})).unwrap(),
+            only_retries
+        );
+        assert_eq!(
+            replay_headers(&serde_json::Value::Null).unwrap(),
+            only_retries
+        );
+        let err = replay_headers(&serde_json::json!([1])).unwrap_err();
+        assert!(err.contains("JSON object"), "{err}");
+        let long_name = serde_json::json!({ "h".repeat(256): 1 });
+        let err = replay_headers(&long_name).unwrap_err();
+        assert!(err.contains("256 bytes"), "{err}");
+    }
+
     #[test]
     fn parked_properties_are_persistent_json_with_zero_retries() {
-        let p = parked_properties(Some("m1")).unwrap();
+        let none = serde_json::Value::Null;
+        let p = parked_properties(Some("m1"), &none).unwrap();
         assert_eq!(p.message_id().as_ref().unwrap().as_str(), "m1");
         assert_eq!(*p.delivery_mode(), Some(2));
         assert_eq!(
@@ -878,7 +1184,12 @@ mod tests {
             "application/json"
         );
         assert_eq!(headers::retries(&p), headers::Retries::Count(0));
-        assert!(parked_properties(None).unwrap().message_id().is_none());
-        assert!(parked_properties(Some(&"x".repeat(300))).is_err());
+        assert!(
+            parked_properties(None, &none)
+                .unwrap()
+                .message_id()
+                .is_none()
+        );
+        assert!(parked_properties(Some(&"x".repeat(300)), &none).is_err());
     }
 }
