@@ -117,7 +117,14 @@ impl Domain for Users {
             );
         }
         let user: User = serde_json::from_slice(body).map_err(|e| match e.classify() {
-            serde_json::error::Category::Data => Rejection::payload(format!("wrong shape: {e}")),
+            // serde stops at the first wrong type, before it sees that the text is cut short
+            // (`{"id":1`): only a body that is JSON at all is of the wrong shape.
+            serde_json::error::Category::Data => {
+                match serde_json::from_slice::<serde::de::IgnoredAny>(body) {
+                    Ok(_) => Rejection::payload(format!("wrong shape: {e}")),
+                    Err(syntax) => Rejection::json(format!("not JSON: {syntax}")),
+                }
+            }
             _ => Rejection::json(format!("not JSON: {e}")),
         })?;
         let errors = validate(&user.name, &user.email);
@@ -267,6 +274,11 @@ mod tests {
         let err = decode(as_array.as_bytes()).unwrap_err();
         assert_eq!(err.kind, RejectKind::InvalidPayload);
         assert_eq!(decode(b"  nope").unwrap_err().kind, RejectKind::InvalidJson);
+        // Cut short after a value of the wrong type: still not JSON (found by fuzzing review).
+        assert_eq!(
+            decode(br#"{"id":1"#).unwrap_err().kind,
+            RejectKind::InvalidJson
+        );
         assert_eq!(
             decode(br#"{"id":"x","name":"a","email":"a@b.co"}"#)
                 .unwrap_err()
