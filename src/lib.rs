@@ -9,7 +9,8 @@
 //! - [`pipeline`]: the actors, wired in flow order (consumer, processor, batcher, router,
 //!   publisher).
 //! - [`domain`]: the seam the pipeline stores through, and the users domain behind it.
-//! - [`db`]: pool, embedded migrations, SQLSTATE classification.
+//! - [`db`]: pools (pipeline and API), client-side statement bounds, embedded migrations,
+//!   SQLSTATE classification, and `dead_letters` (all SQL of the parking table).
 //! - [`http`]: the actix-web API.
 //! - [`metrics`]: every metric name and label.
 //! - [`registry`]: the Redis instance registry, heartbeats, shutdown history, remote control.

@@ -1,5 +1,6 @@
-//! PostgreSQL: the connection pool, the embedded migrations and the error classification that
-//! decides between retrying, dead-lettering and stopping.
+//! PostgreSQL: the connection pools (the pipeline's and the API's), the session timeouts and the
+//! client-side bound on every statement, the embedded migrations, the error classification that
+//! decides between retrying, dead-lettering and stopping, and (`dead_letters`) the parking table.
 
 pub mod dead_letters;
 mod error;
