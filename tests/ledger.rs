@@ -318,7 +318,10 @@ async fn every_published_message_ends_exactly_once_under_faults() {
             .unwrap_or(0);
         (users + parked) as usize
     };
-    let deadline = Instant::now() + Duration::from_secs(180);
+    // Backoffs grow with the faults (requeues up to 30 s, DLQ attempts likewise): the bound
+    // grows with the fault window.
+    let settle = Duration::from_secs(180) + 2 * fault_window;
+    let deadline = Instant::now() + settle;
     let mut unsettled: Option<String> = None;
     loop {
         let done = accounted().await >= expected;
@@ -345,7 +348,7 @@ async fn every_published_message_ends_exactly_once_under_faults() {
                 state.push_str(&format!("{q}: {:?}; ", queue_counts(q).await));
             }
             unsettled = Some(format!(
-                "not settled within 180 s: {} of {expected} accounted; {state}",
+                "not settled within {settle:?}: {} of {expected} accounted; {state}",
                 accounted().await
             ));
             break;
