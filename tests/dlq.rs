@@ -403,3 +403,51 @@ async fn parking_the_same_message_twice_keeps_one_row() {
     stop_with_everything_acked(&env, &mut warren).await;
     assert_eq!(parked_count(&env).await, 1);
 }
+
+/// No database at all (an outage, not an error the database answers with): the DLQ consumer
+/// gives the message back to the DLQ after a backoff and spends no attempt on it, however long
+/// the outage; once the database is back it is inserted once and nothing is parked.
+#[tokio::test(flavor = "multi_thread")]
+async fn an_outage_requeues_dlq_messages_without_spending_attempts() {
+    let proxy = TcpProxy::start(&database_url(), 5432).await;
+    let mut env = TestEnv::new("dlq_outage").await;
+    env.declare();
+    env.set("DATABASE_URL", proxy.url())
+        .set("DB_RETRY_WINDOW_MS", "0")
+        .set("DLQ_MAX_ATTEMPTS", "1");
+    proxy.cut();
+    let id = Uuid::new_v4();
+    publish_exhausted_user(&env, id).await;
+    let mut warren = env.start(&["--roles", "dlq"]);
+    let _logs = LogsOnPanic(vec![warren.log.clone()]);
+    wait_until(
+        "two requeues for want of a database",
+        Duration::from_secs(30),
+        || async {
+            try_metric(
+                &env,
+                "warren_messages_requeued_total",
+                &[("pipeline", "dlq"), ("reason", "db_unavailable")],
+            )
+            .await
+            .unwrap_or(0.0)
+                >= 2.0
+        },
+    )
+    .await;
+    // DLQ_MAX_ATTEMPTS=1 would park it at its first counted attempt: none was counted.
+    assert_eq!(parked_count(&env).await, 0, "parked during an outage");
+    let attempts = metric(
+        &env,
+        "warren_messages_retried_total",
+        &[("pipeline", "dlq")],
+    )
+    .await;
+    assert_eq!(attempts, 0.0, "DLQ attempts spent during an outage");
+
+    proxy.restore();
+    wait_inserted_and_dlq_empty(&env, id).await;
+    stop_with_everything_acked(&env, &mut warren).await;
+    assert_eq!(parked_count(&env).await, 0);
+    assert_eq!(env.count_rows().await, 1);
+}

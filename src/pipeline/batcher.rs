@@ -202,6 +202,7 @@ impl<D: Domain> Handler<Drain> for Batcher<D> {
 }
 
 /// How one message of a batch ends, before its settlement.
+#[derive(Clone)]
 enum Fate {
     /// Settled as is (inserted, or already given its disposition).
     Settled(Disposition),
@@ -409,41 +410,29 @@ async fn park_all<D: Domain>(
     batch: &[Processed<D::Record>],
     fates: &mut [Option<Fate>],
 ) {
-    let rows: Vec<(usize, dead_letters::ParkRow)> = fates
-        .iter()
-        .enumerate()
-        .filter_map(|(i, f)| match f {
-            Some(Fate::Park { kind, reason }) => {
-                let d = &batch[i].delivered;
-                Some((
-                    i,
-                    dead_letters::ParkRow {
-                        message_id: d.properties.message_id().as_ref().map(|m| m.as_str()),
-                        body: &d.body,
-                        headers: headers::to_json(&d.properties),
-                        kind,
-                        reason,
-                    },
-                ))
-            }
-            _ => None,
-        })
-        .collect();
+    let mut indices = Vec::new();
+    let mut kinds = Vec::new();
+    let mut rows = Vec::new();
+    for (i, f) in fates.iter().enumerate() {
+        if let Some(Fate::Park { kind, reason }) = f {
+            let d = &batch[i].delivered;
+            indices.push(i);
+            kinds.push(*kind);
+            rows.push(dead_letters::ParkRow {
+                message_id: d.properties.message_id().as_ref().map(|m| m.as_str()),
+                body: &d.body,
+                headers: headers::to_json(&d.properties),
+                kind,
+                reason,
+            });
+        }
+    }
     if rows.is_empty() {
         return;
     }
-    let only: Vec<dead_letters::ParkRow> = rows.iter().map(|(_, r)| r.clone()).collect();
-    let result = dead_letters::park(&shared.pool, shared.db_bound, &only).await;
-    let kinds: Vec<&'static str> = rows
-        .iter()
-        .map(|(i, _)| match &fates[*i] {
-            Some(Fate::Park { kind, .. }) => *kind,
-            _ => "unknown",
-        })
-        .collect();
-    let indices: Vec<usize> = rows.iter().map(|(i, _)| *i).collect();
+    let result = dead_letters::park(&shared.pool, shared.db_bound, &rows).await;
     drop(rows);
-    match result {
+    let settled = match result {
         Ok(parked) => {
             if parked.bare > 0 {
                 warn!(
@@ -452,20 +441,19 @@ async fn park_all<D: Domain>(
                     "some messages were parked without their headers (the database refused them)"
                 );
             }
-            for i in indices {
-                fates[i] = Some(Fate::Settled(Disposition::Ack));
-            }
             for (kind, n) in count_by_kind(kinds.into_iter()) {
                 metrics::messages_parked(kind, n);
             }
+            Fate::Settled(Disposition::Ack)
         }
         Err(e) => {
             error!(pipeline = shared.pipeline, error = %e, count = indices.len(),
                 "cannot park messages; they go back to the DLQ");
-            for i in indices {
-                fates[i] = Some(Fate::Requeue("db_unavailable"));
-            }
+            Fate::Requeue("db_unavailable")
         }
+    };
+    for i in indices {
+        fates[i] = Some(settled.clone());
     }
 }
 
@@ -476,27 +464,25 @@ async fn route_all<D: Domain>(
     batch: &[Processed<D::Record>],
     fates: &mut [Option<Fate>],
 ) {
-    let routes: Vec<(usize, Route)> = fates
-        .iter()
-        .enumerate()
-        .filter_map(|(i, f)| match f {
-            Some(Fate::Route(r)) => Some((i, r.clone())),
-            _ => None,
-        })
-        .collect();
-    if routes.is_empty() {
+    let mut indices = Vec::new();
+    let mut items: Vec<(&Delivered, Route)> = Vec::new();
+    for (i, f) in fates.iter_mut().enumerate() {
+        if let Some(Fate::Route(_)) = f
+            && let Some(Fate::Route(route)) = f.take()
+        {
+            indices.push(i);
+            items.push((&batch[i].delivered, route));
+        }
+    }
+    if items.is_empty() {
         return;
     }
-    let items: Vec<(&Delivered, Route)> = routes
-        .iter()
-        .map(|(i, r)| (&batch[*i].delivered, r.clone()))
-        .collect();
     let outcomes = shared.router.route(&items).await;
     let mut routed = Vec::new();
-    for ((i, _), (disposition, kind)) in routes.iter().zip(outcomes) {
-        fates[*i] = Some(match disposition {
+    for (i, (disposition, kind)) in indices.into_iter().zip(outcomes) {
+        fates[i] = Some(match disposition {
             Disposition::Ack => {
-                metrics::message_routed(shared.pipeline, kind, &batch[*i].delivered);
+                metrics::message_routed(shared.pipeline, kind, &batch[i].delivered);
                 routed.push(kind);
                 Fate::Settled(Disposition::Ack)
             }
