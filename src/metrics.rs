@@ -11,8 +11,6 @@ use metrics::{
 use metrics_exporter_prometheus::{Matcher, PrometheusBuilder};
 use tracing::warn;
 
-use crate::pipeline::processor::Delivered;
-
 pub const RECEIVED: &str = "warren_messages_received_total";
 pub const INSERTED: &str = "warren_messages_inserted_total";
 pub const RETRIED: &str = "warren_messages_retried_total";
@@ -34,6 +32,7 @@ pub const BUILD_INFO: &str = "warren_build_info";
 pub const BREAKER_OPEN: &str = "warren_breaker_open";
 pub const CONSUMER_RESTARTS: &str = "warren_consumer_restarts_total";
 pub const REQUEUED: &str = "warren_messages_requeued_total";
+pub const ACKS: &str = "warren_amqp_acks_total";
 
 /// Process-wide counts, for the Redis registry and the shutdown record (the Prometheus
 /// recorder cannot be read back).
@@ -139,7 +138,8 @@ fn describe() {
     );
     describe_histogram!(
         END_TO_END_SECONDS,
-        "From the message timestamp to the commit of its row."
+        "From the publish time (x-published-ms, else the AMQP timestamp) of the oldest message \
+         of a batch to the commit of that batch; one sample per batch."
     );
     describe_gauge!(
         INFLIGHT,
@@ -187,6 +187,10 @@ fn describe() {
          reason (publish_failed: a retry or dead-letter republish was not confirmed; db_unavailable: \
          the DLQ consumer found no database)."
     );
+    describe_counter!(
+        ACKS,
+        "basic.ack frames sent, by pipeline (each acks a contiguous run of deliveries)."
+    );
     gauge!(BUILD_INFO, "version" => env!("CARGO_PKG_VERSION")).set(1.0);
 }
 
@@ -221,15 +225,22 @@ pub fn inflight(gauge: &Gauge, n: i64) {
 }
 
 /// A body the domain refused (it is dead-lettered or parked next).
-pub fn message_refused(pipeline: &'static str, kind: &str, reason: &str, message: &Delivered) {
+pub fn message_refused(
+    pipeline: &'static str,
+    kind: &str,
+    reason: &str,
+    message_id: &str,
+    delivery_tag: u64,
+) {
     warn!(
-        message_id = message.message_id(),
-        pipeline,
-        delivery_tag = message.tag,
-        kind,
-        reason,
-        "message refused"
+        message_id,
+        pipeline, delivery_tag, kind, reason, "message refused"
     );
+}
+
+/// The `basic.ack` counter of a pipeline, resolved once (hit per ack frame, not per message).
+pub fn acks_counter(pipeline: &'static str) -> Counter {
+    counter!(ACKS, "pipeline" => pipeline)
 }
 
 /// One batch insert finished: `attempted` valid rows, `inserted` of them committed.
@@ -252,30 +263,31 @@ pub fn postgres(up: bool) {
     }
 }
 
-/// End-to-end latency of rows committed now, from their message timestamps (seconds).
-pub fn end_to_end(timestamps: impl Iterator<Item = u64>) {
+/// End-to-end latency of a committed batch: from the publish time (Unix ms) of its oldest
+/// message to now. One sample per batch, not per message.
+pub fn end_to_end(oldest_published_ms: Option<u64>) {
+    let Some(published) = oldest_published_ms else {
+        return;
+    };
     let now = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_secs_f64())
-        .unwrap_or(0.0);
-    let h = histogram!(END_TO_END_SECONDS);
-    for ts in timestamps {
-        if ts > 0 {
-            h.record((now - ts as f64).max(0.0));
-        }
-    }
+        .map(|d| d.as_millis() as u64)
+        .unwrap_or(0);
+    histogram!(END_TO_END_SECONDS).record(now.saturating_sub(published) as f64 / 1000.0);
 }
 
 /// A message was republished (retry queue or DLX) and confirmed: logs a dead-letter (the
 /// counts go through [`messages_routed`], once per batch).
-pub fn message_routed(pipeline: &'static str, kind: &'static str, message: &Delivered) {
+pub fn message_routed(
+    pipeline: &'static str,
+    kind: &'static str,
+    message_id: &str,
+    delivery_tag: u64,
+) {
     if kind != "retry" {
         warn!(
-            message_id = message.message_id(),
-            pipeline,
-            delivery_tag = message.tag,
-            kind,
-            "message dead-lettered"
+            message_id,
+            pipeline, delivery_tag, kind, "message dead-lettered"
         );
     }
 }
@@ -377,6 +389,7 @@ pub fn preregister(pipelines: &[&'static str]) {
             counter!(CONSUMER_RESTARTS, "pipeline" => *p, "reason" => reason).absolute(0);
         }
         gauge!(BREAKER_OPEN, "pipeline" => *p).set(0.0);
+        counter!(ACKS, "pipeline" => *p).absolute(0);
     }
     for kind in ERROR_KINDS {
         counter!(PARKED, "kind" => kind).absolute(0);

@@ -82,6 +82,27 @@ fn count(properties: &BasicProperties, key: &str) -> Retries {
     }
 }
 
+/// The header warren's publisher sets to the publish time in Unix milliseconds (the AMQP
+/// timestamp has one-second resolution): end-to-end latency is measured from it.
+pub const PUBLISHED_MS: &str = "x-published-ms";
+
+/// When the message was published, in Unix milliseconds: `x-published-ms` when present, else
+/// the AMQP timestamp (whole seconds, as other publishers set it); `None` without either.
+pub fn published_ms(properties: &BasicProperties) -> Option<u64> {
+    let header = properties
+        .headers()
+        .as_ref()
+        .and_then(|h| h.inner().get(PUBLISHED_MS));
+    match header {
+        Some(AMQPValue::LongLongInt(ms)) if *ms > 0 => Some(*ms as u64),
+        Some(AMQPValue::Timestamp(ms)) if *ms > 0 => Some(*ms),
+        _ => properties
+            .timestamp()
+            .filter(|s| *s > 0)
+            .map(|s| s.saturating_mul(1000)),
+    }
+}
+
 /// A header value as readable text (for logs, `dlq inspect` and the parked table).
 pub fn text(properties: &BasicProperties, key: &str) -> Option<String> {
     let value = properties.headers().as_ref()?.inner().get(key)?;

@@ -2,6 +2,7 @@
 //! reconnect loops, the AMQP error enum, and the `x-*` headers warren reads and writes.
 
 pub mod headers;
+pub mod publisher;
 
 use std::time::Duration;
 

@@ -13,10 +13,10 @@ use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
 use lapin::{BasicProperties, Channel, Connection};
 use tokio_postgres::NoTls;
 
+use crate::amqp::publisher::{Publish, json_properties, publish_confirmed};
 use crate::amqp::{self, headers};
 use crate::config::{Settings, redact_url};
 use crate::db::{self, DbError};
-use crate::pipeline::publisher::{Publish, json_properties, publish_confirmed};
 
 /// The kinds of dead letter `--kind` selects: the values of `x-error-kind` (and of
 /// `dead_letters.error_kind`), then the kinds of messages the broker dead-lettered itself (see

@@ -9,8 +9,8 @@ use futures::StreamExt;
 use tokio::io::AsyncBufReadExt;
 use uuid::Uuid;
 
+use crate::amqp::publisher::{Close, IsConnected, Publish, Publisher, json_properties};
 use crate::config::{Settings, redact_url};
-use crate::pipeline::publisher::{Close, IsConnected, Publish, Publisher, json_properties};
 
 #[derive(Debug, clap::Args)]
 pub struct Args {

@@ -13,7 +13,7 @@ use tracing::{info, warn};
 
 use crate::config::Settings;
 use crate::domain::users::Users;
-use crate::pipeline::{self, Pipeline, batcher::Mode};
+use crate::pipeline::{self, Pipeline, Spec};
 use crate::registry::{CtlCommand, Registry, Report};
 use crate::topology::Topology;
 use crate::{db, http, metrics};
@@ -102,17 +102,17 @@ pub async fn execute(
     if settings.has_role("consumer") {
         pipelines.push(pipeline::start(
             &settings,
+            Spec::main(&settings),
             domain.clone(),
             pool.clone(),
-            Mode::Main,
         ));
     }
     if settings.has_role("dlq") {
         pipelines.push(pipeline::start(
             &settings,
+            Spec::dlq(&settings),
             domain.clone(),
             pool.clone(),
-            Mode::Dlq,
         ));
     }
     let api = if settings.has_role("api") {

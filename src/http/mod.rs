@@ -19,10 +19,10 @@ use tokio_postgres::NoTls;
 use uuid::Uuid;
 
 use crate::amqp::AmqpError;
+use crate::amqp::publisher::{IsConnected, Publish, Publisher, json_properties};
 use crate::config::Settings;
 use crate::db::DbError;
 use crate::domain::users::{FieldError, User, validate};
-use crate::pipeline::publisher::{IsConnected, Publish, Publisher, json_properties};
 
 /// Largest accepted request body.
 pub const BODY_LIMIT: usize = 64 * 1024;
@@ -59,7 +59,7 @@ impl Api {
         self.handle.stop(true).await;
         let _ = tokio::time::timeout(
             Duration::from_secs(5),
-            self.publisher.send(crate::pipeline::publisher::Close),
+            self.publisher.send(crate::amqp::publisher::Close),
         )
         .await;
     }

@@ -1,18 +1,17 @@
-//! Turns per-message settlements into as few channel operations as possible, in an order the
-//! broker accepts: one `basic.ack multiple=true` for each contiguous run of settled deliveries,
-//! requeues sent individually before any multi-ack that would cover them. There is no reject:
-//! the broker's own dead-lettering is at-most-once, so warren never hands a message to it.
+//! The acks of one channel: turns per-message settlements into as few channel operations as
+//! possible, in an order the broker accepts (one `basic.ack multiple=true` for each contiguous
+//! run of settled deliveries, requeues sent individually before any multi-ack that would cover
+//! them), and executes them in order on one task per channel. There is no reject: the broker's
+//! own dead-lettering is at-most-once, so warren never hands a message to it.
 
 use std::collections::VecDeque;
 
-/// How a delivery ends.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Disposition {
-    /// Done (inserted, or safely republished elsewhere): ack.
-    Ack,
-    /// Give it back to the queue (nack with requeue).
-    Requeue,
-}
+use lapin::Channel;
+use lapin::options::{BasicAckOptions, BasicNackOptions};
+use tokio::sync::mpsc;
+use tracing::warn;
+
+pub use super::message::Disposition;
 
 /// A channel operation to perform, in order.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -87,6 +86,95 @@ pub fn coalesce(ops: Vec<Op>) -> Vec<Op> {
         out.push(op);
     }
     out
+}
+
+/// The acks of one channel generation: the tracker, and the task that executes its operations
+/// in order.
+pub struct Acker {
+    tracker: AckTracker,
+    /// Operations for the executor task; `None` once closing.
+    ops: Option<mpsc::UnboundedSender<Vec<Op>>>,
+    task: Option<tokio::task::JoinHandle<()>>,
+}
+
+impl Acker {
+    /// Starts the executor for `channel`.
+    pub fn open(channel: Channel, pipeline: &'static str) -> Self {
+        let (tx, rx) = mpsc::unbounded_channel();
+        Self {
+            tracker: AckTracker::default(),
+            ops: Some(tx),
+            task: Some(tokio::spawn(run_ops(channel, rx, pipeline))),
+        }
+    }
+
+    /// Records deliveries (tags grow on a channel).
+    pub fn delivered(&mut self, tags: impl Iterator<Item = u64>) {
+        for tag in tags {
+            self.tracker.delivered(tag);
+        }
+    }
+
+    /// Settles deliveries and sends the operations that became possible.
+    pub fn settle(&mut self, items: &[(u64, Disposition)]) {
+        let mut ops = Vec::new();
+        for (tag, disposition) in items {
+            self.tracker.settle(*tag, *disposition, &mut ops);
+        }
+        if !ops.is_empty()
+            && let Some(tx) = &self.ops
+        {
+            let _ = tx.send(ops);
+        }
+    }
+
+    /// Waits until every operation sent so far was executed (or the channel failed).
+    pub async fn close(mut self) {
+        drop(self.ops.take());
+        if let Some(task) = self.task.take() {
+            let _ = task.await;
+        }
+    }
+}
+
+/// Executes channel operations in order; stops at the first failure (the channel is gone and
+/// the broker requeues whatever was not acked).
+async fn run_ops(
+    channel: Channel,
+    mut rx: mpsc::UnboundedReceiver<Vec<Op>>,
+    pipeline: &'static str,
+) {
+    let acks = crate::metrics::acks_counter(pipeline);
+    while let Some(mut ops) = rx.recv().await {
+        while let Ok(more) = rx.try_recv() {
+            ops.extend(more);
+        }
+        for op in coalesce(ops) {
+            let result = match op {
+                Op::AckUpTo(tag) => {
+                    acks.increment(1);
+                    channel
+                        .basic_ack(tag, BasicAckOptions { multiple: true })
+                        .await
+                }
+                Op::Requeue(tag) => {
+                    channel
+                        .basic_nack(
+                            tag,
+                            BasicNackOptions {
+                                multiple: false,
+                                requeue: true,
+                            },
+                        )
+                        .await
+                }
+            };
+            if let Err(e) = result {
+                warn!(pipeline, error = %e, "cannot ack on this channel any more; the broker will redeliver");
+                return;
+            }
+        }
+    }
 }
 
 #[cfg(test)]

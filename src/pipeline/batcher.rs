@@ -1,198 +1,150 @@
-//! The batcher actor: collects processed messages, flushes at `USERS_BATCH_SIZE` or
-//! `USERS_BATCH_TIMEOUT_MS` after the first one, inserts the batch with one statement, isolates
-//! the rows the database refuses (split in halves), routes failures, and settles every message.
+//! The batcher stage: collects decoded chunks and hands its sink one batch at a time, at the
+//! batch size, at the batch timeout after the oldest waiting message, or at once when draining.
+//! While the sink works on a batch the next one fills; the prefetch window bounds both.
 
-use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::time::{Duration, Instant};
 
 use actix::prelude::*;
-use deadpool_postgres::Pool;
-use tracing::{error, info, warn};
 
-use super::Drain;
-use super::acks::Disposition;
-use super::consumer::{Hold, HoldReason, Settle};
-use super::processor::Delivered;
-use super::router::{Route, Router};
-use crate::amqp::headers;
-use crate::db::{DbError, ErrorClass, dead_letters};
-use crate::domain::{Domain, ID_CONFLICT, Inserted, Rejection};
-use crate::metrics;
+use super::message::{Batch, Decoded, Drain, Processed};
 
-/// A processed message: its delivery and the decoded record, or why it was refused.
-#[derive(Debug)]
-pub struct Processed<R> {
-    pub delivered: Delivered,
-    pub result: Result<R, Rejection>,
-}
-
-impl<R: 'static> Message for Processed<R> {
-    type Result = ();
-}
-
-/// What the batcher does with messages it cannot insert.
+/// When to hand a batch to the sink, and how large.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Mode {
-    /// The main pipeline: retry queue for transient failures, DLQ for the rest.
-    Main,
-    /// The DLQ consumer: requeue after a backoff for transient failures, park the rest.
-    Dlq,
+pub struct FlushRule {
+    pub batch_size: usize,
+    /// Zero flushes whatever arrived at once (deterministic tests).
+    pub timeout: Duration,
 }
 
-/// What every batcher of one pipeline shares.
-pub struct Shared<D: Domain> {
-    pub domain: Arc<D>,
-    pub pool: Pool,
-    pub router: Router,
-    pub settle: Recipient<Settle>,
-    pub mode: Mode,
-    pub pipeline: &'static str,
-    /// How long a transient failure is retried in place before routing.
-    pub db_retry_window: Duration,
-    /// Set at shutdown: in-place retries give up and requeue.
-    pub stopping: Arc<AtomicBool>,
-    /// Consecutive batches the database took nothing of (drives the breaker).
-    pub failures: AtomicU32,
-    /// The consumer, held while the sink-outage breaker is open.
-    pub hold: Recipient<Hold>,
-    /// Consecutive transient failures that open the breaker.
-    pub breaker_threshold: u32,
-    /// Whether the breaker is open (a probe task is running).
-    pub breaker_open: AtomicBool,
-    /// DLQ consumer: attempts at a message the database keeps refusing before it is parked.
-    pub dlq_max_attempts: u32,
-    /// Client-side bound on one statement.
-    pub db_bound: Duration,
-    /// Consecutive batches that gave messages back to their queue (drives their backoff).
-    pub requeues: AtomicU32,
-}
-
-/// Opens the sink-outage breaker once: the consumer stops taking deliveries, and a probe runs
-/// the domain's insert of zero rows with backoff until the database takes it again.
-fn open_breaker<D: Domain>(shared: &Arc<Shared<D>>, reason: &str) {
-    if shared.breaker_open.swap(true, Ordering::SeqCst) {
-        return;
-    }
-    error!(
-        pipeline = shared.pipeline,
-        reason,
-        "sink-outage breaker OPEN: the database keeps failing; \
-        consuming stops until it answers again"
-    );
-    metrics::breaker(shared.pipeline, true);
-    shared.hold.do_send(Hold {
-        reason: HoldReason::Breaker,
-        on: true,
-    });
-    let shared = shared.clone();
-    tokio::spawn(async move {
-        let mut delays = crate::amqp::reconnect_backoff();
-        loop {
-            let delay = delays.next().unwrap_or(Duration::from_secs(10));
-            sleep_unless_stopping(&shared, delay).await;
-            if shared.stopping.load(Ordering::Relaxed) {
-                return;
-            }
-            let probe = match shared.pool.get().await {
-                Ok(client) => shared.domain.insert(&client, &[]).await.map(|_| ()),
-                Err(e) => Err(DbError::from_pool(e)),
-            };
-            match probe {
-                Ok(()) => {
-                    shared.failures.store(0, Ordering::Relaxed);
-                    shared.breaker_open.store(false, Ordering::SeqCst);
-                    metrics::breaker(shared.pipeline, false);
-                    info!(
-                        pipeline = shared.pipeline,
-                        "sink-outage breaker closed: the database answers; consuming again"
-                    );
-                    shared.hold.do_send(Hold {
-                        reason: HoldReason::Breaker,
-                        on: false,
-                    });
-                    return;
-                }
-                Err(e) => {
-                    warn!(pipeline = shared.pipeline, error = %e, "breaker probe: database still failing")
-                }
-            }
+impl FlushRule {
+    /// How many entries go to the sink now: a full batch, or everything waiting once the oldest
+    /// waited `timeout` or the pipeline drains; `None` while the sink is busy or the batch is
+    /// not due.
+    pub fn due(
+        &self,
+        waiting: usize,
+        oldest: Option<Instant>,
+        draining: bool,
+        sink_busy: bool,
+    ) -> Option<usize> {
+        if sink_busy || waiting == 0 {
+            return None;
         }
-    });
+        let size = self.batch_size.max(1);
+        let timed_out = oldest.is_some_and(|at| at.elapsed() >= self.timeout);
+        if waiting >= size {
+            Some(size)
+        } else if draining || timed_out {
+            Some(waiting)
+        } else {
+            None
+        }
+    }
 }
 
 /// The batcher actor.
-pub struct Batcher<D: Domain> {
-    shared: Arc<Shared<D>>,
-    entries: Vec<Processed<D::Record>>,
-    batch_size: usize,
-    timeout: Duration,
-    /// The pending timeout flush, cancelled by a size flush.
+pub struct Batcher<R: Send + Unpin + 'static> {
+    rule: FlushRule,
+    sink: Recipient<Batch<R>>,
+    entries: Vec<Decoded<R>>,
+    /// When the oldest waiting entry arrived.
+    oldest: Option<Instant>,
+    /// A batch is at the sink.
+    busy: bool,
+    /// A timer for the oldest entry is pending.
     timer: Option<SpawnHandle>,
     /// After `Drain`, everything is flushed at once.
     draining: bool,
-    /// Numbers batches in logs.
+    /// `pipeline-index`, the prefix of batch ids in logs.
+    name: String,
     next_batch_id: u64,
-    /// Which batcher this is, for batch ids.
-    index: usize,
 }
 
-impl<D: Domain> Batcher<D> {
-    pub fn new(shared: Arc<Shared<D>>, index: usize, batch_size: usize, timeout: Duration) -> Self {
+impl<R: Send + Unpin + 'static> Batcher<R> {
+    pub fn new(rule: FlushRule, sink: Recipient<Batch<R>>, name: String) -> Self {
         Self {
-            shared,
-            entries: Vec::with_capacity(batch_size),
-            batch_size,
-            timeout,
+            rule,
+            sink,
+            entries: Vec::new(),
+            oldest: None,
+            busy: false,
             timer: None,
             draining: false,
+            name,
             next_batch_id: 0,
-            index,
         }
     }
 
+    /// Hands the sink a batch if one is due, and arms the timer for what waits.
     fn flush(&mut self, ctx: &mut Context<Self>) {
-        if let Some(timer) = self.timer.take() {
-            ctx.cancel_future(timer);
-        }
-        if self.entries.is_empty() {
-            return;
-        }
-        let batch = std::mem::replace(&mut self.entries, Vec::with_capacity(self.batch_size));
-        self.next_batch_id += 1;
-        let batch_id = format!(
-            "{}-{}-{}",
-            self.shared.pipeline, self.index, self.next_batch_id
-        );
-        let shared = self.shared.clone();
-        // `wait`: one batch at a time per batcher; new messages wait in the mailbox meanwhile.
-        ctx.wait(process(shared, batch, batch_id).into_actor(self));
-    }
-}
-
-impl<D: Domain> Actor for Batcher<D> {
-    type Context = Context<Self>;
-}
-
-impl<D: Domain> Supervised for Batcher<D> {}
-
-impl<D: Domain> Handler<Processed<D::Record>> for Batcher<D> {
-    type Result = ();
-
-    fn handle(&mut self, msg: Processed<D::Record>, ctx: &mut Self::Context) {
-        self.entries.push(msg);
-        if self.entries.len() >= self.batch_size || self.draining || self.timeout.is_zero() {
-            self.flush(ctx);
-        } else if self.entries.len() == 1 {
-            self.timer = Some(ctx.run_later(self.timeout, |act, ctx| {
-                act.timer = None;
+        if let Some(n) = self
+            .rule
+            .due(self.entries.len(), self.oldest, self.draining, self.busy)
+        {
+            let entries = if n == self.entries.len() {
+                std::mem::take(&mut self.entries)
+            } else {
+                self.entries.drain(..n).collect()
+            };
+            self.oldest = (!self.entries.is_empty()).then(Instant::now);
+            self.next_batch_id += 1;
+            let batch = Batch {
+                id: format!("{}-{}", self.name, self.next_batch_id),
+                entries,
+            };
+            self.busy = true;
+            ctx.spawn(self.sink.send(batch).into_actor(self).map(|_, act, ctx| {
+                act.busy = false;
                 act.flush(ctx);
             }));
         }
+        self.arm_timer(ctx);
+    }
+
+    /// A timer for when the oldest waiting entry is due (none while the sink is busy: its
+    /// answer flushes).
+    fn arm_timer(&mut self, ctx: &mut Context<Self>) {
+        if let Some(timer) = self.timer.take() {
+            ctx.cancel_future(timer);
+        }
+        let Some(oldest) = self.oldest else {
+            return;
+        };
+        if self.busy || self.entries.is_empty() {
+            return;
+        }
+        let wait = self.rule.timeout.saturating_sub(oldest.elapsed());
+        self.timer = Some(ctx.run_later(wait, |act, ctx| {
+            act.timer = None;
+            act.flush(ctx);
+        }));
     }
 }
 
-impl<D: Domain> Handler<Drain> for Batcher<D> {
+impl<R: Send + Unpin + 'static> Actor for Batcher<R> {
+    type Context = Context<Self>;
+}
+
+impl<R: Send + Unpin + 'static> Supervised for Batcher<R> {}
+
+impl<R: Send + Unpin + 'static> Handler<Processed<R>> for Batcher<R> {
+    type Result = ();
+
+    fn handle(&mut self, msg: Processed<R>, ctx: &mut Self::Context) {
+        if msg.0.is_empty() {
+            return;
+        }
+        if self.entries.is_empty() {
+            self.oldest = Some(Instant::now());
+            self.entries = msg.0;
+        } else {
+            self.entries.extend(msg.0);
+        }
+        self.flush(ctx);
+    }
+}
+
+impl<R: Send + Unpin + 'static> Handler<Drain> for Batcher<R> {
     type Result = ();
 
     fn handle(&mut self, _: Drain, ctx: &mut Self::Context) {
@@ -201,454 +153,39 @@ impl<D: Domain> Handler<Drain> for Batcher<D> {
     }
 }
 
-/// How one message of a batch ends, before its settlement.
-#[derive(Clone)]
-enum Fate {
-    /// Settled as is (inserted, or already given its disposition).
-    Settled(Disposition),
-    /// Republished (retry, DLX, back to the DLQ), then acked once confirmed.
-    Route(Route),
-    /// Parked in `dead_letters` (DLQ consumer), then acked once committed.
-    Park { kind: &'static str, reason: String },
-    /// Given back to its queue after a backoff, for this reason (counted).
-    Requeue(&'static str),
-}
-
-/// Where a message that failed for `kind` goes: the main pipeline dead-letters it, the DLQ
-/// consumer parks it.
-fn refused<D: Domain>(shared: &Shared<D>, kind: &'static str, reason: String) -> Fate {
-    match shared.mode {
-        Mode::Main => Fate::Route(Route::DeadLetter { kind, reason }),
-        Mode::Dlq => Fate::Park { kind, reason },
-    }
-}
-
-/// Where a message whose insert failed with `e` goes.
-fn failed<D: Domain>(shared: &Shared<D>, message: &Delivered, e: &DbError, reason: &str) -> Fate {
-    match (e.class(), shared.mode) {
-        (ErrorClass::Permanent, _) => refused(shared, "db_permanent", reason.to_string()),
-        (ErrorClass::Transient, Mode::Main) => Fate::Route(Route::Retry {
-            reason: reason.to_string(),
-        }),
-        // The DLQ consumer counts its own attempts while the database answers with an error,
-        // and parks after the bound: no message loops in the DLQ forever.
-        (ErrorClass::Transient, Mode::Dlq) if e.server_answered() => {
-            let attempts = headers::dlq_attempts(&message.properties).count() + 1;
-            if attempts >= shared.dlq_max_attempts {
-                Fate::Park {
-                    kind: "retries_exhausted",
-                    reason: format!("the DLQ consumer gave up after {attempts} attempts: {reason}"),
-                }
-            } else {
-                Fate::Route(Route::DlqAttempt {
-                    attempts,
-                    reason: reason.to_string(),
-                })
-            }
-        }
-        // No database at all (an outage): wait, count nothing.
-        (ErrorClass::Transient, Mode::Dlq) => Fate::Requeue("db_unavailable"),
-        // Systemic errors only end here at shutdown: the message stays with the broker.
-        (ErrorClass::Systemic, _) => Fate::Settled(Disposition::Requeue),
-    }
-}
-
-/// Processes one batch and sends its settlement.
-async fn process<D: Domain>(
-    shared: Arc<Shared<D>>,
-    batch: Vec<Processed<D::Record>>,
-    batch_id: String,
-) {
-    let started = Instant::now();
-    let n = batch.len();
-    let mut fates: Vec<Option<Fate>> = (0..n).map(|_| None).collect();
-    let mut valid: Vec<(usize, &D::Record)> = Vec::with_capacity(n);
-
-    for (i, p) in batch.iter().enumerate() {
-        match &p.result {
-            Ok(record) => valid.push((i, record)),
-            Err(rejection) => {
-                metrics::message_refused(
-                    shared.pipeline,
-                    rejection.kind.as_str(),
-                    &rejection.reason,
-                    &p.delivered,
-                );
-                fates[i] = Some(refused(
-                    &shared,
-                    rejection.kind.as_str(),
-                    rejection.reason.clone(),
-                ));
-            }
-        }
-    }
-
-    let valid_count = valid.len();
-    let results = insert_isolating(&shared, valid, &batch_id).await;
-    let mut inserted = 0usize;
-    let mut transient: Option<String> = None;
-    // Per group of rows that ended alike: the reason is formatted once, not per message.
-    for (indices, result) in results {
-        match result {
-            Ok(conflicts) => {
-                for (i, reason) in conflicts {
-                    fates[i] = Some(refused(&shared, ID_CONFLICT, reason));
-                }
-                for i in indices {
-                    if fates[i].is_none() {
-                        inserted += 1;
-                        fates[i] = Some(Fate::Settled(Disposition::Ack));
-                    }
-                }
-            }
-            Err(e) => {
-                let reason = e.short_reason();
-                for i in indices {
-                    fates[i] = Some(failed(&shared, &batch[i].delivered, &e, &reason));
-                }
-                if e.class() == ErrorClass::Transient {
-                    transient.get_or_insert(reason);
-                }
-            }
-        }
-    }
-    if valid_count > 0 {
-        metrics::batch_inserted(shared.pipeline, valid_count, inserted, started.elapsed());
-        metrics::end_to_end(
-            batch
-                .iter()
-                .zip(&fates)
-                .filter(|(_, f)| matches!(f, Some(Fate::Settled(Disposition::Ack))))
-                .filter_map(|(p, _)| *p.delivered.properties.timestamp()),
-        );
-    }
-    // The breaker counts batches where the database took nothing; a batch that lost one bad
-    // row and committed the rest is a sign of health.
-    if transient.is_some() && inserted == 0 {
-        let failures = shared.failures.fetch_add(1, Ordering::Relaxed) + 1;
-        if shared.mode == Mode::Main && failures >= shared.breaker_threshold {
-            open_breaker(&shared, transient.as_deref().unwrap_or("database failing"));
-        }
-    } else if inserted > 0 {
-        shared.failures.store(0, Ordering::Relaxed);
-    }
-
-    park_all(&shared, &batch, &mut fates).await;
-
-    // What goes back (to its queue, or to the DLQ for another attempt) waits a backoff first,
-    // so a failing hop or a database that keeps refusing is never a hot loop.
-    let mut waited = false;
-    let retrying = fates
-        .iter()
-        .filter(|f| matches!(f, Some(Fate::Route(Route::DlqAttempt { .. }))))
-        .count();
-    if retrying > 0 {
-        let delay = requeue_backoff(shared.requeues.fetch_add(1, Ordering::Relaxed) + 1);
-        warn!(pipeline = shared.pipeline, batch_id = %batch_id, count = retrying,
-            delay_ms = delay.as_millis() as u64,
-            "the database refused DLQ messages; trying them again after a backoff");
-        sleep_unless_stopping(&shared, delay).await;
-        waited = true;
-    }
-    route_all(&shared, &batch, &mut fates).await;
-
-    let requeued: Vec<&'static str> = fates
-        .iter()
-        .filter_map(|f| match f {
-            Some(Fate::Requeue(reason)) => Some(*reason),
-            _ => None,
-        })
-        .collect();
-    if !requeued.is_empty() {
-        let streak = if waited {
-            shared.requeues.load(Ordering::Relaxed)
-        } else {
-            shared.requeues.fetch_add(1, Ordering::Relaxed) + 1
-        };
-        let delay = requeue_backoff(streak);
-        for (reason, n) in count_by_kind(requeued.into_iter()) {
-            metrics::requeued(shared.pipeline, reason, n);
-            warn!(pipeline = shared.pipeline, batch_id = %batch_id, reason, count = n,
-                delay_ms = delay.as_millis() as u64,
-                "messages go back to their queue after a backoff");
-        }
-        if !waited {
-            sleep_unless_stopping(&shared, delay).await;
-        }
-    } else if !waited && fates.iter().all(|f| matches!(f, Some(Fate::Settled(_)))) {
-        shared.requeues.store(0, Ordering::Relaxed);
-    }
-
-    if let Some(reason) = transient {
-        warn!(pipeline = shared.pipeline, batch_id = %batch_id, reason = %reason,
-            "batch insert failed for some rows; they went their way (retry queue, DLQ attempt or requeue)");
-    }
-    let generation_items = batch.iter().zip(fates).map(|(p, f)| {
-        let disposition = match f {
-            Some(Fate::Settled(d)) => d,
-            _ => Disposition::Requeue,
-        };
-        (p.delivered.generation, p.delivered.tag, disposition)
-    });
-    // One settle per generation present in the batch (normally exactly one).
-    let mut by_generation: Vec<(u64, Vec<(u64, Disposition)>)> = Vec::new();
-    for (generation, tag, d) in generation_items {
-        match by_generation.iter_mut().find(|(g, _)| *g == generation) {
-            Some((_, items)) => items.push((tag, d)),
-            None => by_generation.push((generation, vec![(tag, d)])),
-        }
-    }
-    for (generation, items) in by_generation {
-        shared.settle.do_send(Settle { generation, items });
-    }
-}
-
-/// Parks every `Fate::Park` of the batch with one statement (row by row if refused); each
-/// becomes an ack once committed, or a requeue if the database does not take it.
-async fn park_all<D: Domain>(
-    shared: &Shared<D>,
-    batch: &[Processed<D::Record>],
-    fates: &mut [Option<Fate>],
-) {
-    let mut indices = Vec::new();
-    let mut kinds = Vec::new();
-    let mut rows = Vec::new();
-    for (i, f) in fates.iter().enumerate() {
-        if let Some(Fate::Park { kind, reason }) = f {
-            let d = &batch[i].delivered;
-            indices.push(i);
-            kinds.push(*kind);
-            rows.push(dead_letters::ParkRow {
-                message_id: d.properties.message_id().as_ref().map(|m| m.as_str()),
-                body: &d.body,
-                headers: headers::to_json(&d.properties),
-                kind,
-                reason,
-            });
-        }
-    }
-    if rows.is_empty() {
-        return;
-    }
-    let result = dead_letters::park(&shared.pool, shared.db_bound, &rows).await;
-    drop(rows);
-    let settled = match result {
-        Ok(parked) => {
-            if parked.bare > 0 {
-                warn!(
-                    pipeline = shared.pipeline,
-                    bare = parked.bare,
-                    "some messages were parked without their headers (the database refused them)"
-                );
-            }
-            for (kind, n) in count_by_kind(kinds.into_iter()) {
-                metrics::messages_parked(kind, n);
-            }
-            Fate::Settled(Disposition::Ack)
-        }
-        Err(e) => {
-            error!(pipeline = shared.pipeline, error = %e, count = indices.len(),
-                "cannot park messages; they go back to the DLQ");
-            Fate::Requeue("db_unavailable")
-        }
-    };
-    for i in indices {
-        fates[i] = Some(settled.clone());
-    }
-}
-
-/// Republishes every `Fate::Route` of the batch (confirmed); each becomes an ack once
-/// confirmed, or a requeue.
-async fn route_all<D: Domain>(
-    shared: &Shared<D>,
-    batch: &[Processed<D::Record>],
-    fates: &mut [Option<Fate>],
-) {
-    let mut indices = Vec::new();
-    let mut items: Vec<(&Delivered, Route)> = Vec::new();
-    for (i, f) in fates.iter_mut().enumerate() {
-        if let Some(Fate::Route(_)) = f
-            && let Some(Fate::Route(route)) = f.take()
-        {
-            indices.push(i);
-            items.push((&batch[i].delivered, route));
-        }
-    }
-    if items.is_empty() {
-        return;
-    }
-    let outcomes = shared.router.route(&items).await;
-    let mut routed = Vec::new();
-    for (i, (disposition, kind)) in indices.into_iter().zip(outcomes) {
-        fates[i] = Some(match disposition {
-            Disposition::Ack => {
-                metrics::message_routed(shared.pipeline, kind, &batch[i].delivered);
-                routed.push(kind);
-                Fate::Settled(Disposition::Ack)
-            }
-            Disposition::Requeue => Fate::Requeue("publish_failed"),
-        });
-    }
-    for (kind, n) in count_by_kind(routed.into_iter()) {
-        metrics::messages_routed(shared.pipeline, kind, n);
-    }
-}
-
-/// How many of each kind, in first-seen order (a handful of kinds per batch at most).
-fn count_by_kind(kinds: impl Iterator<Item = &'static str>) -> Vec<(&'static str, u64)> {
-    let mut counts: Vec<(&'static str, u64)> = Vec::new();
-    for kind in kinds {
-        match counts.iter_mut().find(|(k, _)| *k == kind) {
-            Some((_, n)) => *n += 1,
-            None => counts.push((kind, 1)),
-        }
-    }
-    counts
-}
-
-/// The delay before messages go back to their queue (backon): 200 ms doubling per consecutive
-/// batch that requeued something, up to 30 s, each with up to 100% jitter on top.
-fn requeue_backoff(streak: u32) -> Duration {
-    crate::amqp::backoff(Duration::from_millis(200), Duration::from_secs(30))
-        .nth(streak.saturating_sub(1).min(32) as usize)
-        .unwrap_or(Duration::from_secs(30))
-}
-
-async fn sleep_unless_stopping<D: Domain>(shared: &Shared<D>, delay: Duration) {
-    let deadline = Instant::now() + delay;
-    while Instant::now() < deadline && !shared.stopping.load(Ordering::Relaxed) {
-        tokio::time::sleep(Duration::from_millis(50).min(deadline - Instant::now())).await;
-    }
-}
-
-/// Indices of a group and how its insert ended: the conflicting records (by batch index, with
-/// their reason) when it committed, or the error.
-type GroupResult = (Vec<usize>, Result<Vec<(usize, String)>, DbError>);
-
-/// Inserts `records`, splitting a group in halves when the database refuses it in a way a row
-/// may have caused (permanently, or transiently with a server error once the in-place retries
-/// are spent), so only the offending rows fail. Transient errors are retried in place within the
-/// retry window; systemic errors are retried with backoff until they clear or warren stops.
-async fn insert_isolating<D: Domain>(
-    shared: &Arc<Shared<D>>,
-    records: Vec<(usize, &D::Record)>,
-    batch_id: &str,
-) -> Vec<GroupResult> {
-    let mut out = Vec::new();
-    if records.is_empty() {
-        return out;
-    }
-    let deadline = Instant::now() + shared.db_retry_window;
-    let mut stack: Vec<Vec<(usize, &D::Record)>> = vec![records];
-    let mut splits = 0usize;
-    while let Some(group) = stack.pop() {
-        let refs: Vec<&D::Record> = group.iter().map(|(_, r)| *r).collect();
-        match insert_retrying(shared, &refs, deadline, batch_id).await {
-            Ok(done) => {
-                let conflicts = done
-                    .conflicts
-                    .into_iter()
-                    .filter_map(|(j, reason)| group.get(j).map(|(i, _)| (*i, reason)))
-                    .collect();
-                out.push((group.into_iter().map(|(i, _)| i).collect(), Ok(conflicts)));
-            }
-            Err(e)
-                if group.len() > 1
-                    && !shared.stopping.load(Ordering::Relaxed)
-                    && (e.class() == ErrorClass::Permanent
-                        || (e.class() == ErrorClass::Transient && e.may_be_row_specific())) =>
-            {
-                splits += 1;
-                let mut left = group;
-                let right = left.split_off(left.len() / 2);
-                stack.push(right);
-                stack.push(left);
-            }
-            Err(e) => out.push((group.into_iter().map(|(i, _)| i).collect(), Err(e))),
-        }
-    }
-    if splits > 0 {
-        info!(
-            pipeline = shared.pipeline,
-            batch_id, splits, "batch split to isolate refused rows"
-        );
-    }
-    out
-}
-
-/// One insert statement, retried in place: transient errors until `deadline`, systemic errors
-/// (the deployment is wrong) with backoff until they clear or warren stops. Each attempt is
-/// bounded on the client side, so a half-open connection fails it within seconds.
-async fn insert_retrying<D: Domain>(
-    shared: &Arc<Shared<D>>,
-    records: &[&D::Record],
-    deadline: Instant,
-    batch_id: &str,
-) -> Result<Inserted, DbError> {
-    let mut delays = crate::amqp::reconnect_backoff();
-    loop {
-        let result = match shared.pool.get().await {
-            Ok(client) => {
-                match tokio::time::timeout(shared.db_bound, shared.domain.insert(&client, records))
-                    .await
-                {
-                    Ok(result) => result,
-                    Err(_) => Err(crate::db::abandon(client, shared.db_bound)),
-                }
-            }
-            Err(e) => Err(DbError::from_pool(e)),
-        };
-        let e = match result {
-            Ok(done) => {
-                metrics::postgres(true);
-                return Ok(done);
-            }
-            Err(e) => e,
-        };
-        if matches!(e, DbError::Connection(_)) {
-            metrics::postgres(false);
-        }
-        if shared.stopping.load(Ordering::Relaxed) {
-            return Err(e);
-        }
-        let delay = delays.next().unwrap_or(Duration::from_secs(30));
-        match e.class() {
-            ErrorClass::Permanent => return Err(e),
-            ErrorClass::Transient => {
-                if Instant::now() + delay > deadline {
-                    return Err(e);
-                }
-                warn!(pipeline = shared.pipeline, batch_id, error = %e, retry_in_ms = delay.as_millis() as u64,
-                    "transient database error; retrying the batch in place");
-            }
-            ErrorClass::Systemic => {
-                error!(pipeline = shared.pipeline, batch_id, error = %e, retry_in_ms = delay.as_millis() as u64,
-                    "SYSTEMIC database error: the deployment is wrong (table, privileges, database); \
-                     holding the batch, no message is dead-lettered");
-                open_breaker(shared, "systemic database error");
-            }
-        }
-        sleep_unless_stopping(shared, delay).await;
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
 
+    const RULE: FlushRule = FlushRule {
+        batch_size: 100,
+        timeout: Duration::from_secs(60),
+    };
+
     #[test]
-    fn requeue_backoff_grows_from_200ms_to_30s() {
-        let first = requeue_backoff(1);
-        assert!(
-            first >= Duration::from_millis(200) && first < Duration::from_millis(400),
-            "{first:?}"
-        );
-        let later = requeue_backoff(5);
-        assert!(later >= Duration::from_millis(3200), "{later:?}");
-        let capped = requeue_backoff(40);
-        assert!(
-            capped >= Duration::from_secs(30) && capped < Duration::from_secs(60),
-            "{capped:?}"
-        );
+    fn a_full_batch_goes_at_once_and_never_more_than_the_size() {
+        let now = Some(Instant::now());
+        assert_eq!(RULE.due(100, now, false, false), Some(100));
+        assert_eq!(RULE.due(250, now, false, false), Some(100));
+        assert_eq!(RULE.due(99, now, false, false), None);
+    }
+
+    #[test]
+    fn a_partial_batch_waits_for_the_timeout_or_the_drain() {
+        let old = Instant::now().checked_sub(Duration::from_secs(61));
+        assert_eq!(RULE.due(7, old, false, false), Some(7));
+        assert_eq!(RULE.due(7, Some(Instant::now()), true, false), Some(7));
+        let zero = FlushRule {
+            batch_size: 100,
+            timeout: Duration::ZERO,
+        };
+        assert_eq!(zero.due(1, Some(Instant::now()), false, false), Some(1));
+    }
+
+    #[test]
+    fn nothing_goes_while_the_sink_is_busy_or_nothing_waits() {
+        let old = Instant::now().checked_sub(Duration::from_secs(61));
+        assert_eq!(RULE.due(500, old, true, true), None);
+        assert_eq!(RULE.due(0, None, true, false), None);
     }
 }

@@ -1,6 +1,7 @@
-//! The consumer actor: owns the consuming connection and channel (qos set on every connect),
-//! hands deliveries to processors, and performs the acks and nacks the batchers decide, only on
-//! the channel that delivered them. A watchdog rebuilds a consumer whose channel closed or whose
+//! The consumer stage: the broker link. It owns the consuming connection and channel (qos set
+//! on every connect), hands what the broker pushed to the processors in chunks (everything ready
+//! at once, up to a bound, a batch's worth per batcher), and performs the acks and nacks the
+//! later stages decide (`acks.rs`), only on the channel that delivered them. A watchdog rebuilds a consumer whose channel closed or whose
 //! stream ended; every rebuild of a link that died young waits a growing backoff first, so a
 //! link that keeps failing is never a hot loop.
 //!
@@ -22,44 +23,42 @@ use actix::prelude::*;
 use futures::StreamExt;
 use governor::clock::Clock;
 use governor::{DefaultDirectRateLimiter, Quota, RateLimiter};
-use lapin::message::Delivery;
-use lapin::options::{
-    BasicAckOptions, BasicCancelOptions, BasicConsumeOptions, BasicNackOptions, BasicQosOptions,
-};
+use lapin::options::{BasicCancelOptions, BasicConsumeOptions, BasicQosOptions};
 use lapin::types::FieldTable;
 use lapin::{Channel, Connection};
-use tokio::sync::{mpsc, oneshot};
+use tokio::sync::oneshot;
 use tracing::{debug, error, info, warn};
 
-use super::Drain;
-use super::acks::{AckTracker, Disposition, Op, coalesce};
-use super::processor::Delivered;
+use super::acks::Acker;
+use super::message::{Chunk, Delivery, Hold, HoldReason, Settle};
 use crate::amqp::{self, AmqpError};
 use crate::config::Settings;
 
-/// Batchers report how deliveries of a channel generation ended.
-#[derive(Debug, Message)]
-#[rtype(result = "()")]
-pub struct Settle {
-    /// The channel generation the deliveries came from; settlements for an older one are
-    /// dropped (the broker already requeued those messages).
-    pub generation: u64,
-    pub items: Vec<(u64, Disposition)>,
-}
+/// The most deliveries handed onwards in one chunk (what the broker pushed and lapin holds
+/// ready at one poll, up to this).
+const CHUNK_MAX: usize = 1000;
 
-/// Stop taking deliveries, let everything in flight settle, close. Answers when done.
+/// Shutdown, step 1: stop taking deliveries (cancel the subscription). Answers once nothing
+/// more will arrive; whatever the rate limiter held has been handed onwards by then.
 #[derive(Debug, Message)]
 #[rtype(result = "()")]
-pub struct Shutdown;
+pub struct Cancel;
+
+/// Shutdown, step 4: answers once every delivery is settled and its ack or nack was sent.
+#[derive(Debug, Message)]
+#[rtype(result = "()")]
+pub struct Settled;
+
+/// Shutdown, step 5: close the channel and the connection. Answers when closed.
+#[derive(Debug, Message)]
+#[rtype(result = "()")]
+pub struct Close;
 
 /// Replace the processors deliveries are spread over (live scaling). Processors no longer used
 /// finish what their mailboxes hold and stop when their last address is dropped.
 #[derive(Message)]
 #[rtype(result = "()")]
-pub struct SetProcessors {
-    pub deliveries: Vec<Recipient<Delivered>>,
-    pub drains: Vec<Recipient<Drain>>,
-}
+pub struct SetProcessors(pub Vec<Recipient<Chunk>>);
 
 /// Hand at most `per_s` deliveries per second onwards from now on; 0 removes the limit.
 #[derive(Debug, Message)]
@@ -76,24 +75,6 @@ fn limiter(per_s: u32) -> Option<DefaultDirectRateLimiter> {
     Some(RateLimiter::direct(
         Quota::per_second(rate).allow_burst(burst),
     ))
-}
-
-/// Why the consumer stops taking deliveries for a while.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum HoldReason {
-    /// The database keeps failing: the sink-outage breaker is open.
-    Breaker,
-    /// An operator asked for it (`warren ctl pause`).
-    Operator,
-}
-
-/// Stop (`on = true`) or resume (`on = false`) taking deliveries for `reason`. Deliveries in
-/// flight finish normally; the channel stays open so they can be acked.
-#[derive(Debug, Message)]
-#[rtype(result = "()")]
-pub struct Hold {
-    pub reason: HoldReason,
-    pub on: bool,
 }
 
 /// A `basic.consume` finished on the channel of `generation`: the consumer, or why not.
@@ -126,7 +107,8 @@ struct Connected {
 
 /// The consumer stream, tagged with its generation, and its end.
 enum Event {
-    Delivery(u64, Box<lapin::Result<Delivery>>),
+    /// Everything the stream held ready at one poll.
+    Deliveries(u64, Vec<lapin::Result<lapin::message::Delivery>>),
     /// The subscription with this consumer tag ended.
     Ended(u64, String),
 }
@@ -146,10 +128,8 @@ pub struct ConsumerConfig {
 pub struct Consumer {
     config: ConsumerConfig,
     settings: Settings,
-    /// Processors, fed round-robin.
-    processors: Vec<Recipient<Delivered>>,
-    /// The same processors, for the `Drain` marker that follows their deliveries.
-    processor_drains: Vec<Recipient<Drain>>,
+    /// Processors, fed a chunk each, round-robin.
+    processors: Vec<Recipient<Chunk>>,
     next_processor: usize,
     /// Number of batchers and the one the current chunk of deliveries goes to.
     batchers: usize,
@@ -170,10 +150,8 @@ pub struct Consumer {
     rebuild_delays: Box<dyn Iterator<Item = Duration> + Send>,
     /// The last error the consumer stream reported, to name why the link ended.
     last_stream_error: Option<String>,
-    /// Ordered channel operations, executed by one task per channel.
-    ops: Option<mpsc::UnboundedSender<Vec<Op>>>,
-    ops_task: Option<tokio::task::JoinHandle<()>>,
-    tracker: AckTracker,
+    /// The acks of the current channel.
+    acker: Option<Acker>,
     /// Delivered but not yet settled, over all generations (drain waits for 0).
     inflight: usize,
     connecting: bool,
@@ -193,14 +171,16 @@ pub struct Consumer {
     stopping: bool,
     /// The stream ended after a cancel: nothing more will arrive.
     stream_ended: bool,
-    drain_sent: bool,
-    done: Vec<oneshot::Sender<()>>,
+    /// Answered when the stream ended after `Cancel`.
+    cancelled: Vec<oneshot::Sender<()>>,
+    /// Answered when everything is settled and acked after `Cancel`.
+    settled: Vec<oneshot::Sender<()>>,
     /// Caps the deliveries handed onwards per second (RATE_LIMIT_PER_S, `warren ctl rate`);
     /// `None` = no limit.
     limiter: Option<DefaultDirectRateLimiter>,
     /// Deliveries taken but held back by the limiter, oldest first; unacked, so the prefetch
     /// window bounds them.
-    held: VecDeque<Delivered>,
+    held: VecDeque<Delivery>,
     /// A timer to release `held` is pending.
     release_pending: bool,
 }
@@ -209,8 +189,7 @@ impl Consumer {
     pub fn new(
         config: ConsumerConfig,
         settings: Settings,
-        processors: Vec<Recipient<Delivered>>,
-        processor_drains: Vec<Recipient<Drain>>,
+        processors: Vec<Recipient<Chunk>>,
         batchers: usize,
     ) -> Self {
         let received_counter = crate::metrics::received_counter(config.pipeline);
@@ -219,7 +198,6 @@ impl Consumer {
             config,
             settings,
             processors,
-            processor_drains,
             next_processor: 0,
             batchers: batchers.max(1),
             current_batcher: 0,
@@ -233,9 +211,7 @@ impl Consumer {
             linked_at: None,
             rebuild_delays: Box::new(amqp::reconnect_backoff()),
             last_stream_error: None,
-            ops: None,
-            ops_task: None,
-            tracker: AckTracker::default(),
+            acker: None,
             inflight: 0,
             connecting: false,
             holds: Vec::new(),
@@ -246,8 +222,8 @@ impl Consumer {
             inflight_gauge: crate::metrics::inflight_gauge(),
             stopping: false,
             stream_ended: false,
-            drain_sent: false,
-            done: Vec::new(),
+            cancelled: Vec::new(),
+            settled: Vec::new(),
             limiter,
             held: VecDeque::new(),
             release_pending: false,
@@ -363,9 +339,8 @@ impl Consumer {
 
     /// Drops the current channel: its unacked deliveries go back to the queue on the broker.
     fn teardown(&mut self) {
-        self.ops = None;
-        self.ops_task = None;
-        self.tracker = AckTracker::default();
+        // Dropping the acker ends its task; the channel's unacked deliveries are requeued.
+        self.acker = None;
         self.consumer_tag = None;
         self.subscribing = false;
         // Held deliveries of this channel go back to the queue with it.
@@ -376,22 +351,42 @@ impl Consumer {
         actix::spawn(amqp::close(channel, conn));
     }
 
-    fn dispatch(&mut self, delivery: Delivery, ctx: &mut Context<Self>) {
-        self.tracker.delivered(delivery.delivery_tag);
-        self.inflight += 1;
-        self.received += 1;
-        let message = Delivered {
-            generation: self.generation,
-            tag: delivery.delivery_tag,
-            redelivered: delivery.redelivered,
-            body: delivery.data,
-            properties: delivery.properties,
-            batcher: 0,
-        };
+    /// Takes what the broker pushed: records every delivery for the acks, then hands the
+    /// chunk onwards (through the limiter when one is set).
+    fn dispatch(
+        &mut self,
+        chunk: Vec<lapin::Result<lapin::message::Delivery>>,
+        ctx: &mut Context<Self>,
+    ) {
+        let generation = self.generation;
+        let mut deliveries = Vec::with_capacity(chunk.len());
+        for item in chunk {
+            match item {
+                Ok(d) => deliveries.push(Delivery {
+                    generation,
+                    tag: d.delivery_tag,
+                    redelivered: d.redelivered,
+                    body: d.data,
+                    properties: d.properties,
+                }),
+                Err(e) => {
+                    warn!(pipeline = self.config.pipeline, error = %e, "consumer stream error");
+                    self.last_stream_error = Some(e.to_string());
+                }
+            }
+        }
+        if deliveries.is_empty() {
+            return;
+        }
+        if let Some(acker) = &mut self.acker {
+            acker.delivered(deliveries.iter().map(|d| d.tag));
+        }
+        self.inflight += deliveries.len();
+        self.received += deliveries.len() as u64;
         if self.limiter.is_none() && self.held.is_empty() {
-            self.hand_on(message);
+            self.hand_on(deliveries);
         } else {
-            self.held.push_back(message);
+            self.held.extend(deliveries);
             self.release(ctx);
         }
     }
@@ -400,6 +395,7 @@ impl Consumer {
     /// itself for when the next one may go. Without a limiter, or while stopping, everything
     /// held goes at once. Deliveries of a closed channel are dropped (the broker requeued them).
     fn release(&mut self, ctx: &mut Context<Self>) {
+        let mut ready = Vec::new();
         while let Some(front) = self.held.front() {
             if front.generation != self.generation {
                 self.held.pop_front();
@@ -421,11 +417,17 @@ impl Consumer {
                         act.release(ctx);
                     });
                 }
-                return;
+                break;
             }
             if let Some(message) = self.held.pop_front() {
-                self.hand_on(message);
+                ready.push(message);
             }
+        }
+        if !ready.is_empty() {
+            self.hand_on(ready);
+        }
+        if !self.held.is_empty() {
+            return;
         }
         if self.inflight == 0 {
             self.maybe_subscribe(ctx);
@@ -433,27 +435,41 @@ impl Consumer {
         }
     }
 
-    /// Sends one delivery to the next processor, for the batcher of the current chunk.
-    fn hand_on(&mut self, mut message: Delivered) {
-        message.batcher = self.current_batcher;
-        self.chunk_filled += 1;
-        if self.chunk_filled >= self.config.batch_size {
-            self.chunk_filled = 0;
-            self.current_batcher = (self.current_batcher + 1) % self.batchers;
+    /// Hands deliveries onwards in chunks, one per processor in turn, each chunk for one
+    /// batcher: a batcher gets a batch's worth before the next one's turn, so batches fill one
+    /// at a time.
+    fn hand_on(&mut self, mut deliveries: Vec<Delivery>) {
+        let batch_size = self.config.batch_size.max(1);
+        while !deliveries.is_empty() {
+            let room = batch_size - self.chunk_filled;
+            let rest = if deliveries.len() > room {
+                deliveries.split_off(room)
+            } else {
+                Vec::new()
+            };
+            self.chunk_filled += deliveries.len();
+            let batcher = self.current_batcher;
+            if self.chunk_filled >= batch_size {
+                self.chunk_filled = 0;
+                self.current_batcher = (self.current_batcher + 1) % self.batchers;
+            }
+            let processor = &self.processors[self.next_processor];
+            self.next_processor = (self.next_processor + 1) % self.processors.len();
+            processor.do_send(Chunk {
+                batcher,
+                deliveries,
+            });
+            deliveries = rest;
         }
-        let processor = &self.processors[self.next_processor];
-        self.next_processor = (self.next_processor + 1) % self.processors.len();
-        processor.do_send(message);
     }
 
-    fn send_drain(&mut self) {
-        if self.drain_sent {
-            return;
+    /// Nothing more will arrive: answers `Cancel`, then checks whether all is settled.
+    fn stream_done(&mut self, ctx: &mut Context<Self>) {
+        self.stream_ended = true;
+        for w in self.cancelled.drain(..) {
+            let _ = w.send(());
         }
-        self.drain_sent = true;
-        for p in &self.processor_drains {
-            p.do_send(Drain);
-        }
+        self.maybe_finish(ctx);
     }
 
     /// Cancels the subscription (deliveries in flight still settle on the open channel).
@@ -490,7 +506,8 @@ impl Consumer {
         self.consumer_tag = Some(tag.clone());
         self.idle = (self.received, 0);
         let stream = consumer
-            .map(move |d| Event::Delivery(generation, Box::new(d)))
+            .ready_chunks(CHUNK_MAX)
+            .map(move |chunk| Event::Deliveries(generation, chunk))
             .chain(futures::stream::once(async move {
                 Event::Ended(generation, tag)
             }));
@@ -551,24 +568,19 @@ impl Consumer {
         }
     }
 
+    /// Once stopping, the stream ended and nothing is in flight: sends the last acks and
+    /// answers `Settled`.
     fn maybe_finish(&mut self, ctx: &mut Context<Self>) {
-        if !(self.stopping && self.stream_ended && self.inflight == 0) || self.done.is_empty() {
+        if !(self.stopping && self.stream_ended && self.inflight == 0) || self.settled.is_empty() {
             return;
         }
-        let ops = self.ops.take();
-        let task = self.ops_task.take();
-        let channel = self.channel.take();
-        let conn = self.connection.take();
-        let waiters = std::mem::take(&mut self.done);
-        let pipeline = self.config.pipeline;
+        let acker = self.acker.take();
+        let waiters = std::mem::take(&mut self.settled);
         ctx.spawn(
             async move {
-                drop(ops);
-                if let Some(task) = task {
-                    let _ = task.await;
+                if let Some(acker) = acker {
+                    acker.close().await;
                 }
-                amqp::close(channel, conn).await;
-                info!(pipeline, "consumer drained and closed");
                 for w in waiters {
                     let _ = w.send(());
                 }
@@ -615,44 +627,6 @@ async fn open(
     }
 }
 
-/// Executes channel operations in order; stops at the first failure (the channel is gone and
-/// the broker requeues whatever was not acked).
-async fn run_ops(
-    channel: Channel,
-    mut rx: mpsc::UnboundedReceiver<Vec<Op>>,
-    pipeline: &'static str,
-) {
-    while let Some(mut ops) = rx.recv().await {
-        while let Ok(more) = rx.try_recv() {
-            ops.extend(more);
-        }
-        for op in coalesce(ops) {
-            let result = match op {
-                Op::AckUpTo(tag) => {
-                    channel
-                        .basic_ack(tag, BasicAckOptions { multiple: true })
-                        .await
-                }
-                Op::Requeue(tag) => {
-                    channel
-                        .basic_nack(
-                            tag,
-                            BasicNackOptions {
-                                multiple: false,
-                                requeue: true,
-                            },
-                        )
-                        .await
-                }
-            };
-            if let Err(e) = result {
-                warn!(pipeline, error = %e, "cannot ack on this channel any more; the broker will redeliver");
-                return;
-            }
-        }
-    }
-}
-
 impl Actor for Consumer {
     type Context = Context<Self>;
 
@@ -690,21 +664,12 @@ impl Handler<Connected> for Consumer {
         self.connecting = false;
         if self.stopping {
             actix::spawn(amqp::close(Some(msg.channel), Some(msg.conn)));
-            self.stream_ended = true;
-            self.send_drain();
-            self.maybe_finish(ctx);
+            self.stream_done(ctx);
             return;
         }
         self.generation += 1;
         let generation = self.generation;
-        let (tx, rx) = mpsc::unbounded_channel();
-        self.ops = Some(tx);
-        self.ops_task = Some(tokio::spawn(run_ops(
-            msg.channel.clone(),
-            rx,
-            self.config.pipeline,
-        )));
-        self.tracker = AckTracker::default();
+        self.acker = Some(Acker::open(msg.channel.clone(), self.config.pipeline));
         self.channel = Some(msg.channel);
         self.connection = Some(msg.conn);
         self.linked_at = Some(Instant::now());
@@ -722,16 +687,10 @@ impl Handler<Connected> for Consumer {
 impl StreamHandler<Event> for Consumer {
     fn handle(&mut self, event: Event, ctx: &mut Self::Context) {
         match event {
-            Event::Delivery(generation, delivery) if generation == self.generation => {
-                match *delivery {
-                    Ok(d) => self.dispatch(d, ctx),
-                    Err(e) => {
-                        warn!(pipeline = self.config.pipeline, error = %e, "consumer stream error");
-                        self.last_stream_error = Some(e.to_string());
-                    }
-                }
+            Event::Deliveries(generation, chunk) if generation == self.generation => {
+                self.dispatch(chunk, ctx)
             }
-            Event::Delivery(..) => {}
+            Event::Deliveries(..) => {}
             Event::Ended(generation, tag) => {
                 // Only the end of the current subscription matters; an older one was cancelled
                 // by us for a hold.
@@ -741,9 +700,7 @@ impl StreamHandler<Event> for Consumer {
                     return;
                 }
                 if self.stopping {
-                    self.stream_ended = true;
-                    self.send_drain();
-                    self.maybe_finish(ctx);
+                    self.stream_done(ctx);
                 } else if !self.connecting {
                     let reason = self.link_end_reason();
                     warn!(pipeline = self.config.pipeline, queue = %self.config.queue, reason,
@@ -765,16 +722,10 @@ impl Handler<Settle> for Consumer {
     fn handle(&mut self, msg: Settle, ctx: &mut Self::Context) {
         self.inflight = self.inflight.saturating_sub(msg.items.len());
         self.publish_counts();
-        if msg.generation == self.generation && self.ops.is_some() {
-            let mut ops = Vec::new();
-            for (tag, disposition) in msg.items {
-                self.tracker.settle(tag, disposition, &mut ops);
-            }
-            if !ops.is_empty()
-                && let Some(tx) = &self.ops
-            {
-                let _ = tx.send(ops);
-            }
+        if msg.generation == self.generation
+            && let Some(acker) = &mut self.acker
+        {
+            acker.settle(&msg.items);
         } else {
             debug!(
                 pipeline = self.config.pipeline,
@@ -789,12 +740,12 @@ impl Handler<Settle> for Consumer {
     }
 }
 
-impl Handler<Shutdown> for Consumer {
+impl Handler<Cancel> for Consumer {
     type Result = ResponseFuture<()>;
 
-    fn handle(&mut self, _: Shutdown, ctx: &mut Self::Context) -> Self::Result {
+    fn handle(&mut self, _: Cancel, ctx: &mut Self::Context) -> Self::Result {
         let (tx, rx) = oneshot::channel();
-        self.done.push(tx);
+        self.cancelled.push(tx);
         if !self.stopping {
             self.stopping = true;
             // Whatever the limiter holds goes onwards now, ahead of the drain marker.
@@ -804,15 +755,42 @@ impl Handler<Shutdown> for Consumer {
                     info!(pipeline = self.config.pipeline, "cancelling the consumer");
                     cancel(ch, tag.clone());
                 }
-                _ => {
-                    self.stream_ended = true;
-                    self.send_drain();
-                }
+                _ => self.stream_done(ctx),
             }
+        } else if self.stream_ended {
+            self.stream_done(ctx);
         }
+        Box::pin(async move {
+            let _ = rx.await;
+        })
+    }
+}
+
+impl Handler<Settled> for Consumer {
+    type Result = ResponseFuture<()>;
+
+    fn handle(&mut self, _: Settled, ctx: &mut Self::Context) -> Self::Result {
+        let (tx, rx) = oneshot::channel();
+        self.settled.push(tx);
         self.maybe_finish(ctx);
         Box::pin(async move {
             let _ = rx.await;
+        })
+    }
+}
+
+impl Handler<Close> for Consumer {
+    type Result = ResponseFuture<()>;
+
+    fn handle(&mut self, _: Close, _: &mut Self::Context) -> Self::Result {
+        self.stopping = true;
+        self.acker = None;
+        let channel = self.channel.take();
+        let conn = self.connection.take();
+        let pipeline = self.config.pipeline;
+        Box::pin(async move {
+            amqp::close(channel, conn).await;
+            info!(pipeline, "consumer closed");
         })
     }
 }
@@ -903,22 +881,16 @@ impl Handler<SetProcessors> for Consumer {
     type Result = ();
 
     fn handle(&mut self, msg: SetProcessors, _: &mut Self::Context) {
-        if msg.deliveries.is_empty() || msg.deliveries.len() != msg.drains.len() {
+        if msg.0.is_empty() {
             return;
         }
         info!(
             pipeline = self.config.pipeline,
-            processors = msg.deliveries.len(),
+            processors = msg.0.len(),
             "processors scaled"
         );
-        self.processors = msg.deliveries;
-        self.processor_drains = msg.drains;
+        self.processors = msg.0;
         self.next_processor = 0;
-        if self.drain_sent {
-            for p in &self.processor_drains {
-                p.do_send(Drain);
-            }
-        }
     }
 }
 

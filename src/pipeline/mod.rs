@@ -1,145 +1,234 @@
-//! The Broadway-shaped pipeline, wired here in flow order:
+//! The Broadway-shaped pipeline, wired here in flow order, with its one shutdown sequence.
 //!
 //! ```text
-//!  queue ──> Consumer ──round-robin──> Processor x USERS_PROC_CONCURRENCY   (decode, validate)
-//!  (prefetch)   ^                            │ batcher chosen by the consumer, a batch-size chunk each
-//!               │                            v
-//!               │                      Batcher x USERS_BATCH_CONCURRENCY    (size or timeout flush,
-//!               │                            │                               one INSERT per batch)
-//!               │                            ├──> Router ──> retry exchange / DLX  (confirmed)
-//!               └──────── Settle ────────────┘   ack after commit or confirmed republish
+//!  queue ─chunks─> Consumer ─Chunk─> Processor x P ─Processed─> Batcher x B ─Batch─> Sink x B
+//!  (prefetch)        ^  (broker link, acks)  (decode, validate)   (flush rules)   (insert, retry in
+//!                    │                                                            place, isolate)
+//!                    │                                                    Leftovers │
+//!                    │                                                              v
+//!                    └──────────────── Settle (per batch) ─────────────── Router (main: retry / DLX)
+//!                                                                       or DlqStage (dlq: park)
 //! ```
 //!
-//! - `consumer.rs`: connection, qos, consume, reconnect, watchdog, ordered acks (`acks.rs`).
-//! - `processor.rs`: decode and validate through the [`Domain`].
-//! - `batcher.rs`: batching, insert, row isolation, routing, settlement.
-//! - `router.rs`: retry queue and DLX republishing.
-//! - `publisher.rs`: confirmed publishing, used by the router, the HTTP API and `warren publish`.
+//! - `message.rs`: what the stages send each other.
+//! - `consumer.rs`: the broker link: connect, qos, subscribe, reconnect, watchdog, rate limit;
+//!   hands deliveries on in chunks; `acks.rs` turns settlements into ordered multi-acks.
+//! - `processor.rs`: decode and validate through the [`Domain`], a chunk at a time, on
+//!   arbiters (threads) of their own.
+//! - `batcher.rs`: flush rules only (size, timeout, drain).
+//! - `sink.rs`: one insert statement per batch, in-place retry, row isolation; `breaker.rs`.
+//! - `router.rs`: the outcome policy and republishing; `dlq.rs`: the DLQ consumer's stage.
 //!
-//! Backpressure: the prefetch window bounds the deliveries in the pipeline at any time; each
-//! batcher inserts one batch at a time, and the broker sends nothing new until acks free room.
-//!
-//! Shutdown order: cancel the consumer -> its stream ends -> `Drain` passes through every
-//! processor (after the deliveries it holds) to every batcher -> batchers flush at once -> the
-//! consumer waits until every delivery is settled and its acks are sent -> channel and
-//! connection close.
+//! Each stage gets its downstream as a `Recipient`, so a test can put a probe in its place.
+//! Backpressure: the prefetch window bounds the deliveries in the pipeline; each sink works on
+//! one batch at a time; the broker sends nothing new until acks free room.
 
 pub mod acks;
 pub mod batcher;
+pub mod breaker;
 pub mod consumer;
+pub mod dlq;
+pub mod message;
 pub mod processor;
-pub mod publisher;
 pub mod router;
+pub mod sink;
 
-use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+use std::future::Future;
+use std::sync::atomic::AtomicU32;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use actix::prelude::*;
 use deadpool_postgres::Pool;
+use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
+use crate::amqp::publisher::{self, Publisher};
 use crate::config::Settings;
 use crate::domain::Domain;
-use batcher::{Batcher, Mode, Shared};
-use consumer::{Consumer, ConsumerConfig, Shutdown};
+use batcher::{Batcher, FlushRule};
+use breaker::Breaker;
+use consumer::{Consumer, ConsumerConfig};
+use message::{Chunk, Drain, Leftovers};
 use processor::Processor;
-use publisher::{Close, Publisher};
-use router::Router;
+use router::{Fallback, Republisher, Router};
+use sink::{Sink, SinkConfig};
 
-/// Flush everything now: sent by the consumer through the processors to the batchers once no
-/// more deliveries will come.
-#[derive(Debug, Clone, Copy, Message)]
-#[rtype(result = "()")]
-pub struct Drain;
+/// What a pipeline does with the messages its sink could not insert.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FallbackKind {
+    /// The main pipeline: retry queue for transient failures, DLX for the rest.
+    Route,
+    /// The DLQ consumer: park in `dead_letters`, counting its attempts up to `max_attempts`.
+    Park { max_attempts: u32 },
+}
 
-/// Starts one more processor wired to the pipeline's batchers.
-type ProcessorFactory = Box<dyn Fn() -> (Recipient<processor::Delivered>, Recipient<Drain>)>;
+/// One pipeline's own settings: what it consumes and how it batches. The users pipelines take
+/// them from `USERS_*` and friends ([`Spec::main`], [`Spec::dlq`]); another domain brings its own.
+#[derive(Debug, Clone)]
+pub struct Spec {
+    /// `main` or `dlq` (or a test's name): the `pipeline` label of logs and metrics.
+    pub name: &'static str,
+    pub queue: String,
+    pub batch_size: usize,
+    pub batch_timeout: Duration,
+    /// Processor actors (decode), spread over at most as many threads as there are cores.
+    pub processors: usize,
+    /// Batcher and sink pairs: batches inserted at the same time.
+    pub batchers: usize,
+    pub prefetch: u16,
+    pub max_message_bytes: usize,
+    /// How long a transient failure is retried in place.
+    pub db_retry_window: Duration,
+    /// Consecutive failing batches that open the breaker (`None`: only systemic errors do).
+    pub breaker_failures: Option<u32>,
+    pub fallback: FallbackKind,
+}
+
+impl Spec {
+    /// The users pipeline on the main queue.
+    pub fn main(settings: &Settings) -> Self {
+        Self {
+            name: "main",
+            queue: settings.main_queue.clone(),
+            batch_size: settings.users_batch_size,
+            batch_timeout: settings.batch_timeout(),
+            processors: settings.users_proc_concurrency,
+            batchers: settings.users_batch_concurrency,
+            prefetch: settings.effective_prefetch(),
+            max_message_bytes: settings.max_message_bytes,
+            db_retry_window: Duration::from_millis(settings.db_retry_window_ms),
+            breaker_failures: Some(settings.breaker_failures),
+            fallback: FallbackKind::Route,
+        }
+    }
+
+    /// The users DLQ consumer: what is still refused is parked.
+    pub fn dlq(settings: &Settings) -> Self {
+        Self {
+            name: "dlq",
+            queue: settings.dlq_queue.clone(),
+            breaker_failures: None,
+            fallback: FallbackKind::Park {
+                max_attempts: settings.dlq_max_attempts,
+            },
+            ..Self::main(settings)
+        }
+    }
+}
+
+/// Starts one more processor on one of the pipeline's arbiters.
+type ProcessorFactory = Box<dyn Fn(usize) -> (Recipient<Chunk>, Recipient<Drain>)>;
 
 /// A running pipeline.
 pub struct Pipeline {
     pub name: &'static str,
     consumer: Addr<Consumer>,
-    /// Starts processors for live scaling.
+    /// The processors' drain addresses, current ones (live scaling replaces them).
+    drains: Mutex<Vec<Recipient<Drain>>>,
     spawn_processor: ProcessorFactory,
+    /// The threads processors run on.
+    arbiters: Vec<Arbiter>,
     publisher: Addr<Publisher>,
-    stopping: Arc<AtomicBool>,
+    /// Cancelled when shutdown starts: backoffs and in-place retries end.
+    stopping: CancellationToken,
 }
 
-/// Starts a pipeline consuming `queue` into `domain`: the main one (`Mode::Main`) or the DLQ
-/// consumer (`Mode::Dlq`).
-pub fn start<D: Domain>(settings: &Settings, domain: Arc<D>, pool: Pool, mode: Mode) -> Pipeline {
-    let (name, queue) = match mode {
-        Mode::Main => ("main", settings.main_queue.clone()),
-        Mode::Dlq => ("dlq", settings.dlq_queue.clone()),
-    };
-    let stopping = Arc::new(AtomicBool::new(false));
+/// Starts the pipeline `spec` of `domain`, wired in flow order from the broker link down.
+pub fn start<D: Domain>(settings: &Settings, spec: Spec, domain: Arc<D>, pool: Pool) -> Pipeline {
+    let name = spec.name;
+    let stopping = CancellationToken::new();
 
-    // The consumer's address exists before it runs, so batchers can settle to it.
+    // The consumer's address exists before it runs: the last stages settle to it.
     let consumer_ctx: Context<Consumer> = Context::new();
     let consumer_addr = consumer_ctx.address();
 
+    // Fallback stage (what the sink could not insert).
     let publisher = Publisher::new(settings.clone(), "router").start();
-    let shared = Arc::new(Shared {
-        domain: domain.clone(),
-        pool,
-        router: Router::new(publisher.clone(), settings, name),
-        settle: consumer_addr.clone().recipient(),
-        mode,
+    let fallback = Fallback {
         pipeline: name,
-        db_retry_window: Duration::from_millis(settings.db_retry_window_ms),
+        republisher: Republisher::new(publisher.clone(), settings, name),
+        settle: consumer_addr.clone().recipient(),
         stopping: stopping.clone(),
-        failures: AtomicU32::new(0),
-        hold: consumer_addr.clone().recipient(),
-        breaker_threshold: settings.breaker_failures,
-        breaker_open: AtomicBool::new(false),
-        dlq_max_attempts: settings.dlq_max_attempts,
-        db_bound: crate::db::call_bound(settings),
         requeues: AtomicU32::new(0),
+    };
+    let db_bound = crate::db::call_bound(settings);
+    let leftovers: Recipient<Leftovers> = match spec.fallback {
+        FallbackKind::Route => Supervisor::start(move |_| Router::new(fallback)).recipient(),
+        FallbackKind::Park { max_attempts } => {
+            let pool = pool.clone();
+            Supervisor::start(move |_| dlq::DlqStage::new(fallback, pool, db_bound, max_attempts))
+                .recipient()
+        }
+    };
+
+    // Sinks, one per batcher.
+    let sink_config = Arc::new(SinkConfig {
+        domain: domain.clone(),
+        pool: pool.clone(),
+        pipeline: name,
+        db_retry_window: spec.db_retry_window,
+        db_bound,
+        breaker: Arc::new(Breaker::new(
+            name,
+            spec.breaker_failures,
+            consumer_addr.clone().recipient(),
+            stopping.clone(),
+        )),
+        stopping: stopping.clone(),
+        settle: consumer_addr.clone().recipient(),
+        leftovers,
     });
 
-    let batch_size = settings.users_batch_size;
-    let timeout = settings.batch_timeout();
-    let batchers: Vec<Addr<Batcher<D>>> = (0..settings.users_batch_concurrency)
+    // Batchers.
+    let rule = FlushRule {
+        batch_size: spec.batch_size,
+        timeout: spec.batch_timeout,
+    };
+    let batchers: Vec<Addr<Batcher<D::Record>>> = (0..spec.batchers.max(1))
         .map(|i| {
-            let shared = shared.clone();
-            Supervisor::start(move |_| Batcher::new(shared, i, batch_size, timeout))
+            let config = sink_config.clone();
+            let sink = Supervisor::start(move |_| Sink::new(config)).recipient();
+            Supervisor::start(move |_| Batcher::new(rule, sink, format!("{name}-{i}")))
         })
         .collect();
 
-    let max = settings.max_message_bytes;
-    let factory_batchers = batchers.clone();
-    let spawn_processor: ProcessorFactory = Box::new(move || {
+    // Processors, on arbiters of their own: at most one per core.
+    let threads = std::thread::available_parallelism().map_or(2, |n| n.get());
+    let arbiters: Vec<Arbiter> = (0..spec.processors.clamp(1, threads))
+        .map(|_| Arbiter::new())
+        .collect();
+    let handles: Vec<ArbiterHandle> = arbiters.iter().map(|a| a.handle()).collect();
+    let max = spec.max_message_bytes;
+    let spawn_processor: ProcessorFactory = Box::new(move |i| {
         let domain = domain.clone();
-        let records = factory_batchers
-            .iter()
-            .map(|b| b.clone().recipient())
-            .collect();
-        let drains = factory_batchers
-            .iter()
-            .map(|b| b.clone().recipient())
-            .collect();
+        let records = batchers.iter().map(|b| b.clone().recipient()).collect();
+        let drains = batchers.iter().map(|b| b.clone().recipient()).collect();
         let addr: Addr<Processor<D>> =
-            Supervisor::start(move |_| Processor::new(domain, max, records, drains));
+            Supervisor::start_in_arbiter(&handles[i % handles.len()], move |_| {
+                Processor::new(domain, max, records, drains)
+            });
         (addr.clone().recipient(), addr.recipient())
     });
-    let (deliveries, drains): (Vec<_>, Vec<_>) = (0..settings.users_proc_concurrency)
-        .map(|_| spawn_processor())
-        .unzip();
+    let (chunks, drains): (Vec<_>, Vec<_>) =
+        (0..spec.processors.max(1)).map(&spawn_processor).unzip();
 
+    // The broker link.
     let config = ConsumerConfig {
         pipeline: name,
-        queue,
-        prefetch: settings.effective_prefetch(),
-        batch_size,
+        queue: spec.queue.clone(),
+        prefetch: spec.prefetch,
+        batch_size: spec.batch_size,
     };
-    let consumer = Consumer::new(config, settings.clone(), deliveries, drains, batchers.len());
+    let consumer = Consumer::new(config, settings.clone(), chunks, spec.batchers.max(1));
     consumer_ctx.run(consumer);
 
     Pipeline {
         name,
         consumer: consumer_addr,
+        drains: Mutex::new(drains),
         spawn_processor,
+        arbiters,
         publisher,
         stopping,
     }
@@ -148,20 +237,20 @@ pub fn start<D: Domain>(settings: &Settings, domain: Arc<D>, pool: Pool, mode: M
 impl Pipeline {
     /// Stops (`on`) or resumes taking deliveries on an operator's request.
     pub fn hold(&self, on: bool) {
-        self.consumer.do_send(consumer::Hold {
-            reason: consumer::HoldReason::Operator,
+        self.consumer.do_send(message::Hold {
+            reason: message::HoldReason::Operator,
             on,
         });
     }
 
-    /// Runs `n` processors from now on (1 to 256).
+    /// Runs `n` processors from now on (1 to 256), on the same threads.
     pub fn scale(&self, n: usize) -> Result<(), String> {
         if !(1..=256).contains(&n) {
             return Err(format!("processors: expected 1 to 256, got {n}"));
         }
-        let (deliveries, drains) = (0..n).map(|_| (self.spawn_processor)()).unzip();
-        self.consumer
-            .do_send(consumer::SetProcessors { deliveries, drains });
+        let (chunks, drains): (Vec<_>, Vec<_>) = (0..n).map(&self.spawn_processor).unzip();
+        *self.drains.lock().unwrap_or_else(|p| p.into_inner()) = drains;
+        self.consumer.do_send(consumer::SetProcessors(chunks));
         Ok(())
     }
 
@@ -177,13 +266,32 @@ impl Pipeline {
         Ok(())
     }
 
-    /// Graceful stop in the fixed order (see the module doc), bounded by `timeout`. Returns
-    /// whether everything in flight was settled; what was not is redelivered by the broker.
+    /// The one shutdown sequence, bounded by `timeout`:
+    /// 1. cancel: backoffs and in-place retries end, the consumer cancels its subscription and
+    ///    answers once nothing more arrives;
+    /// 2. drain: `Drain` follows the last chunks through every processor to every batcher;
+    /// 3. flush: batchers hand over what they hold at once, sinks insert it;
+    /// 4. ack: the consumer answers once every delivery is settled and its ack was sent;
+    /// 5. close: the consumer's channel and connection, the republisher, the processor threads.
+    ///
+    /// Returns whether everything in flight was settled; what was not is redelivered by the
+    /// broker when the channel closes.
     pub async fn shutdown(&self, timeout: Duration) -> bool {
-        self.stopping.store(true, Ordering::Relaxed);
-        let drained = tokio::time::timeout(timeout, self.consumer.send(Shutdown))
-            .await
-            .is_ok();
+        self.stopping.cancel();
+        let drained = tokio::time::timeout(timeout, async {
+            let _ = self.consumer.send(consumer::Cancel).await;
+            let drains = self
+                .drains
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .clone();
+            for d in drains {
+                d.do_send(Drain);
+            }
+            let _ = self.consumer.send(consumer::Settled).await;
+        })
+        .await
+        .is_ok();
         if drained {
             info!(pipeline = self.name, "pipeline drained");
         } else {
@@ -193,7 +301,36 @@ impl Pipeline {
                 "shutdown timeout reached; unacked messages will be redelivered"
             );
         }
-        let _ = tokio::time::timeout(Duration::from_secs(5), self.publisher.send(Close)).await;
+        let _ =
+            tokio::time::timeout(Duration::from_secs(5), self.consumer.send(consumer::Close)).await;
+        let _ = tokio::time::timeout(
+            Duration::from_secs(5),
+            self.publisher.send(publisher::Close),
+        )
+        .await;
+        for a in &self.arbiters {
+            a.stop();
+        }
         drained
+    }
+}
+
+/// Sleeps `delay` unless `stopping` is cancelled first; returns whether the whole delay passed.
+pub async fn sleep_or_cancel(delay: Duration, stopping: &CancellationToken) -> bool {
+    tokio::select! {
+        _ = tokio::time::sleep(delay) => true,
+        _ = stopping.cancelled() => false,
+    }
+}
+
+/// A backon sleeper that wakes early when `stopping` is cancelled.
+pub fn cancellable_sleep(
+    stopping: CancellationToken,
+) -> impl Fn(Duration) -> std::pin::Pin<Box<dyn Future<Output = ()> + Send>> + 'static {
+    move |delay| {
+        let stopping = stopping.clone();
+        Box::pin(async move {
+            sleep_or_cancel(delay, &stopping).await;
+        })
     }
 }

@@ -1,47 +1,23 @@
-//! The processor actor: decodes and validates each delivery through the domain and hands the
-//! outcome (a record, or the reason it was refused) to the batcher the consumer chose.
+//! The processor stage: decodes and validates each delivery of a chunk through the domain and
+//! hands the decoded chunk (records, or the reasons they were refused) to the batcher the
+//! consumer chose. Processors run on arbiters of their own (threads), so decoding runs beside
+//! the broker link rather than on its thread.
 
 use std::sync::Arc;
 
 use actix::prelude::*;
-use lapin::BasicProperties;
 
-use super::Drain;
-use super::batcher::Processed;
+use super::message::{Chunk, Decoded, Drain, Processed};
 use crate::domain::{Domain, Rejection};
-
-/// One delivery, as the consumer hands it over.
-#[derive(Debug, Message)]
-#[rtype(result = "()")]
-pub struct Delivered {
-    /// Channel generation, so the settlement reaches only the channel that delivered it.
-    pub generation: u64,
-    pub tag: u64,
-    pub redelivered: bool,
-    /// Kept until settled: a retry or dead-letter republishes it unchanged.
-    pub body: Vec<u8>,
-    pub properties: BasicProperties,
-    /// Index of the batcher this delivery goes to.
-    pub batcher: usize,
-}
-
-impl Delivered {
-    /// The AMQP message id, for logs (`-` when the publisher set none).
-    pub fn message_id(&self) -> &str {
-        self.properties
-            .message_id()
-            .as_ref()
-            .map(|m| m.as_str())
-            .unwrap_or("-")
-    }
-}
 
 /// The processor actor.
 pub struct Processor<D: Domain> {
     domain: Arc<D>,
     /// Bodies larger than this are refused unread.
     max_message_bytes: usize,
+    /// The batchers, by the index a chunk names.
     batchers: Vec<Recipient<Processed<D::Record>>>,
+    /// The same batchers, for the `Drain` marker that follows the chunks.
     drains: Vec<Recipient<Drain>>,
 }
 
@@ -59,6 +35,18 @@ impl<D: Domain> Processor<D> {
             drains,
         }
     }
+
+    /// Decodes one body: refused unread when over the size limit.
+    fn decode(&self, body: &[u8]) -> Result<D::Record, Rejection> {
+        if body.len() > self.max_message_bytes {
+            return Err(Rejection::payload(format!(
+                "body of {} bytes exceeds MAX_MESSAGE_BYTES ({})",
+                body.len(),
+                self.max_message_bytes
+            )));
+        }
+        self.domain.decode(body)
+    }
 }
 
 impl<D: Domain> Actor for Processor<D> {
@@ -67,24 +55,20 @@ impl<D: Domain> Actor for Processor<D> {
 
 impl<D: Domain> Supervised for Processor<D> {}
 
-impl<D: Domain> Handler<Delivered> for Processor<D> {
+impl<D: Domain> Handler<Chunk> for Processor<D> {
     type Result = ();
 
-    fn handle(&mut self, msg: Delivered, _: &mut Self::Context) {
-        let result = if msg.body.len() > self.max_message_bytes {
-            Err(Rejection::payload(format!(
-                "body of {} bytes exceeds MAX_MESSAGE_BYTES ({})",
-                msg.body.len(),
-                self.max_message_bytes
-            )))
-        } else {
-            self.domain.decode(&msg.body)
-        };
-        let index = msg.batcher % self.batchers.len();
-        self.batchers[index].do_send(Processed {
-            delivered: msg,
-            result,
-        });
+    fn handle(&mut self, chunk: Chunk, _: &mut Self::Context) {
+        let decoded = chunk
+            .deliveries
+            .into_iter()
+            .map(|delivery| Decoded {
+                result: self.decode(&delivery.body),
+                delivery,
+            })
+            .collect();
+        let index = chunk.batcher % self.batchers.len();
+        self.batchers[index].do_send(Processed(decoded));
     }
 }
 
@@ -96,5 +80,85 @@ impl<D: Domain> Handler<Drain> for Processor<D> {
         for d in &self.drains {
             d.do_send(Drain);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::domain::users::Users;
+    use crate::pipeline::message::Delivery;
+    use lapin::BasicProperties;
+    use std::sync::Mutex;
+
+    /// A probe in the batcher's place: records what reaches it.
+    struct Probe(Arc<Mutex<Vec<(usize, bool)>>>, usize);
+
+    impl Actor for Probe {
+        type Context = Context<Self>;
+    }
+
+    impl Handler<Processed<<Users as Domain>::Record>> for Probe {
+        type Result = ();
+        fn handle(&mut self, msg: Processed<<Users as Domain>::Record>, _: &mut Self::Context) {
+            let mut seen = self.0.lock().unwrap();
+            for d in msg.0 {
+                seen.push((self.1, d.result.is_ok()));
+            }
+        }
+    }
+
+    impl Handler<Drain> for Probe {
+        type Result = ();
+        fn handle(&mut self, _: Drain, _: &mut Self::Context) {
+            self.0.lock().unwrap().push((self.1, false));
+        }
+    }
+
+    fn delivery(tag: u64, body: &[u8]) -> Delivery {
+        Delivery {
+            generation: 1,
+            tag,
+            redelivered: false,
+            body: body.to_vec(),
+            properties: BasicProperties::default(),
+        }
+    }
+
+    #[actix::test]
+    async fn a_chunk_is_decoded_and_reaches_the_batcher_it_names_in_one_message() {
+        let seen = Arc::new(Mutex::new(Vec::new()));
+        let probes: Vec<Addr<Probe>> = (0..2).map(|i| Probe(seen.clone(), i).start()).collect();
+        let processor = Processor::new(
+            Arc::new(Users),
+            100,
+            probes.iter().map(|p| p.clone().recipient()).collect(),
+            probes.iter().map(|p| p.clone().recipient()).collect(),
+        )
+        .start();
+        let good =
+            br#"{"id":"5f0c8a4e-8f0e-4f6e-9d53-1a2b3c4d5e6f","name":"A","email":"a@example.com"}"#;
+        let big = [b' '; 101];
+        processor
+            .send(Chunk {
+                batcher: 1,
+                deliveries: vec![delivery(1, good), delivery(2, b"{"), delivery(3, &big)],
+            })
+            .await
+            .unwrap();
+        processor.send(Drain).await.unwrap();
+        // The drain reaches both probes after the chunk: wait for it on each.
+        for p in &probes {
+            p.send(Drain).await.unwrap();
+        }
+        let seen = seen.lock().unwrap().clone();
+        let chunk: Vec<_> = seen
+            .iter()
+            .filter(|(i, _)| *i == 1)
+            .take(3)
+            .copied()
+            .collect();
+        assert_eq!(chunk, [(1, true), (1, false), (1, false)]);
+        assert_eq!(seen.len(), 3 + 2 + 2, "{seen:?}");
     }
 }

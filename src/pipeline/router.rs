@@ -1,26 +1,32 @@
-//! Where a message that was not inserted goes: back through the retry queue with `x-retries` + 1,
-//! to the dead-letter exchange with `x-error-kind` / `x-error-reason`, or (the DLQ consumer) back
-//! to the DLQ with `x-dlq-attempts` + 1. Every republish is confirmed by the broker before the
-//! original is acked. A republish that is not confirmed leaves the message with warren's queue
-//! (nack with requeue, after a backoff): never with the broker's own dead-lettering, which is
-//! at-most-once and drops a message whose target is missing at that moment.
+//! The main pipeline's fallback stage and the outcome policy: which failure goes where. A
+//! message the domain refused or the database refused for good goes to the DLX with
+//! `x-error-kind` / `x-error-reason`; a transient failure goes through the retry queue with
+//! `x-retries` + 1 until `MAX_RETRIES`, then to the DLX; a systemic one stays with the broker.
+//! Every republish is confirmed by the broker before the original is acked. A republish that is
+//! not confirmed leaves the message with warren's queue (nack with requeue, after a backoff):
+//! never with the broker's own dead-lettering, which is at-most-once and drops a message whose
+//! target is missing at that moment.
 
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::Duration;
 
-use actix::Addr;
+use actix::prelude::*;
 use backon::{ConstantBuilder, Retryable};
 use futures::future::join_all;
+use tokio_util::sync::CancellationToken;
 use tracing::{error, warn};
 
-use super::acks::Disposition;
-use super::processor::Delivered;
-use super::publisher::{Publish, Publisher};
+use super::message::{Delivery, Disposition, Failure, Leftovers, Settle};
 use crate::amqp::AmqpError;
 use crate::amqp::headers::{self, Retries};
+use crate::amqp::publisher::{Publish, Publisher};
 use crate::config::Settings;
+use crate::db::ErrorClass;
+use crate::metrics;
 
 /// Where one message should go.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Route {
     /// A transient failure: through the retry queue, unless its retries are spent.
     Retry { reason: String },
@@ -30,9 +36,9 @@ pub enum Route {
     DlqAttempt { attempts: u32, reason: String },
 }
 
-/// Republishes messages to the retry exchange or the DLX.
+/// Republishes messages to the retry exchange or the DLX, confirmed.
 #[derive(Clone)]
-pub struct Router {
+pub struct Republisher {
     publisher: Addr<Publisher>,
     retry_exchange: String,
     retry_queue: String,
@@ -44,7 +50,7 @@ pub struct Router {
     patience: Duration,
 }
 
-impl Router {
+impl Republisher {
     pub fn new(publisher: Addr<Publisher>, settings: &Settings, pipeline: &'static str) -> Self {
         Self {
             publisher,
@@ -60,7 +66,7 @@ impl Router {
 
     /// The publish for `message` along `route`, after applying the retry budget, and the kind
     /// it is counted as (`retry`, `dlq_retry` or an `x-error-kind`).
-    pub fn plan(&self, message: &Delivered, route: &Route) -> (Publish, &'static str) {
+    pub fn plan(&self, message: &Delivery, route: &Route) -> (Publish, &'static str) {
         let retries = headers::retries(&message.properties);
         if let Retries::Invalid(what) = &retries {
             warn!(message_id = message.message_id(), pipeline = self.pipeline, delivery_tag = message.tag, problem = %what,
@@ -113,7 +119,7 @@ impl Router {
     /// `Requeue` otherwise (the caller waits a backoff first). While the publisher has no
     /// connection (at start-up, or during a reconnect) a publish is retried for up to
     /// `patience` before it counts as failed.
-    pub async fn route(&self, items: &[(&Delivered, Route)]) -> Vec<(Disposition, &'static str)> {
+    pub async fn route(&self, items: &[(&Delivery, Route)]) -> Vec<(Disposition, &'static str)> {
         let attempts = (self.patience.as_millis() / 100).max(1) as usize;
         let sends = items.iter().map(|(message, route)| {
             let (publish, kind) = self.plan(message, route);
@@ -146,5 +152,256 @@ impl Router {
             }
         });
         join_all(sends).await
+    }
+}
+
+/// How one message that was not inserted ends, before its settlement.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Fate {
+    /// Settled as is.
+    Settled(Disposition),
+    /// Republished (retry, DLX, back to the DLQ), then acked once confirmed.
+    Route(Route),
+    /// Parked in `dead_letters` (DLQ consumer), then acked once committed.
+    Park { kind: &'static str, reason: String },
+    /// Given back to its queue after a backoff, for this reason (counted).
+    Requeue(&'static str),
+}
+
+/// The main pipeline's policy: where a message that failed this way goes.
+pub fn main_fate(failure: &Failure) -> Fate {
+    match failure {
+        Failure::Refused { kind, reason } => Fate::Route(Route::DeadLetter {
+            kind,
+            reason: reason.clone(),
+        }),
+        Failure::Db { class, reason, .. } => match class {
+            ErrorClass::Permanent => Fate::Route(Route::DeadLetter {
+                kind: "db_permanent",
+                reason: reason.to_string(),
+            }),
+            ErrorClass::Transient => Fate::Route(Route::Retry {
+                reason: reason.to_string(),
+            }),
+            // Systemic errors only end here at shutdown: the message stays with the broker.
+            ErrorClass::Systemic => Fate::Settled(Disposition::Requeue),
+        },
+    }
+}
+
+/// What a fallback stage shares with its pipeline.
+pub struct Fallback {
+    pub pipeline: &'static str,
+    pub republisher: Republisher,
+    /// The consumer's acks.
+    pub settle: Recipient<Settle>,
+    /// Cancelled at shutdown: backoffs end at once (the messages are requeued without delay).
+    pub stopping: CancellationToken,
+    /// Consecutive batches that gave messages back to their queue (drives their backoff).
+    pub requeues: AtomicU32,
+}
+
+impl Fallback {
+    /// Republishes every `Fate::Route` (confirmed); each becomes an ack once confirmed, or a
+    /// requeue.
+    pub async fn route_all(&self, items: &[(Delivery, Failure)], fates: &mut [Fate]) {
+        let mut indices = Vec::new();
+        let mut routes: Vec<(&Delivery, Route)> = Vec::new();
+        for (i, fate) in fates.iter().enumerate() {
+            if let Fate::Route(route) = fate {
+                indices.push(i);
+                routes.push((&items[i].0, route.clone()));
+            }
+        }
+        if routes.is_empty() {
+            return;
+        }
+        let outcomes = self.republisher.route(&routes).await;
+        let mut routed = Vec::new();
+        for (i, (disposition, kind)) in indices.into_iter().zip(outcomes) {
+            fates[i] = match disposition {
+                Disposition::Ack => {
+                    let d = &items[i].0;
+                    metrics::message_routed(self.pipeline, kind, d.message_id(), d.tag);
+                    routed.push(kind);
+                    Fate::Settled(Disposition::Ack)
+                }
+                Disposition::Requeue => Fate::Requeue("publish_failed"),
+            };
+        }
+        for (kind, n) in count_by_kind(routed.into_iter()) {
+            metrics::messages_routed(self.pipeline, kind, n);
+        }
+    }
+
+    /// Waits the requeue backoff when something goes back to its queue (`waited`: a backoff
+    /// was already spent on this batch), then settles every message of the batch.
+    pub async fn settle(
+        &self,
+        batch_id: &str,
+        items: Vec<(Delivery, Failure)>,
+        fates: Vec<Fate>,
+        waited: bool,
+    ) {
+        let requeued: Vec<&'static str> = fates
+            .iter()
+            .filter_map(|f| match f {
+                Fate::Requeue(reason) => Some(*reason),
+                _ => None,
+            })
+            .collect();
+        if !requeued.is_empty() {
+            let delay = if waited {
+                requeue_backoff(self.requeues.load(Ordering::Relaxed))
+            } else {
+                self.next_backoff()
+            };
+            for (reason, n) in count_by_kind(requeued.into_iter()) {
+                metrics::requeued(self.pipeline, reason, n);
+                warn!(
+                    pipeline = self.pipeline,
+                    batch_id,
+                    reason,
+                    count = n,
+                    delay_ms = delay.as_millis() as u64,
+                    "messages go back to their queue after a backoff"
+                );
+            }
+            if !waited {
+                super::sleep_or_cancel(delay, &self.stopping).await;
+            }
+        } else if !waited && fates.iter().all(|f| matches!(f, Fate::Settled(_))) {
+            self.requeues.store(0, Ordering::Relaxed);
+        }
+        let settlements = items.iter().zip(fates).map(|((d, _), fate)| {
+            let disposition = match fate {
+                Fate::Settled(d) => d,
+                _ => Disposition::Requeue,
+            };
+            (d.generation, d.tag, disposition)
+        });
+        for settle in Settle::group(settlements) {
+            self.settle.do_send(settle);
+        }
+    }
+
+    /// The next delay of the requeue backoff (the streak grows by one).
+    pub fn next_backoff(&self) -> Duration {
+        requeue_backoff(self.requeues.fetch_add(1, Ordering::Relaxed) + 1)
+    }
+}
+
+/// The main pipeline's fallback stage: dead-letters or retries what the sink did not insert.
+pub struct Router {
+    fallback: Arc<Fallback>,
+}
+
+impl Router {
+    pub fn new(fallback: Fallback) -> Self {
+        Self {
+            fallback: Arc::new(fallback),
+        }
+    }
+}
+
+impl Actor for Router {
+    type Context = Context<Self>;
+}
+
+impl Supervised for Router {}
+
+impl Handler<Leftovers> for Router {
+    type Result = ResponseFuture<()>;
+
+    fn handle(&mut self, msg: Leftovers, _: &mut Self::Context) -> Self::Result {
+        let fallback = self.fallback.clone();
+        Box::pin(async move {
+            let mut fates: Vec<Fate> = msg.items.iter().map(|(_, f)| main_fate(f)).collect();
+            fallback.route_all(&msg.items, &mut fates).await;
+            fallback
+                .settle(&msg.batch_id, msg.items, fates, false)
+                .await;
+        })
+    }
+}
+
+/// How many of each kind, in first-seen order (a handful of kinds per batch at most).
+pub fn count_by_kind(kinds: impl Iterator<Item = &'static str>) -> Vec<(&'static str, u64)> {
+    let mut counts: Vec<(&'static str, u64)> = Vec::new();
+    for kind in kinds {
+        match counts.iter_mut().find(|(k, _)| *k == kind) {
+            Some((_, n)) => *n += 1,
+            None => counts.push((kind, 1)),
+        }
+    }
+    counts
+}
+
+/// The delay before messages go back to their queue (backon): 200 ms doubling per consecutive
+/// batch that requeued something, up to 30 s, each with up to 100% jitter on top.
+pub fn requeue_backoff(streak: u32) -> Duration {
+    crate::amqp::backoff(Duration::from_millis(200), Duration::from_secs(30))
+        .nth(streak.saturating_sub(1).min(32) as usize)
+        .unwrap_or(Duration::from_secs(30))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn db(class: ErrorClass) -> Failure {
+        Failure::Db {
+            class,
+            server_answered: true,
+            reason: "boom".into(),
+        }
+    }
+
+    #[test]
+    fn every_failure_class_has_its_way_in_the_main_pipeline() {
+        let refused = Failure::Refused {
+            kind: "invalid_json",
+            reason: "eof".into(),
+        };
+        assert_eq!(
+            main_fate(&refused),
+            Fate::Route(Route::DeadLetter {
+                kind: "invalid_json",
+                reason: "eof".into()
+            })
+        );
+        assert_eq!(
+            main_fate(&db(ErrorClass::Permanent)),
+            Fate::Route(Route::DeadLetter {
+                kind: "db_permanent",
+                reason: "boom".into()
+            })
+        );
+        assert_eq!(
+            main_fate(&db(ErrorClass::Transient)),
+            Fate::Route(Route::Retry {
+                reason: "boom".into()
+            })
+        );
+        assert_eq!(
+            main_fate(&db(ErrorClass::Systemic)),
+            Fate::Settled(Disposition::Requeue)
+        );
+    }
+
+    #[test]
+    fn requeue_backoff_grows_from_200ms_to_30s() {
+        let first = requeue_backoff(1);
+        assert!(
+            first >= Duration::from_millis(200) && first < Duration::from_millis(400),
+            "{first:?}"
+        );
+        let later = requeue_backoff(5);
+        assert!(later >= Duration::from_millis(3200), "{later:?}");
+        let capped = requeue_backoff(40);
+        assert!(
+            capped >= Duration::from_secs(30) && capped < Duration::from_secs(60),
+            "{capped:?}"
+        );
     }
 }

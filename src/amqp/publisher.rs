@@ -242,15 +242,22 @@ impl Handler<Close> for Publisher {
     }
 }
 
-/// Standard properties of a message warren publishes: persistent, JSON, with id and timestamp.
+/// Standard properties of a message warren publishes: persistent, JSON, with id, timestamp
+/// and the publish time in milliseconds (`x-published-ms`, for the end-to-end latency).
 pub fn json_properties(message_id: &str) -> BasicProperties {
-    let now = std::time::SystemTime::now()
+    let now_ms = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_secs())
+        .map(|d| d.as_millis() as u64)
         .unwrap_or(0);
+    let mut headers = lapin::types::FieldTable::default();
+    headers.insert(
+        crate::amqp::headers::PUBLISHED_MS.into(),
+        lapin::types::AMQPValue::LongLongInt(now_ms as i64),
+    );
     BasicProperties::default()
         .with_delivery_mode(2)
         .with_content_type("application/json".into())
         .with_message_id(message_id.into())
-        .with_timestamp(now)
+        .with_timestamp(now_ms / 1000)
+        .with_headers(headers)
 }

@@ -1,0 +1,136 @@
+//! The sink-outage breaker: after `BREAKER_FAILURES` consecutive batches the database took
+//! nothing of (or at once on a systemic error), the consumer is held (no new deliveries) and a
+//! probe runs the domain's insert of zero rows with backoff until the database takes it again;
+//! then the hold is lifted.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+
+use actix::Recipient;
+use backon::{ExponentialBuilder, Retryable};
+use deadpool_postgres::Pool;
+use tokio_util::sync::CancellationToken;
+use tracing::{error, info, warn};
+
+use super::message::{Hold, HoldReason};
+use crate::db::DbError;
+use crate::domain::Domain;
+use crate::metrics;
+
+/// One pipeline's breaker, shared by its sinks.
+pub struct Breaker {
+    pipeline: &'static str,
+    /// Consecutive failing batches that open it; `None` = this pipeline never opens it on
+    /// failures (the DLQ consumer backs off per message instead), only on systemic errors.
+    threshold: Option<u32>,
+    /// Consecutive batches the database took nothing of.
+    failures: AtomicU32,
+    /// Whether it is open (a probe task is running).
+    open: AtomicBool,
+    /// The consumer, held while the breaker is open.
+    hold: Recipient<Hold>,
+    /// Ends the probe at shutdown.
+    stopping: CancellationToken,
+}
+
+impl Breaker {
+    pub fn new(
+        pipeline: &'static str,
+        threshold: Option<u32>,
+        hold: Recipient<Hold>,
+        stopping: CancellationToken,
+    ) -> Self {
+        Self {
+            pipeline,
+            threshold,
+            failures: AtomicU32::new(0),
+            open: AtomicBool::new(false),
+            hold,
+            stopping,
+        }
+    }
+
+    /// Counts one batch: `inserted` rows committed, `transient` the reason when rows failed
+    /// transiently. A batch that lost one bad row and committed the rest is a sign of health.
+    pub fn record<D: Domain>(
+        self: &Arc<Self>,
+        inserted: usize,
+        transient: Option<&str>,
+        domain: &Arc<D>,
+        pool: &Pool,
+    ) {
+        match transient {
+            Some(reason) if inserted == 0 => {
+                let failures = self.failures.fetch_add(1, Ordering::Relaxed) + 1;
+                if self.threshold.is_some_and(|t| failures >= t) {
+                    self.trip(reason, domain, pool);
+                }
+            }
+            _ if inserted > 0 => self.failures.store(0, Ordering::Relaxed),
+            _ => {}
+        }
+    }
+
+    /// Opens the breaker once: holds the consumer and starts the probe.
+    pub fn trip<D: Domain>(self: &Arc<Self>, reason: &str, domain: &Arc<D>, pool: &Pool) {
+        if self.open.swap(true, Ordering::SeqCst) {
+            return;
+        }
+        error!(
+            pipeline = self.pipeline,
+            reason,
+            "sink-outage breaker OPEN: the database keeps failing; \
+             consuming stops until it answers again"
+        );
+        metrics::breaker(self.pipeline, true);
+        self.hold.do_send(Hold {
+            reason: HoldReason::Breaker,
+            on: true,
+        });
+        let breaker = self.clone();
+        let domain = domain.clone();
+        let pool = pool.clone();
+        tokio::spawn(async move { breaker.probe(domain, pool).await });
+    }
+
+    /// Probes with backoff until the database takes an empty insert, then closes.
+    async fn probe<D: Domain>(self: Arc<Self>, domain: Arc<D>, pool: Pool) {
+        let stopping = self.stopping.clone();
+        let attempt = || async {
+            // The first attempt waits too: the failure that opened the breaker was just seen.
+            let client = pool.get().await.map_err(DbError::from_pool)?;
+            domain.insert(&client, &[]).await.map(|_| ())
+        };
+        let pipeline = self.pipeline;
+        let first = crate::amqp::reconnect_backoff().next().unwrap_or_default();
+        if !super::sleep_or_cancel(first, &stopping).await {
+            return;
+        }
+        let result = attempt
+            .retry(
+                ExponentialBuilder::default()
+                    .with_min_delay(std::time::Duration::from_millis(400))
+                    .with_max_delay(std::time::Duration::from_secs(10))
+                    .with_jitter()
+                    .without_max_times(),
+            )
+            .sleep(super::cancellable_sleep(stopping.clone()))
+            .when(|_| !stopping.is_cancelled())
+            .notify(|e, _| warn!(pipeline, error = %e, "breaker probe: database still failing"))
+            .await;
+        if result.is_err() {
+            return;
+        }
+        self.failures.store(0, Ordering::Relaxed);
+        self.open.store(false, Ordering::SeqCst);
+        metrics::breaker(self.pipeline, false);
+        info!(
+            pipeline = self.pipeline,
+            "sink-outage breaker closed: the database answers; consuming again"
+        );
+        self.hold.do_send(Hold {
+            reason: HoldReason::Breaker,
+            on: false,
+        });
+    }
+}

@@ -1,0 +1,234 @@
+//! The DLQ consumer's fallback stage: what its sink could not insert is parked in
+//! `dead_letters` (refused for good, or after `DLQ_MAX_ATTEMPTS` answers of a failing
+//! database, counted in `x-dlq-attempts`), tried again later through the DLQ after a backoff,
+//! or, while there is no database at all, given back to the DLQ after a backoff, uncounted.
+//! Nothing loops in the DLQ forever and nothing is dropped.
+
+use std::sync::Arc;
+
+use actix::prelude::*;
+use tracing::{error, warn};
+
+use super::message::{Delivery, Disposition, Failure, Leftovers};
+use super::router::{Fallback, Fate, Route, count_by_kind};
+use crate::amqp::headers;
+use crate::db::{ErrorClass, dead_letters};
+use crate::metrics;
+
+/// The DLQ policy: where a message that failed this way goes, given the attempts the DLQ
+/// consumer already spent on it.
+pub fn dlq_fate(failure: &Failure, attempts_so_far: u32, max_attempts: u32) -> Fate {
+    match failure {
+        Failure::Refused { kind, reason } => Fate::Park {
+            kind,
+            reason: reason.clone(),
+        },
+        Failure::Db { class, reason, .. } if *class == ErrorClass::Permanent => Fate::Park {
+            kind: "db_permanent",
+            reason: reason.to_string(),
+        },
+        // The database answers with an error: count the attempt, park after the bound.
+        Failure::Db {
+            class: ErrorClass::Transient,
+            server_answered: true,
+            reason,
+        } => {
+            let attempts = attempts_so_far + 1;
+            if attempts >= max_attempts {
+                Fate::Park {
+                    kind: "retries_exhausted",
+                    reason: format!("the DLQ consumer gave up after {attempts} attempts: {reason}"),
+                }
+            } else {
+                Fate::Route(Route::DlqAttempt {
+                    attempts,
+                    reason: reason.to_string(),
+                })
+            }
+        }
+        // No database at all (an outage): wait, count nothing.
+        Failure::Db {
+            class: ErrorClass::Transient,
+            ..
+        } => Fate::Requeue("db_unavailable"),
+        // Systemic errors only end here at shutdown: the message stays with the broker.
+        Failure::Db { .. } => Fate::Settled(Disposition::Requeue),
+    }
+}
+
+/// The DLQ stage actor.
+pub struct DlqStage {
+    fallback: Arc<Fallback>,
+    pool: deadpool_postgres::Pool,
+    db_bound: std::time::Duration,
+    max_attempts: u32,
+}
+
+impl DlqStage {
+    pub fn new(
+        fallback: Fallback,
+        pool: deadpool_postgres::Pool,
+        db_bound: std::time::Duration,
+        max_attempts: u32,
+    ) -> Self {
+        Self {
+            fallback: Arc::new(fallback),
+            pool,
+            db_bound,
+            max_attempts,
+        }
+    }
+}
+
+impl Actor for DlqStage {
+    type Context = Context<Self>;
+}
+
+impl Supervised for DlqStage {}
+
+impl Handler<Leftovers> for DlqStage {
+    type Result = ResponseFuture<()>;
+
+    fn handle(&mut self, msg: Leftovers, _: &mut Self::Context) -> Self::Result {
+        let fallback = self.fallback.clone();
+        let pool = self.pool.clone();
+        let (bound, max) = (self.db_bound, self.max_attempts);
+        Box::pin(async move {
+            let Leftovers { batch_id, items } = msg;
+            let mut fates: Vec<Fate> = items
+                .iter()
+                .map(|(d, f)| dlq_fate(f, headers::dlq_attempts(&d.properties).count(), max))
+                .collect();
+            park_all(&fallback, &pool, bound, &items, &mut fates).await;
+            // What goes back to the DLQ for another attempt waits a backoff first, so a
+            // database that keeps refusing is never a hot loop.
+            let retrying = fates
+                .iter()
+                .filter(|f| matches!(f, Fate::Route(Route::DlqAttempt { .. })))
+                .count();
+            let waited = retrying > 0;
+            if waited {
+                let delay = fallback.next_backoff();
+                warn!(pipeline = fallback.pipeline, batch_id = %batch_id, count = retrying,
+                    delay_ms = delay.as_millis() as u64,
+                    "the database refused DLQ messages; trying them again after a backoff");
+                super::sleep_or_cancel(delay, &fallback.stopping).await;
+            }
+            fallback.route_all(&items, &mut fates).await;
+            fallback.settle(&batch_id, items, fates, waited).await;
+        })
+    }
+}
+
+/// Parks every `Fate::Park` with one statement (row by row if refused); each becomes an ack
+/// once committed, or a requeue if the database does not take it.
+async fn park_all(
+    fallback: &Fallback,
+    pool: &deadpool_postgres::Pool,
+    bound: std::time::Duration,
+    items: &[(Delivery, Failure)],
+    fates: &mut [Fate],
+) {
+    let mut indices = Vec::new();
+    let mut kinds = Vec::new();
+    let mut rows = Vec::new();
+    for (i, fate) in fates.iter().enumerate() {
+        if let Fate::Park { kind, reason } = fate {
+            let d = &items[i].0;
+            indices.push(i);
+            kinds.push(*kind);
+            rows.push(dead_letters::ParkRow {
+                message_id: d.properties.message_id().as_ref().map(|m| m.as_str()),
+                body: &d.body,
+                headers: headers::to_json(&d.properties),
+                kind,
+                reason,
+            });
+        }
+    }
+    if rows.is_empty() {
+        return;
+    }
+    let result = dead_letters::park(pool, bound, &rows).await;
+    drop(rows);
+    let settled = match result {
+        Ok(parked) => {
+            if parked.bare > 0 {
+                warn!(
+                    pipeline = fallback.pipeline,
+                    bare = parked.bare,
+                    "some messages were parked without their headers (the database refused them)"
+                );
+            }
+            for (kind, n) in count_by_kind(kinds.into_iter()) {
+                metrics::messages_parked(kind, n);
+            }
+            Fate::Settled(Disposition::Ack)
+        }
+        Err(e) => {
+            error!(pipeline = fallback.pipeline, error = %e, count = indices.len(),
+                "cannot park messages; they go back to the DLQ");
+            Fate::Requeue("db_unavailable")
+        }
+    };
+    for i in indices {
+        fates[i] = settled.clone();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn db(class: ErrorClass, server_answered: bool) -> Failure {
+        Failure::Db {
+            class,
+            server_answered,
+            reason: "boom".into(),
+        }
+    }
+
+    #[test]
+    fn every_failure_class_has_its_way_in_the_dlq_stage() {
+        let refused = Failure::Refused {
+            kind: "invalid_json",
+            reason: "eof".into(),
+        };
+        assert!(matches!(
+            dlq_fate(&refused, 0, 10),
+            Fate::Park {
+                kind: "invalid_json",
+                ..
+            }
+        ));
+        assert!(matches!(
+            dlq_fate(&db(ErrorClass::Permanent, true), 0, 10),
+            Fate::Park {
+                kind: "db_permanent",
+                ..
+            }
+        ));
+        assert_eq!(
+            dlq_fate(&db(ErrorClass::Transient, true), 3, 10),
+            Fate::Route(Route::DlqAttempt {
+                attempts: 4,
+                reason: "boom".into()
+            })
+        );
+        assert!(matches!(
+            dlq_fate(&db(ErrorClass::Transient, true), 9, 10),
+            Fate::Park {
+                kind: "retries_exhausted",
+                ..
+            }
+        ));
+        assert_eq!(
+            dlq_fate(&db(ErrorClass::Transient, false), 9, 10),
+            Fate::Requeue("db_unavailable")
+        );
+        assert_eq!(
+            dlq_fate(&db(ErrorClass::Systemic, true), 0, 10),
+            Fate::Settled(Disposition::Requeue)
+        );
+    }
+}

@@ -1,0 +1,182 @@
+//! What the stages send each other, in flow order. Deliveries travel in chunks (what the broker
+//! pushed, up to a bound), decoded records in the same chunks, settlements per batch: a hop
+//! between stages is paid per chunk, not per message.
+
+use std::sync::Arc;
+
+use actix::prelude::*;
+use lapin::BasicProperties;
+
+use crate::db::ErrorClass;
+use crate::domain::Rejection;
+
+/// One delivery, as the broker gave it. The body and properties move, never cloned, until the
+/// message is settled (a retry or dead-letter republishes them).
+#[derive(Debug)]
+pub struct Delivery {
+    /// Channel generation, so the settlement reaches only the channel that delivered it.
+    pub generation: u64,
+    pub tag: u64,
+    pub redelivered: bool,
+    pub body: Vec<u8>,
+    pub properties: BasicProperties,
+}
+
+impl Delivery {
+    /// The AMQP message id, for logs (`-` when the publisher set none).
+    pub fn message_id(&self) -> &str {
+        self.properties
+            .message_id()
+            .as_ref()
+            .map(|m| m.as_str())
+            .unwrap_or("-")
+    }
+}
+
+/// Consumer -> processor: deliveries of one channel generation, in delivery order, all for the
+/// batcher `batcher` (so a batch fills in one place).
+#[derive(Debug, Message)]
+#[rtype(result = "()")]
+pub struct Chunk {
+    pub batcher: usize,
+    pub deliveries: Vec<Delivery>,
+}
+
+/// One delivery and what the domain made of its body.
+#[derive(Debug)]
+pub struct Decoded<R> {
+    pub delivery: Delivery,
+    pub result: Result<R, Rejection>,
+}
+
+/// Processor -> batcher: a decoded chunk.
+#[derive(Debug)]
+pub struct Processed<R>(pub Vec<Decoded<R>>);
+
+impl<R: 'static> Message for Processed<R> {
+    type Result = ();
+}
+
+/// Batcher -> sink: one batch to insert and settle. The sink answers when the batch is settled,
+/// which is the batcher's signal that its sink is free again.
+#[derive(Debug)]
+pub struct Batch<R> {
+    /// `pipeline-batcher-n`, for logs.
+    pub id: String,
+    pub entries: Vec<Decoded<R>>,
+}
+
+impl<R: 'static> Message for Batch<R> {
+    type Result = ();
+}
+
+/// Why the sink did not insert a message.
+#[derive(Debug, Clone)]
+pub enum Failure {
+    /// Refused before or by the database for the message itself (`x-error-kind`): the domain
+    /// refused the body, or its id is stored with other content.
+    Refused { kind: &'static str, reason: String },
+    /// The insert failed with a database error of this class.
+    Db {
+        class: ErrorClass,
+        /// The server answered with an error (as opposed to no database at all).
+        server_answered: bool,
+        /// Formatted once per failing group.
+        reason: Arc<str>,
+    },
+}
+
+/// Sink -> fallback stage (`router.rs` or `dlq.rs`): the messages of a batch that were not
+/// inserted, each with why. Answered once every one of them is settled.
+#[derive(Debug)]
+pub struct Leftovers {
+    pub batch_id: String,
+    pub items: Vec<(Delivery, Failure)>,
+}
+
+impl Message for Leftovers {
+    type Result = ();
+}
+
+/// How a delivery ends.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Disposition {
+    /// Done (inserted, or safely republished elsewhere): ack.
+    Ack,
+    /// Give it back to the queue (nack with requeue).
+    Requeue,
+}
+
+/// Sink -> consumer: how deliveries of one channel generation ended (one per batch and
+/// generation).
+#[derive(Debug, Message)]
+#[rtype(result = "()")]
+pub struct Settle {
+    /// The channel generation the deliveries came from; settlements for an older one are
+    /// dropped (the broker already requeued those messages).
+    pub generation: u64,
+    pub items: Vec<(u64, Disposition)>,
+}
+
+impl Settle {
+    /// Groups `(generation, tag, disposition)` into one `Settle` per generation present
+    /// (normally exactly one), in order.
+    pub fn group(items: impl IntoIterator<Item = (u64, u64, Disposition)>) -> Vec<Settle> {
+        let mut out: Vec<Settle> = Vec::with_capacity(1);
+        for (generation, tag, d) in items {
+            match out.iter_mut().find(|s| s.generation == generation) {
+                Some(s) => s.items.push((tag, d)),
+                None => out.push(Settle {
+                    generation,
+                    items: vec![(tag, d)],
+                }),
+            }
+        }
+        out
+    }
+}
+
+/// Flush everything now: sent by the consumer through the processors to the batchers once no
+/// more deliveries will come.
+#[derive(Debug, Clone, Copy, Message)]
+#[rtype(result = "()")]
+pub struct Drain;
+
+/// Why the consumer stops taking deliveries for a while.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum HoldReason {
+    /// The database keeps failing: the sink-outage breaker is open.
+    Breaker,
+    /// An operator asked for it (`warren ctl pause`).
+    Operator,
+}
+
+/// Stop (`on = true`) or resume (`on = false`) taking deliveries for `reason`. Deliveries in
+/// flight finish normally; the channel stays open so they can be acked.
+#[derive(Debug, Clone, Copy, Message)]
+#[rtype(result = "()")]
+pub struct Hold {
+    pub reason: HoldReason,
+    pub on: bool,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn settlements_are_grouped_per_generation_in_order() {
+        let groups = Settle::group([
+            (1, 5, Disposition::Ack),
+            (2, 1, Disposition::Requeue),
+            (1, 6, Disposition::Ack),
+        ]);
+        assert_eq!(groups.len(), 2);
+        assert_eq!(groups[0].generation, 1);
+        assert_eq!(
+            groups[0].items,
+            [(5, Disposition::Ack), (6, Disposition::Ack)]
+        );
+        assert_eq!(groups[1].items, [(1, Disposition::Requeue)]);
+    }
+}

@@ -1,0 +1,312 @@
+//! The sink stage: inserts one batch with one statement through the domain, retries a
+//! transient failure in place within `DB_RETRY_WINDOW_MS`, isolates the rows the database
+//! refuses (split in halves, so one bad row never takes its batch down), acks what committed
+//! and hands every other message, with why, to the pipeline's fallback stage (`router.rs` for
+//! the main pipeline, `dlq.rs` for the DLQ consumer). It answers the batcher once the whole
+//! batch is settled: one batch at a time per sink.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use actix::prelude::*;
+use backon::{ExponentialBuilder, Retryable};
+use deadpool_postgres::Pool;
+use tokio_util::sync::CancellationToken;
+use tracing::{error, info, warn};
+
+use super::breaker::Breaker;
+use super::message::{Batch, Delivery, Disposition, Failure, Leftovers, Settle};
+use crate::amqp::headers;
+use crate::db::{DbError, ErrorClass};
+use crate::domain::{Domain, ID_CONFLICT, Inserted};
+use crate::metrics;
+
+/// What every sink of one pipeline shares.
+pub struct SinkConfig<D: Domain> {
+    pub domain: Arc<D>,
+    pub pool: Pool,
+    pub pipeline: &'static str,
+    /// How long a transient failure is retried in place before the rows go their way.
+    pub db_retry_window: Duration,
+    /// Client-side bound on one statement.
+    pub db_bound: Duration,
+    pub breaker: Arc<Breaker>,
+    /// Cancelled at shutdown: in-place retries give up (the messages are requeued).
+    pub stopping: CancellationToken,
+    /// The consumer's acks.
+    pub settle: Recipient<Settle>,
+    /// The fallback stage, for every message not inserted.
+    pub leftovers: Recipient<Leftovers>,
+}
+
+/// The sink actor.
+pub struct Sink<D: Domain> {
+    config: Arc<SinkConfig<D>>,
+}
+
+impl<D: Domain> Sink<D> {
+    pub fn new(config: Arc<SinkConfig<D>>) -> Self {
+        Self { config }
+    }
+}
+
+impl<D: Domain> Actor for Sink<D> {
+    type Context = Context<Self>;
+}
+
+impl<D: Domain> Supervised for Sink<D> {}
+
+impl<D: Domain> Handler<Batch<D::Record>> for Sink<D> {
+    type Result = ResponseFuture<()>;
+
+    fn handle(&mut self, batch: Batch<D::Record>, _: &mut Self::Context) -> Self::Result {
+        Box::pin(sink(self.config.clone(), batch))
+    }
+}
+
+/// Inserts, settles what committed, and hands the rest to the fallback stage.
+async fn sink<D: Domain>(config: Arc<SinkConfig<D>>, batch: Batch<D::Record>) {
+    let started = Instant::now();
+    let Batch { id, entries } = batch;
+    let n = entries.len();
+    let mut deliveries: Vec<Delivery> = Vec::with_capacity(n);
+    let mut records: Vec<(usize, D::Record)> = Vec::with_capacity(n);
+    let mut failures: Vec<Option<Failure>> = (0..n).map(|_| None).collect();
+    for (i, entry) in entries.into_iter().enumerate() {
+        match entry.result {
+            Ok(record) => records.push((i, record)),
+            Err(rejection) => {
+                let kind = rejection.kind.as_str();
+                metrics::message_refused(
+                    config.pipeline,
+                    kind,
+                    &rejection.reason,
+                    entry.delivery.message_id(),
+                    entry.delivery.tag,
+                );
+                failures[i] = Some(Failure::Refused {
+                    kind,
+                    reason: rejection.reason,
+                });
+            }
+        }
+        deliveries.push(entry.delivery);
+    }
+
+    let mut inserted = vec![false; n];
+    let mut committed = 0usize;
+    let mut transient: Option<String> = None;
+    if !records.is_empty() {
+        let refs: Vec<(usize, &D::Record)> = records.iter().map(|(i, r)| (*i, r)).collect();
+        for (indices, result) in insert_isolating(&config, refs, &id).await {
+            match result {
+                Ok(conflicts) => {
+                    for (i, reason) in conflicts {
+                        failures[i] = Some(Failure::Refused {
+                            kind: ID_CONFLICT,
+                            reason,
+                        });
+                    }
+                    for i in indices {
+                        if failures[i].is_none() {
+                            inserted[i] = true;
+                            committed += 1;
+                        }
+                    }
+                }
+                Err(e) => {
+                    let reason: Arc<str> = e.short_reason().into();
+                    for i in indices {
+                        failures[i] = Some(Failure::Db {
+                            class: e.class(),
+                            server_answered: e.server_answered(),
+                            reason: reason.clone(),
+                        });
+                    }
+                    if e.class() == ErrorClass::Transient && transient.is_none() {
+                        transient = Some(reason.to_string());
+                    }
+                }
+            }
+        }
+        metrics::batch_inserted(config.pipeline, records.len(), committed, started.elapsed());
+        metrics::end_to_end(
+            deliveries
+                .iter()
+                .zip(&inserted)
+                .filter(|(_, ok)| **ok)
+                .filter_map(|(d, _)| headers::published_ms(&d.properties))
+                .min(),
+        );
+        config.breaker.record(
+            committed,
+            transient.as_deref(),
+            &config.domain,
+            &config.pool,
+        );
+    }
+    drop(records);
+    if let Some(reason) = &transient {
+        warn!(pipeline = config.pipeline, batch_id = %id, reason = %reason,
+            "batch insert failed for some rows; they go their way (retry queue, DLQ attempt or requeue)");
+    }
+
+    for settle in Settle::group(
+        deliveries
+            .iter()
+            .zip(&inserted)
+            .filter(|(_, ok)| **ok)
+            .map(|(d, _)| (d.generation, d.tag, Disposition::Ack)),
+    ) {
+        config.settle.do_send(settle);
+    }
+    if committed == n {
+        return;
+    }
+    let items: Vec<(Delivery, Failure)> = deliveries
+        .into_iter()
+        .zip(failures)
+        .zip(inserted)
+        .filter(|(_, ok)| !ok)
+        // A valid row is always in a group, so `None` cannot happen; it would be requeued.
+        .map(|((d, f), _)| {
+            let failure = f.unwrap_or(Failure::Db {
+                class: ErrorClass::Systemic,
+                server_answered: false,
+                reason: "not inserted".into(),
+            });
+            (d, failure)
+        })
+        .collect();
+    // Waits until the fallback settled them: one batch at a time per sink.
+    let _ = config
+        .leftovers
+        .send(Leftovers {
+            batch_id: id,
+            items,
+        })
+        .await;
+}
+
+/// Indices of a group and how its insert ended: the conflicting records (by batch index, with
+/// their reason) when it committed, or the error.
+type GroupResult = (Vec<usize>, Result<Vec<(usize, String)>, DbError>);
+
+/// Inserts `records`, splitting a group in halves when the database refuses it in a way a row
+/// may have caused (permanently, or transiently with a server error once the in-place retries
+/// are spent), so only the offending rows fail. Known transient classes (connection, deadlock,
+/// resources) are about the moment, not a row: not split.
+async fn insert_isolating<D: Domain>(
+    config: &Arc<SinkConfig<D>>,
+    records: Vec<(usize, &D::Record)>,
+    batch_id: &str,
+) -> Vec<GroupResult> {
+    let mut out = Vec::new();
+    let deadline = Instant::now() + config.db_retry_window;
+    let mut stack: Vec<Vec<(usize, &D::Record)>> = vec![records];
+    let mut splits = 0usize;
+    while let Some(group) = stack.pop() {
+        let refs: Vec<&D::Record> = group.iter().map(|(_, r)| *r).collect();
+        match insert_retrying(config, &refs, deadline, batch_id).await {
+            Ok(done) => {
+                let conflicts = done
+                    .conflicts
+                    .into_iter()
+                    .filter_map(|(j, reason)| group.get(j).map(|(i, _)| (*i, reason)))
+                    .collect();
+                out.push((group.into_iter().map(|(i, _)| i).collect(), Ok(conflicts)));
+            }
+            Err(e) if group.len() > 1 && !config.stopping.is_cancelled() && splits_on(&e) => {
+                splits += 1;
+                let mut left = group;
+                let right = left.split_off(left.len() / 2);
+                stack.push(right);
+                stack.push(left);
+            }
+            Err(e) => out.push((group.into_iter().map(|(i, _)| i).collect(), Err(e))),
+        }
+    }
+    if splits > 0 {
+        info!(
+            pipeline = config.pipeline,
+            batch_id, splits, "batch split to isolate refused rows"
+        );
+    }
+    out
+}
+
+/// Whether a group failing with `e` is split to find the row that caused it.
+fn splits_on(e: &DbError) -> bool {
+    match e.class() {
+        ErrorClass::Permanent => true,
+        ErrorClass::Transient => e.may_be_row_specific(),
+        ErrorClass::Systemic => false,
+    }
+}
+
+/// One insert statement, retried in place (backon): transient errors until `deadline`, systemic
+/// errors (the deployment is wrong) with the breaker open until they clear or warren stops.
+/// Each attempt is bounded on the client side, so a half-open connection fails it in seconds.
+async fn insert_retrying<D: Domain>(
+    config: &Arc<SinkConfig<D>>,
+    records: &[&D::Record],
+    deadline: Instant,
+    batch_id: &str,
+) -> Result<Inserted, DbError> {
+    let attempt = || async {
+        let client = match config.pool.get().await {
+            Ok(client) => client,
+            Err(e) => {
+                let e = DbError::from_pool(e);
+                if matches!(e, DbError::Connection(_)) {
+                    metrics::postgres(false);
+                }
+                return Err(e);
+            }
+        };
+        let result =
+            match tokio::time::timeout(config.db_bound, config.domain.insert(&client, records))
+                .await
+            {
+                Ok(result) => result,
+                Err(_) => Err(crate::db::abandon(client, config.db_bound)),
+            };
+        match &result {
+            Ok(_) => metrics::postgres(true),
+            Err(DbError::Connection(_)) => metrics::postgres(false),
+            Err(_) => {}
+        }
+        result
+    };
+    let pipeline = config.pipeline;
+    let stopping = config.stopping.clone();
+    attempt
+        .retry(
+            ExponentialBuilder::default()
+                .with_min_delay(Duration::from_millis(200))
+                .with_max_delay(Duration::from_secs(10))
+                .with_jitter()
+                .without_max_times(),
+        )
+        .sleep(super::cancellable_sleep(stopping.clone()))
+        .when(|e| !stopping.is_cancelled() && e.class() != ErrorClass::Permanent)
+        .adjust(|e, delay| match (e.class(), delay) {
+            (ErrorClass::Transient, Some(d)) if Instant::now() + d > deadline => None,
+            _ => delay,
+        })
+        .notify(|e, delay| {
+            let retry_in_ms = delay.as_millis() as u64;
+            if e.class() == ErrorClass::Systemic {
+                error!(pipeline, batch_id, error = %e, retry_in_ms,
+                    "SYSTEMIC database error: the deployment is wrong (table, privileges, database); \
+                     holding the batch, no message is dead-lettered");
+                config
+                    .breaker
+                    .trip("systemic database error", &config.domain, &config.pool);
+            } else {
+                warn!(pipeline, batch_id, error = %e, retry_in_ms,
+                    "transient database error; retrying the batch in place");
+            }
+        })
+        .await
+}
