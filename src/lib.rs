@@ -3,11 +3,14 @@
 //! statement, ack after commit; retry what can be retried, dead-letter the rest, lose nothing.
 //!
 //! # Layout
+//! - [`app`]: the composition root of `warren run`: roles, start order, process shutdown.
 //! - [`config`]: typed settings, their layering and validation.
 //! - [`topology`]: the declared RabbitMQ topology and its idempotent declare.
-//! - [`amqp`]: connections with heartbeats and backoff, the `x-*` headers.
-//! - [`pipeline`]: the actors, wired in flow order (consumer, processor, batcher, router,
-//!   publisher).
+//! - [`amqp`]: connections with heartbeats and backoff, the confirmed publisher (pipeline, API,
+//!   CLI), the `x-*` headers.
+//! - [`pipeline`]: the stages, wired in flow order in `pipeline/mod.rs` with the one shutdown
+//!   sequence: message, consumer (broker link), acks, processor, batcher (flush rules), sink
+//!   (insert, retry in place, row isolation), breaker, router (outcome policy), dlq.
 //! - [`domain`]: the seam the pipeline stores through, and the users domain behind it.
 //! - [`db`]: pools (pipeline and API), client-side statement bounds, embedded migrations,
 //!   SQLSTATE classification, and `dead_letters` (all SQL of the parking table).
@@ -17,6 +20,7 @@
 //! - [`cli`]: one file per subcommand of the `warren` binary.
 
 pub mod amqp;
+pub mod app;
 pub mod cli;
 pub mod config;
 pub mod db;

@@ -11,6 +11,8 @@ use metrics::{
 use metrics_exporter_prometheus::{Matcher, PrometheusBuilder};
 use tracing::warn;
 
+use crate::domain::ErrorKind;
+
 pub const RECEIVED: &str = "warren_messages_received_total";
 pub const INSERTED: &str = "warren_messages_inserted_total";
 pub const RETRIED: &str = "warren_messages_retried_total";
@@ -363,15 +365,6 @@ pub fn amqp_link(link: &str, up: bool) {
     connection("amqp", all_up);
 }
 
-/// The `x-error-kind` values warren writes, registered at 0 for dead-lettered and parked.
-const ERROR_KINDS: [&str; 5] = [
-    "invalid_json",
-    "invalid_payload",
-    "db_permanent",
-    "id_conflict",
-    "retries_exhausted",
-];
-
 /// Registers the labelled series that exist from the start at 0, so dashboards show 0 rather
 /// than "no data" before the first event.
 pub fn preregister(pipelines: &[&'static str]) {
@@ -379,8 +372,8 @@ pub fn preregister(pipelines: &[&'static str]) {
         counter!(RECEIVED, "pipeline" => *p).absolute(0);
         counter!(INSERTED, "pipeline" => *p).absolute(0);
         counter!(RETRIED, "pipeline" => *p, "reason" => "db_transient").absolute(0);
-        for kind in ERROR_KINDS {
-            counter!(DEAD_LETTERED, "pipeline" => *p, "kind" => kind).absolute(0);
+        for kind in ErrorKind::ALL {
+            counter!(DEAD_LETTERED, "pipeline" => *p, "kind" => kind.as_str()).absolute(0);
         }
         for reason in ["publish_failed", "db_unavailable"] {
             counter!(REQUEUED, "pipeline" => *p, "reason" => reason).absolute(0);
@@ -391,8 +384,8 @@ pub fn preregister(pipelines: &[&'static str]) {
         gauge!(BREAKER_OPEN, "pipeline" => *p).set(0.0);
         counter!(ACKS, "pipeline" => *p).absolute(0);
     }
-    for kind in ERROR_KINDS {
-        counter!(PARKED, "kind" => kind).absolute(0);
+    for kind in ErrorKind::ALL {
+        counter!(PARKED, "kind" => kind.as_str()).absolute(0);
     }
     for outcome in [
         "confirmed",

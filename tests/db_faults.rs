@@ -173,12 +173,23 @@ async fn a_breaker_hold_survives_a_broker_reconnect() {
         try_metric(&env, "warren_breaker_open", &[("pipeline", "main")]).await == Some(1.0)
     })
     .await;
-    let retried_before = metric(
-        &env,
-        "warren_messages_retried_total",
-        &[("pipeline", "main")],
+    // The message whose failure opened the breaker goes through the retry queue; the breaker
+    // may open before that republish is confirmed, so wait for it to be counted first.
+    wait_until(
+        "the failed message retried",
+        Duration::from_secs(30),
+        || async {
+            try_metric(
+                &env,
+                "warren_messages_retried_total",
+                &[("pipeline", "main")],
+            )
+            .await
+                == Some(1.0)
+        },
     )
     .await;
+    let retried_before = 1.0;
     let held = env.publish_users(300).await;
     expected.extend(held.iter().copied());
 

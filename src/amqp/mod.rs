@@ -6,9 +6,11 @@ pub mod publisher;
 
 use std::time::Duration;
 
-use backon::{BackoffBuilder, ExponentialBuilder};
+use backon::{BackoffBuilder, ExponentialBuilder, Retryable};
 use lapin::uri::AMQPUri;
 use lapin::{Channel, Connection, ConnectionProperties};
+
+use tracing::warn;
 
 use crate::config::Settings;
 
@@ -111,6 +113,44 @@ pub fn backoff(min: Duration, max: Duration) -> impl Iterator<Item = Duration> {
 /// is never a hot loop, and a recovered broker or database is noticed within seconds.
 pub fn reconnect_backoff() -> impl Iterator<Item = Duration> {
     backoff(Duration::from_millis(200), Duration::from_secs(10))
+}
+
+/// Runs `open` until it succeeds, with the reconnect backoff (backon) and no limit on attempts,
+/// logging the first failure and then every power-of-two attempt (the message `failing`); gives up (`None`) once
+/// `wanted()` says nobody waits for the result any more.
+pub async fn until_open<T, F, Fut>(
+    purpose: &str,
+    failing: &'static str,
+    first_delay: Duration,
+    open: F,
+    wanted: impl Fn() -> bool,
+) -> Option<T>
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Result<T, AmqpError>>,
+{
+    if !first_delay.is_zero() {
+        tokio::time::sleep(first_delay).await;
+    }
+    let mut attempt = 0u32;
+    open.retry(
+        ExponentialBuilder::default()
+            .with_min_delay(Duration::from_millis(200))
+            .with_max_delay(Duration::from_secs(10))
+            .with_factor(2.0)
+            .with_jitter()
+            .without_max_times(),
+    )
+    .when(|_| wanted())
+    .notify(|e, delay| {
+        attempt += 1;
+        if attempt == 1 || attempt.is_power_of_two() {
+            warn!(purpose, attempt, error = %e, retry_in_ms = delay.as_millis() as u64,
+                "{failing}");
+        }
+    })
+    .await
+    .ok()
 }
 
 /// Closes a channel and its connection, ignoring errors (they are already gone, or going).

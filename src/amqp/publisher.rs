@@ -7,7 +7,7 @@ use std::time::Duration;
 use actix::prelude::*;
 use lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
 use lapin::{BasicProperties, Channel, Confirmation, Connection};
-use tracing::{info, warn};
+use tracing::info;
 
 use crate::amqp::{self, AmqpError};
 use crate::config::Settings;
@@ -87,26 +87,17 @@ impl Publisher {
         let purpose = self.purpose;
         let addr = ctx.address();
         actix::spawn(async move {
-            let mut delays = amqp::reconnect_backoff();
-            let mut attempt = 0u32;
-            loop {
-                attempt += 1;
-                match open(&settings, purpose).await {
-                    Ok((conn, ch)) => {
-                        addr.do_send(Connected(conn, ch));
-                        return;
-                    }
-                    Err(e) => {
-                        let delay = delays.next().unwrap_or(Duration::from_secs(30));
-                        if attempt == 1 || attempt.is_power_of_two() {
-                            warn!(purpose, attempt, error = %e, retry_in_ms = delay.as_millis() as u64, "publisher cannot reach the broker");
-                        }
-                        tokio::time::sleep(delay).await;
-                        if !addr.connected() {
-                            return;
-                        }
-                    }
-                }
+            let open = || open(&settings, purpose);
+            if let Some((conn, ch)) = amqp::until_open(
+                purpose,
+                "publisher cannot reach the broker; retrying",
+                Duration::ZERO,
+                open,
+                || addr.connected(),
+            )
+            .await
+            {
+                addr.do_send(Connected(conn, ch));
             }
         });
     }

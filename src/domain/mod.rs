@@ -12,41 +12,76 @@ use crate::db::DbError;
 /// DLQ, with no retries.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Rejection {
-    /// `x-error-kind` of the dead-lettered message.
-    pub kind: RejectKind,
+    /// `x-error-kind` of the dead-lettered message (`InvalidJson` or `InvalidPayload`).
+    pub kind: ErrorKind,
     /// Readable text for `x-error-reason`.
     pub reason: String,
 }
 
-/// The kinds of refusal, as written in `x-error-kind`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum RejectKind {
+/// Why a message was dead-lettered or parked, as written in `x-error-kind` and the parking
+/// table: the one list of kinds (metrics, the API's answers and `warren dlq` use it too).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum ErrorKind {
     /// Empty, not UTF-8, or not JSON.
     InvalidJson,
     /// JSON of the wrong shape or types, values that fail validation, or over the size limit.
     InvalidPayload,
+    /// The database refused the row for good (a constraint, a value it cannot store).
+    DbPermanent,
+    /// The record's id is stored with other content.
+    IdConflict,
+    /// Transient failures outlasted `MAX_RETRIES` (or `DLQ_MAX_ATTEMPTS` in the DLQ consumer).
+    RetriesExhausted,
 }
 
-impl RejectKind {
+impl ErrorKind {
+    /// Every kind, in the order they are documented.
+    pub const ALL: [ErrorKind; 5] = [
+        ErrorKind::InvalidJson,
+        ErrorKind::InvalidPayload,
+        ErrorKind::DbPermanent,
+        ErrorKind::IdConflict,
+        ErrorKind::RetriesExhausted,
+    ];
+
     pub fn as_str(self) -> &'static str {
         match self {
-            RejectKind::InvalidJson => "invalid_json",
-            RejectKind::InvalidPayload => "invalid_payload",
+            ErrorKind::InvalidJson => "invalid_json",
+            ErrorKind::InvalidPayload => "invalid_payload",
+            ErrorKind::DbPermanent => "db_permanent",
+            ErrorKind::IdConflict => "id_conflict",
+            ErrorKind::RetriesExhausted => "retries_exhausted",
         }
+    }
+
+    /// The kind written as `text`, if it is one of warren's.
+    pub fn parse(text: &str) -> Option<Self> {
+        Self::ALL.into_iter().find(|k| k.as_str() == text)
+    }
+
+    /// Whether the message itself is at fault (the body), as opposed to the database.
+    pub fn is_invalid_input(self) -> bool {
+        matches!(self, ErrorKind::InvalidJson | ErrorKind::InvalidPayload)
+    }
+}
+
+impl std::fmt::Display for ErrorKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
     }
 }
 
 impl Rejection {
     pub fn json(reason: impl Into<String>) -> Self {
         Self {
-            kind: RejectKind::InvalidJson,
+            kind: ErrorKind::InvalidJson,
             reason: reason.into(),
         }
     }
 
     pub fn payload(reason: impl Into<String>) -> Self {
         Self {
-            kind: RejectKind::InvalidPayload,
+            kind: ErrorKind::InvalidPayload,
             reason: reason.into(),
         }
     }
@@ -80,6 +115,3 @@ pub struct Inserted {
     /// each with the reason to dead-letter it with.
     pub conflicts: Vec<(usize, String)>,
 }
-
-/// The `x-error-kind` of a record whose key is stored with other content.
-pub const ID_CONFLICT: &str = "id_conflict";

@@ -220,7 +220,7 @@ fn conflicts(records: &[&User], stored: &HashMap<Uuid, (String, String)>) -> Vec
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::domain::RejectKind;
+    use crate::domain::ErrorKind;
 
     #[test]
     fn only_other_content_under_a_stored_id_is_a_conflict() {
@@ -256,44 +256,44 @@ mod tests {
 
     #[test]
     fn bad_bodies_get_the_right_kind() {
-        assert_eq!(decode(b"").unwrap_err().kind, RejectKind::InvalidJson);
+        assert_eq!(decode(b"").unwrap_err().kind, ErrorKind::InvalidJson);
         assert_eq!(
             decode(&[0xff, 0xfe]).unwrap_err().kind,
-            RejectKind::InvalidJson
+            ErrorKind::InvalidJson
         );
         assert_eq!(
             decode(b"{not json").unwrap_err().kind,
-            RejectKind::InvalidJson
+            ErrorKind::InvalidJson
         );
         assert_eq!(
             decode(b"[1,2]").unwrap_err().kind,
-            RejectKind::InvalidPayload
+            ErrorKind::InvalidPayload
         );
         let id = Uuid::new_v4();
         let as_array = format!(r#"["{id}","Ana","ana@example.com"]"#);
         let err = decode(as_array.as_bytes()).unwrap_err();
-        assert_eq!(err.kind, RejectKind::InvalidPayload);
-        assert_eq!(decode(b"  nope").unwrap_err().kind, RejectKind::InvalidJson);
+        assert_eq!(err.kind, ErrorKind::InvalidPayload);
+        assert_eq!(decode(b"  nope").unwrap_err().kind, ErrorKind::InvalidJson);
         // Cut short after a value of the wrong type: still not JSON (found by fuzzing review).
         assert_eq!(
             decode(br#"{"id":1"#).unwrap_err().kind,
-            RejectKind::InvalidJson
+            ErrorKind::InvalidJson
         );
         assert_eq!(
             decode(br#"{"id":"x","name":"a","email":"a@b.co"}"#)
                 .unwrap_err()
                 .kind,
-            RejectKind::InvalidPayload
+            ErrorKind::InvalidPayload
         );
         let id = Uuid::new_v4();
         let no_email = format!(r#"{{"id":"{id}","name":"Ana"}}"#);
         assert_eq!(
             decode(no_email.as_bytes()).unwrap_err().kind,
-            RejectKind::InvalidPayload
+            ErrorKind::InvalidPayload
         );
         let bad_email = format!(r#"{{"id":"{id}","name":"Ana","email":"nope"}}"#);
         let err = decode(bad_email.as_bytes()).unwrap_err();
-        assert_eq!(err.kind, RejectKind::InvalidPayload);
+        assert_eq!(err.kind, ErrorKind::InvalidPayload);
         assert!(err.reason.contains("email"), "{}", err.reason);
     }
 

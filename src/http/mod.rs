@@ -364,7 +364,7 @@ async fn accept(state: &AppState, user: User) -> HttpResponse {
         Ok(Stored::Same) => HttpResponse::Ok().json(json!({"id": user.id})),
         Ok(Stored::IdConflict) => HttpResponse::Conflict().json(json!({
             "error": format!("user {} is already stored with another name or email", user.id),
-            "kind": "id_conflict",
+            "kind": crate::domain::ErrorKind::IdConflict.as_str(),
             "id": user.id,
         })),
         Ok(Stored::EmailTaken(other)) => HttpResponse::Conflict().json(json!({
@@ -536,8 +536,8 @@ async fn get_user(path: web::Path<String>, state: web::Data<AppState>) -> HttpRe
 /// message itself was bad, 409 when it clashed with what the database holds (or ran out of
 /// retries).
 fn parked_status(kind: &str) -> StatusCode {
-    match kind {
-        "invalid_json" | "invalid_payload" => StatusCode::UNPROCESSABLE_ENTITY,
+    match crate::domain::ErrorKind::parse(kind) {
+        Some(k) if k.is_invalid_input() => StatusCode::UNPROCESSABLE_ENTITY,
         _ => StatusCode::CONFLICT,
     }
 }

@@ -240,30 +240,18 @@ impl Consumer {
         let addr = ctx.address();
         let first_delay = self.rebuild_delay();
         actix::spawn(async move {
-            if !first_delay.is_zero() {
-                tokio::time::sleep(first_delay).await;
-            }
-            let mut delays = amqp::reconnect_backoff();
-            let mut attempt = 0u32;
-            loop {
-                attempt += 1;
-                match open(&settings, &config).await {
-                    Ok((conn, channel)) => {
-                        addr.do_send(Connected { conn, channel });
-                        return;
-                    }
-                    Err(e) => {
-                        let delay = delays.next().unwrap_or(Duration::from_secs(30));
-                        if attempt == 1 || attempt.is_power_of_two() {
-                            warn!(pipeline = config.pipeline, queue = %config.queue, attempt, error = %e,
-                                retry_in_ms = delay.as_millis() as u64, "consumer cannot consume; retrying");
-                        }
-                        tokio::time::sleep(delay).await;
-                        if !addr.connected() {
-                            return;
-                        }
-                    }
-                }
+            let open = || open(&settings, &config);
+            let wanted = || addr.connected();
+            if let Some((conn, channel)) = amqp::until_open(
+                config.pipeline,
+                "consumer cannot consume; retrying",
+                first_delay,
+                open,
+                wanted,
+            )
+            .await
+            {
+                addr.do_send(Connected { conn, channel });
             }
         });
     }

@@ -13,6 +13,7 @@ use super::message::{Delivery, Disposition, Failure, Leftovers};
 use super::router::{Fallback, Fate, Route, count_by_kind};
 use crate::amqp::headers;
 use crate::db::{ErrorClass, dead_letters};
+use crate::domain::ErrorKind;
 use crate::metrics;
 
 /// The DLQ policy: where a message that failed this way goes, given the attempts the DLQ
@@ -20,11 +21,11 @@ use crate::metrics;
 pub fn dlq_fate(failure: &Failure, attempts_so_far: u32, max_attempts: u32) -> Fate {
     match failure {
         Failure::Refused { kind, reason } => Fate::Park {
-            kind,
+            kind: *kind,
             reason: reason.clone(),
         },
         Failure::Db { class, reason, .. } if *class == ErrorClass::Permanent => Fate::Park {
-            kind: "db_permanent",
+            kind: ErrorKind::DbPermanent,
             reason: reason.to_string(),
         },
         // The database answers with an error: count the attempt, park after the bound.
@@ -36,7 +37,7 @@ pub fn dlq_fate(failure: &Failure, attempts_so_far: u32, max_attempts: u32) -> F
             let attempts = attempts_so_far + 1;
             if attempts >= max_attempts {
                 Fate::Park {
-                    kind: "retries_exhausted",
+                    kind: ErrorKind::RetriesExhausted,
                     reason: format!("the DLQ consumer gave up after {attempts} attempts: {reason}"),
                 }
             } else {
@@ -136,12 +137,12 @@ async fn park_all(
         if let Fate::Park { kind, reason } = fate {
             let d = &items[i].0;
             indices.push(i);
-            kinds.push(*kind);
+            kinds.push(kind.as_str());
             rows.push(dead_letters::ParkRow {
                 message_id: d.properties.message_id().as_ref().map(|m| m.as_str()),
                 body: &d.body,
                 headers: headers::to_json(&d.properties),
-                kind,
+                kind: kind.as_str(),
                 reason,
             });
         }
@@ -191,20 +192,20 @@ mod tests {
     #[test]
     fn every_failure_class_has_its_way_in_the_dlq_stage() {
         let refused = Failure::Refused {
-            kind: "invalid_json",
+            kind: ErrorKind::InvalidJson,
             reason: "eof".into(),
         };
         assert!(matches!(
             dlq_fate(&refused, 0, 10),
             Fate::Park {
-                kind: "invalid_json",
+                kind: ErrorKind::InvalidJson,
                 ..
             }
         ));
         assert!(matches!(
             dlq_fate(&db(ErrorClass::Permanent, true), 0, 10),
             Fate::Park {
-                kind: "db_permanent",
+                kind: ErrorKind::DbPermanent,
                 ..
             }
         ));
@@ -218,7 +219,7 @@ mod tests {
         assert!(matches!(
             dlq_fate(&db(ErrorClass::Transient, true), 9, 10),
             Fate::Park {
-                kind: "retries_exhausted",
+                kind: ErrorKind::RetriesExhausted,
                 ..
             }
         ));

@@ -8,7 +8,7 @@ use actix::prelude::*;
 use lapin::BasicProperties;
 
 use crate::db::ErrorClass;
-use crate::domain::Rejection;
+use crate::domain::{ErrorKind, Rejection};
 
 /// One delivery, as the broker gave it. The body and properties move, never cloned, until the
 /// message is settled (a retry or dead-letter republishes them).
@@ -75,7 +75,7 @@ impl<R: 'static> Message for Batch<R> {
 pub enum Failure {
     /// Refused before or by the database for the message itself (`x-error-kind`): the domain
     /// refused the body, or its id is stored with other content.
-    Refused { kind: &'static str, reason: String },
+    Refused { kind: ErrorKind, reason: String },
     /// The insert failed with a database error of this class.
     Db {
         class: ErrorClass,

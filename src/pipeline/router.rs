@@ -23,6 +23,7 @@ use crate::amqp::headers::{self, Retries};
 use crate::amqp::publisher::{Publish, Publisher};
 use crate::config::Settings;
 use crate::db::ErrorClass;
+use crate::domain::ErrorKind;
 use crate::metrics;
 
 /// Where one message should go.
@@ -31,7 +32,7 @@ pub enum Route {
     /// A transient failure: through the retry queue, unless its retries are spent.
     Retry { reason: String },
     /// Straight to the DLQ with this `x-error-kind`.
-    DeadLetter { kind: &'static str, reason: String },
+    DeadLetter { kind: ErrorKind, reason: String },
     /// The DLQ consumer tries again later: back to the DLQ with `x-dlq-attempts` = `attempts`.
     DlqAttempt { attempts: u32, reason: String },
 }
@@ -86,16 +87,16 @@ impl Republisher {
                 headers::for_dead_letter(
                     &message.properties,
                     count,
-                    "retries_exhausted",
+                    ErrorKind::RetriesExhausted.as_str(),
                     &format!("retries exhausted after {count}: {reason}"),
                 ),
-                "retries_exhausted",
+                ErrorKind::RetriesExhausted.as_str(),
             ),
             Route::DeadLetter { kind, reason } => (
                 &self.dlx_exchange,
                 &self.dlq_queue,
-                headers::for_dead_letter(&message.properties, count, kind, reason),
-                *kind,
+                headers::for_dead_letter(&message.properties, count, kind.as_str(), reason),
+                kind.as_str(),
             ),
             Route::DlqAttempt { attempts, reason } => (
                 &self.dlx_exchange,
@@ -163,7 +164,7 @@ pub enum Fate {
     /// Republished (retry, DLX, back to the DLQ), then acked once confirmed.
     Route(Route),
     /// Parked in `dead_letters` (DLQ consumer), then acked once committed.
-    Park { kind: &'static str, reason: String },
+    Park { kind: ErrorKind, reason: String },
     /// Given back to its queue after a backoff, for this reason (counted).
     Requeue(&'static str),
 }
@@ -172,12 +173,12 @@ pub enum Fate {
 pub fn main_fate(failure: &Failure) -> Fate {
     match failure {
         Failure::Refused { kind, reason } => Fate::Route(Route::DeadLetter {
-            kind,
+            kind: *kind,
             reason: reason.clone(),
         }),
         Failure::Db { class, reason, .. } => match class {
             ErrorClass::Permanent => Fate::Route(Route::DeadLetter {
-                kind: "db_permanent",
+                kind: ErrorKind::DbPermanent,
                 reason: reason.to_string(),
             }),
             ErrorClass::Transient => Fate::Route(Route::Retry {
@@ -360,20 +361,20 @@ mod tests {
     #[test]
     fn every_failure_class_has_its_way_in_the_main_pipeline() {
         let refused = Failure::Refused {
-            kind: "invalid_json",
+            kind: ErrorKind::InvalidJson,
             reason: "eof".into(),
         };
         assert_eq!(
             main_fate(&refused),
             Fate::Route(Route::DeadLetter {
-                kind: "invalid_json",
+                kind: ErrorKind::InvalidJson,
                 reason: "eof".into()
             })
         );
         assert_eq!(
             main_fate(&db(ErrorClass::Permanent)),
             Fate::Route(Route::DeadLetter {
-                kind: "db_permanent",
+                kind: ErrorKind::DbPermanent,
                 reason: "boom".into()
             })
         );

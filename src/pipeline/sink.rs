@@ -18,7 +18,7 @@ use super::breaker::Breaker;
 use super::message::{Batch, Delivery, Disposition, Failure, Leftovers, Settle};
 use crate::amqp::headers;
 use crate::db::{DbError, ErrorClass};
-use crate::domain::{Domain, ID_CONFLICT, Inserted};
+use crate::domain::{Domain, ErrorKind, Inserted};
 use crate::metrics;
 
 /// What every sink of one pipeline shares.
@@ -76,10 +76,10 @@ async fn sink<D: Domain>(config: Arc<SinkConfig<D>>, batch: Batch<D::Record>) {
         match entry.result {
             Ok(record) => records.push((i, record)),
             Err(rejection) => {
-                let kind = rejection.kind.as_str();
+                let kind = rejection.kind;
                 metrics::message_refused(
                     config.pipeline,
-                    kind,
+                    kind.as_str(),
                     &rejection.reason,
                     entry.delivery.message_id(),
                     entry.delivery.tag,
@@ -103,7 +103,7 @@ async fn sink<D: Domain>(config: Arc<SinkConfig<D>>, batch: Batch<D::Record>) {
                 Ok(conflicts) => {
                     for (i, reason) in conflicts {
                         failures[i] = Some(Failure::Refused {
-                            kind: ID_CONFLICT,
+                            kind: ErrorKind::IdConflict,
                             reason,
                         });
                     }

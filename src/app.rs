@@ -1,0 +1,263 @@
+//! The composition root of `warren run`: starts the roles in order (metrics, queue poller,
+//! pipelines, API, readiness, database probe, registry and remote control), waits for the
+//! shutdown trigger or a remote `drain`, and stops them in order: pipelines (each with its own
+//! fixed sequence, `pipeline::Pipeline::shutdown`), then the API, then the registry. Errors
+//! of the boundaries meet here, so it speaks `anyhow` like the CLI.
+
+use std::future::Future;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::Context as _;
+use tokio::sync::{mpsc, oneshot, watch};
+use tracing::{info, warn};
+
+use crate::config::Settings;
+use crate::domain::users::Users;
+use crate::pipeline::{self, Pipeline, Spec};
+use crate::registry::{CtlCommand, Registry, Report};
+use crate::{db, http, metrics};
+
+/// Runs the roles of `settings` until `shutdown` resolves (or a remote `drain`), then stops
+/// gracefully. The exit code is 0 after a complete drain, 1 when the shutdown timeout left
+/// messages in flight.
+pub async fn run(settings: Settings, shutdown: impl Future<Output = ()>) -> anyhow::Result<i32> {
+    if settings.control_secret.is_empty() {
+        warn!(
+            "CONTROL_SECRET is not set: anyone with write access to Redis can pause, drain or scale this instance; set CONTROL_SECRET (the same on every instance and for `warren ctl`) to accept only signed commands"
+        );
+    }
+    let metrics_addr: SocketAddr = settings.metrics_addr.parse().context("METRICS_ADDR")?;
+    metrics::install(metrics_addr).map_err(anyhow::Error::msg)?;
+
+    tokio::spawn(metrics::poll_queues(
+        settings.clone(),
+        Duration::from_secs(5),
+    ));
+    let mut names = Vec::new();
+    if settings.has_role("consumer") {
+        names.push("main");
+    }
+    if settings.has_role("dlq") {
+        names.push("dlq");
+    }
+    metrics::preregister(&names);
+    metrics::connection("amqp", false);
+    metrics::connection("postgres", false);
+
+    let pool = db::pool(&settings)?;
+    let domain = Arc::new(Users);
+    let mut pipelines = Vec::new();
+    if settings.has_role("consumer") {
+        pipelines.push(pipeline::start(
+            &settings,
+            Spec::main(&settings),
+            domain.clone(),
+            pool.clone(),
+        ));
+    }
+    if settings.has_role("dlq") {
+        pipelines.push(pipeline::start(
+            &settings,
+            Spec::dlq(&settings),
+            domain.clone(),
+            pool.clone(),
+        ));
+    }
+    let api = if settings.has_role("api") {
+        // The API's own pool: a flood of reads can never take the pipeline's connections.
+        let api_pool = db::pool_for(&settings, settings.api_pool_size, "warren-api")?;
+        Some(http::serve(&settings, api_pool).await?)
+    } else {
+        None
+    };
+    info!(roles = %settings.roles, version = env!("CARGO_PKG_VERSION"), "warren running");
+    // systemd (Type=notify): the roles are up. A no-op when NOTIFY_SOCKET is unset.
+    if let Err(e) = sd_notify::notify(&[sd_notify::NotifyState::Ready]) {
+        warn!(error = %e, "cannot tell systemd (NOTIFY_SOCKET) that warren is ready");
+    }
+
+    let probe_pool = pool.clone();
+    let probe_settings = settings.clone();
+    tokio::spawn(async move {
+        loop {
+            metrics::postgres(
+                db::ping(&probe_pool, db::call_bound(&probe_settings))
+                    .await
+                    .is_ok(),
+            );
+            tokio::time::sleep(Duration::from_secs(5)).await;
+        }
+    });
+
+    // Remote control: the registry task reads commands from Redis; they are applied here, on
+    // the actor system's thread, in the same loop that waits for the shutdown signal.
+    let (ctl_tx, mut ctl_rx) = mpsc::unbounded_channel::<Control>();
+    let (report_tx, report_rx) = watch::channel(Report {
+        status: "running",
+        processors: settings.users_proc_concurrency,
+        rate_limit_per_s: settings.rate_limit_per_s,
+    });
+    let (stop_tx, stop_rx) = oneshot::channel::<String>();
+    let registry = tokio::spawn(registry_loop(settings.clone(), ctl_tx, report_rx, stop_rx));
+
+    tokio::pin!(shutdown);
+    let reason = loop {
+        tokio::select! {
+            _ = &mut shutdown => break "signal",
+            Some((command, reply)) = ctl_rx.recv() => {
+                let result = apply(&command, &pipelines, &report_tx);
+                let drain = command.command == "drain" && result.is_ok();
+                info!(command = %command.command, id = %command.id, ok = result.is_ok(), "remote command");
+                let _ = reply.send(result);
+                if drain {
+                    break "drain";
+                }
+            }
+        }
+    };
+    // Commands that arrive from now on are answered as failed, never left waiting.
+    ctl_rx.close();
+    while let Ok((_, reply)) = ctl_rx.try_recv() {
+        let _ = reply.send(Err("warren is stopping".into()));
+    }
+    report_tx.send_modify(|r| r.status = "draining");
+    if let Err(e) = sd_notify::notify(&[sd_notify::NotifyState::Stopping]) {
+        warn!(error = %e, "cannot tell systemd (NOTIFY_SOCKET) that warren is stopping");
+    }
+    info!(
+        reason,
+        timeout_ms = settings.shutdown_timeout_ms,
+        "shutting down"
+    );
+
+    let timeout = settings.shutdown_timeout();
+    let results = futures::future::join_all(pipelines.iter().map(|p| p.shutdown(timeout))).await;
+    if let Some(api) = api {
+        api.stop().await;
+    }
+    let _ = stop_tx.send(reason.to_string());
+    let _ = tokio::time::timeout(Duration::from_secs(5), registry).await;
+    if results.iter().all(|drained| *drained) {
+        info!("stopped cleanly");
+        Ok(0)
+    } else {
+        warn!(
+            "stopped with messages still in flight after SHUTDOWN_TIMEOUT_MS; the broker redelivers them; exit 1"
+        );
+        Ok(1)
+    }
+}
+
+/// A remote command and where to answer whether it was applied.
+type Control = (CtlCommand, oneshot::Sender<Result<(), String>>);
+
+/// Applies one remote command to this instance's pipelines.
+fn apply(
+    command: &CtlCommand,
+    pipelines: &[Pipeline],
+    report: &watch::Sender<Report>,
+) -> Result<(), String> {
+    let needs_consumer = || {
+        if pipelines.is_empty() {
+            Err("this instance runs no consumer role".to_string())
+        } else {
+            Ok(())
+        }
+    };
+    match command.command.as_str() {
+        "pause" => {
+            needs_consumer()?;
+            pipelines.iter().for_each(|p| p.hold(true));
+            report.send_modify(|r| r.status = "paused");
+            Ok(())
+        }
+        "resume" => {
+            needs_consumer()?;
+            pipelines.iter().for_each(|p| p.hold(false));
+            report.send_modify(|r| r.status = "running");
+            Ok(())
+        }
+        "drain" => Ok(()),
+        "scale" => {
+            needs_consumer()?;
+            let n = command
+                .processors
+                .ok_or_else(|| "scale needs a number of processors".to_string())?;
+            for p in pipelines {
+                p.scale(n)?;
+            }
+            report.send_modify(|r| r.processors = n);
+            Ok(())
+        }
+        "rate" => {
+            needs_consumer()?;
+            let n = command
+                .rate
+                .ok_or_else(|| "rate needs a number of messages per second".to_string())?;
+            for p in pipelines {
+                p.rate(n)?;
+            }
+            report.send_modify(|r| r.rate_limit_per_s = n);
+            Ok(())
+        }
+        other => Err(format!("unknown command {other:?}")),
+    }
+}
+
+/// Keeps this instance registered in Redis, relays remote commands, and deregisters at the end.
+async fn registry_loop(
+    settings: Settings,
+    ctl: mpsc::UnboundedSender<Control>,
+    mut report: watch::Receiver<Report>,
+    mut stop: oneshot::Receiver<String>,
+) {
+    let mut registry = Registry::new(&settings);
+    let mut beat = tokio::time::interval(Duration::from_millis(settings.registry_heartbeat_ms));
+    let mut poll = tokio::time::interval(Duration::from_millis(500));
+    beat.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    poll.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            reason = &mut stop => {
+                let reason = reason.unwrap_or_else(|_| "stopped".into());
+                registry.deregister(&reason).await;
+                return;
+            }
+            _ = beat.tick() => {
+                let now = *report.borrow();
+                registry.heartbeat(now).await;
+            }
+            _ = poll.tick() => {
+                while let Some((command, verdict)) = registry.next_command().await {
+                    // A refused command never reaches the pipelines; it is only recorded.
+                    let result = match verdict {
+                        Err(refused) => Err(refused),
+                        Ok(()) => {
+                            let (tx, rx) = oneshot::channel();
+                            if ctl.send((command.clone(), tx)).is_ok() {
+                                rx.await.unwrap_or_else(|_| Err("warren is stopping".into()))
+                            } else {
+                                Err("warren is stopping".into())
+                            }
+                        }
+                    };
+                    registry.record(&command, result).await;
+                    let now = *report.borrow();
+                    registry.heartbeat(now).await;
+                }
+            }
+            changed = report.changed() => {
+                if changed.is_ok() {
+                    let now = *report.borrow();
+                    registry.heartbeat(now).await;
+                } else {
+                    let reason = (&mut stop).await.unwrap_or_else(|_| "stopped".into());
+                    registry.deregister(&reason).await;
+                    return;
+                }
+            }
+        }
+    }
+}
