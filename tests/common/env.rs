@@ -50,14 +50,9 @@ pub fn free_port() -> u16 {
         .expect("no free port")
 }
 
-/// The host name as warren records it (registry keys, `ctl` output).
+/// The host name as warren records it (registry keys, `ctl` output): warren's own lookup.
 pub fn host() -> String {
-    std::fs::read_to_string("/proc/sys/kernel/hostname")
-        .map(|s| s.trim().to_string())
-        .ok()
-        .filter(|s| !s.is_empty())
-        .or_else(|| std::env::var("HOSTNAME").ok())
-        .unwrap_or_else(|| "localhost".into())
+    warren::hostname()
 }
 
 /// One test's private world: its own exchanges, queues and schema, removed on drop.
