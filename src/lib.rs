@@ -31,12 +31,27 @@ pub mod pipeline;
 pub mod registry;
 pub mod topology;
 
-/// This machine's host name (for connection names, consumer tags and the registry).
+/// This machine's host name (for connection names, consumer tags and the registry): the
+/// kernel's, as gethostname(2) gives it; else `$HOSTNAME`; else `localhost`.
 pub fn hostname() -> String {
-    std::fs::read_to_string("/proc/sys/kernel/hostname")
-        .ok()
-        .map(|s| s.trim().to_string())
-        .filter(|s| !s.is_empty())
-        .or_else(|| std::env::var("HOSTNAME").ok())
-        .unwrap_or_else(|| "localhost".into())
+    Some(
+        gethostname::gethostname()
+            .to_string_lossy()
+            .trim()
+            .to_string(),
+    )
+    .filter(|s| !s.is_empty())
+    .or_else(|| std::env::var("HOSTNAME").ok())
+    .unwrap_or_else(|| "localhost".into())
+}
+
+#[cfg(test)]
+mod tests {
+    /// The same name the kernel publishes in /proc (what `hostname()` read before).
+    #[cfg(target_os = "linux")]
+    #[test]
+    fn hostname_is_the_kernels() {
+        let proc = std::fs::read_to_string("/proc/sys/kernel/hostname").expect("/proc hostname");
+        assert_eq!(super::hostname(), proc.trim());
+    }
 }

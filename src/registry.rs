@@ -18,6 +18,9 @@ use hmac::{Hmac, KeyInit, Mac};
 use redis::aio::MultiplexedConnection;
 use serde::{Deserialize, Serialize};
 use sha2::Sha256;
+use time::OffsetDateTime;
+use time::format_description::BorrowedFormatItem;
+use time::macros::format_description;
 use tracing::{info, warn};
 
 use crate::config::{Settings, redact_url};
@@ -46,26 +49,16 @@ pub fn now_s() -> u64 {
         .unwrap_or(0)
 }
 
-/// `2026-11-21 05:35:46Z` for a Unix time in seconds (UTC).
+/// `2026-11-21 05:35:46Z` for a Unix time in seconds (UTC); the bare number of seconds for a
+/// time past the year 9999.
 pub fn utc(secs: u64) -> String {
-    let days = (secs / 86_400) as i64;
-    let rem = secs % 86_400;
-    // Civil date from days since 1970-01-01 (Howard Hinnant's algorithm).
-    let z = days + 719_468;
-    let era = z.div_euclid(146_097);
-    let doe = z.rem_euclid(146_097);
-    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
-    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
-    let mp = (5 * doy + 2) / 153;
-    let day = doy - (153 * mp + 2) / 5 + 1;
-    let month = if mp < 10 { mp + 3 } else { mp - 9 };
-    let year = yoe + era * 400 + i64::from(month <= 2);
-    format!(
-        "{year:04}-{month:02}-{day:02} {:02}:{:02}:{:02}Z",
-        rem / 3600,
-        rem % 3600 / 60,
-        rem % 60
-    )
+    const FORMAT: &[BorrowedFormatItem<'_>] =
+        format_description!("[year]-[month]-[day] [hour]:[minute]:[second]Z");
+    i64::try_from(secs)
+        .ok()
+        .and_then(|s| OffsetDateTime::from_unix_timestamp(s).ok())
+        .and_then(|t| t.format(FORMAT).ok())
+        .unwrap_or_else(|| secs.to_string())
 }
 
 /// The Redis keys of one deployment.
@@ -716,6 +709,8 @@ mod tests {
         assert_eq!(utc(0), "1970-01-01 00:00:00Z");
         assert_eq!(utc(1_795_239_346), "2026-11-21 05:35:46Z");
         assert_eq!(utc(951_782_400), "2000-02-29 00:00:00Z");
+        assert_eq!(utc(253_402_300_799), "9999-12-31 23:59:59Z");
+        assert_eq!(utc(u64::MAX), u64::MAX.to_string());
     }
 
     #[test]

@@ -164,29 +164,12 @@ fn panel_queries() -> Vec<PanelQuery> {
 
 // ---- traffic ----------------------------------------------------------------------------------
 
-/// (status, body) of one request to the API at `base`.
-async fn request(base: &str, method: &str, path: &str, body: Option<&str>) -> (u16, String) {
-    let url = format!("{base}{path}");
-    let (method, body) = (method.to_string(), body.map(str::to_string));
-    tokio::task::spawn_blocking(move || {
-        let agent = http_agent();
-        let response = match (method.as_str(), body) {
-            ("POST", Some(b)) => agent
-                .post(&url)
-                .header("content-type", "application/json")
-                .send(b.as_bytes()),
-            _ => agent.get(&url).call(),
-        };
-        match response {
-            Ok(mut r) => (
-                r.status().as_u16(),
-                r.body_mut().read_to_string().unwrap_or_default(),
-            ),
-            Err(e) => panic!("{method} {url}: {e}"),
-        }
-    })
-    .await
-    .expect("http task")
+/// (status, body) of one request to the env's API (the harness's [`http`]); a failed test if
+/// nothing answers.
+async fn request(env: &TestEnv, method: &str, path: &str, body: Option<&str>) -> (u16, String) {
+    http(env, method, path, body)
+        .await
+        .unwrap_or_else(|| panic!("{method} {}{path}: no answer", env.http_base()))
 }
 
 /// Waits until the env's `users` table holds `n` rows.
@@ -201,7 +184,7 @@ async fn wait_rows(env: &TestEnv, n: i64) {
 /// full warren; publishes and reads refused with 503 by the API-only one. Returns the users.
 async fn api_traffic(full: &TestEnv, api_only: &TestEnv, round: usize) -> usize {
     let (status, body) = request(
-        &full.http_base(),
+        full,
         "POST",
         "/api/v1/users",
         Some(&format!(
@@ -215,21 +198,15 @@ async fn api_traffic(full: &TestEnv, api_only: &TestEnv, round: usize) -> usize 
         .as_str()
         .expect("an id")
         .to_string();
-    let (status, body) = request(
-        &full.http_base(),
-        "POST",
-        "/api/v1/users",
-        Some(r#"{"name":""}"#),
-    )
-    .await;
+    let (status, body) = request(full, "POST", "/api/v1/users", Some(r#"{"name":""}"#)).await;
     assert_eq!(status, 422, "{body}");
-    let (status, _) = request(&full.http_base(), "GET", "/api/v1/users/not-a-uuid", None).await;
+    let (status, _) = request(full, "GET", "/api/v1/users/not-a-uuid", None).await;
     assert_eq!(status, 400);
-    let (status, _) = request(&full.http_base(), "GET", "/no/such/route", None).await;
+    let (status, _) = request(full, "GET", "/no/such/route", None).await;
     assert_eq!(status, 404);
     for _ in 0..3 {
         let (status, body) = request(
-            &api_only.http_base(),
+            api_only,
             "POST",
             "/api/v1/users",
             Some(r#"{"name":"Nobody","email":"nobody@example.com"}"#),
@@ -240,18 +217,12 @@ async fn api_traffic(full: &TestEnv, api_only: &TestEnv, round: usize) -> usize 
             "POST on the API-only warren without a broker: {body}"
         );
     }
-    let (status, _) = request(
-        &api_only.http_base(),
-        "GET",
-        &format!("/api/v1/users/{id}"),
-        None,
-    )
-    .await;
+    let (status, _) = request(api_only, "GET", &format!("/api/v1/users/{id}"), None).await;
     assert_eq!(
         status, 503,
         "GET on the API-only warren (its schema has no users table)"
     );
-    let (status, _) = request(&api_only.http_base(), "GET", "/readyz", None).await;
+    let (status, _) = request(api_only, "GET", "/readyz", None).await;
     assert_eq!(status, 503);
     1
 }

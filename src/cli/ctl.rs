@@ -7,6 +7,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::bail;
 use clap::Subcommand;
+use comfy_table::{Table, presets};
 
 use crate::config::Settings;
 use crate::registry::{
@@ -194,10 +195,10 @@ async fn history(redis: &mut Redis, keys: &Keys, limit: usize, json: bool) -> an
         }
         return Ok(0);
     }
-    println!(
-        "{:<21} {:<28} {:<8} {:<9} DETAIL",
-        "WHEN", "INSTANCE", "COMMAND", "OUTCOME"
-    );
+    let mut table = Table::new();
+    table
+        .load_style(presets::NOTHING)
+        .set_header(vec!["WHEN", "INSTANCE", "COMMAND", "OUTCOME", "DETAIL"]);
     for line in raw {
         let Ok(o) = serde_json::from_str::<CtlOutcome>(&line) else {
             continue;
@@ -208,13 +209,17 @@ async fn history(redis: &mut Redis, keys: &Keys, limit: usize, json: bool) -> an
             (None, None, Some(n)) => format!("rate={n}/s"),
             _ => String::new(),
         };
-        println!(
-            "{:<21} {:<28} {:<8} {:<9} {detail}",
+        table.add_row(vec![
             utc(o.at),
             format!("{}:{}", o.host, o.pid),
             o.command,
-            o.outcome
-        );
+            o.outcome,
+            detail,
+        ]);
     }
+    for column in table.column_iter_mut() {
+        column.set_padding((0, 2));
+    }
+    println!("{}", table.trim_fmt());
     Ok(0)
 }

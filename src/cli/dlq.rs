@@ -7,6 +7,7 @@ use std::time::{SystemTime, UNIX_EPOCH};
 
 use anyhow::Context as _;
 use clap::builder::PossibleValuesParser;
+use comfy_table::{Table, presets};
 use lapin::message::BasicGetMessage;
 use lapin::options::{BasicAckOptions, BasicGetOptions, BasicNackOptions, ConfirmSelectOptions};
 use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
@@ -980,33 +981,17 @@ fn preview(s: &str, max: usize) -> String {
     cut
 }
 
-/// An aligned table: a header line, then the rows; the last column is not padded.
+/// An aligned table (comfy-table, no borders): a header line, then the rows, two spaces
+/// between columns, no trailing blanks.
 fn table(header: &[&str], rows: &[Vec<String>]) -> String {
-    let mut widths: Vec<usize> = header.iter().map(|h| h.chars().count()).collect();
-    for row in rows {
-        for (w, c) in widths.iter_mut().zip(row) {
-            *w = (*w).max(c.chars().count());
-        }
+    let mut t = Table::new();
+    t.load_style(presets::NOTHING)
+        .set_header(header.to_vec())
+        .add_rows(rows.iter().cloned());
+    for column in t.column_iter_mut() {
+        column.set_padding((0, 2));
     }
-    let line = |cells: Vec<&str>| {
-        let last = cells.len().saturating_sub(1);
-        let mut out = String::new();
-        for (i, (c, w)) in cells.iter().zip(&widths).enumerate() {
-            if i == last {
-                out.push_str(c);
-            } else {
-                out.push_str(c);
-                out.push_str(&" ".repeat(w.saturating_sub(c.chars().count()) + 2));
-            }
-        }
-        out.push('\n');
-        out
-    };
-    let mut out = line(header.to_vec());
-    for row in rows {
-        out.push_str(&line(row.iter().map(String::as_str).collect()));
-    }
-    out
+    format!("{}\n", t.trim_fmt())
 }
 
 #[cfg(test)]
@@ -1044,6 +1029,9 @@ mod tests {
             ],
         );
         assert_eq!(t, "A    LONG  C\nxyz  1     last\né    22    -\n");
+        // Aligned by display width: a CJK character takes two terminal columns.
+        let t = table(&["A", "B"], &[vec!["日本".into(), "x".into()]]);
+        assert_eq!(t, "A     B\n日本  x\n");
     }
 
     #[test]

@@ -8,6 +8,7 @@ use std::fmt::Write as _;
 use std::io::Write as _;
 use std::time::{Duration, Instant};
 
+use comfy_table::{CellAlignment, Table, presets};
 use serde_json::json;
 
 use crate::config::{Settings, redact_url};
@@ -151,21 +152,22 @@ fn render(
     }
     match &snap.instances {
         Some(list) => {
-            let _ = writeln!(
-                out,
-                "{:<28} {:<18} {:<9} {:>5} {:>10} {:>10} {:>8} {:>8} {:>8} {:>7} {:>7} {:>9}",
-                "INSTANCE",
-                "ROLES",
-                "STATUS",
-                "PROCS",
-                "RECEIVED",
-                "INSERTED",
-                "RECV/S",
-                "INS/S",
-                "INFLIGHT",
-                "BREAKER",
-                "LIMIT/S",
-                "HEARTBEAT"
+            let mut t = table(
+                &[
+                    "INSTANCE",
+                    "ROLES",
+                    "STATUS",
+                    "PROCS",
+                    "RECEIVED",
+                    "INSERTED",
+                    "RECV/S",
+                    "INS/S",
+                    "INFLIGHT",
+                    "BREAKER",
+                    "LIMIT/S",
+                    "HEARTBEAT",
+                ],
+                3,
             );
             for i in list {
                 let get = |k: &str| i.get(k).map(String::as_str).unwrap_or("-");
@@ -177,23 +179,22 @@ fn render(
                     "0" => "off",
                     other => other,
                 };
-                let _ = writeln!(
-                    out,
-                    "{:<28} {:<18} {:<9} {:>5} {:>10} {:>10} {:>8} {:>8} {:>8} {:>7} {:>7} {:>9}",
+                t.add_row(vec![
                     format!("{}:{}", get("host"), get("pid")),
-                    get("roles"),
-                    get("status"),
-                    get("processors"),
-                    get("received"),
-                    get("inserted"),
-                    get("received_per_s"),
-                    get("inserted_per_s"),
-                    get("inflight"),
-                    get("breaker"),
-                    limit,
-                    age
-                );
+                    get("roles").to_string(),
+                    get("status").to_string(),
+                    get("processors").to_string(),
+                    get("received").to_string(),
+                    get("inserted").to_string(),
+                    get("received_per_s").to_string(),
+                    get("inserted_per_s").to_string(),
+                    get("inflight").to_string(),
+                    get("breaker").to_string(),
+                    limit.to_string(),
+                    age,
+                ]);
             }
+            let _ = writeln!(out, "{}", t.trim_fmt());
             if list.is_empty() {
                 let _ = writeln!(
                     out,
@@ -213,18 +214,19 @@ fn render(
     let _ = writeln!(out);
     match &snap.queues {
         Some(rows) => {
-            let _ = writeln!(
-                out,
-                "{:<40} {:>10} {:>10} {:>10}",
-                "QUEUE", "MESSAGES", "CONSUMERS", "TREND"
-            );
+            let mut t = table(&["QUEUE", "MESSAGES", "CONSUMERS", "TREND"], 1);
             for (name, m, c) in rows {
-                let trend = trend_text(trends.get(name).copied());
-                let _ = match (m, c) {
-                    (Some(m), Some(c)) => writeln!(out, "{name:<40} {m:>10} {c:>10} {trend:>10}"),
-                    _ => writeln!(out, "{name:<40} {:>10} {:>10} {:>10}", "missing", "-", "-"),
-                };
+                t.add_row(match (m, c) {
+                    (Some(m), Some(c)) => vec![
+                        name.clone(),
+                        m.to_string(),
+                        c.to_string(),
+                        trend_text(trends.get(name).copied()),
+                    ],
+                    _ => vec![name.clone(), "missing".into(), "-".into(), "-".into()],
+                });
             }
+            let _ = writeln!(out, "{}", t.trim_fmt());
         }
         None => {
             let _ = writeln!(
@@ -235,6 +237,20 @@ fn render(
         }
     }
     out
+}
+
+/// A borderless table (comfy-table) under `header`, two spaces between columns; the columns from
+/// `first_number` on hold numbers and are right-aligned.
+fn table(header: &[&str], first_number: usize) -> Table {
+    let mut t = Table::new();
+    t.load_style(presets::NOTHING).set_header(header.to_vec());
+    for (i, column) in t.column_iter_mut().enumerate() {
+        column.set_padding((0, 2));
+        if i >= first_number {
+            column.set_cell_alignment(CellAlignment::Right);
+        }
+    }
+    t
 }
 
 /// (queue, messages, consumers) for the main, retry and DLQ queues; `None` without a broker.
@@ -283,5 +299,18 @@ mod tests {
         assert_eq!(trend_text(Some(2.25)), "+2.2/s");
         assert_eq!(trend_text(Some(0.0)), "0/s");
         assert_eq!(trend_text(None), "-");
+    }
+
+    #[test]
+    fn tables_align_names_left_and_numbers_right() {
+        let mut t = table(&["QUEUE", "MESSAGES", "TREND"], 1);
+        t.add_row(vec!["main", "12", "+2.5/s"]);
+        t.add_row(vec!["a_longer_name", "3", "-"]);
+        assert_eq!(
+            t.trim_fmt(),
+            "QUEUE          MESSAGES   TREND\n\
+             main                 12  +2.5/s\n\
+             a_longer_name         3       -"
+        );
     }
 }

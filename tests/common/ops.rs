@@ -7,12 +7,11 @@
 
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
-use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use serde_json::Value;
 
-use super::{COUNTER, TestEnv, Warren, free_port, http_agent};
+use super::{TestEnv, Warren, free_port, http_agent};
 
 const HOW_TO_INSTALL: &str = "run `scripts/setup.sh --with-promtool` (it installs Debian's \
     `prometheus` package, which ships both `prometheus` and `promtool`)";
@@ -277,11 +276,7 @@ pub fn start_without_wx(env: &TestEnv, args: &[&str]) -> Warren {
     use std::os::unix::process::CommandExt as _;
     let mut full = vec!["run"];
     full.extend_from_slice(args);
-    let log = std::env::temp_dir().join(format!(
-        "{}-{}.log",
-        env.id,
-        COUNTER.fetch_add(1, Ordering::Relaxed)
-    ));
+    let log = env.log_path();
     let file = std::fs::File::create(&log).expect("log file");
     let mut cmd = env.command(&full);
     cmd.stdout(Stdio::null()).stderr(file);
@@ -298,8 +293,5 @@ pub fn start_without_wx(env: &TestEnv, args: &[&str]) -> Warren {
     let child = cmd.spawn().unwrap_or_else(|e| {
         panic!("cannot start warren under PR_SET_MDWE (Linux 6.3 or later is needed): {e}")
     });
-    Warren {
-        child: Some(child),
-        log,
-    }
+    Warren::new(child, log)
 }

@@ -1,0 +1,118 @@
+//! Redis: `RedisCleanup`, commands (`try_redis_query`, `redis_query`), and the instance
+//! registry (`instance_key`, `instance`, `shutdowns`).
+//!
+//! The instance registry lives under the env's prefix (`REDIS_PREFIX`, the env's id) in the Redis
+//! of the env's `REDIS_URL` setting (the shared one unless a test points it at its own server).
+
+use std::collections::HashMap;
+use std::time::Duration;
+
+use serde_json::Value;
+
+use super::env::{TestEnv, host, redis_url};
+
+/// (Redis URL, key prefix) of the warren processes `env` starts.
+fn redis_of(env: &TestEnv) -> (String, String) {
+    (
+        env.setting("REDIS_URL")
+            .map_or_else(redis_url, String::from),
+        env.setting("REDIS_PREFIX").unwrap_or(&env.id).to_string(),
+    )
+}
+
+/// Deletes every key under the env's prefix when dropped (also when the test panics).
+pub struct RedisCleanup {
+    /// The Redis the env's warren processes use, taken at creation.
+    url: String,
+    /// Their key prefix: everything under it goes.
+    prefix: String,
+}
+
+impl RedisCleanup {
+    /// Cleans up the Redis `env` points at now.
+    pub fn new(env: &TestEnv) -> Self {
+        let (url, prefix) = redis_of(env);
+        RedisCleanup { url, prefix }
+    }
+}
+
+impl Drop for RedisCleanup {
+    fn drop(&mut self) {
+        delete_keys_under(&self.url, &self.prefix);
+    }
+}
+
+/// Deletes every key under `prefix` in the Redis at `url`, blocking, each step bounded by 2 s;
+/// nothing when Redis is away. For cleanup in `Drop`.
+pub(super) fn delete_keys_under(url: &str, prefix: &str) {
+    let Ok(client) = redis::Client::open(url) else {
+        return;
+    };
+    let Ok(mut conn) = client.get_connection_with_timeout(Duration::from_secs(2)) else {
+        return;
+    };
+    let _ = conn.set_read_timeout(Some(Duration::from_secs(2)));
+    let _ = conn.set_write_timeout(Some(Duration::from_secs(2)));
+    let keys: Vec<String> = redis::cmd("KEYS")
+        .arg(format!("{prefix}:*"))
+        .query(&mut conn)
+        .unwrap_or_default();
+    if !keys.is_empty() {
+        let _: redis::RedisResult<i64> = redis::cmd("DEL").arg(&keys).query(&mut conn);
+    }
+}
+
+/// One command on a fresh connection to the Redis at `url`; `None` while it is unreachable
+/// (connecting and the command are bounded by 2 s each) or the command fails.
+pub async fn try_redis_query<T: redis::FromRedisValue>(url: &str, cmd: &redis::Cmd) -> Option<T> {
+    let client = redis::Client::open(url).ok()?;
+    let mut conn = tokio::time::timeout(
+        Duration::from_secs(2),
+        client.get_multiplexed_async_connection(),
+    )
+    .await
+    .ok()?
+    .ok()?;
+    tokio::time::timeout(Duration::from_secs(2), cmd.query_async(&mut conn))
+        .await
+        .ok()?
+        .ok()
+}
+
+/// One command on the env's Redis, which must answer.
+pub async fn redis_query<T: redis::FromRedisValue>(env: &TestEnv, cmd: &redis::Cmd) -> T {
+    let (url, _) = redis_of(env);
+    try_redis_query(&url, cmd)
+        .await
+        .unwrap_or_else(|| panic!("Redis at {url} did not answer {cmd:?}"))
+}
+
+/// The key of the registry hash of the env's instance `pid` on this host.
+pub fn instance_key(env: &TestEnv, pid: i32) -> String {
+    let (_, prefix) = redis_of(env);
+    format!("{prefix}:instances:{}:{pid}", host())
+}
+
+/// The registry hash of the env's instance `pid` (empty when absent or Redis is away).
+pub async fn instance(env: &TestEnv, pid: i32) -> HashMap<String, String> {
+    let (url, _) = redis_of(env);
+    try_redis_query(&url, redis::cmd("HGETALL").arg(instance_key(env, pid)))
+        .await
+        .unwrap_or_default()
+}
+
+/// The shutdown records of the env's instances, oldest first.
+pub async fn shutdowns(env: &TestEnv) -> Vec<Value> {
+    let (_, prefix) = redis_of(env);
+    let raw: Vec<String> = redis_query(
+        env,
+        redis::cmd("ZRANGE")
+            .arg(format!("{prefix}:shutdowns"))
+            .arg(0)
+            .arg(-1),
+    )
+    .await;
+    raw.iter()
+        .map(|r| serde_json::from_str(r).unwrap_or_else(|e| panic!("record {r:?}: {e}")))
+        .collect()
+}
