@@ -1,7 +1,14 @@
 #!/usr/bin/env bash
-# The whole test suite: bring up RabbitMQ, PostgreSQL and Redis on localhost (scripts/setup.sh),
-# then run every unit and integration test against them. Extra arguments go to `cargo test`.
+# The whole test suite: bring up RabbitMQ, PostgreSQL and Redis on localhost (scripts/setup.sh)
+# and the 3-node RabbitMQ test cluster (scripts/cluster.sh), then run every unit and integration
+# test against them. Extra arguments go to `cargo test`. A caller who sets
+# WARREN_TEST_CLUSTER_URLS brings a cluster of its own, and none is started.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ./scripts/setup.sh --with-promtool
+if [ -z "${WARREN_TEST_CLUSTER_URLS:-}" ]; then
+  ./scripts/cluster.sh up
+  WARREN_TEST_CLUSTER_URLS="$(./scripts/cluster.sh urls)"
+  export WARREN_TEST_CLUSTER_URLS
+fi
 exec cargo test --all-targets "$@"
