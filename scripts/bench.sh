@@ -248,15 +248,23 @@ RESULTS="$LOGDIR/results.tsv"
 : >"$RESULTS"
 CONTENDERS=(raw_drain minimal_pipeline warren warren_pf5000)
 
+# A measurement that fails sets FAIL and returns 1; the loop below measures it again (the broker
+# and database are shared: another test may close every connection or restart a server).
+FAIL=""
+ATTEMPTS=3
+
 # Publishes N and waits until the queue holds them.
 fill_queue() { # LOG
-  local depth
+  local depth deadline
   depth=$(queue_field "$MAIN_QUEUE" messages)
   if [ "${depth:-0}" != 0 ]; then say "warning: $MAIN_QUEUE held $depth messages before publishing; purged"; purge_queues; fi
-  "$BIN" publish --count "$N" >"$1" 2>&1 || die "warren publish failed; see $1"
-  local deadline=$((SECONDS + 60))
+  "$BIN" publish --count "$N" >"$1" 2>&1 || { FAIL="warren publish failed: $(tail -1 "$1"); see $1"; return 1; }
+  deadline=$((SECONDS + 60))
   until [ "$(queue_field "$MAIN_QUEUE" messages)" = "$N" ]; do
-    [ "$SECONDS" -lt "$deadline" ] || die "$MAIN_QUEUE does not hold $N messages 60 s after publishing (it holds $(queue_field "$MAIN_QUEUE" messages))"
+    if [ "$SECONDS" -ge "$deadline" ]; then
+      FAIL="$MAIN_QUEUE does not hold $N messages 60 s after publishing (it holds $(queue_field "$MAIN_QUEUE" messages))"
+      return 1
+    fi
     sleep 0.5
   done
 }
@@ -281,52 +289,71 @@ field() { # KEY LINE: the value of key=value in an example's output line
   local kv
   for kv in $2; do case "$kv" in "$1="*) printf '%s' "${kv#*=}"; return ;; esac; done
 }
+seconds_between() { awk -v a="$1" -v b="$2" 'BEGIN {print b - a}'; }
 
-run_example() { # rep contender example args...
-  local rep="$1" name="$2" ex="$3"; shift 3
-  local out="$LOGDIR/$name-$rep.out" err="$LOGDIR/$name-$rep.err" b0 b1 t0 t1 rc=0 line rate drain
+run_example() { # rep contender tag example args...
+  local rep="$1" name="$2" tag="$3" ex="$4"; shift 4
+  local out="$LOGDIR/$tag.out" err="$LOGDIR/$tag.err" b0 b1 t0 t1 rc=0 line rate drain rows dbrate span
   b0=$(broker_ticks); t0=$(now)
   "$EX/$ex" "$@" >"$out" 2>"$err" &
   CHILD=$!
   wait "$CHILD" || rc=$?
   CHILD=""
   t1=$(now); b1=$(broker_ticks)
-  [ "$rc" = 0 ] || die "$ex failed (status $rc): $(tail -1 "$err"); see $err"
+  [ "$rc" = 0 ] || { FAIL="$ex failed (status $rc): $(tail -1 "$err"); see $err"; return 1; }
   line=$(tail -1 "$out")
   rate=$(field rate "$line"); drain=$(field secs "$line")
   if [ "$name" = minimal_pipeline ]; then
     read -r rows dbrate span <<<"$(db_rate)"
-    [ "$rows" = "$N" ] || die "minimal_pipeline left $rows rows of $N in $SCHEMA.users; see $out"
+    [ "$rows" = "$N" ] || { FAIL="minimal_pipeline left ${rows:-?} rows of $N in $SCHEMA.users; see $out"; return 1; }
     if [ "$dbrate" != 0 ]; then rate="$dbrate"; drain="$span"; fi
   fi
-  record "$rep" "$name" "$rate" "$drain" "$(awk -v a="$t0" -v b="$t1" 'BEGIN {print b - a}')" \
+  record "$rep" "$name" "$rate" "$drain" "$(seconds_between "$t0" "$t1")" \
     "$(( $(field cpu_us "$line") * CLK_TCK / 1000000 ))" "$(( b0 < 0 ? -1 : b1 - b0 ))" \
     "$(field peak_rss_kb "$line")" "$(field acks "$line")" "$(field batches "$line")"
 }
 
-run_warren() { # rep contender [KEY=VALUE...]
-  local rep="$1" name="$2"; shift 2
-  local b0 b1 t0 t1 inserted deadline rows dbrate span wall
+run_warren() { # rep contender tag [KEY=VALUE...]
+  local rep="$1" name="$2" tag="$3"; shift 3
+  local b0 b1 t0 t1 inserted deadline rows dbrate span wall disturbed
   b0=$(broker_ticks); t0=$(now)
-  start_warren "$LOGDIR/$name-$rep.log" "$@"
+  start_warren "$LOGDIR/$tag.log" "$@"
   deadline=$((SECONDS + TIMEOUT_S))
   while :; do
     sleep 0.1
-    kill -0 "$CHILD" 2>/dev/null || die "warren ($name, rep $rep) exited before draining the queue; see $WARREN_LOG"
+    kill -0 "$CHILD" 2>/dev/null || { stop_child; FAIL="warren exited (status $STOP_RC) before draining the queue; see $WARREN_LOG"; return 1; }
     inserted=$(metric_now "$WARREN_PORT" warren_messages_inserted_total)
     [ "${inserted:-0}" -ge "$N" ] && break
-    [ "$SECONDS" -lt "$deadline" ] || die "warren ($name, rep $rep) inserted ${inserted:-0} of $N within $TIMEOUT_S s; see $WARREN_LOG"
+    if [ "$SECONDS" -ge "$deadline" ]; then
+      stop_warren; FAIL="warren inserted ${inserted:-0} of $N within $TIMEOUT_S s; see $WARREN_LOG"; return 1
+    fi
   done
   t1=$(now); b1=$(broker_ticks)
-  read_warren "$LOGDIR/$name-$rep.metrics"
+  read_warren "$LOGDIR/$tag.metrics"
   stop_warren
+  # A reconnect or a rebuilt consumer during the drain (someone closed the connections) makes
+  # the figures those of a different run: measure again.
+  disturbed=$(( $(metric_file "$LOGDIR/$tag.metrics" warren_reconnects_total || echo 0) + 0
+    + $(metric_file "$LOGDIR/$tag.metrics" warren_consumer_restarts_total || echo 0) + 0 ))
+  [ "$disturbed" = 0 ] || { FAIL="warren reconnected or rebuilt its consumer $disturbed time(s) during the drain; see $WARREN_LOG"; return 1; }
   read -r rows dbrate span <<<"$(db_rate)"
-  [ "$rows" = "$N" ] || die "warren ($name, rep $rep) left $rows rows of $N in $SCHEMA.users; see $WARREN_LOG"
-  wall=$(awk -v a="$t0" -v b="$t1" 'BEGIN {print b - a}')
+  [ "$rows" = "$N" ] || { FAIL="warren left ${rows:-?} rows of $N in $SCHEMA.users; see $WARREN_LOG"; return 1; }
+  wall=$(seconds_between "$t0" "$t1")
   # One batch only (tiny N): no span between batches; the rate from process start instead.
   if [ "$dbrate" = 0 ]; then dbrate=$(awk -v n="$N" -v w="$wall" 'BEGIN {print n / w}'); span="$wall"; fi
   record "$rep" "$name" "$dbrate" "$span" "$wall" \
     "$W_TICKS" "$(( b0 < 0 ? -1 : b1 - b0 ))" "$W_RSS_KB" "$W_ACKS" "$W_BATCHES"
+}
+
+measure() { # rep contender tag
+  psql_q "TRUNCATE $SCHEMA.users" >/dev/null || { FAIL="cannot empty $SCHEMA.users"; return 1; }
+  fill_queue "$LOGDIR/$3.publish.log" || return 1
+  case "$2" in
+    raw_drain)        run_example "$1" "$2" "$3" raw_drain --count "$N" ;;
+    minimal_pipeline) run_example "$1" "$2" "$3" minimal_pipeline --count "$N" ;;
+    warren)           run_warren "$1" "$2" "$3" ;;
+    warren_pf5000)    run_warren "$1" "$2" "$3" PREFETCH=5000 ;;
+  esac
 }
 
 say "logs in $LOGDIR"
@@ -334,16 +361,16 @@ echo "drain bench: N=$N messages per drain, $REPS repetitions interleaved; warre
 echo "load average before: $(cut -d' ' -f1-3 /proc/loadavg)"
 for rep in $(seq 1 "$REPS"); do
   for name in "${CONTENDERS[@]}"; do
-    psql_q "TRUNCATE $SCHEMA.users" >/dev/null
-    fill_queue "$LOGDIR/publish-$name-$rep.log"
-    case "$name" in
-      raw_drain)        run_example "$rep" "$name" raw_drain --count "$N" ;;
-      minimal_pipeline) run_example "$rep" "$name" minimal_pipeline --count "$N" ;;
-      warren)           run_warren "$rep" "$name" ;;
-      warren_pf5000)    run_warren "$rep" "$name" PREFETCH=5000 ;;
-    esac
-    printf 'rep %d/%d %-17s %s msg/s  (%s)\n' "$rep" "$REPS" "$name" \
-      "$(tail -1 "$RESULTS" | cut -f3)" "$(sed -n 's/^published \([0-9]*\) messages in \([0-9.]*\) s.*/published \1 in \2 s/p' "$LOGDIR/publish-$name-$rep.log")"
+    for attempt in $(seq 1 "$ATTEMPTS"); do
+      tag="$name-$rep"; [ "$attempt" = 1 ] || tag="$tag-try$attempt"
+      FAIL=""
+      if measure "$rep" "$name" "$tag"; then break; fi
+      [ "$attempt" -lt "$ATTEMPTS" ] || die "$name, repetition $rep, failed $ATTEMPTS times; the last: $FAIL"
+      say "warning: $name, repetition $rep, attempt $attempt: $FAIL; measuring it again"
+      purge_queues
+    done
+    printf 'rep %d/%d %-17s %s msg/s  (%s)\n' "$rep" "$REPS" "$name" "$(tail -1 "$RESULTS" | cut -f3)" \
+      "$(sed -n 's/^published \([0-9]*\) messages in \([0-9.]*\) s.*/published \1 in \2 s/p' "$LOGDIR/$tag.publish.log")"
   done
 done
 echo "load average after: $(cut -d' ' -f1-3 /proc/loadavg)"
