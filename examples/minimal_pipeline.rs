@@ -1,7 +1,7 @@
 //! Minimal pipeline for `scripts/bench.sh`: the least code that does warren's job, to measure
 //! warren against. One task, no actors: a lapin consumer (prefetch 2000) decodes each
-//! `{"id","name","email"}` body with serde_json, inserts every 1000 messages (or when no
-//! message came for a short timeout after the batch's first) with ONE
+//! `{"id","name","email"}` body with serde_json, inserts every 1000 messages (or, with a partial
+//! batch, once no message came for a short timeout: the queue is drained) with ONE
 //! `INSERT .. SELECT * FROM UNNEST(..) ON CONFLICT DO NOTHING` through tokio-postgres, then sends
 //! ONE `basic.ack multiple=true` for the batch. Stops after N messages and prints one line of
 //! `key=value` figures: messages, drain seconds (first delivery to last ack), rate, rows
@@ -38,7 +38,7 @@ struct Args {
     /// Messages per insert and ack.
     #[arg(long, default_value_t = 1000)]
     batch_size: usize,
-    /// A partial batch is flushed this long after its first message.
+    /// A partial batch is flushed once no message came for this long (the queue is drained).
     #[arg(long, default_value_t = 50)]
     batch_timeout_ms: u64,
     /// Give up when no delivery arrives for this long.
@@ -64,8 +64,6 @@ struct Batch {
     len: usize,
     /// The highest delivery tag of the batch: the one multi-ack settles them all.
     last_tag: u64,
-    /// When the first message came, for the batch timeout.
-    started: Option<Instant>,
 }
 
 #[tokio::main(flavor = "current_thread")]
@@ -110,17 +108,12 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let (mut acks, mut batches) = (0u64, 0u64);
     let mut first: Option<Instant> = None;
     while settled < args.count {
-        // Wait for the next delivery until the batch is due, or at most `idle` for a first one.
-        let wait = match batch.started {
-            Some(started) => (started + batch_timeout).saturating_duration_since(Instant::now()),
-            None => idle,
-        };
+        // With a partial batch, a pause of `batch_timeout` means the queue is drained: flush.
+        let wait = if batch.len > 0 { batch_timeout } else { idle };
         let due = match tokio::time::timeout(wait, consumer.next()).await {
             Ok(Some(delivery)) => {
                 let delivery = delivery?;
-                let now = Instant::now();
-                first.get_or_insert(now);
-                batch.started.get_or_insert(now);
+                first.get_or_insert_with(Instant::now);
                 received += 1;
                 match serde_json::from_slice::<User>(&delivery.data) {
                     Ok(user) => {
@@ -162,7 +155,6 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         batch.names.clear();
         batch.emails.clear();
         batch.len = 0;
-        batch.started = None;
     }
     let secs = first.map(|s| s.elapsed().as_secs_f64()).unwrap_or(0.0);
     let _ = conn.close(200, "bye".into()).await;
