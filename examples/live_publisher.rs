@@ -274,7 +274,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         .collect();
     latencies.sort_unstable();
     println!(
-        "in the table: {} of {confirmed} confirmed messages, {settle_secs:.2} s after publishing ended",
+        "in the table: {} of {confirmed} confirmed messages (read {settle_secs:.2} s after publishing ended)",
         latencies.len()
     );
     println!(
