@@ -1,58 +1,416 @@
 #!/usr/bin/env bash
-# Benchmark: publish N persistent messages with `warren publish` (default 200,000), then drain
-# them with `warren run --roles consumer` and print the throughput (messages per second, from
-# the first row committed to the last), warren's peak RSS and CPU time, and the same drain by a
-# minimal lapin consumer without a database (examples/broker_baseline.rs) for comparison. Uses its own queue names
-# (warren_bench_*) and schema (warren_bench); re-runs purge them first.
-#   scripts/bench.sh [N] [extra settings as KEY=VALUE ...]   (WARREN_BIN=path measures another build)
+# Benchmark that tells the truth: warren next to what the broker alone and the least code doing
+# warren's job achieve on this machine, in ONE run, repetitions interleaved, so the ratios hold
+# even when the machine's speed drifts.
+#
+#   scripts/bench.sh [N] [REPS] [KEY=VALUE...]              drain bench (N=200000, REPS=3)
+#   scripts/bench.sh --live [RATE] [SECONDS] [KEY=VALUE...]  live bench (RATE=10000, SECONDS=60)
+#
+# N, REPS, RATE and SECONDS may also be given as N=..., REPS=..., RATE=..., SECONDS=...; any other
+# KEY=VALUE is a warren setting (environment) for the warren runs, e.g. USERS_BATCH_SIZE=2000.
+# WARREN_BIN=path measures another build of warren; BENCH_TIMEOUT_S (600) bounds one drain.
+#
+# Drain bench: every repetition runs the four contenders in this order, each on its own backlog
+# of N persistent ~100-byte users published with `warren publish --count N` (the queue must hold
+# N before the drain starts):
+#   raw_drain          examples/raw_drain.rs: bare lapin, prefetch 5000, one multi-ack per 100
+#                      deliveries, no decoding, no database (what the broker alone delivers)
+#   minimal_pipeline   examples/minimal_pipeline.rs: lapin, prefetch 2000, serde_json, one UNNEST
+#                      insert per 1000 messages then one multi-ack, no actors
+#   warren             warren run --roles consumer, default settings (plus the KEY=VALUEs given)
+#   warren_pf5000      the same with PREFETCH=5000
+# and prints one table of medians (rate, ratios, CPU and broker CPU per message, peak RSS, acks
+# per batch) and the figures of every repetition. The README's "Performance" section says what
+# each column measures.
+#
+# Live bench: warren (run --roles consumer, defaults) consumes an empty queue while
+# examples/live_publisher.rs publishes RATE msg/s for SECONDS s, then reports the achieved rate,
+# the max queue depth (kept up: never above two prefetch windows) and the end-to-end latency
+# percentiles against the target p99 <= USERS_BATCH_TIMEOUT_MS + 250 ms.
+#
+# Uses its own queues (warren_bench_*), schema (warren_bench) and Redis prefix (warren_bench);
+# purges the queues and drops the schema at the end. Logs stay in a directory under /tmp, named
+# at the start.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-N="${1:-200000}"; shift || true
+
+die() { printf 'bench: %s\n' "$*" >&2; exit 1; }
+say() { printf 'bench: %s\n' "$*" >&2; }
+usage() { sed -n '2,/^set -euo/{/^set -euo/d;s/^# \{0,1\}//;p}' "$0"; }
+
+# --- arguments --------------------------------------------------------------------------------
+MODE=drain
+if [ "${1:-}" = --live ]; then MODE=live; shift; fi
+POSITIONAL=()
+SETTINGS=()
+for arg in "$@"; do
+  case "$arg" in
+    -h|--help) usage; exit 0 ;;
+    N=*|REPS=*|RATE=*|SECONDS=*) ;;           # handled below (SECONDS is also bash's own)
+    [A-Za-z_]*=*) SETTINGS+=("$arg") ;;
+    *[!0-9.]*|'') die "unknown argument '$arg' (see scripts/bench.sh --help)" ;;
+    *) POSITIONAL+=("$arg") ;;
+  esac
+done
+named() { # NAME DEFAULT ARGS...: the value of NAME=... among ARGS, else DEFAULT
+  local name="$1" v="$2" arg
+  shift 2
+  for arg in "$@"; do case "$arg" in "$name="*) v="${arg#*=}" ;; esac; done
+  printf '%s' "$v"
+}
+positive_int() { [[ "$2" =~ ^[1-9][0-9]*$ ]] || die "$1: expected a whole number above 0, got '$2'"; }
+if [ "$MODE" = drain ]; then
+  [ ${#POSITIONAL[@]} -le 2 ] || die "too many numbers: expected [N] [REPS]"
+  N=$(named N "${POSITIONAL[0]:-200000}" "$@")
+  REPS=$(named REPS "${POSITIONAL[1]:-3}" "$@")
+  positive_int N "$N"; positive_int REPS "$REPS"
+else
+  [ ${#POSITIONAL[@]} -le 2 ] || die "too many numbers: expected [RATE] [SECONDS]"
+  LIVE_RATE=$(named RATE "${POSITIONAL[0]:-10000}" "$@")
+  LIVE_SECONDS=$(named SECONDS "${POSITIONAL[1]:-60}" "$@")
+  positive_int RATE "$LIVE_RATE"; positive_int SECONDS "$LIVE_SECONDS"
+fi
+TIMEOUT_S="${BENCH_TIMEOUT_S:-600}"
+
+# --- environment ------------------------------------------------------------------------------
 ./scripts/setup.sh >/dev/null 2>&1 || ./scripts/setup.sh
 cargo build --release -q --bins --examples
 BIN="${WARREN_BIN:-target/release/warren}"
+[ -x "$BIN" ] || die "WARREN_BIN=$BIN is not an executable"
+EX=target/release/examples
 
 export MAIN_EXCHANGE=warren_bench_exchange MAIN_QUEUE=warren_bench_queue
 export RETRY_EXCHANGE=warren_bench_retry_exchange RETRY_QUEUE=warren_bench_retry
 export DLX_EXCHANGE=warren_bench_dlx DLQ_QUEUE=warren_bench_dlq
-export DATABASE_SCHEMA=warren_bench METRICS_ADDR=127.0.0.1:0 HTTP_ADDR=127.0.0.1:0
+export DATABASE_SCHEMA=warren_bench REDIS_PREFIX=warren_bench HTTP_ADDR=127.0.0.1:0
+export AMQP_URL="${AMQP_URL:-amqp://guest:guest@127.0.0.1:5672/%2f}"
 export DATABASE_URL="${DATABASE_URL:-postgres://warren:warren@127.0.0.1:5432/warren}"
-for kv in "$@"; do export "${kv?}"; done
+for kv in "${SETTINGS[@]}"; do export "${kv?}"; done
+CLK_TCK=$(getconf CLK_TCK); export CLK_TCK
+SCHEMA="$DATABASE_SCHEMA"
+LOGDIR=$(mktemp -d /tmp/warren-bench.XXXXXX)
 
-psql "$DATABASE_URL" -qc "DROP SCHEMA IF EXISTS warren_bench CASCADE" 2>/dev/null
-"$BIN" declare >/dev/null
-for q in "$MAIN_QUEUE" "$RETRY_QUEUE" "$DLQ_QUEUE"; do rabbitmqctl -q purge_queue "$q" >/dev/null; done
+psql_q() { PGOPTIONS='-c client_min_messages=warning' psql "$DATABASE_URL" -v ON_ERROR_STOP=1 -qtAX -c "$1"; }
 
-echo "publishing $N messages for the broker baseline..."
-"$BIN" publish --count "$N"
-BASELINE=$(target/release/examples/broker_baseline "$MAIN_QUEUE" "$N")
-echo "$BASELINE"
-BASE_RATE=$(echo "$BASELINE" | awk '{print $(NF-1)}')
+# The RabbitMQ node behind 5672: its beam.smp process, whose CPU time is the broker's.
+BEAM_PID=$(ss -Htlnp 'sport = :5672' 2>/dev/null | grep -o 'beam.smp",pid=[0-9]*' | head -1 | cut -d= -f2 || true)
+if [ -z "$BEAM_PID" ]; then
+  BEAM_PID=$(rabbitmqctl -q eval 'list_to_integer(os:getpid()).' 2>/dev/null | tr -dc 0-9 || true)
+fi
+if [ -z "$BEAM_PID" ] || [ ! -r "/proc/$BEAM_PID/stat" ]; then
+  say "cannot find the broker's beam.smp process: broker CPU will read n/a"; BEAM_PID=""
+fi
 
-echo "publishing $N messages for warren..."
-"$BIN" publish --count "$N"
+cpu_ticks() { # PID: utime + stime in clock ticks (fields 14 and 15, counted after the comm)
+  sed 's/^.*) //' "/proc/$1/stat" | awk '{print $12 + $13}'
+}
+broker_ticks() { if [ -n "$BEAM_PID" ]; then cpu_ticks "$BEAM_PID"; else echo -1; fi; }
+peak_rss_kb() { awk '/^VmHWM:/ {print $2}' "/proc/$1/status"; }
+now() { printf '%s' "$EPOCHREALTIME"; }
 
-"$BIN" run --roles consumer 2>/tmp/warren-bench.log &
-PID=$!
-START=$(date +%s.%N)
-while :; do
-  ROWS=$(psql "$DATABASE_URL" -qtAc "SELECT count(*) FROM warren_bench.users")
-  [ "$ROWS" -ge "$N" ] && break
-  kill -0 "$PID" 2>/dev/null || { echo "warren exited; see /tmp/warren-bench.log"; exit 1; }
-  sleep 0.2
+queue_field() { # QUEUE FIELD: e.g. messages, consumers
+  rabbitmqctl -q list_queues --no-table-headers name "$2" | awk -v q="$1" '$1 == q {print $2}'
+}
+purge_queues() {
+  local q
+  for q in "$MAIN_QUEUE" "$RETRY_QUEUE" "$DLQ_QUEUE"; do rabbitmqctl -q purge_queue "$q" >/dev/null 2>&1 || true; done
+}
+
+free_port() {
+  local p
+  for _ in $(seq 1 100); do
+    p=$((20000 + RANDOM % 20000))
+    if ! (exec 3<>"/dev/tcp/127.0.0.1/$p") 2>/dev/null; then echo "$p"; return; fi
+  done
+  die "found no free port for METRICS_ADDR"
+}
+
+# Sum of a metric's samples for the main pipeline (or without labels), read with bash alone so
+# that polling spawns no process while warren is measured; empty if warren has not exported it.
+metric_now() { # PORT NAME
+  local line sum="" value
+  { exec 3<>"/dev/tcp/127.0.0.1/$1"; } 2>/dev/null || return 0
+  printf 'GET /metrics HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n' >&3
+  while IFS= read -r line <&3; do
+    line="${line%$'\r'}"
+    case "$line" in
+      "$2 "*|"$2{"*)
+        case "$line" in *pipeline=*) [[ "$line" == *'pipeline="main"'* ]] || continue ;; esac
+        value="${line##* }"; sum=$(( ${sum:-0} + ${value%%.*} )) ;;
+    esac
+  done
+  exec 3<&-
+  printf '%s' "$sum"
+}
+metric_file() { # FILE NAME: the same from a saved scrape (awk, after the measurement)
+  awk -v name="$2" '
+    (index($1, name "{") == 1 || $1 == name) && ($0 !~ /pipeline=/ || $0 ~ /pipeline="main"/) { s += $NF; found = 1 }
+    END { if (found) printf "%.0f", s }' "$1"
+}
+
+CHILD=""
+STOP_RC=0
+stop_child() { # SIGTERM, wait up to 30 s, then SIGKILL; sets STOP_RC (not in a subshell: wait needs the parent)
+  STOP_RC=0
+  [ -n "$CHILD" ] || return 0
+  kill -TERM "$CHILD" 2>/dev/null || true
+  for _ in $(seq 1 300); do kill -0 "$CHILD" 2>/dev/null || break; sleep 0.1; done
+  if kill -0 "$CHILD" 2>/dev/null; then kill -KILL "$CHILD" 2>/dev/null || true; fi
+  wait "$CHILD" 2>/dev/null || STOP_RC=$?
+  CHILD=""
+}
+cleanup() {
+  local rc=$?
+  if [ -n "$CHILD" ] && kill -0 "$CHILD" 2>/dev/null; then stop_child; fi
+  purge_queues
+  psql_q "DROP SCHEMA IF EXISTS $SCHEMA CASCADE" >/dev/null 2>&1 || true
+  if command -v redis-cli >/dev/null; then
+    redis-cli --scan --pattern "$REDIS_PREFIX:*" 2>/dev/null | xargs -r redis-cli del >/dev/null 2>&1 || true
+  fi
+  [ "$rc" = 0 ] || say "failed; logs are in $LOGDIR"
+  exit "$rc"
+}
+trap cleanup EXIT
+trap 'exit 130' INT TERM
+
+# Fresh state: the schema (warren declare re-creates it with its migrations) and the queues.
+psql_q "DROP SCHEMA IF EXISTS $SCHEMA CASCADE" >/dev/null
+"$BIN" declare >"$LOGDIR/declare.log" 2>&1 || die "warren declare failed; see $LOGDIR/declare.log"
+purge_queues
+
+# Starts warren (run --roles consumer) with extra environment; sets CHILD, WARREN_PORT, WARREN_LOG.
+start_warren() { # LOG [KEY=VALUE...]
+  WARREN_LOG="$1"; shift
+  WARREN_PORT=$(free_port)
+  env "$@" METRICS_ADDR="127.0.0.1:$WARREN_PORT" "$BIN" run --roles consumer >"$WARREN_LOG" 2>&1 &
+  CHILD=$!
+}
+# What warren tells about itself before it stops: CPU ticks, peak RSS, acks and batches.
+read_warren() { # SCRAPE_FILE; sets W_TICKS W_RSS_KB W_ACKS W_BATCHES
+  curl -sf "http://127.0.0.1:$WARREN_PORT/metrics" >"$1" || : >"$1"
+  W_TICKS=$(cpu_ticks "$CHILD"); W_RSS_KB=$(peak_rss_kb "$CHILD")
+  W_ACKS=$(metric_file "$1" warren_amqp_acks_total)
+  W_BATCHES=$(metric_file "$1" warren_batch_size_count)
+}
+acks_per_batch() { # ACKS BATCHES
+  if [ -n "$1" ] && [ -n "$2" ] && [ "$2" -gt 0 ]; then awk -v a="$1" -v b="$2" 'BEGIN {printf "%.2f", a / b}'; else echo n/a; fi
+}
+stop_warren() { # warns unless warren stopped cleanly
+  stop_child
+  [ "$STOP_RC" = 0 ] || say "warning: warren exited with status $STOP_RC after SIGTERM; see $WARREN_LOG"
+}
+
+# ==============================================================================================
+if [ "$MODE" = live ]; then
+  BATCH_TIMEOUT_MS="${USERS_BATCH_TIMEOUT_MS:-1000}"
+  PREFETCH_NOW="${PREFETCH:-0}"
+  if [ "$PREFETCH_NOW" = 0 ]; then
+    PREFETCH_NOW=$(( ${USERS_BATCH_SIZE:-1000} * ${USERS_BATCH_CONCURRENCY:-2} ))
+    [ "$PREFETCH_NOW" -le 65535 ] || PREFETCH_NOW=65535
+  fi
+  BOUND=$((2 * PREFETCH_NOW)); TARGET_MS=$((BATCH_TIMEOUT_MS + 250))
+  say "logs in $LOGDIR"
+  echo "live bench: $LIVE_RATE msg/s for $LIVE_SECONDS s into warren (run --roles consumer${SETTINGS[*]:+, ${SETTINGS[*]}}; $BIN)"
+  echo "load average before: $(cut -d' ' -f1-3 /proc/loadavg)"
+  start_warren "$LOGDIR/warren-live.log"
+  deadline=$((SECONDS + 60))
+  until [ "$(queue_field "$MAIN_QUEUE" consumers)" -ge 1 ] 2>/dev/null; do
+    kill -0 "$CHILD" 2>/dev/null || die "warren exited before it consumed; see $WARREN_LOG"
+    [ "$SECONDS" -lt "$deadline" ] || die "warren did not subscribe to $MAIN_QUEUE within 60 s; see $WARREN_LOG"
+    sleep 0.5
+  done
+  b0=$(broker_ticks)
+  rc=0
+  "$EX/live_publisher" --rate "$LIVE_RATE" --seconds "$LIVE_SECONDS" --depth-bound "$BOUND" \
+    --target-p99-ms "$TARGET_MS" 2>"$LOGDIR/live_publisher.err" | tee "$LOGDIR/live_publisher.out" || rc=$?
+  b1=$(broker_ticks)
+  kill -0 "$CHILD" 2>/dev/null || die "warren exited during the live run; see $WARREN_LOG"
+  read_warren "$LOGDIR/warren-live.metrics"
+  stop_warren
+  [ "$rc" = 0 ] || die "the live publisher failed: $(tail -1 "$LOGDIR/live_publisher.err"); warren's log: $WARREN_LOG"
+  MSGS=$(awk '/^published/ {print $2}' "$LOGDIR/live_publisher.out")
+  awk -v t="$W_TICKS" -v hz="$CLK_TCK" -v n="$MSGS" -v kb="$W_RSS_KB" -v b0="$b0" -v b1="$b1" \
+      -v apb="$(acks_per_batch "$W_ACKS" "$W_BATCHES")" -v bound="$BOUND" -v pf="$PREFETCH_NOW" \
+      -v bt="$BATCH_TIMEOUT_MS" 'BEGIN {
+    printf "bound: two prefetch windows (2 x %d); target: USERS_BATCH_TIMEOUT_MS %d + 250 ms\n", pf, bt
+    printf "warren: CPU %.1f us/msg (process lifetime), peak RSS %.1f MiB, acks/batch %s\n", t / hz * 1e6 / n, kb / 1024, apb
+    if (b0 >= 0) printf "broker CPU: %.1f us/msg (publishing and delivering, over the publisher'"'"'s run)\n", (b1 - b0) / hz * 1e6 / n
+    else print "broker CPU: n/a"
+  }'
+  echo "load average after: $(cut -d' ' -f1-3 /proc/loadavg)"
+  exit 0
+fi
+
+# ==============================================================================================
+# Drain bench. Every measurement appends one line to $RESULTS:
+#   rep contender msg/s drain_s wall_s cpu_us/msg broker_us/msg rss_mib acks batches acks/batch
+RESULTS="$LOGDIR/results.tsv"
+: >"$RESULTS"
+CONTENDERS=(raw_drain minimal_pipeline warren warren_pf5000)
+
+# A measurement that fails sets FAIL and returns 1; the loop below measures it again (the broker
+# and database are shared: another test may close every connection or restart a server).
+FAIL=""
+ATTEMPTS=3
+
+# Publishes N and waits until the queue holds them.
+fill_queue() { # LOG
+  local depth deadline
+  depth=$(queue_field "$MAIN_QUEUE" messages)
+  if [ "${depth:-0}" != 0 ]; then say "warning: $MAIN_QUEUE held $depth messages before publishing; purged"; purge_queues; fi
+  "$BIN" publish --count "$N" >"$1" 2>&1 || { FAIL="warren publish failed: $(tail -1 "$1"); see $1"; return 1; }
+  deadline=$((SECONDS + 60))
+  until [ "$(queue_field "$MAIN_QUEUE" messages)" = "$N" ]; do
+    if [ "$SECONDS" -ge "$deadline" ]; then
+      FAIL="$MAIN_QUEUE does not hold $N messages 60 s after publishing (it holds $(queue_field "$MAIN_QUEUE" messages))"
+      return 1
+    fi
+    sleep 0.5
+  done
+}
+# Rate by the database's clock: rows committed before the last batch began, over the time from
+# the first batch's start to the last's (inserted_at is each insert's transaction start); 0 when
+# all rows came in one batch.
+db_rate() { # -> "rows rate span_s"
+  psql_q "WITH b AS (SELECT min(inserted_at) lo, max(inserted_at) hi, count(*) n FROM $SCHEMA.users)
+          SELECT b.n, coalesce(CASE WHEN b.hi > b.lo THEN
+                   (SELECT count(*) FROM $SCHEMA.users WHERE inserted_at < b.hi) / extract(epoch FROM b.hi - b.lo)
+                 END, 0), coalesce(extract(epoch FROM b.hi - b.lo), 0) FROM b" | tr '|' ' '
+}
+record() { # rep contender rate drain_s wall_s ticks broker_ticks rss_kb acks batches
+  awk -v hz="$CLK_TCK" -v n="$N" -v rep="$1" -v c="$2" -v rate="$3" -v drain="$4" -v wall="$5" \
+      -v t="$6" -v bt="$7" -v kb="$8" -v acks="$9" -v batches="${10}" -v apb="$(acks_per_batch "$9" "${10}")" 'BEGIN {
+    printf "%s\t%s\t%.0f\t%.3f\t%.3f\t%.2f\t%s\t%.1f\t%s\t%s\t%s\n", rep, c, rate, drain, wall, t / hz * 1e6 / n,
+      (bt >= 0 ? sprintf("%.2f", bt / hz * 1e6 / n) : "n/a"), kb / 1024,
+      (acks == "" ? "n/a" : acks), (batches == "" ? "n/a" : batches), apb
+  }' >>"$RESULTS"
+}
+field() { # KEY LINE: the value of key=value in an example's output line
+  local kv
+  for kv in $2; do case "$kv" in "$1="*) printf '%s' "${kv#*=}"; return ;; esac; done
+}
+seconds_between() { awk -v a="$1" -v b="$2" 'BEGIN {print b - a}'; }
+
+run_example() { # rep contender tag example args...
+  local rep="$1" name="$2" tag="$3" ex="$4"; shift 4
+  local out="$LOGDIR/$tag.out" err="$LOGDIR/$tag.err" b0 b1 t0 t1 rc=0 line rate drain rows dbrate span
+  b0=$(broker_ticks); t0=$(now)
+  "$EX/$ex" "$@" >"$out" 2>"$err" &
+  CHILD=$!
+  wait "$CHILD" || rc=$?
+  CHILD=""
+  t1=$(now); b1=$(broker_ticks)
+  [ "$rc" = 0 ] || { FAIL="$ex failed (status $rc): $(tail -1 "$err"); see $err"; return 1; }
+  line=$(tail -1 "$out")
+  rate=$(field rate "$line"); drain=$(field secs "$line")
+  if [ "$name" = minimal_pipeline ]; then
+    read -r rows dbrate span <<<"$(db_rate)"
+    [ "$rows" = "$N" ] || { FAIL="minimal_pipeline left ${rows:-?} rows of $N in $SCHEMA.users; see $out"; return 1; }
+    if [ "$dbrate" != 0 ]; then rate="$dbrate"; drain="$span"; fi
+  fi
+  record "$rep" "$name" "$rate" "$drain" "$(seconds_between "$t0" "$t1")" \
+    "$(( $(field cpu_us "$line") * CLK_TCK / 1000000 ))" "$(( b0 < 0 ? -1 : b1 - b0 ))" \
+    "$(field peak_rss_kb "$line")" "$(field acks "$line")" "$(field batches "$line")"
+}
+
+run_warren() { # rep contender tag [KEY=VALUE...]
+  local rep="$1" name="$2" tag="$3"; shift 3
+  local b0 b1 t0 t1 inserted deadline rows dbrate span wall disturbed
+  b0=$(broker_ticks); t0=$(now)
+  start_warren "$LOGDIR/$tag.log" "$@"
+  deadline=$((SECONDS + TIMEOUT_S))
+  while :; do
+    sleep 0.1
+    kill -0 "$CHILD" 2>/dev/null || { stop_child; FAIL="warren exited (status $STOP_RC) before draining the queue; see $WARREN_LOG"; return 1; }
+    inserted=$(metric_now "$WARREN_PORT" warren_messages_inserted_total)
+    [ "${inserted:-0}" -ge "$N" ] && break
+    if [ "$SECONDS" -ge "$deadline" ]; then
+      stop_warren; FAIL="warren inserted ${inserted:-0} of $N within $TIMEOUT_S s; see $WARREN_LOG"; return 1
+    fi
+  done
+  t1=$(now); b1=$(broker_ticks)
+  read_warren "$LOGDIR/$tag.metrics"
+  stop_warren
+  # A reconnect or a rebuilt consumer during the drain (someone closed the connections) makes
+  # the figures those of a different run: measure again.
+  disturbed=$(( $(metric_file "$LOGDIR/$tag.metrics" warren_reconnects_total || echo 0) + 0
+    + $(metric_file "$LOGDIR/$tag.metrics" warren_consumer_restarts_total || echo 0) + 0 ))
+  [ "$disturbed" = 0 ] || { FAIL="warren reconnected or rebuilt its consumer $disturbed time(s) during the drain; see $WARREN_LOG"; return 1; }
+  read -r rows dbrate span <<<"$(db_rate)"
+  [ "$rows" = "$N" ] || { FAIL="warren left ${rows:-?} rows of $N in $SCHEMA.users; see $WARREN_LOG"; return 1; }
+  wall=$(seconds_between "$t0" "$t1")
+  # One batch only (tiny N): no span between batches; the rate from process start instead.
+  if [ "$dbrate" = 0 ]; then dbrate=$(awk -v n="$N" -v w="$wall" 'BEGIN {print n / w}'); span="$wall"; fi
+  record "$rep" "$name" "$dbrate" "$span" "$wall" \
+    "$W_TICKS" "$(( b0 < 0 ? -1 : b1 - b0 ))" "$W_RSS_KB" "$W_ACKS" "$W_BATCHES"
+}
+
+measure() { # rep contender tag
+  psql_q "TRUNCATE $SCHEMA.users" >/dev/null || { FAIL="cannot empty $SCHEMA.users"; return 1; }
+  fill_queue "$LOGDIR/$3.publish.log" || return 1
+  case "$2" in
+    raw_drain)        run_example "$1" "$2" "$3" raw_drain --count "$N" ;;
+    minimal_pipeline) run_example "$1" "$2" "$3" minimal_pipeline --count "$N" ;;
+    warren)           run_warren "$1" "$2" "$3" ;;
+    warren_pf5000)    run_warren "$1" "$2" "$3" PREFETCH=5000 ;;
+  esac
+}
+
+say "logs in $LOGDIR"
+echo "drain bench: N=$N messages per drain, $REPS repetitions interleaved; warren: $BIN${SETTINGS[*]:+ with ${SETTINGS[*]}}"
+echo "load average before: $(cut -d' ' -f1-3 /proc/loadavg)"
+for rep in $(seq 1 "$REPS"); do
+  for name in "${CONTENDERS[@]}"; do
+    for attempt in $(seq 1 "$ATTEMPTS"); do
+      tag="$name-$rep"; [ "$attempt" = 1 ] || tag="$tag-try$attempt"
+      FAIL=""
+      if measure "$rep" "$name" "$tag"; then break; fi
+      [ "$attempt" -lt "$ATTEMPTS" ] || die "$name, repetition $rep, failed $ATTEMPTS times; the last: $FAIL"
+      say "warning: $name, repetition $rep, attempt $attempt: $FAIL; measuring it again"
+      purge_queues
+    done
+    printf 'rep %d/%d %-17s %s msg/s  (%s)\n' "$rep" "$REPS" "$name" "$(tail -1 "$RESULTS" | cut -f3)" \
+      "$(sed -n 's/^published \([0-9]*\) messages in \([0-9.]*\) s.*/published \1 in \2 s/p' "$LOGDIR/$tag.publish.log")"
+  done
 done
-END=$(date +%s.%N)
-PEAK_KB=$(awk '/VmHWM/ {print $2}' "/proc/$PID/status")
-CPU_S=$(awk -v hz="$(getconf CLK_TCK)" '{print ($14 + $15) / hz}' "/proc/$PID/stat")
-kill -TERM "$PID"; wait "$PID" || true
+echo "load average after: $(cut -d' ' -f1-3 /proc/loadavg)"
+echo
 
-SPAN=$(psql "$DATABASE_URL" -qtAc \
-  "SELECT extract(epoch FROM max(inserted_at) - min(inserted_at)) FROM warren_bench.users")
-awk -v n="$N" -v span="$SPAN" -v start="$START" -v end="$END" -v kb="$PEAK_KB" -v cpu="$CPU_S" -v base="$BASE_RATE" 'BEGIN {
-  printf "drained %d messages\n", n
-  printf "throughput: %.0f msg/s (first to last commit, %.2f s), %.0f%% of the broker baseline\n", n / span, span, 100 * n / span / base
-  printf "wall clock from process start: %.2f s (%.0f msg/s)\n", end - start, n / (end - start)
-  printf "peak RSS: %.1f MiB\n", kb / 1024
-  printf "warren CPU: %.2f s (%.1f us per message)\n", cpu, cpu * 1e6 / n
-}'
-psql "$DATABASE_URL" -qc "DROP SCHEMA IF EXISTS warren_bench CASCADE"
+awk -F'\t' -v reps="$REPS" '
+  function median(list,   a, n, i, j, t) {
+    n = split(list, a, " ")
+    if (n == 0) return "n/a"
+    for (i = 2; i <= n; i++) { t = a[i]; for (j = i - 1; j >= 1 && a[j] + 0 > t + 0; j--) a[j + 1] = a[j]; a[j + 1] = t }
+    return n % 2 ? a[(n + 1) / 2] : (a[n / 2] + a[n / 2 + 1]) / 2
+  }
+  function add(key, v) { if (v != "n/a" && v != "") vals[key] = vals[key] " " v }
+  { rate[$1, $2] = $3; add($2 SUBSEP "rate", $3); add($2 SUBSEP "cpu", $6); add($2 SUBSEP "broker", $7)
+    add($2 SUBSEP "rss", $8); add($2 SUBSEP "apb", $11); line[NR] = $0 }
+  END {
+    split("raw_drain minimal_pipeline warren warren_pf5000", names, " ")
+    label["raw_drain"] = "raw drain"; label["minimal_pipeline"] = "minimal pipeline"
+    label["warren"] = "warren (defaults)"; label["warren_pf5000"] = "warren PREFETCH=5000"
+    for (r = 1; r <= reps; r++) for (k = 1; k <= 4; k++) {
+      c = names[k]
+      if (rate["" r, "raw_drain"] > 0) add(c SUBSEP "vs_raw", rate["" r, c] / rate["" r, "raw_drain"])
+      if (k > 2 && rate["" r, "minimal_pipeline"] > 0) add(c SUBSEP "vs_min", rate["" r, c] / rate["" r, "minimal_pipeline"])
+    }
+    print "medians over " reps " repetition(s); ratios are medians of the per-repetition ratios"
+    printf "%-22s %8s %7s %11s %11s %14s %13s %11s\n", "contender", "msg/s", "vs raw", "vs minimal", "CPU us/msg", "broker us/msg", "peak RSS MiB", "acks/batch"
+    for (k = 1; k <= 4; k++) {
+      c = names[k]
+      vm = (k > 2) ? median(vals[c SUBSEP "vs_min"]) : "-"
+      if (vm != "-" && vm != "n/a") vm = sprintf("%.2f", vm)
+      br = median(vals[c SUBSEP "broker"]); ap = median(vals[c SUBSEP "apb"])
+      printf "%-22s %8.0f %7.2f %11s %11.2f %14s %13.1f %11s\n", label[c], median(vals[c SUBSEP "rate"]),
+        median(vals[c SUBSEP "vs_raw"]), vm, median(vals[c SUBSEP "cpu"]),
+        (br == "n/a" ? br : sprintf("%.2f", br)), median(vals[c SUBSEP "rss"]), (ap == "n/a" ? ap : sprintf("%.2f", ap))
+    }
+    print ""
+    print "per repetition"
+    printf "%-4s %-17s %8s %8s %8s %11s %14s %9s %7s %8s %11s\n", "rep", "contender", "msg/s", "drain s", "wall s", "CPU us/msg", "broker us/msg", "RSS MiB", "acks", "batches", "acks/batch"
+    for (i = 1; i <= NR; i++) {
+      split(line[i], f, "\t")
+      printf "%-4s %-17s %8s %8.2f %8.2f %11s %14s %9s %7s %8s %11s\n", f[1], f[2], f[3], f[4], f[5], f[6], f[7], f[8], f[9], f[10], f[11]
+    }
+  }' "$RESULTS"
