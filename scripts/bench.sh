@@ -29,8 +29,8 @@
 # percentiles against the target p99 <= USERS_BATCH_TIMEOUT_MS + 250 ms.
 #
 # Uses its own queues (warren_bench_*), schema (warren_bench) and Redis prefix (warren_bench);
-# purges the queues and drops the schema at the end. Logs stay in a directory under /tmp, named
-# at the start.
+# purges the queues and drops the schema at the end. A second run waits for the first
+# (/tmp/warren-bench.lock). Logs stay in a directory under /tmp, named at the start.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -75,6 +75,15 @@ TIMEOUT_S="${BENCH_TIMEOUT_S:-600}"
 # --- environment ------------------------------------------------------------------------------
 ./scripts/setup.sh >/dev/null 2>&1 || ./scripts/setup.sh
 cargo build --release -q --bins --examples
+
+# One bench at a time: runs share the warren_bench_* queues and schema (and the CPUs), so a second
+# run waits here instead of purging the first one's backlog or dropping its schema.
+LOCK=/tmp/warren-bench.lock
+exec 9>"$LOCK"
+if ! flock -n 9; then
+  say "another scripts/bench.sh holds $LOCK; waiting for it to finish"
+  flock 9
+fi
 BIN="${WARREN_BIN:-target/release/warren}"
 [ -x "$BIN" ] || die "WARREN_BIN=$BIN is not an executable"
 EX=target/release/examples
