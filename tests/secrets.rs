@@ -62,6 +62,17 @@ impl Leaky {
     }
 }
 
+/// A started `warren run` that is killed when the test ends, also when it fails midway (a
+/// failed assertion must not leave the process running).
+struct KillOnDrop(std::process::Child);
+
+impl Drop for KillOnDrop {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn no_role_of_run_prints_a_password() {
     let leaky = Leaky::new("secrets_run").await;
@@ -70,12 +81,14 @@ async fn no_role_of_run_prints_a_password() {
     for roles in ["consumer", "dlq", "api", "consumer,dlq,api"] {
         let out_path = dir.path().join(format!("{roles}.out"));
         let err_path = dir.path().join(format!("{roles}.err"));
-        let mut child = env
-            .command(&["run", "--roles", roles])
-            .stdout(std::fs::File::create(&out_path).expect("stdout file"))
-            .stderr(std::fs::File::create(&err_path).expect("stderr file"))
-            .spawn()
-            .expect("start warren");
+        let mut child = KillOnDrop(
+            env.command(&["run", "--roles", roles])
+                .stdout(std::fs::File::create(&out_path).expect("stdout file"))
+                .stderr(std::fs::File::create(&err_path).expect("stderr file"))
+                .spawn()
+                .expect("start warren"),
+        );
+        let child = &mut child.0;
         let read = || {
             format!(
                 "{}{}",
