@@ -1,6 +1,8 @@
 //! The declared RabbitMQ topology: the model read from `topology/topology.toml` with names and
-//! the TTL filled from configuration, and an idempotent declare that reports, per object, whether
-//! it was created or already matched, and explains drift without ever deleting anything.
+//! TTLs filled from configuration (one retry queue per retry tier, the quorum arguments when
+//! `QUEUE_TYPE` is quorum), and an idempotent declare that reports, per object, whether it was
+//! created or already matched, and explains drift (a queue of the other type included) without
+//! ever deleting anything.
 
 use std::collections::BTreeMap;
 use std::fmt;

@@ -2,8 +2,9 @@
 //! `WARREN_TEST_CLUSTER_URLS`): `QUEUE_TYPE=quorum` declares every queue as a quorum queue with
 //! its arguments and a member on each of the three nodes, a second declare matches and changes
 //! nothing, the arguments work (a retry tier's TTL brings a message back to the main queue, the
-//! delivery limit dead-letters to the DLQ), and a queue of the other type (classic vs quorum)
-//! is reported as drift and left as it was.
+//! delivery limit dead-letters to the DLQ), the pipeline runs on them (a transient failure goes
+//! through a quorum retry tier, every user ends in the table once), and a queue of the other
+//! type (classic vs quorum) is reported as drift and left as it was.
 
 mod common;
 
@@ -178,6 +179,60 @@ async fn quorum_declare_replicates_every_queue_and_matches_the_second_time() {
     )
     .await;
     assert_eq!(c.ready(&c.env.main_queue).await, 0);
+}
+
+/// `warren run` on quorum queues with retry tiers: users that fail once go through the first
+/// tier and back, are inserted once the fault clears, and every queue ends empty.
+#[tokio::test(flavor = "multi_thread")]
+async fn the_pipeline_runs_on_quorum_queues_through_the_retry_tiers() {
+    const N: usize = 10;
+    let mut c = ClusterEnv::new("cl_run").await;
+    let tiers = [
+        format!("{}_300ms", c.env.retry_queue),
+        format!("{}_600ms", c.env.retry_queue),
+    ];
+    c.extra_queues = tiers.to_vec();
+    c.env
+        .set("QUEUE_TYPE", "quorum")
+        .set("RETRY_TTLS_MS", "300,600")
+        .set("DB_RETRY_WINDOW_MS", "0")
+        .set("MAX_RETRIES", "10")
+        .set("BREAKER_FAILURES", "1000");
+    c.env.declare();
+    install_fault(&c.env, CountAttempts::Yes).await;
+    let ids: Vec<uuid::Uuid> = (0..N).map(|_| uuid::Uuid::new_v4()).collect();
+    track_attempts(&c.env, &ids).await;
+    c.publish_ids(&ids).await;
+    let mut warren = c.env.start(&["--roles", "consumer"]);
+    let _logs = LogsOnPanic(vec![warren.log.clone()]);
+
+    wait_until(
+        "every message failed twice (back from the first tier)",
+        Duration::from_secs(30),
+        || async {
+            for id in &ids {
+                if attempts(&c.env, *id).await < 2 {
+                    return false;
+                }
+            }
+            true
+        },
+    )
+    .await;
+    clear_fault(&c.env).await;
+    wait_until("every row inserted", Duration::from_secs(30), || async {
+        c.env.count_rows().await == N as i64
+    })
+    .await;
+    assert_eq!(c.env.row_ids().await, ids.iter().copied().collect());
+    wait_until("every queue empty", Duration::from_secs(15), || async {
+        c.ready(&c.env.main_queue).await == 0
+            && c.ready(&tiers[0]).await == 0
+            && c.ready(&tiers[1]).await == 0
+            && c.ready(&c.env.dlq_queue).await == 0
+    })
+    .await;
+    assert!(warren.terminate(Duration::from_secs(25)).success());
 }
 
 /// A classic topology exists; QUEUE_TYPE=quorum is refused as drift, naming the queue, the

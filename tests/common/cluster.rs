@@ -1,5 +1,6 @@
 //! The RabbitMQ test cluster (`scripts/cluster.sh`): its URLs (`cluster_urls`, from
-//! `WARREN_TEST_CLUSTER_URLS`), `ClusterEnv`, a `TestEnv` whose warren talks to the cluster,
+//! `WARREN_TEST_CLUSTER_URLS`), `ClusterEnv`, a `TestEnv` whose warren talks to the cluster
+//! (with publishing helpers on the cluster: `publish_to`, `publish_with`, `publish_ids`),
 //! reading the cluster's queues (`cluster_queues`, `ClusterQueue`), and `QueueCleanup`, which
 //! deletes queues a `TestEnv` does not know (retry tiers, observers) on drop, on any broker.
 
@@ -11,6 +12,7 @@ use serde_json::Value;
 
 use super::broker::rabbitmqctl_rows;
 use super::env::TestEnv;
+use super::messages::{json_props, user_body};
 
 const HOW_TO_START: &str = "start the test cluster with `sudo scripts/cluster.sh up` and export \
     WARREN_TEST_CLUSTER_URLS=\"$(scripts/cluster.sh urls)\" (scripts/test.sh does both)";
@@ -86,6 +88,31 @@ impl ClusterEnv {
 
     /// Publishes one message to `exchange` with `routing_key`, confirmed and routed.
     pub async fn publish_to(&self, exchange: &str, routing_key: &str, body: &[u8]) {
+        self.publish_with(exchange, routing_key, body, BasicProperties::default())
+            .await;
+    }
+
+    /// Publishes one valid user per id to the main exchange, confirmed, in order.
+    pub async fn publish_ids(&self, ids: &[uuid::Uuid]) {
+        for id in ids {
+            self.publish_with(
+                &self.env.main_exchange,
+                &self.env.main_queue,
+                &user_body(*id),
+                json_props(*id),
+            )
+            .await;
+        }
+    }
+
+    /// [`ClusterEnv::publish_to`] with `properties` (made persistent).
+    pub async fn publish_with(
+        &self,
+        exchange: &str,
+        routing_key: &str,
+        body: &[u8],
+        properties: BasicProperties,
+    ) {
         let confirm = self
             .channel
             .basic_publish(
@@ -96,7 +123,7 @@ impl ClusterEnv {
                     ..Default::default()
                 },
                 body,
-                BasicProperties::default().with_delivery_mode(2),
+                properties.with_delivery_mode(2),
             )
             .await
             .expect("publish")
