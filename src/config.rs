@@ -49,13 +49,20 @@ pub struct Settings {
     pub http_addr: String,
     /// Prometheus endpoint listen address.
     pub metrics_addr: String,
+    /// `classic` (the default) or `quorum`: the type of every queue warren declares. Quorum
+    /// queues are replicated over the cluster and dead-letter at least once.
+    pub queue_type: QueueType,
+    /// Quorum queues only: deliveries of one message from the main queue (redeliveries after a
+    /// requeue or a lost consumer included) after which the broker dead-letters it to the DLQ.
+    pub delivery_limit: u32,
     /// Exchange the publisher writes to and the retry queue dead-letters back to.
     pub main_exchange: String,
     /// Queue the main pipeline consumes.
     pub main_queue: String,
     /// Exchange transient failures are republished to.
     pub retry_exchange: String,
-    /// TTL queue that holds retried messages for `retry_ttl_ms`.
+    /// TTL queue that holds retried messages for `retry_ttl_ms`; with retry tiers, the base of
+    /// the tier queues' names (see [`Settings::retry_tiers`]).
     pub retry_queue: String,
     /// Dead-letter exchange.
     pub dlx_exchange: String,
@@ -63,8 +70,12 @@ pub struct Settings {
     pub dlq_queue: String,
     /// Roles `warren run` runs (consumer, dlq, api).
     pub roles: String,
-    /// Message TTL of the retry queue.
+    /// Message TTL of the retry queue (the single tier when `retry_ttls_ms` is empty).
     pub retry_ttl_ms: u64,
+    /// Retry tiers: one retry queue per TTL, the n-th retry of a message waiting in the n-th
+    /// (the last one for every later retry), so retries back off. Empty: one tier,
+    /// `retry_queue` with `retry_ttl_ms`.
+    pub retry_ttls_ms: RetryTtls,
     /// Retries before a message is dead-lettered as `retries_exhausted`.
     pub max_retries: u32,
     /// Attempts the DLQ consumer makes at a message whose insert keeps failing with a database
@@ -95,6 +106,133 @@ pub struct Settings {
     pub shutdown_timeout_ms: u64,
     /// `text` or `json` logs.
     pub log_format: String,
+}
+
+/// The type of the queues warren declares (`QUEUE_TYPE`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum QueueType {
+    /// Classic queues: what warren declared before the setting existed.
+    Classic,
+    /// Quorum queues: replicated, at-least-once dead-lettering, a delivery limit.
+    Quorum,
+}
+
+impl QueueType {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            QueueType::Classic => "classic",
+            QueueType::Quorum => "quorum",
+        }
+    }
+}
+
+impl std::fmt::Display for QueueType {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// The TTLs of the retry tiers in ms, in order (`RETRY_TTLS_MS`); empty = the single tier of
+/// `RETRY_TTL_MS`. Written as a comma-separated list (`"1000,10000,60000"`); a list of integers
+/// or one integer is read too (an environment variable holding one number arrives as one).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct RetryTtls(pub Vec<u64>);
+
+/// Most retry tiers (more would be more queues than any backoff needs).
+pub const MAX_RETRY_TIERS: usize = 10;
+/// Bounds of one retry TTL in ms, as `RETRY_TTL_MS`.
+const RETRY_TTL_RANGE: (u64, u64) = (1, 86_400_000);
+
+impl RetryTtls {
+    /// Parses `"1000, 10000,60000"`; blanks around entries are allowed, an empty text is no tier.
+    pub fn parse(text: &str) -> Result<Self, String> {
+        if text.trim().is_empty() {
+            return Ok(Self::default());
+        }
+        let ttls = text
+            .split(',')
+            .map(|t| {
+                t.trim()
+                    .parse::<u64>()
+                    .map_err(|_| format!("{:?} is not an integer", t.trim()))
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        Self::checked(ttls)
+    }
+
+    /// The tiers if there are at most [`MAX_RETRY_TIERS`], each in range, increasing.
+    fn checked(ttls: Vec<u64>) -> Result<Self, String> {
+        let (min, max) = RETRY_TTL_RANGE;
+        if ttls.len() > MAX_RETRY_TIERS {
+            return Err(format!("{} tiers", ttls.len()));
+        }
+        if let Some(t) = ttls.iter().find(|t| !(min..=max).contains(*t)) {
+            return Err(format!("{t} is out of range"));
+        }
+        if let Some(w) = ttls.windows(2).find(|w| w[0] >= w[1]) {
+            return Err(format!("{} does not follow {} upwards", w[1], w[0]));
+        }
+        Ok(Self(ttls))
+    }
+}
+
+impl Serialize for RetryTtls {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        let text: Vec<String> = self.0.iter().map(u64::to_string).collect();
+        s.serialize_str(&text.join(","))
+    }
+}
+
+impl<'de> Deserialize<'de> for RetryTtls {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        #[derive(Deserialize)]
+        #[serde(untagged)]
+        enum Raw {
+            Text(String),
+            One(u64),
+            Many(Vec<u64>),
+        }
+        let parsed = match Raw::deserialize(d)? {
+            Raw::Text(t) => RetryTtls::parse(&t),
+            Raw::One(n) => RetryTtls::checked(vec![n]),
+            Raw::Many(v) => RetryTtls::checked(v),
+        };
+        parsed.map_err(serde::de::Error::custom)
+    }
+}
+
+/// One retry tier: the queue a retry waits in and for how long.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RetryTier {
+    pub queue: String,
+    pub ttl_ms: u64,
+}
+
+/// A TTL as the suffix of a tier queue's name: whole hours `2h`, minutes `1m`, seconds `10s`,
+/// else milliseconds `300ms`.
+pub fn humanize_ms(ms: u64) -> String {
+    match ms {
+        0 => "0ms".into(),
+        _ if ms.is_multiple_of(3_600_000) => format!("{}h", ms / 3_600_000),
+        _ if ms.is_multiple_of(60_000) => format!("{}m", ms / 60_000),
+        _ if ms.is_multiple_of(1000) => format!("{}s", ms / 1000),
+        _ => format!("{ms}ms"),
+    }
+}
+
+/// `raffle_retry_10s` -> `raffle_retry`: the name without a trailing `_<number><ms|s|m|h>`.
+pub fn retry_base(retry_queue: &str) -> &str {
+    let Some((base, suffix)) = retry_queue.rsplit_once('_') else {
+        return retry_queue;
+    };
+    let digits = suffix.chars().take_while(char::is_ascii_digit).count();
+    let unit = &suffix[digits..];
+    if digits > 0 && !base.is_empty() && ["ms", "s", "m", "h"].contains(&unit) {
+        base
+    } else {
+        retry_queue
+    }
 }
 
 /// A configuration error; each names the setting it is about. Exit code 2.
@@ -134,6 +272,8 @@ enum Rule {
     Name,
     Ident,
     Roles,
+    /// A comma-separated list of retry TTLs (see [`RetryTtls`]).
+    TtlList,
     OneOf(&'static [&'static str]),
     /// Any string, never shown in errors or `warren config`.
     Secret,
@@ -173,6 +313,8 @@ const RULES: &[(&str, Rule)] = &[
     ),
     ("http_addr", Rule::Addr),
     ("metrics_addr", Rule::Addr),
+    ("queue_type", Rule::OneOf(&["classic", "quorum"])),
+    ("delivery_limit", Rule::Int { min: 1, max: 1000 }),
     ("main_exchange", Rule::Name),
     ("main_queue", Rule::Name),
     ("retry_exchange", Rule::Name),
@@ -187,6 +329,7 @@ const RULES: &[(&str, Rule)] = &[
             max: 86_400_000,
         },
     ),
+    ("retry_ttls_ms", Rule::TtlList),
     ("max_retries", Rule::Int { min: 0, max: 100 }),
     ("dlq_max_attempts", Rule::Int { min: 1, max: 1000 }),
     (
@@ -371,11 +514,24 @@ impl Settings {
 
     /// Checks that span several settings.
     fn validate(&self) -> Result<(), ConfigError> {
-        let names = [
-            ("main_queue", &self.main_queue),
-            ("retry_queue", &self.retry_queue),
-            ("dlq_queue", &self.dlq_queue),
-        ];
+        let tiers = self.retry_tiers();
+        // With tiers, the tier queues take the retry queue's place (RETRY_QUEUE is their base).
+        let retry_setting = if self.retry_ttls_ms.0.is_empty() {
+            "retry_queue"
+        } else {
+            "retry_ttls_ms"
+        };
+        let mut names = vec![("main_queue", &self.main_queue)];
+        names.extend(tiers.iter().map(|t| (retry_setting, &t.queue)));
+        names.push(("dlq_queue", &self.dlq_queue));
+        if let Some(t) = tiers.iter().find(|t| t.queue.len() > 255) {
+            return Err(ConfigError::Invalid {
+                setting: "RETRY_QUEUE".into(),
+                expected: "a base name short enough for the retry tier queues' names (255 at most)"
+                    .into(),
+                got: format!("{:?}", t.queue),
+            });
+        }
         for (i, (a, va)) in names.iter().enumerate() {
             for (b, vb) in names.iter().skip(i + 1) {
                 if va == vb {
@@ -388,6 +544,29 @@ impl Settings {
             }
         }
         Ok(())
+    }
+
+    /// The retry tiers in order, at least one. Without `retry_ttls_ms`: `retry_queue` with
+    /// `retry_ttl_ms`, as always. With it: one queue per TTL, named from the base of
+    /// `retry_queue` (its name without a trailing TTL suffix such as `_10s`) and the TTL:
+    /// `raffle_retry_10s` and `1000,10000,60000` give `raffle_retry_1s`, `raffle_retry_10s`,
+    /// `raffle_retry_1m`.
+    pub fn retry_tiers(&self) -> Vec<RetryTier> {
+        if self.retry_ttls_ms.0.is_empty() {
+            return vec![RetryTier {
+                queue: self.retry_queue.clone(),
+                ttl_ms: self.retry_ttl_ms,
+            }];
+        }
+        let base = retry_base(&self.retry_queue);
+        self.retry_ttls_ms
+            .0
+            .iter()
+            .map(|&ttl_ms| RetryTier {
+                queue: format!("{base}_{}", humanize_ms(ttl_ms)),
+                ttl_ms,
+            })
+            .collect()
     }
 
     /// The prefetch actually used: the setting, or batch size x batch concurrency.
@@ -585,6 +764,33 @@ fn check(key: &str, rule: &Rule, value: &Value) -> Result<(), ConfigError> {
                 });
             }
         }
+        Rule::TtlList => {
+            let parsed = match value {
+                Value::String(_, s) => RetryTtls::parse(s),
+                Value::Num(_, n) => n
+                    .to_u128_lossy()
+                    .and_then(|v| u64::try_from(v).ok())
+                    .ok_or_else(|| "not a TTL".to_string())
+                    .and_then(|v| RetryTtls::checked(vec![v])),
+                Value::Array(_, items) => items
+                    .iter()
+                    .map(|item| match item {
+                        Value::Num(_, n) => n.to_u128_lossy().and_then(|v| u64::try_from(v).ok()),
+                        _ => None,
+                    })
+                    .collect::<Option<Vec<u64>>>()
+                    .ok_or_else(|| "not a list of integers".to_string())
+                    .and_then(RetryTtls::checked),
+                _ => Err("not a list".into()),
+            };
+            if parsed.is_err() {
+                let (min, max) = RETRY_TTL_RANGE;
+                return Err(invalid(format!(
+                    "a comma-separated list of at most {MAX_RETRY_TIERS} increasing TTLs in ms, \
+                     each from {min} to {max} (empty = RETRY_TTL_MS alone)"
+                )));
+            }
+        }
         Rule::OneOf(choices) => {
             let ok = matches!(value, Value::String(_, s) if choices.contains(&s.as_str()));
             if !ok {
@@ -770,5 +976,132 @@ mod tests {
                 .starts_with("DLQ_QUEUE: expected a queue name different from MAIN_QUEUE"),
             "{err}"
         );
+    }
+
+    #[test]
+    fn queue_type_is_classic_by_default_and_a_closed_set() {
+        let s = Settings::defaults();
+        assert_eq!(s.queue_type, QueueType::Classic);
+        assert_eq!(s.delivery_limit, 20);
+        assert_eq!(
+            with(&[("queue_type", "quorum")]).unwrap().queue_type,
+            QueueType::Quorum
+        );
+        let err = with(&[("queue_type", "stream")]).unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            "QUEUE_TYPE: expected one of classic, quorum, got \"stream\""
+        );
+        let err = with(&[("delivery_limit", "0")]).unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            "DELIVERY_LIMIT: expected an integer from 1 to 1000, got 0"
+        );
+    }
+
+    #[test]
+    fn without_retry_tiers_the_retry_queue_is_the_one_tier() {
+        let s = Settings::defaults();
+        assert_eq!(s.retry_ttls_ms, RetryTtls::default());
+        assert_eq!(
+            s.retry_tiers(),
+            [RetryTier {
+                queue: "raffle_retry_10s".into(),
+                ttl_ms: 10_000
+            }]
+        );
+    }
+
+    #[test]
+    fn retry_tiers_are_named_from_the_retry_queue_base() {
+        let s = with(&[("retry_ttls_ms", "1000, 10000,60000")]).unwrap();
+        let names: Vec<_> = s.retry_tiers().into_iter().map(|t| t.queue).collect();
+        assert_eq!(
+            names,
+            ["raffle_retry_1s", "raffle_retry_10s", "raffle_retry_1m"]
+        );
+        assert_eq!(
+            s.retry_tiers().iter().map(|t| t.ttl_ms).collect::<Vec<_>>(),
+            [1000, 10_000, 60_000]
+        );
+        // A name without a TTL suffix is the base as it is.
+        let s = with(&[("retry_queue", "q_retry"), ("retry_ttls_ms", "300,7200000")]).unwrap();
+        let names: Vec<_> = s.retry_tiers().into_iter().map(|t| t.queue).collect();
+        assert_eq!(names, ["q_retry_300ms", "q_retry_2h"]);
+        // One number (as an environment variable holding one arrives) is one tier.
+        let s = with(&[("retry_ttls_ms", "1500")]).unwrap();
+        assert_eq!(s.retry_tiers()[0].queue, "raffle_retry_1500ms");
+        // The settings survive the round trip through TOML (`warren config`, the topology).
+        let s = with(&[("retry_ttls_ms", "1000,2000")]).unwrap();
+        let shown = s.to_redacted_toml();
+        assert!(shown.contains("retry_ttls_ms = \"1000,2000\""), "{shown}");
+        assert!(shown.contains("queue_type = \"classic\""), "{shown}");
+    }
+
+    #[test]
+    fn humanized_ttls_and_bases() {
+        assert_eq!(humanize_ms(999), "999ms");
+        assert_eq!(humanize_ms(1000), "1s");
+        assert_eq!(humanize_ms(90_000), "90s");
+        assert_eq!(humanize_ms(60_000), "1m");
+        assert_eq!(humanize_ms(5_400_000), "90m");
+        assert_eq!(humanize_ms(86_400_000), "24h");
+        assert_eq!(retry_base("raffle_retry_10s"), "raffle_retry");
+        assert_eq!(retry_base("raffle_retry_300ms"), "raffle_retry");
+        assert_eq!(retry_base("raffle_retry_1h"), "raffle_retry");
+        assert_eq!(retry_base("raffle_retry"), "raffle_retry");
+        assert_eq!(retry_base("retry_x10s"), "retry_x10s");
+        assert_eq!(retry_base("_10s"), "_10s");
+        assert_eq!(retry_base("q_10d"), "q_10d");
+    }
+
+    #[test]
+    fn bad_retry_tiers_name_the_setting() {
+        for bad in [
+            "1000,abc",
+            "1000,1000",
+            "10000,1000",
+            "0",
+            "1,86400001",
+            "1,2,3,4,5,6,7,8,9,10,11",
+            "-5",
+        ] {
+            let err = with(&[("retry_ttls_ms", bad)]).unwrap_err();
+            assert!(
+                err.to_string().starts_with(
+                    "RETRY_TTLS_MS: expected a comma-separated list of at most 10 increasing TTLs in ms"
+                ),
+                "{bad}: {err}"
+            );
+        }
+        let err = with(&[
+            ("main_queue", "raffle_retry_1s"),
+            ("retry_ttls_ms", "1000,2000"),
+        ])
+        .unwrap_err();
+        assert!(
+            err.to_string()
+                .starts_with("RETRY_TTLS_MS: expected a queue name different from MAIN_QUEUE"),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn retry_tiers_from_a_file_may_be_a_toml_list() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("w.toml");
+        std::fs::write(
+            &path,
+            "retry_ttls_ms = [500, 5000]\nqueue_type = \"quorum\"\n",
+        )
+        .unwrap();
+        let s = Settings::load(&Sources {
+            file: Some(path),
+            use_env: false,
+            ..Sources::default()
+        })
+        .unwrap();
+        assert_eq!(s.retry_ttls_ms, RetryTtls(vec![500, 5000]));
+        assert_eq!(s.queue_type, QueueType::Quorum);
     }
 }

@@ -426,15 +426,13 @@ fn remember_depth(queue: &str, depth: u32) {
         .insert(queue.to_string(), (depth, std::time::Instant::now()));
 }
 
-/// Polls the depth and consumer count of the main, retry and DLQ queues every `every`, on a
-/// connection of its own, into `warren_queue_messages` / `warren_queue_consumers` (and for the
-/// consumers' idle watchdog).
+/// Polls the depth and consumer count of the main, retry (every tier's) and DLQ queues every
+/// `every`, on a connection of its own, into `warren_queue_messages` / `warren_queue_consumers`
+/// (and for the consumers' idle watchdog).
 pub async fn poll_queues(settings: crate::config::Settings, every: Duration) {
-    let queues = [
-        settings.main_queue.clone(),
-        settings.retry_queue.clone(),
-        settings.dlq_queue.clone(),
-    ];
+    let mut queues = vec![settings.main_queue.clone()];
+    queues.extend(settings.retry_tiers().into_iter().map(|t| t.queue));
+    queues.push(settings.dlq_queue.clone());
     let mut conn: Option<lapin::Connection> = None;
     loop {
         if conn.as_ref().is_none_or(|c| !c.status().connected()) {

@@ -1,6 +1,8 @@
 //! The declared RabbitMQ topology: the model read from `topology/topology.toml` with names and
-//! the TTL filled from configuration, and an idempotent declare that reports, per object, whether
-//! it was created or already matched, and explains drift without ever deleting anything.
+//! TTLs filled from configuration (one retry queue per retry tier, the quorum arguments when
+//! `QUEUE_TYPE` is quorum), and an idempotent declare that reports, per object, whether it was
+//! created or already matched, and explains drift (a queue of the other type included) without
+//! ever deleting anything.
 
 use std::collections::BTreeMap;
 use std::fmt;
@@ -11,14 +13,14 @@ use lapin::{Channel, Connection, ExchangeKind};
 use serde::Deserialize;
 
 use crate::amqp::AmqpError;
-use crate::config::Settings;
+use crate::config::{QueueType, Settings};
 
 /// The topology template, built into the binary.
 pub const TEMPLATE: &str = include_str!("../topology/topology.toml");
 
-/// The whole topology.
-#[derive(Debug, Clone, PartialEq, Deserialize)]
-#[serde(deny_unknown_fields)]
+/// The whole topology, resolved for one configuration: names and TTLs filled in, one retry
+/// queue per retry tier, the quorum arguments added when `QUEUE_TYPE` is `quorum`.
+#[derive(Debug, Clone, PartialEq)]
 pub struct Topology {
     pub exchanges: Vec<Exchange>,
     pub queues: Vec<Queue>,
@@ -33,13 +35,57 @@ pub struct Exchange {
     pub kind: String,
 }
 
-#[derive(Debug, Clone, PartialEq, Deserialize)]
-#[serde(deny_unknown_fields)]
+/// A queue as declared: its type is its `x-queue-type` argument (none: classic).
+#[derive(Debug, Clone, PartialEq)]
 pub struct Queue {
     pub name: String,
-    /// Queue arguments (`x-message-ttl`, `x-dead-letter-*`), integers or strings.
-    #[serde(default)]
+    /// Queue arguments (`x-message-ttl`, `x-dead-letter-*`, `x-queue-type`, ...).
     pub arguments: BTreeMap<String, Arg>,
+}
+
+impl Queue {
+    /// `classic` or `quorum`, as the arguments say.
+    pub fn queue_type(&self) -> String {
+        match self.arguments.get("x-queue-type") {
+            Some(t) => t.to_string(),
+            None => "classic".into(),
+        }
+    }
+}
+
+/// The template as written in `topology/topology.toml`.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct Template {
+    exchanges: Vec<Exchange>,
+    queues: Vec<QueueTemplate>,
+    bindings: Vec<BindingTemplate>,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct QueueTemplate {
+    name: String,
+    #[serde(default)]
+    arguments: BTreeMap<String, Arg>,
+    /// Added to `arguments` when the queue type is quorum.
+    #[serde(default)]
+    quorum_arguments: BTreeMap<String, Arg>,
+    /// Repeated for each retry tier, `${retry_queue}` / `${retry_ttl_ms}` being the tier's.
+    #[serde(default)]
+    per_retry_tier: bool,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct BindingTemplate {
+    exchange: String,
+    queue: String,
+    #[serde(default)]
+    routing_key: Option<String>,
+    /// Repeated for each retry tier, as the queue it binds.
+    #[serde(default)]
+    per_retry_tier: bool,
 }
 
 /// A queue argument value.
@@ -59,13 +105,11 @@ impl fmt::Display for Arg {
     }
 }
 
-#[derive(Debug, Clone, PartialEq, Deserialize)]
-#[serde(deny_unknown_fields)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct Binding {
     pub exchange: String,
     pub queue: String,
     /// Defaults to the queue's name.
-    #[serde(default)]
     pub routing_key: Option<String>,
 }
 
@@ -91,7 +135,7 @@ pub enum TopologyError {
 #[derive(Debug, thiserror::Error)]
 #[error(
     "{object} exists with {argument} = {existing}, but warren declares {argument} = {wanted}.\n\
-     warren never deletes or changes an existing object. To resolve it, either\n\
+     {note}warren never deletes or changes an existing object. To resolve it, either\n\
      - make the configuration match what exists ({hint}), or\n\
      - stop what routes to it first (unbind it: RabbitMQ confirms and drops a message routed to a queue \
      being deleted), move its messages away, delete it ({delete_cmd}) and run `warren declare` again."
@@ -101,6 +145,9 @@ pub struct Drift {
     pub argument: String,
     pub existing: String,
     pub wanted: String,
+    /// What the difference means, when it says more than the argument (a queue of the other
+    /// type); empty or one line ending in a newline.
+    pub note: String,
     pub hint: String,
     pub delete_cmd: String,
 }
@@ -138,38 +185,68 @@ impl Topology {
         Self::render(TEMPLATE, settings)
     }
 
-    /// Fills `${setting}` placeholders of `template` from `settings` and parses the result.
+    /// Fills `${setting}` placeholders of `template` from `settings` and resolves it: entries
+    /// marked `per_retry_tier` once per retry tier (the template is filled once per tier, with
+    /// `retry_queue` and `retry_ttl_ms` set to the tier's), `quorum_arguments` added for quorum
+    /// queues.
     pub fn render(template: &str, settings: &Settings) -> Result<Self, TopologyError> {
-        let values =
-            toml::Value::try_from(settings).map_err(|e| TopologyError::Template(e.to_string()))?;
-        // Comment lines may mention placeholders; only data is filled.
-        let data: String = template
-            .lines()
-            .filter(|l| !l.trim_start().starts_with('#'))
-            .map(|l| format!("{l}\n"))
-            .collect();
-        let mut out = String::with_capacity(data.len());
-        let mut rest = data.as_str();
-        while let Some(start) = rest.find("${") {
-            out.push_str(&rest[..start]);
-            let after = &rest[start + 2..];
-            let end = after
-                .find('}')
-                .ok_or_else(|| TopologyError::Template("unclosed ${".into()))?;
-            let key = &after[..end];
-            let value = values
-                .get(key)
-                .ok_or_else(|| TopologyError::Template(format!("unknown setting ${{{key}}}")))?;
-            match value {
-                toml::Value::String(s) => {
-                    out.push_str(&s.replace('\\', "\\\\").replace('"', "\\\""))
+        let filled: Vec<Template> = settings
+            .retry_tiers()
+            .into_iter()
+            .map(|tier| {
+                let mut for_tier = settings.clone();
+                for_tier.retry_queue = tier.queue;
+                for_tier.retry_ttl_ms = tier.ttl_ms;
+                fill(template, &for_tier)
+            })
+            .collect::<Result<_, _>>()?;
+        let quorum = settings.queue_type == QueueType::Quorum;
+        let mut tiers = filled.into_iter();
+        let first = tiers
+            .next()
+            .ok_or_else(|| TopologyError::Template("no retry tier".into()))?;
+        let others: Vec<Template> = tiers.collect();
+        let mut queues = Vec::new();
+        for (i, q) in first.queues.into_iter().enumerate() {
+            let repeat = q.per_retry_tier;
+            let copies = std::iter::once(q).chain(
+                others
+                    .iter()
+                    .filter(|_| repeat)
+                    .map(|t| t.queues[i].clone()),
+            );
+            for QueueTemplate {
+                name,
+                mut arguments,
+                quorum_arguments,
+                ..
+            } in copies
+            {
+                if quorum {
+                    arguments.extend(quorum_arguments);
                 }
-                other => out.push_str(&other.to_string()),
+                queues.push(Queue { name, arguments });
             }
-            rest = &after[end + 1..];
         }
-        out.push_str(rest);
-        toml::from_str(&out).map_err(|e| TopologyError::Template(e.to_string()))
+        let mut bindings = Vec::new();
+        for (i, b) in first.bindings.iter().enumerate() {
+            let copies = std::iter::once(b).chain(
+                others
+                    .iter()
+                    .filter(|_| b.per_retry_tier)
+                    .map(|t| &t.bindings[i]),
+            );
+            bindings.extend(copies.map(|b| Binding {
+                exchange: b.exchange.clone(),
+                queue: b.queue.clone(),
+                routing_key: b.routing_key.clone(),
+            }));
+        }
+        Ok(Topology {
+            exchanges: first.exchanges,
+            queues,
+            bindings,
+        })
     }
 
     /// The plan, one line per object, nothing declared.
@@ -235,21 +312,53 @@ impl Topology {
     }
 }
 
+/// Fills the `${setting}` placeholders of `template` from `settings` and parses it.
+fn fill(template: &str, settings: &Settings) -> Result<Template, TopologyError> {
+    let values =
+        toml::Value::try_from(settings).map_err(|e| TopologyError::Template(e.to_string()))?;
+    // Comment lines may mention placeholders; only data is filled.
+    let data: String = template
+        .lines()
+        .filter(|l| !l.trim_start().starts_with('#'))
+        .map(|l| format!("{l}\n"))
+        .collect();
+    let mut out = String::with_capacity(data.len());
+    let mut rest = data.as_str();
+    while let Some(start) = rest.find("${") {
+        out.push_str(&rest[..start]);
+        let after = &rest[start + 2..];
+        let end = after
+            .find('}')
+            .ok_or_else(|| TopologyError::Template("unclosed ${".into()))?;
+        let key = &after[..end];
+        let value = values
+            .get(key)
+            .ok_or_else(|| TopologyError::Template(format!("unknown setting ${{{key}}}")))?;
+        match value {
+            toml::Value::String(s) => out.push_str(&s.replace('\\', "\\\\").replace('"', "\\\"")),
+            other => out.push_str(&other.to_string()),
+        }
+        rest = &after[end + 1..];
+    }
+    out.push_str(rest);
+    toml::from_str(&out).map_err(|e| TopologyError::Template(e.to_string()))
+}
+
 fn describe_exchange(e: &Exchange) -> String {
     format!("exchange {} ({}, durable)", e.name, e.kind)
 }
 
+/// `queue raffle_queue (quorum, durable, x-dead-letter-exchange=raffle_dlx, ...)`: the type
+/// first, then the other arguments.
 fn describe_queue(q: &Queue) -> String {
-    let args: Vec<String> = q
-        .arguments
-        .iter()
-        .map(|(k, v)| format!("{k}={v}"))
-        .collect();
-    if args.is_empty() {
-        format!("queue {} (durable)", q.name)
-    } else {
-        format!("queue {} (durable, {})", q.name, args.join(", "))
-    }
+    let mut parts = vec![q.queue_type(), "durable".to_string()];
+    parts.extend(
+        q.arguments
+            .iter()
+            .filter(|(k, _)| k.as_str() != "x-queue-type")
+            .map(|(k, v)| format!("{k}={v}")),
+    );
+    format!("queue {} ({})", q.name, parts.join(", "))
 }
 
 fn describe_binding(b: &Binding) -> String {
@@ -315,11 +424,11 @@ async fn declare_exchange(conn: &Connection, e: &Exchange) -> Result<Outcome, To
             err,
             "exchange",
             &e.name,
-            "",
             &format!(
                 "rabbitmqadmin delete exchange name={}, or the management UI",
                 e.name
             ),
+            |_| {},
         )),
     }
 }
@@ -346,31 +455,24 @@ async fn declare_queue(conn: &Connection, q: &Queue) -> Result<Outcome, Topology
                 Outcome::Created
             })
         }
-        Err(err) => {
-            let hint = if q.arguments.contains_key("x-message-ttl") {
-                "for the TTL, set RETRY_TTL_MS to the existing value"
-            } else {
-                "point the *_QUEUE / *_EXCHANGE settings at objects that match"
-            };
-            Err(drift_or(
-                err,
-                "queue",
-                &q.name,
-                hint,
-                &format!("rabbitmqctl delete_queue {}", q.name),
-            ))
-        }
+        Err(err) => Err(drift_or(
+            err,
+            "queue",
+            &q.name,
+            &format!("rabbitmqctl delete_queue {}", q.name),
+            |drift| advise_queue(q, drift),
+        )),
     }
 }
 
 /// Turns a PRECONDITION_FAILED into a [`TopologyError::Drift`] that names the argument and both
-/// values; any other error passes through.
+/// values, with the advice `advise` gives; any other error passes through.
 fn drift_or(
     err: lapin::Error,
     what: &str,
     name: &str,
-    hint: &str,
     delete_cmd: &str,
+    advise: impl FnOnce(&mut Drift),
 ) -> TopologyError {
     let text = err.to_string();
     if !text.contains("PRECONDITION_FAILED") {
@@ -383,18 +485,74 @@ fn drift_or(
             format!("something else ({text})"),
         )
     });
-    TopologyError::Drift(Box::new(Drift {
+    let mut drift = Drift {
         object: format!("{what} {name}"),
         argument,
         existing,
         wanted,
-        hint: if hint.is_empty() {
-            "rename it in the configuration".into()
-        } else {
-            hint.into()
-        },
+        note: String::new(),
+        hint: "rename it in the configuration".into(),
         delete_cmd: delete_cmd.into(),
-    }))
+    };
+    advise(&mut drift);
+    TopologyError::Drift(Box::new(drift))
+}
+
+/// What RabbitMQ shows for an argument that is not set.
+const NOT_SET: &str = "(not set)";
+
+/// The advice for a drifted queue. RabbitMQ names the first argument that differs, in its own
+/// order, which for a queue of the other type is seldom `x-queue-type`: a quorum queue over a
+/// classic main queue fails on `x-overflow`, a classic one over a quorum main queue on
+/// `x-dead-letter-strategy`. Only quorum queues carry these arguments here, so a difference
+/// there between "set" and "not set" in the direction of the other type says that type.
+fn advise_queue(q: &Queue, drift: &mut Drift) {
+    const QUORUM_ONLY: [&str; 4] = [
+        "x-queue-type",
+        "x-dead-letter-strategy",
+        "x-overflow",
+        "x-delivery-limit",
+    ];
+    let wanted_type = q.queue_type();
+    let arg = drift.argument.as_str();
+    let existing_type = if arg == "x-queue-type" {
+        Some(if drift.existing == NOT_SET {
+            "classic".to_string()
+        } else {
+            drift.existing.clone()
+        })
+    } else if QUORUM_ONLY.contains(&arg) {
+        match wanted_type.as_str() {
+            "quorum" if drift.existing == NOT_SET => Some("classic".to_string()),
+            "classic" if drift.wanted == NOT_SET => Some("quorum".to_string()),
+            _ => None,
+        }
+    } else {
+        None
+    };
+    if let Some(existing_type) = existing_type.filter(|t| *t != wanted_type) {
+        let certainty = if arg == "x-queue-type" {
+            "It is"
+        } else {
+            "It looks like"
+        };
+        drift.note = format!(
+            "{certainty} a {existing_type} queue, and QUEUE_TYPE={wanted_type} declares \
+             {wanted_type} queues: RabbitMQ never changes the type of an existing queue.\n"
+        );
+        if matches!(existing_type.as_str(), "classic" | "quorum") {
+            drift.hint = format!("set QUEUE_TYPE={existing_type}");
+        }
+        return;
+    }
+    drift.hint = match arg {
+        "x-message-ttl" => "for the TTL: with one retry queue, set RETRY_TTL_MS to the existing \
+                            value; with retry tiers (RETRY_TTLS_MS) a tier queue's name carries \
+                            its TTL, so give RETRY_QUEUE another base name"
+            .into(),
+        "x-delivery-limit" => "set DELIVERY_LIMIT to the existing value".into(),
+        _ => "point the *_QUEUE / *_EXCHANGE settings at objects that match".into(),
+    };
 }
 
 /// Reads RabbitMQ's "inequivalent arg 'A' for queue 'Q' in vhost '/': received X but current is
@@ -482,10 +640,251 @@ mod tests {
         );
         let text = "PRECONDITION_FAILED - inequivalent arg 'x-dead-letter-exchange' for queue 'q' in vhost '/': received the value 'dlx' of type 'longstr' but current is none";
         assert_eq!(parse_inequivalent(text).unwrap().2, "(not set)");
+        // Quorum queues (RabbitMQ 3.10): a delivery limit is shown bare, a missing argument as none.
+        let text = "PRECONDITION_FAILED - inequivalent arg 'x-delivery-limit' for queue 'q' in vhost '/': received '5' but current is '20'";
+        assert_eq!(
+            parse_inequivalent(text).unwrap(),
+            ("x-delivery-limit".into(), "5".into(), "20".into())
+        );
+        let text = "PRECONDITION_FAILED - inequivalent arg 'x-dead-letter-strategy' for queue 'q' in vhost '/': received none but current is the value 'at-least-once' of type 'longstr'";
+        assert_eq!(
+            parse_inequivalent(text).unwrap(),
+            (
+                "x-dead-letter-strategy".into(),
+                NOT_SET.into(),
+                "at-least-once".into()
+            )
+        );
         let text = "PRECONDITION_FAILED - inequivalent arg 'type' for exchange 'e' in vhost '/': received 'direct' but current is 'fanout'";
         assert_eq!(
             parse_inequivalent(text).unwrap(),
             ("type".into(), "direct".into(), "fanout".into())
+        );
+    }
+
+    fn with(pairs: &[(&str, &str)]) -> Settings {
+        let mut sources = crate::config::Sources {
+            use_env: false,
+            ..Default::default()
+        };
+        for (k, v) in pairs {
+            sources = sources.with_override(k, *v);
+        }
+        Settings::load(&sources).unwrap()
+    }
+
+    fn args(q: &Queue) -> Vec<(String, String)> {
+        q.arguments
+            .iter()
+            .map(|(k, v)| (k.clone(), v.to_string()))
+            .collect()
+    }
+
+    fn owned(pairs: &[(&str, &str)]) -> Vec<(String, String)> {
+        let mut v: Vec<_> = pairs
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
+        v.sort();
+        v
+    }
+
+    #[test]
+    fn classic_queues_carry_no_quorum_argument() {
+        let t = Topology::from_settings(&Settings::defaults()).unwrap();
+        for q in &t.queues {
+            assert_eq!(q.queue_type(), "classic");
+            for arg in [
+                "x-queue-type",
+                "x-overflow",
+                "x-dead-letter-strategy",
+                "x-delivery-limit",
+            ] {
+                assert!(!q.arguments.contains_key(arg), "{q:?}");
+            }
+        }
+        assert_eq!(
+            describe_queue(&t.queues[2]),
+            "queue raffle_dlq (classic, durable)"
+        );
+    }
+
+    #[test]
+    fn the_quorum_topology() {
+        let t =
+            Topology::from_settings(&with(&[("queue_type", "quorum"), ("delivery_limit", "7")]))
+                .unwrap();
+        let names: Vec<_> = t.queues.iter().map(|q| q.name.as_str()).collect();
+        assert_eq!(names, ["raffle_queue", "raffle_retry_10s", "raffle_dlq"]);
+        assert!(t.queues.iter().all(|q| q.queue_type() == "quorum"));
+        assert_eq!(
+            args(&t.queues[0]),
+            owned(&[
+                ("x-dead-letter-exchange", "raffle_dlx"),
+                ("x-dead-letter-routing-key", "raffle_dlq"),
+                ("x-dead-letter-strategy", "at-least-once"),
+                ("x-delivery-limit", "7"),
+                ("x-overflow", "reject-publish"),
+                ("x-queue-type", "quorum"),
+            ])
+        );
+        assert_eq!(t.queues[0].arguments["x-delivery-limit"], Arg::Int(7));
+        assert_eq!(
+            args(&t.queues[1]),
+            owned(&[
+                ("x-dead-letter-exchange", "raffle_exchange"),
+                ("x-dead-letter-routing-key", "raffle_queue"),
+                ("x-dead-letter-strategy", "at-least-once"),
+                ("x-message-ttl", "10000"),
+                ("x-overflow", "reject-publish"),
+                ("x-queue-type", "quorum"),
+            ])
+        );
+        assert_eq!(args(&t.queues[2]), owned(&[("x-queue-type", "quorum")]));
+        assert_eq!(
+            describe_queue(&t.queues[2]),
+            "queue raffle_dlq (quorum, durable)"
+        );
+        assert!(describe_queue(&t.queues[0]).starts_with("queue raffle_queue (quorum, durable, "));
+    }
+
+    #[test]
+    fn retry_tiers_are_one_queue_and_binding_each() {
+        let t = Topology::from_settings(&with(&[("retry_ttls_ms", "1000,10000,60000")])).unwrap();
+        let queues: Vec<_> = t
+            .queues
+            .iter()
+            .map(|q| (q.name.as_str(), q.arguments.get("x-message-ttl").cloned()))
+            .collect();
+        assert_eq!(
+            queues,
+            [
+                ("raffle_queue", None),
+                ("raffle_retry_1s", Some(Arg::Int(1000))),
+                ("raffle_retry_10s", Some(Arg::Int(10_000))),
+                ("raffle_retry_1m", Some(Arg::Int(60_000))),
+                ("raffle_dlq", None),
+            ]
+        );
+        for q in &t.queues[1..4] {
+            assert_eq!(
+                q.arguments["x-dead-letter-exchange"],
+                Arg::Str("raffle_exchange".into())
+            );
+            assert_eq!(
+                q.arguments["x-dead-letter-routing-key"],
+                Arg::Str("raffle_queue".into())
+            );
+        }
+        let bindings: Vec<_> = t
+            .bindings
+            .iter()
+            .map(|b| (b.exchange.as_str(), b.queue.as_str(), b.key()))
+            .collect();
+        assert_eq!(
+            bindings,
+            [
+                ("raffle_exchange", "raffle_queue", "raffle_queue"),
+                (
+                    "raffle_retry_exchange",
+                    "raffle_retry_1s",
+                    "raffle_retry_1s"
+                ),
+                (
+                    "raffle_retry_exchange",
+                    "raffle_retry_10s",
+                    "raffle_retry_10s"
+                ),
+                (
+                    "raffle_retry_exchange",
+                    "raffle_retry_1m",
+                    "raffle_retry_1m"
+                ),
+                ("raffle_dlx", "raffle_dlq", "raffle_dlq"),
+            ]
+        );
+        // Quorum tiers get the quorum arguments, each.
+        let t = Topology::from_settings(&with(&[
+            ("retry_ttls_ms", "300,600"),
+            ("queue_type", "quorum"),
+        ]))
+        .unwrap();
+        assert_eq!(t.queues.len(), 4);
+        for q in &t.queues[1..3] {
+            assert_eq!(q.queue_type(), "quorum");
+            assert_eq!(
+                q.arguments["x-dead-letter-strategy"],
+                Arg::Str("at-least-once".into())
+            );
+            assert!(!q.arguments.contains_key("x-delivery-limit"));
+        }
+    }
+
+    fn drift_of(q: &Queue, argument: &str, existing: &str, wanted: &str) -> Drift {
+        let mut d = Drift {
+            object: format!("queue {}", q.name),
+            argument: argument.into(),
+            existing: existing.into(),
+            wanted: wanted.into(),
+            note: String::new(),
+            hint: String::new(),
+            delete_cmd: "rabbitmqctl delete_queue q".into(),
+        };
+        advise_queue(q, &mut d);
+        d
+    }
+
+    #[test]
+    fn a_queue_of_the_other_type_is_named_as_such() {
+        let quorum = Topology::from_settings(&with(&[("queue_type", "quorum")])).unwrap();
+        let classic = Topology::from_settings(&Settings::defaults()).unwrap();
+        // What RabbitMQ 3.10 reports for warren's main queue and DLQ of the other type.
+        let d = drift_of(&quorum.queues[0], "x-overflow", NOT_SET, "reject-publish");
+        assert!(
+            d.note
+                .starts_with("It looks like a classic queue, and QUEUE_TYPE=quorum"),
+            "{}",
+            d.note
+        );
+        assert_eq!(d.hint, "set QUEUE_TYPE=classic");
+        let d = drift_of(
+            &classic.queues[0],
+            "x-dead-letter-strategy",
+            "at-least-once",
+            NOT_SET,
+        );
+        assert!(
+            d.note
+                .starts_with("It looks like a quorum queue, and QUEUE_TYPE=classic"),
+            "{}",
+            d.note
+        );
+        assert_eq!(d.hint, "set QUEUE_TYPE=quorum");
+        let d = drift_of(&quorum.queues[2], "x-queue-type", NOT_SET, "quorum");
+        assert!(d.note.starts_with("It is a classic queue"), "{}", d.note);
+        let d = drift_of(&classic.queues[2], "x-queue-type", "quorum", NOT_SET);
+        assert!(d.note.starts_with("It is a quorum queue"), "{}", d.note);
+        let text = TopologyError::Drift(Box::new(d)).to_string();
+        assert!(
+            text.starts_with(
+                "queue raffle_dlq exists with x-queue-type = quorum, but warren declares \
+                 x-queue-type = (not set).\nIt is a quorum queue, and QUEUE_TYPE=classic declares \
+                 classic queues: RabbitMQ never changes the type of an existing queue.\n\
+                 warren never deletes or changes an existing object."
+            ),
+            "{text}"
+        );
+        assert!(text.contains("(set QUEUE_TYPE=quorum)"), "{text}");
+        // Same type, other values: the plain advice.
+        let d = drift_of(&quorum.queues[0], "x-delivery-limit", "20", "7");
+        assert_eq!(d.note, "");
+        assert_eq!(d.hint, "set DELIVERY_LIMIT to the existing value");
+        let d = drift_of(&classic.queues[1], "x-message-ttl", "5000", "10000");
+        assert_eq!(d.note, "");
+        assert!(
+            d.hint.contains("set RETRY_TTL_MS to the existing value"),
+            "{}",
+            d.hint
         );
     }
 }

@@ -1,6 +1,7 @@
 //! Transient database failures through the retry queue: `x-retries` + 1 and `x-retry-reason` on
-//! each pass, the retry queue's TTL bringing messages back, insertion once the fault clears, and
-//! the DLQ with `retries_exhausted` once MAX_RETRIES is spent.
+//! each pass, the retry queue's TTL bringing messages back, insertion once the fault clears, the
+//! DLQ with `retries_exhausted` once MAX_RETRIES is spent, and retry tiers (RETRY_TTLS_MS): the
+//! n-th retry through the n-th tier's queue.
 //!
 //! The fault is the harness's trigger pair (`install_fault` with `CountAttempts::Yes`), installed
 //! in the test schema after `declare`: a BEFORE INSERT row trigger counts every insert attempt per
@@ -13,8 +14,11 @@ mod common;
 
 use std::time::{Duration, Instant};
 
+use common::cluster::QueueCleanup;
 use common::*;
-use lapin::types::AMQPValue;
+use lapin::options::{QueueBindOptions, QueueDeclareOptions};
+use lapin::types::{AMQPValue, FieldTable};
+use serde_json::json;
 use uuid::Uuid;
 
 // ---- this file's setup ----------------------------------------------------------------------
@@ -283,4 +287,140 @@ async fn at_the_default_ttl_a_retried_message_comes_back_after_ten_seconds() {
     assert_eq!(env.queue_state(&env.main_queue).await, (0, 0));
     assert_queue_empty(&env, &env.retry_queue).await;
     assert_queue_empty(&env, &env.dlq_queue).await;
+}
+
+/// RETRY_TTLS_MS=300,600,900: one queue per tier, named from RETRY_QUEUE, and a message failing
+/// every time goes through tier 1, 2 and 3 in that order (x-retries 1, 2, 3), waits in each (the
+/// broker records each expiry in x-death), then goes to the DLQ as retries_exhausted.
+#[tokio::test(flavor = "multi_thread")]
+async fn each_retry_goes_through_its_tier_in_order() {
+    let mut env = TestEnv::new("retry_tiers").await;
+    let tiers: Vec<(String, u64)> = [("300ms", 300), ("600ms", 600), ("900ms", 900)]
+        .into_iter()
+        .map(|(suffix, ttl)| (format!("{}_{suffix}", env.retry_queue), ttl))
+        .collect();
+    // Sees every republish to the retry exchange, in order, with its routing key.
+    let observer = format!("{}_observer", env.id);
+    let mut extra: Vec<String> = tiers.iter().map(|(q, _)| q.clone()).collect();
+    extra.push(observer.clone());
+    let _cleanup = QueueCleanup {
+        url: amqp_url(),
+        queues: extra,
+    };
+    env.set("RETRY_TTLS_MS", "300,600,900")
+        .set("DB_RETRY_WINDOW_MS", "0")
+        .set("MAX_RETRIES", "3")
+        .set("BREAKER_FAILURES", "1000");
+    env.declare();
+
+    // One queue per tier with its TTL, back to the main queue; RETRY_QUEUE itself is only the
+    // base of their names.
+    let listed = rabbitmqctl_rows(&["list_queues", "name", "arguments"]).await;
+    for (queue, ttl) in &tiers {
+        let row = listed
+            .iter()
+            .find(|r| r["name"].as_str() == Some(queue))
+            .unwrap_or_else(|| panic!("tier queue {queue} not declared"));
+        let args: Vec<(String, serde_json::Value)> = row["arguments"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|a| (a[0].as_str().unwrap().to_string(), a[2].clone()))
+            .collect();
+        assert!(
+            args.contains(&("x-message-ttl".into(), json!(ttl))),
+            "{queue}: {args:?}"
+        );
+        assert!(
+            args.contains(&("x-dead-letter-routing-key".into(), json!(env.main_queue))),
+            "{queue}: {args:?}"
+        );
+    }
+    assert!(!env.queue_exists(&env.retry_queue).await);
+    env.channel
+        .queue_declare(
+            observer.as_str().into(),
+            QueueDeclareOptions::default(),
+            FieldTable::default(),
+        )
+        .await
+        .expect("observer queue");
+    for (queue, _) in &tiers {
+        env.channel
+            .queue_bind(
+                observer.as_str().into(),
+                env.retry_exchange.as_str().into(),
+                queue.as_str().into(),
+                QueueBindOptions::default(),
+                FieldTable::default(),
+            )
+            .await
+            .expect("bind the observer");
+    }
+
+    install_fault(&env, CountAttempts::Yes).await;
+    let id = Uuid::new_v4();
+    track_attempts(&env, &[id]).await;
+    env.publish_ids(&[id]).await;
+    let mut warren = env.start(&["--roles", "consumer"]);
+    wait_until(
+        "the message in the DLQ after 3 retries",
+        Duration::from_secs(40),
+        || async { env.ready(&env.dlq_queue).await == 1 },
+    )
+    .await;
+    assert!(warren.terminate(Duration::from_secs(25)).success());
+    assert_eq!(attempts(&env, id).await, 4, "attempts: 1 + 3 retries");
+
+    let copies = env.drain_queue(&observer, 10).await;
+    let seen: Vec<(String, Option<i64>)> = copies
+        .iter()
+        .map(|m| {
+            (
+                m.delivery.routing_key.to_string(),
+                int_header(&m.delivery.properties, "x-retries"),
+            )
+        })
+        .collect();
+    let wanted: Vec<(String, Option<i64>)> = tiers
+        .iter()
+        .zip(1..)
+        .map(|((q, _), n)| (q.clone(), Some(n)))
+        .collect();
+    assert_eq!(seen, wanted, "retries and the tiers they went to, in order");
+
+    // The broker's own record: the message expired once in each tier queue.
+    let dead = env.drain_queue(&env.dlq_queue, 5).await;
+    assert_eq!(dead.len(), 1);
+    let p = &dead[0].delivery.properties;
+    assert_eq!(int_header(p, "x-retries"), Some(3));
+    assert_eq!(
+        text_header(p, "x-error-kind").as_deref(),
+        Some("retries_exhausted")
+    );
+    let Some(AMQPValue::FieldArray(deaths)) = header(p, "x-death") else {
+        panic!("no x-death: {:?}", p.headers());
+    };
+    let mut expired: Vec<String> = deaths
+        .as_slice()
+        .iter()
+        .filter_map(|d| match d {
+            AMQPValue::FieldTable(t) => {
+                let get = |k: &str| match t.inner().get(k) {
+                    Some(AMQPValue::LongString(s)) => Some(s.to_string()),
+                    _ => None,
+                };
+                (get("reason").as_deref() == Some("expired")).then(|| get("queue"))?
+            }
+            _ => None,
+        })
+        .collect();
+    expired.sort();
+    let mut tier_names: Vec<String> = tiers.iter().map(|(q, _)| q.clone()).collect();
+    tier_names.sort();
+    assert_eq!(expired, tier_names, "queues the message expired in");
+    for (queue, _) in &tiers {
+        assert_queue_empty(&env, queue).await;
+    }
+    assert_eq!(env.queue_state(&env.main_queue).await, (0, 0));
 }

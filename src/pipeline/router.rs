@@ -1,7 +1,8 @@
 //! The main pipeline's fallback stage and the outcome policy: which failure goes where. A
 //! message the domain refused or the database refused for good goes to the DLX with
 //! `x-error-kind` / `x-error-reason`; a transient failure goes through the retry queue with
-//! `x-retries` + 1 until `MAX_RETRIES`, then to the DLX; a systemic one stays with the broker.
+//! `x-retries` + 1 (the n-th retry through the n-th retry tier's queue, every later one through
+//! the last) until `MAX_RETRIES`, then to the DLX; a systemic one stays with the broker.
 //! Every republish is confirmed by the broker before the original is acked. A republish that is
 //! not confirmed leaves the message with warren's queue (nack with requeue, after a backoff):
 //! never with the broker's own dead-lettering, which is at-most-once and drops a message whose
@@ -42,7 +43,9 @@ pub enum Route {
 pub struct Republisher {
     publisher: Addr<Publisher>,
     retry_exchange: String,
-    retry_queue: String,
+    /// The retry tiers' queues, in order (one without `RETRY_TTLS_MS`): the routing keys of
+    /// the first, second, ... retry.
+    retry_queues: Vec<String>,
     dlx_exchange: String,
     dlq_queue: String,
     max_retries: u32,
@@ -56,7 +59,11 @@ impl Republisher {
         Self {
             publisher,
             retry_exchange: settings.retry_exchange.clone(),
-            retry_queue: settings.retry_queue.clone(),
+            retry_queues: settings
+                .retry_tiers()
+                .into_iter()
+                .map(|t| t.queue)
+                .collect(),
             dlx_exchange: settings.dlx_exchange.clone(),
             dlq_queue: settings.dlq_queue.clone(),
             max_retries: settings.max_retries,
@@ -77,7 +84,7 @@ impl Republisher {
         let (exchange, routing_key, properties, kind) = match route {
             Route::Retry { reason } if count < self.max_retries => (
                 &self.retry_exchange,
-                &self.retry_queue,
+                &self.retry_queues[retry_tier(count + 1, self.retry_queues.len())],
                 headers::for_retry(&message.properties, count + 1, reason),
                 "retry",
             ),
@@ -154,6 +161,13 @@ impl Republisher {
         });
         join_all(sends).await
     }
+}
+
+/// The tier (index into the retry queues) of a message's `retry`-th retry, counted from 1 as
+/// `x-retries` after the increment: the n-th retry waits in the n-th tier, every retry after
+/// the last tier in the last. `tiers` is at least 1.
+pub fn retry_tier(retry: u32, tiers: usize) -> usize {
+    (retry.max(1) as usize).min(tiers.max(1)) - 1
 }
 
 /// How one message that was not inserted ends, before its settlement.
@@ -388,6 +402,17 @@ mod tests {
             main_fate(&db(ErrorClass::Systemic)),
             Fate::Settled(Disposition::Requeue)
         );
+    }
+
+    #[test]
+    fn the_nth_retry_waits_in_the_nth_tier_then_in_the_last() {
+        let tiers: Vec<usize> = (1..=5).map(|n| retry_tier(n, 3)).collect();
+        assert_eq!(tiers, [0, 1, 2, 2, 2]);
+        // One tier (no RETRY_TTLS_MS): every retry in the retry queue.
+        assert!((1..=100).all(|n| retry_tier(n, 1) == 0));
+        // Never out of range, whatever the header said.
+        assert_eq!(retry_tier(0, 3), 0);
+        assert_eq!(retry_tier(u32::MAX, 3), 2);
     }
 
     #[test]

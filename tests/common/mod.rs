@@ -30,9 +30,13 @@
 //! - `ops` (by path, `common::ops::...`): promtool, a real Prometheus, warren under
 //!   memory-deny-write-execute.
 //! - `raw_amqp` (by path): a frame-by-frame AMQP publisher for what no client library sends.
+//! - `cluster` (by path, `common::cluster::...`): the RabbitMQ test cluster
+//!   (`WARREN_TEST_CLUSTER_URLS`), `ClusterEnv`, its queues as the cluster lists them, and
+//!   `QueueCleanup` for queues beyond a `TestEnv`'s own (retry tiers).
 #![allow(dead_code)]
 
 mod broker;
+pub mod cluster;
 mod db;
 mod env;
 mod http;

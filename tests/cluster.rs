@@ -1,0 +1,300 @@
+//! warren on the 3-node RabbitMQ test cluster (`scripts/cluster.sh up`, found through
+//! `WARREN_TEST_CLUSTER_URLS`): `QUEUE_TYPE=quorum` declares every queue as a quorum queue with
+//! its arguments and a member on each of the three nodes, a second declare matches and changes
+//! nothing, the arguments work (a retry tier's TTL brings a message back to the main queue, the
+//! delivery limit dead-letters to the DLQ), the pipeline runs on them (a transient failure goes
+//! through a quorum retry tier, every user ends in the table once), and a queue of the other
+//! type (classic vs quorum) is reported as drift and left as it was.
+
+mod common;
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use common::cluster::*;
+use common::*;
+use lapin::options::{BasicGetOptions, BasicRejectOptions};
+use serde_json::{Value, json};
+
+// ---- this file's setup ----------------------------------------------------------------------
+
+/// The line of `stdout` that mentions `object` (for example `queue NAME (`).
+fn line_of<'a>(stdout: &'a str, object: &str) -> &'a str {
+    stdout
+        .lines()
+        .find(|l| l.contains(object))
+        .unwrap_or_else(|| panic!("no line for {object:?} in:\n{stdout}"))
+}
+
+fn args(pairs: &[(&str, Value)]) -> BTreeMap<String, Value> {
+    pairs
+        .iter()
+        .map(|(k, v)| (k.to_string(), v.clone()))
+        .collect()
+}
+
+/// The quorum topology's queues and their arguments: main, one retry queue per `(name, ttl)`,
+/// DLQ.
+fn quorum_queues(
+    env: &TestEnv,
+    tiers: &[(String, u64)],
+    delivery_limit: u64,
+) -> BTreeMap<String, BTreeMap<String, Value>> {
+    let mut wanted = BTreeMap::new();
+    wanted.insert(
+        env.main_queue.clone(),
+        args(&[
+            ("x-queue-type", json!("quorum")),
+            ("x-dead-letter-exchange", json!(env.dlx_exchange)),
+            ("x-dead-letter-routing-key", json!(env.dlq_queue)),
+            ("x-dead-letter-strategy", json!("at-least-once")),
+            ("x-overflow", json!("reject-publish")),
+            ("x-delivery-limit", json!(delivery_limit)),
+        ]),
+    );
+    for (name, ttl) in tiers {
+        wanted.insert(
+            name.clone(),
+            args(&[
+                ("x-queue-type", json!("quorum")),
+                ("x-message-ttl", json!(ttl)),
+                ("x-dead-letter-exchange", json!(env.main_exchange)),
+                ("x-dead-letter-routing-key", json!(env.main_queue)),
+                ("x-dead-letter-strategy", json!("at-least-once")),
+                ("x-overflow", json!("reject-publish")),
+            ]),
+        );
+    }
+    wanted.insert(
+        env.dlq_queue.clone(),
+        args(&[("x-queue-type", json!("quorum"))]),
+    );
+    wanted
+}
+
+/// Asserts that `queues` are exactly `wanted`, each quorum, durable, with 3 members.
+fn assert_quorum_queues(
+    queues: &BTreeMap<String, ClusterQueue>,
+    wanted: &BTreeMap<String, BTreeMap<String, Value>>,
+) {
+    assert_eq!(
+        queues.keys().collect::<Vec<_>>(),
+        wanted.keys().collect::<Vec<_>>(),
+        "the env's queues on the cluster"
+    );
+    for (name, q) in queues {
+        assert_eq!(q.queue_type, "quorum", "{name}: {q:?}");
+        assert!(q.durable, "{name}: {q:?}");
+        assert_eq!(&q.arguments, &wanted[name], "{name}: arguments");
+        let mut nodes = q.members.clone();
+        nodes.dedup();
+        assert_eq!(nodes.len(), 3, "{name}: members {:?}", q.members);
+    }
+}
+
+// ---- tests ----------------------------------------------------------------------------------
+
+/// QUEUE_TYPE=quorum with two retry tiers: every queue quorum with its arguments and 3
+/// members; a second declare matches everything; the TTL and the delivery limit work.
+#[tokio::test(flavor = "multi_thread")]
+async fn quorum_declare_replicates_every_queue_and_matches_the_second_time() {
+    let mut c = ClusterEnv::new("cl_quorum").await;
+    let tiers = vec![
+        (format!("{}_300ms", c.env.retry_queue), 300),
+        (format!("{}_600ms", c.env.retry_queue), 600),
+    ];
+    c.extra_queues = tiers.iter().map(|(n, _)| n.clone()).collect();
+    c.env
+        .set("QUEUE_TYPE", "quorum")
+        .set("DELIVERY_LIMIT", "2")
+        .set("RETRY_TTLS_MS", "300,600");
+
+    let (code, out, err) = c.env.run(&["declare"]);
+    assert_eq!(code, 0, "declare failed:\n{out}\n{err}");
+    let wanted = quorum_queues(&c.env, &tiers, 2);
+    for name in wanted.keys() {
+        let line = line_of(&out, &format!("queue {name} ("));
+        assert!(line.contains("(quorum, durable"), "{line}");
+        assert!(line.trim_end().ends_with("created"), "{line}");
+    }
+    for (name, _) in &tiers {
+        let line = line_of(
+            &out,
+            &format!("binding {} -> {name} ", c.env.retry_exchange),
+        );
+        assert!(line.contains(&format!("routing key {name}")), "{line}");
+    }
+    let before = c.queues().await;
+    assert_quorum_queues(&before, &wanted);
+
+    // A second declare: exit 0, everything already matched, nothing changed.
+    let (code, again, err) = c.env.run(&["declare"]);
+    assert_eq!(code, 0, "second declare failed:\n{again}\n{err}");
+    for name in wanted.keys() {
+        let line = line_of(&again, &format!("queue {name} ("));
+        assert!(line.trim_end().ends_with("already matched"), "{line}");
+    }
+    assert!(
+        !again.contains("created"),
+        "second declare created:\n{again}"
+    );
+    assert_eq!(
+        c.queues().await,
+        before,
+        "the second declare changed a queue"
+    );
+
+    // The arguments work: a message in the second tier comes back to the main queue after
+    // its TTL (quorum queues dead-letter it at least once) ...
+    c.publish_to(&c.env.retry_exchange, &tiers[1].0, b"retried")
+        .await;
+    wait_until(
+        "the retried message back in the main queue",
+        Duration::from_secs(20),
+        || async { c.ready(&tiers[1].0).await == 0 && c.ready(&c.env.main_queue).await == 1 },
+    )
+    .await;
+    // ... and a message returned to the main queue more than DELIVERY_LIMIT times goes to the
+    // DLQ.
+    let ch = c.conn.create_channel().await.unwrap();
+    let mut deliveries = 0;
+    while let Some(m) = ch
+        .basic_get(
+            c.env.main_queue.as_str().into(),
+            BasicGetOptions { no_ack: false },
+        )
+        .await
+        .unwrap()
+    {
+        deliveries += 1;
+        assert!(deliveries <= 3, "delivered {deliveries} times, limit 2");
+        m.reject(BasicRejectOptions { requeue: true })
+            .await
+            .unwrap();
+    }
+    wait_until(
+        "the message past its delivery limit in the DLQ",
+        Duration::from_secs(20),
+        || async { c.ready(&c.env.dlq_queue).await == 1 },
+    )
+    .await;
+    assert_eq!(c.ready(&c.env.main_queue).await, 0);
+}
+
+/// `warren run` on quorum queues with retry tiers: users that fail once go through the first
+/// tier and back, are inserted once the fault clears, and every queue ends empty.
+#[tokio::test(flavor = "multi_thread")]
+async fn the_pipeline_runs_on_quorum_queues_through_the_retry_tiers() {
+    const N: usize = 10;
+    let mut c = ClusterEnv::new("cl_run").await;
+    let tiers = [
+        format!("{}_300ms", c.env.retry_queue),
+        format!("{}_600ms", c.env.retry_queue),
+    ];
+    c.extra_queues = tiers.to_vec();
+    c.env
+        .set("QUEUE_TYPE", "quorum")
+        .set("RETRY_TTLS_MS", "300,600")
+        .set("DB_RETRY_WINDOW_MS", "0")
+        .set("MAX_RETRIES", "10")
+        .set("BREAKER_FAILURES", "1000");
+    c.env.declare();
+    install_fault(&c.env, CountAttempts::Yes).await;
+    let ids: Vec<uuid::Uuid> = (0..N).map(|_| uuid::Uuid::new_v4()).collect();
+    track_attempts(&c.env, &ids).await;
+    c.publish_ids(&ids).await;
+    let mut warren = c.env.start(&["--roles", "consumer"]);
+    let _logs = LogsOnPanic(vec![warren.log.clone()]);
+
+    wait_until(
+        "every message failed twice (back from the first tier)",
+        Duration::from_secs(30),
+        || async {
+            for id in &ids {
+                if attempts(&c.env, *id).await < 2 {
+                    return false;
+                }
+            }
+            true
+        },
+    )
+    .await;
+    clear_fault(&c.env).await;
+    wait_until("every row inserted", Duration::from_secs(30), || async {
+        c.env.count_rows().await == N as i64
+    })
+    .await;
+    assert_eq!(c.env.row_ids().await, ids.iter().copied().collect());
+    wait_until("every queue empty", Duration::from_secs(15), || async {
+        c.ready(&c.env.main_queue).await == 0
+            && c.ready(&tiers[0]).await == 0
+            && c.ready(&tiers[1]).await == 0
+            && c.ready(&c.env.dlq_queue).await == 0
+    })
+    .await;
+    assert!(warren.terminate(Duration::from_secs(25)).success());
+}
+
+/// A classic topology exists; QUEUE_TYPE=quorum is refused as drift, naming the queue, the
+/// argument, both values, the type and how to resolve it; nothing changes.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_classic_queue_is_reported_when_quorum_is_wanted_and_left_alone() {
+    let mut c = ClusterEnv::new("cl_c2q").await;
+    c.env.declare();
+    c.publish_to(&c.env.main_exchange, &c.env.main_queue, b"waiting")
+        .await;
+    let before = c.queues().await;
+    assert_eq!(before.len(), 3, "{before:?}");
+    assert!(
+        before.values().all(|q| q.queue_type == "classic"),
+        "{before:?}"
+    );
+
+    c.env.set("QUEUE_TYPE", "quorum");
+    let (code, out, err) = c.env.run(&["declare"]);
+    assert_eq!(code, 1, "declare over classic queues:\n{out}\n{err}");
+    let main = &c.env.main_queue;
+    for needle in [
+        format!("queue {main} exists with "),
+        "(not set), but warren declares".to_string(),
+        "It looks like a classic queue, and QUEUE_TYPE=quorum declares quorum queues".into(),
+        "set QUEUE_TYPE=classic".into(),
+        "warren never deletes or changes an existing object".into(),
+        format!("rabbitmqctl delete_queue {main}"),
+    ] {
+        assert!(err.contains(&needle), "stderr lacks {needle:?}:\n{err}");
+    }
+    assert_eq!(c.queues().await, before, "a drifted queue was changed");
+    assert_eq!(c.ready(main).await, 1, "the waiting message was lost");
+}
+
+/// The other way: a quorum topology exists and QUEUE_TYPE=classic is refused the same way.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_quorum_queue_is_reported_when_classic_is_wanted_and_left_alone() {
+    let mut c = ClusterEnv::new("cl_q2c").await;
+    c.env.set("QUEUE_TYPE", "quorum");
+    c.env.declare();
+    c.publish_to(&c.env.main_exchange, &c.env.main_queue, b"waiting")
+        .await;
+    let before = c.queues().await;
+    let tiers = [(c.env.retry_queue.clone(), 10_000)];
+    assert_quorum_queues(&before, &quorum_queues(&c.env, &tiers, 20));
+
+    c.env.set("QUEUE_TYPE", "classic");
+    let (code, out, err) = c.env.run(&["declare"]);
+    assert_eq!(code, 1, "declare over quorum queues:\n{out}\n{err}");
+    let main = &c.env.main_queue;
+    for needle in [
+        format!("queue {main} exists with "),
+        ", but warren declares".to_string(),
+        "= (not set).".into(),
+        "It looks like a quorum queue, and QUEUE_TYPE=classic declares classic queues".into(),
+        "set QUEUE_TYPE=quorum".into(),
+        "warren never deletes or changes an existing object".into(),
+        format!("rabbitmqctl delete_queue {main}"),
+    ] {
+        assert!(err.contains(&needle), "stderr lacks {needle:?}:\n{err}");
+    }
+    assert_eq!(c.queues().await, before, "a drifted queue was changed");
+    assert_eq!(c.ready(main).await, 1, "the waiting message was lost");
+}
