@@ -136,18 +136,19 @@ async fn a_closed_first_database_host_is_passed_over() {
 
 // ---- the cluster ----------------------------------------------------------------------------
 
-/// The cluster's AMQP URLs (`WARREN_TEST_CLUSTER_URLS`, else those of `scripts/cluster.sh`).
-fn cluster_urls() -> Vec<String> {
-    std::env::var("WARREN_TEST_CLUSTER_URLS")
-        .unwrap_or_else(|_| {
-            (1..=3)
-                .map(|i| format!("amqp://guest:guest@127.0.0.1:{}/%2f", 5680 + i))
-                .collect::<Vec<_>>()
-                .join(",")
-        })
-        .split(',')
-        .map(str::to_string)
-        .collect()
+/// `scripts/cluster.sh ARG` (its lock makes concurrent calls take turns), which must succeed.
+fn cluster_script(arg: &str) -> String {
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/scripts/cluster.sh");
+    let out = std::process::Command::new(script)
+        .arg(arg)
+        .output()
+        .expect("run scripts/cluster.sh");
+    assert!(
+        out.status.success(),
+        "scripts/cluster.sh {arg} failed (it needs root or sudo): {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).trim().to_string()
 }
 
 /// A confirm-mode channel on one cluster node; fails with how to start the cluster.
@@ -262,14 +263,22 @@ async fn rabbitmqctl_on(node: &str, args: &[&str]) {
     );
 }
 
+/// Runs against the cluster of `scripts/cluster.sh` (it stops one of its nodes by name, so not
+/// against a cluster of `WARREN_TEST_CLUSTER_URLS`), which it starts if needed. The node stopped
+/// is rc3, not rc1: the other cluster tests talk to rc1, and their quorum queues keep a majority
+/// without rc3.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_consumer_moves_on_to_the_next_cluster_node_when_its_node_stops() {
-    let urls = cluster_urls();
+    cluster_script("up");
+    let urls: Vec<String> = cluster_script("urls")
+        .split(',')
+        .map(String::from)
+        .collect();
     assert_eq!(urls.len(), 3, "three cluster URLs: {urls:?}");
-    let nodes: Vec<String> = urls.iter().map(|u| node_of(u)).collect();
+    let (rc1, rc2, rc3) = (&urls[0], &urls[1], &urls[2]);
     let mut env = TestEnv::new("ep_cluster").await;
     let _cleanup = ClusterCleanup {
-        url: urls[1].clone(),
+        url: rc2.clone(),
         queues: vec![
             env.main_queue.clone(),
             env.retry_queue.clone(),
@@ -281,31 +290,32 @@ async fn a_consumer_moves_on_to_the_next_cluster_node_when_its_node_stops() {
             env.dlx_exchange.clone(),
         ],
     };
-    let (_conn, channel) = cluster_channel(&urls[1]).await;
-    // The (classic) queues live where they are declared: on rc2, so that stopping rc1 leaves
+    let (_conn, channel) = cluster_channel(rc2).await;
+    // The (classic) queues live where they are declared: on rc2, so that stopping rc3 leaves
     // them available through the other nodes.
     let mut declare = env.command(&["declare"]);
-    declare.env("AMQP_URL", &urls[1]);
+    declare.env("AMQP_URL", rc2);
     let out = declare.output().expect("warren declare");
     assert!(out.status.success(), "{out:?}");
 
-    env.set("AMQP_URL", urls.join(","));
+    env.set("AMQP_URL", format!("{rc3},{rc1},{rc2}"));
     env.set("LOG_FORMAT", "json");
     let mut warren = env.start(&["--roles", "consumer"]);
     let _logs = LogsOnPanic(vec![warren.log.clone()]);
-    // Without AMQP_SHUFFLE every link takes the first node.
-    wait_connected(&warren, "main", &nodes[0], 1).await;
+    // Without AMQP_SHUFFLE every link takes the first node of the list.
+    let (first, next) = (node_of(rc3), node_of(rc1));
+    wait_connected(&warren, "main", &first, 1).await;
     let mut ids: HashSet<Uuid> = publish_users_on(&env, &channel, 200)
         .await
         .into_iter()
         .collect();
     assert_rows_exactly(&env, &ids, Duration::from_secs(60), &|| warren.logs()).await;
 
-    // Stop RabbitMQ on rc1 (the Erlang node stays): its connections close, its port too.
-    rabbitmqctl_on("warren-rc1@localhost", &["stop_app"]).await;
-    // The consumer moves on to the node after the one it used, rc2, by itself: it starts there
-    // (nothing passed over), not at the stopped rc1.
-    wait_connected(&warren, "main", &nodes[1], 1).await;
+    // Stop RabbitMQ on rc3 (the Erlang node stays): its connections close, its port too.
+    rabbitmqctl_on("warren-rc3@localhost", &["stop_app"]).await;
+    // The consumer moves on to the node after the one it used, rc1, by itself: it starts there
+    // (nothing passed over), not at the stopped rc3.
+    wait_connected(&warren, "main", &next, 1).await;
     let moved_on = warren
         .logs()
         .lines()
@@ -313,7 +323,7 @@ async fn a_consumer_moves_on_to_the_next_cluster_node_when_its_node_stops() {
         .find(|v| {
             v["message"] == "connected to the broker"
                 && v["link"] == "main"
-                && v["node"] == nodes[1].as_str()
+                && v["node"] == next.as_str()
         })
         .expect("the reconnect's log line");
     assert!(moved_on.get("passed_over").is_none(), "{moved_on}");
@@ -327,11 +337,11 @@ async fn a_consumer_moves_on_to_the_next_cluster_node_when_its_node_stops() {
         |s| {
             s.one(
                 "warren_amqp_node_info",
-                &[("link", "main"), ("node", &nodes[1])],
+                &[("link", "main"), ("node", &next)],
             ) == Some(1.0)
                 && s.one(
                     "warren_amqp_node_info",
-                    &[("link", "main"), ("node", &nodes[0])],
+                    &[("link", "main"), ("node", &first)],
                 ) == Some(0.0)
                 && s.one("warren_connection_up", &[("target", "amqp")]) == Some(1.0)
         },
