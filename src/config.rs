@@ -19,13 +19,18 @@ pub const DEFAULT_TOML: &str = include_str!("../config/default.toml");
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Settings {
-    /// Where the broker is; consumers and publishers open their own connections to it.
+    /// Where the broker is: one node's URL, or several (a cluster's nodes) separated by commas;
+    /// consumers and publishers open their own connections, to the first node that answers.
     pub amqp_url: String,
+    /// Whether each process shuffles the `amqp_url` list once at start, so many instances given
+    /// the same list spread their connections over the nodes instead of all taking the first.
+    pub amqp_shuffle: bool,
     /// AMQP heartbeat so a half-open socket is noticed (0 disables).
     pub amqp_heartbeat_s: u16,
     /// Bound on one connect attempt, so a black-holed broker cannot hang a reconnect loop.
     pub amqp_connect_timeout_ms: u64,
-    /// Where the rows go.
+    /// Where the rows go; several `host:port` pairs are tried in turn (with
+    /// `target_session_attrs=read-write`, only a primary is taken).
     pub database_url: String,
     /// Schema holding the tables, so several deployments (or tests) share one database.
     pub database_schema: String,
@@ -268,6 +273,11 @@ enum Rule {
         max: u64,
     },
     Url(&'static [&'static str]),
+    /// A comma-separated list of AMQP URLs, each checked as the AMQP client parses it.
+    AmqpUrls,
+    /// A PostgreSQL URL as the client parses it, one host or several (`h1:5432,h2:5432`).
+    PgUrl,
+    Bool,
     Addr,
     Name,
     Ident,
@@ -281,7 +291,8 @@ enum Rule {
 
 /// Every setting and its rule, in the order of `config/default.toml`.
 const RULES: &[(&str, Rule)] = &[
-    ("amqp_url", Rule::Url(&["amqp", "amqps"])),
+    ("amqp_url", Rule::AmqpUrls),
+    ("amqp_shuffle", Rule::Bool),
     ("amqp_heartbeat_s", Rule::Int { min: 0, max: 600 }),
     (
         "amqp_connect_timeout_ms",
@@ -290,7 +301,7 @@ const RULES: &[(&str, Rule)] = &[
             max: 600_000,
         },
     ),
-    ("database_url", Rule::Url(&["postgres", "postgresql"])),
+    ("database_url", Rule::PgUrl),
     ("database_schema", Rule::Ident),
     ("database_pool_size", Rule::Int { min: 1, max: 256 }),
     (
@@ -610,6 +621,14 @@ impl Settings {
         Duration::from_millis(self.amqp_connect_timeout_ms)
     }
 
+    /// The broker nodes of `amqp_url`, in the order given (validation made sure there is at
+    /// least one and none is empty).
+    pub fn amqp_urls(&self) -> Vec<&str> {
+        list_entries(&self.amqp_url)
+            .filter(|u| !u.is_empty())
+            .collect()
+    }
+
     /// The settings as TOML with passwords in URLs replaced by `***`.
     pub fn to_redacted_toml(&self) -> String {
         let mut shown = self.clone();
@@ -623,15 +642,44 @@ impl Settings {
     }
 }
 
-/// Replaces the password of a URL with `***`.
+/// Replaces the password of a URL with `***`: of every URL in a comma-separated list
+/// (`AMQP_URL`), and the one password of a URL with several hosts
+/// (`postgres://u:p@h1:5432,h2:5432/db`). It works on the text, not through a URL parser, so a
+/// URL no parser accepts is redacted all the same; where it cannot tell (an `@` in a path), it
+/// hides more rather than less.
 pub fn redact_url(raw: &str) -> String {
-    match url::Url::parse(raw) {
-        Ok(mut url) if url.password().is_some() => {
-            let _ = url.set_password(Some("***"));
-            url.to_string()
+    let mut out = String::with_capacity(raw.len());
+    let mut rest = raw;
+    while let Some(sep) = rest.find("://") {
+        let (head, tail) = rest.split_at(sep + 3);
+        out.push_str(head);
+        // This URL's part runs to the next scheme separator (a list's next entry), if any.
+        let next = tail.find("://").unwrap_or(tail.len());
+        let part = &tail[..next];
+        // The user info ends at the last `@` before the query or fragment; the password
+        // starts after its first `:`.
+        let end = part.find(['?', '#']).unwrap_or(part.len());
+        let userinfo = part[..end]
+            .rfind('@')
+            .and_then(|at| part[..at].find(':').map(|colon| (colon, at)));
+        match userinfo {
+            Some((colon, at)) => {
+                out.push_str(&part[..=colon]);
+                out.push_str("***");
+                out.push_str(&part[at..]);
+            }
+            None => out.push_str(part),
         }
-        _ => raw.to_string(),
+        rest = &tail[next..];
     }
+    out.push_str(rest);
+    out
+}
+
+/// The entries of a comma-separated list, trimmed, in order (empty ones included, so that
+/// validation can name them).
+pub fn list_entries(raw: &str) -> impl Iterator<Item = &str> {
+    raw.split(',').map(str::trim)
 }
 
 /// Parses a raw string the way environment variables are parsed (numbers become numbers).
@@ -659,6 +707,20 @@ fn check_file_keys(text: &str, path: &Path) -> Result<(), ConfigError> {
     Ok(())
 }
 
+/// One entry of `AMQP_URL`: a URL of scheme amqp or amqps with a host, which the AMQP client
+/// accepts too (it has its own parser, for query options such as heartbeat: a URL it refuses
+/// must stop warren now, not loop in a reconnect). The error says what was expected.
+fn check_amqp_url(entry: &str) -> Result<(), String> {
+    match url::Url::parse(entry) {
+        Ok(u) if ["amqp", "amqps"].contains(&u.scheme()) && u.host_str().is_some() => {}
+        _ => return Err("a URL starting with amqp:// or amqps://".into()),
+    }
+    entry
+        .parse::<lapin::uri::AMQPUri>()
+        .map(|_| ())
+        .map_err(|e| format!("an AMQP URL the client accepts ({})", redact_url(&e)))
+}
+
 /// How a value is shown in an error: strings quoted, numbers bare.
 fn show(value: &Value) -> String {
     match value {
@@ -682,7 +744,9 @@ fn check(key: &str, rule: &Rule, value: &Value) -> Result<(), ConfigError> {
         setting: key.to_ascii_uppercase(),
         expected,
         got: match (rule, value) {
-            (Rule::Url(_), Value::String(_, s)) => format!("{:?}", redact_url(s)),
+            (Rule::Url(_) | Rule::AmqpUrls | Rule::PgUrl, Value::String(_, s)) => {
+                format!("{:?}", redact_url(s))
+            }
             _ => show(value),
         },
     };
@@ -707,12 +771,64 @@ fn check(key: &str, rule: &Rule, value: &Value) -> Result<(), ConfigError> {
                 Ok(u) if schemes.contains(&u.scheme()) && u.host_str().is_some() => {}
                 _ => return Err(invalid(expected())),
             }
-            // The AMQP client has its own parser (query options such as heartbeat): a URL it
-            // refuses must stop warren now, not loop in a reconnect.
-            if schemes.contains(&"amqp")
-                && let Err(e) = s.parse::<lapin::uri::AMQPUri>()
-            {
-                return Err(invalid(format!("an AMQP URL the client accepts ({e})")));
+        }
+        Rule::AmqpUrls => {
+            let Value::String(_, s) = value else {
+                return Err(invalid(
+                    "a URL starting with amqp:// or amqps:// (or several, separated by commas)"
+                        .into(),
+                ));
+            };
+            let entries: Vec<&str> = list_entries(s).collect();
+            for (i, entry) in entries.iter().enumerate() {
+                let Err(problem) = check_amqp_url(entry) else {
+                    continue;
+                };
+                // One URL: the error reads as before; in a list it names the entry.
+                return Err(if entries.len() == 1 {
+                    invalid(problem)
+                } else {
+                    ConfigError::Invalid {
+                        setting: format!(
+                            "{} (entry {} of {})",
+                            key.to_ascii_uppercase(),
+                            i + 1,
+                            entries.len()
+                        ),
+                        expected: problem,
+                        got: format!("{:?}", redact_url(entry)),
+                    }
+                });
+            }
+        }
+        Rule::PgUrl => {
+            let expected = |problem: String| {
+                invalid(format!(
+                    "a URL starting with postgres:// or postgresql://{problem} (one host, or \
+                     several: postgres://user:password@host1:5432,host2:5432/db)"
+                ))
+            };
+            let Value::String(_, s) = value else {
+                return Err(expected(String::new()));
+            };
+            let lower = s.to_ascii_lowercase();
+            if !lower.starts_with("postgres://") && !lower.starts_with("postgresql://") {
+                return Err(expected(String::new()));
+            }
+            match s.parse::<tokio_postgres::Config>() {
+                Ok(c) if !c.get_hosts().is_empty() => {}
+                Ok(_) => return Err(expected(" naming a host".into())),
+                Err(e) => {
+                    return Err(expected(format!(
+                        " that the PostgreSQL client accepts ({})",
+                        redact_url(&e.to_string())
+                    )));
+                }
+            }
+        }
+        Rule::Bool => {
+            if !matches!(value, Value::Bool(..)) {
+                return Err(invalid("true or false".into()));
             }
         }
         Rule::Addr => {
@@ -952,6 +1068,110 @@ mod tests {
         assert!(!text.contains("s3cret"), "{text}");
         let err = with(&[("database_url", "http://u:s3cret@h/db")]).unwrap_err();
         assert!(!err.to_string().contains("s3cret"), "{err}");
+    }
+
+    #[test]
+    fn amqp_url_takes_a_list_and_names_the_bad_entry_without_its_password() {
+        let list = "amqp://u:p1@h1:5681/%2f, amqp://u:p2@h2:5682/%2f,amqp://u:p3@h3:5683/%2f";
+        let s = with(&[("amqp_url", list)]).unwrap();
+        assert_eq!(
+            s.amqp_urls(),
+            [
+                "amqp://u:p1@h1:5681/%2f",
+                "amqp://u:p2@h2:5682/%2f",
+                "amqp://u:p3@h3:5683/%2f"
+            ]
+        );
+        assert!(!s.amqp_shuffle);
+
+        let bad = "amqp://u:p1@h1:5681/%2f,http://u:s3cret@h2:5682/%2f,amqp://u:p3@h3/%2f";
+        let text = with(&[("amqp_url", bad)]).unwrap_err().to_string();
+        assert_eq!(
+            text,
+            "AMQP_URL (entry 2 of 3): expected a URL starting with amqp:// or amqps://, \
+             got \"http://u:***@h2:5682/%2f\"",
+        );
+        let bad = "amqp://u:p1@h1:5681/%2f,amqp://u:s3cret@h2:5682/%2f?heartbeat=x";
+        let text = with(&[("amqp_url", bad)]).unwrap_err().to_string();
+        assert!(
+            text.starts_with("AMQP_URL (entry 2 of 2): expected an AMQP URL the client accepts"),
+            "{text}"
+        );
+        assert!(!text.contains("s3cret") && !text.contains("p1"), "{text}");
+        // An empty entry (a trailing comma) is named too.
+        let text = with(&[("amqp_url", "amqp://h1/%2f,")])
+            .unwrap_err()
+            .to_string();
+        assert!(
+            text.starts_with("AMQP_URL (entry 2 of 2): expected a URL"),
+            "{text}"
+        );
+    }
+
+    #[test]
+    fn amqp_shuffle_is_a_boolean() {
+        assert!(with(&[("amqp_shuffle", "true")]).unwrap().amqp_shuffle);
+        assert!(!with(&[("amqp_shuffle", "false")]).unwrap().amqp_shuffle);
+        let text = with(&[("amqp_shuffle", "yes")]).unwrap_err().to_string();
+        assert_eq!(text, "AMQP_SHUFFLE: expected true or false, got \"yes\"");
+    }
+
+    #[test]
+    fn database_url_takes_several_hosts_and_the_client_reads_them_all() {
+        let url = "postgres://u:s3cret@127.0.0.1:1,127.0.0.1:5432/warren\
+                   ?target_session_attrs=read-write";
+        let s = with(&[("database_url", url)]).unwrap();
+        let config = crate::db::pg_config(&s).unwrap();
+        assert_eq!(config.get_hosts().len(), 2);
+        assert_eq!(config.get_ports(), [1, 5432]);
+        assert_eq!(
+            config.get_target_session_attrs(),
+            tokio_postgres::config::TargetSessionAttrs::ReadWrite
+        );
+        assert_eq!(
+            redact_url(url),
+            "postgres://u:***@127.0.0.1:1,127.0.0.1:5432/warren?target_session_attrs=read-write"
+        );
+        assert!(
+            !s.to_redacted_toml().contains("s3cret"),
+            "{}",
+            s.to_redacted_toml()
+        );
+        for bad in [
+            "postgres://u:s3cret@h1:5432,h2:x/db",
+            "postgres:///db",
+            "mysql://u:s3cret@h/db",
+        ] {
+            let text = with(&[("database_url", bad)]).unwrap_err().to_string();
+            assert!(
+                text.starts_with("DATABASE_URL: expected a URL starting with postgres://"),
+                "{text}"
+            );
+            assert!(!text.contains("s3cret"), "{text}");
+        }
+    }
+
+    #[test]
+    fn redaction_covers_lists_multi_host_urls_and_what_no_parser_accepts() {
+        let cases = [
+            (
+                "amqp://guest:guest@127.0.0.1:5672/%2f",
+                "amqp://guest:***@127.0.0.1:5672/%2f",
+            ),
+            (
+                "amqp://a:p1@h1:5681/%2f,amqp://h2:5682/%2f,amqps://c:p3@h3/v?heartbeat=5",
+                "amqp://a:***@h1:5681/%2f,amqp://h2:5682/%2f,amqps://c:***@h3/v?heartbeat=5",
+            ),
+            ("redis://:s3cret@h:6379", "redis://:***@h:6379"),
+            ("redis://h:6379", "redis://h:6379"),
+            // a password with characters a URL parser refuses
+            ("postgres://u:p,@w@h1,h2/db", "postgres://u:***@h1,h2/db"),
+            ("postgres://u@h/db", "postgres://u@h/db"),
+            ("not a url", "not a url"),
+        ];
+        for (raw, shown) in cases {
+            assert_eq!(redact_url(raw), shown, "{raw}");
+        }
     }
 
     #[test]

@@ -6,8 +6,8 @@
 //! - [`app`]: the composition root of `warren run`: roles, start order, process shutdown.
 //! - [`config`]: typed settings, their layering and validation.
 //! - [`topology`]: the declared RabbitMQ topology and its idempotent declare.
-//! - [`amqp`]: connections with heartbeats and backoff, the confirmed publisher (pipeline, API,
-//!   CLI), the `x-*` headers.
+//! - [`amqp`]: connections to one of several nodes with heartbeats and backoff, the confirmed
+//!   publisher (pipeline, API, CLI), the `x-*` headers.
 //! - [`pipeline`]: the stages, wired in flow order in `pipeline/mod.rs` with the one shutdown
 //!   sequence: message, consumer (broker link), acks, processor, batcher (flush rules), sink
 //!   (insert, retry in place, row isolation), breaker, router (outcome policy), dlq.

@@ -27,6 +27,7 @@ pub const QUEUE_CONSUMERS: &str = "warren_queue_consumers";
 pub const PUBLISHED: &str = "warren_published_total";
 pub const PUBLISH_CONFIRM_SECONDS: &str = "warren_publish_confirm_seconds";
 pub const CONNECTION_UP: &str = "warren_connection_up";
+pub const AMQP_NODE_INFO: &str = "warren_amqp_node_info";
 pub const RECONNECTS: &str = "warren_reconnects_total";
 pub const HTTP_REQUESTS: &str = "warren_http_requests_total";
 pub const HTTP_REQUEST_SECONDS: &str = "warren_http_request_seconds";
@@ -163,6 +164,11 @@ fn describe() {
     describe_gauge!(
         CONNECTION_UP,
         "1 while the connection to the target (amqp, postgres, redis) is up."
+    );
+    describe_gauge!(
+        AMQP_NODE_INFO,
+        "1 for the broker node (host:port) each AMQP link (consumer or publisher, by name) is \
+         connected to; 0 for a node it left, and while the link is down."
     );
     describe_counter!(
         RECONNECTS,
@@ -348,9 +354,34 @@ pub fn connection(target: &'static str, up: bool) {
     gauge!(CONNECTION_UP, "target" => target).set(if up { 1.0 } else { 0.0 });
 }
 
+/// The broker node each AMQP link connected to last, so the gauge of the node it leaves (or of
+/// a link that went down) can be set to 0.
+static LINK_NODES: std::sync::Mutex<Option<std::collections::HashMap<String, String>>> =
+    std::sync::Mutex::new(None);
+
+/// An AMQP link connected to `node` (`host:port`): `warren_amqp_node_info{link, node}` is 1,
+/// and 0 for the node it was on before, if another.
+pub fn amqp_node(link: &str, node: &str) {
+    let mut guard = LINK_NODES.lock().unwrap_or_else(|p| p.into_inner());
+    let nodes = guard.get_or_insert_with(Default::default);
+    if let Some(old) = nodes.insert(link.to_string(), node.to_string())
+        && old != node
+    {
+        gauge!(AMQP_NODE_INFO, "link" => link.to_string(), "node" => old).set(0.0);
+    }
+    gauge!(AMQP_NODE_INFO, "link" => link.to_string(), "node" => node.to_string()).set(1.0);
+}
+
 /// One AMQP link of this process (a consumer or a publisher, by name) came up or went down;
-/// `warren_connection_up{target="amqp"}` is 1 while every known link is up.
+/// `warren_connection_up{target="amqp"}` is 1 while every known link is up. A link that went
+/// down is on no node: its `warren_amqp_node_info` goes to 0 until it connects again.
 pub fn amqp_link(link: &str, up: bool) {
+    if !up {
+        let guard = LINK_NODES.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(node) = guard.as_ref().and_then(|m| m.get(link)) {
+            gauge!(AMQP_NODE_INFO, "link" => link.to_string(), "node" => node.clone()).set(0.0);
+        }
+    }
     use std::collections::HashMap;
     use std::sync::Mutex;
     static LINKS: Mutex<Option<HashMap<String, bool>>> = Mutex::new(None);

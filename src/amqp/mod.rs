@@ -1,16 +1,19 @@
-//! RabbitMQ plumbing: bounded connects with heartbeats, exponential backoff with jitter for
-//! reconnect loops, the AMQP error enum, and the `x-*` headers warren reads and writes.
+//! RabbitMQ plumbing: bounded connects with heartbeats to one of several endpoints (each link
+//! moves on to the next node after a failure), exponential backoff with jitter for reconnect
+//! loops, the AMQP error enum, and the `x-*` headers warren reads and writes.
 
 pub mod headers;
 pub mod publisher;
 
+use std::collections::HashMap;
+use std::sync::{Mutex, OnceLock};
 use std::time::Duration;
 
 use backon::{BackoffBuilder, ExponentialBuilder, Retryable};
 use lapin::uri::AMQPUri;
 use lapin::{Channel, Connection, ConnectionProperties};
 
-use tracing::warn;
+use tracing::{info, warn};
 
 use crate::config::Settings;
 
@@ -64,13 +67,115 @@ impl From<lapin::Error> for AmqpError {
     }
 }
 
-/// Opens a connection for `purpose` (shown in the broker's connection list), with the configured
-/// heartbeat, bounded by the connect timeout.
+/// One broker node of `AMQP_URL`.
+#[derive(Debug, Clone)]
+pub struct Endpoint {
+    /// What the client connects with (credentials included: never logged).
+    uri: AMQPUri,
+    /// `host:port`, what logs and the `warren_amqp_node_info` gauge name the node by.
+    pub node: String,
+}
+
+/// The nodes of `AMQP_URL` in the order this process tries them: as given, or with
+/// `AMQP_SHUFFLE` in an order shuffled once per process (the same order for every link and every
+/// reconnect of the process, a different one in each process).
+pub fn endpoints(settings: &Settings) -> Result<Vec<Endpoint>, AmqpError> {
+    let mut endpoints = settings
+        .amqp_urls()
+        .into_iter()
+        .enumerate()
+        .map(|(i, url)| {
+            let uri: AMQPUri = url.parse().map_err(|e: String| {
+                AmqpError::BadUrl(format!(
+                    "entry {} ({}): {e}",
+                    i + 1,
+                    crate::config::redact_url(url)
+                ))
+            })?;
+            let node = format!("{}:{}", uri.authority.host, uri.authority.port);
+            Ok(Endpoint { uri, node })
+        })
+        .collect::<Result<Vec<_>, AmqpError>>()?;
+    if endpoints.is_empty() {
+        return Err(AmqpError::BadUrl("no URL given".into()));
+    }
+    if settings.amqp_shuffle {
+        static SEED: OnceLock<u64> = OnceLock::new();
+        let seed = *SEED.get_or_init(|| fastrand::u64(..));
+        fastrand::Rng::with_seed(seed).shuffle(&mut endpoints);
+    }
+    Ok(endpoints)
+}
+
+/// Per link (by purpose): the index, in [`endpoints`], of the node it last connected to or last
+/// failed on. A link's next connect starts at the node after it, so a reconnect never begins
+/// with the node that just failed or was in use when the link broke.
+static LAST_NODE: Mutex<Option<HashMap<String, usize>>> = Mutex::new(None);
+
+/// Where the next connect of `purpose` starts among `n` endpoints: the first for a link's first
+/// connect, else the one after its last.
+fn first_try(purpose: &str, n: usize) -> usize {
+    let guard = LAST_NODE.lock().unwrap_or_else(|p| p.into_inner());
+    guard
+        .as_ref()
+        .and_then(|m| m.get(purpose))
+        .map_or(0, |last| (last + 1) % n)
+}
+
+fn remember_node(purpose: &str, index: usize) {
+    let mut guard = LAST_NODE.lock().unwrap_or_else(|p| p.into_inner());
+    guard
+        .get_or_insert_with(HashMap::new)
+        .insert(purpose.to_string(), index);
+}
+
+/// Opens a connection for `purpose` (shown in the broker's connection list; it also names the
+/// link whose place in the endpoint list is remembered), with the configured heartbeat, each
+/// attempt bounded by the connect timeout. With several endpoints it tries each once, starting
+/// after the node this link used (or failed on) last, and takes the first that answers.
 pub async fn connect(settings: &Settings, purpose: &str) -> Result<Connection, AmqpError> {
-    let mut uri: AMQPUri = settings
-        .amqp_url
-        .parse()
-        .map_err(|e: String| AmqpError::BadUrl(e))?;
+    let endpoints = endpoints(settings)?;
+    let n = endpoints.len();
+    let start = first_try(purpose, n);
+    let mut failures: Vec<String> = Vec::new();
+    let mut last_error = None;
+    for k in 0..n {
+        let index = (start + k) % n;
+        let endpoint = &endpoints[index];
+        remember_node(purpose, index);
+        match connect_to(endpoint, settings, purpose).await {
+            Ok(conn) => {
+                if failures.is_empty() {
+                    info!(link = purpose, node = %endpoint.node, "connected to the broker");
+                } else {
+                    info!(link = purpose, node = %endpoint.node, passed_over = %failures.join("; "),
+                        "connected to the broker");
+                }
+                crate::metrics::amqp_node(purpose, &endpoint.node);
+                return Ok(conn);
+            }
+            Err(e) => {
+                failures.push(format!("{}: {e}", endpoint.node));
+                last_error = Some(e);
+            }
+        }
+    }
+    match last_error {
+        Some(e) if n == 1 => Err(e),
+        _ => Err(AmqpError::Unavailable(format!(
+            "no broker node answered: {}",
+            failures.join("; ")
+        ))),
+    }
+}
+
+/// One connect attempt to one node.
+async fn connect_to(
+    endpoint: &Endpoint,
+    settings: &Settings,
+    purpose: &str,
+) -> Result<Connection, AmqpError> {
+    let mut uri = endpoint.uri.clone();
     uri.query.heartbeat = Some(settings.amqp_heartbeat_s);
     uri.query.connection_timeout = Some(settings.amqp_connect_timeout_ms);
     let name = format!(
@@ -223,4 +328,80 @@ pub async fn exchange_exists(conn: &Connection, exchange: &str) -> Result<bool, 
 /// Whether the broker answered 404 NOT_FOUND (the channel is closed by it).
 fn is_not_found(e: &lapin::Error) -> bool {
     e.to_string().contains("NOT_FOUND")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn with_urls(urls: &str, shuffle: bool) -> Settings {
+        let mut s = Settings::defaults();
+        s.amqp_url = urls.into();
+        s.amqp_shuffle = shuffle;
+        s
+    }
+
+    #[test]
+    fn endpoints_are_named_by_host_and_port_without_credentials() {
+        let s = with_urls(
+            "amqp://u:s3cret@127.0.0.1:5681/%2f,amqp://u:s3cret@localhost/%2f",
+            false,
+        );
+        let nodes: Vec<String> = endpoints(&s).unwrap().into_iter().map(|e| e.node).collect();
+        assert_eq!(nodes, ["127.0.0.1:5681", "localhost:5672"]);
+    }
+
+    #[test]
+    fn a_link_starts_at_the_first_node_then_moves_past_its_last() {
+        let link = "test-rotation";
+        assert_eq!(first_try(link, 3), 0);
+        remember_node(link, 0);
+        assert_eq!(first_try(link, 3), 1);
+        remember_node(link, 2);
+        assert_eq!(first_try(link, 3), 0, "wraps around");
+        // Another link keeps its own place.
+        assert_eq!(first_try("test-other-link", 3), 0);
+    }
+
+    #[test]
+    fn the_shuffle_is_one_order_for_the_whole_process() {
+        let urls: Vec<String> = (1..=8).map(|i| format!("amqp://h{i}:5672/%2f")).collect();
+        let s = with_urls(&urls.join(","), true);
+        let order = |s: &Settings| -> Vec<String> {
+            endpoints(s).unwrap().into_iter().map(|e| e.node).collect()
+        };
+        let first = order(&s);
+        assert_eq!(order(&s), first, "the same order on every connect");
+        let mut sorted = first.clone();
+        sorted.sort();
+        let given: Vec<String> = (1..=8).map(|i| format!("h{i}:5672")).collect();
+        assert_eq!(sorted, given, "the same nodes");
+        assert_eq!(order(&with_urls(&urls.join(","), false)), given);
+    }
+
+    #[tokio::test]
+    async fn a_closed_port_is_passed_over_for_the_next_node_and_named_in_the_error() {
+        // Two ports bound and released at once: nothing listens on them.
+        let (la, lb) = (
+            std::net::TcpListener::bind("127.0.0.1:0").unwrap(),
+            std::net::TcpListener::bind("127.0.0.1:0").unwrap(),
+        );
+        let (a, b) = (
+            la.local_addr().unwrap().port(),
+            lb.local_addr().unwrap().port(),
+        );
+        drop((la, lb));
+        let s = with_urls(
+            &format!("amqp://u:s3cret@127.0.0.1:{a}/%2f,amqp://u:s3cret@127.0.0.1:{b}/%2f"),
+            false,
+        );
+        let err = connect(&s, "test-closed").await.unwrap_err().to_string();
+        assert!(
+            err.starts_with("broker unavailable: no broker node answered: 127.0.0.1:"),
+            "{err}"
+        );
+        assert!(err.contains(&format!("127.0.0.1:{a}: ")), "{err}");
+        assert!(err.contains(&format!("127.0.0.1:{b}: ")), "{err}");
+        assert!(!err.contains("s3cret"), "{err}");
+    }
 }

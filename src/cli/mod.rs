@@ -7,6 +7,7 @@ pub mod ctl;
 pub mod declare;
 pub mod dlq;
 pub mod man;
+pub mod r#move;
 pub mod publish;
 pub mod run;
 pub mod status;
@@ -47,6 +48,21 @@ pub enum Command {
     Ctl(ctl::Args),
     /// Inspect and replay the dead-letter queue and the parked messages.
     Dlq(dlq::Args),
+    /// Move the messages of a queue to an exchange, each confirmed before its source copy is acked.
+    ///
+    /// Each message is republished as it is (body, properties and headers unchanged), mandatory
+    /// and with publisher confirms, in windows of --in-flight messages; the source copies of a
+    /// window are acked only once the broker confirmed every copy in it. A copy that is
+    /// unroutable, refused or not confirmed within PUBLISH_TIMEOUT_MS stops the move: its window
+    /// stays in the source, and the command exits 1. Killed midway, whatever was not acked stays
+    /// in the source: a message can then be in both places, never in neither, so moving again is
+    /// safe.
+    ///
+    /// The move ends when the source is empty, after --limit messages, or after as many messages
+    /// as the source held when it started (so a destination that routes back into the source
+    /// cannot loop), and exits 0. A first SIGINT or SIGTERM stops it after the current window
+    /// (exit 130); a second one at once (the unacked window returns to the source).
+    Move(r#move::Args),
     /// Print the shell completion script (bash, zsh, fish) to stdout.
     Completions(completions::Args),
     /// Print the man page (roff) to stdout: warren(1), or a subcommand's page.
@@ -104,6 +120,7 @@ pub async fn dispatch(cli: Cli, settings: Settings) -> i32 {
         Command::Status(args) => status::execute(&settings, args).await,
         Command::Ctl(args) => ctl::execute(&settings, args).await,
         Command::Dlq(args) => dlq::execute(&settings, args).await,
+        Command::Move(args) => r#move::execute(&settings, args).await,
         Command::Completions(args) => completions::execute(&args),
         Command::Man(args) => man::execute(&args),
     };
