@@ -22,6 +22,10 @@ impl TestEnv {
             "MAX_RETRIES",
             "RETRY_TTL_MS",
             "LOG_FORMAT",
+            "QUEUE_TYPE",
+            "RETRY_TTLS_MS",
+            "DELIVERY_LIMIT",
+            "AMQP_SHUFFLE",
             "WARREN_CONFIG",
         ] {
             cmd.env_remove(key);
