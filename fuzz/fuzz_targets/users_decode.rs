@@ -5,7 +5,7 @@
 
 use libfuzzer_sys::fuzz_target;
 use warren::domain::users::{Users, validate};
-use warren::domain::{Domain, RejectKind};
+use warren::domain::{Domain, ErrorKind};
 
 fuzz_target!(|body: &[u8]| {
     match Users.decode(body) {
@@ -23,7 +23,7 @@ fuzz_target!(|body: &[u8]| {
         }
         Err(rejection) => {
             assert!(!rejection.reason.is_empty(), "a refusal without a reason");
-            if rejection.kind == RejectKind::InvalidPayload {
+            if rejection.kind == ErrorKind::InvalidPayload {
                 // Empty and non-UTF-8 bodies are invalid_json, never invalid_payload.
                 assert!(!body.is_empty() && std::str::from_utf8(body).is_ok());
             }
