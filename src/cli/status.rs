@@ -253,17 +253,17 @@ fn table(header: &[&str], first_number: usize) -> Table {
     t
 }
 
-/// (queue, messages, consumers) for the main, retry and DLQ queues; `None` without a broker.
+/// (queue, messages, consumers) for the main queue, every retry tier and the DLQ; `None`
+/// without a broker.
 async fn queue_rows(settings: &Settings) -> Option<Vec<QueueRow>> {
     let mut fast = settings.clone();
     fast.amqp_connect_timeout_ms = fast.amqp_connect_timeout_ms.min(3000);
     let conn = crate::amqp::connect(&fast, "status").await.ok()?;
     let mut rows = Vec::new();
-    for q in [
-        &settings.main_queue,
-        &settings.retry_queue,
-        &settings.dlq_queue,
-    ] {
+    let mut queues = vec![settings.main_queue.clone()];
+    queues.extend(settings.retry_tiers().into_iter().map(|t| t.queue));
+    queues.push(settings.dlq_queue.clone());
+    for q in &queues {
         let stats =
             tokio::time::timeout(Duration::from_secs(3), crate::amqp::queue_stats(&conn, q)).await;
         match stats {
