@@ -9,9 +9,7 @@ use std::collections::HashSet;
 use std::time::Duration;
 
 use common::*;
-use lapin::options::{
-    BasicPublishOptions, ConfirmSelectOptions, ExchangeDeleteOptions, QueueDeleteOptions,
-};
+use lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
 use lapin::{Channel, Connection, ConnectionProperties};
 use serde_json::Value;
 use uuid::Uuid;
@@ -209,41 +207,11 @@ impl Drop for ClusterCleanup {
         if !matches!(&up, Ok(o) if o.status.success()) {
             eprintln!("scripts/cluster.sh up failed: {up:?}");
         }
-        let (url, queues, exchanges) = (
-            self.url.clone(),
-            self.queues.clone(),
-            self.exchanges.clone(),
+        common::cluster::delete_on(
+            &self.url,
+            std::mem::take(&mut self.queues),
+            std::mem::take(&mut self.exchanges),
         );
-        let _ = std::thread::spawn(move || {
-            let Ok(rt) = tokio::runtime::Builder::new_current_thread()
-                .enable_all()
-                .build()
-            else {
-                return;
-            };
-            rt.block_on(async move {
-                let Ok(conn) = Connection::connect(&url, ConnectionProperties::default()).await
-                else {
-                    return;
-                };
-                for q in &queues {
-                    if let Ok(ch) = conn.create_channel().await {
-                        let _ = ch
-                            .queue_delete(q.as_str().into(), QueueDeleteOptions::default())
-                            .await;
-                    }
-                }
-                for e in &exchanges {
-                    if let Ok(ch) = conn.create_channel().await {
-                        let _ = ch
-                            .exchange_delete(e.as_str().into(), ExchangeDeleteOptions::default())
-                            .await;
-                    }
-                }
-                let _ = conn.close(200, "bye".into()).await;
-            });
-        })
-        .join();
     }
 }
 

@@ -30,27 +30,7 @@ impl TestEnv {
         body: &[u8],
         properties: BasicProperties,
     ) {
-        let confirm = self
-            .channel
-            .basic_publish(
-                exchange.into(),
-                routing_key.into(),
-                BasicPublishOptions {
-                    mandatory: true,
-                    ..Default::default()
-                },
-                body,
-                properties.with_delivery_mode(2),
-            )
-            .await
-            .expect("publish")
-            .await
-            .expect("confirm");
-        assert!(confirm.is_ack(), "publish not confirmed");
-        assert!(
-            confirm.take_message().is_none(),
-            "message to {exchange}/{routing_key} was unroutable"
-        );
+        publish_on(&self.channel, exchange, routing_key, body, properties).await;
     }
 
     /// Publishes into the DLQ the way the main pipeline does: through the DLX with the DLQ's
@@ -246,4 +226,35 @@ pub async fn rabbitmqctl_rows(args: &[&str]) -> Vec<Value> {
         assert!(attempts < 3, "rabbitmqctl {args:?} failed: {text}");
         tokio::time::sleep(Duration::from_millis(500)).await;
     }
+}
+
+/// Publishes one message on `channel` (in confirm mode) to `exchange` with `routing_key`,
+/// persistent, and asserts it was confirmed and routed.
+pub async fn publish_on(
+    channel: &lapin::Channel,
+    exchange: &str,
+    routing_key: &str,
+    body: &[u8],
+    properties: BasicProperties,
+) {
+    let confirm = channel
+        .basic_publish(
+            exchange.into(),
+            routing_key.into(),
+            BasicPublishOptions {
+                mandatory: true,
+                ..Default::default()
+            },
+            body,
+            properties.with_delivery_mode(2),
+        )
+        .await
+        .expect("publish")
+        .await
+        .expect("confirm");
+    assert!(confirm.is_ack(), "publish not confirmed");
+    assert!(
+        confirm.take_message().is_none(),
+        "message to {exchange}/{routing_key} was unroutable"
+    );
 }

@@ -6,7 +6,7 @@
 
 use std::collections::BTreeMap;
 
-use lapin::options::{BasicPublishOptions, ConfirmSelectOptions, QueueDeleteOptions};
+use lapin::options::{ConfirmSelectOptions, QueueDeleteOptions};
 use lapin::{BasicProperties, Channel, Connection, ConnectionProperties};
 use serde_json::Value;
 
@@ -113,27 +113,7 @@ impl ClusterEnv {
         body: &[u8],
         properties: BasicProperties,
     ) {
-        let confirm = self
-            .channel
-            .basic_publish(
-                exchange.into(),
-                routing_key.into(),
-                BasicPublishOptions {
-                    mandatory: true,
-                    ..Default::default()
-                },
-                body,
-                properties.with_delivery_mode(2),
-            )
-            .await
-            .expect("publish")
-            .await
-            .expect("confirm");
-        assert!(confirm.is_ack(), "publish not confirmed");
-        assert!(
-            confirm.take_message().is_none(),
-            "message to {exchange}/{routing_key} was unroutable"
-        );
+        super::broker::publish_on(&self.channel, exchange, routing_key, body, properties).await;
     }
 
     /// Messages ready in `queue` on the cluster, which must exist.
@@ -182,7 +162,7 @@ impl Drop for QueueCleanup {
 
 /// Deletes queues and exchanges at `url`, on a runtime of its own (drop may run while the
 /// test's runtime unwinds); what is already gone is skipped.
-fn delete_on(url: &str, queues: Vec<String>, exchanges: Vec<String>) {
+pub fn delete_on(url: &str, queues: Vec<String>, exchanges: Vec<String>) {
     let url = url.to_string();
     let _ = std::thread::spawn(move || {
         let Ok(rt) = tokio::runtime::Builder::new_current_thread()
