@@ -90,7 +90,8 @@ pub struct Settings {
     pub users_batch_size: usize,
     /// Flush a batch this long after its first message.
     pub users_batch_timeout_ms: u64,
-    /// Processor actors.
+    /// Processor actors: 1 decodes on the pipeline's own thread; more decode in parallel on
+    /// threads of their own (at most one per core).
     pub users_proc_concurrency: usize,
     /// Batcher actors (batch inserts in flight at once).
     pub users_batch_concurrency: usize,
@@ -939,7 +940,7 @@ mod tests {
         assert_eq!(s.max_retries, 3);
         assert_eq!(s.users_batch_size, 1000);
         assert_eq!(s.users_batch_timeout_ms, 1000);
-        assert_eq!(s.users_proc_concurrency, 8);
+        assert_eq!(s.users_proc_concurrency, 1);
         assert_eq!(s.users_batch_concurrency, 2);
         assert_eq!(s.amqp_url, "amqp://guest:guest@127.0.0.1:5672/%2f");
         assert_eq!(

@@ -13,8 +13,8 @@
 //! - `message.rs`: what the stages send each other.
 //! - `consumer.rs`: the broker link: connect, qos, subscribe, reconnect, watchdog, rate limit;
 //!   hands deliveries on in chunks; `acks.rs` turns settlements into ordered multi-acks.
-//! - `processor.rs`: decode and validate through the [`Domain`], a chunk at a time, on
-//!   arbiters (threads) of their own.
+//! - `processor.rs`: decode and validate through the [`Domain`], a chunk at a time: one on the
+//!   pipeline's thread, or several on threads of their own (`Pipeline::processors`).
 //! - `batcher.rs`: flush rules only (size, timeout, drain).
 //! - `sink.rs`: one insert statement per batch, in-place retry, row isolation; `breaker.rs`.
 //! - `router.rs`: the outcome policy and republishing; `dlq.rs`: the DLQ consumer's stage.
@@ -72,7 +72,8 @@ pub struct Spec {
     pub queue: String,
     pub batch_size: usize,
     pub batch_timeout: Duration,
-    /// Processor actors (decode), spread over at most as many threads as there are cores.
+    /// Processor actors (decode): one runs on the pipeline's thread; more run on min(this,
+    /// cores) threads of their own (parallel decoding).
     pub processors: usize,
     /// Batcher and sink pairs: batches inserted at the same time.
     pub batchers: usize,
@@ -117,8 +118,8 @@ impl Spec {
     }
 }
 
-/// Starts one more processor on one of the pipeline's arbiters.
-type ProcessorFactory = Box<dyn Fn(usize) -> (Recipient<Chunk>, Recipient<Drain>)>;
+/// Starts one more processor: on the given thread, or on the pipeline's own with `None`.
+type ProcessorFactory = Box<dyn Fn(Option<&ArbiterHandle>) -> (Recipient<Chunk>, Recipient<Drain>)>;
 
 /// A running pipeline.
 pub struct Pipeline {
@@ -127,8 +128,10 @@ pub struct Pipeline {
     /// The processors' drain addresses, current ones (live scaling replaces them).
     drains: Mutex<Vec<Recipient<Drain>>>,
     spawn_processor: ProcessorFactory,
-    /// The threads processors run on.
-    arbiters: Vec<Arbiter>,
+    /// The threads processors run on when there is more than one (empty with one processor:
+    /// it runs on the pipeline's own thread). They only grow (a processor replaced by scaling
+    /// still finishes its mailbox there) and stop at shutdown.
+    threads: Mutex<Vec<Arbiter>>,
     publisher: Addr<Publisher>,
     /// Cancelled when shutdown starts: backoffs and in-place retries end.
     stopping: CancellationToken,
@@ -193,25 +196,30 @@ pub fn start<D: Domain>(settings: &Settings, spec: Spec, domain: Arc<D>, pool: P
         })
         .collect();
 
-    // Processors, on arbiters of their own: at most one per core.
-    let threads = std::thread::available_parallelism().map_or(2, |n| n.get());
-    let arbiters: Vec<Arbiter> = (0..spec.processors.clamp(1, threads))
-        .map(|_| Arbiter::new())
-        .collect();
-    let handles: Vec<ArbiterHandle> = arbiters.iter().map(|a| a.handle()).collect();
+    // Processors: one on the pipeline's own thread, or several on threads of their own.
     let max = spec.max_message_bytes;
-    let spawn_processor: ProcessorFactory = Box::new(move |i| {
+    let spawn_processor: ProcessorFactory = Box::new(move |thread| {
         let domain = domain.clone();
         let records = batchers.iter().map(|b| b.clone().recipient()).collect();
         let drains = batchers.iter().map(|b| b.clone().recipient()).collect();
-        let addr: Addr<Processor<D>> =
-            Supervisor::start_in_arbiter(&handles[i % handles.len()], move |_| {
-                Processor::new(domain, max, records, drains)
-            });
+        let make =
+            move |_: &mut Context<Processor<D>>| Processor::new(domain, max, records, drains);
+        let addr: Addr<Processor<D>> = match thread {
+            Some(thread) => Supervisor::start_in_arbiter(thread, make),
+            None => Supervisor::start(make),
+        };
         (addr.clone().recipient(), addr.recipient())
     });
-    let (chunks, drains): (Vec<_>, Vec<_>) =
-        (0..spec.processors.max(1)).map(&spawn_processor).unzip();
+    let pipeline = Pipeline {
+        name,
+        consumer: consumer_addr,
+        drains: Mutex::new(Vec::new()),
+        spawn_processor,
+        threads: Mutex::new(Vec::new()),
+        publisher,
+        stopping,
+    };
+    let chunks = pipeline.processors(spec.processors);
 
     // The broker link.
     let config = ConsumerConfig {
@@ -222,16 +230,7 @@ pub fn start<D: Domain>(settings: &Settings, spec: Spec, domain: Arc<D>, pool: P
     };
     let consumer = Consumer::new(config, settings.clone(), chunks, spec.batchers.max(1));
     consumer_ctx.run(consumer);
-
-    Pipeline {
-        name,
-        consumer: consumer_addr,
-        drains: Mutex::new(drains),
-        spawn_processor,
-        arbiters,
-        publisher,
-        stopping,
-    }
+    pipeline
 }
 
 impl Pipeline {
@@ -243,15 +242,38 @@ impl Pipeline {
         });
     }
 
-    /// Runs `n` processors from now on (1 to 256), on the same threads.
+    /// Runs `n` processors from now on (1 to 256).
     pub fn scale(&self, n: usize) -> Result<(), String> {
         if !(1..=256).contains(&n) {
             return Err(format!("processors: expected 1 to 256, got {n}"));
         }
-        let (chunks, drains): (Vec<_>, Vec<_>) = (0..n).map(&self.spawn_processor).unzip();
-        *self.drains.lock().unwrap_or_else(|p| p.into_inner()) = drains;
+        let chunks = self.processors(n);
         self.consumer.do_send(consumer::SetProcessors(chunks));
         Ok(())
+    }
+
+    /// Starts `n` processors and makes their drains the current ones. One runs on the pipeline's
+    /// own thread: decoding costs about a microsecond a message, less than handing a chunk to
+    /// another thread and back (measured: README "Performance"). More than one means parallel
+    /// decoding, for domains whose decoding is dear: they go round min(`n`, cores) threads.
+    fn processors(&self, n: usize) -> Vec<Recipient<Chunk>> {
+        let mut threads = self.threads.lock().unwrap_or_else(|p| p.into_inner());
+        let wanted = if n > 1 {
+            n.min(std::thread::available_parallelism().map_or(2, |c| c.get()))
+        } else {
+            0
+        };
+        while threads.len() < wanted {
+            threads.push(Arbiter::new());
+        }
+        let (chunks, drains): (Vec<_>, Vec<_>) = (0..n.max(1))
+            .map(|i| {
+                let thread = (wanted > 0).then(|| threads[i % wanted].handle());
+                (self.spawn_processor)(thread.as_ref())
+            })
+            .unzip();
+        *self.drains.lock().unwrap_or_else(|p| p.into_inner()) = drains;
+        chunks
     }
 
     /// Hands at most `per_s` messages per second onwards from now on (0 = no limit, up to
@@ -308,8 +330,13 @@ impl Pipeline {
             self.publisher.send(publisher::Close),
         )
         .await;
-        for a in &self.arbiters {
-            a.stop();
+        for thread in self
+            .threads
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .iter()
+        {
+            thread.stop();
         }
         drained
     }
