@@ -13,7 +13,7 @@ use anyhow::Context as _;
 use tokio::sync::{mpsc, oneshot, watch};
 use tracing::{info, warn};
 
-use crate::config::Settings;
+use crate::config::{Role, Settings};
 use crate::domain::users::Users;
 use crate::pipeline::{self, Pipeline, Spec};
 use crate::registry::{CtlCommand, Registry, Report};
@@ -36,10 +36,10 @@ pub async fn run(settings: Settings, shutdown: impl Future<Output = ()>) -> anyh
         Duration::from_secs(5),
     ));
     let mut names = Vec::new();
-    if settings.has_role("consumer") {
+    if settings.has_role(Role::Consumer) {
         names.push("main");
     }
-    if settings.has_role("dlq") {
+    if settings.has_role(Role::Dlq) {
         names.push("dlq");
     }
     metrics::preregister(&names);
@@ -49,7 +49,7 @@ pub async fn run(settings: Settings, shutdown: impl Future<Output = ()>) -> anyh
     let pool = db::pool(&settings)?;
     let domain = Arc::new(Users);
     let mut pipelines = Vec::new();
-    if settings.has_role("consumer") {
+    if settings.has_role(Role::Consumer) {
         pipelines.push(pipeline::start(
             &settings,
             Spec::main(&settings),
@@ -57,7 +57,7 @@ pub async fn run(settings: Settings, shutdown: impl Future<Output = ()>) -> anyh
             pool.clone(),
         ));
     }
-    if settings.has_role("dlq") {
+    if settings.has_role(Role::Dlq) {
         pipelines.push(pipeline::start(
             &settings,
             Spec::dlq(&settings),
@@ -65,7 +65,7 @@ pub async fn run(settings: Settings, shutdown: impl Future<Output = ()>) -> anyh
             pool.clone(),
         ));
     }
-    let api = if settings.has_role("api") {
+    let api = if settings.has_role(Role::Api) {
         // The API's own pool: a flood of reads can never take the pipeline's connections.
         let api_pool = db::pool_for(&settings, settings.api_pool_size, "warren-api")?;
         Some(http::serve(&settings, api_pool).await?)

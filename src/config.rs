@@ -73,8 +73,8 @@ pub struct Settings {
     pub dlx_exchange: String,
     /// Dead-letter queue the DLQ consumer drains.
     pub dlq_queue: String,
-    /// Roles `warren run` runs (consumer, dlq, api).
-    pub roles: String,
+    /// Roles `warren run` runs.
+    pub roles: Roles,
     /// Message TTL of the retry queue (the single tier when `retry_ttls_ms` is empty).
     pub retry_ttl_ms: u64,
     /// Retry tiers: one retry queue per TTL, the n-th retry of a message waiting in the n-th
@@ -110,8 +110,8 @@ pub struct Settings {
     pub publish_timeout_ms: u64,
     /// Bound on the graceful shutdown.
     pub shutdown_timeout_ms: u64,
-    /// `text` or `json` logs.
-    pub log_format: String,
+    /// How log lines are written.
+    pub log_format: LogFormat,
 }
 
 /// The type of the queues warren declares (`QUEUE_TYPE`).
@@ -136,6 +136,90 @@ impl QueueType {
 impl std::fmt::Display for QueueType {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str(self.as_str())
+    }
+}
+
+/// How log lines are written (`LOG_FORMAT`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum LogFormat {
+    /// Human-readable lines.
+    Text,
+    /// One JSON object per line, fields flattened (for log shippers).
+    Json,
+}
+
+/// A part of warren that `warren run` can run (`ROLES`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Role {
+    /// The main pipeline: the main queue into the table, failures to retry or DLQ.
+    Consumer,
+    /// The DLQ consumer: the DLQ into the table, or parked.
+    Dlq,
+    /// The REST API.
+    Api,
+}
+
+impl Role {
+    pub const ALL: [Role; 3] = [Role::Consumer, Role::Dlq, Role::Api];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Role::Consumer => "consumer",
+            Role::Dlq => "dlq",
+            Role::Api => "api",
+        }
+    }
+
+    fn parse(name: &str) -> Option<Role> {
+        Role::ALL.into_iter().find(|r| r.as_str() == name)
+    }
+}
+
+/// The roles of one `warren run`: a non-empty set, written comma-separated (`consumer,api`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Roles(Vec<Role>);
+
+impl Roles {
+    /// Parses `"consumer, api"`: blanks around names allowed, at least one, each known.
+    pub fn parse(text: &str) -> Result<Self, String> {
+        let mut roles = Vec::new();
+        for name in text.split(',').map(str::trim) {
+            let role = Role::parse(name).ok_or_else(|| format!("{name:?} is not a role"))?;
+            if !roles.contains(&role) {
+                roles.push(role);
+            }
+        }
+        Ok(Roles(roles))
+    }
+
+    pub fn contains(&self, role: Role) -> bool {
+        self.0.contains(&role)
+    }
+
+    /// The names known, for error messages: `consumer,dlq,api`.
+    pub fn known() -> String {
+        Role::ALL.map(Role::as_str).join(",")
+    }
+}
+
+impl std::fmt::Display for Roles {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let names: Vec<&str> = self.0.iter().map(|r| r.as_str()).collect();
+        f.write_str(&names.join(","))
+    }
+}
+
+impl Serialize for Roles {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.collect_str(self)
+    }
+}
+
+impl<'de> Deserialize<'de> for Roles {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let text = String::deserialize(d)?;
+        Roles::parse(&text).map_err(serde::de::Error::custom)
     }
 }
 
@@ -406,9 +490,6 @@ const RULES: &[(&str, Rule)] = &[
     ("log_format", Rule::OneOf(&["text", "json"])),
 ];
 
-/// The roles `warren run` knows.
-pub const ROLES: &[&str] = &["consumer", "dlq", "api"];
-
 /// Where settings come from, besides the shipped defaults and the environment.
 #[derive(Debug, Default, Clone)]
 pub struct Sources {
@@ -592,18 +673,9 @@ impl Settings {
         derived.clamp(1, u16::MAX as usize) as u16
     }
 
-    /// The roles of `warren run`, parsed.
-    pub fn role_list(&self) -> Vec<String> {
-        self.roles
-            .split(',')
-            .map(|r| r.trim().to_string())
-            .filter(|r| !r.is_empty())
-            .collect()
-    }
-
     /// Whether `role` is among the configured roles.
-    pub fn has_role(&self, role: &str) -> bool {
-        self.role_list().iter().any(|r| r == role)
+    pub fn has_role(&self, role: Role) -> bool {
+        self.roles.contains(role)
     }
 
     pub fn batch_timeout(&self) -> Duration {
@@ -861,14 +933,10 @@ fn check(key: &str, rule: &Rule, value: &Value) -> Result<(), ConfigError> {
             }
         }
         Rule::Roles => {
-            let ok = matches!(value, Value::String(_, s) if {
-                let roles: Vec<&str> = s.split(',').map(str::trim).collect();
-                !roles.is_empty() && roles.iter().all(|r| ROLES.contains(r))
-            });
-            if !ok {
+            if !matches!(value, Value::String(_, s) if Roles::parse(s).is_ok()) {
                 return Err(invalid(format!(
                     "a comma-separated subset of {}",
-                    ROLES.join(",")
+                    Roles::known()
                 )));
             }
         }
@@ -1000,7 +1068,35 @@ mod tests {
                 .starts_with("ROLES: expected a comma-separated subset"),
             "{err}"
         );
-        assert!(with(&[("roles", "consumer, api")]).unwrap().has_role("api"));
+        assert!(
+            with(&[("roles", "consumer, api")])
+                .unwrap()
+                .has_role(Role::Api)
+        );
+    }
+
+    #[test]
+    fn roles_and_log_format_are_closed_sets() {
+        let s = with(&[("roles", " api ,consumer,api"), ("log_format", "json")]).unwrap();
+        assert_eq!(s.roles.to_string(), "api,consumer");
+        assert!(s.has_role(Role::Consumer) && !s.has_role(Role::Dlq));
+        assert_eq!(s.log_format, LogFormat::Json);
+        for bad in ["", "consumer,", "Consumer"] {
+            let err = with(&[("roles", bad)]).unwrap_err().to_string();
+            assert_eq!(
+                err,
+                format!(
+                    "ROLES: expected a comma-separated subset of consumer,dlq,api, got {:?}",
+                    bad
+                ),
+            );
+        }
+        let err = with(&[("log_format", "yaml")]).unwrap_err().to_string();
+        assert!(
+            err.starts_with("LOG_FORMAT: expected one of text, json"),
+            "{err}"
+        );
+        assert_eq!(Settings::defaults().roles.to_string(), "consumer,dlq,api");
     }
 
     #[test]

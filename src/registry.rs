@@ -302,7 +302,7 @@ impl Instance {
         Self {
             host: crate::hostname(),
             pid: std::process::id(),
-            roles: settings.roles.clone(),
+            roles: settings.roles.to_string(),
             started_at: now_s(),
         }
     }

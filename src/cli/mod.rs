@@ -103,7 +103,7 @@ pub fn init_logs(settings: &Settings) {
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(std::io::stderr);
-    let _ = if settings.log_format == "json" {
+    let _ = if settings.log_format == crate::config::LogFormat::Json {
         builder.json().flatten_event(true).try_init()
     } else {
         builder.try_init()
