@@ -9,20 +9,14 @@
 //! nothing holds the pipeline (breaker, operator) and the previous window is fully settled: a
 //! hold survives a reconnect, and warren never has more than one prefetch window in memory.
 //!
-//! Rate limiting (`RATE_LIMIT_PER_S`, `warren ctl rate`): a `governor` limiter decides when each
-//! delivery is handed onwards; deliveries that arrive faster wait in `held`, which the prefetch
-//! window bounds (they stay unacked, so the broker, seeing the window full, keeps the rest in
-//! the queue). A timer (`run_later`) releases them. A stopping consumer hands everything held
-//! onwards at once, so every delivery settles before the drain.
+//! Rate limiting (`RATE_LIMIT_PER_S`, `warren ctl rate`) goes through `throttle.rs`; a timer
+//! (`run_later`) releases what it holds. A stopping consumer hands everything held onwards at
+//! once, so every delivery settles before the drain.
 
-use std::collections::VecDeque;
-use std::num::NonZeroU32;
 use std::time::{Duration, Instant};
 
 use actix::prelude::*;
 use futures::StreamExt;
-use governor::clock::Clock;
-use governor::{DefaultDirectRateLimiter, Quota, RateLimiter};
 use lapin::options::{BasicCancelOptions, BasicConsumeOptions, BasicQosOptions};
 use lapin::types::FieldTable;
 use lapin::{Channel, Connection};
@@ -31,6 +25,7 @@ use tracing::{debug, error, info, warn};
 
 use super::acks::Acker;
 use super::message::{Chunk, Delivery, Hold, HoldReason, Settle};
+use super::throttle::{Release, Throttle};
 use crate::amqp::{self, AmqpError};
 use crate::config::Settings;
 
@@ -65,16 +60,6 @@ pub struct SetProcessors(pub Vec<Recipient<Chunk>>);
 #[rtype(result = "()")]
 pub struct SetRate {
     pub per_s: u32,
-}
-
-/// The limiter for `per_s` messages per second, none for 0. Its burst is a twentieth of a
-/// second's worth (at least 1): smooth, yet one timer wake-up releases a chunk even at high rates.
-fn limiter(per_s: u32) -> Option<DefaultDirectRateLimiter> {
-    let rate = NonZeroU32::new(per_s)?;
-    let burst = NonZeroU32::new(per_s / 20).unwrap_or(NonZeroU32::MIN);
-    Some(RateLimiter::direct(
-        Quota::per_second(rate).allow_burst(burst),
-    ))
 }
 
 /// A `basic.consume` finished on the channel of `generation`: the consumer, or why not.
@@ -175,13 +160,10 @@ pub struct Consumer {
     cancelled: Vec<oneshot::Sender<()>>,
     /// Answered when everything is settled and acked after `Cancel`.
     settled: Vec<oneshot::Sender<()>>,
-    /// Caps the deliveries handed onwards per second (RATE_LIMIT_PER_S, `warren ctl rate`);
-    /// `None` = no limit.
-    limiter: Option<DefaultDirectRateLimiter>,
-    /// Deliveries taken but held back by the limiter, oldest first; unacked, so the prefetch
-    /// window bounds them.
-    held: VecDeque<Delivery>,
-    /// A timer to release `held` is pending.
+    /// Caps the deliveries handed onwards per second (RATE_LIMIT_PER_S, `warren ctl rate`) and
+    /// holds back those that came faster.
+    throttle: Throttle,
+    /// A timer to release what the throttle holds is pending.
     release_pending: bool,
 }
 
@@ -193,7 +175,7 @@ impl Consumer {
         batchers: usize,
     ) -> Self {
         let received_counter = crate::metrics::received_counter(config.pipeline);
-        let limiter = limiter(settings.rate_limit_per_s);
+        let throttle = Throttle::new(settings.rate_limit_per_s);
         Self {
             config,
             settings,
@@ -224,8 +206,7 @@ impl Consumer {
             stream_ended: false,
             cancelled: Vec::new(),
             settled: Vec::new(),
-            limiter,
-            held: VecDeque::new(),
+            throttle,
             release_pending: false,
         }
     }
@@ -332,8 +313,7 @@ impl Consumer {
         self.consumer_tag = None;
         self.subscribing = false;
         // Held deliveries of this channel go back to the queue with it.
-        self.inflight = self.inflight.saturating_sub(self.held.len());
-        self.held.clear();
+        self.inflight = self.inflight.saturating_sub(self.throttle.clear());
         let channel = self.channel.take();
         let conn = self.connection.take();
         actix::spawn(amqp::close(channel, conn));
@@ -371,10 +351,10 @@ impl Consumer {
         }
         self.inflight += deliveries.len();
         self.received += deliveries.len() as u64;
-        if self.limiter.is_none() && self.held.is_empty() {
+        if self.throttle.is_open() {
             self.hand_on(deliveries);
         } else {
-            self.held.extend(deliveries);
+            self.throttle.hold(deliveries);
             self.release(ctx);
         }
     }
@@ -383,38 +363,25 @@ impl Consumer {
     /// itself for when the next one may go. Without a limiter, or while stopping, everything
     /// held goes at once. Deliveries of a closed channel are dropped (the broker requeued them).
     fn release(&mut self, ctx: &mut Context<Self>) {
-        let mut ready = Vec::new();
-        while let Some(front) = self.held.front() {
-            if front.generation != self.generation {
-                self.held.pop_front();
-                self.inflight = self.inflight.saturating_sub(1);
-                continue;
-            }
-            let wait = match &self.limiter {
-                Some(l) if !self.stopping => l
-                    .check()
-                    .err()
-                    .map(|not_until| not_until.wait_time_from(l.clock().now())),
-                _ => None,
-            };
-            if let Some(wait) = wait {
-                if !self.release_pending {
-                    self.release_pending = true;
-                    ctx.run_later(wait.max(Duration::from_millis(1)), |act, ctx| {
-                        act.release_pending = false;
-                        act.release(ctx);
-                    });
-                }
-                break;
-            }
-            if let Some(message) = self.held.pop_front() {
-                ready.push(message);
-            }
+        let Release {
+            ready,
+            dropped,
+            wait,
+        } = self.throttle.take(self.generation, self.stopping);
+        self.inflight = self.inflight.saturating_sub(dropped);
+        if let Some(wait) = wait
+            && !self.release_pending
+        {
+            self.release_pending = true;
+            ctx.run_later(wait.max(Duration::from_millis(1)), |act, ctx| {
+                act.release_pending = false;
+                act.release(ctx);
+            });
         }
         if !ready.is_empty() {
             self.hand_on(ready);
         }
-        if !self.held.is_empty() {
+        if !self.throttle.is_empty() {
             return;
         }
         if self.inflight == 0 {
@@ -891,7 +858,7 @@ impl Handler<SetRate> for Consumer {
             rate_limit_per_s = msg.per_s,
             "rate limit set"
         );
-        self.limiter = limiter(msg.per_s);
+        self.throttle.set_rate(msg.per_s);
         self.release(ctx);
     }
 }

@@ -11,8 +11,9 @@
 //! ```
 //!
 //! - `message.rs`: what the stages send each other.
-//! - `consumer.rs`: the broker link: connect, qos, subscribe, reconnect, watchdog, rate limit;
-//!   hands deliveries on in chunks; `acks.rs` turns settlements into ordered multi-acks.
+//! - `consumer.rs`: the broker link: connect, qos, subscribe, reconnect, watchdog; hands
+//!   deliveries on in chunks (`throttle.rs`: the rate limit); `acks.rs` turns settlements into
+//!   ordered multi-acks.
 //! - `processor.rs`: decode and validate through the [`Domain`], a chunk at a time: one on the
 //!   pipeline's thread, or several on threads of their own (`Pipeline::processors`).
 //! - `batcher.rs`: flush rules only (size, timeout, drain).
@@ -32,6 +33,7 @@ pub mod message;
 pub mod processor;
 pub mod router;
 pub mod sink;
+pub mod throttle;
 
 use std::future::Future;
 use std::sync::atomic::AtomicU32;
