@@ -219,6 +219,7 @@ impl Handler<Refused> for Publisher {
         );
         let addr = ctx.address();
         let generation = msg.generation;
+        let bound = self.settings.connect_timeout();
         actix::spawn(async move {
             let opened = async {
                 let channel = conn.create_channel().await?;
@@ -227,10 +228,14 @@ impl Handler<Refused> for Publisher {
                     .await?;
                 Ok::<_, lapin::Error>(channel)
             };
-            let channel = match opened.await {
-                Ok(channel) => Some(channel),
-                Err(e) => {
+            let channel = match tokio::time::timeout(bound, opened).await {
+                Ok(Ok(channel)) => Some(channel),
+                Ok(Err(e)) => {
                     warn!(error = %e, "cannot open a new publisher channel");
+                    None
+                }
+                Err(_) => {
+                    warn!("no new publisher channel within {bound:?}");
                     None
                 }
             };
@@ -250,7 +255,8 @@ impl Handler<Renewed> for Publisher {
         let Some(channel) = msg.channel else {
             return;
         };
-        if self.closing || msg.generation != self.generation {
+        // Too late: closing, reconnected since, or the link was dropped as dead meanwhile.
+        if self.closing || msg.generation != self.generation || self.connection.is_none() {
             actix::spawn(amqp::close(Some(channel), None));
             return;
         }
