@@ -7,8 +7,8 @@
 //! publish to that queue for its whole life (3.10's `rabbit_fifo_client` keeps asking the dead
 //! node: its first enqueue asks the node the queue record names as leader, and a `nodedown`
 //! leaves that choice unchanged), even after a new leader was elected; a new channel asks the
-//! queue's current leader. 3.11.x and 3.12.x make it rarer (the client starts from the node's
-//! leaderboard rather than the record: rabbitmq/rabbitmq-server#9241).
+//! queue's current leader. Later 3.11 and 3.12 releases make it rarer (the client starts from the
+//! node's leaderboard rather than the record: rabbitmq/rabbitmq-server#9241).
 
 use std::sync::Arc;
 use std::time::Duration;
