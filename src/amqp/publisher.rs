@@ -1,13 +1,22 @@
 //! The publisher actor: one connection of its own, publisher confirms, persistent and
 //! `mandatory` publishes that return only once the broker confirmed them, and a reconnect loop
 //! with backoff so callers get a fast `Unavailable` while the broker is away.
+//!
+//! A nack renews the channel (at most once per [`RENEW_EVERY`]): a RabbitMQ channel whose first
+//! publish to a quorum queue came while the queue's leader node was down nacks every later
+//! publish to that queue for its whole life (3.10's `rabbit_fifo_client` keeps asking the dead
+//! node: its first enqueue asks the node the queue record names as leader, and a `nodedown`
+//! leaves that choice unchanged), even after a new leader was elected; a new channel asks the
+//! queue's current leader. Later 3.11 and 3.12 releases make it rarer (the client starts from the
+//! node's leaderboard rather than the record: rabbitmq/rabbitmq-server#9241).
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use actix::prelude::*;
 use lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
 use lapin::{BasicProperties, Channel, Confirmation, Connection};
-use tracing::info;
+use tracing::{info, warn};
 
 use crate::amqp::{self, AmqpError};
 use crate::config::Settings;
@@ -37,20 +46,60 @@ pub struct Close;
 #[rtype(result = "()")]
 struct Connected(Connection, Channel);
 
+/// The broker nacked a publish on the channel of `generation`.
+#[derive(Message)]
+#[rtype(result = "()")]
+struct Refused {
+    generation: u64,
+}
+
+/// A new channel on the current connection, to replace the channel of `generation`; `None` if
+/// it could not be opened (the connection is failing: the watchdog reconnects).
+#[derive(Message)]
+#[rtype(result = "()")]
+struct Renewed {
+    generation: u64,
+    channel: Option<Channel>,
+}
+
+/// The least time between two channel renewals after nacks: a queue that refuses everything
+/// (full, with `x-overflow=reject-publish`) costs at most one channel a second.
+pub const RENEW_EVERY: Duration = Duration::from_secs(1);
+
+/// Whether a nack on the channel of `generation` should renew it: it is the current channel, no
+/// renewal is under way, and the last one was at least [`RENEW_EVERY`] ago.
+fn should_renew(
+    generation: u64,
+    current: u64,
+    renewing: bool,
+    last_renewal: Option<std::time::Instant>,
+    now: std::time::Instant,
+) -> bool {
+    generation == current
+        && !renewing
+        && last_renewal.is_none_or(|at| now.duration_since(at) >= RENEW_EVERY)
+}
+
 /// The publisher actor.
 pub struct Publisher {
     /// Connection settings and the confirm timeout.
     settings: Settings,
     /// Shown in the broker's connection list (`api`, `router`, `cli`).
     purpose: &'static str,
-    /// The live connection, kept so it can be closed cleanly.
-    connection: Option<Connection>,
+    /// The live connection, kept so it can be closed cleanly (shared with a channel renewal).
+    connection: Option<Arc<Connection>>,
     /// The confirm-mode channel publishes go through; `None` while disconnected.
     channel: Option<Channel>,
     /// Whether a reconnect loop is running, so only one runs.
     connecting: bool,
     /// Set by `Close`, so a dropped connection is not re-opened during shutdown.
     closing: bool,
+    /// Numbers the channels publishes go through, so a nack names the channel it came on.
+    generation: u64,
+    /// A channel renewal (after a nack) is under way.
+    renewing: bool,
+    /// When the channel was last renewed after a nack, to renew at most once per RENEW_EVERY.
+    last_renewal: Option<std::time::Instant>,
 }
 
 impl Publisher {
@@ -62,6 +111,9 @@ impl Publisher {
             channel: None,
             connecting: false,
             closing: false,
+            generation: 0,
+            renewing: false,
+            last_renewal: None,
         }
     }
 
@@ -137,8 +189,89 @@ impl Handler<Connected> for Publisher {
         }
         info!(purpose = self.purpose, "publisher connected");
         crate::metrics::amqp_link(self.purpose, true);
-        self.connection = Some(msg.0);
+        self.connection = Some(Arc::new(msg.0));
         self.channel = Some(msg.1);
+        self.generation += 1;
+    }
+}
+
+impl Handler<Refused> for Publisher {
+    type Result = ();
+
+    fn handle(&mut self, msg: Refused, ctx: &mut Self::Context) {
+        let now = std::time::Instant::now();
+        if self.closing
+            || !should_renew(
+                msg.generation,
+                self.generation,
+                self.renewing,
+                self.last_renewal,
+                now,
+            )
+        {
+            return;
+        }
+        let Some(conn) = self.connection.clone() else {
+            return;
+        };
+        self.renewing = true;
+        self.last_renewal = Some(now);
+        warn!(
+            purpose = self.purpose,
+            "the broker nacked a publish; renewing the channel"
+        );
+        let addr = ctx.address();
+        let generation = msg.generation;
+        let bound = self.settings.connect_timeout();
+        actix::spawn(async move {
+            let opened = async {
+                let channel = conn.create_channel().await?;
+                channel
+                    .confirm_select(ConfirmSelectOptions::default())
+                    .await?;
+                Ok::<_, lapin::Error>(channel)
+            };
+            let channel = match tokio::time::timeout(bound, opened).await {
+                Ok(Ok(channel)) => Some(channel),
+                Ok(Err(e)) => {
+                    warn!(error = %e, "cannot open a new publisher channel");
+                    None
+                }
+                Err(_) => {
+                    warn!("no new publisher channel within {bound:?}");
+                    None
+                }
+            };
+            addr.do_send(Renewed {
+                generation,
+                channel,
+            });
+        });
+    }
+}
+
+impl Handler<Renewed> for Publisher {
+    type Result = ();
+
+    fn handle(&mut self, msg: Renewed, _: &mut Self::Context) {
+        self.renewing = false;
+        let Some(channel) = msg.channel else {
+            return;
+        };
+        // Too late: closing, reconnected since, or the link was dropped as dead meanwhile.
+        if self.closing || msg.generation != self.generation || self.connection.is_none() {
+            actix::spawn(amqp::close(Some(channel), None));
+            return;
+        }
+        let old = self.channel.replace(channel);
+        self.generation += 1;
+        // Publishes still waiting on the old channel get their confirms (or nacks) first.
+        actix::spawn(async move {
+            if let Some(ch) = &old {
+                let _ = tokio::time::timeout(Duration::from_secs(5), ch.wait_for_confirms()).await;
+            }
+            amqp::close(old, None).await;
+        });
     }
 }
 
@@ -153,10 +286,14 @@ impl Handler<Publish> for Publisher {
             return Box::pin(async { result });
         };
         let timeout = self.settings.publish_timeout();
+        let (addr, generation) = (ctx.address(), self.generation);
         Box::pin(async move {
             let started = std::time::Instant::now();
             let result = publish_confirmed(&channel, msg, timeout).await;
             crate::metrics::published(&result, started.elapsed());
+            if matches!(result, Err(AmqpError::Nacked)) {
+                addr.do_send(Refused { generation });
+            }
             result
         })
     }
@@ -225,7 +362,10 @@ impl Handler<Close> for Publisher {
                     let _ =
                         tokio::time::timeout(Duration::from_secs(5), ch.wait_for_confirms()).await;
                 }
-                amqp::close(channel, conn).await;
+                amqp::close(channel, None).await;
+                if let Some(conn) = conn {
+                    let _ = conn.close(200, "bye".into()).await;
+                }
             }
             .into_actor(self)
             .map(|_, _, ctx| ctx.stop()),
@@ -251,4 +391,31 @@ pub fn json_properties(message_id: &str) -> BasicProperties {
         .with_message_id(message_id.into())
         .with_timestamp(now_ms / 1000)
         .with_headers(headers)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::Instant;
+
+    #[test]
+    fn a_nack_renews_the_current_channel_at_most_once_per_interval() {
+        let now = Instant::now();
+        assert!(should_renew(3, 3, false, None, now), "first nack");
+        assert!(
+            !should_renew(2, 3, false, None, now),
+            "an old channel's nack"
+        );
+        assert!(!should_renew(3, 3, true, None, now), "a renewal under way");
+        let just = now - Duration::from_millis(100);
+        assert!(
+            !should_renew(3, 3, false, Some(just), now),
+            "renewed 100 ms ago"
+        );
+        let long_ago = now - RENEW_EVERY;
+        assert!(
+            should_renew(3, 3, false, Some(long_ago), now),
+            "renewed a while ago"
+        );
+    }
 }

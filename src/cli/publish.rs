@@ -23,7 +23,9 @@ pub struct Args {
     /// Make every K-th message invalid (alternately not JSON and failing validation).
     #[arg(long, value_name = "K")]
     pub invalid_every: Option<u64>,
-    /// Publish one JSON object per line of standard input instead of generating users.
+    /// Publish one JSON object per line of standard input instead of generating users. Every
+    /// line whose publish is not confirmed is named on standard error (line number and id), so
+    /// exactly those can be sent again.
     #[arg(long)]
     pub stdin: bool,
     /// Publishes awaiting their confirm at once.
@@ -81,7 +83,8 @@ pub async fn execute(settings: &Settings, args: Args) -> anyhow::Result<i32> {
     let mut published = 0u64;
     let mut first_error: Option<String> = None;
 
-    let messages: futures::stream::BoxStream<'_, (String, Vec<u8>)> = if args.stdin {
+    // (input line for --stdin, message id, body)
+    let messages: futures::stream::BoxStream<'_, (Option<u64>, String, Vec<u8>)> = if args.stdin {
         let lines = tokio_stream_lines();
         lines
             .filter_map(|(n, line)| async move {
@@ -98,7 +101,7 @@ pub async fn execute(settings: &Settings, args: Args) -> anyhow::Result<i32> {
                             );
                             return None;
                         }
-                        Some((id, line.into_bytes()))
+                        Some((Some(n), id, line.into_bytes()))
                     }
                     Ok(_) => {
                         eprintln!("warren publish: line {n}: expected a JSON object, skipped");
@@ -120,26 +123,32 @@ pub async fn execute(settings: &Settings, args: Args) -> anyhow::Result<i32> {
                     let due = started + Duration::from_secs_f64(i as f64 / rate);
                     tokio::time::sleep_until(due.into()).await;
                 }
-                generated(i, invalid_every)
+                let (id, body) = generated(i, invalid_every);
+                (None, id, body)
             })
             .boxed()
     };
 
     let mut results = messages
-        .map(|(id, body)| publisher.send(make(id, body)))
+        .map(|(line, id, body)| {
+            let sent = publisher.send(make(id.clone(), body));
+            async move { (line, id, sent.await) }
+        })
         .buffer_unordered(args.in_flight);
-    while let Some(result) = results.next().await {
-        match result {
-            Ok(Ok(())) => published += 1,
-            Ok(Err(e)) => {
-                failed += 1;
-                first_error.get_or_insert(e.to_string());
+    while let Some((line, id, result)) = results.next().await {
+        let error = match result {
+            Ok(Ok(())) => {
+                published += 1;
+                continue;
             }
-            Err(e) => {
-                failed += 1;
-                first_error.get_or_insert(e.to_string());
-            }
+            Ok(Err(e)) => e.to_string(),
+            Err(e) => e.to_string(),
+        };
+        failed += 1;
+        if let Some(n) = line {
+            eprintln!("warren publish: {}", not_confirmed(n, &id, &error));
         }
+        first_error.get_or_insert(error);
     }
     let secs = started.elapsed().as_secs_f64();
     let _ = publisher.send(Close).await;
@@ -152,6 +161,12 @@ pub async fn execute(settings: &Settings, args: Args) -> anyhow::Result<i32> {
         return Ok(1);
     }
     Ok(0)
+}
+
+/// The report of one `--stdin` line whose publish was not confirmed: it may or may not have
+/// reached the queue, so it is to be sent again (the same id is harmless: one row).
+fn not_confirmed(line: u64, id: &str, error: &str) -> String {
+    format!("line {line} (id {id}) not confirmed: {error}")
 }
 
 /// Standard input as numbered, non-empty lines.
@@ -177,6 +192,14 @@ fn tokio_stream_lines() -> futures::stream::BoxStream<'static, (u64, String)> {
 mod tests {
     use super::*;
     use crate::domain::{Domain, users::Users};
+
+    #[test]
+    fn a_line_not_confirmed_is_named_by_number_and_id() {
+        assert_eq!(
+            not_confirmed(7, "u-7", "broker unavailable: no connection to the broker"),
+            "line 7 (id u-7) not confirmed: broker unavailable: no connection to the broker"
+        );
+    }
 
     #[test]
     fn every_kth_generated_message_is_invalid() {
