@@ -1,7 +1,8 @@
 //! The endings the other files do not reach: a systemic database error (the deployment is wrong)
 //! holds the messages and never dead-letters them; a retry or dead-letter republish the broker
 //! cannot route keeps the message with warren's queue (requeued after a backoff, never handed to
-//! the broker's at-most-once dead-lettering) until the route is back.
+//! the broker's at-most-once dead-lettering) until the route is back; a group of republishes
+//! where some are routed and some are not gets every outcome right.
 
 mod common;
 
@@ -188,4 +189,67 @@ async fn wait_requeued(env: &TestEnv, n: usize) {
         },
     )
     .await;
+}
+
+/// lapin hands each `basic.return` to whichever pending confirm it completes next, and a
+/// `multiple` ack completes a range of them in no particular order: with routed and unroutable
+/// publishes in flight together on one channel, an unroutable one could come back confirmed
+/// (and its source message be acked: lost) while a routed one carried the return. The ledger
+/// test caught it: a dead-letter publish to an unbound DLQ "confirmed" beside retry publishes.
+/// `publish_group` tells each returned message to the right publish; here every group mixes
+/// routed and unroutable publishes, identical bodies included, and each outcome must be exact.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_group_of_mixed_routable_and_unroutable_publishes_gets_every_outcome_right() {
+    use warren::amqp::AmqpError;
+    use warren::amqp::publisher::{Publish, publish_group};
+
+    let env = TestEnv::new("pubgroup").await;
+    env.declare();
+    let channel = env.conn.create_channel().await.expect("channel");
+    channel
+        .confirm_select(Default::default())
+        .await
+        .expect("confirm mode");
+    let nowhere = format!("{}_nowhere", env.id);
+    let mut routed_bodies = Vec::new();
+    for round in 0..5 {
+        let publishes: Vec<Publish> = (0..300)
+            .map(|i| {
+                // Every third is routed; bodies repeat in pairs across the two destinations.
+                let routed = i % 3 == 0;
+                Publish {
+                    exchange: env.main_exchange.clone(),
+                    routing_key: if routed {
+                        env.main_queue.clone()
+                    } else {
+                        nowhere.clone()
+                    },
+                    body: format!("round {round} body {}", i / 2).into_bytes(),
+                    properties: Default::default(),
+                }
+            })
+            .collect();
+        let results = publish_group(&channel, publishes.clone(), Duration::from_secs(10)).await;
+        for (i, (p, r)) in publishes.iter().zip(&results).enumerate() {
+            if p.routing_key == env.main_queue {
+                assert!(r.is_ok(), "round {round} publish {i} (routed): {r:?}");
+                routed_bodies.push(p.body.clone());
+            } else {
+                assert!(
+                    matches!(r, Err(AmqpError::Unroutable { .. })),
+                    "round {round} publish {i} (unroutable) came back {r:?}"
+                );
+            }
+        }
+    }
+    // The queue holds exactly the routed ones.
+    let mut got: Vec<Vec<u8>> = env
+        .drain_queue(&env.main_queue, 10_000)
+        .await
+        .into_iter()
+        .map(|m| m.delivery.data)
+        .collect();
+    got.sort();
+    routed_bodies.sort();
+    assert_eq!(got, routed_bodies);
 }

@@ -31,6 +31,16 @@ pub struct Publish {
     pub properties: BasicProperties,
 }
 
+/// Publish several messages as one group and wait for every confirm; the answer holds one
+/// result per message, in order. Groups have the channel to themselves, so a returned
+/// (unroutable) message is told to the right publish: lapin hands each returned message to
+/// whichever confirm it completes next, which under a `multiple` ack may be another publish's,
+/// so with single publishes in flight to several destinations an unroutable message could
+/// look confirmed (see [`publish_group`]). The router and the DLQ stage publish this way.
+#[derive(Debug, Message)]
+#[rtype(result = "Vec<Result<(), AmqpError>>")]
+pub struct PublishAll(pub Vec<Publish>);
+
 /// Whether the publisher has a live channel (for `/readyz`).
 #[derive(Debug, Message)]
 #[rtype(result = "bool")]
@@ -100,6 +110,8 @@ pub struct Publisher {
     renewing: bool,
     /// When the channel was last renewed after a nack, to renew at most once per RENEW_EVERY.
     last_renewal: Option<std::time::Instant>,
+    /// Held by a `PublishAll` group for its whole length: one group at a time on the channel.
+    group: Arc<tokio::sync::Mutex<()>>,
 }
 
 impl Publisher {
@@ -114,6 +126,7 @@ impl Publisher {
             generation: 0,
             renewing: false,
             last_renewal: None,
+            group: Arc::default(),
         }
     }
 
@@ -297,6 +310,127 @@ impl Handler<Publish> for Publisher {
             result
         })
     }
+}
+
+impl Handler<PublishAll> for Publisher {
+    type Result = ResponseFuture<Vec<Result<(), AmqpError>>>;
+
+    fn handle(&mut self, msg: PublishAll, ctx: &mut Self::Context) -> Self::Result {
+        let n = msg.0.len();
+        let Some(channel) = self.live_channel() else {
+            self.reconnect(ctx);
+            let result = Err(AmqpError::Unavailable("no connection to the broker".into()));
+            for _ in 0..n {
+                crate::metrics::published(&result, Duration::ZERO);
+            }
+            return Box::pin(async move { vec![result; n] });
+        };
+        let timeout = self.settings.publish_timeout();
+        let (addr, generation, group) = (ctx.address(), self.generation, self.group.clone());
+        Box::pin(async move {
+            let _alone = group.lock().await;
+            let started = std::time::Instant::now();
+            let results = publish_group(&channel, msg.0, timeout).await;
+            for result in &results {
+                crate::metrics::published(result, started.elapsed());
+            }
+            if results.iter().any(|r| matches!(r, Err(AmqpError::Nacked))) {
+                addr.do_send(Refused { generation });
+            }
+            results
+        })
+    }
+}
+
+/// Publishes `publishes` on `channel` (in confirm mode, used by nobody else meanwhile), waits
+/// for every confirm, and tells each publish's fate: confirmed, or not (nacked, unroutable,
+/// timed out, the channel failed).
+///
+/// Which publish a returned message belongs to is decided here, not by lapin: lapin attaches
+/// each `basic.return` to whichever pending confirm it completes next, and a `basic.ack` with
+/// `multiple` completes a whole range of them in no particular order, so an unroutable publish
+/// can come back as a plain `Ack` while a routed one carries its returned message (seen in the
+/// ledger test: a dead-letter publish to an unbound DLQ "confirmed" beside retry publishes, and
+/// the message lost). All of a group's returned messages arrive before the acks that complete
+/// it, so together they are exactly the group's; each is matched to a publish with the same
+/// exchange, routing key and body (identical publishes are interchangeable). Before the group
+/// starts, every confirm still outstanding on the channel (an earlier group's that timed out)
+/// is awaited, so a late ack cannot take one of this group's returned messages.
+pub async fn publish_group(
+    channel: &Channel,
+    publishes: Vec<Publish>,
+    timeout: Duration,
+) -> Vec<Result<(), AmqpError>> {
+    let n = publishes.len();
+    match tokio::time::timeout(timeout, channel.wait_for_confirms()).await {
+        Ok(Ok(_)) => {}
+        Ok(Err(e)) => return vec![Err(AmqpError::Unavailable(e.to_string())); n],
+        Err(_) => return vec![Err(AmqpError::ConfirmTimeout(timeout)); n],
+    }
+    let work = async {
+        let mut confirms = Vec::with_capacity(n);
+        for p in &publishes {
+            let confirm = channel
+                .basic_publish(
+                    p.exchange.as_str().into(),
+                    p.routing_key.as_str().into(),
+                    BasicPublishOptions {
+                        mandatory: true,
+                        ..Default::default()
+                    },
+                    &p.body,
+                    p.properties.clone(),
+                )
+                .await;
+            confirms.push(confirm);
+        }
+        futures::future::join_all(confirms.into_iter().map(|c| async move { c?.await })).await
+    };
+    let Ok(outcomes) = tokio::time::timeout(timeout, work).await else {
+        return vec![Err(AmqpError::ConfirmTimeout(timeout)); n];
+    };
+    let mut returned = Vec::new();
+    let mut results: Vec<Result<(), AmqpError>> = outcomes
+        .into_iter()
+        .map(|outcome| match outcome {
+            Ok(Confirmation::Ack(r)) => {
+                returned.extend(r);
+                Ok(())
+            }
+            Ok(Confirmation::Nack(r)) => {
+                returned.extend(r);
+                Err(AmqpError::Nacked)
+            }
+            Ok(Confirmation::NotRequested) => Err(AmqpError::Protocol(
+                "publisher confirms are not enabled on this channel".into(),
+            )),
+            Err(e) => Err(AmqpError::Unavailable(e.to_string())),
+        })
+        .collect();
+    for r in returned {
+        let d = &r.delivery;
+        let same = |p: &Publish| {
+            p.exchange == d.exchange.as_str()
+                && p.routing_key == d.routing_key.as_str()
+                && p.body == d.data
+        };
+        // A confirmed publish first; a nacked one already failed either way.
+        let owner = (0..n)
+            .find(|&i| results[i].is_ok() && same(&publishes[i]))
+            .or_else(|| (0..n).find(|&i| same(&publishes[i])));
+        match owner {
+            Some(i) if results[i].is_ok() => {
+                results[i] = Err(AmqpError::Unroutable {
+                    exchange: publishes[i].exchange.clone(),
+                    routing_key: publishes[i].routing_key.clone(),
+                });
+            }
+            Some(_) => {}
+            None => warn!(exchange = %d.exchange, routing_key = %d.routing_key,
+                "a returned message matches no publish of its group; ignored"),
+        }
+    }
+    results
 }
 
 /// Publishes on `channel` (in confirm mode) and waits for the confirm; an unroutable mandatory

@@ -14,14 +14,13 @@ use std::time::Duration;
 
 use actix::prelude::*;
 use backon::{ConstantBuilder, Retryable};
-use futures::future::join_all;
 use tokio_util::sync::CancellationToken;
 use tracing::{error, warn};
 
 use super::message::{Delivery, Disposition, Failure, Leftovers, Settle};
 use crate::amqp::AmqpError;
 use crate::amqp::headers::{self, Retries};
-use crate::amqp::publisher::{Publish, Publisher};
+use crate::amqp::publisher::{Publish, PublishAll, Publisher};
 use crate::config::Settings;
 use crate::db::ErrorClass;
 use crate::domain::ErrorKind;
@@ -129,37 +128,53 @@ impl Republisher {
     /// `patience` before it counts as failed.
     pub async fn route(&self, items: &[(&Delivery, Route)]) -> Vec<(Disposition, &'static str)> {
         let attempts = (self.patience.as_millis() / 100).max(1) as usize;
-        let sends = items.iter().map(|(message, route)| {
-            let (publish, kind) = self.plan(message, route);
-            let publisher = self.publisher.clone();
-            async move {
-                let send = || async {
-                    match publisher.send(publish.clone()).await {
-                        Ok(result) => result,
-                        Err(e) => Err(AmqpError::Unavailable(format!(
-                            "publisher actor is gone: {e}"
-                        ))),
-                    }
-                };
-                let result = send
-                    .retry(
-                        ConstantBuilder::default()
-                            .with_delay(Duration::from_millis(100))
-                            .with_max_times(attempts),
-                    )
-                    .when(|e| matches!(e, AmqpError::Unavailable(_)))
-                    .await;
-                match result {
-                    Ok(()) => (Disposition::Ack, kind),
-                    Err(e) => {
-                        error!(message_id = message.message_id(), pipeline = self.pipeline, delivery_tag = message.tag, error = %e, kind,
-                            "republish not confirmed; the message goes back to its queue after a backoff");
-                        (Disposition::Requeue, kind)
-                    }
-                }
+        let (publishes, kinds): (Vec<Publish>, Vec<&'static str>) = items
+            .iter()
+            .map(|(message, route)| self.plan(message, route))
+            .unzip();
+        let n = publishes.len();
+        // One group (see `amqp::publisher::PublishAll`: the returned messages of a group reach
+        // the right publishes); tried again as a whole while there is no connection at all.
+        let send = || async {
+            let results = match self.publisher.send(PublishAll(publishes.clone())).await {
+                Ok(results) => results,
+                Err(e) => vec![
+                    Err(AmqpError::Unavailable(format!(
+                        "publisher actor is gone: {e}"
+                    )));
+                    n
+                ],
+            };
+            if results
+                .iter()
+                .all(|r| matches!(r, Err(AmqpError::Unavailable(_))))
+            {
+                Err(results)
+            } else {
+                Ok(results)
             }
-        });
-        join_all(sends).await
+        };
+        let results = send
+            .retry(
+                ConstantBuilder::default()
+                    .with_delay(Duration::from_millis(100))
+                    .with_max_times(attempts),
+            )
+            .await
+            .unwrap_or_else(|results| results);
+        items
+            .iter()
+            .zip(kinds)
+            .zip(results)
+            .map(|(((message, _), kind), result)| match result {
+                Ok(()) => (Disposition::Ack, kind),
+                Err(e) => {
+                    error!(message_id = message.message_id(), pipeline = self.pipeline, delivery_tag = message.tag, error = %e, kind,
+                        "republish not confirmed; the message goes back to its queue after a backoff");
+                    (Disposition::Requeue, kind)
+                }
+            })
+            .collect()
     }
 }
 

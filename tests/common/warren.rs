@@ -168,7 +168,10 @@ impl Warren {
 impl Drop for Warren {
     fn drop(&mut self) {
         self.kill9();
-        let _ = std::fs::remove_file(&self.log);
+        // WARREN_TEST_KEEP_LOGS=1 keeps every warren's log file (in the temp dir) for a post-mortem.
+        if std::env::var_os("WARREN_TEST_KEEP_LOGS").is_none() {
+            let _ = std::fs::remove_file(&self.log);
+        }
     }
 }
 
