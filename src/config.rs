@@ -29,6 +29,9 @@ pub struct Settings {
     pub amqp_heartbeat_s: u16,
     /// Bound on one connect attempt, so a black-holed broker cannot hang a reconnect loop.
     pub amqp_connect_timeout_ms: u64,
+    /// The broker's `consumer_timeout` (0 = it has none): warren gives back (nacks with requeue)
+    /// any delivery it would hold unacked longer, before the broker closes the channel over it.
+    pub amqp_consumer_timeout_ms: u64,
     /// Where the rows go; several `host:port` pairs are tried in turn (with
     /// `target_session_attrs=read-write`, only a primary is taken).
     pub database_url: String,
@@ -386,6 +389,13 @@ const RULES: &[(&str, Rule)] = &[
             max: 600_000,
         },
     ),
+    (
+        "amqp_consumer_timeout_ms",
+        Rule::Int {
+            min: 0,
+            max: 86_400_000,
+        },
+    ),
     ("database_url", Rule::PgUrl),
     ("database_schema", Rule::Ident),
     ("database_pool_size", Rule::Int { min: 1, max: 256 }),
@@ -489,6 +499,16 @@ const RULES: &[(&str, Rule)] = &[
     ),
     ("log_format", Rule::OneOf(&["text", "json"])),
 ];
+
+/// How long a delivery may stay unacked in warren under a broker `consumer_timeout` of
+/// `timeout_ms` (0 = none): 80% of it. The 20% margin (6 minutes at RabbitMQ's default of
+/// 30) covers what may still run after the check: the database statement in flight (bounded by
+/// `DATABASE_STATEMENT_TIMEOUT_MS` + 2 s), the fallback stage's settling and the nack's way to
+/// the broker; the broker itself only checks on its channel tick (every 60 s on 3.10), which can
+/// only make it later.
+pub fn hand_back_after(timeout_ms: u64) -> Option<Duration> {
+    (timeout_ms > 0).then(|| Duration::from_millis(timeout_ms * 4 / 5))
+}
 
 /// Where settings come from, besides the shipped defaults and the environment.
 #[derive(Debug, Default, Clone)]
@@ -625,6 +645,7 @@ impl Settings {
                 got: format!("{:?}", t.queue),
             });
         }
+        self.validate_consumer_timeout()?;
         for (i, (a, va)) in names.iter().enumerate() {
             for (b, vb) in names.iter().skip(i + 1) {
                 if va == vb {
@@ -660,6 +681,49 @@ impl Settings {
                 ttl_ms,
             })
             .collect()
+    }
+
+    /// `AMQP_CONSUMER_TIMEOUT_MS` is 0 or at least a second, and a rate limit set at start
+    /// cannot keep a full prefetch window waiting past it (the last of `prefetch` deliveries
+    /// waits `prefetch / rate` seconds in the consumer, unacked).
+    fn validate_consumer_timeout(&self) -> Result<(), ConfigError> {
+        let timeout = self.amqp_consumer_timeout_ms;
+        if timeout > 0 && timeout < 1000 {
+            return Err(ConfigError::Invalid {
+                setting: "AMQP_CONSUMER_TIMEOUT_MS".into(),
+                expected:
+                    "0 (the broker has no consumer_timeout) or the broker's consumer_timeout, \
+                    at least 1000 ms"
+                        .into(),
+                got: timeout.to_string(),
+            });
+        }
+        if let Some(give_back) = self.hand_back_after()
+            && self.rate_limit_per_s > 0
+        {
+            let window_ms =
+                u64::from(self.effective_prefetch()) * 1000 / u64::from(self.rate_limit_per_s);
+            if window_ms >= give_back.as_millis() as u64 {
+                return Err(ConfigError::Invalid {
+                    setting: "RATE_LIMIT_PER_S".into(),
+                    expected: format!(
+                        "a rate at which one prefetch window ({} deliveries) is handed on within \
+                         {} ms (80% of AMQP_CONSUMER_TIMEOUT_MS): raise the rate, lower PREFETCH, \
+                         or set AMQP_CONSUMER_TIMEOUT_MS to the broker's larger consumer_timeout",
+                        self.effective_prefetch(),
+                        give_back.as_millis()
+                    ),
+                    got: self.rate_limit_per_s.to_string(),
+                });
+            }
+        }
+        Ok(())
+    }
+
+    /// How long warren may hold a delivery unacked before it gives it back (nack with requeue):
+    /// see [`hand_back_after`]; `None` when the broker has no consumer timeout.
+    pub fn hand_back_after(&self) -> Option<Duration> {
+        hand_back_after(self.amqp_consumer_timeout_ms)
     }
 
     /// The prefetch actually used: the setting, or batch size x batch concurrency.
@@ -1097,6 +1161,30 @@ mod tests {
             "{err}"
         );
         assert_eq!(Settings::defaults().roles.to_string(), "consumer,dlq,api");
+    }
+
+    #[test]
+    fn consumer_timeout_gives_deliveries_back_at_80_percent() {
+        assert_eq!(hand_back_after(0), None);
+        assert_eq!(
+            hand_back_after(1_800_000),
+            Some(Duration::from_secs(24 * 60))
+        );
+        assert_eq!(hand_back_after(5000), Some(Duration::from_secs(4)));
+        let s = with(&[]).unwrap();
+        assert_eq!(s.hand_back_after(), Some(Duration::from_secs(24 * 60)));
+        let e = with(&[("amqp_consumer_timeout_ms", "500")])
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("AMQP_CONSUMER_TIMEOUT_MS"), "{e}");
+        assert!(e.contains("at least 1000 ms"), "{e}");
+        assert!(with(&[("amqp_consumer_timeout_ms", "0")]).is_ok());
+        // A window of 2000 deliveries at 1 per second waits 2000 s, past 80% of 30 minutes.
+        let e = with(&[("rate_limit_per_s", "1")]).unwrap_err().to_string();
+        assert!(e.contains("RATE_LIMIT_PER_S"), "{e}");
+        assert!(e.contains("2000 deliveries"), "{e}");
+        assert!(with(&[("rate_limit_per_s", "1"), ("prefetch", "100")]).is_ok());
+        assert!(with(&[("rate_limit_per_s", "1"), ("amqp_consumer_timeout_ms", "0")]).is_ok());
     }
 
     #[test]

@@ -4,7 +4,9 @@
 //! nothing, the arguments work (a retry tier's TTL brings a message back to the main queue, the
 //! delivery limit dead-letters to the DLQ), the pipeline runs on them (a transient failure goes
 //! through a quorum retry tier, every user ends in the table once), and a queue of the other
-//! type (classic vs quorum) is reported as drift and left as it was.
+//! type (classic vs quorum) is reported as drift and left as it was. At-least-once
+//! dead-lettering keeps retry-queue messages whose main queue was deleted until it is declared
+//! again (and delivers each once), where classic queues lose them.
 
 mod common;
 
@@ -13,7 +15,8 @@ use std::time::Duration;
 
 use common::cluster::*;
 use common::*;
-use lapin::options::{BasicGetOptions, BasicRejectOptions};
+use lapin::Connection;
+use lapin::options::{BasicGetOptions, BasicRejectOptions, QueueDeleteOptions};
 use serde_json::{Value, json};
 
 // ---- this file's setup ----------------------------------------------------------------------
@@ -90,6 +93,57 @@ fn assert_quorum_queues(
         nodes.dedup();
         assert_eq!(nodes.len(), 3, "{name}: members {:?}", q.members);
     }
+}
+
+/// (messages, messages_dlx) of the quorum queue `queue` on the cluster: `messages` counts what
+/// consumers can get (ready + unacked), `messages_dlx` what the queue handed its dead-letter
+/// worker and still keeps until the target confirmed it. 3.10's `rabbitmqctl list_queues` does
+/// not accept `messages_dlx` (only the management API shows it), so this asks the queue through
+/// `rabbitmqctl eval`.
+async fn dlx_counts(queue: &str) -> (u64, u64) {
+    let expr = format!(
+        "{{ok, Q}} = rabbit_amqqueue:lookup(rabbit_misc:r(<<\"/\">>, queue, <<\"{queue}\">>)), \
+         I = rabbit_quorum_queue:info(Q, [messages, messages_dlx]), \
+         io:format(\"~p ~p~n\", [proplists:get_value(messages, I), \
+         proplists:get_value(messages_dlx, I)])."
+    );
+    let out = rabbitmqctl(&["-n", &cluster_node(), "eval", &expr]).await;
+    let nums: Vec<u64> = out
+        .lines()
+        .next()
+        .unwrap_or_default()
+        .split_whitespace()
+        .filter_map(|n| n.parse().ok())
+        .collect();
+    match nums[..] {
+        [messages, dlx] => (messages, dlx),
+        _ => panic!("messages and messages_dlx of {queue}: {out:?}"),
+    }
+}
+
+/// Deletes `queue` through `conn` (its messages go with it).
+async fn delete_queue(conn: &Connection, queue: &str) {
+    let ch = conn.create_channel().await.expect("channel");
+    ch.queue_delete(queue.into(), QueueDeleteOptions::default())
+        .await
+        .unwrap_or_else(|e| panic!("delete {queue}: {e}"));
+    let _ = ch.close(200, "ok".into()).await;
+}
+
+/// Takes every message of `queue` (acked) through `conn` and returns their message ids, in
+/// order.
+async fn take_all_ids(conn: &Connection, queue: &str) -> Vec<String> {
+    let ch = conn.create_channel().await.expect("channel");
+    let mut ids = Vec::new();
+    while let Some(m) = ch
+        .basic_get(queue.into(), BasicGetOptions { no_ack: true })
+        .await
+        .expect("basic.get")
+    {
+        ids.push(message_id(&m));
+    }
+    let _ = ch.close(200, "ok".into()).await;
+    ids
 }
 
 // ---- tests ----------------------------------------------------------------------------------
@@ -297,4 +351,114 @@ async fn a_quorum_queue_is_reported_when_classic_is_wanted_and_left_alone() {
     }
     assert_eq!(c.queues().await, before, "a drifted queue was changed");
     assert_eq!(c.ready(main).await, 1, "the waiting message was lost");
+}
+
+/// At-least-once dead-lettering, the reason for quorum queues: messages waiting in the retry
+/// queue while the main queue is deleted expire into the retry queue's dead-letter worker, stay
+/// with the broker (`messages_dlx`) while their route is missing, and arrive in the main queue
+/// exactly once after `warren declare` re-creates it (within the worker's retry interval,
+/// `dead_letter_worker_publisher_confirm_timeout`, 5 s on the test cluster).
+#[tokio::test(flavor = "multi_thread")]
+async fn quorum_retry_messages_survive_a_deleted_main_queue_and_arrive_once() {
+    const N: usize = 20;
+    let mut c = ClusterEnv::new("cl_dlx_q").await;
+    c.env.set("QUEUE_TYPE", "quorum").set("RETRY_TTL_MS", "500");
+    c.env.declare();
+    delete_queue(&c.conn, &c.env.main_queue).await;
+
+    let ids: Vec<String> = (0..N).map(|_| uuid::Uuid::new_v4().to_string()).collect();
+    for id in &ids {
+        let uuid = id.parse().unwrap();
+        c.publish_with(
+            &c.env.retry_exchange,
+            &c.env.retry_queue,
+            &user_body(uuid),
+            json_props(uuid),
+        )
+        .await;
+    }
+    // Expired, handed to the dead-letter worker, which finds no route and keeps them.
+    wait_until(
+        "every retry message expired and held by the dead-letter worker",
+        Duration::from_secs(30),
+        || async { dlx_counts(&c.env.retry_queue).await == (0, N as u64) },
+    )
+    .await;
+    assert!(
+        warren::amqp::queue_stats(&c.conn, &c.env.main_queue)
+            .await
+            .is_err(),
+        "the main queue should still be deleted"
+    );
+
+    c.env.declare();
+    wait_until(
+        "the worker delivered every held message and settled it",
+        Duration::from_secs(30),
+        || async {
+            dlx_counts(&c.env.retry_queue).await == (0, 0)
+                && c.ready(&c.env.main_queue).await >= N as u32
+        },
+    )
+    .await;
+    // The worker is done with the retry queue (messages_dlx 0): nothing more can come from it.
+    let mut got = take_all_ids(&c.conn, &c.env.main_queue).await;
+    got.sort();
+    let mut want = ids.clone();
+    want.sort();
+    assert_eq!(
+        got, want,
+        "every held message exactly once in the main queue"
+    );
+}
+
+/// The same scenario on classic queues (on the single node) loses the messages: the retry
+/// queue dead-letters at most once, an expired message with no route is dropped. After the TTL
+/// the retry queue is empty, and when the main queue is declared again only a sentinel sent
+/// through the same retry queue afterwards arrives.
+#[tokio::test(flavor = "multi_thread")]
+async fn classic_retry_messages_are_lost_when_the_main_queue_is_deleted() {
+    const N: usize = 20;
+    let mut env = TestEnv::new("dlx_classic").await;
+    env.set("RETRY_TTL_MS", "500");
+    env.declare();
+    delete_queue(&env.conn, &env.main_queue).await;
+    for _ in 0..N {
+        let id = uuid::Uuid::new_v4();
+        env.publish_to(
+            &env.retry_exchange,
+            &env.retry_queue,
+            &user_body(id),
+            json_props(id),
+        )
+        .await;
+    }
+    wait_until(
+        "the retry queue empty after the TTL",
+        Duration::from_secs(30),
+        || async { env.ready(&env.retry_queue).await == 0 },
+    )
+    .await;
+
+    env.declare();
+    let sentinel = uuid::Uuid::new_v4();
+    env.publish_to(
+        &env.retry_exchange,
+        &env.retry_queue,
+        &user_body(sentinel),
+        json_props(sentinel),
+    )
+    .await;
+    wait_until(
+        "the sentinel in the main queue",
+        Duration::from_secs(30),
+        || async { env.ready(&env.main_queue).await >= 1 },
+    )
+    .await;
+    let got = take_all_ids(&env.conn, &env.main_queue).await;
+    assert_eq!(
+        got,
+        vec![sentinel.to_string()],
+        "classic queues dropped the {N} messages; only the sentinel arrives"
+    );
 }

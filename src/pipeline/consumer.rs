@@ -327,6 +327,9 @@ impl Consumer {
         ctx: &mut Context<Self>,
     ) {
         let generation = self.generation;
+        // One clock read per chunk: the sink gives back deliveries held near the broker's
+        // consumer_timeout, counted from here (see `Delivery::received_at`).
+        let received_at = Instant::now();
         let mut deliveries = Vec::with_capacity(chunk.len());
         for item in chunk {
             match item {
@@ -336,6 +339,7 @@ impl Consumer {
                     redelivered: d.redelivered,
                     body: d.data,
                     properties: d.properties,
+                    received_at,
                 }),
                 Err(e) => {
                     warn!(pipeline = self.config.pipeline, error = %e, "consumer stream error");
@@ -858,6 +862,22 @@ impl Handler<SetRate> for Consumer {
             rate_limit_per_s = msg.per_s,
             "rate limit set"
         );
+        // RATE_LIMIT_PER_S is checked against AMQP_CONSUMER_TIMEOUT_MS at start (config.rs);
+        // a live rate is only warned about: the last delivery of a full prefetch window waits
+        // prefetch / rate seconds unacked, and the broker closes the channel past its timeout.
+        if let Some(give_back) = self.settings.hand_back_after()
+            && msg.per_s > 0
+            && Duration::from_secs(u64::from(self.config.prefetch)) / msg.per_s >= give_back
+        {
+            warn!(
+                pipeline = self.config.pipeline,
+                rate_limit_per_s = msg.per_s,
+                prefetch = self.config.prefetch,
+                "at this rate a full prefetch window waits in warren longer than 80% of \
+                 AMQP_CONSUMER_TIMEOUT_MS: the broker may close the channel (warren then \
+                 reconnects); raise the rate or lower PREFETCH"
+            );
+        }
         self.throttle.set_rate(msg.per_s);
         self.release(ctx);
     }

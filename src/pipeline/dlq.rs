@@ -52,7 +52,8 @@ pub fn dlq_fate(failure: &Failure, attempts_so_far: u32, max_attempts: u32) -> F
             class: ErrorClass::Transient,
             ..
         } => Fate::Requeue("db_unavailable"),
-        // Systemic errors only end here at shutdown: the message stays with the broker.
+        // Systemic errors only end here at shutdown, or when the sink gives a batch back before
+        // the broker's consumer_timeout: the message stays with the broker.
         Failure::Db { .. } => Fate::Settled(Disposition::Requeue),
     }
 }

@@ -3,6 +3,7 @@
 //! between stages is paid per chunk, not per message.
 
 use std::sync::Arc;
+use std::time::Instant;
 
 use actix::prelude::*;
 use lapin::BasicProperties;
@@ -20,6 +21,9 @@ pub struct Delivery {
     pub redelivered: bool,
     pub body: Vec<u8>,
     pub properties: BasicProperties,
+    /// When warren received it (one clock read per chunk): the broker's `consumer_timeout`
+    /// counts from about then, so a stage holding it long gives it back in time (`sink.rs`).
+    pub received_at: Instant,
 }
 
 impl Delivery {

@@ -174,6 +174,7 @@ pub fn start<D: Domain>(settings: &Settings, spec: Spec, domain: Arc<D>, pool: P
         pipeline: name,
         db_retry_window: spec.db_retry_window,
         db_bound,
+        hand_back_after: settings.hand_back_after(),
         breaker: Arc::new(Breaker::new(
             name,
             spec.breaker_failures,

@@ -122,6 +122,7 @@ mod tests {
             redelivered: false,
             body: body.to_vec(),
             properties: BasicProperties::default(),
+            received_at: std::time::Instant::now(),
         }
     }
 

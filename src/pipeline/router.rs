@@ -213,7 +213,8 @@ pub fn main_fate(failure: &Failure) -> Fate {
             ErrorClass::Transient => Fate::Route(Route::Retry {
                 reason: reason.to_string(),
             }),
-            // Systemic errors only end here at shutdown: the message stays with the broker.
+            // Systemic errors only end here at shutdown, or when the sink gives a batch back before
+            // the broker's consumer_timeout: the message stays with the broker.
             ErrorClass::Systemic => Fate::Settled(Disposition::Requeue),
         },
     }

@@ -3,7 +3,10 @@
 //! refuses (split in halves, so one bad row never takes its batch down), acks what committed
 //! and hands every other message, with why, to the pipeline's fallback stage (`router.rs` for
 //! the main pipeline, `dlq.rs` for the DLQ consumer). It answers the batcher once the whole
-//! batch is settled: one batch at a time per sink.
+//! batch is settled: one batch at a time per sink. A batch retried in place (the breaker open)
+//! is given back to its queue at 80% of the broker's `consumer_timeout`
+//! (`AMQP_CONSUMER_TIMEOUT_MS`), counted from its oldest delivery, before the broker would close
+//! the channel over it.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -30,6 +33,10 @@ pub struct SinkConfig<D: Domain> {
     pub db_retry_window: Duration,
     /// Client-side bound on one statement.
     pub db_bound: Duration,
+    /// How long a batch may be held unacked (from its oldest delivery's arrival) before the
+    /// in-place retry gives it back (nack with requeue), ahead of the broker's
+    /// `consumer_timeout`; `None` = the broker has none (`AMQP_CONSUMER_TIMEOUT_MS=0`).
+    pub hand_back_after: Option<Duration>,
     pub breaker: Arc<Breaker>,
     /// Cancelled at shutdown: in-place retries give up (the messages are requeued).
     pub stopping: CancellationToken,
@@ -98,7 +105,11 @@ async fn sink<D: Domain>(config: Arc<SinkConfig<D>>, batch: Batch<D::Record>) {
     let mut transient: Option<String> = None;
     if !records.is_empty() {
         let refs: Vec<(usize, &D::Record)> = records.iter().map(|(i, r)| (*i, r)).collect();
-        for (indices, result) in insert_isolating(&config, refs, &id).await {
+        let give_back_at = give_back_at(
+            deliveries.iter().map(|d| d.received_at).min(),
+            config.hand_back_after,
+        );
+        for (indices, result) in insert_isolating(&config, refs, &id, give_back_at).await {
             match result {
                 Ok(conflicts) => {
                     for (i, reason) in conflicts {
@@ -200,6 +211,7 @@ async fn insert_isolating<D: Domain>(
     config: &Arc<SinkConfig<D>>,
     records: Vec<(usize, &D::Record)>,
     batch_id: &str,
+    give_back_at: Option<Instant>,
 ) -> Vec<GroupResult> {
     let mut out = Vec::new();
     let deadline = Instant::now() + config.db_retry_window;
@@ -207,7 +219,7 @@ async fn insert_isolating<D: Domain>(
     let mut splits = 0usize;
     while let Some(group) = stack.pop() {
         let refs: Vec<&D::Record> = group.iter().map(|(_, r)| *r).collect();
-        match insert_retrying(config, &refs, deadline, batch_id).await {
+        match insert_retrying(config, &refs, deadline, give_back_at, batch_id).await {
             Ok(done) => {
                 let conflicts = done
                     .conflicts
@@ -244,13 +256,29 @@ fn splits_on(e: &DbError) -> bool {
     }
 }
 
+/// When a batch whose oldest delivery arrived at `oldest` is given back instead of retried in
+/// place any longer: `hand_back_after` later (`None`: never, the broker has no consumer timeout).
+fn give_back_at(oldest: Option<Instant>, hand_back_after: Option<Duration>) -> Option<Instant> {
+    Some(oldest? + hand_back_after?)
+}
+
+/// Whether the retry that would start after `delay` must not happen: it would start at or past
+/// `give_back_at`, when the batch goes back to the broker instead.
+fn past_give_back(give_back_at: Option<Instant>, now: Instant, delay: Duration) -> bool {
+    give_back_at.is_some_and(|at| now + delay >= at)
+}
+
 /// One insert statement, retried in place (backon): transient errors until `deadline`, systemic
-/// errors (the deployment is wrong) with the breaker open until they clear or warren stops.
+/// errors (the deployment is wrong) with the breaker open until they clear or warren stops, or
+/// until `give_back_at`: then the error is returned as it is and the fallback stage gives the
+/// batch back to its queue (a systemic error is requeued, `x-retries` untouched), so the broker's
+/// `consumer_timeout` never closes the channel over it; the breaker keeps the consumer held.
 /// Each attempt is bounded on the client side, so a half-open connection fails it in seconds.
 async fn insert_retrying<D: Domain>(
     config: &Arc<SinkConfig<D>>,
     records: &[&D::Record],
     deadline: Instant,
+    give_back_at: Option<Instant>,
     batch_id: &str,
 ) -> Result<Inserted, DbError> {
     let attempt = || async {
@@ -292,6 +320,12 @@ async fn insert_retrying<D: Domain>(
         .when(|e| !stopping.is_cancelled() && e.class() != ErrorClass::Permanent)
         .adjust(|e, delay| match (e.class(), delay) {
             (ErrorClass::Transient, Some(d)) if Instant::now() + d > deadline => None,
+            (_, Some(d)) if past_give_back(give_back_at, Instant::now(), d) => {
+                warn!(pipeline, batch_id, error = %e,
+                    "batch held unacked near the broker's consumer_timeout \
+                     (AMQP_CONSUMER_TIMEOUT_MS); giving it back to the queue");
+                None
+            }
             _ => delay,
         })
         .notify(|e, delay| {
@@ -309,4 +343,39 @@ async fn insert_retrying<D: Domain>(
             }
         })
         .await
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_batch_is_given_back_at_its_oldest_delivery_plus_the_hand_back_time() {
+        let oldest = Instant::now();
+        let after = Duration::from_secs(24 * 60);
+        assert_eq!(
+            give_back_at(Some(oldest), Some(after)),
+            Some(oldest + after)
+        );
+        assert_eq!(
+            give_back_at(Some(oldest), None),
+            None,
+            "no consumer timeout"
+        );
+        assert_eq!(give_back_at(None, Some(after)), None, "no delivery");
+    }
+
+    #[test]
+    fn a_retry_starting_at_or_past_the_give_back_time_does_not_happen() {
+        let now = Instant::now();
+        let at = Some(now + Duration::from_secs(10));
+        assert!(!past_give_back(at, now, Duration::from_secs(9)));
+        assert!(past_give_back(at, now, Duration::from_secs(10)));
+        assert!(past_give_back(
+            at,
+            now + Duration::from_secs(11),
+            Duration::ZERO
+        ));
+        assert!(!past_give_back(None, now, Duration::from_secs(1_000_000)));
+    }
 }

@@ -111,6 +111,7 @@ mod tests {
             generation,
             tag,
             redelivered: false,
+            received_at: std::time::Instant::now(),
             body: Vec::new(),
             properties: Default::default(),
         })
