@@ -28,6 +28,10 @@
 # the max queue depth (kept up: never above two prefetch windows) and the end-to-end latency
 # percentiles against the target p99 <= USERS_BATCH_TIMEOUT_MS + 250 ms.
 #
+# QUEUE_TYPE=quorum runs every contender (raw drain and minimal pipeline included) on quorum
+# queues (warren_bench_*_quorum, deleted at the end): warren's drain of a quorum queue against the
+# raw drain of the same quorum queue.
+#
 # Uses its own queues (warren_bench_*), schema (warren_bench) and Redis prefix (warren_bench);
 # purges the queues and drops the schema at the end. A second run waits for the first
 # (/tmp/warren-bench.lock). Logs stay in a directory under /tmp, named at the start.
@@ -95,6 +99,11 @@ export DATABASE_SCHEMA=warren_bench REDIS_PREFIX=warren_bench HTTP_ADDR=127.0.0.
 export AMQP_URL="${AMQP_URL:-amqp://guest:guest@127.0.0.1:5672/%2f}"
 export DATABASE_URL="${DATABASE_URL:-postgres://warren:warren@127.0.0.1:5432/warren}"
 for kv in "${SETTINGS[@]}"; do export "${kv?}"; done
+# QUEUE_TYPE=quorum measures every contender on quorum queues of their own (a queue never changes
+# its type), declared by `warren declare` on the node of AMQP_URL and deleted at the end.
+if [ "${QUEUE_TYPE:-classic}" = quorum ]; then
+  MAIN_QUEUE+=_quorum RETRY_QUEUE+=_quorum DLQ_QUEUE+=_quorum
+fi
 CLK_TCK=$(getconf CLK_TCK); export CLK_TCK
 SCHEMA="$DATABASE_SCHEMA"
 LOGDIR=$(mktemp -d /tmp/warren-bench.XXXXXX)
@@ -172,6 +181,9 @@ cleanup() {
   local rc=$?
   if [ -n "$CHILD" ] && kill -0 "$CHILD" 2>/dev/null; then stop_child; fi
   purge_queues
+  if [ "${QUEUE_TYPE:-classic}" = quorum ]; then
+    for q in "$MAIN_QUEUE" "$RETRY_QUEUE" "$DLQ_QUEUE"; do rabbitmqctl -q delete_queue "$q" >/dev/null 2>&1 || true; done
+  fi
   psql_q "DROP SCHEMA IF EXISTS $SCHEMA CASCADE" >/dev/null 2>&1 || true
   if command -v redis-cli >/dev/null; then
     redis-cli --scan --pattern "$REDIS_PREFIX:*" 2>/dev/null | xargs -r redis-cli del >/dev/null 2>&1 || true
