@@ -698,24 +698,18 @@ impl Settings {
                 got: timeout.to_string(),
             });
         }
-        if let Some(give_back) = self.hand_back_after()
-            && self.rate_limit_per_s > 0
-        {
-            let window_ms =
-                u64::from(self.effective_prefetch()) * 1000 / u64::from(self.rate_limit_per_s);
-            if window_ms >= give_back.as_millis() as u64 {
-                return Err(ConfigError::Invalid {
-                    setting: "RATE_LIMIT_PER_S".into(),
-                    expected: format!(
-                        "a rate at which one prefetch window ({} deliveries) is handed on within \
+        if let Some(give_back) = self.window_outlasts_hand_back(self.rate_limit_per_s) {
+            return Err(ConfigError::Invalid {
+                setting: "RATE_LIMIT_PER_S".into(),
+                expected: format!(
+                    "a rate at which one prefetch window ({} deliveries) is handed on within \
                          {} ms (80% of AMQP_CONSUMER_TIMEOUT_MS): raise the rate, lower PREFETCH, \
                          or set AMQP_CONSUMER_TIMEOUT_MS to the broker's larger consumer_timeout",
-                        self.effective_prefetch(),
-                        give_back.as_millis()
-                    ),
-                    got: self.rate_limit_per_s.to_string(),
-                });
-            }
+                    self.effective_prefetch(),
+                    give_back.as_millis()
+                ),
+                got: self.rate_limit_per_s.to_string(),
+            });
         }
         Ok(())
     }
@@ -724,6 +718,16 @@ impl Settings {
     /// see [`hand_back_after`]; `None` when the broker has no consumer timeout.
     pub fn hand_back_after(&self) -> Option<Duration> {
         hand_back_after(self.amqp_consumer_timeout_ms)
+    }
+
+    /// At `per_s` messages a second (0 = no limit), whether the last delivery of a full prefetch
+    /// window would wait in the rate limiter as long as the hand-back time or longer (the broker
+    /// may then close the channel over it); that time if so. Checked at start (an error) and on
+    /// `warren ctl rate` (a warning).
+    pub fn window_outlasts_hand_back(&self, per_s: u32) -> Option<Duration> {
+        let give_back = self.hand_back_after()?;
+        let window = Duration::from_secs(u64::from(self.effective_prefetch())) / per_s.max(1);
+        (per_s > 0 && window >= give_back).then_some(give_back)
     }
 
     /// The prefetch actually used: the setting, or batch size x batch concurrency.
@@ -1185,6 +1189,12 @@ mod tests {
         assert!(e.contains("2000 deliveries"), "{e}");
         assert!(with(&[("rate_limit_per_s", "1"), ("prefetch", "100")]).is_ok());
         assert!(with(&[("rate_limit_per_s", "1"), ("amqp_consumer_timeout_ms", "0")]).is_ok());
+        // The same rule for a live rate (`warren ctl rate`): 2 per second passes the window in
+        // 1000 s, within 1440 s; 1 per second does not; 0 is no limit.
+        let give_back = Some(Duration::from_secs(24 * 60));
+        assert_eq!(s.window_outlasts_hand_back(1), give_back);
+        assert_eq!(s.window_outlasts_hand_back(2), None);
+        assert_eq!(s.window_outlasts_hand_back(0), None);
     }
 
     #[test]

@@ -112,27 +112,6 @@ fn last_node() -> (String, String) {
     (urls[n - 1].clone(), format!("warren-rc{n}@localhost"))
 }
 
-/// (ready, unacknowledged) of `queue`, as `node` lists it.
-async fn counts_on(node: &str, queue: &str) -> (u64, u64) {
-    let rows = rabbitmqctl_rows(&[
-        "-n",
-        node,
-        "list_queues",
-        "name",
-        "messages_ready",
-        "messages_unacknowledged",
-    ])
-    .await;
-    let row = rows
-        .iter()
-        .find(|r| r["name"].as_str() == Some(queue))
-        .unwrap_or_else(|| panic!("queue {queue} does not exist"));
-    (
-        row["messages_ready"].as_u64().unwrap_or(u64::MAX),
-        row["messages_unacknowledged"].as_u64().unwrap_or(u64::MAX),
-    )
-}
-
 /// A `ClusterEnv` whose warren talks to `url` alone, with the database refusing every insert
 /// with a systemic error (insufficient_privilege) and `n` users published.
 async fn systemic_setup(test: &str, url: &str, n: usize) -> (ClusterEnv, Vec<uuid::Uuid>) {
@@ -214,7 +193,7 @@ async fn a_batch_held_by_the_breaker_is_given_back_before_the_brokers_consumer_t
     wait_until(
         "every message given back: ready, none unacked",
         Duration::from_secs(30),
-        || async { counts_on(&node, &c.env.main_queue).await == (N as u64, 0) },
+        || async { queue_counts_on(Some(&node), &c.env.main_queue).await == (N as u64, 0) },
     )
     .await;
     assert!(
@@ -236,7 +215,10 @@ async fn a_batch_held_by_the_breaker_is_given_back_before_the_brokers_consumer_t
         "log:\n{}",
         warren.logs()
     );
-    assert_eq!(counts_on(&node, &c.env.main_queue).await, (N as u64, 0));
+    assert_eq!(
+        queue_counts_on(Some(&node), &c.env.main_queue).await,
+        (N as u64, 0)
+    );
     // Given back untouched: no x-retries, nothing in the retry queue or the DLQ.
     for m in peek(&c.conn, &c.env.main_queue, N).await {
         assert!(
@@ -259,7 +241,10 @@ async fn a_batch_held_by_the_breaker_is_given_back_before_the_brokers_consumer_t
     assert_eq!(c.ready(&c.env.dlq_queue).await, 0);
     assert_eq!(amqp_reconnects(&c.env).await, 0.0);
     warren.terminate_ok(Duration::from_secs(30));
-    assert_eq!(counts_on(&node, &c.env.main_queue).await, (0, 0));
+    assert_eq!(
+        queue_counts_on(Some(&node), &c.env.main_queue).await,
+        (0, 0)
+    );
 }
 
 /// Warren's AMQP_CONSUMER_TIMEOUT_MS is larger than the broker's (here 0: warren believes there
@@ -294,7 +279,7 @@ async fn warren_recovers_when_the_broker_times_its_consumer_out() {
     .await;
     assert_eq!(c.ready(&c.env.dlq_queue).await, 0);
     wait_until("the main queue empty", Duration::from_secs(30), || async {
-        counts_on(&node, &c.env.main_queue).await == (0, 0)
+        queue_counts_on(Some(&node), &c.env.main_queue).await == (0, 0)
     })
     .await;
     warren.terminate_ok(Duration::from_secs(30));

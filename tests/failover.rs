@@ -128,27 +128,6 @@ async fn leader_of(node: &str, queue: &str) -> String {
         .unwrap_or_else(|| panic!("no leader for {queue} on {node}"))
 }
 
-/// (ready, unacked) of `queue`, asked of `node`.
-async fn counts_on(node: &str, queue: &str) -> (u64, u64) {
-    let rows = rabbitmqctl_rows(&[
-        "-n",
-        node,
-        "list_queues",
-        "name",
-        "messages_ready",
-        "messages_unacknowledged",
-    ])
-    .await;
-    let q = rows
-        .iter()
-        .find(|q| q["name"].as_str() == Some(queue))
-        .unwrap_or_else(|| panic!("queue {queue} not listed by {node}"));
-    (
-        q["messages_ready"].as_u64().unwrap_or(u64::MAX),
-        q["messages_unacknowledged"].as_u64().unwrap_or(u64::MAX),
-    )
-}
-
 /// Consumer tags on `queue`, asked of `node`.
 async fn consumers_on(node: &str, queue: &str) -> Vec<String> {
     rabbitmqctl_rows(&["-n", node, "list_consumers", "queue_name", "consumer_tag"])
@@ -528,7 +507,7 @@ async fn killing_the_main_queues_leader_under_load_loses_no_confirmed_message() 
     wait_until(
         "the main queue drained (nothing ready or unacked)",
         Duration::from_secs(30),
-        || async { counts_on(&s1.name, &c.env.main_queue).await == (0, 0) },
+        || async { queue_counts_on(Some(&s1.name), &c.env.main_queue).await == (0, 0) },
     )
     .await;
     eprintln!(
@@ -655,7 +634,7 @@ async fn killing_the_main_queues_leader_under_load_loses_no_confirmed_message() 
     wait_until(
         "the main queue drained again",
         Duration::from_secs(30),
-        || async { counts_on(&s1.name, &c.env.main_queue).await == (0, 0) },
+        || async { queue_counts_on(Some(&s1.name), &c.env.main_queue).await == (0, 0) },
     )
     .await;
 
@@ -690,7 +669,11 @@ async fn killing_the_main_queues_leader_under_load_loses_no_confirmed_message() 
     let missing: Vec<&Uuid> = must.iter().filter(|id| !seen.contains(id)).collect();
     assert!(missing.is_empty(), "missing from users: {missing:?}");
     for q in [&c.env.retry_queue, &c.env.dlq_queue] {
-        assert_eq!(counts_on(&s1.name, q).await, (0, 0), "{q} not empty");
+        assert_eq!(
+            queue_counts_on(Some(&s1.name), q).await,
+            (0, 0),
+            "{q} not empty"
+        );
     }
     eprintln!(
         "failover: {} rows: {} API keys ({} 200 at once, {} 503 then retried), {} warren \

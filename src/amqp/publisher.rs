@@ -370,19 +370,7 @@ pub async fn publish_group(
     let work = async {
         let mut confirms = Vec::with_capacity(n);
         for p in &publishes {
-            let confirm = channel
-                .basic_publish(
-                    p.exchange.as_str().into(),
-                    p.routing_key.as_str().into(),
-                    BasicPublishOptions {
-                        mandatory: true,
-                        ..Default::default()
-                    },
-                    &p.body,
-                    p.properties.clone(),
-                )
-                .await;
-            confirms.push(confirm);
+            confirms.push(start(channel, p, p.properties.clone()).await);
         }
         futures::future::join_all(confirms.into_iter().map(|c| async move { c?.await })).await
     };
@@ -433,38 +421,44 @@ pub async fn publish_group(
     results
 }
 
+/// Sends `p` on `channel` as a `mandatory` publish with `properties` (persistent if they say so);
+/// the returned confirm resolves when the broker confirms it.
+async fn start(
+    channel: &Channel,
+    p: &Publish,
+    properties: BasicProperties,
+) -> lapin::Result<lapin::PublisherConfirm> {
+    channel
+        .basic_publish(
+            p.exchange.as_str().into(),
+            p.routing_key.as_str().into(),
+            BasicPublishOptions {
+                mandatory: true,
+                ..Default::default()
+            },
+            &p.body,
+            properties,
+        )
+        .await
+}
+
 /// Publishes on `channel` (in confirm mode) and waits for the confirm; an unroutable mandatory
 /// message comes back as an `Ack` carrying the returned message, which is a failure here.
 pub async fn publish_confirmed(
     channel: &Channel,
-    msg: Publish,
+    mut msg: Publish,
     timeout: Duration,
 ) -> Result<(), AmqpError> {
-    let exchange = msg.exchange;
-    let routing_key = msg.routing_key;
-    let work = async {
-        let confirm = channel
-            .basic_publish(
-                exchange.as_str().into(),
-                routing_key.as_str().into(),
-                BasicPublishOptions {
-                    mandatory: true,
-                    ..Default::default()
-                },
-                &msg.body,
-                msg.properties,
-            )
-            .await?;
-        confirm.await
-    };
+    let properties = std::mem::take(&mut msg.properties);
+    let work = async { start(channel, &msg, properties).await?.await };
     match tokio::time::timeout(timeout, work).await {
         Err(_) => Err(AmqpError::ConfirmTimeout(timeout)),
         Ok(Err(e)) => Err(AmqpError::Unavailable(e.to_string())),
         Ok(Ok(Confirmation::Ack(None))) => Ok(()),
         Ok(Ok(Confirmation::Ack(Some(_)))) | Ok(Ok(Confirmation::Nack(Some(_)))) => {
             Err(AmqpError::Unroutable {
-                exchange,
-                routing_key,
+                exchange: msg.exchange,
+                routing_key: msg.routing_key,
             })
         }
         Ok(Ok(Confirmation::Nack(None))) => Err(AmqpError::Nacked),

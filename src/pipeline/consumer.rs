@@ -865,10 +865,7 @@ impl Handler<SetRate> for Consumer {
         // RATE_LIMIT_PER_S is checked against AMQP_CONSUMER_TIMEOUT_MS at start (config.rs);
         // a live rate is only warned about: the last delivery of a full prefetch window waits
         // prefetch / rate seconds unacked, and the broker closes the channel past its timeout.
-        if let Some(give_back) = self.settings.hand_back_after()
-            && msg.per_s > 0
-            && Duration::from_secs(u64::from(self.config.prefetch)) / msg.per_s >= give_back
-        {
+        if self.settings.window_outlasts_hand_back(msg.per_s).is_some() {
             warn!(
                 pipeline = self.config.pipeline,
                 rate_limit_per_s = msg.per_s,

@@ -163,17 +163,31 @@ pub async fn assert_queue_empty(env: &TestEnv, queue: &str) {
 
 /// (ready, unacknowledged) messages of `queue`, from `rabbitmqctl list_queues`.
 pub async fn queue_counts(queue: &str) -> (u64, u64) {
-    let rows = rabbitmqctl_rows(&[
+    queue_counts_on(None, queue).await
+}
+
+/// The same, asked of the node `node` (`rabbitmqctl -n`; `None`: the default node).
+pub async fn queue_counts_on(node: Option<&str>, queue: &str) -> (u64, u64) {
+    let mut args = Vec::new();
+    if let Some(node) = node {
+        args.extend(["-n", node]);
+    }
+    args.extend([
         "list_queues",
         "name",
         "messages_ready",
         "messages_unacknowledged",
-    ])
-    .await;
+    ]);
+    let rows = rabbitmqctl_rows(&args).await;
     let row = rows
         .iter()
         .find(|row| row["name"].as_str() == Some(queue))
-        .unwrap_or_else(|| panic!("queue {queue} does not exist"));
+        .unwrap_or_else(|| {
+            panic!(
+                "queue {queue} is not listed by {}",
+                node.unwrap_or("the default node")
+            )
+        });
     (
         row["messages_ready"].as_u64().unwrap_or(u64::MAX),
         row["messages_unacknowledged"].as_u64().unwrap_or(u64::MAX),
