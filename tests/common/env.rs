@@ -42,12 +42,24 @@ pub(super) fn unique_number() -> u32 {
     COUNTER.fetch_add(1, Ordering::Relaxed)
 }
 
-/// A free TCP port on 127.0.0.1 (bound, then released).
+/// A free TCP port on 127.0.0.1 (bound, then released), never one this test binary was given
+/// before: released ports go back to the kernel, which may hand the same one to the next call
+/// while the first caller's warren is still starting (seen: a consumer's `/metrics` took the
+/// API's port, the API failed to bind, and the test's requests were answered by the metrics
+/// endpoint).
 pub fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map(|a| a.port())
-        .expect("no free port")
+    static GIVEN: std::sync::Mutex<Vec<u16>> = std::sync::Mutex::new(Vec::new());
+    let mut given = GIVEN.lock().unwrap_or_else(|p| p.into_inner());
+    loop {
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .and_then(|l| l.local_addr())
+            .map(|a| a.port())
+            .expect("no free port");
+        if !given.contains(&port) {
+            given.push(port);
+            return port;
+        }
+    }
 }
 
 /// The host name as warren records it (registry keys, `ctl` output): warren's own lookup.
