@@ -51,8 +51,8 @@ pub struct Batcher<R: Send + Unpin + 'static> {
     oldest: Option<Instant>,
     /// A batch is at the sink.
     busy: bool,
-    /// A timer for the oldest entry is pending.
-    timer: Option<SpawnHandle>,
+    /// A timer is pending for the entry that arrived at this instant.
+    timer: Option<(SpawnHandle, Instant)>,
     /// After `Drain`, everything is flushed at once.
     draining: bool,
     /// `pipeline-index`, the prefix of batch ids in logs.
@@ -102,22 +102,28 @@ impl<R: Send + Unpin + 'static> Batcher<R> {
     }
 
     /// A timer for when the oldest waiting entry is due (none while the sink is busy: its
-    /// answer flushes).
+    /// answer flushes). A timer already pending for the same entry stays: chunks that join a
+    /// waiting batch cost no timer work.
     fn arm_timer(&mut self, ctx: &mut Context<Self>) {
-        if let Some(timer) = self.timer.take() {
+        let due = self
+            .oldest
+            .filter(|_| !self.busy && !self.entries.is_empty());
+        if let Some((timer, at)) = self.timer.take() {
+            if Some(at) == due {
+                self.timer = Some((timer, at));
+                return;
+            }
             ctx.cancel_future(timer);
         }
-        let Some(oldest) = self.oldest else {
+        let Some(oldest) = due else {
             return;
         };
-        if self.busy || self.entries.is_empty() {
-            return;
-        }
         let wait = self.rule.timeout.saturating_sub(oldest.elapsed());
-        self.timer = Some(ctx.run_later(wait, |act, ctx| {
+        let timer = ctx.run_later(wait, |act, ctx| {
             act.timer = None;
             act.flush(ctx);
-        }));
+        });
+        self.timer = Some((timer, oldest));
     }
 }
 
