@@ -16,9 +16,13 @@ fn main() {
         }
     };
     warren::cli::init_logs(&settings);
-    // Built here so a failure is an error message, not a panic inside actix.
-    let runtime = match tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
+    // Built here so a failure is an error message, not a panic inside actix. One thread: the
+    // actors, the database connections' sockets, lapin's tasks and the metrics exporter share
+    // it, so a batch's insert answers on the thread that waits for it, and a socket event wakes
+    // one thread, not a worker that wakes another (10% less CPU a message than two workers,
+    // README "Performance"). Parallel work has threads of its own: lapin's I/O loop per
+    // connection, the API's actix-web workers, processors beyond the first.
+    let runtime = match tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
     {
