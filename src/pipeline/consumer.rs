@@ -473,8 +473,7 @@ impl Consumer {
         let generation = self.generation;
         self.consumer_tag = Some(tag.clone());
         self.idle = (self.received, 0);
-        let chunks = tokio_stream::StreamExt::throttle(consumer.ready_chunks(CHUNK_MAX), LINGER);
-        let stream = chunks
+        let stream = chunks(consumer, CHUNK_MAX, LINGER)
             .map(move |chunk| Event::Deliveries(generation, chunk))
             .chain(futures::stream::once(async move {
                 Event::Ended(generation, tag)
@@ -559,6 +558,17 @@ impl Consumer {
 }
 
 /// This process's consumer tag for `pipeline`, unique per subscription (`suffix`).
+/// What `stream` holds ready at one poll, up to `max` items, as one chunk; after each chunk the
+/// stream is left alone for `linger`, so what arrives meanwhile makes the next chunk instead of
+/// a wake-up each. The first item after a quiet spell comes at once.
+fn chunks<S: futures::Stream>(
+    stream: S,
+    max: usize,
+    linger: Duration,
+) -> impl futures::Stream<Item = Vec<S::Item>> {
+    tokio_stream::StreamExt::throttle(stream.ready_chunks(max), linger)
+}
+
 fn consumer_tag(pipeline: &str, suffix: &str) -> String {
     format!(
         "warren-{}-{}-{pipeline}-{suffix}",
@@ -886,5 +896,48 @@ impl Handler<SetRate> for Consumer {
         }
         self.throttle.set_rate(msg.per_s);
         self.release(ctx);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use futures::channel::mpsc;
+
+    /// Deliveries that arrive while the consumer lingers come as one chunk; after a quiet spell
+    /// the first one comes at once (paused clock: no real sleeps).
+    #[tokio::test(start_paused = true)]
+    async fn what_arrives_during_the_linger_is_one_chunk_and_the_first_after_quiet_comes_at_once() {
+        let (tx, rx) = mpsc::unbounded::<u32>();
+        let mut chunks = std::pin::pin!(chunks(rx, 1000, Duration::from_millis(1)));
+        tx.unbounded_send(1).unwrap();
+        let start = tokio::time::Instant::now();
+        assert_eq!(chunks.next().await, Some(vec![1]));
+        assert_eq!(
+            start.elapsed(),
+            Duration::ZERO,
+            "the first delivery waits for nothing"
+        );
+        // While the consumer lingers, three more arrive: one chunk, after the linger.
+        for i in 2..=4 {
+            tx.unbounded_send(i).unwrap();
+        }
+        assert_eq!(chunks.next().await, Some(vec![2, 3, 4]));
+        assert_eq!(start.elapsed(), Duration::from_millis(1));
+        // A quiet spell longer than the linger: the next one comes as soon as it arrives.
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        let quiet_end = tokio::time::Instant::now();
+        tx.unbounded_send(5).unwrap();
+        assert_eq!(chunks.next().await, Some(vec![5]));
+        assert_eq!(quiet_end.elapsed(), Duration::ZERO);
+        // A chunk never holds more than the bound.
+        for i in 0..2500 {
+            tx.unbounded_send(i).unwrap();
+        }
+        let mut seen = Vec::new();
+        while seen.iter().sum::<usize>() < 2500 {
+            seen.push(chunks.next().await.unwrap().len());
+        }
+        assert_eq!(seen, [1000, 1000, 500]);
     }
 }
