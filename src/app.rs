@@ -31,7 +31,7 @@ pub async fn run(settings: Settings, shutdown: impl Future<Output = ()>) -> anyh
     let metrics_addr: SocketAddr = settings.metrics_addr.parse().context("METRICS_ADDR")?;
     metrics::install(metrics_addr).map_err(anyhow::Error::msg)?;
 
-    tokio::spawn(metrics::poll_queues(
+    tokio::spawn(crate::amqp::monitor::poll_queues(
         settings.clone(),
         Duration::from_secs(5),
     ));

@@ -7,7 +7,7 @@
 //! - [`config`]: typed settings, their layering and validation.
 //! - [`topology`]: the declared RabbitMQ topology and its idempotent declare.
 //! - [`amqp`]: connections to one of several nodes with heartbeats and backoff, the confirmed
-//!   publisher (pipeline, API, CLI), the `x-*` headers.
+//!   publisher (pipeline, API, CLI), the `x-*` headers, the queue poller (`monitor`).
 //! - [`pipeline`]: the stages, wired in flow order in `pipeline/mod.rs` with the one shutdown
 //!   sequence: message, consumer (broker link), acks, processor, batcher (flush rules), sink
 //!   (insert, retry in place, row isolation), breaker, router (outcome policy), dlq.
@@ -15,7 +15,8 @@
 //! - [`db`]: pools (pipeline and API), client-side statement bounds, embedded migrations,
 //!   SQLSTATE classification, and `dead_letters` (all SQL of the parking table).
 //! - [`http`]: the actix-web API.
-//! - [`metrics`]: every metric name and label.
+//! - [`metrics`]: every metric name and label; it imports nothing of the stages or the broker
+//!   link (they call it).
 //! - [`registry`]: the Redis instance registry, heartbeats, shutdown history, remote control.
 //! - [`cli`]: one file per subcommand of the `warren` binary.
 

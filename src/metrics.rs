@@ -333,18 +333,11 @@ pub fn breaker(pipeline: &'static str, open: bool) {
     }
 }
 
-/// A publish finished: counts it by outcome, and times confirmed ones.
-pub fn published(result: &Result<(), crate::amqp::AmqpError>, took: Duration) {
-    use crate::amqp::AmqpError;
-    let outcome = match result {
-        Ok(()) => "confirmed",
-        Err(AmqpError::Unroutable { .. }) => "unroutable",
-        Err(AmqpError::Nacked) => "nacked",
-        Err(AmqpError::ConfirmTimeout(_)) => "timeout",
-        Err(_) => "unavailable",
-    };
+/// A publish finished with `outcome` (`confirmed`, `unroutable`, `nacked`, `timeout`,
+/// `unavailable`): counts it, and times confirmed ones.
+pub fn published(outcome: &'static str, took: Duration) {
     counter!(PUBLISHED, "outcome" => outcome).increment(1);
-    if result.is_ok() {
+    if outcome == "confirmed" {
         histogram!(PUBLISH_CONFIRM_SECONDS).record(took.as_secs_f64());
     }
 }
@@ -450,34 +443,17 @@ pub fn queue_depth(queue: &str) -> Option<u32> {
     (at.elapsed() < Duration::from_secs(15)).then_some(*depth)
 }
 
+/// A poll of `queue` found `messages` ready and `consumers` consumers
+/// (`warren_queue_messages`, `warren_queue_consumers`, and the depth for the idle watchdog).
+pub fn queue_polled(queue: &str, messages: u32, consumers: u32) {
+    gauge!(QUEUE_MESSAGES, "queue" => queue.to_string()).set(messages as f64);
+    remember_depth(queue, messages);
+    gauge!(QUEUE_CONSUMERS, "queue" => queue.to_string()).set(consumers as f64);
+}
+
 fn remember_depth(queue: &str, depth: u32) {
     let mut guard = QUEUE_DEPTHS.lock().unwrap_or_else(|p| p.into_inner());
     guard
         .get_or_insert_with(Default::default)
         .insert(queue.to_string(), (depth, std::time::Instant::now()));
-}
-
-/// Polls the depth and consumer count of the main, retry (every tier's) and DLQ queues every
-/// `every`, on a connection of its own, into `warren_queue_messages` / `warren_queue_consumers`
-/// (and for the consumers' idle watchdog).
-pub async fn poll_queues(settings: crate::config::Settings, every: Duration) {
-    let mut queues = vec![settings.main_queue.clone()];
-    queues.extend(settings.retry_tiers().into_iter().map(|t| t.queue));
-    queues.push(settings.dlq_queue.clone());
-    let mut conn: Option<lapin::Connection> = None;
-    loop {
-        if conn.as_ref().is_none_or(|c| !c.status().connected()) {
-            conn = crate::amqp::connect(&settings, "monitor").await.ok();
-        }
-        if let Some(c) = &conn {
-            for q in &queues {
-                if let Ok((messages, consumers)) = crate::amqp::queue_stats(c, q).await {
-                    gauge!(QUEUE_MESSAGES, "queue" => q.clone()).set(messages as f64);
-                    remember_depth(q, messages);
-                    gauge!(QUEUE_CONSUMERS, "queue" => q.clone()).set(consumers as f64);
-                }
-            }
-        }
-        tokio::time::sleep(every).await;
-    }
 }

@@ -3,6 +3,7 @@
 //! loops, the AMQP error enum, and the `x-*` headers warren reads and writes.
 
 pub mod headers;
+pub mod monitor;
 pub mod publisher;
 
 use std::collections::HashMap;
@@ -49,6 +50,27 @@ pub enum AmqpError {
     /// Any other protocol or IO error from lapin.
     #[error("{0}")]
     Protocol(String),
+}
+
+impl AmqpError {
+    /// The `outcome` label of `warren_publish_total` for a publish that failed so.
+    pub fn publish_outcome(&self) -> &'static str {
+        match self {
+            AmqpError::Unroutable { .. } => "unroutable",
+            AmqpError::Nacked => "nacked",
+            AmqpError::ConfirmTimeout(_) => "timeout",
+            _ => "unavailable",
+        }
+    }
+}
+
+/// Counts a finished publish in the metrics by its outcome (confirmed ones timed).
+pub fn count_publish(result: &Result<(), AmqpError>, took: Duration) {
+    let outcome = match result {
+        Ok(()) => "confirmed",
+        Err(e) => e.publish_outcome(),
+    };
+    crate::metrics::published(outcome, took);
 }
 
 impl AmqpError {

@@ -295,7 +295,7 @@ impl Handler<Publish> for Publisher {
         let Some(channel) = self.live_channel() else {
             self.reconnect(ctx);
             let result = Err(AmqpError::Unavailable("no connection to the broker".into()));
-            crate::metrics::published(&result, Duration::ZERO);
+            amqp::count_publish(&result, Duration::ZERO);
             return Box::pin(async { result });
         };
         let timeout = self.settings.publish_timeout();
@@ -303,7 +303,7 @@ impl Handler<Publish> for Publisher {
         Box::pin(async move {
             let started = std::time::Instant::now();
             let result = publish_confirmed(&channel, msg, timeout).await;
-            crate::metrics::published(&result, started.elapsed());
+            amqp::count_publish(&result, started.elapsed());
             if matches!(result, Err(AmqpError::Nacked)) {
                 addr.do_send(Refused { generation });
             }
@@ -321,7 +321,7 @@ impl Handler<PublishAll> for Publisher {
             self.reconnect(ctx);
             let result = Err(AmqpError::Unavailable("no connection to the broker".into()));
             for _ in 0..n {
-                crate::metrics::published(&result, Duration::ZERO);
+                amqp::count_publish(&result, Duration::ZERO);
             }
             return Box::pin(async move { vec![result; n] });
         };
@@ -332,7 +332,7 @@ impl Handler<PublishAll> for Publisher {
             let started = std::time::Instant::now();
             let results = publish_group(&channel, msg.0, timeout).await;
             for result in &results {
-                crate::metrics::published(result, started.elapsed());
+                amqp::count_publish(result, started.elapsed());
             }
             if results.iter().any(|r| matches!(r, Err(AmqpError::Nacked))) {
                 addr.do_send(Refused { generation });

@@ -500,7 +500,7 @@ impl Consumer {
             return;
         }
         self.idle.1 = 0;
-        // The depth comes from the queue poller (`metrics::poll_queues`), no extra round trip.
+        // The depth comes from the queue poller (`amqp::monitor::poll_queues`), no extra round trip.
         if let Some(ready) = crate::metrics::queue_depth(&self.config.queue)
             && ready > 0
         {
