@@ -103,14 +103,22 @@ impl Handler<Leftovers> for DlqStage {
                 .collect();
             park_all(&fallback, &pool, bound, &items, &mut fates).await;
             // What goes back to the DLQ for another attempt waits a backoff first, so a
-            // database that keeps refusing is never a hot loop.
-            let retrying = fates
+            // database that keeps refusing is never a hot loop. It grows with the pipeline's
+            // streak of such batches, but never past what the batch's least tried message has
+            // earned: with many poisoned rows the streak alone reached the 30 s cap, and every
+            // later batch, first attempts included, waited that long (`DLQ_MAX_ATTEMPTS`
+            // already bounds how often one message is tried).
+            let attempts: Vec<u32> = fates
                 .iter()
-                .filter(|f| matches!(f, Fate::Route(Route::DlqAttempt { .. })))
-                .count();
+                .filter_map(|f| match f {
+                    Fate::Route(Route::DlqAttempt { attempts, .. }) => Some(*attempts),
+                    _ => None,
+                })
+                .collect();
+            let retrying = attempts.len();
             let waited = retrying > 0;
-            if waited {
-                let delay = fallback.next_backoff();
+            if let Some(least) = attempts.iter().min() {
+                let delay = fallback.next_backoff_at_most(*least);
                 warn!(pipeline = fallback.pipeline, batch_id = %batch_id, count = retrying,
                     delay_ms = delay.as_millis() as u64,
                     "the database refused DLQ messages; trying them again after a backoff");

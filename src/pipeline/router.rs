@@ -320,6 +320,13 @@ impl Fallback {
     pub fn next_backoff(&self) -> Duration {
         requeue_backoff(self.requeues.fetch_add(1, Ordering::Relaxed) + 1)
     }
+
+    /// The same, but never more steps than `steps` (the streak still grows by one): a delay
+    /// for messages that were tried only that often.
+    pub fn next_backoff_at_most(&self, steps: u32) -> Duration {
+        let streak = self.requeues.fetch_add(1, Ordering::Relaxed) + 1;
+        requeue_backoff(streak.min(steps.max(1)))
+    }
 }
 
 /// The main pipeline's fallback stage: dead-letters or retries what the sink did not insert.
