@@ -62,6 +62,14 @@ impl AmqpError {
             _ => "unavailable",
         }
     }
+
+    /// Whether trying again later can help (all but configuration and routing mistakes).
+    pub fn is_transient(&self) -> bool {
+        !matches!(
+            self,
+            AmqpError::BadUrl(_) | AmqpError::Unroutable { .. } | AmqpError::NotFound(_)
+        )
+    }
 }
 
 /// Counts a finished publish in the metrics by its outcome (confirmed ones timed).
@@ -71,16 +79,6 @@ pub fn count_publish(result: &Result<(), AmqpError>, took: Duration) {
         Err(e) => e.publish_outcome(),
     };
     crate::metrics::published(outcome, took);
-}
-
-impl AmqpError {
-    /// Whether trying again later can help (all but configuration and routing mistakes).
-    pub fn is_transient(&self) -> bool {
-        !matches!(
-            self,
-            AmqpError::BadUrl(_) | AmqpError::Unroutable { .. } | AmqpError::NotFound(_)
-        )
-    }
 }
 
 impl From<lapin::Error> for AmqpError {

@@ -557,7 +557,6 @@ impl Consumer {
     }
 }
 
-/// This process's consumer tag for `pipeline`, unique per subscription (`suffix`).
 /// What `stream` holds ready at one poll, up to `max` items, as one chunk; after each chunk the
 /// stream is left alone for `linger`, so what arrives meanwhile makes the next chunk instead of
 /// a wake-up each. The first item after a quiet spell comes at once.
@@ -569,6 +568,7 @@ fn chunks<S: futures::Stream>(
     tokio_stream::StreamExt::throttle(stream.ready_chunks(max), linger)
 }
 
+/// This process's consumer tag for `pipeline`, unique per subscription (`suffix`).
 fn consumer_tag(pipeline: &str, suffix: &str) -> String {
     format!(
         "warren-{}-{}-{pipeline}-{suffix}",

@@ -318,7 +318,7 @@ impl Fallback {
 
     /// The next delay of the requeue backoff (the streak grows by one).
     pub fn next_backoff(&self) -> Duration {
-        requeue_backoff(self.requeues.fetch_add(1, Ordering::Relaxed) + 1)
+        self.next_backoff_at_most(u32::MAX)
     }
 
     /// The same, but never more steps than `steps` (the streak still grows by one): a delay
