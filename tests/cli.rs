@@ -159,7 +159,7 @@ async fn config_prints_the_effective_settings_with_passwords_redacted() {
     assert_eq!(table["users_batch_size"].as_integer(), Some(123), "{out}");
     assert_eq!(table["main_queue"].as_str(), Some(env.main_queue.as_str()));
     assert_eq!(table["retry_ttl_ms"].as_integer(), Some(10_000));
-    assert!(out.contains("# effective prefetch: 246"), "{out}");
+    assert!(out.contains("# effective prefetch: 492"), "{out}");
 
     // Passwords redacted, users and hosts kept.
     assert_eq!(
@@ -186,7 +186,7 @@ async fn config_prints_the_effective_settings_with_passwords_redacted() {
     let (code, out, err) = env.run(&["config", "--set", "users_batch_size=77"]);
     assert_eq!(code, 0, "{out}\n{err}");
     assert!(out.contains("users_batch_size = 77"), "{out}");
-    assert!(out.contains("# effective prefetch: 154"), "{out}");
+    assert!(out.contains("# effective prefetch: 308"), "{out}");
 }
 
 #[tokio::test(flavor = "multi_thread")]
