@@ -9,6 +9,8 @@
 # N, REPS, RATE and SECONDS may also be given as N=..., REPS=..., RATE=..., SECONDS=...; any other
 # KEY=VALUE is a warren setting (environment) for the warren runs, e.g. USERS_BATCH_SIZE=2000.
 # WARREN_BIN=path measures another build of warren; BENCH_TIMEOUT_S (600) bounds one drain.
+# BENCH_PIN=1 gives the broker CPU 0 to itself and runs PostgreSQL and the contenders on the other
+# CPUs (as where the broker has its own host); needs root, restores the CPU masks at exit.
 #
 # Drain bench: every repetition runs the four contenders in this order, each on its own backlog
 # of N persistent ~100-byte users published with `warren publish --count N` (the queue must hold
@@ -119,6 +121,28 @@ if [ -z "$BEAM_PID" ] || [ ! -r "/proc/$BEAM_PID/stat" ]; then
   say "cannot find the broker's beam.smp process: broker CPU will read n/a"; BEAM_PID=""
 fi
 
+# BENCH_PIN=1: the broker gets CPU 0 to itself; PostgreSQL, this script and everything it starts
+# share the other CPUs (the layout of a deployment, where the broker has a host of its own).
+# Needs the right to set other users' CPU affinity (root); the old masks are restored at exit.
+if [ "${BENCH_PIN:-0}" = 1 ]; then
+  CPUS=$(nproc)
+  [ "$CPUS" -ge 2 ] || die "BENCH_PIN=1 needs at least 2 CPUs, this machine has $CPUS"
+  [ -n "$BEAM_PID" ] || die "BENCH_PIN=1: the broker's beam.smp process was not found"
+  REST="1-$((CPUS - 1))"
+  PINNED=("$BEAM_PID" $(pgrep -u postgres || true))
+  declare -A OLD_MASK
+  for pid in "${PINNED[@]}"; do OLD_MASK[$pid]=$(taskset -p "$pid" | awk '{print $NF}'); done
+  unpin() {
+    local pid
+    for pid in "${!OLD_MASK[@]}"; do taskset -a -p "${OLD_MASK[$pid]}" "$pid" >/dev/null 2>&1 || true; done
+  }
+  trap unpin EXIT   # until cleanup's trap below takes over (it calls unpin)
+  taskset -a -p -c 0 "$BEAM_PID" >/dev/null || die "BENCH_PIN=1: cannot pin the broker (taskset; root needed)"
+  for pid in "${PINNED[@]:1}"; do taskset -a -p -c "$REST" "$pid" >/dev/null 2>&1 || true; done
+  taskset -p -c "$REST" $$ >/dev/null
+  say "pinned: the broker (pid $BEAM_PID) on CPU 0; PostgreSQL and the contenders on CPUs $REST"
+fi
+
 cpu_ticks() { # PID: utime + stime in clock ticks (fields 14 and 15, counted after the comm)
   sed 's/^.*) //' "/proc/$1/stat" | awk '{print $12 + $13}'
 }
@@ -188,6 +212,7 @@ cleanup() {
   if command -v redis-cli >/dev/null; then
     redis-cli --scan --pattern "$REDIS_PREFIX:*" 2>/dev/null | xargs -r redis-cli del >/dev/null 2>&1 || true
   fi
+  if declare -F unpin >/dev/null; then unpin; fi
   [ "$rc" = 0 ] || say "failed; logs are in $LOGDIR"
   exit "$rc"
 }
@@ -226,7 +251,7 @@ if [ "$MODE" = live ]; then
   BATCH_TIMEOUT_MS="${USERS_BATCH_TIMEOUT_MS:-1000}"
   PREFETCH_NOW="${PREFETCH:-0}"
   if [ "$PREFETCH_NOW" = 0 ]; then
-    PREFETCH_NOW=$(( ${USERS_BATCH_SIZE:-1000} * ${USERS_BATCH_CONCURRENCY:-2} ))
+    PREFETCH_NOW=$(( ${USERS_BATCH_SIZE:-1000} * ${USERS_BATCH_CONCURRENCY:-2} * 2 ))
     [ "$PREFETCH_NOW" -le 65535 ] || PREFETCH_NOW=65535
   fi
   BOUND=$((2 * PREFETCH_NOW)); TARGET_MS=$((BATCH_TIMEOUT_MS + 250))
