@@ -11,7 +11,6 @@ use std::time::Duration;
 use futures::future::BoxFuture;
 use serde_json::Value;
 use uuid::Uuid;
-use warren::config::{Settings, Sources};
 use warren::db::DbError;
 use warren::domain::{Domain, Inserted, Rejection};
 use warren::pipeline::{self, FallbackKind, Spec};
@@ -94,14 +93,7 @@ async fn a_second_domain_runs_through_the_same_core() {
         .await
         .expect("create events");
 
-    let mut sources = Sources {
-        use_env: false,
-        ..Sources::default()
-    };
-    for (key, value) in env.vars.iter().filter(|(k, _)| k != "RUST_LOG") {
-        sources = sources.with_override(&key.to_ascii_lowercase(), value.clone());
-    }
-    let settings = Settings::load(&sources).expect("settings");
+    let settings = env.settings();
     let pool = warren::db::pool_for(&settings, 2, "warren-seam-test").expect("pool");
     let spec = Spec {
         name: "events",

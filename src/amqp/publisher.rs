@@ -110,9 +110,25 @@ pub struct Publisher {
     renewing: bool,
     /// When the channel was last renewed after a nack, to renew at most once per RENEW_EVERY.
     last_renewal: Option<std::time::Instant>,
-    /// Held by a `PublishAll` group for its whole length: one group at a time on the channel.
+    /// Held by a group for its whole length: one group at a time on the channel.
     group: Arc<tokio::sync::Mutex<()>>,
+    /// Single publishes waiting to go out in the next group.
+    pending: Pending,
 }
+
+/// A single publish waiting for its group.
+struct PendingPublish {
+    publish: Publish,
+    /// Where its result goes.
+    result: tokio::sync::oneshot::Sender<Result<(), AmqpError>>,
+    /// When it came (for `warren_publish_duration_seconds`).
+    at: std::time::Instant,
+    /// The publisher's channel when it came, and that channel's generation: a group goes out on
+    /// the channel of its newest publish.
+    channel: Channel,
+    generation: u64,
+}
+type Pending = Arc<std::sync::Mutex<Vec<PendingPublish>>>;
 
 impl Publisher {
     pub fn new(settings: Settings, purpose: &'static str) -> Self {
@@ -127,6 +143,7 @@ impl Publisher {
             renewing: false,
             last_renewal: None,
             group: Arc::default(),
+            pending: Arc::default(),
         }
     }
 
@@ -291,6 +308,12 @@ impl Handler<Renewed> for Publisher {
 impl Handler<Publish> for Publisher {
     type Result = ResponseFuture<Result<(), AmqpError>>;
 
+    /// Single publishes (the API's, `warren publish`'s) go out in groups too, so that a returned
+    /// message is always told to the right one (see [`PublishAll`]): each joins the pending
+    /// list, and whoever gets the channel next publishes everything pending as one group and
+    /// hands each its result. While a group waits for its confirms the next one gathers, so
+    /// concurrent publishes still share round trips (a publish can wait for the group ahead of
+    /// it and then its own: at most twice `PUBLISH_TIMEOUT_MS`).
     fn handle(&mut self, msg: Publish, ctx: &mut Self::Context) -> Self::Result {
         let Some(channel) = self.live_channel() else {
             self.reconnect(ctx);
@@ -299,17 +322,68 @@ impl Handler<Publish> for Publisher {
             return Box::pin(async { result });
         };
         let timeout = self.settings.publish_timeout();
-        let (addr, generation) = (ctx.address(), self.generation);
+        let (addr, group, pending) = (ctx.address(), self.group.clone(), self.pending.clone());
+        let (tx, mut rx) = tokio::sync::oneshot::channel();
+        lock(&pending).push(PendingPublish {
+            publish: msg,
+            result: tx,
+            at: std::time::Instant::now(),
+            channel,
+            generation: self.generation,
+        });
         Box::pin(async move {
-            let started = std::time::Instant::now();
-            let result = publish_confirmed(&channel, msg, timeout).await;
-            amqp::count_publish(&result, started.elapsed());
-            if matches!(result, Err(AmqpError::Nacked)) {
-                addr.do_send(Refused { generation });
+            loop {
+                tokio::select! {
+                    biased;
+                    // Published in an earlier group (or in this one, below).
+                    result = &mut rx => {
+                        return result.unwrap_or_else(|_| {
+                            Err(AmqpError::Unavailable(
+                                "the publish was dropped before it was confirmed".into(),
+                            ))
+                        });
+                    }
+                    // This one's turn to publish everything pending.
+                    _alone = group.lock() => {
+                        // Let publishes already on their way join (the handlers of a burst
+                        // run one after another): take the list once it stops growing.
+                        let mut seen = 0;
+                        for _ in 0..64 {
+                            let now = lock(&pending).len();
+                            if now == seen {
+                                break;
+                            }
+                            seen = now;
+                            tokio::task::yield_now().await;
+                        }
+                        let taken = std::mem::take(&mut *lock(&pending));
+                        let Some(newest) = taken.last() else {
+                            continue;
+                        };
+                        let (channel, generation) = (newest.channel.clone(), newest.generation);
+                        let (publishes, waiting): (Vec<Publish>, Vec<_>) = taken
+                            .into_iter()
+                            .map(|p| (p.publish, (p.result, p.at)))
+                            .unzip();
+                        let results = publish_group(&channel, publishes, timeout).await;
+                        if results.iter().any(|r| matches!(r, Err(AmqpError::Nacked))) {
+                            addr.do_send(Refused { generation });
+                        }
+                        for ((tx, at), result) in waiting.into_iter().zip(results) {
+                            amqp::count_publish(&result, at.elapsed());
+                            let _ = tx.send(result);
+                        }
+                    }
+                }
             }
-            result
         })
     }
+}
+
+/// Locks the pending list (never held across an await; a panic while holding it cannot leave
+/// it half-changed, so a poisoned lock is taken as it is).
+fn lock(pending: &Pending) -> std::sync::MutexGuard<'_, Vec<PendingPublish>> {
+    pending.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 impl Handler<PublishAll> for Publisher {
@@ -353,9 +427,9 @@ impl Handler<PublishAll> for Publisher {
 /// ledger test: a dead-letter publish to an unbound DLQ "confirmed" beside retry publishes, and
 /// the message lost). All of a group's returned messages arrive before the acks that complete
 /// it, so together they are exactly the group's; each is matched to a publish with the same
-/// exchange, routing key and body (identical publishes are interchangeable). Before the group
-/// starts, every confirm still outstanding on the channel (an earlier group's that timed out)
-/// is awaited, so a late ack cannot take one of this group's returned messages.
+/// exchange, routing key, body and properties (identical publishes are interchangeable).
+/// Before the group starts, every confirm still outstanding on the channel (an earlier group's
+/// that timed out) is awaited, so a late ack cannot take one of this group's returned messages.
 pub async fn publish_group(
     channel: &Channel,
     publishes: Vec<Publish>,
@@ -402,9 +476,14 @@ pub async fn publish_group(
                 && p.routing_key == d.routing_key.as_str()
                 && p.body == d.data
         };
-        // A confirmed publish first; a nacked one already failed either way.
+        // The same properties too (the message id tells apart messages with equal bodies: all
+        // malformed messages can be `{not json`, and when a binding goes away in the middle of
+        // a group the first of them was routed and a later one returned); then the looser
+        // match. A confirmed publish first; a nacked one already failed either way.
+        let exact = |p: &Publish| same(p) && p.properties == d.properties;
         let owner = (0..n)
-            .find(|&i| results[i].is_ok() && same(&publishes[i]))
+            .find(|&i| results[i].is_ok() && exact(&publishes[i]))
+            .or_else(|| (0..n).find(|&i| results[i].is_ok() && same(&publishes[i])))
             .or_else(|| (0..n).find(|&i| same(&publishes[i])));
         match owner {
             Some(i) if results[i].is_ok() => {
@@ -443,7 +522,9 @@ async fn start(
 }
 
 /// Publishes on `channel` (in confirm mode) and waits for the confirm; an unroutable mandatory
-/// message comes back as an `Ack` carrying the returned message, which is a failure here.
+/// message comes back as an `Ack` carrying the returned message, which is a failure here. Only
+/// for one publish at a time on the channel: with several in flight lapin can hand a returned
+/// message to the wrong one (use [`publish_group`]).
 pub async fn publish_confirmed(
     channel: &Channel,
     mut msg: Publish,

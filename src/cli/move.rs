@@ -11,7 +11,7 @@ use lapin::message::BasicGetMessage;
 use lapin::options::{BasicAckOptions, BasicGetOptions, ConfirmSelectOptions};
 use lapin::{Channel, Connection};
 
-use crate::amqp::publisher::{Publish, publish_confirmed};
+use crate::amqp::publisher::{Publish, publish_group};
 use crate::amqp::{self, AmqpError};
 use crate::config::{Settings, redact_url};
 
@@ -249,10 +249,9 @@ async fn take(
     Ok(window)
 }
 
-/// Republishes `window` (in order, confirms awaited together), then acks it at the source with
-/// one multiple ack: all of it, or, if any copy failed, none of it. (The client pairs a returned
-/// message with a confirm by arrival order, which one multiple confirm can blur within a
-/// window; so a window counts as moved only when every copy in it was confirmed and routed.)
+/// Republishes `window` (in order, as one group: a returned copy is told to the right message),
+/// then acks it at the source with one multiple ack: all of it, or, if any copy failed, none of
+/// it.
 /// Returns how many were moved, or why it stopped.
 async fn forward(
     publish: &Channel,
@@ -260,21 +259,20 @@ async fn forward(
     mut window: Vec<BasicGetMessage>,
     plan: &Plan,
 ) -> Result<u64, String> {
-    let copies = window.iter_mut().map(|m| {
-        let routing_key = plan
-            .target
-            .routing_key
-            .clone()
-            .unwrap_or_else(|| m.delivery.routing_key.to_string());
-        let msg = Publish {
+    let copies = window
+        .iter_mut()
+        .map(|m| Publish {
             exchange: plan.target.exchange.clone(),
-            routing_key,
+            routing_key: plan
+                .target
+                .routing_key
+                .clone()
+                .unwrap_or_else(|| m.delivery.routing_key.to_string()),
             body: std::mem::take(&mut m.delivery.data),
             properties: m.delivery.properties.clone(),
-        };
-        publish_confirmed(publish, msg, plan.timeout)
-    });
-    let results = futures::future::join_all(copies).await;
+        })
+        .collect();
+    let results = publish_group(publish, copies, plan.timeout).await;
     let confirmed = results.iter().filter(|r| r.is_ok()).count();
     if let Some((i, Err(e))) = results.iter().enumerate().find(|(_, r)| r.is_err()) {
         let id = message_id(&window[i]);

@@ -180,6 +180,19 @@ impl TestEnv {
             .find(|(k, _)| k == key)
             .map(|(_, v)| v.as_str())
     }
+
+    /// warren's settings as a process this env starts would load them (for tests that run
+    /// warren's parts in-process).
+    pub fn settings(&self) -> warren::config::Settings {
+        let mut sources = warren::config::Sources {
+            use_env: false,
+            ..Default::default()
+        };
+        for (key, value) in self.vars.iter().filter(|(k, _)| k != "RUST_LOG") {
+            sources = sources.with_override(&key.to_ascii_lowercase(), value.clone());
+        }
+        warren::config::Settings::load(&sources).expect("the test's settings are valid")
+    }
 }
 
 impl Drop for TestEnv {
