@@ -451,3 +451,70 @@ async fn an_outage_requeues_dlq_messages_without_spending_attempts() {
     assert_eq!(parked_count(&env).await, 0);
     assert_eq!(env.count_rows().await, 1);
 }
+
+/// A message that keeps failing must not make the next one wait: a poisoned row in the DLQ grows
+/// the stage's requeue streak (its fifth delay is 3.2-6.4 s), and the batch of a fresh message
+/// that fails once behind it waits that message's first backoff (200-400 ms), not the streak's
+/// sixth (6.4-12.8 s). (With the streak alone, a run of many poisoned rows held every later
+/// batch, first attempts included, at the 30 s cap: found by the ledger, seed
+/// 13413845725824598492.)
+#[tokio::test(flavor = "multi_thread")]
+async fn a_fresh_dlq_message_waits_its_own_backoff_not_the_streak_of_a_poisoned_one() {
+    let mut env = TestEnv::new("dlq_backoff_cap").await;
+    env.set("DB_RETRY_WINDOW_MS", "0")
+        .set("LOG_FORMAT", "json")
+        .set("USERS_BATCH_TIMEOUT_MS", "50")
+        .set("DLQ_MAX_ATTEMPTS", "50");
+    env.declare();
+    install_poison_trigger(&env).await;
+    let (old, fresh) = (Uuid::new_v4(), Uuid::new_v4());
+    let poisoned = |id: Uuid| {
+        serde_json::json!({"id": id, "name": "poisoned", "email": format!("poison-{id}@example.com")})
+            .to_string()
+            .into_bytes()
+    };
+    env.publish_to_dlq(
+        &poisoned(old),
+        dead_lettered(&old.to_string(), "retries_exhausted", 3),
+    )
+    .await;
+
+    let mut warren = env.start(&["--roles", "dlq"]);
+    wait_until("five delays logged", Duration::from_secs(40), || async {
+        requeue_delays(&warren.logs()).len() >= 5
+    })
+    .await;
+    let streak = requeue_delays(&warren.logs());
+    assert!(
+        streak[4] >= 3_200,
+        "the poisoned message's streak did not grow: {streak:?}"
+    );
+    env.publish_to_dlq(
+        &poisoned(fresh),
+        dead_lettered(&fresh.to_string(), "retries_exhausted", 3),
+    )
+    .await;
+    // The fresh message's batch (alone, or with the old message) waits at most 400 ms. The
+    // streak's next delay would be 6.4 s or more, and the one after that 12.8 s or more.
+    wait_until(
+        "a first attempt's delay after the streak's",
+        Duration::from_secs(30),
+        || async {
+            requeue_delays(&warren.logs())[5..]
+                .iter()
+                .any(|d| *d <= 400)
+        },
+    )
+    .await;
+
+    // Stopped mid-way: both are still in the DLQ, nothing parked, nothing inserted.
+    assert!(warren.terminate(Duration::from_secs(25)).success());
+    assert_eq!(
+        env.queue_state(&env.dlq_queue).await,
+        (2, 0),
+        "log:\n{}",
+        warren.logs()
+    );
+    assert_eq!(parked_count(&env).await, 0);
+    assert_eq!(env.count_rows().await, 0);
+}
