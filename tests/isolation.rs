@@ -2,7 +2,8 @@
 //! is split in halves until only the offending rows fail; the others are committed, the
 //! offenders go to the DLQ as `db_permanent` and no retry is spent on them. A batch refused with
 //! an unclassified code (a trigger's P0001) is split the same way once its in-place retries are
-//! spent. A message whose id is stored with other content is dead-lettered as `id_conflict`.
+//! spent, and also when a shutdown begins while the batch is in the database. A message whose
+//! id is stored with other content is dead-lettered as `id_conflict`.
 
 mod common;
 
@@ -318,4 +319,85 @@ fn labelled_props(label: &str) -> lapin::BasicProperties {
     lapin::BasicProperties::default()
         .with_content_type("application/json".into())
         .with_message_id(label.into())
+}
+
+/// A shutdown that begins while a batch is in the database still splits the batch when one row
+/// is refused: the others commit, only the offender goes its way. Found by the ledger test: the
+/// DLQ consumer, stopped for DLQ maintenance with a batch in flight, parked 166 good messages as
+/// `db_permanent` for one duplicate email among them.
+async fn a_refused_row_as_shutdown_begins(role: &str) {
+    const N: usize = 20;
+    let mut env = TestEnv::new(&format!("isolate_stop_{role}")).await;
+    env.set("USERS_BATCH_SIZE", N.to_string())
+        .set("USERS_BATCH_CONCURRENCY", "1")
+        .set("USERS_BATCH_TIMEOUT_MS", "2000")
+        .set("SHUTDOWN_TIMEOUT_MS", "20000");
+    env.declare();
+    // The row whose email the offender reuses.
+    let holder = Uuid::new_v4();
+    let taken = format!("{holder}@example.com");
+    env.db
+        .execute(
+            "INSERT INTO users (id, name, email) VALUES ($1, 'holder', $2)",
+            &[&holder, &taken],
+        )
+        .await
+        .expect("the holder's row");
+    let ids: Vec<Uuid> = (0..N).map(|_| Uuid::new_v4()).collect();
+    let offender = ids[N / 2];
+    for id in &ids {
+        let email = if *id == offender {
+            taken.clone()
+        } else {
+            format!("{id}@example.com")
+        };
+        let body = body(*id, &email);
+        if role == "dlq" {
+            let props = dead_letter_props(&id.to_string(), "retries_exhausted", 3, "db down");
+            env.publish_to_dlq(&body, props).await;
+        } else {
+            env.publish_raw(&body, json_props(*id)).await;
+        }
+    }
+
+    let locker = InsertLock::take(&env).await;
+    let mut warren = env.start(&["--roles", role]);
+    let _logs = LogsOnPanic(vec![warren.log.clone()]);
+    locker.wait_for_a_blocked_insert(&env).await;
+    warren.signal("TERM");
+    wait_until(
+        "the shutdown under way",
+        Duration::from_secs(10),
+        || async { warren.logs().contains("shutting down") },
+    )
+    .await;
+    locker.release().await;
+    let status = warren.wait(Duration::from_secs(30));
+    assert_eq!(status.code(), Some(0), "log:\n{}", warren.logs());
+
+    let mut expected: HashSet<Uuid> = ids.iter().copied().filter(|id| *id != offender).collect();
+    expected.insert(holder);
+    assert_eq!(env.row_ids().await, expected, "log:\n{}", warren.logs());
+    if role == "dlq" {
+        let parked = wait_parked(&env, 1).await;
+        assert_eq!(parked.len(), 1, "{parked:?}");
+        assert_eq!(parked[0].0, offender.to_string());
+        assert_eq!(parked[0].1, "db_permanent");
+        assert_queue_empty(&env, &env.dlq_queue).await;
+    } else {
+        let dead = env.drain_queue(&env.dlq_queue, N).await;
+        let dead: Vec<Uuid> = dead.iter().map(message_uuid).collect();
+        assert_eq!(dead, [offender], "log:\n{}", warren.logs());
+        assert_queue_empty(&env, &env.main_queue).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_refused_row_as_shutdown_begins_takes_only_itself_to_the_dlq() {
+    a_refused_row_as_shutdown_begins("consumer").await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_refused_row_as_shutdown_begins_is_the_only_one_the_dlq_consumer_parks() {
+    a_refused_row_as_shutdown_begins("dlq").await;
 }

@@ -228,7 +228,11 @@ async fn insert_isolating<D: Domain>(
                     .collect();
                 out.push((group.into_iter().map(|(i, _)| i).collect(), Ok(conflicts)));
             }
-            Err(e) if group.len() > 1 && !config.stopping.is_cancelled() && splits_on(&e) => {
+            // Also while stopping: a group's error belongs to the group, not to each row, and
+            // only the split can tell which row it was (the halves take milliseconds; without
+            // it, a shutdown during a batch with one duplicate email dead-lettered the whole
+            // batch, and the DLQ consumer parked it).
+            Err(e) if group.len() > 1 && splits_on(&e) => {
                 splits += 1;
                 let mut left = group;
                 let right = left.split_off(left.len() / 2);
