@@ -367,18 +367,24 @@ async fn every_published_message_ends_exactly_once_under_faults() {
         .iter()
         .map(|r| (r.get(0), (r.get(1), r.get(2))))
         .collect();
-    let parked: Vec<(Option<String>, String)> = env
+    let parked: Vec<(Option<String>, String, String)> = env
         .db
-        .query("SELECT message_id, error_kind FROM dead_letters", &[])
+        .query(
+            "SELECT message_id, error_kind, error_reason FROM dead_letters",
+            &[],
+        )
         .await
         .expect("dead_letters")
         .iter()
-        .map(|r| (r.get(0), r.get(1)))
+        .map(|r| (r.get(0), r.get(1), r.get(2)))
         .collect();
     let mut parked_ids: HashMap<String, usize> = HashMap::new();
-    for (id, _) in &parked {
+    // Why each was parked (the last row's kind and reason), for the report.
+    let mut parked_why: HashMap<String, String> = HashMap::new();
+    for (id, kind, reason) in &parked {
         let id = id.clone().unwrap_or_else(|| "<none>".into());
-        *parked_ids.entry(id).or_default() += 1;
+        *parked_ids.entry(id.clone()).or_default() += 1;
+        parked_why.insert(id, format!("{kind}: {reason}"));
     }
     let mut problems: Vec<String> = unsettled.into_iter().collect();
     let mut owners: HashSet<Uuid> = HashSet::new();
@@ -396,8 +402,12 @@ async fn every_published_message_ends_exactly_once_under_faults() {
             }
             (false, 1) => {}
             (in_users, times) => problems.push(format!(
-                "{message_id} ({}): in users {in_users}, parked {times} times",
-                entry.kind
+                "{message_id} ({}): in users {in_users}, parked {times} times{}",
+                entry.kind,
+                parked_why
+                    .get(message_id)
+                    .map(|why| format!(" (last as {why})"))
+                    .unwrap_or_default()
             )),
         }
     }
@@ -416,7 +426,7 @@ async fn every_published_message_ends_exactly_once_under_faults() {
         ));
     }
     let mut kinds: HashMap<&str, usize> = HashMap::new();
-    for (_, kind) in &parked {
+    for (_, kind, _) in &parked {
         *kinds.entry(kind.as_str()).or_default() += 1;
     }
     eprintln!(
