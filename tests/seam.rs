@@ -71,7 +71,7 @@ impl Domain for Events {
                 .map_err(DbError::from_pg)?;
             Ok(Inserted {
                 rows,
-                conflicts: Vec::new(),
+                ..Default::default()
             })
         })
     }

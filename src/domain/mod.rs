@@ -96,9 +96,13 @@ pub trait Domain: Send + Sync + 'static {
     fn decode(&self, body: &[u8]) -> Result<Self::Record, Rejection>;
 
     /// Inserts `records` with ONE statement, idempotently: a record already stored exactly as
-    /// it is counts as done. A record whose key is stored with other content is not done: it is
-    /// reported in [`Inserted::conflicts`] (dead-lettered as `id_conflict`), never dropped
-    /// silently. The caller commits or splits on error.
+    /// it is counts as done, also when another copy of it is being inserted at the same moment
+    /// (delivery is at least once: a redelivered copy can meet the first copy's statement still
+    /// running, so a unique index must never refuse a record for its own copy). A record whose
+    /// key is stored with other content is not done: it is reported in [`Inserted::conflicts`]
+    /// (dead-lettered as `id_conflict`), one the database refuses on another unique key in
+    /// [`Inserted::refused`] (`db_permanent`), never dropped silently. The caller commits or
+    /// splits on error.
     fn insert<'a>(
         &'a self,
         client: &'a deadpool_postgres::Client,
@@ -114,4 +118,7 @@ pub struct Inserted {
     /// Records (by index in the slice given) whose key is already stored with other content,
     /// each with the reason to dead-letter it with.
     pub conflicts: Vec<(usize, String)>,
+    /// Records (by index) not stored because another unique key of theirs belongs to another
+    /// record (a users' email under another id), each with the reason: refused for good.
+    pub refused: Vec<(usize, String)>,
 }

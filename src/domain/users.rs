@@ -89,12 +89,22 @@ fn email_problem(email: &str) -> Option<String> {
 #[derive(Debug, Default, Clone)]
 pub struct Users;
 
+/// The batch insert. Without a conflict target every unique index (`id` and `email`) is an
+/// arbiter, so a copy of a row that another statement is inserting at the same moment is
+/// skipped once that statement commits. With `ON CONFLICT (id)` such a copy could fail the
+/// whole statement with 23505 on `users_email_key` (its id check passed before the other copy's
+/// row existed; its email check then waited for it), and the message was dead-lettered, or
+/// parked, although its row was stored. A row skipped for an email stored under another id is
+/// told apart below.
 const INSERT: &str = "INSERT INTO users (id, name, email) \
      SELECT * FROM UNNEST($1::uuid[], $2::text[], $3::text[]) \
-     ON CONFLICT (id) DO NOTHING RETURNING id";
+     ON CONFLICT DO NOTHING RETURNING id";
 
 /// What is stored under ids the insert did not take (only run when there are such ids).
 const STORED: &str = "SELECT id, name, email FROM users WHERE id = ANY($1::uuid[])";
+
+/// Which ids hold the emails of records skipped while their own id is not stored.
+const EMAIL_HOLDERS: &str = "SELECT email, id FROM users WHERE email = ANY($1::text[])";
 
 impl Domain for Users {
     type Record = User;
@@ -164,10 +174,11 @@ impl Domain for Users {
             if new_ids.len() == records.len() {
                 return Ok(Inserted {
                     rows,
-                    conflicts: Vec::new(),
+                    ..Default::default()
                 });
             }
-            // Some ids were already there (or twice in this batch): compare what is stored.
+            // Some ids were already there (or twice in this batch), or their emails were:
+            // compare what is stored.
             let taken: HashSet<Uuid> = new_ids.iter().map(|r| r.get(0)).collect();
             let mut seen = HashSet::with_capacity(ids.len());
             let check: Vec<Uuid> = ids
@@ -182,12 +193,43 @@ impl Domain for Users {
                 .iter()
                 .map(|r| (r.get(0), (r.get(1), r.get(2))))
                 .collect();
+            // Skipped while no row holds its id: its email is stored under another id.
+            let skipped: Vec<usize> = (0..records.len())
+                .filter(|&i| !taken.contains(&ids[i]) && !stored.contains_key(&ids[i]))
+                .collect();
+            let refused = if skipped.is_empty() {
+                Vec::new()
+            } else {
+                let emails: Vec<&str> = skipped.iter().map(|&i| emails[i]).collect();
+                let holders: HashMap<String, Uuid> = client
+                    .query(EMAIL_HOLDERS, &[&emails])
+                    .await
+                    .map_err(DbError::from_pg)?
+                    .iter()
+                    .map(|r| (r.get(0), r.get(1)))
+                    .collect();
+                skipped
+                    .into_iter()
+                    .map(|i| (i, email_taken(holders.get(&records[i].email))))
+                    .collect()
+            };
             Ok(Inserted {
                 rows,
                 conflicts: conflicts(records, &stored),
+                refused,
             })
         }
         .boxed()
+    }
+}
+
+/// Why a record whose email is stored under another id is refused (the words of the unique
+/// violation the database would raise, and the id holding the email).
+fn email_taken(holder: Option<&Uuid>) -> String {
+    let violation = "23505 duplicate key value violates unique constraint \"users_email_key\"";
+    match holder {
+        Some(id) => format!("{violation}: the email is stored under id {id}"),
+        None => violation.into(),
     }
 }
 

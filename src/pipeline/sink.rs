@@ -111,10 +111,16 @@ async fn sink<D: Domain>(config: Arc<SinkConfig<D>>, batch: Batch<D::Record>) {
         );
         for (indices, result) in insert_isolating(&config, refs, &id, give_back_at).await {
             match result {
-                Ok(conflicts) => {
+                Ok(Refusals { conflicts, refused }) => {
                     for (i, reason) in conflicts {
                         failures[i] = Some(Failure::Refused {
                             kind: ErrorKind::IdConflict,
+                            reason,
+                        });
+                    }
+                    for (i, reason) in refused {
+                        failures[i] = Some(Failure::Refused {
+                            kind: ErrorKind::DbPermanent,
                             reason,
                         });
                     }
@@ -199,9 +205,17 @@ async fn sink<D: Domain>(config: Arc<SinkConfig<D>>, batch: Batch<D::Record>) {
         .await;
 }
 
-/// Indices of a group and how its insert ended: the conflicting records (by batch index, with
-/// their reason) when it committed, or the error.
-type GroupResult = (Vec<usize>, Result<Vec<(usize, String)>, DbError>);
+/// The records of a committed group that were not stored, by batch index, with their reason.
+struct Refusals {
+    /// Their id is stored with other content (`id_conflict`).
+    conflicts: Vec<(usize, String)>,
+    /// Another unique key of theirs is taken (`db_permanent`).
+    refused: Vec<(usize, String)>,
+}
+
+/// Indices of a group and how its insert ended: what it did not store when it committed, or
+/// the error.
+type GroupResult = (Vec<usize>, Result<Refusals, DbError>);
 
 /// Inserts `records`, splitting a group in halves when the database refuses it in a way a row
 /// may have caused (permanently, or transiently with a server error once the in-place retries
@@ -221,12 +235,16 @@ async fn insert_isolating<D: Domain>(
         let refs: Vec<&D::Record> = group.iter().map(|(_, r)| *r).collect();
         match insert_retrying(config, &refs, deadline, give_back_at, batch_id).await {
             Ok(done) => {
-                let conflicts = done
-                    .conflicts
-                    .into_iter()
-                    .filter_map(|(j, reason)| group.get(j).map(|(i, _)| (*i, reason)))
-                    .collect();
-                out.push((group.into_iter().map(|(i, _)| i).collect(), Ok(conflicts)));
+                let in_batch = |list: Vec<(usize, String)>| -> Vec<(usize, String)> {
+                    list.into_iter()
+                        .filter_map(|(j, reason)| group.get(j).map(|(i, _)| (*i, reason)))
+                        .collect()
+                };
+                let refusals = Refusals {
+                    conflicts: in_batch(done.conflicts),
+                    refused: in_batch(done.refused),
+                };
+                out.push((group.into_iter().map(|(i, _)| i).collect(), Ok(refusals)));
             }
             // Also while stopping: a group's error belongs to the group, not to each row, and
             // only the split can tell which row it was (the halves take milliseconds; without
