@@ -5,6 +5,7 @@
 #
 #   scripts/bench.sh [N] [REPS] [KEY=VALUE...]              drain bench (N=200000, REPS=3)
 #   scripts/bench.sh --live [RATE] [SECONDS] [KEY=VALUE...]  live bench (RATE=10000, SECONDS=60)
+#   scripts/bench.sh --all-roles [N] [KEY=VALUE...]          memory with all roles (N=100000)
 #
 # N, REPS, RATE and SECONDS may also be given as N=..., REPS=..., RATE=..., SECONDS=...; any other
 # KEY=VALUE is a warren setting (environment) for the warren runs, e.g. USERS_BATCH_SIZE=2000.
@@ -30,6 +31,10 @@
 # the max queue depth (kept up: never above two prefetch windows) and the end-to-end latency
 # percentiles against the target p99 <= USERS_BATCH_TIMEOUT_MS + 250 ms.
 #
+# All roles: `warren run` with its default roles (consumer, dlq, api) drains N messages of which
+# every 50th is invalid (to the DLQ, parked by the DLQ consumer) while 2,000 users are posted to
+# the API one by one; prints the peak RSS against the target (32 MiB) and the time to settle.
+#
 # QUEUE_TYPE=quorum runs every contender (raw drain and minimal pipeline included) on quorum
 # queues (warren_bench_*_quorum, deleted at the end): warren's drain of a quorum queue against the
 # raw drain of the same quorum queue.
@@ -46,7 +51,10 @@ usage() { sed -n '2,/^set -euo/{/^set -euo/d;s/^# \{0,1\}//;p}' "$0"; }
 
 # --- arguments --------------------------------------------------------------------------------
 MODE=drain
-if [ "${1:-}" = --live ]; then MODE=live; shift; fi
+case "${1:-}" in
+  --live) MODE=live; shift ;;
+  --all-roles) MODE=roles; shift ;;
+esac
 POSITIONAL=()
 SETTINGS=()
 for arg in "$@"; do
@@ -65,7 +73,11 @@ named() { # NAME DEFAULT ARGS...: the value of NAME=... among ARGS, else DEFAULT
   printf '%s' "$v"
 }
 positive_int() { [[ "$2" =~ ^[1-9][0-9]*$ ]] || die "$1: expected a whole number above 0, got '$2'"; }
-if [ "$MODE" = drain ]; then
+if [ "$MODE" = roles ]; then
+  [ ${#POSITIONAL[@]} -le 1 ] || die "too many numbers: expected [N]"
+  N=$(named N "${POSITIONAL[0]:-100000}" "$@")
+  positive_int N "$N"
+elif [ "$MODE" = drain ]; then
   [ ${#POSITIONAL[@]} -le 2 ] || die "too many numbers: expected [N] [REPS]"
   N=$(named N "${POSITIONAL[0]:-200000}" "$@")
   REPS=$(named REPS "${POSITIONAL[1]:-3}" "$@")
@@ -282,6 +294,53 @@ if [ "$MODE" = live ]; then
     printf "warren: CPU %.1f us/msg (process lifetime), peak RSS %.1f MiB, acks/batch %s\n", t / hz * 1e6 / n, kb / 1024, apb
     if (b0 >= 0) printf "broker CPU: %.1f us/msg (publishing and delivering, over the publisher'"'"'s run)\n", (b1 - b0) / hz * 1e6 / n
     else print "broker CPU: n/a"
+  }'
+  echo "load average after: $(cut -d' ' -f1-3 /proc/loadavg)"
+  exit 0
+fi
+
+# ==============================================================================================
+if [ "$MODE" = roles ]; then
+  POSTS=2000
+  INVALID=$((N / 50))
+  say "logs in $LOGDIR"
+  echo "all roles: warren run (consumer, dlq, api) drains $N messages ($INVALID invalid) while $POSTS users are posted to the API one by one ($BIN)"
+  echo "load average before: $(cut -d' ' -f1-3 /proc/loadavg)"
+  "$BIN" publish --count "$N" --invalid-every 50 >"$LOGDIR/publish.log" 2>&1 \
+    || die "warren publish failed; see $LOGDIR/publish.log"
+  HTTP_PORT=$(free_port)
+  WARREN_PORT=$(free_port)
+  WARREN_LOG="$LOGDIR/warren-all-roles.log"
+  started=$(now)
+  env HTTP_ADDR="127.0.0.1:$HTTP_PORT" METRICS_ADDR="127.0.0.1:$WARREN_PORT" "$BIN" run >"$WARREN_LOG" 2>&1 &
+  CHILD=$!
+  deadline=$((SECONDS + 60))
+  until curl -sf "http://127.0.0.1:$HTTP_PORT/healthz" >/dev/null; do
+    kill -0 "$CHILD" 2>/dev/null || die "warren exited at start; see $WARREN_LOG"
+    [ "$SECONDS" -lt "$deadline" ] || die "the API did not answer within 60 s; see $WARREN_LOG"
+    sleep 0.2
+  done
+  run_id="$$-$(date +%s)"
+  posted=0
+  for i in $(seq 1 "$POSTS"); do
+    curl -sf -XPOST "http://127.0.0.1:$HTTP_PORT/api/v1/users" -H 'content-type: application/json' \
+      -d "{\"name\":\"bench $i\",\"email\":\"bench-$run_id-$i@example.com\"}" >/dev/null \
+      && posted=$((posted + 1))
+  done
+  users=$((N - INVALID + posted))
+  deadline=$((SECONDS + TIMEOUT_S))
+  until [ "$(psql_q "SELECT count(*) FROM $SCHEMA.users")" -ge "$users" ] \
+    && [ "$(psql_q "SELECT count(*) FROM $SCHEMA.dead_letters")" -ge "$INVALID" ]; do
+    kill -0 "$CHILD" 2>/dev/null || die "warren exited during the run; see $WARREN_LOG"
+    [ "$SECONDS" -lt "$deadline" ] || die "not settled within $TIMEOUT_S s; see $WARREN_LOG"
+    sleep 0.5
+  done
+  settled=$(now)
+  RSS_KB=$(peak_rss_kb "$CHILD")
+  stop_warren
+  awk -v kb="$RSS_KB" -v s="$started" -v e="$settled" -v p="$posted" -v u="$users" -v i="$INVALID" 'BEGIN {
+    printf "posted %d of 2000 through the API; %d rows in users and %d parked after %.1f s\n", p, u, i, e - s
+    printf "peak RSS %.1f MiB (target 32)\n", kb / 1024
   }'
   echo "load average after: $(cut -d' ' -f1-3 /proc/loadavg)"
   exit 0
