@@ -133,13 +133,7 @@ async fn a_second_sigterm_during_shutdown_exits_at_once() {
     let mut warren = env.start(&["--roles", "consumer"]);
     locker.wait_for_a_blocked_insert(&env).await;
 
-    warren.signal("TERM");
-    wait_until(
-        "the graceful shutdown started",
-        Duration::from_secs(10),
-        || async { warren.logs().contains("shutting down") },
-    )
-    .await;
+    warren.begin_shutdown().await;
     assert!(
         warren.is_running(),
         "warren exited although its batches were blocked; log:\n{}",

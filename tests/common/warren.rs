@@ -7,6 +7,7 @@ use std::process::{Child, Command, ExitStatus, Output, Stdio};
 use std::time::{Duration, Instant};
 
 use super::env::{BIN, TestEnv, unique_number};
+use super::wait::wait_until;
 
 impl TestEnv {
     /// A `warren` command with this env's settings and nothing inherited that could leak in.
@@ -111,6 +112,18 @@ impl Warren {
         let _ = Command::new("kill")
             .args([&format!("-{sig}"), &self.pid().to_string()])
             .status();
+    }
+
+    /// Sends SIGTERM and waits until the graceful shutdown has begun (`shutting down` logged),
+    /// without waiting for the exit.
+    pub async fn begin_shutdown(&self) {
+        self.signal("TERM");
+        wait_until(
+            "the graceful shutdown started",
+            Duration::from_secs(10),
+            || async { self.logs().contains("shutting down") },
+        )
+        .await;
     }
 
     /// Sends SIGTERM and waits for the exit, at most `timeout`.
