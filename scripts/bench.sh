@@ -3,7 +3,7 @@
 # warren's job achieve on this machine, in ONE run, repetitions interleaved, so the ratios hold
 # even when the machine's speed drifts.
 #
-#   scripts/bench.sh [N] [REPS] [KEY=VALUE...]              drain bench (N=200000, REPS=3)
+#   scripts/bench.sh [N] [REPS] [KEY=VALUE...]              drain bench (N=200000, REPS=4)
 #   scripts/bench.sh --live [RATE] [SECONDS] [KEY=VALUE...]  live bench (RATE=10000, SECONDS=60)
 #   scripts/bench.sh --all-roles [N] [KEY=VALUE...]          memory with all roles (N=100000)
 #
@@ -13,9 +13,12 @@
 # BENCH_PIN=1 gives the broker CPU 0 to itself and runs PostgreSQL and the contenders on the other
 # CPUs (as where the broker has its own host); needs root, restores the CPU masks at exit.
 #
-# Drain bench: every repetition runs the four contenders in this order, each on its own backlog
-# of N persistent ~100-byte users published with `warren publish --count N` (the queue must hold
-# N before the drain starts):
+# Drain bench: every repetition runs the four contenders, each on its own backlog of N persistent
+# ~100-byte users published with `warren publish --count N` (the queue must hold N before the
+# drain starts). The order turns by one each repetition (repetition 2 starts with the minimal
+# pipeline, 3 with warren, ...), so that what a drain leaves behind in the broker (its message
+# store's garbage, a warm or cold cache) is not always charged to the same contender; with REPS a
+# multiple of 4 every contender runs in every place equally often:
 #   raw_drain          examples/raw_drain.rs: bare lapin, prefetch 5000, one multi-ack per 100
 #                      deliveries, no decoding, no database (what the broker alone delivers)
 #   minimal_pipeline   examples/minimal_pipeline.rs: lapin, prefetch 2000, serde_json, one UNNEST
@@ -80,7 +83,7 @@ if [ "$MODE" = roles ]; then
 elif [ "$MODE" = drain ]; then
   [ ${#POSITIONAL[@]} -le 2 ] || die "too many numbers: expected [N] [REPS]"
   N=$(named N "${POSITIONAL[0]:-200000}" "$@")
-  REPS=$(named REPS "${POSITIONAL[1]:-3}" "$@")
+  REPS=$(named REPS "${POSITIONAL[1]:-4}" "$@")
   positive_int N "$N"; positive_int REPS "$REPS"
 else
   [ ${#POSITIONAL[@]} -le 2 ] || die "too many numbers: expected [RATE] [SECONDS]"
@@ -465,7 +468,8 @@ say "logs in $LOGDIR"
 echo "drain bench: N=$N messages per drain, $REPS repetitions interleaved; warren: $BIN${SETTINGS[*]:+ with ${SETTINGS[*]}}"
 echo "load average before: $(cut -d' ' -f1-3 /proc/loadavg)"
 for rep in $(seq 1 "$REPS"); do
-  for name in "${CONTENDERS[@]}"; do
+  for place in 0 1 2 3; do
+    name=${CONTENDERS[$(( (place + rep - 1) % 4 ))]}
     for attempt in $(seq 1 "$ATTEMPTS"); do
       tag="$name-$rep"; [ "$attempt" = 1 ] || tag="$tag-try$attempt"
       FAIL=""
