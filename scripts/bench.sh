@@ -468,8 +468,8 @@ say "logs in $LOGDIR"
 echo "drain bench: N=$N messages per drain, $REPS repetitions interleaved; warren: $BIN${SETTINGS[*]:+ with ${SETTINGS[*]}}"
 echo "load average before: $(cut -d' ' -f1-3 /proc/loadavg)"
 for rep in $(seq 1 "$REPS"); do
-  for place in 0 1 2 3; do
-    name=${CONTENDERS[$(( (place + rep - 1) % 4 ))]}
+  for place in "${!CONTENDERS[@]}"; do
+    name=${CONTENDERS[$(( (place + rep - 1) % ${#CONTENDERS[@]} ))]}
     for attempt in $(seq 1 "$ATTEMPTS"); do
       tag="$name-$rep"; [ "$attempt" = 1 ] || tag="$tag-try$attempt"
       FAIL=""
