@@ -121,12 +121,51 @@ pub fn parse_raw_value<I: ParsableInput>(
         AMQPType::DecimalValue => map(parse_decimal_value, AMQPValue::DecimalValue).parse(i),
         AMQPType::ShortString => map(parse_short_string, AMQPValue::ShortString).parse(i),
         AMQPType::LongString => map(parse_long_string, AMQPValue::LongString).parse(i),
-        AMQPType::FieldArray => map(parse_field_array, AMQPValue::FieldArray).parse(i),
+        AMQPType::FieldArray => match Nesting::enter() {
+            Some(_level) => map(parse_field_array, AMQPValue::FieldArray).parse(i),
+            None => map(parse_byte_array, AMQPValue::ByteArray).parse(i),
+        },
         AMQPType::Timestamp => map(parse_timestamp, AMQPValue::Timestamp).parse(i),
-        AMQPType::FieldTable => map(parse_field_table, AMQPValue::FieldTable).parse(i),
+        AMQPType::FieldTable => match Nesting::enter() {
+            Some(_level) => map(parse_field_table, AMQPValue::FieldTable).parse(i),
+            None => map(parse_byte_array, AMQPValue::ByteArray).parse(i),
+        },
         AMQPType::ByteArray => map(parse_byte_array, AMQPValue::ByteArray).parse(i),
         AMQPType::Void => Ok((i, AMQPValue::Void)),
     })
+}
+
+/// warren patch (see WARREN-PATCH.md): tables and arrays nested deeper than this are not parsed
+/// further: such a value is kept as the raw bytes of its content (a byte array). The broker
+/// accepts any depth; parsing, cloning, comparing, encoding and dropping a nested value all
+/// recurse, and a header nested some thousands of levels deep overflowed the stack of the thread
+/// that handled it (lapin's I/O thread: the whole process aborted).
+pub const MAX_NESTING: usize = 64;
+
+thread_local! {
+    static NESTING: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
+}
+
+/// One level of table or array nesting being parsed on this thread; leaving it (drop) pops it.
+struct Nesting;
+
+impl Nesting {
+    /// Enters one more level, or `None` at [`MAX_NESTING`].
+    fn enter() -> Option<Self> {
+        NESTING.with(|n| {
+            let depth = n.get();
+            (depth < MAX_NESTING).then(|| {
+                n.set(depth + 1);
+                Nesting
+            })
+        })
+    }
+}
+
+impl Drop for Nesting {
+    fn drop(&mut self) {
+        NESTING.with(|n| n.set(n.get().saturating_sub(1)));
+    }
 }
 
 /// Parse an [AMQPValue](../type.AMQPValue.html)
@@ -217,13 +256,32 @@ pub fn parse_decimal_value<I: ParsableInput>(i: I) -> ParserResult<I, DecimalVal
 
 // warren patch (see WARREN-PATCH.md): a short string that is not valid UTF-8 (the broker
 // accepts any bytes) is decoded lossily instead of failing the whole frame, which used to kill
-// the connection and leave the message at the head of its queue forever.
+// the connection and leave the message at the head of its queue forever. The result must stay a
+// valid short string (at most 255 bytes, or `ShortString::from` panics): each invalid sequence
+// becomes U+FFFD (3 bytes) when that fits, else `?` (1 byte), which never makes it longer.
 fn make_str<I: Input<Item = u8>>(i: I) -> Result<String, std::string::FromUtf8Error> {
     let bytes: Vec<u8> = i.iter_elements().collect();
     Ok(match String::from_utf8(bytes) {
         Ok(s) => s,
-        Err(e) => String::from_utf8_lossy(e.as_bytes()).into_owned(),
+        Err(e) => lossy_short(e.as_bytes()),
     })
+}
+
+/// `bytes` as text of at most [`MAX_SHORT_STRING_LENGTH`] bytes when `bytes` is no longer than
+/// that: U+FFFD for each invalid sequence when the result fits, else `?`.
+fn lossy_short(bytes: &[u8]) -> String {
+    let lossy = String::from_utf8_lossy(bytes).into_owned();
+    if lossy.len() <= MAX_SHORT_STRING_LENGTH || bytes.len() > MAX_SHORT_STRING_LENGTH {
+        return lossy;
+    }
+    let mut out = String::with_capacity(bytes.len());
+    for chunk in bytes.utf8_chunks() {
+        out.push_str(chunk.valid());
+        if !chunk.invalid().is_empty() {
+            out.push('?');
+        }
+    }
+    out
 }
 
 /// Parse a [ShortString](../type.ShortString.html)
@@ -479,6 +537,52 @@ mod test {
                 }
             ))
         );
+    }
+
+    #[test]
+    fn test_parse_short_string_lossy_never_exceeds_the_limit() {
+        // warren patch: 255 invalid bytes would be 765 bytes of U+FFFD; they become '?'.
+        let mut input = vec![255u8];
+        input.extend(std::iter::repeat_n(0xffu8, 255));
+        let (_, s) = parse_short_string(&input[..]).unwrap();
+        assert_eq!(s.as_str(), "?".repeat(255));
+        // 85 invalid bytes fit as U+FFFD (255 bytes); 86 do not.
+        for n in [85usize, 86, 100, 200] {
+            let mut input = vec![n as u8 + 1, b'a'];
+            input.extend(std::iter::repeat_n(0xfeu8, n));
+            let (_, s) = parse_short_string(&input[..]).unwrap();
+            assert!(s.as_str().len() <= 255, "{n}: {}", s.as_str().len());
+            assert!(s.as_str().starts_with('a'));
+        }
+    }
+
+    #[test]
+    fn test_deep_nesting_is_kept_as_bytes_beyond_the_limit() {
+        // warren patch: a table nested 100,000 deep parses without recursing that deep.
+        let depth = 100_000usize;
+        // Innermost: an empty table; each level wraps the previous one as the value of key "k".
+        let mut value: Vec<u8> = vec![b'F', 0, 0, 0, 0];
+        for _ in 0..depth {
+            let mut entry = vec![1u8, b'k'];
+            entry.extend_from_slice(&value);
+            let mut next = vec![b'F'];
+            next.extend_from_slice(&(entry.len() as u32).to_be_bytes());
+            next.extend_from_slice(&entry);
+            value = next;
+        }
+        let (rest, parsed) = parse_value(&value[..]).unwrap();
+        assert!(rest.is_empty());
+        let mut levels = 0;
+        let mut current = &parsed;
+        while let AMQPValue::FieldTable(t) = current {
+            levels += 1;
+            current = t.inner().get("k").unwrap();
+        }
+        assert_eq!(levels, MAX_NESTING);
+        assert!(matches!(current, AMQPValue::ByteArray(_)));
+        // The counter is back at zero: the next value parses to the full depth again.
+        let (_, again) = parse_value(&value[..]).unwrap();
+        assert_eq!(again, parsed);
     }
 
     #[test]
