@@ -158,7 +158,7 @@ fn describe() {
     );
     describe_counter!(
         PUBLISHED,
-        "Publishes by outcome (confirmed, unroutable, nacked, unavailable, timeout)."
+        "Publishes by outcome (confirmed, unroutable, nacked, unavailable, timeout, unpublishable)."
     );
     describe_histogram!(PUBLISH_CONFIRM_SECONDS, "From publish to broker confirm.");
     describe_gauge!(
@@ -187,7 +187,7 @@ fn describe() {
     describe_counter!(
         CONSUMER_RESTARTS,
         "Consumer links rebuilt, by pipeline and reason (connection_lost, cancelled, stuck, \
-         parse_error); each rebuild after a short-lived link waits a growing backoff."
+         parse_error, frame_too_large); each rebuild after a short-lived link waits a growing backoff."
     );
     describe_counter!(
         REQUEUED,
@@ -334,7 +334,7 @@ pub fn breaker(pipeline: &'static str, open: bool) {
 }
 
 /// A publish finished with `outcome` (`confirmed`, `unroutable`, `nacked`, `timeout`,
-/// `unavailable`): counts it, and times confirmed ones.
+/// `unpublishable`, `unavailable`): counts it, and times confirmed ones.
 pub fn published(outcome: &'static str, took: Duration) {
     counter!(PUBLISHED, "outcome" => outcome).increment(1);
     if outcome == "confirmed" {
@@ -402,7 +402,13 @@ pub fn preregister(pipelines: &[&'static str]) {
         for reason in ["publish_failed", "db_unavailable"] {
             counter!(REQUEUED, "pipeline" => *p, "reason" => reason).absolute(0);
         }
-        for reason in ["connection_lost", "cancelled", "stuck", "parse_error"] {
+        for reason in [
+            "connection_lost",
+            "cancelled",
+            "stuck",
+            "parse_error",
+            "frame_too_large",
+        ] {
             counter!(CONSUMER_RESTARTS, "pipeline" => *p, "reason" => reason).absolute(0);
         }
         gauge!(BREAKER_OPEN, "pipeline" => *p).set(0.0);
@@ -417,6 +423,7 @@ pub fn preregister(pipelines: &[&'static str]) {
         "nacked",
         "unavailable",
         "timeout",
+        "unpublishable",
     ] {
         counter!(PUBLISHED, "outcome" => outcome).absolute(0);
     }

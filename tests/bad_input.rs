@@ -288,6 +288,7 @@ async fn undecodable_properties_do_not_stall_the_queue() {
         reply_to: Some(b"r\xff\xfe".to_vec()),
         message_id: Some(b"caf\xe9-\xff".to_vec()),
         delivery_mode: Some(2),
+        ..Default::default()
     };
     raw_amqp::publish(
         &amqp_url(),

@@ -213,7 +213,7 @@ async fn a_group_of_mixed_routable_and_unroutable_publishes_gets_every_outcome_r
     let mut routed_bodies = Vec::new();
     for round in 0..5 {
         let publishes = mixed_round(&env, &nowhere, round);
-        let results = publish_group(&channel, publishes.clone(), Duration::from_secs(10)).await;
+        let results = publish_group(&channel, publishes.clone(), 0, Duration::from_secs(10)).await;
         check_outcomes(&env, round, &publishes, results, &mut routed_bodies);
     }
     // The queue holds exactly the routed ones.
@@ -233,7 +233,7 @@ async fn concurrent_single_publishes_through_the_publisher_each_get_their_own_ou
     let env = TestEnv::new("pubsingle").await;
     env.declare();
     let settings = env.settings();
-    let publisher = Publisher::new(settings, "test").start();
+    let publisher = Publisher::new(settings, "test", warren::amqp::Frames::Broker).start();
     wait_until("the publisher connected", Duration::from_secs(10), || {
         let publisher = publisher.clone();
         async move { publisher.send(IsConnected).await.unwrap_or(false) }
@@ -313,12 +313,12 @@ async fn returns_of_equal_bodies_reach_the_publish_with_their_properties() {
             Publish {
                 exchange: exchange.clone(),
                 routing_key: String::new(),
-                body: b"{not json".to_vec(),
+                body: b"{not json".to_vec().into(),
                 properties: with_header(props, "route", AMQPValue::LongString(route.into())),
             }
         })
         .collect();
-    let results = publish_group(&channel, publishes, Duration::from_secs(10)).await;
+    let results = publish_group(&channel, publishes, 0, Duration::from_secs(10)).await;
     let mut routed = Vec::new();
     for (i, r) in results.iter().enumerate() {
         if i % 3 == 0 {
@@ -359,7 +359,7 @@ fn mixed_round(
             } else {
                 nowhere.to_string()
             },
-            body: format!("round {round} body {}", i / 2).into_bytes(),
+            body: format!("round {round} body {}", i / 2).into_bytes().into(),
             properties: Default::default(),
         })
         .collect()
@@ -376,7 +376,7 @@ fn check_outcomes(
     for (i, (p, r)) in publishes.iter().zip(results).enumerate() {
         if p.routing_key == env.main_queue {
             assert!(r.is_ok(), "round {round} publish {i} (routed): {r:?}");
-            routed_bodies.push(p.body.clone());
+            routed_bodies.push(p.body.to_vec());
         } else {
             assert!(
                 matches!(r, Err(warren::amqp::AmqpError::Unroutable { .. })),

@@ -1,9 +1,12 @@
 //! The headers warren reads and writes: `x-retries` (read robustly, always written as an
 //! integer), `x-retry-reason`, `x-error-kind` / `x-error-reason` on dead-lettered messages (reasons
 //! capped at [`REASON_MAX`] bytes), and `x-dlq-attempts`, the DLQ consumer's own attempt count.
+//! The properties of every copy warren publishes are made by `amqp::republish`.
 
 use lapin::BasicProperties;
-use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
+use lapin::types::{AMQPValue, LongString};
+
+use super::republish::{Stamp, copy_properties};
 
 pub const X_RETRIES: &str = "x-retries";
 pub const X_RETRY_REASON: &str = "x-retry-reason";
@@ -151,13 +154,19 @@ fn long(s: &str) -> AMQPValue {
     AMQPValue::LongString(LongString::from(s.as_bytes().to_vec()))
 }
 
-/// Copies `properties` with the given headers set (others kept).
+/// The headers whose text warren may cut when a copy must fit in a frame (`republish::fit`).
+pub const REASONS: [&str; 2] = [X_ERROR_REASON, X_RETRY_REASON];
+
+/// The original's properties with the given headers set (others kept), as the republish policy
+/// makes every copy (`amqp::republish`).
 pub fn with_headers(properties: &BasicProperties, set: &[(&str, AMQPValue)]) -> BasicProperties {
-    let mut headers: FieldTable = properties.headers().clone().unwrap_or_default();
-    for (k, v) in set {
-        headers.insert(ShortString::from(*k), v.clone());
-    }
-    properties.clone().with_headers(headers)
+    copy_properties(
+        properties,
+        &Stamp {
+            set: set.to_vec(),
+            ..Default::default()
+        },
+    )
 }
 
 /// Properties for a retry: `x-retries` = `retries`, `x-retry-reason` = `reason`.
@@ -204,29 +213,25 @@ pub fn for_dlq_attempt(
     )
 }
 
-/// Properties for a message replayed from the DLQ: `x-retries` = 0 and every `x-error-*` header
-/// removed; all other headers and properties are kept.
+/// Properties for a message replayed from the DLQ: `x-retries` = 0, every `x-error-*` header
+/// and `x-dlq-attempts` removed, `x-death` moved aside (a new life); the rest as the republish
+/// policy keeps it.
 pub fn for_replay(properties: &BasicProperties) -> BasicProperties {
-    let mut kept: std::collections::BTreeMap<ShortString, AMQPValue> = properties
-        .headers()
-        .as_ref()
-        .map(|h| {
-            h.inner()
-                .iter()
-                .filter(|(k, _)| {
-                    !k.as_str().starts_with("x-error-") && k.as_str() != X_DLQ_ATTEMPTS
-                })
-                .map(|(k, v)| (k.clone(), v.clone()))
-                .collect()
-        })
-        .unwrap_or_default();
-    kept.insert(ShortString::from(X_RETRIES), AMQPValue::LongLongInt(0));
-    properties.clone().with_headers(FieldTable::from(kept))
+    copy_properties(
+        properties,
+        &Stamp {
+            set: vec![(X_RETRIES, AMQPValue::LongLongInt(0))],
+            remove: &[X_DLQ_ATTEMPTS],
+            remove_prefixes: &["x-error-"],
+            restart: true,
+        },
+    )
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use lapin::types::FieldTable;
 
     fn props(v: AMQPValue) -> BasicProperties {
         let mut h = FieldTable::default();

@@ -1,10 +1,12 @@
 //! RabbitMQ plumbing: bounded connects with heartbeats to one of several endpoints (each link
 //! moves on to the next node after a failure), exponential backoff with jitter for reconnect
-//! loops, the AMQP error enum, and the `x-*` headers warren reads and writes.
+//! loops, the AMQP error enum, the `x-*` headers warren reads and writes, and the one policy of
+//! what warren's republished copies of a message carry (`republish`).
 
 pub mod headers;
 pub mod monitor;
 pub mod publisher;
+pub mod republish;
 
 use std::collections::HashMap;
 use std::sync::{Mutex, OnceLock};
@@ -47,6 +49,17 @@ pub enum AmqpError {
     /// A passive declare found no such object.
     #[error("{0} does not exist")]
     NotFound(String),
+    /// The broker closed the channel or the connection (its reply code and text) while the
+    /// publish was in flight: whether the broker took it is unknown.
+    #[error("the broker closed the channel: {code} {text}")]
+    Closed { code: u16, text: String },
+    /// The publish was sent, but its confirm never came (the link failed): whether the broker
+    /// took it is unknown.
+    #[error("no confirm from the broker: {0}")]
+    Unconfirmed(String),
+    /// The message cannot be published as it is (`republish`): it was not sent.
+    #[error("cannot be republished: {0}")]
+    Unpublishable(#[from] republish::Unpublishable),
     /// Any other protocol or IO error from lapin.
     #[error("{0}")]
     Protocol(String),
@@ -59,16 +72,49 @@ impl AmqpError {
             AmqpError::Unroutable { .. } => "unroutable",
             AmqpError::Nacked => "nacked",
             AmqpError::ConfirmTimeout(_) => "timeout",
+            AmqpError::Unpublishable(_) => "unpublishable",
             _ => "unavailable",
         }
     }
 
-    /// Whether trying again later can help (all but configuration and routing mistakes).
+    /// Whether trying again later can help (all but configuration and routing mistakes, and
+    /// messages that cannot be published as they are).
     pub fn is_transient(&self) -> bool {
         !matches!(
             self,
-            AmqpError::BadUrl(_) | AmqpError::Unroutable { .. } | AmqpError::NotFound(_)
+            AmqpError::BadUrl(_)
+                | AmqpError::Unroutable { .. }
+                | AmqpError::NotFound(_)
+                | AmqpError::Unpublishable(_)
         )
+    }
+
+    /// Whether the publish may have reached the broker although it was not confirmed: sending
+    /// it again may make a second copy.
+    pub fn maybe_sent(&self) -> bool {
+        matches!(
+            self,
+            AmqpError::Closed { .. } | AmqpError::Unconfirmed(_) | AmqpError::ConfirmTimeout(_)
+        )
+    }
+
+    /// Whether the broker closed the link over something a publish itself carried (a property
+    /// it refuses, a frame it cannot take), rather than over the link or the destination:
+    /// PRECONDITION_FAILED (406), FRAME_ERROR (501), SYNTAX_ERROR (502), UNEXPECTED_FRAME (505).
+    pub fn blames_the_message(&self) -> bool {
+        matches!(self, AmqpError::Closed { code, .. } if [406, 501, 502, 505].contains(code))
+    }
+
+    /// A failed publish confirm as warren's error: the broker's close with its reply code, or
+    /// an unknown fate.
+    pub fn from_confirm(e: &lapin::Error) -> Self {
+        match e.kind() {
+            lapin::ErrorKind::ProtocolError(amqp) => AmqpError::Closed {
+                code: amqp.get_id(),
+                text: amqp.get_message().to_string(),
+            },
+            _ => AmqpError::Unconfirmed(e.to_string()),
+        }
     }
 }
 
@@ -87,11 +133,28 @@ impl From<lapin::Error> for AmqpError {
     }
 }
 
-/// The largest frame warren proposes when `AMQP_URL` names none (`?frame_max=`). lapin keeps a
-/// receive and a send buffer of 32 frames per connection, written through: at RabbitMQ's
-/// default of 128 KiB that is 8 MiB of memory per connection (24 MiB for the three links of a
-/// consumer), at 16 KiB 1 MiB. A larger message is simply sent in more frames.
-pub const FRAME_MAX: u32 = 16 * 1024;
+/// The largest frame warren proposes on a link that carries only warren's own small messages
+/// ([`Frames::Small`]) when `AMQP_URL` names none (`?frame_max=`). lapin keeps a receive and a
+/// send buffer of 32 frames per connection: at RabbitMQ's default of 128 KiB that is 8 MiB of
+/// memory per connection, at 16 KiB 1 MiB. A larger body is simply sent in more frames.
+pub const FRAME_MAX_SMALL: u32 = 16 * 1024;
+
+/// The frame limit a link proposes. A content header (the properties, headers included) travels
+/// in ONE frame, and lapin refuses an inbound frame over the negotiated limit by closing the
+/// connection, so a link that receives or republishes other publishers' messages must take
+/// what the broker allows them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Frames {
+    /// At most [`FRAME_MAX_SMALL`] unless `AMQP_URL` sets `?frame_max=`: the API's and the CLI's
+    /// publishers, the queue poller, `declare`, `status`.
+    Small,
+    /// The broker's `frame_max`, unless `AMQP_URL` sets a lower `?frame_max=`: consumers, the
+    /// router's publisher, `move`, the DLQ tools.
+    Broker,
+    /// The broker's `frame_max` whatever `AMQP_URL` says: a consumer whose link died over a
+    /// frame larger than the configured limit (it could never receive that message otherwise).
+    BrokerOnly,
+}
 
 /// One broker node of `AMQP_URL`.
 #[derive(Debug, Clone)]
@@ -159,7 +222,11 @@ fn remember_node(purpose: &str, index: usize) {
 /// link whose place in the endpoint list is remembered), with the configured heartbeat, each
 /// attempt bounded by the connect timeout. With several endpoints it tries each once, starting
 /// after the node this link used (or failed on) last, and takes the first that answers.
-pub async fn connect(settings: &Settings, purpose: &str) -> Result<Connection, AmqpError> {
+pub async fn connect(
+    settings: &Settings,
+    purpose: &str,
+    frames: Frames,
+) -> Result<Connection, AmqpError> {
     let endpoints = endpoints(settings)?;
     let n = endpoints.len();
     let start = first_try(purpose, n);
@@ -169,7 +236,7 @@ pub async fn connect(settings: &Settings, purpose: &str) -> Result<Connection, A
         let index = (start + k) % n;
         let endpoint = &endpoints[index];
         remember_node(purpose, index);
-        match connect_to(endpoint, settings, purpose).await {
+        match connect_to(endpoint, settings, purpose, frames).await {
             Ok(conn) => {
                 if failures.is_empty() {
                     info!(link = purpose, node = %endpoint.node, "connected to the broker");
@@ -200,9 +267,17 @@ async fn connect_to(
     endpoint: &Endpoint,
     settings: &Settings,
     purpose: &str,
+    frames: Frames,
 ) -> Result<Connection, AmqpError> {
     let mut uri = endpoint.uri.clone();
-    uri.query.frame_max.get_or_insert(FRAME_MAX);
+    match frames {
+        Frames::Small => {
+            uri.query.frame_max.get_or_insert(FRAME_MAX_SMALL);
+        }
+        // lapin proposes nothing (0) and takes the broker's.
+        Frames::Broker => {}
+        Frames::BrokerOnly => uri.query.frame_max = None,
+    }
     uri.query.heartbeat = Some(settings.amqp_heartbeat_s);
     uri.query.connection_timeout = Some(settings.amqp_connect_timeout_ms);
     let name = format!(
@@ -223,8 +298,9 @@ async fn connect_to(
 pub async fn connect_channel(
     settings: &Settings,
     purpose: &str,
+    frames: Frames,
 ) -> Result<(Connection, Channel), AmqpError> {
-    let conn = connect(settings, purpose).await?;
+    let conn = connect(settings, purpose, frames).await?;
     let channel = conn.create_channel().await?;
     Ok((conn, channel))
 }
@@ -422,7 +498,10 @@ mod tests {
             &format!("amqp://u:s3cret@127.0.0.1:{a}/%2f,amqp://u:s3cret@127.0.0.1:{b}/%2f"),
             false,
         );
-        let err = connect(&s, "test-closed").await.unwrap_err().to_string();
+        let err = connect(&s, "test-closed", Frames::Small)
+            .await
+            .unwrap_err()
+            .to_string();
         assert!(
             err.starts_with("broker unavailable: no broker node answered: 127.0.0.1:"),
             "{err}"

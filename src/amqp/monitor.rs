@@ -14,7 +14,9 @@ pub async fn poll_queues(settings: Settings, every: Duration) {
     let mut conn: Option<lapin::Connection> = None;
     loop {
         if conn.as_ref().is_none_or(|c| !c.status().connected()) {
-            conn = super::connect(&settings, "monitor").await.ok();
+            conn = super::connect(&settings, "monitor", super::Frames::Small)
+                .await
+                .ok();
         }
         if let Some(c) = &conn {
             for q in &queues {

@@ -18,7 +18,7 @@ use lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
 use lapin::{BasicProperties, Channel, Confirmation, Connection};
 use tracing::{info, warn};
 
-use crate::amqp::{self, AmqpError};
+use crate::amqp::{self, AmqpError, headers, republish};
 use crate::config::Settings;
 
 /// Publish one message and wait for the broker's confirm.
@@ -27,7 +27,8 @@ use crate::config::Settings;
 pub struct Publish {
     pub exchange: String,
     pub routing_key: String,
-    pub body: Vec<u8>,
+    /// Shared with the delivery it copies, never cloned (`Bytes::from(vec)` takes a `Vec`).
+    pub body: bytes::Bytes,
     pub properties: BasicProperties,
 }
 
@@ -96,6 +97,8 @@ pub struct Publisher {
     settings: Settings,
     /// Shown in the broker's connection list (`api`, `router`, `cli`).
     purpose: &'static str,
+    /// The frame limit its link proposes: the router republishes other publishers' messages.
+    frames: amqp::Frames,
     /// The live connection, kept so it can be closed cleanly (shared with a channel renewal).
     connection: Option<Arc<Connection>>,
     /// The confirm-mode channel publishes go through; `None` while disconnected.
@@ -131,10 +134,11 @@ struct PendingPublish {
 type Pending = Arc<std::sync::Mutex<Vec<PendingPublish>>>;
 
 impl Publisher {
-    pub fn new(settings: Settings, purpose: &'static str) -> Self {
+    pub fn new(settings: Settings, purpose: &'static str, frames: amqp::Frames) -> Self {
         Self {
             settings,
             purpose,
+            frames,
             connection: None,
             channel: None,
             connecting: false,
@@ -145,6 +149,13 @@ impl Publisher {
             group: Arc::default(),
             pending: Arc::default(),
         }
+    }
+
+    /// The frame limit of the live connection (0 while there is none).
+    fn frame_max(&self) -> u32 {
+        self.connection
+            .as_ref()
+            .map_or(0, |c| c.configuration().frame_max())
     }
 
     fn live_channel(&mut self) -> Option<Channel> {
@@ -166,10 +177,10 @@ impl Publisher {
         }
         self.connecting = true;
         let settings = self.settings.clone();
-        let purpose = self.purpose;
+        let (purpose, frames) = (self.purpose, self.frames);
         let addr = ctx.address();
         actix::spawn(async move {
-            let open = || open(&settings, purpose);
+            let open = || open(&settings, purpose, frames);
             if let Some((conn, ch)) = amqp::until_open(
                 purpose,
                 "publisher cannot reach the broker; retrying",
@@ -185,8 +196,12 @@ impl Publisher {
     }
 }
 
-async fn open(settings: &Settings, purpose: &str) -> Result<(Connection, Channel), AmqpError> {
-    let (conn, channel) = amqp::connect_channel(settings, purpose).await?;
+async fn open(
+    settings: &Settings,
+    purpose: &str,
+    frames: amqp::Frames,
+) -> Result<(Connection, Channel), AmqpError> {
+    let (conn, channel) = amqp::connect_channel(settings, purpose, frames).await?;
     channel
         .confirm_select(ConfirmSelectOptions::default())
         .await
@@ -322,6 +337,7 @@ impl Handler<Publish> for Publisher {
             return Box::pin(async { result });
         };
         let timeout = self.settings.publish_timeout();
+        let frame_max = self.frame_max();
         let (addr, group, pending) = (ctx.address(), self.group.clone(), self.pending.clone());
         let (tx, mut rx) = tokio::sync::oneshot::channel();
         lock(&pending).push(PendingPublish {
@@ -365,7 +381,8 @@ impl Handler<Publish> for Publisher {
                             .into_iter()
                             .map(|p| (p.publish, (p.result, p.at)))
                             .unzip();
-                        let results = publish_group(&channel, publishes, timeout).await;
+                        let results =
+                            publish_group(&channel, publishes, frame_max, timeout).await;
                         if results.iter().any(|r| matches!(r, Err(AmqpError::Nacked))) {
                             addr.do_send(Refused { generation });
                         }
@@ -400,11 +417,12 @@ impl Handler<PublishAll> for Publisher {
             return Box::pin(async move { vec![result; n] });
         };
         let timeout = self.settings.publish_timeout();
+        let frame_max = self.frame_max();
         let (addr, generation, group) = (ctx.address(), self.generation, self.group.clone());
         Box::pin(async move {
             let _alone = group.lock().await;
             let started = std::time::Instant::now();
-            let results = publish_group(&channel, msg.0, timeout).await;
+            let results = publish_group(&channel, msg.0, frame_max, timeout).await;
             for result in &results {
                 amqp::count_publish(result, started.elapsed());
             }
@@ -433,6 +451,7 @@ impl Handler<PublishAll> for Publisher {
 pub async fn publish_group(
     channel: &Channel,
     publishes: Vec<Publish>,
+    frame_max: u32,
     timeout: Duration,
 ) -> Vec<Result<(), AmqpError>> {
     let n = publishes.len();
@@ -441,20 +460,55 @@ pub async fn publish_group(
         Ok(Err(e)) => return vec![Err(AmqpError::Unavailable(e.to_string())); n],
         Err(_) => return vec![Err(AmqpError::ConfirmTimeout(timeout)); n],
     }
+    // What the link cannot carry is never sent: a content header over the frame limit makes
+    // the broker close the connection, and every other publish in flight with it.
+    let mut results: Vec<Result<(), AmqpError>> = Vec::with_capacity(n);
+    let mut fitted: Vec<Option<BasicProperties>> = Vec::with_capacity(n);
+    for p in &publishes {
+        match republish::fit(p.properties.clone(), &headers::REASONS, frame_max) {
+            Ok(properties) => {
+                fitted.push(Some(properties));
+                results.push(Ok(()));
+            }
+            Err(e) => {
+                fitted.push(None);
+                results.push(Err(e.into()));
+            }
+        }
+    }
     let work = async {
         let mut confirms = Vec::with_capacity(n);
-        for p in &publishes {
-            confirms.push(start(channel, p, p.properties.clone()).await);
+        for (p, properties) in publishes.iter().zip(fitted) {
+            match properties {
+                // Not sent: the channel refused it before it left (closed already).
+                Some(properties) => confirms.push(Some(
+                    start(channel, p, properties)
+                        .await
+                        .map_err(|e| AmqpError::Unavailable(e.to_string())),
+                )),
+                None => confirms.push(None),
+            }
         }
-        futures::future::join_all(confirms.into_iter().map(|c| async move { c?.await })).await
+        futures::future::join_all(confirms.into_iter().map(|c| async move {
+            match c? {
+                Ok(confirm) => Some(confirm.await.map_err(|e| AmqpError::from_confirm(&e))),
+                Err(e) => Some(Err(e)),
+            }
+        }))
+        .await
     };
     let Ok(outcomes) = tokio::time::timeout(timeout, work).await else {
-        return vec![Err(AmqpError::ConfirmTimeout(timeout)); n];
+        return results
+            .into_iter()
+            .map(|r| r.and(Err(AmqpError::ConfirmTimeout(timeout))))
+            .collect();
     };
     let mut returned = Vec::new();
-    let mut results: Vec<Result<(), AmqpError>> = outcomes
-        .into_iter()
-        .map(|outcome| match outcome {
+    for (result, outcome) in results.iter_mut().zip(outcomes) {
+        let Some(outcome) = outcome else {
+            continue;
+        };
+        *result = match outcome {
             Ok(Confirmation::Ack(r)) => {
                 returned.extend(r);
                 Ok(())
@@ -466,15 +520,15 @@ pub async fn publish_group(
             Ok(Confirmation::NotRequested) => Err(AmqpError::Protocol(
                 "publisher confirms are not enabled on this channel".into(),
             )),
-            Err(e) => Err(AmqpError::Unavailable(e.to_string())),
-        })
-        .collect();
+            Err(e) => Err(e),
+        };
+    }
     for r in returned {
         let d = &r.delivery;
         let same = |p: &Publish| {
             p.exchange == d.exchange.as_str()
                 && p.routing_key == d.routing_key.as_str()
-                && p.body == d.data
+                && p.body[..] == d.data[..]
         };
         // The same properties too (the message id tells apart messages with equal bodies: all
         // malformed messages can be `{not json`, and when a binding goes away in the middle of
@@ -521,32 +575,18 @@ async fn start(
         .await
 }
 
-/// Publishes on `channel` (in confirm mode) and waits for the confirm; an unroutable mandatory
-/// message comes back as an `Ack` carrying the returned message, which is a failure here. Only
-/// for one publish at a time on the channel: with several in flight lapin can hand a returned
-/// message to the wrong one (use [`publish_group`]).
+/// Publishes one message on `channel` (in confirm mode, used by nobody else meanwhile) and waits
+/// for its confirm: [`publish_group`] of one.
 pub async fn publish_confirmed(
     channel: &Channel,
-    mut msg: Publish,
+    msg: Publish,
+    frame_max: u32,
     timeout: Duration,
 ) -> Result<(), AmqpError> {
-    let properties = std::mem::take(&mut msg.properties);
-    let work = async { start(channel, &msg, properties).await?.await };
-    match tokio::time::timeout(timeout, work).await {
-        Err(_) => Err(AmqpError::ConfirmTimeout(timeout)),
-        Ok(Err(e)) => Err(AmqpError::Unavailable(e.to_string())),
-        Ok(Ok(Confirmation::Ack(None))) => Ok(()),
-        Ok(Ok(Confirmation::Ack(Some(_)))) | Ok(Ok(Confirmation::Nack(Some(_)))) => {
-            Err(AmqpError::Unroutable {
-                exchange: msg.exchange,
-                routing_key: msg.routing_key,
-            })
-        }
-        Ok(Ok(Confirmation::Nack(None))) => Err(AmqpError::Nacked),
-        Ok(Ok(Confirmation::NotRequested)) => Err(AmqpError::Protocol(
-            "publisher confirms are not enabled on this channel".into(),
-        )),
-    }
+    publish_group(channel, vec![msg], frame_max, timeout)
+        .await
+        .pop()
+        .unwrap_or_else(|| Err(AmqpError::Unavailable("nothing was published".into())))
 }
 
 impl Handler<IsConnected> for Publisher {

@@ -37,12 +37,14 @@ pub async fn declare_all(
     topology: &Topology,
     verbose: bool,
 ) -> anyhow::Result<()> {
-    let conn = amqp::connect(settings, "declare").await.with_context(|| {
-        format!(
-            "cannot reach the broker at {}",
-            crate::config::redact_url(&settings.amqp_url)
-        )
-    })?;
+    let conn = amqp::connect(settings, "declare", amqp::Frames::Small)
+        .await
+        .with_context(|| {
+            format!(
+                "cannot reach the broker at {}",
+                crate::config::redact_url(&settings.amqp_url)
+            )
+        })?;
     let result = topology.declare(&conn).await;
     amqp::close(None, Some(conn)).await;
     let steps = result?;

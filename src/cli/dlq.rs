@@ -15,19 +15,20 @@ use lapin::{BasicProperties, Channel, Connection};
 use tokio_postgres::NoTls;
 
 use crate::amqp::publisher::{Publish, json_properties, publish_confirmed};
-use crate::amqp::{self, headers};
+use crate::amqp::{self, headers, republish};
 use crate::config::{Settings, redact_url};
 use crate::db::{self, DbError};
 
 /// The kinds of dead letter `--kind` selects: the values of `x-error-kind` (and of
 /// `dead_letters.error_kind`), then the kinds of messages the broker dead-lettered itself (see
 /// [`kind_of`]).
-pub const KINDS: [&str; 9] = [
+pub const KINDS: [&str; 10] = [
     "invalid_json",
     "invalid_payload",
     "db_permanent",
     "retries_exhausted",
     "id_conflict",
+    "unpublishable",
     "broker_rejected",
     "broker_expired",
     "broker_maxlen",
@@ -57,11 +58,14 @@ pub struct BrokerDeath {
 }
 
 impl BrokerDeath {
-    /// The first entry of `x-death` (the broker puts the newest death first); `None` when the
-    /// header is missing or not an array of tables with a `reason`.
+    /// The first entry of `x-death` (the broker puts the newest death first), or of
+    /// `x-original-x-death` where a move set it aside; `None` when the header is missing or not
+    /// an array of tables with a `reason`.
     pub fn of(properties: &BasicProperties) -> Option<Self> {
-        let AMQPValue::FieldArray(deaths) =
-            properties.headers().as_ref()?.inner().get("x-death")?
+        let headers = properties.headers().as_ref()?.inner();
+        let AMQPValue::FieldArray(deaths) = headers
+            .get(republish::X_DEATH)
+            .or_else(|| headers.get(republish::X_ORIGINAL_DEATH))?
         else {
             return None;
         };
@@ -228,12 +232,14 @@ pub async fn execute(settings: &Settings, args: Args) -> anyhow::Result<i32> {
 // ---------------------------------------------------------------------------------------------
 
 async fn broker(settings: &Settings) -> anyhow::Result<Connection> {
-    amqp::connect(settings, "dlq tool").await.with_context(|| {
-        format!(
-            "cannot reach the broker at {}",
-            redact_url(&settings.amqp_url)
-        )
-    })
+    amqp::connect(settings, "dlq tool", amqp::Frames::Broker)
+        .await
+        .with_context(|| {
+            format!(
+                "cannot reach the broker at {}",
+                redact_url(&settings.amqp_url)
+            )
+        })
 }
 
 /// Messages ready in `queue`, by a passive declare on a channel of its own (a missing queue
@@ -461,6 +467,7 @@ async fn replay_on(
         .await
         .context("cannot put the publishing channel in confirm mode")?;
     let timeout = settings.publish_timeout();
+    let frame_max = conn.configuration().frame_max();
     let mut tally = Tally::default();
     let mut seen = 0u64;
     // The highest delivery tag left unacked on `get` (skipped or failed): nacked with requeue
@@ -501,10 +508,10 @@ async fn replay_on(
         let msg = Publish {
             exchange: settings.main_exchange.clone(),
             routing_key: settings.main_queue.clone(),
-            body: std::mem::take(&mut m.data),
+            body: std::mem::take(&mut m.data).into(),
             properties: headers::for_replay(&m.properties),
         };
-        match publish_confirmed(&publish, msg, timeout).await {
+        match publish_confirmed(&publish, msg, frame_max, timeout).await {
             Ok(()) => {
                 let acked = match m.acker.ack(BasicAckOptions::default()).await {
                     Ok(true) => Ok(()),
@@ -752,7 +759,10 @@ fn parked_properties(
             .with_content_type("application/json".into())
             .with_timestamp(now_s()),
     };
-    Ok(base.with_headers(replay_headers(headers_json)?))
+    // Through the republish policy like every copy warren publishes (`amqp::republish`).
+    Ok(headers::for_replay(
+        &base.with_headers(replay_headers(headers_json)?),
+    ))
 }
 
 async fn parked_replay(settings: &Settings, args: ParkedReplayArgs) -> anyhow::Result<i32> {
@@ -828,6 +838,7 @@ async fn parked_replay_on(
         .await
         .context("cannot put the publishing channel in confirm mode")?;
     let timeout = settings.publish_timeout();
+    let frame_max = conn.configuration().frame_max();
     let mut tally = Tally::default();
     let mut after = 0i64;
     loop {
@@ -883,10 +894,10 @@ async fn parked_replay_on(
             let msg = Publish {
                 exchange: settings.main_exchange.clone(),
                 routing_key: settings.main_queue.clone(),
-                body: row.body,
+                body: row.body.into(),
                 properties,
             };
-            match publish_confirmed(&channel, msg, timeout).await {
+            match publish_confirmed(&channel, msg, frame_max, timeout).await {
                 Ok(()) => confirmed.push(row.seq),
                 Err(e) => {
                     // Not marked: what was confirmed before it is committed below.
@@ -1058,7 +1069,11 @@ mod tests {
     }
 
     fn with(pairs: &[(&str, AMQPValue)]) -> BasicProperties {
-        headers::with_headers(&BasicProperties::default(), pairs)
+        let mut table = FieldTable::default();
+        for (k, v) in pairs {
+            table.insert((*k).into(), v.clone());
+        }
+        BasicProperties::default().with_headers(table)
     }
 
     /// An `x-death` header as the broker writes it: the newest death first.

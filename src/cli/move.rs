@@ -1,5 +1,6 @@
 //! `warren move --from QUEUE --to EXCHANGE[/ROUTING_KEY]`: moves what a queue holds to an
-//! exchange, each message republished unchanged with publisher confirms and acked at the source
+//! exchange, each message republished (body unchanged, properties as the republish policy keeps
+//! them: `amqp::republish`) with publisher confirms and acked at the source
 //! only once its copy is confirmed, so an interrupted or failed move loses nothing.
 
 use std::sync::Arc;
@@ -12,6 +13,7 @@ use lapin::options::{BasicAckOptions, BasicGetOptions, ConfirmSelectOptions};
 use lapin::{Channel, Connection};
 
 use crate::amqp::publisher::{Publish, publish_group};
+use crate::amqp::republish::{self, Stamp};
 use crate::amqp::{self, AmqpError};
 use crate::config::{Settings, redact_url};
 
@@ -89,12 +91,14 @@ fn parse_limit(raw: &str) -> Result<u64, String> {
 }
 
 pub async fn execute(settings: &Settings, args: Args) -> anyhow::Result<i32> {
-    let conn = amqp::connect(settings, "move").await.with_context(|| {
-        format!(
-            "cannot reach the broker at {}",
-            redact_url(&settings.amqp_url)
-        )
-    })?;
+    let conn = amqp::connect(settings, "move", amqp::Frames::Broker)
+        .await
+        .with_context(|| {
+            format!(
+                "cannot reach the broker at {}",
+                redact_url(&settings.amqp_url)
+            )
+        })?;
     let stop = Arc::new(AtomicBool::new(false));
     let flag = stop.clone();
     let signals = tokio::spawn(async move {
@@ -107,6 +111,7 @@ pub async fn execute(settings: &Settings, args: Args) -> anyhow::Result<i32> {
         limit: args.limit,
         in_flight: usize::from(args.in_flight),
         timeout: settings.publish_timeout(),
+        frame_max: conn.configuration().frame_max(),
     };
     let result = move_messages(&conn, &plan, &stop).await;
     let left = amqp::queue_stats(&conn, &plan.source).await.ok();
@@ -147,6 +152,8 @@ pub struct Plan {
     pub in_flight: usize,
     /// Bound on each confirm.
     pub timeout: Duration,
+    /// The publishing link's frame limit: a copy whose content header exceeds it is not sent.
+    pub frame_max: u32,
 }
 
 /// What a move did.
@@ -268,11 +275,17 @@ async fn forward(
                 .routing_key
                 .clone()
                 .unwrap_or_else(|| m.delivery.routing_key.to_string()),
-            body: std::mem::take(&mut m.delivery.data),
-            properties: m.delivery.properties.clone(),
+            body: std::mem::take(&mut m.delivery.data).into(),
+            properties: republish::copy_properties(
+                &m.delivery.properties,
+                &Stamp {
+                    restart: true,
+                    ..Default::default()
+                },
+            ),
         })
         .collect();
-    let results = publish_group(publish, copies, plan.timeout).await;
+    let results = publish_group(publish, copies, plan.frame_max, plan.timeout).await;
     let confirmed = results.iter().filter(|r| r.is_ok()).count();
     if let Some((i, Err(e))) = results.iter().enumerate().find(|(_, r)| r.is_err()) {
         let id = message_id(&window[i]);

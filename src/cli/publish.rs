@@ -48,7 +48,7 @@ fn generated(i: u64, invalid_every: Option<u64>) -> (String, Vec<u8>) {
 }
 
 async fn connected_publisher(settings: &Settings) -> anyhow::Result<Addr<Publisher>> {
-    let publisher = Publisher::new(settings.clone(), "cli").start();
+    let publisher = Publisher::new(settings.clone(), "cli", crate::amqp::Frames::Small).start();
     let deadline = Instant::now() + settings.connect_timeout() + Duration::from_secs(1);
     while Instant::now() < deadline {
         if publisher.send(IsConnected).await.unwrap_or(false) {
@@ -76,7 +76,7 @@ pub async fn execute(settings: &Settings, args: Args) -> anyhow::Result<i32> {
         exchange: exchange.clone(),
         routing_key: routing_key.clone(),
         properties: json_properties(&id),
-        body,
+        body: body.into(),
     };
     let started = Instant::now();
     let mut failed = 0u64;

@@ -258,7 +258,9 @@ fn table(header: &[&str], first_number: usize) -> Table {
 async fn queue_rows(settings: &Settings) -> Option<Vec<QueueRow>> {
     let mut fast = settings.clone();
     fast.amqp_connect_timeout_ms = fast.amqp_connect_timeout_ms.min(3000);
-    let conn = crate::amqp::connect(&fast, "status").await.ok()?;
+    let conn = crate::amqp::connect(&fast, "status", crate::amqp::Frames::Small)
+        .await
+        .ok()?;
     let mut rows = Vec::new();
     let mut queues = vec![settings.main_queue.clone()];
     queues.extend(settings.retry_tiers().into_iter().map(|t| t.queue));

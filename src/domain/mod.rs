@@ -32,16 +32,20 @@ pub enum ErrorKind {
     IdConflict,
     /// Transient failures outlasted `MAX_RETRIES` (or `DLQ_MAX_ATTEMPTS` in the DLQ consumer).
     RetriesExhausted,
+    /// warren could not republish it (to the retry queue or the DLQ): its properties need a
+    /// larger frame than the link allows, or the broker refused to take it. Parked directly.
+    Unpublishable,
 }
 
 impl ErrorKind {
     /// Every kind, in the order they are documented.
-    pub const ALL: [ErrorKind; 5] = [
+    pub const ALL: [ErrorKind; 6] = [
         ErrorKind::InvalidJson,
         ErrorKind::InvalidPayload,
         ErrorKind::DbPermanent,
         ErrorKind::IdConflict,
         ErrorKind::RetriesExhausted,
+        ErrorKind::Unpublishable,
     ];
 
     pub fn as_str(self) -> &'static str {
@@ -51,6 +55,7 @@ impl ErrorKind {
             ErrorKind::DbPermanent => "db_permanent",
             ErrorKind::IdConflict => "id_conflict",
             ErrorKind::RetriesExhausted => "retries_exhausted",
+            ErrorKind::Unpublishable => "unpublishable",
         }
     }
 

@@ -69,7 +69,11 @@ impl Api {
 /// [`crate::db::pool_for`]).
 pub async fn serve(settings: &Settings, pool: Pool) -> anyhow::Result<Api> {
     let addr: SocketAddr = settings.http_addr.parse()?;
-    let publisher = actix::Actor::start(Publisher::new(settings.clone(), "api"));
+    let publisher = actix::Actor::start(Publisher::new(
+        settings.clone(),
+        "api",
+        crate::amqp::Frames::Small,
+    ));
     let state = web::Data::new(AppState {
         publisher: publisher.clone(),
         pool,
@@ -391,7 +395,7 @@ async fn publish(state: &AppState, user: &User) -> HttpResponse {
     let publish = Publish {
         exchange: state.exchange.clone(),
         routing_key: state.routing_key.clone(),
-        body,
+        body: body.into(),
         properties: json_properties(&id),
     };
     let outcome =

@@ -144,6 +144,9 @@ pub struct Consumer {
     rebuild_delays: Box<dyn Iterator<Item = Duration> + Send>,
     /// The last error the consumer stream reported, to name why the link ended.
     last_stream_error: Option<String>,
+    /// The frame limit the link proposes: AMQP_URL's, or the broker's once a delivery's content
+    /// header was larger than AMQP_URL's (the link died over it; it would die again).
+    frames: amqp::Frames,
     /// The acks of the current channel.
     acker: Option<Acker>,
     /// Delivered but not yet settled, over all generations (drain waits for 0).
@@ -202,6 +205,7 @@ impl Consumer {
             linked_at: None,
             rebuild_delays: Box::new(amqp::reconnect_backoff()),
             last_stream_error: None,
+            frames: amqp::Frames::Broker,
             acker: None,
             inflight: 0,
             connecting: false,
@@ -227,10 +231,11 @@ impl Consumer {
         self.connecting = true;
         let settings = self.settings.clone();
         let config = self.config.clone();
+        let frames = self.frames;
         let addr = ctx.address();
         let first_delay = self.rebuild_delay();
         actix::spawn(async move {
-            let open = || open(&settings, &config);
+            let open = || open(&settings, &config, frames);
             let wanted = || addr.connected();
             if let Some((conn, channel)) = amqp::until_open(
                 config.pipeline,
@@ -346,7 +351,7 @@ impl Consumer {
                     generation,
                     tag: d.delivery_tag,
                     redelivered: d.redelivered,
-                    body: d.data,
+                    body: d.data.into(),
                     properties: d.properties,
                     received_at,
                 }),
@@ -512,9 +517,17 @@ impl Consumer {
     }
 
     /// Why the current link ended, from what the stream reported; a delivery the AMQP client
-    /// cannot parse is named with what to do about it.
-    fn link_end_reason(&self) -> &'static str {
+    /// cannot parse is named with what to do about it, and a frame over the configured limit
+    /// makes the next link take the broker's limit.
+    fn link_end_reason(&mut self) -> &'static str {
         match &self.last_stream_error {
+            Some(e) if e.contains("frame too large") => {
+                warn!(pipeline = self.config.pipeline, queue = %self.config.queue, error = %e,
+                    "a delivery's content header is larger than the frame_max that AMQP_URL sets; \
+                     this consumer takes the broker's frame_max from now on");
+                self.frames = amqp::Frames::BrokerOnly;
+                "frame_too_large"
+            }
             Some(e) if e.contains("failed to parse") => {
                 error!(pipeline = self.config.pipeline, queue = %self.config.queue, error = %e,
                     "a delivery at the head of the queue cannot be parsed by the AMQP client; \
@@ -591,8 +604,9 @@ fn cancel(channel: &Channel, tag: String) {
 async fn open(
     settings: &Settings,
     config: &ConsumerConfig,
+    frames: amqp::Frames,
 ) -> Result<(Connection, Channel), AmqpError> {
-    let (conn, channel) = amqp::connect_channel(settings, config.pipeline).await?;
+    let (conn, channel) = amqp::connect_channel(settings, config.pipeline, frames).await?;
     let result = channel
         .basic_qos(config.prefetch, BasicQosOptions { global: false })
         .await;

@@ -7,14 +7,13 @@
 use std::sync::Arc;
 
 use actix::prelude::*;
-use tracing::{error, warn};
+use tracing::warn;
 
-use super::message::{Delivery, Disposition, Failure, Leftovers};
-use super::router::{Fallback, Fate, Route, count_by_kind};
+use super::message::{Disposition, Failure, Leftovers};
+use super::router::{Fallback, Fate, Route};
 use crate::amqp::headers;
-use crate::db::{ErrorClass, dead_letters};
+use crate::db::ErrorClass;
 use crate::domain::ErrorKind;
-use crate::metrics;
 
 /// The DLQ policy: where a message that failed this way goes, given the attempts the DLQ
 /// consumer already spent on it.
@@ -61,22 +60,13 @@ pub fn dlq_fate(failure: &Failure, attempts_so_far: u32, max_attempts: u32) -> F
 /// The DLQ stage actor.
 pub struct DlqStage {
     fallback: Arc<Fallback>,
-    pool: deadpool_postgres::Pool,
-    db_bound: std::time::Duration,
     max_attempts: u32,
 }
 
 impl DlqStage {
-    pub fn new(
-        fallback: Fallback,
-        pool: deadpool_postgres::Pool,
-        db_bound: std::time::Duration,
-        max_attempts: u32,
-    ) -> Self {
+    pub fn new(fallback: Fallback, max_attempts: u32) -> Self {
         Self {
             fallback: Arc::new(fallback),
-            pool,
-            db_bound,
             max_attempts,
         }
     }
@@ -93,15 +83,14 @@ impl Handler<Leftovers> for DlqStage {
 
     fn handle(&mut self, msg: Leftovers, _: &mut Self::Context) -> Self::Result {
         let fallback = self.fallback.clone();
-        let pool = self.pool.clone();
-        let (bound, max) = (self.db_bound, self.max_attempts);
+        let max = self.max_attempts;
         Box::pin(async move {
             let Leftovers { batch_id, items } = msg;
             let mut fates: Vec<Fate> = items
                 .iter()
                 .map(|(d, f)| dlq_fate(f, headers::dlq_attempts(&d.properties).count(), max))
                 .collect();
-            park_all(&fallback, &pool, bound, &items, &mut fates).await;
+            fallback.park_all(&items, &mut fates).await;
             // What goes back to the DLQ for another attempt waits a backoff first, so a
             // database that keeps refusing is never a hot loop. It grows with the pipeline's
             // streak of such batches, but never past what the batch's least tried message has
@@ -125,64 +114,10 @@ impl Handler<Leftovers> for DlqStage {
                 super::sleep_or_cancel(delay, &fallback.stopping).await;
             }
             fallback.route_all(&items, &mut fates).await;
+            // What could not be republished is parked too.
+            fallback.park_all(&items, &mut fates).await;
             fallback.settle(&batch_id, items, fates, waited).await;
         })
-    }
-}
-
-/// Parks every `Fate::Park` with one statement (row by row if refused); each becomes an ack
-/// once committed, or a requeue if the database does not take it.
-async fn park_all(
-    fallback: &Fallback,
-    pool: &deadpool_postgres::Pool,
-    bound: std::time::Duration,
-    items: &[(Delivery, Failure)],
-    fates: &mut [Fate],
-) {
-    let mut indices = Vec::new();
-    let mut kinds = Vec::new();
-    let mut rows = Vec::new();
-    for (i, fate) in fates.iter().enumerate() {
-        if let Fate::Park { kind, reason } = fate {
-            let d = &items[i].0;
-            indices.push(i);
-            kinds.push(kind.as_str());
-            rows.push(dead_letters::ParkRow {
-                message_id: d.properties.message_id().as_ref().map(|m| m.as_str()),
-                body: &d.body,
-                headers: headers::to_json(&d.properties),
-                kind: kind.as_str(),
-                reason,
-            });
-        }
-    }
-    if rows.is_empty() {
-        return;
-    }
-    let result = dead_letters::park(pool, bound, &rows).await;
-    drop(rows);
-    let settled = match result {
-        Ok(parked) => {
-            if parked.bare > 0 {
-                warn!(
-                    pipeline = fallback.pipeline,
-                    bare = parked.bare,
-                    "some messages were parked without their headers (the database refused them)"
-                );
-            }
-            for (kind, n) in count_by_kind(kinds.into_iter()) {
-                metrics::messages_parked(kind, n);
-            }
-            Fate::Settled(Disposition::Ack)
-        }
-        Err(e) => {
-            error!(pipeline = fallback.pipeline, error = %e, count = indices.len(),
-                "cannot park messages; they go back to the DLQ");
-            Fate::Requeue("db_unavailable")
-        }
-    };
-    for i in indices {
-        fates[i] = settled.clone();
     }
 }
 

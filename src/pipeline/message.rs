@@ -19,7 +19,8 @@ pub struct Delivery {
     pub generation: u64,
     pub tag: u64,
     pub redelivered: bool,
-    pub body: Vec<u8>,
+    /// Shared with a republished copy (retry, dead letter), never copied.
+    pub body: bytes::Bytes,
     pub properties: BasicProperties,
     /// When warren received it (one clock read per chunk): the broker's `consumer_timeout`
     /// counts from about then, so a stage holding it long gives it back in time (`sink.rs`).
@@ -88,6 +89,15 @@ pub enum Failure {
         /// Formatted once per failing group.
         reason: Arc<str>,
     },
+}
+
+impl std::fmt::Display for Failure {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Failure::Refused { kind, reason } => write!(f, "{kind}: {reason}"),
+            Failure::Db { reason, .. } => f.write_str(reason),
+        }
+    }
 }
 
 /// Sink -> fallback stage (`router.rs` or `dlq.rs`): the messages of a batch that were not

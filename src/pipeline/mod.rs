@@ -149,21 +149,21 @@ pub fn start<D: Domain>(settings: &Settings, spec: Spec, domain: Arc<D>, pool: P
     let consumer_addr = consumer_ctx.address();
 
     // Fallback stage (what the sink could not insert).
-    let publisher = Publisher::new(settings.clone(), "router").start();
+    let publisher = Publisher::new(settings.clone(), "router", crate::amqp::Frames::Broker).start();
+    let db_bound = crate::db::call_bound(settings);
     let fallback = Fallback {
         pipeline: name,
         republisher: Republisher::new(publisher.clone(), settings, name),
         settle: consumer_addr.clone().recipient(),
         stopping: stopping.clone(),
         requeues: AtomicU32::new(0),
+        pool: pool.clone(),
+        db_bound,
     };
-    let db_bound = crate::db::call_bound(settings);
     let leftovers: Recipient<Leftovers> = match spec.fallback {
         FallbackKind::Route => Supervisor::start(move |_| Router::new(fallback)).recipient(),
         FallbackKind::Park { max_attempts } => {
-            let pool = pool.clone();
-            Supervisor::start(move |_| dlq::DlqStage::new(fallback, pool, db_bound, max_attempts))
-                .recipient()
+            Supervisor::start(move |_| dlq::DlqStage::new(fallback, max_attempts)).recipient()
         }
     };
 

@@ -121,7 +121,7 @@ mod tests {
             generation: 1,
             tag,
             redelivered: false,
-            body: body.to_vec(),
+            body: body.to_vec().into(),
             properties: BasicProperties::default(),
             received_at: std::time::Instant::now(),
         }

@@ -13,7 +13,6 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::Duration;
 
 use actix::prelude::*;
-use backon::{ConstantBuilder, Retryable};
 use tokio_util::sync::CancellationToken;
 use tracing::{error, warn};
 
@@ -21,8 +20,9 @@ use super::message::{Delivery, Disposition, Failure, Leftovers, Settle};
 use crate::amqp::AmqpError;
 use crate::amqp::headers::{self, Retries};
 use crate::amqp::publisher::{Publish, PublishAll, Publisher};
+use crate::amqp::republish::Unpublishable;
 use crate::config::Settings;
-use crate::db::ErrorClass;
+use crate::db::{ErrorClass, dead_letters};
 use crate::domain::ErrorKind;
 use crate::metrics;
 
@@ -122,59 +122,155 @@ impl Republisher {
         )
     }
 
-    /// Routes every message; each disposition is `Ack` once its republish was confirmed, and
-    /// `Requeue` otherwise (the caller waits a backoff first). While the publisher has no
-    /// connection (at start-up, or during a reconnect) a publish is retried for up to
-    /// `patience` before it counts as failed.
-    pub async fn route(&self, items: &[(&Delivery, Route)]) -> Vec<(Disposition, &'static str)> {
-        let attempts = (self.patience.as_millis() / 100).max(1) as usize;
+    /// Routes every message, each with how its republish ended (see [`Sent`]) and the kind it
+    /// is counted as. While the publisher has no connection (at start-up, during a reconnect)
+    /// publishes are tried again for up to `patience`.
+    pub async fn route(&self, items: &[(&Delivery, Route)]) -> Vec<(Sent, &'static str)> {
         let (publishes, kinds): (Vec<Publish>, Vec<&'static str>) = items
             .iter()
             .map(|(message, route)| self.plan(message, route))
             .unzip();
-        let n = publishes.len();
-        // One group (see `amqp::publisher::PublishAll`: the returned messages of a group reach
-        // the right publishes); tried again as a whole while there is no connection at all.
-        let send = || async {
-            let results = match self.publisher.send(PublishAll(publishes.clone())).await {
-                Ok(results) => results,
-                Err(e) => vec![
-                    Err(AmqpError::Unavailable(format!(
-                        "publisher actor is gone: {e}"
-                    )));
-                    n
-                ],
-            };
-            if results
-                .iter()
-                .all(|r| matches!(r, Err(AmqpError::Unavailable(_))))
-            {
-                Err(results)
-            } else {
-                Ok(results)
-            }
-        };
-        let results = send
-            .retry(
-                ConstantBuilder::default()
-                    .with_delay(Duration::from_millis(100))
-                    .with_max_times(attempts),
-            )
-            .await
-            .unwrap_or_else(|results| results);
+        let outcomes = send_isolating(&self.publisher, publishes, self.patience).await;
         items
             .iter()
             .zip(kinds)
-            .zip(results)
-            .map(|(((message, _), kind), result)| match result {
-                Ok(()) => (Disposition::Ack, kind),
-                Err(e) => {
-                    error!(message_id = message.message_id(), pipeline = self.pipeline, delivery_tag = message.tag, error = %e, kind,
-                        "republish not confirmed; the message goes back to its queue after a backoff");
-                    (Disposition::Requeue, kind)
+            .zip(outcomes)
+            .map(|(((message, _), kind), sent)| {
+                match &sent {
+                    Sent::Confirmed => {}
+                    Sent::Failed(e) => {
+                        error!(message_id = message.message_id(), pipeline = self.pipeline, delivery_tag = message.tag, error = %e, kind,
+                            "republish not confirmed; the message goes back to its queue after a backoff");
+                    }
+                    Sent::Unpublishable(why) => {
+                        error!(message_id = message.message_id(), pipeline = self.pipeline, delivery_tag = message.tag, reason = %why, kind,
+                            "message cannot be republished; parking it");
+                    }
                 }
+                (sent, kind)
             })
             .collect()
+    }
+}
+
+/// How one republish ended.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Sent {
+    /// The broker confirmed it: the original can be acked.
+    Confirmed,
+    /// Not confirmed (no broker, nacked, unroutable, no answer): the original goes back to its
+    /// queue after a backoff, and is tried again later.
+    Failed(String),
+    /// It can never be published as it is (too large for a frame, or the broker closed the
+    /// channel over it alone): the original is parked.
+    Unpublishable(String),
+}
+
+/// Publishes `publishes` through `publisher` as one group, then:
+/// - what was never sent (no connection) is sent again, as a group, for up to `patience`;
+/// - what was in flight when the broker closed the link goes again ALONE, one at a time: the
+///   publish that closes the channel on its own is the offender (`Unpublishable`), the others
+///   are confirmed. A close that does not blame a message (a missing exchange, say) fails the
+///   rest at once instead of closing a channel for each.
+///
+/// Nothing that may have reached the broker is sent again as part of a group, so a group never
+/// multiplies its copies: a publish is sent twice at most, when the broker closed the link
+/// while it was in flight (the first copy may have been taken; the target's consumers take such
+/// copies idempotently: a retry is inserted once, a dead letter parked once).
+pub async fn send_isolating(
+    publisher: &Addr<Publisher>,
+    publishes: Vec<Publish>,
+    patience: Duration,
+) -> Vec<Sent> {
+    let n = publishes.len();
+    let deadline = std::time::Instant::now() + patience;
+    let mut sent: Vec<Option<Sent>> = vec![None; n];
+    let mut unsent: Vec<usize> = (0..n).collect();
+    let mut suspects: Vec<usize> = Vec::new();
+    let pause = Duration::from_millis(100);
+    while !unsent.is_empty() {
+        let group = unsent.iter().map(|&i| publishes[i].clone()).collect();
+        let results = publish_all(publisher, group).await;
+        let mut again = Vec::new();
+        for (i, result) in unsent.iter().copied().zip(results) {
+            match result {
+                Ok(()) => sent[i] = Some(Sent::Confirmed),
+                Err(AmqpError::Unavailable(_)) => again.push(i),
+                Err(AmqpError::Unpublishable(e)) => {
+                    sent[i] = Some(Sent::Unpublishable(e.to_string()))
+                }
+                Err(e @ AmqpError::Closed { .. }) => {
+                    suspects.push(i);
+                    sent[i] = Some(Sent::Failed(e.to_string()));
+                }
+                Err(e) => sent[i] = Some(Sent::Failed(e.to_string())),
+            }
+        }
+        unsent = again;
+        if unsent.is_empty() {
+            break;
+        }
+        if std::time::Instant::now() + pause > deadline {
+            for &i in &unsent {
+                sent[i] = Some(Sent::Failed("no connection to the broker".into()));
+            }
+            break;
+        }
+        tokio::time::sleep(pause).await;
+    }
+    suspects.sort_unstable();
+    let mut blameless: Option<String> = None;
+    for i in suspects {
+        if let Some(why) = &blameless {
+            sent[i] = Some(Sent::Failed(why.clone()));
+            continue;
+        }
+        let outcome = loop {
+            let result = publish_all(publisher, vec![publishes[i].clone()])
+                .await
+                .pop()
+                .unwrap_or_else(|| Err(AmqpError::Unavailable("no answer".into())));
+            match result {
+                Ok(()) => break Sent::Confirmed,
+                Err(AmqpError::Unavailable(e)) => {
+                    if std::time::Instant::now() + pause > deadline {
+                        break Sent::Failed(e);
+                    }
+                    tokio::time::sleep(pause).await;
+                }
+                Err(AmqpError::Unpublishable(e)) => break Sent::Unpublishable(e.to_string()),
+                Err(e) if e.blames_the_message() => {
+                    break Sent::Unpublishable(Unpublishable::Refused(e.to_string()).to_string());
+                }
+                Err(e) => {
+                    if matches!(e, AmqpError::Closed { .. }) {
+                        blameless = Some(e.to_string());
+                    }
+                    break Sent::Failed(e.to_string());
+                }
+            }
+        };
+        sent[i] = Some(outcome);
+    }
+    sent.into_iter()
+        .map(|s| s.unwrap_or_else(|| Sent::Failed("not published".into())))
+        .collect()
+}
+
+/// One group through the publisher actor; a gone actor fails every publish as unsent.
+async fn publish_all(
+    publisher: &Addr<Publisher>,
+    group: Vec<Publish>,
+) -> Vec<Result<(), AmqpError>> {
+    let n = group.len();
+    match publisher.send(PublishAll(group)).await {
+        Ok(results) => results,
+        Err(e) => vec![
+            Err(AmqpError::Unavailable(format!(
+                "publisher actor is gone: {e}"
+            )));
+            n
+        ],
     }
 }
 
@@ -230,11 +326,16 @@ pub struct Fallback {
     pub stopping: CancellationToken,
     /// Consecutive batches that gave messages back to their queue (drives their backoff).
     pub requeues: AtomicU32,
+    /// Where messages are parked: the DLQ consumer's refused ones, and any message warren
+    /// cannot republish (it is in warren's hands and must not cycle).
+    pub pool: deadpool_postgres::Pool,
+    /// Client-side bound on the park statement.
+    pub db_bound: Duration,
 }
 
 impl Fallback {
-    /// Republishes every `Fate::Route` (confirmed); each becomes an ack once confirmed, or a
-    /// requeue.
+    /// Republishes every `Fate::Route` (confirmed); each becomes an ack once confirmed, a
+    /// requeue if it was not, or a park if it can never be republished as it is.
     pub async fn route_all(&self, items: &[(Delivery, Failure)], fates: &mut [Fate]) {
         let mut indices = Vec::new();
         let mut routes: Vec<(&Delivery, Route)> = Vec::new();
@@ -249,19 +350,73 @@ impl Fallback {
         }
         let outcomes = self.republisher.route(&routes).await;
         let mut routed = Vec::new();
-        for (i, (disposition, kind)) in indices.into_iter().zip(outcomes) {
-            fates[i] = match disposition {
-                Disposition::Ack => {
+        for (i, (sent, kind)) in indices.into_iter().zip(outcomes) {
+            fates[i] = match sent {
+                Sent::Confirmed => {
                     let d = &items[i].0;
                     metrics::message_routed(self.pipeline, kind, d.message_id(), d.tag);
                     routed.push(kind);
                     Fate::Settled(Disposition::Ack)
                 }
-                Disposition::Requeue => Fate::Requeue("publish_failed"),
+                Sent::Failed(_) => Fate::Requeue("publish_failed"),
+                Sent::Unpublishable(why) => Fate::Park {
+                    kind: ErrorKind::Unpublishable,
+                    reason: format!("{why}; it was to go on as {kind}: {}", items[i].1),
+                },
             };
         }
         for (kind, n) in count_by_kind(routed.into_iter()) {
             metrics::messages_routed(self.pipeline, kind, n);
+        }
+    }
+
+    /// Parks every `Fate::Park` with one statement (row by row if refused); each becomes an
+    /// ack once committed, or a requeue if the database does not take it.
+    pub async fn park_all(&self, items: &[(Delivery, Failure)], fates: &mut [Fate]) {
+        let mut indices = Vec::new();
+        let mut kinds = Vec::new();
+        let mut rows = Vec::new();
+        for (i, fate) in fates.iter().enumerate() {
+            if let Fate::Park { kind, reason } = fate {
+                let d = &items[i].0;
+                indices.push(i);
+                kinds.push(kind.as_str());
+                rows.push(dead_letters::ParkRow {
+                    message_id: d.properties.message_id().as_ref().map(|m| m.as_str()),
+                    body: &d.body,
+                    headers: headers::to_json(&d.properties),
+                    kind: kind.as_str(),
+                    reason,
+                });
+            }
+        }
+        if rows.is_empty() {
+            return;
+        }
+        let result = dead_letters::park(&self.pool, self.db_bound, &rows).await;
+        drop(rows);
+        let settled = match result {
+            Ok(parked) => {
+                if parked.bare > 0 {
+                    warn!(
+                        pipeline = self.pipeline,
+                        bare = parked.bare,
+                        "some messages were parked without their headers (the database refused them)"
+                    );
+                }
+                for (kind, n) in count_by_kind(kinds.into_iter()) {
+                    metrics::messages_parked(kind, n);
+                }
+                Fate::Settled(Disposition::Ack)
+            }
+            Err(e) => {
+                error!(pipeline = self.pipeline, error = %e, count = indices.len(),
+                    "cannot park messages; they go back to their queue");
+                Fate::Requeue("db_unavailable")
+            }
+        };
+        for i in indices {
+            fates[i] = settled.clone();
         }
     }
 
@@ -356,6 +511,7 @@ impl Handler<Leftovers> for Router {
         Box::pin(async move {
             let mut fates: Vec<Fate> = msg.items.iter().map(|(_, f)| main_fate(f)).collect();
             fallback.route_all(&msg.items, &mut fates).await;
+            fallback.park_all(&msg.items, &mut fates).await;
             fallback
                 .settle(&msg.batch_id, msg.items, fates, false)
                 .await;

@@ -112,7 +112,7 @@ mod tests {
             tag,
             redelivered: false,
             received_at: std::time::Instant::now(),
-            body: Vec::new(),
+            body: Default::default(),
             properties: Default::default(),
         })
         .collect()

@@ -272,3 +272,54 @@ pub async fn publish_on(
         "message to {exchange}/{routing_key} was unroutable"
     );
 }
+
+/// A RabbitMQ user of the test's own (created with `rabbitmqctl`, all permissions on `/`),
+/// deleted on drop: messages it publishes carry its name as `user_id`, which the broker checks
+/// against the publishing connection.
+pub struct BrokerUser {
+    pub name: String,
+    password: String,
+}
+
+impl BrokerUser {
+    pub async fn create(test_id: &str) -> Self {
+        let name = format!("{test_id}_user");
+        let password = uuid::Uuid::new_v4().simple().to_string();
+        rabbitmqctl(&["add_user", &name, &password]).await;
+        rabbitmqctl(&["set_permissions", "-p", "/", &name, ".*", ".*", ".*"]).await;
+        Self { name, password }
+    }
+
+    /// Publishes one message as this user, with `user_id` = its name, confirmed and routed, to
+    /// the env's main exchange.
+    pub async fn publish(&self, env: &TestEnv, body: &[u8], properties: BasicProperties) {
+        let mut url = url::Url::parse(&super::env::amqp_url()).expect("AMQP URL");
+        let _ = url.set_username(&self.name);
+        let _ = url.set_password(Some(&self.password));
+        let conn = lapin::Connection::connect(url.as_str(), Default::default())
+            .await
+            .expect("connect as the test user");
+        let channel = conn.create_channel().await.expect("channel");
+        channel
+            .confirm_select(Default::default())
+            .await
+            .expect("confirm mode");
+        publish_on(
+            &channel,
+            &env.main_exchange,
+            &env.main_queue,
+            body,
+            properties.with_user_id(self.name.as_str().into()),
+        )
+        .await;
+        let _ = conn.close(200, "bye".into()).await;
+    }
+}
+
+impl Drop for BrokerUser {
+    fn drop(&mut self) {
+        let _ = std::process::Command::new("rabbitmqctl")
+            .args(["-q", "delete_user", &self.name])
+            .output();
+    }
+}

@@ -12,6 +12,12 @@ use super::redis::delete_keys_under;
 
 pub const BIN: &str = env!("CARGO_BIN_EXE_warren");
 
+/// The `warren` binary the tests run: this build's, or another build's when
+/// `WARREN_TEST_BIN` names one (to show that a test fails on an older build, or to A/B two).
+pub fn bin() -> String {
+    std::env::var("WARREN_TEST_BIN").unwrap_or_else(|_| BIN.to_string())
+}
+
 // ---- services -------------------------------------------------------------------------------
 
 /// The broker the tests use (`WARREN_TEST_AMQP_URL`).

@@ -1,20 +1,122 @@
 //! A raw AMQP 0-9-1 publisher, frame by frame, for what no client library will send: property
-//! short strings (`message-id`, `content-type`, `reply-to`) that are not valid UTF-8. The broker
-//! accepts them; this is how a foreign publisher puts such a message in a queue.
+//! short strings that are not valid UTF-8, header tables given as raw bytes (keys of any bytes,
+//! nesting deeper than a client would encode recursively). The broker accepts them; this is how
+//! a foreign publisher puts such a message in a queue.
 
 use std::time::Duration;
 
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
-/// Raw property values of one message (bytes, not text).
+/// Raw property values of one message (bytes, not text), in the order AMQP encodes them.
 #[derive(Debug, Default, Clone)]
 pub struct RawProperties {
     pub content_type: Option<Vec<u8>>,
-    pub reply_to: Option<Vec<u8>>,
-    pub message_id: Option<Vec<u8>>,
+    pub content_encoding: Option<Vec<u8>>,
+    /// The content of a field table (without its 4-byte length): see [`table`].
+    pub headers: Option<Vec<u8>>,
     /// 2 = persistent.
     pub delivery_mode: Option<u8>,
+    pub priority: Option<u8>,
+    pub correlation_id: Option<Vec<u8>>,
+    pub reply_to: Option<Vec<u8>>,
+    pub expiration: Option<Vec<u8>>,
+    pub message_id: Option<Vec<u8>>,
+    pub timestamp: Option<u64>,
+    pub kind: Option<Vec<u8>>,
+    pub user_id: Option<Vec<u8>>,
+    pub app_id: Option<Vec<u8>>,
+    pub cluster_id: Option<Vec<u8>>,
+}
+
+impl RawProperties {
+    /// The property flags and list of a content header.
+    pub fn encode(&self) -> Vec<u8> {
+        let mut flags = 0u16;
+        let mut list = Vec::new();
+        let mut bit = 15;
+        let mut field = |present: bool, write: &mut dyn FnMut(&mut Vec<u8>)| {
+            if present {
+                flags |= 1 << bit;
+                write(&mut list);
+            }
+            bit -= 1;
+        };
+        let shortstr = |v: &Option<Vec<u8>>| {
+            let v = v.clone();
+            move |out: &mut Vec<u8>| short(out, v.as_deref().unwrap_or_default())
+        };
+        field(
+            self.content_type.is_some(),
+            &mut shortstr(&self.content_type),
+        );
+        field(
+            self.content_encoding.is_some(),
+            &mut shortstr(&self.content_encoding),
+        );
+        let headers = self.headers.clone();
+        field(headers.is_some(), &mut |out: &mut Vec<u8>| {
+            long(out, headers.as_deref().unwrap_or_default())
+        });
+        let mode = self.delivery_mode;
+        field(mode.is_some(), &mut |out: &mut Vec<u8>| {
+            out.push(mode.unwrap_or(0))
+        });
+        let priority = self.priority;
+        field(priority.is_some(), &mut |out: &mut Vec<u8>| {
+            out.push(priority.unwrap_or(0))
+        });
+        field(
+            self.correlation_id.is_some(),
+            &mut shortstr(&self.correlation_id),
+        );
+        field(self.reply_to.is_some(), &mut shortstr(&self.reply_to));
+        field(self.expiration.is_some(), &mut shortstr(&self.expiration));
+        field(self.message_id.is_some(), &mut shortstr(&self.message_id));
+        let timestamp = self.timestamp;
+        field(timestamp.is_some(), &mut |out: &mut Vec<u8>| {
+            out.extend_from_slice(&timestamp.unwrap_or(0).to_be_bytes())
+        });
+        field(self.kind.is_some(), &mut shortstr(&self.kind));
+        field(self.user_id.is_some(), &mut shortstr(&self.user_id));
+        field(self.app_id.is_some(), &mut shortstr(&self.app_id));
+        field(self.cluster_id.is_some(), &mut shortstr(&self.cluster_id));
+        let mut out = flags.to_be_bytes().to_vec();
+        out.extend(list);
+        out
+    }
+}
+
+/// One raw field-table entry: a key of any bytes (at most 255) and a value given as its type
+/// byte and encoded bytes.
+pub fn entry(out: &mut Vec<u8>, key: &[u8], value: &[u8]) {
+    short(out, key);
+    out.extend_from_slice(value);
+}
+
+/// A field table value (`F`) holding `content` (the entries, already encoded).
+pub fn table(content: &[u8]) -> Vec<u8> {
+    let mut v = vec![b'F'];
+    long(&mut v, content);
+    v
+}
+
+/// A long string value (`S`).
+pub fn long_str(bytes: &[u8]) -> Vec<u8> {
+    let mut v = vec![b'S'];
+    long(&mut v, bytes);
+    v
+}
+
+/// A table value nested `depth` levels deep (each level one entry `k`), built without recursion.
+pub fn nested_table(depth: usize) -> Vec<u8> {
+    let mut value = table(&[]);
+    for _ in 0..depth {
+        let mut content = Vec::new();
+        entry(&mut content, b"k", &value);
+        value = table(&content);
+    }
+    value
 }
 
 fn short(out: &mut Vec<u8>, s: &[u8]) {
@@ -144,29 +246,13 @@ pub async fn publish(
         let mut header = 60u16.to_be_bytes().to_vec();
         header.extend_from_slice(&0u16.to_be_bytes());
         header.extend_from_slice(&(body.len() as u64).to_be_bytes());
-        let mut flags = 0u16;
-        let mut list = Vec::new();
-        if let Some(v) = &properties.content_type {
-            flags |= 1 << 15;
-            short(&mut list, v);
-        }
-        if let Some(v) = properties.delivery_mode {
-            flags |= 1 << 12;
-            list.push(v);
-        }
-        if let Some(v) = &properties.reply_to {
-            flags |= 1 << 9;
-            short(&mut list, v);
-        }
-        if let Some(v) = &properties.message_id {
-            flags |= 1 << 7;
-            short(&mut list, v);
-        }
-        header.extend_from_slice(&flags.to_be_bytes());
-        header.extend_from_slice(&list);
+        header.extend(properties.encode());
         let mut out = method(1, 60, 40, &publish);
         out.extend(frame(2, 1, &header));
-        out.extend(frame(3, 1, body));
+        // Bodies in frames of at most the frame size agreed below.
+        for part in body.chunks(131_072 - 8) {
+            out.extend(frame(3, 1, part));
+        }
         s.write_all(&out).await.map_err(|e| e.to_string())?;
         expect(&mut s, 60, 80).await?; // basic.ack (confirm)
         let mut close = 200u16.to_be_bytes().to_vec();

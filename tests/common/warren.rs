@@ -6,13 +6,13 @@ use std::path::PathBuf;
 use std::process::{Child, Command, ExitStatus, Output, Stdio};
 use std::time::{Duration, Instant};
 
-use super::env::{BIN, TestEnv, unique_number};
+use super::env::{TestEnv, bin, unique_number};
 use super::wait::wait_until;
 
 impl TestEnv {
     /// A `warren` command with this env's settings and nothing inherited that could leak in.
     pub fn command(&self, args: &[&str]) -> Command {
-        let mut cmd = Command::new(BIN);
+        let mut cmd = Command::new(bin());
         cmd.args(args);
         for key in [
             "AMQP_URL",

@@ -1,0 +1,350 @@
+//! The one republish policy: what warren's own copy of a message carries when warren publishes
+//! it again (a retry, a dead letter, a DLQ attempt, `warren move`, `warren dlq replay`,
+//! `warren dlq parked replay`), so the broker always accepts the copy and never acts on the
+//! original publisher's intent a second time. Each property is:
+//! - **kept**: content type and encoding, message id, correlation id, reply-to, timestamp, type,
+//!   app id, cluster id, priority, and every header not named below;
+//! - **moved** to an `x-original-*` header: `expiration` (a per-message TTL would expire warren's
+//!   copy wherever it waits, the DLQ included, which dead-letters nowhere: the message was lost),
+//!   `user_id` (the broker refuses a publish whose user id is not the publishing connection's user
+//!   and closes the channel), the `CC` and `BCC` headers (sender-selected distribution would route
+//!   the copy to more queues: a retry into every tier queue at once), and, on a copy that starts
+//!   the message's life again (a replay, a move), `x-death`: the broker's dead-letter history.
+//!   RabbitMQ 3.x drops a message it dead-letters into a queue its `x-death` already names with
+//!   no reject in between, so a message the broker once dead-lettered out of the main queue
+//!   (expired, over its delivery limit) vanished at its first retry after a replay. Retries and
+//!   dead letters keep `x-death`: within one life it only records the retry tiers;
+//! - **dropped**: `x-delivery-count` (the broker's count of the original's deliveries, meaningless
+//!   on a new message);
+//! - **set**: delivery mode 2, persistent, whatever the original said (once warren acked the
+//!   original, the copy must survive a broker restart; the original mode, if another, goes to
+//!   `x-original-delivery-mode`), and warren's own headers for the route.
+//!
+//! [`fit`] then measures the content header against the publishing link's frame limit (a
+//! content header travels in one frame; the broker closes the connection over a larger one):
+//! warren's reasons are cut to make room, and a message that still does not fit is
+//! [`Unpublishable`] (the pipeline parks it; the CLI tools leave it where it is and say so).
+
+use std::collections::BTreeMap;
+
+use lapin::BasicProperties;
+use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
+
+/// Where a moved property goes: `x-original-` and its name.
+pub const ORIGINAL_PREFIX: &str = "x-original-";
+pub const X_ORIGINAL_EXPIRATION: &str = "x-original-expiration";
+pub const X_ORIGINAL_USER_ID: &str = "x-original-user-id";
+pub const X_ORIGINAL_DELIVERY_MODE: &str = "x-original-delivery-mode";
+/// Headers the broker acts on, moved to `x-original-<name in lower case>` on every copy.
+const MOVED_HEADERS: [&str; 2] = ["CC", "BCC"];
+/// The broker's dead-letter history, moved on a copy that starts a new life
+/// ([`Stamp::restart`]).
+pub const X_DEATH: &str = "x-death";
+pub const X_ORIGINAL_DEATH: &str = "x-original-x-death";
+/// Headers dropped from every copy.
+const DROPPED_HEADERS: [&str; 1] = ["x-delivery-count"];
+
+/// Frame bytes around a content header's properties: frame type, channel and size (7), class,
+/// weight and body size (12), property flags (2), frame end (1).
+pub const HEADER_FRAME_OVERHEAD: usize = 22;
+
+/// Why a message cannot be republished as it is.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum Unpublishable {
+    /// Its properties need a larger content header frame than the link allows.
+    #[error(
+        "its properties need a content header frame of {size} bytes, over the link's frame_max of {frame_max} bytes"
+    )]
+    TooLarge { size: usize, frame_max: u32 },
+    /// The broker closed the channel over this publish alone (the reason is the broker's).
+    #[error("the broker refused to take it: {0}")]
+    Refused(String),
+}
+
+/// What warren writes on a copy besides the original's properties.
+#[derive(Debug, Clone, Default)]
+pub struct Stamp<'a> {
+    /// Headers set (replacing any of the same name).
+    pub set: Vec<(&'a str, AMQPValue)>,
+    /// Headers removed, besides those the policy moves or drops.
+    pub remove: &'a [&'a str],
+    /// Header prefixes removed (`x-error-` on a replay).
+    pub remove_prefixes: &'a [&'a str],
+    /// The copy starts the message's life again (a replay, a move): `x-death` is moved aside.
+    pub restart: bool,
+}
+
+/// The properties of warren's copy of a message with `original` properties, stamped with
+/// `stamp` (see the module documentation for what is kept, moved, dropped and set).
+pub fn copy_properties(original: &BasicProperties, stamp: &Stamp<'_>) -> BasicProperties {
+    let mut kept: BTreeMap<ShortString, AMQPValue> = original
+        .headers()
+        .as_ref()
+        .map(|h| h.inner().clone())
+        .unwrap_or_default();
+    let mut moved: Vec<(String, AMQPValue)> = Vec::new();
+    kept.retain(|k, v| {
+        let key = k.as_str();
+        if MOVED_HEADERS.contains(&key) || (stamp.restart && key == X_DEATH) {
+            moved.push((
+                format!("{ORIGINAL_PREFIX}{}", key.to_ascii_lowercase()),
+                v.clone(),
+            ));
+            return false;
+        }
+        !(DROPPED_HEADERS.contains(&key)
+            || stamp.remove.contains(&key)
+            || stamp.remove_prefixes.iter().any(|p| key.starts_with(p)))
+    });
+    let mut headers = FieldTable::from(kept);
+    for (k, v) in moved {
+        headers.insert(short(&k), v);
+    }
+    if let Some(expiration) = original.expiration() {
+        headers.insert(
+            X_ORIGINAL_EXPIRATION.into(),
+            long(expiration.as_str().as_bytes()),
+        );
+    }
+    if let Some(user) = original.user_id() {
+        headers.insert(X_ORIGINAL_USER_ID.into(), long(user.as_str().as_bytes()));
+    }
+    if let Some(mode) = original.delivery_mode()
+        && *mode != 2
+    {
+        headers.insert(
+            X_ORIGINAL_DELIVERY_MODE.into(),
+            AMQPValue::ShortShortUInt(*mode),
+        );
+    }
+    for (k, v) in &stamp.set {
+        headers.insert(short(k), v.clone());
+    }
+    // Every property decided one by one (lapin offers no way to unset one): the kept ones
+    // copied, `expiration` and `user_id` left out, the delivery mode and headers set.
+    let mut copy = BasicProperties::default()
+        .with_delivery_mode(2)
+        .with_headers(headers);
+    if let Some(v) = original.content_type() {
+        copy = copy.with_content_type(v.clone());
+    }
+    if let Some(v) = original.content_encoding() {
+        copy = copy.with_content_encoding(v.clone());
+    }
+    if let Some(v) = original.priority() {
+        copy = copy.with_priority(*v);
+    }
+    if let Some(v) = original.correlation_id() {
+        copy = copy.with_correlation_id(v.clone());
+    }
+    if let Some(v) = original.reply_to() {
+        copy = copy.with_reply_to(v.clone());
+    }
+    if let Some(v) = original.message_id() {
+        copy = copy.with_message_id(v.clone());
+    }
+    if let Some(v) = original.timestamp() {
+        copy = copy.with_timestamp(*v);
+    }
+    if let Some(v) = original.kind() {
+        copy = copy.with_type(v.clone());
+    }
+    if let Some(v) = original.app_id() {
+        copy = copy.with_app_id(v.clone());
+    }
+    if let Some(v) = original.cluster_id() {
+        copy = copy.with_cluster_id(v.clone());
+    }
+    copy
+}
+
+/// The size of the content header frame that carries `properties`.
+pub fn header_frame_size(properties: &BasicProperties) -> usize {
+    use amq_protocol::frame::{AMQPContentHeader, AMQPFrame, WriteContext, gen_frame};
+    let frame = AMQPFrame::Header(
+        1,
+        AMQPContentHeader {
+            class_id: 60,
+            body_size: 0,
+            properties: properties.clone(),
+        },
+    );
+    match gen_frame(&frame)(WriteContext::from(Vec::new())) {
+        Ok(ctx) => ctx.position as usize,
+        // Encoding into a growing buffer cannot fail for want of room; should it fail
+        // otherwise, the publish would fail the same way: count it as fitting nothing.
+        Err(_) => usize::MAX,
+    }
+}
+
+/// `properties` if their content header fits in a frame of `frame_max` bytes (0: no limit),
+/// after cutting the text of the `shrinkable` headers (warren's reasons) as far as needed;
+/// [`Unpublishable::TooLarge`] if even that is not enough.
+pub fn fit(
+    mut properties: BasicProperties,
+    shrinkable: &[&str],
+    frame_max: u32,
+) -> Result<BasicProperties, Unpublishable> {
+    if frame_max == 0 {
+        return Ok(properties);
+    }
+    let limit = frame_max as usize;
+    let size = header_frame_size(&properties);
+    if size <= limit {
+        return Ok(properties);
+    }
+    let mut excess = size - limit;
+    if let Some(headers) = properties.headers().clone() {
+        let mut headers = headers;
+        for key in shrinkable {
+            if excess == 0 {
+                break;
+            }
+            let Some(AMQPValue::LongString(text)) = headers.inner().get(*key) else {
+                continue;
+            };
+            let text = String::from_utf8_lossy(text.as_bytes()).into_owned();
+            let keep = text.len().saturating_sub(excess + '…'.len_utf8());
+            let cut = crate::amqp::headers::capped(&text, keep).into_owned();
+            let saved = text.len().saturating_sub(cut.len());
+            excess = excess.saturating_sub(saved);
+            headers.insert(short(key), long(cut.as_bytes()));
+        }
+        properties = properties.with_headers(headers);
+    }
+    let size = header_frame_size(&properties);
+    if size <= limit {
+        Ok(properties)
+    } else {
+        Err(Unpublishable::TooLarge { size, frame_max })
+    }
+}
+
+/// A header name as a short string: names warren writes are its own constants, under 255
+/// bytes; anything longer is cut on a character boundary rather than panicking.
+fn short(name: &str) -> ShortString {
+    ShortString::try_new(name)
+        .unwrap_or_else(|_| ShortString::from(crate::amqp::headers::capped(name, 255).into_owned()))
+}
+
+fn long(bytes: &[u8]) -> AMQPValue {
+    AMQPValue::LongString(LongString::from(bytes.to_vec()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn text(p: &BasicProperties, key: &str) -> Option<String> {
+        crate::amqp::headers::text(p, key)
+    }
+
+    #[test]
+    fn what_the_broker_acts_on_is_moved_and_the_rest_kept() {
+        let mut h = FieldTable::default();
+        h.insert("CC".into(), long(b"other_queue"));
+        h.insert("x-death".into(), AMQPValue::FieldArray(Default::default()));
+        h.insert("x-delivery-count".into(), AMQPValue::LongLongInt(3));
+        h.insert("trace".into(), long(b"abc"));
+        let original = BasicProperties::default()
+            .with_expiration("4000".into())
+            .with_user_id("someone_else".into())
+            .with_delivery_mode(1)
+            .with_priority(7)
+            .with_message_id("m1".into())
+            .with_reply_to("r".into())
+            .with_correlation_id("c".into())
+            .with_app_id("a".into())
+            .with_type("t".into())
+            .with_timestamp(42)
+            .with_content_type("application/json".into())
+            .with_headers(h);
+        let copy = copy_properties(
+            &original,
+            &Stamp {
+                set: vec![("x-retries", AMQPValue::LongLongInt(1))],
+                ..Default::default()
+            },
+        );
+        assert_eq!(copy.expiration(), &None);
+        assert_eq!(copy.user_id(), &None);
+        assert_eq!(copy.delivery_mode(), &Some(2));
+        assert_eq!(text(&copy, X_ORIGINAL_EXPIRATION).as_deref(), Some("4000"));
+        assert_eq!(
+            text(&copy, X_ORIGINAL_USER_ID).as_deref(),
+            Some("someone_else")
+        );
+        assert_eq!(text(&copy, X_ORIGINAL_DELIVERY_MODE).as_deref(), Some("1"));
+        assert_eq!(text(&copy, "CC"), None);
+        assert_eq!(text(&copy, "x-original-cc").as_deref(), Some("other_queue"));
+        // Within one life, the broker's history stays; a new life moves it aside.
+        assert!(text(&copy, "x-death").is_some());
+        let restarted = copy_properties(
+            &original,
+            &Stamp {
+                restart: true,
+                ..Default::default()
+            },
+        );
+        assert_eq!(text(&restarted, "x-death"), None);
+        assert!(text(&restarted, X_ORIGINAL_DEATH).is_some());
+        assert_eq!(text(&copy, "x-delivery-count"), None);
+        assert_eq!(text(&copy, "trace").as_deref(), Some("abc"));
+        assert_eq!(text(&copy, "x-retries").as_deref(), Some("1"));
+        // Kept as they were.
+        assert_eq!(copy.priority(), &Some(7));
+        assert_eq!(copy.message_id(), original.message_id());
+        assert_eq!(copy.reply_to(), original.reply_to());
+        assert_eq!(copy.correlation_id(), original.correlation_id());
+        assert_eq!(copy.app_id(), original.app_id());
+        assert_eq!(copy.kind(), original.kind());
+        assert_eq!(copy.timestamp(), original.timestamp());
+        assert_eq!(copy.content_type(), original.content_type());
+    }
+
+    #[test]
+    fn a_copy_of_a_copy_changes_nothing_more() {
+        let original = BasicProperties::default()
+            .with_expiration("4000".into())
+            .with_delivery_mode(2);
+        let once = copy_properties(&original, &Stamp::default());
+        let twice = copy_properties(&once, &Stamp::default());
+        assert_eq!(once, twice);
+        assert_eq!(text(&twice, X_ORIGINAL_DELIVERY_MODE), None);
+    }
+
+    #[test]
+    fn the_frame_size_is_the_encoded_header() {
+        // An empty header: 22 bytes, as in amq-protocol's own test of the frame.
+        assert_eq!(header_frame_size(&BasicProperties::default()), 22);
+        let p = BasicProperties::default().with_message_id("abc".into());
+        assert_eq!(header_frame_size(&p), 22 + 1 + 3);
+    }
+
+    #[test]
+    fn reasons_are_cut_to_fit_and_what_cannot_fit_is_unpublishable() {
+        let mut h = FieldTable::default();
+        h.insert("big".into(), long(&vec![b'x'; 10_000]));
+        h.insert("x-error-reason".into(), long(&vec![b'r'; 1000]));
+        let p = BasicProperties::default().with_headers(h);
+        let size = header_frame_size(&p);
+        // Room for the big header and 100 bytes of the reason.
+        let limit = (size - 900) as u32;
+        let fitted = fit(p.clone(), &["x-error-reason"], limit).unwrap();
+        assert!(header_frame_size(&fitted) <= limit as usize);
+        let reason = text(&fitted, "x-error-reason").unwrap();
+        assert!(reason.ends_with('…') && reason.len() < 1000, "{reason}");
+        // Less room than the big header alone needs: unpublishable.
+        let err = fit(p.clone(), &["x-error-reason"], 8_000).unwrap_err();
+        assert!(matches!(
+            err,
+            Unpublishable::TooLarge {
+                frame_max: 8_000,
+                ..
+            }
+        ));
+        // No limit, or room enough: unchanged.
+        assert_eq!(fit(p.clone(), &["x-error-reason"], 0).unwrap(), p);
+        assert_eq!(fit(p.clone(), &[], 131_072).unwrap(), p);
+    }
+}
