@@ -1,5 +1,6 @@
 //! Database faults under a running warren, injected per test through a TCP proxy in front of
-//! PostgreSQL: backends terminated by the server, and a 60 s outage during a steady publish.
+//! PostgreSQL: backends terminated by the server, a 60 s outage during a steady publish, and a
+//! failover in which the first host of a multi-host URL stops taking writes.
 
 mod common;
 
@@ -288,4 +289,105 @@ async fn amqp_reconnects(env: &TestEnv) -> f64 {
     try_metric(env, "warren_reconnects_total", &[("target", "amqp")])
         .await
         .unwrap_or(0.0)
+}
+
+/// A failover: the first host of `DATABASE_URL` (a primary being fenced) keeps its sessions but
+/// answers every write with 25006 (read-only transaction) and takes no new session. warren
+/// kept its pooled connections to it forever (every batch split row by row as if a row were at
+/// fault, retries spent, the breaker's probe failing on the same connections, nothing reaching
+/// the writable host). A read-only answer now costs the pool its connections: the next ones go
+/// through the host list (`target_session_attrs=read-write`) to the second host, and every
+/// message is inserted, none dead-lettered.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_primary_that_turns_read_only_sends_warren_to_the_next_host() {
+    let fenced = TcpProxy::start(&database_url(), 5432).await;
+    let standby = TcpProxy::start(&database_url(), 5432).await;
+    let hosts = |p: &TcpProxy| {
+        let url = url::Url::parse(&p.url()).expect("proxy URL");
+        format!("127.0.0.1:{}", url.port().expect("port"))
+    };
+    let base = url::Url::parse(&database_url()).expect("DATABASE_URL");
+    let userinfo = match base.password() {
+        Some(p) => format!("{}:{p}@", base.username()),
+        None if base.username().is_empty() => String::new(),
+        None => format!("{}@", base.username()),
+    };
+    let url = format!(
+        "postgres://{userinfo}{},{}{}?target_session_attrs=read-write",
+        hosts(&fenced),
+        hosts(&standby),
+        base.path()
+    );
+    let mut env = TestEnv::new("pg_failover").await;
+    env.set("DATABASE_URL", url)
+        .set("DATABASE_POOL_SIZE", "3")
+        .set("USERS_BATCH_CONCURRENCY", "2")
+        .set("DB_RETRY_WINDOW_MS", "2000")
+        .set("MAX_RETRIES", "1");
+    env.declare();
+    // Writes through the fenced host's sessions fail as on a read-only server (a statement
+    // trigger fires for the breaker's empty probe too).
+    let s = &env.schema;
+    env.db
+        .batch_execute(&format!(
+            r#"
+            CREATE TABLE {s}.fenced_ports (port int PRIMARY KEY);
+            CREATE FUNCTION {s}.refuse_fenced() RETURNS trigger LANGUAGE plpgsql AS $f$
+            BEGIN
+                IF inet_client_port() IN (SELECT port FROM {s}.fenced_ports) THEN
+                    RAISE EXCEPTION 'cannot execute INSERT in a read-only transaction'
+                        USING ERRCODE = '25006';
+                END IF;
+                RETURN NULL;
+            END $f$;
+            CREATE TRIGGER users_refuse_fenced BEFORE INSERT ON {s}.users
+                FOR EACH STATEMENT EXECUTE FUNCTION {s}.refuse_fenced();
+            "#
+        ))
+        .await
+        .expect("install the fence");
+    let mut warren = env.start(&["--roles", "consumer"]);
+    let _logs = LogsOnPanic(vec![warren.log.clone()]);
+    let first: HashSet<Uuid> = env.publish_users(200).await.into_iter().collect();
+    assert_rows_exactly(&env, &first, Duration::from_secs(30), &|| warren.logs()).await;
+    // Fill the pool (3: two batch inserts and one spare) with connections through the first
+    // host: both inserts held by a lock, the database probe (every 5 s) takes the third.
+    let lock = InsertLock::take(&env).await;
+    let held: HashSet<Uuid> = env.publish_users(1_000).await.into_iter().collect();
+    lock.wait_for_a_blocked_insert(&env).await;
+    wait_until(
+        "3 pool connections through the first host",
+        Duration::from_secs(30),
+        || async { fenced.backend_client_ports().len() >= 3 },
+    )
+    .await;
+    lock.release().await;
+    let first: HashSet<Uuid> = first.union(&held).copied().collect();
+    assert_rows_exactly(&env, &first, Duration::from_secs(30), &|| warren.logs()).await;
+
+    // The fence: the first host's sessions take no writes, and it takes no new session.
+    fenced.refuse_new();
+    for port in fenced.backend_client_ports() {
+        env.db
+            .execute(
+                &format!("INSERT INTO {s}.fenced_ports VALUES ($1)"),
+                &[&port],
+            )
+            .await
+            .expect("fence a port");
+    }
+    let second: HashSet<Uuid> = env.publish_users(2_000).await.into_iter().collect();
+    let expected: HashSet<Uuid> = first.union(&second).copied().collect();
+    assert_rows_exactly(&env, &expected, Duration::from_secs(60), &|| warren.logs()).await;
+    assert_eq!(
+        env.ready(&env.dlq_queue).await,
+        0,
+        "log:\n{}",
+        warren.logs()
+    );
+    assert!(
+        !standby.backend_client_ports().is_empty(),
+        "writes moved to the second host"
+    );
+    warren.terminate_ok(Duration::from_secs(30));
 }

@@ -1,8 +1,13 @@
-//! All SQL of the parking table `dead_letters`, where the DLQ consumer keeps what can never be
-//! inserted. Parking always succeeds while the database answers: text PostgreSQL cannot store
-//! (U+0000) is escaped, reasons are capped, a refused batch is parked row by row, and a row that
-//! is still refused is parked as its raw body and reason alone. Parking is idempotent: one row
-//! per message (message id + body), re-opened if the message comes back after a replay.
+//! All SQL of the parking table `dead_letters`, where warren keeps what can never be inserted
+//! (the DLQ consumer's refusals, and messages that cannot be republished). Parking succeeds
+//! whenever the database takes rows at all: text PostgreSQL cannot store (U+0000) is escaped,
+//! reasons are capped, and a row the database refuses for its DATA (SQLSTATE classes 22 and 23)
+//! is parked without its headers, then without its message id too. Any other error (a timeout,
+//! a lock, a read-only server) fails the park and the caller gives the messages back to their
+//! queue: a fallback row then would be a second row of a message already parked. Parking is
+//! idempotent: one row per message, found by its fingerprint (message id + body, computed here,
+//! so a row parked without its id keeps it), re-opened if the message comes back after a
+//! replay.
 
 use std::collections::HashSet;
 use std::time::Duration;
@@ -41,8 +46,9 @@ pub struct Parked {
 
 const PARK: &str = "INSERT INTO dead_letters \
      (message_id, body, headers, error_kind, error_reason, fingerprint) \
-     SELECT m, b, h, k, r, sha256(convert_to(coalesce(m, ''), 'UTF8') || '\\x00'::bytea || b) \
-     FROM UNNEST($1::text[], $2::bytea[], $3::jsonb[], $4::text[], $5::text[]) AS t(m, b, h, k, r) \
+     SELECT m, b, h, k, r, f \
+     FROM UNNEST($1::text[], $2::bytea[], $3::jsonb[], $4::text[], $5::text[], $6::bytea[]) \
+       AS t(m, b, h, k, r, f) \
      ON CONFLICT (fingerprint) DO UPDATE SET \
        replayed_at = NULL, error_kind = EXCLUDED.error_kind, \
        error_reason = EXCLUDED.error_reason, headers = EXCLUDED.headers, \
@@ -77,9 +83,40 @@ fn stored_reason(reason: &str) -> String {
     crate::amqp::headers::capped(&storable(reason), REASON_MAX).into_owned()
 }
 
-/// Parks `rows` (one statement; row by row if the database refuses it). Fails only when the
-/// database does not answer, or refuses even a row's bare body and reason: then nothing is
-/// lost, the caller gives the messages back to their queue.
+/// The fingerprint of a message (its parking row's identity): SHA-256 of the stored message id
+/// (empty without one), a zero byte, and the body; the same as the migration's
+/// `sha256(convert_to(coalesce(message_id, ''), 'UTF8') || '\\x00' || body)`.
+pub fn fingerprint(message_id: Option<&str>, body: &[u8]) -> Vec<u8> {
+    use sha2::{Digest, Sha256};
+    let mut hash = Sha256::new();
+    hash.update(storable(message_id.unwrap_or_default()).as_bytes());
+    hash.update([0u8]);
+    hash.update(body);
+    hash.finalize().to_vec()
+}
+
+/// How much of a row a park statement keeps.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Keep {
+    /// Everything.
+    All,
+    /// Body, message id, kind and reason: the headers were refused.
+    NoHeaders,
+    /// Body, kind and reason: the message id was refused too.
+    Bare,
+}
+
+/// Whether the database refused a park for the rows' data (SQLSTATE classes 22 and 23), so
+/// that a smaller row may be taken; any other error is about the moment or the deployment.
+fn refused_for_data(e: &DbError) -> bool {
+    e.sqlstate()
+        .is_some_and(|code| code.starts_with("22") || code.starts_with("23"))
+}
+
+/// Parks `rows` (one statement; row by row if the database refuses their data). Fails when the
+/// database does not take the rows at all (no connection, a timeout, a lock, a read-only
+/// server), or refuses even a row's bare body and reason: then nothing is lost, the caller
+/// gives the messages back to their queue.
 pub async fn park(pool: &Pool, bound: Duration, rows: &[ParkRow<'_>]) -> Result<Parked, DbError> {
     // The same message twice in one statement would trip ON CONFLICT: park each once.
     let mut seen = HashSet::with_capacity(rows.len());
@@ -87,14 +124,14 @@ pub async fn park(pool: &Pool, bound: Duration, rows: &[ParkRow<'_>]) -> Result<
         .iter()
         .filter(|r| seen.insert((r.message_id, r.body)))
         .collect();
-    match insert(pool, bound, &unique, false).await {
+    match insert(pool, bound, &unique, Keep::All).await {
         Ok(()) => {
             return Ok(Parked {
                 rows: rows.len(),
                 bare: 0,
             });
         }
-        Err(e @ DbError::Server { .. }) => {
+        Err(e) if refused_for_data(&e) => {
             if unique.len() > 1 {
                 tracing::warn!(error = %e, rows = unique.len(), "park statement refused; parking row by row");
             }
@@ -103,15 +140,24 @@ pub async fn park(pool: &Pool, bound: Duration, rows: &[ParkRow<'_>]) -> Result<
     }
     let mut bare = 0;
     for row in unique {
-        match insert(pool, bound, &[row], false).await {
-            Ok(()) => {}
-            Err(e @ DbError::Server { .. }) => {
-                tracing::error!(message_id = row.message_id.unwrap_or("-"), error = %e,
-                    "row refused by the parking table; parking its body and reason alone");
-                insert(pool, bound, &[row], true).await?;
-                bare += 1;
+        let mut keep = Keep::All;
+        loop {
+            match insert(pool, bound, &[row], keep).await {
+                Ok(()) => break,
+                Err(e) if refused_for_data(&e) && keep != Keep::Bare => {
+                    tracing::error!(message_id = row.message_id.unwrap_or("-"), error = %e,
+                        "row refused by the parking table; parking less of it");
+                    keep = if keep == Keep::All {
+                        Keep::NoHeaders
+                    } else {
+                        Keep::Bare
+                    };
+                }
+                Err(e) => return Err(e),
             }
-            Err(e) => return Err(e),
+        }
+        if keep != Keep::All {
+            bare += 1;
         }
     }
     Ok(Parked {
@@ -120,32 +166,45 @@ pub async fn park(pool: &Pool, bound: Duration, rows: &[ParkRow<'_>]) -> Result<
     })
 }
 
-/// One park statement for `rows`; `bare` keeps only body, kind and reason (the last resort).
+/// One park statement for `rows`, keeping what `keep` says of each.
 async fn insert(
     pool: &Pool,
     bound: Duration,
     rows: &[&ParkRow<'_>],
-    bare: bool,
+    keep: Keep,
 ) -> Result<(), DbError> {
     let mut ids: Vec<Option<String>> = Vec::with_capacity(rows.len());
     let mut bodies: Vec<&[u8]> = Vec::with_capacity(rows.len());
     let mut headers: Vec<Value> = Vec::with_capacity(rows.len());
     let mut kinds: Vec<String> = Vec::with_capacity(rows.len());
     let mut reasons: Vec<String> = Vec::with_capacity(rows.len());
+    let mut fingerprints: Vec<Vec<u8>> = Vec::with_capacity(rows.len());
     for r in rows {
         bodies.push(r.body);
         kinds.push(storable(r.kind).into_owned());
-        if bare {
-            ids.push(None);
-            headers.push(Value::Object(Default::default()));
-            reasons.push(stored_reason(&format!(
-                "parked without message id and headers (the database refused them); {}",
-                r.reason
-            )));
-        } else {
-            ids.push(r.message_id.map(|m| storable(m).into_owned()));
-            headers.push(storable_json(r.headers.clone()));
-            reasons.push(stored_reason(r.reason));
+        fingerprints.push(fingerprint(r.message_id, r.body));
+        match keep {
+            Keep::All => {
+                ids.push(r.message_id.map(|m| storable(m).into_owned()));
+                headers.push(storable_json(r.headers.clone()));
+                reasons.push(stored_reason(r.reason));
+            }
+            Keep::NoHeaders => {
+                ids.push(r.message_id.map(|m| storable(m).into_owned()));
+                headers.push(Value::Object(Default::default()));
+                reasons.push(stored_reason(&format!(
+                    "parked without its headers (the database refused them); {}",
+                    r.reason
+                )));
+            }
+            Keep::Bare => {
+                ids.push(None);
+                headers.push(Value::Object(Default::default()));
+                reasons.push(stored_reason(&format!(
+                    "parked without message id and headers (the database refused them); {}",
+                    r.reason
+                )));
+            }
         }
     }
     let client = pool.get().await.map_err(DbError::from_pool)?;
@@ -155,13 +214,19 @@ async fn insert(
             .await
             .map_err(DbError::from_pg)?;
         client
-            .execute(&statement, &[&ids, &bodies, &headers, &kinds, &reasons])
+            .execute(
+                &statement,
+                &[&ids, &bodies, &headers, &kinds, &reasons, &fingerprints],
+            )
             .await
             .map_err(DbError::from_pg)?;
         Ok(())
     };
     match tokio::time::timeout(bound, work).await {
-        Ok(result) => result,
+        Ok(result) => {
+            super::release(pool, client, &result);
+            result
+        }
         Err(_) => Err(abandon(client, bound)),
     }
 }
@@ -179,6 +244,34 @@ mod tests {
         assert_eq!(clean["k\\u0000"][0], "x\\u0000");
         assert_eq!(clean["k\\u0000"][1]["y"], "z\\u0000");
         assert_eq!(clean["n"], 1);
+    }
+
+    #[test]
+    fn a_fingerprint_is_the_migrations_hash_and_keeps_the_id() {
+        // sha256('m1' || '\x00' || 'body'), as PostgreSQL computes it in V3.
+        let f = fingerprint(Some("m1"), b"body");
+        let mut input = b"m1".to_vec();
+        input.push(0);
+        input.extend_from_slice(b"body");
+        use sha2::Digest;
+        assert_eq!(f, sha2::Sha256::digest(&input).to_vec());
+        assert_ne!(f, fingerprint(None, b"body"));
+        assert_eq!(fingerprint(None, b"body"), fingerprint(Some(""), b"body"));
+    }
+
+    #[test]
+    fn only_data_errors_make_a_smaller_row() {
+        let server = |code: &str| DbError::Server {
+            code: code.into(),
+            message: "x".into(),
+        };
+        for code in ["22021", "22P05", "23514", "22001"] {
+            assert!(refused_for_data(&server(code)), "{code}");
+        }
+        for code in ["57014", "40P01", "25006", "55P03", "53300", "42P01"] {
+            assert!(!refused_for_data(&server(code)), "{code}");
+        }
+        assert!(!refused_for_data(&DbError::Connection("gone".into())));
     }
 
     #[test]

@@ -74,21 +74,32 @@ impl DbError {
 
     /// Whether a row of the statement may have caused this transient-looking error, so that
     /// splitting the batch can find that row: a code nobody classified (a trigger's P0001,
-    /// 54000, 0A000, 25006...). Known retry-the-statement codes (40 transaction rollback, 57
-    /// operator intervention, 08 connection) and server conditions (53 resources, 58 system)
-    /// are about the moment, not a row: splitting would only multiply the load. A batch failing
+    /// 54000, 0A000...). Known retry-the-statement codes (40 transaction rollback, 57 operator
+    /// intervention, 08 connection), server conditions (53 resources, 58 system) and the
+    /// server's state (25: a read-only server refuses every row alike) are about the moment,
+    /// not a row: splitting would only multiply the load. A batch failing
     /// with an unclassified code is split like a permanent failure once its in-place retries are
     /// spent, so only the offending row goes on.
     pub fn may_be_row_specific(&self) -> bool {
         match self {
             DbError::Server { code, .. } => {
                 classify_sqlstate(code) == ErrorClass::Transient
-                    && !["08", "40", "53", "57", "58"]
+                    && !["08", "25", "40", "53", "57", "58"]
                         .iter()
                         .any(|class| code.starts_with(class))
             }
             _ => false,
         }
+    }
+
+    /// Whether the connection that met this error must not be used again: the server it
+    /// reaches takes no writes (25006 read-only transaction: a fenced or demoted primary, a hot
+    /// standby) or is going away (57P01-57P03: shut down, crashed, starting or in recovery).
+    /// Dropping it lets the pool connect again, and a multi-host `DATABASE_URL` with
+    /// `target_session_attrs=read-write` then finds the writable host.
+    pub fn discards_connection(&self) -> bool {
+        self.sqlstate()
+            .is_some_and(|code| code == "25006" || code.starts_with("57P"))
     }
 
     /// Whether the server answered (as opposed to no connection at all).
@@ -178,15 +189,31 @@ mod tests {
             code: code.into(),
             message: "x".into(),
         };
-        for code in ["P0001", "54000", "0A000", "25006"] {
+        for code in ["P0001", "54000", "0A000"] {
             assert!(server(code).may_be_row_specific(), "{code}");
         }
+        // 25006: a read-only server refuses every row alike (a failover, not a row).
         for code in [
-            "08006", "53300", "57P01", "40001", "40P01", "57014", "58030", "23505",
+            "08006", "53300", "57P01", "40001", "40P01", "57014", "58030", "23505", "25006",
         ] {
             assert!(!server(code).may_be_row_specific(), "{code}");
         }
         assert!(!DbError::Connection("refused".into()).may_be_row_specific());
+    }
+
+    #[test]
+    fn a_read_only_or_departing_server_costs_the_connection() {
+        let server = |code: &str| DbError::Server {
+            code: code.into(),
+            message: "x".into(),
+        };
+        for code in ["25006", "57P01", "57P02", "57P03"] {
+            assert!(server(code).discards_connection(), "{code}");
+            assert!(server(code).is_transient(), "{code}");
+        }
+        for code in ["40001", "57014", "23505", "P0001"] {
+            assert!(!server(code).discards_connection(), "{code}");
+        }
     }
 
     #[test]

@@ -61,6 +61,22 @@ pub fn abandon(client: deadpool_postgres::Object, bound: Duration) -> DbError {
     ))
 }
 
+/// Hands `client` back after a statement that ended with `result`: an error that says the
+/// server takes no writes or is going away ([`DbError::discards_connection`]) drops it, and every
+/// idle connection of the pool with it (they reach the same server), so the next statement
+/// connects again and a multi-host `DATABASE_URL` finds the writable host.
+pub fn release<T>(pool: &Pool, client: deadpool_postgres::Object, result: &Result<T, DbError>) {
+    if let Err(e) = result
+        && e.discards_connection()
+    {
+        drop(deadpool_postgres::Object::take(client));
+        let dropped = pool.retain(|_, _| false).removed.len();
+        tracing::warn!(error = %e, idle_dropped = dropped,
+            "the database server takes no writes or is going away; its connections are dropped \
+             and the next statement connects again");
+    }
+}
+
 /// The pipeline's pool (`warren-pipeline` in `pg_stat_activity`): `DATABASE_POOL_SIZE`
 /// connections, at least one more than the batch concurrency so batches never wait for one.
 pub fn pool(settings: &Settings) -> Result<Pool, DbError> {
@@ -153,7 +169,11 @@ pub async fn migrate(settings: &Settings) -> Result<MigrationReport, DbError> {
 pub async fn ping(pool: &Pool, bound: Duration) -> Result<(), DbError> {
     let client = pool.get().await.map_err(DbError::from_pool)?;
     match tokio::time::timeout(bound, client.simple_query("SELECT 1")).await {
-        Ok(result) => result.map(|_| ()).map_err(DbError::from_pg),
+        Ok(result) => {
+            let result = result.map(|_| ()).map_err(DbError::from_pg);
+            release(pool, client, &result);
+            result
+        }
         Err(_) => Err(abandon(client, bound)),
     }
 }

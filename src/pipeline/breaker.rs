@@ -1,7 +1,8 @@
 //! The sink-outage breaker: after `BREAKER_FAILURES` consecutive batches the database took
 //! nothing of (or at once on a systemic error), the consumer is held (no new deliveries) and a
-//! probe runs the domain's insert of zero rows with backoff until the database takes it again;
-//! then the hold is lifted.
+//! probe runs the domain's insert of zero rows with backoff until the database takes it again,
+//! each attempt on a connection made after the breaker opened (a failover leaves the pool's
+//! old ones on a server that takes no writes); then the hold is lifted.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
@@ -96,10 +97,18 @@ impl Breaker {
     /// Probes with backoff until the database takes an empty insert, then closes.
     async fn probe<D: Domain>(self: Arc<Self>, domain: Arc<D>, pool: Pool) {
         let stopping = self.stopping.clone();
+        let opened = std::time::Instant::now();
         let attempt = || async {
-            // The first attempt waits too: the failure that opened the breaker was just seen.
+            // Each attempt on a connection made after the breaker opened: the ones the failures
+            // came through may reach a server that no longer takes writes (a failover), and the
+            // probe must find out whether the database as the URL names it takes them now.
+            pool.retain(|_, m| m.created > opened);
             let client = pool.get().await.map_err(DbError::from_pool)?;
-            domain.insert(&client, &[]).await.map(|_| ())
+            let result = domain.insert(&client, &[]).await.map(|_| ());
+            if result.is_err() {
+                drop(deadpool_postgres::Object::take(client));
+            }
+            result
         };
         let pipeline = self.pipeline;
         let first = crate::amqp::reconnect_backoff().next().unwrap_or_default();

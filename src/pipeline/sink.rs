@@ -318,7 +318,10 @@ async fn insert_retrying<D: Domain>(
             match tokio::time::timeout(config.db_bound, config.domain.insert(&client, records))
                 .await
             {
-                Ok(result) => result,
+                Ok(result) => {
+                    crate::db::release(&config.pool, client, &result);
+                    result
+                }
                 Err(_) => Err(crate::db::abandon(client, config.db_bound)),
             };
         match &result {

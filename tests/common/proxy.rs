@@ -87,6 +87,12 @@ impl TcpProxy {
         self.state.cuts.send_modify(|n| *n += 1);
     }
 
+    /// New connections are reset on accept; live ones go on (a server that keeps its sessions
+    /// but takes no new ones, as a primary fenced during a failover).
+    pub fn refuse_new(&self) {
+        self.state.up.store(false, Ordering::SeqCst);
+    }
+
     /// The server is back for new connections.
     pub fn restore(&self) {
         self.state.up.store(true, Ordering::SeqCst);
