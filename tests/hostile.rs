@@ -517,3 +517,52 @@ async fn a_park_that_meets_a_lock_waits_and_never_makes_a_second_row() {
     warren.terminate_ok(Duration::from_secs(20));
     assert_queue_empty(&env, &env.dlq_queue).await;
 }
+
+/// A delivery held unsettled at the front of the prefetch window (here: a malformed message
+/// whose dead-letter publish is unroutable, waiting out a growing requeue backoff) held the
+/// acks of every settled delivery behind it: the window filled and the broker stopped
+/// delivering until the backoff ended, then again, longer. Settled deliveries behind a held
+/// front are now acked one by one, and the queue drains around it.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_held_delivery_never_holds_the_window_behind_it() {
+    use lapin::options::QueueBindOptions;
+    use lapin::types::FieldTable;
+
+    let mut env = TestEnv::new("heldfront").await;
+    env.set("PREFETCH", "200").set("USERS_BATCH_SIZE", "50");
+    env.declare();
+    env.channel
+        .queue_unbind(
+            env.dlq_queue.as_str().into(),
+            env.dlx_exchange.as_str().into(),
+            env.dlq_queue.as_str().into(),
+            FieldTable::default(),
+        )
+        .await
+        .expect("unbind the DLQ");
+    env.publish_raw(b"{not json", labelled("held")).await;
+    let users: std::collections::HashSet<Uuid> =
+        env.publish_users(5_000).await.into_iter().collect();
+    let mut warren = env.start(&["--roles", "consumer"]);
+    let _logs = LogsOnPanic(vec![warren.log.clone()]);
+    assert_rows_exactly(&env, &users, Duration::from_secs(40), &|| warren.logs()).await;
+
+    env.channel
+        .queue_bind(
+            env.dlq_queue.as_str().into(),
+            env.dlx_exchange.as_str().into(),
+            env.dlq_queue.as_str().into(),
+            QueueBindOptions::default(),
+            FieldTable::default(),
+        )
+        .await
+        .expect("bind the DLQ again");
+    wait_until(
+        "the held message dead-lettered",
+        Duration::from_secs(90),
+        || async { env.ready(&env.dlq_queue).await == 1 },
+    )
+    .await;
+    warren.terminate_ok(Duration::from_secs(20));
+    assert_eq!(env.queue_state(&env.main_queue).await, (0, 0));
+}

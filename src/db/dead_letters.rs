@@ -1,10 +1,12 @@
 //! All SQL of the parking table `dead_letters`, where warren keeps what can never be inserted
 //! (the DLQ consumer's refusals, and messages that cannot be republished). Parking succeeds
 //! whenever the database takes rows at all: text PostgreSQL cannot store (U+0000) is escaped,
-//! reasons are capped, and a row the database refuses for its DATA (SQLSTATE classes 22 and 23)
-//! is parked without its headers, then without its message id too. Any other error (a timeout,
-//! a lock, a read-only server) fails the park and the caller gives the messages back to their
-//! queue: a fallback row then would be a second row of a message already parked. Parking is
+//! reasons are capped, and a row the database refuses for ITSELF (data and integrity errors,
+//! classes 22 and 23, and codes nobody classified, such as a trigger's P0001) is parked without
+//! its headers, then without its message id too. An error about the moment or the server (a
+//! timeout, a lock, a deadlock, a read-only server, no connection) or the deployment (a missing
+//! table) fails the park and the caller gives the messages back to their queue: a fallback row
+//! then would be a second row of a message already parked. Parking is
 //! idempotent: one row per message, found by its fingerprint (message id + body, computed here,
 //! so a row parked without its id keeps it), re-opened if the message comes back after a
 //! replay.
@@ -15,7 +17,7 @@ use std::time::Duration;
 use deadpool_postgres::Pool;
 use serde_json::Value;
 
-use super::{DbError, abandon};
+use super::{DbError, ErrorClass, abandon};
 
 /// Longest reason stored, in bytes (cut on a character boundary).
 pub const REASON_MAX: usize = 1024;
@@ -106,11 +108,12 @@ enum Keep {
     Bare,
 }
 
-/// Whether the database refused a park for the rows' data (SQLSTATE classes 22 and 23), so
-/// that a smaller row may be taken; any other error is about the moment or the deployment.
+/// Whether the database refused a park for the rows themselves, so that a smaller row may be
+/// taken: a permanent error (classes 22 and 23), or one nobody classified that a row may cause
+/// (the sink splits batches on the same rule, [`DbError::may_be_row_specific`]). Errors about
+/// the moment (08, 25, 40, 53, 57, 58) or the deployment (42, 28, 3D) are not.
 fn refused_for_data(e: &DbError) -> bool {
-    e.sqlstate()
-        .is_some_and(|code| code.starts_with("22") || code.starts_with("23"))
+    e.class() == ErrorClass::Permanent || e.may_be_row_specific()
 }
 
 /// Parks `rows` (one statement; row by row if the database refuses their data). Fails when the
@@ -260,15 +263,17 @@ mod tests {
     }
 
     #[test]
-    fn only_data_errors_make_a_smaller_row() {
+    fn only_errors_about_the_row_make_a_smaller_row() {
         let server = |code: &str| DbError::Server {
             code: code.into(),
             message: "x".into(),
         };
-        for code in ["22021", "22P05", "23514", "22001"] {
+        for code in ["22021", "22P05", "23514", "22001", "P0001"] {
             assert!(refused_for_data(&server(code)), "{code}");
         }
-        for code in ["57014", "40P01", "25006", "55P03", "53300", "42P01"] {
+        for code in [
+            "57014", "40P01", "25006", "57P01", "53300", "42P01", "08006",
+        ] {
             assert!(!refused_for_data(&server(code)), "{code}");
         }
         assert!(!refused_for_data(&DbError::Connection("gone".into())));

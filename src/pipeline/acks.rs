@@ -3,6 +3,14 @@
 //! run of settled deliveries, requeues sent individually before any multi-ack that would cover
 //! them), and executes them in order on one task per channel. There is no reject: the broker's
 //! own dead-lettering is at-most-once, so warren never hands a message to it.
+//!
+//! A delivery held unsettled at the front of the window (a batch retried in place, a message
+//! waiting out a requeue backoff) must not hold the settled ones behind it: they count against
+//! the prefetch window, which fills, and the broker stops delivering. So when the front has been
+//! held across a watchdog tick ([`Acker::tick`]), or half the window is settled behind it, the
+//! settled deliveries behind it are acked one by one (`basic.ack multiple=false`). On the happy
+//! path (batches commit within milliseconds, at most `batchers - 1` batches ahead of the
+//! front) neither happens and the acks stay ordered multi-acks.
 
 use std::collections::VecDeque;
 
@@ -18,26 +26,39 @@ pub use super::message::Disposition;
 pub enum Op {
     /// `basic.ack(tag, multiple = true)`.
     AckUpTo(u64),
+    /// `basic.ack(tag, multiple = false)`: a settled delivery behind a held one.
+    AckOne(u64),
     /// `basic.nack(tag, multiple = false, requeue = true)`.
     Requeue(u64),
+}
+
+/// Where one outstanding delivery stands.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum State {
+    /// Not settled yet.
+    Open,
+    /// Settled with Ack; its ack not sent yet (a multi-ack from the front will cover it).
+    Ack,
+    /// Its operation was sent on its own (a requeue, or a single ack): no multi-ack may name it.
+    Sent,
 }
 
 /// Outstanding deliveries of one channel, in delivery order.
 #[derive(Debug, Default)]
 pub struct AckTracker {
-    /// (delivery tag, settled with Ack?) in delivery order; `None` while unsettled.
-    outstanding: VecDeque<(u64, Option<bool>)>,
-    /// Highest tag acked so far.
-    acked: u64,
+    /// (delivery tag, state) in delivery order.
+    outstanding: VecDeque<(u64, State)>,
+    /// Entries in state `Ack` (settled, waiting for the front).
+    waiting: usize,
 }
 
 impl AckTracker {
     /// Records a delivery (tags grow on a channel).
     pub fn delivered(&mut self, tag: u64) {
-        self.outstanding.push_back((tag, None));
+        self.outstanding.push_back((tag, State::Open));
     }
 
-    /// Deliveries not settled yet.
+    /// Deliveries not settled yet, or settled and not yet acked.
     pub fn len(&self) -> usize {
         self.outstanding.len()
     }
@@ -46,33 +67,67 @@ impl AckTracker {
         self.outstanding.is_empty()
     }
 
+    /// Settled deliveries waiting behind an unsettled front.
+    pub fn waiting(&self) -> usize {
+        self.waiting
+    }
+
+    /// The tag of the unsettled delivery at the front, if the front is held.
+    pub fn held_front(&self) -> Option<u64> {
+        self.outstanding
+            .front()
+            .filter(|(_, state)| *state == State::Open)
+            .map(|(tag, _)| *tag)
+    }
+
     /// Settles `tag` and appends the operations that become possible to `ops`.
     /// Unknown or already settled tags are ignored (never acked twice).
     pub fn settle(&mut self, tag: u64, disposition: Disposition, ops: &mut Vec<Op>) {
         let Ok(i) = self.outstanding.binary_search_by_key(&tag, |(t, _)| *t) else {
             return;
         };
-        if self.outstanding[i].1.is_some() {
+        if self.outstanding[i].1 != State::Open {
             return;
         }
         match disposition {
-            Disposition::Ack => self.outstanding[i].1 = Some(true),
+            Disposition::Ack => {
+                self.outstanding[i].1 = State::Ack;
+                self.waiting += 1;
+            }
             Disposition::Requeue => {
-                self.outstanding[i].1 = Some(false);
+                self.outstanding[i].1 = State::Sent;
                 ops.push(Op::Requeue(tag));
             }
         }
         let mut ack_to = None;
-        while let Some((t, Some(acked))) = self.outstanding.front().copied() {
-            if acked {
-                ack_to = Some(t);
+        while let Some((t, state)) = self.outstanding.front().copied() {
+            match state {
+                State::Open => break,
+                State::Ack => {
+                    ack_to = Some(t);
+                    self.waiting -= 1;
+                }
+                State::Sent => {}
             }
             self.outstanding.pop_front();
         }
         if let Some(t) = ack_to {
-            self.acked = t;
             ops.push(Op::AckUpTo(t));
         }
+    }
+
+    /// Acks every settled delivery behind the held front one by one.
+    pub fn release(&mut self, ops: &mut Vec<Op>) {
+        if self.waiting == 0 {
+            return;
+        }
+        for (tag, state) in self.outstanding.iter_mut() {
+            if *state == State::Ack {
+                *state = State::Sent;
+                ops.push(Op::AckOne(*tag));
+            }
+        }
+        self.waiting = 0;
     }
 }
 
@@ -92,17 +147,24 @@ pub fn coalesce(ops: Vec<Op>) -> Vec<Op> {
 /// in order.
 pub struct Acker {
     tracker: AckTracker,
+    /// Settled deliveries behind a held front that make the acks go one by one at once: half
+    /// the prefetch window (the happy path never has that many ahead of the front).
+    release_at: usize,
+    /// The held front seen at the last tick: still held at this one, it releases what waits.
+    held: Option<u64>,
     /// Operations for the executor task; `None` once closing.
     ops: Option<mpsc::UnboundedSender<Vec<Op>>>,
     task: Option<tokio::task::JoinHandle<()>>,
 }
 
 impl Acker {
-    /// Starts the executor for `channel`.
-    pub fn open(channel: Channel, pipeline: &'static str) -> Self {
+    /// Starts the executor for `channel`, whose consumer has a window of `prefetch`.
+    pub fn open(channel: Channel, pipeline: &'static str, prefetch: u16) -> Self {
         let (tx, rx) = mpsc::unbounded_channel();
         Self {
             tracker: AckTracker::default(),
+            release_at: usize::from(prefetch / 2).max(1),
+            held: None,
             ops: Some(tx),
             task: Some(tokio::spawn(run_ops(channel, rx, pipeline))),
         }
@@ -115,12 +177,31 @@ impl Acker {
         }
     }
 
-    /// Settles deliveries and sends the operations that became possible.
+    /// Settles deliveries and sends the operations that became possible; with half the window
+    /// settled behind a held front, those are acked one by one.
     pub fn settle(&mut self, items: &[(u64, Disposition)]) {
         let mut ops = Vec::new();
         for (tag, disposition) in items {
             self.tracker.settle(*tag, *disposition, &mut ops);
         }
+        if self.tracker.waiting() >= self.release_at {
+            self.tracker.release(&mut ops);
+        }
+        self.send(ops);
+    }
+
+    /// Once per watchdog tick: a front held since the last tick releases what waits behind it.
+    pub fn tick(&mut self) {
+        let front = self.tracker.held_front();
+        if front.is_some() && front == self.held {
+            let mut ops = Vec::new();
+            self.tracker.release(&mut ops);
+            self.send(ops);
+        }
+        self.held = front;
+    }
+
+    fn send(&self, ops: Vec<Op>) {
         if !ops.is_empty()
             && let Some(tx) = &self.ops
         {
@@ -155,6 +236,12 @@ async fn run_ops(
                     acks.increment(1);
                     channel
                         .basic_ack(tag, BasicAckOptions { multiple: true })
+                        .await
+                }
+                Op::AckOne(tag) => {
+                    acks.increment(1);
+                    channel
+                        .basic_ack(tag, BasicAckOptions { multiple: false })
                         .await
                 }
                 Op::Requeue(tag) => {
@@ -223,6 +310,49 @@ mod tests {
         t.settle(1, Disposition::Ack, &mut ops);
         // The multi-ack names tag 1, the last acked one: 2 and 3 are already gone.
         assert_eq!(ops.last(), Some(&Op::AckUpTo(1)));
+        assert!(t.is_empty());
+    }
+
+    #[test]
+    fn a_held_front_releases_what_waits_behind_it_one_by_one() {
+        let mut t = tracker(6);
+        let mut ops = Vec::new();
+        for tag in [2, 3, 5] {
+            t.settle(tag, Disposition::Ack, &mut ops);
+        }
+        t.settle(4, Disposition::Requeue, &mut ops);
+        assert_eq!(ops, [Op::Requeue(4)]);
+        assert_eq!((t.held_front(), t.waiting()), (Some(1), 3));
+        ops.clear();
+        t.release(&mut ops);
+        assert_eq!(ops, [Op::AckOne(2), Op::AckOne(3), Op::AckOne(5)]);
+        assert_eq!(t.waiting(), 0);
+        // Settled later behind the same front: released on the next call, never twice.
+        ops.clear();
+        t.settle(6, Disposition::Ack, &mut ops);
+        t.release(&mut ops);
+        assert_eq!(ops, [Op::AckOne(6)]);
+        // The front settles: nothing left to name in a multi-ack but the front itself.
+        ops.clear();
+        t.settle(1, Disposition::Ack, &mut ops);
+        assert_eq!(ops, [Op::AckUpTo(1)]);
+        assert!(t.is_empty());
+    }
+
+    #[test]
+    fn a_multi_ack_never_names_a_tag_already_acked_alone() {
+        let mut t = tracker(4);
+        let mut ops = Vec::new();
+        t.settle(2, Disposition::Ack, &mut ops);
+        t.release(&mut ops);
+        t.settle(3, Disposition::Ack, &mut ops);
+        ops.clear();
+        t.settle(1, Disposition::Ack, &mut ops);
+        // 1..3 settle; 2 went alone, so the multi-ack names 3 (still unacked at the broker).
+        assert_eq!(ops, [Op::AckUpTo(3)]);
+        ops.clear();
+        t.settle(4, Disposition::Requeue, &mut ops);
+        assert_eq!(ops, [Op::Requeue(4)]);
         assert!(t.is_empty());
     }
 

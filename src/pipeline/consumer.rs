@@ -627,6 +627,9 @@ impl Actor for Consumer {
         // Watchdog: a closed channel or connection is noticed and the consumer rebuilt.
         ctx.run_interval(Duration::from_secs(1), |act, ctx| {
             act.publish_counts();
+            if let Some(acker) = &mut act.acker {
+                acker.tick();
+            }
             if act.stopping || act.connecting {
                 return;
             }
@@ -661,7 +664,11 @@ impl Handler<Connected> for Consumer {
         }
         self.generation += 1;
         let generation = self.generation;
-        self.acker = Some(Acker::open(msg.channel.clone(), self.config.pipeline));
+        self.acker = Some(Acker::open(
+            msg.channel.clone(),
+            self.config.pipeline,
+            self.config.prefetch,
+        ));
         self.channel = Some(msg.channel);
         self.connection = Some(msg.conn);
         self.linked_at = Some(Instant::now());

@@ -96,27 +96,43 @@ impl Handler<Leftovers> for DlqStage {
             // streak of such batches, but never past what the batch's least tried message has
             // earned: with many poisoned rows the streak alone reached the 30 s cap, and every
             // later batch, first attempts included, waited that long (`DLQ_MAX_ATTEMPTS`
-            // already bounds how often one message is tried).
-            let attempts: Vec<u32> = fates
+            // already bounds how often one message is tried). Those messages wait in a task of
+            // their own, unacked; the rest of the batch settles now and the DLQ consumer goes
+            // on.
+            let is_attempt = |f: &Fate| matches!(f, Fate::Route(Route::DlqAttempt { .. }));
+            let least = fates
                 .iter()
                 .filter_map(|f| match f {
                     Fate::Route(Route::DlqAttempt { attempts, .. }) => Some(*attempts),
                     _ => None,
                 })
-                .collect();
-            let retrying = attempts.len();
-            let waited = retrying > 0;
-            if let Some(least) = attempts.iter().min() {
-                let delay = fallback.next_backoff_at_most(*least);
-                warn!(pipeline = fallback.pipeline, batch_id = %batch_id, count = retrying,
-                    delay_ms = delay.as_millis() as u64,
-                    "the database refused DLQ messages; trying them again after a backoff");
-                super::sleep_or_cancel(delay, &fallback.stopping).await;
+                .min();
+            let Some(least) = least else {
+                fallback.settle(&batch_id, items, fates, false).await;
+                return;
+            };
+            let (attempts, rest): (Vec<_>, Vec<_>) = items
+                .into_iter()
+                .zip(fates)
+                .partition(|(_, fate)| is_attempt(fate));
+            let (rest_items, rest_fates): (Vec<_>, Vec<_>) = rest.into_iter().unzip();
+            if !rest_items.is_empty() {
+                fallback
+                    .settle(&batch_id, rest_items, rest_fates, false)
+                    .await;
             }
-            fallback.route_all(&items, &mut fates).await;
-            // What could not be republished is parked too.
-            fallback.park_all(&items, &mut fates).await;
-            fallback.settle(&batch_id, items, fates, waited).await;
+            let delay = fallback.next_backoff_at_most(least);
+            warn!(pipeline = fallback.pipeline, batch_id = %batch_id, count = attempts.len(),
+                delay_ms = delay.as_millis() as u64,
+                "the database refused DLQ messages; trying them again after a backoff");
+            let (items, mut fates): (Vec<_>, Vec<_>) = attempts.into_iter().unzip();
+            tokio::spawn(async move {
+                super::sleep_or_cancel(delay, &fallback.stopping).await;
+                fallback.route_all(&items, &mut fates).await;
+                // What could not be republished is parked.
+                fallback.park_all(&items, &mut fates).await;
+                fallback.settle(&batch_id, items, fates, true).await;
+            });
         })
     }
 }

@@ -420,8 +420,11 @@ impl Fallback {
         }
     }
 
-    /// Waits the requeue backoff when something goes back to its queue (`waited`: a backoff
-    /// was already spent on this batch), then settles every message of the batch.
+    /// Settles every message of the batch: at once, except what goes back to its queue
+    /// (`Fate::Requeue`), which is held a requeue backoff first, so a failure that repeats is
+    /// never a hot loop (`waited`: the backoff was already spent on this batch, settle at once).
+    /// The hold is a task of its own: the sink goes on with its next batch meanwhile, and the
+    /// consumer acks what settles behind the held messages (`acks.rs`).
     pub async fn settle(
         &self,
         batch_id: &str,
@@ -436,8 +439,9 @@ impl Fallback {
                 _ => None,
             })
             .collect();
+        let mut delay = None;
         if !requeued.is_empty() {
-            let delay = if waited {
+            let wait = if waited {
                 requeue_backoff(self.requeues.load(Ordering::Relaxed))
             } else {
                 self.next_backoff()
@@ -449,25 +453,34 @@ impl Fallback {
                     batch_id,
                     reason,
                     count = n,
-                    delay_ms = delay.as_millis() as u64,
+                    delay_ms = wait.as_millis() as u64,
                     "messages go back to their queue after a backoff"
                 );
             }
-            if !waited {
-                super::sleep_or_cancel(delay, &self.stopping).await;
-            }
+            delay = (!waited).then_some(wait);
         } else if !waited && fates.iter().all(|f| matches!(f, Fate::Settled(_))) {
             self.requeues.store(0, Ordering::Relaxed);
         }
-        let settlements = items.iter().zip(fates).map(|((d, _), fate)| {
-            let disposition = match fate {
-                Fate::Settled(d) => d,
-                _ => Disposition::Requeue,
-            };
-            (d.generation, d.tag, disposition)
-        });
-        for settle in Settle::group(settlements) {
+        let (now, later): (Vec<_>, Vec<_>) = items
+            .iter()
+            .zip(fates)
+            .map(|((d, _), fate)| match fate {
+                Fate::Settled(disposition) => (d.generation, d.tag, disposition, false),
+                _ => (d.generation, d.tag, Disposition::Requeue, delay.is_some()),
+            })
+            .partition(|(.., held)| !held);
+        for settle in Settle::group(now.into_iter().map(|(g, t, d, _)| (g, t, d))) {
             self.settle.do_send(settle);
+        }
+        if let Some(delay) = delay {
+            let (settle, stopping) = (self.settle.clone(), self.stopping.clone());
+            let later = Settle::group(later.into_iter().map(|(g, t, d, _)| (g, t, d)));
+            tokio::spawn(async move {
+                super::sleep_or_cancel(delay, &stopping).await;
+                for s in later {
+                    settle.do_send(s);
+                }
+            });
         }
     }
 
