@@ -36,6 +36,7 @@ pub const BREAKER_OPEN: &str = "warren_breaker_open";
 pub const CONSUMER_RESTARTS: &str = "warren_consumer_restarts_total";
 pub const REQUEUED: &str = "warren_messages_requeued_total";
 pub const ACKS: &str = "warren_amqp_acks_total";
+pub const LOG_LINES_DROPPED: &str = "warren_log_lines_dropped_total";
 
 /// Process-wide counts, for the Redis registry and the shutdown record (the Prometheus
 /// recorder cannot be read back).
@@ -199,7 +200,18 @@ fn describe() {
         ACKS,
         "basic.ack frames sent, by pipeline (each acks a contiguous run of deliveries)."
     );
+    describe_counter!(
+        LOG_LINES_DROPPED,
+        "Log lines that could not be written to stderr (its pipe's reader is gone, a full disk) \
+         and were dropped; warren goes on without them."
+    );
     gauge!(BUILD_INFO, "version" => env!("CARGO_PKG_VERSION")).set(1.0);
+}
+
+/// A log line could not be written to stderr and was dropped. It counts, and says nothing:
+/// where would it say it?
+pub fn log_line_dropped() {
+    counter!(LOG_LINES_DROPPED).increment(1);
 }
 
 /// A pipeline's consumer link is rebuilt, for `reason`.
@@ -431,6 +443,7 @@ pub fn preregister(pipelines: &[&'static str]) {
         counter!(RECONNECTS, "target" => target).absolute(0);
     }
     gauge!(INFLIGHT).set(0.0);
+    counter!(LOG_LINES_DROPPED).absolute(0);
 }
 
 /// A reconnection to `target` succeeded.
