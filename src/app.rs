@@ -29,7 +29,8 @@ pub async fn run(settings: Settings, shutdown: impl Future<Output = ()>) -> anyh
         );
     }
     let metrics_addr: SocketAddr = settings.metrics_addr.parse().context("METRICS_ADDR")?;
-    metrics::install(metrics_addr).map_err(anyhow::Error::msg)?;
+    let recorder = metrics::install().map_err(anyhow::Error::msg)?;
+    http::ops::serve(metrics_addr, recorder).await?;
 
     tokio::spawn(crate::amqp::monitor::poll_queues(
         settings.clone(),
@@ -43,6 +44,17 @@ pub async fn run(settings: Settings, shutdown: impl Future<Output = ()>) -> anyh
         names.push("dlq");
     }
     metrics::preregister(&names);
+    // What the metrics listener's /readyz waits for: every AMQP link the roles open (each
+    // pipeline's consumer, named after the pipeline, and its publisher `router`; the API's
+    // publisher `api`) and the database, which every role uses.
+    let mut links = names.clone();
+    if !names.is_empty() {
+        links.push("router");
+    }
+    if settings.has_role(Role::Api) {
+        links.push("api");
+    }
+    metrics::needs(&links, true);
     metrics::connection("amqp", false);
     metrics::connection("postgres", false);
 

@@ -14,7 +14,8 @@
 //! - [`domain`]: the seam the pipeline stores through, and the users domain behind it.
 //! - [`db`]: pools (pipeline and API), client-side statement bounds, embedded migrations,
 //!   SQLSTATE classification, and `dead_letters` (all SQL of the parking table).
-//! - [`http`]: the actix-web API.
+//! - [`http`]: the actix-web API (`HTTP_ADDR`), and `ops`, the metrics listener on every role
+//!   (`METRICS_ADDR`: `/metrics`, `/healthz`, `/readyz`).
 //! - [`metrics`]: every metric name and label; it imports nothing of the stages or the broker
 //!   link (they call it).
 //! - [`registry`]: the Redis instance registry, heartbeats, shutdown history, remote control.

@@ -11,11 +11,11 @@ fn main() {
     let settings = match cli.settings() {
         Ok(s) => s,
         Err(e) => {
-            eprintln!("warren: {e}");
+            warren::cli::say(format_args!("{e}"));
             std::process::exit(2);
         }
     };
-    warren::cli::init_logs(&settings);
+    warren::cli::init_logs(&cli, &settings);
     // Built here so a failure is an error message, not a panic inside actix. One thread: the
     // actors, the database connections' sockets, lapin's tasks and the metrics exporter share
     // it, so a batch's insert answers on the thread that waits for it, and a socket event wakes
@@ -28,7 +28,7 @@ fn main() {
     {
         Ok(rt) => rt,
         Err(e) => {
-            eprintln!("warren: cannot start the async runtime: {e}");
+            warren::cli::say(format_args!("cannot start the async runtime: {e}"));
             std::process::exit(1);
         }
     };

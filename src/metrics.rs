@@ -1,14 +1,15 @@
 //! Every metric warren exports, with its labels, described once; and one function per event
 //! that both logs and counts it. Labels stay low-cardinality: `pipeline`, `kind`, `reason`.
 
-use std::net::SocketAddr;
-use std::sync::atomic::{AtomicI64, AtomicU8, AtomicU64, Ordering};
+use std::collections::HashMap;
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU8, AtomicU64, Ordering};
 use std::time::Duration;
 
 use metrics::{
     Counter, Gauge, counter, describe_counter, describe_gauge, describe_histogram, gauge, histogram,
 };
-use metrics_exporter_prometheus::{Matcher, PrometheusBuilder};
+use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
 use tracing::warn;
 
 use crate::domain::ErrorKind;
@@ -36,6 +37,7 @@ pub const BREAKER_OPEN: &str = "warren_breaker_open";
 pub const CONSUMER_RESTARTS: &str = "warren_consumer_restarts_total";
 pub const REQUEUED: &str = "warren_messages_requeued_total";
 pub const ACKS: &str = "warren_amqp_acks_total";
+pub const LOG_LINES_DROPPED: &str = "warren_log_lines_dropped_total";
 
 /// Process-wide counts, for the Redis registry and the shutdown record (the Prometheus
 /// recorder cannot be read back).
@@ -65,10 +67,11 @@ pub static STATS: Stats = Stats {
 /// The database link as last seen: 0 unknown, 1 up, 2 down (to count reconnections).
 static POSTGRES_STATE: AtomicU8 = AtomicU8::new(0);
 
-/// Starts the Prometheus endpoint on `addr` and describes every series.
-pub fn install(addr: SocketAddr) -> Result<(), String> {
-    PrometheusBuilder::new()
-        .with_http_listener(addr)
+/// Installs the Prometheus recorder, describes every series, and keeps the recorder's upkeep
+/// running on the current runtime; the handle renders the scrape (served on `METRICS_ADDR` by
+/// `http::ops`).
+pub fn install() -> Result<PrometheusHandle, String> {
+    let handle = PrometheusBuilder::new()
         .set_buckets_for_metric(
             Matcher::Full(BATCH_SIZE.into()),
             &[
@@ -107,10 +110,20 @@ pub fn install(addr: SocketAddr) -> Result<(), String> {
                 ],
             )
         })
-        .and_then(|b| b.install())
-        .map_err(|e| format!("METRICS_ADDR {addr}: {e}"))?;
+        .and_then(|b| b.install_recorder())
+        .map_err(|e| format!("cannot install the metrics recorder: {e}"))?;
+    // Drains the histograms' pending samples into their buckets, as the exporter's own
+    // listener did every 5 s.
+    let upkeep = handle.clone();
+    tokio::spawn(async move {
+        let mut every = tokio::time::interval(Duration::from_secs(5));
+        loop {
+            every.tick().await;
+            upkeep.run_upkeep();
+        }
+    });
     describe();
-    Ok(())
+    Ok(handle)
 }
 
 fn describe() {
@@ -199,7 +212,18 @@ fn describe() {
         ACKS,
         "basic.ack frames sent, by pipeline (each acks a contiguous run of deliveries)."
     );
+    describe_counter!(
+        LOG_LINES_DROPPED,
+        "Log lines that could not be written to stderr (its pipe's reader is gone, a full disk) \
+         and were dropped; warren goes on without them."
+    );
     gauge!(BUILD_INFO, "version" => env!("CARGO_PKG_VERSION")).set(1.0);
+}
+
+/// A log line could not be written to stderr and was dropped. It counts, and says nothing:
+/// where would it say it?
+pub fn log_line_dropped() {
+    counter!(LOG_LINES_DROPPED).increment(1);
 }
 
 /// A pipeline's consumer link is rebuilt, for `reason`.
@@ -342,9 +366,80 @@ pub fn published(outcome: &'static str, took: Duration) {
     }
 }
 
-/// A connection to `target` came up or went down.
+/// A connection to `target` (`amqp`, `postgres`, `redis`) came up or went down: the gauge
+/// `warren_connection_up{target}` and the state `/readyz` reads ([`readiness`]), set together
+/// so that they cannot disagree.
 pub fn connection(target: &'static str, up: bool) {
+    if let Some(i) = TARGETS.iter().position(|t| *t == target) {
+        LINK_UP[i].store(up, Ordering::Relaxed);
+    }
     gauge!(CONNECTION_UP, "target" => target).set(if up { 1.0 } else { 0.0 });
+}
+
+/// The targets of [`connection`], in the order of [`LINK_UP`].
+const TARGETS: [&str; 3] = ["amqp", "postgres", "redis"];
+
+/// Whether each target of [`TARGETS`] is up, as last reported to [`connection`].
+static LINK_UP: [AtomicBool; 3] = [
+    AtomicBool::new(false),
+    AtomicBool::new(false),
+    AtomicBool::new(false),
+];
+
+/// Which targets this instance's roles need to be ready, one bit each in the order of
+/// [`TARGETS`]; set once at start by [`needs`].
+static NEEDED: AtomicU8 = AtomicU8::new(0);
+
+/// Declares, once at start, what this instance needs to be ready: the AMQP links its roles open
+/// (each must be up; they start down) and, with `database`, the database. Redis is never
+/// needed: messages flow without it.
+pub fn needs(amqp_links: &[&str], database: bool) {
+    let all_up = {
+        let mut guard = AMQP_LINKS.lock().unwrap_or_else(|p| p.into_inner());
+        let links = guard.get_or_insert_with(HashMap::new);
+        for link in amqp_links {
+            links.entry(link.to_string()).or_insert(false);
+        }
+        links.values().all(|u| *u)
+    };
+    let mut bits = 0;
+    if !amqp_links.is_empty() {
+        bits |= 1;
+        connection("amqp", all_up);
+    }
+    if database {
+        bits |= 2;
+    }
+    NEEDED.store(bits, Ordering::Relaxed);
+}
+
+/// What the metrics listener's `/readyz` answers: each link the roles need, up or not; a link
+/// no role needs is left out.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+pub struct Readiness {
+    /// Every AMQP link of the roles (consumers, their publisher, the API's publisher) is up.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub broker: Option<bool>,
+    /// The database answered the last probe (every 5 s) or insert.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub database: Option<bool>,
+}
+
+impl Readiness {
+    /// Whether every needed link is up.
+    pub fn ready(&self) -> bool {
+        self.broker != Some(false) && self.database != Some(false)
+    }
+}
+
+/// The links this instance needs (see [`needs`]) as [`connection`] last saw them.
+pub fn readiness() -> Readiness {
+    let needed = NEEDED.load(Ordering::Relaxed);
+    let link = |i: usize| (needed & (1 << i) != 0).then(|| LINK_UP[i].load(Ordering::Relaxed));
+    Readiness {
+        broker: link(0),
+        database: link(1),
+    }
 }
 
 /// The broker node each AMQP link connected to last, so the gauge of the node it leaves (or of
@@ -375,19 +470,18 @@ pub fn amqp_link(link: &str, up: bool) {
             gauge!(AMQP_NODE_INFO, "link" => link.to_string(), "node" => node.clone()).set(0.0);
         }
     }
-    use std::collections::HashMap;
-    use std::sync::Mutex;
-    static LINKS: Mutex<Option<HashMap<String, bool>>> = Mutex::new(None);
     let all_up = {
-        let mut guard = LINKS
-            .lock()
-            .unwrap_or_else(|poisoned| poisoned.into_inner());
+        let mut guard = AMQP_LINKS.lock().unwrap_or_else(|p| p.into_inner());
         let links = guard.get_or_insert_with(HashMap::new);
         links.insert(link.to_string(), up);
         links.values().all(|u| *u)
     };
     connection("amqp", all_up);
 }
+
+/// Every AMQP link of this process by name (those [`needs`] declared, and any that reported),
+/// and whether it is up.
+static AMQP_LINKS: Mutex<Option<HashMap<String, bool>>> = Mutex::new(None);
 
 /// Registers the labelled series that exist from the start at 0, so dashboards show 0 rather
 /// than "no data" before the first event.
@@ -431,6 +525,7 @@ pub fn preregister(pipelines: &[&'static str]) {
         counter!(RECONNECTS, "target" => target).absolute(0);
     }
     gauge!(INFLIGHT).set(0.0);
+    counter!(LOG_LINES_DROPPED).absolute(0);
 }
 
 /// A reconnection to `target` succeeded.
@@ -463,4 +558,30 @@ fn remember_depth(queue: &str, depth: u32) {
     guard
         .get_or_insert_with(Default::default)
         .insert(queue.to_string(), (depth, std::time::Instant::now()));
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Readiness;
+
+    #[test]
+    fn ready_when_every_needed_link_is_up() {
+        let r = |broker, database| Readiness { broker, database }.ready();
+        assert!(r(Some(true), Some(true)));
+        assert!(r(None, Some(true)), "a link no role needs does not count");
+        assert!(r(None, None));
+        assert!(!r(Some(false), Some(true)));
+        assert!(!r(Some(true), Some(false)));
+        assert!(!r(None, Some(false)));
+    }
+
+    #[test]
+    fn readiness_leaves_out_the_links_no_role_needs() {
+        let body = serde_json::to_value(Readiness {
+            broker: None,
+            database: Some(false),
+        })
+        .expect("json");
+        assert_eq!(body, serde_json::json!({"database": false}));
+    }
 }

@@ -1,6 +1,7 @@
 //! The Prometheus metrics and the Grafana dashboard: exact counts after a run with known
 //! outcomes, `promtool check metrics` on a real scrape, and a dashboard (grafana/) that is valid,
-//! names the provisioned datasource on every panel and queries only series warren exports.
+//! reaches its datasource through a variable on every panel, and queries only series warren
+//! exports.
 //!
 //! promtool comes from Debian's `prometheus` package (`scripts/test.sh` installs it through
 //! `scripts/setup.sh --with-promtool`); without it the tests that need it fail and say so.
@@ -540,14 +541,17 @@ async fn promtool_accepts_the_scrape() {
     assert!(warren.terminate(Duration::from_secs(25)).success());
 }
 
-/// The Grafana files: valid JSON with a uid, the provisioned datasource uid on every panel,
-/// target and query variable, the panels the README promises, PromQL that parses, and a
+/// The Grafana files: valid JSON with a uid, the data source variable on every panel, target
+/// and query variable, the panels the README promises, PromQL that parses, and a
 /// Prometheus scrape config that `promtool check config` accepts.
 #[tokio::test(flavor = "multi_thread")]
 async fn the_dashboard_and_provisioning_are_valid() {
     // Touches no shared state (no server), but keeps the suite's convention of one env per test.
     let _env = TestEnv::new("metrics_dashboard_files").await;
-    let uid = provisioned_uid();
+    // The provisioned datasource is valid; panels, targets and variables reach it through the
+    // dashboard's data source variable, whose default is its uid (tests/dashboard.rs).
+    provisioned_uid();
+    let uid = "${DS_PROMETHEUS}".to_string();
     let provider = read(PROVIDER);
     assert_eq!(
         yaml_values(&provider, "type"),

@@ -12,6 +12,7 @@ pub mod publish;
 pub mod run;
 pub mod status;
 
+use std::io::{IsTerminal, Write};
 use std::path::PathBuf;
 
 use clap::{Parser, Subcommand};
@@ -93,21 +94,73 @@ pub fn standalone(cli: &Cli) -> Option<i32> {
     Some(exit_code(result))
 }
 
-/// Logs to stderr: readable text, or JSON with `LOG_FORMAT=json`; level from `RUST_LOG`.
-pub fn init_logs(settings: &Settings) {
-    let filter = tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| {
-        tracing_subscriber::EnvFilter::new(
-            "info,lapin=off,actix_server=warn,tokio_postgres=warn,refinery_core=warn",
-        )
-    });
+/// Logs to stderr: readable text, or JSON with `LOG_FORMAT=json`. `RUST_LOG` sets the level;
+/// without it `run` logs info and the other subcommands warnings and errors only (their answer
+/// is on stdout; a log line there is noise). Colours only when stderr is a terminal and
+/// `NO_COLOR` is unset or empty. A line that cannot be written (a closed pipe, a full disk) is
+/// dropped and counted, never a panic (see [`LossyStderr`]).
+pub fn init_logs(cli: &Cli, settings: &Settings) {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default_filter(&cli.command)));
+    let no_color = std::env::var_os("NO_COLOR").is_some_and(|v| !v.is_empty());
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
-        .with_writer(std::io::stderr);
+        .with_ansi(colours(std::io::stderr().is_terminal(), no_color))
+        .log_internal_errors(false)
+        .with_writer(|| LossyStderr);
     let _ = if settings.log_format == crate::config::LogFormat::Json {
         builder.json().flatten_event(true).try_init()
     } else {
         builder.try_init()
     };
+}
+
+/// The log filter when `RUST_LOG` is unset: info for the service (`run`), warnings and errors
+/// for the one-shot subcommands.
+fn default_filter(command: &Command) -> String {
+    let level = if matches!(command, Command::Run(_)) {
+        "info"
+    } else {
+        "warn"
+    };
+    format!("{level},lapin=off,actix_server=warn,tokio_postgres=warn,refinery_core=warn")
+}
+
+/// Whether log lines are coloured: only on a terminal, and never with `NO_COLOR`
+/// (<https://no-color.org>).
+fn colours(terminal: bool, no_color: bool) -> bool {
+    terminal && !no_color
+}
+
+/// stderr for the log lines. A write that fails (EPIPE once the pipe's reader is gone: Rust
+/// ignores SIGPIPE, so the write returns the error) drops the line and counts it
+/// (`warren_log_lines_dropped_total`); it never reports the error back, because
+/// tracing-subscriber would print it with `eprintln!`, which panics on the same closed pipe
+/// and so kills whichever task was logging.
+struct LossyStderr;
+
+impl Write for LossyStderr {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.write_all(buf).map(|()| buf.len())
+    }
+
+    fn write_all(&mut self, buf: &[u8]) -> std::io::Result<()> {
+        if std::io::stderr().lock().write_all(buf).is_err() {
+            crate::metrics::log_line_dropped();
+        }
+        Ok(())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        let _ = std::io::stderr().flush();
+        Ok(())
+    }
+}
+
+/// Prints `warren: MESSAGE` to stderr for the person at the terminal; a closed stderr loses
+/// it rather than panicking as `eprintln!` would.
+pub fn say(message: std::fmt::Arguments) {
+    let _ = writeln!(std::io::stderr(), "warren: {message}");
 }
 
 /// Runs the subcommand; returns the process exit code.
@@ -132,8 +185,31 @@ fn exit_code(result: anyhow::Result<i32>) -> i32 {
     match result {
         Ok(code) => code,
         Err(e) => {
-            eprintln!("warren: {e:#}");
+            say(format_args!("{e:#}"));
             1
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn colours_need_a_terminal_and_no_no_color() {
+        assert!(colours(true, false));
+        assert!(!colours(true, true));
+        assert!(!colours(false, false));
+        assert!(!colours(false, true));
+    }
+
+    #[test]
+    fn only_run_logs_info_by_default() {
+        let filter =
+            |args: &[&str]| default_filter(&Cli::try_parse_from(args).expect("arguments").command);
+        assert!(filter(&["warren", "run"]).starts_with("info,"));
+        for sub in ["status", "declare", "config", "publish"] {
+            assert!(filter(&["warren", sub]).starts_with("warn,"), "{sub}");
         }
     }
 }

@@ -45,7 +45,7 @@ pub fn signals() -> impl Future<Output = ()> {
                 _ = term.recv() => {}
                 _ = int.recv() => {}
             }
-            eprintln!("warren: second signal, exiting now");
+            crate::cli::say(format_args!("second signal, exiting now"));
             std::process::exit(130);
         });
     }

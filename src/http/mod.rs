@@ -2,7 +2,10 @@
 //! with a broker confirm (idempotently: `PUT` with the client's id, `POST` with an id derived from
 //! its `Idempotency-Key`), `GET /api/v1/users/{id}` reads the row or the message's parked fate,
 //! `/healthz` and `/readyz` for orchestrators. It has its own bounded database pool, starts and
-//! answers while the broker or the database is away (503), and recovers by itself.
+//! answers while the broker or the database is away (503), and recovers by itself. `ops` is the
+//! other listener, on `METRICS_ADDR` and every role: `/metrics`, `/healthz`, `/readyz`.
+
+pub mod ops;
 
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
