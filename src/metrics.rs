@@ -23,6 +23,7 @@ pub const BATCH_SIZE: &str = "warren_batch_size";
 pub const BATCH_INSERT_SECONDS: &str = "warren_batch_insert_seconds";
 pub const END_TO_END_SECONDS: &str = "warren_end_to_end_seconds";
 pub const INFLIGHT: &str = "warren_inflight_messages";
+pub const INFLIGHT_BYTES: &str = "warren_inflight_bytes";
 pub const QUEUE_MESSAGES: &str = "warren_queue_messages";
 pub const QUEUE_CONSUMERS: &str = "warren_queue_consumers";
 pub const PUBLISHED: &str = "warren_published_total";
@@ -162,6 +163,11 @@ fn describe() {
         "Deliveries received but not yet acked or requeued."
     );
     describe_gauge!(
+        INFLIGHT_BYTES,
+        "Bytes of message bodies received and not yet acked or requeued, by pipeline \
+         (bounded by MAX_INFLIGHT_BYTES, overshot by at most one prefetch window)."
+    );
+    describe_gauge!(
         QUEUE_MESSAGES,
         "Messages ready in the main, retry and DLQ queues (passive declare every few seconds)."
     );
@@ -244,6 +250,11 @@ pub fn received_counter(pipeline: &'static str) -> Counter {
 /// The in-flight gauge (all pipelines), resolved once.
 pub fn inflight_gauge() -> Gauge {
     gauge!(INFLIGHT)
+}
+
+/// The bytes-in-flight gauge of `pipeline`, resolved once by its consumer.
+pub fn inflight_bytes_gauge(pipeline: &'static str) -> Gauge {
+    gauge!(INFLIGHT_BYTES, "pipeline" => pipeline)
 }
 
 /// `n` deliveries entered (`n > 0`) or left (`n < 0`) the pipeline.

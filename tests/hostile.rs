@@ -566,3 +566,83 @@ async fn a_held_delivery_never_holds_the_window_behind_it() {
     warren.terminate_ok(Duration::from_secs(20));
     assert_eq!(env.queue_state(&env.main_queue).await, (0, 0));
 }
+
+/// The peak resident memory of process `pid` (VmHWM), in bytes.
+fn peak_rss(pid: i32) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).expect("/proc status");
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmHWM:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
+        .map(|kb| kb * 1024)
+        .expect("VmHWM")
+}
+
+/// The prefetch window bounds a count, not bytes: 24 bodies of 16 MB were all held at once
+/// (1.19 GB; here their dead letters are unroutable for a while, so every one of them waits in
+/// warren). The window now never holds more than MAX_INFLIGHT_BYTES of bodies of the largest
+/// accepted size: with a 32 MiB budget and bodies up to 16 MiB accepted, at most two 16 MB
+/// bodies are in flight, and their dead-letter copies share their bytes.
+#[tokio::test(flavor = "multi_thread")]
+async fn large_bodies_in_flight_stay_within_the_byte_budget() {
+    use lapin::options::QueueBindOptions;
+    use lapin::types::FieldTable;
+
+    let mut env = TestEnv::new("bytebudget").await;
+    env.set("MAX_MESSAGE_BYTES", "16777216")
+        .set("MAX_INFLIGHT_BYTES", "33554432");
+    env.declare();
+    env.channel
+        .queue_unbind(
+            env.dlq_queue.as_str().into(),
+            env.dlx_exchange.as_str().into(),
+            env.dlq_queue.as_str().into(),
+            FieldTable::default(),
+        )
+        .await
+        .expect("unbind the DLQ");
+    let body = vec![b'x'; 16_000_000];
+    for i in 0..24 {
+        env.publish_raw(&body, labelled(&format!("big-{i}"))).await;
+    }
+    let mut warren = env.start(&["--roles", "consumer"]);
+    let _logs = LogsOnPanic(vec![warren.log.clone()]);
+    wait_until(
+        "dead letters refused a while",
+        Duration::from_secs(60),
+        || async {
+            try_metric(
+                &env,
+                "warren_messages_requeued_total",
+                &[("pipeline", "main"), ("reason", "publish_failed")],
+            )
+            .await
+            .unwrap_or(0.0)
+                >= 6.0
+        },
+    )
+    .await;
+    env.channel
+        .queue_bind(
+            env.dlq_queue.as_str().into(),
+            env.dlx_exchange.as_str().into(),
+            env.dlq_queue.as_str().into(),
+            QueueBindOptions::default(),
+            FieldTable::default(),
+        )
+        .await
+        .expect("bind the DLQ again");
+    wait_until("24 dead-lettered", Duration::from_secs(120), || async {
+        env.ready(&env.dlq_queue).await == 24
+    })
+    .await;
+    let peak = peak_rss(warren.pid());
+    warren.terminate_ok(Duration::from_secs(30));
+    eprintln!("peak RSS with 24 bodies of 16 MB: {} MiB", peak >> 20);
+    assert!(
+        peak < 200 << 20,
+        "peak RSS {} MiB, over 200 MiB for a 32 MiB budget",
+        peak >> 20
+    );
+    assert_eq!(env.queue_state(&env.main_queue).await, (0, 0));
+}

@@ -104,6 +104,7 @@ async fn a_second_domain_runs_through_the_same_core() {
         batchers: 2,
         prefetch: 200,
         max_message_bytes: 4096,
+        max_inflight_bytes: 64 << 20,
         db_retry_window: Duration::from_secs(1),
         breaker_failures: Some(3),
         fallback: FallbackKind::Route,

@@ -139,6 +139,14 @@ impl From<lapin::Error> for AmqpError {
 /// memory per connection, at 16 KiB 1 MiB. A larger body is simply sent in more frames.
 pub const FRAME_MAX_SMALL: u32 = 16 * 1024;
 
+/// What a [`Frames::Broker`] link proposes: RabbitMQ's default `frame_max` (128 KiB), so the
+/// broker's own limit is what the link gets whenever the broker is configured at or below it.
+/// Proposing it (rather than nothing, which lapin answers with the broker's value) lets lapin
+/// allocate its 32-frame buffers zeroed up front, resident only as traffic reaches them, instead
+/// of growing them after the handshake by writing every byte: 8 MiB resident per idle
+/// connection. A broker configured above 128 KiB is met by [`Frames::BrokerOnly`].
+pub const FRAME_MAX_BROKER: u32 = 128 * 1024;
+
 /// The frame limit a link proposes. A content header (the properties, headers included) travels
 /// in ONE frame, and lapin refuses an inbound frame over the negotiated limit by closing the
 /// connection, so a link that receives or republishes other publishers' messages must take
@@ -148,8 +156,8 @@ pub enum Frames {
     /// At most [`FRAME_MAX_SMALL`] unless `AMQP_URL` sets `?frame_max=`: the API's and the CLI's
     /// publishers, the queue poller, `declare`, `status`.
     Small,
-    /// The broker's `frame_max`, unless `AMQP_URL` sets a lower `?frame_max=`: consumers, the
-    /// router's publisher, `move`, the DLQ tools.
+    /// The broker's `frame_max` up to [`FRAME_MAX_BROKER`], or `AMQP_URL`'s `?frame_max=` when
+    /// it sets one: consumers, the router's publisher, `move`, the DLQ tools.
     Broker,
     /// The broker's `frame_max` whatever `AMQP_URL` says: a consumer whose link died over a
     /// frame larger than the configured limit (it could never receive that message otherwise).
@@ -274,8 +282,10 @@ async fn connect_to(
         Frames::Small => {
             uri.query.frame_max.get_or_insert(FRAME_MAX_SMALL);
         }
+        Frames::Broker => {
+            uri.query.frame_max.get_or_insert(FRAME_MAX_BROKER);
+        }
         // lapin proposes nothing (0) and takes the broker's.
-        Frames::Broker => {}
         Frames::BrokerOnly => uri.query.frame_max = None,
     }
     uri.query.heartbeat = Some(settings.amqp_heartbeat_s);

@@ -12,6 +12,14 @@
 //! Rate limiting (`RATE_LIMIT_PER_S`, `warren ctl rate`) goes through `throttle.rs`; a timer
 //! (`run_later`) releases what it holds. A stopping consumer hands everything held onwards at
 //! once, so every delivery settles before the drain.
+//!
+//! Bytes, not only counts: the prefetch window bounds how many deliveries are in flight, not
+//! their size. Once the bodies in flight reach `MAX_INFLIGHT_BYTES` the consumer cancels its
+//! subscription, lets what it holds settle, and subscribes again with a window cut to what the
+//! budget holds of the largest body it saw (`basic.qos` before `basic.consume`); after two such
+//! windows of small bodies it grows back to the prefetch the same way. What overshoots the
+//! budget is at most what the broker pushed before the cancel: one window of bodies, each at
+//! most the broker's `max_message_size`.
 
 use std::time::{Duration, Instant};
 
@@ -78,6 +86,8 @@ struct Subscribed {
     generation: u64,
     result: Result<lapin::Consumer, String>,
     tag: String,
+    /// The window (qos) the subscription has.
+    window: u16,
 }
 
 /// A link that lived at least this long was healthy: the next rebuild starts without delay.
@@ -116,6 +126,11 @@ pub struct ConsumerConfig {
     pub prefetch: u16,
     /// Deliveries sent to one batcher before moving to the next, so batches fill one at a time.
     pub batch_size: usize,
+    /// Bytes of bodies in flight at most (`MAX_INFLIGHT_BYTES`).
+    pub max_inflight_bytes: u64,
+    /// The largest body accepted (`MAX_MESSAGE_BYTES`): `prefetch` already holds that many
+    /// bodies of this size within the budget; only a larger body cuts the window further.
+    pub max_message_bytes: usize,
 }
 
 /// The consumer actor.
@@ -151,6 +166,20 @@ pub struct Consumer {
     acker: Option<Acker>,
     /// Delivered but not yet settled, over all generations (drain waits for 0).
     inflight: usize,
+    /// The bodies' bytes of those deliveries.
+    inflight_bytes: u64,
+    /// The bytes in flight reached the budget, or the window is to grow back: no subscription
+    /// until everything in flight settled (then one with [`Consumer::wanted_window`]).
+    resizing: bool,
+    /// The prefetch window (`basic.qos`) set on the current channel.
+    window: u16,
+    /// The largest body delivered since the current subscription began (kept across a
+    /// reconnect): the next window is cut to what the budget holds of it.
+    largest: usize,
+    /// Deliveries since the current subscription began.
+    since_subscribe: u64,
+    /// The bytes-in-flight gauge, resolved once; the value last published to it.
+    inflight_bytes_gauge: (metrics::Gauge, u64),
     connecting: bool,
     /// Held by the breaker and/or an operator: no consumer subscribed while non-empty.
     holds: Vec<HoldReason>,
@@ -189,7 +218,7 @@ impl Consumer {
         let received_counter = crate::metrics::received_counter(config.pipeline);
         let throttle = Throttle::new(settings.rate_limit_per_s);
         Self {
-            config,
+            config: config.clone(),
             settings,
             processors,
             next_processor: 0,
@@ -208,6 +237,12 @@ impl Consumer {
             frames: amqp::Frames::Broker,
             acker: None,
             inflight: 0,
+            inflight_bytes: 0,
+            resizing: false,
+            window: config.prefetch,
+            largest: 0,
+            since_subscribe: 0,
+            inflight_bytes_gauge: (crate::metrics::inflight_bytes_gauge(config.pipeline), 0),
             connecting: false,
             holds: Vec::new(),
             received: 0,
@@ -290,6 +325,19 @@ impl Consumer {
         let Some(channel) = self.channel.clone().filter(|c| c.status().connected()) else {
             return;
         };
+        self.resizing = false;
+        let window = self.wanted_window();
+        let qos = (window != self.window).then_some(window);
+        if let Some(w) = qos {
+            info!(
+                pipeline = self.config.pipeline,
+                window = w,
+                prefetch = self.config.prefetch,
+                largest_body = self.largest,
+                max_inflight_bytes = self.config.max_inflight_bytes,
+                "prefetch window set to what MAX_INFLIGHT_BYTES holds of the largest body seen"
+            );
+        }
         self.subscribing = true;
         let generation = self.generation;
         let tag = consumer_tag(
@@ -302,12 +350,22 @@ impl Consumer {
         let bound = self.settings.connect_timeout();
         actix::spawn(async move {
             // Bounded: a consume that never answers must not leave the pipeline unsubscribed.
-            let consume = channel.basic_consume(
-                queue.as_str().into(),
-                tag.as_str().into(),
-                BasicConsumeOptions::default(),
-                FieldTable::default(),
-            );
+            // A new window first: the broker applies a per-consumer qos to consumers made after.
+            let consume = async {
+                if let Some(w) = qos {
+                    channel
+                        .basic_qos(w, BasicQosOptions { global: false })
+                        .await?;
+                }
+                channel
+                    .basic_consume(
+                        queue.as_str().into(),
+                        tag.as_str().into(),
+                        BasicConsumeOptions::default(),
+                        FieldTable::default(),
+                    )
+                    .await
+            };
             let result = match tokio::time::timeout(bound, consume).await {
                 Ok(result) => result.map_err(|e| e.to_string()),
                 Err(_) => Err(format!("basic.consume not answered within {bound:?}")),
@@ -316,6 +374,7 @@ impl Consumer {
                 generation,
                 result,
                 tag,
+                window,
             });
         });
     }
@@ -327,7 +386,9 @@ impl Consumer {
         self.consumer_tag = None;
         self.subscribing = false;
         // Held deliveries of this channel go back to the queue with it.
-        self.inflight = self.inflight.saturating_sub(self.throttle.clear());
+        let (held, held_bytes) = self.throttle.clear();
+        self.inflight = self.inflight.saturating_sub(held);
+        self.inflight_bytes = self.inflight_bytes.saturating_sub(held_bytes);
         let channel = self.channel.take();
         let conn = self.connection.take();
         actix::spawn(amqp::close(channel, conn));
@@ -369,12 +430,59 @@ impl Consumer {
         }
         self.inflight += deliveries.len();
         self.received += deliveries.len() as u64;
+        self.since_subscribe += deliveries.len() as u64;
+        for d in &deliveries {
+            self.inflight_bytes += d.body.len() as u64;
+            self.largest = self.largest.max(d.body.len());
+        }
+        self.check_budget();
         if self.throttle.is_open() {
             self.hand_on(deliveries);
         } else {
             self.throttle.hold(deliveries);
             self.release(ctx);
         }
+    }
+
+    /// The window the next subscription takes: the prefetch, cut to what the byte budget holds
+    /// of the largest body seen during the current one if that was larger than any accepted
+    /// body (at least 1).
+    fn wanted_window(&self) -> u16 {
+        let largest = (self.largest.max(self.config.max_message_bytes) as u64).max(1);
+        let fits = (self.config.max_inflight_bytes / largest).clamp(1, u64::from(u16::MAX));
+        (fits as u16).min(self.config.prefetch.max(1))
+    }
+
+    /// Past the byte budget: no more deliveries until what is in flight settles, then a smaller
+    /// window. A cut window that saw two windows' worth of small bodies grows back the same way.
+    fn check_budget(&mut self) {
+        if self.resizing || self.stopping || self.consumer_tag.is_none() {
+            return;
+        }
+        if self.inflight_bytes >= self.config.max_inflight_bytes {
+            warn!(
+                pipeline = self.config.pipeline,
+                inflight_bytes = self.inflight_bytes,
+                max_inflight_bytes = self.config.max_inflight_bytes,
+                largest_body = self.largest,
+                "the bodies in flight reached MAX_INFLIGHT_BYTES; no new deliveries until they \
+                 settle, then a smaller prefetch window"
+            );
+        } else if self.window < self.config.prefetch
+            && self.since_subscribe >= 2 * u64::from(self.window)
+            && self.wanted_window() > self.window
+        {
+            info!(
+                pipeline = self.config.pipeline,
+                window = self.window,
+                "two windows of bodies the budget holds more of: the window grows back once \
+                 what is in flight settles"
+            );
+        } else {
+            return;
+        }
+        self.resizing = true;
+        self.unsubscribe();
     }
 
     /// Hands held deliveries onwards as fast as the limiter allows, in order, and schedules
@@ -384,9 +492,11 @@ impl Consumer {
         let Release {
             ready,
             dropped,
+            dropped_bytes,
             wait,
         } = self.throttle.take(self.generation, self.stopping);
         self.inflight = self.inflight.saturating_sub(dropped);
+        self.inflight_bytes = self.inflight_bytes.saturating_sub(dropped_bytes);
         if let Some(wait) = wait
             && !self.release_pending
         {
@@ -467,6 +577,10 @@ impl Consumer {
             crate::metrics::inflight(&self.inflight_gauge, delta);
         }
         self.published = (self.received, self.inflight);
+        if self.inflight_bytes_gauge.1 != self.inflight_bytes {
+            self.inflight_bytes_gauge.1 = self.inflight_bytes;
+            self.inflight_bytes_gauge.0.set(self.inflight_bytes as f64);
+        }
     }
 
     fn add_consumer_stream(
@@ -671,6 +785,8 @@ impl Handler<Connected> for Consumer {
         ));
         self.channel = Some(msg.channel);
         self.connection = Some(msg.conn);
+        // `open` set the configured prefetch on the new channel.
+        self.window = self.config.prefetch;
         self.linked_at = Some(Instant::now());
         self.last_stream_error = None;
         info!(pipeline = self.config.pipeline, queue = %self.config.queue, prefetch = self.config.prefetch,
@@ -720,6 +836,7 @@ impl Handler<Settle> for Consumer {
 
     fn handle(&mut self, msg: Settle, ctx: &mut Self::Context) {
         self.inflight = self.inflight.saturating_sub(msg.items.len());
+        self.inflight_bytes = self.inflight_bytes.saturating_sub(msg.bytes);
         self.publish_counts();
         if msg.generation == self.generation
             && let Some(acker) = &mut self.acker
@@ -844,8 +961,12 @@ impl Handler<Subscribed> for Consumer {
                 }
             }
             Ok(consumer) => {
+                self.window = msg.window;
+                self.largest = 0;
+                self.since_subscribe = 0;
                 info!(pipeline = self.config.pipeline, queue = %self.config.queue,
-                    consumer_tag = %msg.tag, generation = msg.generation, "consuming");
+                    consumer_tag = %msg.tag, generation = msg.generation, window = msg.window,
+                    "consuming");
                 self.add_consumer_stream(ctx, consumer, msg.tag);
                 // A hold that came while subscribing wins at once.
                 if !self.holds.is_empty() {

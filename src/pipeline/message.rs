@@ -130,19 +130,26 @@ pub struct Settle {
     /// dropped (the broker already requeued those messages).
     pub generation: u64,
     pub items: Vec<(u64, Disposition)>,
+    /// The bodies' bytes these deliveries held (the consumer's byte budget frees them).
+    pub bytes: u64,
 }
 
 impl Settle {
-    /// Groups `(generation, tag, disposition)` into one `Settle` per generation present
+    /// Groups deliveries and how each ended into one `Settle` per channel generation present
     /// (normally exactly one), in order.
-    pub fn group(items: impl IntoIterator<Item = (u64, u64, Disposition)>) -> Vec<Settle> {
+    pub fn group<'a>(items: impl IntoIterator<Item = (&'a Delivery, Disposition)>) -> Vec<Settle> {
         let mut out: Vec<Settle> = Vec::with_capacity(1);
-        for (generation, tag, d) in items {
-            match out.iter_mut().find(|s| s.generation == generation) {
-                Some(s) => s.items.push((tag, d)),
+        for (d, disposition) in items {
+            let bytes = d.body.len() as u64;
+            match out.iter_mut().find(|s| s.generation == d.generation) {
+                Some(s) => {
+                    s.items.push((d.tag, disposition));
+                    s.bytes += bytes;
+                }
                 None => out.push(Settle {
-                    generation,
-                    items: vec![(tag, d)],
+                    generation: d.generation,
+                    items: vec![(d.tag, disposition)],
+                    bytes,
                 }),
             }
         }
@@ -178,12 +185,24 @@ pub struct Hold {
 mod tests {
     use super::*;
 
+    fn delivery(generation: u64, tag: u64, bytes: usize) -> Delivery {
+        Delivery {
+            generation,
+            tag,
+            redelivered: false,
+            body: vec![b'x'; bytes].into(),
+            properties: BasicProperties::default(),
+            received_at: Instant::now(),
+        }
+    }
+
     #[test]
     fn settlements_are_grouped_per_generation_in_order() {
+        let (a, b, c) = (delivery(1, 5, 10), delivery(2, 1, 7), delivery(1, 6, 5));
         let groups = Settle::group([
-            (1, 5, Disposition::Ack),
-            (2, 1, Disposition::Requeue),
-            (1, 6, Disposition::Ack),
+            (&a, Disposition::Ack),
+            (&b, Disposition::Requeue),
+            (&c, Disposition::Ack),
         ]);
         assert_eq!(groups.len(), 2);
         assert_eq!(groups[0].generation, 1);
@@ -191,6 +210,8 @@ mod tests {
             groups[0].items,
             [(5, Disposition::Ack), (6, Disposition::Ack)]
         );
+        assert_eq!(groups[0].bytes, 15);
         assert_eq!(groups[1].items, [(1, Disposition::Requeue)]);
+        assert_eq!(groups[1].bytes, 7);
     }
 }

@@ -81,6 +81,8 @@ pub struct Spec {
     pub batchers: usize,
     pub prefetch: u16,
     pub max_message_bytes: usize,
+    /// Bytes of bodies in flight at most (past it the consumer pauses and cuts its window).
+    pub max_inflight_bytes: u64,
     /// How long a transient failure is retried in place.
     pub db_retry_window: Duration,
     /// Consecutive failing batches that open the breaker (`None`: only systemic errors do).
@@ -100,6 +102,7 @@ impl Spec {
             batchers: settings.users_batch_concurrency,
             prefetch: settings.effective_prefetch(),
             max_message_bytes: settings.max_message_bytes,
+            max_inflight_bytes: settings.max_inflight_bytes,
             db_retry_window: Duration::from_millis(settings.db_retry_window_ms),
             breaker_failures: Some(settings.breaker_failures),
             fallback: FallbackKind::Route,
@@ -230,6 +233,8 @@ pub fn start<D: Domain>(settings: &Settings, spec: Spec, domain: Arc<D>, pool: P
         queue: spec.queue.clone(),
         prefetch: spec.prefetch,
         batch_size: spec.batch_size,
+        max_inflight_bytes: spec.max_inflight_bytes,
+        max_message_bytes: spec.max_message_bytes,
     };
     let consumer = Consumer::new(config, settings.clone(), chunks, spec.batchers.max(1));
     consumer_ctx.run(consumer);

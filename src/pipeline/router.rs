@@ -465,16 +465,20 @@ impl Fallback {
             .iter()
             .zip(fates)
             .map(|((d, _), fate)| match fate {
-                Fate::Settled(disposition) => (d.generation, d.tag, disposition, false),
-                _ => (d.generation, d.tag, Disposition::Requeue, delay.is_some()),
+                Fate::Settled(disposition) => (d, disposition, false),
+                _ => (d, Disposition::Requeue, delay.is_some()),
             })
             .partition(|(.., held)| !held);
-        for settle in Settle::group(now.into_iter().map(|(g, t, d, _)| (g, t, d))) {
+        for settle in Settle::group(now.into_iter().map(|(d, disposition, _)| (d, disposition))) {
             self.settle.do_send(settle);
         }
         if let Some(delay) = delay {
             let (settle, stopping) = (self.settle.clone(), self.stopping.clone());
-            let later = Settle::group(later.into_iter().map(|(g, t, d, _)| (g, t, d)));
+            let later = Settle::group(
+                later
+                    .into_iter()
+                    .map(|(d, disposition, _)| (d, disposition)),
+            );
             tokio::spawn(async move {
                 super::sleep_or_cancel(delay, &stopping).await;
                 for s in later {

@@ -173,7 +173,7 @@ async fn sink<D: Domain>(config: Arc<SinkConfig<D>>, batch: Batch<D::Record>) {
             .iter()
             .zip(&inserted)
             .filter(|(_, ok)| **ok)
-            .map(|(d, _)| (d.generation, d.tag, Disposition::Ack)),
+            .map(|(d, _)| (d, Disposition::Ack)),
     ) {
         config.settle.do_send(settle);
     }

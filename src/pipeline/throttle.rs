@@ -19,6 +19,8 @@ pub struct Release {
     /// Deliveries of an older channel generation, dropped (the broker requeued them when their
     /// channel closed).
     pub dropped: usize,
+    /// The bodies' bytes of the dropped deliveries.
+    pub dropped_bytes: u64,
     /// How long until the next held delivery may go; `None` when nothing waits.
     pub wait: Option<Duration>,
 }
@@ -59,11 +61,13 @@ impl Throttle {
         self.held.extend(deliveries);
     }
 
-    /// Forgets everything held (the channel closed: the broker requeued it all); returns how many.
-    pub fn clear(&mut self) -> usize {
+    /// Forgets everything held (the channel closed: the broker requeued it all); returns how many
+    /// and their bodies' bytes.
+    pub fn clear(&mut self) -> (usize, u64) {
         let n = self.held.len();
+        let bytes = self.held.iter().map(|d| d.body.len() as u64).sum();
         self.held.clear();
-        n
+        (n, bytes)
     }
 
     /// Takes, in order, what may go now: everything with `all` (stopping) or without a limit,
@@ -72,10 +76,12 @@ impl Throttle {
         let mut release = Release {
             ready: Vec::new(),
             dropped: 0,
+            dropped_bytes: 0,
             wait: None,
         };
         while let Some(front) = self.held.front() {
             if front.generation != generation {
+                release.dropped_bytes += front.body.len() as u64;
                 self.held.pop_front();
                 release.dropped += 1;
                 continue;
