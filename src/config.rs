@@ -63,6 +63,10 @@ pub struct Settings {
     /// Quorum queues only: deliveries of one message from the main queue (redeliveries after a
     /// requeue or a lost consumer included) after which the broker dead-letters it to the DLQ.
     pub delivery_limit: u32,
+    /// Quorum queues only: the DLQ's own delivery limit, declared explicitly (0: not declared,
+    /// the broker's default applies: none on RabbitMQ 3.x, 20 on 4.x, after which the DLQ, which
+    /// dead-letters nowhere, would drop a message).
+    pub dlq_delivery_limit: u32,
     /// Exchange the publisher writes to and the retry queue dead-letters back to.
     pub main_exchange: String,
     /// Queue the main pipeline consumes.
@@ -426,6 +430,13 @@ const RULES: &[(&str, Rule)] = &[
     ("metrics_addr", Rule::Addr),
     ("queue_type", Rule::OneOf(&["classic", "quorum"])),
     ("delivery_limit", Rule::Int { min: 1, max: 1000 }),
+    (
+        "dlq_delivery_limit",
+        Rule::Int {
+            min: 0,
+            max: 1_000_000_000,
+        },
+    ),
     ("main_exchange", Rule::Name),
     ("main_queue", Rule::Name),
     ("retry_exchange", Rule::Name),

@@ -225,6 +225,10 @@ impl Topology {
                 if quorum {
                     arguments.extend(quorum_arguments);
                 }
+                // A delivery limit of 0 is not declared (the broker's default applies).
+                if arguments.get("x-delivery-limit") == Some(&Arg::Int(0)) {
+                    arguments.remove("x-delivery-limit");
+                }
                 queues.push(Queue { name, arguments });
             }
         }
@@ -515,6 +519,20 @@ fn advise_queue(q: &Queue, drift: &mut Drift) {
     ];
     let wanted_type = q.queue_type();
     let arg = drift.argument.as_str();
+    // The DLQ (the queue that dead-letters nowhere) declares its delivery limit since warren
+    // declares it explicitly; one declared before that has none, and is still a quorum queue.
+    let is_dlq = !q.arguments.contains_key("x-dead-letter-exchange");
+    if is_dlq && arg == "x-delivery-limit" && drift.existing == NOT_SET {
+        drift.note = "warren declares a quorum DLQ with its delivery limit (DLQ_DELIVERY_LIMIT) \
+             since RabbitMQ 4 gives every quorum queue a limit of 20, past which this queue, \
+             which dead-letters nowhere, would drop a message; this DLQ was declared without one.\n"
+            .into();
+        drift.hint = "keep it as it is with DLQ_DELIVERY_LIMIT=0 (on RabbitMQ 3.x a quorum queue \
+             has no default limit), or move its messages to a queue of your own \
+             (`warren move`), delete it, `warren declare`, and move them back"
+            .into();
+        return;
+    }
     let existing_type = if arg == "x-queue-type" {
         Some(if drift.existing == NOT_SET {
             "classic".to_string()
@@ -550,6 +568,7 @@ fn advise_queue(q: &Queue, drift: &mut Drift) {
                             value; with retry tiers (RETRY_TTLS_MS) a tier queue's name carries \
                             its TTL, so give RETRY_QUEUE another base name"
             .into(),
+        "x-delivery-limit" if is_dlq => "set DLQ_DELIVERY_LIMIT to the existing value".into(),
         "x-delivery-limit" => "set DELIVERY_LIMIT to the existing value".into(),
         _ => "point the *_QUEUE / *_EXCHANGE settings at objects that match".into(),
     };
@@ -740,11 +759,22 @@ mod tests {
                 ("x-queue-type", "quorum"),
             ])
         );
-        assert_eq!(args(&t.queues[2]), owned(&[("x-queue-type", "quorum")]));
+        // The DLQ declares its own delivery limit (RabbitMQ 4 would otherwise give it 20).
+        assert_eq!(
+            args(&t.queues[2]),
+            owned(&[("x-delivery-limit", "1000000"), ("x-queue-type", "quorum")])
+        );
         assert_eq!(
             describe_queue(&t.queues[2]),
-            "queue raffle_dlq (quorum, durable)"
+            "queue raffle_dlq (quorum, durable, x-delivery-limit=1000000)"
         );
+        // 0 declares none.
+        let t = Topology::from_settings(&with(&[
+            ("queue_type", "quorum"),
+            ("dlq_delivery_limit", "0"),
+        ]))
+        .unwrap();
+        assert_eq!(args(&t.queues[2]), owned(&[("x-queue-type", "quorum")]));
         assert!(describe_queue(&t.queues[0]).starts_with("queue raffle_queue (quorum, durable, "));
     }
 
@@ -875,6 +905,15 @@ mod tests {
             "{text}"
         );
         assert!(text.contains("(set QUEUE_TYPE=quorum)"), "{text}");
+        // A quorum DLQ declared before warren declared its delivery limit.
+        let d = drift_of(&quorum.queues[2], "x-delivery-limit", NOT_SET, "1000000");
+        assert!(
+            d.note
+                .starts_with("warren declares a quorum DLQ with its delivery limit")
+        );
+        assert!(d.hint.contains("DLQ_DELIVERY_LIMIT=0"), "{}", d.hint);
+        let d = drift_of(&quorum.queues[2], "x-delivery-limit", "50", "1000000");
+        assert_eq!(d.hint, "set DLQ_DELIVERY_LIMIT to the existing value");
         // Same type, other values: the plain advice.
         let d = drift_of(&quorum.queues[0], "x-delivery-limit", "20", "7");
         assert_eq!(d.note, "");

@@ -70,7 +70,10 @@ fn quorum_queues(
     }
     wanted.insert(
         env.dlq_queue.clone(),
-        args(&[("x-queue-type", json!("quorum"))]),
+        args(&[
+            ("x-queue-type", json!("quorum")),
+            ("x-delivery-limit", json!(1_000_000)),
+        ]),
     );
     wanted
 }
@@ -351,6 +354,55 @@ async fn a_quorum_queue_is_reported_when_classic_is_wanted_and_left_alone() {
     }
     assert_eq!(c.queues().await, before, "a drifted queue was changed");
     assert_eq!(c.ready(main).await, 1, "the waiting message was lost");
+}
+
+/// A quorum DLQ declared before warren declared the DLQ's own delivery limit (RabbitMQ 4 gives
+/// every quorum queue 20 by default, past which this DLQ, which dead-letters nowhere, drops): the
+/// drift says so and how to keep it (`DLQ_DELIVERY_LIMIT=0`) or move it; with that setting it
+/// matches, and nothing changed.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_quorum_dlq_without_its_delivery_limit_is_reported_with_the_way_out() {
+    use lapin::options::QueueDeclareOptions;
+    use lapin::types::{AMQPValue, FieldTable};
+
+    let mut c = ClusterEnv::new("cl_dlqlim").await;
+    c.env.set("QUEUE_TYPE", "quorum");
+    let mut old = FieldTable::default();
+    old.insert(
+        "x-queue-type".into(),
+        AMQPValue::LongString("quorum".into()),
+    );
+    c.channel
+        .queue_declare(
+            c.env.dlq_queue.as_str().into(),
+            QueueDeclareOptions {
+                durable: true,
+                ..Default::default()
+            },
+            old,
+        )
+        .await
+        .expect("the DLQ as declared before");
+    let (code, out, err) = c.env.run(&["declare"]);
+    assert_eq!(code, 1, "declare over the old DLQ:\n{out}\n{err}");
+    for needle in [
+        format!(
+            "queue {} exists with x-delivery-limit = (not set)",
+            c.env.dlq_queue
+        ),
+        "warren declares a quorum DLQ with its delivery limit (DLQ_DELIVERY_LIMIT)".to_string(),
+        "DLQ_DELIVERY_LIMIT=0".into(),
+    ] {
+        assert!(err.contains(&needle), "stderr lacks {needle:?}:\n{err}");
+    }
+    c.env.set("DLQ_DELIVERY_LIMIT", "0");
+    let (code, out, err) = c.env.run(&["declare"]);
+    assert_eq!(code, 0, "declare keeping the old DLQ:\n{out}\n{err}");
+    let queues = c.queues().await;
+    assert_eq!(
+        queues[&c.env.dlq_queue].arguments,
+        args(&[("x-queue-type", json!("quorum"))])
+    );
 }
 
 /// At-least-once dead-lettering, the reason for quorum queues: messages waiting in the retry
