@@ -74,7 +74,12 @@ fuzz_target!(|data: &[u8]| {
         headers::text(&retry, headers::X_RETRY_REASON),
         Some(reason.clone())
     );
-    let written = |k: &str| k == headers::X_RETRIES || k == headers::X_RETRY_REASON;
+    // The republish policy moves what the broker acts on to x-original-* headers and drops
+    // the broker's own delivery count (`amqp::republish`); everything else is kept.
+    let policy = |k: &str| {
+        matches!(k, "CC" | "BCC" | "x-delivery-count") || k.starts_with("x-original-")
+    };
+    let written = |k: &str| k == headers::X_RETRIES || k == headers::X_RETRY_REASON || policy(k);
     assert_eq!(others(&retry, written), others(&p, written));
 
     let dead = headers::for_dead_letter(&p, count, "db_permanent", &reason);
@@ -98,7 +103,13 @@ fuzz_target!(|data: &[u8]| {
     );
     // A replay starts afresh: x-retries reset, the error headers and the DLQ consumer's own
     // attempt count dropped; everything else kept.
-    let reset = |k: &str| error(k) || k == headers::X_RETRIES || k == headers::X_DLQ_ATTEMPTS;
+    let reset = |k: &str| {
+        error(k)
+            || k == headers::X_RETRIES
+            || k == headers::X_DLQ_ATTEMPTS
+            || k == "x-death"
+            || policy(k)
+    };
     assert_eq!(others(&replay, reset), others(&dead, reset));
 
     // The dlq tool: a kind is x-error-kind or one of the broker kinds; the parked headers of any
