@@ -1,13 +1,18 @@
 //! The ledger: warren's promise checked the way Jepsen's total-queue checker does. One seeded run
 //! publishes a known mix (good users, malformed bodies, duplicate emails, same-id conflicts, rows
 //! a trigger refuses with an unclassified SQLSTATE, NUL bytes, exact duplicates of a message)
-//! while faults hit at random moments (the broker link cut, backends terminated, kill -9 and
-//! restart, the DLQ deleted and re-declared, a database outage); then every published message
-//! must end exactly once: in `users` (its row holds its content) or in `dead_letters` (by its
-//! message id), none twice, none missing, and every queue empty within a bound.
+//! and messages drawn from everything AMQP 0-9-1 lets a publisher send (`common::hostile`: every
+//! property unset, set or at its limits, short strings of invalid bytes, header tables of every
+//! type nested or filled to the frame limit, another user's `user_id`, bodies from empty to past
+//! MAX_MESSAGE_BYTES), while faults hit at random moments (the broker link cut, backends
+//! terminated, kill -9 and restart, the DLQ deleted and re-declared, a database outage, the
+//! database fenced read-only); then every message the broker confirmed must end exactly once: in
+//! `users` (its row holds its content) or in `dead_letters` (by its ledger key), none twice, none
+//! missing, and every queue empty within a bound.
 //!
 //! The seed is printed; `WARREN_LEDGER_SEED=N` replays it, `WARREN_LEDGER_MESSAGES=N` (default
-//! 2000) and `WARREN_LEDGER_FAULT_SECONDS=N` (default 20) run it longer by hand.
+//! 2000), `WARREN_LEDGER_HOSTILE=N` (default 600) and `WARREN_LEDGER_FAULT_SECONDS=N` (default
+//! 20) run it longer by hand.
 
 mod common;
 
@@ -15,6 +20,7 @@ use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use common::raw_amqp;
 use common::*;
 use lapin::BasicProperties;
 use lapin::options::QueueDeleteOptions;
@@ -136,22 +142,67 @@ enum Fault {
     Kill9,
     DeleteDlq,
     DatabaseOutage,
+    /// The database answers every write with 25006 (read-only transaction) for a while, as a
+    /// primary fenced during a failover.
+    ReadOnly,
 }
 
-const FAULTS: [Fault; 5] = [
+const FAULTS: [Fault; 6] = [
     Fault::CutBroker,
     Fault::TerminateBackends,
     Fault::Kill9,
     Fault::DeleteDlq,
     Fault::DatabaseOutage,
+    Fault::ReadOnly,
 ];
+
+/// A statement trigger on `users` and `dead_letters` that refuses every write as a read-only
+/// server does (25006) while the fence is up ([`fence`]).
+async fn install_read_only_fence(env: &TestEnv) {
+    let s = &env.schema;
+    env.db
+        .batch_execute(&format!(
+            r#"
+            CREATE TABLE {s}.read_only_fence (up boolean NOT NULL);
+            INSERT INTO {s}.read_only_fence VALUES (false);
+            CREATE FUNCTION {s}.refuse_while_fenced() RETURNS trigger LANGUAGE plpgsql AS $f$
+            BEGIN
+                IF (SELECT up FROM {s}.read_only_fence) THEN
+                    RAISE EXCEPTION 'cannot execute INSERT in a read-only transaction'
+                        USING ERRCODE = '25006';
+                END IF;
+                RETURN NULL;
+            END $f$;
+            CREATE TRIGGER users_read_only BEFORE INSERT OR UPDATE ON {s}.users
+                FOR EACH STATEMENT EXECUTE FUNCTION {s}.refuse_while_fenced();
+            CREATE TRIGGER dead_letters_read_only BEFORE INSERT OR UPDATE ON {s}.dead_letters
+                FOR EACH STATEMENT EXECUTE FUNCTION {s}.refuse_while_fenced();
+            "#
+        ))
+        .await
+        .expect("install the read-only fence");
+}
+
+async fn fence(env: &TestEnv, up: bool) {
+    env.db
+        .execute(
+            &format!("UPDATE {}.read_only_fence SET up = $1", env.schema),
+            &[&up],
+        )
+        .await
+        .expect("set the fence");
+}
 
 #[tokio::test(flavor = "multi_thread")]
 async fn every_published_message_ends_exactly_once_under_faults() {
     let seed = env_number("WARREN_LEDGER_SEED", fastrand::u64(..));
     let n = env_number("WARREN_LEDGER_MESSAGES", 2000) as usize;
+    let n_hostile = env_number("WARREN_LEDGER_HOSTILE", 600) as usize;
     let fault_window = Duration::from_secs(env_number("WARREN_LEDGER_FAULT_SECONDS", 20));
-    eprintln!("ledger: seed {seed} (replay with WARREN_LEDGER_SEED={seed}), {n} messages");
+    eprintln!(
+        "ledger: seed {seed} (replay with WARREN_LEDGER_SEED={seed}), {n} messages and \
+         {n_hostile} drawn from what AMQP allows"
+    );
     let mut rng = fastrand::Rng::with_seed(seed);
 
     let pg = TcpProxy::start(&database_url(), 5432).await;
@@ -166,9 +217,25 @@ async fn every_published_message_ends_exactly_once_under_faults() {
         .set("DB_RETRY_WINDOW_MS", "300")
         .set("PUBLISH_TIMEOUT_MS", "1000")
         .set("DATABASE_STATEMENT_TIMEOUT_MS", "3000")
+        .set("MAX_MESSAGE_BYTES", "16384")
         .set("SHUTDOWN_TIMEOUT_MS", "5000");
     env.declare();
     install_poison_trigger(&env).await;
+    install_read_only_fence(&env).await;
+    let other_user = BrokerUser::create(&env.id).await;
+    let hostile: Vec<common::hostile::Hostile> = (0..n_hostile)
+        .map(|i| {
+            let mut h = common::hostile::draw(&mut rng, i, &env.main_queue, 16384);
+            if h.as_other_user {
+                h.properties.user_id = Some(other_user.name.clone().into_bytes());
+            }
+            h
+        })
+        .collect();
+    eprintln!(
+        "ledger: property and body classes drawn {:?}",
+        common::hostile::tally(hostile.iter())
+    );
 
     let published = mix(&mut rng, n);
     let mut ledger: HashMap<String, Vec<Entry>> = HashMap::new();
@@ -221,12 +288,49 @@ async fn every_published_message_ends_exactly_once_under_faults() {
     };
     eprintln!("ledger: faults {faults:?}");
     let started = Instant::now();
+    // The hostile messages the broker confirmed (taken), by key; the others never enter it.
+    let taken: Arc<std::sync::Mutex<HashMap<String, Entry>>> = Arc::default();
     let publish = async {
+        let mut guest = raw_amqp::RawPublisher::new(&amqp_url()).expect("raw publisher");
+        let mut other = raw_amqp::RawPublisher::new(&other_user.url()).expect("raw publisher");
+        let chunks = published.len().div_ceil(50).max(1);
+        let per_chunk = hostile.len().div_ceil(chunks).max(1);
+        let mut drawn = hostile.chunks(per_chunk);
+        let mut refused: HashMap<&str, usize> = HashMap::new();
         for chunk in published.chunks(50) {
             env.publish_pipelined(chunk.iter().map(|(_, b, p)| (b.clone(), p.clone())))
                 .await;
+            for h in drawn.next().unwrap_or_default() {
+                let publisher = if h.as_other_user {
+                    &mut other
+                } else {
+                    &mut guest
+                };
+                let answer = publisher
+                    .publish(&env.main_exchange, &env.main_queue, &h.properties, &h.body)
+                    .await;
+                match answer {
+                    Ok(raw_amqp::Answer::Taken) => {
+                        taken.lock().unwrap().insert(
+                            h.key.clone(),
+                            Entry {
+                                message_id: h.key.clone(),
+                                user: h.user.clone(),
+                                kind: "hostile",
+                            },
+                        );
+                    }
+                    Ok(raw_amqp::Answer::Closed(_)) => *refused.entry("closed").or_default() += 1,
+                    Ok(raw_amqp::Answer::NotTaken) => *refused.entry("not taken").or_default() += 1,
+                    Err(e) => panic!("hostile publish {}: {e}", h.key),
+                }
+            }
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
+        eprintln!(
+            "ledger: {} hostile messages confirmed by the broker, refused {refused:?}",
+            taken.lock().unwrap().len()
+        );
     };
     let inject = async {
         for (at, fault) in &faults {
@@ -293,6 +397,11 @@ async fn every_published_message_ends_exactly_once_under_faults() {
                     tokio::time::sleep(Duration::from_secs(3)).await;
                     pg.restore();
                 }
+                Fault::ReadOnly => {
+                    fence(&env, true).await;
+                    tokio::time::sleep(Duration::from_secs(3)).await;
+                    fence(&env, false).await;
+                }
             }
             eprintln!("ledger: {:?} at {:?}", fault, started.elapsed());
         }
@@ -300,6 +409,10 @@ async fn every_published_message_ends_exactly_once_under_faults() {
     tokio::join!(publish, inject);
     pg.restore();
     amqp.restore();
+    fence(&env, false).await;
+    for (key, entry) in taken.lock().unwrap().drain() {
+        ledger.insert(key, vec![entry]);
+    }
 
     // Everything accounted for within a bound.
     let expected = ledger.len();
@@ -367,24 +480,27 @@ async fn every_published_message_ends_exactly_once_under_faults() {
         .iter()
         .map(|r| (r.get(0), (r.get(1), r.get(2))))
         .collect();
-    let parked: Vec<(Option<String>, String, String)> = env
+    let parked: Vec<(Option<String>, String, String, Vec<u8>)> = env
         .db
         .query(
-            "SELECT message_id, error_kind, error_reason FROM dead_letters",
+            "SELECT message_id, error_kind, error_reason, body FROM dead_letters",
             &[],
         )
         .await
         .expect("dead_letters")
         .iter()
-        .map(|r| (r.get(0), r.get(1), r.get(2)))
+        .map(|r| (r.get(0), r.get(1), r.get(2), r.get(3)))
         .collect();
     let mut parked_ids: HashMap<String, usize> = HashMap::new();
     // Why each was parked (the last row's kind and reason), for the report.
     let mut parked_why: HashMap<String, String> = HashMap::new();
-    for (id, kind, reason) in &parked {
-        let id = id.clone().unwrap_or_else(|| "<none>".into());
-        *parked_ids.entry(id.clone()).or_default() += 1;
-        parked_why.insert(id, format!("{kind}: {reason}"));
+    for (id, kind, reason, body) in &parked {
+        // The ledger key: the body's marker or the message id's start (a hostile id is decoded
+        // lossily, past its key).
+        let key = common::hostile::key_of(id.as_deref(), body)
+            .unwrap_or_else(|| format!("<none: id {id:?}>"));
+        *parked_ids.entry(key.clone()).or_default() += 1;
+        parked_why.insert(key, format!("{kind}: {reason}"));
     }
     let mut problems: Vec<String> = unsettled.into_iter().collect();
     let mut owners: HashSet<Uuid> = HashSet::new();
@@ -426,7 +542,7 @@ async fn every_published_message_ends_exactly_once_under_faults() {
         ));
     }
     let mut kinds: HashMap<&str, usize> = HashMap::new();
-    for (_, kind, _) in &parked {
+    for (_, kind, _, _) in &parked {
         *kinds.entry(kind.as_str()).or_default() += 1;
     }
     eprintln!(

@@ -290,13 +290,18 @@ impl BrokerUser {
         Self { name, password }
     }
 
-    /// Publishes one message as this user, with `user_id` = its name, confirmed and routed, to
-    /// the env's main exchange.
-    pub async fn publish(&self, env: &TestEnv, body: &[u8], properties: BasicProperties) {
+    /// The broker's URL with this user's credentials.
+    pub fn url(&self) -> String {
         let mut url = url::Url::parse(&super::env::amqp_url()).expect("AMQP URL");
         let _ = url.set_username(&self.name);
         let _ = url.set_password(Some(&self.password));
-        let conn = lapin::Connection::connect(url.as_str(), Default::default())
+        url.to_string()
+    }
+
+    /// Publishes one message as this user, with `user_id` = its name, confirmed and routed, to
+    /// the env's main exchange.
+    pub async fn publish(&self, env: &TestEnv, body: &[u8], properties: BasicProperties) {
+        let conn = lapin::Connection::connect(&self.url(), Default::default())
             .await
             .expect("connect as the test user");
         let channel = conn.create_channel().await.expect("channel");

@@ -30,6 +30,8 @@
 //! - `ops` (by path, `common::ops::...`): promtool, a real Prometheus, warren under
 //!   memory-deny-write-execute.
 //! - `raw_amqp` (by path): a frame-by-frame AMQP publisher for what no client library sends.
+//! - `hostile` (by path): messages drawn from everything AMQP 0-9-1 lets a publisher send, for
+//!   the ledger, and `key_of`, which finds a parked row's ledger key.
 //! - `cluster` (by path, `common::cluster::...`): the RabbitMQ test cluster
 //!   (`WARREN_TEST_CLUSTER_URLS`), `ClusterEnv`, its queues as the cluster lists them, and
 //!   `QueueCleanup` for queues beyond a `TestEnv`'s own (retry tiers).
@@ -39,6 +41,7 @@ mod broker;
 pub mod cluster;
 mod db;
 mod env;
+pub mod hostile;
 mod http;
 mod messages;
 mod metrics;

@@ -181,26 +181,48 @@ async fn expect(stream: &mut TcpStream, class: u16, id: u16) -> Result<Vec<u8>, 
     }
 }
 
-/// Publishes one message to `exchange`/`routing_key` on a connection of its own, with publisher
-/// confirms, and waits for the broker's ack. `amqp_url` gives host, port, user and password.
-pub async fn publish(
-    amqp_url: &str,
-    exchange: &str,
-    routing_key: &str,
-    properties: &RawProperties,
-    body: &[u8],
-) -> Result<(), String> {
-    let url = url::Url::parse(amqp_url).map_err(|e| e.to_string())?;
-    let host = url.host_str().unwrap_or("127.0.0.1").to_string();
-    let port = url.port().unwrap_or(5672);
-    let user = if url.username().is_empty() {
-        "guest".to_string()
-    } else {
-        url.username().to_string()
-    };
-    let password = url.password().unwrap_or("guest").to_string();
-    let work = async {
-        let mut s = TcpStream::connect((host.as_str(), port))
+/// A publisher connection of its own, frame by frame, in confirm mode: publishes one message at
+/// a time and waits for the broker's answer. A message the broker refuses by closing the
+/// channel or the connection (a `user_id` that is not the connection's user, a frame over the
+/// limit) is reported, and the next publish connects again.
+pub struct RawPublisher {
+    host: String,
+    port: u16,
+    user: String,
+    password: String,
+    stream: Option<TcpStream>,
+}
+
+/// How the broker answered one publish.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Answer {
+    /// Confirmed and routed: the broker took it.
+    Taken,
+    /// Returned as unroutable, or nacked: the broker did not take it.
+    NotTaken,
+    /// The broker closed the channel or the connection over it (not taken).
+    Closed(String),
+}
+
+impl RawPublisher {
+    /// `amqp_url` gives host, port, user and password; connecting waits for the first publish.
+    pub fn new(amqp_url: &str) -> Result<Self, String> {
+        let url = url::Url::parse(amqp_url).map_err(|e| e.to_string())?;
+        Ok(Self {
+            host: url.host_str().unwrap_or("127.0.0.1").to_string(),
+            port: url.port().unwrap_or(5672),
+            user: if url.username().is_empty() {
+                "guest".to_string()
+            } else {
+                url.username().to_string()
+            },
+            password: url.password().unwrap_or("guest").to_string(),
+            stream: None,
+        })
+    }
+
+    async fn open(&self) -> Result<TcpStream, String> {
+        let mut s = TcpStream::connect((self.host.as_str(), self.port))
             .await
             .map_err(|e| format!("connect: {e}"))?;
         s.write_all(b"AMQP\x00\x00\x09\x01")
@@ -210,7 +232,10 @@ pub async fn publish(
         let mut args = Vec::new();
         args.extend_from_slice(&0u32.to_be_bytes()); // client properties: empty table
         short(&mut args, b"PLAIN");
-        long(&mut args, format!("\0{user}\0{password}").as_bytes());
+        long(
+            &mut args,
+            format!("\0{}\0{}", self.user, self.password).as_bytes(),
+        );
         short(&mut args, b"en_US");
         s.write_all(&method(0, 10, 11, &args))
             .await
@@ -238,7 +263,21 @@ pub async fn publish(
             .await
             .map_err(|e| e.to_string())?;
         expect(&mut s, 85, 11).await?;
+        Ok(s)
+    }
 
+    /// Publishes one message (mandatory) and waits for the broker's answer (bounded).
+    pub async fn publish(
+        &mut self,
+        exchange: &str,
+        routing_key: &str,
+        properties: &RawProperties,
+        body: &[u8],
+    ) -> Result<Answer, String> {
+        let mut s = match self.stream.take() {
+            Some(s) => s,
+            None => self.open().await?,
+        };
         let mut publish = 0u16.to_be_bytes().to_vec();
         short(&mut publish, exchange.as_bytes());
         short(&mut publish, routing_key.as_bytes());
@@ -249,22 +288,81 @@ pub async fn publish(
         header.extend(properties.encode());
         let mut out = method(1, 60, 40, &publish);
         out.extend(frame(2, 1, &header));
-        // Bodies in frames of at most the frame size agreed below.
+        // Bodies in frames of at most the frame size agreed above.
         for part in body.chunks(131_072 - 8) {
             out.extend(frame(3, 1, part));
         }
-        s.write_all(&out).await.map_err(|e| e.to_string())?;
-        expect(&mut s, 60, 80).await?; // basic.ack (confirm)
-        let mut close = 200u16.to_be_bytes().to_vec();
-        short(&mut close, b"bye");
-        close.extend_from_slice(&[0, 0, 0, 0]);
-        s.write_all(&method(0, 10, 50, &close))
+        let answer = async {
+            s.write_all(&out).await.map_err(|e| e.to_string())?;
+            let mut returned = false;
+            loop {
+                match next_method(&mut s).await? {
+                    (60, 50) => returned = true,
+                    (60, 80) => {
+                        return Ok(if returned {
+                            Answer::NotTaken
+                        } else {
+                            Answer::Taken
+                        });
+                    }
+                    (60, 120) => return Ok(Answer::NotTaken),
+                    (20, 40) | (10, 50) => {
+                        return Ok(Answer::Closed("closed by the broker".into()));
+                    }
+                    _ => {}
+                }
+            }
+        };
+        let answer: Result<Answer, String> =
+            match tokio::time::timeout(Duration::from_secs(10), answer).await {
+                Ok(a) => a,
+                Err(_) => Err("no answer within 10 s".into()),
+            };
+        if let Ok(Answer::Taken | Answer::NotTaken) = answer {
+            self.stream = Some(s);
+        }
+        answer
+    }
+}
+
+/// Reads frames until a method frame arrives: its (class, method).
+async fn next_method(stream: &mut TcpStream) -> Result<(u16, u16), String> {
+    loop {
+        let mut header = [0u8; 7];
+        stream
+            .read_exact(&mut header)
             .await
-            .map_err(|e| e.to_string())?;
-        let _ = expect(&mut s, 10, 51).await;
-        Ok(())
-    };
-    tokio::time::timeout(Duration::from_secs(10), work)
-        .await
-        .map_err(|_| "raw publish timed out".to_string())?
+            .map_err(|e| format!("read: {e}"))?;
+        let size = u32::from_be_bytes([header[3], header[4], header[5], header[6]]) as usize;
+        let mut payload = vec![0u8; size + 1];
+        stream
+            .read_exact(&mut payload)
+            .await
+            .map_err(|e| format!("read: {e}"))?;
+        if header[0] == 1 && payload.len() >= 5 {
+            return Ok((
+                u16::from_be_bytes([payload[0], payload[1]]),
+                u16::from_be_bytes([payload[2], payload[3]]),
+            ));
+        }
+    }
+}
+
+/// Publishes one message to `exchange`/`routing_key` on a connection of its own, with publisher
+/// confirms, and waits for the broker's ack. `amqp_url` gives host, port, user and password.
+pub async fn publish(
+    amqp_url: &str,
+    exchange: &str,
+    routing_key: &str,
+    properties: &RawProperties,
+    body: &[u8],
+) -> Result<(), String> {
+    let mut publisher = RawPublisher::new(amqp_url)?;
+    match publisher
+        .publish(exchange, routing_key, properties, body)
+        .await?
+    {
+        Answer::Taken => Ok(()),
+        other => Err(format!("not taken: {other:?}")),
+    }
 }
