@@ -646,3 +646,40 @@ async fn large_bodies_in_flight_stay_within_the_byte_budget() {
     );
     assert_eq!(env.queue_state(&env.main_queue).await, (0, 0));
 }
+
+/// A publisher can write any `x-death`. One naming the main queue (no reject in it) made the
+/// broker take the retry tier's hop back into the main queue for a dead-letter cycle: the
+/// message vanished at its first retry (the hostile ledger, seed 7808716797150529346, lost five
+/// such users). A retry copy sets aside the entries naming the queue it dead-letters into.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_forged_x_death_never_makes_a_retry_vanish() {
+    let mut env = TestEnv::new("forgeddeath").await;
+    env.set("MAX_RETRIES", "5")
+        .set("RETRY_TTL_MS", "300")
+        .set("DB_RETRY_WINDOW_MS", "0");
+    env.declare();
+    let mut death = lapin::types::FieldTable::default();
+    death.insert("queue".into(), long_string(&env.main_queue));
+    death.insert("reason".into(), long_string("expired"));
+    let forged = AMQPValue::FieldArray(vec![AMQPValue::FieldTable(death)].into());
+    let id = Uuid::new_v4();
+    env.publish_raw(
+        &user_body(id),
+        with_header(json_props(id), "x-death", forged),
+    )
+    .await;
+    install_fault(&env, CountAttempts::No).await;
+    let mut warren = env.start(&["--roles", "consumer"]);
+    let _logs = LogsOnPanic(vec![warren.log.clone()]);
+    wait_until("one retry", Duration::from_secs(30), || async {
+        try_metric(&env, "warren_messages_retried_total", &[])
+            .await
+            .unwrap_or(0.0)
+            >= 1.0
+    })
+    .await;
+    clear_fault(&env).await;
+    let expected = [id].into_iter().collect();
+    assert_rows_exactly(&env, &expected, Duration::from_secs(30), &|| warren.logs()).await;
+    warren.terminate_ok(Duration::from_secs(20));
+}

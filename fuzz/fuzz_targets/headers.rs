@@ -68,7 +68,7 @@ fuzz_target!(|data: &[u8]| {
     );
 
     // Writers: the count and the texts they promise, every other header kept.
-    let retry = headers::for_retry(&p, count, &reason);
+    let retry = headers::for_retry(&p, count, &reason, "main");
     assert_eq!(headers::retries(&retry), Retries::Count(count));
     assert_eq!(
         headers::text(&retry, headers::X_RETRY_REASON),
@@ -79,7 +79,9 @@ fuzz_target!(|data: &[u8]| {
     let policy = |k: &str| {
         matches!(k, "CC" | "BCC" | "x-delivery-count") || k.starts_with("x-original-")
     };
-    let written = |k: &str| k == headers::X_RETRIES || k == headers::X_RETRY_REASON || policy(k);
+    let written = |k: &str| {
+        k == headers::X_RETRIES || k == headers::X_RETRY_REASON || k == "x-death" || policy(k)
+    };
     assert_eq!(others(&retry, written), others(&p, written));
 
     let dead = headers::for_dead_letter(&p, count, "db_permanent", &reason);

@@ -169,14 +169,24 @@ pub fn with_headers(properties: &BasicProperties, set: &[(&str, AMQPValue)]) -> 
     )
 }
 
-/// Properties for a retry: `x-retries` = `retries`, `x-retry-reason` = `reason`.
-pub fn for_retry(properties: &BasicProperties, retries: u32, reason: &str) -> BasicProperties {
-    with_headers(
+/// Properties for a retry: `x-retries` = `retries`, `x-retry-reason` = `reason`; the retry tier
+/// dead-letters the copy back into `main_queue` (see `Stamp::dead_letters_into`).
+pub fn for_retry(
+    properties: &BasicProperties,
+    retries: u32,
+    reason: &str,
+    main_queue: &str,
+) -> BasicProperties {
+    copy_properties(
         properties,
-        &[
-            (X_RETRIES, AMQPValue::LongLongInt(retries as i64)),
-            (X_RETRY_REASON, long(&capped(reason, REASON_MAX))),
-        ],
+        &Stamp {
+            set: vec![
+                (X_RETRIES, AMQPValue::LongLongInt(retries as i64)),
+                (X_RETRY_REASON, long(&capped(reason, REASON_MAX))),
+            ],
+            dead_letters_into: Some(main_queue),
+            ..Default::default()
+        },
     )
 }
 
@@ -224,6 +234,7 @@ pub fn for_replay(properties: &BasicProperties) -> BasicProperties {
             remove: &[X_DLQ_ATTEMPTS],
             remove_prefixes: &["x-error-"],
             restart: true,
+            dead_letters_into: None,
         },
     )
 }
@@ -287,7 +298,7 @@ mod tests {
         let p = BasicProperties::default()
             .with_message_id("m1".into())
             .with_headers(h);
-        let next = for_retry(&p, 1, "db_error: x");
+        let next = for_retry(&p, 1, "db_error: x", "main");
         assert_eq!(retries(&next), Retries::Count(1));
         assert_eq!(text(&next, X_RETRY_REASON).unwrap(), "db_error: x");
         assert_eq!(text(&next, "trace").unwrap(), "abc");

@@ -13,7 +13,10 @@
 //!   RabbitMQ 3.x drops a message it dead-letters into a queue its `x-death` already names with
 //!   no reject in between, so a message the broker once dead-lettered out of the main queue
 //!   (expired, over its delivery limit) vanished at its first retry after a replay. Retries and
-//!   dead letters keep `x-death`: within one life it only records the retry tiers;
+//!   dead letters keep `x-death` (within one life it records the retry tiers), except, on a
+//!   retry, its entries for the queue the retry tier dead-letters back into
+//!   ([`Stamp::dead_letters_into`]): a publisher can write any `x-death`, and one naming the main
+//!   queue made its message vanish at its first retry;
 //! - **dropped**: `x-delivery-count` (the broker's count of the original's deliveries, meaningless
 //!   on a new message);
 //! - **set**: delivery mode 2, persistent, whatever the original said (once warren acked the
@@ -72,6 +75,10 @@ pub struct Stamp<'a> {
     pub remove_prefixes: &'a [&'a str],
     /// The copy starts the message's life again (a replay, a move): `x-death` is moved aside.
     pub restart: bool,
+    /// The queue the broker will dead-letter the copy into (a retry tier's main queue): the
+    /// `x-death` entries naming it are moved aside, so the broker never takes the hop for a
+    /// dead-letter cycle.
+    pub dead_letters_into: Option<&'a str>,
 }
 
 /// The properties of warren's copy of a message with `original` properties, stamped with
@@ -96,6 +103,26 @@ pub fn copy_properties(original: &BasicProperties, stamp: &Stamp<'_>) -> BasicPr
             || stamp.remove.contains(&key)
             || stamp.remove_prefixes.iter().any(|p| key.starts_with(p)))
     });
+    if let Some(target) = stamp.dead_letters_into
+        && let Some(AMQPValue::FieldArray(deaths)) = kept.get(X_DEATH)
+    {
+        let names_target = |d: &AMQPValue| match d {
+            AMQPValue::FieldTable(t) => t
+                .inner()
+                .get("queue")
+                .is_some_and(|q| crate::amqp::headers::value_text(q) == target),
+            _ => false,
+        };
+        let (away, stay): (Vec<AMQPValue>, Vec<AMQPValue>) =
+            deaths.as_slice().iter().cloned().partition(names_target);
+        if !away.is_empty() {
+            kept.insert(X_DEATH.into(), AMQPValue::FieldArray(stay.into()));
+            moved.push((
+                X_ORIGINAL_DEATH.to_string(),
+                AMQPValue::FieldArray(away.into()),
+            ));
+        }
+    }
     let mut headers = FieldTable::from(kept);
     for (k, v) in moved {
         headers.insert(short(&k), v);
@@ -300,6 +327,46 @@ mod tests {
         assert_eq!(copy.kind(), original.kind());
         assert_eq!(copy.timestamp(), original.timestamp());
         assert_eq!(copy.content_type(), original.content_type());
+    }
+
+    #[test]
+    fn a_retry_sets_aside_the_deaths_in_the_queue_it_dead_letters_into() {
+        let death = |queue: &str| {
+            let mut t = FieldTable::default();
+            t.insert("queue".into(), long(queue.as_bytes()));
+            t.insert("reason".into(), long(b"expired"));
+            AMQPValue::FieldTable(t)
+        };
+        let mut h = FieldTable::default();
+        h.insert(
+            X_DEATH.into(),
+            AMQPValue::FieldArray(vec![death("retry_1s"), death("main"), death("retry_2s")].into()),
+        );
+        let original = BasicProperties::default().with_headers(h);
+        let copy = copy_properties(
+            &original,
+            &Stamp {
+                dead_letters_into: Some("main"),
+                ..Default::default()
+            },
+        );
+        let queues = |key: &str| -> Vec<String> {
+            match copy.headers().as_ref().and_then(|h| h.inner().get(key)) {
+                Some(AMQPValue::FieldArray(a)) => a
+                    .as_slice()
+                    .iter()
+                    .filter_map(|d| match d {
+                        AMQPValue::FieldTable(t) => {
+                            t.inner().get("queue").map(crate::amqp::headers::value_text)
+                        }
+                        _ => None,
+                    })
+                    .collect(),
+                _ => Vec::new(),
+            }
+        };
+        assert_eq!(queues(X_DEATH), ["retry_1s", "retry_2s"]);
+        assert_eq!(queues(X_ORIGINAL_DEATH), ["main"]);
     }
 
     #[test]

@@ -3,14 +3,13 @@
 //! them: `amqp::republish`) with publisher confirms and acked at the source
 //! only once its copy is confirmed, so an interrupted or failed move loses nothing.
 
-use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
 use lapin::message::BasicGetMessage;
 use lapin::options::{BasicAckOptions, BasicGetOptions, ConfirmSelectOptions};
 use lapin::{Channel, Connection};
+use tokio_util::sync::CancellationToken;
 
 use crate::amqp::publisher::{Publish, publish_group};
 use crate::amqp::republish::{self, Stamp};
@@ -99,11 +98,11 @@ pub async fn execute(settings: &Settings, args: Args) -> anyhow::Result<i32> {
                 redact_url(&settings.amqp_url)
             )
         })?;
-    let stop = Arc::new(AtomicBool::new(false));
+    let stop = CancellationToken::new();
     let flag = stop.clone();
     let signals = tokio::spawn(async move {
         super::run::signals().await;
-        flag.store(true, Ordering::SeqCst);
+        flag.cancel();
     });
     let plan = Plan {
         source: args.from.clone(),
@@ -169,11 +168,12 @@ pub struct Tally {
 
 /// Moves messages from `plan.source` to `plan.target` on `conn` (see [`Args`] for the rules),
 /// until the source is empty, the limit or the source's starting depth is reached, a failure,
-/// or `stop`. An error means nothing was taken (a missing queue or exchange).
+/// or `stop` (which also ends a wait for the source that does not answer: what it took is not
+/// acked and returns to it). An error means nothing was taken (a missing queue or exchange).
 pub async fn move_messages(
     conn: &Connection,
     plan: &Plan,
-    stop: &AtomicBool,
+    stop: &CancellationToken,
 ) -> anyhow::Result<Tally> {
     let present = match amqp::queue_stats(conn, &plan.source).await {
         Ok((messages, _)) => u64::from(messages),
@@ -202,22 +202,38 @@ pub async fn move_messages(
     let started = Instant::now();
     let mut reported = Instant::now();
     while tally.moved < budget && tally.failure.is_none() {
-        if stop.load(Ordering::SeqCst) {
+        if stop.is_cancelled() {
             tally.interrupted = true;
             break;
         }
         let want = (budget - tally.moved).min(plan.in_flight as u64) as usize;
-        let window = match take(&get, &plan.source, want).await {
-            Ok(w) if w.is_empty() => break,
-            Ok(w) => w,
-            Err(e) => {
+        let window = tokio::select! {
+            taken = tokio::time::timeout(plan.timeout, take(&get, &plan.source, want)) => taken,
+            _ = stop.cancelled() => {
+                tally.interrupted = true;
+                break;
+            }
+        };
+        let window = match window {
+            Ok(Ok(w)) if w.is_empty() => break,
+            Ok(Ok(w)) => w,
+            Ok(Err(e)) => {
                 tally.failure = Some(format!(
                     "basic.get on {}: {e} (unacked messages return to it)",
                     plan.source
                 ));
                 break;
             }
+            Err(_) => {
+                tally.failure = Some(format!(
+                    "basic.get on {} not answered within {:?} (unacked messages return to it)",
+                    plan.source, plan.timeout
+                ));
+                break;
+            }
         };
+        // A window being forwarded finishes (its publishes and the ack are bounded): stopping
+        // in the middle would leave its copies in both places.
         match forward(&publish, &get, window, plan).await {
             Ok(n) => tally.moved += n,
             Err(failure) => tally.failure = Some(failure),

@@ -47,6 +47,8 @@ pub struct Republisher {
     retry_queues: Vec<String>,
     dlx_exchange: String,
     dlq_queue: String,
+    /// Where the retry tiers dead-letter a copy back to (its `x-death` must not name it).
+    main_queue: String,
     max_retries: u32,
     pipeline: &'static str,
     /// How long a publish waits for the publisher to (re)connect.
@@ -65,6 +67,7 @@ impl Republisher {
                 .collect(),
             dlx_exchange: settings.dlx_exchange.clone(),
             dlq_queue: settings.dlq_queue.clone(),
+            main_queue: settings.main_queue.clone(),
             max_retries: settings.max_retries,
             pipeline,
             patience: settings.publish_timeout(),
@@ -84,7 +87,7 @@ impl Republisher {
             Route::Retry { reason } if count < self.max_retries => (
                 &self.retry_exchange,
                 &self.retry_queues[retry_tier(count + 1, self.retry_queues.len())],
-                headers::for_retry(&message.properties, count + 1, reason),
+                headers::for_retry(&message.properties, count + 1, reason, &self.main_queue),
                 "retry",
             ),
             Route::Retry { reason } => (

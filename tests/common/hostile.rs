@@ -272,9 +272,8 @@ pub fn draw(rng: &mut Rng, n: usize, main_queue: &str, max_message_bytes: usize)
             b
         }
     };
-    let mut p = RawProperties::default();
     // The message id: plain, the key and invalid bytes, or none (the body holds the key).
-    p.message_id = match rng.u8(0..10) {
+    let message_id = match rng.u8(0..10) {
         _ if body.is_empty() => Some(key.clone().into_bytes()),
         0..=4 => Some(key.clone().into_bytes()),
         5..=7 => {
@@ -288,16 +287,20 @@ pub fn draw(rng: &mut Rng, n: usize, main_queue: &str, max_message_bytes: usize)
             None
         }
     };
-    p.content_type = match rng.u8(0..3) {
-        0 => Some(b"application/json".to_vec()),
-        _ => short_prop(rng, &mut classes, "type"),
+    let mut p = RawProperties {
+        message_id,
+        content_type: match rng.u8(0..3) {
+            0 => Some(b"application/json".to_vec()),
+            _ => short_prop(rng, &mut classes, "type"),
+        },
+        content_encoding: short_prop(rng, &mut classes, "encoding"),
+        correlation_id: short_prop(rng, &mut classes, "correlation"),
+        reply_to: short_prop(rng, &mut classes, "reply"),
+        kind: short_prop(rng, &mut classes, "kind"),
+        app_id: short_prop(rng, &mut classes, "app"),
+        cluster_id: short_prop(rng, &mut classes, "cluster"),
+        ..Default::default()
     };
-    p.content_encoding = short_prop(rng, &mut classes, "encoding");
-    p.correlation_id = short_prop(rng, &mut classes, "correlation");
-    p.reply_to = short_prop(rng, &mut classes, "reply");
-    p.kind = short_prop(rng, &mut classes, "kind");
-    p.app_id = short_prop(rng, &mut classes, "app");
-    p.cluster_id = short_prop(rng, &mut classes, "cluster");
     p.delivery_mode = match rng.u8(0..6) {
         0 => None,
         1 => {
