@@ -523,6 +523,14 @@ const RULES: &[(&str, Rule)] = &[
     ("log_format", Rule::OneOf(&["text", "json"])),
 ];
 
+/// Every setting as (key in `config/default.toml` and `--set`, environment variable), in the
+/// order of that file. docs/configuration.md is tested against it (tests/docs.rs).
+pub fn setting_names() -> impl Iterator<Item = (&'static str, String)> {
+    RULES
+        .iter()
+        .map(|(key, _)| (*key, key.to_ascii_uppercase()))
+}
+
 /// How long a delivery may stay unacked in warren under a broker `consumer_timeout` of
 /// `timeout_ms` (0 = none): 80% of it. The 20% margin (6 minutes at RabbitMQ's default of
 /// 30) covers what may still run after the check: the database statement in flight (bounded by
