@@ -766,7 +766,8 @@ impl Settings {
     /// the broker keeps delivering while every sink is busy. (With one batch per batcher the
     /// window closed whenever all of them were inserting, and the broker waited for a commit and
     /// its ack: measured with the broker on a core of its own, 0.82-0.89 of the raw drain
-    /// against 0.88-0.98 with the larger window; README "Performance".)
+    /// against 0.88-0.98 with the larger window; docs/performance.md, "What the measurements
+    /// taught".)
     pub fn effective_prefetch(&self) -> u16 {
         let counted = if self.prefetch > 0 {
             self.prefetch.min(u16::MAX as u32) as u16
