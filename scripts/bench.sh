@@ -26,7 +26,7 @@
 #   warren             warren run --roles consumer, default settings (plus the KEY=VALUEs given)
 #   warren_pf5000      the same with PREFETCH=5000
 # and prints one table of medians (rate, ratios, CPU and broker CPU per message, peak RSS, acks
-# per batch) and the figures of every repetition. The README's "Performance" section says what
+# per batch) and the figures of every repetition. docs/performance.md ("How to reproduce") says what
 # each column measures.
 #
 # Live bench: warren (run --roles consumer, defaults) consumes an empty queue while

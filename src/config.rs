@@ -523,6 +523,14 @@ const RULES: &[(&str, Rule)] = &[
     ("log_format", Rule::OneOf(&["text", "json"])),
 ];
 
+/// Every setting as (key in `config/default.toml` and `--set`, environment variable), in the
+/// order of that file. docs/configuration.md is tested against it (tests/docs.rs).
+pub fn setting_names() -> impl Iterator<Item = (&'static str, String)> {
+    RULES
+        .iter()
+        .map(|(key, _)| (*key, key.to_ascii_uppercase()))
+}
+
 /// How long a delivery may stay unacked in warren under a broker `consumer_timeout` of
 /// `timeout_ms` (0 = none): 80% of it. The 20% margin (6 minutes at RabbitMQ's default of
 /// 30) covers what may still run after the check: the database statement in flight (bounded by
@@ -758,7 +766,8 @@ impl Settings {
     /// the broker keeps delivering while every sink is busy. (With one batch per batcher the
     /// window closed whenever all of them were inserting, and the broker waited for a commit and
     /// its ack: measured with the broker on a core of its own, 0.82-0.89 of the raw drain
-    /// against 0.88-0.98 with the larger window; README "Performance".)
+    /// against 0.88-0.98 with the larger window; docs/performance.md, "What the measurements
+    /// taught".)
     pub fn effective_prefetch(&self) -> u16 {
         let counted = if self.prefetch > 0 {
             self.prefetch.min(u16::MAX as u32) as u16

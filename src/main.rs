@@ -20,8 +20,9 @@ fn main() {
     // actors, the database connections' sockets, lapin's tasks and the metrics exporter share
     // it, so a batch's insert answers on the thread that waits for it, and a socket event wakes
     // one thread, not a worker that wakes another (10% less CPU a message than two workers,
-    // README "Performance"). Parallel work has threads of its own: lapin's I/O loop per
-    // connection, the API's actix-web workers, processors beyond the first.
+    // docs/performance.md, "What the measurements taught"). Parallel work has threads of its
+    // own: lapin's I/O loop per connection, the API's actix-web workers, processors beyond the
+    // first.
     let runtime = match tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()

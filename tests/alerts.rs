@@ -1,6 +1,6 @@
 //! The Prometheus alert rules (prometheus/warren-alerts.yml): promtool accepts them, their unit
 //! tests (prometheus/tests/) pass and give every alert a case where it fires and one where it
-//! stays quiet, every alert carries its annotations and a runbook that exists in the README, and
+//! stays quiet, every alert carries its annotations and a runbook that exists in docs/alerts.md, and
 //! every metric they read is one warren exports.
 //!
 //! promtool comes from Debian's `prometheus` package (`scripts/setup.sh --with-promtool`);
@@ -14,6 +14,8 @@ use common::ops::{promtool, repo_path};
 
 const RULES: &str = "prometheus/warren-alerts.yml";
 const RULE_TESTS: &str = "prometheus/tests/warren-alerts.test.yml";
+/// The page whose "Runbooks" section has one heading per alert.
+const RUNBOOKS: &str = "docs/alerts.md";
 
 fn read(relative: &str) -> String {
     std::fs::read_to_string(repo_path(relative))
@@ -81,13 +83,13 @@ fn test_cases() -> BTreeMap<String, (usize, usize)> {
     cases
 }
 
-/// The GitHub anchors of the headings of the README's "Alerts" section.
-fn readme_alert_anchors() -> BTreeSet<String> {
-    let readme = read("README.md");
-    let start = readme
-        .find("\n## Alerts\n")
-        .expect("README.md has no \"## Alerts\" section");
-    let section = &readme[start + 1..];
+/// The GitHub anchors of the headings of the "Runbooks" section of docs/alerts.md.
+fn runbook_anchors() -> BTreeSet<String> {
+    let page = read(RUNBOOKS);
+    let start = page
+        .find("\n## Runbooks\n")
+        .unwrap_or_else(|| panic!("{RUNBOOKS} has no \"## Runbooks\" section"));
+    let section = &page[start + 1..];
     let end = section[3..].find("\n## ").map_or(section.len(), |i| i + 3);
     section[..end]
         .lines()
@@ -213,8 +215,8 @@ fn every_alert_is_tested_firing_and_quiet() {
 }
 
 #[test]
-fn every_alert_has_a_severity_annotations_and_a_runbook_in_the_readme() {
-    let anchors = readme_alert_anchors();
+fn every_alert_has_a_severity_annotations_and_a_runbook_in_the_docs() {
+    let anchors = runbook_anchors();
     let mut problems = Vec::new();
     let mut names = BTreeSet::new();
     for alert in alerts() {
@@ -233,12 +235,12 @@ fn every_alert_has_a_severity_annotations_and_a_runbook_in_the_readme() {
                 problems.push(format!("{}: no {key} annotation", alert.name));
             }
         }
-        let expected = format!("README.md#{}", alert.name.to_lowercase());
+        let expected = format!("{RUNBOOKS}#{}", alert.name.to_lowercase());
         match alert.value("runbook") {
             Some(runbook) if runbook == expected => {
                 if !anchors.contains(&alert.name.to_lowercase()) {
                     problems.push(format!(
-                        "{}: the README's \"Alerts\" section has no heading \"### {}\"",
+                        "{}: the \"Runbooks\" section of {RUNBOOKS} has no heading \"### {}\"",
                         alert.name, alert.name
                     ));
                 }

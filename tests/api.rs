@@ -402,7 +402,7 @@ async fn the_api_recovers_by_itself_when_the_broker_comes_back() {
     warren.terminate_ok(Duration::from_secs(30));
 }
 
-/// The namespace warren derives `Idempotency-Key` ids under (README, "HTTP API").
+/// The namespace warren derives `Idempotency-Key` ids under (docs/http-api.md, "Endpoints").
 const IDEMPOTENCY_NAMESPACE: &str = "cfe141c5-49af-4aba-bc86-746006d123dc";
 
 /// The `id` of a 200 or 409 answer.

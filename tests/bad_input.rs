@@ -93,7 +93,7 @@ async fn malformed_messages_go_straight_to_the_dlq_with_their_kind() {
             "invalid_payload",
         ),
         ("bad_email", valid("\"Ana\"", "\"nope\""), "invalid_payload"),
-        // README failure table: "larger than MAX_MESSAGE_BYTES" -> invalid_payload.
+        // docs/failures.md, the failure table: "larger than MAX_MESSAGE_BYTES" -> invalid_payload.
         ("oversize", oversize.clone(), "invalid_payload"),
     ];
     for (label, body, _) in &cases {

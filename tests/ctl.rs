@@ -478,7 +478,8 @@ fn now_s() -> u64 {
 }
 
 /// A command as `warren ctl` queues it, for the instance `target` (`host:pid`), signed with
-/// `secret` by the encoding the README documents (computed here, not by warren's code).
+/// `secret` by the encoding docs/operations.md ("Signed commands") documents (computed here, not
+/// by warren's code).
 fn command_json(
     command: &str,
     issued_at: u64,

@@ -19,7 +19,7 @@ use common::*;
 
 const UNIT: &str = "deploy/systemd/warren@.service";
 const ENV_EXAMPLE: &str = "deploy/systemd/warren.env.example";
-/// Where the unit expects the binary (README "Deploying").
+/// Where the unit expects the binary (docs/deploying.md "Install").
 const INSTALLED_BIN: &str = "/usr/local/bin/warren";
 
 fn read(relative: &str) -> String {
@@ -52,7 +52,7 @@ fn unit_copy() -> (tempfile::TempDir, std::path::PathBuf) {
     let text = read(UNIT);
     assert!(
         text.contains(&format!("ExecStart={INSTALLED_BIN} run")),
-        "{UNIT} runs `{INSTALLED_BIN} run` (the path README \"Deploying\" installs to)"
+        "{UNIT} runs `{INSTALLED_BIN} run` (the path docs/deploying.md \"Install\" installs to)"
     );
     let copy = text.replace(INSTALLED_BIN, BIN);
     let unit = dir.path().join("warren@ci.service");

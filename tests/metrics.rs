@@ -542,7 +542,7 @@ async fn promtool_accepts_the_scrape() {
 }
 
 /// The Grafana files: valid JSON with a uid, the data source variable on every panel, target
-/// and query variable, the panels the README promises, PromQL that parses, and a
+/// and query variable, the panels docs/metrics.md promises, PromQL that parses, and a
 /// Prometheus scrape config that `promtool check config` accepts.
 #[tokio::test(flavor = "multi_thread")]
 async fn the_dashboard_and_provisioning_are_valid() {
@@ -621,7 +621,7 @@ async fn the_dashboard_and_provisioning_are_valid() {
         }
     }
 
-    // The panels the README promises, by what they query.
+    // The panels docs/metrics.md promises, by what they query.
     let exprs: Vec<String> = queries(&d).into_iter().map(|(_, e)| e).collect();
     let uses = |needle: &str| exprs.iter().any(|e| e.contains(needle));
     for needle in [

@@ -45,9 +45,9 @@ const CHUNK_MAX: usize = 1000;
 /// chunk gathers what arrives meanwhile. Without it, a consumer faster than the socket wakes for
 /// nearly every delivery (lapin's I/O thread wakes it per message: a futex wake on one thread, a
 /// context switch and a trip through every stage on the other), which cost more CPU than all of
-/// warren's own work (README "Performance"). At 20,000 msg/s a chunk then holds 20 to 40
-/// deliveries; the latency it adds (1 to 2 ms, tokio's timer has millisecond ticks) is nothing
-/// next to the batch timeout. An idle stream still delivers its first message at once.
+/// warren's own work (docs/performance.md, "What the measurements taught"). At 20,000 msg/s a
+/// chunk then holds 20 to 40 deliveries; the latency it adds (1 to 2 ms, tokio's timer has
+/// millisecond ticks) is nothing next to the batch timeout. An idle stream still delivers its first message at once.
 const LINGER: Duration = Duration::from_millis(1);
 
 /// Shutdown, step 1: stop taking deliveries (cancel the subscription). Answers once nothing

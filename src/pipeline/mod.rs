@@ -262,8 +262,9 @@ impl Pipeline {
 
     /// Starts `n` processors and makes their drains the current ones. One runs on the pipeline's
     /// own thread: decoding costs about a microsecond a message, less than handing a chunk to
-    /// another thread and back (measured: README "Performance"). More than one means parallel
-    /// decoding, for domains whose decoding is dear: they go round min(`n`, cores) threads.
+    /// another thread and back (measured: docs/performance.md, "What the measurements taught").
+    /// More than one means parallel decoding, for domains whose decoding is dear: they go round
+    /// min(`n`, cores) threads.
     fn processors(&self, n: usize) -> Vec<Recipient<Chunk>> {
         let mut threads = self.threads.lock().unwrap_or_else(|p| p.into_inner());
         let wanted = if n > 1 {
