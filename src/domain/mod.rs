@@ -2,6 +2,7 @@
 //! message body into a record and inserts a batch of records with one statement. The core
 //! (consume, process, batch, ack, retry, dead-letter) knows nothing else of the data.
 
+pub mod mapping;
 pub mod users;
 
 use futures::future::BoxFuture;
@@ -100,6 +101,16 @@ pub trait Domain: Send + Sync + 'static {
     /// Decodes and validates one body. Must not panic on any input.
     fn decode(&self, body: &[u8]) -> Result<Self::Record, Rejection>;
 
+    /// Decodes one message, its properties at hand (a mapping reads columns from headers);
+    /// the body alone by default.
+    fn decode_with(
+        &self,
+        body: &[u8],
+        _properties: &lapin::BasicProperties,
+    ) -> Result<Self::Record, Rejection> {
+        self.decode(body)
+    }
+
     /// Inserts `records` with ONE statement, idempotently: a record already stored exactly as
     /// it is counts as done, also when another copy of it is being inserted at the same moment
     /// (delivery is at least once: a redelivered copy can meet the first copy's statement still
@@ -126,4 +137,7 @@ pub struct Inserted {
     /// Records (by index) not stored because another unique key of theirs belongs to another
     /// record (a users' email under another id), each with the reason: refused for good.
     pub refused: Vec<(usize, String)>,
+    /// Records that were a success but changed nothing: an older or equal version of a stored
+    /// row (`on_conflict = "update"`), or a lower version of another record in the batch.
+    pub unchanged: u64,
 }

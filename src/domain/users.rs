@@ -62,7 +62,7 @@ pub fn validate(name: &str, email: &str) -> Vec<FieldError> {
 }
 
 /// Why `email` is not a plausible address, if it is not.
-fn email_problem(email: &str) -> Option<String> {
+pub(crate) fn email_problem(email: &str) -> Option<String> {
     if email.len() > EMAIL_MAX {
         return Some(format!("must be at most {EMAIL_MAX} characters"));
     }
@@ -217,6 +217,7 @@ impl Domain for Users {
                 rows,
                 conflicts: conflicts(records, &stored),
                 refused,
+                ..Default::default()
             })
         }
         .boxed()

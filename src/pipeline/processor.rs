@@ -8,7 +8,7 @@ use std::sync::Arc;
 
 use actix::prelude::*;
 
-use super::message::{Chunk, Decoded, Drain, Processed};
+use super::message::{Chunk, Decoded, Delivery, Drain, Processed};
 use crate::domain::{Domain, Rejection};
 
 /// The processor actor.
@@ -37,8 +37,9 @@ impl<D: Domain> Processor<D> {
         }
     }
 
-    /// Decodes one body: refused unread when over the size limit.
-    fn decode(&self, body: &[u8]) -> Result<D::Record, Rejection> {
+    /// Decodes one delivery: refused unread when its body is over the size limit.
+    fn decode(&self, delivery: &Delivery) -> Result<D::Record, Rejection> {
+        let body = &delivery.body;
         if body.len() > self.max_message_bytes {
             return Err(Rejection::payload(format!(
                 "body of {} bytes exceeds MAX_MESSAGE_BYTES ({})",
@@ -46,7 +47,7 @@ impl<D: Domain> Processor<D> {
                 self.max_message_bytes
             )));
         }
-        self.domain.decode(body)
+        self.domain.decode_with(body, &delivery.properties)
     }
 }
 
@@ -64,7 +65,7 @@ impl<D: Domain> Handler<Chunk> for Processor<D> {
             .deliveries
             .into_iter()
             .map(|delivery| Decoded {
-                result: self.decode(&delivery.body),
+                result: self.decode(&delivery),
                 delivery,
             })
             .collect();

@@ -1,0 +1,287 @@
+//! A mapping against its table, before anything is consumed (`warren declare`, `warren run`): the
+//! table exists; every mapped column exists with a type the mapping's type can be written to;
+//! every NOT NULL column without a default is mapped and not optional; the key is a primary key
+//! or unique index of the table. Each mismatch names the pipeline, the table, the column, what
+//! was found and what was expected. And, for a row the database skipped: which unique index
+//! holds its value, under which key.
+
+use std::collections::HashMap;
+
+use super::insert::{cell_text, cells_by_name, refused_reason};
+use super::{Cell, ColType, Mapping, Row, quote};
+use crate::db::DbError;
+
+/// A column of the table as the catalog describes it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TableColumn {
+    pub name: String,
+    /// `format_type` of the column (`integer`, `text`, `timestamp with time zone`, ...).
+    pub sql_type: String,
+    /// The type's name in `pg_type` (`int4`, `text`, `timestamptz`, ...).
+    pub type_name: String,
+    pub not_null: bool,
+    pub has_default: bool,
+}
+
+/// What the catalog says of a table: its columns and its unique indexes (name, columns).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct TableInfo {
+    pub columns: Vec<TableColumn>,
+    pub unique: Vec<(String, Vec<String>)>,
+}
+
+/// The types of `pg_type` a mapping's type can be written to.
+fn writable(ty: ColType) -> &'static [&'static str] {
+    match ty {
+        ColType::Text => &["text", "varchar", "bpchar", "citext"],
+        ColType::Uuid => &["uuid"],
+        ColType::Int4 => &["int4", "int8", "numeric"],
+        ColType::Int8 => &["int8", "numeric"],
+        ColType::Float8 => &["float8", "numeric"],
+        ColType::Numeric => &["numeric"],
+        ColType::Bool => &["bool"],
+        ColType::Timestamptz => &["timestamptz"],
+        ColType::Date => &["date"],
+        ColType::Jsonb => &["jsonb", "json"],
+    }
+}
+
+/// Every mismatch between `mapping` and `table` (empty: they fit), each a full sentence.
+pub fn mismatches(mapping: &Mapping, table: Option<&TableInfo>) -> Vec<String> {
+    let at = format!("pipeline {}: table {}", mapping.pipeline, mapping.table);
+    let Some(table) = table else {
+        return vec![format!(
+            "{at} does not exist (warren never creates a pipeline's table: create it first)"
+        )];
+    };
+    let mut out = Vec::new();
+    let by_name: HashMap<&str, &TableColumn> =
+        table.columns.iter().map(|c| (c.name.as_str(), c)).collect();
+    for c in &mapping.columns {
+        match by_name.get(c.name.as_str()) {
+            None => out.push(format!(
+                "{at}: column {} does not exist (expected a column for the {} mapping)",
+                c.name, c.ty
+            )),
+            Some(t) if !writable(c.ty).contains(&t.type_name.as_str()) => out.push(format!(
+                "{at}: column {} is {}; a {} mapping is written to {}",
+                c.name,
+                t.sql_type,
+                c.ty,
+                writable(c.ty).join(" or ")
+            )),
+            Some(_) => {}
+        }
+    }
+    for t in &table.columns {
+        if !t.not_null || t.has_default {
+            continue;
+        }
+        match mapping.columns.iter().find(|c| c.name == t.name) {
+            None => out.push(format!(
+                "{at}: column {} is NOT NULL without a default, and no column of the mapping \
+                 fills it (expected a mapping for it)",
+                t.name
+            )),
+            Some(c) if c.optional => out.push(format!(
+                "{at}: column {} is NOT NULL without a default, but its mapping is optional \
+                 (expected optional = false)",
+                t.name
+            )),
+            Some(_) => {}
+        }
+    }
+    let mut key: Vec<&str> = mapping.key();
+    key.sort_unstable();
+    let covered = table.unique.iter().any(|(_, cols)| {
+        let mut cols: Vec<&str> = cols.iter().map(String::as_str).collect();
+        cols.sort_unstable();
+        cols == key
+    });
+    if !covered {
+        let found: Vec<String> = table
+            .unique
+            .iter()
+            .map(|(name, cols)| format!("{name} ({})", cols.join(", ")))
+            .collect();
+        out.push(format!(
+            "{at}: the key ({}) is not a primary key or unique index of the table (found: {}); \
+             expected one on exactly these columns",
+            mapping.key().join(", "),
+            if found.is_empty() {
+                "none".to_string()
+            } else {
+                found.join(", ")
+            }
+        ));
+    }
+    out
+}
+
+/// What the catalog says of `mapping`'s table (`None`: no such table), as the search path of
+/// `client`'s session resolves an unqualified name.
+pub async fn describe(
+    mapping: &Mapping,
+    client: &tokio_postgres::Client,
+) -> Result<Option<TableInfo>, DbError> {
+    let name = mapping.table.sql();
+    let oid: Option<u32> = client
+        .query_one("SELECT to_regclass($1)::oid", &[&name])
+        .await
+        .map_err(DbError::from_pg)?
+        .get(0);
+    let Some(oid) = oid else {
+        return Ok(None);
+    };
+    let columns = client
+        .query(
+            "SELECT a.attname::text, format_type(a.atttypid, a.atttypmod), t.typname::text, \
+                    a.attnotnull, a.atthasdef OR a.attidentity <> '' OR a.attgenerated <> '' \
+             FROM pg_attribute a JOIN pg_type t ON t.oid = a.atttypid \
+             WHERE a.attrelid = $1 AND a.attnum > 0 AND NOT a.attisdropped ORDER BY a.attnum",
+            &[&oid],
+        )
+        .await
+        .map_err(DbError::from_pg)?
+        .iter()
+        .map(|r| TableColumn {
+            name: r.get(0),
+            sql_type: r.get(1),
+            type_name: r.get(2),
+            not_null: r.get(3),
+            has_default: r.get(4),
+        })
+        .collect();
+    let unique = unique_indexes(client, oid).await?;
+    Ok(Some(TableInfo { columns, unique }))
+}
+
+/// The unique indexes (and primary key) of the table `oid`: (name, columns), expression and
+/// partial indexes left out (they cannot be a key).
+async fn unique_indexes<C: tokio_postgres::GenericClient>(
+    client: &C,
+    oid: u32,
+) -> Result<Vec<(String, Vec<String>)>, DbError> {
+    Ok(client
+        .query(
+            "SELECT i.relname::text, array_agg(a.attname::text ORDER BY k.ord) \
+             FROM pg_index x JOIN pg_class i ON i.oid = x.indexrelid \
+             CROSS JOIN LATERAL unnest(x.indkey) WITH ORDINALITY AS k(attnum, ord) \
+             JOIN pg_attribute a ON a.attrelid = x.indrelid AND a.attnum = k.attnum \
+             WHERE x.indrelid = $1 AND x.indisunique AND x.indpred IS NULL \
+               AND x.indexprs IS NULL \
+             GROUP BY i.relname ORDER BY i.relname",
+            &[&oid],
+        )
+        .await
+        .map_err(DbError::from_pg)?
+        .iter()
+        .map(|r| (r.get(0), r.get(1)))
+        .collect())
+}
+
+/// For each skipped record (by index in `records`): why the database skipped it, naming the
+/// unique index (other than the key's) that holds its value and the key holding it.
+pub(super) async fn unique_holders(
+    mapping: &Mapping,
+    client: &deadpool_postgres::Client,
+    records: &[&Row],
+    skipped: &[usize],
+) -> Result<Vec<(usize, String)>, DbError> {
+    let name = mapping.table.sql();
+    let oid: Option<u32> = client
+        .query_one("SELECT to_regclass($1)::oid", &[&name])
+        .await
+        .map_err(DbError::from_pg)?
+        .get(0);
+    let indexes = match oid {
+        Some(oid) => {
+            let plain: &tokio_postgres::Client = client;
+            unique_indexes(plain, oid).await?
+        }
+        None => Vec::new(),
+    };
+    let mut key: Vec<&str> = mapping.key();
+    key.sort_unstable();
+    let mut reasons: HashMap<usize, String> = HashMap::new();
+    for (index, cols) in &indexes {
+        let mut sorted: Vec<&str> = cols.iter().map(String::as_str).collect();
+        sorted.sort_unstable();
+        if sorted == key {
+            continue;
+        }
+        let types: Option<Vec<ColType>> = cols
+            .iter()
+            .map(|c| mapping.columns.iter().find(|m| &m.name == c).map(|m| m.ty))
+            .collect();
+        let Some(types) = types else {
+            continue; // an index on a column the mapping does not fill
+        };
+        let pending: Vec<usize> = skipped
+            .iter()
+            .copied()
+            .filter(|i| !reasons.contains_key(i))
+            .collect();
+        if pending.is_empty() {
+            break;
+        }
+        let mut arrays: Vec<Vec<Option<String>>> = vec![Vec::new(); cols.len()];
+        for &i in &pending {
+            let cells = cells_by_name(mapping, records[i]);
+            for (k, c) in cols.iter().enumerate() {
+                arrays[k].push(match cells.get(c.as_str()) {
+                    Some(Cell::Null) | None => None,
+                    Some(cell) => Some(cell_text(cell)),
+                });
+            }
+        }
+        let names: Vec<String> = (0..cols.len()).map(|k| format!("c{k}")).collect();
+        let params: Vec<String> = (1..=cols.len()).map(|n| format!("${n}::text[]")).collect();
+        let on: Vec<String> = cols
+            .iter()
+            .zip(&types)
+            .zip(&names)
+            .map(|((c, ty), v)| format!("s.{} = v.{v}::{ty}", quote(c)))
+            .collect();
+        let keys: Vec<String> = mapping
+            .key()
+            .iter()
+            .map(|k| format!("s.{}::text", quote(k)))
+            .collect();
+        let sql = format!(
+            "SELECT v.ord, concat_ws(', ', {keys}) FROM UNNEST({params}) WITH ORDINALITY \
+             AS v({names}, ord) JOIN {table} AS s ON {on}",
+            keys = keys.join(", "),
+            params = params.join(", "),
+            names = names.join(", "),
+            table = mapping.table.sql(),
+            on = on.join(" AND "),
+        );
+        let params: Vec<&(dyn tokio_postgres::types::ToSql + Sync)> = arrays
+            .iter()
+            .map(|a| a as &(dyn tokio_postgres::types::ToSql + Sync))
+            .collect();
+        let found = client
+            .query(&sql, &params)
+            .await
+            .map_err(DbError::from_pg)?;
+        for row in found {
+            let ord = (row.get::<_, i64>(0) - 1) as usize;
+            if let Some(&i) = pending.get(ord) {
+                reasons.insert(i, refused_reason(index, cols, Some(row.get(1)), mapping));
+            }
+        }
+    }
+    Ok(skipped
+        .iter()
+        .map(|&i| {
+            let reason = reasons.remove(&i).unwrap_or_else(|| {
+                format!(
+                    "refused by a unique index of {} (skipped by ON CONFLICT DO NOTHING)",
+                    mapping.table
+                )
+            });
+            (i, reason)
+        })
+        .collect())
+}

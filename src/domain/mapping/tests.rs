@@ -1,0 +1,326 @@
+//! The mapping's pure parts: checking a spec, decoding bodies and headers into cells.
+
+use super::*;
+use crate::domain::ErrorKind;
+
+/// The issue's `orders` example.
+fn orders_spec() -> MappingSpec {
+    toml::from_str(
+        r#"
+        table = "shop.orders"
+        key = ["order_id"]
+        on_conflict = "keep"
+        unknown_fields = "reject"
+        [columns]
+        order_id  = { path = "/id", type = "uuid" }
+        email     = { path = "/customer/email", type = "text", format = "email", max_len = 320 }
+        total     = { path = "/total", type = "numeric", min = 0 }
+        quantity  = { path = "/qty", type = "int4", min = 1, max = 1000 }
+        placed_at = { path = "/placed_at", type = "timestamptz" }
+        note      = { path = "/note", type = "text", optional = true }
+        tenant    = { header = "x-tenant", type = "text", optional = true }
+        doc       = { path = "", type = "jsonb" }
+        "#,
+    )
+    .expect("the spec parses")
+}
+
+fn orders() -> Mapping {
+    Mapping::compile("orders", &orders_spec()).expect("the spec compiles")
+}
+
+const GOOD: &str = r#"{"id":"5f0c8a4e-8f0e-4f6e-9d53-1a2b3c4d5e6f","customer":{"email":"ana@example.com"},"total":12.345678901234567890123,"qty":2,"placed_at":"2026-11-24T10:00:00+01:00"}"#;
+
+fn cell(m: &Mapping, row: &Row, name: &str) -> Cell {
+    let i = m.columns.iter().position(|c| c.name == name).unwrap();
+    row.0[i].clone()
+}
+
+#[test]
+fn a_good_message_becomes_one_cell_per_column() {
+    let m = orders();
+    let row = m.decode_message(GOOD.as_bytes(), None).unwrap();
+    assert_eq!(
+        cell(&m, &row, "order_id"),
+        Cell::Uuid("5f0c8a4e-8f0e-4f6e-9d53-1a2b3c4d5e6f".parse().unwrap())
+    );
+    assert_eq!(
+        cell(&m, &row, "email"),
+        Cell::Text("ana@example.com".into())
+    );
+    // Every digit as written, none of a float's rounding.
+    assert_eq!(
+        cell(&m, &row, "total"),
+        Cell::Numeric("12.345678901234567890123".into())
+    );
+    assert_eq!(cell(&m, &row, "quantity"), Cell::Int4(2));
+    assert_eq!(
+        cell(&m, &row, "placed_at"),
+        Cell::Timestamptz("2026-11-24T10:00:00+01:00".into())
+    );
+    assert_eq!(cell(&m, &row, "note"), Cell::Null);
+    assert_eq!(cell(&m, &row, "tenant"), Cell::Null);
+    // The whole body as written, every digit kept.
+    assert_eq!(cell(&m, &row, "doc"), Cell::Jsonb(GOOD.to_string()));
+}
+
+#[test]
+fn a_header_column_reads_the_header() {
+    let m = orders();
+    let mut h = lapin::types::FieldTable::default();
+    h.insert(
+        "x-tenant".into(),
+        lapin::types::AMQPValue::LongString("acme".into()),
+    );
+    let row = m.decode_message(GOOD.as_bytes(), Some(&h)).unwrap();
+    assert_eq!(cell(&m, &row, "tenant"), Cell::Text("acme".into()));
+}
+
+fn refused(m: &Mapping, body: &str) -> Rejection {
+    m.decode_message(body.as_bytes(), None).unwrap_err()
+}
+
+fn with(field: &str, value: &str) -> String {
+    let mut doc: Value = serde_json::from_str(GOOD).unwrap();
+    let pointer = format!("/{}", field.replace('.', "/"));
+    *doc.pointer_mut(&pointer).unwrap() = serde_json::from_str(value).unwrap();
+    doc.to_string()
+}
+
+#[test]
+fn each_bad_value_is_named_by_its_path_with_what_was_expected_and_found() {
+    let m = orders();
+    let cases = [
+        (
+            with("id", "\"nope\""),
+            "/id: expected a UUID, found \"nope\"",
+        ),
+        (with("qty", "0"), "/qty: expected at least 1, found 0"),
+        (
+            with("qty", "1001"),
+            "/qty: expected at most 1000, found 1001",
+        ),
+        (
+            with("qty", "2.5"),
+            "/qty: expected an integer (int4), found the number 2.5",
+        ),
+        (
+            with("qty", "\"2\""),
+            "/qty: expected an integer (int4), found the string \"2\"",
+        ),
+        (with("total", "-1"), "/total: expected at least 0, found -1"),
+        (
+            with("total", "\"a lot\""),
+            "/total: expected a number or a string holding a decimal, found \"a lot\"",
+        ),
+        (
+            with("customer.email", "\"nope\""),
+            "/customer/email: must be a valid email address",
+        ),
+        (
+            with("placed_at", "\"yesterday\""),
+            "/placed_at: expected an RFC 3339 time, found \"yesterday\"",
+        ),
+        (
+            with("customer", "{}"),
+            "/customer/email: missing (a text is required)",
+        ),
+        (with("id", "null"), "/id: null (a uuid is required)"),
+    ];
+    for (body, wanted) in cases {
+        let r = refused(&m, &body);
+        assert_eq!(r.kind, ErrorKind::InvalidPayload, "{body}");
+        assert!(r.reason.contains(wanted), "{body}: {}", r.reason);
+    }
+    // A numeric given as a string holding a decimal keeps it.
+    let row = m
+        .decode_message(with("total", "\"10.50\"").as_bytes(), None)
+        .unwrap();
+    assert_eq!(cell(&m, &row, "total"), Cell::Numeric("10.50".into()));
+}
+
+#[test]
+fn unknown_fields_are_refused_or_ignored_as_the_spec_says() {
+    let m = orders();
+    let r = refused(&m, &GOOD.replacen('{', "{\"extra\":1,", 1));
+    assert!(r.reason.contains("unknown field /extra"), "{}", r.reason);
+    // The whole body (`doc`) reads no field: extra is still unknown; ignored when so set.
+    let mut spec = orders_spec();
+    spec.unknown_fields = UnknownFields::Ignore;
+    let m = Mapping::compile("orders", &spec).unwrap();
+    let body = GOOD.replacen('{', "{\"extra\":1,", 1);
+    assert!(m.decode_message(body.as_bytes(), None).is_ok());
+}
+
+#[test]
+fn bodies_that_are_not_json_are_invalid_json() {
+    let m = orders();
+    for body in ["", "{", "\u{0}", "not json"] {
+        let r = refused(&m, body);
+        assert_eq!(r.kind, ErrorKind::InvalidJson, "{body:?}");
+    }
+    let r = m.decode_message(b"\xff\xfe", None).unwrap_err();
+    assert_eq!(r.kind, ErrorKind::InvalidJson);
+}
+
+#[test]
+fn every_type_takes_its_json_and_refuses_the_rest() {
+    let spec = |ty: &str| -> MappingSpec {
+        toml::from_str(&format!(
+            "table = \"t\"\nkey = [\"k\"]\n[columns]\nk = {{ path = \"/k\", type = \"int8\" }}\n\
+             v = {{ path = \"/v\", type = \"{ty}\" }}\n"
+        ))
+        .unwrap()
+    };
+    let cases: [(&str, &str, Option<Cell>); 14] = [
+        ("text", "\"a\"", Some(Cell::Text("a".into()))),
+        ("text", "1", None),
+        (
+            "int8",
+            "9007199254740993",
+            Some(Cell::Int8(9_007_199_254_740_993)),
+        ),
+        ("int4", "2147483648", None),
+        ("float8", "1.5", Some(Cell::Float8(1.5))),
+        ("float8", "\"1.5\"", None),
+        (
+            "numeric",
+            "123456789012345678901234567890.123456789",
+            Some(Cell::Numeric(
+                "123456789012345678901234567890.123456789".into(),
+            )),
+        ),
+        ("bool", "true", Some(Cell::Bool(true))),
+        ("bool", "1", None),
+        ("date", "\"2026-02-29\"", None),
+        (
+            "date",
+            "\"2024-02-29\"",
+            Some(Cell::Date("2024-02-29".into())),
+        ),
+        ("timestamptz", "\"2026-11-24 10:00:00\"", None),
+        (
+            "jsonb",
+            "[1,{\"a\":null}]",
+            Some(Cell::Jsonb("[1,{\"a\":null}]".into())),
+        ),
+        ("jsonb", "\"\\u0000\"", None),
+    ];
+    for (ty, value, want) in cases {
+        let m = Mapping::compile("p", &spec(ty)).unwrap();
+        let body = format!("{{\"k\":1,\"v\":{value}}}");
+        match (m.decode_message(body.as_bytes(), None), want) {
+            (Ok(row), Some(cell)) => assert_eq!(row.0[1], cell, "{ty} {value}"),
+            (Err(r), None) => assert!(r.reason.starts_with("/v: "), "{ty} {value}: {}", r.reason),
+            (got, want) => panic!("{ty} {value}: got {got:?}, wanted {want:?}"),
+        }
+    }
+}
+
+#[test]
+fn json_pointers_are_unescaped_and_arrays_indexed() {
+    assert_eq!(pointer_segments("").unwrap(), Vec::<String>::new());
+    assert_eq!(pointer_segments("/a~1b/~0c/0").unwrap(), ["a/b", "~c", "0"]);
+    assert!(pointer_segments("a").is_err());
+    assert!(pointer_segments("/a~2").is_err());
+    let doc = serde_json::json!({"a/b": [10, 20], "": 1});
+    let segs = pointer_segments("/a~1b/1").unwrap();
+    assert_eq!(lookup(&doc, &segs), Some(&serde_json::json!(20)));
+    assert_eq!(lookup(&doc, &pointer_segments("/a~1b/01").unwrap()), None);
+    assert_eq!(
+        lookup(&doc, &pointer_segments("/").unwrap()),
+        Some(&serde_json::json!(1))
+    );
+}
+
+#[test]
+fn mistakes_in_a_spec_name_the_pipeline_and_the_setting() {
+    let bad = |edit: &dyn Fn(&mut MappingSpec), wanted: &str| {
+        let mut spec = orders_spec();
+        edit(&mut spec);
+        let err = Mapping::compile("orders", &spec).unwrap_err().to_string();
+        assert!(err.starts_with("pipeline orders: "), "{err}");
+        assert!(err.contains(wanted), "{err}");
+    };
+    bad(
+        &|s| s.key = vec!["nope".into()],
+        "key: column \"nope\" is not among the columns",
+    );
+    bad(&|s| s.key = vec![], "key: name the columns");
+    bad(
+        &|s| s.on_conflict = OnConflict::Update,
+        "needs version_column",
+    );
+    bad(
+        &|s| s.version_column = Some("quantity".into()),
+        "version_column is for on_conflict = \"update\" only",
+    );
+    bad(
+        &|s| {
+            s.on_conflict = OnConflict::Update;
+            s.version_column = Some("email".into());
+        },
+        "expected int4, int8, numeric or timestamptz",
+    );
+    bad(
+        &|s| s.columns.get_mut("total").unwrap().path = Some("total".into()),
+        "columns.total: path \"total\" is not a JSON Pointer",
+    );
+    bad(
+        &|s| s.columns.get_mut("total").unwrap().header = Some("x".into()),
+        "columns.total: give a path or a header, not both",
+    );
+    bad(
+        &|s| s.columns.get_mut("email").unwrap().min = Some(1.0),
+        "columns.email: min and max are for numbers",
+    );
+    bad(
+        &|s| s.columns.get_mut("quantity").unwrap().max_len = Some(3),
+        "columns.quantity: min_len, max_len and format are for text",
+    );
+    bad(
+        &|s| s.table = "a.b.c".into(),
+        "expected name or schema.name",
+    );
+    bad(
+        &|s| s.table = "drop table".into(),
+        "is not a name warren takes",
+    );
+    bad(
+        &|s| s.columns.get_mut("order_id").unwrap().optional = true,
+        "is optional; a key is never NULL",
+    );
+    // An unknown type is refused where the file is read, naming the types.
+    let err = toml::from_str::<MappingSpec>(
+        "table = \"t\"\nkey = [\"k\"]\n[columns]\nk = { path = \"/k\", type = \"integer\" }\n",
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(err.contains("unknown variant `integer`"), "{err}");
+    assert!(err.contains("int4"), "{err}");
+}
+
+#[test]
+fn statements_quote_every_name() {
+    let m = orders();
+    let sql = &m.statements.insert;
+    assert!(
+        sql.starts_with("INSERT INTO \"shop\".\"orders\" (\"doc\", \"email\""),
+        "{sql}"
+    );
+    assert!(
+        sql.contains("ON CONFLICT DO NOTHING RETURNING \"order_id\""),
+        "{sql}"
+    );
+    assert!(sql.contains("$5::text[]::timestamptz[]"), "{sql}");
+    let mut spec = orders_spec();
+    spec.on_conflict = OnConflict::Update;
+    spec.version_column = Some("quantity".into());
+    let m = Mapping::compile("orders", &spec).unwrap();
+    let sql = &m.statements.insert;
+    assert!(sql.contains("SELECT DISTINCT ON (\"order_id\")"), "{sql}");
+    assert!(
+        sql.contains("WHERE stored.\"quantity\" < EXCLUDED.\"quantity\""),
+        "{sql}"
+    );
+}

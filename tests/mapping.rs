@@ -1,0 +1,252 @@
+//! A mapping against a real table, without a pipeline around it: what one insert statement does
+//! with the same key and the same content, other content, a value another unique index holds,
+//! older and newer versions (also several in one batch), NULLs and every type; and every way a
+//! mapping can fail to fit its table, each named.
+
+mod common;
+
+use common::*;
+use warren::domain::mapping::{Mapping, MappingSpec, Row, schema};
+use warren::domain::{Domain, Inserted};
+
+/// The issue's `orders` table in the env's schema, with a second unique index (`ref`).
+async fn orders_table(env: &TestEnv) {
+    env.db
+        .batch_execute(
+            "CREATE TABLE orders (
+                order_id uuid PRIMARY KEY,
+                email text NOT NULL,
+                total numeric NOT NULL CHECK (total >= 0),
+                quantity int4 NOT NULL,
+                placed_at timestamptz NOT NULL,
+                note text,
+                tenant text,
+                ref text UNIQUE,
+                version int8 NOT NULL DEFAULT 0,
+                doc jsonb NOT NULL
+            )",
+        )
+        .await
+        .expect("create orders");
+}
+
+fn spec(extra: &str) -> MappingSpec {
+    toml::from_str(&format!(
+        r#"
+        table = "orders"
+        key = ["order_id"]
+        {extra}
+        [columns]
+        order_id  = {{ path = "/id", type = "uuid" }}
+        email     = {{ path = "/email", type = "text", format = "email" }}
+        total     = {{ path = "/total", type = "numeric", min = 0 }}
+        quantity  = {{ path = "/qty", type = "int4", min = 1 }}
+        placed_at = {{ path = "/at", type = "timestamptz" }}
+        note      = {{ path = "/note", type = "text", optional = true }}
+        ref       = {{ path = "/ref", type = "text", optional = true }}
+        version   = {{ path = "/v", type = "int8" }}
+        doc       = {{ path = "", type = "jsonb" }}
+        "#
+    ))
+    .expect("spec")
+}
+
+fn body(id: &str, email: &str, total: &str, reference: Option<&str>, v: i64) -> Vec<u8> {
+    let r = reference
+        .map(|r| format!(",\"ref\":\"{r}\""))
+        .unwrap_or_default();
+    format!(
+        r#"{{"id":"{id}","email":"{email}","total":{total},"qty":1,"at":"2026-11-24T10:00:00Z","v":{v}{r}}}"#
+    )
+    .into_bytes()
+}
+
+async fn pool(env: &TestEnv) -> deadpool_postgres::Pool {
+    warren::db::pool_for(&env.settings(), 2, "warren-mapping-test").expect("pool")
+}
+
+async fn insert(m: &Mapping, pool: &deadpool_postgres::Pool, bodies: &[Vec<u8>]) -> Inserted {
+    let rows: Vec<Row> = bodies
+        .iter()
+        .map(|b| m.decode(b).expect("a valid body"))
+        .collect();
+    let refs: Vec<&Row> = rows.iter().collect();
+    let client = pool.get().await.expect("client");
+    m.insert(&client, &refs).await.expect("insert")
+}
+
+const A: &str = "11111111-1111-4111-8111-111111111111";
+const B: &str = "22222222-2222-4222-8222-222222222222";
+const C: &str = "33333333-3333-4333-8333-333333333333";
+
+#[tokio::test(flavor = "multi_thread")]
+async fn keep_same_content_succeeds_other_content_conflicts_another_index_refuses() {
+    let env = TestEnv::new("map_keep").await;
+    orders_table(&env).await;
+    let m = Mapping::compile("orders", &spec("on_conflict = \"keep\"")).unwrap();
+    let pool = pool(&env).await;
+    let first = insert(
+        &m,
+        &pool,
+        &[
+            body(A, "a@example.com", "10.50", Some("r-a"), 1),
+            body(
+                B,
+                "b@example.com",
+                "123456789012345678901234567890.123456789",
+                None,
+                1,
+            ),
+        ],
+    )
+    .await;
+    assert_eq!(
+        (first.rows, first.conflicts.len(), first.refused.len()),
+        (2, 0, 0)
+    );
+    // Every digit of the numeric, and of the number in the jsonb copy of the body.
+    let row = env
+        .db
+        .query_one(
+            "SELECT total::text, doc->>'total' FROM orders WHERE order_id = $1",
+            &[&B.parse::<uuid::Uuid>().unwrap()],
+        )
+        .await
+        .unwrap();
+    assert_eq!(
+        row.get::<_, String>(0),
+        "123456789012345678901234567890.123456789"
+    );
+    assert_eq!(
+        row.get::<_, String>(1),
+        "123456789012345678901234567890.123456789"
+    );
+
+    // The same message again (a redelivery): success, nothing new. Other content under A: a
+    // conflict naming what differs. C with the `ref` A holds: refused, naming index and holder.
+    let again = insert(
+        &m,
+        &pool,
+        &[
+            body(A, "a@example.com", "10.50", Some("r-a"), 1),
+            body(A, "other@example.com", "10.50", Some("r-a"), 1),
+            body(C, "c@example.com", "1", Some("r-a"), 1),
+        ],
+    )
+    .await;
+    assert_eq!(again.rows, 0);
+    assert_eq!(again.conflicts.len(), 1, "{again:?}");
+    assert_eq!(again.conflicts[0].0, 1);
+    assert!(
+        again.conflicts[0].1.starts_with(&format!(
+            "order_id {A} is already stored with another doc and email"
+        )),
+        "{}",
+        again.conflicts[0].1
+    );
+    assert_eq!(again.refused.len(), 1, "{again:?}");
+    assert_eq!(again.refused[0].0, 2);
+    assert_eq!(
+        again.refused[0].1,
+        format!(
+            "23505 duplicate key value violates unique constraint \"orders_ref_key\": the ref is \
+             stored under order_id {A}"
+        )
+    );
+    let n: i64 = env
+        .db
+        .query_one("SELECT count(*) FROM orders", &[])
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(n, 2);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn update_keeps_the_highest_version_also_within_one_batch() {
+    let env = TestEnv::new("map_update").await;
+    orders_table(&env).await;
+    let m = Mapping::compile(
+        "orders",
+        &spec("on_conflict = \"update\"\nversion_column = \"version\""),
+    )
+    .unwrap();
+    let pool = pool(&env).await;
+    async fn stored(env: &TestEnv) -> (String, i64) {
+        let r = env
+            .db
+            .query_one("SELECT email, version FROM orders", &[])
+            .await
+            .unwrap();
+        (r.get(0), r.get(1))
+    }
+    // Three versions of one key in one batch: the highest is written.
+    let done = insert(
+        &m,
+        &pool,
+        &[
+            body(A, "v2@example.com", "1", None, 2),
+            body(A, "v3@example.com", "1", None, 3),
+            body(A, "v1@example.com", "1", None, 1),
+        ],
+    )
+    .await;
+    assert_eq!((done.rows, done.unchanged), (1, 2));
+    assert_eq!(stored(&env).await, ("v3@example.com".into(), 3));
+    // Older, equal (other content): success, nothing changes. Newer: replaces.
+    for (v, email, changed) in [
+        (2, "old@example.com", 0),
+        (3, "eq@example.com", 0),
+        (4, "new@example.com", 1),
+    ] {
+        let done = insert(&m, &pool, &[body(A, email, "1", None, v)]).await;
+        assert_eq!(
+            (done.rows, done.unchanged),
+            (changed, 1 - changed),
+            "version {v}"
+        );
+        assert!(done.conflicts.is_empty() && done.refused.is_empty());
+    }
+    assert_eq!(stored(&env).await, ("new@example.com".into(), 4));
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_mapping_that_does_not_fit_its_table_is_named_before_anything_runs() {
+    let env = TestEnv::new("map_schema").await;
+    let m = Mapping::compile("orders", &spec("")).unwrap();
+    let problems = schema::mismatches(&m, schema::describe(&m, &env.db).await.unwrap().as_ref());
+    assert_eq!(
+        problems,
+        [
+            "pipeline orders: table orders does not exist (warren never creates a pipeline's table: create it first)"
+        ]
+    );
+
+    env.db
+        .batch_execute(
+            "CREATE TABLE orders (
+                order_id uuid,
+                email text NOT NULL,
+                total integer NOT NULL,
+                quantity int4 NOT NULL,
+                placed_at timestamptz NOT NULL,
+                note text,
+                ref text,
+                version int8 NOT NULL,
+                doc jsonb NOT NULL,
+                owner text NOT NULL
+            )",
+        )
+        .await
+        .unwrap();
+    let problems = schema::mismatches(&m, schema::describe(&m, &env.db).await.unwrap().as_ref());
+    let all = problems.join("\n");
+    for wanted in [
+        "pipeline orders: table orders: column total is integer; a numeric mapping is written to numeric",
+        "column owner is NOT NULL without a default, and no column of the mapping fills it",
+        "the key (order_id) is not a primary key or unique index of the table (found: none)",
+    ] {
+        assert!(all.contains(wanted), "missing {wanted:?} in:\n{all}");
+    }
+    assert_eq!(problems.len(), 3, "{all}");
+}
