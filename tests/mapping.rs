@@ -250,3 +250,61 @@ async fn a_mapping_that_does_not_fit_its_table_is_named_before_anything_runs() {
     }
     assert_eq!(problems.len(), 3, "{all}");
 }
+
+/// `warren declare` and `warren run` check every configured pipeline's table before anything
+/// is consumed: a missing table or a column that does not fit stops them with exit 2, naming
+/// the pipeline, the table and the column; a table that fits passes.
+#[tokio::test(flavor = "multi_thread")]
+async fn declare_and_run_refuse_a_pipeline_whose_table_does_not_fit() {
+    let env = TestEnv::new("map_check").await;
+    let dir = tempfile::tempdir().expect("temp dir");
+    let path = dir.path().join("pipelines.toml");
+    let write = |extra_column: &str| {
+        let columns = format!(
+            r#"
+[[pipelines]]
+name = "orders"
+table = "orders"
+key = ["order_id"]
+[pipelines.columns]
+order_id  = {{ path = "/id", type = "uuid" }}
+email     = {{ path = "/email", type = "text", format = "email" }}
+total     = {{ path = "/total", type = "numeric", min = 0 }}
+quantity  = {{ path = "/qty", type = "int4", min = 1 }}
+placed_at = {{ path = "/at", type = "timestamptz" }}
+doc       = {{ path = "", type = "jsonb" }}
+{extra_column}
+"#
+        );
+        std::fs::write(&path, columns).expect("write the config");
+    };
+    let config = path.to_str().expect("utf-8 path").to_string();
+    write("");
+    let (code, out, err) = env.run_async(&["--config", &config, "declare"]).await;
+    assert_eq!(code, 2, "no table yet:\n{out}{err}");
+    assert!(
+        err.contains("pipeline orders: table orders does not exist"),
+        "{err}"
+    );
+
+    orders_table(&env).await;
+    let (code, out, err) = env.run_async(&["--config", &config, "declare"]).await;
+    assert_eq!(code, 0, "the table fits:\n{out}{err}");
+
+    // A column the table does not have, and one of a type it cannot take.
+    write(r#"colour = { path = "/colour", type = "text", optional = true }"#);
+    let (code, out, err) = env.run_async(&["--config", &config, "declare"]).await;
+    assert_eq!(code, 2, "{out}{err}");
+    assert!(err.contains("orders") && err.contains("colour"), "{err}");
+    write(r#"note = { path = "/note", type = "int4", optional = true }"#);
+    for args in [&["declare"][..], &["run", "--roles", "consumer"]] {
+        let mut full = vec!["--config", config.as_str()];
+        full.extend_from_slice(args);
+        let (code, out, err) = env.run_async(&full).await;
+        assert_eq!(code, 2, "warren {args:?}:\n{out}{err}");
+        assert!(
+            err.contains("pipeline orders") && err.contains("note") && err.contains("int4"),
+            "warren {args:?}: {err}"
+        );
+    }
+}

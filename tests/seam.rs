@@ -97,6 +97,7 @@ async fn a_second_domain_runs_through_the_same_core() {
     let pool = warren::db::pool_for(&settings, 2, "warren-seam-test").expect("pool");
     let spec = Spec {
         name: "events",
+        pipeline: "events".into(),
         queue: env.main_queue.clone(),
         batch_size: 50,
         batch_timeout: Duration::from_millis(100),

@@ -1,5 +1,5 @@
 //! The header readers and writers on any headers table: `warren::amqp::headers` (`retries`,
-//! `text`, `to_json`, `for_retry`, `for_dead_letter`, `for_replay`) and the `dlq` tool's own
+//! `text`, `to_json`, and the republish stamps `for_retry`, `for_dead_letter`, `for_replay`) and the `dlq` tool's own
 //! (`kind_of`, `replay_headers`). None may panic, and each keeps its promise.
 //!
 //! Input: 4 bytes of `x-retries` to write (big endian), then the entries of an AMQP field table
@@ -12,6 +12,7 @@ use lapin::types::parsing::{parse_short_string, parse_value};
 use lapin::types::{AMQPValue, FieldTable};
 use libfuzzer_sys::fuzz_target;
 use warren::amqp::headers::{self, Retries};
+use warren::amqp::republish;
 use warren::cli::dlq::{KINDS, kind_of, replay_headers};
 
 /// The entries of `wire` up to the first one that does not parse.
@@ -68,7 +69,7 @@ fuzz_target!(|data: &[u8]| {
     );
 
     // Writers: the count and the texts they promise, every other header kept.
-    let retry = headers::for_retry(&p, count, &reason, "main");
+    let retry = republish::for_retry(&p, count, &reason, "main");
     assert_eq!(headers::retries(&retry), Retries::Count(count));
     assert_eq!(
         headers::text(&retry, headers::X_RETRY_REASON),
@@ -84,7 +85,7 @@ fuzz_target!(|data: &[u8]| {
     };
     assert_eq!(others(&retry, written), others(&p, written));
 
-    let dead = headers::for_dead_letter(&p, count, "db_permanent", &reason);
+    let dead = republish::for_dead_letter(&p, count, "db_permanent", &reason);
     assert_eq!(headers::retries(&dead), Retries::Count(count));
     assert_eq!(
         headers::text(&dead, headers::X_ERROR_KIND).as_deref(),
@@ -92,7 +93,7 @@ fuzz_target!(|data: &[u8]| {
     );
     assert_eq!(kind_of(&dead).as_deref(), Some("db_permanent"));
 
-    let replay = headers::for_replay(&dead);
+    let replay = republish::for_replay(&dead);
     assert_eq!(headers::retries(&replay), Retries::Count(0));
     let error = |k: &str| k.starts_with("x-error-");
     assert!(

@@ -4,9 +4,7 @@
 //! The properties of every copy warren publishes are made by `amqp::republish`.
 
 use lapin::BasicProperties;
-use lapin::types::{AMQPValue, LongString};
-
-use super::republish::{Stamp, copy_properties};
+use lapin::types::AMQPValue;
 
 pub const X_RETRIES: &str = "x-retries";
 pub const X_RETRY_REASON: &str = "x-retry-reason";
@@ -150,94 +148,8 @@ pub fn to_json(properties: &BasicProperties) -> serde_json::Value {
     serde_json::Value::Object(map)
 }
 
-fn long(s: &str) -> AMQPValue {
-    AMQPValue::LongString(LongString::from(s.as_bytes().to_vec()))
-}
-
 /// The headers whose text warren may cut when a copy must fit in a frame (`republish::fit`).
 pub const REASONS: [&str; 2] = [X_ERROR_REASON, X_RETRY_REASON];
-
-/// The original's properties with the given headers set (others kept), as the republish policy
-/// makes every copy (`amqp::republish`).
-pub fn with_headers(properties: &BasicProperties, set: &[(&str, AMQPValue)]) -> BasicProperties {
-    copy_properties(
-        properties,
-        &Stamp {
-            set: set.to_vec(),
-            ..Default::default()
-        },
-    )
-}
-
-/// Properties for a retry: `x-retries` = `retries`, `x-retry-reason` = `reason`; the retry tier
-/// dead-letters the copy back into `main_queue` (see `Stamp::dead_letters_into`).
-pub fn for_retry(
-    properties: &BasicProperties,
-    retries: u32,
-    reason: &str,
-    main_queue: &str,
-) -> BasicProperties {
-    copy_properties(
-        properties,
-        &Stamp {
-            set: vec![
-                (X_RETRIES, AMQPValue::LongLongInt(retries as i64)),
-                (X_RETRY_REASON, long(&capped(reason, REASON_MAX))),
-            ],
-            dead_letters_into: Some(main_queue),
-            ..Default::default()
-        },
-    )
-}
-
-/// Properties for a dead-lettered message.
-pub fn for_dead_letter(
-    properties: &BasicProperties,
-    retries: u32,
-    kind: &str,
-    reason: &str,
-) -> BasicProperties {
-    with_headers(
-        properties,
-        &[
-            (X_RETRIES, AMQPValue::LongLongInt(retries as i64)),
-            (X_ERROR_KIND, long(kind)),
-            (X_ERROR_REASON, long(&capped(reason, REASON_MAX))),
-        ],
-    )
-}
-
-/// Properties for a DLQ message the DLQ consumer tries again later: `x-dlq-attempts` =
-/// `attempts`, the reason of the last failure in `x-error-reason`; the rest kept.
-pub fn for_dlq_attempt(
-    properties: &BasicProperties,
-    attempts: u32,
-    reason: &str,
-) -> BasicProperties {
-    with_headers(
-        properties,
-        &[
-            (X_DLQ_ATTEMPTS, AMQPValue::LongLongInt(attempts as i64)),
-            (X_ERROR_REASON, long(&capped(reason, REASON_MAX))),
-        ],
-    )
-}
-
-/// Properties for a message replayed from the DLQ: `x-retries` = 0, every `x-error-*` header
-/// and `x-dlq-attempts` removed, `x-death` moved aside (a new life); the rest as the republish
-/// policy keeps it.
-pub fn for_replay(properties: &BasicProperties) -> BasicProperties {
-    copy_properties(
-        properties,
-        &Stamp {
-            set: vec![(X_RETRIES, AMQPValue::LongLongInt(0))],
-            remove: &[X_DLQ_ATTEMPTS],
-            remove_prefixes: &["x-error-"],
-            restart: true,
-            dead_letters_into: None,
-        },
-    )
-}
 
 #[cfg(test)]
 mod tests {
@@ -248,20 +160,6 @@ mod tests {
         let mut h = FieldTable::default();
         h.insert(X_RETRIES.into(), v);
         BasicProperties::default().with_headers(h)
-    }
-
-    #[test]
-    fn reasons_are_capped_on_a_character_boundary() {
-        let long_reason = "é".repeat(2000);
-        let p = for_dead_letter(&BasicProperties::default(), 0, "k", &long_reason);
-        let written = text(&p, X_ERROR_REASON).unwrap();
-        assert!(written.len() <= REASON_MAX, "{}", written.len());
-        assert!(written.ends_with('…'));
-        assert_eq!(capped("short", REASON_MAX), "short");
-        let p = for_dlq_attempt(&p, 2, &long_reason);
-        assert_eq!(dlq_attempts(&p), Retries::Count(2));
-        assert!(text(&p, X_ERROR_REASON).unwrap().len() <= REASON_MAX);
-        assert_eq!(text(&for_replay(&p), X_DLQ_ATTEMPTS), None);
     }
 
     #[test]
@@ -279,7 +177,7 @@ mod tests {
     #[test]
     fn strings_negatives_and_floats_are_invalid_and_count_as_zero() {
         for v in [
-            long("2"),
+            AMQPValue::LongString("2".into()),
             AMQPValue::LongLongInt(-1),
             AMQPValue::Double(1.5),
             AMQPValue::Boolean(true),
@@ -288,53 +186,5 @@ mod tests {
             assert!(matches!(r, Retries::Invalid(_)), "{r:?}");
             assert_eq!(r.count(), 0);
         }
-    }
-
-    #[test]
-    fn retry_headers_replace_the_count_and_keep_the_rest() {
-        let mut h = FieldTable::default();
-        h.insert("trace".into(), long("abc"));
-        h.insert(X_RETRIES.into(), long("junk"));
-        let p = BasicProperties::default()
-            .with_message_id("m1".into())
-            .with_headers(h);
-        let next = for_retry(&p, 1, "db_error: x", "main");
-        assert_eq!(retries(&next), Retries::Count(1));
-        assert_eq!(text(&next, X_RETRY_REASON).unwrap(), "db_error: x");
-        assert_eq!(text(&next, "trace").unwrap(), "abc");
-        assert_eq!(next.message_id().as_ref().unwrap().as_str(), "m1");
-        let dead = for_dead_letter(&next, 3, "retries_exhausted", "r");
-        assert_eq!(text(&dead, X_ERROR_KIND).unwrap(), "retries_exhausted");
-        assert_eq!(to_json(&dead)["x-retries"], serde_json::json!(3));
-    }
-
-    #[test]
-    fn replay_resets_the_count_drops_the_error_headers_and_keeps_the_rest() {
-        let dead = for_dead_letter(
-            &BasicProperties::default()
-                .with_message_id("m2".into())
-                .with_content_type("application/json".into())
-                .with_delivery_mode(2)
-                .with_timestamp(42),
-            3,
-            "retries_exhausted",
-            "db_error: x",
-        );
-        let dead = with_headers(&dead, &[("trace", long("abc"))]);
-        let replay = for_replay(&dead);
-        assert_eq!(retries(&replay), Retries::Count(0));
-        assert_eq!(text(&replay, X_ERROR_KIND), None);
-        assert_eq!(text(&replay, X_ERROR_REASON), None);
-        assert_eq!(text(&replay, "trace").unwrap(), "abc");
-        assert_eq!(replay.message_id().as_ref().unwrap().as_str(), "m2");
-        assert_eq!(
-            replay.content_type().as_ref().unwrap().as_str(),
-            "application/json"
-        );
-        assert_eq!(*replay.delivery_mode(), Some(2));
-        assert_eq!(*replay.timestamp(), Some(42));
-        // No headers at all: only x-retries = 0 is added.
-        let bare = for_replay(&BasicProperties::default());
-        assert_eq!(to_json(&bare), serde_json::json!({"x-retries": 0}));
     }
 }

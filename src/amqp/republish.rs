@@ -33,6 +33,10 @@ use std::collections::BTreeMap;
 use lapin::BasicProperties;
 use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
 
+use crate::amqp::headers::{
+    REASON_MAX, X_DLQ_ATTEMPTS, X_ERROR_KIND, X_ERROR_REASON, X_RETRIES, X_RETRY_REASON, capped,
+};
+
 /// Where a moved property goes: `x-original-` and its name.
 pub const ORIGINAL_PREFIX: &str = "x-original-";
 pub const X_ORIGINAL_EXPIRATION: &str = "x-original-expiration";
@@ -258,6 +262,88 @@ fn long(bytes: &[u8]) -> AMQPValue {
     AMQPValue::LongString(LongString::from(bytes.to_vec()))
 }
 
+/// The original's properties with the given headers set (others kept), as the republish policy
+/// makes every copy (`amqp::republish`).
+pub fn with_headers(properties: &BasicProperties, set: &[(&str, AMQPValue)]) -> BasicProperties {
+    copy_properties(
+        properties,
+        &Stamp {
+            set: set.to_vec(),
+            ..Default::default()
+        },
+    )
+}
+
+/// Properties for a retry: `x-retries` = `retries`, `x-retry-reason` = `reason`; the retry tier
+/// dead-letters the copy back into `main_queue` (see `Stamp::dead_letters_into`).
+pub fn for_retry(
+    properties: &BasicProperties,
+    retries: u32,
+    reason: &str,
+    main_queue: &str,
+) -> BasicProperties {
+    copy_properties(
+        properties,
+        &Stamp {
+            set: vec![
+                (X_RETRIES, AMQPValue::LongLongInt(retries as i64)),
+                (X_RETRY_REASON, long(capped(reason, REASON_MAX).as_bytes())),
+            ],
+            dead_letters_into: Some(main_queue),
+            ..Default::default()
+        },
+    )
+}
+
+/// Properties for a dead-lettered message.
+pub fn for_dead_letter(
+    properties: &BasicProperties,
+    retries: u32,
+    kind: &str,
+    reason: &str,
+) -> BasicProperties {
+    with_headers(
+        properties,
+        &[
+            (X_RETRIES, AMQPValue::LongLongInt(retries as i64)),
+            (X_ERROR_KIND, long(kind.as_bytes())),
+            (X_ERROR_REASON, long(capped(reason, REASON_MAX).as_bytes())),
+        ],
+    )
+}
+
+/// Properties for a DLQ message the DLQ consumer tries again later: `x-dlq-attempts` =
+/// `attempts`, the reason of the last failure in `x-error-reason`; the rest kept.
+pub fn for_dlq_attempt(
+    properties: &BasicProperties,
+    attempts: u32,
+    reason: &str,
+) -> BasicProperties {
+    with_headers(
+        properties,
+        &[
+            (X_DLQ_ATTEMPTS, AMQPValue::LongLongInt(attempts as i64)),
+            (X_ERROR_REASON, long(capped(reason, REASON_MAX).as_bytes())),
+        ],
+    )
+}
+
+/// Properties for a message replayed from the DLQ: `x-retries` = 0, every `x-error-*` header
+/// and `x-dlq-attempts` removed, `x-death` moved aside (a new life); the rest as the republish
+/// policy keeps it.
+pub fn for_replay(properties: &BasicProperties) -> BasicProperties {
+    copy_properties(
+        properties,
+        &Stamp {
+            set: vec![(X_RETRIES, AMQPValue::LongLongInt(0))],
+            remove: &[X_DLQ_ATTEMPTS],
+            remove_prefixes: &["x-error-"],
+            restart: true,
+            dead_letters_into: None,
+        },
+    )
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -413,5 +499,74 @@ mod tests {
         // No limit, or room enough: unchanged.
         assert_eq!(fit(p.clone(), &["x-error-reason"], 0).unwrap(), p);
         assert_eq!(fit(p.clone(), &[], 131_072).unwrap(), p);
+    }
+}
+
+#[cfg(test)]
+mod stamp_tests {
+    use super::*;
+    use crate::amqp::headers::*;
+    use lapin::types::FieldTable;
+
+    #[test]
+    fn reasons_are_capped_on_a_character_boundary() {
+        let long_reason = "é".repeat(2000);
+        let p = for_dead_letter(&BasicProperties::default(), 0, "k", &long_reason);
+        let written = text(&p, X_ERROR_REASON).unwrap();
+        assert!(written.len() <= REASON_MAX, "{}", written.len());
+        assert!(written.ends_with('…'));
+        assert_eq!(capped("short", REASON_MAX), "short");
+        let p = for_dlq_attempt(&p, 2, &long_reason);
+        assert_eq!(dlq_attempts(&p), Retries::Count(2));
+        assert!(text(&p, X_ERROR_REASON).unwrap().len() <= REASON_MAX);
+        assert_eq!(text(&for_replay(&p), X_DLQ_ATTEMPTS), None);
+    }
+
+    #[test]
+    fn retry_headers_replace_the_count_and_keep_the_rest() {
+        let mut h = FieldTable::default();
+        h.insert("trace".into(), long(b"abc"));
+        h.insert(X_RETRIES.into(), long(b"junk"));
+        let p = BasicProperties::default()
+            .with_message_id("m1".into())
+            .with_headers(h);
+        let next = for_retry(&p, 1, "db_error: x", "main");
+        assert_eq!(retries(&next), Retries::Count(1));
+        assert_eq!(text(&next, X_RETRY_REASON).unwrap(), "db_error: x");
+        assert_eq!(text(&next, "trace").unwrap(), "abc");
+        assert_eq!(next.message_id().as_ref().unwrap().as_str(), "m1");
+        let dead = for_dead_letter(&next, 3, "retries_exhausted", "r");
+        assert_eq!(text(&dead, X_ERROR_KIND).unwrap(), "retries_exhausted");
+        assert_eq!(to_json(&dead)["x-retries"], serde_json::json!(3));
+    }
+
+    #[test]
+    fn replay_resets_the_count_drops_the_error_headers_and_keeps_the_rest() {
+        let dead = for_dead_letter(
+            &BasicProperties::default()
+                .with_message_id("m2".into())
+                .with_content_type("application/json".into())
+                .with_delivery_mode(2)
+                .with_timestamp(42),
+            3,
+            "retries_exhausted",
+            "db_error: x",
+        );
+        let dead = with_headers(&dead, &[("trace", long(b"abc"))]);
+        let replay = for_replay(&dead);
+        assert_eq!(retries(&replay), Retries::Count(0));
+        assert_eq!(text(&replay, X_ERROR_KIND), None);
+        assert_eq!(text(&replay, X_ERROR_REASON), None);
+        assert_eq!(text(&replay, "trace").unwrap(), "abc");
+        assert_eq!(replay.message_id().as_ref().unwrap().as_str(), "m2");
+        assert_eq!(
+            replay.content_type().as_ref().unwrap().as_str(),
+            "application/json"
+        );
+        assert_eq!(*replay.delivery_mode(), Some(2));
+        assert_eq!(*replay.timestamp(), Some(42));
+        // No headers at all: only x-retries = 0 is added.
+        let bare = for_replay(&BasicProperties::default());
+        assert_eq!(to_json(&bare), serde_json::json!({"x-retries": 0}));
     }
 }

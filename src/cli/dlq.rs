@@ -509,7 +509,7 @@ async fn replay_on(
             exchange: settings.main_exchange.clone(),
             routing_key: settings.main_queue.clone(),
             body: std::mem::take(&mut m.data).into(),
-            properties: headers::for_replay(&m.properties),
+            properties: crate::amqp::republish::for_replay(&m.properties),
         };
         match publish_confirmed(&publish, msg, frame_max, timeout).await {
             Ok(()) => {
@@ -760,7 +760,7 @@ fn parked_properties(
             .with_timestamp(now_s()),
     };
     // Through the republish policy like every copy warren publishes (`amqp::republish`).
-    Ok(headers::for_replay(
+    Ok(crate::amqp::republish::for_replay(
         &base.with_headers(replay_headers(headers_json)?),
     ))
 }

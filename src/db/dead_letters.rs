@@ -25,6 +25,8 @@ pub const REASON_MAX: usize = 1024;
 /// One message to park.
 #[derive(Debug, Clone)]
 pub struct ParkRow<'a> {
+    /// The pipeline it belongs to (a replay sends it back there).
+    pub pipeline: &'a str,
     /// The AMQP message id, if the message had one.
     pub message_id: Option<&'a str>,
     /// The body, byte for byte.
@@ -47,11 +49,11 @@ pub struct Parked {
 }
 
 const PARK: &str = "INSERT INTO dead_letters \
-     (message_id, body, headers, error_kind, error_reason, fingerprint) \
-     SELECT m, b, h, k, r, f \
-     FROM UNNEST($1::text[], $2::bytea[], $3::jsonb[], $4::text[], $5::text[], $6::bytea[]) \
-       AS t(m, b, h, k, r, f) \
-     ON CONFLICT (fingerprint) DO UPDATE SET \
+     (pipeline, message_id, body, headers, error_kind, error_reason, fingerprint) \
+     SELECT p, m, b, h, k, r, f \
+     FROM UNNEST($1::text[], $2::text[], $3::bytea[], $4::jsonb[], $5::text[], $6::text[], \
+                 $7::bytea[]) AS t(p, m, b, h, k, r, f) \
+     ON CONFLICT (pipeline, fingerprint) DO UPDATE SET \
        replayed_at = NULL, error_kind = EXCLUDED.error_kind, \
        error_reason = EXCLUDED.error_reason, headers = EXCLUDED.headers, \
        parked_at = now(), park_count = dead_letters.park_count + 1 \
@@ -125,7 +127,7 @@ pub async fn park(pool: &Pool, bound: Duration, rows: &[ParkRow<'_>]) -> Result<
     let mut seen = HashSet::with_capacity(rows.len());
     let unique: Vec<&ParkRow> = rows
         .iter()
-        .filter(|r| seen.insert((r.message_id, r.body)))
+        .filter(|r| seen.insert((r.pipeline, r.message_id, r.body)))
         .collect();
     match insert(pool, bound, &unique, Keep::All).await {
         Ok(()) => {
@@ -176,6 +178,7 @@ async fn insert(
     rows: &[&ParkRow<'_>],
     keep: Keep,
 ) -> Result<(), DbError> {
+    let pipelines: Vec<&str> = rows.iter().map(|r| r.pipeline).collect();
     let mut ids: Vec<Option<String>> = Vec::with_capacity(rows.len());
     let mut bodies: Vec<&[u8]> = Vec::with_capacity(rows.len());
     let mut headers: Vec<Value> = Vec::with_capacity(rows.len());
@@ -219,7 +222,15 @@ async fn insert(
         client
             .execute(
                 &statement,
-                &[&ids, &bodies, &headers, &kinds, &reasons, &fingerprints],
+                &[
+                    &pipelines,
+                    &ids,
+                    &bodies,
+                    &headers,
+                    &kinds,
+                    &reasons,
+                    &fingerprints,
+                ],
             )
             .await
             .map_err(DbError::from_pg)?;

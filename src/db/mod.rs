@@ -3,7 +3,7 @@
 //! decides between retrying, dead-lettering and stopping, and (`dead_letters`) the parking table.
 
 pub mod dead_letters;
-mod error;
+pub mod error;
 pub use error::{DbError, ErrorClass, classify_sqlstate};
 
 use std::time::Duration;
@@ -122,6 +122,53 @@ pub fn pool_for(
 pub struct MigrationReport {
     /// Versions applied now, as `V1__users`.
     pub applied: Vec<String>,
+}
+
+/// Every migration built into warren, in order: (version, `V1__users`).
+pub fn embedded_migrations() -> Vec<(i64, String)> {
+    embedded::migrations::runner()
+        .get_migrations()
+        .iter()
+        .map(|m| {
+            (
+                i64::from(m.version()),
+                format!("V{}__{}", m.version(), m.name()),
+            )
+        })
+        .collect()
+}
+
+/// The versions of the migrations applied in `DATABASE_SCHEMA` (none when its history table
+/// does not exist yet); an error when the database cannot be asked. Reads only.
+pub async fn applied_migrations(settings: &Settings) -> Result<Vec<i64>, DbError> {
+    let (client, connection) = pg_config(settings)?
+        .connect(NoTls)
+        .await
+        .map_err(DbError::from_pg)?;
+    let task = tokio::spawn(connection);
+    let table = format!("{}.refinery_schema_history", settings.database_schema);
+    let result = async {
+        let exists: Option<u32> = client
+            .query_one("SELECT to_regclass($1)::oid", &[&table])
+            .await
+            .map_err(DbError::from_pg)?
+            .get(0);
+        if exists.is_none() {
+            return Ok(Vec::new());
+        }
+        let rows = client
+            .query(
+                &format!("SELECT version::int8 FROM {table} ORDER BY version"),
+                &[],
+            )
+            .await
+            .map_err(DbError::from_pg)?;
+        Ok(rows.iter().map(|r| r.get::<_, i64>(0)).collect())
+    }
+    .await;
+    drop(client);
+    let _ = task.await;
+    result
 }
 
 /// Creates the schema if needed and applies the embedded, versioned migrations in it.

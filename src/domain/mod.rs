@@ -7,7 +7,7 @@ pub mod users;
 
 use futures::future::BoxFuture;
 
-use crate::db::DbError;
+use crate::db::error::DbError;
 
 /// Why a body was refused before it reached the database. Refused messages go straight to the
 /// DLQ, with no retries.

@@ -9,7 +9,7 @@ use uuid::Uuid;
 use std::collections::{HashMap, HashSet};
 
 use super::{Domain, Inserted, Rejection};
-use crate::db::DbError;
+use crate::db::error::DbError;
 
 /// Longest accepted name, in characters.
 pub const NAME_MAX_CHARS: usize = 200;

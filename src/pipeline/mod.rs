@@ -71,6 +71,9 @@ pub enum FallbackKind {
 pub struct Spec {
     /// `main` or `dlq` (or a test's name): the `pipeline` label of logs and metrics.
     pub name: &'static str,
+    /// The pipeline the stage belongs to (`users`, or a configured one's name): what its parked
+    /// rows are filed under.
+    pub pipeline: String,
     pub queue: String,
     pub batch_size: usize,
     pub batch_timeout: Duration,
@@ -95,6 +98,7 @@ impl Spec {
     pub fn main(settings: &Settings) -> Self {
         Self {
             name: "main",
+            pipeline: "users".into(),
             queue: settings.main_queue.clone(),
             batch_size: settings.users_batch_size,
             batch_timeout: settings.batch_timeout(),
@@ -162,6 +166,7 @@ pub fn start<D: Domain>(settings: &Settings, spec: Spec, domain: Arc<D>, pool: P
         requeues: AtomicU32::new(0),
         pool: pool.clone(),
         db_bound,
+        parks_as: spec.pipeline.clone(),
     };
     let leftovers: Recipient<Leftovers> = match spec.fallback {
         FallbackKind::Route => Supervisor::start(move |_| Router::new(fallback)).recipient(),

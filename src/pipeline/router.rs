@@ -20,7 +20,7 @@ use super::message::{Delivery, Disposition, Failure, Leftovers, Settle};
 use crate::amqp::AmqpError;
 use crate::amqp::headers::{self, Retries};
 use crate::amqp::publisher::{Publish, PublishAll, Publisher};
-use crate::amqp::republish::Unpublishable;
+use crate::amqp::republish::{self, Unpublishable};
 use crate::config::Settings;
 use crate::db::{ErrorClass, dead_letters};
 use crate::domain::ErrorKind;
@@ -87,13 +87,13 @@ impl Republisher {
             Route::Retry { reason } if count < self.max_retries => (
                 &self.retry_exchange,
                 &self.retry_queues[retry_tier(count + 1, self.retry_queues.len())],
-                headers::for_retry(&message.properties, count + 1, reason, &self.main_queue),
+                republish::for_retry(&message.properties, count + 1, reason, &self.main_queue),
                 "retry",
             ),
             Route::Retry { reason } => (
                 &self.dlx_exchange,
                 &self.dlq_queue,
-                headers::for_dead_letter(
+                republish::for_dead_letter(
                     &message.properties,
                     count,
                     ErrorKind::RetriesExhausted.as_str(),
@@ -104,13 +104,13 @@ impl Republisher {
             Route::DeadLetter { kind, reason } => (
                 &self.dlx_exchange,
                 &self.dlq_queue,
-                headers::for_dead_letter(&message.properties, count, kind.as_str(), reason),
+                republish::for_dead_letter(&message.properties, count, kind.as_str(), reason),
                 kind.as_str(),
             ),
             Route::DlqAttempt { attempts, reason } => (
                 &self.dlx_exchange,
                 &self.dlq_queue,
-                headers::for_dlq_attempt(&message.properties, *attempts, reason),
+                republish::for_dlq_attempt(&message.properties, *attempts, reason),
                 "dlq_retry",
             ),
         };
@@ -334,6 +334,8 @@ pub struct Fallback {
     pub pool: deadpool_postgres::Pool,
     /// Client-side bound on the park statement.
     pub db_bound: Duration,
+    /// The pipeline parked rows are filed under (`dead_letters.pipeline`).
+    pub parks_as: String,
 }
 
 impl Fallback {
@@ -385,6 +387,7 @@ impl Fallback {
                 indices.push(i);
                 kinds.push(kind.as_str());
                 rows.push(dead_letters::ParkRow {
+                    pipeline: &self.parks_as,
                     message_id: d.properties.message_id().as_ref().map(|m| m.as_str()),
                     body: &d.body,
                     headers: headers::to_json(&d.properties),

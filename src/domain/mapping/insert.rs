@@ -16,7 +16,7 @@ use std::collections::HashMap;
 use tokio_postgres::types::ToSql;
 
 use super::{Cell, ColType, Column, Mapping, OnConflict, Row, TableName, quote};
-use crate::db::DbError;
+use crate::db::error::DbError;
 use crate::domain::Inserted;
 
 /// The statements of one mapping, built once.
@@ -295,7 +295,7 @@ pub(super) async fn insert(
     let refused = if skipped.is_empty() {
         Vec::new()
     } else {
-        super::schema::unique_holders(mapping, client, records, &skipped).await?
+        unique_holders(mapping, client, records, &skipped).await?
     };
     Ok(Inserted {
         rows: written as u64,
@@ -345,4 +345,110 @@ pub(super) fn cells_by_name<'a>(mapping: &'a Mapping, row: &'a Row) -> HashMap<&
 
 pub(super) fn cell_text(cell: &Cell) -> String {
     shown(cell)
+}
+
+/// For each skipped record (by index in `records`): why the database skipped it, naming the
+/// unique index (other than the key's) that holds its value and the key holding it.
+pub(super) async fn unique_holders(
+    mapping: &Mapping,
+    client: &deadpool_postgres::Client,
+    records: &[&Row],
+    skipped: &[usize],
+) -> Result<Vec<(usize, String)>, DbError> {
+    let name = mapping.table.sql();
+    let oid: Option<u32> = client
+        .query_one("SELECT to_regclass($1)::oid", &[&name])
+        .await
+        .map_err(DbError::from_pg)?
+        .get(0);
+    let indexes = match oid {
+        Some(oid) => {
+            let plain: &tokio_postgres::Client = client;
+            super::schema::unique_indexes(plain, oid).await?
+        }
+        None => Vec::new(),
+    };
+    let mut key: Vec<&str> = mapping.key();
+    key.sort_unstable();
+    let mut reasons: HashMap<usize, String> = HashMap::new();
+    for (index, cols) in &indexes {
+        let mut sorted: Vec<&str> = cols.iter().map(String::as_str).collect();
+        sorted.sort_unstable();
+        if sorted == key {
+            continue;
+        }
+        let types: Option<Vec<ColType>> = cols
+            .iter()
+            .map(|c| mapping.columns.iter().find(|m| &m.name == c).map(|m| m.ty))
+            .collect();
+        let Some(types) = types else {
+            continue; // an index on a column the mapping does not fill
+        };
+        let pending: Vec<usize> = skipped
+            .iter()
+            .copied()
+            .filter(|i| !reasons.contains_key(i))
+            .collect();
+        if pending.is_empty() {
+            break;
+        }
+        let mut arrays: Vec<Vec<Option<String>>> = vec![Vec::new(); cols.len()];
+        for &i in &pending {
+            let cells = cells_by_name(mapping, records[i]);
+            for (k, c) in cols.iter().enumerate() {
+                arrays[k].push(match cells.get(c.as_str()) {
+                    Some(Cell::Null) | None => None,
+                    Some(cell) => Some(cell_text(cell)),
+                });
+            }
+        }
+        let names: Vec<String> = (0..cols.len()).map(|k| format!("c{k}")).collect();
+        let params: Vec<String> = (1..=cols.len()).map(|n| format!("${n}::text[]")).collect();
+        let on: Vec<String> = cols
+            .iter()
+            .zip(&types)
+            .zip(&names)
+            .map(|((c, ty), v)| format!("s.{} = v.{v}::{ty}", quote(c)))
+            .collect();
+        let keys: Vec<String> = mapping
+            .key()
+            .iter()
+            .map(|k| format!("s.{}::text", quote(k)))
+            .collect();
+        let sql = format!(
+            "SELECT v.ord, concat_ws(', ', {keys}) FROM UNNEST({params}) WITH ORDINALITY \
+             AS v({names}, ord) JOIN {table} AS s ON {on}",
+            keys = keys.join(", "),
+            params = params.join(", "),
+            names = names.join(", "),
+            table = mapping.table.sql(),
+            on = on.join(" AND "),
+        );
+        let params: Vec<&(dyn tokio_postgres::types::ToSql + Sync)> = arrays
+            .iter()
+            .map(|a| a as &(dyn tokio_postgres::types::ToSql + Sync))
+            .collect();
+        let found = client
+            .query(&sql, &params)
+            .await
+            .map_err(DbError::from_pg)?;
+        for row in found {
+            let ord = (row.get::<_, i64>(0) - 1) as usize;
+            if let Some(&i) = pending.get(ord) {
+                reasons.insert(i, refused_reason(index, cols, Some(row.get(1)), mapping));
+            }
+        }
+    }
+    Ok(skipped
+        .iter()
+        .map(|&i| {
+            let reason = reasons.remove(&i).unwrap_or_else(|| {
+                format!(
+                    "refused by a unique index of {} (skipped by ON CONFLICT DO NOTHING)",
+                    mapping.table
+                )
+            });
+            (i, reason)
+        })
+        .collect())
 }

@@ -19,7 +19,7 @@ use serde_json::Value;
 use serde_json::value::RawValue;
 
 use super::{Domain, Inserted, Rejection};
-use crate::db::DbError;
+use crate::db::error::DbError;
 
 /// What a configured pipeline says about its data (the queue names and batching live in the
 /// pipeline's own settings).
