@@ -7,9 +7,13 @@
 //! `warren_connection_up{target="redis"} 0`, and registers again later.
 //!
 //! Remote commands are signed with HMAC-SHA256 under `CONTROL_SECRET` over a canonical
-//! encoding of every field and the target instance ([`CtlCommand::canonical`]); [`Guard`]
-//! refuses unsigned, badly signed, stale, future and replayed ones. No message built here shows
-//! the password of `REDIS_URL`.
+//! encoding of every field and the target instance ([`CtlCommand::canonical`]); the target names
+//! the instance's run (`host:pid/run`, a random id drawn at start and published in its hash), so
+//! a command captured for one process is refused by a later one with the same host and PID (PID 1
+//! in every container). [`Guard`] refuses unsigned, badly signed, stale, future, replayed and
+//! misaddressed ones. Outcomes are signed the same way ([`CtlOutcome::canonical`]), so a line
+//! written into the history by anyone who can write to Redis does not pass for an instance's.
+//! No message built here shows the password of `REDIS_URL`.
 
 use std::collections::HashMap;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
@@ -106,8 +110,9 @@ pub struct CtlCommand {
     pub issued_at: u64,
     /// Who asked (`host:pid` of the `warren ctl` process).
     pub by: String,
-    /// The instance (`host:pid`) it is meant for, so a copy pushed to another instance's list
-    /// is refused; absent in commands from older `warren ctl`s.
+    /// The instance it is meant for, `host:pid/run` (`run` from the instance's hash; `host:pid`
+    /// from older `warren ctl`s), so a copy pushed to another instance's list, or to a later
+    /// process with the same host and PID, is refused; absent in commands from the oldest.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub target: Option<String>,
     /// Lower-case hex HMAC-SHA256 of [`CtlCommand::canonical`] under `CONTROL_SECRET`.
@@ -137,50 +142,71 @@ impl CtlCommand {
         let processors = processors.map(|n| n.to_string()).unwrap_or_default();
         let rate = rate.map(|n| n.to_string());
         let issued_at = issued_at.to_string();
-        let mut out = b"warren-ctl-v1\n".to_vec();
-        let fields = [
-            Some(("id", id.as_str())),
-            Some(("command", command.as_str())),
-            Some(("processors", processors.as_str())),
-            rate.as_deref().map(|r| ("rate", r)),
-            Some(("issued_at", issued_at.as_str())),
-            Some(("by", by.as_str())),
-            Some(("target", target)),
-        ];
-        for (name, value) in fields.into_iter().flatten() {
-            out.extend_from_slice(format!("{name}={}:", value.len()).as_bytes());
-            out.extend_from_slice(value.as_bytes());
-            out.push(b'\n');
-        }
-        out
+        encode(
+            "warren-ctl-v1",
+            [
+                Some(("id", id.as_str())),
+                Some(("command", command.as_str())),
+                Some(("processors", processors.as_str())),
+                rate.as_deref().map(|r| ("rate", r)),
+                Some(("issued_at", issued_at.as_str())),
+                Some(("by", by.as_str())),
+                Some(("target", target)),
+            ],
+        )
     }
 
-    /// The HMAC of this command for `target`; HMAC accepts keys of any length, so the error
-    /// only names the setting in case that ever changes.
-    fn mac(&self, secret: &str, target: &str) -> Result<Hmac<Sha256>, String> {
-        let mut mac = <Hmac<Sha256> as KeyInit>::new_from_slice(secret.as_bytes())
-            .map_err(|e| format!("CONTROL_SECRET: not usable as an HMAC-SHA256 key ({e})"))?;
-        mac.update(&self.canonical(target));
-        Ok(mac)
-    }
-
-    /// Addresses the command to `target` (`host:pid`) and signs it with `secret`.
+    /// Addresses the command to `target` (`host:pid/run`) and signs it with `secret`.
     pub fn sign(&mut self, secret: &str, target: &str) -> Result<(), String> {
-        let tag = self.mac(secret, target)?.finalize().into_bytes();
         self.target = Some(target.to_string());
-        self.signature = Some(tag.iter().map(|b| format!("{b:02x}")).collect());
+        self.signature = Some(tag(secret, &self.canonical(target))?);
         Ok(())
     }
 
     /// Whether the signature is the one `secret` gives for this command applied by `target`
     /// (compared in constant time).
     pub fn signature_matches(&self, secret: &str, target: &str) -> bool {
-        let Some(tag) = self.signature.as_deref().and_then(from_hex) else {
-            return false;
-        };
-        self.mac(secret, target)
-            .is_ok_and(|mac| mac.verify_slice(&tag).is_ok())
+        verifies(secret, &self.canonical(target), self.signature.as_deref())
     }
+}
+
+/// A version line, then each present field as `name=<byte length>:<value>` and a newline: the
+/// length prefixes make the encoding unambiguous whatever the values hold.
+fn encode<'a>(
+    version: &str,
+    fields: impl IntoIterator<Item = Option<(&'a str, &'a str)>>,
+) -> Vec<u8> {
+    let mut out = format!("{version}\n").into_bytes();
+    for (name, value) in fields.into_iter().flatten() {
+        out.extend_from_slice(format!("{name}={}:", value.len()).as_bytes());
+        out.extend_from_slice(value.as_bytes());
+        out.push(b'\n');
+    }
+    out
+}
+
+/// The HMAC-SHA256 of `bytes` under `secret`; HMAC accepts keys of any length, so the error
+/// only names the setting in case that ever changes.
+fn mac(secret: &str, bytes: &[u8]) -> Result<Hmac<Sha256>, String> {
+    let mut mac = <Hmac<Sha256> as KeyInit>::new_from_slice(secret.as_bytes())
+        .map_err(|e| format!("CONTROL_SECRET: not usable as an HMAC-SHA256 key ({e})"))?;
+    mac.update(bytes);
+    Ok(mac)
+}
+
+/// Lower-case hex of the HMAC of `bytes` under `secret`.
+fn tag(secret: &str, bytes: &[u8]) -> Result<String, String> {
+    let tag = mac(secret, bytes)?.finalize().into_bytes();
+    Ok(tag.iter().map(|b| format!("{b:02x}")).collect())
+}
+
+/// Whether `signature` (hex, either case) is the HMAC of `bytes` under `secret`, compared in
+/// constant time.
+fn verifies(secret: &str, bytes: &[u8], signature: Option<&str>) -> bool {
+    let Some(tag) = signature.and_then(from_hex) else {
+        return false;
+    };
+    mac(secret, bytes).is_ok_and(|mac| mac.verify_slice(&tag).is_ok())
 }
 
 /// Bytes from lower- or upper-case hex; `None` for anything else.
@@ -200,7 +226,7 @@ fn from_hex(text: &str) -> Option<Vec<u8>> {
 pub struct Guard {
     /// `CONTROL_SECRET`; `None` when unset.
     secret: Option<String>,
-    /// This instance as `host:pid`, which the signature must cover.
+    /// This instance as `host:pid/run`, which the signature must cover.
     me: String,
     /// Ids of the commands already accepted, with their `issued_at`, so a replay is refused;
     /// forgotten once they are too old to pass the freshness check anyway.
@@ -218,13 +244,25 @@ impl Guard {
 
     /// `Ok` when `command` may be applied now (`now` in Unix seconds), else why it is refused.
     pub fn check(&mut self, command: &CtlCommand, now: u64) -> Result<(), String> {
+        let (host_pid, _run) = self.me.split_once('/').unwrap_or((&self.me, ""));
         if let Some(target) = &command.target
             && *target != self.me
         {
-            return Err(format!(
-                "refused: addressed to {target}, not to this instance ({})",
-                self.me
-            ));
+            // Without a secret, a command of an older `warren ctl` (`host:pid`) is still taken.
+            let older = self.secret.is_none() && target == host_pid;
+            if !older {
+                let why =
+                    if target.split_once('/').map_or(target.as_str(), |(hp, _)| hp) == host_pid {
+                        " (meant for another run of this host and PID: an earlier process, or a \
+                     command captured and pushed again)"
+                    } else {
+                        ""
+                    };
+                return Err(format!(
+                    "refused: addressed to {target}, not to this instance ({}){why}",
+                    self.me
+                ));
+            }
         }
         let Some(secret) = &self.secret else {
             return Ok(());
@@ -268,6 +306,13 @@ impl Guard {
         self.seen.insert(command.id.clone(), command.issued_at);
         Ok(())
     }
+
+    /// Signs `outcome` when this instance has a secret.
+    pub fn sign(&self, outcome: &mut CtlOutcome) {
+        if let Some(secret) = &self.secret {
+            outcome.signature = tag(secret, &outcome.canonical()).ok();
+        }
+    }
 }
 
 /// What an instance did with a command.
@@ -286,6 +331,57 @@ pub struct CtlOutcome {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub error: Option<String>,
     pub at: u64,
+    /// The run of the instance that recorded it (see [`Instance::run`]); absent from older ones.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub run: Option<String>,
+    /// Lower-case hex HMAC-SHA256 of [`CtlOutcome::canonical`] under `CONTROL_SECRET`, when the
+    /// instance has one: a `warren ctl` with the secret believes only outcomes that verify.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub signature: Option<String>,
+}
+
+impl CtlOutcome {
+    /// The bytes the signature covers, encoded as commands are (see [`CtlCommand::canonical`])
+    /// under the version line `warren-outcome-v1`: `id`, `command`, `processors` and `rate`
+    /// (empty when absent), `host`, `pid`, `run`, `outcome`, `error` (empty when absent), `at`.
+    pub fn canonical(&self) -> Vec<u8> {
+        let CtlOutcome {
+            id,
+            command,
+            processors,
+            rate,
+            host,
+            pid,
+            outcome,
+            error,
+            at,
+            run,
+            signature: _,
+        } = self;
+        let processors = processors.map(|n| n.to_string()).unwrap_or_default();
+        let rate = rate.map(|n| n.to_string()).unwrap_or_default();
+        let (pid, at) = (pid.to_string(), at.to_string());
+        encode(
+            "warren-outcome-v1",
+            [
+                Some(("id", id.as_str())),
+                Some(("command", command.as_str())),
+                Some(("processors", processors.as_str())),
+                Some(("rate", rate.as_str())),
+                Some(("host", host.as_str())),
+                Some(("pid", pid.as_str())),
+                Some(("run", run.as_deref().unwrap_or_default())),
+                Some(("outcome", outcome.as_str())),
+                Some(("error", error.as_deref().unwrap_or_default())),
+                Some(("at", at.as_str())),
+            ],
+        )
+    }
+
+    /// Whether the outcome carries the signature `secret` gives it.
+    pub fn verifies(&self, secret: &str) -> bool {
+        verifies(secret, &self.canonical(), self.signature.as_deref())
+    }
 }
 
 /// What this instance publishes about itself.
@@ -295,6 +391,9 @@ pub struct Instance {
     pub pid: u32,
     pub roles: String,
     pub started_at: u64,
+    /// A random id drawn at start: commands are signed for `host:pid/run`, so one captured for
+    /// an earlier process with the same host and PID (PID 1 in every container) is refused.
+    pub run: String,
 }
 
 impl Instance {
@@ -304,7 +403,13 @@ impl Instance {
             pid: std::process::id(),
             roles: settings.roles.to_string(),
             started_at: now_s(),
+            run: uuid::Uuid::new_v4().simple().to_string(),
         }
+    }
+
+    /// `host:pid/run`: the target a command for this process is signed for.
+    pub fn address(&self) -> String {
+        format!("{}:{}/{}", self.host, self.pid, self.run)
     }
 }
 
@@ -462,21 +567,21 @@ pub struct Registry {
     instance: Instance,
     /// Which remote commands are applied (signatures, freshness, replays).
     guard: Guard,
-    /// Counters at the last rate computation, to derive msg/s from their deltas.
-    last: Sample,
-    /// Rates are recomputed once at least this long has passed (half the heartbeat period),
-    /// so an extra heartbeat after a command does not compute them over a sliver of time.
-    rate_window: Duration,
+    /// The counters at each heartbeat of the last [`RATE_WINDOW`] (and the one just before it),
+    /// oldest first: the rates are the deltas over that window, so they change at every
+    /// heartbeat without the noise of one short interval.
+    samples: std::collections::VecDeque<Sample>,
 }
 
-/// The instance's own counters at one moment, and the rates derived at that moment.
+/// The span the published rates are averaged over.
+pub const RATE_WINDOW: Duration = Duration::from_secs(5);
+
+/// The instance's own counters at one moment.
 #[derive(Debug, Clone, Copy)]
 struct Sample {
     at: std::time::Instant,
     received: u64,
     inserted: u64,
-    received_per_s: f64,
-    inserted_per_s: f64,
 }
 
 /// `(now - before) / seconds`, 0 when no time passed or a counter went back.
@@ -500,38 +605,41 @@ pub struct Report {
 impl Registry {
     pub fn new(settings: &Settings) -> Self {
         let instance = Instance::this(settings);
-        let me = format!("{}:{}", instance.host, instance.pid);
+        let me = instance.address();
         Self {
             redis: Redis::new(&settings.redis_url),
             keys: Keys::new(&settings.redis_prefix),
             instance,
             guard: Guard::new(&settings.control_secret, me),
-            last: Sample {
+            // The counters start at zero with the process.
+            samples: [Sample {
                 at: std::time::Instant::now(),
                 received: 0,
                 inserted: 0,
-                received_per_s: 0.0,
-                inserted_per_s: 0.0,
-            },
-            rate_window: Duration::from_millis(settings.registry_heartbeat_ms / 2),
+            }]
+            .into(),
         }
     }
 
-    /// The received and inserted rates (msg/s) over the last heartbeat interval, from the
-    /// deltas of this instance's own counters.
+    /// The received and inserted rates (msg/s) over the last [`RATE_WINDOW`] (or since start),
+    /// from the deltas of this instance's own counters.
     fn rates(&mut self, received: u64, inserted: u64) -> (f64, f64) {
-        let elapsed = self.last.at.elapsed();
-        if elapsed >= self.rate_window && elapsed > Duration::ZERO {
-            let secs = elapsed.as_secs_f64();
-            self.last = Sample {
-                at: std::time::Instant::now(),
-                received,
-                inserted,
-                received_per_s: per_second(self.last.received, received, secs),
-                inserted_per_s: per_second(self.last.inserted, inserted, secs),
-            };
+        let now = std::time::Instant::now();
+        self.samples.push_back(Sample {
+            at: now,
+            received,
+            inserted,
+        });
+        // Keep one sample at least RATE_WINDOW old, none older.
+        while self.samples.len() > 2 && now.duration_since(self.samples[1].at) >= RATE_WINDOW {
+            self.samples.pop_front();
         }
-        (self.last.received_per_s, self.last.inserted_per_s)
+        let first = self.samples[0];
+        let secs = now.duration_since(first.at).as_secs_f64();
+        (
+            per_second(first.received, received, secs),
+            per_second(first.inserted, inserted, secs),
+        )
     }
 
     fn key(&self) -> String {
@@ -557,6 +665,7 @@ impl Registry {
             ("roles", i.roles.clone()),
             ("version", env!("CARGO_PKG_VERSION").to_string()),
             ("started_at", i.started_at.to_string()),
+            ("run", i.run.clone()),
             ("status", report.status.to_string()),
             ("processors", report.processors.to_string()),
             ("received", received.to_string()),
@@ -610,7 +719,7 @@ impl Registry {
 
     /// Records what this instance did with `command`.
     pub async fn record(&mut self, command: &CtlCommand, result: Result<(), String>) {
-        let outcome = CtlOutcome {
+        let mut outcome = CtlOutcome {
             id: command.id.clone(),
             command: command.command.clone(),
             processors: command.processors,
@@ -620,7 +729,10 @@ impl Registry {
             outcome: if result.is_ok() { "executed" } else { "failed" }.into(),
             error: result.err(),
             at: now_s(),
+            run: Some(self.instance.run.clone()),
+            signature: None,
         };
+        self.guard.sign(&mut outcome);
         let Ok(json) = serde_json::to_string(&outcome) else {
             return;
         };
@@ -900,6 +1012,89 @@ mod tests {
         );
         assert_eq!(guard.check(&signed("h", later, "k", "vm:1"), later), Ok(()));
         assert!(!guard.seen.contains_key("a"));
+    }
+
+    #[test]
+    fn a_command_signed_for_an_earlier_run_of_the_same_host_and_pid_is_refused() {
+        let now = 1_000_000;
+        // The first process, PID 1 in its container, accepts a command signed for its run...
+        let mut first = Guard::new("k", "vm:1/run-a".into());
+        let captured = signed("a", now, "k", "vm:1/run-a");
+        assert_eq!(first.check(&captured, now), Ok(()));
+        // ...the process after a restart (same host, same PID, empty memory of ids) does not,
+        // nor a command signed for the bare `host:pid` (as captured before runs existed).
+        let mut second = Guard::new("k", "vm:1/run-b".into());
+        let e = second.check(&captured, now + 15).unwrap_err();
+        assert!(
+            e.contains("addressed to vm:1/run-a") && e.contains("another run"),
+            "{e}"
+        );
+        let e = second
+            .check(&signed("b", now, "k", "vm:1"), now)
+            .unwrap_err();
+        assert!(e.contains("another run"), "{e}");
+        // Its target rewritten to this run: the signature does not verify.
+        let mut redirected = captured.clone();
+        redirected.target = Some("vm:1/run-b".into());
+        assert!(
+            second
+                .check(&redirected, now)
+                .unwrap_err()
+                .starts_with(REFUSED_BAD_SIGNATURE)
+        );
+        assert_eq!(
+            second.check(&signed("c", now, "k", "vm:1/run-b"), now),
+            Ok(())
+        );
+        // Without a secret, the bare `host:pid` of older `warren ctl`s still reaches it.
+        let mut open = Guard::new("", "vm:1/run-b".into());
+        assert_eq!(open.check(&signed("d", now, "", "vm:1"), now), Ok(()));
+    }
+
+    #[test]
+    fn outcomes_are_signed_over_every_field_and_verified() {
+        let guard = Guard::new("k", "vm:1/r".into());
+        let mut o = CtlOutcome {
+            id: "0b8f".into(),
+            command: "pause".into(),
+            processors: None,
+            rate: None,
+            host: "vm".into(),
+            pid: 1,
+            outcome: "executed".into(),
+            error: None,
+            at: 1_795_239_346,
+            run: Some("r".into()),
+            signature: None,
+        };
+        assert_eq!(
+            String::from_utf8(o.canonical()).unwrap(),
+            "warren-outcome-v1\nid=4:0b8f\ncommand=5:pause\nprocessors=0:\nrate=0:\nhost=2:vm\n\
+             pid=1:1\nrun=1:r\noutcome=8:executed\nerror=0:\nat=10:1795239346\n"
+        );
+        assert!(!o.verifies("k"), "unsigned");
+        guard.sign(&mut o);
+        assert!(o.verifies("k"));
+        assert!(!o.verifies("other"));
+        let altered: [fn(&mut CtlOutcome); 6] = [
+            |o| o.outcome = "failed".into(),
+            |o| o.error = Some("x".into()),
+            |o| o.pid = 2,
+            |o| o.run = None,
+            |o| o.at += 1,
+            |o| o.id.push('x'),
+        ];
+        for alter in altered {
+            let mut copy = o.clone();
+            alter(&mut copy);
+            assert!(!copy.verifies("k"), "{copy:?}");
+        }
+        let mut unsigned = o.clone();
+        Guard::new("", "vm:1/r".into()).sign(&mut unsigned);
+        assert!(
+            unsigned.signature == o.signature,
+            "no secret leaves it as it was"
+        );
     }
 
     #[test]

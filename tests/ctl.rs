@@ -595,8 +595,11 @@ async fn with_a_secret_signed_commands_work_and_forged_ones_are_refused() {
     let warren = env.start(&["--roles", "consumer"]);
     let _logs = LogsOnPanic(vec![warren.log.clone()]);
     let pid = warren.pid();
-    let me = format!("{}:{pid}", host());
     wait_field(&env, pid, "status", "running").await;
+    // Commands are signed for this run of the instance, `host:pid/run`.
+    let run = instance(&env, pid).await["run"].clone();
+    assert_eq!(run.len(), 32, "a random run id in the hash: {run:?}");
+    let me = format!("{}:{pid}/{run}", host());
 
     // `warren ctl` with the same secret: pause and resume work.
     ctl_ok(&env, &["pause", "--all"], &[pid]).await;
@@ -617,7 +620,14 @@ async fn with_a_secret_signed_commands_work_and_forged_ones_are_refused() {
     wait_field(&env, pid, "status", "running").await;
 
     // ...and every forged or replayed pause is refused.
-    let other = format!("{}:{}", host(), pid + 1);
+    let other = format!("{}:{}/{run}", host(), pid + 1);
+    // Signed for this host and PID but another run: captured from an earlier process with the
+    // same PID (PID 1 in every container), or in the format of before runs existed.
+    let bare = format!("{}:{pid}", host());
+    let (earlier, earlier_json) = command_json("pause", now_s(), &bare, Some((SECRET, &bare)));
+    let earlier_run = format!("{bare}/0123456789abcdef0123456789abcdef");
+    let (earlier2, earlier2_json) =
+        command_json("pause", now_s(), &earlier_run, Some((SECRET, &earlier_run)));
     let (unsigned, unsigned_json) = command_json("pause", now_s(), &me, None);
     let (wrong, wrong_json) = command_json("pause", now_s(), &me, Some(("not-the-secret", &me)));
     let (stale, stale_json) = command_json("pause", now_s() - 600, &me, Some((SECRET, &me)));
@@ -633,6 +643,8 @@ async fn with_a_secret_signed_commands_work_and_forged_ones_are_refused() {
             &stale_json,
             &future_json,
             &redirected_json,
+            &earlier_json,
+            &earlier2_json,
             &captured,
         ],
     )
@@ -643,6 +655,8 @@ async fn with_a_secret_signed_commands_work_and_forged_ones_are_refused() {
         (&stale, &["stale", "s ago"]),
         (&future, &["future", "ahead"]),
         (&redirected, &["bad signature"]),
+        (&earlier, &["another run"]),
+        (&earlier2, &["another run"]),
     ] {
         let o = wait_outcomes(&env, id, 1).await;
         assert_eq!(o.len(), 1, "{o:?}");
@@ -673,6 +687,56 @@ async fn with_a_secret_signed_commands_work_and_forged_ones_are_refused() {
     assert!(logs.contains("remote command refused"), "{logs}");
     assert!(!logs.contains("CONTROL_SECRET is not set"), "{logs}");
     assert!(!logs.contains(SECRET), "the secret is in the log:\n{logs}");
+
+    // Outcomes are signed: a line written into the history by someone who can write to Redis
+    // (here claiming this instance executed a drain, with terminal escapes in its strings) is
+    // marked unverified, and no escape reaches the terminal.
+    let prefix = env.setting("REDIS_PREFIX").unwrap_or(&env.id).to_string();
+    let forged = json!({
+        "id": "forged-1", "command": "drain\u{1b}[2J", "host": format!("{}\u{1b}]0;owned\u{7}", host()),
+        "pid": pid, "outcome": "executed", "error": "\u{1b}[31mred\r", "at": now_s(), "run": run,
+        "signature": "00".repeat(32),
+    });
+    let _: i64 = redis_query(
+        &env,
+        redis::cmd("LPUSH")
+            .arg(format!("{prefix}:ctl:history"))
+            .arg(forged.to_string()),
+    )
+    .await;
+    let (code, out, err) = env.run_async(&["ctl", "history"]).await;
+    assert_eq!(code, 0, "{err}");
+    assert!(!out.contains('\u{1b}') && !out.contains('\r'), "{out:?}");
+    let line = out
+        .lines()
+        .find(|l| l.contains("drain"))
+        .expect("the forged line");
+    assert!(
+        line.contains("unverified") && line.contains("\\u{1b}"),
+        "{line}"
+    );
+    assert!(
+        out.lines()
+            .filter(|l| l.contains(" pause ") || l.contains(" resume "))
+            .all(|l| !l.contains("unverified")),
+        "the instance's own outcomes verify:\n{out}"
+    );
+    let (code, out, err) = env.run_async(&["ctl", "history", "--json"]).await;
+    assert_eq!(code, 0, "{err}");
+    assert!(!out.contains('\u{1b}'), "{out:?}");
+    let entries: Vec<Value> = out
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert!(
+        entries
+            .iter()
+            .all(|e| e["verified"] == (e["id"] != "forged-1")),
+        "{out}"
+    );
+    // Without the secret, `ctl history` cannot tell, and says nothing of verification.
+    let (_, out, _) = ctl_with_secret(&env, &["history", "--json"], None).await;
+    assert!(!out.contains("verified"), "{out}");
 }
 
 #[tokio::test(flavor = "multi_thread")]

@@ -399,10 +399,11 @@ async fn status_lists_the_instance_and_the_queues() {
     assert_eq!(instances.len(), 1, "{doc}");
     let i = &instances[0];
     assert_eq!(i["host"], host().as_str(), "{i}");
-    assert_eq!(i["pid"], pid.to_string().as_str(), "{i}");
+    assert_eq!(i["pid"], pid, "numbers are JSON numbers: {i}");
     assert_eq!(i["status"], "running", "{i}");
     assert_eq!(i["roles"], "consumer,dlq", "{i}");
-    assert_eq!(i["inserted"], "5", "{i}");
+    assert_eq!(i["inserted"], 5, "{i}");
+    assert!(i["inserted_per_s"].is_number(), "{i}");
     let queues = doc["queues"].as_array().expect("queues array");
     assert_eq!(queues.len(), 3, "{doc}");
     for (name, messages, consumers) in &expected_queues {
@@ -448,4 +449,76 @@ async fn a_killed_instance_expires_without_a_shutdown_record() {
         killed.elapsed()
     );
     assert!(shutdowns(&env).await.is_empty());
+}
+
+/// With the default heartbeat, `warren status` shows counters at most about two seconds old
+/// (they used to be up to 10 s old), and what Redis holds is escaped before the terminal.
+#[tokio::test(flavor = "multi_thread")]
+async fn status_is_fresh_by_default_and_escapes_what_redis_holds() {
+    let env = TestEnv::new("reg_fresh").await;
+    assert_eq!(
+        env.setting("REGISTRY_HEARTBEAT_MS"),
+        None,
+        "the default heartbeat"
+    );
+    let _cleanup = RedisCleanup::new(&env);
+    env.declare();
+    let warren = env.start(&["--roles", "consumer"]);
+    let _logs = LogsOnPanic(vec![warren.log.clone()]);
+    let pid = warren.pid();
+    wait_registered(&env, &warren).await;
+
+    env.publish_users(300).await;
+    wait_until("300 rows", Duration::from_secs(30), || async {
+        env.count_rows().await == 300
+    })
+    .await;
+    let inserted_at = std::time::Instant::now();
+    let counted = loop {
+        let (code, out, err) = env.run_async(&["status", "--json"]).await;
+        assert_eq!(code, 0, "{err}");
+        let doc: Value = serde_json::from_str(&out).expect("json");
+        let mine = doc["instances"]
+            .as_array()
+            .and_then(|l| l.iter().find(|i| i["pid"] == pid).cloned());
+        if mine.is_some_and(|i| i["inserted"] == 300) {
+            break inserted_at.elapsed();
+        }
+        assert!(
+            inserted_at.elapsed() < Duration::from_secs(10),
+            "status still behind the table after 10 s: {doc}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    // One heartbeat (1 s) and the time `status` takes (its trend sample alone is 1 s).
+    assert!(
+        counted < Duration::from_millis(3500),
+        "status caught up {counted:?} after the last insert"
+    );
+
+    // A hash written by anyone who can write to Redis, its strings full of terminal escapes.
+    let (_, prefix) = redis_of(&env);
+    let evil = format!("{prefix}:instances:evil:1");
+    let _: () = redis_query(
+        &env,
+        redis::cmd("HSET").arg(&evil).arg(&[
+            ("host", "evil\u{1b}]0;owned\u{7}"),
+            ("pid", "1"),
+            ("roles", "\u{1b}[2J\u{1b}[H"),
+            ("status", "running\r\u{9b}31m"),
+            ("inserted", "12"),
+        ]),
+    )
+    .await;
+    let _: () = redis_query(&env, redis::cmd("EXPIRE").arg(&evil).arg(60)).await;
+    for args in [&["status"][..], &["status", "--json"]] {
+        let (code, out, err) = env.run_async(args).await;
+        assert_eq!(code, 0, "{err}");
+        assert!(
+            !out.contains(['\u{1b}', '\u{7}', '\r', '\u{9b}']),
+            "warren {args:?} printed a terminal control:\n{out:?}"
+        );
+        assert!(out.contains("evil"), "{out}");
+    }
+    let _: () = redis_query(&env, redis::cmd("DEL").arg(&evil)).await;
 }

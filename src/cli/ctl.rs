@@ -1,6 +1,8 @@
 //! `warren ctl`: remote control through Redis. `pause`, `resume`, `drain`, `scale` and `rate` are queued
 //! for the chosen instances (signed for each one with CONTROL_SECRET when it is set), which
-//! apply them and record the outcome; `history` lists outcomes.
+//! apply them and record the outcome; `history` lists outcomes. With CONTROL_SECRET set, an
+//! outcome counts only when its signature verifies; every string read from Redis is escaped
+//! before it reaches the terminal.
 
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
@@ -9,6 +11,7 @@ use anyhow::bail;
 use clap::Subcommand;
 use comfy_table::{Table, presets};
 
+use crate::cli::{json_terminal_safe, terminal_safe as safe};
 use crate::config::Settings;
 use crate::registry::{
     self, CtlCommand, CtlOutcome, Keys, REFUSED_BAD_SIGNATURE, REFUSED_UNSIGNED, Redis, now_s, utc,
@@ -73,8 +76,11 @@ pub async fn execute(settings: &Settings, args: Args) -> anyhow::Result<i32> {
     if let Err(e) = Redis::connect(&settings.redis_url).await {
         bail!("{e}");
     }
+    let secret = Some(settings.control_secret.as_str()).filter(|s| !s.is_empty());
     let (name, processors, rate, target) = match args.action {
-        Action::History { limit, json } => return history(&mut redis, &keys, limit, json).await,
+        Action::History { limit, json } => {
+            return history(&mut redis, &keys, limit, json, secret).await;
+        }
         Action::Pause(t) => ("pause", None, None, t),
         Action::Resume(t) => ("resume", None, None, t),
         Action::Drain(t) => ("drain", None, None, t),
@@ -84,14 +90,22 @@ pub async fn execute(settings: &Settings, args: Args) -> anyhow::Result<i32> {
     let Some(instances) = registry::instances(&mut redis, &keys).await else {
         bail!("lost the connection to Redis while listing instances");
     };
-    let chosen: Vec<(String, u32)> = instances
+    // (host, pid, run): the run (absent from older instances) goes into the signed target.
+    let runs: BTreeMap<(String, u32), Option<String>> = instances
         .iter()
         .filter(|i| target.all || i.get("host") == target.host.as_ref())
-        .filter_map(|i| Some((i.get("host")?.clone(), i.get("pid")?.parse().ok()?)))
+        .filter_map(|i| {
+            let key = (i.get("host")?.clone(), i.get("pid")?.parse().ok()?);
+            Some((key, i.get("run").cloned()))
+        })
         .collect();
+    let chosen: Vec<(String, u32)> = runs.keys().cloned().collect();
     if chosen.is_empty() {
         match &target.host {
-            Some(h) => bail!("no live instance on host {h:?} (see `warren status`)"),
+            Some(h) => bail!(
+                "no live instance on host {} (see `warren status`)",
+                safe(&format!("{h:?}"))
+            ),
             None => bail!(
                 "no live instance registered under REDIS_PREFIX {:?}",
                 settings.redis_prefix
@@ -109,8 +123,12 @@ pub async fn execute(settings: &Settings, args: Args) -> anyhow::Result<i32> {
         signature: None,
     };
     for (host, pid) in &chosen {
-        // One copy per instance: the signature covers the target, so it cannot be redirected.
-        let target = format!("{host}:{pid}");
+        // One copy per instance: the signature covers the target (this run of the instance),
+        // so it cannot be redirected, nor replayed to a later process with the same PID.
+        let target = match &runs[&(host.clone(), *pid)] {
+            Some(run) => format!("{host}:{pid}/{run}"),
+            None => format!("{host}:{pid}"),
+        };
         let mut copy = command.clone();
         if settings.control_secret.is_empty() {
             copy.target = Some(target);
@@ -129,7 +147,11 @@ pub async fn execute(settings: &Settings, args: Args) -> anyhow::Result<i32> {
 
     // Wait for every chosen instance to record its outcome.
     let deadline = Instant::now() + Duration::from_secs(15);
+    let secret = Some(settings.control_secret.as_str()).filter(|s| !s.is_empty());
     let mut outcomes: BTreeMap<(String, u32), CtlOutcome> = BTreeMap::new();
+    // Outcomes under this command's id whose signature does not verify: written by someone
+    // else than the instance, never believed.
+    let mut forged: BTreeMap<(String, u32), CtlOutcome> = BTreeMap::new();
     while outcomes.len() < chosen.len() && Instant::now() < deadline {
         tokio::time::sleep(Duration::from_millis(200)).await;
         let recent: Vec<String> = redis
@@ -140,21 +162,46 @@ pub async fn execute(settings: &Settings, args: Args) -> anyhow::Result<i32> {
             if let Ok(o) = serde_json::from_str::<CtlOutcome>(&raw)
                 && o.id == command.id
             {
-                outcomes.insert((o.host.clone(), o.pid), o);
+                let key = (o.host.clone(), o.pid);
+                if secret.is_none_or(|s| o.verifies(s)) {
+                    outcomes.insert(key, o);
+                } else if o.outcome != "executed" {
+                    // A refusal under another secret (or a forged failure: at worst a command
+                    // reported failed) is shown, marked; a verified outcome replaces it.
+                    outcomes.entry(key).or_insert(o);
+                } else {
+                    forged.insert(key, o);
+                }
             }
         }
     }
     let mut all_ok = true;
     let (mut unsigned, mut bad_signature) = (false, false);
     for (host, pid) in &chosen {
-        match outcomes.get(&(host.clone(), *pid)) {
+        let key = (host.clone(), *pid);
+        let host = safe(host);
+        match outcomes.get(&key) {
             Some(o) if o.outcome == "executed" => println!("{host}:{pid}  {name}  executed"),
             Some(o) => {
                 all_ok = false;
                 let error = o.error.as_deref().unwrap_or("?");
                 unsigned |= error.starts_with(REFUSED_UNSIGNED);
                 bad_signature |= error.starts_with(REFUSED_BAD_SIGNATURE);
-                println!("{host}:{pid}  {name}  failed: {error}");
+                let mark = match secret {
+                    Some(s) if !o.verifies(s) => {
+                        " (this outcome is not signed with CONTROL_SECRET here)"
+                    }
+                    _ => "",
+                };
+                println!("{host}:{pid}  {name}  failed: {}{mark}", safe(error));
+            }
+            None if forged.contains_key(&key) => {
+                all_ok = false;
+                println!(
+                    "{host}:{pid}  {name}  no signed answer within 15 s: an outcome under this \
+                     command's id does not verify with CONTROL_SECRET (written by someone else \
+                     than the instance), ignored"
+                );
             }
             None => {
                 all_ok = false;
@@ -176,7 +223,15 @@ pub async fn execute(settings: &Settings, args: Args) -> anyhow::Result<i32> {
     Ok(if all_ok { 0 } else { 1 })
 }
 
-async fn history(redis: &mut Redis, keys: &Keys, limit: usize, json: bool) -> anyhow::Result<i32> {
+/// The newest `limit` outcomes; with `secret`, each one marked verified or not (an outcome that
+/// does not verify was not written by an instance with this secret).
+async fn history(
+    redis: &mut Redis,
+    keys: &Keys,
+    limit: usize,
+    json: bool,
+    secret: Option<&str>,
+) -> anyhow::Result<i32> {
     if limit == 0 {
         bail!("--limit: expected at least 1");
     }
@@ -189,9 +244,24 @@ async fn history(redis: &mut Redis, keys: &Keys, limit: usize, json: bool) -> an
         )
         .await
         .unwrap_or_default();
+    let verified = |o: &CtlOutcome| secret.map(|s| o.verifies(s));
     if json {
         for line in raw {
-            println!("{line}");
+            // Re-encoded, so no raw control character reaches the terminal.
+            match serde_json::from_str::<serde_json::Value>(&line) {
+                Ok(mut doc) => {
+                    if let Ok(o) = serde_json::from_value::<CtlOutcome>(doc.clone())
+                        && let Some(v) = verified(&o)
+                    {
+                        doc["verified"] = v.into();
+                    }
+                    println!("{}", json_terminal_safe(&doc.to_string()));
+                }
+                Err(_) => println!(
+                    "{}",
+                    json_terminal_safe(&serde_json::json!({ "unreadable": line }).to_string())
+                ),
+            }
         }
         return Ok(0);
     }
@@ -204,16 +274,23 @@ async fn history(redis: &mut Redis, keys: &Keys, limit: usize, json: bool) -> an
             continue;
         };
         let detail = match (&o.error, o.processors, o.rate) {
-            (Some(e), _, _) => e.clone(),
+            (Some(e), _, _) => safe(e),
             (None, Some(n), _) => format!("processors={n}"),
             (None, None, Some(n)) => format!("rate={n}/s"),
             _ => String::new(),
         };
+        let outcome = match verified(&o) {
+            Some(false) => format!(
+                "{} (unverified: not signed with CONTROL_SECRET)",
+                safe(&o.outcome)
+            ),
+            _ => safe(&o.outcome),
+        };
         table.add_row(vec![
             utc(o.at),
-            format!("{}:{}", o.host, o.pid),
-            o.command,
-            o.outcome,
+            format!("{}:{}", safe(&o.host), o.pid),
+            safe(&o.command),
+            outcome,
             detail,
         ]);
     }

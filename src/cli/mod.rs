@@ -191,6 +191,38 @@ fn exit_code(result: anyhow::Result<i32>) -> i32 {
     }
 }
 
+/// `text` safe to print on a terminal: control characters (ESC, CR, BEL, the C1 controls, ...)
+/// and the Unicode direction marks are shown escaped (`\u{1b}`), so a string read from Redis or
+/// the broker cannot move the cursor, recolour, retitle or reorder what the operator sees.
+pub fn terminal_safe(text: &str) -> String {
+    let mut out = String::with_capacity(text.len());
+    for c in text.chars() {
+        let hostile = c.is_control()
+            || matches!(c, '\u{200e}' | '\u{200f}' | '\u{202a}'..='\u{202e}' | '\u{2066}'..='\u{2069}');
+        if hostile {
+            out.extend(c.escape_unicode());
+        } else {
+            out.push(c);
+        }
+    }
+    out
+}
+/// JSON text safe to print on a terminal: serde_json escapes the C0 controls but not DEL, the
+/// C1 controls (U+0080 to U+009F, which some terminals obey) nor the direction marks; these
+/// can only stand inside strings, where `\uXXXX` means the same character to any JSON reader.
+pub fn json_terminal_safe(json: &str) -> String {
+    let mut out = String::with_capacity(json.len());
+    for c in json.chars() {
+        let hostile = matches!(c, '\u{7f}'..='\u{9f}' | '\u{200e}' | '\u{200f}' | '\u{202a}'..='\u{202e}' | '\u{2066}'..='\u{2069}');
+        if hostile {
+            out.push_str(&format!("\\u{:04x}", c as u32));
+        } else {
+            out.push(c);
+        }
+    }
+    out
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -1,7 +1,9 @@
 //! `warren status [--json] [--watch [SECONDS]]`: the live instances from the Redis registry
 //! (with the rates each one computes and writes itself at every heartbeat) and, for each queue,
 //! its depth, consumer count and depth trend from the broker. `--watch` redraws in place until
-//! interrupted, like `top`.
+//! interrupted, like `top`. Numbers are at most `REGISTRY_HEARTBEAT_MS` old (1 s by default);
+//! `--json` gives them as JSON numbers; every string read from Redis is escaped before it
+//! reaches the terminal.
 
 use std::collections::HashMap;
 use std::fmt::Write as _;
@@ -11,6 +13,7 @@ use std::time::{Duration, Instant};
 use comfy_table::{CellAlignment, Table, presets};
 use serde_json::json;
 
+use crate::cli::{json_terminal_safe, terminal_safe as safe};
 use crate::config::{Settings, redact_url};
 use crate::registry::{self, InstanceFields, Keys, Redis, now_s};
 
@@ -136,7 +139,7 @@ fn render(
     let mut out = String::new();
     if json {
         let doc = json!({
-            "instances": snap.instances.as_ref().map(|list| list.iter().map(|i| json!(i)).collect::<Vec<_>>()),
+            "instances": snap.instances.as_ref().map(|list| list.iter().map(typed).collect::<Vec<_>>()),
             "queues": snap.queues.as_ref().map(|q| q.iter().map(|(name, m, c)| json!({
                 "name": name, "messages": m, "consumers": c,
                 "trend_per_s": trends.get(name).map(|t| (t * 10.0).round() / 10.0),
@@ -147,7 +150,7 @@ fn render(
         } else {
             serde_json::to_string(&doc)
         };
-        let _ = writeln!(out, "{}", text.unwrap_or_default());
+        let _ = writeln!(out, "{}", json_terminal_safe(&text.unwrap_or_default()));
         return out;
     }
     match &snap.instances {
@@ -170,14 +173,14 @@ fn render(
                 3,
             );
             for i in list {
-                let get = |k: &str| i.get(k).map(String::as_str).unwrap_or("-");
+                let get = |k: &str| safe(i.get(k).map(String::as_str).unwrap_or("-"));
                 let age = get("last_heartbeat")
                     .parse::<u64>()
                     .map(|t| format!("{}s ago", now_s().saturating_sub(t)))
                     .unwrap_or_else(|_| "-".into());
-                let limit = match get("rate_limit_per_s") {
-                    "0" => "off",
-                    other => other,
+                let limit = match get("rate_limit_per_s").as_str() {
+                    "0" => "off".to_string(),
+                    other => other.to_string(),
                 };
                 t.add_row(vec![
                     format!("{}:{}", get("host"), get("pid")),
@@ -237,6 +240,47 @@ fn render(
         }
     }
     out
+}
+
+/// The registry fields whose values are numbers (counters, rates, times, the PID).
+const NUMERIC_FIELDS: &[&str] = &[
+    "pid",
+    "started_at",
+    "processors",
+    "received",
+    "inserted",
+    "received_per_s",
+    "inserted_per_s",
+    "rate_limit_per_s",
+    "retried",
+    "dead_lettered",
+    "inflight",
+    "last_heartbeat",
+];
+
+/// One instance's fields as JSON, the numeric ones as numbers (a value that is not one, which
+/// only a hand-edited hash holds, stays a string).
+fn typed(fields: &InstanceFields) -> serde_json::Value {
+    let mut out = serde_json::Map::new();
+    for (key, value) in fields {
+        let number = NUMERIC_FIELDS
+            .contains(&key.as_str())
+            .then(|| {
+                value
+                    .parse::<u64>()
+                    .map(serde_json::Value::from)
+                    .ok()
+                    .or_else(|| {
+                        value
+                            .parse::<f64>()
+                            .ok()
+                            .and_then(|f| serde_json::Number::from_f64(f).map(Into::into))
+                    })
+            })
+            .flatten();
+        out.insert(key.clone(), number.unwrap_or_else(|| value.clone().into()));
+    }
+    out.into()
 }
 
 /// A borderless table (comfy-table) under `header`, two spaces between columns; the columns from
@@ -301,6 +345,25 @@ mod tests {
         assert_eq!(trend_text(Some(2.25)), "+2.2/s");
         assert_eq!(trend_text(Some(0.0)), "0/s");
         assert_eq!(trend_text(None), "-");
+    }
+
+    #[test]
+    fn instance_numbers_are_json_numbers_and_names_stay_strings() {
+        let fields: InstanceFields = [
+            ("host", "123"),
+            ("pid", "1"),
+            ("inserted", "40001"),
+            ("inserted_per_s", "12.5"),
+            ("received", "garbled"),
+        ]
+        .into_iter()
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .collect();
+        assert_eq!(
+            typed(&fields),
+            json!({"host": "123", "pid": 1, "inserted": 40001, "inserted_per_s": 12.5,
+                   "received": "garbled"})
+        );
     }
 
     #[test]

@@ -12,7 +12,7 @@ use serde_json::Value;
 use super::env::{TestEnv, host, redis_url};
 
 /// (Redis URL, key prefix) of the warren processes `env` starts.
-fn redis_of(env: &TestEnv) -> (String, String) {
+pub fn redis_of(env: &TestEnv) -> (String, String) {
     (
         env.setting("REDIS_URL")
             .map_or_else(redis_url, String::from),
