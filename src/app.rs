@@ -9,11 +9,11 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
-use anyhow::Context as _;
 use tokio::sync::{mpsc, oneshot, watch};
 use tracing::{info, warn};
 
 use crate::config::{Role, Settings};
+use crate::domain::mapping::Mapping;
 use crate::domain::users::Users;
 use crate::pipeline::{self, Pipeline, Spec};
 use crate::registry::{CtlCommand, Registry, Report};
@@ -28,7 +28,8 @@ pub async fn run(settings: Settings, shutdown: impl Future<Output = ()>) -> anyh
             "CONTROL_SECRET is not set: anyone with write access to Redis can pause, drain or scale this instance; set CONTROL_SECRET (the same on every instance and for `warren ctl`) to accept only signed commands"
         );
     }
-    let metrics_addr: SocketAddr = settings.metrics_addr.parse().context("METRICS_ADDR")?;
+    let metrics_addr: SocketAddr = crate::config::listen_addr(&settings.metrics_addr)
+        .map_err(|e| anyhow::anyhow!("METRICS_ADDR {}: {e}", settings.metrics_addr))?;
     let recorder = metrics::install().map_err(anyhow::Error::msg)?;
     http::ops::serve(metrics_addr, recorder).await?;
 
@@ -36,12 +37,36 @@ pub async fn run(settings: Settings, shutdown: impl Future<Output = ()>) -> anyh
         settings.clone(),
         Duration::from_secs(5),
     ));
+    // The file's pipelines, each with the settings as it sees them and its stages' names (the
+    // `pipeline` label: `<name>` and `<name>_dlq`; users keeps `main` and `dlq`). A file's
+    // pipeline named users replaces the built-in one.
+    let configured: Vec<(Settings, &'static str, &'static str, Arc<Mapping>)> = settings
+        .pipelines
+        .iter()
+        .map(|p| {
+            let leak = |s: String| -> &'static str { Box::leak(s.into_boxed_str()) };
+            Ok((
+                p.view(&settings),
+                leak(p.name.clone()),
+                leak(format!("{}_dlq", p.name)),
+                Arc::new(p.mapping()?),
+            ))
+        })
+        .collect::<Result<_, crate::config::ConfigError>>()?;
+    let builtin_users =
+        !settings.without_users && !settings.pipelines.iter().any(|p| p.name == "users");
     let mut names = Vec::new();
     if settings.has_role(Role::Consumer) {
-        names.push("main");
+        if builtin_users {
+            names.push("main");
+        }
+        names.extend(configured.iter().map(|c| c.1));
     }
     if settings.has_role(Role::Dlq) {
-        names.push("dlq");
+        if builtin_users {
+            names.push("dlq");
+        }
+        names.extend(configured.iter().map(|c| c.2));
     }
     metrics::preregister(&names);
     // What the metrics listener's /readyz waits for: every AMQP link the roles open (each
@@ -58,24 +83,54 @@ pub async fn run(settings: Settings, shutdown: impl Future<Output = ()>) -> anyh
     metrics::connection("amqp", false);
     metrics::connection("postgres", false);
 
-    let pool = db::pool(&settings)?;
+    // One pool for every pipeline, with a connection for each insert that can be in flight.
+    let mut sized = settings.clone();
+    sized.database_pool_size = sized.database_pool_size.max(
+        configured
+            .iter()
+            .map(|c| c.0.users_batch_concurrency)
+            .sum::<usize>()
+            + settings.users_batch_concurrency
+            + 1,
+    );
+    let pool = db::pool(&sized)?;
     let domain = Arc::new(Users);
     let mut pipelines = Vec::new();
     if settings.has_role(Role::Consumer) {
-        pipelines.push(pipeline::start(
-            &settings,
-            Spec::main(&settings),
-            domain.clone(),
-            pool.clone(),
-        ));
+        if builtin_users {
+            pipelines.push(pipeline::start(
+                &settings,
+                Spec::main(&settings),
+                domain.clone(),
+                pool.clone(),
+            ));
+        }
+        for (view, name, _, mapping) in &configured {
+            let spec = Spec {
+                name,
+                pipeline: name.to_string(),
+                ..Spec::main(view)
+            };
+            pipelines.push(pipeline::start(view, spec, mapping.clone(), pool.clone()));
+        }
     }
     if settings.has_role(Role::Dlq) {
-        pipelines.push(pipeline::start(
-            &settings,
-            Spec::dlq(&settings),
-            domain.clone(),
-            pool.clone(),
-        ));
+        if builtin_users {
+            pipelines.push(pipeline::start(
+                &settings,
+                Spec::dlq(&settings),
+                domain.clone(),
+                pool.clone(),
+            ));
+        }
+        for (view, name, dlq_name, mapping) in &configured {
+            let spec = Spec {
+                name: dlq_name,
+                pipeline: name.to_string(),
+                ..Spec::dlq(view)
+            };
+            pipelines.push(pipeline::start(view, spec, mapping.clone(), pool.clone()));
+        }
     }
     let api = if settings.has_role(Role::Api) {
         // The API's own pool: a flood of reads can never take the pipeline's connections.

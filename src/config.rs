@@ -1,6 +1,8 @@
 //! Typed settings: the layering (shipped defaults < `--config` file < environment < CLI flags)
 //! and the validation whose errors name the setting, the value and what was expected.
 
+pub mod pipelines;
+
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -124,6 +126,13 @@ pub struct Settings {
     pub shutdown_timeout_ms: u64,
     /// How log lines are written.
     pub log_format: LogFormat,
+    /// The file's `[[pipelines]]` (see [`pipelines`]), beside the built-in users pipeline. Last:
+    /// TOML writes tables after plain values.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub pipelines: Vec<pipelines::PipelineConfig>,
+    /// `warren run --pipelines` left the built-in users pipeline out (not a setting).
+    #[serde(skip)]
+    pub without_users: bool,
 }
 
 /// The type of the queues warren declares (`QUEUE_TYPE`).
@@ -358,6 +367,15 @@ pub enum ConfigError {
     /// The file given with `--config` could not be read.
     #[error("--config {path}: {reason}")]
     File { path: PathBuf, reason: String },
+    /// A `[[pipelines]]` entry that does not compile (its text names the pipeline and column).
+    #[error("{0}")]
+    Pipeline(String),
+    /// A `WARREN_*` environment variable that is no setting.
+    #[error(
+        "{name}: no such setting (did you mean {closest}?); every setting is listed by \
+         `warren run --help` and in docs/configuration.md"
+    )]
+    UnknownEnv { name: String, closest: String },
     /// Anything else figment reports.
     #[error("configuration: {0}")]
     Other(String),
@@ -587,9 +605,132 @@ impl Sources {
     }
 }
 
+/// `WARREN_*` environment variables that are not settings and are allowed: `--config`'s
+/// variable and those of warren's own scripts (bench, cluster).
+const WARREN_NOT_SETTINGS: &[&str] = &["WARREN_CONFIG", "WARREN_BIN", "WARREN_CLUSTER_DIR"];
+/// Prefixes of `WARREN_*` variables of warren's test harness, free for tools.
+const WARREN_TOOL_PREFIXES: &[&str] = &["WARREN_TEST_", "WARREN_LEDGER_", "WARREN_BENCH_"];
+
+/// The environment variable of `key` that is set, if any: `WARREN_<NAME>` wins over `<NAME>`.
+fn env_name_of(key: &str) -> Option<String> {
+    let upper = key.to_ascii_uppercase();
+    [format!("WARREN_{upper}"), upper]
+        .into_iter()
+        .find(|name| std::env::var_os(name).is_some())
+}
+
+/// Refuses a `WARREN_*` variable that is no setting (a misspelling would otherwise be ignored),
+/// naming the closest setting.
+fn check_warren_env() -> Result<(), ConfigError> {
+    for (name, _) in std::env::vars_os() {
+        let Some(name) = name.to_str() else { continue };
+        let Some(rest) = name.strip_prefix("WARREN_") else {
+            continue;
+        };
+        if WARREN_NOT_SETTINGS.contains(&name)
+            || WARREN_TOOL_PREFIXES.iter().any(|p| name.starts_with(p))
+        {
+            continue;
+        }
+        let key = rest.to_ascii_lowercase();
+        if RULES.iter().any(|(k, _)| *k == key) {
+            continue;
+        }
+        let closest = RULES
+            .iter()
+            .map(|(k, _)| *k)
+            .min_by_key(|k| strsim::levenshtein(k, &key))
+            .unwrap_or("");
+        return Err(ConfigError::UnknownEnv {
+            name: name.to_string(),
+            closest: format!("WARREN_{}", closest.to_ascii_uppercase()),
+        });
+    }
+    Ok(())
+}
+
+/// Where each setting's value comes from, for `warren config --origin`: `--set`/a flag, an
+/// environment variable (named), the file (its path), or the built-in defaults.
+pub fn origins(sources: &Sources) -> Result<BTreeMap<&'static str, String>, ConfigError> {
+    let file_keys: Vec<String> = match &sources.file {
+        Some(path) => std::fs::read_to_string(path)
+            .ok()
+            .and_then(|text| text.parse::<toml::Table>().ok())
+            .map(|t| t.keys().cloned().collect())
+            .unwrap_or_default(),
+        None => Vec::new(),
+    };
+    Ok(RULES
+        .iter()
+        .map(|(key, _)| {
+            let origin = if sources.overrides.contains_key(*key) {
+                "command line (--set or a flag)".to_string()
+            } else if let Some(name) = sources.use_env.then(|| env_name_of(key)).flatten() {
+                format!("environment {name}")
+            } else if file_keys.iter().any(|k| k == key) {
+                format!(
+                    "file {}",
+                    sources
+                        .file
+                        .as_deref()
+                        .map(Path::display)
+                        .map(|d| d.to_string())
+                        .unwrap_or_default()
+                )
+            } else {
+                "default".to_string()
+            };
+            (*key, origin)
+        })
+        .collect())
+}
+
+/// The ENVIRONMENT section of `warren run --help` and the man pages, from the shipped defaults
+/// file (each setting's comment and default): one entry per setting.
+pub fn environment_help() -> Vec<(String, String)> {
+    let mut out = Vec::new();
+    let mut comment: Vec<&str> = Vec::new();
+    for line in DEFAULT_TOML.lines() {
+        let line = line.trim();
+        if let Some(text) = line.strip_prefix('#') {
+            // A section's heading (`--- connections ---`) belongs to no setting.
+            if !text.trim().starts_with("---") {
+                comment.push(text.trim());
+            }
+            continue;
+        }
+        if let Some((key, value)) = line.split_once(" = ")
+            && RULES.iter().any(|(k, _)| *k == key.trim())
+        {
+            let key = key.trim();
+            let shown = if matches!(
+                RULES.iter().find(|(k, _)| *k == key).map(|(_, r)| r),
+                Some(Rule::Secret)
+            ) {
+                "(unset)".to_string()
+            } else {
+                redact_url(value.trim())
+            };
+            out.push((
+                format!(
+                    "{} (or WARREN_{})",
+                    key.to_ascii_uppercase(),
+                    key.to_ascii_uppercase()
+                ),
+                format!("{} Default: {shown}.", comment.join(" ")),
+            ));
+        }
+        comment.clear();
+    }
+    out
+}
+
 impl Settings {
     /// Loads and validates the settings from `sources`.
     pub fn load(sources: &Sources) -> Result<Self, ConfigError> {
+        if sources.use_env {
+            check_warren_env()?;
+        }
         let mut figment = Figment::from(Toml::string(DEFAULT_TOML));
         if let Some(path) = &sources.file {
             let text = std::fs::read_to_string(path).map_err(|e| ConfigError::File {
@@ -601,7 +742,10 @@ impl Settings {
         }
         if sources.use_env {
             let keys: Vec<&str> = RULES.iter().map(|(k, _)| *k).collect();
-            figment = figment.merge(Env::raw().only(&keys));
+            // `WARREN_<NAME>` wins over `<NAME>` (a shared environment may hold the bare name).
+            figment = figment
+                .merge(Env::raw().only(&keys))
+                .merge(Env::prefixed("WARREN_").only(&keys));
         }
         let mut overrides: BTreeMap<String, Value> = sources
             .overrides
@@ -624,7 +768,7 @@ impl Settings {
             for (key, rule) in RULES {
                 if matches!(rule, Rule::Secret)
                     && !overrides.contains_key(*key)
-                    && let Ok(raw) = std::env::var(key.to_ascii_uppercase())
+                    && let Some(raw) = env_name_of(key).and_then(|name| std::env::var(name).ok())
                 {
                     overrides.insert(key.to_string(), Value::from(raw));
                 }
@@ -688,7 +832,7 @@ impl Settings {
                 }
             }
         }
-        Ok(())
+        pipelines::check(self)
     }
 
     /// The retry tiers in order, at least one. Without `retry_ttls_ms`: `retry_queue` with
@@ -831,38 +975,141 @@ impl Settings {
     }
 }
 
-/// Replaces the password of a URL with `***`: of every URL in a comma-separated list
-/// (`AMQP_URL`), and the one password of a URL with several hosts
-/// (`postgres://u:p@h1:5432,h2:5432/db`). It works on the text, not through a URL parser, so a
-/// URL no parser accepts is redacted all the same; where it cannot tell (an `@` in a path), it
-/// hides more rather than less.
+/// Replaces every secret in a URL setting with `***`: the password of the user info (everything
+/// between the first `:` and the last `@` of the part after `scheme://`), the value of every
+/// query parameter whose name says it holds a secret (`password`, `sslpassword`, `pass`, `pwd`,
+/// `secret`, `token`, ... in any case), in every entry of a comma-separated list (`AMQP_URL`)
+/// and in the one user info of a URL with several hosts (`postgres://u:p@h1:5432,h2:5432/db`);
+/// and in a PostgreSQL key/value string (`host=h password=p`), the value of such keys. It works
+/// on the text, not through a URL parser, so a URL no parser accepts is redacted all the same;
+/// where it cannot tell (an `@` in a path or a query, a `?` or `#` in a password), it hides more
+/// rather than less.
 pub fn redact_url(raw: &str) -> String {
-    let mut out = String::with_capacity(raw.len());
-    let mut rest = raw;
-    while let Some(sep) = rest.find("://") {
-        let (head, tail) = rest.split_at(sep + 3);
-        out.push_str(head);
-        // This URL's part runs to the next scheme separator (a list's next entry), if any.
-        let next = tail.find("://").unwrap_or(tail.len());
-        let part = &tail[..next];
-        // The user info ends at the last `@` before the query or fragment; the password
-        // starts after its first `:`.
-        let end = part.find(['?', '#']).unwrap_or(part.len());
-        let userinfo = part[..end]
-            .rfind('@')
-            .and_then(|at| part[..at].find(':').map(|colon| (colon, at)));
-        match userinfo {
-            Some((colon, at)) => {
-                out.push_str(&part[..=colon]);
-                out.push_str("***");
-                out.push_str(&part[at..]);
-            }
-            None => out.push_str(part),
+    let schemes: Vec<usize> = raw.match_indices("://").map(|(i, _)| i).collect();
+    if schemes.is_empty() {
+        return redact_keywords(raw);
+    }
+    // Each entry of a list starts after the last separator before its `://`; without one, the
+    // `://` is inside the previous entry (a query value, say) and starts nothing.
+    let mut starts = vec![0];
+    for pair in schemes.windows(2) {
+        let between = &raw[pair[0] + 3..pair[1]];
+        if let Some(sep) = between.rfind([',', ' ', ';']) {
+            starts.push(pair[0] + 3 + sep + 1);
         }
-        rest = &tail[next..];
+    }
+    starts.push(raw.len());
+    starts
+        .windows(2)
+        .map(|w| redact_entry(&raw[w[0]..w[1]]))
+        .collect()
+}
+
+/// One URL of a list (with the separator that follows it, if any), redacted.
+fn redact_entry(entry: &str) -> String {
+    let body = entry.trim_end_matches([',', ' ', ';']);
+    let separators = &entry[body.len()..];
+    let Some(sep) = body.find("://") else {
+        return redact_keywords(entry);
+    };
+    let (head, rest) = body.split_at(sep + 3);
+    let mut out = String::from(head);
+    let after_userinfo = match rest.rfind('@') {
+        Some(at) => {
+            match rest[..at].find(':') {
+                Some(colon) => {
+                    out.push_str(&rest[..=colon]);
+                    out.push_str("***");
+                }
+                None => out.push_str(&rest[..at]),
+            }
+            &rest[at..]
+        }
+        None => rest,
+    };
+    match after_userinfo.split_once('?') {
+        Some((path, query)) => {
+            out.push_str(path);
+            out.push('?');
+            let (params, fragment) = match query.find('#') {
+                Some(hash) => query.split_at(hash),
+                None => (query, ""),
+            };
+            let shown: Vec<String> = params
+                .split('&')
+                .map(|param| match param.split_once('=') {
+                    Some((key, _)) if is_secret_key(key) => format!("{key}=***"),
+                    _ => param.to_string(),
+                })
+                .collect();
+            out.push_str(&shown.join("&"));
+            out.push_str(fragment);
+        }
+        None => out.push_str(after_userinfo),
+    }
+    out.push_str(separators);
+    out
+}
+
+/// Whether a query parameter or connection keyword names a secret.
+fn is_secret_key(key: &str) -> bool {
+    let key = key.trim().to_ascii_lowercase();
+    ["pass", "pwd", "secret", "token"]
+        .iter()
+        .any(|word| key.contains(word))
+}
+
+/// A PostgreSQL key/value connection string (`host=h password='a b'`) with the value of every
+/// secret keyword replaced by `***`; any other text comes back as it was.
+fn redact_keywords(text: &str) -> String {
+    let mut out = String::with_capacity(text.len());
+    let mut rest = text;
+    while let Some(eq) = rest.find('=') {
+        let (before, after) = rest.split_at(eq);
+        out.push_str(before);
+        out.push('=');
+        let after = &after[1..];
+        let key = before
+            .trim_end()
+            .rsplit(|c: char| c.is_whitespace())
+            .next()
+            .unwrap_or("");
+        if !is_secret_key(key) {
+            rest = after;
+            continue;
+        }
+        let value = after.trim_start();
+        out.push_str(&after[..after.len() - value.len()]);
+        let end = if let Some(quoted) = value.strip_prefix('\'') {
+            // A quoted value ends at the first quote not escaped by a backslash.
+            let mut escaped = false;
+            let close = quoted.char_indices().find(|&(_, c)| {
+                let closes = c == '\'' && !escaped;
+                escaped = c == '\\' && !escaped;
+                closes
+            });
+            close.map_or(value.len(), |(i, _)| i + 2)
+        } else {
+            value.find(char::is_whitespace).unwrap_or(value.len())
+        };
+        out.push_str("***");
+        rest = &value[end..];
     }
     out.push_str(rest);
     out
+}
+
+/// A listen address (`HTTP_ADDR`, `METRICS_ADDR`): `ip:port`, or `host:port` resolved now (the
+/// first address it resolves to).
+pub fn listen_addr(text: &str) -> Result<SocketAddr, String> {
+    if let Ok(addr) = text.parse::<SocketAddr>() {
+        return Ok(addr);
+    }
+    use std::net::ToSocketAddrs as _;
+    text.to_socket_addrs()
+        .map_err(|e| e.to_string())?
+        .next()
+        .ok_or_else(|| format!("{text} resolves to no address"))
 }
 
 /// The entries of a comma-separated list, trimmed, in order (empty ones included, so that
@@ -886,7 +1133,7 @@ fn check_file_keys(text: &str, path: &Path) -> Result<(), ConfigError> {
             reason: e.to_string(),
         })?;
     for key in table.keys() {
-        if !RULES.iter().any(|(k, _)| k == key) {
+        if key != "pipelines" && !RULES.iter().any(|(k, _)| k == key) {
             return Err(ConfigError::Unknown {
                 key: key.clone(),
                 source_name: path.display().to_string(),
@@ -1021,10 +1268,12 @@ fn check(key: &str, rule: &Rule, value: &Value) -> Result<(), ConfigError> {
             }
         }
         Rule::Addr => {
-            let ok = matches!(value, Value::String(_, s) if s.parse::<SocketAddr>().is_ok());
+            let ok = matches!(value, Value::String(_, s) if listen_addr(s).is_ok());
             if !ok {
                 return Err(invalid(
-                    "an address host:port such as 127.0.0.1:8080".into(),
+                    "an address host:port such as 127.0.0.1:8080 or localhost:8080 (a host name \
+                     must resolve)"
+                        .into(),
                 ));
             }
         }
@@ -1423,6 +1672,39 @@ mod tests {
             ("postgres://u:p,@w@h1,h2/db", "postgres://u:***@h1,h2/db"),
             ("postgres://u@h/db", "postgres://u@h/db"),
             ("not a url", "not a url"),
+            // a password with the characters that end an authority (tokio-postgres accepts it)
+            (
+                "postgres://warren:Sup3r?Secret@h/db",
+                "postgres://warren:***@h/db",
+            ),
+            ("postgres://u:a#b/c@h:5432/db", "postgres://u:***@h:5432/db"),
+            ("amqp://u:p@ss@h/%2f", "amqp://u:***@h/%2f"),
+            // secrets in query strings, in every entry of a list
+            (
+                "postgres://postgres@127.0.0.1:5432/db?password=s3cret",
+                "postgres://postgres@127.0.0.1:5432/db?password=***",
+            ),
+            (
+                "postgres://h/db?sslmode=require&SSLPassword=s3cret&application_name=w#frag",
+                "postgres://h/db?sslmode=require&SSLPassword=***&application_name=w#frag",
+            ),
+            (
+                "amqp://h1/%2f?auth_token=s3cret,amqps://u:s3cret@h2/v?heartbeat=5",
+                "amqp://h1/%2f?auth_token=***,amqps://u:***@h2/v?heartbeat=5",
+            ),
+            (
+                "amqp://h1/%2f?password=s3cret, amqp://h2/%2f",
+                "amqp://h1/%2f?password=***, amqp://h2/%2f",
+            ),
+            // a PostgreSQL key/value string
+            (
+                "host=h user=u password=s3cret dbname=d",
+                "host=h user=u password=*** dbname=d",
+            ),
+            (
+                "host=h password = 'a \\' b' dbname=d",
+                "host=h password = *** dbname=d",
+            ),
         ];
         for (raw, shown) in cases {
             assert_eq!(redact_url(raw), shown, "{raw}");

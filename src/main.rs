@@ -1,10 +1,8 @@
 //! The `warren` binary: parse the CLI, load the settings (exit 2 on a bad one), set up logs,
 //! and hand over to the subcommand in `cli/`.
 
-use clap::Parser;
-
 fn main() {
-    let cli = warren::cli::Cli::parse();
+    let cli = warren::cli::Cli::parse_args();
     if let Some(code) = warren::cli::standalone(&cli) {
         std::process::exit(code);
     }

@@ -321,3 +321,79 @@ async fn publish_stdin_sends_json_lines_and_names_the_bad_one() {
     assert_queue_empty(&env, &env.dlq_queue).await;
     warren.terminate_ok(Duration::from_secs(30));
 }
+
+/// Settings are easy to discover and hard to get silently wrong: `WARREN_<NAME>` wins over the
+/// bare name, a `WARREN_*` variable that is no setting stops warren naming the closest one,
+/// `config --origin` says where each value comes from, `run --help` lists every variable and
+/// the exit codes, and a host name is accepted in a listen address.
+#[tokio::test(flavor = "multi_thread")]
+async fn settings_answer_to_warren_names_and_a_misspelled_one_is_refused() {
+    let env = TestEnv::new("cli_names").await;
+    let run = |vars: &[(&str, &str)], args: &[&str]| {
+        let mut cmd = env.command(args);
+        for (k, v) in vars {
+            cmd.env(k, v);
+        }
+        run_bounded(cmd, Duration::from_secs(30))
+    };
+
+    let (code, out, err) = run(
+        &[("WARREN_USERS_BATCH_SIZE", "7"), ("USERS_BATCH_SIZE", "9")],
+        &["config", "--origin"],
+    );
+    assert_eq!(code, 0, "{err}");
+    assert!(
+        out.lines()
+            .any(|l| l == "users_batch_size = 7  # environment WARREN_USERS_BATCH_SIZE"),
+        "{out}"
+    );
+    assert!(
+        out.lines()
+            .any(|l| l.starts_with("dlq_max_attempts = ") && l.ends_with("# default")),
+        "{out}"
+    );
+
+    for args in [&["config"][..], &["run", "--roles", "consumer"]] {
+        let (code, out, err) = run(&[("WARREN_USER_BATCH_SIZE", "10")], args);
+        assert_eq!(code, 2, "warren {args:?}:\n{out}{err}");
+        assert!(
+            err.contains(
+                "WARREN_USER_BATCH_SIZE: no such setting (did you mean WARREN_USERS_BATCH_SIZE?)"
+            ),
+            "{err}"
+        );
+    }
+    // The harness's own variables are not settings and are allowed.
+    let (code, _, err) = run(&[("WARREN_TEST_SOMETHING", "1")], &["config"]);
+    assert_eq!(code, 0, "{err}");
+
+    let (code, out, err) = run(&[], &["run", "--help"]);
+    assert_eq!(code, 0, "{err}");
+    for expected in [
+        "ENVIRONMENT:",
+        "USERS_BATCH_SIZE (or WARREN_USERS_BATCH_SIZE)",
+        "Messages per batch insert",
+        "EXIT STATUS:",
+        "  2    a bad setting",
+    ] {
+        assert!(
+            out.contains(expected),
+            "{expected:?} missing from run --help:\n{out}"
+        );
+    }
+    assert!(!out.contains("guest:guest"), "{out}");
+
+    let port = free_port();
+    let (code, out, err) = run(&[("HTTP_ADDR", &format!("localhost:{port}"))], &["config"]);
+    assert_eq!(code, 0, "{err}");
+    assert!(
+        out.contains(&format!("http_addr = \"localhost:{port}\"")),
+        "{out}"
+    );
+    let (code, _, err) = run(&[("METRICS_ADDR", "no-such-host.invalid:9")], &["config"]);
+    assert_eq!(code, 2);
+    assert!(
+        err.contains("METRICS_ADDR: expected an address host:port"),
+        "{err}"
+    );
+}

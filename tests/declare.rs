@@ -301,7 +301,7 @@ async fn a_second_declare_matches_everything_and_changes_nothing() {
         .await
         .unwrap()
         .get(0);
-    assert_eq!(applied, 3);
+    assert_eq!(applied, 4, "V1 to V4");
 }
 
 #[tokio::test(flavor = "multi_thread")]
@@ -493,6 +493,17 @@ async fn dry_run_prints_the_plan_and_creates_nothing() {
     }
     line_of(&out, &format!("database schema {}", env.schema));
     assert!(!out.contains("created"), "{out}");
+    // The migrations that would run: the built-in set, each pending in a fresh schema.
+    for m in [
+        "V1__users",
+        "V2__dead_letters",
+        "V3__idempotent_parking",
+        "V4__pipeline_parking",
+    ] {
+        let line = line_of(&out, m);
+        assert!(line.split_whitespace().eq([m, "pending"]), "{line}");
+    }
+    assert!(out.contains("4 migrations, 4 to apply"), "{out}");
 
     for q in [&env.main_queue, &env.retry_queue, &env.dlq_queue] {
         assert!(!env.queue_exists(q).await, "dry run created queue {q}");
@@ -513,6 +524,16 @@ async fn dry_run_prints_the_plan_and_creates_nothing() {
         .unwrap()
         .get(0);
     assert_eq!(tables, 0, "dry run touched the database");
+
+    // After a declare, every one is applied and none is left to apply.
+    env.declare();
+    let (code, out, err) = env.run(&["declare", "--dry-run"]);
+    assert_eq!(code, 0, "{err}");
+    assert!(out.contains("4 migrations, 0 to apply"), "{out}");
+    assert!(
+        line_of(&out, "V4__pipeline_parking").ends_with("applied"),
+        "{out}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread")]

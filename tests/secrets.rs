@@ -17,8 +17,22 @@ struct Leaky {
     ports: [u16; 3],
 }
 
+/// Where the secrets sit in the URLs.
+#[derive(Clone, Copy, PartialEq)]
+enum Shape {
+    /// In the user info, where a URL parser finds them.
+    Plain,
+    /// After a `?` or `#` inside a password, and in a query string (`?password=`), where a
+    /// redaction that stops at the first `?` or `#` shows them.
+    Tricky,
+}
+
 impl Leaky {
     async fn new(test: &str) -> Self {
+        Self::shaped(test, Shape::Plain).await
+    }
+
+    async fn shaped(test: &str, shape: Shape) -> Self {
         let mut env = TestEnv::new(test).await;
         let tag = &uuid::Uuid::new_v4().simple().to_string()[..10];
         let secrets = [
@@ -28,23 +42,32 @@ impl Leaky {
             format!("ctlSecret-{tag}"),
         ];
         let ports = [free_port(), free_port(), free_port()];
-        env.set(
-            "AMQP_URL",
-            format!("amqp://u:{}@127.0.0.1:{}/%2f", secrets[0], ports[0]),
-        )
-        .set(
-            "DATABASE_URL",
-            format!("postgres://u:{}@127.0.0.1:{}/db", secrets[1], ports[1]),
-        )
-        .set(
-            "REDIS_URL",
-            format!("redis://:{}@127.0.0.1:{}", secrets[2], ports[2]),
-        )
-        .set("CONTROL_SECRET", secrets[3].clone())
-        .set("RUST_LOG", "debug")
-        .set("AMQP_CONNECT_TIMEOUT_MS", "1000")
-        .set("SHUTDOWN_TIMEOUT_MS", "3000")
-        .set("REGISTRY_HEARTBEAT_MS", "300");
+        let [amqp, pg, redis] = match shape {
+            Shape::Plain => [
+                format!("amqp://u:{}@127.0.0.1:{}/%2f", secrets[0], ports[0]),
+                format!("postgres://u:{}@127.0.0.1:{}/db", secrets[1], ports[1]),
+                format!("redis://:{}@127.0.0.1:{}", secrets[2], ports[2]),
+            ],
+            Shape::Tricky => [
+                format!(
+                    "amqp://127.0.0.1:{0}/%2f?password={1},amqp://u:x?{1}@127.0.0.1:{0}/%2f",
+                    ports[0], secrets[0]
+                ),
+                format!(
+                    "postgres://u@127.0.0.1:{}/db?sslmode=disable&password={}",
+                    ports[1], secrets[1]
+                ),
+                format!("redis://:x#{}@127.0.0.1:{}", secrets[2], ports[2]),
+            ],
+        };
+        env.set("AMQP_URL", amqp)
+            .set("DATABASE_URL", pg)
+            .set("REDIS_URL", redis)
+            .set("CONTROL_SECRET", secrets[3].clone())
+            .set("RUST_LOG", "debug")
+            .set("AMQP_CONNECT_TIMEOUT_MS", "1000")
+            .set("SHUTDOWN_TIMEOUT_MS", "3000")
+            .set("REGISTRY_HEARTBEAT_MS", "300");
         Leaky {
             env,
             secrets,
@@ -174,7 +197,18 @@ async fn no_role_of_run_prints_a_password() {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn no_subcommand_prints_a_password() {
-    let leaky = Leaky::new("secrets_cli").await;
+    every_subcommand_is_clean(Shape::Plain).await;
+}
+
+/// Passwords holding `?` and `#` (which tokio-postgres and the redis crate accept) and
+/// passwords in query strings, in every entry of a list.
+#[tokio::test(flavor = "multi_thread")]
+async fn no_subcommand_prints_a_password_hidden_after_a_question_mark_or_in_a_query() {
+    every_subcommand_is_clean(Shape::Tricky).await;
+}
+
+async fn every_subcommand_is_clean(shape: Shape) {
+    let leaky = Leaky::shaped("secrets_cli", shape).await;
     let env = &leaky.env;
     for args in [
         &["declare"][..],
@@ -200,6 +234,10 @@ async fn no_subcommand_prints_a_password() {
         );
         assert!(!text.trim().is_empty(), "warren {args:?} printed nothing");
         leaky.assert_clean(&format!("warren {args:?}"), &text);
+        if shape == Shape::Tricky {
+            // Some of these URLs fail validation, some connections: either way, no secret.
+            continue;
+        }
         if args == ["config"] {
             assert_eq!(out.status.code(), Some(0), "{text}");
             assert!(text.contains("***"), "{text}");

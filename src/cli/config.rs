@@ -1,12 +1,30 @@
-//! `warren config`: the effective configuration after every layer, passwords redacted.
+//! `warren config [--origin]`: the effective configuration after every layer, passwords
+//! redacted; with `--origin`, where each value comes from.
 
-use crate::config::Settings;
+use crate::config::{Settings, Sources, origins};
 
 #[derive(Debug, clap::Args)]
-pub struct Args {}
+pub struct Args {
+    /// After each setting, the layer that set it: default, file, environment variable (named),
+    /// or command line.
+    #[arg(long)]
+    pub origin: bool,
+}
 
-pub fn execute(settings: &Settings, _: Args) -> anyhow::Result<i32> {
-    print!("{}", settings.to_redacted_toml());
+pub fn execute(settings: &Settings, sources: &Sources, args: Args) -> anyhow::Result<i32> {
+    let text = settings.to_redacted_toml();
+    if !args.origin {
+        print!("{text}");
+    } else {
+        let origins = origins(sources)?;
+        for line in text.lines() {
+            let key = line.split_once(" = ").map(|(k, _)| k.trim());
+            match key.and_then(|k| origins.get(k)) {
+                Some(origin) => println!("{line}  # {origin}"),
+                None => println!("{line}"),
+            }
+        }
+    }
     println!("# effective prefetch: {}", settings.effective_prefetch());
     Ok(0)
 }

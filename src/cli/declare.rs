@@ -1,5 +1,7 @@
 //! `warren declare [--dry-run]`: declare the topology (reporting each object as created or
-//! already matched) and apply the database migrations. Never deletes anything.
+//! already matched), apply the database migrations and check the configured pipelines' tables.
+//! Never deletes anything. `--dry-run` lists the objects and the migrations (applied or pending,
+//! from the built-in set and the database's history) and changes nothing.
 
 use anyhow::Context as _;
 
@@ -9,7 +11,7 @@ use crate::{amqp, db};
 
 #[derive(Debug, clap::Args)]
 pub struct Args {
-    /// Print the plan without touching the broker or the database.
+    /// Print the plan (objects, and migrations applied or pending) and change nothing.
     #[arg(long)]
     pub dry_run: bool,
 }
@@ -18,13 +20,42 @@ pub async fn execute(settings: &Settings, args: Args) -> anyhow::Result<i32> {
     let topology = Topology::from_settings(settings)?;
     if args.dry_run {
         println!("plan (nothing declared):");
-        for step in topology.plan() {
+        let mut objects = topology.plan();
+        for p in &settings.pipelines {
+            objects.extend(Topology::from_settings(&p.view(settings))?.plan());
+        }
+        for step in objects {
             println!("  {}", step.object);
         }
+        println!();
+        // The database is read, never written: which built-in migrations it already has.
+        let applied = db::applied_migrations(settings).await;
+        let embedded = db::embedded_migrations();
+        let pending = match &applied {
+            Ok(done) => embedded.iter().filter(|(v, _)| !done.contains(v)).count(),
+            Err(_) => embedded.len(),
+        };
         println!(
-            "  database schema {}: migrations V1__users, V2__dead_letters",
-            settings.database_schema
+            "database schema {}: {} migrations, {pending} to apply{}",
+            settings.database_schema,
+            embedded.len(),
+            match &applied {
+                Ok(_) => String::new(),
+                Err(e) => format!(
+                    " (the database at {} cannot be asked: {e}; each is shown as unknown)",
+                    crate::config::redact_url(&settings.database_url)
+                ),
+            }
         );
+        let rows = embedded.iter().map(|(version, name)| {
+            let state = match &applied {
+                Ok(done) if done.contains(version) => "applied",
+                Ok(_) => "pending",
+                Err(_) => "unknown",
+            };
+            vec![name.clone(), state.to_string()]
+        });
+        println!("{}", table(&["MIGRATION", "STATE"], rows));
         return Ok(0);
     }
     declare_all(settings, &topology, true).await?;
@@ -45,19 +76,30 @@ pub async fn declare_all(
                 crate::config::redact_url(&settings.amqp_url)
             )
         })?;
-    let result = topology.declare(&conn).await;
+    let mut result = topology.declare(&conn).await;
+    // Each configured pipeline's exchanges and queues, from the settings as it sees them.
+    for p in &settings.pipelines {
+        let Ok(mut steps) = result else { break };
+        let theirs = match Topology::from_settings(&p.view(settings)) {
+            Ok(t) => t.declare(&conn).await,
+            Err(e) => Err(e),
+        };
+        result = theirs.map(|more| {
+            steps.extend(more);
+            steps
+        });
+    }
     amqp::close(None, Some(conn)).await;
     let steps = result?;
+    let mut rows = Vec::new();
     for step in &steps {
         let outcome = step
             .outcome
             .as_ref()
             .map(ToString::to_string)
             .unwrap_or_default();
-        if verbose {
-            println!("{:<90} {outcome}", step.object);
-        }
         tracing::debug!(object = %step.object, %outcome, "declared");
+        rows.push(vec![step.object.clone(), outcome]);
     }
     let report = db::migrate(settings).await.with_context(|| {
         format!(
@@ -71,10 +113,74 @@ pub async fn declare_all(
         } else {
             format!("applied {}", report.applied.join(", "))
         };
-        println!(
-            "{:<90} {what}",
-            format!("database schema {}", settings.database_schema)
+        rows.push(vec![
+            format!("database schema {}", settings.database_schema),
+            what,
+        ]);
+        println!("{}", table(&["OBJECT", "OUTCOME"], rows));
+    }
+    check_tables(settings).await
+}
+
+/// The configured pipelines' tables fit their mappings, or a configuration error (exit 2)
+/// listing every mismatch.
+pub async fn check_tables(settings: &Settings) -> anyhow::Result<()> {
+    let mismatches = pipeline_mismatches(settings).await.with_context(|| {
+        format!(
+            "cannot check the pipelines' tables in the database at {}",
+            crate::config::redact_url(&settings.database_url)
+        )
+    })?;
+    if mismatches.is_empty() {
+        return Ok(());
+    }
+    Err(crate::config::ConfigError::Pipeline(mismatches.join("\n")).into())
+}
+
+/// Every configured pipeline's mapping against its table (see
+/// [`crate::domain::mapping::schema`]), before anything is consumed: `Ok` with every mismatch of
+/// every pipeline, each a sentence naming the pipeline, the table and the column (empty: they
+/// fit); `Err` when the database cannot be asked.
+async fn pipeline_mismatches(settings: &Settings) -> Result<Vec<String>, db::DbError> {
+    let mut mappings = Vec::new();
+    for p in &settings.pipelines {
+        mappings.push(
+            p.mapping()
+                .map_err(|e| db::DbError::Migration(e.to_string()))?,
         );
     }
-    Ok(())
+    if mappings.is_empty() {
+        return Ok(Vec::new());
+    }
+    let (client, connection) = db::pg_config(settings)?
+        .connect(tokio_postgres::NoTls)
+        .await
+        .map_err(db::DbError::from_pg)?;
+    let task = tokio::spawn(connection);
+    let mut out = Vec::new();
+    let mut result = Ok(());
+    for m in &mappings {
+        match crate::domain::mapping::schema::describe(m, &client).await {
+            Ok(info) => out.extend(crate::domain::mapping::schema::mismatches(m, info.as_ref())),
+            Err(e) => {
+                result = Err(e);
+                break;
+            }
+        }
+    }
+    drop(client);
+    let _ = task.await;
+    result.map(|()| out)
+}
+
+/// A borderless table (comfy-table), two spaces between columns, no trailing blanks.
+fn table(header: &[&str], rows: impl IntoIterator<Item = Vec<String>>) -> String {
+    let mut t = comfy_table::Table::new();
+    t.load_style(comfy_table::presets::NOTHING)
+        .set_header(header.to_vec())
+        .add_rows(rows);
+    for column in t.column_iter_mut() {
+        column.set_padding((0, 2));
+    }
+    t.trim_fmt()
 }

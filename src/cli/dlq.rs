@@ -109,6 +109,10 @@ pub fn kind_of(properties: &BasicProperties) -> Option<String> {
 
 #[derive(Debug, clap::Args)]
 pub struct Args {
+    /// The pipeline whose DLQ and parked messages to work on (see `warren pipelines`); a replay
+    /// sends its messages back to this pipeline's queue.
+    #[arg(long, global = true, value_name = "NAME", default_value = "users")]
+    pub pipeline: String,
     #[command(subcommand)]
     pub command: DlqCommand,
 }
@@ -178,6 +182,9 @@ pub enum ParkedCommand {
 
 #[derive(Debug, clap::Args)]
 pub struct ParkedListArgs {
+    /// The pipeline whose rows (from `dlq --pipeline`).
+    #[arg(skip)]
+    pub pipeline: String,
     /// Only rows with this error kind.
     #[arg(long, value_name = "KIND", value_parser = PossibleValuesParser::new(KINDS))]
     pub kind: Option<String>,
@@ -197,6 +204,9 @@ pub struct ParkedListArgs {
 
 #[derive(Debug, clap::Args)]
 pub struct ParkedReplayArgs {
+    /// The pipeline whose rows (from `dlq --pipeline`).
+    #[arg(skip)]
+    pub pipeline: String,
     /// Only rows with this error kind.
     #[arg(long, value_name = "KIND", value_parser = PossibleValuesParser::new(KINDS))]
     pub kind: Option<String>,
@@ -219,11 +229,32 @@ fn parse_limit(raw: &str) -> Result<u64, String> {
 }
 
 pub async fn execute(settings: &Settings, args: Args) -> anyhow::Result<i32> {
+    // The settings as the chosen pipeline sees them: its DLQ, its exchange and queue.
+    let view = match settings.pipelines.iter().find(|p| p.name == args.pipeline) {
+        Some(p) => p.view(settings),
+        None if args.pipeline == "users" => settings.clone(),
+        None => {
+            let mut known = vec!["users".to_string()];
+            known.extend(settings.pipelines.iter().map(|p| p.name.clone()));
+            anyhow::bail!(
+                "--pipeline: no pipeline {:?}; this configuration has: {}",
+                crate::cli::terminal_safe(&args.pipeline),
+                known.join(", ")
+            );
+        }
+    };
+    let settings = &view;
     match args.command {
         DlqCommand::Inspect(a) => inspect(settings, a).await,
         DlqCommand::Replay(a) => replay(settings, a).await,
-        DlqCommand::Parked(ParkedCommand::List(a)) => parked_list(settings, a).await,
-        DlqCommand::Parked(ParkedCommand::Replay(a)) => parked_replay(settings, a).await,
+        DlqCommand::Parked(ParkedCommand::List(mut a)) => {
+            a.pipeline = args.pipeline;
+            parked_list(settings, a).await
+        }
+        DlqCommand::Parked(ParkedCommand::Replay(mut a)) => {
+            a.pipeline = args.pipeline;
+            parked_replay(settings, a).await
+        }
     }
 }
 
@@ -392,7 +423,10 @@ async fn inspect_on(
     let now = now_s();
     if args.json {
         for s in &seen {
-            println!("{}", s.json(now));
+            println!(
+                "{}",
+                crate::cli::json_terminal_safe(&s.json(now).to_string())
+            );
         }
         eprintln!(
             "dlq {queue}: {}, {} shown, all left in the queue",
@@ -636,8 +670,9 @@ async fn parked_list(settings: &Settings, args: ParkedListArgs) -> anyhow::Resul
     let total: i64 = client
         .query_one(
             "SELECT count(*) FROM dead_letters \
-             WHERE replayed_at IS NULL AND ($1::text IS NULL OR error_kind = $1)",
-            &[&args.kind],
+             WHERE replayed_at IS NULL AND ($1::text IS NULL OR error_kind = $1) \
+               AND pipeline = $2",
+            &[&args.kind, &args.pipeline],
         )
         .await
         .and_then(|r| r.try_get(0))
@@ -648,8 +683,9 @@ async fn parked_list(settings: &Settings, args: ParkedListArgs) -> anyhow::Resul
                     to_char(parked_at AT TIME ZONE 'UTC', 'YYYY-MM-DD HH24:MI:SS'), body \
              FROM dead_letters \
              WHERE replayed_at IS NULL AND ($1::text IS NULL OR error_kind = $1) \
+               AND pipeline = $3 \
              ORDER BY seq DESC LIMIT $2",
-            &[&args.kind, &sql_limit(args.limit)],
+            &[&args.kind, &sql_limit(args.limit), &args.pipeline],
         )
         .await
         .and_then(|rows| {
@@ -664,14 +700,15 @@ async fn parked_list(settings: &Settings, args: ParkedListArgs) -> anyhow::Resul
         .map(|k| format!(" of kind {k}"))
         .unwrap_or_default();
     let summary = format!(
-        "parked in {}.dead_letters, not replayed: {}{filter}, {} shown, newest first",
+        "parked in {}.dead_letters for pipeline {}, not replayed: {}{filter}, {} shown, newest first",
         settings.database_schema,
+        args.pipeline,
         plural(u64::try_from(total).unwrap_or(0), "message"),
         rows.len()
     );
     if args.json {
         for r in &rows {
-            println!("{}", r.json());
+            println!("{}", crate::cli::json_terminal_safe(&r.json().to_string()));
         }
         eprintln!("{summary}");
         return Ok(0);
@@ -863,8 +900,9 @@ async fn parked_replay_on(
             .query(
                 "SELECT seq, message_id, body, headers FROM dead_letters \
                  WHERE replayed_at IS NULL AND seq > $1 AND ($2::text IS NULL OR error_kind = $2) \
+                   AND pipeline = $4 \
                  ORDER BY seq LIMIT $3 FOR UPDATE SKIP LOCKED",
-                &[&after, &args.kind, &sql_limit(budget)],
+                &[&after, &args.kind, &sql_limit(budget), &args.pipeline],
             )
             .await
             .and_then(|rows| {

@@ -8,6 +8,7 @@ pub mod declare;
 pub mod dlq;
 pub mod man;
 pub mod r#move;
+pub mod pipelines;
 pub mod publish;
 pub mod run;
 pub mod status;
@@ -21,9 +22,17 @@ use crate::config::{ConfigError, Settings, Sources};
 
 /// warren: RabbitMQ -> PostgreSQL through a supervised, batched pipeline.
 #[derive(Debug, Parser)]
-#[command(name = "warren", version, about, long_about = None)]
+#[command(
+    name = "warren",
+    version,
+    about,
+    long_about = None,
+    after_help = "Settings: `warren run --help` lists every environment variable, `warren config \
+                  --origin` shows the effective values and where each comes from; \
+                  docs/configuration.md has them all. Exit status: see `warren run --help`."
+)]
 pub struct Cli {
-    /// A TOML file layered over the built-in defaults (see config/default.toml).
+    /// A TOML file layered over the built-in defaults (`warren config` shows them).
     #[arg(long, global = true, value_name = "PATH", env = "WARREN_CONFIG")]
     pub config: Option<PathBuf>,
     /// Override a setting, KEY=VALUE (repeatable); wins over the file and the environment.
@@ -64,22 +73,82 @@ pub enum Command {
     /// cannot loop), and exits 0. A first SIGINT or SIGTERM stops it after the current window
     /// (exit 130); a second one at once (the unacked window returns to the source).
     Move(r#move::Args),
+    /// List the pipelines (queues, table, mapping), or test one on JSON lines: `pipelines test NAME [FILE]`.
+    Pipelines(pipelines::Args),
     /// Print the shell completion script (bash, zsh, fish) to stdout.
     Completions(completions::Args),
     /// Print the man page (roff) to stdout: warren(1), or a subcommand's page.
     Man(man::Args),
 }
 
+/// What warren's exit codes mean, for `--help` and the man pages.
+pub const EXIT_STATUS: &[(&str, &str)] = &[
+    (
+        "0",
+        "success; for run, a complete drain after SIGTERM, SIGINT or `ctl drain`",
+    ),
+    (
+        "1",
+        "a failure: a server unreachable, a command that failed or was refused, `pipelines test` \
+         with a refused line; for run, a shutdown whose SHUTDOWN_TIMEOUT_MS left messages in flight",
+    ),
+    (
+        "2",
+        "a bad setting, flag or configuration file (the message names it), an unknown WARREN_* \
+         variable, or a pipeline whose table does not fit its mapping",
+    ),
+    (
+        "130",
+        "a second SIGINT or SIGTERM during a shutdown (run), or `move` interrupted",
+    ),
+];
+
+/// The long help of `run`: every setting's environment variable with its default, generated
+/// from the shipped defaults file, then the exit codes.
+fn run_long_help() -> String {
+    let mut out = String::from(
+        "ENVIRONMENT:\n  Every setting is read from its variable; WARREN_<NAME> wins over <NAME>, and a \
+         WARREN_* variable that is no setting stops warren (exit 2). A --config file and --set \
+         override as documented in docs/configuration.md.\n\n",
+    );
+    for (name, text) in crate::config::environment_help() {
+        out.push_str(&format!("  {name}\n      {text}\n"));
+    }
+    out.push_str("\nEXIT STATUS:\n");
+    for (code, text) in EXIT_STATUS {
+        out.push_str(&format!("  {code:<5}{text}\n"));
+    }
+    out
+}
+
+/// The clap command of `warren`, with what the derive cannot hold: the generated ENVIRONMENT and
+/// EXIT STATUS of `run --help`.
+pub fn command() -> clap::Command {
+    use clap::CommandFactory as _;
+    Cli::command().mut_subcommand("run", |run| run.after_long_help(run_long_help()))
+}
+
 impl Cli {
-    /// The settings: defaults < --config file < environment < --set and named flags.
-    pub fn settings(&self) -> Result<Settings, ConfigError> {
+    /// Parses the process's arguments (with [`command`]'s additions), exiting on a usage error.
+    pub fn parse_args() -> Self {
+        use clap::FromArgMatches as _;
+        Self::from_arg_matches(&command().get_matches()).unwrap_or_else(|e| e.exit())
+    }
+
+    /// Where the settings come from (the file, the environment, `--set` and named flags).
+    pub fn sources(&self) -> Result<Sources, ConfigError> {
         let mut sources = Sources::new(self.config.clone()).with_set_flags(&self.set)?;
         if let Command::Run(args) = &self.command
             && let Some(roles) = &args.roles
         {
             sources = sources.with_override("roles", roles.clone());
         }
-        Settings::load(&sources)
+        Ok(sources)
+    }
+
+    /// The settings: defaults < --config file < environment < --set and named flags.
+    pub fn settings(&self) -> Result<Settings, ConfigError> {
+        Settings::load(&self.sources()?)
     }
 }
 
@@ -165,11 +234,15 @@ pub fn say(message: std::fmt::Arguments) {
 
 /// Runs the subcommand; returns the process exit code.
 pub async fn dispatch(cli: Cli, settings: Settings) -> i32 {
+    let sources = cli.sources();
     let result = match cli.command {
         Command::Run(args) => run::execute(settings, args, run::signals()).await,
         Command::Declare(args) => declare::execute(&settings, args).await,
+        Command::Pipelines(args) => pipelines::execute(&settings, args),
         Command::Publish(args) => publish::execute(&settings, args).await,
-        Command::Config(args) => config::execute(&settings, args),
+        Command::Config(args) => sources
+            .map_err(anyhow::Error::from)
+            .and_then(|sources| config::execute(&settings, &sources, args)),
         Command::Status(args) => status::execute(&settings, args).await,
         Command::Ctl(args) => ctl::execute(&settings, args).await,
         Command::Dlq(args) => dlq::execute(&settings, args).await,
@@ -186,7 +259,13 @@ fn exit_code(result: anyhow::Result<i32>) -> i32 {
         Ok(code) => code,
         Err(e) => {
             say(format_args!("{e:#}"));
-            1
+            // A configuration that cannot work (a pipeline whose table does not fit) is a bad
+            // setting, as one the loader refuses.
+            if e.downcast_ref::<ConfigError>().is_some() {
+                2
+            } else {
+                1
+            }
         }
     }
 }
@@ -243,5 +322,21 @@ mod tests {
         for sub in ["status", "declare", "config", "publish"] {
             assert!(filter(&["warren", sub]).starts_with("warn,"), "{sub}");
         }
+    }
+
+    #[test]
+    fn terminal_controls_are_escaped_and_the_rest_kept() {
+        assert_eq!(terminal_safe("vm-1 ünïcode 名"), "vm-1 ünïcode 名");
+        assert_eq!(
+            terminal_safe("a\x1b[2J\x07\r\n\u{9b}b\u{202e}c"),
+            "a\\u{1b}[2J\\u{7}\\u{d}\\u{a}\\u{9b}b\\u{202e}c"
+        );
+        let json = serde_json::json!({"s": "a\u{1b}\u{9b}\u{7f}\u{202e}é"}).to_string();
+        let shown = json_terminal_safe(&json);
+        assert_eq!(shown, r#"{"s":"a\u001b\u009b\u007f\u202eé"}"#);
+        assert_eq!(
+            serde_json::from_str::<serde_json::Value>(&shown).unwrap(),
+            serde_json::from_str::<serde_json::Value>(&json).unwrap()
+        );
     }
 }

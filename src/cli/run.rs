@@ -6,7 +6,7 @@ use std::future::Future;
 
 use tracing::info;
 
-use crate::config::Settings;
+use crate::config::{ConfigError, Settings};
 use crate::topology::Topology;
 
 #[derive(Debug, clap::Args)]
@@ -17,6 +17,39 @@ pub struct Args {
     /// Comma-separated subset of consumer,dlq,api (overrides ROLES).
     #[arg(long, value_name = "ROLES")]
     pub roles: Option<String>,
+    /// Comma-separated pipelines to run (default: users and every pipeline of the file; see
+    /// `warren pipelines`).
+    #[arg(long, value_name = "NAMES")]
+    pub pipelines: Option<String>,
+}
+
+/// `settings` with only the pipelines `list` names (comma-separated); an unknown name is a
+/// configuration error (exit 2) naming the known ones.
+pub fn select_pipelines(mut settings: Settings, list: &str) -> Result<Settings, ConfigError> {
+    let wanted: Vec<&str> = crate::config::list_entries(list).collect();
+    let mut known = vec!["users".to_string()];
+    known.extend(
+        settings
+            .pipelines
+            .iter()
+            .map(|p| p.name.clone())
+            .filter(|n| n != "users"),
+    );
+    if let Some(unknown) = wanted.iter().find(|w| !known.iter().any(|k| k == *w)) {
+        return Err(ConfigError::Invalid {
+            setting: "--pipelines".into(),
+            expected: format!(
+                "names of pipelines of this configuration ({})",
+                known.join(", ")
+            ),
+            got: format!("{unknown:?}"),
+        });
+    }
+    settings
+        .pipelines
+        .retain(|p| wanted.contains(&p.name.as_str()));
+    settings.without_users = !wanted.contains(&"users");
+    Ok(settings)
 }
 
 /// Installs the SIGTERM and SIGINT handlers now (so a signal during start-up is not fatal) and
@@ -58,10 +91,17 @@ pub async fn execute(
     args: Args,
     shutdown: impl Future<Output = ()>,
 ) -> anyhow::Result<i32> {
+    let settings = match &args.pipelines {
+        Some(list) => select_pipelines(settings, list)?,
+        None => settings,
+    };
     if args.declare {
         let topology = Topology::from_settings(&settings)?;
         crate::cli::declare::declare_all(&settings, &topology, false).await?;
         info!("topology declared and migrations applied");
+    } else {
+        // The configured pipelines' tables fit their mappings before anything is consumed.
+        crate::cli::declare::check_tables(&settings).await?;
     }
     crate::app::run(settings, shutdown).await
 }

@@ -71,7 +71,8 @@ impl Api {
 /// Binds `HTTP_ADDR` and serves the API in the background; `pool` is the API's own (see
 /// [`crate::db::pool_for`]).
 pub async fn serve(settings: &Settings, pool: Pool) -> anyhow::Result<Api> {
-    let addr: SocketAddr = settings.http_addr.parse()?;
+    let addr: SocketAddr = crate::config::listen_addr(&settings.http_addr)
+        .map_err(|e| anyhow::anyhow!("HTTP_ADDR {}: {e}", settings.http_addr))?;
     let publisher = actix::Actor::start(Publisher::new(
         settings.clone(),
         "api",

@@ -1,0 +1,302 @@
+//! `warren pipelines`: every pipeline this configuration runs, with its queues, table and mapping.
+//! `warren pipelines test NAME [FILE]`: what pipeline NAME would do with each JSON line of FILE
+//! (standard input by default), the row it would insert or the rejection with its kind and
+//! reason, with no broker and no database; exit 0 when every line is accepted, 1 otherwise.
+
+use std::io::{BufRead, BufReader, Read};
+use std::path::PathBuf;
+
+use anyhow::{Context, bail};
+use clap::Subcommand;
+use comfy_table::{Table, presets};
+use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
+use serde_json::{Value, json};
+
+use crate::cli::terminal_safe as safe;
+use crate::config::Settings;
+use crate::config::pipelines::{Names, PipelineConfig};
+use crate::domain::Domain;
+use crate::domain::mapping::{Cell, Row};
+use crate::domain::users::Users;
+
+#[derive(Debug, clap::Args)]
+pub struct Args {
+    #[command(subcommand)]
+    pub action: Option<Action>,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum Action {
+    /// Decode JSON lines as pipeline NAME would, with no broker and no database.
+    ///
+    /// Each non-empty line is one message body. With --headers, each line is instead
+    /// `{"headers": {...}, "body": ...}`: the headers (strings, numbers, booleans) as the AMQP
+    /// headers the pipeline's `header` columns read, the body as the message. Prints, per line,
+    /// `ok` and the row it would insert (JSON), or the kind and reason it would be dead-lettered
+    /// with. Exit 0 when every line is accepted, 1 otherwise.
+    Test {
+        /// The pipeline (see `warren pipelines`).
+        name: String,
+        /// A file of JSON lines; standard input when absent.
+        file: Option<PathBuf>,
+        /// Lines carry headers: `{"headers": {...}, "body": ...}`.
+        #[arg(long)]
+        headers: bool,
+    },
+}
+
+pub fn execute(settings: &Settings, args: Args) -> anyhow::Result<i32> {
+    match args.action {
+        None => {
+            print!("{}", list(settings));
+            Ok(0)
+        }
+        Some(Action::Test {
+            name,
+            file,
+            headers,
+        }) => {
+            let input: Box<dyn Read> = match &file {
+                Some(path) => Box::new(
+                    std::fs::File::open(path)
+                        .with_context(|| format!("cannot read {}", path.display()))?,
+                ),
+                None => Box::new(std::io::stdin()),
+            };
+            test(
+                settings,
+                &name,
+                BufReader::new(input),
+                headers,
+                &mut std::io::stdout(),
+            )
+        }
+    }
+}
+
+/// The configured pipeline `name`, or `None` for the built-in users pipeline.
+fn find<'a>(settings: &'a Settings, name: &str) -> anyhow::Result<Option<&'a PipelineConfig>> {
+    if let Some(p) = settings.pipelines.iter().find(|p| p.name == name) {
+        return Ok(Some(p));
+    }
+    if name == "users" {
+        return Ok(None);
+    }
+    let mut known = vec!["users".to_string()];
+    known.extend(settings.pipelines.iter().map(|p| p.name.clone()));
+    bail!(
+        "no pipeline {:?}; this configuration has: {}",
+        safe(name),
+        known.join(", ")
+    )
+}
+
+/// The listing: one block per pipeline.
+fn list(settings: &Settings) -> String {
+    let mut out = String::new();
+    if !settings.pipelines.iter().any(|p| p.name == "users") {
+        out.push_str(&block(
+            "users (built-in)",
+            &Names::users(settings),
+            "users (warren's own migration), key id, on_conflict keep, unknown_fields reject",
+            vec![
+                row("id", "/id", "uuid", ""),
+                row(
+                    "name",
+                    "/name",
+                    "text",
+                    "not blank, no control characters, max_len 200",
+                ),
+                row(
+                    "email",
+                    "/email",
+                    "text",
+                    "format email, at most 254 bytes, unique",
+                ),
+            ],
+        ));
+    }
+    for p in &settings.pipelines {
+        let mut conflict = format!("{:?}", p.on_conflict).to_lowercase();
+        if let Some(v) = &p.version_column {
+            conflict.push_str(&format!(" (version_column {v})"));
+        }
+        let table = format!(
+            "{}, key {}, on_conflict {conflict}, unknown_fields {}{}",
+            p.table,
+            p.key.join("+"),
+            format!("{:?}", p.unknown_fields).to_lowercase(),
+            if p.api { ", api" } else { "" },
+        );
+        let columns = p
+            .columns
+            .iter()
+            .map(|(name, c)| {
+                let source = match (&c.path, &c.header) {
+                    (Some(path), _) if path.is_empty() => "(whole body)".to_string(),
+                    (Some(path), _) => path.clone(),
+                    (None, Some(h)) => format!("header {h}"),
+                    (None, None) => "-".into(),
+                };
+                let mut checks = Vec::new();
+                if c.optional {
+                    checks.push("optional".to_string());
+                }
+                if let Some(f) = c.format {
+                    checks.push(format!("format {}", format!("{f:?}").to_lowercase()));
+                }
+                for (what, v) in [("min", c.min), ("max", c.max)] {
+                    if let Some(v) = v {
+                        checks.push(format!("{what} {v}"));
+                    }
+                }
+                for (what, v) in [("min_len", c.min_len), ("max_len", c.max_len)] {
+                    if let Some(v) = v {
+                        checks.push(format!("{what} {v}"));
+                    }
+                }
+                row(name, &source, c.ty.as_str(), &checks.join(", "))
+            })
+            .collect();
+        out.push_str(&block(&p.name, &p.names(settings), &table, columns));
+    }
+    out
+}
+
+fn row(column: &str, source: &str, ty: &str, checks: &str) -> Vec<String> {
+    vec![column.into(), source.into(), ty.into(), checks.into()]
+}
+
+/// One pipeline: its name, queues, table, then its columns as a table.
+fn block(title: &str, names: &Names, table: &str, columns: Vec<Vec<String>>) -> String {
+    let tiers: Vec<String> = names.retry_tiers.iter().map(|t| t.queue.clone()).collect();
+    let mut t = Table::new();
+    t.load_style(presets::NOTHING)
+        .set_header(vec!["COLUMN", "SOURCE", "TYPE", "CHECKS"])
+        .add_rows(columns);
+    for column in t.column_iter_mut() {
+        column.set_padding((0, 2));
+    }
+    let indented: Vec<String> = t.trim_fmt().lines().map(|l| format!("  {l}")).collect();
+    format!(
+        "{title}\n  queue   {} -> {}\n  retry   {} -> {}\n  dlq     {} -> {}\n  table   {table}\n{}\n\n",
+        names.main_exchange,
+        names.main_queue,
+        names.retry_exchange,
+        tiers.join(", "),
+        names.dlx_exchange,
+        names.dlq_queue,
+        indented.join("\n"),
+    )
+}
+
+/// Decodes every line of `input` as pipeline `name` would and writes the verdicts to `out`.
+pub fn test(
+    settings: &Settings,
+    name: &str,
+    input: impl BufRead,
+    with_headers: bool,
+    out: &mut impl std::io::Write,
+) -> anyhow::Result<i32> {
+    let mapping = find(settings, name)?.map(|p| p.mapping()).transpose()?;
+    let (mut accepted, mut refused) = (0u64, 0u64);
+    for (i, line) in input.lines().enumerate() {
+        let line = line.context("cannot read the input")?;
+        if line.trim().is_empty() {
+            continue;
+        }
+        let (body, headers) = if with_headers {
+            match envelope(&line) {
+                Ok(parts) => parts,
+                Err(e) => bail!("line {}: {e}", i + 1),
+            }
+        } else {
+            (line.clone().into_bytes(), None)
+        };
+        let verdict = match &mapping {
+            Some(m) => m
+                .decode_message(&body, headers.as_ref())
+                .map(|row| row_json(m.columns().map(|(c, _, _)| c), &row)),
+            None => Users
+                .decode(&body)
+                .map(|u| json!({"id": u.id, "name": u.name, "email": u.email}).to_string()),
+        };
+        match verdict {
+            Ok(row) => {
+                accepted += 1;
+                writeln!(
+                    out,
+                    "{}: ok {}",
+                    i + 1,
+                    crate::cli::json_terminal_safe(&row)
+                )?;
+            }
+            Err(r) => {
+                refused += 1;
+                writeln!(out, "{}: {} {}", i + 1, r.kind, safe(&r.reason))?;
+            }
+        }
+    }
+    writeln!(out, "{accepted} accepted, {refused} refused")?;
+    Ok(if refused == 0 { 0 } else { 1 })
+}
+
+/// `{"headers": {...}, "body": ...}`: the body's bytes as written, and the headers as AMQP ones.
+fn envelope(line: &str) -> Result<(Vec<u8>, Option<FieldTable>), String> {
+    #[derive(serde::Deserialize)]
+    #[serde(deny_unknown_fields)]
+    struct Envelope<'a> {
+        #[serde(default)]
+        headers: serde_json::Map<String, Value>,
+        #[serde(borrow)]
+        body: &'a serde_json::value::RawValue,
+    }
+    let e: Envelope = serde_json::from_str(line).map_err(|e| {
+        format!("expected {{\"headers\": {{...}}, \"body\": ...}} (--headers): {e}")
+    })?;
+    let mut table = FieldTable::default();
+    for (k, v) in e.headers {
+        let value = match v {
+            Value::String(s) => AMQPValue::LongString(LongString::from(s)),
+            Value::Bool(b) => AMQPValue::Boolean(b),
+            Value::Number(n) if n.is_i64() => AMQPValue::LongLongInt(n.as_i64().unwrap_or(0)),
+            Value::Number(n) => AMQPValue::Double(n.as_f64().unwrap_or(0.0)),
+            other => {
+                return Err(format!(
+                    "header {k:?}: a string, number or boolean, got {other}"
+                ));
+            }
+        };
+        table.insert(ShortString::from(k), value);
+    }
+    Ok((e.body.get().as_bytes().to_vec(), Some(table)))
+}
+
+/// A decoded row as a JSON object, column -> value; a `jsonb` value and a `numeric` one as
+/// written in the message (a JSON reader would round `1e2` to `100.0` and long decimals).
+fn row_json<'a>(columns: impl Iterator<Item = &'a str>, row: &Row) -> String {
+    use serde_json::value::{RawValue, to_raw_value};
+    let mut out: Vec<(String, Box<RawValue>)> = Vec::new();
+    for (name, cell) in columns.zip(&row.0) {
+        let value = match cell {
+            Cell::Null => to_raw_value(&Value::Null),
+            Cell::Text(s) | Cell::Timestamptz(s) | Cell::Date(s) => to_raw_value(s),
+            Cell::Uuid(u) => to_raw_value(&u.to_string()),
+            Cell::Int4(n) => to_raw_value(n),
+            Cell::Int8(n) => to_raw_value(n),
+            Cell::Float8(f) => to_raw_value(f),
+            Cell::Bool(b) => to_raw_value(b),
+            Cell::Numeric(text) | Cell::Jsonb(text) => {
+                RawValue::from_string(text.clone()).or_else(|_| to_raw_value(text))
+            }
+        };
+        if let Ok(v) = value {
+            out.push((name.to_string(), v));
+        }
+    }
+    let fields: Vec<String> = out
+        .iter()
+        .map(|(k, v)| format!("{}:{}", Value::from(k.as_str()), v.get()))
+        .collect();
+    format!("{{{}}}", fields.join(","))
+}

@@ -1,0 +1,380 @@
+//! The `[[pipelines]]` of the configuration file: each one a queue-to-table mapping with its own
+//! queue names, retry tiers, batching and limits (each defaulting to the global setting), checked
+//! when the configuration loads. The built-in users pipeline is configured by the global names
+//! (`MAIN_QUEUE`, `USERS_BATCH_SIZE`, ...); a file's pipeline named `users` replaces it.
+
+use std::collections::{BTreeMap, HashMap};
+
+use serde::{Deserialize, Serialize};
+
+use super::{ConfigError, RetryTier, Rule, Settings, humanize_ms, retry_base};
+use crate::domain::mapping::{ColumnSpec, Mapping, MappingSpec, OnConflict, UnknownFields};
+
+/// One `[[pipelines]]` entry as written in the file.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PipelineConfig {
+    /// `[a-z][a-z0-9_]{0,39}`: the metrics label, the default queue names, what its parked rows
+    /// are filed under.
+    pub name: String,
+    /// An existing table, `name` or `schema.name`; warren never creates or alters it.
+    pub table: String,
+    /// The columns of a primary key or unique index of the table.
+    pub key: Vec<String>,
+    #[serde(default)]
+    pub on_conflict: OnConflict,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub version_column: Option<String>,
+    #[serde(default)]
+    pub unknown_fields: UnknownFields,
+    /// `POST /api/v1/<name>`, `PUT` and `GET /api/v1/<name>/<key>`.
+    #[serde(default)]
+    pub api: bool,
+    // Batching and limits; absent: as for users (`USERS_*`) or the global setting.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub batch_size: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub batch_timeout_ms: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub batch_concurrency: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub proc_concurrency: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub prefetch: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_retries: Option<u64>,
+    /// The retry tiers' TTLs; absent: `RETRY_TTLS_MS` (or the one tier of `RETRY_TTL_MS`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub retry_ttls_ms: Option<Vec<u64>>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub dlq_max_attempts: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rate_limit_per_s: Option<u64>,
+    // Names; absent: `<name>_exchange`, `<name>_queue`, `<name>_retry_exchange`,
+    // `<name>_retry` + the tier suffix, `<name>_dlx`, `<name>_dlq`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub main_exchange: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub main_queue: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub retry_exchange: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub retry_queue: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub dlx_exchange: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub dlq_queue: Option<String>,
+    /// Column name -> where its value comes from, its type and checks.
+    pub columns: BTreeMap<String, ColumnSpec>,
+}
+
+/// The broker objects of one pipeline.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Names {
+    pub main_exchange: String,
+    pub main_queue: String,
+    pub retry_exchange: String,
+    pub retry_tiers: Vec<RetryTier>,
+    pub dlx_exchange: String,
+    pub dlq_queue: String,
+}
+
+impl Names {
+    /// The users pipeline's, from the global settings.
+    pub fn users(settings: &Settings) -> Self {
+        Self {
+            main_exchange: settings.main_exchange.clone(),
+            main_queue: settings.main_queue.clone(),
+            retry_exchange: settings.retry_exchange.clone(),
+            retry_tiers: settings.retry_tiers(),
+            dlx_exchange: settings.dlx_exchange.clone(),
+            dlq_queue: settings.dlq_queue.clone(),
+        }
+    }
+
+    /// Every exchange and queue, with what it is (`main_queue`, ...), for the clash check.
+    fn all(&self) -> Vec<(&'static str, &str)> {
+        let mut out = vec![
+            ("main_exchange", self.main_exchange.as_str()),
+            ("main_queue", self.main_queue.as_str()),
+            ("retry_exchange", self.retry_exchange.as_str()),
+            ("dlx_exchange", self.dlx_exchange.as_str()),
+            ("dlq_queue", self.dlq_queue.as_str()),
+        ];
+        out.extend(
+            self.retry_tiers
+                .iter()
+                .map(|t| ("retry_queue", t.queue.as_str())),
+        );
+        out
+    }
+}
+
+impl PipelineConfig {
+    /// What the mapping core compiles.
+    pub fn mapping_spec(&self) -> MappingSpec {
+        MappingSpec {
+            table: self.table.clone(),
+            key: self.key.clone(),
+            on_conflict: self.on_conflict,
+            version_column: self.version_column.clone(),
+            unknown_fields: self.unknown_fields,
+            columns: self.columns.clone(),
+        }
+    }
+
+    /// The compiled mapping (the configuration was checked when it loaded).
+    pub fn mapping(&self) -> Result<Mapping, ConfigError> {
+        Mapping::compile(&self.name, &self.mapping_spec())
+            .map_err(|e| ConfigError::Pipeline(e.to_string()))
+    }
+
+    /// Its exchanges and queues, given or derived from its name.
+    pub fn names(&self, settings: &Settings) -> Names {
+        let n = &self.name;
+        let or = |given: &Option<String>, default: String| given.clone().unwrap_or(default);
+        let ttls = match &self.retry_ttls_ms {
+            Some(list) => list.clone(),
+            None => settings.retry_ttls_ms.0.clone(),
+        };
+        let retry_tiers = if ttls.is_empty() {
+            vec![RetryTier {
+                queue: or(
+                    &self.retry_queue,
+                    format!("{n}_retry_{}", humanize_ms(settings.retry_ttl_ms)),
+                ),
+                ttl_ms: settings.retry_ttl_ms,
+            }]
+        } else {
+            let default = format!("{n}_retry");
+            let base = retry_base(self.retry_queue.as_deref().unwrap_or(&default));
+            ttls.iter()
+                .map(|&ttl_ms| RetryTier {
+                    queue: format!("{base}_{}", humanize_ms(ttl_ms)),
+                    ttl_ms,
+                })
+                .collect()
+        };
+        Names {
+            main_exchange: or(&self.main_exchange, format!("{n}_exchange")),
+            main_queue: or(&self.main_queue, format!("{n}_queue")),
+            retry_exchange: or(&self.retry_exchange, format!("{n}_retry_exchange")),
+            retry_tiers,
+            dlx_exchange: or(&self.dlx_exchange, format!("{n}_dlx")),
+            dlq_queue: or(&self.dlq_queue, format!("{n}_dlq")),
+        }
+    }
+
+    /// The settings as this pipeline sees them: the global ones with its names, tiers,
+    /// batching and limits in place of the users pipeline's, so the stages, the router and the
+    /// topology, which read a [`Settings`], serve this pipeline.
+    pub fn view(&self, settings: &Settings) -> Settings {
+        let names = self.names(settings);
+        let mut view = settings.clone();
+        view.main_exchange = names.main_exchange;
+        view.main_queue = names.main_queue;
+        view.retry_exchange = names.retry_exchange;
+        view.dlx_exchange = names.dlx_exchange;
+        view.dlq_queue = names.dlq_queue;
+        match names.retry_tiers.as_slice() {
+            [one] if self.retry_ttls_ms.is_none() && settings.retry_ttls_ms.0.is_empty() => {
+                view.retry_queue = one.queue.clone();
+                view.retry_ttl_ms = one.ttl_ms;
+            }
+            tiers => {
+                // The tiers are `<base>_<ttl>`; `retry_tiers()` takes the base back off the
+                // first one's name.
+                view.retry_queue = tiers.first().map(|t| t.queue.clone()).unwrap_or_default();
+                view.retry_ttls_ms = super::RetryTtls(tiers.iter().map(|t| t.ttl_ms).collect());
+            }
+        }
+        let set = |value: Option<u64>, into: &mut u64| {
+            if let Some(v) = value {
+                *into = v;
+            }
+        };
+        let n = |value: Option<u64>, into: &mut usize| {
+            if let Some(v) = value {
+                *into = usize::try_from(v).unwrap_or(usize::MAX);
+            }
+        };
+        n(self.batch_size, &mut view.users_batch_size);
+        n(self.batch_concurrency, &mut view.users_batch_concurrency);
+        n(self.proc_concurrency, &mut view.users_proc_concurrency);
+        set(self.batch_timeout_ms, &mut view.users_batch_timeout_ms);
+        let small = |value: Option<u64>, into: &mut u32| {
+            if let Some(v) = value {
+                *into = u32::try_from(v).unwrap_or(u32::MAX);
+            }
+        };
+        small(self.prefetch, &mut view.prefetch);
+        small(self.max_retries, &mut view.max_retries);
+        small(self.dlq_max_attempts, &mut view.dlq_max_attempts);
+        small(self.rate_limit_per_s, &mut view.rate_limit_per_s);
+        view.pipelines = Vec::new();
+        view
+    }
+
+    /// The numeric settings a pipeline may set, each with the global setting whose range (and
+    /// default) it takes.
+    fn numbers(&self) -> [(&'static str, &'static str, Option<u64>); 9] {
+        [
+            ("batch_size", "users_batch_size", self.batch_size),
+            (
+                "batch_timeout_ms",
+                "users_batch_timeout_ms",
+                self.batch_timeout_ms,
+            ),
+            (
+                "batch_concurrency",
+                "users_batch_concurrency",
+                self.batch_concurrency,
+            ),
+            (
+                "proc_concurrency",
+                "users_proc_concurrency",
+                self.proc_concurrency,
+            ),
+            ("prefetch", "prefetch", self.prefetch),
+            ("max_retries", "max_retries", self.max_retries),
+            (
+                "dlq_max_attempts",
+                "dlq_max_attempts",
+                self.dlq_max_attempts,
+            ),
+            (
+                "rate_limit_per_s",
+                "rate_limit_per_s",
+                self.rate_limit_per_s,
+            ),
+            ("retry_ttls_ms", "retry_ttl_ms", None),
+        ]
+    }
+}
+
+/// Whether `name` is a pipeline name: `[a-z][a-z0-9_]{0,39}`.
+fn is_name(name: &str) -> bool {
+    let mut chars = name.chars();
+    chars.next().is_some_and(|c| c.is_ascii_lowercase())
+        && name.len() <= 40
+        && chars.all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_')
+}
+
+/// The range a global integer setting accepts.
+fn range_of(key: &str) -> Option<(u64, u64)> {
+    super::RULES.iter().find_map(|(k, rule)| match rule {
+        Rule::Int { min, max } if *k == key => Some((*min, *max)),
+        _ => None,
+    })
+}
+
+/// Checks the file's pipelines: each name, each mapping, each number within the range of the
+/// global setting it stands for, no two pipelines of one name, and no exchange or queue shared
+/// by two pipelines (the users pipeline's included, unless one of the file's replaces it).
+pub fn check(settings: &Settings) -> Result<(), ConfigError> {
+    let invalid = |setting: String, expected: &str, got: String| ConfigError::Invalid {
+        setting,
+        expected: expected.into(),
+        got,
+    };
+    let mut seen: HashMap<&str, usize> = HashMap::new();
+    for (i, p) in settings.pipelines.iter().enumerate() {
+        let at = format!("pipelines[{i}]");
+        if !is_name(&p.name) {
+            return Err(invalid(
+                format!("{at}.name"),
+                "a name of a lower-case letter then up to 39 lower-case letters, digits or _",
+                format!("{:?}", p.name),
+            ));
+        }
+        // The stages are named after the pipeline (`<name>`, `<name>_dlq`) in the metrics and
+        // /readyz, beside users' `main` and `dlq` and the links `router` and `api`.
+        if ["main", "dlq", "router", "api"].contains(&p.name.as_str()) || p.name.ends_with("_dlq") {
+            return Err(invalid(
+                format!("{at}.name"),
+                "a name other than main, dlq, router or api, not ending in _dlq (the names of \
+                 warren's own stages)",
+                format!("{:?}", p.name),
+            ));
+        }
+        if let Some(first) = seen.insert(&p.name, i) {
+            return Err(invalid(
+                format!("{at}.name"),
+                "a name no other pipeline has",
+                format!("{:?}, as pipelines[{first}]", p.name),
+            ));
+        }
+        let at = format!("pipelines.{}", p.name);
+        for (field, global, value) in p.numbers() {
+            if let (Some(v), Some((min, max))) = (value, range_of(global))
+                && (v < min || v > max)
+            {
+                return Err(invalid(
+                    format!("{at}.{field}"),
+                    &format!("an integer from {min} to {max}"),
+                    v.to_string(),
+                ));
+            }
+        }
+        if let Some(ttls) = &p.retry_ttls_ms {
+            let (min, max) = range_of("retry_ttl_ms").unwrap_or((1, u64::MAX));
+            if ttls.is_empty() || ttls.iter().any(|t| *t < min || *t > max) || !ttls.is_sorted() {
+                return Err(invalid(
+                    format!("{at}.retry_ttls_ms"),
+                    &format!(
+                        "a non-empty list of TTLs in ascending order, each from {min} to {max} ms"
+                    ),
+                    format!("{ttls:?}"),
+                ));
+            }
+        }
+        p.mapping()?;
+    }
+    // Names shared by two pipelines.
+    let replaced = settings.pipelines.iter().any(|p| p.name == "users");
+    let mut all: Vec<(String, Names)> = settings
+        .pipelines
+        .iter()
+        .map(|p| (p.name.clone(), p.names(settings)))
+        .collect();
+    if !replaced {
+        all.insert(0, ("users".into(), Names::users(settings)));
+    }
+    for (pipeline, names) in &all {
+        for (what, name) in names.all() {
+            if name.is_empty()
+                || name.len() > 255
+                || name.starts_with("amq.")
+                || name.chars().any(char::is_control)
+            {
+                return Err(invalid(
+                    format!("pipelines.{pipeline}.{what}"),
+                    "a name of 1 to 255 bytes, without control characters, not starting with \
+                     amq. (reserved by the broker)",
+                    format!("{name:?}"),
+                ));
+            }
+        }
+    }
+    // Exchanges and queues are two name spaces of the broker.
+    let mut owner: HashMap<(bool, String), (String, &'static str)> = HashMap::new();
+    for (pipeline, names) in &all {
+        for (what, name) in names.all() {
+            let key = (what.ends_with("exchange"), name.to_string());
+            if let Some((other, other_what)) = owner.get(&key)
+                && (other != pipeline || *other_what != what)
+            {
+                return Err(invalid(
+                    format!("pipelines.{pipeline}.{what}"),
+                    "a name no other pipeline uses for its exchanges and queues",
+                    format!("{name:?}, also the {other_what} of pipeline {other}"),
+                ));
+            }
+            owner.insert(key, (pipeline.clone(), what));
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests;

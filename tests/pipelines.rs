@@ -1,0 +1,448 @@
+//! A configured pipeline (`[[pipelines]]`) runs beside users in one process: an `orders` table
+//! with a uuid key, an email-format text, a numeric with a minimum, an int4 range, a timestamptz,
+//! the whole body as jsonb, a header column, an optional column and a second unique index. Good
+//! messages land once; bad ones end parked under `orders` with the kind and a reason naming the
+//! path; a transient failure sends an orders message through orders' own retry queue back to
+//! orders' queue, never to the users queues; users keeps working beside it.
+
+mod common;
+
+use std::collections::HashSet;
+use std::time::Duration;
+
+use common::*;
+use lapin::BasicProperties;
+use lapin::types::{AMQPValue, FieldTable};
+use uuid::Uuid;
+
+/// The orders pipeline's broker names, this test's own.
+struct Names {
+    exchange: String,
+    queue: String,
+    retry_exchange: String,
+    retry: String,
+    dlx: String,
+    dlq: String,
+}
+
+impl Names {
+    fn of(env: &TestEnv) -> Self {
+        let n = |what: &str| format!("{}_orders_{what}", env.id);
+        Names {
+            exchange: n("exchange"),
+            queue: n("queue"),
+            retry_exchange: n("retry_exchange"),
+            retry: n("retry_1s"),
+            dlx: n("dlx"),
+            dlq: n("dlq"),
+        }
+    }
+}
+
+/// Deletes the orders pipeline's queues and exchanges, also after a failed assertion.
+struct Cleanup(Vec<String>, Vec<String>);
+
+impl Drop for Cleanup {
+    fn drop(&mut self) {
+        common::cluster::delete_on(
+            &amqp_url(),
+            std::mem::take(&mut self.0),
+            std::mem::take(&mut self.1),
+        );
+    }
+}
+
+fn config(n: &Names) -> String {
+    format!(
+        r#"
+[[pipelines]]
+name = "orders"
+table = "orders"
+key = ["order_id"]
+batch_size = 50
+batch_timeout_ms = 100
+retry_ttls_ms = [1000]
+main_exchange = "{}"
+main_queue = "{}"
+retry_exchange = "{}"
+retry_queue = "{}"
+dlx_exchange = "{}"
+dlq_queue = "{}"
+
+[pipelines.columns]
+order_id  = {{ path = "/id", type = "uuid" }}
+email     = {{ path = "/customer/email", type = "text", format = "email", max_len = 320 }}
+total     = {{ path = "/total", type = "numeric", min = 0 }}
+quantity  = {{ path = "/qty", type = "int4", min = 1, max = 1000 }}
+placed_at = {{ path = "/placed_at", type = "timestamptz" }}
+note      = {{ path = "/note", type = "text", optional = true }}
+tenant    = {{ header = "x-tenant", type = "text", optional = true }}
+ref       = {{ path = "/ref", type = "text", optional = true }}
+doc       = {{ path = "", type = "jsonb" }}
+"#,
+        n.exchange, n.queue, n.retry_exchange, n.retry, n.dlx, n.dlq
+    )
+}
+
+fn order(id: Uuid, total: &str, qty: i64, reference: Option<&str>) -> Vec<u8> {
+    let r = reference
+        .map(|r| format!(r#","ref":"{r}""#))
+        .unwrap_or_default();
+    format!(
+        r#"{{"id":"{id}","customer":{{"email":"c-{id}@example.com"}},"total":{total},"qty":{qty},"placed_at":"2026-11-24T10:00:00Z"{r}}}"#
+    )
+    .into_bytes()
+}
+
+fn with_tenant(tenant: &str) -> BasicProperties {
+    let mut headers = FieldTable::default();
+    headers.insert("x-tenant".into(), AMQPValue::LongString(tenant.into()));
+    BasicProperties::default()
+        .with_delivery_mode(2)
+        .with_headers(headers)
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn an_orders_pipeline_runs_beside_users_and_keeps_its_own_paths() {
+    let mut env = TestEnv::new("pl_orders").await;
+    env.set("DATABASE_STATEMENT_TIMEOUT_MS", "500")
+        .set("DB_RETRY_WINDOW_MS", "300")
+        .set("RETRY_TTL_MS", "1000");
+    let names = Names::of(&env);
+    let _cleanup = Cleanup(
+        vec![names.queue.clone(), names.retry.clone(), names.dlq.clone()],
+        vec![
+            names.exchange.clone(),
+            names.retry_exchange.clone(),
+            names.dlx.clone(),
+        ],
+    );
+    env.db
+        .batch_execute(
+            "CREATE TABLE orders (
+                order_id uuid PRIMARY KEY,
+                email text NOT NULL,
+                total numeric NOT NULL,
+                quantity int4 NOT NULL,
+                placed_at timestamptz NOT NULL,
+                note text,
+                tenant text,
+                ref text UNIQUE,
+                doc jsonb NOT NULL
+            )",
+        )
+        .await
+        .expect("create orders");
+    let dir = tempfile::tempdir().expect("temp dir");
+    let path = dir.path().join("orders.toml");
+    std::fs::write(&path, config(&names)).expect("write the config");
+    let file = path.to_str().expect("utf-8").to_string();
+    let (code, out, err) = env.run_async(&["--config", &file, "declare"]).await;
+    assert_eq!(code, 0, "declare:\n{out}{err}");
+    let warren = env.start(&["--config", &file, "--roles", "consumer,dlq"]);
+    let _logs = LogsOnPanic(vec![warren.log.clone()]);
+
+    // Good orders (one with a tenant header), users beside them.
+    let good: Vec<Uuid> = (0..40).map(|_| Uuid::new_v4()).collect();
+    for (i, id) in good.iter().enumerate() {
+        let props = if i == 0 {
+            with_tenant("acme")
+        } else {
+            BasicProperties::default().with_delivery_mode(2)
+        };
+        env.publish_to(
+            &names.exchange,
+            &names.queue,
+            &order(*id, "\"12.50\"", 2, None),
+            props,
+        )
+        .await;
+    }
+    let users: HashSet<Uuid> = env.publish_users(20).await.into_iter().collect();
+
+    // Bad ones, each with the path its reason must name.
+    let taken = Uuid::new_v4();
+    let bad: Vec<(Vec<u8>, &str, &str)> = vec![
+        (br#"{"id":"nope"}"#.to_vec(), "invalid_payload", "/id"),
+        (
+            order(Uuid::new_v4(), "-1", 2, None),
+            "invalid_payload",
+            "/total",
+        ),
+        (
+            order(Uuid::new_v4(), "1", 1001, None),
+            "invalid_payload",
+            "/qty",
+        ),
+        (b"{not json".to_vec(), "invalid_json", "JSON"),
+        // Same key as a good one, other content.
+        (order(good[1], "99", 2, None), "id_conflict", ""),
+        // Another unique index (ref) holds its value under another key.
+        (
+            order(Uuid::new_v4(), "1", 1, Some("R-1")),
+            "db_permanent",
+            "ref",
+        ),
+    ];
+    env.publish_to(
+        &names.exchange,
+        &names.queue,
+        &order(taken, "1", 1, Some("R-1")),
+        BasicProperties::default(),
+    )
+    .await;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    for (body, _, _) in &bad {
+        env.publish_to(
+            &names.exchange,
+            &names.queue,
+            body,
+            BasicProperties::default(),
+        )
+        .await;
+    }
+
+    let count = |sql: &'static str| {
+        let db = &env.db;
+        async move {
+            db.query_one(sql, &[])
+                .await
+                .map(|r| r.get::<_, i64>(0))
+                .unwrap_or(-1)
+        }
+    };
+    wait_until(
+        "41 orders, 20 users, 6 parked under orders",
+        Duration::from_secs(60),
+        || async {
+            count("SELECT count(*) FROM orders").await == 41
+                && env.count_rows().await == 20
+                && count("SELECT count(*) FROM dead_letters WHERE pipeline = 'orders'").await == 6
+        },
+    )
+    .await;
+    let parked = env
+        .db
+        .query(
+            "SELECT error_kind, error_reason FROM dead_letters WHERE pipeline = 'orders' ORDER BY seq",
+            &[],
+        )
+        .await
+        .expect("parked rows");
+    for (_, kind, word) in &bad {
+        assert!(
+            parked
+                .iter()
+                .any(|r| r.get::<_, String>(0) == *kind && r.get::<_, String>(1).contains(word)),
+            "no {kind} row naming {word:?}: {:?}",
+            parked
+                .iter()
+                .map(|r| (r.get::<_, String>(0), r.get::<_, String>(1)))
+                .collect::<Vec<_>>()
+        );
+    }
+    let tenant: Option<String> = env
+        .db
+        .query_one("SELECT tenant FROM orders WHERE order_id = $1", &[&good[0]])
+        .await
+        .expect("the first order")
+        .get(0);
+    assert_eq!(tenant.as_deref(), Some("acme"));
+    assert_eq!(
+        count("SELECT count(*) FROM dead_letters WHERE pipeline <> 'orders'").await,
+        0,
+        "nothing of orders parked under users"
+    );
+
+    // A transient failure: the table locked past the statement timeout. The order goes through
+    // orders' retry queue and back to orders' queue; the users queues never see it.
+    let (lock, connection) = tokio_postgres::connect(&database_url(), tokio_postgres::NoTls)
+        .await
+        .expect("connect");
+    tokio::spawn(connection);
+    lock.batch_execute(&format!(
+        "SET search_path TO {}; BEGIN; LOCK TABLE orders IN SHARE MODE",
+        env.schema
+    ))
+    .await
+    .expect("lock orders");
+    let late = Uuid::new_v4();
+    env.publish_to(
+        &names.exchange,
+        &names.queue,
+        &order(late, "3", 3, None),
+        BasicProperties::default(),
+    )
+    .await;
+    wait_until(
+        "the order in orders' retry queue",
+        Duration::from_secs(30),
+        || async { env.queue_state(&names.retry).await.0 > 0 },
+    )
+    .await;
+    assert_eq!(
+        env.queue_state(&env.retry_queue).await.0,
+        0,
+        "users' retry queue"
+    );
+    lock.batch_execute("ROLLBACK").await.expect("unlock");
+    wait_until(
+        "the retried order inserted",
+        Duration::from_secs(60),
+        || async { count("SELECT count(*) FROM orders").await == 42 },
+    )
+    .await;
+    assert_eq!(env.count_rows().await, 20, "users unchanged");
+    for q in [
+        &names.queue,
+        &names.retry,
+        &names.dlq,
+        &env.main_queue,
+        &env.dlq_queue,
+    ] {
+        assert_eq!(env.queue_state(q).await.0, 0, "{q} empty");
+    }
+    assert_rows_exactly(&env, &users, Duration::from_secs(5), &|| warren.logs()).await;
+
+    // The DLQ tools know the pipeline: its parked rows, and a replay back to its own queue (the
+    // invalid ones come back to orders' parking, re-opened; nothing reaches users).
+    let (code, out, err) = env
+        .run_async(&[
+            "--config",
+            &file,
+            "dlq",
+            "--pipeline",
+            "orders",
+            "parked",
+            "list",
+        ])
+        .await;
+    assert_eq!(code, 0, "{err}");
+    assert!(
+        out.contains("pipeline orders, not replayed: 6 messages"),
+        "{out}"
+    );
+    let (code, out, err) = env
+        .run_async(&["--config", &file, "dlq", "parked", "list"])
+        .await;
+    assert_eq!(code, 0, "{err}");
+    assert!(
+        out.contains("pipeline users, not replayed: 0 messages"),
+        "users has none: {out}"
+    );
+    let (code, _, err) = env
+        .run_async(&[
+            "--config",
+            &file,
+            "dlq",
+            "--pipeline",
+            "nope",
+            "parked",
+            "list",
+        ])
+        .await;
+    assert_ne!(code, 0);
+    assert!(err.contains("no pipeline \"nope\""), "{err}");
+    let (code, out, err) = env
+        .run_async(&[
+            "--config",
+            &file,
+            "dlq",
+            "--pipeline",
+            "orders",
+            "parked",
+            "replay",
+            "--kind",
+            "invalid_payload",
+        ])
+        .await;
+    assert_eq!(code, 0, "{out}{err}");
+    assert!(
+        out.contains(&names.exchange),
+        "replayed to orders' exchange: {out}"
+    );
+    wait_until("the replayed rows parked again under orders", Duration::from_secs(60), || async {
+        count("SELECT count(*) FROM dead_letters WHERE pipeline = 'orders' AND replayed_at IS NULL")
+            .await
+            == 6
+    })
+    .await;
+    assert_eq!(
+        count("SELECT count(*) FROM dead_letters WHERE pipeline <> 'orders'").await,
+        0
+    );
+    assert_eq!(env.count_rows().await, 20, "users unchanged");
+}
+
+/// `warren run --pipelines orders` runs orders alone: users messages wait in their queue, with
+/// no consumer; an unknown name stops warren with exit 2 naming the known ones.
+#[tokio::test(flavor = "multi_thread")]
+async fn run_pipelines_chooses_which_pipelines_run() {
+    let env = TestEnv::new("pl_select").await;
+    let names = Names::of(&env);
+    let _cleanup = Cleanup(
+        vec![names.queue.clone(), names.retry.clone(), names.dlq.clone()],
+        vec![
+            names.exchange.clone(),
+            names.retry_exchange.clone(),
+            names.dlx.clone(),
+        ],
+    );
+    env.db
+        .batch_execute(
+            "CREATE TABLE orders (order_id uuid PRIMARY KEY, email text NOT NULL,
+                total numeric NOT NULL, quantity int4 NOT NULL, placed_at timestamptz NOT NULL,
+                note text, tenant text, ref text UNIQUE, doc jsonb NOT NULL)",
+        )
+        .await
+        .expect("create orders");
+    let dir = tempfile::tempdir().expect("temp dir");
+    let path = dir.path().join("orders.toml");
+    std::fs::write(&path, config(&names)).expect("write the config");
+    let file = path.to_str().expect("utf-8").to_string();
+    let (code, out, err) = env.run_async(&["--config", &file, "declare"]).await;
+    assert_eq!(code, 0, "declare:\n{out}{err}");
+
+    let (code, out, err) = env
+        .run_async(&["--config", &file, "run", "--pipelines", "orders,nope"])
+        .await;
+    assert_eq!(code, 2, "{out}{err}");
+    assert!(
+        err.contains("--pipelines: expected names of pipelines of this configuration (users, orders), got \"nope\""),
+        "{err}"
+    );
+
+    let warren = env.start(&[
+        "--config",
+        &file,
+        "--roles",
+        "consumer",
+        "--pipelines",
+        "orders",
+    ]);
+    let _logs = LogsOnPanic(vec![warren.log.clone()]);
+    for _ in 0..5 {
+        env.publish_to(
+            &names.exchange,
+            &names.queue,
+            &order(Uuid::new_v4(), "1", 1, None),
+            BasicProperties::default(),
+        )
+        .await;
+    }
+    env.publish_users(5).await;
+    wait_until("5 orders", Duration::from_secs(30), || async {
+        env.db
+            .query_one("SELECT count(*) FROM orders", &[])
+            .await
+            .map(|r| r.get::<_, i64>(0) == 5)
+            .unwrap_or(false)
+    })
+    .await;
+    assert_eq!(
+        env.queue_state(&env.main_queue).await,
+        (5, 0),
+        "users not consumed"
+    );
+    assert_eq!(env.count_rows().await, 0);
+}

@@ -1,0 +1,184 @@
+//! `warren pipelines` and `warren pipelines test`, with no broker and no database: the listing
+//! shows each pipeline's queues, table and mapping; `test` prints the row each JSON line would
+//! become or the rejection with its kind and reason (exit 0 when all are accepted, 1 otherwise),
+//! `unknown_fields` both ways, headers read by `header` columns; a mistake in a `[[pipelines]]`
+//! entry stops every subcommand with exit 2 naming the pipeline and the field.
+
+mod common;
+
+use std::io::Write as _;
+use std::process::{Command, Stdio};
+
+use common::bin as warren_bin;
+
+const ORDERS: &str = r#"
+[[pipelines]]
+name = "orders"
+table = "shop.orders"
+key = ["order_id"]
+unknown_fields = "reject"
+
+[pipelines.columns]
+order_id  = { path = "/id", type = "uuid" }
+email     = { path = "/customer/email", type = "text", format = "email", max_len = 320 }
+total     = { path = "/total", type = "numeric", min = 0 }
+quantity  = { path = "/qty", type = "int4", min = 1, max = 1000 }
+placed_at = { path = "/placed_at", type = "timestamptz" }
+note      = { path = "/note", type = "text", optional = true }
+tenant    = { header = "x-tenant", type = "text", optional = true }
+doc       = { path = "", type = "jsonb" }
+"#;
+
+const GOOD: &str = r#"{"id":"6f1c3c1e-8a4e-4f55-9a53-2d5e0b7f1a01","customer":{"email":"a@b.co"},"total":"12.50","qty":2,"placed_at":"2026-11-24T10:00:00Z"}"#;
+
+/// `warren --config FILE(text) ARGS` with `stdin`: (exit code, stdout, stderr).
+fn warren(config: &str, args: &[&str], stdin: &str) -> (i32, String, String) {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let path = dir.path().join("warren.toml");
+    std::fs::write(&path, config).expect("write the config");
+    let mut child = Command::new(warren_bin())
+        .arg("--config")
+        .arg(&path)
+        .args(args)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("start warren");
+    child
+        .stdin
+        .take()
+        .expect("stdin")
+        .write_all(stdin.as_bytes())
+        .expect("write stdin");
+    let out = child.wait_with_output().expect("output");
+    (
+        out.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+#[test]
+fn the_listing_shows_users_and_the_files_pipelines() {
+    let (code, out, err) = warren(ORDERS, &["pipelines"], "");
+    assert_eq!(code, 0, "{err}");
+    for expected in [
+        "users (built-in)",
+        "raffle_exchange -> raffle_queue",
+        "orders\n",
+        "orders_exchange -> orders_queue",
+        "orders_retry_exchange -> orders_retry_10s",
+        "orders_dlx -> orders_dlq",
+        "shop.orders, key order_id, on_conflict keep, unknown_fields reject",
+        "header x-tenant",
+        "(whole body)",
+        "min 1, max 1000",
+    ] {
+        assert!(out.contains(expected), "{expected:?} missing:\n{out}");
+    }
+}
+
+#[test]
+fn test_prints_each_row_or_rejection_and_exits_by_the_verdict() {
+    let bad_uuid = GOOD.replace("6f1c3c1e-8a4e-4f55-9a53-2d5e0b7f1a01", "x");
+    let unknown = GOOD.replace(r#""qty":2"#, r#""qty":2,"coupon":"X""#);
+    let out_of_range = GOOD.replace(r#""qty":2"#, r#""qty":1001"#);
+    let negative = GOOD.replace(r#""12.50""#, "-1");
+    let no_email = GOOD.replace(r#""customer":{"email":"a@b.co"},"#, "");
+    let input = [
+        GOOD,
+        "",
+        &bad_uuid,
+        &unknown,
+        &out_of_range,
+        &negative,
+        &no_email,
+        "{not json",
+    ]
+    .join("\n");
+    let (code, out, err) = warren(ORDERS, &["pipelines", "test", "orders"], &input);
+    assert_eq!(code, 1, "{out}{err}");
+    let lines: Vec<&str> = out.lines().collect();
+    assert!(lines[0].starts_with("1: ok {"), "{out}");
+    assert!(
+        lines[0].contains(r#""total":"12.50""#),
+        "numeric as written: {out}"
+    );
+    assert!(
+        lines[0].contains(r#""note":null"#),
+        "optional absent is NULL: {out}"
+    );
+    for (line, expected) in [
+        ("3: invalid_payload", "/id"),
+        ("4: invalid_payload", "/coupon"),
+        ("5: invalid_payload", "/qty"),
+        ("6: invalid_payload", "/total"),
+        ("7: invalid_payload", "/customer/email"),
+        ("8: invalid_json", "not JSON"),
+    ] {
+        let found = lines
+            .iter()
+            .find(|l| l.starts_with(line))
+            .unwrap_or_else(|| panic!("no {line:?}:\n{out}"));
+        assert!(found.contains(expected), "{found} lacks {expected:?}");
+    }
+    assert!(out.ends_with("1 accepted, 6 refused\n"), "{out}");
+
+    // unknown_fields = "ignore": the extra field is dropped.
+    let ignoring = ORDERS.replace(
+        r#"unknown_fields = "reject""#,
+        r#"unknown_fields = "ignore""#,
+    );
+    let (code, out, err) = warren(&ignoring, &["pipelines", "test", "orders"], &unknown);
+    assert_eq!(code, 0, "{out}{err}");
+    assert!(out.starts_with("1: ok {"), "{out}");
+
+    // Headers: a line carries them with --headers; the header column reads them.
+    let line = format!(r#"{{"headers":{{"x-tenant":"acme"}},"body":{GOOD}}}"#);
+    let (code, out, err) = warren(ORDERS, &["pipelines", "test", "orders", "--headers"], &line);
+    assert_eq!(code, 0, "{out}{err}");
+    assert!(out.contains(r#""tenant":"acme""#), "{out}");
+
+    // The built-in users pipeline, and a pipeline that does not exist.
+    let user = r#"{"id":"6f1c3c1e-8a4e-4f55-9a53-2d5e0b7f1a01","name":"A","email":"a@b.co"}"#;
+    let (code, out, err) = warren("", &["pipelines", "test", "users"], user);
+    assert_eq!(code, 0, "{out}{err}");
+    let (code, _, err) = warren(ORDERS, &["pipelines", "test", "nope"], "");
+    assert_ne!(code, 0);
+    assert!(
+        err.contains("no pipeline \"nope\"") && err.contains("users, orders"),
+        "{err}"
+    );
+}
+
+#[test]
+fn a_mistake_in_a_pipeline_stops_warren_with_exit_2_naming_it() {
+    for (from, to, expected) in [
+        (r#"type = "int4""#, r#"type = "int3""#, "found `int3`"),
+        (
+            r#"path = "/qty""#,
+            r#"path = "qty""#,
+            "pipeline orders: columns.quantity",
+        ),
+        (
+            r#"key = ["order_id"]"#,
+            r#"key = ["order_id"]
+on_conflict = "update""#,
+            "version_column",
+        ),
+        (
+            r#"name = "orders""#,
+            r#"name = "orders"
+main_queue = "raffle_queue""#,
+            "also the main_queue of pipeline users",
+        ),
+    ] {
+        let config = ORDERS.replacen(from, to, 1);
+        for args in [&["config"][..], &["pipelines"], &["run"]] {
+            let (code, out, err) = warren(&config, args, "");
+            assert_eq!(code, 2, "warren {args:?} with {to}:\n{out}{err}");
+            assert!(err.contains(expected), "warren {args:?}: {err}");
+        }
+    }
+}
