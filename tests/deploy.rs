@@ -476,7 +476,10 @@ fn man_pages_are_generated_and_render() {
             Ok(r) => {
                 assert!(r.status.success(), "groff: {r:?}");
                 let stderr = String::from_utf8_lossy(&r.stderr);
-                assert!(stderr.trim().is_empty(), "groff warnings in {name}: {stderr}");
+                assert!(
+                    stderr.trim().is_empty(),
+                    "groff warnings in {name}: {stderr}"
+                );
                 assert!(String::from_utf8_lossy(&r.stdout).contains(heading));
             }
             Err(e) => panic!("groff (Debian's groff-base, which `man` needs) cannot run: {e}"),

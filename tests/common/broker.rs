@@ -46,13 +46,24 @@ impl TestEnv {
         &self,
         messages: impl IntoIterator<Item = (Vec<u8>, BasicProperties)>,
     ) {
+        self.publish_pipelined_to(&self.main_exchange, &self.main_queue, messages)
+            .await;
+    }
+
+    /// As [`Self::publish_pipelined`], to `exchange` with `routing_key`.
+    pub async fn publish_pipelined_to(
+        &self,
+        exchange: &str,
+        routing_key: &str,
+        messages: impl IntoIterator<Item = (Vec<u8>, BasicProperties)>,
+    ) {
         let mut pending = Vec::with_capacity(1000);
         for (body, properties) in messages {
             let confirm = self
                 .channel
                 .basic_publish(
-                    self.main_exchange.as_str().into(),
-                    self.main_queue.as_str().into(),
+                    exchange.into(),
+                    routing_key.into(),
                     BasicPublishOptions {
                         mandatory: true,
                         ..Default::default()

@@ -9,9 +9,10 @@
 //!   **`Warren`**, a running `warren run` (signals, `terminate`, `terminate_ok`, `wait`, `kill9`,
 //!   `logs`), and `LogsOnPanic` to show the logs of failed tests.
 //! - `broker`: publishing (`publish_raw`, `publish_to`, `publish_to_dlq`, `publish_pipelined`,
-//!   `publish_users`, `publish_ids`), queues and exchanges (`queue_state`, `try_queue_state`,
-//!   `ready`, `queue_exists`, `exchange_exists`, `peek`, `drain_queue`, `assert_queue_empty`),
-//!   and the RabbitMQ CLI (`queue_counts`, `try_rabbitmqctl`, `rabbitmqctl`, `rabbitmqctl_rows`).
+//!   `publish_pipelined_to`, `publish_users`, `publish_ids`), queues and exchanges
+//!   (`queue_state`, `try_queue_state`, `ready`, `queue_exists`, `exchange_exists`, `peek`,
+//!   `drain_queue`, `assert_queue_empty`), and the RabbitMQ CLI (`queue_counts`,
+//!   `try_rabbitmqctl`, `rabbitmqctl`, `rabbitmqctl_rows`).
 //! - `messages`: bodies and properties (`user_body`, `json_props`, `with_header`, `long_string`,
 //!   `dead_letter_props`) and reading them back (`header`, `as_int`, `int_header`,
 //!   `strict_int_header`, `text_header`, `message_id`, `message_uuid`).

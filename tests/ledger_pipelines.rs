@@ -1,0 +1,656 @@
+//! The ledger with two mapped pipelines in one process: `orders` (`on_conflict = "keep"`, a
+//! numeric with a minimum, an int4 range, a CHECK the database enforces, the whole body as jsonb)
+//! and `events` (`on_conflict = "update"` by a version column), beside the built-in users
+//! pipeline, each with its own queues, retry tier, DLQ and DLQ stage. One seeded mix per pipeline
+//! (good rows, malformed JSON, invalid payloads, same-key conflicts, rows the database refuses,
+//! several versions of one key in random order, exact duplicates) is published while faults hit
+//! (the broker link cut, backends terminated, kill -9 and restart, a database outage, every
+//! write refused as read-only for a while). Then every message the broker confirmed must end
+//! exactly once in its own pipeline: orders in `orders` holding its content or parked once under
+//! `orders`; events as the highest version of their key in `events` or parked once under
+//! `events`; nothing parked under another pipeline, no row without a message, every queue empty.
+//!
+//! The seed is printed; `WARREN_LEDGER_SEED=N` replays it, `WARREN_LEDGER_MESSAGES=N` (default
+//! 1200 per pipeline) and `WARREN_LEDGER_FAULT_SECONDS=N` (default 15) run it longer by hand.
+
+mod common;
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use common::*;
+use lapin::BasicProperties;
+use tokio::sync::Mutex;
+use uuid::Uuid;
+
+fn env_number(key: &str, default: u64) -> u64 {
+    std::env::var(key)
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(default)
+}
+
+/// One pipeline's broker names, this test's own.
+struct Names {
+    exchange: String,
+    queue: String,
+    retry_exchange: String,
+    retry: String,
+    dlx: String,
+    dlq: String,
+}
+
+impl Names {
+    fn of(env: &TestEnv, pipeline: &str) -> Self {
+        let n = |what: &str| format!("{}_{pipeline}_{what}", env.id);
+        Names {
+            exchange: n("exchange"),
+            queue: n("queue"),
+            retry_exchange: n("retry_exchange"),
+            retry: n("retry_1s"),
+            dlx: n("dlx"),
+            dlq: n("dlq"),
+        }
+    }
+
+    fn toml(&self) -> String {
+        format!(
+            "main_exchange = \"{}\"\nmain_queue = \"{}\"\nretry_exchange = \"{}\"\n\
+             retry_queue = \"{}\"\ndlx_exchange = \"{}\"\ndlq_queue = \"{}\"\n",
+            self.exchange, self.queue, self.retry_exchange, self.retry, self.dlx, self.dlq
+        )
+    }
+}
+
+/// Deletes both pipelines' queues and exchanges, also after a failed assertion.
+struct Cleanup(Vec<String>, Vec<String>);
+
+impl Drop for Cleanup {
+    fn drop(&mut self) {
+        common::cluster::delete_on(
+            &amqp_url(),
+            std::mem::take(&mut self.0),
+            std::mem::take(&mut self.1),
+        );
+    }
+}
+
+fn config(orders: &Names, events: &Names) -> String {
+    format!(
+        r#"
+[[pipelines]]
+name = "orders"
+table = "orders"
+key = ["order_id"]
+on_conflict = "keep"
+unknown_fields = "reject"
+batch_size = 100
+batch_timeout_ms = 100
+retry_ttls_ms = [1000]
+max_retries = 2
+dlq_max_attempts = 3
+{}
+[pipelines.columns]
+order_id = {{ path = "/id", type = "uuid" }}
+email    = {{ path = "/email", type = "text", format = "email" }}
+total    = {{ path = "/total", type = "numeric", min = 0 }}
+quantity = {{ path = "/qty", type = "int4", min = 1, max = 1000 }}
+doc      = {{ path = "", type = "jsonb" }}
+
+[[pipelines]]
+name = "events"
+table = "events"
+key = ["event_id"]
+on_conflict = "update"
+version_column = "version"
+unknown_fields = "ignore"
+batch_size = 100
+batch_timeout_ms = 100
+retry_ttls_ms = [1000]
+max_retries = 2
+dlq_max_attempts = 3
+{}
+[pipelines.columns]
+event_id = {{ path = "/id", type = "uuid" }}
+version  = {{ path = "/version", type = "int8", min = 0 }}
+kind     = {{ path = "/kind", type = "text", max_len = 40 }}
+payload  = {{ path = "/payload", type = "jsonb", optional = true }}
+"#,
+        orders.toml(),
+        events.toml()
+    )
+}
+
+/// What one published message is, and where it may end.
+#[derive(Debug, Clone)]
+struct Entry {
+    /// `orders` or `events`.
+    pipeline: &'static str,
+    /// The mix's label, for the report.
+    kind: &'static str,
+    /// For a message that may land: its key and what the row then holds (orders: the email and
+    /// total; events: the version). An order lands or is parked (a same-key order with other
+    /// content wins or loses by arrival); an event always succeeds, its key holding the highest
+    /// version.
+    lands: Option<(Uuid, String)>,
+}
+
+type Published = Vec<(String, Entry, Vec<u8>)>;
+
+/// The orders mix, keyed by message id (`o-<i>`).
+fn orders_mix(rng: &mut fastrand::Rng, n: usize) -> Published {
+    let mut out = Vec::with_capacity(n);
+    let mut good: Vec<Uuid> = Vec::new();
+    for i in 0..n {
+        let order = |id: Uuid, total: &str, qty: i64| {
+            format!(r#"{{"id":"{id}","email":"o-{i}@example.com","total":{total},"qty":{qty}}}"#)
+                .into_bytes()
+        };
+        let id = Uuid::new_v4();
+        let (kind, body, lands) = match rng.u32(0..100) {
+            0..=5 => ("malformed", b"{\"id\":".to_vec(), None),
+            6..=10 => ("invalid_qty", order(id, "1", 0), None),
+            11..=13 => (
+                "unknown_field",
+                format!(r#"{{"id":"{id}","email":"a@b.c","total":1,"qty":1,"x":1}}"#).into_bytes(),
+                None,
+            ),
+            // The same key as another order, other content: whichever arrives second is an
+            // id_conflict under keep.
+            14..=18 if !good.is_empty() => {
+                let taken = good[rng.usize(0..good.len())];
+                let content = Some((taken, format!("o-{i}@example.com 2")));
+                ("same_key_other_content", order(taken, "2", 2), content)
+            }
+            // Refused by the table's CHECK (23514): the row alone ends parked.
+            19..=22 => ("check_refused", order(id, "5000000", 1), None),
+            _ => {
+                good.push(id);
+                let total = format!("{}.{:02}", rng.u32(0..1000), rng.u32(0..100));
+                let body = order(id, &format!("\"{total}\""), 1 + rng.i64(0..999));
+                (
+                    "good",
+                    body,
+                    Some((id, format!("o-{i}@example.com {total}"))),
+                )
+            }
+        };
+        out.push((
+            format!("o-{i}"),
+            Entry {
+                pipeline: "orders",
+                kind,
+                lands,
+            },
+            body,
+        ));
+    }
+    out
+}
+
+/// The events mix, keyed by message id (`e-<i>`): several versions of a key, in random order.
+fn events_mix(rng: &mut fastrand::Rng, n: usize) -> Published {
+    let mut out = Vec::with_capacity(n);
+    let mut keys: Vec<Uuid> = Vec::new();
+    for i in 0..n {
+        let (kind, body, lands) = match rng.u32(0..100) {
+            0..=4 => ("malformed", b"[1,".to_vec(), None),
+            5..=9 => (
+                "invalid_version",
+                format!(r#"{{"id":"{}","version":"x","kind":"k"}}"#, Uuid::new_v4()).into_bytes(),
+                None,
+            ),
+            _ => {
+                let id = if !keys.is_empty() && rng.u32(0..100) < 50 {
+                    keys[rng.usize(0..keys.len())]
+                } else {
+                    let id = Uuid::new_v4();
+                    keys.push(id);
+                    id
+                };
+                let version = rng.i64(0..1_000_000);
+                let body = format!(
+                    r#"{{"id":"{id}","version":{version},"kind":"k{i}","payload":{{"n":{i}}},"extra":true}}"#
+                )
+                .into_bytes();
+                ("version", body, Some((id, version.to_string())))
+            }
+        };
+        out.push((
+            format!("e-{i}"),
+            Entry {
+                pipeline: "events",
+                kind,
+                lands,
+            },
+            body,
+        ));
+    }
+    out
+}
+
+#[derive(Debug, Clone, Copy)]
+enum Fault {
+    CutBroker,
+    TerminateBackends,
+    Kill9,
+    DatabaseOutage,
+    ReadOnly,
+}
+
+const FAULTS: [Fault; 5] = [
+    Fault::CutBroker,
+    Fault::TerminateBackends,
+    Fault::Kill9,
+    Fault::DatabaseOutage,
+    Fault::ReadOnly,
+];
+
+#[tokio::test(flavor = "multi_thread")]
+async fn two_mapped_pipelines_end_every_message_exactly_once_under_faults() {
+    let seed = env_number("WARREN_LEDGER_SEED", fastrand::u64(..));
+    let n = env_number("WARREN_LEDGER_MESSAGES", 1200) as usize;
+    let fault_window = Duration::from_secs(env_number("WARREN_LEDGER_FAULT_SECONDS", 15));
+    eprintln!(
+        "ledger_pipelines: seed {seed} (replay with WARREN_LEDGER_SEED={seed}), {n} messages a \
+         pipeline"
+    );
+    let mut rng = fastrand::Rng::with_seed(seed);
+
+    let pg = TcpProxy::start(&database_url(), 5432).await;
+    let amqp = TcpProxy::start(&amqp_url(), 5672).await;
+    let mut env = TestEnv::new("ledger_pl").await;
+    env.set("DATABASE_URL", pg.url())
+        .set("AMQP_URL", amqp.url())
+        .set("DB_RETRY_WINDOW_MS", "300")
+        .set("PUBLISH_TIMEOUT_MS", "1000")
+        .set("DATABASE_STATEMENT_TIMEOUT_MS", "3000")
+        .set("SHUTDOWN_TIMEOUT_MS", "5000");
+    let orders = Names::of(&env, "orders");
+    let events = Names::of(&env, "events");
+    let _cleanup = Cleanup(
+        [&orders, &events]
+            .iter()
+            .flat_map(|n| [n.queue.clone(), n.retry.clone(), n.dlq.clone()])
+            .collect(),
+        [&orders, &events]
+            .iter()
+            .flat_map(|n| [n.exchange.clone(), n.retry_exchange.clone(), n.dlx.clone()])
+            .collect(),
+    );
+    let s = env.schema.clone();
+    env.db
+        .batch_execute(&format!(
+            r#"
+            CREATE TABLE orders (
+                order_id uuid PRIMARY KEY,
+                email text NOT NULL,
+                total numeric NOT NULL CHECK (total < 1000000),
+                quantity int4 NOT NULL,
+                doc jsonb NOT NULL
+            );
+            CREATE TABLE events (
+                event_id uuid PRIMARY KEY,
+                version int8 NOT NULL,
+                kind text NOT NULL,
+                payload jsonb
+            );
+            CREATE TABLE read_only_fence (up boolean NOT NULL);
+            INSERT INTO read_only_fence VALUES (false);
+            CREATE FUNCTION {s}.refuse_while_fenced() RETURNS trigger LANGUAGE plpgsql AS $f$
+            BEGIN
+                IF (SELECT up FROM {s}.read_only_fence) THEN
+                    RAISE EXCEPTION 'cannot execute INSERT in a read-only transaction'
+                        USING ERRCODE = '25006';
+                END IF;
+                RETURN NULL;
+            END $f$;
+            CREATE TRIGGER orders_read_only BEFORE INSERT OR UPDATE ON orders
+                FOR EACH STATEMENT EXECUTE FUNCTION {s}.refuse_while_fenced();
+            CREATE TRIGGER events_read_only BEFORE INSERT OR UPDATE ON events
+                FOR EACH STATEMENT EXECUTE FUNCTION {s}.refuse_while_fenced();
+            "#
+        ))
+        .await
+        .expect("create the tables");
+    let dir = tempfile::tempdir().expect("temp dir");
+    let path = dir.path().join("pipelines.toml");
+    std::fs::write(&path, config(&orders, &events)).expect("write the config");
+    let file = path.to_str().expect("utf-8").to_string();
+    let (code, out, err) = env.run_async(&["--config", &file, "declare"]).await;
+    assert_eq!(code, 0, "declare:\n{out}{err}");
+    // The parking table exists once declared: fence it too.
+    env.db
+        .batch_execute(&format!(
+            "CREATE TRIGGER dead_letters_read_only BEFORE INSERT OR UPDATE ON dead_letters \
+             FOR EACH STATEMENT EXECUTE FUNCTION {s}.refuse_while_fenced();"
+        ))
+        .await
+        .expect("fence dead_letters");
+    let fence = |up: bool| {
+        let db = &env.db;
+        async move {
+            db.execute("UPDATE read_only_fence SET up = $1", &[&up])
+                .await
+                .expect("set the fence");
+        }
+    };
+
+    let mut published = orders_mix(&mut rng, n);
+    published.extend(events_mix(&mut rng, n));
+    // Exact duplicates (a publisher that retried), then interleaving as several publishers would.
+    let mut with_copies = Vec::with_capacity(published.len() + published.len() / 20);
+    for p in &published {
+        if rng.u32(0..100) < 3 {
+            with_copies.push(p.clone());
+        }
+        with_copies.push(p.clone());
+    }
+    for i in (1..with_copies.len()).rev() {
+        let j = rng.usize(0..=i);
+        with_copies.swap(i, j);
+    }
+    let ledger: HashMap<String, Entry> = published
+        .iter()
+        .map(|(id, e, _)| (id.clone(), e.clone()))
+        .collect();
+    let mut counts: HashMap<(&str, &str), usize> = HashMap::new();
+    for e in ledger.values() {
+        *counts.entry((e.pipeline, e.kind)).or_default() += 1;
+    }
+    eprintln!(
+        "ledger_pipelines: mix {counts:?}, {} publishes",
+        with_copies.len()
+    );
+
+    let args = [
+        "--config",
+        file.as_str(),
+        "--roles",
+        "consumer,dlq",
+        "--set",
+        "metrics_addr=127.0.0.1:0",
+    ];
+    let warren = Arc::new(Mutex::new(env.start(&args)));
+    let history: Arc<std::sync::Mutex<Vec<String>>> = Arc::default();
+
+    let faults: Vec<(Duration, Fault)> = {
+        let mut at = Duration::ZERO;
+        let mut v = Vec::new();
+        loop {
+            at += Duration::from_millis(rng.u64(1000..3000));
+            if at > fault_window {
+                break v;
+            }
+            v.push((at, FAULTS[rng.usize(0..FAULTS.len())]));
+        }
+    };
+    eprintln!("ledger_pipelines: faults {faults:?}");
+    let started = Instant::now();
+    let publish = async {
+        for chunk in with_copies.chunks(50) {
+            for (names, pipeline) in [(&orders, "orders"), (&events, "events")] {
+                let messages: Vec<(Vec<u8>, BasicProperties)> = chunk
+                    .iter()
+                    .filter(|(_, e, _)| e.pipeline == pipeline)
+                    .map(|(id, _, body)| {
+                        (
+                            body.clone(),
+                            BasicProperties::default()
+                                .with_message_id(id.as_str().into())
+                                .with_delivery_mode(2),
+                        )
+                    })
+                    .collect();
+                env.publish_pipelined_to(&names.exchange, &names.queue, messages)
+                    .await;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    };
+    let inject = async {
+        for (at, fault) in &faults {
+            tokio::time::sleep(at.saturating_sub(started.elapsed())).await;
+            match fault {
+                Fault::CutBroker => {
+                    amqp.cut();
+                    amqp.restore();
+                }
+                Fault::TerminateBackends => {
+                    terminate_backends(&pg.backend_client_ports()).await;
+                }
+                Fault::Kill9 => {
+                    let mut w = warren.lock().await;
+                    w.kill9();
+                    history.lock().unwrap().push(format!(
+                        "---- {}:\n{}",
+                        w.log.display(),
+                        tail(&w.logs(), 60)
+                    ));
+                    *w = env.start(&args);
+                }
+                Fault::DatabaseOutage => {
+                    pg.cut();
+                    tokio::time::sleep(Duration::from_secs(3)).await;
+                    pg.restore();
+                }
+                Fault::ReadOnly => {
+                    fence(true).await;
+                    tokio::time::sleep(Duration::from_secs(3)).await;
+                    fence(false).await;
+                }
+            }
+            eprintln!("ledger_pipelines: {fault:?} at {:?}", started.elapsed());
+        }
+    };
+    tokio::join!(publish, inject);
+    pg.restore();
+    amqp.restore();
+    fence(false).await;
+
+    // The expected end: orders that land, the highest version of each event key, the rest
+    // parked once.
+    let mut latest: HashMap<Uuid, i64> = HashMap::new();
+    for e in ledger.values().filter(|e| e.pipeline == "events") {
+        if let Some((id, version)) = &e.lands {
+            let v: i64 = version.parse().expect("a version");
+            let best = latest.entry(*id).or_insert(v);
+            *best = (*best).max(v);
+        }
+    }
+    let all_orders = ledger.values().filter(|e| e.pipeline == "orders").count();
+    let bad_events = ledger
+        .values()
+        .filter(|e| e.pipeline == "events" && e.lands.is_none())
+        .count();
+    let count = |sql: &'static str| {
+        let db = &env.db;
+        async move {
+            db.query_one(sql, &[])
+                .await
+                .map(|r| r.get::<_, i64>(0) as usize)
+                .unwrap_or(0)
+        }
+    };
+    let queues: Vec<&String> = [&orders, &events]
+        .iter()
+        .flat_map(|n| [&n.queue, &n.retry, &n.dlq])
+        .collect();
+    let settle = Duration::from_secs(150) + 2 * fault_window;
+    let deadline = Instant::now() + settle;
+    let mut problems: Vec<String> = Vec::new();
+    loop {
+        let done = count("SELECT count(*) FROM orders").await
+            + count("SELECT count(*) FROM dead_letters WHERE pipeline = 'orders'").await
+            >= all_orders
+            && count("SELECT count(*) FROM events").await >= latest.len()
+            && count("SELECT count(*) FROM dead_letters WHERE pipeline = 'events'").await
+                >= bad_events;
+        let mut empty = true;
+        for q in &queues {
+            if queue_counts(q).await != (0, 0) {
+                empty = false;
+            }
+        }
+        if done && empty {
+            break;
+        }
+        if Instant::now() > deadline {
+            let mut state = String::new();
+            for q in &queues {
+                state.push_str(&format!("{q}: {:?}; ", queue_counts(q).await));
+            }
+            problems.push(format!("not settled within {settle:?}: {state}"));
+            let w = warren.lock().await;
+            history.lock().unwrap().push(format!(
+                "---- {}:\n{}",
+                w.log.display(),
+                tail(&w.logs(), 120)
+            ));
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    warren.lock().await.terminate(Duration::from_secs(30));
+
+    // The check.
+    let order_rows: HashMap<Uuid, String> = env
+        .db
+        .query(
+            "SELECT order_id, email || ' ' || total::text FROM orders",
+            &[],
+        )
+        .await
+        .expect("orders")
+        .iter()
+        .map(|r| (r.get(0), r.get(1)))
+        .collect();
+    let event_rows: HashMap<Uuid, i64> = env
+        .db
+        .query("SELECT event_id, version FROM events", &[])
+        .await
+        .expect("events")
+        .iter()
+        .map(|r| (r.get(0), r.get(1)))
+        .collect();
+    let parked: Vec<(String, Option<String>, String)> = env
+        .db
+        .query(
+            "SELECT pipeline, message_id, error_kind FROM dead_letters",
+            &[],
+        )
+        .await
+        .expect("dead_letters")
+        .iter()
+        .map(|r| (r.get(0), r.get(1), r.get(2)))
+        .collect();
+    let mut parked_as: HashMap<String, Vec<(String, String)>> = HashMap::new();
+    for (pipeline, id, kind) in &parked {
+        let id = id.clone().unwrap_or_else(|| "<no id>".into());
+        parked_as
+            .entry(id)
+            .or_default()
+            .push((pipeline.clone(), kind.clone()));
+    }
+    let mut owned: HashMap<Uuid, usize> = HashMap::new();
+    for (id, entry) in &ledger {
+        let times = parked_as.get(id).map(Vec::len).unwrap_or(0);
+        let under_orders = parked_as
+            .get(id)
+            .is_some_and(|p| p.iter().all(|(pipeline, _)| pipeline == "orders"));
+        match (&entry.lands, entry.pipeline) {
+            (Some((key, content)), "orders") => {
+                let landed = order_rows.get(key) == Some(content);
+                if landed {
+                    *owned.entry(*key).or_default() += 1;
+                }
+                if !matches!(
+                    (landed, times, under_orders),
+                    (true, 0, _) | (false, 1, true)
+                ) {
+                    problems.push(format!(
+                        "{id} (orders, {}): row {:?} (its content {content:?}), parked {:?}",
+                        entry.kind,
+                        order_rows.get(key),
+                        parked_as.get(id)
+                    ));
+                }
+            }
+            (Some(_), _) => {
+                if times != 0 {
+                    problems.push(format!("{id} (events, {}): parked {times}x", entry.kind));
+                }
+            }
+            (None, pipeline) => {
+                let under = parked_as.get(id).cloned().unwrap_or_default();
+                if under.len() != 1 || under[0].0 != pipeline {
+                    problems.push(format!(
+                        "{id} ({pipeline}, {}): parked as {under:?}, expected once under \
+                         {pipeline}",
+                        entry.kind
+                    ));
+                }
+            }
+        }
+    }
+    for (key, version) in &latest {
+        if event_rows.get(key) != Some(version) {
+            problems.push(format!(
+                "event {key}: version {:?} stored, {version} is the highest published",
+                event_rows.get(key)
+            ));
+        }
+    }
+    if order_rows.len() != owned.len() || owned.values().any(|&n| n != 1) {
+        problems.push(format!(
+            "{} rows in orders, {} owned by a published order",
+            order_rows.len(),
+            owned.len()
+        ));
+    }
+    if event_rows.len() != latest.len() {
+        problems.push(format!(
+            "{} rows in events, {} keys published",
+            event_rows.len(),
+            latest.len()
+        ));
+    }
+    for id in parked_as.keys() {
+        if !ledger.contains_key(id) {
+            problems.push(format!("parked {id:?} was never published"));
+        }
+    }
+    let users = env.count_rows().await;
+    if users != 0 {
+        problems.push(format!("{users} rows in users, none published there"));
+    }
+    let mut kinds: HashMap<(&str, &str), usize> = HashMap::new();
+    for (pipeline, _, kind) in &parked {
+        *kinds.entry((pipeline.as_str(), kind.as_str())).or_default() += 1;
+    }
+    eprintln!(
+        "ledger_pipelines: seed {seed}: {} messages, {} orders, {} event keys, {} parked \
+         {kinds:?}, {} faults, settled after {:?}, {} problems",
+        ledger.len(),
+        order_rows.len(),
+        event_rows.len(),
+        parked.len(),
+        faults.len(),
+        started.elapsed(),
+        problems.len()
+    );
+    assert!(
+        problems.is_empty(),
+        "seed {seed}: {} problems:\n{}\n{}",
+        problems.len(),
+        problems.join("\n"),
+        history.lock().unwrap().join("\n")
+    );
+}
+
+/// The last `n` lines of `text`.
+fn tail(text: &str, n: usize) -> String {
+    let lines: Vec<&str> = text.lines().collect();
+    lines[lines.len().saturating_sub(n)..].join("\n")
+}
