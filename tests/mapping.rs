@@ -308,3 +308,71 @@ doc       = {{ path = "", type = "jsonb" }}
         );
     }
 }
+
+/// A numeric the mapping accepts is one PostgreSQL's numeric takes, and the other way round:
+/// decimals around the server's limits (131072 digits before the point, a scale of 16383),
+/// zeros with huge exponents, leading and trailing zeros, drawn by machine and each asked of the
+/// server itself. A decimal past the limits passed before, and the server then refused the whole
+/// batch statement ("value overflows numeric format").
+#[tokio::test(flavor = "multi_thread")]
+async fn a_numeric_is_accepted_exactly_when_postgresql_can_hold_it() {
+    let env = TestEnv::new("map_numeric").await;
+    let m = Mapping::compile("orders", &spec("on_conflict = \"keep\"")).unwrap();
+    let mantissas = [
+        "1", "10", "0.5", "1.50", "0.0001", "0", "0.000", "00001", "123.456", "9.99",
+    ];
+    let mut exponents: Vec<String> = Vec::new();
+    for e in (-16_392..=-16_376).chain(131_064..=131_080) {
+        exponents.push(e.to_string());
+    }
+    for e in [
+        "0",
+        "+5",
+        "-0",
+        "999999999",
+        "-999999999",
+        "1073741822",
+        "1073741823",
+        "-1073741822",
+        "-1073741823",
+        "99999999999999999999999",
+    ] {
+        exponents.push(e.into());
+    }
+    let mut values: Vec<String> = mantissas
+        .iter()
+        .flat_map(|m| exponents.iter().map(move |e| format!("{m}e{e}")))
+        .collect();
+    // Long fractions and integers without an exponent, around the same limits.
+    for n in [16_382, 16_383, 16_384] {
+        values.push(format!("0.{}", "1".repeat(n)));
+    }
+    for n in [131_071, 131_072, 131_073] {
+        values.push("7".repeat(n));
+    }
+    let mut mismatches = Vec::new();
+    for v in &values {
+        let body = format!(
+            r#"{{"id":"{A}","email":"a@example.com","total":"{v}","qty":1,"at":"2026-11-24T10:00:00Z","v":1}}"#
+        );
+        let ours = m.decode(body.as_bytes()).is_ok();
+        let theirs = env
+            .db
+            .query_one("SELECT $1::text::numeric IS NOT NULL", &[v])
+            .await
+            .is_ok();
+        if ours != theirs {
+            mismatches.push(format!(
+                "{}: warren {ours}, PostgreSQL {theirs}",
+                &v[..v.len().min(40)]
+            ));
+        }
+    }
+    assert!(
+        mismatches.is_empty(),
+        "{} of {} decimals judged otherwise than PostgreSQL does:\n{}",
+        mismatches.len(),
+        values.len(),
+        mismatches.join("\n")
+    );
+}

@@ -599,6 +599,13 @@ impl Mapping {
                     }
                     other => return Err(wrong(other)),
                 };
+                if !numeric_fits(&digits) {
+                    return Err(format!(
+                        "{at}: {} is beyond PostgreSQL's numeric (at most 131072 digits before \
+                         the point and 16383 after)",
+                        clip(&digits)
+                    ));
+                }
                 let approx: f64 = digits.parse().unwrap_or(f64::NAN);
                 check_range(c, &at, approx, &digits)?;
                 Cell::Numeric(digits)
@@ -790,6 +797,54 @@ fn is_decimal(s: &str) -> bool {
             let e = e.strip_prefix(['-', '+']).unwrap_or(e);
             !e.is_empty() && digits(e)
         })
+}
+
+/// Whether the decimal `s` (as [`is_decimal`] takes it) is one PostgreSQL's numeric can hold:
+/// at most 131072 digits before the point (a zero has none) and a scale of at most 16383, the
+/// scale being the digits written after the point minus the exponent, and an exponent below
+/// 1073741823 in size (PostgreSQL 15's numeric.c; tests/mapping.rs asks the server itself).
+/// Beyond them the server
+/// refuses the whole statement ("value overflows numeric format"), which would cost a batch
+/// split to find the row.
+fn numeric_fits(s: &str) -> bool {
+    const MAX_BEFORE_POINT: i64 = 131_072;
+    const MAX_SCALE: i64 = 16_383;
+    let s = s.strip_prefix(['-', '+']).unwrap_or(s);
+    let (mantissa, exponent) = s.split_once(['e', 'E']).unwrap_or((s, "0"));
+    let exponent: i64 = {
+        let (negative, digits) = match exponent.strip_prefix('-') {
+            Some(d) => (true, d),
+            None => (false, exponent.strip_prefix('+').unwrap_or(exponent)),
+        };
+        let digits = digits.trim_start_matches('0');
+        // Past 18 digits it overflows any bound here: saturate.
+        let magnitude: i64 = if digits.len() > 18 {
+            i64::MAX / 4
+        } else {
+            digits.parse().unwrap_or(0)
+        };
+        if negative { -magnitude } else { magnitude }
+    };
+    // The server refuses any exponent from INT_MAX / 2 on, even on a zero (numeric.c).
+    if exponent.abs() >= i64::from(i32::MAX / 2) {
+        return false;
+    }
+    let (int, frac) = mantissa.split_once('.').unwrap_or((mantissa, ""));
+    let scale = frac.len() as i64 - exponent;
+    if scale > MAX_SCALE {
+        return false;
+    }
+    let int = int.trim_start_matches('0');
+    let before_point = if !int.is_empty() {
+        int.len() as i64
+    } else {
+        match frac.find(|c| c != '0') {
+            Some(zeros) => -(zeros as i64),
+            // Zero: no digit before the point, whatever the exponent.
+            None => return true,
+        }
+    };
+    before_point + exponent <= MAX_BEFORE_POINT
 }
 
 fn check_text(c: &Column, at: &str, s: &str) -> Result<(), String> {
