@@ -446,3 +446,175 @@ async fn run_pipelines_chooses_which_pipelines_run() {
     );
     assert_eq!(env.count_rows().await, 0);
 }
+
+/// `api = true`: `POST /api/v1/orders` checks a body with the mapping and publishes it under its
+/// key; `GET /api/v1/orders/<key>` reads the row back, or the fate of a parked message; `PUT`
+/// refuses a body whose key is not the path's; the typed users API keeps working beside it.
+#[tokio::test(flavor = "multi_thread")]
+async fn an_orders_api_checks_publishes_and_reads_back() {
+    let env = TestEnv::new("pl_api").await;
+    let names = Names::of(&env);
+    let _cleanup = Cleanup(
+        vec![names.queue.clone(), names.retry.clone(), names.dlq.clone()],
+        vec![
+            names.exchange.clone(),
+            names.retry_exchange.clone(),
+            names.dlx.clone(),
+        ],
+    );
+    env.db
+        .batch_execute(
+            "CREATE TABLE orders (
+                order_id uuid PRIMARY KEY,
+                email text NOT NULL,
+                total numeric NOT NULL,
+                quantity int4 NOT NULL,
+                placed_at timestamptz NOT NULL,
+                note text,
+                tenant text,
+                ref text UNIQUE,
+                doc jsonb NOT NULL
+            )",
+        )
+        .await
+        .expect("create orders");
+    let dir = tempfile::tempdir().expect("temp dir");
+    let path = dir.path().join("orders.toml");
+    let text = config(&names).replacen(
+        "key = [\"order_id\"]",
+        "key = [\"order_id\"]\napi = true",
+        1,
+    );
+    std::fs::write(&path, text).expect("write the config");
+    let file = path.to_str().expect("utf-8").to_string();
+    let (code, out, err) = env.run_async(&["--config", &file, "declare"]).await;
+    assert_eq!(code, 0, "declare:\n{out}{err}");
+    let warren = env.start(&["--config", &file, "--roles", "consumer,dlq,api"]);
+    let _logs = LogsOnPanic(vec![warren.log.clone()]);
+    wait_until("the API answers", Duration::from_secs(30), || async {
+        http(&env, "GET", "/healthz", None).await.is_some()
+    })
+    .await;
+
+    // A good order: published under its key, then readable.
+    let id = Uuid::new_v4();
+    let body = String::from_utf8(order(id, "\"12.50\"", 2, Some("R-9"))).unwrap();
+    let (status, answer) = http(&env, "POST", "/api/v1/orders", Some(&body))
+        .await
+        .expect("POST");
+    assert_eq!(status, 200, "{answer}");
+    assert_eq!(
+        serde_json::from_str::<serde_json::Value>(&answer).unwrap()["id"],
+        id.to_string()
+    );
+    wait_until("the order readable", Duration::from_secs(30), || async {
+        matches!(
+            http(&env, "GET", &format!("/api/v1/orders/{id}"), None).await,
+            Some((200, _))
+        )
+    })
+    .await;
+    let (_, text) = http(&env, "GET", &format!("/api/v1/orders/{id}"), None)
+        .await
+        .expect("GET");
+    let row: serde_json::Value = serde_json::from_str(&text).expect("JSON");
+    assert_eq!(row["order_id"], id.to_string(), "{row}");
+    assert_eq!(row["email"], format!("c-{id}@example.com"), "{row}");
+    assert_eq!(row["total"], 12.50, "{row}");
+    assert_eq!(row["ref"], "R-9", "{row}");
+    // The same again (a client's retry): accepted, still one row.
+    let (status, _) = http(&env, "POST", "/api/v1/orders", Some(&body))
+        .await
+        .expect("POST again");
+    assert_eq!(status, 200);
+
+    // What the mapping refuses: 422 with the kind and the path, nothing published.
+    let bad = String::from_utf8(order(Uuid::new_v4(), "1", 1001, None)).unwrap();
+    let (status, answer) = http(&env, "POST", "/api/v1/orders", Some(&bad))
+        .await
+        .expect("POST bad");
+    assert_eq!(status, 422, "{answer}");
+    assert!(
+        answer.contains("invalid_payload") && answer.contains("/qty"),
+        "{answer}"
+    );
+    // PUT: the path's key must be the body's (an upper-case UUID is the same key).
+    let other = Uuid::new_v4();
+    let (status, answer) = http(&env, "PUT", &format!("/api/v1/orders/{other}"), Some(&body))
+        .await
+        .expect("PUT mismatched");
+    assert_eq!(status, 422, "{answer}");
+    assert!(answer.contains("must be the one in the path"), "{answer}");
+    let (status, answer) = http(
+        &env,
+        "PUT",
+        &format!("/api/v1/orders/{}", id.to_string().to_uppercase()),
+        Some(&body),
+    )
+    .await
+    .expect("PUT");
+    assert_eq!(status, 200, "{answer}");
+
+    // Same key, other content: the pipeline parks it (keep), and GET of a key whose only message
+    // was parked tells why. Another unique index (ref) makes a new key's message parked.
+    let clash = Uuid::new_v4();
+    let clashing = String::from_utf8(order(clash, "1", 1, Some("R-9"))).unwrap();
+    let (status, answer) = http(&env, "POST", "/api/v1/orders", Some(&clashing))
+        .await
+        .expect("POST clashing");
+    assert_eq!(status, 200, "{answer}");
+    wait_until(
+        "the clashing order parked",
+        Duration::from_secs(60),
+        || async {
+            matches!(
+                http(&env, "GET", &format!("/api/v1/orders/{clash}"), None).await,
+                Some((409, _))
+            )
+        },
+    )
+    .await;
+    let (_, parked) = http(&env, "GET", &format!("/api/v1/orders/{clash}"), None)
+        .await
+        .expect("GET parked");
+    assert!(parked.contains("\"state\":\"parked\""), "{parked}");
+    assert!(parked.contains("db_permanent"), "{parked}");
+
+    // Unknown and malformed keys.
+    let (status, _) = http(
+        &env,
+        "GET",
+        &format!("/api/v1/orders/{}", Uuid::new_v4()),
+        None,
+    )
+    .await
+    .expect("GET unknown");
+    assert_eq!(status, 404);
+    let (status, answer) = http(&env, "GET", "/api/v1/orders/not-a-uuid", None)
+        .await
+        .expect("GET malformed");
+    assert_eq!(status, 400, "{answer}");
+
+    // Users beside it.
+    let user = Uuid::new_v4();
+    let (status, answer) = http(
+        &env,
+        "PUT",
+        &format!("/api/v1/users/{user}"),
+        Some(&format!(r#"{{"name":"u","email":"{user}@example.com"}}"#)),
+    )
+    .await
+    .expect("PUT user");
+    assert_eq!(status, 200, "{answer}");
+    wait_until("the user inserted", Duration::from_secs(30), || async {
+        env.count_rows().await == 1
+    })
+    .await;
+    let orders: i64 = env
+        .db
+        .query_one("SELECT count(*) FROM orders", &[])
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(orders, 1, "one row for the order posted three times");
+}

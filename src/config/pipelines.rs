@@ -329,6 +329,13 @@ pub fn check(settings: &Settings) -> Result<(), ConfigError> {
             }
         }
         p.mapping()?;
+        if p.api && p.key.len() != 1 {
+            return Err(invalid(
+                format!("{at}.api"),
+                "false, or a one-column key (PUT and GET /api/v1/<name>/<key> address a row by it)",
+                format!("true with key {:?}", p.key),
+            ));
+        }
     }
     // Names shared by two pipelines.
     let replaced = settings.pipelines.iter().any(|p| p.name == "users");

@@ -1,11 +1,13 @@
 //! The HTTP API (actix-web): `POST /api/v1/users` and `PUT /api/v1/users/{id}` publish a user
 //! with a broker confirm (idempotently: `PUT` with the client's id, `POST` with an id derived from
 //! its `Idempotency-Key`), `GET /api/v1/users/{id}` reads the row or the message's parked fate,
-//! `/healthz` and `/readyz` for orchestrators. It has its own bounded database pool, starts and
-//! answers while the broker or the database is away (503), and recovers by itself. `ops` is the
-//! other listener, on `METRICS_ADDR` and every role: `/metrics`, `/healthz`, `/readyz`.
+//! `/healthz` and `/readyz` for orchestrators; `pipelines` serves the same three for each
+//! configured pipeline with `api = true`. It has its own bounded database pool, starts and answers
+//! while the broker or the database is away (503), and recovers by itself. `ops` is the other
+//! listener, on `METRICS_ADDR` and every role: `/metrics`, `/healthz`, `/readyz`.
 
 pub mod ops;
+pub mod pipelines;
 
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
@@ -78,6 +80,9 @@ pub async fn serve(settings: &Settings, pool: Pool) -> anyhow::Result<Api> {
         "api",
         crate::amqp::Frames::Small,
     ));
+    let mapped = pipelines::PipelineApi::all(settings)?;
+    // A file's pipeline named users replaces the built-in one, and its API the typed one.
+    let typed_users = !settings.pipelines.iter().any(|p| p.name == "users");
     let state = web::Data::new(AppState {
         publisher: publisher.clone(),
         pool,
@@ -103,12 +108,20 @@ pub async fn serve(settings: &Settings, pool: Pool) -> anyhow::Result<Api> {
             })
             .route("/healthz", web::get().to(healthz))
             .route("/readyz", web::get().to(readyz))
-            .route("/api/v1/users", web::post().to(create_user))
-            .service(
-                web::resource("/api/v1/users/{id}")
-                    .route(web::get().to(get_user))
-                    .route(web::put().to(put_user)),
-            )
+            .configure(|config| {
+                if typed_users {
+                    config
+                        .route("/api/v1/users", web::post().to(create_user))
+                        .service(
+                            web::resource("/api/v1/users/{id}")
+                                .route(web::get().to(get_user))
+                                .route(web::put().to(put_user)),
+                        );
+                }
+                for api in &mapped {
+                    pipelines::routes(config, api.clone());
+                }
+            })
             .default_service(web::to(|| async {
                 HttpResponse::NotFound().json(json!({"error": "no such route"}))
             }))
@@ -396,11 +409,23 @@ async fn publish(state: &AppState, user: &User) -> HttpResponse {
         Ok(b) => b,
         Err(e) => return error(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()),
     };
+    publish_body(state, &state.exchange, &state.routing_key, &id, body.into()).await
+}
+
+/// Publishes `body` under message id `id` to `exchange` with `routing_key`, and answers 200
+/// (`{"id": id}`) once the broker confirmed it, 503 when it cannot.
+async fn publish_body(
+    state: &AppState,
+    exchange: &str,
+    routing_key: &str,
+    id: &str,
+    body: bytes::Bytes,
+) -> HttpResponse {
     let publish = Publish {
-        exchange: state.exchange.clone(),
-        routing_key: state.routing_key.clone(),
-        body: body.into(),
-        properties: json_properties(&id),
+        exchange: exchange.to_string(),
+        routing_key: routing_key.to_string(),
+        body,
+        properties: json_properties(id),
     };
     let outcome =
         tokio::time::timeout(Duration::from_secs(10), state.publisher.send(publish)).await;

@@ -21,7 +21,7 @@ pub fn http_agent() -> ureq::Agent {
         .into()
 }
 
-/// (status, body) of one request to the env's API: `GET`, or `POST` of a JSON `body`; `None`
+/// (status, body) of one request to the env's API: `GET`, or `POST` or `PUT` of a JSON `body`; `None`
 /// if nothing answers.
 pub async fn http(
     env: &TestEnv,
@@ -37,6 +37,10 @@ pub async fn http(
         let response = match (method.as_str(), body) {
             ("POST", Some(b)) => agent
                 .post(&url)
+                .header("content-type", "application/json")
+                .send(b.as_bytes()),
+            ("PUT", Some(b)) => agent
+                .put(&url)
                 .header("content-type", "application/json")
                 .send(b.as_bytes()),
             _ => agent.get(&url).call(),

@@ -114,6 +114,11 @@ fn every_mistake_in_a_pipeline_is_named() {
             "main_queue = \"raffle_queue\"",
             "pipelines.orders.main_queue: expected a name no other pipeline uses for its exchanges and queues, got \"raffle_queue\", also the main_queue of pipeline users",
         ),
+        (
+            "key = [\"order_id\"]",
+            "key = [\"order_id\", \"total\"]\napi = true",
+            "pipelines.orders.api: expected false, or a one-column key (PUT and GET /api/v1/<name>/<key> address a row by it), got true with key [\"order_id\", \"total\"]",
+        ),
     ];
     for (from, to, expected) in cases {
         assert!(ORDERS.contains(from), "{from}");
