@@ -65,6 +65,40 @@ pub static STATS: Stats = Stats {
     breakers_open: AtomicU8::new(0),
 };
 
+/// One stage's counts (its `pipeline` label: `main`, `dlq`, `orders`, `orders_dlq`, ...), for
+/// the registry's per-pipeline lines.
+#[derive(Debug, Default)]
+pub struct StageStats {
+    pub received: AtomicU64,
+    pub inserted: AtomicU64,
+    pub retried: AtomicU64,
+    pub dead_lettered: AtomicU64,
+}
+
+/// Every stage's counts, by label; a stage appears with its first count (or [`preregister`]).
+static STAGES: std::sync::RwLock<
+    std::collections::BTreeMap<&'static str, std::sync::Arc<StageStats>>,
+> = std::sync::RwLock::new(std::collections::BTreeMap::new());
+
+/// The counts of `pipeline`, created on first use.
+pub fn stage(pipeline: &'static str) -> std::sync::Arc<StageStats> {
+    if let Some(s) = STAGES.read().ok().and_then(|m| m.get(pipeline).cloned()) {
+        return s;
+    }
+    let mut map = STAGES
+        .write()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
+    map.entry(pipeline).or_default().clone()
+}
+
+/// Every stage's counts, by label.
+pub fn stages() -> Vec<(&'static str, std::sync::Arc<StageStats>)> {
+    STAGES
+        .read()
+        .map(|m| m.iter().map(|(k, v)| (*k, v.clone())).collect())
+        .unwrap_or_default()
+}
+
 /// The database link as last seen: 0 unknown, 1 up, 2 down (to count reconnections).
 static POSTGRES_STATE: AtomicU8 = AtomicU8::new(0);
 
@@ -292,6 +326,9 @@ pub fn batch_inserted(pipeline: &'static str, attempted: usize, inserted: usize,
     histogram!(BATCH_INSERT_SECONDS, "pipeline" => pipeline).record(took.as_secs_f64());
     counter!(INSERTED, "pipeline" => pipeline).increment(inserted as u64);
     STATS.inserted.fetch_add(inserted as u64, Ordering::Relaxed);
+    stage(pipeline)
+        .inserted
+        .fetch_add(inserted as u64, Ordering::Relaxed);
 }
 
 /// The database answered (`up`) or could not be reached; counts reconnections.
@@ -341,9 +378,13 @@ pub fn messages_routed(pipeline: &'static str, kind: &'static str, n: u64) {
     if kind == "retry" || kind == "dlq_retry" {
         counter!(RETRIED, "pipeline" => pipeline, "reason" => "db_transient").increment(n);
         STATS.retried.fetch_add(n, Ordering::Relaxed);
+        stage(pipeline).retried.fetch_add(n, Ordering::Relaxed);
     } else {
         counter!(DEAD_LETTERED, "pipeline" => pipeline, "kind" => kind).increment(n);
         STATS.dead_lettered.fetch_add(n, Ordering::Relaxed);
+        stage(pipeline)
+            .dead_lettered
+            .fetch_add(n, Ordering::Relaxed);
     }
 }
 
@@ -498,6 +539,7 @@ static AMQP_LINKS: Mutex<Option<HashMap<String, bool>>> = Mutex::new(None);
 /// than "no data" before the first event.
 pub fn preregister(pipelines: &[&'static str]) {
     for p in pipelines {
+        stage(p);
         counter!(RECEIVED, "pipeline" => *p).absolute(0);
         counter!(INSERTED, "pipeline" => *p).absolute(0);
         counter!(RETRIED, "pipeline" => *p, "reason" => "db_transient").absolute(0);

@@ -577,11 +577,13 @@ pub struct Registry {
 pub const RATE_WINDOW: Duration = Duration::from_secs(5);
 
 /// The instance's own counters at one moment.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 struct Sample {
     at: std::time::Instant,
     received: u64,
     inserted: u64,
+    /// Each stage's (received, inserted).
+    stages: std::collections::BTreeMap<&'static str, (u64, u64)>,
 }
 
 /// `(now - before) / seconds`, 0 when no time passed or a counter went back.
@@ -616,29 +618,50 @@ impl Registry {
                 at: std::time::Instant::now(),
                 received: 0,
                 inserted: 0,
+                stages: Default::default(),
             }]
             .into(),
         }
     }
 
     /// The received and inserted rates (msg/s) over the last [`RATE_WINDOW`] (or since start),
-    /// from the deltas of this instance's own counters.
-    fn rates(&mut self, received: u64, inserted: u64) -> (f64, f64) {
+    /// from the deltas of this instance's own counters: the process's, then each stage's.
+    #[allow(clippy::type_complexity)]
+    fn rates(
+        &mut self,
+        received: u64,
+        inserted: u64,
+        stages: std::collections::BTreeMap<&'static str, (u64, u64)>,
+    ) -> (
+        (f64, f64),
+        std::collections::BTreeMap<&'static str, (f64, f64)>,
+    ) {
         let now = std::time::Instant::now();
         self.samples.push_back(Sample {
             at: now,
             received,
             inserted,
+            stages: stages.clone(),
         });
         // Keep one sample at least RATE_WINDOW old, none older.
         while self.samples.len() > 2 && now.duration_since(self.samples[1].at) >= RATE_WINDOW {
             self.samples.pop_front();
         }
-        let first = self.samples[0];
+        let first = &self.samples[0];
         let secs = now.duration_since(first.at).as_secs_f64();
+        let per_stage = stages
+            .iter()
+            .map(|(name, (r, i))| {
+                let (r0, i0) = first.stages.get(name).copied().unwrap_or((0, 0));
+                (*name, (per_second(r0, *r, secs), per_second(i0, *i, secs)))
+            })
+            .collect();
         (
-            per_second(first.received, received, secs),
-            per_second(first.inserted, inserted, secs),
+            (
+                per_second(first.received, received, secs),
+                per_second(first.inserted, inserted, secs),
+            ),
+            per_stage,
         )
     }
 
@@ -652,7 +675,32 @@ impl Registry {
         let stats = &metrics::STATS;
         let received = stats.received.load(Relaxed);
         let inserted = stats.inserted.load(Relaxed);
-        let (received_per_s, inserted_per_s) = self.rates(received, inserted);
+        let stages = metrics::stages();
+        let counts = stages
+            .iter()
+            .map(|(name, s)| (*name, (s.received.load(Relaxed), s.inserted.load(Relaxed))))
+            .collect();
+        let ((received_per_s, inserted_per_s), stage_rates) =
+            self.rates(received, inserted, counts);
+        // Each stage's counters and rates, as one JSON object (`warren status` shows them).
+        let pipelines: serde_json::Map<String, serde_json::Value> = stages
+            .iter()
+            .map(|(name, s)| {
+                let (r, i) = stage_rates.get(name).copied().unwrap_or((0.0, 0.0));
+                let round = |x: f64| (x * 10.0).round() / 10.0;
+                (
+                    name.to_string(),
+                    serde_json::json!({
+                        "received": s.received.load(Relaxed),
+                        "inserted": s.inserted.load(Relaxed),
+                        "retried": s.retried.load(Relaxed),
+                        "dead_lettered": s.dead_lettered.load(Relaxed),
+                        "received_per_s": round(r),
+                        "inserted_per_s": round(i),
+                    }),
+                )
+            })
+            .collect();
         let breaker = if stats.breakers_open.load(Relaxed) != 0 {
             "open"
         } else {
@@ -680,6 +728,10 @@ impl Registry {
                 stats.dead_lettered.load(Relaxed).to_string(),
             ),
             ("inflight", stats.inflight.load(Relaxed).max(0).to_string()),
+            (
+                "pipelines",
+                serde_json::Value::Object(pipelines).to_string(),
+            ),
             ("last_heartbeat", now_s().to_string()),
         ];
         let key = self.key();

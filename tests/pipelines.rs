@@ -491,8 +491,8 @@ async fn an_orders_api_checks_publishes_and_reads_back() {
     assert_eq!(code, 0, "declare:\n{out}{err}");
     let warren = env.start(&["--config", &file, "--roles", "consumer,dlq,api"]);
     let _logs = LogsOnPanic(vec![warren.log.clone()]);
-    wait_until("the API answers", Duration::from_secs(30), || async {
-        http(&env, "GET", "/healthz", None).await.is_some()
+    wait_until("the API ready", Duration::from_secs(30), || async {
+        matches!(http(&env, "GET", "/readyz", None).await, Some((200, _)))
     })
     .await;
 
@@ -617,4 +617,41 @@ async fn an_orders_api_checks_publishes_and_reads_back() {
         .unwrap()
         .get(0);
     assert_eq!(orders, 1, "one row for the order posted three times");
+
+    // warren status: a line per pipeline stage, with its own counters (orders: four messages, the
+    // three copies of one order succeeded, the clashing one dead-lettered to orders' DLQ).
+    wait_until(
+        "status shows the orders stage",
+        Duration::from_secs(30),
+        || async {
+            let (_, out, _) = env.run_async(&["status", "--json"]).await;
+            let doc: serde_json::Value = serde_json::from_str(&out).unwrap_or_default();
+            let stages = &doc["instances"][0]["pipelines"];
+            stages["orders"]["inserted"].as_u64() == Some(3)
+                && stages["orders"]["received"].as_u64() == Some(4)
+                && stages["orders"]["dead_lettered"].as_u64() == Some(1)
+                && stages["orders_dlq"]["received"].as_u64() == Some(1)
+                && stages["main"]["inserted"].as_u64() == Some(1)
+        },
+    )
+    .await;
+    let (code, out, err) = env.run_async(&["--config", &file, "status"]).await;
+    assert_eq!(code, 0, "{out}{err}");
+    let line = out
+        .lines()
+        .find(|l| l.split_whitespace().nth(1) == Some("orders"))
+        .unwrap_or_else(|| panic!("no orders line:\n{out}"));
+    let columns: Vec<&str> = line.split_whitespace().collect();
+    assert_eq!(
+        columns[2..4],
+        ["4", "3"],
+        "orders received, inserted: {line}\n{out}"
+    );
+    for q in [&names.queue, &names.retry, &names.dlq, &env.main_queue] {
+        assert!(
+            out.lines()
+                .any(|l| l.starts_with(q.as_str()) && !l.contains("missing")),
+            "no line for queue {q}:\n{out}"
+        );
+    }
 }

@@ -14,6 +14,7 @@ use comfy_table::{CellAlignment, Table, presets};
 use serde_json::json;
 
 use crate::cli::{json_terminal_safe, terminal_safe as safe};
+use crate::config::pipelines::Names;
 use crate::config::{Settings, redact_url};
 use crate::registry::{self, InstanceFields, Keys, Redis, now_s};
 
@@ -198,6 +199,21 @@ fn render(
                 ]);
             }
             let _ = writeln!(out, "{}", t.trim_fmt());
+            let stages = pipeline_rows(list);
+            if !stages.is_empty() {
+                let mut t = table(
+                    &[
+                        "INSTANCE", "PIPELINE", "RECEIVED", "INSERTED", "RECV/S", "INS/S",
+                        "RETRIED", "DEAD",
+                    ],
+                    2,
+                );
+                for row in stages {
+                    t.add_row(row);
+                }
+                let _ = writeln!(out);
+                let _ = writeln!(out, "{}", t.trim_fmt());
+            }
             if list.is_empty() {
                 let _ = writeln!(
                     out,
@@ -278,9 +294,58 @@ fn typed(fields: &InstanceFields) -> serde_json::Value {
                     })
             })
             .flatten();
-        out.insert(key.clone(), number.unwrap_or_else(|| value.clone().into()));
+        // The per-pipeline counters are a JSON object of their own.
+        let object = (key == "pipelines")
+            .then(|| serde_json::from_str::<serde_json::Value>(value).ok())
+            .flatten()
+            .filter(serde_json::Value::is_object);
+        out.insert(
+            key.clone(),
+            number.or(object).unwrap_or_else(|| value.clone().into()),
+        );
     }
     out.into()
+}
+
+/// Each instance's per-pipeline lines (instance, stage, its counters), from its `pipelines`
+/// field; empty when every instance runs only users' stages (`main`, `dlq`), whose counts are
+/// the instance's own.
+fn pipeline_rows(list: &[InstanceFields]) -> Vec<Vec<String>> {
+    let mut rows = Vec::new();
+    let mut configured = false;
+    for i in list {
+        let Some(serde_json::Value::Object(stages)) = i
+            .get("pipelines")
+            .and_then(|v| serde_json::from_str::<serde_json::Value>(v).ok())
+        else {
+            continue;
+        };
+        let instance = format!(
+            "{}:{}",
+            safe(i.get("host").map(String::as_str).unwrap_or("-")),
+            safe(i.get("pid").map(String::as_str).unwrap_or("-"))
+        );
+        for (stage, counts) in &stages {
+            configured |= stage != "main" && stage != "dlq";
+            let n = |k: &str| {
+                counts
+                    .get(k)
+                    .map(|v| safe(&v.to_string()))
+                    .unwrap_or_else(|| "-".into())
+            };
+            rows.push(vec![
+                instance.clone(),
+                safe(stage),
+                n("received"),
+                n("inserted"),
+                n("received_per_s"),
+                n("inserted_per_s"),
+                n("retried"),
+                n("dead_lettered"),
+            ]);
+        }
+    }
+    if configured { rows } else { Vec::new() }
 }
 
 /// A borderless table (comfy-table) under `header`, two spaces between columns; the columns from
@@ -297,8 +362,8 @@ fn table(header: &[&str], first_number: usize) -> Table {
     t
 }
 
-/// (queue, messages, consumers) for the main queue, every retry tier and the DLQ; `None`
-/// without a broker.
+/// (queue, messages, consumers) for the main queue, every retry tier and the DLQ of every
+/// pipeline; `None` without a broker.
 async fn queue_rows(settings: &Settings) -> Option<Vec<QueueRow>> {
     let mut fast = settings.clone();
     fast.amqp_connect_timeout_ms = fast.amqp_connect_timeout_ms.min(3000);
@@ -306,9 +371,19 @@ async fn queue_rows(settings: &Settings) -> Option<Vec<QueueRow>> {
         .await
         .ok()?;
     let mut rows = Vec::new();
-    let mut queues = vec![settings.main_queue.clone()];
-    queues.extend(settings.retry_tiers().into_iter().map(|t| t.queue));
-    queues.push(settings.dlq_queue.clone());
+    // Users' queues (unless a file's pipeline named users replaces it), then every configured
+    // pipeline's.
+    let mut names = Vec::new();
+    if !settings.pipelines.iter().any(|p| p.name == "users") {
+        names.push(Names::users(settings));
+    }
+    names.extend(settings.pipelines.iter().map(|p| p.names(settings)));
+    let mut queues = Vec::new();
+    for n in names {
+        queues.push(n.main_queue);
+        queues.extend(n.retry_tiers.into_iter().map(|t| t.queue));
+        queues.push(n.dlq_queue);
+    }
     for q in &queues {
         let stats =
             tokio::time::timeout(Duration::from_secs(3), crate::amqp::queue_stats(&conn, q)).await;

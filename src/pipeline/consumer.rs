@@ -571,6 +571,9 @@ impl Consumer {
             crate::metrics::STATS
                 .received
                 .fetch_add(delta, std::sync::atomic::Ordering::Relaxed);
+            crate::metrics::stage(self.config.pipeline)
+                .received
+                .fetch_add(delta, std::sync::atomic::Ordering::Relaxed);
         }
         let delta = self.inflight as i64 - inflight as i64;
         if delta != 0 {
