@@ -233,17 +233,50 @@ fn apply(
             Ok(())
         }
     };
+    // `--pipeline NAME`: the stages of that pipeline alone (its main and DLQ stages).
+    let chosen: Vec<&Pipeline> = match &command.pipeline {
+        None => pipelines.iter().collect(),
+        Some(name) => {
+            if command.command == "drain" {
+                return Err("drain applies to the whole instance, not to one pipeline".into());
+            }
+            let chosen: Vec<&Pipeline> = pipelines.iter().filter(|p| p.pipeline == *name).collect();
+            if chosen.is_empty() && !pipelines.is_empty() {
+                let mut known: Vec<&str> = pipelines.iter().map(|p| p.pipeline.as_str()).collect();
+                known.dedup();
+                return Err(format!(
+                    "this instance runs no pipeline {name:?} (it runs {})",
+                    known.join(", ")
+                ));
+            }
+            chosen
+        }
+    };
+    let whole = command.pipeline.is_none();
+    let mark_paused = |on: bool| {
+        for p in &chosen {
+            crate::metrics::stage(p.name)
+                .paused
+                .store(on && !whole, std::sync::atomic::Ordering::Relaxed);
+        }
+    };
     match command.command.as_str() {
         "pause" => {
             needs_consumer()?;
-            pipelines.iter().for_each(|p| p.hold(true));
-            report.send_modify(|r| r.status = "paused");
+            chosen.iter().for_each(|p| p.hold(true));
+            mark_paused(true);
+            if whole {
+                report.send_modify(|r| r.status = "paused");
+            }
             Ok(())
         }
         "resume" => {
             needs_consumer()?;
-            pipelines.iter().for_each(|p| p.hold(false));
-            report.send_modify(|r| r.status = "running");
+            chosen.iter().for_each(|p| p.hold(false));
+            mark_paused(false);
+            if whole {
+                report.send_modify(|r| r.status = "running");
+            }
             Ok(())
         }
         "drain" => Ok(()),
@@ -252,10 +285,12 @@ fn apply(
             let n = command
                 .processors
                 .ok_or_else(|| "scale needs a number of processors".to_string())?;
-            for p in pipelines {
+            for p in &chosen {
                 p.scale(n)?;
             }
-            report.send_modify(|r| r.processors = n);
+            if whole {
+                report.send_modify(|r| r.processors = n);
+            }
             Ok(())
         }
         "rate" => {
@@ -263,10 +298,12 @@ fn apply(
             let n = command
                 .rate
                 .ok_or_else(|| "rate needs a number of messages per second".to_string())?;
-            for p in pipelines {
+            for p in &chosen {
                 p.rate(n)?;
             }
-            report.send_modify(|r| r.rate_limit_per_s = n);
+            if whole {
+                report.send_modify(|r| r.rate_limit_per_s = n);
+            }
             Ok(())
         }
         other => Err(format!("unknown command {other:?}")),

@@ -69,6 +69,8 @@ pub static STATS: Stats = Stats {
 /// the registry's per-pipeline lines.
 #[derive(Debug, Default)]
 pub struct StageStats {
+    /// Held by `warren ctl pause --pipeline` (an instance-wide pause shows in its status).
+    pub paused: AtomicBool,
     pub received: AtomicU64,
     pub inserted: AtomicU64,
     pub retried: AtomicU64,

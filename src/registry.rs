@@ -107,6 +107,10 @@ pub struct CtlCommand {
     /// For `rate`: messages per second, 0 = no limit.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub rate: Option<u32>,
+    /// The pipeline it applies to (`pause`, `resume`, `scale`, `rate`); absent: every pipeline
+    /// of the instance.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pipeline: Option<String>,
     pub issued_at: u64,
     /// Who asked (`host:pid` of the `warren ctl` process).
     pub by: String,
@@ -123,9 +127,9 @@ pub struct CtlCommand {
 impl CtlCommand {
     /// The bytes the signature covers: a version line, then each field as
     /// `name=<byte length>:<value>` and a newline, in this order: `id`, `command`, `processors`
-    /// (empty when absent), `rate` (only when present, so commands without it keep the
-    /// signatures they always had), `issued_at`, `by`, `target` (the instance that applies it,
-    /// as `host:pid`). The length prefixes make the encoding unambiguous whatever the values hold.
+    /// (empty when absent), `rate` and `pipeline` (each only when present, so commands without
+    /// them keep the signatures they always had), `issued_at`, `by`, `target` (the instance that
+    /// applies it, as `host:pid`). The length prefixes make the encoding unambiguous whatever the values hold.
     pub fn canonical(&self, target: &str) -> Vec<u8> {
         // No `..`: a new field does not compile until it is added here, so every argument is
         // covered by the signature.
@@ -134,6 +138,7 @@ impl CtlCommand {
             command,
             processors,
             rate,
+            pipeline,
             issued_at,
             by,
             target: _,
@@ -149,6 +154,7 @@ impl CtlCommand {
                 Some(("command", command.as_str())),
                 Some(("processors", processors.as_str())),
                 rate.as_deref().map(|r| ("rate", r)),
+                pipeline.as_deref().map(|p| ("pipeline", p)),
                 Some(("issued_at", issued_at.as_str())),
                 Some(("by", by.as_str())),
                 Some(("target", target)),
@@ -324,6 +330,9 @@ pub struct CtlOutcome {
     pub processors: Option<usize>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub rate: Option<u32>,
+    /// The command's `--pipeline`, if it had one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pipeline: Option<String>,
     pub host: String,
     pub pid: u32,
     /// `executed` or `failed`.
@@ -343,13 +352,15 @@ pub struct CtlOutcome {
 impl CtlOutcome {
     /// The bytes the signature covers, encoded as commands are (see [`CtlCommand::canonical`])
     /// under the version line `warren-outcome-v1`: `id`, `command`, `processors` and `rate`
-    /// (empty when absent), `host`, `pid`, `run`, `outcome`, `error` (empty when absent), `at`.
+    /// (empty when absent), `pipeline` (only when present), `host`, `pid`, `run`, `outcome`,
+    /// `error` (empty when absent), `at`.
     pub fn canonical(&self) -> Vec<u8> {
         let CtlOutcome {
             id,
             command,
             processors,
             rate,
+            pipeline,
             host,
             pid,
             outcome,
@@ -368,6 +379,7 @@ impl CtlOutcome {
                 Some(("command", command.as_str())),
                 Some(("processors", processors.as_str())),
                 Some(("rate", rate.as_str())),
+                pipeline.as_deref().map(|p| ("pipeline", p)),
                 Some(("host", host.as_str())),
                 Some(("pid", pid.as_str())),
                 Some(("run", run.as_deref().unwrap_or_default())),
@@ -691,6 +703,7 @@ impl Registry {
                 (
                     name.to_string(),
                     serde_json::json!({
+                        "paused": s.paused.load(Relaxed),
                         "received": s.received.load(Relaxed),
                         "inserted": s.inserted.load(Relaxed),
                         "retried": s.retried.load(Relaxed),
@@ -776,6 +789,7 @@ impl Registry {
             command: command.command.clone(),
             processors: command.processors,
             rate: command.rate,
+            pipeline: command.pipeline.clone(),
             host: self.instance.host.clone(),
             pid: self.instance.pid,
             outcome: if result.is_ok() { "executed" } else { "failed" }.into(),
@@ -894,6 +908,7 @@ mod tests {
             command: "scale".into(),
             processors: Some(4),
             rate: None,
+            pipeline: None,
             issued_at: 1,
             by: "h:1".into(),
             target: None,
@@ -914,12 +929,42 @@ mod tests {
         assert_eq!((c.target, c.signature), (None, None));
     }
 
+    #[test]
+    fn the_signature_covers_the_pipeline_and_leaves_older_commands_alone() {
+        let plain = sample();
+        assert!(
+            !String::from_utf8(plain.canonical("vm:1"))
+                .unwrap()
+                .contains("pipeline"),
+            "a command without --pipeline signs as before"
+        );
+        let mut c = sample();
+        c.pipeline = Some("orders".into());
+        assert!(
+            String::from_utf8(c.canonical("vm:1"))
+                .unwrap()
+                .contains("\npipeline=6:orders\n")
+        );
+        c.sign("k", "vm:1/r").unwrap();
+        assert!(c.signature_matches("k", "vm:1/r"));
+        let mut moved = c.clone();
+        moved.pipeline = Some("users".into());
+        assert!(!moved.signature_matches("k", "vm:1/r"), "pipeline changed");
+        let mut widened = c.clone();
+        widened.pipeline = None;
+        assert!(
+            !widened.signature_matches("k", "vm:1/r"),
+            "pipeline dropped"
+        );
+    }
+
     fn sample() -> CtlCommand {
         CtlCommand {
             id: "0b8f".into(),
             command: "scale".into(),
             processors: Some(4),
             rate: None,
+            pipeline: None,
             issued_at: 1_795_239_346,
             by: "ops:42".into(),
             target: None,
@@ -1111,6 +1156,7 @@ mod tests {
             command: "pause".into(),
             processors: None,
             rate: None,
+            pipeline: None,
             host: "vm".into(),
             pid: 1,
             outcome: "executed".into(),

@@ -654,4 +654,62 @@ async fn an_orders_api_checks_publishes_and_reads_back() {
             "no line for queue {q}:\n{out}"
         );
     }
+
+    // warren ctl --pipeline: orders paused alone; users keeps going; an unknown name fails.
+    let (code, out, err) = env
+        .run_async(&["ctl", "pause", "--all", "--pipeline", "orders"])
+        .await;
+    assert_eq!(code, 0, "{out}{err}");
+    assert!(out.contains("pause  executed"), "{out}");
+    let held = Uuid::new_v4();
+    env.publish_to(
+        &names.exchange,
+        &names.queue,
+        &order(held, "5", 5, None),
+        BasicProperties::default(),
+    )
+    .await;
+    let user = env.publish_users(1).await[0];
+    wait_until(
+        "the user inserted while orders is paused",
+        Duration::from_secs(30),
+        || async { env.row_ids().await.contains(&user) },
+    )
+    .await;
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert_eq!(env.queue_state(&names.queue).await.0, 1, "the order waits");
+    wait_until(
+        "status shows orders paused",
+        Duration::from_secs(10),
+        || async {
+            let (_, out, _) = env.run_async(&["status", "--json"]).await;
+            let doc: serde_json::Value = serde_json::from_str(&out).unwrap_or_default();
+            let stages = &doc["instances"][0]["pipelines"];
+            stages["orders"]["paused"] == true && stages["main"]["paused"] == false
+        },
+    )
+    .await;
+    let (code, out, _) = env
+        .run_async(&["ctl", "pause", "--all", "--pipeline", "nope"])
+        .await;
+    assert_eq!(code, 1, "{out}");
+    assert!(out.contains("runs no pipeline \"nope\""), "{out}");
+    let (code, out, err) = env
+        .run_async(&["ctl", "resume", "--all", "--pipeline", "orders"])
+        .await;
+    assert_eq!(code, 0, "{out}{err}");
+    wait_until(
+        "the held order inserted",
+        Duration::from_secs(30),
+        || async {
+            env.db
+                .query_one("SELECT count(*) FROM orders WHERE order_id = $1", &[&held])
+                .await
+                .map(|r| r.get::<_, i64>(0) == 1)
+                .unwrap_or(false)
+        },
+    )
+    .await;
+    let (_, out, _) = env.run_async(&["ctl", "history"]).await;
+    assert!(out.contains("pipeline=orders"), "{out}");
 }

@@ -35,12 +35,31 @@ pub struct Target {
     pub all: bool,
 }
 
+/// Which of an instance's pipelines a command applies to.
+#[derive(Debug, Clone, clap::Args)]
+pub struct Only {
+    /// Only this pipeline (`users`, or a configured one's name: its main and DLQ stages); by
+    /// default every pipeline of the instance.
+    #[arg(long, value_name = "NAME")]
+    pub pipeline: Option<String>,
+}
+
 #[derive(Debug, Subcommand)]
 pub enum Action {
     /// Stop taking deliveries; what is in flight finishes.
-    Pause(Target),
+    Pause {
+        #[command(flatten)]
+        target: Target,
+        #[command(flatten)]
+        only: Only,
+    },
     /// Take deliveries again.
-    Resume(Target),
+    Resume {
+        #[command(flatten)]
+        target: Target,
+        #[command(flatten)]
+        only: Only,
+    },
     /// Finish what is in flight and exit 0, as on SIGTERM.
     Drain(Target),
     /// Change the number of processors live.
@@ -50,6 +69,8 @@ pub enum Action {
         processors: u16,
         #[command(flatten)]
         target: Target,
+        #[command(flatten)]
+        only: Only,
     },
     /// Change the messages per second each pipeline takes from its queue (0 = no limit).
     Rate {
@@ -58,6 +79,8 @@ pub enum Action {
         per_s: u32,
         #[command(flatten)]
         target: Target,
+        #[command(flatten)]
+        only: Only,
     },
     /// Recorded outcomes of remote commands, newest first.
     History {
@@ -77,15 +100,29 @@ pub async fn execute(settings: &Settings, args: Args) -> anyhow::Result<i32> {
         bail!("{e}");
     }
     let secret = Some(settings.control_secret.as_str()).filter(|s| !s.is_empty());
-    let (name, processors, rate, target) = match args.action {
+    let (name, processors, rate, target, pipeline) = match args.action {
         Action::History { limit, json } => {
             return history(&mut redis, &keys, limit, json, secret).await;
         }
-        Action::Pause(t) => ("pause", None, None, t),
-        Action::Resume(t) => ("resume", None, None, t),
-        Action::Drain(t) => ("drain", None, None, t),
-        Action::Scale { processors, target } => ("scale", Some(processors as usize), None, target),
-        Action::Rate { per_s, target } => ("rate", None, Some(per_s), target),
+        Action::Pause { target, only } => ("pause", None, None, target, only.pipeline),
+        Action::Resume { target, only } => ("resume", None, None, target, only.pipeline),
+        Action::Drain(t) => ("drain", None, None, t, None),
+        Action::Scale {
+            processors,
+            target,
+            only,
+        } => (
+            "scale",
+            Some(processors as usize),
+            None,
+            target,
+            only.pipeline,
+        ),
+        Action::Rate {
+            per_s,
+            target,
+            only,
+        } => ("rate", None, Some(per_s), target, only.pipeline),
     };
     let Some(instances) = registry::instances(&mut redis, &keys).await else {
         bail!("lost the connection to Redis while listing instances");
@@ -117,6 +154,7 @@ pub async fn execute(settings: &Settings, args: Args) -> anyhow::Result<i32> {
         command: name.to_string(),
         processors,
         rate,
+        pipeline,
         issued_at: now_s(),
         by: format!("{}:{}", crate::hostname(), std::process::id()),
         target: None,
@@ -273,12 +311,17 @@ async fn history(
         let Ok(o) = serde_json::from_str::<CtlOutcome>(&line) else {
             continue;
         };
-        let detail = match (&o.error, o.processors, o.rate) {
+        let mut detail = match (&o.error, o.processors, o.rate) {
             (Some(e), _, _) => safe(e),
             (None, Some(n), _) => format!("processors={n}"),
             (None, None, Some(n)) => format!("rate={n}/s"),
             _ => String::new(),
         };
+        if let Some(p) = &o.pipeline {
+            detail = format!("pipeline={} {detail}", safe(p))
+                .trim_end()
+                .to_string();
+        }
         let outcome = match verified(&o) {
             Some(false) => format!(
                 "{} (unverified: not signed with CONTROL_SECRET)",

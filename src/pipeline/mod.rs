@@ -132,7 +132,10 @@ type ProcessorFactory = Box<dyn Fn(Option<&ArbiterHandle>) -> (Recipient<Chunk>,
 
 /// A running pipeline.
 pub struct Pipeline {
+    /// The stage's name (`main`, `dlq`, `orders`, `orders_dlq`): the `pipeline` label.
     pub name: &'static str,
+    /// The pipeline the stage belongs to (`users`, `orders`): what `warren ctl --pipeline` names.
+    pub pipeline: String,
     consumer: Addr<Consumer>,
     /// The processors' drain addresses, current ones (live scaling replaces them).
     drains: Mutex<Vec<Recipient<Drain>>>,
@@ -223,6 +226,7 @@ pub fn start<D: Domain>(settings: &Settings, spec: Spec, domain: Arc<D>, pool: P
     });
     let pipeline = Pipeline {
         name,
+        pipeline: spec.pipeline.clone(),
         consumer: consumer_addr,
         drains: Mutex::new(Vec::new()),
         spawn_processor,
