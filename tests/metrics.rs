@@ -221,6 +221,7 @@ fn concrete(expr: &str) -> String {
         .replace("$__interval", "1m")
         .replace("$__range", "1h")
         .replace("$instance", ".*")
+        .replace("$pipeline", ".*")
         .replace("$job", "warren");
     assert!(!e.contains('$'), "unknown Grafana variable in {expr:?}");
     e
