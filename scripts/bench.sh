@@ -3,7 +3,7 @@
 # warren's job achieve on this machine, in ONE run, repetitions interleaved, so the ratios hold
 # even when the machine's speed drifts.
 #
-#   scripts/bench.sh [N] [REPS] [KEY=VALUE...]              drain bench (N=200000, REPS=4)
+#   scripts/bench.sh [N] [REPS] [KEY=VALUE...]              drain bench (N=200000, REPS=5)
 #   scripts/bench.sh --live [RATE] [SECONDS] [KEY=VALUE...]  live bench (RATE=10000, SECONDS=60)
 #   scripts/bench.sh --all-roles [N] [KEY=VALUE...]          memory with all roles (N=100000)
 #
@@ -13,18 +13,21 @@
 # BENCH_PIN=1 gives the broker CPU 0 to itself and runs PostgreSQL and the contenders on the other
 # CPUs (as where the broker has its own host); needs root, restores the CPU masks at exit.
 #
-# Drain bench: every repetition runs the four contenders, each on its own backlog of N persistent
+# Drain bench: every repetition runs the five contenders, each on its own backlog of N persistent
 # ~100-byte users published with `warren publish --count N` (the queue must hold N before the
 # drain starts). The order turns by one each repetition (repetition 2 starts with the minimal
 # pipeline, 3 with warren, ...), so that what a drain leaves behind in the broker (its message
 # store's garbage, a warm or cold cache) is not always charged to the same contender; with REPS a
-# multiple of 4 every contender runs in every place equally often:
+# multiple of 5 every contender runs in every place equally often:
 #   raw_drain          examples/raw_drain.rs: bare lapin, prefetch 5000, one multi-ack per 100
 #                      deliveries, no decoding, no database (what the broker alone delivers)
 #   minimal_pipeline   examples/minimal_pipeline.rs: lapin, prefetch 2000, serde_json, one UNNEST
 #                      insert per 1000 messages then one multi-ack, no actors
 #   warren             warren run --roles consumer, default settings (plus the KEY=VALUEs given)
 #   warren_pf5000      the same with PREFETCH=5000
+#   warren_mapped      warren with users declared as a configured pipeline (docs/pipelines.md):
+#                      the same queue, table and checks through the generic mapping instead of
+#                      the typed users code
 # and prints one table of medians (rate, ratios, CPU and broker CPU per message, peak RSS, acks
 # per batch) and the figures of every repetition. docs/performance.md ("How to reproduce") says what
 # each column measures.
@@ -83,7 +86,7 @@ if [ "$MODE" = roles ]; then
 elif [ "$MODE" = drain ]; then
   [ ${#POSITIONAL[@]} -le 2 ] || die "too many numbers: expected [N] [REPS]"
   N=$(named N "${POSITIONAL[0]:-200000}" "$@")
-  REPS=$(named REPS "${POSITIONAL[1]:-4}" "$@")
+  REPS=$(named REPS "${POSITIONAL[1]:-5}" "$@")
   positive_int N "$N"; positive_int REPS "$REPS"
 else
   [ ${#POSITIONAL[@]} -le 2 ] || die "too many numbers: expected [RATE] [SECONDS]"
@@ -182,7 +185,10 @@ free_port() {
   die "found no free port for METRICS_ADDR"
 }
 
-# Sum of a metric's samples for the main pipeline (or without labels), read with bash alone so
+# The pipeline label warren's users stage carries: main for the typed users pipeline, users when
+# users is a configured pipeline (warren_mapped).
+STAGE=main
+# Sum of a metric's samples for the users stage (or without labels), read with bash alone so
 # that polling spawns no process while warren is measured; empty if warren has not exported it.
 metric_now() { # PORT NAME
   local line sum="" value
@@ -192,7 +198,7 @@ metric_now() { # PORT NAME
     line="${line%$'\r'}"
     case "$line" in
       "$2 "*|"$2{"*)
-        case "$line" in *pipeline=*) [[ "$line" == *'pipeline="main"'* ]] || continue ;; esac
+        case "$line" in *pipeline=*) [[ "$line" == *"pipeline=\"$STAGE\""* ]] || continue ;; esac
         value="${line##* }"; sum=$(( ${sum:-0} + ${value%%.*} )) ;;
     esac
   done
@@ -200,8 +206,8 @@ metric_now() { # PORT NAME
   printf '%s' "$sum"
 }
 metric_file() { # FILE NAME: the same from a saved scrape (awk, after the measurement)
-  awk -v name="$2" '
-    (index($1, name "{") == 1 || $1 == name) && ($0 !~ /pipeline=/ || $0 ~ /pipeline="main"/) { s += $NF; found = 1 }
+  awk -v name="$2" -v stage="pipeline=\"$STAGE\"" '
+    (index($1, name "{") == 1 || $1 == name) && ($0 !~ /pipeline=/ || index($0, stage)) { s += $NF; found = 1 }
     END { if (found) printf "%.0f", s }' "$1"
 }
 
@@ -354,7 +360,28 @@ fi
 #   rep contender msg/s drain_s wall_s cpu_us/msg broker_us/msg rss_mib acks batches acks/batch
 RESULTS="$LOGDIR/results.tsv"
 : >"$RESULTS"
-CONTENDERS=(raw_drain minimal_pipeline warren warren_pf5000)
+CONTENDERS=(raw_drain minimal_pipeline warren warren_pf5000 warren_mapped)
+# users as a configured pipeline: the typed pipeline's queue, table and checks, through the mapping.
+MAPPED="$LOGDIR/users-mapped.toml"
+cat >"$MAPPED" <<TOML
+[[pipelines]]
+name = "users"
+table = "users"
+key = ["id"]
+on_conflict = "keep"
+unknown_fields = "reject"
+main_exchange = "$MAIN_EXCHANGE"
+main_queue = "$MAIN_QUEUE"
+retry_exchange = "$RETRY_EXCHANGE"
+retry_queue = "$RETRY_QUEUE"
+dlx_exchange = "$DLX_EXCHANGE"
+dlq_queue = "$DLQ_QUEUE"
+
+[pipelines.columns]
+id    = { path = "/id", type = "uuid" }
+name  = { path = "/name", type = "text", min_len = 1, max_len = 200 }
+email = { path = "/email", type = "text", format = "email", max_len = 254 }
+TOML
 
 # A measurement that fails sets FAIL and returns 1; the loop below measures it again (the broker
 # and database are shared: another test may close every connection or restart a server).
@@ -461,6 +488,7 @@ measure() { # rep contender tag
     minimal_pipeline) run_example "$1" "$2" "$3" minimal_pipeline --count "$N" ;;
     warren)           run_warren "$1" "$2" "$3" ;;
     warren_pf5000)    run_warren "$1" "$2" "$3" PREFETCH=5000 ;;
+    warren_mapped)    STAGE=users; run_warren "$1" "$2" "$3" WARREN_CONFIG="$MAPPED" || { STAGE=main; return 1; }; STAGE=main ;;
   esac
 }
 
@@ -496,17 +524,18 @@ awk -F'\t' -v reps="$REPS" '
   { rate[$1, $2] = $3; add($2 SUBSEP "rate", $3); add($2 SUBSEP "cpu", $6); add($2 SUBSEP "broker", $7)
     add($2 SUBSEP "rss", $8); add($2 SUBSEP "apb", $11); line[NR] = $0 }
   END {
-    split("raw_drain minimal_pipeline warren warren_pf5000", names, " ")
+    split("raw_drain minimal_pipeline warren warren_pf5000 warren_mapped", names, " ")
     label["raw_drain"] = "raw drain"; label["minimal_pipeline"] = "minimal pipeline"
     label["warren"] = "warren (defaults)"; label["warren_pf5000"] = "warren PREFETCH=5000"
-    for (r = 1; r <= reps; r++) for (k = 1; k <= 4; k++) {
+    label["warren_mapped"] = "warren, users mapped"
+    for (r = 1; r <= reps; r++) for (k = 1; k <= 5; k++) {
       c = names[k]
       if (rate["" r, "raw_drain"] > 0) add(c SUBSEP "vs_raw", rate["" r, c] / rate["" r, "raw_drain"])
       if (k > 2 && rate["" r, "minimal_pipeline"] > 0) add(c SUBSEP "vs_min", rate["" r, c] / rate["" r, "minimal_pipeline"])
     }
     print "medians over " reps " repetition(s); ratios are medians of the per-repetition ratios"
     printf "%-22s %8s %7s %11s %11s %14s %13s %11s\n", "contender", "msg/s", "vs raw", "vs minimal", "CPU us/msg", "broker us/msg", "peak RSS MiB", "acks/batch"
-    for (k = 1; k <= 4; k++) {
+    for (k = 1; k <= 5; k++) {
       c = names[k]
       vm = (k > 2) ? median(vals[c SUBSEP "vs_min"]) : "-"
       if (vm != "-" && vm != "n/a") vm = sprintf("%.2f", vm)
