@@ -6,6 +6,7 @@
 #   scripts/bench.sh [N] [REPS] [KEY=VALUE...]              drain bench (N=200000, REPS=5)
 #   scripts/bench.sh --live [RATE] [SECONDS] [KEY=VALUE...]  live bench (RATE=10000, SECONDS=60)
 #   scripts/bench.sh --all-roles [N] [KEY=VALUE...]          memory with all roles (N=100000)
+#   scripts/bench.sh --wide [N] [REPS] [KEY=VALUE...]       a 10-column mapped pipeline (N=100000, REPS=3)
 #
 # N, REPS, RATE and SECONDS may also be given as N=..., REPS=..., RATE=..., SECONDS=...; any other
 # KEY=VALUE is a warren setting (environment) for the warren runs, e.g. USERS_BATCH_SIZE=2000.
@@ -41,6 +42,11 @@
 # every 50th is invalid (to the DLQ, parked by the DLQ consumer) while 2,000 users are posted to
 # the API one by one; prints the peak RSS against the target (32 MiB) and the time to settle.
 #
+# Wide bench: the drain bench's raw drain against warren running a configured pipeline of 10
+# columns (uuid, text with the email format, numeric with a minimum, int4 with a range, int8,
+# float8, bool, timestamptz, date, jsonb) into a table of its own, each on a backlog of N JSON
+# messages of those 10 fields (~300 bytes) published with `warren publish --stdin`.
+#
 # QUEUE_TYPE=quorum runs every contender (raw drain and minimal pipeline included) on quorum
 # queues (warren_bench_*_quorum, deleted at the end): warren's drain of a quorum queue against the
 # raw drain of the same quorum queue.
@@ -60,6 +66,7 @@ MODE=drain
 case "${1:-}" in
   --live) MODE=live; shift ;;
   --all-roles) MODE=roles; shift ;;
+  --wide) MODE=wide; shift ;;
 esac
 POSITIONAL=()
 SETTINGS=()
@@ -83,10 +90,11 @@ if [ "$MODE" = roles ]; then
   [ ${#POSITIONAL[@]} -le 1 ] || die "too many numbers: expected [N]"
   N=$(named N "${POSITIONAL[0]:-100000}" "$@")
   positive_int N "$N"
-elif [ "$MODE" = drain ]; then
+elif [ "$MODE" = drain ] || [ "$MODE" = wide ]; then
   [ ${#POSITIONAL[@]} -le 2 ] || die "too many numbers: expected [N] [REPS]"
-  N=$(named N "${POSITIONAL[0]:-200000}" "$@")
-  REPS=$(named REPS "${POSITIONAL[1]:-5}" "$@")
+  if [ "$MODE" = wide ]; then DEFAULT_N=100000 DEFAULT_REPS=3; else DEFAULT_N=200000 DEFAULT_REPS=5; fi
+  N=$(named N "${POSITIONAL[0]:-$DEFAULT_N}" "$@")
+  REPS=$(named REPS "${POSITIONAL[1]:-$DEFAULT_REPS}" "$@")
   positive_int N "$N"; positive_int REPS "$REPS"
 else
   [ ${#POSITIONAL[@]} -le 2 ] || die "too many numbers: expected [RATE] [SECONDS]"
@@ -361,6 +369,42 @@ fi
 RESULTS="$LOGDIR/results.tsv"
 : >"$RESULTS"
 CONTENDERS=(raw_drain minimal_pipeline warren warren_pf5000 warren_mapped)
+# The table the warren contenders fill (users; wide for the wide bench).
+TABLE=users
+if [ "$MODE" = wide ]; then
+  CONTENDERS=(raw_drain warren_wide)
+  TABLE=wide
+  psql_q "CREATE TABLE $SCHEMA.wide (id uuid PRIMARY KEY, email text NOT NULL, total numeric NOT NULL,
+            qty int4 NOT NULL, big int8 NOT NULL, ratio float8 NOT NULL, flag bool NOT NULL,
+            at timestamptz NOT NULL, day date NOT NULL, doc jsonb NOT NULL,
+            inserted_at timestamptz NOT NULL DEFAULT now())" >/dev/null
+  WIDE="$LOGDIR/wide.toml"
+  cat >"$WIDE" <<TOML
+[[pipelines]]
+name = "users"
+table = "wide"
+key = ["id"]
+unknown_fields = "reject"
+main_exchange = "$MAIN_EXCHANGE"
+main_queue = "$MAIN_QUEUE"
+retry_exchange = "$RETRY_EXCHANGE"
+retry_queue = "$RETRY_QUEUE"
+dlx_exchange = "$DLX_EXCHANGE"
+dlq_queue = "$DLQ_QUEUE"
+
+[pipelines.columns]
+id    = { path = "/id", type = "uuid" }
+email = { path = "/email", type = "text", format = "email", max_len = 254 }
+total = { path = "/total", type = "numeric", min = 0 }
+qty   = { path = "/qty", type = "int4", min = 1, max = 1000 }
+big   = { path = "/big", type = "int8" }
+ratio = { path = "/ratio", type = "float8" }
+flag  = { path = "/flag", type = "bool" }
+at    = { path = "/at", type = "timestamptz" }
+day   = { path = "/day", type = "date" }
+doc   = { path = "/doc", type = "jsonb" }
+TOML
+fi
 # users as a configured pipeline: the typed pipeline's queue, table and checks, through the mapping.
 MAPPED="$LOGDIR/users-mapped.toml"
 cat >"$MAPPED" <<TOML
@@ -393,7 +437,12 @@ fill_queue() { # LOG
   local depth deadline
   depth=$(queue_field "$MAIN_QUEUE" messages)
   if [ "${depth:-0}" != 0 ]; then say "warning: $MAIN_QUEUE held $depth messages before publishing; purged"; purge_queues; fi
-  "$BIN" publish --count "$N" >"$1" 2>&1 || { FAIL="warren publish failed: $(tail -1 "$1"); see $1"; return 1; }
+  if [ "$MODE" = wide ]; then
+    awk -v n="$N" 'BEGIN { for (i = 1; i <= n; i++) printf "{\"id\":\"%08x-0000-4000-8000-%012x\",\"email\":\"w%d@example.com\",\"total\":\"%d.%02d\",\"qty\":%d,\"big\":%d,\"ratio\":%d.5,\"flag\":%s,\"at\":\"2026-11-25T10:%02d:%02dZ\",\"day\":\"2026-11-25\",\"doc\":{\"n\":%d,\"tags\":[\"a\",\"b\"]}}\n", i, i, i, i % 1000, i % 100, 1 + i % 1000, 1000000000 + i, i % 7, (i % 2 ? "true" : "false"), i % 60, i % 60, i }' \
+      | "$BIN" publish --stdin >"$1" 2>&1 || { FAIL="warren publish --stdin failed: $(tail -1 "$1"); see $1"; return 1; }
+  else
+    "$BIN" publish --count "$N" >"$1" 2>&1 || { FAIL="warren publish failed: $(tail -1 "$1"); see $1"; return 1; }
+  fi
   deadline=$((SECONDS + 60))
   until [ "$(queue_field "$MAIN_QUEUE" messages)" = "$N" ]; do
     if [ "$SECONDS" -ge "$deadline" ]; then
@@ -407,9 +456,9 @@ fill_queue() { # LOG
 # the first batch's start to the last's (inserted_at is each insert's transaction start); 0 when
 # all rows came in one batch.
 db_rate() { # -> "rows rate span_s"
-  psql_q "WITH b AS (SELECT min(inserted_at) lo, max(inserted_at) hi, count(*) n FROM $SCHEMA.users)
+  psql_q "WITH b AS (SELECT min(inserted_at) lo, max(inserted_at) hi, count(*) n FROM $SCHEMA.$TABLE)
           SELECT b.n, coalesce(CASE WHEN b.hi > b.lo THEN
-                   (SELECT count(*) FROM $SCHEMA.users WHERE inserted_at < b.hi) / extract(epoch FROM b.hi - b.lo)
+                   (SELECT count(*) FROM $SCHEMA.$TABLE WHERE inserted_at < b.hi) / extract(epoch FROM b.hi - b.lo)
                  END, 0), coalesce(extract(epoch FROM b.hi - b.lo), 0) FROM b" | tr '|' ' '
 }
 record() { # rep contender rate drain_s wall_s ticks broker_ticks rss_kb acks batches
@@ -472,7 +521,7 @@ run_warren() { # rep contender tag [KEY=VALUE...]
     + $(metric_file "$LOGDIR/$tag.metrics" warren_consumer_restarts_total || echo 0) + 0 ))
   [ "$disturbed" = 0 ] || { FAIL="warren reconnected or rebuilt its consumer $disturbed time(s) during the drain; see $WARREN_LOG"; return 1; }
   read -r rows dbrate span <<<"$(db_rate)"
-  [ "$rows" = "$N" ] || { FAIL="warren left ${rows:-?} rows of $N in $SCHEMA.users; see $WARREN_LOG"; return 1; }
+  [ "$rows" = "$N" ] || { FAIL="warren left ${rows:-?} rows of $N in $SCHEMA.$TABLE; see $WARREN_LOG"; return 1; }
   wall=$(seconds_between "$t0" "$t1")
   # One batch only (tiny N): no span between batches; the rate from process start instead.
   if [ "$dbrate" = 0 ]; then dbrate=$(awk -v n="$N" -v w="$wall" 'BEGIN {print n / w}'); span="$wall"; fi
@@ -481,7 +530,7 @@ run_warren() { # rep contender tag [KEY=VALUE...]
 }
 
 measure() { # rep contender tag
-  psql_q "TRUNCATE $SCHEMA.users" >/dev/null || { FAIL="cannot empty $SCHEMA.users"; return 1; }
+  psql_q "TRUNCATE $SCHEMA.$TABLE" >/dev/null || { FAIL="cannot empty $SCHEMA.$TABLE"; return 1; }
   fill_queue "$LOGDIR/$3.publish.log" || return 1
   case "$2" in
     raw_drain)        run_example "$1" "$2" "$3" raw_drain --count "$N" ;;
@@ -489,11 +538,12 @@ measure() { # rep contender tag
     warren)           run_warren "$1" "$2" "$3" ;;
     warren_pf5000)    run_warren "$1" "$2" "$3" PREFETCH=5000 ;;
     warren_mapped)    STAGE=users; run_warren "$1" "$2" "$3" WARREN_CONFIG="$MAPPED" || { STAGE=main; return 1; }; STAGE=main ;;
+    warren_wide)      STAGE=users; run_warren "$1" "$2" "$3" WARREN_CONFIG="$WIDE" || { STAGE=main; return 1; }; STAGE=main ;;
   esac
 }
 
 say "logs in $LOGDIR"
-echo "drain bench: N=$N messages per drain, $REPS repetitions interleaved; warren: $BIN${SETTINGS[*]:+ with ${SETTINGS[*]}}"
+echo "$MODE bench: N=$N messages per drain, $REPS repetitions interleaved; warren: $BIN${SETTINGS[*]:+ with ${SETTINGS[*]}}"
 echo "load average before: $(cut -d' ' -f1-3 /proc/loadavg)"
 for rep in $(seq 1 "$REPS"); do
   for place in "${!CONTENDERS[@]}"; do
@@ -513,7 +563,7 @@ done
 echo "load average after: $(cut -d' ' -f1-3 /proc/loadavg)"
 echo
 
-awk -F'\t' -v reps="$REPS" '
+awk -F'\t' -v reps="$REPS" -v list="${CONTENDERS[*]}" '
   function median(list,   a, n, i, j, t) {
     n = split(list, a, " ")
     if (n == 0) return "n/a"
@@ -524,20 +574,20 @@ awk -F'\t' -v reps="$REPS" '
   { rate[$1, $2] = $3; add($2 SUBSEP "rate", $3); add($2 SUBSEP "cpu", $6); add($2 SUBSEP "broker", $7)
     add($2 SUBSEP "rss", $8); add($2 SUBSEP "apb", $11); line[NR] = $0 }
   END {
-    split("raw_drain minimal_pipeline warren warren_pf5000 warren_mapped", names, " ")
+    nc = split(list, names, " ")
     label["raw_drain"] = "raw drain"; label["minimal_pipeline"] = "minimal pipeline"
     label["warren"] = "warren (defaults)"; label["warren_pf5000"] = "warren PREFETCH=5000"
-    label["warren_mapped"] = "warren, users mapped"
-    for (r = 1; r <= reps; r++) for (k = 1; k <= 5; k++) {
+    label["warren_mapped"] = "warren, users mapped"; label["warren_wide"] = "warren, 10 columns"
+    for (r = 1; r <= reps; r++) for (k = 1; k <= nc; k++) {
       c = names[k]
       if (rate["" r, "raw_drain"] > 0) add(c SUBSEP "vs_raw", rate["" r, c] / rate["" r, "raw_drain"])
-      if (k > 2 && rate["" r, "minimal_pipeline"] > 0) add(c SUBSEP "vs_min", rate["" r, c] / rate["" r, "minimal_pipeline"])
+      if (c ~ /^warren/ && rate["" r, "minimal_pipeline"] > 0) add(c SUBSEP "vs_min", rate["" r, c] / rate["" r, "minimal_pipeline"])
     }
     print "medians over " reps " repetition(s); ratios are medians of the per-repetition ratios"
     printf "%-22s %8s %7s %11s %11s %14s %13s %11s\n", "contender", "msg/s", "vs raw", "vs minimal", "CPU us/msg", "broker us/msg", "peak RSS MiB", "acks/batch"
-    for (k = 1; k <= 5; k++) {
+    for (k = 1; k <= nc; k++) {
       c = names[k]
-      vm = (k > 2) ? median(vals[c SUBSEP "vs_min"]) : "-"
+      vm = (c ~ /^warren/) ? median(vals[c SUBSEP "vs_min"]) : "-"
       if (vm != "-" && vm != "n/a") vm = sprintf("%.2f", vm)
       br = median(vals[c SUBSEP "broker"]); ap = median(vals[c SUBSEP "apb"])
       printf "%-22s %8.0f %7.2f %11s %11.2f %14s %13.1f %11s\n", label[c], median(vals[c SUBSEP "rate"]),
