@@ -1,0 +1,418 @@
+//! `warren dlq parked list` and `warren dlq parked replay`: the messages parked in the
+//! `dead_letters` table, listed, or replayed to their pipeline's exchange (rows locked, published
+//! and marked in one transaction, so a concurrent re-park waits and then re-opens the row).
+
+use anyhow::Context as _;
+use lapin::options::ConfirmSelectOptions;
+use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
+use lapin::{BasicProperties, Connection};
+use tokio_postgres::NoTls;
+
+use super::queue::{Tally, broker};
+use super::{
+    ParkedListArgs, ParkedReplayArgs, X_DLQ_ATTEMPTS, cell, now_s, plural, preview, table,
+};
+use crate::amqp::publisher::{Publish, json_properties, publish_confirmed};
+use crate::amqp::{self, headers};
+use crate::config::{Settings, redact_url};
+use crate::db::{self, DbError};
+
+async fn database(settings: &Settings) -> anyhow::Result<tokio_postgres::Client> {
+    let (client, connection) = db::pg_config(settings)?
+        .connect(NoTls)
+        .await
+        .map_err(DbError::from_pg)
+        .with_context(|| {
+            format!(
+                "cannot reach the database at {}",
+                redact_url(&settings.database_url)
+            )
+        })?;
+    tokio::spawn(connection);
+    Ok(client)
+}
+
+/// Wraps a query error with where the table is and how to create it.
+fn table_error(settings: &Settings, e: tokio_postgres::Error) -> anyhow::Error {
+    anyhow::anyhow!(
+        "cannot read dead_letters in schema {} ({}); if it does not exist, run `warren declare` first",
+        settings.database_schema,
+        DbError::from_pg(e)
+    )
+}
+
+fn sql_limit(limit: u64) -> i64 {
+    i64::try_from(limit).unwrap_or(i64::MAX)
+}
+
+/// One row of `dead_letters` as `parked list` shows it.
+struct ParkedRow {
+    seq: i64,
+    message_id: Option<String>,
+    kind: String,
+    reason: String,
+    /// `parked_at` in UTC, `YYYY-MM-DD HH:MM:SS`.
+    parked_at: String,
+    body: Vec<u8>,
+}
+
+impl ParkedRow {
+    fn from_row(r: &tokio_postgres::Row) -> Result<Self, tokio_postgres::Error> {
+        Ok(Self {
+            seq: r.try_get(0)?,
+            message_id: r.try_get(1)?,
+            kind: r.try_get(2)?,
+            reason: r.try_get(3)?,
+            parked_at: r.try_get(4)?,
+            body: r.try_get(5)?,
+        })
+    }
+
+    fn json(&self) -> serde_json::Value {
+        serde_json::json!({
+            "seq": self.seq,
+            "message_id": self.message_id,
+            "kind": self.kind,
+            "reason": self.reason,
+            "parked_at": format!("{}Z", self.parked_at.replace(' ', "T")),
+            "body": String::from_utf8_lossy(&self.body),
+        })
+    }
+
+    fn cells(&self) -> Vec<String> {
+        vec![
+            self.seq.to_string(),
+            self.message_id
+                .as_deref()
+                .map(cell)
+                .unwrap_or_else(|| "-".into()),
+            cell(&self.kind),
+            self.parked_at.clone(),
+            preview(&self.reason, 50),
+            preview(&String::from_utf8_lossy(&self.body), 50),
+        ]
+    }
+}
+
+pub(super) async fn parked_list(settings: &Settings, args: ParkedListArgs) -> anyhow::Result<i32> {
+    let client = database(settings).await?;
+    let total: i64 = client
+        .query_one(
+            "SELECT count(*) FROM dead_letters \
+             WHERE replayed_at IS NULL AND ($1::text IS NULL OR error_kind = $1) \
+               AND pipeline = $2",
+            &[&args.kind, &args.pipeline],
+        )
+        .await
+        .and_then(|r| r.try_get(0))
+        .map_err(|e| table_error(settings, e))?;
+    let rows = client
+        .query(
+            "SELECT seq, message_id, error_kind, error_reason, \
+                    to_char(parked_at AT TIME ZONE 'UTC', 'YYYY-MM-DD HH24:MI:SS'), body \
+             FROM dead_letters \
+             WHERE replayed_at IS NULL AND ($1::text IS NULL OR error_kind = $1) \
+               AND pipeline = $3 \
+             ORDER BY seq DESC LIMIT $2",
+            &[&args.kind, &sql_limit(args.limit), &args.pipeline],
+        )
+        .await
+        .and_then(|rows| {
+            rows.iter()
+                .map(ParkedRow::from_row)
+                .collect::<Result<Vec<_>, _>>()
+        })
+        .map_err(|e| table_error(settings, e))?;
+    let filter = args
+        .kind
+        .as_deref()
+        .map(|k| format!(" of kind {k}"))
+        .unwrap_or_default();
+    let summary = format!(
+        "parked in {}.dead_letters for pipeline {}, not replayed: {}{filter}, {} shown, newest first",
+        settings.database_schema,
+        args.pipeline,
+        plural(u64::try_from(total).unwrap_or(0), "message"),
+        rows.len()
+    );
+    if args.json {
+        for r in &rows {
+            println!("{}", crate::cli::json_terminal_safe(&r.json().to_string()));
+        }
+        eprintln!("{summary}");
+        return Ok(0);
+    }
+    println!("{summary}");
+    if !rows.is_empty() {
+        let cells: Vec<Vec<String>> = rows.iter().map(ParkedRow::cells).collect();
+        let header = [
+            "SEQ",
+            "MESSAGE ID",
+            "KIND",
+            "PARKED AT (UTC)",
+            "REASON",
+            "BODY",
+        ];
+        print!("{}", table(&header, &cells));
+    }
+    Ok(0)
+}
+
+/// The AMQP headers of a replayed parked row, rebuilt from its `headers` column: strings become
+/// long strings, integers long long ints, booleans booleans, anything else (floats, integers
+/// beyond `i64`, null, arrays, objects) its JSON text; every `x-error-*` header and
+/// `x-dlq-attempts` are left out and `x-retries` is 0. A JSON null column means no headers; a
+/// column that is not an object, or a name longer than AMQP allows (255 bytes), is refused.
+pub fn replay_headers(json: &serde_json::Value) -> Result<FieldTable, String> {
+    let mut table = FieldTable::default();
+    match json {
+        serde_json::Value::Null => {}
+        serde_json::Value::Object(map) => {
+            for (name, value) in map {
+                if name.starts_with("x-error-") || name == X_DLQ_ATTEMPTS {
+                    continue;
+                }
+                let key = ShortString::try_new(name.as_str()).map_err(|_| {
+                    format!(
+                        "header name of {} bytes is longer than AMQP allows (255)",
+                        name.len()
+                    )
+                })?;
+                let value = match (value, value.as_i64()) {
+                    (_, Some(n)) => AMQPValue::LongLongInt(n),
+                    (serde_json::Value::String(s), _) => {
+                        AMQPValue::LongString(LongString::from(s.as_bytes().to_vec()))
+                    }
+                    (serde_json::Value::Bool(b), _) => AMQPValue::Boolean(*b),
+                    (other, _) => {
+                        AMQPValue::LongString(LongString::from(other.to_string().into_bytes()))
+                    }
+                };
+                table.insert(key, value);
+            }
+        }
+        other => {
+            return Err(format!(
+                "headers must be a JSON object, got {}",
+                preview(&other.to_string(), 40)
+            ));
+        }
+    }
+    table.insert(
+        ShortString::from(headers::X_RETRIES),
+        AMQPValue::LongLongInt(0),
+    );
+    Ok(table)
+}
+
+/// Properties of a replayed parked message: persistent JSON, the row's message id and the
+/// headers of [`replay_headers`]. A message id longer than AMQP allows (255 bytes) cannot be
+/// published.
+pub(super) fn parked_properties(
+    message_id: Option<&str>,
+    headers_json: &serde_json::Value,
+) -> Result<BasicProperties, String> {
+    let base = match message_id {
+        Some(id) if ShortString::try_new(id).is_err() => {
+            return Err(format!(
+                "message_id of {} bytes is longer than AMQP allows (255)",
+                id.len()
+            ));
+        }
+        Some(id) => json_properties(id),
+        None => BasicProperties::default()
+            .with_delivery_mode(2)
+            .with_content_type("application/json".into())
+            .with_timestamp(now_s()),
+    };
+    // Through the republish policy like every copy warren publishes (`amqp::republish`).
+    Ok(crate::amqp::republish::for_replay(
+        &base.with_headers(replay_headers(headers_json)?),
+    ))
+}
+
+pub(super) async fn parked_replay(
+    settings: &Settings,
+    args: ParkedReplayArgs,
+) -> anyhow::Result<i32> {
+    let mut client = database(settings).await?;
+    // Fails early, before the broker is touched, when the table is missing.
+    client
+        .query_one("SELECT count(*) FROM dead_letters WHERE false", &[])
+        .await
+        .map_err(|e| table_error(settings, e))?;
+    let conn = broker(settings).await?;
+    let result = parked_replay_on(&conn, &mut client, settings, &args).await;
+    amqp::close(None, Some(conn)).await;
+    let tally = result?;
+    let filter = args
+        .kind
+        .as_deref()
+        .map(|k| format!(" of kind {k}"))
+        .unwrap_or_default();
+    println!(
+        "replayed {}{filter} to {} (routing key {}); failed {}",
+        plural(tally.replayed, "parked message"),
+        settings.main_exchange,
+        settings.main_queue,
+        tally.failed,
+    );
+    if let Some(failure) = tally.failure {
+        eprintln!("warren dlq parked replay: {failure}");
+        return Ok(1);
+    }
+    Ok(0)
+}
+
+/// One row selected for replay.
+struct ReplayRow {
+    seq: i64,
+    message_id: Option<String>,
+    body: Vec<u8>,
+    headers: serde_json::Value,
+}
+
+impl ReplayRow {
+    fn from_row(r: &tokio_postgres::Row) -> Result<Self, tokio_postgres::Error> {
+        Ok(Self {
+            seq: r.try_get(0)?,
+            message_id: r.try_get(1)?,
+            body: r.try_get(2)?,
+            headers: r.try_get(3)?,
+        })
+    }
+}
+
+/// Rows locked, published and marked per transaction: bounds how long a concurrent re-park of
+/// one of them waits.
+const REPLAY_CHUNK: u64 = 100;
+
+/// `seq`s as text for a message, `3, 4, 5`.
+fn seq_list(seqs: &[i64]) -> String {
+    seqs.iter()
+        .map(i64::to_string)
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
+async fn parked_replay_on(
+    conn: &Connection,
+    client: &mut tokio_postgres::Client,
+    settings: &Settings,
+    args: &ParkedReplayArgs,
+) -> anyhow::Result<Tally> {
+    let channel = conn.create_channel().await?;
+    channel
+        .confirm_select(ConfirmSelectOptions::default())
+        .await
+        .context("cannot put the publishing channel in confirm mode")?;
+    let timeout = settings.publish_timeout();
+    let frame_max = conn.configuration().frame_max();
+    let mut tally = Tally::default();
+    let mut after = 0i64;
+    loop {
+        let budget = args
+            .limit
+            .map_or(REPLAY_CHUNK, |limit| {
+                limit.saturating_sub(tally.replayed + tally.failed)
+            })
+            .min(REPLAY_CHUNK);
+        if budget == 0 {
+            break;
+        }
+        // The rows stay locked from before their publish until replayed_at is committed: two
+        // replays never send the same row, and a re-park of a row (`ON CONFLICT .. DO UPDATE SET
+        // replayed_at = NULL .. WHERE replayed_at IS NOT NULL`) waits for the commit and then
+        // re-opens it instead of being overwritten by a late mark.
+        let tx = client
+            .transaction()
+            .await
+            .map_err(|e| table_error(settings, e))?;
+        let rows = tx
+            .query(
+                "SELECT seq, message_id, body, headers FROM dead_letters \
+                 WHERE replayed_at IS NULL AND seq > $1 AND ($2::text IS NULL OR error_kind = $2) \
+                   AND pipeline = $4 \
+                 ORDER BY seq LIMIT $3 FOR UPDATE SKIP LOCKED",
+                &[&after, &args.kind, &sql_limit(budget), &args.pipeline],
+            )
+            .await
+            .and_then(|rows| {
+                rows.iter()
+                    .map(ReplayRow::from_row)
+                    .collect::<Result<Vec<_>, _>>()
+            })
+            .map_err(|e| table_error(settings, e))?;
+        if rows.is_empty() {
+            break;
+        }
+        let mut confirmed: Vec<i64> = Vec::with_capacity(rows.len());
+        let mut stopped = false;
+        for row in rows {
+            after = row.seq;
+            let properties = match parked_properties(row.message_id.as_deref(), &row.headers) {
+                Ok(p) => p,
+                Err(e) => {
+                    // A problem of this row only: leave it, go on with the others.
+                    tally.failed += 1;
+                    tally
+                        .failure
+                        .get_or_insert(format!("row {} is left untouched: {e}", row.seq));
+                    continue;
+                }
+            };
+            let msg = Publish {
+                exchange: settings.main_exchange.clone(),
+                routing_key: settings.main_queue.clone(),
+                body: row.body.into(),
+                properties,
+            };
+            match publish_confirmed(&channel, msg, frame_max, timeout).await {
+                Ok(()) => confirmed.push(row.seq),
+                Err(e) => {
+                    // Not marked: what was confirmed before it is committed below.
+                    tally.failed += 1;
+                    tally.failure = Some(format!(
+                        "stopped: row {} was not published and is left untouched: {e}",
+                        row.seq
+                    ));
+                    stopped = true;
+                    break;
+                }
+            }
+        }
+        if confirmed.is_empty() {
+            // Nothing to mark: dropping the transaction releases the locks.
+            drop(tx);
+            if stopped {
+                break;
+            }
+            continue;
+        }
+        let marked = async {
+            tx.execute(
+                "UPDATE dead_letters SET replayed_at = now() WHERE seq = ANY($1)",
+                &[&confirmed],
+            )
+            .await?;
+            tx.commit().await
+        }
+        .await;
+        tally.replayed += confirmed.len() as u64;
+        if let Err(e) = marked {
+            // Published but not marked: a later replay sends them again, which the idempotent
+            // insert makes harmless.
+            tally.failure = Some(format!(
+                "rows {} were published but cannot be marked as replayed: {}",
+                seq_list(&confirmed),
+                DbError::from_pg(e)
+            ));
+            break;
+        }
+        if stopped {
+            break;
+        }
+    }
+    let _ = channel.close(200, "bye".into()).await;
+    Ok(tally)
+}

@@ -1,0 +1,329 @@
+//! `warren dlq inspect` and `warren dlq replay`: the dead-letter queue itself, read with
+//! `basic.get` and given back (inspect) or republished with a confirm before each ack (replay).
+
+use anyhow::Context as _;
+use lapin::message::BasicGetMessage;
+use lapin::options::{BasicAckOptions, BasicGetOptions, BasicNackOptions, ConfirmSelectOptions};
+use lapin::{Channel, Connection};
+
+use super::{
+    BrokerDeath, InspectArgs, ReplayArgs, age, cell, kind_of, now_s, plural, preview, table,
+};
+use crate::amqp::publisher::{Publish, publish_confirmed};
+use crate::amqp::{self, headers};
+use crate::config::{Settings, redact_url};
+
+pub(super) async fn broker(settings: &Settings) -> anyhow::Result<Connection> {
+    amqp::connect(settings, "dlq tool", amqp::Frames::Broker)
+        .await
+        .with_context(|| {
+            format!(
+                "cannot reach the broker at {}",
+                redact_url(&settings.amqp_url)
+            )
+        })
+}
+
+/// Messages ready in `queue`, by a passive declare on a channel of its own (a missing queue
+/// closes that channel only).
+async fn depth(conn: &Connection, queue: &str) -> anyhow::Result<u32> {
+    match crate::amqp::queue_stats(conn, queue).await {
+        Ok((messages, _)) => Ok(messages),
+        Err(e) => anyhow::bail!(
+            "cannot read queue {queue} ({e}); if it does not exist, run `warren declare` first"
+        ),
+    }
+}
+
+/// Returns every message still unacked on `channel` up to `last_tag` to its queue.
+async fn requeue_up_to(channel: &Channel, last_tag: Option<u64>) -> anyhow::Result<()> {
+    if let Some(tag) = last_tag {
+        channel
+            .basic_nack(
+                tag,
+                BasicNackOptions {
+                    multiple: true,
+                    requeue: true,
+                },
+            )
+            .await
+            .context("cannot return the messages to the DLQ (closing the channel returns them)")?;
+    }
+    Ok(())
+}
+
+/// What `dlq inspect` shows of one message.
+#[derive(Debug, Clone, PartialEq)]
+struct Seen {
+    message_id: Option<String>,
+    kind: Option<String>,
+    reason: Option<String>,
+    /// `x-retries` as written (absent: `None`).
+    retries: Option<String>,
+    /// The AMQP timestamp property (seconds since the epoch).
+    timestamp: Option<u64>,
+    bytes: usize,
+    redelivered: bool,
+}
+
+impl Seen {
+    fn of(m: &BasicGetMessage) -> Self {
+        let p = &m.properties;
+        let reason = headers::text(p, headers::X_ERROR_REASON).or_else(|| {
+            headers::text(p, headers::X_ERROR_KIND)
+                .is_none()
+                .then(|| BrokerDeath::of(p).map(|d| d.describe()))
+                .flatten()
+        });
+        Self {
+            message_id: p.message_id().as_ref().map(|s| s.as_str().to_string()),
+            kind: kind_of(p),
+            reason,
+            retries: headers::text(p, headers::X_RETRIES),
+            timestamp: *p.timestamp(),
+            bytes: m.data.len(),
+            redelivered: m.redelivered,
+        }
+    }
+
+    fn row(&self, now: u64) -> Vec<String> {
+        let dash = |v: &Option<String>| v.as_deref().map(cell).unwrap_or_else(|| "-".into());
+        vec![
+            dash(&self.message_id),
+            dash(&self.kind),
+            dash(&self.retries),
+            age(now, self.timestamp),
+            self.reason
+                .as_deref()
+                .map(|r| preview(r, 80))
+                .unwrap_or_else(|| "-".into()),
+        ]
+    }
+
+    fn json(&self, now: u64) -> serde_json::Value {
+        // A number when it is one, the raw text when it is not (so nothing is hidden).
+        let retries = match self.retries.as_deref() {
+            None => serde_json::Value::Null,
+            Some(raw) => raw
+                .parse::<u64>()
+                .map(|n| serde_json::json!(n))
+                .unwrap_or_else(|_| serde_json::json!(raw)),
+        };
+        serde_json::json!({
+            "message_id": self.message_id,
+            "kind": self.kind,
+            "reason": self.reason,
+            "retries": retries,
+            "timestamp": self.timestamp,
+            "age_s": self.timestamp.map(|t| now.saturating_sub(t)),
+            "bytes": self.bytes,
+            "redelivered": self.redelivered,
+        })
+    }
+}
+
+pub(super) async fn inspect(settings: &Settings, args: InspectArgs) -> anyhow::Result<i32> {
+    let conn = broker(settings).await?;
+    let result = inspect_on(&conn, settings, &args).await;
+    // Closing the connection returns anything still unacked to the queue, whatever happened.
+    amqp::close(None, Some(conn)).await;
+    result
+}
+
+async fn inspect_on(
+    conn: &Connection,
+    settings: &Settings,
+    args: &InspectArgs,
+) -> anyhow::Result<i32> {
+    let queue = settings.dlq_queue.as_str();
+    let total = depth(conn, queue).await?;
+    let channel = conn.create_channel().await?;
+    let mut seen = Vec::new();
+    let mut last_tag = None;
+    let mut got = Ok(());
+    while (seen.len() as u64) < args.limit && (seen.len() as u64) < u64::from(total) {
+        // Not acked: each stays unacked on this channel (so it is not returned twice) until the
+        // nack below puts them all back.
+        match channel
+            .basic_get(queue.into(), BasicGetOptions { no_ack: false })
+            .await
+        {
+            Ok(Some(m)) => {
+                last_tag = Some(m.delivery_tag);
+                seen.push(Seen::of(&m));
+            }
+            Ok(None) => break,
+            Err(e) => {
+                got = Err(anyhow::anyhow!("basic.get on {queue}: {e}"));
+                break;
+            }
+        }
+    }
+    let released = requeue_up_to(&channel, last_tag).await;
+    let _ = channel.close(200, "bye".into()).await;
+    got?;
+    released?;
+
+    let now = now_s();
+    if args.json {
+        for s in &seen {
+            println!(
+                "{}",
+                crate::cli::json_terminal_safe(&s.json(now).to_string())
+            );
+        }
+        eprintln!(
+            "dlq {queue}: {}, {} shown, all left in the queue",
+            plural(u64::from(total), "message"),
+            seen.len()
+        );
+    } else {
+        println!(
+            "dlq {queue}: {}, {} shown, all left in the queue",
+            plural(u64::from(total), "message"),
+            seen.len()
+        );
+        if !seen.is_empty() {
+            let rows: Vec<Vec<String>> = seen.iter().map(|s| s.row(now)).collect();
+            print!(
+                "{}",
+                table(&["MESSAGE ID", "KIND", "RETRIES", "AGE", "REASON"], &rows)
+            );
+        }
+    }
+    Ok(0)
+}
+
+/// Counts of a replay.
+#[derive(Debug, Default)]
+pub(super) struct Tally {
+    pub(super) replayed: u64,
+    pub(super) skipped: u64,
+    pub(super) failed: u64,
+    /// The first failure, for the report; a replay stops at it.
+    pub(super) failure: Option<String>,
+}
+
+pub(super) async fn replay(settings: &Settings, args: ReplayArgs) -> anyhow::Result<i32> {
+    let conn = broker(settings).await?;
+    let result = replay_on(&conn, settings, &args).await;
+    // Closing the connection returns anything still unacked to the DLQ, whatever happened.
+    amqp::close(None, Some(conn)).await;
+    let tally = result?;
+    let filter = args
+        .kind
+        .as_deref()
+        .map(|k| format!(" of kind {k}"))
+        .unwrap_or_default();
+    println!(
+        "replayed {}{filter} from {} to {} (routing key {}); skipped {} (left in the DLQ); failed {}",
+        plural(tally.replayed, "message"),
+        settings.dlq_queue,
+        settings.main_exchange,
+        settings.main_queue,
+        tally.skipped,
+        tally.failed,
+    );
+    if let Some(failure) = tally.failure {
+        eprintln!("warren dlq replay: stopped: {failure}");
+        return Ok(1);
+    }
+    Ok(0)
+}
+
+async fn replay_on(
+    conn: &Connection,
+    settings: &Settings,
+    args: &ReplayArgs,
+) -> anyhow::Result<Tally> {
+    let queue = settings.dlq_queue.as_str();
+    let present = u64::from(depth(conn, queue).await?);
+    let get = conn.create_channel().await?;
+    let publish = conn.create_channel().await?;
+    publish
+        .confirm_select(ConfirmSelectOptions::default())
+        .await
+        .context("cannot put the publishing channel in confirm mode")?;
+    let timeout = settings.publish_timeout();
+    let frame_max = conn.configuration().frame_max();
+    let mut tally = Tally::default();
+    let mut seen = 0u64;
+    // The highest delivery tag left unacked on `get` (skipped or failed): nacked with requeue
+    // at the end, with `multiple`, so every one of them returns to the DLQ.
+    let mut held: Option<u64> = None;
+    while seen < present
+        && args
+            .limit
+            .is_none_or(|limit| tally.replayed + tally.failed < limit)
+    {
+        let mut m = match get
+            .basic_get(queue.into(), BasicGetOptions { no_ack: false })
+            .await
+        {
+            Ok(Some(m)) => m,
+            Ok(None) => break,
+            Err(e) => {
+                tally.failure = Some(format!(
+                    "basic.get on {queue}: {e} (unacked messages return to the DLQ)"
+                ));
+                break;
+            }
+        };
+        seen += 1;
+        if let Some(want) = &args.kind
+            && kind_of(&m.properties).as_deref() != Some(want)
+        {
+            tally.skipped += 1;
+            held = Some(m.delivery_tag);
+            continue;
+        }
+        let id = m
+            .properties
+            .message_id()
+            .as_ref()
+            .map(|s| s.as_str().to_string())
+            .unwrap_or_else(|| format!("(no message id, delivery {})", m.delivery_tag));
+        let msg = Publish {
+            exchange: settings.main_exchange.clone(),
+            routing_key: settings.main_queue.clone(),
+            body: std::mem::take(&mut m.data).into(),
+            properties: crate::amqp::republish::for_replay(&m.properties),
+        };
+        match publish_confirmed(&publish, msg, frame_max, timeout).await {
+            Ok(()) => {
+                let acked = match m.acker.ack(BasicAckOptions::default()).await {
+                    Ok(true) => Ok(()),
+                    Ok(false) => Err("the channel is closed".to_string()),
+                    Err(e) => Err(e.to_string()),
+                };
+                tally.replayed += 1;
+                if let Err(e) = acked {
+                    // Republished but still in the DLQ: a later replay sends it again, which the
+                    // idempotent insert makes harmless.
+                    tally.failure = Some(format!(
+                        "message {id} was republished but its DLQ copy could not be acked ({e}); \
+                         replaying it again is harmless"
+                    ));
+                    break;
+                }
+            }
+            Err(e) => {
+                tally.failed += 1;
+                held = Some(m.delivery_tag);
+                tally.failure = Some(format!(
+                    "message {id} was not republished and stays in the DLQ: {e}"
+                ));
+                break;
+            }
+        }
+    }
+    let released = requeue_up_to(&get, held).await;
+    let _ = publish.close(200, "bye".into()).await;
+    let _ = get.close(200, "bye".into()).await;
+    if let Err(e) = released
+        && tally.failure.is_none()
+    {
+        tally.failure = Some(format!("{e:#}"));
+    }
+    Ok(tally)
+}
