@@ -464,3 +464,76 @@ async fn a_refused_row_as_shutdown_begins_takes_only_itself_to_the_dlq() {
 async fn a_refused_row_as_shutdown_begins_is_the_only_one_the_dlq_consumer_parks() {
     a_refused_row_as_shutdown_begins("dlq").await;
 }
+
+/// A copy of a stored message that a CHECK added since refuses is done, not refused: the first
+/// copy committed (a redelivery after a lost ack, a publisher's retry), then the table gained a
+/// constraint the row does not meet (PostgreSQL checks it before ON CONFLICT sees the
+/// duplicate). Before, the copy went to the DLQ as db_permanent and was parked: the message in
+/// the table and in parking both. A different message the CHECK refuses is still parked.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_copy_of_a_stored_row_that_a_new_check_refuses_is_done_not_parked() {
+    let mut env = TestEnv::new("isolate_copy").await;
+    env.set("USERS_BATCH_TIMEOUT_MS", "100")
+        .set("DB_RETRY_WINDOW_MS", "300")
+        .set("DLQ_MAX_ATTEMPTS", "2");
+    env.declare();
+    let mut warren = env.start(&["--roles", "consumer,dlq"]);
+    let _logs = LogsOnPanic(vec![warren.log.clone()]);
+
+    let first = Uuid::new_v4();
+    let zz = |id: Uuid| {
+        format!(r#"{{"id":"{id}","name":"zz {id}","email":"{id}@example.com"}}"#).into_bytes()
+    };
+    env.publish_raw(&zz(first), json_props(first)).await;
+    wait_until("the first copy stored", Duration::from_secs(30), || async {
+        env.row_ids().await.contains(&first)
+    })
+    .await;
+    env.db
+        .batch_execute(
+            "ALTER TABLE users ADD CONSTRAINT no_zz CHECK (name NOT LIKE 'zz%') NOT VALID",
+        )
+        .await
+        .expect("add the CHECK");
+
+    // The same message again (a redelivery or a publisher's retry), with good ones around it,
+    // and a new message the CHECK refuses.
+    let refused = Uuid::new_v4();
+    let good: Vec<Uuid> = (0..5).map(|_| Uuid::new_v4()).collect();
+    env.publish_raw(
+        &body(good[0], &format!("{}@example.com", good[0])),
+        json_props(good[0]),
+    )
+    .await;
+    env.publish_raw(&zz(first), json_props(first)).await;
+    env.publish_raw(&zz(refused), json_props(refused)).await;
+    for id in &good[1..] {
+        env.publish_raw(&body(*id, &format!("{id}@example.com")), json_props(*id))
+            .await;
+    }
+    let parked = wait_parked(&env, 1).await;
+    assert_eq!(parked[0].0, refused.to_string(), "{parked:?}");
+    assert_eq!(parked[0].1, "db_permanent", "{parked:?}");
+    let mut expected: HashSet<Uuid> = good.iter().copied().collect();
+    expected.insert(first);
+    assert_rows_exactly(&env, &expected, Duration::from_secs(30), &|| warren.logs()).await;
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let parked: i64 = env
+        .db
+        .query_one("SELECT count(*) FROM dead_letters", &[])
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(parked, 1, "only the new refused message is parked");
+    for q in [&env.main_queue, &env.retry_queue, &env.dlq_queue] {
+        assert_eq!(env.queue_state(q).await.0, 0, "{q} not empty");
+    }
+    assert!(
+        warren
+            .logs()
+            .contains("a refused row is already stored as it is"),
+        "{}",
+        warren.logs()
+    );
+    warren.terminate_ok(Duration::from_secs(30));
+}

@@ -376,3 +376,38 @@ async fn a_numeric_is_accepted_exactly_when_postgresql_can_hold_it() {
         mismatches.join("\n")
     );
 }
+
+/// `stored`: a record whose key holds exactly its content (what a refused copy is checked
+/// against before it is dead-lettered), and no other.
+#[tokio::test(flavor = "multi_thread")]
+async fn stored_is_true_only_for_the_same_content_under_the_key() {
+    let env = TestEnv::new("map_stored").await;
+    orders_table(&env).await;
+    let m = Mapping::compile("orders", &spec("on_conflict = \"keep\"")).unwrap();
+    let pool = pool(&env).await;
+    let a = body(A, "a@example.com", "\"10.50\"", Some("r-a"), 1);
+    insert(&m, &pool, std::slice::from_ref(&a)).await;
+    let client = pool.get().await.expect("client");
+    let stored = |b: Vec<u8>| {
+        let m = &m;
+        let client = &client;
+        async move {
+            m.stored(client, &m.decode(&b).expect("valid"))
+                .await
+                .expect("stored")
+        }
+    };
+    assert!(stored(a.clone()).await, "the same content");
+    assert!(
+        !stored(body(A, "a@example.com", "\"10.51\"", Some("r-a"), 1)).await,
+        "another total"
+    );
+    assert!(
+        !stored(body(A, "a@example.com", "\"10.50\"", None, 1)).await,
+        "a NULL where a value is stored"
+    );
+    assert!(
+        !stored(body(B, "b@example.com", "\"10.50\"", None, 1)).await,
+        "another key"
+    );
+}

@@ -124,6 +124,19 @@ pub trait Domain: Send + Sync + 'static {
         client: &'a deadpool_postgres::Client,
         records: &'a [&'a Self::Record],
     ) -> BoxFuture<'a, Result<Inserted, DbError>>;
+
+    /// Whether `record` is already stored exactly as it is (its key holds the same content).
+    /// Asked of a record the database refuses on its own: a redelivered copy of a message whose
+    /// first copy committed meets a CHECK or trigger added since (PostgreSQL checks constraints
+    /// before `ON CONFLICT` sees the duplicate), and is then done, not refused. `false` by
+    /// default (a domain that cannot tell refuses as before).
+    fn stored<'a>(
+        &'a self,
+        _client: &'a deadpool_postgres::Client,
+        _record: &'a Self::Record,
+    ) -> BoxFuture<'a, Result<bool, DbError>> {
+        Box::pin(async { Ok(false) })
+    }
 }
 
 /// What one insert did.

@@ -148,6 +148,24 @@ impl Domain for Users {
         Ok(user)
     }
 
+    fn stored<'a>(
+        &'a self,
+        client: &'a deadpool_postgres::Client,
+        record: &'a User,
+    ) -> BoxFuture<'a, Result<bool, DbError>> {
+        async move {
+            let ids = [record.id];
+            let rows = client
+                .query(STORED, &[&ids.as_slice()])
+                .await
+                .map_err(DbError::from_pg)?;
+            Ok(rows.iter().any(|r| {
+                r.get::<_, String>(1) == record.name && r.get::<_, String>(2) == record.email
+            }))
+        }
+        .boxed()
+    }
+
     fn insert<'a>(
         &'a self,
         client: &'a deadpool_postgres::Client,

@@ -257,6 +257,28 @@ async fn insert_isolating<D: Domain>(
                 stack.push(right);
                 stack.push(left);
             }
+            // A row the server refuses on its own may be one it already holds exactly: a
+            // redelivered copy whose first copy committed, refused now by a CHECK or trigger
+            // added since. Then it is done, not refused (or it would end in the table and in
+            // the DLQ or parking both).
+            Err(e)
+                if group.len() == 1
+                    && e.server_answered()
+                    && e.class() != ErrorClass::Systemic
+                    && already_stored(config, group[0].1).await =>
+            {
+                info!(
+                    pipeline = config.pipeline,
+                    batch_id,
+                    error = %e,
+                    "a refused row is already stored as it is: done"
+                );
+                let refusals = Refusals {
+                    conflicts: Vec::new(),
+                    refused: Vec::new(),
+                };
+                out.push((vec![group[0].0], Ok(refusals)));
+            }
             Err(e) => out.push((group.into_iter().map(|(i, _)| i).collect(), Err(e))),
         }
     }
@@ -267,6 +289,25 @@ async fn insert_isolating<D: Domain>(
         );
     }
     out
+}
+
+/// Whether the table already holds `record` exactly, asked within the statement bound; `false`
+/// when it cannot tell (the refusal then stands).
+async fn already_stored<D: Domain>(config: &Arc<SinkConfig<D>>, record: &D::Record) -> bool {
+    let Ok(client) = config.pool.get().await else {
+        return false;
+    };
+    let asked = tokio::time::timeout(config.db_bound, config.domain.stored(&client, record)).await;
+    match asked {
+        Ok(result) => {
+            crate::db::release(&config.pool, client, &result);
+            result.unwrap_or(false)
+        }
+        Err(_) => {
+            let _ = crate::db::abandon(client, config.db_bound);
+            false
+        }
+    }
 }
 
 /// Whether a group failing with `e` is split to find the row that caused it.

@@ -305,6 +305,27 @@ pub(super) async fn insert(
     })
 }
 
+/// Whether `record`'s key holds exactly its content (every mapped column the same).
+pub(super) async fn stored(
+    mapping: &Mapping,
+    client: &deadpool_postgres::Client,
+    record: &Row,
+) -> Result<bool, DbError> {
+    let records = [record];
+    let arrays = arrays(mapping, &records);
+    let params: Vec<&(dyn ToSql + Sync)> = arrays.iter().map(Array::as_param).collect();
+    let compare = client
+        .prepare_cached(&mapping.statements.compare)
+        .await
+        .map_err(DbError::from_pg)?;
+    Ok(client
+        .query(&compare, &params)
+        .await
+        .map_err(DbError::from_pg)?
+        .iter()
+        .any(|row| row.get::<_, bool>(1) && row.get::<_, Vec<bool>>(2).iter().all(|s| *s)))
+}
+
 /// For `refused` reasons: the first unique index (other than the key's) that holds a record's
 /// value, and the key that holds it.
 pub(super) fn refused_reason(

@@ -701,6 +701,14 @@ impl Domain for Mapping {
     ) -> BoxFuture<'a, Result<Inserted, DbError>> {
         Box::pin(insert::insert(self, client, records))
     }
+
+    fn stored<'a>(
+        &'a self,
+        client: &'a deadpool_postgres::Client,
+        record: &'a Row,
+    ) -> BoxFuture<'a, Result<bool, DbError>> {
+        Box::pin(insert::stored(self, client, record))
+    }
 }
 
 /// The unescaped segments of a JSON Pointer (RFC 6901): `""` is the whole document, otherwise
