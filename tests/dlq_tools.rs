@@ -741,6 +741,61 @@ async fn a_parked_replay_that_cannot_be_routed_leaves_the_rows_untouched() {
     assert!(!replayed_at_set(&env, seq).await);
 }
 
+/// A replay whose mark cannot commit after the broker confirmed (here a trigger refuses the
+/// UPDATE; in life a lost session): the summary says how many were published but stay open and
+/// the exit is 1; the pipeline stores the message once; a second replay marks the row.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_replay_whose_mark_fails_says_so_and_a_second_run_heals_it() {
+    let env = TestEnv::new("dlqt_parked_mark").await;
+    env.declare();
+    let a = Uuid::new_v4();
+    let seq = park(&env, Some(a), &user_body(a), "db_permanent").await;
+    let s = &env.schema;
+    env.db
+        .batch_execute(&format!(
+            "CREATE FUNCTION {s}.no_mark() RETURNS trigger LANGUAGE plpgsql AS $f$
+             BEGIN RAISE EXCEPTION 'the mark is refused' USING ERRCODE = '57P01'; END $f$;
+             CREATE TRIGGER no_mark BEFORE UPDATE ON {s}.dead_letters
+                 FOR EACH ROW EXECUTE FUNCTION {s}.no_mark();"
+        ))
+        .await
+        .expect("install the trigger");
+    let (out, err) = dlq(&env, &["parked", "replay"], 1);
+    assert!(out.contains("replayed 1 parked message"), "{out}");
+    assert!(
+        out.contains("1 published but still open in dead_letters"),
+        "{out}"
+    );
+    assert!(err.contains("cannot be marked as replayed"), "{err}");
+    assert!(!replayed_at_set(&env, seq).await);
+    let mut warren = env.start(&["--roles", "consumer"]);
+    let _logs = LogsOnPanic(vec![warren.log.clone()]);
+    wait_until(
+        "the replayed user stored",
+        Duration::from_secs(30),
+        || async { env.row_ids().await.contains(&a) },
+    )
+    .await;
+    env.db
+        .batch_execute(&format!("DROP TRIGGER no_mark ON {s}.dead_letters"))
+        .await
+        .expect("drop the trigger");
+    let (out, _) = dlq(&env, &["parked", "replay"], 0);
+    assert!(out.contains("replayed 1 parked message"), "{out}");
+    assert!(!out.contains("still open"), "{out}");
+    assert!(replayed_at_set(&env, seq).await);
+    wait_until("the queue drained", Duration::from_secs(30), || async {
+        env.queue_state(&env.main_queue).await.0 == 0
+    })
+    .await;
+    assert_eq!(
+        env.count_rows().await,
+        1,
+        "one row for the message sent twice"
+    );
+    warren.terminate_ok(Duration::from_secs(30));
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn bad_arguments_and_missing_objects_get_a_clear_error() {
     let env = TestEnv::new("dlqt_args").await;

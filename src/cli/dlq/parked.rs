@@ -251,11 +251,20 @@ pub(super) async fn parked_replay(
         .map(|k| format!(" of kind {k}"))
         .unwrap_or_default();
     println!(
-        "replayed {}{filter} to {} (routing key {}); failed {}",
+        "replayed {}{filter} to {} (routing key {}); failed {}{}",
         plural(tally.replayed, "parked message"),
         settings.main_exchange,
         settings.main_queue,
         tally.failed,
+        if tally.unmarked > 0 {
+            format!(
+                "; of the replayed, {} published but still open in dead_letters (run the \
+                 replay again: they are sent once more and stored once)",
+                tally.unmarked
+            )
+        } else {
+            String::new()
+        },
     );
     if let Some(failure) = tally.failure {
         eprintln!("warren dlq parked replay: {failure}");
@@ -402,6 +411,7 @@ async fn parked_replay_on(
         if let Err(e) = marked {
             // Published but not marked: a later replay sends them again, which the idempotent
             // insert makes harmless.
+            tally.unmarked += confirmed.len() as u64;
             tally.failure = Some(format!(
                 "rows {} were published but cannot be marked as replayed: {}",
                 seq_list(&confirmed),

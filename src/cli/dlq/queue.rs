@@ -202,6 +202,9 @@ pub(super) struct Tally {
     pub(super) failed: u64,
     /// The first failure, for the report; a replay stops at it.
     pub(super) failure: Option<String>,
+    /// Parked rows published (confirmed) whose `replayed_at` could not be committed: still
+    /// open, so listed and replayed again (the idempotent insert stores each message once).
+    pub(super) unmarked: u64,
 }
 
 pub(super) async fn replay(settings: &Settings, args: ReplayArgs) -> anyhow::Result<i32> {
