@@ -10,6 +10,7 @@ use std::time::Duration;
 
 use common::*;
 use lapin::BasicProperties;
+use lapin::types::AMQPValue;
 use uuid::Uuid;
 
 // ---- this file's probes ---------------------------------------------------------------------
@@ -403,6 +404,79 @@ async fn parking_the_same_message_twice_keeps_one_row() {
     .await;
     stop_with_everything_acked(&env, &mut warren).await;
     assert_eq!(parked_count(&env).await, 1);
+}
+
+/// Two messages with the same body (and the same message id, or none) that differ in a header
+/// of their publisher's are two messages: two parked rows, each with its headers. Before, the
+/// fingerprint was the message id and the body, and the second vanished into the first's row.
+/// Another attempt of one message (other stamps: x-dlq-attempts, x-error-*) is still one row.
+#[tokio::test(flavor = "multi_thread")]
+async fn messages_that_differ_only_in_a_header_of_their_own_park_as_two_rows() {
+    let env = TestEnv::new("dlq_headers_identity").await;
+    env.declare();
+    for tenant in ["a", "b"] {
+        let props = with_header(
+            dead_lettered("same-id", "invalid_json", 0),
+            "tenant",
+            long_string(tenant),
+        );
+        env.publish_to_dlq(b"{not json", props).await;
+    }
+    for k in [1, 2] {
+        let props = with_header(
+            BasicProperties::default().with_delivery_mode(2),
+            "k",
+            AMQPValue::LongLongInt(k),
+        );
+        env.publish_to_dlq(b"{also not json", props).await;
+    }
+    // The same message as the first, another attempt: other stamps, one row with it.
+    let again = with_header(
+        with_header(
+            dead_lettered("same-id", "invalid_json", 0),
+            "tenant",
+            long_string("a"),
+        ),
+        "x-dlq-attempts",
+        AMQPValue::LongLongInt(2),
+    );
+    env.publish_to_dlq(b"{not json", again).await;
+    let mut warren = env.start(&["--roles", "dlq"]);
+    wait_until("the DLQ empty", Duration::from_secs(30), || async {
+        queue_counts(&env.dlq_queue).await == (0, 0)
+    })
+    .await;
+    stop_with_everything_acked(&env, &mut warren).await;
+    let rows: Vec<(Option<String>, String, i32)> = env
+        .db
+        .query(
+            "SELECT message_id, headers::text, park_count FROM dead_letters ORDER BY seq",
+            &[],
+        )
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| (r.get(0), r.get(1), r.get(2)))
+        .collect();
+    assert_eq!(rows.len(), 4, "{rows:?}");
+    for needle in [
+        r#""tenant": "a""#,
+        r#""tenant": "b""#,
+        r#""k": 1"#,
+        r#""k": 2"#,
+    ] {
+        assert!(
+            rows.iter().any(|(_, h, _)| h.contains(needle)),
+            "no row with {needle}: {rows:?}"
+        );
+    }
+    assert_eq!(
+        rows.iter()
+            .filter(|(_, h, _)| h.contains(r#""tenant": "a""#))
+            .count(),
+        1,
+        "the second attempt of the first message is that message's row: {rows:?}"
+    );
 }
 
 /// No database at all (an outage, not an error the database answers with): the DLQ consumer

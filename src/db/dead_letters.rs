@@ -7,7 +7,8 @@
 //! timeout, a lock, a deadlock, a read-only server, no connection) or the deployment (a missing
 //! table) fails the park and the caller gives the messages back to their queue: a fallback row
 //! then would be a second row of a message already parked. Parking is
-//! idempotent: one row per message, found by its fingerprint (message id + body, computed here,
+//! idempotent: one row per message, found by its fingerprint (message id, body and the
+//! publisher's own headers, [`fingerprint`]; computed here,
 //! so a row parked without its id keeps it), re-opened if the message comes back after a
 //! replay.
 
@@ -88,15 +89,75 @@ fn stored_reason(reason: &str) -> String {
 }
 
 /// The fingerprint of a message (its parking row's identity): SHA-256 of the stored message id
-/// (empty without one), a zero byte, and the body; the same as the migration's
-/// `sha256(convert_to(coalesce(message_id, ''), 'UTF8') || '\\x00' || body)`.
-pub fn fingerprint(message_id: Option<&str>, body: &[u8]) -> Vec<u8> {
+/// (empty without one), a zero byte, and the body, the same as the migration's
+/// `sha256(convert_to(coalesce(message_id, ''), 'UTF8') || '\\x00' || body)`; then, when the
+/// message carries headers of its publisher's, a zero byte, `headers` and their canonical JSON
+/// (keys sorted). The stamps warren and the broker add as a message travels (see
+/// [`is_stamp`]) are left out, so every copy of one message (a redelivery, another DLQ attempt,
+/// a replay that failed again) has the same fingerprint, while two messages that differ in a
+/// header of their own (a tenant, a trace id) park as two rows.
+pub fn fingerprint(message_id: Option<&str>, body: &[u8], headers: &Value) -> Vec<u8> {
     use sha2::{Digest, Sha256};
     let mut hash = Sha256::new();
     hash.update(storable(message_id.unwrap_or_default()).as_bytes());
     hash.update([0u8]);
     hash.update(body);
+    if let Value::Object(map) = headers {
+        let own: std::collections::BTreeMap<&String, &Value> =
+            map.iter().filter(|(k, _)| !is_stamp(k)).collect();
+        if !own.is_empty() {
+            hash.update([0u8]);
+            hash.update(b"headers");
+            let mut text = String::new();
+            for (k, v) in own {
+                canonical(&Value::String(k.clone()), &mut text);
+                text.push(':');
+                canonical(v, &mut text);
+                text.push(',');
+            }
+            hash.update(text.as_bytes());
+        }
+    }
     hash.finalize().to_vec()
+}
+
+/// Whether a header is a stamp of warren's or the broker's rather than the publisher's:
+/// `x-retries`, `x-retry-reason`, `x-dlq-attempts`, `x-error-*`, `x-original-*` (what warren
+/// moved aside), `x-death`, `x-first-death-*`, `x-last-death-*` (amqp::headers and
+/// amqp::republish name them), and a quorum queue's `x-delivery-count`.
+fn is_stamp(key: &str) -> bool {
+    matches!(
+        key,
+        "x-retries" | "x-retry-reason" | "x-dlq-attempts" | "x-death" | "x-delivery-count"
+    ) || ["x-error-", "x-original-", "x-first-death-", "x-last-death-"]
+        .iter()
+        .any(|p| key.starts_with(p))
+}
+
+/// `value` as JSON with every object's keys sorted, whatever order the map keeps.
+fn canonical(value: &Value, out: &mut String) {
+    match value {
+        Value::Object(map) => {
+            let sorted: std::collections::BTreeMap<&String, &Value> = map.iter().collect();
+            out.push('{');
+            for (k, v) in sorted {
+                canonical(&Value::String(k.clone()), out);
+                out.push(':');
+                canonical(v, out);
+                out.push(',');
+            }
+            out.push('}');
+        }
+        Value::Array(items) => {
+            out.push('[');
+            for v in items {
+                canonical(v, out);
+                out.push(',');
+            }
+            out.push(']');
+        }
+        other => out.push_str(&other.to_string()),
+    }
 }
 
 /// How much of a row a park statement keeps.
@@ -127,7 +188,7 @@ pub async fn park(pool: &Pool, bound: Duration, rows: &[ParkRow<'_>]) -> Result<
     let mut seen = HashSet::with_capacity(rows.len());
     let unique: Vec<&ParkRow> = rows
         .iter()
-        .filter(|r| seen.insert((r.pipeline, r.message_id, r.body)))
+        .filter(|r| seen.insert((r.pipeline, fingerprint(r.message_id, r.body, &r.headers))))
         .collect();
     match insert(pool, bound, &unique, Keep::All).await {
         Ok(()) => {
@@ -188,7 +249,7 @@ async fn insert(
     for r in rows {
         bodies.push(r.body);
         kinds.push(storable(r.kind).into_owned());
-        fingerprints.push(fingerprint(r.message_id, r.body));
+        fingerprints.push(fingerprint(r.message_id, r.body, &r.headers));
         match keep {
             Keep::All => {
                 ids.push(r.message_id.map(|m| storable(m).into_owned()));
@@ -262,15 +323,52 @@ mod tests {
 
     #[test]
     fn a_fingerprint_is_the_migrations_hash_and_keeps_the_id() {
-        // sha256('m1' || '\x00' || 'body'), as PostgreSQL computes it in V3.
-        let f = fingerprint(Some("m1"), b"body");
+        // sha256('m1' || '\x00' || 'body'), as PostgreSQL computes it in V3, for a message
+        // without headers of its publisher's (none, or only stamps).
+        let none = serde_json::json!({});
+        let f = fingerprint(Some("m1"), b"body", &none);
         let mut input = b"m1".to_vec();
         input.push(0);
         input.extend_from_slice(b"body");
         use sha2::Digest;
         assert_eq!(f, sha2::Sha256::digest(&input).to_vec());
-        assert_ne!(f, fingerprint(None, b"body"));
-        assert_eq!(fingerprint(None, b"body"), fingerprint(Some(""), b"body"));
+        assert_eq!(f, fingerprint(Some("m1"), b"body", &Value::Null));
+        let stamps = serde_json::json!({"x-retries": 3, "x-error-kind": "invalid_json",
+            "x-dlq-attempts": 2, "x-death": [{"count": 1}], "x-original-expiration": "4000",
+            "x-delivery-count": 3,
+            "x-first-death-queue": "q"});
+        assert_eq!(
+            f,
+            fingerprint(Some("m1"), b"body", &stamps),
+            "stamps are not identity"
+        );
+        assert_ne!(f, fingerprint(None, b"body", &none));
+        assert_eq!(
+            fingerprint(None, b"body", &none),
+            fingerprint(Some(""), b"body", &none)
+        );
+    }
+
+    #[test]
+    fn a_header_of_the_publishers_tells_two_messages_apart_whatever_its_order() {
+        let a = serde_json::json!({"tenant": "a", "x-retries": 1});
+        let b = serde_json::json!({"tenant": "b", "x-retries": 1});
+        assert_ne!(
+            fingerprint(Some("m"), b"x", &a),
+            fingerprint(Some("m"), b"x", &b)
+        );
+        assert_ne!(
+            fingerprint(Some("m"), b"x", &a),
+            fingerprint(Some("m"), b"x", &serde_json::json!({}))
+        );
+        let one = serde_json::json!({"k": {"a": 1, "b": [1, {"y": 2, "x": 1}]}, "j": 2});
+        let other: Value =
+            serde_json::from_str(r#"{"j": 2, "k": {"b": [1, {"x": 1, "y": 2}], "a": 1}}"#).unwrap();
+        assert_eq!(
+            fingerprint(None, b"x", &one),
+            fingerprint(None, b"x", &other),
+            "key order is not identity"
+        );
     }
 
     #[test]
