@@ -683,3 +683,61 @@ async fn a_forged_x_death_never_makes_a_retry_vanish() {
     assert_rows_exactly(&env, &expected, Duration::from_secs(30), &|| warren.logs()).await;
     warren.terminate_ok(Duration::from_secs(20));
 }
+
+/// An `x-death` the broker cannot read when it dead-letters warren's retry copy (an entry that
+/// is no table, a count that is no integer, a header that is no array) crashed RabbitMQ 3.10's
+/// retry queue process: the message was lost and the retry queue stayed down for every other
+/// message (found by the adversarial review). A retry copy sets such entries aside: each
+/// message comes back and is inserted, and the retry queue is still there.
+#[tokio::test(flavor = "multi_thread")]
+async fn an_x_death_the_broker_cannot_read_is_set_aside_on_a_retry_copy() {
+    let mut env = TestEnv::new("unreadabledeath").await;
+    env.set("MAX_RETRIES", "5")
+        .set("RETRY_TTL_MS", "300")
+        .set("DB_RETRY_WINDOW_MS", "0");
+    env.declare();
+    let mut bad_count = lapin::types::FieldTable::default();
+    bad_count.insert("queue".into(), long_string(&env.retry_queue));
+    bad_count.insert("reason".into(), long_string("expired"));
+    bad_count.insert("count".into(), long_string("abc"));
+    let mut good = lapin::types::FieldTable::default();
+    good.insert("queue".into(), long_string("elsewhere"));
+    good.insert("reason".into(), long_string("rejected"));
+    good.insert("count".into(), AMQPValue::LongLongInt(1));
+    let forms = [
+        AMQPValue::FieldArray(vec![AMQPValue::LongInt(1)].into()),
+        AMQPValue::FieldArray(
+            vec![AMQPValue::FieldTable(good.clone()), AMQPValue::LongInt(1)].into(),
+        ),
+        AMQPValue::FieldArray(vec![AMQPValue::FieldTable(bad_count)].into()),
+        long_string("not an array"),
+    ];
+    let ids: Vec<Uuid> = forms.iter().map(|_| Uuid::new_v4()).collect();
+    for (id, form) in ids.iter().zip(forms) {
+        env.publish_raw(
+            &user_body(*id),
+            with_header(json_props(*id), "x-death", form),
+        )
+        .await;
+    }
+    install_fault(&env, CountAttempts::No).await;
+    let mut warren = env.start(&["--roles", "consumer"]);
+    let _logs = LogsOnPanic(vec![warren.log.clone()]);
+    wait_until("a retry of each", Duration::from_secs(30), || async {
+        try_metric(&env, "warren_messages_retried_total", &[])
+            .await
+            .unwrap_or(0.0)
+            >= ids.len() as f64
+    })
+    .await;
+    // Long enough for the retry tier's TTL to dead-letter the copies at least once.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    clear_fault(&env).await;
+    let expected = ids.iter().copied().collect();
+    assert_rows_exactly(&env, &expected, Duration::from_secs(30), &|| warren.logs()).await;
+    assert!(
+        env.queue_exists(&env.retry_queue).await,
+        "the retry queue went down"
+    );
+    warren.terminate_ok(Duration::from_secs(20));
+}

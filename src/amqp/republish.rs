@@ -108,19 +108,51 @@ pub fn copy_properties(original: &BasicProperties, stamp: &Stamp<'_>) -> BasicPr
             || stamp.remove_prefixes.iter().any(|p| key.starts_with(p)))
     });
     if let Some(target) = stamp.dead_letters_into
-        && let Some(AMQPValue::FieldArray(deaths)) = kept.get(X_DEATH)
+        && let Some(death) = kept.get(X_DEATH)
     {
-        let names_target = |d: &AMQPValue| match d {
-            AMQPValue::FieldTable(t) => t
-                .inner()
-                .get("queue")
-                .is_some_and(|q| crate::amqp::headers::value_text(q) == target),
+        // The broker updates this header when it dead-letters the copy, and RabbitMQ 3.10
+        // crashes the queue process on an entry it cannot read (not a table, a queue or reason
+        // that is no string, a count that is no integer): the message is lost and the queue
+        // stays down. Such entries, and those naming the target (a dead-letter cycle), are
+        // moved aside; a header that is no array goes whole.
+        let entries: Vec<AMQPValue> = match death {
+            AMQPValue::FieldArray(deaths) => deaths.as_slice().to_vec(),
+            other => vec![other.clone()],
+        };
+        let whole = !matches!(death, AMQPValue::FieldArray(_));
+        let text = |v: &AMQPValue| {
+            matches!(v, AMQPValue::LongString(_) | AMQPValue::ShortString(_))
+                .then(|| crate::amqp::headers::value_text(v))
+        };
+        let stays = |d: &AMQPValue| match d {
+            AMQPValue::FieldTable(t) => {
+                let t = t.inner();
+                let queue = t.get("queue").and_then(text);
+                let reason = t.get("reason").and_then(text);
+                let count_ok = t.get("count").is_none_or(|c| {
+                    matches!(
+                        c,
+                        AMQPValue::ShortShortInt(_)
+                            | AMQPValue::ShortShortUInt(_)
+                            | AMQPValue::ShortInt(_)
+                            | AMQPValue::ShortUInt(_)
+                            | AMQPValue::LongInt(_)
+                            | AMQPValue::LongUInt(_)
+                            | AMQPValue::LongLongInt(_)
+                    )
+                });
+                matches!((&queue, &reason), (Some(q), Some(_)) if q != target) && count_ok
+            }
             _ => false,
         };
-        let (away, stay): (Vec<AMQPValue>, Vec<AMQPValue>) =
-            deaths.as_slice().iter().cloned().partition(names_target);
+        let (stay, away): (Vec<AMQPValue>, Vec<AMQPValue>) =
+            entries.into_iter().partition(|d| !whole && stays(d));
         if !away.is_empty() {
-            kept.insert(X_DEATH.into(), AMQPValue::FieldArray(stay.into()));
+            if stay.is_empty() {
+                kept.remove(X_DEATH);
+            } else {
+                kept.insert(X_DEATH.into(), AMQPValue::FieldArray(stay.into()));
+            }
             moved.push((
                 X_ORIGINAL_DEATH.to_string(),
                 AMQPValue::FieldArray(away.into()),
