@@ -741,3 +741,50 @@ async fn an_x_death_the_broker_cannot_read_is_set_aside_on_a_retry_copy() {
     );
     warren.terminate_ok(Duration::from_secs(20));
 }
+
+/// A retry copy whose header filled the frame to within a few hundred bytes grew past
+/// frame_max when the broker dead-lettered it back from the retry tier (its `x-death` and
+/// `x-first-death-*`): no consumer could receive it, the main consumer reconnected in a loop
+/// and nothing behind it was inserted (found by the adversarial review). Copies leave the
+/// broker's headroom: this one is parked as unpublishable at once, and the rest goes on.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_retry_copy_leaves_room_for_what_the_broker_adds() {
+    let mut env = TestEnv::new("headroom").await;
+    env.set("MAX_RETRIES", "2")
+        .set("RETRY_TTL_MS", "300")
+        .set("DB_RETRY_WINDOW_MS", "0");
+    env.declare();
+    let big = |size: usize| {
+        let mut h = lapin::types::FieldTable::default();
+        h.insert("pad".into(), AMQPValue::LongString(vec![b'h'; size].into()));
+        h
+    };
+    // 300 bytes short of RabbitMQ's default frame_max: the broker takes it, a retry copy with
+    // its x-retries and reason would fit the frame, but not what the broker adds on top.
+    let id = Uuid::new_v4();
+    let base = warren::amqp::republish::header_frame_size(&json_props(id).with_headers(big(0)));
+    let props = json_props(id).with_headers(big(131_072 - 300 - base));
+    env.publish_raw(&user_body(id), props).await;
+    install_fault(&env, CountAttempts::No).await;
+    let mut warren = env.start(&["--roles", "consumer,dlq"]);
+    let _logs = LogsOnPanic(vec![warren.log.clone()]);
+    wait_parked(&env, 1, &|| warren.logs()).await;
+    let rows = parked(&env).await;
+    assert_eq!(
+        rows[0].0.as_deref(),
+        Some(id.to_string().as_str()),
+        "{rows:?}"
+    );
+    assert_eq!(rows[0].1, "unpublishable", "{rows:?}");
+    clear_fault(&env).await;
+    let behind = env.publish_users(5).await;
+    let expected = behind.into_iter().collect();
+    assert_rows_exactly(&env, &expected, Duration::from_secs(30), &|| warren.logs()).await;
+    let restarts = try_metric(&env, "warren_consumer_restarts_total", &[])
+        .await
+        .unwrap_or(0.0);
+    assert_eq!(restarts, 0.0, "log:\n{}", warren.logs());
+    warren.terminate_ok(Duration::from_secs(20));
+    assert_queue_empty(&env, &env.main_queue).await;
+    assert_queue_empty(&env, &env.retry_queue).await;
+}

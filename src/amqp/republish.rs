@@ -240,9 +240,24 @@ pub fn header_frame_size(properties: &BasicProperties) -> usize {
     }
 }
 
-/// `properties` if their content header fits in a frame of `frame_max` bytes (0: no limit),
-/// after cutting the text of the `shrinkable` headers (warren's reasons) as far as needed;
-/// [`Unpublishable::TooLarge`] if even that is not enough.
+/// Room left in a copy's content header for what the broker adds when it dead-letters the copy
+/// (an `x-death` entry with its queue, reason, count, time, exchange and routing keys, and the
+/// `x-first-death-*` headers): at most this, and at most a quarter of the frame. A copy that
+/// filled the frame to the byte grew past `frame_max` at the retry tier's hop back, and no
+/// consumer could ever receive it again (found by the adversarial review).
+pub const BROKER_HEADROOM: usize = 4096;
+
+/// The largest content header warren writes on a link of `frame_max` bytes: the frame less
+/// [`BROKER_HEADROOM`].
+pub fn header_limit(frame_max: u32) -> usize {
+    let frame = frame_max as usize;
+    frame - BROKER_HEADROOM.min(frame / 4)
+}
+
+/// `properties` if their content header fits in a frame of `frame_max` bytes (0: no limit) with
+/// the broker's headroom left ([`header_limit`]), after cutting the text of the `shrinkable`
+/// headers (warren's reasons) as far as needed; [`Unpublishable::TooLarge`] if even that is not
+/// enough.
 pub fn fit(
     mut properties: BasicProperties,
     shrinkable: &[&str],
@@ -251,7 +266,7 @@ pub fn fit(
     if frame_max == 0 {
         return Ok(properties);
     }
-    let limit = frame_max as usize;
+    let limit = header_limit(frame_max);
     let size = header_frame_size(&properties);
     if size <= limit {
         return Ok(properties);
@@ -513,10 +528,15 @@ mod tests {
         h.insert("x-error-reason".into(), long(&vec![b'r'; 1000]));
         let p = BasicProperties::default().with_headers(h);
         let size = header_frame_size(&p);
-        // Room for the big header and 100 bytes of the reason.
-        let limit = (size - 900) as u32;
+        // A frame with room for the big header and 100 bytes of the reason, besides the
+        // broker's headroom.
+        let limit = ((size - 900) * 4 / 3 + 4) as u32;
         let fitted = fit(p.clone(), &["x-error-reason"], limit).unwrap();
-        assert!(header_frame_size(&fitted) <= limit as usize);
+        assert!(header_frame_size(&fitted) <= header_limit(limit));
+        assert!(
+            header_frame_size(&fitted) < limit as usize - 3000,
+            "headroom left"
+        );
         let reason = text(&fitted, "x-error-reason").unwrap();
         assert!(reason.ends_with('…') && reason.len() < 1000, "{reason}");
         // Less room than the big header alone needs: unpublishable.
@@ -531,6 +551,12 @@ mod tests {
         // No limit, or room enough: unchanged.
         assert_eq!(fit(p.clone(), &["x-error-reason"], 0).unwrap(), p);
         assert_eq!(fit(p.clone(), &[], 131_072).unwrap(), p);
+        // A header that fits the frame but not the broker's headroom: unpublishable, so the
+        // broker's own dead-letter hop can never push it past frame_max.
+        let err = fit(p.clone(), &[], (size + 100) as u32).unwrap_err();
+        assert!(matches!(err, Unpublishable::TooLarge { .. }), "{err}");
+        assert_eq!(header_limit(131_072), 131_072 - 4096);
+        assert_eq!(header_limit(4096), 3072);
     }
 }
 
