@@ -493,14 +493,58 @@ async fn cancel(token: tokio_postgres::CancelToken) {
     let _ = tokio::time::timeout(QUERY_TIMEOUT, token.cancel_query(NoTls)).await;
 }
 
-/// What `GET /api/v1/users/{id}` found.
+/// What a `GET` of one row found (users', or a configured pipeline's).
 enum Found {
     /// The row, as the answer's body.
-    User(Value),
+    Row(Value),
     /// The message was parked in `dead_letters` (and not replayed): (kind, reason, parked at).
     Parked(String, String, String),
     /// Neither (yet).
     Nothing,
+}
+
+/// The newest open parked row with message id `id` (of `pipeline` only, when given), as
+/// [`Found::Parked`], else [`Found::Nothing`].
+async fn parked_fate(
+    client: &Object,
+    pipeline: Option<&str>,
+    id: &str,
+) -> Result<Found, tokio_postgres::Error> {
+    let parked = client
+        .query_opt(
+            "SELECT error_kind, error_reason, \
+             to_char(parked_at AT TIME ZONE 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS.US\"Z\"') \
+             FROM dead_letters WHERE message_id = $1 AND replayed_at IS NULL \
+             AND ($2::text IS NULL OR pipeline = $2) ORDER BY seq DESC LIMIT 1",
+            &[&id, &pipeline],
+        )
+        .await?;
+    Ok(match parked {
+        Some(row) => Found::Parked(row.get(0), row.get(1), row.get(2)),
+        None => Found::Nothing,
+    })
+}
+
+/// The answer for a message parked (and not replayed): 422 or 409 ([`parked_status`]) with
+/// `{"error", <id_field>: id, "state": "parked", "kind", "reason", "parked_at"}`.
+fn parked_answer(
+    id_field: &str,
+    id: &str,
+    kind: &str,
+    reason: &str,
+    parked_at: &str,
+) -> HttpResponse {
+    let mut body = serde_json::Map::new();
+    body.insert(
+        "error".into(),
+        format!("message {id} was parked ({kind}) and will not be inserted unless replayed").into(),
+    );
+    body.insert(id_field.into(), id.into());
+    body.insert("state".into(), "parked".into());
+    body.insert("kind".into(), kind.into());
+    body.insert("reason".into(), reason.into());
+    body.insert("parked_at".into(), parked_at.into());
+    HttpResponse::build(parked_status(kind)).json(Value::Object(body))
 }
 
 /// `GET /api/v1/users/{id}`: the row; else the fate of a parked message with that id; else 404.
@@ -520,42 +564,22 @@ async fn get_user(path: web::Path<String>, state: web::Data<AppState>) -> HttpRe
                 )
                 .await?;
             if let Some(row) = row {
-                return Ok(Found::User(json!({
+                return Ok(Found::Row(json!({
                     "id": row.get::<_, Uuid>(0),
                     "name": row.get::<_, String>(1),
                     "email": row.get::<_, String>(2),
                     "inserted_at": row.get::<_, String>(3),
                 })));
             }
-            let parked = client
-                .query_opt(
-                    "SELECT error_kind, error_reason, \
-                     to_char(parked_at AT TIME ZONE 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS.US\"Z\"') \
-                     FROM dead_letters WHERE message_id = $1 AND replayed_at IS NULL \
-                     ORDER BY seq DESC LIMIT 1",
-                    &[&id.to_string()],
-                )
-                .await?;
-            Ok(match parked {
-                Some(row) => Found::Parked(row.get(0), row.get(1), row.get(2)),
-                None => Found::Nothing,
-            })
+            parked_fate(client, None, &id.to_string()).await
         }
         .boxed()
     })
     .await;
     match found {
-        Ok(Found::User(body)) => HttpResponse::Ok().json(body),
+        Ok(Found::Row(body)) => HttpResponse::Ok().json(body),
         Ok(Found::Parked(kind, reason, parked_at)) => {
-            let status = parked_status(&kind);
-            HttpResponse::build(status).json(json!({
-                "error": format!("message {id} was parked ({kind}) and will not be inserted unless replayed"),
-                "id": id,
-                "state": "parked",
-                "kind": kind,
-                "reason": reason,
-                "parked_at": parked_at,
-            }))
+            parked_answer("id", &id.to_string(), &kind, &reason, &parked_at)
         }
         Ok(Found::Nothing) => error(StatusCode::NOT_FOUND, format!("no user {id} (yet)")),
         Err(e) => error(

@@ -18,7 +18,10 @@ use futures::future::FutureExt;
 use serde_json::{Value, json};
 use tokio::sync::OnceCell;
 
-use super::{AppState, QueryError, bounded, error, parked_status, publish_body, read_body};
+use super::{
+    AppState, Found, QueryError, bounded, error, parked_answer, parked_fate, publish_body,
+    read_body,
+};
 use crate::config::pipelines::PipelineConfig;
 use crate::config::{ConfigError, Settings};
 use crate::domain::mapping::{Cell, Mapping, quote};
@@ -174,13 +177,6 @@ async fn put(
     }
 }
 
-/// What `GET` found.
-enum Found {
-    Row(Value),
-    Parked(String, String, String),
-    Nothing,
-}
-
 /// `GET /api/v1/<name>/<key>`: the row; else the fate of a parked message with that key as its
 /// id; else 404. A key the column's type cannot hold is a 400.
 async fn get(
@@ -220,19 +216,7 @@ async fn get(
                         serde_json::from_str(&text).unwrap_or(Value::String(text)),
                     ));
                 }
-                let parked = client
-                    .query_opt(
-                        "SELECT error_kind, error_reason, \
-                         to_char(parked_at AT TIME ZONE 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS.US\"Z\"') \
-                         FROM dead_letters WHERE pipeline = $1 AND message_id = $2 \
-                         AND replayed_at IS NULL ORDER BY seq DESC LIMIT 1",
-                        &[&api.name, &key],
-                    )
-                    .await?;
-                Ok(match parked {
-                    Some(row) => Found::Parked(row.get(0), row.get(1), row.get(2)),
-                    None => Found::Nothing,
-                })
+                parked_fate(client, Some(&api.name), &key).await
             }
             .boxed()
         })
@@ -240,17 +224,9 @@ async fn get(
     };
     match lookup {
         Ok(Found::Row(row)) => HttpResponse::Ok().json(row),
-        Ok(Found::Parked(kind, reason, parked_at)) => HttpResponse::build(parked_status(&kind))
-            .json(json!({
-                "error": format!(
-                    "message {key} was parked ({kind}) and will not be inserted unless replayed"
-                ),
-                "key": key,
-                "state": "parked",
-                "kind": kind,
-                "reason": reason,
-                "parked_at": parked_at,
-            })),
+        Ok(Found::Parked(kind, reason, parked_at)) => {
+            parked_answer("key", &key, &kind, &reason, &parked_at)
+        }
         Ok(Found::Nothing) => error(
             StatusCode::NOT_FOUND,
             format!("no {} row with {} {key:?} (yet)", api.name, api.key_column),
