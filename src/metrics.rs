@@ -41,13 +41,10 @@ pub const ACKS: &str = "warren_amqp_acks_total";
 pub const LOG_LINES_DROPPED: &str = "warren_log_lines_dropped_total";
 
 /// Process-wide counts, for the Redis registry and the shutdown record (the Prometheus
-/// recorder cannot be read back).
+/// recorder cannot be read back). The message counts of the pipelines are their stages' sums
+/// ([`totals`]).
 #[derive(Debug, Default)]
 pub struct Stats {
-    pub received: AtomicU64,
-    pub inserted: AtomicU64,
-    pub retried: AtomicU64,
-    pub dead_lettered: AtomicU64,
     pub parked: AtomicU64,
     pub inflight: AtomicI64,
     /// One bit per pipeline whose sink-outage breaker is open (main 1, dlq 2, others 4), so
@@ -56,10 +53,6 @@ pub struct Stats {
 }
 
 pub static STATS: Stats = Stats {
-    received: AtomicU64::new(0),
-    inserted: AtomicU64::new(0),
-    retried: AtomicU64::new(0),
-    dead_lettered: AtomicU64::new(0),
     parked: AtomicU64::new(0),
     inflight: AtomicI64::new(0),
     breakers_open: AtomicU8::new(0),
@@ -91,6 +84,25 @@ pub fn stage(pipeline: &'static str) -> std::sync::Arc<StageStats> {
         .write()
         .unwrap_or_else(std::sync::PoisonError::into_inner);
     map.entry(pipeline).or_default().clone()
+}
+
+/// The process's message counts: every stage's summed.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Totals {
+    pub received: u64,
+    pub inserted: u64,
+    pub retried: u64,
+    pub dead_lettered: u64,
+}
+
+/// The sums of every stage's counts.
+pub fn totals() -> Totals {
+    stages().iter().fold(Totals::default(), |t, (_, s)| Totals {
+        received: t.received + s.received.load(Ordering::Relaxed),
+        inserted: t.inserted + s.inserted.load(Ordering::Relaxed),
+        retried: t.retried + s.retried.load(Ordering::Relaxed),
+        dead_lettered: t.dead_lettered + s.dead_lettered.load(Ordering::Relaxed),
+    })
 }
 
 /// Every stage's counts, by label.
@@ -327,7 +339,6 @@ pub fn batch_inserted(pipeline: &'static str, attempted: usize, inserted: usize,
     histogram!(BATCH_SIZE, "pipeline" => pipeline).record(attempted as f64);
     histogram!(BATCH_INSERT_SECONDS, "pipeline" => pipeline).record(took.as_secs_f64());
     counter!(INSERTED, "pipeline" => pipeline).increment(inserted as u64);
-    STATS.inserted.fetch_add(inserted as u64, Ordering::Relaxed);
     stage(pipeline)
         .inserted
         .fetch_add(inserted as u64, Ordering::Relaxed);
@@ -379,11 +390,9 @@ pub fn message_routed(
 pub fn messages_routed(pipeline: &'static str, kind: &'static str, n: u64) {
     if kind == "retry" || kind == "dlq_retry" {
         counter!(RETRIED, "pipeline" => pipeline, "reason" => "db_transient").increment(n);
-        STATS.retried.fetch_add(n, Ordering::Relaxed);
         stage(pipeline).retried.fetch_add(n, Ordering::Relaxed);
     } else {
         counter!(DEAD_LETTERED, "pipeline" => pipeline, "kind" => kind).increment(n);
-        STATS.dead_lettered.fetch_add(n, Ordering::Relaxed);
         stage(pipeline)
             .dead_lettered
             .fetch_add(n, Ordering::Relaxed);

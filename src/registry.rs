@@ -685,8 +685,8 @@ impl Registry {
     pub async fn heartbeat(&mut self, report: Report) {
         use std::sync::atomic::Ordering::Relaxed;
         let stats = &metrics::STATS;
-        let received = stats.received.load(Relaxed);
-        let inserted = stats.inserted.load(Relaxed);
+        let totals = metrics::totals();
+        let (received, inserted) = (totals.received, totals.inserted);
         let stages = metrics::stages();
         let counts = stages
             .iter()
@@ -735,11 +735,8 @@ impl Registry {
             ("inserted_per_s", format!("{inserted_per_s:.1}")),
             ("breaker", breaker.to_string()),
             ("rate_limit_per_s", report.rate_limit_per_s.to_string()),
-            ("retried", stats.retried.load(Relaxed).to_string()),
-            (
-                "dead_lettered",
-                stats.dead_lettered.load(Relaxed).to_string(),
-            ),
+            ("retried", totals.retried.to_string()),
+            ("dead_lettered", totals.dead_lettered.to_string()),
             ("inflight", stats.inflight.load(Relaxed).max(0).to_string()),
             (
                 "pipelines",
@@ -815,6 +812,7 @@ impl Registry {
     pub async fn deregister(&mut self, reason: &str) {
         use std::sync::atomic::Ordering::Relaxed;
         let stats = &metrics::STATS;
+        let totals = metrics::totals();
         let record = serde_json::json!({
             "host": self.instance.host,
             "pid": self.instance.pid,
@@ -823,10 +821,10 @@ impl Registry {
             "started_at": self.instance.started_at,
             "stopped_at": now_s(),
             "uptime_s": now_s().saturating_sub(self.instance.started_at),
-            "received": stats.received.load(Relaxed),
-            "inserted": stats.inserted.load(Relaxed),
-            "retried": stats.retried.load(Relaxed),
-            "dead_lettered": stats.dead_lettered.load(Relaxed),
+            "received": totals.received,
+            "inserted": totals.inserted,
+            "retried": totals.retried,
+            "dead_lettered": totals.dead_lettered,
             "parked": stats.parked.load(Relaxed),
         });
         let key = self.key();

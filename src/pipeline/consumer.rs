@@ -568,9 +568,6 @@ impl Consumer {
         if self.received > received {
             let delta = self.received - received;
             self.received_counter.increment(delta);
-            crate::metrics::STATS
-                .received
-                .fetch_add(delta, std::sync::atomic::Ordering::Relaxed);
             crate::metrics::stage(self.config.pipeline)
                 .received
                 .fetch_add(delta, std::sync::atomic::Ordering::Relaxed);
