@@ -562,9 +562,3 @@ async fn every_published_message_ends_exactly_once_under_faults() {
         history.lock().unwrap().join("\n")
     );
 }
-
-/// The last `n` lines of `text`.
-fn tail(text: &str, n: usize) -> String {
-    let lines: Vec<&str> = text.lines().collect();
-    lines[lines.len().saturating_sub(n)..].join("\n")
-}

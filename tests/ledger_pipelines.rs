@@ -31,50 +31,7 @@ fn env_number(key: &str, default: u64) -> u64 {
         .unwrap_or(default)
 }
 
-/// One pipeline's broker names, this test's own.
-struct Names {
-    exchange: String,
-    queue: String,
-    retry_exchange: String,
-    retry: String,
-    dlx: String,
-    dlq: String,
-}
-
-impl Names {
-    fn of(env: &TestEnv, pipeline: &str) -> Self {
-        let n = |what: &str| format!("{}_{pipeline}_{what}", env.id);
-        Names {
-            exchange: n("exchange"),
-            queue: n("queue"),
-            retry_exchange: n("retry_exchange"),
-            retry: n("retry_1s"),
-            dlx: n("dlx"),
-            dlq: n("dlq"),
-        }
-    }
-
-    fn toml(&self) -> String {
-        format!(
-            "main_exchange = \"{}\"\nmain_queue = \"{}\"\nretry_exchange = \"{}\"\n\
-             retry_queue = \"{}\"\ndlx_exchange = \"{}\"\ndlq_queue = \"{}\"\n",
-            self.exchange, self.queue, self.retry_exchange, self.retry, self.dlx, self.dlq
-        )
-    }
-}
-
-/// Deletes both pipelines' queues and exchanges, also after a failed assertion.
-struct Cleanup(Vec<String>, Vec<String>);
-
-impl Drop for Cleanup {
-    fn drop(&mut self) {
-        common::cluster::delete_on(
-            &amqp_url(),
-            std::mem::take(&mut self.0),
-            std::mem::take(&mut self.1),
-        );
-    }
-}
+type Names = PipelineNames;
 
 fn config(orders: &Names, events: &Names) -> String {
     format!(
@@ -269,16 +226,7 @@ async fn two_mapped_pipelines_end_every_message_exactly_once_under_faults() {
         .set("SHUTDOWN_TIMEOUT_MS", "5000");
     let orders = Names::of(&env, "orders");
     let events = Names::of(&env, "events");
-    let _cleanup = Cleanup(
-        [&orders, &events]
-            .iter()
-            .flat_map(|n| [n.queue.clone(), n.retry.clone(), n.dlq.clone()])
-            .collect(),
-        [&orders, &events]
-            .iter()
-            .flat_map(|n| [n.exchange.clone(), n.retry_exchange.clone(), n.dlx.clone()])
-            .collect(),
-    );
+    let _cleanup = (orders.cleanup(), events.cleanup());
     let s = env.schema.clone();
     env.db
         .batch_execute(&format!(
@@ -647,10 +595,4 @@ async fn two_mapped_pipelines_end_every_message_exactly_once_under_faults() {
         problems.join("\n"),
         history.lock().unwrap().join("\n")
     );
-}
-
-/// The last `n` lines of `text`.
-fn tail(text: &str, n: usize) -> String {
-    let lines: Vec<&str> = text.lines().collect();
-    lines[lines.len().saturating_sub(n)..].join("\n")
 }

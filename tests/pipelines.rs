@@ -15,42 +15,7 @@ use lapin::BasicProperties;
 use lapin::types::{AMQPValue, FieldTable};
 use uuid::Uuid;
 
-/// The orders pipeline's broker names, this test's own.
-struct Names {
-    exchange: String,
-    queue: String,
-    retry_exchange: String,
-    retry: String,
-    dlx: String,
-    dlq: String,
-}
-
-impl Names {
-    fn of(env: &TestEnv) -> Self {
-        let n = |what: &str| format!("{}_orders_{what}", env.id);
-        Names {
-            exchange: n("exchange"),
-            queue: n("queue"),
-            retry_exchange: n("retry_exchange"),
-            retry: n("retry_1s"),
-            dlx: n("dlx"),
-            dlq: n("dlq"),
-        }
-    }
-}
-
-/// Deletes the orders pipeline's queues and exchanges, also after a failed assertion.
-struct Cleanup(Vec<String>, Vec<String>);
-
-impl Drop for Cleanup {
-    fn drop(&mut self) {
-        common::cluster::delete_on(
-            &amqp_url(),
-            std::mem::take(&mut self.0),
-            std::mem::take(&mut self.1),
-        );
-    }
-}
+type Names = PipelineNames;
 
 fn config(n: &Names) -> String {
     format!(
@@ -108,15 +73,8 @@ async fn an_orders_pipeline_runs_beside_users_and_keeps_its_own_paths() {
     env.set("DATABASE_STATEMENT_TIMEOUT_MS", "500")
         .set("DB_RETRY_WINDOW_MS", "300")
         .set("RETRY_TTL_MS", "1000");
-    let names = Names::of(&env);
-    let _cleanup = Cleanup(
-        vec![names.queue.clone(), names.retry.clone(), names.dlq.clone()],
-        vec![
-            names.exchange.clone(),
-            names.retry_exchange.clone(),
-            names.dlx.clone(),
-        ],
-    );
+    let names = Names::of(&env, "orders");
+    let _cleanup = names.cleanup();
     env.db
         .batch_execute(
             "CREATE TABLE orders (
@@ -379,15 +337,8 @@ async fn an_orders_pipeline_runs_beside_users_and_keeps_its_own_paths() {
 #[tokio::test(flavor = "multi_thread")]
 async fn run_pipelines_chooses_which_pipelines_run() {
     let env = TestEnv::new("pl_select").await;
-    let names = Names::of(&env);
-    let _cleanup = Cleanup(
-        vec![names.queue.clone(), names.retry.clone(), names.dlq.clone()],
-        vec![
-            names.exchange.clone(),
-            names.retry_exchange.clone(),
-            names.dlx.clone(),
-        ],
-    );
+    let names = Names::of(&env, "orders");
+    let _cleanup = names.cleanup();
     env.db
         .batch_execute(
             "CREATE TABLE orders (order_id uuid PRIMARY KEY, email text NOT NULL,
@@ -453,15 +404,8 @@ async fn run_pipelines_chooses_which_pipelines_run() {
 #[tokio::test(flavor = "multi_thread")]
 async fn an_orders_api_checks_publishes_and_reads_back() {
     let env = TestEnv::new("pl_api").await;
-    let names = Names::of(&env);
-    let _cleanup = Cleanup(
-        vec![names.queue.clone(), names.retry.clone(), names.dlq.clone()],
-        vec![
-            names.exchange.clone(),
-            names.retry_exchange.clone(),
-            names.dlx.clone(),
-        ],
-    );
+    let names = Names::of(&env, "orders");
+    let _cleanup = names.cleanup();
     env.db
         .batch_execute(
             "CREATE TABLE orders (

@@ -26,6 +26,7 @@
 //! - `metrics`: the `/metrics` scrape (`scrape_text`, `Scrape`, `wait_scrape`) and single values
 //!   (`metric`, `try_metric`).
 //! - `http`: `http_base`, `http_agent` and `http`, one request to the env's API.
+//! - `pipelines`: `PipelineNames` and `PipelineCleanup` for configured pipelines, `tail`.
 //! - `wait`: `wait_until`. Wait on conditions, never on fixed sleeps; to prove that something
 //!   did not happen, publish a sentinel after it and wait for the sentinel.
 //! - `ops` (by path, `common::ops::...`): promtool, a real Prometheus, warren under
@@ -47,6 +48,7 @@ mod http;
 mod messages;
 mod metrics;
 pub mod ops;
+mod pipelines;
 mod proxy;
 pub mod raw_amqp;
 mod redis;
@@ -56,6 +58,6 @@ mod warren;
 // Each test binary uses some of the parts: the others' re-exports are unused there.
 #[allow(unused_imports)]
 pub use self::{
-    broker::*, db::*, env::*, http::*, messages::*, metrics::*, proxy::*, redis::*, wait::*,
-    warren::*,
+    broker::*, db::*, env::*, http::*, messages::*, metrics::*, pipelines::*, proxy::*, redis::*,
+    wait::*, warren::*,
 };
