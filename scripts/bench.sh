@@ -369,6 +369,11 @@ fi
 RESULTS="$LOGDIR/results.tsv"
 : >"$RESULTS"
 CONTENDERS=(raw_drain minimal_pipeline warren warren_pf5000 warren_mapped)
+# The bench's queue and exchange names as the lines of a `[[pipelines]]` entry.
+names_toml() {
+  printf 'main_exchange = "%s"\nmain_queue = "%s"\nretry_exchange = "%s"\n' "$MAIN_EXCHANGE" "$MAIN_QUEUE" "$RETRY_EXCHANGE"
+  printf 'retry_queue = "%s"\ndlx_exchange = "%s"\ndlq_queue = "%s"\n' "$RETRY_QUEUE" "$DLX_EXCHANGE" "$DLQ_QUEUE"
+}
 # The table the warren contenders fill (users; wide for the wide bench).
 TABLE=users
 if [ "$MODE" = wide ]; then
@@ -385,12 +390,7 @@ name = "users"
 table = "wide"
 key = ["id"]
 unknown_fields = "reject"
-main_exchange = "$MAIN_EXCHANGE"
-main_queue = "$MAIN_QUEUE"
-retry_exchange = "$RETRY_EXCHANGE"
-retry_queue = "$RETRY_QUEUE"
-dlx_exchange = "$DLX_EXCHANGE"
-dlq_queue = "$DLQ_QUEUE"
+$(names_toml)
 
 [pipelines.columns]
 id    = { path = "/id", type = "uuid" }
@@ -414,12 +414,7 @@ table = "users"
 key = ["id"]
 on_conflict = "keep"
 unknown_fields = "reject"
-main_exchange = "$MAIN_EXCHANGE"
-main_queue = "$MAIN_QUEUE"
-retry_exchange = "$RETRY_EXCHANGE"
-retry_queue = "$RETRY_QUEUE"
-dlx_exchange = "$DLX_EXCHANGE"
-dlq_queue = "$DLQ_QUEUE"
+$(names_toml)
 
 [pipelines.columns]
 id    = { path = "/id", type = "uuid" }
