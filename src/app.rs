@@ -111,7 +111,12 @@ pub async fn run(settings: Settings, shutdown: impl Future<Output = ()>) -> anyh
                 pipeline: name.to_string(),
                 ..Spec::main(view)
             };
-            pipelines.push(pipeline::start(view, spec, mapping.clone(), pool.clone()));
+            pipelines.push(pipeline::start(
+                &settings,
+                spec,
+                mapping.clone(),
+                pool.clone(),
+            ));
         }
     }
     if settings.has_role(Role::Dlq) {
@@ -129,7 +134,12 @@ pub async fn run(settings: Settings, shutdown: impl Future<Output = ()>) -> anyh
                 pipeline: name.to_string(),
                 ..Spec::dlq(view)
             };
-            pipelines.push(pipeline::start(view, spec, mapping.clone(), pool.clone()));
+            pipelines.push(pipeline::start(
+                &settings,
+                spec,
+                mapping.clone(),
+                pool.clone(),
+            ));
         }
     }
     let api = if settings.has_role(Role::Api) {

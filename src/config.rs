@@ -900,9 +900,7 @@ impl Settings {
     /// may then close the channel over it); that time if so. Checked at start (an error) and on
     /// `warren ctl rate` (a warning).
     pub fn window_outlasts_hand_back(&self, per_s: u32) -> Option<Duration> {
-        let give_back = self.hand_back_after()?;
-        let window = Duration::from_secs(u64::from(self.effective_prefetch())) / per_s.max(1);
-        (per_s > 0 && window >= give_back).then_some(give_back)
+        window_outlasts(self.effective_prefetch(), per_s, self.hand_back_after())
     }
 
     /// The prefetch actually used: the setting, or two batches per batcher (batch size x batch
@@ -1097,6 +1095,15 @@ fn redact_keywords(text: &str) -> String {
     }
     out.push_str(rest);
     out
+}
+
+/// At `per_s` messages a second (0 = no limit), whether the last delivery of a window of
+/// `prefetch` would wait in the rate limiter as long as `give_back` (the hand-back time) or
+/// longer; that time if so (see [`Settings::window_outlasts_hand_back`]).
+pub fn window_outlasts(prefetch: u16, per_s: u32, give_back: Option<Duration>) -> Option<Duration> {
+    let give_back = give_back?;
+    let window = Duration::from_secs(u64::from(prefetch)) / per_s.max(1);
+    (per_s > 0 && window >= give_back).then_some(give_back)
 }
 
 /// A listen address (`HTTP_ADDR`, `METRICS_ADDR`): `ip:port`, or `host:port` resolved now (the

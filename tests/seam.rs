@@ -11,6 +11,7 @@ use std::time::Duration;
 use futures::future::BoxFuture;
 use serde_json::Value;
 use uuid::Uuid;
+use warren::config::pipelines::Names;
 use warren::db::DbError;
 use warren::domain::{Domain, Inserted, Rejection};
 use warren::pipeline::{self, FallbackKind, Spec};
@@ -109,6 +110,9 @@ async fn a_second_domain_runs_through_the_same_core() {
         db_retry_window: Duration::from_secs(1),
         breaker_failures: Some(3),
         fallback: FallbackKind::Route,
+        names: Names::users(&settings),
+        max_retries: settings.max_retries,
+        rate_limit_per_s: 0,
     };
     let domain = Arc::new(Events {
         schema: env.schema.clone(),

@@ -131,6 +131,9 @@ pub struct ConsumerConfig {
     /// The largest body accepted (`MAX_MESSAGE_BYTES`): `prefetch` already holds that many
     /// bodies of this size within the budget; only a larger body cuts the window further.
     pub max_message_bytes: usize,
+    /// Messages handed onwards per second at most at start (0: no limit; `warren ctl rate`
+    /// changes it).
+    pub rate_limit_per_s: u32,
 }
 
 /// The consumer actor.
@@ -216,7 +219,7 @@ impl Consumer {
         batchers: usize,
     ) -> Self {
         let received_counter = crate::metrics::received_counter(config.pipeline);
-        let throttle = Throttle::new(settings.rate_limit_per_s);
+        let throttle = Throttle::new(config.rate_limit_per_s);
         Self {
             config: config.clone(),
             settings,
@@ -1026,7 +1029,13 @@ impl Handler<SetRate> for Consumer {
         // RATE_LIMIT_PER_S is checked against AMQP_CONSUMER_TIMEOUT_MS at start (config.rs);
         // a live rate is only warned about: the last delivery of a full prefetch window waits
         // prefetch / rate seconds unacked, and the broker closes the channel past its timeout.
-        if self.settings.window_outlasts_hand_back(msg.per_s).is_some() {
+        if crate::config::window_outlasts(
+            self.config.prefetch,
+            msg.per_s,
+            self.settings.hand_back_after(),
+        )
+        .is_some()
+        {
             warn!(
                 pipeline = self.config.pipeline,
                 rate_limit_per_s = msg.per_s,

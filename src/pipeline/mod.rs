@@ -47,6 +47,7 @@ use tracing::{info, warn};
 
 use crate::amqp::publisher::{self, Publisher};
 use crate::config::Settings;
+use crate::config::pipelines::Names;
 use crate::domain::Domain;
 use batcher::{Batcher, FlushRule};
 use breaker::Breaker;
@@ -91,15 +92,27 @@ pub struct Spec {
     /// Consecutive failing batches that open the breaker (`None`: only systemic errors do).
     pub breaker_failures: Option<u32>,
     pub fallback: FallbackKind,
+    /// The pipeline's exchanges and queues: where its retries and dead letters go, and the
+    /// queue its retry tiers dead-letter back to.
+    pub names: Names,
+    /// Retries through the retry queue before a transient failure is dead-lettered.
+    pub max_retries: u32,
+    /// Messages handed onwards per second at most (0: no limit).
+    pub rate_limit_per_s: u32,
 }
 
 impl Spec {
-    /// The users pipeline on the main queue.
+    /// The main stage of the pipeline that `settings` describe (the users pipeline's global
+    /// settings, or a configured pipeline's view of them, `PipelineConfig::view`): everything
+    /// the stages need is copied here, so nothing on the data path reads the settings.
     pub fn main(settings: &Settings) -> Self {
         Self {
             name: "main",
             pipeline: "users".into(),
             queue: settings.main_queue.clone(),
+            names: Names::users(settings),
+            max_retries: settings.max_retries,
+            rate_limit_per_s: settings.rate_limit_per_s,
             batch_size: settings.users_batch_size,
             batch_timeout: settings.batch_timeout(),
             processors: settings.users_proc_concurrency,
@@ -113,7 +126,7 @@ impl Spec {
         }
     }
 
-    /// The users DLQ consumer: what is still refused is parked.
+    /// The DLQ consumer of the same pipeline: what is still refused is parked.
     pub fn dlq(settings: &Settings) -> Self {
         Self {
             name: "dlq",
@@ -150,6 +163,9 @@ pub struct Pipeline {
 }
 
 /// Starts the pipeline `spec` of `domain`, wired in flow order from the broker link down.
+/// `settings` gives the connections only (the broker, the database's statement bound, the
+/// publish and consumer timeouts); what the pipeline consumes, where its failures go, its
+/// batching and limits come from `spec`.
 pub fn start<D: Domain>(settings: &Settings, spec: Spec, domain: Arc<D>, pool: Pool) -> Pipeline {
     let name = spec.name;
     let stopping = CancellationToken::new();
@@ -163,7 +179,7 @@ pub fn start<D: Domain>(settings: &Settings, spec: Spec, domain: Arc<D>, pool: P
     let db_bound = crate::db::call_bound(settings);
     let fallback = Fallback {
         pipeline: name,
-        republisher: Republisher::new(publisher.clone(), settings, name),
+        republisher: Republisher::new(publisher.clone(), &spec, settings.publish_timeout()),
         settle: consumer_addr.clone().recipient(),
         stopping: stopping.clone(),
         requeues: AtomicU32::new(0),
@@ -244,6 +260,7 @@ pub fn start<D: Domain>(settings: &Settings, spec: Spec, domain: Arc<D>, pool: P
         batch_size: spec.batch_size,
         max_inflight_bytes: spec.max_inflight_bytes,
         max_message_bytes: spec.max_message_bytes,
+        rate_limit_per_s: spec.rate_limit_per_s,
     };
     let consumer = Consumer::new(config, settings.clone(), chunks, spec.batchers.max(1));
     consumer_ctx.run(consumer);

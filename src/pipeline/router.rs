@@ -16,12 +16,12 @@ use actix::prelude::*;
 use tokio_util::sync::CancellationToken;
 use tracing::{error, warn};
 
+use super::Spec;
 use super::message::{Delivery, Disposition, Failure, Leftovers, Settle};
 use crate::amqp::AmqpError;
 use crate::amqp::headers::{self, Retries};
 use crate::amqp::publisher::{Publish, PublishAll, Publisher};
 use crate::amqp::republish::{self, Unpublishable};
-use crate::config::Settings;
 use crate::db::{ErrorClass, dead_letters};
 use crate::domain::ErrorKind;
 use crate::metrics;
@@ -56,21 +56,20 @@ pub struct Republisher {
 }
 
 impl Republisher {
-    pub fn new(publisher: Addr<Publisher>, settings: &Settings, pipeline: &'static str) -> Self {
+    /// The republisher of `spec`'s stage; a publish waits at most `patience` for the publisher
+    /// to (re)connect.
+    pub fn new(publisher: Addr<Publisher>, spec: &Spec, patience: Duration) -> Self {
+        let names = &spec.names;
         Self {
             publisher,
-            retry_exchange: settings.retry_exchange.clone(),
-            retry_queues: settings
-                .retry_tiers()
-                .into_iter()
-                .map(|t| t.queue)
-                .collect(),
-            dlx_exchange: settings.dlx_exchange.clone(),
-            dlq_queue: settings.dlq_queue.clone(),
-            main_queue: settings.main_queue.clone(),
-            max_retries: settings.max_retries,
-            pipeline,
-            patience: settings.publish_timeout(),
+            retry_exchange: names.retry_exchange.clone(),
+            retry_queues: names.retry_tiers.iter().map(|t| t.queue.clone()).collect(),
+            dlx_exchange: names.dlx_exchange.clone(),
+            dlq_queue: names.dlq_queue.clone(),
+            main_queue: names.main_queue.clone(),
+            max_retries: spec.max_retries,
+            pipeline: spec.name,
+            patience,
         }
     }
 
