@@ -9,6 +9,7 @@
 
 mod insert;
 pub mod schema;
+mod strict;
 
 use std::collections::{BTreeMap, HashSet};
 use std::fmt;
@@ -101,7 +102,11 @@ fn is_false(b: &bool) -> bool {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Format {
+    /// A plausible address such as `ana@example.com` (at most 254 bytes).
     Email,
+    /// One line of readable text: not blank (only whitespace) and without control characters,
+    /// for names and titles that end up on a screen.
+    Line,
 }
 
 /// The types a column can take, and how a JSON value becomes one.
@@ -204,7 +209,8 @@ struct Column {
     max: Option<f64>,
     min_len: Option<usize>,
     max_len: Option<usize>,
-    email: bool,
+    /// The text format checked, if any.
+    format: Option<Format>,
 }
 
 /// A table name, split and checked: `schema.name` or `name` (then `DATABASE_SCHEMA`'s).
@@ -373,7 +379,7 @@ impl Mapping {
                 max: c.max,
                 min_len: c.min_len,
                 max_len: c.max_len,
-                email: c.format == Some(Format::Email),
+                format: c.format,
             });
         }
         let index_of = |name: &str| columns.iter().position(|c| c.name == name);
@@ -484,8 +490,17 @@ impl Mapping {
         }
         let text = std::str::from_utf8(body)
             .map_err(|e| Rejection::json(format!("body is not UTF-8: {e}")))?;
-        let doc: Value =
-            serde_json::from_str(text).map_err(|e| Rejection::json(format!("not JSON: {e}")))?;
+        let doc: Value = strict::parse(text).map_err(|e| match e.classify() {
+            // A repeated key in JSON that is otherwise well formed; cut short or broken
+            // further on, it is not JSON.
+            serde_json::error::Category::Data => {
+                match serde_json::from_str::<serde::de::IgnoredAny>(text) {
+                    Ok(_) => Rejection::payload(e.to_string()),
+                    Err(syntax) => Rejection::json(format!("not JSON: {syntax}")),
+                }
+            }
+            _ => Rejection::json(format!("not JSON: {e}")),
+        })?;
         if self.unknown_fields == UnknownFields::Reject
             && let Value::Object(map) = &doc
         {
@@ -876,10 +891,26 @@ fn check_text(c: &Column, at: &str, s: &str) -> Result<(), String> {
             "{at}: expected at most {max} characters, found {chars}"
         ));
     }
-    if c.email
-        && let Some(problem) = super::users::email_problem(s)
-    {
-        return Err(format!("{at}: {problem}"));
+    match c.format {
+        Some(Format::Email) => {
+            if let Some(problem) = super::users::email_problem(s) {
+                return Err(format!("{at}: {problem}"));
+            }
+        }
+        Some(Format::Line) => {
+            if s.trim().is_empty() {
+                return Err(format!(
+                    "{at}: expected one line of text, found a blank one"
+                ));
+            }
+            if let Some(c) = s.chars().find(|c| c.is_control()) {
+                return Err(format!(
+                    "{at}: expected one line of text, found the control character {:?}",
+                    c
+                ));
+            }
+        }
+        None => {}
     }
     Ok(())
 }

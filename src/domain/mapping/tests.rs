@@ -164,6 +164,59 @@ fn bodies_that_are_not_json_are_invalid_json() {
 }
 
 #[test]
+fn a_repeated_key_is_refused_wherever_it_is_unless_the_body_is_not_json() {
+    let m = orders();
+    let twice = GOOD.replacen("\"qty\":2", "\"qty\":2,\"qty\":3", 1);
+    let r = refused(&m, &twice);
+    assert_eq!(r.kind, ErrorKind::InvalidPayload);
+    assert!(
+        r.reason.contains("the key /qty appears twice"),
+        "{}",
+        r.reason
+    );
+    // In a nested object too, even one no column reads (the whole body is a jsonb column).
+    let nested = GOOD.replacen(
+        "{\"email\":\"ana@example.com\"}",
+        "{\"email\":\"ana@example.com\",\"x\":1,\"x\":1}",
+        1,
+    );
+    let r = refused(&m, &nested);
+    assert!(
+        r.reason.contains("/customer/x appears twice"),
+        "{}",
+        r.reason
+    );
+    // Cut short after the repetition: not JSON.
+    let cut = &twice[..twice.len() - 1];
+    assert_eq!(refused(&m, cut).kind, ErrorKind::InvalidJson);
+}
+
+#[test]
+fn a_line_is_one_readable_line() {
+    let spec: MappingSpec = toml::from_str(
+        "table = \"t\"\nkey = [\"k\"]\n[columns]\nk = { path = \"/k\", type = \"text\", format = \"line\" }\n",
+    )
+    .unwrap();
+    let m = Mapping::compile("t", &spec).unwrap();
+    assert!(m.decode_message(br#"{"k":" Ana Maria "}"#, None).is_ok());
+    for (body, says) in [
+        (r#"{"k":""}"#, "found a blank one"),
+        (r#"{"k":" \t "}"#, "found a blank one"),
+        (r#"{"k":"a\nb"}"#, "control character '\\n'"),
+        (r#"{"k":"a\u0085"}"#, "control character"),
+    ] {
+        let r = refused(&m, body);
+        assert_eq!(r.kind, ErrorKind::InvalidPayload, "{body}");
+        assert!(
+            r.reason.contains("/k: expected one line of text"),
+            "{}",
+            r.reason
+        );
+        assert!(r.reason.contains(says), "{body}: {}", r.reason);
+    }
+}
+
+#[test]
 fn every_type_takes_its_json_and_refuses_the_rest() {
     let spec = |ty: &str| -> MappingSpec {
         toml::from_str(&format!(
