@@ -16,6 +16,15 @@ use serde::{Deserialize, Serialize};
 /// The shipped `config/default.toml`, built into the binary so warren runs from any directory.
 pub const DEFAULT_TOML: &str = include_str!("../config/default.toml");
 
+/// The settings part of [`DEFAULT_TOML`]: everything before its `[[pipelines]]` entry (the
+/// built-in users pipeline, [`pipelines::users`]), which is not a default of a file's list of
+/// pipelines but a pipeline of its own.
+pub fn default_settings_toml() -> &'static str {
+    DEFAULT_TOML
+        .split_once(pipelines::USERS_MARK)
+        .map_or(DEFAULT_TOML, |(settings, _)| settings)
+}
+
 /// Every setting of warren. The key in `config/default.toml` is the field name; the environment
 /// variable is the same name in upper case.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -731,7 +740,7 @@ impl Settings {
         if sources.use_env {
             check_warren_env()?;
         }
-        let mut figment = Figment::from(Toml::string(DEFAULT_TOML));
+        let mut figment = Figment::from(Toml::string(default_settings_toml()));
         if let Some(path) = &sources.file {
             let text = std::fs::read_to_string(path).map_err(|e| ConfigError::File {
                 path: path.clone(),
@@ -968,6 +977,12 @@ impl Settings {
         shown.redis_url = redact_url(&shown.redis_url);
         if !shown.control_secret.is_empty() {
             shown.control_secret = "***".into();
+        }
+        // The pipelines in effect: the built-in users one first, unless a file's replaces it.
+        if !shown.pipelines.iter().any(|p| p.name == "users")
+            && let Ok(users) = pipelines::users()
+        {
+            shown.pipelines.insert(0, users);
         }
         toml::to_string(&shown).unwrap_or_else(|e| format!("# cannot render settings: {e}\n"))
     }

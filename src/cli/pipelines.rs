@@ -48,7 +48,7 @@ pub enum Action {
 pub fn execute(settings: &Settings, args: Args) -> anyhow::Result<i32> {
     match args.action {
         None => {
-            print!("{}", list(settings));
+            print!("{}", list(settings)?);
             Ok(0)
         }
         Some(Action::Test {
@@ -92,31 +92,15 @@ fn find<'a>(settings: &'a Settings, name: &str) -> anyhow::Result<Option<&'a Pip
 }
 
 /// The listing: one block per pipeline.
-fn list(settings: &Settings) -> String {
+fn list(settings: &Settings) -> anyhow::Result<String> {
     let mut out = String::new();
-    if !settings.pipelines.iter().any(|p| p.name == "users") {
-        out.push_str(&block(
-            "users (built-in)",
-            &Names::users(settings),
-            "users (warren's own migration), key id, on_conflict keep, unknown_fields reject",
-            vec![
-                row("id", "/id", "uuid", ""),
-                row(
-                    "name",
-                    "/name",
-                    "text",
-                    "not blank, no control characters, max_len 200",
-                ),
-                row(
-                    "email",
-                    "/email",
-                    "text",
-                    "format email, at most 254 bytes, unique",
-                ),
-            ],
-        ));
-    }
-    for p in &settings.pipelines {
+    // The built-in users pipeline, as config/default.toml declares it, unless a file's replaces
+    // it; its names are the global settings'.
+    let builtin = (!settings.pipelines.iter().any(|p| p.name == "users"))
+        .then(crate::config::pipelines::users)
+        .transpose()?;
+    let served = builtin.iter().map(|p| (p, true));
+    for (p, builtin) in served.chain(settings.pipelines.iter().map(|p| (p, false))) {
         let mut conflict = format!("{:?}", p.on_conflict).to_lowercase();
         if let Some(v) = &p.version_column {
             conflict.push_str(&format!(" (version_column {v})"));
@@ -158,9 +142,14 @@ fn list(settings: &Settings) -> String {
                 row(name, &source, c.ty.as_str(), &checks.join(", "))
             })
             .collect();
-        out.push_str(&block(&p.name, &p.names(settings), &table, columns));
+        let (title, names) = if builtin {
+            ("users (built-in)".to_string(), Names::users(settings))
+        } else {
+            (p.name.clone(), p.names(settings))
+        };
+        out.push_str(&block(&title, &names, &table, columns));
     }
-    out
+    Ok(out)
 }
 
 fn row(column: &str, source: &str, ty: &str, checks: &str) -> Vec<String> {

@@ -1,6 +1,7 @@
 //! The `[[pipelines]]` of the configuration file: each one a queue-to-table mapping with its own
 //! queue names, retry tiers, batching and limits (each defaulting to the global setting), checked
-//! when the configuration loads. The built-in users pipeline is configured by the global names
+//! when the configuration loads. The built-in users pipeline is declared in the same format at
+//! the end of `config/default.toml` ([`users`]) and configured by the global names
 //! (`MAIN_QUEUE`, `USERS_BATCH_SIZE`, ...); a file's pipeline named `users` replaces it.
 
 use std::collections::{BTreeMap, HashMap};
@@ -66,6 +67,30 @@ pub struct PipelineConfig {
     pub dlq_queue: Option<String>,
     /// Column name -> where its value comes from, its type and checks.
     pub columns: BTreeMap<String, ColumnSpec>,
+}
+
+/// Where the built-in users pipeline's declaration starts in `config/default.toml`.
+pub const USERS_MARK: &str = "\n[[pipelines]]\n";
+
+/// The built-in users pipeline as `config/default.toml` declares it (the shipped file: a unit
+/// test holds it valid, and `domain::users` to the same answers as its typed code).
+pub fn users() -> Result<PipelineConfig, ConfigError> {
+    #[derive(Deserialize)]
+    struct Declared {
+        pipelines: Vec<PipelineConfig>,
+    }
+    let bad =
+        |why: String| ConfigError::Other(format!("config/default.toml, the users pipeline: {why}"));
+    let text = super::DEFAULT_TOML
+        .split_once(USERS_MARK)
+        .map(|(_, rest)| format!("{USERS_MARK}{rest}"))
+        .ok_or_else(|| bad("no [[pipelines]] entry".into()))?;
+    let declared: Declared = toml::from_str(&text).map_err(|e| bad(e.to_string()))?;
+    declared
+        .pipelines
+        .into_iter()
+        .find(|p| p.name == "users")
+        .ok_or_else(|| bad("no pipeline named users".into()))
 }
 
 /// The broker objects of one pipeline.
@@ -166,8 +191,9 @@ impl PipelineConfig {
     }
 
     /// The settings as this pipeline sees them: the global ones with its names, tiers,
-    /// batching and limits in place of the users pipeline's, so the stages, the router and the
-    /// topology, which read a [`Settings`], serve this pipeline.
+    /// batching and limits in place of the users pipeline's, from which its stages' spec
+    /// (`pipeline::Spec::main`) and its topology are resolved, each setting's default and range
+    /// kept in one place.
     pub fn view(&self, settings: &Settings) -> Settings {
         let names = self.names(settings);
         let mut view = settings.clone();

@@ -375,4 +375,109 @@ mod tests {
         }
         assert!(validate("Ana", "ana.maria+tag@sub.example.com").is_empty());
     }
+
+    /// The users pipeline declared in config/default.toml and warren's typed users code give the
+    /// same answer to every message: both accept it with the same row, or both refuse it as the
+    /// same kind. Drawn over ids, names, emails and shapes a publisher may send.
+    #[test]
+    fn the_declared_users_pipeline_and_the_typed_code_agree_on_every_message() {
+        use crate::domain::mapping::Cell;
+        let mapping = crate::config::pipelines::users()
+            .and_then(|p| p.mapping())
+            .expect("the shipped users pipeline compiles");
+        let id = "6f1c2c1e-8d3a-4c55-9a8e-0d2b8d1e7a10";
+        let ids = [
+            format!("\"{id}\""),
+            format!("\"{}\"", id.to_uppercase()),
+            format!("\"{}\"", id.replace('-', "")),
+            format!("\"{{{id}}}\""),
+            format!("\"urn:uuid:{id}\""),
+            "\"not-a-uuid\"".into(),
+            "\"\"".into(),
+            "42".into(),
+            "null".into(),
+            String::new(),
+        ];
+        let long = "é".repeat(200);
+        let longer = "é".repeat(201);
+        let names = [
+            "\"Ana\"".to_string(),
+            "\"  Ana  \"".into(),
+            "\"\"".into(),
+            "\"   \"".into(),
+            "\"\\t\"".into(),
+            "\"Ana\\u0007\"".into(),
+            "\"Ana\\nMaria\"".into(),
+            "\"Ana\\u0085\"".into(),
+            "\"Ana\\u200b\"".into(),
+            format!("\"{long}\""),
+            format!("\"{longer}\""),
+            "\"\\u0000\"".into(),
+            "7".into(),
+            "null".into(),
+            "[\"Ana\"]".into(),
+            String::new(),
+        ];
+        let local = "a".repeat(64);
+        let emails = [
+            "\"ana@example.com\"".to_string(),
+            "\"ANA@Example.COM\"".into(),
+            "\"nope\"".into(),
+            "\"a@b\"".into(),
+            "\"a b@example.com\"".into(),
+            "\"ana@exämple.com\"".into(),
+            format!("\"{local}@{}.com\"", "d".repeat(185)),
+            format!("\"{local}@{}.com\"", "d".repeat(186)),
+            format!("\"{local}a@example.com\""),
+            "\"\"".into(),
+            "null".into(),
+            "{}".into(),
+            String::new(),
+        ];
+        let extras = [
+            "",
+            ",\"extra\":1",
+            ",\"email\":\"dup@example.com\"",
+            ",\"\":null",
+        ];
+        let mut checked = 0;
+        for i in &ids {
+            for n in &names {
+                for e in &emails {
+                    for x in extras {
+                        let mut fields = Vec::new();
+                        for (k, v) in [("id", i), ("name", n), ("email", e)] {
+                            if !v.is_empty() {
+                                fields.push(format!("\"{k}\":{v}"));
+                            }
+                        }
+                        let body = format!("{{{}{x}}}", fields.join(","));
+                        let body = body.replacen("{,", "{", 1);
+                        let typed = Users.decode(body.as_bytes());
+                        let mapped = mapping.decode(body.as_bytes());
+                        match (&typed, &mapped) {
+                            (Ok(u), Ok(row)) => {
+                                for cell in [
+                                    Cell::Uuid(u.id),
+                                    Cell::Text(u.name.clone()),
+                                    Cell::Text(u.email.clone()),
+                                ] {
+                                    assert!(row.0.contains(&cell), "{body}: {u:?} vs {row:?}");
+                                }
+                            }
+                            (Err(a), Err(b)) => {
+                                assert_eq!(a.kind, b.kind, "{body}: {a:?} vs {b:?}")
+                            }
+                            _ => panic!("{body}: typed {typed:?}, declared {mapped:?}"),
+                        }
+                        checked += 1;
+                    }
+                }
+            }
+        }
+        assert_eq!(
+            checked,
+            ids.len() * names.len() * emails.len() * extras.len()
+        );
+    }
 }

@@ -139,3 +139,31 @@ fn every_mistake_in_a_pipeline_is_named() {
         .replace("batch_size = 500", "main_queue = \"raffle_queue\"");
     assert!(load(&users).is_ok());
 }
+
+#[test]
+fn the_users_pipeline_is_declared_in_the_shipped_defaults_in_the_format_of_any_other() {
+    let users = users().expect("config/default.toml declares users");
+    assert_eq!(users.name, "users");
+    assert_eq!(users.table, "users");
+    assert_eq!(users.key, vec!["id".to_string()]);
+    assert_eq!(
+        users.columns.keys().collect::<Vec<_>>(),
+        ["email", "id", "name"]
+    );
+    users.mapping().expect("it compiles");
+    // The declaration is the built-in pipeline, not a default of the file's list: without a
+    // file there are no configured pipelines, and a file's list does not lose users.
+    assert!(Settings::defaults().pipelines.is_empty());
+    let s = load(ORDERS).unwrap();
+    assert_eq!(s.pipelines.len(), 1);
+    assert_eq!(s.pipelines[0].name, "orders");
+    // `warren config` shows both, users first.
+    let shown: toml::Table = s.to_redacted_toml().parse().unwrap();
+    let names: Vec<&str> = shown["pipelines"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|p| p["name"].as_str().unwrap())
+        .collect();
+    assert_eq!(names, ["users", "orders"]);
+}
