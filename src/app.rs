@@ -12,6 +12,7 @@ use std::time::Duration;
 use tokio::sync::{mpsc, oneshot, watch};
 use tracing::{info, warn};
 
+use crate::amqp::monitor::Depths;
 use crate::config::{Role, Settings};
 use crate::domain::mapping::Mapping;
 use crate::domain::users::Users;
@@ -33,10 +34,6 @@ pub async fn run(settings: Settings, shutdown: impl Future<Output = ()>) -> anyh
     let recorder = metrics::install().map_err(anyhow::Error::msg)?;
     http::ops::serve(metrics_addr, recorder).await?;
 
-    tokio::spawn(crate::amqp::monitor::poll_queues(
-        settings.clone(),
-        Duration::from_secs(5),
-    ));
     // The file's pipelines, each with the settings as it sees them and its stages' names (the
     // `pipeline` label: `<name>` and `<name>_dlq`; users keeps `main` and `dlq`). A file's
     // pipeline named users replaces the built-in one.
@@ -55,6 +52,27 @@ pub async fn run(settings: Settings, shutdown: impl Future<Output = ()>) -> anyh
         .collect::<Result<_, crate::config::ConfigError>>()?;
     let builtin_users =
         !settings.without_users && !settings.pipelines.iter().any(|p| p.name == "users");
+    // The queue poller: every served pipeline's queues, for the metrics and the stages.
+    let mut served = Vec::new();
+    if builtin_users {
+        served.push(crate::config::pipelines::Names::users(&settings));
+    }
+    served.extend(settings.pipelines.iter().map(|p| p.names(&settings)));
+    let queues = served
+        .into_iter()
+        .flat_map(|n| {
+            std::iter::once(n.main_queue)
+                .chain(n.retry_tiers.into_iter().map(|t| t.queue))
+                .chain(std::iter::once(n.dlq_queue))
+        })
+        .collect();
+    let depths = Depths::default();
+    tokio::spawn(crate::amqp::monitor::poll_queues(
+        settings.clone(),
+        queues,
+        Duration::from_secs(5),
+        depths.clone(),
+    ));
     let mut names = Vec::new();
     if settings.has_role(Role::Consumer) {
         if builtin_users {
@@ -103,6 +121,7 @@ pub async fn run(settings: Settings, shutdown: impl Future<Output = ()>) -> anyh
                 Spec::main(&settings),
                 domain.clone(),
                 pool.clone(),
+                depths.clone(),
             ));
         }
         for (view, name, _, mapping) in &configured {
@@ -116,6 +135,7 @@ pub async fn run(settings: Settings, shutdown: impl Future<Output = ()>) -> anyh
                 spec,
                 mapping.clone(),
                 pool.clone(),
+                depths.clone(),
             ));
         }
     }
@@ -126,6 +146,7 @@ pub async fn run(settings: Settings, shutdown: impl Future<Output = ()>) -> anyh
                 Spec::dlq(&settings),
                 domain.clone(),
                 pool.clone(),
+                depths.clone(),
             ));
         }
         for (view, name, dlq_name, mapping) in &configured {
@@ -139,6 +160,7 @@ pub async fn run(settings: Settings, shutdown: impl Future<Output = ()>) -> anyh
                 spec,
                 mapping.clone(),
                 pool.clone(),
+                depths.clone(),
             ));
         }
     }

@@ -597,31 +597,11 @@ pub fn reconnected(target: &'static str) {
     counter!(RECONNECTS, "target" => target).increment(1);
 }
 
-/// Depths seen by the last polls, with when: the consumers' idle watchdog reads them.
-static QUEUE_DEPTHS: std::sync::Mutex<
-    Option<std::collections::HashMap<String, (u32, std::time::Instant)>>,
-> = std::sync::Mutex::new(None);
-
-/// The depth of `queue` as polled within the last 15 s, if any.
-pub fn queue_depth(queue: &str) -> Option<u32> {
-    let guard = QUEUE_DEPTHS.lock().unwrap_or_else(|p| p.into_inner());
-    let (depth, at) = guard.as_ref()?.get(queue)?;
-    (at.elapsed() < Duration::from_secs(15)).then_some(*depth)
-}
-
 /// A poll of `queue` found `messages` ready and `consumers` consumers
-/// (`warren_queue_messages`, `warren_queue_consumers`, and the depth for the idle watchdog).
+/// (`warren_queue_messages`, `warren_queue_consumers`).
 pub fn queue_polled(queue: &str, messages: u32, consumers: u32) {
     gauge!(QUEUE_MESSAGES, "queue" => queue.to_string()).set(messages as f64);
-    remember_depth(queue, messages);
     gauge!(QUEUE_CONSUMERS, "queue" => queue.to_string()).set(consumers as f64);
-}
-
-fn remember_depth(queue: &str, depth: u32) {
-    let mut guard = QUEUE_DEPTHS.lock().unwrap_or_else(|p| p.into_inner());
-    guard
-        .get_or_insert_with(Default::default)
-        .insert(queue.to_string(), (depth, std::time::Instant::now()));
 }
 
 #[cfg(test)]

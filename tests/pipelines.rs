@@ -99,6 +99,21 @@ async fn an_orders_pipeline_runs_beside_users_and_keeps_its_own_paths() {
     assert_eq!(code, 0, "declare:\n{out}{err}");
     let warren = env.start(&["--config", &file, "--roles", "consumer,dlq"]);
     let _logs = LogsOnPanic(vec![warren.log.clone()]);
+    // The queue poller watches orders' queues beside users' (the metrics, and the depth the
+    // idle watchdog reads).
+    wait_until("orders' queues polled", Duration::from_secs(30), || async {
+        let Ok(text) = scrape_text(&env).await else {
+            return false;
+        };
+        let s = Scrape::parse(text);
+        [&names.queue, &names.retry, &names.dlq, &env.main_queue]
+            .iter()
+            .all(|q| {
+                s.one("warren_queue_messages", &[("queue", q.as_str())])
+                    .is_some()
+            })
+    })
+    .await;
 
     // Good orders (one with a tenant header), users beside them.
     let good: Vec<Uuid> = (0..40).map(|_| Uuid::new_v4()).collect();

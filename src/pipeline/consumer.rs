@@ -134,6 +134,9 @@ pub struct ConsumerConfig {
     /// Messages handed onwards per second at most at start (0: no limit; `warren ctl rate`
     /// changes it).
     pub rate_limit_per_s: u32,
+    /// The queue depths the poller last saw (`amqp::monitor`): the idle watchdog's evidence
+    /// that messages wait while nothing arrives, without a round trip of its own.
+    pub depths: crate::amqp::monitor::Depths,
 }
 
 /// The consumer actor.
@@ -622,8 +625,7 @@ impl Consumer {
             return;
         }
         self.idle.1 = 0;
-        // The depth comes from the queue poller (`amqp::monitor::poll_queues`), no extra round trip.
-        if let Some(ready) = crate::metrics::queue_depth(&self.config.queue)
+        if let Some(ready) = self.config.depths.get(&self.config.queue)
             && ready > 0
         {
             ctx.notify(Stuck {

@@ -45,6 +45,7 @@ use deadpool_postgres::Pool;
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
+use crate::amqp::monitor::Depths;
 use crate::amqp::publisher::{self, Publisher};
 use crate::config::Settings;
 use crate::config::pipelines::Names;
@@ -165,8 +166,14 @@ pub struct Pipeline {
 /// Starts the pipeline `spec` of `domain`, wired in flow order from the broker link down.
 /// `settings` gives the connections only (the broker, the database's statement bound, the
 /// publish and consumer timeouts); what the pipeline consumes, where its failures go, its
-/// batching and limits come from `spec`.
-pub fn start<D: Domain>(settings: &Settings, spec: Spec, domain: Arc<D>, pool: Pool) -> Pipeline {
+/// batching and limits come from `spec`; `depths` is what the queue poller sees of its queues.
+pub fn start<D: Domain>(
+    settings: &Settings,
+    spec: Spec,
+    domain: Arc<D>,
+    pool: Pool,
+    depths: Depths,
+) -> Pipeline {
     let name = spec.name;
     let stopping = CancellationToken::new();
 
@@ -261,6 +268,7 @@ pub fn start<D: Domain>(settings: &Settings, spec: Spec, domain: Arc<D>, pool: P
         max_inflight_bytes: spec.max_inflight_bytes,
         max_message_bytes: spec.max_message_bytes,
         rate_limit_per_s: spec.rate_limit_per_s,
+        depths,
     };
     let consumer = Consumer::new(config, settings.clone(), chunks, spec.batchers.max(1));
     consumer_ctx.run(consumer);
