@@ -1411,11 +1411,15 @@ mod tests {
 
     #[test]
     fn every_rule_has_a_key_in_the_shipped_file_and_back() {
-        let table: toml::Table = DEFAULT_TOML.parse().unwrap();
+        let table: toml::Table = default_settings_toml().parse().unwrap();
         for (key, _) in RULES {
             assert!(table.contains_key(*key), "{key} missing from default.toml");
         }
         assert_eq!(table.len(), RULES.len());
+        // Beyond the settings, the file declares the users pipeline, and nothing else.
+        let whole: toml::Table = DEFAULT_TOML.parse().unwrap();
+        assert_eq!(whole.len(), RULES.len() + 1);
+        assert!(whole["pipelines"].is_array());
     }
 
     #[test]
