@@ -32,6 +32,7 @@ use tokio::sync::oneshot;
 use tracing::{debug, error, info, warn};
 
 use super::acks::Acker;
+use super::dispatch::Dispatch;
 use super::message::{Chunk, Delivery, Hold, HoldReason, Settle};
 use super::throttle::{Release, Throttle};
 use crate::amqp::{self, AmqpError};
@@ -124,8 +125,6 @@ pub struct ConsumerConfig {
     pub pipeline: &'static str,
     pub queue: String,
     pub prefetch: u16,
-    /// Deliveries sent to one batcher before moving to the next, so batches fill one at a time.
-    pub batch_size: usize,
     /// Bytes of bodies in flight at most (`MAX_INFLIGHT_BYTES`).
     pub max_inflight_bytes: u64,
     /// The largest body accepted (`MAX_MESSAGE_BYTES`): `prefetch` already holds that many
@@ -143,13 +142,8 @@ pub struct ConsumerConfig {
 pub struct Consumer {
     config: ConsumerConfig,
     settings: Settings,
-    /// Processors, fed a chunk each, round-robin.
-    processors: Vec<Recipient<Chunk>>,
-    next_processor: usize,
-    /// Number of batchers and the one the current chunk of deliveries goes to.
-    batchers: usize,
-    current_batcher: usize,
-    chunk_filled: usize,
+    /// Which processor and batcher each delivery goes to (chosen at the wiring).
+    dispatch: Dispatch,
     /// Bumped on every (re)connect; deliveries carry it back in `Settle`.
     generation: u64,
     connection: Option<Connection>,
@@ -215,22 +209,13 @@ pub struct Consumer {
 }
 
 impl Consumer {
-    pub fn new(
-        config: ConsumerConfig,
-        settings: Settings,
-        processors: Vec<Recipient<Chunk>>,
-        batchers: usize,
-    ) -> Self {
+    pub fn new(config: ConsumerConfig, settings: Settings, dispatch: Dispatch) -> Self {
         let received_counter = crate::metrics::received_counter(config.pipeline);
         let throttle = Throttle::new(config.rate_limit_per_s);
         Self {
             config: config.clone(),
             settings,
-            processors,
-            next_processor: 0,
-            batchers: batchers.max(1),
-            current_batcher: 0,
-            chunk_filled: 0,
+            dispatch,
             generation: 0,
             connection: None,
             channel: None,
@@ -443,7 +428,7 @@ impl Consumer {
         }
         self.check_budget();
         if self.throttle.is_open() {
-            self.hand_on(deliveries);
+            self.dispatch.hand_on(deliveries);
         } else {
             self.throttle.hold(deliveries);
             self.release(ctx);
@@ -513,7 +498,7 @@ impl Consumer {
             });
         }
         if !ready.is_empty() {
-            self.hand_on(ready);
+            self.dispatch.hand_on(ready);
         }
         if !self.throttle.is_empty() {
             return;
@@ -521,34 +506,6 @@ impl Consumer {
         if self.inflight == 0 {
             self.maybe_subscribe(ctx);
             self.maybe_finish(ctx);
-        }
-    }
-
-    /// Hands deliveries onwards in chunks, one per processor in turn, each chunk for one
-    /// batcher: a batcher gets a batch's worth before the next one's turn, so batches fill one
-    /// at a time.
-    fn hand_on(&mut self, mut deliveries: Vec<Delivery>) {
-        let batch_size = self.config.batch_size.max(1);
-        while !deliveries.is_empty() {
-            let room = batch_size - self.chunk_filled;
-            let rest = if deliveries.len() > room {
-                deliveries.split_off(room)
-            } else {
-                Vec::new()
-            };
-            self.chunk_filled += deliveries.len();
-            let batcher = self.current_batcher;
-            if self.chunk_filled >= batch_size {
-                self.chunk_filled = 0;
-                self.current_batcher = (self.current_batcher + 1) % self.batchers;
-            }
-            let processor = &self.processors[self.next_processor];
-            self.next_processor = (self.next_processor + 1) % self.processors.len();
-            processor.do_send(Chunk {
-                batcher,
-                deliveries,
-            });
-            deliveries = rest;
         }
     }
 
@@ -1006,16 +963,13 @@ impl Handler<SetProcessors> for Consumer {
     type Result = ();
 
     fn handle(&mut self, msg: SetProcessors, _: &mut Self::Context) {
-        if msg.0.is_empty() {
-            return;
+        if self.dispatch.set_processors(msg.0) {
+            info!(
+                pipeline = self.config.pipeline,
+                processors = self.dispatch.processors(),
+                "processors scaled"
+            );
         }
-        info!(
-            pipeline = self.config.pipeline,
-            processors = msg.0.len(),
-            "processors scaled"
-        );
-        self.processors = msg.0;
-        self.next_processor = 0;
     }
 }
 

@@ -12,8 +12,8 @@
 //!
 //! - `message.rs`: what the stages send each other.
 //! - `consumer.rs`: the broker link: connect, qos, subscribe, reconnect, watchdog; hands
-//!   deliveries on in chunks (`throttle.rs`: the rate limit); `acks.rs` turns settlements into
-//!   ordered multi-acks.
+//!   deliveries on (`throttle.rs`: the rate limit; `dispatch.rs`: which processor and batcher);
+//!   `acks.rs` turns settlements into ordered multi-acks.
 //! - `processor.rs`: decode and validate through the [`Domain`], a chunk at a time: one on the
 //!   pipeline's thread, or several on threads of their own (`Pipeline::processors`).
 //! - `batcher.rs`: flush rules only (size, timeout, drain).
@@ -28,6 +28,7 @@ pub mod acks;
 pub mod batcher;
 pub mod breaker;
 pub mod consumer;
+pub mod dispatch;
 pub mod dlq;
 pub mod message;
 pub mod processor;
@@ -53,6 +54,7 @@ use crate::domain::Domain;
 use batcher::{Batcher, FlushRule};
 use breaker::Breaker;
 use consumer::{Consumer, ConsumerConfig};
+use dispatch::Dispatch;
 use message::{Chunk, Drain, Leftovers};
 use processor::Processor;
 use router::{Fallback, Republisher, Router};
@@ -264,13 +266,14 @@ pub fn start<D: Domain>(
         pipeline: name,
         queue: spec.queue.clone(),
         prefetch: spec.prefetch,
-        batch_size: spec.batch_size,
         max_inflight_bytes: spec.max_inflight_bytes,
         max_message_bytes: spec.max_message_bytes,
         rate_limit_per_s: spec.rate_limit_per_s,
         depths,
     };
-    let consumer = Consumer::new(config, settings.clone(), chunks, spec.batchers.max(1));
+    // A batch's worth to one batcher before the next one's turn, each chunk to the next processor.
+    let dispatch = Dispatch::new(chunks, spec.batchers, spec.batch_size);
+    let consumer = Consumer::new(config, settings.clone(), dispatch);
     consumer_ctx.run(consumer);
     pipeline
 }

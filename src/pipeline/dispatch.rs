@@ -1,0 +1,134 @@
+//! Which processor and which batcher each delivery goes to: a batch's worth to one batcher before
+//! the next one's turn (so batches fill one at a time), each chunk to the next processor. Chosen
+//! at the wiring (`pipeline::start`), applied by the consumer as deliveries arrive.
+
+use actix::prelude::*;
+
+use super::message::{Chunk, Delivery};
+
+/// The dispatch policy and where it stands.
+pub struct Dispatch {
+    /// Processors, fed a chunk each, round-robin (`warren ctl scale` replaces them).
+    processors: Vec<Recipient<Chunk>>,
+    next_processor: usize,
+    /// Where the next deliveries go among the batchers.
+    fill: Fill,
+}
+
+/// Cuts deliveries into chunks of at most a batch's worth per batcher, in turn.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Fill {
+    batchers: usize,
+    batch_size: usize,
+    /// The batcher the current chunk goes to, and how many it got so far.
+    current: usize,
+    filled: usize,
+}
+
+impl Fill {
+    /// Cuts `items` into `(batcher, part)` in order.
+    fn cut<T>(&mut self, mut items: Vec<T>) -> Vec<(usize, Vec<T>)> {
+        let mut out = Vec::new();
+        while !items.is_empty() {
+            let room = self.batch_size - self.filled;
+            let rest = if items.len() > room {
+                items.split_off(room)
+            } else {
+                Vec::new()
+            };
+            self.filled += items.len();
+            let batcher = self.current;
+            if self.filled >= self.batch_size {
+                self.filled = 0;
+                self.current = (self.current + 1) % self.batchers;
+            }
+            out.push((batcher, items));
+            items = rest;
+        }
+        out
+    }
+}
+
+impl Dispatch {
+    /// Chunks for `batchers` batchers of `batch_size`, over `processors` (at least one).
+    pub fn new(processors: Vec<Recipient<Chunk>>, batchers: usize, batch_size: usize) -> Self {
+        Self {
+            processors,
+            next_processor: 0,
+            fill: Fill {
+                batchers: batchers.max(1),
+                batch_size: batch_size.max(1),
+                current: 0,
+                filled: 0,
+            },
+        }
+    }
+
+    /// Hands `deliveries` onwards, in chunks.
+    pub fn hand_on(&mut self, deliveries: Vec<Delivery>) {
+        for (batcher, deliveries) in self.fill.cut(deliveries) {
+            let processor = &self.processors[self.next_processor];
+            self.next_processor = (self.next_processor + 1) % self.processors.len();
+            processor.do_send(Chunk {
+                batcher,
+                deliveries,
+            });
+        }
+    }
+
+    /// Feeds `processors` from now on; an empty list changes nothing (false).
+    pub fn set_processors(&mut self, processors: Vec<Recipient<Chunk>>) -> bool {
+        if processors.is_empty() {
+            return false;
+        }
+        self.processors = processors;
+        self.next_processor = 0;
+        true
+    }
+
+    /// How many processors it feeds.
+    pub fn processors(&self) -> usize {
+        self.processors.len()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn fill(batchers: usize, batch_size: usize) -> Fill {
+        Fill {
+            batchers,
+            batch_size,
+            current: 0,
+            filled: 0,
+        }
+    }
+
+    #[test]
+    fn a_batch_s_worth_goes_to_one_batcher_before_the_next_ones_turn() {
+        let mut f = fill(2, 3);
+        let cut = f.cut((0..8).collect());
+        assert_eq!(
+            cut,
+            vec![(0, vec![0, 1, 2]), (1, vec![3, 4, 5]), (0, vec![6, 7])]
+        );
+        // The next deliveries fill the batch under way first.
+        assert_eq!(f.cut(vec![8, 9]), vec![(0, vec![8]), (1, vec![9])]);
+        assert_eq!(f.cut(Vec::<u8>::new()), vec![]);
+    }
+
+    #[test]
+    fn every_delivery_is_cut_once_in_order() {
+        let mut f = fill(3, 7);
+        let mut seen = Vec::new();
+        for n in [1, 50, 6, 7, 0, 13] {
+            let start = seen.len();
+            for (batcher, part) in f.cut((start..start + n).collect::<Vec<_>>()) {
+                assert!(batcher < 3 && !part.is_empty() && part.len() <= 7);
+                seen.extend(part);
+            }
+        }
+        assert_eq!(seen, (0..77).collect::<Vec<_>>());
+    }
+}
