@@ -113,37 +113,21 @@ pub async fn run(settings: Settings, shutdown: impl Future<Output = ()>) -> anyh
     );
     let pool = db::pool(&sized)?;
     let domain = Arc::new(Users);
+    // Every main stage first, then every DLQ stage: users (typed) and the file's (mapped).
     let mut pipelines = Vec::new();
-    if settings.has_role(Role::Consumer) {
-        if builtin_users {
-            pipelines.push(pipeline::start(
-                &settings,
-                Spec::main(&settings),
-                domain.clone(),
-                pool.clone(),
-                depths.clone(),
-            ));
+    for role in [Role::Consumer, Role::Dlq] {
+        if !settings.has_role(role) {
+            continue;
         }
-        for (view, name, _, mapping) in &configured {
-            let spec = Spec {
-                name,
-                pipeline: name.to_string(),
-                ..Spec::main(view)
-            };
+        let stage = |view: &Settings| match role {
+            Role::Dlq => Spec::dlq(view),
+            _ => Spec::main(view),
+        };
+        if builtin_users {
+            let spec = stage(&settings);
             pipelines.push(pipeline::start(
                 &settings,
                 spec,
-                mapping.clone(),
-                pool.clone(),
-                depths.clone(),
-            ));
-        }
-    }
-    if settings.has_role(Role::Dlq) {
-        if builtin_users {
-            pipelines.push(pipeline::start(
-                &settings,
-                Spec::dlq(&settings),
                 domain.clone(),
                 pool.clone(),
                 depths.clone(),
@@ -151,9 +135,9 @@ pub async fn run(settings: Settings, shutdown: impl Future<Output = ()>) -> anyh
         }
         for (view, name, dlq_name, mapping) in &configured {
             let spec = Spec {
-                name: dlq_name,
+                name: if role == Role::Dlq { dlq_name } else { name },
                 pipeline: name.to_string(),
-                ..Spec::dlq(view)
+                ..stage(view)
             };
             pipelines.push(pipeline::start(
                 &settings,
