@@ -18,7 +18,9 @@
 //!   (`METRICS_ADDR`: `/metrics`, `/healthz`, `/readyz`).
 //! - [`metrics`]: every metric name and label; it imports nothing of the stages or the broker
 //!   link (they call it).
-//! - [`registry`]: the Redis instance registry, heartbeats, shutdown history, remote control.
+//! - [`registry`]: the Redis instance registry and remote control: `redis` (the link: reconnects,
+//!   call bound, no password in messages), `instance` (key scheme, heartbeat, rates, shutdown
+//!   record, the live instances), `commands` (signed remote commands, the guard, outcomes).
 //! - [`cli`]: one file per subcommand of the `warren` binary.
 
 pub mod amqp;
