@@ -17,7 +17,7 @@ use crate::config::{Role, Settings};
 use crate::domain::mapping::Mapping;
 use crate::domain::users::Users;
 use crate::pipeline::{self, Pipeline, Spec};
-use crate::registry::{CtlCommand, Registry, Report};
+use crate::registry::{Command, CtlCommand, Registry, Report};
 use crate::{db, http, metrics};
 
 /// Runs the roles of `settings` until `shutdown` resolves (or a remote `drain`), then stops
@@ -191,7 +191,7 @@ pub async fn run(settings: Settings, shutdown: impl Future<Output = ()>) -> anyh
             _ = &mut shutdown => break "signal",
             Some((command, reply)) = ctl_rx.recv() => {
                 let result = apply(&command, &pipelines, &report_tx);
-                let drain = command.command == "drain" && result.is_ok();
+                let drain = command.command == Command::Drain && result.is_ok();
                 info!(command = %command.command, id = %command.id, ok = result.is_ok(), "remote command");
                 let _ = reply.send(result);
                 if drain {
@@ -253,7 +253,7 @@ fn apply(
     let chosen: Vec<&Pipeline> = match &command.pipeline {
         None => pipelines.iter().collect(),
         Some(name) => {
-            if command.command == "drain" {
+            if command.command == Command::Drain {
                 return Err("drain applies to the whole instance, not to one pipeline".into());
             }
             let chosen: Vec<&Pipeline> = pipelines.iter().filter(|p| p.pipeline == *name).collect();
@@ -276,8 +276,8 @@ fn apply(
                 .store(on && !whole, std::sync::atomic::Ordering::Relaxed);
         }
     };
-    match command.command.as_str() {
-        "pause" => {
+    match &command.command {
+        Command::Pause => {
             needs_consumer()?;
             chosen.iter().for_each(|p| p.hold(true));
             mark_paused(true);
@@ -286,7 +286,7 @@ fn apply(
             }
             Ok(())
         }
-        "resume" => {
+        Command::Resume => {
             needs_consumer()?;
             chosen.iter().for_each(|p| p.hold(false));
             mark_paused(false);
@@ -295,12 +295,9 @@ fn apply(
             }
             Ok(())
         }
-        "drain" => Ok(()),
-        "scale" => {
+        Command::Drain => Ok(()),
+        &Command::Scale { processors: n } => {
             needs_consumer()?;
-            let n = command
-                .processors
-                .ok_or_else(|| "scale needs a number of processors".to_string())?;
             for p in &chosen {
                 p.scale(n)?;
             }
@@ -309,11 +306,8 @@ fn apply(
             }
             Ok(())
         }
-        "rate" => {
+        &Command::Rate { per_s: n } => {
             needs_consumer()?;
-            let n = command
-                .rate
-                .ok_or_else(|| "rate needs a number of messages per second".to_string())?;
             for p in &chosen {
                 p.rate(n)?;
             }
@@ -322,7 +316,16 @@ fn apply(
             }
             Ok(())
         }
-        other => Err(format!("unknown command {other:?}")),
+        // Read from Redis in a shape no `warren ctl` sends: refused, and recorded as failed.
+        Command::ScaleWithoutProcessors => {
+            needs_consumer()?;
+            Err("scale needs a number of processors".to_string())
+        }
+        Command::RateWithoutLimit => {
+            needs_consumer()?;
+            Err("rate needs a number of messages per second".to_string())
+        }
+        Command::Unknown(name) => Err(format!("unknown command {name:?}")),
     }
 }
 
@@ -379,5 +382,77 @@ async fn registry_loop(
                 }
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Commands read from Redis, applied by an instance without pipelines, with what the code
+    /// before the typed command answered (captured, not recomputed): an unknown name is refused
+    /// by name, whatever its pipeline; a drain for one pipeline is refused before anything else.
+    #[test]
+    fn commands_are_applied_or_refused_as_before() {
+        let (report, _) = watch::channel(Report {
+            status: "running",
+            processors: 1,
+            rate_limit_per_s: 0,
+        });
+        let no_consumer = Err("this instance runs no consumer role".to_string());
+        for (raw, before) in [
+            (
+                r#"{"id":"a","command":"pause","issued_at":1,"by":"b"}"#,
+                no_consumer.clone(),
+            ),
+            (
+                r#"{"id":"a","command":"resume","issued_at":1,"by":"b"}"#,
+                no_consumer.clone(),
+            ),
+            (
+                r#"{"id":"a","command":"drain","issued_at":1,"by":"b"}"#,
+                Ok(()),
+            ),
+            (
+                r#"{"id":"a","command":"drain","pipeline":"orders","issued_at":1,"by":"b"}"#,
+                Err("drain applies to the whole instance, not to one pipeline".to_string()),
+            ),
+            (
+                r#"{"id":"a","command":"scale","processors":3,"issued_at":1,"by":"b"}"#,
+                no_consumer.clone(),
+            ),
+            (
+                r#"{"id":"a","command":"scale","issued_at":1,"by":"b"}"#,
+                no_consumer.clone(),
+            ),
+            (
+                r#"{"id":"a","command":"rate","rate":3,"issued_at":1,"by":"b"}"#,
+                no_consumer.clone(),
+            ),
+            (
+                r#"{"id":"a","command":"rate","processors":3,"issued_at":1,"by":"b"}"#,
+                no_consumer.clone(),
+            ),
+            (
+                r#"{"id":"a","command":"reboot","issued_at":1,"by":"b"}"#,
+                Err(r#"unknown command "reboot""#.to_string()),
+            ),
+            (
+                r#"{"id":"a","command":"reboot","pipeline":"orders","issued_at":1,"by":"b"}"#,
+                Err(r#"unknown command "reboot""#.to_string()),
+            ),
+            (
+                r#"{"id":"a","command":"Drain","issued_at":1,"by":"b"}"#,
+                Err(r#"unknown command "Drain""#.to_string()),
+            ),
+            (
+                r#"{"id":"a","command":"pause","processors":4,"issued_at":1,"by":"b"}"#,
+                no_consumer.clone(),
+            ),
+        ] {
+            let command: CtlCommand = serde_json::from_str(raw).unwrap();
+            assert_eq!(apply(&command, &[], &report), before, "{raw}");
+        }
+        assert_eq!(report.borrow().status, "running", "nothing applied");
     }
 }

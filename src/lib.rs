@@ -20,7 +20,8 @@
 //!   link (they call it).
 //! - [`registry`]: the Redis instance registry and remote control: `redis` (the link: reconnects,
 //!   call bound, no password in messages), `instance` (key scheme, heartbeat, rates, shutdown
-//!   record, the live instances), `commands` (signed remote commands, the guard, outcomes).
+//!   record, the live instances), `commands` (the remote commands, typed as `Command`, their
+//!   wire form and signatures, the guard, outcomes).
 //! - [`cli`]: one file per subcommand of the `warren` binary.
 
 pub mod amqp;

@@ -14,7 +14,8 @@ use comfy_table::{Table, presets};
 use crate::cli::{json_terminal_safe, terminal_safe as safe};
 use crate::config::Settings;
 use crate::registry::{
-    self, CtlCommand, CtlOutcome, Keys, REFUSED_BAD_SIGNATURE, REFUSED_UNSIGNED, Redis, now_s, utc,
+    self, Command, CtlCommand, CtlOutcome, Keys, REFUSED_BAD_SIGNATURE, REFUSED_UNSIGNED, Redis,
+    now_s, utc,
 };
 
 #[derive(Debug, clap::Args)]
@@ -100,21 +101,21 @@ pub async fn execute(settings: &Settings, args: Args) -> anyhow::Result<i32> {
         bail!("{e}");
     }
     let secret = Some(settings.control_secret.as_str()).filter(|s| !s.is_empty());
-    let (name, processors, rate, target, pipeline) = match args.action {
+    let (asked, target, pipeline) = match args.action {
         Action::History { limit, json } => {
             return history(&mut redis, &keys, limit, json, secret).await;
         }
-        Action::Pause { target, only } => ("pause", None, None, target, only.pipeline),
-        Action::Resume { target, only } => ("resume", None, None, target, only.pipeline),
-        Action::Drain(t) => ("drain", None, None, t, None),
+        Action::Pause { target, only } => (Command::Pause, target, only.pipeline),
+        Action::Resume { target, only } => (Command::Resume, target, only.pipeline),
+        Action::Drain(t) => (Command::Drain, t, None),
         Action::Scale {
             processors,
             target,
             only,
         } => (
-            "scale",
-            Some(processors as usize),
-            None,
+            Command::Scale {
+                processors: processors as usize,
+            },
             target,
             only.pipeline,
         ),
@@ -122,7 +123,7 @@ pub async fn execute(settings: &Settings, args: Args) -> anyhow::Result<i32> {
             per_s,
             target,
             only,
-        } => ("rate", None, Some(per_s), target, only.pipeline),
+        } => (Command::Rate { per_s }, target, only.pipeline),
     };
     let Some(instances) = registry::instances(&mut redis, &keys).await else {
         bail!("lost the connection to Redis while listing instances");
@@ -149,17 +150,14 @@ pub async fn execute(settings: &Settings, args: Args) -> anyhow::Result<i32> {
             ),
         }
     }
-    let command = CtlCommand {
-        id: uuid::Uuid::new_v4().to_string(),
-        command: name.to_string(),
-        processors,
-        rate,
+    let command = CtlCommand::new(
+        uuid::Uuid::new_v4().to_string(),
+        asked,
         pipeline,
-        issued_at: now_s(),
-        by: format!("{}:{}", crate::hostname(), std::process::id()),
-        target: None,
-        signature: None,
-    };
+        now_s(),
+        format!("{}:{}", crate::hostname(), std::process::id()),
+    );
+    let name = command.command.name();
     for (host, pid) in &chosen {
         // One copy per instance: the signature covers the target (this run of the instance),
         // so it cannot be redirected, nor replayed to a later process with the same PID.

@@ -324,20 +324,7 @@ impl Registry {
 
     /// Records what this instance did with `command`.
     pub async fn record(&mut self, command: &CtlCommand, result: Result<(), String>) {
-        let mut outcome = CtlOutcome {
-            id: command.id.clone(),
-            command: command.command.clone(),
-            processors: command.processors,
-            rate: command.rate,
-            pipeline: command.pipeline.clone(),
-            host: self.instance.host.clone(),
-            pid: self.instance.pid,
-            outcome: if result.is_ok() { "executed" } else { "failed" }.into(),
-            error: result.err(),
-            at: now_s(),
-            run: Some(self.instance.run.clone()),
-            signature: None,
-        };
+        let mut outcome = CtlOutcome::of(command, &self.instance, result, now_s());
         self.guard.sign(&mut outcome);
         let Ok(json) = serde_json::to_string(&outcome) else {
             return;

@@ -10,15 +10,16 @@
 //!   warning per outage, no password in any message.
 //! - [`instance`]: the key scheme, this instance's hash and heartbeat (status, counters, rates),
 //!   the relay of its commands, its shutdown record, and the listing of every live instance.
-//! - [`commands`]: the signed remote commands and their outcomes: the canonical encoding,
-//!   HMAC-SHA256 signing and verification, and the [`Guard`] that refuses.
+//! - [`commands`]: the signed remote commands and their outcomes: the typed [`Command`] and its
+//!   wire form, the canonical encoding, HMAC-SHA256 signing and verification, and the [`Guard`]
+//!   that refuses.
 
 pub mod commands;
 pub mod instance;
 pub mod redis;
 
 pub use self::commands::{
-    CtlCommand, CtlOutcome, Guard, MAX_SKEW_S, REFUSED_BAD_SIGNATURE, REFUSED_UNSIGNED,
+    Command, CtlCommand, CtlOutcome, Guard, MAX_SKEW_S, REFUSED_BAD_SIGNATURE, REFUSED_UNSIGNED,
 };
 pub use self::instance::{
     INSTANCE_TTL_S, Instance, InstanceFields, Keys, RATE_WINDOW, Registry, Report, SHUTDOWNS_MAX,
