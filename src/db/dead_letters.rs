@@ -10,13 +10,17 @@
 //! idempotent: one row per message, found by its fingerprint (message id, body and the
 //! publisher's own headers, [`fingerprint`]; computed here,
 //! so a row parked without its id keeps it), re-opened if the message comes back after a
-//! replay.
+//! replay. Besides the park: the reads of `dlq parked list` and of the API's `GET` (a message's
+//! parked fate), and the locked select and the mark of `dlq parked replay`. Like every statement
+//! of warren's, they name the table unqualified: the connection's search path is
+//! `DATABASE_SCHEMA` ([`super::pg_config`]).
 
 use std::collections::HashSet;
 use std::time::Duration;
 
 use deadpool_postgres::Pool;
 use serde_json::Value;
+use tokio_postgres::{Client, Transaction};
 
 use super::{DbError, ErrorClass, abandon};
 
@@ -304,6 +308,178 @@ async fn insert(
         }
         Err(_) => Err(abandon(client, bound)),
     }
+}
+
+/// A limit as SQL takes it (`LIMIT $n` is a `bigint`): beyond `i64::MAX` is no limit.
+fn sql_limit(limit: u64) -> i64 {
+    i64::try_from(limit).unwrap_or(i64::MAX)
+}
+
+/// Fails when the table cannot be read (missing, or not readable by this role); reads no row.
+/// For work that must not start otherwise (a replay checks it before it touches the broker).
+pub async fn check(client: &Client) -> Result<(), tokio_postgres::Error> {
+    client
+        .query_one("SELECT count(*) FROM dead_letters WHERE false", &[])
+        .await
+        .map(drop)
+}
+
+/// How many rows of `pipeline` are open (parked, not replayed), of `kind` only when given.
+pub async fn count_open(
+    client: &Client,
+    pipeline: &str,
+    kind: Option<&str>,
+) -> Result<i64, tokio_postgres::Error> {
+    client
+        .query_one(
+            "SELECT count(*) FROM dead_letters \
+             WHERE replayed_at IS NULL AND ($1::text IS NULL OR error_kind = $1) \
+               AND pipeline = $2",
+            &[&kind, &pipeline],
+        )
+        .await
+        .and_then(|r| r.try_get(0))
+}
+
+/// An open row as `dlq parked list` shows it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Listed {
+    /// The row's key: the order rows were parked in.
+    pub seq: i64,
+    /// The AMQP message id, if it had one (and the database took it).
+    pub message_id: Option<String>,
+    /// `error_kind`.
+    pub kind: String,
+    /// `error_reason`.
+    pub reason: String,
+    /// `parked_at` in UTC, `YYYY-MM-DD HH:MM:SS`.
+    pub parked_at: String,
+    /// The body, byte for byte.
+    pub body: Vec<u8>,
+}
+
+/// The newest `limit` open rows of `pipeline` (of `kind` only, when given), newest first.
+pub async fn list_open(
+    client: &Client,
+    pipeline: &str,
+    kind: Option<&str>,
+    limit: u64,
+) -> Result<Vec<Listed>, tokio_postgres::Error> {
+    let rows = client
+        .query(
+            "SELECT seq, message_id, error_kind, error_reason, \
+                    to_char(parked_at AT TIME ZONE 'UTC', 'YYYY-MM-DD HH24:MI:SS'), body \
+             FROM dead_letters \
+             WHERE replayed_at IS NULL AND ($1::text IS NULL OR error_kind = $1) \
+               AND pipeline = $3 \
+             ORDER BY seq DESC LIMIT $2",
+            &[&kind, &sql_limit(limit), &pipeline],
+        )
+        .await?;
+    rows.iter()
+        .map(|r| {
+            Ok(Listed {
+                seq: r.try_get(0)?,
+                message_id: r.try_get(1)?,
+                kind: r.try_get(2)?,
+                reason: r.try_get(3)?,
+                parked_at: r.try_get(4)?,
+                body: r.try_get(5)?,
+            })
+        })
+        .collect()
+}
+
+/// An open row locked for a replay ([`lock_for_replay`]).
+#[derive(Debug, Clone, PartialEq)]
+pub struct ToReplay {
+    /// The row's key, to mark it replayed ([`mark_replayed`]).
+    pub seq: i64,
+    /// The AMQP message id, if it had one.
+    pub message_id: Option<String>,
+    /// The body, byte for byte.
+    pub body: Vec<u8>,
+    /// The AMQP headers as parked (JSON).
+    pub headers: Value,
+}
+
+/// Locks and returns up to `limit` open rows of `pipeline` (of `kind` only, when given) after
+/// `seq` `after`, oldest first, skipping rows another transaction holds. They stay locked until
+/// `tx` ends: two replays never send the same row, and a re-park of a row (`ON CONFLICT .. DO
+/// UPDATE SET replayed_at = NULL .. WHERE replayed_at IS NOT NULL`) waits for the commit of
+/// [`mark_replayed`] and then re-opens it instead of being overwritten by a late mark.
+pub async fn lock_for_replay(
+    tx: &Transaction<'_>,
+    pipeline: &str,
+    kind: Option<&str>,
+    after: i64,
+    limit: u64,
+) -> Result<Vec<ToReplay>, tokio_postgres::Error> {
+    let rows = tx
+        .query(
+            "SELECT seq, message_id, body, headers FROM dead_letters \
+             WHERE replayed_at IS NULL AND seq > $1 AND ($2::text IS NULL OR error_kind = $2) \
+               AND pipeline = $4 \
+             ORDER BY seq LIMIT $3 FOR UPDATE SKIP LOCKED",
+            &[&after, &kind, &sql_limit(limit), &pipeline],
+        )
+        .await?;
+    rows.iter()
+        .map(|r| {
+            Ok(ToReplay {
+                seq: r.try_get(0)?,
+                message_id: r.try_get(1)?,
+                body: r.try_get(2)?,
+                headers: r.try_get(3)?,
+            })
+        })
+        .collect()
+}
+
+/// Marks the rows `seqs` replayed, in `tx` (which the caller commits); returns how many rows
+/// changed.
+pub async fn mark_replayed(
+    tx: &Transaction<'_>,
+    seqs: &[i64],
+) -> Result<u64, tokio_postgres::Error> {
+    tx.execute(
+        "UPDATE dead_letters SET replayed_at = now() WHERE seq = ANY($1)",
+        &[&seqs],
+    )
+    .await
+}
+
+/// What became of a message that was parked and not replayed (the API's answer for it).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Fate {
+    /// `error_kind`.
+    pub kind: String,
+    /// `error_reason`.
+    pub reason: String,
+    /// `parked_at` in UTC, RFC 3339 with microseconds: `2024-05-01T12:00:00.000000Z`.
+    pub parked_at: String,
+}
+
+/// The newest open row with message id `message_id` (of `pipeline` only, when given).
+pub async fn open_fate(
+    client: &Client,
+    pipeline: Option<&str>,
+    message_id: &str,
+) -> Result<Option<Fate>, tokio_postgres::Error> {
+    let parked = client
+        .query_opt(
+            "SELECT error_kind, error_reason, \
+             to_char(parked_at AT TIME ZONE 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS.US\"Z\"') \
+             FROM dead_letters WHERE message_id = $1 AND replayed_at IS NULL \
+             AND ($2::text IS NULL OR pipeline = $2) ORDER BY seq DESC LIMIT 1",
+            &[&message_id, &pipeline],
+        )
+        .await?;
+    Ok(parked.map(|row| Fate {
+        kind: row.get(0),
+        reason: row.get(1),
+        parked_at: row.get(2),
+    }))
 }
 
 #[cfg(test)]

@@ -26,7 +26,7 @@ use uuid::Uuid;
 use crate::amqp::AmqpError;
 use crate::amqp::publisher::{IsConnected, Publish, Publisher, json_properties};
 use crate::config::Settings;
-use crate::db::DbError;
+use crate::db::{DbError, dead_letters};
 use crate::domain::users::{FieldError, User, validate};
 
 /// Largest accepted request body.
@@ -510,17 +510,8 @@ async fn parked_fate(
     pipeline: Option<&str>,
     id: &str,
 ) -> Result<Found, tokio_postgres::Error> {
-    let parked = client
-        .query_opt(
-            "SELECT error_kind, error_reason, \
-             to_char(parked_at AT TIME ZONE 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS.US\"Z\"') \
-             FROM dead_letters WHERE message_id = $1 AND replayed_at IS NULL \
-             AND ($2::text IS NULL OR pipeline = $2) ORDER BY seq DESC LIMIT 1",
-            &[&id, &pipeline],
-        )
-        .await?;
-    Ok(match parked {
-        Some(row) => Found::Parked(row.get(0), row.get(1), row.get(2)),
+    Ok(match dead_letters::open_fate(client, pipeline, id).await? {
+        Some(fate) => Found::Parked(fate.kind, fate.reason, fate.parked_at),
         None => Found::Nothing,
     })
 }

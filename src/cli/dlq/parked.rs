@@ -15,6 +15,7 @@ use super::{
 use crate::amqp::publisher::{Publish, json_properties, publish_confirmed};
 use crate::amqp::{self, headers};
 use crate::config::{Settings, redact_url};
+use crate::db::dead_letters::{self, Listed};
 use crate::db::{self, DbError};
 
 async fn database(settings: &Settings) -> anyhow::Result<tokio_postgres::Client> {
@@ -41,87 +42,41 @@ fn table_error(settings: &Settings, e: tokio_postgres::Error) -> anyhow::Error {
     )
 }
 
-fn sql_limit(limit: u64) -> i64 {
-    i64::try_from(limit).unwrap_or(i64::MAX)
+/// One parked row as `parked list --json` prints it.
+fn row_json(row: &Listed) -> serde_json::Value {
+    serde_json::json!({
+        "seq": row.seq,
+        "message_id": row.message_id,
+        "kind": row.kind,
+        "reason": row.reason,
+        "parked_at": format!("{}Z", row.parked_at.replace(' ', "T")),
+        "body": String::from_utf8_lossy(&row.body),
+    })
 }
 
-/// One row of `dead_letters` as `parked list` shows it.
-struct ParkedRow {
-    seq: i64,
-    message_id: Option<String>,
-    kind: String,
-    reason: String,
-    /// `parked_at` in UTC, `YYYY-MM-DD HH:MM:SS`.
-    parked_at: String,
-    body: Vec<u8>,
-}
-
-impl ParkedRow {
-    fn from_row(r: &tokio_postgres::Row) -> Result<Self, tokio_postgres::Error> {
-        Ok(Self {
-            seq: r.try_get(0)?,
-            message_id: r.try_get(1)?,
-            kind: r.try_get(2)?,
-            reason: r.try_get(3)?,
-            parked_at: r.try_get(4)?,
-            body: r.try_get(5)?,
-        })
-    }
-
-    fn json(&self) -> serde_json::Value {
-        serde_json::json!({
-            "seq": self.seq,
-            "message_id": self.message_id,
-            "kind": self.kind,
-            "reason": self.reason,
-            "parked_at": format!("{}Z", self.parked_at.replace(' ', "T")),
-            "body": String::from_utf8_lossy(&self.body),
-        })
-    }
-
-    fn cells(&self) -> Vec<String> {
-        vec![
-            self.seq.to_string(),
-            self.message_id
-                .as_deref()
-                .map(cell)
-                .unwrap_or_else(|| "-".into()),
-            cell(&self.kind),
-            self.parked_at.clone(),
-            preview(&self.reason, 50),
-            preview(&String::from_utf8_lossy(&self.body), 50),
-        ]
-    }
+/// One parked row as a line of `parked list`'s table.
+fn row_cells(row: &Listed) -> Vec<String> {
+    vec![
+        row.seq.to_string(),
+        row.message_id
+            .as_deref()
+            .map(cell)
+            .unwrap_or_else(|| "-".into()),
+        cell(&row.kind),
+        row.parked_at.clone(),
+        preview(&row.reason, 50),
+        preview(&String::from_utf8_lossy(&row.body), 50),
+    ]
 }
 
 pub(super) async fn parked_list(settings: &Settings, args: ParkedListArgs) -> anyhow::Result<i32> {
     let client = database(settings).await?;
-    let total: i64 = client
-        .query_one(
-            "SELECT count(*) FROM dead_letters \
-             WHERE replayed_at IS NULL AND ($1::text IS NULL OR error_kind = $1) \
-               AND pipeline = $2",
-            &[&args.kind, &args.pipeline],
-        )
+    let kind = args.kind.as_deref();
+    let total = dead_letters::count_open(&client, &args.pipeline, kind)
         .await
-        .and_then(|r| r.try_get(0))
         .map_err(|e| table_error(settings, e))?;
-    let rows = client
-        .query(
-            "SELECT seq, message_id, error_kind, error_reason, \
-                    to_char(parked_at AT TIME ZONE 'UTC', 'YYYY-MM-DD HH24:MI:SS'), body \
-             FROM dead_letters \
-             WHERE replayed_at IS NULL AND ($1::text IS NULL OR error_kind = $1) \
-               AND pipeline = $3 \
-             ORDER BY seq DESC LIMIT $2",
-            &[&args.kind, &sql_limit(args.limit), &args.pipeline],
-        )
+    let rows = dead_letters::list_open(&client, &args.pipeline, kind, args.limit)
         .await
-        .and_then(|rows| {
-            rows.iter()
-                .map(ParkedRow::from_row)
-                .collect::<Result<Vec<_>, _>>()
-        })
         .map_err(|e| table_error(settings, e))?;
     let filter = args
         .kind
@@ -137,14 +92,17 @@ pub(super) async fn parked_list(settings: &Settings, args: ParkedListArgs) -> an
     );
     if args.json {
         for r in &rows {
-            println!("{}", crate::cli::json_terminal_safe(&r.json().to_string()));
+            println!(
+                "{}",
+                crate::cli::json_terminal_safe(&row_json(r).to_string())
+            );
         }
         eprintln!("{summary}");
         return Ok(0);
     }
     println!("{summary}");
     if !rows.is_empty() {
-        let cells: Vec<Vec<String>> = rows.iter().map(ParkedRow::cells).collect();
+        let cells: Vec<Vec<String>> = rows.iter().map(row_cells).collect();
         let header = [
             "SEQ",
             "MESSAGE ID",
@@ -237,8 +195,7 @@ pub(super) async fn parked_replay(
 ) -> anyhow::Result<i32> {
     let mut client = database(settings).await?;
     // Fails early, before the broker is touched, when the table is missing.
-    client
-        .query_one("SELECT count(*) FROM dead_letters WHERE false", &[])
+    dead_letters::check(&client)
         .await
         .map_err(|e| table_error(settings, e))?;
     let conn = broker(settings).await?;
@@ -271,25 +228,6 @@ pub(super) async fn parked_replay(
         return Ok(1);
     }
     Ok(0)
-}
-
-/// One row selected for replay.
-struct ReplayRow {
-    seq: i64,
-    message_id: Option<String>,
-    body: Vec<u8>,
-    headers: serde_json::Value,
-}
-
-impl ReplayRow {
-    fn from_row(r: &tokio_postgres::Row) -> Result<Self, tokio_postgres::Error> {
-        Ok(Self {
-            seq: r.try_get(0)?,
-            message_id: r.try_get(1)?,
-            body: r.try_get(2)?,
-            headers: r.try_get(3)?,
-        })
-    }
 }
 
 /// Rows locked, published and marked per transaction: bounds how long a concurrent re-park of
@@ -329,29 +267,17 @@ async fn parked_replay_on(
         if budget == 0 {
             break;
         }
-        // The rows stay locked from before their publish until replayed_at is committed: two
-        // replays never send the same row, and a re-park of a row (`ON CONFLICT .. DO UPDATE SET
-        // replayed_at = NULL .. WHERE replayed_at IS NOT NULL`) waits for the commit and then
-        // re-opens it instead of being overwritten by a late mark.
+        // The rows stay locked from before their publish until replayed_at is committed
+        // (`dead_letters::lock_for_replay`): two replays never send the same row, and a
+        // concurrent re-park waits and then re-opens the row.
         let tx = client
             .transaction()
             .await
             .map_err(|e| table_error(settings, e))?;
-        let rows = tx
-            .query(
-                "SELECT seq, message_id, body, headers FROM dead_letters \
-                 WHERE replayed_at IS NULL AND seq > $1 AND ($2::text IS NULL OR error_kind = $2) \
-                   AND pipeline = $4 \
-                 ORDER BY seq LIMIT $3 FOR UPDATE SKIP LOCKED",
-                &[&after, &args.kind, &sql_limit(budget), &args.pipeline],
-            )
-            .await
-            .and_then(|rows| {
-                rows.iter()
-                    .map(ReplayRow::from_row)
-                    .collect::<Result<Vec<_>, _>>()
-            })
-            .map_err(|e| table_error(settings, e))?;
+        let rows =
+            dead_letters::lock_for_replay(&tx, &args.pipeline, args.kind.as_deref(), after, budget)
+                .await
+                .map_err(|e| table_error(settings, e))?;
         if rows.is_empty() {
             break;
         }
@@ -399,11 +325,7 @@ async fn parked_replay_on(
             continue;
         }
         let marked = async {
-            tx.execute(
-                "UPDATE dead_letters SET replayed_at = now() WHERE seq = ANY($1)",
-                &[&confirmed],
-            )
-            .await?;
+            dead_letters::mark_replayed(&tx, &confirmed).await?;
             tx.commit().await
         }
         .await;
