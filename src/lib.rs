@@ -7,7 +7,8 @@
 //! - [`config`]: typed settings, their layering and validation.
 //! - [`topology`]: the declared RabbitMQ topology and its idempotent declare.
 //! - [`amqp`]: connections to one of several nodes with heartbeats and backoff, the confirmed
-//!   publisher (pipeline, API, CLI), the `x-*` headers, the queue poller (`monitor`).
+//!   publisher (pipeline, API, CLI), the `x-*` headers, the queue poller (`monitor`), and
+//!   `transfer`, the one get -> publish with confirm -> ack loop (`move`, `dlq replay`).
 //! - [`pipeline`]: the stages, wired in flow order in `pipeline/mod.rs` with the one shutdown
 //!   sequence: message, consumer (broker link), acks, processor, batcher (flush rules), sink
 //!   (insert, retry in place, row isolation), breaker, router (outcome policy), dlq.

@@ -6,13 +6,13 @@
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
+use lapin::Connection;
 use lapin::message::BasicGetMessage;
-use lapin::options::{BasicAckOptions, BasicGetOptions, ConfirmSelectOptions};
-use lapin::{Channel, Connection};
 use tokio_util::sync::CancellationToken;
 
-use crate::amqp::publisher::{Publish, publish_group};
+use crate::amqp::publisher::Publish;
 use crate::amqp::republish::{self, Stamp};
+use crate::amqp::transfer::{self, Route, Stop};
 use crate::amqp::{self, AmqpError};
 use crate::config::{Settings, redact_url};
 
@@ -170,6 +170,8 @@ pub struct Tally {
 /// until the source is empty, the limit or the source's starting depth is reached, a failure,
 /// or `stop` (which also ends a wait for the source that does not answer: what it took is not
 /// acked and returns to it). An error means nothing was taken (a missing queue or exchange).
+/// The loop is [`transfer`](crate::amqp::transfer), a window of `--in-flight` messages at a
+/// time, each copy through the republish policy.
 pub async fn move_messages(
     conn: &Connection,
     plan: &Plan,
@@ -191,102 +193,53 @@ pub async fn move_messages(
         );
     }
     let budget = plan.limit.map_or(present, |l| l.min(present));
-    let get = conn.create_channel().await?;
-    let publish = conn.create_channel().await?;
-    publish
-        .confirm_select(ConfirmSelectOptions::default())
-        .await
-        .context("cannot put the publishing channel in confirm mode")?;
-
-    let mut tally = Tally::default();
-    let started = Instant::now();
-    let mut reported = Instant::now();
-    while tally.moved < budget && tally.failure.is_none() {
-        if stop.is_cancelled() {
-            tally.interrupted = true;
-            break;
-        }
-        let want = (budget - tally.moved).min(plan.in_flight as u64) as usize;
-        let window = tokio::select! {
-            taken = tokio::time::timeout(plan.timeout, take(&get, &plan.source, want)) => taken,
-            _ = stop.cancelled() => {
-                tally.interrupted = true;
-                break;
-            }
-        };
-        let window = match window {
-            Ok(Ok(w)) if w.is_empty() => break,
-            Ok(Ok(w)) => w,
-            Ok(Err(e)) => {
-                tally.failure = Some(format!(
-                    "basic.get on {}: {e} (unacked messages return to it)",
-                    plan.source
-                ));
-                break;
-            }
-            Err(_) => {
-                tally.failure = Some(format!(
-                    "basic.get on {} not answered within {:?} (unacked messages return to it)",
-                    plan.source, plan.timeout
-                ));
-                break;
-            }
-        };
-        // A window being forwarded finishes (its publishes and the ack are bounded): stopping
-        // in the middle would leave its copies in both places.
-        match forward(&publish, &get, window, plan).await {
-            Ok(n) => tally.moved += n,
-            Err(failure) => tally.failure = Some(failure),
-        }
-        if reported.elapsed() >= Duration::from_secs(1) {
-            reported = Instant::now();
-            eprintln!(
-                "moved {} of {budget} ({:.0} msg/s)",
-                tally.moved,
-                tally.moved as f64 / started.elapsed().as_secs_f64()
-            );
-        }
-    }
-    let _ = publish.close(200, "bye".into()).await;
-    // Unacked messages (a failed window) go back to the source now.
-    let _ = get.close(200, "bye".into()).await;
-    Ok(tally)
+    let mut mover = Mover {
+        target: &plan.target,
+        budget,
+        started: Instant::now(),
+        reported: Instant::now(),
+    };
+    let moved = transfer::transfer(
+        conn,
+        &transfer::Plan {
+            queue: &plan.source,
+            take: budget,
+            publish: None,
+            window: plan.in_flight,
+            confirm_timeout: plan.timeout,
+            get_timeout: Some(plan.timeout),
+            frame_max: plan.frame_max,
+        },
+        &mut mover,
+        stop,
+    )
+    .await?;
+    Ok(Tally {
+        moved: moved.acked,
+        failure: moved.stopped.map(|s| failure(&s, &plan.source)),
+        interrupted: moved.interrupted,
+    })
 }
 
-/// Up to `n` messages of `queue`, unacked on `channel`; fewer when it runs empty.
-async fn take(
-    channel: &Channel,
-    queue: &str,
-    n: usize,
-) -> Result<Vec<BasicGetMessage>, lapin::Error> {
-    let mut window = Vec::with_capacity(n);
-    while window.len() < n {
-        match channel
-            .basic_get(queue.into(), BasicGetOptions { no_ack: false })
-            .await?
-        {
-            Some(m) => window.push(m),
-            None => break,
-        }
-    }
-    Ok(window)
+/// The route of a move: every message, to the target, and a progress line a second.
+struct Mover<'a> {
+    /// Where the copies go.
+    target: &'a Target,
+    /// How many the move takes at most (the report's "of N").
+    budget: u64,
+    /// When the move began, for the rate.
+    started: Instant,
+    /// When progress was last reported: at most once a second.
+    reported: Instant,
 }
 
-/// Republishes `window` (in order, as one group: a returned copy is told to the right message),
-/// then acks it at the source with one multiple ack: all of it, or, if any copy failed, none of
-/// it.
-/// Returns how many were moved, or why it stopped.
-async fn forward(
-    publish: &Channel,
-    get: &Channel,
-    mut window: Vec<BasicGetMessage>,
-    plan: &Plan,
-) -> Result<u64, String> {
-    let copies = window
-        .iter_mut()
-        .map(|m| Publish {
-            exchange: plan.target.exchange.clone(),
-            routing_key: plan
+impl Route for Mover<'_> {
+    /// The copy: body unchanged, properties as the republish policy keeps them (stamped as a
+    /// fresh start), the target's routing key or the message's own.
+    fn route(&mut self, m: &mut BasicGetMessage) -> Option<Publish> {
+        Some(Publish {
+            exchange: self.target.exchange.clone(),
+            routing_key: self
                 .target
                 .routing_key
                 .clone()
@@ -300,52 +253,55 @@ async fn forward(
                 },
             ),
         })
-        .collect();
-    let results = publish_group(publish, copies, plan.frame_max, plan.timeout).await;
-    let confirmed = results.iter().filter(|r| r.is_ok()).count();
-    if let Some((i, Err(e))) = results.iter().enumerate().find(|(_, r)| r.is_err()) {
-        let id = message_id(&window[i]);
-        let mut failure = format!(
-            "message {id} was not republished: {e}; it and the {} other messages taken with it \
-             stay in {}",
-            window.len() - 1,
-            plan.source
-        );
-        if confirmed > 0 {
-            failure.push_str(&format!(
-                " ({confirmed} of them were confirmed at the destination too: moving again \
-                 sends those twice)"
-            ));
-        }
-        return Err(failure);
     }
-    let Some(last) = window.last() else {
-        return Ok(0);
-    };
-    let acked = get
-        .basic_ack(
-            last.delivery.delivery_tag,
-            BasicAckOptions { multiple: true },
-        )
-        .await;
-    match acked {
-        Ok(()) => Ok(window.len() as u64),
-        Err(e) => Err(format!(
-            "{} messages were republished but could not be acked at {} ({e}): they are in both \
-             places",
-            window.len(),
-            plan.source
-        )),
+
+    fn published(&mut self, tally: &transfer::Tally) {
+        if self.reported.elapsed() >= Duration::from_secs(1) {
+            self.reported = Instant::now();
+            eprintln!(
+                "moved {} of {} ({:.0} msg/s)",
+                tally.acked,
+                self.budget,
+                tally.acked as f64 / self.started.elapsed().as_secs_f64()
+            );
+        }
     }
 }
 
-fn message_id(m: &BasicGetMessage) -> String {
-    m.delivery
-        .properties
-        .message_id()
-        .as_ref()
-        .map(|s| s.as_str().to_string())
-        .unwrap_or_else(|| format!("(no message id, delivery {})", m.delivery.delivery_tag))
+/// What `warren move` says of a transfer that stopped early, `source` being the queue.
+fn failure(stop: &Stop, source: &str) -> String {
+    match stop {
+        Stop::Get(e) => format!("basic.get on {source}: {e} (unacked messages return to it)"),
+        Stop::GetTimeout(bound) => format!(
+            "basic.get on {source} not answered within {bound:?} (unacked messages return to it)"
+        ),
+        Stop::NotPublished {
+            message_id,
+            error,
+            window,
+            confirmed,
+        } => {
+            let mut failure = format!(
+                "message {message_id} was not republished: {error}; it and the {} other messages \
+                 taken with it stay in {source}",
+                window - 1,
+            );
+            if *confirmed > 0 {
+                failure.push_str(&format!(
+                    " ({confirmed} of them were confirmed at the destination too: moving again \
+                     sends those twice)"
+                ));
+            }
+            failure
+        }
+        Stop::NotAcked { count, error, .. } => format!(
+            "{count} messages were republished but could not be acked at {source} ({error}): \
+             they are in both places"
+        ),
+        Stop::NotReturned(e) => format!(
+            "cannot return the messages to {source} ({e}); closing the channel returns them"
+        ),
+    }
 }
 
 fn plural(n: u64) -> String {

@@ -8,7 +8,7 @@ use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
 use lapin::{BasicProperties, Connection};
 use tokio_postgres::NoTls;
 
-use super::queue::{Tally, broker};
+use super::queue::broker;
 use super::{
     ParkedListArgs, ParkedReplayArgs, X_DLQ_ATTEMPTS, cell, now_s, plural, preview, table,
 };
@@ -228,6 +228,20 @@ pub(super) async fn parked_replay(
         return Ok(1);
     }
     Ok(0)
+}
+
+/// Counts of a parked replay.
+#[derive(Debug, Default)]
+struct Tally {
+    /// Rows published (confirmed).
+    replayed: u64,
+    /// Rows left untouched: not publishable, or their publish failed.
+    failed: u64,
+    /// The first failure, for the report; a replay stops at a failed publish.
+    failure: Option<String>,
+    /// Rows published (confirmed) whose `replayed_at` could not be committed: still open, so
+    /// listed and replayed again (the idempotent insert stores each message once).
+    unmarked: u64,
 }
 
 /// Rows locked, published and marked per transaction: bounds how long a concurrent re-park of

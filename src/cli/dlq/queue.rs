@@ -3,13 +3,15 @@
 
 use anyhow::Context as _;
 use lapin::message::BasicGetMessage;
-use lapin::options::{BasicAckOptions, BasicGetOptions, BasicNackOptions, ConfirmSelectOptions};
+use lapin::options::BasicGetOptions;
 use lapin::{Channel, Connection};
+use tokio_util::sync::CancellationToken;
 
 use super::{
     BrokerDeath, InspectArgs, ReplayArgs, age, cell, kind_of, now_s, plural, preview, table,
 };
-use crate::amqp::publisher::{Publish, publish_confirmed};
+use crate::amqp::publisher::Publish;
+use crate::amqp::transfer::{self, Stop};
 use crate::amqp::{self, headers};
 use crate::config::{Settings, redact_url};
 
@@ -35,21 +37,15 @@ async fn depth(conn: &Connection, queue: &str) -> anyhow::Result<u32> {
     }
 }
 
+/// Why messages taken from the DLQ may still be there until their channel closes.
+const NOT_RETURNED: &str =
+    "cannot return the messages to the DLQ (closing the channel returns them)";
+
 /// Returns every message still unacked on `channel` up to `last_tag` to its queue.
 async fn requeue_up_to(channel: &Channel, last_tag: Option<u64>) -> anyhow::Result<()> {
-    if let Some(tag) = last_tag {
-        channel
-            .basic_nack(
-                tag,
-                BasicNackOptions {
-                    multiple: true,
-                    requeue: true,
-                },
-            )
-            .await
-            .context("cannot return the messages to the DLQ (closing the channel returns them)")?;
-    }
-    Ok(())
+    transfer::give_back(channel, last_tag)
+        .await
+        .context(NOT_RETURNED)
 }
 
 /// What `dlq inspect` shows of one message.
@@ -194,19 +190,6 @@ async fn inspect_on(
     Ok(0)
 }
 
-/// Counts of a replay.
-#[derive(Debug, Default)]
-pub(super) struct Tally {
-    pub(super) replayed: u64,
-    pub(super) skipped: u64,
-    pub(super) failed: u64,
-    /// The first failure, for the report; a replay stops at it.
-    pub(super) failure: Option<String>,
-    /// Parked rows published (confirmed) whose `replayed_at` could not be committed: still
-    /// open, so listed and replayed again (the idempotent insert stores each message once).
-    pub(super) unmarked: u64,
-}
-
 pub(super) async fn replay(settings: &Settings, args: ReplayArgs) -> anyhow::Result<i32> {
     let conn = broker(settings).await?;
     let result = replay_on(&conn, settings, &args).await;
@@ -220,113 +203,81 @@ pub(super) async fn replay(settings: &Settings, args: ReplayArgs) -> anyhow::Res
         .unwrap_or_default();
     println!(
         "replayed {}{filter} from {} to {} (routing key {}); skipped {} (left in the DLQ); failed {}",
-        plural(tally.replayed, "message"),
+        plural(tally.acked + tally.unacked, "message"),
         settings.dlq_queue,
         settings.main_exchange,
         settings.main_queue,
         tally.skipped,
         tally.failed,
     );
-    if let Some(failure) = tally.failure {
-        eprintln!("warren dlq replay: stopped: {failure}");
+    if let Some(stop) = tally.stopped {
+        eprintln!(
+            "warren dlq replay: stopped: {}",
+            failure(stop, &settings.dlq_queue)
+        );
         return Ok(1);
     }
     Ok(0)
 }
 
+/// Replays the DLQ through [`transfer`](crate::amqp::transfer): one message at a time, at most
+/// the messages it held at the start (`--limit` counts the replayed and the failed, not the
+/// skipped), each copy through the republish policy's replay stamp (`x-retries` 0, the
+/// `x-error-*` headers gone); a message not of `--kind` is left in the DLQ.
 async fn replay_on(
     conn: &Connection,
     settings: &Settings,
     args: &ReplayArgs,
-) -> anyhow::Result<Tally> {
+) -> anyhow::Result<transfer::Tally> {
     let queue = settings.dlq_queue.as_str();
     let present = u64::from(depth(conn, queue).await?);
-    let get = conn.create_channel().await?;
-    let publish = conn.create_channel().await?;
-    publish
-        .confirm_select(ConfirmSelectOptions::default())
-        .await
-        .context("cannot put the publishing channel in confirm mode")?;
-    let timeout = settings.publish_timeout();
-    let frame_max = conn.configuration().frame_max();
-    let mut tally = Tally::default();
-    let mut seen = 0u64;
-    // The highest delivery tag left unacked on `get` (skipped or failed): nacked with requeue
-    // at the end, with `multiple`, so every one of them returns to the DLQ.
-    let mut held: Option<u64> = None;
-    while seen < present
-        && args
-            .limit
-            .is_none_or(|limit| tally.replayed + tally.failed < limit)
-    {
-        let mut m = match get
-            .basic_get(queue.into(), BasicGetOptions { no_ack: false })
-            .await
-        {
-            Ok(Some(m)) => m,
-            Ok(None) => break,
-            Err(e) => {
-                tally.failure = Some(format!(
-                    "basic.get on {queue}: {e} (unacked messages return to the DLQ)"
-                ));
-                break;
-            }
-        };
-        seen += 1;
+    let plan = transfer::Plan {
+        queue,
+        take: present,
+        publish: args.limit,
+        window: 1,
+        confirm_timeout: settings.publish_timeout(),
+        get_timeout: None,
+        frame_max: conn.configuration().frame_max(),
+    };
+    let mut route = |m: &mut BasicGetMessage| {
         if let Some(want) = &args.kind
             && kind_of(&m.properties).as_deref() != Some(want)
         {
-            tally.skipped += 1;
-            held = Some(m.delivery_tag);
-            continue;
+            return None;
         }
-        let id = m
-            .properties
-            .message_id()
-            .as_ref()
-            .map(|s| s.as_str().to_string())
-            .unwrap_or_else(|| format!("(no message id, delivery {})", m.delivery_tag));
-        let msg = Publish {
+        Some(Publish {
             exchange: settings.main_exchange.clone(),
             routing_key: settings.main_queue.clone(),
             body: std::mem::take(&mut m.data).into(),
             properties: crate::amqp::republish::for_replay(&m.properties),
-        };
-        match publish_confirmed(&publish, msg, frame_max, timeout).await {
-            Ok(()) => {
-                let acked = match m.acker.ack(BasicAckOptions::default()).await {
-                    Ok(true) => Ok(()),
-                    Ok(false) => Err("the channel is closed".to_string()),
-                    Err(e) => Err(e.to_string()),
-                };
-                tally.replayed += 1;
-                if let Err(e) = acked {
-                    // Republished but still in the DLQ: a later replay sends it again, which the
-                    // idempotent insert makes harmless.
-                    tally.failure = Some(format!(
-                        "message {id} was republished but its DLQ copy could not be acked ({e}); \
-                         replaying it again is harmless"
-                    ));
-                    break;
-                }
-            }
-            Err(e) => {
-                tally.failed += 1;
-                held = Some(m.delivery_tag);
-                tally.failure = Some(format!(
-                    "message {id} was not republished and stays in the DLQ: {e}"
-                ));
-                break;
-            }
-        }
+        })
+    };
+    // A replay has no stop of its own: a signal ends the process, and the broker returns what
+    // it had not acked.
+    let never = CancellationToken::new();
+    Ok(transfer::transfer(conn, &plan, &mut route, &never).await?)
+}
+
+/// What `warren dlq replay` says of a replay of `queue` that stopped early.
+fn failure(stop: Stop, queue: &str) -> String {
+    match stop {
+        Stop::Get(e) => format!("basic.get on {queue}: {e} (unacked messages return to the DLQ)"),
+        Stop::GetTimeout(bound) => format!(
+            "basic.get on {queue} not answered within {bound:?} (unacked messages return to the \
+             DLQ)"
+        ),
+        Stop::NotPublished {
+            message_id, error, ..
+        } => format!("message {message_id} was not republished and stays in the DLQ: {error}"),
+        // Republished but still in the DLQ: a later replay sends it again, which the
+        // idempotent insert makes harmless.
+        Stop::NotAcked {
+            message_id, error, ..
+        } => format!(
+            "message {message_id} was republished but its DLQ copy could not be acked ({error}); \
+             replaying it again is harmless"
+        ),
+        Stop::NotReturned(e) => format!("{:#}", anyhow::Error::new(e).context(NOT_RETURNED)),
     }
-    let released = requeue_up_to(&get, held).await;
-    let _ = publish.close(200, "bye".into()).await;
-    let _ = get.close(200, "bye".into()).await;
-    if let Err(e) = released
-        && tally.failure.is_none()
-    {
-        tally.failure = Some(format!("{e:#}"));
-    }
-    Ok(tally)
 }
