@@ -475,11 +475,15 @@ pub async fn open_fate(
             &[&message_id, &pipeline],
         )
         .await?;
-    Ok(parked.map(|row| Fate {
-        kind: row.get(0),
-        reason: row.get(1),
-        parked_at: row.get(2),
-    }))
+    parked
+        .map(|row| {
+            Ok(Fate {
+                kind: row.try_get(0)?,
+                reason: row.try_get(1)?,
+                parked_at: row.try_get(2)?,
+            })
+        })
+        .transpose()
 }
 
 #[cfg(test)]

@@ -123,17 +123,22 @@ impl<'de> Visitor<'de> for Strict<'_> {
     fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Value, A::Error> {
         let mut object = Map::new();
         while let Some(key) = map.next_key::<String>()? {
-            if object.contains_key(&key) {
-                return Err(de::Error::custom(format_args!(
-                    "the key {} appears twice in one object",
-                    self.pointer(Some(&key))
-                )));
-            }
             let value = map.next_value_seed(Strict {
                 parent: Some(&self),
                 step: Step::Key(&key),
             })?;
-            object.insert(key, value);
+            // One lookup a key, as serde_json's own Value does.
+            match object.entry(key) {
+                serde_json::map::Entry::Vacant(slot) => {
+                    slot.insert(value);
+                }
+                serde_json::map::Entry::Occupied(taken) => {
+                    return Err(de::Error::custom(format_args!(
+                        "the key {} appears twice in one object",
+                        self.pointer(Some(taken.key()))
+                    )));
+                }
+            }
         }
         Ok(Value::Object(object))
     }
