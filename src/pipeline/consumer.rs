@@ -1,9 +1,15 @@
 //! The consumer stage: the broker link. It owns the consuming connection and channel (qos set
 //! on every connect), hands what the broker pushed to the processors in chunks (everything ready
 //! at once, up to a bound, a batch's worth per batcher), and performs the acks and nacks the
-//! later stages decide (`acks.rs`), only on the channel that delivered them. A watchdog rebuilds a consumer whose channel closed or whose
-//! stream ended; every rebuild of a link that died young waits a growing backoff first, so a
-//! link that keeps failing is never a hot loop.
+//! later stages decide (`acks.rs`), only on the channel that delivered them. A watchdog rebuilds
+//! a consumer whose channel closed or whose stream ended; every rebuild of a link that died young
+//! waits a growing backoff first, so a link that keeps failing is never a hot loop.
+//!
+//! Its state is two enums, not flags: the link ([`Link`]: down, connecting, or up with its
+//! connection, channel, acks, window and [`Subscription`]: none, pending or active under a tag)
+//! and the phase ([`Phase`]: running, stopping, stream ended). What only exists on an open link
+//! (the channel, its acker, the consumer tag) lives inside `Link::Up`, so a stale channel or tag
+//! cannot outlive the link it belonged to.
 //!
 //! Subscribing (`basic.consume`) has one path, [`Consumer::maybe_subscribe`], taken only when
 //! nothing holds the pipeline (breaker, operator) and the previous window is fully settled: a
@@ -138,23 +144,63 @@ pub struct ConsumerConfig {
     pub depths: crate::amqp::monitor::Depths,
 }
 
+/// The broker link, one state at a time.
+enum Link {
+    /// No connection and none being made: before the start, and after `Close`.
+    Down,
+    /// A connect (after its backoff) is under way; it answers `Connected`.
+    Connecting,
+    /// Connected, with its prefetch set.
+    /// Boxed: the link is rebuilt rarely, and the other states carry nothing.
+    Up(Box<Linked>),
+}
+
+/// An open link: the connection, its channel, that channel's acks and its subscription.
+struct Linked {
+    connection: Connection,
+    channel: Channel,
+    /// The acks of this channel; taken once a drain is over, to send the last ones.
+    acker: Option<Acker>,
+    /// When the link came up, to tell a young death (back off) from an old one.
+    since: Instant,
+    /// The prefetch window (`basic.qos`) set on this channel.
+    window: u16,
+    subscription: Subscription,
+}
+
+/// The subscription (`basic.consume`) of a link.
+#[derive(Debug, PartialEq, Eq)]
+enum Subscription {
+    /// Not consuming: held, settling a window before the next one, or stopping.
+    None,
+    /// A `basic.consume` is under way.
+    Pending,
+    /// Consuming under this consumer tag.
+    Active(String),
+}
+
+/// Where the consumer is in its life.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Phase {
+    Running,
+    /// `Cancel` came: nothing new is subscribed; the stream is ending.
+    Stopping,
+    /// Stopping, and the stream ended: nothing more will arrive.
+    StreamEnded,
+}
+
 /// The consumer actor.
 pub struct Consumer {
     config: ConsumerConfig,
     settings: Settings,
     /// Which processor and batcher each delivery goes to (chosen at the wiring).
     dispatch: Dispatch,
+    link: Link,
+    phase: Phase,
     /// Bumped on every (re)connect; deliveries carry it back in `Settle`.
     generation: u64,
-    connection: Option<Connection>,
-    channel: Option<Channel>,
-    consumer_tag: Option<String>,
-    /// A `basic.consume` is under way.
-    subscribing: bool,
     /// Numbers subscriptions, so consumer tags stay unique.
     subscriptions: u64,
-    /// When the current link came up, to tell a young death (back off) from an old one.
-    linked_at: Option<Instant>,
     /// Delays before rebuilding links that died young (backon), reset by a healthy link.
     rebuild_delays: Box<dyn Iterator<Item = Duration> + Send>,
     /// The last error the consumer stream reported, to name why the link ended.
@@ -162,17 +208,10 @@ pub struct Consumer {
     /// The frame limit the link proposes: AMQP_URL's, or the broker's once a delivery's content
     /// header was larger than AMQP_URL's (the link died over it; it would die again).
     frames: amqp::Frames,
-    /// The acks of the current channel.
-    acker: Option<Acker>,
     /// Delivered but not yet settled, over all generations (drain waits for 0).
     inflight: usize,
     /// The bodies' bytes of those deliveries.
     inflight_bytes: u64,
-    /// The bytes in flight reached the budget, or the window is to grow back: no subscription
-    /// until everything in flight settled (then one with [`Consumer::wanted_window`]).
-    resizing: bool,
-    /// The prefetch window (`basic.qos`) set on the current channel.
-    window: u16,
     /// The largest body delivered since the current subscription began (kept across a
     /// reconnect): the next window is cut to what the budget holds of it.
     largest: usize,
@@ -180,7 +219,6 @@ pub struct Consumer {
     since_subscribe: u64,
     /// The bytes-in-flight gauge, resolved once; the value last published to it.
     inflight_bytes_gauge: (metrics::Gauge, u64),
-    connecting: bool,
     /// Held by the breaker and/or an operator: no consumer subscribed while non-empty.
     holds: Vec<HoldReason>,
     /// Deliveries taken so far; metrics and the idle watchdog derive from it.
@@ -194,9 +232,6 @@ pub struct Consumer {
     received_counter: metrics::Counter,
     /// The in-flight gauge, resolved once.
     inflight_gauge: metrics::Gauge,
-    stopping: bool,
-    /// The stream ended after a cancel: nothing more will arrive.
-    stream_ended: bool,
     /// Answered when the stream ended after `Cancel`.
     cancelled: Vec<oneshot::Sender<()>>,
     /// Answered when everything is settled and acked after `Cancel`.
@@ -216,33 +251,24 @@ impl Consumer {
             config: config.clone(),
             settings,
             dispatch,
+            link: Link::Down,
+            phase: Phase::Running,
             generation: 0,
-            connection: None,
-            channel: None,
-            consumer_tag: None,
-            subscribing: false,
             subscriptions: 0,
-            linked_at: None,
             rebuild_delays: Box::new(amqp::reconnect_backoff()),
             last_stream_error: None,
             frames: amqp::Frames::Broker,
-            acker: None,
             inflight: 0,
             inflight_bytes: 0,
-            resizing: false,
-            window: config.prefetch,
             largest: 0,
             since_subscribe: 0,
             inflight_bytes_gauge: (crate::metrics::inflight_bytes_gauge(config.pipeline), 0),
-            connecting: false,
             holds: Vec::new(),
             received: 0,
             published: (0, 0),
             idle: (0, 0),
             received_counter,
             inflight_gauge: crate::metrics::inflight_gauge(),
-            stopping: false,
-            stream_ended: false,
             cancelled: Vec::new(),
             settled: Vec::new(),
             throttle,
@@ -250,16 +276,43 @@ impl Consumer {
         }
     }
 
-    fn connect(&mut self, ctx: &mut Context<Self>) {
-        if self.connecting || self.stopping {
+    /// The open link, if there is one.
+    fn linked(&mut self) -> Option<&mut Linked> {
+        match &mut self.link {
+            Link::Up(linked) => Some(linked.as_mut()),
+            _ => None,
+        }
+    }
+
+    /// The channel of the open link, when it is still open.
+    fn open_channel(&self) -> Option<&Channel> {
+        match &self.link {
+            Link::Up(linked) if linked.channel.status().connected() => Some(&linked.channel),
+            _ => None,
+        }
+    }
+
+    fn connecting(&self) -> bool {
+        matches!(self.link, Link::Connecting)
+    }
+
+    /// Consuming: the link is up with a subscription.
+    fn consuming(&self) -> bool {
+        matches!(&self.link, Link::Up(l) if matches!(l.subscription, Subscription::Active(_)))
+    }
+
+    /// Starts a connect, after the backoff a link that lived `lived` earns (`None`: there was
+    /// none). Not while one is under way, nor once stopping.
+    fn connect(&mut self, ctx: &mut Context<Self>, lived: Option<Duration>) {
+        if self.connecting() || self.phase != Phase::Running {
             return;
         }
-        self.connecting = true;
+        self.link = Link::Connecting;
         let settings = self.settings.clone();
         let config = self.config.clone();
         let frames = self.frames;
         let addr = ctx.address();
-        let first_delay = self.rebuild_delay();
+        let first_delay = self.rebuild_delay(lived);
         actix::spawn(async move {
             let open = || open(&settings, &config, frames);
             let wanted = || addr.connected();
@@ -277,13 +330,13 @@ impl Consumer {
         });
     }
 
-    /// How long to wait before rebuilding the link: nothing for the first one or after a
+    /// How long to wait before (re)building the link: nothing for the first one or after a
     /// healthy one, a growing backoff (200 ms doubling to 10 s, jittered) after each link that
     /// died young.
-    fn rebuild_delay(&mut self) -> Duration {
-        match self.linked_at.take() {
+    fn rebuild_delay(&mut self, lived: Option<Duration>) -> Duration {
+        match lived {
             None if self.generation == 0 => Duration::ZERO,
-            Some(at) if at.elapsed() >= HEALTHY_LINK => {
+            Some(lived) if lived >= HEALTHY_LINK => {
                 self.rebuild_delays = Box::new(amqp::reconnect_backoff());
                 Duration::ZERO
             }
@@ -297,44 +350,42 @@ impl Consumer {
     /// Rebuilds the link for `reason` (counted), after the backoff `connect` applies.
     fn rebuild(&mut self, ctx: &mut Context<Self>, reason: &'static str) {
         crate::metrics::consumer_restart(self.config.pipeline, reason);
-        self.teardown();
-        self.connect(ctx);
+        let lived = self.teardown();
+        self.connect(ctx, lived);
     }
 
-    /// Subscribes (`basic.consume`) when nothing holds the pipeline, no subscription exists or is
-    /// under way, and every delivery of the previous window is settled: one window at a time.
+    /// Subscribes (`basic.consume`) when nothing holds the pipeline, the link is up without a
+    /// subscription (none under way), and every delivery of the previous window is settled: one
+    /// window at a time.
     fn maybe_subscribe(&mut self, ctx: &mut Context<Self>) {
-        if self.stopping
-            || self.connecting
-            || self.subscribing
-            || !self.holds.is_empty()
-            || self.consumer_tag.is_some()
-            || self.inflight > 0
-        {
+        if self.phase != Phase::Running || !self.holds.is_empty() || self.inflight > 0 {
             return;
         }
-        let Some(channel) = self.channel.clone().filter(|c| c.status().connected()) else {
+        let window = self.wanted_window();
+        let pipeline = self.config.pipeline;
+        let (prefetch, largest) = (self.config.prefetch, self.largest);
+        let max_inflight_bytes = self.config.max_inflight_bytes;
+        let Link::Up(linked) = &mut self.link else {
             return;
         };
-        self.resizing = false;
-        let window = self.wanted_window();
-        let qos = (window != self.window).then_some(window);
+        if linked.subscription != Subscription::None || !linked.channel.status().connected() {
+            return;
+        }
+        let qos = (window != linked.window).then_some(window);
         if let Some(w) = qos {
             info!(
-                pipeline = self.config.pipeline,
+                pipeline,
                 window = w,
-                prefetch = self.config.prefetch,
-                largest_body = self.largest,
-                max_inflight_bytes = self.config.max_inflight_bytes,
+                prefetch,
+                largest_body = largest,
+                max_inflight_bytes,
                 "prefetch window set to what MAX_INFLIGHT_BYTES holds of the largest body seen"
             );
         }
-        self.subscribing = true;
+        linked.subscription = Subscription::Pending;
+        let channel = linked.channel.clone();
         let generation = self.generation;
-        let tag = consumer_tag(
-            self.config.pipeline,
-            &format!("{generation}-{}", self.subscriptions),
-        );
+        let tag = consumer_tag(pipeline, &format!("{generation}-{}", self.subscriptions));
         self.subscriptions += 1;
         let queue = self.config.queue.clone();
         let addr = ctx.address();
@@ -370,19 +421,22 @@ impl Consumer {
         });
     }
 
-    /// Drops the current channel: its unacked deliveries go back to the queue on the broker.
-    fn teardown(&mut self) {
-        // Dropping the acker ends its task; the channel's unacked deliveries are requeued.
-        self.acker = None;
-        self.consumer_tag = None;
-        self.subscribing = false;
+    /// Drops the link: its unacked deliveries go back to the queue on the broker. Answers how
+    /// long the link lived (`None`: there was none).
+    fn teardown(&mut self) -> Option<Duration> {
         // Held deliveries of this channel go back to the queue with it.
         let (held, held_bytes) = self.throttle.clear();
         self.inflight = self.inflight.saturating_sub(held);
         self.inflight_bytes = self.inflight_bytes.saturating_sub(held_bytes);
-        let channel = self.channel.take();
-        let conn = self.connection.take();
-        actix::spawn(amqp::close(channel, conn));
+        match std::mem::replace(&mut self.link, Link::Down) {
+            Link::Up(linked) => {
+                // Dropping the acker ends its task; the channel's unacked deliveries are requeued.
+                drop(linked.acker);
+                actix::spawn(amqp::close(Some(linked.channel), Some(linked.connection)));
+                Some(linked.since.elapsed())
+            }
+            Link::Down | Link::Connecting => None,
+        }
     }
 
     /// Takes what the broker pushed: records every delivery for the acks, then hands the
@@ -416,7 +470,7 @@ impl Consumer {
         if deliveries.is_empty() {
             return;
         }
-        if let Some(acker) = &mut self.acker {
+        if let Some(acker) = self.linked().and_then(|l| l.acker.as_mut()) {
             acker.delivered(deliveries.iter().map(|d| d.tag));
         }
         self.inflight += deliveries.len();
@@ -446,10 +500,15 @@ impl Consumer {
 
     /// Past the byte budget: no more deliveries until what is in flight settles, then a smaller
     /// window. A cut window that saw two windows' worth of small bodies grows back the same way.
+    /// Either way the subscription is cancelled, so this runs once per subscription.
     fn check_budget(&mut self) {
-        if self.resizing || self.stopping || self.consumer_tag.is_none() {
+        if self.phase != Phase::Running || !self.consuming() {
             return;
         }
+        let Link::Up(linked) = &self.link else {
+            return;
+        };
+        let window = linked.window;
         if self.inflight_bytes >= self.config.max_inflight_bytes {
             warn!(
                 pipeline = self.config.pipeline,
@@ -459,20 +518,19 @@ impl Consumer {
                 "the bodies in flight reached MAX_INFLIGHT_BYTES; no new deliveries until they \
                  settle, then a smaller prefetch window"
             );
-        } else if self.window < self.config.prefetch
-            && self.since_subscribe >= 2 * u64::from(self.window)
-            && self.wanted_window() > self.window
+        } else if window < self.config.prefetch
+            && self.since_subscribe >= 2 * u64::from(window)
+            && self.wanted_window() > window
         {
             info!(
                 pipeline = self.config.pipeline,
-                window = self.window,
+                window,
                 "two windows of bodies the budget holds more of: the window grows back once \
                  what is in flight settles"
             );
         } else {
             return;
         }
-        self.resizing = true;
         self.unsubscribe();
     }
 
@@ -485,7 +543,9 @@ impl Consumer {
             dropped,
             dropped_bytes,
             wait,
-        } = self.throttle.take(self.generation, self.stopping);
+        } = self
+            .throttle
+            .take(self.generation, self.phase != Phase::Running);
         self.inflight = self.inflight.saturating_sub(dropped);
         self.inflight_bytes = self.inflight_bytes.saturating_sub(dropped_bytes);
         if let Some(wait) = wait
@@ -511,7 +571,7 @@ impl Consumer {
 
     /// Nothing more will arrive: answers `Cancel`, then checks whether all is settled.
     fn stream_done(&mut self, ctx: &mut Context<Self>) {
-        self.stream_ended = true;
+        self.phase = Phase::StreamEnded;
         for w in self.cancelled.drain(..) {
             let _ = w.send(());
         }
@@ -520,8 +580,13 @@ impl Consumer {
 
     /// Cancels the subscription (deliveries in flight still settle on the open channel).
     fn unsubscribe(&mut self) {
-        if let (Some(ch), Some(tag)) = (&self.channel, self.consumer_tag.take()) {
-            cancel(ch, tag);
+        let Some(linked) = self.linked() else {
+            return;
+        };
+        if let Subscription::Active(tag) =
+            std::mem::replace(&mut linked.subscription, Subscription::None)
+        {
+            cancel(&linked.channel, tag);
         }
     }
 
@@ -553,7 +618,6 @@ impl Consumer {
         tag: String,
     ) {
         let generation = self.generation;
-        self.consumer_tag = Some(tag.clone());
         self.idle = (self.received, 0);
         let stream = chunks(consumer, CHUNK_MAX, LINGER)
             .map(move |chunk| Event::Deliveries(generation, chunk))
@@ -573,11 +637,10 @@ impl Consumer {
         }
         self.idle.1 += 1;
         if self.idle.1 < IDLE_TICKS
-            || self.stopping
-            || self.connecting
+            || self.phase != Phase::Running
             || !self.holds.is_empty()
             || self.inflight > 0
-            || self.consumer_tag.is_none()
+            || !self.consuming()
         {
             return;
         }
@@ -613,13 +676,7 @@ impl Consumer {
                      the DLX); on a quorum queue its delivery limit dead-letters it by itself");
                 "parse_error"
             }
-            _ if self
-                .channel
-                .as_ref()
-                .is_some_and(|c| c.status().connected()) =>
-            {
-                "cancelled"
-            }
+            _ if self.open_channel().is_some() => "cancelled",
             _ => "connection_lost",
         }
     }
@@ -627,10 +684,10 @@ impl Consumer {
     /// Once stopping, the stream ended and nothing is in flight: sends the last acks and
     /// answers `Settled`.
     fn maybe_finish(&mut self, ctx: &mut Context<Self>) {
-        if !(self.stopping && self.stream_ended && self.inflight == 0) || self.settled.is_empty() {
+        if self.phase != Phase::StreamEnded || self.inflight > 0 || self.settled.is_empty() {
             return;
         }
-        let acker = self.acker.take();
+        let acker = self.linked().and_then(|l| l.acker.take());
         let waiters = std::mem::take(&mut self.settled);
         ctx.spawn(
             async move {
@@ -699,21 +756,17 @@ impl Actor for Consumer {
     type Context = Context<Self>;
 
     fn started(&mut self, ctx: &mut Self::Context) {
-        self.connect(ctx);
+        self.connect(ctx, None);
         // Watchdog: a closed channel or connection is noticed and the consumer rebuilt.
         ctx.run_interval(Duration::from_secs(1), |act, ctx| {
             act.publish_counts();
-            if let Some(acker) = &mut act.acker {
+            if let Some(acker) = act.linked().and_then(|l| l.acker.as_mut()) {
                 acker.tick();
             }
-            if act.stopping || act.connecting {
+            if act.phase != Phase::Running || act.connecting() {
                 return;
             }
-            let alive = act
-                .channel
-                .as_ref()
-                .is_some_and(|ch| ch.status().connected());
-            if !alive {
+            if act.open_channel().is_none() {
                 warn!(
                     pipeline = act.config.pipeline,
                     "consumer channel is closed; rebuilding it"
@@ -732,24 +785,27 @@ impl Handler<Connected> for Consumer {
     type Result = ();
 
     fn handle(&mut self, msg: Connected, ctx: &mut Self::Context) {
-        self.connecting = false;
-        if self.stopping {
+        if self.phase != Phase::Running {
+            self.link = Link::Down;
             actix::spawn(amqp::close(Some(msg.channel), Some(msg.conn)));
             self.stream_done(ctx);
             return;
         }
         self.generation += 1;
         let generation = self.generation;
-        self.acker = Some(Acker::open(
-            msg.channel.clone(),
-            self.config.pipeline,
-            self.config.prefetch,
-        ));
-        self.channel = Some(msg.channel);
-        self.connection = Some(msg.conn);
-        // `open` set the configured prefetch on the new channel.
-        self.window = self.config.prefetch;
-        self.linked_at = Some(Instant::now());
+        self.link = Link::Up(Box::new(Linked {
+            acker: Some(Acker::open(
+                msg.channel.clone(),
+                self.config.pipeline,
+                self.config.prefetch,
+            )),
+            connection: msg.conn,
+            channel: msg.channel,
+            since: Instant::now(),
+            // `open` set the configured prefetch on the new channel.
+            window: self.config.prefetch,
+            subscription: Subscription::None,
+        }));
         self.last_stream_error = None;
         info!(pipeline = self.config.pipeline, queue = %self.config.queue, prefetch = self.config.prefetch,
             generation, held = !self.holds.is_empty(), "connected");
@@ -772,13 +828,14 @@ impl StreamHandler<Event> for Consumer {
                 // Only the end of the current subscription matters; an older one was cancelled
                 // by us for a hold.
                 let current = generation == self.generation
-                    && self.consumer_tag.as_deref() == Some(tag.as_str());
+                    && matches!(&self.link, Link::Up(l)
+                        if matches!(&l.subscription, Subscription::Active(t) if *t == tag));
                 if !current {
                     return;
                 }
-                if self.stopping {
+                if self.phase != Phase::Running {
                     self.stream_done(ctx);
-                } else if !self.connecting {
+                } else {
                     let reason = self.link_end_reason();
                     warn!(pipeline = self.config.pipeline, queue = %self.config.queue, reason,
                         "consumer stream ended (cancelled by the broker or channel closed); rebuilding it");
@@ -800,9 +857,8 @@ impl Handler<Settle> for Consumer {
         self.inflight = self.inflight.saturating_sub(msg.items.len());
         self.inflight_bytes = self.inflight_bytes.saturating_sub(msg.bytes);
         self.publish_counts();
-        if msg.generation == self.generation
-            && let Some(acker) = &mut self.acker
-        {
+        let current = msg.generation == self.generation;
+        if current && let Some(acker) = self.linked().and_then(|l| l.acker.as_mut()) {
             acker.settle(&msg.items);
         } else {
             debug!(
@@ -824,18 +880,23 @@ impl Handler<Cancel> for Consumer {
     fn handle(&mut self, _: Cancel, ctx: &mut Self::Context) -> Self::Result {
         let (tx, rx) = oneshot::channel();
         self.cancelled.push(tx);
-        if !self.stopping {
-            self.stopping = true;
+        if self.phase == Phase::Running {
+            self.phase = Phase::Stopping;
             // Whatever the limiter holds goes onwards now, ahead of the drain marker.
             self.release(ctx);
-            match (&self.channel, &self.consumer_tag) {
-                (Some(ch), Some(tag)) if ch.status().connected() => {
-                    info!(pipeline = self.config.pipeline, "cancelling the consumer");
-                    cancel(ch, tag.clone());
+            // The subscription stays recorded, so its end (`Event::Ended`) answers the waiters.
+            match &self.link {
+                Link::Up(linked) if linked.channel.status().connected() => {
+                    if let Subscription::Active(tag) = &linked.subscription {
+                        info!(pipeline = self.config.pipeline, "cancelling the consumer");
+                        cancel(&linked.channel, tag.clone());
+                    } else {
+                        self.stream_done(ctx);
+                    }
                 }
                 _ => self.stream_done(ctx),
             }
-        } else if self.stream_ended {
+        } else if self.phase == Phase::StreamEnded {
             self.stream_done(ctx);
         }
         Box::pin(async move {
@@ -861,13 +922,16 @@ impl Handler<Close> for Consumer {
     type Result = ResponseFuture<()>;
 
     fn handle(&mut self, _: Close, _: &mut Self::Context) -> Self::Result {
-        self.stopping = true;
-        self.acker = None;
-        let channel = self.channel.take();
-        let conn = self.connection.take();
+        if self.phase == Phase::Running {
+            self.phase = Phase::Stopping;
+        }
+        let link = std::mem::replace(&mut self.link, Link::Down);
         let pipeline = self.config.pipeline;
         Box::pin(async move {
-            amqp::close(channel, conn).await;
+            if let Link::Up(linked) = link {
+                drop(linked.acker);
+                amqp::close(Some(linked.channel), Some(linked.connection)).await;
+            }
             info!(pipeline, "consumer closed");
         })
     }
@@ -889,16 +953,12 @@ impl Handler<Hold> for Consumer {
         if held && !was_held {
             warn!(pipeline = self.config.pipeline, reason = ?msg.reason, "holding: no new deliveries");
             self.unsubscribe();
-        } else if !held && was_held && !self.stopping {
+        } else if !held && was_held && self.phase == Phase::Running {
             info!(pipeline = self.config.pipeline, reason = ?msg.reason, inflight = self.inflight,
                 "resuming deliveries once the last window is settled");
-            if self
-                .channel
-                .as_ref()
-                .is_some_and(|c| c.status().connected())
-            {
+            if self.open_channel().is_some() {
                 self.maybe_subscribe(ctx);
-            } else if !self.connecting {
+            } else if !self.connecting() {
                 self.rebuild(ctx, "connection_lost");
             }
         }
@@ -909,21 +969,23 @@ impl Handler<Subscribed> for Consumer {
     type Result = ();
 
     fn handle(&mut self, msg: Subscribed, ctx: &mut Self::Context) {
-        if msg.generation != self.generation {
+        let running = self.phase == Phase::Running;
+        let current = msg.generation == self.generation;
+        let Some(linked) = self.linked().filter(|_| current) else {
+            // The link it was made on is gone, and the subscription with it.
             return;
-        }
-        self.subscribing = false;
+        };
+        linked.subscription = Subscription::None;
         match msg.result {
-            Ok(consumer) if self.stopping => {
+            Ok(consumer) if !running => {
                 // Stopping began while subscribing: whatever this subscription delivered before
                 // the cancel stays unacked and goes back to the queue when the channel closes.
                 drop(consumer);
-                if let Some(ch) = &self.channel {
-                    cancel(ch, msg.tag);
-                }
+                cancel(&linked.channel, msg.tag);
             }
             Ok(consumer) => {
-                self.window = msg.window;
+                linked.window = msg.window;
+                linked.subscription = Subscription::Active(msg.tag.clone());
                 self.largest = 0;
                 self.since_subscribe = 0;
                 info!(pipeline = self.config.pipeline, queue = %self.config.queue,
@@ -938,7 +1000,7 @@ impl Handler<Subscribed> for Consumer {
             Err(e) => {
                 warn!(pipeline = self.config.pipeline, queue = %self.config.queue, error = %e,
                     "cannot subscribe; rebuilding the link");
-                if !self.stopping && !self.connecting {
+                if running {
                     self.rebuild(ctx, "connection_lost");
                 }
             }
@@ -950,7 +1012,7 @@ impl Handler<Stuck> for Consumer {
     type Result = ();
 
     fn handle(&mut self, msg: Stuck, ctx: &mut Self::Context) {
-        if msg.generation != self.generation || self.stopping || self.inflight > 0 {
+        if msg.generation != self.generation || self.phase != Phase::Running || self.inflight > 0 {
             return;
         }
         warn!(pipeline = self.config.pipeline, queue = %self.config.queue, ready = msg.ready,
