@@ -25,123 +25,144 @@ pub fn default_settings_toml() -> &'static str {
         .map_or(DEFAULT_TOML, |(settings, _)| settings)
 }
 
-/// Every setting of warren. The key in `config/default.toml` is the field name; the environment
-/// variable is the same name in upper case.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct Settings {
+/// Declares every setting once: its doc, its key (the field name, the key in
+/// `config/default.toml` and `--set`; the environment variable is the key in upper case), its
+/// type, and what it accepts ([`Rule`], checked before the typed parse so the error names the
+/// setting). Generates [`Settings`] and [`RULES`] from the one list, so they cannot disagree;
+/// `config/default.toml` gives each its default, and a test parses it into [`Settings`].
+macro_rules! settings {
+    ($( $(#[$doc:meta])* $key:ident: $ty:ty => $rule:expr, )*) => {
+        /// Every setting of warren. The key in `config/default.toml` is the field name; the
+        /// environment variable is the same name in upper case.
+        #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+        #[serde(deny_unknown_fields)]
+        pub struct Settings {
+            $( $(#[$doc])* pub $key: $ty, )*
+            /// The file's `[[pipelines]]` (see [`pipelines`]), beside the built-in users pipeline. Last:
+            /// TOML writes tables after plain values.
+            #[serde(default, skip_serializing_if = "Vec::is_empty")]
+            pub pipelines: Vec<pipelines::PipelineConfig>,
+            /// `warren run --pipelines` left the built-in users pipeline out (not a setting).
+            #[serde(skip)]
+            pub without_users: bool,
+        }
+
+        /// Every setting and its rule, in the order of `config/default.toml`.
+        const RULES: &[(&str, Rule)] = &[ $( (stringify!($key), $rule), )* ];
+    };
+}
+
+settings! {
+    // --- connections -------------------------------------------------------------------
     /// Where the broker is: one node's URL, or several (a cluster's nodes) separated by commas;
     /// consumers and publishers open their own connections, to the first node that answers.
-    pub amqp_url: String,
+    amqp_url: String => Rule::AmqpUrls,
     /// Whether each process shuffles the `amqp_url` list once at start, so many instances given
     /// the same list spread their connections over the nodes instead of all taking the first.
-    pub amqp_shuffle: bool,
+    amqp_shuffle: bool => Rule::Bool,
     /// AMQP heartbeat so a half-open socket is noticed (0 disables).
-    pub amqp_heartbeat_s: u16,
+    amqp_heartbeat_s: u16 => Rule::Int { min: 0, max: 600 },
     /// Bound on one connect attempt, so a black-holed broker cannot hang a reconnect loop.
-    pub amqp_connect_timeout_ms: u64,
+    amqp_connect_timeout_ms: u64 => Rule::Int { min: 100, max: 600_000 },
     /// The broker's `consumer_timeout` (0 = it has none): warren gives back (nacks with requeue)
     /// any delivery it would hold unacked longer, before the broker closes the channel over it.
-    pub amqp_consumer_timeout_ms: u64,
+    amqp_consumer_timeout_ms: u64 => Rule::Int { min: 0, max: 86_400_000 },
     /// Where the rows go; several `host:port` pairs are tried in turn (with
     /// `target_session_attrs=read-write`, only a primary is taken).
-    pub database_url: String,
+    database_url: String => Rule::PgUrl,
     /// Schema holding the tables, so several deployments (or tests) share one database.
-    pub database_schema: String,
+    database_schema: String => Rule::Ident,
     /// Pool size; at least the batch concurrency so batches never wait for a connection.
-    pub database_pool_size: usize,
+    database_pool_size: usize => Rule::Int { min: 1, max: 256 },
     /// Server-side `statement_timeout` of warren's sessions; the client gives up on a statement
     /// this long plus a margin after sending it, so a half-open connection cannot hang a batch.
-    pub database_statement_timeout_ms: u64,
+    database_statement_timeout_ms: u64 => Rule::Int { min: 100, max: 3_600_000 },
     /// Connections of the HTTP API's own pool, so API traffic can never starve the pipeline.
-    pub api_pool_size: usize,
+    api_pool_size: usize => Rule::Int { min: 1, max: 64 },
     /// Redis for the instance registry and remote control.
-    pub redis_url: String,
+    redis_url: String => Rule::Url(&["redis", "rediss"]),
     /// Prefix of every Redis key, so several deployments share one Redis.
-    pub redis_prefix: String,
+    redis_prefix: String => Rule::Name,
     /// Shared secret that signs remote-control commands (HMAC-SHA256); empty = unsigned
     /// commands are accepted, with a warning at start.
-    pub control_secret: String,
+    control_secret: String => Rule::Secret,
     /// Registry heartbeat period (the entry's TTL is 30 s).
-    pub registry_heartbeat_ms: u64,
+    registry_heartbeat_ms: u64 => Rule::Int { min: 100, max: 20_000 },
     /// HTTP API listen address.
-    pub http_addr: String,
+    http_addr: String => Rule::Addr,
     /// Prometheus endpoint listen address.
-    pub metrics_addr: String,
+    metrics_addr: String => Rule::Addr,
+    // --- topology ----------------------------------------------------------------------
     /// `classic` (the default) or `quorum`: the type of every queue warren declares. Quorum
     /// queues are replicated over the cluster and dead-letter at least once.
-    pub queue_type: QueueType,
+    queue_type: QueueType => Rule::OneOf(&["classic", "quorum"]),
     /// Quorum queues only: deliveries of one message from the main queue (redeliveries after a
     /// requeue or a lost consumer included) after which the broker dead-letters it to the DLQ.
-    pub delivery_limit: u32,
+    delivery_limit: u32 => Rule::Int { min: 1, max: 1000 },
     /// Quorum queues only: the DLQ's own delivery limit, declared explicitly (0: not declared,
     /// the broker's default applies: none on RabbitMQ 3.x, 20 on 4.x, after which the DLQ, which
     /// dead-letters nowhere, would drop a message).
-    pub dlq_delivery_limit: u32,
+    dlq_delivery_limit: u32 => Rule::Int { min: 0, max: 1_000_000_000 },
     /// Exchange the publisher writes to and the retry queue dead-letters back to.
-    pub main_exchange: String,
+    main_exchange: String => Rule::Name,
     /// Queue the main pipeline consumes.
-    pub main_queue: String,
+    main_queue: String => Rule::Name,
     /// Exchange transient failures are republished to.
-    pub retry_exchange: String,
+    retry_exchange: String => Rule::Name,
     /// TTL queue that holds retried messages for `retry_ttl_ms`; with retry tiers, the base of
     /// the tier queues' names (see [`Settings::retry_tiers`]).
-    pub retry_queue: String,
+    retry_queue: String => Rule::Name,
     /// Dead-letter exchange.
-    pub dlx_exchange: String,
+    dlx_exchange: String => Rule::Name,
     /// Dead-letter queue the DLQ consumer drains.
-    pub dlq_queue: String,
+    dlq_queue: String => Rule::Name,
+    // --- pipeline ----------------------------------------------------------------------
     /// Roles `warren run` runs.
-    pub roles: Roles,
+    roles: Roles => Rule::Roles,
     /// Message TTL of the retry queue (the single tier when `retry_ttls_ms` is empty).
-    pub retry_ttl_ms: u64,
+    retry_ttl_ms: u64 => Rule::Int { min: 1, max: 86_400_000 },
     /// Retry tiers: one retry queue per TTL, the n-th retry of a message waiting in the n-th
     /// (the last one for every later retry), so retries back off. Empty: one tier,
     /// `retry_queue` with `retry_ttl_ms`.
-    pub retry_ttls_ms: RetryTtls,
+    retry_ttls_ms: RetryTtls => Rule::TtlList,
     /// Retries before a message is dead-lettered as `retries_exhausted`.
-    pub max_retries: u32,
+    max_retries: u32 => Rule::Int { min: 0, max: 100 },
     /// Attempts the DLQ consumer makes at a message whose insert keeps failing with a database
     /// error before it parks it, so no message loops in the DLQ forever.
-    pub dlq_max_attempts: u32,
+    dlq_max_attempts: u32 => Rule::Int { min: 1, max: 1000 },
     /// Flush a batch at this many messages.
-    pub users_batch_size: usize,
+    users_batch_size: usize => Rule::Int { min: 1, max: 10_000 },
     /// Flush a batch this long after its first message.
-    pub users_batch_timeout_ms: u64,
+    users_batch_timeout_ms: u64 => Rule::Int { min: 0, max: 600_000 },
     /// Processor actors: 1 decodes on the pipeline's own thread; more decode in parallel on
     /// threads of their own (at most one per core).
-    pub users_proc_concurrency: usize,
+    users_proc_concurrency: usize => Rule::Int { min: 1, max: 256 },
     /// Batcher actors (batch inserts in flight at once).
-    pub users_batch_concurrency: usize,
+    users_batch_concurrency: usize => Rule::Int { min: 1, max: 64 },
     /// Consumer prefetch; 0 derives it: batch size x batch concurrency x 2.
-    pub prefetch: u32,
+    prefetch: u32 => Rule::Int { min: 0, max: 65_535 },
     /// Messages per second each pipeline takes from its queue; 0 = no limit. Changed at run
     /// time by `warren ctl rate`.
-    pub rate_limit_per_s: u32,
+    rate_limit_per_s: u32 => Rule::Int { min: 0, max: 1_000_000 },
     /// Largest accepted body; larger ones are dead-lettered unread.
-    pub max_message_bytes: usize,
+    max_message_bytes: usize => Rule::Int { min: 1, max: 134_217_728 },
     /// Bytes of message bodies one pipeline holds at once (delivered, not yet settled): the
     /// prefetch window never exceeds budget / MAX_MESSAGE_BYTES; past the budget (larger,
     /// refused bodies) the consumer takes no more until they settle, and its next window is cut
     /// to what the budget holds of the largest body seen.
-    pub max_inflight_bytes: u64,
+    max_inflight_bytes: u64 => Rule::Int { min: 1_048_576, max: 17_179_869_184 },
     /// How long a failing batch is retried in place before going to the retry queue.
-    pub db_retry_window_ms: u64,
+    db_retry_window_ms: u64 => Rule::Int { min: 0, max: 600_000 },
     /// Consecutive transient batch failures that open the sink-outage breaker.
-    pub breaker_failures: u32,
+    breaker_failures: u32 => Rule::Int { min: 1, max: 1000 },
+    // --- publishing and shutdown -------------------------------------------------------
     /// Bound on waiting for a publisher confirm.
-    pub publish_timeout_ms: u64,
+    publish_timeout_ms: u64 => Rule::Int { min: 100, max: 600_000 },
     /// Bound on the graceful shutdown.
-    pub shutdown_timeout_ms: u64,
+    shutdown_timeout_ms: u64 => Rule::Int { min: 0, max: 3_600_000 },
+    // --- logs --------------------------------------------------------------------------
     /// How log lines are written.
-    pub log_format: LogFormat,
-    /// The file's `[[pipelines]]` (see [`pipelines`]), beside the built-in users pipeline. Last:
-    /// TOML writes tables after plain values.
-    #[serde(default, skip_serializing_if = "Vec::is_empty")]
-    pub pipelines: Vec<pipelines::PipelineConfig>,
-    /// `warren run --pipelines` left the built-in users pipeline out (not a setting).
-    #[serde(skip)]
-    pub without_users: bool,
+    log_format: LogFormat => Rule::OneOf(&["text", "json"]),
 }
 
 /// The type of the queues warren declares (`QUEUE_TYPE`).
@@ -412,143 +433,6 @@ enum Rule {
     /// Any string, never shown in errors or `warren config`.
     Secret,
 }
-
-/// Every setting and its rule, in the order of `config/default.toml`.
-const RULES: &[(&str, Rule)] = &[
-    ("amqp_url", Rule::AmqpUrls),
-    ("amqp_shuffle", Rule::Bool),
-    ("amqp_heartbeat_s", Rule::Int { min: 0, max: 600 }),
-    (
-        "amqp_connect_timeout_ms",
-        Rule::Int {
-            min: 100,
-            max: 600_000,
-        },
-    ),
-    (
-        "amqp_consumer_timeout_ms",
-        Rule::Int {
-            min: 0,
-            max: 86_400_000,
-        },
-    ),
-    ("database_url", Rule::PgUrl),
-    ("database_schema", Rule::Ident),
-    ("database_pool_size", Rule::Int { min: 1, max: 256 }),
-    (
-        "database_statement_timeout_ms",
-        Rule::Int {
-            min: 100,
-            max: 3_600_000,
-        },
-    ),
-    ("api_pool_size", Rule::Int { min: 1, max: 64 }),
-    ("redis_url", Rule::Url(&["redis", "rediss"])),
-    ("redis_prefix", Rule::Name),
-    ("control_secret", Rule::Secret),
-    (
-        "registry_heartbeat_ms",
-        Rule::Int {
-            min: 100,
-            max: 20_000,
-        },
-    ),
-    ("http_addr", Rule::Addr),
-    ("metrics_addr", Rule::Addr),
-    ("queue_type", Rule::OneOf(&["classic", "quorum"])),
-    ("delivery_limit", Rule::Int { min: 1, max: 1000 }),
-    (
-        "dlq_delivery_limit",
-        Rule::Int {
-            min: 0,
-            max: 1_000_000_000,
-        },
-    ),
-    ("main_exchange", Rule::Name),
-    ("main_queue", Rule::Name),
-    ("retry_exchange", Rule::Name),
-    ("retry_queue", Rule::Name),
-    ("dlx_exchange", Rule::Name),
-    ("dlq_queue", Rule::Name),
-    ("roles", Rule::Roles),
-    (
-        "retry_ttl_ms",
-        Rule::Int {
-            min: 1,
-            max: 86_400_000,
-        },
-    ),
-    ("retry_ttls_ms", Rule::TtlList),
-    ("max_retries", Rule::Int { min: 0, max: 100 }),
-    ("dlq_max_attempts", Rule::Int { min: 1, max: 1000 }),
-    (
-        "users_batch_size",
-        Rule::Int {
-            min: 1,
-            max: 10_000,
-        },
-    ),
-    (
-        "users_batch_timeout_ms",
-        Rule::Int {
-            min: 0,
-            max: 600_000,
-        },
-    ),
-    ("users_proc_concurrency", Rule::Int { min: 1, max: 256 }),
-    ("users_batch_concurrency", Rule::Int { min: 1, max: 64 }),
-    (
-        "prefetch",
-        Rule::Int {
-            min: 0,
-            max: 65_535,
-        },
-    ),
-    (
-        "rate_limit_per_s",
-        Rule::Int {
-            min: 0,
-            max: 1_000_000,
-        },
-    ),
-    (
-        "max_message_bytes",
-        Rule::Int {
-            min: 1,
-            max: 134_217_728,
-        },
-    ),
-    (
-        "max_inflight_bytes",
-        Rule::Int {
-            min: 1_048_576,
-            max: 17_179_869_184,
-        },
-    ),
-    (
-        "db_retry_window_ms",
-        Rule::Int {
-            min: 0,
-            max: 600_000,
-        },
-    ),
-    ("breaker_failures", Rule::Int { min: 1, max: 1000 }),
-    (
-        "publish_timeout_ms",
-        Rule::Int {
-            min: 100,
-            max: 600_000,
-        },
-    ),
-    (
-        "shutdown_timeout_ms",
-        Rule::Int {
-            min: 0,
-            max: 3_600_000,
-        },
-    ),
-    ("log_format", Rule::OneOf(&["text", "json"])),
-];
 
 /// Every setting as (key in `config/default.toml` and `--set`, environment variable), in the
 /// order of that file. docs/configuration.md is tested against it (tests/docs.rs).
