@@ -411,3 +411,129 @@ async fn stored_is_true_only_for_the_same_content_under_the_key() {
         "another key"
     );
 }
+
+/// Found by review: a `jsonb` mapping into a `json` column (allowed) made the comparison of a
+/// copy with its stored row fail (json has no equality), which held the pipeline for good at the
+/// first redelivery. The copy is a success; other content a conflict.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_document_in_a_json_column_compares_by_meaning() {
+    let env = TestEnv::new("map_json").await;
+    env.db
+        .batch_execute("CREATE TABLE docs (id text PRIMARY KEY, doc json NOT NULL)")
+        .await
+        .unwrap();
+    let spec: MappingSpec = toml::from_str(
+        r#"
+        table = "docs"
+        key = ["id"]
+        unknown_fields = "ignore"
+        [columns]
+        id  = { path = "/id", type = "text" }
+        doc = { path = "", type = "jsonb" }
+        "#,
+    )
+    .unwrap();
+    let m = Mapping::compile("docs", &spec).unwrap();
+    assert!(
+        schema::mismatches(&m, schema::describe(&m, &env.db).await.unwrap().as_ref()).is_empty()
+    );
+    let pool = pool(&env).await;
+    let first = insert(&m, &pool, &[br#"{"id":"j1","a":1}"#.to_vec()]).await;
+    assert_eq!(first.rows, 1);
+    // The same message again, and the same document spelled otherwise: successes.
+    for copy in [&br#"{"id":"j1","a":1}"#[..], br#"{ "a" : 1, "id" : "j1" }"#] {
+        let again = insert(&m, &pool, &[copy.to_vec(), br#"{"id":"j2"}"#.to_vec()]).await;
+        assert!(
+            again.conflicts.is_empty() && again.refused.is_empty(),
+            "{again:?}"
+        );
+    }
+    let other = insert(&m, &pool, &[br#"{"id":"j1","a":3}"#.to_vec()]).await;
+    assert_eq!(other.conflicts.len(), 1, "{other:?}");
+    assert!(other.conflicts[0].1.contains("doc"), "{other:?}");
+}
+
+/// Found by review: under `update`, a stored row whose version is NULL (another writer's) made
+/// `stored.version < new.version` unknown, so the message was counted a success and its content
+/// dropped. Any version now replaces a row without one.
+#[tokio::test(flavor = "multi_thread")]
+async fn any_version_replaces_a_stored_row_that_has_none() {
+    let env = TestEnv::new("map_null_version").await;
+    env.db
+        .batch_execute(
+            "CREATE TABLE shared (id text PRIMARY KEY, v text, ver int8);
+             INSERT INTO shared VALUES ('s1', 'written elsewhere', NULL)",
+        )
+        .await
+        .unwrap();
+    let spec: MappingSpec = toml::from_str(
+        r#"
+        table = "shared"
+        key = ["id"]
+        on_conflict = "update"
+        version_column = "ver"
+        [columns]
+        id  = { path = "/id", type = "text" }
+        v   = { path = "/v", type = "text" }
+        ver = { path = "/ver", type = "int8" }
+        "#,
+    )
+    .unwrap();
+    let m = Mapping::compile("shared", &spec).unwrap();
+    let pool = pool(&env).await;
+    let done = insert(&m, &pool, &[br#"{"id":"s1","v":"mine","ver":1}"#.to_vec()]).await;
+    assert_eq!((done.rows, done.unchanged), (1, 0), "{done:?}");
+    let row = env
+        .db
+        .query_one("SELECT v, ver FROM shared WHERE id = 's1'", &[])
+        .await
+        .unwrap();
+    assert_eq!(
+        (row.get::<_, String>(0), row.get::<_, Option<i64>>(1)),
+        ("mine".to_string(), Some(1))
+    );
+}
+
+/// Found by review: tables that no insert can fill passed the check and then held or parked
+/// every message: a mapped generated column, a DEFERRABLE unique constraint as the key, a NOT
+/// NULL column (with a default) mapped optional. Each is named before anything runs.
+#[tokio::test(flavor = "multi_thread")]
+async fn tables_no_insert_could_fill_are_named_before_anything_runs() {
+    let env = TestEnv::new("map_unfillable").await;
+    env.db
+        .batch_execute(
+            "CREATE TABLE t (
+                ref text NOT NULL,
+                g text GENERATED ALWAYS AS (upper(ref)) STORED,
+                n int8 GENERATED ALWAYS AS IDENTITY,
+                c text NOT NULL DEFAULT 'dflt',
+                CONSTRAINT t_ref UNIQUE (ref) DEFERRABLE INITIALLY DEFERRED
+            )",
+        )
+        .await
+        .unwrap();
+    let spec: MappingSpec = toml::from_str(
+        r#"
+        table = "t"
+        key = ["ref"]
+        [columns]
+        ref = { path = "/ref", type = "text" }
+        g   = { path = "/g", type = "text", optional = true }
+        n   = { path = "/n", type = "int8", optional = true }
+        c   = { path = "/c", type = "text", optional = true }
+        "#,
+    )
+    .unwrap();
+    let m = Mapping::compile("t", &spec).unwrap();
+    let problems = schema::mismatches(&m, schema::describe(&m, &env.db).await.unwrap().as_ref());
+    let all = problems.join("\n");
+    for wanted in [
+        "column g is GENERATED ALWAYS",
+        "column n is GENERATED ALWAYS",
+        "column c is NOT NULL, but its mapping is optional: an absent value would be written as NULL, not as the column's default",
+        "the key (ref) is not a primary key or unique index of the table (found: none)",
+    ] {
+        assert!(all.contains(wanted), "missing {wanted:?} in:\n{all}");
+    }
+    assert_eq!(problems.len(), 4, "{all}");
+}

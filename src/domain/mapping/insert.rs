@@ -6,8 +6,9 @@
 //!   a key that holds nothing means another unique index refused the row (`db_permanent`, naming
 //!   the index and, when it can, the key holding the value).
 //! - `update`: `INSERT .. SELECT DISTINCT ON (key) .. ORDER BY key, version DESC ON CONFLICT (key)
-//!   DO UPDATE .. WHERE stored.version < new.version`: of several versions of one key in a batch
-//!   the highest is written; an older or equal version changes nothing and is a success (counted
+//!   DO UPDATE .. WHERE stored.version IS NULL OR stored.version < new.version`: of several
+//!   versions of one key in a batch the highest is written, and any version beats a stored row
+//!   that has none; an older or equal version changes nothing and is a success (counted
 //!   as unchanged). A row refused by another unique index fails the statement (23505): the sink
 //!   splits the batch down to that row, which is dead-lettered as `db_permanent`.
 
@@ -81,7 +82,7 @@ impl Statements {
                      SELECT DISTINCT ON ({keys}) * FROM {unnest} AS v({list}) \
                      ORDER BY {keys}, {ver} DESC \
                      ON CONFLICT ({keys}) DO UPDATE SET {sets} \
-                     WHERE stored.{ver} < EXCLUDED.{ver} \
+                     WHERE stored.{ver} IS NULL OR stored.{ver} < EXCLUDED.{ver} \
                      RETURNING {keys}",
                     ver = names[v],
                     sets = if sets.is_empty() {
@@ -92,9 +93,15 @@ impl Statements {
                 )
             }
         };
+        // A jsonb value may be stored in a json column, which has no equality: both sides are
+        // compared as jsonb (by meaning: key order and spacing aside).
         let same: Vec<String> = names
             .iter()
-            .map(|n| format!("s.{n} IS NOT DISTINCT FROM v.{n}"))
+            .zip(columns)
+            .map(|(n, c)| match c.ty {
+                ColType::Jsonb => format!("s.{n}::jsonb IS NOT DISTINCT FROM v.{n}::jsonb"),
+                _ => format!("s.{n} IS NOT DISTINCT FROM v.{n}"),
+            })
             .collect();
         let joined: Vec<String> = key_names.iter().map(|k| format!("s.{k} = v.{k}")).collect();
         let compare = format!(

@@ -548,12 +548,24 @@ impl Mapping {
                 };
                 (shown, lookup(doc, segments).cloned())
             }
-            Source::Header(h) => (
-                format!("header {h}"),
-                headers
+            Source::Header(h) => {
+                let at = format!("header {h}");
+                let value = match headers
                     .and_then(|t| t.inner().get(h.as_str()))
-                    .map(header_json),
-            ),
+                    .map(header_json)
+                {
+                    Some(Err(amqp_type)) => {
+                        return Err(format!(
+                            "{at}: expected {}, found {amqp_type} (a header column reads a \
+                             string, a number, a boolean or void)",
+                            expects(c.ty)
+                        ));
+                    }
+                    Some(Ok(v)) => Some(v),
+                    None => None,
+                };
+                (at, value)
+            }
         };
         let value = match value {
             None | Some(Value::Null) if c.optional => return Ok(Cell::Null),
@@ -977,11 +989,17 @@ fn contains_nul(v: &Value) -> bool {
 }
 
 /// An AMQP header value as JSON, so a header column reads like a path: strings as strings,
-/// integers and floats as numbers, booleans, and anything else as its text.
-fn header_json(v: &lapin::types::AMQPValue) -> Value {
+/// integers and floats as numbers, booleans, void as null. Anything else (byte arrays, arrays,
+/// tables, decimals, timestamps, a string of invalid UTF-8) has no one JSON reading: `Err`
+/// names its AMQP type, and the message is refused rather than stored as some rendering of it.
+fn header_json(v: &lapin::types::AMQPValue) -> Result<Value, &'static str> {
     use lapin::types::AMQPValue as A;
-    match v {
-        A::LongString(s) => Value::String(String::from_utf8_lossy(s.as_bytes()).into_owned()),
+    Ok(match v {
+        A::LongString(s) => Value::String(
+            std::str::from_utf8(s.as_bytes())
+                .map_err(|_| "a string of invalid UTF-8")?
+                .to_string(),
+        ),
         A::ShortString(s) => Value::String(s.as_str().to_string()),
         A::Boolean(b) => Value::Bool(*b),
         A::ShortShortInt(n) => Value::from(*n),
@@ -994,8 +1012,12 @@ fn header_json(v: &lapin::types::AMQPValue) -> Value {
         A::Float(f) => Value::from(*f as f64),
         A::Double(f) => Value::from(*f),
         A::Void => Value::Null,
-        other => Value::String(crate::amqp::headers::value_text(other)),
-    }
+        A::ByteArray(_) => return Err("a byte array"),
+        A::FieldArray(_) => return Err("a field array"),
+        A::FieldTable(_) => return Err("a field table"),
+        A::DecimalValue(_) => return Err("an AMQP decimal"),
+        A::Timestamp(_) => return Err("an AMQP timestamp"),
+    })
 }
 
 #[cfg(test)]

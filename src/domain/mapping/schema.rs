@@ -20,6 +20,9 @@ pub struct TableColumn {
     pub type_name: String,
     pub not_null: bool,
     pub has_default: bool,
+    /// `GENERATED ALWAYS` (a generated column, or an identity the database alone fills): no
+    /// insert may give it a value.
+    pub generated: bool,
 }
 
 /// What the catalog says of a table: its columns and its unique indexes (name, columns).
@@ -69,25 +72,43 @@ pub fn mismatches(mapping: &Mapping, table: Option<&TableInfo>) -> Vec<String> {
                 c.ty,
                 writable(c.ty).join(" or ")
             )),
+            Some(t) if t.generated => out.push(format!(
+                "{at}: column {} is GENERATED ALWAYS: the database computes it and refuses any \
+                 value an insert gives it (expected it left out of the mapping)",
+                c.name
+            )),
             Some(_) => {}
         }
     }
     for t in &table.columns {
-        if !t.not_null || t.has_default {
+        // A generated column the mapping fills is named above; one it leaves alone is filled.
+        if !t.not_null || t.generated {
             continue;
         }
         match mapping.columns.iter().find(|c| c.name == t.name) {
-            None => out.push(format!(
+            None if !t.has_default => out.push(format!(
                 "{at}: column {} is NOT NULL without a default, and no column of the mapping \
                  fills it (expected a mapping for it)",
                 t.name
             )),
+            // An absent optional value is written as NULL, not as the column's default: the
+            // database would refuse every message without it.
             Some(c) if c.optional => out.push(format!(
-                "{at}: column {} is NOT NULL without a default, but its mapping is optional \
-                 (expected optional = false)",
-                t.name
+                "{at}: column {} is NOT NULL, but its mapping is optional: an absent value would \
+                 be written as NULL{} (expected optional = false{})",
+                t.name,
+                if t.has_default {
+                    ", not as the column's default"
+                } else {
+                    ""
+                },
+                if t.has_default {
+                    ", or the column left out of the mapping so that its default applies"
+                } else {
+                    ""
+                }
             )),
-            Some(_) => {}
+            _ => {}
         }
     }
     let mut key: Vec<&str> = mapping.key();
@@ -105,7 +126,8 @@ pub fn mismatches(mapping: &Mapping, table: Option<&TableInfo>) -> Vec<String> {
             .collect();
         out.push(format!(
             "{at}: the key ({}) is not a primary key or unique index of the table (found: {}); \
-             expected one on exactly these columns",
+             expected one on exactly these columns, neither partial nor DEFERRABLE (ON CONFLICT \
+             cannot use those)",
             mapping.key().join(", "),
             if found.is_empty() {
                 "none".to_string()
@@ -135,7 +157,8 @@ pub async fn describe(
     let columns = client
         .query(
             "SELECT a.attname::text, format_type(a.atttypid, a.atttypmod), t.typname::text, \
-                    a.attnotnull, a.atthasdef OR a.attidentity <> '' OR a.attgenerated <> '' \
+                    a.attnotnull, a.atthasdef OR a.attidentity <> '' OR a.attgenerated <> '', \
+                    a.attidentity = 'a' OR a.attgenerated <> '' \
              FROM pg_attribute a JOIN pg_type t ON t.oid = a.atttypid \
              WHERE a.attrelid = $1 AND a.attnum > 0 AND NOT a.attisdropped ORDER BY a.attnum",
             &[&oid],
@@ -149,14 +172,16 @@ pub async fn describe(
             type_name: r.get(2),
             not_null: r.get(3),
             has_default: r.get(4),
+            generated: r.get(5),
         })
         .collect();
     let unique = unique_indexes(client, oid).await?;
     Ok(Some(TableInfo { columns, unique }))
 }
 
-/// The unique indexes (and primary key) of the table `oid`: (name, columns), expression and
-/// partial indexes left out (they cannot be a key).
+/// The unique indexes (and primary key) of the table `oid`: (name, columns), expression,
+/// partial and deferrable ones left out (ON CONFLICT cannot take them as its arbiter, so they
+/// cannot be a key).
 pub(super) async fn unique_indexes<C: tokio_postgres::GenericClient>(
     client: &C,
     oid: u32,
@@ -168,7 +193,7 @@ pub(super) async fn unique_indexes<C: tokio_postgres::GenericClient>(
              CROSS JOIN LATERAL unnest(x.indkey) WITH ORDINALITY AS k(attnum, ord) \
              JOIN pg_attribute a ON a.attrelid = x.indrelid AND a.attnum = k.attnum \
              WHERE x.indrelid = $1 AND x.indisunique AND x.indpred IS NULL \
-               AND x.indexprs IS NULL \
+               AND x.indexprs IS NULL AND x.indimmediate \
              GROUP BY i.relname ORDER BY i.relname",
             &[&oid],
         )

@@ -76,6 +76,61 @@ fn a_header_column_reads_the_header() {
     assert_eq!(cell(&m, &row, "tenant"), Cell::Text("acme".into()));
 }
 
+/// A header of an AMQP type with no one JSON reading is refused, naming the header and the type,
+/// never stored as some rendering of it; the readable types are read.
+#[test]
+fn a_header_of_a_type_a_column_cannot_read_is_refused_by_name() {
+    use lapin::types::{AMQPValue as A, ByteArray, DecimalValue, FieldArray, FieldTable};
+    let m = orders();
+    let with_tenant = |v: A| {
+        let mut h = FieldTable::default();
+        h.insert("x-tenant".into(), v);
+        m.decode_message(GOOD.as_bytes(), Some(&h))
+    };
+    for (value, found) in [
+        (
+            A::ByteArray(ByteArray::from(b"bytes\xff".to_vec())),
+            "a byte array",
+        ),
+        (
+            A::FieldArray(FieldArray::from(vec![A::LongString("a".into())])),
+            "a field array",
+        ),
+        (A::FieldTable(FieldTable::default()), "a field table"),
+        (
+            A::DecimalValue(DecimalValue {
+                scale: 1,
+                value: 15,
+            }),
+            "an AMQP decimal",
+        ),
+        (A::Timestamp(1_767_225_600), "an AMQP timestamp"),
+        (
+            A::LongString(b"a\xe9b".to_vec().into()),
+            "a string of invalid UTF-8",
+        ),
+    ] {
+        let e = with_tenant(value.clone()).expect_err("refused");
+        assert_eq!(e.kind, ErrorKind::InvalidPayload, "{value:?}");
+        assert!(
+            e.reason.contains("header x-tenant") && e.reason.contains(found),
+            "{value:?}: {}",
+            e.reason
+        );
+    }
+    // Void is null: the optional column is NULL.
+    let row = with_tenant(A::Void).unwrap();
+    assert_eq!(cell(&m, &row, "tenant"), Cell::Null);
+    assert_eq!(
+        cell(
+            &m,
+            &with_tenant(A::ShortString("acme".into())).unwrap(),
+            "tenant"
+        ),
+        Cell::Text("acme".into())
+    );
+}
+
 fn refused(m: &Mapping, body: &str) -> Rejection {
     m.decode_message(body.as_bytes(), None).unwrap_err()
 }
@@ -373,7 +428,9 @@ fn statements_quote_every_name() {
     let sql = &m.statements.insert;
     assert!(sql.contains("SELECT DISTINCT ON (\"order_id\")"), "{sql}");
     assert!(
-        sql.contains("WHERE stored.\"quantity\" < EXCLUDED.\"quantity\""),
+        sql.contains(
+            "WHERE stored.\"quantity\" IS NULL OR stored.\"quantity\" < EXCLUDED.\"quantity\""
+        ),
         "{sql}"
     );
 }
