@@ -16,6 +16,7 @@ use crate::amqp::monitor::Depths;
 use crate::config::{Role, Settings};
 use crate::domain::mapping::Mapping;
 use crate::domain::users::Users;
+use crate::events::{self, Kind};
 use crate::pipeline::{self, Pipeline, Spec};
 use crate::registry::{Command, CtlCommand, Registry, Report};
 use crate::{db, http, metrics};
@@ -33,6 +34,14 @@ pub async fn run(settings: Settings, shutdown: impl Future<Output = ()>) -> anyh
         .map_err(|e| anyhow::anyhow!("METRICS_ADDR {}: {e}", settings.metrics_addr))?;
     let recorder = metrics::install().map_err(anyhow::Error::msg)?;
     http::ops::serve(metrics_addr, recorder).await?;
+    events::start(&settings);
+    events::emit(
+        None,
+        Kind::Started {
+            version: env!("CARGO_PKG_VERSION").into(),
+            roles: settings.roles.to_string(),
+        },
+    );
 
     // The file's pipelines, each with the settings as it sees them and its stages' names (the
     // `pipeline` label: `<name>` and `<name>_dlq`; users keeps `main` and `dlq`). A file's
@@ -156,6 +165,13 @@ pub async fn run(settings: Settings, shutdown: impl Future<Output = ()>) -> anyh
         None
     };
     info!(roles = %settings.roles, version = env!("CARGO_PKG_VERSION"), "warren running");
+    // `ready` once every link the roles need is up, as /readyz sees it.
+    tokio::spawn(async {
+        while !metrics::readiness().ready() {
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        events::emit(None, Kind::Ready);
+    });
     // systemd (Type=notify): the roles are up. A no-op when NOTIFY_SOCKET is unset.
     if let Err(e) = sd_notify::notify(&[sd_notify::NotifyState::Ready]) {
         warn!(error = %e, "cannot tell systemd (NOTIFY_SOCKET) that warren is ready");
@@ -165,7 +181,7 @@ pub async fn run(settings: Settings, shutdown: impl Future<Output = ()>) -> anyh
     let probe_settings = settings.clone();
     tokio::spawn(async move {
         loop {
-            metrics::postgres(
+            crate::events::database(
                 db::ping(&probe_pool, db::call_bound(&probe_settings))
                     .await
                     .is_ok(),
@@ -214,6 +230,12 @@ pub async fn run(settings: Settings, shutdown: impl Future<Output = ()>) -> anyh
         timeout_ms = settings.shutdown_timeout_ms,
         "shutting down"
     );
+    events::emit(
+        None,
+        Kind::Draining {
+            reason: reason.into(),
+        },
+    );
 
     let timeout = settings.shutdown_timeout();
     let results = futures::future::join_all(pipelines.iter().map(|p| p.shutdown(timeout))).await;
@@ -222,15 +244,18 @@ pub async fn run(settings: Settings, shutdown: impl Future<Output = ()>) -> anyh
     }
     let _ = stop_tx.send(reason.to_string());
     let _ = tokio::time::timeout(Duration::from_secs(5), registry).await;
-    if results.iter().all(|drained| *drained) {
+    let code = if results.iter().all(|drained| *drained) {
         info!("stopped cleanly");
-        Ok(0)
+        0
     } else {
         warn!(
             "stopped with messages still in flight after SHUTDOWN_TIMEOUT_MS; the broker redelivers them; exit 1"
         );
-        Ok(1)
-    }
+        1
+    };
+    events::emit(None, Kind::Stopped { exit_code: code });
+    events::flush(Duration::from_secs(2)).await;
+    Ok(code)
 }
 
 /// A remote command and where to answer whether it was applied.
@@ -269,6 +294,10 @@ fn apply(
         }
     };
     let whole = command.pipeline.is_none();
+    // `paused` / `resumed`: once for the instance, or once for the pipeline named.
+    let announce = |kind: Kind| {
+        events::emit(command.pipeline.as_deref(), kind);
+    };
     let mark_paused = |on: bool| {
         for p in &chosen {
             crate::metrics::stage(p.name)
@@ -281,6 +310,9 @@ fn apply(
             needs_consumer()?;
             chosen.iter().for_each(|p| p.hold(true));
             mark_paused(true);
+            announce(Kind::Paused {
+                by: "operator".into(),
+            });
             if whole {
                 report.send_modify(|r| r.status = "paused");
             }
@@ -290,6 +322,9 @@ fn apply(
             needs_consumer()?;
             chosen.iter().for_each(|p| p.hold(false));
             mark_paused(false);
+            announce(Kind::Resumed {
+                by: "operator".into(),
+            });
             if whole {
                 report.send_modify(|r| r.status = "running");
             }

@@ -163,6 +163,9 @@ settings! {
     // --- logs --------------------------------------------------------------------------
     /// How log lines are written.
     log_format: LogFormat => Rule::OneOf(&["text", "json"]),
+    // --- events ------------------------------------------------------------------------
+    /// Entries the Redis event stream keeps, about (`MAXLEN ~`); 0 turns events off.
+    events_max_len: u64 => Rule::Int { min: 0, max: 100_000_000 },
 }
 
 /// The type of the queues warren declares (`QUEUE_TYPE`).

@@ -23,6 +23,8 @@
 //!   call bound, no password in messages), `instance` (key scheme, heartbeat, rates, shutdown
 //!   record, the live instances), `commands` (the remote commands, typed as `Command`, their
 //!   wire form and signatures, the guard, outcomes).
+//! - [`events`]: lifecycle events appended to a Redis stream (`warren events` reads them),
+//!   dropped and counted rather than ever waited for.
 //! - [`cli`]: one file per subcommand of the `warren` binary.
 
 pub mod amqp;
@@ -31,6 +33,7 @@ pub mod cli;
 pub mod config;
 pub mod db;
 pub mod domain;
+pub mod events;
 pub mod http;
 pub mod metrics;
 pub mod pipeline;

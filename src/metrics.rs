@@ -39,6 +39,7 @@ pub const CONSUMER_RESTARTS: &str = "warren_consumer_restarts_total";
 pub const REQUEUED: &str = "warren_messages_requeued_total";
 pub const ACKS: &str = "warren_amqp_acks_total";
 pub const LOG_LINES_DROPPED: &str = "warren_log_lines_dropped_total";
+pub const EVENTS_DROPPED: &str = "warren_events_dropped_total";
 
 /// Process-wide counts, for the Redis registry and the shutdown record (the Prometheus
 /// recorder cannot be read back). The message counts of the pipelines are their stages' sums
@@ -271,6 +272,12 @@ fn describe() {
         "Log lines that could not be written to stderr (its pipe's reader is gone, a full disk) \
          and were dropped; warren goes on without them."
     );
+    describe_counter!(
+        EVENTS_DROPPED,
+        "Lifecycle events not written to the Redis stream, by reason (full: more waited than the \
+         writer holds, Redis slow or away; redis: the write failed). The data path never waits \
+         for them."
+    );
     gauge!(BUILD_INFO, "version" => env!("CARGO_PKG_VERSION")).set(1.0);
 }
 
@@ -278,6 +285,11 @@ fn describe() {
 /// where would it say it?
 pub fn log_line_dropped() {
     counter!(LOG_LINES_DROPPED).increment(1);
+}
+
+/// `n` lifecycle events were dropped for `reason` (`full`, `redis`).
+pub fn events_dropped(reason: &'static str, n: u64) {
+    counter!(EVENTS_DROPPED, "reason" => reason).increment(n);
 }
 
 /// A pipeline's consumer link is rebuilt, for `reason`.
@@ -521,6 +533,12 @@ pub fn amqp_node(link: &str, node: &str) {
         gauge!(AMQP_NODE_INFO, "link" => link.to_string(), "node" => old).set(0.0);
     }
     gauge!(AMQP_NODE_INFO, "link" => link.to_string(), "node" => node.to_string()).set(1.0);
+}
+
+/// The broker node (`host:port`) the AMQP link `link` connected to last.
+pub fn amqp_node_of(link: &str) -> Option<String> {
+    let guard = LINK_NODES.lock().unwrap_or_else(|p| p.into_inner());
+    guard.as_ref().and_then(|m| m.get(link)).cloned()
 }
 
 /// One AMQP link of this process (a consumer or a publisher, by name) came up or went down;

@@ -240,6 +240,39 @@ async fn a_batch_held_by_the_breaker_is_given_back_before_the_brokers_consumer_t
     assert_eq!(c.ready(&c.env.retry_queue).await, 0);
     assert_eq!(c.ready(&c.env.dlq_queue).await, 0);
     assert_eq!(amqp_reconnects(&c.env).await, 0.0);
+    // What it told the world (docs/events.md): the systemic error, the breaker opened, the batch
+    // given back (once per give-back, with its size), the breaker closed once the database was back.
+    wait_until("breaker_closed", Duration::from_secs(30), || async {
+        stream_events(&c.env)
+            .await
+            .iter()
+            .any(|e| e["type"] == "breaker_closed")
+    })
+    .await;
+    let events = stream_events(&c.env).await;
+    let of = |kind: &str| {
+        events
+            .iter()
+            .filter(|e| e["type"] == kind)
+            .collect::<Vec<_>>()
+    };
+    assert!(
+        of("error").iter().any(|e| e["message"]
+            .as_str()
+            .is_some_and(|m| m.contains("systemic"))),
+        "{events:?}"
+    );
+    assert_eq!(of("breaker_opened").len(), 1, "{events:?}");
+    assert_eq!(of("breaker_opened")[0]["pipeline"], "users");
+    assert_eq!(of("breaker_closed").len(), 1, "{events:?}");
+    let given_back = of("given_back");
+    assert!(!given_back.is_empty(), "{events:?}");
+    assert!(given_back.iter().all(|e| {
+        e["reason"] == "consumer_timeout"
+            && e["count"]
+                .as_u64()
+                .is_some_and(|n| (1..=N as u64).contains(&n))
+    }));
     warren.terminate_ok(Duration::from_secs(30));
     assert_eq!(
         queue_counts_on(Some(&node), &c.env.main_queue).await,

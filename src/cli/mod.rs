@@ -6,6 +6,7 @@ pub mod config;
 pub mod ctl;
 pub mod declare;
 pub mod dlq;
+pub mod events;
 pub mod man;
 pub mod r#move;
 pub mod pipelines;
@@ -58,6 +59,8 @@ pub enum Command {
     Ctl(ctl::Args),
     /// Inspect and replay the dead-letter queue and the parked messages.
     Dlq(dlq::Args),
+    /// The lifecycle events of every instance (from Redis): the last ones, or --follow them.
+    Events(events::Args),
     /// Move the messages of a queue to an exchange, each confirmed before its source copy is acked.
     ///
     /// Each message is republished as it is (body, properties and headers unchanged), mandatory
@@ -246,6 +249,7 @@ pub async fn dispatch(cli: Cli, settings: Settings) -> i32 {
         Command::Status(args) => status::execute(&settings, args).await,
         Command::Ctl(args) => ctl::execute(&settings, args).await,
         Command::Dlq(args) => dlq::execute(&settings, args).await,
+        Command::Events(args) => events::execute(&settings, args).await,
         Command::Move(args) => r#move::execute(&settings, args).await,
         Command::Completions(args) => completions::execute(&args),
         Command::Man(args) => man::execute(&args),

@@ -84,6 +84,12 @@ impl Breaker {
              consuming stops until it answers again"
         );
         metrics::breaker(self.pipeline, true);
+        crate::events::emit(
+            Some(self.pipeline),
+            crate::events::Kind::BreakerOpened {
+                failures: self.failures.load(Ordering::Relaxed),
+            },
+        );
         self.hold.do_send(Hold {
             reason: HoldReason::Breaker,
             on: true,
@@ -133,6 +139,7 @@ impl Breaker {
         self.failures.store(0, Ordering::Relaxed);
         self.open.store(false, Ordering::SeqCst);
         metrics::breaker(self.pipeline, false);
+        crate::events::emit(Some(self.pipeline), crate::events::Kind::BreakerClosed);
         info!(
             pipeline = self.pipeline,
             "sink-outage breaker closed: the database answers; consuming again"

@@ -430,6 +430,9 @@ impl Consumer {
         self.inflight_bytes = self.inflight_bytes.saturating_sub(held_bytes);
         match std::mem::replace(&mut self.link, Link::Down) {
             Link::Up(linked) => {
+                // However it ended (the channel closed, the stream ended, a stuck consumer): the
+                // link is down until the next one is up.
+                crate::events::amqp_link(self.config.pipeline, false);
                 // Dropping the acker ends its task; the channel's unacked deliveries are requeued.
                 drop(linked.acker);
                 actix::spawn(amqp::close(Some(linked.channel), Some(linked.connection)));
@@ -771,7 +774,6 @@ impl Actor for Consumer {
                     pipeline = act.config.pipeline,
                     "consumer channel is closed; rebuilding it"
                 );
-                crate::metrics::amqp_link(act.config.pipeline, false);
                 let reason = act.link_end_reason();
                 act.rebuild(ctx, reason);
             } else {
@@ -809,7 +811,7 @@ impl Handler<Connected> for Consumer {
         self.last_stream_error = None;
         info!(pipeline = self.config.pipeline, queue = %self.config.queue, prefetch = self.config.prefetch,
             generation, held = !self.holds.is_empty(), "connected");
-        crate::metrics::amqp_link(self.config.pipeline, true);
+        crate::events::amqp_link(self.config.pipeline, true);
         if generation > 1 {
             crate::metrics::reconnected("amqp");
         }

@@ -292,8 +292,21 @@ impl Pipeline {
         if !(1..=256).contains(&n) {
             return Err(format!("processors: expected 1 to 256, got {n}"));
         }
+        let from = self.drains.lock().unwrap_or_else(|p| p.into_inner()).len();
         let chunks = self.processors(n);
         self.consumer.do_send(consumer::SetProcessors(chunks));
+        if from != n {
+            let dlq = self.name == "dlq" || self.name.ends_with("_dlq");
+            crate::events::emit(
+                Some(self.name),
+                crate::events::Kind::Scaled {
+                    what: if dlq { "dlq_processors" } else { "processors" }.into(),
+                    from,
+                    to: n,
+                    reason: "operator".into(),
+                },
+            );
+        }
         Ok(())
     }
 

@@ -359,6 +359,16 @@ impl Fallback {
                 Sent::Confirmed => {
                     let d = &items[i].0;
                     metrics::message_routed(self.pipeline, kind, d.message_id(), d.tag);
+                    if kind != "retry" && kind != "dlq_retry" {
+                        crate::events::emit(
+                            Some(self.pipeline),
+                            crate::events::Kind::DeadLettered {
+                                message_id: d.message_id().to_string(),
+                                kind: kind.to_string(),
+                                reason: items[i].1.to_string(),
+                            },
+                        );
+                    }
                     routed.push(kind);
                     Fate::Settled(Disposition::Ack)
                 }
@@ -408,6 +418,18 @@ impl Fallback {
                         bare = parked.bare,
                         "some messages were parked without their headers (the database refused them)"
                     );
+                }
+                for i in &indices {
+                    if let (d, Fate::Park { kind, reason }) = (&items[*i].0, &fates[*i]) {
+                        crate::events::emit(
+                            Some(self.pipeline),
+                            crate::events::Kind::Parked {
+                                message_id: d.message_id().to_string(),
+                                kind: kind.as_str().to_string(),
+                                reason: reason.clone(),
+                            },
+                        );
+                    }
                 }
                 for (kind, n) in count_by_kind(kinds.into_iter()) {
                     metrics::messages_parked(kind, n);

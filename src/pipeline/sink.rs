@@ -146,7 +146,18 @@ async fn sink<D: Domain>(config: Arc<SinkConfig<D>>, batch: Batch<D::Record>) {
                 }
             }
         }
-        metrics::batch_inserted(config.pipeline, records.len(), committed, started.elapsed());
+        let took = started.elapsed();
+        metrics::batch_inserted(config.pipeline, records.len(), committed, took);
+        if committed > 0 {
+            crate::events::emit(
+                Some(config.pipeline),
+                crate::events::Kind::BatchCommitted {
+                    rows: committed as u64,
+                    messages: n as u64,
+                    duration_ms: took.as_millis() as u64,
+                },
+            );
+        }
         metrics::end_to_end(
             deliveries
                 .iter()
@@ -350,7 +361,7 @@ async fn insert_retrying<D: Domain>(
             Err(e) => {
                 let e = DbError::from_pool(e);
                 if matches!(e, DbError::Connection(_)) {
-                    metrics::postgres(false);
+                    crate::events::database(false);
                 }
                 return Err(e);
             }
@@ -366,8 +377,8 @@ async fn insert_retrying<D: Domain>(
                 Err(_) => Err(crate::db::abandon(client, config.db_bound)),
             };
         match &result {
-            Ok(_) => metrics::postgres(true),
-            Err(DbError::Connection(_)) => metrics::postgres(false),
+            Ok(_) => crate::events::database(true),
+            Err(DbError::Connection(_)) => crate::events::database(false),
             Err(_) => {}
         }
         result
@@ -390,6 +401,13 @@ async fn insert_retrying<D: Domain>(
                 warn!(pipeline, batch_id, error = %e,
                     "batch held unacked near the broker's consumer_timeout \
                      (AMQP_CONSUMER_TIMEOUT_MS); giving it back to the queue");
+                crate::events::emit(
+                    Some(pipeline),
+                    crate::events::Kind::GivenBack {
+                        count: records.len() as u64,
+                        reason: "consumer_timeout".into(),
+                    },
+                );
                 None
             }
             _ => delay,
@@ -400,6 +418,12 @@ async fn insert_retrying<D: Domain>(
                 error!(pipeline, batch_id, error = %e, retry_in_ms,
                     "SYSTEMIC database error: the deployment is wrong (table, privileges, database); \
                      holding the batch, no message is dead-lettered");
+                crate::events::emit(
+                    Some(pipeline),
+                    crate::events::Kind::Error {
+                        message: format!("systemic database error: {e}"),
+                    },
+                );
                 config
                     .breaker
                     .trip("systemic database error", &config.domain, &config.pool);

@@ -116,3 +116,25 @@ pub async fn shutdowns(env: &TestEnv) -> Vec<Value> {
         .map(|r| serde_json::from_str(r).unwrap_or_else(|e| panic!("record {r:?}: {e}")))
         .collect()
 }
+
+/// Every lifecycle event in the env's stream (`<prefix>:events`), oldest first.
+pub async fn stream_events(env: &TestEnv) -> Vec<Value> {
+    let (url, prefix) = redis_of(env);
+    let reply: Option<redis::streams::StreamRangeReply> = try_redis_query(
+        &url,
+        redis::cmd("XRANGE")
+            .arg(format!("{prefix}:events"))
+            .arg("-")
+            .arg("+"),
+    )
+    .await;
+    reply
+        .map(|r| r.ids)
+        .unwrap_or_default()
+        .into_iter()
+        .map(|entry| {
+            let text: String = entry.get("event").expect("an event field");
+            serde_json::from_str(&text).unwrap_or_else(|e| panic!("{e}: {text}"))
+        })
+        .collect()
+}

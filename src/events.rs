@@ -1,0 +1,466 @@
+//! Lifecycle events: what happens to this instance and its pipelines, appended to the Redis
+//! stream `<REDIS_PREFIX>:events` (capped with `MAXLEN ~ EVENTS_MAX_LEN`) for another program to
+//! follow and act on (`warren events --follow`, a UI, an alerting bot) without being wired in.
+//!
+//! Each stream entry has one field, `event`, holding a JSON object: `v` (the format's version,
+//! [`VERSION`]), `type`, `time` (RFC 3339, UTC), `host`, `pid`, `pipeline` (when the event is
+//! about one) and the type's own fields ([`Kind`]); docs/events.md describes every type.
+//!
+//! The data path never waits on Redis: [`emit`] is a non-blocking send into a bounded channel
+//! that one background task ([`start`]) drains, a pipelined `XADD` per chunk. A full channel
+//! (Redis slow or down) or a failed write drops the events, counted in
+//! `warren_events_dropped_total{reason}`; nothing is retried, nothing blocks.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU8, Ordering};
+use std::sync::{Mutex, OnceLock};
+use std::time::Duration;
+
+use serde::Serialize;
+use time::OffsetDateTime;
+use time::format_description::well_known::Rfc3339;
+use tokio::sync::{mpsc, oneshot};
+
+use crate::config::Settings;
+use crate::metrics;
+use crate::registry::redis::Redis;
+
+/// The version of the event format: bumped when a field changes meaning or disappears (new
+/// fields and new types do not bump it).
+pub const VERSION: u32 = 1;
+
+/// Events waiting for the writer at most; past it they are dropped (`reason="full"`).
+const QUEUE: usize = 10_000;
+
+/// Events written to Redis in one pipelined round trip at most.
+const CHUNK: usize = 500;
+
+/// What happened, with the fields of its type.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+#[serde(tag = "type", rename_all = "snake_case")]
+pub enum Kind {
+    /// `warren run` started its roles.
+    Started { version: String, roles: String },
+    /// Every link the roles need is up (`/readyz` answers 200).
+    Ready,
+    /// An operator paused the pipeline (or all): no new deliveries.
+    Paused { by: String },
+    /// An operator resumed it.
+    Resumed { by: String },
+    /// The graceful shutdown began (`signal`, `drain`).
+    Draining { reason: String },
+    /// The process is about to exit with `exit_code` (0: every delivery settled).
+    Stopped { exit_code: i32 },
+    /// A link to `target` (`broker`, `database`) went down; `link` names which (a pipeline's
+    /// consumer, a publisher), `node` the broker node it was on.
+    LinkLost {
+        target: String,
+        #[serde(skip_serializing_if = "Option::is_none")]
+        link: Option<String>,
+        #[serde(skip_serializing_if = "Option::is_none")]
+        node: Option<String>,
+    },
+    /// The link is up again, on `node`.
+    LinkRestored {
+        target: String,
+        #[serde(skip_serializing_if = "Option::is_none")]
+        link: Option<String>,
+        #[serde(skip_serializing_if = "Option::is_none")]
+        node: Option<String>,
+    },
+    /// The sink-outage breaker opened: the pipeline holds its deliveries until the database
+    /// answers.
+    BreakerOpened { failures: u32 },
+    /// The breaker closed: deliveries flow again.
+    BreakerClosed,
+    /// The pipeline's concurrency of `what` (`processors`, `inserts`) changed.
+    Scaled {
+        what: String,
+        from: usize,
+        to: usize,
+        reason: String,
+    },
+    /// A batch committed: `rows` new rows (of `messages`) in `duration_ms`. One per batch.
+    BatchCommitted {
+        rows: u64,
+        messages: u64,
+        duration_ms: u64,
+    },
+    /// A message was republished to the dead-letter exchange.
+    DeadLettered {
+        message_id: String,
+        kind: String,
+        reason: String,
+    },
+    /// The DLQ stage parked a message in `dead_letters`.
+    Parked {
+        message_id: String,
+        kind: String,
+        reason: String,
+    },
+    /// Deliveries held too long were given back to the queue before the broker's consumer
+    /// timeout (nack with requeue).
+    GivenBack { count: u64, reason: String },
+    /// Something failed that an operator should know about.
+    Error { message: String },
+}
+
+impl Kind {
+    /// The `type` field of this kind, as written.
+    pub fn name(&self) -> &'static str {
+        match self {
+            Kind::Started { .. } => "started",
+            Kind::Ready => "ready",
+            Kind::Paused { .. } => "paused",
+            Kind::Resumed { .. } => "resumed",
+            Kind::Draining { .. } => "draining",
+            Kind::Stopped { .. } => "stopped",
+            Kind::LinkLost { .. } => "link_lost",
+            Kind::LinkRestored { .. } => "link_restored",
+            Kind::BreakerOpened { .. } => "breaker_opened",
+            Kind::BreakerClosed => "breaker_closed",
+            Kind::Scaled { .. } => "scaled",
+            Kind::BatchCommitted { .. } => "batch_committed",
+            Kind::DeadLettered { .. } => "dead_lettered",
+            Kind::Parked { .. } => "parked",
+            Kind::GivenBack { .. } => "given_back",
+            Kind::Error { .. } => "error",
+        }
+    }
+
+    /// Every type, as written (docs/events.md lists the same).
+    pub const NAMES: [&'static str; 16] = [
+        "started",
+        "ready",
+        "paused",
+        "resumed",
+        "draining",
+        "stopped",
+        "link_lost",
+        "link_restored",
+        "breaker_opened",
+        "breaker_closed",
+        "scaled",
+        "batch_committed",
+        "dead_lettered",
+        "parked",
+        "given_back",
+        "error",
+    ];
+}
+
+/// One event as it is written to the stream.
+#[derive(Debug, Clone, Serialize)]
+pub struct Event {
+    pub v: u32,
+    #[serde(flatten)]
+    pub kind: Kind,
+    pub time: String,
+    pub host: String,
+    pub pid: u32,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub pipeline: Option<String>,
+}
+
+impl Event {
+    /// `kind`, now, from this process, about `pipeline` if any (a pipeline's name or a stage
+    /// label: see [`pipeline_of`]).
+    pub fn new(pipeline: Option<&str>, kind: Kind) -> Self {
+        Self {
+            v: VERSION,
+            kind,
+            time: OffsetDateTime::now_utc()
+                .format(&Rfc3339)
+                .unwrap_or_default(),
+            host: HOST.get_or_init(crate::hostname).clone(),
+            pid: std::process::id(),
+            pipeline: pipeline.map(|p| pipeline_of(p).to_string()),
+        }
+    }
+
+    /// The JSON object of the `event` field.
+    pub fn to_json(&self) -> String {
+        serde_json::to_string(self).unwrap_or_default()
+    }
+}
+
+/// The pipeline name events use for a stage label (`main` and `dlq` are users' stages; a
+/// configured pipeline's DLQ stage is `<name>_dlq`).
+pub fn pipeline_of(stage: &str) -> &str {
+    match stage {
+        "main" | "dlq" => "users",
+        s => s.strip_suffix("_dlq").unwrap_or(s),
+    }
+}
+
+/// This machine's host name, read once.
+static HOST: OnceLock<String> = OnceLock::new();
+
+/// The AMQP links seen so far and whether each is up, and the node each was last on: a link's
+/// first connect is not an event, a loss and the restore after it are.
+static LINKS: Mutex<Option<HashMap<String, LinkState>>> = Mutex::new(None);
+
+/// Whether a link is up, and the broker node it was last on.
+type LinkState = (bool, Option<String>);
+
+/// An AMQP link of this process (a pipeline's consumer, a publisher) came up or went down:
+/// reported to the metrics ([`metrics::amqp_link`]) and, on a change after its first connect,
+/// as `link_lost` / `link_restored` with the node.
+pub fn amqp_link(link: &str, up: bool) {
+    metrics::amqp_link(link, up);
+    let changed = {
+        let mut guard = LINKS.lock().unwrap_or_else(|p| p.into_inner());
+        let links = guard.get_or_insert_with(HashMap::new);
+        let node = metrics::amqp_node_of(link);
+        match links.insert(link.to_string(), (up, node.clone())) {
+            Some((was, old_node)) if was != up => Some(if up { node } else { old_node.or(node) }),
+            None if !up => Some(node),
+            _ => None,
+        }
+    };
+    if let Some(node) = changed {
+        let (target, link) = ("broker".to_string(), Some(link.to_string()));
+        let kind = if up {
+            Kind::LinkRestored { target, link, node }
+        } else {
+            Kind::LinkLost { target, link, node }
+        };
+        emit(None, kind);
+    }
+}
+
+/// Whether the database answered (`up`), reported to the metrics ([`metrics::postgres`]) and,
+/// on a change after the first answer, as `link_lost` / `link_restored` of the database.
+pub fn database(up: bool) {
+    static SEEN: AtomicU8 = AtomicU8::new(0);
+    let now = if up { 1 } else { 2 };
+    let was = SEEN.swap(now, Ordering::Relaxed);
+    metrics::postgres(up);
+    if was != now && (was != 0 || !up) {
+        let (target, link, node) = ("database".to_string(), None, None);
+        emit(
+            None,
+            if up {
+                Kind::LinkRestored { target, link, node }
+            } else {
+                Kind::LinkLost { target, link, node }
+            },
+        );
+    }
+}
+
+/// What the writer task is handed.
+enum Item {
+    Event(Box<Event>),
+    /// Answered once everything sent before it was written (or dropped).
+    Flush(oneshot::Sender<()>),
+}
+
+/// The writer's inbox; unset until [`start`] (and in subcommands, which emit nothing).
+static INBOX: OnceLock<mpsc::Sender<Item>> = OnceLock::new();
+
+/// Emits `kind` about `pipeline` (a pipeline's name, or a stage label: see [`pipeline_of`]).
+/// Never blocks; a full inbox drops the event and counts it.
+pub fn emit(pipeline: Option<&str>, kind: Kind) {
+    let Some(inbox) = INBOX.get() else {
+        return;
+    };
+    let event = Event::new(pipeline, kind);
+    if inbox.try_send(Item::Event(Box::new(event))).is_err() {
+        metrics::events_dropped("full", 1);
+    }
+}
+
+/// Waits (at most `bound`) until every event emitted so far was written or dropped: the last
+/// events of a stopping process reach Redis before it exits.
+pub async fn flush(bound: Duration) {
+    let Some(inbox) = INBOX.get() else {
+        return;
+    };
+    let (tx, rx) = oneshot::channel();
+    if inbox.try_send(Item::Flush(tx)).is_ok() {
+        let _ = tokio::time::timeout(bound, rx).await;
+    }
+}
+
+/// The stream's key for `prefix`.
+pub fn stream_key(prefix: &str) -> String {
+    format!("{prefix}:events")
+}
+
+/// Starts the writer task (once per process); `EVENTS_MAX_LEN = 0` turns events off.
+pub fn start(settings: &Settings) {
+    if settings.events_max_len == 0 {
+        return;
+    }
+    let (tx, rx) = mpsc::channel(QUEUE);
+    if INBOX.set(tx).is_err() {
+        return;
+    }
+    let key = stream_key(&settings.redis_prefix);
+    let redis = Redis::new(&settings.redis_url);
+    tokio::spawn(write(rx, redis, key, settings.events_max_len));
+}
+
+/// The writer: a chunk of what waits, one pipelined `XADD` each, until the process ends.
+async fn write(mut rx: mpsc::Receiver<Item>, mut redis: Redis, key: String, max_len: u64) {
+    let mut items = Vec::with_capacity(CHUNK);
+    while rx.recv_many(&mut items, CHUNK).await > 0 {
+        let mut pipe = redis::pipe();
+        let mut events = 0;
+        let mut flushes = Vec::new();
+        for item in items.drain(..) {
+            match item {
+                Item::Event(event) => {
+                    events += 1;
+                    pipe.cmd("XADD")
+                        .arg(&key)
+                        .arg("MAXLEN")
+                        .arg("~")
+                        .arg(max_len)
+                        .arg("*")
+                        .arg("event")
+                        .arg(event.to_json())
+                        .ignore();
+                }
+                Item::Flush(done) => flushes.push(done),
+            }
+        }
+        if events > 0 && redis.pipe::<()>(&pipe).await.is_none() {
+            metrics::events_dropped("redis", events);
+        }
+        for done in flushes {
+            let _ = done.send(());
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// One of every kind, with its fields.
+    fn every_kind() -> Vec<Kind> {
+        vec![
+            Kind::Started {
+                version: "0.1.0".into(),
+                roles: "consumer,dlq,api".into(),
+            },
+            Kind::Ready,
+            Kind::Paused { by: "ctl".into() },
+            Kind::Resumed { by: "ctl".into() },
+            Kind::Draining {
+                reason: "signal".into(),
+            },
+            Kind::Stopped { exit_code: 0 },
+            Kind::LinkLost {
+                target: "broker".into(),
+                link: Some("main".into()),
+                node: Some("127.0.0.1:5672".into()),
+            },
+            Kind::LinkRestored {
+                target: "database".into(),
+                link: None,
+                node: None,
+            },
+            Kind::BreakerOpened { failures: 3 },
+            Kind::BreakerClosed,
+            Kind::Scaled {
+                what: "processors".into(),
+                from: 1,
+                to: 4,
+                reason: "operator".into(),
+            },
+            Kind::BatchCommitted {
+                rows: 99,
+                messages: 100,
+                duration_ms: 12,
+            },
+            Kind::DeadLettered {
+                message_id: "m-1".into(),
+                kind: "invalid_json".into(),
+                reason: "expected value".into(),
+            },
+            Kind::Parked {
+                message_id: "m-1".into(),
+                kind: "invalid_json".into(),
+                reason: "expected value".into(),
+            },
+            Kind::GivenBack {
+                count: 7,
+                reason: "consumer_timeout".into(),
+            },
+            Kind::Error {
+                message: "boom".into(),
+            },
+        ]
+    }
+
+    /// Every type serializes with the common fields and its own, its `type` as documented.
+    #[test]
+    fn every_type_has_the_common_fields_and_its_name() {
+        let kinds = every_kind();
+        assert_eq!(
+            kinds.iter().map(Kind::name).collect::<Vec<_>>(),
+            Kind::NAMES,
+            "one of each, in the documented order"
+        );
+        for kind in kinds {
+            let name = kind.name();
+            let json: serde_json::Value =
+                serde_json::from_str(&Event::new(Some("orders_dlq"), kind).to_json())
+                    .expect("JSON");
+            assert_eq!(json["v"], VERSION, "{json}");
+            assert_eq!(json["type"], name, "{json}");
+            assert_eq!(json["pipeline"], "orders", "{json}");
+            assert_eq!(json["pid"], std::process::id(), "{json}");
+            assert!(json["host"].as_str().is_some_and(|h| !h.is_empty()));
+            let time = json["time"].as_str().expect("time");
+            assert!(
+                OffsetDateTime::parse(time, &Rfc3339).is_ok(),
+                "RFC 3339: {time}"
+            );
+        }
+    }
+
+    #[test]
+    fn the_fields_of_each_type_are_named_as_documented() {
+        let json = |k: Kind| -> serde_json::Value {
+            serde_json::from_str(&Event::new(None, k).to_json()).expect("JSON")
+        };
+        let e = json(Kind::Scaled {
+            what: "inserts".into(),
+            from: 2,
+            to: 3,
+            reason: "backlog".into(),
+        });
+        assert_eq!((e["from"].as_u64(), e["to"].as_u64()), (Some(2), Some(3)));
+        assert_eq!(e["reason"], "backlog");
+        assert!(e.get("pipeline").is_none(), "no pipeline when none: {e}");
+        let e = json(Kind::BatchCommitted {
+            rows: 5,
+            messages: 6,
+            duration_ms: 7,
+        });
+        assert_eq!(
+            (e["rows"].as_u64(), e["duration_ms"].as_u64()),
+            (Some(5), Some(7))
+        );
+        let e = json(Kind::Stopped { exit_code: 1 });
+        assert_eq!(e["exit_code"], 1);
+        let e = json(Kind::LinkLost {
+            target: "broker".into(),
+            link: None,
+            node: None,
+        });
+        assert!(e.get("node").is_none(), "{e}");
+    }
+
+    #[test]
+    fn a_stage_label_is_reported_as_its_pipeline() {
+        assert_eq!(pipeline_of("main"), "users");
+        assert_eq!(pipeline_of("dlq"), "users");
+        assert_eq!(pipeline_of("orders"), "orders");
+        assert_eq!(pipeline_of("orders_dlq"), "orders");
+    }
+}
