@@ -643,10 +643,14 @@ impl Mapping {
             },
             ColType::Timestamptz => match &value {
                 Value::String(s) => {
-                    time::OffsetDateTime::parse(s, &time::format_description::well_known::Rfc3339)
-                        .map_err(|e| {
-                            format!("{at}: expected an RFC 3339 time, found {:?} ({e})", clip(s))
-                        })?;
+                    let t = time::OffsetDateTime::parse(
+                        s,
+                        &time::format_description::well_known::Rfc3339,
+                    )
+                    .map_err(|e| {
+                        format!("{at}: expected an RFC 3339 time, found {:?} ({e})", clip(s))
+                    })?;
+                    check_year(&at, t.year(), s)?;
                     Cell::Timestamptz(s.clone())
                 }
                 other => return Err(wrong(other)),
@@ -654,12 +658,13 @@ impl Mapping {
             ColType::Date => match &value {
                 Value::String(s) => {
                     let format = time::macros::format_description!("[year]-[month]-[day]");
-                    time::Date::parse(s, format).map_err(|e| {
+                    let d = time::Date::parse(s, format).map_err(|e| {
                         format!(
                             "{at}: expected a date YYYY-MM-DD, found {:?} ({e})",
                             clip(s)
                         )
                     })?;
+                    check_year(&at, d.year(), s)?;
                     Cell::Date(s.clone())
                 }
                 other => return Err(wrong(other)),
@@ -986,6 +991,18 @@ fn contains_nul(v: &Value) -> bool {
         Value::Object(map) => map.iter().any(|(k, v)| k.contains('\0') || contains_nul(v)),
         _ => false,
     }
+}
+
+/// PostgreSQL reads no year 0 and no negative year in ISO spelling (it writes BC instead): such
+/// a date or time is refused here, naming the path, rather than by the database for its batch.
+fn check_year(at: &str, year: i32, text: &str) -> Result<(), String> {
+    if year < 1 {
+        return Err(format!(
+            "{at}: expected a year from 0001 (PostgreSQL reads no year 0 or below), found {:?}",
+            clip(text)
+        ));
+    }
+    Ok(())
 }
 
 /// An AMQP header value as JSON, so a header column reads like a path: strings as strings,

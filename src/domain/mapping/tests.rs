@@ -434,3 +434,23 @@ fn statements_quote_every_name() {
         "{sql}"
     );
 }
+
+/// Found by review: dates and times of year 0 or below passed `pipelines test` and decode, and
+/// PostgreSQL then refused their batch; they are refused here, naming the path.
+#[test]
+fn a_year_postgresql_cannot_read_is_refused_at_decode() {
+    let m = orders();
+    for at in ["0000-01-01T00:00:00Z", "-0001-01-01T00:00:00Z"] {
+        let body = with("placed_at", &format!("{at:?}"));
+        let e = refused(&m, &body);
+        assert_eq!(e.kind, ErrorKind::InvalidPayload, "{at}");
+        assert!(e.reason.contains("/placed_at"), "{at}: {}", e.reason);
+        assert!(
+            at.starts_with('-') || e.reason.contains("year from 0001"),
+            "{at}: {}",
+            e.reason
+        );
+    }
+    let body = with("placed_at", "\"0001-01-01T00:00:00Z\"");
+    assert!(m.decode_message(body.as_bytes(), None).is_ok());
+}
