@@ -17,8 +17,6 @@ use hmac::{Hmac, KeyInit, Mac};
 use serde::{Deserialize, Serialize};
 use sha2::Sha256;
 
-use super::instance::Instance;
-
 /// A signed command issued further than this from the instance's clock is refused.
 pub const MAX_SKEW_S: u64 = 120;
 /// Start of the error of a command refused for carrying no signature.
@@ -483,7 +481,7 @@ pub struct CtlOutcome {
     pub error: Option<String>,
     /// Unix seconds when it was recorded.
     pub at: u64,
-    /// The run of the instance that recorded it (see [`Instance::run`]); absent from older ones.
+    /// The run of the instance that recorded it (see [`Recorder::run`]); absent from older ones.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub run: Option<String>,
     /// Lower-case hex HMAC-SHA256 of [`CtlOutcome::canonical`] under `CONTROL_SECRET`, when the
@@ -492,12 +490,21 @@ pub struct CtlOutcome {
     pub signature: Option<String>,
 }
 
+/// Who records an outcome: the instance that applied the command.
+#[derive(Debug, Clone, Copy)]
+pub struct Recorder<'a> {
+    pub host: &'a str,
+    pub pid: u32,
+    /// The instance's run: a random id drawn at its start.
+    pub run: &'a str,
+}
+
 impl CtlOutcome {
     /// What `instance` records for `command`, at `at` (Unix seconds): `executed`, or `failed`
     /// with the error; unsigned.
     pub fn of(
         command: &CtlCommand,
-        instance: &Instance,
+        instance: Recorder<'_>,
         result: Result<(), String>,
         at: u64,
     ) -> Self {
@@ -507,12 +514,12 @@ impl CtlOutcome {
             processors: command.processors(),
             rate: command.rate(),
             pipeline: command.pipeline.clone(),
-            host: instance.host.clone(),
+            host: instance.host.to_string(),
             pid: instance.pid,
             outcome: if result.is_ok() { "executed" } else { "failed" }.into(),
             error: result.err(),
             at,
-            run: Some(instance.run.clone()),
+            run: Some(instance.run.to_string()),
             signature: None,
         }
     }
@@ -789,13 +796,11 @@ mod tests {
         ]
     }
 
-    fn recorder() -> Instance {
-        Instance {
-            host: "vm".into(),
+    fn recorder() -> Recorder<'static> {
+        Recorder {
+            host: "vm",
             pid: 20740,
-            roles: "consumer".into(),
-            started_at: 0,
-            run: "r".into(),
+            run: "r",
         }
     }
 
@@ -826,7 +831,7 @@ mod tests {
                 "{raw}"
             );
             for (result, expected) in [(Ok(()), executed), (Err("x".to_string()), failed)] {
-                let mut o = CtlOutcome::of(&c, &recorder(), result, 1_795_239_400);
+                let mut o = CtlOutcome::of(&c, recorder(), result, 1_795_239_400);
                 guard.sign(&mut o);
                 assert_eq!(serde_json::to_string(&o).unwrap(), *expected, "{raw}");
                 assert!(o.verifies("s3cret"), "{raw}");

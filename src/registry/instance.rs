@@ -15,7 +15,7 @@ use time::format_description::BorrowedFormatItem;
 use time::macros::format_description;
 use tracing::warn;
 
-use super::commands::{CtlCommand, CtlOutcome, Guard};
+use super::commands::{CtlCommand, CtlOutcome, Guard, Recorder};
 use super::redis::Redis;
 use crate::config::Settings;
 use crate::metrics;
@@ -324,7 +324,12 @@ impl Registry {
 
     /// Records what this instance did with `command`.
     pub async fn record(&mut self, command: &CtlCommand, result: Result<(), String>) {
-        let mut outcome = CtlOutcome::of(command, &self.instance, result, now_s());
+        let me = Recorder {
+            host: &self.instance.host,
+            pid: self.instance.pid,
+            run: &self.instance.run,
+        };
+        let mut outcome = CtlOutcome::of(command, me, result, now_s());
         self.guard.sign(&mut outcome);
         let Ok(json) = serde_json::to_string(&outcome) else {
             return;
