@@ -91,12 +91,17 @@ pub enum Kind {
         message_id: String,
         kind: String,
         reason: String,
+        /// The message's W3C `traceparent`, when it has a valid one.
+        #[serde(skip_serializing_if = "Option::is_none")]
+        traceparent: Option<String>,
     },
     /// The DLQ stage parked a message in `dead_letters`.
     Parked {
         message_id: String,
         kind: String,
         reason: String,
+        #[serde(skip_serializing_if = "Option::is_none")]
+        traceparent: Option<String>,
     },
     /// Deliveries held too long were given back to the queue before the broker's consumer
     /// timeout (nack with requeue).
@@ -380,11 +385,13 @@ mod tests {
                 message_id: "m-1".into(),
                 kind: "invalid_json".into(),
                 reason: "expected value".into(),
+                traceparent: Some("00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01".into()),
             },
             Kind::Parked {
                 message_id: "m-1".into(),
                 kind: "invalid_json".into(),
                 reason: "expected value".into(),
+                traceparent: None,
             },
             Kind::GivenBack {
                 count: 7,

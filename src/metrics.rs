@@ -388,11 +388,12 @@ pub fn message_routed(
     kind: &'static str,
     message_id: &str,
     delivery_tag: u64,
+    traceparent: Option<&str>,
 ) {
     if kind != "retry" {
         warn!(
             message_id,
-            pipeline, delivery_tag, kind, "message dead-lettered"
+            pipeline, delivery_tag, kind, traceparent, "message dead-lettered"
         );
     }
 }

@@ -104,6 +104,52 @@ pub fn published_ms(properties: &BasicProperties) -> Option<u64> {
     }
 }
 
+/// The W3C Trace Context header: kept on every copy warren publishes (it is no header of warren's
+/// own, see `republish.rs`), written in the log lines and events about its message, and set by
+/// the HTTP API from the request's.
+pub const TRACEPARENT: &str = "traceparent";
+
+/// The message's `traceparent` header when it holds a valid one (W3C Trace Context: version,
+/// trace id, parent id, flags in lower-case hex; neither id all zeros; version `ff` invalid).
+pub fn traceparent(properties: &BasicProperties) -> Option<String> {
+    match properties.headers().as_ref()?.inner().get(TRACEPARENT)? {
+        AMQPValue::LongString(s) => std::str::from_utf8(s.as_bytes())
+            .ok()
+            .filter(|t| valid_traceparent(t))
+            .map(str::to_string),
+        AMQPValue::ShortString(s) => Some(s.as_str().to_string()).filter(|t| valid_traceparent(t)),
+        _ => None,
+    }
+}
+
+/// Whether `text` is a `traceparent` value a W3C Trace Context reader accepts: version `00` is
+/// exactly 55 characters; a later version may carry more after a `-`.
+pub fn valid_traceparent(text: &str) -> bool {
+    let b = text.as_bytes();
+    let hex = |r: std::ops::Range<usize>| {
+        b.get(r)
+            .is_some_and(|s| s.iter().all(|c| matches!(c, b'0'..=b'9' | b'a'..=b'f')))
+    };
+    let nonzero =
+        |r: std::ops::Range<usize>| b.get(r).is_some_and(|s| s.iter().any(|c| *c != b'0'));
+    let shape = b.len() >= 55
+        && hex(0..2)
+        && b[2] == b'-'
+        && hex(3..35)
+        && b[35] == b'-'
+        && hex(36..52)
+        && b[52] == b'-'
+        && hex(53..55)
+        && nonzero(3..35)
+        && nonzero(36..52);
+    shape
+        && match &b[..2] {
+            b"ff" => false,
+            b"00" => b.len() == 55,
+            _ => b.len() == 55 || b.get(55) == Some(&b'-'),
+        }
+}
+
 /// A header value as readable text (for logs, `dlq inspect` and the parked table).
 pub fn text(properties: &BasicProperties, key: &str) -> Option<String> {
     let value = properties.headers().as_ref()?.inner().get(key)?;
@@ -185,6 +231,31 @@ mod tests {
             let r = retries(&props(v));
             assert!(matches!(r, Retries::Invalid(_)), "{r:?}");
             assert_eq!(r.count(), 0);
+        }
+    }
+
+    /// The W3C Trace Context rules: shape, lower-case hex, ids not all zeros, version ff
+    /// invalid, version 00 exactly 55 characters, a later version possibly longer.
+    #[test]
+    fn a_traceparent_is_valid_only_as_w3c_trace_context_says() {
+        let good = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
+        assert!(valid_traceparent(good));
+        assert!(valid_traceparent(
+            "01-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01-what-comes-later"
+        ));
+        for bad in [
+            "",
+            "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01-x",
+            "00-4BF92F3577B34DA6A3CE929D0E0E4736-00f067aa0ba902b7-01",
+            "00-00000000000000000000000000000000-00f067aa0ba902b7-01",
+            "00-4bf92f3577b34da6a3ce929d0e0e4736-0000000000000000-01",
+            "ff-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01",
+            "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7",
+            "00_4bf92f3577b34da6a3ce929d0e0e4736_00f067aa0ba902b7_01",
+            "é0-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-0",
+            "€-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01",
+        ] {
+            assert!(!valid_traceparent(bad), "{bad:?}");
         }
     }
 }

@@ -625,6 +625,12 @@ impl Handler<Close> for Publisher {
 /// Standard properties of a message warren publishes: persistent, JSON, with id, timestamp
 /// and the publish time in milliseconds (`x-published-ms`, for the end-to-end latency).
 pub fn json_properties(message_id: &str) -> BasicProperties {
+    traced_json_properties(message_id, None)
+}
+
+/// [`json_properties`], with the W3C `traceparent` header when `trace` is given (a valid one:
+/// the caller checks it).
+pub fn traced_json_properties(message_id: &str, trace: Option<&str>) -> BasicProperties {
     let now_ms = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map(|d| d.as_millis() as u64)
@@ -634,6 +640,12 @@ pub fn json_properties(message_id: &str) -> BasicProperties {
         crate::amqp::headers::PUBLISHED_MS.into(),
         lapin::types::AMQPValue::LongLongInt(now_ms as i64),
     );
+    if let Some(trace) = trace {
+        headers.insert(
+            crate::amqp::headers::TRACEPARENT.into(),
+            lapin::types::AMQPValue::LongString(trace.as_bytes().to_vec().into()),
+        );
+    }
     BasicProperties::default()
         .with_delivery_mode(2)
         .with_content_type("application/json".into())

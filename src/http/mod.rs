@@ -24,7 +24,7 @@ use tokio_postgres::NoTls;
 use uuid::Uuid;
 
 use crate::amqp::AmqpError;
-use crate::amqp::publisher::{IsConnected, Publish, Publisher, json_properties};
+use crate::amqp::publisher::{IsConnected, Publish, Publisher, traced_json_properties};
 use crate::config::Settings;
 use crate::db::{DbError, dead_letters};
 use crate::domain::users::{FieldError, User, validate};
@@ -310,7 +310,7 @@ async fn create_user(
         Err(message) => return error(StatusCode::BAD_REQUEST, message),
     };
     match read_user(&req, payload, id, None).await {
-        Ok(user) => accept(&state, user).await,
+        Ok(user) => accept(&state, user, trace(&req).as_deref()).await,
         Err(response) => response,
     }
 }
@@ -327,7 +327,7 @@ async fn put_user(
         Err(message) => return error(StatusCode::BAD_REQUEST, message),
     };
     match read_user(&req, payload, id, Some(id)).await {
-        Ok(user) => accept(&state, user).await,
+        Ok(user) => accept(&state, user, trace(&req).as_deref()).await,
         Err(response) => response,
     }
 }
@@ -363,7 +363,7 @@ fn judge(user: &User, rows: &[(Uuid, String, String)]) -> Stored {
 /// Answers a valid user: refuses what the database would refuse anyway, answers what is already
 /// stored, and publishes the rest. The check is best effort: when the database cannot tell
 /// within [`QUERY_TIMEOUT`], the user is published and the pipeline decides.
-async fn accept(state: &AppState, user: User) -> HttpResponse {
+async fn accept(state: &AppState, user: User, trace: Option<&str>) -> HttpResponse {
     let (id, email) = (user.id, user.email.clone());
     let looked_up = bounded(&state.pool, move |client| {
         async move {
@@ -393,23 +393,31 @@ async fn accept(state: &AppState, user: User) -> HttpResponse {
             "kind": "email_taken",
             "id": other,
         })),
-        Ok(Stored::Nothing) => publish(state, &user).await,
+        Ok(Stored::Nothing) => publish(state, &user, trace).await,
         Err(e) => {
             tracing::warn!(message_id = %user.id, error = %e,
                 "cannot check the users table before publishing; publishing anyway");
-            publish(state, &user).await
+            publish(state, &user, trace).await
         }
     }
 }
 
 /// Publishes `user` (message id = its id) and answers 200 once the broker confirmed it.
-async fn publish(state: &AppState, user: &User) -> HttpResponse {
+async fn publish(state: &AppState, user: &User, trace: Option<&str>) -> HttpResponse {
     let id = user.id.to_string();
     let body = match serde_json::to_vec(user) {
         Ok(b) => b,
         Err(e) => return error(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()),
     };
-    publish_body(state, &state.exchange, &state.routing_key, &id, body.into()).await
+    publish_body(
+        state,
+        &state.exchange,
+        &state.routing_key,
+        &id,
+        body.into(),
+        trace,
+    )
+    .await
 }
 
 /// Publishes `body` under message id `id` to `exchange` with `routing_key`, and answers 200
@@ -420,12 +428,13 @@ async fn publish_body(
     routing_key: &str,
     id: &str,
     body: bytes::Bytes,
+    trace: Option<&str>,
 ) -> HttpResponse {
     let publish = Publish {
         exchange: exchange.to_string(),
         routing_key: routing_key.to_string(),
         body,
-        properties: json_properties(id),
+        properties: traced_json_properties(id, trace),
     };
     let outcome =
         tokio::time::timeout(Duration::from_secs(10), state.publisher.send(publish)).await;
@@ -446,6 +455,16 @@ async fn publish_body(
         ),
         Err(e) => error(StatusCode::SERVICE_UNAVAILABLE, e.to_string()),
     }
+}
+
+/// The request's W3C `traceparent` header, when it holds one valid value: set on the message the
+/// request publishes. An invalid one is ignored, as the Trace Context specification asks (the
+/// request is not refused over it).
+pub(crate) fn trace(req: &HttpRequest) -> Option<String> {
+    let mut values = req.headers().get_all(crate::amqp::headers::TRACEPARENT);
+    let value = values.next()?.to_str().ok()?.trim();
+    (values.next().is_none() && crate::amqp::headers::valid_traceparent(value))
+        .then(|| value.to_string())
 }
 
 /// The `{id}` of a path; `Err` is the message of the 400 to send.

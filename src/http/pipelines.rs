@@ -20,7 +20,7 @@ use tokio::sync::OnceCell;
 
 use super::{
     AppState, Found, QueryError, bounded, error, parked_answer, parked_fate, publish_body,
-    read_body,
+    read_body, trace,
 };
 use crate::config::pipelines::PipelineConfig;
 use crate::config::{ConfigError, Settings};
@@ -144,7 +144,18 @@ async fn post(
         Err(response) => return response,
     };
     match check(&api, &body) {
-        Ok(key) => publish_body(&state, &api.exchange, &api.routing_key, &key, body.freeze()).await,
+        Ok(key) => {
+            let trace = trace(&req);
+            publish_body(
+                &state,
+                &api.exchange,
+                &api.routing_key,
+                &key,
+                body.freeze(),
+                trace.as_deref(),
+            )
+            .await
+        }
         Err(response) => *response,
     }
 }
@@ -163,7 +174,16 @@ async fn put(
     };
     match check(&api, &body) {
         Ok(key) if api.same_key(&key, &path) => {
-            publish_body(&state, &api.exchange, &api.routing_key, &key, body.freeze()).await
+            let trace = trace(&req);
+            publish_body(
+                &state,
+                &api.exchange,
+                &api.routing_key,
+                &key,
+                body.freeze(),
+                trace.as_deref(),
+            )
+            .await
         }
         Ok(key) => error(
             StatusCode::UNPROCESSABLE_ENTITY,

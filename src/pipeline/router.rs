@@ -358,7 +358,14 @@ impl Fallback {
             fates[i] = match sent {
                 Sent::Confirmed => {
                     let d = &items[i].0;
-                    metrics::message_routed(self.pipeline, kind, d.message_id(), d.tag);
+                    let trace = headers::traceparent(&d.properties);
+                    metrics::message_routed(
+                        self.pipeline,
+                        kind,
+                        d.message_id(),
+                        d.tag,
+                        trace.as_deref(),
+                    );
                     if kind != "retry" && kind != "dlq_retry" {
                         crate::events::emit(
                             Some(self.pipeline),
@@ -366,6 +373,7 @@ impl Fallback {
                                 message_id: d.message_id().to_string(),
                                 kind: kind.to_string(),
                                 reason: items[i].1.to_string(),
+                                traceparent: trace,
                             },
                         );
                     }
@@ -427,6 +435,7 @@ impl Fallback {
                                 message_id: d.message_id().to_string(),
                                 kind: kind.as_str().to_string(),
                                 reason: reason.clone(),
+                                traceparent: headers::traceparent(&d.properties),
                             },
                         );
                     }
