@@ -26,8 +26,93 @@ pub(super) struct Statements {
     /// The insert (`keep` or `update`), returning the key of each row it wrote.
     pub(super) insert: String,
     /// `keep`: for each record (by ordinality), whether its key holds a row, and per column
-    /// whether the stored value equals the record's.
+    /// whether the stored value equals the record's. Built without the table's column types;
+    /// [`compare_sql`] builds it again with them once a session can read them.
     pub(super) compare: String,
+}
+
+/// The comparison of records with what their keys hold, each sent value first cast to its
+/// column's type as the catalog gives it (`numeric(7,2)`, `varchar(3)`, `timestamptz(0)`, a
+/// domain): what the insert stored went through that cast (it rounds, pads), so a copy of a
+/// stored message compares equal to its row. Built once per mapping, on first need; without the
+/// catalog's answer (no such table) the untyped statement.
+fn compare_statement(
+    table: &TableName,
+    columns: &[Column],
+    key: &[usize],
+    types: &HashMap<String, String>,
+) -> String {
+    let names: Vec<String> = columns.iter().map(|c| quote(&c.name)).collect();
+    let list = names.join(", ");
+    let params: Vec<String> = columns
+        .iter()
+        .enumerate()
+        .map(|(i, c)| param(c.ty, i + 1))
+        .collect();
+    let unnest = format!("UNNEST({})", params.join(", "));
+    // The sent value as the column stores it.
+    let sent = |i: usize| match types.get(&columns[i].name) {
+        Some(ty) if columns[i].ty != ColType::Jsonb => format!("CAST(v.{} AS {ty})", names[i]),
+        _ => format!("v.{}", names[i]),
+    };
+    // A jsonb value may be stored in a json column, which has no equality: both sides are
+    // compared as jsonb (by meaning: key order and spacing aside).
+    let same: Vec<String> = (0..columns.len())
+        .map(|i| match columns[i].ty {
+            ColType::Jsonb => format!(
+                "s.{n}::jsonb IS NOT DISTINCT FROM v.{n}::jsonb",
+                n = names[i]
+            ),
+            _ => format!("s.{} IS NOT DISTINCT FROM {}", names[i], sent(i)),
+        })
+        .collect();
+    let joined: Vec<String> = key
+        .iter()
+        .map(|&i| format!("s.{} = {}", names[i], sent(i)))
+        .collect();
+    format!(
+        "SELECT v.ord, s.{first} IS NOT NULL, ARRAY[{same}] \
+         FROM {unnest} WITH ORDINALITY AS v({list}, ord) \
+         LEFT JOIN {t} AS s ON {on}",
+        first = names[key[0]],
+        same = same.join(", "),
+        on = joined.join(" AND "),
+        t = table.sql(),
+    )
+}
+
+/// The comparison statement of `mapping` with its table's column types (see
+/// [`compare_statement`]), read from the catalog once.
+async fn compare_sql<'m>(
+    mapping: &'m Mapping,
+    client: &deadpool_postgres::Client,
+) -> Result<&'m str, DbError> {
+    mapping
+        .compare_typed
+        .get_or_try_init(|| async {
+            let rows = client
+                .query(
+                    "SELECT a.attname::text, format_type(a.atttypid, a.atttypmod) \
+                     FROM pg_attribute a \
+                     WHERE a.attrelid = to_regclass($1) AND a.attnum > 0 AND NOT a.attisdropped",
+                    &[&mapping.table.sql()],
+                )
+                .await
+                .map_err(DbError::from_pg)?;
+            if rows.is_empty() {
+                return Ok(mapping.statements.compare.clone());
+            }
+            let types: HashMap<String, String> =
+                rows.iter().map(|r| (r.get(0), r.get(1))).collect();
+            Ok(compare_statement(
+                &mapping.table,
+                &mapping.columns,
+                &mapping.key,
+                &types,
+            ))
+        })
+        .await
+        .map(String::as_str)
 }
 
 /// The SQL type a column's parameter array is sent as, and the cast to the column's type.
@@ -95,23 +180,7 @@ impl Statements {
         };
         // A jsonb value may be stored in a json column, which has no equality: both sides are
         // compared as jsonb (by meaning: key order and spacing aside).
-        let same: Vec<String> = names
-            .iter()
-            .zip(columns)
-            .map(|(n, c)| match c.ty {
-                ColType::Jsonb => format!("s.{n}::jsonb IS NOT DISTINCT FROM v.{n}::jsonb"),
-                _ => format!("s.{n} IS NOT DISTINCT FROM v.{n}"),
-            })
-            .collect();
-        let joined: Vec<String> = key_names.iter().map(|k| format!("s.{k} = v.{k}")).collect();
-        let compare = format!(
-            "SELECT v.ord, s.{first} IS NOT NULL, ARRAY[{same}] \
-             FROM {unnest} WITH ORDINALITY AS v({list}, ord) \
-             LEFT JOIN {t} AS s ON {on}",
-            first = key_names[0],
-            same = same.join(", "),
-            on = joined.join(" AND "),
-        );
+        let compare = compare_statement(table, columns, key, &HashMap::new());
         Self { insert, compare }
     }
 }
@@ -264,7 +333,7 @@ pub(super) async fn insert(
     // Some records were skipped: a copy (this batch or an earlier one), other content under
     // their key, or another unique index's value.
     let compare = client
-        .prepare_cached(&mapping.statements.compare)
+        .prepare_cached(compare_sql(mapping, client).await?)
         .await
         .map_err(DbError::from_pg)?;
     let mut conflicts = Vec::new();
@@ -322,7 +391,7 @@ pub(super) async fn stored(
     let arrays = arrays(mapping, &records);
     let params: Vec<&(dyn ToSql + Sync)> = arrays.iter().map(Array::as_param).collect();
     let compare = client
-        .prepare_cached(&mapping.statements.compare)
+        .prepare_cached(compare_sql(mapping, client).await?)
         .await
         .map_err(DbError::from_pg)?;
     Ok(client

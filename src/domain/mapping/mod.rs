@@ -298,6 +298,8 @@ pub struct Mapping {
     fields: HashSet<String>,
     /// The insert statements, built once.
     statements: insert::Statements,
+    /// The comparison with the table's column types, read from the catalog on first need.
+    compare_typed: std::sync::Arc<tokio::sync::OnceCell<String>>,
 }
 
 impl Mapping {
@@ -447,6 +449,7 @@ impl Mapping {
             unknown_fields: spec.unknown_fields,
             fields,
             statements,
+            compare_typed: Default::default(),
         })
     }
 
@@ -651,6 +654,14 @@ impl Mapping {
                         format!("{at}: expected an RFC 3339 time, found {:?} ({e})", clip(s))
                     })?;
                     check_year(&at, t.year(), s)?;
+                    // PostgreSQL reads UTC offsets up to 15:59 either way.
+                    if t.offset().whole_minutes().unsigned_abs() > 15 * 60 + 59 {
+                        return Err(format!(
+                            "{at}: expected a UTC offset from -15:59 to +15:59 (what PostgreSQL \
+                             reads), found {:?}",
+                            clip(s)
+                        ));
+                    }
                     Cell::Timestamptz(s.clone())
                 }
                 other => return Err(wrong(other)),
@@ -665,6 +676,12 @@ impl Mapping {
                         )
                     })?;
                     check_year(&at, d.year(), s)?;
+                    if s.starts_with(['+', '-']) {
+                        return Err(format!(
+                            "{at}: expected a date YYYY-MM-DD, its year without a sign, found {:?}",
+                            clip(s)
+                        ));
+                    }
                     Cell::Date(s.clone())
                 }
                 other => return Err(wrong(other)),

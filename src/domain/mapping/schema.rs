@@ -16,9 +16,11 @@ pub struct TableColumn {
     pub name: String,
     /// `format_type` of the column (`integer`, `text`, `timestamp with time zone`, ...).
     pub sql_type: String,
-    /// The type's name in `pg_type` (`int4`, `text`, `timestamptz`, ...).
+    /// The type's name in `pg_type` (`int4`, `text`, `timestamptz`, ...); a domain's base type.
     pub type_name: String,
+    /// NOT NULL on the column, or on its domain.
     pub not_null: bool,
+    /// A default on the column, or on its domain (or an identity, or generated).
     pub has_default: bool,
     /// `GENERATED ALWAYS` (a generated column, or an identity the database alone fills): no
     /// insert may give it a value.
@@ -156,10 +158,14 @@ pub async fn describe(
     };
     let columns = client
         .query(
-            "SELECT a.attname::text, format_type(a.atttypid, a.atttypmod), t.typname::text, \
-                    a.attnotnull, a.atthasdef OR a.attidentity <> '' OR a.attgenerated <> '', \
+            "SELECT a.attname::text, format_type(a.atttypid, a.atttypmod), \
+                    COALESCE(b.typname, t.typname)::text, \
+                    a.attnotnull OR t.typnotnull, \
+                    a.atthasdef OR a.attidentity <> '' OR a.attgenerated <> '' \
+                        OR t.typdefaultbin IS NOT NULL, \
                     a.attidentity = 'a' OR a.attgenerated <> '' \
              FROM pg_attribute a JOIN pg_type t ON t.oid = a.atttypid \
+             LEFT JOIN pg_type b ON t.typtype = 'd' AND b.oid = t.typbasetype \
              WHERE a.attrelid = $1 AND a.attnum > 0 AND NOT a.attisdropped ORDER BY a.attnum",
             &[&oid],
         )
@@ -193,7 +199,7 @@ pub(super) async fn unique_indexes<C: tokio_postgres::GenericClient>(
              CROSS JOIN LATERAL unnest(x.indkey) WITH ORDINALITY AS k(attnum, ord) \
              JOIN pg_attribute a ON a.attrelid = x.indrelid AND a.attnum = k.attnum \
              WHERE x.indrelid = $1 AND x.indisunique AND x.indpred IS NULL \
-               AND x.indexprs IS NULL AND x.indimmediate \
+               AND x.indexprs IS NULL AND x.indimmediate AND k.ord <= x.indnkeyatts \
              GROUP BY i.relname ORDER BY i.relname",
             &[&oid],
         )

@@ -454,3 +454,55 @@ fn a_year_postgresql_cannot_read_is_refused_at_decode() {
     let body = with("placed_at", "\"0001-01-01T00:00:00Z\"");
     assert!(m.decode_message(body.as_bytes(), None).is_ok());
 }
+
+/// Found by the second review: an offset beyond what PostgreSQL reads (+-15:59) passed decode,
+/// and the database refused the batch.
+#[test]
+fn an_offset_postgresql_cannot_read_is_refused_at_decode() {
+    let m = orders();
+    for (at, ok) in [
+        ("2026-11-24T10:00:00-23:59", false),
+        ("2026-11-24T10:00:00+16:00", false),
+        ("2026-11-24T10:00:00+15:59", true),
+        ("2026-11-24T10:00:00-15:59", true),
+    ] {
+        let body = with("placed_at", &format!("{at:?}"));
+        match m.decode_message(body.as_bytes(), None) {
+            Ok(_) => assert!(ok, "{at} accepted"),
+            Err(e) => {
+                assert!(!ok, "{at}: {}", e.reason);
+                assert!(e.reason.contains("UTC offset"), "{at}: {}", e.reason);
+            }
+        }
+    }
+}
+
+/// Found by the second review: a date with a signed year (`+2026-01-01`) passed decode, and the
+/// database refused the batch; and dates of year 0.
+#[test]
+fn a_date_postgresql_cannot_read_is_refused_at_decode() {
+    let spec: MappingSpec = toml::from_str(
+        r#"
+        table = "days"
+        key = ["day"]
+        [columns]
+        day = { path = "/day", type = "date" }
+        "#,
+    )
+    .unwrap();
+    let m = Mapping::compile("days", &spec).unwrap();
+    for (day, ok) in [
+        ("2026-01-01", true),
+        ("0001-01-01", true),
+        ("+2026-01-01", false),
+        ("0000-01-01", false),
+        ("-0001-01-01", false),
+    ] {
+        let body = format!(r#"{{"day":"{day}"}}"#);
+        let got = m.decode_message(body.as_bytes(), None);
+        assert_eq!(got.is_ok(), ok, "{day}: {got:?}");
+        if let Err(e) = got {
+            assert!(e.reason.starts_with("/day: "), "{day}: {}", e.reason);
+        }
+    }
+}
