@@ -4,7 +4,7 @@
 
 use anyhow::Context as _;
 use lapin::options::ConfirmSelectOptions;
-use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
+use lapin::types::{AMQPValue, FieldTable, ShortString};
 use lapin::{BasicProperties, Connection};
 use tokio_postgres::NoTls;
 
@@ -136,16 +136,8 @@ pub fn replay_headers(json: &serde_json::Value) -> Result<FieldTable, String> {
                         name.len()
                     )
                 })?;
-                let value = match (value, value.as_i64()) {
-                    (_, Some(n)) => AMQPValue::LongLongInt(n),
-                    (serde_json::Value::String(s), _) => {
-                        AMQPValue::LongString(LongString::from(s.as_bytes().to_vec()))
-                    }
-                    (serde_json::Value::Bool(b), _) => AMQPValue::Boolean(*b),
-                    (other, _) => {
-                        AMQPValue::LongString(LongString::from(other.to_string().into_bytes()))
-                    }
-                };
+                let value =
+                    headers::json_value(value).map_err(|e| format!("header {name}: {e}"))?;
                 table.insert(key, value);
             }
         }
