@@ -210,8 +210,9 @@ type LinkState = (bool, Option<String>);
 
 /// An AMQP link of this process (a pipeline's consumer, a publisher) came up or went down:
 /// reported to the metrics ([`metrics::amqp_link`]) and, on a change after its first connect,
-/// as `link_lost` / `link_restored` with the node.
-pub fn amqp_link(link: &str, up: bool) {
+/// as `link_lost` / `link_restored` with the node; a consumer's link names its pipeline
+/// (`consumer`: the link is a pipeline's stage, not a publisher).
+pub fn amqp_link(link: &str, up: bool, consumer: bool) {
     metrics::amqp_link(link, up);
     let changed = {
         let mut guard = LINKS.lock().unwrap_or_else(|p| p.into_inner());
@@ -224,13 +225,14 @@ pub fn amqp_link(link: &str, up: bool) {
         }
     };
     if let Some(node) = changed {
+        let pipeline = consumer.then_some(link);
         let (target, link) = ("broker".to_string(), Some(link.to_string()));
         let kind = if up {
             Kind::LinkRestored { target, link, node }
         } else {
             Kind::LinkLost { target, link, node }
         };
-        emit(None, kind);
+        emit(pipeline, kind);
     }
 }
 

@@ -179,6 +179,10 @@ async fn a_run_tells_what_happens_to_it_once_each() {
             .entry(e["link"].as_str().unwrap_or("").to_string())
             .or_default() += 1;
         assert!(e["node"].as_str().is_some_and(|n| n.contains(':')), "{e}");
+        assert_eq!(
+            e["pipeline"], "users",
+            "a consumer's link names its pipeline: {e}"
+        );
     }
     assert_eq!(per_link.get("main"), Some(&1), "{lost:?}");
     assert_eq!(per_link.get("dlq"), Some(&1), "{lost:?}");

@@ -164,7 +164,7 @@ impl Publisher {
             Some(_) => {
                 self.channel = None;
                 self.connection = None;
-                crate::events::amqp_link(self.purpose, false);
+                crate::events::amqp_link(self.purpose, false, false);
                 None
             }
             None => None,
@@ -233,7 +233,7 @@ impl Handler<Connected> for Publisher {
             return;
         }
         info!(purpose = self.purpose, "publisher connected");
-        crate::events::amqp_link(self.purpose, true);
+        crate::events::amqp_link(self.purpose, true, false);
         self.connection = Some(Arc::new(msg.0));
         self.channel = Some(msg.1);
         self.generation += 1;

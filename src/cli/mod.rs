@@ -281,7 +281,7 @@ pub fn terminal_safe(text: &str) -> String {
     let mut out = String::with_capacity(text.len());
     for c in text.chars() {
         let hostile = c.is_control()
-            || matches!(c, '\u{200e}' | '\u{200f}' | '\u{202a}'..='\u{202e}' | '\u{2066}'..='\u{2069}');
+            || matches!(c, '\u{200e}' | '\u{200f}' | '\u{2028}'..='\u{202e}' | '\u{2066}'..='\u{2069}');
         if hostile {
             out.extend(c.escape_unicode());
         } else {
@@ -296,7 +296,7 @@ pub fn terminal_safe(text: &str) -> String {
 pub fn json_terminal_safe(json: &str) -> String {
     let mut out = String::with_capacity(json.len());
     for c in json.chars() {
-        let hostile = matches!(c, '\u{7f}'..='\u{9f}' | '\u{200e}' | '\u{200f}' | '\u{202a}'..='\u{202e}' | '\u{2066}'..='\u{2069}');
+        let hostile = matches!(c, '\u{7f}'..='\u{9f}' | '\u{200e}' | '\u{200f}' | '\u{2028}'..='\u{202e}' | '\u{2066}'..='\u{2069}');
         if hostile {
             out.push_str(&format!("\\u{:04x}", c as u32));
         } else {
@@ -335,9 +335,11 @@ mod tests {
             terminal_safe("a\x1b[2J\x07\r\n\u{9b}b\u{202e}c"),
             "a\\u{1b}[2J\\u{7}\\u{d}\\u{a}\\u{9b}b\\u{202e}c"
         );
-        let json = serde_json::json!({"s": "a\u{1b}\u{9b}\u{7f}\u{202e}é"}).to_string();
+        // The line and paragraph separators break a line on some terminals.
+        assert_eq!(terminal_safe("a\u{2028}b\u{2029}"), "a\\u{2028}b\\u{2029}");
+        let json = serde_json::json!({"s": "a\u{1b}\u{9b}\u{7f}\u{202e}\u{2028}é"}).to_string();
         let shown = json_terminal_safe(&json);
-        assert_eq!(shown, r#"{"s":"a\u001b\u009b\u007f\u202eé"}"#);
+        assert_eq!(shown, r#"{"s":"a\u001b\u009b\u007f\u202e\u2028é"}"#);
         assert_eq!(
             serde_json::from_str::<serde_json::Value>(&shown).unwrap(),
             serde_json::from_str::<serde_json::Value>(&json).unwrap()

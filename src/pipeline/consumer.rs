@@ -432,7 +432,7 @@ impl Consumer {
             Link::Up(linked) => {
                 // However it ended (the channel closed, the stream ended, a stuck consumer): the
                 // link is down until the next one is up.
-                crate::events::amqp_link(self.config.pipeline, false);
+                crate::events::amqp_link(self.config.pipeline, false, true);
                 // Dropping the acker ends its task; the channel's unacked deliveries are requeued.
                 drop(linked.acker);
                 actix::spawn(amqp::close(Some(linked.channel), Some(linked.connection)));
@@ -811,7 +811,7 @@ impl Handler<Connected> for Consumer {
         self.last_stream_error = None;
         info!(pipeline = self.config.pipeline, queue = %self.config.queue, prefetch = self.config.prefetch,
             generation, held = !self.holds.is_empty(), "connected");
-        crate::events::amqp_link(self.config.pipeline, true);
+        crate::events::amqp_link(self.config.pipeline, true, true);
         if generation > 1 {
             crate::metrics::reconnected("amqp");
         }
