@@ -305,7 +305,8 @@ pub fn start(settings: &Settings) {
         return;
     }
     let key = stream_key(&settings.redis_prefix);
-    let redis = Redis::new(&settings.redis_url);
+    // Quiet: the registry's own link warns of a Redis outage once; the events count their drops.
+    let redis = Redis::quiet(&settings.redis_url);
     tokio::spawn(write(rx, redis, key, settings.events_max_len));
 }
 

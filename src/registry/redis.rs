@@ -24,6 +24,10 @@ pub struct Redis {
     conn: Option<MultiplexedConnection>,
     /// Last known state, to warn once per outage.
     up: Option<bool>,
+    /// Whether this link reports its outages (a warning, the `redis` connection gauge). The
+    /// registry's does; a second link to the same Redis (the events writer) stays quiet, so an
+    /// outage is one warning.
+    reports: bool,
 }
 
 /// `text` (a message about the Redis at `url`) with `url` redacted and its password, as written
@@ -74,6 +78,16 @@ impl Redis {
             url: url.to_string(),
             conn: None,
             up: None,
+            reports: true,
+        }
+    }
+
+    /// A link that does not report its outages (see the `reports` field): its caller counts what
+    /// it could not do in its own way.
+    pub fn quiet(url: &str) -> Self {
+        Self {
+            reports: false,
+            ..Self::new(url)
         }
     }
 
@@ -93,7 +107,7 @@ impl Redis {
     }
 
     fn mark(&mut self, up: bool, error: Option<&str>) {
-        if self.up != Some(up) {
+        if self.reports && self.up != Some(up) {
             metrics::connection("redis", up);
             match (up, self.up) {
                 (true, Some(false)) => {
