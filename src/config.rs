@@ -139,6 +139,26 @@ settings! {
     users_proc_concurrency: usize => Rule::Int { min: 1, max: 256 },
     /// Batcher actors (batch inserts in flight at once).
     users_batch_concurrency: usize => Rule::Int { min: 1, max: 64 },
+    /// How the batch inserts in flight follow the backlog: `off` (fixed at
+    /// `users_batch_concurrency`), `simple` or `auto` (docs/balancing.md).
+    users_balance: Balance => Rule::OneOf(&["off", "simple", "auto"]),
+    /// Balanced: the fewest batch inserts in flight (where `auto` starts).
+    users_min_concurrency: usize => Rule::Int { min: 1, max: 64 },
+    /// Balanced: the most batch inserts in flight.
+    users_max_concurrency: usize => Rule::Int { min: 1, max: 64 },
+    /// Balanced: time between two decisions, so the concurrency never flaps.
+    users_balance_cooldown_ms: u64 => Rule::Int { min: 100, max: 3_600_000 },
+    /// `auto`: the most inserts in flight one decision adds or takes away.
+    users_balance_max_shift: usize => Rule::Int { min: 1, max: 64 },
+    /// `simple`: messages of backlog per insert in flight.
+    users_scale_threshold: u64 => Rule::Int { min: 1, max: 100_000_000 },
+    /// `auto`: a backlog above this many messages per insert in flight asks for more.
+    users_scale_up_threshold: u64 => Rule::Int { min: 1, max: 100_000_000 },
+    /// `auto`: a backlog that stays below this many messages per insert in flight gives back.
+    users_scale_down_threshold: u64 => Rule::Int { min: 0, max: 100_000_000 },
+    /// Batch inserts in flight in the whole process, every pipeline's together; balanced
+    /// pipelines share what the fixed ones leave, by backlog. 0: `database_pool_size`.
+    max_inserts_in_flight: usize => Rule::Int { min: 0, max: 256 },
     /// Consumer prefetch; 0 derives it: batch size x batch concurrency x 2.
     prefetch: u32 => Rule::Int { min: 0, max: 65_535 },
     /// Messages per second each pipeline takes from its queue; 0 = no limit. Changed at run
@@ -188,6 +208,36 @@ impl QueueType {
 }
 
 impl std::fmt::Display for QueueType {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// How a pipeline's batch inserts in flight follow its backlog (`USERS_BALANCE`, a pipeline's
+/// `balance`; docs/balancing.md).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Balance {
+    /// A fixed number: the batch concurrency.
+    #[default]
+    Off,
+    /// `min(max, max(min, ceil(backlog / threshold)))`, every cooldown.
+    Simple,
+    /// Step by step while a step makes the pipeline faster.
+    Auto,
+}
+
+impl Balance {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Balance::Off => "off",
+            Balance::Simple => "simple",
+            Balance::Auto => "auto",
+        }
+    }
+}
+
+impl std::fmt::Display for Balance {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str(self.as_str())
     }
@@ -717,6 +767,7 @@ impl Settings {
             });
         }
         self.validate_consumer_timeout()?;
+        self.validate_balance()?;
         for (i, (a, va)) in names.iter().enumerate() {
             for (b, vb) in names.iter().skip(i + 1) {
                 if va == vb {
@@ -757,6 +808,74 @@ impl Settings {
     /// `AMQP_CONSUMER_TIMEOUT_MS` is 0 or at least a second, and a rate limit set at start
     /// cannot keep a full prefetch window waiting past it (the last of `prefetch` deliveries
     /// waits `prefetch / rate` seconds in the consumer, unacked).
+    /// The users pipeline's bounds, and a set `max_inserts_in_flight` that holds what every
+    /// pipeline always holds (a fixed one its batch concurrency, a balanced one its minimum).
+    fn validate_balance(&self) -> Result<(), ConfigError> {
+        if self.users_min_concurrency > self.users_max_concurrency {
+            return Err(ConfigError::Invalid {
+                setting: "USERS_MIN_CONCURRENCY".into(),
+                expected: format!(
+                    "at most USERS_MAX_CONCURRENCY ({})",
+                    self.users_max_concurrency
+                ),
+                got: self.users_min_concurrency.to_string(),
+            });
+        }
+        let held = self.held_inserts();
+        if self.max_inserts_in_flight > 0 && self.max_inserts_in_flight < held {
+            return Err(ConfigError::Invalid {
+                setting: "MAX_INSERTS_IN_FLIGHT".into(),
+                expected: format!(
+                    "0 or at least the {held} batch inserts the pipelines always hold (each                      pipeline's batch concurrency, or its min_concurrency when balanced)"
+                ),
+                got: self.max_inserts_in_flight.to_string(),
+            });
+        }
+        Ok(())
+    }
+
+    /// The batch inserts in flight this pipeline's view of the settings always holds: its batch
+    /// concurrency when fixed, its minimum when balanced.
+    pub fn held_concurrency(&self) -> usize {
+        match self.users_balance {
+            Balance::Off => self.users_batch_concurrency,
+            _ => self.users_min_concurrency,
+        }
+    }
+
+    /// The most batch inserts in flight this pipeline's view of the settings can have.
+    pub fn most_concurrency(&self) -> usize {
+        match self.users_balance {
+            Balance::Off => self.users_batch_concurrency,
+            _ => self.users_max_concurrency,
+        }
+    }
+
+    /// What every pipeline of the file, and the built-in users one unless the file replaces
+    /// it, always holds.
+    fn held_inserts(&self) -> usize {
+        let users = if self.pipelines.iter().any(|p| p.name == "users") {
+            0
+        } else {
+            self.held_concurrency()
+        };
+        users
+            + self
+                .pipelines
+                .iter()
+                .map(|p| p.view(self).held_concurrency())
+                .sum::<usize>()
+    }
+
+    /// The process-wide budget of batch inserts in flight: `max_inserts_in_flight`, or
+    /// `database_pool_size` when 0 (never below what the pipelines always hold).
+    pub fn inserts_budget(&self) -> usize {
+        match self.max_inserts_in_flight {
+            0 => self.database_pool_size.max(self.held_inserts()),
+            n => n,
+        }
+    }
+
     fn validate_consumer_timeout(&self) -> Result<(), ConfigError> {
         let timeout = self.amqp_consumer_timeout_ms;
         if timeout > 0 && timeout < 1000 {

@@ -42,6 +42,23 @@ pub struct PipelineConfig {
     pub proc_concurrency: Option<u64>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub prefetch: Option<u64>,
+    // Balancing (docs/balancing.md); absent: as for users (`USERS_BALANCE`, ...).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub balance: Option<super::Balance>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub min_concurrency: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_concurrency: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub balance_cooldown_ms: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub balance_max_shift: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub scale_threshold: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub scale_up_threshold: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub scale_down_threshold: Option<u64>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub max_retries: Option<u64>,
     /// The retry tiers' TTLs; absent: `RETRY_TTLS_MS` (or the one tier of `RETRY_TTL_MS`).
@@ -228,6 +245,22 @@ impl PipelineConfig {
         n(self.batch_concurrency, &mut view.users_batch_concurrency);
         n(self.proc_concurrency, &mut view.users_proc_concurrency);
         set(self.batch_timeout_ms, &mut view.users_batch_timeout_ms);
+        if let Some(b) = self.balance {
+            view.users_balance = b;
+        }
+        n(self.min_concurrency, &mut view.users_min_concurrency);
+        n(self.max_concurrency, &mut view.users_max_concurrency);
+        set(
+            self.balance_cooldown_ms,
+            &mut view.users_balance_cooldown_ms,
+        );
+        n(self.balance_max_shift, &mut view.users_balance_max_shift);
+        set(self.scale_threshold, &mut view.users_scale_threshold);
+        set(self.scale_up_threshold, &mut view.users_scale_up_threshold);
+        set(
+            self.scale_down_threshold,
+            &mut view.users_scale_down_threshold,
+        );
         let small = |value: Option<u64>, into: &mut u32| {
             if let Some(v) = value {
                 *into = u32::try_from(v).unwrap_or(u32::MAX);
@@ -243,8 +276,43 @@ impl PipelineConfig {
 
     /// The numeric settings a pipeline may set, each with the global setting whose range (and
     /// default) it takes.
-    fn numbers(&self) -> [(&'static str, &'static str, Option<u64>); 9] {
+    fn numbers(&self) -> [(&'static str, &'static str, Option<u64>); 16] {
         [
+            (
+                "min_concurrency",
+                "users_min_concurrency",
+                self.min_concurrency,
+            ),
+            (
+                "max_concurrency",
+                "users_max_concurrency",
+                self.max_concurrency,
+            ),
+            (
+                "balance_cooldown_ms",
+                "users_balance_cooldown_ms",
+                self.balance_cooldown_ms,
+            ),
+            (
+                "balance_max_shift",
+                "users_balance_max_shift",
+                self.balance_max_shift,
+            ),
+            (
+                "scale_threshold",
+                "users_scale_threshold",
+                self.scale_threshold,
+            ),
+            (
+                "scale_up_threshold",
+                "users_scale_up_threshold",
+                self.scale_up_threshold,
+            ),
+            (
+                "scale_down_threshold",
+                "users_scale_down_threshold",
+                self.scale_down_threshold,
+            ),
             ("batch_size", "users_batch_size", self.batch_size),
             (
                 "batch_timeout_ms",
@@ -341,6 +409,14 @@ pub fn check(settings: &Settings) -> Result<(), ConfigError> {
                     v.to_string(),
                 ));
             }
+        }
+        let view = p.view(settings);
+        if view.users_min_concurrency > view.users_max_concurrency {
+            return Err(invalid(
+                format!("{at}.min_concurrency"),
+                &format!("at most max_concurrency ({})", view.users_max_concurrency),
+                view.users_min_concurrency.to_string(),
+            ));
         }
         if let Some(ttls) = &p.retry_ttls_ms {
             let (min, max) = range_of("retry_ttl_ms").unwrap_or((1, u64::MAX));
