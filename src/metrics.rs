@@ -40,6 +40,8 @@ pub const REQUEUED: &str = "warren_messages_requeued_total";
 pub const ACKS: &str = "warren_amqp_acks_total";
 pub const LOG_LINES_DROPPED: &str = "warren_log_lines_dropped_total";
 pub const EVENTS_DROPPED: &str = "warren_events_dropped_total";
+pub const PIPELINE_CONCURRENCY: &str = "warren_pipeline_concurrency";
+pub const BALANCE_DECISIONS: &str = "warren_balance_decisions_total";
 
 /// Process-wide counts, for the Redis registry and the shutdown record (the Prometheus
 /// recorder cannot be read back). The message counts of the pipelines are their stages' sums
@@ -69,6 +71,13 @@ pub struct StageStats {
     pub inserted: AtomicU64,
     pub retried: AtomicU64,
     pub dead_lettered: AtomicU64,
+    /// Batch inserts in flight at most (the batchers in use), as last set; 0 before the stage
+    /// starts.
+    pub concurrency: AtomicU64,
+    /// Batches the sinks finished, and the time they took in all (microseconds): the balancer's
+    /// insert latency.
+    pub batches: AtomicU64,
+    pub insert_us: AtomicU64,
 }
 
 /// Every stage's counts, by label; a stage appears with its first count (or [`preregister`]).
@@ -198,6 +207,14 @@ fn describe() {
         "Messages parked in the dead_letters table by the DLQ consumer, by kind."
     );
     describe_histogram!(BATCH_SIZE, "Valid messages per batch insert.");
+    describe_gauge!(
+        PIPELINE_CONCURRENCY,
+        "Batch inserts in flight at most (batchers in use), as balancing or an operator set it."
+    );
+    describe_counter!(
+        BALANCE_DECISIONS,
+        "Changes of a pipeline's concurrency, by reason (start, backlog, idle, no_gain, budget, operator)."
+    );
     describe_histogram!(
         BATCH_INSERT_SECONDS,
         "Time to insert one batch, including splits and in-place retries."
@@ -351,9 +368,22 @@ pub fn batch_inserted(pipeline: &'static str, attempted: usize, inserted: usize,
     histogram!(BATCH_SIZE, "pipeline" => pipeline).record(attempted as f64);
     histogram!(BATCH_INSERT_SECONDS, "pipeline" => pipeline).record(took.as_secs_f64());
     counter!(INSERTED, "pipeline" => pipeline).increment(inserted as u64);
+    let stats = stage(pipeline);
+    stats.inserted.fetch_add(inserted as u64, Ordering::Relaxed);
+    stats.batches.fetch_add(1, Ordering::Relaxed);
+    stats
+        .insert_us
+        .fetch_add(took.as_micros() as u64, Ordering::Relaxed);
+}
+
+/// A stage's batch inserts in flight at most, set to `to` (at start, by the balancer, or by an
+/// operator) for `reason`: the gauge, and the decision counted by reason.
+pub fn concurrency(pipeline: &'static str, to: usize, reason: &'static str) {
+    gauge!(PIPELINE_CONCURRENCY, "pipeline" => pipeline).set(to as f64);
+    counter!(BALANCE_DECISIONS, "pipeline" => pipeline, "reason" => reason).increment(1);
     stage(pipeline)
-        .inserted
-        .fetch_add(inserted as u64, Ordering::Relaxed);
+        .concurrency
+        .store(to as u64, Ordering::Relaxed);
 }
 
 /// The database answered (`up`) or could not be reached; counts reconnections.

@@ -6,7 +6,7 @@ use std::time::{Duration, Instant};
 
 use actix::prelude::*;
 
-use super::message::{Batch, Decoded, Drain, Processed};
+use super::message::{Batch, Decoded, Drain, Flush, Processed};
 
 /// When to hand a batch to the sink, and how large.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -55,6 +55,9 @@ pub struct Batcher<R: Send + Unpin + 'static> {
     timer: Option<(SpawnHandle, Instant)>,
     /// After `Drain`, everything is flushed at once.
     draining: bool,
+    /// After `Flush` (taken out by a scale-down): what waits goes at once, then the batcher
+    /// batches as before.
+    flushing: bool,
     /// `pipeline-index`, the prefix of batch ids in logs.
     name: String,
     next_batch_id: u64,
@@ -70,6 +73,7 @@ impl<R: Send + Unpin + 'static> Batcher<R> {
             busy: false,
             timer: None,
             draining: false,
+            flushing: false,
             name,
             next_batch_id: 0,
         }
@@ -77,16 +81,19 @@ impl<R: Send + Unpin + 'static> Batcher<R> {
 
     /// Hands the sink a batch if one is due, and arms the timer for what waits.
     fn flush(&mut self, ctx: &mut Context<Self>) {
-        if let Some(n) = self
-            .rule
-            .due(self.entries.len(), self.oldest, self.draining, self.busy)
-        {
+        if let Some(n) = self.rule.due(
+            self.entries.len(),
+            self.oldest,
+            self.draining || self.flushing,
+            self.busy,
+        ) {
             let entries = if n == self.entries.len() {
                 std::mem::take(&mut self.entries)
             } else {
                 self.entries.drain(..n).collect()
             };
             self.oldest = (!self.entries.is_empty()).then(Instant::now);
+            self.flushing &= !self.entries.is_empty();
             self.next_batch_id += 1;
             let batch = Batch {
                 id: format!("{}-{}", self.name, self.next_batch_id),
@@ -155,6 +162,15 @@ impl<R: Send + Unpin + 'static> Handler<Drain> for Batcher<R> {
 
     fn handle(&mut self, _: Drain, ctx: &mut Self::Context) {
         self.draining = true;
+        self.flush(ctx);
+    }
+}
+
+impl<R: Send + Unpin + 'static> Handler<Flush> for Batcher<R> {
+    type Result = ();
+
+    fn handle(&mut self, _: Flush, ctx: &mut Self::Context) {
+        self.flushing = !self.entries.is_empty();
         self.flush(ctx);
     }
 }

@@ -38,8 +38,8 @@ use tokio::sync::oneshot;
 use tracing::{debug, error, info, warn};
 
 use super::acks::Acker;
-use super::dispatch::Dispatch;
-use super::message::{Chunk, Delivery, Hold, HoldReason, Settle};
+use super::dispatch::{Dispatch, Feed};
+use super::message::{Delivery, Hold, HoldReason, Settle};
 use super::throttle::{Release, Throttle};
 use crate::amqp::{self, AmqpError};
 use crate::config::Settings;
@@ -77,7 +77,17 @@ pub struct Close;
 /// finish what their mailboxes hold and stop when their last address is dropped.
 #[derive(Message)]
 #[rtype(result = "()")]
-pub struct SetProcessors(pub Vec<Recipient<Chunk>>);
+pub struct SetProcessors(pub Vec<Feed>);
+
+/// Fill `batchers` batchers (batch inserts in flight) from now on, with a prefetch window of at
+/// most `prefetch` (balancing). A subscription whose window differs is cancelled; the next one,
+/// once what is in flight settled, takes the new window (`basic.qos` before `basic.consume`).
+#[derive(Debug, Message)]
+#[rtype(result = "()")]
+pub struct SetConcurrency {
+    pub batchers: usize,
+    pub prefetch: u16,
+}
 
 /// Hand at most `per_s` deliveries per second onwards from now on; 0 removes the limit.
 #[derive(Debug, Message)]
@@ -581,6 +591,28 @@ impl Consumer {
         self.maybe_finish(ctx);
     }
 
+    /// A subscription whose window is not the one wanted (the concurrency changed) is
+    /// cancelled, and the next one takes the new window once what is in flight settled.
+    fn follow_window(&mut self, ctx: &mut Context<Self>) {
+        let wanted = self.wanted_window();
+        if self.phase != Phase::Running
+            || !matches!(&self.link, Link::Up(l) if l.window != wanted
+                && matches!(l.subscription, Subscription::Active(_)))
+        {
+            return;
+        }
+        info!(
+            pipeline = self.config.pipeline,
+            window = wanted,
+            "the prefetch window follows the concurrency: resubscribing once what is in flight \
+             settles"
+        );
+        self.unsubscribe();
+        if self.inflight == 0 && self.throttle.is_empty() {
+            self.maybe_subscribe(ctx);
+        }
+    }
+
     /// Cancels the subscription (deliveries in flight still settle on the open channel).
     fn unsubscribe(&mut self) {
         let Some(linked) = self.linked() else {
@@ -994,9 +1026,12 @@ impl Handler<Subscribed> for Consumer {
                     consumer_tag = %msg.tag, generation = msg.generation, window = msg.window,
                     "consuming");
                 self.add_consumer_stream(ctx, consumer, msg.tag);
-                // A hold that came while subscribing wins at once.
+                // A hold that came while subscribing wins at once; a concurrency that changed
+                // while subscribing gets its window.
                 if !self.holds.is_empty() {
                     self.unsubscribe();
+                } else {
+                    self.follow_window(ctx);
                 }
             }
             Err(e) => {
@@ -1034,6 +1069,21 @@ impl Handler<SetProcessors> for Consumer {
                 "processors scaled"
             );
         }
+    }
+}
+
+impl Handler<SetConcurrency> for Consumer {
+    type Result = ();
+
+    fn handle(&mut self, msg: SetConcurrency, ctx: &mut Self::Context) {
+        let batchers = self.dispatch.set_batchers(msg.batchers);
+        self.config.prefetch = msg.prefetch.max(1);
+        let window = self.wanted_window();
+        debug!(
+            pipeline = self.config.pipeline,
+            batchers, window, "concurrency set"
+        );
+        self.follow_window(ctx);
     }
 }
 

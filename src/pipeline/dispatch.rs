@@ -4,15 +4,25 @@
 
 use actix::prelude::*;
 
-use super::message::{Chunk, Delivery};
+use super::message::{Chunk, Delivery, Flush};
+
+/// One processor, as the consumer feeds it: its chunks, and the flush of a batcher taken out.
+#[derive(Clone)]
+pub struct Feed {
+    pub chunks: Recipient<Chunk>,
+    pub flushes: Recipient<Flush>,
+}
 
 /// The dispatch policy and where it stands.
 pub struct Dispatch {
     /// Processors, fed a chunk each, round-robin (`warren ctl scale` replaces them).
-    processors: Vec<Recipient<Chunk>>,
+    processors: Vec<Feed>,
     next_processor: usize,
-    /// Where the next deliveries go among the batchers.
+    /// Where the next deliveries go among the batchers in use.
     fill: Fill,
+    /// The batchers that exist (the most a balanced pipeline may use); the first
+    /// `fill.batchers` of them are in use.
+    batchers: usize,
 }
 
 /// Cuts deliveries into chunks of at most a batch's worth per batcher, in turn.
@@ -50,18 +60,46 @@ impl Fill {
 }
 
 impl Dispatch {
-    /// Chunks for `batchers` batchers of `batch_size`, over `processors` (at least one).
-    pub fn new(processors: Vec<Recipient<Chunk>>, batchers: usize, batch_size: usize) -> Self {
+    /// Chunks for the first `in_use` of `batchers` batchers of `batch_size`, over `processors`
+    /// (at least one).
+    pub fn new(processors: Vec<Feed>, batchers: usize, in_use: usize, batch_size: usize) -> Self {
+        let batchers = batchers.max(1);
         Self {
             processors,
             next_processor: 0,
             fill: Fill {
-                batchers: batchers.max(1),
+                batchers: in_use.clamp(1, batchers),
                 batch_size: batch_size.max(1),
                 current: 0,
                 filled: 0,
             },
+            batchers,
         }
+    }
+
+    /// Fills the first `n` batchers from now on (at least one, at most those that exist), and
+    /// answers how many that is. Each batcher taken out gets a `Flush` through every processor,
+    /// after what each holds for it: its partial batch goes to its sink at once, and nothing
+    /// new reaches it.
+    pub fn set_batchers(&mut self, n: usize) -> usize {
+        let n = n.clamp(1, self.batchers);
+        let before = self.fill.batchers;
+        self.fill.batchers = n;
+        if self.fill.current >= n {
+            self.fill.current = 0;
+            self.fill.filled = 0;
+        }
+        for batcher in n..before {
+            for p in &self.processors {
+                p.flushes.do_send(Flush { batcher });
+            }
+        }
+        n
+    }
+
+    /// How many batchers it fills.
+    pub fn batchers(&self) -> usize {
+        self.fill.batchers
     }
 
     /// Hands `deliveries` onwards, in chunks.
@@ -69,7 +107,7 @@ impl Dispatch {
         for (batcher, deliveries) in self.fill.cut(deliveries) {
             let processor = &self.processors[self.next_processor];
             self.next_processor = (self.next_processor + 1) % self.processors.len();
-            processor.do_send(Chunk {
+            processor.chunks.do_send(Chunk {
                 batcher,
                 deliveries,
             });
@@ -77,7 +115,7 @@ impl Dispatch {
     }
 
     /// Feeds `processors` from now on; an empty list changes nothing (false).
-    pub fn set_processors(&mut self, processors: Vec<Recipient<Chunk>>) -> bool {
+    pub fn set_processors(&mut self, processors: Vec<Feed>) -> bool {
         if processors.is_empty() {
             return false;
         }

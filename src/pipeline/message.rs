@@ -163,6 +163,16 @@ impl Settle {
 #[rtype(result = "()")]
 pub struct Drain;
 
+/// Flush what waits now, once: a batcher taken out of the rotation by a scale-down
+/// (`Dispatch::set_batchers`) hands its partial batch to its sink at once instead of at the batch
+/// timeout. Sent by the consumer to every processor (`batcher` names the one), which forward it
+/// after the chunks they hold, so it reaches the batcher after its last entries.
+#[derive(Debug, Clone, Copy, Message)]
+#[rtype(result = "()")]
+pub struct Flush {
+    pub batcher: usize,
+}
+
 /// Why the consumer stops taking deliveries for a while.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum HoldReason {

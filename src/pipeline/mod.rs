@@ -19,12 +19,14 @@
 //! - `batcher.rs`: flush rules only (size, timeout, drain).
 //! - `sink.rs`: one insert statement per batch, in-place retry, row isolation; `breaker.rs`.
 //! - `router.rs`: the outcome policy and republishing; `dlq.rs`: the DLQ consumer's stage.
+//! - `balance.rs`: how many batch inserts a main stage has in flight (balancing, its bounds).
 //!
 //! Each stage gets its downstream as a `Recipient`, so a test can put a probe in its place.
 //! Backpressure: the prefetch window bounds the deliveries in the pipeline; each sink works on
 //! one batch at a time; the broker sends nothing new until acks free room.
 
 pub mod acks;
+pub mod balance;
 pub mod batcher;
 pub mod breaker;
 pub mod consumer;
@@ -54,8 +56,8 @@ use crate::domain::Domain;
 use batcher::{Batcher, FlushRule};
 use breaker::Breaker;
 use consumer::{Consumer, ConsumerConfig};
-use dispatch::Dispatch;
-use message::{Chunk, Drain, Leftovers};
+use dispatch::{Dispatch, Feed};
+use message::{Drain, Leftovers};
 use processor::Processor;
 use router::{Fallback, Republisher, Router};
 use sink::{Sink, SinkConfig};
@@ -84,9 +86,17 @@ pub struct Spec {
     /// Processor actors (decode): one runs on the pipeline's thread; more run on min(this,
     /// cores) threads of their own (parallel decoding).
     pub processors: usize,
-    /// Batcher and sink pairs: batches inserted at the same time.
+    /// Batcher and sink pairs in use at start: batches inserted at the same time.
     pub batchers: usize,
+    /// Batcher and sink pairs that exist: the most the concurrency can be set to (balancing,
+    /// `warren ctl scale --max`).
+    pub max_batchers: usize,
+    /// How the concurrency follows the backlog (main stages; the DLQ stage is fixed).
+    pub policy: balance::Policy,
+    /// The prefetch window at start; it follows the concurrency (`balance::Concurrency::window`).
     pub prefetch: u16,
+    /// The most the window may be: `PREFETCH` when set, and what the byte budget holds.
+    pub window_cap: u16,
     pub max_message_bytes: usize,
     /// Bytes of bodies in flight at most (past it the consumer pauses and cuts its window).
     pub max_inflight_bytes: u64,
@@ -109,6 +119,22 @@ impl Spec {
     /// settings, or a configured pipeline's view of them, `PipelineConfig::view`): everything
     /// the stages need is copied here, so nothing on the data path reads the settings.
     pub fn main(settings: &Settings) -> Self {
+        let policy = balance::Policy::of(settings);
+        let batchers = settings.held_concurrency();
+        let window_cap = match settings.prefetch {
+            0 => u16::MAX,
+            p => p.min(u32::from(u16::MAX)) as u16,
+        }
+        .min(settings.window_of_largest_bodies());
+        let prefetch = if policy.strategy == crate::config::Balance::Off {
+            settings.effective_prefetch()
+        } else {
+            let two = settings
+                .users_batch_size
+                .saturating_mul(batchers)
+                .saturating_mul(2);
+            (two.clamp(1, usize::from(u16::MAX)) as u16).min(window_cap)
+        };
         Self {
             name: "main",
             pipeline: "users".into(),
@@ -119,8 +145,13 @@ impl Spec {
             batch_size: settings.users_batch_size,
             batch_timeout: settings.batch_timeout(),
             processors: settings.users_proc_concurrency,
-            batchers: settings.users_batch_concurrency,
-            prefetch: settings.effective_prefetch(),
+            batchers,
+            max_batchers: settings
+                .users_batch_concurrency
+                .max(settings.users_max_concurrency),
+            policy,
+            prefetch,
+            window_cap,
             max_message_bytes: settings.max_message_bytes,
             max_inflight_bytes: settings.max_inflight_bytes,
             db_retry_window: Duration::from_millis(settings.db_retry_window_ms),
@@ -138,13 +169,20 @@ impl Spec {
             fallback: FallbackKind::Park {
                 max_attempts: settings.dlq_max_attempts,
             },
+            batchers: settings.users_batch_concurrency,
+            max_batchers: settings.users_batch_concurrency,
+            policy: balance::Policy {
+                strategy: crate::config::Balance::Off,
+                ..balance::Policy::of(settings)
+            },
+            prefetch: settings.effective_prefetch(),
             ..Self::main(settings)
         }
     }
 }
 
 /// Starts one more processor: on the given thread, or on the pipeline's own with `None`.
-type ProcessorFactory = Box<dyn Fn(Option<&ArbiterHandle>) -> (Recipient<Chunk>, Recipient<Drain>)>;
+type ProcessorFactory = Box<dyn Fn(Option<&ArbiterHandle>) -> (Feed, Recipient<Drain>)>;
 
 /// A running pipeline.
 pub struct Pipeline {
@@ -163,6 +201,9 @@ pub struct Pipeline {
     publisher: Addr<Publisher>,
     /// Cancelled when shutdown starts: backoffs and in-place retries end.
     stopping: CancellationToken,
+    /// A main stage's batch inserts in flight (balancing, `warren ctl scale --min/--max`);
+    /// `None` for a DLQ stage.
+    pub concurrency: Option<Arc<balance::Concurrency>>,
 }
 
 /// Starts the pipeline `spec` of `domain`, wired in flow order from the broker link down.
@@ -227,7 +268,7 @@ pub fn start<D: Domain>(
         batch_size: spec.batch_size,
         timeout: spec.batch_timeout,
     };
-    let batchers: Vec<Addr<Batcher<D::Record>>> = (0..spec.batchers.max(1))
+    let batchers: Vec<Addr<Batcher<D::Record>>> = (0..spec.max_batchers.max(spec.batchers).max(1))
         .map(|i| {
             let config = sink_config.clone();
             let sink = Supervisor::start(move |_| Sink::new(config)).recipient();
@@ -241,13 +282,33 @@ pub fn start<D: Domain>(
         let domain = domain.clone();
         let records = batchers.iter().map(|b| b.clone().recipient()).collect();
         let drains = batchers.iter().map(|b| b.clone().recipient()).collect();
-        let make =
-            move |_: &mut Context<Processor<D>>| Processor::new(domain, max, records, drains);
+        let flushes = batchers.iter().map(|b| b.clone().recipient()).collect();
+        let make = move |_: &mut Context<Processor<D>>| {
+            Processor::new(domain, max, records, drains, flushes)
+        };
         let addr: Addr<Processor<D>> = match thread {
             Some(thread) => Supervisor::start_in_arbiter(thread, make),
             None => Supervisor::start(make),
         };
-        (addr.clone().recipient(), addr.recipient())
+        let feed = Feed {
+            chunks: addr.clone().recipient(),
+            flushes: addr.clone().recipient(),
+        };
+        (feed, addr.recipient())
+    });
+    let created = spec.max_batchers.max(spec.batchers).max(1);
+    let concurrency = (spec.fallback == FallbackKind::Route).then(|| {
+        Arc::new(balance::Concurrency::new(
+            name,
+            spec.pipeline.clone(),
+            spec.policy,
+            spec.queue.clone(),
+            consumer_addr.clone().recipient(),
+            spec.batchers.max(1),
+            created,
+            spec.batch_size,
+            spec.window_cap,
+        ))
     });
     let pipeline = Pipeline {
         name,
@@ -258,6 +319,7 @@ pub fn start<D: Domain>(
         threads: Mutex::new(Vec::new()),
         publisher,
         stopping,
+        concurrency,
     };
     let chunks = pipeline.processors(spec.processors);
 
@@ -272,7 +334,7 @@ pub fn start<D: Domain>(
         depths,
     };
     // A batch's worth to one batcher before the next one's turn, each chunk to the next processor.
-    let dispatch = Dispatch::new(chunks, spec.batchers, spec.batch_size);
+    let dispatch = Dispatch::new(chunks, created, spec.batchers, spec.batch_size);
     let consumer = Consumer::new(config, settings.clone(), dispatch);
     consumer_ctx.run(consumer);
     pipeline
@@ -315,7 +377,7 @@ impl Pipeline {
     /// another thread and back (measured: docs/performance.md, "What the measurements taught").
     /// More than one means parallel decoding, for domains whose decoding is dear: they go round
     /// min(`n`, cores) threads.
-    fn processors(&self, n: usize) -> Vec<Recipient<Chunk>> {
+    fn processors(&self, n: usize) -> Vec<Feed> {
         let mut threads = self.threads.lock().unwrap_or_else(|p| p.into_inner());
         let wanted = if n > 1 {
             n.min(std::thread::available_parallelism().map_or(2, |c| c.get()))

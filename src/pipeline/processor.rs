@@ -8,7 +8,7 @@ use std::sync::Arc;
 
 use actix::prelude::*;
 
-use super::message::{Chunk, Decoded, Delivery, Drain, Processed};
+use super::message::{Chunk, Decoded, Delivery, Drain, Flush, Processed};
 use crate::domain::{Domain, Rejection};
 
 /// The processor actor.
@@ -20,6 +20,8 @@ pub struct Processor<D: Domain> {
     batchers: Vec<Recipient<Processed<D::Record>>>,
     /// The same batchers, for the `Drain` marker that follows the chunks.
     drains: Vec<Recipient<Drain>>,
+    /// The same batchers, for the `Flush` of one taken out by a scale-down.
+    flushes: Vec<Recipient<Flush>>,
 }
 
 impl<D: Domain> Processor<D> {
@@ -28,12 +30,14 @@ impl<D: Domain> Processor<D> {
         max_message_bytes: usize,
         batchers: Vec<Recipient<Processed<D::Record>>>,
         drains: Vec<Recipient<Drain>>,
+        flushes: Vec<Recipient<Flush>>,
     ) -> Self {
         Self {
             domain,
             max_message_bytes,
             batchers,
             drains,
+            flushes,
         }
     }
 
@@ -85,6 +89,17 @@ impl<D: Domain> Handler<Drain> for Processor<D> {
     }
 }
 
+impl<D: Domain> Handler<Flush> for Processor<D> {
+    type Result = ();
+
+    /// After the chunks this processor holds for that batcher (mailbox order).
+    fn handle(&mut self, msg: Flush, _: &mut Self::Context) {
+        if let Some(f) = self.flushes.get(msg.batcher) {
+            f.do_send(msg);
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -117,6 +132,11 @@ mod tests {
         }
     }
 
+    impl Handler<Flush> for Probe {
+        type Result = ();
+        fn handle(&mut self, _: Flush, _: &mut Self::Context) {}
+    }
+
     fn delivery(tag: u64, body: &[u8]) -> Delivery {
         Delivery {
             generation: 1,
@@ -135,6 +155,7 @@ mod tests {
         let processor = Processor::new(
             Arc::new(Users),
             100,
+            probes.iter().map(|p| p.clone().recipient()).collect(),
             probes.iter().map(|p| p.clone().recipient()).collect(),
             probes.iter().map(|p| p.clone().recipient()).collect(),
         )
