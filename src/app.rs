@@ -76,10 +76,18 @@ pub async fn run(settings: Settings, shutdown: impl Future<Output = ()>) -> anyh
         })
         .collect();
     let depths = Depths::default();
+    // Every 5 s, or every balanced pipeline's cooldown if shorter: a balancing decision sees
+    // a depth at most one cooldown old.
+    let views = std::iter::once(&settings).chain(configured.iter().map(|c| &c.0));
+    let poll_every = views
+        .filter(|v| v.users_balance != crate::config::Balance::Off)
+        .map(|v| Duration::from_millis(v.users_balance_cooldown_ms))
+        .fold(Duration::from_secs(5), Duration::min)
+        .max(Duration::from_millis(250));
     tokio::spawn(crate::amqp::monitor::poll_queues(
         settings.clone(),
         queues,
-        Duration::from_secs(5),
+        poll_every,
         depths.clone(),
     ));
     let mut names = Vec::new();
@@ -110,16 +118,20 @@ pub async fn run(settings: Settings, shutdown: impl Future<Output = ()>) -> anyh
     metrics::connection("amqp", false);
     metrics::connection("postgres", false);
 
-    // One pool for every pipeline, with a connection for each insert that can be in flight.
+    // One pool for every pipeline, with a connection for each insert that can be in flight:
+    // every pipeline's most, within the process-wide budget.
+    let budget = settings.inserts_budget();
     let mut sized = settings.clone();
-    sized.database_pool_size = sized.database_pool_size.max(
-        configured
-            .iter()
-            .map(|c| c.0.users_batch_concurrency)
-            .sum::<usize>()
-            + settings.users_batch_concurrency
-            + 1,
-    );
+    let most = configured
+        .iter()
+        .map(|c| c.0.most_concurrency())
+        .sum::<usize>()
+        + if builtin_users {
+            settings.most_concurrency()
+        } else {
+            0
+        };
+    sized.database_pool_size = sized.database_pool_size.max(most.min(budget) + 1);
     let pool = db::pool(&sized)?;
     let domain = Arc::new(Users);
     // Every main stage first, then every DLQ stage: users (typed) and the file's (mapped).
@@ -157,6 +169,20 @@ pub async fn run(settings: Settings, shutdown: impl Future<Output = ()>) -> anyh
             ));
         }
     }
+    // Balancing: one task decides for every balanced main stage, within the budget.
+    let concurrencies: Vec<_> = pipelines
+        .iter()
+        .filter_map(|p| p.concurrency.clone())
+        .collect();
+    let (decisions_tx, decisions_rx) = mpsc::unbounded_channel();
+    let balancing = tokio_util::sync::CancellationToken::new();
+    tokio::spawn(pipeline::balance::run(
+        concurrencies.clone(),
+        budget,
+        depths.clone(),
+        decisions_tx,
+        balancing.clone(),
+    ));
     let api = if settings.has_role(Role::Api) {
         // The API's own pool: a flood of reads can never take the pipeline's connections.
         let api_pool = db::pool_for(&settings, settings.api_pool_size, "warren-api")?;
@@ -199,14 +225,20 @@ pub async fn run(settings: Settings, shutdown: impl Future<Output = ()>) -> anyh
         rate_limit_per_s: settings.rate_limit_per_s,
     });
     let (stop_tx, stop_rx) = oneshot::channel::<String>();
-    let registry = tokio::spawn(registry_loop(settings.clone(), ctl_tx, report_rx, stop_rx));
+    let registry = tokio::spawn(registry_loop(
+        settings.clone(),
+        ctl_tx,
+        report_rx,
+        stop_rx,
+        decisions_rx,
+    ));
 
     tokio::pin!(shutdown);
     let reason = loop {
         tokio::select! {
             _ = &mut shutdown => break "signal",
             Some((command, reply)) = ctl_rx.recv() => {
-                let result = apply(&command, &pipelines, &report_tx);
+                let result = apply(&command, &pipelines, &report_tx, budget);
                 let drain = command.command == Command::Drain && result.is_ok();
                 info!(command = %command.command, id = %command.id, ok = result.is_ok(), "remote command");
                 let _ = reply.send(result);
@@ -237,6 +269,7 @@ pub async fn run(settings: Settings, shutdown: impl Future<Output = ()>) -> anyh
         },
     );
 
+    balancing.cancel();
     let timeout = settings.shutdown_timeout();
     let results = futures::future::join_all(pipelines.iter().map(|p| p.shutdown(timeout))).await;
     if let Some(api) = api {
@@ -266,6 +299,7 @@ fn apply(
     command: &CtlCommand,
     pipelines: &[Pipeline],
     report: &watch::Sender<Report>,
+    budget: usize,
 ) -> Result<(), String> {
     let needs_consumer = || {
         if pipelines.is_empty() {
@@ -341,6 +375,39 @@ fn apply(
             }
             Ok(())
         }
+        &Command::Concurrency { min, max } => {
+            needs_consumer()?;
+            if min.is_none() && max.is_none() {
+                return Err("concurrency needs min or max".to_string());
+            }
+            // Checked for every chosen stage before any changes, so a refusal changes nothing.
+            let stages: Vec<_> = chosen
+                .iter()
+                .filter_map(|p| p.concurrency.clone())
+                .collect();
+            if stages.is_empty() {
+                return Err("this instance runs no main stage (ROLES has no consumer)".into());
+            }
+            for c in &stages {
+                let others: usize = pipelines
+                    .iter()
+                    .filter_map(|p| p.concurrency.as_ref())
+                    .filter(|o| !Arc::ptr_eq(o, c))
+                    .map(|o| o.held())
+                    .sum();
+                c.check_bounds(min, max, others, budget)?;
+            }
+            for c in &stages {
+                let others: usize = pipelines
+                    .iter()
+                    .filter_map(|p| p.concurrency.as_ref())
+                    .filter(|o| !Arc::ptr_eq(o, c))
+                    .map(|o| o.held())
+                    .sum();
+                c.set_bounds(min, max, others, budget)?;
+            }
+            Ok(())
+        }
         &Command::Rate { per_s: n } => {
             needs_consumer()?;
             for p in &chosen {
@@ -370,6 +437,7 @@ async fn registry_loop(
     ctl: mpsc::UnboundedSender<Control>,
     mut report: watch::Receiver<Report>,
     mut stop: oneshot::Receiver<String>,
+    mut decisions: mpsc::UnboundedReceiver<pipeline::balance::Decision>,
 ) {
     let mut registry = Registry::new(&settings);
     let mut beat = tokio::time::interval(Duration::from_millis(settings.registry_heartbeat_ms));
@@ -386,6 +454,13 @@ async fn registry_loop(
             _ = beat.tick() => {
                 let now = *report.borrow();
                 registry.heartbeat(now).await;
+            }
+            Some(decision) = decisions.recv() => {
+                let detail = format!(
+                    "concurrency {} -> {} ({}): {}",
+                    decision.from, decision.to, decision.reason, decision.inputs
+                );
+                registry.record_decision(&decision.pipeline, detail).await;
             }
             _ = poll.tick() => {
                 while let Some((command, verdict)) = registry.next_command().await {
@@ -486,7 +561,7 @@ mod tests {
             ),
         ] {
             let command: CtlCommand = serde_json::from_str(raw).unwrap();
-            assert_eq!(apply(&command, &[], &report), before, "{raw}");
+            assert_eq!(apply(&command, &[], &report, 8), before, "{raw}");
         }
         assert_eq!(report.borrow().status, "running", "nothing applied");
     }

@@ -1,6 +1,7 @@
 //! `warren ctl`: remote control through Redis. `pause`, `resume`, `drain`, `scale` and `rate` are queued
 //! for the chosen instances (signed for each one with CONTROL_SECRET when it is set), which
-//! apply them and record the outcome; `history` lists outcomes. With CONTROL_SECRET set, an
+//! apply them and record the outcome; `history` lists outcomes, and the balancers' changes of
+//! concurrency (`balance`). With CONTROL_SECRET set, an
 //! outcome counts only when its signature verifies; every string read from Redis is escaped
 //! before it reaches the terminal.
 
@@ -63,11 +64,23 @@ pub enum Action {
     },
     /// Finish what is in flight and exit 0, as on SIGTERM.
     Drain(Target),
-    /// Change the number of processors live.
+    /// Change the number of processors, or the bounds of the batch inserts in flight, live.
+    #[command(group(clap::ArgGroup::new("what").required(true).multiple(true)
+        .args(["processors", "min", "max"])))]
     Scale {
         /// Processors per pipeline (1 to 256).
-        #[arg(long, value_parser = clap::value_parser!(u16).range(1..=256))]
-        processors: u16,
+        #[arg(long, value_parser = clap::value_parser!(u16).range(1..=256),
+            conflicts_with_all = ["min", "max"])]
+        processors: Option<u16>,
+        /// The fewest batch inserts in flight per pipeline (1 to 64): a balanced pipeline never
+        /// goes below it; a fixed one is raised to it.
+        #[arg(long, value_parser = clap::value_parser!(u16).range(1..=64))]
+        min: Option<u16>,
+        /// The most batch inserts in flight per pipeline (1 to 64, at most the larger of its
+        /// batch_concurrency and max_concurrency): a balanced pipeline never goes above it; a
+        /// fixed one is lowered to it.
+        #[arg(long, value_parser = clap::value_parser!(u16).range(1..=64))]
+        max: Option<u16>,
         #[command(flatten)]
         target: Target,
         #[command(flatten)]
@@ -110,11 +123,26 @@ pub async fn execute(settings: &Settings, args: Args) -> anyhow::Result<i32> {
         Action::Drain(t) => (Command::Drain, t, None),
         Action::Scale {
             processors,
+            min,
+            max,
             target,
             only,
         } => (
-            Command::Scale {
-                processors: processors as usize,
+            match processors {
+                Some(n) => Command::Scale {
+                    processors: n as usize,
+                },
+                None => {
+                    if let (Some(min), Some(max)) = (min, max)
+                        && min > max
+                    {
+                        bail!("--min {min} is above --max {max}");
+                    }
+                    Command::Concurrency {
+                        min: min.map(usize::from),
+                        max: max.map(usize::from),
+                    }
+                }
             },
             target,
             only.pipeline,
@@ -309,10 +337,11 @@ async fn history(
         let Ok(o) = serde_json::from_str::<CtlOutcome>(&line) else {
             continue;
         };
-        let mut detail = match (&o.error, o.processors, o.rate) {
-            (Some(e), _, _) => safe(e),
-            (None, Some(n), _) => format!("processors={n}"),
-            (None, None, Some(n)) => format!("rate={n}/s"),
+        let mut detail = match (&o.error, o.processors, o.rate, &o.detail) {
+            (Some(e), ..) => safe(e),
+            (None, Some(n), ..) => format!("processors={n}"),
+            (None, None, Some(n), _) => format!("rate={n}/s"),
+            (None, None, None, Some(d)) => safe(d),
             _ => String::new(),
         };
         if let Some(p) = &o.pipeline {

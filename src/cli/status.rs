@@ -170,6 +170,7 @@ fn render(
                     "BREAKER",
                     "LIMIT/S",
                     "HEARTBEAT",
+                    "INSERTS",
                 ],
                 3,
             );
@@ -196,6 +197,7 @@ fn render(
                     get("breaker").to_string(),
                     limit.to_string(),
                     age,
+                    get("concurrency").to_string(),
                 ]);
             }
             let _ = writeln!(out, "{}", t.trim_fmt());
@@ -204,7 +206,7 @@ fn render(
                 let mut t = table(
                     &[
                         "INSTANCE", "PIPELINE", "RECEIVED", "INSERTED", "RECV/S", "INS/S",
-                        "RETRIED", "DEAD",
+                        "RETRIED", "DEAD", "INSERTS",
                     ],
                     2,
                 );
@@ -342,6 +344,10 @@ fn pipeline_rows(list: &[InstanceFields]) -> Vec<Vec<String>> {
                 n("inserted_per_s"),
                 n("retried"),
                 n("dead_lettered"),
+                match n("concurrency").as_str() {
+                    "0" => "-".into(),
+                    c => c.to_string(),
+                },
             ]);
         }
     }

@@ -40,6 +40,12 @@ pub enum Command {
     /// `rate`: messages per second each pipeline takes from its queue, 0 = no limit (`rate` on
     /// the wire).
     Rate { per_s: u32 },
+    /// `concurrency`: the bounds of each main stage's batch inserts in flight (`warren ctl
+    /// scale --min/--max`; `min` and `max` on the wire, absent = unchanged).
+    Concurrency {
+        min: Option<usize>,
+        max: Option<usize>,
+    },
     /// `scale` without `processors`, which no `warren ctl` sends: refused when applied.
     ScaleWithoutProcessors,
     /// `rate` without `rate`, which no `warren ctl` sends: refused when applied.
@@ -58,6 +64,7 @@ impl Command {
             Command::Drain => "drain",
             Command::Scale { .. } | Command::ScaleWithoutProcessors => "scale",
             Command::Rate { .. } | Command::RateWithoutLimit => "rate",
+            Command::Concurrency { .. } => "concurrency",
             Command::Unknown(name) => name,
         }
     }
@@ -65,7 +72,12 @@ impl Command {
     /// The command the wire fields `command`, `processors` and `rate` hold, and those of the
     /// numbers that are not its own. Any name is taken: what cannot be applied is refused when
     /// applied, and recorded, as it always was.
-    fn read(name: String, processors: Option<usize>, rate: Option<u32>) -> (Self, Stray) {
+    fn read(
+        name: String,
+        processors: Option<usize>,
+        rate: Option<u32>,
+        (min, max): (Option<usize>, Option<usize>),
+    ) -> (Self, Stray) {
         let command = match name.as_str() {
             "pause" => Command::Pause,
             "resume" => Command::Resume,
@@ -74,11 +86,15 @@ impl Command {
                 Command::Scale { processors }
             }),
             "rate" => rate.map_or(Command::RateWithoutLimit, |per_s| Command::Rate { per_s }),
+            "concurrency" => Command::Concurrency { min, max },
             _ => Command::Unknown(name),
         };
+        let bounds = !matches!(command, Command::Concurrency { .. });
         let stray = Stray {
             processors: processors.filter(|_| !matches!(command, Command::Scale { .. })),
             rate: rate.filter(|_| !matches!(command, Command::Rate { .. })),
+            min: min.filter(|_| bounds),
+            max: max.filter(|_| bounds),
         };
         (command, stray)
     }
@@ -100,6 +116,9 @@ struct Stray {
     processors: Option<usize>,
     /// `rate` beside a command other than `rate`.
     rate: Option<u32>,
+    /// `min` and `max` beside a command other than `concurrency`.
+    min: Option<usize>,
+    max: Option<usize>,
 }
 
 /// A remote-control command, as queued for one instance. Its JSON, and the bytes its signature
@@ -167,6 +186,14 @@ impl CtlCommand {
         }
     }
 
+    /// The `min` and `max` it carries on the wire: those of a `concurrency`, else stray ones.
+    pub fn bounds(&self) -> (Option<usize>, Option<usize>) {
+        match self.command {
+            Command::Concurrency { min, max } => (min, max),
+            _ => (self.stray.min, self.stray.max),
+        }
+    }
+
     /// The bytes the signature covers: a version line, then each field as
     /// `name=<byte length>:<value>` and a newline, in this order: `id`, `command`, `processors`
     /// (empty when absent), `rate` and `pipeline` (each only when present, so commands without
@@ -219,6 +246,12 @@ struct Wire {
     /// See [`CtlCommand::signature`].
     #[serde(default, skip_serializing_if = "Option::is_none")]
     signature: Option<String>,
+    /// For `concurrency`: the new bounds (absent: unchanged). Last, so the sequence form of
+    /// older commands reads as it did.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    min: Option<usize>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    max: Option<usize>,
 }
 
 impl Wire {
@@ -232,6 +265,8 @@ impl Wire {
             processors,
             rate,
             pipeline,
+            min,
+            max,
             issued_at,
             by,
             target: _,
@@ -239,6 +274,7 @@ impl Wire {
         } = self;
         let processors = processors.map(|n| n.to_string()).unwrap_or_default();
         let rate = rate.map(|n| n.to_string());
+        let (min, max) = (min.map(|n| n.to_string()), max.map(|n| n.to_string()));
         let issued_at = issued_at.to_string();
         encode(
             "warren-ctl-v1",
@@ -248,6 +284,8 @@ impl Wire {
                 Some(("processors", processors.as_str())),
                 rate.as_deref().map(|r| ("rate", r)),
                 pipeline.as_deref().map(|p| ("pipeline", p)),
+                min.as_deref().map(|n| ("min", n)),
+                max.as_deref().map(|n| ("max", n)),
                 Some(("issued_at", issued_at.as_str())),
                 Some(("by", by.as_str())),
                 Some(("target", target)),
@@ -264,12 +302,14 @@ impl From<Wire> for CtlCommand {
             processors,
             rate,
             pipeline,
+            min,
+            max,
             issued_at,
             by,
             target,
             signature,
         } = wire;
-        let (command, stray) = Command::read(command, processors, rate);
+        let (command, stray) = Command::read(command, processors, rate, (min, max));
         Self {
             id,
             command,
@@ -286,6 +326,7 @@ impl From<Wire> for CtlCommand {
 impl From<CtlCommand> for Wire {
     fn from(command: CtlCommand) -> Self {
         let (processors, rate) = (command.processors(), command.rate());
+        let (min, max) = command.bounds();
         // No `..`: a new field does not compile until it has its place on the wire.
         let CtlCommand {
             id,
@@ -303,6 +344,8 @@ impl From<CtlCommand> for Wire {
             processors,
             rate,
             pipeline,
+            min,
+            max,
             issued_at,
             by,
             target,
@@ -488,6 +531,10 @@ pub struct CtlOutcome {
     /// instance has one: a `warren ctl` with the secret believes only outcomes that verify.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub signature: Option<String>,
+    /// What else it said: a `concurrency`'s bounds (`min=2 max=8`), a balancing decision's
+    /// change, reason and inputs.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub detail: Option<String>,
 }
 
 /// Who records an outcome: the instance that applied the command.
@@ -514,6 +561,16 @@ impl CtlOutcome {
             processors: command.processors(),
             rate: command.rate(),
             pipeline: command.pipeline.clone(),
+            detail: match command.bounds() {
+                (None, None) => None,
+                (min, max) => Some(
+                    [("min", min), ("max", max)]
+                        .iter()
+                        .filter_map(|(k, v)| v.map(|v| format!("{k}={v}")))
+                        .collect::<Vec<_>>()
+                        .join(" "),
+                ),
+            },
             host: instance.host.to_string(),
             pid: instance.pid,
             outcome: if result.is_ok() { "executed" } else { "failed" }.into(),
@@ -526,8 +583,8 @@ impl CtlOutcome {
 
     /// The bytes the signature covers, encoded as commands are (see [`CtlCommand::canonical`])
     /// under the version line `warren-outcome-v1`: `id`, `command`, `processors` and `rate`
-    /// (empty when absent), `pipeline` (only when present), `host`, `pid`, `run`, `outcome`,
-    /// `error` (empty when absent), `at`.
+    /// (empty when absent), `pipeline` and `detail` (each only when present), `host`, `pid`,
+    /// `run`, `outcome`, `error` (empty when absent), `at`.
     pub fn canonical(&self) -> Vec<u8> {
         let CtlOutcome {
             id,
@@ -535,6 +592,7 @@ impl CtlOutcome {
             processors,
             rate,
             pipeline,
+            detail,
             host,
             pid,
             outcome,
@@ -554,6 +612,7 @@ impl CtlOutcome {
                 Some(("processors", processors.as_str())),
                 Some(("rate", rate.as_str())),
                 pipeline.as_deref().map(|p| ("pipeline", p)),
+                detail.as_deref().map(|d| ("detail", d)),
                 Some(("host", host.as_str())),
                 Some(("pid", pid.as_str())),
                 Some(("run", run.as_deref().unwrap_or_default())),
@@ -573,6 +632,44 @@ impl CtlOutcome {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_concurrency_command_carries_its_bounds_signed_and_in_its_outcome() {
+        let c = CtlCommand::new(
+            "x".into(),
+            Command::Concurrency {
+                min: Some(2),
+                max: None,
+            },
+            Some("orders".into()),
+            1,
+            "h:1".into(),
+        );
+        let json = serde_json::to_string(&c).unwrap();
+        assert!(json.contains(r#""command":"concurrency""#) && json.contains(r#""min":2"#));
+        assert!(!json.contains("max"), "{json}");
+        let back: CtlCommand = serde_json::from_str(&json).unwrap();
+        assert_eq!(back, c);
+        let canonical = String::from_utf8(c.canonical("h:2/r")).unwrap();
+        assert!(canonical.contains("\nmin=1:2\n"), "{canonical}");
+        // A min beside another command is kept (and signed) as it was read, never applied.
+        let stray: CtlCommand =
+            serde_json::from_str(r#"{"id":"a","command":"pause","issued_at":1,"by":"b","min":3}"#)
+                .unwrap();
+        assert_eq!(stray.command, Command::Pause);
+        assert!(
+            serde_json::to_string(&stray)
+                .unwrap()
+                .contains(r#""min":3"#)
+        );
+        let o = CtlOutcome::of(&c, recorder(), Ok(()), 5);
+        assert_eq!(o.detail.as_deref(), Some("min=2"));
+        assert!(
+            String::from_utf8(o.canonical())
+                .unwrap()
+                .contains("detail=5:min=2")
+        );
+    }
 
     #[test]
     fn commands_round_trip_as_json() {
@@ -1157,6 +1254,7 @@ mod tests {
             processors: None,
             rate: None,
             pipeline: None,
+            detail: None,
             host: "vm".into(),
             pid: 1,
             outcome: "executed".into(),

@@ -15,7 +15,7 @@ use time::format_description::BorrowedFormatItem;
 use time::macros::format_description;
 use tracing::warn;
 
-use super::commands::{CtlCommand, CtlOutcome, Guard, Recorder};
+use super::commands::{Command, CtlCommand, CtlOutcome, Guard, Recorder};
 use super::redis::Redis;
 use crate::config::Settings;
 use crate::metrics;
@@ -253,6 +253,7 @@ impl Registry {
                         "dead_lettered": s.dead_lettered.load(Relaxed),
                         "received_per_s": round(r),
                         "inserted_per_s": round(i),
+                        "concurrency": s.concurrency.load(Relaxed),
                     }),
                 )
             })
@@ -272,6 +273,14 @@ impl Registry {
             ("run", i.run.clone()),
             ("status", report.status.to_string()),
             ("processors", report.processors.to_string()),
+            (
+                "concurrency",
+                stages
+                    .iter()
+                    .map(|(_, s)| s.concurrency.load(Relaxed))
+                    .sum::<u64>()
+                    .to_string(),
+            ),
             ("received", received.to_string()),
             ("inserted", inserted.to_string()),
             ("received_per_s", format!("{received_per_s:.1}")),
@@ -331,7 +340,12 @@ impl Registry {
         };
         let mut outcome = CtlOutcome::of(command, me, result, now_s());
         self.guard.sign(&mut outcome);
-        let Ok(json) = serde_json::to_string(&outcome) else {
+        self.push_history(&outcome).await;
+    }
+
+    /// Appends `outcome` to the history (the newest [`HISTORY_MAX`] kept).
+    async fn push_history(&mut self, outcome: &CtlOutcome) {
+        let Ok(json) = serde_json::to_string(outcome) else {
             return;
         };
         let key = self.keys.history();
@@ -341,6 +355,27 @@ impl Registry {
             .ltrim(&key, 0, HISTORY_MAX - 1)
             .ignore();
         let _: Option<()> = self.redis.pipe(&pipe).await;
+    }
+
+    /// Records a balancing decision in the history `warren ctl history` lists: command
+    /// `balance`, the pipeline, and `detail` (the change, its reason and inputs).
+    pub async fn record_decision(&mut self, pipeline: &str, detail: String) {
+        let me = Recorder {
+            host: &self.instance.host,
+            pid: self.instance.pid,
+            run: &self.instance.run,
+        };
+        let command = CtlCommand::new(
+            uuid::Uuid::new_v4().to_string(),
+            Command::Unknown("balance".into()),
+            Some(pipeline.to_string()),
+            now_s(),
+            format!("{}:{}", me.host, me.pid),
+        );
+        let mut outcome = CtlOutcome::of(&command, me, Ok(()), now_s());
+        outcome.detail = Some(detail);
+        self.guard.sign(&mut outcome);
+        self.push_history(&outcome).await;
     }
 
     /// Graceful stop: deletes the hash and appends the shutdown record.
