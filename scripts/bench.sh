@@ -7,6 +7,8 @@
 #   scripts/bench.sh --live [RATE] [SECONDS] [KEY=VALUE...]  live bench (RATE=10000, SECONDS=60)
 #   scripts/bench.sh --all-roles [N] [KEY=VALUE...]          memory with all roles (N=100000)
 #   scripts/bench.sh --wide [N] [REPS] [KEY=VALUE...]       a 10-column mapped pipeline (N=100000, REPS=3)
+#   scripts/bench.sh --balance [N] [REPS] [KEY=VALUE...]    balance=auto against fixed concurrencies
+#                                                            (N=200000, REPS=3)
 #
 # N, REPS, RATE and SECONDS may also be given as N=..., REPS=..., RATE=..., SECONDS=...; any other
 # KEY=VALUE is a warren setting (environment) for the warren runs, e.g. USERS_BATCH_SIZE=2000.
@@ -47,6 +49,13 @@
 # float8, bool, timestamptz, date, jsonb) into a table of its own, each on a backlog of N JSON
 # messages of those 10 fields (~300 bytes) published with `warren publish --stdin`.
 #
+# Balance bench: the raw drain, warren with a fixed concurrency of 1, 2, 3 and 4 batch inserts in
+# flight (USERS_BATCH_CONCURRENCY), and warren with USERS_BALANCE=auto from USERS_MIN_CONCURRENCY=1
+# (USERS_MAX_CONCURRENCY=4, USERS_BALANCE_COOLDOWN_MS=1000; KEY=VALUEs given override them), each
+# on a backlog of N; prints auto's rate against the best fixed concurrency of the same repetition
+# (docs/balancing.md asks for >= 0.95) and the curve of auto's concurrency over time (sampled
+# every 0.5 s from warren_pipeline_concurrency, with the rows inserted so far).
+#
 # QUEUE_TYPE=quorum runs every contender (raw drain and minimal pipeline included) on quorum
 # queues (warren_bench_*_quorum, deleted at the end): warren's drain of a quorum queue against the
 # raw drain of the same quorum queue.
@@ -67,6 +76,7 @@ case "${1:-}" in
   --live) MODE=live; shift ;;
   --all-roles) MODE=roles; shift ;;
   --wide) MODE=wide; shift ;;
+  --balance) MODE=balance; shift ;;
 esac
 POSITIONAL=()
 SETTINGS=()
@@ -90,9 +100,13 @@ if [ "$MODE" = roles ]; then
   [ ${#POSITIONAL[@]} -le 1 ] || die "too many numbers: expected [N]"
   N=$(named N "${POSITIONAL[0]:-100000}" "$@")
   positive_int N "$N"
-elif [ "$MODE" = drain ] || [ "$MODE" = wide ]; then
+elif [ "$MODE" = drain ] || [ "$MODE" = wide ] || [ "$MODE" = balance ]; then
   [ ${#POSITIONAL[@]} -le 2 ] || die "too many numbers: expected [N] [REPS]"
-  if [ "$MODE" = wide ]; then DEFAULT_N=100000 DEFAULT_REPS=3; else DEFAULT_N=200000 DEFAULT_REPS=5; fi
+  case "$MODE" in
+    wide) DEFAULT_N=100000 DEFAULT_REPS=3 ;;
+    balance) DEFAULT_N=200000 DEFAULT_REPS=3 ;;
+    *) DEFAULT_N=200000 DEFAULT_REPS=5 ;;
+  esac
   N=$(named N "${POSITIONAL[0]:-$DEFAULT_N}" "$@")
   REPS=$(named REPS "${POSITIONAL[1]:-$DEFAULT_REPS}" "$@")
   positive_int N "$N"; positive_int REPS "$REPS"
@@ -376,6 +390,9 @@ names_toml() {
 }
 # The table the warren contenders fill (users; wide for the wide bench).
 TABLE=users
+if [ "$MODE" = balance ]; then
+  CONTENDERS=(raw_drain warren_c1 warren_c2 warren_c3 warren_c4 warren_auto)
+fi
 if [ "$MODE" = wide ]; then
   CONTENDERS=(raw_drain warren_wide)
   TABLE=wide
@@ -498,10 +515,19 @@ run_warren() { # rep contender tag [KEY=VALUE...]
   b0=$(broker_ticks); t0=$(now)
   start_warren "$LOGDIR/$tag.log" "$@"
   deadline=$((SECONDS + TIMEOUT_S))
+  local next_sample=0 elapsed
+  [ -z "${CURVE:-}" ] || : >"$CURVE"
   while :; do
     sleep 0.1
     kill -0 "$CHILD" 2>/dev/null || { stop_child; FAIL="warren exited (status $STOP_RC) before draining the queue; see $WARREN_LOG"; return 1; }
     inserted=$(metric_now "$WARREN_PORT" warren_messages_inserted_total)
+    if [ -n "${CURVE:-}" ]; then
+      elapsed=$(seconds_between "$t0" "$(now)")
+      if awk -v e="$elapsed" -v n="$next_sample" 'BEGIN {exit !(e >= n)}'; then
+        printf '%.1f\t%s\t%s\n' "$elapsed" "$(metric_now "$WARREN_PORT" warren_pipeline_concurrency)" "${inserted:-0}" >>"$CURVE"
+        next_sample=$(awk -v n="$next_sample" 'BEGIN {print n + 0.5}')
+      fi
+    fi
     [ "${inserted:-0}" -ge "$N" ] && break
     if [ "$SECONDS" -ge "$deadline" ]; then
       stop_warren; FAIL="warren inserted ${inserted:-0} of $N within $TIMEOUT_S s; see $WARREN_LOG"; return 1
@@ -534,6 +560,12 @@ measure() { # rep contender tag
     warren_pf5000)    run_warren "$1" "$2" "$3" PREFETCH=5000 ;;
     warren_mapped)    STAGE=users; run_warren "$1" "$2" "$3" WARREN_CONFIG="$MAPPED" || { STAGE=main; return 1; }; STAGE=main ;;
     warren_wide)      STAGE=users; run_warren "$1" "$2" "$3" WARREN_CONFIG="$WIDE" || { STAGE=main; return 1; }; STAGE=main ;;
+    warren_c[0-9])    run_warren "$1" "$2" "$3" USERS_BALANCE=off USERS_BATCH_CONCURRENCY="${2#warren_c}" ;;
+    warren_auto)      CURVE="$LOGDIR/$3.curve"
+                      run_warren "$1" "$2" "$3" USERS_BALANCE=auto \
+                        USERS_MIN_CONCURRENCY="${USERS_MIN_CONCURRENCY:-1}" USERS_MAX_CONCURRENCY="${USERS_MAX_CONCURRENCY:-4}" \
+                        USERS_BALANCE_COOLDOWN_MS="${USERS_BALANCE_COOLDOWN_MS:-1000}" || { CURVE=""; return 1; }
+                      CURVE="" ;;
   esac
 }
 
@@ -573,10 +605,21 @@ awk -F'\t' -v reps="$REPS" -v list="${CONTENDERS[*]}" '
     label["raw_drain"] = "raw drain"; label["minimal_pipeline"] = "minimal pipeline"
     label["warren"] = "warren (defaults)"; label["warren_pf5000"] = "warren PREFETCH=5000"
     label["warren_mapped"] = "warren, users mapped"; label["warren_wide"] = "warren, 10 columns"
+    for (i = 1; i <= 9; i++) label["warren_c" i] = "warren concurrency " i
+    label["warren_auto"] = "warren balance=auto"
     for (r = 1; r <= reps; r++) for (k = 1; k <= nc; k++) {
       c = names[k]
       if (rate["" r, "raw_drain"] > 0) add(c SUBSEP "vs_raw", rate["" r, c] / rate["" r, "raw_drain"])
       if (c ~ /^warren/ && rate["" r, "minimal_pipeline"] > 0) add(c SUBSEP "vs_min", rate["" r, c] / rate["" r, "minimal_pipeline"])
+    }
+    # Balance bench: auto against the best fixed concurrency of the same repetition.
+    for (r = 1; r <= reps; r++) {
+      best = 0; bestc = ""
+      for (k = 1; k <= nc; k++) if (names[k] ~ /^warren_c/ && rate["" r, names[k]] > best) { best = rate["" r, names[k]]; bestc = names[k] }
+      if (best > 0 && rate["" r, "warren_auto"] > 0) {
+        add("auto_vs_best", rate["" r, "warren_auto"] / best); bests = bests " " bestc
+        per_rep = per_rep sprintf(" rep %d: %.3f of %s;", r, rate["" r, "warren_auto"] / best, bestc)
+      }
     }
     print "medians over " reps " repetition(s); ratios are medians of the per-repetition ratios"
     printf "%-22s %8s %7s %11s %11s %14s %13s %11s\n", "contender", "msg/s", "vs raw", "vs minimal", "CPU us/msg", "broker us/msg", "peak RSS MiB", "acks/batch"
@@ -589,6 +632,12 @@ awk -F'\t' -v reps="$REPS" -v list="${CONTENDERS[*]}" '
         median(vals[c SUBSEP "vs_raw"]), vm, median(vals[c SUBSEP "cpu"]),
         (br == "n/a" ? br : sprintf("%.2f", br)), median(vals[c SUBSEP "rss"]), (ap == "n/a" ? ap : sprintf("%.2f", ap))
     }
+    if (vals["auto_vs_best"] != "") {
+      split(vals["auto_vs_best"], ab, " "); mn = 1e9; mx = 0
+      for (i in ab) { if (ab[i] + 0 < mn) mn = ab[i] + 0; if (ab[i] + 0 > mx) mx = ab[i] + 0 }
+      printf "\nbalance=auto against the best fixed concurrency of each repetition: median %.3f (min %.3f, max %.3f; target >= 0.95)\n", median(vals["auto_vs_best"]), mn, mx
+      print " " per_rep
+    }
     print ""
     print "per repetition"
     printf "%-4s %-17s %8s %8s %8s %11s %14s %9s %7s %8s %11s\n", "rep", "contender", "msg/s", "drain s", "wall s", "CPU us/msg", "broker us/msg", "RSS MiB", "acks", "batches", "acks/batch"
@@ -597,3 +646,11 @@ awk -F'\t' -v reps="$REPS" -v list="${CONTENDERS[*]}" '
       printf "%-4s %-17s %8s %8.2f %8.2f %11s %14s %9s %7s %8s %11s\n", f[1], f[2], f[3], f[4], f[5], f[6], f[7], f[8], f[9], f[10], f[11]
     }
   }' "$RESULTS"
+if [ "$MODE" = balance ]; then
+  for curve in "$LOGDIR"/warren_auto-*.curve; do
+    [ -f "$curve" ] || continue
+    echo
+    echo "concurrency of $(basename "$curve" .curve) over time (s, inserts in flight, rows inserted; a line per change):"
+    awk -F'\t' '$2 != last { printf "  %6.1f s  %s  %s\n", $1, $2, $3; last = $2 } END { printf "  %6.1f s  %s  %s (last sample)\n", $1, $2, $3 }' "$curve"
+  done
+fi

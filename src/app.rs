@@ -119,19 +119,18 @@ pub async fn run(settings: Settings, shutdown: impl Future<Output = ()>) -> anyh
     metrics::connection("postgres", false);
 
     // One pool for every pipeline, with a connection for each insert that can be in flight:
-    // every pipeline's most, within the process-wide budget.
+    // the main stages' most (the batchers they have, within the process-wide budget), and the
+    // DLQ stages' batch concurrency.
     let budget = settings.inserts_budget();
     let mut sized = settings.clone();
-    let most = configured
-        .iter()
-        .map(|c| c.0.most_concurrency())
-        .sum::<usize>()
-        + if builtin_users {
-            settings.most_concurrency()
-        } else {
-            0
-        };
-    sized.database_pool_size = sized.database_pool_size.max(most.min(budget) + 1);
+    let served: Vec<&Settings> = builtin_users
+        .then_some(&settings)
+        .into_iter()
+        .chain(configured.iter().map(|c| &c.0))
+        .collect();
+    let most: usize = served.iter().map(|v| v.most_concurrency()).sum();
+    let dlq: usize = served.iter().map(|v| v.users_batch_concurrency).sum();
+    sized.database_pool_size = sized.database_pool_size.max(most.min(budget) + dlq + 1);
     let pool = db::pool(&sized)?;
     let domain = Arc::new(Users);
     // Every main stage first, then every DLQ stage: users (typed) and the file's (mapped).

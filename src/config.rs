@@ -843,12 +843,11 @@ impl Settings {
         }
     }
 
-    /// The most batch inserts in flight this pipeline's view of the settings can have.
+    /// The most batch inserts in flight this pipeline's view of the settings can have: the
+    /// batchers its main stage has (balanced up to `max_concurrency`, or moved by an operator's
+    /// bounds).
     pub fn most_concurrency(&self) -> usize {
-        match self.users_balance {
-            Balance::Off => self.users_batch_concurrency,
-            _ => self.users_max_concurrency,
-        }
+        self.users_batch_concurrency.max(self.users_max_concurrency)
     }
 
     /// What every pipeline of the file, and the built-in users one unless the file replaces

@@ -146,9 +146,7 @@ impl Spec {
             batch_timeout: settings.batch_timeout(),
             processors: settings.users_proc_concurrency,
             batchers,
-            max_batchers: settings
-                .users_batch_concurrency
-                .max(settings.users_max_concurrency),
+            max_batchers: settings.most_concurrency(),
             policy,
             prefetch,
             window_cap,
