@@ -821,12 +821,26 @@ impl Settings {
                 got: self.users_min_concurrency.to_string(),
             });
         }
+        if self.users_balance == Balance::Auto
+            && self.users_scale_down_threshold >= self.users_scale_up_threshold
+        {
+            return Err(ConfigError::Invalid {
+                setting: "USERS_SCALE_DOWN_THRESHOLD".into(),
+                expected: format!(
+                    "below USERS_SCALE_UP_THRESHOLD ({}), or auto would step down and up \
+                     again at every decision",
+                    self.users_scale_up_threshold
+                ),
+                got: self.users_scale_down_threshold.to_string(),
+            });
+        }
         let held = self.held_inserts();
         if self.max_inserts_in_flight > 0 && self.max_inserts_in_flight < held {
             return Err(ConfigError::Invalid {
                 setting: "MAX_INSERTS_IN_FLIGHT".into(),
                 expected: format!(
-                    "0 or at least the {held} batch inserts the pipelines always hold (each                      pipeline's batch concurrency, or its min_concurrency when balanced)"
+                    "0 or at least the {held} batch inserts the pipelines always hold (each \
+                     pipeline's batch concurrency, or its min_concurrency when balanced)"
                 ),
                 got: self.max_inserts_in_flight.to_string(),
             });
@@ -1391,6 +1405,49 @@ mod tests {
             sources = sources.with_override(k, *v);
         }
         Settings::load(&sources)
+    }
+
+    #[test]
+    fn balancing_settings_that_cannot_work_are_refused_naming_the_setting() {
+        let refused = |pairs: &[(&str, &str)], setting: &str| match with(pairs) {
+            Err(ConfigError::Invalid { setting: s, .. }) => assert_eq!(s, setting, "{pairs:?}"),
+            other => panic!("{pairs:?}: {other:?}"),
+        };
+        refused(
+            &[
+                ("users_min_concurrency", "5"),
+                ("users_max_concurrency", "4"),
+            ],
+            "USERS_MIN_CONCURRENCY",
+        );
+        refused(
+            &[
+                ("users_balance", "auto"),
+                ("users_scale_up_threshold", "100"),
+            ],
+            "USERS_SCALE_DOWN_THRESHOLD",
+        );
+        refused(&[("max_inserts_in_flight", "1")], "MAX_INSERTS_IN_FLIGHT");
+        // simple ignores auto's thresholds; a budget of what is held is enough.
+        assert!(
+            with(&[
+                ("users_balance", "simple"),
+                ("users_scale_up_threshold", "100")
+            ])
+            .is_ok()
+        );
+        let s = with(&[("max_inserts_in_flight", "2")]).unwrap();
+        assert_eq!(s.inserts_budget(), 2);
+        let s = with(&[
+            ("users_batch_concurrency", "12"),
+            ("database_pool_size", "4"),
+        ])
+        .unwrap();
+        assert_eq!(
+            s.inserts_budget(),
+            12,
+            "0: the pool size, or what is held if more"
+        );
     }
 
     #[test]

@@ -263,7 +263,8 @@ async fn auto_stops_rising_when_more_inserts_in_flight_do_not_help() {
     env.set("USERS_MIN_CONCURRENCY", "1")
         .set("USERS_MAX_CONCURRENCY", "6")
         .set("USERS_BALANCE_MAX_SHIFT", "1")
-        .set("USERS_SCALE_UP_THRESHOLD", "100");
+        .set("USERS_SCALE_UP_THRESHOLD", "100")
+        .set("USERS_SCALE_DOWN_THRESHOLD", "20");
     let _cleanup = RedisCleanup::new(&env);
     env.declare();
     // The wall: every statement takes one lock and sleeps 50 ms holding it, so statements run
@@ -279,7 +280,8 @@ async fn auto_stops_rising_when_more_inserts_in_flight_do_not_help() {
         ))
         .await
         .expect("serial trigger");
-    env.publish_users(15_000).await;
+    // At most 2,000 rows/s through the wall (100 rows per 50 ms): 15 s of backlog.
+    env.publish_users(30_000).await;
     let warren = env.start(&["--roles", "consumer"]);
     let _logs = LogsOnPanic(vec![warren.log.clone()]);
     let samples = Samples::start(&env, &["main"]);
@@ -326,8 +328,8 @@ async fn auto_stops_rising_when_more_inserts_in_flight_do_not_help() {
         values[at..].iter().all(|(_, v)| *v <= back_to),
         "it rose again after the step that did not help: {values:?}"
     );
-    wait_until("15,000 rows", Duration::from_secs(120), || async {
-        env.count_rows().await == 15_000
+    wait_until("30,000 rows", Duration::from_secs(120), || async {
+        env.count_rows().await == 30_000
     })
     .await;
 }
@@ -480,4 +482,26 @@ async fn concurrency_changing_under_load_loses_and_repeats_nothing() {
         format!("{out}{err}").contains("max_concurrency"),
         "{out}{err}"
     );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_window_smaller_than_a_batch_flushes_when_full_instead_of_at_the_batch_timeout() {
+    // Found by review: PREFETCH=100 under batches of 1,000 took one window per batch timeout
+    // (10,000 messages in 103 s). Once the window is full nothing more can come before the acks,
+    // so the batchers flush at once.
+    let mut env = TestEnv::new("bal_window").await;
+    env.set("PREFETCH", "100")
+        .set("USERS_BATCH_SIZE", "1000")
+        .set("USERS_BATCH_TIMEOUT_MS", "5000");
+    env.declare();
+    let ids = env.publish_users(3000).await;
+    let warren = env.start(&["--roles", "consumer"]);
+    let _logs = LogsOnPanic(vec![warren.log.clone()]);
+    // With the batch timeout, 30 windows would take 150 s; flushed when full, seconds.
+    wait_until("3,000 rows", Duration::from_secs(40), || async {
+        env.count_rows().await == 3000
+    })
+    .await;
+    let expected = ids.iter().copied().collect();
+    assert_rows_exactly(&env, &expected, Duration::from_secs(5), &|| warren.logs()).await;
 }

@@ -418,6 +418,19 @@ pub fn check(settings: &Settings) -> Result<(), ConfigError> {
                 view.users_min_concurrency.to_string(),
             ));
         }
+        if view.users_balance == super::Balance::Auto
+            && view.users_scale_down_threshold >= view.users_scale_up_threshold
+        {
+            return Err(invalid(
+                format!("{at}.scale_down_threshold"),
+                &format!(
+                    "below scale_up_threshold ({}), or auto would step down and up again at \
+                     every decision",
+                    view.users_scale_up_threshold
+                ),
+                view.users_scale_down_threshold.to_string(),
+            ));
+        }
         if let Some(ttls) = &p.retry_ttls_ms {
             let (min, max) = range_of("retry_ttl_ms").unwrap_or((1, u64::MAX));
             if ttls.is_empty() || ttls.iter().any(|t| *t < min || *t > max) || !ttls.is_sorted() {

@@ -170,6 +170,13 @@ impl Acker {
         }
     }
 
+    /// The window of the channel's consumer changed (balancing, the byte budget): half of it
+    /// is what releases the acks behind a held front from now on. Left at the first window, a
+    /// grown one (two batches per batcher) would have its second batch acked one by one.
+    pub fn set_window(&mut self, window: u16) {
+        self.release_at = usize::from(window / 2).max(1);
+    }
+
     /// Records deliveries (tags grow on a channel).
     pub fn delivered(&mut self, tags: impl Iterator<Item = u64>) {
         for tag in tags {

@@ -124,7 +124,7 @@ impl Auto {
             || (grows && per_insert > policy.down_threshold && m.backlog > 0);
         // The verdict on the last step up, measured over the cooldown after it.
         if let Some((from, rate, latency)) = self.step.take() {
-            let faster = m.rate >= rate * GAIN;
+            let faster = m.rate > 0.0 && m.rate >= rate * GAIN;
             let step = current.saturating_sub(from) as f64 / from.max(1) as f64;
             let bounded = latency <= 0.0 || m.latency_ms <= latency * (1.0 + LATENCY_SHARE * step);
             if pressed && !(faster && bounded) && from < current {
@@ -137,7 +137,9 @@ impl Auto {
         } else {
             self.low_for = 0;
         }
-        if pressed && current < max {
+        // A pipeline that committed nothing (paused, held by the breaker, waiting on its
+        // window) would not go faster with more inserts in flight: it holds.
+        if pressed && current < max && m.rate > 0.0 {
             let mut to = (current + policy.max_shift).min(max);
             if let Some((ceiling, _)) = self.ceiling {
                 to = to.min(ceiling.saturating_sub(1).max(current));
@@ -583,6 +585,17 @@ mod tests {
             a.decide(&p, (1, 6), 4, m(50_000, 1200.0, 25.0)),
             (2, "no_gain")
         );
+    }
+
+    #[test]
+    fn auto_does_not_climb_while_nothing_commits() {
+        let (p, mut a) = (policy(), Auto::default());
+        // Paused or stalled: a backlog, no rows.
+        assert_eq!(a.decide(&p, (1, 6), 1, m(50_000, 0.0, 0.0)), (1, "hold"));
+        assert_eq!(a.decide(&p, (1, 6), 1, m(50_000, 0.0, 0.0)), (1, "hold"));
+        // Committing again: a step, and a step after which nothing commits did not help.
+        assert_eq!(a.decide(&p, (1, 6), 1, m(50_000, 500.0, 9.0)).0, 3);
+        assert_eq!(a.decide(&p, (1, 6), 3, m(50_000, 0.0, 0.0)), (1, "no_gain"));
     }
 
     #[test]

@@ -495,10 +495,25 @@ impl Consumer {
         }
         self.check_budget();
         if self.throttle.is_open() {
-            self.dispatch.hand_on(deliveries);
+            self.hand_on(deliveries);
         } else {
             self.throttle.hold(deliveries);
             self.release(ctx);
+        }
+    }
+
+    /// Hands deliveries to the processors. When nothing more can come before what is in
+    /// flight settles (between subscriptions: a window being changed, a hold; or the window
+    /// full), the batches they join go to the sinks at once instead of at the batch timeout: a
+    /// `Flush` follows them to every batcher in use. Without it, a window change stalled the
+    /// pipeline for a whole batch timeout, and a window smaller than a batch (a small PREFETCH,
+    /// or the byte budget's cut for large bodies) took one window per batch timeout.
+    fn hand_on(&mut self, deliveries: Vec<Delivery>) {
+        self.dispatch.hand_on(deliveries);
+        let window_full = matches!(&self.link, Link::Up(l)
+            if self.inflight >= usize::from(l.window));
+        if self.phase == Phase::Running && (!self.consuming() || window_full) {
+            self.dispatch.flush_all();
         }
     }
 
@@ -545,6 +560,7 @@ impl Consumer {
             return;
         }
         self.unsubscribe();
+        self.dispatch.flush_all();
     }
 
     /// Hands held deliveries onwards as fast as the limiter allows, in order, and schedules
@@ -571,7 +587,7 @@ impl Consumer {
             });
         }
         if !ready.is_empty() {
-            self.dispatch.hand_on(ready);
+            self.hand_on(ready);
         }
         if !self.throttle.is_empty() {
             return;
@@ -608,6 +624,8 @@ impl Consumer {
              settles"
         );
         self.unsubscribe();
+        // What the batchers hold goes at once: the next window waits for it to settle.
+        self.dispatch.flush_all();
         if self.inflight == 0 && self.throttle.is_empty() {
             self.maybe_subscribe(ctx);
         }
@@ -1019,6 +1037,9 @@ impl Handler<Subscribed> for Consumer {
             }
             Ok(consumer) => {
                 linked.window = msg.window;
+                if let Some(acker) = linked.acker.as_mut() {
+                    acker.set_window(msg.window);
+                }
                 linked.subscription = Subscription::Active(msg.tag.clone());
                 self.largest = 0;
                 self.since_subscribe = 0;

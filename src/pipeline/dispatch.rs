@@ -97,6 +97,16 @@ impl Dispatch {
         n
     }
 
+    /// A `Flush` to every batcher in use, through every processor (after what each holds):
+    /// what they hold goes to the sinks at once.
+    pub fn flush_all(&self) {
+        for batcher in 0..self.fill.batchers {
+            for p in &self.processors {
+                p.flushes.do_send(Flush { batcher });
+            }
+        }
+    }
+
     /// How many batchers it fills.
     pub fn batchers(&self) -> usize {
         self.fill.batchers
