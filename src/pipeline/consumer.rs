@@ -503,16 +503,20 @@ impl Consumer {
     }
 
     /// Hands deliveries to the processors. When nothing more can come before what is in
-    /// flight settles (between subscriptions: a window being changed, a hold; or the window
-    /// full), the batches they join go to the sinks at once instead of at the batch timeout: a
-    /// `Flush` follows them to every batcher in use. Without it, a window change stalled the
-    /// pipeline for a whole batch timeout, and a window smaller than a batch (a small PREFETCH,
-    /// or the byte budget's cut for large bodies) took one window per batch timeout.
+    /// flight settles and no batch could fill meanwhile (between subscriptions: a window being
+    /// changed, a hold; or a full window smaller than a batch), the batches they join go to the
+    /// sinks at once instead of at the batch timeout: a `Flush` follows them to every batcher in
+    /// use. Without it, a window change stalled the pipeline for a whole batch timeout, and a
+    /// window smaller than a batch (a small PREFETCH, or the byte budget's cut for large bodies)
+    /// took one window per batch timeout. A full window of at least a batch always holds a
+    /// whole batch (the dispatch cuts contiguous batches), whose commit frees room: flushing
+    /// there would only cut the others short.
     fn hand_on(&mut self, deliveries: Vec<Delivery>) {
         self.dispatch.hand_on(deliveries);
-        let window_full = matches!(&self.link, Link::Up(l)
-            if self.inflight >= usize::from(l.window));
-        if self.phase == Phase::Running && (!self.consuming() || window_full) {
+        let starved = matches!(&self.link, Link::Up(l)
+            if self.inflight >= usize::from(l.window)
+                && usize::from(l.window) < self.dispatch.batch_size());
+        if self.phase == Phase::Running && (!self.consuming() || starved) {
             self.dispatch.flush_all();
         }
     }

@@ -107,6 +107,11 @@ impl Dispatch {
         }
     }
 
+    /// The batch size it cuts deliveries by.
+    pub fn batch_size(&self) -> usize {
+        self.fill.batch_size
+    }
+
     /// How many batchers it fills.
     pub fn batchers(&self) -> usize {
         self.fill.batchers
