@@ -3,8 +3,10 @@
 //! shutdown that reached SHUTDOWN_TIMEOUT_MS with messages in flight exits 1.
 
 use std::future::Future;
+use std::time::Duration;
 
-use tracing::info;
+use backon::{ExponentialBuilder, Retryable};
+use tracing::{info, warn};
 
 use crate::config::{ConfigError, Settings};
 use crate::topology::Topology;
@@ -99,9 +101,32 @@ pub async fn execute(
         let topology = Topology::from_settings(&settings)?;
         crate::cli::declare::declare_all(&settings, &topology, false).await?;
         info!("topology declared and migrations applied");
-    } else {
-        // The configured pipelines' tables fit their mappings before anything is consumed.
-        crate::cli::declare::check_tables(&settings).await?;
+    }
+    // The configured pipelines' tables fit their mappings before anything is consumed. A
+    // database that cannot be asked (a restart during an outage or a fence) is waited for with
+    // the reconnect backoff, as the pipelines wait for it; only a mismatch stops warren (exit
+    // 2). Found by the ledger: a warren restarted after kill -9 while the database was cut
+    // exited at once, and nothing consumed any more.
+    tokio::pin!(shutdown);
+    if !args.declare {
+        let check = || crate::cli::declare::check_tables(&settings);
+        let checked = check
+            .retry(
+                ExponentialBuilder::default()
+                    .with_min_delay(Duration::from_millis(200))
+                    .with_max_delay(Duration::from_secs(10))
+                    .with_jitter()
+                    .without_max_times(),
+            )
+            .when(|e: &anyhow::Error| e.downcast_ref::<ConfigError>().is_none())
+            .notify(|e: &anyhow::Error, delay: Duration| {
+                warn!(error = %format!("{e:#}"), retry_in_ms = delay.as_millis() as u64,
+                    "cannot check the pipelines' tables yet; trying again");
+            });
+        tokio::select! {
+            result = checked => result?,
+            _ = &mut shutdown => return Ok(0),
+        }
     }
     crate::app::run(settings, shutdown).await
 }
