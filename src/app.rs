@@ -387,23 +387,20 @@ fn apply(
             if stages.is_empty() {
                 return Err("this instance runs no main stage (ROLES has no consumer)".into());
             }
-            for c in &stages {
-                let others: usize = pipelines
+            // What the other main stages always hold of the budget, now.
+            let others = |c: &Arc<pipeline::balance::Concurrency>| -> usize {
+                pipelines
                     .iter()
                     .filter_map(|p| p.concurrency.as_ref())
                     .filter(|o| !Arc::ptr_eq(o, c))
                     .map(|o| o.held())
-                    .sum();
-                c.check_bounds(min, max, others, budget)?;
+                    .sum()
+            };
+            for c in &stages {
+                c.check_bounds(min, max, others(c), budget)?;
             }
             for c in &stages {
-                let others: usize = pipelines
-                    .iter()
-                    .filter_map(|p| p.concurrency.as_ref())
-                    .filter(|o| !Arc::ptr_eq(o, c))
-                    .map(|o| o.held())
-                    .sum();
-                c.set_bounds(min, max, others, budget)?;
+                c.set_bounds(min, max, others(c), budget)?;
             }
             Ok(())
         }
