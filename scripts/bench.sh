@@ -9,6 +9,8 @@
 #   scripts/bench.sh --wide [N] [REPS] [KEY=VALUE...]       a 10-column mapped pipeline (N=100000, REPS=3)
 #   scripts/bench.sh --balance [N] [REPS] [KEY=VALUE...]    balance=auto against fixed concurrencies
 #                                                            (N=200000, REPS=3)
+#   scripts/bench.sh --redis-stop [N] [REPS] [KEY=VALUE...] warren whose Redis stops mid-drain
+#                                                            (N=200000, REPS=3)
 #
 # N, REPS, RATE and SECONDS may also be given as N=..., REPS=..., RATE=..., SECONDS=...; any other
 # KEY=VALUE is a warren setting (environment) for the warren runs, e.g. USERS_BATCH_SIZE=2000.
@@ -56,6 +58,11 @@
 # (docs/balancing.md asks for >= 0.95) and the curve of auto's concurrency over time (sampled
 # every 0.5 s from warren_pipeline_concurrency, with the rows inserted so far).
 #
+# Redis-stop bench: the raw drain, warren (defaults) and warren whose Redis (a redis-server of its
+# own on a free port, started for that drain) is shut down once a tenth of the backlog is in the
+# table: its rate against warren's of the same repetition (the events and the registry must never
+# hold the data path) and the events it dropped and counted (warren_events_dropped_total).
+#
 # QUEUE_TYPE=quorum runs every contender (raw drain and minimal pipeline included) on quorum
 # queues (warren_bench_*_quorum, deleted at the end): warren's drain of a quorum queue against the
 # raw drain of the same quorum queue.
@@ -77,6 +84,7 @@ case "${1:-}" in
   --all-roles) MODE=roles; shift ;;
   --wide) MODE=wide; shift ;;
   --balance) MODE=balance; shift ;;
+  --redis-stop) MODE=redis; shift ;;
 esac
 POSITIONAL=()
 SETTINGS=()
@@ -100,11 +108,11 @@ if [ "$MODE" = roles ]; then
   [ ${#POSITIONAL[@]} -le 1 ] || die "too many numbers: expected [N]"
   N=$(named N "${POSITIONAL[0]:-100000}" "$@")
   positive_int N "$N"
-elif [ "$MODE" = drain ] || [ "$MODE" = wide ] || [ "$MODE" = balance ]; then
+elif [ "$MODE" = drain ] || [ "$MODE" = wide ] || [ "$MODE" = balance ] || [ "$MODE" = redis ]; then
   [ ${#POSITIONAL[@]} -le 2 ] || die "too many numbers: expected [N] [REPS]"
   case "$MODE" in
     wide) DEFAULT_N=100000 DEFAULT_REPS=3 ;;
-    balance) DEFAULT_N=200000 DEFAULT_REPS=3 ;;
+    balance|redis) DEFAULT_N=200000 DEFAULT_REPS=3 ;;
     *) DEFAULT_N=200000 DEFAULT_REPS=5 ;;
   esac
   N=$(named N "${POSITIONAL[0]:-$DEFAULT_N}" "$@")
@@ -390,6 +398,9 @@ names_toml() {
 }
 # The table the warren contenders fill (users; wide for the wide bench).
 TABLE=users
+if [ "$MODE" = redis ]; then
+  CONTENDERS=(raw_drain warren warren_redis_stop)
+fi
 if [ "$MODE" = balance ]; then
   CONTENDERS=(raw_drain warren_c1 warren_c2 warren_c3 warren_c4 warren_auto)
 fi
@@ -529,6 +540,10 @@ run_warren() { # rep contender tag [KEY=VALUE...]
       fi
     fi
     [ "${inserted:-0}" -ge "$N" ] && break
+    if [ -n "${REDIS_STOP_PORT:-}" ] && [ "${inserted:-0}" -ge $((N / 10)) ]; then
+      redis-cli -p "$REDIS_STOP_PORT" shutdown nosave >/dev/null 2>&1 || true
+      say "$tag: Redis (port $REDIS_STOP_PORT) stopped at ${inserted} rows"; REDIS_STOP_PORT=""
+    fi
     if [ "$SECONDS" -ge "$deadline" ]; then
       stop_warren; FAIL="warren inserted ${inserted:-0} of $N within $TIMEOUT_S s; see $WARREN_LOG"; return 1
     fi
@@ -560,6 +575,18 @@ measure() { # rep contender tag
     warren_pf5000)    run_warren "$1" "$2" "$3" PREFETCH=5000 ;;
     warren_mapped)    STAGE=users; run_warren "$1" "$2" "$3" WARREN_CONFIG="$MAPPED" || { STAGE=main; return 1; }; STAGE=main ;;
     warren_wide)      STAGE=users; run_warren "$1" "$2" "$3" WARREN_CONFIG="$WIDE" || { STAGE=main; return 1; }; STAGE=main ;;
+    warren_redis_stop)
+                      REDIS_STOP_PORT=$(free_port)
+                      redis-server --port "$REDIS_STOP_PORT" --bind 127.0.0.1 --daemonize yes --save "" \
+                        --appendonly no --logfile "$LOGDIR/$3.redis.log" >/dev/null \
+                        || { FAIL="cannot start redis-server on port $REDIS_STOP_PORT"; return 1; }
+                      local port="$REDIS_STOP_PORT" rc=0
+                      run_warren "$1" "$2" "$3" REDIS_URL="redis://127.0.0.1:$port/" || rc=$?
+                      redis-cli -p "$port" shutdown nosave >/dev/null 2>&1 || true
+                      REDIS_STOP_PORT=""
+                      [ "$rc" = 0 ] || return 1
+                      [ -z "$(redis-cli -p "$port" ping 2>/dev/null)" ] || { FAIL="the Redis of $3 was still up at the end"; return 1; }
+                      printf '%s\t%s\n' "$1" "$(metric_file "$LOGDIR/$3.metrics" warren_events_dropped_total)" >>"$LOGDIR/dropped.tsv" ;;
     warren_c[0-9])    run_warren "$1" "$2" "$3" USERS_BALANCE=off USERS_BATCH_CONCURRENCY="${2#warren_c}" ;;
     warren_auto)      CURVE="$LOGDIR/$3.curve"
                       run_warren "$1" "$2" "$3" USERS_BALANCE=auto \
@@ -572,6 +599,10 @@ measure() { # rep contender tag
 say "logs in $LOGDIR"
 echo "$MODE bench: N=$N messages per drain, $REPS repetitions interleaved; warren: $BIN${SETTINGS[*]:+ with ${SETTINGS[*]}}"
 echo "load average before: $(cut -d' ' -f1-3 /proc/loadavg)"
+busy_check() { # warns when something else held the CPUs in the last minute (the bench itself is not running now)
+  awk -v cpus="$(nproc)" '{ if ($1 > 0.5 * cpus) printf "bench: warning: the machine is busy (load average %s over the last minute on %d CPUs): absolute rates are lower and noisier; the ratios of one run still compare\n", $1, cpus }' /proc/loadavg >&2
+}
+busy_check
 for rep in $(seq 1 "$REPS"); do
   for place in "${!CONTENDERS[@]}"; do
     name=${CONTENDERS[$(( (place + rep - 1) % ${#CONTENDERS[@]} ))]}
@@ -597,6 +628,13 @@ awk -F'\t' -v reps="$REPS" -v list="${CONTENDERS[*]}" '
     for (i = 2; i <= n; i++) { t = a[i]; for (j = i - 1; j >= 1 && a[j] + 0 > t + 0; j--) a[j + 1] = a[j]; a[j + 1] = t }
     return n % 2 ? a[(n + 1) / 2] : (a[n / 2] + a[n / 2 + 1]) / 2
   }
+  function spread(list,   a, n, i, lo, hi) {
+    n = split(list, a, " ")
+    if (n == 0) return "n/a"
+    lo = hi = a[1] + 0
+    for (i = 2; i <= n; i++) { if (a[i] + 0 < lo) lo = a[i] + 0; if (a[i] + 0 > hi) hi = a[i] + 0 }
+    return sprintf("%.2f-%.2f", lo, hi)
+  }
   function add(key, v) { if (v != "n/a" && v != "") vals[key] = vals[key] " " v }
   { rate[$1, $2] = $3; add($2 SUBSEP "rate", $3); add($2 SUBSEP "cpu", $6); add($2 SUBSEP "broker", $7)
     add($2 SUBSEP "rss", $8); add($2 SUBSEP "apb", $11); line[NR] = $0 }
@@ -606,7 +644,7 @@ awk -F'\t' -v reps="$REPS" -v list="${CONTENDERS[*]}" '
     label["warren"] = "warren (defaults)"; label["warren_pf5000"] = "warren PREFETCH=5000"
     label["warren_mapped"] = "warren, users mapped"; label["warren_wide"] = "warren, 10 columns"
     for (i = 1; i <= 9; i++) label["warren_c" i] = "warren concurrency " i
-    label["warren_auto"] = "warren balance=auto"
+    label["warren_auto"] = "warren balance=auto"; label["warren_redis_stop"] = "warren, Redis stopped"
     for (r = 1; r <= reps; r++) for (k = 1; k <= nc; k++) {
       c = names[k]
       if (rate["" r, "raw_drain"] > 0) add(c SUBSEP "vs_raw", rate["" r, c] / rate["" r, "raw_drain"])
@@ -621,15 +659,17 @@ awk -F'\t' -v reps="$REPS" -v list="${CONTENDERS[*]}" '
         per_rep = per_rep sprintf(" rep %d: %.3f of %s;", r, rate["" r, "warren_auto"] / best, bestc)
       }
     }
-    print "medians over " reps " repetition(s); ratios are medians of the per-repetition ratios"
-    printf "%-22s %8s %7s %11s %11s %14s %13s %11s\n", "contender", "msg/s", "vs raw", "vs minimal", "CPU us/msg", "broker us/msg", "peak RSS MiB", "acks/batch"
+    print "medians over " reps " repetition(s); ratios are medians of the per-repetition ratios, (min-max) their spread"
+    printf "%-22s %8s %7s %10s %11s %10s %11s %14s %13s %11s\n", "contender", "msg/s", "vs raw", "(min-max)", "vs minimal", "(min-max)", "CPU us/msg", "broker us/msg", "peak RSS MiB", "acks/batch"
     for (k = 1; k <= nc; k++) {
       c = names[k]
       vm = (c ~ /^warren/) ? median(vals[c SUBSEP "vs_min"]) : "-"
       if (vm != "-" && vm != "n/a") vm = sprintf("%.2f", vm)
       br = median(vals[c SUBSEP "broker"]); ap = median(vals[c SUBSEP "apb"])
-      printf "%-22s %8.0f %7.2f %11s %11.2f %14s %13.1f %11s\n", label[c], median(vals[c SUBSEP "rate"]),
-        median(vals[c SUBSEP "vs_raw"]), vm, median(vals[c SUBSEP "cpu"]),
+      sr = (c == "raw_drain") ? "-" : spread(vals[c SUBSEP "vs_raw"])
+      sm = (vm == "-" || vm == "n/a") ? "-" : spread(vals[c SUBSEP "vs_min"])
+      printf "%-22s %8.0f %7.2f %10s %11s %10s %11.2f %14s %13.1f %11s\n", label[c], median(vals[c SUBSEP "rate"]),
+        median(vals[c SUBSEP "vs_raw"]), sr, vm, sm, median(vals[c SUBSEP "cpu"]),
         (br == "n/a" ? br : sprintf("%.2f", br)), median(vals[c SUBSEP "rss"]), (ap == "n/a" ? ap : sprintf("%.2f", ap))
     }
     if (vals["auto_vs_best"] != "") {
@@ -653,4 +693,14 @@ if [ "$MODE" = balance ]; then
     echo "concurrency of $(basename "$curve" .curve) over time (s, inserts in flight, rows inserted; a line per change):"
     awk -F'\t' '$2 != last { printf "  %6.1f s  %s  %s\n", $1, $2, $3; last = $2 } END { printf "  %6.1f s  %s  %s (last sample)\n", $1, $2, $3 }' "$curve"
   done
+fi
+if [ "$MODE" = redis ]; then
+  echo
+  echo "warren with its Redis stopped at a tenth of the drain, against warren with Redis, per repetition:"
+  awk -F'\t' 'FILENAME == ARGV[1] { dropped[$1] = $2; next }
+    { rate[$1, $2] = $3; if ($1 > reps) reps = $1 }
+    END { for (r = 1; r <= reps; r++) if (rate[r, "warren"] > 0)
+      printf "  rep %d: %.0f against %.0f msg/s = %.3f; events dropped and counted: %s\n", r, rate[r, "warren_redis_stop"],
+        rate[r, "warren"], rate[r, "warren_redis_stop"] / rate[r, "warren"], (dropped[r] == "" ? "n/a" : dropped[r]) }' \
+    "$LOGDIR/dropped.tsv" "$RESULTS"
 fi

@@ -391,3 +391,101 @@ async fn a_primary_that_turns_read_only_sends_warren_to_the_next_host() {
     );
     warren.terminate_ok(Duration::from_secs(30));
 }
+
+/// users as a configured pipeline on this env's queues and table: `warren run` checks its table
+/// against the mapping before it consumes anything.
+fn mapped_users(env: &TestEnv) -> String {
+    format!(
+        r#"
+[[pipelines]]
+name = "users"
+table = "users"
+key = ["id"]
+main_exchange = "{}"
+main_queue = "{}"
+retry_exchange = "{}"
+retry_queue = "{}"
+dlx_exchange = "{}"
+dlq_queue = "{}"
+
+[pipelines.columns]
+id    = {{ path = "/id", type = "uuid" }}
+name  = {{ path = "/name", type = "text", min_len = 1, max_len = 200 }}
+email = {{ path = "/email", type = "text", format = "email", max_len = 254 }}
+"#,
+        env.main_exchange,
+        env.main_queue,
+        env.retry_exchange,
+        env.retry_queue,
+        env.dlx_exchange,
+        env.dlq_queue
+    )
+}
+
+/// A warren started while its database is away (refused, then silent) neither exits nor
+/// consumes: it waits for the database to check its pipelines' tables, a SIGTERM during that wait
+/// ends it with 0 and nothing taken, and once the database answers it consumes every message.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_database_away_at_start_is_waited_for_and_a_sigterm_ends_the_wait() {
+    let proxy = TcpProxy::start(&database_url(), 5432).await;
+    let mut env = TestEnv::new("pg_away_at_start").await;
+    env.declare();
+    let dir = tempfile::tempdir().expect("temp dir");
+    let path = dir.path().join("users.toml");
+    std::fs::write(&path, mapped_users(&env)).expect("write the config");
+    let file = path.to_string_lossy().into_owned();
+    // A silent database is given up on after the connect timeout (5 s) and one statement's
+    // bound (this + 2 s), then asked again.
+    env.set("DATABASE_URL", proxy.url())
+        .set("DATABASE_STATEMENT_TIMEOUT_MS", "3000");
+    let ids = env.publish_users(300).await;
+    let waiting = "cannot check the pipelines' tables yet";
+
+    for silent in [false, true] {
+        if silent {
+            proxy.restore();
+            proxy.freeze();
+        } else {
+            proxy.cut();
+        }
+        let mut warren = env.start(&["--config", &file, "--roles", "consumer"]);
+        let _logs = LogsOnPanic(vec![warren.log.clone()]);
+        wait_until(
+            "the wait for the database in the log",
+            Duration::from_secs(30),
+            || async { warren.logs().contains(waiting) },
+        )
+        .await;
+        assert!(warren.is_running(), "warren exited:\n{}", warren.logs());
+        assert_eq!(
+            env.queue_state(&env.main_queue).await,
+            (300, 0),
+            "nothing is consumed before the tables are checked"
+        );
+        let started = Instant::now();
+        let status = warren.terminate(Duration::from_secs(10));
+        assert!(
+            status.success(),
+            "SIGTERM during the wait: {status}\n{}",
+            warren.logs()
+        );
+        assert!(started.elapsed() < Duration::from_secs(10));
+    }
+    proxy.thaw();
+
+    // Away again at start, then back: warren goes on by itself and consumes everything once.
+    proxy.cut();
+    let mut warren = env.start(&["--config", &file, "--roles", "consumer"]);
+    let _logs = LogsOnPanic(vec![warren.log.clone()]);
+    wait_until(
+        "the wait for the database in the log",
+        Duration::from_secs(30),
+        || async { warren.logs().contains(waiting) },
+    )
+    .await;
+    proxy.restore();
+    let expected: HashSet<Uuid> = ids.into_iter().collect();
+    assert_rows_exactly(&env, &expected, Duration::from_secs(60), &|| warren.logs()).await;
+    warren.terminate_ok(Duration::from_secs(30));
+    assert_eq!(env.queue_state(&env.main_queue).await, (0, 0));
+}

@@ -317,22 +317,31 @@ pub async fn connect_channel(
     Ok((conn, channel))
 }
 
-/// Exponential backoff (backon): `min` doubling up to `max`, each delay with up to 100% jitter
-/// on top, forever.
-pub fn backoff(min: Duration, max: Duration) -> impl Iterator<Item = Duration> {
+/// Exponential backoff (backon's builder, for `Retryable::retry`): `min` doubling up to `max`,
+/// each delay with up to 100% jitter on top, forever.
+pub fn backoff_builder(min: Duration, max: Duration) -> ExponentialBuilder {
     ExponentialBuilder::default()
         .with_min_delay(min)
         .with_max_delay(max)
         .with_factor(2.0)
         .with_jitter()
         .without_max_times()
-        .build()
+}
+
+/// [`backoff_builder`]'s delays, for a loop that is not a `Retryable`.
+pub fn backoff(min: Duration, max: Duration) -> impl Iterator<Item = Duration> {
+    backoff_builder(min, max).build()
 }
 
 /// The reconnect backoff: 200 ms doubling up to 10 s (so at most 20 s with jitter): an outage
 /// is never a hot loop, and a recovered broker or database is noticed within seconds.
+pub fn reconnect_builder() -> ExponentialBuilder {
+    backoff_builder(Duration::from_millis(200), Duration::from_secs(10))
+}
+
+/// [`reconnect_builder`]'s delays.
 pub fn reconnect_backoff() -> impl Iterator<Item = Duration> {
-    backoff(Duration::from_millis(200), Duration::from_secs(10))
+    reconnect_builder().build()
 }
 
 /// Runs `open` until it succeeds, with the reconnect backoff (backon) and no limit on attempts,
@@ -353,24 +362,17 @@ where
         tokio::time::sleep(first_delay).await;
     }
     let mut attempt = 0u32;
-    open.retry(
-        ExponentialBuilder::default()
-            .with_min_delay(Duration::from_millis(200))
-            .with_max_delay(Duration::from_secs(10))
-            .with_factor(2.0)
-            .with_jitter()
-            .without_max_times(),
-    )
-    .when(|_| wanted())
-    .notify(|e, delay| {
-        attempt += 1;
-        if attempt == 1 || attempt.is_power_of_two() {
-            warn!(purpose, attempt, error = %e, retry_in_ms = delay.as_millis() as u64,
+    open.retry(reconnect_builder())
+        .when(|_| wanted())
+        .notify(|e, delay| {
+            attempt += 1;
+            if attempt == 1 || attempt.is_power_of_two() {
+                warn!(purpose, attempt, error = %e, retry_in_ms = delay.as_millis() as u64,
                 "{failing}");
-        }
-    })
-    .await
-    .ok()
+            }
+        })
+        .await
+        .ok()
 }
 
 /// Closes a channel and its connection, ignoring errors (they are already gone, or going).

@@ -125,7 +125,18 @@ pub async fn declare_all(
 /// The configured pipelines' tables fit their mappings, or a configuration error (exit 2)
 /// listing every mismatch.
 pub async fn check_tables(settings: &Settings) -> anyhow::Result<()> {
-    let mismatches = pipeline_mismatches(settings).await.with_context(|| {
+    // A database that accepts the connection and then says nothing (a half-open link, a frozen
+    // host) is an error after the connect timeout and one statement's bound, not a silent hang.
+    let bound = std::time::Duration::from_secs(5) + db::call_bound(settings);
+    let checked = tokio::time::timeout(bound, pipeline_mismatches(settings))
+        .await
+        .unwrap_or_else(|_| {
+            Err(db::DbError::Connection(format!(
+                "no answer from the database within {} ms",
+                bound.as_millis()
+            )))
+        });
+    let mismatches = checked.with_context(|| {
         format!(
             "cannot check the pipelines' tables in the database at {}",
             crate::config::redact_url(&settings.database_url)

@@ -5,7 +5,7 @@
 use std::future::Future;
 use std::time::Duration;
 
-use backon::{ExponentialBuilder, Retryable};
+use backon::Retryable;
 use tracing::{info, warn};
 
 use crate::config::{ConfigError, Settings};
@@ -111,13 +111,7 @@ pub async fn execute(
     if !args.declare {
         let check = || crate::cli::declare::check_tables(&settings);
         let checked = check
-            .retry(
-                ExponentialBuilder::default()
-                    .with_min_delay(Duration::from_millis(200))
-                    .with_max_delay(Duration::from_secs(10))
-                    .with_jitter()
-                    .without_max_times(),
-            )
+            .retry(crate::amqp::reconnect_builder())
             .when(|e: &anyhow::Error| e.downcast_ref::<ConfigError>().is_none())
             .notify(|e: &anyhow::Error, delay: Duration| {
                 warn!(error = %format!("{e:#}"), retry_in_ms = delay.as_millis() as u64,

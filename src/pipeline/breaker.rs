@@ -8,7 +8,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 
 use actix::Recipient;
-use backon::{ExponentialBuilder, Retryable};
+use backon::Retryable;
 use deadpool_postgres::Pool;
 use tokio_util::sync::CancellationToken;
 use tracing::{error, info, warn};
@@ -122,13 +122,10 @@ impl Breaker {
             return;
         }
         let result = attempt
-            .retry(
-                ExponentialBuilder::default()
-                    .with_min_delay(std::time::Duration::from_millis(400))
-                    .with_max_delay(std::time::Duration::from_secs(10))
-                    .with_jitter()
-                    .without_max_times(),
-            )
+            .retry(crate::amqp::backoff_builder(
+                std::time::Duration::from_millis(400),
+                std::time::Duration::from_secs(10),
+            ))
             .sleep(super::cancellable_sleep(stopping.clone()))
             .when(|_| !stopping.is_cancelled())
             .notify(|e, _| warn!(pipeline, error = %e, "breaker probe: database still failing"))

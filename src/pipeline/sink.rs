@@ -12,7 +12,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use actix::prelude::*;
-use backon::{ExponentialBuilder, Retryable};
+use backon::Retryable;
 use deadpool_postgres::Pool;
 use tokio_util::sync::CancellationToken;
 use tracing::{error, info, warn};
@@ -386,13 +386,7 @@ async fn insert_retrying<D: Domain>(
     let pipeline = config.pipeline;
     let stopping = config.stopping.clone();
     attempt
-        .retry(
-            ExponentialBuilder::default()
-                .with_min_delay(Duration::from_millis(200))
-                .with_max_delay(Duration::from_secs(10))
-                .with_jitter()
-                .without_max_times(),
-        )
+        .retry(crate::amqp::reconnect_builder())
         .sleep(super::cancellable_sleep(stopping.clone()))
         .when(|e| !stopping.is_cancelled() && e.class() != ErrorClass::Permanent)
         .adjust(|e, delay| match (e.class(), delay) {
