@@ -8,6 +8,7 @@
 
 mod common;
 
+use std::collections::HashSet;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -334,6 +335,64 @@ async fn auto_stops_rising_when_more_inserts_in_flight_do_not_help() {
     .await;
 }
 
+/// Creates the `orders` table and a `[[pipelines]]` file for it (balanced by `strategy`, min 1,
+/// max 6, batches of 100) in `dir`; declares its topology; answers the file's path.
+async fn orders_pipeline(
+    env: &TestEnv,
+    names: &PipelineNames,
+    dir: &tempfile::TempDir,
+    strategy: &str,
+    cooldown_ms: u64,
+) -> String {
+    env.db
+        .batch_execute("CREATE TABLE orders (order_id uuid PRIMARY KEY, qty int4 NOT NULL)")
+        .await
+        .expect("create orders");
+    let path = dir.path().join("orders.toml");
+    std::fs::write(
+        &path,
+        format!(
+            "[[pipelines]]\nname = \"orders\"\ntable = \"orders\"\nkey = [\"order_id\"]\n\
+             balance = \"{strategy}\"\nmin_concurrency = 1\nmax_concurrency = 6\n\
+             scale_threshold = 500\nscale_up_threshold = 500\nscale_down_threshold = 100\n\
+             balance_cooldown_ms = {cooldown_ms}\nbatch_size = 100\n\
+             batch_timeout_ms = 50\nretry_ttls_ms = [1000]\n{}\n[pipelines.columns]\n\
+             order_id = {{ path = \"/id\", type = \"uuid\" }}\n\
+             qty = {{ path = \"/qty\", type = \"int4\" }}\n",
+            names.toml()
+        ),
+    )
+    .expect("write the config");
+    let file = path.to_str().expect("utf-8").to_string();
+    let (code, out, err) = env.run_async(&["--config", &file, "declare"]).await;
+    assert_eq!(code, 0, "declare:\n{out}{err}");
+    file
+}
+
+async fn publish_orders(env: &TestEnv, names: &PipelineNames, n: usize) -> Vec<Uuid> {
+    let orders: Vec<Uuid> = (0..n).map(|_| Uuid::new_v4()).collect();
+    env.publish_pipelined_to(
+        &names.exchange,
+        &names.queue,
+        orders.iter().map(|id| {
+            (
+                format!(r#"{{"id":"{id}","qty":1}}"#).into_bytes(),
+                lapin::BasicProperties::default().with_delivery_mode(2),
+            )
+        }),
+    )
+    .await;
+    orders
+}
+
+async fn orders_count(env: &TestEnv) -> i64 {
+    env.db
+        .query_one("SELECT count(*) FROM orders", &[])
+        .await
+        .map(|r| r.get(0))
+        .unwrap_or(0)
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn two_pipelines_share_the_process_budget_by_backlog() {
     let mut env = TestEnv::new("bal_budget").await;
@@ -345,28 +404,8 @@ async fn two_pipelines_share_the_process_budget_by_backlog() {
     let names = PipelineNames::of(&env, "orders");
     let _cleanup = names.cleanup();
     let _redis = RedisCleanup::new(&env);
-    env.db
-        .batch_execute("CREATE TABLE orders (order_id uuid PRIMARY KEY, qty int4 NOT NULL)")
-        .await
-        .expect("create orders");
     let dir = tempfile::tempdir().expect("temp dir");
-    let path = dir.path().join("orders.toml");
-    std::fs::write(
-        &path,
-        format!(
-            "[[pipelines]]\nname = \"orders\"\ntable = \"orders\"\nkey = [\"order_id\"]\n\
-             balance = \"simple\"\nmin_concurrency = 1\nmax_concurrency = 6\n\
-             scale_threshold = 500\nbalance_cooldown_ms = 700\nbatch_size = 100\n\
-             batch_timeout_ms = 50\nretry_ttls_ms = [1000]\n{}\n[pipelines.columns]\n\
-             order_id = {{ path = \"/id\", type = \"uuid\" }}\n\
-             qty = {{ path = \"/qty\", type = \"int4\" }}\n",
-            names.toml()
-        ),
-    )
-    .expect("write the config");
-    let file = path.to_str().expect("utf-8").to_string();
-    let (code, out, err) = env.run_async(&["--config", &file, "declare"]).await;
-    assert_eq!(code, 0, "declare:\n{out}{err}");
+    let file = orders_pipeline(&env, &names, &dir, "simple", 700).await;
     let warren = env.start(&["--config", &file, "--roles", "consumer"]);
     let _logs = LogsOnPanic(vec![warren.log.clone()]);
     wait_until("both gauges at min", Duration::from_secs(30), || async {
@@ -384,18 +423,7 @@ async fn two_pipelines_share_the_process_budget_by_backlog() {
     })
     .await;
     // Then orders gets a backlog twice users': the budget moves to it, by backlog.
-    let orders: Vec<Uuid> = (0..12_000).map(|_| Uuid::new_v4()).collect();
-    env.publish_pipelined_to(
-        &names.exchange,
-        &names.queue,
-        orders.iter().map(|id| {
-            (
-                format!(r#"{{"id":"{id}","qty":1}}"#).into_bytes(),
-                lapin::BasicProperties::default().with_delivery_mode(2),
-            )
-        }),
-    )
-    .await;
+    publish_orders(&env, &names, 12_000).await;
     wait_until(
         "orders holds the larger share",
         Duration::from_secs(15),
@@ -413,16 +441,66 @@ async fn two_pipelines_share_the_process_budget_by_backlog() {
     let (code, out, err) = env.run_async(&["ctl", "resume", "--all"]).await;
     assert_eq!(code, 0, "{out}{err}");
     wait_until("every row", Duration::from_secs(90), || async {
-        let orders: i64 = env
-            .db
-            .query_one("SELECT count(*) FROM orders", &[])
-            .await
-            .map(|r| r.get(0))
-            .unwrap_or(0);
-        env.count_rows().await == 6000 && orders == 12_000
+        env.count_rows().await == 6000 && orders_count(&env).await == 12_000
     })
     .await;
     assert!(samples.max() <= 5.0, "{:?}", samples.values());
+}
+
+/// Two `auto` pipelines climbing at once under one budget: each starts at its minimum, neither
+/// waits for the other to finish, the two together never hold more inserts in flight than
+/// MAX_INSERTS_IN_FLIGHT, every row lands once and both come back to their minimum when idle.
+#[tokio::test(flavor = "multi_thread")]
+async fn two_auto_pipelines_climb_within_the_process_budget() {
+    let mut env = TestEnv::new("bal_budget_auto").await;
+    balanced(&mut env, "auto", 300);
+    env.set("USERS_MIN_CONCURRENCY", "1")
+        .set("USERS_MAX_CONCURRENCY", "6")
+        .set("USERS_SCALE_UP_THRESHOLD", "500")
+        .set("USERS_SCALE_DOWN_THRESHOLD", "100")
+        .set("MAX_INSERTS_IN_FLIGHT", "4");
+    let names = PipelineNames::of(&env, "orders");
+    let _cleanup = names.cleanup();
+    let _redis = RedisCleanup::new(&env);
+    let dir = tempfile::tempdir().expect("temp dir");
+    let file = orders_pipeline(&env, &names, &dir, "auto", 300).await;
+    let warren = env.start(&["--config", &file, "--roles", "consumer"]);
+    let _logs = LogsOnPanic(vec![warren.log.clone()]);
+    wait_until("both gauges at min", Duration::from_secs(30), || async {
+        concurrency(&env, "main").await == 1.0 && concurrency(&env, "orders").await == 1.0
+    })
+    .await;
+    let samples = Samples::start(&env, &["main", "orders"]);
+    let (users, orders) = tokio::join!(
+        env.publish_users(20_000),
+        publish_orders(&env, &names, 20_000)
+    );
+    wait_until("every row", Duration::from_secs(180), || async {
+        env.count_rows().await == 20_000 && orders_count(&env).await == 20_000
+    })
+    .await;
+    let expected: HashSet<Uuid> = users.into_iter().collect();
+    assert_rows_exactly(&env, &expected, Duration::from_secs(10), &|| warren.logs()).await;
+    let distinct: i64 = env
+        .db
+        .query_one("SELECT count(DISTINCT order_id) FROM orders", &[])
+        .await
+        .expect("count orders")
+        .get(0);
+    assert_eq!(distinct, orders.len() as i64);
+    wait_until("both back at min", Duration::from_secs(30), || async {
+        concurrency(&env, "main").await == 1.0 && concurrency(&env, "orders").await == 1.0
+    })
+    .await;
+    let seen = samples.values();
+    assert!(
+        samples.max() <= 4.0,
+        "the two together never past MAX_INSERTS_IN_FLIGHT: {seen:?}"
+    );
+    assert!(
+        samples.max() >= 3.0,
+        "with both backlogs deep, auto took more than the two minimums: {seen:?}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread")]
@@ -464,6 +542,20 @@ async fn concurrency_changing_under_load_loses_and_repeats_nothing() {
     let expected = ids.iter().copied().collect();
     assert_rows_exactly(&env, &expected, Duration::from_secs(10), &|| warren.logs()).await;
     assert_queue_empty(&env, &env.dlq_queue).await;
+    // Every delivery was acked, in multi-acks: a resubscription never left a delivery behind
+    // the front (the balance bench found one left for ever, after which every ack went one by
+    // one and the last ones were still unacked at the stop).
+    let acks = try_metric(&env, "warren_amqp_acks_total", &[("pipeline", "main")])
+        .await
+        .unwrap_or(0.0);
+    let batches = try_metric(&env, "warren_batch_size_count", &[("pipeline", "main")])
+        .await
+        .unwrap_or(0.0);
+    assert!(
+        batches > 0.0 && acks <= 2.0 * batches,
+        "{acks} acks for {batches} batches:\n{}",
+        warren.logs()
+    );
     let changes = samples.values().len();
     assert!(
         changes >= 4,
@@ -481,6 +573,13 @@ async fn concurrency_changing_under_load_loses_and_repeats_nothing() {
     assert!(
         format!("{out}{err}").contains("max_concurrency"),
         "{out}{err}"
+    );
+    let mut warren = warren;
+    warren.terminate_ok(Duration::from_secs(30));
+    assert_eq!(
+        env.queue_state(&env.main_queue).await,
+        (0, 0),
+        "nothing went back to the queue at the stop"
     );
 }
 
@@ -504,4 +603,51 @@ async fn a_window_smaller_than_a_batch_flushes_when_full_instead_of_at_the_batch
     .await;
     let expected = ids.iter().copied().collect();
     assert_rows_exactly(&env, &expected, Duration::from_secs(5), &|| warren.logs()).await;
+}
+
+/// Found by the balance bench: a subscription cancelled for a new window could still hand on a
+/// chunk after the next subscription's first one; that delivery's settlement was not found, the
+/// front of the acks waited on it for ever, every later ack went one by one (one a message), and
+/// the last deliveries were still unacked at the stop. A deep backlog under large windows that
+/// change every cooldown: every delivery is acked, in multi-acks, and nothing goes back to the
+/// queue at the stop.
+#[tokio::test(flavor = "multi_thread")]
+async fn windows_changing_under_a_deep_backlog_leave_no_delivery_unacked() {
+    let mut env = TestEnv::new("bal_resub").await;
+    balanced(&mut env, "simple", 200);
+    env.set("USERS_MIN_CONCURRENCY", "1")
+        .set("USERS_MAX_CONCURRENCY", "8")
+        .set("USERS_SCALE_THRESHOLD", "4000")
+        .set("USERS_BATCH_SIZE", "500")
+        .set("USERS_BATCH_TIMEOUT_MS", "200");
+    let _cleanup = RedisCleanup::new(&env);
+    env.declare();
+    let ids = env.publish_users(40_000).await;
+    let mut warren = env.start(&["--roles", "consumer"]);
+    let _logs = LogsOnPanic(vec![warren.log.clone()]);
+    let samples = Samples::start(&env, &["main"]);
+    let expected: HashSet<Uuid> = ids.into_iter().collect();
+    assert_rows_exactly(&env, &expected, Duration::from_secs(120), &|| warren.logs()).await;
+    let acks = try_metric(&env, "warren_amqp_acks_total", &[("pipeline", "main")])
+        .await
+        .unwrap_or(0.0);
+    let batches = try_metric(&env, "warren_batch_size_count", &[("pipeline", "main")])
+        .await
+        .unwrap_or(0.0);
+    assert!(
+        samples.values().len() >= 3,
+        "the window changed: {:?}",
+        samples.values()
+    );
+    assert!(
+        batches > 0.0 && acks <= 2.0 * batches,
+        "{acks} acks for {batches} batches; concurrency {:?}",
+        samples.values()
+    );
+    warren.terminate_ok(Duration::from_secs(30));
+    assert_eq!(
+        env.queue_state(&env.main_queue).await,
+        (0, 0),
+        "nothing went back to the queue at the stop"
+    );
 }

@@ -187,6 +187,12 @@ enum Subscription {
     Pending,
     /// Consuming under this consumer tag.
     Active(String),
+    /// Cancelled by warren (a hold, a new window), its stream not ended yet: deliveries the
+    /// broker sent before its `cancel-ok` may still come. No new subscription until it ends:
+    /// the next one's deliveries carry higher tags, and handed on before the older ones, a
+    /// multi-ack of theirs would ack older deliveries not yet processed (found by the balance
+    /// bench: one-by-one acks for the rest of the drain, and deliveries left unacked).
+    Cancelling(String, Instant),
 }
 
 /// Where the consumer is in its life.
@@ -304,6 +310,12 @@ impl Consumer {
 
     fn connecting(&self) -> bool {
         matches!(self.link, Link::Connecting)
+    }
+
+    /// A subscription warren cancelled whose stream has not ended after the connect timeout.
+    fn cancel_unanswered(&self) -> bool {
+        matches!(&self.link, Link::Up(l) if matches!(&l.subscription,
+            Subscription::Cancelling(_, since) if since.elapsed() > self.settings.connect_timeout()))
     }
 
     /// Consuming: the link is up with a subscription.
@@ -640,10 +652,9 @@ impl Consumer {
         let Some(linked) = self.linked() else {
             return;
         };
-        if let Subscription::Active(tag) =
-            std::mem::replace(&mut linked.subscription, Subscription::None)
-        {
-            cancel(&linked.channel, tag);
+        if let Subscription::Active(tag) = &linked.subscription {
+            cancel(&linked.channel, tag.clone());
+            linked.subscription = Subscription::Cancelling(tag.clone(), Instant::now());
         }
     }
 
@@ -830,6 +841,14 @@ impl Actor for Consumer {
                 );
                 let reason = act.link_end_reason();
                 act.rebuild(ctx, reason);
+            } else if act.cancel_unanswered() {
+                // Its stream never ended: the link is rebuilt (its unacked deliveries go back to
+                // the queue with the channel) rather than the pipeline waiting for ever.
+                warn!(
+                    pipeline = act.config.pipeline,
+                    "a cancelled subscription's stream did not end; rebuilding the link"
+                );
+                act.rebuild(ctx, "cancel_unanswered");
             } else {
                 act.check_idle(ctx);
             }
@@ -881,8 +900,21 @@ impl StreamHandler<Event> for Consumer {
             }
             Event::Deliveries(..) => {}
             Event::Ended(generation, tag) => {
-                // Only the end of the current subscription matters; an older one was cancelled
-                // by us for a hold.
+                // The end of a subscription warren cancelled: every delivery it brought has been
+                // handed on, so the next subscription may begin (or the stop go on).
+                let this_link = generation == self.generation;
+                if let Some(linked) = self.linked().filter(|_| this_link)
+                    && matches!(&linked.subscription, Subscription::Cancelling(t, _) if *t == tag)
+                {
+                    linked.subscription = Subscription::None;
+                    if self.phase == Phase::Running {
+                        self.maybe_subscribe(ctx);
+                    } else {
+                        self.stream_done(ctx);
+                    }
+                    return;
+                }
+                // Otherwise only the end of the current subscription matters.
                 let current = generation == self.generation
                     && matches!(&self.link, Link::Up(l)
                         if matches!(&l.subscription, Subscription::Active(t) if *t == tag));
@@ -943,11 +975,14 @@ impl Handler<Cancel> for Consumer {
             // The subscription stays recorded, so its end (`Event::Ended`) answers the waiters.
             match &self.link {
                 Link::Up(linked) if linked.channel.status().connected() => {
-                    if let Subscription::Active(tag) = &linked.subscription {
-                        info!(pipeline = self.config.pipeline, "cancelling the consumer");
-                        cancel(&linked.channel, tag.clone());
-                    } else {
-                        self.stream_done(ctx);
+                    match &linked.subscription {
+                        Subscription::Active(tag) => {
+                            info!(pipeline = self.config.pipeline, "cancelling the consumer");
+                            cancel(&linked.channel, tag.clone());
+                        }
+                        // Its end (`Event::Ended`) goes on with the stop.
+                        Subscription::Cancelling(..) => {}
+                        Subscription::None | Subscription::Pending => self.stream_done(ctx),
                     }
                 }
                 _ => self.stream_done(ctx),
@@ -1027,6 +1062,9 @@ impl Handler<Subscribed> for Consumer {
     fn handle(&mut self, msg: Subscribed, ctx: &mut Self::Context) {
         let running = self.phase == Phase::Running;
         let current = msg.generation == self.generation;
+        // Whole batches that may commit ahead of the oldest one's on the happy path.
+        let ahead =
+            (self.dispatch.batchers().saturating_sub(1)).saturating_mul(self.dispatch.batch_size());
         let Some(linked) = self.linked().filter(|_| current) else {
             // The link it was made on is gone, and the subscription with it.
             return;
@@ -1042,7 +1080,7 @@ impl Handler<Subscribed> for Consumer {
             Ok(consumer) => {
                 linked.window = msg.window;
                 if let Some(acker) = linked.acker.as_mut() {
-                    acker.set_window(msg.window);
+                    acker.set_window(msg.window, ahead);
                 }
                 linked.subscription = Subscription::Active(msg.tag.clone());
                 self.largest = 0;
@@ -1101,7 +1139,18 @@ impl Handler<SetConcurrency> for Consumer {
     type Result = ();
 
     fn handle(&mut self, msg: SetConcurrency, ctx: &mut Self::Context) {
+        let before = self.dispatch.batchers();
         let batchers = self.dispatch.set_batchers(msg.batchers);
+        // More batches may now commit ahead of the oldest; the window may stay as it is (the
+        // byte budget's cap), so the acks learn it here, not only at the next subscription.
+        let ahead =
+            (before.max(batchers).saturating_sub(1)).saturating_mul(self.dispatch.batch_size());
+        if let Some(linked) = self.linked() {
+            let window = linked.window;
+            if let Some(acker) = linked.acker.as_mut() {
+                acker.set_window(window, ahead);
+            }
+        }
         self.config.prefetch = msg.prefetch.max(1);
         let window = self.wanted_window();
         debug!(
