@@ -100,6 +100,11 @@ const INSERT: &str = "INSERT INTO users (id, name, email) \
      SELECT * FROM UNNEST($1::uuid[], $2::text[], $3::text[]) \
      ON CONFLICT DO NOTHING RETURNING id";
 
+/// The batch insert when every row is new, tried first ([`crate::db::insert_if_all_new`]): a
+/// copy or a conflict makes it fail whole, and [`INSERT`] runs instead.
+const INSERT_NEW: &str = "INSERT INTO users (id, name, email) \
+     SELECT * FROM UNNEST($1::uuid[], $2::text[], $3::text[])";
+
 /// What is stored under ids the insert did not take (only run when there are such ids).
 const STORED: &str = "SELECT id, name, email FROM users WHERE id = ANY($1::uuid[])";
 
@@ -179,6 +184,16 @@ impl Domain for Users {
                 ids.push(r.id);
                 names.push(r.name.as_str());
                 emails.push(r.email.as_str());
+            }
+            if !records.is_empty()
+                && let Some(rows) =
+                    crate::db::insert_if_all_new(client, INSERT_NEW, &[&ids, &names, &emails])
+                        .await?
+            {
+                return Ok(Inserted {
+                    rows,
+                    ..Default::default()
+                });
             }
             let statement = client
                 .prepare_cached(INSERT)

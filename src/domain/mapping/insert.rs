@@ -25,6 +25,9 @@ use crate::domain::Inserted;
 pub(super) struct Statements {
     /// The insert (`keep` or `update`), returning the key of each row it wrote.
     pub(super) insert: String,
+    /// `keep`: the plain insert tried first, when every row is new
+    /// ([`crate::db::insert_if_all_new`]); `None` for `update`.
+    pub(super) insert_new: Option<String>,
     /// `keep`: for each record (by ordinality), whether its key holds a row, and per column
     /// whether the stored value equals the record's. Built without the table's column types;
     /// [`compare_sql`] builds it again with them once a session can read them.
@@ -150,6 +153,9 @@ impl Statements {
         let key_names: Vec<&str> = key.iter().map(|&i| names[i].as_str()).collect();
         let keys = key_names.join(", ");
         let t = table.sql();
+        let insert_new = version
+            .is_none()
+            .then(|| format!("INSERT INTO {t} ({list}) SELECT * FROM {unnest}"));
         let insert = match version {
             None => format!(
                 "INSERT INTO {t} ({list}) SELECT * FROM {unnest} ON CONFLICT DO NOTHING \
@@ -181,7 +187,11 @@ impl Statements {
         // A jsonb value may be stored in a json column, which has no equality: both sides are
         // compared as jsonb (by meaning: key order and spacing aside).
         let compare = compare_statement(table, columns, key, &HashMap::new());
-        Self { insert, compare }
+        Self {
+            insert,
+            insert_new,
+            compare,
+        }
     }
 }
 
@@ -314,6 +324,14 @@ pub(super) async fn insert(
     }
     let arrays = arrays(mapping, records);
     let params: Vec<&(dyn ToSql + Sync)> = arrays.iter().map(Array::as_param).collect();
+    if let Some(sql) = &mapping.statements.insert_new
+        && let Some(rows) = crate::db::insert_if_all_new(client, sql, &params).await?
+    {
+        return Ok(Inserted {
+            rows,
+            ..Default::default()
+        });
+    }
     let statement = client
         .prepare_cached(&mapping.statements.insert)
         .await
