@@ -178,6 +178,11 @@ settings! {
     // --- publishing and shutdown -------------------------------------------------------
     /// Bound on waiting for a publisher confirm.
     publish_timeout_ms: u64 => Rule::Int { min: 100, max: 600_000 },
+    /// Whether what warren publishes (the API, `warren publish`) carries the `x-published-ms`
+    /// header, the publish time in milliseconds for the end-to-end latency; without it the
+    /// latency is measured from the AMQP timestamp, to the second. A header table costs the
+    /// broker CPU on every message (docs/performance.md).
+    publish_latency_header: bool => Rule::Bool,
     /// Bound on the graceful shutdown.
     shutdown_timeout_ms: u64 => Rule::Int { min: 0, max: 3_600_000 },
     // --- logs --------------------------------------------------------------------------

@@ -622,36 +622,47 @@ impl Handler<Close> for Publisher {
     }
 }
 
-/// Standard properties of a message warren publishes: persistent, JSON, with id, timestamp
-/// and the publish time in milliseconds (`x-published-ms`, for the end-to-end latency).
-pub fn json_properties(message_id: &str) -> BasicProperties {
-    traced_json_properties(message_id, None)
+/// Standard properties of a message warren publishes: persistent, JSON, with id and timestamp,
+/// and, with `latency_header` (`PUBLISH_LATENCY_HEADER`), the publish time in milliseconds
+/// (`x-published-ms`, for the end-to-end latency).
+pub fn json_properties(message_id: &str, latency_header: bool) -> BasicProperties {
+    traced_json_properties(message_id, None, latency_header)
 }
 
 /// [`json_properties`], with the W3C `traceparent` header when `trace` is given (a valid one:
-/// the caller checks it).
-pub fn traced_json_properties(message_id: &str, trace: Option<&str>) -> BasicProperties {
+/// the caller checks it). No header table at all when neither is asked: a table costs the
+/// broker CPU on every message (docs/performance.md).
+pub fn traced_json_properties(
+    message_id: &str,
+    trace: Option<&str>,
+    latency_header: bool,
+) -> BasicProperties {
     let now_ms = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map(|d| d.as_millis() as u64)
         .unwrap_or(0);
+    let properties = BasicProperties::default()
+        .with_delivery_mode(2)
+        .with_content_type("application/json".into())
+        .with_message_id(message_id.into())
+        .with_timestamp(now_ms / 1000);
+    if !latency_header && trace.is_none() {
+        return properties;
+    }
     let mut headers = lapin::types::FieldTable::default();
-    headers.insert(
-        crate::amqp::headers::PUBLISHED_MS.into(),
-        lapin::types::AMQPValue::LongLongInt(now_ms as i64),
-    );
+    if latency_header {
+        headers.insert(
+            crate::amqp::headers::PUBLISHED_MS.into(),
+            lapin::types::AMQPValue::LongLongInt(now_ms as i64),
+        );
+    }
     if let Some(trace) = trace {
         headers.insert(
             crate::amqp::headers::TRACEPARENT.into(),
             lapin::types::AMQPValue::LongString(trace.as_bytes().to_vec().into()),
         );
     }
-    BasicProperties::default()
-        .with_delivery_mode(2)
-        .with_content_type("application/json".into())
-        .with_message_id(message_id.into())
-        .with_timestamp(now_ms / 1000)
-        .with_headers(headers)
+    properties.with_headers(headers)
 }
 
 #[cfg(test)]

@@ -72,10 +72,11 @@ pub async fn execute(settings: &Settings, args: Args) -> anyhow::Result<i32> {
     let publisher = connected_publisher(settings).await?;
     let exchange = settings.main_exchange.clone();
     let routing_key = settings.main_queue.clone();
+    let latency_header = settings.publish_latency_header;
     let make = |id: String, body: Vec<u8>| Publish {
         exchange: exchange.clone(),
         routing_key: routing_key.clone(),
-        properties: json_properties(&id),
+        properties: json_properties(&id, latency_header),
         body: body.into(),
     };
     let started = Instant::now();

@@ -50,6 +50,8 @@ struct AppState {
     pool: Pool,
     exchange: String,
     routing_key: String,
+    /// `PUBLISH_LATENCY_HEADER`: what the API publishes carries `x-published-ms`.
+    latency_header: bool,
 }
 
 /// A running API server.
@@ -88,6 +90,7 @@ pub async fn serve(settings: &Settings, pool: Pool) -> anyhow::Result<Api> {
         pool,
         exchange: settings.main_exchange.clone(),
         routing_key: settings.main_queue.clone(),
+        latency_header: settings.publish_latency_header,
     });
     let server = HttpServer::new(move || {
         App::new()
@@ -434,7 +437,7 @@ async fn publish_body(
         exchange: exchange.to_string(),
         routing_key: routing_key.to_string(),
         body,
-        properties: traced_json_properties(id, trace),
+        properties: traced_json_properties(id, trace, state.latency_header),
     };
     let outcome =
         tokio::time::timeout(Duration::from_secs(10), state.publisher.send(publish)).await;

@@ -169,7 +169,8 @@ pub(super) fn parked_properties(
                 id.len()
             ));
         }
-        Some(id) => json_properties(id),
+        // Its headers are the parked ones (below), never a new latency header.
+        Some(id) => json_properties(id, false),
         None => BasicProperties::default()
             .with_delivery_mode(2)
             .with_content_type("application/json".into())
