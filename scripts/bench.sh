@@ -5,16 +5,23 @@
 #
 #   scripts/bench.sh [N] [REPS] [KEY=VALUE...]              drain bench (N=200000, REPS=5)
 #   scripts/bench.sh --live [RATE] [SECONDS] [KEY=VALUE...]  live bench (RATE=10000, SECONDS=60)
+#   scripts/bench.sh --live-search [RATE] [SECONDS] [KEY=VALUE...]
+#                                                            the highest live rate warren keeps up
+#                                                            with (from RATE=2000, SECONDS=20 a step)
 #   scripts/bench.sh --all-roles [N] [KEY=VALUE...]          memory with all roles (N=100000)
 #   scripts/bench.sh --wide [N] [REPS] [KEY=VALUE...]       a 10-column mapped pipeline (N=100000, REPS=3)
 #   scripts/bench.sh --balance [N] [REPS] [KEY=VALUE...]    balance=auto against fixed concurrencies
 #                                                            (N=200000, REPS=3)
 #   scripts/bench.sh --redis-stop [N] [REPS] [KEY=VALUE...] warren whose Redis stops mid-drain
 #                                                            (N=200000, REPS=3)
+#   scripts/bench.sh --props [N] [REPS]                     what message properties cost the broker
+#                                                            (N=200000, REPS=3)
 #
 # N, REPS, RATE and SECONDS may also be given as N=..., REPS=..., RATE=..., SECONDS=...; any other
 # KEY=VALUE is a warren setting (environment) for the warren runs, e.g. USERS_BATCH_SIZE=2000.
-# WARREN_BIN=path measures another build of warren; BENCH_TIMEOUT_S (600) bounds one drain.
+# WARREN_BIN=path measures another build of warren; WARREN_BIN_B=path adds to the drain bench a
+# contender warren_b, that build with default settings, for an A/B in one run (its ratios to the
+# raw drain and to warren of the same repetitions); BENCH_TIMEOUT_S (600) bounds one drain.
 # BENCH_PIN=1 gives the broker CPU 0 to itself and runs PostgreSQL and the contenders on the other
 # CPUs (as where the broker has its own host); needs root, restores the CPU masks at exit.
 #
@@ -39,8 +46,15 @@
 #
 # Live bench: warren (run --roles consumer, defaults) consumes an empty queue while
 # examples/live_publisher.rs publishes RATE msg/s for SECONDS s, then reports the achieved rate,
-# the max queue depth (kept up: never above two prefetch windows) and the end-to-end latency
-# percentiles against the target p99 <= USERS_BATCH_TIMEOUT_MS + 250 ms.
+# the max queue depth against two prefetch windows, the end-to-end latency percentiles against
+# the target p99 <= USERS_BATCH_TIMEOUT_MS + 250 ms, and the verdict: kept up only when the p99
+# met the target, every message arrived, the depth stayed within the bound and the publisher
+# reached the rate (a short queue with a growing latency is not keeping up).
+#
+# Capacity search (--live-search): live runs of SECONDS s, from RATE doubling while warren keeps
+# up, then bisecting between the last rate held and the first missed until they are within 10%;
+# prints each step's verdict, latency and CPU (warren's and the broker's a message) and the
+# highest rate held.
 #
 # All roles: `warren run` with its default roles (consumer, dlq, api) drains N messages of which
 # every 50th is invalid (to the DLQ, parked by the DLQ consumer) while 2,000 users are posted to
@@ -63,6 +77,12 @@
 # table: its rate against warren's of the same repetition (the events and the registry must never
 # hold the data path) and the events it dropped and counted (warren_events_dropped_total).
 #
+# Properties bench: the raw drain of backlogs published by examples/publish_props.rs with bare
+# properties (content type, persistent), with the message id and timestamp warren's publisher
+# sets, with those and the x-published-ms header table, and with a traceparent header as well;
+# prints, for each, the broker's CPU a message to take the backlog in (publishing with confirms)
+# and to deliver it, and the drain's rate.
+#
 # QUEUE_TYPE=quorum runs every contender (raw drain and minimal pipeline included) on quorum
 # queues (warren_bench_*_quorum, deleted at the end): warren's drain of a quorum queue against the
 # raw drain of the same quorum queue.
@@ -81,10 +101,12 @@ usage() { sed -n '2,/^set -euo/{/^set -euo/d;s/^# \{0,1\}//;p}' "$0"; }
 MODE=drain
 case "${1:-}" in
   --live) MODE=live; shift ;;
+  --live-search) MODE=search; shift ;;
   --all-roles) MODE=roles; shift ;;
   --wide) MODE=wide; shift ;;
   --balance) MODE=balance; shift ;;
   --redis-stop) MODE=redis; shift ;;
+  --props) MODE=props; shift ;;
 esac
 POSITIONAL=()
 SETTINGS=()
@@ -108,11 +130,11 @@ if [ "$MODE" = roles ]; then
   [ ${#POSITIONAL[@]} -le 1 ] || die "too many numbers: expected [N]"
   N=$(named N "${POSITIONAL[0]:-100000}" "$@")
   positive_int N "$N"
-elif [ "$MODE" = drain ] || [ "$MODE" = wide ] || [ "$MODE" = balance ] || [ "$MODE" = redis ]; then
+elif [ "$MODE" = drain ] || [ "$MODE" = wide ] || [ "$MODE" = balance ] || [ "$MODE" = redis ] || [ "$MODE" = props ]; then
   [ ${#POSITIONAL[@]} -le 2 ] || die "too many numbers: expected [N] [REPS]"
   case "$MODE" in
     wide) DEFAULT_N=100000 DEFAULT_REPS=3 ;;
-    balance|redis) DEFAULT_N=200000 DEFAULT_REPS=3 ;;
+    balance|redis|props) DEFAULT_N=200000 DEFAULT_REPS=3 ;;
     *) DEFAULT_N=200000 DEFAULT_REPS=5 ;;
   esac
   N=$(named N "${POSITIONAL[0]:-$DEFAULT_N}" "$@")
@@ -120,8 +142,9 @@ elif [ "$MODE" = drain ] || [ "$MODE" = wide ] || [ "$MODE" = balance ] || [ "$M
   positive_int N "$N"; positive_int REPS "$REPS"
 else
   [ ${#POSITIONAL[@]} -le 2 ] || die "too many numbers: expected [RATE] [SECONDS]"
-  LIVE_RATE=$(named RATE "${POSITIONAL[0]:-10000}" "$@")
-  LIVE_SECONDS=$(named SECONDS "${POSITIONAL[1]:-60}" "$@")
+  if [ "$MODE" = search ]; then DEFAULT_RATE=2000 DEFAULT_SECONDS=20; else DEFAULT_RATE=10000 DEFAULT_SECONDS=60; fi
+  LIVE_RATE=$(named RATE "${POSITIONAL[0]:-$DEFAULT_RATE}" "$@")
+  LIVE_SECONDS=$(named SECONDS "${POSITIONAL[1]:-$DEFAULT_SECONDS}" "$@")
   positive_int RATE "$LIVE_RATE"; positive_int SECONDS "$LIVE_SECONDS"
 fi
 TIMEOUT_S="${BENCH_TIMEOUT_S:-600}"
@@ -298,7 +321,7 @@ stop_warren() { # warns unless warren stopped cleanly
 }
 
 # ==============================================================================================
-if [ "$MODE" = live ]; then
+if [ "$MODE" = live ] || [ "$MODE" = search ]; then
   BATCH_TIMEOUT_MS="${USERS_BATCH_TIMEOUT_MS:-1000}"
   PREFETCH_NOW="${PREFETCH:-0}"
   if [ "$PREFETCH_NOW" = 0 ]; then
@@ -306,34 +329,77 @@ if [ "$MODE" = live ]; then
     [ "$PREFETCH_NOW" -le 65535 ] || PREFETCH_NOW=65535
   fi
   BOUND=$((2 * PREFETCH_NOW)); TARGET_MS=$((BATCH_TIMEOUT_MS + 250))
+  # One live run: warren consumes while the publisher sends RATE msg/s for SECONDS s; prints the
+  # publisher's report and warren's and the broker's cost; sets KEPT_UP (yes/no) and LIVE_LINE.
+  live_once() { # RATE SECONDS TAG
+    local rate="$1" secs="$2" tag="$3" deadline b0 b1 rc=0 msgs
+    psql_q "TRUNCATE $SCHEMA.users" >/dev/null
+    purge_queues
+    start_warren "$LOGDIR/warren-$tag.log"
+    deadline=$((SECONDS + 60))
+    until [ "$(queue_field "$MAIN_QUEUE" consumers)" -ge 1 ] 2>/dev/null; do
+      kill -0 "$CHILD" 2>/dev/null || die "warren exited before it consumed; see $WARREN_LOG"
+      [ "$SECONDS" -lt "$deadline" ] || die "warren did not subscribe to $MAIN_QUEUE within 60 s; see $WARREN_LOG"
+      sleep 0.5
+    done
+    b0=$(broker_ticks)
+    "$EX/live_publisher" --rate "$rate" --seconds "$secs" --depth-bound "$BOUND" \
+      --target-p99-ms "$TARGET_MS" 2>"$LOGDIR/live_publisher-$tag.err" >"$LOGDIR/live_publisher-$tag.out" || rc=$?
+    b1=$(broker_ticks)
+    kill -0 "$CHILD" 2>/dev/null || die "warren exited during the live run; see $WARREN_LOG"
+    read_warren "$LOGDIR/warren-$tag.metrics"
+    stop_warren
+    [ "$rc" = 0 ] || die "the live publisher failed: $(tail -1 "$LOGDIR/live_publisher-$tag.err"); warren's log: $WARREN_LOG"
+    [ "$MODE" = search ] || cat "$LOGDIR/live_publisher-$tag.out"
+    MSGS=$(awk '/^published/ {print $2}' "$LOGDIR/live_publisher-$tag.out")
+    KEPT_UP=$(sed -n 's/^kept up: \([a-z]*\).*/\1/p' "$LOGDIR/live_publisher-$tag.out")
+    LIVE_LINE=$(awk -v t="$W_TICKS" -v hz="$CLK_TCK" -v n="$MSGS" -v kb="$W_RSS_KB" -v b0="$b0" -v b1="$b1" '
+      /^end-to-end/ { lat = $0; sub(/^[^:]*: /, "", lat) }
+      /^kept up/ { kept = $0 }
+      END { printf "%s; %s; warren CPU %.1f us/msg, peak RSS %.1f MiB; broker CPU %s us/msg", kept, lat,
+              t / hz * 1e6 / n, kb / 1024, (b0 >= 0 ? sprintf("%.1f", (b1 - b0) / hz * 1e6 / n) : "n/a") }' \
+      "$LOGDIR/live_publisher-$tag.out")
+    if [ "$MODE" = live ]; then
+      awk -v t="$W_TICKS" -v hz="$CLK_TCK" -v n="$MSGS" -v kb="$W_RSS_KB" -v b0="$b0" -v b1="$b1" \
+          -v apb="$(acks_per_batch "$W_ACKS" "$W_BATCHES")" -v bound="$BOUND" -v pf="$PREFETCH_NOW" \
+          -v bt="$BATCH_TIMEOUT_MS" 'BEGIN {
+        printf "bound: two prefetch windows (2 x %d); target: USERS_BATCH_TIMEOUT_MS %d + 250 ms\n", pf, bt
+        printf "warren: CPU %.1f us/msg (process lifetime), peak RSS %.1f MiB, acks/batch %s\n", t / hz * 1e6 / n, kb / 1024, apb
+        if (b0 >= 0) printf "broker CPU: %.1f us/msg (publishing and delivering, over the publisher'"'"'s run)\n", (b1 - b0) / hz * 1e6 / n
+        else print "broker CPU: n/a"
+      }'
+    fi
+  }
   say "logs in $LOGDIR"
-  echo "live bench: $LIVE_RATE msg/s for $LIVE_SECONDS s into warren (run --roles consumer${SETTINGS[*]:+, ${SETTINGS[*]}}; $BIN)"
   echo "load average before: $(cut -d' ' -f1-3 /proc/loadavg)"
-  start_warren "$LOGDIR/warren-live.log"
-  deadline=$((SECONDS + 60))
-  until [ "$(queue_field "$MAIN_QUEUE" consumers)" -ge 1 ] 2>/dev/null; do
-    kill -0 "$CHILD" 2>/dev/null || die "warren exited before it consumed; see $WARREN_LOG"
-    [ "$SECONDS" -lt "$deadline" ] || die "warren did not subscribe to $MAIN_QUEUE within 60 s; see $WARREN_LOG"
-    sleep 0.5
-  done
-  b0=$(broker_ticks)
-  rc=0
-  "$EX/live_publisher" --rate "$LIVE_RATE" --seconds "$LIVE_SECONDS" --depth-bound "$BOUND" \
-    --target-p99-ms "$TARGET_MS" 2>"$LOGDIR/live_publisher.err" | tee "$LOGDIR/live_publisher.out" || rc=$?
-  b1=$(broker_ticks)
-  kill -0 "$CHILD" 2>/dev/null || die "warren exited during the live run; see $WARREN_LOG"
-  read_warren "$LOGDIR/warren-live.metrics"
-  stop_warren
-  [ "$rc" = 0 ] || die "the live publisher failed: $(tail -1 "$LOGDIR/live_publisher.err"); warren's log: $WARREN_LOG"
-  MSGS=$(awk '/^published/ {print $2}' "$LOGDIR/live_publisher.out")
-  awk -v t="$W_TICKS" -v hz="$CLK_TCK" -v n="$MSGS" -v kb="$W_RSS_KB" -v b0="$b0" -v b1="$b1" \
-      -v apb="$(acks_per_batch "$W_ACKS" "$W_BATCHES")" -v bound="$BOUND" -v pf="$PREFETCH_NOW" \
-      -v bt="$BATCH_TIMEOUT_MS" 'BEGIN {
-    printf "bound: two prefetch windows (2 x %d); target: USERS_BATCH_TIMEOUT_MS %d + 250 ms\n", pf, bt
-    printf "warren: CPU %.1f us/msg (process lifetime), peak RSS %.1f MiB, acks/batch %s\n", t / hz * 1e6 / n, kb / 1024, apb
-    if (b0 >= 0) printf "broker CPU: %.1f us/msg (publishing and delivering, over the publisher'"'"'s run)\n", (b1 - b0) / hz * 1e6 / n
-    else print "broker CPU: n/a"
-  }'
+  if [ "$MODE" = live ]; then
+    echo "live bench: $LIVE_RATE msg/s for $LIVE_SECONDS s into warren (run --roles consumer${SETTINGS[*]:+, ${SETTINGS[*]}}; $BIN)"
+    live_once "$LIVE_RATE" "$LIVE_SECONDS" live
+  else
+    # Capacity search: double the rate from RATE while warren keeps up, then halve the interval
+    # between the last rate held and the first missed until they are within 10% of each other.
+    echo "capacity search: the highest rate warren (run --roles consumer${SETTINGS[*]:+, ${SETTINGS[*]}}) keeps up with, $LIVE_SECONDS s a step from $LIVE_RATE msg/s; kept up = p99 <= $TARGET_MS ms, every message in, depth <= $BOUND, rate reached ($BIN)"
+    held=0; missed=0; rate=$LIVE_RATE; step=0; HELD_LINE=""
+    while :; do
+      step=$((step + 1))
+      live_once "$rate" "$LIVE_SECONDS" "search-$step-$rate"
+      printf '  %6d msg/s: %s\n' "$rate" "$LIVE_LINE"
+      if [ "$KEPT_UP" = yes ]; then held=$rate; HELD_LINE=$LIVE_LINE; else missed=$rate; fi
+      if [ "$missed" = 0 ]; then
+        [ "$rate" -lt 128000 ] || break
+        rate=$((rate * 2))
+      else
+        [ "$held" -gt 0 ] || { rate=$((missed / 2)); [ "$rate" -ge 100 ] || break; continue; }
+        [ $((missed * 10)) -gt $((held * 11)) ] || break
+        rate=$(( (held + missed) / 2 ))
+      fi
+    done
+    if [ "$held" -gt 0 ]; then
+      echo "highest rate kept up: $held msg/s (missed at ${missed/#0/none tried}); there: $HELD_LINE"
+    else
+      echo "kept up at no rate tried (the lowest missed: $missed msg/s)"
+    fi
+  fi
   echo "load average after: $(cut -d' ' -f1-3 /proc/loadavg)"
   exit 0
 fi
@@ -398,8 +464,15 @@ names_toml() {
 }
 # The table the warren contenders fill (users; wide for the wide bench).
 TABLE=users
+if [ -n "${WARREN_BIN_B:-}" ] && [ "$MODE" = drain ]; then
+  [ -x "$WARREN_BIN_B" ] || die "WARREN_BIN_B=$WARREN_BIN_B is not an executable"
+  CONTENDERS+=(warren_b)
+fi
 if [ "$MODE" = redis ]; then
   CONTENDERS=(raw_drain warren warren_redis_stop)
+fi
+if [ "$MODE" = props ]; then
+  CONTENDERS=(props_bare props_id_ts props_warren props_traced)
 fi
 if [ "$MODE" = balance ]; then
   CONTENDERS=(raw_drain warren_c1 warren_c2 warren_c3 warren_c4 warren_auto)
@@ -460,7 +533,13 @@ fill_queue() { # LOG
   local depth deadline
   depth=$(queue_field "$MAIN_QUEUE" messages)
   if [ "${depth:-0}" != 0 ]; then say "warning: $MAIN_QUEUE held $depth messages before publishing; purged"; purge_queues; fi
-  if [ "$MODE" = wide ]; then
+  if [ "$MODE" = props ]; then
+    local b0 b1
+    b0=$(broker_ticks)
+    "$EX/publish_props" --count "$N" --props "$PROPS" >"$1" 2>&1 || { FAIL="publish_props failed: $(tail -1 "$1"); see $1"; return 1; }
+    b1=$(broker_ticks)
+    PUBLISH_BROKER_TICKS=$(( b0 < 0 ? -1 : b1 - b0 ))
+  elif [ "$MODE" = wide ]; then
     awk -v n="$N" 'BEGIN { for (i = 1; i <= n; i++) printf "{\"id\":\"%08x-0000-4000-8000-%012x\",\"email\":\"w%d@example.com\",\"total\":\"%d.%02d\",\"qty\":%d,\"big\":%d,\"ratio\":%d.5,\"flag\":%s,\"at\":\"2026-11-25T10:%02d:%02dZ\",\"day\":\"2026-11-25\",\"doc\":{\"n\":%d,\"tags\":[\"a\",\"b\"]}}\n", i, i, i, i % 1000, i % 100, 1 + i % 1000, 1000000000 + i, i % 7, (i % 2 ? "true" : "false"), i % 60, i % 60, i }' \
       | "$BIN" publish --stdin >"$1" 2>&1 || { FAIL="warren publish --stdin failed: $(tail -1 "$1"); see $1"; return 1; }
   else
@@ -567,11 +646,25 @@ run_warren() { # rep contender tag [KEY=VALUE...]
 
 measure() { # rep contender tag
   psql_q "TRUNCATE $SCHEMA.$TABLE" >/dev/null || { FAIL="cannot empty $SCHEMA.$TABLE"; return 1; }
+  case "$2" in
+    props_bare) PROPS=bare ;;
+    props_id_ts) PROPS=id,timestamp ;;
+    props_warren) PROPS=id,timestamp,published_ms ;;
+    props_traced) PROPS=id,timestamp,published_ms,traceparent ;;
+  esac
   fill_queue "$LOGDIR/$3.publish.log" || return 1
   case "$2" in
+    props_*)          run_example "$1" "$2" "$3" raw_drain --count "$N" || return 1
+                      awk -v hz="$CLK_TCK" -v n="$N" -v r="$1" -v c="$2" -v t="$PUBLISH_BROKER_TICKS" \
+                        '/^published/ { rate = $NF == "msg/s" ? $(NF - 1) : "" } END {
+                          printf "%s\t%s\t%s\t%s\n", r, c, (t >= 0 ? sprintf("%.2f", t / hz * 1e6 / n) : "n/a"), rate }' \
+                        "$LOGDIR/$3.publish.log" >>"$LOGDIR/publish.tsv" ;;
     raw_drain)        run_example "$1" "$2" "$3" raw_drain --count "$N" ;;
     minimal_pipeline) run_example "$1" "$2" "$3" minimal_pipeline --count "$N" ;;
     warren)           run_warren "$1" "$2" "$3" ;;
+    warren_b)         local bin_a="$BIN" rc=0
+                      BIN="$WARREN_BIN_B"; run_warren "$1" "$2" "$3" || rc=$?; BIN="$bin_a"
+                      return "$rc" ;;
     warren_pf5000)    run_warren "$1" "$2" "$3" PREFETCH=5000 ;;
     warren_mapped)    STAGE=users; run_warren "$1" "$2" "$3" WARREN_CONFIG="$MAPPED" || { STAGE=main; return 1; }; STAGE=main ;;
     warren_wide)      STAGE=users; run_warren "$1" "$2" "$3" WARREN_CONFIG="$WIDE" || { STAGE=main; return 1; }; STAGE=main ;;
@@ -599,8 +692,13 @@ measure() { # rep contender tag
 say "logs in $LOGDIR"
 echo "$MODE bench: N=$N messages per drain, $REPS repetitions interleaved; warren: $BIN${SETTINGS[*]:+ with ${SETTINGS[*]}}"
 echo "load average before: $(cut -d' ' -f1-3 /proc/loadavg)"
-busy_check() { # warns when something else held the CPUs in the last minute (the bench itself is not running now)
-  awk -v cpus="$(nproc)" '{ if ($1 > 0.5 * cpus) printf "bench: warning: the machine is busy (load average %s over the last minute on %d CPUs): absolute rates are lower and noisier; the ratios of one run still compare\n", $1, cpus }' /proc/loadavg >&2
+busy_check() { # warns when something else holds the CPUs now (sampled over 2 s, the bench idle)
+  local a b
+  a=$(awk '/^cpu / {print $2 + $3 + $4 + $7 + $8, $5 + $6}' /proc/stat); sleep 2
+  b=$(awk '/^cpu / {print $2 + $3 + $4 + $7 + $8, $5 + $6}' /proc/stat)
+  awk -v a="$a" -v b="$b" -v cpus="$(nproc)" 'BEGIN { split(a, x, " "); split(b, y, " ")
+    busy = (y[1] - x[1]) / ((y[1] - x[1]) + (y[2] - x[2]) + 1e-9)
+    if (busy > 0.25) printf "bench: warning: the machine is busy (%.0f%% of %d CPUs in use before the first drain, by something else): absolute rates are lower and noisier; the ratios of one run still compare\n", busy * 100, cpus }' >&2
 }
 busy_check
 for rep in $(seq 1 "$REPS"); do
@@ -621,7 +719,7 @@ done
 echo "load average after: $(cut -d' ' -f1-3 /proc/loadavg)"
 echo
 
-awk -F'\t' -v reps="$REPS" -v list="${CONTENDERS[*]}" '
+awk -F'\t' -v reps="$REPS" -v list="${CONTENDERS[*]}" -v base="${CONTENDERS[0]}" '
   function median(list,   a, n, i, j, t) {
     n = split(list, a, " ")
     if (n == 0) return "n/a"
@@ -644,10 +742,13 @@ awk -F'\t' -v reps="$REPS" -v list="${CONTENDERS[*]}" '
     label["warren"] = "warren (defaults)"; label["warren_pf5000"] = "warren PREFETCH=5000"
     label["warren_mapped"] = "warren, users mapped"; label["warren_wide"] = "warren, 10 columns"
     for (i = 1; i <= 9; i++) label["warren_c" i] = "warren concurrency " i
+    label["props_bare"] = "drain, bare properties"; label["props_id_ts"] = "drain, + id, timestamp"
+    label["props_warren"] = "drain, + x-published-ms"; label["props_traced"] = "drain, + traceparent"
+    label["warren_b"] = "warren B (WARREN_BIN_B)"
     label["warren_auto"] = "warren balance=auto"; label["warren_redis_stop"] = "warren, Redis stopped"
     for (r = 1; r <= reps; r++) for (k = 1; k <= nc; k++) {
       c = names[k]
-      if (rate["" r, "raw_drain"] > 0) add(c SUBSEP "vs_raw", rate["" r, c] / rate["" r, "raw_drain"])
+      if (rate["" r, base] > 0) add(c SUBSEP "vs_raw", rate["" r, c] / rate["" r, base])
       if (c ~ /^warren/ && rate["" r, "minimal_pipeline"] > 0) add(c SUBSEP "vs_min", rate["" r, c] / rate["" r, "minimal_pipeline"])
     }
     # Balance bench: auto against the best fixed concurrency of the same repetition.
@@ -666,7 +767,7 @@ awk -F'\t' -v reps="$REPS" -v list="${CONTENDERS[*]}" '
       vm = (c ~ /^warren/) ? median(vals[c SUBSEP "vs_min"]) : "-"
       if (vm != "-" && vm != "n/a") vm = sprintf("%.2f", vm)
       br = median(vals[c SUBSEP "broker"]); ap = median(vals[c SUBSEP "apb"])
-      sr = (c == "raw_drain") ? "-" : spread(vals[c SUBSEP "vs_raw"])
+      sr = (c == base) ? "-" : spread(vals[c SUBSEP "vs_raw"])
       sm = (vm == "-" || vm == "n/a") ? "-" : spread(vals[c SUBSEP "vs_min"])
       printf "%-22s %8.0f %7.2f %10s %11s %10s %11.2f %14s %13.1f %11s\n", label[c], median(vals[c SUBSEP "rate"]),
         median(vals[c SUBSEP "vs_raw"]), sr, vm, sm, median(vals[c SUBSEP "cpu"]),
@@ -703,4 +804,16 @@ if [ "$MODE" = redis ]; then
       printf "  rep %d: %.0f against %.0f msg/s = %.3f; events dropped and counted: %s\n", r, rate[r, "warren_redis_stop"],
         rate[r, "warren"], rate[r, "warren_redis_stop"] / rate[r, "warren"], (dropped[r] == "" ? "n/a" : dropped[r]) }' \
     "$LOGDIR/dropped.tsv" "$RESULTS"
+fi
+if [ "$MODE" = props ]; then
+  echo
+  echo "taking the backlog in (publish_props with confirms), medians over the repetitions:"
+  awk -F'\t' '{ b[$2] = b[$2] " " $3; r[$2] = r[$2] " " $4; if (!($2 in seen)) { seen[$2] = 1; order[++n] = $2 } }
+    function median(list,   a, k, i, j, t) {
+      k = split(list, a, " "); if (k == 0) return "n/a"
+      for (i = 2; i <= k; i++) { t = a[i]; for (j = i - 1; j >= 1 && a[j] + 0 > t + 0; j--) a[j + 1] = a[j]; a[j + 1] = t }
+      return k % 2 ? a[(k + 1) / 2] : (a[k / 2] + a[k / 2 + 1]) / 2
+    }
+    END { printf "  %-14s %16s %14s\n", "properties", "broker us/msg", "publish msg/s"
+      for (i = 1; i <= n; i++) printf "  %-14s %16s %14.0f\n", order[i], median(b[order[i]]), median(r[order[i]]) }' "$LOGDIR/publish.tsv"
 fi
