@@ -354,6 +354,9 @@ struct Tracked {
     auto: Auto,
     /// The backlog the last decision saw (for sharing the budget).
     backlog: u64,
+    /// After a change: when to take the counters again, so the next decision measures the new
+    /// concurrency, not the change itself (the old window settling, the new one filling).
+    resample_at: Option<Instant>,
 }
 
 /// The balancer: every balanced stage of `all` decided every cooldown, each change applied
@@ -375,10 +378,14 @@ pub async fn run(
             Tracked {
                 c: c.clone(),
                 stats,
-                next_at: now + c.policy.cooldown,
+                // The first decision comes after a quarter of the cooldown: the cooldown is
+                // between changes, and starting at the minimum is no reason to sit there a
+                // whole cooldown in front of a deep backlog.
+                next_at: now + c.policy.cooldown / 4,
                 last,
                 auto: Auto::default(),
                 backlog: 0,
+                resample_at: None,
             }
         })
         .collect();
@@ -394,6 +401,10 @@ pub async fn run(
         }
         let now = Instant::now();
         for i in 0..tracked.len() {
+            if tracked[i].resample_at.is_some_and(|at| at <= now) {
+                tracked[i].last = sample(&tracked[i].stats, now);
+                tracked[i].resample_at = None;
+            }
             if tracked[i].next_at > now {
                 continue;
             }
@@ -404,6 +415,8 @@ pub async fn run(
                     pipeline = t.c.stage,
                     "no fresh depth of the queue: balancing holds"
                 );
+                // Asked again soon rather than a cooldown later (the monitor's first poll).
+                t.next_at = now + t.c.policy.cooldown.min(Duration::from_millis(200));
                 continue;
             };
             let (at, rows, batches, insert_us) = t.last;
@@ -463,6 +476,7 @@ pub async fn run(
             if from == to {
                 continue;
             }
+            t.resample_at = Some(now + t.c.policy.cooldown / 5);
             info!(pipeline = t.c.stage, strategy = %t.c.policy.strategy, from, to, reason,
                 backlog, rate = m.rate as u64, insert_ms = m.latency_ms, min, max, budget,
                 "balance: concurrency changed");
@@ -639,6 +653,7 @@ mod tests {
                     last: (Instant::now(), 0, 0, 0),
                     auto: Auto::default(),
                     backlog: *b,
+                    resample_at: None,
                 });
             }
             fair_share(&tracked, i, &all, 8)
