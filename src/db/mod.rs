@@ -77,33 +77,6 @@ pub fn release<T>(pool: &Pool, client: deadpool_postgres::Object, result: &Resul
     }
 }
 
-/// The fast path of an idempotent batch insert: `sql` is the plain `INSERT .. SELECT FROM
-/// UNNEST(..)` without `ON CONFLICT`. When every row is new (the steady state) it is the whole
-/// insert, and a cheaper one for the database than `ON CONFLICT DO NOTHING`, which first probes
-/// every unique index for each row and then inserts speculatively (docs/performance.md).
-/// `Ok(Some(rows))`: every row was inserted. `Ok(None)`: a unique or exclusion constraint
-/// refused a row, so nothing of the statement stays (it is one statement, atomic) and the caller
-/// runs its `ON CONFLICT` statement, which tells copies from conflicts. `Err`: anything else,
-/// as the `ON CONFLICT` statement would have answered it.
-pub async fn insert_if_all_new(
-    client: &deadpool_postgres::Client,
-    sql: &str,
-    params: &[&(dyn tokio_postgres::types::ToSql + Sync)],
-) -> Result<Option<u64>, DbError> {
-    use tokio_postgres::error::SqlState;
-    let statement = client.prepare_cached(sql).await.map_err(DbError::from_pg)?;
-    match client.execute(&statement, params).await {
-        Ok(rows) => Ok(Some(rows)),
-        Err(e)
-            if e.code() == Some(&SqlState::UNIQUE_VIOLATION)
-                || e.code() == Some(&SqlState::EXCLUSION_VIOLATION) =>
-        {
-            Ok(None)
-        }
-        Err(e) => Err(DbError::from_pg(e)),
-    }
-}
-
 /// The pipeline's pool (`warren-pipeline` in `pg_stat_activity`): `DATABASE_POOL_SIZE`
 /// connections, at least one more than the batch concurrency so batches never wait for one.
 pub fn pool(settings: &Settings) -> Result<Pool, DbError> {

@@ -100,7 +100,7 @@ const INSERT: &str = "INSERT INTO users (id, name, email) \
      SELECT * FROM UNNEST($1::uuid[], $2::text[], $3::text[]) \
      ON CONFLICT DO NOTHING RETURNING id";
 
-/// The batch insert when every row is new, tried first ([`crate::db::insert_if_all_new`]): a
+/// The batch insert when every row is new, tried first ([`crate::domain::insert_if_all_new`]): a
 /// copy or a conflict makes it fail whole, and [`INSERT`] runs instead.
 const INSERT_NEW: &str = "INSERT INTO users (id, name, email) \
      SELECT * FROM UNNEST($1::uuid[], $2::text[], $3::text[])";
@@ -187,7 +187,7 @@ impl Domain for Users {
             }
             if !records.is_empty()
                 && let Some(rows) =
-                    crate::db::insert_if_all_new(client, INSERT_NEW, &[&ids, &names, &emails])
+                    crate::domain::insert_if_all_new(client, INSERT_NEW, &[&ids, &names, &emails])
                         .await?
             {
                 return Ok(Inserted {

@@ -26,7 +26,7 @@ pub(super) struct Statements {
     /// The insert (`keep` or `update`), returning the key of each row it wrote.
     pub(super) insert: String,
     /// `keep`: the plain insert tried first, when every row is new
-    /// ([`crate::db::insert_if_all_new`]); `None` for `update`.
+    /// ([`crate::domain::insert_if_all_new`]); `None` for `update`.
     pub(super) insert_new: Option<String>,
     /// `keep`: for each record (by ordinality), whether its key holds a row, and per column
     /// whether the stored value equals the record's. Built without the table's column types;
@@ -325,7 +325,7 @@ pub(super) async fn insert(
     let arrays = arrays(mapping, records);
     let params: Vec<&(dyn ToSql + Sync)> = arrays.iter().map(Array::as_param).collect();
     if let Some(sql) = &mapping.statements.insert_new
-        && let Some(rows) = crate::db::insert_if_all_new(client, sql, &params).await?
+        && let Some(rows) = crate::domain::insert_if_all_new(client, sql, &params).await?
     {
         return Ok(Inserted {
             rows,
