@@ -163,6 +163,9 @@ if ! flock -n 9; then
 fi
 BIN="${WARREN_BIN:-target/release/warren}"
 [ -x "$BIN" ] || die "WARREN_BIN=$BIN is not an executable"
+BIN_B="${WARREN_BIN_B:-}"
+# The bench's own variables are not warren settings: warren refuses unknown WARREN_* names.
+unset WARREN_BIN WARREN_BIN_B
 EX=target/release/examples
 
 export MAIN_EXCHANGE=warren_bench_exchange MAIN_QUEUE=warren_bench_queue
@@ -218,6 +221,18 @@ cpu_ticks() { # PID: utime + stime in clock ticks (fields 14 and 15, counted aft
   sed 's/^.*) //' "/proc/$1/stat" | awk '{print $12 + $13}'
 }
 broker_ticks() { if [ -n "$BEAM_PID" ]; then cpu_ticks "$BEAM_PID"; else echo -1; fi; }
+# PostgreSQL's CPU so far: every live postgres process (utime + stime), plus what the ones that
+# exited left in the postmaster's cutime + cstime (a contender's backend ends with it); -1 when
+# no postgres process is visible.
+pg_ticks() {
+  local pid s=0 oldest
+  oldest=$(pgrep -o -u postgres -x postgres 2>/dev/null || true)
+  [ -n "$oldest" ] || { echo -1; return; }
+  for pid in $(pgrep -u postgres 2>/dev/null); do
+    [ -r "/proc/$pid/stat" ] && s=$(( s + $(cpu_ticks "$pid" 2>/dev/null || echo 0) ))
+  done
+  echo $(( s + $(sed 's/^.*) //' "/proc/$oldest/stat" | awk '{print $14 + $15}') ))
+}
 peak_rss_kb() { awk '/^VmHWM:/ {print $2}' "/proc/$1/status"; }
 now() { printf '%s' "$EPOCHREALTIME"; }
 
@@ -464,8 +479,8 @@ names_toml() {
 }
 # The table the warren contenders fill (users; wide for the wide bench).
 TABLE=users
-if [ -n "${WARREN_BIN_B:-}" ] && [ "$MODE" = drain ]; then
-  [ -x "$WARREN_BIN_B" ] || die "WARREN_BIN_B=$WARREN_BIN_B is not an executable"
+if [ -n "$BIN_B" ] && [ "$MODE" = drain ]; then
+  [ -x "$BIN_B" ] || die "WARREN_BIN_B=$BIN_B is not an executable"
   CONTENDERS+=(warren_b)
 fi
 if [ "$MODE" = redis ]; then
@@ -563,12 +578,14 @@ db_rate() { # -> "rows rate span_s"
                    (SELECT count(*) FROM $SCHEMA.$TABLE WHERE inserted_at < b.hi) / extract(epoch FROM b.hi - b.lo)
                  END, 0), coalesce(extract(epoch FROM b.hi - b.lo), 0) FROM b" | tr '|' ' '
 }
-record() { # rep contender rate drain_s wall_s ticks broker_ticks rss_kb acks batches
+record() { # rep contender rate drain_s wall_s ticks broker_ticks rss_kb acks batches db_ticks
   awk -v hz="$CLK_TCK" -v n="$N" -v rep="$1" -v c="$2" -v rate="$3" -v drain="$4" -v wall="$5" \
-      -v t="$6" -v bt="$7" -v kb="$8" -v acks="$9" -v batches="${10}" -v apb="$(acks_per_batch "$9" "${10}")" 'BEGIN {
-    printf "%s\t%s\t%.0f\t%.3f\t%.3f\t%.2f\t%s\t%.1f\t%s\t%s\t%s\n", rep, c, rate, drain, wall, t / hz * 1e6 / n,
+      -v t="$6" -v bt="$7" -v kb="$8" -v acks="$9" -v batches="${10}" -v apb="$(acks_per_batch "$9" "${10}")" \
+      -v dt="${11:--1}" 'BEGIN {
+    printf "%s\t%s\t%.0f\t%.3f\t%.3f\t%.2f\t%s\t%.1f\t%s\t%s\t%s\t%s\n", rep, c, rate, drain, wall, t / hz * 1e6 / n,
       (bt >= 0 ? sprintf("%.2f", bt / hz * 1e6 / n) : "n/a"), kb / 1024,
-      (acks == "" ? "n/a" : acks), (batches == "" ? "n/a" : batches), apb
+      (acks == "" ? "n/a" : acks), (batches == "" ? "n/a" : batches), apb,
+      (dt >= 0 ? sprintf("%.2f", dt / hz * 1e6 / n) : "n/a")
   }' >>"$RESULTS"
 }
 field() { # KEY LINE: the value of key=value in an example's output line
@@ -579,13 +596,13 @@ seconds_between() { awk -v a="$1" -v b="$2" 'BEGIN {print b - a}'; }
 
 run_example() { # rep contender tag example args...
   local rep="$1" name="$2" tag="$3" ex="$4"; shift 4
-  local out="$LOGDIR/$tag.out" err="$LOGDIR/$tag.err" b0 b1 t0 t1 rc=0 line rate drain rows dbrate span
-  b0=$(broker_ticks); t0=$(now)
+  local out="$LOGDIR/$tag.out" err="$LOGDIR/$tag.err" b0 b1 p0 p1 t0 t1 rc=0 line rate drain rows dbrate span
+  p0=$(pg_ticks); b0=$(broker_ticks); t0=$(now)
   "$EX/$ex" "$@" >"$out" 2>"$err" &
   CHILD=$!
   wait "$CHILD" || rc=$?
   CHILD=""
-  t1=$(now); b1=$(broker_ticks)
+  t1=$(now); b1=$(broker_ticks); p1=$(pg_ticks)
   [ "$rc" = 0 ] || { FAIL="$ex failed (status $rc): $(tail -1 "$err"); see $err"; return 1; }
   line=$(tail -1 "$out")
   rate=$(field rate "$line"); drain=$(field secs "$line")
@@ -596,13 +613,14 @@ run_example() { # rep contender tag example args...
   fi
   record "$rep" "$name" "$rate" "$drain" "$(seconds_between "$t0" "$t1")" \
     "$(( $(field cpu_us "$line") * CLK_TCK / 1000000 ))" "$(( b0 < 0 ? -1 : b1 - b0 ))" \
-    "$(field peak_rss_kb "$line")" "$(field acks "$line")" "$(field batches "$line")"
+    "$(field peak_rss_kb "$line")" "$(field acks "$line")" "$(field batches "$line")" \
+    "$(( p0 < 0 || p1 < 0 ? -1 : p1 - p0 ))"
 }
 
 run_warren() { # rep contender tag [KEY=VALUE...]
   local rep="$1" name="$2" tag="$3"; shift 3
-  local b0 b1 t0 t1 inserted deadline rows dbrate span wall disturbed
-  b0=$(broker_ticks); t0=$(now)
+  local b0 b1 p0 p1 t0 t1 inserted deadline rows dbrate span wall disturbed
+  p0=$(pg_ticks); b0=$(broker_ticks); t0=$(now)
   start_warren "$LOGDIR/$tag.log" "$@"
   deadline=$((SECONDS + TIMEOUT_S))
   local next_sample=0 elapsed
@@ -627,7 +645,7 @@ run_warren() { # rep contender tag [KEY=VALUE...]
       stop_warren; FAIL="warren inserted ${inserted:-0} of $N within $TIMEOUT_S s; see $WARREN_LOG"; return 1
     fi
   done
-  t1=$(now); b1=$(broker_ticks)
+  t1=$(now); b1=$(broker_ticks); p1=$(pg_ticks)
   read_warren "$LOGDIR/$tag.metrics"
   stop_warren
   # A reconnect or a rebuilt consumer during the drain (someone closed the connections) makes
@@ -641,7 +659,8 @@ run_warren() { # rep contender tag [KEY=VALUE...]
   # One batch only (tiny N): no span between batches; the rate from process start instead.
   if [ "$dbrate" = 0 ]; then dbrate=$(awk -v n="$N" -v w="$wall" 'BEGIN {print n / w}'); span="$wall"; fi
   record "$rep" "$name" "$dbrate" "$span" "$wall" \
-    "$W_TICKS" "$(( b0 < 0 ? -1 : b1 - b0 ))" "$W_RSS_KB" "$W_ACKS" "$W_BATCHES"
+    "$W_TICKS" "$(( b0 < 0 ? -1 : b1 - b0 ))" "$W_RSS_KB" "$W_ACKS" "$W_BATCHES" \
+    "$(( p0 < 0 || p1 < 0 ? -1 : p1 - p0 ))"
 }
 
 measure() { # rep contender tag
@@ -663,7 +682,7 @@ measure() { # rep contender tag
     minimal_pipeline) run_example "$1" "$2" "$3" minimal_pipeline --count "$N" ;;
     warren)           run_warren "$1" "$2" "$3" ;;
     warren_b)         local bin_a="$BIN" rc=0
-                      BIN="$WARREN_BIN_B"; run_warren "$1" "$2" "$3" || rc=$?; BIN="$bin_a"
+                      BIN="$BIN_B"; run_warren "$1" "$2" "$3" || rc=$?; BIN="$bin_a"
                       return "$rc" ;;
     warren_pf5000)    run_warren "$1" "$2" "$3" PREFETCH=5000 ;;
     warren_mapped)    STAGE=users; run_warren "$1" "$2" "$3" WARREN_CONFIG="$MAPPED" || { STAGE=main; return 1; }; STAGE=main ;;
@@ -735,7 +754,7 @@ awk -F'\t' -v reps="$REPS" -v list="${CONTENDERS[*]}" -v base="${CONTENDERS[0]}"
   }
   function add(key, v) { if (v != "n/a" && v != "") vals[key] = vals[key] " " v }
   { rate[$1, $2] = $3; add($2 SUBSEP "rate", $3); add($2 SUBSEP "cpu", $6); add($2 SUBSEP "broker", $7)
-    add($2 SUBSEP "rss", $8); add($2 SUBSEP "apb", $11); line[NR] = $0 }
+    add($2 SUBSEP "rss", $8); add($2 SUBSEP "apb", $11); add($2 SUBSEP "db", $12); line[NR] = $0 }
   END {
     nc = split(list, names, " ")
     label["raw_drain"] = "raw drain"; label["minimal_pipeline"] = "minimal pipeline"
@@ -761,17 +780,18 @@ awk -F'\t' -v reps="$REPS" -v list="${CONTENDERS[*]}" -v base="${CONTENDERS[0]}"
       }
     }
     print "medians over " reps " repetition(s); ratios are medians of the per-repetition ratios, (min-max) their spread"
-    printf "%-22s %8s %7s %10s %11s %10s %11s %14s %13s %11s\n", "contender", "msg/s", "vs raw", "(min-max)", "vs minimal", "(min-max)", "CPU us/msg", "broker us/msg", "peak RSS MiB", "acks/batch"
+    printf "%-22s %8s %7s %10s %11s %10s %11s %14s %10s %13s %11s\n", "contender", "msg/s", "vs raw", "(min-max)", "vs minimal", "(min-max)", "CPU us/msg", "broker us/msg", "db us/msg", "peak RSS MiB", "acks/batch"
     for (k = 1; k <= nc; k++) {
       c = names[k]
       vm = (c ~ /^warren/) ? median(vals[c SUBSEP "vs_min"]) : "-"
       if (vm != "-" && vm != "n/a") vm = sprintf("%.2f", vm)
-      br = median(vals[c SUBSEP "broker"]); ap = median(vals[c SUBSEP "apb"])
+      br = median(vals[c SUBSEP "broker"]); ap = median(vals[c SUBSEP "apb"]); db = median(vals[c SUBSEP "db"])
       sr = (c == base) ? "-" : spread(vals[c SUBSEP "vs_raw"])
       sm = (vm == "-" || vm == "n/a") ? "-" : spread(vals[c SUBSEP "vs_min"])
-      printf "%-22s %8.0f %7.2f %10s %11s %10s %11.2f %14s %13.1f %11s\n", label[c], median(vals[c SUBSEP "rate"]),
+      printf "%-22s %8.0f %7.2f %10s %11s %10s %11.2f %14s %10s %13.1f %11s\n", label[c], median(vals[c SUBSEP "rate"]),
         median(vals[c SUBSEP "vs_raw"]), sr, vm, sm, median(vals[c SUBSEP "cpu"]),
-        (br == "n/a" ? br : sprintf("%.2f", br)), median(vals[c SUBSEP "rss"]), (ap == "n/a" ? ap : sprintf("%.2f", ap))
+        (br == "n/a" ? br : sprintf("%.2f", br)), (db == "n/a" ? db : sprintf("%.2f", db)),
+        median(vals[c SUBSEP "rss"]), (ap == "n/a" ? ap : sprintf("%.2f", ap))
     }
     if (vals["auto_vs_best"] != "") {
       split(vals["auto_vs_best"], ab, " "); mn = 1e9; mx = 0
@@ -781,10 +801,10 @@ awk -F'\t' -v reps="$REPS" -v list="${CONTENDERS[*]}" -v base="${CONTENDERS[0]}"
     }
     print ""
     print "per repetition"
-    printf "%-4s %-17s %8s %8s %8s %11s %14s %9s %7s %8s %11s\n", "rep", "contender", "msg/s", "drain s", "wall s", "CPU us/msg", "broker us/msg", "RSS MiB", "acks", "batches", "acks/batch"
+    printf "%-4s %-17s %8s %8s %8s %11s %14s %10s %9s %7s %8s %11s\n", "rep", "contender", "msg/s", "drain s", "wall s", "CPU us/msg", "broker us/msg", "db us/msg", "RSS MiB", "acks", "batches", "acks/batch"
     for (i = 1; i <= NR; i++) {
       split(line[i], f, "\t")
-      printf "%-4s %-17s %8s %8.2f %8.2f %11s %14s %9s %7s %8s %11s\n", f[1], f[2], f[3], f[4], f[5], f[6], f[7], f[8], f[9], f[10], f[11]
+      printf "%-4s %-17s %8s %8.2f %8.2f %11s %14s %10s %9s %7s %8s %11s\n", f[1], f[2], f[3], f[4], f[5], f[6], f[7], f[12], f[8], f[9], f[10], f[11]
     }
   }' "$RESULTS"
 if [ "$MODE" = balance ]; then

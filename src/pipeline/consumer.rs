@@ -831,6 +831,18 @@ impl Actor for Consumer {
             if let Some(acker) = act.linked().and_then(|l| l.acker.as_mut()) {
                 acker.tick();
             }
+            if act.phase == Phase::Stopping && act.cancel_unanswered() {
+                // Stopping behind a cancel whose stream never ended: the stop goes on; what that
+                // subscription still held unacked goes back to the queue with the channel.
+                warn!(
+                    pipeline = act.config.pipeline,
+                    "a cancelled subscription's stream did not end; stopping without it"
+                );
+                if let Some(linked) = act.linked() {
+                    linked.subscription = Subscription::None;
+                }
+                act.stream_done(ctx);
+            }
             if act.phase != Phase::Running || act.connecting() {
                 return;
             }
