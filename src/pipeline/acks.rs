@@ -8,7 +8,7 @@
 //! waiting out a requeue backoff) must not hold the settled ones behind it: they count against
 //! the prefetch window, which fills, and the broker stops delivering. So when the front has been
 //! held across a watchdog tick ([`Acker::tick`]), or more is settled behind it than the happy
-//! path ever has there (half the window, and more than `batchers - 1` whole batches), the settled
+//! path ever has there (half the window, and more than all but one batch of it), the settled
 //! deliveries behind it are acked one by one (`basic.ack multiple=false`). On the happy path
 //! (batches commit within milliseconds, at most `batchers - 1` batches ahead of the front)
 //! neither happens and the acks stay ordered multi-acks.
@@ -190,8 +190,8 @@ impl Acker {
     }
 
     /// The window of the channel's consumer changed (balancing, the byte budget), or the
-    /// batch inserts in flight: `ahead` deliveries (`batchers - 1` whole batches) may settle
-    /// ahead of the front's batch on the happy path. More than that, and half the window, is
+    /// batch inserts in flight: `ahead` deliveries may settle ahead of the front's batch on the
+    /// happy path (the other batchers' batches; all but the oldest batch of the window). More than that, and half the window, is
     /// what releases the acks behind a held front from now on. Left at the first window, a
     /// grown one would have its second batch acked one by one; at half the window alone, four
     /// batches of 1,000 in a window of 4,096 (the byte budget's cut) had three batches acked

@@ -153,12 +153,14 @@ impl Statements {
         let key_names: Vec<&str> = key.iter().map(|&i| names[i].as_str()).collect();
         let keys = key_names.join(", ");
         let t = table.sql();
-        let insert_new = version
-            .is_none()
-            .then(|| format!("INSERT INTO {t} ({list}) SELECT * FROM {unnest}"));
+        let insert_new = version.is_none().then(|| {
+            format!("INSERT INTO {t} ({list}) SELECT * FROM {unnest} AS v({list}) ORDER BY {keys}")
+        });
         let insert = match version {
             None => format!(
-                "INSERT INTO {t} ({list}) SELECT * FROM {unnest} ON CONFLICT DO NOTHING \
+                // In key order, as the plain insert: copies in other orders wait, not deadlock.
+                "INSERT INTO {t} ({list}) SELECT * FROM {unnest} AS v({list}) ORDER BY {keys} \
+                 ON CONFLICT DO NOTHING \
                  RETURNING {keys}"
             ),
             Some(v) => {
