@@ -578,6 +578,20 @@ db_rate() { # -> "rows rate span_s"
                    (SELECT count(*) FROM $SCHEMA.$TABLE WHERE inserted_at < b.hi) / extract(epoch FROM b.hi - b.lo)
                  END, 0), coalesce(extract(epoch FROM b.hi - b.lo), 0) FROM b" | tr '|' ' '
 }
+# Rate over the first 99% of the backlog, by the database's clock: the rows committed before the
+# batch that brought the table past 99% of N began, over the time from the first batch's start to
+# that batch's start. The last 1% is left out: a drain's last batch is partial whenever the
+# batches stopped lining up with N (a flush at a change of concurrency does that), and a partial
+# batch waits the batch timeout for more, which a backlog of a round N spares the others.
+db_rate99() {
+  psql_q "WITH b AS (SELECT inserted_at t, count(*) n FROM $SCHEMA.$TABLE GROUP BY inserted_at),
+               c AS (SELECT t, sum(n) OVER (ORDER BY t) cum FROM b),
+               lo AS (SELECT min(t) t0 FROM b),
+               hi AS (SELECT min(t) t99 FROM c WHERE cum >= 0.99 * $N)
+          SELECT coalesce(CASE WHEN hi.t99 > lo.t0 THEN
+                   (SELECT sum(n) FROM b WHERE b.t < hi.t99) / extract(epoch FROM hi.t99 - lo.t0) END, 0)
+          FROM lo, hi"
+}
 record() { # rep contender rate drain_s wall_s ticks broker_ticks rss_kb acks batches db_ticks
   awk -v hz="$CLK_TCK" -v n="$N" -v rep="$1" -v c="$2" -v rate="$3" -v drain="$4" -v wall="$5" \
       -v t="$6" -v bt="$7" -v kb="$8" -v acks="$9" -v batches="${10}" -v apb="$(acks_per_batch "$9" "${10}")" \
@@ -655,6 +669,7 @@ run_warren() { # rep contender tag [KEY=VALUE...]
   [ "$disturbed" = 0 ] || { FAIL="warren reconnected or rebuilt its consumer $disturbed time(s) during the drain; see $WARREN_LOG"; return 1; }
   read -r rows dbrate span <<<"$(db_rate)"
   [ "$rows" = "$N" ] || { FAIL="warren left ${rows:-?} rows of $N in $SCHEMA.$TABLE; see $WARREN_LOG"; return 1; }
+  if [ "$MODE" = balance ]; then printf '%s\t%s\t%s\n' "$rep" "$name" "$(db_rate99)" >>"$LOGDIR/rate99.tsv"; fi
   wall=$(seconds_between "$t0" "$t1")
   # One batch only (tiny N): no span between batches; the rate from process start instead.
   if [ "$dbrate" = 0 ]; then dbrate=$(awk -v n="$N" -v w="$wall" 'BEGIN {print n / w}'); span="$wall"; fi
@@ -807,6 +822,16 @@ awk -F'\t' -v reps="$REPS" -v list="${CONTENDERS[*]}" -v base="${CONTENDERS[0]}"
       printf "%-4s %-17s %8s %8.2f %8.2f %11s %14s %10s %9s %7s %8s %11s\n", f[1], f[2], f[3], f[4], f[5], f[6], f[7], f[12], f[8], f[9], f[10], f[11]
     }
   }' "$RESULTS"
+if [ "$MODE" = balance ] && [ -s "$LOGDIR/rate99.tsv" ]; then
+  echo
+  echo "over the first 99% of each backlog (the last partial batch's wait left out; see db_rate99):"
+  awk -F'\t' '{ r[$1, $2] = $3; if ($1 > reps) reps = $1 }
+    END { for (k = 1; k <= reps; k++) { best = 0; bc = ""
+            for (c = 1; c <= 9; c++) if (r[k, "warren_c" c] > best) { best = r[k, "warren_c" c]; bc = "warren_c" c }
+            if (best > 0 && r[k, "warren_auto"] > 0)
+              printf "  rep %d: auto %.0f msg/s against %.0f (%s) = %.3f\n", k, r[k, "warren_auto"], best, bc, r[k, "warren_auto"] / best } }' \
+    "$LOGDIR/rate99.tsv"
+fi
 if [ "$MODE" = balance ]; then
   for curve in "$LOGDIR"/warren_auto-*.curve; do
     [ -f "$curve" ] || continue
