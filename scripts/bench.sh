@@ -78,8 +78,8 @@
 # hold the data path) and the events it dropped and counted (warren_events_dropped_total).
 #
 # Properties bench: the raw drain of backlogs published by examples/publish_props.rs with bare
-# properties (content type, persistent), with the message id and timestamp warren's publisher
-# sets, with those and the x-published-ms header table, and with a traceparent header as well;
+# properties (content type, persistent), with the message id alone, the timestamp alone, both (as
+# warren's publisher sets them), with those and the x-published-ms header table, and with a traceparent header as well;
 # prints, for each, the broker's CPU a message to take the backlog in (publishing with confirms)
 # and to deliver it, and the drain's rate.
 #
@@ -487,7 +487,7 @@ if [ "$MODE" = redis ]; then
   CONTENDERS=(raw_drain warren warren_redis_stop)
 fi
 if [ "$MODE" = props ]; then
-  CONTENDERS=(props_bare props_id_ts props_warren props_traced)
+  CONTENDERS=(props_bare props_id props_ts props_id_ts props_warren props_traced)
 fi
 if [ "$MODE" = balance ]; then
   CONTENDERS=(raw_drain warren_c1 warren_c2 warren_c3 warren_c4 warren_auto)
@@ -682,6 +682,8 @@ measure() { # rep contender tag
   psql_q "TRUNCATE $SCHEMA.$TABLE" >/dev/null || { FAIL="cannot empty $SCHEMA.$TABLE"; return 1; }
   case "$2" in
     props_bare) PROPS=bare ;;
+    props_id) PROPS=id ;;
+    props_ts) PROPS=timestamp ;;
     props_id_ts) PROPS=id,timestamp ;;
     props_warren) PROPS=id,timestamp,published_ms ;;
     props_traced) PROPS=id,timestamp,published_ms,traceparent ;;
@@ -777,6 +779,7 @@ awk -F'\t' -v reps="$REPS" -v list="${CONTENDERS[*]}" -v base="${CONTENDERS[0]}"
     label["warren_mapped"] = "warren, users mapped"; label["warren_wide"] = "warren, 10 columns"
     for (i = 1; i <= 9; i++) label["warren_c" i] = "warren concurrency " i
     label["props_bare"] = "drain, bare properties"; label["props_id_ts"] = "drain, + id, timestamp"
+    label["props_id"] = "drain, + message id"; label["props_ts"] = "drain, + timestamp"
     label["props_warren"] = "drain, + x-published-ms"; label["props_traced"] = "drain, + traceparent"
     label["warren_b"] = "warren B (WARREN_BIN_B)"
     label["warren_auto"] = "warren balance=auto"; label["warren_redis_stop"] = "warren, Redis stopped"
