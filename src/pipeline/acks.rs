@@ -159,6 +159,21 @@ pub fn coalesce(ops: Vec<Op>) -> Vec<Op> {
     out
 }
 
+/// Settled deliveries behind a held front that make the acks go one by one at once, with
+/// `batchers` batch inserts in flight, batches of `batch_size` and a window of `window`: half
+/// the window, and more than the happy path ever settles ahead of the oldest batch, which is
+/// the other batchers' whole batches and, with two batches a batcher in the window (the
+/// default), all but the oldest batch (a batcher's second batch waits behind its first while
+/// the others commit both of theirs). At half the window alone, four batches of 1,000 in a
+/// window of 4,096 (the byte budget's cut) had three batches acked one by one each time the
+/// oldest committed last (the balance bench); at `batchers - 1` batches, four batchers of 200
+/// gave about 13 acks a batch (a review).
+pub fn release_point(window: u16, batchers: usize, batch_size: usize) -> usize {
+    let others = batchers.saturating_sub(1).saturating_mul(batch_size);
+    let ahead = others.max(usize::from(window).saturating_sub(batch_size));
+    usize::from(window / 2).max(ahead + 1)
+}
+
 /// The acks of one channel generation: the tracker, and the task that executes its operations
 /// in order.
 pub struct Acker {
@@ -190,14 +205,11 @@ impl Acker {
     }
 
     /// The window of the channel's consumer changed (balancing, the byte budget), or the
-    /// batch inserts in flight: `ahead` deliveries may settle ahead of the front's batch on the
-    /// happy path (the other batchers' batches; all but the oldest batch of the window). More than that, and half the window, is
-    /// what releases the acks behind a held front from now on. Left at the first window, a
-    /// grown one would have its second batch acked one by one; at half the window alone, four
-    /// batches of 1,000 in a window of 4,096 (the byte budget's cut) had three batches acked
-    /// one by one each time the oldest was the last to commit (found by the balance bench).
-    pub fn set_window(&mut self, window: u16, ahead: usize) {
-        self.release_at = usize::from(window / 2).max(ahead + 1).max(1);
+    /// batch inserts in flight: from now on the acks behind a held front go one by one past
+    /// [`release_point`]. Left at the first window, a grown one would have its second batch
+    /// acked one by one.
+    pub fn set_window(&mut self, window: u16, batchers: usize, batch_size: usize) {
+        self.release_at = release_point(window, batchers, batch_size);
     }
 
     /// Records deliveries (tags grow on a channel).
@@ -390,6 +402,18 @@ mod tests {
         t.settle(4, Disposition::Requeue, &mut ops);
         assert_eq!(ops, [Op::Requeue(4)]);
         assert!(t.is_empty());
+    }
+
+    #[test]
+    fn the_release_point_is_past_what_the_happy_path_settles_ahead() {
+        // Defaults: 2 batchers of 1,000 in a window of 4,000: all but the oldest batch.
+        assert_eq!(release_point(4000, 2, 1000), 3001);
+        // The byte budget's cap under 4 batchers: three whole batches may be ahead.
+        assert_eq!(release_point(4096, 4, 1000), 3097);
+        // A window smaller than the batchers' batches: their batches decide.
+        assert_eq!(release_point(1000, 8, 500), 3501);
+        // A window smaller than a batch: half of it.
+        assert_eq!(release_point(100, 1, 1000), 50);
     }
 
     #[test]

@@ -801,17 +801,6 @@ fn cancel(channel: &Channel, tag: String) {
     });
 }
 
-/// How many deliveries may be settled ahead of the oldest unsettled one on the happy path, with
-/// `batchers` batch inserts in flight, batches of `batch_size` and a window of `window`: the
-/// other batchers' whole batches, and with two batches a batcher in the window (the default),
-/// all but the oldest batch (a batcher's second batch waits behind its first while the others
-/// commit both of theirs). Acks go one by one only past this (see `acks.rs`); a review found
-/// about 13 acks a batch at 4 batchers of 200 with `batchers - 1` batches alone.
-fn settled_ahead(batchers: usize, batch_size: usize, window: u16) -> usize {
-    let others = batchers.saturating_sub(1).saturating_mul(batch_size);
-    others.max(usize::from(window).saturating_sub(batch_size))
-}
-
 /// Connects and sets the prefetch; subscribing is left to [`Consumer::maybe_subscribe`].
 async fn open(
     settings: &Settings,
@@ -1085,11 +1074,7 @@ impl Handler<Subscribed> for Consumer {
     fn handle(&mut self, msg: Subscribed, ctx: &mut Self::Context) {
         let running = self.phase == Phase::Running;
         let current = msg.generation == self.generation;
-        let ahead = settled_ahead(
-            self.dispatch.batchers(),
-            self.dispatch.batch_size(),
-            msg.window,
-        );
+        let (batchers, batch_size) = (self.dispatch.batchers(), self.dispatch.batch_size());
         let Some(linked) = self.linked().filter(|_| current) else {
             // The link it was made on is gone, and the subscription with it.
             return;
@@ -1105,7 +1090,7 @@ impl Handler<Subscribed> for Consumer {
             Ok(consumer) => {
                 linked.window = msg.window;
                 if let Some(acker) = linked.acker.as_mut() {
-                    acker.set_window(msg.window, ahead);
+                    acker.set_window(msg.window, batchers, batch_size);
                 }
                 linked.subscription = Subscription::Active(msg.tag.clone());
                 self.largest = 0;
@@ -1171,9 +1156,8 @@ impl Handler<SetConcurrency> for Consumer {
         let batch_size = self.dispatch.batch_size();
         if let Some(linked) = self.linked() {
             let window = linked.window;
-            let ahead = settled_ahead(before.max(batchers), batch_size, window);
             if let Some(acker) = linked.acker.as_mut() {
-                acker.set_window(window, ahead);
+                acker.set_window(window, before.max(batchers), batch_size);
             }
         }
         self.config.prefetch = msg.prefetch.max(1);
