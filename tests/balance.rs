@@ -393,6 +393,41 @@ async fn orders_count(env: &TestEnv) -> i64 {
         .unwrap_or(0)
 }
 
+/// warren running users and an `orders` pipeline balanced by `strategy`, both at their
+/// minimum; what it made (names, table, config file, Redis keys) goes when it is dropped.
+struct WithOrders {
+    names: PipelineNames,
+    warren: Warren,
+    _logs: LogsOnPanic,
+    _dir: tempfile::TempDir,
+    _cleanup: PipelineCleanup,
+    _redis: RedisCleanup,
+}
+
+impl WithOrders {
+    async fn start(env: &TestEnv, strategy: &str, cooldown_ms: u64) -> Self {
+        let names = PipelineNames::of(env, "orders");
+        let cleanup = names.cleanup();
+        let redis = RedisCleanup::new(env);
+        let dir = tempfile::tempdir().expect("temp dir");
+        let file = orders_pipeline(env, &names, &dir, strategy, cooldown_ms).await;
+        let warren = env.start(&["--config", &file, "--roles", "consumer"]);
+        let logs = LogsOnPanic(vec![warren.log.clone()]);
+        wait_until("both gauges at min", Duration::from_secs(30), || async {
+            concurrency(env, "main").await == 1.0 && concurrency(env, "orders").await == 1.0
+        })
+        .await;
+        WithOrders {
+            names,
+            warren,
+            _logs: logs,
+            _dir: dir,
+            _cleanup: cleanup,
+            _redis: redis,
+        }
+    }
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn two_pipelines_share_the_process_budget_by_backlog() {
     let mut env = TestEnv::new("bal_budget").await;
@@ -401,17 +436,8 @@ async fn two_pipelines_share_the_process_budget_by_backlog() {
         .set("USERS_MAX_CONCURRENCY", "6")
         .set("USERS_SCALE_THRESHOLD", "500")
         .set("MAX_INSERTS_IN_FLIGHT", "5");
-    let names = PipelineNames::of(&env, "orders");
-    let _cleanup = names.cleanup();
-    let _redis = RedisCleanup::new(&env);
-    let dir = tempfile::tempdir().expect("temp dir");
-    let file = orders_pipeline(&env, &names, &dir, "simple", 700).await;
-    let warren = env.start(&["--config", &file, "--roles", "consumer"]);
-    let _logs = LogsOnPanic(vec![warren.log.clone()]);
-    wait_until("both gauges at min", Duration::from_secs(30), || async {
-        concurrency(&env, "main").await == 1.0 && concurrency(&env, "orders").await == 1.0
-    })
-    .await;
+    let run = WithOrders::start(&env, "simple", 700).await;
+    let names = &run.names;
     let samples = Samples::start(&env, &["main", "orders"]);
     let (code, out, err) = env.run_async(&["ctl", "pause", "--all"]).await;
     assert_eq!(code, 0, "{out}{err}");
@@ -423,7 +449,7 @@ async fn two_pipelines_share_the_process_budget_by_backlog() {
     })
     .await;
     // Then orders gets a backlog twice users': the budget moves to it, by backlog.
-    publish_orders(&env, &names, 12_000).await;
+    publish_orders(&env, names, 12_000).await;
     wait_until(
         "orders holds the larger share",
         Duration::from_secs(15),
@@ -459,21 +485,13 @@ async fn two_auto_pipelines_climb_within_the_process_budget() {
         .set("USERS_SCALE_UP_THRESHOLD", "500")
         .set("USERS_SCALE_DOWN_THRESHOLD", "100")
         .set("MAX_INSERTS_IN_FLIGHT", "4");
-    let names = PipelineNames::of(&env, "orders");
-    let _cleanup = names.cleanup();
-    let _redis = RedisCleanup::new(&env);
-    let dir = tempfile::tempdir().expect("temp dir");
-    let file = orders_pipeline(&env, &names, &dir, "auto", 300).await;
-    let warren = env.start(&["--config", &file, "--roles", "consumer"]);
-    let _logs = LogsOnPanic(vec![warren.log.clone()]);
-    wait_until("both gauges at min", Duration::from_secs(30), || async {
-        concurrency(&env, "main").await == 1.0 && concurrency(&env, "orders").await == 1.0
-    })
-    .await;
+    let run = WithOrders::start(&env, "auto", 300).await;
+    let names = &run.names;
+    let warren = &run.warren;
     let samples = Samples::start(&env, &["main", "orders"]);
     let (users, orders) = tokio::join!(
         env.publish_users(20_000),
-        publish_orders(&env, &names, 20_000)
+        publish_orders(&env, names, 20_000)
     );
     wait_until("every row", Duration::from_secs(180), || async {
         env.count_rows().await == 20_000 && orders_count(&env).await == 20_000
@@ -545,12 +563,7 @@ async fn concurrency_changing_under_load_loses_and_repeats_nothing() {
     // Every delivery was acked, in multi-acks: a resubscription never left a delivery behind
     // the front (the balance bench found one left for ever, after which every ack went one by
     // one and the last ones were still unacked at the stop).
-    let acks = try_metric(&env, "warren_amqp_acks_total", &[("pipeline", "main")])
-        .await
-        .unwrap_or(0.0);
-    let batches = try_metric(&env, "warren_batch_size_count", &[("pipeline", "main")])
-        .await
-        .unwrap_or(0.0);
+    let (acks, batches) = acks_and_batches(&env).await;
     assert!(
         batches > 0.0 && acks <= 2.0 * batches,
         "{acks} acks for {batches} batches:\n{}",
@@ -628,12 +641,7 @@ async fn windows_changing_under_a_deep_backlog_leave_no_delivery_unacked() {
     let samples = Samples::start(&env, &["main"]);
     let expected: HashSet<Uuid> = ids.into_iter().collect();
     assert_rows_exactly(&env, &expected, Duration::from_secs(120), &|| warren.logs()).await;
-    let acks = try_metric(&env, "warren_amqp_acks_total", &[("pipeline", "main")])
-        .await
-        .unwrap_or(0.0);
-    let batches = try_metric(&env, "warren_batch_size_count", &[("pipeline", "main")])
-        .await
-        .unwrap_or(0.0);
+    let (acks, batches) = acks_and_batches(&env).await;
     assert!(
         samples.values().len() >= 3,
         "the window changed: {:?}",

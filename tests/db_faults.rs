@@ -396,30 +396,31 @@ async fn a_primary_that_turns_read_only_sends_warren_to_the_next_host() {
 /// against the mapping before it consumes anything.
 fn mapped_users(env: &TestEnv) -> String {
     format!(
-        r#"
-[[pipelines]]
-name = "users"
-table = "users"
-key = ["id"]
-main_exchange = "{}"
-main_queue = "{}"
-retry_exchange = "{}"
-retry_queue = "{}"
-dlx_exchange = "{}"
-dlq_queue = "{}"
-
-[pipelines.columns]
-id    = {{ path = "/id", type = "uuid" }}
-name  = {{ path = "/name", type = "text", min_len = 1, max_len = 200 }}
-email = {{ path = "/email", type = "text", format = "email", max_len = 254 }}
-"#,
-        env.main_exchange,
-        env.main_queue,
-        env.retry_exchange,
-        env.retry_queue,
-        env.dlx_exchange,
-        env.dlq_queue
+        "[[pipelines]]\nname = \"users\"\ntable = \"users\"\nkey = [\"id\"]\n{}\n\
+         [pipelines.columns]\n\
+         id    = {{ path = \"/id\", type = \"uuid\" }}\n\
+         name  = {{ path = \"/name\", type = \"text\", min_len = 1, max_len = 200 }}\n\
+         email = {{ path = \"/email\", type = \"text\", format = \"email\", max_len = 254 }}\n",
+        PipelineNames::of_env(env).toml()
     )
+}
+
+/// Starts `warren run` with the config `file` and waits until it logs that it waits for the
+/// database to check the pipelines' tables.
+async fn start_waiting_for_the_database(env: &TestEnv, file: &str) -> Warren {
+    let warren = env.start(&["--config", file, "--roles", "consumer"]);
+    let _logs = LogsOnPanic(vec![warren.log.clone()]);
+    wait_until(
+        "the wait for the database in the log",
+        Duration::from_secs(30),
+        || async {
+            warren
+                .logs()
+                .contains("cannot check the pipelines' tables yet")
+        },
+    )
+    .await;
+    warren
 }
 
 /// A warren started while its database is away (refused, then silent) neither exits nor
@@ -439,7 +440,6 @@ async fn a_database_away_at_start_is_waited_for_and_a_sigterm_ends_the_wait() {
     env.set("DATABASE_URL", proxy.url())
         .set("DATABASE_STATEMENT_TIMEOUT_MS", "3000");
     let ids = env.publish_users(300).await;
-    let waiting = "cannot check the pipelines' tables yet";
 
     for silent in [false, true] {
         if silent {
@@ -448,14 +448,8 @@ async fn a_database_away_at_start_is_waited_for_and_a_sigterm_ends_the_wait() {
         } else {
             proxy.cut();
         }
-        let mut warren = env.start(&["--config", &file, "--roles", "consumer"]);
+        let mut warren = start_waiting_for_the_database(&env, &file).await;
         let _logs = LogsOnPanic(vec![warren.log.clone()]);
-        wait_until(
-            "the wait for the database in the log",
-            Duration::from_secs(30),
-            || async { warren.logs().contains(waiting) },
-        )
-        .await;
         assert!(warren.is_running(), "warren exited:\n{}", warren.logs());
         assert_eq!(
             env.queue_state(&env.main_queue).await,
@@ -475,14 +469,8 @@ async fn a_database_away_at_start_is_waited_for_and_a_sigterm_ends_the_wait() {
 
     // Away again at start, then back: warren goes on by itself and consumes everything once.
     proxy.cut();
-    let mut warren = env.start(&["--config", &file, "--roles", "consumer"]);
+    let mut warren = start_waiting_for_the_database(&env, &file).await;
     let _logs = LogsOnPanic(vec![warren.log.clone()]);
-    wait_until(
-        "the wait for the database in the log",
-        Duration::from_secs(30),
-        || async { warren.logs().contains(waiting) },
-    )
-    .await;
     proxy.restore();
     let expected: HashSet<Uuid> = ids.into_iter().collect();
     assert_rows_exactly(&env, &expected, Duration::from_secs(60), &|| warren.logs()).await;

@@ -574,12 +574,7 @@ async fn copies_in_other_orders_from_two_instances_do_not_deadlock() {
         format!("{}\n{}", a.logs(), b.logs())
     })
     .await;
-    let acks = try_metric(&env, "warren_amqp_acks_total", &[("pipeline", "main")])
-        .await
-        .unwrap_or(0.0);
-    let batches = try_metric(&env, "warren_batch_size_count", &[("pipeline", "main")])
-        .await
-        .unwrap_or(0.0);
+    let (acks, batches) = acks_and_batches(&env).await;
     a.terminate_ok(Duration::from_secs(30));
     b.terminate_ok(Duration::from_secs(30));
     let logs = format!("{}\n{}", a.logs(), b.logs());

@@ -181,6 +181,16 @@ pub async fn try_metric(env: &TestEnv, name: &str, labels: &[(&str, &str)]) -> O
     (!values.is_empty()).then(|| values.iter().sum())
 }
 
+/// `basic.ack` frames sent and batches inserted by the users stage (`main`) so far: about one
+/// ack a batch on the happy path (multi-acks), far more when acks go one by one.
+pub async fn acks_and_batches(env: &TestEnv) -> (f64, f64) {
+    let of = |name| try_metric(env, name, &[("pipeline", "main")]);
+    (
+        of("warren_amqp_acks_total").await.unwrap_or(0.0),
+        of("warren_batch_size_count").await.unwrap_or(0.0),
+    )
+}
+
 /// Waits until `/metrics` answers and `condition` holds on its scrape; returns that scrape.
 /// Panics after `timeout` with the last scrape and warren's log.
 pub async fn wait_scrape(

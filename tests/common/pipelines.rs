@@ -28,6 +28,19 @@ impl PipelineNames {
         }
     }
 
+    /// The env's own topology names (`MAIN_EXCHANGE`, ...), for a pipeline declared on the
+    /// queues the env already has (users as a configured pipeline); the env deletes them.
+    pub fn of_env(env: &TestEnv) -> Self {
+        PipelineNames {
+            exchange: env.main_exchange.clone(),
+            queue: env.main_queue.clone(),
+            retry_exchange: env.retry_exchange.clone(),
+            retry: env.retry_queue.clone(),
+            dlx: env.dlx_exchange.clone(),
+            dlq: env.dlq_queue.clone(),
+        }
+    }
+
     /// The names as the lines of a `[[pipelines]]` entry.
     pub fn toml(&self) -> String {
         format!(
