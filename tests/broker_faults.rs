@@ -216,3 +216,47 @@ async fn the_consumer_comes_back_after_its_queue_is_deleted_and_redeclared() {
     .await;
     assert!(warren.terminate(Duration::from_secs(25)).success());
 }
+
+/// A subscription warren cancels (here for a pause) whose end never comes back (the link goes
+/// silent: no cancel-ok, no closed socket, no heartbeats to miss) must not hold the pipeline for
+/// ever: after the connect timeout warren rebuilds the link, the deliveries it held go back to the
+/// queue with the old channel, and once the broker answers again and the pipeline is resumed every
+/// message lands once and nothing stays in the queue.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_cancel_that_is_never_answered_rebuilds_the_link_and_loses_nothing() {
+    let _serial = SERIAL.lock().await;
+    let mut env = TestEnv::new("cancel_silent").await;
+    let proxy = TcpProxy::start(&amqp_url(), 5672).await;
+    env.set("AMQP_URL", proxy.url())
+        .set("AMQP_HEARTBEAT_S", "0")
+        .set("AMQP_CONNECT_TIMEOUT_MS", "2000")
+        .set("USERS_BATCH_SIZE", "100");
+    env.declare();
+    let _redis = RedisCleanup::new(&env);
+    let expected: HashSet<Uuid> = env.publish_users(20_000).await.into_iter().collect();
+    let mut warren = env.start(&["--roles", "consumer"]);
+    let _logs = LogsOnPanic(vec![warren.log.clone()]);
+    wait_until("the first rows", Duration::from_secs(30), || async {
+        env.count_rows().await > 0
+    })
+    .await;
+    proxy.freeze();
+    let (code, out, err) = env.run_async(&["ctl", "pause", "--all"]).await;
+    assert_eq!(code, 0, "{out}{err}");
+    wait_until(
+        "the unanswered cancel noticed",
+        Duration::from_secs(30),
+        || async {
+            warren
+                .logs()
+                .contains("a cancelled subscription's stream did not end; rebuilding the link")
+        },
+    )
+    .await;
+    proxy.thaw();
+    let (code, out, err) = env.run_async(&["ctl", "resume", "--all"]).await;
+    assert_eq!(code, 0, "{out}{err}");
+    assert_all_once(&env, &expected, &warren).await;
+    warren.terminate_ok(Duration::from_secs(30));
+    assert_eq!(env.queue_state(&env.main_queue).await, (0, 0));
+}
