@@ -3,7 +3,9 @@
 //! can set, so the bench can tell what each costs the broker to take in and to deliver.
 //! Publisher confirms are awaited by a second task, at most 10,000 outstanding.
 //!
-//! `--props` is a comma-separated list of: `id` (message id), `timestamp` (the AMQP timestamp,
+//! `--props` is a comma-separated list of: `id` (message id, the hyphenated UUID), `id32` (the
+//! same UUID as 32 hex digits), `id:N` (a message id of N characters, to find the size at which
+//! the broker's cost changes), `no_content_type` (without the content type), `timestamp` (the AMQP timestamp,
 //! seconds), `published_ms` (the `x-published-ms` header table), `traceparent` (a W3C
 //! traceparent header); `bare` for none of them (content type and delivery mode only).
 //!
@@ -32,8 +34,8 @@ struct Args {
     /// How many messages.
     #[arg(long)]
     count: usize,
-    /// Properties beyond content type and delivery mode: bare, or a list of id, timestamp,
-    /// published_ms, traceparent.
+    /// Properties beyond content type and delivery mode: bare, or a list of id, id32, id:N,
+    /// no_content_type, timestamp, published_ms, traceparent.
     #[arg(long, default_value = "bare")]
     props: String,
 }
@@ -41,6 +43,9 @@ struct Args {
 #[derive(Default)]
 struct Props {
     id: bool,
+    id32: bool,
+    id_len: Option<usize>,
+    no_content_type: bool,
     timestamp: bool,
     published_ms: bool,
     traceparent: bool,
@@ -52,12 +57,25 @@ fn parse_props(list: &str) -> Result<Props, String> {
         match name {
             "bare" => {}
             "id" => p.id = true,
+            "id32" => p.id32 = true,
+            "no_content_type" => p.no_content_type = true,
+            other if other.starts_with("id:") => {
+                let n = other[3..]
+                    .parse::<usize>()
+                    .ok()
+                    .filter(|n| (1..=255).contains(n));
+                p.id_len = Some(n.ok_or_else(|| {
+                    format!(
+                        "--props: '{other}': id:N needs N from 1 to 255 (the message id's length)"
+                    )
+                })?);
+            }
             "timestamp" => p.timestamp = true,
             "published_ms" => p.published_ms = true,
             "traceparent" => p.traceparent = true,
             other => {
                 return Err(format!(
-                    "--props: unknown property '{other}'; expected bare or a list of id, timestamp, published_ms, traceparent"
+                    "--props: unknown property '{other}'; expected bare or a list of id, id32, id:N, no_content_type, timestamp, published_ms, traceparent"
                 ));
             }
         }
@@ -65,15 +83,23 @@ fn parse_props(list: &str) -> Result<Props, String> {
     Ok(p)
 }
 
-fn properties(p: &Props, id: &str) -> BasicProperties {
+fn properties(p: &Props, id: &Uuid) -> BasicProperties {
     let now = SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .unwrap_or_default();
-    let mut props = BasicProperties::default()
-        .with_delivery_mode(2)
-        .with_content_type("application/json".into());
+    let mut props = BasicProperties::default().with_delivery_mode(2);
+    if !p.no_content_type {
+        props = props.with_content_type("application/json".into());
+    }
     if p.id {
-        props = props.with_message_id(id.into());
+        props = props.with_message_id(id.to_string().into());
+    }
+    if let Some(n) = p.id_len {
+        let hex = id.simple().to_string().repeat(8);
+        props = props.with_message_id(hex[..n].into());
+    }
+    if p.id32 {
+        props = props.with_message_id(id.simple().to_string().into());
     }
     if p.timestamp {
         props = props.with_timestamp(now.as_secs());
@@ -134,7 +160,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
                     ..Default::default()
                 },
                 body.as_bytes(),
-                properties(&props, &id.to_string()),
+                properties(&props, &id),
             )
             .await?;
         confirm_tx.send(confirm).await?;

@@ -22,6 +22,11 @@
 # WARREN_BIN=path measures another build of warren; WARREN_BIN_B=path adds to the drain bench a
 # contender warren_b, that build with default settings, for an A/B in one run (its ratios to the
 # raw drain and to warren of the same repetitions); BENCH_TIMEOUT_S (600) bounds one drain.
+# BENCH_PERF=1 profiles every drain of the drain, wide and props benches with `perf record -a -g`
+# (the whole machine: broker, PostgreSQL and the contender) and writes beside its log a
+# `<tag>.perf.txt`: the share of CPU samples per thread name (beam's schedulers, postgres, the
+# contender's threads) and the top symbols of each. The sampling costs a few percent: take the
+# figures of a run without it.
 # BENCH_PIN=1 gives the broker CPU 0 to itself and runs PostgreSQL and the contenders on the other
 # CPUs (as where the broker has its own host); needs root, restores the CPU masks at exit.
 #
@@ -78,10 +83,12 @@
 # hold the data path) and the events it dropped and counted (warren_events_dropped_total).
 #
 # Properties bench: the raw drain of backlogs published by examples/publish_props.rs with bare
-# properties (content type, persistent), with the message id alone, the timestamp alone, both (as
-# warren's publisher sets them), with those and the x-published-ms header table, and with a traceparent header as well;
-# prints, for each, the broker's CPU a message to take the backlog in (publishing with confirms)
-# and to deliver it, and the drain's rate.
+# properties (content type, persistent), with the message id alone, the timestamp alone, both (the
+# id hyphenated, 65 bytes of properties, and as 32 hex digits, 61 bytes), with those and the
+# x-published-ms header table, and with a traceparent header as well; prints, for each, the
+# broker's CPU a message to take the backlog in (publishing with confirms) and to deliver it, and
+# the drain's rate. PROPS_SETS="bare id:43 id:44" measures those sets instead (examples/
+# publish_props.rs --props: id:N is a message id of N characters).
 #
 # QUEUE_TYPE=quorum runs every contender (raw drain and minimal pipeline included) on quorum
 # queues (warren_bench_*_quorum, deleted at the end): warren's drain of a quorum queue against the
@@ -259,18 +266,23 @@ STAGE=main
 # Sum of a metric's samples for the users stage (or without labels), read with bash alone so
 # that polling spawns no process while warren is measured; empty if warren has not exported it.
 metric_now() { # PORT NAME
-  local line sum="" value
+  # The page in one read, searched as one string: bash reads a socket line by line a byte a
+  # syscall, and loops over lines slowly (15 ms of CPU a poll, 7% of the machine during a quorum
+  # drain, all of it charged to warren's runs; now under 1 ms).
+  local page rest re line sum="" value
   { exec 3<>"/dev/tcp/127.0.0.1/$1"; } 2>/dev/null || return 0
   printf 'GET /metrics HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n' >&3
-  while IFS= read -r line <&3; do
-    line="${line%$'\r'}"
-    case "$line" in
-      "$2 "*|"$2{"*)
-        case "$line" in *pipeline=*) [[ "$line" == *"pipeline=\"$STAGE\""* ]] || continue ;; esac
-        value="${line##* }"; sum=$(( ${sum:-0} + ${value%%.*} )) ;;
-    esac
-  done
+  IFS= read -r -d '' -N 4194304 page <&3 || true
   exec 3<&-
+  # Each line `NAME VALUE` or `NAME{labels} VALUE`, by regex (a glob `*X*` that fails is
+  # quadratic in bash).
+  rest=$'\n'"${page//$'\r'/}"
+  re=$'\n'"$2"$'([ {][^\n]*)(.*)'
+  while [[ "$rest" =~ $re ]]; do
+    line="${BASH_REMATCH[1]}"; rest="${BASH_REMATCH[2]}"
+    case "$line" in *pipeline=*) [[ "$line" == *"pipeline=\"$STAGE\""* ]] || continue ;; esac
+    value="${line##* }"; sum=$(( ${sum:-0} + ${value%%.*} ))
+  done
   printf '%s' "$sum"
 }
 metric_file() { # FILE NAME: the same from a saved scrape (awk, after the measurement)
@@ -292,6 +304,7 @@ stop_child() { # SIGTERM, wait up to 30 s, then SIGKILL; sets STOP_RC (not in a 
 }
 cleanup() {
   local rc=$?
+  [ -z "${PERF_PID:-}" ] || kill -INT "$PERF_PID" 2>/dev/null || true
   if [ -n "$CHILD" ] && kill -0 "$CHILD" 2>/dev/null; then stop_child; fi
   purge_queues
   if [ "${QUEUE_TYPE:-classic}" = quorum ]; then
@@ -487,7 +500,11 @@ if [ "$MODE" = redis ]; then
   CONTENDERS=(raw_drain warren warren_redis_stop)
 fi
 if [ "$MODE" = props ]; then
-  CONTENDERS=(props_bare props_id props_ts props_id_ts props_warren props_traced)
+  CONTENDERS=(props_bare props_id props_ts props_id_ts props_id32_ts props_warren props_traced)
+  # PROPS_SETS="bare id:43 id:44": these sets of properties instead (publish_props --props).
+  if [ -n "${PROPS_SETS:-}" ]; then
+    CONTENDERS=(); for set in $PROPS_SETS; do CONTENDERS+=("props=$set"); done
+  fi
 fi
 if [ "$MODE" = balance ]; then
   CONTENDERS=(raw_drain warren_c1 warren_c2 warren_c3 warren_c4 warren_auto)
@@ -608,15 +625,39 @@ field() { # KEY LINE: the value of key=value in an example's output line
 }
 seconds_between() { awk -v a="$1" -v b="$2" 'BEGIN {print b - a}'; }
 
+perf_start() { # tag; with BENCH_PERF=1, samples the whole machine until perf_stop
+  PERF_PID=""
+  [ "${BENCH_PERF:-0}" = 1 ] || return 0
+  perf record -a -g -F 499 -o "$LOGDIR/$1.perf.data" >/dev/null 2>&1 &
+  PERF_PID=$!; PERF_TAG="$1"
+  sleep 0.2
+}
+perf_stop() { # writes $LOGDIR/<tag>.perf.txt: CPU by thread name, then the top symbols of each
+  [ -n "${PERF_PID:-}" ] || return 0
+  kill -INT "$PERF_PID" 2>/dev/null; wait "$PERF_PID" 2>/dev/null || true
+  local data="$LOGDIR/$PERF_TAG.perf.data" out="$LOGDIR/$PERF_TAG.perf.txt"
+  {
+    echo "# CPU samples by thread name (whole machine, 499 Hz)"
+    perf report -i "$data" --sort comm --stdio --no-children -g none --percent-limit 0.5 2>/dev/null | grep -v '^$'
+    echo
+    echo "# top symbols by thread name and library"
+    perf report -i "$data" --sort comm,dso,sym --stdio --no-children -g none --percent-limit 0.4 2>/dev/null | grep -v '^$'
+  } >"$out"
+  rm -f "$data"; PERF_PID=""
+  say "profile: $out"
+}
+
 run_example() { # rep contender tag example args...
   local rep="$1" name="$2" tag="$3" ex="$4"; shift 4
   local out="$LOGDIR/$tag.out" err="$LOGDIR/$tag.err" b0 b1 p0 p1 t0 t1 rc=0 line rate drain rows dbrate span
+  perf_start "$tag"
   p0=$(pg_ticks); b0=$(broker_ticks); t0=$(now)
   "$EX/$ex" "$@" >"$out" 2>"$err" &
   CHILD=$!
   wait "$CHILD" || rc=$?
   CHILD=""
   t1=$(now); b1=$(broker_ticks); p1=$(pg_ticks)
+  perf_stop
   [ "$rc" = 0 ] || { FAIL="$ex failed (status $rc): $(tail -1 "$err"); see $err"; return 1; }
   line=$(tail -1 "$out")
   rate=$(field rate "$line"); drain=$(field secs "$line")
@@ -634,6 +675,7 @@ run_example() { # rep contender tag example args...
 run_warren() { # rep contender tag [KEY=VALUE...]
   local rep="$1" name="$2" tag="$3"; shift 3
   local b0 b1 p0 p1 t0 t1 inserted deadline rows dbrate span wall disturbed
+  perf_start "$tag"
   p0=$(pg_ticks); b0=$(broker_ticks); t0=$(now)
   start_warren "$LOGDIR/$tag.log" "$@"
   deadline=$((SECONDS + TIMEOUT_S))
@@ -660,6 +702,7 @@ run_warren() { # rep contender tag [KEY=VALUE...]
     fi
   done
   t1=$(now); b1=$(broker_ticks); p1=$(pg_ticks)
+  perf_stop
   read_warren "$LOGDIR/$tag.metrics"
   stop_warren
   # A reconnect or a rebuilt consumer during the drain (someone closed the connections) makes
@@ -685,12 +728,14 @@ measure() { # rep contender tag
     props_id) PROPS=id ;;
     props_ts) PROPS=timestamp ;;
     props_id_ts) PROPS=id,timestamp ;;
+    props_id32_ts) PROPS=id32,timestamp ;;
     props_warren) PROPS=id,timestamp,published_ms ;;
     props_traced) PROPS=id,timestamp,published_ms,traceparent ;;
+    props=*) PROPS="${2#props=}" ;;
   esac
   fill_queue "$LOGDIR/$3.publish.log" || return 1
   case "$2" in
-    props_*)          run_example "$1" "$2" "$3" raw_drain --count "$N" || return 1
+    props_*|props=*)  run_example "$1" "$2" "$3" raw_drain --count "$N" || return 1
                       awk -v hz="$CLK_TCK" -v n="$N" -v r="$1" -v c="$2" -v t="$PUBLISH_BROKER_TICKS" \
                         '/^published/ { rate = $NF == "msg/s" ? $(NF - 1) : "" } END {
                           printf "%s\t%s\t%s\t%s\n", r, c, (t >= 0 ? sprintf("%.2f", t / hz * 1e6 / n) : "n/a"), rate }' \
@@ -780,6 +825,7 @@ awk -F'\t' -v reps="$REPS" -v list="${CONTENDERS[*]}" -v base="${CONTENDERS[0]}"
     for (i = 1; i <= 9; i++) label["warren_c" i] = "warren concurrency " i
     label["props_bare"] = "drain, bare properties"; label["props_id_ts"] = "drain, + id, timestamp"
     label["props_id"] = "drain, + message id"; label["props_ts"] = "drain, + timestamp"
+    label["props_id32_ts"] = "drain, + 32-hex id, timestamp"
     label["props_warren"] = "drain, + x-published-ms"; label["props_traced"] = "drain, + traceparent"
     label["warren_b"] = "warren B (WARREN_BIN_B)"
     label["warren_auto"] = "warren balance=auto"; label["warren_redis_stop"] = "warren, Redis stopped"
@@ -806,7 +852,7 @@ awk -F'\t' -v reps="$REPS" -v list="${CONTENDERS[*]}" -v base="${CONTENDERS[0]}"
       br = median(vals[c SUBSEP "broker"]); ap = median(vals[c SUBSEP "apb"]); db = median(vals[c SUBSEP "db"])
       sr = (c == base) ? "-" : spread(vals[c SUBSEP "vs_raw"])
       sm = (vm == "-" || vm == "n/a") ? "-" : spread(vals[c SUBSEP "vs_min"])
-      printf "%-22s %8.0f %7.2f %10s %11s %10s %11.2f %14s %10s %13.1f %11s\n", label[c], median(vals[c SUBSEP "rate"]),
+      printf "%-22s %8.0f %7.2f %10s %11s %10s %11.2f %14s %10s %13.1f %11s\n", (c in label) ? label[c] : c, median(vals[c SUBSEP "rate"]),
         median(vals[c SUBSEP "vs_raw"]), sr, vm, sm, median(vals[c SUBSEP "cpu"]),
         (br == "n/a" ? br : sprintf("%.2f", br)), (db == "n/a" ? db : sprintf("%.2f", db)),
         median(vals[c SUBSEP "rss"]), (ap == "n/a" ? ap : sprintf("%.2f", ap))
