@@ -155,7 +155,7 @@ pub fn replay_headers(json: &serde_json::Value) -> Result<FieldTable, String> {
     Ok(table)
 }
 
-/// Properties of a replayed parked message: persistent JSON, the row's message id and the
+/// Properties of a replayed parked message: persistent, the row's message id and the
 /// headers of [`replay_headers`]. A message id longer than AMQP allows (255 bytes) cannot be
 /// published.
 pub(super) fn parked_properties(
@@ -173,7 +173,6 @@ pub(super) fn parked_properties(
         Some(id) => json_properties(id, false),
         None => BasicProperties::default()
             .with_delivery_mode(2)
-            .with_content_type("application/json".into())
             .with_timestamp(now_s()),
     };
     // Through the republish policy like every copy warren publishes (`amqp::republish`).
