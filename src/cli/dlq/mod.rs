@@ -503,11 +503,15 @@ mod tests {
     }
 
     #[test]
-    fn parked_properties_are_persistent_with_zero_retries() {
+    fn parked_properties_are_persistent_json_with_zero_retries() {
         let none = serde_json::Value::Null;
         let p = parked_properties(Some("m1"), &none).unwrap();
         assert_eq!(p.message_id().as_ref().unwrap().as_str(), "m1");
         assert_eq!(*p.delivery_mode(), Some(2));
+        assert_eq!(
+            p.content_type().as_ref().unwrap().as_str(),
+            "application/json"
+        );
         assert_eq!(headers::retries(&p), headers::Retries::Count(0));
         assert!(
             parked_properties(None, &none)

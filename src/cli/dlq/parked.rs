@@ -155,7 +155,7 @@ pub fn replay_headers(json: &serde_json::Value) -> Result<FieldTable, String> {
     Ok(table)
 }
 
-/// Properties of a replayed parked message: persistent, the row's message id and the
+/// Properties of a replayed parked message: persistent JSON, the row's message id and the
 /// headers of [`replay_headers`]. A message id longer than AMQP allows (255 bytes) cannot be
 /// published.
 pub(super) fn parked_properties(
@@ -170,9 +170,12 @@ pub(super) fn parked_properties(
             ));
         }
         // Its headers are the parked ones (below), never a new latency header.
-        Some(id) => json_properties(id, false),
+        // With the content type, unlike a fresh message: a replay always carries a header table
+        // (x-retries), so its properties pass 64 bytes anyway (`json_properties`).
+        Some(id) => json_properties(id, false).with_content_type("application/json".into()),
         None => BasicProperties::default()
             .with_delivery_mode(2)
+            .with_content_type("application/json".into())
             .with_timestamp(now_s()),
     };
     // Through the republish policy like every copy warren publishes (`amqp::republish`).
