@@ -243,16 +243,12 @@ async fn a_cancel_that_is_never_answered_rebuilds_the_link_and_loses_nothing() {
     proxy.freeze();
     let (code, out, err) = env.run_async(&["ctl", "pause", "--all"]).await;
     assert_eq!(code, 0, "{out}{err}");
-    wait_until(
-        "the unanswered cancel noticed",
-        Duration::from_secs(30),
-        || async {
-            warren
-                .logs()
-                .contains("a cancelled subscription's stream did not end; rebuilding the link")
-        },
-    )
-    .await;
+    warren
+        .wait_for_log(
+            "the unanswered cancel noticed",
+            "a cancelled subscription's stream did not end; rebuilding the link",
+        )
+        .await;
     proxy.thaw();
     let (code, out, err) = env.run_async(&["ctl", "resume", "--all"]).await;
     assert_eq!(code, 0, "{out}{err}");

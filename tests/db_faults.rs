@@ -410,16 +410,12 @@ fn mapped_users(env: &TestEnv) -> String {
 async fn start_waiting_for_the_database(env: &TestEnv, file: &str) -> Warren {
     let warren = env.start(&["--config", file, "--roles", "consumer"]);
     let _logs = LogsOnPanic(vec![warren.log.clone()]);
-    wait_until(
-        "the wait for the database in the log",
-        Duration::from_secs(30),
-        || async {
-            warren
-                .logs()
-                .contains("cannot check the pipelines' tables yet")
-        },
-    )
-    .await;
+    warren
+        .wait_for_log(
+            "the wait for the database in the log",
+            "cannot check the pipelines' tables yet",
+        )
+        .await;
     warren
 }
 

@@ -341,16 +341,12 @@ async fn an_unreachable_notify_socket_is_a_warning_not_a_failure() {
     env.set("NOTIFY_SOCKET", "/nonexistent/warren-notify.sock");
     let mut warren = env.start(&["--roles", "api"]);
     let _logs = LogsOnPanic(vec![warren.log.clone()]);
-    wait_until(
-        "the warning in the log",
-        Duration::from_secs(30),
-        || async {
-            warren
-                .logs()
-                .contains("cannot tell systemd (NOTIFY_SOCKET) that warren is ready")
-        },
-    )
-    .await;
+    warren
+        .wait_for_log(
+            "the warning in the log",
+            "cannot tell systemd (NOTIFY_SOCKET) that warren is ready",
+        )
+        .await;
     assert!(
         matches!(http(&env, "GET", "/healthz", None).await, Some((200, _))),
         "warren serves anyway"

@@ -176,6 +176,14 @@ impl Warren {
     pub fn logs(&self) -> String {
         std::fs::read_to_string(&self.log).unwrap_or_default()
     }
+
+    /// Waits up to 30 s until the log holds `text`; `what` names it in the timeout's panic.
+    pub async fn wait_for_log(&self, what: &str, text: &str) {
+        wait_until(what, Duration::from_secs(30), || async {
+            self.logs().contains(text)
+        })
+        .await;
+    }
 }
 
 impl Drop for Warren {
