@@ -3,10 +3,10 @@
 //! can set, so the bench can tell what each costs the broker to take in and to deliver.
 //! Publisher confirms are awaited by a second task, at most 10,000 outstanding.
 //!
-//! `--props` is a comma-separated list of: `id` (message id, the hyphenated UUID), `id32` (the
-//! same UUID as 32 hex digits), `id:N` (a message id of N characters, to find the size at which
-//! the broker's cost changes), `no_content_type` (without the content type), `timestamp` (the AMQP timestamp,
-//! seconds), `published_ms` (the `x-published-ms` header table), `traceparent` (a W3C
+//! `--props` is a comma-separated list of: `id` (message id, the hyphenated UUID), `id:N` (a
+//! message id of N characters: the UUID's hex digits, repeated past 32; `id:32` is the UUID
+//! without hyphens), `no_content_type` (without the content type), `timestamp` (the AMQP
+//! timestamp, seconds), `published_ms` (the `x-published-ms` header table), `traceparent` (a W3C
 //! traceparent header); `bare` for none of them (content type and delivery mode only).
 //!
 //! `cargo run --release --example publish_props -- --count 200000 --props id,timestamp`
@@ -34,7 +34,7 @@ struct Args {
     /// How many messages.
     #[arg(long)]
     count: usize,
-    /// Properties beyond content type and delivery mode: bare, or a list of id, id32, id:N,
+    /// Properties beyond content type and delivery mode: bare, or a list of id, id:N,
     /// no_content_type, timestamp, published_ms, traceparent.
     #[arg(long, default_value = "bare")]
     props: String,
@@ -43,7 +43,6 @@ struct Args {
 #[derive(Default)]
 struct Props {
     id: bool,
-    id32: bool,
     id_len: Option<usize>,
     no_content_type: bool,
     timestamp: bool,
@@ -57,7 +56,6 @@ fn parse_props(list: &str) -> Result<Props, String> {
         match name {
             "bare" => {}
             "id" => p.id = true,
-            "id32" => p.id32 = true,
             "no_content_type" => p.no_content_type = true,
             other if other.starts_with("id:") => {
                 let n = other[3..]
@@ -75,7 +73,7 @@ fn parse_props(list: &str) -> Result<Props, String> {
             "traceparent" => p.traceparent = true,
             other => {
                 return Err(format!(
-                    "--props: unknown property '{other}'; expected bare or a list of id, id32, id:N, no_content_type, timestamp, published_ms, traceparent"
+                    "--props: unknown property '{other}'; expected bare or a list of id, id:N, no_content_type, timestamp, published_ms, traceparent"
                 ));
             }
         }
@@ -97,9 +95,6 @@ fn properties(p: &Props, id: &Uuid) -> BasicProperties {
     if let Some(n) = p.id_len {
         let hex = id.simple().to_string().repeat(8);
         props = props.with_message_id(hex[..n].into());
-    }
-    if p.id32 {
-        props = props.with_message_id(id.simple().to_string().into());
     }
     if p.timestamp {
         props = props.with_timestamp(now.as_secs());

@@ -728,7 +728,7 @@ measure() { # rep contender tag
     props_id) PROPS=id ;;
     props_ts) PROPS=timestamp ;;
     props_id_ts) PROPS=id,timestamp ;;
-    props_id32_ts) PROPS=id32,timestamp ;;
+    props_id32_ts) PROPS=id:32,timestamp ;;
     props_warren) PROPS=id,timestamp,published_ms ;;
     props_traced) PROPS=id,timestamp,published_ms,traceparent ;;
     props=*) PROPS="${2#props=}" ;;
