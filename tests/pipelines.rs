@@ -683,3 +683,110 @@ async fn an_orders_api_checks_publishes_and_reads_back() {
     let (_, out, _) = env.run_async(&["ctl", "history"]).await;
     assert!(out.contains("pipeline=orders"), "{out}");
 }
+
+/// A table whose second key is an exclusion constraint, which refuses with 23P01, not 23505:
+/// the plain insert tried first fails whole, the `ON CONFLICT DO NOTHING` statement skips only
+/// the refused row, which is parked as `db_permanent`; its batch's other rows go in, and a copy
+/// of a stored row is a success, not parked.
+#[tokio::test(flavor = "multi_thread")]
+async fn an_exclusion_constraint_refuses_one_row_not_its_batch() {
+    let env = TestEnv::new("pl_excl").await;
+    let names = Names::of(&env, "orders");
+    let _cleanup = names.cleanup();
+    env.db
+        .batch_execute(
+            "CREATE TABLE orders (
+                order_id uuid PRIMARY KEY,
+                email text NOT NULL,
+                total numeric NOT NULL,
+                quantity int4 NOT NULL,
+                placed_at timestamptz NOT NULL,
+                note text,
+                tenant text,
+                ref text,
+                doc jsonb NOT NULL,
+                EXCLUDE USING btree (ref WITH =)
+            )",
+        )
+        .await
+        .expect("create orders");
+    let dir = tempfile::tempdir().expect("temp dir");
+    let path = dir.path().join("orders.toml");
+    std::fs::write(&path, config(&names)).expect("write the config");
+    let file = path.to_str().expect("utf-8").to_string();
+    let (code, out, err) = env.run_async(&["--config", &file, "declare"]).await;
+    assert_eq!(code, 0, "declare:\n{out}{err}");
+    let warren = env.start(&["--config", &file, "--roles", "consumer,dlq"]);
+    let _logs = LogsOnPanic(vec![warren.log.clone()]);
+    let count = |sql: &'static str| {
+        let db = &env.db;
+        async move {
+            db.query_one(sql, &[])
+                .await
+                .map(|r| r.get::<_, i64>(0))
+                .unwrap_or(-1)
+        }
+    };
+    let props = || BasicProperties::default().with_delivery_mode(2);
+    let first = Uuid::new_v4();
+    let stored = order(first, "1", 1, Some("R-1"));
+    env.publish_to(&names.exchange, &names.queue, &stored, props())
+        .await;
+    wait_until("the first order", Duration::from_secs(30), || async {
+        count("SELECT count(*) FROM orders").await == 1
+    })
+    .await;
+
+    // One batch's worth: good orders, one the constraint refuses, a copy of the stored one.
+    let excluded = Uuid::new_v4();
+    for i in 0..20 {
+        env.publish_to(
+            &names.exchange,
+            &names.queue,
+            &order(Uuid::new_v4(), "2", 2, None),
+            props(),
+        )
+        .await;
+        if i == 10 {
+            let body = order(excluded, "1", 1, Some("R-1"));
+            env.publish_to(&names.exchange, &names.queue, &body, props())
+                .await;
+            env.publish_to(&names.exchange, &names.queue, &stored, props())
+                .await;
+        }
+    }
+    wait_until(
+        "21 orders and the refused one parked",
+        Duration::from_secs(60),
+        || async {
+            count("SELECT count(*) FROM orders").await == 21
+                && count("SELECT count(*) FROM dead_letters WHERE pipeline = 'orders'").await == 1
+        },
+    )
+    .await;
+    let parked = env
+        .db
+        .query_one(
+            "SELECT error_kind FROM dead_letters WHERE pipeline = 'orders'",
+            &[],
+        )
+        .await
+        .expect("the parked row");
+    assert_eq!(parked.get::<_, String>(0), "db_permanent");
+    let holder: Uuid = env
+        .db
+        .query_one("SELECT order_id FROM orders WHERE ref = 'R-1'", &[])
+        .await
+        .expect("R-1's order")
+        .get(0);
+    assert_eq!(holder, first);
+    // Nothing more comes: the copy was a success, not a retry or a second parking.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert_eq!(count("SELECT count(*) FROM orders").await, 21);
+    assert_eq!(
+        count("SELECT count(*) FROM dead_letters").await,
+        1,
+        "only the refused order parked"
+    );
+    assert_eq!(env.queue_state(&names.queue).await.0, 0);
+}
