@@ -105,7 +105,15 @@ pub type ParserResult<I, T> = Result<(I, T), ParserError>;
 pub fn parse_raw_value<I: ParsableInput>(
     amqp_type: AMQPType,
 ) -> impl Parser<I, Output = AMQPValue, Error = ParserErrors> {
-    context("parse_raw_value", move |i| match amqp_type {
+    context("parse_raw_value", move |i: I| {
+        charge(&i, VALUE_BYTES)?;
+        parse_counted_value(amqp_type, i)
+    })
+}
+
+/// [`parse_raw_value`] once the value was counted against the table's [`Budget`].
+fn parse_counted_value<I: ParsableInput>(amqp_type: AMQPType, i: I) -> ParserResult<I, AMQPValue> {
+    match amqp_type {
         AMQPType::Boolean => map(parse_boolean, AMQPValue::Boolean).parse(i),
         AMQPType::ShortShortInt => map(parse_short_short_int, AMQPValue::ShortShortInt).parse(i),
         AMQPType::ShortShortUInt => map(parse_short_short_uint, AMQPValue::ShortShortUInt).parse(i),
@@ -122,17 +130,135 @@ pub fn parse_raw_value<I: ParsableInput>(
         AMQPType::ShortString => map(parse_short_string, AMQPValue::ShortString).parse(i),
         AMQPType::LongString => map(parse_long_string, AMQPValue::LongString).parse(i),
         AMQPType::FieldArray => match Nesting::enter() {
-            Some(_level) => map(parse_field_array, AMQPValue::FieldArray).parse(i),
+            Some(level) => Budget::or_raw(i, level, map(parse_field_array, AMQPValue::FieldArray)),
             None => map(parse_byte_array, AMQPValue::ByteArray).parse(i),
         },
         AMQPType::Timestamp => map(parse_timestamp, AMQPValue::Timestamp).parse(i),
         AMQPType::FieldTable => match Nesting::enter() {
-            Some(_level) => map(parse_field_table, AMQPValue::FieldTable).parse(i),
+            Some(level) => Budget::or_raw(i, level, |i: I| {
+                // A table with an entry allocates a whole B-tree node (11 slots).
+                let (_, len) = be_u32(i.clone())?;
+                if len > 0 {
+                    charge(&i, NODE_BYTES)?;
+                }
+                map(parse_field_table, AMQPValue::FieldTable).parse(i)
+            }),
             None => map(parse_byte_array, AMQPValue::ByteArray).parse(i),
         },
         AMQPType::ByteArray => map(parse_byte_array, AMQPValue::ByteArray).parse(i),
         AMQPType::Void => Ok((i, AMQPValue::Void)),
-    })
+    }
+}
+
+/// warren patch (see WARREN-PATCH.md): what the values of one top-level field table (a message's
+/// headers, a method's arguments) may take in memory once parsed, at any depth, beyond their
+/// own bytes. A parsed value takes 32 bytes however few it had on the wire (a void: one), a
+/// table entry about 100 more with its key, a table with any entry a B-tree node of some 640:
+/// a content header of 128 KiB parsed into up to 4 MiB (an array of voids) or 12 MiB (an array
+/// of one-entry tables), and a prefetch window of such messages into gigabytes. Past the budget,
+/// a nested table or array is kept as the raw bytes of its content (a byte array), and the rest
+/// of the top-level table as one byte array entry, [`UNPARSED_KEY`]: parsed, a table takes at
+/// most about its wire size and this budget more.
+pub const MAX_PARSED_BYTES: usize = 128 * 1024;
+
+/// What a parsed value takes (an `AMQPValue`), charged for every value.
+const VALUE_BYTES: usize = 32;
+/// What an array element takes beyond its value: the vector's spare capacity, at most as much.
+const ELEMENT_BYTES: usize = 32;
+/// What a table entry takes beyond its value and its key's bytes: the key, its allocation and
+/// the B-tree slot's share of a half-full node.
+const ENTRY_BYTES: usize = 96;
+/// A B-tree node, allocated by a table's first entry.
+const NODE_BYTES: usize = 640;
+
+/// Charges `bytes` to the budget of the table being parsed: a recoverable error (and the budget
+/// marked spent) when they are not left.
+fn charge<I>(i: &I, bytes: usize) -> Result<(), nom::Err<ParserErrors>>
+where
+    I: Clone,
+{
+    if Budget::take(bytes) {
+        Ok(())
+    } else {
+        Err(nom::Err::Error(ParserErrors::from_error_kind(
+            i.clone(),
+            ErrorKind::TooLarge,
+        )))
+    }
+}
+
+/// warren patch: the key of the entry that keeps, as raw bytes (the entries' encoding, one after
+/// the other), the rest of a top-level table past [`MAX_PARSED_BYTES`].
+pub const UNPARSED_KEY: &str = "x-unparsed-entries";
+
+thread_local! {
+    /// Bytes the top-level table being parsed may still take; `None` outside one.
+    static BUDGET: std::cell::Cell<Option<usize>> = const { std::cell::Cell::new(None) };
+    /// Set when a charge found the budget spent: the parse that fails with it is kept raw.
+    static SPENT: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// The value budget of the top-level table being parsed on this thread; dropping it ends it.
+struct Budget;
+
+impl Budget {
+    /// Starts the budget of a top-level table, or `None` inside one.
+    fn top_level() -> Option<Self> {
+        BUDGET.with(|b| {
+            b.get().is_none().then(|| {
+                b.set(Some(MAX_PARSED_BYTES));
+                SPENT.with(|s| s.set(false));
+                Budget
+            })
+        })
+    }
+
+    /// Takes `bytes`; `false` (and spent) when they are not left. Outside a table: `true`.
+    fn take(bytes: usize) -> bool {
+        BUDGET.with(|b| match b.get() {
+            None => true,
+            Some(n) if n < bytes => {
+                SPENT.with(|s| s.set(true));
+                false
+            }
+            Some(n) => {
+                b.set(Some(n - bytes));
+                true
+            }
+        })
+    }
+
+    /// Whether the last failure came from a spent budget (and forgets it).
+    fn spent() -> bool {
+        SPENT.with(|s| s.replace(false))
+    }
+
+    /// Parses a nested table or array with `parser`; when the budget runs out inside it, keeps
+    /// it whole as the raw bytes of its content, and what its partial parse took is given back.
+    /// A container kept raw this way needed more than was left, so the work thrown away is
+    /// bounded by its own size on the wire.
+    fn or_raw<I: ParsableInput>(
+        i: I,
+        level: Nesting,
+        mut parser: impl Parser<I, Output = AMQPValue, Error = ParserErrors>,
+    ) -> ParserResult<I, AMQPValue> {
+        let left = BUDGET.with(|b| b.get());
+        match parser.parse(i.clone()) {
+            Err(nom::Err::Error(_)) if Budget::spent() => {
+                drop(level);
+                BUDGET.with(|b| b.set(left));
+                map(parse_byte_array, AMQPValue::ByteArray).parse(i)
+            }
+            other => other,
+        }
+    }
+}
+
+impl Drop for Budget {
+    fn drop(&mut self) {
+        BUDGET.with(|b| b.set(None));
+        SPENT.with(|s| s.set(false));
+    }
 }
 
 /// warren patch (see WARREN-PATCH.md): tables and arrays nested deeper than this are not parsed
@@ -314,7 +440,13 @@ pub fn parse_field_array<I: ParsableInput>(i: I) -> ParserResult<I, FieldArray> 
         map_parser(
             flat_map(parse_long_uint, take),
             all_consuming(fold_many0(
-                context("parse_field_array_entry", complete(parse_value)),
+                context(
+                    "parse_field_array_entry",
+                    complete(|i: I| {
+                        charge(&i, ELEMENT_BYTES)?;
+                        parse_value(i)
+                    }),
+                ),
                 FieldArray::default,
                 |mut acc, elem| {
                     acc.push(elem);
@@ -333,15 +465,55 @@ pub fn parse_timestamp<I: ParsableInput>(i: I) -> ParserResult<I, Timestamp> {
 
 /// Parse a [FieldTable](../type.FieldTable.html)
 pub fn parse_field_table<I: ParsableInput>(i: I) -> ParserResult<I, FieldTable> {
+    match Budget::top_level() {
+        Some(budget) => parse_top_level_table(i, budget),
+        None => parse_nested_table(i),
+    }
+}
+
+/// warren patch: a top-level table, what its values take charged to `_budget`; past it, the
+/// rest of its entries are kept as one byte array entry, [`UNPARSED_KEY`].
+fn parse_top_level_table<I: ParsableInput>(i: I, _budget: Budget) -> ParserResult<I, FieldTable> {
+    context("parse_field_table", |i: I| {
+        let (rest, mut input) = flat_map(parse_long_uint, take).parse(i)?;
+        let mut table = FieldTable::default();
+        if input.input_len() > 0 {
+            charge(&input, NODE_BYTES)?;
+        }
+        while input.input_len() > 0 {
+            match complete(parse_table_entry).parse(input.clone()) {
+                Ok((next, (key, value))) => {
+                    table.insert(key, value);
+                    input = next;
+                }
+                Err(nom::Err::Error(_)) if Budget::spent() => {
+                    let raw: Vec<u8> = input.iter_elements().collect();
+                    table.insert(UNPARSED_KEY.into(), AMQPValue::ByteArray(raw.into()));
+                    break;
+                }
+                Err(e) => return Err(e),
+            }
+        }
+        Ok((rest, table))
+    })
+    .parse(i)
+}
+
+/// One table entry, its key and slot charged to the budget first.
+fn parse_table_entry<I: ParsableInput>(i: I) -> ParserResult<I, (ShortString, AMQPValue)> {
+    let (_, key_len) = be_u8(i.clone())?;
+    charge(&i, ENTRY_BYTES + usize::from(key_len))?;
+    pair(parse_short_string, parse_value).parse(i)
+}
+
+/// A table inside another table or array, as upstream parses every table.
+fn parse_nested_table<I: ParsableInput>(i: I) -> ParserResult<I, FieldTable> {
     context(
         "parse_field_table",
         map_parser(
             flat_map(parse_long_uint, take),
             all_consuming(fold_many0(
-                context(
-                    "parse_field_table_entry",
-                    complete(pair(parse_short_string, parse_value)),
-                ),
+                context("parse_field_table_entry", complete(parse_table_entry)),
                 FieldTable::default,
                 |mut acc, (key, value)| {
                     acc.insert(key, value);
@@ -583,6 +755,97 @@ mod test {
         // The counter is back at zero: the next value parses to the full depth again.
         let (_, again) = parse_value(&value[..]).unwrap();
         assert_eq!(again, parsed);
+    }
+
+    /// A field table's wire bytes (length prefix and content) from its entries' bytes.
+    fn table(entries: &[Vec<u8>]) -> Vec<u8> {
+        let content: Vec<u8> = entries.concat();
+        let mut out = (content.len() as u32).to_be_bytes().to_vec();
+        out.extend_from_slice(&content);
+        out
+    }
+
+    /// One table entry: a short-string key and a value's bytes (type and payload).
+    fn entry(key: &str, value: &[u8]) -> Vec<u8> {
+        let mut out = vec![key.len() as u8];
+        out.extend_from_slice(key.as_bytes());
+        out.extend_from_slice(value);
+        out
+    }
+
+    #[test]
+    fn test_a_table_past_the_value_budget_keeps_the_rest_raw() {
+        // warren patch: an array of 5,000 voids (5,005 bytes on the wire, 160 KB parsed) is kept
+        // as its raw content; the entries beside it are parsed.
+        let mut voids = vec![b'A'];
+        voids.extend_from_slice(&5000u32.to_be_bytes());
+        voids.extend(std::iter::repeat_n(b'V', 5000));
+        let wire = table(&[
+            entry("a", &[b't', 1]),
+            entry("big", &voids),
+            entry("z", &[b'b', 7]),
+        ]);
+        let (rest, parsed) = parse_field_table(&wire[..]).unwrap();
+        assert!(rest.is_empty());
+        let inner = parsed.inner();
+        assert_eq!(inner.get("a"), Some(&AMQPValue::Boolean(true)));
+        assert_eq!(inner.get("z"), Some(&AMQPValue::ShortShortInt(7)));
+        match inner.get("big") {
+            Some(AMQPValue::ByteArray(b)) => assert_eq!(b.as_slice(), &voids[5..]),
+            other => panic!("{other:?}"),
+        }
+
+        // 2,000 top-level entries: what the budget holds parsed (each entry: 96 + its 5-byte
+        // key + a 32-byte value), the rest kept as one entry of raw bytes.
+        let entries: Vec<Vec<u8>> = (0..2000)
+            .map(|n| entry(&format!("k{n:04}"), &[b't', 1]))
+            .collect();
+        let wire = table(&entries);
+        let (_, parsed) = parse_field_table(&wire[..]).unwrap();
+        let fit = (MAX_PARSED_BYTES - NODE_BYTES) / (ENTRY_BYTES + 5 + VALUE_BYTES);
+        assert_eq!(parsed.inner().len(), fit + 1);
+        match parsed.inner().get(UNPARSED_KEY) {
+            Some(AMQPValue::ByteArray(b)) => assert_eq!(b.as_slice(), &entries[fit..].concat()[..]),
+            other => panic!("{other:?}"),
+        }
+        // An array of 1,000 one-entry tables (9 bytes each on the wire, a B-tree node each
+        // parsed) goes raw too.
+        let one = table(&[entry("", b"V")]);
+        let mut tables = vec![b'A'];
+        let content: Vec<u8> = std::iter::repeat_n([&[b'F'][..], &one[..]].concat(), 1000)
+            .flatten()
+            .collect();
+        tables.extend_from_slice(&(content.len() as u32).to_be_bytes());
+        tables.extend_from_slice(&content);
+        let (_, parsed) = parse_field_table(&table(&[entry("t", &tables)])[..]).unwrap();
+        assert!(matches!(
+            parsed.inner().get("t"),
+            Some(AMQPValue::ByteArray(_))
+        ));
+
+        // A small nested table after a container kept raw still parses (what the raw one's
+        // partial parse took was given back), and the next table has a budget of its own.
+        let small = table(&[entry("x", &[b't', 0]), entry("y", &[b't', 1])]);
+        let mut nested = vec![b'F'];
+        nested.extend_from_slice(&small);
+        let wire = table(&[entry("big", &voids), entry("small", &nested)]);
+        let (_, parsed) = parse_field_table(&wire[..]).unwrap();
+        assert!(matches!(
+            parsed.inner().get("big"),
+            Some(AMQPValue::ByteArray(_))
+        ));
+        match parsed.inner().get("small") {
+            Some(AMQPValue::FieldTable(t)) => assert_eq!(t.inner().len(), 2),
+            other => panic!("{other:?}"),
+        }
+        let wire = table(&entries[..fit]);
+        let (_, parsed) = parse_field_table(&wire[..]).unwrap();
+        assert_eq!(parsed.inner().len(), fit);
+        assert!(parsed.inner().get(UNPARSED_KEY).is_none());
+
+        // A malformed table is still an error, not raw bytes.
+        let bad = table(&[entry("a", &[b'?', 1])]);
+        assert!(parse_field_table(&bad[..]).is_err());
     }
 
     #[test]
