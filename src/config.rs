@@ -570,10 +570,38 @@ fn env_name_of(key: &str) -> Option<String> {
         .find(|name| std::env::var_os(name).is_some())
 }
 
+/// Whether `name` (with `value`) is one of the variables Kubernetes gives every pod for each
+/// Service of its namespace (service links): a Service `warren` (or `warren-api`) makes
+/// `WARREN_SERVICE_HOST`, `WARREN_SERVICE_PORT`, `WARREN_SERVICE_PORT_<PORT NAME>`,
+/// `WARREN_PORT=tcp://..`, `WARREN_PORT_<N>_TCP`, `.._TCP_PROTO`, `.._TCP_PORT` and
+/// `.._TCP_ADDR` (`WARREN_API_...` for `warren-api`). They are not settings, and a Deployment
+/// named like its Service must still start.
+fn is_kubernetes_service_link(name: &str, value: &str) -> bool {
+    if name.ends_with("_SERVICE_HOST")
+        || name.ends_with("_SERVICE_PORT")
+        || name.contains("_SERVICE_PORT_")
+    {
+        return true;
+    }
+    let proto = ["tcp://", "udp://", "sctp://"];
+    if name.ends_with("_PORT") && proto.iter().any(|p| value.starts_with(p)) {
+        return true;
+    }
+    // `<SERVICE>_PORT_<number>_<TCP|UDP|SCTP>` and its `_PROTO`, `_PORT`, `_ADDR`.
+    let mut parts = name.rsplit('_');
+    let (mut last, mut before) = (parts.next(), parts.next());
+    if matches!(last, Some("PROTO" | "PORT" | "ADDR")) {
+        (last, before) = (before, parts.next());
+    }
+    matches!(last, Some("TCP" | "UDP" | "SCTP"))
+        && before.is_some_and(|n| !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit()))
+        && parts.next() == Some("PORT")
+}
+
 /// Refuses a `WARREN_*` variable that is no setting (a misspelling would otherwise be ignored),
-/// naming the closest setting.
+/// naming the closest setting. Kubernetes' service links are not refused.
 fn check_warren_env() -> Result<(), ConfigError> {
-    for (name, _) in std::env::vars_os() {
+    for (name, value) in std::env::vars_os() {
         let Some(name) = name.to_str() else { continue };
         let Some(rest) = name.strip_prefix("WARREN_") else {
             continue;
@@ -584,7 +612,9 @@ fn check_warren_env() -> Result<(), ConfigError> {
             continue;
         }
         let key = rest.to_ascii_lowercase();
-        if RULES.iter().any(|(k, _)| *k == key) {
+        if RULES.iter().any(|(k, _)| *k == key)
+            || is_kubernetes_service_link(name, &value.to_string_lossy())
+        {
             continue;
         }
         let closest = RULES
@@ -1410,6 +1440,34 @@ mod tests {
             sources = sources.with_override(k, *v);
         }
         Settings::load(&sources)
+    }
+
+    #[test]
+    fn kubernetes_service_links_are_told_from_misspelled_settings() {
+        for (name, value) in [
+            ("WARREN_SERVICE_HOST", "10.96.0.12"),
+            ("WARREN_SERVICE_PORT", "9898"),
+            ("WARREN_SERVICE_PORT_METRICS", "9898"),
+            ("WARREN_PORT", "tcp://10.96.0.12:9898"),
+            ("WARREN_PORT_9898_TCP", "tcp://10.96.0.12:9898"),
+            ("WARREN_PORT_9898_TCP_PROTO", "tcp"),
+            ("WARREN_PORT_9898_TCP_PORT", "9898"),
+            ("WARREN_PORT_9898_TCP_ADDR", "10.96.0.12"),
+            ("WARREN_API_PORT_8080_UDP_ADDR", "10.96.0.13"),
+            ("WARREN_API_PORT", "udp://10.96.0.13:8080"),
+        ] {
+            assert!(is_kubernetes_service_link(name, value), "{name}={value}");
+        }
+        for (name, value) in [
+            ("WARREN_METRICS_PORT", "9898"),
+            ("WARREN_PORT", "9898"),
+            ("WARREN_PORT_X_TCP", "1"),
+            ("WARREN_PORT_9898_HTTP", "1"),
+            ("WARREN_9898_TCP_ADDR", "1"),
+            ("WARREN_USER_BATCH_SIZE", "10"),
+        ] {
+            assert!(!is_kubernetes_service_link(name, value), "{name}={value}");
+        }
     }
 
     #[test]

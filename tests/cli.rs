@@ -325,7 +325,8 @@ async fn publish_stdin_sends_json_lines_and_names_the_bad_one() {
 /// Settings are easy to discover and hard to get silently wrong: `WARREN_<NAME>` wins over the
 /// bare name, a `WARREN_*` variable that is no setting stops warren naming the closest one,
 /// `config --origin` says where each value comes from, `run --help` lists every variable and
-/// the exit codes, and a host name is accepted in a listen address.
+/// the exit codes, and a host name is accepted in a listen address. Kubernetes' service links
+/// (`WARREN_SERVICE_HOST`, ...) are not taken for misspelled settings.
 #[tokio::test(flavor = "multi_thread")]
 async fn settings_answer_to_warren_names_and_a_misspelled_one_is_refused() {
     let env = TestEnv::new("cli_names").await;
@@ -365,6 +366,16 @@ async fn settings_answer_to_warren_names_and_a_misspelled_one_is_refused() {
     }
     // The harness's own variables are not settings and are allowed.
     let (code, _, err) = run(&[("WARREN_TEST_SOMETHING", "1")], &["config"]);
+    assert_eq!(code, 0, "{err}");
+    // Nor are Kubernetes' service links of a Service named `warren`: the pod must start.
+    let links = [
+        ("WARREN_SERVICE_HOST", "10.96.0.12"),
+        ("WARREN_SERVICE_PORT", "9898"),
+        ("WARREN_PORT", "tcp://10.96.0.12:9898"),
+        ("WARREN_PORT_9898_TCP", "tcp://10.96.0.12:9898"),
+        ("WARREN_PORT_9898_TCP_ADDR", "10.96.0.12"),
+    ];
+    let (code, _, err) = run(&links, &["config"]);
     assert_eq!(code, 0, "{err}");
 
     let (code, out, err) = run(&[], &["run", "--help"]);
