@@ -166,10 +166,11 @@ settings! {
     rate_limit_per_s: u32 => Rule::Int { min: 0, max: 1_000_000 },
     /// Largest accepted body; larger ones are dead-lettered unread.
     max_message_bytes: usize => Rule::Int { min: 1, max: 134_217_728 },
-    /// Bytes of message bodies one pipeline holds at once (delivered, not yet settled): the
-    /// prefetch window never exceeds budget / MAX_MESSAGE_BYTES; past the budget (larger,
-    /// refused bodies) the consumer takes no more until they settle, and its next window is cut
-    /// to what the budget holds of the largest body seen.
+    /// Bytes of messages one pipeline holds at once (delivered, not yet settled: bodies and
+    /// their properties as parsed): the prefetch window never exceeds budget /
+    /// MAX_MESSAGE_BYTES; past the budget (larger, refused bodies; large header tables) the
+    /// consumer takes no more until they settle, and its next window is cut to what the budget
+    /// holds of the largest delivery seen.
     max_inflight_bytes: u64 => Rule::Int { min: 1_048_576, max: 17_179_869_184 },
     /// How long a failing batch is retried in place before going to the retry queue.
     db_retry_window_ms: u64 => Rule::Int { min: 0, max: 600_000 },

@@ -230,8 +230,9 @@ fn describe() {
     );
     describe_gauge!(
         INFLIGHT_BYTES,
-        "Bytes of message bodies received and not yet acked or requeued, by pipeline \
-         (bounded by MAX_INFLIGHT_BYTES, overshot by at most one prefetch window)."
+        "Bytes of messages (bodies and parsed properties) received and not yet acked or \
+         requeued, by pipeline (bounded by MAX_INFLIGHT_BYTES, overshot by at most one prefetch \
+         window)."
     );
     describe_gauge!(
         QUEUE_MESSAGES,

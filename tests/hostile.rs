@@ -647,6 +647,87 @@ async fn large_bodies_in_flight_stay_within_the_byte_budget() {
     assert_eq!(env.queue_state(&env.main_queue).await, (0, 0));
 }
 
+/// A parsed header value takes 32 bytes or more however few it had on the wire: 200 messages
+/// with an array of 120,000 voids (120 KB each) took the consumer to 442 MiB resident, and a
+/// default window of them would have needed some 9 GiB, at every restart. The parser now keeps
+/// what is past 128 KiB parsed as raw bytes, and the byte budget counts the parsed properties
+/// beside the body, so the window is cut to what the budget holds of them. Every message still
+/// ends once: the users in `users`, the bad one on the DLQ with its header kept (as bytes).
+#[tokio::test(flavor = "multi_thread")]
+async fn header_tables_that_parse_to_many_times_their_size_stay_within_memory() {
+    let mut env = TestEnv::new("voidheads").await;
+    // Small bodies accepted, so the window (4,000) is not cut for them, and a batch that waits
+    // for its timeout: every message is in flight at once, as with a larger backlog.
+    env.set("MAX_INFLIGHT_BYTES", "8388608")
+        .set("MAX_MESSAGE_BYTES", "1024")
+        .set("USERS_BATCH_TIMEOUT_MS", "3000");
+    env.declare();
+    let voids = || {
+        let mut h = lapin::types::FieldTable::default();
+        h.insert(
+            "voids".into(),
+            AMQPValue::FieldArray(vec![AMQPValue::Void; 100_000].into()),
+        );
+        h
+    };
+    let mut expected = std::collections::HashSet::new();
+    for _ in 0..300 {
+        let id = Uuid::new_v4();
+        env.publish_raw(&user_body(id), json_props(id).with_headers(voids()))
+            .await;
+        expected.insert(id);
+    }
+    env.publish_raw(b"{", labelled("voids-bad").with_headers(voids()))
+        .await;
+    expected.extend(env.publish_users(5).await);
+    let mut warren = env.start(&["--roles", "consumer"]);
+    let _logs = LogsOnPanic(vec![warren.log.clone()]);
+    assert_rows_exactly(&env, &expected, Duration::from_secs(120), &|| warren.logs()).await;
+    wait_until(
+        "the bad one dead-lettered",
+        Duration::from_secs(60),
+        || async { env.ready(&env.dlq_queue).await == 1 },
+    )
+    .await;
+    let peak = peak_rss(warren.pid());
+    let logs = warren.logs();
+    warren.terminate_ok(Duration::from_secs(30));
+    eprintln!(
+        "peak RSS with 301 headers of 100,000 voids: {} MiB",
+        peak >> 20
+    );
+    assert!(
+        peak < 150 << 20,
+        "peak RSS {} MiB: the headers were parsed whole (300 x 3.2 MB)",
+        peak >> 20
+    );
+    assert!(
+        logs.contains("prefetch window set to what MAX_INFLIGHT_BYTES holds"),
+        "the window was not cut to the parsed headers:\n{logs}"
+    );
+    // The cut holds: nothing but two windows of small deliveries grows it back (a new
+    // subscription once undid it at once, taking the whole prefetch again).
+    assert!(
+        !logs.contains("the prefetch window follows the concurrency"),
+        "the cut window was undone:\n{logs}"
+    );
+    let copy = env
+        .channel
+        .basic_get(
+            env.dlq_queue.as_str().into(),
+            lapin::options::BasicGetOptions { no_ack: true },
+        )
+        .await
+        .expect("basic.get")
+        .expect("the dead letter");
+    let headers = copy.delivery.properties.headers().clone().expect("headers");
+    match headers.inner().get("voids") {
+        Some(AMQPValue::ByteArray(b)) => assert_eq!(b.as_slice(), &[b'V'; 100_000][..]),
+        other => panic!("the voids header on the copy: {other:?}"),
+    }
+    assert_eq!(env.queue_state(&env.main_queue).await, (0, 0));
+}
+
 /// A publisher can write any `x-death`. One naming the main queue (no reject in it) made the
 /// broker take the retry tier's hop back into the main queue for a dead-letter cycle: the
 /// message vanished at its first retry (the hostile ledger, seed 7808716797150529346, lost five

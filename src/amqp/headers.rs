@@ -35,17 +35,27 @@ pub enum Retries {
     /// Present but unusable (a string, a negative number, a float...): treated as 0, and the
     /// description says what was there so it can be logged.
     Invalid(String),
+    /// Not found, in headers the parser cut short (past its memory budget the rest of a table
+    /// is kept as raw bytes under [`UNPARSED_KEY`]): the count may be in there. Acted on as
+    /// exhausted, so such a message is never cycled with a count that would not grow.
+    Unreadable,
 }
 
 impl Retries {
-    /// The count to act on: invalid values count as 0, so the next retry rewrites them.
+    /// The count to act on: invalid values count as 0, so the next retry rewrites them; an
+    /// unreadable count as `u32::MAX`.
     pub fn count(&self) -> u32 {
         match self {
             Retries::Count(n) => *n,
             Retries::Invalid(_) => 0,
+            Retries::Unreadable => u32::MAX,
         }
     }
 }
+
+/// The header under which the AMQP parser (warren's patch of amq-protocol-types) keeps, as raw
+/// bytes, the rest of a header table past its memory budget (128 KiB parsed).
+pub const UNPARSED_KEY: &str = lapin::types::parsing::UNPARSED_KEY;
 
 /// Reads `x-retries`: missing is 0, any AMQP integer type is read, anything else is invalid.
 pub fn retries(properties: &BasicProperties) -> Retries {
@@ -59,11 +69,11 @@ pub fn dlq_attempts(properties: &BasicProperties) -> Retries {
 
 /// Reads a count header: missing is 0, any AMQP integer type is read, anything else is invalid.
 fn count(properties: &BasicProperties, key: &str) -> Retries {
-    let Some(value) = properties
-        .headers()
-        .as_ref()
-        .and_then(|h| h.inner().get(key))
-    else {
+    let headers = properties.headers().as_ref();
+    let Some(value) = headers.and_then(|h| h.inner().get(key)) else {
+        if headers.is_some_and(|h| h.inner().contains_key(UNPARSED_KEY)) {
+            return Retries::Unreadable;
+        }
         return Retries::Count(0);
     };
     let n: Option<i128> = match value {
@@ -101,6 +111,73 @@ pub fn published_ms(properties: &BasicProperties) -> Option<u64> {
             .timestamp()
             .filter(|s| *s > 0)
             .map(|s| s.saturating_mul(1000)),
+    }
+}
+
+/// What one entry of a parsed header table takes beyond its key's bytes and its value's own
+/// allocations: its slot in a B-tree node (key and value), the node's slack and the key's
+/// allocation.
+const TABLE_ENTRY_BYTES: usize = 128;
+/// A table's first B-tree node (11 slots), allocated by its first entry.
+const TABLE_NODE_BYTES: usize = 640;
+/// What one element of a parsed field array takes beyond its own allocations: the value and the
+/// vector's spare capacity.
+const ARRAY_ELEMENT_BYTES: usize = 2 * std::mem::size_of::<AMQPValue>();
+
+/// About the bytes `properties` hold once parsed, beyond their fixed size: the strings' bytes
+/// and the header table, each table, entry and element counted at what it takes in memory, not
+/// on the wire. A header table can take many times its wire size (an array of voids: one byte
+/// each on the wire, 64 parsed with the array's spare room; the parser stops that at 128 KiB a
+/// table, keeping the rest as bytes), so the consumer's byte budget (`MAX_INFLIGHT_BYTES`)
+/// counts this beside the body. Walks the table once; a message without headers costs a few
+/// branches.
+pub fn parsed_bytes(properties: &BasicProperties) -> usize {
+    let strings = [
+        properties.content_type(),
+        properties.content_encoding(),
+        properties.correlation_id(),
+        properties.reply_to(),
+        properties.expiration(),
+        properties.message_id(),
+        properties.kind(),
+        properties.user_id(),
+        properties.app_id(),
+        properties.cluster_id(),
+    ];
+    let strings: usize = strings
+        .iter()
+        .filter_map(|s| s.as_ref())
+        .map(|s| s.as_str().len())
+        .sum();
+    strings + properties.headers().as_ref().map_or(0, table_bytes)
+}
+
+fn table_bytes(table: &lapin::types::FieldTable) -> usize {
+    let entries = table.inner();
+    let node = if entries.is_empty() {
+        0
+    } else {
+        TABLE_NODE_BYTES
+    };
+    node + entries
+        .iter()
+        .map(|(key, value)| TABLE_ENTRY_BYTES + key.as_str().len() + value_bytes(value))
+        .sum::<usize>()
+}
+
+/// A value's bytes beyond its slot. Recursion is bounded by the parser's nesting limit (64).
+fn value_bytes(value: &AMQPValue) -> usize {
+    match value {
+        AMQPValue::ShortString(s) => s.as_str().len(),
+        AMQPValue::LongString(s) => s.as_bytes().len(),
+        AMQPValue::ByteArray(b) => b.as_slice().len(),
+        AMQPValue::FieldTable(t) => table_bytes(t),
+        AMQPValue::FieldArray(a) => a
+            .as_slice()
+            .iter()
+            .map(|v| ARRAY_ELEMENT_BYTES + value_bytes(v))
+            .sum(),
+        _ => 0,
     }
 }
 
@@ -314,6 +391,46 @@ mod tests {
         let mut h = FieldTable::default();
         h.insert(X_RETRIES.into(), v);
         BasicProperties::default().with_headers(h)
+    }
+
+    #[test]
+    fn a_count_the_parser_may_have_kept_as_bytes_is_unreadable_and_exhausted() {
+        let mut h = FieldTable::default();
+        h.insert(
+            UNPARSED_KEY.into(),
+            AMQPValue::ByteArray(vec![1, b'x'].into()),
+        );
+        let cut = BasicProperties::default().with_headers(h.clone());
+        assert_eq!(retries(&cut), Retries::Unreadable);
+        assert_eq!(dlq_attempts(&cut).count(), u32::MAX);
+        h.insert(X_RETRIES.into(), AMQPValue::LongInt(2));
+        assert_eq!(
+            retries(&BasicProperties::default().with_headers(h)),
+            Retries::Count(2)
+        );
+    }
+
+    #[test]
+    fn parsed_bytes_count_strings_and_every_entry_and_element_of_the_headers() {
+        assert_eq!(parsed_bytes(&BasicProperties::default()), 0);
+        let id = BasicProperties::default().with_message_id("a".repeat(36).into());
+        assert_eq!(parsed_bytes(&id), 36);
+        // One byte a void on the wire, a whole value parsed: the estimate follows memory.
+        let voids = props(AMQPValue::FieldArray(vec![AMQPValue::Void; 1000].into()));
+        let top = TABLE_NODE_BYTES + TABLE_ENTRY_BYTES + X_RETRIES.len();
+        let expected = top + 1000 * 2 * size_of::<AMQPValue>();
+        assert_eq!(parsed_bytes(&voids), expected);
+        assert!(
+            expected > 60 * 1000,
+            "an array of voids takes ~60x its wire size"
+        );
+        let mut inner = FieldTable::default();
+        inner.insert("k".into(), AMQPValue::LongString(b"abcd".to_vec().into()));
+        let nested = props(AMQPValue::FieldTable(inner));
+        assert_eq!(
+            parsed_bytes(&nested),
+            top + TABLE_NODE_BYTES + TABLE_ENTRY_BYTES + 1 + 4
+        );
     }
 
     #[test]

@@ -20,12 +20,14 @@
 //! once, so every delivery settles before the drain.
 //!
 //! Bytes, not only counts: the prefetch window bounds how many deliveries are in flight, not
-//! their size. Once the bodies in flight reach `MAX_INFLIGHT_BYTES` the consumer cancels its
-//! subscription, lets what it holds settle, and subscribes again with a window cut to what the
-//! budget holds of the largest body it saw (`basic.qos` before `basic.consume`); after two such
-//! windows of small bodies it grows back to the prefetch the same way. What overshoots the
-//! budget is at most what the broker pushed before the cancel: one window of bodies, each at
-//! most the broker's `max_message_size`.
+//! their size. A delivery holds its body and its properties as parsed (a header table can take
+//! some 30 times its wire size: `headers::parsed_bytes`). Once what is in flight reaches
+//! `MAX_INFLIGHT_BYTES` the consumer cancels its subscription, lets what it holds settle, and
+//! subscribes again with a window cut to what the budget holds of the largest delivery it saw
+//! (`basic.qos` before `basic.consume`); after two such windows of small deliveries it grows
+//! back to the prefetch the same way. What overshoots the budget is at most what the broker
+//! pushed before the cancel: one window of deliveries, each body at most the broker's
+//! `max_message_size` and each content header at most its `frame_max`.
 
 use std::time::{Duration, Instant};
 
@@ -226,11 +228,15 @@ pub struct Consumer {
     frames: amqp::Frames,
     /// Delivered but not yet settled, over all generations (drain waits for 0).
     inflight: usize,
-    /// The bodies' bytes of those deliveries.
+    /// The bytes those deliveries hold (bodies and parsed properties).
     inflight_bytes: u64,
-    /// The largest body delivered since the current subscription began (kept across a
-    /// reconnect): the next window is cut to what the budget holds of it.
+    /// The largest delivery (body and parsed properties) since the current subscription began
+    /// (kept across a reconnect): the next window is cut to what the budget holds of it.
     largest: usize,
+    /// The largest delivery of earlier subscriptions that cut the window: kept until two
+    /// windows of smaller ones grow it back, so that a later change of window (the concurrency
+    /// changed, a new subscription) never undoes the cut at once.
+    kept_largest: usize,
     /// Deliveries since the current subscription began.
     since_subscribe: u64,
     /// The bytes-in-flight gauge, resolved once; the value last published to it.
@@ -277,6 +283,7 @@ impl Consumer {
             inflight: 0,
             inflight_bytes: 0,
             largest: 0,
+            kept_largest: 0,
             since_subscribe: 0,
             inflight_bytes_gauge: (crate::metrics::inflight_bytes_gauge(config.pipeline), 0),
             holds: Vec::new(),
@@ -399,9 +406,10 @@ impl Consumer {
                 pipeline,
                 window = w,
                 prefetch,
-                largest_body = largest,
+                largest_delivery = largest,
                 max_inflight_bytes,
-                "prefetch window set to what MAX_INFLIGHT_BYTES holds of the largest body seen"
+                "prefetch window set to what MAX_INFLIGHT_BYTES holds of the largest delivery \
+                 seen (body and parsed properties)"
             );
         }
         linked.subscription = Subscription::Pending;
@@ -482,6 +490,8 @@ impl Consumer {
                     generation,
                     tag: d.delivery_tag,
                     redelivered: d.redelivered,
+                    held_bytes: (d.data.len() + crate::amqp::headers::parsed_bytes(&d.properties))
+                        as u64,
                     body: d.data.into(),
                     properties: d.properties,
                     received_at,
@@ -502,8 +512,8 @@ impl Consumer {
         self.received += deliveries.len() as u64;
         self.since_subscribe += deliveries.len() as u64;
         for d in &deliveries {
-            self.inflight_bytes += d.body.len() as u64;
-            self.largest = self.largest.max(d.body.len());
+            self.inflight_bytes += d.held_bytes;
+            self.largest = self.largest.max(d.held_bytes as usize);
         }
         self.check_budget();
         if self.throttle.is_open() {
@@ -534,10 +544,15 @@ impl Consumer {
     }
 
     /// The window the next subscription takes: the prefetch, cut to what the byte budget holds
-    /// of the largest body seen during the current one if that was larger than any accepted
+    /// of the largest delivery seen during the current one if that was larger than any accepted
     /// body (at least 1).
     fn wanted_window(&self) -> u16 {
-        let largest = (self.largest.max(self.config.max_message_bytes) as u64).max(1);
+        self.window_for(self.largest.max(self.kept_largest))
+    }
+
+    /// The prefetch, cut to what the byte budget holds of deliveries of `largest` bytes.
+    fn window_for(&self, largest: usize) -> u16 {
+        let largest = (largest.max(self.config.max_message_bytes) as u64).max(1);
         let fits = (self.config.max_inflight_bytes / largest).clamp(1, u64::from(u16::MAX));
         (fits as u16).min(self.config.prefetch.max(1))
     }
@@ -558,14 +573,16 @@ impl Consumer {
                 pipeline = self.config.pipeline,
                 inflight_bytes = self.inflight_bytes,
                 max_inflight_bytes = self.config.max_inflight_bytes,
-                largest_body = self.largest,
-                "the bodies in flight reached MAX_INFLIGHT_BYTES; no new deliveries until they \
-                 settle, then a smaller prefetch window"
+                largest_delivery = self.largest,
+                "the deliveries in flight (bodies and parsed properties) reached \
+                 MAX_INFLIGHT_BYTES; no new deliveries until they settle, then a smaller prefetch \
+                 window"
             );
         } else if window < self.config.prefetch
             && self.since_subscribe >= 2 * u64::from(window)
-            && self.wanted_window() > window
+            && self.window_for(self.largest) > window
         {
+            self.kept_largest = 0;
             info!(
                 pipeline = self.config.pipeline,
                 window,
@@ -1093,6 +1110,7 @@ impl Handler<Subscribed> for Consumer {
                     acker.set_window(msg.window, batchers, batch_size);
                 }
                 linked.subscription = Subscription::Active(msg.tag.clone());
+                self.kept_largest = self.kept_largest.max(self.largest);
                 self.largest = 0;
                 self.since_subscribe = 0;
                 info!(pipeline = self.config.pipeline, queue = %self.config.queue,

@@ -33,6 +33,16 @@ pub fn dlq_fate(failure: &Failure, attempts_so_far: u32, max_attempts: u32) -> F
             server_answered: true,
             reason,
         } => {
+            if attempts_so_far == u32::MAX {
+                // `headers::Retries::Unreadable`: a count that would not grow is never cycled.
+                return Fate::Park {
+                    kind: ErrorKind::RetriesExhausted,
+                    reason: format!(
+                        "the DLQ consumer does not try again: its headers passed the parser's \
+                         budget, so its x-dlq-attempts cannot be read: {reason}"
+                    ),
+                };
+            }
             let attempts = attempts_so_far + 1;
             if attempts >= max_attempts {
                 Fate::Park {
@@ -178,6 +188,14 @@ mod tests {
         );
         assert!(matches!(
             dlq_fate(&db(ErrorClass::Transient, true), 9, 10),
+            Fate::Park {
+                kind: ErrorKind::RetriesExhausted,
+                ..
+            }
+        ));
+        // An unreadable count (headers the parser cut short) is never cycled.
+        assert!(matches!(
+            dlq_fate(&db(ErrorClass::Transient, true), u32::MAX, 10),
             Fate::Park {
                 kind: ErrorKind::RetriesExhausted,
                 ..

@@ -22,6 +22,9 @@ pub struct Delivery {
     /// Shared with a republished copy (retry, dead letter), never copied.
     pub body: bytes::Bytes,
     pub properties: BasicProperties,
+    /// What it holds in memory, counted against `MAX_INFLIGHT_BYTES`: the body and its
+    /// properties as parsed (`headers::parsed_bytes`), reckoned once at receipt.
+    pub held_bytes: u64,
     /// When warren received it (one clock read per chunk): the broker's `consumer_timeout`
     /// counts from about then, so a stage holding it long gives it back in time (`sink.rs`).
     pub received_at: Instant,
@@ -130,7 +133,8 @@ pub struct Settle {
     /// dropped (the broker already requeued those messages).
     pub generation: u64,
     pub items: Vec<(u64, Disposition)>,
-    /// The bodies' bytes these deliveries held (the consumer's byte budget frees them).
+    /// The bytes these deliveries held, bodies and parsed properties (the consumer's byte
+    /// budget frees them).
     pub bytes: u64,
 }
 
@@ -140,7 +144,7 @@ impl Settle {
     pub fn group<'a>(items: impl IntoIterator<Item = (&'a Delivery, Disposition)>) -> Vec<Settle> {
         let mut out: Vec<Settle> = Vec::with_capacity(1);
         for (d, disposition) in items {
-            let bytes = d.body.len() as u64;
+            let bytes = d.held_bytes;
             match out.iter_mut().find(|s| s.generation == d.generation) {
                 Some(s) => {
                     s.items.push((d.tag, disposition));
@@ -202,6 +206,7 @@ mod tests {
             redelivered: false,
             body: vec![b'x'; bytes].into(),
             properties: BasicProperties::default(),
+            held_bytes: bytes as u64,
             received_at: Instant::now(),
         }
     }

@@ -144,6 +144,7 @@ mod tests {
             redelivered: false,
             body: body.to_vec().into(),
             properties: BasicProperties::default(),
+            held_bytes: body.len() as u64,
             received_at: std::time::Instant::now(),
         }
     }

@@ -96,7 +96,14 @@ impl Republisher {
                     &message.properties,
                     count,
                     ErrorKind::RetriesExhausted.as_str(),
-                    &format!("retries exhausted after {count}: {reason}"),
+                    &match retries {
+                        Retries::Unreadable => format!(
+                            "not retried: its headers passed the parser's budget, so its \
+                             x-retries cannot be read ({}): {reason}",
+                            headers::UNPARSED_KEY
+                        ),
+                        _ => format!("retries exhausted after {count}: {reason}"),
+                    },
                 ),
                 ErrorKind::RetriesExhausted.as_str(),
             ),

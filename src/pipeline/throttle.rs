@@ -65,7 +65,7 @@ impl Throttle {
     /// and their bodies' bytes.
     pub fn clear(&mut self) -> (usize, u64) {
         let n = self.held.len();
-        let bytes = self.held.iter().map(|d| d.body.len() as u64).sum();
+        let bytes = self.held.iter().map(|d| d.held_bytes).sum();
         self.held.clear();
         (n, bytes)
     }
@@ -81,7 +81,7 @@ impl Throttle {
         };
         while let Some(front) = self.held.front() {
             if front.generation != generation {
-                release.dropped_bytes += front.body.len() as u64;
+                release.dropped_bytes += front.held_bytes;
                 self.held.pop_front();
                 release.dropped += 1;
                 continue;
@@ -120,6 +120,7 @@ mod tests {
             received_at: std::time::Instant::now(),
             body: Default::default(),
             properties: Default::default(),
+            held_bytes: 0,
         })
         .collect()
     }
