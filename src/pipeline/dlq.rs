@@ -11,13 +11,13 @@ use tracing::warn;
 
 use super::message::{Disposition, Failure, Leftovers};
 use super::router::{Fallback, Fate, Route};
-use crate::amqp::headers;
+use crate::amqp::headers::{self, Retries};
 use crate::db::ErrorClass;
 use crate::domain::ErrorKind;
 
 /// The DLQ policy: where a message that failed this way goes, given the attempts the DLQ
-/// consumer already spent on it.
-pub fn dlq_fate(failure: &Failure, attempts_so_far: u32, max_attempts: u32) -> Fate {
+/// consumer already spent on it (its `x-dlq-attempts`).
+pub fn dlq_fate(failure: &Failure, attempts_so_far: &Retries, max_attempts: u32) -> Fate {
     match failure {
         Failure::Refused { kind, reason } => Fate::Park {
             kind: *kind,
@@ -33,8 +33,8 @@ pub fn dlq_fate(failure: &Failure, attempts_so_far: u32, max_attempts: u32) -> F
             server_answered: true,
             reason,
         } => {
-            if attempts_so_far == u32::MAX {
-                // `headers::Retries::Unreadable`: a count that would not grow is never cycled.
+            if *attempts_so_far == Retries::Unreadable {
+                // A count that would not grow is never cycled.
                 return Fate::Park {
                     kind: ErrorKind::RetriesExhausted,
                     reason: format!(
@@ -43,7 +43,7 @@ pub fn dlq_fate(failure: &Failure, attempts_so_far: u32, max_attempts: u32) -> F
                     ),
                 };
             }
-            let attempts = attempts_so_far + 1;
+            let attempts = attempts_so_far.count().saturating_add(1);
             if attempts >= max_attempts {
                 Fate::Park {
                     kind: ErrorKind::RetriesExhausted,
@@ -98,7 +98,7 @@ impl Handler<Leftovers> for DlqStage {
             let Leftovers { batch_id, items } = msg;
             let mut fates: Vec<Fate> = items
                 .iter()
-                .map(|(d, f)| dlq_fate(f, headers::dlq_attempts(&d.properties).count(), max))
+                .map(|(d, f)| dlq_fate(f, &headers::dlq_attempts(&d.properties), max))
                 .collect();
             fallback.park_all(&items, &mut fates).await;
             // What goes back to the DLQ for another attempt waits a backoff first, so a
@@ -166,28 +166,28 @@ mod tests {
             reason: "eof".into(),
         };
         assert!(matches!(
-            dlq_fate(&refused, 0, 10),
+            dlq_fate(&refused, &Retries::Count(0), 10),
             Fate::Park {
                 kind: ErrorKind::InvalidJson,
                 ..
             }
         ));
         assert!(matches!(
-            dlq_fate(&db(ErrorClass::Permanent, true), 0, 10),
+            dlq_fate(&db(ErrorClass::Permanent, true), &Retries::Count(0), 10),
             Fate::Park {
                 kind: ErrorKind::DbPermanent,
                 ..
             }
         ));
         assert_eq!(
-            dlq_fate(&db(ErrorClass::Transient, true), 3, 10),
+            dlq_fate(&db(ErrorClass::Transient, true), &Retries::Count(3), 10),
             Fate::Route(Route::DlqAttempt {
                 attempts: 4,
                 reason: "boom".into()
             })
         );
         assert!(matches!(
-            dlq_fate(&db(ErrorClass::Transient, true), 9, 10),
+            dlq_fate(&db(ErrorClass::Transient, true), &Retries::Count(9), 10),
             Fate::Park {
                 kind: ErrorKind::RetriesExhausted,
                 ..
@@ -195,18 +195,18 @@ mod tests {
         ));
         // An unreadable count (headers the parser cut short) is never cycled.
         assert!(matches!(
-            dlq_fate(&db(ErrorClass::Transient, true), u32::MAX, 10),
+            dlq_fate(&db(ErrorClass::Transient, true), &Retries::Unreadable, 10),
             Fate::Park {
                 kind: ErrorKind::RetriesExhausted,
                 ..
             }
         ));
         assert_eq!(
-            dlq_fate(&db(ErrorClass::Transient, false), 9, 10),
+            dlq_fate(&db(ErrorClass::Transient, false), &Retries::Count(9), 10),
             Fate::Requeue("db_unavailable")
         );
         assert_eq!(
-            dlq_fate(&db(ErrorClass::Systemic, true), 0, 10),
+            dlq_fate(&db(ErrorClass::Systemic, true), &Retries::Count(0), 10),
             Fate::Settled(Disposition::Requeue)
         );
     }
