@@ -138,6 +138,33 @@ async fn an_amqp_url_the_amqp_client_cannot_parse_is_refused_at_startup() {
     );
 }
 
+/// `amqps://` goes through the TLS stack (rustls with the ring provider): against the broker's
+/// plain AMQP port the handshake fails and the command says so, naming the broker without its
+/// password; a TLS stack built without a provider would panic here instead.
+#[tokio::test(flavor = "multi_thread")]
+async fn an_amqps_url_speaks_tls_and_a_failed_handshake_is_an_error_not_a_panic() {
+    let mut env = TestEnv::new("cli_amqps").await;
+    let plain = url::Url::parse(&amqp_url()).expect("AMQP URL");
+    let port = plain.port().unwrap_or(5672);
+    env.set(
+        "AMQP_URL",
+        format!("amqps://guest:s3cret@127.0.0.1:{port}/%2f"),
+    )
+    .set("AMQP_CONNECT_TIMEOUT_MS", "3000");
+    let (code, out, err) = run_bounded(env.command(&["declare"]), Duration::from_secs(60));
+    assert_eq!(code, 1, "{out}\n{err}");
+    assert!(
+        err.contains(&format!(
+            "cannot reach the broker at amqps://guest:***@127.0.0.1:{port}"
+        )),
+        "{err}"
+    );
+    assert!(
+        !err.contains("s3cret") && !err.contains("panicked"),
+        "{err}"
+    );
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn config_prints_the_effective_settings_with_passwords_redacted() {
     let mut env = TestEnv::new("cli_config").await;
