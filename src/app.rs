@@ -1,8 +1,9 @@
-//! The composition root of `warren run`: starts the roles in order (metrics, queue poller,
-//! pipelines, API, readiness, database probe, registry and remote control), waits for the
-//! shutdown trigger or a remote `drain`, and stops them in order: pipelines (each with its own
-//! fixed sequence, `pipeline::Pipeline::shutdown`), then the API, then the registry. Errors
-//! of the boundaries meet here, so it speaks `anyhow` like the CLI.
+//! The composition root of `warren run`: the metrics listener first ([`start_listener`], before
+//! anything waits for a server), then the roles in order (queue poller, pipelines, API,
+//! readiness, database probe, registry and remote control); waits for the shutdown trigger or a
+//! remote `drain`, and stops them in order: pipelines (each with its own fixed sequence,
+//! `pipeline::Pipeline::shutdown`), then the API, then the registry. Errors of the boundaries
+//! meet here, so it speaks `anyhow` like the CLI.
 
 use std::future::Future;
 use std::net::SocketAddr;
@@ -21,7 +22,21 @@ use crate::pipeline::{self, Pipeline, Spec};
 use crate::registry::{Command, CtlCommand, Registry, Report};
 use crate::{db, http, metrics};
 
-/// Runs the roles of `settings` until `shutdown` resolves (or a remote `drain`), then stops
+/// Installs the metrics recorder and binds the metrics listener (`METRICS_ADDR`: `/metrics`,
+/// `/healthz`, `/readyz`), before anything waits for a server: a warren waiting for its database
+/// at start is alive (`/healthz` 200) and not ready (`/readyz` 503, the database down), so a
+/// liveness probe does not restart it for waiting. The roles come later ([`run`]).
+pub async fn start_listener(settings: &Settings) -> anyhow::Result<()> {
+    let metrics_addr: SocketAddr = crate::config::listen_addr(&settings.metrics_addr)
+        .map_err(|e| anyhow::anyhow!("METRICS_ADDR {}: {e}", settings.metrics_addr))?;
+    let recorder = metrics::install().map_err(anyhow::Error::msg)?;
+    http::ops::serve(metrics_addr, recorder).await?;
+    // Every role uses the database, and it is not up until a probe or an insert says so.
+    metrics::needs(&[], true);
+    Ok(())
+}
+
+/// Runs the roles of `settings` (the listener already up, [`start_listener`]) until `shutdown` resolves (or a remote `drain`), then stops
 /// gracefully. The exit code is 0 after a complete drain, 1 when the shutdown timeout left
 /// messages in flight.
 pub async fn run(settings: Settings, shutdown: impl Future<Output = ()>) -> anyhow::Result<i32> {
@@ -30,10 +45,6 @@ pub async fn run(settings: Settings, shutdown: impl Future<Output = ()>) -> anyh
             "CONTROL_SECRET is not set: anyone with write access to Redis can pause, drain or scale this instance; set CONTROL_SECRET (the same on every instance and for `warren ctl`) to accept only signed commands"
         );
     }
-    let metrics_addr: SocketAddr = crate::config::listen_addr(&settings.metrics_addr)
-        .map_err(|e| anyhow::anyhow!("METRICS_ADDR {}: {e}", settings.metrics_addr))?;
-    let recorder = metrics::install().map_err(anyhow::Error::msg)?;
-    http::ops::serve(metrics_addr, recorder).await?;
     events::start(&settings);
     events::emit(
         None,

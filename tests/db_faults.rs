@@ -464,9 +464,17 @@ async fn a_database_away_at_start_is_waited_for_and_a_sigterm_ends_the_wait() {
     proxy.thaw();
 
     // Away again at start, then back: warren goes on by itself and consumes everything once.
+    // While it waits it is alive and not ready: its listener is up before the check, so a
+    // liveness probe does not restart it for waiting (it was bound only after the check).
     proxy.cut();
     let mut warren = start_waiting_for_the_database(&env, &file).await;
     let _logs = LogsOnPanic(vec![warren.log.clone()]);
+    let health = metrics_get(&env, "/healthz").await;
+    assert_eq!(health.as_ref().map(|h| h.0), Some(200), "{health:?}");
+    let (status, body) = metrics_get(&env, "/readyz").await.expect("/readyz answers");
+    assert_eq!(status, 503, "{body}");
+    let ready: serde_json::Value = serde_json::from_str(&body).expect("JSON");
+    assert_eq!(ready["database"], false, "{body}");
     proxy.restore();
     let expected: HashSet<Uuid> = ids.into_iter().collect();
     assert_rows_exactly(&env, &expected, Duration::from_secs(60), &|| warren.logs()).await;

@@ -12,24 +12,11 @@ use common::*;
 use serde_json::Value;
 use uuid::Uuid;
 
-/// (status, body) of `GET path` on the env's metrics listener; `None` while nothing answers.
-async fn probe(env: &TestEnv, path: &str) -> Option<(u16, String)> {
-    let url = format!("http://127.0.0.1:{}{path}", env.metrics_port);
-    tokio::task::spawn_blocking(move || {
-        http_agent().get(&url).call().ok().map(|mut r| {
-            let status = r.status().as_u16();
-            (status, r.body_mut().read_to_string().unwrap_or_default())
-        })
-    })
-    .await
-    .expect("probe task")
-}
-
 /// Waits until `GET path` answers `status`; returns the body as JSON (`Null` when it is not).
 async fn wait_status(env: &TestEnv, warren: &Warren, path: &str, status: u16) -> Value {
     let mut last = None;
     for _ in 0..600 {
-        last = probe(env, path).await;
+        last = metrics_get(env, path).await;
         if let Some((s, body)) = &last
             && *s == status
         {
@@ -63,7 +50,7 @@ async fn a_consumer_only_instance_answers_health_and_readiness_on_its_metrics_po
     assert_eq!(ready["broker"], true, "{ready}");
     assert_eq!(ready["database"], true, "{ready}");
     for path in ["/other", "/", "/metrics/x", "/healthzz"] {
-        let (status, body) = probe(&env, path).await.expect("an answer");
+        let (status, body) = metrics_get(&env, path).await.expect("an answer");
         assert_eq!(status, 404, "GET {path}: {body}");
         assert!(!body.contains("warren_build_info"), "GET {path}: {body}");
     }
@@ -87,7 +74,7 @@ async fn a_consumer_only_instance_answers_health_and_readiness_on_its_metrics_po
     let down = wait_status(&env, &warren, "/readyz", 503).await;
     assert_eq!(down["database"], false, "{down}");
     assert_eq!(down["broker"], true, "{down}");
-    assert_eq!(probe(&env, "/healthz").await.map(|a| a.0), Some(200));
+    assert_eq!(metrics_get(&env, "/healthz").await.map(|a| a.0), Some(200));
     db.restore();
     wait_status(&env, &warren, "/readyz", 200).await;
 
@@ -115,7 +102,7 @@ async fn an_api_only_instance_has_the_listener_too_and_its_api_keeps_its_own_pro
     let ready = wait_status(&env, &warren, "/readyz", 200).await;
     assert_eq!(ready["broker"], true, "{ready}");
     assert_eq!(ready["database"], true, "{ready}");
-    let (status, _) = probe(&env, "/api/v1/users").await.expect("an answer");
+    let (status, _) = metrics_get(&env, "/api/v1/users").await.expect("an answer");
     assert_eq!(
         status, 404,
         "the API's routes are not on the metrics listener"

@@ -97,6 +97,8 @@ pub async fn execute(
         Some(list) => select_pipelines(settings, list)?,
         None => settings,
     };
+    // The listener first: probes answer while warren declares or waits for the database.
+    crate::app::start_listener(&settings).await?;
     if args.declare {
         let topology = Topology::from_settings(&settings)?;
         crate::cli::declare::declare_all(&settings, &topology, false).await?;

@@ -1,4 +1,5 @@
-//! HTTP: the env's API address (`http_base`), `http_agent` and `http`, one request to the API.
+//! HTTP: the env's API address (`http_base`), `http_agent`, `http` (one request to the API) and
+//! `metrics_get` (one `GET` on the metrics listener: `/metrics`, `/healthz`, `/readyz`).
 
 use std::time::Duration;
 
@@ -52,4 +53,18 @@ pub async fn http(
     })
     .await
     .expect("http task")
+}
+
+/// (status, body) of `GET path` on the env's metrics listener (`METRICS_ADDR`); `None` while
+/// nothing answers.
+pub async fn metrics_get(env: &TestEnv, path: &str) -> Option<(u16, String)> {
+    let url = format!("http://127.0.0.1:{}{path}", env.metrics_port);
+    tokio::task::spawn_blocking(move || {
+        http_agent().get(&url).call().ok().map(|mut r| {
+            let status = r.status().as_u16();
+            (status, r.body_mut().read_to_string().unwrap_or_default())
+        })
+    })
+    .await
+    .expect("metrics listener task")
 }
