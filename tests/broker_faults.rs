@@ -256,3 +256,61 @@ async fn a_cancel_that_is_never_answered_rebuilds_the_link_and_loses_nothing() {
     warren.terminate_ok(Duration::from_secs(30));
     assert_eq!(env.queue_state(&env.main_queue).await, (0, 0));
 }
+
+/// The same silence at a shutdown: SIGTERM cancels the subscription, no cancel-ok ever comes
+/// (the link is frozen, heartbeats off), and the stop must go on without it after the connect
+/// timeout: drained, exit 0, instead of waiting out SHUTDOWN_TIMEOUT_MS for a stream that never
+/// ends (the shutdown's cancel was not recorded as one, so the watchdog never saw it). The acks
+/// lost in the silent link give those messages back to the queue; a second warren, once the
+/// broker answers again, lands every message once (a row committed whose ack was lost is a copy,
+/// a success, not a second row).
+#[tokio::test(flavor = "multi_thread")]
+async fn a_shutdown_behind_a_cancel_that_is_never_answered_still_ends() {
+    let _serial = SERIAL.lock().await;
+    let mut env = TestEnv::new("cancel_silent_stop").await;
+    let proxy = TcpProxy::start(&amqp_url(), 5672).await;
+    env.set("AMQP_URL", proxy.url())
+        .set("AMQP_HEARTBEAT_S", "0")
+        .set("AMQP_CONNECT_TIMEOUT_MS", "2000")
+        .set("SHUTDOWN_TIMEOUT_MS", "10000")
+        .set("USERS_BATCH_SIZE", "100");
+    env.declare();
+    let _redis = RedisCleanup::new(&env);
+    let expected: HashSet<Uuid> = env.publish_users(20_000).await.into_iter().collect();
+    let mut warren = env.start(&["--roles", "consumer"]);
+    let _logs = LogsOnPanic(vec![warren.log.clone()]);
+    wait_until("the first rows", Duration::from_secs(30), || async {
+        env.count_rows().await > 0
+    })
+    .await;
+    proxy.freeze();
+    let began = Instant::now();
+    warren.signal("TERM");
+    warren
+        .wait_for_log(
+            "the unanswered cancel noticed at the stop",
+            "a cancelled subscription's stream did not end; stopping without it",
+        )
+        .await;
+    // The connect timeout (2 s) until the watchdog gives up on the cancel, the drain of what
+    // was taken (the database answers; the acks go into the silent link), then the closes of the
+    // consumer's and the publisher's links (5 s each, unanswered): 13 s here. Before, the stop
+    // waited out SHUTDOWN_TIMEOUT_MS (10 s) and exited 1, undrained.
+    let status = warren.wait(Duration::from_secs(40));
+    let took = began.elapsed();
+    eprintln!("the stop behind a silent cancel took {took:?}: {status:?}");
+    assert_eq!(status.code(), Some(0), "log:\n{}", warren.logs());
+    assert!(
+        took < Duration::from_secs(18),
+        "the stop took {took:?}; log:\n{}",
+        warren.logs()
+    );
+    proxy.thaw();
+    drop(proxy);
+    // The second warren talks to the broker directly.
+    env.set("AMQP_URL", amqp_url());
+    let mut second = env.start(&["--roles", "consumer"]);
+    let _logs2 = LogsOnPanic(vec![second.log.clone()]);
+    assert_all_once(&env, &expected, &second).await;
+    second.terminate_ok(Duration::from_secs(30));
+}

@@ -1005,9 +1005,13 @@ impl Handler<Cancel> for Consumer {
             match &self.link {
                 Link::Up(linked) if linked.channel.status().connected() => {
                     match &linked.subscription {
-                        Subscription::Active(tag) => {
+                        Subscription::Active(_) => {
                             info!(pipeline = self.config.pipeline, "cancelling the consumer");
-                            cancel(&linked.channel, tag.clone());
+                            // Recorded as cancelling, as any cancel: its end answers the waiters,
+                            // and a cancel-ok that never comes is noticed by the watchdog, which
+                            // goes on with the stop without it. (Left `Active`, a silent link
+                            // held the stop to SHUTDOWN_TIMEOUT_MS and an exit 1.)
+                            self.unsubscribe();
                         }
                         // Its end (`Event::Ended`) goes on with the stop.
                         Subscription::Cancelling(..) => {}
