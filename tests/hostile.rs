@@ -869,3 +869,87 @@ async fn a_retry_copy_leaves_room_for_what_the_broker_adds() {
     assert_queue_empty(&env, &env.main_queue).await;
     assert_queue_empty(&env, &env.retry_queue).await;
 }
+
+/// Headers past the parser's budget can hide warren's own `x-retries` (keys sorted before it
+/// spend the budget; the count is in the raw rest, `x-unparsed-entries`): every retry of such a
+/// message would read "no retries yet" and it would cycle for ever while the database fails. It
+/// is acted on as exhausted: at the first transient failure it goes to the DLQ at once (never to
+/// the retry queue), its reason says why, and its copy carries no made-up count; a message with
+/// plain headers beside it is retried as usual and lands when the database is back.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_retry_count_hidden_past_the_parsers_budget_dead_letters_at_once() {
+    let mut env = TestEnv::new("hiddencount").await;
+    env.set("MAX_RETRIES", "5")
+        .set("RETRY_TTL_MS", "300")
+        .set("DB_RETRY_WINDOW_MS", "0");
+    env.declare();
+    install_fault(&env, CountAttempts::No).await;
+    // 2,000 small entries sorted between warren's x-error-* and x-retries (14 KB on the wire)
+    // spend the budget (each entry is charged what it takes parsed, ~130 bytes): x-retries and
+    // what follows are kept raw. (One large array would not do: a container kept raw gives its
+    // charge back.)
+    let mut hidden = lapin::types::FieldTable::default();
+    for i in 0..2_000 {
+        hidden.insert(format!("x-f{i:04}").into(), AMQPValue::Void);
+    }
+    hidden.insert("x-retries".into(), AMQPValue::LongLongInt(1));
+    let hidden_id = Uuid::new_v4();
+    env.publish_raw(
+        &user_body(hidden_id),
+        json_props(hidden_id).with_headers(hidden),
+    )
+    .await;
+    let plain_id = Uuid::new_v4();
+    env.publish_raw(&user_body(plain_id), json_props(plain_id))
+        .await;
+    let mut warren = env.start(&["--roles", "consumer"]);
+    let _logs = LogsOnPanic(vec![warren.log.clone()]);
+    wait_until(
+        "the hidden count dead-lettered",
+        Duration::from_secs(30),
+        || async { env.ready(&env.dlq_queue).await == 1 },
+    )
+    .await;
+    wait_until("the plain one retried", Duration::from_secs(30), || async {
+        try_metric(&env, "warren_messages_retried_total", &[])
+            .await
+            .unwrap_or(0.0)
+            >= 2.0
+    })
+    .await;
+    assert_eq!(
+        env.ready(&env.dlq_queue).await,
+        1,
+        "the plain message was dead-lettered too"
+    );
+    let copy = env
+        .channel
+        .basic_get(
+            env.dlq_queue.as_str().into(),
+            lapin::options::BasicGetOptions { no_ack: true },
+        )
+        .await
+        .expect("basic.get")
+        .expect("the dead letter");
+    assert_eq!(message_uuid(&copy), hidden_id);
+    let props = &copy.delivery.properties;
+    assert_eq!(
+        text_header(props, "x-error-kind").as_deref(),
+        Some("retries_exhausted")
+    );
+    let reason = text_header(props, "x-error-reason").unwrap_or_default();
+    assert!(
+        reason.contains("x-retries cannot be read") && reason.contains("x-unparsed-entries"),
+        "{reason}"
+    );
+    // The count the publisher wrote is still in the raw rest, and none was made up beside it.
+    assert_eq!(header(props, "x-retries"), None, "{props:?}");
+    assert!(header(props, "x-unparsed-entries").is_some(), "{props:?}");
+
+    clear_fault(&env).await;
+    let expected = std::collections::HashSet::from([plain_id]);
+    assert_rows_exactly(&env, &expected, Duration::from_secs(60), &|| warren.logs()).await;
+    warren.terminate_ok(Duration::from_secs(30));
+    assert_eq!(env.queue_state(&env.main_queue).await, (0, 0));
+    assert_eq!(env.queue_state(&env.retry_queue).await, (0, 0));
+}

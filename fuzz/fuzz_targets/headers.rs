@@ -85,7 +85,7 @@ fuzz_target!(|data: &[u8]| {
     };
     assert_eq!(others(&retry, written), others(&p, written));
 
-    let dead = republish::for_dead_letter(&p, count, "db_permanent", &reason);
+    let dead = republish::for_dead_letter(&p, Some(count), "db_permanent", &reason);
     assert_eq!(headers::retries(&dead), Retries::Count(count));
     assert_eq!(
         headers::text(&dead, headers::X_ERROR_KIND).as_deref(),

@@ -342,21 +342,23 @@ pub fn for_retry(
     )
 }
 
-/// Properties for a dead-lettered message.
+/// Properties for a dead-lettered message: `x-retries` = `retries` (left as it is when `None`:
+/// a count that could not be read is not replaced by a made-up one), the kind and the reason.
 pub fn for_dead_letter(
     properties: &BasicProperties,
-    retries: u32,
+    retries: Option<u32>,
     kind: &str,
     reason: &str,
 ) -> BasicProperties {
-    with_headers(
-        properties,
-        &[
-            (X_RETRIES, AMQPValue::LongLongInt(retries as i64)),
+    let retries = retries.map(|n| (X_RETRIES, AMQPValue::LongLongInt(n as i64)));
+    let set: Vec<(&str, AMQPValue)> = retries
+        .into_iter()
+        .chain([
             (X_ERROR_KIND, long(kind.as_bytes())),
             (X_ERROR_REASON, long(capped(reason, REASON_MAX).as_bytes())),
-        ],
-    )
+        ])
+        .collect();
+    with_headers(properties, &set)
 }
 
 /// Properties for a DLQ message the DLQ consumer tries again later: `x-dlq-attempts` =
@@ -569,7 +571,7 @@ mod stamp_tests {
     #[test]
     fn reasons_are_capped_on_a_character_boundary() {
         let long_reason = "é".repeat(2000);
-        let p = for_dead_letter(&BasicProperties::default(), 0, "k", &long_reason);
+        let p = for_dead_letter(&BasicProperties::default(), Some(0), "k", &long_reason);
         let written = text(&p, X_ERROR_REASON).unwrap();
         assert!(written.len() <= REASON_MAX, "{}", written.len());
         assert!(written.ends_with('…'));
@@ -593,9 +595,14 @@ mod stamp_tests {
         assert_eq!(text(&next, X_RETRY_REASON).unwrap(), "db_error: x");
         assert_eq!(text(&next, "trace").unwrap(), "abc");
         assert_eq!(next.message_id().as_ref().unwrap().as_str(), "m1");
-        let dead = for_dead_letter(&next, 3, "retries_exhausted", "r");
+        let dead = for_dead_letter(&next, Some(3), "retries_exhausted", "r");
         assert_eq!(text(&dead, X_ERROR_KIND).unwrap(), "retries_exhausted");
         assert_eq!(to_json(&dead)["x-retries"], serde_json::json!(3));
+        // A count that could not be read is not replaced: the copy keeps what was there.
+        let dead = for_dead_letter(&p, None, "retries_exhausted", "r");
+        assert_eq!(text(&dead, X_ERROR_KIND).unwrap(), "retries_exhausted");
+        assert!(matches!(retries(&dead), Retries::Invalid(_)), "{dead:?}");
+        assert_eq!(text(&dead, "trace").unwrap(), "abc");
     }
 
     #[test]
@@ -606,7 +613,7 @@ mod stamp_tests {
                 .with_content_type("application/json".into())
                 .with_delivery_mode(2)
                 .with_timestamp(42),
-            3,
+            Some(3),
             "retries_exhausted",
             "db_error: x",
         );

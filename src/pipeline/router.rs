@@ -82,6 +82,9 @@ impl Republisher {
                 "unusable x-retries treated as 0; it is rewritten as an integer");
         }
         let count = retries.count();
+        // What the dead-lettered copy says of its retries: the count read, or nothing over an
+        // unreadable one (the headers keep whatever the parser could not read).
+        let written = (retries != Retries::Unreadable).then_some(count);
         let (exchange, routing_key, properties, kind) = match route {
             Route::Retry { reason } if count < self.max_retries => (
                 &self.retry_exchange,
@@ -94,7 +97,7 @@ impl Republisher {
                 &self.dlq_queue,
                 republish::for_dead_letter(
                     &message.properties,
-                    count,
+                    written,
                     ErrorKind::RetriesExhausted.as_str(),
                     &match retries {
                         Retries::Unreadable => format!(
@@ -110,7 +113,7 @@ impl Republisher {
             Route::DeadLetter { kind, reason } => (
                 &self.dlx_exchange,
                 &self.dlq_queue,
-                republish::for_dead_letter(&message.properties, count, kind.as_str(), reason),
+                republish::for_dead_letter(&message.properties, written, kind.as_str(), reason),
                 kind.as_str(),
             ),
             Route::DlqAttempt { attempts, reason } => (
