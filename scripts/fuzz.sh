@@ -5,7 +5,10 @@
 # committed). A crash stops the script with a non-zero exit; its input is in
 # fuzz/artifacts/<target>/ (replay it with `cargo fuzz run <target> <file>`).
 #
-#   scripts/fuzz.sh [SECONDS]                   quick build: unoptimized, no sanitizer (CI: 25 s)
+# CI does not fuzz: tests/fuzz_seeds.rs replays the checks (fuzz/checks/) over the seeds in
+# every test run. Fuzz by hand after touching a parser or the republish policy.
+#
+#   scripts/fuzz.sh [SECONDS]                   quick build: unoptimized, no sanitizer
 #   FUZZ_BUILD=release scripts/fuzz.sh 3600     optimized, AddressSanitizer and overflow checks:
 #                                               ~4x the build time, 5-10x the runs per second
 #

@@ -1,32 +1,9 @@
-//! The users body decoder (`Users` through the `Domain` trait) on any bytes: it must never
-//! panic, a body it accepts must be a valid user that survives a JSON round trip, and a refusal
-//! must say why.
+//! cargo-fuzz target `users_decode`: libFuzzer's inputs through the check in `fuzz/checks/users_decode.rs`
+//! (what it checks is written there). tests/fuzz_seeds.rs runs the same check over the committed
+//! seeds in every test run.
 #![no_main]
 
-use libfuzzer_sys::fuzz_target;
-use warren::domain::users::{Users, validate};
-use warren::domain::{Domain, ErrorKind};
+#[path = "../checks/users_decode.rs"]
+mod checks;
 
-fuzz_target!(|body: &[u8]| {
-    match Users.decode(body) {
-        Ok(user) => {
-            assert!(
-                validate(&user.name, &user.email).is_empty(),
-                "accepted an invalid user: {user:?}"
-            );
-            let again = serde_json::to_vec(&user).expect("a user serializes");
-            assert_eq!(
-                Users.decode(&again).as_ref(),
-                Ok(&user),
-                "round trip changed the user"
-            );
-        }
-        Err(rejection) => {
-            assert!(!rejection.reason.is_empty(), "a refusal without a reason");
-            if rejection.kind == ErrorKind::InvalidPayload {
-                // Empty and non-UTF-8 bodies are invalid_json, never invalid_payload.
-                assert!(!body.is_empty() && std::str::from_utf8(body).is_ok());
-            }
-        }
-    }
-});
+libfuzzer_sys::fuzz_target!(|data: &[u8]| checks::check(data));
