@@ -924,8 +924,23 @@ impl Handler<Connected> for Consumer {
 impl StreamHandler<Event> for Consumer {
     fn handle(&mut self, event: Event, ctx: &mut Self::Context) {
         match event {
-            Event::Deliveries(generation, chunk) if generation == self.generation => {
+            Event::Deliveries(generation, chunk)
+                if generation == self.generation && self.phase != Phase::StreamEnded =>
+            {
                 self.dispatch(chunk, ctx)
+            }
+            Event::Deliveries(generation, chunk) if generation == self.generation => {
+                // The stream has ended for this stop, or was given up on (a cancel-ok that did
+                // not come within the connect timeout, a consume under way at the stop): what
+                // still arrives is left unacked, and the broker gives it back when the channel
+                // closes. Handed on, it would be processed after the acks were closed, and a
+                // message routed to the DLQ or a retry queue would be routed again at its
+                // redelivery: a second copy (found by review).
+                debug!(
+                    pipeline = self.config.pipeline,
+                    deliveries = chunk.len(),
+                    "deliveries after the stream ended for the stop; left to the broker"
+                );
             }
             Event::Deliveries(..) => {}
             Event::Ended(generation, tag) => {
