@@ -83,6 +83,12 @@ pub fn check(data: &[u8]) {
     };
     assert_eq!(others(&retry, written), others(&p, written));
 
+    // Over an unreadable count nothing is made up: x-retries stays what it was, if anything.
+    let kept = republish::for_dead_letter(&p, None, "retries_exhausted", &reason);
+    assert_eq!(
+        headers::text(&kept, headers::X_RETRIES),
+        headers::text(&p, headers::X_RETRIES)
+    );
     let dead = republish::for_dead_letter(&p, Some(count), "db_permanent", &reason);
     assert_eq!(headers::retries(&dead), Retries::Count(count));
     assert_eq!(
