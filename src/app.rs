@@ -36,6 +36,16 @@ pub async fn start_listener(settings: &Settings) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// Under systemd (`Type=notify`): the start goes on for `by` more (`EXTEND_TIMEOUT_USEC`), so
+/// the unit's `TimeoutStartSec=` does not stop, and restart in a loop, a warren that waits for a
+/// server before its roles run and it says `READY=1`. A no-op when NOTIFY_SOCKET is unset.
+pub fn extend_start(by: Duration) {
+    let usec = u32::try_from(by.as_micros()).unwrap_or(u32::MAX);
+    if let Err(e) = sd_notify::notify(&[sd_notify::NotifyState::ExtendTimeoutUsec(usec)]) {
+        warn!(error = %e, "cannot tell systemd (NOTIFY_SOCKET) that the start goes on");
+    }
+}
+
 /// Runs the roles of `settings` (the listener already up, [`start_listener`]) until `shutdown` resolves (or a remote `drain`), then stops
 /// gracefully. The exit code is 0 after a complete drain, 1 when the shutdown timeout left
 /// messages in flight.

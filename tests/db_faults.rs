@@ -481,3 +481,56 @@ async fn a_database_away_at_start_is_waited_for_and_a_sigterm_ends_the_wait() {
     warren.terminate_ok(Duration::from_secs(30));
     assert_eq!(env.queue_state(&env.main_queue).await, (0, 0));
 }
+
+/// Under systemd (`Type=notify`, `TimeoutStartSec=60` in the unit) a warren that waits for its
+/// database at start says, at each attempt, that its start goes on (`EXTEND_TIMEOUT_USEC`, past
+/// the next attempt): without it systemd stopped it after 60 s and restarted it, in a loop for as
+/// long as the database was away. No `READY=1` before its roles run; once the database answers,
+/// `READY=1`.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_start_that_waits_for_the_database_keeps_extending_systemds_start_timeout() {
+    let proxy = TcpProxy::start(&database_url(), 5432).await;
+    let mut env = TestEnv::new("pg_away_systemd").await;
+    env.declare();
+    let dir = tempfile::tempdir().expect("temp dir");
+    let path = dir.path().join("users.toml");
+    std::fs::write(&path, mapped_users(&env)).expect("write the config");
+    let file = path.to_string_lossy().into_owned();
+    let socket_path = dir.path().join("notify.sock");
+    let socket = tokio::net::UnixDatagram::bind(&socket_path).expect("bind the notify socket");
+    env.set("DATABASE_URL", proxy.url())
+        .set("NOTIFY_SOCKET", socket_path.to_str().expect("UTF-8 path"));
+    proxy.cut();
+    let mut warren = start_waiting_for_the_database(&env, &file).await;
+    let _logs = LogsOnPanic(vec![warren.log.clone()]);
+
+    let mut buf = vec![0u8; 4096];
+    let mut seen = Vec::new();
+    let mut next = async || {
+        let n = tokio::time::timeout(Duration::from_secs(60), socket.recv(&mut buf))
+            .await
+            .expect("a notification within 60 s")
+            .expect("read the notify socket");
+        String::from_utf8_lossy(&buf[..n]).trim().to_string()
+    };
+    let mut extends = 0;
+    while extends < 2 {
+        let text = next().await;
+        assert_ne!(text, "READY=1", "ready while waiting; seen {seen:?}");
+        if let Some(usec) = text.strip_prefix("EXTEND_TIMEOUT_USEC=") {
+            let usec: u64 = usec.parse().expect("a number of microseconds");
+            assert!(usec >= 15_000_000, "extended by {usec} us only");
+            extends += 1;
+        }
+        seen.push(text);
+    }
+    proxy.restore();
+    loop {
+        let text = next().await;
+        if text == "READY=1" {
+            break;
+        }
+        seen.push(text);
+    }
+    warren.terminate_ok(Duration::from_secs(30));
+}

@@ -118,6 +118,10 @@ pub async fn execute(
             .notify(|e: &anyhow::Error, delay: Duration| {
                 warn!(error = %format!("{e:#}"), retry_in_ms = delay.as_millis() as u64,
                     "cannot check the pipelines' tables yet; trying again");
+                // Under systemd the start lasts past the next attempt (its bound, as in
+                // check_tables, and a margin): TimeoutStartSec must not end a warren that waits.
+                let attempt = Duration::from_secs(5) + crate::db::call_bound(&settings);
+                crate::app::extend_start(delay + attempt + Duration::from_secs(10));
             });
         tokio::select! {
             result = checked => result?,
