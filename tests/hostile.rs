@@ -711,15 +711,7 @@ async fn header_tables_that_parse_to_many_times_their_size_stay_within_memory() 
         !logs.contains("the prefetch window follows the concurrency"),
         "the cut window was undone:\n{logs}"
     );
-    let copy = env
-        .channel
-        .basic_get(
-            env.dlq_queue.as_str().into(),
-            lapin::options::BasicGetOptions { no_ack: true },
-        )
-        .await
-        .expect("basic.get")
-        .expect("the dead letter");
+    let copy = env.take_dead_letter().await;
     let headers = copy.delivery.properties.headers().clone().expect("headers");
     match headers.inner().get("voids") {
         Some(AMQPValue::ByteArray(b)) => assert_eq!(b.as_slice(), &[b'V'; 100_000][..]),
@@ -922,15 +914,7 @@ async fn a_retry_count_hidden_past_the_parsers_budget_dead_letters_at_once() {
         1,
         "the plain message was dead-lettered too"
     );
-    let copy = env
-        .channel
-        .basic_get(
-            env.dlq_queue.as_str().into(),
-            lapin::options::BasicGetOptions { no_ack: true },
-        )
-        .await
-        .expect("basic.get")
-        .expect("the dead letter");
+    let copy = env.take_dead_letter().await;
     assert_eq!(message_uuid(&copy), hidden_id);
     let props = &copy.delivery.properties;
     assert_eq!(

@@ -109,6 +109,18 @@ impl TestEnv {
         warren::amqp::queue_stats(&self.conn, queue).await
     }
 
+    /// Takes the next message of the env's DLQ (`basic.get`, acked), which must be there.
+    pub async fn take_dead_letter(&self) -> lapin::message::BasicGetMessage {
+        self.channel
+            .basic_get(
+                self.dlq_queue.as_str().into(),
+                lapin::options::BasicGetOptions { no_ack: true },
+            )
+            .await
+            .expect("basic.get")
+            .expect("the dead letter")
+    }
+
     /// (messages ready, consumers) of `queue`, which must exist.
     pub async fn queue_state(&self, queue: &str) -> (u32, u32) {
         self.try_queue_state(queue)
