@@ -217,6 +217,32 @@ async fn the_consumer_comes_back_after_its_queue_is_deleted_and_redeclared() {
     assert!(warren.terminate(Duration::from_secs(25)).success());
 }
 
+/// A warren consuming 20,000 users through a proxy of the broker (heartbeats off, a 2 s connect
+/// timeout, batches of 100, and `extra`), once its first rows are in: the env, the proxy, the
+/// ids published and the warren.
+async fn consuming_through_a_proxy(
+    name: &str,
+    extra: &[(&str, &str)],
+) -> (TestEnv, TcpProxy, HashSet<Uuid>, Warren) {
+    let mut env = TestEnv::new(name).await;
+    let proxy = TcpProxy::start(&amqp_url(), 5672).await;
+    env.set("AMQP_URL", proxy.url())
+        .set("AMQP_HEARTBEAT_S", "0")
+        .set("AMQP_CONNECT_TIMEOUT_MS", "2000")
+        .set("USERS_BATCH_SIZE", "100");
+    for (key, value) in extra {
+        env.set(key, *value);
+    }
+    env.declare();
+    let expected: HashSet<Uuid> = env.publish_users(20_000).await.into_iter().collect();
+    let warren = env.start(&["--roles", "consumer"]);
+    wait_until("the first rows", Duration::from_secs(30), || async {
+        env.count_rows().await > 0
+    })
+    .await;
+    (env, proxy, expected, warren)
+}
+
 /// A subscription warren cancels (here for a pause) whose end never comes back (the link goes
 /// silent: no cancel-ok, no closed socket, no heartbeats to miss) must not hold the pipeline for
 /// ever: after the connect timeout warren rebuilds the link, the deliveries it held go back to the
@@ -225,21 +251,9 @@ async fn the_consumer_comes_back_after_its_queue_is_deleted_and_redeclared() {
 #[tokio::test(flavor = "multi_thread")]
 async fn a_cancel_that_is_never_answered_rebuilds_the_link_and_loses_nothing() {
     let _serial = SERIAL.lock().await;
-    let mut env = TestEnv::new("cancel_silent").await;
-    let proxy = TcpProxy::start(&amqp_url(), 5672).await;
-    env.set("AMQP_URL", proxy.url())
-        .set("AMQP_HEARTBEAT_S", "0")
-        .set("AMQP_CONNECT_TIMEOUT_MS", "2000")
-        .set("USERS_BATCH_SIZE", "100");
-    env.declare();
+    let (env, proxy, expected, mut warren) = consuming_through_a_proxy("cancel_silent", &[]).await;
     let _redis = RedisCleanup::new(&env);
-    let expected: HashSet<Uuid> = env.publish_users(20_000).await.into_iter().collect();
-    let mut warren = env.start(&["--roles", "consumer"]);
     let _logs = LogsOnPanic(vec![warren.log.clone()]);
-    wait_until("the first rows", Duration::from_secs(30), || async {
-        env.count_rows().await > 0
-    })
-    .await;
     proxy.freeze();
     let (code, out, err) = env.run_async(&["ctl", "pause", "--all"]).await;
     assert_eq!(code, 0, "{out}{err}");
@@ -267,22 +281,10 @@ async fn a_cancel_that_is_never_answered_rebuilds_the_link_and_loses_nothing() {
 #[tokio::test(flavor = "multi_thread")]
 async fn a_shutdown_behind_a_cancel_that_is_never_answered_still_ends() {
     let _serial = SERIAL.lock().await;
-    let mut env = TestEnv::new("cancel_silent_stop").await;
-    let proxy = TcpProxy::start(&amqp_url(), 5672).await;
-    env.set("AMQP_URL", proxy.url())
-        .set("AMQP_HEARTBEAT_S", "0")
-        .set("AMQP_CONNECT_TIMEOUT_MS", "2000")
-        .set("SHUTDOWN_TIMEOUT_MS", "10000")
-        .set("USERS_BATCH_SIZE", "100");
-    env.declare();
+    let (mut env, proxy, expected, mut warren) =
+        consuming_through_a_proxy("cancel_silent_stop", &[("SHUTDOWN_TIMEOUT_MS", "10000")]).await;
     let _redis = RedisCleanup::new(&env);
-    let expected: HashSet<Uuid> = env.publish_users(20_000).await.into_iter().collect();
-    let mut warren = env.start(&["--roles", "consumer"]);
     let _logs = LogsOnPanic(vec![warren.log.clone()]);
-    wait_until("the first rows", Duration::from_secs(30), || async {
-        env.count_rows().await > 0
-    })
-    .await;
     proxy.freeze();
     let began = Instant::now();
     warren.signal("TERM");
