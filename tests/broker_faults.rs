@@ -224,6 +224,17 @@ async fn consuming_through_a_proxy(
     name: &str,
     extra: &[(&str, &str)],
 ) -> (TestEnv, TcpProxy, HashSet<Uuid>, Warren) {
+    let (env, proxy, expected, _, warren) = consuming_mix_through_a_proxy(name, extra, 0).await;
+    (env, proxy, expected, warren)
+}
+
+/// As [`consuming_through_a_proxy`], with one message in `malformed_every` (none for 0) a body
+/// that is not JSON, spread through the queue: also returns the malformed messages' ids.
+async fn consuming_mix_through_a_proxy(
+    name: &str,
+    extra: &[(&str, &str)],
+    malformed_every: usize,
+) -> (TestEnv, TcpProxy, HashSet<Uuid>, HashSet<Uuid>, Warren) {
     let mut env = TestEnv::new(name).await;
     let proxy = TcpProxy::start(&amqp_url(), 5672).await;
     env.set("AMQP_URL", proxy.url())
@@ -234,13 +245,31 @@ async fn consuming_through_a_proxy(
         env.set(key, *value);
     }
     env.declare();
-    let expected: HashSet<Uuid> = env.publish_users(20_000).await.into_iter().collect();
+    let ids: Vec<(Uuid, bool)> = (0..20_000)
+        .map(|i| {
+            (
+                Uuid::new_v4(),
+                malformed_every > 0 && i % malformed_every == 0,
+            )
+        })
+        .collect();
+    env.publish_pipelined(ids.iter().map(|&(id, malformed)| {
+        let body = if malformed {
+            format!("not json {id}").into_bytes()
+        } else {
+            user_body(id)
+        };
+        (body, json_props(id))
+    }))
+    .await;
+    let expected = ids.iter().filter(|(_, m)| !m).map(|(id, _)| *id).collect();
+    let malformed = ids.iter().filter(|(_, m)| *m).map(|(id, _)| *id).collect();
     let warren = env.start(&["--roles", "consumer"]);
     wait_until("the first rows", Duration::from_secs(30), || async {
         env.count_rows().await > 0
     })
     .await;
-    (env, proxy, expected, warren)
+    (env, proxy, expected, malformed, warren)
 }
 
 /// A subscription warren cancels (here for a pause) whose end never comes back (the link goes
@@ -315,4 +344,78 @@ async fn a_shutdown_behind_a_cancel_that_is_never_answered_still_ends() {
     let _logs2 = LogsOnPanic(vec![second.log.clone()]);
     assert_all_once(&env, &expected, &second).await;
     second.terminate_ok(Duration::from_secs(30));
+}
+
+/// A cancel-ok that is slow, not lost, at a stop: on the consumer's link the broker's answers
+/// (the cancel-ok and the deliveries it sent before it) arrive after the watchdog gave up on them
+/// and the stop drained and closed its acks. What arrives then must be left to the broker:
+/// processed, a malformed message would be dead-lettered with no ack to follow, and dead-lettered
+/// again at its redelivery (a second copy; found by review, guarded in the consumer's
+/// `Phase::StreamEnded`). One message in five is malformed, so the late deliveries hold some.
+#[tokio::test(flavor = "multi_thread")]
+async fn deliveries_behind_a_slow_cancel_ok_at_a_stop_are_left_to_the_broker() {
+    let _serial = SERIAL.lock().await;
+    let (mut env, proxy, expected, malformed, mut warren) = consuming_mix_through_a_proxy(
+        "cancel_slow_stop",
+        &[
+            ("SHUTDOWN_TIMEOUT_MS", "20000"),
+            ("RUST_LOG", "info,warren::pipeline::consumer=debug"),
+        ],
+        5,
+    )
+    .await;
+    let _redis = RedisCleanup::new(&env);
+    let _logs = LogsOnPanic(vec![warren.log.clone()]);
+    // The consumer's link (the busiest) is held for a moment first: the broker goes on sending
+    // for the acks warren sends meanwhile, so deliveries are on their way behind the cancel-ok.
+    // The publisher's confirms pass: the drain completes.
+    proxy.hold_busiest();
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    warren.signal("TERM");
+    warren
+        .wait_for_log(
+            "the slow cancel given up on at the stop",
+            "a cancelled subscription's stream did not end; stopping without it",
+        )
+        .await;
+    warren
+        .wait_for_log("the drain at the stop", "pipeline drained")
+        .await;
+    proxy.release();
+    warren
+        .wait_for_log(
+            "the late deliveries left to the broker",
+            "deliveries after the stream ended for the stop; left to the broker",
+        )
+        .await;
+    let status = warren.wait(Duration::from_secs(40));
+    assert_eq!(status.code(), Some(0), "log:\n{}", warren.logs());
+    drop(proxy);
+    env.set("AMQP_URL", amqp_url());
+    let mut second = env.start(&["--roles", "consumer"]);
+    let _logs2 = LogsOnPanic(vec![second.log.clone()]);
+    assert_rows_exactly(&env, &expected, Duration::from_secs(120), &|| second.logs()).await;
+    wait_until(
+        "main queue empty and all acked",
+        Duration::from_secs(30),
+        || async { queue_counts(&env.main_queue).await == (0, 0) },
+    )
+    .await;
+    second.terminate_ok(Duration::from_secs(30));
+    let dead: Vec<Uuid> = env
+        .drain_queue(&env.dlq_queue, malformed.len() + 100)
+        .await
+        .iter()
+        .map(message_uuid)
+        .collect();
+    let once: HashSet<Uuid> = dead.iter().copied().collect();
+    assert_eq!(
+        once.len(),
+        dead.len(),
+        "a malformed message is twice in the DLQ"
+    );
+    assert_eq!(
+        once, malformed,
+        "the DLQ holds other messages than the malformed ones"
+    );
 }

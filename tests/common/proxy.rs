@@ -1,9 +1,11 @@
-//! The TCP proxy: `TcpProxy` cuts, restores, freezes and thaws one warren's link to a server.
+//! The TCP proxy: `TcpProxy` cuts, restores, freezes, thaws and delays one warren's link to a
+//! server.
 
 use std::collections::HashSet;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::watch;
 
@@ -31,6 +33,10 @@ pub struct ProxyState {
     /// While true, nothing passes in either direction, but every socket stays open: a
     /// half-open link, as a network partition leaves it.
     frozen: watch::Sender<bool>,
+    /// The live connections' holds: while one is true, what the server sends on that connection
+    /// waits (in the proxy and the kernel's buffers) and is passed on, in order, when the hold
+    /// ends: a slow link, not a broken one. What the client sends passes.
+    holds: Mutex<Vec<Hold>>,
     /// Local ports of the live upstream connections: PostgreSQL's `client_port` for them.
     upstream_ports: Mutex<HashSet<u16>>,
 }
@@ -53,6 +59,7 @@ impl TcpProxy {
             up: AtomicBool::new(true),
             cuts: watch::Sender::new(0),
             frozen: watch::Sender::new(false),
+            holds: Mutex::new(Vec::new()),
             upstream_ports: Mutex::new(HashSet::new()),
         });
         let accept = tokio::spawn({
@@ -110,6 +117,27 @@ impl TcpProxy {
         self.state.cuts.send_modify(|n| *n += 1);
     }
 
+    /// What the server sends from now on on the live connection that has carried the most bytes
+    /// to the client (a consumer's link: it carries the deliveries) is held back, until
+    /// [`TcpProxy::release`]; the client's bytes still pass, other connections are untouched:
+    /// answers that are late, not lost.
+    pub fn hold_busiest(&self) {
+        let holds = self.state.holds.lock().unwrap();
+        let busiest = holds
+            .iter()
+            .filter(|h| !h.held.is_closed())
+            .max_by_key(|h| h.bytes_down.load(Ordering::Relaxed))
+            .expect("a live connection to hold");
+        busiest.held.send_replace(true);
+    }
+
+    /// Ends every hold: what the server sent meanwhile reaches the client, in order.
+    pub fn release(&self) {
+        for hold in self.state.holds.lock().unwrap().iter() {
+            hold.held.send_replace(false);
+        }
+    }
+
     /// Local ports of the live upstream connections (PostgreSQL's `client_port` for them).
     pub fn backend_client_ports(&self) -> Vec<i32> {
         let ports = self.state.upstream_ports.lock().unwrap();
@@ -146,8 +174,18 @@ impl ProxyState {
         };
         let port = upstream.local_addr().map(|a| a.port()).unwrap_or(0);
         self.upstream_ports.lock().unwrap().insert(port);
+        let hold = Hold {
+            held: watch::Sender::new(false),
+            bytes_down: Arc::new(AtomicU64::new(0)),
+        };
+        let (held, bytes_down) = (hold.held.subscribe(), hold.bytes_down.clone());
+        {
+            let mut holds = self.holds.lock().unwrap();
+            holds.retain(|h| !h.held.is_closed());
+            holds.push(hold);
+        }
         tokio::select! {
-            _ = tokio::io::copy_bidirectional(&mut client, &mut upstream) => {}
+            _ = pass(&mut client, &mut upstream, held, &bytes_down) => {}
             _ = cuts.changed() => {
                 let _ = client.set_zero_linger();
                 let _ = upstream.set_zero_linger();
@@ -161,4 +199,42 @@ impl ProxyState {
         }
         self.upstream_ports.lock().unwrap().remove(&port);
     }
+}
+
+/// The hold of one connection (see [`ProxyState::holds`]).
+struct Hold {
+    held: watch::Sender<bool>,
+    /// Bytes passed from the server to the client so far.
+    bytes_down: Arc<AtomicU64>,
+}
+
+/// Passes bytes both ways until both sides have ended or one fails, as
+/// `tokio::io::copy_bidirectional` does, except that the server's bytes wait while `held`;
+/// counts them in `bytes_down`.
+async fn pass(
+    client: &mut TcpStream,
+    upstream: &mut TcpStream,
+    mut held: watch::Receiver<bool>,
+    bytes_down: &AtomicU64,
+) -> std::io::Result<()> {
+    let (mut from_client, mut to_client) = client.split();
+    let (mut from_upstream, mut to_upstream) = upstream.split();
+    let up = async {
+        tokio::io::copy(&mut from_client, &mut to_upstream).await?;
+        to_upstream.shutdown().await
+    };
+    let down = async {
+        let mut buf = vec![0u8; 64 * 1024];
+        loop {
+            let n = from_upstream.read(&mut buf).await?;
+            if n == 0 {
+                return to_client.shutdown().await;
+            }
+            // The sender dropped means the proxy is going away: pass on.
+            let _ = held.wait_for(|h| !*h).await;
+            to_client.write_all(&buf[..n]).await?;
+            bytes_down.fetch_add(n as u64, Ordering::Relaxed);
+        }
+    };
+    tokio::try_join!(up, down).map(|_| ())
 }
