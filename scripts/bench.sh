@@ -563,7 +563,15 @@ ATTEMPTS=3
 # Publishes N and waits until the queue holds them.
 fill_queue() { # LOG
   local depth deadline
+  # rabbitmqctl's count of a quorum queue comes from statistics emitted every 5 s: right after a
+  # drain it can still show messages that were acked. Read again for up to 12 s before calling
+  # what it shows a leftover.
+  deadline=$((SECONDS + 12))
   depth=$(queue_field "$MAIN_QUEUE" messages)
+  while [ "${depth:-0}" != 0 ] && [ "$SECONDS" -lt "$deadline" ]; do
+    sleep 1
+    depth=$(queue_field "$MAIN_QUEUE" messages)
+  done
   if [ "${depth:-0}" != 0 ]; then say "warning: $MAIN_QUEUE held $depth messages before publishing; purged"; purge_queues; fi
   if [ "$MODE" = props ]; then
     local b0 b1
