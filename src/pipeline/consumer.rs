@@ -29,6 +29,8 @@
 //! pushed before the cancel: one window of deliveries, each body at most the broker's
 //! `max_message_size` and each content header at most its `frame_max`.
 
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use actix::prelude::*;
@@ -154,6 +156,10 @@ pub struct ConsumerConfig {
     /// The queue depths the poller last saw (`amqp::monitor`): the idle watchdog's evidence
     /// that messages wait while nothing arrives, without a round trip of its own.
     pub depths: crate::amqp::monitor::Depths,
+    /// The generation of the channel deliveries can still be settled on, 0 while there is none:
+    /// written here, read by the stages that republish (a delivery of a channel that is gone
+    /// is the broker's again, and republished it would be republished twice).
+    pub live_generation: Arc<AtomicU64>,
 }
 
 /// The broker link, one state at a time.
@@ -469,6 +475,7 @@ impl Consumer {
             Link::Up(linked) => {
                 // However it ended (the channel closed, the stream ended, a stuck consumer): the
                 // link is down until the next one is up.
+                self.config.live_generation.store(0, Ordering::Release);
                 crate::events::amqp_link(self.config.pipeline, false, true);
                 // Dropping the acker ends its task; the channel's unacked deliveries are requeued.
                 drop(linked.acker);
@@ -904,6 +911,9 @@ impl Handler<Connected> for Consumer {
         }
         self.generation += 1;
         let generation = self.generation;
+        self.config
+            .live_generation
+            .store(generation, Ordering::Release);
         self.link = Link::Up(Box::new(Linked {
             acker: Some(Acker::open(
                 msg.channel.clone(),

@@ -225,6 +225,7 @@ pub fn start<D: Domain>(
     // Fallback stage (what the sink could not insert).
     let publisher = Publisher::new(settings.clone(), "router", crate::amqp::Frames::Broker).start();
     let db_bound = crate::db::call_bound(settings);
+    let live_generation = Arc::new(std::sync::atomic::AtomicU64::new(0));
     let fallback = Fallback {
         pipeline: name,
         republisher: Republisher::new(publisher.clone(), &spec, settings.publish_timeout()),
@@ -234,6 +235,7 @@ pub fn start<D: Domain>(
         pool: pool.clone(),
         db_bound,
         parks_as: spec.pipeline.clone(),
+        live_generation: live_generation.clone(),
     };
     let leftovers: Recipient<Leftovers> = match spec.fallback {
         FallbackKind::Route => Supervisor::start(move |_| Router::new(fallback)).recipient(),
@@ -330,6 +332,7 @@ pub fn start<D: Domain>(
         max_message_bytes: spec.max_message_bytes,
         rate_limit_per_s: spec.rate_limit_per_s,
         depths,
+        live_generation,
     };
     // A batch's worth to one batcher before the next one's turn, each chunk to the next processor.
     let dispatch = Dispatch::new(chunks, created, spec.batchers, spec.batch_size);

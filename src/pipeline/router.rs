@@ -9,12 +9,12 @@
 //! target is missing at that moment.
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::time::Duration;
 
 use actix::prelude::*;
 use tokio_util::sync::CancellationToken;
-use tracing::{error, warn};
+use tracing::{error, info, warn};
 
 use super::Spec;
 use super::message::{Delivery, Disposition, Failure, Leftovers, Settle};
@@ -345,19 +345,45 @@ pub struct Fallback {
     pub db_bound: Duration,
     /// The pipeline parked rows are filed under (`dead_letters.pipeline`).
     pub parks_as: String,
+    /// The generation of the consumer's open channel, 0 while none ([`ConsumerConfig`]).
+    ///
+    /// [`ConsumerConfig`]: super::consumer::ConsumerConfig
+    pub live_generation: Arc<AtomicU64>,
 }
 
 impl Fallback {
     /// Republishes every `Fate::Route` (confirmed); each becomes an ack once confirmed, a
     /// requeue if it was not, or a park if it can never be republished as it is.
+    ///
+    /// A delivery whose channel is gone (the link was lost while it was in the pipeline) is not
+    /// republished: the broker took it back when the channel closed and delivers it again, and a
+    /// copy routed now would be routed again then, a second copy in the DLQ or the retry queue
+    /// (found by review). It is settled as given back, which the consumer drops with the channel.
+    /// The check comes before the publish; a link lost during the publish's confirm can still
+    /// leave a second copy, as any publish-then-ack can.
     pub async fn route_all(&self, items: &[(Delivery, Failure)], fates: &mut [Fate]) {
+        let live = self.live_generation.load(Ordering::Acquire);
         let mut indices = Vec::new();
         let mut routes: Vec<(&Delivery, Route)> = Vec::new();
-        for (i, fate) in fates.iter().enumerate() {
+        let mut stale = 0usize;
+        for (i, fate) in fates.iter_mut().enumerate() {
             if let Fate::Route(route) = fate {
+                if items[i].0.generation != live {
+                    *fate = Fate::Settled(Disposition::Requeue);
+                    stale += 1;
+                    continue;
+                }
                 indices.push(i);
                 routes.push((&items[i].0, route.clone()));
             }
+        }
+        if stale > 0 {
+            info!(
+                pipeline = self.pipeline,
+                count = stale,
+                "not republished: the channel that delivered them is gone, and the broker \
+                 delivers them again"
+            );
         }
         if routes.is_empty() {
             return;

@@ -37,6 +37,10 @@ pub struct ProxyState {
     /// waits (in the proxy and the kernel's buffers) and is passed on, in order, when the hold
     /// ends: a slow link, not a broken one. What the client sends passes.
     holds: Mutex<Vec<Hold>>,
+    /// When not zero, on connections accepted from then on every AMQP `basic.consume-ok` the
+    /// server sends (and what follows it) reaches the client this many ms late: a broker slow to
+    /// answer a consume.
+    consume_ok_delay_ms: AtomicU64,
     /// Local ports of the live upstream connections: PostgreSQL's `client_port` for them.
     upstream_ports: Mutex<HashSet<u16>>,
 }
@@ -60,6 +64,7 @@ impl TcpProxy {
             cuts: watch::Sender::new(0),
             frozen: watch::Sender::new(false),
             holds: Mutex::new(Vec::new()),
+            consume_ok_delay_ms: AtomicU64::new(0),
             upstream_ports: Mutex::new(HashSet::new()),
         });
         let accept = tokio::spawn({
@@ -131,6 +136,13 @@ impl TcpProxy {
         busiest.held.send_replace(true);
     }
 
+    /// On connections accepted from now on, every `basic.consume-ok` of the server (AMQP) reaches
+    /// the client `delay` late, and what the server sent after it waits behind it.
+    pub fn delay_consume_ok(&self, delay: std::time::Duration) {
+        let ms = u64::try_from(delay.as_millis()).expect("delay");
+        self.state.consume_ok_delay_ms.store(ms, Ordering::SeqCst);
+    }
+
     /// Ends every hold: what the server sent meanwhile reaches the client, in order.
     pub fn release(&self) {
         for hold in self.state.holds.lock().unwrap().iter() {
@@ -184,8 +196,17 @@ impl ProxyState {
             holds.retain(|h| !h.held.is_closed());
             holds.push(hold);
         }
+        let consume_ok_delay = match self.consume_ok_delay_ms.load(Ordering::SeqCst) {
+            0 => None,
+            ms => Some(std::time::Duration::from_millis(ms)),
+        };
+        let down = Down {
+            held,
+            bytes: &bytes_down,
+            consume_ok_delay,
+        };
         tokio::select! {
-            _ = pass(&mut client, &mut upstream, held, &bytes_down) => {}
+            _ = pass(&mut client, &mut upstream, down) => {}
             _ = cuts.changed() => {
                 let _ = client.set_zero_linger();
                 let _ = upstream.set_zero_linger();
@@ -208,14 +229,23 @@ struct Hold {
     bytes_down: Arc<AtomicU64>,
 }
 
+/// How [`pass`] treats what the server sends.
+struct Down<'a> {
+    /// The connection's hold.
+    held: watch::Receiver<bool>,
+    /// Bytes passed to the client so far.
+    bytes: &'a AtomicU64,
+    /// Delay of each AMQP `basic.consume-ok` (the stream is then read frame by frame).
+    consume_ok_delay: Option<std::time::Duration>,
+}
+
 /// Passes bytes both ways until both sides have ended or one fails, as
-/// `tokio::io::copy_bidirectional` does, except that the server's bytes wait while `held`;
-/// counts them in `bytes_down`.
+/// `tokio::io::copy_bidirectional` does, except that the server's bytes wait while held, and
+/// behind a delayed `basic.consume-ok`.
 async fn pass(
     client: &mut TcpStream,
     upstream: &mut TcpStream,
-    mut held: watch::Receiver<bool>,
-    bytes_down: &AtomicU64,
+    mut down: Down<'_>,
 ) -> std::io::Result<()> {
     let (mut from_client, mut to_client) = client.split();
     let (mut from_upstream, mut to_upstream) = upstream.split();
@@ -225,15 +255,36 @@ async fn pass(
     };
     let down = async {
         let mut buf = vec![0u8; 64 * 1024];
+        // Bytes read but not passed yet: with a consume-ok delay, what ends in a partial frame.
+        let mut pending: Vec<u8> = Vec::new();
         loop {
             let n = from_upstream.read(&mut buf).await?;
             if n == 0 {
                 return to_client.shutdown().await;
             }
             // The sender dropped means the proxy is going away: pass on.
-            let _ = held.wait_for(|h| !*h).await;
-            to_client.write_all(&buf[..n]).await?;
-            bytes_down.fetch_add(n as u64, Ordering::Relaxed);
+            let _ = down.held.wait_for(|h| !*h).await;
+            let Some(delay) = down.consume_ok_delay else {
+                to_client.write_all(&buf[..n]).await?;
+                down.bytes.fetch_add(n as u64, Ordering::Relaxed);
+                continue;
+            };
+            pending.extend_from_slice(&buf[..n]);
+            // AMQP frames: type (1), channel (2), size (4), payload, frame end (1); a method
+            // frame (type 1) starts with its class and method ids, 60 and 21 for consume-ok.
+            while pending.len() >= 7 {
+                let size = u32::from_be_bytes([pending[3], pending[4], pending[5], pending[6]]);
+                let end = 8 + size as usize;
+                if pending.len() < end {
+                    break;
+                }
+                if pending[0] == 1 && size >= 4 && pending[7..11] == [0, 60, 0, 21] {
+                    tokio::time::sleep(delay).await;
+                }
+                to_client.write_all(&pending[..end]).await?;
+                down.bytes.fetch_add(end as u64, Ordering::Relaxed);
+                pending.drain(..end);
+            }
         }
     };
     tokio::try_join!(up, down).map(|_| ())
