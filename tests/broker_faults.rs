@@ -65,8 +65,15 @@ async fn wait_new_consumer(queue: &str, old: Option<&str>, timeout: Duration) ->
 }
 
 /// Waits for every published id to be a row, then checks that nothing else is and the queue
-/// holds nothing, ready or unacknowledged.
+/// holds nothing, ready or unacknowledged, and the DLQ nothing.
 async fn assert_all_once(env: &TestEnv, expected: &HashSet<Uuid>, warren: &Warren) {
+    assert_rows_once_and_acked(env, expected, warren).await;
+    assert_eq!(queue_counts(&env.dlq_queue).await, (0, 0), "DLQ not empty");
+}
+
+/// Waits for every id of `expected` to be a row, then checks that nothing else is and the main
+/// queue holds nothing, ready or unacknowledged.
+async fn assert_rows_once_and_acked(env: &TestEnv, expected: &HashSet<Uuid>, warren: &Warren) {
     assert_rows_exactly(env, expected, Duration::from_secs(120), &|| warren.logs()).await;
     wait_until(
         "main queue empty and all acked",
@@ -74,7 +81,6 @@ async fn assert_all_once(env: &TestEnv, expected: &HashSet<Uuid>, warren: &Warre
         || async { queue_counts(&env.main_queue).await == (0, 0) },
     )
     .await;
-    assert_eq!(queue_counts(&env.dlq_queue).await, (0, 0), "DLQ not empty");
 }
 
 #[tokio::test(flavor = "multi_thread")]
@@ -228,13 +234,9 @@ async fn consuming_through_a_proxy(
     (env, proxy, expected, warren)
 }
 
-/// As [`consuming_through_a_proxy`], with one message in `malformed_every` (none for 0) a body
-/// that is not JSON, spread through the queue: also returns the malformed messages' ids.
-async fn consuming_mix_through_a_proxy(
-    name: &str,
-    extra: &[(&str, &str)],
-    malformed_every: usize,
-) -> (TestEnv, TcpProxy, HashSet<Uuid>, HashSet<Uuid>, Warren) {
+/// A test env whose warren talks to the broker through a proxy (heartbeats off, a 2 s connect
+/// timeout, batches of 100, and `extra`), its topology declared: the env and the proxy.
+async fn declared_through_a_proxy(name: &str, extra: &[(&str, &str)]) -> (TestEnv, TcpProxy) {
     let mut env = TestEnv::new(name).await;
     let proxy = TcpProxy::start(&amqp_url(), 5672).await;
     env.set("AMQP_URL", proxy.url())
@@ -245,6 +247,17 @@ async fn consuming_mix_through_a_proxy(
         env.set(key, *value);
     }
     env.declare();
+    (env, proxy)
+}
+
+/// As [`consuming_through_a_proxy`], with one message in `malformed_every` (none for 0) a body
+/// that is not JSON, spread through the queue: also returns the malformed messages' ids.
+async fn consuming_mix_through_a_proxy(
+    name: &str,
+    extra: &[(&str, &str)],
+    malformed_every: usize,
+) -> (TestEnv, TcpProxy, HashSet<Uuid>, HashSet<Uuid>, Warren) {
+    let (env, proxy) = declared_through_a_proxy(name, extra).await;
     let (expected, malformed) = publish_mix(&env, 20_000, malformed_every).await;
     let warren = env.start(&["--roles", "consumer"]);
     wait_until("the first rows", Duration::from_secs(30), || async {
@@ -426,13 +439,7 @@ async fn deliveries_behind_a_slow_cancel_ok_at_a_stop_are_left_to_the_broker() {
     env.set("AMQP_URL", amqp_url());
     let mut second = env.start(&["--roles", "consumer"]);
     let _logs2 = LogsOnPanic(vec![second.log.clone()]);
-    assert_rows_exactly(&env, &expected, Duration::from_secs(120), &|| second.logs()).await;
-    wait_until(
-        "main queue empty and all acked",
-        Duration::from_secs(30),
-        || async { queue_counts(&env.main_queue).await == (0, 0) },
-    )
-    .await;
+    assert_rows_once_and_acked(&env, &expected, &second).await;
     second.terminate_ok(Duration::from_secs(30));
     assert_dead_lettered_once(&env, &malformed).await;
 }
@@ -445,13 +452,8 @@ async fn deliveries_behind_a_slow_cancel_ok_at_a_stop_are_left_to_the_broker() {
 #[tokio::test(flavor = "multi_thread")]
 async fn a_consume_answered_late_is_given_more_time_and_nothing_is_lost() {
     let _serial = SERIAL.lock().await;
-    let mut env = TestEnv::new("consume_slow").await;
-    let proxy = TcpProxy::start(&amqp_url(), 5672).await;
+    let (env, proxy) = declared_through_a_proxy("consume_slow", &[]).await;
     proxy.delay_consume_ok(Duration::from_secs(3));
-    env.set("AMQP_URL", proxy.url())
-        .set("AMQP_HEARTBEAT_S", "0")
-        .set("AMQP_CONNECT_TIMEOUT_MS", "2000");
-    env.declare();
     let expected: HashSet<Uuid> = env.publish_users(2_000).await.into_iter().collect();
     let mut warren = env.start(&["--roles", "consumer"]);
     let _redis = RedisCleanup::new(&env);
@@ -508,13 +510,7 @@ async fn a_lost_consumer_link_does_not_dead_letter_what_the_broker_delivers_agai
         .and_then(|line| line.split_whitespace().next())
         .unwrap_or_else(|| panic!("no connection named {name} in:\n{listing}"));
     rabbitmqctl(&["close_connection", pid, "test: the consumer's link lost"]).await;
-    assert_rows_exactly(&env, &expected, Duration::from_secs(60), &|| warren.logs()).await;
-    wait_until(
-        "main queue empty and all acked",
-        Duration::from_secs(30),
-        || async { queue_counts(&env.main_queue).await == (0, 0) },
-    )
-    .await;
+    assert_rows_once_and_acked(&env, &expected, &warren).await;
     warren.terminate_ok(Duration::from_secs(30));
     assert_dead_lettered_once(&env, &malformed).await;
 }

@@ -405,6 +405,15 @@ fn mapped_users(env: &TestEnv) -> String {
     )
 }
 
+/// Writes [`mapped_users`] of `env` to a file of a new temporary directory: the directory (the
+/// file lives as long as it) and the file's path.
+fn write_mapped_users(env: &TestEnv) -> (tempfile::TempDir, String) {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let path = dir.path().join("users.toml");
+    std::fs::write(&path, mapped_users(env)).expect("write the config");
+    (dir, path.to_string_lossy().into_owned())
+}
+
 /// Starts `warren run` with the config `file` and waits until it logs that it waits for the
 /// database to check the pipelines' tables.
 async fn start_waiting_for_the_database(env: &TestEnv, file: &str) -> Warren {
@@ -427,10 +436,7 @@ async fn a_database_away_at_start_is_waited_for_and_a_sigterm_ends_the_wait() {
     let proxy = TcpProxy::start(&database_url(), 5432).await;
     let mut env = TestEnv::new("pg_away_at_start").await;
     env.declare();
-    let dir = tempfile::tempdir().expect("temp dir");
-    let path = dir.path().join("users.toml");
-    std::fs::write(&path, mapped_users(&env)).expect("write the config");
-    let file = path.to_string_lossy().into_owned();
+    let (_dir, file) = write_mapped_users(&env);
     // A silent database is given up on after the connect timeout (5 s) and one statement's
     // bound (this + 2 s), then asked again.
     env.set("DATABASE_URL", proxy.url())
@@ -492,10 +498,7 @@ async fn a_start_that_waits_for_the_database_keeps_extending_systemds_start_time
     let proxy = TcpProxy::start(&database_url(), 5432).await;
     let mut env = TestEnv::new("pg_away_systemd").await;
     env.declare();
-    let dir = tempfile::tempdir().expect("temp dir");
-    let path = dir.path().join("users.toml");
-    std::fs::write(&path, mapped_users(&env)).expect("write the config");
-    let file = path.to_string_lossy().into_owned();
+    let (dir, file) = write_mapped_users(&env);
     let socket_path = dir.path().join("notify.sock");
     let socket = tokio::net::UnixDatagram::bind(&socket_path).expect("bind the notify socket");
     env.set("DATABASE_URL", proxy.url())
