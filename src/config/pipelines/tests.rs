@@ -1,3 +1,7 @@
+//! Tests of the `[[pipelines]]` configuration: loading, derived names, and the errors it names.
+//! Test code only (`#![cfg(test)]`): its unwraps and expects never run in the service.
+#![cfg(test)]
+
 use std::io::Write;
 
 use super::*;

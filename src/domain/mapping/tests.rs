@@ -1,4 +1,6 @@
 //! The mapping's pure parts: checking a spec, decoding bodies and headers into cells.
+//! Test code only (`#![cfg(test)]`): its unwraps and expects never run in the service.
+#![cfg(test)]
 
 use super::*;
 use crate::domain::ErrorKind;
