@@ -387,6 +387,8 @@ fn apply(
         Command::Drain => Ok(()),
         &Command::Scale { processors: n } => {
             needs_consumer()?;
+            // All or nothing: a refusal depends on `n` alone, so the first stage refuses it
+            // before any is changed.
             for p in &chosen {
                 p.scale(n)?;
             }
@@ -408,25 +410,39 @@ fn apply(
             if stages.is_empty() {
                 return Err("this instance runs no main stage (ROLES has no consumer)".into());
             }
-            // What the other main stages always hold of the budget, now.
-            let others = |c: &Arc<pipeline::balance::Concurrency>| -> usize {
-                pipelines
-                    .iter()
-                    .filter_map(|p| p.concurrency.as_ref())
-                    .filter(|o| !Arc::ptr_eq(o, c))
-                    .map(|o| o.held())
-                    .sum()
-            };
+            // All or nothing: each stage is checked against what every other main stage will
+            // hold once the command is applied (the chosen ones at their new bounds, the rest
+            // as they are), and only then is any changed.
+            let chosen_one =
+                |o: &Arc<pipeline::balance::Concurrency>| stages.iter().any(|c| Arc::ptr_eq(c, o));
+            let unchosen: usize = pipelines
+                .iter()
+                .filter_map(|p| p.concurrency.as_ref())
+                .filter(|o| !chosen_one(o))
+                .map(|o| o.held())
+                .sum();
+            // First the bounds alone (each stage's own limits), with no budget taken yet.
+            let mut bounds = Vec::with_capacity(stages.len());
             for c in &stages {
-                c.check_bounds(min, max, others(c), budget)?;
+                bounds.push(c.check_bounds(min, max, 0, usize::MAX)?);
             }
-            for c in &stages {
-                c.set_bounds(min, max, others(c), budget)?;
+            let will_hold: Vec<usize> = stages
+                .iter()
+                .zip(&bounds)
+                .map(|(c, &(lo, hi))| c.held_within(lo, hi))
+                .collect();
+            let total: usize = unchosen + will_hold.iter().sum::<usize>();
+            for (i, c) in stages.iter().enumerate() {
+                c.check_bounds(min, max, total - will_hold[i], budget)?;
+            }
+            for (c, &(lo, hi)) in stages.iter().zip(&bounds) {
+                c.apply_bounds(lo, hi);
             }
             Ok(())
         }
         &Command::Rate { per_s: n } => {
             needs_consumer()?;
+            // All or nothing, as scale: a refusal depends on `n` alone.
             for p in &chosen {
                 p.rate(n)?;
             }

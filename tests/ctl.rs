@@ -811,3 +811,120 @@ async fn without_a_secret_commands_work_as_before_and_a_warning_is_logged() {
     wait_field(&env, pid, "status", "running").await;
     still_consumes(&env, 15, 15).await;
 }
+
+/// The gauge of `stage`'s batch inserts in flight; the endpoint must answer and the series exist.
+async fn inserts_in_flight(env: &TestEnv, stage: &str) -> f64 {
+    try_metric(env, "warren_pipeline_concurrency", &[("pipeline", stage)])
+        .await
+        .unwrap_or_else(|| panic!("no warren_pipeline_concurrency for {stage} in /metrics"))
+}
+
+/// A command refused for one pipeline changes none (issue 34, item 7): users and `orders`, both
+/// fixed at 2 inserts in flight under MAX_INSERTS_IN_FLIGHT=5; `scale --min 3 --max 3 --all`
+/// fits for each alone (3 + 2) but not for both (3 + 3): refused, exit 1, and both are still at
+/// 2, so the budget the refusal did not take is there for `orders` alone afterwards.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_refused_change_of_bounds_changes_no_pipeline() {
+    let (mut env, _cleanup) = env_for("ctl_all_or_nothing").await;
+    env.set("MAX_INSERTS_IN_FLIGHT", "5")
+        .set("USERS_BATCH_CONCURRENCY", "2");
+    let names = PipelineNames::of(&env, "orders");
+    let _names_cleanup = names.cleanup();
+    env.db
+        .batch_execute("CREATE TABLE orders (order_id uuid PRIMARY KEY, qty int4 NOT NULL)")
+        .await
+        .expect("create orders");
+    let dir = tempfile::tempdir().expect("temp dir");
+    let path = dir.path().join("orders.toml");
+    std::fs::write(
+        &path,
+        format!(
+            "[[pipelines]]\nname = \"orders\"\ntable = \"orders\"\nkey = [\"order_id\"]\n\
+             batch_concurrency = 2\nretry_ttls_ms = [1000]\n{}\n[pipelines.columns]\n\
+             order_id = {{ path = \"/id\", type = \"uuid\" }}\n\
+             qty = {{ path = \"/qty\", type = \"int4\" }}\n",
+            names.toml()
+        ),
+    )
+    .expect("write the config");
+    let file = path.to_str().expect("utf-8").to_string();
+    let (code, out, err) = env.run_async(&["--config", &file, "declare"]).await;
+    assert_eq!(code, 0, "declare:\n{out}{err}");
+    let warren = env.start(&["--config", &file, "--roles", "consumer"]);
+    let _logs = LogsOnPanic(vec![warren.log.clone()]);
+    let pid = warren.pid();
+    wait_field(&env, pid, "status", "running").await;
+    wait_until(
+        "both at 2 inserts in flight",
+        Duration::from_secs(15),
+        || async {
+            try_metric(&env, "warren_pipeline_concurrency", &[("pipeline", "main")]).await
+                == Some(2.0)
+                && try_metric(
+                    &env,
+                    "warren_pipeline_concurrency",
+                    &[("pipeline", "orders")],
+                )
+                .await
+                    == Some(2.0)
+        },
+    )
+    .await;
+
+    let (code, out, err) = env
+        .run_async(&["ctl", "scale", "--min", "3", "--max", "3", "--all"])
+        .await;
+    assert_eq!(code, 1, "{out}\n{err}");
+    assert!(
+        out.contains(&format!("{}:{pid}", host()))
+            && out.contains("failed")
+            && out.contains("exceeds MAX_INSERTS_IN_FLIGHT (5)"),
+        "{out}"
+    );
+    assert_in_history(&env, "concurrency", pid, "failed").await;
+    // The command is answered after it was applied (or not): the gauges are final now.
+    for stage in ["main", "orders"] {
+        assert_eq!(
+            inserts_in_flight(&env, stage).await,
+            2.0,
+            "{stage} changed by a refused command; log:\n{}",
+            warren.logs()
+        );
+    }
+    assert!(
+        !warren
+            .logs()
+            .contains("concurrency moved into the bounds an operator set"),
+        "log:\n{}",
+        warren.logs()
+    );
+
+    // What the refusal did not take is still free: `orders` alone fits (3 + 2).
+    let (code, out, err) = env
+        .run_async(&[
+            "ctl",
+            "scale",
+            "--min",
+            "3",
+            "--max",
+            "3",
+            "--all",
+            "--pipeline",
+            "orders",
+        ])
+        .await;
+    assert_eq!(code, 0, "{out}\n{err}");
+    assert!(
+        out.contains(&format!("{}:{pid}  concurrency  executed", host())),
+        "{out}"
+    );
+    assert_eq!(inserts_in_flight(&env, "orders").await, 3.0);
+    assert_eq!(inserts_in_flight(&env, "main").await, 2.0);
+    // And the pipelines still move.
+    let ids = env.publish_users(20).await;
+    wait_until("20 rows", Duration::from_secs(20), || async {
+        env.count_rows().await == 20
+    })
+    .await;
+    assert_eq!(env.row_ids().await, ids.iter().copied().collect());
+}

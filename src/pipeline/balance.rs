@@ -262,17 +262,10 @@ impl Concurrency {
         (from, to)
     }
 
-    /// New bounds (`warren ctl scale --min/--max`; absent: unchanged), checked against the
-    /// batchers that exist, then the concurrency moved into them at once. `others` is what the
-    /// rest of the process always holds, `budget` the process-wide budget.
-    pub fn set_bounds(
-        &self,
-        min: Option<usize>,
-        max: Option<usize>,
-        others: usize,
-        budget: usize,
-    ) -> Result<(usize, usize), String> {
-        let (min, max) = self.check_bounds(min, max, others, budget)?;
+    /// Sets new bounds (`warren ctl scale --min/--max`) that [`Concurrency::check_bounds`]
+    /// answered, and moves the concurrency into them at once. For several stages, each is
+    /// checked with what the others will hold, and only then are all applied (all or nothing).
+    pub fn apply_bounds(&self, min: usize, max: usize) {
         self.min.store(min, Ordering::Relaxed);
         self.max.store(max, Ordering::Relaxed);
         let current = self.current();
@@ -288,10 +281,11 @@ impl Concurrency {
                 "concurrency moved into the bounds an operator set"
             );
         }
-        Ok((min, max))
     }
 
-    /// The bounds [`Concurrency::set_bounds`] would set, or why not.
+    /// The bounds `min`/`max` (absent: unchanged) make, checked against the batchers that exist
+    /// and, with `others` what the rest of the process will hold, against `budget` (the
+    /// process-wide budget); or why not.
     pub fn check_bounds(
         &self,
         min: Option<usize>,
@@ -308,14 +302,10 @@ impl Concurrency {
                 self.pipeline, self.created
             ));
         }
-        let held = if self.balanced() {
-            min
-        } else {
-            self.current().clamp(min, max)
-        };
+        let held = self.held_within(min, max);
         if others + held > budget {
             return Err(format!(
-                "pipeline {}: min {min} with the {others} inserts the other pipelines hold \
+                "pipeline {}: min {min} with the {others} inserts the other pipelines would hold \
                  exceeds MAX_INSERTS_IN_FLIGHT ({budget})",
                 self.pipeline
             ));
@@ -329,6 +319,15 @@ impl Concurrency {
             self.bounds().0
         } else {
             self.current()
+        }
+    }
+
+    /// What it would hold of the budget within the bounds `min`..=`max`.
+    pub fn held_within(&self, min: usize, max: usize) -> usize {
+        if self.balanced() {
+            min
+        } else {
+            self.current().clamp(min, max)
         }
     }
 }
