@@ -83,7 +83,8 @@ impl DbError {
     pub fn may_be_row_specific(&self) -> bool {
         match self {
             DbError::Server { code, .. } => {
-                classify_sqlstate(code) == ErrorClass::Transient
+                !self.is_stale_plan()
+                    && classify_sqlstate(code) == ErrorClass::Transient
                     && !["08", "25", "40", "53", "57", "58"]
                         .iter()
                         .any(|class| code.starts_with(class))
@@ -100,6 +101,16 @@ impl DbError {
     pub fn discards_connection(&self) -> bool {
         self.sqlstate()
             .is_some_and(|code| code == "25006" || code.starts_with("57P"))
+    }
+
+    /// Whether the server refused a prepared statement because a table it reads or writes
+    /// changed under it (`ALTER TABLE .. ALTER .. TYPE`): 0A000 `cached plan must not change
+    /// result type`. The statement, not the row nor the moment, is at fault: it fails the same
+    /// way on that connection until prepared again ([`super::replanning`]), so it is neither
+    /// retried after a wait nor split to find a row.
+    pub fn is_stale_plan(&self) -> bool {
+        matches!(self, DbError::Server { code, message }
+            if code == "0A000" && message.contains("cached plan must not change result type"))
     }
 
     /// Whether the server answered (as opposed to no connection at all).
@@ -199,6 +210,34 @@ mod tests {
             assert!(!server(code).may_be_row_specific(), "{code}");
         }
         assert!(!DbError::Connection("refused".into()).may_be_row_specific());
+    }
+
+    #[test]
+    fn a_stale_plan_is_the_statements_fault_not_a_rows() {
+        let stale = DbError::Server {
+            code: "0A000".into(),
+            message: "cached plan must not change result type".into(),
+        };
+        assert!(stale.is_stale_plan());
+        assert!(!stale.may_be_row_specific());
+        // Transient: if preparing again does not help (the table changed again meanwhile),
+        // the batch is retried as any transient failure.
+        assert!(stale.is_transient());
+        // Another feature_not_supported is not a stale plan (and may be a row's).
+        let other = DbError::Server {
+            code: "0A000".into(),
+            message: "unsupported Unicode escape sequence".into(),
+        };
+        assert!(!other.is_stale_plan());
+        assert!(other.may_be_row_specific());
+        let same_words = DbError::Server {
+            code: "XX000".into(),
+            message: "cached plan must not change result type".into(),
+        };
+        assert!(!same_words.is_stale_plan());
+        assert!(
+            !DbError::Connection("cached plan must not change result type".into()).is_stale_plan()
+        );
     }
 
     #[test]

@@ -77,6 +77,30 @@ pub fn release<T>(pool: &Pool, client: deadpool_postgres::Object, result: &Resul
     }
 }
 
+/// Runs `statement` (on a connection of `pool`), and once more at once when the server refused
+/// a prepared statement as stale ([`DbError::is_stale_plan`]: a table's column type changed
+/// under it). Before the second run every connection of the pool forgets its prepared
+/// statements (the server's copies are closed as they go), so each is prepared again against
+/// the table as it is now: a schema change costs one round trip per connection, no in-place
+/// retry after a wait and no message's retries. A second stale plan (the table changed again
+/// meanwhile) is returned: a transient error, retried as any other.
+pub async fn replanning<T, F, Fut>(pool: &Pool, mut statement: F) -> Result<T, DbError>
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Result<T, DbError>>,
+{
+    match statement().await {
+        Err(e) if e.is_stale_plan() => {
+            pool.manager().statement_caches.clear();
+            tracing::info!(error = %e,
+                "a table changed under a prepared statement; the pool's prepared statements \
+                 were dropped and the statement runs again");
+            statement().await
+        }
+        other => other,
+    }
+}
+
 /// The pipeline's pool (`warren-pipeline` in `pg_stat_activity`): `DATABASE_POOL_SIZE`
 /// connections, at least one more than the batch concurrency so batches never wait for one.
 pub fn pool(settings: &Settings) -> Result<Pool, DbError> {

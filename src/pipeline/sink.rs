@@ -366,16 +366,15 @@ async fn insert_retrying<D: Domain>(
                 return Err(e);
             }
         };
-        let result =
-            match tokio::time::timeout(config.db_bound, config.domain.insert(&client, records))
-                .await
-            {
-                Ok(result) => {
-                    crate::db::release(&config.pool, client, &result);
-                    result
-                }
-                Err(_) => Err(crate::db::abandon(client, config.db_bound)),
-            };
+        // A table changed under a prepared statement: prepared again and run at once.
+        let insert = crate::db::replanning(&config.pool, || config.domain.insert(&client, records));
+        let result = match tokio::time::timeout(config.db_bound, insert).await {
+            Ok(result) => {
+                crate::db::release(&config.pool, client, &result);
+                result
+            }
+            Err(_) => Err(crate::db::abandon(client, config.db_bound)),
+        };
         match &result {
             Ok(_) => crate::events::database(true),
             Err(DbError::Connection(_)) => crate::events::database(false),
