@@ -1,19 +1,28 @@
 //! A mapped batch into its table with ONE statement, typed arrays unnested in the database:
-//! - `keep`: `INSERT .. ON CONFLICT DO NOTHING` (no target: every unique index is an arbiter, so a
-//!   copy of a row another statement is inserting at that moment is skipped, not failed). When
-//!   fewer rows come back than were given, one more statement compares each record with what
-//!   its key holds: the same content is an idempotent success, other content `id_conflict`, and
-//!   a key that holds nothing means another unique index refused the row (`db_permanent`, naming
-//!   the index and, when it can, the key holding the value).
+//! - `keep`: a plain `INSERT` first (every row new: the common case), else `INSERT .. ON CONFLICT
+//!   DO NOTHING` (no target: every unique index is an arbiter, so a copy of a row another
+//!   statement is inserting at that moment is skipped, not failed). When fewer rows come back
+//!   than were given, the probe (below) says of each record whether its key holds the same
+//!   content (an idempotent success), other content (`id_conflict`), or nothing: then another
+//!   unique index refused the row (`db_permanent`, naming the index and the key holding the
+//!   value).
 //! - `update`: `INSERT .. SELECT DISTINCT ON (key) .. ORDER BY key, version DESC ON CONFLICT (key)
 //!   DO UPDATE .. WHERE stored.version IS NULL OR stored.version < new.version`: of several
 //!   versions of one key in a batch the highest is written, and any version beats a stored row
 //!   that has none; an older or equal version changes nothing and is a success (counted
 //!   as unchanged). A row refused by another unique index fails the statement (23505): the sink
 //!   splits the batch down to that row, which is dead-lettered as `db_permanent`.
+//!
+//! **PostgreSQL decides what a value is.** Whether a record equals what its key holds, which
+//! key holds a value, and which records are one key are never decided by warren or by an
+//! explicit cast (which truncates a `varchar(3)` where the insert refuses): the probe inserts
+//! the records into a temporary copy of the mapped columns (same types, lengths, precision,
+//! collations, domains), so PostgreSQL converts them by the insert's own assignment rules, and
+//! every comparison then runs on the converted values with the column's own equality.
 
 use std::collections::HashMap;
 
+use tokio_postgres::error::SqlState;
 use tokio_postgres::types::ToSql;
 
 use super::{Cell, ColType, Column, Mapping, OnConflict, Row, TableName, quote};
@@ -28,23 +37,33 @@ pub(super) struct Statements {
     /// `keep`: the plain insert tried first, when every row is new
     /// ([`crate::domain::insert_if_all_new`]); `None` for `update`.
     pub(super) insert_new: Option<String>,
-    /// `keep`: for each record (by ordinality), whether its key holds a row, and per column
-    /// whether the stored value equals the record's. Built without the table's column types;
-    /// [`compare_sql`] builds it again with them once a session can read them.
-    pub(super) compare: String,
+    /// The probe's table, made for one transaction: the mapped columns of the table, as the
+    /// table types them (type, length, precision, collation, domain), and the record's ordinal.
+    pub(super) probe_table: String,
+    /// The records into the probe, then, from what the probe holds: for each record (by
+    /// ordinal), whether its key holds a row, and per column whether the stored value equals it.
+    pub(super) probe_compare: String,
+    /// `update`: the insert again, of what the probe holds, so that PostgreSQL's own equality
+    /// (the key's type and collation) says which records are one key; `None` for `keep`.
+    pub(super) probe_upsert: Option<String>,
 }
 
-/// The comparison of records with what their keys hold, each sent value first cast to its
-/// column's type as the catalog gives it (`numeric(7,2)`, `varchar(3)`, `timestamptz(0)`, a
-/// domain): what the insert stored went through that cast (it rounds, pads), so a copy of a
-/// stored message compares equal to its row. Built once per mapping, on first need; without the
-/// catalog's answer (no such table) the untyped statement.
-fn compare_statement(
+/// The ordinal column of the probe (a name no mapped column can have: it has a space).
+const ORD: &str = "\"warren ord\"";
+
+/// The probe: the records of a batch converted by PostgreSQL into the table's column types by
+/// an INSERT, so with the same assignment rules as the insert itself (a value too long for a
+/// `varchar(3)` is refused, not truncated as an explicit cast would; a `numeric(7,2)` rounds;
+/// a domain checks), held in a temporary table dropped at the end of the transaction. Every
+/// question about a value against the table (is it what the key holds, which key holds it,
+/// which records are one key) is then asked of the converted values with the columns' own
+/// equality and collation: PostgreSQL decides, warren never casts.
+fn probe_statements(
     table: &TableName,
     columns: &[Column],
     key: &[usize],
-    types: &HashMap<String, String>,
-) -> String {
+    version: Option<usize>,
+) -> (String, String, Option<String>) {
     let names: Vec<String> = columns.iter().map(|c| quote(&c.name)).collect();
     let list = names.join(", ");
     let params: Vec<String> = columns
@@ -53,69 +72,76 @@ fn compare_statement(
         .map(|(i, c)| param(c.ty, i + 1))
         .collect();
     let unnest = format!("UNNEST({})", params.join(", "));
-    // The sent value as the column stores it.
-    let sent = |i: usize| match types.get(&columns[i].name) {
-        Some(ty) if columns[i].ty != ColType::Jsonb => format!("CAST(v.{} AS {ty})", names[i]),
-        _ => format!("v.{}", names[i]),
-    };
+    let t = table.sql();
+    let create = format!(
+        "BEGIN; CREATE TEMPORARY TABLE warren_probe ON COMMIT DROP AS \
+         SELECT {list}, 0::int8 AS {ORD} FROM {t} WITH NO DATA"
+    );
+    let fill = format!(
+        "INSERT INTO pg_temp.warren_probe ({list}, {ORD}) \
+         SELECT * FROM {unnest} WITH ORDINALITY RETURNING *"
+    );
     // A jsonb value may be stored in a json column, which has no equality: both sides are
     // compared as jsonb (by meaning: key order and spacing aside).
     let same: Vec<String> = (0..columns.len())
         .map(|i| match columns[i].ty {
             ColType::Jsonb => format!(
-                "s.{n}::jsonb IS NOT DISTINCT FROM v.{n}::jsonb",
+                "s.{n}::jsonb IS NOT DISTINCT FROM p.{n}::jsonb",
                 n = names[i]
             ),
-            _ => format!("s.{} IS NOT DISTINCT FROM {}", names[i], sent(i)),
+            _ => format!("s.{n} IS NOT DISTINCT FROM p.{n}", n = names[i]),
         })
         .collect();
     let joined: Vec<String> = key
         .iter()
-        .map(|&i| format!("s.{} = {}", names[i], sent(i)))
+        .map(|&i| format!("s.{n} = p.{n}", n = names[i]))
         .collect();
-    format!(
-        "SELECT v.ord, s.{first} IS NOT NULL, ARRAY[{same}] \
-         FROM {unnest} WITH ORDINALITY AS v({list}, ord) \
-         LEFT JOIN {t} AS s ON {on}",
+    let compare = format!(
+        "WITH p AS ({fill}) SELECT p.{ORD}, s.{first} IS NOT NULL, ARRAY[{same}] \
+         FROM p LEFT JOIN {t} AS s ON {on}",
         first = names[key[0]],
         same = same.join(", "),
         on = joined.join(" AND "),
-        t = table.sql(),
-    )
+    );
+    let upsert = version.map(|v| {
+        let keys: Vec<String> = key.iter().map(|&i| names[i].clone()).collect();
+        let p_keys: Vec<String> = keys.iter().map(|k| format!("p.{k}")).collect();
+        let p_list: Vec<String> = names.iter().map(|n| format!("p.{n}")).collect();
+        format!(
+            "WITH p AS ({fill}) INSERT INTO {t} AS stored ({list}) \
+             SELECT DISTINCT ON ({p_keys}) {p_list} FROM p \
+             ORDER BY {p_keys}, p.{ver} DESC \
+             {conflict} RETURNING 1",
+            p_keys = p_keys.join(", "),
+            p_list = p_list.join(", "),
+            ver = names[v],
+            conflict = on_conflict_update(&names, key, v),
+        )
+    });
+    (create, compare, upsert)
 }
 
-/// The comparison statement of `mapping` with its table's column types (see
-/// [`compare_statement`]), read from the catalog once.
-async fn compare_sql<'m>(
-    mapping: &'m Mapping,
-    client: &deadpool_postgres::Client,
-) -> Result<&'m str, DbError> {
-    mapping
-        .compare_typed
-        .get_or_try_init(|| async {
-            let rows = client
-                .query(
-                    "SELECT a.attname::text, format_type(a.atttypid, a.atttypmod) \
-                     FROM pg_attribute a \
-                     WHERE a.attrelid = to_regclass($1) AND a.attnum > 0 AND NOT a.attisdropped",
-                    &[&mapping.table.sql()],
-                )
-                .await
-                .map_err(DbError::from_pg)?;
-            if rows.is_empty() {
-                return Ok(mapping.statements.compare.clone());
-            }
-            let types: HashMap<String, String> =
-                rows.iter().map(|r| (r.get(0), r.get(1))).collect();
-            Ok(compare_statement(
-                &mapping.table,
-                &mapping.columns,
-                &mapping.key,
-                &types,
-            ))
-        })
-        .await
-        .map(String::as_str)
+/// `ON CONFLICT (key) DO UPDATE` of `update`: every other column from the new version, only
+/// when it is higher than the stored one (or the stored row has none).
+fn on_conflict_update(names: &[String], key: &[usize], version: usize) -> String {
+    let keys: Vec<&str> = key.iter().map(|&i| names[i].as_str()).collect();
+    let sets: Vec<String> = names
+        .iter()
+        .enumerate()
+        .filter(|(i, _)| !key.contains(i))
+        .map(|(_, n)| format!("{n} = EXCLUDED.{n}"))
+        .collect();
+    format!(
+        "ON CONFLICT ({keys}) DO UPDATE SET {sets} \
+         WHERE stored.{ver} IS NULL OR stored.{ver} < EXCLUDED.{ver}",
+        keys = keys.join(", "),
+        ver = names[version],
+        sets = if sets.is_empty() {
+            format!("{0} = EXCLUDED.{0}", names[version])
+        } else {
+            sets.join(", ")
+        }
+    )
 }
 
 /// The SQL type a column's parameter array is sent as, and the cast to the column's type.
@@ -163,36 +189,28 @@ impl Statements {
                  ON CONFLICT DO NOTHING \
                  RETURNING {keys}"
             ),
-            Some(v) => {
-                let sets: Vec<String> = names
-                    .iter()
-                    .enumerate()
-                    .filter(|(i, _)| !key.contains(i))
-                    .map(|(_, n)| format!("{n} = EXCLUDED.{n}"))
-                    .collect();
-                format!(
-                    "INSERT INTO {t} AS stored ({list}) \
-                     SELECT DISTINCT ON ({keys}) * FROM {unnest} AS v({list}) \
-                     ORDER BY {keys}, {ver} DESC \
-                     ON CONFLICT ({keys}) DO UPDATE SET {sets} \
-                     WHERE stored.{ver} IS NULL OR stored.{ver} < EXCLUDED.{ver} \
-                     RETURNING {keys}",
-                    ver = names[v],
-                    sets = if sets.is_empty() {
-                        format!("{0} = EXCLUDED.{0}", names[v])
-                    } else {
-                        sets.join(", ")
-                    }
-                )
-            }
+            // DISTINCT ON the parameters as sent: two records of one key that PostgreSQL tells
+            // apart only under the column's type (`User@x` and `user@x` in a citext key) both
+            // reach the conflict and the statement fails with 21000, never silently: then the
+            // probe's statement (`probe_upsert`) runs instead, on the converted values. Equal
+            // parameters are always equal columns, so nothing is collapsed that should not be.
+            Some(v) => format!(
+                "INSERT INTO {t} AS stored ({list}) \
+                 SELECT DISTINCT ON ({keys}) * FROM {unnest} AS v({list}) \
+                 ORDER BY {keys}, {ver} DESC \
+                 {conflict} RETURNING {keys}",
+                ver = names[v],
+                conflict = on_conflict_update(&names, key, v),
+            ),
         };
-        // A jsonb value may be stored in a json column, which has no equality: both sides are
-        // compared as jsonb (by meaning: key order and spacing aside).
-        let compare = compare_statement(table, columns, key, &HashMap::new());
+        let (probe_table, probe_compare, probe_upsert) =
+            probe_statements(table, columns, key, version);
         Self {
             insert,
             insert_new,
-            compare,
+            probe_table,
+            probe_compare,
+            probe_upsert,
         }
     }
 }
@@ -338,11 +356,26 @@ pub(super) async fn insert(
         .prepare_cached(&mapping.statements.insert)
         .await
         .map_err(DbError::from_pg)?;
-    let written = client
-        .query(&statement, &params)
-        .await
-        .map_err(DbError::from_pg)?
-        .len();
+    let written = match client.query(&statement, &params).await {
+        Ok(rows) => rows.len(),
+        // Two records of one key as the column sees it, sent as different parameters: the
+        // probe's insert, where PostgreSQL's equality says which records are one key.
+        Err(e)
+            if e.code() == Some(&SqlState::CARDINALITY_VIOLATION)
+                && let Some(upsert) = &mapping.statements.probe_upsert =>
+        {
+            tracing::debug!(pipeline = %mapping.pipeline, error = %e,
+                "records of one key under the column's type: inserting through the probe");
+            in_probe(mapping, client, true, async {
+                client
+                    .execute(upsert.as_str(), &params)
+                    .await
+                    .map_err(DbError::from_pg)
+            })
+            .await? as usize
+        }
+        Err(e) => return Err(DbError::from_pg(e)),
+    };
     if mapping.on_conflict == OnConflict::Update || written == records.len() {
         return Ok(Inserted {
             rows: written as u64,
@@ -351,48 +384,47 @@ pub(super) async fn insert(
         });
     }
     // Some records were skipped: a copy (this batch or an earlier one), other content under
-    // their key, or another unique index's value.
-    let compare = client
-        .prepare_cached(compare_sql(mapping, client).await?)
-        .await
-        .map_err(DbError::from_pg)?;
+    // their key, or another unique index's value. PostgreSQL says which, in the probe.
     let mut conflicts = Vec::new();
     let mut skipped = Vec::new();
-    for row in client
-        .query(&compare, &params)
-        .await
-        .map_err(DbError::from_pg)?
-    {
-        let i = (row.get::<_, i64>(0) - 1) as usize;
-        let stored: bool = row.get(1);
-        let same: Vec<bool> = row.get(2);
-        if !stored {
-            skipped.push(i);
-        } else if let Some(record) = records.get(i)
-            && same.iter().any(|s| !s)
+    let refused = in_probe(mapping, client, false, async {
+        for row in client
+            .query(mapping.statements.probe_compare.as_str(), &params)
+            .await
+            .map_err(DbError::from_pg)?
         {
-            let differs: Vec<&str> = mapping
-                .columns
-                .iter()
-                .zip(&same)
-                .filter(|(_, s)| !**s)
-                .map(|(c, _)| c.name.as_str())
-                .collect();
-            conflicts.push((
-                i,
-                format!(
-                    "{} is already stored with another {}",
-                    key_text(mapping, record),
-                    differs.join(" and ")
-                ),
-            ));
+            let i = (row.get::<_, i64>(0) - 1) as usize;
+            let stored: bool = row.get(1);
+            let same: Vec<bool> = row.get(2);
+            if !stored {
+                skipped.push(i);
+            } else if let Some(record) = records.get(i)
+                && same.iter().any(|s| !s)
+            {
+                let differs: Vec<&str> = mapping
+                    .columns
+                    .iter()
+                    .zip(&same)
+                    .filter(|(_, s)| !**s)
+                    .map(|(c, _)| c.name.as_str())
+                    .collect();
+                conflicts.push((
+                    i,
+                    format!(
+                        "{} is already stored with another {}",
+                        key_text(mapping, record),
+                        differs.join(" and ")
+                    ),
+                ));
+            }
         }
-    }
-    let refused = if skipped.is_empty() {
-        Vec::new()
-    } else {
-        unique_holders(mapping, client, records, &skipped).await?
-    };
+        if skipped.is_empty() {
+            Ok(Vec::new())
+        } else {
+            unique_holders(mapping, client, &skipped).await
+        }
+    })
+    .await?;
     Ok(Inserted {
         rows: written as u64,
         conflicts,
@@ -401,7 +433,37 @@ pub(super) async fn insert(
     })
 }
 
-/// Whether `record`'s key holds exactly its content (every mapped column the same).
+/// Runs `work` in a transaction that holds the probe's table (see [`probe_statements`]), then
+/// ends it: committed when `commit` and `work` succeeded, else rolled back. A transaction that
+/// cannot be ended is the connection's failure.
+async fn in_probe<T>(
+    mapping: &Mapping,
+    client: &deadpool_postgres::Client,
+    commit: bool,
+    work: impl std::future::Future<Output = Result<T, DbError>>,
+) -> Result<T, DbError> {
+    let result = match client
+        .batch_execute(&mapping.statements.probe_table)
+        .await
+        .map_err(DbError::from_pg)
+    {
+        Ok(()) => work.await,
+        Err(e) => Err(e),
+    };
+    let end = if commit && result.is_ok() {
+        "COMMIT"
+    } else {
+        "ROLLBACK"
+    };
+    match client.batch_execute(end).await {
+        Ok(()) => result,
+        Err(e) => result.and(Err(DbError::from_pg(e))),
+    }
+}
+
+/// Whether `record`'s key holds exactly its content (every mapped column the same), as
+/// PostgreSQL converts and compares it. A record the table cannot hold (a value too long, out
+/// of range, refused by its domain) is not stored, whatever a cast of it would equal.
 pub(super) async fn stored(
     mapping: &Mapping,
     client: &deadpool_postgres::Client,
@@ -410,16 +472,26 @@ pub(super) async fn stored(
     let records = [record];
     let arrays = arrays(mapping, &records);
     let params: Vec<&(dyn ToSql + Sync)> = arrays.iter().map(Array::as_param).collect();
-    let compare = client
-        .prepare_cached(compare_sql(mapping, client).await?)
-        .await
-        .map_err(DbError::from_pg)?;
-    Ok(client
-        .query(&compare, &params)
-        .await
-        .map_err(DbError::from_pg)?
-        .iter()
-        .any(|row| row.get::<_, bool>(1) && row.get::<_, Vec<bool>>(2).iter().all(|s| *s)))
+    in_probe(mapping, client, false, async {
+        match client
+            .query(mapping.statements.probe_compare.as_str(), &params)
+            .await
+        {
+            Ok(rows) => Ok(rows
+                .iter()
+                .any(|row| row.get::<_, bool>(1) && row.get::<_, Vec<bool>>(2).iter().all(|s| *s))),
+            // Data exceptions (22) and integrity violations (23: a domain's CHECK, NOT NULL of
+            // a domain): the value cannot be stored as the insert would write it.
+            Err(e)
+                if e.code()
+                    .is_some_and(|c| c.code().starts_with("22") || c.code().starts_with("23")) =>
+            {
+                Ok(false)
+            }
+            Err(e) => Err(DbError::from_pg(e)),
+        }
+    })
+    .await
 }
 
 /// For `refused` reasons: the first unique index (other than the key's) that holds a record's
@@ -450,26 +522,12 @@ pub(super) fn refused_reason(
     }
 }
 
-/// The cells of a record by column name (for the unique-index look-up).
-pub(super) fn cells_by_name<'a>(mapping: &'a Mapping, row: &'a Row) -> HashMap<&'a str, &'a Cell> {
-    mapping
-        .columns
-        .iter()
-        .zip(&row.0)
-        .map(|(c, cell)| (c.name.as_str(), cell))
-        .collect()
-}
-
-pub(super) fn cell_text(cell: &Cell) -> String {
-    shown(cell)
-}
-
-/// For each skipped record (by index in `records`): why the database skipped it, naming the
-/// unique index (other than the key's) that holds its value and the key holding it.
-pub(super) async fn unique_holders(
+/// For each skipped record (by its index in the batch): why the database skipped it, naming
+/// the unique index (other than the key's) that holds its value and the key holding it. Asked
+/// of the probe (inside [`in_probe`]), so each index's columns compare as the index does.
+async fn unique_holders(
     mapping: &Mapping,
     client: &deadpool_postgres::Client,
-    records: &[&Row],
     skipped: &[usize],
 ) -> Result<Vec<(usize, String)>, DbError> {
     let name = mapping.table.sql();
@@ -494,38 +552,23 @@ pub(super) async fn unique_holders(
         if sorted == key {
             continue;
         }
-        let types: Option<Vec<ColType>> = cols
+        if !cols
             .iter()
-            .map(|c| mapping.columns.iter().find(|m| &m.name == c).map(|m| m.ty))
-            .collect();
-        let Some(types) = types else {
+            .all(|c| mapping.columns.iter().any(|m| &m.name == c))
+        {
             continue; // an index on a column the mapping does not fill
-        };
-        let pending: Vec<usize> = skipped
+        }
+        let pending: Vec<i64> = skipped
             .iter()
-            .copied()
             .filter(|i| !reasons.contains_key(i))
+            .map(|&i| i as i64 + 1)
             .collect();
         if pending.is_empty() {
             break;
         }
-        let mut arrays: Vec<Vec<Option<String>>> = vec![Vec::new(); cols.len()];
-        for &i in &pending {
-            let cells = cells_by_name(mapping, records[i]);
-            for (k, c) in cols.iter().enumerate() {
-                arrays[k].push(match cells.get(c.as_str()) {
-                    Some(Cell::Null) | None => None,
-                    Some(cell) => Some(cell_text(cell)),
-                });
-            }
-        }
-        let names: Vec<String> = (0..cols.len()).map(|k| format!("c{k}")).collect();
-        let params: Vec<String> = (1..=cols.len()).map(|n| format!("${n}::text[]")).collect();
         let on: Vec<String> = cols
             .iter()
-            .zip(&types)
-            .zip(&names)
-            .map(|((c, ty), v)| format!("s.{} = v.{v}::{ty}", quote(c)))
+            .map(|c| format!("s.{q} = p.{q}", q = quote(c)))
             .collect();
         let keys: Vec<String> = mapping
             .key()
@@ -533,27 +576,21 @@ pub(super) async fn unique_holders(
             .map(|k| format!("s.{}::text", quote(k)))
             .collect();
         let sql = format!(
-            "SELECT v.ord, concat_ws(', ', {keys}) FROM UNNEST({params}) WITH ORDINALITY \
-             AS v({names}, ord) JOIN {table} AS s ON {on}",
+            "SELECT p.{ORD}, concat_ws(', ', {keys}) FROM pg_temp.warren_probe p \
+             JOIN {table} AS s ON {on} WHERE p.{ORD} = ANY($1)",
             keys = keys.join(", "),
-            params = params.join(", "),
-            names = names.join(", "),
             table = mapping.table.sql(),
             on = on.join(" AND "),
         );
-        let params: Vec<&(dyn tokio_postgres::types::ToSql + Sync)> = arrays
-            .iter()
-            .map(|a| a as &(dyn tokio_postgres::types::ToSql + Sync))
-            .collect();
         let found = client
-            .query(&sql, &params)
+            .query(&sql, &[&pending])
             .await
             .map_err(DbError::from_pg)?;
         for row in found {
-            let ord = (row.get::<_, i64>(0) - 1) as usize;
-            if let Some(&i) = pending.get(ord) {
-                reasons.insert(i, refused_reason(index, cols, Some(row.get(1)), mapping));
-            }
+            let i = (row.get::<_, i64>(0) - 1) as usize;
+            reasons
+                .entry(i)
+                .or_insert_with(|| refused_reason(index, cols, Some(row.get(1)), mapping));
         }
     }
     Ok(skipped
@@ -568,4 +605,105 @@ pub(super) async fn unique_holders(
             (i, reason)
         })
         .collect())
+}
+
+/// The mapping's type of `key`'s column as an SQL type, for a key given as text (a path of the
+/// API): the text is read as the mapping would send it, then converted to the column by the
+/// probe, as the pipeline's insert would.
+fn sent_as(ty: ColType) -> &'static str {
+    match ty {
+        ColType::Text | ColType::Jsonb => "text",
+        ColType::Uuid => "uuid",
+        ColType::Int4 => "int4",
+        ColType::Int8 => "int8",
+        ColType::Float8 => "float8",
+        ColType::Numeric => "numeric",
+        ColType::Bool => "bool",
+        ColType::Timestamptz => "timestamptz",
+        ColType::Date => "date",
+    }
+}
+
+/// Runs `sql` (and `params`) in a transaction holding `create`'s temporary table, rolled back.
+async fn rolled_back<T>(
+    client: &tokio_postgres::Client,
+    create: &str,
+    work: impl std::future::Future<Output = Result<T, tokio_postgres::Error>>,
+) -> Result<T, tokio_postgres::Error> {
+    let result = match client.batch_execute(create).await {
+        Ok(()) => work.await,
+        Err(e) => Err(e),
+    };
+    match client.batch_execute("ROLLBACK").await {
+        Ok(()) => result,
+        Err(e) => result.and(Err(e)),
+    }
+}
+
+/// The row whose one-column key equals `key` as the pipeline would store it (the API's `GET`),
+/// as JSON text: `key` is converted to the column's type by an insert into the probe (so a
+/// value too long for a `varchar(3)` key is refused, 22001, never truncated onto another
+/// row), then compared with the column's own equality (a `citext` key finds its row in any
+/// case). `None` when no row holds it.
+pub(super) async fn find_by_key(
+    mapping: &Mapping,
+    client: &tokio_postgres::Client,
+    key: &str,
+) -> Result<Option<String>, tokio_postgres::Error> {
+    let [k] = mapping.key.as_slice() else {
+        return Ok(None);
+    };
+    let column = &mapping.columns[*k];
+    let name = quote(&column.name);
+    let t = mapping.table.sql();
+    let create = format!(
+        "BEGIN; CREATE TEMPORARY TABLE warren_key ON COMMIT DROP AS \
+         SELECT {name} FROM {t} WITH NO DATA"
+    );
+    let sql = format!(
+        "WITH p AS (INSERT INTO pg_temp.warren_key ({name}) SELECT $1::text::{ty} RETURNING {name}) \
+         SELECT to_jsonb(s)::text FROM {t} AS s JOIN p ON s.{name} = p.{name}",
+        ty = sent_as(column.ty),
+    );
+    rolled_back(client, &create, async {
+        Ok(client
+            .query_opt(&sql, &[&key])
+            .await?
+            .map(|row| row.get::<_, String>(0)))
+    })
+    .await
+}
+
+/// Whether the table can hold `record` as the pipeline's insert would write it: converted by
+/// PostgreSQL into the columns' types in the probe, rolled back. `Ok(Err(reason))`: a value
+/// PostgreSQL refuses (a data exception or a domain's check, SQLSTATE 22 or 23), with the
+/// server's words; the table's own constraints, triggers and keys are the pipeline's to meet.
+pub(super) async fn storable(
+    mapping: &Mapping,
+    client: &tokio_postgres::Client,
+    record: &Row,
+) -> Result<Result<(), String>, tokio_postgres::Error> {
+    let records = [record];
+    let arrays = arrays(mapping, &records);
+    let params: Vec<&(dyn ToSql + Sync)> = arrays.iter().map(Array::as_param).collect();
+    rolled_back(client, &mapping.statements.probe_table, async {
+        match client
+            .query(mapping.statements.probe_compare.as_str(), &params)
+            .await
+        {
+            Ok(_) => Ok(Ok(())),
+            Err(e)
+                if e.code()
+                    .is_some_and(|c| c.code().starts_with("22") || c.code().starts_with("23")) =>
+            {
+                let reason = match e.as_db_error() {
+                    Some(db) => format!("{} {}", db.code().code(), db.message()),
+                    None => e.to_string(),
+                };
+                Ok(Err(reason))
+            }
+            Err(e) => Err(e),
+        }
+    })
+    .await
 }

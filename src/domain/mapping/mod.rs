@@ -104,8 +104,8 @@ fn is_false(b: &bool) -> bool {
 pub enum Format {
     /// A plausible address such as `ana@example.com` (at most 254 bytes).
     Email,
-    /// One line of readable text: not blank (only whitespace) and without control characters,
-    /// for names and titles that end up on a screen.
+    /// One line of readable text: not blank (only whitespace) and without what a screen would
+    /// not show as written (`users::line_problem`), for names and titles that end up on a screen.
     Line,
 }
 
@@ -298,8 +298,6 @@ pub struct Mapping {
     fields: HashSet<String>,
     /// The insert statements, built once.
     statements: insert::Statements,
-    /// The comparison with the table's column types, read from the catalog on first need.
-    compare_typed: std::sync::Arc<tokio::sync::OnceCell<String>>,
 }
 
 impl Mapping {
@@ -449,13 +447,32 @@ impl Mapping {
             unknown_fields: spec.unknown_fields,
             fields,
             statements,
-            compare_typed: Default::default(),
         })
     }
 
     /// The table.
     pub fn table(&self) -> &TableName {
         &self.table
+    }
+
+    /// The row whose one-column key equals `key` (text, as a path gives it), converted and
+    /// compared by PostgreSQL as the pipeline's insert would store it; as JSON text.
+    pub async fn find_by_key(
+        &self,
+        client: &tokio_postgres::Client,
+        key: &str,
+    ) -> Result<Option<String>, tokio_postgres::Error> {
+        insert::find_by_key(self, client, key).await
+    }
+
+    /// Whether PostgreSQL can hold `record`'s values in the table's columns (`Ok(Err(reason))`
+    /// when it refuses one), as the pipeline's insert would write them; nothing is written.
+    pub async fn storable(
+        &self,
+        client: &tokio_postgres::Client,
+        record: &Row,
+    ) -> Result<Result<(), String>, tokio_postgres::Error> {
+        insert::storable(self, client, record).await
     }
 
     /// (column, type, optional) in the spec's order.
@@ -593,7 +610,12 @@ impl Mapping {
                 other => return Err(wrong(other)),
             },
             ColType::Int4 | ColType::Int8 => {
-                let n = value.as_i64().ok_or_else(|| wrong(&value))?;
+                // As written: `-0` is 0 (serde_json reads it as a float).
+                let written = || match &c.source {
+                    Source::Path { segments, .. } => raw_number(text, segments),
+                    Source::Header(_) => None,
+                };
+                let n = strict::integer(&value, written).ok_or_else(|| wrong(&value))?;
                 check_range(c, &at, n as f64, &n.to_string())?;
                 if c.ty == ColType::Int4 {
                     Cell::Int4(i32::try_from(n).map_err(|_| {
@@ -697,7 +719,15 @@ impl Mapping {
                     Source::Path { segments, .. } => raw_json(text, segments),
                     Source::Header(_) => None,
                 };
-                Cell::Jsonb(raw.unwrap_or_else(|| value.to_string()))
+                let json = raw.unwrap_or_else(|| value.to_string());
+                if let Some(n) = strict::number_beyond_numeric(&json) {
+                    return Err(format!(
+                        "{at}: holds the number {}, beyond what PostgreSQL's jsonb stores (a \
+                         numeric: at most 131072 digits before the point and 16383 after)",
+                        clip(n)
+                    ));
+                }
+                Cell::Jsonb(json)
             }
         };
         Ok(cell)
@@ -937,11 +967,8 @@ fn check_text(c: &Column, at: &str, s: &str) -> Result<(), String> {
                     "{at}: expected one line of text, found a blank one"
                 ));
             }
-            if let Some(c) = s.chars().find(|c| c.is_control()) {
-                return Err(format!(
-                    "{at}: expected one line of text, found the control character {:?}",
-                    c
-                ));
+            if let Some(what) = super::users::line_problem(s) {
+                return Err(format!("{at}: expected one line of text, found {what}"));
             }
         }
         None => {}

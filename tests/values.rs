@@ -1,0 +1,298 @@
+//! PostgreSQL decides what a value is (issue 34, items 1 and 5): a value the table cannot hold
+//! as sent is never taken for the row its key holds (a `varchar(3)` is not a truncating cast),
+//! and records that are one key only under the column's type (`citext`) are one key in one
+//! statement, not a transient error retried in place. On the real broker and database.
+
+mod common;
+
+use std::time::Duration;
+
+use common::*;
+use lapin::BasicProperties;
+
+type Names = PipelineNames;
+
+/// A `[[pipelines]]` entry of `name` into `table`, with `columns` (TOML lines).
+fn entry(
+    n: &Names,
+    name: &str,
+    table: &str,
+    key: &str,
+    extra: &str,
+    batch: (usize, u64),
+    columns: &str,
+) -> String {
+    format!(
+        "[[pipelines]]\nname = \"{name}\"\ntable = \"{table}\"\nkey = [\"{key}\"]\n{extra}\n\
+         batch_size = {}\nbatch_timeout_ms = {}\nretry_ttls_ms = [1000]\n{}\n\
+         [pipelines.columns]\n{columns}\n",
+        batch.0,
+        batch.1,
+        n.toml()
+    )
+}
+
+/// The (kind, reason) of every message parked under `pipeline` with id `message_id`.
+async fn parked(env: &TestEnv, pipeline: &str, message_id: &str) -> Vec<(String, String)> {
+    env.db
+        .query(
+            "SELECT error_kind, error_reason FROM dead_letters \
+             WHERE pipeline = $1 AND message_id = $2",
+            &[&pipeline, &message_id],
+        )
+        .await
+        .expect("read dead_letters")
+        .iter()
+        .map(|r| (r.get(0), r.get(1)))
+        .collect()
+}
+
+/// Whether `condition` held within `timeout` (for a failure that shows what was there).
+async fn waited<F, Fut>(timeout: Duration, mut condition: F) -> bool
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = bool>,
+{
+    let deadline = tokio::time::Instant::now() + timeout;
+    while tokio::time::Instant::now() < deadline {
+        if condition().await {
+            return true;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    condition().await
+}
+
+fn with_id(id: &str) -> BasicProperties {
+    BasicProperties::default()
+        .with_delivery_mode(2)
+        .with_message_id(id.into())
+}
+
+/// Item 1: `trunc(id int8 primary key, name varchar(3))`, keep: `{"id":1,"name":"abc"}` then
+/// `{"id":1,"name":"abcdef"}`. The insert refuses the second (22001); it used to be compared
+/// with the stored row through `CAST(v AS varchar(3))`, which truncates, found equal, acked as
+/// "already stored as it is", and lost. The same with the key itself (`code varchar(3)`).
+/// Each must end parked once (a conflict or a refusal), the stored rows untouched.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_value_the_column_cannot_hold_is_never_taken_for_the_stored_row() {
+    let mut env = TestEnv::new("val_trunc").await;
+    env.set("DB_RETRY_WINDOW_MS", "200");
+    let a = Names::of(&env, "trunc");
+    let b = Names::of(&env, "trunck");
+    let _ca = a.cleanup();
+    let _cb = b.cleanup();
+    env.db
+        .batch_execute(
+            "CREATE TABLE trunc (id int8 PRIMARY KEY, name varchar(3));
+             CREATE TABLE trunck (code varchar(3) PRIMARY KEY, v int8)",
+        )
+        .await
+        .expect("create the tables");
+    let config = entry(
+        &a,
+        "trunc",
+        "trunc",
+        "id",
+        "",
+        (10, 50),
+        "id = { path = \"/id\", type = \"int8\" }\nname = { path = \"/name\", type = \"text\" }",
+    ) + &entry(
+        &b,
+        "trunck",
+        "trunck",
+        "code",
+        "",
+        (10, 50),
+        "code = { path = \"/code\", type = \"text\" }\nv = { path = \"/v\", type = \"int8\" }",
+    );
+    let dir = tempfile::tempdir().expect("temp dir");
+    let path = dir.path().join("values.toml");
+    std::fs::write(&path, config).expect("write the config");
+    let file = path.to_str().expect("utf-8").to_string();
+    let (code, out, err) = env.run_async(&["--config", &file, "declare"]).await;
+    assert_eq!(code, 0, "declare:\n{out}{err}");
+    let warren = env.start(&["--config", &file, "--roles", "consumer,dlq"]);
+    let _logs = LogsOnPanic(vec![warren.log.clone()]);
+
+    env.publish_to(
+        &a.exchange,
+        &a.queue,
+        br#"{"id":1,"name":"abc"}"#,
+        with_id("t-1"),
+    )
+    .await;
+    env.publish_to(
+        &b.exchange,
+        &b.queue,
+        br#"{"code":"abc","v":1}"#,
+        with_id("k-1"),
+    )
+    .await;
+    wait_until(
+        "both first rows stored",
+        Duration::from_secs(30),
+        || async {
+            count_of(
+                &env,
+                "SELECT count(*) FROM trunc WHERE id = 1 AND name = 'abc'",
+            )
+            .await
+                == 1
+                && count_of(
+                    &env,
+                    "SELECT count(*) FROM trunck WHERE code = 'abc' AND v = 1",
+                )
+                .await
+                    == 1
+        },
+    )
+    .await;
+    env.publish_to(
+        &a.exchange,
+        &a.queue,
+        br#"{"id":1,"name":"abcdef"}"#,
+        with_id("t-2"),
+    )
+    .await;
+    env.publish_to(
+        &b.exchange,
+        &b.queue,
+        br#"{"code":"abcdef","v":1}"#,
+        with_id("k-2"),
+    )
+    .await;
+    wait_until(
+        "both longer values parked",
+        Duration::from_secs(60),
+        || async {
+            !parked(&env, "trunc", "t-2").await.is_empty()
+                && !parked(&env, "trunck", "k-2").await.is_empty()
+        },
+    )
+    .await;
+    for (pipeline, id) in [("trunc", "t-2"), ("trunck", "k-2")] {
+        let fates = parked(&env, pipeline, id).await;
+        assert_eq!(fates.len(), 1, "{pipeline} {id} parked once: {fates:?}");
+        let (kind, reason) = &fates[0];
+        assert!(
+            kind == "db_permanent" || kind == "id_conflict",
+            "{pipeline} {id}: {kind} {reason}"
+        );
+    }
+    let rows: Vec<(i64, String)> = env
+        .db
+        .query("SELECT id, name FROM trunc", &[])
+        .await
+        .expect("trunc")
+        .iter()
+        .map(|r| (r.get(0), r.get(1)))
+        .collect();
+    assert_eq!(rows, vec![(1, "abc".to_string())]);
+    let keys: Vec<String> = env
+        .db
+        .query("SELECT code FROM trunck", &[])
+        .await
+        .expect("trunck")
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    assert_eq!(keys, vec!["abc".to_string()]);
+    for q in [&a.queue, &a.dlq, &b.queue, &b.dlq] {
+        assert_queue_empty(&env, q).await;
+    }
+}
+
+/// Item 5: `ci(email citext primary key, v int8)`, update: `User0@x.com` v1 and `user0@x.com`
+/// v2 in one batch are one key to PostgreSQL. The `DISTINCT ON` of the batch ran on the text
+/// parameters, kept both, and PostgreSQL answered 21000 (`ON CONFLICT DO UPDATE command cannot
+/// affect row a second time`), classed transient: retried in place, then split. Now the batch
+/// commits in one go with the highest version, and no transient error is logged.
+#[tokio::test(flavor = "multi_thread")]
+async fn records_of_one_key_under_the_columns_type_are_one_key_in_one_statement() {
+    let mut env = TestEnv::new("val_citext").await;
+    env.set("DB_RETRY_WINDOW_MS", "3000");
+    let n = Names::of(&env, "ci");
+    let _c = n.cleanup();
+    env.db
+        .batch_execute(
+            "CREATE EXTENSION IF NOT EXISTS citext SCHEMA public;
+             CREATE TABLE ci (email public.citext PRIMARY KEY, v int8)",
+        )
+        .await
+        .expect("create ci");
+    let config = entry(
+        &n,
+        "ci",
+        "ci",
+        "email",
+        "on_conflict = \"update\"\nversion_column = \"v\"",
+        (4, 2000),
+        "email = { path = \"/email\", type = \"text\" }\nv = { path = \"/v\", type = \"int8\" }",
+    );
+    let dir = tempfile::tempdir().expect("temp dir");
+    let path = dir.path().join("ci.toml");
+    std::fs::write(&path, config).expect("write the config");
+    let file = path.to_str().expect("utf-8").to_string();
+    let (code, out, err) = env.run_async(&["--config", &file, "declare"]).await;
+    assert_eq!(code, 0, "declare:\n{out}{err}");
+    let warren = env.start(&["--config", &file, "--roles", "consumer,dlq"]);
+    let _logs = LogsOnPanic(vec![warren.log.clone()]);
+
+    // Four in one batch (batch size 4): two keys, each in two spellings.
+    for (i, body) in [
+        r#"{"email":"User0@x.com","v":1}"#,
+        r#"{"email":"user0@x.com","v":2}"#,
+        r#"{"email":"OTHER@x.com","v":7}"#,
+        r#"{"email":"other@X.com","v":3}"#,
+    ]
+    .iter()
+    .enumerate()
+    {
+        env.publish_to(
+            &n.exchange,
+            &n.queue,
+            body.as_bytes(),
+            with_id(&format!("c-{i}")),
+        )
+        .await;
+    }
+    let rows = || async {
+        env.db
+            .query("SELECT email::text, v FROM ci ORDER BY v", &[])
+            .await
+            .expect("read ci")
+            .iter()
+            .map(|r| (r.get::<_, String>(0), r.get::<_, i64>(1)))
+            .collect::<Vec<_>>()
+    };
+    let expected = vec![
+        ("user0@x.com".to_string(), 2),
+        ("OTHER@x.com".to_string(), 7),
+    ];
+    let seen = waited(Duration::from_secs(30), || async {
+        rows().await == expected
+    })
+    .await;
+    assert!(
+        seen,
+        "one row per key at its highest version and spelling {expected:?}; the table holds {:?}\n{}",
+        rows().await,
+        tail(&warren.logs(), 30)
+    );
+    assert_queue_empty(&env, &n.queue).await;
+    assert_eq!(
+        count_of(
+            &env,
+            "SELECT count(*) FROM dead_letters WHERE pipeline = 'ci'"
+        )
+        .await,
+        0
+    );
+    let logs = warren.logs();
+    assert!(
+        !logs.contains("transient database error") && !logs.contains("batch split"),
+        "the batch was retried or split:\n{}",
+        tail(&logs, 40)
+    );
+}
