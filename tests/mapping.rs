@@ -5,8 +5,10 @@
 
 mod common;
 
+use std::time::Duration;
+
 use common::*;
-use warren::domain::mapping::{Mapping, MappingSpec, Row, schema};
+use warren::domain::mapping::{Cell, Mapping, MappingSpec, Row, schema};
 use warren::domain::{Domain, Inserted};
 
 /// The issue's `orders` table in the env's schema, with a second unique index (`ref`).
@@ -627,4 +629,285 @@ async fn domains_and_included_columns_are_read_as_postgresql_means_them() {
         ],
         "only the unmapped NOT NULL domain column"
     );
+}
+
+/// An integer or a jsonb value the mapping accepts is one PostgreSQL takes, and the other way
+/// round (issue 34, items 10 and 6): integers written every way JSON allows (`-0` is 0; `-0.0`,
+/// `0e0`, `1e2`, `1.0` are not integers, for PostgreSQL's integer input as for the mapping), and
+/// jsonb numbers around numeric's limits at any depth (`1e-20000` was accepted, then refused by
+/// the server: "value overflows numeric format"). Each value is asked of the server itself.
+#[tokio::test(flavor = "multi_thread")]
+async fn integers_and_jsonb_numbers_are_accepted_exactly_when_postgresql_takes_them() {
+    let env = TestEnv::new("map_int_jsonb").await;
+    let spec: MappingSpec = toml::from_str(
+        r#"
+        table = "t"
+        key = ["id"]
+        [columns]
+        id  = { path = "/id", type = "int4" }
+        doc = { path = "/doc", type = "jsonb" }
+        "#,
+    )
+    .expect("spec");
+    let m = Mapping::compile("t", &spec).unwrap();
+    let body = |id: &str, doc: &str| format!(r#"{{"id":{id},"doc":{doc}}}"#);
+    let integers = [
+        "-0",
+        "0",
+        "1",
+        "-1",
+        "2147483647",
+        "2147483648",
+        "-2147483648",
+        "-2147483649",
+        "-0.0",
+        "0.0",
+        "0e0",
+        "-0e0",
+        "1e2",
+        "1E2",
+        "1.0",
+        "1.5",
+        "100",
+        "1e0",
+        "12345678901234567890",
+    ];
+    let mut mismatches = Vec::new();
+    for v in integers {
+        let ours = m.decode(body(v, "{}").as_bytes());
+        let theirs = env
+            .db
+            .query_one("SELECT $1::text::int4", &[&v])
+            .await
+            .is_ok();
+        if ours.is_ok() != theirs {
+            mismatches.push(format!("int4 {v}: warren {ours:?}, PostgreSQL {theirs}"));
+        }
+        if let Ok(row) = &ours {
+            let cell = Cell::Int4(v.parse().expect("an int4"));
+            assert!(row.0.contains(&cell), "{v}: {row:?}");
+        }
+    }
+    let mut numbers: Vec<String> = Vec::new();
+    for m in ["1", "1.5", "0", "0.000", "9.9", "12", "-1"] {
+        for e in (-16_386..=-16_380).chain(131_069..=131_073) {
+            numbers.push(format!("{m}e{e}"));
+        }
+    }
+    for n in [
+        "1e-20000",
+        "-1E-20000",
+        "0e999999",
+        "0e-99999",
+        "1e-1073741822",
+        "0e1073741823",
+        "-0",
+        "-0.0",
+        "1e308",
+        "1e-308",
+    ] {
+        numbers.push(n.into());
+    }
+    let mut docs: Vec<String> = Vec::new();
+    for n in &numbers {
+        docs.push(n.clone());
+        docs.push(format!(r#"{{"a":[1,{{"b":{n}}}],"s":"1e-99999"}}"#));
+    }
+    docs.push(r#""1e-99999""#.into());
+    for doc in &docs {
+        let ours = m.decode(body("1", doc).as_bytes());
+        // A number beyond a float's magnitude (1e131071) makes the whole body invalid_json, as
+        // documented (the parser does not hold it): stricter than PostgreSQL, never looser.
+        if let Err(e) = &ours
+            && e.kind == warren::domain::ErrorKind::InvalidJson
+        {
+            assert!(e.reason.contains("number out of range"), "{doc}: {e:?}");
+            continue;
+        }
+        let theirs = env
+            .db
+            .query_one("SELECT $1::text::jsonb", &[doc])
+            .await
+            .is_ok();
+        if ours.is_ok() != theirs {
+            mismatches.push(format!(
+                "jsonb {}: warren {:?}, PostgreSQL {theirs}",
+                &doc[..doc.len().min(60)],
+                ours.as_ref().map(|_| "ok")
+            ));
+        }
+        if let Err(e) = &ours {
+            assert_eq!(
+                e.kind,
+                warren::domain::ErrorKind::InvalidPayload,
+                "{doc}: {e:?}"
+            );
+            assert!(
+                e.reason.starts_with("/doc: holds the number"),
+                "the reason names the field: {e:?}"
+            );
+        }
+    }
+    assert!(
+        mismatches.is_empty(),
+        "{} of {} values judged otherwise than PostgreSQL does:\n{}",
+        mismatches.len(),
+        integers.len() + docs.len(),
+        mismatches.join("\n")
+    );
+}
+
+/// The same judgements in a running pipeline, on the real broker and database (issue 34, items
+/// 10 and 6): `-0` into an int4 key is the row 0; a `format = "line"` name holding a line
+/// separator, a bidi override, a lone zero width space or a joiner outside a word, and a jsonb
+/// document holding `1e-20000` are dead-lettered at once as `invalid_payload` naming the path
+/// (they were stored, or refused by the server as `db_permanent`); their neighbours, a Persian
+/// name with its joiner and a jsonb `1e-16383`, are stored.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_pipeline_stores_minus_zero_and_refuses_unreadable_lines_and_unstorable_jsonb() {
+    let env = TestEnv::new("map_readable").await;
+    env.db
+        .batch_execute(
+            "CREATE TABLE readable (id int4 PRIMARY KEY, name text NOT NULL, doc jsonb NOT NULL)",
+        )
+        .await
+        .expect("create readable");
+    let names = PipelineNames::of(&env, "readable");
+    let _cleanup = names.cleanup();
+    let _redis = RedisCleanup::new(&env);
+    let dir = tempfile::tempdir().expect("temp dir");
+    let path = dir.path().join("readable.toml");
+    std::fs::write(
+        &path,
+        format!(
+            "[[pipelines]]\nname = \"readable\"\ntable = \"readable\"\nkey = [\"id\"]\n\
+             batch_size = 20\nbatch_timeout_ms = 50\nretry_ttls_ms = [1000]\n{}\n\
+             [pipelines.columns]\n\
+             id   = {{ path = \"/id\", type = \"int4\" }}\n\
+             name = {{ path = \"/name\", type = \"text\", format = \"line\" }}\n\
+             doc  = {{ path = \"/doc\", type = \"jsonb\" }}\n",
+            names.toml()
+        ),
+    )
+    .expect("write the config");
+    let file = path.to_str().expect("utf-8").to_string();
+    let (code, out, err) = env.run_async(&["--config", &file, "declare"]).await;
+    assert_eq!(code, 0, "declare:\n{out}{err}");
+
+    // (message id, body, expected: Ok(stored id) or Err(what the reason names))
+    let messages: Vec<(&str, &str, Result<i32, &str>)> = vec![
+        ("minus-zero", r#"{"id":-0,"name":"Zero","doc":{}}"#, Ok(0)),
+        (
+            "persian",
+            "{\"id\":1,\"name\":\"می\u{200C}خواهم\",\"doc\":[1]}",
+            Ok(1),
+        ),
+        (
+            "small",
+            r#"{"id":2,"name":"Ana","doc":{"n":1e-16383}}"#,
+            Ok(2),
+        ),
+        (
+            "line-separator",
+            r#"{"id":3,"name":"Ana\u2028Maria","doc":{}}"#,
+            Err("/name: expected one line of text, found the line separator U+2028"),
+        ),
+        (
+            "bidi",
+            r#"{"id":4,"name":"\u202Eana","doc":{}}"#,
+            Err("/name: expected one line of text, found the bidi control U+202E"),
+        ),
+        (
+            "zero-width",
+            r#"{"id":5,"name":"\u200B","doc":{}}"#,
+            Err("/name: expected one line of text, found the invisible character U+200B"),
+        ),
+        (
+            "joiner",
+            r#"{"id":6,"name":"Ana\u200D","doc":{}}"#,
+            Err("/name: expected one line of text, found the zero width joiner U+200D"),
+        ),
+        (
+            "tiny",
+            r#"{"id":7,"name":"Ana","doc":{"n":[1e-20000]}}"#,
+            Err("/doc: holds the number 1e-20000"),
+        ),
+        (
+            "sentinel",
+            r#"{"id":8,"name":"Last","doc":"1e-20000"}"#,
+            Ok(8),
+        ),
+    ];
+    let mut warren = env.start(&["--config", &file, "--roles", "consumer"]);
+    let _logs = LogsOnPanic(vec![warren.log.clone()]);
+    env.publish_pipelined_to(
+        &names.exchange,
+        &names.queue,
+        messages.iter().map(|(id, body, _)| {
+            (
+                body.as_bytes().to_vec(),
+                lapin::BasicProperties::default()
+                    .with_delivery_mode(2)
+                    .with_message_id((*id).into()),
+            )
+        }),
+    )
+    .await;
+    let stored_expected: std::collections::BTreeSet<i32> =
+        messages.iter().filter_map(|(_, _, e)| e.ok()).collect();
+    let refused: Vec<(&str, &str)> = messages
+        .iter()
+        .filter_map(|(id, _, e)| e.err().map(|r| (*id, r)))
+        .collect();
+    let stored = || async {
+        env.db
+            .query("SELECT id FROM readable", &[])
+            .await
+            .expect("select readable")
+            .iter()
+            .map(|r| r.get::<_, i32>(0))
+            .collect::<std::collections::BTreeSet<i32>>()
+    };
+    wait_until(
+        "every message stored or dead-lettered",
+        Duration::from_secs(30),
+        || async { stored().await.len() + env.ready(&names.dlq).await as usize >= messages.len() },
+    )
+    .await;
+    assert_eq!(stored().await, stored_expected, "log:\n{}", warren.logs());
+    let dead = env.drain_queue(&names.dlq, refused.len() + 1).await;
+    let mut seen: Vec<String> = Vec::new();
+    for m in &dead {
+        let id = message_id(m);
+        let kind = text_header(&m.delivery.properties, "x-error-kind");
+        let reason = text_header(&m.delivery.properties, "x-error-reason").unwrap_or_default();
+        let Some((_, expected)) = refused.iter().find(|(r, _)| *r == id) else {
+            panic!(
+                "{id} dead-lettered ({kind:?}: {reason}); log:\n{}",
+                warren.logs()
+            );
+        };
+        assert_eq!(kind.as_deref(), Some("invalid_payload"), "{id}: {reason}");
+        assert!(
+            reason.contains(expected),
+            "{id}: {reason:?} lacks {expected:?}"
+        );
+        seen.push(id);
+    }
+    seen.sort();
+    let mut wanted: Vec<String> = refused.iter().map(|(id, _)| id.to_string()).collect();
+    wanted.sort();
+    assert_eq!(seen, wanted, "dead-lettered");
+    // Refused at decode: not a retry, not a split.
+    assert_eq!(
+        env.queue_state(&names.retry).await,
+        (0, 0),
+        "the retry queue"
+    );
+    assert!(
+        !warren.logs().contains("batch split"),
+        "a batch was split: the database refused a row; log:\n{}",
+        warren.logs()
+    );
+    assert!(warren.terminate(Duration::from_secs(25)).success());
 }

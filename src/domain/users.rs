@@ -46,10 +46,10 @@ pub fn validate(name: &str, email: &str) -> Vec<FieldError> {
             field: "name",
             message: format!("must be at most {NAME_MAX_CHARS} characters"),
         });
-    } else if name.chars().any(char::is_control) {
+    } else if let Some(what) = line_problem(name) {
         errors.push(FieldError {
             field: "name",
-            message: "must not contain control characters".into(),
+            message: format!("must be one line of readable text, without {what}"),
         });
     }
     if let Some(message) = email_problem(email) {
@@ -59,6 +59,58 @@ pub fn validate(name: &str, email: &str) -> Vec<FieldError> {
         });
     }
     errors
+}
+
+/// What keeps `text` from being one line of readable text (a user's name, a mapped column's
+/// `format = "line"`), if anything: the first character a screen would not show as written,
+/// described with its code point. Refused:
+/// - control characters (U+0000-U+001F, U+007F-U+009F: line feeds, tabs, escapes);
+/// - the line and paragraph separators U+2028 and U+2029 (a second line);
+/// - bidi embeddings, overrides and isolates, U+202A-U+202E and U+2066-U+2069 (they reorder
+///   what follows them on a screen: "Trojan Source") and the bidi marks U+200E, U+200F, U+061C;
+/// - invisible characters: U+200B zero width space, U+2060-U+2064 (word joiner, invisible
+///   operators), U+FEFF zero width no-break space, U+180E Mongolian vowel separator;
+/// - the zero width joiners U+200C and U+200D except inside a word, between two characters that
+///   are neither whitespace nor refused here (Persian, Indic scripts and emoji sequences need
+///   them there; alone, first, last or beside a space they only hide).
+///
+/// Blankness (only whitespace) is the caller's to check: it reads differently for each.
+pub(crate) fn line_problem(text: &str) -> Option<String> {
+    let refused = |c: char| -> Option<&'static str> {
+        match c {
+            c if c.is_control() => Some("the control character"),
+            '\u{2028}' => Some("the line separator"),
+            '\u{2029}' => Some("the paragraph separator"),
+            '\u{202A}'..='\u{202E}' | '\u{2066}'..='\u{2069}' => Some("the bidi control"),
+            '\u{200E}' | '\u{200F}' | '\u{061C}' => Some("the bidi mark"),
+            '\u{200B}' | '\u{2060}'..='\u{2064}' | '\u{FEFF}' | '\u{180E}' => {
+                Some("the invisible character")
+            }
+            _ => None,
+        }
+    };
+    let joiner = |c: char| c == '\u{200C}' || c == '\u{200D}';
+    let chars: Vec<char> = text.chars().collect();
+    // Inside a word: a neighbour that is shown (not a space, not refused, not a joiner).
+    let shown = |at: Option<&char>| {
+        at.is_some_and(|&c| !c.is_whitespace() && refused(c).is_none() && !joiner(c))
+    };
+    for (i, &c) in chars.iter().enumerate() {
+        if let Some(what) = refused(c) {
+            return Some(if c.is_control() {
+                format!("{what} {c:?}")
+            } else {
+                format!("{what} U+{:04X}", u32::from(c))
+            });
+        }
+        if joiner(c) && !(i > 0 && shown(chars.get(i - 1)) && shown(chars.get(i + 1))) {
+            return Some(format!(
+                "the zero width joiner U+{:04X} outside a word",
+                u32::from(c)
+            ));
+        }
+    }
+    None
 }
 
 /// Why `email` is not a plausible address, if it is not.
@@ -396,6 +448,56 @@ mod tests {
         assert!(validate("Ana", "ana.maria+tag@sub.example.com").is_empty());
     }
 
+    #[test]
+    fn a_line_holds_only_what_a_screen_shows_as_written() {
+        for fine in [
+            "Ana",
+            "Ana Maria",
+            "  Ana  ",
+            "José Ñúñez",
+            "محمد",
+            "שלום",
+            "李小龍",
+            // Joiners inside a word: Persian (ZWNJ), an emoji sequence (ZWJ).
+            "می\u{200C}خواهم",
+            "👩\u{200D}💻",
+            "🏳\u{FE0F}\u{200D}🌈",
+        ] {
+            assert_eq!(line_problem(fine), None, "{fine:?}");
+        }
+        for (bad, what) in [
+            ("Ana\nMaria", "the control character '\\n'"),
+            ("Ana\u{85}", "the control character '\\u{85}'"),
+            ("Ana\u{2028}Maria", "the line separator U+2028"),
+            ("Ana\u{2029}", "the paragraph separator U+2029"),
+            ("\u{202E}anA", "the bidi control U+202E"),
+            ("Ana\u{202A}", "the bidi control U+202A"),
+            ("Ana\u{2066}x\u{2069}", "the bidi control U+2066"),
+            ("Ana\u{200F}", "the bidi mark U+200F"),
+            ("\u{200B}", "the invisible character U+200B"),
+            ("A\u{200B}na", "the invisible character U+200B"),
+            ("Ana\u{FEFF}", "the invisible character U+FEFF"),
+            ("A\u{2060}na", "the invisible character U+2060"),
+            ("\u{200D}", "the zero width joiner U+200D outside a word"),
+            ("\u{200C}Ana", "the zero width joiner U+200C outside a word"),
+            ("Ana\u{200D}", "the zero width joiner U+200D outside a word"),
+            (
+                "Ana \u{200D}x",
+                "the zero width joiner U+200D outside a word",
+            ),
+            (
+                "A\u{200D}\u{200D}na",
+                "the zero width joiner U+200D outside a word",
+            ),
+        ] {
+            assert_eq!(line_problem(bad).as_deref(), Some(what), "{bad:?}");
+            let errors = validate(bad, "ana@example.com");
+            assert_eq!(errors.len(), 1, "{bad:?}: {errors:?}");
+            assert_eq!(errors[0].field, "name");
+            assert!(errors[0].message.contains(what), "{bad:?}: {errors:?}");
+        }
+    }
+
     /// The users pipeline declared in config/default.toml and warren's typed users code give the
     /// same answer to every message: both accept it with the same row, or both refuse it as the
     /// same kind. Drawn over ids, names, emails and shapes a publisher may send.
@@ -430,6 +532,12 @@ mod tests {
             "\"Ana\\nMaria\"".into(),
             "\"Ana\\u0085\"".into(),
             "\"Ana\\u200b\"".into(),
+            "\"\\u200b\"".into(),
+            "\"Ana\\u2028Maria\"".into(),
+            "\"\\u202eanA\"".into(),
+            "\"Ana\\u2066x\\u2069\"".into(),
+            "\"mi\\u200cx\"".into(),
+            "\"\\u200d\"".into(),
             format!("\"{long}\""),
             format!("\"{longer}\""),
             "\"\\u0000\"".into(),

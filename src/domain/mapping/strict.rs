@@ -1,9 +1,13 @@
-//! JSON parsing that refuses an object with a repeated key, anywhere in the document.
+//! Strict JSON reading: a document that means one thing to every reader, and numbers as
+//! PostgreSQL reads them.
 //!
-//! RFC 8259 leaves a repeated key's meaning to the parser: serde_json keeps the last, others keep
-//! the first, PostgreSQL's `json` keeps both. A message whose fields mean different things to
-//! different readers is refused (`invalid_payload` naming the key's JSON Pointer) rather than
-//! stored with one of its readings, as the typed users code always did.
+//! - [`parse`]: refuses an object with a repeated key, anywhere in the document. RFC 8259
+//!   leaves a repeated key's meaning to the parser: serde_json keeps the last, others keep the
+//!   first, PostgreSQL's `json` keeps both. A message whose fields mean different things to
+//!   different readers is refused (`invalid_payload` naming the key's JSON Pointer) rather than
+//!   stored with one of its readings, as the typed users code always did.
+//! - [`integer`]: an integer column's value, `-0` included.
+//! - [`number_beyond_numeric`]: a number a `jsonb` value holds that PostgreSQL cannot store.
 
 use std::fmt;
 
@@ -21,6 +25,56 @@ pub fn parse(text: &str) -> Result<Value, serde_json::Error> {
     .deserialize(&mut de)?;
     de.end()?;
     Ok(value)
+}
+
+/// An integer column's value (int4, int8): a JSON number written as an integer, digits with an
+/// optional minus and neither a fraction nor an exponent, as PostgreSQL's integer input reads
+/// it. `written` gives the number as the message wrote it, asked only for what serde_json does
+/// not read as an integer: `-0` (read as the float -0.0) is 0; `-0.0`, `0e0`, `1e2` and `1.0`
+/// are not integers (PostgreSQL: `invalid input syntax for type integer`), whatever their value.
+pub fn integer(value: &Value, written: impl FnOnce() -> Option<String>) -> Option<i64> {
+    if let Some(n) = value.as_i64() {
+        return Some(n);
+    }
+    match value {
+        Value::Number(n) if n.as_f64() == Some(0.0) => (written()?.as_str() == "-0").then_some(0),
+        _ => None,
+    }
+}
+
+/// The first number of the JSON text `json` that PostgreSQL's `jsonb` cannot store, if any:
+/// jsonb holds each number as a `numeric` (at most 131072 digits before the point and 16383
+/// after, [`super::numeric_fits`]), and refuses the whole value otherwise (22003 `value
+/// overflows numeric format`). Strings are skipped; `json` is valid JSON (already parsed).
+pub fn number_beyond_numeric(json: &str) -> Option<&str> {
+    let bytes = json.as_bytes();
+    let mut i = 0;
+    while i < bytes.len() {
+        match bytes[i] {
+            b'"' => {
+                // To the closing quote, over escapes (`\"`, `\\`).
+                i += 1;
+                while i < bytes.len() && bytes[i] != b'"' {
+                    i += if bytes[i] == b'\\' { 2 } else { 1 };
+                }
+                i += 1;
+            }
+            b'-' | b'0'..=b'9' => {
+                let start = i;
+                while i < bytes.len()
+                    && matches!(bytes[i], b'-' | b'+' | b'.' | b'e' | b'E' | b'0'..=b'9')
+                {
+                    i += 1;
+                }
+                let number = &json[start..i];
+                if !super::numeric_fits(number) {
+                    return Some(number);
+                }
+            }
+            _ => i += 1,
+        }
+    }
+    None
 }
 
 /// How a value is reached from its parent.
@@ -162,6 +216,73 @@ mod tests {
                 parse(text).unwrap(),
                 serde_json::from_str::<Value>(text).unwrap()
             );
+        }
+    }
+
+    #[test]
+    fn an_integer_is_written_as_one_and_minus_zero_is_zero() {
+        let int = |text: &str| integer(&parse(text).unwrap(), || Some(text.to_string()));
+        assert_eq!(int("-0"), Some(0));
+        assert_eq!(int("0"), Some(0));
+        assert_eq!(int("-12"), Some(-12));
+        assert_eq!(int("9223372036854775807"), Some(i64::MAX));
+        assert_eq!(int("-9223372036854775808"), Some(i64::MIN));
+        // What psql answers for '<text>'::int4: invalid input syntax for type integer.
+        for not_integer in [
+            "-0.0",
+            "0.0",
+            "0e0",
+            "-0e0",
+            "1e2",
+            "1.0",
+            "1.5",
+            "9223372036854775808",
+        ] {
+            assert_eq!(int(not_integer), None, "{not_integer}");
+        }
+        // Not a number at all.
+        assert_eq!(int("\"1\""), None);
+        assert_eq!(int("true"), None);
+        // Without the written form (a header's float), -0.0 stays a float.
+        assert_eq!(integer(&parse("-0").unwrap(), || None), None);
+    }
+
+    #[test]
+    fn a_jsonb_number_beyond_numeric_is_found_where_postgresql_refuses_it() {
+        // Each expectation is what PostgreSQL 15 answered for `select '<json>'::jsonb`:
+        // stored, or `value overflows numeric format`.
+        let stored = [
+            "1e-16383",
+            "1.5e-16382",
+            "1e131071",
+            "9.9e131071",
+            "0e999999",
+            "-0",
+            "-0.0",
+            "0e0",
+            "1e2",
+            "1.0",
+            r#""1e-99999""#,
+            r#"{"a":"x\"1e-99999","b":[1,-2.5e3]}"#,
+        ];
+        for json in stored {
+            assert_eq!(number_beyond_numeric(json), None, "{json}");
+        }
+        let refused = [
+            ("1e-20000", "1e-20000"),
+            ("1e-16384", "1e-16384"),
+            ("1.5e-16383", "1.5e-16383"),
+            ("1e131072", "1e131072"),
+            ("12e131071", "12e131071"),
+            ("0e-99999", "0e-99999"),
+            ("0.000e-16383", "0.000e-16383"),
+            ("1e-1073741822", "1e-1073741822"),
+            ("0e1073741823", "0e1073741823"),
+            (r#"[1,{"a":1e-16384}]"#, "1e-16384"),
+            (r#"{"s":"\\","n":-1E-20000}"#, "-1E-20000"),
+        ];
+        for (json, number) in refused {
+            assert_eq!(number_beyond_numeric(json), Some(number), "{json}");
         }
     }
 
