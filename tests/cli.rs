@@ -435,3 +435,60 @@ async fn settings_answer_to_warren_names_and_a_misspelled_one_is_refused() {
         "{err}"
     );
 }
+
+/// `warren run --declare` (what scripts/run.sh runs) with the database away at start waits for
+/// it as `warren run` does (issue 34, item 11): it declares the topology, says it waits (the same
+/// line), consumes nothing meanwhile, and once the database answers it applies the migrations,
+/// checks the tables and consumes every message once. It exited 1 at once before.
+#[tokio::test(flavor = "multi_thread")]
+async fn run_declare_waits_for_the_database_then_migrates_and_consumes() {
+    let proxy = TcpProxy::start(&database_url(), 5432).await;
+    let mut env = TestEnv::new("cli_declare_waits").await;
+    env.set("DATABASE_URL", proxy.url());
+    proxy.cut();
+    let mut warren = env.start(&["--declare", "--roles", "consumer"]);
+    let _logs = LogsOnPanic(vec![warren.log.clone()]);
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !warren
+        .logs()
+        .contains("cannot check the pipelines' tables yet")
+    {
+        assert!(
+            warren.is_running(),
+            "warren run --declare exited while the database was away:\n{}",
+            warren.logs()
+        );
+        assert!(
+            Instant::now() < deadline,
+            "no wait for the database in 30 s:\n{}",
+            warren.logs()
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(
+        warren.logs().contains("cannot migrate the database"),
+        "the wait names what it waits for:\n{}",
+        warren.logs()
+    );
+    // The topology is declared (the queue exists and takes messages); nothing is consumed.
+    let ids = env.publish_users(200).await;
+    assert_eq!(
+        env.queue_state(&env.main_queue).await,
+        (200, 0),
+        "nothing is consumed before the database is migrated and checked"
+    );
+    assert!(warren.is_running(), "{}", warren.logs());
+
+    proxy.restore();
+    let expected: std::collections::HashSet<Uuid> = ids.into_iter().collect();
+    assert_rows_exactly(&env, &expected, Duration::from_secs(60), &|| warren.logs()).await;
+    assert!(
+        warren
+            .logs()
+            .contains("topology declared and migrations applied"),
+        "{}",
+        warren.logs()
+    );
+    warren.terminate_ok(Duration::from_secs(30));
+    assert_eq!(env.queue_state(&env.main_queue).await, (0, 0));
+}

@@ -68,6 +68,29 @@ pub async fn declare_all(
     topology: &Topology,
     verbose: bool,
 ) -> anyhow::Result<()> {
+    let mut rows = declare_topology(settings, topology).await?;
+    let report = migrate(settings).await?;
+    if verbose {
+        let what = if report.applied.is_empty() {
+            "already up to date".to_string()
+        } else {
+            format!("applied {}", report.applied.join(", "))
+        };
+        rows.push(vec![
+            format!("database schema {}", settings.database_schema),
+            what,
+        ]);
+        println!("{}", table(&["OBJECT", "OUTCOME"], rows));
+    }
+    check_tables(settings).await
+}
+
+/// Declares `topology` and every configured pipeline's exchanges and queues; answers each object
+/// with its outcome, as table rows.
+pub async fn declare_topology(
+    settings: &Settings,
+    topology: &Topology,
+) -> anyhow::Result<Vec<Vec<String>>> {
     let conn = amqp::connect(settings, "declare", amqp::Frames::Small)
         .await
         .with_context(|| {
@@ -101,25 +124,30 @@ pub async fn declare_all(
         tracing::debug!(object = %step.object, %outcome, "declared");
         rows.push(vec![step.object.clone(), outcome]);
     }
-    let report = db::migrate(settings).await.with_context(|| {
+    Ok(rows)
+}
+
+/// The database answered and refused the migrations (a privilege, a failing statement): waiting
+/// for it does not help, unlike a database that does not answer (yet).
+#[derive(Debug, thiserror::Error)]
+#[error("{0}")]
+pub struct MigrationRefused(pub db::DbError);
+
+/// Applies the migrations in `DATABASE_SCHEMA`. A database that answered and refused them is a
+/// [`MigrationRefused`]; any other failure (no connection, a server starting up) is worth
+/// waiting for (`warren run --declare`).
+pub async fn migrate(settings: &Settings) -> anyhow::Result<db::MigrationReport> {
+    let context = || {
         format!(
             "cannot migrate the database at {}",
             crate::config::redact_url(&settings.database_url)
         )
-    })?;
-    if verbose {
-        let what = if report.applied.is_empty() {
-            "already up to date".to_string()
-        } else {
-            format!("applied {}", report.applied.join(", "))
-        };
-        rows.push(vec![
-            format!("database schema {}", settings.database_schema),
-            what,
-        ]);
-        println!("{}", table(&["OBJECT", "OUTCOME"], rows));
+    };
+    match db::migrate(settings).await {
+        Ok(report) => Ok(report),
+        Err(e) if e.is_transient() => Err(anyhow::Error::new(e).context(context())),
+        Err(e) => Err(anyhow::Error::new(MigrationRefused(e)).context(context())),
     }
-    check_tables(settings).await
 }
 
 /// The configured pipelines' tables fit their mappings, or a configuration error (exit 2)

@@ -101,32 +101,44 @@ pub async fn execute(
     crate::app::start_listener(&settings).await?;
     if args.declare {
         let topology = Topology::from_settings(&settings)?;
-        crate::cli::declare::declare_all(&settings, &topology, false).await?;
-        info!("topology declared and migrations applied");
+        crate::cli::declare::declare_topology(&settings, &topology).await?;
     }
-    // The configured pipelines' tables fit their mappings before anything is consumed. A
-    // database that cannot be asked (a restart during an outage or a fence) is waited for with
-    // the reconnect backoff, as the pipelines wait for it; only a mismatch stops warren (exit
-    // 2). Found by the ledger: a warren restarted after kill -9 while the database was cut
-    // exited at once, and nothing consumed any more.
+    // The configured pipelines' tables fit their mappings before anything is consumed (with
+    // `--declare`, once the migrations are applied). A database that cannot be asked (a restart
+    // during an outage or a fence) is waited for with the reconnect backoff, as the pipelines
+    // wait for it; only a mismatch stops warren (exit 2), or, with `--declare`, a database that
+    // answered and refused the migrations (exit 1). Found by the ledger: a warren restarted
+    // after kill -9 while the database was cut exited at once, and nothing consumed any more;
+    // `--declare` (scripts/run.sh) exited 1 the same way until issue 34.
     tokio::pin!(shutdown);
-    if !args.declare {
-        let check = || crate::cli::declare::check_tables(&settings);
-        let checked = check
-            .retry(crate::amqp::reconnect_builder())
-            .when(|e: &anyhow::Error| e.downcast_ref::<ConfigError>().is_none())
-            .notify(|e: &anyhow::Error, delay: Duration| {
-                warn!(error = %format!("{e:#}"), retry_in_ms = delay.as_millis() as u64,
-                    "cannot check the pipelines' tables yet; trying again");
-                // Under systemd the start lasts past the next attempt (its bound, as in
-                // check_tables, and a margin): TimeoutStartSec must not end a warren that waits.
-                let attempt = Duration::from_secs(5) + crate::db::call_bound(&settings);
-                crate::app::extend_start(delay + attempt + Duration::from_secs(10));
-            });
-        tokio::select! {
-            result = checked => result?,
-            _ = &mut shutdown => return Ok(0),
+    let declare = args.declare;
+    let prepare = || async {
+        if declare {
+            crate::cli::declare::migrate(&settings).await?;
         }
+        crate::cli::declare::check_tables(&settings).await
+    };
+    let prepared = prepare
+        .retry(crate::amqp::reconnect_builder())
+        .when(|e: &anyhow::Error| {
+            e.downcast_ref::<ConfigError>().is_none()
+                && e.downcast_ref::<crate::cli::declare::MigrationRefused>()
+                    .is_none()
+        })
+        .notify(|e: &anyhow::Error, delay: Duration| {
+            warn!(error = %format!("{e:#}"), retry_in_ms = delay.as_millis() as u64,
+                "cannot check the pipelines' tables yet; trying again");
+            // Under systemd the start lasts past the next attempt (its bound, as in
+            // check_tables, and a margin): TimeoutStartSec must not end a warren that waits.
+            let attempt = Duration::from_secs(5) + crate::db::call_bound(&settings);
+            crate::app::extend_start(delay + attempt + Duration::from_secs(10));
+        });
+    tokio::select! {
+        result = prepared => result?,
+        _ = &mut shutdown => return Ok(0),
+    }
+    if declare {
+        info!("topology declared and migrations applied");
     }
     crate::app::run(settings, shutdown).await
 }
