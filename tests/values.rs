@@ -296,3 +296,95 @@ async fn records_of_one_key_under_the_columns_type_are_one_key_in_one_statement(
         tail(&logs, 40)
     );
 }
+
+/// Columns of the types teams use beyond the mapping's own (int2, float4, timestamp, an enum):
+/// each takes a value by PostgreSQL's assignment rules, and what does not fit (a 40000 into an
+/// int2, a label the enum does not have) is that message's refusal alone, parked once.
+#[tokio::test(flavor = "multi_thread")]
+async fn narrower_columns_and_enums_take_what_postgresql_takes() {
+    let mut env = TestEnv::new("val_kinds").await;
+    env.set("DB_RETRY_WINDOW_MS", "200");
+    let n = Names::of(&env, "kinds");
+    let _c = n.cleanup();
+    env.db
+        .batch_execute(
+            "CREATE TYPE mood AS ENUM ('calm', 'busy');
+             CREATE TABLE kinds (id int8 PRIMARY KEY, mood mood NOT NULL, small int2,
+                                 f float4, ts timestamp)",
+        )
+        .await
+        .expect("create kinds");
+    let config = entry(
+        &n,
+        "kinds",
+        "kinds",
+        "id",
+        "",
+        (10, 50),
+        "id = { path = \"/id\", type = \"int8\" }\n\
+         mood = { path = \"/mood\", type = \"text\" }\n\
+         small = { path = \"/small\", type = \"int4\" }\n\
+         f = { path = \"/f\", type = \"float8\" }\n\
+         ts = { path = \"/ts\", type = \"timestamptz\" }",
+    );
+    let dir = tempfile::tempdir().expect("temp dir");
+    let path = dir.path().join("kinds.toml");
+    std::fs::write(&path, config).expect("write the config");
+    let file = path.to_str().expect("utf-8").to_string();
+    let (code, out, err) = env.run_async(&["--config", &file, "declare"]).await;
+    assert_eq!(code, 0, "declare:\n{out}{err}");
+    let warren = env.start(&["--config", &file, "--roles", "consumer,dlq"]);
+    let _logs = LogsOnPanic(vec![warren.log.clone()]);
+    let good = r#"{"id":1,"mood":"busy","small":-32768,"f":1.5,"ts":"2026-11-24T10:00:00+02:00"}"#;
+    let bad_label = r#"{"id":2,"mood":"angry","small":1,"f":1,"ts":"2026-11-24T10:00:00Z"}"#;
+    let bad_small = r#"{"id":3,"mood":"calm","small":40000,"f":1,"ts":"2026-11-24T10:00:00Z"}"#;
+    let bad_float = r#"{"id":4,"mood":"calm","small":1,"f":1e300,"ts":"2026-11-24T10:00:00Z"}"#;
+    for (id, body) in [
+        ("k-1", good),
+        ("k-2", bad_label),
+        ("k-3", bad_small),
+        ("k-4", bad_float),
+    ] {
+        env.publish_to(&n.exchange, &n.queue, body.as_bytes(), with_id(id))
+            .await;
+    }
+    wait_until("three refusals parked", Duration::from_secs(60), || async {
+        count_of(
+            &env,
+            "SELECT count(*) FROM dead_letters WHERE pipeline = 'kinds'",
+        )
+        .await
+            >= 3
+    })
+    .await;
+    let rows: Vec<(i64, String, i16, f32, String)> = env
+        .db
+        .query(
+            "SELECT id, mood::text, small, f, ts::text FROM kinds ORDER BY id",
+            &[],
+        )
+        .await
+        .expect("kinds")
+        .iter()
+        .map(|r| (r.get(0), r.get(1), r.get(2), r.get(3), r.get(4)))
+        .collect();
+    assert_eq!(
+        rows,
+        vec![(1, "busy".into(), -32768, 1.5, "2026-11-24 08:00:00".into())],
+        "the good message, its instant as UTC wall time"
+    );
+    for (id, sqlstate) in [("k-2", "22P02"), ("k-3", "22003"), ("k-4", "22003")] {
+        let fates = parked(&env, "kinds", id).await;
+        assert_eq!(fates.len(), 1, "{id} parked once: {fates:?}");
+        assert_eq!(fates[0].0, "db_permanent", "{id}: {fates:?}");
+        assert!(fates[0].1.contains(sqlstate), "{id}: {fates:?}");
+    }
+    assert_eq!(
+        count_of(
+            &env,
+            "SELECT count(*) FROM dead_letters WHERE pipeline = 'kinds'"
+        )
+        .await,
+        3
+    );
+}

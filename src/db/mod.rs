@@ -20,14 +20,16 @@ mod embedded {
 /// Advisory lock key held while migrating, so concurrent `warren declare` runs take turns.
 const MIGRATION_LOCK: i64 = 0x7761_7272_656e; // "warren"
 
-/// The `tokio_postgres` configuration for `settings`, with the schema on the search path.
+/// The `tokio_postgres` configuration for `settings`, with the schema on the search path and the
+/// session in UTC (an instant written to a `timestamp` column is its UTC wall time, whatever the
+/// server's default zone).
 pub fn pg_config(settings: &Settings) -> Result<tokio_postgres::Config, DbError> {
     let mut config: tokio_postgres::Config = settings
         .database_url
         .parse()
         .map_err(|e: tokio_postgres::Error| DbError::Config(format!("DATABASE_URL: {e}")))?;
     config.options(format!(
-        "-c search_path={} -c statement_timeout={}",
+        "-c search_path={} -c statement_timeout={} -c TimeZone=UTC",
         settings.database_schema, settings.database_statement_timeout_ms
     ));
     config.application_name("warren");

@@ -63,15 +63,11 @@ fn probe_statements(
     columns: &[Column],
     key: &[usize],
     version: Option<usize>,
+    casts: &[Option<String>],
 ) -> (String, String, Option<String>) {
     let names: Vec<String> = columns.iter().map(|c| quote(&c.name)).collect();
     let list = names.join(", ");
-    let params: Vec<String> = columns
-        .iter()
-        .enumerate()
-        .map(|(i, c)| param(c.ty, i + 1))
-        .collect();
-    let unnest = format!("UNNEST({})", params.join(", "));
+    let unnest = format!("UNNEST({})", params(columns, casts).join(", "));
     let t = table.sql();
     let create = format!(
         "BEGIN; CREATE TEMPORARY TABLE warren_probe ON COMMIT DROP AS \
@@ -145,20 +141,84 @@ fn on_conflict_update(names: &[String], key: &[usize], version: usize) -> String
 }
 
 /// The SQL type a column's parameter array is sent as, and the cast to the column's type.
-fn param(ty: ColType, n: usize) -> String {
-    match ty {
-        ColType::Text => format!("${n}::text[]"),
-        ColType::Uuid => format!("${n}::uuid[]"),
-        ColType::Int4 => format!("${n}::int4[]"),
-        ColType::Int8 => format!("${n}::int8[]"),
-        ColType::Float8 => format!("${n}::float8[]"),
-        ColType::Bool => format!("${n}::bool[]"),
-        ColType::Jsonb => format!("${n}::text[]::jsonb[]"),
+/// `cast`: the column's own type, for a `text` column written to an enum (PostgreSQL has no
+/// assignment cast from text to an enum: the enum's input function reads the label).
+fn param(ty: ColType, n: usize, cast: Option<&str>) -> String {
+    match (ty, cast) {
+        (ColType::Text, Some(to)) => format!("${n}::text[]::{to}[]"),
+        (ColType::Text, None) => format!("${n}::text[]"),
+        (ColType::Uuid, _) => format!("${n}::uuid[]"),
+        (ColType::Int4, _) => format!("${n}::int4[]"),
+        (ColType::Int8, _) => format!("${n}::int8[]"),
+        (ColType::Float8, _) => format!("${n}::float8[]"),
+        (ColType::Bool, _) => format!("${n}::bool[]"),
+        (ColType::Jsonb, _) => format!("${n}::text[]::jsonb[]"),
         // Sent as text, parsed by the database: the digits and the instant as written.
-        ColType::Numeric => format!("${n}::text[]::numeric[]"),
-        ColType::Timestamptz => format!("${n}::text[]::timestamptz[]"),
-        ColType::Date => format!("${n}::text[]::date[]"),
+        (ColType::Numeric, _) => format!("${n}::text[]::numeric[]"),
+        (ColType::Timestamptz, _) => format!("${n}::text[]::timestamptz[]"),
+        (ColType::Date, _) => format!("${n}::text[]::date[]"),
     }
+}
+
+/// The parameters of `columns`, `$1` on, each with its column's cast (see [`param`]).
+fn params(columns: &[Column], casts: &[Option<String>]) -> Vec<String> {
+    columns
+        .iter()
+        .enumerate()
+        .map(|(i, c)| param(c.ty, i + 1, casts.get(i).and_then(|c| c.as_deref())))
+        .collect()
+}
+
+/// For each column of `mapping`, its type when it is a `text` column of an enum (or a domain
+/// over one), as the catalog names it; read once, when the table is first written.
+async fn enum_casts(
+    mapping: &Mapping,
+    client: &tokio_postgres::Client,
+) -> Result<Vec<Option<String>>, DbError> {
+    let rows = client
+        .query(
+            "SELECT a.attname::text, format_type(a.atttypid, NULL) \
+             FROM pg_attribute a JOIN pg_type t ON t.oid = a.atttypid \
+             LEFT JOIN pg_type b ON t.typtype = 'd' AND b.oid = t.typbasetype \
+             WHERE a.attrelid = to_regclass($1) AND a.attnum > 0 AND NOT a.attisdropped \
+               AND COALESCE(b.typtype, t.typtype) = 'e'",
+            &[&mapping.table.sql()],
+        )
+        .await
+        .map_err(DbError::from_pg)?;
+    Ok(mapping
+        .columns
+        .iter()
+        .map(|c| {
+            rows.iter()
+                .find(|r| c.ty == ColType::Text && r.get::<_, String>(0) == c.name)
+                .map(|r| r.get::<_, String>(1))
+        })
+        .collect())
+}
+
+/// The statements of `mapping` for its table as it is: those built at compile time, or, when
+/// a `text` column is an enum, built again with its cast (once per mapping).
+async fn statements<'m>(
+    mapping: &'m Mapping,
+    client: &tokio_postgres::Client,
+) -> Result<&'m Statements, DbError> {
+    let bound = mapping
+        .bound
+        .get_or_try_init(|| async {
+            let casts = enum_casts(mapping, client).await?;
+            Ok::<_, DbError>(casts.iter().any(Option::is_some).then(|| {
+                Statements::build(
+                    &mapping.table,
+                    &mapping.columns,
+                    &mapping.key,
+                    mapping.version,
+                    &casts,
+                )
+            }))
+        })
+        .await?;
+    Ok(bound.as_ref().unwrap_or(&mapping.statements))
 }
 
 impl Statements {
@@ -167,15 +227,11 @@ impl Statements {
         columns: &[Column],
         key: &[usize],
         version: Option<usize>,
+        casts: &[Option<String>],
     ) -> Self {
         let names: Vec<String> = columns.iter().map(|c| quote(&c.name)).collect();
         let list = names.join(", ");
-        let params: Vec<String> = columns
-            .iter()
-            .enumerate()
-            .map(|(i, c)| param(c.ty, i + 1))
-            .collect();
-        let unnest = format!("UNNEST({})", params.join(", "));
+        let unnest = format!("UNNEST({})", params(columns, casts).join(", "));
         let key_names: Vec<&str> = key.iter().map(|&i| names[i].as_str()).collect();
         let keys = key_names.join(", ");
         let t = table.sql();
@@ -204,7 +260,7 @@ impl Statements {
             ),
         };
         let (probe_table, probe_compare, probe_upsert) =
-            probe_statements(table, columns, key, version);
+            probe_statements(table, columns, key, version, casts);
         Self {
             insert,
             insert_new,
@@ -327,11 +383,12 @@ pub(super) async fn insert(
     client: &deadpool_postgres::Client,
     records: &[&Row],
 ) -> Result<crate::domain::Inserted, DbError> {
+    let st = statements(mapping, client).await?;
     if records.is_empty() {
         // The breaker's probe: the statement runs, writing nothing (a read-only server, a
         // missing table or privilege still answer as they would for a batch).
         let statement = client
-            .prepare_cached(&mapping.statements.insert)
+            .prepare_cached(&st.insert)
             .await
             .map_err(DbError::from_pg)?;
         let arrays = arrays(mapping, records);
@@ -344,7 +401,7 @@ pub(super) async fn insert(
     }
     let arrays = arrays(mapping, records);
     let params: Vec<&(dyn ToSql + Sync)> = arrays.iter().map(Array::as_param).collect();
-    if let Some(sql) = &mapping.statements.insert_new
+    if let Some(sql) = &st.insert_new
         && let Some(rows) = crate::domain::insert_if_all_new(client, sql, &params).await?
     {
         return Ok(Inserted {
@@ -353,7 +410,7 @@ pub(super) async fn insert(
         });
     }
     let statement = client
-        .prepare_cached(&mapping.statements.insert)
+        .prepare_cached(&st.insert)
         .await
         .map_err(DbError::from_pg)?;
     let written = match client.query(&statement, &params).await {
@@ -362,11 +419,11 @@ pub(super) async fn insert(
         // probe's insert, where PostgreSQL's equality says which records are one key.
         Err(e)
             if e.code() == Some(&SqlState::CARDINALITY_VIOLATION)
-                && let Some(upsert) = &mapping.statements.probe_upsert =>
+                && let Some(upsert) = &st.probe_upsert =>
         {
             tracing::debug!(pipeline = %mapping.pipeline, error = %e,
                 "records of one key under the column's type: inserting through the probe");
-            in_probe(mapping, client, true, async {
+            in_probe(&st.probe_table, client, true, async {
                 client
                     .execute(upsert.as_str(), &params)
                     .await
@@ -387,9 +444,9 @@ pub(super) async fn insert(
     // their key, or another unique index's value. PostgreSQL says which, in the probe.
     let mut conflicts = Vec::new();
     let mut skipped = Vec::new();
-    let refused = in_probe(mapping, client, false, async {
+    let refused = in_probe(&st.probe_table, client, false, async {
         for row in client
-            .query(mapping.statements.probe_compare.as_str(), &params)
+            .query(st.probe_compare.as_str(), &params)
             .await
             .map_err(DbError::from_pg)?
         {
@@ -437,13 +494,13 @@ pub(super) async fn insert(
 /// ends it: committed when `commit` and `work` succeeded, else rolled back. A transaction that
 /// cannot be ended is the connection's failure.
 async fn in_probe<T>(
-    mapping: &Mapping,
+    probe_table: &str,
     client: &deadpool_postgres::Client,
     commit: bool,
     work: impl std::future::Future<Output = Result<T, DbError>>,
 ) -> Result<T, DbError> {
     let result = match client
-        .batch_execute(&mapping.statements.probe_table)
+        .batch_execute(probe_table)
         .await
         .map_err(DbError::from_pg)
     {
@@ -469,14 +526,12 @@ pub(super) async fn stored(
     client: &deadpool_postgres::Client,
     record: &Row,
 ) -> Result<bool, DbError> {
+    let st = statements(mapping, client).await?;
     let records = [record];
     let arrays = arrays(mapping, &records);
     let params: Vec<&(dyn ToSql + Sync)> = arrays.iter().map(Array::as_param).collect();
-    in_probe(mapping, client, false, async {
-        match client
-            .query(mapping.statements.probe_compare.as_str(), &params)
-            .await
-        {
+    in_probe(&st.probe_table, client, false, async {
+        match client.query(st.probe_compare.as_str(), &params).await {
             Ok(rows) => Ok(rows
                 .iter()
                 .any(|row| row.get::<_, bool>(1) && row.get::<_, Vec<bool>>(2).iter().all(|s| *s))),
@@ -655,6 +710,12 @@ pub(super) async fn find_by_key(
     };
     let column = &mapping.columns[*k];
     let name = quote(&column.name);
+    let casts = enum_casts(mapping, client).await.unwrap_or_default();
+    let ty = casts
+        .get(*k)
+        .cloned()
+        .flatten()
+        .unwrap_or_else(|| sent_as(column.ty).to_string());
     let t = mapping.table.sql();
     let create = format!(
         "BEGIN; CREATE TEMPORARY TABLE warren_key ON COMMIT DROP AS \
@@ -662,8 +723,7 @@ pub(super) async fn find_by_key(
     );
     let sql = format!(
         "WITH p AS (INSERT INTO pg_temp.warren_key ({name}) SELECT $1::text::{ty} RETURNING {name}) \
-         SELECT to_jsonb(s)::text FROM {t} AS s JOIN p ON s.{name} = p.{name}",
-        ty = sent_as(column.ty),
+         SELECT to_jsonb(s)::text FROM {t} AS s JOIN p ON s.{name} = p.{name}"
     );
     rolled_back(client, &create, async {
         Ok(client
@@ -683,14 +743,15 @@ pub(super) async fn storable(
     client: &tokio_postgres::Client,
     record: &Row,
 ) -> Result<Result<(), String>, tokio_postgres::Error> {
+    let st = match statements(mapping, client).await {
+        Ok(st) => st,
+        Err(_) => &mapping.statements,
+    };
     let records = [record];
     let arrays = arrays(mapping, &records);
     let params: Vec<&(dyn ToSql + Sync)> = arrays.iter().map(Array::as_param).collect();
-    rolled_back(client, &mapping.statements.probe_table, async {
-        match client
-            .query(mapping.statements.probe_compare.as_str(), &params)
-            .await
-        {
+    rolled_back(client, &st.probe_table, async {
+        match client.query(st.probe_compare.as_str(), &params).await {
             Ok(_) => Ok(Ok(())),
             Err(e)
                 if e.code()

@@ -298,6 +298,9 @@ pub struct Mapping {
     fields: HashSet<String>,
     /// The insert statements, built once.
     statements: insert::Statements,
+    /// The statements again with the casts of the table's enum columns, built when the table
+    /// is first written (`None`: it has none, `statements` serve).
+    bound: std::sync::Arc<tokio::sync::OnceCell<Option<insert::Statements>>>,
 }
 
 impl Mapping {
@@ -436,7 +439,7 @@ impl Mapping {
                 Some(i)
             }
         };
-        let statements = insert::Statements::build(&table, &columns, &key, version);
+        let statements = insert::Statements::build(&table, &columns, &key, version, &[]);
         Ok(Self {
             pipeline: pipeline.to_string(),
             table,
@@ -447,6 +450,7 @@ impl Mapping {
             unknown_fields: spec.unknown_fields,
             fields,
             statements,
+            bound: Default::default(),
         })
     }
 

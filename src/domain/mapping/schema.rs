@@ -25,6 +25,8 @@ pub struct TableColumn {
     /// `GENERATED ALWAYS` (a generated column, or an identity the database alone fills): no
     /// insert may give it a value.
     pub generated: bool,
+    /// An enum (or a domain over one): a `text` mapping is written to it, read as a label.
+    pub is_enum: bool,
 }
 
 /// What the catalog says of a table: its columns and its unique indexes (name, columns).
@@ -34,17 +36,21 @@ pub struct TableInfo {
     pub unique: Vec<(String, Vec<String>)>,
 }
 
-/// The types of `pg_type` a mapping's type can be written to.
+/// The types of `pg_type` a mapping's type can be written to: those PostgreSQL converts the
+/// sent value to by an assignment cast, so the insert (and the probe) decide whether a value
+/// fits (a 40000 into an `int2` is refused, 22003; a `float4` rounds as PostgreSQL rounds; an
+/// instant into a `timestamp` is its UTC wall time, warren's sessions being in UTC).
 fn writable(ty: ColType) -> &'static [&'static str] {
     match ty {
+        // And any enum (`TableColumn::is_enum`).
         ColType::Text => &["text", "varchar", "bpchar", "citext"],
         ColType::Uuid => &["uuid"],
-        ColType::Int4 => &["int4", "int8", "numeric"],
-        ColType::Int8 => &["int8", "numeric"],
-        ColType::Float8 => &["float8", "numeric"],
+        ColType::Int4 => &["int4", "int2", "int8", "numeric"],
+        ColType::Int8 => &["int8", "int2", "int4", "numeric"],
+        ColType::Float8 => &["float8", "float4", "numeric"],
         ColType::Numeric => &["numeric"],
         ColType::Bool => &["bool"],
-        ColType::Timestamptz => &["timestamptz"],
+        ColType::Timestamptz => &["timestamptz", "timestamp"],
         ColType::Date => &["date"],
         ColType::Jsonb => &["jsonb", "json"],
     }
@@ -67,13 +73,18 @@ pub fn mismatches(mapping: &Mapping, table: Option<&TableInfo>) -> Vec<String> {
                 "{at}: column {} does not exist (expected a column for the {} mapping)",
                 c.name, c.ty
             )),
-            Some(t) if !writable(c.ty).contains(&t.type_name.as_str()) => out.push(format!(
-                "{at}: column {} is {}; a {} mapping is written to {}",
-                c.name,
-                t.sql_type,
-                c.ty,
-                writable(c.ty).join(" or ")
-            )),
+            Some(t)
+                if !writable(c.ty).contains(&t.type_name.as_str())
+                    && !(t.is_enum && c.ty == ColType::Text) =>
+            {
+                out.push(format!(
+                    "{at}: column {} is {}; a {} mapping is written to {}",
+                    c.name,
+                    t.sql_type,
+                    c.ty,
+                    writable(c.ty).join(" or ")
+                ))
+            }
             Some(t) if t.generated => out.push(format!(
                 "{at}: column {} is GENERATED ALWAYS: the database computes it and refuses any \
                  value an insert gives it (expected it left out of the mapping)",
@@ -163,7 +174,8 @@ pub async fn describe(
                     a.attnotnull OR t.typnotnull, \
                     a.atthasdef OR a.attidentity <> '' OR a.attgenerated <> '' \
                         OR t.typdefaultbin IS NOT NULL, \
-                    a.attidentity = 'a' OR a.attgenerated <> '' \
+                    a.attidentity = 'a' OR a.attgenerated <> '', \
+                    COALESCE(b.typtype, t.typtype) = 'e' \
              FROM pg_attribute a JOIN pg_type t ON t.oid = a.atttypid \
              LEFT JOIN pg_type b ON t.typtype = 'd' AND b.oid = t.typbasetype \
              WHERE a.attrelid = $1 AND a.attnum > 0 AND NOT a.attisdropped ORDER BY a.attnum",
@@ -179,6 +191,7 @@ pub async fn describe(
             not_null: r.get(3),
             has_default: r.get(4),
             generated: r.get(5),
+            is_enum: r.get(6),
         })
         .collect();
     let unique = unique_indexes(client, oid).await?;
