@@ -10,9 +10,17 @@
 //! that one background task ([`start`]) drains, a pipelined `XADD` per chunk. A full channel
 //! (Redis slow or down) or a failed write drops the events, counted in
 //! `warren_events_dropped_total{reason}`; nothing is retried, nothing blocks.
+//!
+//! What an event holds and what waits are bounded, whatever the messages carry: every text field
+//! is capped at [`SHOWN_MAX`] bytes (a refused message's reason, its id, its `traceparent`), and
+//! the events waiting for the writer, the chunk being written included, hold at most
+//! [`QUEUE_BYTES`] of JSON; the Redis write of a chunk copies at most [`CHUNK_BYTES`] of it
+//! twice (the command, its encoding). So events take at most [`MEMORY_BOUND`] (6 MiB) beside
+//! what `MAX_INFLIGHT_BYTES` bounds, even when Redis accepts connections and never answers
+//! (docs/events.md).
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicU8, Ordering};
+use std::sync::atomic::{AtomicU8, AtomicUsize, Ordering};
 use std::sync::{Mutex, OnceLock};
 use std::time::Duration;
 
@@ -21,6 +29,7 @@ use time::OffsetDateTime;
 use time::format_description::well_known::Rfc3339;
 use tokio::sync::{mpsc, oneshot};
 
+use crate::amqp::headers::{SHOWN_MAX, shown};
 use crate::config::Settings;
 use crate::metrics;
 use crate::registry::redis::Redis;
@@ -32,8 +41,28 @@ pub const VERSION: u32 = 1;
 /// Events waiting for the writer at most; past it they are dropped (`reason="full"`).
 const QUEUE: usize = 10_000;
 
+/// Bytes of events (their JSON, and [`ITEM_BYTES`] each) waiting for the writer or being written
+/// at most; past it new events are dropped (`reason="full"`).
+pub const QUEUE_BYTES: usize = 4 << 20;
+
+/// What one waiting event takes beside its JSON's bytes: the queue's slot, the string's header
+/// and the allocator's rounding.
+const ITEM_BYTES: usize = 64;
+
 /// Events written to Redis in one pipelined round trip at most.
 const CHUNK: usize = 500;
+
+/// Bytes of events' JSON in one pipelined round trip at most (a larger chunk is written in
+/// several): what the Redis command and its encoding copy.
+pub const CHUNK_BYTES: usize = 1 << 20;
+
+/// The most memory events take, waiting and being written: [`QUEUE_BYTES`] and two copies of
+/// one round trip's [`CHUNK_BYTES`]. docs/events.md and docs/failures.md state it.
+pub const MEMORY_BOUND: usize = QUEUE_BYTES + 2 * CHUNK_BYTES;
+
+/// Bytes counted against [`QUEUE_BYTES`] now: added by [`emit`], taken off once written (or
+/// dropped) by the writer.
+static QUEUED_BYTES: AtomicUsize = AtomicUsize::new(0);
 
 /// What happened, with the fields of its type.
 #[derive(Debug, Clone, PartialEq, Serialize)]
@@ -133,6 +162,85 @@ impl Kind {
         }
     }
 
+    /// This kind with every text field capped at [`SHOWN_MAX`] bytes ([`shown`]): a reason, a
+    /// message id, a `traceparent` come from messages, and an event never grows with them.
+    pub fn bounded(self) -> Self {
+        let cap = |s: String| -> String {
+            if s.len() <= SHOWN_MAX {
+                s
+            } else {
+                shown(&s).into_owned()
+            }
+        };
+        let opt = |s: Option<String>| s.map(cap);
+        match self {
+            Kind::Started { version, roles } => Kind::Started {
+                version: cap(version),
+                roles: cap(roles),
+            },
+            Kind::Paused { by } => Kind::Paused { by: cap(by) },
+            Kind::Resumed { by } => Kind::Resumed { by: cap(by) },
+            Kind::Draining { reason } => Kind::Draining {
+                reason: cap(reason),
+            },
+            Kind::LinkLost { target, link, node } => Kind::LinkLost {
+                target: cap(target),
+                link: opt(link),
+                node: opt(node),
+            },
+            Kind::LinkRestored { target, link, node } => Kind::LinkRestored {
+                target: cap(target),
+                link: opt(link),
+                node: opt(node),
+            },
+            Kind::Scaled {
+                what,
+                from,
+                to,
+                reason,
+            } => Kind::Scaled {
+                what: cap(what),
+                from,
+                to,
+                reason: cap(reason),
+            },
+            Kind::DeadLettered {
+                message_id,
+                kind,
+                reason,
+                traceparent,
+            } => Kind::DeadLettered {
+                message_id: cap(message_id),
+                kind: cap(kind),
+                reason: cap(reason),
+                traceparent: opt(traceparent),
+            },
+            Kind::Parked {
+                message_id,
+                kind,
+                reason,
+                traceparent,
+            } => Kind::Parked {
+                message_id: cap(message_id),
+                kind: cap(kind),
+                reason: cap(reason),
+                traceparent: opt(traceparent),
+            },
+            Kind::GivenBack { count, reason } => Kind::GivenBack {
+                count,
+                reason: cap(reason),
+            },
+            Kind::Error { message } => Kind::Error {
+                message: cap(message),
+            },
+            other @ (Kind::Ready
+            | Kind::Stopped { .. }
+            | Kind::BreakerOpened { .. }
+            | Kind::BreakerClosed
+            | Kind::BatchCommitted { .. }) => other,
+        }
+    }
+
     /// Every type, as written (docs/events.md lists the same).
     pub const NAMES: [&'static str; 16] = [
         "started",
@@ -169,11 +277,11 @@ pub struct Event {
 
 impl Event {
     /// `kind`, now, from this process, about `pipeline` if any (a pipeline's name or a stage
-    /// label: see [`pipeline_of`]).
+    /// label: see [`pipeline_of`]); its text fields capped ([`Kind::bounded`]).
     pub fn new(pipeline: Option<&str>, kind: Kind) -> Self {
         Self {
             v: VERSION,
-            kind,
+            kind: kind.bounded(),
             time: OffsetDateTime::now_utc()
                 .format(&Rfc3339)
                 .unwrap_or_default(),
@@ -258,7 +366,8 @@ pub fn database(up: bool) {
 
 /// What the writer task is handed.
 enum Item {
-    Event(Box<Event>),
+    /// An event's JSON, and the bytes it counts against [`QUEUE_BYTES`].
+    Event(String, usize),
     /// Answered once everything sent before it was written (or dropped).
     Flush(oneshot::Sender<()>),
 }
@@ -267,15 +376,35 @@ enum Item {
 static INBOX: OnceLock<mpsc::Sender<Item>> = OnceLock::new();
 
 /// Emits `kind` about `pipeline` (a pipeline's name, or a stage label: see [`pipeline_of`]).
-/// Never blocks; a full inbox drops the event and counts it.
+/// Never blocks; a full inbox (in events or in [`QUEUE_BYTES`]) drops the event and counts it.
 pub fn emit(pipeline: Option<&str>, kind: Kind) {
     let Some(inbox) = INBOX.get() else {
         return;
     };
-    let event = Event::new(pipeline, kind);
-    if inbox.try_send(Item::Event(Box::new(event))).is_err() {
+    let json = Event::new(pipeline, kind).to_json();
+    let bytes = json.len() + ITEM_BYTES;
+    if !reserve(bytes) {
+        metrics::events_dropped("full", 1);
+        return;
+    }
+    if inbox.try_send(Item::Event(json, bytes)).is_err() {
+        release(bytes);
         metrics::events_dropped("full", 1);
     }
+}
+
+/// Counts `bytes` against [`QUEUE_BYTES`]; `false` (nothing counted) when they do not fit.
+fn reserve(bytes: usize) -> bool {
+    QUEUED_BYTES
+        .fetch_update(Ordering::AcqRel, Ordering::Acquire, |queued| {
+            (queued + bytes <= QUEUE_BYTES).then_some(queued + bytes)
+        })
+        .is_ok()
+}
+
+/// Takes `bytes` off the count of [`QUEUE_BYTES`] (written or dropped).
+fn release(bytes: usize) {
+    QUEUED_BYTES.fetch_sub(bytes, Ordering::AcqRel);
 }
 
 /// Waits (at most `bound`) until every event emitted so far was written or dropped: the last
@@ -310,37 +439,59 @@ pub fn start(settings: &Settings) {
     tokio::spawn(write(rx, redis, key, settings.events_max_len));
 }
 
-/// The writer: a chunk of what waits, one pipelined `XADD` each, until the process ends.
+/// The writer: a chunk of what waits, one pipelined `XADD` per [`CHUNK_BYTES`] of it, until the
+/// process ends. The chunk's events stay counted against [`QUEUE_BYTES`] until written.
 async fn write(mut rx: mpsc::Receiver<Item>, mut redis: Redis, key: String, max_len: u64) {
     let mut items = Vec::with_capacity(CHUNK);
     while rx.recv_many(&mut items, CHUNK).await > 0 {
-        let mut pipe = redis::pipe();
-        let mut events = 0;
         let mut flushes = Vec::new();
+        let mut round: Vec<(String, usize)> = Vec::new();
+        let mut round_bytes = 0;
         for item in items.drain(..) {
             match item {
-                Item::Event(event) => {
-                    events += 1;
-                    pipe.cmd("XADD")
-                        .arg(&key)
-                        .arg("MAXLEN")
-                        .arg("~")
-                        .arg(max_len)
-                        .arg("*")
-                        .arg("event")
-                        .arg(event.to_json())
-                        .ignore();
+                Item::Event(json, bytes) => {
+                    if round_bytes + json.len() > CHUNK_BYTES && !round.is_empty() {
+                        send(&mut redis, &key, max_len, std::mem::take(&mut round)).await;
+                        round_bytes = 0;
+                    }
+                    round_bytes += json.len();
+                    round.push((json, bytes));
                 }
                 Item::Flush(done) => flushes.push(done),
             }
         }
-        if events > 0 && redis.pipe::<()>(&pipe).await.is_none() {
-            metrics::events_dropped("redis", events);
+        if !round.is_empty() {
+            send(&mut redis, &key, max_len, round).await;
         }
         for done in flushes {
             let _ = done.send(());
         }
     }
+}
+
+/// Writes `events` (JSON, counted bytes) in one pipelined round trip, then takes them off the
+/// count of [`QUEUE_BYTES`], written or dropped.
+async fn send(redis: &mut Redis, key: &str, max_len: u64, events: Vec<(String, usize)>) {
+    let mut pipe = redis::pipe();
+    let mut bytes = 0;
+    for (json, counted) in &events {
+        bytes += counted;
+        pipe.cmd("XADD")
+            .arg(key)
+            .arg("MAXLEN")
+            .arg("~")
+            .arg(max_len)
+            .arg("*")
+            .arg("event")
+            .arg(json)
+            .ignore();
+    }
+    let n = events.len() as u64;
+    drop(events);
+    if redis.pipe::<()>(&pipe).await.is_none() {
+        metrics::events_dropped("redis", n);
+    }
+    release(bytes);
 }
 
 #[cfg(test)]
@@ -464,6 +615,69 @@ mod tests {
             node: None,
         });
         assert!(e.get("node").is_none(), "{e}");
+    }
+
+    /// Issue 34, item 3: an event never carries more of a message than [`SHOWN_MAX`] bytes of
+    /// each field (a 30 KB reason, a long id or traceparent), whatever its type.
+    #[test]
+    fn every_text_field_of_an_event_is_capped() {
+        let long = "r".repeat(30_000);
+        for kind in every_kind() {
+            let inflated = match kind {
+                Kind::DeadLettered { kind, .. } => Kind::DeadLettered {
+                    message_id: long.clone(),
+                    kind,
+                    reason: long.clone(),
+                    traceparent: Some(long.clone()),
+                },
+                Kind::Parked { kind, .. } => Kind::Parked {
+                    message_id: long.clone(),
+                    kind,
+                    reason: long.clone(),
+                    traceparent: Some(long.clone()),
+                },
+                Kind::Error { .. } => Kind::Error {
+                    message: long.clone(),
+                },
+                Kind::GivenBack { count, .. } => Kind::GivenBack {
+                    count,
+                    reason: long.clone(),
+                },
+                Kind::Scaled { what, from, to, .. } => Kind::Scaled {
+                    what,
+                    from,
+                    to,
+                    reason: long.clone(),
+                },
+                Kind::Draining { .. } => Kind::Draining {
+                    reason: long.clone(),
+                },
+                other => other,
+            };
+            let json = Event::new(Some("orders"), inflated).to_json();
+            assert!(json.len() < 4 * SHOWN_MAX + 512, "{} bytes", json.len());
+            let value: serde_json::Value = serde_json::from_str(&json).expect("JSON");
+            for (field, v) in value.as_object().expect("an object") {
+                if let Some(text) = v.as_str() {
+                    assert!(text.len() <= SHOWN_MAX, "{field}: {} bytes", text.len());
+                }
+            }
+        }
+    }
+
+    /// Issue 34, item 3: what waits for the writer is counted in bytes, and refused past
+    /// [`QUEUE_BYTES`] until the writer takes it off.
+    #[test]
+    fn the_queue_holds_at_most_queue_bytes() {
+        assert!(
+            reserve(QUEUE_BYTES),
+            "an empty queue takes its whole budget"
+        );
+        assert!(!reserve(1), "a full one takes nothing more");
+        release(QUEUE_BYTES);
+        assert!(reserve(1));
+        release(1);
+        assert_eq!(MEMORY_BOUND, 6 << 20, "docs/events.md states 6 MiB");
     }
 
     #[test]

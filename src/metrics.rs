@@ -345,7 +345,9 @@ pub fn inflight(gauge: &Gauge, n: i64) {
     }
 }
 
-/// A body the domain refused (it is dead-lettered or parked next).
+/// A body the domain refused (it is dead-lettered or parked next). The reason and the id come
+/// from the message: the line shows them capped (`amqp::headers::shown`, as the parking table
+/// caps a reason), so a refusal's log line never grows with what a publisher sends.
 pub fn message_refused(
     pipeline: &'static str,
     kind: &str,
@@ -353,9 +355,15 @@ pub fn message_refused(
     message_id: &str,
     delivery_tag: u64,
 ) {
+    use crate::amqp::headers::shown;
+    let (reason, message_id) = (shown(reason), shown(message_id));
     warn!(
-        message_id,
-        pipeline, delivery_tag, kind, reason, "message refused"
+        message_id = &*message_id,
+        pipeline,
+        delivery_tag,
+        kind,
+        reason = &*reason,
+        "message refused"
     );
 }
 
@@ -422,6 +430,8 @@ pub fn message_routed(
     traceparent: Option<&str>,
 ) {
     if kind != "retry" {
+        // The id is a short string (255 bytes at most) and a traceparent is carried only up to
+        // 512 bytes (`amqp::headers::TRACEPARENT_MAX`): both bounded already.
         warn!(
             message_id,
             pipeline, delivery_tag, kind, traceparent, "message dead-lettered"

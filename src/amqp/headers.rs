@@ -2,9 +2,14 @@
 //! integer), `x-retry-reason`, `x-error-kind` / `x-error-reason` on dead-lettered messages (reasons
 //! capped at [`REASON_MAX`] bytes), and `x-dlq-attempts`, the DLQ consumer's own attempt count.
 //! The properties of every copy warren publishes are made by `amqp::republish`.
+//!
+//! Two bounds on what comes from outside live here too: [`short`], the one checked constructor
+//! of an AMQP short string (a message id, a header name) from text warren did not write itself,
+//! and [`shown`], the cap on a message's content (a reason, an id, a header value) wherever it
+//! reaches an event or a log line.
 
 use lapin::BasicProperties;
-use lapin::types::AMQPValue;
+use lapin::types::{AMQPValue, ShortString};
 
 pub const X_RETRIES: &str = "x-retries";
 pub const X_RETRY_REASON: &str = "x-retry-reason";
@@ -14,6 +19,37 @@ pub const X_DLQ_ATTEMPTS: &str = "x-dlq-attempts";
 
 /// Longest reason written to a header, in bytes (cut on a character boundary).
 pub const REASON_MAX: usize = 1024;
+
+/// The most bytes an AMQP short string holds (a message id, a header name, a queue name).
+pub const SHORT_MAX: usize = 255;
+
+/// Text too long for an AMQP short string: `len` bytes, over [`SHORT_MAX`]. The caller names
+/// what the text was to be (`key code: at most 255 bytes as a message id, found 300`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+#[error("at most {SHORT_MAX} bytes, found {len}")]
+pub struct TooLong {
+    /// The text's length in bytes.
+    pub len: usize,
+}
+
+/// `text` as an AMQP short string, or [`TooLong`]: the one way warren makes a short string from
+/// text it did not write itself (lapin's `From<&str>` panics past 255 bytes).
+pub fn short(text: impl Into<String>) -> Result<ShortString, TooLong> {
+    let text = text.into();
+    let len = text.len();
+    ShortString::try_new(text).map_err(|_| TooLong { len })
+}
+
+/// Longest piece of a message's content (a reason, a message id, a header value) written to an
+/// event or a log line, in bytes: the cap the parking table puts on a reason ([`REASON_MAX`]).
+pub const SHOWN_MAX: usize = REASON_MAX;
+
+/// `text` as an event or a log line shows it: capped at [`SHOWN_MAX`] bytes on a character
+/// boundary, with `…` when cut. Everything of a message's content that reaches an event or a log
+/// field goes through here, so neither grows with what a publisher sends.
+pub fn shown(text: &str) -> std::borrow::Cow<'_, str> {
+    capped(text, SHOWN_MAX)
+}
 
 /// `text` cut to at most `max` bytes on a character boundary, with `…` when cut.
 pub fn capped(text: &str, max: usize) -> std::borrow::Cow<'_, str> {
@@ -89,7 +125,11 @@ fn count(properties: &BasicProperties, key: &str) -> Retries {
     match n {
         Some(n) if n >= 0 => Retries::Count(n.min(u32::MAX as i128) as u32),
         Some(n) => Retries::Invalid(format!("negative {key} {n}")),
-        None => Retries::Invalid(format!("{key} of unusable type: {value:?}")),
+        // The value is the publisher's: shown capped, as everything of a message in a log line.
+        None => Retries::Invalid(format!(
+            "{key} of unusable type: {}",
+            shown(&format!("{value:?}"))
+        )),
     }
 }
 
@@ -199,10 +239,21 @@ pub fn traceparent(properties: &BasicProperties) -> Option<String> {
     }
 }
 
-/// Whether `text` is a `traceparent` value a W3C Trace Context reader accepts: version `00` is
-/// exactly 55 characters; a later version may carry more after a `-`.
+/// Longest `traceparent` warren carries, in bytes. Version `00` is 55; a later version may add
+/// fields after a `-`, which W3C Trace Context lets a vendor ignore: a longer value is treated as
+/// no traceparent at all (the API publishes without it, events and log lines leave it out), so a
+/// client's header can neither make a request fail (a content header over the link's frame) nor
+/// grow every event and log line about its message. The header itself stays on the message.
+pub const TRACEPARENT_MAX: usize = 512;
+
+/// Whether `text` is a `traceparent` value a W3C Trace Context reader accepts and warren carries:
+/// version `00` is exactly 55 characters; a later version may carry more after a `-`, up to
+/// [`TRACEPARENT_MAX`] bytes in all.
 pub fn valid_traceparent(text: &str) -> bool {
     let b = text.as_bytes();
+    if b.len() > TRACEPARENT_MAX {
+        return false;
+    }
     let hex = |r: std::ops::Range<usize>| {
         b.get(r)
             .is_some_and(|s| s.iter().all(|c| matches!(c, b'0'..=b'9' | b'a'..=b'f')))
@@ -366,8 +417,7 @@ pub fn json_value(json: &serde_json::Value) -> Result<AMQPValue, String> {
                         .and_then(Value::as_object)
                         .ok_or("a field table without a value object")?
                     {
-                        let key = lapin::types::ShortString::try_new(k.as_str())
-                            .map_err(|_| format!("a table key of {} bytes", k.len()))?;
+                        let key = short(k.as_str()).map_err(|e| format!("a table key: {e}"))?;
                         table.insert(key, json_value(v)?);
                     }
                     AMQPValue::FieldTable(table)
@@ -457,6 +507,60 @@ mod tests {
             assert!(matches!(r, Retries::Invalid(_)), "{r:?}");
             assert_eq!(r.count(), 0);
         }
+    }
+
+    /// Issue 34, item 2: a short string from outside input is an error past 255 bytes, never a
+    /// panic; at 255 it is made.
+    #[test]
+    fn short_strings_from_outside_input_are_checked_not_panicked() {
+        assert_eq!(short("k".repeat(255)).map(|s| s.as_str().len()), Ok(255));
+        let e = short("k".repeat(300)).unwrap_err();
+        assert_eq!(e, TooLong { len: 300 });
+        assert_eq!(e.to_string(), "at most 255 bytes, found 300");
+        // Bytes, not characters: 128 two-byte characters are 256 bytes.
+        assert_eq!(short("é".repeat(128)), Err(TooLong { len: 256 }));
+    }
+
+    /// Issue 34, item 3: what an event or a log line shows of a message is capped on a character
+    /// boundary, as parking caps a reason.
+    #[test]
+    fn what_events_and_logs_show_of_a_message_is_capped() {
+        assert_eq!(shown("short"), "short");
+        let long = "é".repeat(30_000);
+        let cut = shown(&long);
+        assert!(
+            cut.len() <= SHOWN_MAX && cut.ends_with('…'),
+            "{}",
+            cut.len()
+        );
+        assert!(cut.len() > SHOWN_MAX - 8);
+        let retries = props(AMQPValue::LongString(
+            "x".repeat(50_000).into_bytes().into(),
+        ));
+        let Retries::Invalid(what) = super::retries(&retries) else {
+            panic!("a string count is invalid");
+        };
+        assert!(what.len() <= SHOWN_MAX + 40, "{}", what.len());
+    }
+
+    /// Issue 34, item 8: a later version's traceparent is carried up to 512 bytes; a longer one
+    /// (valid by the grammar) is not carried.
+    #[test]
+    fn a_traceparent_is_carried_up_to_512_bytes() {
+        let head = "01-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01-";
+        let at = format!("{head}{}", "a".repeat(TRACEPARENT_MAX - head.len()));
+        assert!(valid_traceparent(&at));
+        let over = format!("{at}a");
+        assert!(!valid_traceparent(&over));
+        let mut h = FieldTable::default();
+        h.insert(
+            TRACEPARENT.into(),
+            AMQPValue::LongString(over.into_bytes().into()),
+        );
+        assert_eq!(
+            traceparent(&BasicProperties::default().with_headers(h)),
+            None
+        );
     }
 
     /// The W3C Trace Context rules: shape, lower-case hex, ids not all zeros, version ff

@@ -388,10 +388,14 @@ pub async fn close(channel: Option<Channel>, conn: Option<Connection>) {
 /// (messages ready, consumers) of `queue`, by a passive declare on a channel of its own (a
 /// missing queue closes that channel, not the caller's).
 pub async fn queue_stats(conn: &Connection, queue: &str) -> Result<(u32, u32), AmqpError> {
+    // A name from the command line: no queue has one over 255 bytes.
+    let name = headers::short(queue).map_err(|e| {
+        AmqpError::NotFound(format!("queue {:?} (a name is {e})", short_preview(queue)))
+    })?;
     let channel = conn.create_channel().await?;
     let result = channel
         .queue_declare(
-            queue.into(),
+            name,
             lapin::options::QueueDeclareOptions {
                 passive: true,
                 ..Default::default()
@@ -409,6 +413,11 @@ pub async fn queue_stats(conn: &Connection, queue: &str) -> Result<(u32, u32), A
     }
 }
 
+/// The first 40 bytes of a name too long to show whole.
+fn short_preview(name: &str) -> std::borrow::Cow<'_, str> {
+    headers::capped(name, 40)
+}
+
 /// Whether `queue` exists.
 pub async fn queue_exists(conn: &Connection, queue: &str) -> Result<bool, AmqpError> {
     match queue_stats(conn, queue).await {
@@ -420,10 +429,14 @@ pub async fn queue_exists(conn: &Connection, queue: &str) -> Result<bool, AmqpEr
 
 /// Whether `exchange` exists, by a passive declare on a channel of its own.
 pub async fn exchange_exists(conn: &Connection, exchange: &str) -> Result<bool, AmqpError> {
+    // No exchange has a name over 255 bytes.
+    let Ok(name) = headers::short(exchange) else {
+        return Ok(false);
+    };
     let channel = conn.create_channel().await?;
     let result = channel
         .exchange_declare(
-            exchange.into(),
+            name,
             lapin::ExchangeKind::Direct,
             lapin::options::ExchangeDeclareOptions {
                 passive: true,

@@ -15,6 +15,7 @@ use std::time::Duration;
 
 use actix::prelude::*;
 use lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
+use lapin::types::ShortString;
 use lapin::{BasicProperties, Channel, Confirmation, Connection};
 use tracing::{info, warn};
 
@@ -633,7 +634,11 @@ impl Handler<Close> for Publisher {
 /// docs/performance.md, "What message properties cost the broker"). Nothing reads the content
 /// type (every body on warren's queues is JSON), and a header table is larger than 64 bytes on
 /// its own, so the rule only matters, and only holds, for messages without one.
-pub fn json_properties(message_id: &str, latency_header: bool) -> BasicProperties {
+///
+/// The message id is a short string already: made by [`crate::amqp::headers::short`] from text
+/// warren did not write itself, so a key over 255 bytes is the caller's error to report, never a
+/// panic here.
+pub fn json_properties(message_id: ShortString, latency_header: bool) -> BasicProperties {
     traced_json_properties(message_id, None, latency_header)
 }
 
@@ -641,7 +646,7 @@ pub fn json_properties(message_id: &str, latency_header: bool) -> BasicPropertie
 /// the caller checks it). No header table at all when neither is asked: a table costs the
 /// broker CPU on every message (docs/performance.md).
 pub fn traced_json_properties(
-    message_id: &str,
+    message_id: ShortString,
     trace: Option<&str>,
     latency_header: bool,
 ) -> BasicProperties {
@@ -651,7 +656,7 @@ pub fn traced_json_properties(
         .unwrap_or(0);
     let properties = BasicProperties::default()
         .with_delivery_mode(2)
-        .with_message_id(message_id.into())
+        .with_message_id(message_id)
         .with_timestamp(now_ms / 1000);
     if !latency_header && trace.is_none() {
         return properties;
@@ -705,14 +710,14 @@ mod tests {
         // A content header frame is its properties plus 20 bytes: frame type, channel, size
         // (7), class, weight, body size (12), frame end (1).
         let properties = |p: &BasicProperties| crate::amqp::republish::header_frame_size(p) - 20;
-        let id = uuid::Uuid::new_v4().to_string();
-        let plain = json_properties(&id, false);
+        let id = headers::short(uuid::Uuid::new_v4().to_string()).expect("36 bytes");
+        let plain = json_properties(id.clone(), false);
         assert_eq!(properties(&plain), 48);
         assert!(plain.content_type().is_none());
         let with_content_type = plain.clone().with_content_type("application/json".into());
         assert_eq!(properties(&with_content_type), 65, "the measured slow case");
         assert!(
-            properties(&json_properties(&id, true)) > 64,
+            properties(&json_properties(id, true)) > 64,
             "a header table"
         );
     }

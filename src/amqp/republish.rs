@@ -298,11 +298,12 @@ pub fn fit(
     }
 }
 
-/// A header name as a short string: names warren writes are its own constants, under 255
-/// bytes; anything longer is cut on a character boundary rather than panicking.
+/// A header name as a short string ([`crate::amqp::headers::short`]): names warren writes are
+/// its own constants, under 255 bytes; anything longer is cut on a character boundary rather
+/// than panicking.
 fn short(name: &str) -> ShortString {
-    ShortString::try_new(name)
-        .unwrap_or_else(|_| ShortString::from(crate::amqp::headers::capped(name, 255).into_owned()))
+    use crate::amqp::headers::{SHORT_MAX, short};
+    short(name).unwrap_or_else(|_| short(capped(name, SHORT_MAX).into_owned()).unwrap_or_default())
 }
 
 fn long(bytes: &[u8]) -> AMQPValue {

@@ -9,9 +9,10 @@ use std::path::PathBuf;
 use anyhow::{Context, bail};
 use clap::Subcommand;
 use comfy_table::{Table, presets};
-use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
+use lapin::types::{AMQPValue, FieldTable, LongString};
 use serde_json::{Value, json};
 
+use crate::amqp::headers;
 use crate::cli::terminal_safe as safe;
 use crate::config::Settings;
 use crate::config::pipelines::{Names, PipelineConfig};
@@ -256,7 +257,10 @@ fn envelope(line: &str) -> Result<(Vec<u8>, Option<FieldTable>), String> {
                 ));
             }
         };
-        table.insert(ShortString::from(k), value);
+        // No message can carry a longer name (an AMQP short string): the line describes none.
+        let name = headers::short(k.as_str())
+            .map_err(|e| format!("header {:?}: a header name is {e}", headers::capped(&k, 40)))?;
+        table.insert(name, value);
     }
     Ok((e.body.get().as_bytes().to_vec(), Some(table)))
 }

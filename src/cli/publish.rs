@@ -6,9 +6,11 @@ use std::time::{Duration, Instant};
 use actix::{Actor, Addr};
 use anyhow::bail;
 use futures::StreamExt;
+use lapin::types::ShortString;
 use tokio::io::AsyncBufReadExt;
 use uuid::Uuid;
 
+use crate::amqp::headers;
 use crate::amqp::publisher::{Close, IsConnected, Publish, Publisher, json_properties};
 use crate::config::{Settings, redact_url};
 
@@ -73,10 +75,10 @@ pub async fn execute(settings: &Settings, args: Args) -> anyhow::Result<i32> {
     let exchange = settings.main_exchange.clone();
     let routing_key = settings.main_queue.clone();
     let latency_header = settings.publish_latency_header;
-    let make = |id: String, body: Vec<u8>| Publish {
+    let make = |id: ShortString, body: Vec<u8>| Publish {
         exchange: exchange.clone(),
         routing_key: routing_key.clone(),
-        properties: json_properties(&id, latency_header),
+        properties: json_properties(id, latency_header),
         body: body.into(),
     };
     let started = Instant::now();
@@ -85,7 +87,9 @@ pub async fn execute(settings: &Settings, args: Args) -> anyhow::Result<i32> {
     let mut first_error: Option<String> = None;
 
     // (input line for --stdin, message id, body)
-    let messages: futures::stream::BoxStream<'_, (Option<u64>, String, Vec<u8>)> = if args.stdin {
+    let messages: futures::stream::BoxStream<'_, (Option<u64>, ShortString, Vec<u8>)> = if args
+        .stdin
+    {
         let lines = tokio_stream_lines();
         lines
             .filter_map(|(n, line)| async move {
@@ -96,13 +100,15 @@ pub async fn execute(settings: &Settings, args: Args) -> anyhow::Result<i32> {
                             .and_then(|v| v.as_str())
                             .map(str::to_string)
                             .unwrap_or_else(|| Uuid::new_v4().to_string());
-                        if id.len() > 255 {
-                            eprintln!(
-                                "warren publish: line {n}: \"id\" is longer than 255 bytes (an AMQP message id cannot be), skipped"
-                            );
-                            return None;
+                        match headers::short(id) {
+                            Ok(id) => Some((Some(n), id, line.into_bytes())),
+                            Err(e) => {
+                                eprintln!(
+                                    "warren publish: line {n}: \"id\": {e} (an AMQP message id), skipped"
+                                );
+                                None
+                            }
                         }
-                        Some((Some(n), id, line.into_bytes()))
                     }
                     Ok(_) => {
                         eprintln!("warren publish: line {n}: expected a JSON object, skipped");
@@ -125,7 +131,8 @@ pub async fn execute(settings: &Settings, args: Args) -> anyhow::Result<i32> {
                     tokio::time::sleep_until(due.into()).await;
                 }
                 let (id, body) = generated(i, invalid_every);
-                (None, id, body)
+                // A UUID: 36 bytes, always a short string.
+                (None, headers::short(id).unwrap_or_default(), body)
             })
             .boxed()
     };
@@ -147,7 +154,7 @@ pub async fn execute(settings: &Settings, args: Args) -> anyhow::Result<i32> {
         };
         failed += 1;
         if let Some(n) = line {
-            eprintln!("warren publish: {}", not_confirmed(n, &id, &error));
+            eprintln!("warren publish: {}", not_confirmed(n, id.as_str(), &error));
         }
         first_error.get_or_insert(error);
     }

@@ -19,6 +19,7 @@ use actix_web::{App, HttpRequest, HttpResponse, HttpServer, web};
 use deadpool_postgres::{Object, Pool};
 use futures::StreamExt;
 use futures::future::{BoxFuture, FutureExt};
+use lapin::types::ShortString;
 use serde_json::{Value, json};
 use tokio_postgres::NoTls;
 use uuid::Uuid;
@@ -52,6 +53,9 @@ struct AppState {
     routing_key: String,
     /// `PUBLISH_LATENCY_HEADER`: what the API publishes carries `x-published-ms`.
     latency_header: bool,
+    /// `MAX_MESSAGE_BYTES`: a larger body is what the pipeline refuses unread, so the API
+    /// refuses it with 422 instead of publishing it to be parked.
+    max_message_bytes: usize,
 }
 
 /// A running API server.
@@ -91,6 +95,7 @@ pub async fn serve(settings: &Settings, pool: Pool) -> anyhow::Result<Api> {
         exchange: settings.main_exchange.clone(),
         routing_key: settings.main_queue.clone(),
         latency_header: settings.publish_latency_header,
+        max_message_bytes: settings.max_message_bytes,
     });
     let server = HttpServer::new(move || {
         App::new()
@@ -407,7 +412,11 @@ async fn accept(state: &AppState, user: User, trace: Option<&str>) -> HttpRespon
 
 /// Publishes `user` (message id = its id) and answers 200 once the broker confirmed it.
 async fn publish(state: &AppState, user: &User, trace: Option<&str>) -> HttpResponse {
-    let id = user.id.to_string();
+    let id = match crate::amqp::headers::short(user.id.to_string()) {
+        Ok(id) => id,
+        // A UUID is 36 bytes: never, but an answer rather than a panic.
+        Err(e) => return error(StatusCode::INTERNAL_SERVER_ERROR, format!("id: {e}")),
+    };
     let body = match serde_json::to_vec(user) {
         Ok(b) => b,
         Err(e) => return error(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()),
@@ -416,23 +425,45 @@ async fn publish(state: &AppState, user: &User, trace: Option<&str>) -> HttpResp
         state,
         &state.exchange,
         &state.routing_key,
-        &id,
+        id,
         body.into(),
         trace,
     )
     .await
 }
 
+/// Why the pipeline would refuse `body` before reading it (`MAX_MESSAGE_BYTES`, as
+/// `pipeline::processor` words it), as the 422 to send.
+fn oversized(state: &AppState, body: &[u8]) -> Option<HttpResponse> {
+    (body.len() > state.max_message_bytes).then(|| {
+        HttpResponse::UnprocessableEntity().json(json!({
+            "error": format!(
+                "body of {} bytes exceeds MAX_MESSAGE_BYTES ({})",
+                body.len(),
+                state.max_message_bytes
+            ),
+            "kind": crate::domain::ErrorKind::InvalidPayload.as_str(),
+        }))
+    })
+}
+
 /// Publishes `body` under message id `id` to `exchange` with `routing_key`, and answers 200
-/// (`{"id": id}`) once the broker confirmed it, 503 when it cannot.
+/// (`{"id": id}`) once the broker confirmed it, 503 when it cannot. What the pipeline or the link
+/// would refuse is a 422 and is not published: a body over `MAX_MESSAGE_BYTES`, properties over
+/// the link's frame (`unpublishable`; the API's own properties are bounded: a message id of at
+/// most 255 bytes, a `traceparent` of at most 512, so this is a guard, not a path).
 async fn publish_body(
     state: &AppState,
     exchange: &str,
     routing_key: &str,
-    id: &str,
+    id: ShortString,
     body: bytes::Bytes,
     trace: Option<&str>,
 ) -> HttpResponse {
+    if let Some(refused) = oversized(state, &body) {
+        return refused;
+    }
+    let shown = id.as_str().to_string();
     let publish = Publish {
         exchange: exchange.to_string(),
         routing_key: routing_key.to_string(),
@@ -447,7 +478,11 @@ async fn publish_body(
         Err(_) => Err(AmqpError::ConfirmTimeout(Duration::from_secs(10))),
     };
     match result {
-        Ok(()) => HttpResponse::Ok().json(json!({"id": id})),
+        Ok(()) => HttpResponse::Ok().json(json!({"id": shown})),
+        Err(e @ AmqpError::Unpublishable(_)) => HttpResponse::UnprocessableEntity().json(json!({
+            "error": e.to_string(),
+            "kind": crate::domain::ErrorKind::Unpublishable.as_str(),
+        })),
         Err(e @ AmqpError::Unroutable { .. }) => error(
             StatusCode::SERVICE_UNAVAILABLE,
             format!("{e}; run `warren declare` to create the topology"),
@@ -460,9 +495,10 @@ async fn publish_body(
     }
 }
 
-/// The request's W3C `traceparent` header, when it holds one valid value: set on the message the
-/// request publishes. An invalid one is ignored, as the Trace Context specification asks (the
-/// request is not refused over it).
+/// The request's W3C `traceparent` header, when it holds one valid value of at most
+/// [`crate::amqp::headers::TRACEPARENT_MAX`] bytes: set on the message the request publishes. An
+/// invalid or longer one is ignored, as the Trace Context specification lets a vendor do (the
+/// request is neither refused nor failed over a client's own header).
 pub(crate) fn trace(req: &HttpRequest) -> Option<String> {
     let mut values = req.headers().get_all(crate::amqp::headers::TRACEPARENT);
     let value = values.next()?.to_str().ok()?.trim();

@@ -7,8 +7,11 @@
 //! request is the same message to the pipeline (the same key and content: one row).
 //!
 //! What the pipeline would refuse is refused at once (422, with the kind and reason the DLQ would
-//! carry); whether the key is already stored with other content is the pipeline's to decide
-//! (`on_conflict`), and `GET` tells it afterwards.
+//! carry: a body over `MAX_MESSAGE_BYTES`, one the mapping refuses); so is a key no message id can
+//! carry (over 255 bytes: the pipeline would store such a message from a publisher that picks
+//! its own message id, but the API's promises, one message per key and `GET` of its fate, rest
+//! on the key being the message id). Whether the key is already stored with other content is the
+//! pipeline's to decide (`on_conflict`), and `GET` tells it afterwards.
 
 use std::sync::Arc;
 
@@ -18,10 +21,13 @@ use futures::future::FutureExt;
 use serde_json::{Value, json};
 use tokio::sync::OnceCell;
 
+use lapin::types::ShortString;
+
 use super::{
-    AppState, Found, QueryError, bounded, error, parked_answer, parked_fate, publish_body,
-    read_body, trace,
+    AppState, Found, QueryError, bounded, error, oversized, parked_answer, parked_fate,
+    publish_body, read_body, trace,
 };
+use crate::amqp::headers;
 use crate::config::pipelines::PipelineConfig;
 use crate::config::{ConfigError, Settings};
 use crate::domain::mapping::{Cell, Mapping, quote};
@@ -116,20 +122,43 @@ pub fn routes(config: &mut web::ServiceConfig, api: Arc<PipelineApi>) {
     );
 }
 
-/// Checks `body` with the mapping; `Ok` is its key, `Err` the 422 to send.
-fn check(api: &PipelineApi, body: &[u8]) -> Result<String, Box<HttpResponse>> {
+/// Checks `body` as the pipeline would (its size first, unread, then the mapping) and its key as
+/// the message id it is published under; `Ok` is the key (as text, and as the message id),
+/// `Err` the 422 to send.
+fn check(
+    state: &AppState,
+    api: &PipelineApi,
+    body: &[u8],
+) -> Result<(String, ShortString), Box<HttpResponse>> {
+    if let Some(refused) = oversized(state, body) {
+        return Err(Box::new(refused));
+    }
     let row = api.mapping.decode_message(body, None).map_err(|r| {
         Box::new(HttpResponse::UnprocessableEntity().json(json!({
             "error": r.reason,
             "kind": r.kind.as_str(),
         })))
     })?;
-    api.key_of(&row).ok_or_else(|| {
+    let key = api.key_of(&row).ok_or_else(|| {
         Box::new(error(
             StatusCode::UNPROCESSABLE_ENTITY,
             format!("the key column {} is null", api.key_column),
         ))
-    })
+    })?;
+    let id = headers::short(key.as_str()).map_err(|e| {
+        Box::new(error(
+            StatusCode::UNPROCESSABLE_ENTITY,
+            format!(
+                "key {}: at most {} bytes as a message id, found {}",
+                api.key_column,
+                headers::SHORT_MAX,
+                e.len
+            ),
+        ))
+    })?;
+    // Issue 34 item 6, "what PostgreSQL cannot store" (a value too long for its varchar(n), ...):
+    // the database probe of the row goes here, before anything is published.
+    Ok((key, id))
 }
 
 /// `POST /api/v1/<name>`: a message body, checked and published under its key.
@@ -143,14 +172,14 @@ async fn post(
         Ok(b) => b,
         Err(response) => return response,
     };
-    match check(&api, &body) {
-        Ok(key) => {
+    match check(&state, &api, &body) {
+        Ok((_, id)) => {
             let trace = trace(&req);
             publish_body(
                 &state,
                 &api.exchange,
                 &api.routing_key,
-                &key,
+                id,
                 body.freeze(),
                 trace.as_deref(),
             )
@@ -172,20 +201,20 @@ async fn put(
         Ok(b) => b,
         Err(response) => return response,
     };
-    match check(&api, &body) {
-        Ok(key) if api.same_key(&key, &path) => {
+    match check(&state, &api, &body) {
+        Ok((key, id)) if api.same_key(&key, &path) => {
             let trace = trace(&req);
             publish_body(
                 &state,
                 &api.exchange,
                 &api.routing_key,
-                &key,
+                id,
                 body.freeze(),
                 trace.as_deref(),
             )
             .await
         }
-        Ok(key) => error(
+        Ok((key, _)) => error(
             StatusCode::UNPROCESSABLE_ENTITY,
             format!(
                 "the body's key {} ({key:?}) must be the one in the path ({:?})",

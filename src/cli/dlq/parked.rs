@@ -130,10 +130,11 @@ pub fn replay_headers(json: &serde_json::Value) -> Result<FieldTable, String> {
                 if name.starts_with("x-error-") || name == X_DLQ_ATTEMPTS {
                     continue;
                 }
-                let key = ShortString::try_new(name.as_str()).map_err(|_| {
+                let key = headers::short(name.as_str()).map_err(|e| {
                     format!(
-                        "header name of {} bytes is longer than AMQP allows (255)",
-                        name.len()
+                        "header name of {} bytes is longer than AMQP allows ({})",
+                        e.len,
+                        headers::SHORT_MAX
                     )
                 })?;
                 let value =
@@ -162,17 +163,18 @@ pub(super) fn parked_properties(
     message_id: Option<&str>,
     headers_json: &serde_json::Value,
 ) -> Result<BasicProperties, String> {
-    let base = match message_id {
-        Some(id) if ShortString::try_new(id).is_err() => {
+    let base = match message_id.map(headers::short) {
+        Some(Err(e)) => {
             return Err(format!(
-                "message_id of {} bytes is longer than AMQP allows (255)",
-                id.len()
+                "message_id of {} bytes is longer than AMQP allows ({})",
+                e.len,
+                headers::SHORT_MAX
             ));
         }
         // Its headers are the parked ones (below), never a new latency header.
         // With the content type, unlike a fresh message: a replay always carries a header table
         // (x-retries), so its properties pass 64 bytes anyway (`json_properties`).
-        Some(id) => json_properties(id, false).with_content_type("application/json".into()),
+        Some(Ok(id)) => json_properties(id, false).with_content_type("application/json".into()),
         None => BasicProperties::default()
             .with_delivery_mode(2)
             .with_content_type("application/json".into())
