@@ -143,6 +143,7 @@ async fn a_key_no_message_id_can_carry_is_refused_422_and_the_api_answers_on() {
     let env = TestEnv::new("bounds_key").await;
     let names = PipelineNames::of(&env, "bounds");
     let _cleanup = names.cleanup();
+    let _redis = RedisCleanup::new(&env);
     let dir = tempfile::tempdir().expect("temp dir");
     let file = bounds_pipeline(&env, &names, &dir).await;
     let warren = env.start(&["--config", &file, "--roles", "consumer,dlq,api"]);
@@ -198,6 +199,7 @@ async fn a_body_over_max_message_bytes_is_refused_422_and_not_published() {
     env.set("MAX_MESSAGE_BYTES", "32768");
     let names = PipelineNames::of(&env, "bounds");
     let _cleanup = names.cleanup();
+    let _redis = RedisCleanup::new(&env);
     let dir = tempfile::tempdir().expect("temp dir");
     let file = bounds_pipeline(&env, &names, &dir).await;
     let warren = env.start(&["--config", &file, "--roles", "consumer,dlq,api"]);
@@ -249,6 +251,7 @@ async fn a_long_traceparent_never_makes_the_api_answer_503() {
     let env = TestEnv::new("bounds_trace").await;
     let names = PipelineNames::of(&env, "bounds");
     let _cleanup = names.cleanup();
+    let _redis = RedisCleanup::new(&env);
     let dir = tempfile::tempdir().expect("temp dir");
     let file = bounds_pipeline(&env, &names, &dir).await;
     let warren = env.start(&["--config", &file, "--roles", "consumer,dlq,api"]);
