@@ -1,5 +1,6 @@
 //! The database: rows of the env's `users` table (`count_rows`, `row_ids`,
-//! `assert_rows_exactly`), fault injection through triggers (`install_fault` with
+//! `assert_rows_exactly`), any count or set of ids (`count_of`, `uuids_of`, `assert_same_ids`),
+//! fault injection through triggers (`install_fault` with
 //! `CountAttempts`, `set_fault_sqlstate`, `clear_fault`, `track_attempts`, `attempts`,
 //! `install_poison_trigger`), `InsertLock`, which holds warren's batch inserts, and
 //! `terminate_backends`, which kills chosen warren connections as superuser.
@@ -22,30 +23,78 @@ use super::env::{TestEnv, database_url};
 use super::wait::wait_until;
 
 impl TestEnv {
-    /// Rows in this test's `users` table.
+    /// Rows in this test's `users` table. A failed query panics with the query and the error: an
+    /// error is never read as 0 (it made every `count_rows() == 0` pass when the query failed).
     pub async fn count_rows(&self) -> i64 {
-        self.db
-            .query_one("SELECT count(*) FROM users", &[])
-            .await
-            .map(|r| r.get(0))
-            .unwrap_or(0)
+        count_of(self, "SELECT count(*) FROM users").await
     }
 
     /// Every id in `users`.
     pub async fn row_ids(&self) -> HashSet<Uuid> {
-        self.db
-            .query("SELECT id FROM users", &[])
+        uuids_of(self, "SELECT id FROM users")
             .await
-            .expect("select ids")
-            .iter()
-            .map(|r| r.get(0))
+            .into_iter()
             .collect()
     }
 }
 
+/// The count `sql` answers (one row, one `int8` column, as `SELECT count(*) ...`), asked in the
+/// env's schema. Panics with the query and the error when it fails: never 0 on error.
+pub async fn count_of(env: &TestEnv, sql: &str) -> i64 {
+    match env.db.query_one(sql, &[]).await {
+        Ok(row) => row
+            .try_get(0)
+            .unwrap_or_else(|e| panic!("{sql}: the answer is no int8 count: {e}")),
+        Err(e) => panic!("{sql}: {e:?}"),
+    }
+}
+
+/// The uuids of the first column of `sql`'s rows, in the order they come (a duplicate stays
+/// one). Panics with the query and the error when it fails.
+pub async fn uuids_of(env: &TestEnv, sql: &str) -> Vec<Uuid> {
+    env.db
+        .query(sql, &[])
+        .await
+        .unwrap_or_else(|e| panic!("{sql}: {e:?}"))
+        .iter()
+        .map(|r| {
+            r.try_get(0)
+                .unwrap_or_else(|e| panic!("{sql}: the first column is no uuid: {e}"))
+        })
+        .collect()
+}
+
+/// Asserts that the ids `stored` in `what` are the `expected` ones, naming (up to 20 of) the
+/// missing ones and the extra ones, and the duplicates when `stored` holds an id twice.
+pub fn assert_same_ids(what: &str, expected: &HashSet<Uuid>, stored: &[Uuid]) {
+    let set: HashSet<Uuid> = stored.iter().copied().collect();
+    let sample = |ids: Vec<&Uuid>| -> String {
+        let n = ids.len();
+        let shown: Vec<String> = ids.iter().take(20).map(|id| id.to_string()).collect();
+        format!(
+            "{n}: {}{}",
+            shown.join(", "),
+            if n > 20 { ", ..." } else { "" }
+        )
+    };
+    let missing: Vec<&Uuid> = expected.difference(&set).collect();
+    let extra: Vec<&Uuid> = set.difference(expected).collect();
+    let mut seen = HashSet::new();
+    let twice: Vec<&Uuid> = stored.iter().filter(|id| !seen.insert(**id)).collect();
+    assert!(
+        missing.is_empty() && extra.is_empty() && twice.is_empty(),
+        "{what}: {} ids stored for {} expected; missing {}; extra {}; stored twice {}",
+        stored.len(),
+        expected.len(),
+        sample(missing),
+        sample(extra),
+        sample(twice),
+    );
+}
+
 /// Waits (at most `timeout`) until `users` holds as many rows as `expected` has ids, then
-/// asserts that it holds exactly those: no more rows, and the same ids. `logs` (warren's) are
-/// shown when the count is off.
+/// asserts that it holds exactly those: no more rows, and the same ids (the missing and extra
+/// ones named). `logs` (warren's) are shown when the count is off.
 pub async fn assert_rows_exactly(
     env: &TestEnv,
     expected: &HashSet<Uuid>,
@@ -58,7 +107,11 @@ pub async fn assert_rows_exactly(
     })
     .await;
     assert_eq!(env.count_rows().await, n, "log:\n{}", logs());
-    assert!(env.row_ids().await == *expected, "the ids differ");
+    assert_same_ids(
+        "users",
+        expected,
+        &uuids_of(env, "SELECT id FROM users").await,
+    );
 }
 
 /// Whether [`install_fault`] also counts the insert attempts of tracked ids.
@@ -228,7 +281,7 @@ impl InsertLock {
                     )
                     .await
                     .map(|r| r.get::<_, i64>(0) > 0)
-                    .unwrap_or(false)
+                    .unwrap_or_else(|e| panic!("pg_blocking_pids: {e:?}"))
             },
         )
         .await;
