@@ -165,8 +165,10 @@ pub async fn scrape_text(env: &TestEnv) -> Result<String, String> {
     .expect("metrics task")
 }
 
-/// The sum of the samples of `name` whose labels include every `(label, value)` of `labels`;
-/// 0 when the series does not exist yet. Panics if the endpoint does not answer.
+/// The sum of the samples of `name` whose labels include every `(label, value)` of `labels`.
+/// A series absent from an answering `/metrics` is 0 (a counter never incremented has no
+/// series yet); a `/metrics` that does not answer panics: it is never read as 0. Use it for
+/// "this never happened" (`metric(..) == 0.0`), never `try_metric(..).unwrap_or(0.0)`.
 pub async fn metric(env: &TestEnv, name: &str, labels: &[(&str, &str)]) -> f64 {
     let text = scrape_text(env)
         .await
@@ -174,7 +176,9 @@ pub async fn metric(env: &TestEnv, name: &str, labels: &[(&str, &str)]) -> f64 {
     Scrape::parse(text).sum(name, labels)
 }
 
-/// Like [`metric`], but `None` when no sample matches or the endpoint does not answer.
+/// Like [`metric`], but `None` when no sample matches or the endpoint does not answer: for
+/// polling (`wait_until(.., try_metric(..) == Some(1.0))`), never for a check that something
+/// is 0 (`None` would pass it when nothing answers; use [`metric`]).
 pub async fn try_metric(env: &TestEnv, name: &str, labels: &[(&str, &str)]) -> Option<f64> {
     let scrape = Scrape::parse(scrape_text(env).await.ok()?);
     let values: Vec<f64> = scrape.matching(name, labels).map(|s| s.value).collect();
@@ -182,13 +186,27 @@ pub async fn try_metric(env: &TestEnv, name: &str, labels: &[(&str, &str)]) -> O
 }
 
 /// `basic.ack` frames sent and batches inserted by the users stage (`main`) so far: about one
-/// ack a batch on the happy path (multi-acks), far more when acks go one by one.
+/// ack a batch on the happy path (multi-acks), far more when acks go one by one. Panics when
+/// `/metrics` does not answer or either series is absent (a renamed metric read as 0 acks
+/// would pass every `acks <= k * batches`).
 pub async fn acks_and_batches(env: &TestEnv) -> (f64, f64) {
-    let of = |name| try_metric(env, name, &[("pipeline", "main")]);
-    (
-        of("warren_amqp_acks_total").await.unwrap_or(0.0),
-        of("warren_batch_size_count").await.unwrap_or(0.0),
-    )
+    let text = scrape_text(env)
+        .await
+        .unwrap_or_else(|e| panic!("metrics endpoint: {e}"));
+    let scrape = Scrape::parse(text);
+    let of = |name: &str| {
+        let found: Vec<f64> = scrape
+            .matching(name, &[("pipeline", "main")])
+            .map(|s| s.value)
+            .collect();
+        assert!(
+            !found.is_empty(),
+            "no {name}{{pipeline=\"main\"}} in /metrics:\n{}",
+            scrape.text
+        );
+        found.iter().sum::<f64>()
+    };
+    (of("warren_amqp_acks_total"), of("warren_batch_size_count"))
 }
 
 /// Waits until `/metrics` answers and `condition` holds on its scrape; returns that scrape.
