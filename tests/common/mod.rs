@@ -16,19 +16,22 @@
 //! - `messages`: bodies and properties (`user_body`, `json_props`, `with_header`, `long_string`,
 //!   `dead_letter_props`) and reading them back (`header`, `as_int`, `int_header`,
 //!   `strict_int_header`, `text_header`, `message_id`, `message_uuid`).
-//! - `db`: rows (`count_rows`, `row_ids`, `assert_rows_exactly`), fault injection through
-//!   triggers (`install_fault` with `CountAttempts`, `set_fault_sqlstate`, `clear_fault`,
-//!   `track_attempts`, `attempts`, `install_poison_trigger`), `InsertLock`, which holds warren's
-//!   batch inserts, and `terminate_backends`.
+//! - `db`: rows (`count_rows`, `row_ids`, `assert_rows_exactly`), any count or set of ids
+//!   (`count_of`, `uuids_of`, `assert_same_ids`; a failed query panics, never reads as 0),
+//!   fault injection through triggers (`install_fault` with `CountAttempts`,
+//!   `set_fault_sqlstate`, `clear_fault`, `track_attempts`, `attempts`,
+//!   `install_poison_trigger`), `InsertLock`, which holds warren's batch inserts, and
+//!   `terminate_backends`.
 //! - `redis`: `RedisCleanup`, `try_redis_query`, `redis_query`, and the instance registry
 //!   (`instance_key`, `instance`, `shutdowns`).
 //! - `proxy`: `TcpProxy`, which cuts, restores, freezes and thaws one warren's link to a server.
 //! - `metrics`: the `/metrics` scrape (`scrape_text`, `Scrape`, `wait_scrape`) and single values
-//!   (`metric`, `try_metric`).
+//!   (`metric`: an absent series is 0, no answer panics; `try_metric`, for polling only).
 //! - `http`: `http_base`, `http_agent` and `http`, one request to the env's API.
 //! - `pipelines`: `PipelineNames` and `PipelineCleanup` for configured pipelines, `tail`.
-//! - `wait`: `wait_until`. Wait on conditions, never on fixed sleeps; to prove that something
-//!   did not happen, publish a sentinel after it and wait for the sentinel.
+//! - `wait`: `wait_until`, `wait_queues_settled`. Wait on conditions, never on fixed sleeps; to
+//!   prove that something did not happen, publish a sentinel after it and wait for the sentinel
+//!   (then for the queues to be settled).
 //! - `ops` (by path, `common::ops::...`): promtool, a real Prometheus, warren under
 //!   memory-deny-write-execute.
 //! - `raw_amqp` (by path): a frame-by-frame AMQP publisher for what no client library sends.
