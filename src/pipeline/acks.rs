@@ -12,6 +12,10 @@
 //! deliveries behind it are acked one by one (`basic.ack multiple=false`). On the happy path
 //! (batches commit within milliseconds, at most `batchers - 1` batches ahead of the front)
 //! neither happens and the acks stay ordered multi-acks.
+//!
+//! A resubscription (a new window, a resume, the byte budget) never waits for a held front: the
+//! next subscription on the same channel starts once the cancelled one's stream ended, so its
+//! deliveries come behind the held one in tag order, and are acked behind it the same way.
 
 use std::collections::VecDeque;
 

@@ -12,8 +12,15 @@
 //! cannot outlive the link it belonged to.
 //!
 //! Subscribing (`basic.consume`) has one path, [`Consumer::maybe_subscribe`], taken only when
-//! nothing holds the pipeline (breaker, operator) and the previous window is fully settled: a
-//! hold survives a reconnect, and warren never has more than one prefetch window in memory.
+//! nothing holds the pipeline (breaker, operator): a hold survives a reconnect. It never waits for
+//! the previous window to settle: a delivery held unsettled (a message waiting out its requeue
+//! backoff, a batch retried in place) would hold every message behind it for as long. The new
+//! subscription takes its window at once (`basic.qos`, per consumer, before `basic.consume`);
+//! what the earlier subscriptions delivered stays unacked on the same channel and is acked there
+//! as it settles (delivery tags are per channel; a per-consumer prefetch counts only the deliveries
+//! of the consumer it was set for). Bounds: a new subscription begins only while what earlier ones
+//! still hold is at most its window (so at most two windows are in flight) and under the byte
+//! budget, which counts every delivery held, whichever subscription or link brought it.
 //!
 //! Rate limiting (`RATE_LIMIT_PER_S`, `warren ctl rate`) goes through `throttle.rs`; a timer
 //! (`run_later`) releases what it holds. A stopping consumer hands everything held onwards at
@@ -22,12 +29,13 @@
 //! Bytes, not only counts: the prefetch window bounds how many deliveries are in flight, not
 //! their size. A delivery holds its body and its properties as parsed (a header table can take
 //! some 30 times its wire size: `headers::parsed_bytes`). Once what is in flight reaches
-//! `MAX_INFLIGHT_BYTES` the consumer cancels its subscription, lets what it holds settle, and
-//! subscribes again with a window cut to what the budget holds of the largest delivery it saw
-//! (`basic.qos` before `basic.consume`); after two such windows of small deliveries it grows
-//! back to the prefetch the same way. What overshoots the budget is at most what the broker
-//! pushed before the cancel: one window of deliveries, each body at most the broker's
-//! `max_message_size` and each content header at most its `frame_max`.
+//! `MAX_INFLIGHT_BYTES` the consumer cancels its subscription, lets what it holds settle back
+//! under the budget, and subscribes again with a window cut to what the budget holds of the
+//! largest delivery it saw (`basic.qos` before `basic.consume`); after two such windows of small
+//! deliveries it grows back to the prefetch the same way. The budget counts everything in flight,
+//! so what overshoots it is at most what the broker pushed before the cancel: one window of
+//! deliveries, each body at most the broker's `max_message_size` and each content header at most
+//! its `frame_max`.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -84,8 +92,9 @@ pub struct Close;
 pub struct SetProcessors(pub Vec<Feed>);
 
 /// Fill `batchers` batchers (batch inserts in flight) from now on, with a prefetch window of at
-/// most `prefetch` (balancing). A subscription whose window differs is cancelled; the next one,
-/// once what is in flight settled, takes the new window (`basic.qos` before `basic.consume`).
+/// most `prefetch` (balancing). A subscription whose window differs is cancelled; the next one
+/// takes the new window as soon as the cancel is answered (`basic.qos` before `basic.consume`),
+/// without waiting for what is in flight to settle.
 #[derive(Debug, Message)]
 #[rtype(result = "()")]
 pub struct SetConcurrency {
@@ -189,7 +198,7 @@ struct Linked {
 /// The subscription (`basic.consume`) of a link.
 #[derive(Debug, PartialEq, Eq)]
 enum Subscription {
-    /// Not consuming: held, settling a window before the next one, or stopping.
+    /// Not consuming: held, past the byte budget, or stopping.
     None,
     /// A `basic.consume` is under way.
     Pending,
@@ -238,7 +247,8 @@ pub struct Consumer {
     /// The frame limit the link proposes: AMQP_URL's, or the broker's once a delivery's content
     /// header was larger than AMQP_URL's (the link died over it; it would die again).
     frames: amqp::Frames,
-    /// Delivered but not yet settled, over all generations (drain waits for 0).
+    /// Delivered but not yet settled, over all subscriptions and generations (drain waits for
+    /// 0; a new subscription for it to be at most its window).
     inflight: usize,
     /// The bytes those deliveries hold (bodies and parsed properties).
     inflight_bytes: u64,
@@ -338,6 +348,16 @@ impl Consumer {
             Subscription::Cancelling(_, since) if since.elapsed() > self.settings.connect_timeout()))
     }
 
+    /// As many deliveries in flight as the subscription's window (or no link): the broker has
+    /// a reason to send nothing. Settled deliveries whose acks wait behind a held front are
+    /// released within a watchdog tick (`acks.rs`), long before the idle watchdog decides.
+    fn window_full(&self) -> bool {
+        match &self.link {
+            Link::Up(linked) => self.inflight >= usize::from(linked.window),
+            _ => true,
+        }
+    }
+
     /// Consuming: the link is up with a subscription.
     fn consuming(&self) -> bool {
         matches!(&self.link, Link::Up(l) if matches!(l.subscription, Subscription::Active(_)))
@@ -397,13 +417,17 @@ impl Consumer {
     }
 
     /// Subscribes (`basic.consume`) when nothing holds the pipeline, the link is up without a
-    /// subscription (none under way), and every delivery of the previous window is settled: one
-    /// window at a time.
+    /// subscription (none under way, none cancelled whose stream has not ended), and what the
+    /// earlier subscriptions still hold leaves room (see [`Consumer::room_for`]). It never waits
+    /// for them to settle: a held delivery would hold every message behind it.
     fn maybe_subscribe(&mut self, ctx: &mut Context<Self>) {
-        if self.phase != Phase::Running || !self.holds.is_empty() || self.inflight > 0 {
+        if self.phase != Phase::Running || !self.holds.is_empty() {
             return;
         }
         let window = self.wanted_window();
+        if !self.room_for(window) {
+            return;
+        }
         let pipeline = self.config.pipeline;
         let (prefetch, largest) = (self.config.prefetch, self.largest);
         let max_inflight_bytes = self.config.max_inflight_bytes;
@@ -557,6 +581,16 @@ impl Consumer {
         }
     }
 
+    /// Whether a subscription with `window` may begin beside what is in flight (all of it from
+    /// earlier subscriptions or links: none is active): at most `window` deliveries, so that the
+    /// deliveries in flight stay within two windows however often the window changes while some
+    /// are held, and under the byte budget, which counts every delivery held (past it, nothing
+    /// more is taken until enough settles). A single held delivery never stops it, unless it
+    /// alone fills the byte budget.
+    fn room_for(&self, window: u16) -> bool {
+        self.inflight <= usize::from(window) && self.inflight_bytes < self.config.max_inflight_bytes
+    }
+
     /// The window the next subscription takes: the prefetch, cut to what the byte budget holds
     /// of the largest delivery seen during the current one if that was larger than any accepted
     /// body (at least 1).
@@ -571,9 +605,10 @@ impl Consumer {
         (fits as u16).min(self.config.prefetch.max(1))
     }
 
-    /// Past the byte budget: no more deliveries until what is in flight settles, then a smaller
-    /// window. A cut window that saw two windows' worth of small bodies grows back the same way.
-    /// Either way the subscription is cancelled, so this runs once per subscription.
+    /// Past the byte budget: no more deliveries until what is in flight settles back under it,
+    /// then a smaller window. A cut window that saw two windows' worth of small bodies grows
+    /// back the same way. Either way the subscription is cancelled, so this runs once per
+    /// subscription.
     fn check_budget(&mut self) {
         if self.phase != Phase::Running || !self.consuming() {
             return;
@@ -589,8 +624,8 @@ impl Consumer {
                 max_inflight_bytes = self.config.max_inflight_bytes,
                 largest_delivery = self.largest,
                 "the deliveries in flight (bodies and parsed properties) reached \
-                 MAX_INFLIGHT_BYTES; no new deliveries until they settle, then a smaller prefetch \
-                 window"
+                 MAX_INFLIGHT_BYTES; no new deliveries until they settle under it, then a smaller \
+                 prefetch window"
             );
         } else if window < self.config.prefetch
             && self.since_subscribe >= 2 * u64::from(window)
@@ -636,11 +671,8 @@ impl Consumer {
         if !ready.is_empty() {
             self.hand_on(ready);
         }
-        if !self.throttle.is_empty() {
-            return;
-        }
-        if self.inflight == 0 {
-            self.maybe_subscribe(ctx);
+        self.maybe_subscribe(ctx);
+        if self.throttle.is_empty() && self.inflight == 0 {
             self.maybe_finish(ctx);
         }
     }
@@ -655,8 +687,9 @@ impl Consumer {
     }
 
     /// A subscription whose window is not the one wanted (the concurrency changed) is
-    /// cancelled, and the next one takes the new window once what is in flight settled.
-    fn follow_window(&mut self, ctx: &mut Context<Self>) {
+    /// cancelled, and the next one takes the new window once the cancel is answered (its
+    /// stream ended), whatever is still in flight.
+    fn follow_window(&mut self) {
         let wanted = self.wanted_window();
         if self.phase != Phase::Running
             || !matches!(&self.link, Link::Up(l) if l.window != wanted
@@ -667,15 +700,14 @@ impl Consumer {
         info!(
             pipeline = self.config.pipeline,
             window = wanted,
-            "the prefetch window follows the concurrency: resubscribing once what is in flight \
-             settles"
+            inflight = self.inflight,
+            "the prefetch window follows the concurrency: resubscribing"
         );
         self.unsubscribe();
-        // What the batchers hold goes at once: the next window waits for it to settle.
+        // What the batchers hold goes at once: nothing more arrives until the cancel is
+        // answered, and a window shrunk below what is in flight waits for some of it to settle.
         self.dispatch.flush_all();
-        if self.inflight == 0 && self.throttle.is_empty() {
-            self.maybe_subscribe(ctx);
-        }
+        // The stream's end (`Event::Ended`) subscribes again.
     }
 
     /// Cancels the subscription (deliveries in flight still settle on the open channel).
@@ -726,8 +758,9 @@ impl Consumer {
         ctx.add_stream(stream);
     }
 
-    /// The idle watchdog, once per tick: nothing delivered for 15 ticks, nothing in flight,
-    /// yet the queue holds messages -> the consumer is silently dead; rebuild it.
+    /// The idle watchdog, once per tick: nothing delivered for 15 ticks, room in the window,
+    /// yet the queue holds messages -> the consumer is silently dead; rebuild it. (Room, not
+    /// nothing in flight: a delivery held for minutes must not hide a dead subscription.)
     fn check_idle(&mut self, ctx: &mut Context<Self>) {
         const IDLE_TICKS: u32 = 15;
         if self.received != self.idle.0 {
@@ -738,7 +771,7 @@ impl Consumer {
         if self.idle.1 < IDLE_TICKS
             || self.phase != Phase::Running
             || !self.holds.is_empty()
-            || self.inflight > 0
+            || self.window_full()
             || !self.consuming()
         {
             return;
@@ -1016,9 +1049,8 @@ impl Handler<Settle> for Consumer {
                 "settlement for a closed channel dropped; the broker redelivers those messages"
             );
         }
-        if self.inflight == 0 {
-            self.maybe_subscribe(ctx);
-        }
+        // Whatever is still held: a new subscription waits only for room (`room_for`).
+        self.maybe_subscribe(ctx);
         self.maybe_finish(ctx);
     }
 }
@@ -1111,7 +1143,7 @@ impl Handler<Hold> for Consumer {
             self.unsubscribe();
         } else if !held && was_held && self.phase == Phase::Running {
             info!(pipeline = self.config.pipeline, reason = ?msg.reason, inflight = self.inflight,
-                "resuming deliveries once the last window is settled");
+                "resuming deliveries");
             if self.open_channel().is_some() {
                 self.maybe_subscribe(ctx);
             } else if !self.connecting() {
@@ -1164,7 +1196,7 @@ impl Handler<Subscribed> for Consumer {
                 if !self.holds.is_empty() {
                     self.unsubscribe();
                 } else {
-                    self.follow_window(ctx);
+                    self.follow_window();
                 }
             }
             Err(e) => {
@@ -1182,7 +1214,7 @@ impl Handler<Stuck> for Consumer {
     type Result = ();
 
     fn handle(&mut self, msg: Stuck, ctx: &mut Self::Context) {
-        if msg.generation != self.generation || self.phase != Phase::Running || self.inflight > 0 {
+        if msg.generation != self.generation || self.phase != Phase::Running || self.window_full() {
             return;
         }
         warn!(pipeline = self.config.pipeline, queue = %self.config.queue, ready = msg.ready,
@@ -1208,7 +1240,7 @@ impl Handler<SetProcessors> for Consumer {
 impl Handler<SetConcurrency> for Consumer {
     type Result = ();
 
-    fn handle(&mut self, msg: SetConcurrency, ctx: &mut Self::Context) {
+    fn handle(&mut self, msg: SetConcurrency, _: &mut Self::Context) {
         let before = self.dispatch.batchers();
         let batchers = self.dispatch.set_batchers(msg.batchers);
         // More batches may now commit ahead of the oldest; the window may stay as it is (the
@@ -1226,7 +1258,7 @@ impl Handler<SetConcurrency> for Consumer {
             pipeline = self.config.pipeline,
             batchers, window, "concurrency set"
         );
-        self.follow_window(ctx);
+        self.follow_window();
     }
 }
 
