@@ -175,7 +175,11 @@ async fn an_orders_pipeline_runs_beside_users_and_keeps_its_own_paths() {
         BasicProperties::default(),
     )
     .await;
-    tokio::time::sleep(Duration::from_millis(500)).await;
+    // The order holding R-1 stored before the one that clashes with it is published.
+    wait_until("the order holding R-1", Duration::from_secs(30), || async {
+        uuids_of(&env, "SELECT order_id FROM orders WHERE ref = 'R-1'").await == [taken]
+    })
+    .await;
     for (body, _, _) in &bad {
         env.publish_to(
             &names.exchange,
@@ -186,15 +190,7 @@ async fn an_orders_pipeline_runs_beside_users_and_keeps_its_own_paths() {
         .await;
     }
 
-    let count = |sql: &'static str| {
-        let db = &env.db;
-        async move {
-            db.query_one(sql, &[])
-                .await
-                .map(|r| r.get::<_, i64>(0))
-                .unwrap_or(-1)
-        }
-    };
+    let count = |sql: &'static str| count_of(&env, sql);
     wait_until(
         "41 orders, 20 users, 7 parked under orders",
         Duration::from_secs(60),
@@ -409,11 +405,7 @@ async fn run_pipelines_chooses_which_pipelines_run() {
     }
     env.publish_users(5).await;
     wait_until("5 orders", Duration::from_secs(30), || async {
-        env.db
-            .query_one("SELECT count(*) FROM orders", &[])
-            .await
-            .map(|r| r.get::<_, i64>(0) == 5)
-            .unwrap_or(false)
+        count_of(&env, "SELECT count(*) FROM orders").await == 5
     })
     .await;
     assert_eq!(
@@ -646,8 +638,28 @@ async fn an_orders_api_checks_publishes_and_reads_back() {
         || async { env.row_ids().await.contains(&user) },
     )
     .await;
-    tokio::time::sleep(Duration::from_secs(2)).await;
-    assert_eq!(env.queue_state(&names.queue).await.0, 1, "the order waits");
+    // Paused is the consumer cancelled: once orders' queue has no consumer, nothing can take
+    // the order any more, and it must still be there (not delivered before the cancel).
+    wait_until(
+        "orders' consumer cancelled",
+        Duration::from_secs(10),
+        || async { env.queue_state(&names.queue).await.1 == 0 },
+    )
+    .await;
+    assert_eq!(
+        env.queue_state(&names.queue).await,
+        (1, 0),
+        "the order waits"
+    );
+    assert_eq!(
+        count_of(
+            &env,
+            &format!("SELECT count(*) FROM orders WHERE order_id = '{held}'")
+        )
+        .await,
+        0,
+        "the held order stored while orders was paused"
+    );
     wait_until(
         "status shows orders paused",
         Duration::from_secs(10),
@@ -672,11 +684,12 @@ async fn an_orders_api_checks_publishes_and_reads_back() {
         "the held order inserted",
         Duration::from_secs(30),
         || async {
-            env.db
-                .query_one("SELECT count(*) FROM orders WHERE order_id = $1", &[&held])
-                .await
-                .map(|r| r.get::<_, i64>(0) == 1)
-                .unwrap_or(false)
+            count_of(
+                &env,
+                &format!("SELECT count(*) FROM orders WHERE order_id = '{held}'"),
+            )
+            .await
+                == 1
         },
     )
     .await;
@@ -718,15 +731,7 @@ async fn an_exclusion_constraint_refuses_one_row_not_its_batch() {
     assert_eq!(code, 0, "declare:\n{out}{err}");
     let warren = env.start(&["--config", &file, "--roles", "consumer,dlq"]);
     let _logs = LogsOnPanic(vec![warren.log.clone()]);
-    let count = |sql: &'static str| {
-        let db = &env.db;
-        async move {
-            db.query_one(sql, &[])
-                .await
-                .map(|r| r.get::<_, i64>(0))
-                .unwrap_or(-1)
-        }
-    };
+    let count = |sql: &'static str| count_of(&env, sql);
     let props = || BasicProperties::default().with_delivery_mode(2);
     let first = Uuid::new_v4();
     let stored = order(first, "1", 1, Some("R-1"));
@@ -780,9 +785,32 @@ async fn an_exclusion_constraint_refuses_one_row_not_its_batch() {
         .expect("R-1's order")
         .get(0);
     assert_eq!(holder, first);
-    // Nothing more comes: the copy was a success, not a retry or a second parking.
-    tokio::time::sleep(Duration::from_secs(2)).await;
-    assert_eq!(count("SELECT count(*) FROM orders").await, 21);
+    // Nothing more comes: the copy was a success, not a retry or a second parking. A sentinel
+    // after it, then nothing left in flight in orders' queues (a copy sent to the retry tier
+    // would wait there, ready).
+    let sentinel = Uuid::new_v4();
+    env.publish_to(
+        &names.exchange,
+        &names.queue,
+        &order(sentinel, "2", 2, None),
+        props(),
+    )
+    .await;
+    wait_until("the sentinel order", Duration::from_secs(30), || async {
+        count_of(
+            &env,
+            &format!("SELECT count(*) FROM orders WHERE order_id = '{sentinel}'"),
+        )
+        .await
+            == 1
+    })
+    .await;
+    wait_queues_settled(
+        &[&names.queue, &names.retry, &names.dlq],
+        Duration::from_secs(30),
+    )
+    .await;
+    assert_eq!(count("SELECT count(*) FROM orders").await, 22);
     assert_eq!(
         count("SELECT count(*) FROM dead_letters").await,
         1,
