@@ -388,3 +388,90 @@ async fn narrower_columns_and_enums_take_what_postgresql_takes() {
         3
     );
 }
+
+/// Two contents of one new key in one batch (`keep`): the first delivered is stored and the
+/// second is `id_conflict`, as if they had come one at a time (the insert's order within a key
+/// follows the delivery order; a sort alone leaves ties in any order).
+#[tokio::test(flavor = "multi_thread")]
+async fn of_two_contents_of_one_key_in_a_batch_the_first_delivered_is_kept() {
+    let mut env = TestEnv::new("val_order").await;
+    env.set("DB_RETRY_WINDOW_MS", "200");
+    let n = Names::of(&env, "ord");
+    let _c = n.cleanup();
+    env.db
+        .batch_execute("CREATE TABLE ord (id int8 PRIMARY KEY, name text NOT NULL)")
+        .await
+        .expect("create ord");
+    let config = entry(
+        &n,
+        "ord",
+        "ord",
+        "id",
+        "proc_concurrency = 1",
+        (400, 3000),
+        "id = { path = \"/id\", type = \"int8\" }\nname = { path = \"/name\", type = \"text\" }",
+    );
+    let dir = tempfile::tempdir().expect("temp dir");
+    let path = dir.path().join("ord.toml");
+    std::fs::write(&path, config).expect("write the config");
+    let file = path.to_str().expect("utf-8").to_string();
+    let (code, out, err) = env.run_async(&["--config", &file, "declare"]).await;
+    assert_eq!(code, 0, "declare:\n{out}{err}");
+    // Published before warren starts, so they arrive in one batch of 400.
+    for round in ["first", "second"] {
+        for id in 0..200 {
+            let body = format!(r#"{{"id":{id},"name":"{round}-{id}"}}"#);
+            env.publish_to(
+                &n.exchange,
+                &n.queue,
+                body.as_bytes(),
+                with_id(&format!("{round}-{id}")),
+            )
+            .await;
+        }
+    }
+    let warren = env.start(&["--config", &file, "--roles", "consumer,dlq"]);
+    let _logs = LogsOnPanic(vec![warren.log.clone()]);
+    wait_until(
+        "200 rows and 200 parked",
+        Duration::from_secs(60),
+        || async {
+            count_of(&env, "SELECT count(*) FROM ord").await == 200
+                && count_of(
+                    &env,
+                    "SELECT count(*) FROM dead_letters WHERE pipeline = 'ord'",
+                )
+                .await
+                    == 200
+        },
+    )
+    .await;
+    let wrong: Vec<String> = env
+        .db
+        .query("SELECT name FROM ord WHERE name NOT LIKE 'first-%'", &[])
+        .await
+        .expect("ord")
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    assert!(
+        wrong.is_empty(),
+        "rows of the second delivery kept: {wrong:?}"
+    );
+    let parked: Vec<String> = env
+        .db
+        .query(
+            "SELECT message_id FROM dead_letters WHERE pipeline = 'ord' \
+             AND (error_kind <> 'id_conflict' OR message_id NOT LIKE 'second-%')",
+            &[],
+        )
+        .await
+        .expect("dead_letters")
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    assert!(
+        parked.is_empty(),
+        "parked other than the second deliveries as id_conflict: {parked:?}"
+    );
+}

@@ -106,7 +106,7 @@ fn probe_statements(
         format!(
             "WITH p AS ({fill}) INSERT INTO {t} AS stored ({list}) \
              SELECT DISTINCT ON ({p_keys}) {p_list} FROM p \
-             ORDER BY {p_keys}, p.{ver} DESC \
+             ORDER BY {p_keys}, p.{ver} DESC, p.{ORD} \
              {conflict} RETURNING 1",
             p_keys = p_keys.join(", "),
             p_list = p_list.join(", "),
@@ -241,7 +241,10 @@ impl Statements {
         let insert = match version {
             None => format!(
                 // In key order, as the plain insert: copies in other orders wait, not deadlock.
-                "INSERT INTO {t} ({list}) SELECT * FROM {unnest} AS v({list}) ORDER BY {keys} \
+                // Of two records of one key in a batch, the first delivered is inserted and the
+                // other compared with it, as if they had come one at a time.
+                "INSERT INTO {t} ({list}) SELECT {list} FROM {unnest} WITH ORDINALITY \
+                 AS v({list}, {ORD}) ORDER BY {keys}, {ORD} \
                  ON CONFLICT DO NOTHING \
                  RETURNING {keys}"
             ),
@@ -250,10 +253,12 @@ impl Statements {
             // reach the conflict and the statement fails with 21000, never silently: then the
             // probe's statement (`probe_upsert`) runs instead, on the converted values. Equal
             // parameters are always equal columns, so nothing is collapsed that should not be.
+            // Of equal versions of one key in a batch, the first delivered, as if one at a time.
             Some(v) => format!(
                 "INSERT INTO {t} AS stored ({list}) \
-                 SELECT DISTINCT ON ({keys}) * FROM {unnest} AS v({list}) \
-                 ORDER BY {keys}, {ver} DESC \
+                 SELECT DISTINCT ON ({keys}) {list} FROM {unnest} WITH ORDINALITY \
+                 AS v({list}, {ORD}) \
+                 ORDER BY {keys}, {ver} DESC, {ORD} \
                  {conflict} RETURNING {keys}",
                 ver = names[v],
                 conflict = on_conflict_update(&names, key, v),

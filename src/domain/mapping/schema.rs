@@ -75,7 +75,7 @@ pub fn mismatches(mapping: &Mapping, table: Option<&TableInfo>) -> Vec<String> {
             )),
             Some(t)
                 if !writable(c.ty).contains(&t.type_name.as_str())
-                    && !(t.is_enum && c.ty == ColType::Text) =>
+                    && (!t.is_enum || c.ty != ColType::Text) =>
             {
                 out.push(format!(
                     "{at}: column {} is {}; a {} mapping is written to {}",
