@@ -288,11 +288,7 @@ async fn an_unclassified_error_on_one_row_is_isolated_and_ends_parked() {
 /// Waits until `n` rows are parked; returns (message_id, kind, reason) of each.
 async fn wait_parked(env: &TestEnv, n: i64) -> Vec<(String, String, String)> {
     wait_until(&format!("{n} parked"), Duration::from_secs(60), || async {
-        env.db
-            .query_one("SELECT count(*) FROM dead_letters", &[])
-            .await
-            .map(|r| r.get::<_, i64>(0) >= n)
-            .unwrap_or(false)
+        count_of(env, "SELECT count(*) FROM dead_letters").await >= n
     })
     .await;
     env.db
@@ -517,13 +513,24 @@ async fn a_copy_of_a_stored_row_that_a_new_check_refuses_is_done_not_parked() {
     let mut expected: HashSet<Uuid> = good.iter().copied().collect();
     expected.insert(first);
     assert_rows_exactly(&env, &expected, Duration::from_secs(30), &|| warren.logs()).await;
-    tokio::time::sleep(Duration::from_secs(2)).await;
-    let parked: i64 = env
-        .db
-        .query_one("SELECT count(*) FROM dead_letters", &[])
-        .await
-        .unwrap()
-        .get(0);
+    // The copy was found stored (done), then a sentinel behind everything, then nothing in
+    // flight anywhere: a copy sent on to the DLQ or the retry tier would be counted there or
+    // parked by now.
+    warren
+        .wait_for_log(
+            "the copy found stored",
+            "a refused row is already stored as it is",
+        )
+        .await;
+    let sentinel = env.publish_users(1).await[0];
+    expected.insert(sentinel);
+    assert_rows_exactly(&env, &expected, Duration::from_secs(30), &|| warren.logs()).await;
+    wait_queues_settled(
+        &[&env.main_queue, &env.retry_queue, &env.dlq_queue],
+        Duration::from_secs(30),
+    )
+    .await;
+    let parked = count_of(&env, "SELECT count(*) FROM dead_letters").await;
     assert_eq!(parked, 1, "only the new refused message is parked");
     for q in [&env.main_queue, &env.retry_queue, &env.dlq_queue] {
         assert_eq!(env.queue_state(q).await.0, 0, "{q} not empty");
