@@ -1,5 +1,6 @@
-//! The main pipeline against the real broker and database: counts, idempotence, batch sizes and
-//! the batch timeout.
+//! The main pipeline against the real broker and database: counts, idempotence, batch sizes (a
+//! backlog goes in full batches, never more, never fewer) and the batch timeout (a lone message
+//! waits for it, and no longer).
 
 mod common;
 
@@ -54,23 +55,32 @@ async fn batches_respect_the_size_and_a_lone_message_the_timeout() {
     env.set("USERS_BATCH_SIZE", "100")
         .set("USERS_BATCH_TIMEOUT_MS", "300");
     env.declare();
-    // Rows of one INSERT share their transaction timestamp: group by it to see the batches.
-    env.publish_users(1_000).await;
+    // Rows of one batch share the INSERT's transaction (`xmin`): group by it to see the batches.
+    let ids = env.publish_users(1_000).await;
     let mut warren = env.start(&["--roles", "consumer"]);
-    wait_until("1,000 rows", Duration::from_secs(30), || async {
-        env.count_rows().await == 1_000
-    })
+    let _logs = LogsOnPanic(vec![warren.log.clone()]);
+    assert_rows_exactly(
+        &env,
+        &ids.iter().copied().collect(),
+        Duration::from_secs(30),
+        &|| warren.logs(),
+    )
     .await;
-    let largest: i64 = env
+    // A backlog already in the queue fills every batch: exactly ten batches of 100, not more
+    // than the size, and not fewer rows (a batch cut at 1 or at every chunk would pass an upper
+    // bound alone).
+    let sizes: Vec<i64> = env
         .db
-        .query_one(
-            "SELECT max(n) FROM (SELECT count(*) AS n FROM users GROUP BY inserted_at) b",
+        .query(
+            "SELECT count(*) FROM users GROUP BY xmin::text ORDER BY 1",
             &[],
         )
         .await
-        .unwrap()
-        .get(0);
-    assert!(largest <= 100, "a batch of {largest} rows");
+        .expect("rows per transaction")
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    assert_eq!(sizes, [100; 10], "rows per batch:\n{}", warren.logs());
 
     let started = Instant::now();
     let id = env.publish_users(1).await[0];
@@ -79,8 +89,10 @@ async fn batches_respect_the_size_and_a_lone_message_the_timeout() {
     })
     .await;
     let took = started.elapsed();
+    // The timeout flushed it: not before (a lone message flushed at once would make batches of
+    // one of every trickle), and not much after.
     assert!(
-        took < Duration::from_millis(300 + 700),
+        took >= Duration::from_millis(300) && took < Duration::from_millis(300 + 700),
         "lone message took {took:?}"
     );
     assert!(warren.terminate(Duration::from_secs(25)).success());
