@@ -125,10 +125,8 @@ async fn the_api_carries_the_requests_traceparent() {
     env.declare();
     let mut warren = env.start(&["--roles", "api"]);
     let _logs = LogsOnPanic(vec![warren.log.clone()]);
-    wait_until("the API ready", Duration::from_secs(30), || async {
-        http(&env, "GET", "/healthz", None).await.is_some()
-    })
-    .await;
+    // Ready, not merely alive: a POST before the publisher's link is up answers 503.
+    wait_ready(&env, Duration::from_secs(30)).await;
     let url = format!("{}/api/v1/users", env.http_base());
     for (trace, kept) in [
         (TRACE, true),

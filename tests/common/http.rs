@@ -1,5 +1,6 @@
-//! HTTP: the env's API address (`http_base`), `http_agent`, `http` (one request to the API) and
-//! `metrics_get` (one `GET` on the metrics listener: `/metrics`, `/healthz`, `/readyz`).
+//! HTTP: the env's API address (`http_base`), `http_agent`, `http` (one request to the API),
+//! `wait_ready` (the API's `/readyz` answers 200: its publisher's link and its database are up)
+//! and `metrics_get` (one `GET` on the metrics listener: `/metrics`, `/healthz`, `/readyz`).
 
 use std::time::Duration;
 
@@ -53,6 +54,24 @@ pub async fn http(
     })
     .await
     .expect("http task")
+}
+
+/// Waits until the env's API answers `/readyz` with 200 (its publisher's link to the broker and
+/// its database are up), at most `timeout`; panics with the last answer after it. Wait for this,
+/// not `/healthz`, before a request that publishes: `/healthz` answers as soon as the listener
+/// runs, while a `POST` before the publisher's link is up answers 503.
+pub async fn wait_ready(env: &TestEnv, timeout: Duration) {
+    let deadline = std::time::Instant::now() + timeout;
+    loop {
+        let answer = http(env, "GET", "/readyz", None).await;
+        if matches!(answer, Some((200, _))) {
+            return;
+        }
+        if std::time::Instant::now() > deadline {
+            panic!("the API not ready within {timeout:?}: /readyz answered {answer:?}");
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
 }
 
 /// (status, body) of `GET path` on the env's metrics listener (`METRICS_ADDR`); `None` while
