@@ -7,8 +7,15 @@
 //! MAX_MESSAGE_BYTES), while faults hit at random moments (the broker link cut, backends
 //! terminated, kill -9 and restart, the DLQ deleted and re-declared, a database outage, the
 //! database fenced read-only); then every message the broker confirmed must end exactly once: in
-//! `users` (its row holds its content) or in `dead_letters` (by its ledger key), none twice, none
-//! missing, and every queue empty within a bound.
+//! `users` (its row holds its content) or in `dead_letters` (by its ledger key, its row parked
+//! once: `park_count` 1, never replayed), none twice, none missing, and every queue empty within a
+//! bound.
+//!
+//! The faults hit while the messages are published: the publishing is paced over the whole fault
+//! window, no chunk goes out before its share of the faults has begun (a fault that overruns its
+//! slot holds the publishing back), and the last chunk waits for the last fault to end. Every fault type hits in every run
+//! (the schedule is each type once plus more drawn at random, shuffled, one in each slot of the
+//! window).
 //!
 //! The seed is printed; `WARREN_LEDGER_SEED=N` replays it, `WARREN_LEDGER_MESSAGES=N` (default
 //! 2000), `WARREN_LEDGER_HOSTILE=N` (default 600) and `WARREN_LEDGER_FAULT_SECONDS=N` (default
@@ -18,6 +25,7 @@ mod common;
 
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use common::raw_amqp;
@@ -134,6 +142,10 @@ fn mix(rng: &mut fastrand::Rng, n: usize) -> Vec<(Entry, Vec<u8>, BasicPropertie
     out
 }
 
+/// A row of `dead_letters` as the check reads it: message id, error kind, reason, body,
+/// `park_count`, and whether it was replayed.
+type ParkedRow = (Option<String>, String, String, Vec<u8>, i32, bool);
+
 /// One fault, as injected.
 #[derive(Debug, Clone, Copy)]
 enum Fault {
@@ -155,6 +167,56 @@ const FAULTS: [Fault; 6] = [
     Fault::DatabaseOutage,
     Fault::ReadOnly,
 ];
+
+/// The fault schedule over `window`: every fault type once, and more drawn at random up to one
+/// per 2.5 s of the window, shuffled; the window cut into one slot per fault, each fault at a
+/// moment drawn in the first half of its slot (so they spread over the whole window, which the
+/// publishing spans too, and a fault has half a slot to end before the next).
+fn schedule(rng: &mut fastrand::Rng, window: Duration) -> Vec<(Duration, Fault)> {
+    let n = ((window.as_millis() / 2500) as usize).max(FAULTS.len());
+    let mut kinds = FAULTS.to_vec();
+    while kinds.len() < n {
+        kinds.push(FAULTS[rng.usize(0..FAULTS.len())]);
+    }
+    rng.shuffle(&mut kinds);
+    let slot = window / n as u32;
+    let half = slot.as_millis() as u64 / 2;
+    let faults: Vec<(Duration, Fault)> = kinds
+        .into_iter()
+        .enumerate()
+        .map(|(i, f)| {
+            (
+                slot * i as u32 + Duration::from_millis(rng.u64(0..=half)),
+                f,
+            )
+        })
+        .collect();
+    for kind in FAULTS {
+        assert!(
+            faults
+                .iter()
+                .any(|(_, f)| std::mem::discriminant(f) == std::mem::discriminant(&kind)),
+            "the schedule lacks {kind:?}: {faults:?}"
+        );
+    }
+    faults
+}
+
+/// The schedule, over many seeds and windows: every fault type in each (`schedule` asserts it),
+/// the faults in order, each within the window, one per slot.
+#[test]
+fn every_schedule_holds_every_fault_type_within_its_window() {
+    for seed in 0..2000 {
+        let mut rng = fastrand::Rng::with_seed(seed);
+        let window = Duration::from_secs(rng.u64(5..=120));
+        let faults = schedule(&mut rng, window);
+        assert!(faults.len() >= FAULTS.len(), "seed {seed}: {faults:?}");
+        assert!(
+            faults.windows(2).all(|w| w[0].0 < w[1].0) && faults.iter().all(|(at, _)| *at < window),
+            "seed {seed}, window {window:?}: {faults:?}"
+        );
+    }
+}
 
 /// A statement trigger on `users` and `dead_letters` that refuses every write as a read-only
 /// server does (25006) while the fence is up ([`fence`]).
@@ -274,19 +336,15 @@ async fn every_published_message_ends_exactly_once_under_faults() {
         ));
     };
 
-    // Publishing in chunks while the faults hit.
-    let faults: Vec<(Duration, Fault)> = {
-        let mut at = Duration::ZERO;
-        let mut v = Vec::new();
-        loop {
-            at += Duration::from_millis(rng.u64(1000..3000));
-            if at > fault_window {
-                break v;
-            }
-            v.push((at, FAULTS[rng.usize(0..FAULTS.len())]));
-        }
-    };
+    // Publishing in chunks paced over the fault window while the faults hit; the last chunk
+    // waits for the last fault to end, so every fault lands while messages are published.
+    let faults = schedule(&mut rng, fault_window);
     eprintln!("ledger: faults {faults:?}");
+    let injected = AtomicBool::new(false);
+    // Faults begun so far: chunk k waits for its share of them (k * faults / chunks), so a fault
+    // that takes longer than its slot (a DLQ consumer slow to stop) holds the publishing back
+    // rather than leaving the faults after it to land once everything is published.
+    let begun = AtomicUsize::new(0);
     let started = Instant::now();
     // The hostile messages the broker confirmed (taken), by key; the others never enter it.
     let taken: Arc<std::sync::Mutex<HashMap<String, Entry>>> = Arc::default();
@@ -297,7 +355,18 @@ async fn every_published_message_ends_exactly_once_under_faults() {
         let per_chunk = hostile.len().div_ceil(chunks).max(1);
         let mut drawn = hostile.chunks(per_chunk);
         let mut refused: HashMap<&str, usize> = HashMap::new();
-        for chunk in published.chunks(50) {
+        let pace = fault_window / chunks as u32;
+        for (k, chunk) in published.chunks(50).enumerate() {
+            if k + 1 == chunks {
+                while !injected.load(Ordering::SeqCst) {
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                }
+            } else {
+                tokio::time::sleep((pace * k as u32).saturating_sub(started.elapsed())).await;
+                while begun.load(Ordering::SeqCst) < k * faults.len() / chunks {
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                }
+            }
             env.publish_pipelined(chunk.iter().map(|(_, b, p)| (b.clone(), p.clone())))
                 .await;
             for h in drawn.next().unwrap_or_default() {
@@ -325,16 +394,18 @@ async fn every_published_message_ends_exactly_once_under_faults() {
                     Err(e) => panic!("hostile publish {}: {e}", h.key),
                 }
             }
-            tokio::time::sleep(Duration::from_millis(100)).await;
         }
         eprintln!(
-            "ledger: {} hostile messages confirmed by the broker, refused {refused:?}",
-            taken.lock().unwrap().len()
+            "ledger: {} hostile messages confirmed by the broker, refused {refused:?}, the \
+             publishing done at {:?}",
+            taken.lock().unwrap().len(),
+            started.elapsed()
         );
     };
     let inject = async {
         for (at, fault) in &faults {
             tokio::time::sleep(at.saturating_sub(started.elapsed())).await;
+            begun.fetch_add(1, Ordering::SeqCst);
             match fault {
                 Fault::CutBroker => {
                     amqp.cut();
@@ -405,6 +476,7 @@ async fn every_published_message_ends_exactly_once_under_faults() {
             }
             eprintln!("ledger: {:?} at {:?}", fault, started.elapsed());
         }
+        injected.store(true, Ordering::SeqCst);
     };
     tokio::join!(publish, inject);
     pg.restore();
@@ -416,36 +488,51 @@ async fn every_published_message_ends_exactly_once_under_faults() {
 
     // Everything accounted for within a bound.
     let expected = ledger.len();
+    // Rows in users and dead_letters; `None` (not settled) while the database does not answer.
     let accounted = || async {
-        let users: i64 = env
+        match env
             .db
-            .query_one("SELECT count(*) FROM users", &[])
+            .query_one(
+                "SELECT (SELECT count(*) FROM users) + (SELECT count(*) FROM dead_letters)",
+                &[],
+            )
             .await
-            .map(|r| r.get(0))
-            .unwrap_or(0);
-        let parked: i64 = env
-            .db
-            .query_one("SELECT count(*) FROM dead_letters", &[])
-            .await
-            .map(|r| r.get(0))
-            .unwrap_or(0);
-        (users + parked) as usize
+        {
+            Ok(row) => Some(row.get::<_, i64>(0) as usize),
+            Err(e) => {
+                eprintln!("ledger: cannot count the rows: {e}");
+                None
+            }
+        }
     };
     // Backoffs grow with the faults (requeues up to 30 s, DLQ attempts likewise): the bound
     // grows with the fault window.
     let settle = Duration::from_secs(180) + 2 * fault_window;
     let deadline = Instant::now() + settle;
     let mut unsettled: Option<String> = None;
+    let mut progress = Instant::now();
     loop {
-        let done = accounted().await >= expected;
+        let rows = accounted().await;
+        let done = rows.is_some_and(|n| n >= expected);
         let mut empty = true;
+        let mut state = Vec::new();
         for q in [&env.main_queue, &env.retry_queue, &env.dlq_queue] {
-            if queue_counts(q).await != (0, 0) {
+            let counts = queue_counts(q).await;
+            if counts != (0, 0) {
                 empty = false;
             }
+            state.push(counts);
         }
         if done && empty {
             break;
+        }
+        if progress.elapsed() > Duration::from_secs(10) {
+            progress = Instant::now();
+            eprintln!(
+                "ledger: at {:?}, {rows:?} of {expected} rows; main, retry, DLQ (ready, \
+                 unacked) {state:?}",
+                started.elapsed()
+            );
         }
         if Instant::now() > deadline {
             for w in [&main, &dlq] {
@@ -461,7 +548,7 @@ async fn every_published_message_ends_exactly_once_under_faults() {
                 state.push_str(&format!("{q}: {:?}; ", queue_counts(q).await));
             }
             unsettled = Some(format!(
-                "not settled within {settle:?}: {} of {expected} accounted; {state}",
+                "not settled within {settle:?}: {:?} of {expected} accounted; {state}",
                 accounted().await
             ));
             break;
@@ -480,29 +567,39 @@ async fn every_published_message_ends_exactly_once_under_faults() {
         .iter()
         .map(|r| (r.get(0), (r.get(1), r.get(2))))
         .collect();
-    let parked: Vec<(Option<String>, String, String, Vec<u8>)> = env
+    // Each parked row with how often it was parked (`park_count`: 1 when parked, + 1 each time
+    // it is parked again after a replay; a second park without a replay leaves it as it is) and
+    // whether it was replayed. Nothing replays here: every row must be parked once, open.
+    let parked: Vec<ParkedRow> = env
         .db
         .query(
-            "SELECT message_id, error_kind, error_reason, body FROM dead_letters",
+            "SELECT message_id, error_kind, error_reason, body, park_count, \
+             replayed_at IS NOT NULL FROM dead_letters",
             &[],
         )
         .await
         .expect("dead_letters")
         .iter()
-        .map(|r| (r.get(0), r.get(1), r.get(2), r.get(3)))
+        .map(|r| (r.get(0), r.get(1), r.get(2), r.get(3), r.get(4), r.get(5)))
         .collect();
+    let mut problems: Vec<String> = unsettled.into_iter().collect();
     let mut parked_ids: HashMap<String, usize> = HashMap::new();
     // Why each was parked (the last row's kind and reason), for the report.
     let mut parked_why: HashMap<String, String> = HashMap::new();
-    for (id, kind, reason, body) in &parked {
+    for (id, kind, reason, body, park_count, replayed) in &parked {
         // The ledger key: the body's marker or the message id's start (a hostile id is decoded
         // lossily, past its key).
         let key = common::hostile::key_of(id.as_deref(), body)
             .unwrap_or_else(|| format!("<none: id {id:?}>"));
         *parked_ids.entry(key.clone()).or_default() += 1;
+        if *park_count != 1 || *replayed {
+            problems.push(format!(
+                "{key}: parked with park_count {park_count}, replayed {replayed} ({kind}); \
+                 expected parked once, never replayed"
+            ));
+        }
         parked_why.insert(key, format!("{kind}: {reason}"));
     }
-    let mut problems: Vec<String> = unsettled.into_iter().collect();
     let mut owners: HashSet<Uuid> = HashSet::new();
     for (message_id, entries) in &ledger {
         let entry = &entries[0];
@@ -542,7 +639,7 @@ async fn every_published_message_ends_exactly_once_under_faults() {
         ));
     }
     let mut kinds: HashMap<&str, usize> = HashMap::new();
-    for (_, kind, _, _) in &parked {
+    for (_, kind, ..) in &parked {
         *kinds.entry(kind.as_str()).or_default() += 1;
     }
     eprintln!(
