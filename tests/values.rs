@@ -475,3 +475,127 @@ async fn of_two_contents_of_one_key_in_a_batch_the_first_delivered_is_kept() {
         "parked other than the second deliveries as id_conflict: {parked:?}"
     );
 }
+
+/// The API of a pipeline asks PostgreSQL as its pipeline does: a `POST` of a value the table
+/// cannot hold is refused (422, `db_permanent`, the database's words) and nothing is published,
+/// never 200 then parked; `GET` of a key its column cannot hold finds no row (400), never the
+/// row whose key a cast would truncate it to; a `citext` key is found in any case.
+#[tokio::test(flavor = "multi_thread")]
+async fn the_api_asks_postgresql_what_the_table_can_hold() {
+    let mut env = TestEnv::new("val_api").await;
+    let a = Names::of(&env, "trunck");
+    let b = Names::of(&env, "cik");
+    let _ca = a.cleanup();
+    let _cb = b.cleanup();
+    env.db
+        .batch_execute(
+            "CREATE EXTENSION IF NOT EXISTS citext SCHEMA public;
+             CREATE TABLE trunck (code varchar(3) PRIMARY KEY, v int2);
+             CREATE TABLE cik (email public.citext PRIMARY KEY, v int8)",
+        )
+        .await
+        .expect("create the tables");
+    let config = entry(
+        &a,
+        "trunck",
+        "trunck",
+        "code",
+        "api = true",
+        (10, 20),
+        "code = { path = \"/code\", type = \"text\" }\nv = { path = \"/v\", type = \"int4\" }",
+    ) + &entry(
+        &b,
+        "cik",
+        "cik",
+        "email",
+        "api = true",
+        (10, 20),
+        "email = { path = \"/email\", type = \"text\" }\nv = { path = \"/v\", type = \"int8\" }",
+    );
+    let dir = tempfile::tempdir().expect("temp dir");
+    let path = dir.path().join("api.toml");
+    std::fs::write(&path, config).expect("write the config");
+    let file = path.to_str().expect("utf-8").to_string();
+    let (code, out, err) = env.run_async(&["--config", &file, "declare"]).await;
+    assert_eq!(code, 0, "declare:\n{out}{err}");
+    let warren = env.start(&["--config", &file, "--roles", "consumer,dlq,api"]);
+    let _logs = LogsOnPanic(vec![warren.log.clone()]);
+    wait_ready(&env, Duration::from_secs(30)).await;
+
+    let answer = |method: &'static str, path: String, body: Option<&'static str>| {
+        let env = &env;
+        async move {
+            http(env, method, &path, body)
+                .await
+                .unwrap_or_else(|| panic!("{method} {path}: no answer"))
+        }
+    };
+    let (status, body) = answer(
+        "POST",
+        "/api/v1/trunck".into(),
+        Some(r#"{"code":"abc","v":1}"#),
+    )
+    .await;
+    assert_eq!(status, 200, "{body}");
+    for (body, words) in [
+        (r#"{"code":"abcdef","v":1}"#, "22001"),
+        (r#"{"code":"xyz","v":40000}"#, "22003"),
+    ] {
+        let (status, answer) = answer("POST", "/api/v1/trunck".into(), Some(body)).await;
+        assert_eq!(status, 422, "{body}: {answer}");
+        assert!(
+            answer.contains("db_permanent") && answer.contains(words),
+            "{body}: {answer}"
+        );
+    }
+    // The sentinel after the refusals: once it is stored, nothing before it is still on its way.
+    let (status, body) = answer(
+        "POST",
+        "/api/v1/trunck".into(),
+        Some(r#"{"code":"end","v":2}"#),
+    )
+    .await;
+    assert_eq!(status, 200, "{body}");
+    wait_until("the sentinel stored", Duration::from_secs(30), || async {
+        count_of(&env, "SELECT count(*) FROM trunck WHERE code = 'end'").await == 1
+    })
+    .await;
+    wait_queues_settled(&[&a.queue, &a.dlq], Duration::from_secs(30)).await;
+    let codes: Vec<String> = env
+        .db
+        .query("SELECT code FROM trunck ORDER BY code", &[])
+        .await
+        .expect("trunck")
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    assert_eq!(codes, vec!["abc", "end"]);
+    assert_eq!(
+        count_of(&env, "SELECT count(*) FROM dead_letters").await,
+        0,
+        "nothing refused was published"
+    );
+    let (status, body) = answer("GET", "/api/v1/trunck/abc".into(), None).await;
+    assert_eq!(status, 200, "{body}");
+    let (status, body) = answer("GET", "/api/v1/trunck/abcdef".into(), None).await;
+    assert_eq!(
+        status, 400,
+        "a key no varchar(3) holds is not abc's: {body}"
+    );
+    assert!(!body.contains("\"v\""), "{body}");
+
+    let (status, body) = answer(
+        "POST",
+        "/api/v1/cik".into(),
+        Some(r#"{"email":"Ana@Example.com","v":1}"#),
+    )
+    .await;
+    assert_eq!(status, 200, "{body}");
+    wait_until("Ana stored", Duration::from_secs(30), || async {
+        count_of(&env, "SELECT count(*) FROM cik").await == 1
+    })
+    .await;
+    let (status, body) = answer("GET", "/api/v1/cik/ana@example.COM".into(), None).await;
+    assert_eq!(status, 200, "a citext key in any case: {body}");
+    assert!(body.contains("Ana@Example.com"), "{body}");
+}

@@ -19,7 +19,6 @@ use actix_web::http::StatusCode;
 use actix_web::{HttpRequest, HttpResponse, web};
 use futures::future::FutureExt;
 use serde_json::{Value, json};
-use tokio::sync::OnceCell;
 
 use lapin::types::ShortString;
 
@@ -30,7 +29,7 @@ use super::{
 use crate::amqp::headers;
 use crate::config::pipelines::PipelineConfig;
 use crate::config::{ConfigError, Settings};
-use crate::domain::mapping::{Cell, Mapping, quote};
+use crate::domain::mapping::{Cell, Mapping, Row};
 
 /// One pipeline's API: its mapping, where it publishes, and its table's key.
 pub struct PipelineApi {
@@ -41,8 +40,6 @@ pub struct PipelineApi {
     /// The key column's position in the mapping's columns, and its name.
     key_index: usize,
     key_column: String,
-    /// The key column's SQL type in the table (`uuid`, `bigint`, ...), read at the first `GET`.
-    key_type: OnceCell<String>,
 }
 
 impl PipelineApi {
@@ -78,7 +75,6 @@ impl PipelineApi {
             routing_key: names.main_queue,
             key_index,
             key_column: key.clone(),
-            key_type: OnceCell::new(),
         })
     }
 
@@ -129,7 +125,7 @@ fn check(
     state: &AppState,
     api: &PipelineApi,
     body: &[u8],
-) -> Result<(String, ShortString), Box<HttpResponse>> {
+) -> Result<(String, ShortString, Row), Box<HttpResponse>> {
     if let Some(refused) = oversized(state, body) {
         return Err(Box::new(refused));
     }
@@ -156,9 +152,36 @@ fn check(
             ),
         ))
     })?;
-    // Issue 34 item 6, "what PostgreSQL cannot store" (a value too long for its varchar(n), ...):
-    // the database probe of the row goes here, before anything is published.
-    Ok((key, id))
+    Ok((key, id, row))
+}
+
+/// Whether PostgreSQL can hold `row`'s values in the pipeline's table, asked as the pipeline's
+/// insert would write them (a value too long for a `varchar(n)`, out of an `int2`'s range,
+/// refused by a domain's CHECK, not a label of an enum): `Err` is the 422 to send, with the
+/// database's words, kind `db_permanent` as the pipeline would park it. A database that does
+/// not answer within the API's query bound cannot say: the body is published unprobed, and the
+/// pipeline decides when the database is back (a queue's point is that writes do not wait for
+/// the database).
+async fn storable(state: &AppState, api: &Arc<PipelineApi>, row: Row) -> Result<(), HttpResponse> {
+    let probe = {
+        let api = api.clone();
+        bounded(&state.pool, move |client| {
+            async move { api.mapping.storable(client, &row).await }.boxed()
+        })
+        .await
+    };
+    match probe {
+        Ok(Err(reason)) => Err(HttpResponse::UnprocessableEntity().json(json!({
+            "error": headers::shown(&reason),
+            "kind": "db_permanent",
+        }))),
+        Ok(Ok(())) => Ok(()),
+        Err(e) => {
+            tracing::warn!(pipeline = %api.name, error = %e,
+                "the database did not say whether it can hold the body; published unprobed");
+            Ok(())
+        }
+    }
 }
 
 /// `POST /api/v1/<name>`: a message body, checked and published under its key.
@@ -173,7 +196,10 @@ async fn post(
         Err(response) => return response,
     };
     match check(&state, &api, &body) {
-        Ok((_, id)) => {
+        Ok((_, id, row)) => {
+            if let Err(refused) = storable(&state, &api.clone().into_inner(), row).await {
+                return refused;
+            }
             let trace = trace(&req);
             publish_body(
                 &state,
@@ -202,7 +228,10 @@ async fn put(
         Err(response) => return response,
     };
     match check(&state, &api, &body) {
-        Ok((key, id)) if api.same_key(&key, &path) => {
+        Ok((key, id, row)) if api.same_key(&key, &path) => {
+            if let Err(refused) = storable(&state, &api.clone().into_inner(), row).await {
+                return refused;
+            }
             let trace = trace(&req);
             publish_body(
                 &state,
@@ -214,7 +243,7 @@ async fn put(
             )
             .await
         }
-        Ok((key, _)) => error(
+        Ok((key, _, _)) => error(
             StatusCode::UNPROCESSABLE_ENTITY,
             format!(
                 "the body's key {} ({key:?}) must be the one in the path ({:?})",
@@ -224,6 +253,12 @@ async fn put(
         ),
         Err(response) => *response,
     }
+}
+
+/// Whether `e` says a key cannot be held by its column (a data exception, or a domain's CHECK).
+fn unfit_key(e: &tokio_postgres::Error) -> bool {
+    e.code()
+        .is_some_and(|c| c.code().starts_with("22") || c.code().starts_with("23"))
 }
 
 /// `GET /api/v1/<name>/<key>`: the row; else the fate of a parked message with that key as its
@@ -240,32 +275,23 @@ async fn get(
         let key = key.clone();
         bounded(&state.pool, move |client| {
             async move {
-                let ty = api
-                    .key_type
-                    .get_or_try_init(|| async {
-                        let row = client
-                            .query_one(
-                                "SELECT format_type(a.atttypid, a.atttypmod) FROM pg_attribute a \
-                                 WHERE a.attrelid = $1::text::regclass AND a.attname = $2 \
-                                 AND NOT a.attisdropped",
-                                &[&api.mapping.table().sql(), &api.key_column],
-                            )
-                            .await?;
-                        Ok::<_, tokio_postgres::Error>(row.get::<_, String>(0))
-                    })
-                    .await?;
-                let sql = format!(
-                    "SELECT to_jsonb(t)::text FROM {} t WHERE {} = CAST($1::text AS {ty})",
-                    api.mapping.table().sql(),
-                    quote(&api.key_column)
-                );
-                if let Some(row) = client.query_opt(&sql, &[&key]).await? {
-                    let text: String = row.get(0);
-                    return Ok(Found::Row(
-                        serde_json::from_str(&text).unwrap_or(Value::String(text)),
-                    ));
+                // The key as the pipeline's insert would store it (PostgreSQL converts it, as
+                // the insert does: `abcdef` is no key of a varchar(3), not its `abc` row).
+                // A key the column cannot hold may still be a parked message's id.
+                let refused = match api.mapping.find_by_key(client, &key).await {
+                    Ok(Some(text)) => {
+                        return Ok(Found::Row(
+                            serde_json::from_str(&text).unwrap_or(Value::String(text)),
+                        ));
+                    }
+                    Ok(None) => None,
+                    Err(e) if unfit_key(&e) => Some(e),
+                    Err(e) => return Err(e),
+                };
+                match (parked_fate(client, Some(&api.name), &key).await?, refused) {
+                    (Found::Nothing, Some(e)) => Err(e),
+                    (found, _) => Ok(found),
                 }
-                parked_fate(client, Some(&api.name), &key).await
             }
             .boxed()
         })
@@ -280,10 +306,15 @@ async fn get(
             StatusCode::NOT_FOUND,
             format!("no {} row with {} {key:?} (yet)", api.name, api.key_column),
         ),
-        Err(QueryError::Db(e)) if e.sqlstate().is_some_and(|s| s.starts_with("22")) => error(
-            StatusCode::BAD_REQUEST,
-            format!("{key:?} is not a valid {}: {e}", api.key_column),
-        ),
+        Err(QueryError::Db(e))
+            if e.sqlstate()
+                .is_some_and(|s| s.starts_with("22") || s.starts_with("23")) =>
+        {
+            error(
+                StatusCode::BAD_REQUEST,
+                format!("{key:?} is not a valid {}: {e}", api.key_column),
+            )
+        }
         Err(e) => error(
             StatusCode::SERVICE_UNAVAILABLE,
             format!("database unavailable: {e}"),

@@ -70,8 +70,9 @@ fn probe_statements(
     let unnest = format!("UNNEST({})", params(columns, casts).join(", "));
     let t = table.sql();
     let create = format!(
-        "BEGIN; CREATE TEMPORARY TABLE warren_probe ON COMMIT DROP AS \
-         SELECT {list}, 0::int8 AS {ORD} FROM {t} WITH NO DATA"
+        "BEGIN; {path} CREATE TEMPORARY TABLE warren_probe ON COMMIT DROP AS \
+         SELECT {list}, 0::int8 AS {ORD} FROM {t} WITH NO DATA",
+        path = types_on_path(table),
     );
     let fill = format!(
         "INSERT INTO pg_temp.warren_probe ({list}, {ORD}) \
@@ -115,6 +116,27 @@ fn probe_statements(
         )
     });
     (create, compare, upsert)
+}
+
+/// A statement that puts, for the rest of the transaction, the schema of each column type of
+/// `table` (a domain's base type's) on the search path after what is there: an `=` between two
+/// values is looked up by name, and an extension's type (`citext` in `public`) has its own
+/// equality in its own schema, which the session's path (`DATABASE_SCHEMA`) may not hold; without
+/// it PostgreSQL would compare two `citext` values as text, case and all. (`ORDER BY` and
+/// `DISTINCT ON`, and the table's unique indexes, use the type's own operators whatever the
+/// path.)
+fn types_on_path(table: &TableName) -> String {
+    // The table's name is an identifier warren checked (no quote can be in it).
+    let t = table.sql().replace('\'', "''");
+    format!(
+        "SELECT set_config('search_path', current_setting('search_path') || COALESCE(( \
+           SELECT string_agg(DISTINCT ', ' || quote_ident(n.nspname), '') \
+           FROM pg_attribute a JOIN pg_type ty ON ty.oid = a.atttypid \
+           LEFT JOIN pg_type b ON ty.typtype = 'd' AND b.oid = ty.typbasetype \
+           JOIN pg_namespace n ON n.oid = COALESCE(b.typnamespace, ty.typnamespace) \
+           WHERE a.attrelid = to_regclass('{t}') AND a.attnum > 0 \
+             AND n.nspname NOT IN ('pg_catalog', 'information_schema')), ''), true);"
+    )
 }
 
 /// `ON CONFLICT (key) DO UPDATE` of `update`: every other column from the new version, only
@@ -723,8 +745,9 @@ pub(super) async fn find_by_key(
         .unwrap_or_else(|| sent_as(column.ty).to_string());
     let t = mapping.table.sql();
     let create = format!(
-        "BEGIN; CREATE TEMPORARY TABLE warren_key ON COMMIT DROP AS \
-         SELECT {name} FROM {t} WITH NO DATA"
+        "BEGIN; {path} CREATE TEMPORARY TABLE warren_key ON COMMIT DROP AS \
+         SELECT {name} FROM {t} WITH NO DATA",
+        path = types_on_path(&mapping.table),
     );
     let sql = format!(
         "WITH p AS (INSERT INTO pg_temp.warren_key ({name}) SELECT $1::text::{ty} RETURNING {name}) \
