@@ -7,8 +7,17 @@
 //! (the broker link cut, backends terminated, kill -9 and restart, a database outage, every
 //! write refused as read-only for a while). Then every message the broker confirmed must end
 //! exactly once in its own pipeline: orders in `orders` holding its content or parked once under
-//! `orders`; events as the highest version of their key in `events` or parked once under
-//! `events`; nothing parked under another pipeline, no row without a message, every queue empty.
+//! `orders`; every event version accounted for: stored as its key's row (the row names the
+//! message), or superseded by a higher version of its key (or an equal one stored first), or
+//! parked once under `events`; each key's row is its highest version; every parked row parked
+//! once (`park_count` 1, never replayed); nothing parked under another pipeline, no row without a
+//! message, every queue empty.
+//!
+//! The faults hit while the messages are published: the publishing is paced over the whole fault
+//! window, no chunk goes out before its share of the faults has begun (a fault that overruns its
+//! slot holds the publishing back), and the last chunk waits for the last fault to end. Every fault type hits in every run
+//! (the schedule is each type once plus more drawn at random, shuffled, one in each slot of the
+//! window).
 //!
 //! The seed is printed; `WARREN_LEDGER_SEED=N` replays it, `WARREN_LEDGER_MESSAGES=N` (default
 //! 1200 per pipeline) and `WARREN_LEDGER_FAULT_SECONDS=N` (default 15) run it longer by hand.
@@ -17,6 +26,7 @@ mod common;
 
 use std::collections::HashMap;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use common::*;
@@ -87,9 +97,9 @@ struct Entry {
     /// The mix's label, for the report.
     kind: &'static str,
     /// For a message that may land: its key and what the row then holds (orders: the email and
-    /// total; events: the version). An order lands or is parked (a same-key order with other
-    /// content wins or loses by arrival); an event always succeeds, its key holding the highest
-    /// version.
+    /// total; events: the version and the kind, `<version> k<i>`, which names the message). An
+    /// order lands or is parked (a same-key order with other content wins or loses by arrival);
+    /// an event always succeeds, its key holding the highest version.
     lands: Option<(Uuid, String)>,
 }
 
@@ -171,7 +181,7 @@ fn events_mix(rng: &mut fastrand::Rng, n: usize) -> Published {
                     r#"{{"id":"{id}","version":{version},"kind":"k{i}","payload":{{"n":{i}}},"extra":true}}"#
                 )
                 .into_bytes();
-                ("version", body, Some((id, version.to_string())))
+                ("version", body, Some((id, format!("{version} k{i}"))))
             }
         };
         out.push((
@@ -203,6 +213,62 @@ const FAULTS: [Fault; 5] = [
     Fault::DatabaseOutage,
     Fault::ReadOnly,
 ];
+
+/// The fault schedule over `window`: every fault type once, and more drawn at random up to one
+/// per 2.5 s of the window, shuffled; the window cut into one slot per fault, each fault at a
+/// moment drawn in the first half of its slot (so they spread over the whole window, which the
+/// publishing spans too, and a fault has half a slot to end before the next).
+fn schedule(rng: &mut fastrand::Rng, window: Duration) -> Vec<(Duration, Fault)> {
+    let n = ((window.as_millis() / 2500) as usize).max(FAULTS.len());
+    let mut kinds = FAULTS.to_vec();
+    while kinds.len() < n {
+        kinds.push(FAULTS[rng.usize(0..FAULTS.len())]);
+    }
+    rng.shuffle(&mut kinds);
+    let slot = window / n as u32;
+    let half = slot.as_millis() as u64 / 2;
+    let faults: Vec<(Duration, Fault)> = kinds
+        .into_iter()
+        .enumerate()
+        .map(|(i, f)| {
+            (
+                slot * i as u32 + Duration::from_millis(rng.u64(0..=half)),
+                f,
+            )
+        })
+        .collect();
+    for kind in FAULTS {
+        assert!(
+            faults
+                .iter()
+                .any(|(_, f)| std::mem::discriminant(f) == std::mem::discriminant(&kind)),
+            "the schedule lacks {kind:?}: {faults:?}"
+        );
+    }
+    faults
+}
+
+/// The schedule, over many seeds and windows: every fault type in each (`schedule` asserts it),
+/// the faults in order, each within the window, one per slot.
+#[test]
+fn every_schedule_holds_every_fault_type_within_its_window() {
+    for seed in 0..2000 {
+        let mut rng = fastrand::Rng::with_seed(seed);
+        let window = Duration::from_secs(rng.u64(5..=120));
+        let faults = schedule(&mut rng, window);
+        assert!(faults.len() >= FAULTS.len(), "seed {seed}: {faults:?}");
+        assert!(
+            faults.windows(2).all(|w| w[0].0 < w[1].0) && faults.iter().all(|(at, _)| *at < window),
+            "seed {seed}, window {window:?}: {faults:?}"
+        );
+    }
+}
+
+/// An event's version and message, from what its row or its entry holds (`<version> k<i>`).
+fn version_of(content: &str) -> (i64, &str) {
+    let (version, kind) = content.split_once(' ').expect("`<version> <kind>`");
+    (version.parse().expect("a version"), kind)
+}
 
 #[tokio::test(flavor = "multi_thread")]
 async fn two_mapped_pipelines_end_every_message_exactly_once_under_faults() {
@@ -323,21 +389,30 @@ async fn two_mapped_pipelines_end_every_message_exactly_once_under_faults() {
     let warren = Arc::new(Mutex::new(env.start(&args)));
     let history: Arc<std::sync::Mutex<Vec<String>>> = Arc::default();
 
-    let faults: Vec<(Duration, Fault)> = {
-        let mut at = Duration::ZERO;
-        let mut v = Vec::new();
-        loop {
-            at += Duration::from_millis(rng.u64(1000..3000));
-            if at > fault_window {
-                break v;
-            }
-            v.push((at, FAULTS[rng.usize(0..FAULTS.len())]));
-        }
-    };
+    // Publishing in chunks paced over the fault window while the faults hit; the last chunk
+    // waits for the last fault to end, so every fault lands while messages are published.
+    let faults = schedule(&mut rng, fault_window);
     eprintln!("ledger_pipelines: faults {faults:?}");
+    let injected = AtomicBool::new(false);
+    // Faults begun so far: chunk k waits for its share of them (k * faults / chunks), so a fault
+    // that takes longer than its slot (a DLQ consumer slow to stop) holds the publishing back
+    // rather than leaving the faults after it to land once everything is published.
+    let begun = AtomicUsize::new(0);
     let started = Instant::now();
     let publish = async {
-        for chunk in with_copies.chunks(50) {
+        let chunks = with_copies.len().div_ceil(50).max(1);
+        let pace = fault_window / chunks as u32;
+        for (k, chunk) in with_copies.chunks(50).enumerate() {
+            if k + 1 == chunks {
+                while !injected.load(Ordering::SeqCst) {
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                }
+            } else {
+                tokio::time::sleep((pace * k as u32).saturating_sub(started.elapsed())).await;
+                while begun.load(Ordering::SeqCst) < k * faults.len() / chunks {
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                }
+            }
             for (names, pipeline) in [(&orders, "orders"), (&events, "events")] {
                 let messages: Vec<(Vec<u8>, BasicProperties)> = chunk
                     .iter()
@@ -354,12 +429,16 @@ async fn two_mapped_pipelines_end_every_message_exactly_once_under_faults() {
                 env.publish_pipelined_to(&names.exchange, &names.queue, messages)
                     .await;
             }
-            tokio::time::sleep(Duration::from_millis(50)).await;
         }
+        eprintln!(
+            "ledger_pipelines: the publishing done at {:?}",
+            started.elapsed()
+        );
     };
     let inject = async {
         for (at, fault) in &faults {
             tokio::time::sleep(at.saturating_sub(started.elapsed())).await;
+            begun.fetch_add(1, Ordering::SeqCst);
             match fault {
                 Fault::CutBroker => {
                     amqp.cut();
@@ -391,6 +470,7 @@ async fn two_mapped_pipelines_end_every_message_exactly_once_under_faults() {
             }
             eprintln!("ledger_pipelines: {fault:?} at {:?}", started.elapsed());
         }
+        injected.store(true, Ordering::SeqCst);
     };
     tokio::join!(publish, inject);
     pg.restore();
@@ -401,8 +481,8 @@ async fn two_mapped_pipelines_end_every_message_exactly_once_under_faults() {
     // parked once.
     let mut latest: HashMap<Uuid, i64> = HashMap::new();
     for e in ledger.values().filter(|e| e.pipeline == "events") {
-        if let Some((id, version)) = &e.lands {
-            let v: i64 = version.parse().expect("a version");
+        if let Some((id, content)) = &e.lands {
+            let (v, _) = version_of(content);
             let best = latest.entry(*id).or_insert(v);
             *best = (*best).max(v);
         }
@@ -412,13 +492,17 @@ async fn two_mapped_pipelines_end_every_message_exactly_once_under_faults() {
         .values()
         .filter(|e| e.pipeline == "events" && e.lands.is_none())
         .count();
+    // A count; `None` (not settled) while the database does not answer.
     let count = |sql: &'static str| {
         let db = &env.db;
         async move {
-            db.query_one(sql, &[])
-                .await
-                .map(|r| r.get::<_, i64>(0) as usize)
-                .unwrap_or(0)
+            match db.query_one(sql, &[]).await {
+                Ok(r) => Some(r.get::<_, i64>(0) as usize),
+                Err(e) => {
+                    eprintln!("ledger_pipelines: {sql}: {e}");
+                    None
+                }
+            }
         }
     };
     let queues: Vec<&String> = [&orders, &events]
@@ -429,12 +513,18 @@ async fn two_mapped_pipelines_end_every_message_exactly_once_under_faults() {
     let deadline = Instant::now() + settle;
     let mut problems: Vec<String> = Vec::new();
     loop {
-        let done = count("SELECT count(*) FROM orders").await
-            + count("SELECT count(*) FROM dead_letters WHERE pipeline = 'orders'").await
-            >= all_orders
-            && count("SELECT count(*) FROM events").await >= latest.len()
-            && count("SELECT count(*) FROM dead_letters WHERE pipeline = 'events'").await
-                >= bad_events;
+        let orders_accounted = count(
+            "SELECT (SELECT count(*) FROM orders) + \
+             (SELECT count(*) FROM dead_letters WHERE pipeline = 'orders')",
+        )
+        .await;
+        let done = orders_accounted.is_some_and(|n| n >= all_orders)
+            && count("SELECT count(*) FROM events")
+                .await
+                .is_some_and(|n| n >= latest.len())
+            && count("SELECT count(*) FROM dead_letters WHERE pipeline = 'events'")
+                .await
+                .is_some_and(|n| n >= bad_events);
         let mut empty = true;
         for q in &queues {
             if queue_counts(q).await != (0, 0) {
@@ -474,34 +564,59 @@ async fn two_mapped_pipelines_end_every_message_exactly_once_under_faults() {
         .iter()
         .map(|r| (r.get(0), r.get(1)))
         .collect();
-    let event_rows: HashMap<Uuid, i64> = env
+    // Each key's row as `<version> k<i>`: its version and the message that wrote it.
+    let event_rows: HashMap<Uuid, String> = env
         .db
-        .query("SELECT event_id, version FROM events", &[])
+        .query(
+            "SELECT event_id, version::text || ' ' || kind FROM events",
+            &[],
+        )
         .await
         .expect("events")
         .iter()
         .map(|r| (r.get(0), r.get(1)))
         .collect();
-    let parked: Vec<(String, Option<String>, String)> = env
+    // Each parked row with how often it was parked (`park_count`: 1 when parked, + 1 each time
+    // it is parked again after a replay) and whether it was replayed. Nothing replays here:
+    // every row must be parked once, open.
+    let parked: Vec<(String, Option<String>, String, i32, bool)> = env
         .db
         .query(
-            "SELECT pipeline, message_id, error_kind FROM dead_letters",
+            "SELECT pipeline, message_id, error_kind, park_count, replayed_at IS NOT NULL \
+             FROM dead_letters",
             &[],
         )
         .await
         .expect("dead_letters")
         .iter()
-        .map(|r| (r.get(0), r.get(1), r.get(2)))
+        .map(|r| (r.get(0), r.get(1), r.get(2), r.get(3), r.get(4)))
         .collect();
     let mut parked_as: HashMap<String, Vec<(String, String)>> = HashMap::new();
-    for (pipeline, id, kind) in &parked {
+    for (pipeline, id, kind, park_count, replayed) in &parked {
         let id = id.clone().unwrap_or_else(|| "<no id>".into());
+        if *park_count != 1 || *replayed {
+            problems.push(format!(
+                "{id} ({pipeline}, {kind}): park_count {park_count}, replayed {replayed}; \
+                 expected parked once, never replayed"
+            ));
+        }
         parked_as
             .entry(id)
             .or_default()
             .push((pipeline.clone(), kind.clone()));
     }
     let mut owned: HashMap<Uuid, usize> = HashMap::new();
+    // The event keys whose row names a published message, with how many messages it names.
+    let mut owned_events: HashMap<Uuid, usize> = HashMap::new();
+    // Each published version by the kind that names its message (`k<i>`): its key and version.
+    let versions: HashMap<String, (Uuid, i64)> = ledger
+        .values()
+        .filter_map(|e| e.lands.as_ref().filter(|_| e.pipeline == "events"))
+        .map(|(key, content)| {
+            let (version, kind) = version_of(content);
+            (kind.to_string(), (*key, version))
+        })
+        .collect();
     for (id, entry) in &ledger {
         let times = parked_as.get(id).map(Vec::len).unwrap_or(0);
         let under_orders = parked_as
@@ -525,9 +640,29 @@ async fn two_mapped_pipelines_end_every_message_exactly_once_under_faults() {
                     ));
                 }
             }
-            (Some(_), _) => {
-                if times != 0 {
-                    problems.push(format!("{id} (events, {}): parked {times}x", entry.kind));
+            // Every version accounted for: the row its key holds is this message (its kind
+            // `k<i>` names it), or a higher version, or an equal one of another published message
+            // stored first (an equal version changes nothing); never parked.
+            (Some((key, content)), _) => {
+                let (version, kind) = version_of(content);
+                let stored = event_rows.get(key).map(|row| version_of(row));
+                let accounted = match stored {
+                    Some((v, k)) if k == kind => {
+                        *owned_events.entry(*key).or_default() += 1;
+                        v == version
+                    }
+                    Some((v, k)) if v == version => versions.get(k) == Some(&(*key, version)),
+                    Some((v, _)) => v > version,
+                    None => false,
+                };
+                if !accounted || times != 0 {
+                    problems.push(format!(
+                        "{id} (events, {}): version {version} as {kind}, the key's row {:?}, \
+                         parked {:?}",
+                        entry.kind,
+                        event_rows.get(key),
+                        parked_as.get(id)
+                    ));
                 }
             }
             (None, pipeline) => {
@@ -543,12 +678,25 @@ async fn two_mapped_pipelines_end_every_message_exactly_once_under_faults() {
         }
     }
     for (key, version) in &latest {
-        if event_rows.get(key) != Some(version) {
+        let stored = event_rows.get(key).map(|row| version_of(row).0);
+        if stored != Some(*version) {
             problems.push(format!(
-                "event {key}: version {:?} stored, {version} is the highest published",
-                event_rows.get(key)
+                "event {key}: version {stored:?} stored, {version} is the highest published"
             ));
         }
+    }
+    // Every row written by one published version of its key (exact duplicates share a message
+    // id, so `k<i>` names one message).
+    if event_rows.len() != owned_events.len() || owned_events.values().any(|&n| n != 1) {
+        problems.push(format!(
+            "{} rows in events, {} written by a published version ({:?} more than once)",
+            event_rows.len(),
+            owned_events.len(),
+            owned_events
+                .iter()
+                .filter(|(_, n)| **n != 1)
+                .collect::<Vec<_>>()
+        ));
     }
     if order_rows.len() != owned.len() || owned.values().any(|&n| n != 1) {
         problems.push(format!(
@@ -574,7 +722,7 @@ async fn two_mapped_pipelines_end_every_message_exactly_once_under_faults() {
         problems.push(format!("{users} rows in users, none published there"));
     }
     let mut kinds: HashMap<(&str, &str), usize> = HashMap::new();
-    for (pipeline, _, kind) in &parked {
+    for (pipeline, _, kind, ..) in &parked {
         *kinds.entry((pipeline.as_str(), kind.as_str())).or_default() += 1;
     }
     eprintln!(
