@@ -19,23 +19,7 @@ use serde_json::Value;
 /// whatever was written).
 async fn all_events(env: &TestEnv) -> Vec<Value> {
     let (_, prefix) = redis_of(env);
-    let reply: redis::streams::StreamRangeReply = try_redis_query(
-        &redis_url(),
-        redis::cmd("XRANGE")
-            .arg(format!("{prefix}:events"))
-            .arg("-")
-            .arg("+"),
-    )
-    .await
-    .unwrap_or_else(|| panic!("Redis at {} did not answer XRANGE", redis_url()));
-    reply
-        .ids
-        .into_iter()
-        .map(|entry| {
-            let text: String = entry.get("event").expect("an event field");
-            serde_json::from_str(&text).unwrap_or_else(|e| panic!("{e}: {text}"))
-        })
-        .collect()
+    stream_events_at(&redis_url(), &prefix).await
 }
 
 /// The events of `kind`.
@@ -234,13 +218,20 @@ async fn a_run_tells_what_happens_to_it_once_each() {
             .entry(e["link"].as_str().unwrap_or("").to_string())
             .or_default() += 1;
         assert!(e["node"].as_str().is_some_and(|n| n.contains(':')), "{e}");
-        assert_eq!(
-            e["pipeline"], "users",
-            "a consumer's link names its pipeline: {e}"
-        );
+        // docs/events.md: a consumer stage's link names its pipeline, a publisher's none (the
+        // router's loss is recorded in about one run in five, by timing: at most once).
+        match e["link"].as_str() {
+            Some("main" | "dlq") => assert_eq!(
+                e["pipeline"], "users",
+                "a consumer's link names its pipeline: {e}"
+            ),
+            Some("router") => assert!(e.get("pipeline").is_none(), "a publisher's link: {e}"),
+            other => panic!("a broker link_lost of an unexpected link {other:?}: {e}"),
+        }
     }
     assert_eq!(per_link.get("main"), Some(&1), "{lost:?}");
     assert_eq!(per_link.get("dlq"), Some(&1), "{lost:?}");
+    assert!(per_link.get("router").is_none_or(|n| *n == 1), "{lost:?}");
 
     // The database cut: lost once, restored once.
     pg.cut();

@@ -22,8 +22,9 @@
 //!   `set_fault_sqlstate`, `clear_fault`, `track_attempts`, `attempts`,
 //!   `install_poison_trigger`), `InsertLock`, which holds warren's batch inserts, and
 //!   `terminate_backends`.
-//! - `redis`: `RedisCleanup`, `try_redis_query`, `redis_query`, and the instance registry
-//!   (`instance_key`, `instance`, `shutdowns`).
+//! - `redis`: `RedisCleanup`, `try_redis_query`, `redis_query`, the instance registry
+//!   (`instance_key`, `instance`, `shutdowns`) and the events stream (`stream_events`,
+//!   `stream_events_at`; Redis must answer).
 //! - `proxy`: `TcpProxy`, which cuts, restores, freezes and thaws one warren's link to a server.
 //! - `metrics`: the `/metrics` scrape (`scrape_text`, `Scrape`, `wait_scrape`) and single values
 //!   (`metric`: an absent series is 0, no answer panics; `try_metric`, for polling only).

@@ -1,5 +1,6 @@
-//! Redis: `RedisCleanup`, commands (`try_redis_query`, `redis_query`), and the instance
-//! registry (`instance_key`, `instance`, `shutdowns`).
+//! Redis: `RedisCleanup`, commands (`try_redis_query`, `redis_query`), the instance registry
+//! (`instance_key`, `instance`, `shutdowns`) and the events stream (`stream_events`,
+//! `stream_events_at`).
 //!
 //! The instance registry lives under the env's prefix (`REDIS_PREFIX`, the env's id) in the Redis
 //! of the env's `REDIS_URL` setting (the shared one unless a test points it at its own server).
@@ -117,20 +118,27 @@ pub async fn shutdowns(env: &TestEnv) -> Vec<Value> {
         .collect()
 }
 
-/// Every lifecycle event in the env's stream (`<prefix>:events`), oldest first.
+/// Every lifecycle event in the env's stream (`<prefix>:events`), oldest first, read from the
+/// Redis of the env's `REDIS_URL`, which must answer.
 pub async fn stream_events(env: &TestEnv) -> Vec<Value> {
     let (url, prefix) = redis_of(env);
-    let reply: Option<redis::streams::StreamRangeReply> = try_redis_query(
-        &url,
+    stream_events_at(&url, &prefix).await
+}
+
+/// Every lifecycle event in the stream `<prefix>:events` of the Redis at `url`, oldest first.
+/// Panics when Redis does not answer: an unanswered read is never "no events".
+pub async fn stream_events_at(url: &str, prefix: &str) -> Vec<Value> {
+    let reply: redis::streams::StreamRangeReply = try_redis_query(
+        url,
         redis::cmd("XRANGE")
             .arg(format!("{prefix}:events"))
             .arg("-")
             .arg("+"),
     )
-    .await;
+    .await
+    .unwrap_or_else(|| panic!("Redis at {url} did not answer XRANGE {prefix}:events"));
     reply
-        .map(|r| r.ids)
-        .unwrap_or_default()
+        .ids
         .into_iter()
         .map(|entry| {
             let text: String = entry.get("event").expect("an event field");
