@@ -133,16 +133,22 @@ impl TestEnv {
         self.queue_state(queue).await.0
     }
 
-    /// Whether `queue` exists.
+    /// Whether `queue` exists (the broker answers 404 NOT_FOUND when not); panics when the
+    /// broker cannot be asked (an error is never "absent").
     pub async fn queue_exists(&self, queue: &str) -> bool {
-        self.try_queue_state(queue).await.is_ok()
+        match self.try_queue_state(queue).await {
+            Ok(_) => true,
+            Err(warren::amqp::AmqpError::NotFound(_)) => false,
+            Err(e) => panic!("queue {queue}: {e}"),
+        }
     }
 
-    /// Whether `exchange` exists.
+    /// Whether `exchange` exists; panics when the broker cannot be asked (an error is never
+    /// "absent").
     pub async fn exchange_exists(&self, exchange: &str) -> bool {
         warren::amqp::exchange_exists(&self.conn, exchange)
             .await
-            .unwrap_or(false)
+            .unwrap_or_else(|e| panic!("exchange {exchange}: {e}"))
     }
 
     /// Reads up to `max` messages of `queue` without taking them: they are returned unacked and
