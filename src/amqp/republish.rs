@@ -281,11 +281,17 @@ pub fn fit(
             let Some(AMQPValue::LongString(text)) = headers.inner().get(*key) else {
                 continue;
             };
-            let text = String::from_utf8_lossy(text.as_bytes()).into_owned();
-            let keep = text.len().saturating_sub(excess + '…'.len_utf8());
-            let cut = crate::amqp::headers::capped(&text, keep).into_owned();
-            let saved = text.len().saturating_sub(cut.len());
-            excess = excess.saturating_sub(saved);
+            // Measured in the header's own bytes: a publisher's reason of invalid UTF-8 reads
+            // with a 3-byte U+FFFD for each bad byte, and cut from that reading it could come out
+            // longer than it went in (found by the fuzz seeds' outcome check).
+            let sent = text.as_bytes().len();
+            let keep = sent.saturating_sub(excess + '…'.len_utf8());
+            let read = String::from_utf8_lossy(text.as_bytes()).into_owned();
+            let cut = crate::amqp::headers::capped(&read, keep).into_owned();
+            if cut.len() >= sent {
+                continue;
+            }
+            excess = excess.saturating_sub(sent - cut.len());
             headers.insert(short(key), long(cut.as_bytes()));
         }
         properties = properties.with_headers(headers);
