@@ -166,9 +166,8 @@ async fn peek(
 }
 
 async fn amqp_reconnects(env: &TestEnv) -> f64 {
-    try_metric(env, "warren_reconnects_total", &[("target", "amqp")])
-        .await
-        .unwrap_or(0.0)
+    // An absent series is 0; a /metrics that does not answer is a failure, never 0.
+    metric(env, "warren_reconnects_total", &[("target", "amqp")]).await
 }
 
 /// Warren's AMQP_CONSUMER_TIMEOUT_MS equals the broker's: the batch held by the failing
