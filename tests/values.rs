@@ -482,7 +482,7 @@ async fn of_two_contents_of_one_key_in_a_batch_the_first_delivered_is_kept() {
 /// row whose key a cast would truncate it to; a `citext` key is found in any case.
 #[tokio::test(flavor = "multi_thread")]
 async fn the_api_asks_postgresql_what_the_table_can_hold() {
-    let mut env = TestEnv::new("val_api").await;
+    let env = TestEnv::new("val_api").await;
     let a = Names::of(&env, "trunck");
     let b = Names::of(&env, "cik");
     let _ca = a.cleanup();
