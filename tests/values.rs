@@ -599,3 +599,109 @@ async fn the_api_asks_postgresql_what_the_table_can_hold() {
     assert_eq!(status, 200, "a citext key in any case: {body}");
     assert!(body.contains("Ana@Example.com"), "{body}");
 }
+
+/// Found by the review: `keep`, keys equal only under the column's type in one batch (citext,
+/// char(n)): the batch was inserted in the order of the keys as text (`ZED@X` < `zed@x`), so
+/// the later message was stored and the first parked as `id_conflict`, and an exact copy of the
+/// first was parked with it. Now the first delivered is stored, its copy is a copy, and only
+/// other content under the key is `id_conflict`.
+#[tokio::test(flavor = "multi_thread")]
+async fn keep_stores_the_first_of_keys_equal_under_the_columns_type() {
+    let env = TestEnv::new("val_keepci").await;
+    let a = Names::of(&env, "ct");
+    let b = Names::of(&env, "cht");
+    let _ca = a.cleanup();
+    let _cb = b.cleanup();
+    env.db
+        .batch_execute(
+            "CREATE EXTENSION IF NOT EXISTS citext SCHEMA public;
+             CREATE TABLE ct (e public.citext PRIMARY KEY, v text);
+             CREATE TABLE cht (k char(3) PRIMARY KEY, v text)",
+        )
+        .await
+        .expect("create the tables");
+    let config = entry(
+        &a,
+        "ct",
+        "ct",
+        "e",
+        "proc_concurrency = 1",
+        (50, 1000),
+        "e = { path = \"/e\", type = \"text\" }\nv = { path = \"/v\", type = \"text\" }",
+    ) + &entry(
+        &b,
+        "cht",
+        "cht",
+        "k",
+        "proc_concurrency = 1",
+        (50, 1000),
+        "k = { path = \"/k\", type = \"text\" }\nv = { path = \"/v\", type = \"text\" }",
+    );
+    let dir = tempfile::tempdir().expect("temp dir");
+    let path = dir.path().join("keepci.toml");
+    std::fs::write(&path, config).expect("write the config");
+    let file = path.to_str().expect("utf-8").to_string();
+    let (code, out, err) = env.run_async(&["--config", &file, "declare"]).await;
+    assert_eq!(code, 0, "declare:\n{out}{err}");
+    // Published before warren starts: each pipeline's messages arrive in one batch.
+    for (id, body) in [
+        ("ord1", r#"{"e":"zed@x","v":"first"}"#),
+        ("ord2", r#"{"e":"ZED@X","v":"second"}"#),
+        ("ct01", r#"{"e":"Ana@x","v":"1"}"#),
+        ("ct02", r#"{"e":"ana@x","v":"1"}"#),
+        ("ct03", r#"{"e":"ANA@X","v":"2"}"#),
+    ] {
+        env.publish_to(&a.exchange, &a.queue, body.as_bytes(), with_id(id))
+            .await;
+    }
+    for (id, body) in [
+        ("ordc1", r#"{"k":"q  ","v":"first"}"#),
+        ("ordc2", r#"{"k":"q","v":"second"}"#),
+    ] {
+        env.publish_to(&b.exchange, &b.queue, body.as_bytes(), with_id(id))
+            .await;
+    }
+    let warren = env.start(&["--config", &file, "--roles", "consumer,dlq"]);
+    let _logs = LogsOnPanic(vec![warren.log.clone()]);
+    wait_until("three parked", Duration::from_secs(60), || async {
+        count_of(&env, "SELECT count(*) FROM dead_letters").await >= 3
+    })
+    .await;
+    wait_queues_settled(
+        &[&a.queue, &a.dlq, &b.queue, &b.dlq],
+        Duration::from_secs(30),
+    )
+    .await;
+    let rows = |sql: &'static str| {
+        let env = &env;
+        async move {
+            env.db
+                .query(sql, &[])
+                .await
+                .expect("read the table")
+                .iter()
+                .map(|r| (r.get::<_, String>(0), r.get::<_, String>(1)))
+                .collect::<Vec<_>>()
+        }
+    };
+    assert_eq!(
+        rows("SELECT e::text, v FROM ct ORDER BY v").await,
+        vec![
+            ("Ana@x".into(), "1".into()),
+            ("zed@x".into(), "first".into())
+        ]
+    );
+    assert_eq!(
+        rows("SELECT k::text, v FROM cht").await,
+        vec![("q".into(), "first".into())]
+    );
+    let parked = rows("SELECT message_id, error_kind FROM dead_letters ORDER BY message_id").await;
+    assert_eq!(
+        parked,
+        vec![
+            ("ct03".into(), "id_conflict".into()),
+            ("ord2".into(), "id_conflict".into()),
+            ("ordc2".into(), "id_conflict".into()),
+        ]
+    );
+}

@@ -1,11 +1,13 @@
 //! A mapped batch into its table with ONE statement, typed arrays unnested in the database:
-//! - `keep`: a plain `INSERT` first (every row new: the common case), else `INSERT .. ON CONFLICT
-//!   DO NOTHING` (no target: every unique index is an arbiter, so a copy of a row another
-//!   statement is inserting at that moment is skipped, not failed). When fewer rows come back
-//!   than were given, the probe (below) says of each record whether its key holds the same
-//!   content (an idempotent success), other content (`id_conflict`), or nothing: then another
-//!   unique index refused the row (`db_permanent`, naming the index and the key holding the
-//!   value).
+//! - `keep`: a plain `INSERT` first (every row new: the common case); when a key is held or
+//!   repeated (23505), the batch again through the probe (below), in one transaction: `INSERT ..
+//!   SELECT .. ORDER BY key ON CONFLICT DO NOTHING` of the converted records (no target: every
+//!   unique index is an arbiter, so a copy of a row another statement is inserting at that
+//!   moment is skipped, not failed; in the key's own order, so of two records that are one key
+//!   the first delivered is inserted), then, of each record skipped, whether its key holds the
+//!   same content (an idempotent success), other content (`id_conflict`), or nothing: then
+//!   another unique index refused the row (`db_permanent`, naming the index and the key holding
+//!   the value).
 //! - `update`: `INSERT .. SELECT DISTINCT ON (key) .. ORDER BY key, version DESC ON CONFLICT (key)
 //!   DO UPDATE .. WHERE stored.version IS NULL OR stored.version < new.version`: of several
 //!   versions of one key in a batch the highest is written, and any version beats a stored row
@@ -25,7 +27,7 @@ use std::collections::HashMap;
 use tokio_postgres::error::SqlState;
 use tokio_postgres::types::ToSql;
 
-use super::{Cell, ColType, Column, Mapping, OnConflict, Row, TableName, quote};
+use super::{Cell, ColType, Column, Mapping, Row, TableName, quote};
 use crate::db::error::DbError;
 use crate::domain::Inserted;
 
@@ -46,6 +48,12 @@ pub(super) struct Statements {
     /// `update`: the insert again, of what the probe holds, so that PostgreSQL's own equality
     /// (the key's type and collation) says which records are one key; `None` for `keep`.
     pub(super) probe_upsert: Option<String>,
+    /// `keep`: the insert of a batch some of whose keys are held, from the probe: in the order
+    /// of the key's own type, so of two records that are one key the first delivered is
+    /// inserted; `None` for `update`.
+    pub(super) probe_keep: Option<String>,
+    /// The comparison of [`Statements::probe_compare`], of what the probe already holds.
+    pub(super) probe_read: String,
 }
 
 /// The ordinal column of the probe (a name no mapped column can have: it has a space).
@@ -64,11 +72,14 @@ fn probe_statements(
     key: &[usize],
     version: Option<usize>,
     casts: &[Option<String>],
-) -> (String, String, Option<String>) {
+) -> Probe {
     let names: Vec<String> = columns.iter().map(|c| quote(&c.name)).collect();
     let list = names.join(", ");
     let unnest = format!("UNNEST({})", params(columns, casts).join(", "));
     let t = table.sql();
+    let keys: Vec<String> = key.iter().map(|&i| names[i].clone()).collect();
+    let p_keys: Vec<String> = keys.iter().map(|k| format!("p.{k}")).collect();
+    let p_list: Vec<String> = names.iter().map(|n| format!("p.{n}")).collect();
     let create = format!(
         "BEGIN; {path} CREATE TEMPORARY TABLE warren_probe ON COMMIT DROP AS \
          SELECT {list}, 0::int8 AS {ORD} FROM {t} WITH NO DATA",
@@ -93,17 +104,29 @@ fn probe_statements(
         .iter()
         .map(|&i| format!("s.{n} = p.{n}", n = names[i]))
         .collect();
-    let compare = format!(
-        "WITH p AS ({fill}) SELECT p.{ORD}, s.{first} IS NOT NULL, ARRAY[{same}] \
-         FROM p LEFT JOIN {t} AS s ON {on}",
-        first = names[key[0]],
-        same = same.join(", "),
-        on = joined.join(" AND "),
-    );
+    let compare_from = |from: &str| {
+        format!(
+            "SELECT p.{ORD}, s.{first} IS NOT NULL, ARRAY[{same}] \
+             FROM {from} LEFT JOIN {t} AS s ON {on}",
+            first = names[key[0]],
+            same = same.join(", "),
+            on = joined.join(" AND "),
+        )
+    };
+    let compare = format!("WITH p AS ({fill}) {}", compare_from("p"));
+    let read = compare_from("pg_temp.warren_probe AS p");
+    // In the key's own order (the column's type and collation: `ZED@x` and `zed@x` of a citext
+    // key are one key, and the first delivered of them is the one inserted), and so in the same
+    // order as every other batch: copies in other orders wait, not deadlock.
+    let keep = version.is_none().then(|| {
+        format!(
+            "WITH p AS ({fill}) INSERT INTO {t} ({list}) SELECT {p_list} FROM p \
+             ORDER BY {p_keys}, p.{ORD} ON CONFLICT DO NOTHING RETURNING 1",
+            p_keys = p_keys.join(", "),
+            p_list = p_list.join(", "),
+        )
+    });
     let upsert = version.map(|v| {
-        let keys: Vec<String> = key.iter().map(|&i| names[i].clone()).collect();
-        let p_keys: Vec<String> = keys.iter().map(|k| format!("p.{k}")).collect();
-        let p_list: Vec<String> = names.iter().map(|n| format!("p.{n}")).collect();
         format!(
             "WITH p AS ({fill}) INSERT INTO {t} AS stored ({list}) \
              SELECT DISTINCT ON ({p_keys}) {p_list} FROM p \
@@ -115,7 +138,29 @@ fn probe_statements(
             conflict = on_conflict_update(&names, key, v),
         )
     });
-    (create, compare, upsert)
+    Probe {
+        table: create,
+        compare,
+        read,
+        keep,
+        upsert,
+    }
+}
+
+/// The probe's statements (see [`probe_statements`]).
+struct Probe {
+    /// Begins the transaction and makes the probe's table.
+    table: String,
+    /// The records into the probe, then per record: is its key held, and per column is the
+    /// stored value the same.
+    compare: String,
+    /// The same question of the records already in the probe (after `keep`).
+    read: String,
+    /// `keep`: the records into the probe, and from it into the table.
+    keep: Option<String>,
+    /// `update`: the records into the probe, and from it the highest version of each key into
+    /// the table.
+    upsert: Option<String>,
 }
 
 /// A statement that puts, for the rest of the transaction, the schema of each column type of
@@ -286,14 +331,15 @@ impl Statements {
                 conflict = on_conflict_update(&names, key, v),
             ),
         };
-        let (probe_table, probe_compare, probe_upsert) =
-            probe_statements(table, columns, key, version, casts);
+        let probe = probe_statements(table, columns, key, version, casts);
         Self {
             insert,
             insert_new,
-            probe_table,
-            probe_compare,
-            probe_upsert,
+            probe_table: probe.table,
+            probe_compare: probe.compare,
+            probe_upsert: probe.upsert,
+            probe_keep: probe.keep,
+            probe_read: probe.read,
         }
     }
 }
@@ -436,6 +482,66 @@ pub(super) async fn insert(
             ..Default::default()
         });
     }
+    if let Some(keep) = &st.probe_keep {
+        // keep, and some key is held or repeated: the batch through the probe, in one
+        // transaction: inserted in the key's own order (the first delivered of one key wins),
+        // then PostgreSQL says of each record skipped whether its key holds the same content
+        // (a copy), other content (`id_conflict`), or nothing (another unique index's value).
+        let mut conflicts = Vec::new();
+        let mut skipped = Vec::new();
+        let (written, refused) = in_probe(&st.probe_table, client, true, async {
+            let written = client
+                .execute(keep.as_str(), &params)
+                .await
+                .map_err(DbError::from_pg)? as usize;
+            if written == records.len() {
+                return Ok((written, Vec::new()));
+            }
+            for row in client
+                .query(st.probe_read.as_str(), &[])
+                .await
+                .map_err(DbError::from_pg)?
+            {
+                let i = (row.get::<_, i64>(0) - 1) as usize;
+                let stored: bool = row.get(1);
+                let same: Vec<bool> = row.get(2);
+                if !stored {
+                    skipped.push(i);
+                } else if let Some(record) = records.get(i)
+                    && same.iter().any(|s| !s)
+                {
+                    let differs: Vec<&str> = mapping
+                        .columns
+                        .iter()
+                        .zip(&same)
+                        .filter(|(_, s)| !**s)
+                        .map(|(c, _)| c.name.as_str())
+                        .collect();
+                    conflicts.push((
+                        i,
+                        format!(
+                            "{} is already stored with another {}",
+                            key_text(mapping, record),
+                            differs.join(" and ")
+                        ),
+                    ));
+                }
+            }
+            let refused = if skipped.is_empty() {
+                Vec::new()
+            } else {
+                unique_holders(mapping, client, &skipped).await?
+            };
+            Ok((written, refused))
+        })
+        .await?;
+        return Ok(Inserted {
+            rows: written as u64,
+            conflicts,
+            refused,
+            ..Default::default()
+        });
+    }
     let statement = client
         .prepare_cached(&st.insert)
         .await
@@ -460,59 +566,9 @@ pub(super) async fn insert(
         }
         Err(e) => return Err(DbError::from_pg(e)),
     };
-    if mapping.on_conflict == OnConflict::Update || written == records.len() {
-        return Ok(Inserted {
-            rows: written as u64,
-            unchanged: (records.len() - written) as u64,
-            ..Default::default()
-        });
-    }
-    // Some records were skipped: a copy (this batch or an earlier one), other content under
-    // their key, or another unique index's value. PostgreSQL says which, in the probe.
-    let mut conflicts = Vec::new();
-    let mut skipped = Vec::new();
-    let refused = in_probe(&st.probe_table, client, false, async {
-        for row in client
-            .query(st.probe_compare.as_str(), &params)
-            .await
-            .map_err(DbError::from_pg)?
-        {
-            let i = (row.get::<_, i64>(0) - 1) as usize;
-            let stored: bool = row.get(1);
-            let same: Vec<bool> = row.get(2);
-            if !stored {
-                skipped.push(i);
-            } else if let Some(record) = records.get(i)
-                && same.iter().any(|s| !s)
-            {
-                let differs: Vec<&str> = mapping
-                    .columns
-                    .iter()
-                    .zip(&same)
-                    .filter(|(_, s)| !**s)
-                    .map(|(c, _)| c.name.as_str())
-                    .collect();
-                conflicts.push((
-                    i,
-                    format!(
-                        "{} is already stored with another {}",
-                        key_text(mapping, record),
-                        differs.join(" and ")
-                    ),
-                ));
-            }
-        }
-        if skipped.is_empty() {
-            Ok(Vec::new())
-        } else {
-            unique_holders(mapping, client, &skipped).await
-        }
-    })
-    .await?;
     Ok(Inserted {
         rows: written as u64,
-        conflicts,
-        refused,
+        unchanged: (records.len() - written) as u64,
         ..Default::default()
     })
 }
