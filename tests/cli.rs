@@ -480,15 +480,15 @@ async fn run_declare_waits_for_the_database_then_migrates_and_consumes() {
     assert!(warren.is_running(), "{}", warren.logs());
 
     proxy.restore();
-    let expected: std::collections::HashSet<Uuid> = ids.into_iter().collect();
-    assert_rows_exactly(&env, &expected, Duration::from_secs(60), &|| warren.logs()).await;
-    assert!(
+    // The users table exists once the migrations ran: only then can its rows be counted.
+    wait_until("the migrations applied", Duration::from_secs(60), || async {
         warren
             .logs()
-            .contains("topology declared and migrations applied"),
-        "{}",
-        warren.logs()
-    );
+            .contains("topology declared and migrations applied")
+    })
+    .await;
+    let expected: std::collections::HashSet<Uuid> = ids.into_iter().collect();
+    assert_rows_exactly(&env, &expected, Duration::from_secs(60), &|| warren.logs()).await;
     warren.terminate_ok(Duration::from_secs(30));
     assert_eq!(env.queue_state(&env.main_queue).await, (0, 0));
 }
