@@ -634,6 +634,23 @@ impl Mapping {
                     Value::Number(n) => n.as_f64().ok_or_else(|| wrong(&value))?,
                     other => return Err(wrong(other)),
                 };
+                // A number below the smallest double parses to 0: PostgreSQL's float8 refuses
+                // it (`select '1e-400'::float8`: out of range), so warren never stores 0 for it.
+                if n == 0.0
+                    && let Source::Path { segments, .. } = &c.source
+                    && let Some(raw) = raw_number(text, segments)
+                    && raw
+                        .split(['e', 'E'])
+                        .next()
+                        .is_some_and(|m| m.bytes().any(|b| (b'1'..=b'9').contains(&b)))
+                {
+                    return Err(format!(
+                        "{at}: the number {} is too small for a float8 (below the smallest \
+                         double, about 4.9e-324; PostgreSQL refuses it as out of range): map it \
+                         as numeric to keep it",
+                        clip(&raw)
+                    ));
+                }
                 check_range(c, &at, n, &n.to_string())?;
                 Cell::Float8(n)
             }
