@@ -182,3 +182,38 @@ main_queue = "raffle_queue""#,
         }
     }
 }
+
+/// Found by the review: a line that is not UTF-8 stopped `pipelines test` ("cannot read the
+/// input"), the lines after it never checked, where the pipeline parks such a body as
+/// `invalid_json`. Now it is that line's verdict and the next lines are checked.
+#[test]
+fn a_line_that_is_not_utf8_is_its_own_verdict_and_the_next_lines_are_checked() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let config = dir.path().join("warren.toml");
+    std::fs::write(&config, ORDERS).expect("write the config");
+    let input = dir.path().join("lines.jsonl");
+    let mut bytes = Vec::new();
+    bytes.extend_from_slice(GOOD.as_bytes());
+    bytes.extend_from_slice(b"\n{\"id\":\"a\xff\"}\r\n");
+    bytes.extend_from_slice(GOOD.as_bytes());
+    bytes.push(b'\n');
+    std::fs::write(&input, bytes).expect("write the input");
+    let out = Command::new(warren_bin())
+        .arg("--config")
+        .arg(&config)
+        .args(["pipelines", "test", "orders"])
+        .arg(&input)
+        .output()
+        .expect("run warren");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(
+        out.status.code(),
+        Some(1),
+        "{stdout}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(stdout.contains("1: ok "), "{stdout}");
+    assert!(stdout.contains("2: invalid_json "), "{stdout}");
+    assert!(stdout.contains("3: ok "), "{stdout}");
+    assert!(stdout.contains("2 accepted, 1 refused"), "{stdout}");
+}

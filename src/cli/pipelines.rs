@@ -190,18 +190,26 @@ pub fn test(
 ) -> anyhow::Result<i32> {
     let mapping = find(settings, name)?.map(|p| p.mapping()).transpose()?;
     let (mut accepted, mut refused) = (0u64, 0u64);
-    for (i, line) in input.lines().enumerate() {
-        let line = line.context("cannot read the input")?;
-        if line.trim().is_empty() {
+    // Lines as bytes: a body that is not UTF-8 is the pipeline's `invalid_json` to report,
+    // not the end of the input (the lines after it are checked too).
+    for (i, line) in input.split(b'\n').enumerate() {
+        let mut line = line.context("cannot read the input")?;
+        if line.last() == Some(&b'\r') {
+            line.pop();
+        }
+        if line.iter().all(u8::is_ascii_whitespace) {
             continue;
         }
         let (body, headers) = if with_headers {
-            match envelope(&line) {
+            let parsed = std::str::from_utf8(&line)
+                .map_err(|e| format!("not UTF-8: {e}"))
+                .and_then(envelope);
+            match parsed {
                 Ok(parts) => parts,
                 Err(e) => bail!("line {}: {e}", i + 1),
             }
         } else {
-            (line.clone().into_bytes(), None)
+            (line, None)
         };
         let verdict = match &mapping {
             Some(m) => m
