@@ -269,6 +269,20 @@ async fn invalid_users_get_422_naming_the_field() {
         answer.body["error"].as_str().unwrap().contains("object"),
         "{answer:?}"
     );
+    // A key twice (found by the review: the API published the last reading, which the users
+    // pipeline itself refuses as invalid_payload): refused, naming the key.
+    let answer = http.post(
+        "/api/v1/users",
+        r#"{"name":"Ana","email":"ana-twice@example.com","name":"Bob"}"#,
+    );
+    assert_json_error(&answer, 422);
+    assert!(
+        answer.body["error"]
+            .as_str()
+            .unwrap()
+            .contains("the key /name appears twice"),
+        "{answer:?}"
+    );
 
     // Nothing invalid reached the broker.
     assert_queue_empty(&env, &env.main_queue).await;

@@ -245,7 +245,12 @@ async fn read_user(
     path_id: Option<Uuid>,
 ) -> Result<User, HttpResponse> {
     let body = read_body(req, payload).await?;
-    let value: Value = serde_json::from_slice(&body)
+    // Read as the pipelines read a body: a key twice in one object is refused (JSON parsers
+    // disagree on which counts; the users pipeline refuses such a message, so the API must not
+    // publish one reading of it).
+    let value: Value = std::str::from_utf8(&body)
+        .map_err(|e| format!("not UTF-8: {e}"))
+        .and_then(|text| crate::domain::mapping::parse_strict(text).map_err(|e| e.to_string()))
         .map_err(|e| unprocessable(&format!("body is not valid JSON: {e}"), Vec::new()))?;
     let Some(object) = value.as_object() else {
         return Err(unprocessable(

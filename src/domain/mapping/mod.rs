@@ -11,6 +11,8 @@ mod insert;
 pub mod schema;
 mod strict;
 
+pub use strict::parse as parse_strict;
+
 use std::collections::{BTreeMap, HashSet};
 use std::fmt;
 
