@@ -481,14 +481,59 @@ async fn run_declare_waits_for_the_database_then_migrates_and_consumes() {
 
     proxy.restore();
     // The users table exists once the migrations ran: only then can its rows be counted.
-    wait_until("the migrations applied", Duration::from_secs(60), || async {
-        warren
-            .logs()
-            .contains("topology declared and migrations applied")
-    })
+    wait_until(
+        "the migrations applied",
+        Duration::from_secs(60),
+        || async {
+            warren
+                .logs()
+                .contains("topology declared and migrations applied")
+        },
+    )
     .await;
     let expected: std::collections::HashSet<Uuid> = ids.into_iter().collect();
     assert_rows_exactly(&env, &expected, Duration::from_secs(60), &|| warren.logs()).await;
     warren.terminate_ok(Duration::from_secs(30));
     assert_eq!(env.queue_state(&env.main_queue).await, (0, 0));
+}
+
+/// Found by the review: a database that takes the connection and never answers (half-open,
+/// partitioned) left `warren declare` hanging for ever (and `run --declare` silent): the
+/// migration's connection had no bound. Now `declare` exits 1 within the connect timeout and
+/// one statement's bound, naming the silence.
+#[tokio::test(flavor = "multi_thread")]
+async fn declare_against_a_database_that_never_answers_exits_1_within_its_bound() {
+    // Accepts connections and never reads or answers.
+    let silent = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind");
+    let port = silent.local_addr().expect("address").port();
+    let holder = tokio::spawn(async move {
+        let mut held = Vec::new();
+        while let Ok((socket, _)) = silent.accept().await {
+            held.push(socket);
+        }
+    });
+    let mut env = TestEnv::new("cli_declare_silent").await;
+    env.set(
+        "DATABASE_URL",
+        format!("postgres://warren:warren@127.0.0.1:{port}/warren"),
+    )
+    .set("DATABASE_STATEMENT_TIMEOUT_MS", "500");
+    let started = Instant::now();
+    let (code, out, err) =
+        tokio::time::timeout(Duration::from_secs(60), env.run_async(&["declare"]))
+            .await
+            .expect("declare still running after 60 s: it hangs on a silent database");
+    assert_eq!(code, 1, "{out}{err}");
+    assert!(
+        err.contains("no answer from the database within 7500 ms"),
+        "{err}"
+    );
+    assert!(
+        started.elapsed() < Duration::from_secs(30),
+        "{:?}",
+        started.elapsed()
+    );
+    holder.abort();
 }

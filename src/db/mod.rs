@@ -197,21 +197,35 @@ pub async fn applied_migrations(settings: &Settings) -> Result<Vec<i64>, DbError
     result
 }
 
-/// Creates the schema if needed and applies the embedded, versioned migrations in it.
+/// Creates the schema if needed and applies the embedded, versioned migrations in it. The
+/// connection and its first statement are bounded (the connect timeout and one statement's
+/// bound): a server that takes the connection and never answers (half-open, partitioned) is an
+/// error in seconds, not a hang; once it has answered, the migrations take what they take (the
+/// advisory lock waits for another `declare`, and the server's `statement_timeout` bounds each).
 pub async fn migrate(settings: &Settings) -> Result<MigrationReport, DbError> {
-    let (mut client, connection) = pg_config(settings)?
-        .connect(NoTls)
+    let bound = Duration::from_secs(5) + call_bound(settings);
+    let silent = || {
+        DbError::Connection(format!(
+            "no answer from the database within {} ms",
+            bound.as_millis()
+        ))
+    };
+    let (mut client, connection) = tokio::time::timeout(bound, pg_config(settings)?.connect(NoTls))
         .await
+        .map_err(|_| silent())?
         .map_err(DbError::from_pg)?;
     let task = tokio::spawn(connection);
     let result = async {
-        client
-            .batch_execute(&format!(
+        tokio::time::timeout(
+            bound,
+            client.batch_execute(&format!(
                 "CREATE SCHEMA IF NOT EXISTS {}",
                 settings.database_schema
-            ))
-            .await
-            .map_err(DbError::from_pg)?;
+            )),
+        )
+        .await
+        .map_err(|_| silent())?
+        .map_err(DbError::from_pg)?;
         client
             .execute("SELECT pg_advisory_lock($1)", &[&MIGRATION_LOCK])
             .await
@@ -234,7 +248,8 @@ pub async fn migrate(settings: &Settings) -> Result<MigrationReport, DbError> {
     }
     .await;
     drop(client);
-    let _ = task.await;
+    // The connection ends once the client is gone; a server that never answers cannot hold it.
+    let _ = tokio::time::timeout(bound, task).await;
     result
 }
 
