@@ -537,3 +537,39 @@ async fn declare_against_a_database_that_never_answers_exits_1_within_its_bound(
     );
     holder.abort();
 }
+
+/// Found by the review: `publish --stdin --rate R` ignored the rate (3,000 lines at 3,137 msg/s
+/// with `--rate 1000`). The i-th line now goes no earlier than i / R seconds after the start:
+/// 40 lines at 40 msg/s take at least 39/40 s, which an unpaced publish does in milliseconds.
+#[tokio::test(flavor = "multi_thread")]
+async fn publish_stdin_keeps_its_rate() {
+    let env = TestEnv::new("cli_pub_rate").await;
+    env.declare();
+    let mut child = env
+        .command(&["publish", "--stdin", "--rate", "40"])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("start warren publish");
+    {
+        let mut stdin = child.stdin.take().unwrap();
+        for _ in 0..40 {
+            let line = String::from_utf8(user_body(Uuid::new_v4())).unwrap();
+            writeln!(stdin, "{line}").unwrap();
+        }
+    }
+    let out = tokio::task::block_in_place(|| child.wait_with_output()).expect("publish");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(out.status.code(), Some(0), "{stdout}");
+    // "published 40 messages in S s (R msg/s), 0 failed"
+    let secs: f64 = stdout
+        .split(" in ")
+        .nth(1)
+        .and_then(|rest| rest.split(' ').next())
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(|| panic!("no duration in {stdout:?}"));
+    assert!(stdout.contains("published 40 messages"), "{stdout}");
+    assert!(secs >= 0.97, "40 lines at 40 msg/s in {secs} s: {stdout}");
+    assert_eq!(env.queue_state(&env.main_queue).await.0, 40);
+}

@@ -122,19 +122,27 @@ pub async fn execute(settings: &Settings, args: Args) -> anyhow::Result<i32> {
             })
             .boxed()
     } else {
-        let rate = args.rate;
         let invalid_every = args.invalid_every;
         futures::stream::iter(0..args.count)
-            .then(move |i| async move {
-                if let Some(rate) = rate {
-                    let due = started + Duration::from_secs_f64(i as f64 / rate);
-                    tokio::time::sleep_until(due.into()).await;
-                }
+            .map(move |i| {
                 let (id, body) = generated(i, invalid_every);
                 // A UUID: 36 bytes, always a short string.
                 (None, headers::short(id).unwrap_or_default(), body)
             })
             .boxed()
+    };
+    // `--rate`, for generated messages and `--stdin` lines alike: the i-th is sent no earlier
+    // than i / rate seconds after the start.
+    let messages = match args.rate {
+        Some(rate) => messages
+            .enumerate()
+            .then(move |(i, message)| async move {
+                let due = started + Duration::from_secs_f64(i as f64 / rate);
+                tokio::time::sleep_until(due.into()).await;
+                message
+            })
+            .boxed(),
+        None => messages,
     };
 
     let mut results = messages
