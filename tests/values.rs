@@ -32,6 +32,31 @@ fn entry(
     )
 }
 
+/// Writes `config` to a file and declares it (which must succeed): the file's folder (kept
+/// while the test runs) and its path.
+async fn declared(env: &TestEnv, config: String) -> (tempfile::TempDir, String) {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let path = dir.path().join("pipelines.toml");
+    std::fs::write(&path, config).expect("write the config");
+    let file = path.to_str().expect("utf-8").to_string();
+    let (code, out, err) = env.run_async(&["--config", &file, "declare"]).await;
+    assert_eq!(code, 0, "declare:\n{out}{err}");
+    (dir, file)
+}
+
+/// Writes `config` to a file, declares it (which must succeed) and starts `warren run` with it
+/// and `roles`: the process, the file (kept while the test runs) and its logs shown on a panic.
+async fn declared_and_started(
+    env: &TestEnv,
+    config: String,
+    roles: &str,
+) -> (Warren, tempfile::TempDir, LogsOnPanic) {
+    let (dir, file) = declared(env, config).await;
+    let warren = env.start(&["--config", &file, "--roles", roles]);
+    let logs = LogsOnPanic(vec![warren.log.clone()]);
+    (warren, dir, logs)
+}
+
 /// The (kind, reason) of every message parked under `pipeline` with id `message_id`.
 async fn parked(env: &TestEnv, pipeline: &str, message_id: &str) -> Vec<(String, String)> {
     env.db
@@ -106,14 +131,7 @@ async fn a_value_the_column_cannot_hold_is_never_taken_for_the_stored_row() {
         (10, 50),
         "code = { path = \"/code\", type = \"text\" }\nv = { path = \"/v\", type = \"int8\" }",
     );
-    let dir = tempfile::tempdir().expect("temp dir");
-    let path = dir.path().join("values.toml");
-    std::fs::write(&path, config).expect("write the config");
-    let file = path.to_str().expect("utf-8").to_string();
-    let (code, out, err) = env.run_async(&["--config", &file, "declare"]).await;
-    assert_eq!(code, 0, "declare:\n{out}{err}");
-    let warren = env.start(&["--config", &file, "--roles", "consumer,dlq"]);
-    let _logs = LogsOnPanic(vec![warren.log.clone()]);
+    let (_warren, _file, _logs) = declared_and_started(&env, config, "consumer,dlq").await;
 
     env.publish_to(
         &a.exchange,
@@ -230,14 +248,7 @@ async fn records_of_one_key_under_the_columns_type_are_one_key_in_one_statement(
         (4, 2000),
         "email = { path = \"/email\", type = \"text\" }\nv = { path = \"/v\", type = \"int8\" }",
     );
-    let dir = tempfile::tempdir().expect("temp dir");
-    let path = dir.path().join("ci.toml");
-    std::fs::write(&path, config).expect("write the config");
-    let file = path.to_str().expect("utf-8").to_string();
-    let (code, out, err) = env.run_async(&["--config", &file, "declare"]).await;
-    assert_eq!(code, 0, "declare:\n{out}{err}");
-    let warren = env.start(&["--config", &file, "--roles", "consumer,dlq"]);
-    let _logs = LogsOnPanic(vec![warren.log.clone()]);
+    let (warren, _file, _logs) = declared_and_started(&env, config, "consumer,dlq").await;
 
     // Four in one batch (batch size 4): two keys, each in two spellings.
     for (i, body) in [
@@ -327,14 +338,7 @@ async fn narrower_columns_and_enums_take_what_postgresql_takes() {
          f = { path = \"/f\", type = \"float8\" }\n\
          ts = { path = \"/ts\", type = \"timestamptz\" }",
     );
-    let dir = tempfile::tempdir().expect("temp dir");
-    let path = dir.path().join("kinds.toml");
-    std::fs::write(&path, config).expect("write the config");
-    let file = path.to_str().expect("utf-8").to_string();
-    let (code, out, err) = env.run_async(&["--config", &file, "declare"]).await;
-    assert_eq!(code, 0, "declare:\n{out}{err}");
-    let warren = env.start(&["--config", &file, "--roles", "consumer,dlq"]);
-    let _logs = LogsOnPanic(vec![warren.log.clone()]);
+    let (_warren, _file, _logs) = declared_and_started(&env, config, "consumer,dlq").await;
     let good = r#"{"id":1,"mood":"busy","small":-32768,"f":1.5,"ts":"2026-11-24T10:00:00+02:00"}"#;
     let bad_label = r#"{"id":2,"mood":"angry","small":1,"f":1,"ts":"2026-11-24T10:00:00Z"}"#;
     let bad_small = r#"{"id":3,"mood":"calm","small":40000,"f":1,"ts":"2026-11-24T10:00:00Z"}"#;
@@ -411,12 +415,7 @@ async fn of_two_contents_of_one_key_in_a_batch_the_first_delivered_is_kept() {
         (400, 3000),
         "id = { path = \"/id\", type = \"int8\" }\nname = { path = \"/name\", type = \"text\" }",
     );
-    let dir = tempfile::tempdir().expect("temp dir");
-    let path = dir.path().join("ord.toml");
-    std::fs::write(&path, config).expect("write the config");
-    let file = path.to_str().expect("utf-8").to_string();
-    let (code, out, err) = env.run_async(&["--config", &file, "declare"]).await;
-    assert_eq!(code, 0, "declare:\n{out}{err}");
+    let (_dir, file) = declared(&env, config).await;
     // Published before warren starts, so they arrive in one batch of 400.
     for round in ["first", "second"] {
         for id in 0..200 {
@@ -512,14 +511,7 @@ async fn the_api_asks_postgresql_what_the_table_can_hold() {
         (10, 20),
         "email = { path = \"/email\", type = \"text\" }\nv = { path = \"/v\", type = \"int8\" }",
     );
-    let dir = tempfile::tempdir().expect("temp dir");
-    let path = dir.path().join("api.toml");
-    std::fs::write(&path, config).expect("write the config");
-    let file = path.to_str().expect("utf-8").to_string();
-    let (code, out, err) = env.run_async(&["--config", &file, "declare"]).await;
-    assert_eq!(code, 0, "declare:\n{out}{err}");
-    let warren = env.start(&["--config", &file, "--roles", "consumer,dlq,api"]);
-    let _logs = LogsOnPanic(vec![warren.log.clone()]);
+    let (_warren, _file, _logs) = declared_and_started(&env, config, "consumer,dlq,api").await;
     wait_ready(&env, Duration::from_secs(30)).await;
 
     let answer = |method: &'static str, path: String, body: Option<&'static str>| {
@@ -637,12 +629,7 @@ async fn keep_stores_the_first_of_keys_equal_under_the_columns_type() {
         (50, 1000),
         "k = { path = \"/k\", type = \"text\" }\nv = { path = \"/v\", type = \"text\" }",
     );
-    let dir = tempfile::tempdir().expect("temp dir");
-    let path = dir.path().join("keepci.toml");
-    std::fs::write(&path, config).expect("write the config");
-    let file = path.to_str().expect("utf-8").to_string();
-    let (code, out, err) = env.run_async(&["--config", &file, "declare"]).await;
-    assert_eq!(code, 0, "declare:\n{out}{err}");
+    let (_dir, file) = declared(&env, config).await;
     // Published before warren starts: each pipeline's messages arrive in one batch.
     for (id, body) in [
         ("ord1", r#"{"e":"zed@x","v":"first"}"#),

@@ -26,6 +26,7 @@
 //!   (`instance_key`, `instance`, `shutdowns`) and the events stream (`stream_events`,
 //!   `stream_events_at`; Redis must answer).
 //! - `proxy`: `TcpProxy`, which cuts, restores, freezes and thaws one warren's link to a server.
+//! - `schedule`: the ledgers' fault schedule (`fault_schedule`, `check_fault_schedules`).
 //! - `metrics`: the `/metrics` scrape (`scrape_text`, `Scrape`, `wait_scrape`) and single values
 //!   (`metric`: an absent series is 0, no answer panics; `try_metric`, for polling only).
 //! - `http`: `http_base`, `http_agent` and `http`, one request to the env's API.
@@ -56,6 +57,7 @@ mod pipelines;
 mod proxy;
 pub mod raw_amqp;
 mod redis;
+mod schedule;
 mod wait;
 mod warren;
 
@@ -63,5 +65,5 @@ mod warren;
 #[allow(unused_imports)]
 pub use self::{
     broker::*, db::*, env::*, http::*, messages::*, metrics::*, pipelines::*, proxy::*, redis::*,
-    wait::*, warren::*,
+    schedule::*, wait::*, warren::*,
 };

@@ -750,15 +750,9 @@ async fn unique_holders(
 /// probe, as the pipeline's insert would.
 fn sent_as(ty: ColType) -> &'static str {
     match ty {
-        ColType::Text | ColType::Jsonb => "text",
-        ColType::Uuid => "uuid",
-        ColType::Int4 => "int4",
-        ColType::Int8 => "int8",
-        ColType::Float8 => "float8",
-        ColType::Numeric => "numeric",
-        ColType::Bool => "bool",
-        ColType::Timestamptz => "timestamptz",
-        ColType::Date => "date",
+        // A JSON document as a key is its text.
+        ColType::Jsonb => "text",
+        other => other.as_str(),
     }
 }
 
