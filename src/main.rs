@@ -13,7 +13,7 @@ fn main() {
             std::process::exit(2);
         }
     };
-    warren::cli::init_logs(&cli, &settings);
+    let logs = warren::cli::init_logs(&cli, &settings);
     // Built here so a failure is an error message, not a panic inside actix. One thread: the
     // actors, the database connections' sockets, lapin's tasks and the metrics exporter share
     // it, so a batch's insert answers on the thread that waits for it, and a socket event wakes
@@ -33,5 +33,7 @@ fn main() {
     };
     let system = actix::System::with_tokio_rt(move || runtime);
     let code = system.block_on(warren::cli::dispatch(cli, settings));
+    // The queued log lines are written (1.1 s at the most) before the process ends.
+    drop(logs);
     std::process::exit(code);
 }

@@ -506,3 +506,39 @@ async fn move_from_a_name_no_queue_can_have_exits_1() {
     assert!(err.contains("does not exist"), "{err}");
     assert!(!err.contains("panicked"), "{err}");
 }
+
+/// Found by the review: a database error echoes what a trigger or a CHECK puts in it (here the
+/// row's name, 200 times over: 40 KB), and every in-place retry logged it whole. The database's
+/// text is capped as a message's fields are, wherever it goes.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_database_error_that_echoes_the_row_is_capped_in_the_log() {
+    let mut env = TestEnv::new("bounds_dberr").await;
+    env.set("DB_RETRY_WINDOW_MS", "500");
+    env.declare();
+    env.db
+        .batch_execute(
+            "CREATE FUNCTION echo_refuse() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN
+               RAISE EXCEPTION 'refused %', repeat(NEW.name, 200);
+             END $$;
+             CREATE TRIGGER echo_refuse BEFORE INSERT ON users
+               FOR EACH ROW EXECUTE FUNCTION echo_refuse()",
+        )
+        .await
+        .expect("install the echoing trigger");
+    let warren = env.start(&["--roles", "consumer"]);
+    let _logs = LogsOnPanic(vec![warren.log.clone()]);
+    env.publish_users(1).await;
+    wait_until(
+        "a retry of the refused batch logged",
+        Duration::from_secs(30),
+        || async { warren.logs().contains("transient database error") },
+    )
+    .await;
+    let logs = warren.logs();
+    let longest = logs.lines().map(str::len).max().unwrap_or(0);
+    assert!(
+        longest <= 2 * SHOWN_MAX,
+        "a log line of {longest} bytes: {}…",
+        &logs.lines().find(|l| l.len() == longest).unwrap_or("")[..200.min(longest)]
+    );
+}

@@ -110,6 +110,50 @@ async fn a_closed_log_pipe_neither_stops_the_pipeline_nor_the_shutdown() {
     );
 }
 
+/// Found by the review: a log reader that is alive but stops reading (a paused `| less`, a
+/// stalled shipper) filled the pipe, and every thread that logged blocked on it: no inserts,
+/// `/metrics` silent, the heartbeat stopped. Lines now go through a bounded queue on a thread of
+/// their own; with the pipe full they are dropped and counted, and the pipeline keeps moving.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_log_reader_that_stops_reading_never_stops_the_pipeline() {
+    let mut env = TestEnv::new("log_stalled").await;
+    env.set("RUST_LOG", "debug,lapin=off");
+    env.declare();
+    let log = env.log_path();
+    let mut child = env
+        .command(&["run", "--roles", "consumer,dlq"])
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("start warren");
+    // Held open and never read: once its 64 KiB are full, a write to it blocks.
+    let stalled = child.stderr.take().expect("stderr pipe");
+    let mut warren = Warren::new(child, log.clone());
+    // Each refused message logs lines at warn: far more than the pipe holds.
+    for i in 0..3000 {
+        env.publish_raw(
+            format!("not json {i} {}", "x".repeat(200)).as_bytes(),
+            lapin::BasicProperties::default(),
+        )
+        .await;
+    }
+    let ids: HashSet<Uuid> = env.publish_users(500).await.into_iter().collect();
+    assert_rows_exactly(&env, &ids, Duration::from_secs(60), &|| {
+        "(its log is the stalled pipe)".to_string()
+    })
+    .await;
+    wait_until(
+        "warren_log_lines_dropped_total > 0, /metrics answering",
+        Duration::from_secs(30),
+        || async { metric(&env, "warren_log_lines_dropped_total", &[]).await > 0.0 },
+    )
+    .await;
+    assert!(warren.is_running(), "warren died with its log pipe full");
+    let status = warren.terminate(Duration::from_secs(60));
+    assert_eq!(status.code(), Some(0), "exit status {status:?}");
+    drop(stalled);
+}
+
 /// Runs `warren args...` of `env` with stderr to a file; (exit code, stdout, stderr).
 fn run_with_stderr_to_file(
     env: &TestEnv,

@@ -166,25 +166,81 @@ pub fn standalone(cli: &Cli) -> Option<i32> {
     Some(exit_code(result))
 }
 
+/// How many log lines may wait for stderr; past it a line is dropped and counted. Each line's
+/// fields from a message are capped (1 KiB, `headers::shown`), so the queue holds a few MiB at
+/// the most.
+pub const LOG_QUEUE_LINES: usize = 4096;
+
 /// Logs to stderr: readable text, or JSON with `LOG_FORMAT=json`. `RUST_LOG` sets the level;
 /// without it `run` logs info and the other subcommands warnings and errors only (their answer
 /// is on stdout; a log line there is noise). Colours only when stderr is a terminal and
-/// `NO_COLOR` is unset or empty. A line that cannot be written (a closed pipe, a full disk) is
-/// dropped and counted, never a panic (see [`LossyStderr`]).
-pub fn init_logs(cli: &Cli, settings: &Settings) {
+/// `NO_COLOR` is unset or empty. Lines are written by a thread of their own through a queue of
+/// [`LOG_QUEUE_LINES`] (tracing-appender, lossy): a reader that stops reading (a paused pager, a
+/// stalled log shipper) fills the queue and the lines after it are dropped and counted, never
+/// waited for; a line that cannot be written (a closed pipe, a full disk) is dropped and counted,
+/// never a panic (see [`LossyStderr`]). Keep the guard until the process exits: dropping it
+/// writes what is queued (waiting 1.1 s at the most).
+pub fn init_logs(cli: &Cli, settings: &Settings) -> tracing_appender::non_blocking::WorkerGuard {
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default_filter(&cli.command)));
     let no_color = std::env::var_os("NO_COLOR").is_some_and(|v| !v.is_empty());
+    let (queue, guard) = tracing_appender::non_blocking::NonBlockingBuilder::default()
+        .lossy(true)
+        .buffered_lines_limit(LOG_QUEUE_LINES)
+        .thread_name("warren-logs")
+        .finish(LossyStderr);
+    let writer = CountedQueue {
+        dropped: queue.error_counter(),
+        counted: std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0)),
+        queue,
+    };
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_ansi(colours(std::io::stderr().is_terminal(), no_color))
         .log_internal_errors(false)
-        .with_writer(|| LossyStderr);
+        .with_writer(writer);
     let _ = if settings.log_format == crate::config::LogFormat::Json {
         builder.json().flatten_event(true).try_init()
     } else {
         builder.try_init()
     };
+    guard
+}
+
+/// The log queue, whose dropped lines (a full queue) are counted in
+/// `warren_log_lines_dropped_total` as they happen.
+#[derive(Clone)]
+struct CountedQueue {
+    queue: tracing_appender::non_blocking::NonBlocking,
+    dropped: tracing_appender::non_blocking::ErrorCounter,
+    /// How many of `dropped` the metric has counted.
+    counted: std::sync::Arc<std::sync::atomic::AtomicUsize>,
+}
+
+impl<'a> tracing_subscriber::fmt::MakeWriter<'a> for CountedQueue {
+    type Writer = CountedQueue;
+
+    fn make_writer(&'a self) -> Self::Writer {
+        self.clone()
+    }
+}
+
+impl Write for CountedQueue {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        let written = self.queue.write(buf);
+        let dropped = self.dropped.dropped_lines();
+        let counted = self
+            .counted
+            .swap(dropped, std::sync::atomic::Ordering::Relaxed);
+        for _ in counted..dropped {
+            crate::metrics::log_line_dropped();
+        }
+        written
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        self.queue.flush()
+    }
 }
 
 /// The log filter when `RUST_LOG` is unset: info for the service (`run`), warnings and errors

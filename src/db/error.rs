@@ -37,9 +37,12 @@ pub enum DbError {
 impl DbError {
     pub fn from_pg(e: tokio_postgres::Error) -> Self {
         match e.as_db_error() {
+            // Capped as every field from a message is (1 KiB): a trigger or a CHECK may echo
+            // the row's values in its message, and this text reaches log lines, events and
+            // reasons (found by the review: 30 KB retry lines).
             Some(db) => DbError::Server {
                 code: db.code().code().to_string(),
-                message: db.message().to_string(),
+                message: crate::amqp::headers::shown(db.message()).into_owned(),
             },
             None => DbError::Connection(flatten(&e)),
         }
