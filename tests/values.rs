@@ -692,3 +692,70 @@ async fn keep_stores_the_first_of_keys_equal_under_the_columns_type() {
         ]
     );
 }
+
+/// Found by the review: a BEFORE INSERT trigger that rewrites a value (`v := upper(v)`) made a
+/// redelivered copy of a stored message `id_conflict`: the copy was compared as sent with the
+/// row as the trigger wrote it, and the message ended in its table and parked. The copy is now
+/// compared with what an insert of it would write, the table's triggers included. And the API's
+/// `GET` of such a table, whose column is named `s` and NULL: the whole row (it answered the
+/// column's value, or panicked on NULL).
+#[tokio::test(flavor = "multi_thread")]
+async fn a_copy_is_a_copy_of_what_the_tables_triggers_wrote() {
+    let env = TestEnv::new("val_trigger").await;
+    let n = Names::of(&env, "trg");
+    let _c = n.cleanup();
+    env.db
+        .batch_execute(
+            "CREATE TABLE trg (k text PRIMARY KEY, v text, s text);
+             CREATE FUNCTION trg_upper() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN
+               NEW.v := upper(NEW.v); RETURN NEW; END $$;
+             CREATE TRIGGER trg_upper BEFORE INSERT OR UPDATE ON trg
+               FOR EACH ROW EXECUTE FUNCTION trg_upper()",
+        )
+        .await
+        .expect("create trg");
+    let config = entry(
+        &n,
+        "trg",
+        "trg",
+        "k",
+        "api = true",
+        (10, 50),
+        "k = { path = \"/k\", type = \"text\" }\nv = { path = \"/v\", type = \"text\" }",
+    );
+    let (_warren, _file, _logs) = declared_and_started(&env, config, "consumer,dlq,api").await;
+    // The message, then a copy of it (a redelivery, a publisher's retry), then other content.
+    for (id, body) in [
+        ("t-1", r#"{"k":"a","v":"abc"}"#),
+        ("t-2", r#"{"k":"a","v":"abc"}"#),
+        ("t-3", r#"{"k":"a","v":"xyz"}"#),
+    ] {
+        env.publish_to(&n.exchange, &n.queue, body.as_bytes(), with_id(id))
+            .await;
+        wait_queues_settled(&[&n.queue], Duration::from_secs(30)).await;
+    }
+    wait_until(
+        "the other content parked",
+        Duration::from_secs(30),
+        || async { !parked(&env, "trg", "t-3").await.is_empty() },
+    )
+    .await;
+    wait_queues_settled(&[&n.queue, &n.dlq], Duration::from_secs(30)).await;
+    assert!(
+        parked(&env, "trg", "t-2").await.is_empty(),
+        "the copy was parked"
+    );
+    assert_eq!(parked(&env, "trg", "t-3").await[0].0, "id_conflict");
+    assert_eq!(
+        count_of(&env, "SELECT count(*) FROM dead_letters").await,
+        1,
+        "only the other content parked"
+    );
+    wait_ready(&env, Duration::from_secs(30)).await;
+    let (status, body) = http(&env, "GET", "/api/v1/trg/a", None)
+        .await
+        .expect("GET answers");
+    assert_eq!(status, 200, "{body}");
+    let row: serde_json::Value = serde_json::from_str(&body).expect("JSON");
+    assert_eq!(row, serde_json::json!({"k": "a", "v": "ABC", "s": null}));
+}

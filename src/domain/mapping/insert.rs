@@ -54,6 +54,11 @@ pub(super) struct Statements {
     pub(super) probe_keep: Option<String>,
     /// The comparison of [`Statements::probe_compare`], of what the probe already holds.
     pub(super) probe_read: String,
+    /// Whether one record of the probe (`$1`, its ordinal) is what its key holds once the
+    /// table's own BEFORE INSERT triggers have made it the row an insert would write: an upsert
+    /// that changes the row only when it is the same (returning it then), run inside a
+    /// savepoint that is rolled back.
+    pub(super) probe_same: String,
 }
 
 /// The ordinal column of the probe (a name no mapped column can have: it has a space).
@@ -138,12 +143,33 @@ fn probe_statements(
             conflict = on_conflict_update(&names, key, v),
         )
     });
+    // As the insert would write it: `EXCLUDED` is the proposed row after the table's BEFORE
+    // INSERT triggers (a trigger that rewrites a value: the stored row holds what it wrote).
+    let same_after: Vec<String> = (0..columns.len())
+        .map(|i| match columns[i].ty {
+            ColType::Jsonb => format!(
+                "stored.{n}::jsonb IS NOT DISTINCT FROM EXCLUDED.{n}::jsonb",
+                n = names[i]
+            ),
+            _ => format!("stored.{n} IS NOT DISTINCT FROM EXCLUDED.{n}", n = names[i]),
+        })
+        .collect();
+    let same = format!(
+        "INSERT INTO {t} AS stored ({list}) SELECT {p_list} FROM pg_temp.warren_probe AS p \
+         WHERE p.{ORD} = $1 ON CONFLICT ({keys}) DO UPDATE SET {first} = EXCLUDED.{first} \
+         WHERE {same_after} RETURNING 1",
+        keys = keys.join(", "),
+        p_list = p_list.join(", "),
+        first = names[key[0]],
+        same_after = same_after.join(" AND "),
+    );
     Probe {
         table: create,
         compare,
         read,
         keep,
         upsert,
+        same,
     }
 }
 
@@ -161,6 +187,8 @@ struct Probe {
     /// `update`: the records into the probe, and from it the highest version of each key into
     /// the table.
     upsert: Option<String>,
+    /// See [`Statements::probe_same`].
+    same: String,
 }
 
 /// A statement that puts, for the rest of the transaction, the schema of each column type of
@@ -340,6 +368,7 @@ impl Statements {
             probe_upsert: probe.upsert,
             probe_keep: probe.keep,
             probe_read: probe.read,
+            probe_same: probe.same,
         }
     }
 }
@@ -509,6 +538,7 @@ pub(super) async fn insert(
                     skipped.push(i);
                 } else if let Some(record) = records.get(i)
                     && same.iter().any(|s| !s)
+                    && !same_after_triggers(st, client, i as i64 + 1).await?
                 {
                     let differs: Vec<&str> = mapping
                         .columns
@@ -601,6 +631,31 @@ async fn in_probe<T>(
     }
 }
 
+/// Whether record `ord` (1 on) of the probe is what its key holds once the table's BEFORE
+/// INSERT triggers have made it the row an insert would write (see
+/// [`Statements::probe_same`]): asked inside a savepoint rolled back, so nothing changes. An
+/// error (a trigger or a constraint refusing the row) is "not the same".
+async fn same_after_triggers(
+    st: &Statements,
+    client: &deadpool_postgres::Client,
+    ord: i64,
+) -> Result<bool, DbError> {
+    client
+        .batch_execute("SAVEPOINT warren_same")
+        .await
+        .map_err(DbError::from_pg)?;
+    let same = client.query(st.probe_same.as_str(), &[&ord]).await;
+    client
+        .batch_execute("ROLLBACK TO SAVEPOINT warren_same")
+        .await
+        .map_err(DbError::from_pg)?;
+    match same {
+        Ok(rows) => Ok(!rows.is_empty()),
+        Err(e) if e.as_db_error().is_some() => Ok(false),
+        Err(e) => Err(DbError::from_pg(e)),
+    }
+}
+
 /// Whether `record`'s key holds exactly its content (every mapped column the same), as
 /// PostgreSQL converts and compares it. A record the table cannot hold (a value too long, out
 /// of range, refused by its domain) is not stored, whatever a cast of it would equal.
@@ -615,9 +670,13 @@ pub(super) async fn stored(
     let params: Vec<&(dyn ToSql + Sync)> = arrays.iter().map(Array::as_param).collect();
     in_probe(&st.probe_table, client, false, async {
         match client.query(st.probe_compare.as_str(), &params).await {
-            Ok(rows) => Ok(rows
-                .iter()
-                .any(|row| row.get::<_, bool>(1) && row.get::<_, Vec<bool>>(2).iter().all(|s| *s))),
+            Ok(rows) => match rows.first() {
+                Some(row) if row.get::<_, bool>(1) => {
+                    Ok(row.get::<_, Vec<bool>>(2).iter().all(|s| *s)
+                        || same_after_triggers(st, client, 1).await?)
+                }
+                _ => Ok(false),
+            },
             // Data exceptions (22) and integrity violations (23: a domain's CHECK, NOT NULL of
             // a domain): the value cannot be stored as the insert would write it.
             Err(e)
@@ -801,13 +860,14 @@ pub(super) async fn find_by_key(
     );
     let sql = format!(
         "WITH p AS (INSERT INTO pg_temp.warren_key ({name}) SELECT $1::text::{ty} RETURNING {name}) \
-         SELECT to_jsonb(s)::text FROM {t} AS s JOIN p ON s.{name} = p.{name}"
+         SELECT to_jsonb(s.*)::text FROM {t} AS s JOIN p ON s.{name} = p.{name}"
     );
     rolled_back(client, &create, async {
-        Ok(client
-            .query_opt(&sql, &[&key])
-            .await?
-            .map(|row| row.get::<_, String>(0)))
+        // `s.*`, the whole row: `to_jsonb(s)` would be a column of the table named `s`.
+        match client.query_opt(&sql, &[&key]).await? {
+            Some(row) => Ok(row.try_get::<_, Option<String>>(0)?),
+            None => Ok(None),
+        }
     })
     .await
 }
