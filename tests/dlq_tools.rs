@@ -859,3 +859,42 @@ async fn bad_arguments_and_missing_objects_get_a_clear_error() {
     assert!(err.contains("cannot reach the broker"), "{err}");
     assert!(!err.contains("secret"), "{err}");
 }
+
+/// Found by the review: one parked row whose `headers` hold what warren cannot read back (a
+/// number beyond a double, written by another program) made `parked replay` fail for the whole
+/// pipeline ("error deserializing column 3"). Now that row alone is left untouched, named, and
+/// the others are replayed.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_parked_row_with_unreadable_headers_does_not_stop_the_others_replay() {
+    let env = TestEnv::new("dlqt_badhdr").await;
+    env.declare();
+    let good = Uuid::new_v4();
+    let seq_good = park(&env, Some(good), &user_body(good), "db_permanent").await;
+    let bad = Uuid::new_v4();
+    let seq_bad: i64 = env
+        .db
+        .query_one(
+            &format!(
+                "INSERT INTO {}.dead_letters (message_id, body, headers, error_kind, error_reason) \
+                 VALUES ($1, $2, '{{\"x-n\": 1e400}}'::jsonb, 'db_permanent', 'foreign') \
+                 RETURNING seq",
+                env.schema
+            ),
+            &[&bad.to_string(), &user_body(bad)],
+        )
+        .await
+        .expect("insert the foreign row")
+        .get(0);
+    let (_, err) = dlq(&env, &["parked", "replay"], 1);
+    assert!(
+        err.contains(&format!("row {seq_bad} is left untouched"))
+            && err.contains("cannot be read back"),
+        "{err}"
+    );
+    assert!(
+        replayed_at_set(&env, seq_good).await,
+        "the readable row was replayed"
+    );
+    assert!(!replayed_at_set(&env, seq_bad).await);
+    wait_depth(&env, &env.main_queue, 1).await;
+}

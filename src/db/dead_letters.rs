@@ -399,8 +399,10 @@ pub struct ToReplay {
     pub message_id: Option<String>,
     /// The body, byte for byte.
     pub body: Vec<u8>,
-    /// The AMQP headers as parked (JSON).
-    pub headers: Value,
+    /// The AMQP headers as parked (JSON); `Err` when the column holds what warren cannot read
+    /// back (a row written by another program: a number beyond a double), said for this row
+    /// alone.
+    pub headers: Result<Value, String>,
 }
 
 /// Locks and returns up to `limit` open rows of `pipeline` (of `kind` only, when given) after
@@ -417,7 +419,7 @@ pub async fn lock_for_replay(
 ) -> Result<Vec<ToReplay>, tokio_postgres::Error> {
     let rows = tx
         .query(
-            "SELECT seq, message_id, body, headers FROM dead_letters \
+            "SELECT seq, message_id, body, headers::text FROM dead_letters \
              WHERE replayed_at IS NULL AND seq > $1 AND ($2::text IS NULL OR error_kind = $2) \
                AND pipeline = $4 \
              ORDER BY seq LIMIT $3 FOR UPDATE SKIP LOCKED",
@@ -430,7 +432,11 @@ pub async fn lock_for_replay(
                 seq: r.try_get(0)?,
                 message_id: r.try_get(1)?,
                 body: r.try_get(2)?,
-                headers: r.try_get(3)?,
+                headers: match r.try_get::<_, Option<String>>(3)? {
+                    None => Ok(Value::Null),
+                    Some(text) => serde_json::from_str(&text)
+                        .map_err(|e| format!("its headers cannot be read back: {e}")),
+                },
             })
         })
         .collect()

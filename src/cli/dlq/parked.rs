@@ -296,7 +296,12 @@ async fn parked_replay_on(
         let mut stopped = false;
         for row in rows {
             after = row.seq;
-            let properties = match parked_properties(row.message_id.as_deref(), &row.headers) {
+            let properties = match row
+                .headers
+                .as_ref()
+                .map_err(String::clone)
+                .and_then(|h| parked_properties(row.message_id.as_deref(), h))
+            {
                 Ok(p) => p,
                 Err(e) => {
                     // A problem of this row only: leave it, go on with the others.
