@@ -269,6 +269,20 @@ async fn invalid_users_get_422_naming_the_field() {
         answer.body["error"].as_str().unwrap().contains("object"),
         "{answer:?}"
     );
+    // An unknown field (found by the review: stored without it, where the users pipeline
+    // refuses the same body): refused, naming it.
+    let answer = http.post(
+        "/api/v1/users",
+        r#"{"name":"Ana","email":"ana-extra@example.com","extra":1}"#,
+    );
+    assert_json_error(&answer, 422);
+    assert!(
+        answer.body["error"]
+            .as_str()
+            .unwrap()
+            .contains("unknown field \"extra\""),
+        "{answer:?}"
+    );
     // A key twice (found by the review: the API published the last reading, which the users
     // pipeline itself refuses as invalid_payload): refused, naming the key.
     let answer = http.post(

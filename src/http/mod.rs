@@ -258,6 +258,20 @@ async fn read_user(
             Vec::new(),
         ));
     };
+    // Unknown fields as the users pipeline reads them: refused, never dropped (it parks such a
+    // message as invalid_payload; the API must not publish a reading of it without them).
+    if let Some(unknown) = object
+        .keys()
+        .find(|k| !matches!(k.as_str(), "id" | "name" | "email"))
+    {
+        return Err(unprocessable(
+            &format!(
+                "unknown field {:?}, expected one of id, name, email",
+                crate::amqp::headers::shown(unknown)
+            ),
+            Vec::new(),
+        ));
+    }
     let mut errors = Vec::new();
     if let (Some(path_id), Some(given)) = (path_id, object.get("id")) {
         let matches = given
