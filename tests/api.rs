@@ -237,6 +237,13 @@ async fn invalid_users_get_422_naming_the_field() {
             json!({"name": "Ana", "email": true}).to_string(),
             "email",
         ),
+        // Found by the second review: ignored before (a new id was used instead).
+        (
+            "an id in a POST",
+            json!({"id": Uuid::new_v4().to_string(), "name": "Ana", "email": "a@example.com"})
+                .to_string(),
+            "id",
+        ),
     ];
     for (case, body, field) in &field_cases {
         let answer = http.post("/api/v1/users", body);

@@ -759,3 +759,77 @@ async fn a_copy_is_a_copy_of_what_the_tables_triggers_wrote() {
     let row: serde_json::Value = serde_json::from_str(&body).expect("JSON");
     assert_eq!(row, serde_json::json!({"k": "a", "v": "ABC", "s": null}));
 }
+
+/// Found by the second review: a BEFORE INSERT trigger that rewrites the key (`lower(k)`) made
+/// every redelivered copy `db_permanent` (its key as sent holds nothing), so the message ended
+/// in its table and parked; and a trigger that discards a row (returns NULL) made the message
+/// acked and counted as inserted while no table held it. Now the copy is a copy, and the
+/// discarded message is parked `db_permanent` saying why, once.
+#[tokio::test(flavor = "multi_thread")]
+async fn triggers_that_rewrite_the_key_or_discard_the_row_never_lose_or_double_a_message() {
+    let env = TestEnv::new("val_trgkey").await;
+    let a = Names::of(&env, "trgk");
+    let b = Names::of(&env, "trgd");
+    let _ca = a.cleanup();
+    let _cb = b.cleanup();
+    env.db
+        .batch_execute(
+            "CREATE TABLE trgk (k text PRIMARY KEY, v text);
+             CREATE FUNCTION trgk_lower() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN
+               NEW.k := lower(NEW.k); RETURN NEW; END $$;
+             CREATE TRIGGER trgk_lower BEFORE INSERT ON trgk
+               FOR EACH ROW EXECUTE FUNCTION trgk_lower();
+             CREATE TABLE trgd (k text PRIMARY KEY, v text);
+             CREATE FUNCTION trgd_drop() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN
+               IF NEW.v = 'drop' THEN RETURN NULL; END IF; RETURN NEW; END $$;
+             CREATE TRIGGER trgd_drop BEFORE INSERT ON trgd
+               FOR EACH ROW EXECUTE FUNCTION trgd_drop()",
+        )
+        .await
+        .expect("create the tables");
+    let columns = "k = { path = \"/k\", type = \"text\" }\nv = { path = \"/v\", type = \"text\" }";
+    let config = entry(&a, "trgk", "trgk", "k", "", (10, 50), columns)
+        + &entry(&b, "trgd", "trgd", "k", "", (10, 50), columns);
+    let (_warren, _file, _logs) = declared_and_started(&env, config, "consumer,dlq").await;
+    for (id, body) in [
+        ("k-1", r#"{"k":"KK","v":"abc"}"#),
+        ("k-2", r#"{"k":"KK","v":"abc"}"#),
+    ] {
+        env.publish_to(&a.exchange, &a.queue, body.as_bytes(), with_id(id))
+            .await;
+        wait_queues_settled(&[&a.queue], Duration::from_secs(30)).await;
+    }
+    for (id, body) in [
+        ("d-1", r#"{"k":"n1","v":"ok"}"#),
+        ("d-2", r#"{"k":"n2","v":"drop"}"#),
+        ("d-3", r#"{"k":"n3","v":"ok"}"#),
+    ] {
+        env.publish_to(&b.exchange, &b.queue, body.as_bytes(), with_id(id))
+            .await;
+    }
+    wait_until(
+        "the discarded message parked",
+        Duration::from_secs(30),
+        || async { !parked(&env, "trgd", "d-2").await.is_empty() },
+    )
+    .await;
+    wait_queues_settled(
+        &[&a.queue, &a.dlq, &b.queue, &b.dlq],
+        Duration::from_secs(30),
+    )
+    .await;
+    assert!(
+        parked(&env, "trgk", "k-2").await.is_empty(),
+        "the copy was parked"
+    );
+    assert_eq!(
+        count_of(&env, "SELECT count(*) FROM trgk WHERE k = 'kk'").await,
+        1
+    );
+    let fates = parked(&env, "trgd", "d-2").await;
+    assert_eq!(fates.len(), 1, "{fates:?}");
+    assert_eq!(fates[0].0, "db_permanent", "{fates:?}");
+    assert!(fates[0].1.contains("discarded"), "{fates:?}");
+    assert_eq!(count_of(&env, "SELECT count(*) FROM trgd").await, 2);
+    assert_eq!(count_of(&env, "SELECT count(*) FROM dead_letters").await, 1);
+}

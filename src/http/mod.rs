@@ -273,6 +273,15 @@ async fn read_user(
         ));
     }
     let mut errors = Vec::new();
+    // A POST chooses the id (new, or from its Idempotency-Key): an id in its body would be
+    // ignored, so it is refused; a PUT's must be its path's.
+    if path_id.is_none() && object.contains_key("id") {
+        errors.push(FieldError {
+            field: "id",
+            message: "is chosen by the API in a POST (use PUT /api/v1/users/{id} to give one)"
+                .into(),
+        });
+    }
     if let (Some(path_id), Some(given)) = (path_id, object.get("id")) {
         let matches = given
             .as_str()

@@ -506,10 +506,18 @@ pub(super) async fn insert(
     if let Some(sql) = &st.insert_new
         && let Some(rows) = crate::domain::insert_if_all_new(client, sql, &params).await?
     {
-        return Ok(Inserted {
-            rows,
-            ..Default::default()
-        });
+        if rows == records.len() as u64 {
+            return Ok(Inserted {
+                rows,
+                ..Default::default()
+            });
+        }
+        // Fewer rows than records and no error: the table discarded some (a BEFORE INSERT
+        // trigger returned NULL). Which ones, the probe's path says (written: copies now; not
+        // written and their key not held: parked, never acked as inserted).
+        tracing::warn!(pipeline = %mapping.pipeline, records = records.len(), written = rows,
+            "the table wrote fewer rows than the batch had (a trigger discarding rows?); \
+             finding which through the probe");
     }
     if let Some(keep) = &st.probe_keep {
         // keep, and some key is held or repeated: the batch through the probe, in one
@@ -535,7 +543,12 @@ pub(super) async fn insert(
                 let stored: bool = row.get(1);
                 let same: Vec<bool> = row.get(2);
                 if !stored {
-                    skipped.push(i);
+                    // Its key, as sent, holds nothing: a copy whose key a BEFORE INSERT trigger
+                    // rewrote (`lower(k)`) is still a copy; else another unique index, or the
+                    // table, refused it.
+                    if !same_after_triggers(st, client, i as i64 + 1).await? {
+                        skipped.push(i);
+                    }
                 } else if let Some(record) = records.get(i)
                     && same.iter().any(|s| !s)
                     && !same_after_triggers(st, client, i as i64 + 1).await?
@@ -795,7 +808,9 @@ async fn unique_holders(
         .map(|&i| {
             let reason = reasons.remove(&i).unwrap_or_else(|| {
                 format!(
-                    "refused by a unique index of {} (skipped by ON CONFLICT DO NOTHING)",
+                    "not written, and no unique index of {} holds its values: a unique index \
+                     over an expression or a BEFORE INSERT trigger of the table refused or \
+                     discarded it (skipped by ON CONFLICT DO NOTHING)",
                     mapping.table
                 )
             });
