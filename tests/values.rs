@@ -833,3 +833,51 @@ async fn triggers_that_rewrite_the_key_or_discard_the_row_never_lose_or_double_a
     assert_eq!(count_of(&env, "SELECT count(*) FROM trgd").await, 2);
     assert_eq!(count_of(&env, "SELECT count(*) FROM dead_letters").await, 1);
 }
+
+/// Found by the second review: a key in the API's path that is not UTF-8 (`%FF`) was decoded
+/// to U+FFFD, and GET answered the row of that other key. It is a 400 now.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_path_key_that_is_not_utf8_is_a_400_not_another_row() {
+    let env = TestEnv::new("val_pathkey").await;
+    let n = Names::of(&env, "pk");
+    let _c = n.cleanup();
+    env.db
+        .batch_execute("CREATE TABLE pk (k text PRIMARY KEY, v text)")
+        .await
+        .expect("create pk");
+    let config = entry(
+        &n,
+        "pk",
+        "pk",
+        "k",
+        "api = true",
+        (10, 20),
+        "k = { path = \"/k\", type = \"text\" }\nv = { path = \"/v\", type = \"text\" }",
+    );
+    let (_warren, _file, _logs) = declared_and_started(&env, config, "consumer,dlq,api").await;
+    wait_ready(&env, Duration::from_secs(30)).await;
+    let (status, body) = http(
+        &env,
+        "POST",
+        "/api/v1/pk",
+        Some("{\"k\":\"\u{fffd}\",\"v\":\"r\"}"),
+    )
+    .await
+    .expect("POST answers");
+    assert_eq!(status, 200, "{body}");
+    wait_until("the row stored", Duration::from_secs(30), || async {
+        count_of(&env, "SELECT count(*) FROM pk").await == 1
+    })
+    .await;
+    for path in ["/api/v1/pk/%FF", "/api/v1/pk/%C3"] {
+        let (status, body) = http(&env, "GET", path, None).await.expect("GET answers");
+        assert_eq!(status, 400, "{path}: {body}");
+    }
+    let (status, body) = http(&env, "GET", "/api/v1/pk/%EF%BF%BD", None)
+        .await
+        .expect("GET answers");
+    assert_eq!(
+        status, 200,
+        "the key U+FFFD written as UTF-8 is found: {body}"
+    );
+}

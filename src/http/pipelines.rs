@@ -218,11 +218,14 @@ async fn post(
 /// `PUT /api/v1/<name>/<key>`: as `POST`, for a body whose key is the one in the path.
 async fn put(
     req: HttpRequest,
-    path: web::Path<String>,
     payload: web::Payload,
     state: web::Data<AppState>,
     api: web::Data<PipelineApi>,
 ) -> HttpResponse {
+    let path = match path_key(&req) {
+        Ok(key) => key,
+        Err(response) => return *response,
+    };
     let body = match read_body(&req, payload).await {
         Ok(b) => b,
         Err(response) => return response,
@@ -255,6 +258,41 @@ async fn put(
     }
 }
 
+/// The key of the request's path (its last segment), percent-decoded strictly: bytes that are
+/// not UTF-8 (`%FF`, a cut `%C3`) are no text key, so a 400, never read as U+FFFD and answered
+/// with the row of that other key (found by the review).
+fn path_key(req: &HttpRequest) -> Result<String, Box<HttpResponse>> {
+    let raw = req.uri().path().rsplit('/').next().unwrap_or_default();
+    let bytes = raw.as_bytes();
+    let mut out = Vec::with_capacity(bytes.len());
+    let mut i = 0;
+    while i < bytes.len() {
+        let hex = |b: u8| (b as char).to_digit(16);
+        match bytes[i] {
+            b'%' if i + 2 < bytes.len() => match (hex(bytes[i + 1]), hex(bytes[i + 2])) {
+                (Some(h), Some(l)) => {
+                    out.push((h * 16 + l) as u8);
+                    i += 3;
+                }
+                _ => {
+                    out.push(b'%');
+                    i += 1;
+                }
+            },
+            b => {
+                out.push(b);
+                i += 1;
+            }
+        }
+    }
+    String::from_utf8(out).map_err(|_| {
+        Box::new(error(
+            StatusCode::BAD_REQUEST,
+            "the key in the path is not UTF-8 text (percent-decoded)".to_string(),
+        ))
+    })
+}
+
 /// Whether `e` says a key cannot be held by its column (a data exception, or a domain's CHECK).
 fn unfit_key(e: &tokio_postgres::Error) -> bool {
     e.code()
@@ -264,11 +302,14 @@ fn unfit_key(e: &tokio_postgres::Error) -> bool {
 /// `GET /api/v1/<name>/<key>`: the row; else the fate of a parked message with that key as its
 /// id; else 404. A key the column's type cannot hold is a 400.
 async fn get(
-    path: web::Path<String>,
+    req: HttpRequest,
     state: web::Data<AppState>,
     api: web::Data<PipelineApi>,
 ) -> HttpResponse {
-    let key = path.into_inner();
+    let key = match path_key(&req) {
+        Ok(key) => key,
+        Err(response) => return *response,
+    };
     let api = api.into_inner();
     let lookup = {
         let api = api.clone();
