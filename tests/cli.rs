@@ -573,3 +573,35 @@ async fn publish_stdin_keeps_its_rate() {
     assert!(secs >= 0.97, "40 lines at 40 msg/s in {secs} s: {stdout}");
     assert_eq!(env.queue_state(&env.main_queue).await.0, 40);
 }
+
+/// Found by the second review: a line of `publish --stdin` that is not UTF-8 ended the input
+/// there (exit 0, the lines after it unpublished). It is named and skipped like a line that is
+/// not JSON, and the lines after it are published.
+#[tokio::test(flavor = "multi_thread")]
+async fn publish_stdin_skips_a_line_that_is_not_utf8_and_goes_on() {
+    let env = TestEnv::new("cli_pub_utf8").await;
+    env.declare();
+    let mut child = env
+        .command(&["publish", "--stdin"])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("start warren publish");
+    {
+        let mut stdin = child.stdin.take().unwrap();
+        stdin.write_all(&user_body(Uuid::new_v4())).unwrap();
+        stdin.write_all(b"\n{\"name\":\"a\xff\"}\n").unwrap();
+        stdin.write_all(&user_body(Uuid::new_v4())).unwrap();
+        stdin.write_all(b"\n").unwrap();
+    }
+    let out = tokio::task::block_in_place(|| child.wait_with_output()).expect("publish");
+    let (stdout, stderr) = (
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr),
+    );
+    assert_eq!(out.status.code(), Some(0), "{stdout}{stderr}");
+    assert!(stdout.contains("published 2 messages"), "{stdout}");
+    assert!(stderr.contains("line 2: not UTF-8, skipped"), "{stderr}");
+    assert_eq!(env.queue_state(&env.main_queue).await.0, 2);
+}

@@ -1,6 +1,7 @@
 //! `warren publish`: a load generator (`--count N [--rate R] [--invalid-every K]`) and a JSON
 //! lines publisher (`--stdin`), both with publisher confirms and pipelined publishes.
 
+use std::io::Write as _;
 use std::time::{Duration, Instant};
 
 use actix::{Actor, Addr};
@@ -185,22 +186,42 @@ fn not_confirmed(line: u64, id: &str, error: &str) -> String {
     format!("line {line} (id {id}) not confirmed: {error}")
 }
 
-/// Standard input as numbered, non-empty lines.
+/// Standard input as numbered, non-empty lines. A line that is not UTF-8 is named and skipped
+/// like a line that is not JSON, and the lines after it are read (found by the review: it ended
+/// the input there, with exit 0 and the rest unpublished).
 fn tokio_stream_lines() -> futures::stream::BoxStream<'static, (u64, String)> {
     let reader = tokio::io::BufReader::new(tokio::io::stdin());
-    futures::stream::unfold((reader.lines(), 0u64), |(mut lines, n)| async move {
-        loop {
-            match lines.next_line().await {
-                Ok(Some(line)) if line.trim().is_empty() => continue,
-                Ok(Some(line)) => return Some(((n + 1, line), (lines, n + 1))),
-                Ok(None) => return None,
-                Err(e) => {
-                    eprintln!("warren publish: cannot read standard input: {e}");
-                    return None;
+    futures::stream::unfold(
+        (reader.split(b'\n'), 0u64),
+        |(mut lines, mut n)| async move {
+            loop {
+                match lines.next_segment().await {
+                    Ok(Some(bytes)) => {
+                        n += 1;
+                        match String::from_utf8(bytes) {
+                            Ok(line) if line.trim().is_empty() => continue,
+                            Ok(line) => return Some(((n, line), (lines, n))),
+                            Err(_) => {
+                                let _ = writeln!(
+                                    std::io::stderr(),
+                                    "warren publish: line {n}: not UTF-8, skipped"
+                                );
+                                continue;
+                            }
+                        }
+                    }
+                    Ok(None) => return None,
+                    Err(e) => {
+                        let _ = writeln!(
+                            std::io::stderr(),
+                            "warren publish: cannot read standard input: {e}"
+                        );
+                        return None;
+                    }
                 }
             }
-        }
-    })
+        },
+    )
     .boxed()
 }
 
