@@ -217,3 +217,33 @@ fn a_line_that_is_not_utf8_is_its_own_verdict_and_the_next_lines_are_checked() {
     assert!(stdout.contains("3: ok "), "{stdout}");
     assert!(stdout.contains("2 accepted, 1 refused"), "{stdout}");
 }
+
+/// Found by the second review: `pipelines test` said "ok" to a body over `MAX_MESSAGE_BYTES`,
+/// which the pipeline refuses unread. It says what the pipeline would.
+#[test]
+fn a_body_over_max_message_bytes_is_refused_as_the_pipeline_refuses_it() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let config = dir.path().join("warren.toml");
+    std::fs::write(&config, format!("max_message_bytes = 100\n{ORDERS}")).expect("config");
+    let input = dir.path().join("lines.jsonl");
+    std::fs::write(&input, format!("{GOOD}\n")).expect("input");
+    let out = Command::new(warren_bin())
+        .arg("--config")
+        .arg(&config)
+        .args(["pipelines", "test", "orders"])
+        .arg(&input)
+        .output()
+        .expect("run warren");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(
+        out.status.code(),
+        Some(1),
+        "{stdout}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        stdout.contains("1: invalid_payload body of")
+            && stdout.contains("exceeds MAX_MESSAGE_BYTES (100)"),
+        "{stdout}"
+    );
+}

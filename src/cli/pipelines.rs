@@ -211,7 +211,15 @@ pub fn test(
         } else {
             (line, None)
         };
+        // Refused unread over the size limit, as the pipeline's processor refuses it.
         let verdict = match &mapping {
+            _ if body.len() > settings.max_message_bytes => {
+                Err(crate::domain::Rejection::payload(format!(
+                    "body of {} bytes exceeds MAX_MESSAGE_BYTES ({})",
+                    body.len(),
+                    settings.max_message_bytes
+                )))
+            }
             Some(m) => m
                 .decode_message(&body, headers.as_ref())
                 .map(|row| row_json(m.columns().map(|(c, _, _)| c), &row)),
