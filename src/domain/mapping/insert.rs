@@ -54,6 +54,9 @@ pub(super) struct Statements {
     pub(super) probe_keep: Option<String>,
     /// The comparison of [`Statements::probe_compare`], of what the probe already holds.
     pub(super) probe_read: String,
+    /// Per column, its enum type's name for a `text` column written to an enum (empty: built
+    /// without the catalog).
+    pub(super) casts: Vec<Option<String>>,
     /// Whether one record of the probe (`$1`, its ordinal) is what its key holds once the
     /// table's own BEFORE INSERT triggers have made it the row an insert would write: an upsert
     /// that changes the row only when it is the same (returning it then), run inside a
@@ -369,6 +372,7 @@ impl Statements {
             probe_keep: probe.keep,
             probe_read: probe.read,
             probe_same: probe.same,
+            casts: casts.to_vec(),
         }
     }
 }
@@ -861,7 +865,11 @@ pub(super) async fn find_by_key(
     };
     let column = &mapping.columns[*k];
     let name = quote(&column.name);
-    let casts = enum_casts(mapping, client).await.unwrap_or_default();
+    // The casts read once per mapping with its statements, not a catalog query per GET.
+    let casts = match statements(mapping, client).await {
+        Ok(st) => st.casts.clone(),
+        Err(_) => Vec::new(),
+    };
     let ty = casts
         .get(*k)
         .cloned()
