@@ -4,7 +4,8 @@
 # database. Idempotent: whatever is already done is left alone. Run as root or with sudo.
 #   --with-promtool   also install what the tests need beyond the servers: Debian's prometheus
 #                     package (`promtool`, `prometheus`) and, if missing, systemd's
-#                     `systemd-analyze` (the unit checks of tests/deploy.rs)
+#                     `systemd-analyze` (the unit checks of tests/deploy.rs), and podman,
+#                     buildah and runc (the image and Kubernetes tests)
 set -euo pipefail
 WITH_PROMTOOL=""
 for arg in "$@"; do
@@ -81,6 +82,10 @@ if [ -n "$WITH_PROMTOOL" ]; then
   fi
   if ! command -v systemd-analyze >/dev/null; then
     install_pkg systemd
+  fi
+  # The container image and the Kubernetes manifests (tests/image.rs, tests/kube.rs).
+  if ! command -v podman >/dev/null || ! command -v buildah >/dev/null; then
+    install_pkg podman buildah runc
   fi
 fi
 

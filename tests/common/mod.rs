@@ -39,6 +39,8 @@
 //! - `raw_amqp` (by path): a frame-by-frame AMQP publisher for what no client library sends.
 //! - `hostile` (by path): messages drawn from everything AMQP 0-9-1 lets a publisher send, for
 //!   the ledger, and `key_of`, which finds a parked row's ledger key.
+//! - `container` (by path, `common::container::...`): podman as this machine needs it, this
+//!   build's image (`scripts/image.sh`), containers removed on drop.
 //! - `cluster` (by path, `common::cluster::...`): the RabbitMQ test cluster
 //!   (`WARREN_TEST_CLUSTER_URLS`), `ClusterEnv`, its queues as the cluster lists them, and
 //!   `QueueCleanup` for queues beyond a `TestEnv`'s own (retry tiers).
@@ -46,6 +48,7 @@
 
 mod broker;
 pub mod cluster;
+pub mod container;
 mod db;
 mod env;
 pub mod hostile;

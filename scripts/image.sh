@@ -1,0 +1,89 @@
+#!/usr/bin/env bash
+# Builds warren's container image, localhost/warren:<version> and localhost/warren:latest, from a
+# warren binary (the release build by default, built if missing), with podman (buildah) or
+# docker. Nothing is pulled: the image is assembled FROM scratch out of the binary, the shared
+# libraries it links (as `ldd` names them), the CA bundle (for amqps://), an /etc/passwd with the
+# user warren (65532) and the commented defaults (deploy/container/Containerfile).
+#
+#   scripts/image.sh [--bin PATH] [--tag NAME] [--engine podman|docker]
+#     --bin PATH     the binary to package (default target/release/warren)
+#     --tag NAME     the image name (default localhost/warren); tagged :<version> and :latest
+#     --engine E     podman or docker (default: podman if installed, else docker)
+#
+# Prints the image's name:version on stdout as its last line.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+BIN=""
+NAME="localhost/warren"
+ENGINE=""
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --bin) BIN="$2"; shift 2 ;;
+    --tag) NAME="$2"; shift 2 ;;
+    --engine) ENGINE="$2"; shift 2 ;;
+    *) echo "image: unknown argument $1 (expected --bin PATH, --tag NAME, --engine podman|docker)" >&2; exit 2 ;;
+  esac
+done
+log() { printf 'image: %s\n' "$*" >&2; }
+
+if [ -z "$ENGINE" ]; then
+  if command -v podman >/dev/null; then ENGINE=podman
+  elif command -v docker >/dev/null; then ENGINE=docker
+  else log "neither podman nor docker is installed (Debian: apt-get install podman buildah runc)"; exit 1; fi
+fi
+case "$ENGINE" in podman|docker) ;; *) log "--engine: expected podman or docker, got $ENGINE"; exit 2 ;; esac
+
+if [ -z "$BIN" ]; then
+  BIN=target/release/warren
+  if [ ! -x "$BIN" ]; then
+    log "building the release binary (cargo build --release --locked)"
+    cargo build --release --locked >&2
+  fi
+fi
+[ -x "$BIN" ] || { log "--bin: $BIN is not an executable file"; exit 2; }
+VERSION="$("$BIN" --version | awk '{print $2}')"
+[ -n "$VERSION" ] || { log "$BIN --version printed no version"; exit 1; }
+
+CTX="$(mktemp -d)"
+trap 'rm -rf "$CTX"' EXIT
+ROOT="$CTX/rootfs"
+mkdir -p "$ROOT/usr/local/bin" "$ROOT/etc/warren" "$ROOT/etc/ssl/certs" "$ROOT/tmp"
+install -m 0755 "$BIN" "$ROOT/usr/local/bin/warren"
+# The dynamic loader and every library the binary links, at the paths the binary asks for.
+for lib in $(ldd "$BIN" | awk '/=> \// {print $3} /^\s*\/[^ ]+ \(/ {print $1}'); do
+  mkdir -p "$ROOT$(dirname "$lib")"
+  cp -L "$lib" "$ROOT$lib"
+done
+if [ -f /etc/ssl/certs/ca-certificates.crt ]; then
+  cp -L /etc/ssl/certs/ca-certificates.crt "$ROOT/etc/ssl/certs/ca-certificates.crt"
+else
+  log "no /etc/ssl/certs/ca-certificates.crt on this host: the image can reach amqps:// brokers only with a CA bundle mounted there"
+fi
+printf 'root:x:0:0:root:/root:/sbin/nologin\nwarren:x:65532:65532:warren:/nonexistent:/sbin/nologin\n' >"$ROOT/etc/passwd"
+printf 'root:x:0:\nwarren:x:65532:\n' >"$ROOT/etc/group"
+chmod 1777 "$ROOT/tmp"
+# The defaults are built into the binary (`warren config` prints them); the commented file is
+# there to read. A deployment mounts its pipelines file (for example at /etc/warren/) and names
+# it with WARREN_CONFIG; settings come from the environment.
+mkdir -p "$ROOT/usr/share/doc/warren"
+install -m 0644 config/default.toml LICENSE-MIT LICENSE-APACHE "$ROOT/usr/share/doc/warren/"
+cp deploy/container/Containerfile "$CTX/Containerfile"
+
+REVISION="$(git rev-parse HEAD 2>/dev/null || echo unknown)"
+# Where the source is: SOURCE_URL, else the checkout's origin remote (a label needs a URL).
+SOURCE="${SOURCE_URL:-$(git remote get-url origin 2>/dev/null || true)}"
+SOURCE_LABEL=()
+if [ -n "$SOURCE" ]; then SOURCE_LABEL=(--label "org.opencontainers.image.source=$SOURCE"); fi
+log "building $NAME:$VERSION with $ENGINE from $BIN"
+"$ENGINE" build --quiet -f "$CTX/Containerfile" \
+  --label "org.opencontainers.image.title=warren" \
+  --label "org.opencontainers.image.description=Moves RabbitMQ messages into PostgreSQL through a supervised, batched pipeline" \
+  --label "org.opencontainers.image.version=$VERSION" \
+  --label "org.opencontainers.image.revision=$REVISION" \
+  "${SOURCE_LABEL[@]}" \
+  --label "org.opencontainers.image.licenses=MIT OR Apache-2.0" \
+  -t "$NAME:$VERSION" -t "$NAME:latest" "$CTX" >&2
+SIZE="$("$ENGINE" image inspect --format '{{.Size}}' "$NAME:$VERSION")"
+log "$NAME:$VERSION, $((SIZE / 1000000)) MB"
+echo "$NAME:$VERSION"

@@ -1,0 +1,197 @@
+//! The container image (`scripts/image.sh`, `deploy/container/Containerfile`), built and run
+//! here with podman: its configuration (non-root, `warren` the entrypoint, `run` the command,
+//! OCI labels, nothing in it but the binary and what it needs), then `declare` and `run` as
+//! containers on the host network against the real servers: every published user lands once,
+//! and `podman stop` (SIGTERM to warren as PID 1) drains, exits 0 and leaves the queue empty,
+//! also in the middle of a backlog. The start-to-ready and SIGTERM-to-exit times are printed.
+//!
+//! The tests package this build's own binary (`--bin`), so they test the code under test;
+//! `scripts/image.sh` without `--bin` packages the release build (docs/deploying.md gives its
+//! size). podman comes with `./scripts/setup.sh --with-promtool` (Debian's podman, buildah and
+//! runc); without it these tests fail and say so.
+
+mod common;
+
+use std::collections::HashSet;
+use std::time::{Duration, Instant};
+
+use common::container::{Container, RemoveImage, image, logs};
+use common::*;
+
+/// `podman run` arguments giving the container `env`'s settings, on the host network (the
+/// servers listen on 127.0.0.1, as do the container's listeners).
+fn run_args(env: &TestEnv, name: &str, detach: bool) -> Vec<String> {
+    let mut args = vec!["run".to_string(), "--network=host".into()];
+    if detach {
+        args.extend(["--detach".into(), "--name".into(), name.into()]);
+    } else {
+        args.push("--rm".into());
+    }
+    for (key, value) in &env.vars {
+        args.extend(["--env".into(), format!("{key}={value}")]);
+    }
+    args.push(image().name.clone());
+    args
+}
+
+fn as_strs(args: &[String]) -> Vec<&str> {
+    args.iter().map(String::as_str).collect()
+}
+
+/// Starts `warren run` (the image's default command) in a container and waits until it is
+/// ready; how long that took.
+async fn start(env: &TestEnv, name: &str) -> (Container, Duration) {
+    let started = Instant::now();
+    image().engine.ok(&as_strs(&run_args(env, name, true)));
+    let container = Container { name: name.into() };
+    wait_until(
+        "the container's /readyz 200",
+        Duration::from_secs(60),
+        || async { matches!(metrics_get(env, "/readyz").await, Some((200, _))) },
+    )
+    .await;
+    (container, started.elapsed())
+}
+
+/// `podman stop` with a grace period above `SHUTDOWN_TIMEOUT_MS`: the exit code and how long
+/// the stop took.
+async fn stop(container: &Container) -> (i64, Duration) {
+    let engine = &image().engine;
+    let began = Instant::now();
+    let name = container.name.clone();
+    tokio::task::spawn_blocking(move || image().engine.ok(&["stop", "--time", "40", &name]))
+        .await
+        .expect("join");
+    let took = began.elapsed();
+    let code = engine.ok(&[
+        "inspect",
+        "--format",
+        "{{.State.ExitCode}}",
+        &container.name,
+    ]);
+    (
+        code.parse()
+            .unwrap_or_else(|_| panic!("podman inspect printed {code:?}, not an exit code")),
+        took,
+    )
+}
+
+/// One test, in three parts, so that the image is built once and removed at the end.
+#[tokio::test]
+async fn the_image_builds_runs_and_stops_as_a_deployment_needs() {
+    let _remove = RemoveImage;
+    the_image_runs_as_a_non_root_user_with_warren_run_and_holds_nothing_else();
+    a_container_declares_runs_and_stops_within_its_grace_period_losing_nothing().await;
+    podman_stop_in_the_middle_of_a_backlog_gives_back_what_it_did_not_store().await;
+}
+
+fn the_image_runs_as_a_non_root_user_with_warren_run_and_holds_nothing_else() {
+    let image = image();
+    let engine = &image.engine;
+    let config = engine.ok(&[
+        "image",
+        "inspect",
+        "--format",
+        "{{.Config.User}}|{{json .Config.Entrypoint}}|{{json .Config.Cmd}}|{{json .Config.Labels}}",
+        &image.name,
+    ]);
+    let parts: Vec<&str> = config.splitn(4, '|').collect();
+    assert_eq!(parts.len(), 4, "{config}");
+    assert_eq!(parts[0], "65532:65532", "the image's user");
+    assert_eq!(parts[1], r#"["/usr/local/bin/warren"]"#);
+    assert_eq!(parts[2], r#"["run"]"#);
+    let labels: serde_json::Value = serde_json::from_str(parts[3]).expect("labels are JSON");
+    assert_eq!(
+        labels["org.opencontainers.image.version"],
+        env!("CARGO_PKG_VERSION")
+    );
+    assert_eq!(
+        labels["org.opencontainers.image.licenses"],
+        "MIT OR Apache-2.0"
+    );
+    assert!(labels["org.opencontainers.image.revision"].is_string());
+    // No shell: the image holds the binary and what it links, nothing to run commands with.
+    let shell = engine.output(&[
+        "run",
+        "--rm",
+        "--entrypoint",
+        "/bin/sh",
+        &image.name,
+        "-c",
+        "true",
+    ]);
+    assert!(!shell.status.success(), "the image has a shell");
+    // Everything but the binary is small: libraries, CA bundle, passwd, configuration.
+    let size: u64 = engine
+        .ok(&["image", "inspect", "--format", "{{.Size}}", &image.name])
+        .parse()
+        .expect("a size");
+    let binary = std::fs::metadata(bin()).expect("the binary").len();
+    assert!(
+        size.saturating_sub(binary) < 8_000_000,
+        "the image is {size} bytes, the binary {binary}: more than 8 MB besides it"
+    );
+    // The user warren runs it with the defaults built in: the users pipeline's raffle_* names.
+    let out = engine.output(&["run", "--rm", &image.name, "config"]);
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{text}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(text.contains("main_queue = \"raffle_queue\""), "{text}");
+}
+
+async fn a_container_declares_runs_and_stops_within_its_grace_period_losing_nothing() {
+    let env = TestEnv::new("image_run").await;
+    let mut declare = run_args(&env, "", false);
+    declare.push("declare".into());
+    let out = image().engine.output(&as_strs(&declare));
+    assert!(
+        out.status.success(),
+        "declare in a container:\n{}\n{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        env.queue_exists(&env.main_queue).await,
+        "declare made no main queue"
+    );
+
+    let name = format!("{}_run", env.id);
+    let (container, ready_after) = start(&env, &name).await;
+    let ids = env.publish_users(500).await;
+    let expected: HashSet<_> = ids.iter().copied().collect();
+    assert_rows_exactly(&env, &expected, Duration::from_secs(60), &|| logs(&name)).await;
+    let (exit, stop_took) = stop(&container).await;
+    assert_eq!(exit, 0, "the container's exit code; logs:\n{}", logs(&name));
+    assert_queue_empty(&env, &env.main_queue).await;
+    eprintln!("image: start to /readyz 200 {ready_after:?}, podman stop to exit {stop_took:?}");
+}
+
+async fn podman_stop_in_the_middle_of_a_backlog_gives_back_what_it_did_not_store() {
+    let env = TestEnv::new("image_stop").await;
+    env.declare();
+    let ids = env.publish_users(20_000).await;
+    let name = format!("{}_a", env.id);
+    let (first, _) = start(&env, &name).await;
+    wait_until("the first rows", Duration::from_secs(60), || async {
+        env.count_rows().await > 0
+    })
+    .await;
+    let (exit, took) = stop(&first).await;
+    assert_eq!(exit, 0, "a stop mid-backlog; logs:\n{}", logs(&name));
+    assert!(
+        took < Duration::from_secs(35),
+        "podman stop took {took:?}: past SHUTDOWN_TIMEOUT_MS, podman would have killed it"
+    );
+    // What it did not store is with the broker, and a second container stores it, each once.
+    let name = format!("{}_b", env.id);
+    let (second, _) = start(&env, &name).await;
+    let expected: HashSet<_> = ids.iter().copied().collect();
+    assert_rows_exactly(&env, &expected, Duration::from_secs(120), &|| logs(&name)).await;
+    let (exit, _) = stop(&second).await;
+    assert_eq!(exit, 0, "logs:\n{}", logs(&name));
+    assert_queue_empty(&env, &env.main_queue).await;
+    assert_queue_empty(&env, &env.dlq_queue).await;
+}
