@@ -14,6 +14,7 @@ use crate::amqp::publisher::Publish;
 use crate::amqp::republish::{self, Stamp};
 use crate::amqp::transfer::{self, Route, Stop};
 use crate::amqp::{self, AmqpError};
+use crate::cli::out::{self, outln};
 use crate::config::{Settings, redact_url};
 
 #[derive(Debug, clap::Args)]
@@ -119,14 +120,15 @@ pub async fn execute(settings: &Settings, args: Args) -> anyhow::Result<i32> {
     signals.abort();
     let tally = result?;
     let left = left.map_or_else(|| "unknown".into(), |(m, _)| m.to_string());
-    println!(
+    // A closed stdout loses the report, never the exit code of a failure or an interrupt.
+    out::unless_closed(outln!(
         "moved {} from {} to {} ({}); {left} left in {}",
         plural(tally.moved),
         plan.source,
         plan.target.exchange_text(),
         plan.target.key_text(),
         plan.source,
-    );
+    ))?;
     if let Some(failure) = tally.failure {
         eprintln!("warren move: stopped: {failure}");
         return Ok(1);

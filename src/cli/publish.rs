@@ -13,6 +13,7 @@ use uuid::Uuid;
 
 use crate::amqp::headers;
 use crate::amqp::publisher::{Close, IsConnected, Publish, Publisher, json_properties};
+use crate::cli::out::{self, outln};
 use crate::config::{Settings, redact_url};
 
 #[derive(Debug, clap::Args)]
@@ -169,10 +170,11 @@ pub async fn execute(settings: &Settings, args: Args) -> anyhow::Result<i32> {
     }
     let secs = started.elapsed().as_secs_f64();
     let _ = publisher.send(Close).await;
-    println!(
+    // A closed stdout loses the report, never the exit code of a failure.
+    out::unless_closed(outln!(
         "published {published} messages in {secs:.2} s ({:.0} msg/s), {failed} failed",
         published as f64 / secs.max(1e-9)
-    );
+    ))?;
     if let Some(e) = first_error {
         eprintln!("warren publish: first failure: {e}");
         return Ok(1);
