@@ -208,6 +208,22 @@ async fn every_subcommand_stops_quietly_when_its_reader_goes_away() {
         assert!(!first.trim().is_empty(), "warren {args:?} printed nothing");
         assert_quiet(&args, code, &err);
     }
+    // A closed stderr loses the notes beside the answer, never the answer (no panic).
+    let (reader, writer) = std::io::pipe().expect("pipe");
+    drop(reader);
+    let out = env
+        .command(&["dlq", "parked", "list", "--json", "--limit", "300"])
+        .stdin(Stdio::null())
+        .stderr(writer)
+        .output()
+        .expect("run warren");
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "parked list --json with stderr closed: {:?}",
+        out.status
+    );
+    assert_eq!(String::from_utf8_lossy(&out.stdout).lines().count(), 300);
     let _ = std::fs::remove_file(&input);
 }
 

@@ -14,7 +14,7 @@ use crate::amqp::publisher::Publish;
 use crate::amqp::republish::{self, Stamp};
 use crate::amqp::transfer::{self, Route, Stop};
 use crate::amqp::{self, AmqpError};
-use crate::cli::out::{self, outln};
+use crate::cli::out::{self, errln, outln};
 use crate::config::{Settings, redact_url};
 
 #[derive(Debug, clap::Args)]
@@ -130,11 +130,11 @@ pub async fn execute(settings: &Settings, args: Args) -> anyhow::Result<i32> {
         plan.source,
     ))?;
     if let Some(failure) = tally.failure {
-        eprintln!("warren move: stopped: {failure}");
+        errln!("warren move: stopped: {failure}");
         return Ok(1);
     }
     if tally.interrupted {
-        eprintln!("warren move: interrupted; run it again to move the rest");
+        errln!("warren move: interrupted; run it again to move the rest");
         return Ok(130);
     }
     Ok(0)
@@ -260,7 +260,7 @@ impl Route for Mover<'_> {
     fn published(&mut self, tally: &transfer::Tally) {
         if self.reported.elapsed() >= Duration::from_secs(1) {
             self.reported = Instant::now();
-            eprintln!(
+            errln!(
                 "moved {} of {} ({:.0} msg/s)",
                 tally.acked,
                 self.budget,

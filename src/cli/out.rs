@@ -3,7 +3,7 @@
 //! (`warren ... | head -1`: EPIPE, since Rust ignores SIGPIPE) is not a failure of warren's: the
 //! error is marked [`Closed`] and [`super::dispatch`] ends the subcommand quietly with exit 0
 //! ([`is_closed`]). Any other write error (a full disk under a redirect) is an error saying
-//! `cannot write to stdout: ...`, exit 1. SIGPIPE is left ignored on purpose: the process also
+//! `cannot write to stdout: ...`, exit 1. [`errln!`] is `eprintln!` without its panic. SIGPIPE is left ignored on purpose: the process also
 //! writes to sockets, whose EPIPE must stay an error.
 
 use std::io::{self, Write};
@@ -88,7 +88,16 @@ macro_rules! outln {
     };
 }
 
-pub(crate) use {out, outln};
+/// `eprintln!` that loses the line on a closed stderr (`2>&-`, a log pipe gone) rather than
+/// panicking: stderr carries notes beside the answer, never the answer.
+macro_rules! errln {
+    ($($arg:tt)*) => {{
+        use std::io::Write as _;
+        let _ = writeln!(std::io::stderr(), $($arg)*);
+    }};
+}
+
+pub(crate) use {errln, out, outln};
 
 /// `result` with a closed stdout taken as success: for a report printed before the outcome
 /// that sets the exit code (a failed publish must still exit 1 when nobody reads its summary).

@@ -14,7 +14,7 @@ use super::{
 };
 use crate::amqp::publisher::{Publish, json_properties, publish_confirmed};
 use crate::amqp::{self, headers};
-use crate::cli::out::{self, out, outln};
+use crate::cli::out::{self, errln, out, outln};
 use crate::config::{Settings, redact_url};
 use crate::db::dead_letters::{self, Listed};
 use crate::db::{self, DbError};
@@ -98,7 +98,7 @@ pub(super) async fn parked_list(settings: &Settings, args: ParkedListArgs) -> an
                 crate::cli::json_terminal_safe(&row_json(r).to_string())
             )?;
         }
-        eprintln!("{summary}");
+        errln!("{summary}");
         return Ok(0);
     }
     outln!("{summary}")?;
@@ -223,7 +223,7 @@ pub(super) async fn parked_replay(
         },
     ))?;
     if let Some(failure) = tally.failure {
-        eprintln!("warren dlq parked replay: {failure}");
+        errln!("warren dlq parked replay: {failure}");
         return Ok(1);
     }
     Ok(0)

@@ -13,7 +13,7 @@ use super::{
 use crate::amqp::publisher::Publish;
 use crate::amqp::transfer::{self, Stop};
 use crate::amqp::{self, headers};
-use crate::cli::out::{self, out, outln};
+use crate::cli::out::{self, errln, out, outln};
 use crate::config::{Settings, redact_url};
 
 pub(super) async fn broker(settings: &Settings) -> anyhow::Result<Connection> {
@@ -169,7 +169,7 @@ async fn inspect_on(
                 crate::cli::json_terminal_safe(&s.json(now).to_string())
             )?;
         }
-        eprintln!(
+        errln!(
             "dlq {queue}: {}, {} shown, all left in the queue",
             plural(u64::from(total), "message"),
             seen.len()
@@ -213,7 +213,7 @@ pub(super) async fn replay(settings: &Settings, args: ReplayArgs) -> anyhow::Res
         tally.failed,
     ))?;
     if let Some(stop) = tally.stopped {
-        eprintln!(
+        errln!(
             "warren dlq replay: stopped: {}",
             failure(stop, &settings.dlq_queue)
         );
