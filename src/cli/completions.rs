@@ -41,11 +41,11 @@ pub fn script(shell: CompletionShell) -> Vec<u8> {
 }
 
 pub fn execute(args: &Args) -> anyhow::Result<i32> {
-    let mut stdout = std::io::stdout().lock();
+    let mut stdout = super::out::stdout();
     stdout
         .write_all(&script(args.shell))
         .and_then(|()| stdout.flush())
-        .context("cannot write the completion script to stdout")?;
+        .context("cannot write the completion script")?;
     Ok(0)
 }
 

@@ -1,6 +1,7 @@
 //! `warren config [--origin]`: the effective configuration after every layer, passwords
 //! redacted; with `--origin`, where each value comes from.
 
+use crate::cli::out::{out, outln};
 use crate::config::{Settings, Sources, origins};
 
 #[derive(Debug, clap::Args)]
@@ -14,17 +15,17 @@ pub struct Args {
 pub fn execute(settings: &Settings, sources: &Sources, args: Args) -> anyhow::Result<i32> {
     let text = settings.to_redacted_toml();
     if !args.origin {
-        print!("{text}");
+        out!("{text}")?;
     } else {
         let origins = origins(sources)?;
         for line in text.lines() {
             let key = line.split_once(" = ").map(|(k, _)| k.trim());
             match key.and_then(|k| origins.get(k)) {
-                Some(origin) => println!("{line}  # {origin}"),
-                None => println!("{line}"),
+                Some(origin) => outln!("{line}  # {origin}")?,
+                None => outln!("{line}")?,
             }
         }
     }
-    println!("# effective prefetch: {}", settings.effective_prefetch());
+    outln!("# effective prefetch: {}", settings.effective_prefetch())?;
     Ok(0)
 }

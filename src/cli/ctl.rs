@@ -12,6 +12,7 @@ use anyhow::bail;
 use clap::Subcommand;
 use comfy_table::{Table, presets};
 
+use crate::cli::out::{self, outln};
 use crate::cli::{json_terminal_safe, terminal_safe as safe};
 use crate::config::Settings;
 use crate::registry::{
@@ -244,8 +245,8 @@ pub async fn execute(settings: &Settings, args: Args) -> anyhow::Result<i32> {
     for (host, pid) in &chosen {
         let key = (host.clone(), *pid);
         let host = safe(host);
-        match outcomes.get(&key) {
-            Some(o) if o.outcome == "executed" => println!("{host}:{pid}  {name}  executed"),
+        let line = match outcomes.get(&key) {
+            Some(o) if o.outcome == "executed" => format!("{host}:{pid}  {name}  executed"),
             Some(o) => {
                 all_ok = false;
                 let error = o.error.as_deref().unwrap_or("?");
@@ -257,21 +258,23 @@ pub async fn execute(settings: &Settings, args: Args) -> anyhow::Result<i32> {
                     }
                     _ => "",
                 };
-                println!("{host}:{pid}  {name}  failed: {}{mark}", safe(error));
+                format!("{host}:{pid}  {name}  failed: {}{mark}", safe(error))
             }
             None if forged.contains_key(&key) => {
                 all_ok = false;
-                println!(
+                format!(
                     "{host}:{pid}  {name}  no signed answer within 15 s: an outcome under this \
                      command's id does not verify with CONTROL_SECRET (written by someone else \
                      than the instance), ignored"
-                );
+                )
             }
             None => {
                 all_ok = false;
-                println!("{host}:{pid}  {name}  no answer within 15 s (busy, or gone)");
+                format!("{host}:{pid}  {name}  no answer within 15 s (busy, or gone)")
             }
-        }
+        };
+        // A closed stdout loses the lines, never the exit code of a failed command.
+        out::unless_closed(outln!("{line}"))?;
     }
     if unsigned {
         eprintln!(
@@ -319,12 +322,12 @@ async fn history(
                     {
                         doc["verified"] = v.into();
                     }
-                    println!("{}", json_terminal_safe(&doc.to_string()));
+                    outln!("{}", json_terminal_safe(&doc.to_string()))?;
                 }
-                Err(_) => println!(
+                Err(_) => outln!(
                     "{}",
                     json_terminal_safe(&serde_json::json!({ "unreadable": line }).to_string())
-                ),
+                )?,
             }
         }
         return Ok(0);
@@ -367,6 +370,6 @@ async fn history(
     for column in table.column_iter_mut() {
         column.set_padding((0, 2));
     }
-    println!("{}", table.trim_fmt());
+    outln!("{}", table.trim_fmt())?;
     Ok(0)
 }

@@ -5,6 +5,7 @@
 
 use anyhow::Context as _;
 
+use crate::cli::out::{self, outln};
 use crate::config::Settings;
 use crate::topology::Topology;
 use crate::{amqp, db};
@@ -19,15 +20,15 @@ pub struct Args {
 pub async fn execute(settings: &Settings, args: Args) -> anyhow::Result<i32> {
     let topology = Topology::from_settings(settings)?;
     if args.dry_run {
-        println!("plan (nothing declared):");
+        outln!("plan (nothing declared):")?;
         let mut objects = topology.plan();
         for p in &settings.pipelines {
             objects.extend(Topology::from_settings(&p.view(settings))?.plan());
         }
         for step in objects {
-            println!("  {}", step.object);
+            outln!("  {}", step.object)?;
         }
-        println!();
+        outln!()?;
         // The database is read, never written: which built-in migrations it already has.
         let applied = db::applied_migrations(settings).await;
         let embedded = db::embedded_migrations();
@@ -35,7 +36,7 @@ pub async fn execute(settings: &Settings, args: Args) -> anyhow::Result<i32> {
             Ok(done) => embedded.iter().filter(|(v, _)| !done.contains(v)).count(),
             Err(_) => embedded.len(),
         };
-        println!(
+        outln!(
             "database schema {}: {} migrations, {pending} to apply{}",
             settings.database_schema,
             embedded.len(),
@@ -46,7 +47,7 @@ pub async fn execute(settings: &Settings, args: Args) -> anyhow::Result<i32> {
                     crate::config::redact_url(&settings.database_url)
                 ),
             }
-        );
+        )?;
         let rows = embedded.iter().map(|(version, name)| {
             let state = match &applied {
                 Ok(done) if done.contains(version) => "applied",
@@ -55,7 +56,7 @@ pub async fn execute(settings: &Settings, args: Args) -> anyhow::Result<i32> {
             };
             vec![name.clone(), state.to_string()]
         });
-        println!("{}", table(&["MIGRATION", "STATE"], rows));
+        outln!("{}", table(&["MIGRATION", "STATE"], rows))?;
         return Ok(0);
     }
     declare_all(settings, &topology, true).await?;
@@ -80,7 +81,8 @@ pub async fn declare_all(
             format!("database schema {}", settings.database_schema),
             what,
         ]);
-        println!("{}", table(&["OBJECT", "OUTCOME"], rows));
+        // Nobody reading the report is no reason to skip the tables' check (exit 2).
+        out::unless_closed(outln!("{}", table(&["OBJECT", "OUTCOME"], rows)))?;
     }
     check_tables(settings).await
 }

@@ -1,14 +1,20 @@
 //! `warren events [--follow] [--pipeline P] [--type T] [--json] [--last N]`: the lifecycle
 //! events of every instance sharing this `REDIS_PREFIX`, read from the Redis stream
-//! `<prefix>:events` (docs/events.md). Without `--follow` it prints the last `--last` entries
-//! and exits; with it, it then waits for new ones (`XREAD BLOCK`) until interrupted. Every
-//! string read from Redis is escaped before it reaches the terminal.
+//! `<prefix>:events` (docs/events.md). Without `--follow` it prints the newest `--last` entries
+//! that pass the filters and exits; with it, it then waits for new ones (`XREAD BLOCK`) until
+//! SIGINT or SIGTERM (exit 0), across quiet spells and lost links: a lost link is made again
+//! (backon) and the follow resumes after the last entry it read, so nothing is printed twice or
+//! skipped. Every string read from Redis is escaped before it reaches the terminal.
 
 use std::io::Write as _;
+use std::time::Duration;
 
+use backon::Retryable as _;
+use redis::aio::MultiplexedConnection;
 use redis::streams::{StreamRangeReply, StreamReadOptions, StreamReadReply};
 use serde_json::Value;
 
+use crate::cli::out;
 use crate::cli::{json_terminal_safe, terminal_safe as safe};
 use crate::config::{Settings, redact_url};
 use crate::events::{Kind, stream_key};
@@ -16,7 +22,7 @@ use crate::registry::{Redis, scrub};
 
 #[derive(Debug, clap::Args)]
 pub struct Args {
-    /// Keep waiting for new events after the last ones, until interrupted.
+    /// Keep waiting for new events after the last ones, until SIGINT or SIGTERM (exit 0).
     #[arg(long, short)]
     pub follow: bool,
     /// Only events about this pipeline (instance-wide events, which name none, are left out).
@@ -28,18 +34,37 @@ pub struct Args {
     /// Print each event as its JSON object, one per line.
     #[arg(long)]
     pub json: bool,
-    /// How many of the newest entries to read first (1 to 100000).
+    /// How many of the newest events to print first, counted after the filters (1 to 100000).
     #[arg(long, value_name = "N", default_value_t = 100,
           value_parser = clap::value_parser!(u64).range(1..=100_000))]
     pub last: u64,
 }
 
-/// How long one `XREAD` waits for new entries before asking again (so an interrupt is noticed).
+/// How long one `XREAD` waits for new entries before asking again. Nothing new within it is no
+/// error: the next read waits again.
 const BLOCK_MS: usize = 5_000;
 
+/// How long the link waits for any answer (an `XREAD` answers within [`BLOCK_MS`]): past it the
+/// link is taken as lost (a half-open socket) and made again.
+const RESPONSE_TIMEOUT: Duration = Duration::from_millis(BLOCK_MS as u64 + 5_000);
+
+/// How many entries one `XREVRANGE` reads, at least: `--last N` with filters reads backwards
+/// page after page until N entries matched or the stream is exhausted.
+const PAGE_MIN: u64 = 500;
+
+/// How many entries one `XREVRANGE` reads, at the most.
+const PAGE_MAX: u64 = 10_000;
+
 pub async fn execute(settings: &Settings, args: Args) -> anyhow::Result<i32> {
+    // Listened for from the start: an interrupt while reading or reconnecting ends the follow.
+    let stop = if args.follow {
+        futures::future::Either::Left(super::run::signals())
+    } else {
+        futures::future::Either::Right(std::future::pending())
+    };
+    tokio::pin!(stop);
     let url = &settings.redis_url;
-    let mut conn = Redis::connect(url).await.map_err(anyhow::Error::msg)?;
+    let mut conn = connect(url).await.map_err(anyhow::Error::msg)?;
     let key = stream_key(&settings.redis_prefix);
     let failed = |e: redis::RedisError| {
         anyhow::anyhow!(
@@ -48,76 +73,153 @@ pub async fn execute(settings: &Settings, args: Args) -> anyhow::Result<i32> {
             scrub(&e.to_string(), url)
         )
     };
-    // The newest `last` entries, printed oldest first.
-    let newest: StreamRangeReply = redis::cmd("XREVRANGE")
-        .arg(&key)
-        .arg("+")
-        .arg("-")
-        .arg("COUNT")
-        .arg(args.last)
-        .query_async(&mut conn)
-        .await
-        .map_err(failed)?;
-    let mut after = newest
-        .ids
-        .first()
-        .map_or_else(|| "$".to_string(), |e| e.id.clone());
-    let mut out = std::io::stdout().lock();
-    for entry in newest.ids.iter().rev() {
-        print_entry(&mut out, &args, &entry.id, entry.map.get("event"))?;
+    let (lines, newest) = newest(&mut conn, &key, &args).await.map_err(failed)?;
+    // Printed oldest first.
+    let mut out = out::stdout();
+    for line in lines.iter().rev() {
+        writeln!(out, "{line}")?;
     }
     out.flush()?;
     drop(out);
     if !args.follow {
         return Ok(0);
     }
+    // Entries after the newest one read: an empty stream's first entry is after 0-0 (`$` would
+    // skip what is appended before the first XREAD, or during an outage).
+    let mut after = newest.unwrap_or_else(|| "0-0".to_string());
+    // Whether the loss of the link was told (once per outage: until a read succeeds again).
+    let mut told = false;
     loop {
         let options = StreamReadOptions::default().block(BLOCK_MS).count(1000);
         let (keys, ids) = ([key.as_str()], [after.as_str()]);
-        let read: Option<StreamReadReply> = tokio::select! {
-            read = redis::AsyncCommands::xread_options(&mut conn, &keys, &ids, &options) => {
-                read.map_err(failed)?
-            }
-            _ = tokio::signal::ctrl_c() => return Ok(0),
+        let read: redis::RedisResult<Option<StreamReadReply>> = tokio::select! {
+            read = redis::AsyncCommands::xread_options(&mut conn, &keys, &ids, &options) => read,
+            () = &mut stop => return Ok(0),
         };
-        let mut out = std::io::stdout().lock();
-        for stream in read.map(|r| r.keys).unwrap_or_default() {
-            for entry in stream.ids {
-                print_entry(&mut out, &args, &entry.id, entry.map.get("event"))?;
-                after = entry.id;
+        match read {
+            Ok(read) => {
+                told = false;
+                let mut out = out::stdout();
+                for stream in read.map(|r| r.keys).unwrap_or_default() {
+                    for entry in stream.ids {
+                        if let Some(line) = render(&args, &entry.id, entry.map.get("event")) {
+                            writeln!(out, "{line}")?;
+                        }
+                        after = entry.id;
+                    }
+                }
+                out.flush()?;
             }
+            Err(e) if lost(&e) => {
+                if !told {
+                    crate::cli::say(format_args!(
+                        "the link to Redis at {} is lost ({}); reconnecting, the events after \
+                         {} follow once it is back",
+                        redact_url(url),
+                        scrub(&e.to_string(), url),
+                        safe(&after)
+                    ));
+                    told = true;
+                }
+                conn = tokio::select! {
+                    conn = (|| connect(url)).retry(reconnect_backoff()) => {
+                        conn.map_err(anyhow::Error::msg)?
+                    }
+                    () = &mut stop => return Ok(0),
+                };
+            }
+            Err(e) => return Err(failed(e)),
         }
-        out.flush()?;
     }
 }
 
-/// Prints one stream entry if it passes the filters: its JSON object with `--json`, else one
-/// line: time, type, pipeline, host:pid and the type's own fields.
-fn print_entry(
-    out: &mut impl std::io::Write,
+/// A link to the Redis at `url` whose calls may wait for an `XREAD BLOCK` (the client's own
+/// bound is half a second).
+async fn connect(url: &str) -> Result<MultiplexedConnection, String> {
+    let mut conn = Redis::connect(url).await?;
+    conn.set_response_timeout(RESPONSE_TIMEOUT);
+    Ok(conn)
+}
+
+/// The delays between two attempts to reconnect (backon): 100 ms doubling up to 2 s, for
+/// ever, so a Redis that is back is read from within seconds.
+fn reconnect_backoff() -> backon::ExponentialBuilder {
+    crate::amqp::backoff_builder(Duration::from_millis(100), Duration::from_secs(2))
+}
+
+/// Whether `e` means the link is gone (or hung), not that Redis refused the command: the
+/// follow reconnects and goes on rather than ending.
+fn lost(e: &redis::RedisError) -> bool {
+    e.is_io_error()
+        || e.is_timeout()
+        || e.is_connection_dropped()
+        || e.is_unrecoverable_error()
+        || matches!(e.retry_method(), redis::RetryMethod::WaitAndRetry)
+}
+
+/// The newest `args.last` entries that pass the filters as the lines to print, newest first,
+/// and the id of the newest entry of the stream (`None` when it is empty). Reads backwards a
+/// page at a time, so the work is bounded by N without filters and by the stream's length
+/// (`EVENTS_MAX_LEN`) with them.
+async fn newest(
+    conn: &mut MultiplexedConnection,
+    key: &str,
     args: &Args,
-    id: &str,
-    field: Option<&redis::Value>,
-) -> std::io::Result<()> {
+) -> redis::RedisResult<(Vec<String>, Option<String>)> {
+    let page = args.last.clamp(PAGE_MIN, PAGE_MAX);
+    let mut lines = Vec::new();
+    let mut newest = None;
+    let mut end = "+".to_string();
+    loop {
+        let entries: StreamRangeReply = redis::cmd("XREVRANGE")
+            .arg(key)
+            .arg(&end)
+            .arg("-")
+            .arg("COUNT")
+            .arg(page)
+            .query_async(conn)
+            .await?;
+        let exhausted = (entries.ids.len() as u64) < page;
+        for entry in entries.ids {
+            newest.get_or_insert_with(|| entry.id.clone());
+            if let Some(line) = render(args, &entry.id, entry.map.get("event")) {
+                lines.push(line);
+                if lines.len() as u64 >= args.last {
+                    return Ok((lines, newest));
+                }
+            }
+            // The next page starts below this entry (an exclusive bound).
+            end = format!("({}", entry.id);
+        }
+        if exhausted {
+            return Ok((lines, newest));
+        }
+    }
+}
+
+/// The line of one stream entry if it passes the filters: its JSON object with `--json`, else
+/// time, type, pipeline, host:pid and the type's own fields. An entry that is no event is shown
+/// as such, whatever the filters.
+fn render(args: &Args, id: &str, field: Option<&redis::Value>) -> Option<String> {
     let text = match field {
         Some(redis::Value::BulkString(bytes)) => String::from_utf8_lossy(bytes).into_owned(),
         Some(redis::Value::SimpleString(s)) => s.clone(),
-        _ => return writeln!(out, "{}: an entry without an event field", safe(id)),
+        _ => return Some(format!("{}: an entry without an event field", safe(id))),
     };
     let Ok(Value::Object(event)) = serde_json::from_str::<Value>(&text) else {
-        return writeln!(out, "{}: not an event: {}", safe(id), safe(&text));
+        return Some(format!("{}: not an event: {}", safe(id), safe(&text)));
     };
     let field = |name: &str| event.get(name).and_then(Value::as_str).unwrap_or("");
     if let Some(p) = &args.pipeline
         && field("pipeline") != p
     {
-        return Ok(());
+        return None;
     }
     if !args.types.is_empty() && !args.types.iter().any(|t| t == field("type")) {
-        return Ok(());
+        return None;
     }
     if args.json {
-        return writeln!(out, "{}", json_terminal_safe(&text));
+        return Some(json_terminal_safe(&text));
     }
     let own: Vec<String> = event
         .iter()
@@ -127,8 +229,7 @@ fn print_entry(
             other => format!("{k}={}", safe(&other.to_string())),
         })
         .collect();
-    writeln!(
-        out,
+    Some(format!(
         "{}  {:<15} {:<12} {}:{}  {}",
         safe(field("time")),
         safe(field("type")),
@@ -136,5 +237,5 @@ fn print_entry(
         safe(field("host")),
         event.get("pid").map_or(String::new(), |p| p.to_string()),
         own.join(" ")
-    )
+    ))
 }

@@ -70,11 +70,11 @@ fn roff(text: &str) -> String {
 
 pub fn execute(args: &Args) -> anyhow::Result<i32> {
     let text = page(&args.path)?;
-    let mut stdout = std::io::stdout().lock();
+    let mut stdout = super::out::stdout();
     stdout
         .write_all(&text)
         .and_then(|()| stdout.flush())
-        .context("cannot write the man page to stdout")?;
+        .context("cannot write the man page")?;
     Ok(0)
 }
 

@@ -1,5 +1,6 @@
-//! The command line: global flags (`--config`, `--set`), one file per subcommand, and the
-//! dispatch that turns a subcommand's result into an exit code.
+//! The command line: global flags (`--config`, `--set`), one file per subcommand, the one
+//! writer to stdout ([`out`]: a closed pipe ends a subcommand quietly), and the dispatch that
+//! turns a subcommand's result into an exit code.
 
 pub mod completions;
 pub mod config;
@@ -9,6 +10,7 @@ pub mod dlq;
 pub mod events;
 pub mod man;
 pub mod r#move;
+pub mod out;
 pub mod pipelines;
 pub mod publish;
 pub mod run;
@@ -33,9 +35,11 @@ use crate::config::{ConfigError, Settings, Sources};
                   docs/configuration.md has them all. Exit status: see `warren run --help`."
 )]
 pub struct Cli {
-    /// A TOML file layered over the built-in defaults (`warren config` shows them).
-    #[arg(long, global = true, value_name = "PATH", env = "WARREN_CONFIG")]
-    pub config: Option<PathBuf>,
+    /// A TOML file layered over the built-in defaults (`warren config` shows them); empty
+    /// (`WARREN_CONFIG=` or `--config ""`) means no file.
+    #[arg(long, global = true, value_name = "PATH", env = "WARREN_CONFIG",
+          value_parser = clap::builder::ValueParser::os_string())]
+    pub config: Option<std::ffi::OsString>,
     /// Override a setting, KEY=VALUE (repeatable); wins over the file and the environment.
     #[arg(long = "set", global = true, value_name = "KEY=VALUE")]
     pub set: Vec<String>,
@@ -140,13 +144,21 @@ impl Cli {
 
     /// Where the settings come from (the file, the environment, `--set` and named flags).
     pub fn sources(&self) -> Result<Sources, ConfigError> {
-        let mut sources = Sources::new(self.config.clone()).with_set_flags(&self.set)?;
+        let mut sources = Sources::new(self.config_file()).with_set_flags(&self.set)?;
         if let Command::Run(args) = &self.command
             && let Some(roles) = &args.roles
         {
             sources = sources.with_override("roles", roles.clone());
         }
         Ok(sources)
+    }
+
+    /// The `--config` / `WARREN_CONFIG` file; an empty value is none.
+    pub fn config_file(&self) -> Option<PathBuf> {
+        self.config
+            .as_ref()
+            .filter(|path| !path.is_empty())
+            .map(PathBuf::from)
     }
 
     /// The settings: defaults < --config file < environment < --set and named flags.
@@ -313,10 +325,12 @@ pub async fn dispatch(cli: Cli, settings: Settings) -> i32 {
     exit_code(result)
 }
 
-/// A subcommand's result as the process exit code; an error is printed first.
+/// A subcommand's result as the process exit code; an error is printed first. A subcommand
+/// stopped by a closed stdout (its reader went away, `| head -1`) exits 0, silently.
 fn exit_code(result: anyhow::Result<i32>) -> i32 {
     match result {
         Ok(code) => code,
+        Err(e) if out::is_closed(&e) => 0,
         Err(e) => {
             say(format_args!("{e:#}"));
             // A configuration that cannot work (a pipeline whose table does not fit) is a bad

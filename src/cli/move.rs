@@ -14,6 +14,7 @@ use crate::amqp::publisher::Publish;
 use crate::amqp::republish::{self, Stamp};
 use crate::amqp::transfer::{self, Route, Stop};
 use crate::amqp::{self, AmqpError};
+use crate::cli::out::{self, errln, outln};
 use crate::config::{Settings, redact_url};
 
 #[derive(Debug, clap::Args)]
@@ -119,20 +120,21 @@ pub async fn execute(settings: &Settings, args: Args) -> anyhow::Result<i32> {
     signals.abort();
     let tally = result?;
     let left = left.map_or_else(|| "unknown".into(), |(m, _)| m.to_string());
-    println!(
+    // A closed stdout loses the report, never the exit code of a failure or an interrupt.
+    out::unless_closed(outln!(
         "moved {} from {} to {} ({}); {left} left in {}",
         plural(tally.moved),
         plan.source,
         plan.target.exchange_text(),
         plan.target.key_text(),
         plan.source,
-    );
+    ))?;
     if let Some(failure) = tally.failure {
-        eprintln!("warren move: stopped: {failure}");
+        errln!("warren move: stopped: {failure}");
         return Ok(1);
     }
     if tally.interrupted {
-        eprintln!("warren move: interrupted; run it again to move the rest");
+        errln!("warren move: interrupted; run it again to move the rest");
         return Ok(130);
     }
     Ok(0)
@@ -258,7 +260,7 @@ impl Route for Mover<'_> {
     fn published(&mut self, tally: &transfer::Tally) {
         if self.reported.elapsed() >= Duration::from_secs(1) {
             self.reported = Instant::now();
-            eprintln!(
+            errln!(
                 "moved {} of {} ({:.0} msg/s)",
                 tally.acked,
                 self.budget,

@@ -13,6 +13,7 @@ use lapin::types::{AMQPValue, FieldTable, LongString};
 use serde_json::{Value, json};
 
 use crate::amqp::headers;
+use crate::cli::out::{self, out};
 use crate::cli::terminal_safe as safe;
 use crate::config::Settings;
 use crate::config::pipelines::{Names, PipelineConfig};
@@ -49,7 +50,7 @@ pub enum Action {
 pub fn execute(settings: &Settings, args: Args) -> anyhow::Result<i32> {
     match args.action {
         None => {
-            print!("{}", list(settings)?);
+            out!("{}", list(settings)?)?;
             Ok(0)
         }
         Some(Action::Test {
@@ -69,7 +70,7 @@ pub fn execute(settings: &Settings, args: Args) -> anyhow::Result<i32> {
                 &name,
                 BufReader::new(input),
                 headers,
-                &mut std::io::stdout(),
+                &mut out::stdout(),
             )
         }
     }

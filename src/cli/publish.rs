@@ -13,6 +13,7 @@ use uuid::Uuid;
 
 use crate::amqp::headers;
 use crate::amqp::publisher::{Close, IsConnected, Publish, Publisher, json_properties};
+use crate::cli::out::{self, errln, outln};
 use crate::config::{Settings, redact_url};
 
 #[derive(Debug, clap::Args)]
@@ -104,7 +105,7 @@ pub async fn execute(settings: &Settings, args: Args) -> anyhow::Result<i32> {
                         match headers::short(id) {
                             Ok(id) => Some((Some(n), id, line.into_bytes())),
                             Err(e) => {
-                                eprintln!(
+                                errln!(
                                     "warren publish: line {n}: \"id\": {e} (an AMQP message id), skipped"
                                 );
                                 None
@@ -112,11 +113,11 @@ pub async fn execute(settings: &Settings, args: Args) -> anyhow::Result<i32> {
                         }
                     }
                     Ok(_) => {
-                        eprintln!("warren publish: line {n}: expected a JSON object, skipped");
+                        errln!("warren publish: line {n}: expected a JSON object, skipped");
                         None
                     }
                     Err(e) => {
-                        eprintln!("warren publish: line {n}: not JSON ({e}), skipped");
+                        errln!("warren publish: line {n}: not JSON ({e}), skipped");
                         None
                     }
                 }
@@ -163,18 +164,19 @@ pub async fn execute(settings: &Settings, args: Args) -> anyhow::Result<i32> {
         };
         failed += 1;
         if let Some(n) = line {
-            eprintln!("warren publish: {}", not_confirmed(n, id.as_str(), &error));
+            errln!("warren publish: {}", not_confirmed(n, id.as_str(), &error));
         }
         first_error.get_or_insert(error);
     }
     let secs = started.elapsed().as_secs_f64();
     let _ = publisher.send(Close).await;
-    println!(
+    // A closed stdout loses the report, never the exit code of a failure.
+    out::unless_closed(outln!(
         "published {published} messages in {secs:.2} s ({:.0} msg/s), {failed} failed",
         published as f64 / secs.max(1e-9)
-    );
+    ))?;
     if let Some(e) = first_error {
-        eprintln!("warren publish: first failure: {e}");
+        errln!("warren publish: first failure: {e}");
         return Ok(1);
     }
     Ok(0)

@@ -7,12 +7,12 @@
 
 use std::collections::HashMap;
 use std::fmt::Write as _;
-use std::io::Write as _;
 use std::time::{Duration, Instant};
 
 use comfy_table::{CellAlignment, Table, presets};
 use serde_json::json;
 
+use crate::cli::out::{self, out};
 use crate::cli::{json_terminal_safe, terminal_safe as safe};
 use crate::config::pipelines::Names;
 use crate::config::{Settings, redact_url};
@@ -51,7 +51,8 @@ pub async fn execute(settings: &Settings, args: Args) -> anyhow::Result<i32> {
         }
         let now = snapshot(settings).await;
         let trends = trends(first.as_ref().map(|(q, at)| (q.as_slice(), *at)), &now);
-        print!("{}", render(settings, &now, &trends, args.json, true));
+        // A closed stdout loses the answer, never the exit code of servers out of reach.
+        out::unless_closed(out!("{}", render(settings, &now, &trends, args.json, true)))?;
         return Ok(if now.instances.is_none() && now.queues.is_none() {
             1
         } else {
@@ -59,25 +60,26 @@ pub async fn execute(settings: &Settings, args: Args) -> anyhow::Result<i32> {
         });
     };
     let every = Duration::from_secs(every);
+    // Listened for from here on: a signal while a snapshot is taken is kept, not lost.
+    let stop = super::run::signals();
+    tokio::pin!(stop);
     let mut previous: Option<(Vec<QueueRow>, Instant)> = None;
     loop {
         let now = snapshot(settings).await;
         let trends = trends(previous.as_ref().map(|(q, at)| (q.as_slice(), *at)), &now);
         let text = render(settings, &now, &trends, args.json, false);
-        let mut out = std::io::stdout().lock();
+        // A closed stdout (the reader gone) ends the watch, exit 0.
         if args.json {
-            let _ = write!(out, "{text}");
+            out!("{text}")?;
         } else {
             // Clear the screen and home the cursor, then draw.
-            let _ = write!(out, "\x1b[2J\x1b[H{text}");
+            out!("\x1b[2J\x1b[H{text}")?;
         }
-        let _ = out.flush();
-        drop(out);
         if let Some(q) = now.queues {
             previous = Some((q, now.at));
         }
         tokio::select! {
-            _ = tokio::signal::ctrl_c() => return Ok(0),
+            () = &mut stop => return Ok(0),
             _ = tokio::time::sleep(every) => {}
         }
     }

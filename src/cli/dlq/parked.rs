@@ -14,6 +14,7 @@ use super::{
 };
 use crate::amqp::publisher::{Publish, json_properties, publish_confirmed};
 use crate::amqp::{self, headers};
+use crate::cli::out::{self, errln, out, outln};
 use crate::config::{Settings, redact_url};
 use crate::db::dead_letters::{self, Listed};
 use crate::db::{self, DbError};
@@ -92,15 +93,15 @@ pub(super) async fn parked_list(settings: &Settings, args: ParkedListArgs) -> an
     );
     if args.json {
         for r in &rows {
-            println!(
+            outln!(
                 "{}",
                 crate::cli::json_terminal_safe(&row_json(r).to_string())
-            );
+            )?;
         }
-        eprintln!("{summary}");
+        errln!("{summary}");
         return Ok(0);
     }
-    println!("{summary}");
+    outln!("{summary}")?;
     if !rows.is_empty() {
         let cells: Vec<Vec<String>> = rows.iter().map(row_cells).collect();
         let header = [
@@ -111,7 +112,7 @@ pub(super) async fn parked_list(settings: &Settings, args: ParkedListArgs) -> an
             "REASON",
             "BODY",
         ];
-        print!("{}", table(&header, &cells));
+        out!("{}", table(&header, &cells))?;
     }
     Ok(0)
 }
@@ -204,7 +205,8 @@ pub(super) async fn parked_replay(
         .as_deref()
         .map(|k| format!(" of kind {k}"))
         .unwrap_or_default();
-    println!(
+    // A closed stdout loses the report, never the exit code of a failure.
+    out::unless_closed(outln!(
         "replayed {}{filter} to {} (routing key {}); failed {}{}",
         plural(tally.replayed, "parked message"),
         settings.main_exchange,
@@ -219,9 +221,9 @@ pub(super) async fn parked_replay(
         } else {
             String::new()
         },
-    );
+    ))?;
     if let Some(failure) = tally.failure {
-        eprintln!("warren dlq parked replay: {failure}");
+        errln!("warren dlq parked replay: {failure}");
         return Ok(1);
     }
     Ok(0)

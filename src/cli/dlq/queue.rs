@@ -13,6 +13,7 @@ use super::{
 use crate::amqp::publisher::Publish;
 use crate::amqp::transfer::{self, Stop};
 use crate::amqp::{self, headers};
+use crate::cli::out::{self, errln, out, outln};
 use crate::config::{Settings, redact_url};
 
 pub(super) async fn broker(settings: &Settings) -> anyhow::Result<Connection> {
@@ -163,28 +164,28 @@ async fn inspect_on(
     let now = now_s();
     if args.json {
         for s in &seen {
-            println!(
+            outln!(
                 "{}",
                 crate::cli::json_terminal_safe(&s.json(now).to_string())
-            );
+            )?;
         }
-        eprintln!(
+        errln!(
             "dlq {queue}: {}, {} shown, all left in the queue",
             plural(u64::from(total), "message"),
             seen.len()
         );
     } else {
-        println!(
+        outln!(
             "dlq {queue}: {}, {} shown, all left in the queue",
             plural(u64::from(total), "message"),
             seen.len()
-        );
+        )?;
         if !seen.is_empty() {
             let rows: Vec<Vec<String>> = seen.iter().map(|s| s.row(now)).collect();
-            print!(
+            out!(
                 "{}",
                 table(&["MESSAGE ID", "KIND", "RETRIES", "AGE", "REASON"], &rows)
-            );
+            )?;
         }
     }
     Ok(0)
@@ -201,7 +202,8 @@ pub(super) async fn replay(settings: &Settings, args: ReplayArgs) -> anyhow::Res
         .as_deref()
         .map(|k| format!(" of kind {k}"))
         .unwrap_or_default();
-    println!(
+    // A closed stdout loses the report, never the exit code of a failure.
+    out::unless_closed(outln!(
         "replayed {}{filter} from {} to {} (routing key {}); skipped {} (left in the DLQ); failed {}",
         plural(tally.acked + tally.unacked, "message"),
         settings.dlq_queue,
@@ -209,9 +211,9 @@ pub(super) async fn replay(settings: &Settings, args: ReplayArgs) -> anyhow::Res
         settings.main_queue,
         tally.skipped,
         tally.failed,
-    );
+    ))?;
     if let Some(stop) = tally.stopped {
-        eprintln!(
+        errln!(
             "warren dlq replay: stopped: {}",
             failure(stop, &settings.dlq_queue)
         );
