@@ -7,6 +7,7 @@
 //! values (queue type, balance, roles, retry tiers); `error` the [`ConfigError`]s; `redact` keeps
 //! secrets out of what is shown; [`pipelines`] the file's `[[pipelines]]` entries.
 
+mod diagnose;
 mod error;
 pub mod pipelines;
 mod redact;
@@ -14,12 +15,13 @@ mod rules;
 mod sources;
 mod values;
 
-pub use error::ConfigError;
+use diagnose::FileText;
+pub use error::{ConfigError, Origin};
 pub use redact::redact_url;
-use rules::{Rule, check};
+use rules::{Rule, check, suggest};
 pub use rules::{list_entries, listen_addr};
 pub use sources::{Sources, environment_help, origins};
-use sources::{check_file_keys, check_warren_env, env_name_of, parse_raw};
+use sources::{check_warren_env, env_name_of, parse_raw};
 pub use values::{
     Balance, LogFormat, MAX_RETRY_TIERS, QueueType, RetryTier, RetryTtls, Role, Roles, humanize_ms,
     retry_base,
@@ -240,13 +242,10 @@ impl Settings {
             check_warren_env()?;
         }
         let mut figment = Figment::from(Toml::string(default_settings_toml()));
-        if let Some(path) = &sources.file {
-            let text = std::fs::read_to_string(path).map_err(|e| ConfigError::File {
-                path: path.clone(),
-                reason: e.to_string(),
-            })?;
-            check_file_keys(&text, path)?;
-            figment = figment.merge(Toml::string(&text));
+        let file = sources.file.as_deref().map(FileText::read).transpose()?;
+        if let Some(file) = &file {
+            file.check_keys()?;
+            figment = figment.merge(Toml::string(&file.text));
         }
         if sources.use_env {
             let keys: Vec<&str> = RULES.iter().map(|(k, _)| *k).collect();
@@ -288,12 +287,16 @@ impl Settings {
             let value = figment
                 .find_value(key)
                 .map_err(|e| ConfigError::Other(e.to_string()))?;
-            check(key, rule, &value)?;
+            check(key, rule, &value).map_err(|e| {
+                diagnose::place(e, sources, file.as_ref(), suggest(key, rule, &value))
+            })?;
         }
         let settings: Settings = figment
             .extract()
-            .map_err(|e| ConfigError::Other(e.to_string()))?;
-        settings.validate()?;
+            .map_err(|e| diagnose::from_figment(e, file.as_ref()))?;
+        settings
+            .validate()
+            .map_err(|e| diagnose::place(e, sources, file.as_ref(), None))?;
         Ok(settings)
     }
 

@@ -5,7 +5,9 @@ use std::net::SocketAddr;
 
 use figment::value::Value;
 
-use super::values::RETRY_TTL_RANGE;
+use super::diagnose::{bool_hint, number_hint};
+use super::error::closest;
+use super::values::{RETRY_TTL_RANGE, Role};
 use super::{ConfigError, MAX_RETRY_TIERS, RetryTtls, Roles, redact_url};
 
 /// What a setting accepts.
@@ -79,6 +81,44 @@ fn show(value: &Value) -> String {
         Value::Empty(_, _) => "nothing".into(),
         Value::Dict(_, _) => "a table".into(),
         Value::Array(_, _) => "a list".into(),
+    }
+}
+
+/// What was probably meant by a value `rule` refused for `key`, if something close is valid: a
+/// number written as a string, with separators or with a unit; a boolean as a word; the closest
+/// choice of a closed set (or role of a list); a bare port as an address. Never for a secret.
+pub(super) fn suggest(key: &str, rule: &Rule, value: &Value) -> Option<String> {
+    let text = match value {
+        Value::String(_, s) => Some(s.as_str()),
+        _ => None,
+    };
+    match rule {
+        Rule::Int { .. } => number_hint(text?, key),
+        Rule::Bool => match value {
+            Value::Num(_, n) => n.to_u128().and_then(|n| bool_hint(&n.to_string())),
+            _ => bool_hint(text?),
+        },
+        Rule::OneOf(choices) => closest(text?, choices.iter().copied(), true).map(Into::into),
+        Rule::Roles => {
+            let names: Vec<&str> = Role::ALL.iter().map(|r| r.as_str()).collect();
+            let fixed: Option<Vec<&str>> = text?
+                .split(',')
+                .map(|entry| closest(entry.trim(), names.iter().copied(), true))
+                .collect();
+            fixed.map(|roles| roles.join(","))
+        }
+        Rule::Addr => {
+            let port = match value {
+                Value::Num(_, n) => n.to_u128().and_then(|p| u16::try_from(p).ok()),
+                _ => text?.trim().trim_start_matches(':').parse::<u16>().ok(),
+            };
+            port.map(|p| format!("127.0.0.1:{p}"))
+        }
+        Rule::Ident => {
+            let lower = text?.to_ascii_lowercase();
+            (check(key, rule, &Value::from(lower.clone())).is_ok()).then_some(lower)
+        }
+        _ => None,
     }
 }
 

@@ -6,7 +6,8 @@ use std::path::{Path, PathBuf};
 
 use figment::value::Value;
 
-use super::{ConfigError, DEFAULT_TOML, RULES, Rule, redact_url};
+use super::error::closest;
+use super::{ConfigError, DEFAULT_TOML, Origin, RULES, Rule, redact_url};
 
 /// Where settings come from, besides the shipped defaults and the environment.
 #[derive(Debug, Default, Clone)]
@@ -17,6 +18,9 @@ pub struct Sources {
     pub overrides: BTreeMap<String, String>,
     /// Whether to read the process environment (tests turn it off to stay hermetic).
     pub use_env: bool,
+    /// How each override was given on the command line (`--set users_batch_size=0`), so that
+    /// an error about its value can quote it.
+    pub given: BTreeMap<String, String>,
 }
 
 impl Sources {
@@ -26,6 +30,7 @@ impl Sources {
             file,
             overrides: BTreeMap::new(),
             use_env: true,
+            given: BTreeMap::new(),
         }
     }
 
@@ -37,20 +42,43 @@ impl Sources {
                 .ok_or_else(|| ConfigError::BadFlag(flag.clone()))?;
             let key = key.trim().to_ascii_lowercase();
             if !RULES.iter().any(|(k, _)| *k == key) {
+                // The value is not shown: an unknown key may be a misspelled secret.
+                let at = Origin::Flag(format!("--set {key}=..."));
+                let closest = closest(&key, RULES.iter().map(|(k, _)| *k), false);
                 return Err(ConfigError::Unknown {
+                    closest: closest.map(Into::into),
                     key,
-                    source_name: "--set".into(),
+                    at,
                 });
             }
+            self.given.insert(
+                key.clone(),
+                format!("--set {key}={}", shown_flag(&key, value)),
+            );
             self.overrides.insert(key, value.to_string());
         }
         Ok(self)
     }
 
-    /// Adds one override from a named CLI flag.
+    /// Adds one override from a named CLI flag (`--roles` for `roles`).
     pub fn with_override(mut self, key: &str, value: impl Into<String>) -> Self {
-        self.overrides.insert(key.to_string(), value.into());
+        let value = value.into();
+        let flag = format!("--{} {}", key.replace('_', "-"), shown_flag(key, &value));
+        self.given.insert(key.to_string(), flag);
+        self.overrides.insert(key.to_string(), value);
         self
+    }
+}
+
+/// A flag's value as an error may quote it: a secret never, a URL's password redacted.
+fn shown_flag(key: &str, value: &str) -> String {
+    if RULES
+        .iter()
+        .any(|(k, rule)| *k == key && matches!(rule, Rule::Secret))
+    {
+        "***".into()
+    } else {
+        redact_url(value)
     }
 }
 
@@ -208,23 +236,4 @@ pub fn environment_help() -> Vec<(String, String)> {
 pub(super) fn parse_raw(raw: &str) -> Value {
     raw.parse::<Value>()
         .unwrap_or_else(|_| Value::from(raw.to_string()))
-}
-
-/// Rejects keys in a user's file that warren does not know, naming the key and the file.
-pub(super) fn check_file_keys(text: &str, path: &Path) -> Result<(), ConfigError> {
-    let table: toml::Table = text
-        .parse()
-        .map_err(|e: toml::de::Error| ConfigError::File {
-            path: path.to_path_buf(),
-            reason: e.to_string(),
-        })?;
-    for key in table.keys() {
-        if key != "pipelines" && !RULES.iter().any(|(k, _)| k == key) {
-            return Err(ConfigError::Unknown {
-                key: key.clone(),
-                source_name: path.display().to_string(),
-            });
-        }
-    }
-    Ok(())
 }

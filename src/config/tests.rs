@@ -5,14 +5,17 @@
 use super::sources::is_kubernetes_service_link;
 use super::*;
 
+/// The settings with `pairs` as overrides set by code (not given on a command line, so an error
+/// names no flag: the rule's own words).
 fn with(pairs: &[(&str, &str)]) -> Result<Settings, ConfigError> {
-    let mut sources = Sources {
+    let sources = Sources {
         use_env: false,
+        overrides: pairs
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect(),
         ..Sources::default()
     };
-    for (k, v) in pairs {
-        sources = sources.with_override(k, *v);
-    }
     Settings::load(&sources)
 }
 
