@@ -71,13 +71,18 @@ impl FileText {
         let mut found = None;
         for segment in path {
             let next: &Spanned<DeValue> = if let Some(t) = table {
-                let (key, value) = t
+                let Some((key, value)) = t
                     .iter()
-                    .find(|(k, _)| AsRef::<str>::as_ref(k.get_ref()) == segment.as_str())?;
+                    .find(|(k, _)| AsRef::<str>::as_ref(k.get_ref()) == segment.as_str())
+                else {
+                    break;
+                };
                 found = Some(key.span().start);
                 value
             } else if let Some(items) = list {
-                let value = items.get(segment.parse::<usize>().ok()?)?;
+                let Some(value) = segment.parse::<usize>().ok().and_then(|i| items.get(i)) else {
+                    break;
+                };
                 // A `[[pipelines]]` entry: where its first key is (its own span may be empty).
                 found = first_key(value).or(Some(value.span().start)).or(found);
                 value
@@ -364,5 +369,97 @@ pub(super) fn bool_hint(text: &str) -> Option<String> {
         "true" | "yes" | "y" | "on" | "1" | "enabled" => Some("true".into()),
         "false" | "no" | "n" | "off" | "0" | "disabled" => Some("false".into()),
         _ => None,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn file(text: &str) -> FileText {
+        FileText {
+            path: PathBuf::from("w.toml"),
+            text: text.into(),
+        }
+    }
+
+    fn line(at: Origin) -> Option<usize> {
+        match at {
+            Origin::File { line, .. } => line,
+            other => panic!("not the file: {other:?}"),
+        }
+    }
+
+    #[test]
+    fn a_key_is_found_at_its_line_in_tables_lists_and_inline_tables() {
+        let f = file(
+            "prefetch = 10\n\n[[pipelines]]\nname = \"a\"\n\n[[pipelines]]\nname = \"b\"\n\
+             batch_size = 5\n[pipelines.columns]\nid = { path = \"/id\", type = \"uuid\" }\n",
+        );
+        let at = |path: &[&str]| {
+            let path: Vec<String> = path.iter().map(|s| s.to_string()).collect();
+            line(f.at(&path))
+        };
+        assert_eq!(at(&["prefetch"]), Some(1));
+        assert_eq!(at(&["pipelines", "0", "name"]), Some(4));
+        assert_eq!(at(&["pipelines", "1", "batch_size"]), Some(8));
+        assert_eq!(at(&["pipelines", "1", "columns", "id", "type"]), Some(10));
+        // A key the entry does not have: the entry, where its first key is.
+        assert_eq!(at(&["pipelines", "1", "main_queue"]), Some(7));
+        assert_eq!(at(&["nothing"]), None);
+        assert_eq!(f.pipeline_label(1), "pipelines.b");
+        assert_eq!(f.pipeline_label(5), "pipelines[5]");
+    }
+
+    #[test]
+    fn the_value_meant_is_offered_only_when_it_is_plain() {
+        assert_eq!(
+            number_hint("500", "users_batch_size").as_deref(),
+            Some("500")
+        );
+        assert_eq!(number_hint("10_000", "x").as_deref(), Some("10000"));
+        assert_eq!(number_hint("10,000", "x").as_deref(), Some("10000"));
+        assert_eq!(number_hint("2s", "retry_ttl_ms").as_deref(), Some("2000"));
+        assert_eq!(number_hint("1m", "retry_ttl_ms").as_deref(), Some("60000"));
+        assert_eq!(
+            number_hint("30s", "amqp_heartbeat_s").as_deref(),
+            Some("30")
+        );
+        // A unit the setting's name does not take, and what is no number at all.
+        assert_eq!(number_hint("2s", "users_batch_size"), None);
+        assert_eq!(number_hint("abc", "retry_ttl_ms"), None);
+        assert_eq!(number_hint("-1", "retry_ttl_ms"), None);
+        assert_eq!(bool_hint("Yes").as_deref(), Some("true"));
+        assert_eq!(bool_hint("off").as_deref(), Some("false"));
+        assert_eq!(bool_hint("maybe"), None);
+    }
+
+    #[test]
+    fn a_check_across_settings_is_placed_where_its_setting_was_given() {
+        let sources = Sources {
+            use_env: false,
+            ..Sources::default()
+        }
+        .with_override("users_min_concurrency", "9");
+        let error = ConfigError::Invalid {
+            setting: "USERS_MIN_CONCURRENCY".into(),
+            expected: "at most USERS_MAX_CONCURRENCY (8)".into(),
+            got: "9".into(),
+        };
+        assert_eq!(
+            place(error, &sources, None, None).to_string(),
+            "--users-min-concurrency 9: USERS_MIN_CONCURRENCY: expected at most \
+             USERS_MAX_CONCURRENCY (8), got 9"
+        );
+        // A default is nobody's: the error stays as it was.
+        let error = ConfigError::Invalid {
+            setting: "PREFETCH".into(),
+            expected: "x".into(),
+            got: "y".into(),
+        };
+        assert_eq!(
+            place(error, &sources, None, None).to_string(),
+            "PREFETCH: expected x, got y"
+        );
     }
 }

@@ -4,8 +4,10 @@
 //! Its parts: this file declares every setting once (`settings!`) and loads and validates
 //! [`Settings`]; `sources` says where values come from (the file, the environment, the command
 //! line) and `warren config --origin`; `rules` what each setting accepts; `values` the typed
-//! values (queue type, balance, roles, retry tiers); `error` the [`ConfigError`]s; `redact` keeps
-//! secrets out of what is shown; [`pipelines`] the file's `[[pipelines]]` entries.
+//! values (queue type, balance, roles, retry tiers); `error` the [`ConfigError`]s and where a
+//! value was given ([`Origin`]); `diagnose` the file's lines and an error in warren's words
+//! (where, which setting or pipeline field, what was expected, the closest valid name);
+//! `redact` keeps secrets out of what is shown; [`pipelines`] the file's `[[pipelines]]` entries.
 
 mod diagnose;
 mod error;
