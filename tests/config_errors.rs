@@ -84,6 +84,18 @@ fn an_unknown_key_in_a_file_is_named_with_its_line_and_the_closest_setting() {
             "every setting is listed by `warren config` and in docs/configuration.md",
         ],
     );
+    // A pipeline declared under a misspelled table name.
+    let file = File::new(&orders("").replace("[[pipelines]]", "[[pipeline]]"));
+    let path = file.path().display().to_string();
+    assert_refused(
+        "a misspelled [[pipelines]]",
+        config(&[], &["--config", &path]),
+        &[
+            &format!("{path}, line 1"),
+            "unknown setting `pipeline`",
+            "did you mean pipelines?",
+        ],
+    );
 }
 
 #[test]

@@ -47,7 +47,7 @@ impl FileText {
                 return Err(ConfigError::Unknown {
                     key: key.to_string(),
                     at: self.at(&[key.to_string()]),
-                    closest: closest(key, RULES.iter().map(|(k, _)| *k), false).map(Into::into),
+                    closest: closest(key, file_keys(), false).map(Into::into),
                 });
             }
         }
@@ -110,6 +110,14 @@ impl FileText {
         self.pipeline_name(index)
             .map_or(format!("pipelines[{index}]"), |n| format!("pipelines.{n}"))
     }
+}
+
+/// The keys a file may have at its top: every setting and `pipelines`.
+fn file_keys() -> impl Iterator<Item = &'static str> {
+    RULES
+        .iter()
+        .map(|(k, _)| *k)
+        .chain(std::iter::once("pipelines"))
 }
 
 /// Where the first key of a table value starts.
