@@ -155,7 +155,16 @@ fn test_prints_each_row_or_rejection_and_exits_by_the_verdict() {
 #[test]
 fn a_mistake_in_a_pipeline_stops_warren_with_exit_2_naming_it() {
     for (from, to, expected) in [
-        (r#"type = "int4""#, r#"type = "int3""#, "found `int3`"),
+        (
+            r#"type = "int4""#,
+            r#"type = "int3""#,
+            r#"pipelines.orders.columns.quantity.type: expected one of text, uuid, int4, int8"#,
+        ),
+        (
+            r#"type = "int4""#,
+            r#"type = "int3""#,
+            "(did you mean int4?)",
+        ),
         (
             r#"path = "/qty""#,
             r#"path = "qty""#,

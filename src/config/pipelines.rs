@@ -371,31 +371,53 @@ pub fn check(settings: &Settings) -> Result<(), ConfigError> {
         expected: expected.into(),
         got,
     };
+    // An error about the `index`-th entry's `field`: the loader adds the file and line.
+    let entry = |index: usize, field: &str, error: ConfigError| ConfigError::Entry {
+        index,
+        field: field
+            .split('.')
+            .filter(|f| !f.is_empty())
+            .map(Into::into)
+            .collect(),
+        error: Box::new(error),
+    };
     let mut seen: HashMap<&str, usize> = HashMap::new();
     for (i, p) in settings.pipelines.iter().enumerate() {
         let at = format!("pipelines[{i}]");
         if !is_name(&p.name) {
-            return Err(invalid(
-                format!("{at}.name"),
-                "a name of a lower-case letter then up to 39 lower-case letters, digits or _",
-                format!("{:?}", p.name),
+            return Err(entry(
+                i,
+                "name",
+                invalid(
+                    format!("{at}.name"),
+                    "a name of a lower-case letter then up to 39 lower-case letters, digits or _",
+                    format!("{:?}", p.name),
+                ),
             ));
         }
         // The stages are named after the pipeline (`<name>`, `<name>_dlq`) in the metrics and
         // /readyz, beside users' `main` and `dlq` and the links `router` and `api`.
         if ["main", "dlq", "router", "api"].contains(&p.name.as_str()) || p.name.ends_with("_dlq") {
-            return Err(invalid(
-                format!("{at}.name"),
-                "a name other than main, dlq, router or api, not ending in _dlq (the names of \
+            return Err(entry(
+                i,
+                "name",
+                invalid(
+                    format!("{at}.name"),
+                    "a name other than main, dlq, router or api, not ending in _dlq (the names of \
                  warren's own stages)",
-                format!("{:?}", p.name),
+                    format!("{:?}", p.name),
+                ),
             ));
         }
         if let Some(first) = seen.insert(&p.name, i) {
-            return Err(invalid(
-                format!("{at}.name"),
-                "a name no other pipeline has",
-                format!("{:?}, as pipelines[{first}]", p.name),
+            return Err(entry(
+                i,
+                "name",
+                invalid(
+                    format!("{at}.name"),
+                    "a name no other pipeline has",
+                    format!("{:?}, as pipelines[{first}]", p.name),
+                ),
             ));
         }
         let at = format!("pipelines.{}", p.name);
@@ -403,52 +425,72 @@ pub fn check(settings: &Settings) -> Result<(), ConfigError> {
             if let (Some(v), Some((min, max))) = (value, range_of(global))
                 && (v < min || v > max)
             {
-                return Err(invalid(
-                    format!("{at}.{field}"),
-                    &format!("an integer from {min} to {max}"),
-                    v.to_string(),
+                return Err(entry(
+                    i,
+                    field,
+                    invalid(
+                        format!("{at}.{field}"),
+                        &format!("an integer from {min} to {max}"),
+                        v.to_string(),
+                    ),
                 ));
             }
         }
         let view = p.view(settings);
         if view.users_min_concurrency > view.users_max_concurrency {
-            return Err(invalid(
-                format!("{at}.min_concurrency"),
-                &format!("at most max_concurrency ({})", view.users_max_concurrency),
-                view.users_min_concurrency.to_string(),
+            return Err(entry(
+                i,
+                "min_concurrency",
+                invalid(
+                    format!("{at}.min_concurrency"),
+                    &format!("at most max_concurrency ({})", view.users_max_concurrency),
+                    view.users_min_concurrency.to_string(),
+                ),
             ));
         }
         if view.users_balance == super::Balance::Auto
             && view.users_scale_down_threshold >= view.users_scale_up_threshold
         {
-            return Err(invalid(
-                format!("{at}.scale_down_threshold"),
-                &format!(
-                    "below scale_up_threshold ({}), or auto would step down and up again at \
+            return Err(entry(
+                i,
+                "scale_down_threshold",
+                invalid(
+                    format!("{at}.scale_down_threshold"),
+                    &format!(
+                        "below scale_up_threshold ({}), or auto would step down and up again at \
                      every decision",
-                    view.users_scale_up_threshold
+                        view.users_scale_up_threshold
+                    ),
+                    view.users_scale_down_threshold.to_string(),
                 ),
-                view.users_scale_down_threshold.to_string(),
             ));
         }
         if let Some(ttls) = &p.retry_ttls_ms {
             let (min, max) = range_of("retry_ttl_ms").unwrap_or((1, u64::MAX));
             if ttls.is_empty() || ttls.iter().any(|t| *t < min || *t > max) || !ttls.is_sorted() {
-                return Err(invalid(
-                    format!("{at}.retry_ttls_ms"),
-                    &format!(
-                        "a non-empty list of TTLs in ascending order, each from {min} to {max} ms"
+                return Err(entry(
+                    i,
+                    "retry_ttls_ms",
+                    invalid(
+                        format!("{at}.retry_ttls_ms"),
+                        &format!(
+                            "a non-empty list of TTLs in ascending order, each from {min} to {max} ms"
+                        ),
+                        format!("{ttls:?}"),
                     ),
-                    format!("{ttls:?}"),
                 ));
             }
         }
-        p.mapping()?;
+        p.mapping().map_err(|e| entry(i, "", e))?;
         if p.api && p.key.len() != 1 {
-            return Err(invalid(
-                format!("{at}.api"),
-                "false, or a one-column key (PUT and GET /api/v1/<name>/<key> address a row by it)",
-                format!("true with key {:?}", p.key),
+            return Err(entry(
+                i,
+                "api",
+                invalid(
+                    format!("{at}.api"),
+                    "false, or a one-column key (PUT and GET /api/v1/<name>/<key> address a row by it)",
+                    format!("true with key {:?}", p.key),
+                ),
             ));
         }
     }
@@ -462,6 +504,15 @@ pub fn check(settings: &Settings) -> Result<(), ConfigError> {
     if !replaced {
         all.insert(0, ("users".into(), Names::users(settings)));
     }
+    // The error of a file's pipeline is placed at its entry (the built-in users one has none).
+    let placed = |pipeline: &str, what: &str, error: ConfigError| match settings
+        .pipelines
+        .iter()
+        .position(|p| p.name == pipeline)
+    {
+        Some(index) => entry(index, what, error),
+        None => error,
+    };
     for (pipeline, names) in &all {
         for (what, name) in names.all() {
             if name.is_empty()
@@ -469,11 +520,15 @@ pub fn check(settings: &Settings) -> Result<(), ConfigError> {
                 || name.starts_with("amq.")
                 || name.chars().any(char::is_control)
             {
-                return Err(invalid(
-                    format!("pipelines.{pipeline}.{what}"),
-                    "a name of 1 to 255 bytes, without control characters, not starting with \
-                     amq. (reserved by the broker)",
-                    format!("{name:?}"),
+                return Err(placed(
+                    pipeline,
+                    what,
+                    invalid(
+                        format!("pipelines.{pipeline}.{what}"),
+                        "a name of 1 to 255 bytes, without control characters, not starting \
+                         with amq. (reserved by the broker)",
+                        format!("{name:?}"),
+                    ),
                 ));
             }
         }
@@ -486,10 +541,14 @@ pub fn check(settings: &Settings) -> Result<(), ConfigError> {
             if let Some((other, other_what)) = owner.get(&key)
                 && (other != pipeline || *other_what != what)
             {
-                return Err(invalid(
-                    format!("pipelines.{pipeline}.{what}"),
-                    "a name no other pipeline uses for its exchanges and queues",
-                    format!("{name:?}, also the {other_what} of pipeline {other}"),
+                return Err(placed(
+                    pipeline,
+                    what,
+                    invalid(
+                        format!("pipelines.{pipeline}.{what}"),
+                        "a name no other pipeline uses for its exchanges and queues",
+                        format!("{name:?}, also the {other_what} of pipeline {other}"),
+                    ),
                 ));
             }
             owner.insert(key, (pipeline.clone(), what));

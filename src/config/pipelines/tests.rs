@@ -81,8 +81,16 @@ fn every_mistake_in_a_pipeline_is_named() {
             "retry_ttls_ms = [60000, 1000]",
             "pipelines.orders.retry_ttls_ms: expected a non-empty list of TTLs in ascending order",
         ),
-        ("batch_size = 500", "colour = \"red\"", "found `colour`"),
-        ("type = \"numeric\"", "type = \"money\"", "found `money`"),
+        (
+            "batch_size = 500",
+            "colour = \"red\"",
+            "line 6: unknown key `colour` in pipeline orders",
+        ),
+        (
+            "type = \"numeric\"",
+            "type = \"money\"",
+            "line 10: pipelines.orders.columns.total.type: expected one of text, uuid,",
+        ),
         (
             "path = \"/id\"",
             "path = \"id\"",

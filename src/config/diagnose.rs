@@ -1,0 +1,473 @@
+//! The user's configuration file as written (the line of each key, the name of each pipeline
+//! entry) and the errors of a load put in warren's words: where the value was given (file and
+//! line, environment variable, flag), the setting or pipeline and field, what was expected, and
+//! the closest valid name or value.
+
+use std::path::{Path, PathBuf};
+
+use figment::error::{Actual, Kind};
+use toml::Spanned;
+use toml::de::{DeTable, DeValue};
+
+use super::error::closest;
+use super::{ConfigError, Origin, RULES, Sources, env_name_of};
+
+/// The `--config` file: its path and text.
+pub(super) struct FileText {
+    pub path: PathBuf,
+    pub text: String,
+}
+
+impl FileText {
+    /// Reads the file; an unreadable one or one that is no TOML is an error naming it (the TOML
+    /// parser's words give the line and column).
+    pub fn read(path: &Path) -> Result<Self, ConfigError> {
+        let file_error = |reason: String| ConfigError::File {
+            path: path.to_path_buf(),
+            reason,
+        };
+        let text = std::fs::read_to_string(path).map_err(|e| file_error(e.to_string()))?;
+        text.parse::<toml::Table>()
+            .map_err(|e| file_error(e.to_string()))?;
+        Ok(Self {
+            path: path.to_path_buf(),
+            text,
+        })
+    }
+
+    /// Refuses a top-level key that is no setting, naming the file, the line and the closest
+    /// setting.
+    pub fn check_keys(&self) -> Result<(), ConfigError> {
+        let Ok(root) = DeTable::parse(&self.text) else {
+            return Ok(());
+        };
+        for (key, _) in root.get_ref().iter() {
+            let key: &str = key.get_ref();
+            if key != "pipelines" && !RULES.iter().any(|(k, _)| *k == key) {
+                return Err(ConfigError::Unknown {
+                    key: key.to_string(),
+                    at: self.at(&[key.to_string()]),
+                    closest: closest(key, file_keys(), false).map(Into::into),
+                });
+            }
+        }
+        Ok(())
+    }
+
+    /// The file at the key `path` (table keys and list indexes, `["pipelines", "0", "name"]`):
+    /// with the line of the key, or of the deepest part of the path the file has.
+    pub fn at(&self, path: &[String]) -> Origin {
+        Origin::File {
+            path: self.path.clone(),
+            line: self.offset_of(path).map(|at| line_of(&self.text, at)),
+        }
+    }
+
+    /// The byte offset of the key at `path`, or of the deepest part of it the file has.
+    fn offset_of(&self, path: &[String]) -> Option<usize> {
+        let root = DeTable::parse(&self.text).ok()?;
+        let mut table: Option<&DeTable> = Some(root.get_ref());
+        let mut list: Option<&[Spanned<DeValue>]> = None;
+        let mut found = None;
+        for segment in path {
+            let next: &Spanned<DeValue> = if let Some(t) = table {
+                let Some((key, value)) = t
+                    .iter()
+                    .find(|(k, _)| AsRef::<str>::as_ref(k.get_ref()) == segment.as_str())
+                else {
+                    break;
+                };
+                found = Some(key.span().start);
+                value
+            } else if let Some(items) = list {
+                let Some(value) = segment.parse::<usize>().ok().and_then(|i| items.get(i)) else {
+                    break;
+                };
+                // A `[[pipelines]]` entry: where its first key is (its own span may be empty).
+                found = first_key(value).or(Some(value.span().start)).or(found);
+                value
+            } else {
+                break;
+            };
+            (table, list) = match next.get_ref() {
+                DeValue::Table(t) => (Some(t), None),
+                DeValue::Array(a) => (None, Some(&a[..])),
+                _ => (None, None),
+            };
+        }
+        found
+    }
+
+    /// The name of the `index`-th `[[pipelines]]` entry, if it has one.
+    fn pipeline_name(&self, index: usize) -> Option<String> {
+        let table: toml::Table = self.text.parse().ok()?;
+        let name = table.get("pipelines")?.get(index)?.get("name")?.as_str()?;
+        Some(name.to_string())
+    }
+
+    /// `pipelines.orders` (or `pipelines[2]` for an entry without a name).
+    fn pipeline_label(&self, index: usize) -> String {
+        self.pipeline_name(index)
+            .map_or(format!("pipelines[{index}]"), |n| format!("pipelines.{n}"))
+    }
+}
+
+/// The keys a file may have at its top: every setting and `pipelines`.
+fn file_keys() -> impl Iterator<Item = &'static str> {
+    RULES
+        .iter()
+        .map(|(k, _)| *k)
+        .chain(std::iter::once("pipelines"))
+}
+
+/// Where the first key of a table value starts.
+fn first_key(value: &Spanned<DeValue>) -> Option<usize> {
+    match value.get_ref() {
+        DeValue::Table(t) => t.iter().map(|(k, _)| k.span().start).min(),
+        _ => None,
+    }
+}
+
+/// The 1-based line of the byte `offset` of `text`.
+fn line_of(text: &str, offset: usize) -> usize {
+    text.get(..offset)
+        .map_or(1, |before| before.matches('\n').count() + 1)
+}
+
+/// Where the value of `key` was given: a flag, an environment variable, the file or the
+/// defaults, in the order the layers win.
+pub(super) fn origin_of(key: &str, sources: &Sources, file: Option<&FileText>) -> Origin {
+    if sources.overrides.contains_key(key) {
+        // An override set by code (a test's) was given by no one: nothing to point at.
+        return sources
+            .given
+            .get(key)
+            .map_or(Origin::Default, |given| Origin::Flag(given.clone()));
+    }
+    if sources.use_env
+        && let Some(name) = env_name_of(key)
+    {
+        return Origin::Env(name);
+    }
+    match file {
+        Some(file) if file.offset_of(&[key.to_string()]).is_some() => file.at(&[key.to_string()]),
+        _ => Origin::Default,
+    }
+}
+
+/// `error` said where its value came from: a pipeline entry's error with the file and line, a
+/// setting's with its origin (unless it is a default: then the error is about a combination,
+/// and says so itself).
+pub(super) fn place(
+    error: ConfigError,
+    sources: &Sources,
+    file: Option<&FileText>,
+    closest: Option<String>,
+) -> ConfigError {
+    let at = match (&error, file) {
+        (ConfigError::Entry { index, field, .. }, Some(file)) => {
+            let mut path = vec!["pipelines".to_string(), index.to_string()];
+            path.extend(field.iter().cloned());
+            file.at(&path)
+        }
+        (ConfigError::Invalid { setting, .. }, _) => {
+            let key = setting
+                .split_whitespace()
+                .next()
+                .unwrap_or_default()
+                .to_ascii_lowercase();
+            if !RULES.iter().any(|(k, _)| *k == key) {
+                return error;
+            }
+            match origin_of(&key, sources, file) {
+                Origin::Default => return error,
+                at => at,
+            }
+        }
+        _ => return error,
+    };
+    let error = match error {
+        ConfigError::Entry { error, .. } => *error,
+        other => other,
+    };
+    ConfigError::At {
+        at,
+        error: Box::new(error),
+        closest,
+    }
+}
+
+/// A figment error of the typed parse in warren's words. Every setting was checked by its rule
+/// before, so what reaches the typed parse is a `[[pipelines]]` entry of the file: named with
+/// the file, the line, the pipeline and the field.
+pub(super) fn from_figment(error: figment::Error, file: Option<&FileText>) -> ConfigError {
+    let path: Vec<String> = error
+        .path
+        .iter()
+        .filter(|s| !s.is_empty())
+        .cloned()
+        .collect();
+    let index = path.get(1).and_then(|i| i.parse::<usize>().ok());
+    match (path.first().map(String::as_str), index, file) {
+        (Some("pipelines"), Some(index), Some(file)) => {
+            entry_error(file, index, &path[2..], error.kind)
+        }
+        _ => ConfigError::Other(error.to_string()),
+    }
+}
+
+/// The error `kind` at `field` (a path in the entry) of the `index`-th pipeline of `file`.
+fn entry_error(file: &FileText, index: usize, field: &[String], kind: Kind) -> ConfigError {
+    let label = file.pipeline_label(index);
+    let full = |field: &[String]| {
+        let mut path = vec!["pipelines".to_string(), index.to_string()];
+        path.extend(field.iter().cloned());
+        path
+    };
+    let setting = |field: &[String]| {
+        std::iter::once(label.clone())
+            .chain(field.iter().cloned())
+            .collect::<Vec<_>>()
+            .join(".")
+    };
+    let at = file.at(&full(field));
+    let invalid = |expected: String, got: String, closest: Option<String>| ConfigError::At {
+        at: at.clone(),
+        error: Box::new(ConfigError::Invalid {
+            setting: setting(field),
+            expected,
+            got,
+        }),
+        closest,
+    };
+    match kind {
+        Kind::UnknownField(key, expected) => {
+            // The key may already end the path (figment prefixes the entry's key to its error).
+            let mut within = field.to_vec();
+            if within.last() == Some(&key) {
+                within.pop();
+            }
+            let mut key_path = within.clone();
+            key_path.push(key.clone());
+            let name = file
+                .pipeline_name(index)
+                .unwrap_or_else(|| format!("pipelines[{index}]"));
+            let table = match within.as_slice() {
+                [columns, column, ..] if columns == "columns" => {
+                    format!("pipeline {name}, column {column}")
+                }
+                _ => format!("pipeline {name}"),
+            };
+            ConfigError::UnknownKey {
+                at: file.at(&full(&key_path)),
+                table,
+                closest: closest(&key, expected.iter().copied(), false).map(Into::into),
+                key,
+            }
+        }
+        Kind::UnknownVariant(got, expected) => invalid(
+            format!("one of {}", expected.join(", ")),
+            format!("{got:?}"),
+            closest(&got, expected.iter().copied(), true).map(Into::into),
+        ),
+        Kind::InvalidType(actual, expected) | Kind::InvalidValue(actual, expected) => {
+            let hint = value_hint(&actual, &expected);
+            invalid(in_words(&expected), shown(&actual), hint)
+        }
+        Kind::MissingField(key) => ConfigError::At {
+            at,
+            error: Box::new(ConfigError::Invalid {
+                setting: format!("{}.{key}", setting(field)),
+                expected: "a value (the key is required)".into(),
+                got: "nothing".into(),
+            }),
+            closest: None,
+        },
+        other => ConfigError::At {
+            at,
+            error: Box::new(ConfigError::Pipeline(format!(
+                "{}: {other}",
+                setting(field)
+            ))),
+            closest: None,
+        },
+    }
+}
+
+/// serde's name of an expected type in warren's words.
+fn in_words(expected: &str) -> String {
+    match expected {
+        "u8" | "u16" | "u32" | "u64" | "u128" | "usize" => "a whole number".into(),
+        "i8" | "i16" | "i32" | "i64" | "i128" | "isize" => "an integer".into(),
+        "f32" | "f64" => "a number".into(),
+        "a boolean" => "true or false".into(),
+        "a sequence" => "a list".into(),
+        "a map" => "a table".into(),
+        other if other.starts_with("struct ") => "a table".into(),
+        other => other.into(),
+    }
+}
+
+/// How a value of the wrong type is shown.
+fn shown(actual: &Actual) -> String {
+    match actual {
+        Actual::Str(s) => format!("{s:?}"),
+        Actual::Unsigned(n) => n.to_string(),
+        Actual::Signed(n) => n.to_string(),
+        Actual::Float(n) => n.to_string(),
+        Actual::Bool(b) => b.to_string(),
+        Actual::Seq => "a list".into(),
+        Actual::Map => "a table".into(),
+        other => other.to_string(),
+    }
+}
+
+/// What was probably meant by a value of the wrong type: a number written as a string, a
+/// boolean as a word, a list as a comma-separated string.
+fn value_hint(actual: &Actual, expected: &str) -> Option<String> {
+    let Actual::Str(text) = actual else {
+        return None;
+    };
+    match in_words(expected).as_str() {
+        "a whole number" | "an integer" | "a number" => number_hint(text, ""),
+        "true or false" => bool_hint(text),
+        "a list" => {
+            let items: Option<Vec<u64>> = text
+                .split(',')
+                .map(|t| t.trim().parse::<u64>().ok())
+                .collect();
+            items.map(|items| {
+                let items: Vec<String> = items.iter().map(u64::to_string).collect();
+                format!("[{}]", items.join(", "))
+            })
+        }
+        _ => None,
+    }
+}
+
+/// The number meant by `text` for the setting `key`: `"500"` (quoted), `10_000` or `10,000`
+/// (separated), or a duration with a unit (`10s`) for a setting in `_ms` or `_s` (`10000`).
+pub(super) fn number_hint(text: &str, key: &str) -> Option<String> {
+    let text = text.trim();
+    let plain: String = text.chars().filter(|c| !matches!(c, '_' | ',')).collect();
+    if let Ok(n) = plain.parse::<u64>() {
+        return Some(n.to_string());
+    }
+    let digits = text.chars().take_while(char::is_ascii_digit).count();
+    let n: u64 = text[..digits].parse().ok()?;
+    let ms = match text[digits..].trim() {
+        "ms" => n,
+        "s" => n.checked_mul(1000)?,
+        "m" | "min" => n.checked_mul(60_000)?,
+        "h" => n.checked_mul(3_600_000)?,
+        _ => return None,
+    };
+    if key.ends_with("_ms") {
+        Some(ms.to_string())
+    } else if key.ends_with("_s") && ms.is_multiple_of(1000) {
+        Some((ms / 1000).to_string())
+    } else {
+        None
+    }
+}
+
+/// The boolean meant by a word: `yes`, `on`, `1` are true; `no`, `off`, `0` false.
+pub(super) fn bool_hint(text: &str) -> Option<String> {
+    match text.trim().to_ascii_lowercase().as_str() {
+        "true" | "yes" | "y" | "on" | "1" | "enabled" => Some("true".into()),
+        "false" | "no" | "n" | "off" | "0" | "disabled" => Some("false".into()),
+        _ => None,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn file(text: &str) -> FileText {
+        FileText {
+            path: PathBuf::from("w.toml"),
+            text: text.into(),
+        }
+    }
+
+    fn line(at: Origin) -> Option<usize> {
+        match at {
+            Origin::File { line, .. } => line,
+            other => panic!("not the file: {other:?}"),
+        }
+    }
+
+    #[test]
+    fn a_key_is_found_at_its_line_in_tables_lists_and_inline_tables() {
+        let f = file(
+            "prefetch = 10\n\n[[pipelines]]\nname = \"a\"\n\n[[pipelines]]\nname = \"b\"\n\
+             batch_size = 5\n[pipelines.columns]\nid = { path = \"/id\", type = \"uuid\" }\n",
+        );
+        let at = |path: &[&str]| {
+            let path: Vec<String> = path.iter().map(|s| s.to_string()).collect();
+            line(f.at(&path))
+        };
+        assert_eq!(at(&["prefetch"]), Some(1));
+        assert_eq!(at(&["pipelines", "0", "name"]), Some(4));
+        assert_eq!(at(&["pipelines", "1", "batch_size"]), Some(8));
+        assert_eq!(at(&["pipelines", "1", "columns", "id", "type"]), Some(10));
+        // A key the entry does not have: the entry, where its first key is.
+        assert_eq!(at(&["pipelines", "1", "main_queue"]), Some(7));
+        assert_eq!(at(&["nothing"]), None);
+        assert_eq!(f.pipeline_label(1), "pipelines.b");
+        assert_eq!(f.pipeline_label(5), "pipelines[5]");
+    }
+
+    #[test]
+    fn the_value_meant_is_offered_only_when_it_is_plain() {
+        assert_eq!(
+            number_hint("500", "users_batch_size").as_deref(),
+            Some("500")
+        );
+        assert_eq!(number_hint("10_000", "x").as_deref(), Some("10000"));
+        assert_eq!(number_hint("10,000", "x").as_deref(), Some("10000"));
+        assert_eq!(number_hint("2s", "retry_ttl_ms").as_deref(), Some("2000"));
+        assert_eq!(number_hint("1m", "retry_ttl_ms").as_deref(), Some("60000"));
+        assert_eq!(
+            number_hint("30s", "amqp_heartbeat_s").as_deref(),
+            Some("30")
+        );
+        // A unit the setting's name does not take, and what is no number at all.
+        assert_eq!(number_hint("2s", "users_batch_size"), None);
+        assert_eq!(number_hint("abc", "retry_ttl_ms"), None);
+        assert_eq!(number_hint("-1", "retry_ttl_ms"), None);
+        assert_eq!(bool_hint("Yes").as_deref(), Some("true"));
+        assert_eq!(bool_hint("off").as_deref(), Some("false"));
+        assert_eq!(bool_hint("maybe"), None);
+    }
+
+    #[test]
+    fn a_check_across_settings_is_placed_where_its_setting_was_given() {
+        let sources = Sources {
+            use_env: false,
+            ..Sources::default()
+        }
+        .with_override("users_min_concurrency", "9");
+        let error = ConfigError::Invalid {
+            setting: "USERS_MIN_CONCURRENCY".into(),
+            expected: "at most USERS_MAX_CONCURRENCY (8)".into(),
+            got: "9".into(),
+        };
+        assert_eq!(
+            place(error, &sources, None, None).to_string(),
+            "--users-min-concurrency 9: USERS_MIN_CONCURRENCY: expected at most \
+             USERS_MAX_CONCURRENCY (8), got 9"
+        );
+        // A default is nobody's: the error stays as it was.
+        let error = ConfigError::Invalid {
+            setting: "PREFETCH".into(),
+            expected: "x".into(),
+            got: "y".into(),
+        };
+        assert_eq!(
+            place(error, &sources, None, None).to_string(),
+            "PREFETCH: expected x, got y"
+        );
+    }
+}

@@ -1,0 +1,587 @@
+//! Typed settings: the layering (shipped defaults < `--config` file < environment < CLI flags)
+//! and the validation whose errors name the setting, the value and what was expected.
+//!
+//! Its parts: this file declares every setting once (`settings!`) and loads and validates
+//! [`Settings`]; `sources` says where values come from (the file, the environment, the command
+//! line) and `warren config --origin`; `rules` what each setting accepts; `values` the typed
+//! values (queue type, balance, roles, retry tiers); `error` the [`ConfigError`]s and where a
+//! value was given ([`Origin`]); `diagnose` the file's lines and an error in warren's words
+//! (where, which setting or pipeline field, what was expected, the closest valid name);
+//! `redact` keeps secrets out of what is shown; [`pipelines`] the file's `[[pipelines]]` entries.
+
+mod diagnose;
+mod error;
+pub mod pipelines;
+mod redact;
+mod rules;
+mod sources;
+mod values;
+
+use diagnose::FileText;
+pub use error::{ConfigError, Origin};
+pub use redact::redact_url;
+use rules::{Rule, check, suggest};
+pub use rules::{list_entries, listen_addr};
+pub use sources::{Sources, environment_help, origins};
+use sources::{check_warren_env, env_name_of, parse_raw};
+pub use values::{
+    Balance, LogFormat, MAX_RETRY_TIERS, QueueType, RetryTier, RetryTtls, Role, Roles, humanize_ms,
+    retry_base,
+};
+
+use std::collections::BTreeMap;
+
+use std::time::Duration;
+
+use figment::Figment;
+use figment::providers::{Env, Format, Serialized, Toml};
+use figment::value::Value;
+use serde::{Deserialize, Serialize};
+
+/// The shipped `config/default.toml`, built into the binary so warren runs from any directory.
+pub const DEFAULT_TOML: &str = include_str!("../../config/default.toml");
+
+/// The settings part of [`DEFAULT_TOML`]: everything before its `[[pipelines]]` entry (the
+/// built-in users pipeline, [`pipelines::users`]), which is not a default of a file's list of
+/// pipelines but a pipeline of its own.
+pub fn default_settings_toml() -> &'static str {
+    DEFAULT_TOML
+        .split_once(pipelines::USERS_MARK)
+        .map_or(DEFAULT_TOML, |(settings, _)| settings)
+}
+
+/// Declares every setting once: its doc, its key (the field name, the key in
+/// `config/default.toml` and `--set`; the environment variable is the key in upper case), its
+/// type, and what it accepts ([`Rule`], checked before the typed parse so the error names the
+/// setting). Generates [`Settings`] and [`RULES`] from the one list, so they cannot disagree;
+/// `config/default.toml` gives each its default, and a test parses it into [`Settings`].
+macro_rules! settings {
+    ($( $(#[$doc:meta])* $key:ident: $ty:ty => $rule:expr, )*) => {
+        /// Every setting of warren. The key in `config/default.toml` is the field name; the
+        /// environment variable is the same name in upper case.
+        #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+        #[serde(deny_unknown_fields)]
+        pub struct Settings {
+            $( $(#[$doc])* pub $key: $ty, )*
+            /// The file's `[[pipelines]]` (see [`pipelines`]), beside the built-in users pipeline. Last:
+            /// TOML writes tables after plain values.
+            #[serde(default, skip_serializing_if = "Vec::is_empty")]
+            pub pipelines: Vec<pipelines::PipelineConfig>,
+            /// `warren run --pipelines` left the built-in users pipeline out (not a setting).
+            #[serde(skip)]
+            pub without_users: bool,
+        }
+
+        /// Every setting and its rule, in the order of `config/default.toml`.
+        const RULES: &[(&str, Rule)] = &[ $( (stringify!($key), $rule), )* ];
+    };
+}
+
+settings! {
+    // --- connections -------------------------------------------------------------------
+    /// Where the broker is: one node's URL, or several (a cluster's nodes) separated by commas;
+    /// consumers and publishers open their own connections, to the first node that answers.
+    amqp_url: String => Rule::AmqpUrls,
+    /// Whether each process shuffles the `amqp_url` list once at start, so many instances given
+    /// the same list spread their connections over the nodes instead of all taking the first.
+    amqp_shuffle: bool => Rule::Bool,
+    /// AMQP heartbeat so a half-open socket is noticed (0 disables).
+    amqp_heartbeat_s: u16 => Rule::Int { min: 0, max: 600 },
+    /// Bound on one connect attempt, so a black-holed broker cannot hang a reconnect loop.
+    amqp_connect_timeout_ms: u64 => Rule::Int { min: 100, max: 600_000 },
+    /// The broker's `consumer_timeout` (0 = it has none): warren gives back (nacks with requeue)
+    /// any delivery it would hold unacked longer, before the broker closes the channel over it.
+    amqp_consumer_timeout_ms: u64 => Rule::Int { min: 0, max: 86_400_000 },
+    /// Where the rows go; several `host:port` pairs are tried in turn (with
+    /// `target_session_attrs=read-write`, only a primary is taken).
+    database_url: String => Rule::PgUrl,
+    /// Schema holding the tables, so several deployments (or tests) share one database.
+    database_schema: String => Rule::Ident,
+    /// Pool size; at least the batch concurrency so batches never wait for a connection.
+    database_pool_size: usize => Rule::Int { min: 1, max: 256 },
+    /// Server-side `statement_timeout` of warren's sessions; the client gives up on a statement
+    /// this long plus a margin after sending it, so a half-open connection cannot hang a batch.
+    database_statement_timeout_ms: u64 => Rule::Int { min: 100, max: 3_600_000 },
+    /// Connections of the HTTP API's own pool, so API traffic can never starve the pipeline.
+    api_pool_size: usize => Rule::Int { min: 1, max: 64 },
+    /// Redis for the instance registry and remote control.
+    redis_url: String => Rule::Url(&["redis", "rediss"]),
+    /// Prefix of every Redis key, so several deployments share one Redis.
+    redis_prefix: String => Rule::Name,
+    /// Shared secret that signs remote-control commands (HMAC-SHA256); empty = unsigned
+    /// commands are accepted, with a warning at start.
+    control_secret: String => Rule::Secret,
+    /// Registry heartbeat period (the entry's TTL is 30 s).
+    registry_heartbeat_ms: u64 => Rule::Int { min: 100, max: 20_000 },
+    /// HTTP API listen address.
+    http_addr: String => Rule::Addr,
+    /// Prometheus endpoint listen address.
+    metrics_addr: String => Rule::Addr,
+    // --- topology ----------------------------------------------------------------------
+    /// `classic` (the default) or `quorum`: the type of every queue warren declares. Quorum
+    /// queues are replicated over the cluster and dead-letter at least once.
+    queue_type: QueueType => Rule::OneOf(&["classic", "quorum"]),
+    /// Quorum queues only: deliveries of one message from the main queue (redeliveries after a
+    /// requeue or a lost consumer included) after which the broker dead-letters it to the DLQ.
+    delivery_limit: u32 => Rule::Int { min: 1, max: 1000 },
+    /// Quorum queues only: the DLQ's own delivery limit, declared explicitly (0: not declared,
+    /// the broker's default applies: none on RabbitMQ 3.x, 20 on 4.x, after which the DLQ, which
+    /// dead-letters nowhere, would drop a message).
+    dlq_delivery_limit: u32 => Rule::Int { min: 0, max: 1_000_000_000 },
+    /// Exchange the publisher writes to and the retry queue dead-letters back to.
+    main_exchange: String => Rule::Name,
+    /// Queue the main pipeline consumes.
+    main_queue: String => Rule::Name,
+    /// Exchange transient failures are republished to.
+    retry_exchange: String => Rule::Name,
+    /// TTL queue that holds retried messages for `retry_ttl_ms`; with retry tiers, the base of
+    /// the tier queues' names (see [`Settings::retry_tiers`]).
+    retry_queue: String => Rule::Name,
+    /// Dead-letter exchange.
+    dlx_exchange: String => Rule::Name,
+    /// Dead-letter queue the DLQ consumer drains.
+    dlq_queue: String => Rule::Name,
+    // --- pipeline ----------------------------------------------------------------------
+    /// Roles `warren run` runs.
+    roles: Roles => Rule::Roles,
+    /// Message TTL of the retry queue (the single tier when `retry_ttls_ms` is empty).
+    retry_ttl_ms: u64 => Rule::Int { min: 1, max: 86_400_000 },
+    /// Retry tiers: one retry queue per TTL, the n-th retry of a message waiting in the n-th
+    /// (the last one for every later retry), so retries back off. Empty: one tier,
+    /// `retry_queue` with `retry_ttl_ms`.
+    retry_ttls_ms: RetryTtls => Rule::TtlList,
+    /// Retries before a message is dead-lettered as `retries_exhausted`.
+    max_retries: u32 => Rule::Int { min: 0, max: 100 },
+    /// Attempts the DLQ consumer makes at a message whose insert keeps failing with a database
+    /// error before it parks it, so no message loops in the DLQ forever.
+    dlq_max_attempts: u32 => Rule::Int { min: 1, max: 1000 },
+    /// Flush a batch at this many messages.
+    users_batch_size: usize => Rule::Int { min: 1, max: 10_000 },
+    /// Flush a batch this long after its first message.
+    users_batch_timeout_ms: u64 => Rule::Int { min: 0, max: 600_000 },
+    /// Processor actors: 1 decodes on the pipeline's own thread; more decode in parallel on
+    /// threads of their own (at most one per core).
+    users_proc_concurrency: usize => Rule::Int { min: 1, max: 256 },
+    /// Batcher actors (batch inserts in flight at once).
+    users_batch_concurrency: usize => Rule::Int { min: 1, max: 64 },
+    /// How the batch inserts in flight follow the backlog: `off` (fixed at
+    /// `users_batch_concurrency`), `simple` or `auto` (docs/balancing.md).
+    users_balance: Balance => Rule::OneOf(&["off", "simple", "auto"]),
+    /// Balanced: the fewest batch inserts in flight (where `auto` starts).
+    users_min_concurrency: usize => Rule::Int { min: 1, max: 64 },
+    /// Balanced: the most batch inserts in flight.
+    users_max_concurrency: usize => Rule::Int { min: 1, max: 64 },
+    /// Balanced: time between two decisions, so the concurrency never flaps.
+    users_balance_cooldown_ms: u64 => Rule::Int { min: 100, max: 3_600_000 },
+    /// `auto`: the most inserts in flight one decision adds or takes away.
+    users_balance_max_shift: usize => Rule::Int { min: 1, max: 64 },
+    /// `simple`: messages of backlog per insert in flight.
+    users_scale_threshold: u64 => Rule::Int { min: 1, max: 100_000_000 },
+    /// `auto`: a backlog above this many messages per insert in flight asks for more.
+    users_scale_up_threshold: u64 => Rule::Int { min: 1, max: 100_000_000 },
+    /// `auto`: a backlog that stays below this many messages per insert in flight gives back.
+    users_scale_down_threshold: u64 => Rule::Int { min: 0, max: 100_000_000 },
+    /// Batch inserts in flight in the whole process, every pipeline's together; balanced
+    /// pipelines share what the fixed ones leave, by backlog. 0: `database_pool_size`.
+    max_inserts_in_flight: usize => Rule::Int { min: 0, max: 256 },
+    /// Consumer prefetch; 0 derives it: batch size x batch concurrency x 2.
+    prefetch: u32 => Rule::Int { min: 0, max: 65_535 },
+    /// Messages per second each pipeline takes from its queue; 0 = no limit. Changed at run
+    /// time by `warren ctl rate`.
+    rate_limit_per_s: u32 => Rule::Int { min: 0, max: 1_000_000 },
+    /// Largest accepted body; larger ones are dead-lettered unread.
+    max_message_bytes: usize => Rule::Int { min: 1, max: 134_217_728 },
+    /// Bytes of messages one pipeline holds at once (delivered, not yet settled: bodies and
+    /// their properties as parsed): the prefetch window never exceeds budget /
+    /// MAX_MESSAGE_BYTES; past the budget (larger, refused bodies; large header tables) the
+    /// consumer takes no more until they settle, and its next window is cut to what the budget
+    /// holds of the largest delivery seen.
+    max_inflight_bytes: u64 => Rule::Int { min: 1_048_576, max: 17_179_869_184 },
+    /// How long a failing batch is retried in place before going to the retry queue.
+    db_retry_window_ms: u64 => Rule::Int { min: 0, max: 600_000 },
+    /// Consecutive transient batch failures that open the sink-outage breaker.
+    breaker_failures: u32 => Rule::Int { min: 1, max: 1000 },
+    // --- publishing and shutdown -------------------------------------------------------
+    /// Bound on waiting for a publisher confirm.
+    publish_timeout_ms: u64 => Rule::Int { min: 100, max: 600_000 },
+    /// Whether what warren publishes (the API, `warren publish`) carries the `x-published-ms`
+    /// header, the publish time in milliseconds for the end-to-end latency; without it the
+    /// latency is measured from the AMQP timestamp, to the second. A header table costs the
+    /// broker CPU on every message (docs/performance.md).
+    publish_latency_header: bool => Rule::Bool,
+    /// Bound on the graceful shutdown.
+    shutdown_timeout_ms: u64 => Rule::Int { min: 0, max: 3_600_000 },
+    // --- logs --------------------------------------------------------------------------
+    /// How log lines are written.
+    log_format: LogFormat => Rule::OneOf(&["text", "json"]),
+    // --- events ------------------------------------------------------------------------
+    /// Entries the Redis event stream keeps, about (`MAXLEN ~`); 0 turns events off.
+    events_max_len: u64 => Rule::Int { min: 0, max: 100_000_000 },
+}
+
+/// Every setting as (key in `config/default.toml` and `--set`, environment variable), in the
+/// order of that file. docs/configuration.md is tested against it (tests/docs.rs).
+pub fn setting_names() -> impl Iterator<Item = (&'static str, String)> {
+    RULES
+        .iter()
+        .map(|(key, _)| (*key, key.to_ascii_uppercase()))
+}
+
+/// How long a delivery may stay unacked in warren under a broker `consumer_timeout` of
+/// `timeout_ms` (0 = none): 80% of it. The 20% margin (6 minutes at RabbitMQ's default of
+/// 30) covers what may still run after the check: the database statement in flight (bounded by
+/// `DATABASE_STATEMENT_TIMEOUT_MS` + 2 s), the fallback stage's settling and the nack's way to
+/// the broker; the broker itself only checks on its channel tick (every 60 s on 3.10), which can
+/// only make it later.
+pub fn hand_back_after(timeout_ms: u64) -> Option<Duration> {
+    (timeout_ms > 0).then(|| Duration::from_millis(timeout_ms * 4 / 5))
+}
+
+impl Settings {
+    /// Loads and validates the settings from `sources`.
+    pub fn load(sources: &Sources) -> Result<Self, ConfigError> {
+        if sources.use_env {
+            check_warren_env()?;
+        }
+        let mut figment = Figment::from(Toml::string(default_settings_toml()));
+        let file = sources.file.as_deref().map(FileText::read).transpose()?;
+        if let Some(file) = &file {
+            file.check_keys()?;
+            figment = figment.merge(Toml::string(&file.text));
+        }
+        if sources.use_env {
+            let keys: Vec<&str> = RULES.iter().map(|(k, _)| *k).collect();
+            // `WARREN_<NAME>` wins over `<NAME>` (a shared environment may hold the bare name).
+            figment = figment
+                .merge(Env::raw().only(&keys))
+                .merge(Env::prefixed("WARREN_").only(&keys));
+        }
+        let mut overrides: BTreeMap<String, Value> = sources
+            .overrides
+            .iter()
+            .map(|(k, v)| {
+                let secret = RULES
+                    .iter()
+                    .any(|(key, r)| key == k && matches!(r, Rule::Secret));
+                let value = if secret {
+                    Value::from(v.clone())
+                } else {
+                    parse_raw(v)
+                };
+                (k.clone(), value)
+            })
+            .collect();
+        // A secret is text even when it looks like a number (the environment parser would
+        // turn "123" into one).
+        if sources.use_env {
+            for (key, rule) in RULES {
+                if matches!(rule, Rule::Secret)
+                    && !overrides.contains_key(*key)
+                    && let Some(raw) = env_name_of(key).and_then(|name| std::env::var(name).ok())
+                {
+                    overrides.insert(key.to_string(), Value::from(raw));
+                }
+            }
+        }
+        figment = figment.merge(Serialized::defaults(overrides));
+
+        for (key, rule) in RULES {
+            let value = figment
+                .find_value(key)
+                .map_err(|e| ConfigError::Other(e.to_string()))?;
+            check(key, rule, &value).map_err(|e| {
+                diagnose::place(e, sources, file.as_ref(), suggest(key, rule, &value))
+            })?;
+        }
+        let settings: Settings = figment
+            .extract()
+            .map_err(|e| diagnose::from_figment(e, file.as_ref()))?;
+        settings
+            .validate()
+            .map_err(|e| diagnose::place(e, sources, file.as_ref(), None))?;
+        Ok(settings)
+    }
+
+    /// Loads the shipped defaults only (no file, no environment), for unit tests; the shipped
+    /// file is checked by `shipped_defaults_parse_and_match_the_documented_values`.
+    #[cfg(test)]
+    pub(crate) fn defaults() -> Self {
+        let sources = Sources {
+            use_env: false,
+            ..Sources::default()
+        };
+        Self::load(&sources).expect("the shipped config/default.toml is valid")
+    }
+
+    /// Checks that span several settings.
+    fn validate(&self) -> Result<(), ConfigError> {
+        let tiers = self.retry_tiers();
+        // With tiers, the tier queues take the retry queue's place (RETRY_QUEUE is their base).
+        let retry_setting = if self.retry_ttls_ms.0.is_empty() {
+            "retry_queue"
+        } else {
+            "retry_ttls_ms"
+        };
+        let mut names = vec![("main_queue", &self.main_queue)];
+        names.extend(tiers.iter().map(|t| (retry_setting, &t.queue)));
+        names.push(("dlq_queue", &self.dlq_queue));
+        if let Some(t) = tiers.iter().find(|t| t.queue.len() > 255) {
+            return Err(ConfigError::Invalid {
+                setting: "RETRY_QUEUE".into(),
+                expected: "a base name short enough for the retry tier queues' names (255 at most)"
+                    .into(),
+                got: format!("{:?}", t.queue),
+            });
+        }
+        self.validate_consumer_timeout()?;
+        self.validate_balance()?;
+        for (i, (a, va)) in names.iter().enumerate() {
+            for (b, vb) in names.iter().skip(i + 1) {
+                if va == vb {
+                    return Err(ConfigError::Invalid {
+                        setting: b.to_ascii_uppercase(),
+                        expected: format!("a queue name different from {}", a.to_ascii_uppercase()),
+                        got: format!("{vb:?}"),
+                    });
+                }
+            }
+        }
+        pipelines::check(self)
+    }
+
+    /// The retry tiers in order, at least one. Without `retry_ttls_ms`: `retry_queue` with
+    /// `retry_ttl_ms`, as always. With it: one queue per TTL, named from the base of
+    /// `retry_queue` (its name without a trailing TTL suffix such as `_10s`) and the TTL:
+    /// `raffle_retry_10s` and `1000,10000,60000` give `raffle_retry_1s`, `raffle_retry_10s`,
+    /// `raffle_retry_1m`.
+    pub fn retry_tiers(&self) -> Vec<RetryTier> {
+        if self.retry_ttls_ms.0.is_empty() {
+            return vec![RetryTier {
+                queue: self.retry_queue.clone(),
+                ttl_ms: self.retry_ttl_ms,
+            }];
+        }
+        let base = retry_base(&self.retry_queue);
+        self.retry_ttls_ms
+            .0
+            .iter()
+            .map(|&ttl_ms| RetryTier {
+                queue: format!("{base}_{}", humanize_ms(ttl_ms)),
+                ttl_ms,
+            })
+            .collect()
+    }
+
+    /// `AMQP_CONSUMER_TIMEOUT_MS` is 0 or at least a second, and a rate limit set at start
+    /// cannot keep a full prefetch window waiting past it (the last of `prefetch` deliveries
+    /// waits `prefetch / rate` seconds in the consumer, unacked).
+    /// The users pipeline's bounds, and a set `max_inserts_in_flight` that holds what every
+    /// pipeline always holds (a fixed one its batch concurrency, a balanced one its minimum).
+    fn validate_balance(&self) -> Result<(), ConfigError> {
+        if self.users_min_concurrency > self.users_max_concurrency {
+            return Err(ConfigError::Invalid {
+                setting: "USERS_MIN_CONCURRENCY".into(),
+                expected: format!(
+                    "at most USERS_MAX_CONCURRENCY ({})",
+                    self.users_max_concurrency
+                ),
+                got: self.users_min_concurrency.to_string(),
+            });
+        }
+        if self.users_balance == Balance::Auto
+            && self.users_scale_down_threshold >= self.users_scale_up_threshold
+        {
+            return Err(ConfigError::Invalid {
+                setting: "USERS_SCALE_DOWN_THRESHOLD".into(),
+                expected: format!(
+                    "below USERS_SCALE_UP_THRESHOLD ({}), or auto would step down and up \
+                     again at every decision",
+                    self.users_scale_up_threshold
+                ),
+                got: self.users_scale_down_threshold.to_string(),
+            });
+        }
+        let held = self.held_inserts();
+        if self.max_inserts_in_flight > 0 && self.max_inserts_in_flight < held {
+            return Err(ConfigError::Invalid {
+                setting: "MAX_INSERTS_IN_FLIGHT".into(),
+                expected: format!(
+                    "0 or at least the {held} batch inserts the pipelines always hold (each \
+                     pipeline's batch concurrency, or its min_concurrency when balanced)"
+                ),
+                got: self.max_inserts_in_flight.to_string(),
+            });
+        }
+        Ok(())
+    }
+
+    /// The batch inserts in flight this pipeline's view of the settings always holds: its batch
+    /// concurrency when fixed, its minimum when balanced.
+    pub fn held_concurrency(&self) -> usize {
+        match self.users_balance {
+            Balance::Off => self.users_batch_concurrency,
+            _ => self.users_min_concurrency,
+        }
+    }
+
+    /// The most batch inserts in flight this pipeline's view of the settings can have: the
+    /// batchers its main stage has (balanced up to `max_concurrency`, or moved by an operator's
+    /// bounds).
+    pub fn most_concurrency(&self) -> usize {
+        self.users_batch_concurrency.max(self.users_max_concurrency)
+    }
+
+    /// What every pipeline of the file, and the built-in users one unless the file replaces
+    /// it, always holds.
+    fn held_inserts(&self) -> usize {
+        let users = if self.pipelines.iter().any(|p| p.name == "users") {
+            0
+        } else {
+            self.held_concurrency()
+        };
+        users
+            + self
+                .pipelines
+                .iter()
+                .map(|p| p.view(self).held_concurrency())
+                .sum::<usize>()
+    }
+
+    /// The process-wide budget of batch inserts in flight: `max_inserts_in_flight`, or
+    /// `database_pool_size` when 0 (never below what the pipelines always hold).
+    pub fn inserts_budget(&self) -> usize {
+        match self.max_inserts_in_flight {
+            0 => self.database_pool_size.max(self.held_inserts()),
+            n => n,
+        }
+    }
+
+    fn validate_consumer_timeout(&self) -> Result<(), ConfigError> {
+        let timeout = self.amqp_consumer_timeout_ms;
+        if timeout > 0 && timeout < 1000 {
+            return Err(ConfigError::Invalid {
+                setting: "AMQP_CONSUMER_TIMEOUT_MS".into(),
+                expected:
+                    "0 (the broker has no consumer_timeout) or the broker's consumer_timeout, \
+                    at least 1000 ms"
+                        .into(),
+                got: timeout.to_string(),
+            });
+        }
+        if let Some(give_back) = self.window_outlasts_hand_back(self.rate_limit_per_s) {
+            return Err(ConfigError::Invalid {
+                setting: "RATE_LIMIT_PER_S".into(),
+                expected: format!(
+                    "a rate at which one prefetch window ({} deliveries) is handed on within \
+                         {} ms (80% of AMQP_CONSUMER_TIMEOUT_MS): raise the rate, lower PREFETCH, \
+                         or set AMQP_CONSUMER_TIMEOUT_MS to the broker's larger consumer_timeout",
+                    self.effective_prefetch(),
+                    give_back.as_millis()
+                ),
+                got: self.rate_limit_per_s.to_string(),
+            });
+        }
+        Ok(())
+    }
+
+    /// How long warren may hold a delivery unacked before it gives it back (nack with requeue):
+    /// see [`hand_back_after`]; `None` when the broker has no consumer timeout.
+    pub fn hand_back_after(&self) -> Option<Duration> {
+        hand_back_after(self.amqp_consumer_timeout_ms)
+    }
+
+    /// At `per_s` messages a second (0 = no limit), whether the last delivery of a full prefetch
+    /// window would wait in the rate limiter as long as the hand-back time or longer (the broker
+    /// may then close the channel over it); that time if so. Checked at start (an error) and on
+    /// `warren ctl rate` (a warning).
+    pub fn window_outlasts_hand_back(&self, per_s: u32) -> Option<Duration> {
+        window_outlasts(self.effective_prefetch(), per_s, self.hand_back_after())
+    }
+
+    /// The prefetch actually used: the setting, or two batches per batcher (batch size x batch
+    /// concurrency x 2): each batcher fills its next batch while its sink inserts the last, so
+    /// the broker keeps delivering while every sink is busy. (With one batch per batcher the
+    /// window closed whenever all of them were inserting, and the broker waited for a commit and
+    /// its ack: measured with the broker on a core of its own, 0.82-0.89 of the raw drain
+    /// against 0.88-0.98 with the larger window; docs/performance.md, "What the measurements
+    /// taught".)
+    pub fn effective_prefetch(&self) -> u16 {
+        let counted = if self.prefetch > 0 {
+            self.prefetch.min(u16::MAX as u32) as u16
+        } else {
+            let derived = self
+                .users_batch_size
+                .saturating_mul(self.users_batch_concurrency)
+                .saturating_mul(2);
+            derived.clamp(1, u16::MAX as usize) as u16
+        };
+        counted.min(self.window_of_largest_bodies())
+    }
+
+    /// How many bodies of the largest accepted size (`MAX_MESSAGE_BYTES`) the byte budget
+    /// (`MAX_INFLIGHT_BYTES`) holds: the prefetch window never exceeds it, so the accepted
+    /// bodies in flight never exceed the budget.
+    pub fn window_of_largest_bodies(&self) -> u16 {
+        let fits = self.max_inflight_bytes / (self.max_message_bytes as u64).max(1);
+        fits.clamp(1, u16::MAX as u64) as u16
+    }
+
+    /// Whether `role` is among the configured roles.
+    pub fn has_role(&self, role: Role) -> bool {
+        self.roles.contains(role)
+    }
+
+    pub fn batch_timeout(&self) -> Duration {
+        Duration::from_millis(self.users_batch_timeout_ms)
+    }
+
+    pub fn shutdown_timeout(&self) -> Duration {
+        Duration::from_millis(self.shutdown_timeout_ms)
+    }
+
+    pub fn publish_timeout(&self) -> Duration {
+        Duration::from_millis(self.publish_timeout_ms)
+    }
+
+    pub fn connect_timeout(&self) -> Duration {
+        Duration::from_millis(self.amqp_connect_timeout_ms)
+    }
+
+    /// The broker nodes of `amqp_url`, in the order given (validation made sure there is at
+    /// least one and none is empty).
+    pub fn amqp_urls(&self) -> Vec<&str> {
+        list_entries(&self.amqp_url)
+            .filter(|u| !u.is_empty())
+            .collect()
+    }
+
+    /// The settings as TOML with passwords in URLs replaced by `***`.
+    pub fn to_redacted_toml(&self) -> String {
+        let mut shown = self.clone();
+        shown.amqp_url = redact_url(&shown.amqp_url);
+        shown.database_url = redact_url(&shown.database_url);
+        shown.redis_url = redact_url(&shown.redis_url);
+        if !shown.control_secret.is_empty() {
+            shown.control_secret = "***".into();
+        }
+        // The pipelines in effect: the built-in users one first, unless a file's replaces it.
+        if !shown.pipelines.iter().any(|p| p.name == "users")
+            && let Ok(users) = pipelines::users()
+        {
+            shown.pipelines.insert(0, users);
+        }
+        toml::to_string(&shown).unwrap_or_else(|e| format!("# cannot render settings: {e}\n"))
+    }
+}
+
+/// At `per_s` messages a second (0 = no limit), whether the last delivery of a window of
+/// `prefetch` would wait in the rate limiter as long as `give_back` (the hand-back time) or
+/// longer; that time if so (see [`Settings::window_outlasts_hand_back`]).
+pub fn window_outlasts(prefetch: u16, per_s: u32, give_back: Option<Duration>) -> Option<Duration> {
+    let give_back = give_back?;
+    let window = Duration::from_secs(u64::from(prefetch)) / per_s.max(1);
+    (per_s > 0 && window >= give_back).then_some(give_back)
+}
+
+#[cfg(test)]
+mod tests;

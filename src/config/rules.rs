@@ -1,0 +1,299 @@
+//! What each setting accepts ([`Rule`]) and the check of a raw value against it, before the
+//! typed parse, so that the error names the setting, what was expected and what was given.
+
+use std::net::SocketAddr;
+
+use figment::value::Value;
+
+use super::diagnose::{bool_hint, number_hint};
+use super::error::closest;
+use super::values::{RETRY_TTL_RANGE, Role};
+use super::{ConfigError, MAX_RETRY_TIERS, RetryTtls, Roles, redact_url};
+
+/// What a setting accepts.
+pub(super) enum Rule {
+    Int {
+        min: u64,
+        max: u64,
+    },
+    Url(&'static [&'static str]),
+    /// A comma-separated list of AMQP URLs, each checked as the AMQP client parses it.
+    AmqpUrls,
+    /// A PostgreSQL URL as the client parses it, one host or several (`h1:5432,h2:5432`).
+    PgUrl,
+    Bool,
+    Addr,
+    Name,
+    Ident,
+    Roles,
+    /// A comma-separated list of retry TTLs (see [`RetryTtls`]).
+    TtlList,
+    OneOf(&'static [&'static str]),
+    /// Any string, never shown in errors or `warren config`.
+    Secret,
+}
+
+/// A listen address (`HTTP_ADDR`, `METRICS_ADDR`): `ip:port`, or `host:port` resolved now (the
+/// first address it resolves to).
+pub fn listen_addr(text: &str) -> Result<SocketAddr, String> {
+    if let Ok(addr) = text.parse::<SocketAddr>() {
+        return Ok(addr);
+    }
+    use std::net::ToSocketAddrs as _;
+    text.to_socket_addrs()
+        .map_err(|e| e.to_string())?
+        .next()
+        .ok_or_else(|| format!("{text} resolves to no address"))
+}
+
+/// The entries of a comma-separated list, trimmed, in order (empty ones included, so that
+/// validation can name them).
+pub fn list_entries(raw: &str) -> impl Iterator<Item = &str> {
+    raw.split(',').map(str::trim)
+}
+
+/// One entry of `AMQP_URL`: a URL of scheme amqp or amqps with a host, which the AMQP client
+/// accepts too (it has its own parser, for query options such as heartbeat: a URL it refuses
+/// must stop warren now, not loop in a reconnect). The error says what was expected.
+fn check_amqp_url(entry: &str) -> Result<(), String> {
+    match url::Url::parse(entry) {
+        Ok(u) if ["amqp", "amqps"].contains(&u.scheme()) && u.host_str().is_some() => {}
+        _ => return Err("a URL starting with amqp:// or amqps://".into()),
+    }
+    entry
+        .parse::<lapin::uri::AMQPUri>()
+        .map(|_| ())
+        .map_err(|e| format!("an AMQP URL the client accepts ({})", redact_url(&e)))
+}
+
+/// How a value is shown in an error: strings quoted, numbers bare.
+fn show(value: &Value) -> String {
+    match value {
+        Value::String(_, s) => format!("{s:?}"),
+        Value::Num(_, n) => match (n.to_u128(), n.to_i128(), n.to_f64()) {
+            (Some(u), _, _) => u.to_string(),
+            (_, Some(i), _) => i.to_string(),
+            (_, _, Some(f)) => f.to_string(),
+            _ => format!("{n:?}"),
+        },
+        Value::Bool(_, b) => b.to_string(),
+        Value::Char(_, c) => format!("{c:?}"),
+        Value::Empty(_, _) => "nothing".into(),
+        Value::Dict(_, _) => "a table".into(),
+        Value::Array(_, _) => "a list".into(),
+    }
+}
+
+/// What was probably meant by a value `rule` refused for `key`, if something close is valid: a
+/// number written as a string, with separators or with a unit; a boolean as a word; the closest
+/// choice of a closed set (or role of a list); a bare port as an address. Never for a secret.
+pub(super) fn suggest(key: &str, rule: &Rule, value: &Value) -> Option<String> {
+    let text = match value {
+        Value::String(_, s) => Some(s.as_str()),
+        _ => None,
+    };
+    match rule {
+        Rule::Int { .. } => number_hint(text?, key),
+        Rule::Bool => match value {
+            Value::Num(_, n) => n.to_u128().and_then(|n| bool_hint(&n.to_string())),
+            _ => bool_hint(text?),
+        },
+        Rule::OneOf(choices) => closest(text?, choices.iter().copied(), true).map(Into::into),
+        Rule::Roles => {
+            let names: Vec<&str> = Role::ALL.iter().map(|r| r.as_str()).collect();
+            let fixed: Option<Vec<&str>> = text?
+                .split(',')
+                .map(|entry| closest(entry.trim(), names.iter().copied(), true))
+                .collect();
+            fixed.map(|roles| roles.join(","))
+        }
+        Rule::Addr => {
+            let port = match value {
+                Value::Num(_, n) => n.to_u128().and_then(|p| u16::try_from(p).ok()),
+                _ => text?.trim().trim_start_matches(':').parse::<u16>().ok(),
+            };
+            port.map(|p| format!("127.0.0.1:{p}"))
+        }
+        Rule::Ident => {
+            let lower = text?.to_ascii_lowercase();
+            (check(key, rule, &Value::from(lower.clone())).is_ok()).then_some(lower)
+        }
+        _ => None,
+    }
+}
+
+pub(super) fn check(key: &str, rule: &Rule, value: &Value) -> Result<(), ConfigError> {
+    let invalid = |expected: String| ConfigError::Invalid {
+        setting: key.to_ascii_uppercase(),
+        expected,
+        got: match (rule, value) {
+            (Rule::Url(_) | Rule::AmqpUrls | Rule::PgUrl, Value::String(_, s)) => {
+                format!("{:?}", redact_url(s))
+            }
+            _ => show(value),
+        },
+    };
+    match rule {
+        Rule::Int { min, max } => {
+            let ok = match value {
+                Value::Num(_, n) => n
+                    .to_u128_lossy()
+                    .is_some_and(|v| v >= *min as u128 && v <= *max as u128),
+                _ => false,
+            };
+            if !ok {
+                return Err(invalid(format!("an integer from {min} to {max}")));
+            }
+        }
+        Rule::Url(schemes) => {
+            let expected = || format!("a URL starting with {}://", schemes.join(":// or "));
+            let Value::String(_, s) = value else {
+                return Err(invalid(expected()));
+            };
+            match url::Url::parse(s) {
+                Ok(u) if schemes.contains(&u.scheme()) && u.host_str().is_some() => {}
+                _ => return Err(invalid(expected())),
+            }
+        }
+        Rule::AmqpUrls => {
+            let Value::String(_, s) = value else {
+                return Err(invalid(
+                    "a URL starting with amqp:// or amqps:// (or several, separated by commas)"
+                        .into(),
+                ));
+            };
+            let entries: Vec<&str> = list_entries(s).collect();
+            for (i, entry) in entries.iter().enumerate() {
+                let Err(problem) = check_amqp_url(entry) else {
+                    continue;
+                };
+                // One URL: the error reads as before; in a list it names the entry.
+                return Err(if entries.len() == 1 {
+                    invalid(problem)
+                } else {
+                    ConfigError::Invalid {
+                        setting: format!(
+                            "{} (entry {} of {})",
+                            key.to_ascii_uppercase(),
+                            i + 1,
+                            entries.len()
+                        ),
+                        expected: problem,
+                        got: format!("{:?}", redact_url(entry)),
+                    }
+                });
+            }
+        }
+        Rule::PgUrl => {
+            let expected = |problem: String| {
+                invalid(format!(
+                    "a URL starting with postgres:// or postgresql://{problem} (one host, or \
+                     several: postgres://user:password@host1:5432,host2:5432/db)"
+                ))
+            };
+            let Value::String(_, s) = value else {
+                return Err(expected(String::new()));
+            };
+            let lower = s.to_ascii_lowercase();
+            if !lower.starts_with("postgres://") && !lower.starts_with("postgresql://") {
+                return Err(expected(String::new()));
+            }
+            match s.parse::<tokio_postgres::Config>() {
+                Ok(c) if !c.get_hosts().is_empty() => {}
+                Ok(_) => return Err(expected(" naming a host".into())),
+                Err(e) => {
+                    return Err(expected(format!(
+                        " that the PostgreSQL client accepts ({})",
+                        redact_url(&e.to_string())
+                    )));
+                }
+            }
+        }
+        Rule::Bool => {
+            if !matches!(value, Value::Bool(..)) {
+                return Err(invalid("true or false".into()));
+            }
+        }
+        Rule::Addr => {
+            let ok = matches!(value, Value::String(_, s) if listen_addr(s).is_ok());
+            if !ok {
+                return Err(invalid(
+                    "an address host:port such as 127.0.0.1:8080 or localhost:8080 (a host name \
+                     must resolve)"
+                        .into(),
+                ));
+            }
+        }
+        Rule::Name => {
+            let ok = matches!(value, Value::String(_, s)
+                if !s.is_empty() && s.len() <= 255 && !s.starts_with("amq.") && !s.chars().any(char::is_control));
+            if !ok {
+                return Err(invalid(
+                    "a name of 1 to 255 characters, not starting with \"amq.\"".into(),
+                ));
+            }
+        }
+        Rule::Ident => {
+            let ok = matches!(value, Value::String(_, s)
+                if !s.is_empty() && s.len() <= 63
+                    && s.chars().next().is_some_and(|c| c.is_ascii_lowercase() || c == '_')
+                    && s.chars().all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_'));
+            if !ok {
+                return Err(invalid(
+                    "an SQL identifier: lower-case letters, digits and _, at most 63".into(),
+                ));
+            }
+        }
+        Rule::Roles => {
+            if !matches!(value, Value::String(_, s) if Roles::parse(s).is_ok()) {
+                return Err(invalid(format!(
+                    "a comma-separated subset of {}",
+                    Roles::known()
+                )));
+            }
+        }
+        Rule::Secret => {
+            if !matches!(value, Value::String(..)) {
+                return Err(ConfigError::Invalid {
+                    setting: key.to_ascii_uppercase(),
+                    expected: "a string".into(),
+                    got: "a value of another type (not shown)".into(),
+                });
+            }
+        }
+        Rule::TtlList => {
+            let parsed = match value {
+                Value::String(_, s) => RetryTtls::parse(s),
+                Value::Num(_, n) => n
+                    .to_u128_lossy()
+                    .and_then(|v| u64::try_from(v).ok())
+                    .ok_or_else(|| "not a TTL".to_string())
+                    .and_then(|v| RetryTtls::checked(vec![v])),
+                Value::Array(_, items) => items
+                    .iter()
+                    .map(|item| match item {
+                        Value::Num(_, n) => n.to_u128_lossy().and_then(|v| u64::try_from(v).ok()),
+                        _ => None,
+                    })
+                    .collect::<Option<Vec<u64>>>()
+                    .ok_or_else(|| "not a list of integers".to_string())
+                    .and_then(RetryTtls::checked),
+                _ => Err("not a list".into()),
+            };
+            if parsed.is_err() {
+                let (min, max) = RETRY_TTL_RANGE;
+                return Err(invalid(format!(
+                    "a comma-separated list of at most {MAX_RETRY_TIERS} increasing TTLs in ms, \
+                     each from {min} to {max} (empty = RETRY_TTL_MS alone)"
+                )));
+            }
+        }
+        Rule::OneOf(choices) => {
+            let ok = matches!(value, Value::String(_, s) if choices.contains(&s.as_str()));
+            if !ok {
+                return Err(invalid(format!("one of {}", choices.join(", "))));
+            }
+        }
+    }
+    Ok(())
+}

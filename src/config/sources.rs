@@ -1,0 +1,239 @@
+//! Where settings come from: the file, the environment (with its `WARREN_` names and the
+//! variables that are not settings) and the command line; `warren config --origin`.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+use figment::value::Value;
+
+use super::error::closest;
+use super::{ConfigError, DEFAULT_TOML, Origin, RULES, Rule, redact_url};
+
+/// Where settings come from, besides the shipped defaults and the environment.
+#[derive(Debug, Default, Clone)]
+pub struct Sources {
+    /// A TOML file layered over the defaults (`--config PATH`).
+    pub file: Option<PathBuf>,
+    /// CLI overrides, `key -> raw value` (from `--set` and named flags); they win over all.
+    pub overrides: BTreeMap<String, String>,
+    /// Whether to read the process environment (tests turn it off to stay hermetic).
+    pub use_env: bool,
+    /// How each override was given on the command line (`--set users_batch_size=0`), so that
+    /// an error about its value can quote it.
+    pub given: BTreeMap<String, String>,
+}
+
+impl Sources {
+    /// Defaults < file < environment < overrides.
+    pub fn new(file: Option<PathBuf>) -> Self {
+        Self {
+            file,
+            overrides: BTreeMap::new(),
+            use_env: true,
+            given: BTreeMap::new(),
+        }
+    }
+
+    /// Adds `--set KEY=VALUE` flags; keys are accepted in either case.
+    pub fn with_set_flags(mut self, flags: &[String]) -> Result<Self, ConfigError> {
+        for flag in flags {
+            let (key, value) = flag
+                .split_once('=')
+                .ok_or_else(|| ConfigError::BadFlag(flag.clone()))?;
+            let key = key.trim().to_ascii_lowercase();
+            if !RULES.iter().any(|(k, _)| *k == key) {
+                // The value is not shown: an unknown key may be a misspelled secret.
+                let at = Origin::Flag(format!("--set {key}=..."));
+                let closest = closest(&key, RULES.iter().map(|(k, _)| *k), false);
+                return Err(ConfigError::Unknown {
+                    closest: closest.map(Into::into),
+                    key,
+                    at,
+                });
+            }
+            self.given.insert(
+                key.clone(),
+                format!("--set {key}={}", shown_flag(&key, value)),
+            );
+            self.overrides.insert(key, value.to_string());
+        }
+        Ok(self)
+    }
+
+    /// Adds one override from a named CLI flag (`--roles` for `roles`).
+    pub fn with_override(mut self, key: &str, value: impl Into<String>) -> Self {
+        let value = value.into();
+        let flag = format!("--{} {}", key.replace('_', "-"), shown_flag(key, &value));
+        self.given.insert(key.to_string(), flag);
+        self.overrides.insert(key.to_string(), value);
+        self
+    }
+}
+
+/// A flag's value as an error may quote it: a secret never, a URL's password redacted.
+fn shown_flag(key: &str, value: &str) -> String {
+    if RULES
+        .iter()
+        .any(|(k, rule)| *k == key && matches!(rule, Rule::Secret))
+    {
+        "***".into()
+    } else {
+        redact_url(value)
+    }
+}
+
+/// `WARREN_*` environment variables that are not settings and are allowed: `--config`'s
+/// variable and those of warren's own scripts (bench, cluster).
+const WARREN_NOT_SETTINGS: &[&str] = &["WARREN_CONFIG", "WARREN_BIN", "WARREN_CLUSTER_DIR"];
+/// Prefixes of `WARREN_*` variables of warren's test harness, free for tools.
+const WARREN_TOOL_PREFIXES: &[&str] = &["WARREN_TEST_", "WARREN_LEDGER_", "WARREN_BENCH_"];
+
+/// The environment variable of `key` that is set, if any: `WARREN_<NAME>` wins over `<NAME>`.
+pub(super) fn env_name_of(key: &str) -> Option<String> {
+    let upper = key.to_ascii_uppercase();
+    [format!("WARREN_{upper}"), upper]
+        .into_iter()
+        .find(|name| std::env::var_os(name).is_some())
+}
+
+/// Whether `name` (with `value`) is one of the variables Kubernetes gives every pod for each
+/// Service of its namespace (service links): a Service `warren` (or `warren-api`) makes
+/// `WARREN_SERVICE_HOST`, `WARREN_SERVICE_PORT`, `WARREN_SERVICE_PORT_<PORT NAME>`,
+/// `WARREN_PORT=tcp://..`, `WARREN_PORT_<N>_TCP`, `.._TCP_PROTO`, `.._TCP_PORT` and
+/// `.._TCP_ADDR` (`WARREN_API_...` for `warren-api`). They are not settings, and a Deployment
+/// named like its Service must still start.
+pub(super) fn is_kubernetes_service_link(name: &str, value: &str) -> bool {
+    if name.ends_with("_SERVICE_HOST")
+        || name.ends_with("_SERVICE_PORT")
+        || name.contains("_SERVICE_PORT_")
+    {
+        return true;
+    }
+    let proto = ["tcp://", "udp://", "sctp://"];
+    if name.ends_with("_PORT") && proto.iter().any(|p| value.starts_with(p)) {
+        return true;
+    }
+    // `<SERVICE>_PORT_<number>_<TCP|UDP|SCTP>` and its `_PROTO`, `_PORT`, `_ADDR`.
+    let mut parts = name.rsplit('_');
+    let (mut last, mut before) = (parts.next(), parts.next());
+    if matches!(last, Some("PROTO" | "PORT" | "ADDR")) {
+        (last, before) = (before, parts.next());
+    }
+    matches!(last, Some("TCP" | "UDP" | "SCTP"))
+        && before.is_some_and(|n| !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit()))
+        && parts.next() == Some("PORT")
+}
+
+/// Refuses a `WARREN_*` variable that is no setting (a misspelling would otherwise be ignored),
+/// naming the closest setting. Kubernetes' service links are not refused.
+pub(super) fn check_warren_env() -> Result<(), ConfigError> {
+    for (name, value) in std::env::vars_os() {
+        let Some(name) = name.to_str() else { continue };
+        let Some(rest) = name.strip_prefix("WARREN_") else {
+            continue;
+        };
+        if WARREN_NOT_SETTINGS.contains(&name)
+            || WARREN_TOOL_PREFIXES.iter().any(|p| name.starts_with(p))
+        {
+            continue;
+        }
+        let key = rest.to_ascii_lowercase();
+        if RULES.iter().any(|(k, _)| *k == key)
+            || is_kubernetes_service_link(name, &value.to_string_lossy())
+        {
+            continue;
+        }
+        let closest = RULES
+            .iter()
+            .map(|(k, _)| *k)
+            .min_by_key(|k| strsim::levenshtein(k, &key))
+            .unwrap_or("");
+        return Err(ConfigError::UnknownEnv {
+            name: name.to_string(),
+            closest: format!("WARREN_{}", closest.to_ascii_uppercase()),
+        });
+    }
+    Ok(())
+}
+
+/// Where each setting's value comes from, for `warren config --origin`: `--set`/a flag, an
+/// environment variable (named), the file (its path), or the built-in defaults.
+pub fn origins(sources: &Sources) -> Result<BTreeMap<&'static str, String>, ConfigError> {
+    let file_keys: Vec<String> = match &sources.file {
+        Some(path) => std::fs::read_to_string(path)
+            .ok()
+            .and_then(|text| text.parse::<toml::Table>().ok())
+            .map(|t| t.keys().cloned().collect())
+            .unwrap_or_default(),
+        None => Vec::new(),
+    };
+    Ok(RULES
+        .iter()
+        .map(|(key, _)| {
+            let origin = if sources.overrides.contains_key(*key) {
+                "command line (--set or a flag)".to_string()
+            } else if let Some(name) = sources.use_env.then(|| env_name_of(key)).flatten() {
+                format!("environment {name}")
+            } else if file_keys.iter().any(|k| k == key) {
+                format!(
+                    "file {}",
+                    sources
+                        .file
+                        .as_deref()
+                        .map(Path::display)
+                        .map(|d| d.to_string())
+                        .unwrap_or_default()
+                )
+            } else {
+                "default".to_string()
+            };
+            (*key, origin)
+        })
+        .collect())
+}
+
+/// The ENVIRONMENT section of `warren run --help` and the man pages, from the shipped defaults
+/// file (each setting's comment and default): one entry per setting.
+pub fn environment_help() -> Vec<(String, String)> {
+    let mut out = Vec::new();
+    let mut comment: Vec<&str> = Vec::new();
+    for line in DEFAULT_TOML.lines() {
+        let line = line.trim();
+        if let Some(text) = line.strip_prefix('#') {
+            // A section's heading (`--- connections ---`) belongs to no setting.
+            if !text.trim().starts_with("---") {
+                comment.push(text.trim());
+            }
+            continue;
+        }
+        if let Some((key, value)) = line.split_once(" = ")
+            && RULES.iter().any(|(k, _)| *k == key.trim())
+        {
+            let key = key.trim();
+            let shown = if matches!(
+                RULES.iter().find(|(k, _)| *k == key).map(|(_, r)| r),
+                Some(Rule::Secret)
+            ) {
+                "(unset)".to_string()
+            } else {
+                redact_url(value.trim())
+            };
+            out.push((
+                format!(
+                    "{} (or WARREN_{})",
+                    key.to_ascii_uppercase(),
+                    key.to_ascii_uppercase()
+                ),
+                format!("{} Default: {shown}.", comment.join(" ")),
+            ));
+        }
+        comment.clear();
+    }
+    out
+}
+
+/// Parses a raw string the way environment variables are parsed (numbers become numbers).
+pub(super) fn parse_raw(raw: &str) -> Value {
+    raw.parse::<Value>()
+        .unwrap_or_else(|_| Value::from(raw.to_string()))
+}

@@ -1,0 +1,591 @@
+//! Tests of the settings: the shipped defaults, each rule's errors, the layering and redaction.
+//! Test code only (`#![cfg(test)]`): its unwraps and expects never run in the service.
+#![cfg(test)]
+
+use super::sources::is_kubernetes_service_link;
+use super::*;
+
+/// The settings with `pairs` as overrides set by code (not given on a command line, so an error
+/// names no flag: the rule's own words).
+fn with(pairs: &[(&str, &str)]) -> Result<Settings, ConfigError> {
+    let sources = Sources {
+        use_env: false,
+        overrides: pairs
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect(),
+        ..Sources::default()
+    };
+    Settings::load(&sources)
+}
+
+#[test]
+fn kubernetes_service_links_are_told_from_misspelled_settings() {
+    for (name, value) in [
+        ("WARREN_SERVICE_HOST", "10.96.0.12"),
+        ("WARREN_SERVICE_PORT", "9898"),
+        ("WARREN_SERVICE_PORT_METRICS", "9898"),
+        ("WARREN_PORT", "tcp://10.96.0.12:9898"),
+        ("WARREN_PORT_9898_TCP", "tcp://10.96.0.12:9898"),
+        ("WARREN_PORT_9898_TCP_PROTO", "tcp"),
+        ("WARREN_PORT_9898_TCP_PORT", "9898"),
+        ("WARREN_PORT_9898_TCP_ADDR", "10.96.0.12"),
+        ("WARREN_API_PORT_8080_UDP_ADDR", "10.96.0.13"),
+        ("WARREN_API_PORT", "udp://10.96.0.13:8080"),
+    ] {
+        assert!(is_kubernetes_service_link(name, value), "{name}={value}");
+    }
+    for (name, value) in [
+        ("WARREN_METRICS_PORT", "9898"),
+        ("WARREN_PORT", "9898"),
+        ("WARREN_PORT_X_TCP", "1"),
+        ("WARREN_PORT_9898_HTTP", "1"),
+        ("WARREN_9898_TCP_ADDR", "1"),
+        ("WARREN_USER_BATCH_SIZE", "10"),
+    ] {
+        assert!(!is_kubernetes_service_link(name, value), "{name}={value}");
+    }
+}
+
+#[test]
+fn balancing_settings_that_cannot_work_are_refused_naming_the_setting() {
+    let refused = |pairs: &[(&str, &str)], setting: &str| match with(pairs) {
+        Err(ConfigError::Invalid { setting: s, .. }) => assert_eq!(s, setting, "{pairs:?}"),
+        other => panic!("{pairs:?}: {other:?}"),
+    };
+    refused(
+        &[
+            ("users_min_concurrency", "5"),
+            ("users_max_concurrency", "4"),
+        ],
+        "USERS_MIN_CONCURRENCY",
+    );
+    refused(
+        &[
+            ("users_balance", "auto"),
+            ("users_scale_up_threshold", "100"),
+        ],
+        "USERS_SCALE_DOWN_THRESHOLD",
+    );
+    refused(&[("max_inserts_in_flight", "1")], "MAX_INSERTS_IN_FLIGHT");
+    // simple ignores auto's thresholds; a budget of what is held is enough.
+    assert!(
+        with(&[
+            ("users_balance", "simple"),
+            ("users_scale_up_threshold", "100")
+        ])
+        .is_ok()
+    );
+    let s = with(&[("max_inserts_in_flight", "2")]).unwrap();
+    assert_eq!(s.inserts_budget(), 2);
+    let s = with(&[
+        ("users_batch_concurrency", "12"),
+        ("database_pool_size", "4"),
+    ])
+    .unwrap();
+    assert_eq!(
+        s.inserts_budget(),
+        12,
+        "0: the pool size, or what is held if more"
+    );
+}
+
+#[test]
+fn shipped_defaults_parse_and_match_the_documented_values() {
+    let s = Settings::defaults();
+    assert_eq!(s.retry_ttl_ms, 10_000);
+    assert_eq!(s.max_retries, 3);
+    assert_eq!(s.users_batch_size, 1000);
+    assert_eq!(s.users_batch_timeout_ms, 1000);
+    assert_eq!(s.users_proc_concurrency, 1);
+    assert_eq!(s.users_batch_concurrency, 2);
+    assert_eq!(s.amqp_url, "amqp://guest:guest@127.0.0.1:5672/%2f");
+    assert_eq!(
+        s.database_url,
+        "postgres://warren:warren@127.0.0.1:5432/warren"
+    );
+    assert_eq!(s.redis_url, "redis://127.0.0.1:6379");
+    assert_eq!(s.http_addr, "127.0.0.1:8080");
+    assert_eq!(s.metrics_addr, "127.0.0.1:9898");
+    assert_eq!(s.shutdown_timeout_ms, 20_000);
+    assert_eq!(s.effective_prefetch(), 4000);
+}
+
+#[test]
+fn every_rule_has_a_key_in_the_shipped_file_and_back() {
+    let table: toml::Table = default_settings_toml().parse().unwrap();
+    for (key, _) in RULES {
+        assert!(table.contains_key(*key), "{key} missing from default.toml");
+    }
+    assert_eq!(table.len(), RULES.len());
+    // Beyond the settings, the file declares the users pipeline, and nothing else.
+    let whole: toml::Table = DEFAULT_TOML.parse().unwrap();
+    assert_eq!(whole.len(), RULES.len() + 1);
+    assert!(whole["pipelines"].is_array());
+}
+
+#[test]
+fn a_non_integer_names_setting_range_and_value() {
+    let err = with(&[("users_batch_size", "abc")]).unwrap_err();
+    assert_eq!(
+        err.to_string(),
+        "USERS_BATCH_SIZE: expected an integer from 1 to 10000, got \"abc\""
+    );
+}
+
+#[test]
+fn out_of_range_and_negative_are_refused() {
+    let err = with(&[("users_batch_size", "0")]).unwrap_err();
+    assert!(err.to_string().contains("got 0"), "{err}");
+    let err = with(&[("max_retries", "-1")]).unwrap_err();
+    assert!(
+        err.to_string()
+            .starts_with("MAX_RETRIES: expected an integer from 0 to 100"),
+        "{err}"
+    );
+}
+
+#[test]
+fn urls_addresses_and_roles_are_checked() {
+    let err = with(&[("amqp_url", "http://x")]).unwrap_err();
+    assert!(
+        err.to_string()
+            .starts_with("AMQP_URL: expected a URL starting with amqp://"),
+        "{err}"
+    );
+    let err = with(&[("http_addr", "localhost")]).unwrap_err();
+    assert!(err.to_string().starts_with("HTTP_ADDR:"), "{err}");
+    let err = with(&[("roles", "consumer,web")]).unwrap_err();
+    assert!(
+        err.to_string()
+            .starts_with("ROLES: expected a comma-separated subset"),
+        "{err}"
+    );
+    assert!(
+        with(&[("roles", "consumer, api")])
+            .unwrap()
+            .has_role(Role::Api)
+    );
+}
+
+#[test]
+fn roles_and_log_format_are_closed_sets() {
+    let s = with(&[("roles", " api ,consumer,api"), ("log_format", "json")]).unwrap();
+    assert_eq!(s.roles.to_string(), "api,consumer");
+    assert!(s.has_role(Role::Consumer) && !s.has_role(Role::Dlq));
+    assert_eq!(s.log_format, LogFormat::Json);
+    for bad in ["", "consumer,", "Consumer"] {
+        let err = with(&[("roles", bad)]).unwrap_err().to_string();
+        assert_eq!(
+            err,
+            format!(
+                "ROLES: expected a comma-separated subset of consumer,dlq,api, got {:?}",
+                bad
+            ),
+        );
+    }
+    let err = with(&[("log_format", "yaml")]).unwrap_err().to_string();
+    assert!(
+        err.starts_with("LOG_FORMAT: expected one of text, json"),
+        "{err}"
+    );
+    assert_eq!(Settings::defaults().roles.to_string(), "consumer,dlq,api");
+}
+
+#[test]
+fn consumer_timeout_gives_deliveries_back_at_80_percent() {
+    assert_eq!(hand_back_after(0), None);
+    assert_eq!(
+        hand_back_after(1_800_000),
+        Some(Duration::from_secs(24 * 60))
+    );
+    assert_eq!(hand_back_after(5000), Some(Duration::from_secs(4)));
+    let s = with(&[]).unwrap();
+    assert_eq!(s.hand_back_after(), Some(Duration::from_secs(24 * 60)));
+    let e = with(&[("amqp_consumer_timeout_ms", "500")])
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("AMQP_CONSUMER_TIMEOUT_MS"), "{e}");
+    assert!(e.contains("at least 1000 ms"), "{e}");
+    assert!(with(&[("amqp_consumer_timeout_ms", "0")]).is_ok());
+    // A window of 4000 deliveries at 1 per second waits 4000 s, past 80% of 30 minutes.
+    let e = with(&[("rate_limit_per_s", "1")]).unwrap_err().to_string();
+    assert!(e.contains("RATE_LIMIT_PER_S"), "{e}");
+    assert!(e.contains("4000 deliveries"), "{e}");
+    assert!(with(&[("rate_limit_per_s", "1"), ("prefetch", "100")]).is_ok());
+    assert!(with(&[("rate_limit_per_s", "1"), ("amqp_consumer_timeout_ms", "0")]).is_ok());
+    // The same rule for a live rate (`warren ctl rate`): 3 per second passes the window in
+    // 1333 s, within 1440 s; 2 per second does not; 0 is no limit.
+    let give_back = Some(Duration::from_secs(24 * 60));
+    assert_eq!(s.window_outlasts_hand_back(2), give_back);
+    assert_eq!(s.window_outlasts_hand_back(3), None);
+    assert_eq!(s.window_outlasts_hand_back(0), None);
+}
+
+#[test]
+fn overrides_win_and_prefetch_is_derived_or_capped() {
+    let s = with(&[
+        ("users_batch_size", "100"),
+        ("users_batch_concurrency", "3"),
+    ])
+    .unwrap();
+    assert_eq!(s.effective_prefetch(), 600);
+    let s = with(&[
+        ("users_batch_size", "10000"),
+        ("users_batch_concurrency", "64"),
+        ("max_inflight_bytes", "17179869184"),
+    ])
+    .unwrap();
+    assert_eq!(s.effective_prefetch(), 65535);
+    let s = with(&[("prefetch", "50")]).unwrap();
+    assert_eq!(s.effective_prefetch(), 50);
+    // The byte budget holds 4096 bodies of the largest accepted size by default: the window
+    // never exceeds it.
+    let s = with(&[("users_batch_concurrency", "8")]).unwrap();
+    assert_eq!(s.window_of_largest_bodies(), 4096);
+    assert_eq!(s.effective_prefetch(), 4096);
+    let s = with(&[
+        ("max_message_bytes", "16777216"),
+        ("max_inflight_bytes", "33554432"),
+    ])
+    .unwrap();
+    assert_eq!(s.effective_prefetch(), 2);
+}
+
+#[test]
+fn unknown_set_flags_and_file_keys_are_named() {
+    let err = Sources::default()
+        .with_set_flags(&["nope=1".into()])
+        .unwrap_err();
+    assert!(err.to_string().contains("`nope`"), "{err}");
+    let err = Sources::default()
+        .with_set_flags(&["nope".into()])
+        .unwrap_err();
+    assert!(err.to_string().contains("KEY=VALUE"), "{err}");
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("w.toml");
+    std::fs::write(&path, "users_batch_size = 10\nbogus = 1\n").unwrap();
+    let err = Settings::load(&Sources {
+        file: Some(path),
+        use_env: false,
+        ..Sources::default()
+    })
+    .unwrap_err();
+    assert!(err.to_string().contains("`bogus`"), "{err}");
+}
+
+#[test]
+fn a_config_file_layers_over_the_defaults() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("w.toml");
+    std::fs::write(&path, "users_batch_size = 10\n").unwrap();
+    let s = Settings::load(&Sources {
+        file: Some(path),
+        use_env: false,
+        ..Sources::default()
+    })
+    .unwrap();
+    assert_eq!(s.users_batch_size, 10);
+    assert_eq!(s.max_retries, 3);
+}
+
+#[test]
+fn urls_are_checked_by_the_amqp_parser_and_redacted_in_errors() {
+    let err = with(&[("amqp_url", "amqp://u:s3cret@h:5672/%2f?heartbeat=10s")]).unwrap_err();
+    let text = err.to_string();
+    assert!(
+        text.starts_with("AMQP_URL: expected an AMQP URL the client accepts"),
+        "{text}"
+    );
+    assert!(!text.contains("s3cret"), "{text}");
+    let err = with(&[("database_url", "http://u:s3cret@h/db")]).unwrap_err();
+    assert!(!err.to_string().contains("s3cret"), "{err}");
+}
+
+#[test]
+fn amqp_url_takes_a_list_and_names_the_bad_entry_without_its_password() {
+    let list = "amqp://u:p1@h1:5681/%2f, amqp://u:p2@h2:5682/%2f,amqp://u:p3@h3:5683/%2f";
+    let s = with(&[("amqp_url", list)]).unwrap();
+    assert_eq!(
+        s.amqp_urls(),
+        [
+            "amqp://u:p1@h1:5681/%2f",
+            "amqp://u:p2@h2:5682/%2f",
+            "amqp://u:p3@h3:5683/%2f"
+        ]
+    );
+    assert!(!s.amqp_shuffle);
+
+    let bad = "amqp://u:p1@h1:5681/%2f,http://u:s3cret@h2:5682/%2f,amqp://u:p3@h3/%2f";
+    let text = with(&[("amqp_url", bad)]).unwrap_err().to_string();
+    assert_eq!(
+        text,
+        "AMQP_URL (entry 2 of 3): expected a URL starting with amqp:// or amqps://, \
+         got \"http://u:***@h2:5682/%2f\"",
+    );
+    let bad = "amqp://u:p1@h1:5681/%2f,amqp://u:s3cret@h2:5682/%2f?heartbeat=x";
+    let text = with(&[("amqp_url", bad)]).unwrap_err().to_string();
+    assert!(
+        text.starts_with("AMQP_URL (entry 2 of 2): expected an AMQP URL the client accepts"),
+        "{text}"
+    );
+    assert!(!text.contains("s3cret") && !text.contains("p1"), "{text}");
+    // An empty entry (a trailing comma) is named too.
+    let text = with(&[("amqp_url", "amqp://h1/%2f,")])
+        .unwrap_err()
+        .to_string();
+    assert!(
+        text.starts_with("AMQP_URL (entry 2 of 2): expected a URL"),
+        "{text}"
+    );
+}
+
+#[test]
+fn amqp_shuffle_is_a_boolean() {
+    assert!(with(&[("amqp_shuffle", "true")]).unwrap().amqp_shuffle);
+    assert!(!with(&[("amqp_shuffle", "false")]).unwrap().amqp_shuffle);
+    let text = with(&[("amqp_shuffle", "yes")]).unwrap_err().to_string();
+    assert_eq!(text, "AMQP_SHUFFLE: expected true or false, got \"yes\"");
+}
+
+#[test]
+fn database_url_takes_several_hosts_and_the_client_reads_them_all() {
+    let url = "postgres://u:s3cret@127.0.0.1:1,127.0.0.1:5432/warren\
+               ?target_session_attrs=read-write";
+    let s = with(&[("database_url", url)]).unwrap();
+    let config = crate::db::pg_config(&s).unwrap();
+    assert_eq!(config.get_hosts().len(), 2);
+    assert_eq!(config.get_ports(), [1, 5432]);
+    assert_eq!(
+        config.get_target_session_attrs(),
+        tokio_postgres::config::TargetSessionAttrs::ReadWrite
+    );
+    assert_eq!(
+        redact_url(url),
+        "postgres://u:***@127.0.0.1:1,127.0.0.1:5432/warren?target_session_attrs=read-write"
+    );
+    assert!(
+        !s.to_redacted_toml().contains("s3cret"),
+        "{}",
+        s.to_redacted_toml()
+    );
+    for bad in [
+        "postgres://u:s3cret@h1:5432,h2:x/db",
+        "postgres:///db",
+        "mysql://u:s3cret@h/db",
+    ] {
+        let text = with(&[("database_url", bad)]).unwrap_err().to_string();
+        assert!(
+            text.starts_with("DATABASE_URL: expected a URL starting with postgres://"),
+            "{text}"
+        );
+        assert!(!text.contains("s3cret"), "{text}");
+    }
+}
+
+#[test]
+fn redaction_covers_lists_multi_host_urls_and_what_no_parser_accepts() {
+    let cases = [
+        (
+            "amqp://guest:guest@127.0.0.1:5672/%2f",
+            "amqp://guest:***@127.0.0.1:5672/%2f",
+        ),
+        (
+            "amqp://a:p1@h1:5681/%2f,amqp://h2:5682/%2f,amqps://c:p3@h3/v?heartbeat=5",
+            "amqp://a:***@h1:5681/%2f,amqp://h2:5682/%2f,amqps://c:***@h3/v?heartbeat=5",
+        ),
+        ("redis://:s3cret@h:6379", "redis://:***@h:6379"),
+        ("redis://h:6379", "redis://h:6379"),
+        // a password with characters a URL parser refuses
+        ("postgres://u:p,@w@h1,h2/db", "postgres://u:***@h1,h2/db"),
+        ("postgres://u@h/db", "postgres://u@h/db"),
+        ("not a url", "not a url"),
+        // a password with the characters that end an authority (tokio-postgres accepts it)
+        (
+            "postgres://warren:Sup3r?Secret@h/db",
+            "postgres://warren:***@h/db",
+        ),
+        ("postgres://u:a#b/c@h:5432/db", "postgres://u:***@h:5432/db"),
+        ("amqp://u:p@ss@h/%2f", "amqp://u:***@h/%2f"),
+        // secrets in query strings, in every entry of a list
+        (
+            "postgres://postgres@127.0.0.1:5432/db?password=s3cret",
+            "postgres://postgres@127.0.0.1:5432/db?password=***",
+        ),
+        (
+            "postgres://h/db?sslmode=require&SSLPassword=s3cret&application_name=w#frag",
+            "postgres://h/db?sslmode=require&SSLPassword=***&application_name=w#frag",
+        ),
+        (
+            "amqp://h1/%2f?auth_token=s3cret,amqps://u:s3cret@h2/v?heartbeat=5",
+            "amqp://h1/%2f?auth_token=***,amqps://u:***@h2/v?heartbeat=5",
+        ),
+        (
+            "amqp://h1/%2f?password=s3cret, amqp://h2/%2f",
+            "amqp://h1/%2f?password=***, amqp://h2/%2f",
+        ),
+        // a PostgreSQL key/value string
+        (
+            "host=h user=u password=s3cret dbname=d",
+            "host=h user=u password=*** dbname=d",
+        ),
+        (
+            "host=h password = 'a \\' b' dbname=d",
+            "host=h password = *** dbname=d",
+        ),
+    ];
+    for (raw, shown) in cases {
+        assert_eq!(redact_url(raw), shown, "{raw}");
+    }
+}
+
+#[test]
+fn passwords_are_redacted() {
+    let shown = Settings::defaults().to_redacted_toml();
+    assert!(
+        shown.contains("amqp://guest:***@127.0.0.1:5672/%2f"),
+        "{shown}"
+    );
+    assert!(
+        shown.contains("postgres://warren:***@127.0.0.1:5432/warren"),
+        "{shown}"
+    );
+    assert!(!shown.contains(":guest@"));
+}
+
+#[test]
+fn identical_queue_names_are_refused() {
+    let err = with(&[("dlq_queue", "raffle_queue")]).unwrap_err();
+    assert!(
+        err.to_string()
+            .starts_with("DLQ_QUEUE: expected a queue name different from MAIN_QUEUE"),
+        "{err}"
+    );
+}
+
+#[test]
+fn queue_type_is_classic_by_default_and_a_closed_set() {
+    let s = Settings::defaults();
+    assert_eq!(s.queue_type, QueueType::Classic);
+    assert_eq!(s.delivery_limit, 20);
+    assert_eq!(
+        with(&[("queue_type", "quorum")]).unwrap().queue_type,
+        QueueType::Quorum
+    );
+    let err = with(&[("queue_type", "stream")]).unwrap_err();
+    assert_eq!(
+        err.to_string(),
+        "QUEUE_TYPE: expected one of classic, quorum, got \"stream\""
+    );
+    let err = with(&[("delivery_limit", "0")]).unwrap_err();
+    assert_eq!(
+        err.to_string(),
+        "DELIVERY_LIMIT: expected an integer from 1 to 1000, got 0"
+    );
+}
+
+#[test]
+fn without_retry_tiers_the_retry_queue_is_the_one_tier() {
+    let s = Settings::defaults();
+    assert_eq!(s.retry_ttls_ms, RetryTtls::default());
+    assert_eq!(
+        s.retry_tiers(),
+        [RetryTier {
+            queue: "raffle_retry_10s".into(),
+            ttl_ms: 10_000
+        }]
+    );
+}
+
+#[test]
+fn retry_tiers_are_named_from_the_retry_queue_base() {
+    let s = with(&[("retry_ttls_ms", "1000, 10000,60000")]).unwrap();
+    let names: Vec<_> = s.retry_tiers().into_iter().map(|t| t.queue).collect();
+    assert_eq!(
+        names,
+        ["raffle_retry_1s", "raffle_retry_10s", "raffle_retry_1m"]
+    );
+    assert_eq!(
+        s.retry_tiers().iter().map(|t| t.ttl_ms).collect::<Vec<_>>(),
+        [1000, 10_000, 60_000]
+    );
+    // A name without a TTL suffix is the base as it is.
+    let s = with(&[("retry_queue", "q_retry"), ("retry_ttls_ms", "300,7200000")]).unwrap();
+    let names: Vec<_> = s.retry_tiers().into_iter().map(|t| t.queue).collect();
+    assert_eq!(names, ["q_retry_300ms", "q_retry_2h"]);
+    // One number (as an environment variable holding one arrives) is one tier.
+    let s = with(&[("retry_ttls_ms", "1500")]).unwrap();
+    assert_eq!(s.retry_tiers()[0].queue, "raffle_retry_1500ms");
+    // The settings survive the round trip through TOML (`warren config`, the topology).
+    let s = with(&[("retry_ttls_ms", "1000,2000")]).unwrap();
+    let shown = s.to_redacted_toml();
+    assert!(shown.contains("retry_ttls_ms = \"1000,2000\""), "{shown}");
+    assert!(shown.contains("queue_type = \"classic\""), "{shown}");
+}
+
+#[test]
+fn humanized_ttls_and_bases() {
+    assert_eq!(humanize_ms(999), "999ms");
+    assert_eq!(humanize_ms(1000), "1s");
+    assert_eq!(humanize_ms(90_000), "90s");
+    assert_eq!(humanize_ms(60_000), "1m");
+    assert_eq!(humanize_ms(5_400_000), "90m");
+    assert_eq!(humanize_ms(86_400_000), "24h");
+    assert_eq!(retry_base("raffle_retry_10s"), "raffle_retry");
+    assert_eq!(retry_base("raffle_retry_300ms"), "raffle_retry");
+    assert_eq!(retry_base("raffle_retry_1h"), "raffle_retry");
+    assert_eq!(retry_base("raffle_retry"), "raffle_retry");
+    assert_eq!(retry_base("retry_x10s"), "retry_x10s");
+    assert_eq!(retry_base("_10s"), "_10s");
+    assert_eq!(retry_base("q_10d"), "q_10d");
+}
+
+#[test]
+fn bad_retry_tiers_name_the_setting() {
+    for bad in [
+        "1000,abc",
+        "1000,1000",
+        "10000,1000",
+        "0",
+        "1,86400001",
+        "1,2,3,4,5,6,7,8,9,10,11",
+        "-5",
+    ] {
+        let err = with(&[("retry_ttls_ms", bad)]).unwrap_err();
+        assert!(
+            err.to_string().starts_with(
+                "RETRY_TTLS_MS: expected a comma-separated list of at most 10 increasing TTLs in ms"
+            ),
+            "{bad}: {err}"
+        );
+    }
+    let err = with(&[
+        ("main_queue", "raffle_retry_1s"),
+        ("retry_ttls_ms", "1000,2000"),
+    ])
+    .unwrap_err();
+    assert!(
+        err.to_string()
+            .starts_with("RETRY_TTLS_MS: expected a queue name different from MAIN_QUEUE"),
+        "{err}"
+    );
+}
+
+#[test]
+fn retry_tiers_from_a_file_may_be_a_toml_list() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("w.toml");
+    std::fs::write(
+        &path,
+        "retry_ttls_ms = [500, 5000]\nqueue_type = \"quorum\"\n",
+    )
+    .unwrap();
+    let s = Settings::load(&Sources {
+        file: Some(path),
+        use_env: false,
+        ..Sources::default()
+    })
+    .unwrap();
+    assert_eq!(s.retry_ttls_ms, RetryTtls(vec![500, 5000]));
+    assert_eq!(s.queue_type, QueueType::Quorum);
+}

@@ -1,0 +1,214 @@
+//! Configuration errors in warren's words, as a user of the binary reads them: each names where
+//! the value was given (the file and its line, the environment variable, the `--set` argument),
+//! the setting or the pipeline and field, what was expected and the closest valid name, exits 2,
+//! and points to `warren config` / docs/configuration.md rather than a file of the repository.
+//! No server is needed: `warren config` loads the configuration and stops there.
+
+mod common;
+
+use std::path::PathBuf;
+use std::process::Command;
+
+use common::bin;
+
+/// A configuration file of this test's own, removed when dropped.
+struct File {
+    dir: tempfile::TempDir,
+}
+
+impl File {
+    fn new(text: &str) -> Self {
+        let dir = tempfile::tempdir().expect("temp dir");
+        std::fs::write(dir.path().join("warren.toml"), text).expect("write the file");
+        Self { dir }
+    }
+
+    fn path(&self) -> PathBuf {
+        self.dir.path().join("warren.toml")
+    }
+}
+
+/// `warren <args> config` with only `vars` in its environment: (exit code, stderr).
+fn config(vars: &[(&str, &str)], args: &[&str]) -> (i32, String) {
+    let out = Command::new(bin())
+        .env_clear()
+        .envs(vars.iter().copied())
+        .args(args)
+        .arg("config")
+        .output()
+        .expect("run warren");
+    (
+        out.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+/// The run must exit 2 with every one of `parts` in its message, and no reference to the
+/// repository's defaults file.
+fn assert_refused(what: &str, (code, err): (i32, String), parts: &[&str]) {
+    assert_eq!(code, 2, "{what}: exit {code}\n{err}");
+    let missing: Vec<&&str> = parts.iter().filter(|p| !err.contains(**p)).collect();
+    assert!(
+        missing.is_empty(),
+        "{what}: the message lacks {missing:?}:\n{err}"
+    );
+    assert!(!err.contains("config/default.toml"), "{what}: {err}");
+    assert!(!err.contains("TOML source string"), "{what}: {err}");
+}
+
+/// An entry of a pipeline `orders`; `extra` goes at line 5.
+fn orders(extra: &str) -> String {
+    format!(
+        "[[pipelines]]\n\
+         name = \"orders\"\n\
+         table = \"shop.orders\"\n\
+         key = [\"order_id\"]\n\
+         {extra}\n\
+         \n\
+         [pipelines.columns]\n\
+         order_id = {{ path = \"/id\", type = \"uuid\" }}\n"
+    )
+}
+
+#[test]
+fn an_unknown_key_in_a_file_is_named_with_its_line_and_the_closest_setting() {
+    let file = File::new("# mine\nusers_batch_size = 500\nuser_batch_timeout_ms = 200\n");
+    let path = file.path().display().to_string();
+    assert_refused(
+        "unknown top-level key",
+        config(&[], &["--config", &path]),
+        &[
+            &format!("{path}, line 3"),
+            "unknown setting `user_batch_timeout_ms`",
+            "did you mean users_batch_timeout_ms?",
+            "every setting is listed by `warren config` and in docs/configuration.md",
+        ],
+    );
+    // A pipeline declared under a misspelled table name.
+    let file = File::new(&orders("").replace("[[pipelines]]", "[[pipeline]]"));
+    let path = file.path().display().to_string();
+    assert_refused(
+        "a misspelled [[pipelines]]",
+        config(&[], &["--config", &path]),
+        &[
+            &format!("{path}, line 1"),
+            "unknown setting `pipeline`",
+            "did you mean pipelines?",
+        ],
+    );
+}
+
+#[test]
+fn an_unknown_key_in_a_pipeline_entry_names_the_pipeline_and_the_closest_key() {
+    let file = File::new(&orders("batch_sise = 500"));
+    let path = file.path().display().to_string();
+    assert_refused(
+        "unknown key in a pipeline",
+        config(&[], &["--config", &path]),
+        &[
+            &format!("{path}, line 5"),
+            "unknown key `batch_sise` in pipeline orders",
+            "did you mean batch_size?",
+            "a pipeline's keys are listed in docs/pipelines.md",
+        ],
+    );
+    // In a column: the column is named too (line 8).
+    let file = File::new(&orders("").replace("type = \"uuid\"", "type = \"uuid\", optinal = true"));
+    let path = file.path().display().to_string();
+    assert_refused(
+        "unknown key in a column",
+        config(&[], &["--config", &path]),
+        &[
+            &format!("{path}, line 8"),
+            "unknown key `optinal` in pipeline orders, column order_id",
+            "did you mean optional?",
+        ],
+    );
+}
+
+#[test]
+fn a_bad_enum_value_names_the_field_the_variants_and_the_closest() {
+    let file = File::new(&orders("on_conflict = \"upsert\""));
+    let path = file.path().display().to_string();
+    assert_refused(
+        "bad variant in a pipeline",
+        config(&[], &["--config", &path]),
+        &[
+            &format!("{path}, line 5"),
+            "pipelines.orders.on_conflict: expected one of keep, update, got \"upsert\"",
+            "did you mean update?",
+        ],
+    );
+    // A setting's closed set, from the file.
+    let file = File::new("users_batch_size = 500\nqueue_type = \"quorom\"\n");
+    let path = file.path().display().to_string();
+    assert_refused(
+        "bad variant of a setting",
+        config(&[], &["--config", &path]),
+        &[
+            &format!("{path}, line 2"),
+            "queue_type: expected one of classic, quorum, got \"quorom\"",
+            "did you mean quorum?",
+        ],
+    );
+}
+
+#[test]
+fn a_wrong_type_from_the_environment_names_the_variable_and_the_value_meant() {
+    assert_refused(
+        "a word for a boolean",
+        config(&[("WARREN_AMQP_SHUFFLE", "yes")], &[]),
+        &[
+            "WARREN_AMQP_SHUFFLE: expected true or false, got \"yes\"",
+            "from the environment",
+            "did you mean true?",
+        ],
+    );
+    assert_refused(
+        "a duration with a unit",
+        config(&[("USERS_BATCH_TIMEOUT_MS", "2s")], &[]),
+        &[
+            "USERS_BATCH_TIMEOUT_MS: expected an integer from 0 to 600000, got \"2s\"",
+            "from the environment",
+            "did you mean 2000?",
+        ],
+    );
+    // A number where a pipeline's field takes one, written as a string in the file.
+    let file = File::new(&orders("batch_size = \"500\""));
+    let path = file.path().display().to_string();
+    assert_refused(
+        "a quoted number in a pipeline",
+        config(&[], &["--config", &path]),
+        &[
+            &format!("{path}, line 5"),
+            "pipelines.orders.batch_size: expected a whole number, got \"500\"",
+            "did you mean 500?",
+        ],
+    );
+}
+
+#[test]
+fn a_typo_in_set_names_the_argument_and_the_closest_setting() {
+    assert_refused(
+        "unknown key in --set",
+        config(&[], &["--set", "users_batch_sise=5"]),
+        &[
+            "unknown setting `users_batch_sise` in --set users_batch_sise=",
+            "did you mean users_batch_size?",
+            "every setting is listed by `warren config` and in docs/configuration.md",
+        ],
+    );
+    assert_refused(
+        "bad value in --set",
+        config(&[], &["--set", "queue_type=quorom"]),
+        &[
+            "--set queue_type=quorom: QUEUE_TYPE: expected one of classic, quorum, got \"quorom\"",
+            "did you mean quorum?",
+        ],
+    );
+    // The value of an unknown key is never shown: it may be a misspelled secret.
+    let (code, err) = config(&[], &["--set", "control_secre=hunter2"]);
+    assert_eq!(code, 2, "{err}");
+    assert!(err.contains("did you mean control_secret?"), "{err}");
+    assert!(!err.contains("hunter2"), "{err}");
+}
