@@ -64,7 +64,8 @@ fn holds_logged(warren: &Warren) -> Vec<Duration> {
         .filter_map(|l| serde_json::from_str::<Value>(l).ok())
         .filter(|v| {
             v["message"] == "messages go back to their queue after a backoff"
-                && v["pipeline"] == "main"
+                && v["pipeline"] == "users"
+                && v["stage"] == "main"
         })
         .map(|v| {
             Duration::from_millis(
@@ -146,7 +147,12 @@ async fn land_within(
 }
 
 async fn concurrency(env: &TestEnv) -> Option<f64> {
-    try_metric(env, "warren_pipeline_concurrency", &[("pipeline", "main")]).await
+    try_metric(
+        env,
+        "warren_pipeline_concurrency",
+        &[("pipeline", "users"), ("stage", "main")],
+    )
+    .await
 }
 
 /// Lines of warren's log whose message is `message`, logged by the main pipeline's consumer.
@@ -155,7 +161,7 @@ fn logged(warren: &Warren, message: &str) -> usize {
         .logs()
         .lines()
         .filter_map(|l| serde_json::from_str::<Value>(l).ok())
-        .filter(|v| v["message"] == message && v["pipeline"] == "main")
+        .filter(|v| v["message"] == message && v["pipeline"] == "users" && v["stage"] == "main")
         .count()
 }
 
