@@ -222,6 +222,7 @@ fn concrete(expr: &str) -> String {
         .replace("$__range", "1h")
         .replace("$instance", ".*")
         .replace("$pipeline", ".*")
+        .replace("$stage", ".*")
         .replace("$job", "warren");
     assert!(!e.contains('$'), "unknown Grafana variable in {expr:?}");
     e
