@@ -281,7 +281,7 @@ async fn a_held_message_never_holds_the_rows_behind_it_across_any_resubscription
     // the old link's copy of the held message still waits out its backoff in warren (the broker
     // took it back and delivers it again, so it is held anew). `rabbitmqctl` can take seconds to
     // answer: the connection is looked up first, and the hold must leave time for the close.
-    let name = format!("warren main {}:{pid}", host());
+    let name = format!("warren users/main {}:{pid}", host());
     let listing = rabbitmqctl(&[
         "list_connections",
         "--no-table-headers",
