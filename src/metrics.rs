@@ -744,7 +744,56 @@ pub fn queue_polled(queue: &str, messages: u32, consumers: u32) {
 
 #[cfg(test)]
 mod tests {
-    use super::Readiness;
+    use super::{Readiness, STATS, Stage, StageId};
+    use std::sync::atomic::Ordering;
+
+    #[test]
+    fn a_stage_is_its_pipeline_and_its_kind_whatever_the_names() {
+        let dlq = StageId::new("orders_dlq", Stage::Main);
+        assert_eq!(dlq.pipeline(), "orders_dlq");
+        assert_eq!(
+            dlq.stage(),
+            Stage::Main,
+            "a name ending in _dlq is not a DLQ"
+        );
+        assert_eq!(dlq.to_string(), "orders_dlq/main");
+        let labels: Vec<(String, String)> = StageId::new("users", Stage::Dlq)
+            .labels(&[("reason", "stuck")])
+            .iter()
+            .map(|l| (l.key().to_string(), l.value().to_string()))
+            .collect();
+        let pair = |k: &str, v: &str| (k.to_string(), v.to_string());
+        assert_eq!(
+            labels,
+            [
+                pair("pipeline", "users"),
+                pair("stage", "dlq"),
+                pair("reason", "stuck")
+            ]
+        );
+        assert!(StageId::new("a", Stage::Main) < StageId::new("a", Stage::Dlq));
+    }
+
+    /// Two stages' breakers are counted apart: one closing leaves the other open (a bit per
+    /// stage name once lumped every configured pipeline together).
+    #[test]
+    fn each_stages_breaker_is_counted_once() {
+        let (a, b) = (
+            StageId::new("breaker_test_a", Stage::Main),
+            StageId::new("breaker_test_b", Stage::Dlq),
+        );
+        let open = || STATS.breakers_open.load(Ordering::Relaxed);
+        let before = open();
+        super::breaker(&a, true);
+        super::breaker(&a, true);
+        super::breaker(&b, true);
+        assert_eq!(open(), before + 2);
+        super::breaker(&a, false);
+        assert_eq!(open(), before + 1, "b is still open");
+        super::breaker(&b, false);
+        super::breaker(&b, false);
+        assert_eq!(open(), before);
+    }
 
     #[test]
     fn ready_when_every_needed_link_is_up() {
