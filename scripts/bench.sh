@@ -260,9 +260,9 @@ free_port() {
   die "found no free port for METRICS_ADDR"
 }
 
-# The pipeline label warren's users stage carries: main for the typed users pipeline, users when
-# users is a configured pipeline (warren_mapped).
-STAGE=main
+# The users pipeline's main stage, as a build labels it: `pipeline="users"` (with
+# `stage="main"`; the bench runs only the consumer role), or `pipeline="main"` in builds before
+# the one label scheme (docs/operations.md, upgrading), so WARREN_BIN_B may be one of those.
 # Sum of a metric's samples for the users stage (or without labels), read with bash alone so
 # that polling spawns no process while warren is measured; empty if warren has not exported it.
 metric_now() { # PORT NAME
@@ -280,14 +280,14 @@ metric_now() { # PORT NAME
   re=$'\n'"$2"$'([ {][^\n]*)(.*)'
   while [[ "$rest" =~ $re ]]; do
     line="${BASH_REMATCH[1]}"; rest="${BASH_REMATCH[2]}"
-    case "$line" in *pipeline=*) [[ "$line" == *"pipeline=\"$STAGE\""* ]] || continue ;; esac
+    case "$line" in *pipeline=*) [[ "$line" == *'pipeline="users"'* || "$line" == *'pipeline="main"'* ]] || continue ;; esac
     value="${line##* }"; sum=$(( ${sum:-0} + ${value%%.*} ))
   done
   printf '%s' "$sum"
 }
 metric_file() { # FILE NAME: the same from a saved scrape (awk, after the measurement)
-  awk -v name="$2" -v stage="pipeline=\"$STAGE\"" '
-    (index($1, name "{") == 1 || $1 == name) && ($0 !~ /pipeline=/ || index($0, stage)) { s += $NF; found = 1 }
+  awk -v name="$2" '
+    (index($1, name "{") == 1 || $1 == name) && ($0 !~ /pipeline=/ || index($0, "pipeline=\"users\"") || index($0, "pipeline=\"main\"")) { s += $NF; found = 1 }
     END { if (found) printf "%.0f", s }' "$1"
 }
 
@@ -755,8 +755,8 @@ measure() { # rep contender tag
                       BIN="$BIN_B"; run_warren "$1" "$2" "$3" || rc=$?; BIN="$bin_a"
                       return "$rc" ;;
     warren_pf5000)    run_warren "$1" "$2" "$3" PREFETCH=5000 ;;
-    warren_mapped)    STAGE=users; run_warren "$1" "$2" "$3" WARREN_CONFIG="$MAPPED" || { STAGE=main; return 1; }; STAGE=main ;;
-    warren_wide)      STAGE=users; run_warren "$1" "$2" "$3" WARREN_CONFIG="$WIDE" || { STAGE=main; return 1; }; STAGE=main ;;
+    warren_mapped)    run_warren "$1" "$2" "$3" WARREN_CONFIG="$MAPPED" ;;
+    warren_wide)      run_warren "$1" "$2" "$3" WARREN_CONFIG="$WIDE" ;;
     warren_redis_stop)
                       REDIS_STOP_PORT=$(free_port)
                       redis-server --port "$REDIS_STOP_PORT" --bind 127.0.0.1 --daemonize yes --save "" \

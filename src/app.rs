@@ -18,7 +18,7 @@ use crate::config::{Role, Settings};
 use crate::domain::mapping::Mapping;
 use crate::domain::users::Users;
 use crate::events::{self, Kind};
-use crate::pipeline::{self, Pipeline, Spec};
+use crate::pipeline::{self, Pipeline, Spec, Stage, StageId};
 use crate::registry::{Command, CtlCommand, Registry, Report};
 use crate::{db, http, metrics};
 
@@ -64,21 +64,13 @@ pub async fn run(settings: Settings, shutdown: impl Future<Output = ()>) -> anyh
         },
     );
 
-    // The file's pipelines, each with the settings as it sees them and its stages' names (the
-    // `pipeline` label: `<name>` and `<name>_dlq`; users keeps `main` and `dlq`). A file's
-    // pipeline named users replaces the built-in one.
-    let configured: Vec<(Settings, &'static str, &'static str, Arc<Mapping>)> = settings
+    // The file's pipelines, each with the settings as it sees them and its name (its stages'
+    // `pipeline` label, beside `stage="main"|"dlq"`, as users'). A file's pipeline named users
+    // replaces the built-in one.
+    let configured: Vec<(Settings, String, Arc<Mapping>)> = settings
         .pipelines
         .iter()
-        .map(|p| {
-            let leak = |s: String| -> &'static str { Box::leak(s.into_boxed_str()) };
-            Ok((
-                p.view(&settings),
-                leak(p.name.clone()),
-                leak(format!("{}_dlq", p.name)),
-                Arc::new(p.mapping()?),
-            ))
-        })
+        .map(|p| Ok((p.view(&settings), p.name.clone(), Arc::new(p.mapping()?))))
         .collect::<Result<_, crate::config::ConfigError>>()?;
     let builtin_users =
         !settings.without_users && !settings.pipelines.iter().any(|p| p.name == "users");
@@ -111,29 +103,28 @@ pub async fn run(settings: Settings, shutdown: impl Future<Output = ()>) -> anyh
         poll_every,
         depths.clone(),
     ));
-    let mut names = Vec::new();
-    if settings.has_role(Role::Consumer) {
-        if builtin_users {
-            names.push("main");
-        }
-        names.extend(configured.iter().map(|c| c.1));
-    }
-    if settings.has_role(Role::Dlq) {
-        if builtin_users {
-            names.push("dlq");
-        }
-        names.extend(configured.iter().map(|c| c.2));
-    }
-    metrics::preregister(&names);
+    // Every stage this instance runs: each served pipeline's main stage (role consumer) and
+    // DLQ stage (role dlq), under one scheme, users' as any other's.
+    let served_names: Vec<&str> = builtin_users
+        .then_some("users")
+        .into_iter()
+        .chain(configured.iter().map(|c| c.1.as_str()))
+        .collect();
+    let stages: Vec<StageId> = [(Role::Consumer, Stage::Main), (Role::Dlq, Stage::Dlq)]
+        .into_iter()
+        .filter(|(role, _)| settings.has_role(*role))
+        .flat_map(|(_, stage)| served_names.iter().map(move |p| StageId::new(p, stage)))
+        .collect();
+    metrics::preregister(&stages);
     // What the metrics listener's /readyz waits for: every AMQP link the roles open (each
-    // pipeline's consumer, named after the pipeline, and its publisher `router`; the API's
+    // stage's consumer, `<pipeline>/<stage>`, and their publisher `router`; the API's
     // publisher `api`) and the database, which every role uses.
-    let mut links = names.clone();
-    if !names.is_empty() {
-        links.push("router");
+    let mut links: Vec<String> = stages.iter().map(StageId::to_string).collect();
+    if !stages.is_empty() {
+        links.push("router".into());
     }
     if settings.has_role(Role::Api) {
-        links.push("api");
+        links.push("api".into());
     }
     metrics::needs(&links, true);
     metrics::connection("amqp", false);
@@ -174,10 +165,9 @@ pub async fn run(settings: Settings, shutdown: impl Future<Output = ()>) -> anyh
                 depths.clone(),
             ));
         }
-        for (view, name, dlq_name, mapping) in &configured {
+        for (view, name, mapping) in &configured {
             let spec = Spec {
-                name: if role == Role::Dlq { dlq_name } else { name },
-                pipeline: name.to_string(),
+                pipeline: name.clone(),
                 ..stage(view)
             };
             pipelines.push(pipeline::start(
@@ -335,9 +325,12 @@ fn apply(
             if command.command == Command::Drain {
                 return Err("drain applies to the whole instance, not to one pipeline".into());
             }
-            let chosen: Vec<&Pipeline> = pipelines.iter().filter(|p| p.pipeline == *name).collect();
+            let chosen: Vec<&Pipeline> = pipelines
+                .iter()
+                .filter(|p| p.id.pipeline() == name)
+                .collect();
             if chosen.is_empty() && !pipelines.is_empty() {
-                let mut known: Vec<&str> = pipelines.iter().map(|p| p.pipeline.as_str()).collect();
+                let mut known: Vec<&str> = pipelines.iter().map(|p| p.id.pipeline()).collect();
                 known.dedup();
                 return Err(format!(
                     "this instance runs no pipeline {name:?} (it runs {})",
@@ -354,7 +347,7 @@ fn apply(
     };
     let mark_paused = |on: bool| {
         for p in &chosen {
-            crate::metrics::stage(p.name)
+            crate::metrics::stage(&p.id)
                 .paused
                 .store(on && !whole, std::sync::atomic::Ordering::Relaxed);
         }

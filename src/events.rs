@@ -276,8 +276,8 @@ pub struct Event {
 }
 
 impl Event {
-    /// `kind`, now, from this process, about `pipeline` if any (a pipeline's name or a stage
-    /// label: see [`pipeline_of`]); its text fields capped ([`Kind::bounded`]).
+    /// `kind`, now, from this process, about the pipeline named `pipeline` if any; its text
+    /// fields capped ([`Kind::bounded`]).
     pub fn new(pipeline: Option<&str>, kind: Kind) -> Self {
         Self {
             v: VERSION,
@@ -287,22 +287,13 @@ impl Event {
                 .unwrap_or_default(),
             host: HOST.get_or_init(crate::hostname).clone(),
             pid: std::process::id(),
-            pipeline: pipeline.map(|p| pipeline_of(p).to_string()),
+            pipeline: pipeline.map(str::to_string),
         }
     }
 
     /// The JSON object of the `event` field.
     pub fn to_json(&self) -> String {
         serde_json::to_string(self).unwrap_or_default()
-    }
-}
-
-/// The pipeline name events use for a stage label (`main` and `dlq` are users' stages; a
-/// configured pipeline's DLQ stage is `<name>_dlq`).
-pub fn pipeline_of(stage: &str) -> &str {
-    match stage {
-        "main" | "dlq" => "users",
-        s => s.strip_suffix("_dlq").unwrap_or(s),
     }
 }
 
@@ -318,9 +309,9 @@ type LinkState = (bool, Option<String>);
 
 /// An AMQP link of this process (a pipeline's consumer, a publisher) came up or went down:
 /// reported to the metrics ([`metrics::amqp_link`]) and, on a change after its first connect,
-/// as `link_lost` / `link_restored` with the node; a consumer's link names its pipeline
-/// (`consumer`: the link is a pipeline's stage, not a publisher).
-pub fn amqp_link(link: &str, up: bool, consumer: bool) {
+/// as `link_lost` / `link_restored` with the node, about `pipeline` when the link is one of a
+/// pipeline's consumers (`<pipeline>/<stage>`), not a publisher.
+pub fn amqp_link(link: &str, up: bool, pipeline: Option<&str>) {
     metrics::amqp_link(link, up);
     let changed = {
         let mut guard = LINKS.lock().unwrap_or_else(|p| p.into_inner());
@@ -333,7 +324,6 @@ pub fn amqp_link(link: &str, up: bool, consumer: bool) {
         }
     };
     if let Some(node) = changed {
-        let pipeline = consumer.then_some(link);
         let (target, link) = ("broker".to_string(), Some(link.to_string()));
         let kind = if up {
             Kind::LinkRestored { target, link, node }
@@ -375,7 +365,7 @@ enum Item {
 /// The writer's inbox; unset until [`start`] (and in subcommands, which emit nothing).
 static INBOX: OnceLock<mpsc::Sender<Item>> = OnceLock::new();
 
-/// Emits `kind` about `pipeline` (a pipeline's name, or a stage label: see [`pipeline_of`]).
+/// Emits `kind` about the pipeline named `pipeline`, if any.
 /// Never blocks; a full inbox (in events or in [`QUEUE_BYTES`]) drops the event and counts it.
 pub fn emit(pipeline: Option<&str>, kind: Kind) {
     let Some(inbox) = INBOX.get() else {
@@ -514,7 +504,7 @@ mod tests {
             Kind::Stopped { exit_code: 0 },
             Kind::LinkLost {
                 target: "broker".into(),
-                link: Some("main".into()),
+                link: Some("users/main".into()),
                 node: Some("127.0.0.1:5672".into()),
             },
             Kind::LinkRestored {
@@ -569,8 +559,7 @@ mod tests {
         for kind in kinds {
             let name = kind.name();
             let json: serde_json::Value =
-                serde_json::from_str(&Event::new(Some("orders_dlq"), kind).to_json())
-                    .expect("JSON");
+                serde_json::from_str(&Event::new(Some("orders"), kind).to_json()).expect("JSON");
             assert_eq!(json["v"], VERSION, "{json}");
             assert_eq!(json["type"], name, "{json}");
             assert_eq!(json["pipeline"], "orders", "{json}");
@@ -678,13 +667,5 @@ mod tests {
         assert!(reserve(1));
         release(1);
         assert_eq!(MEMORY_BOUND, 6 << 20, "docs/events.md states 6 MiB");
-    }
-
-    #[test]
-    fn a_stage_label_is_reported_as_its_pipeline() {
-        assert_eq!(pipeline_of("main"), "users");
-        assert_eq!(pipeline_of("dlq"), "users");
-        assert_eq!(pipeline_of("orders"), "orders");
-        assert_eq!(pipeline_of("orders_dlq"), "orders");
     }
 }

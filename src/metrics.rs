@@ -1,13 +1,15 @@
 //! Every metric warren exports, with its labels, described once; and one function per event
-//! that both logs and counts it. Labels stay low-cardinality: `pipeline`, `kind`, `reason`.
+//! that both logs and counts it. Labels stay low-cardinality: `pipeline` and `stage` (one
+//! scheme for every pipeline's stages, [`StageId`]), `kind`, `reason`.
 
 use std::collections::HashMap;
 use std::sync::Mutex;
-use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU8, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU8, AtomicU32, AtomicU64, Ordering};
 use std::time::Duration;
 
 use metrics::{
-    Counter, Gauge, counter, describe_counter, describe_gauge, describe_histogram, gauge, histogram,
+    Counter, Gauge, Label, counter, describe_counter, describe_gauge, describe_histogram, gauge,
+    histogram,
 };
 use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
 use tracing::warn;
@@ -43,6 +45,83 @@ pub const EVENTS_DROPPED: &str = "warren_events_dropped_total";
 pub const PIPELINE_CONCURRENCY: &str = "warren_pipeline_concurrency";
 pub const BALANCE_DECISIONS: &str = "warren_balance_decisions_total";
 
+/// Which of a pipeline's two stages a consumer is: the `stage` label of every per-pipeline
+/// metric. Every pipeline has the same two, whatever its name.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum Stage {
+    /// The pipeline's queue: inserts, and routes what fails to the retry queue or the DLX.
+    Main,
+    /// The pipeline's dead-letter queue: inserts again, and parks what is still refused.
+    Dlq,
+}
+
+impl Stage {
+    /// Both stages, in the order they start.
+    pub const ALL: [Stage; 2] = [Stage::Main, Stage::Dlq];
+
+    /// The `stage` label's value: `main` or `dlq`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Stage::Main => "main",
+            Stage::Dlq => "dlq",
+        }
+    }
+}
+
+impl std::fmt::Display for Stage {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// One stage of one pipeline: its labels (`pipeline="<name>"`, `stage="main"|"dlq"`) on every
+/// per-pipeline metric and log line, and, written `<name>/<stage>` ([`fmt::Display`]), the name
+/// of its consumer's AMQP link and of its line in the registry. Cheap to clone (the name is
+/// shared).
+///
+/// [`fmt::Display`]: std::fmt::Display
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct StageId {
+    /// The pipeline's name (`users`, `orders`): the `pipeline` label.
+    pipeline: std::sync::Arc<str>,
+    /// Which of its stages: the `stage` label.
+    stage: Stage,
+}
+
+impl StageId {
+    pub fn new(pipeline: &str, stage: Stage) -> Self {
+        Self {
+            pipeline: pipeline.into(),
+            stage,
+        }
+    }
+
+    /// The pipeline's name: the `pipeline` label.
+    pub fn pipeline(&self) -> &str {
+        &self.pipeline
+    }
+
+    /// Which stage: the `stage` label.
+    pub fn stage(&self) -> Stage {
+        self.stage
+    }
+
+    /// The stage's labels, then `extra` ones.
+    fn labels(&self, extra: &[(&'static str, &'static str)]) -> Vec<Label> {
+        let mut labels = Vec::with_capacity(2 + extra.len());
+        labels.push(Label::new("pipeline", self.pipeline.clone()));
+        labels.push(Label::new("stage", self.stage.as_str()));
+        labels.extend(extra.iter().map(|(k, v)| Label::new(*k, *v)));
+        labels
+    }
+}
+
+impl std::fmt::Display for StageId {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}/{}", self.pipeline, self.stage.as_str())
+    }
+}
+
 /// Process-wide counts, for the Redis registry and the shutdown record (the Prometheus
 /// recorder cannot be read back). The message counts of the pipelines are their stages' sums
 /// ([`totals`]).
@@ -50,19 +129,19 @@ pub const BALANCE_DECISIONS: &str = "warren_balance_decisions_total";
 pub struct Stats {
     pub parked: AtomicU64,
     pub inflight: AtomicI64,
-    /// One bit per pipeline whose sink-outage breaker is open (main 1, dlq 2, others 4), so
-    /// the registry can report the breaker state.
-    pub breakers_open: AtomicU8,
+    /// Stages whose sink-outage breaker is open (each counted once, [`StageStats::breaker_open`]),
+    /// so the registry can report the breaker state.
+    pub breakers_open: AtomicU32,
 }
 
 pub static STATS: Stats = Stats {
     parked: AtomicU64::new(0),
     inflight: AtomicI64::new(0),
-    breakers_open: AtomicU8::new(0),
+    breakers_open: AtomicU32::new(0),
 };
 
-/// One stage's counts (its `pipeline` label: `main`, `dlq`, `orders`, `orders_dlq`, ...), for
-/// the registry's per-pipeline lines.
+/// One stage's counts ([`StageId`]: `users/main`, `orders/dlq`, ...), for the registry's
+/// per-pipeline lines.
 #[derive(Debug, Default)]
 pub struct StageStats {
     /// Held by `warren ctl pause --pipeline` (an instance-wide pause shows in its status).
@@ -78,22 +157,23 @@ pub struct StageStats {
     /// insert latency.
     pub batches: AtomicU64,
     pub insert_us: AtomicU64,
+    /// Whether the stage's sink-outage breaker is open (counted in [`Stats::breakers_open`]).
+    pub breaker_open: AtomicBool,
 }
 
-/// Every stage's counts, by label; a stage appears with its first count (or [`preregister`]).
-static STAGES: std::sync::RwLock<
-    std::collections::BTreeMap<&'static str, std::sync::Arc<StageStats>>,
-> = std::sync::RwLock::new(std::collections::BTreeMap::new());
+/// Every stage's counts; a stage appears with its first count (or [`preregister`]).
+static STAGES: std::sync::RwLock<std::collections::BTreeMap<StageId, std::sync::Arc<StageStats>>> =
+    std::sync::RwLock::new(std::collections::BTreeMap::new());
 
-/// The counts of `pipeline`, created on first use.
-pub fn stage(pipeline: &'static str) -> std::sync::Arc<StageStats> {
-    if let Some(s) = STAGES.read().ok().and_then(|m| m.get(pipeline).cloned()) {
+/// The counts of `stage`, created on first use.
+pub fn stage(stage: &StageId) -> std::sync::Arc<StageStats> {
+    if let Some(s) = STAGES.read().ok().and_then(|m| m.get(stage).cloned()) {
         return s;
     }
     let mut map = STAGES
         .write()
         .unwrap_or_else(std::sync::PoisonError::into_inner);
-    map.entry(pipeline).or_default().clone()
+    map.entry(stage.clone()).or_default().clone()
 }
 
 /// The process's message counts: every stage's summed.
@@ -115,11 +195,11 @@ pub fn totals() -> Totals {
     })
 }
 
-/// Every stage's counts, by label.
-pub fn stages() -> Vec<(&'static str, std::sync::Arc<StageStats>)> {
+/// Every stage's counts, in the order of their names.
+pub fn stages() -> Vec<(StageId, std::sync::Arc<StageStats>)> {
     STAGES
         .read()
-        .map(|m| m.iter().map(|(k, v)| (*k, v.clone())).collect())
+        .map(|m| m.iter().map(|(k, v)| (k.clone(), v.clone())).collect())
         .unwrap_or_default()
 }
 
@@ -188,19 +268,19 @@ pub fn install() -> Result<PrometheusHandle, String> {
 fn describe() {
     describe_counter!(
         RECEIVED,
-        "Deliveries taken from the queue, by pipeline (main, dlq)."
+        "Deliveries taken from the queue, by pipeline and stage (main, dlq)."
     );
     describe_counter!(
         INSERTED,
-        "Rows committed (new or already present), by pipeline."
+        "Rows committed (new or already present), by pipeline and stage."
     );
     describe_counter!(
         RETRIED,
-        "Messages republished to the retry queue, by pipeline and reason."
+        "Messages republished to the retry queue, by pipeline, stage and reason."
     );
     describe_counter!(
         DEAD_LETTERED,
-        "Messages published to the DLX, by pipeline and x-error-kind."
+        "Messages published to the DLX, by pipeline, stage and x-error-kind."
     );
     describe_counter!(
         PARKED,
@@ -311,18 +391,18 @@ pub fn events_dropped(reason: &'static str, n: u64) {
 }
 
 /// A pipeline's consumer link is rebuilt, for `reason`.
-pub fn consumer_restart(pipeline: &'static str, reason: &'static str) {
-    counter!(CONSUMER_RESTARTS, "pipeline" => pipeline, "reason" => reason).increment(1);
+pub fn consumer_restart(stage: &StageId, reason: &'static str) {
+    counter!(CONSUMER_RESTARTS, stage.labels(&[("reason", reason)])).increment(1);
 }
 
-/// `n` messages of a pipeline are given back to their queue, for `reason`.
-pub fn requeued(pipeline: &'static str, reason: &'static str, n: u64) {
-    counter!(REQUEUED, "pipeline" => pipeline, "reason" => reason).increment(n);
+/// `n` messages of a stage are given back to their queue, for `reason`.
+pub fn requeued(stage: &StageId, reason: &'static str, n: u64) {
+    counter!(REQUEUED, stage.labels(&[("reason", reason)])).increment(n);
 }
 
-/// The received counter of a pipeline, resolved once (it is hit per message).
-pub fn received_counter(pipeline: &'static str) -> Counter {
-    counter!(RECEIVED, "pipeline" => pipeline)
+/// The received counter of a stage, resolved once (it is hit per message).
+pub fn received_counter(stage: &StageId) -> Counter {
+    counter!(RECEIVED, stage.labels(&[]))
 }
 
 /// The in-flight gauge (all pipelines), resolved once.
@@ -330,9 +410,9 @@ pub fn inflight_gauge() -> Gauge {
     gauge!(INFLIGHT)
 }
 
-/// The bytes-in-flight gauge of `pipeline`, resolved once by its consumer.
-pub fn inflight_bytes_gauge(pipeline: &'static str) -> Gauge {
-    gauge!(INFLIGHT_BYTES, "pipeline" => pipeline)
+/// The bytes-in-flight gauge of `stage`, resolved once by its consumer.
+pub fn inflight_bytes_gauge(stage: &StageId) -> Gauge {
+    gauge!(INFLIGHT_BYTES, stage.labels(&[]))
 }
 
 /// `n` deliveries entered (`n > 0`) or left (`n < 0`) the pipeline.
@@ -349,7 +429,7 @@ pub fn inflight(gauge: &Gauge, n: i64) {
 /// from the message: the line shows them capped (`amqp::headers::shown`, as the parking table
 /// caps a reason), so a refusal's log line never grows with what a publisher sends.
 pub fn message_refused(
-    pipeline: &'static str,
+    stage: &StageId,
     kind: &str,
     reason: &str,
     message_id: &str,
@@ -359,7 +439,8 @@ pub fn message_refused(
     let (reason, message_id) = (shown(reason), shown(message_id));
     warn!(
         message_id = &*message_id,
-        pipeline,
+        pipeline = stage.pipeline(),
+        stage = stage.stage().as_str(),
         delivery_tag,
         kind,
         reason = &*reason,
@@ -367,17 +448,17 @@ pub fn message_refused(
     );
 }
 
-/// The `basic.ack` counter of a pipeline, resolved once (hit per ack frame, not per message).
-pub fn acks_counter(pipeline: &'static str) -> Counter {
-    counter!(ACKS, "pipeline" => pipeline)
+/// The `basic.ack` counter of a stage, resolved once (hit per ack frame, not per message).
+pub fn acks_counter(stage: &StageId) -> Counter {
+    counter!(ACKS, stage.labels(&[]))
 }
 
 /// One batch insert finished: `attempted` valid rows, `inserted` of them committed.
-pub fn batch_inserted(pipeline: &'static str, attempted: usize, inserted: usize, took: Duration) {
-    histogram!(BATCH_SIZE, "pipeline" => pipeline).record(attempted as f64);
-    histogram!(BATCH_INSERT_SECONDS, "pipeline" => pipeline).record(took.as_secs_f64());
-    counter!(INSERTED, "pipeline" => pipeline).increment(inserted as u64);
-    let stats = stage(pipeline);
+pub fn batch_inserted(id: &StageId, attempted: usize, inserted: usize, took: Duration) {
+    histogram!(BATCH_SIZE, id.labels(&[])).record(attempted as f64);
+    histogram!(BATCH_INSERT_SECONDS, id.labels(&[])).record(took.as_secs_f64());
+    counter!(INSERTED, id.labels(&[])).increment(inserted as u64);
+    let stats = stage(id);
     stats.inserted.fetch_add(inserted as u64, Ordering::Relaxed);
     stats.batches.fetch_add(1, Ordering::Relaxed);
     stats
@@ -387,12 +468,10 @@ pub fn batch_inserted(pipeline: &'static str, attempted: usize, inserted: usize,
 
 /// A stage's batch inserts in flight at most, set to `to` (at start, by the balancer, or by an
 /// operator) for `reason`: the gauge, and the decision counted by reason.
-pub fn concurrency(pipeline: &'static str, to: usize, reason: &'static str) {
-    gauge!(PIPELINE_CONCURRENCY, "pipeline" => pipeline).set(to as f64);
-    counter!(BALANCE_DECISIONS, "pipeline" => pipeline, "reason" => reason).increment(1);
-    stage(pipeline)
-        .concurrency
-        .store(to as u64, Ordering::Relaxed);
+pub fn concurrency(id: &StageId, to: usize, reason: &'static str) {
+    gauge!(PIPELINE_CONCURRENCY, id.labels(&[])).set(to as f64);
+    counter!(BALANCE_DECISIONS, id.labels(&[("reason", reason)])).increment(1);
+    stage(id).concurrency.store(to as u64, Ordering::Relaxed);
 }
 
 /// The database answered (`up`) or could not be reached; counts reconnections.
@@ -423,7 +502,7 @@ pub fn end_to_end(oldest_published_ms: Option<u64>) {
 /// A message was republished (retry queue or DLX) and confirmed: logs a dead-letter (the
 /// counts go through [`messages_routed`], once per batch).
 pub fn message_routed(
-    pipeline: &'static str,
+    stage: &StageId,
     kind: &'static str,
     message_id: &str,
     delivery_tag: u64,
@@ -434,22 +513,25 @@ pub fn message_routed(
         // 512 bytes (`amqp::headers::TRACEPARENT_MAX`): both bounded already.
         warn!(
             message_id,
-            pipeline, delivery_tag, kind, traceparent, "message dead-lettered"
+            pipeline = stage.pipeline(),
+            stage = stage.stage().as_str(),
+            delivery_tag,
+            kind,
+            traceparent,
+            "message dead-lettered"
         );
     }
 }
 
 /// `n` messages of one batch were republished as `kind` (`retry`, `dlq_retry` or an
 /// `x-error-kind`).
-pub fn messages_routed(pipeline: &'static str, kind: &'static str, n: u64) {
+pub fn messages_routed(id: &StageId, kind: &'static str, n: u64) {
     if kind == "retry" || kind == "dlq_retry" {
-        counter!(RETRIED, "pipeline" => pipeline, "reason" => "db_transient").increment(n);
-        stage(pipeline).retried.fetch_add(n, Ordering::Relaxed);
+        counter!(RETRIED, id.labels(&[("reason", "db_transient")])).increment(n);
+        stage(id).retried.fetch_add(n, Ordering::Relaxed);
     } else {
-        counter!(DEAD_LETTERED, "pipeline" => pipeline, "kind" => kind).increment(n);
-        stage(pipeline)
-            .dead_lettered
-            .fetch_add(n, Ordering::Relaxed);
+        counter!(DEAD_LETTERED, id.labels(&[("kind", kind)])).increment(n);
+        stage(id).dead_lettered.fetch_add(n, Ordering::Relaxed);
     }
 }
 
@@ -459,19 +541,15 @@ pub fn messages_parked(kind: &'static str, n: u64) {
     STATS.parked.fetch_add(n, Ordering::Relaxed);
 }
 
-/// The sink-outage breaker of `pipeline` opened or closed.
-pub fn breaker(pipeline: &'static str, open: bool) {
-    gauge!(BREAKER_OPEN, "pipeline" => pipeline).set(if open { 1.0 } else { 0.0 });
-    let bit = match pipeline {
-        "main" => 1,
-        "dlq" => 2,
-        _ => 4,
+/// The sink-outage breaker of `id` opened or closed.
+pub fn breaker(id: &StageId, open: bool) {
+    gauge!(BREAKER_OPEN, id.labels(&[])).set(if open { 1.0 } else { 0.0 });
+    let was = stage(id).breaker_open.swap(open, Ordering::Relaxed);
+    match (was, open) {
+        (false, true) => STATS.breakers_open.fetch_add(1, Ordering::Relaxed),
+        (true, false) => STATS.breakers_open.fetch_sub(1, Ordering::Relaxed),
+        _ => 0,
     };
-    if open {
-        STATS.breakers_open.fetch_or(bit, Ordering::Relaxed);
-    } else {
-        STATS.breakers_open.fetch_and(!bit, Ordering::Relaxed);
-    }
 }
 
 /// A publish finished with `outcome` (`confirmed`, `unroutable`, `nacked`, `timeout`,
@@ -508,14 +586,14 @@ static LINK_UP: [AtomicBool; 3] = [
 static NEEDED: AtomicU8 = AtomicU8::new(0);
 
 /// Declares, once at start, what this instance needs to be ready: the AMQP links its roles open
-/// (each must be up; they start down) and, with `database`, the database. Redis is never
+/// (each must be up; they start down; a consumer's link is named `<pipeline>/<stage>`) and, with `database`, the database. Redis is never
 /// needed: messages flow without it.
-pub fn needs(amqp_links: &[&str], database: bool) {
+pub fn needs(amqp_links: &[String], database: bool) {
     let all_up = {
         let mut guard = AMQP_LINKS.lock().unwrap_or_else(|p| p.into_inner());
         let links = guard.get_or_insert_with(HashMap::new);
         for link in amqp_links {
-            links.entry(link.to_string()).or_insert(false);
+            links.entry(link.clone()).or_insert(false);
         }
         links.values().all(|u| *u)
     };
@@ -608,17 +686,17 @@ static AMQP_LINKS: Mutex<Option<HashMap<String, bool>>> = Mutex::new(None);
 
 /// Registers the labelled series that exist from the start at 0, so dashboards show 0 rather
 /// than "no data" before the first event.
-pub fn preregister(pipelines: &[&'static str]) {
-    for p in pipelines {
+pub fn preregister(stages: &[StageId]) {
+    for p in stages {
         stage(p);
-        counter!(RECEIVED, "pipeline" => *p).absolute(0);
-        counter!(INSERTED, "pipeline" => *p).absolute(0);
-        counter!(RETRIED, "pipeline" => *p, "reason" => "db_transient").absolute(0);
+        counter!(RECEIVED, p.labels(&[])).absolute(0);
+        counter!(INSERTED, p.labels(&[])).absolute(0);
+        counter!(RETRIED, p.labels(&[("reason", "db_transient")])).absolute(0);
         for kind in ErrorKind::ALL {
-            counter!(DEAD_LETTERED, "pipeline" => *p, "kind" => kind.as_str()).absolute(0);
+            counter!(DEAD_LETTERED, p.labels(&[("kind", kind.as_str())])).absolute(0);
         }
         for reason in ["publish_failed", "db_unavailable"] {
-            counter!(REQUEUED, "pipeline" => *p, "reason" => reason).absolute(0);
+            counter!(REQUEUED, p.labels(&[("reason", reason)])).absolute(0);
         }
         for reason in [
             "connection_lost",
@@ -627,10 +705,10 @@ pub fn preregister(pipelines: &[&'static str]) {
             "parse_error",
             "frame_too_large",
         ] {
-            counter!(CONSUMER_RESTARTS, "pipeline" => *p, "reason" => reason).absolute(0);
+            counter!(CONSUMER_RESTARTS, p.labels(&[("reason", reason)])).absolute(0);
         }
-        gauge!(BREAKER_OPEN, "pipeline" => *p).set(0.0);
-        counter!(ACKS, "pipeline" => *p).absolute(0);
+        gauge!(BREAKER_OPEN, p.labels(&[])).set(0.0);
+        counter!(ACKS, p.labels(&[])).absolute(0);
     }
     for kind in ErrorKind::ALL {
         counter!(PARKED, "kind" => kind.as_str()).absolute(0);
@@ -666,7 +744,56 @@ pub fn queue_polled(queue: &str, messages: u32, consumers: u32) {
 
 #[cfg(test)]
 mod tests {
-    use super::Readiness;
+    use super::{Readiness, STATS, Stage, StageId};
+    use std::sync::atomic::Ordering;
+
+    #[test]
+    fn a_stage_is_its_pipeline_and_its_kind_whatever_the_names() {
+        let dlq = StageId::new("orders_dlq", Stage::Main);
+        assert_eq!(dlq.pipeline(), "orders_dlq");
+        assert_eq!(
+            dlq.stage(),
+            Stage::Main,
+            "a name ending in _dlq is not a DLQ"
+        );
+        assert_eq!(dlq.to_string(), "orders_dlq/main");
+        let labels: Vec<(String, String)> = StageId::new("users", Stage::Dlq)
+            .labels(&[("reason", "stuck")])
+            .iter()
+            .map(|l| (l.key().to_string(), l.value().to_string()))
+            .collect();
+        let pair = |k: &str, v: &str| (k.to_string(), v.to_string());
+        assert_eq!(
+            labels,
+            [
+                pair("pipeline", "users"),
+                pair("stage", "dlq"),
+                pair("reason", "stuck")
+            ]
+        );
+        assert!(StageId::new("a", Stage::Main) < StageId::new("a", Stage::Dlq));
+    }
+
+    /// Two stages' breakers are counted apart: one closing leaves the other open (a bit per
+    /// stage name once lumped every configured pipeline together).
+    #[test]
+    fn each_stages_breaker_is_counted_once() {
+        let (a, b) = (
+            StageId::new("breaker_test_a", Stage::Main),
+            StageId::new("breaker_test_b", Stage::Dlq),
+        );
+        let open = || STATS.breakers_open.load(Ordering::Relaxed);
+        let before = open();
+        super::breaker(&a, true);
+        super::breaker(&a, true);
+        super::breaker(&b, true);
+        assert_eq!(open(), before + 2);
+        super::breaker(&a, false);
+        assert_eq!(open(), before + 1, "b is still open");
+        super::breaker(&b, false);
+        super::breaker(&b, false);
+        assert_eq!(open(), before);
+    }
 
     #[test]
     fn ready_when_every_needed_link_is_up() {

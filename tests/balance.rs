@@ -24,10 +24,12 @@ struct Samples(
 );
 
 impl Samples {
-    fn start(env: &TestEnv, stages: &[&str]) -> Self {
+    fn start(env: &TestEnv, pipelines: &[&str]) -> Self {
         let seen = Arc::new(Mutex::new(Vec::new()));
-        let (into, stages): (_, Vec<String>) =
-            (seen.clone(), stages.iter().map(|s| s.to_string()).collect());
+        let (into, pipelines): (_, Vec<String>) = (
+            seen.clone(),
+            pipelines.iter().map(|s| s.to_string()).collect(),
+        );
         let port = env.metrics_port;
         let task = tokio::spawn(async move {
             let started = Instant::now();
@@ -41,10 +43,13 @@ impl Samples {
                 .await
                 {
                     let s = Scrape::parse(text);
-                    let total: f64 = stages
+                    let total: f64 = pipelines
                         .iter()
                         .filter_map(|p| {
-                            s.one("warren_pipeline_concurrency", &[("pipeline", p.as_str())])
+                            s.one(
+                                "warren_pipeline_concurrency",
+                                &[("pipeline", p.as_str()), ("stage", "main")],
+                            )
                         })
                         .sum();
                     let mut v = into.lock().unwrap();
@@ -73,10 +78,14 @@ impl Drop for Samples {
     }
 }
 
-async fn concurrency(env: &TestEnv, stage: &str) -> f64 {
-    try_metric(env, "warren_pipeline_concurrency", &[("pipeline", stage)])
-        .await
-        .unwrap_or(-1.0)
+async fn concurrency(env: &TestEnv, pipeline: &str) -> f64 {
+    try_metric(
+        env,
+        "warren_pipeline_concurrency",
+        &[("pipeline", pipeline), ("stage", "main")],
+    )
+    .await
+    .unwrap_or(-1.0)
 }
 
 /// The balancing entries of `warren ctl history --json`, oldest first.
@@ -116,10 +125,10 @@ async fn simple_follows_the_formula_within_two_cooldowns_and_returns_to_min_when
     wait_until(
         "the concurrency gauge at min",
         Duration::from_secs(30),
-        || async { concurrency(&env, "main").await == 1.0 },
+        || async { concurrency(&env, "users").await == 1.0 },
     )
     .await;
-    let samples = Samples::start(&env, &["main"]);
+    let samples = Samples::start(&env, &["users"]);
 
     // A backlog while paused: 3,000 messages = ceil(3000 / 1000) = 3 inserts in flight.
     let (code, out, err) = env.run_async(&["ctl", "pause", "--all"]).await;
@@ -127,7 +136,7 @@ async fn simple_follows_the_formula_within_two_cooldowns_and_returns_to_min_when
     let ids = env.publish_users(3000).await;
     let published = Instant::now();
     wait_until("concurrency 3", Duration::from_secs(10), || async {
-        concurrency(&env, "main").await == 3.0
+        concurrency(&env, "users").await == 3.0
     })
     .await;
     let took = published.elapsed();
@@ -138,7 +147,7 @@ async fn simple_follows_the_formula_within_two_cooldowns_and_returns_to_min_when
     // A deeper backlog asks for more than max: it stops at max.
     env.publish_users(7000).await;
     wait_until("concurrency 5 (max)", Duration::from_secs(10), || async {
-        concurrency(&env, "main").await == 5.0
+        concurrency(&env, "users").await == 5.0
     })
     .await;
     tokio::time::sleep(Duration::from_millis(2500)).await;
@@ -157,7 +166,7 @@ async fn simple_follows_the_formula_within_two_cooldowns_and_returns_to_min_when
     })
     .await;
     wait_until("back to min", Duration::from_secs(10), || async {
-        concurrency(&env, "main").await == 1.0
+        concurrency(&env, "users").await == 1.0
     })
     .await;
     assert!(
@@ -226,13 +235,13 @@ async fn auto_climbs_step_by_step_while_it_helps_and_returns_to_min_when_idle() 
     env.publish_users(20_000).await;
     let warren = env.start(&["--roles", "consumer"]);
     let _logs = LogsOnPanic(vec![warren.log.clone()]);
-    let samples = Samples::start(&env, &["main"]);
+    let samples = Samples::start(&env, &["users"]);
     wait_until("20,000 rows", Duration::from_secs(120), || async {
         env.count_rows().await == 20_000
     })
     .await;
     wait_until("back to min", Duration::from_secs(20), || async {
-        concurrency(&env, "main").await == 1.0
+        concurrency(&env, "users").await == 1.0
     })
     .await;
     let values = samples.values();
@@ -285,7 +294,7 @@ async fn auto_stops_rising_when_more_inserts_in_flight_do_not_help() {
     env.publish_users(30_000).await;
     let warren = env.start(&["--roles", "consumer"]);
     let _logs = LogsOnPanic(vec![warren.log.clone()]);
-    let samples = Samples::start(&env, &["main"]);
+    let samples = Samples::start(&env, &["users"]);
     // 8 s of backlog: about ten decisions.
     tokio::time::sleep(Duration::from_secs(8)).await;
     assert!(
@@ -430,7 +439,7 @@ impl WithOrders {
         let warren = env.start(&["--config", &file, "--roles", "consumer"]);
         let logs = LogsOnPanic(vec![warren.log.clone()]);
         wait_until("both gauges at min", Duration::from_secs(30), || async {
-            concurrency(env, "main").await == 1.0 && concurrency(env, "orders").await == 1.0
+            concurrency(env, "users").await == 1.0 && concurrency(env, "orders").await == 1.0
         })
         .await;
         WithOrders {
@@ -454,14 +463,14 @@ async fn two_pipelines_share_the_process_budget_by_backlog() {
         .set("MAX_INSERTS_IN_FLIGHT", "5");
     let run = WithOrders::start(&env, "simple", 700).await;
     let names = &run.names;
-    let samples = Samples::start(&env, &["main", "orders"]);
+    let samples = Samples::start(&env, &["users", "orders"]);
     let (code, out, err) = env.run_async(&["ctl", "pause", "--all"]).await;
     assert_eq!(code, 0, "{out}{err}");
     // Users alone first: it takes what the budget has beside orders' minimum (5 - 1), not its
     // max (6).
     let users = env.publish_users(6000).await;
     wait_until("users at the budget", Duration::from_secs(10), || async {
-        concurrency(&env, "main").await == 4.0
+        concurrency(&env, "users").await == 4.0
     })
     .await;
     // Then orders gets a backlog twice users': the budget moves to it, by backlog.
@@ -470,7 +479,7 @@ async fn two_pipelines_share_the_process_budget_by_backlog() {
         "orders holds the larger share",
         Duration::from_secs(15),
         || async {
-            concurrency(&env, "orders").await >= 3.0 && concurrency(&env, "main").await <= 2.0
+            concurrency(&env, "orders").await >= 3.0 && concurrency(&env, "users").await <= 2.0
         },
     )
     .await;
@@ -504,7 +513,7 @@ async fn two_auto_pipelines_climb_within_the_process_budget() {
         .set("MAX_INSERTS_IN_FLIGHT", "4");
     let run = WithOrders::start(&env, "auto", 300).await;
     let names = &run.names;
-    let samples = Samples::start(&env, &["main", "orders"]);
+    let samples = Samples::start(&env, &["users", "orders"]);
     let (users, orders) = tokio::join!(
         env.publish_users(20_000),
         publish_orders(&env, names, 20_000)
@@ -517,7 +526,7 @@ async fn two_auto_pipelines_climb_within_the_process_budget() {
     // DISTINCT on the primary key, after waiting for the count, could not fail).
     assert_both_exactly(&env, users, orders).await;
     wait_until("both back at min", Duration::from_secs(30), || async {
-        concurrency(&env, "main").await == 1.0 && concurrency(&env, "orders").await == 1.0
+        concurrency(&env, "users").await == 1.0 && concurrency(&env, "orders").await == 1.0
     })
     .await;
     let seen = samples.values();
@@ -544,7 +553,7 @@ async fn concurrency_changing_under_load_loses_and_repeats_nothing() {
     env.declare();
     let warren = env.start(&["--roles", "consumer"]);
     let _logs = LogsOnPanic(vec![warren.log.clone()]);
-    let samples = Samples::start(&env, &["main"]);
+    let samples = Samples::start(&env, &["users"]);
     let mut ids = Vec::new();
     // Waves of backlog, and an operator moving the bounds between them.
     for (wave, bounds) in [
@@ -648,7 +657,7 @@ async fn windows_changing_under_a_deep_backlog_leave_no_delivery_unacked() {
     let ids = env.publish_users(40_000).await;
     let mut warren = env.start(&["--roles", "consumer"]);
     let _logs = LogsOnPanic(vec![warren.log.clone()]);
-    let samples = Samples::start(&env, &["main"]);
+    let samples = Samples::start(&env, &["users"]);
     let expected: HashSet<Uuid> = ids.into_iter().collect();
     assert_rows_exactly(&env, &expected, Duration::from_secs(120), &|| warren.logs()).await;
     let (acks, batches) = acks_and_batches(&env).await;

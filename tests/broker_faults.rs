@@ -495,7 +495,7 @@ async fn a_lost_consumer_link_does_not_dead_letter_what_the_broker_delivers_agai
         queue_counts(&env.main_queue).await == (0, 2_000)
     })
     .await;
-    let name = format!("warren main {}:{}", host(), warren.pid());
+    let name = format!("warren users/main {}:{}", host(), warren.pid());
     // Text, not JSON: close_connection takes the pid as the text form prints it.
     let listing = rabbitmqctl(&[
         "list_connections",

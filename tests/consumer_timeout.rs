@@ -186,7 +186,13 @@ async fn a_batch_held_by_the_breaker_is_given_back_before_the_brokers_consumer_t
     let _logs = LogsOnPanic(vec![warren.log.clone()]);
 
     wait_until("the breaker open", Duration::from_secs(30), || async {
-        try_metric(&c.env, "warren_breaker_open", &[("pipeline", "main")]).await == Some(1.0)
+        try_metric(
+            &c.env,
+            "warren_breaker_open",
+            &[("pipeline", "users"), ("stage", "main")],
+        )
+        .await
+            == Some(1.0)
     })
     .await;
     wait_until(

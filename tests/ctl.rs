@@ -813,10 +813,14 @@ async fn without_a_secret_commands_work_as_before_and_a_warning_is_logged() {
 }
 
 /// The gauge of `stage`'s batch inserts in flight; the endpoint must answer and the series exist.
-async fn inserts_in_flight(env: &TestEnv, stage: &str) -> f64 {
-    try_metric(env, "warren_pipeline_concurrency", &[("pipeline", stage)])
-        .await
-        .unwrap_or_else(|| panic!("no warren_pipeline_concurrency for {stage} in /metrics"))
+async fn inserts_in_flight(env: &TestEnv, pipeline: &str) -> f64 {
+    try_metric(
+        env,
+        "warren_pipeline_concurrency",
+        &[("pipeline", pipeline), ("stage", "main")],
+    )
+    .await
+    .unwrap_or_else(|| panic!("no warren_pipeline_concurrency for {pipeline} in /metrics"))
 }
 
 /// A command refused for one pipeline changes none (issue 34, item 7): users and `orders`, both
@@ -858,12 +862,17 @@ async fn a_refused_change_of_bounds_changes_no_pipeline() {
         "both at 2 inserts in flight",
         Duration::from_secs(15),
         || async {
-            try_metric(&env, "warren_pipeline_concurrency", &[("pipeline", "main")]).await
+            try_metric(
+                &env,
+                "warren_pipeline_concurrency",
+                &[("pipeline", "users"), ("stage", "main")],
+            )
+            .await
                 == Some(2.0)
                 && try_metric(
                     &env,
                     "warren_pipeline_concurrency",
-                    &[("pipeline", "orders")],
+                    &[("pipeline", "orders"), ("stage", "main")],
                 )
                 .await
                     == Some(2.0)
@@ -883,11 +892,11 @@ async fn a_refused_change_of_bounds_changes_no_pipeline() {
     );
     assert_in_history(&env, "concurrency", pid, "failed").await;
     // The command is answered after it was applied (or not): the gauges are final now.
-    for stage in ["main", "orders"] {
+    for pipeline in ["users", "orders"] {
         assert_eq!(
-            inserts_in_flight(&env, stage).await,
+            inserts_in_flight(&env, pipeline).await,
             2.0,
-            "{stage} changed by a refused command; log:\n{}",
+            "{pipeline} changed by a refused command; log:\n{}",
             warren.logs()
         );
     }
@@ -919,7 +928,7 @@ async fn a_refused_change_of_bounds_changes_no_pipeline() {
         "{out}"
     );
     assert_eq!(inserts_in_flight(&env, "orders").await, 3.0);
-    assert_eq!(inserts_in_flight(&env, "main").await, 2.0);
+    assert_eq!(inserts_in_flight(&env, "users").await, 2.0);
     // And the pipelines still move.
     let ids = env.publish_users(20).await;
     wait_until("20 rows", Duration::from_secs(20), || async {

@@ -171,7 +171,13 @@ async fn a_breaker_hold_survives_a_broker_reconnect() {
     pg.cut();
     expected.extend(env.publish_users(1).await);
     wait_until("the breaker open", Duration::from_secs(30), || async {
-        try_metric(&env, "warren_breaker_open", &[("pipeline", "main")]).await == Some(1.0)
+        try_metric(
+            &env,
+            "warren_breaker_open",
+            &[("pipeline", "users"), ("stage", "main")],
+        )
+        .await
+            == Some(1.0)
     })
     .await;
     // The message whose failure opened the breaker goes through the retry queue; the breaker
@@ -183,7 +189,7 @@ async fn a_breaker_hold_survives_a_broker_reconnect() {
             try_metric(
                 &env,
                 "warren_messages_retried_total",
-                &[("pipeline", "main")],
+                &[("pipeline", "users"), ("stage", "main")],
             )
             .await
                 == Some(1.0)
@@ -222,7 +228,7 @@ async fn a_breaker_hold_survives_a_broker_reconnect() {
     let retried = metric(
         &env,
         "warren_messages_retried_total",
-        &[("pipeline", "main")],
+        &[("pipeline", "users"), ("stage", "main")],
     )
     .await;
     assert_eq!(retried, retried_before, "retries spent during the hold");
@@ -262,7 +268,13 @@ async fn a_half_open_database_connection_fails_within_seconds() {
         "the breaker open after the silent link",
         Duration::from_secs(30),
         || async {
-            try_metric(&env, "warren_breaker_open", &[("pipeline", "main")]).await == Some(1.0)
+            try_metric(
+                &env,
+                "warren_breaker_open",
+                &[("pipeline", "users"), ("stage", "main")],
+            )
+            .await
+                == Some(1.0)
         },
     )
     .await;

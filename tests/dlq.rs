@@ -509,7 +509,11 @@ async fn an_outage_requeues_dlq_messages_without_spending_attempts() {
             try_metric(
                 &env,
                 "warren_messages_requeued_total",
-                &[("pipeline", "dlq"), ("reason", "db_unavailable")],
+                &[
+                    ("pipeline", "users"),
+                    ("stage", "dlq"),
+                    ("reason", "db_unavailable"),
+                ],
             )
             .await
             .unwrap_or(0.0)
@@ -522,7 +526,7 @@ async fn an_outage_requeues_dlq_messages_without_spending_attempts() {
     let attempts = metric(
         &env,
         "warren_messages_retried_total",
-        &[("pipeline", "dlq")],
+        &[("pipeline", "users"), ("stage", "dlq")],
     )
     .await;
     assert_eq!(attempts, 0.0, "DLQ attempts spent during an outage");

@@ -72,7 +72,7 @@ async fn a_closed_first_amqp_endpoint_is_passed_over_and_the_log_names_the_node(
     assert_rows_exactly(&env, &ids, Duration::from_secs(60), &|| warren.logs()).await;
 
     let node = node_of(&amqp_url());
-    wait_connected(&warren, "main", &node, 1).await;
+    wait_connected(&warren, "users/main", &node, 1).await;
     let logs = warren.logs();
     // The node passed over is named, its password never.
     assert!(
@@ -89,7 +89,7 @@ async fn a_closed_first_amqp_endpoint_is_passed_over_and_the_log_names_the_node(
     let info = metric(
         &env,
         "warren_amqp_node_info",
-        &[("link", "main"), ("node", &node)],
+        &[("link", "users/main"), ("node", &node)],
     )
     .await;
     assert_eq!(info, 1.0);
@@ -272,7 +272,7 @@ async fn a_consumer_moves_on_to_the_next_cluster_node_when_its_node_stops() {
     let _logs = LogsOnPanic(vec![warren.log.clone()]);
     // Without AMQP_SHUFFLE every link takes the first node of the list.
     let (first, next) = (node_of(rc3), node_of(rc1));
-    wait_connected(&warren, "main", &first, 1).await;
+    wait_connected(&warren, "users/main", &first, 1).await;
     let mut ids: HashSet<Uuid> = publish_users_on(&env, &channel, 200)
         .await
         .into_iter()
@@ -283,14 +283,14 @@ async fn a_consumer_moves_on_to_the_next_cluster_node_when_its_node_stops() {
     rabbitmqctl_on("warren-rc3@localhost", &["stop_app"]).await;
     // The consumer moves on to the node after the one it used, rc1, by itself: it starts there
     // (nothing passed over), not at the stopped rc3.
-    wait_connected(&warren, "main", &next, 1).await;
+    wait_connected(&warren, "users/main", &next, 1).await;
     let moved_on = warren
         .logs()
         .lines()
         .filter_map(|line| serde_json::from_str::<Value>(line).ok())
         .find(|v| {
             v["message"] == "connected to the broker"
-                && v["link"] == "main"
+                && v["link"] == "users/main"
                 && v["node"] == next.as_str()
         })
         .expect("the reconnect's log line");
@@ -305,11 +305,11 @@ async fn a_consumer_moves_on_to_the_next_cluster_node_when_its_node_stops() {
         |s| {
             s.one(
                 "warren_amqp_node_info",
-                &[("link", "main"), ("node", &next)],
+                &[("link", "users/main"), ("node", &next)],
             ) == Some(1.0)
                 && s.one(
                     "warren_amqp_node_info",
-                    &[("link", "main"), ("node", &first)],
+                    &[("link", "users/main"), ("node", &first)],
                 ) == Some(0.0)
                 && s.one("warren_connection_up", &[("target", "amqp")]) == Some(1.0)
         },

@@ -99,7 +99,12 @@ async fn a_run_tells_what_happens_to_it_once_each() {
     // The events are the batches, exactly: as many as the batches the metrics counted, and the
     // same sizes as the batches the table holds (the rows of one batch share its INSERT's
     // transaction, `xmin`).
-    let committed = metric(&env, "warren_batch_size_count", &[("pipeline", "main")]).await;
+    let committed = metric(
+        &env,
+        "warren_batch_size_count",
+        &[("pipeline", "users"), ("stage", "main")],
+    )
+    .await;
     assert_eq!(
         batches.len() as f64,
         committed,
@@ -203,7 +208,7 @@ async fn a_run_tells_what_happens_to_it_once_each() {
                 .iter()
                 .filter_map(|e| e["link"].as_str().map(String::from))
                 .collect();
-            links.contains(&"main".to_string()) && links.contains(&"dlq".to_string())
+            links.contains(&"users/main".to_string()) && links.contains(&"users/dlq".to_string())
         },
     )
     .await;
@@ -221,7 +226,7 @@ async fn a_run_tells_what_happens_to_it_once_each() {
         // docs/events.md: a consumer stage's link names its pipeline, a publisher's none (the
         // router's loss is recorded in about one run in five, by timing: at most once).
         match e["link"].as_str() {
-            Some("main" | "dlq") => assert_eq!(
+            Some("users/main" | "users/dlq") => assert_eq!(
                 e["pipeline"], "users",
                 "a consumer's link names its pipeline: {e}"
             ),
@@ -229,8 +234,8 @@ async fn a_run_tells_what_happens_to_it_once_each() {
             other => panic!("a broker link_lost of an unexpected link {other:?}: {e}"),
         }
     }
-    assert_eq!(per_link.get("main"), Some(&1), "{lost:?}");
-    assert_eq!(per_link.get("dlq"), Some(&1), "{lost:?}");
+    assert_eq!(per_link.get("users/main"), Some(&1), "{lost:?}");
+    assert_eq!(per_link.get("users/dlq"), Some(&1), "{lost:?}");
     assert!(per_link.get("router").is_none_or(|n| *n == 1), "{lost:?}");
 
     // The database cut: lost once, restored once.

@@ -356,7 +356,10 @@ async fn killing_the_main_queues_leader_under_load_loses_no_confirmed_message() 
         let mut v = Vec::new();
         for i in &consumers {
             let s = scrape(i.metrics_port).await.expect("consumer metrics");
-            v.push(s.sum("warren_messages_received_total", &[("pipeline", "main")]));
+            v.push(s.sum(
+                "warren_messages_received_total",
+                &[("pipeline", "users"), ("stage", "main")],
+            ));
         }
         v
     };
@@ -520,7 +523,7 @@ async fn killing_the_main_queues_leader_under_load_loses_no_confirmed_message() 
             .await
             .unwrap_or_else(|| panic!("consumer {i} metrics"));
         let on: Vec<String> = s
-            .matching("warren_amqp_node_info", &[("link", "main")])
+            .matching("warren_amqp_node_info", &[("link", "users/main")])
             .filter(|x| x.value == 1.0)
             .filter_map(|x| x.labels.get("node").cloned())
             .collect();
@@ -534,7 +537,10 @@ async fn killing_the_main_queues_leader_under_load_loses_no_confirmed_message() 
             Some(1.0),
             "consumer {i}: warren_connection_up"
         );
-        let after = s.sum("warren_messages_received_total", &[("pipeline", "main")]);
+        let after = s.sum(
+            "warren_messages_received_total",
+            &[("pipeline", "users"), ("stage", "main")],
+        );
         assert!(
             after > *before,
             "consumer {i} (started on {}) took nothing after the kill ({before} before)",

@@ -22,7 +22,13 @@ async fn a_systemic_error_holds_the_messages_and_never_dead_letters_them() {
     let mut warren = env.start(&["--roles", "consumer"]);
 
     wait_until("the breaker opens", Duration::from_secs(30), || async {
-        try_metric(&env, "warren_breaker_open", &[("pipeline", "main")]).await == Some(1.0)
+        try_metric(
+            &env,
+            "warren_breaker_open",
+            &[("pipeline", "users"), ("stage", "main")],
+        )
+        .await
+            == Some(1.0)
     })
     .await;
     assert!(
@@ -48,7 +54,13 @@ async fn a_systemic_error_holds_the_messages_and_never_dead_letters_them() {
     let expected = ids.iter().copied().collect();
     assert_rows_exactly(&env, &expected, Duration::from_secs(60), &|| warren.logs()).await;
     wait_until("the breaker closes", Duration::from_secs(30), || async {
-        try_metric(&env, "warren_breaker_open", &[("pipeline", "main")]).await == Some(0.0)
+        try_metric(
+            &env,
+            "warren_breaker_open",
+            &[("pipeline", "users"), ("stage", "main")],
+        )
+        .await
+            == Some(0.0)
     })
     .await;
     assert_eq!(env.ready(&env.dlq_queue).await, 0);
@@ -181,7 +193,11 @@ async fn wait_requeued(env: &TestEnv, n: usize) {
             try_metric(
                 env,
                 "warren_messages_requeued_total",
-                &[("pipeline", "main"), ("reason", "publish_failed")],
+                &[
+                    ("pipeline", "users"),
+                    ("stage", "main"),
+                    ("reason", "publish_failed"),
+                ],
             )
             .await
             .unwrap_or(0.0)

@@ -64,7 +64,8 @@ fn holds_logged(warren: &Warren) -> Vec<Duration> {
         .filter_map(|l| serde_json::from_str::<Value>(l).ok())
         .filter(|v| {
             v["message"] == "messages go back to their queue after a backoff"
-                && v["pipeline"] == "main"
+                && v["pipeline"] == "users"
+                && v["stage"] == "main"
         })
         .map(|v| {
             Duration::from_millis(
@@ -146,7 +147,12 @@ async fn land_within(
 }
 
 async fn concurrency(env: &TestEnv) -> Option<f64> {
-    try_metric(env, "warren_pipeline_concurrency", &[("pipeline", "main")]).await
+    try_metric(
+        env,
+        "warren_pipeline_concurrency",
+        &[("pipeline", "users"), ("stage", "main")],
+    )
+    .await
 }
 
 /// Lines of warren's log whose message is `message`, logged by the main pipeline's consumer.
@@ -155,7 +161,7 @@ fn logged(warren: &Warren, message: &str) -> usize {
         .logs()
         .lines()
         .filter_map(|l| serde_json::from_str::<Value>(l).ok())
-        .filter(|v| v["message"] == message && v["pipeline"] == "main")
+        .filter(|v| v["message"] == message && v["pipeline"] == "users" && v["stage"] == "main")
         .count()
 }
 
@@ -275,7 +281,7 @@ async fn a_held_message_never_holds_the_rows_behind_it_across_any_resubscription
     // the old link's copy of the held message still waits out its backoff in warren (the broker
     // took it back and delivers it again, so it is held anew). `rabbitmqctl` can take seconds to
     // answer: the connection is looked up first, and the hold must leave time for the close.
-    let name = format!("warren main {}:{pid}", host());
+    let name = format!("warren users/main {}:{pid}", host());
     let listing = rabbitmqctl(&[
         "list_connections",
         "--no-table-headers",

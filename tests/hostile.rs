@@ -283,7 +283,11 @@ async fn a_header_over_a_configured_frame_max_costs_one_reconnect() {
     let restarts = metric(
         &env,
         "warren_consumer_restarts_total",
-        &[("pipeline", "main"), ("reason", "frame_too_large")],
+        &[
+            ("pipeline", "users"),
+            ("stage", "main"),
+            ("reason", "frame_too_large"),
+        ],
     )
     .await;
     assert_eq!(restarts, 1.0, "log:\n{}", warren.logs());
@@ -467,7 +471,11 @@ async fn a_park_that_meets_a_lock_waits_and_never_makes_a_second_row() {
             try_metric(
                 &env,
                 "warren_messages_requeued_total",
-                &[("pipeline", "dlq"), ("reason", "db_unavailable")],
+                &[
+                    ("pipeline", "users"),
+                    ("stage", "dlq"),
+                    ("reason", "db_unavailable"),
+                ],
             )
             .await
             .is_some_and(|n| n >= 1.0)
@@ -606,7 +614,11 @@ async fn large_bodies_in_flight_stay_within_the_byte_budget() {
             try_metric(
                 &env,
                 "warren_messages_requeued_total",
-                &[("pipeline", "main"), ("reason", "publish_failed")],
+                &[
+                    ("pipeline", "users"),
+                    ("stage", "main"),
+                    ("reason", "publish_failed"),
+                ],
             )
             .await
             .is_some_and(|n| n >= 6.0)

@@ -62,8 +62,18 @@ async fn duplicate_emails_in_a_batch_of_1000_are_isolated_and_dead_lettered() {
     .await;
 
     // One batch of 1,000 valid messages, no retry, 3 dead-lettered as db_permanent.
-    let batches = metric(&env, "warren_batch_size_count", &[("pipeline", "main")]).await;
-    let batched = metric(&env, "warren_batch_size_sum", &[("pipeline", "main")]).await;
+    let batches = metric(
+        &env,
+        "warren_batch_size_count",
+        &[("pipeline", "users"), ("stage", "main")],
+    )
+    .await;
+    let batched = metric(
+        &env,
+        "warren_batch_size_sum",
+        &[("pipeline", "users"), ("stage", "main")],
+    )
+    .await;
     assert_eq!(
         (batches, batched),
         (1.0, N as f64),
@@ -82,7 +92,7 @@ async fn duplicate_emails_in_a_batch_of_1000_are_isolated_and_dead_lettered() {
     let inserted = metric(
         &env,
         "warren_messages_inserted_total",
-        &[("pipeline", "main")],
+        &[("pipeline", "users"), ("stage", "main")],
     )
     .await;
     assert_eq!(inserted, (N - DUPLICATES.len()) as f64);
@@ -271,7 +281,7 @@ async fn an_unclassified_error_on_one_row_is_isolated_and_ends_parked() {
     let retried = metric(
         &env,
         "warren_messages_retried_total",
-        &[("pipeline", "main")],
+        &[("pipeline", "users"), ("stage", "main")],
     )
     .await;
     assert_eq!(
@@ -375,7 +385,11 @@ async fn same_id_other_content_is_dead_lettered_as_id_conflict() {
     let conflicts = metric(
         &env,
         "warren_messages_dead_lettered_total",
-        &[("pipeline", "main"), ("kind", "id_conflict")],
+        &[
+            ("pipeline", "users"),
+            ("stage", "main"),
+            ("kind", "id_conflict"),
+        ],
     )
     .await;
     assert_eq!(conflicts, 2.0);

@@ -222,6 +222,7 @@ fn concrete(expr: &str) -> String {
         .replace("$__range", "1h")
         .replace("$instance", ".*")
         .replace("$pipeline", ".*")
+        .replace("$stage", ".*")
         .replace("$job", "warren");
     assert!(!e.contains('$'), "unknown Grafana variable in {expr:?}");
     e
@@ -327,7 +328,12 @@ async fn busy_warren(env: &mut TestEnv) -> (Warren, Scrape) {
         &warren,
         "the breaker open",
         Duration::from_secs(30),
-        |s| s.one("warren_breaker_open", &[("pipeline", "main")]) == Some(1.0),
+        |s| {
+            s.one(
+                "warren_breaker_open",
+                &[("pipeline", "users"), ("stage", "main")],
+            ) == Some(1.0)
+        },
     )
     .await;
     clear_fault(env).await;
@@ -338,7 +344,10 @@ async fn busy_warren(env: &mut TestEnv) -> (Warren, Scrape) {
         "the breaker closed, retries counted, queue gauges polled",
         Duration::from_secs(30),
         |s| {
-            s.one("warren_breaker_open", &[("pipeline", "main")]) == Some(0.0)
+            s.one(
+                "warren_breaker_open",
+                &[("pipeline", "users"), ("stage", "main")],
+            ) == Some(0.0)
                 && s.sum("warren_messages_retried_total", &[]) >= 1.0
                 && has_queue_gauges(s, env)
         },
@@ -416,24 +425,33 @@ async fn a_run_with_known_outcomes_shows_exactly_those_counts() {
     let ctx = format!("scrape:\n{}\nlog:\n{}", s.text, warren.logs());
 
     assert_eq!(
-        s.one("warren_messages_received_total", &[("pipeline", "main")]),
+        s.one(
+            "warren_messages_received_total",
+            &[("pipeline", "users"), ("stage", "main")]
+        ),
         Some(57.0),
         "received; {ctx}"
     );
     assert_eq!(
-        s.sum("warren_messages_received_total", &[("pipeline", "dlq")]),
+        s.sum(
+            "warren_messages_received_total",
+            &[("pipeline", "users"), ("stage", "dlq")]
+        ),
         0.0,
         "no DLQ consumer runs; {ctx}"
     );
     assert_eq!(
-        s.one("warren_messages_inserted_total", &[("pipeline", "main")]),
+        s.one(
+            "warren_messages_inserted_total",
+            &[("pipeline", "users"), ("stage", "main")]
+        ),
         Some(50.0),
         "inserted; {ctx}"
     );
     let dead = |kind: &str| {
         s.one(
             "warren_messages_dead_lettered_total",
-            &[("pipeline", "main"), ("kind", kind)],
+            &[("pipeline", "users"), ("stage", "main"), ("kind", kind)],
         )
     };
     assert_eq!(dead("invalid_json"), Some(3.0), "invalid_json; {ctx}");
@@ -460,14 +478,23 @@ async fn a_run_with_known_outcomes_shows_exactly_those_counts() {
     // One batch of the 52 valid messages (50 users + the 2 duplicates).
     assert_eq!(
         (
-            s.one("warren_batch_size_count", &[("pipeline", "main")]),
-            s.one("warren_batch_size_sum", &[("pipeline", "main")]),
+            s.one(
+                "warren_batch_size_count",
+                &[("pipeline", "users"), ("stage", "main")]
+            ),
+            s.one(
+                "warren_batch_size_sum",
+                &[("pipeline", "users"), ("stage", "main")]
+            ),
         ),
         (Some(1.0), Some(52.0)),
         "batch count and size; {ctx}"
     );
     assert_eq!(
-        s.one("warren_batch_insert_seconds_count", &[("pipeline", "main")]),
+        s.one(
+            "warren_batch_insert_seconds_count",
+            &[("pipeline", "users"), ("stage", "main")]
+        ),
         Some(1.0),
         "{ctx}"
     );
@@ -748,11 +775,14 @@ async fn the_breaker_gauge_is_exported_closed_from_the_start() {
         },
     )
     .await;
-    for pipeline in ["main", "dlq"] {
+    for stage in ["main", "dlq"] {
         assert_eq!(
-            s.one("warren_breaker_open", &[("pipeline", pipeline)]),
+            s.one(
+                "warren_breaker_open",
+                &[("pipeline", "users"), ("stage", stage)]
+            ),
             Some(0.0),
-            "warren_breaker_open{{pipeline=\"{pipeline}\"}} should be exported as 0 from the \
+            "warren_breaker_open{{pipeline=\"users\",stage=\"{stage}\"}} should be exported as 0 from the \
              start (a state gauge with no series reads as no data before the first outage); \
              scrape:\n{}",
             s.text
@@ -821,4 +851,155 @@ fn the_scrape_parser_reads_labels_values_and_types() {
         warren_identifiers("sum(rate(warren_x_total{a=\"warren\"}[1m])) / xwarren_y"),
         BTreeSet::from(["warren_x_total".to_string()])
     );
+}
+
+// ---- one label scheme for every pipeline's stages ----------------------------------------------
+
+/// The per-pipeline series as docs/metrics.md lists them (a row whose labels name `pipeline`),
+/// each with whether its labels also name `stage`.
+fn documented_per_pipeline_series() -> Vec<(String, bool)> {
+    read("docs/metrics.md")
+        .lines()
+        .filter(|l| l.starts_with("| `warren_"))
+        .filter_map(|l| {
+            let cols: Vec<&str> = l.split('|').map(str::trim).collect();
+            let name = cols.get(1)?.trim_matches('`').to_string();
+            let labels = cols.get(3)?;
+            labels
+                .contains("`pipeline`")
+                .then(|| (name, labels.contains("`stage`")))
+        })
+        .collect()
+}
+
+/// A warren running users and a configured `orders` pipeline, both stages each, labels every
+/// per-pipeline series the same way: `pipeline` the pipeline's name, `stage` `main` or `dlq`.
+/// Every sample with a `pipeline` label has a `stage` one (no stage name such as `main` or
+/// `orders_dlq` in `pipeline`), and every series docs/metrics.md lists with `pipeline` is there
+/// for each stage of both pipelines (the main stages' own, concurrency and balancing, for the
+/// main stages). Valid messages published to each DLQ directly give the DLQ stages a batch too.
+#[tokio::test(flavor = "multi_thread")]
+async fn every_per_pipeline_series_carries_the_pipeline_and_its_stage() {
+    let env = TestEnv::new("m_stages").await;
+    env.declare();
+    let orders = PipelineNames::of(&env, "orders");
+    let _cleanup = orders.cleanup();
+    env.db
+        .batch_execute("CREATE TABLE orders (order_id uuid PRIMARY KEY, total numeric NOT NULL)")
+        .await
+        .expect("create orders");
+    let dir = tempfile::tempdir().expect("temp dir");
+    let path = dir.path().join("orders.toml");
+    let config = format!(
+        "[[pipelines]]\nname = \"orders\"\ntable = \"orders\"\nkey = [\"order_id\"]\n\
+         batch_timeout_ms = 100\nretry_ttls_ms = [1000]\n{}\n[pipelines.columns]\n\
+         order_id = {{ path = \"/id\", type = \"uuid\" }}\n\
+         total = {{ path = \"/total\", type = \"numeric\" }}\n",
+        orders.toml()
+    );
+    std::fs::write(&path, config).expect("write the config");
+    let file = path.to_str().expect("utf-8").to_string();
+    let (code, out, err) = env.run_async(&["--config", &file, "declare"]).await;
+    assert_eq!(code, 0, "declare:\n{out}{err}");
+    let mut warren = env.start(&["--config", &file, "--roles", "consumer,dlq"]);
+    let _logs = LogsOnPanic(vec![warren.log.clone()]);
+
+    let order = |id: Uuid| format!(r#"{{"id":"{id}","total":"1.5"}}"#).into_bytes();
+    let persistent = || BasicProperties::default().with_delivery_mode(2);
+    for _ in 0..3 {
+        let (user, dlq_user) = (Uuid::new_v4(), Uuid::new_v4());
+        env.publish_raw(&user_body(user), json_props(user)).await;
+        env.publish_to_dlq(&user_body(dlq_user), json_props(dlq_user))
+            .await;
+        let (o, dlq_o) = (Uuid::new_v4(), Uuid::new_v4());
+        env.publish_to(&orders.exchange, &orders.queue, &order(o), persistent())
+            .await;
+        env.publish_to(&orders.dlx, &orders.dlq, &order(dlq_o), persistent())
+            .await;
+    }
+
+    let stages = [
+        ("users", "main"),
+        ("users", "dlq"),
+        ("orders", "main"),
+        ("orders", "dlq"),
+    ];
+    let documented = documented_per_pipeline_series();
+    assert!(
+        documented.len() >= 10,
+        "docs/metrics.md lists the per-pipeline series: {documented:?}"
+    );
+    for (name, with_stage) in &documented {
+        assert!(
+            with_stage,
+            "docs/metrics.md: {name} has a pipeline label but no stage label"
+        );
+    }
+    // A histogram's samples are `<name>_count` and friends; a stage's own are there for every
+    // stage, the main stages' concurrency and its decisions for the main stages only.
+    let sample_name = |name: &str, s: &Scrape| {
+        if s.types.get(name).map(String::as_str) == Some("histogram") {
+            format!("{name}_count")
+        } else {
+            name.to_string()
+        }
+    };
+    let main_only = |name: &str| {
+        name == "warren_pipeline_concurrency" || name == "warren_balance_decisions_total"
+    };
+    let missing = |s: &Scrape| -> Vec<String> {
+        let mut missing = Vec::new();
+        for (name, _) in &documented {
+            let sample = sample_name(name, s);
+            for (pipeline, stage) in stages {
+                if stage == "dlq" && main_only(name) {
+                    continue;
+                }
+                let labels = [("pipeline", pipeline), ("stage", stage)];
+                if s.matching(&sample, &labels).next().is_none() {
+                    missing.push(format!("{sample}{{pipeline={pipeline:?},stage={stage:?}}}"));
+                }
+            }
+        }
+        missing
+    };
+    let inserted = |s: &Scrape, pipeline: &str, stage: &str| {
+        s.one(
+            "warren_messages_inserted_total",
+            &[("pipeline", pipeline), ("stage", stage)],
+        )
+    };
+    let s = wait_scrape(
+        &env,
+        &warren,
+        "every per-pipeline series for every stage of users and orders, 3 rows by each stage",
+        Duration::from_secs(60),
+        |s| {
+            missing(s).is_empty()
+                && stages
+                    .iter()
+                    .all(|(p, stage)| inserted(s, p, stage) == Some(3.0))
+        },
+    )
+    .await;
+
+    // No sample names a stage in `pipeline`, nor lacks `stage`.
+    let bad: Vec<String> = s
+        .samples
+        .iter()
+        .filter(|x| x.name.starts_with("warren_"))
+        .filter_map(|x| {
+            let pipeline = x.labels.get("pipeline")?;
+            let stage = x.labels.get("stage").map(String::as_str);
+            let ok = ["users", "orders"].contains(&pipeline.as_str())
+                && matches!(stage, Some("main" | "dlq"));
+            (!ok).then(|| format!("{} {:?}", x.name, x.labels))
+        })
+        .collect();
+    assert!(
+        bad.is_empty(),
+        "samples whose pipeline label is not a pipeline's name with a stage beside it:\n{}",
+        bad.join("\n")
+    );
+    assert!(warren.terminate(Duration::from_secs(25)).success());
 }

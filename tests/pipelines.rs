@@ -589,11 +589,11 @@ async fn an_orders_api_checks_publishes_and_reads_back() {
             let (_, out, _) = env.run_async(&["status", "--json"]).await;
             let doc: serde_json::Value = serde_json::from_str(&out).unwrap_or_default();
             let stages = &doc["instances"][0]["pipelines"];
-            stages["orders"]["inserted"].as_u64() == Some(3)
-                && stages["orders"]["received"].as_u64() == Some(4)
-                && stages["orders"]["dead_lettered"].as_u64() == Some(1)
-                && stages["orders_dlq"]["received"].as_u64() == Some(1)
-                && stages["main"]["inserted"].as_u64() == Some(1)
+            stages["orders/main"]["inserted"].as_u64() == Some(3)
+                && stages["orders/main"]["received"].as_u64() == Some(4)
+                && stages["orders/main"]["dead_lettered"].as_u64() == Some(1)
+                && stages["orders/dlq"]["received"].as_u64() == Some(1)
+                && stages["users/main"]["inserted"].as_u64() == Some(1)
         },
     )
     .await;
@@ -601,7 +601,7 @@ async fn an_orders_api_checks_publishes_and_reads_back() {
     assert_eq!(code, 0, "{out}{err}");
     let line = out
         .lines()
-        .find(|l| l.split_whitespace().nth(1) == Some("orders"))
+        .find(|l| l.split_whitespace().nth(1) == Some("orders/main"))
         .unwrap_or_else(|| panic!("no orders line:\n{out}"));
     let columns: Vec<&str> = line.split_whitespace().collect();
     assert_eq!(
@@ -667,7 +667,7 @@ async fn an_orders_api_checks_publishes_and_reads_back() {
             let (_, out, _) = env.run_async(&["status", "--json"]).await;
             let doc: serde_json::Value = serde_json::from_str(&out).unwrap_or_default();
             let stages = &doc["instances"][0]["pipelines"];
-            stages["orders"]["paused"] == true && stages["main"]["paused"] == false
+            stages["orders/main"]["paused"] == true && stages["users/main"]["paused"] == false
         },
     )
     .await;

@@ -307,7 +307,10 @@ async fn every_dashboard_panel_and_alert_evaluates_on_a_real_prometheus() {
         Duration::from_secs(30),
         |s| {
             s.sum("warren_messages_retried_total", &[]) >= 1.0
-                && s.one("warren_breaker_open", &[("pipeline", "main")]) == Some(1.0)
+                && s.one(
+                    "warren_breaker_open",
+                    &[("pipeline", "users"), ("stage", "main")],
+                ) == Some(1.0)
         },
     )
     .await;
@@ -325,7 +328,10 @@ async fn every_dashboard_panel_and_alert_evaluates_on_a_real_prometheus() {
         Duration::from_secs(30),
         |s| {
             s.sum("warren_messages_parked_total", &[]) == 8.0
-                && s.one("warren_breaker_open", &[("pipeline", "main")]) == Some(0.0)
+                && s.one(
+                    "warren_breaker_open",
+                    &[("pipeline", "users"), ("stage", "main")],
+                ) == Some(0.0)
                 && s.one("warren_inflight_messages", &[]) == Some(0.0)
                 && s.one(
                     "warren_queue_messages",

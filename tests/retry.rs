@@ -131,13 +131,13 @@ async fn a_transient_failure_goes_through_the_retry_queue_until_it_clears() {
     let inserted = metric(
         &env,
         "warren_messages_inserted_total",
-        &[("pipeline", "main")],
+        &[("pipeline", "users"), ("stage", "main")],
     )
     .await;
     let retried = metric(
         &env,
         "warren_messages_retried_total",
-        &[("pipeline", "main")],
+        &[("pipeline", "users"), ("stage", "main")],
     )
     .await;
     let mut total_attempts = 0;
@@ -193,13 +193,17 @@ async fn a_failure_that_never_clears_ends_in_the_dlq_after_max_retries() {
     let retried = metric(
         &env,
         "warren_messages_retried_total",
-        &[("pipeline", "main")],
+        &[("pipeline", "users"), ("stage", "main")],
     )
     .await;
     let exhausted = metric(
         &env,
         "warren_messages_dead_lettered_total",
-        &[("pipeline", "main"), ("kind", "retries_exhausted")],
+        &[
+            ("pipeline", "users"),
+            ("stage", "main"),
+            ("kind", "retries_exhausted"),
+        ],
     )
     .await;
     assert!(warren.terminate(Duration::from_secs(25)).success());

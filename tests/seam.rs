@@ -14,7 +14,7 @@ use uuid::Uuid;
 use warren::config::pipelines::Names;
 use warren::db::DbError;
 use warren::domain::{Domain, Inserted, Rejection};
-use warren::pipeline::{self, FallbackKind, Spec};
+use warren::pipeline::{self, FallbackKind, Spec, Stage};
 
 use common::*;
 
@@ -97,7 +97,7 @@ async fn a_second_domain_runs_through_the_same_core() {
     let settings = env.settings();
     let pool = warren::db::pool_for(&settings, 2, "warren-seam-test").expect("pool");
     let spec = Spec {
-        name: "events",
+        stage: Stage::Main,
         pipeline: "events".into(),
         queue: env.main_queue.clone(),
         batch_size: 50,

@@ -165,7 +165,7 @@ impl Publisher {
             Some(_) => {
                 self.channel = None;
                 self.connection = None;
-                crate::events::amqp_link(self.purpose, false, false);
+                crate::events::amqp_link(self.purpose, false, None);
                 None
             }
             None => None,
@@ -234,7 +234,7 @@ impl Handler<Connected> for Publisher {
             return;
         }
         info!(purpose = self.purpose, "publisher connected");
-        crate::events::amqp_link(self.purpose, true, false);
+        crate::events::amqp_link(self.purpose, true, None);
         self.connection = Some(Arc::new(msg.0));
         self.channel = Some(msg.1);
         self.generation += 1;

@@ -312,8 +312,8 @@ fn typed(fields: &InstanceFields) -> serde_json::Value {
 }
 
 /// Each instance's per-pipeline lines (instance, stage, its counters), from its `pipelines`
-/// field; empty when every instance runs only users' stages (`main`, `dlq`), whose counts are
-/// the instance's own.
+/// field; empty when every instance runs only users' stages (`users/main`, `users/dlq`), whose
+/// counts are the instance's own.
 fn pipeline_rows(list: &[InstanceFields]) -> Vec<Vec<String>> {
     let mut rows = Vec::new();
     let mut configured = false;
@@ -330,7 +330,7 @@ fn pipeline_rows(list: &[InstanceFields]) -> Vec<Vec<String>> {
             safe(i.get("pid").map(String::as_str).unwrap_or("-"))
         );
         for (stage, counts) in &stages {
-            configured |= stage != "main" && stage != "dlq";
+            configured |= !matches!(stage.as_str(), "users/main" | "users/dlq");
             let n = |k: &str| {
                 counts
                     .get(k)

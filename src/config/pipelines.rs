@@ -395,20 +395,6 @@ pub fn check(settings: &Settings) -> Result<(), ConfigError> {
                 ),
             ));
         }
-        // The stages are named after the pipeline (`<name>`, `<name>_dlq`) in the metrics and
-        // /readyz, beside users' `main` and `dlq` and the links `router` and `api`.
-        if ["main", "dlq", "router", "api"].contains(&p.name.as_str()) || p.name.ends_with("_dlq") {
-            return Err(entry(
-                i,
-                "name",
-                invalid(
-                    format!("{at}.name"),
-                    "a name other than main, dlq, router or api, not ending in _dlq (the names of \
-                 warren's own stages)",
-                    format!("{:?}", p.name),
-                ),
-            ));
-        }
         if let Some(first) = seen.insert(&p.name, i) {
             return Err(entry(
                 i,

@@ -17,6 +17,7 @@
 //! next subscription on the same channel starts once the cancelled one's stream ended, so its
 //! deliveries come behind the held one in tag order, and are acked behind it the same way.
 
+use crate::metrics::StageId;
 use std::collections::VecDeque;
 
 use lapin::Channel;
@@ -190,21 +191,22 @@ pub struct Acker {
     held: Option<u64>,
     /// Operations for the executor task; `None` once closing.
     ops: Option<mpsc::UnboundedSender<Vec<Op>>>,
-    pipeline: &'static str,
+    /// The stage whose deliveries these are: the labels of its logs and its ack counter.
+    stage: StageId,
     task: Option<tokio::task::JoinHandle<()>>,
 }
 
 impl Acker {
     /// Starts the executor for `channel`, whose consumer has a window of `prefetch`.
-    pub fn open(channel: Channel, pipeline: &'static str, prefetch: u16) -> Self {
+    pub fn open(channel: Channel, stage: StageId, prefetch: u16) -> Self {
         let (tx, rx) = mpsc::unbounded_channel();
         Self {
             tracker: AckTracker::default(),
             release_at: usize::from(prefetch / 2).max(1),
             held: None,
             ops: Some(tx),
-            pipeline,
-            task: Some(tokio::spawn(run_ops(channel, rx, pipeline))),
+            task: Some(tokio::spawn(run_ops(channel, rx, stage.clone()))),
+            stage,
         }
     }
 
@@ -221,7 +223,8 @@ impl Acker {
         for tag in tags {
             if !self.tracker.delivered(tag) {
                 warn!(
-                    pipeline = self.pipeline,
+                    pipeline = self.stage.pipeline(),
+                    stage = self.stage.stage().as_str(),
                     tag,
                     "a delivery came after a later one; recorded in its place (its ack waits for it)"
                 );
@@ -272,12 +275,8 @@ impl Acker {
 
 /// Executes channel operations in order; stops at the first failure (the channel is gone and
 /// the broker requeues whatever was not acked).
-async fn run_ops(
-    channel: Channel,
-    mut rx: mpsc::UnboundedReceiver<Vec<Op>>,
-    pipeline: &'static str,
-) {
-    let acks = crate::metrics::acks_counter(pipeline);
+async fn run_ops(channel: Channel, mut rx: mpsc::UnboundedReceiver<Vec<Op>>, stage: StageId) {
+    let acks = crate::metrics::acks_counter(&stage);
     while let Some(mut ops) = rx.recv().await {
         while let Ok(more) = rx.try_recv() {
             ops.extend(more);
@@ -309,7 +308,7 @@ async fn run_ops(
                 }
             };
             if let Err(e) = result {
-                warn!(pipeline, error = %e, "cannot ack on this channel any more; the broker will redeliver");
+                warn!(pipeline = stage.pipeline(), stage = stage.stage().as_str(), error = %e, "cannot ack on this channel any more; the broker will redeliver");
                 return;
             }
         }

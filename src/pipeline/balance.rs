@@ -161,10 +161,9 @@ impl Auto {
 
 /// One main stage's concurrency: what it is, its bounds, and how a change reaches the stage.
 pub struct Concurrency {
-    /// The stage's label (`main`, `orders`).
-    pub stage: &'static str,
-    /// The pipeline's name (`users`, `orders`).
-    pub pipeline: String,
+    /// The pipeline (`users`, `orders`) and its stage (always main): the labels of the
+    /// gauge, the decisions and the logs.
+    pub stage: crate::metrics::StageId,
     pub policy: Policy,
     /// The main queue, whose backlog it follows.
     pub queue: String,
@@ -183,8 +182,7 @@ impl Concurrency {
     /// Applies nothing: the stage starts at `current` with its window.
     #[allow(clippy::too_many_arguments)]
     pub fn new(
-        stage: &'static str,
-        pipeline: String,
+        stage: crate::metrics::StageId,
         policy: Policy,
         queue: String,
         consumer: Recipient<SetConcurrency>,
@@ -197,10 +195,9 @@ impl Concurrency {
             Balance::Off => (1, created),
             _ => (policy.min, policy.max),
         };
-        crate::metrics::concurrency(stage, current, "start");
+        crate::metrics::concurrency(&stage, current, "start");
         Self {
             stage,
-            pipeline,
             policy,
             queue,
             consumer,
@@ -248,9 +245,9 @@ impl Concurrency {
                 batchers: to,
                 prefetch: self.window(to),
             });
-            crate::metrics::concurrency(self.stage, to, reason);
+            crate::metrics::concurrency(&self.stage, to, reason);
             crate::events::emit(
-                Some(self.stage),
+                Some(self.stage.pipeline()),
                 crate::events::Kind::Scaled {
                     what: "concurrency".into(),
                     from,
@@ -273,7 +270,7 @@ impl Concurrency {
         if to != current {
             self.set(to, "operator");
             info!(
-                pipeline = self.stage,
+                pipeline = self.stage.pipeline(),
                 from = current,
                 to,
                 min,
@@ -299,7 +296,8 @@ impl Concurrency {
             return Err(format!(
                 "pipeline {}: expected 1 <= min <= max <= {} (its batchers: the larger of its \
                  batch_concurrency and max_concurrency), got min {min}, max {max}",
-                self.pipeline, self.created
+                self.stage.pipeline(),
+                self.created
             ));
         }
         let held = self.held_within(min, max);
@@ -307,7 +305,7 @@ impl Concurrency {
             return Err(format!(
                 "pipeline {}: min {min} with the {others} inserts the other pipelines would hold \
                  exceeds MAX_INSERTS_IN_FLIGHT ({budget})",
-                self.pipeline
+                self.stage.pipeline()
             ));
         }
         Ok((min, max))
@@ -372,7 +370,7 @@ pub async fn run(
         .iter()
         .filter(|c| c.balanced())
         .map(|c| {
-            let stats = crate::metrics::stage(c.stage);
+            let stats = crate::metrics::stage(&c.stage);
             let last = sample(&stats, now);
             Tracked {
                 c: c.clone(),
@@ -411,7 +409,7 @@ pub async fn run(
             t.next_at = now + t.c.policy.cooldown;
             let Some(backlog) = depths.get(&t.c.queue).map(u64::from) else {
                 debug!(
-                    pipeline = t.c.stage,
+                    pipeline = t.c.stage.pipeline(),
                     "no fresh depth of the queue: balancing holds"
                 );
                 // Asked again soon rather than a cooldown later (the monitor's first poll).
@@ -468,7 +466,7 @@ pub async fn run(
                 m.rate, m.latency_ms
             );
             if granted == current {
-                debug!(pipeline = t.c.stage, concurrency = current, wanted, %inputs, "balance: hold");
+                debug!(pipeline = t.c.stage.pipeline(), concurrency = current, wanted, %inputs, "balance: hold");
                 continue;
             }
             let (from, to) = t.c.set(granted, reason);
@@ -476,11 +474,11 @@ pub async fn run(
                 continue;
             }
             t.resample_at = Some(now + t.c.policy.cooldown / 5);
-            info!(pipeline = t.c.stage, strategy = %t.c.policy.strategy, from, to, reason,
+            info!(pipeline = t.c.stage.pipeline(), strategy = %t.c.policy.strategy, from, to, reason,
                 backlog, rate = m.rate as u64, insert_ms = m.latency_ms, min, max, budget,
                 "balance: concurrency changed");
             let _ = history.send(Decision {
-                pipeline: t.c.pipeline.clone(),
+                pipeline: t.c.stage.pipeline().to_string(),
                 from,
                 to,
                 reason,
@@ -632,8 +630,10 @@ mod tests {
             let mut all = Vec::new();
             for (n, b) in backlogs.iter().enumerate() {
                 let c = Arc::new(Concurrency {
-                    stage: "x",
-                    pipeline: format!("p{n}"),
+                    stage: crate::metrics::StageId::new(
+                        &format!("p{n}"),
+                        crate::metrics::Stage::Main,
+                    ),
                     policy: policy(),
                     queue: String::new(),
                     consumer: probe(),

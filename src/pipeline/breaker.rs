@@ -20,7 +20,8 @@ use crate::metrics;
 
 /// One pipeline's breaker, shared by its sinks.
 pub struct Breaker {
-    pipeline: &'static str,
+    /// The pipeline and which of its stages: the labels of its logs and its gauge.
+    stage: metrics::StageId,
     /// Consecutive failing batches that open it; `None` = this pipeline never opens it on
     /// failures (the DLQ consumer backs off per message instead), only on systemic errors.
     threshold: Option<u32>,
@@ -36,13 +37,13 @@ pub struct Breaker {
 
 impl Breaker {
     pub fn new(
-        pipeline: &'static str,
+        stage: metrics::StageId,
         threshold: Option<u32>,
         hold: Recipient<Hold>,
         stopping: CancellationToken,
     ) -> Self {
         Self {
-            pipeline,
+            stage,
             threshold,
             failures: AtomicU32::new(0),
             open: AtomicBool::new(false),
@@ -78,14 +79,15 @@ impl Breaker {
             return;
         }
         error!(
-            pipeline = self.pipeline,
+            pipeline = self.stage.pipeline(),
+            stage = self.stage.stage().as_str(),
             reason,
             "sink-outage breaker OPEN: the database keeps failing; \
              consuming stops until it answers again"
         );
-        metrics::breaker(self.pipeline, true);
+        metrics::breaker(&self.stage, true);
         crate::events::emit(
-            Some(self.pipeline),
+            Some(self.stage.pipeline()),
             crate::events::Kind::BreakerOpened {
                 failures: self.failures.load(Ordering::Relaxed),
             },
@@ -116,7 +118,7 @@ impl Breaker {
             }
             result
         };
-        let pipeline = self.pipeline;
+        let (pipeline, stage) = (self.stage.pipeline(), self.stage.stage().as_str());
         let first = crate::amqp::reconnect_backoff().next().unwrap_or_default();
         if !super::sleep_or_cancel(first, &stopping).await {
             return;
@@ -128,17 +130,23 @@ impl Breaker {
             ))
             .sleep(super::cancellable_sleep(stopping.clone()))
             .when(|_| !stopping.is_cancelled())
-            .notify(|e, _| warn!(pipeline, error = %e, "breaker probe: database still failing"))
+            .notify(
+                |e, _| warn!(pipeline, stage, error = %e, "breaker probe: database still failing"),
+            )
             .await;
         if result.is_err() {
             return;
         }
         self.failures.store(0, Ordering::Relaxed);
         self.open.store(false, Ordering::SeqCst);
-        metrics::breaker(self.pipeline, false);
-        crate::events::emit(Some(self.pipeline), crate::events::Kind::BreakerClosed);
+        metrics::breaker(&self.stage, false);
+        crate::events::emit(
+            Some(self.stage.pipeline()),
+            crate::events::Kind::BreakerClosed,
+        );
         info!(
-            pipeline = self.pipeline,
+            pipeline = self.stage.pipeline(),
+            stage = self.stage.stage().as_str(),
             "sink-outage breaker closed: the database answers; consuming again"
         );
         self.hold.do_send(Hold {

@@ -150,8 +150,9 @@ enum Event {
 /// What the consumer consumes and how.
 #[derive(Debug, Clone)]
 pub struct ConsumerConfig {
-    /// `main` or `dlq`: for logs and metrics.
-    pub pipeline: &'static str,
+    /// The pipeline and which of its stages: the labels of logs and metrics; written
+    /// `<pipeline>/<stage>`, the name of the AMQP link.
+    pub stage: crate::metrics::StageId,
     pub queue: String,
     pub prefetch: u16,
     /// Bytes of bodies in flight at most (`MAX_INFLIGHT_BYTES`).
@@ -289,7 +290,7 @@ pub struct Consumer {
 
 impl Consumer {
     pub fn new(config: ConsumerConfig, settings: Settings, dispatch: Dispatch) -> Self {
-        let received_counter = crate::metrics::received_counter(config.pipeline);
+        let received_counter = crate::metrics::received_counter(&config.stage);
         let throttle = Throttle::new(config.rate_limit_per_s);
         Self {
             config: config.clone(),
@@ -308,7 +309,7 @@ impl Consumer {
             largest: 0,
             kept_largest: 0,
             since_subscribe: 0,
-            inflight_bytes_gauge: (crate::metrics::inflight_bytes_gauge(config.pipeline), 0),
+            inflight_bytes_gauge: (crate::metrics::inflight_bytes_gauge(&config.stage), 0),
             holds: Vec::new(),
             received: 0,
             published: (0, 0),
@@ -379,7 +380,7 @@ impl Consumer {
             let open = || open(&settings, &config, frames);
             let wanted = || addr.connected();
             if let Some((conn, channel)) = amqp::until_open(
-                config.pipeline,
+                &config.stage.to_string(),
                 "consumer cannot consume; retrying",
                 first_delay,
                 open,
@@ -411,7 +412,7 @@ impl Consumer {
 
     /// Rebuilds the link for `reason` (counted), after the backoff `connect` applies.
     fn rebuild(&mut self, ctx: &mut Context<Self>, reason: &'static str) {
-        crate::metrics::consumer_restart(self.config.pipeline, reason);
+        crate::metrics::consumer_restart(&self.config.stage, reason);
         let lived = self.teardown();
         self.connect(ctx, lived);
     }
@@ -428,7 +429,7 @@ impl Consumer {
         if !self.room_for(window) {
             return;
         }
-        let pipeline = self.config.pipeline;
+        let stage = self.config.stage.clone();
         let (prefetch, largest) = (self.config.prefetch, self.largest);
         let max_inflight_bytes = self.config.max_inflight_bytes;
         let Link::Up(linked) = &mut self.link else {
@@ -440,7 +441,8 @@ impl Consumer {
         let qos = (window != linked.window).then_some(window);
         if let Some(w) = qos {
             info!(
-                pipeline,
+                pipeline = stage.pipeline(),
+                stage = stage.stage().as_str(),
                 window = w,
                 prefetch,
                 largest_delivery = largest,
@@ -452,7 +454,7 @@ impl Consumer {
         linked.subscription = Subscription::Pending;
         let channel = linked.channel.clone();
         let generation = self.generation;
-        let tag = consumer_tag(pipeline, &format!("{generation}-{}", self.subscriptions));
+        let tag = consumer_tag(&stage, &format!("{generation}-{}", self.subscriptions));
         self.subscriptions += 1;
         let queue = self.config.queue.clone();
         let addr = ctx.address();
@@ -500,7 +502,11 @@ impl Consumer {
                 // However it ended (the channel closed, the stream ended, a stuck consumer): the
                 // link is down until the next one is up.
                 self.config.live_generation.store(0, Ordering::Release);
-                crate::events::amqp_link(self.config.pipeline, false, true);
+                crate::events::amqp_link(
+                    &self.config.stage.to_string(),
+                    false,
+                    Some(self.config.stage.pipeline()),
+                );
                 // Dropping the acker ends its task; the channel's unacked deliveries are requeued.
                 drop(linked.acker);
                 actix::spawn(amqp::close(Some(linked.channel), Some(linked.connection)));
@@ -535,7 +541,7 @@ impl Consumer {
                     received_at,
                 }),
                 Err(e) => {
-                    warn!(pipeline = self.config.pipeline, error = %e, "consumer stream error");
+                    warn!(pipeline = self.config.stage.pipeline(), stage = self.config.stage.stage().as_str(), error = %e, "consumer stream error");
                     self.last_stream_error = Some(e.to_string());
                 }
             }
@@ -619,7 +625,8 @@ impl Consumer {
         let window = linked.window;
         if self.inflight_bytes >= self.config.max_inflight_bytes {
             warn!(
-                pipeline = self.config.pipeline,
+                pipeline = self.config.stage.pipeline(),
+                stage = self.config.stage.stage().as_str(),
                 inflight_bytes = self.inflight_bytes,
                 max_inflight_bytes = self.config.max_inflight_bytes,
                 largest_delivery = self.largest,
@@ -633,7 +640,8 @@ impl Consumer {
         {
             self.kept_largest = 0;
             info!(
-                pipeline = self.config.pipeline,
+                pipeline = self.config.stage.pipeline(),
+                stage = self.config.stage.stage().as_str(),
                 window,
                 "two windows of bodies the budget holds more of: the window grows back once \
                  what is in flight settles"
@@ -698,7 +706,8 @@ impl Consumer {
             return;
         }
         info!(
-            pipeline = self.config.pipeline,
+            pipeline = self.config.stage.pipeline(),
+            stage = self.config.stage.stage().as_str(),
             window = wanted,
             inflight = self.inflight,
             "the prefetch window follows the concurrency: resubscribing"
@@ -727,7 +736,7 @@ impl Consumer {
         if self.received > received {
             let delta = self.received - received;
             self.received_counter.increment(delta);
-            crate::metrics::stage(self.config.pipeline)
+            crate::metrics::stage(&self.config.stage)
                 .received
                 .fetch_add(delta, std::sync::atomic::Ordering::Relaxed);
         }
@@ -793,14 +802,14 @@ impl Consumer {
     fn link_end_reason(&mut self) -> &'static str {
         match &self.last_stream_error {
             Some(e) if e.contains("frame too large") => {
-                warn!(pipeline = self.config.pipeline, queue = %self.config.queue, error = %e,
+                warn!(pipeline = self.config.stage.pipeline(), stage = self.config.stage.stage().as_str(), queue = %self.config.queue, error = %e,
                     "a delivery's content header is larger than the frame_max that AMQP_URL sets; \
                      this consumer takes the broker's frame_max from now on");
                 self.frames = amqp::Frames::BrokerOnly;
                 "frame_too_large"
             }
             Some(e) if e.contains("failed to parse") => {
-                error!(pipeline = self.config.pipeline, queue = %self.config.queue, error = %e,
+                error!(pipeline = self.config.stage.pipeline(), stage = self.config.stage.stage().as_str(), queue = %self.config.queue, error = %e,
                     "a delivery at the head of the queue cannot be parsed by the AMQP client; \
                      it is redelivered on every reconnect (paced by a backoff) and blocks the \
                      messages behind it. Remove it with a tool that tolerates it (for example the \
@@ -846,10 +855,11 @@ fn chunks<S: futures::Stream>(
     tokio_stream::StreamExt::throttle(stream.ready_chunks(max), linger)
 }
 
-/// This process's consumer tag for `pipeline`, unique per subscription (`suffix`).
-fn consumer_tag(pipeline: &str, suffix: &str) -> String {
+/// This process's consumer tag for `stage` (`<pipeline>/<stage>`), unique per subscription
+/// (`suffix`).
+fn consumer_tag(stage: &crate::metrics::StageId, suffix: &str) -> String {
     format!(
-        "warren-{}-{}-{pipeline}-{suffix}",
+        "warren-{}-{}-{stage}-{suffix}",
         crate::hostname(),
         std::process::id()
     )
@@ -871,7 +881,8 @@ async fn open(
     config: &ConsumerConfig,
     frames: amqp::Frames,
 ) -> Result<(Connection, Channel), AmqpError> {
-    let (conn, channel) = amqp::connect_channel(settings, config.pipeline, frames).await?;
+    let (conn, channel) =
+        amqp::connect_channel(settings, &config.stage.to_string(), frames).await?;
     let result = channel
         .basic_qos(config.prefetch, BasicQosOptions { global: false })
         .await;
@@ -899,7 +910,8 @@ impl Actor for Consumer {
                 // Stopping behind a cancel whose stream never ended: the stop goes on; what that
                 // subscription still held unacked goes back to the queue with the channel.
                 warn!(
-                    pipeline = act.config.pipeline,
+                    pipeline = act.config.stage.pipeline(),
+                    stage = act.config.stage.stage().as_str(),
                     "a cancelled subscription's stream did not end; stopping without it"
                 );
                 if let Some(linked) = act.linked() {
@@ -912,7 +924,8 @@ impl Actor for Consumer {
             }
             if act.open_channel().is_none() {
                 warn!(
-                    pipeline = act.config.pipeline,
+                    pipeline = act.config.stage.pipeline(),
+                    stage = act.config.stage.stage().as_str(),
                     "consumer channel is closed; rebuilding it"
                 );
                 let reason = act.link_end_reason();
@@ -921,7 +934,8 @@ impl Actor for Consumer {
                 // Its stream never ended: the link is rebuilt (its unacked deliveries go back to
                 // the queue with the channel) rather than the pipeline waiting for ever.
                 warn!(
-                    pipeline = act.config.pipeline,
+                    pipeline = act.config.stage.pipeline(),
+                    stage = act.config.stage.stage().as_str(),
                     "a cancelled subscription's stream did not end; rebuilding the link"
                 );
                 act.rebuild(ctx, "cancel_unanswered");
@@ -950,7 +964,7 @@ impl Handler<Connected> for Consumer {
         self.link = Link::Up(Box::new(Linked {
             acker: Some(Acker::open(
                 msg.channel.clone(),
-                self.config.pipeline,
+                self.config.stage.clone(),
                 self.config.prefetch,
             )),
             connection: msg.conn,
@@ -961,9 +975,13 @@ impl Handler<Connected> for Consumer {
             subscription: Subscription::None,
         }));
         self.last_stream_error = None;
-        info!(pipeline = self.config.pipeline, queue = %self.config.queue, prefetch = self.config.prefetch,
+        info!(pipeline = self.config.stage.pipeline(), stage = self.config.stage.stage().as_str(), queue = %self.config.queue, prefetch = self.config.prefetch,
             generation, held = !self.holds.is_empty(), "connected");
-        crate::events::amqp_link(self.config.pipeline, true, true);
+        crate::events::amqp_link(
+            &self.config.stage.to_string(),
+            true,
+            Some(self.config.stage.pipeline()),
+        );
         if generation > 1 {
             crate::metrics::reconnected("amqp");
         }
@@ -987,7 +1005,8 @@ impl StreamHandler<Event> for Consumer {
                 // message routed to the DLQ or a retry queue would be routed again at its
                 // redelivery: a second copy (found by review).
                 debug!(
-                    pipeline = self.config.pipeline,
+                    pipeline = self.config.stage.pipeline(),
+                    stage = self.config.stage.stage().as_str(),
                     deliveries = chunk.len(),
                     "deliveries after the stream ended for the stop; left to the broker"
                 );
@@ -1019,7 +1038,7 @@ impl StreamHandler<Event> for Consumer {
                     self.stream_done(ctx);
                 } else {
                     let reason = self.link_end_reason();
-                    warn!(pipeline = self.config.pipeline, queue = %self.config.queue, reason,
+                    warn!(pipeline = self.config.stage.pipeline(), stage = self.config.stage.stage().as_str(), queue = %self.config.queue, reason,
                         "consumer stream ended (cancelled by the broker or channel closed); rebuilding it");
                     self.rebuild(ctx, reason);
                 }
@@ -1044,7 +1063,8 @@ impl Handler<Settle> for Consumer {
             acker.settle(&msg.items);
         } else {
             debug!(
-                pipeline = self.config.pipeline,
+                pipeline = self.config.stage.pipeline(),
+                stage = self.config.stage.stage().as_str(),
                 generation = msg.generation,
                 "settlement for a closed channel dropped; the broker redelivers those messages"
             );
@@ -1070,7 +1090,11 @@ impl Handler<Cancel> for Consumer {
                 Link::Up(linked) if linked.channel.status().connected() => {
                     match &linked.subscription {
                         Subscription::Active(_) => {
-                            info!(pipeline = self.config.pipeline, "cancelling the consumer");
+                            info!(
+                                pipeline = self.config.stage.pipeline(),
+                                stage = self.config.stage.stage().as_str(),
+                                "cancelling the consumer"
+                            );
                             // Recorded as cancelling, as any cancel: its end answers the waiters,
                             // and a cancel-ok that never comes is noticed by the watchdog, which
                             // goes on with the stop without it. (Left `Active`, a silent link
@@ -1114,13 +1138,17 @@ impl Handler<Close> for Consumer {
             self.phase = Phase::Stopping;
         }
         let link = std::mem::replace(&mut self.link, Link::Down);
-        let pipeline = self.config.pipeline;
+        let stage = self.config.stage.clone();
         Box::pin(async move {
             if let Link::Up(linked) = link {
                 drop(linked.acker);
                 amqp::close(Some(linked.channel), Some(linked.connection)).await;
             }
-            info!(pipeline, "consumer closed");
+            info!(
+                pipeline = stage.pipeline(),
+                stage = stage.stage().as_str(),
+                "consumer closed"
+            );
         })
     }
 }
@@ -1139,10 +1167,10 @@ impl Handler<Hold> for Consumer {
         }
         let held = !self.holds.is_empty();
         if held && !was_held {
-            warn!(pipeline = self.config.pipeline, reason = ?msg.reason, "holding: no new deliveries");
+            warn!(pipeline = self.config.stage.pipeline(), stage = self.config.stage.stage().as_str(), reason = ?msg.reason, "holding: no new deliveries");
             self.unsubscribe();
         } else if !held && was_held && self.phase == Phase::Running {
-            info!(pipeline = self.config.pipeline, reason = ?msg.reason, inflight = self.inflight,
+            info!(pipeline = self.config.stage.pipeline(), stage = self.config.stage.stage().as_str(), reason = ?msg.reason, inflight = self.inflight,
                 "resuming deliveries");
             if self.open_channel().is_some() {
                 self.maybe_subscribe(ctx);
@@ -1187,7 +1215,7 @@ impl Handler<Subscribed> for Consumer {
                 self.kept_largest = self.kept_largest.max(self.largest);
                 self.largest = 0;
                 self.since_subscribe = 0;
-                info!(pipeline = self.config.pipeline, queue = %self.config.queue,
+                info!(pipeline = self.config.stage.pipeline(), stage = self.config.stage.stage().as_str(), queue = %self.config.queue,
                     consumer_tag = %msg.tag, generation = msg.generation, window = msg.window,
                     "consuming");
                 self.add_consumer_stream(ctx, consumer, msg.tag);
@@ -1200,7 +1228,7 @@ impl Handler<Subscribed> for Consumer {
                 }
             }
             Err(e) => {
-                warn!(pipeline = self.config.pipeline, queue = %self.config.queue, error = %e,
+                warn!(pipeline = self.config.stage.pipeline(), stage = self.config.stage.stage().as_str(), queue = %self.config.queue, error = %e,
                     "cannot subscribe; rebuilding the link");
                 if running {
                     self.rebuild(ctx, "connection_lost");
@@ -1217,7 +1245,7 @@ impl Handler<Stuck> for Consumer {
         if msg.generation != self.generation || self.phase != Phase::Running || self.window_full() {
             return;
         }
-        warn!(pipeline = self.config.pipeline, queue = %self.config.queue, ready = msg.ready,
+        warn!(pipeline = self.config.stage.pipeline(), stage = self.config.stage.stage().as_str(), queue = %self.config.queue, ready = msg.ready,
             "consumer receives nothing while its queue holds messages; rebuilding it");
         self.rebuild(ctx, "stuck");
     }
@@ -1229,7 +1257,8 @@ impl Handler<SetProcessors> for Consumer {
     fn handle(&mut self, msg: SetProcessors, _: &mut Self::Context) {
         if self.dispatch.set_processors(msg.0) {
             info!(
-                pipeline = self.config.pipeline,
+                pipeline = self.config.stage.pipeline(),
+                stage = self.config.stage.stage().as_str(),
                 processors = self.dispatch.processors(),
                 "processors scaled"
             );
@@ -1255,8 +1284,11 @@ impl Handler<SetConcurrency> for Consumer {
         self.config.prefetch = msg.prefetch.max(1);
         let window = self.wanted_window();
         debug!(
-            pipeline = self.config.pipeline,
-            batchers, window, "concurrency set"
+            pipeline = self.config.stage.pipeline(),
+            stage = self.config.stage.stage().as_str(),
+            batchers,
+            window,
+            "concurrency set"
         );
         self.follow_window();
     }
@@ -1267,7 +1299,8 @@ impl Handler<SetRate> for Consumer {
 
     fn handle(&mut self, msg: SetRate, ctx: &mut Self::Context) {
         info!(
-            pipeline = self.config.pipeline,
+            pipeline = self.config.stage.pipeline(),
+            stage = self.config.stage.stage().as_str(),
             rate_limit_per_s = msg.per_s,
             "rate limit set"
         );
@@ -1282,7 +1315,8 @@ impl Handler<SetRate> for Consumer {
         .is_some()
         {
             warn!(
-                pipeline = self.config.pipeline,
+                pipeline = self.config.stage.pipeline(),
+                stage = self.config.stage.stage().as_str(),
                 rate_limit_per_s = msg.per_s,
                 prefetch = self.config.prefetch,
                 "at this rate a full prefetch window waits in warren longer than 80% of \

@@ -132,7 +132,7 @@ impl Handler<Leftovers> for DlqStage {
                     .await;
             }
             let delay = fallback.next_backoff_at_most(least);
-            warn!(pipeline = fallback.pipeline, batch_id = %batch_id, count = attempts.len(),
+            warn!(pipeline = fallback.stage.pipeline(), stage = fallback.stage.stage().as_str(), batch_id = %batch_id, count = attempts.len(),
                 delay_ms = delay.as_millis() as u64,
                 "the database refused DLQ messages; trying them again after a backoff");
             let (items, mut fates): (Vec<_>, Vec<_>) = attempts.into_iter().unzip();

@@ -53,6 +53,7 @@ use crate::amqp::publisher::{self, Publisher};
 use crate::config::Settings;
 use crate::config::pipelines::Names;
 use crate::domain::Domain;
+pub use crate::metrics::{Stage, StageId};
 use batcher::{Batcher, FlushRule};
 use breaker::Breaker;
 use consumer::{Consumer, ConsumerConfig};
@@ -71,14 +72,16 @@ pub enum FallbackKind {
     Park { max_attempts: u32 },
 }
 
-/// One pipeline's own settings: what it consumes and how it batches. The users pipelines take
+/// One stage's own settings: what it consumes and how it batches. The users pipeline takes
 /// them from `USERS_*` and friends ([`Spec::main`], [`Spec::dlq`]); another domain brings its own.
 #[derive(Debug, Clone)]
 pub struct Spec {
-    /// `main` or `dlq` (or a test's name): the `pipeline` label of logs and metrics.
-    pub name: &'static str,
-    /// The pipeline the stage belongs to (`users`, or a configured one's name): what its parked
-    /// rows are filed under.
+    /// Which of the pipeline's stages this is: decides its fallback's events and scaling words,
+    /// and is the `stage` label of logs and metrics (never read from a name).
+    pub stage: Stage,
+    /// The pipeline the stage belongs to (`users`, or a configured one's name): the `pipeline`
+    /// label of logs and metrics, what `warren ctl --pipeline` names, what its parked rows are
+    /// filed under.
     pub pipeline: String,
     pub queue: String,
     pub batch_size: usize,
@@ -136,7 +139,7 @@ impl Spec {
             (two.clamp(1, usize::from(u16::MAX)) as u16).min(window_cap)
         };
         Self {
-            name: "main",
+            stage: Stage::Main,
             pipeline: "users".into(),
             queue: settings.main_queue.clone(),
             names: Names::users(settings),
@@ -161,7 +164,7 @@ impl Spec {
     /// The DLQ consumer of the same pipeline: what is still refused is parked.
     pub fn dlq(settings: &Settings) -> Self {
         Self {
-            name: "dlq",
+            stage: Stage::Dlq,
             queue: settings.dlq_queue.clone(),
             breaker_failures: None,
             fallback: FallbackKind::Park {
@@ -184,10 +187,9 @@ type ProcessorFactory = Box<dyn Fn(Option<&ArbiterHandle>) -> (Feed, Recipient<D
 
 /// A running pipeline.
 pub struct Pipeline {
-    /// The stage's name (`main`, `dlq`, `orders`, `orders_dlq`): the `pipeline` label.
-    pub name: &'static str,
-    /// The pipeline the stage belongs to (`users`, `orders`): what `warren ctl --pipeline` names.
-    pub pipeline: String,
+    /// The pipeline (`users`, `orders`: what `warren ctl --pipeline` names) and which of its
+    /// stages: the `pipeline` and `stage` labels.
+    pub id: StageId,
     consumer: Addr<Consumer>,
     /// The processors' drain addresses, current ones (live scaling replaces them).
     drains: Mutex<Vec<Recipient<Drain>>>,
@@ -215,7 +217,7 @@ pub fn start<D: Domain>(
     pool: Pool,
     depths: Depths,
 ) -> Pipeline {
-    let name = spec.name;
+    let id = StageId::new(&spec.pipeline, spec.stage);
     let stopping = CancellationToken::new();
 
     // The consumer's address exists before it runs: the last stages settle to it.
@@ -227,7 +229,7 @@ pub fn start<D: Domain>(
     let db_bound = crate::db::call_bound(settings);
     let live_generation = Arc::new(std::sync::atomic::AtomicU64::new(0));
     let fallback = Fallback {
-        pipeline: name,
+        stage: id.clone(),
         republisher: Republisher::new(publisher.clone(), &spec, settings.publish_timeout()),
         settle: consumer_addr.clone().recipient(),
         stopping: stopping.clone(),
@@ -248,12 +250,12 @@ pub fn start<D: Domain>(
     let sink_config = Arc::new(SinkConfig {
         domain: domain.clone(),
         pool: pool.clone(),
-        pipeline: name,
+        stage: id.clone(),
         db_retry_window: spec.db_retry_window,
         db_bound,
         hand_back_after: settings.hand_back_after(),
         breaker: Arc::new(Breaker::new(
-            name,
+            id.clone(),
             spec.breaker_failures,
             consumer_addr.clone().recipient(),
             stopping.clone(),
@@ -272,7 +274,8 @@ pub fn start<D: Domain>(
         .map(|i| {
             let config = sink_config.clone();
             let sink = Supervisor::start(move |_| Sink::new(config)).recipient();
-            Supervisor::start(move |_| Batcher::new(rule, sink, format!("{name}-{i}")))
+            let name = format!("{id}-{i}");
+            Supervisor::start(move |_| Batcher::new(rule, sink, name))
         })
         .collect();
 
@@ -299,8 +302,7 @@ pub fn start<D: Domain>(
     let created = spec.max_batchers.max(spec.batchers).max(1);
     let concurrency = (spec.fallback == FallbackKind::Route).then(|| {
         Arc::new(balance::Concurrency::new(
-            name,
-            spec.pipeline.clone(),
+            id.clone(),
             spec.policy,
             spec.queue.clone(),
             consumer_addr.clone().recipient(),
@@ -311,8 +313,7 @@ pub fn start<D: Domain>(
         ))
     });
     let pipeline = Pipeline {
-        name,
-        pipeline: spec.pipeline.clone(),
+        id: id.clone(),
         consumer: consumer_addr,
         drains: Mutex::new(Vec::new()),
         spawn_processor,
@@ -325,7 +326,7 @@ pub fn start<D: Domain>(
 
     // The broker link.
     let config = ConsumerConfig {
-        pipeline: name,
+        stage: id,
         queue: spec.queue.clone(),
         prefetch: spec.prefetch,
         max_inflight_bytes: spec.max_inflight_bytes,
@@ -359,11 +360,14 @@ impl Pipeline {
         let chunks = self.processors(n);
         self.consumer.do_send(consumer::SetProcessors(chunks));
         if from != n {
-            let dlq = self.name == "dlq" || self.name.ends_with("_dlq");
             crate::events::emit(
-                Some(self.name),
+                Some(self.id.pipeline()),
                 crate::events::Kind::Scaled {
-                    what: if dlq { "dlq_processors" } else { "processors" }.into(),
+                    what: match self.id.stage() {
+                        Stage::Main => "processors",
+                        Stage::Dlq => "dlq_processors",
+                    }
+                    .into(),
                     from,
                     to: n,
                     reason: "operator".into(),
@@ -437,10 +441,15 @@ impl Pipeline {
         .await
         .is_ok();
         if drained {
-            info!(pipeline = self.name, "pipeline drained");
+            info!(
+                pipeline = self.id.pipeline(),
+                stage = self.id.stage().as_str(),
+                "pipeline drained"
+            );
         } else {
             warn!(
-                pipeline = self.name,
+                pipeline = self.id.pipeline(),
+                stage = self.id.stage().as_str(),
                 ?timeout,
                 "shutdown timeout reached; unacked messages will be redelivered"
             );

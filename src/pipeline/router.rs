@@ -8,6 +8,7 @@
 //! never with the broker's own dead-lettering, which is at-most-once and drops a message whose
 //! target is missing at that moment.
 
+use crate::metrics::StageId;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::time::Duration;
@@ -50,7 +51,8 @@ pub struct Republisher {
     /// Where the retry tiers dead-letter a copy back to (its `x-death` must not name it).
     main_queue: String,
     max_retries: u32,
-    pipeline: &'static str,
+    /// The pipeline and which of its stages: the labels of its logs.
+    stage: StageId,
     /// How long a publish waits for the publisher to (re)connect.
     patience: Duration,
 }
@@ -68,7 +70,7 @@ impl Republisher {
             dlq_queue: names.dlq_queue.clone(),
             main_queue: names.main_queue.clone(),
             max_retries: spec.max_retries,
-            pipeline: spec.name,
+            stage: StageId::new(&spec.pipeline, spec.stage),
             patience,
         }
     }
@@ -78,7 +80,7 @@ impl Republisher {
     pub fn plan(&self, message: &Delivery, route: &Route) -> (Publish, &'static str) {
         let retries = headers::retries(&message.properties);
         if let Retries::Invalid(what) = &retries {
-            warn!(message_id = message.message_id(), pipeline = self.pipeline, delivery_tag = message.tag, problem = %what,
+            warn!(message_id = message.message_id(), pipeline = self.stage.pipeline(), stage = self.stage.stage().as_str(), delivery_tag = message.tag, problem = %what,
                 "unusable x-retries treated as 0; it is rewritten as an integer");
         }
         let count = retries.count();
@@ -151,11 +153,11 @@ impl Republisher {
                 match &sent {
                     Sent::Confirmed => {}
                     Sent::Failed(e) => {
-                        error!(message_id = message.message_id(), pipeline = self.pipeline, delivery_tag = message.tag, error = %e, kind,
+                        error!(message_id = message.message_id(), pipeline = self.stage.pipeline(), stage = self.stage.stage().as_str(), delivery_tag = message.tag, error = %e, kind,
                             "republish not confirmed; the message goes back to its queue after a backoff");
                     }
                     Sent::Unpublishable(why) => {
-                        error!(message_id = message.message_id(), pipeline = self.pipeline, delivery_tag = message.tag, reason = %why, kind,
+                        error!(message_id = message.message_id(), pipeline = self.stage.pipeline(), stage = self.stage.stage().as_str(), delivery_tag = message.tag, reason = %why, kind,
                             "message cannot be republished; parking it");
                     }
                 }
@@ -330,7 +332,8 @@ pub fn main_fate(failure: &Failure) -> Fate {
 
 /// What a fallback stage shares with its pipeline.
 pub struct Fallback {
-    pub pipeline: &'static str,
+    /// The pipeline and which of its stages: the labels of its logs and metrics.
+    pub stage: StageId,
     pub republisher: Republisher,
     /// The consumer's acks.
     pub settle: Recipient<Settle>,
@@ -379,7 +382,8 @@ impl Fallback {
         }
         if stale > 0 {
             info!(
-                pipeline = self.pipeline,
+                pipeline = self.stage.pipeline(),
+                stage = self.stage.stage().as_str(),
                 count = stale,
                 "not republished: the channel that delivered them is gone, and the broker \
                  delivers them again"
@@ -396,7 +400,7 @@ impl Fallback {
                     let d = &items[i].0;
                     let trace = headers::traceparent(&d.properties);
                     metrics::message_routed(
-                        self.pipeline,
+                        &self.stage,
                         kind,
                         d.message_id(),
                         d.tag,
@@ -404,7 +408,7 @@ impl Fallback {
                     );
                     if kind != "retry" && kind != "dlq_retry" {
                         crate::events::emit(
-                            Some(self.pipeline),
+                            Some(self.stage.pipeline()),
                             crate::events::Kind::DeadLettered {
                                 message_id: d.message_id().to_string(),
                                 kind: kind.to_string(),
@@ -424,7 +428,7 @@ impl Fallback {
             };
         }
         for (kind, n) in count_by_kind(routed.into_iter()) {
-            metrics::messages_routed(self.pipeline, kind, n);
+            metrics::messages_routed(&self.stage, kind, n);
         }
     }
 
@@ -458,7 +462,8 @@ impl Fallback {
             Ok(parked) => {
                 if parked.bare > 0 {
                     warn!(
-                        pipeline = self.pipeline,
+                        pipeline = self.stage.pipeline(),
+                        stage = self.stage.stage().as_str(),
                         bare = parked.bare,
                         "some messages were parked without their headers (the database refused them)"
                     );
@@ -466,7 +471,7 @@ impl Fallback {
                 for i in &indices {
                     if let (d, Fate::Park { kind, reason }) = (&items[*i].0, &fates[*i]) {
                         crate::events::emit(
-                            Some(self.pipeline),
+                            Some(self.stage.pipeline()),
                             crate::events::Kind::Parked {
                                 message_id: d.message_id().to_string(),
                                 kind: kind.as_str().to_string(),
@@ -482,7 +487,7 @@ impl Fallback {
                 Fate::Settled(Disposition::Ack)
             }
             Err(e) => {
-                error!(pipeline = self.pipeline, error = %e, count = indices.len(),
+                error!(pipeline = self.stage.pipeline(), stage = self.stage.stage().as_str(), error = %e, count = indices.len(),
                     "cannot park messages; they go back to their queue");
                 Fate::Requeue("db_unavailable")
             }
@@ -519,9 +524,10 @@ impl Fallback {
                 self.next_backoff()
             };
             for (reason, n) in count_by_kind(requeued.into_iter()) {
-                metrics::requeued(self.pipeline, reason, n);
+                metrics::requeued(&self.stage, reason, n);
                 warn!(
-                    pipeline = self.pipeline,
+                    pipeline = self.stage.pipeline(),
+                    stage = self.stage.stage().as_str(),
                     batch_id,
                     reason,
                     count = n,

@@ -28,7 +28,8 @@ use crate::metrics;
 pub struct SinkConfig<D: Domain> {
     pub domain: Arc<D>,
     pub pool: Pool,
-    pub pipeline: &'static str,
+    /// The pipeline and which of its stages: the labels of logs and metrics.
+    pub stage: metrics::StageId,
     /// How long a transient failure is retried in place before the rows go their way.
     pub db_retry_window: Duration,
     /// Client-side bound on one statement.
@@ -85,7 +86,7 @@ async fn sink<D: Domain>(config: Arc<SinkConfig<D>>, batch: Batch<D::Record>) {
             Err(rejection) => {
                 let kind = rejection.kind;
                 metrics::message_refused(
-                    config.pipeline,
+                    &config.stage,
                     kind.as_str(),
                     &rejection.reason,
                     entry.delivery.message_id(),
@@ -147,10 +148,10 @@ async fn sink<D: Domain>(config: Arc<SinkConfig<D>>, batch: Batch<D::Record>) {
             }
         }
         let took = started.elapsed();
-        metrics::batch_inserted(config.pipeline, records.len(), committed, took);
+        metrics::batch_inserted(&config.stage, records.len(), committed, took);
         if committed > 0 {
             crate::events::emit(
-                Some(config.pipeline),
+                Some(config.stage.pipeline()),
                 crate::events::Kind::BatchCommitted {
                     rows: committed as u64,
                     messages: n as u64,
@@ -175,7 +176,7 @@ async fn sink<D: Domain>(config: Arc<SinkConfig<D>>, batch: Batch<D::Record>) {
     }
     drop(records);
     if let Some(reason) = &transient {
-        warn!(pipeline = config.pipeline, batch_id = %id, reason = %headers::shown(reason),
+        warn!(pipeline = config.stage.pipeline(), stage = config.stage.stage().as_str(), batch_id = %id, reason = %headers::shown(reason),
             "batch insert failed for some rows; they go their way (retry queue, DLQ attempt or requeue)");
     }
 
@@ -279,7 +280,8 @@ async fn insert_isolating<D: Domain>(
                     && already_stored(config, group[0].1).await =>
             {
                 info!(
-                    pipeline = config.pipeline,
+                    pipeline = config.stage.pipeline(),
+                    stage = config.stage.stage().as_str(),
                     batch_id,
                     error = %e,
                     "a refused row is already stored as it is: done"
@@ -295,8 +297,11 @@ async fn insert_isolating<D: Domain>(
     }
     if splits > 0 {
         info!(
-            pipeline = config.pipeline,
-            batch_id, splits, "batch split to isolate refused rows"
+            pipeline = config.stage.pipeline(),
+            stage = config.stage.stage().as_str(),
+            batch_id,
+            splits,
+            "batch split to isolate refused rows"
         );
     }
     out
@@ -382,7 +387,7 @@ async fn insert_retrying<D: Domain>(
         }
         result
     };
-    let pipeline = config.pipeline;
+    let (pipeline, stage) = (config.stage.pipeline(), config.stage.stage().as_str());
     let stopping = config.stopping.clone();
     attempt
         .retry(crate::amqp::reconnect_builder())
@@ -391,11 +396,11 @@ async fn insert_retrying<D: Domain>(
         .adjust(|e, delay| match (e.class(), delay) {
             (ErrorClass::Transient, Some(d)) if Instant::now() + d > deadline => None,
             (_, Some(d)) if past_give_back(give_back_at, Instant::now(), d) => {
-                warn!(pipeline, batch_id, error = %e,
+                warn!(pipeline, stage, batch_id, error = %e,
                     "batch held unacked near the broker's consumer_timeout \
                      (AMQP_CONSUMER_TIMEOUT_MS); giving it back to the queue");
                 crate::events::emit(
-                    Some(pipeline),
+                    Some(config.stage.pipeline()),
                     crate::events::Kind::GivenBack {
                         count: records.len() as u64,
                         reason: "consumer_timeout".into(),
@@ -408,11 +413,11 @@ async fn insert_retrying<D: Domain>(
         .notify(|e, delay| {
             let retry_in_ms = delay.as_millis() as u64;
             if e.class() == ErrorClass::Systemic {
-                error!(pipeline, batch_id, error = %e, retry_in_ms,
+                error!(pipeline, stage, batch_id, error = %e, retry_in_ms,
                     "SYSTEMIC database error: the deployment is wrong (table, privileges, database); \
                      holding the batch, no message is dead-lettered");
                 crate::events::emit(
-                    Some(pipeline),
+                    Some(config.stage.pipeline()),
                     crate::events::Kind::Error {
                         message: format!("systemic database error: {e}"),
                     },
@@ -421,7 +426,7 @@ async fn insert_retrying<D: Domain>(
                     .breaker
                     .trip("systemic database error", &config.domain, &config.pool);
             } else {
-                warn!(pipeline, batch_id, error = %e, retry_in_ms,
+                warn!(pipeline, stage, batch_id, error = %e, retry_in_ms,
                     "transient database error; retrying the batch in place");
             }
         })

@@ -137,7 +137,7 @@ struct Sample {
     received: u64,
     inserted: u64,
     /// Each stage's (received, inserted).
-    stages: std::collections::BTreeMap<&'static str, (u64, u64)>,
+    stages: std::collections::BTreeMap<metrics::StageId, (u64, u64)>,
 }
 
 /// `(now - before) / seconds`, 0 when no time passed or a counter went back.
@@ -186,10 +186,10 @@ impl Registry {
         &mut self,
         received: u64,
         inserted: u64,
-        stages: std::collections::BTreeMap<&'static str, (u64, u64)>,
+        stages: std::collections::BTreeMap<metrics::StageId, (u64, u64)>,
     ) -> (
         (f64, f64),
-        std::collections::BTreeMap<&'static str, (f64, f64)>,
+        std::collections::BTreeMap<metrics::StageId, (f64, f64)>,
     ) {
         let now = std::time::Instant::now();
         self.samples.push_back(Sample {
@@ -208,7 +208,10 @@ impl Registry {
             .iter()
             .map(|(name, (r, i))| {
                 let (r0, i0) = first.stages.get(name).copied().unwrap_or((0, 0));
-                (*name, (per_second(r0, *r, secs), per_second(i0, *i, secs)))
+                (
+                    name.clone(),
+                    (per_second(r0, *r, secs), per_second(i0, *i, secs)),
+                )
             })
             .collect();
         (
@@ -233,7 +236,12 @@ impl Registry {
         let stages = metrics::stages();
         let counts = stages
             .iter()
-            .map(|(name, s)| (*name, (s.received.load(Relaxed), s.inserted.load(Relaxed))))
+            .map(|(name, s)| {
+                (
+                    name.clone(),
+                    (s.received.load(Relaxed), s.inserted.load(Relaxed)),
+                )
+            })
             .collect();
         let ((received_per_s, inserted_per_s), stage_rates) =
             self.rates(received, inserted, counts);

@@ -196,12 +196,12 @@ pub async fn acks_and_batches(env: &TestEnv) -> (f64, f64) {
     let scrape = Scrape::parse(text);
     let of = |name: &str| {
         let found: Vec<f64> = scrape
-            .matching(name, &[("pipeline", "main")])
+            .matching(name, &[("pipeline", "users"), ("stage", "main")])
             .map(|s| s.value)
             .collect();
         assert!(
             !found.is_empty(),
-            "no {name}{{pipeline=\"main\"}} in /metrics:\n{}",
+            "no {name}{{pipeline=\"users\",stage=\"main\"}} in /metrics:\n{}",
             scrape.text
         );
         found.iter().sum::<f64>()
