@@ -1,6 +1,7 @@
 //! Typed settings: the layering (shipped defaults < `--config` file < environment < CLI flags)
 //! and the validation whose errors name the setting, the value and what was expected.
 
+mod components;
 pub mod pipelines;
 
 use std::collections::BTreeMap;
@@ -1777,7 +1778,7 @@ mod tests {
         let url = "postgres://u:s3cret@127.0.0.1:1,127.0.0.1:5432/warren\
                    ?target_session_attrs=read-write";
         let s = with(&[("database_url", url)]).unwrap();
-        let config = crate::db::pg_config(&s).unwrap();
+        let config = s.database().pg_config().unwrap();
         assert_eq!(config.get_hosts().len(), 2);
         assert_eq!(config.get_ports(), [1, 5432]);
         assert_eq!(

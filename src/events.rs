@@ -29,10 +29,10 @@ use time::OffsetDateTime;
 use time::format_description::well_known::Rfc3339;
 use tokio::sync::{mpsc, oneshot};
 
-use crate::amqp::headers::{SHOWN_MAX, shown};
 use crate::config::Settings;
 use crate::metrics;
 use crate::registry::redis::Redis;
+use crate::text::{SHOWN_MAX, shown};
 
 /// The version of the event format: bumped when a field changes meaning or disappears (new
 /// fields and new types do not bump it).

@@ -38,6 +38,7 @@ pub mod http;
 pub mod metrics;
 pub mod pipeline;
 pub mod registry;
+pub mod text;
 pub mod topology;
 
 /// This machine's host name (for connection names, consumer tags and the registry): the

@@ -415,7 +415,7 @@ pub async fn queue_stats(conn: &Connection, queue: &str) -> Result<(u32, u32), A
 
 /// The first 40 bytes of a name too long to show whole.
 fn short_preview(name: &str) -> std::borrow::Cow<'_, str> {
-    headers::capped(name, 40)
+    crate::text::capped(name, 40)
 }
 
 /// Whether `queue` exists.

@@ -267,7 +267,7 @@ async fn read_user(
         return Err(unprocessable(
             &format!(
                 "unknown field {:?}, expected one of id, name, email",
-                crate::amqp::headers::shown(unknown)
+                crate::text::shown(unknown)
             ),
             Vec::new(),
         ));

@@ -224,7 +224,7 @@ pub fn start<D: Domain>(
 
     // Fallback stage (what the sink could not insert).
     let publisher = Publisher::new(settings.clone(), "router", crate::amqp::Frames::Broker).start();
-    let db_bound = crate::db::call_bound(settings);
+    let db_bound = settings.database().call_bound();
     let live_generation = Arc::new(std::sync::atomic::AtomicU64::new(0));
     let fallback = Fallback {
         pipeline: name,
