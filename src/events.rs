@@ -344,6 +344,12 @@ pub fn amqp_link(link: &str, up: bool, consumer: bool) {
     }
 }
 
+/// A publisher's link came up or went down ([`crate::amqp::publisher::LinkReport`]): the link
+/// metric and `link_lost` / `link_restored`, as [`amqp_link`] for a link that is no pipeline's.
+pub fn publisher_link(purpose: &'static str, up: bool) {
+    amqp_link(purpose, up, false);
+}
+
 /// Whether the database answered (`up`), reported to the metrics ([`metrics::postgres`]) and,
 /// on a change after the first answer, as `link_lost` / `link_restored` of the database.
 pub fn database(up: bool) {

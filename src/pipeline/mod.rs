@@ -223,7 +223,13 @@ pub fn start<D: Domain>(
     let consumer_addr = consumer_ctx.address();
 
     // Fallback stage (what the sink could not insert).
-    let publisher = Publisher::new(settings.clone(), "router", crate::amqp::Frames::Broker).start();
+    let publisher = Publisher::new(
+        settings.clone(),
+        "router",
+        crate::amqp::Frames::Broker,
+        crate::events::publisher_link,
+    )
+    .start();
     let db_bound = settings.database().call_bound();
     let live_generation = Arc::new(std::sync::atomic::AtomicU64::new(0));
     let fallback = Fallback {
