@@ -11,7 +11,7 @@
 //! ```
 //!
 //! - `message.rs`: what the stages send each other.
-//! - `consumer.rs`: the broker link: connect, qos, subscribe, reconnect, watchdog; hands
+//! - `consumer/`: the broker link: connect, qos, subscribe, reconnect, watchdog; hands
 //!   deliveries on (`throttle.rs`: the rate limit; `dispatch.rs`: which processor and batcher);
 //!   `acks.rs` turns settlements into ordered multi-acks.
 //! - `processor.rs`: decode and validate through the [`Domain`], a chunk at a time: one on the
