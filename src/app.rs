@@ -134,7 +134,7 @@ pub async fn run(settings: Settings, shutdown: impl Future<Output = ()>) -> anyh
     // the main stages' most (the batchers they have, within the process-wide budget), and the
     // DLQ stages' batch concurrency.
     let budget = settings.inserts_budget();
-    let mut sized = settings.clone();
+    let mut database = settings.database();
     let served: Vec<&Settings> = builtin_users
         .then_some(&settings)
         .into_iter()
@@ -142,8 +142,8 @@ pub async fn run(settings: Settings, shutdown: impl Future<Output = ()>) -> anyh
         .collect();
     let most: usize = served.iter().map(|v| v.most_concurrency()).sum();
     let dlq: usize = served.iter().map(|v| v.users_batch_concurrency).sum();
-    sized.database_pool_size = sized.database_pool_size.max(most.min(budget) + dlq + 1);
-    let pool = db::pool(&sized)?;
+    database.pool_size = database.pool_size.max(most.min(budget) + dlq + 1);
+    let pool = db::pool(&database)?;
     let domain = Arc::new(Users);
     // Every main stage first, then every DLQ stage: users (typed) and the file's (mapped).
     let mut pipelines = Vec::new();
@@ -195,7 +195,7 @@ pub async fn run(settings: Settings, shutdown: impl Future<Output = ()>) -> anyh
     ));
     let api = if settings.has_role(Role::Api) {
         // The API's own pool: a flood of reads can never take the pipeline's connections.
-        let api_pool = db::pool_for(&settings, settings.api_pool_size, "warren-api")?;
+        let api_pool = db::pool_for(&database, settings.api_pool_size, "warren-api")?;
         Some(http::serve(&settings, api_pool).await?)
     } else {
         None
@@ -214,14 +214,10 @@ pub async fn run(settings: Settings, shutdown: impl Future<Output = ()>) -> anyh
     }
 
     let probe_pool = pool.clone();
-    let probe_settings = settings.clone();
+    let probe_bound = database.call_bound();
     tokio::spawn(async move {
         loop {
-            crate::events::database(
-                db::ping(&probe_pool, db::call_bound(&probe_settings))
-                    .await
-                    .is_ok(),
-            );
+            crate::events::database(db::ping(&probe_pool, probe_bound).await.is_ok());
             tokio::time::sleep(Duration::from_secs(5)).await;
         }
     });

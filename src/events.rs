@@ -29,10 +29,10 @@ use time::OffsetDateTime;
 use time::format_description::well_known::Rfc3339;
 use tokio::sync::{mpsc, oneshot};
 
-use crate::amqp::headers::{SHOWN_MAX, shown};
 use crate::config::Settings;
 use crate::metrics;
 use crate::registry::redis::Redis;
+use crate::text::{SHOWN_MAX, shown};
 
 /// The version of the event format: bumped when a field changes meaning or disappears (new
 /// fields and new types do not bump it).
@@ -332,6 +332,12 @@ pub fn amqp_link(link: &str, up: bool, pipeline: Option<&str>) {
         };
         emit(pipeline, kind);
     }
+}
+
+/// A publisher's link came up or went down ([`crate::amqp::publisher::LinkReport`]): the link
+/// metric and `link_lost` / `link_restored`, as [`amqp_link`] for a link that is no pipeline's.
+pub fn publisher_link(purpose: &'static str, up: bool) {
+    amqp_link(purpose, up, None);
 }
 
 /// Whether the database answered (`up`), reported to the metrics ([`metrics::postgres`]) and,

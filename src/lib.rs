@@ -4,17 +4,21 @@
 //!
 //! # Layout
 //! - [`app`]: the composition root of `warren run`: roles, start order, process shutdown.
-//! - [`config`]: typed settings, their layering and validation.
+//! - [`config`]: typed settings, their layering and validation; `components` turns them into
+//!   the components' own configurations (the database layer's `DbConfig`).
 //! - [`topology`]: the declared RabbitMQ topology and its idempotent declare.
 //! - [`amqp`]: connections to one of several nodes with heartbeats and backoff, the confirmed
-//!   publisher (pipeline, API, CLI), the `x-*` headers, the queue poller (`monitor`), and
-//!   `transfer`, the one get -> publish with confirm -> ack loop (`move`, `dlq replay`).
+//!   publisher (pipeline, API, CLI; it reports its link to its owner and emits no event), the
+//!   `x-*` headers, the queue poller (`monitor`), and `transfer`, the one get -> publish with
+//!   confirm -> ack loop (`move`, `dlq replay`).
 //! - [`pipeline`]: the stages, wired in flow order in `pipeline/mod.rs` with the one shutdown
-//!   sequence: message, consumer (broker link), acks, processor, batcher (flush rules), sink
+//!   sequence: message, consumer (broker link, a folder), acks, processor, batcher (flush rules), sink
 //!   (insert, retry in place, row isolation), breaker, router (outcome policy), dlq.
 //! - [`domain`]: the seam the pipeline stores through, and the users domain behind it.
-//! - [`db`]: pools (pipeline and API), client-side statement bounds, embedded migrations,
-//!   SQLSTATE classification, and `dead_letters` (all SQL of the parking table).
+//! - [`db`]: its own settings (`DbConfig`, built by `config`; it imports nothing of warren's
+//!   settings, broker link or events), pools (pipeline and API), client-side statement bounds,
+//!   embedded migrations, SQLSTATE classification, and `dead_letters` (all SQL of the parking
+//!   table).
 //! - [`http`]: the actix-web API (`HTTP_ADDR`), and `ops`, the metrics listener on every role
 //!   (`METRICS_ADDR`: `/metrics`, `/healthz`, `/readyz`).
 //! - [`metrics`]: every metric name and label; it imports nothing of the stages or the broker
@@ -25,7 +29,10 @@
 //!   wire form and signatures, the guard, outcomes).
 //! - [`events`]: lifecycle events appended to a Redis stream (`warren events` reads them),
 //!   dropped and counted rather than ever waited for.
-//! - [`cli`]: one file per subcommand of the `warren` binary.
+//! - [`cli`]: one file per subcommand of the `warren` binary; a subcommand with two tools is a
+//!   folder (`dlq/`: the queue and the parking table).
+//! - [`text`]: the caps on outside text wherever it reaches an event, a log line or a stored
+//!   error; below every other module.
 
 pub mod amqp;
 pub mod app;
@@ -38,6 +45,7 @@ pub mod http;
 pub mod metrics;
 pub mod pipeline;
 pub mod registry;
+pub mod text;
 pub mod topology;
 
 /// This machine's host name (for connection names, consumer tags and the registry): the

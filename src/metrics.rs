@@ -426,7 +426,7 @@ pub fn inflight(gauge: &Gauge, n: i64) {
 }
 
 /// A body the domain refused (it is dead-lettered or parked next). The reason and the id come
-/// from the message: the line shows them capped (`amqp::headers::shown`, as the parking table
+/// from the message: the line shows them capped (`text::shown`, as the parking table
 /// caps a reason), so a refusal's log line never grows with what a publisher sends.
 pub fn message_refused(
     stage: &StageId,
@@ -435,7 +435,7 @@ pub fn message_refused(
     message_id: &str,
     delivery_tag: u64,
 ) {
-    use crate::amqp::headers::shown;
+    use crate::text::shown;
     let (reason, message_id) = (shown(reason), shown(message_id));
     warn!(
         message_id = &*message_id,

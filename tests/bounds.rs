@@ -13,7 +13,7 @@ use common::*;
 use lapin::BasicProperties;
 use serde_json::{Value, json};
 
-/// The cap on a reason, id or header value in an event or a log line (`amqp::headers::SHOWN_MAX`
+/// The cap on a reason, id or header value in an event or a log line (`text::SHOWN_MAX`
 /// in the code, docs/events.md).
 const SHOWN_MAX: usize = 1024;
 

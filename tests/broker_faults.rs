@@ -514,3 +514,53 @@ async fn a_lost_consumer_link_does_not_dead_letter_what_the_broker_delivers_agai
     warren.terminate_ok(Duration::from_secs(30));
     assert_dead_lettered_once(&env, &malformed).await;
 }
+
+/// The publisher reports its link to whoever owns it (the broker layer emits no event itself):
+/// up once connected, down once the link is cut, up again once it reconnected, in that order and
+/// each once.
+#[actix::test]
+async fn the_publisher_tells_its_owner_when_its_link_goes_down_and_comes_back() {
+    use actix::Actor;
+    use std::sync::Mutex;
+    use warren::amqp::publisher::{Close, Publisher};
+
+    static REPORTS: Mutex<Vec<(&str, bool)>> = Mutex::new(Vec::new());
+    fn report(purpose: &'static str, up: bool) {
+        REPORTS.lock().expect("reports").push((purpose, up));
+    }
+    let reports = || REPORTS.lock().expect("reports").clone();
+    let reported = |n: usize| async move { reports().len() >= n };
+
+    let _serial = SERIAL.lock().await;
+    // Declared straight to the broker: this test's runtime has one thread, which a blocking
+    // `warren declare` through the proxy would hold.
+    let mut env = TestEnv::new("publink").await;
+    env.declare();
+    let proxy = TcpProxy::start(&amqp_url(), 5672).await;
+    env.set("AMQP_URL", proxy.url())
+        .set("AMQP_CONNECT_TIMEOUT_MS", "2000");
+    let publisher =
+        Publisher::new(env.settings(), "test", warren::amqp::Frames::Broker, report).start();
+    wait_until("the link reported up", Duration::from_secs(10), || {
+        reported(1)
+    })
+    .await;
+    assert_eq!(reports(), [("test", true)]);
+
+    proxy.cut();
+    wait_until("the link reported down", Duration::from_secs(10), || {
+        reported(2)
+    })
+    .await;
+    assert_eq!(reports(), [("test", true), ("test", false)]);
+
+    proxy.restore();
+    wait_until(
+        "the link reported up again",
+        Duration::from_secs(20),
+        || reported(3),
+    )
+    .await;
+    assert_eq!(reports(), [("test", true), ("test", false), ("test", true)]);
+    let _ = publisher.send(Close).await;
+}

@@ -346,7 +346,13 @@ async fn an_offender_goes_alone_and_no_copy_is_made_more_than_twice() {
 
     let env = TestEnv::new("offender").await;
     env.declare();
-    let publisher = Publisher::new(env.settings(), "test", warren::amqp::Frames::Broker).start();
+    let publisher = Publisher::new(
+        env.settings(),
+        "test",
+        warren::amqp::Frames::Broker,
+        |_, _| {},
+    )
+    .start();
     wait_until("the publisher connected", Duration::from_secs(10), || {
         let publisher = publisher.clone();
         async move { publisher.send(IsConnected).await.unwrap_or(false) }

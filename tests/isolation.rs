@@ -190,7 +190,8 @@ async fn copies_of_a_row_inserted_at_the_same_moment_are_each_a_success() {
     const COPIES: usize = 4;
     let env = TestEnv::new("isolate_race").await;
     env.declare();
-    let pool = warren::db::pool_for(&env.settings(), COPIES, "warren-test").expect("pool");
+    let pool =
+        warren::db::pool_for(&env.settings().database(), COPIES, "warren-test").expect("pool");
     let users: Arc<Vec<User>> = Arc::new(
         (0..ROWS)
             .map(|_| {

@@ -64,7 +64,7 @@ fn body(id: &str, email: &str, total: &str, reference: Option<&str>, v: i64) -> 
 }
 
 async fn pool(env: &TestEnv) -> deadpool_postgres::Pool {
-    warren::db::pool_for(&env.settings(), 2, "warren-mapping-test").expect("pool")
+    warren::db::pool_for(&env.settings().database(), 2, "warren-mapping-test").expect("pool")
 }
 
 async fn insert(m: &Mapping, pool: &deadpool_postgres::Pool, bodies: &[Vec<u8>]) -> Inserted {

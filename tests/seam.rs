@@ -95,7 +95,7 @@ async fn a_second_domain_runs_through_the_same_core() {
         .expect("create events");
 
     let settings = env.settings();
-    let pool = warren::db::pool_for(&settings, 2, "warren-seam-test").expect("pool");
+    let pool = warren::db::pool_for(&settings.database(), 2, "warren-seam-test").expect("pool");
     let spec = Spec {
         stage: Stage::Main,
         pipeline: "events".into(),

@@ -3,13 +3,15 @@
 //! capped at [`REASON_MAX`] bytes), and `x-dlq-attempts`, the DLQ consumer's own attempt count.
 //! The properties of every copy warren publishes are made by `amqp::republish`.
 //!
-//! Two bounds on what comes from outside live here too: [`short`], the one checked constructor
-//! of an AMQP short string (a message id, a header name) from text warren did not write itself,
-//! and [`shown`], the cap on a message's content (a reason, an id, a header value) wherever it
-//! reaches an event or a log line.
+//! One bound on what comes from outside lives here too: [`short`], the one checked constructor
+//! of an AMQP short string (a message id, a header name) from text warren did not write itself.
+//! The cap on a message's content wherever it reaches an event or a log line is
+//! [`crate::text::shown`].
 
 use lapin::BasicProperties;
 use lapin::types::{AMQPValue, ShortString};
+
+use crate::text::shown;
 
 pub const X_RETRIES: &str = "x-retries";
 pub const X_RETRY_REASON: &str = "x-retry-reason";
@@ -38,29 +40,6 @@ pub fn short(text: impl Into<String>) -> Result<ShortString, TooLong> {
     let text = text.into();
     let len = text.len();
     ShortString::try_new(text).map_err(|_| TooLong { len })
-}
-
-/// Longest piece of a message's content (a reason, a message id, a header value) written to an
-/// event or a log line, in bytes: the cap the parking table puts on a reason ([`REASON_MAX`]).
-pub const SHOWN_MAX: usize = REASON_MAX;
-
-/// `text` as an event or a log line shows it: capped at [`SHOWN_MAX`] bytes on a character
-/// boundary, with `…` when cut. Everything of a message's content that reaches an event or a log
-/// field goes through here, so neither grows with what a publisher sends.
-pub fn shown(text: &str) -> std::borrow::Cow<'_, str> {
-    capped(text, SHOWN_MAX)
-}
-
-/// `text` cut to at most `max` bytes on a character boundary, with `…` when cut.
-pub fn capped(text: &str, max: usize) -> std::borrow::Cow<'_, str> {
-    if text.len() <= max {
-        return text.into();
-    }
-    let mut cut = max.saturating_sub('…'.len_utf8());
-    while !text.is_char_boundary(cut) {
-        cut -= 1;
-    }
-    format!("{}…", &text[..cut]).into()
 }
 
 /// What reading `x-retries` found.
@@ -521,19 +500,11 @@ mod tests {
         assert_eq!(short("é".repeat(128)), Err(TooLong { len: 256 }));
     }
 
-    /// Issue 34, item 3: what an event or a log line shows of a message is capped on a character
-    /// boundary, as parking caps a reason.
+    /// Issue 34, item 3: an unusable `x-retries` is described capped, as everything of a
+    /// message that reaches a log line (`crate::text::shown`).
     #[test]
-    fn what_events_and_logs_show_of_a_message_is_capped() {
-        assert_eq!(shown("short"), "short");
-        let long = "é".repeat(30_000);
-        let cut = shown(&long);
-        assert!(
-            cut.len() <= SHOWN_MAX && cut.ends_with('…'),
-            "{}",
-            cut.len()
-        );
-        assert!(cut.len() > SHOWN_MAX - 8);
+    fn an_unusable_retry_count_is_described_capped() {
+        use crate::text::SHOWN_MAX;
         let retries = props(AMQPValue::LongString(
             "x".repeat(50_000).into_bytes().into(),
         ));

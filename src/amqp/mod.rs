@@ -91,15 +91,6 @@ impl AmqpError {
         )
     }
 
-    /// Whether the publish may have reached the broker although it was not confirmed: sending
-    /// it again may make a second copy.
-    pub fn maybe_sent(&self) -> bool {
-        matches!(
-            self,
-            AmqpError::Closed { .. } | AmqpError::Unconfirmed(_) | AmqpError::ConfirmTimeout(_)
-        )
-    }
-
     /// Whether the broker closed the link over something a publish itself carried (a property
     /// it refuses, a frame it cannot take), rather than over the link or the destination:
     /// PRECONDITION_FAILED (406), FRAME_ERROR (501), SYNTAX_ERROR (502), UNEXPECTED_FRAME (505).
@@ -415,7 +406,7 @@ pub async fn queue_stats(conn: &Connection, queue: &str) -> Result<(u32, u32), A
 
 /// The first 40 bytes of a name too long to show whole.
 fn short_preview(name: &str) -> std::borrow::Cow<'_, str> {
-    headers::capped(name, 40)
+    crate::text::capped(name, 40)
 }
 
 /// Whether `queue` exists.

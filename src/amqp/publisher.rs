@@ -1,6 +1,8 @@
 //! The publisher actor: one connection of its own, publisher confirms, persistent and
 //! `mandatory` publishes that return only once the broker confirmed them, and a reconnect loop
-//! with backoff so callers get a fast `Unavailable` while the broker is away.
+//! with backoff so callers get a fast `Unavailable` while the broker is away. Its link coming up
+//! or going down is told to whoever owns it ([`LinkReport`], given at construction): the broker
+//! layer emits no event itself.
 //!
 //! A nack renews the channel (at most once per [`RENEW_EVERY`]): a RabbitMQ channel whose first
 //! publish to a quorum queue came while the queue's leader node was down nacks every later
@@ -74,6 +76,12 @@ struct Renewed {
     channel: Option<Channel>,
 }
 
+/// Told each time a publisher's link comes up (`up`) or goes down, with the publisher's purpose
+/// (`api`, `router`, `cli`): its owner reports it (warren's roles emit `link_lost` /
+/// `link_restored` and set the link metric, `events::publisher_link`). A plain function, called
+/// on the actor's thread at the moment of the change, so reports keep the order of the changes.
+pub type LinkReport = fn(purpose: &'static str, up: bool);
+
 /// The least time between two channel renewals after nacks: a queue that refuses everything
 /// (full, with `x-overflow=reject-publish`) costs at most one channel a second.
 pub const RENEW_EVERY: Duration = Duration::from_secs(1);
@@ -100,6 +108,8 @@ pub struct Publisher {
     purpose: &'static str,
     /// The frame limit its link proposes: the router republishes other publishers' messages.
     frames: amqp::Frames,
+    /// Whom to tell when the link comes up or goes down.
+    on_link: LinkReport,
     /// The live connection, kept so it can be closed cleanly (shared with a channel renewal).
     connection: Option<Arc<Connection>>,
     /// The confirm-mode channel publishes go through; `None` while disconnected.
@@ -135,11 +145,18 @@ struct PendingPublish {
 type Pending = Arc<std::sync::Mutex<Vec<PendingPublish>>>;
 
 impl Publisher {
-    pub fn new(settings: Settings, purpose: &'static str, frames: amqp::Frames) -> Self {
+    /// A publisher for `purpose`, whose link changes are told to `on_link`.
+    pub fn new(
+        settings: Settings,
+        purpose: &'static str,
+        frames: amqp::Frames,
+        on_link: LinkReport,
+    ) -> Self {
         Self {
             settings,
             purpose,
             frames,
+            on_link,
             connection: None,
             channel: None,
             connecting: false,
@@ -165,7 +182,7 @@ impl Publisher {
             Some(_) => {
                 self.channel = None;
                 self.connection = None;
-                crate::events::amqp_link(self.purpose, false, None);
+                (self.on_link)(self.purpose, false);
                 None
             }
             None => None,
@@ -234,7 +251,7 @@ impl Handler<Connected> for Publisher {
             return;
         }
         info!(purpose = self.purpose, "publisher connected");
-        crate::events::amqp_link(self.purpose, true, None);
+        (self.on_link)(self.purpose, true);
         self.connection = Some(Arc::new(msg.0));
         self.channel = Some(msg.1);
         self.generation += 1;

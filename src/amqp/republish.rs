@@ -34,8 +34,9 @@ use lapin::BasicProperties;
 use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
 
 use crate::amqp::headers::{
-    REASON_MAX, X_DLQ_ATTEMPTS, X_ERROR_KIND, X_ERROR_REASON, X_RETRIES, X_RETRY_REASON, capped,
+    REASON_MAX, X_DLQ_ATTEMPTS, X_ERROR_KIND, X_ERROR_REASON, X_RETRIES, X_RETRY_REASON,
 };
+use crate::text::capped;
 
 /// Where a moved property goes: `x-original-` and its name.
 pub const ORIGINAL_PREFIX: &str = "x-original-";
@@ -287,7 +288,7 @@ pub fn fit(
             let sent = text.as_bytes().len();
             let keep = sent.saturating_sub(excess + '…'.len_utf8());
             let read = String::from_utf8_lossy(text.as_bytes()).into_owned();
-            let cut = crate::amqp::headers::capped(&read, keep).into_owned();
+            let cut = capped(&read, keep).into_owned();
             if cut.len() >= sent {
                 continue;
             }

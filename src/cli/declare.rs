@@ -30,7 +30,7 @@ pub async fn execute(settings: &Settings, args: Args) -> anyhow::Result<i32> {
         }
         outln!()?;
         // The database is read, never written: which built-in migrations it already has.
-        let applied = db::applied_migrations(settings).await;
+        let applied = db::applied_migrations(&settings.database()).await;
         let embedded = db::embedded_migrations();
         let pending = match &applied {
             Ok(done) => embedded.iter().filter(|(v, _)| !done.contains(v)).count(),
@@ -145,7 +145,7 @@ pub async fn migrate(settings: &Settings) -> anyhow::Result<db::MigrationReport>
             crate::config::redact_url(&settings.database_url)
         )
     };
-    match db::migrate(settings).await {
+    match db::migrate(&settings.database()).await {
         Ok(report) => Ok(report),
         Err(e) if e.is_transient() => Err(anyhow::Error::new(e).context(context())),
         Err(e) => Err(anyhow::Error::new(MigrationRefused(e)).context(context())),
@@ -157,7 +157,7 @@ pub async fn migrate(settings: &Settings) -> anyhow::Result<db::MigrationReport>
 pub async fn check_tables(settings: &Settings) -> anyhow::Result<()> {
     // A database that accepts the connection and then says nothing (a half-open link, a frozen
     // host) is an error after the connect timeout and one statement's bound, not a silent hang.
-    let bound = std::time::Duration::from_secs(5) + db::call_bound(settings);
+    let bound = std::time::Duration::from_secs(5) + settings.database().call_bound();
     let checked = tokio::time::timeout(bound, pipeline_mismatches(settings))
         .await
         .unwrap_or_else(|_| {
@@ -193,7 +193,9 @@ async fn pipeline_mismatches(settings: &Settings) -> Result<Vec<String>, db::DbE
     if mappings.is_empty() {
         return Ok(Vec::new());
     }
-    let (client, connection) = db::pg_config(settings)?
+    let (client, connection) = settings
+        .database()
+        .pg_config()?
         .connect(tokio_postgres::NoTls)
         .await
         .map_err(db::DbError::from_pg)?;

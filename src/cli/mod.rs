@@ -179,7 +179,7 @@ pub fn standalone(cli: &Cli) -> Option<i32> {
 }
 
 /// How many log lines may wait for stderr; past it a line is dropped and counted. Each line's
-/// fields from a message are capped (1 KiB, `headers::shown`), so the queue holds a few MiB at
+/// fields from a message are capped (1 KiB, `text::shown`), so the queue holds a few MiB at
 /// the most.
 pub const LOG_QUEUE_LINES: usize = 4096;
 

@@ -275,8 +275,12 @@ fn envelope(line: &str) -> Result<(Vec<u8>, Option<FieldTable>), String> {
             }
         };
         // No message can carry a longer name (an AMQP short string): the line describes none.
-        let name = headers::short(k.as_str())
-            .map_err(|e| format!("header {:?}: a header name is {e}", headers::capped(&k, 40)))?;
+        let name = headers::short(k.as_str()).map_err(|e| {
+            format!(
+                "header {:?}: a header name is {e}",
+                crate::text::capped(&k, 40)
+            )
+        })?;
         table.insert(name, value);
     }
     Ok((e.body.get().as_bytes().to_vec(), Some(table)))

@@ -130,7 +130,7 @@ pub async fn execute(
                 "cannot check the pipelines' tables yet; trying again");
             // Under systemd the start lasts past the next attempt (its bound, as in
             // check_tables, and a margin): TimeoutStartSec must not end a warren that waits.
-            let attempt = Duration::from_secs(5) + crate::db::call_bound(&settings);
+            let attempt = Duration::from_secs(5) + settings.database().call_bound();
             crate::app::extend_start(delay + attempt + Duration::from_secs(10));
         });
     tokio::select! {

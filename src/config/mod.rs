@@ -9,6 +9,7 @@
 //! (where, which setting or pipeline field, what was expected, the closest valid name);
 //! `redact` keeps secrets out of what is shown; [`pipelines`] the file's `[[pipelines]]` entries.
 
+mod components;
 mod diagnose;
 mod error;
 pub mod pipelines;

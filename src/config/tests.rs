@@ -353,7 +353,7 @@ fn database_url_takes_several_hosts_and_the_client_reads_them_all() {
     let url = "postgres://u:s3cret@127.0.0.1:1,127.0.0.1:5432/warren\
                ?target_session_attrs=read-write";
     let s = with(&[("database_url", url)]).unwrap();
-    let config = crate::db::pg_config(&s).unwrap();
+    let config = s.database().pg_config().unwrap();
     assert_eq!(config.get_hosts().len(), 2);
     assert_eq!(config.get_ports(), [1, 5432]);
     assert_eq!(

@@ -13,7 +13,7 @@
 //! replay. Besides the park: the reads of `dlq parked list` and of the API's `GET` (a message's
 //! parked fate), and the locked select and the mark of `dlq parked replay`. Like every statement
 //! of warren's, they name the table unqualified: the connection's search path is
-//! `DATABASE_SCHEMA` ([`super::pg_config`]).
+//! `DATABASE_SCHEMA` ([`super::DbConfig::pg_config`]).
 
 use std::collections::HashSet;
 use std::time::Duration;
@@ -89,7 +89,7 @@ pub fn storable_json(value: Value) -> Value {
 
 /// A reason as stored: escaped and capped at [`REASON_MAX`] bytes.
 fn stored_reason(reason: &str) -> String {
-    crate::amqp::headers::capped(&storable(reason), REASON_MAX).into_owned()
+    crate::text::capped(&storable(reason), REASON_MAX).into_owned()
 }
 
 /// The fingerprint of a message (its parking row's identity): SHA-256 of the stored message id

@@ -26,9 +26,9 @@ pub enum DbError {
     /// No connection: refused, dropped, timed out, pool exhausted.
     #[error("{0}")]
     Connection(String),
-    /// The configuration cannot work (bad URL).
+    /// The configuration cannot work (a bad URL, schema, timeout or pool size).
     #[error("{0}")]
-    Config(String),
+    Config(#[from] super::DbConfigError),
     /// A migration failed.
     #[error("migration failed: {0}")]
     Migration(String),
@@ -42,7 +42,7 @@ impl DbError {
             // reasons (found by the review: 30 KB retry lines).
             Some(db) => DbError::Server {
                 code: db.code().code().to_string(),
-                message: crate::amqp::headers::shown(db.message()).into_owned(),
+                message: crate::text::shown(db.message()).into_owned(),
             },
             None => DbError::Connection(flatten(&e)),
         }

@@ -1,9 +1,13 @@
-//! PostgreSQL: the connection pools (the pipeline's and the API's), the session timeouts and the
-//! client-side bound on every statement, the embedded migrations, the error classification that
-//! decides between retrying, dead-lettering and stopping, and (`dead_letters`) the parking table.
+//! PostgreSQL: the connection pools (the pipeline's and the API's), the embedded migrations, the
+//! error classification that decides between retrying, dead-lettering and stopping, and
+//! (`dead_letters`) the parking table. Its settings are its own ([`DbConfig`], in `config`: the
+//! session timeouts and the client-side bound on every statement); it imports nothing of
+//! warren's configuration, broker link or events.
 
+pub mod config;
 pub mod dead_letters;
 pub mod error;
+pub use config::{DbConfig, DbConfigError};
 pub use error::{DbError, ErrorClass, classify_sqlstate};
 
 use std::time::Duration;
@@ -11,44 +15,12 @@ use std::time::Duration;
 use deadpool_postgres::{Manager, ManagerConfig, Pool, RecyclingMethod, Runtime};
 use tokio_postgres::NoTls;
 
-use crate::config::Settings;
-
 mod embedded {
     refinery::embed_migrations!("./src/db/migrations");
 }
 
 /// Advisory lock key held while migrating, so concurrent `warren declare` runs take turns.
 const MIGRATION_LOCK: i64 = 0x7761_7272_656e; // "warren"
-
-/// The `tokio_postgres` configuration for `settings`, with the schema on the search path and the
-/// session in UTC (an instant written to a `timestamp` column is its UTC wall time, whatever the
-/// server's default zone).
-pub fn pg_config(settings: &Settings) -> Result<tokio_postgres::Config, DbError> {
-    let mut config: tokio_postgres::Config = settings
-        .database_url
-        .parse()
-        .map_err(|e: tokio_postgres::Error| DbError::Config(format!("DATABASE_URL: {e}")))?;
-    config.options(format!(
-        "-c search_path={} -c statement_timeout={} -c TimeZone=UTC",
-        settings.database_schema, settings.database_statement_timeout_ms
-    ));
-    config.application_name("warren");
-    config.connect_timeout(Duration::from_secs(5));
-    // A peer that vanished (a partition, a dead host) is noticed by the kernel within about
-    // ten seconds instead of the default fifteen minutes of retransmissions.
-    config.keepalives(true);
-    config.keepalives_idle(Duration::from_secs(5));
-    config.keepalives_interval(Duration::from_secs(2));
-    config.keepalives_retries(3);
-    config.tcp_user_timeout(Duration::from_secs(10));
-    Ok(config)
-}
-
-/// The client-side bound on one statement: the server's `statement_timeout` plus a margin for
-/// the round trip. A statement with no answer by then is abandoned with its connection.
-pub fn call_bound(settings: &Settings) -> Duration {
-    Duration::from_millis(settings.database_statement_timeout_ms) + Duration::from_secs(2)
-}
 
 /// Gives up on `client` after its statement passed the client-side bound (a half-open link, a
 /// server that stopped answering): the connection is taken out of the pool and closed, and the
@@ -103,16 +75,10 @@ where
     }
 }
 
-/// The pipeline's pool (`warren-pipeline` in `pg_stat_activity`): `DATABASE_POOL_SIZE`
-/// connections, at least one more than the batch concurrency so batches never wait for one.
-pub fn pool(settings: &Settings) -> Result<Pool, DbError> {
-    pool_for(
-        settings,
-        settings
-            .database_pool_size
-            .max(settings.users_batch_concurrency + 1),
-        "warren-pipeline",
-    )
+/// The pipeline's pool (`warren-pipeline` in `pg_stat_activity`): `config.pool_size`
+/// connections (the composition root sizes it so batches never wait for one).
+pub fn pool(config: &DbConfig) -> Result<Pool, DbError> {
+    pool_for(config, config.pool_size, "warren-pipeline")
 }
 
 /// A pool of at most `max_size` connections whose sessions carry `application_name`, so each
@@ -120,11 +86,11 @@ pub fn pool(settings: &Settings) -> Result<Pool, DbError> {
 /// `pg_stat_activity`. It connects lazily (so warren starts while the database is down) and
 /// reconnects by itself: a connection that fails its recycle check is replaced.
 pub fn pool_for(
-    settings: &Settings,
+    config: &DbConfig,
     max_size: usize,
     application_name: &str,
 ) -> Result<Pool, DbError> {
-    let mut config = pg_config(settings)?;
+    let mut config = config.pg_config()?;
     config.application_name(application_name);
     let manager = Manager::from_config(
         config,
@@ -140,7 +106,7 @@ pub fn pool_for(
         .create_timeout(Some(Duration::from_secs(5)))
         .recycle_timeout(Some(Duration::from_secs(2)))
         .build()
-        .map_err(|e| DbError::Config(format!("DATABASE_URL: {e}")))
+        .map_err(|e| DbError::Config(DbConfigError::Pool(e.to_string())))
 }
 
 /// What `migrate` did.
@@ -164,15 +130,16 @@ pub fn embedded_migrations() -> Vec<(i64, String)> {
         .collect()
 }
 
-/// The versions of the migrations applied in `DATABASE_SCHEMA` (none when its history table
-/// does not exist yet); an error when the database cannot be asked. Reads only.
-pub async fn applied_migrations(settings: &Settings) -> Result<Vec<i64>, DbError> {
-    let (client, connection) = pg_config(settings)?
+/// The versions of the migrations applied in the schema (none when its history table does not
+/// exist yet); an error when the database cannot be asked. Reads only.
+pub async fn applied_migrations(config: &DbConfig) -> Result<Vec<i64>, DbError> {
+    let (client, connection) = config
+        .pg_config()?
         .connect(NoTls)
         .await
         .map_err(DbError::from_pg)?;
     let task = tokio::spawn(connection);
-    let table = format!("{}.refinery_schema_history", settings.database_schema);
+    let table = format!("{}.refinery_schema_history", config.schema);
     let result = async {
         let exists: Option<u32> = client
             .query_one("SELECT to_regclass($1)::oid", &[&table])
@@ -202,15 +169,15 @@ pub async fn applied_migrations(settings: &Settings) -> Result<Vec<i64>, DbError
 /// bound): a server that takes the connection and never answers (half-open, partitioned) is an
 /// error in seconds, not a hang; once it has answered, the migrations take what they take (the
 /// advisory lock waits for another `declare`, and the server's `statement_timeout` bounds each).
-pub async fn migrate(settings: &Settings) -> Result<MigrationReport, DbError> {
-    let bound = Duration::from_secs(5) + call_bound(settings);
+pub async fn migrate(config: &DbConfig) -> Result<MigrationReport, DbError> {
+    let bound = Duration::from_secs(5) + config.call_bound();
     let silent = || {
         DbError::Connection(format!(
             "no answer from the database within {} ms",
             bound.as_millis()
         ))
     };
-    let (mut client, connection) = tokio::time::timeout(bound, pg_config(settings)?.connect(NoTls))
+    let (mut client, connection) = tokio::time::timeout(bound, config.pg_config()?.connect(NoTls))
         .await
         .map_err(|_| silent())?
         .map_err(DbError::from_pg)?;
@@ -218,10 +185,7 @@ pub async fn migrate(settings: &Settings) -> Result<MigrationReport, DbError> {
     let result = async {
         tokio::time::timeout(
             bound,
-            client.batch_execute(&format!(
-                "CREATE SCHEMA IF NOT EXISTS {}",
-                settings.database_schema
-            )),
+            client.batch_execute(&format!("CREATE SCHEMA IF NOT EXISTS {}", config.schema)),
         )
         .await
         .map_err(|_| silent())?

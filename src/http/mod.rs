@@ -85,6 +85,7 @@ pub async fn serve(settings: &Settings, pool: Pool) -> anyhow::Result<Api> {
         settings.clone(),
         "api",
         crate::amqp::Frames::Small,
+        crate::events::publisher_link,
     ));
     let mapped = pipelines::PipelineApi::all(settings)?;
     // A file's pipeline named users replaces the built-in one, and its API the typed one.
@@ -267,7 +268,7 @@ async fn read_user(
         return Err(unprocessable(
             &format!(
                 "unknown field {:?}, expected one of id, name, email",
-                crate::amqp::headers::shown(unknown)
+                crate::text::shown(unknown)
             ),
             Vec::new(),
         ));

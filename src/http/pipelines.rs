@@ -172,7 +172,7 @@ async fn storable(state: &AppState, api: &Arc<PipelineApi>, row: Row) -> Result<
     };
     match probe {
         Ok(Err(reason)) => Err(HttpResponse::UnprocessableEntity().json(json!({
-            "error": headers::shown(&reason),
+            "error": crate::text::shown(&reason),
             "kind": "db_permanent",
         }))),
         Ok(Ok(())) => Ok(()),

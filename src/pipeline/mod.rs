@@ -11,7 +11,7 @@
 //! ```
 //!
 //! - `message.rs`: what the stages send each other.
-//! - `consumer.rs`: the broker link: connect, qos, subscribe, reconnect, watchdog; hands
+//! - `consumer/`: the broker link: connect, qos, subscribe, reconnect, watchdog; hands
 //!   deliveries on (`throttle.rs`: the rate limit; `dispatch.rs`: which processor and batcher);
 //!   `acks.rs` turns settlements into ordered multi-acks.
 //! - `processor.rs`: decode and validate through the [`Domain`], a chunk at a time: one on the
@@ -225,8 +225,14 @@ pub fn start<D: Domain>(
     let consumer_addr = consumer_ctx.address();
 
     // Fallback stage (what the sink could not insert).
-    let publisher = Publisher::new(settings.clone(), "router", crate::amqp::Frames::Broker).start();
-    let db_bound = crate::db::call_bound(settings);
+    let publisher = Publisher::new(
+        settings.clone(),
+        "router",
+        crate::amqp::Frames::Broker,
+        crate::events::publisher_link,
+    )
+    .start();
+    let db_bound = settings.database().call_bound();
     let live_generation = Arc::new(std::sync::atomic::AtomicU64::new(0));
     let fallback = Fallback {
         stage: id.clone(),

@@ -176,7 +176,7 @@ async fn sink<D: Domain>(config: Arc<SinkConfig<D>>, batch: Batch<D::Record>) {
     }
     drop(records);
     if let Some(reason) = &transient {
-        warn!(pipeline = config.stage.pipeline(), stage = config.stage.stage().as_str(), batch_id = %id, reason = %headers::shown(reason),
+        warn!(pipeline = config.stage.pipeline(), stage = config.stage.stage().as_str(), batch_id = %id, reason = %crate::text::shown(reason),
             "batch insert failed for some rows; they go their way (retry queue, DLQ attempt or requeue)");
     }
 

@@ -16,11 +16,13 @@ use crate::amqp::publisher::{Publish, json_properties, publish_confirmed};
 use crate::amqp::{self, headers};
 use crate::cli::out::{self, errln, out, outln};
 use crate::config::{Settings, redact_url};
+use crate::db::DbError;
 use crate::db::dead_letters::{self, Listed};
-use crate::db::{self, DbError};
 
 async fn database(settings: &Settings) -> anyhow::Result<tokio_postgres::Client> {
-    let (client, connection) = db::pg_config(settings)?
+    let (client, connection) = settings
+        .database()
+        .pg_config()?
         .connect(NoTls)
         .await
         .map_err(DbError::from_pg)

@@ -1,0 +1,215 @@
+//! Deliveries in and out: what the broker pushed is recorded for the acks and handed to the
+//! processors in chunks (through the rate limiter, `throttle.rs`, when one is set: a timer,
+//! `run_later`, releases what it holds), settlements come back, and the counts are published
+//! per chunk and per tick, never per message. A stopping consumer hands everything held onwards
+//! at once, so every delivery settles before the drain.
+
+use std::time::{Duration, Instant};
+
+use actix::prelude::*;
+use tracing::{debug, info, warn};
+
+use super::link::{Link, Phase};
+use super::{Consumer, SetProcessors, SetRate};
+use crate::pipeline::message::{Delivery, Settle};
+use crate::pipeline::throttle::Release;
+
+impl Consumer {
+    /// Takes what the broker pushed: records every delivery for the acks, then hands the
+    /// chunk onwards (through the limiter when one is set).
+    pub(super) fn dispatch(
+        &mut self,
+        chunk: Vec<lapin::Result<lapin::message::Delivery>>,
+        ctx: &mut Context<Self>,
+    ) {
+        let generation = self.generation;
+        // One clock read per chunk: the sink gives back deliveries held near the broker's
+        // consumer_timeout, counted from here (see `Delivery::received_at`).
+        let received_at = Instant::now();
+        let mut deliveries = Vec::with_capacity(chunk.len());
+        for item in chunk {
+            match item {
+                Ok(d) => deliveries.push(Delivery {
+                    generation,
+                    tag: d.delivery_tag,
+                    redelivered: d.redelivered,
+                    held_bytes: (d.data.len() + crate::amqp::headers::parsed_bytes(&d.properties))
+                        as u64,
+                    body: d.data.into(),
+                    properties: d.properties,
+                    received_at,
+                }),
+                Err(e) => {
+                    warn!(pipeline = self.config.stage.pipeline(), stage = self.config.stage.stage().as_str(), error = %e, "consumer stream error");
+                    self.last_stream_error = Some(e.to_string());
+                }
+            }
+        }
+        if deliveries.is_empty() {
+            return;
+        }
+        if let Some(acker) = self.linked().and_then(|l| l.acker.as_mut()) {
+            acker.delivered(deliveries.iter().map(|d| d.tag));
+        }
+        self.inflight += deliveries.len();
+        self.received += deliveries.len() as u64;
+        self.since_subscribe += deliveries.len() as u64;
+        for d in &deliveries {
+            self.inflight_bytes += d.held_bytes;
+            self.largest = self.largest.max(d.held_bytes as usize);
+        }
+        self.check_budget();
+        if self.throttle.is_open() {
+            self.hand_on(deliveries);
+        } else {
+            self.throttle.hold(deliveries);
+            self.release(ctx);
+        }
+    }
+
+    /// Hands deliveries to the processors. When nothing more can come before what is in
+    /// flight settles and no batch could fill meanwhile (between subscriptions: a window being
+    /// changed, a hold; or a full window smaller than a batch), the batches they join go to the
+    /// sinks at once instead of at the batch timeout: a `Flush` follows them to every batcher in
+    /// use. Without it, a window change stalled the pipeline for a whole batch timeout, and a
+    /// window smaller than a batch (a small PREFETCH, or the byte budget's cut for large bodies)
+    /// took one window per batch timeout. A full window of at least a batch always holds a
+    /// whole batch (the dispatch cuts contiguous batches), whose commit frees room: flushing
+    /// there would only cut the others short.
+    pub(super) fn hand_on(&mut self, deliveries: Vec<Delivery>) {
+        self.dispatch.hand_on(deliveries);
+        let starved = matches!(&self.link, Link::Up(l)
+            if self.inflight >= usize::from(l.window)
+                && usize::from(l.window) < self.dispatch.batch_size());
+        if self.phase == Phase::Running && (!self.consuming() || starved) {
+            self.dispatch.flush_all();
+        }
+    }
+
+    /// Hands held deliveries onwards as fast as the limiter allows, in order, and schedules
+    /// itself for when the next one may go. Without a limiter, or while stopping, everything
+    /// held goes at once. Deliveries of a closed channel are dropped (the broker requeued them).
+    pub(super) fn release(&mut self, ctx: &mut Context<Self>) {
+        let Release {
+            ready,
+            dropped,
+            dropped_bytes,
+            wait,
+        } = self
+            .throttle
+            .take(self.generation, self.phase != Phase::Running);
+        self.inflight = self.inflight.saturating_sub(dropped);
+        self.inflight_bytes = self.inflight_bytes.saturating_sub(dropped_bytes);
+        if let Some(wait) = wait
+            && !self.release_pending
+        {
+            self.release_pending = true;
+            ctx.run_later(wait.max(Duration::from_millis(1)), |act, ctx| {
+                act.release_pending = false;
+                act.release(ctx);
+            });
+        }
+        if !ready.is_empty() {
+            self.hand_on(ready);
+        }
+        self.maybe_subscribe(ctx);
+        if self.throttle.is_empty() && self.inflight == 0 {
+            self.maybe_finish(ctx);
+        }
+    }
+
+    /// Publishes the received count and the in-flight gauge (deltas since the last call).
+    pub(super) fn publish_counts(&mut self) {
+        let (received, inflight) = self.published;
+        if self.received > received {
+            let delta = self.received - received;
+            self.received_counter.increment(delta);
+            crate::metrics::stage(&self.config.stage)
+                .received
+                .fetch_add(delta, std::sync::atomic::Ordering::Relaxed);
+        }
+        let delta = self.inflight as i64 - inflight as i64;
+        if delta != 0 {
+            crate::metrics::inflight(&self.inflight_gauge, delta);
+        }
+        self.published = (self.received, self.inflight);
+        if self.inflight_bytes_gauge.1 != self.inflight_bytes {
+            self.inflight_bytes_gauge.1 = self.inflight_bytes;
+            self.inflight_bytes_gauge.0.set(self.inflight_bytes as f64);
+        }
+    }
+}
+
+impl Handler<Settle> for Consumer {
+    type Result = ();
+
+    fn handle(&mut self, msg: Settle, ctx: &mut Self::Context) {
+        self.inflight = self.inflight.saturating_sub(msg.items.len());
+        self.inflight_bytes = self.inflight_bytes.saturating_sub(msg.bytes);
+        self.publish_counts();
+        let current = msg.generation == self.generation;
+        if current && let Some(acker) = self.linked().and_then(|l| l.acker.as_mut()) {
+            acker.settle(&msg.items);
+        } else {
+            debug!(
+                pipeline = self.config.stage.pipeline(),
+                stage = self.config.stage.stage().as_str(),
+                generation = msg.generation,
+                "settlement for a closed channel dropped; the broker redelivers those messages"
+            );
+        }
+        // Whatever is still held: a new subscription waits only for room (`room_for`).
+        self.maybe_subscribe(ctx);
+        self.maybe_finish(ctx);
+    }
+}
+
+impl Handler<SetRate> for Consumer {
+    type Result = ();
+
+    fn handle(&mut self, msg: SetRate, ctx: &mut Self::Context) {
+        info!(
+            pipeline = self.config.stage.pipeline(),
+            stage = self.config.stage.stage().as_str(),
+            rate_limit_per_s = msg.per_s,
+            "rate limit set"
+        );
+        // RATE_LIMIT_PER_S is checked against AMQP_CONSUMER_TIMEOUT_MS at start (config.rs);
+        // a live rate is only warned about: the last delivery of a full prefetch window waits
+        // prefetch / rate seconds unacked, and the broker closes the channel past its timeout.
+        if crate::config::window_outlasts(
+            self.config.prefetch,
+            msg.per_s,
+            self.settings.hand_back_after(),
+        )
+        .is_some()
+        {
+            warn!(
+                pipeline = self.config.stage.pipeline(),
+                stage = self.config.stage.stage().as_str(),
+                rate_limit_per_s = msg.per_s,
+                prefetch = self.config.prefetch,
+                "at this rate a full prefetch window waits in warren longer than 80% of \
+                 AMQP_CONSUMER_TIMEOUT_MS: the broker may close the channel (warren then \
+                 reconnects); raise the rate or lower PREFETCH"
+            );
+        }
+        self.throttle.set_rate(msg.per_s);
+        self.release(ctx);
+    }
+}
+
+impl Handler<SetProcessors> for Consumer {
+    type Result = ();
+
+    fn handle(&mut self, msg: SetProcessors, _: &mut Self::Context) {
+        if self.dispatch.set_processors(msg.0) {
+            info!(
+                pipeline = self.config.stage.pipeline(),
+                stage = self.config.stage.stage().as_str(),
+                processors = self.dispatch.processors(),
+                "processors scaled"
+            );
+        }
+    }
+}

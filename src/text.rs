@@ -1,0 +1,61 @@
+//! Bounds on text that came from outside (a message's reason, id or header value, a server's
+//! error message): [`capped`] cuts text to a number of bytes on a character boundary, and
+//! [`shown`] is that cut wherever such text reaches an event, a log line or a stored error.
+//! Neutral ground: the broker link, the database layer and the events all use it, and it
+//! imports nothing of theirs.
+
+use std::borrow::Cow;
+
+/// Longest piece of outside text (a reason, a message id, a header value, a server's message)
+/// written to an event or a log line, in bytes: the cap the parking table puts on a reason
+/// (`db::dead_letters::REASON_MAX`, and `amqp::headers::REASON_MAX` on a header).
+pub const SHOWN_MAX: usize = 1024;
+
+/// `text` as an event or a log line shows it: capped at [`SHOWN_MAX`] bytes on a character
+/// boundary, with `…` when cut. Everything of a message's content that reaches an event or a log
+/// field goes through here, so neither grows with what a publisher sends.
+pub fn shown(text: &str) -> Cow<'_, str> {
+    capped(text, SHOWN_MAX)
+}
+
+/// `text` cut to at most `max` bytes on a character boundary, with `…` when cut.
+pub fn capped(text: &str, max: usize) -> Cow<'_, str> {
+    if text.len() <= max {
+        return text.into();
+    }
+    let mut cut = max.saturating_sub('…'.len_utf8());
+    while !text.is_char_boundary(cut) {
+        cut -= 1;
+    }
+    format!("{}…", &text[..cut]).into()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Issue 34, item 3: what an event or a log line shows of a message is capped on a character
+    /// boundary, as parking caps a reason.
+    #[test]
+    fn what_events_and_logs_show_of_a_message_is_capped() {
+        assert_eq!(shown("short"), "short");
+        let long = "é".repeat(30_000);
+        let cut = shown(&long);
+        assert!(
+            cut.len() <= SHOWN_MAX && cut.ends_with('…'),
+            "{}",
+            cut.len()
+        );
+        assert!(cut.len() > SHOWN_MAX - 8);
+    }
+
+    /// The cut never splits a character, and text at the bound is left whole.
+    #[test]
+    fn a_cut_keeps_whole_characters_and_text_at_the_bound_stays_whole() {
+        assert_eq!(capped("abcd", 4), "abcd");
+        // "é" is two bytes, "…" three: 5 bytes keep one "é" and the ellipsis.
+        assert_eq!(capped("ééé", 5), "é…");
+        assert_eq!(capped("ééé", 6), "ééé");
+        assert_eq!(capped("éééé", 6), "é…");
+    }
+}
