@@ -71,7 +71,9 @@ pub fn image() -> &'static Image {
             .expect("run scripts/image.sh");
         assert!(
             out.status.success(),
-            "scripts/image.sh failed:\n{}",
+            "scripts/image.sh failed ({}):\n{}{}",
+            out.status,
+            String::from_utf8_lossy(&out.stdout),
             String::from_utf8_lossy(&out.stderr)
         );
         let stdout = String::from_utf8_lossy(&out.stdout);
