@@ -40,6 +40,13 @@ const BLOCK_MS: usize = 5_000;
 pub async fn execute(settings: &Settings, args: Args) -> anyhow::Result<i32> {
     let url = &settings.redis_url;
     let mut conn = Redis::connect(url).await.map_err(anyhow::Error::msg)?;
+    // `--pipeline`: one the configuration names or a live instance runs.
+    if let Some(name) = &args.pipeline {
+        let known = crate::registry::known_pipelines(settings).await;
+        if let Err(unknown) = crate::registry::record::find(&known, name) {
+            anyhow::bail!("--pipeline: {}", safe(&unknown.to_string()));
+        }
+    }
     let key = stream_key(&settings.redis_prefix);
     let failed = |e: redis::RedisError| {
         anyhow::anyhow!(
