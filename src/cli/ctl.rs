@@ -3,7 +3,9 @@
 //! apply them and record the outcome; `history` lists outcomes, and the balancers' changes of
 //! concurrency (`balance`). With CONTROL_SECRET set, an
 //! outcome counts only when its signature verifies; every string read from Redis is escaped
-//! before it reaches the terminal.
+//! before it reaches the terminal. Instances are addressed from their registry records (one that
+//! cannot be read is named, not addressed); `--pipeline` must name a pipeline a live instance
+//! runs or the configuration names.
 
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};

@@ -1,9 +1,10 @@
 //! `warren status [--json] [--watch [SECONDS]]`: the live instances from the Redis registry
-//! (with the rates each one computes and writes itself at every heartbeat) and, for each queue,
-//! its depth, consumer count and depth trend from the broker. `--watch` redraws in place until
-//! interrupted, like `top`. Numbers are at most `REGISTRY_HEARTBEAT_MS` old (1 s by default);
-//! `--json` gives them as JSON numbers; every string read from Redis is escaped before it
-//! reaches the terminal.
+//! (their records, with the rates each one computes and writes itself at every heartbeat; an
+//! entry that cannot be read is listed as such) and, for each queue of every pipeline the
+//! configuration names or a live instance runs, its depth, consumer count and depth trend from
+//! the broker. `--watch` redraws in place until interrupted, like `top`. Numbers are at most
+//! `REGISTRY_HEARTBEAT_MS` old (1 s by default); `--json` is a versioned document
+//! ([`JSON_VERSION`]); every string read from Redis is escaped before it reaches the terminal.
 
 use std::collections::HashMap;
 use std::fmt::Write as _;

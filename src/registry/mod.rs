@@ -42,4 +42,4 @@ pub use self::record::{
     Breaker, InstanceRecord, Listed, PipelineRecord, RECORD_FORMAT, StageCounts, Status,
     UnknownPipeline, Unreadable,
 };
-pub use self::redis::{Redis, scrub};
+pub use self::redis::{ConnectError, Redis, scrub};
