@@ -2,8 +2,9 @@
 //! anything waits for a server), then the roles in order (queue poller, pipelines, API,
 //! readiness, database probe, registry and remote control, [`control`]); waits for the shutdown
 //! trigger or a remote `drain`, applying remote commands and the operator signals (`SIGUSR1`
-//! pauses every pipeline, `SIGCONT` resumes) meanwhile, and stops them in order: pipelines (each with its own fixed sequence,
-//! `pipeline::Pipeline::shutdown`), then the API, then the registry. Errors of the boundaries
+//! pauses every pipeline, `SIGCONT` resumes) meanwhile, and stops them in order: pipelines
+//! (each with its own fixed sequence, `pipeline::Pipeline::shutdown`), then the API, then the
+//! registry. Errors of the boundaries
 //! meet here, so it speaks `anyhow` like the CLI.
 
 use std::future::Future;
@@ -12,8 +13,6 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use tokio::sync::{mpsc, oneshot, watch};
-
-mod control;
 use tracing::{info, warn};
 
 use crate::amqp::monitor::Depths;
@@ -24,6 +23,8 @@ use crate::events::{self, Kind};
 use crate::pipeline::{self, Spec};
 use crate::registry::{Command, ControlError, Report, Status};
 use crate::{db, http, metrics};
+
+mod control;
 
 /// Installs the metrics recorder and binds the metrics listener (`METRICS_ADDR`: `/metrics`,
 /// `/healthz`, `/readyz`), before anything waits for a server: a warren waiting for its database
