@@ -42,8 +42,8 @@ pub struct Target {
 /// Which of an instance's pipelines a command applies to.
 #[derive(Debug, Clone, clap::Args)]
 pub struct Only {
-    /// Only this pipeline (`users`, or a configured one's name: its main and DLQ stages); by
-    /// default every pipeline of the instance.
+    /// Only this pipeline (its main and DLQ stages): one a live instance runs or the
+    /// configuration names (`users`, `orders`); by default every pipeline of the instance.
     #[arg(long, value_name = "NAME")]
     pub pipeline: Option<String>,
 }
