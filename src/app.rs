@@ -1,8 +1,10 @@
 //! The composition root of `warren run`: the metrics listener first ([`start_listener`], before
 //! anything waits for a server), then the roles in order (queue poller, pipelines, API,
-//! readiness, database probe, registry and remote control); waits for the shutdown trigger or a
-//! remote `drain`, and stops them in order: pipelines (each with its own fixed sequence,
-//! `pipeline::Pipeline::shutdown`), then the API, then the registry. Errors of the boundaries
+//! readiness, database probe, registry and remote control, [`control`]); waits for the shutdown
+//! trigger or a remote `drain`, applying remote commands and the operator signals (`SIGUSR1`
+//! pauses every pipeline, `SIGCONT` resumes) meanwhile, and stops them in order: pipelines
+//! (each with its own fixed sequence, `pipeline::Pipeline::shutdown`), then the API, then the
+//! registry. Errors of the boundaries
 //! meet here, so it speaks `anyhow` like the CLI.
 
 use std::future::Future;
@@ -18,9 +20,11 @@ use crate::config::{Role, Settings};
 use crate::domain::mapping::Mapping;
 use crate::domain::users::Users;
 use crate::events::{self, Kind};
-use crate::pipeline::{self, Pipeline, Spec, Stage, StageId};
-use crate::registry::{Command, CtlCommand, Registry, Report};
+use crate::pipeline::{self, Spec, Stage, StageId};
+use crate::registry::{Command, ControlError, Report, Status};
 use crate::{db, http, metrics};
+
+mod control;
 
 /// Installs the metrics recorder and binds the metrics listener (`METRICS_ADDR`: `/metrics`,
 /// `/healthz`, `/readyz`), before anything waits for a server: a warren waiting for its database
@@ -55,6 +59,10 @@ pub async fn run(settings: Settings, shutdown: impl Future<Output = ()>) -> anyh
             "CONTROL_SECRET is not set: anyone with write access to Redis can pause, drain or scale this instance; set CONTROL_SECRET (the same on every instance and for `warren ctl`) to accept only signed commands"
         );
     }
+    // SIGUSR1 / SIGCONT pause and resume every pipeline; taken over before anything starts, so
+    // neither ends nor is lost by the process from here on.
+    let mut operator = control::OperatorSignals::listen()
+        .map_err(|e| anyhow::anyhow!("cannot listen for SIGUSR1 and SIGCONT: {e}"))?;
     events::start(&settings);
     events::emit(
         None,
@@ -224,14 +232,14 @@ pub async fn run(settings: Settings, shutdown: impl Future<Output = ()>) -> anyh
 
     // Remote control: the registry task reads commands from Redis; they are applied here, on
     // the actor system's thread, in the same loop that waits for the shutdown signal.
-    let (ctl_tx, mut ctl_rx) = mpsc::unbounded_channel::<Control>();
+    let (ctl_tx, mut ctl_rx) = mpsc::unbounded_channel::<control::Control>();
     let (report_tx, report_rx) = watch::channel(Report {
-        status: "running",
+        status: Status::Running,
         processors: settings.users_proc_concurrency,
         rate_limit_per_s: settings.rate_limit_per_s,
     });
     let (stop_tx, stop_rx) = oneshot::channel::<String>();
-    let registry = tokio::spawn(registry_loop(
+    let registry = tokio::spawn(control::registry_loop(
         settings.clone(),
         ctl_tx,
         report_rx,
@@ -243,10 +251,18 @@ pub async fn run(settings: Settings, shutdown: impl Future<Output = ()>) -> anyh
     let reason = loop {
         tokio::select! {
             _ = &mut shutdown => break "signal",
-            Some((command, reply)) = ctl_rx.recv() => {
-                let result = apply(&command, &pipelines, &report_tx, budget);
-                let drain = command.command == Command::Drain && result.is_ok();
-                info!(command = %command.command, id = %command.id, ok = result.is_ok(), "remote command");
+            (command, signal) = operator.next() => {
+                // As `warren ctl pause` / `resume` without `--pipeline`, for this process.
+                let result = control::apply(command, None, &pipelines, &report_tx, budget);
+                match &result {
+                    Ok(()) => info!(signal, %command, "operator signal: every pipeline"),
+                    Err(error) => warn!(signal, %command, %error, "operator signal not applied"),
+                }
+            }
+            Some((wire, command, reply)) = ctl_rx.recv() => {
+                let result = control::apply(command, wire.pipeline.as_deref(), &pipelines, &report_tx, budget);
+                let drain = command == Command::Drain && result.is_ok();
+                info!(command = %command, id = %wire.id, ok = result.is_ok(), "remote command");
                 let _ = reply.send(result);
                 if drain {
                     break "drain";
@@ -256,10 +272,10 @@ pub async fn run(settings: Settings, shutdown: impl Future<Output = ()>) -> anyh
     };
     // Commands that arrive from now on are answered as failed, never left waiting.
     ctl_rx.close();
-    while let Ok((_, reply)) = ctl_rx.try_recv() {
-        let _ = reply.send(Err("warren is stopping".into()));
+    while let Ok((_, _, reply)) = ctl_rx.try_recv() {
+        let _ = reply.send(Err(ControlError::Stopping));
     }
-    report_tx.send_modify(|r| r.status = "draining");
+    report_tx.send_modify(|r| r.status = Status::Draining);
     if let Err(e) = sd_notify::notify(&[sd_notify::NotifyState::Stopping]) {
         warn!(error = %e, "cannot tell systemd (NOTIFY_SOCKET) that warren is stopping");
     }
@@ -295,296 +311,4 @@ pub async fn run(settings: Settings, shutdown: impl Future<Output = ()>) -> anyh
     events::emit(None, Kind::Stopped { exit_code: code });
     events::flush(Duration::from_secs(2)).await;
     Ok(code)
-}
-
-/// A remote command and where to answer whether it was applied.
-type Control = (CtlCommand, oneshot::Sender<Result<(), String>>);
-
-/// Applies one remote command to this instance's pipelines.
-fn apply(
-    command: &CtlCommand,
-    pipelines: &[Pipeline],
-    report: &watch::Sender<Report>,
-    budget: usize,
-) -> Result<(), String> {
-    let needs_consumer = || {
-        if pipelines.is_empty() {
-            Err("this instance runs no consumer role".to_string())
-        } else {
-            Ok(())
-        }
-    };
-    // `--pipeline NAME`: the stages of that pipeline alone (its main and DLQ stages).
-    let chosen: Vec<&Pipeline> = match &command.pipeline {
-        None => pipelines.iter().collect(),
-        Some(name) => {
-            if command.command == Command::Drain {
-                return Err("drain applies to the whole instance, not to one pipeline".into());
-            }
-            let chosen: Vec<&Pipeline> = pipelines
-                .iter()
-                .filter(|p| p.id.pipeline() == name)
-                .collect();
-            if chosen.is_empty() && !pipelines.is_empty() {
-                let mut known: Vec<&str> = pipelines.iter().map(|p| p.id.pipeline()).collect();
-                known.dedup();
-                return Err(format!(
-                    "this instance runs no pipeline {name:?} (it runs {})",
-                    known.join(", ")
-                ));
-            }
-            chosen
-        }
-    };
-    let whole = command.pipeline.is_none();
-    // `paused` / `resumed`: once for the instance, or once for the pipeline named.
-    let announce = |kind: Kind| {
-        events::emit(command.pipeline.as_deref(), kind);
-    };
-    let mark_paused = |on: bool| {
-        for p in &chosen {
-            crate::metrics::stage(&p.id)
-                .paused
-                .store(on && !whole, std::sync::atomic::Ordering::Relaxed);
-        }
-    };
-    match &command.command {
-        Command::Pause => {
-            needs_consumer()?;
-            chosen.iter().for_each(|p| p.hold(true));
-            mark_paused(true);
-            announce(Kind::Paused {
-                by: "operator".into(),
-            });
-            if whole {
-                report.send_modify(|r| r.status = "paused");
-            }
-            Ok(())
-        }
-        Command::Resume => {
-            needs_consumer()?;
-            chosen.iter().for_each(|p| p.hold(false));
-            mark_paused(false);
-            announce(Kind::Resumed {
-                by: "operator".into(),
-            });
-            if whole {
-                report.send_modify(|r| r.status = "running");
-            }
-            Ok(())
-        }
-        Command::Drain => Ok(()),
-        &Command::Scale { processors: n } => {
-            needs_consumer()?;
-            // All or nothing: a refusal depends on `n` alone, so the first stage refuses it
-            // before any is changed.
-            for p in &chosen {
-                p.scale(n)?;
-            }
-            if whole {
-                report.send_modify(|r| r.processors = n);
-            }
-            Ok(())
-        }
-        &Command::Concurrency { min, max } => {
-            needs_consumer()?;
-            if min.is_none() && max.is_none() {
-                return Err("concurrency needs min or max".to_string());
-            }
-            // Checked for every chosen stage before any changes, so a refusal changes nothing.
-            let stages: Vec<_> = chosen
-                .iter()
-                .filter_map(|p| p.concurrency.clone())
-                .collect();
-            if stages.is_empty() {
-                return Err("this instance runs no main stage (ROLES has no consumer)".into());
-            }
-            // All or nothing: each stage is checked against what every other main stage will
-            // hold once the command is applied (the chosen ones at their new bounds, the rest
-            // as they are), and only then is any changed.
-            let chosen_one =
-                |o: &Arc<pipeline::balance::Concurrency>| stages.iter().any(|c| Arc::ptr_eq(c, o));
-            let unchosen: usize = pipelines
-                .iter()
-                .filter_map(|p| p.concurrency.as_ref())
-                .filter(|o| !chosen_one(o))
-                .map(|o| o.held())
-                .sum();
-            // First the bounds alone (each stage's own limits), with no budget taken yet.
-            let mut bounds = Vec::with_capacity(stages.len());
-            for c in &stages {
-                bounds.push(c.check_bounds(min, max, 0, usize::MAX)?);
-            }
-            let will_hold: Vec<usize> = stages
-                .iter()
-                .zip(&bounds)
-                .map(|(c, &(lo, hi))| c.held_within(lo, hi))
-                .collect();
-            let total: usize = unchosen + will_hold.iter().sum::<usize>();
-            for (i, c) in stages.iter().enumerate() {
-                c.check_bounds(min, max, total - will_hold[i], budget)?;
-            }
-            for (c, &(lo, hi)) in stages.iter().zip(&bounds) {
-                c.apply_bounds(lo, hi);
-            }
-            Ok(())
-        }
-        &Command::Rate { per_s: n } => {
-            needs_consumer()?;
-            // All or nothing, as scale: a refusal depends on `n` alone.
-            for p in &chosen {
-                p.rate(n)?;
-            }
-            if whole {
-                report.send_modify(|r| r.rate_limit_per_s = n);
-            }
-            Ok(())
-        }
-        // Read from Redis in a shape no `warren ctl` sends: refused, and recorded as failed.
-        Command::ScaleWithoutProcessors => {
-            needs_consumer()?;
-            Err("scale needs a number of processors".to_string())
-        }
-        Command::RateWithoutLimit => {
-            needs_consumer()?;
-            Err("rate needs a number of messages per second".to_string())
-        }
-        Command::Unknown(name) => Err(format!("unknown command {name:?}")),
-    }
-}
-
-/// Keeps this instance registered in Redis, relays remote commands, and deregisters at the end.
-async fn registry_loop(
-    settings: Settings,
-    ctl: mpsc::UnboundedSender<Control>,
-    mut report: watch::Receiver<Report>,
-    mut stop: oneshot::Receiver<String>,
-    mut decisions: mpsc::UnboundedReceiver<pipeline::balance::Decision>,
-) {
-    let mut registry = Registry::new(&settings);
-    let mut beat = tokio::time::interval(Duration::from_millis(settings.registry_heartbeat_ms));
-    let mut poll = tokio::time::interval(Duration::from_millis(500));
-    beat.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    poll.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    loop {
-        tokio::select! {
-            reason = &mut stop => {
-                let reason = reason.unwrap_or_else(|_| "stopped".into());
-                registry.deregister(&reason).await;
-                return;
-            }
-            _ = beat.tick() => {
-                let now = *report.borrow();
-                registry.heartbeat(now).await;
-            }
-            Some(decision) = decisions.recv() => {
-                let detail = format!(
-                    "concurrency {} -> {} ({}): {}",
-                    decision.from, decision.to, decision.reason, decision.inputs
-                );
-                registry.record_decision(&decision.pipeline, detail).await;
-            }
-            _ = poll.tick() => {
-                while let Some((command, verdict)) = registry.next_command().await {
-                    // A refused command never reaches the pipelines; it is only recorded.
-                    let result = match verdict {
-                        Err(refused) => Err(refused),
-                        Ok(()) => {
-                            let (tx, rx) = oneshot::channel();
-                            if ctl.send((command.clone(), tx)).is_ok() {
-                                rx.await.unwrap_or_else(|_| Err("warren is stopping".into()))
-                            } else {
-                                Err("warren is stopping".into())
-                            }
-                        }
-                    };
-                    registry.record(&command, result).await;
-                    let now = *report.borrow();
-                    registry.heartbeat(now).await;
-                }
-            }
-            changed = report.changed() => {
-                if changed.is_ok() {
-                    let now = *report.borrow();
-                    registry.heartbeat(now).await;
-                } else {
-                    let reason = (&mut stop).await.unwrap_or_else(|_| "stopped".into());
-                    registry.deregister(&reason).await;
-                    return;
-                }
-            }
-        }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    /// Commands read from Redis, applied by an instance without pipelines, with what the code
-    /// before the typed command answered (captured, not recomputed): an unknown name is refused
-    /// by name, whatever its pipeline; a drain for one pipeline is refused before anything else.
-    #[test]
-    fn commands_are_applied_or_refused_as_before() {
-        let (report, _) = watch::channel(Report {
-            status: "running",
-            processors: 1,
-            rate_limit_per_s: 0,
-        });
-        let no_consumer = Err("this instance runs no consumer role".to_string());
-        for (raw, before) in [
-            (
-                r#"{"id":"a","command":"pause","issued_at":1,"by":"b"}"#,
-                no_consumer.clone(),
-            ),
-            (
-                r#"{"id":"a","command":"resume","issued_at":1,"by":"b"}"#,
-                no_consumer.clone(),
-            ),
-            (
-                r#"{"id":"a","command":"drain","issued_at":1,"by":"b"}"#,
-                Ok(()),
-            ),
-            (
-                r#"{"id":"a","command":"drain","pipeline":"orders","issued_at":1,"by":"b"}"#,
-                Err("drain applies to the whole instance, not to one pipeline".to_string()),
-            ),
-            (
-                r#"{"id":"a","command":"scale","processors":3,"issued_at":1,"by":"b"}"#,
-                no_consumer.clone(),
-            ),
-            (
-                r#"{"id":"a","command":"scale","issued_at":1,"by":"b"}"#,
-                no_consumer.clone(),
-            ),
-            (
-                r#"{"id":"a","command":"rate","rate":3,"issued_at":1,"by":"b"}"#,
-                no_consumer.clone(),
-            ),
-            (
-                r#"{"id":"a","command":"rate","processors":3,"issued_at":1,"by":"b"}"#,
-                no_consumer.clone(),
-            ),
-            (
-                r#"{"id":"a","command":"reboot","issued_at":1,"by":"b"}"#,
-                Err(r#"unknown command "reboot""#.to_string()),
-            ),
-            (
-                r#"{"id":"a","command":"reboot","pipeline":"orders","issued_at":1,"by":"b"}"#,
-                Err(r#"unknown command "reboot""#.to_string()),
-            ),
-            (
-                r#"{"id":"a","command":"Drain","issued_at":1,"by":"b"}"#,
-                Err(r#"unknown command "Drain""#.to_string()),
-            ),
-            (
-                r#"{"id":"a","command":"pause","processors":4,"issued_at":1,"by":"b"}"#,
-                no_consumer.clone(),
-            ),
-        ] {
-            let command: CtlCommand = serde_json::from_str(raw).unwrap();
-            assert_eq!(apply(&command, &[], &report, 8), before, "{raw}");
-        }
-        assert_eq!(report.borrow().status, "running", "nothing applied");
-    }
 }

@@ -3,7 +3,8 @@
 //! statement, ack after commit; retry what can be retried, dead-letter the rest, lose nothing.
 //!
 //! # Layout
-//! - [`app`]: the composition root of `warren run`: roles, start order, process shutdown.
+//! - [`app`]: the composition root of `warren run`: roles, start order, process shutdown; its
+//!   `control` applies remote commands and the operator signals (`SIGUSR1`, `SIGCONT`).
 //! - [`config`]: typed settings, their layering and validation; `components` turns them into
 //!   the components' own configurations (the database layer's `DbConfig`).
 //! - [`topology`]: the declared RabbitMQ topology and its idempotent declare.
@@ -24,9 +25,10 @@
 //! - [`metrics`]: every metric name and label; it imports nothing of the stages or the broker
 //!   link (they call it).
 //! - [`registry`]: the Redis instance registry and remote control: `redis` (the link: reconnects,
-//!   call bound, no password in messages), `instance` (key scheme, heartbeat, rates, shutdown
-//!   record, the live instances), `commands` (the remote commands, typed as `Command`, their
-//!   wire form and signatures, the guard, outcomes).
+//!   call bound, no password in messages), `record` (the instance record, one serde struct, and
+//!   the pipelines it runs), `instance` (key scheme, heartbeat, rates, shutdown record, the
+//!   listing), `commands` (the wire form and `Command::read`), `signing`, `guard`, `outcome`,
+//!   `control` (typed errors: `CommandError`, `Refusal`, `ControlError`).
 //! - [`events`]: lifecycle events appended to a Redis stream (`warren events` reads them),
 //!   dropped and counted rather than ever waited for.
 //! - [`cli`]: one file per subcommand of the `warren` binary; a subcommand with two tools is a

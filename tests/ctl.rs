@@ -15,12 +15,14 @@ use hmac::{Hmac, KeyInit, Mac};
 use serde_json::{Value, json};
 use sha2::Sha256;
 
-/// Waits until the hash of `pid` has `field` = `value`.
+/// Waits until the record of `pid` has `field` = `value` (a string or a number: the value as
+/// JSON, `"running"` or `3`).
 async fn wait_field(env: &TestEnv, pid: i32, field: &str, value: &str) {
+    let expected: Value = serde_json::from_str(value).unwrap_or_else(|_| value.into());
     wait_until(
-        &format!("{field} = {value} in the hash of {pid}"),
+        &format!("{field} = {value} in the record of {pid}"),
         Duration::from_secs(15),
-        || async { instance(env, pid).await.get(field).map(String::as_str) == Some(value) },
+        || async { instance(env, pid).await[field] == expected },
     )
     .await;
 }
@@ -173,7 +175,7 @@ async fn scale_changes_the_number_of_processors() {
     let mut warren = env.start(&["--roles", "consumer"]);
     let pid = warren.pid();
     wait_field(&env, pid, "status", "running").await;
-    assert_eq!(instance(&env, pid).await["processors"], "2");
+    assert_eq!(instance(&env, pid).await["processors"], 2);
 
     // Scaled up while batches are in flight (held by a table lock), then more published.
     let lock = InsertLock::take(&env).await;
@@ -597,7 +599,10 @@ async fn with_a_secret_signed_commands_work_and_forged_ones_are_refused() {
     let pid = warren.pid();
     wait_field(&env, pid, "status", "running").await;
     // Commands are signed for this run of the instance, `host:pid/run`.
-    let run = instance(&env, pid).await["run"].clone();
+    let run = instance(&env, pid).await["run"]
+        .as_str()
+        .expect("run")
+        .to_string();
     assert_eq!(run.len(), 32, "a random run id in the hash: {run:?}");
     let me = format!("{}:{pid}/{run}", host());
 

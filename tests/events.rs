@@ -152,7 +152,7 @@ async fn a_run_tells_what_happens_to_it_once_each() {
 
     // The operator.
     wait_until("registered", Duration::from_secs(15), || async {
-        instance(&env, pid).await.get("status").map(String::as_str) == Some("running")
+        instance(&env, pid).await["status"] == "running"
     })
     .await;
     for args in [

@@ -206,7 +206,7 @@ async fn a_held_message_never_holds_the_rows_behind_it_across_any_resubscription
     wait_until(
         "the consumer is running",
         Duration::from_secs(30),
-        || async { instance(&env, pid).await.get("status").map(String::as_str) == Some("running") },
+        || async { instance(&env, pid).await["status"] == "running" },
     )
     .await;
     let props = lapin::BasicProperties::default().with_message_id(HELD.into());
@@ -261,7 +261,7 @@ async fn a_held_message_never_holds_the_rows_behind_it_across_any_resubscription
     let hold = hold_with(&warren, hold, Duration::from_secs(8)).await;
     ctl(&env, &["pause", "--all"]).await;
     wait_until("paused", hold.left(), || async {
-        instance(&env, pid).await.get("status").map(String::as_str) == Some("paused")
+        instance(&env, pid).await["status"] == "paused"
     })
     .await;
     let ids = env.publish_users(200).await;

@@ -90,7 +90,7 @@ async fn a_closed_log_pipe_neither_stops_the_pipeline_nor_the_shutdown() {
     wait_until(
         "the instance is registered",
         Duration::from_secs(30),
-        || async { !instance(&env, pid).await.is_empty() },
+        || async { !instance(&env, pid).await.is_null() },
     )
     .await;
 
@@ -104,7 +104,7 @@ async fn a_closed_log_pipe_neither_stops_the_pipeline_nor_the_shutdown() {
         "no shutdown record for pid {pid}: {records:?}"
     );
     assert!(
-        instance(&env, pid).await.is_empty(),
+        instance(&env, pid).await.is_null(),
         "the registry key {} was left behind",
         instance_key(&env, pid)
     );

@@ -588,7 +588,7 @@ async fn an_orders_api_checks_publishes_and_reads_back() {
         || async {
             let (_, out, _) = env.run_async(&["status", "--json"]).await;
             let doc: serde_json::Value = serde_json::from_str(&out).unwrap_or_default();
-            let stages = &doc["instances"][0]["pipelines"];
+            let stages = &doc["instances"][0]["stages"];
             stages["orders/main"]["inserted"].as_u64() == Some(3)
                 && stages["orders/main"]["received"].as_u64() == Some(4)
                 && stages["orders/main"]["dead_lettered"].as_u64() == Some(1)
@@ -666,16 +666,21 @@ async fn an_orders_api_checks_publishes_and_reads_back() {
         || async {
             let (_, out, _) = env.run_async(&["status", "--json"]).await;
             let doc: serde_json::Value = serde_json::from_str(&out).unwrap_or_default();
-            let stages = &doc["instances"][0]["pipelines"];
+            let stages = &doc["instances"][0]["stages"];
             stages["orders/main"]["paused"] == true && stages["users/main"]["paused"] == false
         },
     )
     .await;
-    let (code, out, _) = env
+    // A pipeline no instance runs and the configuration does not name: refused before any
+    // command is sent, the known ones listed once each.
+    let (code, out, err) = env
         .run_async(&["ctl", "pause", "--all", "--pipeline", "nope"])
         .await;
-    assert_eq!(code, 1, "{out}");
-    assert!(out.contains("runs no pipeline \"nope\""), "{out}");
+    assert_eq!(code, 1, "{out}{err}");
+    assert!(
+        err.contains("no pipeline \"nope\"") && err.contains("known: users, orders\n"),
+        "{err}"
+    );
     let (code, out, err) = env
         .run_async(&["ctl", "resume", "--all", "--pipeline", "orders"])
         .await;

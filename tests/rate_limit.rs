@@ -23,7 +23,7 @@ fn limited_env(env: &mut TestEnv, rate: u32) {
 
 async fn wait_running(env: &TestEnv, pid: i32) {
     wait_until("instance registered", Duration::from_secs(20), || async {
-        instance(env, pid).await.get("status").map(String::as_str) == Some("running")
+        instance(env, pid).await["status"] == "running"
     })
     .await;
 }
@@ -37,13 +37,7 @@ async fn the_rate_limit_holds_messages_in_the_queue_and_ctl_rate_changes_it_live
     let mut warren = env.start(&["--roles", "consumer"]);
     let pid = warren.pid();
     wait_running(&env, pid).await;
-    assert_eq!(
-        instance(&env, pid)
-            .await
-            .get("rate_limit_per_s")
-            .map(String::as_str),
-        Some("500")
-    );
+    assert_eq!(instance(&env, pid).await["rate_limit_per_s"], 500);
 
     // Phase 1: 3,000 messages at 500/s take at least 5.5 s (burst 25, then 2 ms apart).
     let started = Instant::now();
@@ -101,13 +95,7 @@ async fn the_rate_limit_holds_messages_in_the_queue_and_ctl_rate_changes_it_live
         fast_rate > 1000.0,
         "after ctl rate 5000: {rest} in {fast:?} ({fast_rate:.0}/s)"
     );
-    assert_eq!(
-        instance(&env, pid)
-            .await
-            .get("rate_limit_per_s")
-            .map(String::as_str),
-        Some("5000")
-    );
+    assert_eq!(instance(&env, pid).await["rate_limit_per_s"], 5000);
 
     // Recorded in the history, with its value.
     let (code, out, err) = env.run_async(&["ctl", "history", "--json"]).await;
@@ -124,11 +112,7 @@ async fn the_rate_limit_holds_messages_in_the_queue_and_ctl_rate_changes_it_live
     let (code, out, err) = env.run_async(&["ctl", "rate", "0", "--all"]).await;
     assert_eq!(code, 0, "ctl rate 0:\n{out}\n{err}");
     wait_until("limit off in the hash", Duration::from_secs(10), || async {
-        instance(&env, pid)
-            .await
-            .get("rate_limit_per_s")
-            .map(String::as_str)
-            == Some("0")
+        instance(&env, pid).await["rate_limit_per_s"] == 0
     })
     .await;
     let (code, _, err) = env.run_async(&["ctl", "rate", "1000001", "--all"]).await;
@@ -236,7 +220,7 @@ async fn status_watch_redraws_live_rates_of_two_instances() {
             let mut all = true;
             for pid in pids {
                 let i = instance(&env, pid).await;
-                let rate = |k: &str| i.get(k).and_then(|v| v.parse::<f64>().ok()).unwrap_or(0.0);
+                let rate = |k: &str| i[k].as_f64().unwrap_or(0.0);
                 all &= rate("received_per_s") > 0.0 && rate("inserted_per_s") > 0.0;
             }
             all
@@ -244,16 +228,8 @@ async fn status_watch_redraws_live_rates_of_two_instances() {
     )
     .await;
     let i = instance(&env, pids[0]).await;
-    assert_eq!(
-        i.get("breaker").map(String::as_str),
-        Some("closed"),
-        "{i:?}"
-    );
-    assert_eq!(
-        i.get("rate_limit_per_s").map(String::as_str),
-        Some("200"),
-        "{i:?}"
-    );
+    assert_eq!(i["breaker"], "closed", "{i:?}");
+    assert_eq!(i["rate_limit_per_s"], 200, "{i:?}");
     wait_until(
         "a redraw with both instances moving",
         Duration::from_secs(10),

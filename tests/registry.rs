@@ -5,7 +5,6 @@
 
 mod common;
 
-use std::collections::HashMap;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -67,12 +66,12 @@ impl Drop for RedisServer {
     }
 }
 
-/// Waits until `warren` is registered with status `running`; returns the hash.
-async fn wait_registered(env: &TestEnv, warren: &Warren) -> HashMap<String, String> {
+/// Waits until `warren` is registered with status `running`; returns its record.
+async fn wait_registered(env: &TestEnv, warren: &Warren) -> Value {
     wait_until(
         "the instance registered as running",
         Duration::from_secs(20),
-        || async { instance(env, warren.pid()).await.get("status") == Some(&"running".into()) },
+        || async { instance(env, warren.pid()).await["status"] == "running" },
     )
     .await;
     instance(env, warren.pid()).await
@@ -93,13 +92,13 @@ async fn an_instance_registers_with_live_counters_and_leaves_a_shutdown_record()
     let key = instance_key(&env, pid);
 
     let hash = wait_registered(&env, &warren).await;
-    let field = |k: &str| hash.get(k).cloned().unwrap_or_default();
-    assert_eq!(field("host"), host(), "{hash:?}");
-    assert_eq!(field("pid"), pid.to_string(), "{hash:?}");
-    assert_eq!(field("roles"), "consumer,dlq", "{hash:?}");
-    assert_eq!(field("version"), env!("CARGO_PKG_VERSION"), "{hash:?}");
-    assert_eq!(field("processors"), "3", "{hash:?}");
-    let started_at: u64 = field("started_at").parse().expect("started_at");
+    assert_eq!(hash["format"], 1, "{hash}");
+    assert_eq!(hash["host"], host().as_str(), "{hash}");
+    assert_eq!(hash["pid"], pid, "{hash}");
+    assert_eq!(hash["roles"], "consumer,dlq", "{hash}");
+    assert_eq!(hash["version"], env!("CARGO_PKG_VERSION"), "{hash}");
+    assert_eq!(hash["processors"], 3, "{hash}");
+    let started_at: u64 = hash["started_at"].as_u64().expect("started_at");
     assert!(
         started_at >= before && started_at <= registry_now(),
         "started_at {started_at}, test started at {before}"
@@ -111,11 +110,7 @@ async fn an_instance_registers_with_live_counters_and_leaves_a_shutdown_record()
         "dead_lettered",
         "inflight",
     ] {
-        assert_eq!(
-            field(counter),
-            "0",
-            "{counter} before any message: {hash:?}"
-        );
+        assert_eq!(hash[counter], 0, "{counter} before any message: {hash}");
     }
     let ttl: i64 = redis_query(&env, redis::cmd("TTL").arg(&key)).await;
     assert!(ttl > 0 && ttl <= 30, "TTL {ttl}");
@@ -127,23 +122,23 @@ async fn an_instance_registers_with_live_counters_and_leaves_a_shutdown_record()
         Duration::from_secs(30),
         || async {
             let h = instance(&env, pid).await;
-            h.get("received") == Some(&N.to_string()) && h.get("inserted") == Some(&N.to_string())
+            h["received"] == N && h["inserted"] == N
         },
     )
     .await;
     assert_eq!(env.count_rows().await, N as i64);
     let hash = instance(&env, pid).await;
-    assert_eq!(hash.get("status").map(String::as_str), Some("running"));
-    assert_eq!(hash.get("retried").map(String::as_str), Some("0"));
-    assert_eq!(hash.get("dead_lettered").map(String::as_str), Some("0"));
+    assert_eq!(hash["status"], "running", "{hash}");
+    assert_eq!(hash["retried"], 0, "{hash}");
+    assert_eq!(hash["dead_lettered"], 0, "{hash}");
 
     // The heartbeat renews the TTL (without it, 2 s later it would be under 28 s) and the time.
-    let first_beat: u64 = hash["last_heartbeat"].parse().expect("last_heartbeat");
+    let first_beat = hash["last_heartbeat"].as_u64().expect("last_heartbeat");
     tokio::time::sleep(Duration::from_millis(2_200)).await;
     let pttl: i64 = redis_query(&env, redis::cmd("PTTL").arg(&key)).await;
     assert!(pttl > 28_500 && pttl <= 30_000, "PTTL {pttl} ms");
     let hash = instance(&env, pid).await;
-    let last_beat: u64 = hash["last_heartbeat"].parse().expect("last_heartbeat");
+    let last_beat = hash["last_heartbeat"].as_u64().expect("last_heartbeat");
     assert!(last_beat > first_beat, "last_heartbeat did not advance");
 
     // A graceful stop deregisters and records why.
@@ -287,13 +282,13 @@ async fn a_redis_outage_loses_nothing_and_the_instance_registers_again() {
         RedisServer::start(port).await
     };
     let _cleanup = RedisCleanup::new(&env);
-    let total = (2 * HALF).to_string();
+    let total = 2 * HALF;
     wait_until(
         "the instance hash back, with every insert counted",
         Duration::from_secs(20),
         || async {
             let h = instance(&env, pid).await;
-            h.get("status") == Some(&"running".into()) && h.get("inserted") == Some(&total)
+            h["status"] == "running" && h["inserted"] == total
         },
     )
     .await;
@@ -348,10 +343,7 @@ async fn status_lists_the_instance_and_the_queues() {
     wait_until(
         "5 rows, counted in the hash",
         Duration::from_secs(20),
-        || async {
-            env.count_rows().await == 5
-                && instance(&env, pid).await.get("inserted") == Some(&"5".into())
-        },
+        || async { env.count_rows().await == 5 && instance(&env, pid).await["inserted"] == 5 },
     )
     .await;
     wait_until("the queues settle", Duration::from_secs(10), || async {
@@ -496,18 +488,20 @@ async fn status_is_fresh_by_default_and_escapes_what_redis_holds() {
         "status caught up {counted:?} after the last insert"
     );
 
-    // A hash written by anyone who can write to Redis, its strings full of terminal escapes.
+    // A record written by anyone who can write to Redis, its strings full of terminal escapes.
     let (_, prefix) = redis_of(&env);
     let evil = format!("{prefix}:instances:evil:1");
+    let mut record = instance(&env, pid).await;
+    record["host"] = "evil\u{1b}]0;owned\u{7}".into();
+    record["pid"] = 1.into();
+    record["roles"] = "\u{1b}[2J\u{1b}[H".into();
+    record["pipelines"][0]["name"] = "users\r\u{9b}31m".into();
     let _: () = redis_query(
         &env,
-        redis::cmd("HSET").arg(&evil).arg(&[
-            ("host", "evil\u{1b}]0;owned\u{7}"),
-            ("pid", "1"),
-            ("roles", "\u{1b}[2J\u{1b}[H"),
-            ("status", "running\r\u{9b}31m"),
-            ("inserted", "12"),
-        ]),
+        redis::cmd("HSET")
+            .arg(&evil)
+            .arg("record")
+            .arg(record.to_string()),
     )
     .await;
     let _: () = redis_query(&env, redis::cmd("EXPIRE").arg(&evil).arg(60)).await;
@@ -521,4 +515,157 @@ async fn status_is_fresh_by_default_and_escapes_what_redis_holds() {
         assert!(out.contains("evil"), "{out}");
     }
     let _: () = redis_query(&env, redis::cmd("DEL").arg(&evil)).await;
+}
+
+/// `status --json` is a versioned document (docs/operations.md, "`status --json`"), read here from
+/// a running instance: every number a JSON number, the status and breaker their lower-case names,
+/// each stage's counts an object, the pipelines it runs with their queues.
+#[tokio::test(flavor = "multi_thread")]
+async fn status_json_follows_its_documented_schema() {
+    let mut env = TestEnv::new("reg_schema").await;
+    env.set("REGISTRY_HEARTBEAT_MS", "300")
+        .set("USERS_PROC_CONCURRENCY", "2");
+    let _cleanup = RedisCleanup::new(&env);
+    env.declare();
+    let warren = env.start(&["--roles", "consumer,dlq"]);
+    let _logs = LogsOnPanic(vec![warren.log.clone()]);
+    let pid = warren.pid();
+    wait_registered(&env, &warren).await;
+    env.publish_users(7).await;
+    wait_until("7 rows counted", Duration::from_secs(20), || async {
+        instance(&env, pid).await["inserted"] == 7
+    })
+    .await;
+
+    let (code, out, err) = env.run_async(&["status", "--json"]).await;
+    assert_eq!(code, 0, "{out}\n{err}");
+    let doc: Value = serde_json::from_str(&out).unwrap_or_else(|e| panic!("{e}:\n{out}"));
+    assert_eq!(doc["version"], 1, "{doc}");
+    let i = doc["instances"]
+        .as_array()
+        .and_then(|l| l.iter().find(|i| i["pid"] == pid))
+        .unwrap_or_else(|| panic!("no instance {pid}: {doc}"));
+    for number in [
+        "format",
+        "pid",
+        "started_at",
+        "last_heartbeat",
+        "processors",
+        "concurrency",
+        "rate_limit_per_s",
+        "received",
+        "inserted",
+        "retried",
+        "dead_lettered",
+        "inflight",
+        "received_per_s",
+        "inserted_per_s",
+    ] {
+        assert!(i[number].is_number(), "{number} is not a JSON number: {i}");
+    }
+    for text in ["host", "run", "roles", "version"] {
+        assert!(i[text].is_string(), "{text} is not a string: {i}");
+    }
+    assert_eq!(i["processors"], 2, "{i}");
+    assert_eq!(i["inserted"], 7, "{i}");
+    assert_eq!(i["status"], "running", "{i}");
+    assert_eq!(i["breaker"], "closed", "{i}");
+    let main = &i["stages"]["main"];
+    assert_eq!(main["inserted"], 7, "{i}");
+    assert_eq!(main["paused"], false, "{i}");
+    assert!(main["received_per_s"].is_number(), "{i}");
+    let users = &i["pipelines"][0];
+    assert_eq!(users["name"], "users", "{i}");
+    assert_eq!(users["main_queue"], env.main_queue.as_str(), "{i}");
+    assert_eq!(
+        users["retry_queues"],
+        serde_json::json!([env.retry_queue]),
+        "{i}"
+    );
+    assert_eq!(users["dlq_queue"], env.dlq_queue.as_str(), "{i}");
+    assert_eq!(doc["pipelines"][0]["name"], "users", "{doc}");
+    let queue = doc["queues"]
+        .as_array()
+        .and_then(|q| q.iter().find(|q| q["name"] == env.main_queue.as_str()))
+        .unwrap_or_else(|| panic!("no main queue: {doc}"));
+    assert_eq!(queue["pipeline"], "users", "{queue}");
+    assert!(queue["messages"].is_number(), "{queue}");
+}
+
+/// Registry entries that are not this warren's record (an older warren's hash, another format,
+/// garbage, another Redis type) are listed as unreadable by `status` (table and JSON, exit 0),
+/// and `ctl` names them as not addressed: never a crash, never silently skipped.
+#[tokio::test(flavor = "multi_thread")]
+async fn unreadable_records_are_shown_as_such() {
+    let env = TestEnv::new("reg_unreadable").await;
+    let _cleanup = RedisCleanup::new(&env);
+    let (_, prefix) = redis_of(&env);
+    let key = |name: &str| format!("{prefix}:instances:{name}:1");
+    let _: () = redis_query(
+        &env,
+        redis::cmd("HSET").arg(key("old")).arg(&[
+            ("host", "old"),
+            ("pid", "1"),
+            ("status", "running"),
+            ("processors", "2"),
+        ]),
+    )
+    .await;
+    let _: () = redis_query(
+        &env,
+        redis::cmd("HSET")
+            .arg(key("newer"))
+            .arg("record")
+            .arg(r#"{"format":2,"host":"newer","pid":1}"#),
+    )
+    .await;
+    let _: () = redis_query(
+        &env,
+        redis::cmd("HSET")
+            .arg(key("garbled"))
+            .arg("record")
+            .arg("{not json"),
+    )
+    .await;
+    let _: () = redis_query(&env, redis::cmd("SET").arg(key("string")).arg("x")).await;
+
+    let (code, out, err) = env.run_async(&["status"]).await;
+    assert_eq!(code, 0, "{out}\n{err}");
+    for (name, why) in [
+        ("old", "older warren"),
+        ("newer", "record format 2"),
+        ("garbled", "not a warren record"),
+        ("string", "not a hash"),
+    ] {
+        let row = out
+            .lines()
+            .map(|l| l.split_whitespace().collect::<Vec<_>>())
+            .find(|t| t.first() == Some(&format!("{name}:1").as_str()))
+            .unwrap_or_else(|| panic!("no row for {name}:\n{out}"));
+        assert_eq!(row.get(2), Some(&"unreadable"), "{out}");
+        assert!(
+            out.lines()
+                .any(|l| l.starts_with(&key(name)) && l.contains(why)),
+            "no reason {why:?} for {name}:\n{out}"
+        );
+    }
+    let (code, out, err) = env.run_async(&["status", "--json"]).await;
+    assert_eq!(code, 0, "{out}\n{err}");
+    let doc: Value = serde_json::from_str(&out).unwrap_or_else(|e| panic!("{e}:\n{out}"));
+    let listed = doc["instances"].as_array().expect("instances");
+    assert_eq!(listed.len(), 4, "{doc}");
+    for entry in listed {
+        assert!(entry["unreadable"].is_string(), "{entry}");
+        assert!(entry["key"].is_string(), "{entry}");
+    }
+
+    let (code, out, err) = env.run_async(&["ctl", "pause", "--all"]).await;
+    assert_eq!(code, 1, "{out}\n{err}");
+    assert_eq!(
+        err.matches("not addressed, its registry record cannot be read")
+            .count(),
+        4,
+        "{err}"
+    );
+    assert!(err.contains("no live instance registered"), "{err}");
 }

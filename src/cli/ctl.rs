@@ -3,7 +3,9 @@
 //! apply them and record the outcome; `history` lists outcomes, and the balancers' changes of
 //! concurrency (`balance`). With CONTROL_SECRET set, an
 //! outcome counts only when its signature verifies; every string read from Redis is escaped
-//! before it reaches the terminal.
+//! before it reaches the terminal. Instances are addressed from their registry records (one that
+//! cannot be read is named, not addressed); `--pipeline` must name a pipeline a live instance
+//! runs or the configuration names.
 
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
@@ -16,8 +18,8 @@ use crate::cli::out::{self, outln};
 use crate::cli::{json_terminal_safe, terminal_safe as safe};
 use crate::config::Settings;
 use crate::registry::{
-    self, Command, CtlCommand, CtlOutcome, Keys, REFUSED_BAD_SIGNATURE, REFUSED_UNSIGNED, Redis,
-    now_s, utc,
+    self, Command, CtlCommand, CtlOutcome, InstanceRecord, Keys, REFUSED_BAD_SIGNATURE,
+    REFUSED_UNSIGNED, Redis, now_s, record, utc,
 };
 
 #[derive(Debug, clap::Args)]
@@ -41,8 +43,8 @@ pub struct Target {
 /// Which of an instance's pipelines a command applies to.
 #[derive(Debug, Clone, clap::Args)]
 pub struct Only {
-    /// Only this pipeline (`users`, or a configured one's name: its main and DLQ stages); by
-    /// default every pipeline of the instance.
+    /// Only this pipeline (its main and DLQ stages): one a live instance runs or the
+    /// configuration names (`users`, `orders`); by default every pipeline of the instance.
     #[arg(long, value_name = "NAME")]
     pub pipeline: Option<String>,
 }
@@ -157,14 +159,32 @@ pub async fn execute(settings: &Settings, args: Args) -> anyhow::Result<i32> {
     let Some(instances) = registry::instances(&mut redis, &keys).await else {
         bail!("lost the connection to Redis while listing instances");
     };
-    // (host, pid, run): the run (absent from older instances) goes into the signed target.
-    let runs: BTreeMap<(String, u32), Option<String>> = instances
+    // Entries that cannot be read (an older warren's, another format) cannot be addressed:
+    // said once each, never silently skipped.
+    for listed in &instances {
+        if let Err(why) = &listed.record {
+            eprintln!(
+                "warren: {}: not addressed, its registry record cannot be read: {}",
+                safe(&listed.instance()),
+                safe(&why.to_string())
+            );
+        }
+    }
+    let records: Vec<&InstanceRecord> = instances
         .iter()
-        .filter(|i| target.all || i.get("host") == target.host.as_ref())
-        .filter_map(|i| {
-            let key = (i.get("host")?.clone(), i.get("pid")?.parse().ok()?);
-            Some((key, i.get("run").cloned()))
-        })
+        .filter_map(|l| l.record.as_ref().ok())
+        .collect();
+    if let Some(name) = &pipeline {
+        let known = record::known(settings, records.iter().copied());
+        if let Err(unknown) = record::find(&known, name) {
+            bail!("--pipeline: {}", safe(&unknown.to_string()));
+        }
+    }
+    // (host, pid) -> run: the run goes into the signed target.
+    let runs: BTreeMap<(String, u32), String> = records
+        .iter()
+        .filter(|i| target.all || Some(&i.host) == target.host.as_ref())
+        .map(|i| ((i.host.clone(), i.pid), i.run.clone()))
         .collect();
     let chosen: Vec<(String, u32)> = runs.keys().cloned().collect();
     if chosen.is_empty() {
@@ -186,20 +206,16 @@ pub async fn execute(settings: &Settings, args: Args) -> anyhow::Result<i32> {
         now_s(),
         format!("{}:{}", crate::hostname(), std::process::id()),
     );
-    let name = command.command.name();
+    let name = asked.name();
     for (host, pid) in &chosen {
         // One copy per instance: the signature covers the target (this run of the instance),
         // so it cannot be redirected, nor replayed to a later process with the same PID.
-        let target = match &runs[&(host.clone(), *pid)] {
-            Some(run) => format!("{host}:{pid}/{run}"),
-            None => format!("{host}:{pid}"),
-        };
+        let target = format!("{host}:{pid}/{}", runs[&(host.clone(), *pid)]);
         let mut copy = command.clone();
         if settings.control_secret.is_empty() {
             copy.target = Some(target);
         } else {
-            copy.sign(&settings.control_secret, &target)
-                .map_err(anyhow::Error::msg)?;
+            copy.sign(&settings.control_secret, &target)?;
         }
         let json = serde_json::to_string(&copy)?;
         let key = keys.commands(host, *pid);

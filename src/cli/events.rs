@@ -65,6 +65,13 @@ pub async fn execute(settings: &Settings, args: Args) -> anyhow::Result<i32> {
     tokio::pin!(stop);
     let url = &settings.redis_url;
     let mut conn = connect(url).await.map_err(anyhow::Error::msg)?;
+    // `--pipeline`: one the configuration names or a live instance runs.
+    if let Some(name) = &args.pipeline {
+        let known = crate::registry::known_pipelines(settings).await;
+        if let Err(unknown) = crate::registry::record::find(&known, name) {
+            anyhow::bail!("--pipeline: {}", safe(&unknown.to_string()));
+        }
+    }
     let key = stream_key(&settings.redis_prefix);
     let failed = |e: redis::RedisError| {
         anyhow::anyhow!(
@@ -135,7 +142,7 @@ pub async fn execute(settings: &Settings, args: Args) -> anyhow::Result<i32> {
 
 /// A link to the Redis at `url` whose calls may wait for an `XREAD BLOCK` (the client's own
 /// bound is half a second).
-async fn connect(url: &str) -> Result<MultiplexedConnection, String> {
+async fn connect(url: &str) -> Result<MultiplexedConnection, crate::registry::redis::ConnectError> {
     let mut conn = Redis::connect(url).await?;
     conn.set_response_timeout(RESPONSE_TIMEOUT);
     Ok(conn)

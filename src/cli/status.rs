@@ -1,9 +1,10 @@
 //! `warren status [--json] [--watch [SECONDS]]`: the live instances from the Redis registry
-//! (with the rates each one computes and writes itself at every heartbeat) and, for each queue,
-//! its depth, consumer count and depth trend from the broker. `--watch` redraws in place until
-//! interrupted, like `top`. Numbers are at most `REGISTRY_HEARTBEAT_MS` old (1 s by default);
-//! `--json` gives them as JSON numbers; every string read from Redis is escaped before it
-//! reaches the terminal.
+//! (their records, with the rates each one computes and writes itself at every heartbeat; an
+//! entry that cannot be read is listed as such) and, for each queue of every pipeline the
+//! configuration names or a live instance runs, its depth, consumer count and depth trend from
+//! the broker. `--watch` redraws in place until interrupted, like `top`. Numbers are at most
+//! `REGISTRY_HEARTBEAT_MS` old (1 s by default); `--json` is a versioned document
+//! ([`JSON_VERSION`]); every string read from Redis is escaped before it reaches the terminal.
 
 use std::collections::HashMap;
 use std::fmt::Write as _;
@@ -14,9 +15,8 @@ use serde_json::json;
 
 use crate::cli::out::{self, out};
 use crate::cli::{json_terminal_safe, terminal_safe as safe};
-use crate::config::pipelines::Names;
 use crate::config::{Settings, redact_url};
-use crate::registry::{self, InstanceFields, Keys, Redis, now_s};
+use crate::registry::{self, Breaker, Keys, Listed, PipelineRecord, Redis, now_s, record};
 
 #[derive(Debug, clap::Args)]
 pub struct Args {
@@ -32,12 +32,18 @@ pub struct Args {
 /// Time between the two depth samples of a single `warren status`, for the trend.
 const TREND_SAMPLE: Duration = Duration::from_secs(1);
 
+/// The version of the `status --json` document's schema (docs/operations.md#warren-status-json):
+/// raised when a field changes meaning or goes, not when one is added.
+pub const JSON_VERSION: u32 = 1;
+
 /// (queue, messages, consumers); the numbers are `None` when the queue cannot be read.
 type QueueRow = (String, Option<u32>, Option<u32>);
 
 /// What one redraw shows.
 struct Snapshot {
-    instances: Option<Vec<InstanceFields>>,
+    instances: Option<Vec<Listed>>,
+    /// Every pipeline the configuration names or a live instance runs, once each.
+    pipelines: Vec<PipelineRecord>,
     queues: Option<Vec<QueueRow>>,
     /// When the queue depths were read.
     at: Instant,
@@ -45,7 +51,10 @@ struct Snapshot {
 
 pub async fn execute(settings: &Settings, args: Args) -> anyhow::Result<i32> {
     let Some(every) = args.watch else {
-        let first = queue_rows(settings).await.map(|q| (q, Instant::now()));
+        let (_, pipelines) = listing(settings).await;
+        let first = queue_rows(settings, &pipelines)
+            .await
+            .map(|q| (q, Instant::now()));
         if first.is_some() {
             tokio::time::sleep(TREND_SAMPLE).await;
         }
@@ -85,15 +94,28 @@ pub async fn execute(settings: &Settings, args: Args) -> anyhow::Result<i32> {
     }
 }
 
-async fn snapshot(settings: &Settings) -> Snapshot {
+/// The registry's entries (`None` without Redis), and every pipeline the configuration names or
+/// a readable record publishes.
+async fn listing(settings: &Settings) -> (Option<Vec<Listed>>, Vec<PipelineRecord>) {
     let keys = Keys::new(&settings.redis_prefix);
     let instances = match Redis::connect(&settings.redis_url).await {
         Ok(_) => registry::instances(&mut Redis::new(&settings.redis_url), &keys).await,
         Err(_) => None,
     };
-    let queues = queue_rows(settings).await;
+    let records = instances
+        .iter()
+        .flatten()
+        .filter_map(|l| l.record.as_ref().ok());
+    let pipelines = record::known(settings, records);
+    (instances, pipelines)
+}
+
+async fn snapshot(settings: &Settings) -> Snapshot {
+    let (instances, pipelines) = listing(settings).await;
+    let queues = queue_rows(settings, &pipelines).await;
     Snapshot {
         instances,
+        pipelines,
         queues,
         at: Instant::now(),
     }
@@ -142,9 +164,13 @@ fn render(
     let mut out = String::new();
     if json {
         let doc = json!({
-            "instances": snap.instances.as_ref().map(|list| list.iter().map(typed).collect::<Vec<_>>()),
+            "version": JSON_VERSION,
+            "instances": snap.instances.as_ref().map(|list| list.iter().map(instance_json).collect::<Vec<_>>()),
+            "pipelines": snap.pipelines,
             "queues": snap.queues.as_ref().map(|q| q.iter().map(|(name, m, c)| json!({
-                "name": name, "messages": m, "consumers": c,
+                "name": name,
+                "pipeline": snap.pipelines.iter().find(|p| p.queues().any(|n| n == name)).map(|p| &p.name),
+                "messages": m, "consumers": c,
                 "trend_per_s": trends.get(name).map(|t| (t * 10.0).round() / 10.0),
             })).collect::<Vec<_>>()),
         });
@@ -176,33 +202,43 @@ fn render(
                 ],
                 3,
             );
-            for i in list {
-                let get = |k: &str| safe(i.get(k).map(String::as_str).unwrap_or("-"));
-                let age = get("last_heartbeat")
-                    .parse::<u64>()
-                    .map(|t| format!("{}s ago", now_s().saturating_sub(t)))
-                    .unwrap_or_else(|_| "-".into());
-                let limit = match get("rate_limit_per_s").as_str() {
-                    "0" => "off".to_string(),
-                    other => other.to_string(),
+            let mut unreadable = Vec::new();
+            for listed in list {
+                let i = match &listed.record {
+                    Ok(i) => i,
+                    Err(why) => {
+                        let mut row = vec!["-".to_string(); 13];
+                        row[0] = safe(&listed.instance());
+                        row[2] = "unreadable".into();
+                        t.add_row(row);
+                        unreadable.push((safe(&listed.key), safe(&why.to_string())));
+                        continue;
+                    }
+                };
+                let limit = match i.rate_limit_per_s {
+                    0 => "off".to_string(),
+                    n => n.to_string(),
                 };
                 t.add_row(vec![
-                    format!("{}:{}", get("host"), get("pid")),
-                    get("roles").to_string(),
-                    get("status").to_string(),
-                    get("processors").to_string(),
-                    get("received").to_string(),
-                    get("inserted").to_string(),
-                    get("received_per_s").to_string(),
-                    get("inserted_per_s").to_string(),
-                    get("inflight").to_string(),
-                    get("breaker").to_string(),
-                    limit.to_string(),
-                    age,
-                    get("concurrency").to_string(),
+                    format!("{}:{}", safe(&i.host), i.pid),
+                    safe(&i.roles),
+                    i.status.name().to_string(),
+                    i.processors.to_string(),
+                    i.received.to_string(),
+                    i.inserted.to_string(),
+                    format!("{:.1}", i.received_per_s),
+                    format!("{:.1}", i.inserted_per_s),
+                    i.inflight.to_string(),
+                    breaker_name(i.breaker).to_string(),
+                    limit,
+                    format!("{}s ago", now_s().saturating_sub(i.last_heartbeat)),
+                    i.concurrency.to_string(),
                 ]);
             }
             let _ = writeln!(out, "{}", t.trim_fmt());
+            for (key, why) in unreadable {
+                let _ = writeln!(out, "{key}: unreadable record: {why}");
+            }
             let stages = pipeline_rows(list);
             if !stages.is_empty() {
                 let mut t = table(
@@ -239,14 +275,16 @@ fn render(
         Some(rows) => {
             let mut t = table(&["QUEUE", "MESSAGES", "CONSUMERS", "TREND"], 1);
             for (name, m, c) in rows {
+                // Queue names may come from a record in Redis: escaped like every such string.
+                let shown = safe(name);
                 t.add_row(match (m, c) {
                     (Some(m), Some(c)) => vec![
-                        name.clone(),
+                        shown,
                         m.to_string(),
                         c.to_string(),
                         trend_text(trends.get(name).copied()),
                     ],
-                    _ => vec![name.clone(), "missing".into(), "-".into(), "-".into()],
+                    _ => vec![shown, "missing".into(), "-".into(), "-".into()],
                 });
             }
             let _ = writeln!(out, "{}", t.trim_fmt());
@@ -262,93 +300,53 @@ fn render(
     out
 }
 
-/// The registry fields whose values are numbers (counters, rates, times, the PID).
-const NUMERIC_FIELDS: &[&str] = &[
-    "pid",
-    "started_at",
-    "processors",
-    "received",
-    "inserted",
-    "received_per_s",
-    "inserted_per_s",
-    "rate_limit_per_s",
-    "retried",
-    "dead_lettered",
-    "inflight",
-    "last_heartbeat",
-];
-
-/// One instance's fields as JSON, the numeric ones as numbers (a value that is not one, which
-/// only a hand-edited hash holds, stays a string).
-fn typed(fields: &InstanceFields) -> serde_json::Value {
-    let mut out = serde_json::Map::new();
-    for (key, value) in fields {
-        let number = NUMERIC_FIELDS
-            .contains(&key.as_str())
-            .then(|| {
-                value
-                    .parse::<u64>()
-                    .map(serde_json::Value::from)
-                    .ok()
-                    .or_else(|| {
-                        value
-                            .parse::<f64>()
-                            .ok()
-                            .and_then(|f| serde_json::Number::from_f64(f).map(Into::into))
-                    })
-            })
-            .flatten();
-        // The per-pipeline counters are a JSON object of their own.
-        let object = (key == "pipelines")
-            .then(|| serde_json::from_str::<serde_json::Value>(value).ok())
-            .flatten()
-            .filter(serde_json::Value::is_object);
-        out.insert(
-            key.clone(),
-            number.or(object).unwrap_or_else(|| value.clone().into()),
-        );
+/// `open` or `closed`, as in the record.
+fn breaker_name(b: Breaker) -> &'static str {
+    match b {
+        Breaker::Open => "open",
+        Breaker::Closed => "closed",
     }
-    out.into()
 }
 
-/// Each instance's per-pipeline lines (instance, stage, its counters), from its `pipelines`
-/// field; empty when every instance runs only users' stages (`users/main`, `users/dlq`), whose
-/// counts are the instance's own.
-fn pipeline_rows(list: &[InstanceFields]) -> Vec<Vec<String>> {
+/// One registry entry in `status --json`: its record as the instance wrote it, or its key and
+/// why it cannot be read.
+fn instance_json(listed: &Listed) -> serde_json::Value {
+    match &listed.record {
+        Ok(r) => serde_json::to_value(r).unwrap_or_else(|e| {
+            json!({
+                "key": listed.key, "unreadable": e.to_string(),
+            })
+        }),
+        Err(why) => json!({
+            "key": listed.key,
+            "instance": listed.instance(),
+            "unreadable": why.to_string(),
+        }),
+    }
+}
+
+/// Each instance's per-stage lines (instance, stage, its counters), from its record's `stages`;
+/// empty when every instance runs only users' stages (`main`, `dlq`), whose counts are the
+/// instance's own.
+fn pipeline_rows(list: &[Listed]) -> Vec<Vec<String>> {
     let mut rows = Vec::new();
     let mut configured = false;
-    for i in list {
-        let Some(serde_json::Value::Object(stages)) = i
-            .get("pipelines")
-            .and_then(|v| serde_json::from_str::<serde_json::Value>(v).ok())
-        else {
-            continue;
-        };
-        let instance = format!(
-            "{}:{}",
-            safe(i.get("host").map(String::as_str).unwrap_or("-")),
-            safe(i.get("pid").map(String::as_str).unwrap_or("-"))
-        );
-        for (stage, counts) in &stages {
-            configured |= !matches!(stage.as_str(), "users/main" | "users/dlq");
-            let n = |k: &str| {
-                counts
-                    .get(k)
-                    .map(|v| safe(&v.to_string()))
-                    .unwrap_or_else(|| "-".into())
-            };
+    for i in list.iter().filter_map(|l| l.record.as_ref().ok()) {
+        let instance = format!("{}:{}", safe(&i.host), i.pid);
+        for (stage, c) in &i.stages {
+            configured |= stage != "users/main" && stage != "users/dlq";
             rows.push(vec![
                 instance.clone(),
                 safe(stage),
-                n("received"),
-                n("inserted"),
-                n("received_per_s"),
-                n("inserted_per_s"),
-                n("retried"),
-                n("dead_lettered"),
-                match n("concurrency").as_str() {
-                    "0" => "-".into(),
-                    c => c.to_string(),
+                c.received.to_string(),
+                c.inserted.to_string(),
+                format!("{:.1}", c.received_per_s),
+                format!("{:.1}", c.inserted_per_s),
+                c.retried.to_string(),
+                c.dead_lettered.to_string(),
+                match c.concurrency {
+                    0 => "-".into(),
+                    n => n.to_string(),
                 },
             ]);
         }
@@ -371,33 +369,26 @@ fn table(header: &[&str], first_number: usize) -> Table {
 }
 
 /// (queue, messages, consumers) for the main queue, every retry tier and the DLQ of every
-/// pipeline; `None` without a broker.
-async fn queue_rows(settings: &Settings) -> Option<Vec<QueueRow>> {
+/// pipeline in `pipelines`; `None` without a broker.
+async fn queue_rows(settings: &Settings, pipelines: &[PipelineRecord]) -> Option<Vec<QueueRow>> {
     let mut fast = settings.clone();
     fast.amqp_connect_timeout_ms = fast.amqp_connect_timeout_ms.min(3000);
     let conn = crate::amqp::connect(&fast, "status", crate::amqp::Frames::Small)
         .await
         .ok()?;
     let mut rows = Vec::new();
-    // Users' queues (unless a file's pipeline named users replaces it), then every configured
-    // pipeline's.
-    let mut names = Vec::new();
-    if !settings.pipelines.iter().any(|p| p.name == "users") {
-        names.push(Names::users(settings));
+    let mut queues: Vec<&str> = Vec::new();
+    for q in pipelines.iter().flat_map(PipelineRecord::queues) {
+        if !queues.contains(&q) {
+            queues.push(q);
+        }
     }
-    names.extend(settings.pipelines.iter().map(|p| p.names(settings)));
-    let mut queues = Vec::new();
-    for n in names {
-        queues.push(n.main_queue);
-        queues.extend(n.retry_tiers.into_iter().map(|t| t.queue));
-        queues.push(n.dlq_queue);
-    }
-    for q in &queues {
+    for q in queues {
         let stats =
             tokio::time::timeout(Duration::from_secs(3), crate::amqp::queue_stats(&conn, q)).await;
         match stats {
-            Ok(Ok((m, c))) => rows.push((q.clone(), Some(m), Some(c))),
-            _ => rows.push((q.clone(), None, None)),
+            Ok(Ok((m, c))) => rows.push((q.to_string(), Some(m), Some(c))),
+            _ => rows.push((q.to_string(), None, None)),
         }
     }
     crate::amqp::close(None, Some(conn)).await;
@@ -414,6 +405,7 @@ mod tests {
         let before = vec![("q".to_string(), Some(100), Some(1))];
         let now = Snapshot {
             instances: None,
+            pipelines: Vec::new(),
             queues: Some(vec![
                 ("q".to_string(), Some(40), Some(1)),
                 ("new".to_string(), Some(5), Some(0)),
@@ -431,21 +423,15 @@ mod tests {
     }
 
     #[test]
-    fn instance_numbers_are_json_numbers_and_names_stay_strings() {
-        let fields: InstanceFields = [
-            ("host", "123"),
-            ("pid", "1"),
-            ("inserted", "40001"),
-            ("inserted_per_s", "12.5"),
-            ("received", "garbled"),
-        ]
-        .into_iter()
-        .map(|(k, v)| (k.to_string(), v.to_string()))
-        .collect();
+    fn unreadable_entries_are_shown_as_such() {
+        let listed = Listed {
+            key: "w:instances:vm:7".into(),
+            record: Err(registry::Unreadable::Format { found: "2".into() }),
+        };
         assert_eq!(
-            typed(&fields),
-            json!({"host": "123", "pid": 1, "inserted": 40001, "inserted_per_s": 12.5,
-                   "received": "garbled"})
+            instance_json(&listed),
+            json!({"key": "w:instances:vm:7", "instance": "vm:7",
+                   "unreadable": "record format 2, this warren reads format 1: another version"})
         );
     }
 

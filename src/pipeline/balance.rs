@@ -289,24 +289,25 @@ impl Concurrency {
         max: Option<usize>,
         others: usize,
         budget: usize,
-    ) -> Result<(usize, usize), String> {
+    ) -> Result<(usize, usize), BoundsError> {
         let (old_min, old_max) = self.bounds();
         let (min, max) = (min.unwrap_or(old_min), max.unwrap_or(old_max));
         if min < 1 || max > self.created || min > max {
-            return Err(format!(
-                "pipeline {}: expected 1 <= min <= max <= {} (its batchers: the larger of its \
-                 batch_concurrency and max_concurrency), got min {min}, max {max}",
-                self.stage.pipeline(),
-                self.created
-            ));
+            return Err(BoundsError::Range {
+                pipeline: self.stage.pipeline().to_string(),
+                batchers: self.created,
+                min,
+                max,
+            });
         }
         let held = self.held_within(min, max);
         if others + held > budget {
-            return Err(format!(
-                "pipeline {}: min {min} with the {others} inserts the other pipelines would hold \
-                 exceeds MAX_INSERTS_IN_FLIGHT ({budget})",
-                self.stage.pipeline()
-            ));
+            return Err(BoundsError::Budget {
+                pipeline: self.stage.pipeline().to_string(),
+                min,
+                others,
+                budget,
+            });
         }
         Ok((min, max))
     }
@@ -328,6 +329,33 @@ impl Concurrency {
             self.current().clamp(min, max)
         }
     }
+}
+
+/// Why bounds of batch inserts in flight (`warren ctl scale --min/--max`) cannot be taken.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum BoundsError {
+    /// Outside 1 <= min <= max <= the batchers the pipeline has.
+    #[error(
+        "pipeline {pipeline}: expected 1 <= min <= max <= {batchers} (its batchers: the larger of \
+         its batch_concurrency and max_concurrency), got min {min}, max {max}"
+    )]
+    Range {
+        pipeline: String,
+        batchers: usize,
+        min: usize,
+        max: usize,
+    },
+    /// With what the other pipelines hold, over the process-wide budget.
+    #[error(
+        "pipeline {pipeline}: min {min} with the {others} inserts the other pipelines would hold \
+         exceeds MAX_INSERTS_IN_FLIGHT ({budget})"
+    )]
+    Budget {
+        pipeline: String,
+        min: usize,
+        others: usize,
+        budget: usize,
+    },
 }
 
 /// A change of a pipeline's concurrency, for `warren ctl history`.

@@ -185,6 +185,15 @@ impl Spec {
 /// Starts one more processor: on the given thread, or on the pipeline's own with `None`.
 type ProcessorFactory = Box<dyn Fn(Option<&ArbiterHandle>) -> (Feed, Recipient<Drain>)>;
 
+/// A number a running pipeline does not take (`warren ctl scale`, `warren ctl rate`).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum OutOfRange {
+    #[error("processors: expected 1 to 256, got {0}")]
+    Processors(usize),
+    #[error("rate: expected 0 to 1000000 messages per second, got {0}")]
+    Rate(u32),
+}
+
 /// A running pipeline.
 pub struct Pipeline {
     /// The pipeline (`users`, `orders`: what `warren ctl --pipeline` names) and which of its
@@ -358,9 +367,9 @@ impl Pipeline {
     }
 
     /// Runs `n` processors from now on (1 to 256).
-    pub fn scale(&self, n: usize) -> Result<(), String> {
+    pub fn scale(&self, n: usize) -> Result<(), OutOfRange> {
         if !(1..=256).contains(&n) {
-            return Err(format!("processors: expected 1 to 256, got {n}"));
+            return Err(OutOfRange::Processors(n));
         }
         let from = self.drains.lock().unwrap_or_else(|p| p.into_inner()).len();
         let chunks = self.processors(n);
@@ -410,11 +419,9 @@ impl Pipeline {
 
     /// Hands at most `per_s` messages per second onwards from now on (0 = no limit, up to
     /// 1,000,000); the rest wait in the queue.
-    pub fn rate(&self, per_s: u32) -> Result<(), String> {
+    pub fn rate(&self, per_s: u32) -> Result<(), OutOfRange> {
         if per_s > 1_000_000 {
-            return Err(format!(
-                "rate: expected 0 to 1000000 messages per second, got {per_s}"
-            ));
+            return Err(OutOfRange::Rate(per_s));
         }
         self.consumer.do_send(consumer::SetRate { per_s });
         Ok(())

@@ -1,9 +1,9 @@
-//! This instance's registration: the Redis key scheme, the hash its heartbeats renew (status,
-//! counters, rates), the relay of its remote commands, its shutdown record, and the listing of
-//! every live instance.
+//! This instance's registration: the Redis key scheme, the record its heartbeats write (status,
+//! counters, rates, pipelines; see [`super::record`]), the relay of its remote commands, its
+//! shutdown record, and the listing of every registry entry.
 //!
-//! Each instance keeps a hash `{prefix}:instances:{host}:{pid}` with a 30 s TTL renewed by
-//! heartbeats, reads remote-control commands from `{prefix}:commands:{host}:{pid}`, records
+//! Each instance keeps a hash `{prefix}:instances:{host}:{pid}` holding its record, with a 30 s
+//! TTL renewed by heartbeats, reads remote-control commands from `{prefix}:commands:{host}:{pid}`, records
 //! their outcomes in `{prefix}:ctl:history`, and on a graceful stop deletes its hash and appends
 //! a record to the sorted set `{prefix}:shutdowns` (the newest [`SHUTDOWNS_MAX`] kept).
 
@@ -15,9 +15,16 @@ use time::format_description::BorrowedFormatItem;
 use time::macros::format_description;
 use tracing::warn;
 
-use super::commands::{Command, CtlCommand, CtlOutcome, Guard, Recorder};
+use super::commands::{Command, CtlCommand};
+use super::control::ControlError;
+use super::guard::Guard;
+use super::outcome::{CtlOutcome, Recorder};
+use super::record::{
+    Breaker, InstanceRecord, Listed, PipelineRecord, RECORD_FIELD, RECORD_FORMAT, StageCounts,
+    Status, Unreadable, configured,
+};
 use super::redis::Redis;
-use crate::config::Settings;
+use crate::config::{Role, Settings};
 use crate::metrics;
 
 /// Lifetime of an instance hash without a heartbeat.
@@ -90,6 +97,8 @@ pub struct Instance {
     /// A random id drawn at start: commands are signed for `host:pid/run`, so one captured for
     /// an earlier process with the same host and PID (PID 1 in every container) is refused.
     pub run: String,
+    /// The pipelines it runs (none without the consumer and DLQ roles), for every tool.
+    pub pipelines: Vec<PipelineRecord>,
 }
 
 impl Instance {
@@ -100,6 +109,11 @@ impl Instance {
             roles: settings.roles.to_string(),
             started_at: now_s(),
             run: uuid::Uuid::new_v4().simple().to_string(),
+            pipelines: if settings.has_role(Role::Consumer) || settings.has_role(Role::Dlq) {
+                configured(settings)
+            } else {
+                Vec::new()
+            },
         }
     }
 
@@ -151,8 +165,7 @@ pub fn per_second(before: u64, now: u64, seconds: f64) -> f64 {
 /// The live state an instance reports.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Report {
-    /// `running`, `paused` or `draining`.
-    pub status: &'static str,
+    pub status: Status,
     /// Processors per pipeline, as last set at start or by `scale`.
     pub processors: usize,
     /// Messages per second each pipeline takes, 0 = no limit.
@@ -227,8 +240,27 @@ impl Registry {
         self.keys.instance(&self.instance.host, self.instance.pid)
     }
 
-    /// Writes the hash with live counters and renews its TTL.
+    /// Writes the record, whole, with live counters, and renews its TTL.
     pub async fn heartbeat(&mut self, report: Report) {
+        let record = self.record_now(report);
+        let Ok(json) = serde_json::to_string(&record) else {
+            return;
+        };
+        let key = self.key();
+        let mut pipe = redis::pipe();
+        // The whole hash is replaced, so no field of an older warren's stays beside the record.
+        pipe.atomic()
+            .del(&key)
+            .ignore()
+            .hset(&key, RECORD_FIELD, json)
+            .ignore()
+            .expire(&key, INSTANCE_TTL_S as i64)
+            .ignore();
+        let _: Option<()> = self.redis.pipe(&pipe).await;
+    }
+
+    /// This instance's record now: `report` and its counters, their rates over the window.
+    fn record_now(&mut self, report: Report) -> InstanceRecord {
         use std::sync::atomic::Ordering::Relaxed;
         let stats = &metrics::STATS;
         let totals = metrics::totals();
@@ -245,78 +277,63 @@ impl Registry {
             .collect();
         let ((received_per_s, inserted_per_s), stage_rates) =
             self.rates(received, inserted, counts);
-        // Each stage's counters and rates, as one JSON object (`warren status` shows them).
-        let pipelines: serde_json::Map<String, serde_json::Value> = stages
+        let round = |x: f64| (x * 10.0).round() / 10.0;
+        let counts = stages
             .iter()
             .map(|(name, s)| {
                 let (r, i) = stage_rates.get(name).copied().unwrap_or((0.0, 0.0));
-                let round = |x: f64| (x * 10.0).round() / 10.0;
-                (
-                    name.to_string(),
-                    serde_json::json!({
-                        "paused": s.paused.load(Relaxed),
-                        "received": s.received.load(Relaxed),
-                        "inserted": s.inserted.load(Relaxed),
-                        "retried": s.retried.load(Relaxed),
-                        "dead_lettered": s.dead_lettered.load(Relaxed),
-                        "received_per_s": round(r),
-                        "inserted_per_s": round(i),
-                        "concurrency": s.concurrency.load(Relaxed),
-                    }),
-                )
+                let counts = StageCounts {
+                    paused: s.paused.load(Relaxed),
+                    received: s.received.load(Relaxed),
+                    inserted: s.inserted.load(Relaxed),
+                    retried: s.retried.load(Relaxed),
+                    dead_lettered: s.dead_lettered.load(Relaxed),
+                    received_per_s: round(r),
+                    inserted_per_s: round(i),
+                    concurrency: s.concurrency.load(Relaxed),
+                };
+                (name.to_string(), counts)
             })
             .collect();
         let breaker = if stats.breakers_open.load(Relaxed) != 0 {
-            "open"
+            Breaker::Open
         } else {
-            "closed"
+            Breaker::Closed
         };
         let i = &self.instance;
-        let fields: Vec<(&str, String)> = vec![
-            ("host", i.host.clone()),
-            ("pid", i.pid.to_string()),
-            ("roles", i.roles.clone()),
-            ("version", env!("CARGO_PKG_VERSION").to_string()),
-            ("started_at", i.started_at.to_string()),
-            ("run", i.run.clone()),
-            ("status", report.status.to_string()),
-            ("processors", report.processors.to_string()),
-            (
-                "concurrency",
-                stages
-                    .iter()
-                    .map(|(_, s)| s.concurrency.load(Relaxed))
-                    .sum::<u64>()
-                    .to_string(),
-            ),
-            ("received", received.to_string()),
-            ("inserted", inserted.to_string()),
-            ("received_per_s", format!("{received_per_s:.1}")),
-            ("inserted_per_s", format!("{inserted_per_s:.1}")),
-            ("breaker", breaker.to_string()),
-            ("rate_limit_per_s", report.rate_limit_per_s.to_string()),
-            ("retried", totals.retried.to_string()),
-            ("dead_lettered", totals.dead_lettered.to_string()),
-            ("inflight", stats.inflight.load(Relaxed).max(0).to_string()),
-            (
-                "pipelines",
-                serde_json::Value::Object(pipelines).to_string(),
-            ),
-            ("last_heartbeat", now_s().to_string()),
-        ];
-        let key = self.key();
-        let mut pipe = redis::pipe();
-        pipe.atomic()
-            .hset_multiple(&key, &fields)
-            .ignore()
-            .expire(&key, INSTANCE_TTL_S as i64)
-            .ignore();
-        let _: Option<()> = self.redis.pipe(&pipe).await;
+        InstanceRecord {
+            format: RECORD_FORMAT,
+            host: i.host.clone(),
+            pid: i.pid,
+            run: i.run.clone(),
+            roles: i.roles.clone(),
+            version: env!("CARGO_PKG_VERSION").to_string(),
+            started_at: i.started_at,
+            last_heartbeat: now_s(),
+            status: report.status,
+            processors: report.processors,
+            concurrency: stages
+                .iter()
+                .map(|(_, s)| s.concurrency.load(Relaxed))
+                .sum(),
+            rate_limit_per_s: report.rate_limit_per_s,
+            breaker,
+            received,
+            inserted,
+            retried: totals.retried,
+            dead_lettered: totals.dead_lettered,
+            inflight: u64::try_from(stats.inflight.load(Relaxed)).unwrap_or(0),
+            received_per_s: round(received_per_s),
+            inserted_per_s: round(inserted_per_s),
+            stages: counts,
+            pipelines: i.pipelines.clone(),
+        }
     }
 
-    /// The next command addressed to this instance, if any, with whether it may be applied
-    /// (see [`Guard`]); a refused one is logged here and is to be recorded as failed.
-    pub async fn next_command(&mut self) -> Option<(CtlCommand, Result<(), String>)> {
+    /// The next command addressed to this instance, if any, with what it asks if it may be
+    /// applied (see [`Guard`]; refused or malformed, the error to record it failed with, logged
+    /// here). One that is not a command at all is logged and dropped.
+    pub async fn next_command(&mut self) -> Option<(CtlCommand, Result<Command, ControlError>)> {
         let key = self.keys.commands(&self.instance.host, self.instance.pid);
         let raw: Option<String> = self
             .redis
@@ -326,7 +343,11 @@ impl Registry {
         let raw = raw?;
         match serde_json::from_str::<CtlCommand>(&raw) {
             Ok(c) => {
-                let verdict = self.guard.check(&c, now_s());
+                let verdict = self
+                    .guard
+                    .check(&c, now_s())
+                    .map_err(ControlError::from)
+                    .and_then(|()| Command::read(&c).map_err(ControlError::from));
                 if let Err(error) = &verdict {
                     warn!(id = %c.id, command = %c.command, by = %c.by, %error, "remote command refused");
                 }
@@ -340,7 +361,7 @@ impl Registry {
     }
 
     /// Records what this instance did with `command`.
-    pub async fn record(&mut self, command: &CtlCommand, result: Result<(), String>) {
+    pub async fn record(&mut self, command: &CtlCommand, result: &Result<(), ControlError>) {
         let me = Recorder {
             host: &self.instance.host,
             pid: self.instance.pid,
@@ -373,15 +394,8 @@ impl Registry {
             pid: self.instance.pid,
             run: &self.instance.run,
         };
-        let command = CtlCommand::new(
-            uuid::Uuid::new_v4().to_string(),
-            Command::Unknown("balance".into()),
-            Some(pipeline.to_string()),
-            now_s(),
-            format!("{}:{}", me.host, me.pid),
-        );
-        let mut outcome = CtlOutcome::of(&command, me, Ok(()), now_s());
-        outcome.detail = Some(detail);
+        let id = uuid::Uuid::new_v4().to_string();
+        let mut outcome = CtlOutcome::decision(me, id, pipeline, detail, now_s());
         self.guard.sign(&mut outcome);
         self.push_history(&outcome).await;
     }
@@ -418,11 +432,9 @@ impl Registry {
     }
 }
 
-/// One registered instance, as `warren status` reads it.
-pub type InstanceFields = HashMap<String, String>;
-
-/// Every live instance of the deployment (SCAN + HGETALL).
-pub async fn instances(redis: &mut Redis, keys: &Keys) -> Option<Vec<InstanceFields>> {
+/// Every entry of the deployment's registry (SCAN + HGETALL), by key: each one's record, or why
+/// it cannot be read. `None` while Redis is away.
+pub async fn instances(redis: &mut Redis, keys: &Keys) -> Option<Vec<Listed>> {
     let mut cursor: u64 = 0;
     let mut names: Vec<String> = Vec::new();
     loop {
@@ -445,13 +457,42 @@ pub async fn instances(redis: &mut Redis, keys: &Keys) -> Option<Vec<InstanceFie
     names.sort();
     names.dedup();
     let mut out = Vec::with_capacity(names.len());
-    for name in names {
-        let fields: InstanceFields = redis.query(redis::cmd("HGETALL").arg(&name)).await?;
-        if !fields.is_empty() {
-            out.push(fields);
-        }
+    for key in names {
+        // A key of another type under the pattern is an entry that cannot be read, not an
+        // outage: its type is asked first.
+        let kind: String = redis.query(redis::cmd("TYPE").arg(&key)).await?;
+        let record = match kind.as_str() {
+            // Gone since the SCAN (its TTL ran out, or a graceful stop).
+            "none" => continue,
+            "hash" => {
+                let fields: HashMap<String, String> =
+                    redis.query(redis::cmd("HGETALL").arg(&key)).await?;
+                if fields.is_empty() {
+                    continue;
+                }
+                InstanceRecord::read(&fields)
+            }
+            other => Err(Unreadable::Garbage(format!("a Redis {other}, not a hash"))),
+        };
+        out.push(Listed { key, record });
     }
     Some(out)
+}
+
+/// The readable records of the deployment's live instances; `None` when Redis cannot be reached
+/// (asked once, without the warnings of a long-lived link).
+pub async fn live(settings: &Settings) -> Option<Vec<InstanceRecord>> {
+    Redis::connect(&settings.redis_url).await.ok()?;
+    let keys = Keys::new(&settings.redis_prefix);
+    let listed = instances(&mut Redis::quiet(&settings.redis_url), &keys).await?;
+    Some(listed.into_iter().filter_map(|l| l.record.ok()).collect())
+}
+
+/// Every pipeline the configuration names or a live instance runs, once each (the configured
+/// ones only while Redis is away).
+pub async fn known_pipelines(settings: &Settings) -> Vec<PipelineRecord> {
+    let live = live(settings).await.unwrap_or_default();
+    super::record::known(settings, &live)
 }
 
 #[cfg(test)]

@@ -8,21 +8,38 @@
 //! # Parts
 //! - [`redis`]: the link to Redis: lazy reconnects, a bound on every call, one
 //!   warning per outage, no password in any message.
-//! - [`instance`]: the key scheme, this instance's hash and heartbeat (status, counters, rates),
-//!   the relay of its commands, its shutdown record, and the listing of every live instance.
-//! - [`commands`]: the signed remote commands and their outcomes: the typed [`Command`] and its
-//!   wire form, the canonical encoding, HMAC-SHA256 signing and verification, and the [`Guard`]
-//!   that refuses.
+//! - [`record`]: the instance record (one serde struct, written and read whole), what a reader
+//!   makes of one it cannot read, and the pipelines an instance runs, which every tool learns.
+//! - [`instance`]: the key scheme, this instance's heartbeat (its record: status, counters,
+//!   rates), the relay of its commands, its shutdown record, and the listing of every entry.
+//! - [`commands`]: the signed remote commands: [`CtlCommand`], as queued (its JSON and signed
+//!   bytes), and [`Command`], what it asks, read from it once (a malformed one a
+//!   [`CommandError`]).
+//! - [`signing`]: the canonical encoding and the HMAC-SHA256 over it.
+//! - [`guard`]: the [`Guard`] that refuses unsigned, forged, stale, replayed, misaddressed
+//!   commands ([`Refusal`]).
+//! - [`outcome`]: the signed outcomes recorded in the history.
+//! - [`control`]: [`ControlError`], why a command was not applied.
 
 pub mod commands;
+pub mod control;
+pub mod guard;
 pub mod instance;
+pub mod outcome;
+pub mod record;
 pub mod redis;
+pub mod signing;
 
-pub use self::commands::{
-    Command, CtlCommand, CtlOutcome, Guard, MAX_SKEW_S, REFUSED_BAD_SIGNATURE, REFUSED_UNSIGNED,
-};
+pub use self::commands::{Command, CommandError, CtlCommand};
+pub use self::control::ControlError;
+pub use self::guard::{Guard, MAX_SKEW_S, REFUSED_BAD_SIGNATURE, REFUSED_UNSIGNED, Refusal};
 pub use self::instance::{
-    INSTANCE_TTL_S, Instance, InstanceFields, Keys, RATE_WINDOW, Registry, Report, SHUTDOWNS_MAX,
-    instances, now_s, per_second, utc,
+    INSTANCE_TTL_S, Instance, Keys, RATE_WINDOW, Registry, Report, SHUTDOWNS_MAX, instances,
+    known_pipelines, live, now_s, per_second, utc,
 };
-pub use self::redis::{Redis, scrub};
+pub use self::outcome::{CtlOutcome, Recorder};
+pub use self::record::{
+    Breaker, InstanceRecord, Listed, PipelineRecord, RECORD_FORMAT, StageCounts, Status,
+    UnknownPipeline, Unreadable,
+};
+pub use self::redis::{ConnectError, Redis, scrub};

@@ -16,6 +16,18 @@ use crate::metrics;
 /// Bound on any one Redis call, so a hung Redis never stalls the control loop.
 const CALL_TIMEOUT: Duration = Duration::from_secs(2);
 
+/// Why a link to Redis could not be opened; the URL is shown redacted and the client's words
+/// scrubbed of the password.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ConnectError {
+    /// `REDIS_URL` is not a Redis URL.
+    #[error("REDIS_URL {url}: {error}")]
+    BadUrl { url: String, error: String },
+    /// Redis did not answer, or refused.
+    #[error("cannot reach Redis at {url}: {error}")]
+    Unreachable { url: String, error: String },
+}
+
 /// A Redis link that reconnects lazily and never blocks for long.
 pub struct Redis {
     /// `REDIS_URL`, to connect again after an outage and to scrub from messages.
@@ -92,17 +104,20 @@ impl Redis {
     }
 
     /// Connects to `url` now, or fails with a message naming it (password redacted).
-    pub async fn connect(url: &str) -> Result<MultiplexedConnection, String> {
+    pub async fn connect(url: &str) -> Result<MultiplexedConnection, ConnectError> {
         let shown = redact_url(url);
-        let client = redis::Client::open(url)
-            .map_err(|e| format!("REDIS_URL {shown}: {}", scrub(&e.to_string(), url)))?;
+        let client = redis::Client::open(url).map_err(|e| ConnectError::BadUrl {
+            url: shown.clone(),
+            error: scrub(&e.to_string(), url),
+        })?;
+        let unreachable = |error: String| ConnectError::Unreachable {
+            url: shown.clone(),
+            error,
+        };
         match tokio::time::timeout(CALL_TIMEOUT, client.get_multiplexed_async_connection()).await {
             Ok(Ok(c)) => Ok(c),
-            Ok(Err(e)) => Err(format!(
-                "cannot reach Redis at {shown}: {}",
-                scrub(&e.to_string(), url)
-            )),
-            Err(_) => Err(format!("cannot reach Redis at {shown}: timed out")),
+            Ok(Err(e)) => Err(unreachable(scrub(&e.to_string(), url))),
+            Err(_) => Err(unreachable("timed out".into())),
         }
     }
 
@@ -129,7 +144,7 @@ impl Redis {
             match Self::connect(&self.url).await {
                 Ok(c) => self.conn = Some(c),
                 Err(e) => {
-                    self.mark(false, Some(&e));
+                    self.mark(false, Some(&e.to_string()));
                     return None;
                 }
             }
@@ -207,7 +222,7 @@ mod tests {
             .map(|a| a.port())
             .unwrap();
         let url = format!("redis://:Hidden-Pw-77@127.0.0.1:{port}");
-        let e = Redis::connect(&url).await.unwrap_err();
+        let e = Redis::connect(&url).await.unwrap_err().to_string();
         assert!(!e.contains("Hidden-Pw-77"), "{e}");
         assert!(e.contains(&format!("127.0.0.1:{port}")), "{e}");
         let mut redis = Redis::new(&url);

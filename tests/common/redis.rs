@@ -94,12 +94,19 @@ pub fn instance_key(env: &TestEnv, pid: i32) -> String {
     format!("{prefix}:instances:{}:{pid}", host())
 }
 
-/// The registry hash of the env's instance `pid` (empty when absent or Redis is away).
-pub async fn instance(env: &TestEnv, pid: i32) -> HashMap<String, String> {
+/// The registry record of the env's instance `pid`, as JSON (`Null` when absent or Redis is
+/// away); a record that is there but does not parse panics (it is never read as absent).
+pub async fn instance(env: &TestEnv, pid: i32) -> Value {
     let (url, _) = redis_of(env);
-    try_redis_query(&url, redis::cmd("HGETALL").arg(instance_key(env, pid)))
-        .await
-        .unwrap_or_default()
+    let fields: HashMap<String, String> =
+        try_redis_query(&url, redis::cmd("HGETALL").arg(instance_key(env, pid)))
+            .await
+            .unwrap_or_default();
+    match fields.get("record") {
+        Some(raw) => serde_json::from_str(raw).unwrap_or_else(|e| panic!("record {raw:?}: {e}")),
+        None if fields.is_empty() => Value::Null,
+        None => panic!("a registry hash without a record: {fields:?}"),
+    }
 }
 
 /// The shutdown records of the env's instances, oldest first.

@@ -233,18 +233,24 @@ fn parse_limit(raw: &str) -> Result<u64, String> {
 }
 
 pub async fn execute(settings: &Settings, args: Args) -> anyhow::Result<i32> {
-    // The settings as the chosen pipeline sees them: its DLQ, its exchange and queue.
+    // The settings as the chosen pipeline sees them: its DLQ, its exchange and queue; for a
+    // pipeline the configuration does not name, those a live instance publishes for it.
     let view = match settings.pipelines.iter().find(|p| p.name == args.pipeline) {
         Some(p) => p.view(settings),
         None if args.pipeline == "users" => settings.clone(),
         None => {
-            let mut known = vec!["users".to_string()];
-            known.extend(settings.pipelines.iter().map(|p| p.name.clone()));
-            anyhow::bail!(
-                "--pipeline: no pipeline {:?}; this configuration has: {}",
-                crate::cli::terminal_safe(&args.pipeline),
-                known.join(", ")
-            );
+            let known = crate::registry::known_pipelines(settings).await;
+            let p = crate::registry::record::find(&known, &args.pipeline).map_err(|unknown| {
+                anyhow::anyhow!(
+                    "--pipeline: {}",
+                    crate::cli::terminal_safe(&unknown.to_string())
+                )
+            })?;
+            let mut view = settings.clone();
+            view.main_exchange = p.main_exchange.clone();
+            view.main_queue = p.main_queue.clone();
+            view.dlq_queue = p.dlq_queue.clone();
+            view
         }
     };
     let settings = &view;

@@ -1,0 +1,329 @@
+//! How a running instance is steered: the remote commands the registry relays ([`apply`], on the
+//! actor system's thread, with [`ControlError`] for what it refuses), the registry's own loop
+//! (heartbeats, commands, balancing decisions, deregistration: [`registry_loop`]), and the
+//! operator signals ([`OperatorSignals`]: `SIGUSR1` pauses every pipeline, `SIGCONT` resumes, as
+//! `warren ctl pause` / `resume` without `--pipeline`).
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::signal::unix::{Signal, SignalKind, signal};
+use tokio::sync::{mpsc, oneshot, watch};
+
+use crate::config::Settings;
+use crate::events::{self, Kind};
+use crate::pipeline::{self, Pipeline};
+use crate::registry::{Command, ControlError, CtlCommand, Registry, Report, Status};
+
+/// A remote command read from Redis and where to answer whether it was applied.
+pub(super) type Control = (
+    CtlCommand,
+    Command,
+    oneshot::Sender<Result<(), ControlError>>,
+);
+
+/// `SIGUSR1` and `SIGCONT`, as the commands they stand for.
+pub(super) struct OperatorSignals {
+    pause: Signal,
+    resume: Signal,
+}
+
+impl OperatorSignals {
+    /// Takes over both signals (from now on `SIGUSR1` no longer ends the process).
+    pub(super) fn listen() -> std::io::Result<Self> {
+        Ok(Self {
+            pause: signal(SignalKind::user_defined1())?,
+            resume: signal(SignalKind::from_raw(libc::SIGCONT))?,
+        })
+    }
+
+    /// The next operator signal, as the command it stands for, with the signal's name.
+    pub(super) async fn next(&mut self) -> (Command, &'static str) {
+        tokio::select! {
+            Some(()) = self.pause.recv() => (Command::Pause, "SIGUSR1"),
+            Some(()) = self.resume.recv() => (Command::Resume, "SIGCONT"),
+        }
+    }
+}
+
+/// Applies `command` (for every pipeline, or only `pipeline`) to this instance's pipelines.
+pub(super) fn apply(
+    command: Command,
+    pipeline: Option<&str>,
+    pipelines: &[Pipeline],
+    report: &watch::Sender<Report>,
+    budget: usize,
+) -> Result<(), ControlError> {
+    let needs_consumer = || {
+        if pipelines.is_empty() {
+            Err(ControlError::NoConsumer)
+        } else {
+            Ok(())
+        }
+    };
+    // `--pipeline NAME`: the stages of that pipeline alone (its main and DLQ stages).
+    let chosen: Vec<&Pipeline> = match pipeline {
+        None => pipelines.iter().collect(),
+        Some(name) => {
+            let chosen: Vec<&Pipeline> = pipelines
+                .iter()
+                .filter(|p| p.id.pipeline() == name)
+                .collect();
+            if chosen.is_empty() && !pipelines.is_empty() {
+                // Once each: the stages come main stages first, then DLQ stages.
+                let mut runs: Vec<String> = Vec::new();
+                for p in pipelines {
+                    if !runs.iter().any(|r: &String| r == p.id.pipeline()) {
+                        runs.push(p.id.pipeline().to_string());
+                    }
+                }
+                return Err(ControlError::NoPipeline {
+                    name: name.to_string(),
+                    runs,
+                });
+            }
+            chosen
+        }
+    };
+    let whole = pipeline.is_none();
+    // `paused` / `resumed`: once for the instance, or once for the pipeline named.
+    let announce = |kind: Kind| {
+        events::emit(pipeline, kind);
+    };
+    let mark_paused = |on: bool| {
+        for p in &chosen {
+            crate::metrics::stage(&p.id)
+                .paused
+                .store(on && !whole, std::sync::atomic::Ordering::Relaxed);
+        }
+    };
+    match command {
+        Command::Pause => {
+            needs_consumer()?;
+            chosen.iter().for_each(|p| p.hold(true));
+            mark_paused(true);
+            announce(Kind::Paused {
+                by: "operator".into(),
+            });
+            if whole {
+                report.send_modify(|r| r.status = Status::Paused);
+            }
+            Ok(())
+        }
+        Command::Resume => {
+            needs_consumer()?;
+            chosen.iter().for_each(|p| p.hold(false));
+            mark_paused(false);
+            announce(Kind::Resumed {
+                by: "operator".into(),
+            });
+            if whole {
+                report.send_modify(|r| r.status = Status::Running);
+            }
+            Ok(())
+        }
+        Command::Drain => Ok(()),
+        Command::Scale { processors: n } => {
+            needs_consumer()?;
+            // All or nothing: a refusal depends on `n` alone, so the first stage refuses it
+            // before any is changed.
+            for p in &chosen {
+                p.scale(n)?;
+            }
+            if whole {
+                report.send_modify(|r| r.processors = n);
+            }
+            Ok(())
+        }
+        Command::Concurrency { min, max } => {
+            needs_consumer()?;
+            // Checked for every chosen stage before any changes, so a refusal changes nothing.
+            let stages: Vec<_> = chosen
+                .iter()
+                .filter_map(|p| p.concurrency.clone())
+                .collect();
+            if stages.is_empty() {
+                return Err(ControlError::NoMainStage);
+            }
+            // All or nothing: each stage is checked against what every other main stage will
+            // hold once the command is applied (the chosen ones at their new bounds, the rest
+            // as they are), and only then is any changed.
+            let chosen_one =
+                |o: &Arc<pipeline::balance::Concurrency>| stages.iter().any(|c| Arc::ptr_eq(c, o));
+            let unchosen: usize = pipelines
+                .iter()
+                .filter_map(|p| p.concurrency.as_ref())
+                .filter(|o| !chosen_one(o))
+                .map(|o| o.held())
+                .sum();
+            // First the bounds alone (each stage's own limits), with no budget taken yet.
+            let mut bounds = Vec::with_capacity(stages.len());
+            for c in &stages {
+                bounds.push(c.check_bounds(min, max, 0, usize::MAX)?);
+            }
+            let will_hold: Vec<usize> = stages
+                .iter()
+                .zip(&bounds)
+                .map(|(c, &(lo, hi))| c.held_within(lo, hi))
+                .collect();
+            let total: usize = unchosen + will_hold.iter().sum::<usize>();
+            for (i, c) in stages.iter().enumerate() {
+                c.check_bounds(min, max, total - will_hold[i], budget)?;
+            }
+            for (c, &(lo, hi)) in stages.iter().zip(&bounds) {
+                c.apply_bounds(lo, hi);
+            }
+            Ok(())
+        }
+        Command::Rate { per_s: n } => {
+            needs_consumer()?;
+            // All or nothing, as scale: a refusal depends on `n` alone.
+            for p in &chosen {
+                p.rate(n)?;
+            }
+            if whole {
+                report.send_modify(|r| r.rate_limit_per_s = n);
+            }
+            Ok(())
+        }
+    }
+}
+
+/// Keeps this instance registered in Redis, relays remote commands, and deregisters at the end.
+pub(super) async fn registry_loop(
+    settings: Settings,
+    ctl: mpsc::UnboundedSender<Control>,
+    mut report: watch::Receiver<Report>,
+    mut stop: oneshot::Receiver<String>,
+    mut decisions: mpsc::UnboundedReceiver<pipeline::balance::Decision>,
+) {
+    let mut registry = Registry::new(&settings);
+    let mut beat = tokio::time::interval(Duration::from_millis(settings.registry_heartbeat_ms));
+    let mut poll = tokio::time::interval(Duration::from_millis(500));
+    beat.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    poll.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            reason = &mut stop => {
+                let reason = reason.unwrap_or_else(|_| "stopped".into());
+                registry.deregister(&reason).await;
+                return;
+            }
+            _ = beat.tick() => {
+                let now = *report.borrow();
+                registry.heartbeat(now).await;
+            }
+            Some(decision) = decisions.recv() => {
+                let detail = format!(
+                    "concurrency {} -> {} ({}): {}",
+                    decision.from, decision.to, decision.reason, decision.inputs
+                );
+                registry.record_decision(&decision.pipeline, detail).await;
+            }
+            _ = poll.tick() => {
+                while let Some((wire, verdict)) = registry.next_command().await {
+                    // A refused or malformed command never reaches the pipelines; it is only
+                    // recorded.
+                    let result = match verdict {
+                        Err(refused) => Err(refused),
+                        Ok(command) => {
+                            let (tx, rx) = oneshot::channel();
+                            if ctl.send((wire.clone(), command, tx)).is_ok() {
+                                rx.await.unwrap_or(Err(ControlError::Stopping))
+                            } else {
+                                Err(ControlError::Stopping)
+                            }
+                        }
+                    };
+                    registry.record(&wire, &result).await;
+                    let now = *report.borrow();
+                    registry.heartbeat(now).await;
+                }
+            }
+            changed = report.changed() => {
+                if changed.is_ok() {
+                    let now = *report.borrow();
+                    registry.heartbeat(now).await;
+                } else {
+                    let reason = (&mut stop).await.unwrap_or_else(|_| "stopped".into());
+                    registry.deregister(&reason).await;
+                    return;
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Commands read from Redis, applied by an instance without pipelines: what is malformed is
+    /// refused when read (by its typed error), the rest by the instance.
+    #[test]
+    fn commands_are_applied_or_refused() {
+        let (report, _) = watch::channel(Report {
+            status: Status::Running,
+            processors: 1,
+            rate_limit_per_s: 0,
+        });
+        let no_consumer = Err("this instance runs no consumer role".to_string());
+        for (raw, expected) in [
+            (
+                r#"{"id":"a","command":"pause","issued_at":1,"by":"b"}"#,
+                no_consumer.clone(),
+            ),
+            (
+                r#"{"id":"a","command":"resume","issued_at":1,"by":"b"}"#,
+                no_consumer.clone(),
+            ),
+            (
+                r#"{"id":"a","command":"drain","issued_at":1,"by":"b"}"#,
+                Ok(()),
+            ),
+            (
+                r#"{"id":"a","command":"drain","pipeline":"orders","issued_at":1,"by":"b"}"#,
+                Err("drain applies to the whole instance, not to one pipeline".to_string()),
+            ),
+            (
+                r#"{"id":"a","command":"scale","processors":3,"issued_at":1,"by":"b"}"#,
+                no_consumer.clone(),
+            ),
+            (
+                r#"{"id":"a","command":"scale","issued_at":1,"by":"b"}"#,
+                Err("scale needs a number of processors".to_string()),
+            ),
+            (
+                r#"{"id":"a","command":"rate","rate":3,"issued_at":1,"by":"b"}"#,
+                no_consumer.clone(),
+            ),
+            (
+                r#"{"id":"a","command":"rate","processors":3,"issued_at":1,"by":"b"}"#,
+                Err("rate needs a number of messages per second".to_string()),
+            ),
+            (
+                r#"{"id":"a","command":"reboot","pipeline":"orders","issued_at":1,"by":"b"}"#,
+                Err(r#"unknown command "reboot""#.to_string()),
+            ),
+            (
+                r#"{"id":"a","command":"Drain","issued_at":1,"by":"b"}"#,
+                Err(r#"unknown command "Drain""#.to_string()),
+            ),
+            (
+                r#"{"id":"a","command":"pause","processors":4,"issued_at":1,"by":"b"}"#,
+                Err("pause takes no processors".to_string()),
+            ),
+            (
+                r#"{"id":"a","command":"concurrency","issued_at":1,"by":"b"}"#,
+                Err("concurrency needs min or max".to_string()),
+            ),
+        ] {
+            let wire: CtlCommand = serde_json::from_str(raw).unwrap();
+            let result = Command::read(&wire)
+                .map_err(ControlError::from)
+                .and_then(|c| apply(c, wire.pipeline.as_deref(), &[], &report, 8));
+            assert_eq!(result.map_err(|e| e.to_string()), expected, "{raw}");
+        }
+        assert_eq!(report.borrow().status, Status::Running, "nothing applied");
+    }
+}

@@ -1,0 +1,390 @@
+//! The instance record: one serde struct per instance, written whole by its heartbeat and read
+//! whole by `warren status` and `warren ctl`; what a reader makes of a record it cannot read; and
+//! the pipelines an instance runs (names, table, queues), which every tool learns from it.
+//!
+//! The record is the JSON of [`InstanceRecord`] in the field `record` of the hash
+//! `{prefix}:instances:{host}:{pid}` (a hash, so that an older warren's `status` reading it meets
+//! no type error). Its `format` is [`RECORD_FORMAT`]; a record of another format, a hash without
+//! the field (an instance of an older warren) or bytes that do not parse are [`Unreadable`], shown
+//! as such, never skipped.
+
+use std::collections::{BTreeMap, HashMap};
+
+use serde::{Deserialize, Serialize};
+
+use crate::config::Settings;
+use crate::config::pipelines::Names;
+
+/// The format of the record this warren writes and reads; another one is [`Unreadable::Format`].
+pub const RECORD_FORMAT: u32 = 1;
+/// The hash field holding the record.
+pub const RECORD_FIELD: &str = "record";
+
+/// What an instance is doing.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Status {
+    /// Taking deliveries.
+    Running,
+    /// Every pipeline held by an operator (`warren ctl pause` without `--pipeline`, `SIGUSR1`).
+    Paused,
+    /// Stopping: finishing what is in flight.
+    Draining,
+}
+
+impl Status {
+    /// Its name, as in the record and the table.
+    pub fn name(self) -> &'static str {
+        match self {
+            Status::Running => "running",
+            Status::Paused => "paused",
+            Status::Draining => "draining",
+        }
+    }
+}
+
+/// The sink-outage breakers of the instance's pipelines, together.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Breaker {
+    /// Every breaker lets deliveries through.
+    Closed,
+    /// At least one holds its consumer.
+    Open,
+}
+
+/// One stage's counts (a pipeline's main or DLQ stage), from the instance's start.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct StageCounts {
+    /// Held by `warren ctl pause --pipeline` (an instance-wide pause shows in `status`).
+    pub paused: bool,
+    pub received: u64,
+    pub inserted: u64,
+    pub retried: u64,
+    pub dead_lettered: u64,
+    /// Over the last rate window, one decimal.
+    pub received_per_s: f64,
+    pub inserted_per_s: f64,
+    /// Batch inserts in flight at most; 0 for a stage that does not batch-insert (yet).
+    pub concurrency: u64,
+}
+
+/// A pipeline an instance runs: what `status`, `ctl`, `dlq` and `events` need to know of it
+/// without the configuration file.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PipelineRecord {
+    /// Its name (`users`, `orders`): what `--pipeline` names.
+    pub name: String,
+    /// The table its rows go to.
+    pub table: String,
+    /// Where `dlq replay` sends messages back to.
+    pub main_exchange: String,
+    pub main_queue: String,
+    /// Its retry tiers' queues, shortest delay first.
+    pub retry_queues: Vec<String>,
+    pub dlq_queue: String,
+}
+
+impl PipelineRecord {
+    /// The pipeline `name` writing into `table`, with its exchanges and queues `names`.
+    pub fn of(name: &str, table: &str, names: &Names) -> Self {
+        Self {
+            name: name.to_string(),
+            table: table.to_string(),
+            main_exchange: names.main_exchange.clone(),
+            main_queue: names.main_queue.clone(),
+            retry_queues: names.retry_tiers.iter().map(|t| t.queue.clone()).collect(),
+            dlq_queue: names.dlq_queue.clone(),
+        }
+    }
+
+    /// Its queues: main, retry tiers, DLQ.
+    pub fn queues(&self) -> impl Iterator<Item = &str> {
+        std::iter::once(self.main_queue.as_str())
+            .chain(self.retry_queues.iter().map(String::as_str))
+            .chain(std::iter::once(self.dlq_queue.as_str()))
+    }
+}
+
+/// The pipelines `settings` configures: the built-in users pipeline (unless a file's pipeline
+/// named users replaces it, or `--without-users`), then the file's, in its order.
+pub fn configured(settings: &Settings) -> Vec<PipelineRecord> {
+    let mut out = Vec::new();
+    if !settings.without_users && !settings.pipelines.iter().any(|p| p.name == "users") {
+        let table = crate::config::pipelines::users().map_or_else(|_| "users".into(), |p| p.table);
+        out.push(PipelineRecord::of("users", &table, &Names::users(settings)));
+    }
+    out.extend(
+        settings
+            .pipelines
+            .iter()
+            .map(|p| PipelineRecord::of(&p.name, &p.table, &p.names(settings))),
+    );
+    out
+}
+
+/// Every pipeline `settings` configures, then each one the records publish that it does not
+/// (by name; the first seen wins): once each.
+pub fn known<'a>(
+    settings: &Settings,
+    records: impl IntoIterator<Item = &'a InstanceRecord>,
+) -> Vec<PipelineRecord> {
+    let mut out = configured(settings);
+    for r in records {
+        for p in &r.pipelines {
+            if !out.iter().any(|k| k.name == p.name) {
+                out.push(p.clone());
+            }
+        }
+    }
+    out
+}
+
+/// A `--pipeline` that names no pipeline the configuration names or a live instance runs.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error(
+    "no pipeline {name:?}: the configuration does not name it and no live instance runs it; \
+     known: {}", if known.is_empty() { "none".to_string() } else { known.join(", ") }
+)]
+pub struct UnknownPipeline {
+    pub name: String,
+    /// Every known pipeline's name, once each.
+    pub known: Vec<String>,
+}
+
+/// The pipeline `name` among `known`, or the error that lists them.
+pub fn find<'a>(
+    known: &'a [PipelineRecord],
+    name: &str,
+) -> Result<&'a PipelineRecord, UnknownPipeline> {
+    known
+        .iter()
+        .find(|p| p.name == name)
+        .ok_or_else(|| UnknownPipeline {
+            name: name.to_string(),
+            known: known.iter().map(|p| p.name.clone()).collect(),
+        })
+}
+
+/// One instance as it publishes itself.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct InstanceRecord {
+    /// [`RECORD_FORMAT`], so a reader knows what it reads.
+    pub format: u32,
+    /// With `pid`, names the instance's keys and addresses its commands.
+    pub host: String,
+    pub pid: u32,
+    /// A random id drawn at start, which signed commands are bound to.
+    pub run: String,
+    /// The roles it runs (`consumer,dlq,api`).
+    pub roles: String,
+    /// warren's version.
+    pub version: String,
+    /// Unix seconds of its start, and of this heartbeat.
+    pub started_at: u64,
+    pub last_heartbeat: u64,
+    pub status: Status,
+    /// Processors per pipeline, as last set at start or by `scale`.
+    pub processors: usize,
+    /// Every main stage's batch inserts in flight at most, together.
+    pub concurrency: u64,
+    /// Messages per second each pipeline takes, 0 = no limit.
+    pub rate_limit_per_s: u32,
+    pub breaker: Breaker,
+    /// The process's counts from its start.
+    pub received: u64,
+    pub inserted: u64,
+    pub retried: u64,
+    pub dead_lettered: u64,
+    pub inflight: u64,
+    /// Over the last rate window, one decimal.
+    pub received_per_s: f64,
+    pub inserted_per_s: f64,
+    /// Each stage's counts, by its metrics label.
+    pub stages: BTreeMap<String, StageCounts>,
+    /// The pipelines it runs.
+    pub pipelines: Vec<PipelineRecord>,
+}
+
+/// Why a registry entry could not be read as an [`InstanceRecord`].
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum Unreadable {
+    /// A hash without the `record` field: the hash of an older warren (before the record), or
+    /// something else written under the key.
+    #[error(
+        "no `record` field (fields: {fields}): an older warren's registry hash, or not warren's"
+    )]
+    NoRecord { fields: String },
+    /// A record of another format.
+    #[error("record format {found}, this warren reads format {RECORD_FORMAT}: another version")]
+    Format { found: String },
+    /// Bytes that are not a record.
+    #[error("not a warren record: {0}")]
+    Garbage(String),
+}
+
+impl InstanceRecord {
+    /// The record in a registry hash's `fields` (`HGETALL`), or why not.
+    pub fn read(fields: &HashMap<String, String>) -> Result<Self, Unreadable> {
+        let Some(raw) = fields.get(RECORD_FIELD) else {
+            let mut names: Vec<&str> = fields.keys().map(String::as_str).collect();
+            names.sort_unstable();
+            return Err(Unreadable::NoRecord {
+                fields: names.join(", "),
+            });
+        };
+        Self::parse(raw)
+    }
+
+    /// The record in `raw` (its JSON), or why not.
+    pub fn parse(raw: &str) -> Result<Self, Unreadable> {
+        let doc: serde_json::Value =
+            serde_json::from_str(raw).map_err(|e| Unreadable::Garbage(e.to_string()))?;
+        match doc.get("format") {
+            Some(f) if f.as_u64() == Some(u64::from(RECORD_FORMAT)) => {}
+            Some(f) => {
+                return Err(Unreadable::Format {
+                    found: f.to_string(),
+                });
+            }
+            None => return Err(Unreadable::Garbage("no `format` field".into())),
+        }
+        serde_json::from_value(doc).map_err(|e| Unreadable::Garbage(e.to_string()))
+    }
+}
+
+/// One entry of the registry as a reader finds it: its key, and the record or why it is not one.
+#[derive(Debug, Clone)]
+pub struct Listed {
+    /// `{prefix}:instances:{host}:{pid}`: names the entry even when it cannot be read.
+    pub key: String,
+    pub record: Result<InstanceRecord, Unreadable>,
+}
+
+impl Listed {
+    /// `host:pid` from the key (what follows `instances:`), for an entry that cannot be read.
+    pub fn instance(&self) -> String {
+        match &self.record {
+            Ok(r) => format!("{}:{}", r.host, r.pid),
+            Err(_) => self
+                .key
+                .split_once(":instances:")
+                .map_or(self.key.as_str(), |(_, rest)| rest)
+                .to_string(),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    pub(crate) fn sample() -> InstanceRecord {
+        InstanceRecord {
+            format: RECORD_FORMAT,
+            host: "vm".into(),
+            pid: 7,
+            run: "r".into(),
+            roles: "consumer,dlq".into(),
+            version: "1.0.0".into(),
+            started_at: 1,
+            last_heartbeat: 2,
+            status: Status::Paused,
+            processors: 2,
+            concurrency: 3,
+            rate_limit_per_s: 0,
+            breaker: Breaker::Closed,
+            received: 10,
+            inserted: 9,
+            retried: 1,
+            dead_lettered: 0,
+            inflight: 0,
+            received_per_s: 1.5,
+            inserted_per_s: 1.0,
+            stages: [("main".to_string(), StageCounts::default())].into(),
+            pipelines: vec![PipelineRecord {
+                name: "users".into(),
+                table: "users".into(),
+                main_exchange: "users_exchange".into(),
+                main_queue: "users_queue".into(),
+                retry_queues: vec!["users_retry_10s".into()],
+                dlq_queue: "users_dlq".into(),
+            }],
+        }
+    }
+
+    #[test]
+    fn a_record_round_trips_with_numbers_as_numbers_and_the_status_lower_case() {
+        let r = sample();
+        let json = serde_json::to_value(&r).unwrap();
+        assert_eq!(json["status"], "paused");
+        assert_eq!(json["breaker"], "closed");
+        assert_eq!(json["processors"], 2);
+        assert_eq!(json["received_per_s"], 1.5);
+        assert_eq!(json["format"], RECORD_FORMAT);
+        let fields = [(RECORD_FIELD.to_string(), json.to_string())].into();
+        assert_eq!(InstanceRecord::read(&fields), Ok(r));
+    }
+
+    #[test]
+    fn records_that_cannot_be_read_say_why() {
+        let old: HashMap<String, String> = [("host", "vm"), ("pid", "7"), ("status", "running")]
+            .into_iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
+        let e = InstanceRecord::read(&old).unwrap_err();
+        assert_eq!(
+            e,
+            Unreadable::NoRecord {
+                fields: "host, pid, status".into()
+            }
+        );
+        assert!(e.to_string().contains("older warren"), "{e}");
+        let mut newer = serde_json::to_value(sample()).unwrap();
+        newer["format"] = 2.into();
+        let e = InstanceRecord::parse(&newer.to_string()).unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "record format 2, this warren reads format 1: another version"
+        );
+        assert!(matches!(
+            InstanceRecord::parse("{garbage"),
+            Err(Unreadable::Garbage(_))
+        ));
+        let mut wrong = serde_json::to_value(sample()).unwrap();
+        wrong["processors"] = "2".into();
+        let e = InstanceRecord::parse(&wrong.to_string()).unwrap_err();
+        assert!(e.to_string().contains("invalid type: string \"2\""), "{e}");
+        let listed = Listed {
+            key: "warren:instances:vm:7".into(),
+            record: Err(e),
+        };
+        assert_eq!(listed.instance(), "vm:7");
+    }
+
+    #[test]
+    fn known_pipelines_are_listed_once_each() {
+        let settings = Settings::defaults();
+        let mut a = sample();
+        a.pipelines.push(PipelineRecord {
+            name: "orders".into(),
+            ..a.pipelines[0].clone()
+        });
+        let b = a.clone();
+        let names: Vec<String> = known(&settings, [&a, &b])
+            .into_iter()
+            .map(|p| p.name)
+            .collect();
+        assert_eq!(names, ["users", "orders"]);
+        let known = known(&settings, [&a, &b]);
+        assert_eq!(
+            find(&known, "orders").map(|p| p.name.as_str()),
+            Ok("orders")
+        );
+        assert_eq!(
+            find(&known, "nosuch").unwrap_err().to_string(),
+            "no pipeline \"nosuch\": the configuration does not name it and no live instance \
+             runs it; known: users, orders"
+        );
+    }
+}
