@@ -32,7 +32,8 @@ pub mod signing;
 
 pub use self::commands::{Command, CommandError, CtlCommand};
 pub use self::control::ControlError;
-pub use self::guard::{Guard, MAX_SKEW_S, REFUSED_BAD_SIGNATURE, REFUSED_UNSIGNED, Refusal};
+pub use self::control::{MAX_SKEW_S, REFUSED_BAD_SIGNATURE, REFUSED_UNSIGNED, Refusal};
+pub use self::guard::Guard;
 pub use self::instance::{
     INSTANCE_TTL_S, Instance, Keys, RATE_WINDOW, Registry, Report, SHUTDOWNS_MAX, instances,
     known_pipelines, live, now_s, per_second, utc,
