@@ -21,8 +21,9 @@ use crate::domain::mapping::Mapping;
 use crate::domain::users::Users;
 use crate::events::{self, Kind};
 use crate::pipeline::{self, Spec, Stage, StageId};
-use crate::registry::{Command, ControlError, Report, Status};
+use crate::registry::{Command, Report, Status};
 use crate::{db, http, metrics};
+use control::ControlError;
 
 mod control;
 

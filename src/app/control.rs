@@ -12,8 +12,37 @@ use tokio::sync::{mpsc, oneshot, watch};
 
 use crate::config::Settings;
 use crate::events::{self, Kind};
+use crate::pipeline::OutOfRange;
+use crate::pipeline::balance::BoundsError;
 use crate::pipeline::{self, Pipeline};
-use crate::registry::{Command, ControlError, CtlCommand, Registry, Report, Status};
+use crate::registry::{Command, CtlCommand, Registry, Rejected, Report, Status};
+
+/// Why a remote command was not applied: rejected before it reached the pipelines (by the
+/// guard, or malformed), or refused by them. Its text is the outcome's `error`.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ControlError {
+    /// Refused by the guard or malformed ([`Rejected`]).
+    #[error(transparent)]
+    Rejected(#[from] Rejected),
+    /// It acts on pipelines and the instance runs none (ROLES without consumer or dlq).
+    #[error("this instance runs no consumer role")]
+    NoConsumer,
+    /// Its `--pipeline` is not one the instance runs; `runs` lists those it runs, once each.
+    #[error("this instance runs no pipeline {name:?} (it runs {})", runs.join(", "))]
+    NoPipeline { name: String, runs: Vec<String> },
+    /// `scale --min/--max` on an instance with no main stage.
+    #[error("this instance runs no main stage (ROLES has no consumer)")]
+    NoMainStage,
+    /// A number outside what a pipeline takes.
+    #[error(transparent)]
+    OutOfRange(#[from] OutOfRange),
+    /// Bounds a main stage cannot take.
+    #[error(transparent)]
+    Bounds(#[from] BoundsError),
+    /// It arrived while the instance was stopping.
+    #[error("warren is stopping")]
+    Stopping,
+}
 
 /// A remote command read from Redis and where to answer whether it was applied.
 pub(super) type Control = (
@@ -225,7 +254,7 @@ pub(super) async fn registry_loop(
                     // A refused or malformed command never reaches the pipelines; it is only
                     // recorded.
                     let result = match verdict {
-                        Err(refused) => Err(refused),
+                        Err(refused) => Err(ControlError::from(refused)),
                         Ok(command) => {
                             let (tx, rx) = oneshot::channel();
                             if ctl.send((wire.clone(), command, tx)).is_ok() {
@@ -320,7 +349,7 @@ mod tests {
         ] {
             let wire: CtlCommand = serde_json::from_str(raw).unwrap();
             let result = Command::read(&wire)
-                .map_err(ControlError::from)
+                .map_err(|e| ControlError::from(Rejected::from(e)))
                 .and_then(|c| apply(c, wire.pipeline.as_deref(), &[], &report, 8));
             assert_eq!(result.map_err(|e| e.to_string()), expected, "{raw}");
         }

@@ -16,7 +16,7 @@ use time::macros::format_description;
 use tracing::warn;
 
 use super::commands::{Command, CtlCommand};
-use super::control::ControlError;
+use super::control::Rejected;
 use super::guard::Guard;
 use super::outcome::{CtlOutcome, Recorder};
 use super::record::{
@@ -333,7 +333,7 @@ impl Registry {
     /// The next command addressed to this instance, if any, with what it asks if it may be
     /// applied (see [`Guard`]; refused or malformed, the error to record it failed with, logged
     /// here). One that is not a command at all is logged and dropped.
-    pub async fn next_command(&mut self) -> Option<(CtlCommand, Result<Command, ControlError>)> {
+    pub async fn next_command(&mut self) -> Option<(CtlCommand, Result<Command, Rejected>)> {
         let key = self.keys.commands(&self.instance.host, self.instance.pid);
         let raw: Option<String> = self
             .redis
@@ -346,8 +346,8 @@ impl Registry {
                 let verdict = self
                     .guard
                     .check(&c, now_s())
-                    .map_err(ControlError::from)
-                    .and_then(|()| Command::read(&c).map_err(ControlError::from));
+                    .map_err(Rejected::from)
+                    .and_then(|()| Command::read(&c).map_err(Rejected::from));
                 if let Err(error) = &verdict {
                     warn!(id = %c.id, command = %c.command, by = %c.by, %error, "remote command refused");
                 }
@@ -361,7 +361,11 @@ impl Registry {
     }
 
     /// Records what this instance did with `command`.
-    pub async fn record(&mut self, command: &CtlCommand, result: &Result<(), ControlError>) {
+    pub async fn record(
+        &mut self,
+        command: &CtlCommand,
+        result: &Result<(), impl std::fmt::Display>,
+    ) {
         let me = Recorder {
             host: &self.instance.host,
             pid: self.instance.pid,

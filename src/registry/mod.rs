@@ -19,7 +19,8 @@
 //! - [`guard`]: the [`Guard`] that refuses unsigned, forged, stale, replayed, misaddressed
 //!   commands ([`Refusal`]).
 //! - [`outcome`]: the signed outcomes recorded in the history.
-//! - [`control`]: [`ControlError`], why a command was not applied.
+//! - [`control`]: [`Rejected`] and [`Refusal`], why a command is not applied before it reaches
+//!   the pipelines.
 
 pub mod commands;
 pub mod control;
@@ -31,7 +32,7 @@ pub mod redis;
 pub mod signing;
 
 pub use self::commands::{Command, CommandError, CtlCommand};
-pub use self::control::ControlError;
+pub use self::control::Rejected;
 pub use self::control::{MAX_SKEW_S, REFUSED_BAD_SIGNATURE, REFUSED_UNSIGNED, Refusal};
 pub use self::guard::Guard;
 pub use self::instance::{

@@ -6,7 +6,6 @@
 use serde::{Deserialize, Serialize};
 
 use super::commands::CtlCommand;
-use super::control::ControlError;
 use super::signing::{encode, verifies};
 
 /// What an instance did with a command.
@@ -62,7 +61,7 @@ impl CtlOutcome {
     pub fn of(
         command: &CtlCommand,
         instance: Recorder<'_>,
-        result: &Result<(), ControlError>,
+        result: &Result<(), impl std::fmt::Display>,
         at: u64,
     ) -> Self {
         Self {

@@ -1,8 +1,9 @@
 //! The commands' tests: their JSON, signed bytes and outcomes as the code before the typed
 //! commands produced them (captured), what each reads as, the signature and the guard.
 use super::*;
-use crate::registry::control::ControlError;
-use crate::registry::guard::{Guard, REFUSED_BAD_SIGNATURE, REFUSED_UNSIGNED};
+use crate::registry::control::{REFUSED_BAD_SIGNATURE, REFUSED_UNSIGNED};
+use crate::registry::control::{Refusal, Rejected};
+use crate::registry::guard::Guard;
 use crate::registry::outcome::{CtlOutcome, Recorder};
 
 #[test]
@@ -47,7 +48,7 @@ fn a_concurrency_command_carries_its_bounds_signed_and_in_its_outcome() {
             .unwrap()
             .contains(r#""min":3"#)
     );
-    let o = CtlOutcome::of(&c, recorder(), &Ok(()), 5);
+    let o = CtlOutcome::of(&c, recorder(), &Ok::<(), Rejected>(()), 5);
     assert_eq!(o.detail.as_deref(), Some("min=2"));
     assert!(
         String::from_utf8(o.canonical())
@@ -316,7 +317,7 @@ fn every_command_keeps_the_json_signed_bytes_and_outcomes_of_before() {
             "{raw}"
         );
         for (failed_with, expected) in [(None, executed), (Some("x"), failed)] {
-            let mut o = CtlOutcome::of(&c, recorder(), &Ok(()), 1_795_239_400);
+            let mut o = CtlOutcome::of(&c, recorder(), &Ok::<(), Rejected>(()), 1_795_239_400);
             if let Some(error) = failed_with {
                 // What the code before recorded for a command failed with the error "x".
                 (o.outcome, o.error) = ("failed".into(), Some(error.into()));
@@ -374,7 +375,7 @@ fn numbers_that_are_not_the_commands_own_are_kept_and_signed_but_refused() {
     let o = CtlOutcome::of(
         &c,
         recorder(),
-        &Err(Command::read(&c).unwrap_err().into()),
+        &Err::<(), Rejected>(Command::read(&c).unwrap_err().into()),
         1,
     );
     assert_eq!(o.error.as_deref(), Some("pause takes no processors"));
@@ -384,20 +385,14 @@ fn numbers_that_are_not_the_commands_own_are_kept_and_signed_but_refused() {
 #[test]
 fn outcomes_carry_the_typed_errors_text() {
     let c = sample();
-    let o = CtlOutcome::of(&c, recorder(), &Err(ControlError::NoConsumer), 1);
+    let refused = Rejected::from(Refusal::Unsigned);
+    let o = CtlOutcome::of(&c, recorder(), &Err(refused.clone()), 1);
     assert_eq!(o.outcome, "failed");
-    assert_eq!(
-        o.error.as_deref(),
-        Some("this instance runs no consumer role")
-    );
-    let runs = vec!["users".to_string(), "orders".to_string()];
-    let e = ControlError::NoPipeline {
-        name: "nosuch".into(),
-        runs,
-    };
-    assert_eq!(
-        e.to_string(),
-        r#"this instance runs no pipeline "nosuch" (it runs users, orders)"#
+    assert_eq!(o.error, Some(refused.to_string()));
+    assert!(
+        refused
+            .to_string()
+            .starts_with(crate::registry::REFUSED_UNSIGNED)
     );
 }
 
