@@ -744,6 +744,42 @@ async fn unique_holders(
     client: &deadpool_postgres::Client,
     skipped: &[usize],
 ) -> Result<Vec<(usize, String)>, DbError> {
+    let mut holders = holders(mapping, client, skipped).await?;
+    Ok(skipped
+        .iter()
+        .map(|&i| {
+            let reason = match holders.remove(&i) {
+                Some(h) => refused_reason(&h.index, &h.columns, Some(h.key), mapping),
+                None => format!(
+                    "not written, and no unique index of {} holds its values: a unique index \
+                     over an expression or a BEFORE INSERT trigger of the table refused or \
+                     discarded it (skipped by ON CONFLICT DO NOTHING)",
+                    mapping.table
+                ),
+            };
+            (i, reason)
+        })
+        .collect())
+}
+
+/// A unique index (other than the key's) holding a record's values, and the key of the row
+/// holding them.
+struct Holder {
+    index: String,
+    columns: Vec<String>,
+    /// The key's values, `, `-separated.
+    key: String,
+}
+
+/// Of the records of the probe at `records` (indices in the batch), those whose values a
+/// unique index other than the key's holds: the first such index (by name) and the key holding
+/// them. Asked of the probe (inside [`in_probe`]), so each index's columns compare as the index
+/// does.
+async fn holders(
+    mapping: &Mapping,
+    client: &deadpool_postgres::Client,
+    records: &[usize],
+) -> Result<HashMap<usize, Holder>, DbError> {
     let name = mapping.table.sql();
     let oid: Option<u32> = client
         .query_one("SELECT to_regclass($1)::oid", &[&name])
@@ -759,7 +795,7 @@ async fn unique_holders(
     };
     let mut key: Vec<&str> = mapping.key();
     key.sort_unstable();
-    let mut reasons: HashMap<usize, String> = HashMap::new();
+    let mut found: HashMap<usize, Holder> = HashMap::new();
     for (index, cols) in &indexes {
         let mut sorted: Vec<&str> = cols.iter().map(String::as_str).collect();
         sorted.sort_unstable();
@@ -772,9 +808,9 @@ async fn unique_holders(
         {
             continue; // an index on a column the mapping does not fill
         }
-        let pending: Vec<i64> = skipped
+        let pending: Vec<i64> = records
             .iter()
-            .filter(|i| !reasons.contains_key(i))
+            .filter(|i| !found.contains_key(i))
             .map(|&i| i as i64 + 1)
             .collect();
         if pending.is_empty() {
@@ -796,31 +832,103 @@ async fn unique_holders(
             table = mapping.table.sql(),
             on = on.join(" AND "),
         );
-        let found = client
+        for row in client
             .query(&sql, &[&pending])
             .await
-            .map_err(DbError::from_pg)?;
-        for row in found {
+            .map_err(DbError::from_pg)?
+        {
             let i = (row.get::<_, i64>(0) - 1) as usize;
-            reasons
-                .entry(i)
-                .or_insert_with(|| refused_reason(index, cols, Some(row.get(1)), mapping));
+            found.entry(i).or_insert_with(|| Holder {
+                index: index.clone(),
+                columns: cols.clone(),
+                key: row.get(1),
+            });
         }
     }
-    Ok(skipped
-        .iter()
-        .map(|&i| {
-            let reason = reasons.remove(&i).unwrap_or_else(|| {
-                format!(
-                    "not written, and no unique index of {} holds its values: a unique index \
-                     over an expression or a BEFORE INSERT trigger of the table refused or \
-                     discarded it (skipped by ON CONFLICT DO NOTHING)",
-                    mapping.table
-                )
-            });
-            (i, reason)
+    Ok(found)
+}
+
+/// What the table holds for one record, asked before it is published (the API's
+/// `api_check`), as the pipeline's insert would find it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Standing {
+    /// Neither its key nor a value another unique index holds: the insert would write it.
+    New,
+    /// Its key, with the same content: it is stored already.
+    Same,
+    /// Its key, with other content in these columns (`id_conflict` in the pipeline).
+    Conflict(Vec<String>),
+    /// Another unique index holds its values (`db_permanent` in the pipeline): the index's
+    /// columns, the record's values in them (as text), and the key of the row holding them.
+    Taken {
+        columns: Vec<String>,
+        values: Vec<String>,
+        holder: String,
+    },
+    /// PostgreSQL cannot hold one of its values (the server's words; `db_permanent`).
+    Unstorable(String),
+}
+
+/// See [`Standing`]: the record into the probe, compared with what its key holds, then, when
+/// its key holds nothing, looked up in the table's other unique indexes; all rolled back.
+pub(super) async fn standing(
+    mapping: &Mapping,
+    client: &deadpool_postgres::Client,
+    record: &Row,
+) -> Result<Standing, DbError> {
+    let st = statements(mapping, client).await?;
+    let records = [record];
+    let arrays = arrays(mapping, &records);
+    let params: Vec<&(dyn ToSql + Sync)> = arrays.iter().map(Array::as_param).collect();
+    in_probe(&st.probe_table, client, false, async {
+        let rows = match client.query(st.probe_compare.as_str(), &params).await {
+            Ok(rows) => rows,
+            Err(e)
+                if e.code()
+                    .is_some_and(|c| c.code().starts_with("22") || c.code().starts_with("23")) =>
+            {
+                return Ok(Standing::Unstorable(match e.as_db_error() {
+                    Some(db) => format!("{} {}", db.code().code(), db.message()),
+                    None => e.to_string(),
+                }));
+            }
+            Err(e) => return Err(DbError::from_pg(e)),
+        };
+        let Some(row) = rows.first() else {
+            return Ok(Standing::New);
+        };
+        if row.get::<_, bool>(1) {
+            let same: Vec<bool> = row.get(2);
+            if same.iter().all(|s| *s) || same_after_triggers(st, client, 1).await? {
+                return Ok(Standing::Same);
+            }
+            let differs = mapping
+                .columns
+                .iter()
+                .zip(&same)
+                .filter(|(_, s)| !**s)
+                .map(|(c, _)| c.name.clone())
+                .collect();
+            return Ok(Standing::Conflict(differs));
+        }
+        Ok(match holders(mapping, client, &[0]).await?.remove(&0) {
+            Some(h) => {
+                let values = h
+                    .columns
+                    .iter()
+                    .filter_map(|c| mapping.columns.iter().position(|m| &m.name == c))
+                    .map(|i| shown(&record.0[i]))
+                    .collect();
+                Standing::Taken {
+                    columns: h.columns,
+                    values,
+                    holder: h.key,
+                }
+            }
+            None => Standing::New,
         })
-        .collect())
+    })
+    .await
 }
 
 /// The mapping's type of `key`'s column as an SQL type, for a key given as text (a path of the
