@@ -689,23 +689,20 @@ impl Mapping {
         let at = c.at();
         let value = match &c.source {
             Source::Path { segments, .. } => lookup(doc, segments).cloned(),
-            Source::Header(h) => {
-                let value = match headers
-                    .and_then(|t| t.inner().get(h.as_str()))
-                    .map(header_json)
-                {
-                    Some(Err(amqp_type)) => {
-                        return Err(format!(
-                            "{at}: expected {}, found {amqp_type} (a header column reads a \
-                             string, a number, a boolean or void)",
-                            expects(c.ty)
-                        ));
-                    }
-                    Some(Ok(v)) => Some(v),
-                    None => None,
-                };
-                value
-            }
+            Source::Header(h) => match headers
+                .and_then(|t| t.inner().get(h.as_str()))
+                .map(header_json)
+            {
+                Some(Err(amqp_type)) => {
+                    return Err(format!(
+                        "{at}: expected {}, found {amqp_type} (a header column reads a \
+                         string, a number, a boolean or void)",
+                        expects(c.ty)
+                    ));
+                }
+                Some(Ok(v)) => Some(v),
+                None => None,
+            },
         };
         let value = match value {
             None | Some(Value::Null) if c.optional => return Ok(Cell::Null),
@@ -929,3 +926,5 @@ impl Domain for Mapping {
 
 #[cfg(test)]
 mod tests;
+#[cfg(test)]
+mod users_tests;
