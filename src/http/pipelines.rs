@@ -682,3 +682,39 @@ async fn get(
         ),
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_chosen_key_is_written_first_and_the_rest_kept_as_sent() {
+        let id = "6f1c2c1e-8d3a-4c55-9a8e-0d2b8d1e7a10";
+        let keyed =
+            |body: &str| with_key(body.as_bytes(), "id", id).map(|b| String::from_utf8(b).unwrap());
+        assert_eq!(
+            keyed(r#"  {"name":"Ana", "n": 1.000000000000000000001}   "#).as_deref(),
+            Some(
+                r#"{"id":"6f1c2c1e-8d3a-4c55-9a8e-0d2b8d1e7a10","name":"Ana", "n": 1.000000000000000000001}"#
+            )
+        );
+        assert_eq!(
+            keyed("{ }").as_deref(),
+            Some(r#"{"id":"6f1c2c1e-8d3a-4c55-9a8e-0d2b8d1e7a10" }"#)
+        );
+        // Already there, no object, not JSON, a key twice: left for the mapping to judge.
+        for body in [r#"{"id":"x"}"#, "[1]", "nope", r#"{"a":1,"a":2}"#] {
+            assert_eq!(keyed(body), None, "{body}");
+        }
+    }
+
+    #[test]
+    fn the_body_s_fields_are_read_in_its_order() {
+        assert_eq!(
+            body_fields(br#"{"name":"","email":"x","id":7}"#),
+            ["name", "email", "id"]
+        );
+        assert!(body_fields(b"[1]").is_empty());
+        assert!(body_fields(b"not json").is_empty());
+    }
+}
