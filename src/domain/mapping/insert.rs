@@ -201,7 +201,7 @@ struct Probe {
 /// it PostgreSQL would compare two `citext` values as text, case and all. (`ORDER BY` and
 /// `DISTINCT ON`, and the table's unique indexes, use the type's own operators whatever the
 /// path.)
-fn types_on_path(table: &TableName) -> String {
+pub(super) fn types_on_path(table: &TableName) -> String {
     // The table's name is an identifier warren checked (no quote can be in it).
     let t = table.sql().replace('\'', "''");
     format!(
@@ -297,7 +297,7 @@ async fn enum_casts(
 
 /// The statements of `mapping` for its table as it is: those built at compile time, or, when
 /// a `text` column is an enum, built again with its cast (once per mapping).
-async fn statements<'m>(
+pub(super) async fn statements<'m>(
     mapping: &'m Mapping,
     client: &tokio_postgres::Client,
 ) -> Result<&'m Statements, DbError> {
@@ -378,7 +378,7 @@ impl Statements {
 }
 
 /// One column of a batch, as the array its parameter is sent as.
-enum Array {
+pub(super) enum Array {
     Text(Vec<Option<String>>),
     Uuid(Vec<Option<uuid::Uuid>>),
     Int4(Vec<Option<i32>>),
@@ -429,7 +429,7 @@ impl Array {
         }
     }
 
-    fn as_param(&self) -> &(dyn ToSql + Sync) {
+    pub(super) fn as_param(&self) -> &(dyn ToSql + Sync) {
         match self {
             Array::Text(v) => v,
             Array::Uuid(v) => v,
@@ -442,7 +442,7 @@ impl Array {
 }
 
 /// The parameter arrays of `records`, one per column.
-fn arrays(mapping: &Mapping, records: &[&Row]) -> Vec<Array> {
+pub(super) fn arrays(mapping: &Mapping, records: &[&Row]) -> Vec<Array> {
     let mut arrays: Vec<Array> = mapping
         .columns
         .iter()
@@ -457,7 +457,7 @@ fn arrays(mapping: &Mapping, records: &[&Row]) -> Vec<Array> {
 }
 
 /// A cell as text, for reasons.
-fn shown(cell: &Cell) -> String {
+pub(super) fn shown(cell: &Cell) -> String {
     match cell {
         Cell::Null => "NULL".into(),
         Cell::Text(s)
@@ -623,7 +623,7 @@ pub(super) async fn insert(
 /// Runs `work` in a transaction that holds the probe's table (see [`probe_statements`]), then
 /// ends it: committed when `commit` and `work` succeeded, else rolled back. A transaction that
 /// cannot be ended is the connection's failure.
-async fn in_probe<T>(
+pub(super) async fn in_probe<T>(
     probe_table: &str,
     client: &deadpool_postgres::Client,
     commit: bool,
@@ -652,7 +652,7 @@ async fn in_probe<T>(
 /// INSERT triggers have made it the row an insert would write (see
 /// [`Statements::probe_same`]): asked inside a savepoint rolled back, so nothing changes. An
 /// error (a trigger or a constraint refusing the row) is "not the same".
-async fn same_after_triggers(
+pub(super) async fn same_after_triggers(
     st: &Statements,
     client: &deadpool_postgres::Client,
     ord: i64,
@@ -764,18 +764,18 @@ async fn unique_holders(
 
 /// A unique index (other than the key's) holding a record's values, and the key of the row
 /// holding them.
-struct Holder {
-    index: String,
-    columns: Vec<String>,
+pub(super) struct Holder {
+    pub(super) index: String,
+    pub(super) columns: Vec<String>,
     /// The key's values, `, `-separated.
-    key: String,
+    pub(super) key: String,
 }
 
 /// Of the records of the probe at `records` (indices in the batch), those whose values a
 /// unique index other than the key's holds: the first such index (by name) and the key holding
 /// them. Asked of the probe (inside [`in_probe`]), so each index's columns compare as the index
 /// does.
-async fn holders(
+pub(super) async fn holders(
     mapping: &Mapping,
     client: &deadpool_postgres::Client,
     records: &[usize],
@@ -846,194 +846,4 @@ async fn holders(
         }
     }
     Ok(found)
-}
-
-/// What the table holds for one record, asked before it is published (the API's
-/// `api_check`), as the pipeline's insert would find it.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Standing {
-    /// Neither its key nor a value another unique index holds: the insert would write it.
-    New,
-    /// Its key, with the same content: it is stored already.
-    Same,
-    /// Its key, with other content in these columns (`id_conflict` in the pipeline).
-    Conflict(Vec<String>),
-    /// Another unique index holds its values (`db_permanent` in the pipeline): the index's
-    /// columns, the record's values in them (as text), and the key of the row holding them.
-    Taken {
-        columns: Vec<String>,
-        values: Vec<String>,
-        holder: String,
-    },
-    /// PostgreSQL cannot hold one of its values (the server's words; `db_permanent`).
-    Unstorable(String),
-}
-
-/// See [`Standing`]: the record into the probe, compared with what its key holds, then, when
-/// its key holds nothing, looked up in the table's other unique indexes; all rolled back.
-pub(super) async fn standing(
-    mapping: &Mapping,
-    client: &deadpool_postgres::Client,
-    record: &Row,
-) -> Result<Standing, DbError> {
-    let st = statements(mapping, client).await?;
-    let records = [record];
-    let arrays = arrays(mapping, &records);
-    let params: Vec<&(dyn ToSql + Sync)> = arrays.iter().map(Array::as_param).collect();
-    in_probe(&st.probe_table, client, false, async {
-        let rows = match client.query(st.probe_compare.as_str(), &params).await {
-            Ok(rows) => rows,
-            Err(e)
-                if e.code()
-                    .is_some_and(|c| c.code().starts_with("22") || c.code().starts_with("23")) =>
-            {
-                return Ok(Standing::Unstorable(match e.as_db_error() {
-                    Some(db) => format!("{} {}", db.code().code(), db.message()),
-                    None => e.to_string(),
-                }));
-            }
-            Err(e) => return Err(DbError::from_pg(e)),
-        };
-        let Some(row) = rows.first() else {
-            return Ok(Standing::New);
-        };
-        if row.get::<_, bool>(1) {
-            let same: Vec<bool> = row.get(2);
-            if same.iter().all(|s| *s) || same_after_triggers(st, client, 1).await? {
-                return Ok(Standing::Same);
-            }
-            let differs = mapping
-                .columns
-                .iter()
-                .zip(&same)
-                .filter(|(_, s)| !**s)
-                .map(|(c, _)| c.name.clone())
-                .collect();
-            return Ok(Standing::Conflict(differs));
-        }
-        Ok(match holders(mapping, client, &[0]).await?.remove(&0) {
-            Some(h) => {
-                let values = h
-                    .columns
-                    .iter()
-                    .filter_map(|c| mapping.columns.iter().position(|m| &m.name == c))
-                    .map(|i| shown(&record.0[i]))
-                    .collect();
-                Standing::Taken {
-                    columns: h.columns,
-                    values,
-                    holder: h.key,
-                }
-            }
-            None => Standing::New,
-        })
-    })
-    .await
-}
-
-/// The mapping's type of `key`'s column as an SQL type, for a key given as text (a path of the
-/// API): the text is read as the mapping would send it, then converted to the column by the
-/// probe, as the pipeline's insert would.
-fn sent_as(ty: ColType) -> &'static str {
-    match ty {
-        // A JSON document as a key is its text.
-        ColType::Jsonb => "text",
-        other => other.as_str(),
-    }
-}
-
-/// Runs `sql` (and `params`) in a transaction holding `create`'s temporary table, rolled back.
-async fn rolled_back<T>(
-    client: &tokio_postgres::Client,
-    create: &str,
-    work: impl std::future::Future<Output = Result<T, tokio_postgres::Error>>,
-) -> Result<T, tokio_postgres::Error> {
-    let result = match client.batch_execute(create).await {
-        Ok(()) => work.await,
-        Err(e) => Err(e),
-    };
-    match client.batch_execute("ROLLBACK").await {
-        Ok(()) => result,
-        Err(e) => result.and(Err(e)),
-    }
-}
-
-/// The row whose one-column key equals `key` as the pipeline would store it (the API's `GET`),
-/// as JSON text: `key` is converted to the column's type by an insert into the probe (so a
-/// value too long for a `varchar(3)` key is refused, 22001, never truncated onto another
-/// row), then compared with the column's own equality (a `citext` key finds its row in any
-/// case). `None` when no row holds it.
-pub(super) async fn find_by_key(
-    mapping: &Mapping,
-    client: &tokio_postgres::Client,
-    key: &str,
-) -> Result<Option<String>, tokio_postgres::Error> {
-    let [k] = mapping.key.as_slice() else {
-        return Ok(None);
-    };
-    let column = &mapping.columns[*k];
-    let name = quote(&column.name);
-    // The casts read once per mapping with its statements, not a catalog query per GET.
-    let casts = match statements(mapping, client).await {
-        Ok(st) => st.casts.clone(),
-        Err(_) => Vec::new(),
-    };
-    let ty = casts
-        .get(*k)
-        .cloned()
-        .flatten()
-        .unwrap_or_else(|| sent_as(column.ty).to_string());
-    let t = mapping.table.sql();
-    let create = format!(
-        "BEGIN; {path} CREATE TEMPORARY TABLE warren_key ON COMMIT DROP AS \
-         SELECT {name} FROM {t} WITH NO DATA",
-        path = types_on_path(&mapping.table),
-    );
-    let sql = format!(
-        "WITH p AS (INSERT INTO pg_temp.warren_key ({name}) SELECT $1::text::{ty} RETURNING {name}) \
-         SELECT to_jsonb(s.*)::text FROM {t} AS s JOIN p ON s.{name} = p.{name}"
-    );
-    rolled_back(client, &create, async {
-        // `s.*`, the whole row: `to_jsonb(s)` would be a column of the table named `s`.
-        match client.query_opt(&sql, &[&key]).await? {
-            Some(row) => Ok(row.try_get::<_, Option<String>>(0)?),
-            None => Ok(None),
-        }
-    })
-    .await
-}
-
-/// Whether the table can hold `record` as the pipeline's insert would write it: converted by
-/// PostgreSQL into the columns' types in the probe, rolled back. `Ok(Err(reason))`: a value
-/// PostgreSQL refuses (a data exception or a domain's check, SQLSTATE 22 or 23), with the
-/// server's words; the table's own constraints, triggers and keys are the pipeline's to meet.
-pub(super) async fn storable(
-    mapping: &Mapping,
-    client: &tokio_postgres::Client,
-    record: &Row,
-) -> Result<Result<(), String>, tokio_postgres::Error> {
-    let st = match statements(mapping, client).await {
-        Ok(st) => st,
-        Err(_) => &mapping.statements,
-    };
-    let records = [record];
-    let arrays = arrays(mapping, &records);
-    let params: Vec<&(dyn ToSql + Sync)> = arrays.iter().map(Array::as_param).collect();
-    rolled_back(client, &st.probe_table, async {
-        match client.query(st.probe_compare.as_str(), &params).await {
-            Ok(_) => Ok(Ok(())),
-            Err(e)
-                if e.code()
-                    .is_some_and(|c| c.code().starts_with("22") || c.code().starts_with("23")) =>
-            {
-                let reason = match e.as_db_error() {
-                    Some(db) => format!("{} {}", db.code().code(), db.message()),
-                    None => e.to_string(),
-                };
-                Ok(Err(reason))
-            }
-            Err(e) => Err(e),
-        }
-    })
-    .await
 }

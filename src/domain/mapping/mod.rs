@@ -6,11 +6,12 @@
 //! yields one cell per column, or a rejection naming the path, what was expected and what was
 //! found. Every pipeline is one, the built-in users pipeline included. `values.rs` holds the
 //! checks of one value; `insert.rs` writes a batch with one statement (`on_conflict = keep |
-//! update`) and answers the API's questions to the table; `schema.rs` checks the mapping against
+//! update`), `lookup.rs` answers the API's questions to the table; `schema.rs` checks the mapping against
 //! the table before anything is consumed.
 
 mod insert;
-pub use insert::Standing;
+mod lookup;
+pub use lookup::Standing;
 pub mod schema;
 mod strict;
 mod values;
@@ -525,7 +526,7 @@ impl Mapping {
         client: &tokio_postgres::Client,
         key: &str,
     ) -> Result<Option<String>, tokio_postgres::Error> {
-        insert::find_by_key(self, client, key).await
+        lookup::find_by_key(self, client, key).await
     }
 
     /// Whether PostgreSQL can hold `record`'s values in the table's columns (`Ok(Err(reason))`
@@ -535,7 +536,7 @@ impl Mapping {
         client: &tokio_postgres::Client,
         record: &Row,
     ) -> Result<Result<(), String>, tokio_postgres::Error> {
-        insert::storable(self, client, record).await
+        lookup::storable(self, client, record).await
     }
 
     /// What the table holds for `record` ([`Standing`]), as the pipeline's insert would find it;
@@ -545,7 +546,7 @@ impl Mapping {
         client: &deadpool_postgres::Client,
         record: &Row,
     ) -> Result<Standing, DbError> {
-        insert::standing(self, client, record).await
+        lookup::standing(self, client, record).await
     }
 
     /// (column, type, optional) in the spec's order.
