@@ -308,16 +308,27 @@ fn with_key(body: &[u8], field: &str, key: &str) -> Option<Vec<u8>> {
     Some(format!("{{{pair}{comma}{rest}").into_bytes())
 }
 
-/// Registers the routes of `api` on `config`.
+/// Registers the routes of `api` on `config`. The path's parameter is named after the key
+/// column (`/api/v1/users/{id}`, `/api/v1/orders/{order_id}`: the `route` label of
+/// `warren_http_requests_total`), or `{key}` for a column name a route pattern cannot hold.
 pub fn routes(config: &mut web::ServiceConfig, api: Arc<PipelineApi>) {
     let data = web::Data::from(api.clone());
+    let param = if api
+        .key_column
+        .chars()
+        .all(|c| c.is_ascii_alphanumeric() || c == '_')
+    {
+        api.key_column.as_str()
+    } else {
+        "key"
+    };
     config.service(
         web::resource(format!("/api/v1/{}", api.name))
             .app_data(data.clone())
             .route(web::post().to(post)),
     );
     config.service(
-        web::resource(format!("/api/v1/{}/{{key}}", api.name))
+        web::resource(format!("/api/v1/{}/{{{param}}}", api.name))
             .app_data(data)
             .route(web::get().to(get))
             .route(web::put().to(put)),
