@@ -18,7 +18,6 @@ use tracing::{info, warn};
 use crate::amqp::monitor::Depths;
 use crate::config::{Role, Settings};
 use crate::domain::mapping::Mapping;
-use crate::domain::users::Users;
 use crate::events::{self, Kind};
 use crate::pipeline::{self, Spec, Stage, StageId};
 use crate::registry::{Command, Report, Status};
@@ -153,8 +152,10 @@ pub async fn run(settings: Settings, shutdown: impl Future<Output = ()>) -> anyh
     let dlq: usize = served.iter().map(|v| v.users_batch_concurrency).sum();
     database.pool_size = database.pool_size.max(most.min(budget) + dlq + 1);
     let pool = db::pool(&database)?;
-    let domain = Arc::new(Users);
-    // Every main stage first, then every DLQ stage: users (typed) and the file's (mapped).
+    // The built-in users pipeline: its declaration in config/default.toml, through the mapping
+    // like every other, under the global settings (`MAIN_QUEUE`, `USERS_*`).
+    let users: Arc<Mapping> = Arc::new(crate::config::pipelines::users()?.mapping()?);
+    // Every main stage first, then every DLQ stage: users, then the file's.
     let mut pipelines = Vec::new();
     for role in [Role::Consumer, Role::Dlq] {
         if !settings.has_role(role) {
@@ -169,7 +170,7 @@ pub async fn run(settings: Settings, shutdown: impl Future<Output = ()>) -> anyh
             pipelines.push(pipeline::start(
                 &settings,
                 spec,
-                domain.clone(),
+                users.clone(),
                 pool.clone(),
                 depths.clone(),
             ));

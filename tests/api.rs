@@ -192,6 +192,17 @@ async fn a_posted_user_becomes_a_readable_row() {
     // A path that is not a UUID is a client error, not a 404 or a 500.
     let bad = http.get("/api/v1/users/not-a-uuid");
     assert_json_error(&bad, 400);
+    // The route label of a user's GET is the one it always was (users through the generic API).
+    let gets = metric(
+        &env,
+        "warren_http_requests_total",
+        &[("route", "/api/v1/users/{id}"), ("status", "200")],
+    )
+    .await;
+    assert!(
+        gets >= 1.0,
+        "GETs of a user under route /api/v1/users/{{id}}: {gets}"
+    );
 
     warren.terminate_ok(Duration::from_secs(30));
 }

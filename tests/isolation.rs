@@ -16,7 +16,6 @@ use std::time::Duration;
 use common::*;
 use uuid::Uuid;
 use warren::domain::Domain;
-use warren::domain::users::{User, Users};
 
 /// A user body with a chosen email.
 fn body(id: Uuid, email: &str) -> Vec<u8> {
@@ -192,30 +191,45 @@ async fn copies_of_a_row_inserted_at_the_same_moment_are_each_a_success() {
     env.declare();
     let pool =
         warren::db::pool_for(&env.settings().database(), COPIES, "warren-test").expect("pool");
-    let users: Arc<Vec<User>> = Arc::new(
+    // The users pipeline as warren runs it: its declaration, through the mapping.
+    let mapping = Arc::new(
+        warren::config::pipelines::users()
+            .and_then(|p| p.mapping())
+            .expect("the shipped users pipeline compiles"),
+    );
+    let users: Arc<Vec<(Uuid, warren::domain::mapping::Row)>> = Arc::new(
         (0..ROWS)
             .map(|_| {
                 let id = Uuid::new_v4();
-                User {
-                    id,
-                    name: format!("user {id}"),
-                    email: format!("{id}@example.com"),
-                }
+                let body = serde_json::json!({
+                    "id": id,
+                    "name": format!("user {id}"),
+                    "email": format!("{id}@example.com"),
+                });
+                let row = mapping
+                    .decode(body.to_string().as_bytes())
+                    .expect("a valid user");
+                (id, row)
             })
             .collect(),
     );
     // Every copy inserts row k at the same moment, one statement a row.
     let barrier = Arc::new(tokio::sync::Barrier::new(COPIES));
     let copies = (0..COPIES).map(|_| {
-        let (pool, users, barrier) = (pool.clone(), users.clone(), barrier.clone());
+        let (pool, users, barrier, mapping) = (
+            pool.clone(),
+            users.clone(),
+            barrier.clone(),
+            mapping.clone(),
+        );
         tokio::spawn(async move {
             let client = pool.get().await.expect("a connection");
             let mut failures = Vec::new();
-            for user in users.iter() {
+            for (id, row) in users.iter() {
                 barrier.wait().await;
-                match Users.insert(&client, &[user]).await {
+                match mapping.insert(&client, &[row]).await {
                     Ok(done) if done.conflicts.is_empty() && done.refused.is_empty() => {}
-                    other => failures.push(format!("{}: {other:?}", user.id)),
+                    other => failures.push(format!("{id}: {other:?}")),
                 }
             }
             failures

@@ -418,7 +418,7 @@ async fn run_pipelines_chooses_which_pipelines_run() {
 
 /// `api = true`: `POST /api/v1/orders` checks a body with the mapping and publishes it under its
 /// key; `GET /api/v1/orders/<key>` reads the row back, or the fate of a parked message; `PUT`
-/// refuses a body whose key is not the path's; the typed users API keeps working beside it.
+/// refuses a body whose key is not the path's; the users API keeps working beside it.
 #[tokio::test(flavor = "multi_thread")]
 async fn an_orders_api_checks_publishes_and_reads_back() {
     let env = TestEnv::new("pl_api").await;

@@ -10,16 +10,14 @@ use anyhow::{Context, bail};
 use clap::Subcommand;
 use comfy_table::{Table, presets};
 use lapin::types::{AMQPValue, FieldTable, LongString};
-use serde_json::{Value, json};
+use serde_json::Value;
 
 use crate::amqp::headers;
 use crate::cli::out::{self, out};
 use crate::cli::terminal_safe as safe;
 use crate::config::Settings;
 use crate::config::pipelines::{Names, PipelineConfig};
-use crate::domain::Domain;
 use crate::domain::mapping::{Cell, Row};
-use crate::domain::users::Users;
 
 #[derive(Debug, clap::Args)]
 pub struct Args {
@@ -189,7 +187,11 @@ pub fn test(
     with_headers: bool,
     out: &mut impl std::io::Write,
 ) -> anyhow::Result<i32> {
-    let mapping = find(settings, name)?.map(|p| p.mapping()).transpose()?;
+    // The built-in users pipeline is its declaration, as for any other.
+    let mapping = match find(settings, name)? {
+        Some(p) => p.mapping()?,
+        None => crate::config::pipelines::users()?.mapping()?,
+    };
     let (mut accepted, mut refused) = (0u64, 0u64);
     // Lines as bytes: a body that is not UTF-8 is the pipeline's `invalid_json` to report,
     // not the end of the input (the lines after it are checked too).
@@ -213,20 +215,16 @@ pub fn test(
             (line, None)
         };
         // Refused unread over the size limit, as the pipeline's processor refuses it.
-        let verdict = match &mapping {
-            _ if body.len() > settings.max_message_bytes => {
-                Err(crate::domain::Rejection::payload(format!(
-                    "body of {} bytes exceeds MAX_MESSAGE_BYTES ({})",
-                    body.len(),
-                    settings.max_message_bytes
-                )))
-            }
-            Some(m) => m
+        let verdict = if body.len() > settings.max_message_bytes {
+            Err(crate::domain::Rejection::payload(format!(
+                "body of {} bytes exceeds MAX_MESSAGE_BYTES ({})",
+                body.len(),
+                settings.max_message_bytes
+            )))
+        } else {
+            mapping
                 .decode_message(&body, headers.as_ref())
-                .map(|row| row_json(m.columns().map(|(c, _, _)| c), &row)),
-            None => Users
-                .decode(&body)
-                .map(|u| json!({"id": u.id, "name": u.name, "email": u.email}).to_string()),
+                .map(|row| row_json(mapping.columns().map(|(c, _, _)| c), &row))
         };
         match verdict {
             Ok(row) => {

@@ -31,6 +31,15 @@ pub struct PipelineConfig {
     /// `POST /api/v1/<name>`, `PUT` and `GET /api/v1/<name>/<key>`.
     #[serde(default)]
     pub api: bool,
+    /// Who gives a `POST` its key (docs/api.md): the body, or the API (a uuid key read from a
+    /// top-level field: a new UUID, or the one derived from the request's `Idempotency-Key`).
+    #[serde(default)]
+    pub api_key: ApiKey,
+    /// Whether the API asks the table before publishing (docs/api.md): the key stored with the
+    /// same content is answered at once, with other content or a value another unique index
+    /// holds is a 409, nothing published.
+    #[serde(default)]
+    pub api_check: bool,
     // Batching and limits; absent: as for users (`USERS_*`) or the global setting.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub batch_size: Option<u64>,
@@ -86,11 +95,24 @@ pub struct PipelineConfig {
     pub columns: BTreeMap<String, ColumnSpec>,
 }
 
+/// Who gives a `POST` of the pipeline's API its key.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ApiKey {
+    /// The body carries it, as the pipeline reads it.
+    #[default]
+    Body,
+    /// The API chooses it (a uuid key column read from a top-level field): a `POST` leaves it
+    /// out of the body, a `PUT` may (the path's is used).
+    Chosen,
+}
+
 /// Where the built-in users pipeline's declaration starts in `config/default.toml`.
 pub const USERS_MARK: &str = "\n[[pipelines]]\n";
 
 /// The built-in users pipeline as `config/default.toml` declares it (the shipped file: a unit
-/// test holds it valid, and `domain::users` to the same answers as its typed code).
+/// test holds it valid and to the answers users always gave). It runs through the mapping like
+/// any other pipeline, under the global names (`MAIN_QUEUE`, `USERS_BATCH_SIZE`, ...).
 pub fn users() -> Result<PipelineConfig, ConfigError> {
     #[derive(Deserialize)]
     struct Declared {
@@ -346,6 +368,53 @@ impl PipelineConfig {
     }
 }
 
+/// The API's options need the API, and `api_key = "chosen"` a uuid key read from a top-level
+/// field (the API writes it there), `api_check` `on_conflict = "keep"` (a stored key with other
+/// content is a conflict only then).
+fn check_api(p: &PipelineConfig, at: &str) -> Result<(), ConfigError> {
+    let invalid = |field: &str, expected: &str, got: String| ConfigError::Invalid {
+        setting: format!("{at}.{field}"),
+        expected: expected.into(),
+        got,
+    };
+    if !p.api && (p.api_key != ApiKey::Body || p.api_check) {
+        let field = if p.api_check { "api_check" } else { "api_key" };
+        return Err(invalid(
+            field,
+            "api = true first (it is an option of the API)",
+            {
+                if p.api_check {
+                    "true".into()
+                } else {
+                    "\"chosen\"".into()
+                }
+            },
+        ));
+    }
+    if p.api_key == ApiKey::Chosen {
+        let key = p.key.first().and_then(|k| p.columns.get(k));
+        let top_level = key
+            .and_then(|c| c.path.as_deref())
+            .is_some_and(|path| path.len() > 1 && path[1..].chars().all(|c| c != '/' && c != '~'));
+        if !key.is_some_and(|c| c.ty == crate::domain::mapping::ColType::Uuid) || !top_level {
+            return Err(invalid(
+                "api_key",
+                "\"body\", or \"chosen\" with a uuid key column read from a top-level field \
+                 (path = \"/<field>\"), which the API fills",
+                "\"chosen\"".into(),
+            ));
+        }
+    }
+    if p.api_check && p.on_conflict != OnConflict::Keep {
+        return Err(invalid(
+            "api_check",
+            "false with on_conflict = \"update\" (a newer version is no conflict)",
+            "true".into(),
+        ));
+    }
+    Ok(())
+}
+
 /// Whether `name` is a pipeline name: `[a-z][a-z0-9_]{0,39}`.
 fn is_name(name: &str) -> bool {
     let mut chars = name.chars();
@@ -479,6 +548,7 @@ pub fn check(settings: &Settings) -> Result<(), ConfigError> {
                 ),
             ));
         }
+        check_api(p, &at)?;
     }
     // Names shared by two pipelines.
     let replaced = settings.pipelines.iter().any(|p| p.name == "users");

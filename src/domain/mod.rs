@@ -1,9 +1,10 @@
 //! The seam between the pipeline core and what it stores: a [`Domain`] decodes and validates a
 //! message body into a record and inserts a batch of records with one statement. The core
-//! (consume, process, batch, ack, retry, dead-letter) knows nothing else of the data.
+//! (consume, process, batch, ack, retry, dead-letter) knows nothing else of the data. Behind it
+//! is one implementation, the declared [`mapping::Mapping`]: every pipeline, the built-in users
+//! one included, is a mapping; there is no typed domain per table.
 
 pub mod mapping;
-pub mod users;
 
 use futures::future::BoxFuture;
 
@@ -148,7 +149,7 @@ pub struct Inserted {
     /// each with the reason to dead-letter it with.
     pub conflicts: Vec<(usize, String)>,
     /// Records (by index) not stored because another unique key of theirs belongs to another
-    /// record (a users' email under another id), each with the reason: refused for good.
+    /// record (an email stored under another id), each with the reason: refused for good.
     pub refused: Vec<(usize, String)>,
     /// Records that were a success but changed nothing: an older or equal version of a stored
     /// row (`on_conflict = "update"`), or a lower version of another record in the batch.

@@ -1,10 +1,11 @@
-//! The HTTP API (actix-web): `POST /api/v1/users` and `PUT /api/v1/users/{id}` publish a user
-//! with a broker confirm (idempotently: `PUT` with the client's id, `POST` with an id derived from
-//! its `Idempotency-Key`), `GET /api/v1/users/{id}` reads the row or the message's parked fate,
-//! `/healthz` and `/readyz` for orchestrators; `pipelines` serves the same three for each
-//! configured pipeline with `api = true`. It has its own bounded database pool, starts and answers
-//! while the broker or the database is away (503), and recovers by itself. `ops` is the other
-//! listener, on `METRICS_ADDR` and every role: `/metrics`, `/healthz`, `/readyz`.
+//! The HTTP API (actix-web): `/healthz` and `/readyz` for orchestrators, and, in `pipelines`,
+//! `POST /api/v1/<name>`, `PUT` and `GET /api/v1/<name>/<key>` of every pipeline with
+//! `api = true` (the built-in users pipeline's `/api/v1/users` among them): a body checked by the
+//! pipeline's mapping and published with a broker confirm, a row read back or the message's
+//! parked fate. Here: what they share (reading a body, publishing, the `Idempotency-Key`, the
+//! bounded database work, the parked answer). It has its own bounded database pool, starts and
+//! answers while the broker or the database is away (503), and recovers by itself. `ops` is the
+//! other listener, on `METRICS_ADDR` and every role: `/metrics`, `/healthz`, `/readyz`.
 
 pub mod ops;
 pub mod pipelines;
@@ -28,7 +29,6 @@ use crate::amqp::AmqpError;
 use crate::amqp::publisher::{IsConnected, Publish, Publisher, traced_json_properties};
 use crate::config::Settings;
 use crate::db::{DbError, dead_letters};
-use crate::domain::users::{FieldError, User, validate};
 
 /// Largest accepted request body.
 pub const BODY_LIMIT: usize = 64 * 1024;
@@ -49,8 +49,6 @@ struct AppState {
     publisher: Addr<Publisher>,
     /// The API's own pool (`API_POOL_SIZE`, `warren-api`), never the pipeline's.
     pool: Pool,
-    exchange: String,
-    routing_key: String,
     /// `PUBLISH_LATENCY_HEADER`: what the API publishes carries `x-published-ms`.
     latency_header: bool,
     /// `MAX_MESSAGE_BYTES`: a larger body is what the pipeline refuses unread, so the API
@@ -88,13 +86,9 @@ pub async fn serve(settings: &Settings, pool: Pool) -> anyhow::Result<Api> {
         crate::events::publisher_link,
     ));
     let mapped = pipelines::PipelineApi::all(settings)?;
-    // A file's pipeline named users replaces the built-in one, and its API the typed one.
-    let typed_users = !settings.pipelines.iter().any(|p| p.name == "users");
     let state = web::Data::new(AppState {
         publisher: publisher.clone(),
         pool,
-        exchange: settings.main_exchange.clone(),
-        routing_key: settings.main_queue.clone(),
         latency_header: settings.publish_latency_header,
         max_message_bytes: settings.max_message_bytes,
     });
@@ -118,15 +112,6 @@ pub async fn serve(settings: &Settings, pool: Pool) -> anyhow::Result<Api> {
             .route("/healthz", web::get().to(healthz))
             .route("/readyz", web::get().to(readyz))
             .configure(|config| {
-                if typed_users {
-                    config
-                        .route("/api/v1/users", web::post().to(create_user))
-                        .service(
-                            web::resource("/api/v1/users/{id}")
-                                .route(web::get().to(get_user))
-                                .route(web::put().to(put_user)),
-                        );
-                }
                 for api in &mapped {
                     pipelines::routes(config, api.clone());
                 }
@@ -155,8 +140,12 @@ fn error(status: StatusCode, message: impl Into<String>) -> HttpResponse {
     HttpResponse::build(status).json(json!({"error": message.into()}))
 }
 
-fn unprocessable(message: &str, fields: Vec<FieldError>) -> HttpResponse {
-    HttpResponse::UnprocessableEntity().json(json!({"error": message, "fields": fields}))
+/// One field at fault in a 422 answer: a column's (or the body's field it is read from), or a
+/// field of the body no column reads.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+struct FieldError {
+    field: String,
+    message: String,
 }
 
 async fn healthz() -> HttpResponse {
@@ -212,108 +201,11 @@ async fn read_body(
     Ok(body)
 }
 
-/// Takes a required string field, or records why it cannot.
-fn string_field<'a>(
-    object: &'a serde_json::Map<String, Value>,
-    field: &'static str,
-    errors: &mut Vec<FieldError>,
-) -> Option<&'a str> {
-    match object.get(field) {
-        Some(Value::String(s)) => Some(s),
-        Some(_) => {
-            errors.push(FieldError {
-                field,
-                message: "must be a string".into(),
-            });
-            None
-        }
-        None => {
-            errors.push(FieldError {
-                field,
-                message: "is required".into(),
-            });
-            None
-        }
-    }
-}
-
-/// Reads and validates a `{"name","email"}` body into a user with `id`. With `path_id` (a
-/// `PUT`), an `"id"` in the body must be that id. `Err` is the response to send.
-async fn read_user(
-    req: &HttpRequest,
-    payload: web::Payload,
-    id: Uuid,
-    path_id: Option<Uuid>,
-) -> Result<User, HttpResponse> {
-    let body = read_body(req, payload).await?;
-    // Read as the pipelines read a body: a key twice in one object is refused (JSON parsers
-    // disagree on which counts; the users pipeline refuses such a message, so the API must not
-    // publish one reading of it).
-    let value: Value = std::str::from_utf8(&body)
-        .map_err(|e| format!("not UTF-8: {e}"))
-        .and_then(|text| crate::domain::mapping::parse_strict(text).map_err(|e| e.to_string()))
-        .map_err(|e| unprocessable(&format!("body is not valid JSON: {e}"), Vec::new()))?;
-    let Some(object) = value.as_object() else {
-        return Err(unprocessable(
-            "body must be a JSON object with name and email",
-            Vec::new(),
-        ));
-    };
-    // Unknown fields as the users pipeline reads them: refused, never dropped (it parks such a
-    // message as invalid_payload; the API must not publish a reading of it without them).
-    if let Some(unknown) = object
-        .keys()
-        .find(|k| !matches!(k.as_str(), "id" | "name" | "email"))
-    {
-        return Err(unprocessable(
-            &format!(
-                "unknown field {:?}, expected one of id, name, email",
-                crate::text::shown(unknown)
-            ),
-            Vec::new(),
-        ));
-    }
-    let mut errors = Vec::new();
-    // A POST chooses the id (new, or from its Idempotency-Key): an id in its body would be
-    // ignored, so it is refused; a PUT's must be its path's.
-    if path_id.is_none() && object.contains_key("id") {
-        errors.push(FieldError {
-            field: "id",
-            message: "is chosen by the API in a POST (use PUT /api/v1/users/{id} to give one)"
-                .into(),
-        });
-    }
-    if let (Some(path_id), Some(given)) = (path_id, object.get("id")) {
-        let matches = given
-            .as_str()
-            .and_then(|s| Uuid::parse_str(s).ok())
-            .is_some_and(|given| given == path_id);
-        if !matches {
-            errors.push(FieldError {
-                field: "id",
-                message: format!("must be the id in the path ({path_id}) or left out"),
-            });
-        }
-    }
-    let name = string_field(object, "name", &mut errors);
-    let email = string_field(object, "email", &mut errors);
-    if let (Some(name), Some(email)) = (name, email) {
-        errors.extend(validate(name, email));
-    }
-    match (name, email) {
-        (Some(name), Some(email)) if errors.is_empty() => Ok(User {
-            id,
-            name: name.to_string(),
-            email: email.to_string(),
-        }),
-        _ => Err(unprocessable("validation failed", errors)),
-    }
-}
-
-/// The id a `POST` publishes under: derived from its `Idempotency-Key` (UUID v5 under
-/// [`IDEMPOTENCY_NAMESPACE`]) so a retry gets the same id, or a new random one without the
-/// header. `Err` is the message of the 400 to send for a malformed key.
-fn post_id(req: &HttpRequest) -> Result<Uuid, String> {
+/// The key a `POST` of a pipeline with `api_key = "chosen"` publishes under: derived from its
+/// `Idempotency-Key` (UUID v5 under [`IDEMPOTENCY_NAMESPACE`]) so a retry gets the same key, or
+/// a new random one without the header. `Err` is the message of the 400 to send for a
+/// malformed key.
+fn chosen_key(req: &HttpRequest) -> Result<Uuid, String> {
     let mut values = req.headers().get_all("idempotency-key");
     let Some(key) = values.next() else {
         return Ok(Uuid::new_v4());
@@ -333,132 +225,6 @@ fn post_id(req: &HttpRequest) -> Result<Uuid, String> {
         ));
     }
     Ok(Uuid::new_v5(&IDEMPOTENCY_NAMESPACE, key))
-}
-
-/// `POST /api/v1/users`: publishes a user under a new id, or under the id derived from its
-/// `Idempotency-Key`.
-async fn create_user(
-    req: HttpRequest,
-    payload: web::Payload,
-    state: web::Data<AppState>,
-) -> HttpResponse {
-    let id = match post_id(&req) {
-        Ok(id) => id,
-        Err(message) => return error(StatusCode::BAD_REQUEST, message),
-    };
-    match read_user(&req, payload, id, None).await {
-        Ok(user) => accept(&state, user, trace(&req).as_deref()).await,
-        Err(response) => response,
-    }
-}
-
-/// `PUT /api/v1/users/{id}`: publishes a user under the client's id; repeating it is safe.
-async fn put_user(
-    req: HttpRequest,
-    path: web::Path<String>,
-    payload: web::Payload,
-    state: web::Data<AppState>,
-) -> HttpResponse {
-    let id = match parse_id(&path) {
-        Ok(id) => id,
-        Err(message) => return error(StatusCode::BAD_REQUEST, message),
-    };
-    match read_user(&req, payload, id, Some(id)).await {
-        Ok(user) => accept(&state, user, trace(&req).as_deref()).await,
-        Err(response) => response,
-    }
-}
-
-/// What `users` already holds for a user about to be published.
-#[derive(Debug, Clone, PartialEq, Eq)]
-enum Stored {
-    /// Neither its id nor its email.
-    Nothing,
-    /// Its id, with the same name and email: it is already done.
-    Same,
-    /// Its id, with another name or email.
-    IdConflict,
-    /// Its email, under this other id.
-    EmailTaken(Uuid),
-}
-
-/// Judges the rows `users` holds with `user`'s id or email, as (id, name, email).
-fn judge(user: &User, rows: &[(Uuid, String, String)]) -> Stored {
-    if let Some((_, name, email)) = rows.iter().find(|(id, _, _)| *id == user.id) {
-        if *name == user.name && *email == user.email {
-            Stored::Same
-        } else {
-            Stored::IdConflict
-        }
-    } else if let Some((other, _, _)) = rows.iter().find(|(_, _, email)| *email == user.email) {
-        Stored::EmailTaken(*other)
-    } else {
-        Stored::Nothing
-    }
-}
-
-/// Answers a valid user: refuses what the database would refuse anyway, answers what is already
-/// stored, and publishes the rest. The check is best effort: when the database cannot tell
-/// within [`QUERY_TIMEOUT`], the user is published and the pipeline decides.
-async fn accept(state: &AppState, user: User, trace: Option<&str>) -> HttpResponse {
-    let (id, email) = (user.id, user.email.clone());
-    let looked_up = bounded(&state.pool, move |client| {
-        async move {
-            let rows = client
-                .query(
-                    "SELECT id, name, email FROM users WHERE id = $1 OR email = $2",
-                    &[&id, &email],
-                )
-                .await?;
-            Ok(rows
-                .iter()
-                .map(|r| (r.get(0), r.get(1), r.get(2)))
-                .collect::<Vec<(Uuid, String, String)>>())
-        }
-        .boxed()
-    })
-    .await;
-    match looked_up.map(|rows| judge(&user, &rows)) {
-        Ok(Stored::Same) => HttpResponse::Ok().json(json!({"id": user.id})),
-        Ok(Stored::IdConflict) => HttpResponse::Conflict().json(json!({
-            "error": format!("user {} is already stored with another name or email", user.id),
-            "kind": crate::domain::ErrorKind::IdConflict.as_str(),
-            "id": user.id,
-        })),
-        Ok(Stored::EmailTaken(other)) => HttpResponse::Conflict().json(json!({
-            "error": format!("email {} is already stored under user {other}", user.email),
-            "kind": "email_taken",
-            "id": other,
-        })),
-        Ok(Stored::Nothing) => publish(state, &user, trace).await,
-        Err(e) => {
-            tracing::warn!(message_id = %user.id, error = %e,
-                "cannot check the users table before publishing; publishing anyway");
-            publish(state, &user, trace).await
-        }
-    }
-}
-
-/// Publishes `user` (message id = its id) and answers 200 once the broker confirmed it.
-async fn publish(state: &AppState, user: &User, trace: Option<&str>) -> HttpResponse {
-    let id = match crate::amqp::headers::short(user.id.to_string()) {
-        Ok(id) => id,
-        // A UUID is 36 bytes: never, but an answer rather than a panic.
-        Err(e) => return error(StatusCode::INTERNAL_SERVER_ERROR, format!("id: {e}")),
-    };
-    let body = match serde_json::to_vec(user) {
-        Ok(b) => b,
-        Err(e) => return error(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()),
-    };
-    publish_body(
-        state,
-        &state.exchange,
-        &state.routing_key,
-        id,
-        body.into(),
-        trace,
-    )
-    .await
 }
 
 /// Why the pipeline would refuse `body` before reading it (`MAX_MESSAGE_BYTES`, as
@@ -535,11 +301,6 @@ pub(crate) fn trace(req: &HttpRequest) -> Option<String> {
         .then(|| value.to_string())
 }
 
-/// The `{id}` of a path; `Err` is the message of the 400 to send.
-fn parse_id(path: &str) -> Result<Uuid, String> {
-    Uuid::parse_str(path).map_err(|_| format!("{path:?} is not a UUID"))
-}
-
 /// Why the API's database work failed.
 #[derive(Debug, thiserror::Error)]
 enum QueryError {
@@ -580,7 +341,7 @@ async fn cancel(token: tokio_postgres::CancelToken) {
     let _ = tokio::time::timeout(QUERY_TIMEOUT, token.cancel_query(NoTls)).await;
 }
 
-/// What a `GET` of one row found (users', or a configured pipeline's).
+/// What a `GET` of one row found.
 enum Found {
     /// The row, as the answer's body.
     Row(Value),
@@ -604,67 +365,21 @@ async fn parked_fate(
 }
 
 /// The answer for a message parked (and not replayed): 422 or 409 ([`parked_status`]) with
-/// `{"error", <id_field>: id, "state": "parked", "kind", "reason", "parked_at"}`.
-fn parked_answer(
-    id_field: &str,
-    id: &str,
-    kind: &str,
-    reason: &str,
-    parked_at: &str,
-) -> HttpResponse {
+/// `{"error", "id": id, "key": id, "state": "parked", "kind", "reason", "parked_at"}` (the
+/// message id is the key).
+fn parked_answer(id: &str, kind: &str, reason: &str, parked_at: &str) -> HttpResponse {
     let mut body = serde_json::Map::new();
     body.insert(
         "error".into(),
         format!("message {id} was parked ({kind}) and will not be inserted unless replayed").into(),
     );
-    body.insert(id_field.into(), id.into());
+    body.insert("id".into(), id.into());
+    body.insert("key".into(), id.into());
     body.insert("state".into(), "parked".into());
     body.insert("kind".into(), kind.into());
     body.insert("reason".into(), reason.into());
     body.insert("parked_at".into(), parked_at.into());
     HttpResponse::build(parked_status(kind)).json(Value::Object(body))
-}
-
-/// `GET /api/v1/users/{id}`: the row; else the fate of a parked message with that id; else 404.
-async fn get_user(path: web::Path<String>, state: web::Data<AppState>) -> HttpResponse {
-    let id = match parse_id(&path) {
-        Ok(id) => id,
-        Err(message) => return error(StatusCode::BAD_REQUEST, message),
-    };
-    let found = bounded(&state.pool, move |client| {
-        async move {
-            let row = client
-                .query_opt(
-                    "SELECT id, name, email, \
-                     to_char(inserted_at AT TIME ZONE 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS.US\"Z\"') \
-                     FROM users WHERE id = $1",
-                    &[&id],
-                )
-                .await?;
-            if let Some(row) = row {
-                return Ok(Found::Row(json!({
-                    "id": row.get::<_, Uuid>(0),
-                    "name": row.get::<_, String>(1),
-                    "email": row.get::<_, String>(2),
-                    "inserted_at": row.get::<_, String>(3),
-                })));
-            }
-            parked_fate(client, None, &id.to_string()).await
-        }
-        .boxed()
-    })
-    .await;
-    match found {
-        Ok(Found::Row(body)) => HttpResponse::Ok().json(body),
-        Ok(Found::Parked(kind, reason, parked_at)) => {
-            parked_answer("id", &id.to_string(), &kind, &reason, &parked_at)
-        }
-        Ok(Found::Nothing) => error(StatusCode::NOT_FOUND, format!("no user {id} (yet)")),
-        Err(e) => error(
-            StatusCode::SERVICE_UNAVAILABLE,
-            format!("database unavailable: {e}"),
-        ),
-    }
 }
 
 /// The status that tells a client why its parked message was not inserted: 422 when the
@@ -680,49 +395,6 @@ fn parked_status(kind: &str) -> StatusCode {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    fn user(id: Uuid, name: &str, email: &str) -> User {
-        User {
-            id,
-            name: name.into(),
-            email: email.into(),
-        }
-    }
-
-    #[test]
-    fn stored_rows_are_judged_by_id_first_then_email() {
-        let (a, b) = (Uuid::new_v4(), Uuid::new_v4());
-        let ana = user(a, "Ana", "ana@example.com");
-        let row = |id, name: &str, email: &str| (id, name.to_string(), email.to_string());
-        assert_eq!(judge(&ana, &[]), Stored::Nothing);
-        assert_eq!(
-            judge(&ana, &[row(a, "Ana", "ana@example.com")]),
-            Stored::Same
-        );
-        assert_eq!(
-            judge(&ana, &[row(a, "Ana B", "ana@example.com")]),
-            Stored::IdConflict
-        );
-        assert_eq!(
-            judge(&ana, &[row(a, "Ana", "other@example.com")]),
-            Stored::IdConflict
-        );
-        assert_eq!(
-            judge(&ana, &[row(b, "Bea", "ana@example.com")]),
-            Stored::EmailTaken(b)
-        );
-        // Its id with other content and its email elsewhere: the id is what conflicts.
-        assert_eq!(
-            judge(
-                &ana,
-                &[
-                    row(b, "Bea", "ana@example.com"),
-                    row(a, "Ana", "x@example.com")
-                ]
-            ),
-            Stored::IdConflict
-        );
-    }
 
     #[test]
     fn parked_kinds_map_to_422_or_409() {

@@ -1,17 +1,23 @@
-//! The HTTP API of a configured pipeline with `api = true`: `POST /api/v1/<name>` checks a
-//! message body with the pipeline's mapping (as `warren pipelines test` does) and publishes it,
-//! byte for byte, to the pipeline's exchange with a broker confirm; `PUT /api/v1/<name>/<key>`
-//! does the same for a body whose key is the one in the path; `GET /api/v1/<name>/<key>` reads the
-//! row (as JSON, every column), else the fate of a message parked under the pipeline with that key
-//! as its message id, else 404. The message id of a published message is its key, so a retried
-//! request is the same message to the pipeline (the same key and content: one row).
+//! The HTTP API of a pipeline with `api = true` (the built-in users pipeline's `/api/v1/users`
+//! among them): `POST /api/v1/<name>` checks a message body with the pipeline's mapping (as
+//! `warren pipelines test` does) and publishes it to the pipeline's exchange with a broker
+//! confirm; `PUT /api/v1/<name>/<key>` does the same for a body whose key is the one in the path;
+//! `GET /api/v1/<name>/<key>` reads the row (as JSON, every column), else the fate of a message
+//! parked under the pipeline with that key as its message id, else 404. The message id of a
+//! published message is its key, so a retried request is the same message to the pipeline (the
+//! same key and content: one row).
 //!
 //! What the pipeline would refuse is refused at once (422, with the kind and reason the DLQ would
-//! carry: a body over `MAX_MESSAGE_BYTES`, one the mapping refuses); so is a key no message id can
-//! carry (over 255 bytes: the pipeline would store such a message from a publisher that picks
-//! its own message id, but the API's promises, one message per key and `GET` of its fate, rest
-//! on the key being the message id). Whether the key is already stored with other content is the
-//! pipeline's to decide (`on_conflict`), and `GET` tells it afterwards.
+//! carry and the fields at fault: a body over `MAX_MESSAGE_BYTES`, one the mapping refuses); so
+//! is a key no message id can carry (over 255 bytes: the pipeline would store such a message
+//! from a publisher that picks its own message id, but the API's promises, one message per key
+//! and `GET` of its fate, rest on the key being the message id). Two options of the pipeline's
+//! entry: `api_key = "chosen"`, the API chooses a `POST`'s key (a new UUID, or the one derived
+//! from its `Idempotency-Key`) and writes it into the body; `api_check`, the table is asked
+//! before publishing (the same content under the key: answered, not published again; other
+//! content, or a value another unique index holds: 409). Without `api_check` whether the key is
+//! already stored with other content is the pipeline's to decide (`on_conflict`), and `GET` tells
+//! it afterwards.
 
 use std::sync::Arc;
 
@@ -23,40 +29,62 @@ use serde_json::{Value, json};
 use lapin::types::ShortString;
 
 use super::{
-    AppState, Found, QueryError, bounded, error, oversized, parked_answer, parked_fate,
-    publish_body, read_body, trace,
+    AppState, FieldError, Found, QueryError, bounded, chosen_key, error, oversized, parked_answer,
+    parked_fate, publish_body, read_body, trace,
 };
 use crate::amqp::headers;
-use crate::config::pipelines::PipelineConfig;
+use crate::config::pipelines::{ApiKey, Names, PipelineConfig};
 use crate::config::{ConfigError, Settings};
-use crate::domain::mapping::{Cell, Mapping, Row};
+use crate::domain::ErrorKind;
+use crate::domain::mapping::{Cell, ColType, Mapping, Problem, Refused, Row, Standing};
 
-/// One pipeline's API: its mapping, where it publishes, and its table's key.
+/// One pipeline's API: its mapping, where it publishes, its table's key and its options.
 pub struct PipelineApi {
     pub name: String,
     mapping: Mapping,
     exchange: String,
     routing_key: String,
-    /// The key column's position in the mapping's columns, and its name.
+    /// The key column's position in the mapping's columns, its name and type.
     key_index: usize,
     key_column: String,
+    key_type: ColType,
+    /// `api_key = "chosen"`: the top-level field of the body the key is written to.
+    chosen: Option<String>,
+    /// `api_check`: the table is asked before publishing.
+    check: bool,
+    /// The table's columns in their order, read once (a 422 names the fields at fault in it).
+    order: tokio::sync::OnceCell<Vec<String>>,
 }
 
 impl PipelineApi {
-    /// The API of every pipeline of `settings` with `api = true`. A pipeline named `users` in the
-    /// file replaces the typed users API.
+    /// The API of every pipeline with `api = true`: the built-in users pipeline (as
+    /// `config/default.toml` declares it, under the global names `MAIN_EXCHANGE` and
+    /// `MAIN_QUEUE`) unless a file's pipeline named users replaces it, and the file's.
     pub fn all(settings: &Settings) -> Result<Vec<Arc<Self>>, ConfigError> {
-        settings
-            .pipelines
-            .iter()
-            .filter(|p| p.api)
-            .map(|p| Self::new(p, settings).map(Arc::new))
+        let builtin = if settings.pipelines.iter().any(|p| p.name == "users") {
+            None
+        } else {
+            Some(crate::config::pipelines::users()?)
+        };
+        let builtin = builtin.map(|p| {
+            let names = Names::users(settings);
+            (p, names)
+        });
+        builtin
+            .into_iter()
+            .chain(
+                settings
+                    .pipelines
+                    .iter()
+                    .map(|p| (p.clone(), p.names(settings))),
+            )
+            .filter(|(p, _)| p.api)
+            .map(|(p, names)| Self::new(&p, names).map(Arc::new))
             .collect()
     }
 
-    fn new(p: &PipelineConfig, settings: &Settings) -> Result<Self, ConfigError> {
+    fn new(p: &PipelineConfig, names: Names) -> Result<Self, ConfigError> {
         let mapping = p.mapping()?;
-        let names = p.names(settings);
         let [key] = p.key.as_slice() else {
             // Checked when the configuration loads; kept here so a caller cannot get past it.
             return Err(ConfigError::Pipeline(format!(
@@ -64,10 +92,28 @@ impl PipelineApi {
                 p.name
             )));
         };
-        let key_index = mapping
+        let (key_index, key_type) = mapping
             .columns()
-            .position(|(c, _, _)| c == key)
+            .enumerate()
+            .find(|(_, (c, _, _))| c == key)
+            .map(|(i, (_, ty, _))| (i, ty))
             .ok_or_else(|| ConfigError::Pipeline(format!("pipelines.{}: no key column", p.name)))?;
+        let chosen = match p.api_key {
+            ApiKey::Body => None,
+            ApiKey::Chosen => Some(
+                mapping
+                    .field_of(key)
+                    .filter(|_| key_type == ColType::Uuid)
+                    .ok_or_else(|| {
+                        ConfigError::Pipeline(format!(
+                            "pipelines.{}.api_key: \"chosen\" needs a uuid key read from a \
+                             top-level field",
+                            p.name
+                        ))
+                    })?
+                    .to_string(),
+            ),
+        };
         Ok(Self {
             name: p.name.clone(),
             mapping,
@@ -75,6 +121,10 @@ impl PipelineApi {
             routing_key: names.main_queue,
             key_index,
             key_column: key.clone(),
+            key_type,
+            chosen,
+            check: p.api_check,
+            order: tokio::sync::OnceCell::new(),
         })
     }
 
@@ -88,7 +138,7 @@ impl PipelineApi {
     }
 
     /// The key of a decoded row as text (the message id it is published under).
-    fn key_of(&self, row: &crate::domain::mapping::Row) -> Option<String> {
+    fn key_of(&self, row: &Row) -> Option<String> {
         Some(match row.0.get(self.key_index)? {
             Cell::Null => return None,
             Cell::Text(s) | Cell::Numeric(s) | Cell::Timestamptz(s) | Cell::Date(s) => s.clone(),
@@ -100,18 +150,185 @@ impl PipelineApi {
             Cell::Bool(b) => b.to_string(),
         })
     }
+
+    /// The table's columns in their order (read once; the mapping's columns' order while the
+    /// database cannot say).
+    async fn table_order(&self, state: &AppState) -> Vec<String> {
+        let table = self.mapping.table().sql();
+        let read = self
+            .order
+            .get_or_try_init(|| async {
+                bounded(&state.pool, move |client| {
+                    async move {
+                        let rows = client
+                            .query(
+                                "SELECT attname::text FROM pg_attribute \
+                                 WHERE attrelid = to_regclass($1) AND attnum > 0 \
+                                 AND NOT attisdropped ORDER BY attnum",
+                                &[&table],
+                            )
+                            .await?;
+                        Ok(rows.iter().map(|r| r.get(0)).collect::<Vec<String>>())
+                    }
+                    .boxed()
+                })
+                .await
+            })
+            .await;
+        match read {
+            Ok(order) => order.clone(),
+            Err(_) => self
+                .mapping
+                .columns()
+                .map(|(c, _, _)| c.to_string())
+                .collect(),
+        }
+    }
+
+    /// The 422 for a body the mapping refuses: the kind and reason the DLQ would carry, and
+    /// each field at fault (in the order of the table's columns, then unknown fields), `first`
+    /// before them.
+    async fn refused(
+        &self,
+        state: &AppState,
+        refused: Refused,
+        first: Option<FieldError>,
+    ) -> HttpResponse {
+        let order = self.table_order(state).await;
+        let unknown: Vec<String> = refused
+            .problems
+            .iter()
+            .filter_map(|p| match p {
+                Problem::Unknown(field) => Some(format!("{:?}", crate::text::shown(field))),
+                Problem::Column { .. } => None,
+            })
+            .collect();
+        let mut fields: Vec<(usize, FieldError)> = refused
+            .problems
+            .into_iter()
+            .filter_map(|p| match p {
+                Problem::Unknown(field) => Some(FieldError {
+                    field,
+                    message: format!(
+                        "is not a field of {} (expected one of {})",
+                        self.name,
+                        self.mapping.fields().join(", ")
+                    ),
+                }),
+                // The key's field is named once, by `first`.
+                Problem::Column { column, .. }
+                    if first.as_ref().is_some_and(|f| f.field == column) =>
+                {
+                    None
+                }
+                Problem::Column { column, message } => Some(FieldError {
+                    field: column,
+                    message,
+                }),
+            })
+            .map(|f| {
+                let at = order
+                    .iter()
+                    .position(|c| *c == f.field)
+                    .unwrap_or(usize::MAX);
+                (at, f)
+            })
+            .collect();
+        fields.sort_by_key(|(at, _)| *at);
+        let fields: Vec<FieldError> = first
+            .into_iter()
+            .chain(fields.into_iter().map(|(_, f)| f))
+            .collect();
+        // An unknown field is named as a client reads it (the DLQ's reason gives its path).
+        let message = if unknown.is_empty() {
+            refused.rejection.reason.clone()
+        } else {
+            format!(
+                "unknown field {}, expected one of {}",
+                unknown.join(", "),
+                self.mapping.fields().join(", ")
+            )
+        };
+        HttpResponse::UnprocessableEntity().json(json!({
+            "error": message,
+            "kind": refused.rejection.kind.as_str(),
+            "fields": fields,
+        }))
+    }
 }
 
-/// Registers the routes of `api` on `config`.
+/// The top-level fields of a JSON object body in the order it gives them (empty for anything
+/// else), so an answer names the fields at fault in the client's order.
+fn body_fields(body: &[u8]) -> Vec<String> {
+    struct Keys(Vec<String>);
+    impl<'de> serde::Deserialize<'de> for Keys {
+        fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+            struct Visit;
+            impl<'de> serde::de::Visitor<'de> for Visit {
+                type Value = Keys;
+                fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                    f.write_str("an object")
+                }
+                fn visit_map<A: serde::de::MapAccess<'de>>(
+                    self,
+                    mut map: A,
+                ) -> Result<Keys, A::Error> {
+                    let mut keys = Vec::new();
+                    while let Some((k, _)) = map.next_entry::<String, serde::de::IgnoredAny>()? {
+                        keys.push(k);
+                    }
+                    Ok(Keys(keys))
+                }
+            }
+            d.deserialize_map(Visit)
+        }
+    }
+    serde_json::from_slice::<Keys>(body)
+        .map(|k| k.0)
+        .unwrap_or_default()
+}
+
+/// `body` (a JSON object, trimmed) with `"<field>": "<key>"` written first, everything else
+/// as the client wrote it (numbers keep their digits); `None` when it is no object or already
+/// has the field (the mapping then says what is wrong with it).
+fn with_key(body: &[u8], field: &str, key: &str) -> Option<Vec<u8>> {
+    let text = std::str::from_utf8(body).ok()?.trim();
+    let doc = crate::domain::mapping::parse_strict(text).ok()?;
+    let object = doc.as_object()?;
+    if object.contains_key(field) {
+        return None;
+    }
+    let rest = text.strip_prefix('{')?;
+    let pair = format!(
+        "{}:{}",
+        serde_json::to_string(field).ok()?,
+        serde_json::to_string(key).ok()?
+    );
+    let comma = if object.is_empty() { "" } else { "," };
+    Some(format!("{{{pair}{comma}{rest}").into_bytes())
+}
+
+/// Registers the routes of `api` on `config`. The path's parameter is named after the key
+/// column (`/api/v1/users/{id}`, `/api/v1/orders/{order_id}`: the `route` label of
+/// `warren_http_requests_total`), or `{key}` for a column name a route pattern cannot hold.
 pub fn routes(config: &mut web::ServiceConfig, api: Arc<PipelineApi>) {
     let data = web::Data::from(api.clone());
+    let param = if api
+        .key_column
+        .chars()
+        .all(|c| c.is_ascii_alphanumeric() || c == '_')
+    {
+        api.key_column.as_str()
+    } else {
+        "key"
+    };
     config.service(
         web::resource(format!("/api/v1/{}", api.name))
             .app_data(data.clone())
             .route(web::post().to(post)),
     );
     config.service(
-        web::resource(format!("/api/v1/{}/{{key}}", api.name))
+        web::resource(format!("/api/v1/{}/{{{param}}}", api.name))
             .app_data(data)
             .route(web::get().to(get))
             .route(web::put().to(put)),
@@ -121,7 +338,7 @@ pub fn routes(config: &mut web::ServiceConfig, api: Arc<PipelineApi>) {
 /// Checks `body` as the pipeline would (its size first, unread, then the mapping) and its key as
 /// the message id it is published under; `Ok` is the key (as text, and as the message id),
 /// `Err` the 422 to send.
-fn check(
+async fn check(
     state: &AppState,
     api: &PipelineApi,
     body: &[u8],
@@ -129,12 +346,10 @@ fn check(
     if let Some(refused) = oversized(state, body) {
         return Err(Box::new(refused));
     }
-    let row = api.mapping.decode_message(body, None).map_err(|r| {
-        Box::new(HttpResponse::UnprocessableEntity().json(json!({
-            "error": r.reason,
-            "kind": r.kind.as_str(),
-        })))
-    })?;
+    let row = match api.mapping.decode_detailed(body, None) {
+        Ok(row) => row,
+        Err(r) => return Err(Box::new(api.refused(state, r, None).await)),
+    };
     let key = api.key_of(&row).ok_or_else(|| {
         Box::new(error(
             StatusCode::UNPROCESSABLE_ENTITY,
@@ -158,64 +373,168 @@ fn check(
 /// Whether PostgreSQL can hold `row`'s values in the pipeline's table, asked as the pipeline's
 /// insert would write them (a value too long for a `varchar(n)`, out of an `int2`'s range,
 /// refused by a domain's CHECK, not a label of an enum): `Err` is the 422 to send, with the
-/// database's words, kind `db_permanent` as the pipeline would park it. A database that does
-/// not answer within the API's query bound cannot say: the body is published unprobed, and the
-/// pipeline decides when the database is back (a queue's point is that writes do not wait for
-/// the database).
-async fn storable(state: &AppState, api: &Arc<PipelineApi>, row: Row) -> Result<(), HttpResponse> {
+/// database's words, kind `db_permanent` as the pipeline would park it. With `api_check`, also
+/// what the table holds ([`Standing`]): the same content under the key is a 200 without
+/// publishing, other content a 409 `id_conflict`, a value another unique index holds a 409
+/// `<columns>_taken` naming the key that holds it. A database that does not answer within the
+/// API's query bound cannot say: the body is published unprobed, and the pipeline decides when
+/// the database is back (a queue's point is that writes do not wait for the database).
+async fn storable(
+    state: &AppState,
+    api: &Arc<PipelineApi>,
+    key: &str,
+    row: Row,
+) -> Result<(), HttpResponse> {
+    let unstorable = |reason: &str| {
+        HttpResponse::UnprocessableEntity().json(json!({
+            "error": crate::text::shown(reason),
+            "kind": ErrorKind::DbPermanent.as_str(),
+        }))
+    };
     let probe = {
         let api = api.clone();
         bounded(&state.pool, move |client| {
-            async move { api.mapping.storable(client, &row).await }.boxed()
+            async move {
+                if api.check {
+                    Ok(api.mapping.standing(client, &row).await)
+                } else {
+                    Ok(match api.mapping.storable(client, &row).await? {
+                        Ok(()) => Ok(Standing::New),
+                        Err(reason) => Ok(Standing::Unstorable(reason)),
+                    })
+                }
+            }
+            .boxed()
         })
         .await
     };
-    match probe {
-        Ok(Err(reason)) => Err(HttpResponse::UnprocessableEntity().json(json!({
-            "error": crate::text::shown(&reason),
-            "kind": "db_permanent",
-        }))),
-        Ok(Ok(())) => Ok(()),
-        Err(e) => {
-            tracing::warn!(pipeline = %api.name, error = %e,
-                "the database did not say whether it can hold the body; published unprobed");
-            Ok(())
+    let why = match probe {
+        Ok(Ok(Standing::New)) => return Ok(()),
+        Ok(Ok(Standing::Same)) => return Err(HttpResponse::Ok().json(json!({"id": key}))),
+        Ok(Ok(Standing::Unstorable(reason))) => return Err(unstorable(&reason)),
+        Ok(Ok(Standing::Conflict(columns))) => {
+            return Err(HttpResponse::Conflict().json(json!({
+                "error": format!(
+                    "{} {} is already stored with another {}",
+                    api.key_column,
+                    crate::text::shown(key),
+                    columns.join(" and ")
+                ),
+                "kind": ErrorKind::IdConflict.as_str(),
+                "id": key,
+            })));
         }
-    }
+        Ok(Ok(Standing::Taken {
+            columns,
+            values,
+            holder,
+        })) => {
+            return Err(HttpResponse::Conflict().json(json!({
+                "error": format!(
+                    "{} {} is already stored under {} {}",
+                    columns.join(", "),
+                    crate::text::shown(&values.join(", ")),
+                    api.key_column,
+                    crate::text::shown(&holder)
+                ),
+                "kind": format!("{}_taken", columns.join("_")),
+                "id": holder,
+            })));
+        }
+        Ok(Err(e)) => e.to_string(),
+        Err(e) => e.to_string(),
+    };
+    tracing::warn!(pipeline = %api.name, message_id = %crate::text::shown(key), error = %why,
+        "the database did not say what it holds for the body; published unprobed");
+    Ok(())
 }
 
-/// `POST /api/v1/<name>`: a message body, checked and published under its key.
+/// Checks `body`, asks the table ([`storable`]) and publishes it under its key.
+async fn accept(
+    req: &HttpRequest,
+    state: &AppState,
+    api: &Arc<PipelineApi>,
+    body: bytes::Bytes,
+    key: String,
+    id: ShortString,
+    row: Row,
+) -> HttpResponse {
+    if let Err(answered) = storable(state, api, &key, row).await {
+        return answered;
+    }
+    let trace = trace(req);
+    publish_body(
+        state,
+        &api.exchange,
+        &api.routing_key,
+        id,
+        body,
+        trace.as_deref(),
+    )
+    .await
+}
+
+/// `POST /api/v1/<name>`: a message body, checked and published under its key (with
+/// `api_key = "chosen"`, the key the API chooses, written into the body).
 async fn post(
     req: HttpRequest,
     payload: web::Payload,
     state: web::Data<AppState>,
     api: web::Data<PipelineApi>,
 ) -> HttpResponse {
+    let chosen = match &api.chosen {
+        Some(field) => match chosen_key(&req) {
+            Ok(key) => Some((field.clone(), key.to_string())),
+            Err(message) => return error(StatusCode::BAD_REQUEST, message),
+        },
+        None => None,
+    };
     let body = match read_body(&req, payload).await {
-        Ok(b) => b,
+        Ok(b) => b.freeze(),
         Err(response) => return response,
     };
-    match check(&state, &api, &body) {
-        Ok((_, id, row)) => {
-            if let Err(refused) = storable(&state, &api.clone().into_inner(), row).await {
-                return refused;
+    let body = match &chosen {
+        Some((field, key)) => match with_key(&body, field, key) {
+            Some(keyed) => bytes::Bytes::from(keyed),
+            None => {
+                // A key in the body: refused, naming it (it would be ignored), with whatever
+                // else is wrong with the body.
+                let given = body_fields(&body).iter().any(|f| f == field);
+                if given {
+                    let first = FieldError {
+                        field: api.key_column.clone(),
+                        message: format!(
+                            "is chosen by the API in a POST (use PUT /api/v1/{}/{{{}}} to give \
+                             one)",
+                            api.name, api.key_column
+                        ),
+                    };
+                    let refused = api
+                        .mapping
+                        .decode_detailed(&body, None)
+                        .err()
+                        .unwrap_or_else(|| {
+                            crate::domain::Rejection::payload(format!(
+                                "{} {}",
+                                first.field, first.message
+                            ))
+                            .into()
+                        });
+                    return api.refused(&state, refused, Some(first)).await;
+                }
+                body
             }
-            let trace = trace(&req);
-            publish_body(
-                &state,
-                &api.exchange,
-                &api.routing_key,
-                id,
-                body.freeze(),
-                trace.as_deref(),
-            )
-            .await
-        }
+        },
+        None => body,
+    };
+    match check(&state, &api, &body).await {
+        Ok((key, id, row)) => accept(&req, &state, &api.into_inner(), body, key, id, row).await,
         Err(response) => *response,
     }
 }
 
-/// `PUT /api/v1/<name>/<key>`: as `POST`, for a body whose key is the one in the path.
+/// `PUT /api/v1/<name>/<key>`: as `POST`, for a body whose key is the one in the path (with
+/// `api_key = "chosen"`, a body may leave it out). A path a uuid key cannot be is a 400.
 async fn put(
     req: HttpRequest,
     payload: web::Payload,
@@ -226,34 +545,46 @@ async fn put(
         Ok(key) => key,
         Err(response) => return *response,
     };
+    if api.key_type == ColType::Uuid && uuid::Uuid::parse_str(&path).is_err() {
+        return error(
+            StatusCode::BAD_REQUEST,
+            format!("{:?} is not a UUID", crate::text::shown(&path)),
+        );
+    }
     let body = match read_body(&req, payload).await {
-        Ok(b) => b,
+        Ok(b) => b.freeze(),
         Err(response) => return response,
     };
-    match check(&state, &api, &body) {
+    let body = match api
+        .chosen
+        .as_deref()
+        .and_then(|f| with_key(&body, f, &path))
+    {
+        Some(keyed) => bytes::Bytes::from(keyed),
+        None => body,
+    };
+    match check(&state, &api, &body).await {
         Ok((key, id, row)) if api.same_key(&key, &path) => {
-            if let Err(refused) = storable(&state, &api.clone().into_inner(), row).await {
-                return refused;
-            }
-            let trace = trace(&req);
-            publish_body(
-                &state,
-                &api.exchange,
-                &api.routing_key,
-                id,
-                body.freeze(),
-                trace.as_deref(),
-            )
-            .await
+            accept(&req, &state, &api.into_inner(), body, key, id, row).await
         }
-        Ok((key, _, _)) => error(
-            StatusCode::UNPROCESSABLE_ENTITY,
-            format!(
+        Ok((key, _, _)) => {
+            let message = format!(
                 "the body's key {} ({key:?}) must be the one in the path ({:?})",
                 api.key_column,
                 path.as_str()
-            ),
-        ),
+            );
+            HttpResponse::UnprocessableEntity().json(json!({
+                "error": message,
+                "kind": ErrorKind::InvalidPayload.as_str(),
+                "fields": [FieldError {
+                    field: api.key_column.clone(),
+                    message: format!(
+                        "must be the one in the path ({path:?}){}",
+                        if api.chosen.is_some() { " or left out" } else { "" }
+                    ),
+                }],
+            }))
+        }
         Err(response) => *response,
     }
 }
@@ -341,7 +672,7 @@ async fn get(
     match lookup {
         Ok(Found::Row(row)) => HttpResponse::Ok().json(row),
         Ok(Found::Parked(kind, reason, parked_at)) => {
-            parked_answer("key", &key, &kind, &reason, &parked_at)
+            parked_answer(&key, &kind, &reason, &parked_at)
         }
         Ok(Found::Nothing) => error(
             StatusCode::NOT_FOUND,
@@ -360,5 +691,41 @@ async fn get(
             StatusCode::SERVICE_UNAVAILABLE,
             format!("database unavailable: {e}"),
         ),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_chosen_key_is_written_first_and_the_rest_kept_as_sent() {
+        let id = "6f1c2c1e-8d3a-4c55-9a8e-0d2b8d1e7a10";
+        let keyed =
+            |body: &str| with_key(body.as_bytes(), "id", id).map(|b| String::from_utf8(b).unwrap());
+        assert_eq!(
+            keyed(r#"  {"name":"Ana", "n": 1.000000000000000000001}   "#).as_deref(),
+            Some(
+                r#"{"id":"6f1c2c1e-8d3a-4c55-9a8e-0d2b8d1e7a10","name":"Ana", "n": 1.000000000000000000001}"#
+            )
+        );
+        assert_eq!(
+            keyed("{ }").as_deref(),
+            Some(r#"{"id":"6f1c2c1e-8d3a-4c55-9a8e-0d2b8d1e7a10" }"#)
+        );
+        // Already there, no object, not JSON, a key twice: left for the mapping to judge.
+        for body in [r#"{"id":"x"}"#, "[1]", "nope", r#"{"a":1,"a":2}"#] {
+            assert_eq!(keyed(body), None, "{body}");
+        }
+    }
+
+    #[test]
+    fn the_body_s_fields_are_read_in_its_order() {
+        assert_eq!(
+            body_fields(br#"{"name":"","email":"x","id":7}"#),
+            ["name", "email", "id"]
+        );
+        assert!(body_fields(b"[1]").is_empty());
+        assert!(body_fields(b"not json").is_empty());
     }
 }

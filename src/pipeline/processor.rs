@@ -103,7 +103,7 @@ impl<D: Domain> Handler<Flush> for Processor<D> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::domain::users::Users;
+    use crate::domain::mapping::{Mapping, Row};
     use crate::pipeline::message::Delivery;
     use lapin::BasicProperties;
     use std::sync::Mutex;
@@ -115,9 +115,9 @@ mod tests {
         type Context = Context<Self>;
     }
 
-    impl Handler<Processed<<Users as Domain>::Record>> for Probe {
+    impl Handler<Processed<Row>> for Probe {
         type Result = ();
-        fn handle(&mut self, msg: Processed<<Users as Domain>::Record>, _: &mut Self::Context) {
+        fn handle(&mut self, msg: Processed<Row>, _: &mut Self::Context) {
             let mut seen = self.0.lock().unwrap();
             for d in msg.0 {
                 seen.push((self.1, d.result.is_ok()));
@@ -153,8 +153,11 @@ mod tests {
     async fn a_chunk_is_decoded_and_reaches_the_batcher_it_names_in_one_message() {
         let seen = Arc::new(Mutex::new(Vec::new()));
         let probes: Vec<Addr<Probe>> = (0..2).map(|i| Probe(seen.clone(), i).start()).collect();
+        let users: Mapping = crate::config::pipelines::users()
+            .and_then(|p| p.mapping())
+            .expect("the shipped users pipeline compiles");
         let processor = Processor::new(
-            Arc::new(Users),
+            Arc::new(users),
             100,
             probes.iter().map(|p| p.clone().recipient()).collect(),
             probes.iter().map(|p| p.clone().recipient()).collect(),

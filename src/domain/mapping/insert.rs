@@ -201,7 +201,7 @@ struct Probe {
 /// it PostgreSQL would compare two `citext` values as text, case and all. (`ORDER BY` and
 /// `DISTINCT ON`, and the table's unique indexes, use the type's own operators whatever the
 /// path.)
-fn types_on_path(table: &TableName) -> String {
+pub(super) fn types_on_path(table: &TableName) -> String {
     // The table's name is an identifier warren checked (no quote can be in it).
     let t = table.sql().replace('\'', "''");
     format!(
@@ -297,7 +297,7 @@ async fn enum_casts(
 
 /// The statements of `mapping` for its table as it is: those built at compile time, or, when
 /// a `text` column is an enum, built again with its cast (once per mapping).
-async fn statements<'m>(
+pub(super) async fn statements<'m>(
     mapping: &'m Mapping,
     client: &tokio_postgres::Client,
 ) -> Result<&'m Statements, DbError> {
@@ -378,7 +378,7 @@ impl Statements {
 }
 
 /// One column of a batch, as the array its parameter is sent as.
-enum Array {
+pub(super) enum Array {
     Text(Vec<Option<String>>),
     Uuid(Vec<Option<uuid::Uuid>>),
     Int4(Vec<Option<i32>>),
@@ -429,7 +429,7 @@ impl Array {
         }
     }
 
-    fn as_param(&self) -> &(dyn ToSql + Sync) {
+    pub(super) fn as_param(&self) -> &(dyn ToSql + Sync) {
         match self {
             Array::Text(v) => v,
             Array::Uuid(v) => v,
@@ -442,7 +442,7 @@ impl Array {
 }
 
 /// The parameter arrays of `records`, one per column.
-fn arrays(mapping: &Mapping, records: &[&Row]) -> Vec<Array> {
+pub(super) fn arrays(mapping: &Mapping, records: &[&Row]) -> Vec<Array> {
     let mut arrays: Vec<Array> = mapping
         .columns
         .iter()
@@ -457,7 +457,7 @@ fn arrays(mapping: &Mapping, records: &[&Row]) -> Vec<Array> {
 }
 
 /// A cell as text, for reasons.
-fn shown(cell: &Cell) -> String {
+pub(super) fn shown(cell: &Cell) -> String {
     match cell {
         Cell::Null => "NULL".into(),
         Cell::Text(s)
@@ -623,7 +623,7 @@ pub(super) async fn insert(
 /// Runs `work` in a transaction that holds the probe's table (see [`probe_statements`]), then
 /// ends it: committed when `commit` and `work` succeeded, else rolled back. A transaction that
 /// cannot be ended is the connection's failure.
-async fn in_probe<T>(
+pub(super) async fn in_probe<T>(
     probe_table: &str,
     client: &deadpool_postgres::Client,
     commit: bool,
@@ -652,7 +652,7 @@ async fn in_probe<T>(
 /// INSERT triggers have made it the row an insert would write (see
 /// [`Statements::probe_same`]): asked inside a savepoint rolled back, so nothing changes. An
 /// error (a trigger or a constraint refusing the row) is "not the same".
-async fn same_after_triggers(
+pub(super) async fn same_after_triggers(
     st: &Statements,
     client: &deadpool_postgres::Client,
     ord: i64,
@@ -744,6 +744,42 @@ async fn unique_holders(
     client: &deadpool_postgres::Client,
     skipped: &[usize],
 ) -> Result<Vec<(usize, String)>, DbError> {
+    let mut holders = holders(mapping, client, skipped).await?;
+    Ok(skipped
+        .iter()
+        .map(|&i| {
+            let reason = match holders.remove(&i) {
+                Some(h) => refused_reason(&h.index, &h.columns, Some(h.key), mapping),
+                None => format!(
+                    "not written, and no unique index of {} holds its values: a unique index \
+                     over an expression or a BEFORE INSERT trigger of the table refused or \
+                     discarded it (skipped by ON CONFLICT DO NOTHING)",
+                    mapping.table
+                ),
+            };
+            (i, reason)
+        })
+        .collect())
+}
+
+/// A unique index (other than the key's) holding a record's values, and the key of the row
+/// holding them.
+pub(super) struct Holder {
+    pub(super) index: String,
+    pub(super) columns: Vec<String>,
+    /// The key's values, `, `-separated.
+    pub(super) key: String,
+}
+
+/// Of the records of the probe at `records` (indices in the batch), those whose values a
+/// unique index other than the key's holds: the first such index (by name) and the key holding
+/// them. Asked of the probe (inside [`in_probe`]), so each index's columns compare as the index
+/// does.
+pub(super) async fn holders(
+    mapping: &Mapping,
+    client: &deadpool_postgres::Client,
+    records: &[usize],
+) -> Result<HashMap<usize, Holder>, DbError> {
     let name = mapping.table.sql();
     let oid: Option<u32> = client
         .query_one("SELECT to_regclass($1)::oid", &[&name])
@@ -759,7 +795,7 @@ async fn unique_holders(
     };
     let mut key: Vec<&str> = mapping.key();
     key.sort_unstable();
-    let mut reasons: HashMap<usize, String> = HashMap::new();
+    let mut found: HashMap<usize, Holder> = HashMap::new();
     for (index, cols) in &indexes {
         let mut sorted: Vec<&str> = cols.iter().map(String::as_str).collect();
         sorted.sort_unstable();
@@ -772,9 +808,9 @@ async fn unique_holders(
         {
             continue; // an index on a column the mapping does not fill
         }
-        let pending: Vec<i64> = skipped
+        let pending: Vec<i64> = records
             .iter()
-            .filter(|i| !reasons.contains_key(i))
+            .filter(|i| !found.contains_key(i))
             .map(|&i| i as i64 + 1)
             .collect();
         if pending.is_empty() {
@@ -796,136 +832,18 @@ async fn unique_holders(
             table = mapping.table.sql(),
             on = on.join(" AND "),
         );
-        let found = client
+        for row in client
             .query(&sql, &[&pending])
             .await
-            .map_err(DbError::from_pg)?;
-        for row in found {
+            .map_err(DbError::from_pg)?
+        {
             let i = (row.get::<_, i64>(0) - 1) as usize;
-            reasons
-                .entry(i)
-                .or_insert_with(|| refused_reason(index, cols, Some(row.get(1)), mapping));
-        }
-    }
-    Ok(skipped
-        .iter()
-        .map(|&i| {
-            let reason = reasons.remove(&i).unwrap_or_else(|| {
-                format!(
-                    "not written, and no unique index of {} holds its values: a unique index \
-                     over an expression or a BEFORE INSERT trigger of the table refused or \
-                     discarded it (skipped by ON CONFLICT DO NOTHING)",
-                    mapping.table
-                )
+            found.entry(i).or_insert_with(|| Holder {
+                index: index.clone(),
+                columns: cols.clone(),
+                key: row.get(1),
             });
-            (i, reason)
-        })
-        .collect())
-}
-
-/// The mapping's type of `key`'s column as an SQL type, for a key given as text (a path of the
-/// API): the text is read as the mapping would send it, then converted to the column by the
-/// probe, as the pipeline's insert would.
-fn sent_as(ty: ColType) -> &'static str {
-    match ty {
-        // A JSON document as a key is its text.
-        ColType::Jsonb => "text",
-        other => other.as_str(),
-    }
-}
-
-/// Runs `sql` (and `params`) in a transaction holding `create`'s temporary table, rolled back.
-async fn rolled_back<T>(
-    client: &tokio_postgres::Client,
-    create: &str,
-    work: impl std::future::Future<Output = Result<T, tokio_postgres::Error>>,
-) -> Result<T, tokio_postgres::Error> {
-    let result = match client.batch_execute(create).await {
-        Ok(()) => work.await,
-        Err(e) => Err(e),
-    };
-    match client.batch_execute("ROLLBACK").await {
-        Ok(()) => result,
-        Err(e) => result.and(Err(e)),
-    }
-}
-
-/// The row whose one-column key equals `key` as the pipeline would store it (the API's `GET`),
-/// as JSON text: `key` is converted to the column's type by an insert into the probe (so a
-/// value too long for a `varchar(3)` key is refused, 22001, never truncated onto another
-/// row), then compared with the column's own equality (a `citext` key finds its row in any
-/// case). `None` when no row holds it.
-pub(super) async fn find_by_key(
-    mapping: &Mapping,
-    client: &tokio_postgres::Client,
-    key: &str,
-) -> Result<Option<String>, tokio_postgres::Error> {
-    let [k] = mapping.key.as_slice() else {
-        return Ok(None);
-    };
-    let column = &mapping.columns[*k];
-    let name = quote(&column.name);
-    // The casts read once per mapping with its statements, not a catalog query per GET.
-    let casts = match statements(mapping, client).await {
-        Ok(st) => st.casts.clone(),
-        Err(_) => Vec::new(),
-    };
-    let ty = casts
-        .get(*k)
-        .cloned()
-        .flatten()
-        .unwrap_or_else(|| sent_as(column.ty).to_string());
-    let t = mapping.table.sql();
-    let create = format!(
-        "BEGIN; {path} CREATE TEMPORARY TABLE warren_key ON COMMIT DROP AS \
-         SELECT {name} FROM {t} WITH NO DATA",
-        path = types_on_path(&mapping.table),
-    );
-    let sql = format!(
-        "WITH p AS (INSERT INTO pg_temp.warren_key ({name}) SELECT $1::text::{ty} RETURNING {name}) \
-         SELECT to_jsonb(s.*)::text FROM {t} AS s JOIN p ON s.{name} = p.{name}"
-    );
-    rolled_back(client, &create, async {
-        // `s.*`, the whole row: `to_jsonb(s)` would be a column of the table named `s`.
-        match client.query_opt(&sql, &[&key]).await? {
-            Some(row) => Ok(row.try_get::<_, Option<String>>(0)?),
-            None => Ok(None),
         }
-    })
-    .await
-}
-
-/// Whether the table can hold `record` as the pipeline's insert would write it: converted by
-/// PostgreSQL into the columns' types in the probe, rolled back. `Ok(Err(reason))`: a value
-/// PostgreSQL refuses (a data exception or a domain's check, SQLSTATE 22 or 23), with the
-/// server's words; the table's own constraints, triggers and keys are the pipeline's to meet.
-pub(super) async fn storable(
-    mapping: &Mapping,
-    client: &tokio_postgres::Client,
-    record: &Row,
-) -> Result<Result<(), String>, tokio_postgres::Error> {
-    let st = match statements(mapping, client).await {
-        Ok(st) => st,
-        Err(_) => &mapping.statements,
-    };
-    let records = [record];
-    let arrays = arrays(mapping, &records);
-    let params: Vec<&(dyn ToSql + Sync)> = arrays.iter().map(Array::as_param).collect();
-    rolled_back(client, &st.probe_table, async {
-        match client.query(st.probe_compare.as_str(), &params).await {
-            Ok(_) => Ok(Ok(())),
-            Err(e)
-                if e.code()
-                    .is_some_and(|c| c.code().starts_with("22") || c.code().starts_with("23")) =>
-            {
-                let reason = match e.as_db_error() {
-                    Some(db) => format!("{} {}", db.code().code(), db.message()),
-                    None => e.to_string(),
-                };
-                Ok(Err(reason))
-            }
-            Err(e) => Err(e),
-        }
-    })
-    .await
+    }
+    Ok(found)
 }

@@ -1,17 +1,24 @@
 //! A pipeline as data: the mapping from a JSON message (and its AMQP headers) to the columns of
 //! an existing table, declared in the configuration (`[[pipelines]]`), and the [`Domain`] it is.
-//! A spec ([`PipelineSpec`]) is read from the file and checked ([`Mapping::compile`]): each column
-//! takes a JSON Pointer (RFC 6901) into the body (`""` is the whole body) or a header, a type,
-//! and optional checks; decoding a body yields one cell per column, or a rejection naming the
-//! path, what was expected and what was found. `insert.rs` writes a batch with one statement
-//! (`on_conflict = keep | update`); `schema.rs` checks the mapping against the table before
-//! anything is consumed.
+//! A spec ([`MappingSpec`], from a pipeline's entry: `config::pipelines::PipelineConfig`) is
+//! checked and compiled ([`Mapping::compile`]): each column takes a JSON Pointer (RFC 6901) into
+//! the body (`""` is the whole body) or a header, a type, and optional checks; decoding a body
+//! yields one cell per column, or a rejection naming the path, what was expected and what was
+//! found. Every pipeline is one, the built-in users pipeline included. `values.rs` holds the
+//! checks of one value; `insert.rs` writes a batch with one statement (`on_conflict = keep |
+//! update`), `lookup.rs` answers the API's questions to the table; `schema.rs` checks the mapping against
+//! the table before anything is consumed.
 
 mod insert;
+mod lookup;
+pub use lookup::Standing;
 pub mod schema;
 mod strict;
+mod values;
 
 pub use strict::parse as parse_strict;
+use values::*;
+pub use values::{EMAIL_MAX, email_problem, line_problem};
 
 use std::collections::{BTreeMap, HashSet};
 use std::fmt;
@@ -19,7 +26,6 @@ use std::fmt;
 use futures::future::BoxFuture;
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
-use serde_json::value::RawValue;
 
 use super::{Domain, Inserted, Rejection};
 use crate::db::error::DbError;
@@ -107,7 +113,7 @@ pub enum Format {
     /// A plausible address such as `ana@example.com` (at most 254 bytes).
     Email,
     /// One line of readable text: not blank (only whitespace) and without what a screen would
-    /// not show as written (`users::line_problem`), for names and titles that end up on a screen.
+    /// not show as written ([`line_problem`]), for names and titles that end up on a screen.
     Line,
 }
 
@@ -215,6 +221,45 @@ struct Column {
     format: Option<Format>,
 }
 
+impl Column {
+    /// Where its value is, as a reason names it: the path, `the body`, or `header <name>`.
+    fn at(&self) -> String {
+        match &self.source {
+            Source::Path { pointer, .. } if pointer.is_empty() => "the body".into(),
+            Source::Path { pointer, .. } => pointer.clone(),
+            Source::Header(h) => format!("header {h}"),
+        }
+    }
+}
+
+/// A refused message: the rejection (its kind and the reason the DLQ carries), and each field
+/// at fault, for an answer that names them.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Refused {
+    pub rejection: Rejection,
+    /// Empty when the body as a whole is at fault (empty, not UTF-8, not JSON, a key twice,
+    /// not an object).
+    pub problems: Vec<Problem>,
+}
+
+impl From<Rejection> for Refused {
+    fn from(rejection: Rejection) -> Self {
+        Self {
+            rejection,
+            problems: Vec::new(),
+        }
+    }
+}
+
+/// One field at fault in a refused message.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Problem {
+    /// A top-level field no column reads (`unknown_fields = "reject"`).
+    Unknown(String),
+    /// A column's value: the column, and what is wrong (the reason's words after the path).
+    Column { column: String, message: String },
+}
+
 /// A table name, split and checked: `schema.name` or `name` (then `DATABASE_SCHEMA`'s).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct TableName {
@@ -298,6 +343,9 @@ pub struct Mapping {
     /// The top-level fields the paths read (`unknown_fields = "reject"` refuses others; the
     /// whole body, `""`, reads none).
     fields: HashSet<String>,
+    /// Whether a required column reads a field of an object (not an array's item): a body
+    /// that is no object is then refused as the wrong shape.
+    reads_object: bool,
     /// The insert statements, built once.
     statements: insert::Statements,
     /// The statements again with the casts of the table's enum columns, built when the table
@@ -442,6 +490,15 @@ impl Mapping {
             }
         };
         let statements = insert::Statements::build(&table, &columns, &key, version, &[]);
+        let reads_object = columns.iter().any(|c| match &c.source {
+            Source::Path { segments, .. } => {
+                !c.optional
+                    && segments
+                        .first()
+                        .is_some_and(|f| !f.bytes().all(|b| b.is_ascii_digit()))
+            }
+            Source::Header(_) => false,
+        });
         Ok(Self {
             pipeline: pipeline.to_string(),
             table,
@@ -451,6 +508,7 @@ impl Mapping {
             version,
             unknown_fields: spec.unknown_fields,
             fields,
+            reads_object,
             statements,
             bound: Default::default(),
         })
@@ -468,7 +526,7 @@ impl Mapping {
         client: &tokio_postgres::Client,
         key: &str,
     ) -> Result<Option<String>, tokio_postgres::Error> {
-        insert::find_by_key(self, client, key).await
+        lookup::find_by_key(self, client, key).await
     }
 
     /// Whether PostgreSQL can hold `record`'s values in the table's columns (`Ok(Err(reason))`
@@ -478,7 +536,17 @@ impl Mapping {
         client: &tokio_postgres::Client,
         record: &Row,
     ) -> Result<Result<(), String>, tokio_postgres::Error> {
-        insert::storable(self, client, record).await
+        lookup::storable(self, client, record).await
+    }
+
+    /// What the table holds for `record` ([`Standing`]), as the pipeline's insert would find it;
+    /// nothing is written. Asked by the API before it publishes (`api_check`).
+    pub async fn standing(
+        &self,
+        client: &deadpool_postgres::Client,
+        record: &Row,
+    ) -> Result<Standing, DbError> {
+        lookup::standing(self, client, record).await
     }
 
     /// (column, type, optional) in the spec's order.
@@ -511,8 +579,19 @@ impl Mapping {
         body: &[u8],
         headers: Option<&lapin::types::FieldTable>,
     ) -> Result<Row, Rejection> {
+        self.decode_detailed(body, headers).map_err(|r| r.rejection)
+    }
+
+    /// As [`Mapping::decode_message`], and a refusal also names each field at fault
+    /// ([`Problem`]), for an answer that lists them (the API's 422). Nothing more is built on
+    /// the way to a row.
+    pub fn decode_detailed(
+        &self,
+        body: &[u8],
+        headers: Option<&lapin::types::FieldTable>,
+    ) -> Result<Row, Refused> {
         if body.is_empty() {
-            return Err(Rejection::json("empty body"));
+            return Err(Rejection::json("empty body").into());
         }
         let text = std::str::from_utf8(body)
             .map_err(|e| Rejection::json(format!("body is not UTF-8: {e}")))?;
@@ -527,6 +606,15 @@ impl Mapping {
             }
             _ => Rejection::json(format!("not JSON: {e}")),
         })?;
+        // Fields are read from an object: another value is the wrong shape, said as such rather
+        // than as every required column missing.
+        if self.reads_object && !doc.is_object() {
+            return Err(Rejection::payload(format!(
+                "the body: expected a JSON object (the columns read its fields), found {}",
+                found(&doc)
+            ))
+            .into());
+        }
         if self.unknown_fields == UnknownFields::Reject
             && let Value::Object(map) = &doc
         {
@@ -535,11 +623,17 @@ impl Mapping {
             if !unknown.is_empty() {
                 unknown.sort();
                 let list: Vec<String> = unknown.iter().map(|k| format!("/{k}")).collect();
-                return Err(Rejection::payload(format!(
-                    "unknown field{} {} (unknown_fields = \"reject\")",
-                    if list.len() == 1 { "" } else { "s" },
-                    list.join(", ")
-                )));
+                return Err(Refused {
+                    rejection: Rejection::payload(format!(
+                        "unknown field{} {} (unknown_fields = \"reject\")",
+                        if list.len() == 1 { "" } else { "s" },
+                        list.join(", ")
+                    )),
+                    problems: unknown
+                        .into_iter()
+                        .map(|k| Problem::Unknown(k.clone()))
+                        .collect(),
+                });
             }
         }
         let mut cells = Vec::with_capacity(self.columns.len());
@@ -547,13 +641,41 @@ impl Mapping {
         for c in &self.columns {
             match self.cell(c, text, &doc, headers) {
                 Ok(cell) => cells.push(cell),
-                Err(p) => problems.push(p),
+                Err(p) => problems.push((c, p)),
             }
         }
         if problems.is_empty() {
-            Ok(Row(cells))
-        } else {
-            Err(Rejection::payload(problems.join("; ")))
+            return Ok(Row(cells));
+        }
+        let reason: Vec<&str> = problems.iter().map(|(_, p)| p.as_str()).collect();
+        Err(Refused {
+            rejection: Rejection::payload(reason.join("; ")),
+            problems: problems
+                .iter()
+                .map(|(c, p)| {
+                    let at = format!("{}: ", c.at());
+                    Problem::Column {
+                        column: c.name.clone(),
+                        message: p.strip_prefix(&at).unwrap_or(p).to_string(),
+                    }
+                })
+                .collect(),
+        })
+    }
+
+    /// The top-level fields of a body the columns read, sorted.
+    pub fn fields(&self) -> Vec<&str> {
+        let mut fields: Vec<&str> = self.fields.iter().map(String::as_str).collect();
+        fields.sort_unstable();
+        fields
+    }
+
+    /// The top-level field of the body column `column` reads its value from (its path is
+    /// `/<field>`), if it reads one so.
+    pub fn field_of(&self, column: &str) -> Option<&str> {
+        match &self.columns.iter().find(|c| c.name == column)?.source {
+            Source::Path { segments, .. } if segments.len() == 1 => Some(segments[0].as_str()),
+            _ => None,
         }
     }
 
@@ -565,33 +687,23 @@ impl Mapping {
         doc: &Value,
         headers: Option<&lapin::types::FieldTable>,
     ) -> Result<Cell, String> {
-        let (at, value) = match &c.source {
-            Source::Path { pointer, segments } => {
-                let shown = if pointer.is_empty() {
-                    "the body".to_string()
-                } else {
-                    pointer.clone()
-                };
-                (shown, lookup(doc, segments).cloned())
-            }
-            Source::Header(h) => {
-                let at = format!("header {h}");
-                let value = match headers
-                    .and_then(|t| t.inner().get(h.as_str()))
-                    .map(header_json)
-                {
-                    Some(Err(amqp_type)) => {
-                        return Err(format!(
-                            "{at}: expected {}, found {amqp_type} (a header column reads a \
-                             string, a number, a boolean or void)",
-                            expects(c.ty)
-                        ));
-                    }
-                    Some(Ok(v)) => Some(v),
-                    None => None,
-                };
-                (at, value)
-            }
+        let at = c.at();
+        let value = match &c.source {
+            Source::Path { segments, .. } => lookup(doc, segments).cloned(),
+            Source::Header(h) => match headers
+                .and_then(|t| t.inner().get(h.as_str()))
+                .map(header_json)
+            {
+                Some(Err(amqp_type)) => {
+                    return Err(format!(
+                        "{at}: expected {}, found {amqp_type} (a header column reads a \
+                         string, a number, a boolean or void)",
+                        expects(c.ty)
+                    ));
+                }
+                Some(Ok(v)) => Some(v),
+                None => None,
+            },
         };
         let value = match value {
             None | Some(Value::Null) if c.optional => return Ok(Cell::Null),
@@ -813,296 +925,7 @@ impl Domain for Mapping {
     }
 }
 
-/// The unescaped segments of a JSON Pointer (RFC 6901): `""` is the whole document, otherwise
-/// `/` then segments separated by `/`, with `~1` for `/` and `~0` for `~`.
-fn pointer_segments(pointer: &str) -> Result<Vec<String>, String> {
-    if pointer.is_empty() {
-        return Ok(Vec::new());
-    }
-    let Some(rest) = pointer.strip_prefix('/') else {
-        return Err(format!(
-            "path {pointer:?} is not a JSON Pointer: it must be \"\" (the whole body) or start with /"
-        ));
-    };
-    rest.split('/')
-        .map(|seg| {
-            let mut out = String::with_capacity(seg.len());
-            let mut chars = seg.chars();
-            while let Some(c) = chars.next() {
-                if c != '~' {
-                    out.push(c);
-                    continue;
-                }
-                match chars.next() {
-                    Some('0') => out.push('~'),
-                    Some('1') => out.push('/'),
-                    _ => {
-                        return Err(format!(
-                            "path {pointer:?} is not a JSON Pointer: ~ must be followed by 0 or 1"
-                        ));
-                    }
-                }
-            }
-            Ok(out)
-        })
-        .collect()
-}
-
-/// The value at `segments` of `doc` (an array index is a decimal without leading zeros).
-fn lookup<'a>(doc: &'a Value, segments: &[String]) -> Option<&'a Value> {
-    let mut at = doc;
-    for seg in segments {
-        at = match at {
-            Value::Object(map) => map.get(seg)?,
-            Value::Array(items) => {
-                if seg.len() > 1 && seg.starts_with('0') {
-                    return None;
-                }
-                items.get(seg.parse::<usize>().ok()?)?
-            }
-            _ => return None,
-        };
-    }
-    Some(at)
-}
-
-/// The text of the number at `segments` of the JSON `text`, as written (numbers lose digits
-/// when parsed into a float: `numeric` keeps them).
-fn raw_number(text: &str, segments: &[String]) -> Option<String> {
-    let s = raw_json(text, segments)?;
-    s.starts_with(|c: char| c == '-' || c.is_ascii_digit())
-        .then_some(s)
-}
-
-/// The JSON text of the value at `segments` of the JSON `text`, as written.
-fn raw_json(text: &str, segments: &[String]) -> Option<String> {
-    let mut raw: &RawValue = serde_json::from_str(text).ok()?;
-    for seg in segments {
-        let trimmed = raw.get().trim_start();
-        raw = if trimmed.starts_with('{') {
-            let map: BTreeMap<String, &RawValue> = serde_json::from_str(raw.get()).ok()?;
-            map.get(seg).copied()?
-        } else {
-            let items: Vec<&RawValue> = serde_json::from_str(raw.get()).ok()?;
-            items.get(seg.parse::<usize>().ok()?).copied()?
-        };
-    }
-    Some(raw.get().trim().to_string())
-}
-
-/// Whether `s` is a decimal PostgreSQL's numeric takes: optional sign, digits, an optional
-/// fraction, an optional exponent.
-fn is_decimal(s: &str) -> bool {
-    let s = s.strip_prefix(['-', '+']).unwrap_or(s);
-    let (mantissa, exponent) = match s.split_once(['e', 'E']) {
-        Some((m, e)) => (m, Some(e)),
-        None => (s, None),
-    };
-    let (int, frac) = mantissa.split_once('.').unwrap_or((mantissa, ""));
-    let digits = |d: &str| d.chars().all(|c| c.is_ascii_digit());
-    (!int.is_empty() || !frac.is_empty())
-        && digits(int)
-        && digits(frac)
-        && exponent.is_none_or(|e| {
-            let e = e.strip_prefix(['-', '+']).unwrap_or(e);
-            !e.is_empty() && digits(e)
-        })
-}
-
-/// Whether the decimal `s` (as [`is_decimal`] takes it) is one PostgreSQL's numeric can hold:
-/// at most 131072 digits before the point (a zero has none) and a scale of at most 16383, the
-/// scale being the digits written after the point minus the exponent, and an exponent below
-/// 1073741823 in size (PostgreSQL 15's numeric.c; tests/mapping.rs asks the server itself).
-/// Beyond them the server
-/// refuses the whole statement ("value overflows numeric format"), which would cost a batch
-/// split to find the row.
-fn numeric_fits(s: &str) -> bool {
-    const MAX_BEFORE_POINT: i64 = 131_072;
-    const MAX_SCALE: i64 = 16_383;
-    let s = s.strip_prefix(['-', '+']).unwrap_or(s);
-    let (mantissa, exponent) = s.split_once(['e', 'E']).unwrap_or((s, "0"));
-    let exponent: i64 = {
-        let (negative, digits) = match exponent.strip_prefix('-') {
-            Some(d) => (true, d),
-            None => (false, exponent.strip_prefix('+').unwrap_or(exponent)),
-        };
-        let digits = digits.trim_start_matches('0');
-        // Past 18 digits it overflows any bound here: saturate.
-        let magnitude: i64 = if digits.len() > 18 {
-            i64::MAX / 4
-        } else {
-            digits.parse().unwrap_or(0)
-        };
-        if negative { -magnitude } else { magnitude }
-    };
-    // The server refuses any exponent from INT_MAX / 2 on, even on a zero (numeric.c).
-    if exponent.abs() >= i64::from(i32::MAX / 2) {
-        return false;
-    }
-    let (int, frac) = mantissa.split_once('.').unwrap_or((mantissa, ""));
-    let scale = frac.len() as i64 - exponent;
-    if scale > MAX_SCALE {
-        return false;
-    }
-    let int = int.trim_start_matches('0');
-    let before_point = if !int.is_empty() {
-        int.len() as i64
-    } else {
-        match frac.find(|c| c != '0') {
-            Some(zeros) => -(zeros as i64),
-            // Zero: no digit before the point, whatever the exponent.
-            None => return true,
-        }
-    };
-    before_point + exponent <= MAX_BEFORE_POINT
-}
-
-fn check_text(c: &Column, at: &str, s: &str) -> Result<(), String> {
-    if s.contains('\0') {
-        return Err(format!(
-            "{at}: holds U+0000, which PostgreSQL text cannot store"
-        ));
-    }
-    let chars = s.chars().count();
-    if let Some(min) = c.min_len
-        && chars < min
-    {
-        return Err(format!(
-            "{at}: expected at least {min} characters, found {chars}"
-        ));
-    }
-    if let Some(max) = c.max_len
-        && chars > max
-    {
-        return Err(format!(
-            "{at}: expected at most {max} characters, found {chars}"
-        ));
-    }
-    match c.format {
-        Some(Format::Email) => {
-            if let Some(problem) = super::users::email_problem(s) {
-                return Err(format!("{at}: {problem}"));
-            }
-        }
-        Some(Format::Line) => {
-            if s.trim().is_empty() {
-                return Err(format!(
-                    "{at}: expected one line of text, found a blank one"
-                ));
-            }
-            if let Some(what) = super::users::line_problem(s) {
-                return Err(format!("{at}: expected one line of text, found {what}"));
-            }
-        }
-        None => {}
-    }
-    Ok(())
-}
-
-fn check_range(c: &Column, at: &str, n: f64, shown: &str) -> Result<(), String> {
-    // NaN (a numeric beyond a float's range) is neither above nor below: it passes no bound.
-    if let Some(min) = c.min
-        && (n.is_nan() || n < min)
-    {
-        return Err(format!("{at}: expected at least {min}, found {shown}"));
-    }
-    if let Some(max) = c.max
-        && (n.is_nan() || n > max)
-    {
-        return Err(format!("{at}: expected at most {max}, found {shown}"));
-    }
-    Ok(())
-}
-
-/// What a type expects, for messages.
-fn expects(ty: ColType) -> &'static str {
-    match ty {
-        ColType::Text => "a string",
-        ColType::Uuid => "a string holding a UUID",
-        ColType::Int4 => "an integer (int4)",
-        ColType::Int8 => "an integer (int8)",
-        ColType::Float8 => "a number",
-        ColType::Numeric => "a number or a string holding a decimal",
-        ColType::Bool => "true or false",
-        ColType::Timestamptz => "a string holding an RFC 3339 time",
-        ColType::Date => "a string holding a date YYYY-MM-DD",
-        ColType::Jsonb => "any JSON value",
-    }
-}
-
-/// What a JSON value is, for messages.
-fn found(v: &Value) -> String {
-    match v {
-        Value::Null => "null".into(),
-        Value::Bool(b) => format!("{b}"),
-        Value::Number(n) => format!("the number {n}"),
-        Value::String(s) => format!("the string {:?}", clip(s)),
-        Value::Array(_) => "an array".into(),
-        Value::Object(_) => "an object".into(),
-    }
-}
-
-/// `s` cut to 60 characters for a message.
-fn clip(s: &str) -> String {
-    if s.chars().count() <= 60 {
-        s.to_string()
-    } else {
-        format!("{}…", s.chars().take(60).collect::<String>())
-    }
-}
-
-fn contains_nul(v: &Value) -> bool {
-    match v {
-        Value::String(s) => s.contains('\0'),
-        Value::Array(items) => items.iter().any(contains_nul),
-        Value::Object(map) => map.iter().any(|(k, v)| k.contains('\0') || contains_nul(v)),
-        _ => false,
-    }
-}
-
-/// PostgreSQL reads no year 0 and no negative year in ISO spelling (it writes BC instead): such
-/// a date or time is refused here, naming the path, rather than by the database for its batch.
-fn check_year(at: &str, year: i32, text: &str) -> Result<(), String> {
-    if year < 1 {
-        return Err(format!(
-            "{at}: expected a year from 0001 (PostgreSQL reads no year 0 or below), found {:?}",
-            clip(text)
-        ));
-    }
-    Ok(())
-}
-
-/// An AMQP header value as JSON, so a header column reads like a path: strings as strings,
-/// integers and floats as numbers, booleans, void as null. Anything else (byte arrays, arrays,
-/// tables, decimals, timestamps, a string of invalid UTF-8) has no one JSON reading: `Err`
-/// names its AMQP type, and the message is refused rather than stored as some rendering of it.
-fn header_json(v: &lapin::types::AMQPValue) -> Result<Value, &'static str> {
-    use lapin::types::AMQPValue as A;
-    Ok(match v {
-        A::LongString(s) => Value::String(
-            std::str::from_utf8(s.as_bytes())
-                .map_err(|_| "a string of invalid UTF-8")?
-                .to_string(),
-        ),
-        A::ShortString(s) => Value::String(s.as_str().to_string()),
-        A::Boolean(b) => Value::Bool(*b),
-        A::ShortShortInt(n) => Value::from(*n),
-        A::ShortShortUInt(n) => Value::from(*n),
-        A::ShortInt(n) => Value::from(*n),
-        A::ShortUInt(n) => Value::from(*n),
-        A::LongInt(n) => Value::from(*n),
-        A::LongUInt(n) => Value::from(*n),
-        A::LongLongInt(n) => Value::from(*n),
-        A::Float(f) => Value::from(*f as f64),
-        A::Double(f) => Value::from(*f),
-        A::Void => Value::Null,
-        A::ByteArray(_) => return Err("a byte array"),
-        A::FieldArray(_) => return Err("a field array"),
-        A::FieldTable(_) => return Err("a field table"),
-        A::DecimalValue(_) => return Err("an AMQP decimal"),
-        A::Timestamp(_) => return Err("an AMQP timestamp"),
-    })
-}
-
 #[cfg(test)]
 mod tests;
+#[cfg(test)]
+mod users_tests;
