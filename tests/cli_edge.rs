@@ -494,11 +494,17 @@ async fn events_last_counts_the_events_that_pass_the_filters() {
     let (code, out, err) = env.run_async(&["events", "--last", "2", "--json"]).await;
     assert_eq!(code, 0, "{err}");
     assert_eq!(ids(&out), ["b1198", "b1199"], "no filter: the newest two");
+    // A pipeline no instance runs and the configuration does not name is an error that lists
+    // the known ones (docs/events.md), not an empty answer.
     let (code, out, err) = env
         .run_async(&["events", "--last", "1", "--pipeline", "nosuch", "--json"])
         .await;
-    assert_eq!(code, 0, "{err}");
+    assert_eq!(code, 1, "{out}{err}");
     assert!(out.is_empty(), "{out}");
+    assert!(
+        err.contains("no pipeline \"nosuch\"") && err.contains("known: users"),
+        "{err}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread")]
