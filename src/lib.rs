@@ -28,7 +28,8 @@
 //!   call bound, no password in messages), `record` (the instance record, one serde struct, and
 //!   the pipelines it runs), `instance` (key scheme, heartbeat, rates, shutdown record, the
 //!   listing), `commands` (the wire form and `Command::read`), `signing`, `guard`, `outcome`,
-//!   `control` (typed errors: `CommandError`, `Refusal`, `ControlError`).
+//!   `control` (typed errors: `Rejected`, `Refusal`; `CommandError` is `commands`'); the app owns
+//!   `ControlError`.
 //! - [`events`]: lifecycle events appended to a Redis stream (`warren events` reads them),
 //!   dropped and counted rather than ever waited for.
 //! - [`cli`]: one file per subcommand of the `warren` binary; a subcommand with two tools is a
