@@ -556,7 +556,7 @@ async fn killing_the_main_queues_leader_under_load_loses_no_confirmed_message() 
     let tags = consumers_on(&s1.name, &c.env.main_queue).await;
     eprintln!("failover: consumers on the main queue: {tags:?}");
     for instance in &consumers {
-        let mine = format!("-{}-main-", instance.warren.pid());
+        let mine = format!("-{}-users/main-", instance.warren.pid());
         assert!(
             tags.iter().any(|t| t.contains(&mine)),
             "consumer {} (pid {}) is not subscribed: {tags:?}",
