@@ -570,7 +570,7 @@ async fn status_json_follows_its_documented_schema() {
     assert_eq!(i["inserted"], 7, "{i}");
     assert_eq!(i["status"], "running", "{i}");
     assert_eq!(i["breaker"], "closed", "{i}");
-    let main = &i["stages"]["main"];
+    let main = &i["stages"]["users/main"];
     assert_eq!(main["inserted"], 7, "{i}");
     assert_eq!(main["paused"], false, "{i}");
     assert!(main["received_per_s"].is_number(), "{i}");
