@@ -212,3 +212,45 @@ fn a_typo_in_set_names_the_argument_and_the_closest_setting() {
     assert!(err.contains("did you mean control_secret?"), "{err}");
     assert!(!err.contains("hunter2"), "{err}");
 }
+
+#[test]
+fn a_file_that_is_no_toml_is_placed_without_quoting_its_secrets() {
+    // The parsers quote the offending source line; in a configuration file that line may hold
+    // a password or CONTROL_SECRET (found by the review of 2026-11-28).
+    for (what, text, place) in [
+        (
+            "a secret given twice",
+            "control_secret = \"S3CRETcs\"\ncontrol_secret = \"S3CRETcs\"\n",
+            "line 2",
+        ),
+        (
+            "junk after a URL with a password",
+            "database_url = \"postgres://u:S3CRETpw@h/db\" x\n",
+            "line 1",
+        ),
+        (
+            "an unterminated secret",
+            "control_secret = \"S3CRET\n",
+            "line 1",
+        ),
+        (
+            "a multi-line inline table before a secret",
+            "[[pipelines]]\nname = \"o\"\ntable = \"t\"\nkey = [\"id\"]\ncolumns = {\n  id = { path = \"/id\", type = \"int4\" },\n}\ncontrol_secret = \"S3CRETx\"\namqp_url = \"amqp://u:S3CRETpw@h/\"\n",
+            "line 5",
+        ),
+    ] {
+        let file = File::new(text);
+        let path = file.path();
+        let path = path.to_str().expect("utf-8");
+        let (code, err) = config(&[], &["--config", path]);
+        assert_eq!(code, 2, "{what}: exit {code}\n{err}");
+        assert!(
+            !err.contains("S3CRET"),
+            "{what}: a secret in the error:\n{err}"
+        );
+        assert!(
+            err.contains(place) && err.contains(path),
+            "{what}: not placed:\n{err}"
+        );
+    }
+}

@@ -18,6 +18,29 @@ pub(super) struct FileText {
     pub text: String,
 }
 
+/// A TOML syntax error as its position and the parser's message, without the source line the
+/// parser would quote: that line may hold a password or `CONTROL_SECRET`.
+fn syntax_error(text: &str, e: &toml::de::Error) -> String {
+    let message = e.message().trim();
+    match e.span() {
+        Some(span) => {
+            // Bytes, not a str slice: the span need not fall on a character boundary.
+            let before = &text.as_bytes()[..span.start.min(text.len())];
+            let line = before.iter().filter(|b| **b == b'\n').count() + 1;
+            let line_start = before
+                .iter()
+                .rposition(|b| *b == b'\n')
+                .map_or(0, |i| i + 1);
+            let column = String::from_utf8_lossy(&before[line_start..])
+                .chars()
+                .count()
+                + 1;
+            format!("not valid TOML at line {line}, column {column}: {message}")
+        }
+        None => format!("not valid TOML: {message}"),
+    }
+}
+
 impl FileText {
     /// Reads the file; an unreadable one or one that is no TOML is an error naming it (the TOML
     /// parser's words give the line and column).
@@ -28,7 +51,7 @@ impl FileText {
         };
         let text = std::fs::read_to_string(path).map_err(|e| file_error(e.to_string()))?;
         text.parse::<toml::Table>()
-            .map_err(|e| file_error(e.to_string()))?;
+            .map_err(|e| file_error(syntax_error(&text, &e)))?;
         Ok(Self {
             path: path.to_path_buf(),
             text,
@@ -212,7 +235,28 @@ pub(super) fn from_figment(error: figment::Error, file: Option<&FileText>) -> Co
         (Some("pipelines"), Some(index), Some(file)) => {
             entry_error(file, index, &path[2..], error.kind)
         }
-        _ => ConfigError::Other(error.to_string()),
+        _ => ConfigError::Other(without_source(&error.to_string(), file)),
+    }
+}
+
+/// A parser's message without the source lines it quotes (`  3 | amqp_url = "..."`, which may
+/// hold a password or `CONTROL_SECRET`), and with the file named where it says "TOML source
+/// string".
+fn without_source(message: &str, file: Option<&FileText>) -> String {
+    let quoted = |line: &str| {
+        let t = line.trim_start();
+        let digits = t.trim_start_matches(|c: char| c.is_ascii_digit());
+        digits.trim_start().starts_with('|')
+    };
+    let kept: Vec<&str> = message.lines().filter(|l| !quoted(l)).collect();
+    let text = kept
+        .join(" ")
+        .split_whitespace()
+        .collect::<Vec<_>>()
+        .join(" ");
+    match file {
+        Some(f) => text.replace("TOML source string", &f.path.display().to_string()),
+        None => text,
     }
 }
 

@@ -289,7 +289,7 @@ impl Settings {
         for (key, rule) in RULES {
             let value = figment
                 .find_value(key)
-                .map_err(|e| ConfigError::Other(e.to_string()))?;
+                .map_err(|e| diagnose::from_figment(e, file.as_ref()))?;
             check(key, rule, &value).map_err(|e| {
                 diagnose::place(e, sources, file.as_ref(), suggest(key, rule, &value))
             })?;
