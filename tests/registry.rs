@@ -628,6 +628,11 @@ async fn unreadable_records_are_shown_as_such() {
     )
     .await;
     let _: () = redis_query(&env, redis::cmd("SET").arg(key("string")).arg("x")).await;
+    // A key that is not UTF-8 (found by the review of 2026-11-28: it made every listing read
+    // as "Redis unreachable", blinding status and ctl to every instance).
+    let mut binary = format!("{prefix}:instances:").into_bytes();
+    binary.extend_from_slice(b"h\xff\xfe:9");
+    let _: () = redis_query(&env, redis::cmd("HSET").arg(&binary).arg("record").arg("x")).await;
 
     let (code, out, err) = env.run_async(&["status"]).await;
     assert_eq!(code, 0, "{out}\n{err}");
@@ -653,7 +658,7 @@ async fn unreadable_records_are_shown_as_such() {
     assert_eq!(code, 0, "{out}\n{err}");
     let doc: Value = serde_json::from_str(&out).unwrap_or_else(|e| panic!("{e}:\n{out}"));
     let listed = doc["instances"].as_array().expect("instances");
-    assert_eq!(listed.len(), 4, "{doc}");
+    assert_eq!(listed.len(), 5, "{doc}");
     for entry in listed {
         assert!(entry["unreadable"].is_string(), "{entry}");
         assert!(entry["key"].is_string(), "{entry}");
@@ -664,7 +669,7 @@ async fn unreadable_records_are_shown_as_such() {
     assert_eq!(
         err.matches("not addressed, its registry record cannot be read")
             .count(),
-        4,
+        5,
         "{err}"
     );
     assert!(err.contains("no live instance registered"), "{err}");

@@ -440,9 +440,11 @@ impl Registry {
 /// it cannot be read. `None` while Redis is away.
 pub async fn instances(redis: &mut Redis, keys: &Keys) -> Option<Vec<Listed>> {
     let mut cursor: u64 = 0;
-    let mut names: Vec<String> = Vec::new();
+    // Keys and fields as bytes: one that is not UTF-8 is an entry that cannot be read, not a
+    // Redis that cannot be reached (which would blind `status` and `ctl` to every instance).
+    let mut names: Vec<Vec<u8>> = Vec::new();
     loop {
-        let (next, batch): (u64, Vec<String>) = redis
+        let (next, batch): (u64, Vec<Vec<u8>>) = redis
             .query(
                 redis::cmd("SCAN")
                     .arg(cursor)
@@ -461,20 +463,31 @@ pub async fn instances(redis: &mut Redis, keys: &Keys) -> Option<Vec<Listed>> {
     names.sort();
     names.dedup();
     let mut out = Vec::with_capacity(names.len());
-    for key in names {
+    for raw in names {
+        let key = String::from_utf8_lossy(&raw).into_owned();
         // A key of another type under the pattern is an entry that cannot be read, not an
         // outage: its type is asked first.
-        let kind: String = redis.query(redis::cmd("TYPE").arg(&key)).await?;
+        let kind: String = redis.query(redis::cmd("TYPE").arg(&raw)).await?;
         let record = match kind.as_str() {
             // Gone since the SCAN (its TTL ran out, or a graceful stop).
             "none" => continue,
+            _ if std::str::from_utf8(&raw).is_err() => {
+                Err(Unreadable::Garbage("a key that is not UTF-8".into()))
+            }
             "hash" => {
-                let fields: HashMap<String, String> =
-                    redis.query(redis::cmd("HGETALL").arg(&key)).await?;
+                let fields: HashMap<Vec<u8>, Vec<u8>> =
+                    redis.query(redis::cmd("HGETALL").arg(&raw)).await?;
                 if fields.is_empty() {
                     continue;
                 }
-                InstanceRecord::read(&fields)
+                let text: Option<HashMap<String, String>> = fields
+                    .into_iter()
+                    .map(|(k, v)| Some((String::from_utf8(k).ok()?, String::from_utf8(v).ok()?)))
+                    .collect();
+                match text {
+                    Some(fields) => InstanceRecord::read(&fields),
+                    None => Err(Unreadable::Garbage("a field that is not UTF-8".into())),
+                }
             }
             other => Err(Unreadable::Garbage(format!("a Redis {other}, not a hash"))),
         };

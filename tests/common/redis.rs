@@ -54,7 +54,8 @@ pub(super) fn delete_keys_under(url: &str, prefix: &str) {
     };
     let _ = conn.set_read_timeout(Some(Duration::from_secs(2)));
     let _ = conn.set_write_timeout(Some(Duration::from_secs(2)));
-    let keys: Vec<String> = redis::cmd("KEYS")
+    // As bytes: a key that is not UTF-8 (a test of such keys) must go too.
+    let keys: Vec<Vec<u8>> = redis::cmd("KEYS")
         .arg(format!("{prefix}:*"))
         .query(&mut conn)
         .unwrap_or_default();
