@@ -462,6 +462,9 @@ async fn events_last_counts_the_events_that_pass_the_filters() {
         .map(|id| event("parked", id))
         .collect();
     events.extend((0..1_200).map(|i| event("batch_committed", &format!("b{i}"))));
+    // And, newest, an entry that is no event: filtered out by --type, and with --json shown as a
+    // JSON object (the review of 2026-11-28 found a bare text line in the JSON output).
+    events.push("garbage".into());
     append_events(&env, &events).await;
 
     let ids = |out: &str| -> Vec<String> {
@@ -493,7 +496,18 @@ async fn events_last_counts_the_events_that_pass_the_filters() {
     );
     let (code, out, err) = env.run_async(&["events", "--last", "2", "--json"]).await;
     assert_eq!(code, 0, "{err}");
-    assert_eq!(ids(&out), ["b1198", "b1199"], "no filter: the newest two");
+    let lines: Vec<serde_json::Value> = out
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("not JSON ({e}): {l}")))
+        .collect();
+    assert_eq!(lines.len(), 2, "no filter: the newest two\n{out}");
+    assert_eq!(lines[0]["message_id"], "b1199", "{out}");
+    assert!(
+        lines[1]["unreadable"]
+            .as_str()
+            .is_some_and(|u| u.contains("garbage")),
+        "{out}"
+    );
     // A pipeline no instance runs and the configuration does not name is an error that lists
     // the known ones (docs/events.md), not an empty answer.
     let (code, out, err) = env

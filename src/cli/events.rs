@@ -204,17 +204,31 @@ async fn newest(
     }
 }
 
+/// The line of an entry that is no event: shown as such without filters (with `--json` as an
+/// object `{"id", "unreadable"}`, so the output stays one JSON object a line); with `--type` or
+/// `--pipeline` it matches neither, so it is left out (and not counted by `--last`).
+fn unreadable(args: &Args, id: &str, why: String) -> Option<String> {
+    if args.pipeline.is_some() || !args.types.is_empty() {
+        return None;
+    }
+    Some(if args.json {
+        json_terminal_safe(&serde_json::json!({"id": id, "unreadable": why}).to_string())
+    } else {
+        format!("{}: {}", safe(id), safe(&why))
+    })
+}
+
 /// The line of one stream entry if it passes the filters: its JSON object with `--json`, else
 /// time, type, pipeline, host:pid and the type's own fields. An entry that is no event is shown
-/// as such, whatever the filters.
+/// as such when nothing filters ([`unreadable`]).
 fn render(args: &Args, id: &str, field: Option<&redis::Value>) -> Option<String> {
     let text = match field {
         Some(redis::Value::BulkString(bytes)) => String::from_utf8_lossy(bytes).into_owned(),
         Some(redis::Value::SimpleString(s)) => s.clone(),
-        _ => return Some(format!("{}: an entry without an event field", safe(id))),
+        _ => return unreadable(args, id, "an entry without an event field".into()),
     };
     let Ok(Value::Object(event)) = serde_json::from_str::<Value>(&text) else {
-        return Some(format!("{}: not an event: {}", safe(id), safe(&text)));
+        return unreadable(args, id, format!("not an event: {text}"));
     };
     let field = |name: &str| event.get(name).and_then(Value::as_str).unwrap_or("");
     if let Some(p) = &args.pipeline
