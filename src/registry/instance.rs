@@ -354,7 +354,7 @@ impl Registry {
                 Some((c, verdict))
             }
             Err(e) => {
-                warn!(error = %e, command = %raw, "unreadable remote command ignored");
+                warn!(error = %e, command = %crate::text::shown(&raw), "unreadable remote command ignored");
                 None
             }
         }
