@@ -139,7 +139,10 @@ impl Cli {
     /// Parses the process's arguments (with [`command`]'s additions), exiting on a usage error.
     pub fn parse_args() -> Self {
         use clap::FromArgMatches as _;
-        Self::from_arg_matches(&command().get_matches()).unwrap_or_else(|e| e.exit())
+        let matches = command()
+            .try_get_matches()
+            .unwrap_or_else(|e| exit_with(&e));
+        Self::from_arg_matches(&matches).unwrap_or_else(|e| exit_with(&e))
     }
 
     /// Where the settings come from (the file, the environment, `--set` and named flags).
@@ -295,6 +298,28 @@ impl Write for LossyStderr {
         let _ = std::io::stderr().flush();
         Ok(())
     }
+}
+
+/// Ends the process over what clap answers instead of a parsed command line: `--help` and
+/// `--version` on stdout (exit 0), a usage error on stderr (exit 2). clap's own `exit` ignores a
+/// failed write, so `warren --help > /dev/full` would say nothing and exit 0; here a write
+/// error is an error as any subcommand's (exit 1), and a reader that went away stays quiet
+/// (exit 0, see [`out`]).
+fn exit_with(e: &clap::Error) -> ! {
+    if e.use_stderr() {
+        e.exit();
+    }
+    let text = e.render();
+    let written = if std::io::stdout().is_terminal() {
+        out::write(format_args!("{}", text.ansi()))
+    } else {
+        out::write(format_args!("{text}"))
+    };
+    if let Err(err) = out::unless_closed(written) {
+        say(format_args!("{:#}", anyhow::Error::from(err)));
+        std::process::exit(1);
+    }
+    std::process::exit(e.exit_code())
 }
 
 /// Prints `warren: MESSAGE` to stderr for the person at the terminal; a closed stderr loses
