@@ -67,7 +67,7 @@ pub async fn execute(settings: &Settings, args: Args) -> anyhow::Result<i32> {
     let mut conn = connect(url).await.map_err(anyhow::Error::msg)?;
     // `--pipeline`: one the configuration names or a live instance runs.
     if let Some(name) = &args.pipeline {
-        let known = crate::registry::known_pipelines(settings).await;
+        let known = crate::cli::known_pipelines(settings).await;
         if let Err(unknown) = crate::registry::record::find(&known, name) {
             anyhow::bail!("--pipeline: {}", safe(&unknown.to_string()));
         }
