@@ -8,7 +8,6 @@
 //! meet here, so it speaks `anyhow` like the CLI.
 
 use std::future::Future;
-use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -20,7 +19,7 @@ use crate::config::{Role, Settings};
 use crate::domain::mapping::Mapping;
 use crate::events::{self, Kind};
 use crate::pipeline::{self, Spec, Stage, StageId};
-use crate::registry::{Command, Report, Status};
+use crate::registry::{self, Command, Report, Status};
 use crate::{db, http, metrics};
 use control::ControlError;
 
@@ -31,10 +30,10 @@ mod control;
 /// at start is alive (`/healthz` 200) and not ready (`/readyz` 503, the database down), so a
 /// liveness probe does not restart it for waiting. The roles come later ([`run`]).
 pub async fn start_listener(settings: &Settings) -> anyhow::Result<()> {
-    let metrics_addr: SocketAddr = crate::config::listen_addr(&settings.metrics_addr)
-        .map_err(|e| anyhow::anyhow!("METRICS_ADDR {}: {e}", settings.metrics_addr))?;
-    let recorder = metrics::install().map_err(anyhow::Error::msg)?;
-    http::ops::serve(metrics_addr, recorder).await?;
+    let listener = settings.metrics_listener();
+    listener.validate()?;
+    let recorder = metrics::install()?;
+    http::ops::serve(&listener, recorder).await?;
     // Every role uses the database, and it is not up until a probe or an insert says so.
     metrics::needs(&[], true);
     Ok(())
@@ -54,7 +53,16 @@ pub fn extend_start(by: Duration) {
 /// gracefully. The exit code is 0 after a complete drain, 1 when the shutdown timeout left
 /// messages in flight.
 pub async fn run(settings: Settings, shutdown: impl Future<Output = ()>) -> anyhow::Result<i32> {
-    if settings.control_secret.is_empty() {
+    // Each component's own configuration, from the settings (`config::components`).
+    let amqp = settings.amqp();
+    amqp.validate()?;
+    let registry_config = settings.registry();
+    registry_config.validate()?;
+    let events_config = settings.events();
+    events_config.validate()?;
+    let shutdown_config = settings.shutdown();
+    shutdown_config.validate()?;
+    if registry_config.secret().is_none() {
         warn!(
             "CONTROL_SECRET is not set: anyone with write access to Redis can pause, drain or scale this instance; set CONTROL_SECRET (the same on every instance and for `warren ctl`) to accept only signed commands"
         );
@@ -63,7 +71,7 @@ pub async fn run(settings: Settings, shutdown: impl Future<Output = ()>) -> anyh
     // neither ends nor is lost by the process from here on.
     let mut operator = control::OperatorSignals::listen()
         .map_err(|e| anyhow::anyhow!("cannot listen for SIGUSR1 and SIGCONT: {e}"))?;
-    events::start(&settings);
+    events::start(&events_config);
     events::emit(
         None,
         Kind::Started {
@@ -106,7 +114,7 @@ pub async fn run(settings: Settings, shutdown: impl Future<Output = ()>) -> anyh
         .fold(Duration::from_secs(5), Duration::min)
         .max(Duration::from_millis(250));
     tokio::spawn(crate::amqp::monitor::poll_queues(
-        settings.clone(),
+        amqp.clone(),
         queues,
         poll_every,
         depths.clone(),
@@ -152,6 +160,10 @@ pub async fn run(settings: Settings, shutdown: impl Future<Output = ()>) -> anyh
     let dlq: usize = served.iter().map(|v| v.users_batch_concurrency).sum();
     database.pool_size = database.pool_size.max(most.min(budget) + dlq + 1);
     let pool = db::pool(&database)?;
+    let links = pipeline::Links {
+        amqp: amqp.clone(),
+        db_bound: database.call_bound(),
+    };
     // The built-in users pipeline: its declaration in config/default.toml, through the mapping
     // like every other, under the global settings (`MAIN_QUEUE`, `USERS_*`).
     let users: Arc<Mapping> = Arc::new(crate::config::pipelines::users()?.mapping()?);
@@ -168,7 +180,7 @@ pub async fn run(settings: Settings, shutdown: impl Future<Output = ()>) -> anyh
         if builtin_users {
             let spec = stage(&settings);
             pipelines.push(pipeline::start(
-                &settings,
+                &links,
                 spec,
                 users.clone(),
                 pool.clone(),
@@ -181,7 +193,7 @@ pub async fn run(settings: Settings, shutdown: impl Future<Output = ()>) -> anyh
                 ..stage(view)
             };
             pipelines.push(pipeline::start(
-                &settings,
+                &links,
                 spec,
                 mapping.clone(),
                 pool.clone(),
@@ -204,9 +216,11 @@ pub async fn run(settings: Settings, shutdown: impl Future<Output = ()>) -> anyh
         balancing.clone(),
     ));
     let api = if settings.has_role(Role::Api) {
+        let config = settings.http();
         // The API's own pool: a flood of reads can never take the pipeline's connections.
-        let api_pool = db::pool_for(&database, settings.api_pool_size, "warren-api")?;
-        Some(http::serve(&settings, api_pool).await?)
+        let api_pool = db::pool_for(&database, config.pool_size, "warren-api")?;
+        let mapped = http::pipelines::PipelineApi::all(&settings)?;
+        Some(http::serve(&config, &amqp, mapped, api_pool).await?)
     } else {
         None
     };
@@ -241,8 +255,19 @@ pub async fn run(settings: Settings, shutdown: impl Future<Output = ()>) -> anyh
         rate_limit_per_s: settings.rate_limit_per_s,
     });
     let (stop_tx, stop_rx) = oneshot::channel::<String>();
+    // This instance as the registry publishes it: the pipelines it runs (none without the
+    // consumer and DLQ roles).
+    let runs_pipelines = settings.has_role(Role::Consumer) || settings.has_role(Role::Dlq);
+    let instance = registry::Instance::this(
+        settings.roles.to_string(),
+        if runs_pipelines {
+            registry::record::configured(&settings)
+        } else {
+            Vec::new()
+        },
+    );
     let registry = tokio::spawn(control::registry_loop(
-        settings.clone(),
+        registry::Registry::new(&registry_config, instance),
         ctl_tx,
         report_rx,
         stop_rx,
@@ -283,7 +308,7 @@ pub async fn run(settings: Settings, shutdown: impl Future<Output = ()>) -> anyh
     }
     info!(
         reason,
-        timeout_ms = settings.shutdown_timeout_ms,
+        timeout_ms = shutdown_config.timeout_ms,
         "shutting down"
     );
     events::emit(
@@ -294,7 +319,7 @@ pub async fn run(settings: Settings, shutdown: impl Future<Output = ()>) -> anyh
     );
 
     balancing.cancel();
-    let timeout = settings.shutdown_timeout();
+    let timeout = shutdown_config.timeout();
     let results = futures::future::join_all(pipelines.iter().map(|p| p.shutdown(timeout))).await;
     if let Some(api) = api {
         api.stop().await;

@@ -29,8 +29,8 @@ use time::OffsetDateTime;
 use time::format_description::well_known::Rfc3339;
 use tokio::sync::{mpsc, oneshot};
 
-use crate::config::Settings;
 use crate::metrics;
+use crate::registry::RedisConfig;
 use crate::registry::redis::Redis;
 use crate::text::{SHOWN_MAX, shown};
 
@@ -420,19 +420,36 @@ pub fn stream_key(prefix: &str) -> String {
     format!("{prefix}:events")
 }
 
+/// The events writer's own settings, built from warren's above this module
+/// (`config::components`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct EventsConfig {
+    /// The deployment's Redis, whose `<REDIS_PREFIX>:events` stream the events go to.
+    pub redis: RedisConfig,
+    /// Entries the stream keeps, about (`EVENTS_MAX_LEN`, `XADD MAXLEN ~`); 0 turns events off.
+    pub max_len: u64,
+}
+
+impl EventsConfig {
+    /// Redis's rules (`max_len` takes any value: 0 is off).
+    pub fn validate(&self) -> Result<(), crate::registry::RegistryConfigError> {
+        self.redis.validate()
+    }
+}
+
 /// Starts the writer task (once per process); `EVENTS_MAX_LEN = 0` turns events off.
-pub fn start(settings: &Settings) {
-    if settings.events_max_len == 0 {
+pub fn start(config: &EventsConfig) {
+    if config.max_len == 0 {
         return;
     }
     let (tx, rx) = mpsc::channel(QUEUE);
     if INBOX.set(tx).is_err() {
         return;
     }
-    let key = stream_key(&settings.redis_prefix);
+    let key = stream_key(&config.redis.prefix);
     // Quiet: the registry's own link warns of a Redis outage once; the events count their drops.
-    let redis = Redis::quiet(&settings.redis_url);
-    tokio::spawn(write(rx, redis, key, settings.events_max_len));
+    let redis = Redis::quiet(&config.redis.url);
+    tokio::spawn(write(rx, redis, key, config.max_len));
 }
 
 /// The writer: a chunk of what waits, one pipelined `XADD` per [`CHUNK_BYTES`] of it, until the

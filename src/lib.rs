@@ -5,33 +5,40 @@
 //! # Layout
 //! - [`app`]: the composition root of `warren run`: roles, start order, process shutdown; its
 //!   `control` applies remote commands and the operator signals (`SIGUSR1`, `SIGCONT`).
-//! - [`config`]: typed settings, their layering and validation; `components` turns them into
-//!   the components' own configurations (the database layer's `DbConfig`).
+//! - [`config`]: typed settings, their layering and validation; `components`, the one place
+//!   they become the components' own configurations (`AmqpConfig`, `DbConfig`,
+//!   `RegistryConfig`, `EventsConfig`, `HttpConfig`, `ListenerConfig`, `ShutdownConfig`): no
+//!   module below `app` and `cli` reads the settings themselves (`tests/layers.rs`).
 //! - [`topology`]: the declared RabbitMQ topology and its idempotent declare.
-//! - [`amqp`]: connections to one of several nodes with heartbeats and backoff, the confirmed
+//! - [`amqp`]: its own settings (`config`: `AmqpConfig`), connections to one of several nodes
+//!   with heartbeats and backoff, the confirmed
 //!   publisher (pipeline, API, CLI; it reports its link to its owner and emits no event), the
 //!   `x-*` headers, the queue poller (`monitor`), and `transfer`, the one get -> publish with
 //!   confirm -> ack loop (`move`, `dlq replay`).
 //! - [`pipeline`]: the stages, wired in flow order in `pipeline/mod.rs` with the one shutdown
 //!   sequence: message, consumer (broker link, a folder), acks, processor, batcher (flush rules), sink
-//!   (insert, retry in place, row isolation), breaker, router (outcome policy), dlq.
+//!   (insert, retry in place, row isolation), breaker, router (outcome policy), dlq; a
+//!   pipeline is started with its spec and its `Links` (the broker link's and the database's
+//!   settings), and `shutdown` holds the graceful stop's bound.
 //! - [`domain`]: the seam the pipeline stores through, and the users domain behind it.
 //! - [`db`]: its own settings (`DbConfig`, built by `config`; it imports nothing of warren's
 //!   settings, broker link or events), pools (pipeline and API), client-side statement bounds,
 //!   embedded migrations, SQLSTATE classification, and `dead_letters` (all SQL of the parking
 //!   table).
-//! - [`http`]: the actix-web API (`HTTP_ADDR`), and `ops`, the metrics listener on every role
-//!   (`METRICS_ADDR`: `/metrics`, `/healthz`, `/readyz`).
+//! - [`http`]: its own settings (`config`: `HttpConfig`, `ListenerConfig`), the actix-web API
+//!   (`HTTP_ADDR`), and `ops`, the metrics listener on every role (`METRICS_ADDR`: `/metrics`,
+//!   `/healthz`, `/readyz`).
 //! - [`metrics`]: every metric name and label; it imports nothing of the stages or the broker
 //!   link (they call it).
-//! - [`registry`]: the Redis instance registry and remote control: `redis` (the link: reconnects,
+//! - [`registry`]: the Redis instance registry and remote control: `config` (its own settings,
+//!   `RedisConfig` and `RegistryConfig`), `redis` (the link: reconnects,
 //!   call bound, no password in messages), `record` (the instance record, one serde struct, and
 //!   the pipelines it runs), `instance` (key scheme, heartbeat, rates, shutdown record, the
 //!   listing), `commands` (the wire form and `Command::read`), `signing`, `guard`, `outcome`,
 //!   `control` (typed errors: `Rejected`, `Refusal`; `CommandError` is `commands`'); the app owns
 //!   `ControlError`.
 //! - [`events`]: lifecycle events appended to a Redis stream (`warren events` reads them),
-//!   dropped and counted rather than ever waited for.
+//!   dropped and counted rather than ever waited for; its settings are `EventsConfig`.
 //! - [`cli`]: one file per subcommand of the `warren` binary; a subcommand with two tools is a
 //!   folder (`dlq/`: the queue and the parking table).
 //! - [`text`]: the caps on outside text wherever it reaches an event, a log line or a stored

@@ -206,10 +206,16 @@ pub fn stages() -> Vec<(StageId, std::sync::Arc<StageStats>)> {
 /// The database link as last seen: 0 unknown, 1 up, 2 down (to count reconnections).
 static POSTGRES_STATE: AtomicU8 = AtomicU8::new(0);
 
+/// Why the metrics recorder could not be installed: a bucket list the exporter refuses, or a
+/// recorder already installed in this process.
+#[derive(Debug, thiserror::Error)]
+#[error("cannot install the metrics recorder: {0}")]
+pub struct InstallError(#[from] metrics_exporter_prometheus::BuildError);
+
 /// Installs the Prometheus recorder, describes every series, and keeps the recorder's upkeep
 /// running on the current runtime; the handle renders the scrape (served on `METRICS_ADDR` by
 /// `http::ops`).
-pub fn install() -> Result<PrometheusHandle, String> {
+pub fn install() -> Result<PrometheusHandle, InstallError> {
     let handle = PrometheusBuilder::new()
         .set_buckets_for_metric(
             Matcher::Full(BATCH_SIZE.into()),
@@ -249,8 +255,7 @@ pub fn install() -> Result<PrometheusHandle, String> {
                 ],
             )
         })
-        .and_then(|b| b.install_recorder())
-        .map_err(|e| format!("cannot install the metrics recorder: {e}"))?;
+        .and_then(|b| b.install_recorder())?;
     // Drains the histograms' pending samples into their buckets, as the exporter's own
     // listener did every 5 s.
     let upkeep = handle.clone();

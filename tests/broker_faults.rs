@@ -539,8 +539,13 @@ async fn the_publisher_tells_its_owner_when_its_link_goes_down_and_comes_back() 
     let proxy = TcpProxy::start(&amqp_url(), 5672).await;
     env.set("AMQP_URL", proxy.url())
         .set("AMQP_CONNECT_TIMEOUT_MS", "2000");
-    let publisher =
-        Publisher::new(env.settings(), "test", warren::amqp::Frames::Broker, report).start();
+    let publisher = Publisher::new(
+        env.settings().amqp(),
+        "test",
+        warren::amqp::Frames::Broker,
+        report,
+    )
+    .start();
     wait_until("the link reported up", Duration::from_secs(10), || {
         reported(1)
     })

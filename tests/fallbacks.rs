@@ -248,9 +248,8 @@ async fn concurrent_single_publishes_through_the_publisher_each_get_their_own_ou
 
     let env = TestEnv::new("pubsingle").await;
     env.declare();
-    let settings = env.settings();
-    let publisher =
-        Publisher::new(settings, "test", warren::amqp::Frames::Broker, |_, _| {}).start();
+    let amqp = env.settings().amqp();
+    let publisher = Publisher::new(amqp, "test", warren::amqp::Frames::Broker, |_, _| {}).start();
     wait_until("the publisher connected", Duration::from_secs(10), || {
         let publisher = publisher.clone();
         async move { publisher.send(IsConnected).await.unwrap_or(false) }

@@ -347,7 +347,7 @@ async fn an_offender_goes_alone_and_no_copy_is_made_more_than_twice() {
     let env = TestEnv::new("offender").await;
     env.declare();
     let publisher = Publisher::new(
-        env.settings(),
+        env.settings().amqp(),
         "test",
         warren::amqp::Frames::Broker,
         |_, _| {},

@@ -120,7 +120,11 @@ async fn a_second_domain_runs_through_the_same_core() {
     let domain = Arc::new(Events {
         schema: env.schema.clone(),
     });
-    let running = pipeline::start(&settings, spec, domain, pool, Default::default());
+    let links = pipeline::Links {
+        amqp: settings.amqp(),
+        db_bound: settings.database().call_bound(),
+    };
+    let running = pipeline::start(&links, spec, domain, pool, Default::default());
 
     let ids: Vec<Uuid> = (0..120).map(|_| Uuid::new_v4()).collect();
     for id in &ids {

@@ -333,25 +333,56 @@ fn value_json(v: &AMQPValue) -> serde_json::Value {
     }
 }
 
+/// Why a parked header's JSON cannot be given back as the AMQP value it stands for
+/// ([`json_value`]): which part of the tagged form is malformed.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum MalformedHeader {
+    /// A `long_string` or `byte_array` without its `hex` text.
+    #[error("no \"hex\" text")]
+    NoHex,
+    /// `hex` text of an odd length.
+    #[error("odd \"hex\" text")]
+    OddHex,
+    /// `hex` text with a pair that is no hexadecimal byte.
+    #[error("bad \"hex\" text")]
+    BadHex,
+    #[error("a decimal without a scale of 0 to 255")]
+    DecimalScale,
+    #[error("a decimal without a 32-bit value")]
+    DecimalValue,
+    #[error("a timestamp without a value")]
+    Timestamp,
+    #[error("a field array without a value list")]
+    FieldArray,
+    #[error("a field table without a value object")]
+    FieldTable,
+    /// A nested table's key longer than AMQP allows.
+    #[error("a table key: {0}")]
+    TableKey(#[from] TooLong),
+    /// A `$amqp` tag warren never writes (or none that is text).
+    #[error("unknown \"$amqp\" tag {0:?}")]
+    UnknownTag(Option<String>),
+}
+
 /// The AMQP value a parked header's JSON stands for ([`value_json`] reversed): numbers as 64-bit
 /// integers, strings as long strings, null as void, the tagged objects as what they tag. Other
 /// JSON (a float, an untagged array or object) as its JSON text. `Err` names what is malformed.
-pub fn json_value(json: &serde_json::Value) -> Result<AMQPValue, String> {
+pub fn json_value(json: &serde_json::Value) -> Result<AMQPValue, MalformedHeader> {
     use serde_json::Value;
-    let unhex = |v: &Value| -> Result<Vec<u8>, String> {
+    let unhex = |v: &Value| -> Result<Vec<u8>, MalformedHeader> {
         let text = v
             .get("hex")
             .and_then(Value::as_str)
-            .ok_or("no \"hex\" text")?;
+            .ok_or(MalformedHeader::NoHex)?;
         if text.len() % 2 != 0 {
-            return Err("odd \"hex\" text".into());
+            return Err(MalformedHeader::OddHex);
         }
         (0..text.len())
             .step_by(2)
             .map(|i| {
                 text.get(i..i + 2)
                     .and_then(|h| u8::from_str_radix(h, 16).ok())
-                    .ok_or_else(|| "bad \"hex\" text".to_string())
+                    .ok_or(MalformedHeader::BadHex)
             })
             .collect()
     };
@@ -370,21 +401,21 @@ pub fn json_value(json: &serde_json::Value) -> Result<AMQPValue, String> {
                         .get("scale")
                         .and_then(Value::as_u64)
                         .and_then(|s| u8::try_from(s).ok())
-                        .ok_or("a decimal without a scale of 0 to 255")?,
+                        .ok_or(MalformedHeader::DecimalScale)?,
                     value: value
                         .and_then(Value::as_u64)
                         .and_then(|v| u32::try_from(v).ok())
-                        .ok_or("a decimal without a 32-bit value")?,
+                        .ok_or(MalformedHeader::DecimalValue)?,
                 }),
                 Some("timestamp") => AMQPValue::Timestamp(
                     value
                         .and_then(Value::as_u64)
-                        .ok_or("a timestamp without a value")?,
+                        .ok_or(MalformedHeader::Timestamp)?,
                 ),
                 Some("field_array") => AMQPValue::FieldArray(
                     value
                         .and_then(Value::as_array)
-                        .ok_or("a field array without a value list")?
+                        .ok_or(MalformedHeader::FieldArray)?
                         .iter()
                         .map(json_value)
                         .collect::<Result<Vec<_>, _>>()?
@@ -394,14 +425,13 @@ pub fn json_value(json: &serde_json::Value) -> Result<AMQPValue, String> {
                     let mut table = lapin::types::FieldTable::default();
                     for (k, v) in value
                         .and_then(Value::as_object)
-                        .ok_or("a field table without a value object")?
+                        .ok_or(MalformedHeader::FieldTable)?
                     {
-                        let key = short(k.as_str()).map_err(|e| format!("a table key: {e}"))?;
-                        table.insert(key, json_value(v)?);
+                        table.insert(short(k.as_str())?, json_value(v)?);
                     }
                     AMQPValue::FieldTable(table)
                 }
-                other => return Err(format!("unknown \"$amqp\" tag {other:?}")),
+                other => return Err(MalformedHeader::UnknownTag(other.map(String::from))),
             }
         }
         other => AMQPValue::LongString(other.to_string().into_bytes().into()),
@@ -594,7 +624,22 @@ mod tests {
             let back = json_value(&json["x-h"]).unwrap_or_else(|e| panic!("{v:?}: {e}"));
             assert_eq!(back, v, "{json}");
         }
-        assert!(json_value(&serde_json::json!({"$amqp": "nope"})).is_err());
-        assert!(json_value(&serde_json::json!({"$amqp": "byte_array", "hex": "zz"})).is_err());
+        let nope = json_value(&serde_json::json!({"$amqp": "nope"})).unwrap_err();
+        assert_eq!(nope, MalformedHeader::UnknownTag(Some("nope".into())));
+        assert_eq!(nope.to_string(), r#"unknown "$amqp" tag Some("nope")"#);
+        assert_eq!(
+            json_value(&serde_json::json!({"$amqp": "byte_array", "hex": "zz"})),
+            Err(MalformedHeader::BadHex)
+        );
+        assert_eq!(
+            json_value(&serde_json::json!({"$amqp": "byte_array", "hex": "abc"})),
+            Err(MalformedHeader::OddHex)
+        );
+        let mut inner = serde_json::Map::new();
+        inner.insert("k".repeat(256), 1.into());
+        let long_key = serde_json::json!({"$amqp": "field_table", "value": inner});
+        let key = json_value(&long_key).unwrap_err();
+        assert_eq!(key, MalformedHeader::TableKey(TooLong { len: 256 }));
+        assert_eq!(key.to_string(), "a table key: at most 255 bytes, found 256");
     }
 }

@@ -4,6 +4,7 @@
 //! what warren's republished copies of a message carry (`republish`), and the one get ->
 //! publish with confirm -> ack loop that moves messages out of a queue (`transfer`).
 
+pub mod config;
 pub mod headers;
 pub mod monitor;
 pub mod publisher;
@@ -20,14 +21,14 @@ use lapin::{Channel, Connection, ConnectionProperties};
 
 use tracing::{info, warn};
 
-use crate::config::Settings;
+pub use config::{AmqpConfig, AmqpConfigError};
 
 /// An AMQP failure at warren's boundary.
 #[derive(Debug, Clone, thiserror::Error)]
 pub enum AmqpError {
-    /// AMQP_URL cannot be parsed.
-    #[error("AMQP_URL: {0}")]
-    BadUrl(String),
+    /// The broker link's configuration cannot work (a URL the client refuses, a bound of 0).
+    #[error(transparent)]
+    Config(#[from] AmqpConfigError),
     /// The connect attempt did not finish within the bound.
     #[error("connecting to the broker timed out after {0:?}")]
     ConnectTimeout(Duration),
@@ -84,7 +85,7 @@ impl AmqpError {
     pub fn is_transient(&self) -> bool {
         !matches!(
             self,
-            AmqpError::BadUrl(_)
+            AmqpError::Config(_)
                 | AmqpError::Unroutable { .. }
                 | AmqpError::NotFound(_)
                 | AmqpError::Unpublishable(_)
@@ -168,28 +169,19 @@ pub struct Endpoint {
 
 /// The nodes of `AMQP_URL` in the order this process tries them: as given, or with
 /// `AMQP_SHUFFLE` in an order shuffled once per process (the same order for every link and every
-/// reconnect of the process, a different one in each process).
-pub fn endpoints(settings: &Settings) -> Result<Vec<Endpoint>, AmqpError> {
-    let mut endpoints = settings
-        .amqp_urls()
+/// reconnect of the process, a different one in each process). A configuration that does not
+/// pass [`AmqpConfig::validate`] is its error.
+pub fn endpoints(config: &AmqpConfig) -> Result<Vec<Endpoint>, AmqpError> {
+    config.validate()?;
+    let mut endpoints: Vec<Endpoint> = config
+        .uris()?
         .into_iter()
-        .enumerate()
-        .map(|(i, url)| {
-            let uri: AMQPUri = url.parse().map_err(|e: String| {
-                AmqpError::BadUrl(format!(
-                    "entry {} ({}): {e}",
-                    i + 1,
-                    crate::config::redact_url(url)
-                ))
-            })?;
+        .map(|uri| {
             let node = format!("{}:{}", uri.authority.host, uri.authority.port);
-            Ok(Endpoint { uri, node })
+            Endpoint { uri, node }
         })
-        .collect::<Result<Vec<_>, AmqpError>>()?;
-    if endpoints.is_empty() {
-        return Err(AmqpError::BadUrl("no URL given".into()));
-    }
-    if settings.amqp_shuffle {
+        .collect();
+    if config.shuffle {
         static SEED: OnceLock<u64> = OnceLock::new();
         let seed = *SEED.get_or_init(|| fastrand::u64(..));
         fastrand::Rng::with_seed(seed).shuffle(&mut endpoints);
@@ -224,11 +216,11 @@ fn remember_node(purpose: &str, index: usize) {
 /// attempt bounded by the connect timeout. With several endpoints it tries each once, starting
 /// after the node this link used (or failed on) last, and takes the first that answers.
 pub async fn connect(
-    settings: &Settings,
+    config: &AmqpConfig,
     purpose: &str,
     frames: Frames,
 ) -> Result<Connection, AmqpError> {
-    let endpoints = endpoints(settings)?;
+    let endpoints = endpoints(config)?;
     let n = endpoints.len();
     let start = first_try(purpose, n);
     let mut failures: Vec<String> = Vec::new();
@@ -237,7 +229,7 @@ pub async fn connect(
         let index = (start + k) % n;
         let endpoint = &endpoints[index];
         remember_node(purpose, index);
-        match connect_to(endpoint, settings, purpose, frames).await {
+        match connect_to(endpoint, config, purpose, frames).await {
             Ok(conn) => {
                 if failures.is_empty() {
                     info!(link = purpose, node = %endpoint.node, "connected to the broker");
@@ -266,7 +258,7 @@ pub async fn connect(
 /// One connect attempt to one node.
 async fn connect_to(
     endpoint: &Endpoint,
-    settings: &Settings,
+    config: &AmqpConfig,
     purpose: &str,
     frames: Frames,
 ) -> Result<Connection, AmqpError> {
@@ -281,15 +273,15 @@ async fn connect_to(
         // lapin proposes nothing (0) and takes the broker's.
         Frames::BrokerOnly => uri.query.frame_max = None,
     }
-    uri.query.heartbeat = Some(settings.amqp_heartbeat_s);
-    uri.query.connection_timeout = Some(settings.amqp_connect_timeout_ms);
+    uri.query.heartbeat = Some(config.heartbeat_s);
+    uri.query.connection_timeout = Some(config.connect_timeout_ms);
     let name = format!(
         "warren {purpose} {}:{}",
         crate::hostname(),
         std::process::id()
     );
     let props = ConnectionProperties::default().with_connection_name(name.into());
-    let timeout = settings.connect_timeout();
+    let timeout = config.connect_timeout();
     match tokio::time::timeout(timeout, Connection::connect_uri(uri, props)).await {
         Ok(Ok(conn)) => Ok(conn),
         Ok(Err(e)) => Err(AmqpError::Unavailable(e.to_string())),
@@ -299,11 +291,11 @@ async fn connect_to(
 
 /// Opens a connection and one channel on it.
 pub async fn connect_channel(
-    settings: &Settings,
+    config: &AmqpConfig,
     purpose: &str,
     frames: Frames,
 ) -> Result<(Connection, Channel), AmqpError> {
-    let conn = connect(settings, purpose, frames).await?;
+    let conn = connect(config, purpose, frames).await?;
     let channel = conn.create_channel().await?;
     Ok((conn, channel))
 }
@@ -455,11 +447,16 @@ fn is_not_found(e: &lapin::Error) -> bool {
 mod tests {
     use super::*;
 
-    fn with_urls(urls: &str, shuffle: bool) -> Settings {
-        let mut s = Settings::defaults();
-        s.amqp_url = urls.into();
-        s.amqp_shuffle = shuffle;
-        s
+    fn with_urls(urls: &str, shuffle: bool) -> AmqpConfig {
+        AmqpConfig {
+            urls: urls.split(',').map(String::from).collect(),
+            shuffle,
+            heartbeat_s: 30,
+            connect_timeout_ms: 5_000,
+            consumer_timeout_ms: 0,
+            publish_timeout_ms: 10_000,
+            publish_latency_header: false,
+        }
     }
 
     #[test]
@@ -488,7 +485,7 @@ mod tests {
     fn the_shuffle_is_one_order_for_the_whole_process() {
         let urls: Vec<String> = (1..=8).map(|i| format!("amqp://h{i}:5672/%2f")).collect();
         let s = with_urls(&urls.join(","), true);
-        let order = |s: &Settings| -> Vec<String> {
+        let order = |s: &AmqpConfig| -> Vec<String> {
             endpoints(s).unwrap().into_iter().map(|e| e.node).collect()
         };
         let first = order(&s);

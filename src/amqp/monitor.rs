@@ -7,7 +7,7 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use crate::config::Settings;
+use super::AmqpConfig;
 
 /// How long a polled depth stands for the queue's.
 const FRESH: Duration = Duration::from_secs(15);
@@ -32,13 +32,13 @@ impl Depths {
     }
 }
 
-/// Polls `queues` every `every`, forever (reconnecting when the link is gone), into the
-/// metrics and `depths`.
-pub async fn poll_queues(settings: Settings, queues: Vec<String>, every: Duration, depths: Depths) {
+/// Polls `queues` every `every`, forever (reconnecting when the link is gone, through `amqp`),
+/// into the metrics and `depths`.
+pub async fn poll_queues(amqp: AmqpConfig, queues: Vec<String>, every: Duration, depths: Depths) {
     let mut conn: Option<lapin::Connection> = None;
     loop {
         if conn.as_ref().is_none_or(|c| !c.status().connected()) {
-            conn = super::connect(&settings, "monitor", super::Frames::Small)
+            conn = super::connect(&amqp, "monitor", super::Frames::Small)
                 .await
                 .ok();
         }

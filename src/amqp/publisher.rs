@@ -21,8 +21,7 @@ use lapin::types::ShortString;
 use lapin::{BasicProperties, Channel, Confirmation, Connection};
 use tracing::{info, warn};
 
-use crate::amqp::{self, AmqpError, headers, republish};
-use crate::config::Settings;
+use crate::amqp::{self, AmqpConfig, AmqpError, headers, republish};
 
 /// Publish one message and wait for the broker's confirm.
 #[derive(Debug, Clone, Message)]
@@ -102,8 +101,8 @@ fn should_renew(
 
 /// The publisher actor.
 pub struct Publisher {
-    /// Connection settings and the confirm timeout.
-    settings: Settings,
+    /// The broker link's settings: where to connect, the connect and confirm bounds.
+    amqp: AmqpConfig,
     /// Shown in the broker's connection list (`api`, `router`, `cli`).
     purpose: &'static str,
     /// The frame limit its link proposes: the router republishes other publishers' messages.
@@ -147,13 +146,13 @@ type Pending = Arc<std::sync::Mutex<Vec<PendingPublish>>>;
 impl Publisher {
     /// A publisher for `purpose`, whose link changes are told to `on_link`.
     pub fn new(
-        settings: Settings,
+        amqp: AmqpConfig,
         purpose: &'static str,
         frames: amqp::Frames,
         on_link: LinkReport,
     ) -> Self {
         Self {
-            settings,
+            amqp,
             purpose,
             frames,
             on_link,
@@ -194,11 +193,11 @@ impl Publisher {
             return;
         }
         self.connecting = true;
-        let settings = self.settings.clone();
+        let config = self.amqp.clone();
         let (purpose, frames) = (self.purpose, self.frames);
         let addr = ctx.address();
         actix::spawn(async move {
-            let open = || open(&settings, purpose, frames);
+            let open = || open(&config, purpose, frames);
             if let Some((conn, ch)) = amqp::until_open(
                 purpose,
                 "publisher cannot reach the broker; retrying",
@@ -215,11 +214,11 @@ impl Publisher {
 }
 
 async fn open(
-    settings: &Settings,
+    config: &AmqpConfig,
     purpose: &str,
     frames: amqp::Frames,
 ) -> Result<(Connection, Channel), AmqpError> {
-    let (conn, channel) = amqp::connect_channel(settings, purpose, frames).await?;
+    let (conn, channel) = amqp::connect_channel(config, purpose, frames).await?;
     channel
         .confirm_select(ConfirmSelectOptions::default())
         .await
@@ -285,7 +284,7 @@ impl Handler<Refused> for Publisher {
         );
         let addr = ctx.address();
         let generation = msg.generation;
-        let bound = self.settings.connect_timeout();
+        let bound = self.amqp.connect_timeout();
         actix::spawn(async move {
             let opened = async {
                 let channel = conn.create_channel().await?;
@@ -354,7 +353,7 @@ impl Handler<Publish> for Publisher {
             amqp::count_publish(&result, Duration::ZERO);
             return Box::pin(async { result });
         };
-        let timeout = self.settings.publish_timeout();
+        let timeout = self.amqp.publish_timeout();
         let frame_max = self.frame_max();
         let (addr, group, pending) = (ctx.address(), self.group.clone(), self.pending.clone());
         let (tx, mut rx) = tokio::sync::oneshot::channel();
@@ -434,7 +433,7 @@ impl Handler<PublishAll> for Publisher {
             }
             return Box::pin(async move { vec![result; n] });
         };
-        let timeout = self.settings.publish_timeout();
+        let timeout = self.amqp.publish_timeout();
         let frame_max = self.frame_max();
         let (addr, generation, group) = (ctx.address(), self.generation, self.group.clone());
         Box::pin(async move {

@@ -10,7 +10,6 @@ use std::time::Duration;
 use tokio::signal::unix::{Signal, SignalKind, signal};
 use tokio::sync::{mpsc, oneshot, watch};
 
-use crate::config::Settings;
 use crate::events::{self, Kind};
 use crate::pipeline::OutOfRange;
 use crate::pipeline::balance::BoundsError;
@@ -220,14 +219,13 @@ pub(super) fn apply(
 
 /// Keeps this instance registered in Redis, relays remote commands, and deregisters at the end.
 pub(super) async fn registry_loop(
-    settings: Settings,
+    mut registry: Registry,
     ctl: mpsc::UnboundedSender<Control>,
     mut report: watch::Receiver<Report>,
     mut stop: oneshot::Receiver<String>,
     mut decisions: mpsc::UnboundedReceiver<pipeline::balance::Decision>,
 ) {
-    let mut registry = Registry::new(&settings);
-    let mut beat = tokio::time::interval(Duration::from_millis(settings.registry_heartbeat_ms));
+    let mut beat = tokio::time::interval(registry.heartbeat_every());
     let mut poll = tokio::time::interval(Duration::from_millis(500));
     beat.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     poll.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);

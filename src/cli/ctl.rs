@@ -111,12 +111,13 @@ pub enum Action {
 }
 
 pub async fn execute(settings: &Settings, args: Args) -> anyhow::Result<i32> {
-    let keys = Keys::new(&settings.redis_prefix);
-    let mut redis = Redis::new(&settings.redis_url);
-    if let Err(e) = Redis::connect(&settings.redis_url).await {
+    let config = settings.registry();
+    let keys = Keys::new(&config.redis.prefix);
+    let mut redis = Redis::new(&config.redis.url);
+    if let Err(e) = Redis::connect(&config.redis.url).await {
         bail!("{e}");
     }
-    let secret = Some(settings.control_secret.as_str()).filter(|s| !s.is_empty());
+    let secret = config.secret();
     let (asked, target, pipeline) = match args.action {
         Action::History { limit, json } => {
             return history(&mut redis, &keys, limit, json, secret).await;
@@ -195,7 +196,7 @@ pub async fn execute(settings: &Settings, args: Args) -> anyhow::Result<i32> {
             ),
             None => bail!(
                 "no live instance registered under REDIS_PREFIX {:?}",
-                settings.redis_prefix
+                config.redis.prefix
             ),
         }
     }
@@ -212,10 +213,9 @@ pub async fn execute(settings: &Settings, args: Args) -> anyhow::Result<i32> {
         // so it cannot be redirected, nor replayed to a later process with the same PID.
         let target = format!("{host}:{pid}/{}", runs[&(host.clone(), *pid)]);
         let mut copy = command.clone();
-        if settings.control_secret.is_empty() {
-            copy.target = Some(target);
-        } else {
-            copy.sign(&settings.control_secret, &target)?;
+        match secret {
+            None => copy.target = Some(target),
+            Some(secret) => copy.sign(secret, &target)?,
         }
         let json = serde_json::to_string(&copy)?;
         let key = keys.commands(host, *pid);
@@ -228,7 +228,6 @@ pub async fn execute(settings: &Settings, args: Args) -> anyhow::Result<i32> {
 
     // Wait for every chosen instance to record its outcome.
     let deadline = Instant::now() + Duration::from_secs(15);
-    let secret = Some(settings.control_secret.as_str()).filter(|s| !s.is_empty());
     let mut outcomes: BTreeMap<(String, u32), CtlOutcome> = BTreeMap::new();
     // Outcomes under this command's id whose signature does not verify: written by someone
     // else than the instance, never believed.

@@ -93,7 +93,7 @@ pub async fn declare_topology(
     settings: &Settings,
     topology: &Topology,
 ) -> anyhow::Result<Vec<Vec<String>>> {
-    let conn = amqp::connect(settings, "declare", amqp::Frames::Small)
+    let conn = amqp::connect(&settings.amqp(), "declare", amqp::Frames::Small)
         .await
         .with_context(|| {
             format!(

@@ -63,16 +63,17 @@ pub async fn execute(settings: &Settings, args: Args) -> anyhow::Result<i32> {
         futures::future::Either::Right(std::future::pending())
     };
     tokio::pin!(stop);
-    let url = &settings.redis_url;
+    let redis_config = settings.redis();
+    let url = &redis_config.url;
     let mut conn = connect(url).await.map_err(anyhow::Error::msg)?;
     // `--pipeline`: one the configuration names or a live instance runs.
     if let Some(name) = &args.pipeline {
-        let known = crate::registry::known_pipelines(settings).await;
+        let known = crate::cli::known_pipelines(settings).await;
         if let Err(unknown) = crate::registry::record::find(&known, name) {
             anyhow::bail!("--pipeline: {}", safe(&unknown.to_string()));
         }
     }
-    let key = stream_key(&settings.redis_prefix);
+    let key = stream_key(&redis_config.prefix);
     let failed = |e: redis::RedisError| {
         anyhow::anyhow!(
             "reading {key} from Redis at {}: {}",

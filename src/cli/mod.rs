@@ -328,6 +328,15 @@ pub fn say(message: std::fmt::Arguments) {
     let _ = writeln!(std::io::stderr(), "warren: {message}");
 }
 
+/// Every pipeline the configuration names or a live instance of the deployment runs, once
+/// each (the configured ones only while Redis is away): what `--pipeline` may name.
+pub(crate) async fn known_pipelines(settings: &Settings) -> Vec<crate::registry::PipelineRecord> {
+    let live = crate::registry::live(&settings.redis())
+        .await
+        .unwrap_or_default();
+    crate::registry::record::known(settings, &live)
+}
+
 /// Runs the subcommand; returns the process exit code.
 pub async fn dispatch(cli: Cli, settings: Settings) -> i32 {
     let sources = cli.sources();

@@ -91,7 +91,7 @@ fn parse_limit(raw: &str) -> Result<u64, String> {
 }
 
 pub async fn execute(settings: &Settings, args: Args) -> anyhow::Result<i32> {
-    let conn = amqp::connect(settings, "move", amqp::Frames::Broker)
+    let conn = amqp::connect(&settings.amqp(), "move", amqp::Frames::Broker)
         .await
         .with_context(|| {
             format!(

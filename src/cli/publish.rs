@@ -52,14 +52,15 @@ fn generated(i: u64, invalid_every: Option<u64>) -> (String, Vec<u8>) {
 }
 
 async fn connected_publisher(settings: &Settings) -> anyhow::Result<Addr<Publisher>> {
+    let amqp = settings.amqp();
     let publisher = Publisher::new(
-        settings.clone(),
+        amqp.clone(),
         "cli",
         crate::amqp::Frames::Small,
         crate::events::publisher_link,
     )
     .start();
-    let deadline = Instant::now() + settings.connect_timeout() + Duration::from_secs(1);
+    let deadline = Instant::now() + amqp.connect_timeout() + Duration::from_secs(1);
     while Instant::now() < deadline {
         if publisher.send(IsConnected).await.unwrap_or(false) {
             return Ok(publisher);

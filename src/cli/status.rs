@@ -371,8 +371,8 @@ fn table(header: &[&str], first_number: usize) -> Table {
 /// (queue, messages, consumers) for the main queue, every retry tier and the DLQ of every
 /// pipeline in `pipelines`; `None` without a broker.
 async fn queue_rows(settings: &Settings, pipelines: &[PipelineRecord]) -> Option<Vec<QueueRow>> {
-    let mut fast = settings.clone();
-    fast.amqp_connect_timeout_ms = fast.amqp_connect_timeout_ms.min(3000);
+    let mut fast = settings.amqp();
+    fast.connect_timeout_ms = fast.connect_timeout_ms.min(3000);
     let conn = crate::amqp::connect(&fast, "status", crate::amqp::Frames::Small)
         .await
         .ok()?;

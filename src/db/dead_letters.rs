@@ -402,7 +402,16 @@ pub struct ToReplay {
     /// The AMQP headers as parked (JSON); `Err` when the column holds what warren cannot read
     /// back (a row written by another program: a number beyond a double), said for this row
     /// alone.
-    pub headers: Result<Value, String>,
+    pub headers: Result<Value, UnreadableHeaders>,
+}
+
+/// A parked row's `headers` column that is no JSON warren can read back (a row written by
+/// another program: a number beyond a double); the parser's words, which name no value.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("its headers cannot be read back: {reason}")]
+pub struct UnreadableHeaders {
+    /// What the JSON parser said (a position and what it expected).
+    pub reason: String,
 }
 
 /// Locks and returns up to `limit` open rows of `pipeline` (of `kind` only, when given) after
@@ -434,8 +443,9 @@ pub async fn lock_for_replay(
                 body: r.try_get(2)?,
                 headers: match r.try_get::<_, Option<String>>(3)? {
                     None => Ok(Value::Null),
-                    Some(text) => serde_json::from_str(&text)
-                        .map_err(|e| format!("its headers cannot be read back: {e}")),
+                    Some(text) => serde_json::from_str(&text).map_err(|e| UnreadableHeaders {
+                        reason: e.to_string(),
+                    }),
                 },
             })
         })

@@ -7,10 +7,14 @@
 //! answers while the broker or the database is away (503), and recovers by itself. `ops` is the
 //! other listener, on `METRICS_ADDR` and every role: `/metrics`, `/healthz`, `/readyz`.
 
+pub mod config;
 pub mod ops;
 pub mod pipelines;
 
+pub use config::{HttpConfig, HttpConfigError, ListenerConfig};
+
 use std::net::SocketAddr;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use actix::Addr;
@@ -25,9 +29,8 @@ use serde_json::{Value, json};
 use tokio_postgres::NoTls;
 use uuid::Uuid;
 
-use crate::amqp::AmqpError;
 use crate::amqp::publisher::{IsConnected, Publish, Publisher, traced_json_properties};
-use crate::config::Settings;
+use crate::amqp::{AmqpConfig, AmqpError};
 use crate::db::{DbError, dead_letters};
 
 /// Largest accepted request body.
@@ -74,23 +77,43 @@ impl Api {
     }
 }
 
-/// Binds `HTTP_ADDR` and serves the API in the background; `pool` is the API's own (see
-/// [`crate::db::pool_for`]).
-pub async fn serve(settings: &Settings, pool: Pool) -> anyhow::Result<Api> {
-    let addr: SocketAddr = crate::config::listen_addr(&settings.http_addr)
-        .map_err(|e| anyhow::anyhow!("HTTP_ADDR {}: {e}", settings.http_addr))?;
+/// Why the API could not start.
+#[derive(Debug, thiserror::Error)]
+pub enum ServeError {
+    /// Its configuration cannot work (an address that does not resolve, a pool of 0).
+    #[error(transparent)]
+    Config(#[from] HttpConfigError),
+    /// The address resolved but could not be bound (in use, not this host's, no permission).
+    #[error("HTTP_ADDR {addr}: {error}")]
+    Bind {
+        addr: SocketAddr,
+        #[source]
+        error: std::io::Error,
+    },
+}
+
+/// Binds `HTTP_ADDR` and serves the API of `mapped` (each pipeline with `api = true`) in the
+/// background, publishing through a link of its own to the broker of `amqp`; `pool` is the
+/// API's own (see [`crate::db::pool_for`]).
+pub async fn serve(
+    config: &HttpConfig,
+    amqp: &AmqpConfig,
+    mapped: Vec<Arc<pipelines::PipelineApi>>,
+    pool: Pool,
+) -> Result<Api, ServeError> {
+    config.validate()?;
+    let addr = config.socket_addr()?;
     let publisher = actix::Actor::start(Publisher::new(
-        settings.clone(),
+        amqp.clone(),
         "api",
         crate::amqp::Frames::Small,
         crate::events::publisher_link,
     ));
-    let mapped = pipelines::PipelineApi::all(settings)?;
     let state = web::Data::new(AppState {
         publisher: publisher.clone(),
         pool,
-        latency_header: settings.publish_latency_header,
-        max_message_bytes: settings.max_message_bytes,
+        latency_header: amqp.publish_latency_header,
+        max_message_bytes: config.max_message_bytes,
     });
     let server = HttpServer::new(move || {
         App::new()
@@ -124,7 +147,7 @@ pub async fn serve(settings: &Settings, pool: Pool) -> anyhow::Result<Api> {
     .disable_signals()
     .shutdown_timeout(5)
     .bind(addr)
-    .map_err(|e| anyhow::anyhow!("HTTP_ADDR {addr}: {e}"))?
+    .map_err(|error| ServeError::Bind { addr, error })?
     .run();
     let handle = server.handle();
     actix::spawn(async move {
@@ -201,28 +224,37 @@ async fn read_body(
     Ok(body)
 }
 
+/// A malformed `Idempotency-Key` header: the message of the 400 to send.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+enum IdempotencyKeyError {
+    /// The header came more than once.
+    #[error("Idempotency-Key header: expected one value, got several")]
+    Several,
+    /// Empty, too long, or with a character that is not visible ASCII (its length in bytes).
+    #[error(
+        "Idempotency-Key header: expected 1 to {IDEMPOTENCY_KEY_MAX} visible ASCII characters \
+         (no spaces), got {0} bytes"
+    )]
+    Malformed(usize),
+}
+
 /// The key a `POST` of a pipeline with `api_key = "chosen"` publishes under: derived from its
 /// `Idempotency-Key` (UUID v5 under [`IDEMPOTENCY_NAMESPACE`]) so a retry gets the same key, or
-/// a new random one without the header. `Err` is the message of the 400 to send for a
-/// malformed key.
-fn chosen_key(req: &HttpRequest) -> Result<Uuid, String> {
+/// a new random one without the header.
+fn chosen_key(req: &HttpRequest) -> Result<Uuid, IdempotencyKeyError> {
     let mut values = req.headers().get_all("idempotency-key");
     let Some(key) = values.next() else {
         return Ok(Uuid::new_v4());
     };
     if values.next().is_some() {
-        return Err("Idempotency-Key header: expected one value, got several".into());
+        return Err(IdempotencyKeyError::Several);
     }
     let key = key.as_bytes();
     if key.is_empty()
         || key.len() > IDEMPOTENCY_KEY_MAX
         || !key.iter().all(|b| b.is_ascii_graphic())
     {
-        return Err(format!(
-            "Idempotency-Key header: expected 1 to {IDEMPOTENCY_KEY_MAX} visible ASCII \
-             characters (no spaces), got {} bytes",
-            key.len()
-        ));
+        return Err(IdempotencyKeyError::Malformed(key.len()));
     }
     Ok(Uuid::new_v5(&IDEMPOTENCY_NAMESPACE, key))
 }
@@ -421,5 +453,47 @@ mod tests {
         let id = Uuid::new_v5(&IDEMPOTENCY_NAMESPACE, b"order-42");
         assert_eq!(id.get_version_num(), 5);
         assert_eq!(id, Uuid::new_v5(&IDEMPOTENCY_NAMESPACE, b"order-42"));
+    }
+
+    /// A key's header in its three shapes: none (a random key), one good value (its UUID v5),
+    /// and the malformed ones, each a typed error whose words are the 400's message.
+    #[test]
+    fn a_chosen_key_is_derived_or_refused_in_the_api_s_words() {
+        use actix_web::test::TestRequest;
+        let none = TestRequest::default().to_http_request();
+        assert_eq!(chosen_key(&none).map(|k| k.get_version_num()), Ok(4));
+        let one = TestRequest::default()
+            .insert_header(("Idempotency-Key", "order-42"))
+            .to_http_request();
+        assert_eq!(
+            chosen_key(&one),
+            Ok(Uuid::new_v5(&IDEMPOTENCY_NAMESPACE, b"order-42"))
+        );
+        let two = TestRequest::default()
+            .append_header(("Idempotency-Key", "a"))
+            .append_header(("Idempotency-Key", "b"))
+            .to_http_request();
+        assert_eq!(chosen_key(&two), Err(IdempotencyKeyError::Several));
+        assert_eq!(
+            IdempotencyKeyError::Several.to_string(),
+            "Idempotency-Key header: expected one value, got several"
+        );
+        for bad in [
+            "with space".to_string(),
+            "k".repeat(IDEMPOTENCY_KEY_MAX + 1),
+        ] {
+            let req = TestRequest::default()
+                .insert_header(("Idempotency-Key", bad.as_str()))
+                .to_http_request();
+            assert_eq!(
+                chosen_key(&req),
+                Err(IdempotencyKeyError::Malformed(bad.len()))
+            );
+        }
+        assert_eq!(
+            IdempotencyKeyError::Malformed(201).to_string(),
+            "Idempotency-Key header: expected 1 to 200 visible ASCII characters (no spaces), \
+             got 201 bytes"
+        );
     }
 }

@@ -27,12 +27,31 @@ const PATHS: &str = "/metrics, /healthz and /readyz";
 /// How long a client may take to send its request's headers before the connection is closed.
 const HEADER_TIMEOUT: Duration = Duration::from_secs(10);
 
-/// Binds `addr` (`METRICS_ADDR`) and serves the listener on the current runtime until the
+/// Why the metrics listener could not start.
+#[derive(Debug, thiserror::Error)]
+pub enum ListenError {
+    /// `METRICS_ADDR` does not resolve.
+    #[error(transparent)]
+    Config(#[from] super::HttpConfigError),
+    /// The address resolved but could not be bound.
+    #[error("METRICS_ADDR {addr}: {error}")]
+    Bind {
+        addr: SocketAddr,
+        #[source]
+        error: std::io::Error,
+    },
+}
+
+/// Binds `METRICS_ADDR` (`config`) and serves the listener on the current runtime until the
 /// process exits, so `/metrics` answers through the whole shutdown.
-pub async fn serve(addr: SocketAddr, metrics: PrometheusHandle) -> anyhow::Result<()> {
+pub async fn serve(
+    config: &super::ListenerConfig,
+    metrics: PrometheusHandle,
+) -> Result<(), ListenError> {
+    let addr = config.socket_addr()?;
     let listener = TcpListener::bind(addr)
         .await
-        .map_err(|e| anyhow::anyhow!("METRICS_ADDR {addr}: {e}"))?;
+        .map_err(|error| ListenError::Bind { addr, error })?;
     tokio::spawn(accept(listener, metrics));
     info!(%addr, "metrics listening (/metrics, /healthz, /readyz)");
     watchdog();

@@ -485,7 +485,7 @@ async fn post(
     let chosen = match &api.chosen {
         Some(field) => match chosen_key(&req) {
             Ok(key) => Some((field.clone(), key.to_string())),
-            Err(message) => return error(StatusCode::BAD_REQUEST, message),
+            Err(malformed) => return error(StatusCode::BAD_REQUEST, malformed.to_string()),
         },
         None => None,
     };

@@ -20,6 +20,7 @@
 //! - `sink.rs`: one insert statement per batch, in-place retry, row isolation; `breaker.rs`.
 //! - `router.rs`: the outcome policy and republishing; `dlq.rs`: the DLQ consumer's stage.
 //! - `balance.rs`: how many batch inserts a main stage has in flight (balancing, its bounds).
+//! - `shutdown.rs`: the bound on the graceful stop ([`shutdown::ShutdownConfig`]).
 //!
 //! Each stage gets its downstream as a `Recipient`, so a test can put a probe in its place.
 //! Backpressure: the prefetch window bounds the deliveries in the pipeline; each sink works on
@@ -35,6 +36,7 @@ pub mod dlq;
 pub mod message;
 pub mod processor;
 pub mod router;
+pub mod shutdown;
 pub mod sink;
 pub mod throttle;
 
@@ -48,6 +50,7 @@ use deadpool_postgres::Pool;
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
+use crate::amqp::AmqpConfig;
 use crate::amqp::monitor::Depths;
 use crate::amqp::publisher::{self, Publisher};
 use crate::config::Settings;
@@ -215,12 +218,26 @@ pub struct Pipeline {
     pub concurrency: Option<Arc<balance::Concurrency>>,
 }
 
+/// What a pipeline's stages connect with, beside the pool they are given: the broker link's
+/// settings and the database's bound on one statement. Nothing else of warren's settings
+/// reaches a pipeline: what it consumes, where its failures go, its batching and limits are its
+/// [`Spec`].
+#[derive(Debug, Clone)]
+pub struct Links {
+    /// The consumer's and the router's publisher's broker link: where to connect, the connect
+    /// and confirm bounds, the broker's consumer timeout (when a held delivery is given back).
+    pub amqp: AmqpConfig,
+    /// The client-side bound on one database statement (`DbConfig::call_bound`): the sinks'
+    /// inserts and the fallback stages' parking give up on a statement after it.
+    pub db_bound: Duration,
+}
+
 /// Starts the pipeline `spec` of `domain`, wired in flow order from the broker link down.
-/// `settings` gives the connections only (the broker, the database's statement bound, the
-/// publish and consumer timeouts); what the pipeline consumes, where its failures go, its
-/// batching and limits come from `spec`; `depths` is what the queue poller sees of its queues.
+/// `links` gives the connections only (the broker, the database's statement bound); what the
+/// pipeline consumes, where its failures go, its batching and limits come from `spec`; `depths`
+/// is what the queue poller sees of its queues.
 pub fn start<D: Domain>(
-    settings: &Settings,
+    links: &Links,
     spec: Spec,
     domain: Arc<D>,
     pool: Pool,
@@ -235,17 +252,17 @@ pub fn start<D: Domain>(
 
     // Fallback stage (what the sink could not insert).
     let publisher = Publisher::new(
-        settings.clone(),
+        links.amqp.clone(),
         "router",
         crate::amqp::Frames::Broker,
         crate::events::publisher_link,
     )
     .start();
-    let db_bound = settings.database().call_bound();
+    let db_bound = links.db_bound;
     let live_generation = Arc::new(std::sync::atomic::AtomicU64::new(0));
     let fallback = Fallback {
         stage: id.clone(),
-        republisher: Republisher::new(publisher.clone(), &spec, settings.publish_timeout()),
+        republisher: Republisher::new(publisher.clone(), &spec, links.amqp.publish_timeout()),
         settle: consumer_addr.clone().recipient(),
         stopping: stopping.clone(),
         requeues: AtomicU32::new(0),
@@ -268,7 +285,7 @@ pub fn start<D: Domain>(
         stage: id.clone(),
         db_retry_window: spec.db_retry_window,
         db_bound,
-        hand_back_after: settings.hand_back_after(),
+        hand_back_after: links.amqp.hand_back_after(),
         breaker: Arc::new(Breaker::new(
             id.clone(),
             spec.breaker_failures,
@@ -352,7 +369,7 @@ pub fn start<D: Domain>(
     };
     // A batch's worth to one batcher before the next one's turn, each chunk to the next processor.
     let dispatch = Dispatch::new(chunks, created, spec.batchers, spec.batch_size);
-    let consumer = Consumer::new(config, settings.clone(), dispatch);
+    let consumer = Consumer::new(config, links.amqp.clone(), dispatch);
     consumer_ctx.run(consumer);
     pipeline
 }

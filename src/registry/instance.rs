@@ -16,15 +16,15 @@ use time::macros::format_description;
 use tracing::warn;
 
 use super::commands::{Command, CtlCommand};
+use super::config::{RedisConfig, RegistryConfig};
 use super::control::Rejected;
 use super::guard::Guard;
 use super::outcome::{CtlOutcome, Recorder};
 use super::record::{
     Breaker, InstanceRecord, Listed, PipelineRecord, RECORD_FIELD, RECORD_FORMAT, StageCounts,
-    Status, Unreadable, configured,
+    Status, Unreadable,
 };
 use super::redis::Redis;
-use crate::config::{Role, Settings};
 use crate::metrics;
 
 /// Lifetime of an instance hash without a heartbeat.
@@ -102,18 +102,17 @@ pub struct Instance {
 }
 
 impl Instance {
-    pub fn this(settings: &Settings) -> Self {
+    /// This process, running `roles` (as `warren status` shows them) and `pipelines` (none
+    /// without the consumer and DLQ roles: the composition root decides), started now under a
+    /// fresh run id.
+    pub fn this(roles: String, pipelines: Vec<PipelineRecord>) -> Self {
         Self {
             host: crate::hostname(),
             pid: std::process::id(),
-            roles: settings.roles.to_string(),
+            roles,
             started_at: now_s(),
             run: uuid::Uuid::new_v4().simple().to_string(),
-            pipelines: if settings.has_role(Role::Consumer) || settings.has_role(Role::Dlq) {
-                configured(settings)
-            } else {
-                Vec::new()
-            },
+            pipelines,
         }
     }
 
@@ -133,6 +132,9 @@ pub struct Registry {
     instance: Instance,
     /// Which remote commands are applied (signatures, freshness, replays).
     guard: Guard,
+    /// How often the entry is renewed (`REGISTRY_HEARTBEAT_MS`), for whoever drives
+    /// [`Registry::heartbeat`].
+    heartbeat_every: Duration,
     /// The counters at each heartbeat of the last [`RATE_WINDOW`] (and the one just before it),
     /// oldest first: the rates are the deltas over that window, so they change at every
     /// heartbeat without the noise of one short interval.
@@ -173,14 +175,16 @@ pub struct Report {
 }
 
 impl Registry {
-    pub fn new(settings: &Settings) -> Self {
-        let instance = Instance::this(settings);
+    /// The registration of `instance` under `config` (not written before the first
+    /// [`Registry::heartbeat`]).
+    pub fn new(config: &RegistryConfig, instance: Instance) -> Self {
         let me = instance.address();
         Self {
-            redis: Redis::new(&settings.redis_url),
-            keys: Keys::new(&settings.redis_prefix),
+            redis: Redis::new(&config.redis.url),
+            keys: Keys::new(&config.redis.prefix),
             instance,
-            guard: Guard::new(&settings.control_secret, me),
+            guard: Guard::new(&config.control_secret, me),
+            heartbeat_every: config.heartbeat(),
             // The counters start at zero with the process.
             samples: [Sample {
                 at: std::time::Instant::now(),
@@ -190,6 +194,11 @@ impl Registry {
             }]
             .into(),
         }
+    }
+
+    /// How often [`Registry::heartbeat`] should run: the configured period.
+    pub fn heartbeat_every(&self) -> Duration {
+        self.heartbeat_every
     }
 
     /// The received and inserted rates (msg/s) over the last [`RATE_WINDOW`] (or since start),
@@ -496,20 +505,13 @@ pub async fn instances(redis: &mut Redis, keys: &Keys) -> Option<Vec<Listed>> {
     Some(out)
 }
 
-/// The readable records of the deployment's live instances; `None` when Redis cannot be reached
-/// (asked once, without the warnings of a long-lived link).
-pub async fn live(settings: &Settings) -> Option<Vec<InstanceRecord>> {
-    Redis::connect(&settings.redis_url).await.ok()?;
-    let keys = Keys::new(&settings.redis_prefix);
-    let listed = instances(&mut Redis::quiet(&settings.redis_url), &keys).await?;
+/// The readable records of the live instances of the deployment `redis` names; `None` when
+/// Redis cannot be reached (asked once, without the warnings of a long-lived link).
+pub async fn live(redis: &RedisConfig) -> Option<Vec<InstanceRecord>> {
+    Redis::connect(&redis.url).await.ok()?;
+    let keys = Keys::new(&redis.prefix);
+    let listed = instances(&mut Redis::quiet(&redis.url), &keys).await?;
     Some(listed.into_iter().filter_map(|l| l.record.ok()).collect())
-}
-
-/// Every pipeline the configuration names or a live instance runs, once each (the configured
-/// ones only while Redis is away).
-pub async fn known_pipelines(settings: &Settings) -> Vec<PipelineRecord> {
-    let live = live(settings).await.unwrap_or_default();
-    super::record::known(settings, &live)
 }
 
 #[cfg(test)]

@@ -6,6 +6,8 @@
 //! is unreachable warren keeps working and registers again later.
 //!
 //! # Parts
+//! - [`config`]: its own settings ([`RedisConfig`], shared with the events writer, and
+//!   [`RegistryConfig`]), built from warren's settings above it, which it never reads.
 //! - [`redis`]: the link to Redis: lazy reconnects, a bound on every call, one
 //!   warning per outage, no password in any message.
 //! - [`record`]: the instance record (one serde struct, written and read whole), what a reader
@@ -23,6 +25,7 @@
 //!   the pipelines.
 
 pub mod commands;
+pub mod config;
 pub mod control;
 pub mod guard;
 pub mod instance;
@@ -32,12 +35,13 @@ pub mod redis;
 pub mod signing;
 
 pub use self::commands::{Command, CommandError, CtlCommand};
+pub use self::config::{RedisConfig, RegistryConfig, RegistryConfigError};
 pub use self::control::Rejected;
 pub use self::control::{MAX_SKEW_S, REFUSED_BAD_SIGNATURE, REFUSED_UNSIGNED, Refusal};
 pub use self::guard::Guard;
 pub use self::instance::{
-    INSTANCE_TTL_S, Instance, Keys, RATE_WINDOW, Registry, Report, SHUTDOWNS_MAX, instances,
-    known_pipelines, live, now_s, per_second, utc,
+    INSTANCE_TTL_S, Instance, Keys, RATE_WINDOW, Registry, Report, SHUTDOWNS_MAX, instances, live,
+    now_s, per_second, utc,
 };
 pub use self::outcome::{CtlOutcome, Recorder};
 pub use self::record::{

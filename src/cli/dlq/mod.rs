@@ -239,7 +239,7 @@ pub async fn execute(settings: &Settings, args: Args) -> anyhow::Result<i32> {
         Some(p) => p.view(settings),
         None if args.pipeline == "users" => settings.clone(),
         None => {
-            let known = crate::registry::known_pipelines(settings).await;
+            let known = crate::cli::known_pipelines(settings).await;
             let p = crate::registry::record::find(&known, &args.pipeline).map_err(|unknown| {
                 anyhow::anyhow!(
                     "--pipeline: {}",

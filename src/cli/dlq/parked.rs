@@ -303,7 +303,7 @@ async fn parked_replay_on(
             let properties = match row
                 .headers
                 .as_ref()
-                .map_err(String::clone)
+                .map_err(ToString::to_string)
                 .and_then(|h| parked_properties(row.message_id.as_deref(), h))
             {
                 Ok(p) => p,

@@ -17,7 +17,7 @@ use crate::cli::out::{self, errln, out, outln};
 use crate::config::{Settings, redact_url};
 
 pub(super) async fn broker(settings: &Settings) -> anyhow::Result<Connection> {
-    amqp::connect(settings, "dlq tool", amqp::Frames::Broker)
+    amqp::connect(&settings.amqp(), "dlq tool", amqp::Frames::Broker)
         .await
         .with_context(|| {
             format!(

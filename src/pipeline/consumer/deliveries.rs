@@ -180,7 +180,7 @@ impl Handler<SetRate> for Consumer {
         if crate::config::window_outlasts(
             self.config.prefetch,
             msg.per_s,
-            self.settings.hand_back_after(),
+            self.amqp.hand_back_after(),
         )
         .is_some()
         {

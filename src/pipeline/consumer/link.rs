@@ -12,8 +12,7 @@ use lapin::{Channel, Connection};
 use tracing::{error, info, warn};
 
 use super::{Consumer, ConsumerConfig};
-use crate::amqp::{self, AmqpError};
-use crate::config::Settings;
+use crate::amqp::{self, AmqpConfig, AmqpError};
 use crate::pipeline::acks::Acker;
 
 /// A link that lived at least this long was healthy: the next rebuild starts without delay.
@@ -111,13 +110,13 @@ impl Consumer {
             return;
         }
         self.link = Link::Connecting;
-        let settings = self.settings.clone();
+        let amqp = self.amqp.clone();
         let config = self.config.clone();
         let frames = self.frames;
         let addr = ctx.address();
         let first_delay = self.rebuild_delay(lived);
         actix::spawn(async move {
-            let open = || open(&settings, &config, frames);
+            let open = || open(&amqp, &config, frames);
             let wanted = || addr.connected();
             if let Some((conn, channel)) = amqp::until_open(
                 &config.stage.to_string(),
@@ -212,12 +211,11 @@ impl Consumer {
 
 /// Connects and sets the prefetch; subscribing is left to [`Consumer::maybe_subscribe`].
 async fn open(
-    settings: &Settings,
+    amqp: &AmqpConfig,
     config: &ConsumerConfig,
     frames: amqp::Frames,
 ) -> Result<(Connection, Channel), AmqpError> {
-    let (conn, channel) =
-        amqp::connect_channel(settings, &config.stage.to_string(), frames).await?;
+    let (conn, channel) = amqp::connect_channel(amqp, &config.stage.to_string(), frames).await?;
     let result = channel
         .basic_qos(config.prefetch, BasicQosOptions { global: false })
         .await;

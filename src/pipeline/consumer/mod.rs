@@ -39,8 +39,7 @@ use std::time::Duration;
 use actix::prelude::*;
 use tokio::sync::oneshot;
 
-use crate::amqp::{self};
-use crate::config::Settings;
+use crate::amqp::{self, AmqpConfig};
 use crate::pipeline::dispatch::{Dispatch, Feed};
 use crate::pipeline::message::HoldReason;
 use crate::pipeline::throttle::Throttle;
@@ -114,7 +113,9 @@ pub struct ConsumerConfig {
 /// The consumer actor.
 pub struct Consumer {
     config: ConsumerConfig,
-    settings: Settings,
+    /// The broker link's settings: where to connect, the connect bound (a consume's too), the
+    /// broker's consumer timeout (when a held delivery is given back).
+    amqp: AmqpConfig,
     /// Which processor and batcher each delivery goes to (chosen at the wiring).
     dispatch: Dispatch,
     link: Link,
@@ -177,12 +178,12 @@ pub struct Consumer {
 }
 
 impl Consumer {
-    pub fn new(config: ConsumerConfig, settings: Settings, dispatch: Dispatch) -> Self {
+    pub fn new(config: ConsumerConfig, amqp: AmqpConfig, dispatch: Dispatch) -> Self {
         let received_counter = crate::metrics::received_counter(&config.stage);
         let throttle = Throttle::new(config.rate_limit_per_s);
         Self {
             config: config.clone(),
-            settings,
+            amqp,
             dispatch,
             link: Link::Down,
             phase: Phase::Running,

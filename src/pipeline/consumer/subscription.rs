@@ -38,12 +38,23 @@ const CHUNK_MAX: usize = 1000;
 /// millisecond ticks) is nothing next to the batch timeout. An idle stream still delivers its first message at once.
 const LINGER: Duration = Duration::from_millis(1);
 
+/// Why a `basic.consume` (with the `basic.qos` of a new window before it) gave no consumer.
+#[derive(Debug, thiserror::Error)]
+enum SubscribeError {
+    /// The broker refused it, or the link failed under it.
+    #[error("{0}")]
+    Refused(#[from] lapin::Error),
+    /// No answer within the bound (the connect timeout, doubled for each failure in a row).
+    #[error("basic.consume not answered within {0:?}")]
+    Unanswered(Duration),
+}
+
 /// A `basic.consume` finished on the channel of `generation`: the consumer, or why not.
 #[derive(Message)]
 #[rtype(result = "()")]
 struct Subscribed {
     generation: u64,
-    result: Result<lapin::Consumer, String>,
+    result: Result<lapin::Consumer, SubscribeError>,
     tag: String,
     /// The window (qos) the subscription has.
     window: u16,
@@ -99,7 +110,7 @@ impl Consumer {
         self.subscriptions += 1;
         let queue = self.config.queue.clone();
         let addr = ctx.address();
-        let bound = self.settings.connect_timeout() * (1 << self.consume_failures.min(4));
+        let bound = self.amqp.connect_timeout() * (1 << self.consume_failures.min(4));
         actix::spawn(async move {
             // Bounded: a consume that never answers must not leave the pipeline unsubscribed.
             // A new window first: the broker applies a per-consumer qos to consumers made after.
@@ -119,8 +130,8 @@ impl Consumer {
                     .await
             };
             let result = match tokio::time::timeout(bound, consume).await {
-                Ok(result) => result.map_err(|e| e.to_string()),
-                Err(_) => Err(format!("basic.consume not answered within {bound:?}")),
+                Ok(result) => result.map_err(SubscribeError::from),
+                Err(_) => Err(SubscribeError::Unanswered(bound)),
             };
             addr.do_send(Subscribed {
                 generation,

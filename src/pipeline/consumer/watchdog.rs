@@ -20,7 +20,7 @@ impl Consumer {
     /// A subscription warren cancelled whose stream has not ended after the connect timeout.
     pub(super) fn cancel_unanswered(&self) -> bool {
         matches!(&self.link, Link::Up(l) if matches!(&l.subscription,
-            Subscription::Cancelling(_, since) if since.elapsed() > self.settings.connect_timeout()))
+            Subscription::Cancelling(_, since) if since.elapsed() > self.amqp.connect_timeout()))
     }
 
     /// As many deliveries in flight as the subscription's window (or no link): the broker has
