@@ -201,28 +201,36 @@ async fn read_body(
     Ok(body)
 }
 
+/// Why a request's `Idempotency-Key` cannot derive a key: the message of its 400.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+enum IdempotencyKeyError {
+    #[error("Idempotency-Key header: expected one value, got several")]
+    Several,
+    /// Empty, too long, or not visible ASCII: its length in bytes.
+    #[error(
+        "Idempotency-Key header: expected 1 to {IDEMPOTENCY_KEY_MAX} visible ASCII characters \
+         (no spaces), got {0} bytes"
+    )]
+    Malformed(usize),
+}
+
 /// The key a `POST` of a pipeline with `api_key = "chosen"` publishes under: derived from its
 /// `Idempotency-Key` (UUID v5 under [`IDEMPOTENCY_NAMESPACE`]) so a retry gets the same key, or
-/// a new random one without the header. `Err` is the message of the 400 to send for a
-/// malformed key.
-fn chosen_key(req: &HttpRequest) -> Result<Uuid, String> {
+/// a new random one without the header. `Err` says why the 400 is sent for a malformed key.
+fn chosen_key(req: &HttpRequest) -> Result<Uuid, IdempotencyKeyError> {
     let mut values = req.headers().get_all("idempotency-key");
     let Some(key) = values.next() else {
         return Ok(Uuid::new_v4());
     };
     if values.next().is_some() {
-        return Err("Idempotency-Key header: expected one value, got several".into());
+        return Err(IdempotencyKeyError::Several);
     }
     let key = key.as_bytes();
     if key.is_empty()
         || key.len() > IDEMPOTENCY_KEY_MAX
         || !key.iter().all(|b| b.is_ascii_graphic())
     {
-        return Err(format!(
-            "Idempotency-Key header: expected 1 to {IDEMPOTENCY_KEY_MAX} visible ASCII \
-             characters (no spaces), got {} bytes",
-            key.len()
-        ));
+        return Err(IdempotencyKeyError::Malformed(key.len()));
     }
     Ok(Uuid::new_v5(&IDEMPOTENCY_NAMESPACE, key))
 }
