@@ -141,7 +141,7 @@ async fn keep_same_content_succeeds_other_content_conflicts_another_index_refuse
     assert_eq!(again.conflicts[0].0, 1);
     assert!(
         again.conflicts[0].1.starts_with(&format!(
-            "order_id {A} is already stored with another doc and email"
+            "order_id {A} is already stored with another email and doc"
         )),
         "{}",
         again.conflicts[0].1
@@ -810,22 +810,22 @@ async fn a_pipeline_stores_minus_zero_and_refuses_unreadable_lines_and_unstorabl
         (
             "line-separator",
             r#"{"id":3,"name":"Ana\u2028Maria","doc":{}}"#,
-            Err("/name: expected one line of text, found the line separator U+2028"),
+            Err("name must be one line of readable text, without the line separator U+2028"),
         ),
         (
             "bidi",
             r#"{"id":4,"name":"\u202Eana","doc":{}}"#,
-            Err("/name: expected one line of text, found the bidi control U+202E"),
+            Err("name must be one line of readable text, without the bidi control U+202E"),
         ),
         (
             "zero-width",
             r#"{"id":5,"name":"\u200B","doc":{}}"#,
-            Err("/name: expected one line of text, found the invisible character U+200B"),
+            Err("name must be one line of readable text, without the invisible character U+200B"),
         ),
         (
             "joiner",
             r#"{"id":6,"name":"Ana\u200D","doc":{}}"#,
-            Err("/name: expected one line of text, found the zero width joiner U+200D"),
+            Err("name must be one line of readable text, without the zero width joiner U+200D"),
         ),
         (
             "tiny",

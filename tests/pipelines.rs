@@ -490,14 +490,14 @@ async fn an_orders_api_checks_publishes_and_reads_back() {
         .expect("POST again");
     assert_eq!(status, 200);
 
-    // What the mapping refuses: 422 with the kind and the path, nothing published.
+    // What the mapping refuses: 422 with the kind and the field, nothing published.
     let bad = String::from_utf8(order(Uuid::new_v4(), "1", 1001, None)).unwrap();
     let (status, answer) = http(&env, "POST", "/api/v1/orders", Some(&bad))
         .await
         .expect("POST bad");
     assert_eq!(status, 422, "{answer}");
     assert!(
-        answer.contains("invalid_payload") && answer.contains("/qty"),
+        answer.contains("invalid_payload") && answer.contains("qty must be at most 1000"),
         "{answer}"
     );
     // PUT: the path's key must be the body's (an upper-case UUID is the same key).

@@ -128,6 +128,21 @@ impl PipelineApi {
         })
     }
 
+    /// A path's key as the pipeline stores it: a uuid key written as a UUID is (`GET` and `PUT`
+    /// of `/api/v1/users/6F1C...` are the user `6f1c...`), and a path that is none is a 400.
+    fn uuid_path(&self, path: String) -> Result<String, Box<HttpResponse>> {
+        if self.key_type != ColType::Uuid {
+            return Ok(path);
+        }
+        match uuid::Uuid::parse_str(&path) {
+            Ok(id) => Ok(id.to_string()),
+            Err(_) => Err(Box::new(error(
+                StatusCode::BAD_REQUEST,
+                format!("{:?} is not a UUID", crate::text::shown(&path)),
+            ))),
+        }
+    }
+
     /// Whether `path` names `key`: the same text, or the same UUID written otherwise (upper case).
     fn same_key(&self, key: &str, path: &str) -> bool {
         key == path
@@ -185,16 +200,63 @@ impl PipelineApi {
         }
     }
 
-    /// The 422 for a body the mapping refuses: the kind and reason the DLQ would carry, and
-    /// each field at fault (in the order of the table's columns, then unknown fields), `first`
-    /// before them.
+    /// What one row of the pipeline is called in the API's answers: its name in the singular
+    /// (`users`: `user`, `orders`: `order`, `categories`: `category`, `addresses`: `address`),
+    /// or `<name> row` for a name that does not end in a plural `s`.
+    fn item(&self) -> String {
+        let name = self.name.as_str();
+        if let Some(stem) = name.strip_suffix("ies").filter(|s| !s.is_empty()) {
+            format!("{stem}y")
+        } else if let Some(stem) = name.strip_suffix("sses") {
+            format!("{stem}ss")
+        } else if let Some(stem) = name
+            .strip_suffix('s')
+            .filter(|s| !s.is_empty() && !s.ends_with('s') && !s.ends_with('u'))
+        {
+            stem.to_string()
+        } else {
+            format!("{name} row")
+        }
+    }
+
+    /// A key as the answers write it: a UUID or a number as it is, text quoted.
+    fn shown_key(&self, key: &str) -> String {
+        match self.key_type {
+            ColType::Text | ColType::Jsonb => format!("{:?}", crate::text::shown(key)),
+            _ => crate::text::shown(key).into_owned(),
+        }
+    }
+
+    /// The body's fields the columns read, in the order of the table's columns (fields no
+    /// table column orders after, sorted).
+    fn fields_in_order(&self, order: &[String]) -> Vec<String> {
+        let mut fields: Vec<String> = order
+            .iter()
+            .filter_map(|c| self.mapping.field_of(c))
+            .map(str::to_string)
+            .collect();
+        for f in self.mapping.fields() {
+            if !fields.iter().any(|g| g == f) {
+                fields.push(f.to_string());
+            }
+        }
+        fields
+    }
+
+    /// The 422 for a body the mapping refuses, in the API's words: a body that is no JSON
+    /// (`body is not valid JSON: ...`) or no object (`body must be a JSON object with name and
+    /// email`), a field no column reads (`unknown field "x", expected one of id, name, email`),
+    /// else `validation failed` with each field at fault (in the order of the table's columns,
+    /// `first` before them) and its message. The kind and reason the DLQ would carry go beside.
     async fn refused(
         &self,
         state: &AppState,
+        body: &[u8],
         refused: Refused,
         first: Option<FieldError>,
     ) -> HttpResponse {
         let order = self.table_order(state).await;
+        let expected = self.fields_in_order(&order);
         let unknown: Vec<String> = refused
             .problems
             .iter()
@@ -212,7 +274,7 @@ impl PipelineApi {
                     message: format!(
                         "is not a field of {} (expected one of {})",
                         self.name,
-                        self.mapping.fields().join(", ")
+                        expected.join(", ")
                     ),
                 }),
                 // The key's field is named once, by `first`.
@@ -221,9 +283,9 @@ impl PipelineApi {
                 {
                     None
                 }
-                Problem::Column { column, message } => Some(FieldError {
+                Problem::Column { column, error } => Some(FieldError {
                     field: column,
-                    message,
+                    message: error.field_message(),
                 }),
             })
             .map(|f| {
@@ -239,52 +301,64 @@ impl PipelineApi {
             .into_iter()
             .chain(fields.into_iter().map(|(_, f)| f))
             .collect();
-        // An unknown field is named as a client reads it (the DLQ's reason gives its path).
-        let message = if unknown.is_empty() {
-            refused.rejection.reason.clone()
-        } else {
+        let message = if let Some(unreadable) = self.unreadable(body, &expected) {
+            unreadable
+        } else if !unknown.is_empty() {
+            // An unknown field is named as a client reads it (the DLQ's reason gives its path).
             format!(
                 "unknown field {}, expected one of {}",
                 unknown.join(", "),
-                self.mapping.fields().join(", ")
+                expected.join(", ")
             )
+        } else if !fields.is_empty() {
+            "validation failed".to_string()
+        } else {
+            refused.rejection.reason.clone()
         };
         HttpResponse::UnprocessableEntity().json(json!({
             "error": message,
             "kind": refused.rejection.kind.as_str(),
+            "reason": refused.rejection.reason,
             "fields": fields,
         }))
+    }
+
+    /// What keeps `body` from being read at all, in the API's words: not JSON (`body is not
+    /// valid JSON: ...`, a key twice included), or not the object the columns read (`body must
+    /// be a JSON object with name and email`: the fields a client gives, `expected` but the
+    /// key the API chooses). `None`: it is an object (or the columns read no object).
+    fn unreadable(&self, body: &[u8], expected: &[String]) -> Option<String> {
+        let doc = match std::str::from_utf8(body) {
+            Err(e) => return Some(format!("body is not valid JSON: not UTF-8: {e}")),
+            Ok(text) => match crate::domain::mapping::parse_strict(text) {
+                Err(e) => return Some(format!("body is not valid JSON: {e}")),
+                Ok(doc) => doc,
+            },
+        };
+        if doc.is_object() || !self.mapping.reads_object() {
+            return None;
+        }
+        let given: Vec<&str> = expected
+            .iter()
+            .map(String::as_str)
+            .filter(|f| self.chosen.as_deref() != Some(*f))
+            .collect();
+        Some(format!(
+            "body must be a JSON object with {}",
+            match given.split_last() {
+                Some((last, [])) => last.to_string(),
+                Some((last, rest)) => format!("{} and {last}", rest.join(", ")),
+                None => "fields".to_string(),
+            }
+        ))
     }
 }
 
 /// The top-level fields of a JSON object body in the order it gives them (empty for anything
-/// else), so an answer names the fields at fault in the client's order.
+/// else).
 fn body_fields(body: &[u8]) -> Vec<String> {
-    struct Keys(Vec<String>);
-    impl<'de> serde::Deserialize<'de> for Keys {
-        fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-            struct Visit;
-            impl<'de> serde::de::Visitor<'de> for Visit {
-                type Value = Keys;
-                fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
-                    f.write_str("an object")
-                }
-                fn visit_map<A: serde::de::MapAccess<'de>>(
-                    self,
-                    mut map: A,
-                ) -> Result<Keys, A::Error> {
-                    let mut keys = Vec::new();
-                    while let Some((k, _)) = map.next_entry::<String, serde::de::IgnoredAny>()? {
-                        keys.push(k);
-                    }
-                    Ok(Keys(keys))
-                }
-            }
-            d.deserialize_map(Visit)
-        }
-    }
-    serde_json::from_slice::<Keys>(body)
-        .map(|k| k.0)
+    std::str::from_utf8(body)
+        .map(crate::domain::mapping::body_fields)
         .unwrap_or_default()
 }
 
@@ -337,18 +411,29 @@ pub fn routes(config: &mut web::ServiceConfig, api: Arc<PipelineApi>) {
 
 /// Checks `body` as the pipeline would (its size first, unread, then the mapping) and its key as
 /// the message id it is published under; `Ok` is the key (as text, and as the message id),
-/// `Err` the 422 to send.
+/// `Err` the 422 to send (naming `first` before the fields the mapping finds at fault, in place
+/// of the mapping's words for that field).
 async fn check(
     state: &AppState,
     api: &PipelineApi,
     body: &[u8],
+    first: Option<FieldError>,
 ) -> Result<(String, ShortString, Row), Box<HttpResponse>> {
     if let Some(refused) = oversized(state, body) {
         return Err(Box::new(refused));
     }
     let row = match api.mapping.decode_detailed(body, None) {
         Ok(row) => row,
-        Err(r) => return Err(Box::new(api.refused(state, r, None).await)),
+        // `first` names the key column only when the mapping finds the key at fault.
+        Err(r) if first.is_some() => {
+            let key_at_fault = r
+                .problems
+                .iter()
+                .any(|p| matches!(p, Problem::Column { column, .. } if *column == api.key_column));
+            let first = first.filter(|_| key_at_fault);
+            return Err(Box::new(api.refused(state, body, r, first).await));
+        }
+        Err(r) => return Err(Box::new(api.refused(state, body, r, None).await)),
     };
     let key = api.key_of(&row).ok_or_else(|| {
         Box::new(error(
@@ -400,7 +485,7 @@ async fn storable(
                 } else {
                     Ok(match api.mapping.storable(client, &row).await? {
                         Ok(()) => Ok(Standing::New),
-                        Err(reason) => Ok(Standing::Unstorable(reason)),
+                        Err(refusal) => Ok(Standing::Unstorable(refusal.0)),
                     })
                 }
             }
@@ -413,15 +498,29 @@ async fn storable(
         Ok(Ok(Standing::Same)) => return Err(HttpResponse::Ok().json(json!({"id": key}))),
         Ok(Ok(Standing::Unstorable(reason))) => return Err(unstorable(&reason)),
         Ok(Ok(Standing::Conflict(columns))) => {
+            // Every other column, in the table's order: what the key's content is.
+            let order = api.table_order(state).await;
+            let mut others: Vec<&str> = api
+                .mapping
+                .columns()
+                .map(|(c, _, _)| c)
+                .filter(|c| *c != api.key_column)
+                .collect();
+            others.sort_by_key(|c| order.iter().position(|o| o == c).unwrap_or(usize::MAX));
             return Err(HttpResponse::Conflict().json(json!({
                 "error": format!(
                     "{} {} is already stored with another {}",
-                    api.key_column,
-                    crate::text::shown(key),
-                    columns.join(" and ")
+                    api.item(),
+                    api.shown_key(key),
+                    match others.split_last() {
+                        Some((last, [])) => last.to_string(),
+                        Some((last, rest)) => format!("{} or {last}", rest.join(", ")),
+                        None => "content".to_string(),
+                    }
                 ),
                 "kind": ErrorKind::IdConflict.as_str(),
                 "id": key,
+                "columns": columns,
             })));
         }
         Ok(Ok(Standing::Taken {
@@ -434,8 +533,8 @@ async fn storable(
                     "{} {} is already stored under {} {}",
                     columns.join(", "),
                     crate::text::shown(&values.join(", ")),
-                    api.key_column,
-                    crate::text::shown(&holder)
+                    api.item(),
+                    api.shown_key(&holder)
                 ),
                 "kind": format!("{}_taken", columns.join("_")),
                 "id": holder,
@@ -520,14 +619,14 @@ async fn post(
                             ))
                             .into()
                         });
-                    return api.refused(&state, refused, Some(first)).await;
+                    return api.refused(&state, &body, refused, Some(first)).await;
                 }
                 body
             }
         },
         None => body,
     };
-    match check(&state, &api, &body).await {
+    match check(&state, &api, &body, None).await {
         Ok((key, id, row)) => accept(&req, &state, &api.into_inner(), body, key, id, row).await,
         Err(response) => *response,
     }
@@ -545,12 +644,10 @@ async fn put(
         Ok(key) => key,
         Err(response) => return *response,
     };
-    if api.key_type == ColType::Uuid && uuid::Uuid::parse_str(&path).is_err() {
-        return error(
-            StatusCode::BAD_REQUEST,
-            format!("{:?} is not a UUID", crate::text::shown(&path)),
-        );
-    }
+    let path = match api.uuid_path(path) {
+        Ok(path) => path,
+        Err(response) => return *response,
+    };
     let body = match read_body(&req, payload).await {
         Ok(b) => b.freeze(),
         Err(response) => return response,
@@ -563,28 +660,35 @@ async fn put(
         Some(keyed) => bytes::Bytes::from(keyed),
         None => body,
     };
-    match check(&state, &api, &body).await {
+    // A key in the body that is not the path's, or no key at all, is named so.
+    let mismatch = FieldError {
+        field: api.key_column.clone(),
+        message: format!(
+            "must be the {} in the path ({}){}",
+            api.key_column,
+            api.shown_key(&path),
+            if api.chosen.is_some() {
+                " or left out"
+            } else {
+                ""
+            }
+        ),
+    };
+    match check(&state, &api, &body, Some(mismatch.clone())).await {
         Ok((key, id, row)) if api.same_key(&key, &path) => {
             accept(&req, &state, &api.into_inner(), body, key, id, row).await
         }
-        Ok((key, _, _)) => {
-            let message = format!(
-                "the body's key {} ({key:?}) must be the one in the path ({:?})",
+        Ok((key, _, _)) => HttpResponse::UnprocessableEntity().json(json!({
+            "error": "validation failed",
+            "kind": ErrorKind::InvalidPayload.as_str(),
+            "reason": format!(
+                "the body's key {} ({}) must be the one in the path ({})",
                 api.key_column,
-                path.as_str()
-            );
-            HttpResponse::UnprocessableEntity().json(json!({
-                "error": message,
-                "kind": ErrorKind::InvalidPayload.as_str(),
-                "fields": [FieldError {
-                    field: api.key_column.clone(),
-                    message: format!(
-                        "must be the one in the path ({path:?}){}",
-                        if api.chosen.is_some() { " or left out" } else { "" }
-                    ),
-                }],
-            }))
-        }
+                api.shown_key(&key),
+                api.shown_key(&path)
+            ),
+            "fields": [mismatch],
+        })),
         Err(response) => *response,
     }
 }
@@ -637,7 +741,7 @@ async fn get(
     state: web::Data<AppState>,
     api: web::Data<PipelineApi>,
 ) -> HttpResponse {
-    let key = match path_key(&req) {
+    let key = match path_key(&req).and_then(|key| api.uuid_path(key)) {
         Ok(key) => key,
         Err(response) => return *response,
     };
@@ -676,7 +780,7 @@ async fn get(
         }
         Ok(Found::Nothing) => error(
             StatusCode::NOT_FOUND,
-            format!("no {} row with {} {key:?} (yet)", api.name, api.key_column),
+            format!("no {} {} (yet)", api.item(), api.shown_key(&key)),
         ),
         Err(QueryError::Db(e))
             if e.sqlstate()

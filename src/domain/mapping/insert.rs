@@ -275,21 +275,30 @@ async fn enum_casts(
 ) -> Result<Vec<Option<String>>, DbError> {
     let rows = client
         .query(
-            "SELECT a.attname::text, format_type(a.atttypid, NULL) \
+            "SELECT a.attname::text, format_type(a.atttypid, NULL), \
+               COALESCE(b.typtype, t.typtype) = 'e', a.attnum \
              FROM pg_attribute a JOIN pg_type t ON t.oid = a.atttypid \
              LEFT JOIN pg_type b ON t.typtype = 'd' AND b.oid = t.typbasetype \
-             WHERE a.attrelid = to_regclass($1) AND a.attnum > 0 AND NOT a.attisdropped \
-               AND COALESCE(b.typtype, t.typtype) = 'e'",
+             WHERE a.attrelid = to_regclass($1) AND a.attnum > 0 AND NOT a.attisdropped",
             &[&mapping.table.sql()],
         )
         .await
         .map_err(DbError::from_pg)?;
+    let of = |c: &Column| rows.iter().find(|r| r.get::<_, String>(0) == c.name);
+    // The table's order of the columns, for reasons that list several (learnt once).
+    let _ = mapping.attnums.set(
+        mapping
+            .columns
+            .iter()
+            .map(|c| of(c).map_or(i16::MAX, |r| r.get::<_, i16>(3)))
+            .collect(),
+    );
     Ok(mapping
         .columns
         .iter()
         .map(|c| {
-            rows.iter()
-                .find(|r| c.ty == ColType::Text && r.get::<_, String>(0) == c.name)
+            of(c)
+                .filter(|r| c.ty == ColType::Text && r.get::<_, bool>(2))
                 .map(|r| r.get::<_, String>(1))
         })
         .collect())
@@ -557,13 +566,14 @@ pub(super) async fn insert(
                     && same.iter().any(|s| !s)
                     && !same_after_triggers(st, client, i as i64 + 1).await?
                 {
-                    let differs: Vec<&str> = mapping
-                        .columns
-                        .iter()
-                        .zip(&same)
-                        .filter(|(_, s)| !**s)
-                        .map(|(c, _)| c.name.as_str())
-                        .collect();
+                    let differs = mapping.in_table_order(
+                        mapping
+                            .columns
+                            .iter()
+                            .zip(&same)
+                            .filter(|(_, s)| !**s)
+                            .map(|(c, _)| c.name.as_str()),
+                    );
                     conflicts.push((
                         i,
                         format!(

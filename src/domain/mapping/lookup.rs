@@ -51,10 +51,7 @@ pub(super) async fn standing(
                 if e.code()
                     .is_some_and(|c| c.code().starts_with("22") || c.code().starts_with("23")) =>
             {
-                return Ok(Standing::Unstorable(match e.as_db_error() {
-                    Some(db) => format!("{} {}", db.code().code(), db.message()),
-                    None => e.to_string(),
-                }));
+                return Ok(Standing::Unstorable(Unstorable::of(&e).0));
             }
             Err(e) => return Err(DbError::from_pg(e)),
         };
@@ -66,14 +63,17 @@ pub(super) async fn standing(
             if same.iter().all(|s| *s) || same_after_triggers(st, client, 1).await? {
                 return Ok(Standing::Same);
             }
-            let differs = mapping
-                .columns
-                .iter()
-                .zip(&same)
-                .filter(|(_, s)| !**s)
-                .map(|(c, _)| c.name.clone())
-                .collect();
-            return Ok(Standing::Conflict(differs));
+            let differs = mapping.in_table_order(
+                mapping
+                    .columns
+                    .iter()
+                    .zip(&same)
+                    .filter(|(_, s)| !**s)
+                    .map(|(c, _)| c.name.as_str()),
+            );
+            return Ok(Standing::Conflict(
+                differs.into_iter().map(str::to_string).collect(),
+            ));
         }
         Ok(match holders(mapping, client, &[0]).await?.remove(&0) {
             Some(h) => {
@@ -106,6 +106,18 @@ fn sent_as(ty: ColType) -> &'static str {
     }
 }
 
+/// The row `s` as JSON text, every column as `to_jsonb` writes it but a `timestamptz`, written
+/// in UTC to the microsecond, `2026-11-28T10:00:00.123000Z` (RFC 3339, as `GET /api/v1/users`
+/// always wrote `inserted_at`), whatever the session's time zone; `infinity` stays as it is.
+const ROW_JSON: &str = "(SELECT jsonb_object_agg(e.key, CASE \
+     WHEN a.atttypid = 'timestamptz'::regtype AND jsonb_typeof(e.value) = 'string' THEN \
+     CASE WHEN e.value #>> '{}' IN ('infinity', '-infinity') THEN e.value \
+     ELSE to_jsonb(to_char((e.value #>> '{}')::timestamptz AT TIME ZONE 'UTC', \
+     'YYYY-MM-DD\"T\"HH24:MI:SS.US\"Z\"')) END \
+     ELSE e.value END) \
+     FROM jsonb_each(to_jsonb(s.*)) AS e \
+     LEFT JOIN pg_catalog.pg_attribute AS a ON a.attrelid = s.tableoid AND a.attname = e.key)::text";
+
 /// Runs `sql` (and `params`) in a transaction holding `create`'s temporary table, rolled back.
 async fn rolled_back<T>(
     client: &tokio_postgres::Client,
@@ -126,7 +138,7 @@ async fn rolled_back<T>(
 /// as JSON text: `key` is converted to the column's type by an insert into the probe (so a
 /// value too long for a `varchar(3)` key is refused, 22001, never truncated onto another
 /// row), then compared with the column's own equality (a `citext` key finds its row in any
-/// case). `None` when no row holds it.
+/// case); a `timestamptz` written as [`ROW_JSON`] says. `None` when no row holds it.
 pub(super) async fn find_by_key(
     mapping: &Mapping,
     client: &tokio_postgres::Client,
@@ -155,7 +167,7 @@ pub(super) async fn find_by_key(
     );
     let sql = format!(
         "WITH p AS (INSERT INTO pg_temp.warren_key ({name}) SELECT $1::text::{ty} RETURNING {name}) \
-         SELECT to_jsonb(s.*)::text FROM {t} AS s JOIN p ON s.{name} = p.{name}"
+         SELECT {ROW_JSON} FROM {t} AS s JOIN p ON s.{name} = p.{name}"
     );
     rolled_back(client, &create, async {
         // `s.*`, the whole row: `to_jsonb(s)` would be a column of the table named `s`.
@@ -167,15 +179,30 @@ pub(super) async fn find_by_key(
     .await
 }
 
+/// A value PostgreSQL refuses to hold in the table (a data exception or a domain's check,
+/// SQLSTATE 22 or 23): the code and the server's words, `22001 value too long for type ...`.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{0}")]
+pub struct Unstorable(pub String);
+
+impl Unstorable {
+    fn of(e: &tokio_postgres::Error) -> Self {
+        Self(match e.as_db_error() {
+            Some(db) => format!("{} {}", db.code().code(), db.message()),
+            None => e.to_string(),
+        })
+    }
+}
+
 /// Whether the table can hold `record` as the pipeline's insert would write it: converted by
-/// PostgreSQL into the columns' types in the probe, rolled back. `Ok(Err(reason))`: a value
+/// PostgreSQL into the columns' types in the probe, rolled back. `Ok(Err(refusal))`: a value
 /// PostgreSQL refuses (a data exception or a domain's check, SQLSTATE 22 or 23), with the
 /// server's words; the table's own constraints, triggers and keys are the pipeline's to meet.
 pub(super) async fn storable(
     mapping: &Mapping,
     client: &tokio_postgres::Client,
     record: &Row,
-) -> Result<Result<(), String>, tokio_postgres::Error> {
+) -> Result<Result<(), Unstorable>, tokio_postgres::Error> {
     let st = match statements(mapping, client).await {
         Ok(st) => st,
         Err(_) => &mapping.statements,
@@ -190,11 +217,7 @@ pub(super) async fn storable(
                 if e.code()
                     .is_some_and(|c| c.code().starts_with("22") || c.code().starts_with("23")) =>
             {
-                let reason = match e.as_db_error() {
-                    Some(db) => format!("{} {}", db.code().code(), db.message()),
-                    None => e.to_string(),
-                };
-                Ok(Err(reason))
+                Ok(Err(Unstorable::of(&e)))
             }
             Err(e) => Err(e),
         }

@@ -11,14 +11,17 @@
 
 mod insert;
 mod lookup;
-pub use lookup::Standing;
+pub use lookup::{Standing, Unstorable};
 pub mod schema;
 mod strict;
 mod values;
 
 pub use strict::parse as parse_strict;
 use values::*;
-pub use values::{EMAIL_MAX, email_problem, line_problem};
+pub use values::{
+    CheckError, EMAIL_MAX, EmailProblem, PointerError, ValueError, body_fields, email_problem,
+    line_problem,
+};
 
 use std::collections::{BTreeMap, HashSet};
 use std::fmt;
@@ -230,11 +233,25 @@ impl Column {
             Source::Header(h) => format!("header {h}"),
         }
     }
+
+    /// The reason's words for what is wrong with its value, named by where it was looked for:
+    /// a value a declared check refused as users always said it, the field then the rule (`name
+    /// must not be empty`, `customer/email must be a valid email address ...`); anything else by
+    /// its path, then what was expected and found (`/id: missing (a uuid is required)`).
+    fn reason(&self, error: &ValueError) -> String {
+        match (error, &self.source) {
+            (ValueError::Check(check), Source::Path { pointer, .. }) if !pointer.is_empty() => {
+                format!("{} {check}", &pointer[1..])
+            }
+            (ValueError::Check(check), _) => format!("{} {check}", self.at()),
+            (other, _) => format!("{}: {other}", self.at()),
+        }
+    }
 }
 
 /// A refused message: the rejection (its kind and the reason the DLQ carries), and each field
 /// at fault, for an answer that names them.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct Refused {
     pub rejection: Rejection,
     /// Empty when the body as a whole is at fault (empty, not UTF-8, not JSON, a key twice,
@@ -252,12 +269,12 @@ impl From<Rejection> for Refused {
 }
 
 /// One field at fault in a refused message.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq)]
 pub enum Problem {
     /// A top-level field no column reads (`unknown_fields = "reject"`).
     Unknown(String),
-    /// A column's value: the column, and what is wrong (the reason's words after the path).
-    Column { column: String, message: String },
+    /// A column's value: the column, and what is wrong with it.
+    Column { column: String, error: ValueError },
 }
 
 /// A table name, split and checked: `schema.name` or `name` (then `DATABASE_SCHEMA`'s).
@@ -268,15 +285,18 @@ pub struct TableName {
 }
 
 impl TableName {
-    fn parse(text: &str) -> Result<Self, String> {
+    fn parse(text: &str) -> Result<Self, TableNameError> {
         let parts: Vec<&str> = text.split('.').collect();
         let (schema, name) = match parts.as_slice() {
             [name] => (None, *name),
             [schema, name] => (Some(*schema), *name),
-            _ => return Err(format!("table {text:?}: expected name or schema.name")),
+            _ => return Err(TableNameError::Parts(text.to_string())),
         };
         for part in schema.iter().chain([&name]) {
-            identifier(part).map_err(|e| format!("table {text:?}: {e}"))?;
+            identifier(part).map_err(|name| TableNameError::Name {
+                table: text.to_string(),
+                name,
+            })?;
         }
         Ok(Self {
             schema: schema.map(str::to_string),
@@ -302,9 +322,26 @@ impl fmt::Display for TableName {
     }
 }
 
+/// Why a `table` is not one warren takes.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum TableNameError {
+    #[error("table {0:?}: expected name or schema.name")]
+    Parts(String),
+    #[error("table {table:?}: {name}")]
+    Name { table: String, name: NameError },
+}
+
+/// A table, schema or column name that is not an SQL identifier warren takes.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error(
+    "{0:?} is not a name warren takes (letters, digits, _ and $, not starting with a digit, at \
+     most 63 bytes)"
+)]
+pub struct NameError(pub String);
+
 /// Checks a table, schema or column name: an SQL identifier warren quotes, so it is taken as
 /// written (letters, digits, `_`, `$`; not starting with a digit; at most 63 bytes).
-fn identifier(name: &str) -> Result<(), String> {
+fn identifier(name: &str) -> Result<(), NameError> {
     let ok = !name.is_empty()
         && name.len() <= 63
         && !name.starts_with(|c: char| c.is_ascii_digit() || c == '$')
@@ -314,10 +351,7 @@ fn identifier(name: &str) -> Result<(), String> {
     if ok {
         Ok(())
     } else {
-        Err(format!(
-            "{name:?} is not a name warren takes (letters, digits, _ and $, not starting with a \
-             digit, at most 63 bytes)"
-        ))
+        Err(NameError(name.to_string()))
     }
 }
 
@@ -351,6 +385,9 @@ pub struct Mapping {
     /// The statements again with the casts of the table's enum columns, built when the table
     /// is first written (`None`: it has none, `statements` serve).
     bound: std::sync::Arc<tokio::sync::OnceCell<Option<insert::Statements>>>,
+    /// Per column, its place in the table (`attnum`), learnt with `bound`: a reason that lists
+    /// several columns lists them in the table's order (`another name and email`).
+    attnums: std::sync::Arc<std::sync::OnceLock<Vec<i16>>>,
 }
 
 impl Mapping {
@@ -363,7 +400,7 @@ impl Mapping {
             pipeline: pipeline.to_string(),
             problem,
         };
-        let table = TableName::parse(&spec.table).map_err(err)?;
+        let table = TableName::parse(&spec.table).map_err(|e| err(e.to_string()))?;
         if spec.columns.is_empty() {
             return Err(err("columns: at least one column is needed".into()));
         }
@@ -371,7 +408,7 @@ impl Mapping {
         let mut fields = HashSet::new();
         for (name, c) in &spec.columns {
             let at = |p: String| err(format!("columns.{name}: {p}"));
-            identifier(name).map_err(at)?;
+            identifier(name).map_err(|e| at(e.to_string()))?;
             let source = match (&c.path, &c.header) {
                 (Some(_), Some(_)) => {
                     return Err(at("give a path or a header, not both".into()));
@@ -383,7 +420,7 @@ impl Mapping {
                     ));
                 }
                 (Some(pointer), None) => {
-                    let segments = pointer_segments(pointer).map_err(at)?;
+                    let segments = pointer_segments(pointer).map_err(|e| at(e.to_string()))?;
                     if let Some(first) = segments.first() {
                         fields.insert(first.clone());
                     }
@@ -511,6 +548,7 @@ impl Mapping {
             reads_object,
             statements,
             bound: Default::default(),
+            attnums: Default::default(),
         })
     }
 
@@ -529,13 +567,13 @@ impl Mapping {
         lookup::find_by_key(self, client, key).await
     }
 
-    /// Whether PostgreSQL can hold `record`'s values in the table's columns (`Ok(Err(reason))`
+    /// Whether PostgreSQL can hold `record`'s values in the table's columns (`Ok(Err(refusal))`
     /// when it refuses one), as the pipeline's insert would write them; nothing is written.
     pub async fn storable(
         &self,
         client: &tokio_postgres::Client,
         record: &Row,
-    ) -> Result<Result<(), String>, tokio_postgres::Error> {
+    ) -> Result<Result<(), Unstorable>, tokio_postgres::Error> {
         lookup::storable(self, client, record).await
     }
 
@@ -554,6 +592,27 @@ impl Mapping {
         self.columns
             .iter()
             .map(|c| (c.name.as_str(), c.ty, c.optional))
+    }
+
+    /// Column names (of this mapping) in the table's order once it is known, else as given.
+    fn in_table_order<'a>(&self, names: impl Iterator<Item = &'a str>) -> Vec<&'a str> {
+        let mut names: Vec<&str> = names.collect();
+        if let Some(attnums) = self.attnums.get() {
+            names.sort_by_key(|n| {
+                self.columns
+                    .iter()
+                    .position(|c| c.name == *n)
+                    .and_then(|i| attnums.get(i).copied())
+                    .unwrap_or(i16::MAX)
+            });
+        }
+        names
+    }
+
+    /// Whether a required column reads a field of an object: a body that is no object is then
+    /// refused as the wrong shape.
+    pub fn reads_object(&self) -> bool {
+        self.reads_object
     }
 
     /// The key's column names.
@@ -647,17 +706,25 @@ impl Mapping {
         if problems.is_empty() {
             return Ok(Row(cells));
         }
-        let reason: Vec<&str> = problems.iter().map(|(_, p)| p.as_str()).collect();
+        if problems.len() > 1 {
+            // In the order the body gives its fields (a field it lacks, or a header, after).
+            let order = values::body_fields(text);
+            problems.sort_by_key(|(c, _)| match &c.source {
+                Source::Path { segments, .. } => segments
+                    .first()
+                    .and_then(|f| order.iter().position(|o| o == f))
+                    .unwrap_or(usize::MAX),
+                Source::Header(_) => usize::MAX,
+            });
+        }
+        let reason: Vec<String> = problems.iter().map(|(c, e)| c.reason(e)).collect();
         Err(Refused {
             rejection: Rejection::payload(reason.join("; ")),
             problems: problems
-                .iter()
-                .map(|(c, p)| {
-                    let at = format!("{}: ", c.at());
-                    Problem::Column {
-                        column: c.name.clone(),
-                        message: p.strip_prefix(&at).unwrap_or(p).to_string(),
-                    }
+                .into_iter()
+                .map(|(c, error)| Problem::Column {
+                    column: c.name.clone(),
+                    error,
                 })
                 .collect(),
         })
@@ -686,8 +753,7 @@ impl Mapping {
         text: &str,
         doc: &Value,
         headers: Option<&lapin::types::FieldTable>,
-    ) -> Result<Cell, String> {
-        let at = c.at();
+    ) -> Result<Cell, ValueError> {
         let value = match &c.source {
             Source::Path { segments, .. } => lookup(doc, segments).cloned(),
             Source::Header(h) => match headers
@@ -695,11 +761,11 @@ impl Mapping {
                 .map(header_json)
             {
                 Some(Err(amqp_type)) => {
-                    return Err(format!(
-                        "{at}: expected {}, found {amqp_type} (a header column reads a \
-                         string, a number, a boolean or void)",
+                    return Err(ValueError::Unfit(format!(
+                        "expected {}, found {amqp_type} (a header column reads a string, a \
+                         number, a boolean or void)",
                         expects(c.ty)
-                    ));
+                    )));
                 }
                 Some(Ok(v)) => Some(v),
                 None => None,
@@ -707,15 +773,18 @@ impl Mapping {
         };
         let value = match value {
             None | Some(Value::Null) if c.optional => return Ok(Cell::Null),
-            None => return Err(format!("{at}: missing (a {} is required)", c.ty)),
-            Some(Value::Null) => return Err(format!("{at}: null (a {} is required)", c.ty)),
+            None => return Err(ValueError::Missing(c.ty)),
+            Some(Value::Null) => return Err(ValueError::Null(c.ty)),
             Some(v) => v,
         };
-        let wrong = |v: &Value| format!("{at}: expected {}, found {}", expects(c.ty), found(v));
+        let wrong = |v: &Value| ValueError::WrongType {
+            expected: c.ty,
+            found: found(v),
+        };
         let cell = match c.ty {
             ColType::Text => match value {
                 Value::String(s) => {
-                    check_text(c, &at, &s)?;
+                    check_text(c, &s)?;
                     Cell::Text(s)
                 }
                 other => return Err(wrong(&other)),
@@ -723,7 +792,7 @@ impl Mapping {
             ColType::Uuid => match &value {
                 Value::String(s) => Cell::Uuid(
                     s.parse()
-                        .map_err(|_| format!("{at}: expected a UUID, found {:?}", clip(s)))?,
+                        .map_err(|_| unfit(format!("expected a UUID, found {:?}", clip(s))))?,
                 ),
                 other => return Err(wrong(other)),
             },
@@ -734,10 +803,12 @@ impl Mapping {
                     Source::Header(_) => None,
                 };
                 let n = strict::integer(&value, written).ok_or_else(|| wrong(&value))?;
-                check_range(c, &at, n as f64, &n.to_string())?;
+                check_range(c, n as f64, &n.to_string())?;
                 if c.ty == ColType::Int4 {
                     Cell::Int4(i32::try_from(n).map_err(|_| {
-                        format!("{at}: {n} does not fit an int4 (-2147483648 to 2147483647)")
+                        unfit(format!(
+                            "{n} does not fit an int4 (-2147483648 to 2147483647)"
+                        ))
                     })?)
                 } else {
                     Cell::Int8(n)
@@ -758,14 +829,14 @@ impl Mapping {
                         .next()
                         .is_some_and(|m| m.bytes().any(|b| (b'1'..=b'9').contains(&b)))
                 {
-                    return Err(format!(
-                        "{at}: the number {} is too small for a float8 (below the smallest \
-                         double, about 4.9e-324; PostgreSQL refuses it as out of range): map it \
-                         as numeric to keep it",
+                    return Err(unfit(format!(
+                        "the number {} is too small for a float8 (below the smallest double, \
+                         about 4.9e-324; PostgreSQL refuses it as out of range): map it as \
+                         numeric to keep it",
                         clip(&raw)
-                    ));
+                    )));
                 }
-                check_range(c, &at, n, &n.to_string())?;
+                check_range(c, n, &n.to_string())?;
                 Cell::Float8(n)
             }
             ColType::Numeric => {
@@ -779,22 +850,22 @@ impl Mapping {
                     },
                     Value::String(s) if is_decimal(s) => s.clone(),
                     Value::String(s) => {
-                        return Err(format!(
-                            "{at}: expected a number or a string holding a decimal, found {:?}",
+                        return Err(unfit(format!(
+                            "expected a number or a string holding a decimal, found {:?}",
                             clip(s)
-                        ));
+                        )));
                     }
                     other => return Err(wrong(other)),
                 };
                 if !numeric_fits(&digits) {
-                    return Err(format!(
-                        "{at}: {} is beyond PostgreSQL's numeric (at most 131072 digits before \
-                         the point and 16383 after)",
+                    return Err(unfit(format!(
+                        "{} is beyond PostgreSQL's numeric (at most 131072 digits before the \
+                         point and 16383 after)",
                         clip(&digits)
-                    ));
+                    )));
                 }
                 let approx: f64 = digits.parse().unwrap_or(f64::NAN);
-                check_range(c, &at, approx, &digits)?;
+                check_range(c, approx, &digits)?;
                 Cell::Numeric(digits)
             }
             ColType::Bool => match value {
@@ -808,16 +879,19 @@ impl Mapping {
                         &time::format_description::well_known::Rfc3339,
                     )
                     .map_err(|e| {
-                        format!("{at}: expected an RFC 3339 time, found {:?} ({e})", clip(s))
+                        unfit(format!(
+                            "expected an RFC 3339 time, found {:?} ({e})",
+                            clip(s)
+                        ))
                     })?;
-                    check_year(&at, t.year(), s)?;
+                    check_year(t.year(), s)?;
                     // PostgreSQL reads UTC offsets up to 15:59 either way.
                     if t.offset().whole_minutes().unsigned_abs() > 15 * 60 + 59 {
-                        return Err(format!(
-                            "{at}: expected a UTC offset from -15:59 to +15:59 (what PostgreSQL \
+                        return Err(unfit(format!(
+                            "expected a UTC offset from -15:59 to +15:59 (what PostgreSQL \
                              reads), found {:?}",
                             clip(s)
-                        ));
+                        )));
                     }
                     Cell::Timestamptz(s.clone())
                 }
@@ -827,17 +901,17 @@ impl Mapping {
                 Value::String(s) => {
                     let format = time::macros::format_description!("[year]-[month]-[day]");
                     let d = time::Date::parse(s, format).map_err(|e| {
-                        format!(
-                            "{at}: expected a date YYYY-MM-DD, found {:?} ({e})",
+                        unfit(format!(
+                            "expected a date YYYY-MM-DD, found {:?} ({e})",
                             clip(s)
-                        )
+                        ))
                     })?;
-                    check_year(&at, d.year(), s)?;
+                    check_year(d.year(), s)?;
                     if s.starts_with(['+', '-']) {
-                        return Err(format!(
-                            "{at}: expected a date YYYY-MM-DD, its year without a sign, found {:?}",
+                        return Err(unfit(format!(
+                            "expected a date YYYY-MM-DD, its year without a sign, found {:?}",
                             clip(s)
-                        ));
+                        )));
                     }
                     Cell::Date(s.clone())
                 }
@@ -845,8 +919,8 @@ impl Mapping {
             },
             ColType::Jsonb => {
                 if contains_nul(&value) {
-                    return Err(format!(
-                        "{at}: holds U+0000, which PostgreSQL's jsonb cannot store"
+                    return Err(unfit(
+                        "holds U+0000, which PostgreSQL's jsonb cannot store".into(),
                     ));
                 }
                 // The JSON as written (jsonb keeps a number's digits; a parsed float would not).
@@ -856,17 +930,22 @@ impl Mapping {
                 };
                 let json = raw.unwrap_or_else(|| value.to_string());
                 if let Some(n) = strict::number_beyond_numeric(&json) {
-                    return Err(format!(
-                        "{at}: holds the number {}, beyond what PostgreSQL's jsonb stores (a \
-                         numeric: at most 131072 digits before the point and 16383 after)",
+                    return Err(unfit(format!(
+                        "holds the number {}, beyond what PostgreSQL's jsonb stores (a numeric: \
+                         at most 131072 digits before the point and 16383 after)",
                         clip(n)
-                    ));
+                    )));
                 }
                 Cell::Jsonb(json)
             }
         };
         Ok(cell)
     }
+}
+
+/// A value the column's type cannot take, in these words.
+fn unfit(words: String) -> ValueError {
+    ValueError::Unfit(words)
 }
 
 /// A decoded message: one cell per column of its mapping, in the mapping's order.

@@ -12,16 +12,23 @@ use super::{ColType, Column, Format};
 /// Longest accepted email (`format = "email"`), in bytes (RFC 5321 path limit).
 pub const EMAIL_MAX: usize = 254;
 
+/// Why a column's `path` is not a JSON Pointer.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum PointerError {
+    #[error("path {0:?} is not a JSON Pointer: it must be \"\" (the whole body) or start with /")]
+    NoSlash(String),
+    #[error("path {0:?} is not a JSON Pointer: ~ must be followed by 0 or 1")]
+    BadEscape(String),
+}
+
 /// The unescaped segments of a JSON Pointer (RFC 6901): `""` is the whole document, otherwise
 /// `/` then segments separated by `/`, with `~1` for `/` and `~0` for `~`.
-pub(super) fn pointer_segments(pointer: &str) -> Result<Vec<String>, String> {
+pub(super) fn pointer_segments(pointer: &str) -> Result<Vec<String>, PointerError> {
     if pointer.is_empty() {
         return Ok(Vec::new());
     }
     let Some(rest) = pointer.strip_prefix('/') else {
-        return Err(format!(
-            "path {pointer:?} is not a JSON Pointer: it must be \"\" (the whole body) or start with /"
-        ));
+        return Err(PointerError::NoSlash(pointer.to_string()));
     };
     rest.split('/')
         .map(|seg| {
@@ -35,11 +42,7 @@ pub(super) fn pointer_segments(pointer: &str) -> Result<Vec<String>, String> {
                 match chars.next() {
                     Some('0') => out.push('~'),
                     Some('1') => out.push('/'),
-                    _ => {
-                        return Err(format!(
-                            "path {pointer:?} is not a JSON Pointer: ~ must be followed by 0 or 1"
-                        ));
-                    }
+                    _ => return Err(PointerError::BadEscape(pointer.to_string())),
                 }
             }
             Ok(out)
@@ -87,6 +90,37 @@ pub(super) fn raw_json(text: &str, segments: &[String]) -> Option<String> {
         };
     }
     Some(raw.get().trim().to_string())
+}
+
+/// The top-level fields of a JSON object `text` in the order it gives them (empty for anything
+/// else), so what is wrong with a body is said in the order its writer wrote it.
+pub fn body_fields(text: &str) -> Vec<String> {
+    struct Keys(Vec<String>);
+    impl<'de> serde::Deserialize<'de> for Keys {
+        fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+            struct Visit;
+            impl<'de> serde::de::Visitor<'de> for Visit {
+                type Value = Keys;
+                fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                    f.write_str("an object")
+                }
+                fn visit_map<A: serde::de::MapAccess<'de>>(
+                    self,
+                    mut map: A,
+                ) -> Result<Keys, A::Error> {
+                    let mut keys = Vec::new();
+                    while let Some((k, _)) = map.next_entry::<String, serde::de::IgnoredAny>()? {
+                        keys.push(k);
+                    }
+                    Ok(Keys(keys))
+                }
+            }
+            d.deserialize_map(Visit)
+        }
+    }
+    serde_json::from_str::<Keys>(text)
+        .map(|k| k.0)
+        .unwrap_or_default()
 }
 
 /// Whether `s` is a decimal PostgreSQL's numeric takes: optional sign, digits, an optional
@@ -156,59 +190,141 @@ pub(super) fn numeric_fits(s: &str) -> bool {
     before_point + exponent <= MAX_BEFORE_POINT
 }
 
-pub(super) fn check_text(c: &Column, at: &str, s: &str) -> Result<(), String> {
-    if s.contains('\0') {
-        return Err(format!(
-            "{at}: holds U+0000, which PostgreSQL text cannot store"
-        ));
+/// What is wrong with one column's value. A declared check ([`CheckError`]) is named by its
+/// column in a reason (`name must not be empty`: the column's own rule, the 422's field and
+/// message); anything else by where the value was looked for (`/id: missing (a uuid is
+/// required)`).
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum ValueError {
+    /// Absent, and the column is not optional.
+    #[error("missing (a {0} is required)")]
+    Missing(ColType),
+    /// `null`, and the column is not optional.
+    #[error("null (a {0} is required)")]
+    Null(ColType),
+    /// A JSON value of another kind than the column's type reads (as [`found`] words it).
+    #[error("expected {}, found {found}", expects(*.expected))]
+    WrongType { expected: ColType, found: String },
+    /// A value of the right JSON kind that the column's type cannot take, or that PostgreSQL
+    /// cannot store (a string that is no UUID, an integer beyond an int4, U+0000 in text, a
+    /// header of another AMQP type): the words say which.
+    #[error("{0}")]
+    Unfit(String),
+    /// A declared check of the column (`min`, `max`, `min_len`, `max_len`, `format`) refused it.
+    #[error("{0}")]
+    Check(#[from] CheckError),
+}
+
+impl ValueError {
+    /// The words for a client naming the field apart (the API's 422 `fields`): a value that is
+    /// not there `is required`, one of the wrong kind `must be` what the type reads, the rest as
+    /// the reason words it.
+    pub fn field_message(&self) -> String {
+        match self {
+            ValueError::Missing(_) => "is required".into(),
+            ValueError::Null(_) => "must not be null".into(),
+            ValueError::WrongType { expected, .. } => format!("must be {}", expects(*expected)),
+            other => other.to_string(),
+        }
+    }
+}
+
+/// A declared check of a column that refused its value, in the words users always had (`name
+/// must not be empty`, `name must be at most 200 characters`).
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum CheckError {
+    /// `format = "line"`: only whitespace.
+    #[error("must not be empty")]
+    Blank,
+    /// `min_len`, in characters.
+    #[error("must be at least {0} characters")]
+    TooShort(usize),
+    /// `max_len`, in characters.
+    #[error("must be at most {0} characters")]
+    TooLong(usize),
+    /// `format = "line"`: what a screen would not show as written ([`line_problem`]).
+    #[error("must be one line of readable text, without {0}")]
+    NotALine(String),
+    /// `format = "email"`.
+    #[error("{0}")]
+    NotAnEmail(EmailProblem),
+    /// `min`: the least accepted, and the value as written.
+    #[error("must be at least {min}, found {shown}")]
+    Below { min: f64, shown: String },
+    /// `max`: the greatest accepted, and the value as written.
+    #[error("must be at most {max}, found {shown}")]
+    Above { max: f64, shown: String },
+}
+
+/// Why an address is not one `format = "email"` takes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub enum EmailProblem {
+    /// Over [`EMAIL_MAX`] bytes.
+    #[error("must be at most {EMAIL_MAX} characters")]
+    TooLong,
+    /// Not of the shape `local@domain.tld`.
+    #[error("must be a valid email address such as ana@example.com")]
+    Implausible,
+}
+
+/// The checks of a text column, in the order users always made them: blank (`format =
+/// "line"`), then the lengths, then the format; then U+0000, which PostgreSQL text cannot store
+/// (a line or an address already refuses it as a control character).
+pub(super) fn check_text(c: &Column, s: &str) -> Result<(), ValueError> {
+    if c.format == Some(Format::Line) && s.trim().is_empty() {
+        return Err(CheckError::Blank.into());
     }
     let chars = s.chars().count();
     if let Some(min) = c.min_len
         && chars < min
     {
-        return Err(format!(
-            "{at}: expected at least {min} characters, found {chars}"
-        ));
+        return Err(CheckError::TooShort(min).into());
     }
     if let Some(max) = c.max_len
         && chars > max
     {
-        return Err(format!(
-            "{at}: expected at most {max} characters, found {chars}"
-        ));
+        return Err(CheckError::TooLong(max).into());
     }
     match c.format {
         Some(Format::Email) => {
             if let Some(problem) = email_problem(s) {
-                return Err(format!("{at}: {problem}"));
+                return Err(CheckError::NotAnEmail(problem).into());
             }
         }
         Some(Format::Line) => {
-            if s.trim().is_empty() {
-                return Err(format!(
-                    "{at}: expected one line of text, found a blank one"
-                ));
-            }
             if let Some(what) = line_problem(s) {
-                return Err(format!("{at}: expected one line of text, found {what}"));
+                return Err(CheckError::NotALine(what).into());
             }
         }
         None => {}
     }
+    if s.contains('\0') {
+        return Err(ValueError::Unfit(
+            "holds U+0000, which PostgreSQL text cannot store".into(),
+        ));
+    }
     Ok(())
 }
 
-pub(super) fn check_range(c: &Column, at: &str, n: f64, shown: &str) -> Result<(), String> {
+pub(super) fn check_range(c: &Column, n: f64, shown: &str) -> Result<(), ValueError> {
     // NaN (a numeric beyond a float's range) is neither above nor below: it passes no bound.
     if let Some(min) = c.min
         && (n.is_nan() || n < min)
     {
-        return Err(format!("{at}: expected at least {min}, found {shown}"));
+        return Err(CheckError::Below {
+            min,
+            shown: shown.to_string(),
+        }
+        .into());
     }
     if let Some(max) = c.max
         && (n.is_nan() || n > max)
     {
-        return Err(format!("{at}: expected at most {max}, found {shown}"));
+        return Err(CheckError::Above {
+            max,
+            shown: shown.to_string(),
+        }
+        .into());
     }
     Ok(())
 }
@@ -261,12 +377,12 @@ pub(super) fn contains_nul(v: &Value) -> bool {
 
 /// PostgreSQL reads no year 0 and no negative year in ISO spelling (it writes BC instead): such
 /// a date or time is refused here, naming the path, rather than by the database for its batch.
-pub(super) fn check_year(at: &str, year: i32, text: &str) -> Result<(), String> {
+pub(super) fn check_year(year: i32, text: &str) -> Result<(), ValueError> {
     if year < 1 {
-        return Err(format!(
-            "{at}: expected a year from 0001 (PostgreSQL reads no year 0 or below), found {:?}",
+        return Err(ValueError::Unfit(format!(
+            "expected a year from 0001 (PostgreSQL reads no year 0 or below), found {:?}",
             clip(text)
-        ));
+        )));
     }
     Ok(())
 }
@@ -356,9 +472,9 @@ pub fn line_problem(text: &str) -> Option<String> {
 }
 
 /// Why `email` is not a plausible address, if it is not.
-pub fn email_problem(email: &str) -> Option<String> {
+pub fn email_problem(email: &str) -> Option<EmailProblem> {
     if email.len() > EMAIL_MAX {
-        return Some(format!("must be at most {EMAIL_MAX} characters"));
+        return Some(EmailProblem::TooLong);
     }
     let plausible = match email.rsplit_once('@') {
         Some((local, domain)) => {
@@ -376,5 +492,5 @@ pub fn email_problem(email: &str) -> Option<String> {
         }
         None => false,
     };
-    (!plausible).then(|| "must be a valid email address such as ana@example.com".to_string())
+    (!plausible).then_some(EmailProblem::Implausible)
 }
