@@ -518,7 +518,7 @@ impl Pipelines {
         // What starts is checked against its tables first, as at start.
         let mut checked = next.clone();
         checked.pipelines.retain(|p| starting(&p.name));
-        if !checked.pipelines.is_empty() {
+        if !report.added.is_empty() || !report.changed.is_empty() {
             prepare(checked).await.map_err(ReloadError::Prepare)?;
         }
         if self.base.has_role(Role::Api) {
