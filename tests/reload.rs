@@ -479,6 +479,30 @@ async fn a_bad_file_changes_nothing_and_ctl_reload_answers_signed() {
     let ids = new_ids(10);
     publish(&env, &refunds, &ids).await;
     assert_table(&env, "refunds", &ids.into_iter().collect(), &warren).await;
+    assert_eq!(
+        tags(&orders.queue).await,
+        std::slice::from_ref(&orders_tag),
+        "orders untouched"
+    );
+
+    // A new pipeline is checked against its table, as at start: audit has none.
+    let audit = Names::of(&env, "audit");
+    let _c3 = audit.cleanup();
+    std::fs::write(
+        &path,
+        good.clone() + &entry("refunds", &refunds, 50, 1000) + &entry("audit", &audit, 50, 1000),
+    )
+    .expect("write");
+    let (code, out, err) = env.run_async(&["ctl", "reload", "--all"]).await;
+    assert_eq!(code, 1, "{out}{err}");
+    assert!(
+        out.contains("reload  failed: reload failed, nothing changed:") && out.contains("audit"),
+        "{out}{err}"
+    );
+    assert!(
+        recorded_pipelines(&env, pid).await == ["users", "orders", "refunds"],
+        "nothing changed"
+    );
     assert_eq!(tags(&orders.queue).await, [orders_tag], "orders untouched");
     // --pipeline is refused, as drain's.
     let (code, out, err) = env
