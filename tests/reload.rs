@@ -713,3 +713,46 @@ async fn sigcont_and_reloads_keep_a_pipelines_own_pause() {
     let mut warren = warren;
     warren.terminate_ok(Duration::from_secs(25));
 }
+
+/// A `SIGHUP` (or `SIGUSR1`) while `warren run` still waits for its database does not end it:
+/// once the database answers it runs, and reloads from then on.
+#[tokio::test(flavor = "multi_thread")]
+async fn sighup_during_the_start_does_not_end_warren() {
+    let proxy = TcpProxy::start(&database_url(), 5432).await;
+    let mut env = TestEnv::new("rl_start").await;
+    env.set("DATABASE_URL", proxy.url())
+        .set("REGISTRY_HEARTBEAT_MS", "300");
+    let _redis = RedisCleanup::new(&env);
+    // A configured pipeline: its table is checked before anything runs, which waits.
+    let orders = Names::of(&env, "orders");
+    let _c = orders.cleanup();
+    create_tables(&env, &["orders"]).await;
+    let dir = tempfile::tempdir().expect("temp dir");
+    let path = dir.path().join("warren.toml");
+    let file = path.to_str().expect("utf-8").to_string();
+    std::fs::write(&path, entry("orders", &orders, 50, 1000)).expect("write");
+    let (code, out, err) = env.run_async(&["--config", &file, "declare"]).await;
+    assert_eq!(code, 0, "{out}{err}");
+    proxy.cut();
+    let mut warren = env.start(&["--config", &file, "--roles", "consumer"]);
+    let _logs = LogsOnPanic(vec![warren.log.clone()]);
+    warren
+        .wait_for_log(
+            "the wait for the database",
+            "cannot check the pipelines' tables yet",
+        )
+        .await;
+    warren.signal("HUP");
+    warren.signal("USR1");
+    let ids: HashSet<Uuid> = env.publish_users(20).await.into_iter().collect();
+    assert!(
+        warren.is_running(),
+        "a signal during the start ended warren:\n{}",
+        warren.logs()
+    );
+    proxy.restore();
+    assert_rows_exactly(&env, &ids, Duration::from_secs(60), &|| warren.logs()).await;
+    let event = reload(&env, &warren, "reloaded", 1).await;
+    assert!(names_of(&event["added"]).is_empty(), "{event}");
+    warren.terminate_ok(Duration::from_secs(25));
+}

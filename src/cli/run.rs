@@ -101,6 +101,15 @@ pub async fn execute(
         Some(list) => select_pipelines(settings, list)?,
         None => settings,
     };
+    // SIGHUP and SIGUSR1 during the start (a database waited for) must not end warren: their
+    // handlers are installed now, and `app::run` listens to them once the roles run.
+    let _early = {
+        use tokio::signal::unix::{SignalKind, signal};
+        (
+            signal(SignalKind::hangup()).ok(),
+            signal(SignalKind::user_defined1()).ok(),
+        )
+    };
     // The listener first: probes answer while warren declares or waits for the database.
     crate::app::start_listener(&settings).await?;
     if args.declare {
