@@ -208,9 +208,9 @@ pub struct Reload {
     /// `--set`), with its `--pipelines` selection.
     pub load: Box<dyn Fn() -> Result<Settings, ConfigError>>,
     /// Checks the tables of the settings' pipelines (and, under `--declare`, declares their
-    /// exchanges and queues); the error in words.
+    /// exchanges and queues): a [`ReloadError::Prepare`] when they cannot start.
     pub prepare:
-        Box<dyn Fn(Settings) -> futures::future::LocalBoxFuture<'static, Result<(), String>>>,
+        Box<dyn Fn(Settings) -> futures::future::LocalBoxFuture<'static, Result<(), ReloadError>>>,
 }
 
 /// Why a reload changed nothing. Its text is the `reload_failed` event's reason, the error
@@ -494,7 +494,7 @@ impl Pipelines {
     ) -> Result<ReloadReport, ReloadError>
     where
         F: FnOnce(Settings) -> Fut,
-        Fut: std::future::Future<Output = Result<(), String>>,
+        Fut: std::future::Future<Output = Result<(), ReloadError>>,
     {
         let wanted = declared(&next).map_err(|e| ReloadError::Config(e.to_string()))?;
         let mut report = ReloadReport {
@@ -519,7 +519,7 @@ impl Pipelines {
         let mut checked = next.clone();
         checked.pipelines.retain(|p| starting(&p.name));
         if !report.added.is_empty() || !report.changed.is_empty() {
-            prepare(checked).await.map_err(ReloadError::Prepare)?;
+            prepare(checked).await?;
         }
         if self.base.has_role(Role::Api) {
             let was_api = |name: &String| {

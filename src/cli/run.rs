@@ -171,7 +171,9 @@ pub async fn execute(
                     }
                     crate::cli::declare::check_tables(&settings).await
                 };
-                prepared.await.map_err(|e: anyhow::Error| format!("{e:#}"))
+                prepared
+                    .await
+                    .map_err(|e: anyhow::Error| crate::app::ReloadError::Prepare(format!("{e:#}")))
             })
         }),
     };
