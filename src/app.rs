@@ -1,14 +1,14 @@
 //! The composition root of `warren run`: the metrics listener first ([`start_listener`], before
-//! anything waits for a server), then the roles in order (queue poller, pipelines, API,
-//! readiness, database probe, registry and remote control, [`control`]); waits for the shutdown
-//! trigger or a remote `drain`, applying remote commands and the operator signals (`SIGUSR1`
-//! pauses every pipeline, `SIGCONT` resumes) meanwhile, and stops them in order: pipelines
+//! anything waits for a server), then the roles in order (pipelines with their queue poller and
+//! balancer, [`pipelines`]; API, readiness, database probe, registry and remote control,
+//! [`control`]); waits for the shutdown trigger or a remote `drain`, applying remote commands
+//! and the operator signals (`SIGUSR1` pauses every pipeline, `SIGCONT` lifts that pause,
+//! `SIGHUP` reloads the configuration's pipelines) meanwhile, and stops them in order: pipelines
 //! (each with its own fixed sequence, `pipeline::Pipeline::shutdown`), then the API, then the
 //! registry. Errors of the boundaries
 //! meet here, so it speaks `anyhow` like the CLI.
 
 use std::future::Future;
-use std::sync::Arc;
 use std::time::Duration;
 
 use tokio::sync::{mpsc, oneshot, watch};
@@ -16,14 +16,15 @@ use tracing::{info, warn};
 
 use crate::amqp::monitor::Depths;
 use crate::config::{Role, Settings};
-use crate::domain::mapping::Mapping;
 use crate::events::{self, Kind};
-use crate::pipeline::{self, Spec, Stage, StageId};
 use crate::registry::{self, Command, Report, Status};
 use crate::{db, http, metrics};
 use control::ControlError;
+use pipelines::Pipelines;
+pub use pipelines::{Reload, ReloadError};
 
 mod control;
+mod pipelines;
 
 /// Installs the metrics recorder and binds the metrics listener (`METRICS_ADDR`: `/metrics`,
 /// `/healthz`, `/readyz`), before anything waits for a server: a warren waiting for its database
@@ -50,9 +51,14 @@ pub fn extend_start(by: Duration) {
 }
 
 /// Runs the roles of `settings` (the listener already up, [`start_listener`]) until `shutdown` resolves (or a remote `drain`), then stops
-/// gracefully. The exit code is 0 after a complete drain, 1 when the shutdown timeout left
-/// messages in flight.
-pub async fn run(settings: Settings, shutdown: impl Future<Output = ()>) -> anyhow::Result<i32> {
+/// gracefully; meanwhile `SIGHUP` and `warren ctl reload` apply the configuration `reload` reads
+/// again ([`Pipelines::apply`]). The exit code is 0 after a complete drain, 1 when the shutdown
+/// timeout left messages in flight.
+pub async fn run(
+    settings: Settings,
+    reload: Reload,
+    shutdown: impl Future<Output = ()>,
+) -> anyhow::Result<i32> {
     // Each component's own configuration, from the settings (`config::components`).
     let amqp = settings.amqp();
     amqp.validate()?;
@@ -67,10 +73,10 @@ pub async fn run(settings: Settings, shutdown: impl Future<Output = ()>) -> anyh
             "CONTROL_SECRET is not set: anyone with write access to Redis can pause, drain or scale this instance; set CONTROL_SECRET (the same on every instance and for `warren ctl`) to accept only signed commands"
         );
     }
-    // SIGUSR1 / SIGCONT pause and resume every pipeline; taken over before anything starts, so
-    // neither ends nor is lost by the process from here on.
+    // SIGUSR1 / SIGCONT pause and resume every pipeline, SIGHUP reloads; taken over before
+    // anything starts, so none ends nor is lost by the process from here on.
     let mut operator = control::OperatorSignals::listen()
-        .map_err(|e| anyhow::anyhow!("cannot listen for SIGUSR1 and SIGCONT: {e}"))?;
+        .map_err(|e| anyhow::anyhow!("cannot listen for SIGUSR1, SIGCONT and SIGHUP: {e}"))?;
     events::start(&events_config);
     events::emit(
         None,
@@ -80,141 +86,29 @@ pub async fn run(settings: Settings, shutdown: impl Future<Output = ()>) -> anyh
         },
     );
 
-    // The file's pipelines, each with the settings as it sees them and its name (its stages'
-    // `pipeline` label, beside `stage="main"|"dlq"`, as users'). A file's pipeline named users
-    // replaces the built-in one.
-    let configured: Vec<(Settings, String, Arc<Mapping>)> = settings
-        .pipelines
-        .iter()
-        .map(|p| Ok((p.view(&settings), p.name.clone(), Arc::new(p.mapping()?))))
-        .collect::<Result<_, crate::config::ConfigError>>()?;
-    let builtin_users =
-        !settings.without_users && !settings.pipelines.iter().any(|p| p.name == "users");
-    // The queue poller: every served pipeline's queues, for the metrics and the stages.
-    let mut served = Vec::new();
-    if builtin_users {
-        served.push(crate::config::pipelines::Names::users(&settings));
-    }
-    served.extend(settings.pipelines.iter().map(|p| p.names(&settings)));
-    let queues = served
-        .into_iter()
-        .flat_map(|n| {
-            std::iter::once(n.main_queue)
-                .chain(n.retry_tiers.into_iter().map(|t| t.queue))
-                .chain(std::iter::once(n.dlq_queue))
-        })
-        .collect();
+    // The pipelines (the built-in users one and the file's), each resolved from the settings as
+    // it sees them; started, held, reloaded and stopped by `Pipelines`.
+    let declared = pipelines::declared(&settings)?;
     let depths = Depths::default();
-    // Every 5 s, or every balanced pipeline's cooldown if shorter: a balancing decision sees
-    // a depth at most one cooldown old.
-    let views = std::iter::once(&settings).chain(configured.iter().map(|c| &c.0));
-    let poll_every = views
-        .filter(|v| v.users_balance != crate::config::Balance::Off)
-        .map(|v| Duration::from_millis(v.users_balance_cooldown_ms))
-        .fold(Duration::from_secs(5), Duration::min)
-        .max(Duration::from_millis(250));
-    tokio::spawn(crate::amqp::monitor::poll_queues(
-        amqp.clone(),
-        queues,
-        poll_every,
-        depths.clone(),
-    ));
-    // Every stage this instance runs: each served pipeline's main stage (role consumer) and
-    // DLQ stage (role dlq), under one scheme, users' as any other's.
-    let served_names: Vec<&str> = builtin_users
-        .then_some("users")
-        .into_iter()
-        .chain(configured.iter().map(|c| c.1.as_str()))
-        .collect();
-    let stages: Vec<StageId> = [(Role::Consumer, Stage::Main), (Role::Dlq, Stage::Dlq)]
-        .into_iter()
-        .filter(|(role, _)| settings.has_role(*role))
-        .flat_map(|(_, stage)| served_names.iter().map(move |p| StageId::new(p, stage)))
-        .collect();
-    metrics::preregister(&stages);
-    // What the metrics listener's /readyz waits for: every AMQP link the roles open (each
-    // stage's consumer, `<pipeline>/<stage>`, and their publisher `router`; the API's
-    // publisher `api`) and the database, which every role uses.
-    let mut links: Vec<String> = stages.iter().map(StageId::to_string).collect();
-    if !stages.is_empty() {
-        links.push("router".into());
-    }
-    if settings.has_role(Role::Api) {
-        links.push("api".into());
-    }
-    metrics::needs(&links, true);
     metrics::connection("amqp", false);
     metrics::connection("postgres", false);
 
-    // One pool for every pipeline, with a connection for each insert that can be in flight:
-    // the main stages' most (the batchers they have, within the process-wide budget), and the
-    // DLQ stages' batch concurrency.
+    // One pool for every pipeline, with a connection for each insert that can be in flight
+    // (`pipelines::pool_size`); a reload resizes it.
     let budget = settings.inserts_budget();
     let mut database = settings.database();
-    let served: Vec<&Settings> = builtin_users
-        .then_some(&settings)
-        .into_iter()
-        .chain(configured.iter().map(|c| &c.0))
-        .collect();
-    let most: usize = served.iter().map(|v| v.most_concurrency()).sum();
-    let dlq: usize = served.iter().map(|v| v.users_batch_concurrency).sum();
-    database.pool_size = database.pool_size.max(most.min(budget) + dlq + 1);
+    database.pool_size = pipelines::pool_size(&settings, &declared, budget);
     let pool = db::pool(&database)?;
-    let links = pipeline::Links {
-        amqp: amqp.clone(),
-        db_bound: database.call_bound(),
-    };
-    // The built-in users pipeline: its declaration in config/default.toml, through the mapping
-    // like every other, under the global settings (`MAIN_QUEUE`, `USERS_*`).
-    let users: Arc<Mapping> = Arc::new(crate::config::pipelines::users()?.mapping()?);
-    // Every main stage first, then every DLQ stage: users, then the file's.
-    let mut pipelines = Vec::new();
-    for role in [Role::Consumer, Role::Dlq] {
-        if !settings.has_role(role) {
-            continue;
-        }
-        let stage = |view: &Settings| match role {
-            Role::Dlq => Spec::dlq(view),
-            _ => Spec::main(view),
-        };
-        if builtin_users {
-            let spec = stage(&settings);
-            pipelines.push(pipeline::start(
-                &links,
-                spec,
-                users.clone(),
-                pool.clone(),
-                depths.clone(),
-            ));
-        }
-        for (view, name, mapping) in &configured {
-            let spec = Spec {
-                pipeline: name.clone(),
-                ..stage(view)
-            };
-            pipelines.push(pipeline::start(
-                &links,
-                spec,
-                mapping.clone(),
-                pool.clone(),
-                depths.clone(),
-            ));
-        }
-    }
-    // Balancing: one task decides for every balanced main stage, within the budget.
-    let concurrencies: Vec<_> = pipelines
-        .iter()
-        .filter_map(|p| p.concurrency.clone())
-        .collect();
     let (decisions_tx, decisions_rx) = mpsc::unbounded_channel();
-    let balancing = tokio_util::sync::CancellationToken::new();
-    tokio::spawn(pipeline::balance::run(
-        concurrencies.clone(),
-        budget,
-        depths.clone(),
+    let (records_tx, records_rx) = watch::channel(Vec::new());
+    let mut pipelines = Pipelines::start(
+        settings.clone(),
+        declared,
+        pool.clone(),
+        depths,
         decisions_tx,
-        balancing.clone(),
-    ));
+        records_tx,
+    );
     let api = if settings.has_role(Role::Api) {
         let config = settings.http();
         // The API's own pool: a flood of reads can never take the pipeline's connections.
@@ -272,6 +166,7 @@ pub async fn run(settings: Settings, shutdown: impl Future<Output = ()>) -> anyh
         report_rx,
         stop_rx,
         decisions_rx,
+        records_rx,
     ));
 
     tokio::pin!(shutdown);
@@ -279,18 +174,32 @@ pub async fn run(settings: Settings, shutdown: impl Future<Output = ()>) -> anyh
         tokio::select! {
             _ = &mut shutdown => break "signal",
             (command, signal) = operator.next() => {
+                if command == Command::Reload {
+                    // As `warren ctl reload`, for this process.
+                    let _ = reload_now(&mut pipelines, &reload, signal).await;
+                    continue;
+                }
                 // As `warren ctl pause` / `resume` without `--pipeline`, for this process.
-                let result = control::apply(command, None, &pipelines, &report_tx, budget);
+                let budget = pipelines.budget();
+                let (stages, holds) = pipelines.control();
+                let result = control::apply(command, None, &stages, holds, &report_tx, budget);
                 match &result {
                     Ok(()) => info!(signal, %command, "operator signal: every pipeline"),
                     Err(error) => warn!(signal, %command, %error, "operator signal not applied"),
                 }
             }
             Some((wire, command, reply)) = ctl_rx.recv() => {
-                let result = control::apply(command, wire.pipeline.as_deref(), &pipelines, &report_tx, budget);
-                let drain = command == Command::Drain && result.is_ok();
-                info!(command = %command, id = %wire.id, ok = result.is_ok(), "remote command");
-                let _ = reply.send(result);
+                let answer = if command == Command::Reload {
+                    reload_now(&mut pipelines, &reload, "ctl").await
+                } else {
+                    let budget = pipelines.budget();
+                    let (stages, holds) = pipelines.control();
+                    control::apply(command, wire.pipeline.as_deref(), &stages, holds, &report_tx, budget)
+                        .map(|()| None)
+                };
+                let drain = command == Command::Drain && answer.is_ok();
+                info!(command = %command, id = %wire.id, ok = answer.is_ok(), "remote command");
+                let _ = reply.send(answer);
                 if drain {
                     break "drain";
                 }
@@ -318,15 +227,13 @@ pub async fn run(settings: Settings, shutdown: impl Future<Output = ()>) -> anyh
         },
     );
 
-    balancing.cancel();
-    let timeout = shutdown_config.timeout();
-    let results = futures::future::join_all(pipelines.iter().map(|p| p.shutdown(timeout))).await;
+    let drained = pipelines.shutdown(shutdown_config.timeout()).await;
     if let Some(api) = api {
         api.stop().await;
     }
     let _ = stop_tx.send(reason.to_string());
     let _ = tokio::time::timeout(Duration::from_secs(5), registry).await;
-    let code = if results.iter().all(|drained| *drained) {
+    let code = if drained {
         info!("stopped cleanly");
         0
     } else {
@@ -338,4 +245,51 @@ pub async fn run(settings: Settings, shutdown: impl Future<Output = ()>) -> anyh
     events::emit(None, Kind::Stopped { exit_code: code });
     events::flush(Duration::from_secs(2)).await;
     Ok(code)
+}
+
+/// Reads the configuration again and applies it (`SIGHUP`, `warren ctl reload`, named by `by`):
+/// one log line and a `reloaded` event naming what changed (and a warning naming the settings
+/// that wait for a restart), or one error line and a `reload_failed` event, everything left
+/// running as it was. Answers what changed, for `warren ctl reload`'s outcome.
+async fn reload_now(pipelines: &mut Pipelines, reload: &Reload, by: &str) -> control::Answer {
+    let result = match (reload.load)() {
+        Err(e) => Err(ReloadError::Config(e.to_string())),
+        Ok(next) => pipelines.apply(next, &reload.prepare).await,
+    };
+    match result {
+        Ok(report) => {
+            if !report.restart_needed.is_empty() {
+                warn!(by, settings = %report.restart_needed.join(", "),
+                    "reload: these settings are not a pipeline's and apply only at a restart; they keep their values, the pipelines were applied");
+            }
+            if !report.api_unchanged.is_empty() {
+                warn!(by, pipelines = %report.api_unchanged.join(", "),
+                    "reload: the HTTP API serves the pipelines it started with until a restart");
+            }
+            info!(by, added = %report.added.join(","), removed = %report.removed.join(","),
+                changed = %report.changed.join(","), unchanged = %report.unchanged.join(","),
+                drained = report.drained, "configuration reloaded");
+            events::emit(
+                None,
+                Kind::Reloaded {
+                    added: report.added.clone(),
+                    removed: report.removed.clone(),
+                    changed: report.changed.clone(),
+                    restart_needed: report.restart_needed.clone(),
+                },
+            );
+            Ok(Some(report.summary()))
+        }
+        Err(error) => {
+            let error = error.one_line();
+            tracing::error!(by, reason = %error, "reload failed; everything keeps running as it was");
+            events::emit(
+                None,
+                Kind::ReloadFailed {
+                    reason: error.to_string(),
+                },
+            );
+            Err(ControlError::Reload(error))
+        }
+    }
 }

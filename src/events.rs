@@ -137,6 +137,19 @@ pub enum Kind {
     GivenBack { count: u64, reason: String },
     /// Something failed that an operator should know about.
     Error { message: String },
+    /// A reload (`SIGHUP`, `warren ctl reload`) applied the configuration: the pipelines it
+    /// started, stopped, and drained and started again with their new spec, by name;
+    /// `restart_needed` the settings it changed that apply only at a restart.
+    Reloaded {
+        added: Vec<String>,
+        removed: Vec<String>,
+        changed: Vec<String>,
+        #[serde(skip_serializing_if = "Vec::is_empty")]
+        restart_needed: Vec<String>,
+    },
+    /// A reload found a configuration that does not load or check (or a table that does not
+    /// fit): nothing changed; `reason` says where and what.
+    ReloadFailed { reason: String },
 }
 
 impl Kind {
@@ -159,6 +172,8 @@ impl Kind {
             Kind::Parked { .. } => "parked",
             Kind::GivenBack { .. } => "given_back",
             Kind::Error { .. } => "error",
+            Kind::Reloaded { .. } => "reloaded",
+            Kind::ReloadFailed { .. } => "reload_failed",
         }
     }
 
@@ -233,6 +248,23 @@ impl Kind {
             Kind::Error { message } => Kind::Error {
                 message: cap(message),
             },
+            Kind::Reloaded {
+                added,
+                removed,
+                changed,
+                restart_needed,
+            } => {
+                let all = |v: Vec<String>| v.into_iter().map(cap).collect();
+                Kind::Reloaded {
+                    added: all(added),
+                    removed: all(removed),
+                    changed: all(changed),
+                    restart_needed: all(restart_needed),
+                }
+            }
+            Kind::ReloadFailed { reason } => Kind::ReloadFailed {
+                reason: cap(reason),
+            },
             other @ (Kind::Ready
             | Kind::Stopped { .. }
             | Kind::BreakerOpened { .. }
@@ -242,7 +274,7 @@ impl Kind {
     }
 
     /// Every type, as written (docs/events.md lists the same).
-    pub const NAMES: [&'static str; 16] = [
+    pub const NAMES: [&'static str; 18] = [
         "started",
         "ready",
         "paused",
@@ -259,6 +291,8 @@ impl Kind {
         "parked",
         "given_back",
         "error",
+        "reloaded",
+        "reload_failed",
     ];
 }
 
@@ -567,6 +601,15 @@ mod tests {
             Kind::Error {
                 message: "boom".into(),
             },
+            Kind::Reloaded {
+                added: vec!["orders".into()],
+                removed: vec![],
+                changed: vec!["users".into()],
+                restart_needed: vec!["amqp_url".into()],
+            },
+            Kind::ReloadFailed {
+                reason: "pipelines[1].batch_size: expected 1 to 10000, got 0".into(),
+            },
         ]
     }
 
@@ -627,6 +670,19 @@ mod tests {
             node: None,
         });
         assert!(e.get("node").is_none(), "{e}");
+        let e = json(Kind::Reloaded {
+            added: vec!["orders".into()],
+            removed: vec![],
+            changed: vec![],
+            restart_needed: vec![],
+        });
+        assert_eq!(e["added"], serde_json::json!(["orders"]), "{e}");
+        assert_eq!(e["removed"], serde_json::json!([]), "{e}");
+        assert!(e.get("restart_needed").is_none(), "only when some: {e}");
+        let e = json(Kind::ReloadFailed {
+            reason: "bad".into(),
+        });
+        assert_eq!(e["reason"], "bad", "{e}");
     }
 
     /// Issue 34, item 3: an event never carries more of a message than [`SHOWN_MAX`] bytes of
@@ -662,6 +718,9 @@ mod tests {
                     reason: long.clone(),
                 },
                 Kind::Draining { .. } => Kind::Draining {
+                    reason: long.clone(),
+                },
+                Kind::ReloadFailed { .. } => Kind::ReloadFailed {
                     reason: long.clone(),
                 },
                 other => other,

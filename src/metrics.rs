@@ -185,14 +185,44 @@ pub struct Totals {
     pub dead_lettered: u64,
 }
 
-/// The sums of every stage's counts.
+/// The counts of the stages a reload removed ([`forget`]), so that the process's totals never
+/// go back.
+static RETIRED: Mutex<Totals> = Mutex::new(Totals {
+    received: 0,
+    inserted: 0,
+    retried: 0,
+    dead_lettered: 0,
+});
+
+/// The sums of every stage's counts, the removed ones' included.
 pub fn totals() -> Totals {
-    stages().iter().fold(Totals::default(), |t, (_, s)| Totals {
+    let retired = *RETIRED.lock().unwrap_or_else(|p| p.into_inner());
+    stages().iter().fold(retired, |t, (_, s)| Totals {
         received: t.received + s.received.load(Ordering::Relaxed),
         inserted: t.inserted + s.inserted.load(Ordering::Relaxed),
         retried: t.retried + s.retried.load(Ordering::Relaxed),
         dead_lettered: t.dead_lettered + s.dead_lettered.load(Ordering::Relaxed),
     })
+}
+
+/// A stage a reload removed leaves the live stages (the registry's lines): its counts stay in
+/// the process's totals, its open breaker (if any) no longer counts.
+pub fn forget(id: &StageId) {
+    let gone = STAGES
+        .write()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+        .remove(id);
+    let Some(s) = gone else { return };
+    let mut retired = RETIRED.lock().unwrap_or_else(|p| p.into_inner());
+    retired.received += s.received.load(Ordering::Relaxed);
+    retired.inserted += s.inserted.load(Ordering::Relaxed);
+    retired.retried += s.retried.load(Ordering::Relaxed);
+    retired.dead_lettered += s.dead_lettered.load(Ordering::Relaxed);
+    if s.breaker_open.swap(false, Ordering::Relaxed) {
+        STATS.breakers_open.fetch_sub(1, Ordering::Relaxed);
+    }
+    gauge!(PIPELINE_CONCURRENCY, id.labels(&[])).set(0.0);
+    gauge!(BREAKER_OPEN, id.labels(&[])).set(0.0);
 }
 
 /// Every stage's counts, in the order of their names.
@@ -613,6 +643,21 @@ pub fn needs(amqp_links: &[String], database: bool) {
     NEEDED.store(bits, Ordering::Relaxed);
 }
 
+/// The AMQP links of stages a reload removed: `/readyz` no longer waits for them.
+pub fn unneed(amqp_links: &[String]) {
+    let all_up = {
+        let mut guard = AMQP_LINKS.lock().unwrap_or_else(|p| p.into_inner());
+        let links = guard.get_or_insert_with(HashMap::new);
+        for link in amqp_links {
+            links.remove(link);
+        }
+        links.values().all(|u| *u)
+    };
+    if NEEDED.load(Ordering::Relaxed) & 1 != 0 {
+        connection("amqp", all_up);
+    }
+}
+
 /// What the metrics listener's `/readyz` answers: each link the roles need, up or not; a link
 /// no role needs is left out.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
@@ -692,29 +737,7 @@ static AMQP_LINKS: Mutex<Option<HashMap<String, bool>>> = Mutex::new(None);
 /// Registers the labelled series that exist from the start at 0, so dashboards show 0 rather
 /// than "no data" before the first event.
 pub fn preregister(stages: &[StageId]) {
-    for p in stages {
-        stage(p);
-        counter!(RECEIVED, p.labels(&[])).absolute(0);
-        counter!(INSERTED, p.labels(&[])).absolute(0);
-        counter!(RETRIED, p.labels(&[("reason", "db_transient")])).absolute(0);
-        for kind in ErrorKind::ALL {
-            counter!(DEAD_LETTERED, p.labels(&[("kind", kind.as_str())])).absolute(0);
-        }
-        for reason in ["publish_failed", "db_unavailable"] {
-            counter!(REQUEUED, p.labels(&[("reason", reason)])).absolute(0);
-        }
-        for reason in [
-            "connection_lost",
-            "cancelled",
-            "stuck",
-            "parse_error",
-            "frame_too_large",
-        ] {
-            counter!(CONSUMER_RESTARTS, p.labels(&[("reason", reason)])).absolute(0);
-        }
-        gauge!(BREAKER_OPEN, p.labels(&[])).set(0.0);
-        counter!(ACKS, p.labels(&[])).absolute(0);
-    }
+    stages.iter().for_each(preregister_stage);
     for kind in ErrorKind::ALL {
         counter!(PARKED, "kind" => kind.as_str()).absolute(0);
     }
@@ -733,6 +756,32 @@ pub fn preregister(stages: &[StageId]) {
     }
     gauge!(INFLIGHT).set(0.0);
     counter!(LOG_LINES_DROPPED).absolute(0);
+}
+
+/// Registers one stage's labelled series at 0 (at start, or when a reload adds the stage):
+/// called once per stage in a process, since it sets its counters to 0.
+pub fn preregister_stage(p: &StageId) {
+    stage(p);
+    counter!(RECEIVED, p.labels(&[])).absolute(0);
+    counter!(INSERTED, p.labels(&[])).absolute(0);
+    counter!(RETRIED, p.labels(&[("reason", "db_transient")])).absolute(0);
+    for kind in ErrorKind::ALL {
+        counter!(DEAD_LETTERED, p.labels(&[("kind", kind.as_str())])).absolute(0);
+    }
+    for reason in ["publish_failed", "db_unavailable"] {
+        counter!(REQUEUED, p.labels(&[("reason", reason)])).absolute(0);
+    }
+    for reason in [
+        "connection_lost",
+        "cancelled",
+        "stuck",
+        "parse_error",
+        "frame_too_large",
+    ] {
+        counter!(CONSUMER_RESTARTS, p.labels(&[("reason", reason)])).absolute(0);
+    }
+    gauge!(BREAKER_OPEN, p.labels(&[])).set(0.0);
+    counter!(ACKS, p.labels(&[])).absolute(0);
 }
 
 /// A reconnection to `target` succeeded.

@@ -1,8 +1,9 @@
 //! How a running instance is steered: the remote commands the registry relays ([`apply`], on the
 //! actor system's thread, with [`ControlError`] for what it refuses), the registry's own loop
 //! (heartbeats, commands, balancing decisions, deregistration: [`registry_loop`]), and the
-//! operator signals ([`OperatorSignals`]: `SIGUSR1` pauses every pipeline, `SIGCONT` resumes, as
-//! `warren ctl pause` / `resume` without `--pipeline`).
+//! operator signals ([`OperatorSignals`]: `SIGUSR1` pauses every pipeline, `SIGCONT` lifts that
+//! pause, as `warren ctl pause` / `resume` without `--pipeline`; `SIGHUP` reloads, as `warren
+//! ctl reload`).
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -10,11 +11,12 @@ use std::time::Duration;
 use tokio::signal::unix::{Signal, SignalKind, signal};
 use tokio::sync::{mpsc, oneshot, watch};
 
+use super::pipelines::{Holds, ReloadError};
 use crate::events::{self, Kind};
 use crate::pipeline::OutOfRange;
 use crate::pipeline::balance::BoundsError;
 use crate::pipeline::{self, Pipeline};
-use crate::registry::{Command, CtlCommand, Registry, Rejected, Report, Status};
+use crate::registry::{Command, CtlCommand, PipelineRecord, Registry, Rejected, Report, Status};
 
 /// Why a remote command was not applied: rejected before it reached the pipelines (by the
 /// guard, or malformed), or refused by them. Its text is the outcome's `error`.
@@ -41,27 +43,33 @@ pub enum ControlError {
     /// It arrived while the instance was stopping.
     #[error("warren is stopping")]
     Stopping,
+    /// A reload that changed nothing: the configuration does not load or check, or a table
+    /// does not fit.
+    #[error("reload failed, nothing changed: {0}")]
+    Reload(#[from] ReloadError),
 }
 
-/// A remote command read from Redis and where to answer whether it was applied.
-pub(super) type Control = (
-    CtlCommand,
-    Command,
-    oneshot::Sender<Result<(), ControlError>>,
-);
+/// What an applied command says beside `executed` (a reload's changes), or why it failed.
+pub(super) type Answer = Result<Option<String>, ControlError>;
 
-/// `SIGUSR1` and `SIGCONT`, as the commands they stand for.
+/// A remote command read from Redis and where to answer whether it was applied.
+pub(super) type Control = (CtlCommand, Command, oneshot::Sender<Answer>);
+
+/// `SIGUSR1`, `SIGCONT` and `SIGHUP`, as the commands they stand for.
 pub(super) struct OperatorSignals {
     pause: Signal,
     resume: Signal,
+    reload: Signal,
 }
 
 impl OperatorSignals {
-    /// Takes over both signals (from now on `SIGUSR1` no longer ends the process).
+    /// Takes over the three signals (from now on `SIGUSR1` and `SIGHUP` no longer end the
+    /// process).
     pub(super) fn listen() -> std::io::Result<Self> {
         Ok(Self {
             pause: signal(SignalKind::user_defined1())?,
             resume: signal(SignalKind::from_raw(libc::SIGCONT))?,
+            reload: signal(SignalKind::hangup())?,
         })
     }
 
@@ -70,15 +78,19 @@ impl OperatorSignals {
         tokio::select! {
             Some(()) = self.pause.recv() => (Command::Pause, "SIGUSR1"),
             Some(()) = self.resume.recv() => (Command::Resume, "SIGCONT"),
+            Some(()) = self.reload.recv() => (Command::Reload, "SIGHUP"),
         }
     }
 }
 
-/// Applies `command` (for every pipeline, or only `pipeline`) to this instance's pipelines.
+/// Applies `command` (for every pipeline, or only `pipeline`) to this instance's running
+/// stages, and `pause` / `resume` to the holds ([`Holds`]: the instance's pause and each
+/// pipeline's own are two layers). `drain` and `reload` are the run loop's to carry out.
 pub(super) fn apply(
     command: Command,
     pipeline: Option<&str>,
-    pipelines: &[Pipeline],
+    pipelines: &[&Pipeline],
+    holds: &mut Holds,
     report: &watch::Sender<Report>,
     budget: usize,
 ) -> Result<(), ControlError> {
@@ -91,10 +103,11 @@ pub(super) fn apply(
     };
     // `--pipeline NAME`: the stages of that pipeline alone (its main and DLQ stages).
     let chosen: Vec<&Pipeline> = match pipeline {
-        None => pipelines.iter().collect(),
+        None => pipelines.to_vec(),
         Some(name) => {
             let chosen: Vec<&Pipeline> = pipelines
                 .iter()
+                .copied()
                 .filter(|p| p.id.pipeline() == name)
                 .collect();
             if chosen.is_empty() && !pipelines.is_empty() {
@@ -118,39 +131,42 @@ pub(super) fn apply(
     let announce = |kind: Kind| {
         events::emit(pipeline, kind);
     };
-    let mark_paused = |on: bool| {
-        for p in &chosen {
-            crate::metrics::stage(&p.id)
-                .paused
-                .store(on && !whole, std::sync::atomic::Ordering::Relaxed);
-        }
-    };
     match command {
-        Command::Pause => {
+        Command::Pause | Command::Resume => {
             needs_consumer()?;
-            chosen.iter().for_each(|p| p.hold(true));
-            mark_paused(true);
-            announce(Kind::Paused {
-                by: "operator".into(),
+            let on = command == Command::Pause;
+            match pipeline {
+                None => holds.all = on,
+                Some(name) if on => {
+                    holds.pipelines.insert(name.to_string());
+                }
+                Some(name) => {
+                    holds.pipelines.remove(name);
+                }
+            }
+            for p in &chosen {
+                let name = p.id.pipeline();
+                p.hold(holds.holds(name));
+                // A pipeline's own pause (the instance's shows in its status).
+                crate::metrics::stage(&p.id).paused.store(
+                    holds.pipelines.contains(name),
+                    std::sync::atomic::Ordering::Relaxed,
+                );
+            }
+            let by = "operator".to_string();
+            announce(if on {
+                Kind::Paused { by }
+            } else {
+                Kind::Resumed { by }
             });
             if whole {
-                report.send_modify(|r| r.status = Status::Paused);
+                let status = if on { Status::Paused } else { Status::Running };
+                report.send_modify(|r| r.status = status);
             }
             Ok(())
         }
-        Command::Resume => {
-            needs_consumer()?;
-            chosen.iter().for_each(|p| p.hold(false));
-            mark_paused(false);
-            announce(Kind::Resumed {
-                by: "operator".into(),
-            });
-            if whole {
-                report.send_modify(|r| r.status = Status::Running);
-            }
-            Ok(())
-        }
-        Command::Drain => Ok(()),
+        // The run loop stops the process, or reloads (`Pipelines::apply`).
+        Command::Drain | Command::Reload => Ok(()),
         Command::Scale { processors: n } => {
             needs_consumer()?;
             // All or nothing: a refusal depends on `n` alone, so the first stage refuses it
@@ -217,14 +233,17 @@ pub(super) fn apply(
     }
 }
 
-/// Keeps this instance registered in Redis, relays remote commands, and deregisters at the end.
+/// Keeps this instance registered in Redis (its record publishes `pipelines`, as a reload
+/// changes them), relays remote commands, and deregisters at the end.
 pub(super) async fn registry_loop(
     mut registry: Registry,
     ctl: mpsc::UnboundedSender<Control>,
     mut report: watch::Receiver<Report>,
     mut stop: oneshot::Receiver<String>,
     mut decisions: mpsc::UnboundedReceiver<pipeline::balance::Decision>,
+    mut pipelines: watch::Receiver<Vec<PipelineRecord>>,
 ) {
+    registry.set_pipelines(pipelines.borrow_and_update().clone());
     let mut beat = tokio::time::interval(registry.heartbeat_every());
     let mut poll = tokio::time::interval(Duration::from_millis(500));
     beat.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -240,6 +259,11 @@ pub(super) async fn registry_loop(
                 let now = *report.borrow();
                 registry.heartbeat(now).await;
             }
+            Ok(()) = pipelines.changed() => {
+                registry.set_pipelines(pipelines.borrow_and_update().clone());
+                let now = *report.borrow();
+                registry.heartbeat(now).await;
+            }
             Some(decision) = decisions.recv() => {
                 let detail = format!(
                     "concurrency {} -> {} ({}): {}",
@@ -251,7 +275,7 @@ pub(super) async fn registry_loop(
                 while let Some((wire, verdict)) = registry.next_command().await {
                     // A refused or malformed command never reaches the pipelines; it is only
                     // recorded.
-                    let result = match verdict {
+                    let answer = match verdict {
                         Err(refused) => Err(ControlError::from(refused)),
                         Ok(command) => {
                             let (tx, rx) = oneshot::channel();
@@ -262,7 +286,11 @@ pub(super) async fn registry_loop(
                             }
                         }
                     };
-                    registry.record(&wire, &result).await;
+                    let (result, detail) = match answer {
+                        Ok(detail) => (Ok(()), detail),
+                        Err(e) => (Err(e), None),
+                    };
+                    registry.record(&wire, &result, detail).await;
                     let now = *report.borrow();
                     registry.heartbeat(now).await;
                 }
@@ -344,11 +372,17 @@ mod tests {
                 r#"{"id":"a","command":"concurrency","issued_at":1,"by":"b"}"#,
                 Err("concurrency needs min or max".to_string()),
             ),
+            (
+                r#"{"id":"a","command":"reload","pipeline":"orders","issued_at":1,"by":"b"}"#,
+                Err("reload applies to the whole instance, not to one pipeline".to_string()),
+            ),
         ] {
             let wire: CtlCommand = serde_json::from_str(raw).unwrap();
+            let mut holds = Holds::default();
             let result = Command::read(&wire)
                 .map_err(|e| ControlError::from(Rejected::from(e)))
-                .and_then(|c| apply(c, wire.pipeline.as_deref(), &[], &report, 8));
+                .and_then(|c| apply(c, wire.pipeline.as_deref(), &[], &mut holds, &report, 8));
+            assert_eq!(holds, Holds::default(), "{raw}: no holds changed");
             assert_eq!(result.map_err(|e| e.to_string()), expected, "{raw}");
         }
         assert_eq!(report.borrow().status, Status::Running, "nothing applied");

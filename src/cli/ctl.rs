@@ -1,5 +1,5 @@
-//! `warren ctl`: remote control through Redis. `pause`, `resume`, `drain`, `scale` and `rate` are queued
-//! for the chosen instances (signed for each one with CONTROL_SECRET when it is set), which
+//! `warren ctl`: remote control through Redis. `pause`, `resume`, `drain`, `reload`, `scale` and
+//! `rate` are queued for the chosen instances (signed for each one with CONTROL_SECRET when it is set), which
 //! apply them and record the outcome; `history` lists outcomes, and the balancers' changes of
 //! concurrency (`balance`). With CONTROL_SECRET set, an
 //! outcome counts only when its signature verifies; every string read from Redis is escaped
@@ -67,6 +67,10 @@ pub enum Action {
     },
     /// Finish what is in flight and exit 0, as on SIGTERM.
     Drain(Target),
+    /// Read the configuration again and apply its pipelines, as on SIGHUP: new ones start,
+    /// removed ones drain and stop, changed ones drain and start again; answers what changed,
+    /// or why nothing did.
+    Reload(Target),
     /// Change the number of processors, or the bounds of the batch inserts in flight, live.
     #[command(group(clap::ArgGroup::new("what").required(true).multiple(true)
         .args(["processors", "min", "max"])))]
@@ -125,6 +129,7 @@ pub async fn execute(settings: &Settings, args: Args) -> anyhow::Result<i32> {
         Action::Pause { target, only } => (Command::Pause, target, only.pipeline),
         Action::Resume { target, only } => (Command::Resume, target, only.pipeline),
         Action::Drain(t) => (Command::Drain, t, None),
+        Action::Reload(t) => (Command::Reload, t, None),
         Action::Scale {
             processors,
             min,
@@ -227,7 +232,14 @@ pub async fn execute(settings: &Settings, args: Args) -> anyhow::Result<i32> {
     }
 
     // Wait for every chosen instance to record its outcome.
-    let deadline = Instant::now() + Duration::from_secs(15);
+    // A reload may drain pipelines first (bounded by SHUTDOWN_TIMEOUT_MS): it is waited for
+    // that much longer.
+    let wait = match asked {
+        Command::Reload => Duration::from_secs(15) + settings.shutdown().timeout(),
+        _ => Duration::from_secs(15),
+    };
+    let within = wait.as_secs();
+    let deadline = Instant::now() + wait;
     let mut outcomes: BTreeMap<(String, u32), CtlOutcome> = BTreeMap::new();
     // Outcomes under this command's id whose signature does not verify: written by someone
     // else than the instance, never believed.
@@ -261,7 +273,13 @@ pub async fn execute(settings: &Settings, args: Args) -> anyhow::Result<i32> {
         let key = (host.clone(), *pid);
         let host = safe(host);
         let line = match outcomes.get(&key) {
-            Some(o) if o.outcome == "executed" => format!("{host}:{pid}  {name}  executed"),
+            // A reload says what it changed.
+            Some(o) if o.outcome == "executed" => match (&o.detail, asked) {
+                (Some(detail), Command::Reload) => {
+                    format!("{host}:{pid}  {name}  executed: {}", safe(detail))
+                }
+                _ => format!("{host}:{pid}  {name}  executed"),
+            },
             Some(o) => {
                 all_ok = false;
                 let error = o.error.as_deref().unwrap_or("?");
@@ -278,14 +296,14 @@ pub async fn execute(settings: &Settings, args: Args) -> anyhow::Result<i32> {
             None if forged.contains_key(&key) => {
                 all_ok = false;
                 format!(
-                    "{host}:{pid}  {name}  no signed answer within 15 s: an outcome under this \
+                    "{host}:{pid}  {name}  no signed answer within {within} s: an outcome under this \
                      command's id does not verify with CONTROL_SECRET (written by someone else \
                      than the instance), ignored"
                 )
             }
             None => {
                 all_ok = false;
-                format!("{host}:{pid}  {name}  no answer within 15 s (busy, or gone)")
+                format!("{host}:{pid}  {name}  no answer within {within} s (busy, or gone)")
             }
         };
         // A closed stdout loses the lines, never the exit code of a failed command.

@@ -341,7 +341,10 @@ pub(crate) async fn known_pipelines(settings: &Settings) -> Vec<crate::registry:
 pub async fn dispatch(cli: Cli, settings: Settings) -> i32 {
     let sources = cli.sources();
     let result = match cli.command {
-        Command::Run(args) => run::execute(settings, args, run::signals()).await,
+        Command::Run(args) => match sources {
+            Ok(sources) => run::execute(settings, sources, args, run::signals()).await,
+            Err(e) => Err(e.into()),
+        },
         Command::Declare(args) => declare::execute(&settings, args).await,
         Command::Pipelines(args) => pipelines::execute(&settings, args),
         Command::Publish(args) => publish::execute(&settings, args).await,

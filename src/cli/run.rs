@@ -1,5 +1,6 @@
 //! `warren run [--declare] [--roles consumer,dlq,api]`: run the roles until SIGTERM or SIGINT,
-//! then shut down gracefully in the pipeline's fixed order. A second signal exits at once; a
+//! then shut down gracefully in the pipeline's fixed order; SIGHUP reloads the configuration's
+//! pipelines from the same sources. A second signal exits at once; a
 //! shutdown that reached SHUTDOWN_TIMEOUT_MS with messages in flight exits 1.
 
 use std::future::Future;
@@ -8,7 +9,7 @@ use std::time::Duration;
 use backon::Retryable;
 use tracing::{info, warn};
 
-use crate::config::{ConfigError, Settings};
+use crate::config::{ConfigError, Settings, Sources};
 use crate::topology::Topology;
 
 #[derive(Debug, clap::Args)]
@@ -88,14 +89,26 @@ pub fn signals() -> impl Future<Output = ()> {
 
 /// Declares first if asked, then runs the roles until `shutdown` resolves (`app::run`). Tests
 /// pass their own trigger.
+/// A reload reads the configuration again from `sources` (with the same `--pipelines`), and
+/// checks (and, with `--declare`, declares) what it starts.
 pub async fn execute(
     settings: Settings,
+    sources: Sources,
     args: Args,
     shutdown: impl Future<Output = ()>,
 ) -> anyhow::Result<i32> {
     let settings = match &args.pipelines {
         Some(list) => select_pipelines(settings, list)?,
         None => settings,
+    };
+    // SIGHUP and SIGUSR1 during the start (a database waited for) must not end warren: their
+    // handlers are installed now, and `app::run` listens to them once the roles run.
+    let _early = {
+        use tokio::signal::unix::{SignalKind, signal};
+        (
+            signal(SignalKind::hangup()).ok(),
+            signal(SignalKind::user_defined1()).ok(),
+        )
     };
     // The listener first: probes answer while warren declares or waits for the database.
     crate::app::start_listener(&settings).await?;
@@ -140,5 +153,29 @@ pub async fn execute(
     if declare {
         info!("topology declared and migrations applied");
     }
-    crate::app::run(settings, shutdown).await
+    let selection = args.pipelines.clone();
+    let reload = crate::app::Reload {
+        load: Box::new(move || {
+            let settings = Settings::load(&sources)?;
+            match &selection {
+                Some(list) => select_pipelines(settings, list),
+                None => Ok(settings),
+            }
+        }),
+        prepare: Box::new(move |settings: Settings| {
+            Box::pin(async move {
+                let prepared = async {
+                    if declare {
+                        let topology = Topology::from_settings(&settings)?;
+                        crate::cli::declare::declare_topology(&settings, &topology).await?;
+                    }
+                    crate::cli::declare::check_tables(&settings).await
+                };
+                prepared
+                    .await
+                    .map_err(|e: anyhow::Error| crate::app::ReloadError::Prepare(format!("{e:#}")))
+            })
+        }),
+    };
+    crate::app::run(settings, reload, shutdown).await
 }

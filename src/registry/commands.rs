@@ -27,6 +27,9 @@ pub enum Command {
     Resume,
     /// `drain`: finish what is in flight and exit 0, as on SIGTERM; the whole instance only.
     Drain,
+    /// `reload`: read the configuration again and apply its pipelines, as on SIGHUP; the whole
+    /// instance only.
+    Reload,
     /// `scale`: this many processors per pipeline (`processors` on the wire).
     Scale { processors: usize },
     /// `rate`: messages per second each pipeline takes from its queue, 0 = no limit (`rate` on
@@ -65,6 +68,9 @@ pub enum CommandError {
     /// `drain` with a pipeline: it stops the whole process.
     #[error("drain applies to the whole instance, not to one pipeline")]
     DrainOnePipeline,
+    /// `reload` with a pipeline: it reads the whole configuration again.
+    #[error("reload applies to the whole instance, not to one pipeline")]
+    ReloadOnePipeline,
 }
 
 impl Command {
@@ -74,6 +80,7 @@ impl Command {
             Command::Pause => "pause",
             Command::Resume => "resume",
             Command::Drain => "drain",
+            Command::Reload => "reload",
             Command::Scale { .. } => "scale",
             Command::Rate { .. } => "rate",
             Command::Concurrency { .. } => "concurrency",
@@ -86,6 +93,7 @@ impl Command {
             "pause" => Command::Pause,
             "resume" => Command::Resume,
             "drain" => Command::Drain,
+            "reload" => Command::Reload,
             "scale" => Command::Scale {
                 processors: wire
                     .processors
@@ -120,6 +128,9 @@ impl Command {
         }
         if command == Command::Drain && wire.pipeline.is_some() {
             return Err(CommandError::DrainOnePipeline);
+        }
+        if command == Command::Reload && wire.pipeline.is_some() {
+            return Err(CommandError::ReloadOnePipeline);
         }
         Ok(command)
     }
@@ -186,7 +197,7 @@ impl CtlCommand {
             Command::Scale { processors: n } => processors = Some(n),
             Command::Rate { per_s } => rate = Some(per_s),
             Command::Concurrency { min: lo, max: hi } => (min, max) = (lo, hi),
-            Command::Pause | Command::Resume | Command::Drain => {}
+            Command::Pause | Command::Resume | Command::Drain | Command::Reload => {}
         }
         Self {
             id,

@@ -245,6 +245,11 @@ impl Registry {
         )
     }
 
+    /// The pipelines the record publishes from now on (a reload changed them).
+    pub fn set_pipelines(&mut self, pipelines: Vec<PipelineRecord>) {
+        self.instance.pipelines = pipelines;
+    }
+
     fn key(&self) -> String {
         self.keys.instance(&self.instance.host, self.instance.pid)
     }
@@ -369,11 +374,13 @@ impl Registry {
         }
     }
 
-    /// Records what this instance did with `command`.
+    /// Records what this instance did with `command`; `detail`, when given, is what it said
+    /// (a reload's changes).
     pub async fn record(
         &mut self,
         command: &CtlCommand,
         result: &Result<(), impl std::fmt::Display>,
+        detail: Option<String>,
     ) {
         let me = Recorder {
             host: &self.instance.host,
@@ -381,6 +388,9 @@ impl Registry {
             run: &self.instance.run,
         };
         let mut outcome = CtlOutcome::of(command, me, result, now_s());
+        if detail.is_some() {
+            outcome.detail = detail;
+        }
         self.guard.sign(&mut outcome);
         self.push_history(&outcome).await;
     }

@@ -104,6 +104,9 @@ impl Handler<Close> for Consumer {
         if self.phase == Phase::Running {
             self.phase = Phase::Stopping;
         }
+        // The last counts now, not at the next tick: a stage a reload removed has left the live
+        // stages by then (`metrics::forget`), and the process's record counts them at its stop.
+        self.publish_counts();
         let link = std::mem::replace(&mut self.link, Link::Down);
         let stage = self.config.stage.clone();
         Box::pin(async move {

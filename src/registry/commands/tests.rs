@@ -402,6 +402,7 @@ fn names_are_the_wire_names() {
         (Command::Pause, "pause"),
         (Command::Resume, "resume"),
         (Command::Drain, "drain"),
+        (Command::Reload, "reload"),
         (Command::Scale { processors: 3 }, "scale"),
         (Command::Rate { per_s: 3 }, "rate"),
         (
@@ -723,4 +724,34 @@ fn without_a_secret_every_command_is_accepted_as_before() {
         .unwrap_err()
         .to_string();
     assert!(e.contains("addressed to vm:2"), "{e}");
+}
+
+/// `reload` reads the whole configuration again: it is the instance's, never one pipeline's,
+/// and carries no number; `warren ctl reload` builds it so, and it signs like every command.
+#[test]
+fn reload_is_the_whole_instance_and_takes_nothing() {
+    let read = |raw: &str| Command::read(&serde_json::from_str::<CtlCommand>(raw).unwrap());
+    assert_eq!(
+        read(r#"{"id":"a","command":"reload","issued_at":1,"by":"b"}"#),
+        Ok(Command::Reload)
+    );
+    assert_eq!(
+        read(r#"{"id":"a","command":"reload","pipeline":"orders","issued_at":1,"by":"b"}"#),
+        Err(CommandError::ReloadOnePipeline)
+    );
+    assert_eq!(
+        read(r#"{"id":"a","command":"reload","processors":2,"issued_at":1,"by":"b"}"#),
+        Err(CommandError::Stray {
+            command: "reload",
+            field: "processors"
+        })
+    );
+    let mut c = CtlCommand::new("0b8f".into(), Command::Reload, None, 1, "ops:42".into());
+    assert_eq!(
+        serde_json::to_string(&c).unwrap(),
+        r#"{"id":"0b8f","command":"reload","issued_at":1,"by":"ops:42"}"#
+    );
+    c.sign("s3cret", "vm:20740/r").unwrap();
+    assert!(c.signature_matches("s3cret", "vm:20740/r"));
+    assert!(!c.signature_matches("other", "vm:20740/r"));
 }

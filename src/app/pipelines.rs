@@ -1,0 +1,733 @@
+//! The pipelines `warren run` runs, by name: started from the settings ([`Pipelines::start`]),
+//! held by operators ([`Holds`]), changed by a reload ([`Pipelines::apply`]: new ones start,
+//! removed ones drain and stop, changed ones drain and start again with their new spec,
+//! unchanged ones are not touched) and stopped at the end ([`Pipelines::shutdown`]). What counts
+//! as a pipeline's change is [`same`], in one place; what the process keeps until a restart is
+//! every setting that is not a pipeline's ([`restart_needed`]).
+
+use std::collections::BTreeSet;
+use std::sync::Arc;
+use std::time::Duration;
+
+use deadpool_postgres::Pool;
+use tokio::sync::{mpsc, watch};
+use tokio::task::JoinHandle;
+use tokio_util::sync::CancellationToken;
+use tracing::warn;
+
+use crate::amqp::monitor::Depths;
+use crate::config::pipelines::{Names, PipelineConfig};
+use crate::config::{Balance, ConfigError, Role, Settings};
+use crate::domain::mapping::Mapping;
+use crate::pipeline::balance::Decision;
+use crate::pipeline::{self, Pipeline, Spec, Stage, StageId};
+use crate::registry::PipelineRecord;
+
+/// One pipeline as the configuration declares it: what its stages start from, and what a
+/// reload compares ([`same`]).
+#[derive(Clone)]
+pub(super) struct Declared {
+    /// `users`, `orders`: the `pipeline` label, what `--pipeline` names.
+    pub name: String,
+    /// Its `[[pipelines]]` entry (the built-in users pipeline's is the shipped one).
+    pub entry: PipelineConfig,
+    /// The settings as it sees them (`PipelineConfig::view`; the global ones for the built-in
+    /// users pipeline), from which its stages' specs resolve.
+    pub view: Settings,
+    /// Its exchanges and queues.
+    pub names: Names,
+    /// Its compiled mapping, shared by its stages.
+    pub mapping: Arc<Mapping>,
+}
+
+/// The pipelines `settings` declares: the built-in users pipeline first (unless a file's
+/// pipeline named users replaces it, or `--pipelines` left it out), then the file's in order.
+pub(super) fn declared(settings: &Settings) -> Result<Vec<Declared>, ConfigError> {
+    let mut out = Vec::new();
+    if !settings.without_users && !settings.pipelines.iter().any(|p| p.name == "users") {
+        let entry = crate::config::pipelines::users()?;
+        out.push(Declared {
+            name: "users".into(),
+            mapping: Arc::new(entry.mapping()?),
+            entry,
+            view: settings.clone(),
+            names: Names::users(settings),
+        });
+    }
+    for p in &settings.pipelines {
+        out.push(Declared {
+            name: p.name.clone(),
+            entry: p.clone(),
+            view: p.view(settings),
+            names: p.names(settings),
+            mapping: Arc::new(p.mapping()?),
+        });
+    }
+    Ok(out)
+}
+
+/// The settings a pipeline's stages read from its view (`Spec::main`, `Spec::dlq`, its names
+/// and tiers): a change of one of them changes the pipelines that see it. Every other setting
+/// is the process's (connections, listeners, roles, timeouts of the links, the insert budget)
+/// and changes only with a restart ([`restart_needed`]).
+pub(super) const PIPELINE_SETTINGS: &[&str] = &[
+    "main_exchange",
+    "main_queue",
+    "retry_exchange",
+    "retry_queue",
+    "dlx_exchange",
+    "dlq_queue",
+    "retry_ttl_ms",
+    "retry_ttls_ms",
+    "max_retries",
+    "dlq_max_attempts",
+    "users_batch_size",
+    "users_batch_timeout_ms",
+    "users_proc_concurrency",
+    "users_batch_concurrency",
+    "users_balance",
+    "users_min_concurrency",
+    "users_max_concurrency",
+    "users_balance_cooldown_ms",
+    "users_balance_max_shift",
+    "users_scale_threshold",
+    "users_scale_up_threshold",
+    "users_scale_down_threshold",
+    "prefetch",
+    "rate_limit_per_s",
+    "max_message_bytes",
+    "max_inflight_bytes",
+    "db_retry_window_ms",
+    "breaker_failures",
+];
+
+/// The settings as one JSON object, by key.
+fn by_key(settings: &Settings) -> serde_json::Map<String, serde_json::Value> {
+    match serde_json::to_value(settings) {
+        Ok(serde_json::Value::Object(map)) => map,
+        _ => serde_json::Map::new(),
+    }
+}
+
+/// The part of a pipeline's view its stages read ([`PIPELINE_SETTINGS`]).
+fn resolved(view: &Settings) -> serde_json::Map<String, serde_json::Value> {
+    let mut all = by_key(view);
+    all.retain(|k, _| PIPELINE_SETTINGS.contains(&k.as_str()));
+    all
+}
+
+/// Whether a running pipeline declared as `old` is left untouched by a reload that declares it
+/// as `new`: the same entry, names and resolved settings. The one place that says what a
+/// pipeline's change is (with a resolved, comparable pipeline spec, `old.spec == new.spec`).
+pub(super) fn same(old: &Declared, new: &Declared) -> bool {
+    old.entry == new.entry && old.names == new.names && resolved(&old.view) == resolved(&new.view)
+}
+
+/// The settings of `next` that differ from those the process started with (`base`) and are not
+/// a pipeline's: they apply only at a restart. Names only, never values (a secret may be one).
+pub(super) fn restart_needed(base: &Settings, next: &Settings) -> Vec<String> {
+    let (was, now) = (by_key(base), by_key(next));
+    let mut keys: BTreeSet<&String> = was.keys().chain(now.keys()).collect();
+    keys.retain(|k| k.as_str() != "pipelines" && !PIPELINE_SETTINGS.contains(&k.as_str()));
+    keys.into_iter()
+        .filter(|k| was.get(*k) != now.get(*k))
+        .map(|k| k.to_string())
+        .collect()
+}
+
+/// Who holds which pipelines: the instance's pause (`SIGUSR1`, `warren ctl pause` without
+/// `--pipeline`) and each pipeline's own (`warren ctl pause --pipeline`). They are two layers:
+/// lifting the instance's pause (`SIGCONT`, `resume` without `--pipeline`) leaves a pipeline
+/// paused on its own held, and a pipeline resumed on its own stays held while the instance is
+/// paused. A stage takes deliveries when neither holds it.
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+pub(super) struct Holds {
+    /// The instance is paused.
+    pub all: bool,
+    /// Pipelines paused on their own, by name.
+    pub pipelines: BTreeSet<String>,
+}
+
+impl Holds {
+    /// Whether the pipeline `name` is held.
+    pub fn holds(&self, name: &str) -> bool {
+        self.all || self.pipelines.contains(name)
+    }
+}
+
+/// What a reload changed: the pipelines by name, and what it could not apply.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub(super) struct ReloadReport {
+    pub added: Vec<String>,
+    pub removed: Vec<String>,
+    pub changed: Vec<String>,
+    pub unchanged: Vec<String>,
+    /// Settings it changed that are not a pipeline's: they keep their values until a restart.
+    pub restart_needed: Vec<String>,
+    /// Added, removed or changed pipelines with `api = true`: the HTTP API serves the pipelines
+    /// it started with until a restart.
+    pub api_unchanged: Vec<String>,
+    /// Whether every stage it stopped settled all its deliveries within `SHUTDOWN_TIMEOUT_MS`
+    /// (what one did not settle goes back to its queue).
+    pub drained: bool,
+}
+
+impl ReloadReport {
+    /// `added orders; removed refunds; changed users; unchanged audit`, the parts with names
+    /// only (`nothing changed` when none), then what waits for a restart.
+    pub fn summary(&self) -> String {
+        let mut parts: Vec<String> = [
+            ("added", &self.added),
+            ("removed", &self.removed),
+            ("changed", &self.changed),
+        ]
+        .iter()
+        .filter(|(_, names)| !names.is_empty())
+        .map(|(what, names)| format!("{what} {}", names.join(", ")))
+        .collect();
+        if parts.is_empty() {
+            parts.push("no pipeline changed".into());
+        }
+        if !self.unchanged.is_empty() {
+            parts.push(format!("unchanged {}", self.unchanged.join(", ")));
+        }
+        if !self.restart_needed.is_empty() {
+            parts.push(format!(
+                "needs a restart to apply {}",
+                self.restart_needed.join(", ")
+            ));
+        }
+        parts.join("; ")
+    }
+}
+
+/// How `warren run` reads its configuration again and prepares what a reload starts (given by
+/// `cli/run.rs`, which knows the sources and `--declare`).
+pub struct Reload {
+    /// The settings from the sources the process started with (the file, the environment,
+    /// `--set`), with its `--pipelines` selection.
+    pub load: Box<dyn Fn() -> Result<Settings, ConfigError>>,
+    /// Checks the tables of the settings' pipelines (and, under `--declare`, declares their
+    /// exchanges and queues): a [`ReloadError::Prepare`] when they cannot start.
+    pub prepare:
+        Box<dyn Fn(Settings) -> futures::future::LocalBoxFuture<'static, Result<(), ReloadError>>>,
+}
+
+/// Why a reload changed nothing. Its text is the `reload_failed` event's reason, the error
+/// line's and `warren ctl reload`'s answer.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ReloadError {
+    /// The configuration does not load or check (its error names the file, the entry and the
+    /// field).
+    #[error("{0}")]
+    Config(String),
+    /// A new or changed pipeline's table does not fit its mapping, the database cannot be
+    /// asked, or (started with `--declare`) its exchanges and queues cannot be declared.
+    #[error("{0}")]
+    Prepare(String),
+}
+
+impl ReloadError {
+    /// The same error on one line (a configuration error may quote several): its lines joined
+    /// with ` | `, for the one error line and the event.
+    pub fn one_line(self) -> Self {
+        let join = |text: String| {
+            text.lines()
+                .map(str::trim)
+                .filter(|l| !l.is_empty())
+                .collect::<Vec<_>>()
+                .join(" | ")
+        };
+        match self {
+            ReloadError::Config(text) => ReloadError::Config(join(text)),
+            ReloadError::Prepare(text) => ReloadError::Prepare(join(text)),
+        }
+    }
+}
+
+/// A pipeline and its running stages (none when the roles run no pipeline).
+struct Running {
+    declared: Declared,
+    /// Its main stage (role consumer), then its DLQ stage (role dlq).
+    stages: Vec<Pipeline>,
+}
+
+/// The running pipelines and what they share.
+pub(super) struct Pipelines {
+    /// The process's settings as it started: the connections and timeouts every stage uses,
+    /// the roles. What is not a pipeline's changes only with a restart.
+    base: Settings,
+    /// What every stage's links are built from (the broker's, the database statement's
+    /// bound), from `base`.
+    links: pipeline::Links,
+    /// The pipelines' one pool, resized when a reload changes what they need.
+    pool: Pool,
+    /// What the queue poller sees of every pipeline's queues.
+    depths: Depths,
+    running: Vec<Running>,
+    /// Who holds which pipelines; a pipeline started by a reload starts held if they hold it.
+    pub holds: Holds,
+    /// Batch inserts in flight in the whole process (`MAX_INSERTS_IN_FLIGHT` or derived).
+    budget: usize,
+    /// Ends the current balancer (a reload starts another for the new set of stages).
+    balancing: CancellationToken,
+    /// Where the balancers' decisions go (the registry's history).
+    decisions: mpsc::UnboundedSender<Decision>,
+    /// The queue poller of the current pipelines' queues (restarted when they change).
+    poller: Option<JoinHandle<()>>,
+    /// Stages whose series were registered, once each in a process (registering sets the
+    /// counters to 0).
+    registered: BTreeSet<StageId>,
+    /// The pipelines the registry record publishes.
+    records: watch::Sender<Vec<PipelineRecord>>,
+}
+
+/// The pool size the pipelines of `declared` need: a connection for each insert that can be in
+/// flight (the main stages' most within the budget, the DLQ stages' batch concurrency), and one
+/// more; never below `DATABASE_POOL_SIZE`.
+pub(super) fn pool_size(base: &Settings, declared: &[Declared], budget: usize) -> usize {
+    let most: usize = declared.iter().map(|d| d.view.most_concurrency()).sum();
+    let dlq: usize = declared
+        .iter()
+        .map(|d| d.view.users_batch_concurrency)
+        .sum();
+    base.database_pool_size.max(most.min(budget) + dlq + 1)
+}
+
+/// The process-wide budget of batch inserts in flight for the pipelines of `next`, under the
+/// process's own `MAX_INSERTS_IN_FLIGHT` and `DATABASE_POOL_SIZE` (they change at a restart).
+pub(super) fn budget(base: &Settings, next: &Settings) -> usize {
+    let mut at = next.clone();
+    at.max_inserts_in_flight = base.max_inserts_in_flight;
+    at.database_pool_size = base.database_pool_size;
+    at.inserts_budget()
+}
+
+impl Pipelines {
+    /// Starts every pipeline `declared` names (the roles' stages of each), the queue poller and
+    /// the balancer. `base` is the process's settings.
+    pub fn start(
+        base: Settings,
+        declared: Vec<Declared>,
+        pool: Pool,
+        depths: Depths,
+        decisions: mpsc::UnboundedSender<Decision>,
+        records: watch::Sender<Vec<PipelineRecord>>,
+    ) -> Self {
+        let budget = base.inserts_budget();
+        let links = pipeline::Links {
+            amqp: base.amqp(),
+            db_bound: base.database().call_bound(),
+        };
+        let mut pipelines = Self {
+            base,
+            links,
+            pool,
+            depths,
+            running: Vec::new(),
+            holds: Holds::default(),
+            budget,
+            balancing: CancellationToken::new(),
+            decisions,
+            poller: None,
+            registered: BTreeSet::new(),
+            records,
+        };
+        let stages: Vec<StageId> = declared
+            .iter()
+            .flat_map(|d| pipelines.stage_ids(&d.name))
+            .collect();
+        crate::metrics::preregister(&stages);
+        pipelines.registered.extend(stages);
+        let names: Vec<&str> = declared.iter().map(|d| d.name.as_str()).collect();
+        pipelines.need_links(&names);
+        for d in declared {
+            let stages = pipelines.launch(&d);
+            pipelines.running.push(Running {
+                declared: d,
+                stages,
+            });
+        }
+        pipelines.refresh();
+        pipelines
+    }
+
+    /// The stages the roles run of the pipeline `name`: main (role consumer), DLQ (role dlq).
+    fn stage_ids(&self, name: &str) -> Vec<StageId> {
+        [(Role::Consumer, Stage::Main), (Role::Dlq, Stage::Dlq)]
+            .into_iter()
+            .filter(|(role, _)| self.base.has_role(*role))
+            .map(|(_, stage)| StageId::new(name, stage))
+            .collect()
+    }
+
+    /// Tells `/readyz` which AMQP links the roles open for the pipelines `names`: each stage's
+    /// consumer (`<pipeline>/<stage>`) and their publisher `router`; the API's publisher `api`.
+    fn need_links(&self, names: &[&str]) {
+        let mut links: Vec<String> = names
+            .iter()
+            .flat_map(|n| self.stage_ids(n))
+            .map(|s| s.to_string())
+            .collect();
+        if !links.is_empty() {
+            links.push("router".into());
+        }
+        if self.base.has_role(Role::Api) {
+            links.push("api".into());
+        }
+        crate::metrics::needs(&links, true);
+    }
+
+    /// Starts the roles' stages of `d`, held if the holds hold it.
+    fn launch(&self, d: &Declared) -> Vec<Pipeline> {
+        let stages: Vec<Pipeline> = self
+            .stage_ids(&d.name)
+            .into_iter()
+            .map(|id| {
+                let spec = match id.stage() {
+                    Stage::Main => Spec::main(&d.view),
+                    Stage::Dlq => Spec::dlq(&d.view),
+                };
+                let spec = Spec {
+                    pipeline: d.name.clone(),
+                    ..spec
+                };
+                pipeline::start(
+                    &self.links,
+                    spec,
+                    d.mapping.clone(),
+                    self.pool.clone(),
+                    self.depths.clone(),
+                )
+            })
+            .collect();
+        if self.holds.holds(&d.name) {
+            stages.iter().for_each(|p| p.hold(true));
+        }
+        stages
+    }
+
+    /// Every running stage: each pipeline's main stage, then its DLQ stage.
+    pub fn stages(&self) -> Vec<&Pipeline> {
+        self.running.iter().flat_map(|r| r.stages.iter()).collect()
+    }
+
+    /// The running stages and the holds, for a command to change both.
+    pub fn control(&mut self) -> (Vec<&Pipeline>, &mut Holds) {
+        let stages = self.running.iter().flat_map(|r| r.stages.iter()).collect();
+        (stages, &mut self.holds)
+    }
+
+    /// The process-wide budget of batch inserts in flight.
+    pub fn budget(&self) -> usize {
+        self.budget
+    }
+
+    /// After a start or a change: the queue poller (every pipeline's queues), the balancer
+    /// (every main stage), the pool's size and the registry record's pipelines.
+    fn refresh(&mut self) {
+        let views =
+            std::iter::once(&self.base).chain(self.running.iter().map(|r| &r.declared.view));
+        // Every 5 s, or every balanced pipeline's cooldown if shorter: a balancing decision
+        // sees a depth at most one cooldown old.
+        let poll_every = views
+            .filter(|v| v.users_balance != Balance::Off)
+            .map(|v| Duration::from_millis(v.users_balance_cooldown_ms))
+            .fold(Duration::from_secs(5), Duration::min)
+            .max(Duration::from_millis(250));
+        let queues: Vec<String> = self
+            .running
+            .iter()
+            .flat_map(|r| {
+                let n = &r.declared.names;
+                std::iter::once(n.main_queue.clone())
+                    .chain(n.retry_tiers.iter().map(|t| t.queue.clone()))
+                    .chain(std::iter::once(n.dlq_queue.clone()))
+            })
+            .collect();
+        if let Some(old) = self.poller.take() {
+            old.abort();
+        }
+        self.poller = Some(tokio::spawn(crate::amqp::monitor::poll_queues(
+            self.links.amqp.clone(),
+            queues,
+            poll_every,
+            self.depths.clone(),
+        )));
+
+        self.balancing.cancel();
+        self.balancing = CancellationToken::new();
+        let concurrencies: Vec<_> = self
+            .stages()
+            .iter()
+            .filter_map(|p| p.concurrency.clone())
+            .collect();
+        tokio::spawn(pipeline::balance::run(
+            concurrencies,
+            self.budget,
+            self.depths.clone(),
+            self.decisions.clone(),
+            self.balancing.clone(),
+        ));
+
+        let declared: Vec<Declared> = self.running.iter().map(|r| r.declared.clone()).collect();
+        let size = pool_size(&self.base, &declared, self.budget);
+        if size != self.pool.status().max_size {
+            self.pool.resize(size);
+        }
+
+        let runs_pipelines = self.base.has_role(Role::Consumer) || self.base.has_role(Role::Dlq);
+        let records = if runs_pipelines {
+            self.running
+                .iter()
+                .map(|r| {
+                    PipelineRecord::of(&r.declared.name, &r.declared.entry.table, &r.declared.names)
+                })
+                .collect()
+        } else {
+            Vec::new()
+        };
+        self.records.send_replace(records);
+    }
+
+    /// Applies the configuration `next` (already loaded and checked; `prepare` checks the
+    /// tables of what it adds or changes, and declares them when warren runs with `--declare`):
+    /// removed and changed pipelines drain and stop (their one shutdown sequence), added and
+    /// changed ones start with their new spec, unchanged ones are not touched. On an error
+    /// nothing has changed.
+    pub async fn apply<F, Fut>(
+        &mut self,
+        next: Settings,
+        prepare: F,
+    ) -> Result<ReloadReport, ReloadError>
+    where
+        F: FnOnce(Settings) -> Fut,
+        Fut: std::future::Future<Output = Result<(), ReloadError>>,
+    {
+        let wanted = declared(&next).map_err(|e| ReloadError::Config(e.to_string()))?;
+        let mut report = ReloadReport {
+            restart_needed: restart_needed(&self.base, &next),
+            drained: true,
+            ..ReloadReport::default()
+        };
+        for r in &self.running {
+            match wanted.iter().find(|d| d.name == r.declared.name) {
+                None => report.removed.push(r.declared.name.clone()),
+                Some(d) if same(&r.declared, d) => report.unchanged.push(d.name.clone()),
+                Some(d) => report.changed.push(d.name.clone()),
+            }
+        }
+        for d in &wanted {
+            if !self.running.iter().any(|r| r.declared.name == d.name) {
+                report.added.push(d.name.clone());
+            }
+        }
+        let starting = |name: &String| report.added.contains(name) || report.changed.contains(name);
+        // What starts is checked against its tables first, as at start.
+        let mut checked = next.clone();
+        checked.pipelines.retain(|p| starting(&p.name));
+        if !report.added.is_empty() || !report.changed.is_empty() {
+            prepare(checked).await?;
+        }
+        if self.base.has_role(Role::Api) {
+            let was_api = |name: &String| {
+                self.running
+                    .iter()
+                    .any(|r| &r.declared.name == name && r.declared.entry.api)
+            };
+            let is_api = |name: &String| wanted.iter().any(|d| &d.name == name && d.entry.api);
+            report.api_unchanged = report
+                .added
+                .iter()
+                .chain(&report.removed)
+                .chain(&report.changed)
+                .filter(|n| was_api(n) || is_api(n))
+                .cloned()
+                .collect();
+        }
+
+        // Stop what goes or changes: every stage's one shutdown sequence, at once.
+        let (stopping, kept): (Vec<Running>, Vec<Running>) = std::mem::take(&mut self.running)
+            .into_iter()
+            .partition(|r| !report.unchanged.contains(&r.declared.name));
+        let timeout = self.base.shutdown_timeout();
+        let results = futures::future::join_all(
+            stopping
+                .iter()
+                .flat_map(|r| r.stages.iter())
+                .map(|p| p.shutdown(timeout)),
+        )
+        .await;
+        report.drained = results.iter().all(|drained| *drained);
+        // What is removed leaves the readiness and the live stages.
+        for r in &stopping {
+            if report.removed.contains(&r.declared.name) {
+                let ids = self.stage_ids(&r.declared.name);
+                let links: Vec<String> = ids.iter().map(ToString::to_string).collect();
+                crate::metrics::unneed(&links);
+                ids.iter().for_each(crate::metrics::forget);
+                self.holds.pipelines.remove(&r.declared.name);
+            }
+        }
+        drop(stopping);
+
+        // The new set, in the order the configuration declares it.
+        self.budget = budget(&self.base, &next);
+        let mut kept = kept;
+        for d in wanted {
+            if let Some(i) = kept.iter().position(|r| r.declared.name == d.name) {
+                let r = kept.remove(i);
+                self.running.push(r);
+                continue;
+            }
+            for id in self.stage_ids(&d.name) {
+                if self.registered.insert(id.clone()) {
+                    crate::metrics::preregister_stage(&id);
+                }
+            }
+            let stages = self.launch(&d);
+            self.running.push(Running {
+                declared: d,
+                stages,
+            });
+        }
+        if self.stages().is_empty() {
+            crate::metrics::unneed(&["router".to_string()]);
+        }
+        let names: Vec<String> = self
+            .running
+            .iter()
+            .map(|r| r.declared.name.clone())
+            .collect();
+        self.need_links(&names.iter().map(String::as_str).collect::<Vec<_>>());
+        self.refresh();
+        if !report.drained {
+            warn!(
+                "a stopped pipeline reached SHUTDOWN_TIMEOUT_MS with deliveries in flight; the broker redelivers them"
+            );
+        }
+        Ok(report)
+    }
+
+    /// The one shutdown of every stage, at once, bounded by `timeout`; whether all settled.
+    pub async fn shutdown(&mut self, timeout: Duration) -> bool {
+        self.balancing.cancel();
+        let results =
+            futures::future::join_all(self.stages().into_iter().map(|p| p.shutdown(timeout))).await;
+        if let Some(poller) = self.poller.take() {
+            poller.abort();
+        }
+        results.iter().all(|drained| *drained)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn with(file: &str) -> Settings {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("w.toml");
+        std::fs::write(&path, file).unwrap();
+        let sources = crate::config::Sources {
+            use_env: false,
+            ..crate::config::Sources::new(Some(path))
+        };
+        Settings::load(&sources).unwrap()
+    }
+
+    const ORDERS: &str = r#"
+[[pipelines]]
+name = "orders"
+table = "orders"
+key = ["id"]
+batch_size = 50
+[pipelines.columns]
+id = { path = "/id", type = "uuid" }
+"#;
+
+    fn find<'a>(all: &'a [Declared], name: &str) -> &'a Declared {
+        all.iter().find(|d| d.name == name).unwrap()
+    }
+
+    #[test]
+    fn every_pipeline_setting_is_a_setting() {
+        let names: Vec<&str> = crate::config::setting_names().map(|(k, _)| k).collect();
+        for key in PIPELINE_SETTINGS {
+            assert!(names.contains(key), "{key}");
+        }
+    }
+
+    /// A pipeline changes with its entry or a setting it reads (its own, or a default it takes),
+    /// never with the process's settings.
+    #[test]
+    fn a_pipeline_changes_with_what_it_reads_only() {
+        let before = with(ORDERS);
+        let was = declared(&before).unwrap();
+        assert_eq!(
+            was.iter().map(|d| d.name.as_str()).collect::<Vec<_>>(),
+            ["users", "orders"]
+        );
+        let again = declared(&with(ORDERS)).unwrap();
+        assert!(same(find(&was, "orders"), find(&again, "orders")));
+        assert!(same(find(&was, "users"), find(&again, "users")));
+
+        let bigger =
+            declared(&with(&ORDERS.replace("batch_size = 50", "batch_size = 60"))).unwrap();
+        assert!(!same(find(&was, "orders"), find(&bigger, "orders")));
+        assert!(same(find(&was, "users"), find(&bigger, "users")));
+
+        // A default both read (USERS_BATCH_TIMEOUT_MS) changes both.
+        let timeout = declared(&with(&format!("users_batch_timeout_ms = 7\n{ORDERS}"))).unwrap();
+        assert!(!same(find(&was, "orders"), find(&timeout, "orders")));
+        assert!(!same(find(&was, "users"), find(&timeout, "users")));
+
+        // The process's settings change no pipeline: they need a restart.
+        let listen = with(&format!(
+            "http_addr = \"127.0.0.1:1\"\ncontrol_secret = \"s3cret-that-is-long-enough\"\n{ORDERS}"
+        ));
+        let moved = declared(&listen).unwrap();
+        assert!(same(find(&was, "orders"), find(&moved, "orders")));
+        assert!(same(find(&was, "users"), find(&moved, "users")));
+        assert_eq!(
+            restart_needed(&before, &listen),
+            ["control_secret", "http_addr"]
+        );
+        assert!(restart_needed(&before, &with(ORDERS)).is_empty());
+        assert!(
+            restart_needed(&before, &with("users_batch_size = 3\n")).is_empty(),
+            "a pipeline's setting, and the file's pipelines, are no restart's"
+        );
+    }
+
+    #[test]
+    fn holds_are_two_layers() {
+        let mut holds = Holds::default();
+        holds.pipelines.insert("orders".into());
+        assert!(holds.holds("orders") && !holds.holds("users"));
+        holds.all = true;
+        assert!(holds.holds("orders") && holds.holds("users"));
+        holds.all = false;
+        assert!(
+            holds.holds("orders"),
+            "lifting the instance's pause leaves a pipeline's own"
+        );
+    }
+
+    #[test]
+    fn a_report_names_what_changed() {
+        let report = ReloadReport {
+            added: vec!["orders".into()],
+            changed: vec!["users".into(), "audit".into()],
+            unchanged: vec!["refunds".into()],
+            restart_needed: vec!["amqp_url".into()],
+            drained: true,
+            ..ReloadReport::default()
+        };
+        assert_eq!(
+            report.summary(),
+            "added orders; changed users, audit; unchanged refunds; needs a restart to apply amqp_url"
+        );
+        assert_eq!(ReloadReport::default().summary(), "no pipeline changed");
+    }
+}

@@ -1,0 +1,758 @@
+//! Reload without a restart (`SIGHUP`, `warren ctl reload`), on the real broker and database: a
+//! new pipeline is checked against its table and starts (declared, under `--declare`); a changed
+//! one drains and starts again with its new spec; a removed one drains (every delivery settled,
+//! nothing lost) and stops, leaving the record and the live stages; an unchanged one keeps its
+//! consumer (the same consumer tag on the broker); a file that does not check changes nothing
+//! (one error line, a `reload_failed` event); `warren ctl reload` is signed and answers what
+//! changed; and under load (publishers with confirms while two reloads happen) every confirmed
+//! message ends once in its table.
+
+mod common;
+
+use std::collections::HashSet;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use common::*;
+use lapin::BasicProperties;
+use lapin::options::BasicPublishOptions;
+use serde_json::Value;
+use tokio::sync::Mutex;
+use uuid::Uuid;
+
+type Names = PipelineNames;
+
+/// A `[[pipelines]]` entry writing `{"id": uuid, "qty": n}` into `table` (`id`, `qty`), with
+/// `qty` at most `max_qty`.
+fn entry(name: &str, names: &Names, batch_size: u32, max_qty: u32) -> String {
+    format!(
+        r#"
+[[pipelines]]
+name = "{name}"
+table = "{name}"
+key = ["id"]
+batch_size = {batch_size}
+batch_timeout_ms = 50
+retry_ttls_ms = [1000]
+{}
+[pipelines.columns]
+id  = {{ path = "/id", type = "uuid" }}
+qty = {{ path = "/qty", type = "int4", min = 1, max = {max_qty} }}
+"#,
+        names.toml()
+    )
+}
+
+fn body(id: Uuid, qty: u32) -> Vec<u8> {
+    format!(r#"{{"id":"{id}","qty":{qty}}}"#).into_bytes()
+}
+
+fn props(id: Uuid) -> BasicProperties {
+    BasicProperties::default()
+        .with_delivery_mode(2)
+        .with_message_id(id.to_string().into())
+}
+
+/// The tables of the pipelines `names`.
+async fn create_tables(env: &TestEnv, names: &[&str]) {
+    for name in names {
+        env.db
+            .batch_execute(&format!(
+                "CREATE TABLE {name} (id uuid PRIMARY KEY, qty int4 NOT NULL)"
+            ))
+            .await
+            .expect("create table");
+    }
+}
+
+/// Publishes one message per id (qty 1) to `names`' exchange, pipelined confirms.
+async fn publish(env: &TestEnv, names: &Names, ids: &[Uuid]) {
+    env.publish_pipelined_to(
+        &names.exchange,
+        &names.queue,
+        ids.iter().map(|id| (body(*id, 1), props(*id))),
+    )
+    .await;
+}
+
+fn new_ids(n: usize) -> Vec<Uuid> {
+    (0..n).map(|_| Uuid::new_v4()).collect()
+}
+
+/// The ids in `table`.
+async fn ids_in(env: &TestEnv, table: &str) -> Vec<Uuid> {
+    uuids_of(env, &format!("SELECT id FROM {table}")).await
+}
+
+/// Waits until `table` holds as many rows as `expected`, then that they are exactly those.
+async fn assert_table(env: &TestEnv, table: &str, expected: &HashSet<Uuid>, warren: &Warren) {
+    let what = format!("{} rows in {table}", expected.len());
+    let n = expected.len() as i64;
+    wait_until(&what, Duration::from_secs(60), || async {
+        count_of(env, &format!("SELECT count(*) FROM {table}")).await >= n
+    })
+    .await;
+    let stored = ids_in(env, table).await;
+    if stored.len() != expected.len() {
+        eprintln!("{}", tail(&warren.logs(), 40));
+    }
+    assert_same_ids(table, expected, &stored);
+}
+
+/// Every consumer on `queue`, from the broker: its tag and its channel (a pipeline started
+/// again has the same tag on a channel of a new connection).
+async fn tags(queue: &str) -> Vec<String> {
+    rabbitmqctl_rows(&[
+        "list_consumers",
+        "queue_name",
+        "channel_pid",
+        "consumer_tag",
+    ])
+    .await
+    .into_iter()
+    .filter(|row| row["queue_name"].as_str() == Some(queue))
+    .map(|row| {
+        format!(
+            "{} on {}",
+            row["consumer_tag"].as_str().unwrap_or_default(),
+            row["channel_pid"].as_str().unwrap_or_default()
+        )
+    })
+    .collect()
+}
+
+/// Waits until exactly one consumer is on `queue`, and answers its tag.
+async fn one_consumer(queue: &str) -> String {
+    wait_until(
+        &format!("one consumer on {queue}"),
+        Duration::from_secs(30),
+        || async { tags(queue).await.len() == 1 },
+    )
+    .await;
+    tags(queue).await.remove(0)
+}
+
+/// The env's events of `kind`, oldest first.
+async fn events_of(env: &TestEnv, kind: &str) -> Vec<Value> {
+    stream_events(env)
+        .await
+        .into_iter()
+        .filter(|e| e["type"] == kind)
+        .collect()
+}
+
+/// Sends SIGHUP and waits for the `n`-th event of `kind` (`reloaded`, `reload_failed`); answers it.
+async fn reload(env: &TestEnv, warren: &Warren, kind: &str, n: usize) -> Value {
+    warren.signal("HUP");
+    wait_for_event(env, warren, kind, n).await
+}
+
+async fn wait_for_event(env: &TestEnv, warren: &Warren, kind: &str, n: usize) -> Value {
+    wait_until(
+        &format!("{n} {kind} events"),
+        Duration::from_secs(60),
+        || async { events_of(env, kind).await.len() >= n },
+    )
+    .await;
+    assert!(
+        warren.logs().lines().count() > 0,
+        "warren wrote no log; it may have ended"
+    );
+    events_of(env, kind).await.remove(n - 1)
+}
+
+fn names_of(v: &Value) -> Vec<String> {
+    v.as_array()
+        .map(|a| {
+            a.iter()
+                .filter_map(|s| s.as_str().map(String::from))
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+/// The pipelines the instance's registry record publishes.
+async fn recorded_pipelines(env: &TestEnv, pid: i32) -> Vec<String> {
+    instance(env, pid).await["pipelines"]
+        .as_array()
+        .map(|a| {
+            a.iter()
+                .filter_map(|p| p["name"].as_str().map(String::from))
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+/// A transaction holding a lock that blocks inserts into `table` (not reads) until released.
+struct TableLock(tokio_postgres::Client);
+
+impl TableLock {
+    async fn take(env: &TestEnv, table: &str) -> Self {
+        let (client, connection) = tokio_postgres::connect(&database_url(), tokio_postgres::NoTls)
+            .await
+            .expect("connect");
+        tokio::spawn(connection);
+        client
+            .batch_execute(&format!(
+                "SET search_path TO {}; BEGIN; LOCK TABLE {table} IN SHARE MODE",
+                env.schema
+            ))
+            .await
+            .expect("lock");
+        TableLock(client)
+    }
+
+    async fn release(self) {
+        self.0.batch_execute("ROLLBACK").await.expect("unlock");
+    }
+}
+
+/// Adds `refunds`, changes `orders` (a column check), removes `refunds` with deliveries in
+/// flight, each by SIGHUP; users, never in the file, keeps its consumer throughout, and every
+/// pipeline not changed keeps its own.
+#[tokio::test(flavor = "multi_thread")]
+async fn sighup_adds_changes_and_removes_pipelines_and_touches_no_other() {
+    let mut env = TestEnv::new("rl_sighup").await;
+    env.set("REGISTRY_HEARTBEAT_MS", "300");
+    let _redis = RedisCleanup::new(&env);
+    let orders = Names::of(&env, "orders");
+    let refunds = Names::of(&env, "refunds");
+    let (_c1, _c2) = (orders.cleanup(), refunds.cleanup());
+    create_tables(&env, &["orders", "refunds"]).await;
+    let dir = tempfile::tempdir().expect("temp dir");
+    let path = dir.path().join("warren.toml");
+    let file = path.to_str().expect("utf-8").to_string();
+    std::fs::write(&path, entry("orders", &orders, 50, 1000)).expect("write");
+    let warren = env.start(&["--config", &file, "--declare", "--roles", "consumer"]);
+    let _logs = LogsOnPanic(vec![warren.log.clone()]);
+    let pid = warren.pid();
+    let users_tag = one_consumer(&env.main_queue).await;
+    let orders_tag = one_consumer(&orders.queue).await;
+    let mut stored_orders: HashSet<Uuid> = HashSet::new();
+    let first = new_ids(20);
+    publish(&env, &orders, &first).await;
+    stored_orders.extend(first);
+    assert_table(&env, "orders", &stored_orders, &warren).await;
+
+    // Added: refunds' queues are declared (warren runs with --declare), its table checked, its
+    // stage runs and shows in the record and the metrics.
+    std::fs::write(
+        &path,
+        entry("orders", &orders, 50, 1000) + &entry("refunds", &refunds, 50, 1000),
+    )
+    .expect("write");
+    let event = reload(&env, &warren, "reloaded", 1).await;
+    assert_eq!(names_of(&event["added"]), ["refunds"], "{event}");
+    assert!(names_of(&event["changed"]).is_empty(), "{event}");
+    assert!(names_of(&event["removed"]).is_empty(), "{event}");
+    assert!(
+        warren.logs().contains("configuration reloaded"),
+        "{}",
+        warren.logs()
+    );
+    let refunds_tag = one_consumer(&refunds.queue).await;
+    let mut stored_refunds: HashSet<Uuid> = new_ids(30).into_iter().collect();
+    publish(
+        &env,
+        &refunds,
+        &stored_refunds.iter().copied().collect::<Vec<_>>(),
+    )
+    .await;
+    assert_table(&env, "refunds", &stored_refunds, &warren).await;
+    wait_until("refunds in the record", Duration::from_secs(10), || async {
+        recorded_pipelines(&env, pid).await == ["users", "orders", "refunds"]
+    })
+    .await;
+    assert_eq!(
+        metric(
+            &env,
+            "warren_messages_inserted_total",
+            &[("pipeline", "refunds"), ("stage", "main")]
+        )
+        .await,
+        30.0
+    );
+    assert_eq!(
+        tags(&env.main_queue).await,
+        std::slice::from_ref(&users_tag),
+        "users untouched"
+    );
+    assert_eq!(
+        tags(&orders.queue).await,
+        std::slice::from_ref(&orders_tag),
+        "orders untouched"
+    );
+
+    // Changed: orders takes qty up to 10 only; its new spec applies (a qty of 50 is refused
+    // now, to its DLQ: this instance runs no DLQ stage), the others keep their consumers.
+    std::fs::write(
+        &path,
+        entry("orders", &orders, 50, 10) + &entry("refunds", &refunds, 50, 1000),
+    )
+    .expect("write");
+    let event = reload(&env, &warren, "reloaded", 2).await;
+    assert_eq!(names_of(&event["changed"]), ["orders"], "{event}");
+    assert!(names_of(&event["added"]).is_empty(), "{event}");
+    let new_orders_tag = one_consumer(&orders.queue).await;
+    assert_ne!(new_orders_tag, orders_tag, "orders started again");
+    let (small, big) = (Uuid::new_v4(), Uuid::new_v4());
+    env.publish_to(&orders.exchange, &orders.queue, &body(big, 50), props(big))
+        .await;
+    env.publish_to(
+        &orders.exchange,
+        &orders.queue,
+        &body(small, 5),
+        props(small),
+    )
+    .await;
+    stored_orders.insert(small);
+    assert_table(&env, "orders", &stored_orders, &warren).await;
+    wait_until(
+        "the qty of 50 in orders' DLQ",
+        Duration::from_secs(30),
+        || async { env.queue_state(&orders.dlq).await.0 == 1 },
+    )
+    .await;
+    assert_eq!(
+        tags(&env.main_queue).await,
+        std::slice::from_ref(&users_tag),
+        "users untouched"
+    );
+    assert_eq!(
+        tags(&refunds.queue).await,
+        [refunds_tag],
+        "refunds untouched"
+    );
+
+    // Removed with deliveries in flight: its inserts are held by a lock when SIGHUP comes; the
+    // drain settles every one (rows in the table, the queue empty) before it stops.
+    let lock = TableLock::take(&env, "refunds").await;
+    let held = new_ids(40);
+    publish(&env, &refunds, &held).await;
+    stored_refunds.extend(held);
+    wait_until(
+        "refunds delivered, held",
+        Duration::from_secs(30),
+        || async { env.queue_state(&refunds.queue).await.0 == 0 },
+    )
+    .await;
+    std::fs::write(&path, entry("orders", &orders, 50, 10)).expect("write");
+    warren.signal("HUP");
+    // The consumer is cancelled first (the shutdown sequence), then the lock goes.
+    wait_until(
+        "refunds' consumer cancelled",
+        Duration::from_secs(30),
+        || async { tags(&refunds.queue).await.is_empty() },
+    )
+    .await;
+    lock.release().await;
+    let event = wait_for_event(&env, &warren, "reloaded", 3).await;
+    assert_eq!(names_of(&event["removed"]), ["refunds"], "{event}");
+    assert_table(&env, "refunds", &stored_refunds, &warren).await;
+    assert_eq!(
+        env.queue_state(&refunds.queue).await,
+        (0, 0),
+        "refunds' queue empty and without consumer"
+    );
+    wait_queues_settled(&[&refunds.queue], Duration::from_secs(10)).await;
+    wait_until(
+        "refunds gone from the record",
+        Duration::from_secs(10),
+        || async {
+            let record = instance(&env, pid).await;
+            recorded_pipelines(&env, pid).await == ["users", "orders"]
+                && record["stages"].get("refunds/main").is_none()
+        },
+    )
+    .await;
+    assert_eq!(tags(&env.main_queue).await, [users_tag], "users untouched");
+    assert_eq!(
+        tags(&orders.queue).await,
+        [new_orders_tag],
+        "orders untouched"
+    );
+    // Still ready: /readyz waits for no link of refunds.
+    let ready = metrics_get(&env, "/readyz").await;
+    assert_eq!(ready.as_ref().map(|r| r.0), Some(200), "{ready:?}");
+    // Users still flows.
+    let users: HashSet<Uuid> = env.publish_users(10).await.into_iter().collect();
+    assert_rows_exactly(&env, &users, Duration::from_secs(30), &|| warren.logs()).await;
+    let mut warren = warren;
+    warren.terminate_ok(Duration::from_secs(25));
+}
+
+/// A file that does not check leaves everything as it was (one error line naming the entry and
+/// field, a `reload_failed` event); `warren ctl reload` is refused unsigned under
+/// CONTROL_SECRET, answers the error signed, then what changed once the file is fixed.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_bad_file_changes_nothing_and_ctl_reload_answers_signed() {
+    let mut env = TestEnv::new("rl_bad").await;
+    env.set("REGISTRY_HEARTBEAT_MS", "300")
+        .set("CONTROL_SECRET", "a-reload-secret-of-the-deployment");
+    let _redis = RedisCleanup::new(&env);
+    let orders = Names::of(&env, "orders");
+    let refunds = Names::of(&env, "refunds");
+    let (_c1, _c2) = (orders.cleanup(), refunds.cleanup());
+    create_tables(&env, &["orders", "refunds"]).await;
+    let dir = tempfile::tempdir().expect("temp dir");
+    let path = dir.path().join("warren.toml");
+    let file = path.to_str().expect("utf-8").to_string();
+    let good = entry("orders", &orders, 50, 1000);
+    std::fs::write(&path, &good).expect("write");
+    let warren = env.start(&["--config", &file, "--declare", "--roles", "consumer"]);
+    let _logs = LogsOnPanic(vec![warren.log.clone()]);
+    let pid = warren.pid();
+    let orders_tag = one_consumer(&orders.queue).await;
+    wait_until("registered", Duration::from_secs(20), || async {
+        instance(&env, pid).await["status"] == "running"
+    })
+    .await;
+
+    // batch_size 0 is out of range: nothing changes.
+    std::fs::write(&path, good.replace("batch_size = 50", "batch_size = 0")).expect("write");
+    let failed = reload(&env, &warren, "reload_failed", 1).await;
+    let reason = failed["reason"].as_str().unwrap_or_default().to_string();
+    assert!(
+        reason.contains("batch_size") && reason.contains("orders"),
+        "the reason names the entry and the field: {failed}"
+    );
+    let errors: Vec<String> = warren
+        .logs()
+        .lines()
+        .filter(|l| l.contains("reload failed"))
+        .map(String::from)
+        .collect();
+    assert_eq!(errors.len(), 1, "one error line: {errors:?}");
+    assert!(errors[0].contains("batch_size"), "{}", errors[0]);
+    assert!(events_of(&env, "reloaded").await.is_empty());
+    assert_eq!(
+        tags(&orders.queue).await,
+        std::slice::from_ref(&orders_tag),
+        "orders untouched"
+    );
+    let ids = new_ids(20);
+    publish(&env, &orders, &ids).await;
+    assert_table(&env, "orders", &ids.into_iter().collect(), &warren).await;
+
+    // Unsigned: refused, nothing applied.
+    let (code, out, err) = {
+        let mut cmd = env.command(&["ctl", "reload", "--all"]);
+        cmd.env("CONTROL_SECRET", "");
+        let out = tokio::task::spawn_blocking(move || cmd.output())
+            .await
+            .expect("join")
+            .expect("run");
+        (
+            out.status.code().unwrap_or(-1),
+            String::from_utf8_lossy(&out.stdout).into_owned(),
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        )
+    };
+    assert_eq!(code, 1, "{out}{err}");
+    assert!(
+        out.contains("reload  failed: refused: unsigned"),
+        "{out}{err}"
+    );
+    assert_eq!(
+        events_of(&env, "reload_failed").await.len(),
+        1,
+        "not applied"
+    );
+
+    // Signed, the file still bad: the error is the answer.
+    let (code, out, err) = env.run_async(&["ctl", "reload", "--all"]).await;
+    assert_eq!(code, 1, "{out}{err}");
+    assert!(
+        out.contains("reload  failed: reload failed, nothing changed:")
+            && out.contains("batch_size"),
+        "{out}{err}"
+    );
+    // Fixed, with refunds beside: what changed is the answer.
+    std::fs::write(&path, good.clone() + &entry("refunds", &refunds, 50, 1000)).expect("write");
+    let (code, out, err) = env.run_async(&["ctl", "reload", "--all"]).await;
+    assert_eq!(code, 0, "{out}{err}");
+    assert!(
+        out.contains("reload  executed: added refunds; unchanged users, orders"),
+        "{out}{err}"
+    );
+    let ids = new_ids(10);
+    publish(&env, &refunds, &ids).await;
+    assert_table(&env, "refunds", &ids.into_iter().collect(), &warren).await;
+    assert_eq!(
+        tags(&orders.queue).await,
+        std::slice::from_ref(&orders_tag),
+        "orders untouched"
+    );
+
+    // A new pipeline is checked against its table, as at start: audit has none.
+    let audit = Names::of(&env, "audit");
+    let _c3 = audit.cleanup();
+    std::fs::write(
+        &path,
+        good.clone() + &entry("refunds", &refunds, 50, 1000) + &entry("audit", &audit, 50, 1000),
+    )
+    .expect("write");
+    let (code, out, err) = env.run_async(&["ctl", "reload", "--all"]).await;
+    assert_eq!(code, 1, "{out}{err}");
+    assert!(
+        out.contains("reload  failed: reload failed, nothing changed:") && out.contains("audit"),
+        "{out}{err}"
+    );
+    assert!(
+        recorded_pipelines(&env, pid).await == ["users", "orders", "refunds"],
+        "nothing changed"
+    );
+    assert_eq!(tags(&orders.queue).await, [orders_tag], "orders untouched");
+    // --pipeline is refused, as drain's.
+    let (code, out, err) = env
+        .run_async(&["ctl", "reload", "--all", "--pipeline", "orders"])
+        .await;
+    assert_ne!(code, 0, "{out}{err}");
+    let mut warren = warren;
+    warren.terminate_ok(Duration::from_secs(25));
+}
+
+/// Publishes `{"id", "qty": 1}` messages to `names` with pipelined confirms (chunks of 100)
+/// until `stop`, recording every confirmed id in `confirmed`.
+async fn publish_until(
+    channel: lapin::Channel,
+    names: Names,
+    stop: Arc<AtomicBool>,
+    confirmed: Arc<Mutex<Vec<Uuid>>>,
+) {
+    while !stop.load(Ordering::Relaxed) {
+        let ids = new_ids(100);
+        let mut pending = Vec::with_capacity(ids.len());
+        for id in &ids {
+            let confirm = channel
+                .basic_publish(
+                    names.exchange.as_str().into(),
+                    names.queue.as_str().into(),
+                    BasicPublishOptions {
+                        mandatory: true,
+                        ..Default::default()
+                    },
+                    &body(*id, 1),
+                    props(*id),
+                )
+                .await
+                .expect("publish");
+            pending.push(confirm);
+        }
+        for (id, c) in ids.iter().zip(pending) {
+            if c.await.expect("confirm").is_ack() {
+                confirmed.lock().await.push(*id);
+            }
+        }
+    }
+}
+
+/// Publishers keep publishing with confirms while two reloads happen (one changes the pipeline
+/// under load, one adds another beside it): every confirmed message is once in its table.
+#[tokio::test(flavor = "multi_thread")]
+async fn under_load_two_reloads_lose_and_duplicate_nothing() {
+    let mut env = TestEnv::new("rl_load").await;
+    env.set("REGISTRY_HEARTBEAT_MS", "300");
+    let _redis = RedisCleanup::new(&env);
+    let orders = Names::of(&env, "orders");
+    let refunds = Names::of(&env, "refunds");
+    let (_c1, _c2) = (orders.cleanup(), refunds.cleanup());
+    create_tables(&env, &["orders", "refunds"]).await;
+    let dir = tempfile::tempdir().expect("temp dir");
+    let path = dir.path().join("warren.toml");
+    let file = path.to_str().expect("utf-8").to_string();
+    std::fs::write(&path, entry("orders", &orders, 50, 1000)).expect("write");
+    let warren = env.start(&["--config", &file, "--declare", "--roles", "consumer,dlq"]);
+    let _logs = LogsOnPanic(vec![warren.log.clone()]);
+    one_consumer(&orders.queue).await;
+
+    let stop = Arc::new(AtomicBool::new(false));
+    let orders_confirmed = Arc::new(Mutex::new(Vec::new()));
+    let refunds_confirmed = Arc::new(Mutex::new(Vec::new()));
+    // Each publisher on a connection of its own.
+    let channel = |_: &TestEnv| async {
+        let conn = lapin::Connection::connect(&amqp_url(), Default::default())
+            .await
+            .expect("connect");
+        let ch = conn.create_channel().await.expect("channel");
+        ch.confirm_select(Default::default())
+            .await
+            .expect("confirms");
+        // The connection lives as long as the test process's publishers need it.
+        std::mem::forget(conn);
+        ch
+    };
+    let orders_publisher = tokio::spawn(publish_until(
+        channel(&env).await,
+        Names::of(&env, "orders"),
+        stop.clone(),
+        orders_confirmed.clone(),
+    ));
+    let at_least = |confirmed: Arc<Mutex<Vec<Uuid>>>, n: usize| async move {
+        wait_until(
+            &format!("{n} confirmed"),
+            Duration::from_secs(60),
+            || async { confirmed.lock().await.len() >= n },
+        )
+        .await;
+    };
+    at_least(orders_confirmed.clone(), 1500).await;
+
+    // One reload changes orders under load (a smaller batch): it drains and starts again.
+    std::fs::write(&path, entry("orders", &orders, 20, 1000)).expect("write");
+    let event = reload(&env, &warren, "reloaded", 1).await;
+    assert_eq!(names_of(&event["changed"]), ["orders"], "{event}");
+    let n = orders_confirmed.lock().await.len();
+    at_least(orders_confirmed.clone(), n + 1500).await;
+
+    // The other adds refunds, published at once.
+    std::fs::write(
+        &path,
+        entry("orders", &orders, 20, 1000) + &entry("refunds", &refunds, 50, 1000),
+    )
+    .expect("write");
+    let event = reload(&env, &warren, "reloaded", 2).await;
+    assert_eq!(names_of(&event["added"]), ["refunds"], "{event}");
+    assert!(names_of(&event["changed"]).is_empty(), "{event}");
+    let refunds_publisher = tokio::spawn(publish_until(
+        channel(&env).await,
+        Names::of(&env, "refunds"),
+        stop.clone(),
+        refunds_confirmed.clone(),
+    ));
+    let n = orders_confirmed.lock().await.len();
+    at_least(orders_confirmed.clone(), n + 1500).await;
+    at_least(refunds_confirmed.clone(), 1500).await;
+    stop.store(true, Ordering::Relaxed);
+    orders_publisher.await.expect("orders publisher");
+    refunds_publisher.await.expect("refunds publisher");
+
+    let orders_ids: HashSet<Uuid> = orders_confirmed.lock().await.iter().copied().collect();
+    let refunds_ids: HashSet<Uuid> = refunds_confirmed.lock().await.iter().copied().collect();
+    assert_table(&env, "orders", &orders_ids, &warren).await;
+    assert_table(&env, "refunds", &refunds_ids, &warren).await;
+    wait_queues_settled(
+        &[&orders.queue, &orders.dlq, &refunds.queue, &refunds.dlq],
+        Duration::from_secs(30),
+    )
+    .await;
+    let mut warren = warren;
+    warren.terminate_ok(Duration::from_secs(25));
+}
+
+/// The instance's pause and a pipeline's own are two layers: `SIGCONT` lifts the instance's
+/// (`SIGUSR1`) and leaves a pipeline paused by `warren ctl pause --pipeline` held, and a reload
+/// that changes that pipeline starts it again held; `resume --pipeline` lets it go.
+#[tokio::test(flavor = "multi_thread")]
+async fn sigcont_and_reloads_keep_a_pipelines_own_pause() {
+    let mut env = TestEnv::new("rl_holds").await;
+    env.set("REGISTRY_HEARTBEAT_MS", "300");
+    let _redis = RedisCleanup::new(&env);
+    let orders = Names::of(&env, "orders");
+    let _c = orders.cleanup();
+    create_tables(&env, &["orders"]).await;
+    let dir = tempfile::tempdir().expect("temp dir");
+    let path = dir.path().join("warren.toml");
+    let file = path.to_str().expect("utf-8").to_string();
+    std::fs::write(&path, entry("orders", &orders, 50, 1000)).expect("write");
+    let warren = env.start(&["--config", &file, "--declare", "--roles", "consumer"]);
+    let _logs = LogsOnPanic(vec![warren.log.clone()]);
+    one_consumer(&orders.queue).await;
+    one_consumer(&env.main_queue).await;
+    wait_until("registered", Duration::from_secs(20), || async {
+        instance(&env, warren.pid()).await["status"] == "running"
+    })
+    .await;
+    let (code, out, err) = env
+        .run_async(&["ctl", "pause", "--all", "--pipeline", "orders"])
+        .await;
+    assert_eq!(code, 0, "{out}{err}");
+    let no_consumer = |queue: String| async move { tags(&queue).await.is_empty() };
+    wait_until("orders paused", Duration::from_secs(20), || {
+        no_consumer(orders.queue.clone())
+    })
+    .await;
+
+    warren.signal("USR1");
+    wait_until("users paused", Duration::from_secs(20), || {
+        no_consumer(env.main_queue.clone())
+    })
+    .await;
+    warren.signal("CONT");
+    one_consumer(&env.main_queue).await;
+    let held = new_ids(10);
+    publish(&env, &orders, &held).await;
+    // Users flows again: its rows prove SIGCONT was handled; orders is still held.
+    let users: HashSet<Uuid> = env.publish_users(5).await.into_iter().collect();
+    assert_rows_exactly(&env, &users, Duration::from_secs(30), &|| warren.logs()).await;
+    assert_eq!(
+        env.queue_state(&orders.queue).await,
+        (10, 0),
+        "SIGCONT resumed the pipeline paused on its own"
+    );
+
+    // Changed by a reload: started again, still held.
+    std::fs::write(&path, entry("orders", &orders, 20, 1000)).expect("write");
+    let event = reload(&env, &warren, "reloaded", 1).await;
+    assert_eq!(names_of(&event["changed"]), ["orders"], "{event}");
+    let more = env.publish_users(5).await;
+    let users: HashSet<Uuid> = users.into_iter().chain(more).collect();
+    assert_rows_exactly(&env, &users, Duration::from_secs(30), &|| warren.logs()).await;
+    assert_eq!(
+        env.queue_state(&orders.queue).await,
+        (10, 0),
+        "the reload let the paused pipeline go"
+    );
+
+    let (code, out, err) = env
+        .run_async(&["ctl", "resume", "--all", "--pipeline", "orders"])
+        .await;
+    assert_eq!(code, 0, "{out}{err}");
+    assert_table(&env, "orders", &held.into_iter().collect(), &warren).await;
+    let mut warren = warren;
+    warren.terminate_ok(Duration::from_secs(25));
+}
+
+/// A `SIGHUP` (or `SIGUSR1`) while `warren run` still waits for its database does not end it:
+/// once the database answers it runs, and reloads from then on.
+#[tokio::test(flavor = "multi_thread")]
+async fn sighup_during_the_start_does_not_end_warren() {
+    let proxy = TcpProxy::start(&database_url(), 5432).await;
+    let mut env = TestEnv::new("rl_start").await;
+    env.set("DATABASE_URL", proxy.url())
+        .set("REGISTRY_HEARTBEAT_MS", "300");
+    let _redis = RedisCleanup::new(&env);
+    // A configured pipeline: its table is checked before anything runs, which waits.
+    let orders = Names::of(&env, "orders");
+    let _c = orders.cleanup();
+    create_tables(&env, &["orders"]).await;
+    let dir = tempfile::tempdir().expect("temp dir");
+    let path = dir.path().join("warren.toml");
+    let file = path.to_str().expect("utf-8").to_string();
+    std::fs::write(&path, entry("orders", &orders, 50, 1000)).expect("write");
+    let (code, out, err) = env.run_async(&["--config", &file, "declare"]).await;
+    assert_eq!(code, 0, "{out}{err}");
+    proxy.cut();
+    let mut warren = env.start(&["--config", &file, "--roles", "consumer"]);
+    let _logs = LogsOnPanic(vec![warren.log.clone()]);
+    warren
+        .wait_for_log(
+            "the wait for the database",
+            "cannot check the pipelines' tables yet",
+        )
+        .await;
+    warren.signal("HUP");
+    warren.signal("USR1");
+    let ids: HashSet<Uuid> = env.publish_users(20).await.into_iter().collect();
+    assert!(
+        warren.is_running(),
+        "a signal during the start ended warren:\n{}",
+        warren.logs()
+    );
+    proxy.restore();
+    assert_rows_exactly(&env, &ids, Duration::from_secs(60), &|| warren.logs()).await;
+    let event = reload(&env, &warren, "reloaded", 1).await;
+    assert!(names_of(&event["added"]).is_empty(), "{event}");
+    warren.terminate_ok(Duration::from_secs(25));
+}
