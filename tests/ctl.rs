@@ -320,6 +320,9 @@ async fn bad_targets_and_failed_commands_are_refused_clearly() {
         &["ctl", "pause", "--all", "--host", "x"],
         &["ctl", "scale", "--processors", "0", "--all"],
         &["ctl", "scale", "--processors", "257", "--all"],
+        // Bounds that cannot hold and a history of nothing: usage errors too.
+        &["ctl", "scale", "--min", "9", "--max", "2", "--all"],
+        &["ctl", "history", "--limit", "0"],
     ] {
         let (code, out, err) = env.run_async(args).await;
         assert_eq!(code, 2, "warren {args:?}:\n{out}\n{err}");
@@ -334,6 +337,28 @@ async fn bad_targets_and_failed_commands_are_refused_clearly() {
     let (code, out, _) = env.run_async(&["ctl", "history", "--json"]).await;
     assert_eq!(code, 0);
     assert_eq!(out.trim(), "", "refused commands must not be recorded");
+
+    // An entry that is no outcome (another writer's, not UTF-8) is shown as unreadable, in
+    // the table and in --json, never skipped and never taken for an unreachable Redis.
+    let prefix = env.setting("REDIS_PREFIX").unwrap_or(&env.id).to_string();
+    let history = format!("{prefix}:ctl:history");
+    redis_query::<i64>(
+        &env,
+        redis::cmd("LPUSH")
+            .arg(&history)
+            .arg(b"\xff\xfe not json".as_slice()),
+    )
+    .await;
+    let (code, out, err) = env.run_async(&["ctl", "history"]).await;
+    assert_eq!(code, 0, "{out}\n{err}");
+    assert!(out.contains("unreadable"), "the entry is not shown:\n{out}");
+    let (code, out, err) = env.run_async(&["ctl", "history", "--json"]).await;
+    assert_eq!(code, 0, "{out}\n{err}");
+    assert!(
+        out.contains("\"unreadable\""),
+        "the entry is not shown:\n{out}"
+    );
+    redis_query::<i64>(&env, redis::cmd("DEL").arg(&history)).await;
 
     // A command the instance cannot apply: exit 1, the reason, recorded as failed.
     let (code, out, err) = env.run_async(&["ctl", "pause", "--all"]).await;

@@ -105,9 +105,9 @@ pub enum Action {
     },
     /// Recorded outcomes of remote commands, newest first.
     History {
-        /// How many entries.
-        #[arg(long, default_value_t = 20)]
-        limit: usize,
+        /// How many entries (at least 1).
+        #[arg(long, default_value_t = 20, value_parser = clap::value_parser!(u64).range(1..))]
+        limit: u64,
         /// One JSON object per line.
         #[arg(long)]
         json: bool,
@@ -145,7 +145,9 @@ pub async fn execute(settings: &Settings, args: Args) -> anyhow::Result<i32> {
                     if let (Some(min), Some(max)) = (min, max)
                         && min > max
                     {
-                        bail!("--min {min} is above --max {max}");
+                        return Err(
+                            super::Usage(format!("--min {min} is above --max {max}")).into()
+                        );
                     }
                     Command::Concurrency {
                         min: min.map(usize::from),
@@ -328,22 +330,27 @@ pub async fn execute(settings: &Settings, args: Args) -> anyhow::Result<i32> {
 async fn history(
     redis: &mut Redis,
     keys: &Keys,
-    limit: usize,
+    limit: u64,
     json: bool,
     secret: Option<&str>,
 ) -> anyhow::Result<i32> {
-    if limit == 0 {
-        bail!("--limit: expected at least 1");
-    }
-    let raw: Vec<String> = redis
-        .query(
+    // Read as bytes: an entry that is not UTF-8 is one entry that cannot be read, not a Redis
+    // that cannot be reached.
+    let Some(raw) = redis
+        .query::<Vec<Vec<u8>>>(
             redis::cmd("LRANGE")
                 .arg(keys.history())
                 .arg(0)
-                .arg(limit as isize - 1),
+                .arg(limit.saturating_sub(1)),
         )
         .await
-        .unwrap_or_default();
+    else {
+        bail!("cannot read the command history from Redis");
+    };
+    let raw: Vec<String> = raw
+        .into_iter()
+        .map(|entry| String::from_utf8_lossy(&entry).into_owned())
+        .collect();
     let verified = |o: &CtlOutcome| secret.map(|s| o.verifies(s));
     if json {
         for line in raw {
@@ -371,6 +378,14 @@ async fn history(
         .set_header(vec!["WHEN", "INSTANCE", "COMMAND", "OUTCOME", "DETAIL"]);
     for line in raw {
         let Ok(o) = serde_json::from_str::<CtlOutcome>(&line) else {
+            // Shown, never skipped: a history that hides entries hides what happened.
+            table.add_row(vec![
+                "?".to_string(),
+                "?".to_string(),
+                "?".to_string(),
+                "unreadable".to_string(),
+                crate::text::shown(&safe(&line)).into_owned(),
+            ]);
             continue;
         };
         let mut detail = match (&o.error, o.processors, o.rate, &o.detail) {

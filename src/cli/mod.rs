@@ -322,6 +322,12 @@ fn exit_with(e: &clap::Error) -> ! {
     std::process::exit(e.exit_code())
 }
 
+/// A command line that clap accepts but that asks for something impossible (`ctl scale --min 9
+/// --max 2`): a usage error, exit 2 as clap's own.
+#[derive(Debug, thiserror::Error)]
+#[error("{0}")]
+pub struct Usage(pub String);
+
 /// Prints `warren: MESSAGE` to stderr for the person at the terminal; a closed stderr loses
 /// it rather than panicking as `eprintln!` would.
 pub fn say(message: std::fmt::Arguments) {
@@ -372,7 +378,7 @@ fn exit_code(result: anyhow::Result<i32>) -> i32 {
             say(format_args!("{e:#}"));
             // A configuration that cannot work (a pipeline whose table does not fit) is a bad
             // setting, as one the loader refuses.
-            if e.downcast_ref::<ConfigError>().is_some() {
+            if e.downcast_ref::<ConfigError>().is_some() || e.downcast_ref::<Usage>().is_some() {
                 2
             } else {
                 1
