@@ -72,37 +72,31 @@ pub async fn run(settings: Settings, shutdown: impl Future<Output = ()>) -> anyh
         },
     );
 
-    // The file's pipelines, each with the settings as it sees them and its name (its stages'
-    // `pipeline` label, beside `stage="main"|"dlq"`, as users'). A file's pipeline named users
-    // replaces the built-in one.
-    let configured: Vec<(Settings, String, Arc<Mapping>)> = settings
-        .pipelines
+    // Every pipeline this instance serves, resolved once when the settings loaded: the
+    // built-in users pipeline (unless a file's replaces it or `--pipelines` leaves it out), then
+    // the file's. Each one's name is its stages' `pipeline` label, beside `stage="main"|"dlq"`.
+    let served = settings.pipelines();
+    let mappings: Vec<Arc<Mapping>> = served
         .iter()
-        .map(|p| Ok((p.view(&settings), p.name.clone(), Arc::new(p.mapping()?))))
+        .map(|p| p.mapping().map(Arc::new))
         .collect::<Result<_, crate::config::ConfigError>>()?;
-    let builtin_users =
-        !settings.without_users && !settings.pipelines.iter().any(|p| p.name == "users");
     // The queue poller: every served pipeline's queues, for the metrics and the stages.
-    let mut served = Vec::new();
-    if builtin_users {
-        served.push(crate::config::pipelines::Names::users(&settings));
-    }
-    served.extend(settings.pipelines.iter().map(|p| p.names(&settings)));
     let queues = served
-        .into_iter()
-        .flat_map(|n| {
-            std::iter::once(n.main_queue)
-                .chain(n.retry_tiers.into_iter().map(|t| t.queue))
-                .chain(std::iter::once(n.dlq_queue))
+        .iter()
+        .flat_map(|p| {
+            let n = &p.names;
+            std::iter::once(n.main_queue.clone())
+                .chain(n.retry_tiers.iter().map(|t| t.queue.clone()))
+                .chain(std::iter::once(n.dlq_queue.clone()))
         })
         .collect();
     let depths = Depths::default();
     // Every 5 s, or every balanced pipeline's cooldown if shorter: a balancing decision sees
     // a depth at most one cooldown old.
-    let views = std::iter::once(&settings).chain(configured.iter().map(|c| &c.0));
-    let poll_every = views
-        .filter(|v| v.users_balance != crate::config::Balance::Off)
-        .map(|v| Duration::from_millis(v.users_balance_cooldown_ms))
+    let poll_every = served
+        .iter()
+        .filter(|p| p.balance.strategy != crate::config::Balance::Off)
+        .map(|p| p.balance.cooldown)
         .fold(Duration::from_secs(5), Duration::min)
         .max(Duration::from_millis(250));
     tokio::spawn(crate::amqp::monitor::poll_queues(
@@ -113,11 +107,7 @@ pub async fn run(settings: Settings, shutdown: impl Future<Output = ()>) -> anyh
     ));
     // Every stage this instance runs: each served pipeline's main stage (role consumer) and
     // DLQ stage (role dlq), under one scheme, users' as any other's.
-    let served_names: Vec<&str> = builtin_users
-        .then_some("users")
-        .into_iter()
-        .chain(configured.iter().map(|c| c.1.as_str()))
-        .collect();
+    let served_names: Vec<&str> = served.iter().map(|p| p.name.as_str()).collect();
     let stages: Vec<StageId> = [(Role::Consumer, Stage::Main), (Role::Dlq, Stage::Dlq)]
         .into_iter()
         .filter(|(role, _)| settings.has_role(*role))
@@ -138,47 +128,22 @@ pub async fn run(settings: Settings, shutdown: impl Future<Output = ()>) -> anyh
     metrics::connection("amqp", false);
     metrics::connection("postgres", false);
 
-    // One pool for every pipeline, with a connection for each insert that can be in flight:
-    // the main stages' most (the batchers they have, within the process-wide budget), and the
-    // DLQ stages' batch concurrency.
+    // One pool for every pipeline, with a connection for each insert that can be in flight
+    // (`Settings::pipelines_pool_size`).
     let budget = settings.inserts_budget();
     let mut database = settings.database();
-    let served: Vec<&Settings> = builtin_users
-        .then_some(&settings)
-        .into_iter()
-        .chain(configured.iter().map(|c| &c.0))
-        .collect();
-    let most: usize = served.iter().map(|v| v.most_concurrency()).sum();
-    let dlq: usize = served.iter().map(|v| v.users_batch_concurrency).sum();
-    database.pool_size = database.pool_size.max(most.min(budget) + dlq + 1);
+    database.pool_size = settings.pipelines_pool_size();
     let pool = db::pool(&database)?;
-    // The built-in users pipeline: its declaration in config/default.toml, through the mapping
-    // like every other, under the global settings (`MAIN_QUEUE`, `USERS_*`).
-    let users: Arc<Mapping> = Arc::new(crate::config::pipelines::users()?.mapping()?);
-    // Every main stage first, then every DLQ stage: users, then the file's.
+    // Every main stage first, then every DLQ stage, in the order of the pipelines.
     let mut pipelines = Vec::new();
     for role in [Role::Consumer, Role::Dlq] {
         if !settings.has_role(role) {
             continue;
         }
-        let stage = |view: &Settings| match role {
-            Role::Dlq => Spec::dlq(view),
-            _ => Spec::main(view),
-        };
-        if builtin_users {
-            let spec = stage(&settings);
-            pipelines.push(pipeline::start(
-                &settings,
-                spec,
-                users.clone(),
-                pool.clone(),
-                depths.clone(),
-            ));
-        }
-        for (view, name, mapping) in &configured {
-            let spec = Spec {
-                pipeline: name.clone(),
-                ..stage(view)
+        for (p, mapping) in served.iter().zip(&mappings) {
+            let spec = match role {
+                Role::Dlq => Spec::dlq(p),
+                _ => Spec::main(p),
             };
             pipelines.push(pipeline::start(
                 &settings,
@@ -237,8 +202,9 @@ pub async fn run(settings: Settings, shutdown: impl Future<Output = ()>) -> anyh
     let (ctl_tx, mut ctl_rx) = mpsc::unbounded_channel::<control::Control>();
     let (report_tx, report_rx) = watch::channel(Report {
         status: Status::Running,
-        processors: settings.users_proc_concurrency,
-        rate_limit_per_s: settings.rate_limit_per_s,
+        // What the first pipeline (users, unless left out) starts with.
+        processors: served.first().map_or(0, |p| p.batching.processors),
+        rate_limit_per_s: served.first().map_or(0, |p| p.rate_limit_per_s),
     });
     let (stop_tx, stop_rx) = oneshot::channel::<String>();
     let registry = tokio::spawn(control::registry_loop(

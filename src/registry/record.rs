@@ -106,21 +106,15 @@ impl PipelineRecord {
     }
 }
 
-/// The pipelines `settings` configures: the built-in users pipeline (unless a file's pipeline
-/// named users replaces it, or `--without-users`), then the file's, in its order.
+/// The pipelines `settings` configures ([`Settings::pipelines`], resolved when it loaded): the
+/// built-in users pipeline (unless a file's pipeline named users replaces it, or `run
+/// --pipelines` leaves it out), then the file's, in its order.
 pub fn configured(settings: &Settings) -> Vec<PipelineRecord> {
-    let mut out = Vec::new();
-    if !settings.without_users && !settings.pipelines.iter().any(|p| p.name == "users") {
-        let table = crate::config::pipelines::users().map_or_else(|_| "users".into(), |p| p.table);
-        out.push(PipelineRecord::of("users", &table, &Names::users(settings)));
-    }
-    out.extend(
-        settings
-            .pipelines
-            .iter()
-            .map(|p| PipelineRecord::of(&p.name, &p.table, &p.names(settings))),
-    );
-    out
+    settings
+        .pipelines()
+        .iter()
+        .map(|p| PipelineRecord::of(&p.name, p.table(), &p.names))
+        .collect()
 }
 
 /// Every pipeline `settings` configures, then each one the records publish that it does not
