@@ -7,7 +7,9 @@
 //! values (queue type, balance, roles, retry tiers); `error` the [`ConfigError`]s and where a
 //! value was given ([`Origin`]); `diagnose` the file's lines and an error in warren's words
 //! (where, which setting or pipeline field, what was expected, the closest valid name);
-//! `redact` keeps secrets out of what is shown; [`pipelines`] the file's `[[pipelines]]` entries.
+//! `redact` keeps secrets out of what is shown; [`pipelines`] the `[[pipelines]]` entries and
+//! the one resolution step that turns each, with the defaults, into its checked
+//! [`pipelines::PipelineSpec`] when the settings load ([`Settings::pipelines`]).
 
 mod components;
 mod diagnose;

@@ -45,7 +45,7 @@ impl std::fmt::Display for QueueType {
     }
 }
 
-/// How a pipeline's batch inserts in flight follow its backlog (`USERS_BALANCE`, a pipeline's
+/// How a pipeline's batch inserts in flight follow its backlog (`BALANCE`, a pipeline's
 /// `balance`; docs/balancing.md).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
