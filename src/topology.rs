@@ -709,6 +709,56 @@ mod tests {
         assert!(t.bindings.iter().all(|b| b.key() == b.queue));
     }
 
+    /// Every resolved pipeline's objects, each with its own names and tiers: the built-in users
+    /// pipeline's from the settings, a file's from its entry (derived from its name).
+    #[test]
+    fn every_pipeline_renders_its_own_names_and_tiers() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("w.toml");
+        std::fs::write(
+            &path,
+            "[[pipelines]]\nname = \"orders\"\ntable = \"orders\"\nkey = [\"id\"]\n\
+             retry_ttls_ms = [1000, 60000]\n[pipelines.columns]\n\
+             id = { path = \"/id\", type = \"uuid\" }\n",
+        )
+        .unwrap();
+        let sources = crate::config::Sources {
+            file: Some(path),
+            use_env: false,
+            ..Default::default()
+        }
+        .with_override("queue_type", "quorum");
+        let s = Settings::load(&sources).unwrap();
+        let t = Topology::from_settings(&s).unwrap();
+        let queues: Vec<_> = t.queues.iter().map(|q| q.name.as_str()).collect();
+        assert_eq!(
+            queues,
+            [
+                "raffle_queue",
+                "raffle_retry_10s",
+                "raffle_dlq",
+                "orders_queue",
+                "orders_retry_1s",
+                "orders_retry_1m",
+                "orders_dlq"
+            ]
+        );
+        assert!(t.queues.iter().all(|q| q.queue_type() == "quorum"));
+        let orders = &t.queues[4];
+        assert_eq!(orders.arguments["x-message-ttl"], Arg::Int(1000));
+        assert_eq!(
+            orders.arguments["x-dead-letter-routing-key"],
+            Arg::Str("orders_queue".into())
+        );
+        assert_eq!(t.exchanges.len(), 6);
+        assert_eq!(t.bindings.len(), 3 + 4);
+        // One pipeline alone, as `warren run --pipelines orders` declares it.
+        let orders = s.pipeline("orders").unwrap();
+        let alone = Topology::of(orders, Queues::of(&s)).unwrap();
+        assert_eq!(alone.queues.len(), 4);
+        assert_eq!(alone.exchanges[0].name, "orders_exchange");
+    }
+
     #[test]
     fn names_with_quotes_stay_inside_their_strings() {
         let t = Topology::from_settings(&with(&[("main_queue", "we\"ird\\q")])).unwrap();
