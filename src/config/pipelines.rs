@@ -164,7 +164,7 @@ impl Names {
     }
 
     /// Every exchange and queue, with what it is (`main_queue`, ...), for the clash check.
-    pub fn all(&self) -> Vec<(&'static str, &str)> {
+    fn all(&self) -> Vec<(&'static str, &str)> {
         let mut out = vec![
             ("main_exchange", self.main_exchange.as_str()),
             ("main_queue", self.main_queue.as_str()),
