@@ -113,7 +113,7 @@ pub async fn run(
         let config = settings.http();
         // The API's own pool: a flood of reads can never take the pipeline's connections.
         let api_pool = db::pool_for(&database, config.pool_size, "warren-api")?;
-        let mapped = http::pipelines::PipelineApi::all(&settings)?;
+        let mapped = http::pipelines::PipelineApi::all(settings.pipelines())?;
         Some(http::serve(&config, &amqp, mapped, api_pool).await?)
     } else {
         None
@@ -145,8 +145,15 @@ pub async fn run(
     let (ctl_tx, mut ctl_rx) = mpsc::unbounded_channel::<control::Control>();
     let (report_tx, report_rx) = watch::channel(Report {
         status: Status::Running,
-        processors: settings.users_proc_concurrency,
-        rate_limit_per_s: settings.rate_limit_per_s,
+        // What the first pipeline (users, unless left out) starts with.
+        processors: settings
+            .pipelines()
+            .first()
+            .map_or(0, |p| p.batching.processors),
+        rate_limit_per_s: settings
+            .pipelines()
+            .first()
+            .map_or(0, |p| p.rate_limit_per_s),
     });
     let (stop_tx, stop_rx) = oneshot::channel::<String>();
     // This instance as the registry publishes it: the pipelines it runs (none without the
@@ -155,7 +162,7 @@ pub async fn run(
     let instance = registry::Instance::this(
         settings.roles.to_string(),
         if runs_pipelines {
-            registry::record::configured(&settings)
+            registry::record::configured(settings.pipelines())
         } else {
             Vec::new()
         },

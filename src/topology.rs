@@ -13,7 +13,8 @@ use lapin::{Channel, Connection, ExchangeKind};
 use serde::Deserialize;
 
 use crate::amqp::AmqpError;
-use crate::config::{QueueType, Settings};
+use crate::config::pipelines::PipelineSpec;
+use crate::config::{QueueType, RetryTier, Settings};
 
 /// The topology template, built into the binary.
 pub const TEMPLATE: &str = include_str!("../topology/topology.toml");
@@ -179,28 +180,64 @@ pub struct Step {
     pub outcome: Option<Outcome>,
 }
 
+/// What the topology takes from the settings beside the pipelines: the type of every queue and
+/// the quorum queues' delivery limits.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Queues {
+    /// `QUEUE_TYPE`.
+    pub queue_type: QueueType,
+    /// `DELIVERY_LIMIT`: the main queue's (quorum only).
+    pub delivery_limit: u32,
+    /// `DLQ_DELIVERY_LIMIT`: the DLQ's (quorum only; 0 declares none).
+    pub dlq_delivery_limit: u32,
+}
+
+impl Queues {
+    pub fn of(settings: &Settings) -> Self {
+        Self {
+            queue_type: settings.queue_type,
+            delivery_limit: settings.delivery_limit,
+            dlq_delivery_limit: settings.dlq_delivery_limit,
+        }
+    }
+}
+
 impl Topology {
-    /// The topology for `settings`.
+    /// The topology of every pipeline `settings` runs ([`Settings::pipelines`]), one after the
+    /// other.
     pub fn from_settings(settings: &Settings) -> Result<Self, TopologyError> {
-        Self::render(TEMPLATE, settings)
+        let queues = Queues::of(settings);
+        let mut all = Topology {
+            exchanges: Vec::new(),
+            queues: Vec::new(),
+            bindings: Vec::new(),
+        };
+        for p in settings.pipelines() {
+            let one = Self::of(p, queues)?;
+            all.exchanges.extend(one.exchanges);
+            all.queues.extend(one.queues);
+            all.bindings.extend(one.bindings);
+        }
+        Ok(all)
     }
 
-    /// Fills `${setting}` placeholders of `template` from `settings` and resolves it: entries
-    /// marked `per_retry_tier` once per retry tier (the template is filled once per tier, with
-    /// `retry_queue` and `retry_ttl_ms` set to the tier's), `quorum_arguments` added for quorum
-    /// queues.
-    pub fn render(template: &str, settings: &Settings) -> Result<Self, TopologyError> {
-        let filled: Vec<Template> = settings
-            .retry_tiers()
-            .into_iter()
-            .map(|tier| {
-                let mut for_tier = settings.clone();
-                for_tier.retry_queue = tier.queue;
-                for_tier.retry_ttl_ms = tier.ttl_ms;
-                fill(template, &for_tier)
-            })
+    /// The topology of the pipeline `p`.
+    pub fn of(p: &PipelineSpec, queues: Queues) -> Result<Self, TopologyError> {
+        Self::render(TEMPLATE, p, queues)
+    }
+
+    /// Fills `${name}` placeholders of `template` from the pipeline's names and `queues`, and
+    /// resolves it: entries marked `per_retry_tier` once per retry tier (the template is filled
+    /// once per tier, with `retry_queue` and `retry_ttl_ms` the tier's), `quorum_arguments`
+    /// added for quorum queues.
+    pub fn render(template: &str, p: &PipelineSpec, queues: Queues) -> Result<Self, TopologyError> {
+        let filled: Vec<Template> = p
+            .names
+            .retry_tiers
+            .iter()
+            .map(|tier| fill(template, &placeholders(p, tier, queues)))
             .collect::<Result<_, _>>()?;
-        let quorum = settings.queue_type == QueueType::Quorum;
+        let quorum = queues.queue_type == QueueType::Quorum;
         let mut tiers = filled.into_iter();
         let first = tiers
             .next()
@@ -316,10 +353,40 @@ impl Topology {
     }
 }
 
-/// Fills the `${setting}` placeholders of `template` from `settings` and parses it.
-fn fill(template: &str, settings: &Settings) -> Result<Template, TopologyError> {
-    let values =
-        toml::Value::try_from(settings).map_err(|e| TopologyError::Template(e.to_string()))?;
+/// The values of the template's placeholders for one retry tier of the pipeline `p`: its names
+/// (under the names of the users pipeline's settings, `main_queue`, ...), the tier's queue and
+/// TTL, the queue type and the delivery limits.
+fn placeholders(p: &PipelineSpec, tier: &RetryTier, queues: Queues) -> toml::Table {
+    let n = &p.names;
+    let mut values = toml::Table::new();
+    for (key, value) in [
+        ("main_exchange", &n.main_exchange),
+        ("main_queue", &n.main_queue),
+        ("retry_exchange", &n.retry_exchange),
+        ("retry_queue", &tier.queue),
+        ("dlx_exchange", &n.dlx_exchange),
+        ("dlq_queue", &n.dlq_queue),
+    ] {
+        values.insert(key.into(), toml::Value::String(value.clone()));
+    }
+    values.insert(
+        "queue_type".into(),
+        toml::Value::String(queues.queue_type.as_str().into()),
+    );
+    // Every number fits an i64: the TTL is at most a day, the limits at most 10^9.
+    for (key, value) in [
+        ("retry_ttl_ms", tier.ttl_ms),
+        ("delivery_limit", queues.delivery_limit.into()),
+        ("dlq_delivery_limit", queues.dlq_delivery_limit.into()),
+    ] {
+        let value = i64::try_from(value).unwrap_or(i64::MAX);
+        values.insert(key.into(), toml::Value::Integer(value));
+    }
+    values
+}
+
+/// Fills the `${name}` placeholders of `template` from `values` and parses it.
+fn fill(template: &str, values: &toml::Table) -> Result<Template, TopologyError> {
     // Comment lines may mention placeholders; only data is filled.
     let data: String = template
         .lines()
@@ -337,7 +404,7 @@ fn fill(template: &str, settings: &Settings) -> Result<Template, TopologyError> 
         let key = &after[..end];
         let value = values
             .get(key)
-            .ok_or_else(|| TopologyError::Template(format!("unknown setting ${{{key}}}")))?;
+            .ok_or_else(|| TopologyError::Template(format!("unknown placeholder ${{{key}}}")))?;
         match value {
             toml::Value::String(s) => out.push_str(&s.replace('\\', "\\\\").replace('"', "\\\"")),
             other => out.push_str(&other.to_string()),
@@ -642,11 +709,59 @@ mod tests {
         assert!(t.bindings.iter().all(|b| b.key() == b.queue));
     }
 
+    /// Every resolved pipeline's objects, each with its own names and tiers: the built-in users
+    /// pipeline's from the settings, a file's from its entry (derived from its name).
+    #[test]
+    fn every_pipeline_renders_its_own_names_and_tiers() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("w.toml");
+        std::fs::write(
+            &path,
+            "[[pipelines]]\nname = \"orders\"\ntable = \"orders\"\nkey = [\"id\"]\n\
+             retry_ttls_ms = [1000, 60000]\n[pipelines.columns]\n\
+             id = { path = \"/id\", type = \"uuid\" }\n",
+        )
+        .unwrap();
+        let sources = crate::config::Sources {
+            file: Some(path),
+            use_env: false,
+            ..Default::default()
+        }
+        .with_override("queue_type", "quorum");
+        let s = Settings::load(&sources).unwrap();
+        let t = Topology::from_settings(&s).unwrap();
+        let queues: Vec<_> = t.queues.iter().map(|q| q.name.as_str()).collect();
+        assert_eq!(
+            queues,
+            [
+                "raffle_queue",
+                "raffle_retry_10s",
+                "raffle_dlq",
+                "orders_queue",
+                "orders_retry_1s",
+                "orders_retry_1m",
+                "orders_dlq"
+            ]
+        );
+        assert!(t.queues.iter().all(|q| q.queue_type() == "quorum"));
+        let orders = &t.queues[4];
+        assert_eq!(orders.arguments["x-message-ttl"], Arg::Int(1000));
+        assert_eq!(
+            orders.arguments["x-dead-letter-routing-key"],
+            Arg::Str("orders_queue".into())
+        );
+        assert_eq!(t.exchanges.len(), 6);
+        assert_eq!(t.bindings.len(), 3 + 4);
+        // One pipeline alone, as `warren run --pipelines orders` declares it.
+        let orders = s.pipeline("orders").unwrap();
+        let alone = Topology::of(orders, Queues::of(&s)).unwrap();
+        assert_eq!(alone.queues.len(), 4);
+        assert_eq!(alone.exchanges[0].name, "orders_exchange");
+    }
+
     #[test]
     fn names_with_quotes_stay_inside_their_strings() {
-        let mut s = Settings::defaults();
-        s.main_queue = "we\"ird\\q".into();
-        let t = Topology::from_settings(&s).unwrap();
+        let t = Topology::from_settings(&with(&[("main_queue", "we\"ird\\q")])).unwrap();
         assert_eq!(t.queues[0].name, "we\"ird\\q");
     }
 

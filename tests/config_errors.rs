@@ -254,3 +254,44 @@ fn a_file_that_is_no_toml_is_placed_without_quoting_its_secrets() {
         );
     }
 }
+
+/// A rule across a pipeline's values is checked once, where the pipeline is resolved, and named
+/// where the value was given: an entry's key at its line, a default by its variable and the
+/// pipeline it fails for, the users pipeline's own setting by its name. `USERS_*` reach the
+/// users pipeline alone; the bare names are every pipeline's defaults.
+#[test]
+fn a_rule_of_a_pipeline_names_the_pipeline_and_where_its_value_was_given() {
+    let file = File::new(&orders("min_concurrency = 9"));
+    let path = file.path();
+    let at = path.to_str().expect("utf-8");
+    assert_refused(
+        "an entry's min_concurrency over the default maximum",
+        config(&[], &["--config", at]),
+        &[
+            &format!("{at}, line 5: pipelines.orders.min_concurrency: expected at most"),
+            "MAX_CONCURRENCY (8), got 9",
+        ],
+    );
+    let file = File::new(&orders("max_concurrency = 2"));
+    let path = file.path();
+    let at = path.to_str().expect("utf-8");
+    assert_refused(
+        "the default minimum over an entry's maximum",
+        config(&[("WARREN_MIN_CONCURRENCY", "3")], &["--config", at]),
+        &[
+            "WARREN_MIN_CONCURRENCY (pipeline orders): expected at most max_concurrency (2), \
+           got 3 (from the environment)",
+        ],
+    );
+    // The users pipeline's own minimum is users' alone: orders keeps the default (1) and loads.
+    let (code, out) = config(&[("USERS_MIN_CONCURRENCY", "3")], &["--config", at]);
+    assert_eq!(code, 0, "{out}");
+    assert_refused(
+        "the users pipeline's own minimum over the default maximum",
+        config(&[("USERS_MIN_CONCURRENCY", "9")], &["--config", at]),
+        &[
+            "USERS_MIN_CONCURRENCY: expected at most MAX_CONCURRENCY (8), got 9 (from the \
+           environment)",
+        ],
+    );
+}

@@ -13,16 +13,6 @@ use std::path::{Path, PathBuf};
 /// The parts of `src/` below the composition root that must not read `Settings`.
 const BELOW_THE_ROOT: &[&str] = &["amqp", "pipeline", "http", "registry", "db", "events.rs"];
 
-/// Files that still read `Settings` for what another part of issue 35 replaces: a pipeline's
-/// values, until they come from the resolved pipeline spec ("one resolution step"). Each must
-/// still import it: an entry that no longer does fails this test, so the list only shrinks.
-const AWAITING_THE_PIPELINE_SPEC: &[&str] = &[
-    "src/pipeline/mod.rs",
-    "src/pipeline/balance.rs",
-    "src/http/pipelines.rs",
-    "src/registry/record.rs",
-];
-
 fn rust_files(at: &Path, out: &mut Vec<PathBuf>) {
     if at.is_file() {
         if at.extension().is_some_and(|e| e == "rs") {
@@ -118,7 +108,6 @@ fn no_module_below_the_composition_root_imports_settings() {
         files.len()
     );
     let mut offenders = Vec::new();
-    let mut stale = Vec::new();
     for file in &files {
         let shown = file
             .strip_prefix(root)
@@ -127,21 +116,13 @@ fn no_module_below_the_composition_root_imports_settings() {
             .into_owned();
         let text = std::fs::read_to_string(file).expect("a source file");
         let imports = names_settings(&code(&text));
-        let awaited = AWAITING_THE_PIPELINE_SPEC.contains(&shown.as_str());
-        if imports && !awaited {
+        if imports {
             offenders.push(shown);
-        } else if awaited && !imports {
-            stale.push(shown);
         }
     }
     assert!(
         offenders.is_empty(),
         "these modules below the composition root import config::Settings; give them their \
          component's own configuration (built in src/config/components.rs) instead: {offenders:#?}"
-    );
-    assert!(
-        stale.is_empty(),
-        "these files no longer import config::Settings: take them off \
-         AWAITING_THE_PIPELINE_SPEC: {stale:#?}"
     );
 }

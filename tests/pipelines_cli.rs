@@ -256,3 +256,55 @@ fn a_body_over_max_message_bytes_is_refused_as_the_pipeline_refuses_it() {
         "{stdout}"
     );
 }
+
+/// Each pipeline is resolved on its own: `USERS_BATCH_SIZE` is the users pipeline's alone, the
+/// bare `BATCH_SIZE` every pipeline's default (an entry's own key would win over both);
+/// `warren config` ends with each pipeline's effective prefetch window (batch size x batch
+/// concurrency x 2).
+#[test]
+fn users_own_settings_reach_users_alone_and_the_defaults_every_pipeline() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let path = dir.path().join("warren.toml");
+    std::fs::write(&path, ORDERS).expect("write the config");
+    let windows = |vars: &[(&str, &str)]| {
+        let out = Command::new(warren_bin())
+            .env_clear()
+            .envs(vars.iter().copied())
+            .arg("--config")
+            .arg(&path)
+            .arg("config")
+            .output()
+            .expect("run warren");
+        let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+        assert_eq!(
+            out.status.code(),
+            Some(0),
+            "{vars:?}: {stdout}{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        stdout
+            .lines()
+            .find_map(|l| l.strip_prefix("# effective prefetch: "))
+            .unwrap_or_else(|| panic!("{vars:?}: no effective prefetch line:\n{stdout}"))
+            .to_string()
+    };
+    assert_eq!(windows(&[]), "4000 (users), 4000 (orders)");
+    assert_eq!(
+        windows(&[("USERS_BATCH_SIZE", "100")]),
+        "400 (users), 4000 (orders)"
+    );
+    assert_eq!(
+        windows(&[("BATCH_SIZE", "100")]),
+        "400 (users), 400 (orders)"
+    );
+    assert_eq!(
+        windows(&[("WARREN_BATCH_SIZE", "100"), ("USERS_BATCH_SIZE", "300")]),
+        "1200 (users), 400 (orders)"
+    );
+    let with_own = ORDERS.replace("unknown_fields", "batch_size = 50\nunknown_fields");
+    std::fs::write(&path, with_own).expect("write the config");
+    assert_eq!(
+        windows(&[("BATCH_SIZE", "100"), ("USERS_BATCH_SIZE", "300")]),
+        "1200 (users), 200 (orders)"
+    );
+}

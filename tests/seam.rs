@@ -11,7 +11,6 @@ use std::time::Duration;
 use futures::future::BoxFuture;
 use serde_json::Value;
 use uuid::Uuid;
-use warren::config::pipelines::Names;
 use warren::db::DbError;
 use warren::domain::{Domain, Inserted, Rejection};
 use warren::pipeline::{self, FallbackKind, Spec, Stage};
@@ -95,6 +94,7 @@ async fn a_second_domain_runs_through_the_same_core() {
         .expect("create events");
 
     let settings = env.settings();
+    let users = settings.pipeline("users").expect("the users pipeline");
     let pool = warren::db::pool_for(&settings.database(), 2, "warren-seam-test").expect("pool");
     let spec = Spec {
         stage: Stage::Main,
@@ -105,7 +105,7 @@ async fn a_second_domain_runs_through_the_same_core() {
         processors: 2,
         batchers: 2,
         max_batchers: 2,
-        policy: warren::pipeline::balance::Policy::of(&settings),
+        policy: warren::pipeline::balance::Policy::of(users),
         prefetch: 200,
         window_cap: 200,
         max_message_bytes: 4096,
@@ -113,7 +113,7 @@ async fn a_second_domain_runs_through_the_same_core() {
         db_retry_window: Duration::from_secs(1),
         breaker_failures: Some(3),
         fallback: FallbackKind::Route,
-        names: Names::users(&settings),
+        names: users.names.clone(),
         max_retries: settings.max_retries,
         rate_limit_per_s: 0,
     };

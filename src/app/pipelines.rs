@@ -16,60 +16,47 @@ use tokio_util::sync::CancellationToken;
 use tracing::warn;
 
 use crate::amqp::monitor::Depths;
-use crate::config::pipelines::{Names, PipelineConfig};
+use crate::config::pipelines::PipelineSpec;
 use crate::config::{Balance, ConfigError, Role, Settings};
 use crate::domain::mapping::Mapping;
 use crate::pipeline::balance::Decision;
 use crate::pipeline::{self, Pipeline, Spec, Stage, StageId};
 use crate::registry::PipelineRecord;
 
-/// One pipeline as the configuration declares it: what its stages start from, and what a
-/// reload compares ([`same`]).
+/// One pipeline as the configuration declares it: its resolved spec (what its stages start
+/// from, and what a reload compares, [`same`]) and its compiled mapping.
 #[derive(Clone)]
 pub(super) struct Declared {
     /// `users`, `orders`: the `pipeline` label, what `--pipeline` names.
     pub name: String,
-    /// Its `[[pipelines]]` entry (the built-in users pipeline's is the shipped one).
-    pub entry: PipelineConfig,
-    /// The settings as it sees them (`PipelineConfig::view`; the global ones for the built-in
-    /// users pipeline), from which its stages' specs resolve.
-    pub view: Settings,
-    /// Its exchanges and queues.
-    pub names: Names,
+    /// The pipeline resolved once from its entry and the defaults (`config::pipelines::resolve`).
+    pub spec: PipelineSpec,
     /// Its compiled mapping, shared by its stages.
     pub mapping: Arc<Mapping>,
 }
 
-/// The pipelines `settings` declares: the built-in users pipeline first (unless a file's
-/// pipeline named users replaces it, or `--pipelines` left it out), then the file's in order.
+/// The pipelines `settings` declares, as they resolved at load: the built-in users pipeline
+/// first (unless a file's pipeline named users replaces it, or `--pipelines` left it out), then
+/// the file's in order.
 pub(super) fn declared(settings: &Settings) -> Result<Vec<Declared>, ConfigError> {
-    let mut out = Vec::new();
-    if !settings.without_users && !settings.pipelines.iter().any(|p| p.name == "users") {
-        let entry = crate::config::pipelines::users()?;
-        out.push(Declared {
-            name: "users".into(),
-            mapping: Arc::new(entry.mapping()?),
-            entry,
-            view: settings.clone(),
-            names: Names::users(settings),
-        });
-    }
-    for p in &settings.pipelines {
-        out.push(Declared {
-            name: p.name.clone(),
-            entry: p.clone(),
-            view: p.view(settings),
-            names: p.names(settings),
-            mapping: Arc::new(p.mapping()?),
-        });
-    }
-    Ok(out)
+    settings
+        .pipelines()
+        .iter()
+        .map(|spec| {
+            Ok(Declared {
+                name: spec.name.clone(),
+                mapping: Arc::new(spec.mapping()?),
+                spec: spec.clone(),
+            })
+        })
+        .collect()
 }
 
-/// The settings a pipeline's stages read from its view (`Spec::main`, `Spec::dlq`, its names
-/// and tiers): a change of one of them changes the pipelines that see it. Every other setting
-/// is the process's (connections, listeners, roles, timeouts of the links, the insert budget)
-/// and changes only with a restart ([`restart_needed`]).
+/// The settings that only feed the pipelines' specs (the defaults, the users pipeline's own
+/// names and settings, the limits every pipeline takes): a change of one changes the pipelines
+/// whose resolved spec it changes, and needs no restart. Every other setting is the process's
+/// (connections, listeners, roles, timeouts of the links, the insert budget) and changes only
+/// with a restart ([`restart_needed`]).
 pub(super) const PIPELINE_SETTINGS: &[&str] = &[
     "main_exchange",
     "main_queue",
@@ -81,6 +68,18 @@ pub(super) const PIPELINE_SETTINGS: &[&str] = &[
     "retry_ttls_ms",
     "max_retries",
     "dlq_max_attempts",
+    "batch_size",
+    "batch_timeout_ms",
+    "proc_concurrency",
+    "batch_concurrency",
+    "balance",
+    "min_concurrency",
+    "max_concurrency",
+    "balance_cooldown_ms",
+    "balance_max_shift",
+    "scale_threshold",
+    "scale_up_threshold",
+    "scale_down_threshold",
     "users_batch_size",
     "users_batch_timeout_ms",
     "users_proc_concurrency",
@@ -109,18 +108,10 @@ fn by_key(settings: &Settings) -> serde_json::Map<String, serde_json::Value> {
     }
 }
 
-/// The part of a pipeline's view its stages read ([`PIPELINE_SETTINGS`]).
-fn resolved(view: &Settings) -> serde_json::Map<String, serde_json::Value> {
-    let mut all = by_key(view);
-    all.retain(|k, _| PIPELINE_SETTINGS.contains(&k.as_str()));
-    all
-}
-
 /// Whether a running pipeline declared as `old` is left untouched by a reload that declares it
-/// as `new`: the same entry, names and resolved settings. The one place that says what a
-/// pipeline's change is (with a resolved, comparable pipeline spec, `old.spec == new.spec`).
+/// as `new`: the same resolved spec. The one place that says what a pipeline's change is.
 pub(super) fn same(old: &Declared, new: &Declared) -> bool {
-    old.entry == new.entry && old.names == new.names && resolved(&old.view) == resolved(&new.view)
+    old.spec == new.spec
 }
 
 /// The settings of `next` that differ from those the process started with (`base`) and are not
@@ -286,12 +277,8 @@ pub(super) struct Pipelines {
 /// flight (the main stages' most within the budget, the DLQ stages' batch concurrency), and one
 /// more; never below `DATABASE_POOL_SIZE`.
 pub(super) fn pool_size(base: &Settings, declared: &[Declared], budget: usize) -> usize {
-    let most: usize = declared.iter().map(|d| d.view.most_concurrency()).sum();
-    let dlq: usize = declared
-        .iter()
-        .map(|d| d.view.users_batch_concurrency)
-        .sum();
-    base.database_pool_size.max(most.min(budget) + dlq + 1)
+    let specs: Vec<PipelineSpec> = declared.iter().map(|d| d.spec.clone()).collect();
+    crate::config::pipelines::pool_size(&specs, base.database_pool_size, budget)
 }
 
 /// The process-wide budget of batch inserts in flight for the pipelines of `next`, under the
@@ -385,12 +372,8 @@ impl Pipelines {
             .into_iter()
             .map(|id| {
                 let spec = match id.stage() {
-                    Stage::Main => Spec::main(&d.view),
-                    Stage::Dlq => Spec::dlq(&d.view),
-                };
-                let spec = Spec {
-                    pipeline: d.name.clone(),
-                    ..spec
+                    Stage::Main => Spec::main(&d.spec),
+                    Stage::Dlq => Spec::dlq(&d.spec),
                 };
                 pipeline::start(
                     &self.links,
@@ -426,20 +409,21 @@ impl Pipelines {
     /// After a start or a change: the queue poller (every pipeline's queues), the balancer
     /// (every main stage), the pool's size and the registry record's pipelines.
     fn refresh(&mut self) {
-        let views =
-            std::iter::once(&self.base).chain(self.running.iter().map(|r| &r.declared.view));
         // Every 5 s, or every balanced pipeline's cooldown if shorter: a balancing decision
         // sees a depth at most one cooldown old.
-        let poll_every = views
-            .filter(|v| v.users_balance != Balance::Off)
-            .map(|v| Duration::from_millis(v.users_balance_cooldown_ms))
+        let poll_every = self
+            .running
+            .iter()
+            .map(|r| &r.declared.spec.balance)
+            .filter(|b| b.strategy != Balance::Off)
+            .map(|b| b.cooldown)
             .fold(Duration::from_secs(5), Duration::min)
             .max(Duration::from_millis(250));
         let queues: Vec<String> = self
             .running
             .iter()
             .flat_map(|r| {
-                let n = &r.declared.names;
+                let n = &r.declared.spec.names;
                 std::iter::once(n.main_queue.clone())
                     .chain(n.retry_tiers.iter().map(|t| t.queue.clone()))
                     .chain(std::iter::once(n.dlq_queue.clone()))
@@ -481,7 +465,11 @@ impl Pipelines {
             self.running
                 .iter()
                 .map(|r| {
-                    PipelineRecord::of(&r.declared.name, &r.declared.entry.table, &r.declared.names)
+                    PipelineRecord::of(
+                        &r.declared.name,
+                        r.declared.spec.table(),
+                        &r.declared.spec.names,
+                    )
                 })
                 .collect()
         } else {
@@ -525,7 +513,13 @@ impl Pipelines {
         let starting = |name: &String| report.added.contains(name) || report.changed.contains(name);
         // What starts is checked against its tables first, as at start.
         let mut checked = next.clone();
-        checked.pipelines.retain(|p| starting(&p.name));
+        let names: Vec<String> = checked
+            .pipelines()
+            .iter()
+            .map(|p| p.name.clone())
+            .filter(|name| starting(name))
+            .collect();
+        checked.select_pipelines(&names.iter().map(String::as_str).collect::<Vec<_>>());
         if !report.added.is_empty() || !report.changed.is_empty() {
             prepare(checked).await?;
         }
@@ -533,9 +527,10 @@ impl Pipelines {
             let was_api = |name: &String| {
                 self.running
                     .iter()
-                    .any(|r| &r.declared.name == name && r.declared.entry.api)
+                    .any(|r| &r.declared.name == name && r.declared.spec.api.enabled)
             };
-            let is_api = |name: &String| wanted.iter().any(|d| &d.name == name && d.entry.api);
+            let is_api =
+                |name: &String| wanted.iter().any(|d| &d.name == name && d.spec.api.enabled);
             report.api_unchanged = report
                 .added
                 .iter()
@@ -677,10 +672,13 @@ id = { path = "/id", type = "uuid" }
         assert!(!same(find(&was, "orders"), find(&bigger, "orders")));
         assert!(same(find(&was, "users"), find(&bigger, "users")));
 
-        // A default both read (USERS_BATCH_TIMEOUT_MS) changes both.
-        let timeout = declared(&with(&format!("users_batch_timeout_ms = 7\n{ORDERS}"))).unwrap();
+        // A default both read (BATCH_TIMEOUT_MS) changes both; users' own setting users only.
+        let timeout = declared(&with(&format!("batch_timeout_ms = 7\n{ORDERS}"))).unwrap();
         assert!(!same(find(&was, "orders"), find(&timeout, "orders")));
         assert!(!same(find(&was, "users"), find(&timeout, "users")));
+        let own = declared(&with(&format!("users_batch_timeout_ms = 7\n{ORDERS}"))).unwrap();
+        assert!(same(find(&was, "orders"), find(&own, "orders")));
+        assert!(!same(find(&was, "users"), find(&own, "users")));
 
         // The process's settings change no pipeline: they need a restart.
         let listen = with(&format!(

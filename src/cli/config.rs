@@ -26,6 +26,12 @@ pub fn execute(settings: &Settings, sources: &Sources, args: Args) -> anyhow::Re
             }
         }
     }
-    outln!("# effective prefetch: {}", settings.effective_prefetch())?;
+    // Each pipeline's prefetch window as resolved (at its batch concurrency).
+    let windows: Vec<String> = settings
+        .pipelines()
+        .iter()
+        .map(|p| format!("{} ({})", p.prefetch, p.name))
+        .collect();
+    outln!("# effective prefetch: {}", windows.join(", "))?;
     Ok(0)
 }

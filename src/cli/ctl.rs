@@ -183,7 +183,7 @@ pub async fn execute(settings: &Settings, args: Args) -> anyhow::Result<i32> {
         .filter_map(|l| l.record.as_ref().ok())
         .collect();
     if let Some(name) = &pipeline {
-        let known = record::known(settings, records.iter().copied());
+        let known = record::known(settings.pipelines(), records.iter().copied());
         if let Err(unknown) = record::find(&known, name) {
             bail!("--pipeline: {}", safe(&unknown.to_string()));
         }

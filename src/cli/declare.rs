@@ -21,11 +21,7 @@ pub async fn execute(settings: &Settings, args: Args) -> anyhow::Result<i32> {
     let topology = Topology::from_settings(settings)?;
     if args.dry_run {
         outln!("plan (nothing declared):")?;
-        let mut objects = topology.plan();
-        for p in &settings.pipelines {
-            objects.extend(Topology::from_settings(&p.view(settings))?.plan());
-        }
-        for step in objects {
+        for step in topology.plan() {
             outln!("  {}", step.object)?;
         }
         outln!()?;
@@ -87,8 +83,8 @@ pub async fn declare_all(
     check_tables(settings).await
 }
 
-/// Declares `topology` and every configured pipeline's exchanges and queues; answers each object
-/// with its outcome, as table rows.
+/// Declares `topology` (every configured pipeline's exchanges and queues,
+/// [`Topology::from_settings`]); answers each object with its outcome, as table rows.
 pub async fn declare_topology(
     settings: &Settings,
     topology: &Topology,
@@ -101,19 +97,7 @@ pub async fn declare_topology(
                 crate::config::redact_url(&settings.amqp_url)
             )
         })?;
-    let mut result = topology.declare(&conn).await;
-    // Each configured pipeline's exchanges and queues, from the settings as it sees them.
-    for p in &settings.pipelines {
-        let Ok(mut steps) = result else { break };
-        let theirs = match Topology::from_settings(&p.view(settings)) {
-            Ok(t) => t.declare(&conn).await,
-            Err(e) => Err(e),
-        };
-        result = theirs.map(|more| {
-            steps.extend(more);
-            steps
-        });
-    }
+    let result = topology.declare(&conn).await;
     amqp::close(None, Some(conn)).await;
     let steps = result?;
     let mut rows = Vec::new();
@@ -183,8 +167,9 @@ pub async fn check_tables(settings: &Settings) -> anyhow::Result<()> {
 /// every pipeline, each a sentence naming the pipeline, the table and the column (empty: they
 /// fit); `Err` when the database cannot be asked.
 async fn pipeline_mismatches(settings: &Settings) -> Result<Vec<String>, db::DbError> {
+    // The file's pipelines: the built-in users pipeline's table is warren's own migration.
     let mut mappings = Vec::new();
-    for p in &settings.pipelines {
+    for p in settings.pipelines().iter().filter(|p| !p.builtin) {
         mappings.push(
             p.mapping()
                 .map_err(|e| db::DbError::Migration(e.to_string()))?,

@@ -340,7 +340,7 @@ pub(crate) async fn known_pipelines(settings: &Settings) -> Vec<crate::registry:
     let live = crate::registry::live(&settings.redis())
         .await
         .unwrap_or_default();
-    crate::registry::record::known(settings, &live)
+    crate::registry::record::known(settings.pipelines(), &live)
 }
 
 /// Runs the subcommand; returns the process exit code.

@@ -16,7 +16,7 @@ use crate::amqp::headers;
 use crate::cli::out::{self, out};
 use crate::cli::terminal_safe as safe;
 use crate::config::Settings;
-use crate::config::pipelines::{Names, PipelineConfig};
+use crate::config::pipelines::{Names, PipelineSpec};
 use crate::domain::mapping::{Cell, Row};
 
 #[derive(Debug, clap::Args)]
@@ -74,16 +74,16 @@ pub fn execute(settings: &Settings, args: Args) -> anyhow::Result<i32> {
     }
 }
 
-/// The configured pipeline `name`, or `None` for the built-in users pipeline.
-fn find<'a>(settings: &'a Settings, name: &str) -> anyhow::Result<Option<&'a PipelineConfig>> {
-    if let Some(p) = settings.pipelines.iter().find(|p| p.name == name) {
-        return Ok(Some(p));
+/// The pipeline `name` as the configuration resolves it.
+fn find<'a>(settings: &'a Settings, name: &str) -> anyhow::Result<&'a PipelineSpec> {
+    if let Some(p) = settings.pipeline(name) {
+        return Ok(p);
     }
-    if name == "users" {
-        return Ok(None);
-    }
-    let mut known = vec!["users".to_string()];
-    known.extend(settings.pipelines.iter().map(|p| p.name.clone()));
+    let known: Vec<&str> = settings
+        .pipelines()
+        .iter()
+        .map(|p| p.name.as_str())
+        .collect();
     bail!(
         "no pipeline {:?}; this configuration has: {}",
         safe(name),
@@ -95,12 +95,9 @@ fn find<'a>(settings: &'a Settings, name: &str) -> anyhow::Result<Option<&'a Pip
 fn list(settings: &Settings) -> anyhow::Result<String> {
     let mut out = String::new();
     // The built-in users pipeline, as config/default.toml declares it, unless a file's replaces
-    // it; its names are the global settings'.
-    let builtin = (!settings.pipelines.iter().any(|p| p.name == "users"))
-        .then(crate::config::pipelines::users)
-        .transpose()?;
-    let served = builtin.iter().map(|p| (p, true));
-    for (p, builtin) in served.chain(settings.pipelines.iter().map(|p| (p, false))) {
+    // it (its names are the settings MAIN_QUEUE, ...), then the file's: as resolved.
+    for spec in settings.pipelines() {
+        let p = &spec.mapping;
         let mut conflict = format!("{:?}", p.on_conflict).to_lowercase();
         if let Some(v) = &p.version_column {
             conflict.push_str(&format!(" (version_column {v})"));
@@ -110,7 +107,7 @@ fn list(settings: &Settings) -> anyhow::Result<String> {
             p.table,
             p.key.join("+"),
             format!("{:?}", p.unknown_fields).to_lowercase(),
-            if p.api { ", api" } else { "" },
+            if spec.api.enabled { ", api" } else { "" },
         );
         let columns = p
             .columns
@@ -142,12 +139,12 @@ fn list(settings: &Settings) -> anyhow::Result<String> {
                 row(name, &source, c.ty.as_str(), &checks.join(", "))
             })
             .collect();
-        let (title, names) = if builtin {
-            ("users (built-in)".to_string(), Names::users(settings))
+        let title = if spec.builtin {
+            format!("{} (built-in)", spec.name)
         } else {
-            (p.name.clone(), p.names(settings))
+            spec.name.clone()
         };
-        out.push_str(&block(&title, &names, &table, columns));
+        out.push_str(&block(&title, &spec.names, &table, columns));
     }
     Ok(out)
 }
@@ -188,10 +185,8 @@ pub fn test(
     out: &mut impl std::io::Write,
 ) -> anyhow::Result<i32> {
     // The built-in users pipeline is its declaration, as for any other.
-    let mapping = match find(settings, name)? {
-        Some(p) => p.mapping()?,
-        None => crate::config::pipelines::users()?.mapping()?,
-    };
+    let pipeline = find(settings, name)?;
+    let mapping = pipeline.mapping()?;
     let (mut accepted, mut refused) = (0u64, 0u64);
     // Lines as bytes: a body that is not UTF-8 is the pipeline's `invalid_json` to report,
     // not the end of the input (the lines after it are checked too).
@@ -215,11 +210,11 @@ pub fn test(
             (line, None)
         };
         // Refused unread over the size limit, as the pipeline's processor refuses it.
-        let verdict = if body.len() > settings.max_message_bytes {
+        let verdict = if body.len() > pipeline.max_message_bytes {
             Err(crate::domain::Rejection::payload(format!(
                 "body of {} bytes exceeds MAX_MESSAGE_BYTES ({})",
                 body.len(),
-                settings.max_message_bytes
+                pipeline.max_message_bytes
             )))
         } else {
             mapping

@@ -80,9 +80,13 @@ pub async fn execute(settings: &Settings, args: Args) -> anyhow::Result<i32> {
     if args.in_flight == 0 {
         bail!("--in-flight: expected at least 1");
     }
+    // What is published is users: to the users pipeline's exchange and queue as resolved.
+    let users = settings
+        .pipeline("users")
+        .ok_or_else(|| anyhow::anyhow!("this configuration runs no users pipeline"))?;
+    let exchange = users.names.main_exchange.clone();
+    let routing_key = users.names.main_queue.clone();
     let publisher = connected_publisher(settings).await?;
-    let exchange = settings.main_exchange.clone();
-    let routing_key = settings.main_queue.clone();
     let latency_header = settings.publish_latency_header;
     let make = |id: ShortString, body: Vec<u8>| Publish {
         exchange: exchange.clone(),

@@ -48,10 +48,7 @@ pub fn select_pipelines(mut settings: Settings, list: &str) -> Result<Settings, 
             got: format!("{unknown:?}"),
         });
     }
-    settings
-        .pipelines
-        .retain(|p| wanted.contains(&p.name.as_str()));
-    settings.without_users = !wanted.contains(&"users");
+    settings.select_pipelines(&wanted);
     Ok(settings)
 }
 

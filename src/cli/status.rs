@@ -106,7 +106,7 @@ async fn listing(settings: &Settings) -> (Option<Vec<Listed>>, Vec<PipelineRecor
         .iter()
         .flatten()
         .filter_map(|l| l.record.as_ref().ok());
-    let pipelines = record::known(settings, records);
+    let pipelines = record::known(settings.pipelines(), records);
     (instances, pipelines)
 }
 

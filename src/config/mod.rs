@@ -7,7 +7,9 @@
 //! values (queue type, balance, roles, retry tiers); `error` the [`ConfigError`]s and where a
 //! value was given ([`Origin`]); `diagnose` the file's lines and an error in warren's words
 //! (where, which setting or pipeline field, what was expected, the closest valid name);
-//! `redact` keeps secrets out of what is shown; [`pipelines`] the file's `[[pipelines]]` entries.
+//! `redact` keeps secrets out of what is shown; [`pipelines`] the `[[pipelines]]` entries and
+//! the one resolution step that turns each, with the defaults, into its checked
+//! [`pipelines::PipelineSpec`] when the settings load ([`Settings::pipelines`]).
 
 mod components;
 mod diagnose;
@@ -71,6 +73,10 @@ macro_rules! settings {
             /// `warren run --pipelines` left the built-in users pipeline out (not a setting).
             #[serde(skip)]
             pub without_users: bool,
+            /// Every pipeline to run, resolved once by [`Settings::load`] ([`pipelines::resolve`]):
+            /// what [`Settings::pipelines`] answers.
+            #[serde(skip)]
+            resolved: Vec<pipelines::PipelineSpec>,
         }
 
         /// Every setting and its rule, in the order of `config/default.toml`.
@@ -156,32 +162,75 @@ settings! {
     /// Attempts the DLQ consumer makes at a message whose insert keeps failing with a database
     /// error before it parks it, so no message loops in the DLQ forever.
     dlq_max_attempts: u32 => Rule::Int { min: 1, max: 1000 },
+    // Every pipeline's defaults: a `[[pipelines]]` entry's key of the same name wins over each.
     /// Flush a batch at this many messages.
-    users_batch_size: usize => Rule::Int { min: 1, max: 10_000 },
+    batch_size: usize => Rule::Int { min: 1, max: 10_000 },
     /// Flush a batch this long after its first message.
-    users_batch_timeout_ms: u64 => Rule::Int { min: 0, max: 600_000 },
+    batch_timeout_ms: u64 => Rule::Int { min: 0, max: 600_000 },
     /// Processor actors: 1 decodes on the pipeline's own thread; more decode in parallel on
     /// threads of their own (at most one per core).
-    users_proc_concurrency: usize => Rule::Int { min: 1, max: 256 },
+    proc_concurrency: usize => Rule::Int { min: 1, max: 256 },
     /// Batcher actors (batch inserts in flight at once).
-    users_batch_concurrency: usize => Rule::Int { min: 1, max: 64 },
+    batch_concurrency: usize => Rule::Int { min: 1, max: 64 },
     /// How the batch inserts in flight follow the backlog: `off` (fixed at
-    /// `users_batch_concurrency`), `simple` or `auto` (docs/balancing.md).
-    users_balance: Balance => Rule::OneOf(&["off", "simple", "auto"]),
+    /// `batch_concurrency`), `simple` or `auto` (docs/balancing.md).
+    balance: Balance => Rule::OneOf(BALANCES),
     /// Balanced: the fewest batch inserts in flight (where `auto` starts).
-    users_min_concurrency: usize => Rule::Int { min: 1, max: 64 },
+    min_concurrency: usize => Rule::Int { min: 1, max: 64 },
     /// Balanced: the most batch inserts in flight.
-    users_max_concurrency: usize => Rule::Int { min: 1, max: 64 },
+    max_concurrency: usize => Rule::Int { min: 1, max: 64 },
     /// Balanced: time between two decisions, so the concurrency never flaps.
-    users_balance_cooldown_ms: u64 => Rule::Int { min: 100, max: 3_600_000 },
+    balance_cooldown_ms: u64 => Rule::Int { min: 100, max: 3_600_000 },
     /// `auto`: the most inserts in flight one decision adds or takes away.
-    users_balance_max_shift: usize => Rule::Int { min: 1, max: 64 },
+    balance_max_shift: usize => Rule::Int { min: 1, max: 64 },
     /// `simple`: messages of backlog per insert in flight.
-    users_scale_threshold: u64 => Rule::Int { min: 1, max: 100_000_000 },
+    scale_threshold: u64 => Rule::Int { min: 1, max: 100_000_000 },
     /// `auto`: a backlog above this many messages per insert in flight asks for more.
-    users_scale_up_threshold: u64 => Rule::Int { min: 1, max: 100_000_000 },
+    scale_up_threshold: u64 => Rule::Int { min: 1, max: 100_000_000 },
     /// `auto`: a backlog that stays below this many messages per insert in flight gives back.
-    users_scale_down_threshold: u64 => Rule::Int { min: 0, max: 100_000_000 },
+    scale_down_threshold: u64 => Rule::Int { min: 0, max: 100_000_000 },
+    // The users pipeline's own: each, when set, wins over the default of the same name for the
+    // pipeline named users alone (its entry's own key still wins); empty = the default applies.
+    /// The users pipeline's own `batch_size`.
+    #[serde(with = "values::unset")]
+    users_batch_size: Option<usize> => Rule::OrEmpty(&Rule::Int { min: 1, max: 10_000 }),
+    /// The users pipeline's own `batch_timeout_ms`.
+    #[serde(with = "values::unset")]
+    users_batch_timeout_ms: Option<u64> => Rule::OrEmpty(&Rule::Int { min: 0, max: 600_000 }),
+    /// The users pipeline's own `proc_concurrency`.
+    #[serde(with = "values::unset")]
+    users_proc_concurrency: Option<usize> => Rule::OrEmpty(&Rule::Int { min: 1, max: 256 }),
+    /// The users pipeline's own `batch_concurrency`.
+    #[serde(with = "values::unset")]
+    users_batch_concurrency: Option<usize> => Rule::OrEmpty(&Rule::Int { min: 1, max: 64 }),
+    /// The users pipeline's own `balance`.
+    #[serde(with = "values::unset")]
+    users_balance: Option<Balance> => Rule::OrEmpty(&Rule::OneOf(BALANCES)),
+    /// The users pipeline's own `min_concurrency`.
+    #[serde(with = "values::unset")]
+    users_min_concurrency: Option<usize> => Rule::OrEmpty(&Rule::Int { min: 1, max: 64 }),
+    /// The users pipeline's own `max_concurrency`.
+    #[serde(with = "values::unset")]
+    users_max_concurrency: Option<usize> => Rule::OrEmpty(&Rule::Int { min: 1, max: 64 }),
+    /// The users pipeline's own `balance_cooldown_ms`.
+    #[serde(with = "values::unset")]
+    users_balance_cooldown_ms: Option<u64> =>
+        Rule::OrEmpty(&Rule::Int { min: 100, max: 3_600_000 }),
+    /// The users pipeline's own `balance_max_shift`.
+    #[serde(with = "values::unset")]
+    users_balance_max_shift: Option<usize> => Rule::OrEmpty(&Rule::Int { min: 1, max: 64 }),
+    /// The users pipeline's own `scale_threshold`.
+    #[serde(with = "values::unset")]
+    users_scale_threshold: Option<u64> =>
+        Rule::OrEmpty(&Rule::Int { min: 1, max: 100_000_000 }),
+    /// The users pipeline's own `scale_up_threshold`.
+    #[serde(with = "values::unset")]
+    users_scale_up_threshold: Option<u64> =>
+        Rule::OrEmpty(&Rule::Int { min: 1, max: 100_000_000 }),
+    /// The users pipeline's own `scale_down_threshold`.
+    #[serde(with = "values::unset")]
+    users_scale_down_threshold: Option<u64> =>
+        Rule::OrEmpty(&Rule::Int { min: 0, max: 100_000_000 }),
     /// Batch inserts in flight in the whole process, every pipeline's together; balanced
     /// pipelines share what the fixed ones leave, by backlog. 0: `database_pool_size`.
     max_inserts_in_flight: usize => Rule::Int { min: 0, max: 256 },
@@ -219,6 +268,9 @@ settings! {
     /// Entries the Redis event stream keeps, about (`MAXLEN ~`); 0 turns events off.
     events_max_len: u64 => Rule::Int { min: 0, max: 100_000_000 },
 }
+
+/// The choices of `balance` and `users_balance`.
+const BALANCES: &[&str] = &["off", "simple", "auto"];
 
 /// Every setting as (key in `config/default.toml` and `--set`, environment variable), in the
 /// order of that file. docs/configuration.md is tested against it (tests/docs.rs).
@@ -294,11 +346,14 @@ impl Settings {
                 diagnose::place(e, sources, file.as_ref(), suggest(key, rule, &value))
             })?;
         }
-        let settings: Settings = figment
+        let mut settings: Settings = figment
             .extract()
             .map_err(|e| diagnose::from_figment(e, file.as_ref()))?;
         settings
             .validate()
+            .map_err(|e| diagnose::place(e, sources, file.as_ref(), None))?;
+        // The one resolution step: every pipeline's entry plus the defaults, checked.
+        settings.resolved = pipelines::resolve(&settings)
             .map_err(|e| diagnose::place(e, sources, file.as_ref(), None))?;
         Ok(settings)
     }
@@ -314,47 +369,48 @@ impl Settings {
         Self::load(&sources).expect("the shipped config/default.toml is valid")
     }
 
-    /// Checks that span several settings.
+    /// The checks of single settings that the rules cannot express; the checks across a
+    /// pipeline's fields and across pipelines are the resolution's ([`pipelines::resolve`]).
     fn validate(&self) -> Result<(), ConfigError> {
-        let tiers = self.retry_tiers();
-        // With tiers, the tier queues take the retry queue's place (RETRY_QUEUE is their base).
-        let retry_setting = if self.retry_ttls_ms.0.is_empty() {
-            "retry_queue"
-        } else {
-            "retry_ttls_ms"
-        };
-        let mut names = vec![("main_queue", &self.main_queue)];
-        names.extend(tiers.iter().map(|t| (retry_setting, &t.queue)));
-        names.push(("dlq_queue", &self.dlq_queue));
-        if let Some(t) = tiers.iter().find(|t| t.queue.len() > 255) {
+        let timeout = self.amqp_consumer_timeout_ms;
+        if timeout > 0 && timeout < 1000 {
             return Err(ConfigError::Invalid {
-                setting: "RETRY_QUEUE".into(),
-                expected: "a base name short enough for the retry tier queues' names (255 at most)"
-                    .into(),
-                got: format!("{:?}", t.queue),
+                setting: "AMQP_CONSUMER_TIMEOUT_MS".into(),
+                expected:
+                    "0 (the broker has no consumer_timeout) or the broker's consumer_timeout, \
+                    at least 1000 ms"
+                        .into(),
+                got: timeout.to_string(),
             });
         }
-        self.validate_consumer_timeout()?;
-        self.validate_balance()?;
-        for (i, (a, va)) in names.iter().enumerate() {
-            for (b, vb) in names.iter().skip(i + 1) {
-                if va == vb {
-                    return Err(ConfigError::Invalid {
-                        setting: b.to_ascii_uppercase(),
-                        expected: format!("a queue name different from {}", a.to_ascii_uppercase()),
-                        got: format!("{vb:?}"),
-                    });
-                }
-            }
-        }
-        pipelines::check(self)
+        Ok(())
     }
 
-    /// The retry tiers in order, at least one. Without `retry_ttls_ms`: `retry_queue` with
-    /// `retry_ttl_ms`, as always. With it: one queue per TTL, named from the base of
-    /// `retry_queue` (its name without a trailing TTL suffix such as `_10s`) and the TTL:
-    /// `raffle_retry_10s` and `1000,10000,60000` give `raffle_retry_1s`, `raffle_retry_10s`,
-    /// `raffle_retry_1m`.
+    /// Every pipeline this configuration runs, resolved and checked when it loaded: the
+    /// built-in users pipeline first (unless a file's pipeline named users replaces it, or
+    /// `warren run --pipelines` left it out), then the file's, in its order.
+    pub fn pipelines(&self) -> &[pipelines::PipelineSpec] {
+        &self.resolved
+    }
+
+    /// The pipeline `name` among [`Settings::pipelines`].
+    pub fn pipeline(&self, name: &str) -> Option<&pipelines::PipelineSpec> {
+        self.resolved.iter().find(|p| p.name == name)
+    }
+
+    /// Keeps only the pipelines named in `wanted` (`warren run --pipelines`): the resolved
+    /// specs and the file's entries.
+    pub fn select_pipelines(&mut self, wanted: &[&str]) {
+        self.pipelines.retain(|p| wanted.contains(&p.name.as_str()));
+        self.resolved.retain(|p| wanted.contains(&p.name.as_str()));
+        self.without_users = !wanted.contains(&"users");
+    }
+
+    /// The retry tiers of the built-in users pipeline in order, at least one. Without
+    /// `retry_ttls_ms`: `retry_queue` with `retry_ttl_ms`, as always. With it: one queue per
+    /// TTL, named from the base of `retry_queue` (its name without a trailing TTL suffix such as
+    /// `_10s`) and the TTL: `raffle_retry_10s` and `1000,10000,60000` give `raffle_retry_1s`,
+    /// `raffle_retry_10s`, `raffle_retry_1m`.
     pub fn retry_tiers(&self) -> Vec<RetryTier> {
         if self.retry_ttls_ms.0.is_empty() {
             return vec![RetryTier {
@@ -373,116 +429,25 @@ impl Settings {
             .collect()
     }
 
-    /// `AMQP_CONSUMER_TIMEOUT_MS` is 0 or at least a second, and a rate limit set at start
-    /// cannot keep a full prefetch window waiting past it (the last of `prefetch` deliveries
-    /// waits `prefetch / rate` seconds in the consumer, unacked).
-    /// The users pipeline's bounds, and a set `max_inserts_in_flight` that holds what every
-    /// pipeline always holds (a fixed one its batch concurrency, a balanced one its minimum).
-    fn validate_balance(&self) -> Result<(), ConfigError> {
-        if self.users_min_concurrency > self.users_max_concurrency {
-            return Err(ConfigError::Invalid {
-                setting: "USERS_MIN_CONCURRENCY".into(),
-                expected: format!(
-                    "at most USERS_MAX_CONCURRENCY ({})",
-                    self.users_max_concurrency
-                ),
-                got: self.users_min_concurrency.to_string(),
-            });
-        }
-        if self.users_balance == Balance::Auto
-            && self.users_scale_down_threshold >= self.users_scale_up_threshold
-        {
-            return Err(ConfigError::Invalid {
-                setting: "USERS_SCALE_DOWN_THRESHOLD".into(),
-                expected: format!(
-                    "below USERS_SCALE_UP_THRESHOLD ({}), or auto would step down and up \
-                     again at every decision",
-                    self.users_scale_up_threshold
-                ),
-                got: self.users_scale_down_threshold.to_string(),
-            });
-        }
-        let held = self.held_inserts();
-        if self.max_inserts_in_flight > 0 && self.max_inserts_in_flight < held {
-            return Err(ConfigError::Invalid {
-                setting: "MAX_INSERTS_IN_FLIGHT".into(),
-                expected: format!(
-                    "0 or at least the {held} batch inserts the pipelines always hold (each \
-                     pipeline's batch concurrency, or its min_concurrency when balanced)"
-                ),
-                got: self.max_inserts_in_flight.to_string(),
-            });
-        }
-        Ok(())
-    }
-
-    /// The batch inserts in flight this pipeline's view of the settings always holds: its batch
-    /// concurrency when fixed, its minimum when balanced.
-    pub fn held_concurrency(&self) -> usize {
-        match self.users_balance {
-            Balance::Off => self.users_batch_concurrency,
-            _ => self.users_min_concurrency,
-        }
-    }
-
-    /// The most batch inserts in flight this pipeline's view of the settings can have: the
-    /// batchers its main stage has (balanced up to `max_concurrency`, or moved by an operator's
-    /// bounds).
-    pub fn most_concurrency(&self) -> usize {
-        self.users_batch_concurrency.max(self.users_max_concurrency)
-    }
-
-    /// What every pipeline of the file, and the built-in users one unless the file replaces
-    /// it, always holds.
-    fn held_inserts(&self) -> usize {
-        let users = if self.pipelines.iter().any(|p| p.name == "users") {
-            0
-        } else {
-            self.held_concurrency()
-        };
-        users
-            + self
-                .pipelines
-                .iter()
-                .map(|p| p.view(self).held_concurrency())
-                .sum::<usize>()
-    }
-
     /// The process-wide budget of batch inserts in flight: `max_inserts_in_flight`, or
     /// `database_pool_size` when 0 (never below what the pipelines always hold).
     pub fn inserts_budget(&self) -> usize {
+        let held: usize = self.resolved.iter().map(|p| p.held_inserts()).sum();
         match self.max_inserts_in_flight {
-            0 => self.database_pool_size.max(self.held_inserts()),
+            0 => self.database_pool_size.max(held),
             n => n,
         }
     }
 
-    fn validate_consumer_timeout(&self) -> Result<(), ConfigError> {
-        let timeout = self.amqp_consumer_timeout_ms;
-        if timeout > 0 && timeout < 1000 {
-            return Err(ConfigError::Invalid {
-                setting: "AMQP_CONSUMER_TIMEOUT_MS".into(),
-                expected:
-                    "0 (the broker has no consumer_timeout) or the broker's consumer_timeout, \
-                    at least 1000 ms"
-                        .into(),
-                got: timeout.to_string(),
-            });
-        }
-        if let Some(give_back) = self.window_outlasts_hand_back(self.rate_limit_per_s) {
-            return Err(ConfigError::Invalid {
-                setting: "RATE_LIMIT_PER_S".into(),
-                expected: format!(
-                    "a rate at which one prefetch window ({} deliveries) is handed on within \
-                         {} ms (80% of AMQP_CONSUMER_TIMEOUT_MS): raise the rate, lower PREFETCH, \
-                         or set AMQP_CONSUMER_TIMEOUT_MS to the broker's larger consumer_timeout",
-                    self.effective_prefetch(),
-                    give_back.as_millis()
-                ),
-                got: self.rate_limit_per_s.to_string(),
-            });
-        }
-        Ok(())
+    /// The pipelines' pool: `database_pool_size`, raised to a connection for each insert that
+    /// can be in flight (the main stages' most, within [`Settings::inserts_budget`], and the
+    /// DLQ stages' batch concurrency) and one more.
+    pub fn pipelines_pool_size(&self) -> usize {
+        pipelines::pool_size(
+            &self.resolved,
+            self.database_pool_size,
+            self.inserts_budget(),
+        )
     }
 
     /// How long warren may hold a delivery unacked before it gives it back (nack with requeue):
@@ -491,49 +456,9 @@ impl Settings {
         hand_back_after(self.amqp_consumer_timeout_ms)
     }
 
-    /// At `per_s` messages a second (0 = no limit), whether the last delivery of a full prefetch
-    /// window would wait in the rate limiter as long as the hand-back time or longer (the broker
-    /// may then close the channel over it); that time if so. Checked at start (an error) and on
-    /// `warren ctl rate` (a warning).
-    pub fn window_outlasts_hand_back(&self, per_s: u32) -> Option<Duration> {
-        window_outlasts(self.effective_prefetch(), per_s, self.hand_back_after())
-    }
-
-    /// The prefetch actually used: the setting, or two batches per batcher (batch size x batch
-    /// concurrency x 2): each batcher fills its next batch while its sink inserts the last, so
-    /// the broker keeps delivering while every sink is busy. (With one batch per batcher the
-    /// window closed whenever all of them were inserting, and the broker waited for a commit and
-    /// its ack: measured with the broker on a core of its own, 0.82-0.89 of the raw drain
-    /// against 0.88-0.98 with the larger window; docs/performance.md, "What the measurements
-    /// taught".)
-    pub fn effective_prefetch(&self) -> u16 {
-        let counted = if self.prefetch > 0 {
-            self.prefetch.min(u16::MAX as u32) as u16
-        } else {
-            let derived = self
-                .users_batch_size
-                .saturating_mul(self.users_batch_concurrency)
-                .saturating_mul(2);
-            derived.clamp(1, u16::MAX as usize) as u16
-        };
-        counted.min(self.window_of_largest_bodies())
-    }
-
-    /// How many bodies of the largest accepted size (`MAX_MESSAGE_BYTES`) the byte budget
-    /// (`MAX_INFLIGHT_BYTES`) holds: the prefetch window never exceeds it, so the accepted
-    /// bodies in flight never exceed the budget.
-    pub fn window_of_largest_bodies(&self) -> u16 {
-        let fits = self.max_inflight_bytes / (self.max_message_bytes as u64).max(1);
-        fits.clamp(1, u16::MAX as u64) as u16
-    }
-
     /// Whether `role` is among the configured roles.
     pub fn has_role(&self, role: Role) -> bool {
         self.roles.contains(role)
-    }
-
-    pub fn batch_timeout(&self) -> Duration {
-        Duration::from_millis(self.users_batch_timeout_ms)
     }
 
     pub fn shutdown_timeout(&self) -> Duration {
@@ -577,7 +502,7 @@ impl Settings {
 
 /// At `per_s` messages a second (0 = no limit), whether the last delivery of a window of
 /// `prefetch` would wait in the rate limiter as long as `give_back` (the hand-back time) or
-/// longer; that time if so (see [`Settings::window_outlasts_hand_back`]).
+/// longer; that time if so (see [`pipelines::PipelineSpec::window_outlasts`]).
 pub fn window_outlasts(prefetch: u16, per_s: u32, give_back: Option<Duration>) -> Option<Duration> {
     let give_back = give_back?;
     let window = Duration::from_secs(u64::from(prefetch)) / per_s.max(1);

@@ -7,11 +7,14 @@ use figment::value::Value;
 
 use super::diagnose::{bool_hint, number_hint};
 use super::error::closest;
-use super::values::{RETRY_TTL_RANGE, Role};
+use super::values::{RETRY_TTL_RANGE, Role, ValueError};
 use super::{ConfigError, MAX_RETRY_TIERS, RetryTtls, Roles, redact_url};
 
 /// What a setting accepts.
 pub(super) enum Rule {
+    /// What the inner rule accepts, or an empty string: the setting is not set (the users
+    /// pipeline's own settings, whose default is another setting's).
+    OrEmpty(&'static Rule),
     Int {
         min: u64,
         max: u64,
@@ -33,17 +36,27 @@ pub(super) enum Rule {
     Secret,
 }
 
+/// A listen address that cannot be used.
+#[derive(Debug, thiserror::Error)]
+pub enum AddrError {
+    /// Not `ip:port`, and `host:port` did not resolve.
+    #[error("{0}")]
+    Resolve(#[from] std::io::Error),
+    /// The host resolved to nothing.
+    #[error("{0} resolves to no address")]
+    NoAddress(String),
+}
+
 /// A listen address (`HTTP_ADDR`, `METRICS_ADDR`): `ip:port`, or `host:port` resolved now (the
 /// first address it resolves to).
-pub fn listen_addr(text: &str) -> Result<SocketAddr, String> {
+pub fn listen_addr(text: &str) -> Result<SocketAddr, AddrError> {
     if let Ok(addr) = text.parse::<SocketAddr>() {
         return Ok(addr);
     }
     use std::net::ToSocketAddrs as _;
-    text.to_socket_addrs()
-        .map_err(|e| e.to_string())?
+    text.to_socket_addrs()?
         .next()
-        .ok_or_else(|| format!("{text} resolves to no address"))
+        .ok_or_else(|| AddrError::NoAddress(text.into()))
 }
 
 /// The entries of a comma-separated list, trimmed, in order (empty ones included, so that
@@ -52,18 +65,28 @@ pub fn list_entries(raw: &str) -> impl Iterator<Item = &str> {
     raw.split(',').map(str::trim)
 }
 
+/// Why an entry of `AMQP_URL` is refused, as what was expected.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+enum AmqpUrlError {
+    #[error("a URL starting with amqp:// or amqps://")]
+    Scheme,
+    /// The AMQP client's own parser refused it; its words, passwords redacted.
+    #[error("an AMQP URL the client accepts ({0})")]
+    Client(String),
+}
+
 /// One entry of `AMQP_URL`: a URL of scheme amqp or amqps with a host, which the AMQP client
 /// accepts too (it has its own parser, for query options such as heartbeat: a URL it refuses
 /// must stop warren now, not loop in a reconnect). The error says what was expected.
-fn check_amqp_url(entry: &str) -> Result<(), String> {
+fn check_amqp_url(entry: &str) -> Result<(), AmqpUrlError> {
     match url::Url::parse(entry) {
         Ok(u) if ["amqp", "amqps"].contains(&u.scheme()) && u.host_str().is_some() => {}
-        _ => return Err("a URL starting with amqp:// or amqps://".into()),
+        _ => return Err(AmqpUrlError::Scheme),
     }
     entry
         .parse::<lapin::uri::AMQPUri>()
         .map(|_| ())
-        .map_err(|e| format!("an AMQP URL the client accepts ({})", redact_url(&e)))
+        .map_err(|e| AmqpUrlError::Client(redact_url(&e)))
 }
 
 /// How a value is shown in an error: strings quoted, numbers bare.
@@ -93,6 +116,7 @@ pub(super) fn suggest(key: &str, rule: &Rule, value: &Value) -> Option<String> {
         _ => None,
     };
     match rule {
+        Rule::OrEmpty(inner) => suggest(key, inner, value),
         Rule::Int { .. } => number_hint(text?, key),
         Rule::Bool => match value {
             Value::Num(_, n) => n.to_u128().and_then(|n| bool_hint(&n.to_string())),
@@ -134,6 +158,13 @@ pub(super) fn check(key: &str, rule: &Rule, value: &Value) -> Result<(), ConfigE
         },
     };
     match rule {
+        Rule::OrEmpty(inner) => {
+            if matches!(value, Value::String(_, s) if s.trim().is_empty()) {
+                return Ok(());
+            }
+            // The error reads as the default's: empty is the shipped value, seldom what was meant.
+            return check(key, inner, value);
+        }
         Rule::Int { min, max } => {
             let ok = match value {
                 Value::Num(_, n) => n
@@ -169,7 +200,7 @@ pub(super) fn check(key: &str, rule: &Rule, value: &Value) -> Result<(), ConfigE
                 };
                 // One URL: the error reads as before; in a list it names the entry.
                 return Err(if entries.len() == 1 {
-                    invalid(problem)
+                    invalid(problem.to_string())
                 } else {
                     ConfigError::Invalid {
                         setting: format!(
@@ -178,7 +209,7 @@ pub(super) fn check(key: &str, rule: &Rule, value: &Value) -> Result<(), ConfigE
                             i + 1,
                             entries.len()
                         ),
-                        expected: problem,
+                        expected: problem.to_string(),
                         got: format!("{:?}", redact_url(entry)),
                     }
                 });
@@ -267,7 +298,7 @@ pub(super) fn check(key: &str, rule: &Rule, value: &Value) -> Result<(), ConfigE
                 Value::Num(_, n) => n
                     .to_u128_lossy()
                     .and_then(|v| u64::try_from(v).ok())
-                    .ok_or_else(|| "not a TTL".to_string())
+                    .ok_or(ValueError::NotAnInteger(show(value)))
                     .and_then(|v| RetryTtls::checked(vec![v])),
                 Value::Array(_, items) => items
                     .iter()
@@ -276,9 +307,9 @@ pub(super) fn check(key: &str, rule: &Rule, value: &Value) -> Result<(), ConfigE
                         _ => None,
                     })
                     .collect::<Option<Vec<u64>>>()
-                    .ok_or_else(|| "not a list of integers".to_string())
+                    .ok_or(ValueError::NotAnInteger(show(value)))
                     .and_then(RetryTtls::checked),
-                _ => Err("not a list".into()),
+                _ => Err(ValueError::NotAnInteger(show(value))),
             };
             if parsed.is_err() {
                 let (min, max) = RETRY_TTL_RANGE;

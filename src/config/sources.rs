@@ -215,6 +215,8 @@ pub fn environment_help() -> Vec<(String, String)> {
                 Some(Rule::Secret)
             ) {
                 "(unset)".to_string()
+            } else if value.trim() == "\"\"" {
+                "empty".to_string()
             } else {
                 redact_url(value.trim())
             };

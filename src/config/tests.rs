@@ -19,6 +19,11 @@ fn with(pairs: &[(&str, &str)]) -> Result<Settings, ConfigError> {
     Settings::load(&sources)
 }
 
+/// The users pipeline as `s` resolves it.
+fn users(s: &Settings) -> &pipelines::PipelineSpec {
+    s.pipeline("users").expect("the built-in users pipeline")
+}
+
 #[test]
 fn kubernetes_service_links_are_told_from_misspelled_settings() {
     for (name, value) in [
@@ -65,8 +70,14 @@ fn balancing_settings_that_cannot_work_are_refused_naming_the_setting() {
             ("users_balance", "auto"),
             ("users_scale_up_threshold", "100"),
         ],
-        "USERS_SCALE_DOWN_THRESHOLD",
+        "SCALE_DOWN_THRESHOLD (pipeline users)",
     );
+    refused(
+        &[("min_concurrency", "5"), ("max_concurrency", "4")],
+        "MIN_CONCURRENCY (pipeline users)",
+    );
+    // The users pipeline's own minimum wins over the default one (the only pipeline here).
+    assert!(with(&[("min_concurrency", "9"), ("users_min_concurrency", "3")]).is_ok());
     refused(&[("max_inserts_in_flight", "1")], "MAX_INSERTS_IN_FLIGHT");
     // simple ignores auto's thresholds; a budget of what is held is enough.
     assert!(
@@ -78,11 +89,7 @@ fn balancing_settings_that_cannot_work_are_refused_naming_the_setting() {
     );
     let s = with(&[("max_inserts_in_flight", "2")]).unwrap();
     assert_eq!(s.inserts_budget(), 2);
-    let s = with(&[
-        ("users_batch_concurrency", "12"),
-        ("database_pool_size", "4"),
-    ])
-    .unwrap();
+    let s = with(&[("batch_concurrency", "12"), ("database_pool_size", "4")]).unwrap();
     assert_eq!(
         s.inserts_budget(),
         12,
@@ -95,10 +102,14 @@ fn shipped_defaults_parse_and_match_the_documented_values() {
     let s = Settings::defaults();
     assert_eq!(s.retry_ttl_ms, 10_000);
     assert_eq!(s.max_retries, 3);
-    assert_eq!(s.users_batch_size, 1000);
-    assert_eq!(s.users_batch_timeout_ms, 1000);
-    assert_eq!(s.users_proc_concurrency, 1);
-    assert_eq!(s.users_batch_concurrency, 2);
+    assert_eq!(s.batch_size, 1000);
+    assert_eq!(s.batch_timeout_ms, 1000);
+    assert_eq!(s.proc_concurrency, 1);
+    assert_eq!(s.batch_concurrency, 2);
+    // The users pipeline's own settings are unset: the defaults apply to it.
+    assert_eq!(s.users_batch_size, None);
+    assert_eq!(s.users_balance, None);
+    assert_eq!(users(&s).batching.size, 1000);
     assert_eq!(s.amqp_url, "amqp://guest:guest@127.0.0.1:5672/%2f");
     assert_eq!(
         s.database_url,
@@ -108,7 +119,10 @@ fn shipped_defaults_parse_and_match_the_documented_values() {
     assert_eq!(s.http_addr, "127.0.0.1:8080");
     assert_eq!(s.metrics_addr, "127.0.0.1:9898");
     assert_eq!(s.shutdown_timeout_ms, 20_000);
-    assert_eq!(s.effective_prefetch(), 4000);
+    assert_eq!(users(&s).prefetch, 4000);
+    // Without a file, the built-in users pipeline is the one pipeline.
+    assert_eq!(s.pipelines().len(), 1);
+    assert!(users(&s).builtin);
 }
 
 #[test]
@@ -217,39 +231,51 @@ fn consumer_timeout_gives_deliveries_back_at_80_percent() {
     // The same rule for a live rate (`warren ctl rate`): 3 per second passes the window in
     // 1333 s, within 1440 s; 2 per second does not; 0 is no limit.
     let give_back = Some(Duration::from_secs(24 * 60));
-    assert_eq!(s.window_outlasts_hand_back(2), give_back);
-    assert_eq!(s.window_outlasts_hand_back(3), None);
-    assert_eq!(s.window_outlasts_hand_back(0), None);
+    let users = users(&s);
+    assert_eq!(users.window_outlasts(2, s.hand_back_after()), give_back);
+    assert_eq!(users.window_outlasts(3, s.hand_back_after()), None);
+    assert_eq!(users.window_outlasts(0, s.hand_back_after()), None);
 }
 
 #[test]
 fn overrides_win_and_prefetch_is_derived_or_capped() {
-    let s = with(&[
-        ("users_batch_size", "100"),
-        ("users_batch_concurrency", "3"),
-    ])
-    .unwrap();
-    assert_eq!(s.effective_prefetch(), 600);
-    let s = with(&[
-        ("users_batch_size", "10000"),
-        ("users_batch_concurrency", "64"),
-        ("max_inflight_bytes", "17179869184"),
-    ])
-    .unwrap();
-    assert_eq!(s.effective_prefetch(), 65535);
-    let s = with(&[("prefetch", "50")]).unwrap();
-    assert_eq!(s.effective_prefetch(), 50);
+    let prefetch = |pairs: &[(&str, &str)]| users(&with(pairs).unwrap()).prefetch;
+    assert_eq!(
+        prefetch(&[("batch_size", "100"), ("batch_concurrency", "3")]),
+        600
+    );
+    // The users pipeline's own win over the defaults.
+    assert_eq!(
+        prefetch(&[("batch_size", "100"), ("users_batch_concurrency", "3")]),
+        600
+    );
+    assert_eq!(
+        prefetch(&[
+            ("batch_size", "10000"),
+            ("batch_concurrency", "64"),
+            ("max_inflight_bytes", "17179869184"),
+        ]),
+        65535
+    );
+    assert_eq!(prefetch(&[("prefetch", "50")]), 50);
     // The byte budget holds 4096 bodies of the largest accepted size by default: the window
     // never exceeds it.
-    let s = with(&[("users_batch_concurrency", "8")]).unwrap();
-    assert_eq!(s.window_of_largest_bodies(), 4096);
-    assert_eq!(s.effective_prefetch(), 4096);
-    let s = with(&[
-        ("max_message_bytes", "16777216"),
-        ("max_inflight_bytes", "33554432"),
-    ])
-    .unwrap();
-    assert_eq!(s.effective_prefetch(), 2);
+    let s = with(&[("batch_concurrency", "8")]).unwrap();
+    assert_eq!(users(&s).window_cap, 4096);
+    assert_eq!(users(&s).prefetch, 4096);
+    assert_eq!(
+        prefetch(&[
+            ("max_message_bytes", "16777216"),
+            ("max_inflight_bytes", "33554432"),
+        ]),
+        2
+    );
+    // Balanced, the main stage starts at its minimum's window, capped by PREFETCH.
+    let s = with(&[("balance", "simple"), ("min_concurrency", "1")]).unwrap();
+    assert_eq!(users(&s).start_prefetch, 2000);
+    assert_eq!(users(&s).prefetch, 4000);
+    let s = with(&[("users_balance", "simple"), ("prefetch", "100")]).unwrap();
+    assert_eq!(users(&s).start_prefetch, 100);
 }
 
 #[test]
@@ -285,7 +311,8 @@ fn a_config_file_layers_over_the_defaults() {
         ..Sources::default()
     })
     .unwrap();
-    assert_eq!(s.users_batch_size, 10);
+    assert_eq!(s.users_batch_size, Some(10));
+    assert_eq!(users(&s).batching.size, 10);
     assert_eq!(s.max_retries, 3);
 }
 

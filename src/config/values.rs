@@ -1,7 +1,24 @@
 //! The typed values of settings that are more than a number or a string: the queue type, the
-//! balancing mode, the log format, the roles and the retry tiers.
+//! balancing mode, the log format, the roles, the retry tiers, and the users pipeline's own
+//! settings that may be left empty ([`unset`]); what is wrong with a value ([`ValueError`]).
 
 use serde::{Deserialize, Serialize};
+
+/// What is wrong with a value of a setting: the rule's check names the setting and what was
+/// expected; this says what part of the value was refused.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ValueError {
+    #[error("{0:?} is not a role")]
+    NotARole(String),
+    #[error("{0:?} is not an integer")]
+    NotAnInteger(String),
+    #[error("{0} tiers, more than {MAX_RETRY_TIERS}")]
+    TooManyTiers(usize),
+    #[error("{0} is out of range")]
+    OutOfRange(u64),
+    #[error("{later} does not follow {earlier} upwards")]
+    NotIncreasing { earlier: u64, later: u64 },
+}
 
 /// The type of the queues warren declares (`QUEUE_TYPE`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -28,7 +45,7 @@ impl std::fmt::Display for QueueType {
     }
 }
 
-/// How a pipeline's batch inserts in flight follow its backlog (`USERS_BALANCE`, a pipeline's
+/// How a pipeline's batch inserts in flight follow its backlog (`BALANCE`, a pipeline's
 /// `balance`; docs/balancing.md).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
@@ -101,10 +118,10 @@ pub struct Roles(Vec<Role>);
 
 impl Roles {
     /// Parses `"consumer, api"`: blanks around names allowed, at least one, each known.
-    pub fn parse(text: &str) -> Result<Self, String> {
+    pub fn parse(text: &str) -> Result<Self, ValueError> {
         let mut roles = Vec::new();
         for name in text.split(',').map(str::trim) {
-            let role = Role::parse(name).ok_or_else(|| format!("{name:?} is not a role"))?;
+            let role = Role::parse(name).ok_or_else(|| ValueError::NotARole(name.into()))?;
             if !roles.contains(&role) {
                 roles.push(role);
             }
@@ -155,7 +172,7 @@ pub(super) const RETRY_TTL_RANGE: (u64, u64) = (1, 86_400_000);
 
 impl RetryTtls {
     /// Parses `"1000, 10000,60000"`; blanks around entries are allowed, an empty text is no tier.
-    pub fn parse(text: &str) -> Result<Self, String> {
+    pub fn parse(text: &str) -> Result<Self, ValueError> {
         if text.trim().is_empty() {
             return Ok(Self::default());
         }
@@ -164,23 +181,26 @@ impl RetryTtls {
             .map(|t| {
                 t.trim()
                     .parse::<u64>()
-                    .map_err(|_| format!("{:?} is not an integer", t.trim()))
+                    .map_err(|_| ValueError::NotAnInteger(t.trim().into()))
             })
             .collect::<Result<Vec<_>, _>>()?;
         Self::checked(ttls)
     }
 
     /// The tiers if there are at most [`MAX_RETRY_TIERS`], each in range, increasing.
-    pub(super) fn checked(ttls: Vec<u64>) -> Result<Self, String> {
+    pub(super) fn checked(ttls: Vec<u64>) -> Result<Self, ValueError> {
         let (min, max) = RETRY_TTL_RANGE;
         if ttls.len() > MAX_RETRY_TIERS {
-            return Err(format!("{} tiers", ttls.len()));
+            return Err(ValueError::TooManyTiers(ttls.len()));
         }
         if let Some(t) = ttls.iter().find(|t| !(min..=max).contains(*t)) {
-            return Err(format!("{t} is out of range"));
+            return Err(ValueError::OutOfRange(*t));
         }
         if let Some(w) = ttls.windows(2).find(|w| w[0] >= w[1]) {
-            return Err(format!("{} does not follow {} upwards", w[1], w[0]));
+            return Err(ValueError::NotIncreasing {
+                earlier: w[0],
+                later: w[1],
+            });
         }
         Ok(Self(ttls))
     }
@@ -241,5 +261,40 @@ pub fn retry_base(retry_queue: &str) -> &str {
         base
     } else {
         retry_queue
+    }
+}
+
+/// A setting of the users pipeline's own (`users_batch_size`, ...) that may be left empty:
+/// `""` (the shipped default, or `USERS_BATCH_SIZE=` in the environment) is `None`, the
+/// default of the same name applies; a value is `Some`. `warren config` shows `None` as `""`.
+pub mod unset {
+    use serde::{Deserialize, Deserializer, Serialize, Serializer};
+
+    pub fn serialize<T: Serialize, S: Serializer>(
+        value: &Option<T>,
+        s: S,
+    ) -> Result<S::Ok, S::Error> {
+        match value {
+            Some(v) => v.serialize(s),
+            None => s.serialize_str(""),
+        }
+    }
+
+    pub fn deserialize<'de, T: Deserialize<'de>, D: Deserializer<'de>>(
+        d: D,
+    ) -> Result<Option<T>, D::Error> {
+        #[derive(Deserialize)]
+        #[serde(untagged)]
+        enum Raw<T> {
+            Value(T),
+            Text(String),
+        }
+        match Raw::<T>::deserialize(d)? {
+            Raw::Value(v) => Ok(Some(v)),
+            Raw::Text(t) if t.trim().is_empty() => Ok(None),
+            Raw::Text(t) => Err(serde::de::Error::custom(format!(
+                "{t:?}: expected a value or nothing (empty)"
+            ))),
+        }
     }
 }

@@ -33,8 +33,8 @@ use super::{
     parked_fate, publish_body, read_body, trace,
 };
 use crate::amqp::headers;
-use crate::config::pipelines::{ApiKey, Names, PipelineConfig};
-use crate::config::{ConfigError, Settings};
+use crate::config::ConfigError;
+use crate::config::pipelines::{ApiKey, PipelineSpec};
 use crate::domain::ErrorKind;
 use crate::domain::mapping::{Cell, ColType, Mapping, Problem, Refused, Row, Standing};
 
@@ -57,35 +57,22 @@ pub struct PipelineApi {
 }
 
 impl PipelineApi {
-    /// The API of every pipeline with `api = true`: the built-in users pipeline (as
-    /// `config/default.toml` declares it, under the global names `MAIN_EXCHANGE` and
-    /// `MAIN_QUEUE`) unless a file's pipeline named users replaces it, and the file's.
-    pub fn all(settings: &Settings) -> Result<Vec<Arc<Self>>, ConfigError> {
-        let builtin = if settings.pipelines.iter().any(|p| p.name == "users") {
-            None
-        } else {
-            Some(crate::config::pipelines::users()?)
-        };
-        let builtin = builtin.map(|p| {
-            let names = Names::users(settings);
-            (p, names)
-        });
-        builtin
-            .into_iter()
-            .chain(
-                settings
-                    .pipelines
-                    .iter()
-                    .map(|p| (p.clone(), p.names(settings))),
-            )
-            .filter(|(p, _)| p.api)
-            .map(|(p, names)| Self::new(&p, names).map(Arc::new))
+    /// The API of every pipeline with `api = true`, as the configuration resolves them
+    /// ([`crate::config::Settings::pipelines`]): the built-in users pipeline (as `config/default.toml` declares
+    /// it, under the names `MAIN_EXCHANGE` and `MAIN_QUEUE`) unless a file's pipeline named
+    /// users replaces it, and the file's.
+    pub fn all(pipelines: &[PipelineSpec]) -> Result<Vec<Arc<Self>>, ConfigError> {
+        pipelines
+            .iter()
+            .filter(|p| p.api.enabled)
+            .map(|p| Self::new(p).map(Arc::new))
             .collect()
     }
 
-    fn new(p: &PipelineConfig, names: Names) -> Result<Self, ConfigError> {
+    fn new(p: &PipelineSpec) -> Result<Self, ConfigError> {
         let mapping = p.mapping()?;
-        let [key] = p.key.as_slice() else {
+        let names = &p.names;
+        let [key] = p.mapping.key.as_slice() else {
             // Checked when the configuration loads; kept here so a caller cannot get past it.
             return Err(ConfigError::Pipeline(format!(
                 "pipelines.{}.api: true needs a one-column key",
@@ -98,7 +85,7 @@ impl PipelineApi {
             .find(|(_, (c, _, _))| c == key)
             .map(|(i, (_, ty, _))| (i, ty))
             .ok_or_else(|| ConfigError::Pipeline(format!("pipelines.{}: no key column", p.name)))?;
-        let chosen = match p.api_key {
+        let chosen = match p.api.key {
             ApiKey::Body => None,
             ApiKey::Chosen => Some(
                 mapping
@@ -117,13 +104,13 @@ impl PipelineApi {
         Ok(Self {
             name: p.name.clone(),
             mapping,
-            exchange: names.main_exchange,
-            routing_key: names.main_queue,
+            exchange: names.main_exchange.clone(),
+            routing_key: names.main_queue.clone(),
             key_index,
             key_column: key.clone(),
             key_type,
             chosen,
-            check: p.api_check,
+            check: p.api.check,
             order: tokio::sync::OnceCell::new(),
         })
     }

@@ -21,7 +21,8 @@ use tracing::{debug, info};
 
 use super::consumer::SetConcurrency;
 use crate::amqp::monitor::Depths;
-use crate::config::{Balance, Settings};
+use crate::config::Balance;
+use crate::config::pipelines::PipelineSpec;
 use crate::metrics::StageStats;
 
 /// A step up that did not make the pipeline this much faster (rows/s) did not help (a rate
@@ -38,7 +39,7 @@ const PROBE_AFTER: u32 = 10;
 /// Decisions in a row with the backlog below the scale-down threshold before `auto` gives back.
 const LOW_FOR: u32 = 2;
 
-/// A pipeline's balancing settings (`USERS_BALANCE`, ... or a pipeline's own).
+/// A pipeline's balancing settings, from its resolved spec ([`Policy::of`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Policy {
     pub strategy: Balance,
@@ -55,17 +56,18 @@ pub struct Policy {
 }
 
 impl Policy {
-    /// The policy a pipeline's view of the settings gives.
-    pub fn of(view: &Settings) -> Self {
+    /// The policy of the pipeline `p` (its `balance`, `min_concurrency`, ... as resolved).
+    pub fn of(p: &PipelineSpec) -> Self {
+        let b = &p.balance;
         Self {
-            strategy: view.users_balance,
-            min: view.users_min_concurrency,
-            max: view.users_max_concurrency,
-            cooldown: Duration::from_millis(view.users_balance_cooldown_ms),
-            max_shift: view.users_balance_max_shift,
-            threshold: view.users_scale_threshold,
-            up_threshold: view.users_scale_up_threshold,
-            down_threshold: view.users_scale_down_threshold,
+            strategy: b.strategy,
+            min: b.min,
+            max: b.max,
+            cooldown: b.cooldown,
+            max_shift: b.max_shift,
+            threshold: b.threshold,
+            up_threshold: b.up_threshold,
+            down_threshold: b.down_threshold,
         }
     }
 }

@@ -53,8 +53,7 @@ use tracing::{info, warn};
 use crate::amqp::AmqpConfig;
 use crate::amqp::monitor::Depths;
 use crate::amqp::publisher::{self, Publisher};
-use crate::config::Settings;
-use crate::config::pipelines::Names;
+use crate::config::pipelines::{Names, PipelineSpec};
 use crate::domain::Domain;
 pub use crate::metrics::{Stage, StageId};
 use batcher::{Batcher, FlushRule};
@@ -75,8 +74,8 @@ pub enum FallbackKind {
     Park { max_attempts: u32 },
 }
 
-/// One stage's own settings: what it consumes and how it batches. The users pipeline takes
-/// them from `USERS_*` and friends ([`Spec::main`], [`Spec::dlq`]); another domain brings its own.
+/// One stage's own settings: what it consumes and how it batches, from its pipeline's resolved
+/// spec ([`Spec::main`], [`Spec::dlq`]); a test or another domain may build its own.
 #[derive(Debug, Clone)]
 pub struct Spec {
     /// Which of the pipeline's stages this is: decides its fallback's events and scaling words,
@@ -121,66 +120,51 @@ pub struct Spec {
 }
 
 impl Spec {
-    /// The main stage of the pipeline that `settings` describe (the users pipeline's global
-    /// settings, or a configured pipeline's view of them, `PipelineConfig::view`): everything
-    /// the stages need is copied here, so nothing on the data path reads the settings.
-    pub fn main(settings: &Settings) -> Self {
-        let policy = balance::Policy::of(settings);
-        let batchers = settings.held_concurrency();
-        let window_cap = match settings.prefetch {
-            0 => u16::MAX,
-            p => p.min(u32::from(u16::MAX)) as u16,
-        }
-        .min(settings.window_of_largest_bodies());
-        let prefetch = if policy.strategy == crate::config::Balance::Off {
-            settings.effective_prefetch()
-        } else {
-            let two = settings
-                .users_batch_size
-                .saturating_mul(batchers)
-                .saturating_mul(2);
-            (two.clamp(1, usize::from(u16::MAX)) as u16).min(window_cap)
-        };
+    /// The main stage of the pipeline `p` (resolved once when the configuration loaded,
+    /// [`crate::config::Settings::pipelines`]): everything the stages need is copied here, so
+    /// nothing on the data path reads the settings.
+    pub fn main(p: &PipelineSpec) -> Self {
         Self {
             stage: Stage::Main,
-            pipeline: "users".into(),
-            queue: settings.main_queue.clone(),
-            names: Names::users(settings),
-            max_retries: settings.max_retries,
-            rate_limit_per_s: settings.rate_limit_per_s,
-            batch_size: settings.users_batch_size,
-            batch_timeout: settings.batch_timeout(),
-            processors: settings.users_proc_concurrency,
-            batchers,
-            max_batchers: settings.most_concurrency(),
-            policy,
-            prefetch,
-            window_cap,
-            max_message_bytes: settings.max_message_bytes,
-            max_inflight_bytes: settings.max_inflight_bytes,
-            db_retry_window: Duration::from_millis(settings.db_retry_window_ms),
-            breaker_failures: Some(settings.breaker_failures),
+            pipeline: p.name.clone(),
+            queue: p.names.main_queue.clone(),
+            names: p.names.clone(),
+            max_retries: p.max_retries,
+            rate_limit_per_s: p.rate_limit_per_s,
+            batch_size: p.batching.size,
+            batch_timeout: p.batching.timeout,
+            processors: p.batching.processors,
+            batchers: p.held_inserts(),
+            max_batchers: p.most_inserts(),
+            policy: balance::Policy::of(p),
+            prefetch: p.start_prefetch,
+            window_cap: p.window_cap,
+            max_message_bytes: p.max_message_bytes,
+            max_inflight_bytes: p.max_inflight_bytes,
+            db_retry_window: p.db_retry_window,
+            breaker_failures: Some(p.breaker_failures),
             fallback: FallbackKind::Route,
         }
     }
 
-    /// The DLQ consumer of the same pipeline: what is still refused is parked.
-    pub fn dlq(settings: &Settings) -> Self {
+    /// The DLQ consumer of the same pipeline: what is still refused is parked; its concurrency
+    /// is fixed at the batch concurrency.
+    pub fn dlq(p: &PipelineSpec) -> Self {
         Self {
             stage: Stage::Dlq,
-            queue: settings.dlq_queue.clone(),
+            queue: p.names.dlq_queue.clone(),
             breaker_failures: None,
             fallback: FallbackKind::Park {
-                max_attempts: settings.dlq_max_attempts,
+                max_attempts: p.dlq_max_attempts,
             },
-            batchers: settings.users_batch_concurrency,
-            max_batchers: settings.users_batch_concurrency,
+            batchers: p.batching.concurrency,
+            max_batchers: p.batching.concurrency,
             policy: balance::Policy {
                 strategy: crate::config::Balance::Off,
-                ..balance::Policy::of(settings)
+                ..balance::Policy::of(p)
             },
-            prefetch: settings.effective_prefetch(),
-            ..Self::main(settings)
+            prefetch: p.prefetch,
+            ..Self::main(p)
         }
     }
 }

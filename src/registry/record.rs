@@ -12,8 +12,8 @@ use std::collections::{BTreeMap, HashMap};
 
 use serde::{Deserialize, Serialize};
 
-use crate::config::Settings;
 use crate::config::pipelines::Names;
+use crate::config::pipelines::PipelineSpec;
 
 /// The format of the record this warren writes and reads; another one is [`Unreadable::Format`].
 pub const RECORD_FORMAT: u32 = 1;
@@ -106,30 +106,23 @@ impl PipelineRecord {
     }
 }
 
-/// The pipelines `settings` configures: the built-in users pipeline (unless a file's pipeline
-/// named users replaces it, or `--without-users`), then the file's, in its order.
-pub fn configured(settings: &Settings) -> Vec<PipelineRecord> {
-    let mut out = Vec::new();
-    if !settings.without_users && !settings.pipelines.iter().any(|p| p.name == "users") {
-        let table = crate::config::pipelines::users().map_or_else(|_| "users".into(), |p| p.table);
-        out.push(PipelineRecord::of("users", &table, &Names::users(settings)));
-    }
-    out.extend(
-        settings
-            .pipelines
-            .iter()
-            .map(|p| PipelineRecord::of(&p.name, &p.table, &p.names(settings))),
-    );
-    out
+/// The pipelines `settings` configures ([`crate::config::Settings::pipelines`], resolved when it loaded): the
+/// built-in users pipeline (unless a file's pipeline named users replaces it, or `run
+/// --pipelines` leaves it out), then the file's, in its order.
+pub fn configured(pipelines: &[PipelineSpec]) -> Vec<PipelineRecord> {
+    pipelines
+        .iter()
+        .map(|p| PipelineRecord::of(&p.name, p.table(), &p.names))
+        .collect()
 }
 
 /// Every pipeline `settings` configures, then each one the records publish that it does not
 /// (by name; the first seen wins): once each.
 pub fn known<'a>(
-    settings: &Settings,
+    pipelines: &[PipelineSpec],
     records: impl IntoIterator<Item = &'a InstanceRecord>,
 ) -> Vec<PipelineRecord> {
-    let mut out = configured(settings);
+    let mut out = configured(pipelines);
     for r in records {
         for p in &r.pipelines {
             if !out.iter().any(|k| k.name == p.name) {
@@ -364,19 +357,20 @@ mod tests {
 
     #[test]
     fn known_pipelines_are_listed_once_each() {
-        let settings = Settings::defaults();
+        let settings = crate::config::Settings::defaults();
+        let settings = settings.pipelines();
         let mut a = sample();
         a.pipelines.push(PipelineRecord {
             name: "orders".into(),
             ..a.pipelines[0].clone()
         });
         let b = a.clone();
-        let names: Vec<String> = known(&settings, [&a, &b])
+        let names: Vec<String> = known(settings, [&a, &b])
             .into_iter()
             .map(|p| p.name)
             .collect();
         assert_eq!(names, ["users", "orders"]);
-        let known = known(&settings, [&a, &b]);
+        let known = known(settings, [&a, &b]);
         assert_eq!(
             find(&known, "orders").map(|p| p.name.as_str()),
             Ok("orders")

@@ -165,7 +165,7 @@ impl TestEnv {
             ("DLQ_QUEUE".into(), env.dlq_queue.clone()),
             ("HTTP_ADDR".into(), format!("127.0.0.1:{http_port}")),
             ("METRICS_ADDR".into(), format!("127.0.0.1:{metrics_port}")),
-            ("USERS_BATCH_TIMEOUT_MS".into(), "100".into()),
+            ("BATCH_TIMEOUT_MS".into(), "100".into()),
             ("SHUTDOWN_TIMEOUT_MS".into(), "20000".into()),
             ("RUST_LOG".into(), "info,lapin=off".into()),
         ];

@@ -20,6 +20,8 @@ impl TestEnv {
             "PREFETCH",
             "ROLES",
             "USERS_BATCH_SIZE",
+            "BATCH_SIZE",
+            "BATCH_TIMEOUT_MS",
             "MAX_RETRIES",
             "RETRY_TTL_MS",
             "LOG_FORMAT",

@@ -233,37 +233,33 @@ fn parse_limit(raw: &str) -> Result<u64, String> {
 }
 
 pub async fn execute(settings: &Settings, args: Args) -> anyhow::Result<i32> {
-    // The settings as the chosen pipeline sees them: its DLQ, its exchange and queue; for a
-    // pipeline the configuration does not name, those a live instance publishes for it.
-    let view = match settings.pipelines.iter().find(|p| p.name == args.pipeline) {
-        Some(p) => p.view(settings),
-        None if args.pipeline == "users" => settings.clone(),
+    // The chosen pipeline's DLQ, exchange and queue: as the configuration resolves it, or for
+    // a pipeline the configuration does not name, as a live instance publishes it.
+    let configured = crate::registry::record::configured(settings.pipelines());
+    let target = match configured.iter().find(|p| p.name == args.pipeline) {
+        Some(p) => p.clone(),
         None => {
             let known = crate::cli::known_pipelines(settings).await;
-            let p = crate::registry::record::find(&known, &args.pipeline).map_err(|unknown| {
-                anyhow::anyhow!(
-                    "--pipeline: {}",
-                    crate::cli::terminal_safe(&unknown.to_string())
-                )
-            })?;
-            let mut view = settings.clone();
-            view.main_exchange = p.main_exchange.clone();
-            view.main_queue = p.main_queue.clone();
-            view.dlq_queue = p.dlq_queue.clone();
-            view
+            crate::registry::record::find(&known, &args.pipeline)
+                .map_err(|unknown| {
+                    anyhow::anyhow!(
+                        "--pipeline: {}",
+                        crate::cli::terminal_safe(&unknown.to_string())
+                    )
+                })?
+                .clone()
         }
     };
-    let settings = &view;
     match args.command {
-        DlqCommand::Inspect(a) => inspect(settings, a).await,
-        DlqCommand::Replay(a) => replay(settings, a).await,
+        DlqCommand::Inspect(a) => inspect(settings, &target, a).await,
+        DlqCommand::Replay(a) => replay(settings, &target, a).await,
         DlqCommand::Parked(ParkedCommand::List(mut a)) => {
             a.pipeline = args.pipeline;
             parked_list(settings, a).await
         }
         DlqCommand::Parked(ParkedCommand::Replay(mut a)) => {
             a.pipeline = args.pipeline;
-            parked_replay(settings, a).await
+            parked_replay(settings, &target, a).await
         }
     }
 }

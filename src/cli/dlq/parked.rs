@@ -18,6 +18,7 @@ use crate::cli::out::{self, errln, out, outln};
 use crate::config::{Settings, redact_url};
 use crate::db::DbError;
 use crate::db::dead_letters::{self, Listed};
+use crate::registry::record::PipelineRecord;
 
 async fn database(settings: &Settings) -> anyhow::Result<tokio_postgres::Client> {
     let (client, connection) = settings
@@ -191,6 +192,7 @@ pub(super) fn parked_properties(
 
 pub(super) async fn parked_replay(
     settings: &Settings,
+    target: &PipelineRecord,
     args: ParkedReplayArgs,
 ) -> anyhow::Result<i32> {
     let mut client = database(settings).await?;
@@ -199,7 +201,7 @@ pub(super) async fn parked_replay(
         .await
         .map_err(|e| table_error(settings, e))?;
     let conn = broker(settings).await?;
-    let result = parked_replay_on(&conn, &mut client, settings, &args).await;
+    let result = parked_replay_on(&conn, &mut client, settings, target, &args).await;
     amqp::close(None, Some(conn)).await;
     let tally = result?;
     let filter = args
@@ -211,8 +213,8 @@ pub(super) async fn parked_replay(
     out::unless_closed(outln!(
         "replayed {}{filter} to {} (routing key {}); failed {}{}",
         plural(tally.replayed, "parked message"),
-        settings.main_exchange,
-        settings.main_queue,
+        target.main_exchange,
+        target.main_queue,
         tally.failed,
         if tally.unmarked > 0 {
             format!(
@@ -261,6 +263,7 @@ async fn parked_replay_on(
     conn: &Connection,
     client: &mut tokio_postgres::Client,
     settings: &Settings,
+    target: &PipelineRecord,
     args: &ParkedReplayArgs,
 ) -> anyhow::Result<Tally> {
     let channel = conn.create_channel().await?;
@@ -317,8 +320,8 @@ async fn parked_replay_on(
                 }
             };
             let msg = Publish {
-                exchange: settings.main_exchange.clone(),
-                routing_key: settings.main_queue.clone(),
+                exchange: target.main_exchange.clone(),
+                routing_key: target.main_queue.clone(),
                 body: row.body.into(),
                 properties,
             };

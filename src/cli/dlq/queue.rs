@@ -15,6 +15,7 @@ use crate::amqp::transfer::{self, Stop};
 use crate::amqp::{self, headers};
 use crate::cli::out::{self, errln, out, outln};
 use crate::config::{Settings, redact_url};
+use crate::registry::record::PipelineRecord;
 
 pub(super) async fn broker(settings: &Settings) -> anyhow::Result<Connection> {
     amqp::connect(&settings.amqp(), "dlq tool", amqp::Frames::Broker)
@@ -119,9 +120,13 @@ impl Seen {
     }
 }
 
-pub(super) async fn inspect(settings: &Settings, args: InspectArgs) -> anyhow::Result<i32> {
+pub(super) async fn inspect(
+    settings: &Settings,
+    target: &PipelineRecord,
+    args: InspectArgs,
+) -> anyhow::Result<i32> {
     let conn = broker(settings).await?;
-    let result = inspect_on(&conn, settings, &args).await;
+    let result = inspect_on(&conn, target, &args).await;
     // Closing the connection returns anything still unacked to the queue, whatever happened.
     amqp::close(None, Some(conn)).await;
     result
@@ -129,10 +134,10 @@ pub(super) async fn inspect(settings: &Settings, args: InspectArgs) -> anyhow::R
 
 async fn inspect_on(
     conn: &Connection,
-    settings: &Settings,
+    target: &PipelineRecord,
     args: &InspectArgs,
 ) -> anyhow::Result<i32> {
-    let queue = settings.dlq_queue.as_str();
+    let queue = target.dlq_queue.as_str();
     let total = depth(conn, queue).await?;
     let channel = conn.create_channel().await?;
     let mut seen = Vec::new();
@@ -191,9 +196,13 @@ async fn inspect_on(
     Ok(0)
 }
 
-pub(super) async fn replay(settings: &Settings, args: ReplayArgs) -> anyhow::Result<i32> {
+pub(super) async fn replay(
+    settings: &Settings,
+    target: &PipelineRecord,
+    args: ReplayArgs,
+) -> anyhow::Result<i32> {
     let conn = broker(settings).await?;
-    let result = replay_on(&conn, settings, &args).await;
+    let result = replay_on(&conn, settings, target, &args).await;
     // Closing the connection returns anything still unacked to the DLQ, whatever happened.
     amqp::close(None, Some(conn)).await;
     let tally = result?;
@@ -206,16 +215,16 @@ pub(super) async fn replay(settings: &Settings, args: ReplayArgs) -> anyhow::Res
     out::unless_closed(outln!(
         "replayed {}{filter} from {} to {} (routing key {}); skipped {} (left in the DLQ); failed {}",
         plural(tally.acked + tally.unacked, "message"),
-        settings.dlq_queue,
-        settings.main_exchange,
-        settings.main_queue,
+        target.dlq_queue,
+        target.main_exchange,
+        target.main_queue,
         tally.skipped,
         tally.failed,
     ))?;
     if let Some(stop) = tally.stopped {
         errln!(
             "warren dlq replay: stopped: {}",
-            failure(stop, &settings.dlq_queue)
+            failure(stop, &target.dlq_queue)
         );
         return Ok(1);
     }
@@ -229,9 +238,10 @@ pub(super) async fn replay(settings: &Settings, args: ReplayArgs) -> anyhow::Res
 async fn replay_on(
     conn: &Connection,
     settings: &Settings,
+    target: &PipelineRecord,
     args: &ReplayArgs,
 ) -> anyhow::Result<transfer::Tally> {
-    let queue = settings.dlq_queue.as_str();
+    let queue = target.dlq_queue.as_str();
     let present = u64::from(depth(conn, queue).await?);
     let plan = transfer::Plan {
         queue,
@@ -249,8 +259,8 @@ async fn replay_on(
             return None;
         }
         Some(Publish {
-            exchange: settings.main_exchange.clone(),
-            routing_key: settings.main_queue.clone(),
+            exchange: target.main_exchange.clone(),
+            routing_key: target.main_queue.clone(),
             body: std::mem::take(&mut m.data).into(),
             properties: crate::amqp::republish::for_replay(&m.properties),
         })

@@ -38,6 +38,8 @@ fn a_files_pipeline_loads_with_derived_names_and_its_own_settings() {
     let p = &s.pipelines[0];
     assert_eq!(p.batch_size, Some(500));
     let names = p.names(&s);
+    assert_eq!(names, s.pipeline("orders").unwrap().names);
+    assert_eq!(s.pipeline("orders").unwrap().batching.size, 500);
     assert_eq!(names.main_exchange, "orders_exchange");
     assert_eq!(names.main_queue, "orders_queue");
     assert_eq!(names.retry_exchange, "orders_retry_exchange");
@@ -173,4 +175,294 @@ fn the_users_pipeline_is_declared_in_the_shipped_defaults_in_the_format_of_any_o
         .map(|p| p["name"].as_str().unwrap())
         .collect();
     assert_eq!(names, ["users", "orders"]);
+}
+
+/// The settings from a file holding `text` and `pairs` as overrides set by code.
+fn load_with(text: &str, pairs: &[(&str, &str)]) -> Result<Settings, ConfigError> {
+    let mut file = tempfile::NamedTempFile::new().expect("temp file");
+    file.write_all(text.as_bytes()).expect("write");
+    let mut sources = Sources {
+        file: Some(file.path().to_path_buf()),
+        use_env: false,
+        ..Sources::default()
+    };
+    for (k, v) in pairs {
+        sources = sources.with_override(k, *v);
+    }
+    Settings::load(&sources)
+}
+
+#[test]
+fn users_batch_size_is_users_own_and_batch_size_every_pipelines_default() {
+    let orders = ORDERS.replace("batch_size = 500\n", "");
+    let size = |s: &Settings, name: &str| s.pipeline(name).expect(name).batching.size;
+    let s = load_with(&orders, &[("users_batch_size", "7")]).expect("valid");
+    assert_eq!(
+        size(&s, "orders"),
+        1000,
+        "USERS_BATCH_SIZE is the users pipeline's own"
+    );
+    assert_eq!(size(&s, "users"), 7);
+    let s = load_with(&orders, &[("batch_size", "9")]).expect("BATCH_SIZE is a setting");
+    assert_eq!(
+        size(&s, "orders"),
+        9,
+        "BATCH_SIZE is every pipeline's default"
+    );
+    assert_eq!(size(&s, "users"), 9);
+}
+
+/// Each field of a pipeline comes from its entry, else (for users) its own `USERS_*` setting,
+/// else the default of the same name.
+#[test]
+fn each_field_is_the_entrys_else_users_own_else_the_default() {
+    // (entry key and value, users' own setting, default setting, what the spec holds)
+    type Read = fn(&PipelineSpec) -> u64;
+    let fields: &[(&str, &str, &str, &str, &str, &str, Read)] = &[
+        (
+            "batch_size",
+            "11",
+            "users_batch_size",
+            "12",
+            "batch_size",
+            "13",
+            |p| p.batching.size as u64,
+        ),
+        (
+            "batch_timeout_ms",
+            "21",
+            "users_batch_timeout_ms",
+            "22",
+            "batch_timeout_ms",
+            "23",
+            |p| p.batching.timeout.as_millis() as u64,
+        ),
+        (
+            "proc_concurrency",
+            "3",
+            "users_proc_concurrency",
+            "4",
+            "proc_concurrency",
+            "5",
+            |p| p.batching.processors as u64,
+        ),
+        (
+            "batch_concurrency",
+            "3",
+            "users_batch_concurrency",
+            "4",
+            "batch_concurrency",
+            "5",
+            |p| p.batching.concurrency as u64,
+        ),
+        (
+            "min_concurrency",
+            "2",
+            "users_min_concurrency",
+            "3",
+            "min_concurrency",
+            "4",
+            |p| p.balance.min as u64,
+        ),
+        (
+            "max_concurrency",
+            "12",
+            "users_max_concurrency",
+            "13",
+            "max_concurrency",
+            "14",
+            |p| p.balance.max as u64,
+        ),
+        (
+            "balance_cooldown_ms",
+            "1001",
+            "users_balance_cooldown_ms",
+            "1002",
+            "balance_cooldown_ms",
+            "1003",
+            |p| p.balance.cooldown.as_millis() as u64,
+        ),
+        (
+            "balance_max_shift",
+            "2",
+            "users_balance_max_shift",
+            "3",
+            "balance_max_shift",
+            "4",
+            |p| p.balance.max_shift as u64,
+        ),
+        (
+            "scale_threshold",
+            "31",
+            "users_scale_threshold",
+            "32",
+            "scale_threshold",
+            "33",
+            |p| p.balance.threshold,
+        ),
+        (
+            "scale_up_threshold",
+            "41",
+            "users_scale_up_threshold",
+            "42",
+            "scale_up_threshold",
+            "43",
+            |p| p.balance.up_threshold,
+        ),
+        (
+            "scale_down_threshold",
+            "1",
+            "users_scale_down_threshold",
+            "2",
+            "scale_down_threshold",
+            "3",
+            |p| p.balance.down_threshold,
+        ),
+    ];
+    let users_entry = |line: &str| {
+        ORDERS
+            .replace("name = \"orders\"", "name = \"users\"")
+            .replace("batch_size = 500", line)
+    };
+    for (key, in_entry, own, own_value, default, default_value, read) in fields {
+        let both = [(*own, *own_value), (*default, *default_value)];
+        // The entry wins over both.
+        let s = load_with(&users_entry(&format!("{key} = {in_entry}")), &both).expect(key);
+        assert_eq!(
+            read(&s.pipelines()[0]).to_string(),
+            *in_entry,
+            "{key}: the entry"
+        );
+        // Without it, users' own wins over the default for the pipeline named users ...
+        let s = load_with(&users_entry(""), &both).expect(key);
+        assert_eq!(
+            read(&s.pipelines()[0]).to_string(),
+            *own_value,
+            "{key}: users' own"
+        );
+        // ... the built-in one included, and never for another pipeline.
+        let s = load_with(&ORDERS.replace("batch_size = 500", ""), &both).expect(key);
+        let (users, orders) = (&s.pipelines()[0], &s.pipelines()[1]);
+        assert_eq!((users.name.as_str(), users.builtin), ("users", true));
+        assert_eq!(
+            read(users).to_string(),
+            *own_value,
+            "{key}: built-in users' own"
+        );
+        assert_eq!(
+            read(orders).to_string(),
+            *default_value,
+            "{key}: orders' default"
+        );
+        // Without both, the default.
+        let s = load_with(&users_entry(""), &[(*default, *default_value)]).expect(key);
+        assert_eq!(
+            read(&s.pipelines()[0]).to_string(),
+            *default_value,
+            "{key}: the default"
+        );
+    }
+    // The choice of balancing, the same way.
+    let balance = |text: &str, pairs: &[(&str, &str)]| {
+        load_with(text, pairs).expect("valid").pipelines()[0]
+            .balance
+            .strategy
+    };
+    let pairs = [("users_balance", "simple"), ("balance", "auto")];
+    assert_eq!(
+        balance(&users_entry("balance = \"off\""), &pairs),
+        crate::config::Balance::Off
+    );
+    assert_eq!(
+        balance(&users_entry(""), &pairs),
+        crate::config::Balance::Simple
+    );
+    assert_eq!(
+        balance(&ORDERS.replace("name = \"orders\"", "name = \"o\""), &pairs),
+        crate::config::Balance::Simple,
+        "the built-in users pipeline comes first"
+    );
+    let s = load_with(ORDERS, &pairs).expect("valid");
+    assert_eq!(
+        s.pipeline("orders").unwrap().balance.strategy,
+        crate::config::Balance::Auto
+    );
+}
+
+/// A rule across fields names the pipeline and the field, where the value was given: the
+/// entry's key (with its line), or the setting (users' own, or a default named with the
+/// pipeline it fails for).
+#[test]
+fn a_rules_error_names_the_pipeline_and_the_field() {
+    let error =
+        |text: &str, pairs: &[(&str, &str)]| load_with(text, pairs).unwrap_err().to_string();
+    let e = error(
+        &ORDERS.replace("batch_size = 500", "min_concurrency = 9"),
+        &[],
+    );
+    assert!(
+        e.contains(
+            ", line 6: pipelines.orders.min_concurrency: expected at most \
+                        MAX_CONCURRENCY (8), got 9"
+        ),
+        "{e}"
+    );
+    let e = error(
+        &ORDERS.replace("batch_size = 500", "max_concurrency = 2"),
+        &[("min_concurrency", "3")],
+    );
+    assert!(
+        e.contains(
+            "MIN_CONCURRENCY (pipeline orders): expected at most max_concurrency (2), got 3"
+        ),
+        "{e}"
+    );
+    let e = error(ORDERS, &[("users_min_concurrency", "9")]);
+    assert!(
+        e.contains("USERS_MIN_CONCURRENCY: expected at most MAX_CONCURRENCY (8), got 9"),
+        "{e}"
+    );
+    let e = error(
+        &ORDERS.replace(
+            "batch_size = 500",
+            "balance = \"auto\"\nscale_up_threshold = 100",
+        ),
+        &[],
+    );
+    assert!(
+        e.contains(
+            "SCALE_DOWN_THRESHOLD (pipeline orders): expected below \
+                        scale_up_threshold (100)"
+        ),
+        "{e}"
+    );
+    // The rate against the consumer timeout, with the pipeline's own window.
+    let e = error(
+        &ORDERS.replace("batch_size = 500", "rate_limit_per_s = 1"),
+        &[("users_batch_size", "1")],
+    );
+    assert!(
+        e.contains(
+            "pipelines.orders.rate_limit_per_s: expected a rate at which one prefetch \
+                        window (4000 deliveries)"
+        ),
+        "{e}"
+    );
+    // Every pipeline's prefetch derived from its own batching, capped by the bodies' window.
+    let s = load_with(ORDERS, &[("batch_concurrency", "1")]).unwrap();
+    assert_eq!(s.pipeline("orders").unwrap().prefetch, 1000);
+    assert_eq!(s.pipeline("users").unwrap().prefetch, 2000);
+    // What the pipelines always hold, against the budget.
+    let e = error(ORDERS, &[("max_inserts_in_flight", "3")]);
+    assert!(
+        e.contains("MAX_INSERTS_IN_FLIGHT: expected 0 or at least the 4 batch inserts"),
+        "{e}"
+    );
+    let s = load_with(
+        ORDERS,
+        &[("batch_concurrency", "5"), ("database_pool_size", "4")],
+    )
+    .unwrap();
+    assert_eq!(s.inserts_budget(), 10);
+    assert_eq!(s.pipelines_pool_size(), 10 + 10 + 1);
 }
