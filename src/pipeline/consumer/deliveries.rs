@@ -54,10 +54,13 @@ impl Consumer {
         self.inflight += deliveries.len();
         self.received += deliveries.len() as u64;
         self.since_subscribe += deliveries.len() as u64;
+        let mut refused = 0;
         for d in &deliveries {
             self.inflight_bytes += d.held_bytes;
             self.largest = self.largest.max(d.held_bytes as usize);
+            refused += usize::from(d.body.len() > self.config.max_message_bytes);
         }
+        self.observe(deliveries.len(), refused);
         self.check_budget();
         if self.throttle.is_open() {
             self.hand_on(deliveries);

@@ -150,6 +150,8 @@ pub struct Consumer {
     kept_largest: usize,
     /// Deliveries since the current subscription began.
     since_subscribe: u64,
+    /// The window the current link has earned (slow start, `window.rs`).
+    earned: window::Earned,
     /// The bytes-in-flight gauge, resolved once; the value last published to it.
     inflight_bytes_gauge: (metrics::Gauge, u64),
     /// Held by the breaker and/or an operator: no consumer subscribed while non-empty.
@@ -197,6 +199,7 @@ impl Consumer {
             largest: 0,
             kept_largest: 0,
             since_subscribe: 0,
+            earned: window::Earned::default(),
             inflight_bytes_gauge: (crate::metrics::inflight_bytes_gauge(&config.stage), 0),
             holds: Vec::new(),
             received: 0,
