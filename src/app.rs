@@ -296,21 +296,49 @@ pub async fn run(settings: Settings, shutdown: impl Future<Output = ()>) -> anyh
     balancing.cancel();
     let timeout = settings.shutdown_timeout();
     let results = futures::future::join_all(pipelines.iter().map(|p| p.shutdown(timeout))).await;
+    let mut counts = crate::pipeline::consumer::StopCounts::default();
+    for (_, c) in &results {
+        counts += *c;
+    }
+    let (settled, given_back) = (counts.settled, counts.given_back);
     if let Some(api) = api {
         api.stop().await;
     }
     let _ = stop_tx.send(reason.to_string());
     let _ = tokio::time::timeout(Duration::from_secs(5), registry).await;
-    let code = if results.iter().all(|drained| *drained) {
-        info!("stopped cleanly");
-        0
-    } else {
+    // The last line says what the stop did with the deliveries it had in hand.
+    let code = if !results.iter().all(|(drained, _)| *drained) {
         warn!(
-            "stopped with messages still in flight after SHUTDOWN_TIMEOUT_MS; the broker redelivers them; exit 1"
+            settled,
+            given_back,
+            "stopped with messages still in flight after SHUTDOWN_TIMEOUT_MS: {settled} \
+             deliveries settled, {given_back} given back to the broker unprocessed (it \
+             redelivers them); exit 1"
         );
         1
+    } else if given_back > 0 {
+        warn!(
+            settled,
+            given_back,
+            "stopped: {settled} deliveries settled, {given_back} given back to the broker \
+             unprocessed (they wait in their queues for the next consumer; nothing is lost)"
+        );
+        0
+    } else {
+        info!(
+            settled,
+            given_back, "stopped cleanly: {settled} deliveries settled, none given back"
+        );
+        0
     };
-    events::emit(None, Kind::Stopped { exit_code: code });
+    events::emit(
+        None,
+        Kind::Stopped {
+            exit_code: code,
+            settled,
+            given_back,
+        },
+    );
     events::flush(Duration::from_secs(2)).await;
     Ok(code)
 }

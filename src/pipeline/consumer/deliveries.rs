@@ -102,6 +102,10 @@ impl Consumer {
             .throttle
             .take(self.generation, self.phase != Phase::Running);
         self.inflight = self.inflight.saturating_sub(dropped);
+        if self.phase != Phase::Running {
+            // Of a closed channel: the broker has them again.
+            self.stop_counts.given_back += dropped as u64;
+        }
         self.inflight_bytes = self.inflight_bytes.saturating_sub(dropped_bytes);
         if let Some(wait) = wait
             && !self.release_pending
@@ -151,6 +155,10 @@ impl Handler<Settle> for Consumer {
         self.inflight_bytes = self.inflight_bytes.saturating_sub(msg.bytes);
         self.publish_counts();
         let current = msg.generation == self.generation;
+        if self.phase != Phase::Running {
+            let live = current && self.linked().is_some_and(|l| l.acker.is_some());
+            self.stop_counts.count(&msg.items, live);
+        }
         if current && let Some(acker) = self.linked().and_then(|l| l.acker.as_mut()) {
             acker.settle(&msg.items);
         } else {

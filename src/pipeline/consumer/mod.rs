@@ -45,6 +45,7 @@ use crate::pipeline::dispatch::{Dispatch, Feed};
 use crate::pipeline::message::HoldReason;
 use crate::pipeline::throttle::Throttle;
 use link::{Link, Phase};
+pub use stop::StopCounts;
 
 /// Shutdown, step 1: stop taking deliveries (cancel the subscription). Answers once nothing
 /// more will arrive; whatever the rate limiter held has been handed onwards by then.
@@ -57,9 +58,10 @@ pub struct Cancel;
 #[rtype(result = "()")]
 pub struct Settled;
 
-/// Shutdown, step 5: close the channel and the connection. Answers when closed.
+/// Shutdown, step 5: close the channel and the connection. Answers when closed, with what the
+/// stop did with the deliveries.
 #[derive(Debug, Message)]
-#[rtype(result = "()")]
+#[rtype(result = "StopCounts")]
 pub struct Close;
 
 /// Replace the processors deliveries are spread over (live scaling). Processors no longer used
@@ -167,6 +169,8 @@ pub struct Consumer {
     received_counter: metrics::Counter,
     /// The in-flight gauge, resolved once.
     inflight_gauge: metrics::Gauge,
+    /// What the stop did with the deliveries so far (counted once stopping).
+    stop_counts: StopCounts,
     /// Answered when the stream ended after `Cancel`.
     cancelled: Vec<oneshot::Sender<()>>,
     /// Answered when everything is settled and acked after `Cancel`.
@@ -207,6 +211,7 @@ impl Consumer {
             idle: (0, 0),
             received_counter,
             inflight_gauge: crate::metrics::inflight_gauge(),
+            stop_counts: StopCounts::default(),
             cancelled: Vec::new(),
             settled: Vec::new(),
             throttle,

@@ -222,6 +222,7 @@ impl StreamHandler<Event> for Consumer {
                     deliveries = chunk.len(),
                     "deliveries after the stream ended for the stop; left to the broker"
                 );
+                self.stop_counts.given_back += chunk.iter().filter(|d| d.is_ok()).count() as u64;
             }
             Event::Deliveries(..) => {}
             Event::Ended(generation, tag) => {
