@@ -78,13 +78,17 @@ impl Consumer {
     /// window smaller than a batch (a small PREFETCH, or the byte budget's cut for large bodies)
     /// took one window per batch timeout. A full window of at least a batch always holds a
     /// whole batch (the dispatch cuts contiguous batches), whose commit frees room: flushing
-    /// there would only cut the others short.
+    /// there would only cut the others short. Nor while slow start grows the window
+    /// (`growing`): a larger window comes at once, and a backlog keeps making whole batches.
     pub(super) fn hand_on(&mut self, deliveries: Vec<Delivery>) {
         self.dispatch.hand_on(deliveries);
+        // This subscription delivered its whole window (what earlier ones still hold does not
+        // count against it on the broker: its qos is per consumer).
         let starved = matches!(&self.link, Link::Up(l)
             if self.inflight >= usize::from(l.window)
+                && self.since_subscribe >= u64::from(l.window)
                 && usize::from(l.window) < self.dispatch.batch_size());
-        if self.phase == Phase::Running && (!self.consuming() || starved) {
+        if self.phase == Phase::Running && (!self.consuming() || starved) && !self.growing() {
             self.dispatch.flush_all();
         }
     }

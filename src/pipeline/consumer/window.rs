@@ -162,11 +162,22 @@ impl Consumer {
                 to = self.earned.window,
                 "slow start: a whole window of accepted bodies; the window grows"
             );
+            // The next subscription begins as soon as the cancel is answered (what is in flight
+            // is less than the new window): the batches keep filling, nothing is flushed early.
+            self.unsubscribe();
+            return;
         } else {
             return;
         }
         self.unsubscribe();
         self.dispatch.flush_all();
+    }
+
+    /// Slow start is growing the window: the next subscription takes a larger one as soon as
+    /// the current one's cancel is answered, so the batches need not go before they fill (a
+    /// backlog still makes whole batches while the window grows from 1).
+    pub(super) fn growing(&self) -> bool {
+        matches!(&self.link, Link::Up(l) if self.wanted_window() > l.window)
     }
 
     /// A subscription whose window is not the one wanted (the concurrency changed) is
