@@ -41,7 +41,7 @@ const BOUND: u64 = 200 << 20;
 /// settings. The AMQP client received a whole prefetch window of bodies before the byte budget
 /// could cut it: 349 MiB at the peak, an OOM kill under a 256 MiB limit, and the restarted
 /// container received the same window (a crash loop; every user behind waited for ever). Now
-/// every link begins with a window of one delivery and a refused body cuts it to one at once:
+/// a consumer begins with a window of one delivery and a refused body cuts it to one at once:
 /// every user lands, every big message is parked once, and the peak stays under 200 MiB.
 #[tokio::test(flavor = "multi_thread")]
 async fn refused_8_mib_bodies_at_the_head_of_the_queue_stay_under_a_256_mib_limit() {

@@ -78,7 +78,7 @@ impl Consumer {
     /// window smaller than a batch (a small PREFETCH, or the byte budget's cut for large bodies)
     /// took one window per batch timeout. A full window of at least a batch always holds a
     /// whole batch (the dispatch cuts contiguous batches), whose commit frees room: flushing
-    /// there would only cut the others short. Nor while slow start grows the window
+    /// there would only cut the others short. Nor while the first window of one opens
     /// (`growing`): a larger window comes at once, and a backlog keeps making whole batches.
     pub(super) fn hand_on(&mut self, deliveries: Vec<Delivery>) {
         self.dispatch.hand_on(deliveries);

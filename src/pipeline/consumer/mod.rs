@@ -152,7 +152,7 @@ pub struct Consumer {
     kept_largest: usize,
     /// Deliveries since the current subscription began.
     since_subscribe: u64,
-    /// The window the current link has earned (slow start, `window.rs`).
+    /// The window the consumer has earned (a first window of one, `window.rs`).
     earned: window::Earned,
     /// The bytes-in-flight gauge, resolved once; the value last published to it.
     inflight_bytes_gauge: (metrics::Gauge, u64),

@@ -72,7 +72,7 @@ impl Consumer {
         }
         let stage = self.config.stage.clone();
         let (prefetch, largest) = (self.config.prefetch, self.largest);
-        // What the budget holds of the largest delivery: the budget's cut (else slow start,
+        // What the budget holds of the largest delivery: the budget's cut (else the earned window,
         // whose steps are logged at debug only).
         let budget_cut = window == self.budget_window() && window < prefetch.max(1);
         let max_inflight_bytes = self.config.max_inflight_bytes;
@@ -89,7 +89,7 @@ impl Consumer {
                 stage = stage.stage().as_str(),
                 window = w,
                 prefetch,
-                "prefetch window set to the window earned (slow start)"
+                "prefetch window set to the window earned (a first window of one, then open)"
             );
         } else if let Some(w) = qos {
             info!(

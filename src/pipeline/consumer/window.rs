@@ -3,16 +3,18 @@
 //! table can take some 30 times its wire size: `headers::parsed_bytes`), and the AMQP client
 //! receives a whole window of bodies, whatever their size, before warren sees the first one.
 //! Three rules keep what it receives bounded in bytes:
-//! - **Slow start.** Every new link begins with a window of one delivery ([`FIRST_WINDOW`]);
-//!   each time a whole window of deliveries with accepted bodies (at most `MAX_MESSAGE_BYTES`)
-//!   arrived, the window doubles (cancel, then `basic.qos` before `basic.consume`), up to the
-//!   prefetch and what the budget holds. So a restarted instance never receives more than one
-//!   body of any size before it knows what the head of its queue holds: a queue of huge bodies
-//!   cannot take it over a memory limit again and again (a crash loop).
+//! - **A first window of one.** A consumer begins with a window of one delivery
+//!   ([`FIRST_WINDOW`]); once a delivery with an accepted body (at most `MAX_MESSAGE_BYTES`)
+//!   arrived, the window opens to the prefetch and what the budget holds (cancel, then
+//!   `basic.qos` before `basic.consume`). So a restarted instance receives one body of any size
+//!   before it knows what the head of its queue holds: a queue of huge bodies cannot take it
+//!   over a memory limit at every start (a crash loop). One step, not a doubling per window:
+//!   every step is a consume, and a broker slow to answer consumes made a ramp of a dozen a
+//!   livelock (`tests/broker_faults.rs`, a consume answered late).
 //! - **Refused bodies one at a time.** A body over `MAX_MESSAGE_BYTES` (refused, dead-lettered)
-//!   cuts the window to one delivery at once, and slow start grows it back: refused bodies are
-//!   held one at a time, whatever the budget. Before the cut, what the broker already pushed
-//!   arrives: at most the window of that moment.
+//!   cuts the window to one delivery at once, and the next accepted one opens it again: refused
+//!   bodies are held one at a time, whatever the budget. Before the cut, what the broker already
+//!   pushed arrives: at most the window of that moment.
 //! - **The budget.** Once what is in flight reaches `MAX_INFLIGHT_BYTES` the consumer cancels
 //!   its subscription, lets what it holds settle back under the budget, and subscribes again with
 //!   a window cut to what the budget holds of the largest delivery it saw; after two such
@@ -27,43 +29,33 @@ use tracing::{debug, info, warn};
 use super::link::{Link, Phase, Subscription};
 use super::{Consumer, SetConcurrency};
 
-/// The window of a new link's first subscription, and the window a refused body cuts to: one
+/// The window of a consumer's first subscription, and the window a refused body cuts to: one
 /// delivery, so at most one body of any size is received before its size is known.
 pub(super) const FIRST_WINDOW: u16 = 1;
 
-/// The window the current link has earned (slow start): how many deliveries the AMQP client may
-/// receive at once before warren has seen how large they are.
+/// The window the consumer has earned: how many deliveries the AMQP client may receive at once
+/// before warren has seen how large they are. Kept across reconnects (a process that starts
+/// again starts from [`FIRST_WINDOW`]): a rebuild that started over made every rebuild a step
+/// more, and a broker slow to answer consumes a livelock.
 #[derive(Debug, Clone, Copy, Default)]
 pub(super) struct Earned {
-    /// The link (its generation) it was earned on: another link starts from [`FIRST_WINDOW`].
-    generation: u64,
+    /// 0 until earned: [`FIRST_WINDOW`].
     window: u16,
     /// Deliveries in a row with accepted bodies since the window was last set: a whole window
-    /// of them doubles it.
+    /// of them opens it.
     run: u64,
 }
 
 impl Consumer {
-    /// The window the current link has earned ([`Earned`]): [`FIRST_WINDOW`] on a new link.
+    /// The window the consumer has earned ([`Earned`]).
     pub(super) fn earned_window(&self) -> u16 {
-        if self.earned.generation == self.generation {
-            self.earned.window.max(FIRST_WINDOW)
-        } else {
-            FIRST_WINDOW
-        }
+        self.earned.window.max(FIRST_WINDOW)
     }
 
     /// Records a chunk of `delivered` deliveries, `refused` of them with bodies over
     /// `MAX_MESSAGE_BYTES`: a refused body cuts the earned window to [`FIRST_WINDOW`], accepted
-    /// ones count towards its growth.
+    /// ones count towards opening it.
     pub(super) fn observe(&mut self, delivered: usize, refused: usize) {
-        if self.earned.generation != self.generation {
-            self.earned = Earned {
-                generation: self.generation,
-                window: FIRST_WINDOW,
-                run: 0,
-            };
-        }
         if refused > 0 {
             self.earned.window = FIRST_WINDOW;
             self.earned.run = 0;
@@ -84,7 +76,7 @@ impl Consumer {
 
     /// The window the next subscription takes: the prefetch, cut to what the byte budget holds
     /// of the largest delivery seen during the current one if that was larger than any accepted
-    /// body (at least 1), and to the window the link has earned (slow start).
+    /// body (at least 1), and to the window the consumer has earned.
     pub(super) fn wanted_window(&self) -> u16 {
         self.budget_window().min(self.earned_window())
     }
@@ -105,7 +97,7 @@ impl Consumer {
     /// After each chunk: past the byte budget, no more deliveries until what is in flight settles
     /// back under it, then a smaller window; a refused body cuts the window to one delivery at
     /// once; a cut window that saw two windows' worth of small bodies grows back; a whole window
-    /// of accepted bodies doubles the earned window (slow start). Each cancels the subscription,
+    /// of accepted bodies opens the earned window to what the budget holds. Each cancels the subscription,
     /// and the next one takes the new window, so this acts once per subscription.
     pub(super) fn check_budget(&mut self) {
         if self.phase != Phase::Running || !self.consuming() {
@@ -153,14 +145,14 @@ impl Consumer {
             && self.earned.run >= u64::from(window)
             && self.budget_window() > window
         {
-            self.earned.window = window.saturating_mul(2).min(self.budget_window());
+            self.earned.window = self.budget_window();
             self.earned.run = 0;
             debug!(
                 pipeline = self.config.stage.pipeline(),
                 stage = self.config.stage.stage().as_str(),
                 from = window,
                 to = self.earned.window,
-                "slow start: a whole window of accepted bodies; the window grows"
+                "a whole window of accepted bodies: the window opens"
             );
             // The next subscription begins as soon as the cancel is answered (what is in flight
             // is less than the new window): the batches keep filling, nothing is flushed early.
@@ -173,7 +165,7 @@ impl Consumer {
         self.dispatch.flush_all();
     }
 
-    /// Slow start is growing the window: the next subscription takes a larger one as soon as
+    /// The window is opening (a window of accepted bodies came): the next subscription takes a larger one as soon as
     /// the current one's cancel is answered, so the batches need not go before they fill (a
     /// backlog still makes whole batches while the window grows from 1).
     pub(super) fn growing(&self) -> bool {
