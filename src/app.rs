@@ -234,22 +234,46 @@ pub async fn run(
         },
     );
 
-    let drained = pipelines.shutdown(shutdown_config.timeout()).await;
+    let (drained, counts) = pipelines.shutdown(shutdown_config.timeout()).await;
+    let (settled, given_back) = (counts.settled, counts.given_back);
     if let Some(api) = api {
         api.stop().await;
     }
     let _ = stop_tx.send(reason.to_string());
     let _ = tokio::time::timeout(Duration::from_secs(5), registry).await;
-    let code = if drained {
-        info!("stopped cleanly");
-        0
-    } else {
+    // The last line says what the stop did with the deliveries it had in hand.
+    let code = if !drained {
         warn!(
-            "stopped with messages still in flight after SHUTDOWN_TIMEOUT_MS; the broker redelivers them; exit 1"
+            settled,
+            given_back,
+            "stopped with messages still in flight after SHUTDOWN_TIMEOUT_MS: {settled} \
+             deliveries settled, {given_back} given back to the broker unprocessed (it \
+             redelivers them); exit 1"
         );
         1
+    } else if given_back > 0 {
+        warn!(
+            settled,
+            given_back,
+            "stopped: {settled} deliveries settled, {given_back} given back to the broker \
+             unprocessed (they wait in their queues for the next consumer; nothing is lost)"
+        );
+        0
+    } else {
+        info!(
+            settled,
+            given_back, "stopped cleanly: {settled} deliveries settled, none given back"
+        );
+        0
     };
-    events::emit(None, Kind::Stopped { exit_code: code });
+    events::emit(
+        None,
+        Kind::Stopped {
+            exit_code: code,
+            settled,
+            given_back,
+        },
+    );
     events::flush(Duration::from_secs(2)).await;
     Ok(code)
 }

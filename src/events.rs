@@ -78,8 +78,15 @@ pub enum Kind {
     Resumed { by: String },
     /// The graceful shutdown began (`signal`, `drain`).
     Draining { reason: String },
-    /// The process is about to exit with `exit_code` (0: every delivery settled).
-    Stopped { exit_code: i32 },
+    /// The process is about to exit with `exit_code` (0: every delivery settled or given back
+    /// in time; 1: the shutdown timeout left some in flight). Of the deliveries its stop had in
+    /// hand, `settled` were acked (stored, dead-lettered, parked) and `given_back` went back to
+    /// the broker unprocessed (they wait in their queues for the next consumer).
+    Stopped {
+        exit_code: i32,
+        settled: u64,
+        given_back: u64,
+    },
     /// A link to `target` (`broker`, `database`) went down; `link` names which (a pipeline's
     /// consumer, a publisher), `node` the broker node it was on.
     LinkLost {
@@ -558,7 +565,11 @@ mod tests {
             Kind::Draining {
                 reason: "signal".into(),
             },
-            Kind::Stopped { exit_code: 0 },
+            Kind::Stopped {
+                exit_code: 0,
+                settled: 10,
+                given_back: 0,
+            },
             Kind::LinkLost {
                 target: "broker".into(),
                 link: Some("users/main".into()),
@@ -662,8 +673,19 @@ mod tests {
             (e["rows"].as_u64(), e["duration_ms"].as_u64()),
             (Some(5), Some(7))
         );
-        let e = json(Kind::Stopped { exit_code: 1 });
-        assert_eq!(e["exit_code"], 1);
+        let e = json(Kind::Stopped {
+            exit_code: 1,
+            settled: 3,
+            given_back: 100,
+        });
+        assert_eq!(
+            (
+                e["exit_code"].as_i64(),
+                e["settled"].as_u64(),
+                e["given_back"].as_u64()
+            ),
+            (Some(1), Some(3), Some(100))
+        );
         let e = json(Kind::LinkLost {
             target: "broker".into(),
             link: None,

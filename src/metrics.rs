@@ -658,9 +658,14 @@ pub fn unneed(amqp_links: &[String]) {
     }
 }
 
-/// What the metrics listener's `/readyz` answers: each link the roles need, up or not; a link
-/// no role needs is left out.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+/// What the metrics listener's `/readyz` answers: each link the roles need, up or not (a link
+/// no role needs is left out), and the stages whose breaker is open, which do not make an
+/// instance unready (docs/deploying.md, "What the probes mean"): an open breaker is the
+/// pipeline's (a missing table, a privilege), shared by every instance, so failing readiness
+/// would move no work and only stall a rolling update (the one that fixes it too), take every
+/// instance's API out of its Service and block node drains; it shows here, in
+/// `warren_breaker_open` and in the WarrenBreakerOpen alert instead.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
 pub struct Readiness {
     /// Every AMQP link of the roles (consumers, their publisher, the API's publisher) is up.
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -668,22 +673,31 @@ pub struct Readiness {
     /// The database answered the last probe (every 5 s) or insert.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub database: Option<bool>,
+    /// The stages (`<pipeline>/<stage>`) whose sink-outage breaker is open; left out when none.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub breakers_open: Vec<String>,
 }
 
 impl Readiness {
-    /// Whether every needed link is up.
+    /// Whether every needed link is up (open breakers do not count).
     pub fn ready(&self) -> bool {
         self.broker != Some(false) && self.database != Some(false)
     }
 }
 
-/// The links this instance needs (see [`needs`]) as [`connection`] last saw them.
+/// The links this instance needs (see [`needs`]) as [`connection`] last saw them, and the
+/// stages whose breaker is open.
 pub fn readiness() -> Readiness {
     let needed = NEEDED.load(Ordering::Relaxed);
     let link = |i: usize| (needed & (1 << i) != 0).then(|| LINK_UP[i].load(Ordering::Relaxed));
     Readiness {
         broker: link(0),
         database: link(1),
+        breakers_open: stages()
+            .iter()
+            .filter(|(_, s)| s.breaker_open.load(Ordering::Relaxed))
+            .map(|(id, _)| id.to_string())
+            .collect(),
     }
 }
 
@@ -851,7 +865,14 @@ mod tests {
 
     #[test]
     fn ready_when_every_needed_link_is_up() {
-        let r = |broker, database| Readiness { broker, database }.ready();
+        let r = |broker, database| {
+            Readiness {
+                broker,
+                database,
+                breakers_open: Vec::new(),
+            }
+            .ready()
+        };
         assert!(r(Some(true), Some(true)));
         assert!(r(None, Some(true)), "a link no role needs does not count");
         assert!(r(None, None));
@@ -865,8 +886,24 @@ mod tests {
         let body = serde_json::to_value(Readiness {
             broker: None,
             database: Some(false),
+            breakers_open: Vec::new(),
         })
         .expect("json");
         assert_eq!(body, serde_json::json!({"database": false}));
+    }
+
+    /// An open breaker is named in the body and leaves the instance ready.
+    #[test]
+    fn an_open_breaker_is_named_and_leaves_the_instance_ready() {
+        let readiness = Readiness {
+            broker: Some(true),
+            database: Some(true),
+            breakers_open: vec!["users/main".into()],
+        };
+        assert!(readiness.ready());
+        assert_eq!(
+            serde_json::to_value(&readiness).expect("json"),
+            serde_json::json!({"broker": true, "database": true, "breakers_open": ["users/main"]})
+        );
     }
 }

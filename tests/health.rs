@@ -1,6 +1,6 @@
 //! The metrics listener (`METRICS_ADDR`) on every role: `/metrics` for Prometheus, `/healthz`
 //! (the process and its runtime answer), `/readyz` (the links its roles need are up: the broker,
-//! the database), 404 on any other path. A consumer-only instance binds no API port, so this is
+//! the database; an open breaker is named, and leaves it ready), 404 on any other path. A consumer-only instance binds no API port, so this is
 //! the only place an orchestrator can probe it.
 
 mod common;
@@ -149,5 +149,67 @@ async fn the_runtime_pings_the_systemd_watchdog() {
         seen.push(text);
     }
     assert!(seen.iter().any(|s| s == "READY=1"), "{seen:?}");
+    warren.terminate_ok(Duration::from_secs(30));
+}
+
+/// What `/readyz` means with an open breaker (docs/deploying.md, "What the probes mean"): the
+/// users table is missing, so the breaker opens on the systemic error and holds the pipeline;
+/// the instance stays ready (the breaker is the pipeline's, shared by every instance: failing
+/// readiness would only stall a rolling update and take the API out of its Service), and the
+/// body names the stage whose breaker is open. The table back, the breaker closes, the users
+/// land and the body no longer names it.
+#[tokio::test(flavor = "multi_thread")]
+async fn an_open_breaker_on_a_missing_table_is_named_by_readyz_and_leaves_it_ready() {
+    let env = TestEnv::new("health_breaker").await;
+    env.declare();
+    env.db
+        .batch_execute("ALTER TABLE users RENAME TO users_away")
+        .await
+        .expect("rename the table away");
+    let ids: HashSet<Uuid> = env.publish_users(20).await.into_iter().collect();
+    let mut warren = env.start(&["--roles", "consumer"]);
+    let _logs = LogsOnPanic(vec![warren.log.clone()]);
+    wait_scrape(
+        &env,
+        &warren,
+        "the breaker open",
+        Duration::from_secs(60),
+        |s| {
+            s.one(
+                "warren_breaker_open",
+                &[("pipeline", "users"), ("stage", "main")],
+            ) == Some(1.0)
+        },
+    )
+    .await;
+    let ready = wait_status(&env, &warren, "/readyz", 200).await;
+    assert_eq!(
+        ready["breakers_open"],
+        serde_json::json!(["users/main"]),
+        "{ready}"
+    );
+    assert_eq!(ready["broker"], true, "{ready}");
+    assert_eq!(ready["database"], true, "{ready}");
+
+    env.db
+        .batch_execute("ALTER TABLE users_away RENAME TO users")
+        .await
+        .expect("bring the table back");
+    assert_rows_exactly(&env, &ids, Duration::from_secs(60), &|| warren.logs()).await;
+    let body = || async {
+        metrics_get(&env, "/readyz")
+            .await
+            .and_then(|(_, b)| serde_json::from_str::<Value>(&b).ok())
+            .unwrap_or(Value::Null)
+    };
+    wait_until(
+        "the breaker left the body",
+        Duration::from_secs(30),
+        || async {
+            let body = body().await;
+            body.get("breakers_open").is_none() && body["broker"] == true
+        },
+    )
+    .await;
     warren.terminate_ok(Duration::from_secs(30));
 }

@@ -159,7 +159,7 @@ async fn a_second_domain_runs_through_the_same_core() {
         Some("invalid_payload")
     );
 
-    assert!(running.shutdown(Duration::from_secs(10)).await, "drained");
+    assert!(running.shutdown(Duration::from_secs(10)).await.0, "drained");
     assert_eq!(queue_counts(&env.main_queue).await, (0, 0));
     let n: i64 = env.db.query_one(&count, &[]).await.unwrap().get(0);
     assert_eq!(n, 120, "each event exactly once");

@@ -1,5 +1,6 @@
 //! Graceful shutdown of `warren run`: SIGTERM in the middle of a large run drains and exits 0
-//! in time with every inserted message acked and nothing lost; a shutdown that cannot drain
+//! in time with every inserted message acked and nothing lost; a stop says how many deliveries
+//! it settled and how many it gave back to the broker; a shutdown that cannot drain
 //! exits 1 after SHUTDOWN_TIMEOUT_MS; a second SIGTERM during a stuck shutdown exits at once, and
 //! a restart still delivers every message exactly once.
 
@@ -191,4 +192,78 @@ async fn a_shutdown_that_cannot_drain_exits_one_after_the_timeout() {
     );
 
     release_and_assert_everything_arrives_once(&env, locker, &ids).await;
+}
+
+/// A SIGTERM during a table outage: the users table is missing, the breaker holds the
+/// pipeline, and the batch in flight waits in place. The stop gives its deliveries back to the
+/// broker unprocessed, which is right (nothing is lost: the next consumer takes them), but the
+/// stop said "stopped cleanly" with exit 0 and nothing about them. Now the last line and the
+/// `stopped` event say how many deliveries were settled and how many were given back, and the
+/// count is the broker's: every message unacked at the signal is ready in the queue afterwards.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_stop_during_a_table_outage_says_how_many_deliveries_it_gave_back() {
+    const TOTAL: usize = 100;
+    let env = TestEnv::new("term_outage").await;
+    env.declare();
+    env.db
+        .batch_execute("ALTER TABLE users RENAME TO users_away")
+        .await
+        .expect("rename the table away");
+    env.publish_users(TOTAL).await;
+    let mut warren = env.start(&["--roles", "consumer"]);
+    let _logs = LogsOnPanic(vec![warren.log.clone()]);
+    wait_scrape(
+        &env,
+        &warren,
+        "the breaker open",
+        Duration::from_secs(60),
+        |s| {
+            s.one(
+                "warren_breaker_open",
+                &[("pipeline", "users"), ("stage", "main")],
+            ) == Some(1.0)
+        },
+    )
+    .await;
+    // The breaker holds the consumer: what it has is all it gets until the stop.
+    wait_until(
+        "deliveries held unacked",
+        Duration::from_secs(30),
+        || async { queue_counts(&env.main_queue).await.1 > 0 },
+    )
+    .await;
+    let unacked = queue_counts(&env.main_queue).await.1;
+
+    let status = warren.terminate(Duration::from_secs(40));
+    let logs = warren.logs();
+    eprintln!("SIGTERM with {unacked} deliveries held by the open breaker");
+    assert_eq!(status.code(), Some(0), "log:\n{logs}");
+    let last = logs
+        .lines()
+        .rev()
+        .find(|l| l.contains("stopped"))
+        .unwrap_or_default();
+    assert!(
+        last.contains(&format!(
+            "stopped: 0 deliveries settled, {unacked} given back to the broker unprocessed"
+        )),
+        "the last line does not say what the stop gave back ({unacked} unacked): {last}\n\
+         log:\n{logs}"
+    );
+    let events = stream_events(&env).await;
+    let stopped = events
+        .iter()
+        .rev()
+        .find(|e| e["type"] == "stopped")
+        .unwrap_or_else(|| panic!("no stopped event: {events:#?}"));
+    assert_eq!(stopped["exit_code"], 0, "{stopped}");
+    assert_eq!(stopped["settled"], 0, "{stopped}");
+    assert_eq!(stopped["given_back"], unacked, "{stopped}");
+    // The broker has them all again.
+    wait_until(
+        "every message ready again",
+        Duration::from_secs(10),
+        || async { queue_counts(&env.main_queue).await == (TOTAL as u64, 0) },
+    )
+    .await;
 }

@@ -20,6 +20,7 @@ use crate::config::pipelines::PipelineSpec;
 use crate::config::{Balance, ConfigError, Role, Settings};
 use crate::domain::mapping::Mapping;
 use crate::pipeline::balance::Decision;
+use crate::pipeline::consumer::StopCounts;
 use crate::pipeline::{self, Pipeline, Spec, Stage, StageId};
 use crate::registry::PipelineRecord;
 
@@ -553,7 +554,7 @@ impl Pipelines {
                 .map(|p| p.shutdown(timeout)),
         )
         .await;
-        report.drained = results.iter().all(|drained| *drained);
+        report.drained = results.iter().all(|(drained, _)| *drained);
         // What is removed leaves the readiness and the live stages.
         for r in &stopping {
             if report.removed.contains(&r.declared.name) {
@@ -604,15 +605,20 @@ impl Pipelines {
         Ok(report)
     }
 
-    /// The one shutdown of every stage, at once, bounded by `timeout`; whether all settled.
-    pub async fn shutdown(&mut self, timeout: Duration) -> bool {
+    /// The one shutdown of every stage, at once, bounded by `timeout`: whether all settled, and
+    /// what they settled and gave back, together.
+    pub async fn shutdown(&mut self, timeout: Duration) -> (bool, StopCounts) {
         self.balancing.cancel();
         let results =
             futures::future::join_all(self.stages().into_iter().map(|p| p.shutdown(timeout))).await;
         if let Some(poller) = self.poller.take() {
             poller.abort();
         }
-        results.iter().all(|drained| *drained)
+        let mut counts = StopCounts::default();
+        for (_, c) in &results {
+            counts += *c;
+        }
+        (results.iter().all(|(drained, _)| *drained), counts)
     }
 }
 

@@ -1,9 +1,9 @@
 //! The metrics listener on `METRICS_ADDR`, on every role: `GET /metrics` (the Prometheus
 //! scrape), `/healthz` (the process and its runtime answer), `/readyz` (the links the roles need
-//! are up, from the same state as `warren_connection_up`, [`crate::metrics::readiness`]), and 404
-//! on any other path. It runs on the runtime of the pipeline itself, so an answer from
-//! `/healthz` means that runtime is not stuck; under systemd's `WatchdogSec=` the same runtime
-//! pings the watchdog.
+//! are up, from the same state as `warren_connection_up`, [`crate::metrics::readiness`]; open
+//! breakers are named in the body and leave it ready), and 404 on any other path. It runs on
+//! the runtime of the pipeline itself, so an answer from `/healthz` means that runtime is not
+//! stuck; under systemd's `WatchdogSec=` the same runtime pings the watchdog.
 
 use std::convert::Infallible;
 use std::net::SocketAddr;

@@ -436,9 +436,10 @@ impl Pipeline {
     /// 4. ack: the consumer answers once every delivery is settled and its ack was sent;
     /// 5. close: the consumer's channel and connection, the republisher, the processor threads.
     ///
-    /// Returns whether everything in flight was settled; what was not is redelivered by the
-    /// broker when the channel closes.
-    pub async fn shutdown(&self, timeout: Duration) -> bool {
+    /// Returns whether everything in flight was settled (acked, or given back with a nack:
+    /// what was not is redelivered by the broker when the channel closes), and what the stop
+    /// did with the deliveries: settled, or given back to the broker unprocessed.
+    pub async fn shutdown(&self, timeout: Duration) -> (bool, consumer::StopCounts) {
         self.stopping.cancel();
         let drained = tokio::time::timeout(timeout, async {
             let _ = self.consumer.send(consumer::Cancel).await;
@@ -468,8 +469,14 @@ impl Pipeline {
                 "shutdown timeout reached; unacked messages will be redelivered"
             );
         }
-        let _ =
-            tokio::time::timeout(Duration::from_secs(5), self.consumer.send(consumer::Close)).await;
+        // A consumer that does not answer (it never does but in a broken process) counts
+        // nothing: its channel closes with the process, and the broker has every delivery back.
+        let counts =
+            tokio::time::timeout(Duration::from_secs(5), self.consumer.send(consumer::Close))
+                .await
+                .ok()
+                .and_then(Result::ok)
+                .unwrap_or_default();
         let _ = tokio::time::timeout(
             Duration::from_secs(5),
             self.publisher.send(publisher::Close),
@@ -483,7 +490,7 @@ impl Pipeline {
         {
             thread.stop();
         }
-        drained
+        (drained, counts)
     }
 }
 

@@ -363,10 +363,7 @@ mod tests {
             ..a.pipelines[0].clone()
         });
         let b = a.clone();
-        let names: Vec<String> = known(&[], [&a, &b])
-            .into_iter()
-            .map(|p| p.name)
-            .collect();
+        let names: Vec<String> = known(&[], [&a, &b]).into_iter().map(|p| p.name).collect();
         assert_eq!(names, ["users", "orders"]);
         let known = known(&[], [&a, &b]);
         assert_eq!(

@@ -54,10 +54,13 @@ impl Consumer {
         self.inflight += deliveries.len();
         self.received += deliveries.len() as u64;
         self.since_subscribe += deliveries.len() as u64;
+        let mut refused = 0;
         for d in &deliveries {
             self.inflight_bytes += d.held_bytes;
             self.largest = self.largest.max(d.held_bytes as usize);
+            refused += usize::from(d.body.len() > self.config.max_message_bytes);
         }
+        self.observe(deliveries.len(), refused);
         self.check_budget();
         if self.throttle.is_open() {
             self.hand_on(deliveries);
@@ -75,13 +78,17 @@ impl Consumer {
     /// window smaller than a batch (a small PREFETCH, or the byte budget's cut for large bodies)
     /// took one window per batch timeout. A full window of at least a batch always holds a
     /// whole batch (the dispatch cuts contiguous batches), whose commit frees room: flushing
-    /// there would only cut the others short.
+    /// there would only cut the others short. Nor while the first window of one opens
+    /// (`growing`): a larger window comes at once, and a backlog keeps making whole batches.
     pub(super) fn hand_on(&mut self, deliveries: Vec<Delivery>) {
         self.dispatch.hand_on(deliveries);
+        // This subscription delivered its whole window (what earlier ones still hold does not
+        // count against it on the broker: its qos is per consumer).
         let starved = matches!(&self.link, Link::Up(l)
             if self.inflight >= usize::from(l.window)
+                && self.since_subscribe >= u64::from(l.window)
                 && usize::from(l.window) < self.dispatch.batch_size());
-        if self.phase == Phase::Running && (!self.consuming() || starved) {
+        if self.phase == Phase::Running && (!self.consuming() || starved) && !self.growing() {
             self.dispatch.flush_all();
         }
     }
@@ -99,6 +106,10 @@ impl Consumer {
             .throttle
             .take(self.generation, self.phase != Phase::Running);
         self.inflight = self.inflight.saturating_sub(dropped);
+        if self.phase != Phase::Running {
+            // Of a closed channel: the broker has them again.
+            self.stop_counts.given_back += dropped as u64;
+        }
         self.inflight_bytes = self.inflight_bytes.saturating_sub(dropped_bytes);
         if let Some(wait) = wait
             && !self.release_pending
@@ -148,6 +159,10 @@ impl Handler<Settle> for Consumer {
         self.inflight_bytes = self.inflight_bytes.saturating_sub(msg.bytes);
         self.publish_counts();
         let current = msg.generation == self.generation;
+        if self.phase != Phase::Running {
+            let live = current && self.linked().is_some_and(|l| l.acker.is_some());
+            self.stop_counts.count(&msg.items, live);
+        }
         if current && let Some(acker) = self.linked().and_then(|l| l.acker.as_mut()) {
             acker.settle(&msg.items);
         } else {

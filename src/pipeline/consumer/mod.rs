@@ -44,6 +44,7 @@ use crate::pipeline::dispatch::{Dispatch, Feed};
 use crate::pipeline::message::HoldReason;
 use crate::pipeline::throttle::Throttle;
 use link::{Link, Phase};
+pub use stop::StopCounts;
 
 /// Shutdown, step 1: stop taking deliveries (cancel the subscription). Answers once nothing
 /// more will arrive; whatever the rate limiter held has been handed onwards by then.
@@ -56,9 +57,10 @@ pub struct Cancel;
 #[rtype(result = "()")]
 pub struct Settled;
 
-/// Shutdown, step 5: close the channel and the connection. Answers when closed.
+/// Shutdown, step 5: close the channel and the connection. Answers when closed, with what the
+/// stop did with the deliveries.
 #[derive(Debug, Message)]
-#[rtype(result = "()")]
+#[rtype(result = "StopCounts")]
 pub struct Close;
 
 /// Replace the processors deliveries are spread over (live scaling). Processors no longer used
@@ -151,6 +153,8 @@ pub struct Consumer {
     kept_largest: usize,
     /// Deliveries since the current subscription began.
     since_subscribe: u64,
+    /// The window the consumer has earned (a first window of one, `window.rs`).
+    earned: window::Earned,
     /// The bytes-in-flight gauge, resolved once; the value last published to it.
     inflight_bytes_gauge: (metrics::Gauge, u64),
     /// Held by the breaker and/or an operator: no consumer subscribed while non-empty.
@@ -166,6 +170,8 @@ pub struct Consumer {
     received_counter: metrics::Counter,
     /// The in-flight gauge, resolved once.
     inflight_gauge: metrics::Gauge,
+    /// What the stop did with the deliveries so far (counted once stopping).
+    stop_counts: StopCounts,
     /// Answered when the stream ended after `Cancel`.
     cancelled: Vec<oneshot::Sender<()>>,
     /// Answered when everything is settled and acked after `Cancel`.
@@ -198,6 +204,7 @@ impl Consumer {
             largest: 0,
             kept_largest: 0,
             since_subscribe: 0,
+            earned: window::Earned::default(),
             inflight_bytes_gauge: (crate::metrics::inflight_bytes_gauge(&config.stage), 0),
             holds: Vec::new(),
             received: 0,
@@ -205,6 +212,7 @@ impl Consumer {
             idle: (0, 0),
             received_counter,
             inflight_gauge: crate::metrics::inflight_gauge(),
+            stop_counts: StopCounts::default(),
             cancelled: Vec::new(),
             settled: Vec::new(),
             throttle,
@@ -219,5 +227,13 @@ impl Actor for Consumer {
     fn started(&mut self, ctx: &mut Self::Context) {
         self.connect(ctx, None);
         ctx.run_interval(Duration::from_secs(1), |act, ctx| act.tick(ctx));
+    }
+
+    fn stopped(&mut self, _: &mut Self::Context) {
+        tracing::info!(
+            pipeline = self.config.stage.pipeline(),
+            stage = self.config.stage.stage().as_str(),
+            "consumer stopped"
+        );
     }
 }

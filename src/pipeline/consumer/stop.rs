@@ -1,6 +1,7 @@
 //! The consumer's part of the one shutdown sequence: `Cancel` (stop taking deliveries; answered
 //! once nothing more will arrive), `Settled` (answered once every delivery is settled and its
-//! ack or nack sent) and `Close` (the channel and the connection).
+//! ack or nack sent) and `Close` (the channel and the connection), which answers what the stop
+//! did with the deliveries ([`StopCounts`]): settled, or given back to the broker unprocessed.
 
 use actix::prelude::*;
 use tokio::sync::oneshot;
@@ -9,6 +10,39 @@ use tracing::info;
 use super::link::{Link, Phase, Subscription};
 use super::{Cancel, Close, Consumer, Settled};
 use crate::amqp::{self};
+use crate::pipeline::message::Disposition;
+
+/// What one consumer's stop did with its deliveries: those settled while it stopped, and those
+/// given back to the broker unprocessed (nacked with requeue, left unacked when the channel
+/// closed, or settled on a channel that was already gone): they wait in the queue for the next
+/// consumer. The last log line and the `stopped` event add them up over every stage.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct StopCounts {
+    /// Acked after the stop began: stored, dead-lettered or parked.
+    pub settled: u64,
+    /// Back in the queue unprocessed.
+    pub given_back: u64,
+}
+
+impl std::ops::AddAssign for StopCounts {
+    fn add_assign(&mut self, other: Self) {
+        self.settled += other.settled;
+        self.given_back += other.given_back;
+    }
+}
+
+impl StopCounts {
+    /// Counts one settlement during the stop: an ack on the live channel settled it; a requeue,
+    /// or any settlement of a channel already closed (`live` false), gave it back.
+    pub(super) fn count(&mut self, items: &[(u64, Disposition)], live: bool) {
+        for (_, disposition) in items {
+            match disposition {
+                Disposition::Ack if live => self.settled += 1,
+                _ => self.given_back += 1,
+            }
+        }
+    }
+}
 
 impl Consumer {
     /// Nothing more will arrive: answers `Cancel`, then checks whether all is settled.
@@ -98,15 +132,24 @@ impl Handler<Settled> for Consumer {
 }
 
 impl Handler<Close> for Consumer {
-    type Result = ResponseFuture<()>;
+    type Result = ResponseFuture<StopCounts>;
 
-    fn handle(&mut self, _: Close, _: &mut Self::Context) -> Self::Result {
+    fn handle(&mut self, _: Close, ctx: &mut Self::Context) -> Self::Result {
         if self.phase == Phase::Running {
             self.phase = Phase::Stopping;
         }
+        // The actor ends here (its tick with it; the answer below runs on its own): with it go
+        // the stage's processors, batchers and sinks, which only its addresses kept alive, so a
+        // stage a reload stopped leaves nothing running behind.
+        ctx.stop();
         // The last counts now, not at the next tick: a stage a reload removed has left the live
         // stages by then (`metrics::forget`), and the process's record counts them at its stop.
         self.publish_counts();
+        // Whatever is still unsettled (the drain timed out; what the limiter holds is counted
+        // in flight too) goes back to the queue with the channel.
+        self.stop_counts.given_back += self.inflight as u64;
+        self.inflight = 0;
+        let counts = self.stop_counts;
         let link = std::mem::replace(&mut self.link, Link::Down);
         let stage = self.config.stage.clone();
         Box::pin(async move {
@@ -117,8 +160,11 @@ impl Handler<Close> for Consumer {
             info!(
                 pipeline = stage.pipeline(),
                 stage = stage.stage().as_str(),
+                settled = counts.settled,
+                given_back = counts.given_back,
                 "consumer closed"
             );
+            counts
         })
     }
 }

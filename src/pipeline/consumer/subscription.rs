@@ -83,6 +83,9 @@ impl Consumer {
         }
         let stage = self.config.stage.clone();
         let (prefetch, largest) = (self.config.prefetch, self.largest);
+        // What the budget holds of the largest delivery: the budget's cut (else the earned window,
+        // whose steps are logged at debug only).
+        let budget_cut = window == self.budget_window() && window < prefetch.max(1);
         let max_inflight_bytes = self.config.max_inflight_bytes;
         let Link::Up(linked) = &mut self.link else {
             return;
@@ -91,7 +94,15 @@ impl Consumer {
             return;
         }
         let qos = (window != linked.window).then_some(window);
-        if let Some(w) = qos {
+        if let Some(w) = qos.filter(|_| !budget_cut) {
+            debug!(
+                pipeline = stage.pipeline(),
+                stage = stage.stage().as_str(),
+                window = w,
+                prefetch,
+                "prefetch window set to the window earned (a first window of one, then open)"
+            );
+        } else if let Some(w) = qos {
             info!(
                 pipeline = stage.pipeline(),
                 stage = stage.stage().as_str(),
@@ -222,6 +233,7 @@ impl StreamHandler<Event> for Consumer {
                     deliveries = chunk.len(),
                     "deliveries after the stream ended for the stop; left to the broker"
                 );
+                self.stop_counts.given_back += chunk.iter().filter(|d| d.is_ok()).count() as u64;
             }
             Event::Deliveries(..) => {}
             Event::Ended(generation, tag) => {

@@ -1,13 +1,27 @@
 //! The prefetch window and the byte budget. The prefetch window bounds how many deliveries are
 //! in flight, not their size: a delivery holds its body and its properties as parsed (a header
-//! table can take some 30 times its wire size: `headers::parsed_bytes`). Once what is in flight
-//! reaches `MAX_INFLIGHT_BYTES` the consumer cancels its subscription, lets what it holds settle
-//! back under the budget, and subscribes again with a window cut to what the budget holds of
-//! the largest delivery it saw (`basic.qos` before `basic.consume`); after two such windows of
-//! small deliveries it grows back to the prefetch the same way. The budget counts everything in
-//! flight, so what overshoots it is at most what the broker pushed before the cancel: one window
-//! of deliveries, each body at most the broker's `max_message_size` and each content header at
-//! most its `frame_max`. A change of concurrency (balancing) changes the window the same way.
+//! table can take some 30 times its wire size: `headers::parsed_bytes`), and the AMQP client
+//! receives a whole window of bodies, whatever their size, before warren sees the first one.
+//! Three rules keep what it receives bounded in bytes:
+//! - **A first window of one.** A consumer begins with a window of one delivery
+//!   ([`FIRST_WINDOW`]); once a delivery with an accepted body (at most `MAX_MESSAGE_BYTES`)
+//!   arrived, the window opens to the prefetch and what the budget holds (cancel, then
+//!   `basic.qos` before `basic.consume`). So a restarted instance receives one body of any size
+//!   before it knows what the head of its queue holds: a queue of huge bodies cannot take it
+//!   over a memory limit at every start (a crash loop). One step, not a doubling per window:
+//!   every step is a consume, and a broker slow to answer consumes made a ramp of a dozen a
+//!   livelock (`tests/broker_faults.rs`, a consume answered late).
+//! - **Refused bodies one at a time.** A body over `MAX_MESSAGE_BYTES` (refused, dead-lettered)
+//!   cuts the window to one delivery at once, and the next accepted one opens it again: refused
+//!   bodies are held one at a time, whatever the budget. Before the cut, what the broker already
+//!   pushed arrives: at most the window of that moment.
+//! - **The budget.** Once what is in flight reaches `MAX_INFLIGHT_BYTES` the consumer cancels
+//!   its subscription, lets what it holds settle back under the budget, and subscribes again with
+//!   a window cut to what the budget holds of the largest delivery it saw; after two such
+//!   windows of small deliveries it grows back to the prefetch the same way. A change of
+//!   concurrency (balancing) changes the window the same way.
+//!
+//! docs/failures.md ("Memory") turns these into the bound a memory limit is sized from.
 
 use actix::prelude::*;
 use tracing::{debug, info, warn};
@@ -15,7 +29,41 @@ use tracing::{debug, info, warn};
 use super::link::{Link, Phase, Subscription};
 use super::{Consumer, SetConcurrency};
 
+/// The window of a consumer's first subscription, and the window a refused body cuts to: one
+/// delivery, so at most one body of any size is received before its size is known.
+pub(super) const FIRST_WINDOW: u16 = 1;
+
+/// The window the consumer has earned: how many deliveries the AMQP client may receive at once
+/// before warren has seen how large they are. Kept across reconnects (a process that starts
+/// again starts from [`FIRST_WINDOW`]): a rebuild that started over made every rebuild a step
+/// more, and a broker slow to answer consumes a livelock.
+#[derive(Debug, Clone, Copy, Default)]
+pub(super) struct Earned {
+    /// 0 until earned: [`FIRST_WINDOW`].
+    window: u16,
+    /// Deliveries in a row with accepted bodies since the window was last set: a whole window
+    /// of them opens it.
+    run: u64,
+}
+
 impl Consumer {
+    /// The window the consumer has earned ([`Earned`]).
+    pub(super) fn earned_window(&self) -> u16 {
+        self.earned.window.max(FIRST_WINDOW)
+    }
+
+    /// Records a chunk of `delivered` deliveries, `refused` of them with bodies over
+    /// `MAX_MESSAGE_BYTES`: a refused body cuts the earned window to [`FIRST_WINDOW`], accepted
+    /// ones count towards opening it.
+    pub(super) fn observe(&mut self, delivered: usize, refused: usize) {
+        if refused > 0 {
+            self.earned.window = FIRST_WINDOW;
+            self.earned.run = 0;
+        } else {
+            self.earned.run += delivered as u64;
+        }
+    }
+
     /// Whether a subscription with `window` may begin beside what is in flight (all of it from
     /// earlier subscriptions or links: none is active): at most `window` deliveries, so that the
     /// deliveries in flight stay within two windows however often the window changes while some
@@ -28,8 +76,14 @@ impl Consumer {
 
     /// The window the next subscription takes: the prefetch, cut to what the byte budget holds
     /// of the largest delivery seen during the current one if that was larger than any accepted
-    /// body (at least 1).
+    /// body (at least 1), and to the window the consumer has earned.
     pub(super) fn wanted_window(&self) -> u16 {
+        self.budget_window().min(self.earned_window())
+    }
+
+    /// The prefetch, cut to what the byte budget holds of the largest delivery seen (this
+    /// subscription's, or the one an earlier cut keeps).
+    pub(super) fn budget_window(&self) -> u16 {
         self.window_for(self.largest.max(self.kept_largest))
     }
 
@@ -40,10 +94,11 @@ impl Consumer {
         (fits as u16).min(self.config.prefetch.max(1))
     }
 
-    /// Past the byte budget: no more deliveries until what is in flight settles back under it,
-    /// then a smaller window. A cut window that saw two windows' worth of small bodies grows
-    /// back the same way. Either way the subscription is cancelled, so this runs once per
-    /// subscription.
+    /// After each chunk: past the byte budget, no more deliveries until what is in flight settles
+    /// back under it, then a smaller window; a refused body cuts the window to one delivery at
+    /// once; a cut window that saw two windows' worth of small bodies grows back; a whole window
+    /// of accepted bodies opens the earned window to what the budget holds. Each cancels the subscription,
+    /// and the next one takes the new window, so this acts once per subscription.
     pub(super) fn check_budget(&mut self) {
         if self.phase != Phase::Running || !self.consuming() {
             return;
@@ -52,6 +107,7 @@ impl Consumer {
             return;
         };
         let window = linked.window;
+        let earned = self.earned_window();
         if self.inflight_bytes >= self.config.max_inflight_bytes {
             warn!(
                 pipeline = self.config.stage.pipeline(),
@@ -63,9 +119,19 @@ impl Consumer {
                  MAX_INFLIGHT_BYTES; no new deliveries until they settle under it, then a smaller \
                  prefetch window"
             );
-        } else if window < self.config.prefetch
+        } else if earned < window {
+            info!(
+                pipeline = self.config.stage.pipeline(),
+                stage = self.config.stage.stage().as_str(),
+                window,
+                largest_delivery = self.largest,
+                max_message_bytes = self.config.max_message_bytes,
+                "a body over MAX_MESSAGE_BYTES arrived: refused bodies are taken one at a time; \
+                 the prefetch window is cut to 1 now and grows back with the accepted ones"
+            );
+        } else if self.kept_largest > 0
             && self.since_subscribe >= 2 * u64::from(window)
-            && self.window_for(self.largest) > window
+            && self.window_for(self.largest).min(earned) > window
         {
             self.kept_largest = 0;
             info!(
@@ -75,11 +141,35 @@ impl Consumer {
                 "two windows of bodies the budget holds more of: the window grows back once \
                  what is in flight settles"
             );
+        } else if window == earned
+            && self.earned.run >= u64::from(window)
+            && self.budget_window() > window
+        {
+            self.earned.window = self.budget_window();
+            self.earned.run = 0;
+            debug!(
+                pipeline = self.config.stage.pipeline(),
+                stage = self.config.stage.stage().as_str(),
+                from = window,
+                to = self.earned.window,
+                "a whole window of accepted bodies: the window opens"
+            );
+            // The next subscription begins as soon as the cancel is answered (what is in flight
+            // is less than the new window): the batches keep filling, nothing is flushed early.
+            self.unsubscribe();
+            return;
         } else {
             return;
         }
         self.unsubscribe();
         self.dispatch.flush_all();
+    }
+
+    /// The window is opening (a window of accepted bodies came): the next subscription takes a larger one as soon as
+    /// the current one's cancel is answered, so the batches need not go before they fill (a
+    /// backlog still makes whole batches while the window grows from 1).
+    pub(super) fn growing(&self) -> bool {
+        matches!(&self.link, Link::Up(l) if self.wanted_window() > l.window)
     }
 
     /// A subscription whose window is not the one wanted (the concurrency changed) is

@@ -1,0 +1,106 @@
+//! Memory under a limit: what one warren process holds stays within the bound docs/failures.md
+//! ("Memory") states, whatever the queue holds, so a container memory limit sized from it never
+//! kills warren (and a restarted warren is never killed again by the same queue: a crash loop).
+
+mod common;
+
+use std::collections::HashSet;
+use std::time::Duration;
+
+use common::*;
+use lapin::BasicProperties;
+use uuid::Uuid;
+
+/// Persistent JSON properties labelled with a message id.
+fn labelled(label: &str) -> BasicProperties {
+    BasicProperties::default()
+        .with_content_type("application/json".into())
+        .with_message_id(label.into())
+        .with_delivery_mode(2)
+}
+
+/// The peak resident memory (`VmHWM`) of process `pid`, in bytes.
+fn peak_rss(pid: i32) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).expect("/proc status");
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmHWM:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
+        .map(|kb| kb * 1024)
+        .expect("VmHWM in kB")
+}
+
+/// The limit the Deployment in deploy/kubernetes/ sets, and the test's bound below it: the
+/// process must stay under it with room for what a container adds (the page cache of its
+/// files is charged to it too).
+const LIMIT: u64 = 256 << 20;
+const BOUND: u64 = 200 << 20;
+
+/// 40 bodies of 8 MiB, each over MAX_MESSAGE_BYTES (refused, so dead-lettered, then parked by
+/// the DLQ consumer), at the head of the queue and 2,000 users behind them, with the default
+/// settings. The AMQP client received a whole prefetch window of bodies before the byte budget
+/// could cut it: 349 MiB at the peak, an OOM kill under a 256 MiB limit, and the restarted
+/// container received the same window (a crash loop; every user behind waited for ever). Now
+/// a consumer begins with a window of one delivery and a refused body cuts it to one at once:
+/// every user lands, every big message is parked once, and the peak stays under 200 MiB.
+#[tokio::test(flavor = "multi_thread")]
+async fn refused_8_mib_bodies_at_the_head_of_the_queue_stay_under_a_256_mib_limit() {
+    let env = TestEnv::new("memlimit").await;
+    env.declare();
+    let body = vec![b'x'; 8 << 20];
+    for i in 0..40 {
+        env.publish_raw(&body, labelled(&format!("big-{i}"))).await;
+    }
+    drop(body);
+    let users: HashSet<Uuid> = env.publish_users(2_000).await.into_iter().collect();
+    let mut warren = env.start(&["--roles", "consumer,dlq"]);
+    let _logs = LogsOnPanic(vec![warren.log.clone()]);
+    let pid = warren.pid();
+    // Checked at every poll, so a process past the bound fails the test at once (the OOM kill
+    // a container limit would have made), not after a long wait.
+    let within_bound = || {
+        let peak = peak_rss(pid);
+        assert!(
+            peak < BOUND,
+            "peak RSS {} MiB while draining: over {} MiB, too close to a {} MiB limit",
+            peak >> 20,
+            BOUND >> 20,
+            LIMIT >> 20
+        );
+    };
+    let parked = || async {
+        count_of(
+            &env,
+            "SELECT count(DISTINCT message_id) FROM dead_letters WHERE message_id LIKE 'big-%'",
+        )
+        .await
+    };
+    wait_until(
+        "every user stored and 40 big messages parked",
+        Duration::from_secs(240),
+        || async {
+            within_bound();
+            env.count_rows().await >= users.len() as i64 && parked().await >= 40
+        },
+    )
+    .await;
+    assert_rows_exactly(&env, &users, Duration::from_secs(10), &|| warren.logs()).await;
+    within_bound();
+    let peak = peak_rss(pid);
+    eprintln!(
+        "peak RSS with 40 refused bodies of 8 MiB: {} MiB",
+        peak >> 20
+    );
+    warren.terminate_ok(Duration::from_secs(30));
+    // Once each: 40 rows for 40 ids, none left in the DLQ, nothing left in the queue.
+    assert_eq!(
+        count_of(
+            &env,
+            "SELECT count(*) FROM dead_letters WHERE message_id LIKE 'big-%'"
+        )
+        .await,
+        40
+    );
+    assert_eq!(env.queue_state(&env.dlq_queue).await, (0, 0));
+    assert_eq!(env.queue_state(&env.main_queue).await, (0, 0));
+}
