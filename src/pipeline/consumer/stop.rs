@@ -132,16 +132,12 @@ impl Handler<Settled> for Consumer {
 }
 
 impl Handler<Close> for Consumer {
-    type Result = ResponseFuture<StopCounts>;
+    type Result = ResponseActFuture<Self, StopCounts>;
 
-    fn handle(&mut self, _: Close, ctx: &mut Self::Context) -> Self::Result {
+    fn handle(&mut self, _: Close, _: &mut Self::Context) -> Self::Result {
         if self.phase == Phase::Running {
             self.phase = Phase::Stopping;
         }
-        // The actor ends here (its tick with it; the answer below runs on its own): with it go
-        // the stage's processors, batchers and sinks, which only its addresses kept alive, so a
-        // stage a reload stopped leaves nothing running behind.
-        ctx.stop();
         // The last counts now, not at the next tick: a stage a reload removed has left the live
         // stages by then (`metrics::forget`), and the process's record counts them at its stop.
         self.publish_counts();
@@ -152,19 +148,30 @@ impl Handler<Close> for Consumer {
         let counts = self.stop_counts;
         let link = std::mem::replace(&mut self.link, Link::Down);
         let stage = self.config.stage.clone();
-        Box::pin(async move {
-            if let Link::Up(linked) = link {
-                drop(linked.acker);
-                amqp::close(Some(linked.channel), Some(linked.connection)).await;
+        Box::pin(
+            async move {
+                if let Link::Up(linked) = link {
+                    drop(linked.acker);
+                    amqp::close(Some(linked.channel), Some(linked.connection)).await;
+                }
+                info!(
+                    pipeline = stage.pipeline(),
+                    stage = stage.stage().as_str(),
+                    settled = counts.settled,
+                    given_back = counts.given_back,
+                    "consumer closed"
+                );
+                counts
             }
-            info!(
-                pipeline = stage.pipeline(),
-                stage = stage.stage().as_str(),
-                settled = counts.settled,
-                given_back = counts.given_back,
-                "consumer closed"
-            );
-            counts
-        })
+            .into_actor(self)
+            // The actor ends once its link is closed (until then it still sees what the broker sent
+            // behind the cancel, and leaves it to the broker): its tick with it, and the stage's
+            // processors, batchers and sinks, which only its addresses kept alive, so a stage a
+            // reload stopped leaves nothing running behind.
+            .map(|counts, _, ctx| {
+                ctx.stop();
+                counts
+            }),
+        )
     }
 }
