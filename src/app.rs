@@ -23,6 +23,7 @@ use control::ControlError;
 use pipelines::Pipelines;
 pub use pipelines::{Reload, ReloadError};
 
+mod components;
 mod control;
 mod pipelines;
 

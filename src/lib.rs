@@ -4,11 +4,13 @@
 //!
 //! # Layout
 //! - [`app`]: the composition root of `warren run`: roles, start order, process shutdown; its
-//!   `control` applies remote commands and the operator signals (`SIGUSR1`, `SIGCONT`).
-//! - [`config`]: typed settings, their layering and validation; `components`, the one place
-//!   they become the components' own configurations (`AmqpConfig`, `DbConfig`,
+//!   `control` applies remote commands and the operator signals (`SIGUSR1`, `SIGCONT`,
+//!   `SIGHUP`), its `pipelines` runs and reloads the pipelines, and its `components` is the one
+//!   place the settings become the components' own configurations (`AmqpConfig`, `DbConfig`,
 //!   `RegistryConfig`, `EventsConfig`, `HttpConfig`, `ListenerConfig`, `ShutdownConfig`): no
 //!   module below `app` and `cli` reads the settings themselves (`tests/layers.rs`).
+//! - [`config`]: typed settings, their layering and validation, and each pipeline resolved
+//!   once into its complete spec (`config::pipelines::PipelineSpec`).
 //! - [`topology`]: the declared RabbitMQ topology and its idempotent declare.
 //! - [`amqp`]: its own settings (`config`: `AmqpConfig`), connections to one of several nodes
 //!   with heartbeats and backoff, the confirmed

@@ -1,13 +1,14 @@
-//! The one place warren's settings become the components' own configurations: the broker
-//! link's [`AmqpConfig`], the database layer's [`DbConfig`], the registry's and remote
-//! control's [`RegistryConfig`] (with the [`RedisConfig`] the events writer shares, in
-//! [`EventsConfig`]), the HTTP API's [`HttpConfig`], the metrics listener's [`ListenerConfig`]
-//! and the shutdown's [`ShutdownConfig`]. Each component is given its own piece; the layers
-//! below `config` read none of [`Settings`]. Each configuration's `validate()` holds what its
-//! component relies on, its errors named by the setting.
+//! The one place (in the composition root) warren's settings become the components' own
+//! configurations: the broker link's [`AmqpConfig`], the database layer's [`DbConfig`], the
+//! registry's and remote control's [`RegistryConfig`] (with the [`RedisConfig`] the events writer
+//! shares, in [`EventsConfig`]), the HTTP API's [`HttpConfig`], the metrics listener's
+//! [`ListenerConfig`] and the shutdown's [`ShutdownConfig`]. Each component is given its own piece;
+//! no layer below the root reads [`Settings`], and `config` imports none of them. Each
+//! configuration's `validate()` holds what its component relies on, its errors named by the
+//! setting.
 
-use super::Settings;
 use crate::amqp::AmqpConfig;
+use crate::config::Settings;
 use crate::db::DbConfig;
 use crate::events::EventsConfig;
 use crate::http::{HttpConfig, ListenerConfig};

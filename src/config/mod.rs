@@ -11,7 +11,6 @@
 //! the one resolution step that turns each, with the defaults, into its checked
 //! [`pipelines::PipelineSpec`] when the settings load ([`Settings::pipelines`]).
 
-mod components;
 mod diagnose;
 mod error;
 pub mod pipelines;

@@ -6,7 +6,9 @@
 use std::fmt;
 use std::time::Duration;
 
-use super::instance::INSTANCE_TTL_S;
+/// Lifetime of an instance hash without a heartbeat: each heartbeat renews it, so the heartbeat
+/// period stays below it.
+pub const INSTANCE_TTL_S: u64 = 30;
 
 /// The deployment's Redis: what the registry, the remote control and the events stream reach.
 #[derive(Clone, PartialEq, Eq)]

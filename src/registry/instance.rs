@@ -16,7 +16,7 @@ use time::macros::format_description;
 use tracing::warn;
 
 use super::commands::{Command, CtlCommand};
-use super::config::{RedisConfig, RegistryConfig};
+use super::config::{INSTANCE_TTL_S, RedisConfig, RegistryConfig};
 use super::control::Rejected;
 use super::guard::Guard;
 use super::outcome::{CtlOutcome, Recorder};
@@ -27,8 +27,6 @@ use super::record::{
 use super::redis::Redis;
 use crate::metrics;
 
-/// Lifetime of an instance hash without a heartbeat.
-pub const INSTANCE_TTL_S: u64 = 30;
 /// History entries kept.
 const HISTORY_MAX: isize = 1000;
 /// Shutdown records kept (the newest).

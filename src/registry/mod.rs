@@ -35,13 +35,14 @@ pub mod redis;
 pub mod signing;
 
 pub use self::commands::{Command, CommandError, CtlCommand};
+pub use self::config::INSTANCE_TTL_S;
 pub use self::config::{RedisConfig, RegistryConfig, RegistryConfigError};
 pub use self::control::Rejected;
 pub use self::control::{MAX_SKEW_S, REFUSED_BAD_SIGNATURE, REFUSED_UNSIGNED, Refusal};
 pub use self::guard::Guard;
 pub use self::instance::{
-    INSTANCE_TTL_S, Instance, Keys, RATE_WINDOW, Registry, Report, SHUTDOWNS_MAX, instances, live,
-    now_s, per_second, utc,
+    Instance, Keys, RATE_WINDOW, Registry, Report, SHUTDOWNS_MAX, instances, live, now_s,
+    per_second, utc,
 };
 pub use self::outcome::{CtlOutcome, Recorder};
 pub use self::record::{
