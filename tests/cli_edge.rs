@@ -432,12 +432,11 @@ async fn events_follow_waits_across_quiet_spells_and_a_lost_redis() {
     redis.restore();
 }
 
-#[tokio::test(flavor = "multi_thread")]
-async fn status_watch_ends_with_exit_0_on_sigint() {
-    let env = TestEnv::new("edge_watch").await;
-    let _cleanup = RedisCleanup::new(&env);
+/// `warren <args>` (a `status --watch`): its first line of output, then SIGINT; its exit code
+/// and stderr with the line.
+fn first_line_then_sigint(env: &TestEnv, args: &[&str]) -> (i32, String, String) {
     let mut child = env
-        .command(&["status", "--watch", "1", "--json"])
+        .command(args)
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
@@ -446,14 +445,31 @@ async fn status_watch_ends_with_exit_0_on_sigint() {
     let mut first = String::new();
     let mut out = BufReader::new(child.stdout.take().expect("stdout"));
     out.read_line(&mut first).expect("a first redraw");
-    assert!(first.starts_with('{'), "{first}");
     let _ = Command::new("kill")
         .args(["-INT", &child.id().to_string()])
         .status();
     // Keep reading so a redraw never blocks on a full pipe.
     std::thread::spawn(move || std::io::copy(&mut out, &mut std::io::sink()));
     let (code, err) = finish(child, "status --watch");
+    (code, err, first)
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn status_watch_ends_with_exit_0_on_sigint() {
+    let env = TestEnv::new("edge_watch").await;
+    let _cleanup = RedisCleanup::new(&env);
+    let (code, err, first) = first_line_then_sigint(&env, &["status", "--watch", "1", "--json"]);
+    assert!(first.starts_with('{'), "{first}");
     assert_eq!(code, 0, "{err}");
+
+    // The tables into a pipe: snapshots one after the other, no terminal escape codes.
+    let (code, err, first) = first_line_then_sigint(&env, &["status", "--watch", "1"]);
+    assert_eq!(code, 0, "{err}");
+    assert!(!first.is_empty(), "no snapshot:\n{err}");
+    assert!(
+        !first.contains('\x1b'),
+        "escape codes written into a pipe: {first:?}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread")]

@@ -73,6 +73,10 @@ pub async fn execute(settings: &Settings, args: Args) -> anyhow::Result<i32> {
     let stop = super::run::signals();
     tokio::pin!(stop);
     let mut previous: Option<(Vec<QueueRow>, Instant)> = None;
+    let redraw = {
+        use std::io::IsTerminal as _;
+        std::io::stdout().is_terminal()
+    };
     loop {
         let now = snapshot(settings).await;
         let trends = trends(previous.as_ref().map(|(q, at)| (q.as_slice(), *at)), &now);
@@ -80,9 +84,13 @@ pub async fn execute(settings: &Settings, args: Args) -> anyhow::Result<i32> {
         // A closed stdout (the reader gone) ends the watch, exit 0.
         if args.json {
             out!("{text}")?;
-        } else {
+        } else if redraw {
             // Clear the screen and home the cursor, then draw.
             out!("\x1b[2J\x1b[H{text}")?;
+        } else {
+            // Into a file or a pipe, snapshots one after the other, each after a blank line,
+            // without the terminal's escape codes.
+            out!("{text}\n")?;
         }
         if let Some(q) = now.queues {
             previous = Some((q, now.at));
