@@ -112,8 +112,8 @@ fn test_prints_each_row_or_rejection_and_exits_by_the_verdict() {
     for (line, expected) in [
         ("3: invalid_payload", "/id"),
         ("4: invalid_payload", "/coupon"),
-        ("5: invalid_payload", "/qty"),
-        ("6: invalid_payload", "/total"),
+        ("5: invalid_payload", "qty must be at most 1000"),
+        ("6: invalid_payload", "total must be at least 0"),
         ("7: invalid_payload", "/customer/email"),
         ("8: invalid_json", "not JSON"),
     ] {
