@@ -295,3 +295,42 @@ fn a_rule_of_a_pipeline_names_the_pipeline_and_where_its_value_was_given() {
         ],
     );
 }
+
+/// A path that is no regular file (a FIFO nobody writes, a device that never ends) is refused at
+/// once, exit 2, naming it: read, it would hold the reading thread for ever (at a reload, the
+/// runtime that runs every pipeline) or fill the memory.
+#[test]
+fn a_config_path_that_is_no_regular_file_is_refused_at_once() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let fifo = dir.path().join("fifo.toml");
+    let made = Command::new("mkfifo").arg(&fifo).status().expect("mkfifo");
+    assert!(made.success(), "mkfifo");
+    for path in [fifo.to_str().expect("utf-8"), "/dev/zero", "/tmp"] {
+        let mut child = Command::new(bin())
+            .env_clear()
+            .args(["--config", path, "config"])
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .expect("run warren");
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        let status = loop {
+            if let Some(status) = child.try_wait().expect("wait") {
+                break status;
+            }
+            if std::time::Instant::now() > deadline {
+                let _ = child.kill();
+                panic!("warren --config {path} did not end within 10 s: the read blocks");
+            }
+            std::thread::sleep(std::time::Duration::from_millis(50));
+        };
+        let mut err = String::new();
+        std::io::Read::read_to_string(&mut child.stderr.take().expect("stderr"), &mut err)
+            .expect("stderr");
+        assert_refused(
+            path,
+            (status.code().unwrap_or(-1), err),
+            &[path, "expected a regular file"],
+        );
+    }
+}

@@ -41,6 +41,46 @@ fn syntax_error(text: &str, e: &toml::de::Error) -> String {
     }
 }
 
+/// The largest configuration file read: far above any real one (a few KiB), so a path that
+/// names a device or a runaway file is refused instead of read until memory runs out.
+pub const MAX_FILE_BYTES: u64 = 4 * 1024 * 1024;
+
+/// `path`'s text, if it is a regular file of at most [`MAX_FILE_BYTES`]. A FIFO, a device or a
+/// directory is refused before it is opened for reading: a read that never ends would hold the
+/// thread that reads it (a reload runs on the runtime's one thread: every pipeline would stop).
+/// The file is opened without blocking, and what it holds is read up to the bound only.
+fn read_regular(path: &Path) -> Result<String, String> {
+    use std::io::Read as _;
+    use std::os::unix::fs::OpenOptionsExt as _;
+    let meta = std::fs::metadata(path).map_err(|e| e.to_string())?;
+    if !meta.is_file() {
+        return Err("expected a regular file (not a directory, a FIFO or a device)".into());
+    }
+    if meta.len() > MAX_FILE_BYTES {
+        return Err(format!(
+            "expected at most {MAX_FILE_BYTES} bytes, the file has {}",
+            meta.len()
+        ));
+    }
+    // O_NONBLOCK: if the path was swapped for a FIFO since, the open does not wait for a writer.
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NONBLOCK)
+        .open(path)
+        .map_err(|e| e.to_string())?;
+    if !file.metadata().map_err(|e| e.to_string())?.is_file() {
+        return Err("expected a regular file (not a directory, a FIFO or a device)".into());
+    }
+    let mut bytes = Vec::new();
+    file.take(MAX_FILE_BYTES + 1)
+        .read_to_end(&mut bytes)
+        .map_err(|e| e.to_string())?;
+    if bytes.len() as u64 > MAX_FILE_BYTES {
+        return Err(format!("expected at most {MAX_FILE_BYTES} bytes"));
+    }
+    String::from_utf8(bytes).map_err(|_| "stream did not contain valid UTF-8".into())
+}
+
 impl FileText {
     /// Reads the file; an unreadable one or one that is no TOML is an error naming it (the TOML
     /// parser's words give the line and column).
@@ -49,7 +89,7 @@ impl FileText {
             path: path.to_path_buf(),
             reason,
         };
-        let text = std::fs::read_to_string(path).map_err(|e| file_error(e.to_string()))?;
+        let text = read_regular(path).map_err(file_error)?;
         text.parse::<toml::Table>()
             .map_err(|e| file_error(syntax_error(&text, &e)))?;
         Ok(Self {
