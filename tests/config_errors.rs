@@ -334,3 +334,24 @@ fn a_config_path_that_is_no_regular_file_is_refused_at_once() {
         );
     }
 }
+
+/// A setting written after a pipeline's `[pipelines.columns]` belongs to that table: it is
+/// refused as a column, and its value is never shown when it is a secret (CONTROL_SECRET, a
+/// password in a URL), not in the error and so not in a reload's error line or event.
+#[test]
+fn a_secret_misplaced_under_a_pipeline_is_refused_without_its_value() {
+    for (line, secret) in [
+        ("control_secret = \"S3CRETctl-long-enough\"", "S3CRETctl"),
+        (
+            "database_url = \"postgres://warren:DBPASSqq@127.0.0.1/warren\"",
+            "DBPASSqq",
+        ),
+    ] {
+        let file = File::new(&format!("{}{line}\n", orders("")));
+        let path = file.path();
+        let (code, err) = config(&[], &["--config", path.to_str().expect("utf-8")]);
+        assert_eq!(code, 2, "{line}: exit {code}\n{err}");
+        assert!(err.contains("columns"), "{line}: {err}");
+        assert!(!err.contains(secret), "{line}: the secret is shown: {err}");
+    }
+}

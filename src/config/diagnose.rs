@@ -300,6 +300,23 @@ fn without_source(message: &str, file: Option<&FileText>) -> String {
     }
 }
 
+/// What a refused value in a pipeline entry is shown as: never a secret. A setting misplaced
+/// under a pipeline (`control_secret = ...` after a `[pipelines.columns]` table) is refused as
+/// the entry's, with its value: hidden when the key names a secret setting, a URL's password
+/// redacted.
+fn guarded(key: Option<&str>, got: String) -> String {
+    let secret = key.is_some_and(|key| {
+        RULES
+            .iter()
+            .any(|(k, rule)| k.eq_ignore_ascii_case(key) && matches!(rule, super::Rule::Secret))
+    });
+    if secret {
+        "a value (not shown: it is a secret)".into()
+    } else {
+        super::redact_url(&got)
+    }
+}
+
 /// The error `kind` at `field` (a path in the entry) of the `index`-th pipeline of `file`.
 fn entry_error(file: &FileText, index: usize, field: &[String], kind: Kind) -> ConfigError {
     let label = file.pipeline_label(index);
@@ -320,7 +337,7 @@ fn entry_error(file: &FileText, index: usize, field: &[String], kind: Kind) -> C
         error: Box::new(ConfigError::Invalid {
             setting: setting(field),
             expected,
-            got,
+            got: guarded(field.last().map(String::as_str), got),
         }),
         closest,
     };
