@@ -69,7 +69,16 @@ impl Keys {
         format!("{}:instances:{host}:{pid}", self.prefix)
     }
     pub fn instances_pattern(&self) -> String {
-        format!("{}:instances:*", self.prefix)
+        // The prefix is matched as written: Redis's glob characters in it are escaped, so a
+        // prefix `rv_?` never lists (and `warren ctl` never addresses) deployment `rv_a`.
+        let mut literal = String::with_capacity(self.prefix.len());
+        for c in self.prefix.chars() {
+            if matches!(c, '*' | '?' | '[' | ']' | '\\' | '^' | '-') {
+                literal.push('\\');
+            }
+            literal.push(c);
+        }
+        format!("{literal}:instances:*")
     }
     pub fn commands(&self, host: &str, pid: u32) -> String {
         format!("{}:commands:{host}:{pid}", self.prefix)
@@ -540,6 +549,10 @@ mod tests {
         let k = Keys::new("warren");
         assert_eq!(k.instance("h", 7), "warren:instances:h:7");
         assert_eq!(k.instances_pattern(), "warren:instances:*");
+        assert_eq!(
+            Keys::new("rv_?[a]*").instances_pattern(),
+            "rv_\\?\\[a\\]\\*:instances:*"
+        );
         assert_eq!(k.commands("h", 7), "warren:commands:h:7");
         assert_eq!(k.history(), "warren:ctl:history");
         assert_eq!(k.shutdowns(), "warren:shutdowns");
