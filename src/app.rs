@@ -308,6 +308,7 @@ async fn reload_now(pipelines: &mut Pipelines, reload: &Reload, by: &str) -> con
                     removed: report.removed.clone(),
                     changed: report.changed.clone(),
                     restart_needed: report.restart_needed.clone(),
+                    drained: report.drained,
                 },
             );
             Ok(Some(report.summary()))

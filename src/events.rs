@@ -153,6 +153,9 @@ pub enum Kind {
         changed: Vec<String>,
         #[serde(skip_serializing_if = "Vec::is_empty")]
         restart_needed: Vec<String>,
+        /// Whether every stage it stopped settled all its deliveries within
+        /// `SHUTDOWN_TIMEOUT_MS`; false: the rest went back to their queues (nothing lost).
+        drained: bool,
     },
     /// A reload found a configuration that does not load or check (or a table that does not
     /// fit): nothing changed; `reason` says where and what.
@@ -260,6 +263,7 @@ impl Kind {
                 removed,
                 changed,
                 restart_needed,
+                drained,
             } => {
                 let all = |v: Vec<String>| v.into_iter().map(cap).collect();
                 Kind::Reloaded {
@@ -267,6 +271,7 @@ impl Kind {
                     removed: all(removed),
                     changed: all(changed),
                     restart_needed: all(restart_needed),
+                    drained,
                 }
             }
             Kind::ReloadFailed { reason } => Kind::ReloadFailed {
@@ -617,6 +622,7 @@ mod tests {
                 removed: vec![],
                 changed: vec!["users".into()],
                 restart_needed: vec!["amqp_url".into()],
+                drained: true,
             },
             Kind::ReloadFailed {
                 reason: "pipelines[1].batch_size: expected 1 to 10000, got 0".into(),
@@ -697,7 +703,9 @@ mod tests {
             removed: vec![],
             changed: vec![],
             restart_needed: vec![],
+            drained: false,
         });
+        assert_eq!(e["drained"], false, "{e}");
         assert_eq!(e["added"], serde_json::json!(["orders"]), "{e}");
         assert_eq!(e["removed"], serde_json::json!([]), "{e}");
         assert!(e.get("restart_needed").is_none(), "only when some: {e}");

@@ -189,6 +189,13 @@ impl ReloadReport {
                 self.restart_needed.join(", ")
             ));
         }
+        if !self.drained {
+            parts.push(
+                "a stopped stage reached SHUTDOWN_TIMEOUT_MS: what it had not settled went back \
+                 to its queue"
+                    .into(),
+            );
+        }
         parts.join("; ")
     }
 }
@@ -732,6 +739,19 @@ id = { path = "/id", type = "uuid" }
             report.summary(),
             "added orders; changed users, audit; unchanged refunds; needs a restart to apply amqp_url"
         );
-        assert_eq!(ReloadReport::default().summary(), "no pipeline changed");
+        let nothing = ReloadReport {
+            drained: true,
+            ..ReloadReport::default()
+        };
+        assert_eq!(nothing.summary(), "no pipeline changed");
+        let late = ReloadReport {
+            removed: vec!["orders".into()],
+            ..ReloadReport::default()
+        };
+        assert_eq!(
+            late.summary(),
+            "removed orders; a stopped stage reached SHUTDOWN_TIMEOUT_MS: what it had not settled \
+             went back to its queue"
+        );
     }
 }
