@@ -506,6 +506,47 @@ async fn a_bad_file_changes_nothing_and_ctl_reload_answers_signed() {
     warren.terminate_ok(Duration::from_secs(25));
 }
 
+/// Without `--declare`, a pipeline a reload adds whose exchanges and queues were never
+/// declared is refused (nothing changes, the reason names what to declare): started, it would
+/// fail to subscribe for ever and take the instance's readiness with it.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_pipeline_added_before_its_queues_are_declared_is_refused() {
+    let mut env = TestEnv::new("rl_undeclared").await;
+    env.set("REGISTRY_HEARTBEAT_MS", "300");
+    let _redis = RedisCleanup::new(&env);
+    let orders = Names::of(&env, "orders");
+    let refunds = Names::of(&env, "refunds");
+    let (_c1, _c2) = (orders.cleanup(), refunds.cleanup());
+    create_tables(&env, &["orders", "refunds"]).await;
+    let dir = tempfile::tempdir().expect("temp dir");
+    let path = dir.path().join("warren.toml");
+    let file = path.to_str().expect("utf-8").to_string();
+    std::fs::write(&path, entry("orders", &orders, 50, 1000)).expect("write");
+    let (code, out, err) = env.run_async(&["--config", &file, "declare"]).await;
+    assert_eq!(code, 0, "{out}{err}");
+    let warren = env.start(&["--config", &file, "--roles", "consumer"]);
+    let _logs = LogsOnPanic(vec![warren.log.clone()]);
+    one_consumer(&orders.queue).await;
+
+    std::fs::write(
+        &path,
+        entry("orders", &orders, 50, 1000) + &entry("refunds", &refunds, 50, 1000),
+    )
+    .expect("write");
+    let failed = reload(&env, &warren, "reload_failed", 1).await;
+    let reason = failed["reason"].as_str().unwrap_or_default();
+    assert!(
+        reason.contains("not declared") && reason.contains(&refunds.queue),
+        "the reason names what to declare: {failed}"
+    );
+    assert!(events_of(&env, "reloaded").await.is_empty());
+    let ready = metrics_get(&env, "/readyz").await;
+    assert_eq!(ready.as_ref().map(|r| r.0), Some(200), "{ready:?}");
+    assert_eq!(stops(&warren, "orders"), 0, "orders untouched");
+    let mut warren = warren;
+    warren.terminate_ok(Duration::from_secs(25));
+}
+
 /// Publishes `{"id", "qty": 1}` messages to `names` with pipelined confirms (chunks of 100)
 /// until `stop`, recording every confirmed id in `confirmed`.
 async fn publish_until(

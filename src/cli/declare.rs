@@ -113,6 +113,75 @@ pub async fn declare_topology(
     Ok(rows)
 }
 
+/// Checks that every exchange and queue of `topology` exists (a passive declare each), so a
+/// pipeline a reload starts without `--declare` is refused with the names to declare, instead of
+/// starting, failing to subscribe for ever and taking the instance's readiness with it.
+pub async fn check_declared(settings: &Settings, topology: &Topology) -> anyhow::Result<()> {
+    let conn = amqp::connect(&settings.amqp(), "declare", amqp::Frames::Small)
+        .await
+        .with_context(|| {
+            format!(
+                "cannot reach the broker at {}",
+                crate::config::redact_url(&settings.amqp_url)
+            )
+        })?;
+    let mut missing = Vec::new();
+    for exchange in &topology.exchanges {
+        let found = match conn.create_channel().await {
+            Ok(channel) => channel
+                .exchange_declare(
+                    exchange.name.as_str().into(),
+                    lapin::ExchangeKind::Direct,
+                    lapin::options::ExchangeDeclareOptions {
+                        passive: true,
+                        ..Default::default()
+                    },
+                    Default::default(),
+                )
+                .await
+                .is_ok(),
+            Err(e) => {
+                amqp::close(None, Some(conn)).await;
+                return Err(e).context("cannot open a channel to check the topology");
+            }
+        };
+        if !found {
+            missing.push(format!("exchange {}", exchange.name));
+        }
+    }
+    for queue in &topology.queues {
+        let found = match conn.create_channel().await {
+            Ok(channel) => channel
+                .queue_declare(
+                    queue.name.as_str().into(),
+                    lapin::options::QueueDeclareOptions {
+                        passive: true,
+                        ..Default::default()
+                    },
+                    Default::default(),
+                )
+                .await
+                .is_ok(),
+            Err(e) => {
+                amqp::close(None, Some(conn)).await;
+                return Err(e).context("cannot open a channel to check the topology");
+            }
+        };
+        if !found {
+            missing.push(format!("queue {}", queue.name));
+        }
+    }
+    amqp::close(None, Some(conn)).await;
+    if !missing.is_empty() {
+        anyhow::bail!(
+            "not declared on the broker: {}; run `warren declare` with this configuration first \
+             (or `warren run --declare`)",
+            missing.join(", ")
+        );
+    }
+    Ok(())
+}
+
 /// The database answered and refused the migrations (a privilege, a failing statement): waiting
 /// for it does not help, unlike a database that does not answer (yet).
 #[derive(Debug, thiserror::Error)]

@@ -162,9 +162,11 @@ pub async fn execute(
         prepare: Box::new(move |settings: Settings| {
             Box::pin(async move {
                 let prepared = async {
+                    let topology = Topology::from_settings(&settings)?;
                     if declare {
-                        let topology = Topology::from_settings(&settings)?;
                         crate::cli::declare::declare_topology(&settings, &topology).await?;
+                    } else {
+                        crate::cli::declare::check_declared(&settings, &topology).await?;
                     }
                     crate::cli::declare::check_tables(&settings).await
                 };
