@@ -323,6 +323,8 @@ async fn bad_targets_and_failed_commands_are_refused_clearly() {
         // Bounds that cannot hold and a history of nothing: usage errors too.
         &["ctl", "scale", "--min", "9", "--max", "2", "--all"],
         &["ctl", "history", "--limit", "0"],
+        // (and publish's rate of nothing, refused the same way)
+        &["publish", "--count", "1", "--rate", "0"],
     ] {
         let (code, out, err) = env.run_async(args).await;
         assert_eq!(code, 2, "warren {args:?}:\n{out}\n{err}");

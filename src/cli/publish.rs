@@ -75,7 +75,10 @@ async fn connected_publisher(settings: &Settings) -> anyhow::Result<Addr<Publish
 
 pub async fn execute(settings: &Settings, args: Args) -> anyhow::Result<i32> {
     if args.rate.is_some_and(|r| r.is_nan() || r <= 0.0) {
-        bail!("--rate: expected a number of messages per second above 0");
+        return Err(super::Usage(
+            "--rate: expected a number of messages per second above 0".into(),
+        )
+        .into());
     }
     if args.in_flight == 0 {
         bail!("--in-flight: expected at least 1");
