@@ -105,7 +105,7 @@ async fn a_second_domain_runs_through_the_same_core() {
         processors: 2,
         batchers: 2,
         max_batchers: 2,
-        policy: warren::pipeline::balance::Policy::of(users),
+        policy: users.balance,
         prefetch: 200,
         window_cap: 200,
         max_message_bytes: 4096,

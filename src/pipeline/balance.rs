@@ -22,7 +22,6 @@ use tracing::{debug, info};
 use super::consumer::SetConcurrency;
 use crate::amqp::monitor::Depths;
 use crate::config::Balance;
-use crate::config::pipelines::PipelineSpec;
 use crate::metrics::StageStats;
 
 /// A step up that did not make the pipeline this much faster (rows/s) did not help (a rate
@@ -39,38 +38,9 @@ const PROBE_AFTER: u32 = 10;
 /// Decisions in a row with the backlog below the scale-down threshold before `auto` gives back.
 const LOW_FOR: u32 = 2;
 
-/// A pipeline's balancing settings, from its resolved spec ([`Policy::of`]).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Policy {
-    pub strategy: Balance,
-    pub min: usize,
-    pub max: usize,
-    pub cooldown: Duration,
-    pub max_shift: usize,
-    /// `simple`: messages of backlog per insert in flight.
-    pub threshold: u64,
-    /// `auto`: above this backlog per insert in flight, more is asked for.
-    pub up_threshold: u64,
-    /// `auto`: below this backlog per insert in flight (for [`LOW_FOR`] decisions), less.
-    pub down_threshold: u64,
-}
-
-impl Policy {
-    /// The policy of the pipeline `p` (its `balance`, `min_concurrency`, ... as resolved).
-    pub fn of(p: &PipelineSpec) -> Self {
-        let b = &p.balance;
-        Self {
-            strategy: b.strategy,
-            min: b.min,
-            max: b.max,
-            cooldown: b.cooldown,
-            max_shift: b.max_shift,
-            threshold: b.threshold,
-            up_threshold: b.up_threshold,
-            down_threshold: b.down_threshold,
-        }
-    }
-}
+/// A pipeline's balancing settings: its resolved spec's `balance`, as the configuration
+/// resolved it (one struct, not a copy).
+pub use crate::config::pipelines::Balancing as Policy;
 
 /// `simple`: `min(max, max(min, ceil(backlog / threshold)))`.
 pub fn simple(backlog: u64, threshold: u64, min: usize, max: usize) -> usize {

@@ -136,7 +136,7 @@ impl Spec {
             processors: p.batching.processors,
             batchers: p.held_inserts(),
             max_batchers: p.most_inserts(),
-            policy: balance::Policy::of(p),
+            policy: p.balance,
             prefetch: p.start_prefetch,
             window_cap: p.window_cap,
             max_message_bytes: p.max_message_bytes,
@@ -161,7 +161,7 @@ impl Spec {
             max_batchers: p.batching.concurrency,
             policy: balance::Policy {
                 strategy: crate::config::Balance::Off,
-                ..balance::Policy::of(p)
+                ..p.balance
             },
             prefetch: p.prefetch,
             ..Self::main(p)
