@@ -89,14 +89,7 @@ pub async fn declare_topology(
     settings: &Settings,
     topology: &Topology,
 ) -> anyhow::Result<Vec<Vec<String>>> {
-    let conn = amqp::connect(&settings.amqp(), "declare", amqp::Frames::Small)
-        .await
-        .with_context(|| {
-            format!(
-                "cannot reach the broker at {}",
-                crate::config::redact_url(&settings.amqp_url)
-            )
-        })?;
+    let conn = broker(settings).await?;
     let result = topology.declare(&conn).await;
     amqp::close(None, Some(conn)).await;
     let steps = result?;
@@ -117,58 +110,40 @@ pub async fn declare_topology(
 /// pipeline a reload starts without `--declare` is refused with the names to declare, instead of
 /// starting, failing to subscribe for ever and taking the instance's readiness with it.
 pub async fn check_declared(settings: &Settings, topology: &Topology) -> anyhow::Result<()> {
-    let conn = amqp::connect(&settings.amqp(), "declare", amqp::Frames::Small)
-        .await
-        .with_context(|| {
-            format!(
-                "cannot reach the broker at {}",
-                crate::config::redact_url(&settings.amqp_url)
-            )
-        })?;
+    let conn = broker(settings).await?;
+    let objects = topology
+        .exchanges
+        .iter()
+        .map(|e| ("exchange", e.name.as_str()))
+        .chain(topology.queues.iter().map(|q| ("queue", q.name.as_str())));
     let mut missing = Vec::new();
-    for exchange in &topology.exchanges {
-        let found = match conn.create_channel().await {
-            Ok(channel) => channel
-                .exchange_declare(
-                    exchange.name.as_str().into(),
-                    lapin::ExchangeKind::Direct,
-                    lapin::options::ExchangeDeclareOptions {
-                        passive: true,
-                        ..Default::default()
-                    },
-                    Default::default(),
-                )
-                .await
-                .is_ok(),
+    for (kind, name) in objects {
+        // A failed passive declare closes its channel: one channel for each object.
+        let channel = match conn.create_channel().await {
+            Ok(channel) => channel,
             Err(e) => {
                 amqp::close(None, Some(conn)).await;
                 return Err(e).context("cannot open a channel to check the topology");
             }
         };
-        if !found {
-            missing.push(format!("exchange {}", exchange.name));
-        }
-    }
-    for queue in &topology.queues {
-        let found = match conn.create_channel().await {
-            Ok(channel) => channel
-                .queue_declare(
-                    queue.name.as_str().into(),
-                    lapin::options::QueueDeclareOptions {
-                        passive: true,
-                        ..Default::default()
-                    },
-                    Default::default(),
-                )
-                .await
-                .is_ok(),
-            Err(e) => {
-                amqp::close(None, Some(conn)).await;
-                return Err(e).context("cannot open a channel to check the topology");
-            }
+        let found = if kind == "exchange" {
+            let passive = lapin::options::ExchangeDeclareOptions {
+                passive: true,
+                ..Default::default()
+            };
+            let kind = lapin::ExchangeKind::Direct;
+            let declared = channel.exchange_declare(name.into(), kind, passive, Default::default());
+            declared.await.is_ok()
+        } else {
+            let passive = lapin::options::QueueDeclareOptions {
+                passive: true,
+                ..Default::default()
+            };
+            let declared = channel.queue_declare(name.into(), passive, Default::default());
+            declared.await.is_ok()
         };
         if !found {
-            missing.push(format!("queue {}", queue.name));
+            missing.push(format!("{kind} {name}"));
         }
     }
     amqp::close(None, Some(conn)).await;
@@ -180,6 +155,19 @@ pub async fn check_declared(settings: &Settings, topology: &Topology) -> anyhow:
         );
     }
     Ok(())
+}
+
+/// A connection to the broker for declaring or checking the topology, its error naming where
+/// (the URL redacted).
+async fn broker(settings: &Settings) -> anyhow::Result<lapin::Connection> {
+    amqp::connect(&settings.amqp(), "declare", amqp::Frames::Small)
+        .await
+        .with_context(|| {
+            format!(
+                "cannot reach the broker at {}",
+                crate::config::redact_url(&settings.amqp_url)
+            )
+        })
 }
 
 /// The database answered and refused the migrations (a privilege, a failing statement): waiting
