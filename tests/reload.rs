@@ -23,6 +23,44 @@ use uuid::Uuid;
 
 type Names = PipelineNames;
 
+/// A test's pipelines: their names and tables (created), their broker objects and the env's
+/// Redis keys removed when it is dropped, and a configuration file holding the first one's
+/// entry (batch size 50, qty up to 1000).
+struct Fixture {
+    names: Vec<Names>,
+    _cleanups: Vec<PipelineCleanup>,
+    _redis: RedisCleanup,
+    _dir: tempfile::TempDir,
+    path: std::path::PathBuf,
+    file: String,
+}
+
+impl Fixture {
+    async fn new(env: &TestEnv, pipelines: &[&str]) -> Self {
+        let _redis = RedisCleanup::new(env);
+        let names: Vec<Names> = pipelines.iter().map(|p| Names::of(env, p)).collect();
+        let _cleanups = names.iter().map(Names::cleanup).collect();
+        create_tables(env, pipelines).await;
+        let _dir = tempfile::tempdir().expect("temp dir");
+        let path = _dir.path().join("warren.toml");
+        let file = path.to_str().expect("utf-8").to_string();
+        std::fs::write(&path, entry(pipelines[0], &names[0], 50, 1000)).expect("write");
+        Self {
+            names,
+            _cleanups,
+            _redis,
+            _dir,
+            path,
+            file,
+        }
+    }
+
+    /// The `i`-th pipeline's names.
+    fn names(&self, i: usize) -> Names {
+        self.names[i].clone()
+    }
+}
+
 /// A `[[pipelines]]` entry writing `{"id": uuid, "qty": n}` into `table` (`id`, `qty`), with
 /// `qty` at most `max_qty`.
 fn entry(name: &str, names: &Names, batch_size: u32, max_qty: u32) -> String {
@@ -223,15 +261,9 @@ impl TableLock {
 async fn sighup_adds_changes_and_removes_pipelines_and_touches_no_other() {
     let mut env = TestEnv::new("rl_sighup").await;
     env.set("REGISTRY_HEARTBEAT_MS", "300");
-    let _redis = RedisCleanup::new(&env);
-    let orders = Names::of(&env, "orders");
-    let refunds = Names::of(&env, "refunds");
-    let (_c1, _c2) = (orders.cleanup(), refunds.cleanup());
-    create_tables(&env, &["orders", "refunds"]).await;
-    let dir = tempfile::tempdir().expect("temp dir");
-    let path = dir.path().join("warren.toml");
-    let file = path.to_str().expect("utf-8").to_string();
-    std::fs::write(&path, entry("orders", &orders, 50, 1000)).expect("write");
+    let fx = Fixture::new(&env, &["orders", "refunds"]).await;
+    let (orders, refunds, path, file) =
+        (fx.names(0), fx.names(1), fx.path.clone(), fx.file.clone());
     let warren = env.start(&["--config", &file, "--declare", "--roles", "consumer"]);
     let _logs = LogsOnPanic(vec![warren.log.clone()]);
     let pid = warren.pid();
@@ -391,16 +423,10 @@ async fn a_bad_file_changes_nothing_and_ctl_reload_answers_signed() {
     let mut env = TestEnv::new("rl_bad").await;
     env.set("REGISTRY_HEARTBEAT_MS", "300")
         .set("CONTROL_SECRET", "a-reload-secret-of-the-deployment");
-    let _redis = RedisCleanup::new(&env);
-    let orders = Names::of(&env, "orders");
-    let refunds = Names::of(&env, "refunds");
-    let (_c1, _c2) = (orders.cleanup(), refunds.cleanup());
-    create_tables(&env, &["orders", "refunds"]).await;
-    let dir = tempfile::tempdir().expect("temp dir");
-    let path = dir.path().join("warren.toml");
-    let file = path.to_str().expect("utf-8").to_string();
+    let fx = Fixture::new(&env, &["orders", "refunds"]).await;
+    let (orders, refunds, path, file) =
+        (fx.names(0), fx.names(1), fx.path.clone(), fx.file.clone());
     let good = entry("orders", &orders, 50, 1000);
-    std::fs::write(&path, &good).expect("write");
     let warren = env.start(&["--config", &file, "--declare", "--roles", "consumer"]);
     let _logs = LogsOnPanic(vec![warren.log.clone()]);
     let pid = warren.pid();
@@ -513,15 +539,9 @@ async fn a_bad_file_changes_nothing_and_ctl_reload_answers_signed() {
 async fn a_pipeline_added_before_its_queues_are_declared_is_refused() {
     let mut env = TestEnv::new("rl_undeclared").await;
     env.set("REGISTRY_HEARTBEAT_MS", "300");
-    let _redis = RedisCleanup::new(&env);
-    let orders = Names::of(&env, "orders");
-    let refunds = Names::of(&env, "refunds");
-    let (_c1, _c2) = (orders.cleanup(), refunds.cleanup());
-    create_tables(&env, &["orders", "refunds"]).await;
-    let dir = tempfile::tempdir().expect("temp dir");
-    let path = dir.path().join("warren.toml");
-    let file = path.to_str().expect("utf-8").to_string();
-    std::fs::write(&path, entry("orders", &orders, 50, 1000)).expect("write");
+    let fx = Fixture::new(&env, &["orders", "refunds"]).await;
+    let (orders, refunds, path, file) =
+        (fx.names(0), fx.names(1), fx.path.clone(), fx.file.clone());
     let (code, out, err) = env.run_async(&["--config", &file, "declare"]).await;
     assert_eq!(code, 0, "{out}{err}");
     let warren = env.start(&["--config", &file, "--roles", "consumer"]);
@@ -588,15 +608,9 @@ async fn publish_until(
 async fn under_load_two_reloads_lose_and_duplicate_nothing() {
     let mut env = TestEnv::new("rl_load").await;
     env.set("REGISTRY_HEARTBEAT_MS", "300");
-    let _redis = RedisCleanup::new(&env);
-    let orders = Names::of(&env, "orders");
-    let refunds = Names::of(&env, "refunds");
-    let (_c1, _c2) = (orders.cleanup(), refunds.cleanup());
-    create_tables(&env, &["orders", "refunds"]).await;
-    let dir = tempfile::tempdir().expect("temp dir");
-    let path = dir.path().join("warren.toml");
-    let file = path.to_str().expect("utf-8").to_string();
-    std::fs::write(&path, entry("orders", &orders, 50, 1000)).expect("write");
+    let fx = Fixture::new(&env, &["orders", "refunds"]).await;
+    let (orders, refunds, path, file) =
+        (fx.names(0), fx.names(1), fx.path.clone(), fx.file.clone());
     let warren = env.start(&["--config", &file, "--declare", "--roles", "consumer,dlq"]);
     let _logs = LogsOnPanic(vec![warren.log.clone()]);
     one_consumer(&orders.queue).await;
@@ -682,14 +696,8 @@ async fn under_load_two_reloads_lose_and_duplicate_nothing() {
 async fn sigcont_and_reloads_keep_a_pipelines_own_pause() {
     let mut env = TestEnv::new("rl_holds").await;
     env.set("REGISTRY_HEARTBEAT_MS", "300");
-    let _redis = RedisCleanup::new(&env);
-    let orders = Names::of(&env, "orders");
-    let _c = orders.cleanup();
-    create_tables(&env, &["orders"]).await;
-    let dir = tempfile::tempdir().expect("temp dir");
-    let path = dir.path().join("warren.toml");
-    let file = path.to_str().expect("utf-8").to_string();
-    std::fs::write(&path, entry("orders", &orders, 50, 1000)).expect("write");
+    let fx = Fixture::new(&env, &["orders"]).await;
+    let (orders, path, file) = (fx.names(0), fx.path.clone(), fx.file.clone());
     let warren = env.start(&["--config", &file, "--declare", "--roles", "consumer"]);
     let _logs = LogsOnPanic(vec![warren.log.clone()]);
     one_consumer(&orders.queue).await;
@@ -756,15 +764,9 @@ async fn sighup_during_the_start_does_not_end_warren() {
     let mut env = TestEnv::new("rl_start").await;
     env.set("DATABASE_URL", proxy.url())
         .set("REGISTRY_HEARTBEAT_MS", "300");
-    let _redis = RedisCleanup::new(&env);
     // A configured pipeline: its table is checked before anything runs, which waits.
-    let orders = Names::of(&env, "orders");
-    let _c = orders.cleanup();
-    create_tables(&env, &["orders"]).await;
-    let dir = tempfile::tempdir().expect("temp dir");
-    let path = dir.path().join("warren.toml");
-    let file = path.to_str().expect("utf-8").to_string();
-    std::fs::write(&path, entry("orders", &orders, 50, 1000)).expect("write");
+    let fx = Fixture::new(&env, &["orders"]).await;
+    let file = fx.file.clone();
     let (code, out, err) = env.run_async(&["--config", &file, "declare"]).await;
     assert_eq!(code, 0, "{out}{err}");
     proxy.cut();

@@ -6,6 +6,7 @@ use super::env::{TestEnv, amqp_url};
 
 /// A configured pipeline's broker names, the test's own: `<id>_<pipeline>_exchange`, ...,
 /// one retry tier of 1 s.
+#[derive(Clone)]
 pub struct PipelineNames {
     pub exchange: String,
     pub queue: String,
