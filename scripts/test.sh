@@ -11,4 +11,7 @@ if [ -z "${WARREN_TEST_CLUSTER_URLS:-}" ]; then
   WARREN_TEST_CLUSTER_URLS="$(./scripts/cluster.sh urls)"
   export WARREN_TEST_CLUSTER_URLS
 fi
+# The vendored patches' own unit tests (vendor/*/WARREN-PATCH.md), built in warren's target dir.
+CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$PWD/target}" cargo test -q --manifest-path vendor/lapin/Cargo.toml \
+  --lib --no-default-features --features tokio warren_patch
 exec cargo test --all-targets "$@"

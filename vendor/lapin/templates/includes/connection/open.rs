@@ -1,0 +1,1 @@
+/// Client request to open a virtual host, completing the connection handshake.

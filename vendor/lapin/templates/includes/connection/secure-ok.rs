@@ -1,0 +1,1 @@
+/// Client response to a `connection.secure` challenge, providing the SASL response data.

@@ -1,0 +1,1 @@
+/// Client confirmation of negotiated connection parameters (channel max, frame max, heartbeat).

@@ -1,0 +1,1 @@
+/// Server confirmation that the exchange-to-exchange binding has been removed.
