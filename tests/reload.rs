@@ -792,3 +792,45 @@ async fn sighup_during_the_start_does_not_end_warren() {
     assert!(names_of(&event["added"]).is_empty(), "{event}");
     warren.terminate_ok(Duration::from_secs(25));
 }
+
+/// Under `--declare`, a reload refused for a table (audit has none) declares nothing of the
+/// new configuration on the broker: everything is checked before anything is declared.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_refused_reload_declares_nothing() {
+    let mut env = TestEnv::new("rl_nodecl").await;
+    env.set("REGISTRY_HEARTBEAT_MS", "300");
+    let fx = Fixture::new(&env, &["orders"]).await;
+    let (orders, path, file) = (fx.names(0), fx.path.clone(), fx.file.clone());
+    let audit = Names::of(&env, "audit");
+    let _audit = audit.cleanup();
+    let warren = env.start(&["--config", &file, "--declare", "--roles", "consumer"]);
+    let _logs = LogsOnPanic(vec![warren.log.clone()]);
+    one_consumer(&orders.queue).await;
+    std::fs::write(
+        &path,
+        entry("orders", &orders, 50, 1000) + &entry("audit", &audit, 50, 1000),
+    )
+    .expect("write");
+    let failed = reload(&env, &warren, "reload_failed", 1).await;
+    assert!(
+        failed["reason"]
+            .as_str()
+            .unwrap_or_default()
+            .contains("audit"),
+        "{failed}"
+    );
+    for exchange in [&audit.exchange, &audit.retry_exchange, &audit.dlx] {
+        assert!(
+            !env.exchange_exists(exchange).await,
+            "{exchange} declared by a refused reload"
+        );
+    }
+    for queue in [&audit.queue, &audit.retry, &audit.dlq] {
+        assert!(
+            !env.queue_exists(queue).await,
+            "{queue} declared by a refused reload"
+        );
+    }
+    let mut warren = warren;
+    warren.terminate_ok(Duration::from_secs(25));
+}

@@ -161,14 +161,18 @@ pub async fn execute(
         }),
         prepare: Box::new(move |settings: Settings| {
             Box::pin(async move {
+                // Everything is checked before anything is declared: a reload refused for a
+                // table declares nothing on the broker.
                 let prepared = async {
                     let topology = Topology::from_settings(&settings)?;
+                    crate::cli::declare::check_tables(&settings).await?;
                     if declare {
-                        crate::cli::declare::declare_topology(&settings, &topology).await?;
+                        crate::cli::declare::declare_topology(&settings, &topology)
+                            .await
+                            .map(drop)
                     } else {
-                        crate::cli::declare::check_declared(&settings, &topology).await?;
+                        crate::cli::declare::check_declared(&settings, &topology).await
                     }
-                    crate::cli::declare::check_tables(&settings).await
                 };
                 prepared
                     .await
