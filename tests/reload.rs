@@ -835,8 +835,8 @@ fn catches(pid: i32, numbers: &[i32]) -> bool {
     numbers.iter().all(|n| mask & (1 << (n - 1)) != 0)
 }
 
-/// `SIGUSR1` and `SIGHUP` sent the moment warren catches them (before it even logs): it runs
-/// on, ends paused, and reloads once.
+/// `SIGUSR1` and `SIGHUP` sent the moment warren catches them (before it even logs), then
+/// again at growing delays while it starts: it runs on, ends paused, and reloads.
 #[tokio::test(flavor = "multi_thread")]
 async fn signals_right_after_the_exec_are_kept() {
     let mut env = TestEnv::new("rl_exec").await;
@@ -854,6 +854,16 @@ async fn signals_right_after_the_exec_are_kept() {
     unsafe {
         libc::kill(pid, libc::SIGUSR1);
         libc::kill(pid, libc::SIGHUP);
+    }
+    // Again and again while it starts, at growing delays.
+    for delay_ms in [1, 2, 5, 10, 20, 50, 100, 200] {
+        std::thread::sleep(Duration::from_millis(delay_ms));
+        // SAFETY: as above.
+        unsafe {
+            libc::kill(pid, libc::SIGHUP);
+            libc::kill(pid, libc::SIGUSR1);
+        }
+        assert!(warren.is_running(), "{}", warren.logs());
     }
     let event = wait_for_event(&env, &warren, "reloaded", 1).await;
     assert!(names_of(&event["added"]).is_empty(), "{event}");
