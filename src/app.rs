@@ -3,7 +3,8 @@
 //! balancer, [`pipelines`]; API, readiness, database probe, registry and remote control,
 //! [`control`]); waits for the shutdown trigger or a remote `drain`, applying remote commands
 //! and the operator signals (`SIGUSR1` pauses every pipeline, `SIGCONT` lifts that pause,
-//! `SIGHUP` reloads the configuration's pipelines) meanwhile, and stops them in order: pipelines
+//! `SIGHUP` reloads the configuration's pipelines, [`signals`]) meanwhile, a reload running
+//! beside the loop ([`reload`]), and stops them in order: pipelines
 //! (each with its own fixed sequence, `pipeline::Pipeline::shutdown`), then the API, then the
 //! registry. Errors of the boundaries
 //! meet here, so it speaks `anyhow` like the CLI.
@@ -26,6 +27,10 @@ pub use pipelines::{Reload, ReloadError};
 mod components;
 mod control;
 mod pipelines;
+mod reload;
+mod signals;
+
+pub use signals::catch as catch_operator_signals;
 
 /// Installs the metrics recorder and binds the metrics listener (`METRICS_ADDR`: `/metrics`,
 /// `/healthz`, `/readyz`), before anything waits for a server: a warren waiting for its database
@@ -53,7 +58,7 @@ pub fn extend_start(by: Duration) {
 
 /// Runs the roles of `settings` (the listener already up, [`start_listener`]) until `shutdown` resolves (or a remote `drain`), then stops
 /// gracefully; meanwhile `SIGHUP` and `warren ctl reload` apply the configuration `reload` reads
-/// again ([`Pipelines::apply`]). The exit code is 0 after a complete drain, 1 when the shutdown
+/// again, beside the loop ([`reload::Reloads`]). The exit code is 0 after a complete drain, 1 when the shutdown
 /// timeout left messages in flight.
 pub async fn run(
     settings: Settings,
@@ -74,9 +79,9 @@ pub async fn run(
             "CONTROL_SECRET is not set: anyone with write access to Redis can pause, drain or scale this instance; set CONTROL_SECRET (the same on every instance and for `warren ctl`) to accept only signed commands"
         );
     }
-    // SIGUSR1 / SIGCONT pause and resume every pipeline, SIGHUP reloads; taken over before
-    // anything starts, so none ends nor is lost by the process from here on.
-    let mut operator = control::OperatorSignals::listen()
+    // SIGUSR1 / SIGCONT pause and resume every pipeline, SIGHUP reloads: caught since the
+    // process started (`signals::catch`), handed over in their order once the loop runs.
+    let mut operator = signals::OperatorSignals::listen()
         .map_err(|e| anyhow::anyhow!("cannot listen for SIGUSR1, SIGCONT and SIGHUP: {e}"))?;
     events::start(&events_config);
     events::emit(
@@ -178,33 +183,37 @@ pub async fn run(
     ));
 
     tokio::pin!(shutdown);
+    // A reload runs beside the loop (its checks, then the drain of what it stops), so signals,
+    // commands and the shutdown are taken while it lasts; another asked for meanwhile runs
+    // once after it (`reload::Reloads`).
+    let mut reloads = reload::Reloads::default();
     let reason = loop {
         tokio::select! {
             _ = &mut shutdown => break "signal",
+            step = reloads.step(), if reloads.busy() => {
+                reloads.advance(step, &mut pipelines, &reload, &report_tx);
+            }
             (command, signal) = operator.next() => {
                 if command == Command::Reload {
                     // As `warren ctl reload`, for this process.
-                    let _ = reload_now(&mut pipelines, &reload, signal).await;
+                    reloads.ask(signal, None, &mut pipelines, &reload, &report_tx);
                     continue;
                 }
                 // As `warren ctl pause` / `resume` without `--pipeline`, for this process.
-                let budget = pipelines.budget();
-                let (stages, holds) = pipelines.control();
-                let result = control::apply(command, None, &stages, holds, &report_tx, budget);
+                let result = command_now(command, None, &mut pipelines, &report_tx);
                 match &result {
                     Ok(()) => info!(signal, %command, "operator signal: every pipeline"),
                     Err(error) => warn!(signal, %command, %error, "operator signal not applied"),
                 }
             }
             Some((wire, command, reply)) = ctl_rx.recv() => {
-                let answer = if command == Command::Reload {
-                    reload_now(&mut pipelines, &reload, "ctl").await
-                } else {
-                    let budget = pipelines.budget();
-                    let (stages, holds) = pipelines.control();
-                    control::apply(command, wire.pipeline.as_deref(), &stages, holds, &report_tx, budget)
-                        .map(|()| None)
-                };
+                if command == Command::Reload {
+                    info!(command = %command, id = %wire.id, "remote command: reload asked");
+                    reloads.ask("ctl", Some(reply), &mut pipelines, &reload, &report_tx);
+                    continue;
+                }
+                let answer = command_now(command, wire.pipeline.as_deref(), &mut pipelines, &report_tx)
+                    .map(|()| None);
                 let drain = command == Command::Drain && answer.is_ok();
                 info!(command = %command, id = %wire.id, ok = answer.is_ok(), "remote command");
                 let _ = reply.send(answer);
@@ -214,6 +223,8 @@ pub async fn run(
             }
         }
     };
+    // A reload in progress: what it drains is drained with the rest, its waiters told.
+    let reloading = reloads.interrupt();
     // Commands that arrive from now on are answered as failed, never left waiting.
     ctl_rx.close();
     while let Ok((_, _, reply)) = ctl_rx.try_recv() {
@@ -235,7 +246,16 @@ pub async fn run(
         },
     );
 
-    let (drained, counts) = pipelines.shutdown(shutdown_config.timeout()).await;
+    let ((drained, counts), reloaded) =
+        futures::future::join(pipelines.shutdown(shutdown_config.timeout()), async {
+            match reloading {
+                Some(drain) => drain.await,
+                None => (true, Default::default()),
+            }
+        })
+        .await;
+    let (drained, mut counts) = (drained && reloaded.0, counts);
+    counts += reloaded.1;
     let (settled, given_back) = (counts.settled, counts.given_back);
     if let Some(api) = api {
         api.stop().await;
@@ -279,50 +299,32 @@ pub async fn run(
     Ok(code)
 }
 
-/// Reads the configuration again and applies it (`SIGHUP`, `warren ctl reload`, named by `by`):
-/// one log line and a `reloaded` event naming what changed (and a warning naming the settings
-/// that wait for a restart), or one error line and a `reload_failed` event, everything left
-/// running as it was. Answers what changed, for `warren ctl reload`'s outcome.
-async fn reload_now(pipelines: &mut Pipelines, reload: &Reload, by: &str) -> control::Answer {
-    let result = match (reload.load)() {
-        Err(e) => Err(ReloadError::Config(e.to_string())),
-        Ok(next) => pipelines.apply(next, &reload.prepare).await,
-    };
-    match result {
-        Ok(report) => {
-            if !report.restart_needed.is_empty() {
-                warn!(by, settings = %report.restart_needed.join(", "),
-                    "reload: these settings are not a pipeline's and apply only at a restart; they keep their values, the pipelines were applied");
-            }
-            if !report.api_unchanged.is_empty() {
-                warn!(by, pipelines = %report.api_unchanged.join(", "),
-                    "reload: the HTTP API serves the pipelines it started with until a restart");
-            }
-            info!(by, added = %report.added.join(","), removed = %report.removed.join(","),
-                changed = %report.changed.join(","), unchanged = %report.unchanged.join(","),
-                drained = report.drained, "configuration reloaded");
-            events::emit(
-                None,
-                Kind::Reloaded {
-                    added: report.added.clone(),
-                    removed: report.removed.clone(),
-                    changed: report.changed.clone(),
-                    restart_needed: report.restart_needed.clone(),
-                    drained: report.drained,
-                },
-            );
-            Ok(Some(report.summary()))
-        }
-        Err(error) => {
-            let error = error.one_line();
-            tracing::error!(by, reason = %error, "reload failed; everything keeps running as it was");
-            events::emit(
-                None,
-                Kind::ReloadFailed {
-                    reason: error.to_string(),
-                },
-            );
-            Err(ControlError::Reload(error))
-        }
+/// Applies `command` (not a reload) to the running pipelines, for every one or `pipeline`: the
+/// stages a reload in progress stops or starts again are not among them
+/// ([`control::apply`]). The record's processors and rate follow what runs.
+fn command_now(
+    command: Command,
+    pipeline: Option<&str>,
+    pipelines: &mut Pipelines,
+    report: &watch::Sender<Report>,
+) -> Result<(), ControlError> {
+    let budget = pipelines.budget();
+    let reloading = pipelines.reloading().to_vec();
+    let (stages, holds) = pipelines.control();
+    control::apply(
+        command, pipeline, &stages, &reloading, holds, report, budget,
+    )?;
+    match command {
+        Command::Scale { processors } => pipelines.ran(pipeline, |r| r.processors = processors),
+        Command::Rate { per_s } => pipelines.ran(pipeline, |r| r.rate_limit_per_s = per_s),
+        _ => return Ok(()),
     }
+    let runs = pipelines.runs();
+    report.send_if_modified(|r| {
+        let was = (r.processors, r.rate_limit_per_s);
+        r.processors = runs.processors;
+        r.rate_limit_per_s = runs.rate_limit_per_s;
+        was != (r.processors, r.rate_limit_per_s)
+    });
+    Ok(())
 }

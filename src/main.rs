@@ -3,6 +3,16 @@
 
 fn main() {
     let cli = warren::cli::Cli::parse_args();
+    // `warren run`: SIGHUP, SIGUSR1 and SIGCONT are caught from here on (before the settings
+    // load), kept and applied in order once the roles run; before this line they end it.
+    if matches!(cli.command, warren::cli::Command::Run(_))
+        && let Err(e) = warren::app::catch_operator_signals()
+    {
+        warren::cli::say(format_args!(
+            "cannot catch SIGHUP, SIGUSR1 and SIGCONT: {e}"
+        ));
+        std::process::exit(1);
+    }
     if let Some(code) = warren::cli::standalone(&cli) {
         std::process::exit(code);
     }

@@ -719,6 +719,19 @@ pub fn amqp_node(link: &str, node: &str) {
     gauge!(AMQP_NODE_INFO, "link" => link.to_string(), "node" => node.to_string()).set(1.0);
 }
 
+/// The AMQP links of stages a reload removed: their `warren_amqp_node_info` goes to 0 (the
+/// exporter cannot drop a series; 0 says the link is on no node) and a link of the same name
+/// added again later starts from no node.
+pub fn unlink(links: &[String]) {
+    let mut guard = LINK_NODES.lock().unwrap_or_else(|p| p.into_inner());
+    let nodes = guard.get_or_insert_with(Default::default);
+    for link in links {
+        if let Some(node) = nodes.remove(link) {
+            gauge!(AMQP_NODE_INFO, "link" => link.clone(), "node" => node).set(0.0);
+        }
+    }
+}
+
 /// The broker node (`host:port`) the AMQP link `link` connected to last.
 pub fn amqp_node_of(link: &str) -> Option<String> {
     let guard = LINK_NODES.lock().unwrap_or_else(|p| p.into_inner());

@@ -5,7 +5,10 @@
 //! consumer (the same consumer tag on the broker); a file that does not check changes nothing
 //! (one error line, a `reload_failed` event); `warren ctl reload` is signed and answers what
 //! changed; and under load (publishers with confirms while two reloads happen) every confirmed
-//! message ends once in its table.
+//! message ends once in its table. A reload runs beside the control loop: while it drains,
+//! signals, commands, the heartbeat and SIGTERM are taken at once, and reloads asked for
+//! meanwhile run once after it; signals sent while warren starts are applied once it runs; a
+//! refused reload declares nothing; after reloads the record and the metrics say what runs.
 
 mod common;
 
@@ -756,19 +759,24 @@ async fn sigcont_and_reloads_keep_a_pipelines_own_pause() {
     warren.terminate_ok(Duration::from_secs(25));
 }
 
-/// A `SIGHUP` (or `SIGUSR1`) while `warren run` still waits for its database does not end it:
-/// once the database answers it runs, and reloads from then on.
+/// Signals while `warren run` still waits for its database (its configuration read) end
+/// nothing and are not lost: once the database answers, `SIGHUP` applies the file changed
+/// meanwhile and `SIGUSR1`, `SIGCONT`, `SIGUSR1` leave it paused (their order kept).
 #[tokio::test(flavor = "multi_thread")]
-async fn sighup_during_the_start_does_not_end_warren() {
+async fn signals_during_the_start_apply_once_warren_runs() {
     let proxy = TcpProxy::start(&database_url(), 5432).await;
     let mut env = TestEnv::new("rl_start").await;
     env.set("DATABASE_URL", proxy.url())
         .set("REGISTRY_HEARTBEAT_MS", "300");
-    // A configured pipeline: its table is checked before anything runs, which waits.
-    let fx = Fixture::new(&env, &["orders"]).await;
-    let file = fx.file.clone();
+    let fx = Fixture::new(&env, &["orders", "refunds"]).await;
+    let (orders, refunds, path, file) =
+        (fx.names(0), fx.names(1), fx.path.clone(), fx.file.clone());
+    let both = entry("orders", &orders, 50, 1000) + &entry("refunds", &refunds, 50, 1000);
+    std::fs::write(&path, &both).expect("write");
     let (code, out, err) = env.run_async(&["--config", &file, "declare"]).await;
     assert_eq!(code, 0, "{out}{err}");
+    std::fs::write(&path, entry("orders", &orders, 50, 1000)).expect("write");
+    // A configured pipeline: its table is checked before anything runs, which waits.
     proxy.cut();
     let mut warren = env.start(&["--config", &file, "--roles", "consumer"]);
     let _logs = LogsOnPanic(vec![warren.log.clone()]);
@@ -778,8 +786,10 @@ async fn sighup_during_the_start_does_not_end_warren() {
             "cannot check the pipelines' tables yet",
         )
         .await;
-    warren.signal("HUP");
-    warren.signal("USR1");
+    std::fs::write(&path, &both).expect("write");
+    for signal in ["HUP", "USR1", "HUP", "CONT", "USR1"] {
+        warren.signal(signal);
+    }
     let ids: HashSet<Uuid> = env.publish_users(20).await.into_iter().collect();
     assert!(
         warren.is_running(),
@@ -787,8 +797,468 @@ async fn sighup_during_the_start_does_not_end_warren() {
         warren.logs()
     );
     proxy.restore();
+    let event = wait_for_event(&env, &warren, "reloaded", 1).await;
+    assert_eq!(names_of(&event["added"]), ["refunds"], "{event}");
+    wait_until(
+        "the record says paused",
+        Duration::from_secs(20),
+        || async { beat(&env, warren.pid()).await.0 == "paused" },
+    )
+    .await;
+    wait_until("refunds in the record", Duration::from_secs(10), || async {
+        recorded_pipelines(&env, warren.pid()).await == ["users", "orders", "refunds"]
+    })
+    .await;
+    assert!(
+        ids_in(&env, "users").await.is_empty(),
+        "paused: nothing taken"
+    );
+    warren.signal("CONT");
     assert_rows_exactly(&env, &ids, Duration::from_secs(60), &|| warren.logs()).await;
-    let event = reload(&env, &warren, "reloaded", 1).await;
+    assert_eq!(
+        events_of(&env, "reloaded").await.len(),
+        1,
+        "the two SIGHUPs of the start are one reload"
+    );
+    warren.terminate_ok(Duration::from_secs(25));
+}
+
+/// Whether the process `pid` catches every signal of `numbers` (`SigCgt` in its
+/// `/proc/<pid>/status`).
+fn catches(pid: i32, numbers: &[i32]) -> bool {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
+    let mask = status
+        .lines()
+        .find_map(|l| l.strip_prefix("SigCgt:"))
+        .and_then(|m| u64::from_str_radix(m.trim(), 16).ok())
+        .unwrap_or(0);
+    numbers.iter().all(|n| mask & (1 << (n - 1)) != 0)
+}
+
+/// `SIGUSR1` and `SIGHUP` sent the moment warren catches them (before it even logs), then
+/// again at growing delays while it starts: it runs on, ends paused, and reloads.
+#[tokio::test(flavor = "multi_thread")]
+async fn signals_right_after_the_exec_are_kept() {
+    let mut env = TestEnv::new("rl_exec").await;
+    env.set("REGISTRY_HEARTBEAT_MS", "300");
+    let _redis = RedisCleanup::new(&env);
+    let mut warren = env.start(&["--declare", "--roles", "consumer"]);
+    let _logs = LogsOnPanic(vec![warren.log.clone()]);
+    let pid = warren.pid();
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while !catches(pid, &[libc::SIGHUP, libc::SIGUSR1]) {
+        assert!(std::time::Instant::now() < deadline, "never caught");
+        std::thread::yield_now();
+    }
+    // SAFETY: a signal to the child this test started.
+    unsafe {
+        libc::kill(pid, libc::SIGUSR1);
+        libc::kill(pid, libc::SIGHUP);
+    }
+    // Again and again while it starts, at growing delays.
+    for delay_ms in [1, 2, 5, 10, 20, 50, 100, 200] {
+        std::thread::sleep(Duration::from_millis(delay_ms));
+        // SAFETY: as above.
+        unsafe {
+            libc::kill(pid, libc::SIGHUP);
+            libc::kill(pid, libc::SIGUSR1);
+        }
+        assert!(warren.is_running(), "{}", warren.logs());
+    }
+    let event = wait_for_event(&env, &warren, "reloaded", 1).await;
     assert!(names_of(&event["added"]).is_empty(), "{event}");
+    wait_until(
+        "the record says paused",
+        Duration::from_secs(20),
+        || async { beat(&env, pid).await.0 == "paused" },
+    )
+    .await;
+    assert!(warren.is_running(), "{}", warren.logs());
+    assert!(tags(&env.main_queue).await.is_empty(), "users paused");
+    warren.terminate_ok(Duration::from_secs(25));
+}
+
+/// `warren ctl reload` run in the background: (exit code, stdout, stderr) once it answers.
+fn ctl_reload(env: &TestEnv) -> tokio::task::JoinHandle<(i32, String, String)> {
+    let mut cmd = env.command(&["ctl", "reload", "--all"]);
+    tokio::spawn(async move {
+        let out = tokio::task::spawn_blocking(move || cmd.output())
+            .await
+            .expect("join")
+            .expect("run");
+        (
+            out.status.code().unwrap_or(-1),
+            String::from_utf8_lossy(&out.stdout).into_owned(),
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        )
+    })
+}
+
+/// The instance's status and its last heartbeat (seconds), from its record.
+async fn beat(env: &TestEnv, pid: i32) -> (String, u64) {
+    let record = instance(env, pid).await;
+    (
+        record["status"].as_str().unwrap_or_default().to_string(),
+        record["last_heartbeat"].as_u64().unwrap_or(0),
+    )
+}
+
+/// A reload that drains (refunds removed while its inserts are held by a lock) runs beside the
+/// control loop: meanwhile SIGUSR1 pauses and SIGCONT resumes the pipelines that stay, `ctl
+/// pause/resume --pipeline` are answered, the record keeps beating, and the reloads asked for
+/// meanwhile (two SIGHUPs, a second `ctl reload`) run once after it, each `ctl reload` answered
+/// by the reload that covered it. Every held delivery ends in refunds' table.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_draining_reload_blocks_no_signal_command_or_heartbeat() {
+    let mut env = TestEnv::new("rl_beside").await;
+    env.set("REGISTRY_HEARTBEAT_MS", "300");
+    let fx = Fixture::new(&env, &["orders", "refunds", "audit"]).await;
+    let (orders, refunds, audit, path, file) = (
+        fx.names(0),
+        fx.names(1),
+        fx.names(2),
+        fx.path.clone(),
+        fx.file.clone(),
+    );
+    std::fs::write(
+        &path,
+        entry("orders", &orders, 50, 1000) + &entry("refunds", &refunds, 50, 1000),
+    )
+    .expect("write");
+    let warren = env.start(&["--config", &file, "--declare", "--roles", "consumer"]);
+    let _logs = LogsOnPanic(vec![warren.log.clone()]);
+    let pid = warren.pid();
+    one_consumer(&refunds.queue).await;
+    one_consumer(&env.main_queue).await;
+    wait_until("registered", Duration::from_secs(20), || async {
+        beat(&env, pid).await.0 == "running"
+    })
+    .await;
+
+    let lock = TableLock::take(&env, "refunds").await;
+    let held = new_ids(20);
+    publish(&env, &refunds, &held).await;
+    wait_until(
+        "refunds delivered, held",
+        Duration::from_secs(30),
+        || async { env.queue_state(&refunds.queue).await.0 == 0 },
+    )
+    .await;
+    // The first reload removes refunds, asked by `warren ctl reload`: it drains until the lock
+    // goes.
+    std::fs::write(&path, entry("orders", &orders, 50, 1000)).expect("write");
+    let first = ctl_reload(&env);
+    wait_until(
+        "refunds' consumer cancelled: the drain under way",
+        Duration::from_secs(30),
+        || async { tags(&refunds.queue).await.is_empty() },
+    )
+    .await;
+
+    // The record beats on while the ctl reload waits for its answer.
+    let (_, then) = beat(&env, pid).await;
+    wait_until(
+        "a heartbeat during the reload",
+        Duration::from_secs(5),
+        || async { beat(&env, pid).await.1 > then },
+    )
+    .await;
+    // SIGUSR1 and SIGCONT apply now, in their order, to the pipelines that stay.
+    warren.signal("USR1");
+    wait_until(
+        "users paused during the reload",
+        Duration::from_secs(10),
+        || async { tags(&env.main_queue).await.is_empty() },
+    )
+    .await;
+    wait_until(
+        "the record says paused",
+        Duration::from_secs(10),
+        || async { beat(&env, pid).await.0 == "paused" },
+    )
+    .await;
+    warren.signal("CONT");
+    one_consumer(&env.main_queue).await;
+    // Commands are answered meanwhile.
+    let (code, out, err) = env
+        .run_async(&["ctl", "pause", "--all", "--pipeline", "orders"])
+        .await;
+    assert_eq!(code, 0, "{out}{err}");
+    wait_until("orders paused", Duration::from_secs(10), || async {
+        tags(&orders.queue).await.is_empty()
+    })
+    .await;
+    let (code, out, err) = env
+        .run_async(&["ctl", "resume", "--all", "--pipeline", "orders"])
+        .await;
+    assert_eq!(code, 0, "{out}{err}");
+    one_consumer(&orders.queue).await;
+    // A `--pipeline` command for the pipeline being removed says why it is refused.
+    let (code, out, err) = env
+        .run_async(&["ctl", "rate", "5", "--all", "--pipeline", "refunds"])
+        .await;
+    assert_ne!(code, 0, "{out}{err}");
+    assert!(out.contains("reload in progress"), "{out}{err}");
+
+    // Asked for meanwhile: two SIGHUPs and a ctl reload, for a file that adds audit.
+    std::fs::write(
+        &path,
+        entry("orders", &orders, 50, 1000) + &entry("audit", &audit, 50, 1000),
+    )
+    .expect("write");
+    warren.signal("HUP");
+    let second = ctl_reload(&env);
+    warren.signal("HUP");
+    wait_until(
+        "the second ctl reload taken, to run after the first",
+        Duration::from_secs(10),
+        || async {
+            warren
+                .logs()
+                .matches("remote command: reload asked")
+                .count()
+                == 2
+        },
+    )
+    .await;
+    assert!(
+        events_of(&env, "reloaded").await.is_empty(),
+        "still draining"
+    );
+
+    lock.release().await;
+    let (code, out, err) = first.await.expect("first ctl");
+    assert_eq!(code, 0, "{out}{err}");
+    assert!(
+        out.contains("reload  executed: removed refunds; unchanged users, orders"),
+        "{out}{err}"
+    );
+    let (code, out, err) = second.await.expect("second ctl");
+    assert_eq!(code, 0, "{out}{err}");
+    assert!(
+        out.contains("reload  executed: added audit; unchanged users, orders"),
+        "{out}{err}"
+    );
+    assert_table(&env, "refunds", &held.into_iter().collect(), &warren).await;
+    // One reload ran for the three asked meanwhile: a sentinel reload is the third.
+    let event = reload(&env, &warren, "reloaded", 3).await;
+    assert!(names_of(&event["added"]).is_empty(), "{event}");
+    let all = events_of(&env, "reloaded").await;
+    assert_eq!(all.len(), 3, "{all:?}");
+    assert_eq!(names_of(&all[0]["removed"]), ["refunds"], "{all:?}");
+    assert_eq!(names_of(&all[1]["added"]), ["audit"], "{all:?}");
+    wait_until("audit in the record", Duration::from_secs(10), || async {
+        recorded_pipelines(&env, pid).await == ["users", "orders", "audit"]
+    })
+    .await;
+    let ids = new_ids(10);
+    publish(&env, &audit, &ids).await;
+    assert_table(&env, "audit", &ids.into_iter().collect(), &warren).await;
+    let mut warren = warren;
+    warren.terminate_ok(Duration::from_secs(25));
+}
+
+/// SIGTERM during a reload's drain starts the shutdown at once; the stages the reload stops
+/// are drained by it with the rest (every held delivery ends in its table), and warren exits 0.
+#[tokio::test(flavor = "multi_thread")]
+async fn sigterm_during_a_reload_shuts_down_at_once() {
+    let mut env = TestEnv::new("rl_term").await;
+    env.set("REGISTRY_HEARTBEAT_MS", "300")
+        .set("SHUTDOWN_TIMEOUT_MS", "20000");
+    let fx = Fixture::new(&env, &["orders", "refunds"]).await;
+    let (orders, refunds, path, file) =
+        (fx.names(0), fx.names(1), fx.path.clone(), fx.file.clone());
+    std::fs::write(
+        &path,
+        entry("orders", &orders, 50, 1000) + &entry("refunds", &refunds, 50, 1000),
+    )
+    .expect("write");
+    let mut warren = env.start(&["--config", &file, "--declare", "--roles", "consumer"]);
+    let _logs = LogsOnPanic(vec![warren.log.clone()]);
+    one_consumer(&refunds.queue).await;
+    let lock = TableLock::take(&env, "refunds").await;
+    let held = new_ids(20);
+    publish(&env, &refunds, &held).await;
+    wait_until(
+        "refunds delivered, held",
+        Duration::from_secs(30),
+        || async { env.queue_state(&refunds.queue).await.0 == 0 },
+    )
+    .await;
+    std::fs::write(&path, entry("orders", &orders, 50, 1000)).expect("write");
+    warren.signal("HUP");
+    wait_until(
+        "refunds' consumer cancelled: the drain under way",
+        Duration::from_secs(30),
+        || async { tags(&refunds.queue).await.is_empty() },
+    )
+    .await;
+    // The lock still holds the drain: the shutdown starts anyway.
+    warren.begin_shutdown().await;
+    assert!(
+        warren.logs().contains("reload interrupted by the shutdown"),
+        "{}",
+        warren.logs()
+    );
+    assert!(warren.is_running(), "draining");
+    lock.release().await;
+    let status = warren.wait(Duration::from_secs(25));
+    assert_eq!(status.code(), Some(0), "{}", warren.logs());
+    assert_same_ids(
+        "refunds",
+        &held.into_iter().collect(),
+        &ids_in(&env, "refunds").await,
+    );
+    assert!(events_of(&env, "reloaded").await.is_empty());
+}
+
+/// Under `--declare`, a reload refused for a table (audit has none) declares nothing of the
+/// new configuration on the broker: everything is checked before anything is declared.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_refused_reload_declares_nothing() {
+    let mut env = TestEnv::new("rl_nodecl").await;
+    env.set("REGISTRY_HEARTBEAT_MS", "300");
+    let fx = Fixture::new(&env, &["orders"]).await;
+    let (orders, path, file) = (fx.names(0), fx.path.clone(), fx.file.clone());
+    let audit = Names::of(&env, "audit");
+    let _audit = audit.cleanup();
+    let warren = env.start(&["--config", &file, "--declare", "--roles", "consumer"]);
+    let _logs = LogsOnPanic(vec![warren.log.clone()]);
+    one_consumer(&orders.queue).await;
+    std::fs::write(
+        &path,
+        entry("orders", &orders, 50, 1000) + &entry("audit", &audit, 50, 1000),
+    )
+    .expect("write");
+    let failed = reload(&env, &warren, "reload_failed", 1).await;
+    assert!(
+        failed["reason"]
+            .as_str()
+            .unwrap_or_default()
+            .contains("audit"),
+        "{failed}"
+    );
+    for exchange in [&audit.exchange, &audit.retry_exchange, &audit.dlx] {
+        assert!(
+            !env.exchange_exists(exchange).await,
+            "{exchange} declared by a refused reload"
+        );
+    }
+    for queue in [&audit.queue, &audit.retry, &audit.dlq] {
+        assert!(
+            !env.queue_exists(queue).await,
+            "{queue} declared by a refused reload"
+        );
+    }
+    let mut warren = warren;
+    warren.terminate_ok(Duration::from_secs(25));
+}
+
+/// What the record and the metrics say after reloads is what runs: a pipeline removed and
+/// added again has its DLQ stage in the record again, a removed one's broker link leaves
+/// `warren_amqp_node_info` (at 0), the record's rate is the one the first pipeline runs after a
+/// reload started it again, and `warren events --pipeline` shows a removed pipeline's past.
+#[tokio::test(flavor = "multi_thread")]
+async fn after_reloads_the_record_and_metrics_say_what_runs() {
+    let mut env = TestEnv::new("rl_drift").await;
+    env.set("REGISTRY_HEARTBEAT_MS", "300");
+    let fx = Fixture::new(&env, &["orders", "refunds"]).await;
+    let (orders, refunds, path, file) =
+        (fx.names(0), fx.names(1), fx.path.clone(), fx.file.clone());
+    let both = entry("orders", &orders, 50, 1000) + &entry("refunds", &refunds, 50, 1000);
+    std::fs::write(&path, &both).expect("write");
+    let warren = env.start(&["--config", &file, "--declare", "--roles", "consumer,dlq"]);
+    let _logs = LogsOnPanic(vec![warren.log.clone()]);
+    let pid = warren.pid();
+    one_consumer(&refunds.queue).await;
+    let stages = |record: &Value| -> Vec<String> {
+        record["stages"]
+            .as_object()
+            .map(|m| m.keys().cloned().collect())
+            .unwrap_or_default()
+    };
+    let all_stages = [
+        "orders/dlq",
+        "orders/main",
+        "refunds/dlq",
+        "refunds/main",
+        "users/dlq",
+        "users/main",
+    ];
+    wait_until(
+        "every stage in the record",
+        Duration::from_secs(20),
+        || async { stages(&instance(&env, pid).await) == all_stages },
+    )
+    .await;
+    wait_until(
+        "refunds/main's link on a node",
+        Duration::from_secs(20),
+        || async {
+            try_metric(&env, "warren_amqp_node_info", &[("link", "refunds/main")]).await
+                == Some(1.0)
+        },
+    )
+    .await;
+    // An event about refunds, for its past.
+    let (code, out, err) = env
+        .run_async(&["ctl", "pause", "--all", "--pipeline", "refunds"])
+        .await;
+    assert_eq!(code, 0, "{out}{err}");
+    // A rate for every pipeline: the record shows it.
+    let (code, out, err) = env.run_async(&["ctl", "rate", "7", "--all"]).await;
+    assert_eq!(code, 0, "{out}{err}");
+    wait_until("the record's rate 7", Duration::from_secs(10), || async {
+        instance(&env, pid).await["rate_limit_per_s"] == 7
+    })
+    .await;
+
+    // Removed: its stages and its link leave what the record and the metrics say.
+    std::fs::write(&path, entry("orders", &orders, 50, 1000)).expect("write");
+    let event = reload(&env, &warren, "reloaded", 1).await;
+    assert_eq!(names_of(&event["removed"]), ["refunds"], "{event}");
+    wait_until("refunds' stages gone", Duration::from_secs(10), || async {
+        stages(&instance(&env, pid).await)
+            == ["orders/dlq", "orders/main", "users/dlq", "users/main"]
+    })
+    .await;
+    for stage in ["main", "dlq"] {
+        let link = format!("refunds/{stage}");
+        assert_eq!(
+            metric(&env, "warren_amqp_node_info", &[("link", &link)]).await,
+            0.0,
+            "{link} is on no node"
+        );
+    }
+    // Its past events are shown.
+    let (code, out, err) = env.run_async(&["events", "--pipeline", "refunds"]).await;
+    assert_eq!(code, 0, "{out}{err}");
+    assert!(out.contains("paused"), "{out}{err}");
+    let (code, out, err) = env.run_async(&["events", "--pipeline", "nosuch"]).await;
+    assert_ne!(code, 0, "{out}{err}");
+
+    // Added again: both its stages are back in the record, and it consumes.
+    std::fs::write(&path, &both).expect("write");
+    let event = reload(&env, &warren, "reloaded", 2).await;
+    assert_eq!(names_of(&event["added"]), ["refunds"], "{event}");
+    wait_until(
+        "every stage in the record again",
+        Duration::from_secs(10),
+        || async { stages(&instance(&env, pid).await) == all_stages },
+    )
+    .await;
+    let ids = new_ids(10);
+    publish(&env, &refunds, &ids).await;
+    assert_table(&env, "refunds", &ids.into_iter().collect(), &warren).await;
+
+    // users started again by a reload runs at its own rate (0): so does the record.
+    std::fs::write(&path, format!("users_batch_size = 7\n{both}")).expect("write");
+    let event = reload(&env, &warren, "reloaded", 3).await;
+    assert_eq!(names_of(&event["changed"]), ["users"], "{event}");
+    wait_until("the record's rate 0", Duration::from_secs(10), || async {
+        instance(&env, pid).await["rate_limit_per_s"] == 0
+    })
+    .await;
+    let mut warren = warren;
     warren.terminate_ok(Duration::from_secs(25));
 }

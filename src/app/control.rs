@@ -1,14 +1,11 @@
 //! How a running instance is steered: the remote commands the registry relays ([`apply`], on the
 //! actor system's thread, with [`ControlError`] for what it refuses), the registry's own loop
-//! (heartbeats, commands, balancing decisions, deregistration: [`registry_loop`]), and the
-//! operator signals ([`OperatorSignals`]: `SIGUSR1` pauses every pipeline, `SIGCONT` lifts that
-//! pause, as `warren ctl pause` / `resume` without `--pipeline`; `SIGHUP` reloads, as `warren
-//! ctl reload`).
+//! (heartbeats, commands, balancing decisions, deregistration: [`registry_loop`]). The operator
+//! signals stand for commands too (`super::signals`).
 
 use std::sync::Arc;
 use std::time::Duration;
 
-use tokio::signal::unix::{Signal, SignalKind, signal};
 use tokio::sync::{mpsc, oneshot, watch};
 
 use super::pipelines::{Holds, ReloadError};
@@ -43,6 +40,12 @@ pub enum ControlError {
     /// It arrived while the instance was stopping.
     #[error("warren is stopping")]
     Stopping,
+    /// `scale`, `rate` or `concurrency` with `--pipeline` naming a pipeline that a reload in
+    /// progress stops or starts again (a pause or resume of it is kept for when it starts).
+    #[error(
+        "pipeline {name:?} is being stopped or started again by a reload in progress; send the command again once the reload is done (`warren events --type reloaded`)"
+    )]
+    Reloading { name: String },
     /// A reload that changed nothing: the configuration does not load or check, or a table
     /// does not fit.
     #[error("reload failed, nothing changed: {0}")]
@@ -55,47 +58,23 @@ pub(super) type Answer = Result<Option<String>, ControlError>;
 /// A remote command read from Redis and where to answer whether it was applied.
 pub(super) type Control = (CtlCommand, Command, oneshot::Sender<Answer>);
 
-/// `SIGUSR1`, `SIGCONT` and `SIGHUP`, as the commands they stand for.
-pub(super) struct OperatorSignals {
-    pause: Signal,
-    resume: Signal,
-    reload: Signal,
-}
-
-impl OperatorSignals {
-    /// Takes over the three signals (from now on `SIGUSR1` and `SIGHUP` no longer end the
-    /// process).
-    pub(super) fn listen() -> std::io::Result<Self> {
-        Ok(Self {
-            pause: signal(SignalKind::user_defined1())?,
-            resume: signal(SignalKind::from_raw(libc::SIGCONT))?,
-            reload: signal(SignalKind::hangup())?,
-        })
-    }
-
-    /// The next operator signal, as the command it stands for, with the signal's name.
-    pub(super) async fn next(&mut self) -> (Command, &'static str) {
-        tokio::select! {
-            Some(()) = self.pause.recv() => (Command::Pause, "SIGUSR1"),
-            Some(()) = self.resume.recv() => (Command::Resume, "SIGCONT"),
-            Some(()) = self.reload.recv() => (Command::Reload, "SIGHUP"),
-        }
-    }
-}
-
 /// Applies `command` (for every pipeline, or only `pipeline`) to this instance's running
 /// stages, and `pause` / `resume` to the holds ([`Holds`]: the instance's pause and each
 /// pipeline's own are two layers). `drain` and `reload` are the run loop's to carry out.
+/// `reloading` names the pipelines a reload in progress stops or starts again: their stages are
+/// not in `pipelines`; a pause or resume of one by name changes its hold (a pipeline started
+/// again takes it), anything else naming one is refused ([`ControlError::Reloading`]).
 pub(super) fn apply(
     command: Command,
     pipeline: Option<&str>,
     pipelines: &[&Pipeline],
+    reloading: &[String],
     holds: &mut Holds,
     report: &watch::Sender<Report>,
     budget: usize,
 ) -> Result<(), ControlError> {
     let needs_consumer = || {
-        if pipelines.is_empty() {
+        if pipelines.is_empty() && reloading.is_empty() {
             Err(ControlError::NoConsumer)
         } else {
             Ok(())
@@ -110,7 +89,13 @@ pub(super) fn apply(
                 .copied()
                 .filter(|p| p.id.pipeline() == name)
                 .collect();
-            if chosen.is_empty() && !pipelines.is_empty() {
+            if chosen.is_empty() && reloading.iter().any(|r| r == name) {
+                if !matches!(command, Command::Pause | Command::Resume) {
+                    return Err(ControlError::Reloading {
+                        name: name.to_string(),
+                    });
+                }
+            } else if chosen.is_empty() && !pipelines.is_empty() {
                 // Once each: the stages come main stages first, then DLQ stages.
                 let mut runs: Vec<String> = Vec::new();
                 for p in pipelines {
@@ -165,7 +150,7 @@ pub(super) fn apply(
             }
             Ok(())
         }
-        // The run loop stops the process, or reloads (`Pipelines::apply`).
+        // The run loop stops the process, or reloads (`super::reload`).
         Command::Drain | Command::Reload => Ok(()),
         Command::Scale { processors: n } => {
             needs_consumer()?;
@@ -234,7 +219,9 @@ pub(super) fn apply(
 }
 
 /// Keeps this instance registered in Redis (its record publishes `pipelines`, as a reload
-/// changes them), relays remote commands, and deregisters at the end.
+/// changes them), relays remote commands, and deregisters at the end. A command's answer is
+/// awaited beside the heartbeat, never in its way: a reload that drains for a minute leaves the
+/// instance beating (and other commands relayed) meanwhile.
 pub(super) async fn registry_loop(
     mut registry: Registry,
     ctl: mpsc::UnboundedSender<Control>,
@@ -243,14 +230,22 @@ pub(super) async fn registry_loop(
     mut decisions: mpsc::UnboundedReceiver<pipeline::balance::Decision>,
     mut pipelines: watch::Receiver<Vec<PipelineRecord>>,
 ) {
+    use futures::StreamExt;
     registry.set_pipelines(pipelines.borrow_and_update().clone());
     let mut beat = tokio::time::interval(registry.heartbeat_every());
     let mut poll = tokio::time::interval(Duration::from_millis(500));
     beat.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     poll.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    // The commands relayed to the run loop whose answer has not come yet.
+    let mut answers = futures::stream::FuturesUnordered::new();
     loop {
         tokio::select! {
             reason = &mut stop => {
+                // The answers given before the stop (a reload's waiters told warren stops).
+                while let Some(Some((wire, answer))) = futures::FutureExt::now_or_never(answers.next()) {
+                    let answer: Answer = answer;
+                    registry.record(&wire, &answer.map(|_| ()), None).await;
+                }
                 let reason = reason.unwrap_or_else(|_| "stopped".into());
                 registry.deregister(&reason).await;
                 return;
@@ -271,28 +266,32 @@ pub(super) async fn registry_loop(
                 );
                 registry.record_decision(&decision.pipeline, detail).await;
             }
+            Some((wire, answer)) = answers.next() => {
+                let answer: Answer = answer;
+                let (result, detail) = match answer {
+                    Ok(detail) => (Ok(()), detail),
+                    Err(e) => (Err(e), None),
+                };
+                registry.record(&wire, &result, detail).await;
+                let now = *report.borrow();
+                registry.heartbeat(now).await;
+            }
             _ = poll.tick() => {
                 while let Some((wire, verdict)) = registry.next_command().await {
                     // A refused or malformed command never reaches the pipelines; it is only
                     // recorded.
-                    let answer = match verdict {
-                        Err(refused) => Err(ControlError::from(refused)),
+                    let answer: futures::future::BoxFuture<'static, Answer> = match verdict {
+                        Err(refused) => Box::pin(std::future::ready(Err(ControlError::from(refused)))),
                         Ok(command) => {
                             let (tx, rx) = oneshot::channel();
                             if ctl.send((wire.clone(), command, tx)).is_ok() {
-                                rx.await.unwrap_or(Err(ControlError::Stopping))
+                                Box::pin(async { rx.await.unwrap_or(Err(ControlError::Stopping)) })
                             } else {
-                                Err(ControlError::Stopping)
+                                Box::pin(std::future::ready(Err(ControlError::Stopping)))
                             }
                         }
                     };
-                    let (result, detail) = match answer {
-                        Ok(detail) => (Ok(()), detail),
-                        Err(e) => (Err(e), None),
-                    };
-                    registry.record(&wire, &result, detail).await;
-                    let now = *report.borrow();
-                    registry.heartbeat(now).await;
+                    answers.push(async move { (wire, answer.await) });
                 }
             }
             changed = report.changed() => {
@@ -381,7 +380,17 @@ mod tests {
             let mut holds = Holds::default();
             let result = Command::read(&wire)
                 .map_err(|e| ControlError::from(Rejected::from(e)))
-                .and_then(|c| apply(c, wire.pipeline.as_deref(), &[], &mut holds, &report, 8));
+                .and_then(|c| {
+                    apply(
+                        c,
+                        wire.pipeline.as_deref(),
+                        &[],
+                        &[],
+                        &mut holds,
+                        &report,
+                        8,
+                    )
+                });
             assert_eq!(holds, Holds::default(), "{raw}: no holds changed");
             assert_eq!(result.map_err(|e| e.to_string()), expected, "{raw}");
         }

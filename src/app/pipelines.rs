@@ -1,7 +1,9 @@
 //! The pipelines `warren run` runs, by name: started from the settings ([`Pipelines::start`]),
-//! held by operators ([`Holds`]), changed by a reload ([`Pipelines::apply`]: new ones start,
-//! removed ones drain and stop, changed ones drain and start again with their new spec,
-//! unchanged ones are not touched) and stopped at the end ([`Pipelines::shutdown`]). What counts
+//! held by operators ([`Holds`]), changed by a reload in three steps that the control loop
+//! drives (`super::reload`): [`Pipelines::plan`] compares, [`Pipelines::begin`] takes what is
+//! removed or changed out of the running set and answers its drain, [`Pipelines::finish`] starts
+//! what is added or changed with its new spec (unchanged ones are not touched); and stopped at
+//! the end ([`Pipelines::shutdown`]). What counts
 //! as a pipeline's change is [`same`], in one place; what the process keeps until a restart is
 //! every setting that is not a pipeline's ([`restart_needed`]).
 
@@ -224,6 +226,12 @@ pub enum ReloadError {
     /// asked, or (started with `--declare`) its exchanges and queues cannot be declared.
     #[error("{0}")]
     Prepare(String),
+    /// The configuration runs no pipeline, and the instance runs some (`running`): a reload
+    /// never stops every pipeline.
+    #[error(
+        "the configuration runs no pipeline (the file declares none and the users pipeline is left out); a reload never stops every pipeline, this instance keeps running {running}; to run none, stop the instance (`warren ctl drain`) or pause it (`warren ctl pause`)"
+    )]
+    NoPipeline { running: String },
 }
 
 impl ReloadError {
@@ -240,6 +248,7 @@ impl ReloadError {
         match self {
             ReloadError::Config(text) => ReloadError::Config(join(text)),
             ReloadError::Prepare(text) => ReloadError::Prepare(join(text)),
+            other @ ReloadError::NoPipeline { .. } => other,
         }
     }
 }
@@ -249,6 +258,59 @@ struct Running {
     declared: Declared,
     /// Its main stage (role consumer), then its DLQ stage (role dlq).
     stages: Vec<Pipeline>,
+    /// Its processors and rate limit as they run now: its spec's, or what `warren ctl scale` /
+    /// `rate` set since it started (what the registry record shows of the first pipeline).
+    runs: Runs,
+}
+
+impl Running {
+    fn new(declared: Declared, stages: Vec<Pipeline>) -> Self {
+        let runs = Runs {
+            processors: declared.spec.batching.processors,
+            rate_limit_per_s: declared.spec.rate_limit_per_s,
+        };
+        Self {
+            declared,
+            stages,
+            runs,
+        }
+    }
+}
+
+/// A pipeline's processors and rate limit as they run now.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub(super) struct Runs {
+    pub processors: usize,
+    pub rate_limit_per_s: u32,
+}
+
+/// A reload between its steps ([`Pipelines::plan`], [`Pipelines::begin`],
+/// [`Pipelines::finish`]): the configuration it applies and what it changes.
+pub(super) struct Plan {
+    /// The configuration read again.
+    next: Settings,
+    /// Its pipelines, as they resolved.
+    wanted: Vec<Declared>,
+    /// What it changes, by name (its `drained` once the drain is done).
+    pub report: ReloadReport,
+    /// The settings with only the pipelines it adds or changes, for [`Reload::prepare`] to
+    /// check (and declare) before anything changes; `None` when it starts none.
+    pub checked: Option<Settings>,
+}
+
+/// The drain of the stages a reload stops ([`Pipelines::begin`]): whether every one settled
+/// everything, and what they settled and gave back.
+pub(super) type Draining = futures::future::LocalBoxFuture<'static, (bool, StopCounts)>;
+
+/// Refuses a reload after which an instance that runs pipelines (`running`) would run none
+/// (`wanted` empty): a file emptied by mistake, or half written, would stop everything.
+fn refuse_empty(running: &[&str], wanted: &[Declared]) -> Result<(), ReloadError> {
+    if wanted.is_empty() && !running.is_empty() {
+        return Err(ReloadError::NoPipeline {
+            running: running.join(", "),
+        });
+    }
+    Ok(())
 }
 
 /// The running pipelines and what they share.
@@ -279,6 +341,8 @@ pub(super) struct Pipelines {
     registered: BTreeSet<StageId>,
     /// The pipelines the registry record publishes.
     records: watch::Sender<Vec<PipelineRecord>>,
+    /// The pipelines a reload in progress stops or starts again ([`Pipelines::reloading`]).
+    reloading: Vec<String>,
 }
 
 /// The pool size the pipelines of `declared` need: a connection for each insert that can be in
@@ -327,6 +391,7 @@ impl Pipelines {
             poller: None,
             registered: BTreeSet::new(),
             records,
+            reloading: Vec::new(),
         };
         let stages: Vec<StageId> = declared
             .iter()
@@ -338,10 +403,7 @@ impl Pipelines {
         pipelines.need_links(&names);
         for d in declared {
             let stages = pipelines.launch(&d);
-            pipelines.running.push(Running {
-                declared: d,
-                stages,
-            });
+            pipelines.running.push(Running::new(d, stages));
         }
         pipelines.refresh();
         pipelines
@@ -407,6 +469,20 @@ impl Pipelines {
     pub fn control(&mut self) -> (Vec<&Pipeline>, &mut Holds) {
         let stages = self.running.iter().flat_map(|r| r.stages.iter()).collect();
         (stages, &mut self.holds)
+    }
+
+    /// The processors and rate limit of the first running pipeline (users, unless left out) as
+    /// it runs now, what the registry record shows; zeros when none runs.
+    pub fn runs(&self) -> Runs {
+        self.running.first().map(|r| r.runs).unwrap_or_default()
+    }
+
+    /// `warren ctl scale` / `rate` (`n`) was applied to the pipeline `name`, or to every one.
+    pub fn ran(&mut self, name: Option<&str>, set: impl Fn(&mut Runs)) {
+        self.running
+            .iter_mut()
+            .filter(|r| name.is_none_or(|n| n == r.declared.name))
+            .for_each(|r| set(&mut r.runs));
     }
 
     /// The process-wide budget of batch inserts in flight.
@@ -486,21 +562,18 @@ impl Pipelines {
         self.records.send_replace(records);
     }
 
-    /// Applies the configuration `next` (already loaded and checked; `prepare` checks the
-    /// tables of what it adds or changes, and declares them when warren runs with `--declare`):
-    /// removed and changed pipelines drain and stop (their one shutdown sequence), added and
-    /// changed ones start with their new spec, unchanged ones are not touched. On an error
-    /// nothing has changed.
-    pub async fn apply<F, Fut>(
-        &mut self,
-        next: Settings,
-        prepare: F,
-    ) -> Result<ReloadReport, ReloadError>
-    where
-        F: FnOnce(Settings) -> Fut,
-        Fut: std::future::Future<Output = Result<(), ReloadError>>,
-    {
+    /// A reload's first step: what the configuration `next` (already loaded and checked)
+    /// changes, by name, and the settings [`Reload::prepare`] checks (and declares) before
+    /// anything changes: the pipelines it adds or changes (`None` when it starts none). Refuses
+    /// a configuration that runs no pipeline where some run now ([`ReloadError::NoPipeline`]).
+    pub fn plan(&self, next: Settings) -> Result<Plan, ReloadError> {
         let wanted = declared(&next).map_err(|e| ReloadError::Config(e.to_string()))?;
+        let running: Vec<&str> = self
+            .running
+            .iter()
+            .map(|r| r.declared.name.as_str())
+            .collect();
+        refuse_empty(&running, &wanted)?;
         let mut report = ReloadReport {
             restart_needed: restart_needed(&self.base, &next),
             drained: true,
@@ -528,9 +601,7 @@ impl Pipelines {
             .filter(|name| starting(name))
             .collect();
         checked.select_pipelines(&names.iter().map(String::as_str).collect::<Vec<_>>());
-        if !report.added.is_empty() || !report.changed.is_empty() {
-            prepare(checked).await?;
-        }
+        let checked = (!names.is_empty()).then_some(checked);
         if self.base.has_role(Role::Api) {
             let was_api = |name: &String| {
                 self.running
@@ -548,35 +619,76 @@ impl Pipelines {
                 .cloned()
                 .collect();
         }
+        Ok(Plan {
+            next,
+            wanted,
+            report,
+            checked,
+        })
+    }
 
-        // Stop what goes or changes: every stage's one shutdown sequence, at once.
+    /// A reload's second step, once [`Reload::prepare`] accepted what `plan` starts: the
+    /// pipelines it removes or changes leave the running set (commands no longer reach them)
+    /// and drain, each stage's one shutdown sequence at once, bounded by
+    /// `SHUTDOWN_TIMEOUT_MS`. The drain is the future answered, which owns them: the control
+    /// loop awaits it beside everything else, and [`Pipelines::finish`] takes its outcome.
+    pub fn begin(&mut self, plan: &Plan) -> Draining {
         let (stopping, kept): (Vec<Running>, Vec<Running>) = std::mem::take(&mut self.running)
             .into_iter()
-            .partition(|r| !report.unchanged.contains(&r.declared.name));
+            .partition(|r| !plan.report.unchanged.contains(&r.declared.name));
+        self.running = kept;
+        self.reloading = plan
+            .report
+            .removed
+            .iter()
+            .chain(&plan.report.changed)
+            .chain(&plan.report.added)
+            .cloned()
+            .collect();
         let timeout = self.base.shutdown_timeout();
-        let results = futures::future::join_all(
-            stopping
-                .iter()
-                .flat_map(|r| r.stages.iter())
-                .map(|p| p.shutdown(timeout)),
-        )
-        .await;
-        report.drained = results.iter().all(|(drained, _)| *drained);
-        // What is removed leaves the readiness and the live stages.
-        for r in &stopping {
-            if report.removed.contains(&r.declared.name) {
-                let ids = self.stage_ids(&r.declared.name);
-                let links: Vec<String> = ids.iter().map(ToString::to_string).collect();
-                crate::metrics::unneed(&links);
-                ids.iter().for_each(crate::metrics::forget);
-                self.holds.pipelines.remove(&r.declared.name);
+        Box::pin(async move {
+            let results = futures::future::join_all(
+                stopping
+                    .iter()
+                    .flat_map(|r| r.stages.iter())
+                    .map(|p| p.shutdown(timeout)),
+            )
+            .await;
+            let mut counts = StopCounts::default();
+            for (_, c) in &results {
+                counts += *c;
             }
+            drop(stopping);
+            (results.iter().all(|(drained, _)| *drained), counts)
+        })
+    }
+
+    /// A reload's last step, after the drain of what it stopped (`drained`: whether every
+    /// stage settled everything): what is removed leaves the readiness, the live stages and
+    /// the metrics; added and changed pipelines start with their new spec (held if the holds
+    /// hold them), in the order the configuration declares them.
+    pub fn finish(&mut self, plan: Plan, drained: bool) -> ReloadReport {
+        let Plan {
+            next,
+            wanted,
+            mut report,
+            ..
+        } = plan;
+        report.drained = drained;
+        self.reloading.clear();
+        // What is removed leaves the readiness, the live stages and the metrics' links.
+        for name in &report.removed {
+            let ids = self.stage_ids(name);
+            let links: Vec<String> = ids.iter().map(ToString::to_string).collect();
+            crate::metrics::unneed(&links);
+            crate::metrics::unlink(&links);
+            ids.iter().for_each(crate::metrics::forget);
+            self.holds.pipelines.remove(name);
         }
-        drop(stopping);
 
         // The new set, in the order the configuration declares it.
         self.budget = budget(&self.base, &next);
-        let mut kept = kept;
+        let mut kept = std::mem::take(&mut self.running);
         for d in wanted {
             if let Some(i) = kept.iter().position(|r| r.declared.name == d.name) {
                 let r = kept.remove(i);
@@ -586,13 +698,14 @@ impl Pipelines {
             for id in self.stage_ids(&d.name) {
                 if self.registered.insert(id.clone()) {
                     crate::metrics::preregister_stage(&id);
+                } else {
+                    // Added again after a reload removed it: live again (its counters go on
+                    // from where they were; registering would set them back to 0).
+                    crate::metrics::stage(&id);
                 }
             }
             let stages = self.launch(&d);
-            self.running.push(Running {
-                declared: d,
-                stages,
-            });
+            self.running.push(Running::new(d, stages));
         }
         if self.stages().is_empty() {
             crate::metrics::unneed(&["router".to_string()]);
@@ -609,7 +722,13 @@ impl Pipelines {
                 "a stopped pipeline reached SHUTDOWN_TIMEOUT_MS with deliveries in flight; the broker redelivers them"
             );
         }
-        Ok(report)
+        report
+    }
+
+    /// The pipelines a reload in progress stops or starts again (none between reloads):
+    /// commands naming one wait for it ([`super::control::apply`]).
+    pub fn reloading(&self) -> &[String] {
+        &self.reloading
     }
 
     /// The one shutdown of every stage, at once, bounded by `timeout`: whether all settled, and
@@ -708,6 +827,22 @@ id = { path = "/id", type = "uuid" }
         assert!(
             restart_needed(&before, &with("users_batch_size = 3\n")).is_empty(),
             "a pipeline's setting, and the file's pipelines, are no restart's"
+        );
+    }
+
+    /// A reload never leaves an instance that runs pipelines with none; one that runs none
+    /// (started with an empty `--pipelines`) reloads as it likes.
+    #[test]
+    fn a_reload_to_no_pipeline_is_refused() {
+        let one = declared(&with("")).unwrap();
+        assert_eq!(refuse_empty(&[], &[]), Ok(()));
+        assert_eq!(refuse_empty(&["users"], &one), Ok(()));
+        assert_eq!(refuse_empty(&[], &one), Ok(()));
+        let refused = refuse_empty(&["users", "orders"], &[]).unwrap_err();
+        assert!(
+            refused.to_string().contains("keeps running users, orders")
+                && refused.to_string().contains("warren ctl drain"),
+            "{refused}"
         );
     }
 

@@ -66,12 +66,12 @@ pub async fn execute(settings: &Settings, args: Args) -> anyhow::Result<i32> {
     let redis_config = settings.redis();
     let url = &redis_config.url;
     let mut conn = connect(url).await.map_err(anyhow::Error::msg)?;
-    // `--pipeline`: one the configuration names or a live instance runs.
+    // `--pipeline`: one the configuration names, a live instance runs, or (a pipeline a reload
+    // removed) the events name.
+    let mut unknown = None;
     if let Some(name) = &args.pipeline {
         let known = crate::cli::known_pipelines(settings).await;
-        if let Err(unknown) = crate::registry::record::find(&known, name) {
-            anyhow::bail!("--pipeline: {}", safe(&unknown.to_string()));
-        }
+        unknown = crate::registry::record::find(&known, name).err();
     }
     let key = stream_key(&redis_config.prefix);
     let failed = |e: redis::RedisError| {
@@ -82,6 +82,11 @@ pub async fn execute(settings: &Settings, args: Args) -> anyhow::Result<i32> {
         )
     };
     let (lines, newest) = newest(&mut conn, &key, &args).await.map_err(failed)?;
+    if let Some(unknown) = unknown
+        && lines.is_empty()
+    {
+        anyhow::bail!("--pipeline: {}", safe(&unknown.to_string()));
+    }
     // Printed oldest first.
     let mut out = out::stdout();
     for line in lines.iter().rev() {

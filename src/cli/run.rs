@@ -98,15 +98,10 @@ pub async fn execute(
         Some(list) => select_pipelines(settings, list)?,
         None => settings,
     };
-    // SIGHUP and SIGUSR1 during the start (a database waited for) must not end warren: their
-    // handlers are installed now, and `app::run` listens to them once the roles run.
-    let _early = {
-        use tokio::signal::unix::{SignalKind, signal};
-        (
-            signal(SignalKind::hangup()).ok(),
-            signal(SignalKind::user_defined1()).ok(),
-        )
-    };
+    // SIGHUP, SIGUSR1 and SIGCONT during the start (a database waited for) must not end warren
+    // nor be lost: caught since `main` (again here for a caller without it), applied in their
+    // order once the roles run.
+    crate::app::catch_operator_signals()?;
     // The listener first: probes answer while warren declares or waits for the database.
     crate::app::start_listener(&settings).await?;
     if args.declare {
@@ -161,14 +156,18 @@ pub async fn execute(
         }),
         prepare: Box::new(move |settings: Settings| {
             Box::pin(async move {
+                // Everything is checked before anything is declared: a reload refused for a
+                // table declares nothing on the broker.
                 let prepared = async {
                     let topology = Topology::from_settings(&settings)?;
+                    crate::cli::declare::check_tables(&settings).await?;
                     if declare {
-                        crate::cli::declare::declare_topology(&settings, &topology).await?;
+                        crate::cli::declare::declare_topology(&settings, &topology)
+                            .await
+                            .map(drop)
                     } else {
-                        crate::cli::declare::check_declared(&settings, &topology).await?;
+                        crate::cli::declare::check_declared(&settings, &topology).await
                     }
-                    crate::cli::declare::check_tables(&settings).await
                 };
                 prepared
                     .await
