@@ -194,7 +194,10 @@ impl<R: Send + Unpin + 'static> Handler<Flush> for Batcher<R> {
 
 #[cfg(test)]
 mod tests {
+    use std::sync::{Arc, Mutex};
+
     use super::*;
+    use crate::pipeline::message::Delivery;
 
     /// The shipped defaults' shape: a long timeout, no minimum wait.
     const RULE: FlushRule = FlushRule {
@@ -248,6 +251,102 @@ mod tests {
         assert_eq!(rule.hold(), Duration::from_millis(200));
         assert_eq!(rule.due(7, ago(100), false, false), None);
         assert_eq!(rule.due(7, ago(201), false, false), Some(7));
+    }
+
+    /// A sink that records each batch's delivery tags and answers (is free again) only when the
+    /// test lets it.
+    struct HeldSink {
+        seen: Arc<Mutex<Vec<Vec<u64>>>>,
+        gate: Arc<tokio::sync::Semaphore>,
+    }
+
+    impl Actor for HeldSink {
+        type Context = Context<Self>;
+    }
+
+    impl Handler<Batch<u32>> for HeldSink {
+        type Result = ResponseFuture<()>;
+        fn handle(&mut self, batch: Batch<u32>, _: &mut Self::Context) -> Self::Result {
+            let tags = batch.entries.iter().map(|e| e.delivery.tag).collect();
+            self.seen.lock().expect("not poisoned").push(tags);
+            let gate = self.gate.clone();
+            Box::pin(async move {
+                if let Ok(permit) = gate.acquire().await {
+                    permit.forget();
+                }
+            })
+        }
+    }
+
+    fn chunk(tags: std::ops::Range<u64>) -> Processed<u32> {
+        Processed(
+            tags.map(|tag| Decoded {
+                delivery: Delivery {
+                    generation: 1,
+                    tag,
+                    redelivered: false,
+                    body: bytes::Bytes::new(),
+                    properties: lapin::BasicProperties::default(),
+                    held_bytes: 0,
+                    received_at: Instant::now(),
+                },
+                result: Ok(0),
+            })
+            .collect(),
+        )
+    }
+
+    /// Waits (up to 2 s, far below the rule's 60 s timeout) until the sink saw `want`.
+    async fn sink_saw(seen: &Arc<Mutex<Vec<Vec<u64>>>>, want: &[Vec<u64>]) {
+        let deadline = Instant::now() + Duration::from_secs(2);
+        loop {
+            let now = seen.lock().expect("not poisoned").clone();
+            if now == want {
+                return;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "the sink saw {now:?}, not {want:?}"
+            );
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    }
+
+    #[actix::test]
+    async fn a_free_sink_gets_what_waits_at_once_and_what_arrives_meanwhile_is_the_next_batch() {
+        let seen = Arc::new(Mutex::new(Vec::new()));
+        let gate = Arc::new(tokio::sync::Semaphore::new(0));
+        let sink = HeldSink {
+            seen: seen.clone(),
+            gate: gate.clone(),
+        }
+        .start();
+        let batcher = Batcher::new(RULE, sink.recipient(), "test-0".into()).start();
+        // A lone message goes at once (the old rule held it for the 60 s timeout).
+        batcher.send(chunk(1..2)).await.expect("batcher");
+        sink_saw(&seen, &[vec![1]]).await;
+        // While the sink inserts it, what arrives waits ...
+        batcher.send(chunk(2..4)).await.expect("batcher");
+        batcher.send(chunk(4..5)).await.expect("batcher");
+        assert_eq!(*seen.lock().expect("not poisoned"), [vec![1]]);
+        // ... and is the next batch, whole, once the sink is free.
+        gate.add_permits(1);
+        sink_saw(&seen, &[vec![1], vec![2, 3, 4]]).await;
+        // More than a batch's worth waiting goes in batches of the size, the rest next.
+        batcher.send(chunk(5..155)).await.expect("batcher");
+        gate.add_permits(1);
+        sink_saw(&seen, &[vec![1], vec![2, 3, 4], (5..105).collect()]).await;
+        gate.add_permits(1);
+        sink_saw(
+            &seen,
+            &[
+                vec![1],
+                vec![2, 3, 4],
+                (5..105).collect(),
+                (105..155).collect(),
+            ],
+        )
+        .await;
     }
 
     #[test]
