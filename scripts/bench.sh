@@ -7,7 +7,8 @@
 #   scripts/bench.sh --live [RATE] [SECONDS] [KEY=VALUE...]  live bench (RATE=10000, SECONDS=60)
 #   scripts/bench.sh --live-search [RATE] [SECONDS] [KEY=VALUE...]
 #                                                            the highest live rate warren keeps up
-#                                                            with (from RATE=2000, SECONDS=20 a step)
+#                                                            with (from RATE=2000, SECONDS=10 a
+#                                                            step, REPS=2 repetitions of each)
 #   scripts/bench.sh --all-roles [N] [KEY=VALUE...]          memory with all roles (N=100000)
 #   scripts/bench.sh --wide [N] [REPS] [KEY=VALUE...]       a 10-column mapped pipeline (N=100000, REPS=3)
 #   scripts/bench.sh --balance [N] [REPS] [KEY=VALUE...]    balance=auto against fixed concurrencies
@@ -22,6 +23,8 @@
 # WARREN_BIN=path measures another build of warren; WARREN_BIN_B=path adds to the drain bench a
 # contender warren_b, that build with default settings, for an A/B in one run (its ratios to the
 # raw drain and to warren of the same repetitions); BENCH_TIMEOUT_S (600) bounds one drain.
+# BENCH_PROFILE=debug builds and runs the debug build and examples instead of the release ones:
+# a smoke run of the script itself, whose figures are not results.
 # BENCH_PERF=1 profiles every drain of the drain, wide and props benches with `perf record -a -g`
 # (the whole machine: broker, PostgreSQL and the contender) and writes beside its log a
 # `<tag>.perf.txt`: the share of CPU samples per thread name (beam's schedulers, postgres, the
@@ -50,16 +53,21 @@
 # each column measures.
 #
 # Live bench: warren (run --roles consumer, defaults) consumes an empty queue while
-# examples/live_publisher.rs publishes RATE msg/s for SECONDS s, then reports the achieved rate,
-# the max queue depth against two prefetch windows, the end-to-end latency percentiles against
-# the target p99 <= USERS_BATCH_TIMEOUT_MS + 250 ms, and the verdict: kept up only when the p99
-# met the target, every message arrived, the depth stayed within the bound and the publisher
-# reached the rate (a short queue with a growing latency is not keeping up).
+# examples/live_publisher.rs publishes RATE msg/s for SECONDS s on a fixed schedule, then reports
+# the achieved rate, the max queue depth (sampled every 50 ms) against two prefetch windows, what
+# a user waits for: p50/p90/p99/max from the moment each message was due to the moment its row
+# was committed (seen by another connection, through a trigger's NOTIFY), against the target p99
+# (USERS_BATCH_TIMEOUT_MS + 250 ms, or BENCH_TARGET_P99_MS), and the verdict: kept up only when
+# the p99 met the target, every message arrived, the depth stayed within the bound and the
+# publisher reached the rate (a short queue with a growing latency is not keeping up); and the
+# costs: insert statements per second, warren's, PostgreSQL's and the whole machine's CPU per
+# message, acks per batch.
 #
-# Capacity search (--live-search): live runs of SECONDS s, from RATE doubling while warren keeps
-# up, then bisecting between the last rate held and the first missed until they are within 10%;
-# prints each step's verdict, latency and CPU (warren's and the broker's a message) and the
-# highest rate held.
+# Capacity search (--live-search): live runs of SECONDS s, REPS times each rate (a rate is held
+# only if every repetition holds it; the first miss ends its repetitions), from RATE doubling
+# while warren keeps up, then bisecting between the last rate held and the first missed until
+# they are within 10%, within BENCH_SEARCH_BUDGET_S (280) s; prints each run's verdict, latency
+# and costs and the highest rate held.
 #
 # All roles: `warren run` with its default roles (consumer, dlq, api) drains N messages of which
 # every 50th is invalid (to the DLQ, parked by the DLQ consumer) while 2,000 users are posted to
@@ -149,16 +157,22 @@ elif [ "$MODE" = drain ] || [ "$MODE" = wide ] || [ "$MODE" = balance ] || [ "$M
   positive_int N "$N"; positive_int REPS "$REPS"
 else
   [ ${#POSITIONAL[@]} -le 2 ] || die "too many numbers: expected [RATE] [SECONDS]"
-  if [ "$MODE" = search ]; then DEFAULT_RATE=2000 DEFAULT_SECONDS=20; else DEFAULT_RATE=10000 DEFAULT_SECONDS=60; fi
+  if [ "$MODE" = search ]; then DEFAULT_RATE=2000 DEFAULT_SECONDS=10; else DEFAULT_RATE=10000 DEFAULT_SECONDS=60; fi
   LIVE_RATE=$(named RATE "${POSITIONAL[0]:-$DEFAULT_RATE}" "$@")
   LIVE_SECONDS=$(named SECONDS "${POSITIONAL[1]:-$DEFAULT_SECONDS}" "$@")
-  positive_int RATE "$LIVE_RATE"; positive_int SECONDS "$LIVE_SECONDS"
+  LIVE_REPS=$(named REPS 2 "$@")
+  positive_int RATE "$LIVE_RATE"; positive_int SECONDS "$LIVE_SECONDS"; positive_int REPS "$LIVE_REPS"
 fi
 TIMEOUT_S="${BENCH_TIMEOUT_S:-600}"
 
 # --- environment ------------------------------------------------------------------------------
 ./scripts/setup.sh >/dev/null 2>&1 || ./scripts/setup.sh
-cargo build --release -q --bins --examples
+case "${BENCH_PROFILE:-release}" in
+  release) cargo build --release -q --bins --examples; PROFILE_DIR=target/release ;;
+  debug) cargo build -q --bins --examples; PROFILE_DIR=target/debug
+         say "BENCH_PROFILE=debug: debug builds; the figures of this run are not results" ;;
+  *) die "BENCH_PROFILE: expected release or debug, got '${BENCH_PROFILE}'" ;;
+esac
 
 # One bench at a time: runs share the warren_bench_* queues and schema (and the CPUs), so a second
 # run waits here instead of purging the first one's backlog or dropping its schema.
@@ -168,12 +182,12 @@ if ! flock -n 9; then
   say "another scripts/bench.sh holds $LOCK; waiting for it to finish"
   flock 9
 fi
-BIN="${WARREN_BIN:-target/release/warren}"
+BIN="${WARREN_BIN:-$PROFILE_DIR/warren}"
 [ -x "$BIN" ] || die "WARREN_BIN=$BIN is not an executable"
 BIN_B="${WARREN_BIN_B:-}"
 # The bench's own variables are not warren settings: warren refuses unknown WARREN_* names.
 unset WARREN_BIN WARREN_BIN_B
-EX=target/release/examples
+EX=$PROFILE_DIR/examples
 
 export MAIN_EXCHANGE=warren_bench_exchange MAIN_QUEUE=warren_bench_queue
 export RETRY_EXCHANGE=warren_bench_retry_exchange RETRY_QUEUE=warren_bench_retry
@@ -241,6 +255,9 @@ pg_ticks() {
   echo $(( s + $(sed 's/^.*) //' "/proc/$oldest/stat" | awk '{print $14 + $15}') ))
 }
 peak_rss_kb() { awk '/^VmHWM:/ {print $2}' "/proc/$1/status"; }
+# The whole machine's busy CPU so far (every CPU: user, nice, system, irq, softirq, steal), in
+# clock ticks.
+machine_ticks() { awk '$1 == "cpu" {print $2 + $3 + $4 + $7 + $8 + $9; exit}' /proc/stat; }
 now() { printf '%s' "$EPOCHREALTIME"; }
 
 queue_field() { # QUEUE FIELD: e.g. messages, consumers
@@ -356,11 +373,15 @@ if [ "$MODE" = live ] || [ "$MODE" = search ]; then
     PREFETCH_NOW=$(( ${USERS_BATCH_SIZE:-1000} * ${USERS_BATCH_CONCURRENCY:-2} * 2 ))
     [ "$PREFETCH_NOW" -le 65535 ] || PREFETCH_NOW=65535
   fi
-  BOUND=$((2 * PREFETCH_NOW)); TARGET_MS=$((BATCH_TIMEOUT_MS + 250))
+  BOUND=$((2 * PREFETCH_NOW)); TARGET_MS=${BENCH_TARGET_P99_MS:-$((BATCH_TIMEOUT_MS + 250))}
+  positive_int BENCH_TARGET_P99_MS "$TARGET_MS"
+  # The commit watcher's trigger (examples/live_publisher.rs), before any warren runs: no DDL
+  # meets a running warren's statements.
+  "$EX/live_publisher" --install-only >"$LOGDIR/install.log" 2>&1 || die "the live publisher could not install its trigger; see $LOGDIR/install.log"
   # One live run: warren consumes while the publisher sends RATE msg/s for SECONDS s; prints the
   # publisher's report and warren's and the broker's cost; sets KEPT_UP (yes/no) and LIVE_LINE.
   live_once() { # RATE SECONDS TAG
-    local rate="$1" secs="$2" tag="$3" deadline b0 b1 rc=0 msgs
+    local rate="$1" secs="$2" tag="$3" deadline b0 b1 m0 m1 p0 p1 rc=0 msgs
     psql_q "TRUNCATE $SCHEMA.users" >/dev/null
     purge_queues
     start_warren "$LOGDIR/warren-$tag.log"
@@ -370,10 +391,10 @@ if [ "$MODE" = live ] || [ "$MODE" = search ]; then
       [ "$SECONDS" -lt "$deadline" ] || die "warren did not subscribe to $MAIN_QUEUE within 60 s; see $WARREN_LOG"
       sleep 0.5
     done
-    b0=$(broker_ticks)
+    b0=$(broker_ticks); m0=$(machine_ticks); p0=$(pg_ticks)
     "$EX/live_publisher" --rate "$rate" --seconds "$secs" --depth-bound "$BOUND" \
       --target-p99-ms "$TARGET_MS" 2>"$LOGDIR/live_publisher-$tag.err" >"$LOGDIR/live_publisher-$tag.out" || rc=$?
-    b1=$(broker_ticks)
+    b1=$(broker_ticks); m1=$(machine_ticks); p1=$(pg_ticks)
     kill -0 "$CHILD" 2>/dev/null || die "warren exited during the live run; see $WARREN_LOG"
     read_warren "$LOGDIR/warren-$tag.metrics"
     stop_warren
@@ -381,21 +402,25 @@ if [ "$MODE" = live ] || [ "$MODE" = search ]; then
     [ "$MODE" = search ] || cat "$LOGDIR/live_publisher-$tag.out"
     MSGS=$(awk '/^published/ {print $2}' "$LOGDIR/live_publisher-$tag.out")
     KEPT_UP=$(sed -n 's/^kept up: \([a-z]*\).*/\1/p' "$LOGDIR/live_publisher-$tag.out")
-    LIVE_LINE=$(awk -v t="$W_TICKS" -v hz="$CLK_TCK" -v n="$MSGS" -v kb="$W_RSS_KB" -v b0="$b0" -v b1="$b1" '
-      /^end-to-end/ { lat = $0; sub(/^[^:]*: /, "", lat) }
-      /^kept up/ { kept = $0 }
-      END { printf "%s; %s; warren CPU %.1f us/msg, peak RSS %.1f MiB; broker CPU %s us/msg", kept, lat,
-              t / hz * 1e6 / n, kb / 1024, (b0 >= 0 ? sprintf("%.1f", (b1 - b0) / hz * 1e6 / n) : "n/a") }' \
+    # The costs over the publisher's run (publishing, settling): insert statements per second
+    # (warren's batches; the commits the watcher saw when the build exports none), warren's CPU
+    # a message (its lifetime), PostgreSQL's a row and the whole machine's a message (the
+    # publisher and its watcher included).
+    COSTS_LINE=$(awk -v t="$W_TICKS" -v hz="$CLK_TCK" -v n="$MSGS" -v kb="$W_RSS_KB" -v b0="$b0" -v b1="$b1" \
+        -v m0="$m0" -v m1="$m1" -v p0="$p0" -v p1="$p1" -v batches="${W_BATCHES:-}" \
+        -v apb="$(acks_per_batch "$W_ACKS" "$W_BATCHES")" '
+      /^commits seen/ { commits = $3; secs = $0; sub(/.* over /, "", secs); secs += 0 }
+      END {
+        stmts = (batches != "" ? batches : commits)
+        printf "%.0f statements/s (%.1f rows each), acks/batch %s; CPU a message: warren %.1f us, PostgreSQL %s us, machine %.1f us, broker %s us; warren peak RSS %.1f MiB",
+          (secs > 0 ? stmts / secs : 0), (stmts > 0 ? n / stmts : 0), apb, t / hz * 1e6 / n,
+          (p0 >= 0 ? sprintf("%.1f", (p1 - p0) / hz * 1e6 / n) : "n/a"), (m1 - m0) / hz * 1e6 / n,
+          (b0 >= 0 ? sprintf("%.1f", (b1 - b0) / hz * 1e6 / n) : "n/a"), kb / 1024 }' \
       "$LOGDIR/live_publisher-$tag.out")
+    LIVE_LINE="$(sed -n 's/^kept up: //p' "$LOGDIR/live_publisher-$tag.out" | sed 's/^/kept up: /'); $(sed -n 's/^end-to-end latency[^:]*: //p' "$LOGDIR/live_publisher-$tag.out"); $COSTS_LINE"
     if [ "$MODE" = live ]; then
-      awk -v t="$W_TICKS" -v hz="$CLK_TCK" -v n="$MSGS" -v kb="$W_RSS_KB" -v b0="$b0" -v b1="$b1" \
-          -v apb="$(acks_per_batch "$W_ACKS" "$W_BATCHES")" -v bound="$BOUND" -v pf="$PREFETCH_NOW" \
-          -v bt="$BATCH_TIMEOUT_MS" 'BEGIN {
-        printf "bound: two prefetch windows (2 x %d); target: USERS_BATCH_TIMEOUT_MS %d + 250 ms\n", pf, bt
-        printf "warren: CPU %.1f us/msg (process lifetime), peak RSS %.1f MiB, acks/batch %s\n", t / hz * 1e6 / n, kb / 1024, apb
-        if (b0 >= 0) printf "broker CPU: %.1f us/msg (publishing and delivering, over the publisher'"'"'s run)\n", (b1 - b0) / hz * 1e6 / n
-        else print "broker CPU: n/a"
-      }'
+      echo "bound: two prefetch windows (2 x $PREFETCH_NOW); target p99: $TARGET_MS ms (due -> committed)"
+      echo "costs over the publisher's run: $COSTS_LINE"
     fi
   }
   say "logs in $LOGDIR"
@@ -406,13 +431,25 @@ if [ "$MODE" = live ] || [ "$MODE" = search ]; then
   else
     # Capacity search: double the rate from RATE while warren keeps up, then halve the interval
     # between the last rate held and the first missed until they are within 10% of each other.
-    echo "capacity search: the highest rate warren (run --roles consumer${SETTINGS[*]:+, ${SETTINGS[*]}}) keeps up with, $LIVE_SECONDS s a step from $LIVE_RATE msg/s; kept up = p99 <= $TARGET_MS ms, every message in, depth <= $BOUND, rate reached ($BIN)"
+    echo "capacity search: the highest rate warren (run --roles consumer${SETTINGS[*]:+, ${SETTINGS[*]}}) keeps up with, $LIVE_SECONDS s a run, $LIVE_REPS runs a rate, from $LIVE_RATE msg/s; kept up = every run: p99 (due -> committed) <= $TARGET_MS ms, every message in, depth <= $BOUND, rate reached ($BIN)"
+    BUDGET_S=${BENCH_SEARCH_BUDGET_S:-280}
+    positive_int BENCH_SEARCH_BUDGET_S "$BUDGET_S"
+    search_start=$SECONDS
     held=0; missed=0; rate=$LIVE_RATE; step=0; HELD_LINE=""
     while :; do
       step=$((step + 1))
-      live_once "$rate" "$LIVE_SECONDS" "search-$step-$rate"
-      printf '  %6d msg/s: %s\n' "$rate" "$LIVE_LINE"
-      if [ "$KEPT_UP" = yes ]; then held=$rate; HELD_LINE=$LIVE_LINE; else missed=$rate; fi
+      # A rate is held only if every repetition holds it; the first miss ends its repetitions.
+      rate_kept=yes
+      for rep in $(seq 1 "$LIVE_REPS"); do
+        live_once "$rate" "$LIVE_SECONDS" "search-$step-$rate-$rep"
+        printf '  %6d msg/s, run %d: %s\n' "$rate" "$rep" "$LIVE_LINE"
+        [ "$KEPT_UP" = yes ] || { rate_kept=no; break; }
+      done
+      if [ "$rate_kept" = yes ]; then held=$rate; HELD_LINE=$LIVE_LINE; else missed=$rate; fi
+      if [ $((SECONDS - search_start)) -ge "$BUDGET_S" ]; then
+        echo "search budget of $BUDGET_S s spent (BENCH_SEARCH_BUDGET_S): stopped between $held and ${missed/#0/none missed}"
+        break
+      fi
       if [ "$missed" = 0 ]; then
         [ "$rate" -lt 128000 ] || break
         rate=$((rate * 2))

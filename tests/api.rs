@@ -157,8 +157,10 @@ fn assert_json_error(answer: &Answer, status: u16) {
 #[tokio::test(flavor = "multi_thread")]
 async fn a_posted_user_becomes_a_readable_row() {
     let mut env = TestEnv::new("api_post").await;
-    // A slow batch flush, so the row is certainly not there right after the POST.
-    env.set("USERS_BATCH_TIMEOUT_MS", "1500");
+    // A batch held 1.5 s for more (its minimum wait), so the row is certainly not there right
+    // after the POST.
+    env.set("USERS_BATCH_TIMEOUT_MS", "1500")
+        .set("USERS_BATCH_MIN_WAIT_MS", "1500");
     env.declare();
     let mut warren = env.start(&["--roles", "api,consumer"]);
     let http = Http::new(&env);

@@ -484,6 +484,7 @@ async fn a_lost_consumer_link_does_not_dead_letter_what_the_broker_delivers_agai
     let mut env = TestEnv::new("lost_link_dlq").await;
     env.set("USERS_BATCH_SIZE", "5000")
         .set("USERS_BATCH_TIMEOUT_MS", "4000")
+        .set("USERS_BATCH_MIN_WAIT_MS", "4000")
         .set("PREFETCH", "5000");
     env.declare();
     let (expected, malformed) = publish_mix(&env, 2_000, 5).await;

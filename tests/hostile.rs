@@ -665,11 +665,12 @@ async fn large_bodies_in_flight_stay_within_the_byte_budget() {
 #[tokio::test(flavor = "multi_thread")]
 async fn header_tables_that_parse_to_many_times_their_size_stay_within_memory() {
     let mut env = TestEnv::new("voidheads").await;
-    // Small bodies accepted, so the window (4,000) is not cut for them, and a batch that waits
-    // for its timeout: every message is in flight at once, as with a larger backlog.
+    // Small bodies accepted, so the window (4,000) is not cut for them, and a batch held for
+    // its minimum wait: every message is in flight at once, as with a larger backlog.
     env.set("MAX_INFLIGHT_BYTES", "8388608")
         .set("MAX_MESSAGE_BYTES", "1024")
-        .set("USERS_BATCH_TIMEOUT_MS", "3000");
+        .set("USERS_BATCH_TIMEOUT_MS", "3000")
+        .set("USERS_BATCH_MIN_WAIT_MS", "3000");
     env.declare();
     let voids = || {
         let mut h = lapin::types::FieldTable::default();

@@ -33,7 +33,8 @@ async fn duplicate_emails_in_a_batch_of_1000_are_isolated_and_dead_lettered() {
     let mut env = TestEnv::new("isolate_dup").await;
     env.set("USERS_BATCH_SIZE", "1000")
         .set("USERS_BATCH_CONCURRENCY", "1")
-        .set("USERS_BATCH_TIMEOUT_MS", "2000");
+        .set("USERS_BATCH_TIMEOUT_MS", "2000")
+        .set("USERS_BATCH_MIN_WAIT_MS", "2000");
     env.declare();
 
     let ids: Vec<Uuid> = (0..N).map(|_| Uuid::new_v4()).collect();
@@ -261,6 +262,7 @@ async fn an_unclassified_error_on_one_row_is_isolated_and_ends_parked() {
     env.set("USERS_BATCH_SIZE", "500")
         .set("USERS_BATCH_CONCURRENCY", "1")
         .set("USERS_BATCH_TIMEOUT_MS", "2000")
+        .set("USERS_BATCH_MIN_WAIT_MS", "2000")
         .set("DB_RETRY_WINDOW_MS", "300")
         .set("MAX_RETRIES", "2")
         .set("RETRY_TTL_MS", "300")
@@ -429,6 +431,7 @@ async fn a_refused_row_as_shutdown_begins(role: &str) {
     env.set("USERS_BATCH_SIZE", N.to_string())
         .set("USERS_BATCH_CONCURRENCY", "1")
         .set("USERS_BATCH_TIMEOUT_MS", "2000")
+        .set("USERS_BATCH_MIN_WAIT_MS", "2000")
         .set("SHUTDOWN_TIMEOUT_MS", "20000");
     env.declare();
     // The database refuses one email for good.

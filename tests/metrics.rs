@@ -368,7 +368,8 @@ async fn a_run_with_known_outcomes_shows_exactly_those_counts() {
     // One batch: every message is in the queue before warren starts, one batcher, 2 s timer.
     env.set("USERS_BATCH_SIZE", "1000")
         .set("USERS_BATCH_CONCURRENCY", "1")
-        .set("USERS_BATCH_TIMEOUT_MS", "2000");
+        .set("USERS_BATCH_TIMEOUT_MS", "2000")
+        .set("USERS_BATCH_MIN_WAIT_MS", "2000");
     env.declare();
 
     let ids = env.publish_users(50).await;

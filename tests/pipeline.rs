@@ -1,10 +1,10 @@
 //! The main pipeline against the real broker and database: counts, idempotence, batch sizes (a
-//! backlog goes in full batches, never more, never fewer) and the batch timeout (a lone message
-//! waits for it, and no longer).
+//! backlog goes in batches that grow to the size and never past it). A lone message not waiting
+//! for the batch timeout: tests/batching.rs.
 
 mod common;
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use common::*;
 
@@ -50,7 +50,7 @@ async fn the_same_message_twice_is_one_row() {
 }
 
 #[tokio::test(flavor = "multi_thread")]
-async fn batches_respect_the_size_and_a_lone_message_the_timeout() {
+async fn a_backlog_goes_in_batches_that_grow_to_the_size_and_never_past_it() {
     let mut env = TestEnv::new("batch_size").await;
     env.set("USERS_BATCH_SIZE", "100")
         .set("USERS_BATCH_TIMEOUT_MS", "300");
@@ -66,9 +66,6 @@ async fn batches_respect_the_size_and_a_lone_message_the_timeout() {
         &|| warren.logs(),
     )
     .await;
-    // A backlog already in the queue fills every batch: exactly ten batches of 100, not more
-    // than the size, and not fewer rows (a batch cut at 1 or at every chunk would pass an upper
-    // bound alone).
     let sizes: Vec<i64> = env
         .db
         .query(
@@ -80,20 +77,15 @@ async fn batches_respect_the_size_and_a_lone_message_the_timeout() {
         .iter()
         .map(|r| r.get(0))
         .collect();
-    assert_eq!(sizes, [100; 10], "rows per batch:\n{}", warren.logs());
-
-    let started = Instant::now();
-    let id = env.publish_users(1).await[0];
-    wait_until("the lone row", Duration::from_secs(5), || async {
-        env.row_ids().await.contains(&id)
-    })
-    .await;
-    let took = started.elapsed();
-    // The timeout flushed it: not before (a lone message flushed at once would make batches of
-    // one of every trickle), and not much after.
+    // A free sink takes whatever waits, so the first batch of a turn may be small (what the
+    // first chunk held); what arrives while it inserts is the next batch. Never past the size,
+    // and a backlog in batches, not a statement per message or per chunk: at least 20 rows a
+    // statement on average (10 full batches is the fewest possible).
+    assert_eq!(sizes.iter().sum::<i64>(), 1_000);
     assert!(
-        took >= Duration::from_millis(300) && took < Duration::from_millis(300 + 700),
-        "lone message took {took:?}"
+        sizes.iter().all(|n| *n <= 100) && sizes.len() <= 50,
+        "rows per batch: {sizes:?}\n{}",
+        warren.logs()
     );
     assert!(warren.terminate(Duration::from_secs(25)).success());
 }

@@ -102,6 +102,7 @@ async fn a_second_domain_runs_through_the_same_core() {
         queue: env.main_queue.clone(),
         batch_size: 50,
         batch_timeout: Duration::from_millis(100),
+        batch_min_wait: Duration::ZERO,
         processors: 2,
         batchers: 2,
         max_batchers: 2,

@@ -12,7 +12,9 @@ use lapin::BasicProperties;
 
 type Names = PipelineNames;
 
-/// A `[[pipelines]]` entry of `name` into `table`, with `columns` (TOML lines).
+/// A `[[pipelines]]` entry of `name` into `table`, with `columns` (TOML lines). `batch` is the
+/// batch size and the time a partial batch is held for more (its timeout and minimum wait
+/// both): the tests here put several messages in one batch on purpose.
 fn entry(
     n: &Names,
     name: &str,
@@ -24,9 +26,10 @@ fn entry(
 ) -> String {
     format!(
         "[[pipelines]]\nname = \"{name}\"\ntable = \"{table}\"\nkey = [\"{key}\"]\n{extra}\n\
-         batch_size = {}\nbatch_timeout_ms = {}\nretry_ttls_ms = [1000]\n{}\n\
-         [pipelines.columns]\n{columns}\n",
+         batch_size = {}\nbatch_timeout_ms = {}\nbatch_min_wait_ms = {}\n\
+         retry_ttls_ms = [1000]\n{}\n[pipelines.columns]\n{columns}\n",
         batch.0,
+        batch.1,
         batch.1,
         n.toml()
     )

@@ -162,10 +162,13 @@ settings! {
     /// error before it parks it, so no message loops in the DLQ forever.
     dlq_max_attempts: u32 => Rule::Int { min: 1, max: 1000 },
     // Every pipeline's defaults: a `[[pipelines]]` entry's key of the same name wins over each.
-    /// Flush a batch at this many messages.
+    /// The largest batch: at this many messages waiting, a batch goes as soon as its sink is free.
     batch_size: usize => Rule::Int { min: 1, max: 10_000 },
-    /// Flush a batch this long after its first message.
+    /// The longest a partial batch is held back for more messages (it caps `batch_min_wait_ms`).
     batch_timeout_ms: u64 => Rule::Int { min: 0, max: 600_000 },
+    /// How long a partial batch is held for more messages before a free sink takes it (0: a free
+    /// sink takes whatever waits, at once); at most `batch_timeout_ms`.
+    batch_min_wait_ms: u64 => Rule::Int { min: 0, max: 600_000 },
     /// Processor actors: 1 decodes on the pipeline's own thread; more decode in parallel on
     /// threads of their own (at most one per core).
     proc_concurrency: usize => Rule::Int { min: 1, max: 256 },
@@ -196,6 +199,9 @@ settings! {
     /// The users pipeline's own `batch_timeout_ms`.
     #[serde(with = "values::unset")]
     users_batch_timeout_ms: Option<u64> => Rule::OrEmpty(&Rule::Int { min: 0, max: 600_000 }),
+    /// The users pipeline's own `batch_min_wait_ms`.
+    #[serde(with = "values::unset")]
+    users_batch_min_wait_ms: Option<u64> => Rule::OrEmpty(&Rule::Int { min: 0, max: 600_000 }),
     /// The users pipeline's own `proc_concurrency`.
     #[serde(with = "values::unset")]
     users_proc_concurrency: Option<usize> => Rule::OrEmpty(&Rule::Int { min: 1, max: 256 }),

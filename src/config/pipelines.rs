@@ -52,6 +52,8 @@ pub struct PipelineConfig {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub batch_timeout_ms: Option<u64>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub batch_min_wait_ms: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub batch_concurrency: Option<u64>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub proc_concurrency: Option<u64>,

@@ -16,7 +16,8 @@
 //!   `acks.rs` turns settlements into ordered multi-acks.
 //! - `processor.rs`: decode and validate through the [`Domain`], a chunk at a time: one on the
 //!   pipeline's thread, or several on threads of their own (`Pipeline::processors`).
-//! - `batcher.rs`: flush rules only (size, timeout, drain).
+//! - `batcher.rs`: flush rules only (a free sink takes what waits, up to the size; the minimum
+//!   wait; drain).
 //! - `sink.rs`: one insert statement per batch, in-place retry, row isolation; `breaker.rs`.
 //! - `router.rs`: the outcome policy and republishing; `dlq.rs`: the DLQ consumer's stage.
 //! - `balance.rs`: how many batch inserts a main stage has in flight (balancing, its bounds).
@@ -87,7 +88,10 @@ pub struct Spec {
     pub pipeline: String,
     pub queue: String,
     pub batch_size: usize,
+    /// The longest a partial batch is held for more (it caps `batch_min_wait`).
     pub batch_timeout: Duration,
+    /// How long a partial batch is held for more before a free sink takes it (0: at once).
+    pub batch_min_wait: Duration,
     /// Processor actors (decode): one runs on the pipeline's thread; more run on min(this,
     /// cores) threads of their own (parallel decoding).
     pub processors: usize,
@@ -133,6 +137,7 @@ impl Spec {
             rate_limit_per_s: p.rate_limit_per_s,
             batch_size: p.batching.size,
             batch_timeout: p.batching.timeout,
+            batch_min_wait: p.batching.min_wait,
             processors: p.batching.processors,
             batchers: p.held_inserts(),
             max_batchers: p.most_inserts(),
@@ -285,6 +290,7 @@ pub fn start<D: Domain>(
     let rule = FlushRule {
         batch_size: spec.batch_size,
         timeout: spec.batch_timeout,
+        min_wait: spec.batch_min_wait,
     };
     let batchers: Vec<Addr<Batcher<D::Record>>> = (0..spec.max_batchers.max(spec.batchers).max(1))
         .map(|i| {

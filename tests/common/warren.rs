@@ -22,6 +22,7 @@ impl TestEnv {
             "USERS_BATCH_SIZE",
             "BATCH_SIZE",
             "BATCH_TIMEOUT_MS",
+            "BATCH_MIN_WAIT_MS",
             "MAX_RETRIES",
             "RETRY_TTL_MS",
             "LOG_FORMAT",

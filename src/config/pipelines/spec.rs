@@ -1,7 +1,8 @@
 //! The one resolution step: a pipeline's `[[pipelines]]` entry plus the defaults (and, for the
 //! pipeline named users, its own `USERS_*` settings) become, once, when the configuration loads,
 //! its complete and checked [`PipelineSpec`]. Every rule that spans fields or pipelines lives
-//! here: the ranges of an entry's numbers, min <= max concurrency, auto's thresholds, the
+//! here: the ranges of an entry's numbers, min <= max concurrency, the batch's minimum wait
+//! within its timeout, auto's thresholds, the
 //! prefetch and its cap, the rate against the consumer timeout, the retry queues' names, names
 //! shared by two pipelines, and the inserts the pipelines always hold against the budget.
 
@@ -26,10 +27,13 @@ pub struct Api {
 /// How a pipeline batches its inserts.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Batching {
-    /// Flush a batch at this many messages.
+    /// The largest batch (a free sink takes whatever waits, up to this many).
     pub size: usize,
-    /// Flush a batch this long after its first message.
+    /// The longest a partial batch is held back for more messages: caps `min_wait`.
     pub timeout: Duration,
+    /// How long a partial batch is held for more messages before a free sink takes it (zero:
+    /// at once); at most `timeout`.
+    pub min_wait: Duration,
     /// Processor actors (decode): one runs on the pipeline's thread; more on threads of their own.
     pub processors: usize,
     /// Batcher actors: the batch inserts in flight of a stage that is not balanced (the DLQ
@@ -379,6 +383,12 @@ impl<'a> Entry<'a> {
             Some(("users_batch_timeout_ms", s.users_batch_timeout_ms)),
             ("batch_timeout_ms", s.batch_timeout_ms),
         )?;
+        let min_wait = self.number(
+            "batch_min_wait_ms",
+            p.batch_min_wait_ms,
+            Some(("users_batch_min_wait_ms", s.users_batch_min_wait_ms)),
+            ("batch_min_wait_ms", s.batch_min_wait_ms),
+        )?;
         let processors = self.number(
             "proc_concurrency",
             p.proc_concurrency,
@@ -484,6 +494,16 @@ impl<'a> Entry<'a> {
                 format!("at most {} ({})", self.label(&max), max.value),
             ));
         }
+        if min_wait.value > timeout.value {
+            return Err(self.refuse(
+                &min_wait,
+                format!(
+                    "at most {} ({}): the batch timeout is the longest a partial batch is held",
+                    self.label(&timeout),
+                    timeout.value
+                ),
+            ));
+        }
         if strategy.value == Balance::Auto && down.value >= up.value {
             return Err(self.refuse(
                 &down,
@@ -539,6 +559,7 @@ impl<'a> Entry<'a> {
             batching: Batching {
                 size: size_n,
                 timeout: Duration::from_millis(timeout.value),
+                min_wait: Duration::from_millis(min_wait.value),
                 processors: small(processors.value),
                 concurrency: concurrency_n,
             },

@@ -3,6 +3,7 @@
 #![cfg(test)]
 
 use std::io::Write;
+use std::time::Duration;
 
 use super::*;
 use crate::config::Sources;
@@ -238,6 +239,15 @@ fn each_field_is_the_entrys_else_users_own_else_the_default() {
             |p| p.batching.timeout.as_millis() as u64,
         ),
         (
+            "batch_min_wait_ms",
+            "21",
+            "users_batch_min_wait_ms",
+            "22",
+            "batch_min_wait_ms",
+            "23",
+            |p| p.batching.min_wait.as_millis() as u64,
+        ),
+        (
             "proc_concurrency",
             "3",
             "users_proc_concurrency",
@@ -387,6 +397,37 @@ fn each_field_is_the_entrys_else_users_own_else_the_default() {
         s.pipeline("orders").unwrap().balance.strategy,
         crate::config::Balance::Auto
     );
+}
+
+/// A batch's minimum wait stays within its timeout (the longest a partial batch is held), and
+/// the error says which value came from where.
+#[test]
+fn the_minimum_wait_is_at_most_the_batch_timeout() {
+    let error =
+        |text: &str, pairs: &[(&str, &str)]| load_with(text, pairs).unwrap_err().to_string();
+    let e = error(
+        &ORDERS.replace(
+            "batch_size = 500",
+            "batch_timeout_ms = 50\nbatch_min_wait_ms = 80",
+        ),
+        &[],
+    );
+    assert!(
+        e.contains(
+            "pipelines.orders.batch_min_wait_ms: expected at most batch_timeout_ms (50): the \
+             batch timeout is the longest a partial batch is held, got 80"
+        ),
+        "{e}"
+    );
+    let e = error(ORDERS, &[("users_batch_min_wait_ms", "1001")]);
+    assert!(
+        e.contains("USERS_BATCH_MIN_WAIT_MS: expected at most BATCH_TIMEOUT_MS (1000)"),
+        "{e}"
+    );
+    let s = load_with(ORDERS, &[("batch_min_wait_ms", "1000")]).expect("equal is allowed");
+    let wait = |name: &str| s.pipeline(name).expect(name).batching.min_wait;
+    assert_eq!(wait("orders"), Duration::from_secs(1));
+    assert_eq!(wait("users"), Duration::from_secs(1));
 }
 
 /// A rule across fields names the pipeline and the field, where the value was given: the
