@@ -115,15 +115,16 @@ impl PipelineApi {
         })
     }
 
-    /// A path's key as the pipeline stores it: a uuid key written as a UUID is (`GET` and `PUT`
-    /// of `/api/v1/users/6F1C...` are the user `6f1c...`), and a path that is none is a 400.
+    /// A path's key as the pipeline stores it: a uuid key written as PostgreSQL reads a UUID is
+    /// (`GET` and `PUT` of `/api/v1/users/6F1C...` or `{6f1c...}` are the user `6f1c...`), and a
+    /// path that is none is a 400.
     fn uuid_path(&self, path: String) -> Result<String, Box<HttpResponse>> {
         if self.key_type != ColType::Uuid {
             return Ok(path);
         }
-        match uuid::Uuid::parse_str(&path) {
-            Ok(id) => Ok(id.to_string()),
-            Err(_) => Err(Box::new(error(
+        match crate::domain::mapping::pg_uuid(&path) {
+            Some(id) => Ok(id.to_string()),
+            None => Err(Box::new(error(
                 StatusCode::BAD_REQUEST,
                 format!("{:?} is not a UUID", crate::text::shown(&path)),
             ))),
@@ -132,11 +133,8 @@ impl PipelineApi {
 
     /// Whether `path` names `key`: the same text, or the same UUID written otherwise (upper case).
     fn same_key(&self, key: &str, path: &str) -> bool {
-        key == path
-            || matches!(
-                (uuid::Uuid::parse_str(key), uuid::Uuid::parse_str(path)),
-                (Ok(a), Ok(b)) if a == b
-            )
+        use crate::domain::mapping::pg_uuid;
+        key == path || matches!((pg_uuid(key), pg_uuid(path)), (Some(a), Some(b)) if a == b)
     }
 
     /// The key of a decoded row as text (the message id it is published under).

@@ -23,7 +23,7 @@ pub use strict::parse as parse_strict;
 use values::*;
 pub use values::{
     CheckError, EMAIL_MAX, EmailProblem, PointerError, ValueError, body_fields, email_problem,
-    line_problem,
+    line_problem, pg_uuid,
 };
 
 use std::collections::{BTreeMap, HashSet};
@@ -710,9 +710,10 @@ impl Mapping {
                 other => return Err(wrong(&other)),
             },
             ColType::Uuid => match &value {
+                // As PostgreSQL's uuid input reads it, braces and groupings included.
                 Value::String(s) => Cell::Uuid(
-                    s.parse()
-                        .map_err(|_| unfit(format!("expected a UUID, found {:?}", clip(s))))?,
+                    pg_uuid(s)
+                        .ok_or_else(|| unfit(format!("expected a UUID, found {:?}", clip(s))))?,
                 ),
                 other => return Err(wrong(other)),
             },
