@@ -316,6 +316,15 @@ impl PipelineApi {
         let doc = match std::str::from_utf8(body) {
             Err(e) => return Some(format!("body is not valid JSON: not UTF-8: {e}")),
             Ok(text) => match crate::domain::mapping::parse_strict(text) {
+                Err(e) if crate::domain::mapping::too_deep(&e) => {
+                    return Some(format!(
+                        "body nests arrays and objects deeper than {} levels (the most the \
+                         pipeline reads), at line {} column {}",
+                        crate::domain::mapping::DEPTH_MAX,
+                        e.line(),
+                        e.column()
+                    ));
+                }
                 Err(e) => return Some(format!("body is not valid JSON: {e}")),
                 Ok(doc) => doc,
             },
