@@ -84,10 +84,14 @@ pub enum ServeError {
     #[error(transparent)]
     Config(#[from] HttpConfigError),
     /// The address resolved but could not be bound (in use, not this host's, no permission).
-    #[error("HTTP_ADDR {addr}: {error}")]
+    /// The io error is in the message and is not a `source`: a report that walks the chain
+    /// (`{:#}`) printed it twice.
+    #[error(
+        "HTTP_ADDR {addr}: cannot listen there ({error}): expected an address of this host that no \
+         other process holds"
+    )]
     Bind {
         addr: SocketAddr,
-        #[source]
         error: std::io::Error,
     },
 }
