@@ -999,3 +999,97 @@ async fn a_flood_of_api_requests_never_takes_the_pipelines_connections() {
     );
     warren.terminate_ok(Duration::from_secs(30));
 }
+
+/// The edge of the API server (found by the review): `HEAD` of `/healthz` and `/readyz` is
+/// answered as `GET` without a body (it was 404); a connection that sends a partial request
+/// line and headers is answered 408 and closed within the header timeout (5 s), one that sends
+/// its headers and part of its body within the body timeout (10 s; it was held for ever); and a
+/// body the client sent within `MAX_MESSAGE_BYTES` that the key the API writes in takes over it
+/// is refused saying both sizes and what a client may send (it said only the larger size).
+#[tokio::test(flavor = "multi_thread")]
+async fn head_slow_clients_and_what_the_size_limit_counts() {
+    use std::io::{Read, Write};
+    let env = TestEnv::new("api_edge").await;
+    env.declare();
+    let mut warren = env.start(&["--roles", "api"]);
+    let _logs = LogsOnPanic(vec![warren.log.clone()]);
+    let http = Http::new(&env);
+    http.wait_status("/readyz", 200, Duration::from_secs(20))
+        .await;
+
+    for path in ["/healthz", "/readyz"] {
+        let url = format!("{}{path}", http.base);
+        let mut head = tokio::task::block_in_place(|| http.agent.head(&url).call())
+            .unwrap_or_else(|e| panic!("HEAD {path}: {e}"));
+        assert_eq!(head.status().as_u16(), 200, "HEAD {path}");
+        let body = head.body_mut().read_to_string().unwrap_or_default();
+        assert!(body.is_empty(), "HEAD {path}: {body:?}");
+    }
+
+    // A body of exactly MAX_MESSAGE_BYTES (65536), blanks inside it: the key the API writes in
+    // (`"id":"<uuid>",`, 44 bytes) makes the message 65580 bytes, which the pipeline would
+    // refuse; the answer says so, and what a client may send, which is then accepted.
+    const MAX: usize = 65536;
+    const KEY: usize = 44;
+    let padded = |size: usize| {
+        let head = r#"{"name":"Ana","#;
+        let tail = r#""email":"ana@example.com"}"#;
+        format!("{head}{}{tail}", " ".repeat(size - head.len() - tail.len()))
+    };
+    let refused = http.post("/api/v1/users", padded(MAX));
+    assert_json_error(&refused, 422);
+    assert_eq!(
+        refused.body["error"],
+        json!(format!(
+            "body of {MAX} bytes is {} bytes with the key the API writes into it, which \
+             exceeds MAX_MESSAGE_BYTES ({MAX}): send at most {} bytes",
+            MAX + KEY,
+            MAX - KEY
+        )),
+        "{refused:?}"
+    );
+    let accepted = http.post("/api/v1/users", padded(MAX - KEY));
+    assert_eq!(accepted.status, 200, "{accepted:?}");
+
+    // Slow clients: each connection must be answered 408 (or closed) within its bound.
+    let addr = format!("127.0.0.1:{}", env.http_port);
+    let closed_within = |request: &'static [u8], bound: Duration| {
+        let addr = addr.clone();
+        std::thread::spawn(move || {
+            let mut stream = std::net::TcpStream::connect(&addr).expect("connect");
+            stream
+                .set_read_timeout(Some(bound + Duration::from_secs(10)))
+                .expect("timeout");
+            let started = Instant::now();
+            stream.write_all(request).expect("send the partial request");
+            let mut answer = Vec::new();
+            let read = stream.read_to_end(&mut answer);
+            let took = started.elapsed();
+            let answer = String::from_utf8_lossy(&answer).into_owned();
+            assert!(
+                read.is_ok() && took <= bound + Duration::from_secs(2),
+                "{:?}: still open after {took:?} ({read:?}), answered {answer:?}",
+                String::from_utf8_lossy(request)
+            );
+            answer
+        })
+    };
+    let headers = closed_within(
+        b"GET /healthz HTTP/1.1\r\nHost: warren\r\nX-Slow: ",
+        Duration::from_secs(5),
+    );
+    let body = closed_within(
+        b"PUT /api/v1/users/6f1c3c1e-8a4e-4f55-9a53-2d5e0b7f1a01 HTTP/1.1\r\nHost: warren\r\n\
+          Content-Type: application/json\r\nContent-Length: 100\r\n\r\n{\"name\":",
+        Duration::from_secs(10),
+    );
+    let headers = tokio::task::block_in_place(|| headers.join()).expect("headers probe");
+    let body = tokio::task::block_in_place(|| body.join()).expect("body probe");
+    assert!(headers.starts_with("HTTP/1.1 408"), "{headers:?}");
+    assert!(
+        body.starts_with("HTTP/1.1 408")
+            && body.contains("request body not received within 10 s (8 bytes arrived)"),
+        "{body:?}"
+    );
+    warren.terminate_ok(Duration::from_secs(30));
+}

@@ -398,7 +398,7 @@ pub fn routes(config: &mut web::ServiceConfig, api: Arc<PipelineApi>) {
     config.service(
         web::resource(format!("/api/v1/{}/{{{param}}}", api.name))
             .app_data(data)
-            .route(web::get().to(get))
+            .route(super::get_or_head().to(get))
             .route(web::put().to(put)),
     );
 }
@@ -411,9 +411,10 @@ async fn check(
     state: &AppState,
     api: &PipelineApi,
     body: &[u8],
+    sent: usize,
     first: Option<FieldError>,
 ) -> Result<(String, ShortString, Row), Box<HttpResponse>> {
-    if let Some(refused) = oversized(state, body) {
+    if let Some(refused) = oversized(state, body, sent) {
         return Err(Box::new(refused));
     }
     let row = match api.mapping.decode_detailed(body, None) {
@@ -586,6 +587,8 @@ async fn post(
         Ok(b) => b.freeze(),
         Err(response) => return response,
     };
+    // What the client sent, before the API writes a key into it.
+    let sent = body.len();
     let body = match &chosen {
         Some((field, key)) => match with_key(&body, field, key) {
             Some(keyed) => bytes::Bytes::from(keyed),
@@ -620,7 +623,7 @@ async fn post(
         },
         None => body,
     };
-    match check(&state, &api, &body, None).await {
+    match check(&state, &api, &body, sent, None).await {
         Ok((key, id, row)) => accept(&req, &state, &api.into_inner(), body, key, id, row).await,
         Err(response) => *response,
     }
@@ -646,6 +649,8 @@ async fn put(
         Ok(b) => b.freeze(),
         Err(response) => return response,
     };
+    // What the client sent, before the API writes a key into it.
+    let sent = body.len();
     let body = match api
         .chosen
         .as_deref()
@@ -668,7 +673,7 @@ async fn put(
             }
         ),
     };
-    match check(&state, &api, &body, Some(mismatch.clone())).await {
+    match check(&state, &api, &body, sent, Some(mismatch.clone())).await {
         Ok((key, id, row)) if api.same_key(&key, &path) => {
             accept(&req, &state, &api.into_inner(), body, key, id, row).await
         }
