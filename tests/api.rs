@@ -1093,3 +1093,102 @@ async fn head_slow_clients_and_what_the_size_limit_counts() {
     );
     warren.terminate_ok(Duration::from_secs(30));
 }
+
+/// With `api_check`, the key's own row landing between the check's queries (looked up by its
+/// key before it committed, by its other unique index after) is never "taken" by the body's own
+/// key (found by the review: `409 email_taken` naming the body's own id): the answer is the
+/// key's, `200` for the same content, `409 id_conflict` for other content, nothing published.
+/// Made deterministic against the real database: the table's `name` is a domain whose check
+/// sleeps in the API's connections only (`application_name` `warren-api`), so the check's first
+/// query holds its snapshot while the test commits the row, as a concurrent request's message
+/// inserted by the pipeline would.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_row_of_the_same_key_landing_during_the_check_is_answered_as_the_key() {
+    let env = TestEnv::new("api_race").await;
+    let names = PipelineNames::of(&env, "racers");
+    let _cleanup = names.cleanup();
+    env.db
+        .batch_execute(
+            "CREATE FUNCTION slow_in_api(t text) RETURNS boolean LANGUAGE plpgsql AS $$
+             BEGIN
+               IF current_setting('application_name') = 'warren-api' THEN
+                 PERFORM pg_sleep(1.5);
+               END IF;
+               RETURN true;
+             END $$;
+             CREATE DOMAIN slow_text AS text CHECK (slow_in_api(VALUE));
+             CREATE TABLE racers (id uuid PRIMARY KEY, email text NOT NULL UNIQUE,
+                                  name slow_text NOT NULL)",
+        )
+        .await
+        .expect("create the table");
+    let config = format!(
+        "[[pipelines]]\nname = \"racers\"\ntable = \"racers\"\nkey = [\"id\"]\n\
+         on_conflict = \"keep\"\napi = true\napi_check = true\nretry_ttls_ms = [1000]\n{}\n\
+         [pipelines.columns]\nid = {{ path = \"/id\", type = \"uuid\" }}\n\
+         email = {{ path = \"/email\", type = \"text\" }}\n\
+         name = {{ path = \"/name\", type = \"text\" }}\n",
+        names.toml()
+    );
+    let dir = tempfile::tempdir().expect("temp dir");
+    let file = dir.path().join("racers.toml");
+    std::fs::write(&file, config).expect("write the config");
+    let file = file.to_str().expect("utf-8").to_string();
+    let (code, out, err) = env.run_async(&["--config", &file, "declare"]).await;
+    assert_eq!(code, 0, "declare:\n{out}{err}");
+    let mut warren = env.start(&["--config", &file, "--roles", "api"]);
+    let _logs = LogsOnPanic(vec![warren.log.clone()]);
+    let http = Arc::new(Http::new(&env));
+    http.wait_status("/readyz", 200, Duration::from_secs(20))
+        .await;
+
+    for (stored_name, status, kind) in [("Rae", 200, None), ("Other", 409, Some("id_conflict"))] {
+        let id = Uuid::new_v4();
+        let email = format!("{id}@example.com");
+        let body = json!({"id": id, "email": email, "name": "Rae"}).to_string();
+        let request = {
+            let http = http.clone();
+            let path = format!("/api/v1/racers/{id}");
+            tokio::task::spawn_blocking(move || {
+                let url = format!("{}{path}", http.base);
+                Http::answer(
+                    http.agent
+                        .put(&url)
+                        .header("content-type", "application/json")
+                        .send(body.as_bytes()),
+                )
+            })
+        };
+        // The API's check is inside its first query: the row lands now.
+        wait_until(
+            "the API's check sleeping",
+            Duration::from_secs(10),
+            || async {
+                count_of(
+                    &env,
+                    "SELECT count(*) FROM pg_stat_activity \
+                 WHERE application_name = 'warren-api' AND wait_event = 'PgSleep'",
+                )
+                .await
+                    > 0
+            },
+        )
+        .await;
+        env.db
+            .execute(
+                "INSERT INTO racers (id, email, name) VALUES ($1, $2, $3::text)",
+                &[&id, &email, &stored_name],
+            )
+            .await
+            .expect("the row lands");
+        let answer = request.await.expect("the request");
+        assert_eq!(answer.status, status, "stored {stored_name}: {answer:?}");
+        assert_eq!(answered_id(&answer), id, "{answer:?}");
+        if let Some(kind) = kind {
+            assert_eq!(answer.body["kind"], json!(kind), "{answer:?}");
+        }
+    }
+    // Both were answered from what the table holds: nothing published.
+    assert_queue_empty(&env, &names.queue).await;
+    warren.terminate_ok(Duration::from_secs(30));
+}

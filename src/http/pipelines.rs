@@ -471,8 +471,9 @@ async fn storable(
             "kind": ErrorKind::DbPermanent.as_str(),
         }))
     };
-    let probe = {
+    let probe = || {
         let api = api.clone();
+        let row = row.clone();
         bounded(&state.pool, move |client| {
             async move {
                 if api.check {
@@ -486,9 +487,25 @@ async fn storable(
             }
             .boxed()
         })
-        .await
     };
-    let why = match probe {
+    let mut answer = probe().await;
+    // The key's own row, landed between the check's queries (the key looked up before it
+    // committed, the other unique indexes after: a concurrent request of the same key, or the
+    // pipeline inserting an earlier copy), holds the body's values: never "taken" by itself.
+    // Asked again, the key's row is found and compared (same content, or `id_conflict`).
+    for _ in 0..3 {
+        match &answer {
+            Ok(Ok(Standing::Taken { holder, .. })) if api.same_key(holder, key) => {
+                answer = probe().await;
+            }
+            _ => break,
+        }
+    }
+    let why = match answer {
+        Ok(Ok(Standing::Taken { holder, .. })) if api.same_key(&holder, key) => {
+            // Still so after asking again (a row that keeps changing): the pipeline decides.
+            format!("the key's own row holds its values but was not found by its key ({holder})")
+        }
         Ok(Ok(Standing::New)) => return Ok(()),
         Ok(Ok(Standing::Same)) => return Err(HttpResponse::Ok().json(json!({"id": key}))),
         Ok(Ok(Standing::Unstorable(reason))) => return Err(unstorable(&reason)),
