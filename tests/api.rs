@@ -1051,6 +1051,29 @@ async fn head_slow_clients_and_what_the_size_limit_counts() {
     let accepted = http.post("/api/v1/users", padded(MAX - KEY));
     assert_eq!(accepted.status, 200, "{accepted:?}");
 
+    // JSON nested deeper than warren reads is said so, with the limit, never "not JSON".
+    let deep = format!(
+        r#"{{"name":"Ana","email":"ana@example.com","x":{}{}}}"#,
+        "[".repeat(200),
+        "]".repeat(200)
+    );
+    let refused = http.post("/api/v1/users", deep);
+    assert_json_error(&refused, 422);
+    assert_eq!(
+        refused.body["kind"],
+        json!("invalid_payload"),
+        "{refused:?}"
+    );
+    assert!(
+        refused.body["error"]
+            .as_str()
+            .is_some_and(|e| e.starts_with(
+                "body nests arrays and objects deeper than 127 levels (the most the pipeline \
+             reads), at line 1 column "
+            )),
+        "{refused:?}"
+    );
+
     // Slow clients: each connection must be answered 408 (or closed) within its bound.
     let addr = format!("127.0.0.1:{}", env.http_port);
     let closed_within = |request: &'static [u8], bound: Duration| {
@@ -1136,11 +1159,15 @@ async fn a_row_of_the_same_key_landing_during_the_check_is_answered_as_the_key()
     let file = file.to_str().expect("utf-8").to_string();
     let (code, out, err) = env.run_async(&["--config", &file, "declare"]).await;
     assert_eq!(code, 0, "declare:\n{out}{err}");
-    let mut warren = env.start(&["--config", &file, "--roles", "api"]);
+    let mut warren = env.start(&["--config", &file, "--roles", "api", "--pipelines", "racers"]);
     let _logs = LogsOnPanic(vec![warren.log.clone()]);
     let http = Arc::new(Http::new(&env));
     http.wait_status("/readyz", 200, Duration::from_secs(20))
         .await;
+    // `--pipelines racers`: the API serves that pipeline alone, not users.
+    let users = http.get(&format!("/api/v1/users/{}", Uuid::new_v4()));
+    assert_eq!(users.status, 404, "{users:?}");
+    assert_eq!(users.body["error"], json!("no such route"), "{users:?}");
 
     for (stored_name, status, kind) in [("Rae", 200, None), ("Other", 409, Some("id_conflict"))] {
         let id = Uuid::new_v4();
