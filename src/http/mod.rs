@@ -4,7 +4,9 @@
 //! pipeline's mapping and published with a broker confirm, a row read back or the message's
 //! parked fate. Here: what they share (reading a body, publishing, the `Idempotency-Key`, the
 //! bounded database work, the parked answer). It has its own bounded database pool, starts and
-//! answers while the broker or the database is away (503), and recovers by itself. `ops` is the
+//! answers while the broker or the database is away (503), and recovers by itself. A `HEAD` of a
+//! `GET` route is answered as the `GET` without its body; a client slow to send its headers or
+//! its body is answered 408 and disconnected ([`HEADER_TIMEOUT`], [`BODY_TIMEOUT`]). `ops` is the
 //! other listener, on `METRICS_ADDR` and every role: `/metrics`, `/healthz`, `/readyz`.
 
 pub mod config;
