@@ -1001,3 +1001,223 @@ async fn a_flood_of_api_requests_never_takes_the_pipelines_connections() {
     );
     warren.terminate_ok(Duration::from_secs(30));
 }
+
+/// The edge of the API server (found by the review): `HEAD` of `/healthz` and `/readyz` is
+/// answered as `GET` without a body (it was 404); a connection that sends a partial request
+/// line and headers is answered 408 and closed within the header timeout (5 s), one that sends
+/// its headers and part of its body within the body timeout (10 s; it was held for ever); and a
+/// body the client sent within `MAX_MESSAGE_BYTES` that the key the API writes in takes over it
+/// is refused saying both sizes and what a client may send (it said only the larger size).
+#[tokio::test(flavor = "multi_thread")]
+async fn head_slow_clients_and_what_the_size_limit_counts() {
+    use std::io::{Read, Write};
+    let env = TestEnv::new("api_edge").await;
+    env.declare();
+    let mut warren = env.start(&["--roles", "api"]);
+    let _logs = LogsOnPanic(vec![warren.log.clone()]);
+    let http = Http::new(&env);
+    http.wait_status("/readyz", 200, Duration::from_secs(20))
+        .await;
+
+    for path in ["/healthz", "/readyz"] {
+        let url = format!("{}{path}", http.base);
+        let mut head = tokio::task::block_in_place(|| http.agent.head(&url).call())
+            .unwrap_or_else(|e| panic!("HEAD {path}: {e}"));
+        assert_eq!(head.status().as_u16(), 200, "HEAD {path}");
+        let body = head.body_mut().read_to_string().unwrap_or_default();
+        assert!(body.is_empty(), "HEAD {path}: {body:?}");
+    }
+
+    // A body of exactly MAX_MESSAGE_BYTES (65536), blanks inside it: the key the API writes in
+    // (`"id":"<uuid>",`, 44 bytes) makes the message 65580 bytes, which the pipeline would
+    // refuse; the answer says so, and what a client may send, which is then accepted.
+    const MAX: usize = 65536;
+    const KEY: usize = 44;
+    let padded = |size: usize| {
+        let head = r#"{"name":"Ana","#;
+        let tail = r#""email":"ana@example.com"}"#;
+        format!("{head}{}{tail}", " ".repeat(size - head.len() - tail.len()))
+    };
+    let refused = http.post("/api/v1/users", padded(MAX));
+    assert_json_error(&refused, 422);
+    assert_eq!(
+        refused.body["error"],
+        json!(format!(
+            "body of {MAX} bytes is {} bytes with the key the API writes into it, which \
+             exceeds MAX_MESSAGE_BYTES ({MAX}): send at most {} bytes",
+            MAX + KEY,
+            MAX - KEY
+        )),
+        "{refused:?}"
+    );
+    let accepted = http.post("/api/v1/users", padded(MAX - KEY));
+    assert_eq!(accepted.status, 200, "{accepted:?}");
+
+    // JSON nested deeper than warren reads is said so, with the limit, never "not JSON".
+    let deep = format!(
+        r#"{{"name":"Ana","email":"ana@example.com","x":{}{}}}"#,
+        "[".repeat(200),
+        "]".repeat(200)
+    );
+    let refused = http.post("/api/v1/users", deep);
+    assert_json_error(&refused, 422);
+    assert_eq!(
+        refused.body["kind"],
+        json!("invalid_payload"),
+        "{refused:?}"
+    );
+    assert!(
+        refused.body["error"]
+            .as_str()
+            .is_some_and(|e| e.starts_with(
+                "body nests arrays and objects deeper than 127 levels (the most the pipeline \
+             reads), at line 1 column "
+            )),
+        "{refused:?}"
+    );
+
+    // Slow clients: each connection must be answered 408 (or closed) within its bound.
+    let addr = format!("127.0.0.1:{}", env.http_port);
+    let closed_within = |request: &'static [u8], bound: Duration| {
+        let addr = addr.clone();
+        std::thread::spawn(move || {
+            let mut stream = std::net::TcpStream::connect(&addr).expect("connect");
+            stream
+                .set_read_timeout(Some(bound + Duration::from_secs(10)))
+                .expect("timeout");
+            let started = Instant::now();
+            stream.write_all(request).expect("send the partial request");
+            let mut answer = Vec::new();
+            let read = stream.read_to_end(&mut answer);
+            let took = started.elapsed();
+            let answer = String::from_utf8_lossy(&answer).into_owned();
+            assert!(
+                read.is_ok() && took <= bound + Duration::from_secs(2),
+                "{:?}: still open after {took:?} ({read:?}), answered {answer:?}",
+                String::from_utf8_lossy(request)
+            );
+            answer
+        })
+    };
+    let headers = closed_within(
+        b"GET /healthz HTTP/1.1\r\nHost: warren\r\nX-Slow: ",
+        Duration::from_secs(5),
+    );
+    let body = closed_within(
+        b"PUT /api/v1/users/6f1c3c1e-8a4e-4f55-9a53-2d5e0b7f1a01 HTTP/1.1\r\nHost: warren\r\n\
+          Content-Type: application/json\r\nContent-Length: 100\r\n\r\n{\"name\":",
+        Duration::from_secs(10),
+    );
+    let headers = tokio::task::block_in_place(|| headers.join()).expect("headers probe");
+    let body = tokio::task::block_in_place(|| body.join()).expect("body probe");
+    assert!(headers.starts_with("HTTP/1.1 408"), "{headers:?}");
+    assert!(
+        body.starts_with("HTTP/1.1 408")
+            && body.contains("request body not received within 10 s (8 bytes arrived)"),
+        "{body:?}"
+    );
+    warren.terminate_ok(Duration::from_secs(30));
+}
+
+/// With `api_check`, the key's own row landing between the check's queries (looked up by its
+/// key before it committed, by its other unique index after) is never "taken" by the body's own
+/// key (found by the review: `409 email_taken` naming the body's own id): the answer is the
+/// key's, `200` for the same content, `409 id_conflict` for other content, nothing published.
+/// Made deterministic against the real database: the table's `name` is a domain whose check
+/// sleeps in the API's connections only (`application_name` `warren-api`), so the check's first
+/// query holds its snapshot while the test commits the row, as a concurrent request's message
+/// inserted by the pipeline would.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_row_of_the_same_key_landing_during_the_check_is_answered_as_the_key() {
+    let env = TestEnv::new("api_race").await;
+    let names = PipelineNames::of(&env, "racers");
+    let _cleanup = names.cleanup();
+    env.db
+        .batch_execute(
+            "CREATE FUNCTION slow_in_api(t text) RETURNS boolean LANGUAGE plpgsql AS $$
+             BEGIN
+               IF current_setting('application_name') = 'warren-api' THEN
+                 PERFORM pg_sleep(1.5);
+               END IF;
+               RETURN true;
+             END $$;
+             CREATE DOMAIN slow_text AS text CHECK (slow_in_api(VALUE));
+             CREATE TABLE racers (id uuid PRIMARY KEY, email text NOT NULL UNIQUE,
+                                  name slow_text NOT NULL)",
+        )
+        .await
+        .expect("create the table");
+    let config = format!(
+        "[[pipelines]]\nname = \"racers\"\ntable = \"racers\"\nkey = [\"id\"]\n\
+         on_conflict = \"keep\"\napi = true\napi_check = true\nretry_ttls_ms = [1000]\n{}\n\
+         [pipelines.columns]\nid = {{ path = \"/id\", type = \"uuid\" }}\n\
+         email = {{ path = \"/email\", type = \"text\" }}\n\
+         name = {{ path = \"/name\", type = \"text\" }}\n",
+        names.toml()
+    );
+    let dir = tempfile::tempdir().expect("temp dir");
+    let file = dir.path().join("racers.toml");
+    std::fs::write(&file, config).expect("write the config");
+    let file = file.to_str().expect("utf-8").to_string();
+    let (code, out, err) = env.run_async(&["--config", &file, "declare"]).await;
+    assert_eq!(code, 0, "declare:\n{out}{err}");
+    let mut warren = env.start(&["--config", &file, "--roles", "api", "--pipelines", "racers"]);
+    let _logs = LogsOnPanic(vec![warren.log.clone()]);
+    let http = Arc::new(Http::new(&env));
+    http.wait_status("/readyz", 200, Duration::from_secs(20))
+        .await;
+    // `--pipelines racers`: the API serves that pipeline alone, not users.
+    let users = http.get(&format!("/api/v1/users/{}", Uuid::new_v4()));
+    assert_eq!(users.status, 404, "{users:?}");
+    assert_eq!(users.body["error"], json!("no such route"), "{users:?}");
+
+    for (stored_name, status, kind) in [("Rae", 200, None), ("Other", 409, Some("id_conflict"))] {
+        let id = Uuid::new_v4();
+        let email = format!("{id}@example.com");
+        let body = json!({"id": id, "email": email, "name": "Rae"}).to_string();
+        let request = {
+            let http = http.clone();
+            let path = format!("/api/v1/racers/{id}");
+            tokio::task::spawn_blocking(move || {
+                let url = format!("{}{path}", http.base);
+                Http::answer(
+                    http.agent
+                        .put(&url)
+                        .header("content-type", "application/json")
+                        .send(body.as_bytes()),
+                )
+            })
+        };
+        // The API's check is inside its first query: the row lands now.
+        wait_until(
+            "the API's check sleeping",
+            Duration::from_secs(10),
+            || async {
+                count_of(
+                    &env,
+                    "SELECT count(*) FROM pg_stat_activity \
+                 WHERE application_name = 'warren-api' AND wait_event = 'PgSleep'",
+                )
+                .await
+                    > 0
+            },
+        )
+        .await;
+        env.db
+            .execute(
+                "INSERT INTO racers (id, email, name) VALUES ($1, $2, $3::text)",
+                &[&id, &email, &stored_name],
+            )
+            .await
+            .expect("the row lands");
+        let answer = request.await.expect("the request");
+        assert_eq!(answer.status, status, "stored {stored_name}: {answer:?}");
+        assert_eq!(answered_id(&answer), id, "{answer:?}");
+        if let Some(kind) = kind {
+            assert_eq!(answer.body["kind"], json!(kind), "{answer:?}");
+        }
+    }
+    // Both were answered from what the table holds: nothing published.
+    assert_queue_empty(&env, &names.queue).await;
+    warren.terminate_ok(Duration::from_secs(30));
+}

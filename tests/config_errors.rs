@@ -355,3 +355,92 @@ fn a_secret_misplaced_under_a_pipeline_is_refused_without_its_value() {
         assert!(!err.contains(secret), "{line}: the secret is shown: {err}");
     }
 }
+
+/// A float for an integer setting is shown as given (`5.0`, not `5`) with the integer meant,
+/// from the file as from the environment (found by the review).
+#[test]
+fn a_float_for_an_integer_is_shown_as_given() {
+    let file = File::new("batch_size = 5.0\n");
+    let path = file.path().display().to_string();
+    assert_refused(
+        "a float in the file",
+        config(&[], &["--config", &path]),
+        &[
+            "line 1: batch_size: expected an integer from 1 to 10000, got 5.0",
+            "(did you mean 5?)",
+        ],
+    );
+    let (_, err) = config(&[], &["--config", &path]);
+    assert!(!err.contains("got 5 ") && !err.contains("got 5\n"), "{err}");
+}
+
+/// A bad value in the file is refused even when the environment (or a flag) overrides it, at
+/// its line, saying what overrides it (it was silently carried along, found by the review);
+/// a good one overridden is no error.
+#[test]
+fn a_bad_value_in_the_file_is_refused_even_when_overridden() {
+    let file = File::new("# mine\nbatch_size = \"abc\"\n");
+    let path = file.path().display().to_string();
+    assert_refused(
+        "overridden by the environment",
+        config(&[("BATCH_SIZE", "10")], &["--config", &path]),
+        &[
+            "warren.toml, line 2: batch_size: expected an integer from 1 to 10000, got \"abc\" \
+             (overridden by the environment variable BATCH_SIZE, but a value in the file must be \
+             valid on its own)",
+        ],
+    );
+    assert_refused(
+        "overridden by a flag",
+        config(&[], &["--config", &path, "--set", "batch_size=10"]),
+        &["line 2: batch_size: ", "overridden by --set batch_size=10"],
+    );
+    let good = File::new("batch_size = 5\n");
+    let good = good.path().display().to_string();
+    let (code, err) = config(&[("BATCH_SIZE", "10")], &["--config", &good]);
+    assert_eq!(code, 0, "{err}");
+}
+
+/// An address that resolves but cannot be bound (here: held by this test) is said once, with
+/// the system's words once (they were printed twice, found by the review).
+#[test]
+fn an_address_that_cannot_be_bound_is_said_once() {
+    let held = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+    let addr = held.local_addr().expect("addr").to_string();
+    let free = std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .expect("a free port")
+        .to_string();
+    for (setting, vars) in [
+        (
+            "METRICS_ADDR",
+            [
+                ("METRICS_ADDR", addr.as_str()),
+                ("HTTP_ADDR", free.as_str()),
+            ],
+        ),
+        (
+            "HTTP_ADDR",
+            [
+                ("HTTP_ADDR", addr.as_str()),
+                ("METRICS_ADDR", "127.0.0.1:0"),
+            ],
+        ),
+    ] {
+        let out = Command::new(bin())
+            .env_clear()
+            .envs(vars)
+            .args(["run", "--roles", "api"])
+            .output()
+            .expect("run warren");
+        let err = String::from_utf8_lossy(&out.stderr);
+        let line = format!("warren: {setting} {addr}: cannot listen there (");
+        assert_ne!(out.status.code(), Some(0), "{err}");
+        assert!(err.contains(&line), "{setting}: {err}");
+        assert_eq!(
+            err.matches("Address already in use").count(),
+            1,
+            "{setting}: {err}"
+        );
+    }
+}

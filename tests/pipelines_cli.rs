@@ -139,6 +139,26 @@ fn test_prints_each_row_or_rejection_and_exits_by_the_verdict() {
     let (code, out, err) = warren(ORDERS, &["pipelines", "test", "orders", "--headers"], &line);
     assert_eq!(code, 0, "{out}{err}");
     assert!(out.contains(r#""tenant":"acme""#), "{out}");
+    // A null header is AMQP's void field, read as null (it ended the command, found by the
+    // review): the optional column is NULL, and the next line is checked too.
+    let lines = format!(
+        "{{\"headers\":{{\"x-tenant\":null}},\"body\":{GOOD}}}\n\
+         {{\"headers\":{{\"x-tenant\":\"acme\"}},\"body\":{GOOD}}}\n"
+    );
+    let (code, out, err) = warren(
+        ORDERS,
+        &["pipelines", "test", "orders", "--headers"],
+        &lines,
+    );
+    assert_eq!(code, 0, "{out}{err}");
+    assert!(
+        out.contains(r#"1: ok {"#) && out.contains(r#""tenant":null"#),
+        "{out}"
+    );
+    assert!(
+        out.contains("2: ok {") && out.contains("2 accepted, 0 refused"),
+        "{out}"
+    );
 
     // The built-in users pipeline, and a pipeline that does not exist.
     let user = r#"{"id":"6f1c3c1e-8a4e-4f55-9a53-2d5e0b7f1a01","name":"A","email":"a@b.co"}"#;

@@ -30,10 +30,10 @@ pub enum Action {
     /// Decode JSON lines as pipeline NAME would, with no broker and no database.
     ///
     /// Each non-empty line is one message body. With --headers, each line is instead
-    /// `{"headers": {...}, "body": ...}`: the headers (strings, numbers, booleans) as the AMQP
-    /// headers the pipeline's `header` columns read, the body as the message. Prints, per line,
-    /// `ok` and the row it would insert (JSON), or the kind and reason it would be dead-lettered
-    /// with. Exit 0 when every line is accepted, 1 otherwise.
+    /// `{"headers": {...}, "body": ...}`: the headers (strings, numbers, booleans, null: AMQP's
+    /// void) as the AMQP headers the pipeline's `header` columns read, the body as the message.
+    /// Prints, per line, `ok` and the row it would insert (JSON), or the kind and reason it would
+    /// be dead-lettered with. Exit 0 when every line is accepted, 1 otherwise.
     Test {
         /// The pipeline (see `warren pipelines`).
         name: String,
@@ -261,9 +261,11 @@ fn envelope(line: &str) -> Result<(Vec<u8>, Option<FieldTable>), String> {
             Value::Bool(b) => AMQPValue::Boolean(b),
             Value::Number(n) if n.is_i64() => AMQPValue::LongLongInt(n.as_i64().unwrap_or(0)),
             Value::Number(n) => AMQPValue::Double(n.as_f64().unwrap_or(0.0)),
+            // AMQP's void field: a header column reads it as null, as from the broker.
+            Value::Null => AMQPValue::Void,
             other => {
                 return Err(format!(
-                    "header {k:?}: a string, number or boolean, got {other}"
+                    "header {k:?}: a string, number, boolean or null, got {other}"
                 ));
             }
         };

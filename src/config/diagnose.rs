@@ -127,7 +127,7 @@ impl FileText {
     }
 
     /// The byte offset of the key at `path`, or of the deepest part of it the file has.
-    fn offset_of(&self, path: &[String]) -> Option<usize> {
+    pub(super) fn offset_of(&self, path: &[String]) -> Option<usize> {
         let root = DeTable::parse(&self.text).ok()?;
         let mut table: Option<&DeTable> = Some(root.get_ref());
         let mut list: Option<&[Spanned<DeValue>]> = None;

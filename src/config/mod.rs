@@ -295,6 +295,49 @@ pub fn hand_back_after(timeout_ms: u64) -> Option<Duration> {
     (timeout_ms > 0).then(|| Duration::from_millis(timeout_ms * 4 / 5))
 }
 
+/// Checks each value of `file` that another source overrides (the environment, a flag) by its
+/// setting's rule, as if it were the effective one: the error names the file's line and says
+/// what overrides it.
+fn check_overridden(sources: &Sources, file: &FileText) -> Result<(), ConfigError> {
+    let alone = Figment::from(Toml::string(&file.text));
+    for (key, rule) in RULES {
+        let path = [key.to_string()];
+        if file.offset_of(&path).is_none() {
+            continue;
+        }
+        let over = match diagnose::origin_of(key, sources, Some(file)) {
+            Origin::File { .. } | Origin::Default => continue,
+            over => over,
+        };
+        let Ok(value) = alone.find_value(key) else {
+            continue;
+        };
+        if let Err(e) = check(key, rule, &value) {
+            let e = match e {
+                ConfigError::Invalid {
+                    setting,
+                    expected,
+                    got,
+                } => ConfigError::Invalid {
+                    setting,
+                    expected,
+                    got: format!(
+                        "{got} (overridden by {over}, but a value in the file must be valid on \
+                         its own)"
+                    ),
+                },
+                other => other,
+            };
+            return Err(ConfigError::At {
+                at: file.at(&path),
+                error: Box::new(e),
+                closest: suggest(key, rule, &value),
+            });
+        }
+    }
+    Ok(())
+}
+
 impl Settings {
     /// Loads and validates the settings from `sources`.
     pub fn load(sources: &Sources) -> Result<Self, ConfigError> {
@@ -350,6 +393,12 @@ impl Settings {
             check(key, rule, &value).map_err(|e| {
                 diagnose::place(e, sources, file.as_ref(), suggest(key, rule, &value))
             })?;
+        }
+        // The file's own values, also those the environment or a flag overrides: a file is
+        // valid on its own, so taking the override away never turns a running configuration
+        // into one that does not start (and a mistake in it is not silently carried along).
+        if let Some(file) = &file {
+            check_overridden(sources, file)?;
         }
         let mut settings: Settings = figment
             .extract()

@@ -96,7 +96,8 @@ fn show(value: &Value) -> String {
         Value::Num(_, n) => match (n.to_u128(), n.to_i128(), n.to_f64()) {
             (Some(u), _, _) => u.to_string(),
             (_, Some(i), _) => i.to_string(),
-            (_, _, Some(f)) => f.to_string(),
+            // As written: `5.0` is no integer, and must not read as `5`.
+            (_, _, Some(f)) => format!("{f:?}"),
             _ => format!("{n:?}"),
         },
         Value::Bool(_, b) => b.to_string(),
@@ -117,7 +118,14 @@ pub(super) fn suggest(key: &str, rule: &Rule, value: &Value) -> Option<String> {
     };
     match rule {
         Rule::OrEmpty(inner) => suggest(key, inner, value),
-        Rule::Int { .. } => number_hint(text?, key),
+        Rule::Int { .. } => match value {
+            // `5.0`: the integer it means.
+            Value::Num(_, n) => n
+                .to_f64()
+                .filter(|f| f.fract() == 0.0 && *f >= 0.0 && *f < 1e15)
+                .map(|f| format!("{}", f as u64)),
+            _ => number_hint(text?, key),
+        },
         Rule::Bool => match value {
             Value::Num(_, n) => n.to_u128().and_then(|n| bool_hint(&n.to_string())),
             _ => bool_hint(text?),

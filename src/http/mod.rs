@@ -4,7 +4,9 @@
 //! pipeline's mapping and published with a broker confirm, a row read back or the message's
 //! parked fate. Here: what they share (reading a body, publishing, the `Idempotency-Key`, the
 //! bounded database work, the parked answer). It has its own bounded database pool, starts and
-//! answers while the broker or the database is away (503), and recovers by itself. `ops` is the
+//! answers while the broker or the database is away (503), and recovers by itself. A `HEAD` of a
+//! `GET` route is answered as the `GET` without its body; a client slow to send its headers or
+//! its body is answered 408 and disconnected ([`HEADER_TIMEOUT`], [`BODY_TIMEOUT`]). `ops` is the
 //! other listener, on `METRICS_ADDR` and every role: `/metrics`, `/healthz`, `/readyz`.
 
 pub mod config;
@@ -33,8 +35,21 @@ use crate::amqp::publisher::{IsConnected, Publish, Publisher, traced_json_proper
 use crate::amqp::{AmqpConfig, AmqpError};
 use crate::db::{DbError, dead_letters};
 
-/// Largest accepted request body.
+/// Largest accepted request body, as the client sends it (a key the API writes into it is not
+/// counted here; `MAX_MESSAGE_BYTES` is the bound of what is published, [`oversized`]).
 pub const BODY_LIMIT: usize = 64 * 1024;
+
+/// How long a client may take to send a request's line and headers (actix-web's client request
+/// timeout): a connection still sending them then is answered 408 and closed, so a client that
+/// sends its headers slowly cannot hold connections.
+pub const HEADER_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// How long a client may take to send a request's body once its headers arrived: a body still
+/// incomplete then is answered 408 and the connection closed.
+pub const BODY_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// How long an idle connection is kept open between requests (keep-alive).
+pub const KEEP_ALIVE: Duration = Duration::from_secs(5);
 
 /// Bound on the database work of one request (waiting for a connection of the API's pool and
 /// the queries), so a slow or unreachable database answers 503 within seconds.
@@ -84,10 +99,14 @@ pub enum ServeError {
     #[error(transparent)]
     Config(#[from] HttpConfigError),
     /// The address resolved but could not be bound (in use, not this host's, no permission).
-    #[error("HTTP_ADDR {addr}: {error}")]
+    /// The io error is in the message and is not a `source`: a report that walks the chain
+    /// (`{:#}`) printed it twice.
+    #[error(
+        "HTTP_ADDR {addr}: cannot listen there ({error}): expected an address of this host that no \
+         other process holds"
+    )]
     Bind {
         addr: SocketAddr,
-        #[source]
         error: std::io::Error,
     },
 }
@@ -132,8 +151,8 @@ pub async fn serve(
                     Ok(res)
                 }
             })
-            .route("/healthz", web::get().to(healthz))
-            .route("/readyz", web::get().to(readyz))
+            .route("/healthz", get_or_head().to(healthz))
+            .route("/readyz", get_or_head().to(readyz))
             .configure(|config| {
                 for api in &mapped {
                     pipelines::routes(config, api.clone());
@@ -144,6 +163,9 @@ pub async fn serve(
             }))
     })
     .workers(2)
+    .client_request_timeout(HEADER_TIMEOUT)
+    .client_disconnect_timeout(Duration::from_secs(1))
+    .keep_alive(KEEP_ALIVE)
     .disable_signals()
     .shutdown_timeout(5)
     .bind(addr)
@@ -157,6 +179,13 @@ pub async fn serve(
     });
     tracing::info!(%addr, "HTTP API listening");
     Ok(Api { handle, publisher })
+}
+
+/// A route for `GET` and `HEAD` (actix-web's `web::get()` is `GET` alone, so `HEAD /healthz` was
+/// a 404): a `HEAD` is answered as the `GET`, without the body.
+pub(crate) fn get_or_head() -> actix_web::Route {
+    use actix_web::guard;
+    web::route().guard(guard::Any(guard::Get()).or(guard::Head()))
 }
 
 fn error(status: StatusCode, message: impl Into<String>) -> HttpResponse {
@@ -193,7 +222,7 @@ async fn readyz(state: web::Data<AppState>) -> HttpResponse {
     }
 }
 
-/// Reads the body up to [`BODY_LIMIT`]; `Err` is the response to send.
+/// Reads the body up to [`BODY_LIMIT`], within [`BODY_TIMEOUT`]; `Err` is the response to send.
 async fn read_body(
     req: &HttpRequest,
     mut payload: web::Payload,
@@ -213,7 +242,23 @@ async fn read_body(
         return Err(too_large());
     }
     let mut body = web::BytesMut::new();
-    while let Some(chunk) = payload.next().await {
+    let deadline = tokio::time::Instant::now() + BODY_TIMEOUT;
+    loop {
+        let next = tokio::time::timeout_at(deadline, payload.next())
+            .await
+            .map_err(|_| {
+                error(
+                    StatusCode::REQUEST_TIMEOUT,
+                    format!(
+                        "request body not received within {} s ({} bytes arrived)",
+                        BODY_TIMEOUT.as_secs(),
+                        body.len()
+                    ),
+                )
+            })?;
+        let Some(chunk) = next else {
+            return Ok(body);
+        };
         let chunk =
             chunk.map_err(|e| error(StatusCode::BAD_REQUEST, format!("cannot read body: {e}")))?;
         if body.len() + chunk.len() > BODY_LIMIT {
@@ -221,7 +266,6 @@ async fn read_body(
         }
         body.extend_from_slice(&chunk);
     }
-    Ok(body)
 }
 
 /// A malformed `Idempotency-Key` header: the message of the 400 to send.
@@ -260,15 +304,24 @@ fn chosen_key(req: &HttpRequest) -> Result<Uuid, IdempotencyKeyError> {
 }
 
 /// Why the pipeline would refuse `body` before reading it (`MAX_MESSAGE_BYTES`, as
-/// `pipeline::processor` words it), as the 422 to send.
-fn oversized(state: &AppState, body: &[u8]) -> Option<HttpResponse> {
+/// `pipeline::processor` words it), as the 422 to send. `sent` is the size of the body the
+/// client sent: when the API wrote the key into it (`api_key = "chosen"`), the message says
+/// both, since what is published, and so what the pipeline bounds, is the larger.
+fn oversized(state: &AppState, body: &[u8], sent: usize) -> Option<HttpResponse> {
     (body.len() > state.max_message_bytes).then(|| {
+        let max = state.max_message_bytes;
+        let added = body.len().saturating_sub(sent);
         HttpResponse::UnprocessableEntity().json(json!({
-            "error": format!(
-                "body of {} bytes exceeds MAX_MESSAGE_BYTES ({})",
-                body.len(),
-                state.max_message_bytes
-            ),
+            "error": if added == 0 {
+                format!("body of {} bytes exceeds MAX_MESSAGE_BYTES ({max})", body.len())
+            } else {
+                format!(
+                    "body of {sent} bytes is {} bytes with the key the API writes into it, \
+                     which exceeds MAX_MESSAGE_BYTES ({max}): send at most {} bytes",
+                    body.len(),
+                    max.saturating_sub(added)
+                )
+            },
             "kind": crate::domain::ErrorKind::InvalidPayload.as_str(),
         }))
     })
@@ -287,7 +340,7 @@ async fn publish_body(
     body: bytes::Bytes,
     trace: Option<&str>,
 ) -> HttpResponse {
-    if let Some(refused) = oversized(state, &body) {
+    if let Some(refused) = oversized(state, &body, body.len()) {
         return refused;
     }
     let shown = id.as_str().to_string();

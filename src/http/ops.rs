@@ -34,10 +34,14 @@ pub enum ListenError {
     #[error(transparent)]
     Config(#[from] super::HttpConfigError),
     /// The address resolved but could not be bound.
-    #[error("METRICS_ADDR {addr}: {error}")]
+    /// The io error is in the message and is not a `source`: a report that walks the chain
+    /// (`{:#}`) printed it twice.
+    #[error(
+        "METRICS_ADDR {addr}: cannot listen there ({error}): expected an address of this host that no \
+         other process holds"
+    )]
     Bind {
         addr: SocketAddr,
-        #[source]
         error: std::io::Error,
     },
 }

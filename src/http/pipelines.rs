@@ -115,15 +115,16 @@ impl PipelineApi {
         })
     }
 
-    /// A path's key as the pipeline stores it: a uuid key written as a UUID is (`GET` and `PUT`
-    /// of `/api/v1/users/6F1C...` are the user `6f1c...`), and a path that is none is a 400.
+    /// A path's key as the pipeline stores it: a uuid key written as PostgreSQL reads a UUID is
+    /// (`GET` and `PUT` of `/api/v1/users/6F1C...` or `{6f1c...}` are the user `6f1c...`), and a
+    /// path that is none is a 400.
     fn uuid_path(&self, path: String) -> Result<String, Box<HttpResponse>> {
         if self.key_type != ColType::Uuid {
             return Ok(path);
         }
-        match uuid::Uuid::parse_str(&path) {
-            Ok(id) => Ok(id.to_string()),
-            Err(_) => Err(Box::new(error(
+        match crate::domain::mapping::pg_uuid(&path) {
+            Some(id) => Ok(id.to_string()),
+            None => Err(Box::new(error(
                 StatusCode::BAD_REQUEST,
                 format!("{:?} is not a UUID", crate::text::shown(&path)),
             ))),
@@ -132,11 +133,8 @@ impl PipelineApi {
 
     /// Whether `path` names `key`: the same text, or the same UUID written otherwise (upper case).
     fn same_key(&self, key: &str, path: &str) -> bool {
-        key == path
-            || matches!(
-                (uuid::Uuid::parse_str(key), uuid::Uuid::parse_str(path)),
-                (Ok(a), Ok(b)) if a == b
-            )
+        use crate::domain::mapping::pg_uuid;
+        key == path || matches!((pg_uuid(key), pg_uuid(path)), (Some(a), Some(b)) if a == b)
     }
 
     /// The key of a decoded row as text (the message id it is published under).
@@ -318,6 +316,15 @@ impl PipelineApi {
         let doc = match std::str::from_utf8(body) {
             Err(e) => return Some(format!("body is not valid JSON: not UTF-8: {e}")),
             Ok(text) => match crate::domain::mapping::parse_strict(text) {
+                Err(e) if crate::domain::mapping::too_deep(&e) => {
+                    return Some(format!(
+                        "body nests arrays and objects deeper than {} levels (the most the \
+                         pipeline reads), at line {} column {}",
+                        crate::domain::mapping::DEPTH_MAX,
+                        e.line(),
+                        e.column()
+                    ));
+                }
                 Err(e) => return Some(format!("body is not valid JSON: {e}")),
                 Ok(doc) => doc,
             },
@@ -391,7 +398,7 @@ pub fn routes(config: &mut web::ServiceConfig, api: Arc<PipelineApi>) {
     config.service(
         web::resource(format!("/api/v1/{}/{{{param}}}", api.name))
             .app_data(data)
-            .route(web::get().to(get))
+            .route(super::get_or_head().to(get))
             .route(web::put().to(put)),
     );
 }
@@ -404,9 +411,10 @@ async fn check(
     state: &AppState,
     api: &PipelineApi,
     body: &[u8],
+    sent: usize,
     first: Option<FieldError>,
 ) -> Result<(String, ShortString, Row), Box<HttpResponse>> {
-    if let Some(refused) = oversized(state, body) {
+    if let Some(refused) = oversized(state, body, sent) {
         return Err(Box::new(refused));
     }
     let row = match api.mapping.decode_detailed(body, None) {
@@ -463,8 +471,9 @@ async fn storable(
             "kind": ErrorKind::DbPermanent.as_str(),
         }))
     };
-    let probe = {
+    let probe = || {
         let api = api.clone();
+        let row = row.clone();
         bounded(&state.pool, move |client| {
             async move {
                 if api.check {
@@ -478,9 +487,25 @@ async fn storable(
             }
             .boxed()
         })
-        .await
     };
-    let why = match probe {
+    let mut answer = probe().await;
+    // The key's own row, landed between the check's queries (the key looked up before it
+    // committed, the other unique indexes after: a concurrent request of the same key, or the
+    // pipeline inserting an earlier copy), holds the body's values: never "taken" by itself.
+    // Asked again, the key's row is found and compared (same content, or `id_conflict`).
+    for _ in 0..3 {
+        match &answer {
+            Ok(Ok(Standing::Taken { holder, .. })) if api.same_key(holder, key) => {
+                answer = probe().await;
+            }
+            _ => break,
+        }
+    }
+    let why = match answer {
+        Ok(Ok(Standing::Taken { holder, .. })) if api.same_key(&holder, key) => {
+            // Still so after asking again (a row that keeps changing): the pipeline decides.
+            format!("the key's own row holds its values but was not found by its key ({holder})")
+        }
         Ok(Ok(Standing::New)) => return Ok(()),
         Ok(Ok(Standing::Same)) => return Err(HttpResponse::Ok().json(json!({"id": key}))),
         Ok(Ok(Standing::Unstorable(reason))) => return Err(unstorable(&reason)),
@@ -579,6 +604,8 @@ async fn post(
         Ok(b) => b.freeze(),
         Err(response) => return response,
     };
+    // What the client sent, before the API writes a key into it.
+    let sent = body.len();
     let body = match &chosen {
         Some((field, key)) => match with_key(&body, field, key) {
             Some(keyed) => bytes::Bytes::from(keyed),
@@ -613,7 +640,7 @@ async fn post(
         },
         None => body,
     };
-    match check(&state, &api, &body, None).await {
+    match check(&state, &api, &body, sent, None).await {
         Ok((key, id, row)) => accept(&req, &state, &api.into_inner(), body, key, id, row).await,
         Err(response) => *response,
     }
@@ -639,6 +666,8 @@ async fn put(
         Ok(b) => b.freeze(),
         Err(response) => return response,
     };
+    // What the client sent, before the API writes a key into it.
+    let sent = body.len();
     let body = match api
         .chosen
         .as_deref()
@@ -661,7 +690,7 @@ async fn put(
             }
         ),
     };
-    match check(&state, &api, &body, Some(mismatch.clone())).await {
+    match check(&state, &api, &body, sent, Some(mismatch.clone())).await {
         Ok((key, id, row)) if api.same_key(&key, &path) => {
             accept(&req, &state, &api.into_inner(), body, key, id, row).await
         }

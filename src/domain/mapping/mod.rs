@@ -20,10 +20,11 @@ mod strict;
 mod values;
 
 pub use strict::parse as parse_strict;
+pub use strict::{DEPTH_MAX, too_deep, too_deep_reason};
 use values::*;
 pub use values::{
     CheckError, EMAIL_MAX, EmailProblem, PointerError, ValueError, body_fields, email_problem,
-    line_problem,
+    line_problem, pg_uuid,
 };
 
 use std::collections::{BTreeMap, HashSet};
@@ -583,6 +584,8 @@ impl Mapping {
                     Err(syntax) => Rejection::json(format!("not JSON: {syntax}")),
                 }
             }
+            // JSON, but deeper than warren reads: said so, as a payload it will not take.
+            _ if strict::too_deep(&e) => Rejection::payload(strict::too_deep_reason(&e)),
             _ => Rejection::json(format!("not JSON: {e}")),
         })?;
         // Fields are read from an object: another value is the wrong shape, said as such rather
@@ -710,9 +713,10 @@ impl Mapping {
                 other => return Err(wrong(&other)),
             },
             ColType::Uuid => match &value {
+                // As PostgreSQL's uuid input reads it, braces and groupings included.
                 Value::String(s) => Cell::Uuid(
-                    s.parse()
-                        .map_err(|_| unfit(format!("expected a UUID, found {:?}", clip(s))))?,
+                    pg_uuid(s)
+                        .ok_or_else(|| unfit(format!("expected a UUID, found {:?}", clip(s))))?,
                 ),
                 other => return Err(wrong(other)),
             },

@@ -8,11 +8,37 @@
 //!   stored with one of its readings, as the typed users code always did.
 //! - [`integer`]: an integer column's value, `-0` included.
 //! - [`number_beyond_numeric`]: a number a `jsonb` value holds that PostgreSQL cannot store.
+//! - [`too_deep`]: a document nested deeper than [`DEPTH_MAX`] arrays and objects, which is
+//!   JSON but more than warren reads (serde_json's recursion limit, which keeps a hostile body
+//!   from exhausting the stack): refused as such, never as "not JSON".
 
 use std::fmt;
 
 use serde::de::{self, DeserializeSeed, Deserializer, MapAccess, SeqAccess, Visitor};
 use serde_json::{Map, Value};
+
+/// The deepest nesting of arrays and objects a document may have (serde_json's recursion limit,
+/// a depth budget of 128 that the 128th level exhausts): 127 levels are read, a 128th is
+/// refused ([`too_deep`]).
+pub const DEPTH_MAX: usize = 127;
+
+/// Whether `e`, from [`parse`], says the document nests arrays and objects deeper than
+/// [`DEPTH_MAX`]: well-formed JSON up to there, but more than warren reads. serde_json gives no
+/// code for it but its words, which its own tests fix.
+pub fn too_deep(e: &serde_json::Error) -> bool {
+    e.classify() == serde_json::error::Category::Syntax
+        && e.to_string().starts_with("recursion limit exceeded")
+}
+
+/// What a [`too_deep`] document is refused with: the limit and where it was passed.
+pub fn too_deep_reason(e: &serde_json::Error) -> String {
+    format!(
+        "the body nests arrays and objects deeper than {DEPTH_MAX} levels (the most warren \
+         reads), at line {} column {}",
+        e.line(),
+        e.column()
+    )
+}
 
 /// Parses `text` into a [`Value`]; an object with a repeated key is an error naming it. As
 /// fast as parsing into a `Value`: the pointer is only written for the error.

@@ -217,6 +217,40 @@ fn bodies_that_are_not_json_are_invalid_json() {
     assert_eq!(r.kind, ErrorKind::InvalidJson);
 }
 
+/// JSON nested deeper than serde_json reads (127 levels) is refused for that, as a payload, with
+/// the limit and the place, never as "not JSON" (found by the review); 128 levels are read.
+#[test]
+fn a_body_nested_too_deep_is_refused_as_such() {
+    let m = orders();
+    let nested = |depth: usize| {
+        GOOD.replacen(
+            "\"ana@example.com\"}",
+            &format!(
+                "\"ana@example.com\",\"x\":{}{}}}",
+                "[".repeat(depth),
+                "]".repeat(depth)
+            ),
+            1,
+        )
+    };
+    // The body and its customer are two levels: 125 arrays inside are 127.
+    let r = m.decode_message(nested(125).as_bytes(), None);
+    assert!(r.is_ok(), "{r:?}");
+    let r = refused(&m, &nested(126));
+    assert_eq!(r.kind, ErrorKind::InvalidPayload, "{}", r.reason);
+    assert!(
+        r.reason.starts_with(
+            "the body nests arrays and objects deeper than 127 levels (the most warren reads), \
+             at line 1 column "
+        ),
+        "{}",
+        r.reason
+    );
+    // Deeper and cut short: still said as too deep (the limit is met first).
+    let r = refused(&m, &"[".repeat(10_000));
+    assert_eq!(r.kind, ErrorKind::InvalidPayload, "{}", r.reason);
+}
+
 #[test]
 fn a_repeated_key_is_refused_wherever_it_is_unless_the_body_is_not_json() {
     let m = orders();

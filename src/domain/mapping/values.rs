@@ -366,6 +366,35 @@ pub(super) fn clip(s: &str) -> String {
     }
 }
 
+/// `text` as PostgreSQL's `uuid` input reads it (`uuid.c`, `string_to_uuid`), or `None` where
+/// PostgreSQL refuses it: 32 hexadecimal digits in either case, optionally between `{` and `}`,
+/// with at most one `-` after any group of four digits (`a0ee-bc99-9c0b-4ef8-bb6d-6bb9-bd38-0a11`
+/// as much as the standard 8-4-4-4-12), and nothing else: no blanks around it, no `urn:uuid:`,
+/// no hyphen first, last or doubled. The uuid crate's parser takes `urn:uuid:` and refuses the
+/// other groupings; a column then refused what it would hold, or held what PostgreSQL refuses.
+pub fn pg_uuid(text: &str) -> Option<uuid::Uuid> {
+    let bytes = text.as_bytes();
+    let (braces, mut at) = match bytes.first() {
+        Some(b'{') => (true, 1),
+        _ => (false, 0),
+    };
+    let mut value: u128 = 0;
+    for i in 0..16 {
+        let pair = bytes.get(at..at + 2)?;
+        let hex = |b: u8| (b as char).to_digit(16);
+        value = value << 8 | u128::from(hex(pair[0])? * 16 + hex(pair[1])?);
+        at += 2;
+        if bytes.get(at) == Some(&b'-') && i % 2 == 1 && i < 15 {
+            at += 1;
+        }
+    }
+    if braces {
+        (bytes.get(at) == Some(&b'}')).then_some(())?;
+        at += 1;
+    }
+    (at == bytes.len()).then_some(uuid::Uuid::from_u128(value))
+}
+
 pub(super) fn contains_nul(v: &Value) -> bool {
     match v {
         Value::String(s) => s.contains('\0'),
