@@ -319,12 +319,6 @@ fn command_now(
         Command::Rate { per_s } => pipelines.ran(pipeline, |r| r.rate_limit_per_s = per_s),
         _ => return Ok(()),
     }
-    let runs = pipelines.runs();
-    report.send_if_modified(|r| {
-        let was = (r.processors, r.rate_limit_per_s);
-        r.processors = runs.processors;
-        r.rate_limit_per_s = runs.rate_limit_per_s;
-        was != (r.processors, r.rate_limit_per_s)
-    });
+    pipelines.report_runs(report);
     Ok(())
 }

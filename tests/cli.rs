@@ -410,7 +410,7 @@ async fn settings_answer_to_warren_names_and_a_misspelled_one_is_refused() {
     for expected in [
         "ENVIRONMENT:",
         "USERS_BATCH_SIZE (or WARREN_USERS_BATCH_SIZE)",
-        "Messages per batch insert",
+        "The largest batch insert, in messages",
         "EXIT STATUS:",
         "  2    a bad setting",
     ] {

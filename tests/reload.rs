@@ -257,6 +257,29 @@ impl TableLock {
     }
 }
 
+/// Takes the lock on `table`, publishes `n` new ids to its pipeline (`names`) and waits until
+/// warren took them all from the queue: they are held, in flight, until the lock goes.
+async fn hold(env: &TestEnv, names: &Names, table: &str, n: usize) -> (TableLock, Vec<Uuid>) {
+    let lock = TableLock::take(env, table).await;
+    let held = new_ids(n);
+    publish(env, names, &held).await;
+    wait_until(
+        &format!("{table} delivered, held"),
+        Duration::from_secs(30),
+        || async { env.queue_state(&names.queue).await.0 == 0 },
+    )
+    .await;
+    (lock, held)
+}
+
+/// Waits until `names`' queue has no consumer: a drain (a reload's or the shutdown's) started.
+async fn cancelled(names: &Names, what: &str) {
+    wait_until(what, Duration::from_secs(30), || async {
+        tags(&names.queue).await.is_empty()
+    })
+    .await;
+}
+
 /// Adds `refunds`, changes `orders` (a column check), removes `refunds` with deliveries in
 /// flight, each by SIGHUP; users, never in the file, keeps its consumer throughout, and every
 /// pipeline not changed keeps its own.
@@ -358,25 +381,12 @@ async fn sighup_adds_changes_and_removes_pipelines_and_touches_no_other() {
 
     // Removed with deliveries in flight: its inserts are held by a lock when SIGHUP comes; the
     // drain settles every one (rows in the table, the queue empty) before it stops.
-    let lock = TableLock::take(&env, "refunds").await;
-    let held = new_ids(40);
-    publish(&env, &refunds, &held).await;
+    let (lock, held) = hold(&env, &refunds, "refunds", 40).await;
     stored_refunds.extend(held);
-    wait_until(
-        "refunds delivered, held",
-        Duration::from_secs(30),
-        || async { env.queue_state(&refunds.queue).await.0 == 0 },
-    )
-    .await;
     std::fs::write(&path, entry("orders", &orders, 50, 10)).expect("write");
     warren.signal("HUP");
     // The consumer is cancelled first (the shutdown sequence), then the lock goes.
-    wait_until(
-        "refunds' consumer cancelled",
-        Duration::from_secs(30),
-        || async { tags(&refunds.queue).await.is_empty() },
-    )
-    .await;
+    cancelled(&refunds, "refunds' consumer cancelled").await;
     lock.release().await;
     let event = wait_for_event(&env, &warren, "reloaded", 3).await;
     assert_eq!(names_of(&event["removed"]), ["refunds"], "{event}");
@@ -935,25 +945,12 @@ async fn a_draining_reload_blocks_no_signal_command_or_heartbeat() {
     })
     .await;
 
-    let lock = TableLock::take(&env, "refunds").await;
-    let held = new_ids(20);
-    publish(&env, &refunds, &held).await;
-    wait_until(
-        "refunds delivered, held",
-        Duration::from_secs(30),
-        || async { env.queue_state(&refunds.queue).await.0 == 0 },
-    )
-    .await;
+    let (lock, held) = hold(&env, &refunds, "refunds", 20).await;
     // The first reload removes refunds, asked by `warren ctl reload`: it drains until the lock
     // goes.
     std::fs::write(&path, entry("orders", &orders, 50, 1000)).expect("write");
     let first = ctl_reload(&env);
-    wait_until(
-        "refunds' consumer cancelled: the drain under way",
-        Duration::from_secs(30),
-        || async { tags(&refunds.queue).await.is_empty() },
-    )
-    .await;
+    cancelled(&refunds, "refunds' consumer cancelled: the drain under way").await;
 
     // The record beats on while the ctl reload waits for its answer.
     let (_, then) = beat(&env, pid).await;
@@ -1076,23 +1073,10 @@ async fn sigterm_during_a_reload_shuts_down_at_once() {
     let mut warren = env.start(&["--config", &file, "--declare", "--roles", "consumer"]);
     let _logs = LogsOnPanic(vec![warren.log.clone()]);
     one_consumer(&refunds.queue).await;
-    let lock = TableLock::take(&env, "refunds").await;
-    let held = new_ids(20);
-    publish(&env, &refunds, &held).await;
-    wait_until(
-        "refunds delivered, held",
-        Duration::from_secs(30),
-        || async { env.queue_state(&refunds.queue).await.0 == 0 },
-    )
-    .await;
+    let (lock, held) = hold(&env, &refunds, "refunds", 20).await;
     std::fs::write(&path, entry("orders", &orders, 50, 1000)).expect("write");
     warren.signal("HUP");
-    wait_until(
-        "refunds' consumer cancelled: the drain under way",
-        Duration::from_secs(30),
-        || async { tags(&refunds.queue).await.is_empty() },
-    )
-    .await;
+    cancelled(&refunds, "refunds' consumer cancelled: the drain under way").await;
     // The lock still holds the drain: the shutdown starts anyway.
     warren.begin_shutdown().await;
     assert!(

@@ -475,8 +475,20 @@ impl Pipelines {
 
     /// The processors and rate limit of the first running pipeline (users, unless left out) as
     /// it runs now, what the registry record shows; zeros when none runs.
-    pub fn runs(&self) -> Runs {
+    fn runs(&self) -> Runs {
         self.running.first().map(|r| r.runs).unwrap_or_default()
+    }
+
+    /// Puts [`Self::runs`] into the instance's report (what the heartbeat publishes), when it
+    /// changed.
+    pub fn report_runs(&self, report: &watch::Sender<crate::registry::Report>) {
+        let runs = self.runs();
+        report.send_if_modified(|r| {
+            let was = (r.processors, r.rate_limit_per_s);
+            r.processors = runs.processors;
+            r.rate_limit_per_s = runs.rate_limit_per_s;
+            was != (r.processors, r.rate_limit_per_s)
+        });
     }
 
     /// `warren ctl scale` / `rate` (`n`) was applied to the pipeline `name`, or to every one.

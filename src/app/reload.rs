@@ -168,13 +168,7 @@ impl Reloads {
             }
             Step::Drained((drained, _)) => {
                 let done = pipelines.finish(current.plan, drained);
-                let runs = pipelines.runs();
-                report.send_if_modified(|r| {
-                    let was = (r.processors, r.rate_limit_per_s);
-                    r.processors = runs.processors;
-                    r.rate_limit_per_s = runs.rate_limit_per_s;
-                    was != (r.processors, r.rate_limit_per_s)
-                });
+                pipelines.report_runs(report);
                 let answer = reloaded(current.asked.by, &done);
                 current.asked.answer(&answer);
             }
