@@ -343,9 +343,46 @@ pub(crate) async fn known_pipelines(settings: &Settings) -> Vec<crate::registry:
     crate::registry::record::known(settings.pipelines(), &live)
 }
 
+/// The settings that name the built-in users pipeline's exchanges and queues: one given in a
+/// file, the environment or `--set` makes its names the configuration's own.
+const USERS_NAME_SETTINGS: [&str; 7] = [
+    "main_exchange",
+    "main_queue",
+    "retry_exchange",
+    "retry_queue",
+    "retry_ttls_ms",
+    "dlx_exchange",
+    "dlq_queue",
+];
+
+/// What the configuration says of each pipeline: a file's entry names its queues; the built-in
+/// users pipeline names its own only when one of [`USERS_NAME_SETTINGS`] is given (where the
+/// settings come from, `sources`, unknown: as if given); otherwise its names are the built-in
+/// defaults, which yield to those a live instance runs it on.
+pub(crate) fn configured(
+    settings: &Settings,
+    sources: Option<&Sources>,
+) -> Vec<crate::registry::record::Configured> {
+    let origins = sources.and_then(|s| crate::config::origins(s).ok());
+    settings
+        .pipelines()
+        .iter()
+        .map(|p| crate::registry::record::Configured {
+            pipeline: crate::registry::PipelineRecord::of(&p.name, p.table(), &p.names),
+            explicit: !p.builtin
+                || origins.as_ref().is_none_or(|o| {
+                    USERS_NAME_SETTINGS
+                        .iter()
+                        .any(|k| o.get(k).is_some_and(|from| from != "default"))
+                }),
+        })
+        .collect()
+}
+
 /// Runs the subcommand; returns the process exit code.
 pub async fn dispatch(cli: Cli, settings: Settings) -> i32 {
     let sources = cli.sources();
+    let configured = configured(&settings, sources.as_ref().ok());
     let result = match cli.command {
         Command::Run(args) => match sources {
             Ok(sources) => run::execute(settings, sources, args, run::signals()).await,
@@ -357,9 +394,9 @@ pub async fn dispatch(cli: Cli, settings: Settings) -> i32 {
         Command::Config(args) => sources
             .map_err(anyhow::Error::from)
             .and_then(|sources| config::execute(&settings, &sources, args)),
-        Command::Status(args) => status::execute(&settings, args).await,
+        Command::Status(args) => status::execute(&settings, &configured, args).await,
         Command::Ctl(args) => ctl::execute(&settings, args).await,
-        Command::Dlq(args) => dlq::execute(&settings, args).await,
+        Command::Dlq(args) => dlq::execute(&settings, &configured, args).await,
         Command::Events(args) => events::execute(&settings, args).await,
         Command::Move(args) => r#move::execute(&settings, args).await,
         Command::Completions(args) => completions::execute(&args),
@@ -422,6 +459,30 @@ pub fn json_terminal_safe(json: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_users_names_are_the_configurations_only_when_a_name_setting_is_given() {
+        let explicit = |sources: &Sources| {
+            let settings = Settings::load(sources).expect("valid settings");
+            configured(&settings, Some(sources))[0].explicit
+        };
+        let plain = Sources {
+            use_env: false,
+            ..Sources::default()
+        };
+        assert!(!explicit(&plain), "the built-in defaults");
+        assert!(!explicit(&plain.clone().with_override("prefetch", "7")));
+        for key in USERS_NAME_SETTINGS {
+            let value = if key == "retry_ttls_ms" {
+                "1000"
+            } else {
+                "mine"
+            };
+            assert!(explicit(&plain.clone().with_override(key, value)), "{key}");
+        }
+        let settings = Settings::load(&plain).expect("valid settings");
+        assert!(configured(&settings, None)[0].explicit, "origins unknown");
+    }
 
     #[test]
     fn colours_need_a_terminal_and_no_no_color() {

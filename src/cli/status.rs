@@ -2,7 +2,9 @@
 //! (their records, with the rates each one computes and writes itself at every heartbeat; an
 //! entry that cannot be read is listed as such) and, for each queue of every pipeline the
 //! configuration names or a live instance runs, its depth, consumer count and depth trend from
-//! the broker. `--watch` redraws in place until interrupted, like `top`. Numbers are at most
+//! the broker. A pipeline's queues are the configuration's when it names them, else those the
+//! live instances run it on (every set, per instance, when they differ), else the built-in
+//! defaults ([`record::resolve`]); a disagreement is said once, under the queues. `--watch` redraws in place until interrupted, like `top`. Numbers are at most
 //! `REGISTRY_HEARTBEAT_MS` old (1 s by default); `--json` is a versioned document
 //! ([`JSON_VERSION`]); every string read from Redis is escaped before it reaches the terminal.
 
@@ -16,7 +18,8 @@ use serde_json::json;
 use crate::cli::out::{self, out};
 use crate::cli::{json_terminal_safe, terminal_safe as safe};
 use crate::config::{Settings, redact_url};
-use crate::registry::{self, Breaker, Keys, Listed, PipelineRecord, Redis, now_s, record};
+use crate::registry::record::{Configured, KnownPipeline};
+use crate::registry::{self, Breaker, Keys, Listed, Redis, now_s, record};
 
 #[derive(Debug, clap::Args)]
 pub struct Args {
@@ -42,23 +45,28 @@ type QueueRow = (String, Option<u32>, Option<u32>);
 /// What one redraw shows.
 struct Snapshot {
     instances: Option<Vec<Listed>>,
-    /// Every pipeline the configuration names or a live instance runs, once each.
-    pipelines: Vec<PipelineRecord>,
+    /// Every pipeline the configuration names or a live instance runs, once each, with every
+    /// set of queues it runs on.
+    pipelines: Vec<KnownPipeline>,
     queues: Option<Vec<QueueRow>>,
     /// When the queue depths were read.
     at: Instant,
 }
 
-pub async fn execute(settings: &Settings, args: Args) -> anyhow::Result<i32> {
+pub async fn execute(
+    settings: &Settings,
+    configured: &[Configured],
+    args: Args,
+) -> anyhow::Result<i32> {
     let Some(every) = args.watch else {
-        let (_, pipelines) = listing(settings).await;
+        let (_, pipelines) = listing(settings, configured).await;
         let first = queue_rows(settings, &pipelines)
             .await
             .map(|q| (q, Instant::now()));
         if first.is_some() {
             tokio::time::sleep(TREND_SAMPLE).await;
         }
-        let now = snapshot(settings).await;
+        let now = snapshot(settings, configured).await;
         let trends = trends(first.as_ref().map(|(q, at)| (q.as_slice(), *at)), &now);
         // A closed stdout loses the answer, never the exit code of servers out of reach.
         out::unless_closed(out!("{}", render(settings, &now, &trends, args.json, true)))?;
@@ -78,7 +86,7 @@ pub async fn execute(settings: &Settings, args: Args) -> anyhow::Result<i32> {
         std::io::stdout().is_terminal()
     };
     loop {
-        let now = snapshot(settings).await;
+        let now = snapshot(settings, configured).await;
         let trends = trends(previous.as_ref().map(|(q, at)| (q.as_slice(), *at)), &now);
         let text = render(settings, &now, &trends, args.json, false);
         // A closed stdout (the reader gone) ends the watch, exit 0.
@@ -103,8 +111,11 @@ pub async fn execute(settings: &Settings, args: Args) -> anyhow::Result<i32> {
 }
 
 /// The registry's entries (`None` without Redis), and every pipeline the configuration names or
-/// a readable record publishes.
-async fn listing(settings: &Settings) -> (Option<Vec<Listed>>, Vec<PipelineRecord>) {
+/// a readable record publishes, with the queues the tools take for it.
+async fn listing(
+    settings: &Settings,
+    configured: &[Configured],
+) -> (Option<Vec<Listed>>, Vec<KnownPipeline>) {
     let keys = Keys::new(&settings.redis_prefix);
     let instances = match Redis::connect(&settings.redis_url).await {
         Ok(_) => registry::instances(&mut Redis::new(&settings.redis_url), &keys).await,
@@ -114,12 +125,12 @@ async fn listing(settings: &Settings) -> (Option<Vec<Listed>>, Vec<PipelineRecor
         .iter()
         .flatten()
         .filter_map(|l| l.record.as_ref().ok());
-    let pipelines = record::known(settings.pipelines(), records);
+    let pipelines = record::resolve(configured, records);
     (instances, pipelines)
 }
 
-async fn snapshot(settings: &Settings) -> Snapshot {
-    let (instances, pipelines) = listing(settings).await;
+async fn snapshot(settings: &Settings, configured: &[Configured]) -> Snapshot {
+    let (instances, pipelines) = listing(settings, configured).await;
     let queues = queue_rows(settings, &pipelines).await;
     Snapshot {
         instances,
@@ -171,13 +182,20 @@ fn render(
 ) -> String {
     let mut out = String::new();
     if json {
+        let sets: Vec<_> = snap.pipelines.iter().flat_map(|p| &p.sets).collect();
+        let notes: Vec<String> = snap
+            .pipelines
+            .iter()
+            .filter_map(KnownPipeline::note)
+            .collect();
         let doc = json!({
             "version": JSON_VERSION,
             "instances": snap.instances.as_ref().map(|list| list.iter().map(instance_json).collect::<Vec<_>>()),
-            "pipelines": snap.pipelines,
+            "pipelines": sets,
+            "notes": notes,
             "queues": snap.queues.as_ref().map(|q| q.iter().map(|(name, m, c)| json!({
                 "name": name,
-                "pipeline": snap.pipelines.iter().find(|p| p.queues().any(|n| n == name)).map(|p| &p.name),
+                "pipeline": sets.iter().find(|s| s.pipeline.queues().any(|n| n == name)).map(|s| &s.pipeline.name),
                 "messages": m, "consumers": c,
                 "trend_per_s": trends.get(name).map(|t| (t * 10.0).round() / 10.0),
             })).collect::<Vec<_>>()),
@@ -305,6 +323,43 @@ fn render(
             );
         }
     }
+    out.push_str(&disagreements(&snap.pipelines));
+    out
+}
+
+/// When a pipeline runs on more than one set of queues (the configuration's and a live
+/// instance's, or two instances'): every set, with who runs it, then one note per pipeline;
+/// empty otherwise.
+fn disagreements(pipelines: &[KnownPipeline]) -> String {
+    let split: Vec<&KnownPipeline> = pipelines.iter().filter(|p| p.sets.len() > 1).collect();
+    if split.is_empty() {
+        return String::new();
+    }
+    let mut t = table(&["PIPELINE", "QUEUES FROM", "MAIN", "RETRY", "DLQ"], 5);
+    for p in &split {
+        for set in &p.sets {
+            let from = match (set.basis, set.instances.is_empty()) {
+                (record::Basis::Config, true) => "configuration".to_string(),
+                (record::Basis::Config, false) => {
+                    format!("configuration, {}", set.instances.join(", "))
+                }
+                _ => set.instances.join(", "),
+            };
+            t.add_row(vec![
+                safe(&p.name),
+                safe(&from),
+                safe(&set.pipeline.main_queue),
+                safe(&set.pipeline.retry_queues.join(", ")),
+                safe(&set.pipeline.dlq_queue),
+            ]);
+        }
+    }
+    let mut out = format!("\n{}\n", t.trim_fmt());
+    for p in split {
+        if let Some(note) = p.note() {
+            let _ = writeln!(out, "note: {}", safe(&note));
+        }
+    }
     out
 }
 
@@ -376,9 +431,9 @@ fn table(header: &[&str], first_number: usize) -> Table {
     t
 }
 
-/// (queue, messages, consumers) for the main queue, every retry tier and the DLQ of every
-/// pipeline in `pipelines`; `None` without a broker.
-async fn queue_rows(settings: &Settings, pipelines: &[PipelineRecord]) -> Option<Vec<QueueRow>> {
+/// (queue, messages, consumers) for the main queue, every retry tier and the DLQ of every set
+/// of queues of every pipeline in `pipelines`, once each; `None` without a broker.
+async fn queue_rows(settings: &Settings, pipelines: &[KnownPipeline]) -> Option<Vec<QueueRow>> {
     let mut fast = settings.amqp();
     fast.connect_timeout_ms = fast.connect_timeout_ms.min(3000);
     let conn = crate::amqp::connect(&fast, "status", crate::amqp::Frames::Small)
@@ -386,7 +441,11 @@ async fn queue_rows(settings: &Settings, pipelines: &[PipelineRecord]) -> Option
         .ok()?;
     let mut rows = Vec::new();
     let mut queues: Vec<&str> = Vec::new();
-    for q in pipelines.iter().flat_map(PipelineRecord::queues) {
+    for q in pipelines
+        .iter()
+        .flat_map(|p| &p.sets)
+        .flat_map(|s| s.pipeline.queues())
+    {
         if !queues.contains(&q) {
             queues.push(q);
         }

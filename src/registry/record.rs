@@ -1,6 +1,8 @@
 //! The instance record: one serde struct per instance, written whole by its heartbeat and read
 //! whole by `warren status` and `warren ctl`; what a reader makes of a record it cannot read; and
-//! the pipelines an instance runs (names, table, queues), which every tool learns from it.
+//! the pipelines an instance runs (names, table, queues), which every tool learns from it, and
+//! which of a pipeline's names a tool uses ([`resolve`]: the configuration's when it gives them,
+//! else the live instances', else the built-in defaults; several sets when instances disagree).
 //!
 //! The record is the JSON of [`InstanceRecord`] in the field `record` of the hash
 //! `{prefix}:instances:{host}:{pid}` (a hash, so that an older warren's `status` reading it meets
@@ -131,6 +133,253 @@ pub fn known<'a>(
         }
     }
     out
+}
+
+/// What the configuration says of one pipeline: its names, and whether it gives them.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Configured {
+    pub pipeline: PipelineRecord,
+    /// A file's `[[pipelines]]` entry, or the built-in users pipeline with one of its name
+    /// settings (`MAIN_QUEUE`, ...) given in a file, the environment or `--set`: these names
+    /// win over the records. `false` for the built-in defaults (`raffle_*`), which yield to
+    /// what a live instance runs.
+    pub explicit: bool,
+}
+
+/// Where the tools took a set of a pipeline's names from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Basis {
+    /// The configuration names them.
+    Config,
+    /// Live instances run the pipeline on them (their records).
+    Instances,
+    /// The built-in defaults: no configuration names them and no live instance runs the
+    /// pipeline.
+    Defaults,
+}
+
+/// One set of names a pipeline runs on, and who says so.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct NameSet {
+    #[serde(flatten)]
+    pub pipeline: PipelineRecord,
+    /// Where the names come from (`status --json`: `basis`).
+    pub basis: Basis,
+    /// `host:pid` of every live instance that runs the pipeline on exactly these names.
+    pub instances: Vec<String>,
+}
+
+impl NameSet {
+    /// `dlq rv_orders_dlq (main rv_orders_exchange -> rv_orders_queue), run by vm:12, vm:13`:
+    /// what a choice between sets shows of one.
+    fn describe(&self) -> String {
+        let p = &self.pipeline;
+        let whose = match (self.basis, self.instances.is_empty()) {
+            (_, false) => format!("run by {}", self.instances.join(", ")),
+            (Basis::Config, true) => "the configuration's".into(),
+            _ => "the built-in defaults".into(),
+        };
+        format!(
+            "dlq {} (main {} -> {}), {whose}",
+            p.dlq_queue, p.main_exchange, p.main_queue
+        )
+    }
+
+    /// What a tool that works on the DLQ uses of the names: the DLQ, and where a replay goes.
+    fn dlq_target(&self) -> (&str, &str, &str) {
+        let p = &self.pipeline;
+        (&p.dlq_queue, &p.main_exchange, &p.main_queue)
+    }
+}
+
+/// One pipeline as the tools know it: every set of names it runs on.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct KnownPipeline {
+    pub name: String,
+    /// Never empty; the first is the one a tool uses when it may. Precedence: the
+    /// configuration's names when it gives them (first), then the live instances' (one set per
+    /// distinct set of names, in the order the records list them), then the built-in defaults
+    /// when no instance runs the pipeline.
+    pub sets: Vec<NameSet>,
+}
+
+/// Why a tool that acts on one DLQ cannot choose a pipeline's set of names.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum Choice {
+    /// Live instances run the pipeline on different queues and no configuration names them.
+    #[error(
+        "pipeline {name:?} runs on different queues: {}; choose one with --instance HOST:PID, \
+         or name its queues in a --config file", candidates.join("; ")
+    )]
+    Ambiguous {
+        name: String,
+        candidates: Vec<String>,
+    },
+    /// `--instance` names no live instance that runs the pipeline.
+    #[error(
+        "--instance {instance}: no live instance {instance} runs pipeline {name:?}; it runs on: {}",
+        candidates.join("; ")
+    )]
+    NotRunBy {
+        instance: String,
+        name: String,
+        candidates: Vec<String>,
+    },
+}
+
+impl KnownPipeline {
+    /// The set a tool that acts on the pipeline's DLQ uses: the one `instance` (`host:pid`)
+    /// runs when given; else the configuration's when it names them; else the one every live
+    /// instance agrees on (DLQ, main exchange and queue; retry tiers may differ), or an error
+    /// that lists the candidates and how to choose.
+    pub fn choose(&self, instance: Option<&str>) -> Result<&NameSet, Choice> {
+        let candidates = || self.sets.iter().map(NameSet::describe).collect();
+        if let Some(instance) = instance {
+            return self
+                .sets
+                .iter()
+                .find(|s| s.instances.iter().any(|i| i == instance))
+                .ok_or_else(|| Choice::NotRunBy {
+                    instance: instance.to_string(),
+                    name: self.name.clone(),
+                    candidates: candidates(),
+                });
+        }
+        let Some(first) = self.sets.first() else {
+            return Err(Choice::Ambiguous {
+                name: self.name.clone(),
+                candidates: Vec::new(),
+            });
+        };
+        if first.basis == Basis::Config
+            || self
+                .sets
+                .iter()
+                .all(|s| s.dlq_target() == first.dlq_target())
+        {
+            return Ok(first);
+        }
+        Err(Choice::Ambiguous {
+            name: self.name.clone(),
+            candidates: candidates(),
+        })
+    }
+
+    /// What a person should know about where the names come from, to be said once: the
+    /// configuration and live instances disagree, or live instances disagree among themselves.
+    pub fn note(&self) -> Option<String> {
+        let queues = |s: &NameSet| s.pipeline.queues().collect::<Vec<_>>().join(", ");
+        let [first, rest @ ..] = self.sets.as_slice() else {
+            return None;
+        };
+        if rest.is_empty() {
+            return None;
+        }
+        let others: Vec<String> = rest
+            .iter()
+            .map(|s| format!("{} runs it on {}", s.instances.join(", "), queues(s)))
+            .collect();
+        Some(if first.basis == Basis::Config {
+            format!(
+                "pipeline {:?}: the configuration names {}, but {}; the tools act on the \
+                 configuration's",
+                self.name,
+                queues(first),
+                others.join("; ")
+            )
+        } else {
+            format!(
+                "pipeline {:?}: live instances run it on different queues: {} runs it on {}; {}",
+                self.name,
+                first.instances.join(", "),
+                queues(first),
+                others.join("; ")
+            )
+        })
+    }
+}
+
+/// Every pipeline the configuration names or a live instance runs, once each (the
+/// configuration's first, in its order, then the others in the records' order), with every
+/// set of names it runs on (see [`KnownPipeline::sets`] for the precedence).
+pub fn resolve<'a>(
+    configured: &[Configured],
+    records: impl IntoIterator<Item = &'a InstanceRecord>,
+) -> Vec<KnownPipeline> {
+    let mut live: Vec<KnownPipeline> = Vec::new();
+    for r in records {
+        let who = format!("{}:{}", r.host, r.pid);
+        for p in &r.pipelines {
+            let at = match live.iter().position(|k| k.name == p.name) {
+                Some(at) => at,
+                None => {
+                    live.push(KnownPipeline {
+                        name: p.name.clone(),
+                        sets: Vec::new(),
+                    });
+                    live.len() - 1
+                }
+            };
+            let sets = &mut live[at].sets;
+            match sets.iter_mut().find(|s| s.pipeline == *p) {
+                Some(s) => s.instances.push(who.clone()),
+                None => sets.push(NameSet {
+                    pipeline: p.clone(),
+                    basis: Basis::Instances,
+                    instances: vec![who.clone()],
+                }),
+            }
+        }
+    }
+    let mut out = Vec::new();
+    for c in configured {
+        let mut sets = match live.iter().position(|k| k.name == c.pipeline.name) {
+            Some(at) => live.remove(at).sets,
+            None => Vec::new(),
+        };
+        if c.explicit {
+            // The configuration's first; the instances running on the same names join it.
+            let instances = match sets.iter().position(|s| s.pipeline == c.pipeline) {
+                Some(at) => sets.remove(at).instances,
+                None => Vec::new(),
+            };
+            sets.insert(
+                0,
+                NameSet {
+                    pipeline: c.pipeline.clone(),
+                    basis: Basis::Config,
+                    instances,
+                },
+            );
+        } else if sets.is_empty() {
+            sets.push(NameSet {
+                pipeline: c.pipeline.clone(),
+                basis: Basis::Defaults,
+                instances: Vec::new(),
+            });
+        }
+        out.push(KnownPipeline {
+            name: c.pipeline.name.clone(),
+            sets,
+        });
+    }
+    out.extend(live);
+    out
+}
+
+/// The pipeline `name` among `known`, or the error that lists them once each.
+pub fn find_known<'a>(
+    known: &'a [KnownPipeline],
+    name: &str,
+) -> Result<&'a KnownPipeline, UnknownPipeline> {
+    known
+        .iter()
+        .find(|p| p.name == name)
+        .ok_or_else(|| UnknownPipeline {
+            name: name.to_string(),
+            known: known.iter().map(|p| p.name.clone()).collect(),
+        })
 }
 
 /// A `--pipeline` that names no pipeline the configuration names or a live instance runs.
@@ -353,6 +602,148 @@ mod tests {
             record: Err(e),
         };
         assert_eq!(listed.instance(), "vm:7");
+    }
+
+    /// Pipeline `name` on `<prefix>_queue`, `<prefix>_retry_1s`, `<prefix>_dlq`.
+    fn on(name: &str, prefix: &str) -> PipelineRecord {
+        PipelineRecord {
+            name: name.into(),
+            table: name.into(),
+            main_exchange: format!("{prefix}_exchange"),
+            main_queue: format!("{prefix}_queue"),
+            retry_queues: vec![format!("{prefix}_retry_1s")],
+            dlq_queue: format!("{prefix}_dlq"),
+        }
+    }
+
+    /// An instance `vm:pid` running `pipelines`.
+    fn running(pid: u32, pipelines: Vec<PipelineRecord>) -> InstanceRecord {
+        InstanceRecord {
+            pid,
+            pipelines,
+            ..sample()
+        }
+    }
+
+    #[test]
+    fn the_defaults_yield_to_what_live_instances_run() {
+        let defaults = Configured {
+            pipeline: on("users", "raffle"),
+            explicit: false,
+        };
+        let people = running(1, vec![on("users", "rv_people")]);
+        let known = resolve(std::slice::from_ref(&defaults), [&people]);
+        assert_eq!(known.len(), 1);
+        assert_eq!(known[0].sets.len(), 1, "{known:?}");
+        let set = known[0].choose(None).unwrap();
+        assert_eq!(set.pipeline.dlq_queue, "rv_people_dlq");
+        assert_eq!(
+            (set.basis, set.instances.clone()),
+            (Basis::Instances, vec!["vm:1".to_string()])
+        );
+        assert_eq!(known[0].note(), None);
+        // Nobody runs it: the defaults.
+        let known = resolve(std::slice::from_ref(&defaults), []);
+        let set = known[0].choose(None).unwrap();
+        assert_eq!(
+            (set.basis, set.pipeline.dlq_queue.as_str()),
+            (Basis::Defaults, "raffle_dlq")
+        );
+    }
+
+    #[test]
+    fn explicit_names_win_and_a_disagreement_is_noted() {
+        let given = Configured {
+            pipeline: on("users", "mine"),
+            explicit: true,
+        };
+        let same = running(1, vec![on("users", "mine")]);
+        let other = running(2, vec![on("users", "theirs")]);
+        let known = resolve(std::slice::from_ref(&given), [&same, &other]);
+        let users = &known[0];
+        assert_eq!(users.sets.len(), 2, "{users:?}");
+        let set = users.choose(None).unwrap();
+        assert_eq!(
+            (
+                set.basis,
+                set.pipeline.dlq_queue.as_str(),
+                set.instances.clone()
+            ),
+            (Basis::Config, "mine_dlq", vec!["vm:1".to_string()])
+        );
+        assert_eq!(
+            users.choose(Some("vm:2")).unwrap().pipeline.dlq_queue,
+            "theirs_dlq"
+        );
+        assert_eq!(
+            users.note().unwrap(),
+            "pipeline \"users\": the configuration names mine_queue, mine_retry_1s, mine_dlq, but \
+             vm:2 runs it on theirs_queue, theirs_retry_1s, theirs_dlq; the tools act on the \
+             configuration's"
+        );
+        // Agreeing: nothing to say.
+        let known = resolve(std::slice::from_ref(&given), [&same]);
+        assert_eq!(known[0].note(), None);
+    }
+
+    #[test]
+    fn instances_that_disagree_are_each_listed_and_a_choice_is_refused() {
+        let a = running(1, vec![on("orders", "o1")]);
+        let b = running(2, vec![on("orders", "o2"), on("users", "u")]);
+        let c = running(3, vec![on("orders", "o1")]);
+        let known = resolve(&[], [&a, &b, &c]);
+        let names: Vec<&str> = known.iter().map(|k| k.name.as_str()).collect();
+        assert_eq!(names, ["orders", "users"]);
+        let orders = &known[0];
+        let sets: Vec<(&str, Vec<String>)> = orders
+            .sets
+            .iter()
+            .map(|s| (s.pipeline.dlq_queue.as_str(), s.instances.clone()))
+            .collect();
+        assert_eq!(
+            sets,
+            [
+                ("o1_dlq", vec!["vm:1".to_string(), "vm:3".to_string()]),
+                ("o2_dlq", vec!["vm:2".to_string()])
+            ]
+        );
+        // The order of the records does not choose.
+        for known in [resolve(&[], [&a, &b, &c]), resolve(&[], [&b, &a, &c])] {
+            let e = known[0].choose(None).unwrap_err();
+            assert!(matches!(e, Choice::Ambiguous { .. }), "{e}");
+        }
+        assert_eq!(
+            orders.choose(None).unwrap_err().to_string(),
+            "pipeline \"orders\" runs on different queues: dlq o1_dlq (main o1_exchange -> \
+             o1_queue), run by vm:1, vm:3; dlq o2_dlq (main o2_exchange -> o2_queue), run by \
+             vm:2; choose one with --instance HOST:PID, or name its queues in a --config file"
+        );
+        assert_eq!(
+            orders.choose(Some("vm:2")).unwrap().pipeline.dlq_queue,
+            "o2_dlq"
+        );
+        assert_eq!(
+            orders.choose(Some("vm:3")).unwrap().pipeline.dlq_queue,
+            "o1_dlq"
+        );
+        let e = orders.choose(Some("vm:9")).unwrap_err().to_string();
+        assert!(
+            e.starts_with("--instance vm:9: no live instance vm:9 runs pipeline \"orders\"; it runs on: dlq o1_dlq"),
+            "{e}"
+        );
+        assert!(
+            orders
+                .note()
+                .unwrap()
+                .contains("vm:1, vm:3 runs it on o1_queue")
+        );
+        // Retry tiers alone differing: the DLQ work is the same either way.
+        let mut longer = on("orders", "o1");
+        longer.retry_queues.push("o1_retry_1m".into());
+        let d = running(4, vec![longer]);
+        let known = resolve(&[], [&a, &d]);
+        assert_eq!(known[0].sets.len(), 2);
+        assert_eq!(known[0].choose(None).unwrap().pipeline.dlq_queue, "o1_dlq");
     }
 
     #[test]

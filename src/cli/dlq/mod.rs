@@ -22,6 +22,7 @@ use lapin::types::AMQPValue;
 
 use crate::amqp::{headers, republish};
 use crate::config::Settings;
+use crate::registry::record::{self, Configured, PipelineRecord};
 
 /// The kinds of dead letter `--kind` selects: the values of `x-error-kind` (and of
 /// `dead_letters.error_kind`), then the kinds of messages the broker dead-lettered itself (see
@@ -117,6 +118,10 @@ pub struct Args {
     /// sends its messages back to this pipeline's queue.
     #[arg(long, global = true, value_name = "NAME", default_value = "users")]
     pub pipeline: String,
+    /// Work on the queues this live instance (`HOST:PID`, as `warren status` lists it) runs
+    /// the pipeline on: to choose when live instances run it on different queues.
+    #[arg(long, global = true, value_name = "HOST:PID")]
+    pub instance: Option<String>,
     #[command(subcommand)]
     pub command: DlqCommand,
 }
@@ -232,32 +237,43 @@ fn parse_limit(raw: &str) -> Result<u64, String> {
     }
 }
 
-pub async fn execute(settings: &Settings, args: Args) -> anyhow::Result<i32> {
-    // The chosen pipeline's DLQ, exchange and queue: as the configuration resolves it, or for
-    // a pipeline the configuration does not name, as a live instance publishes it.
-    let configured = crate::registry::record::configured(settings.pipelines());
-    let target = match configured.iter().find(|p| p.name == args.pipeline) {
-        Some(p) => p.clone(),
-        None => {
-            let known = crate::cli::known_pipelines(settings).await;
-            crate::registry::record::find(&known, &args.pipeline)
-                .map_err(|unknown| {
-                    anyhow::anyhow!(
-                        "--pipeline: {}",
-                        crate::cli::terminal_safe(&unknown.to_string())
-                    )
-                })?
-                .clone()
+pub async fn execute(
+    settings: &Settings,
+    configured: &[Configured],
+    args: Args,
+) -> anyhow::Result<i32> {
+    use crate::cli::terminal_safe as safe;
+    // The chosen pipeline's DLQ, exchange and queue: the configuration's when it names them,
+    // else those the live instances run it on (`--instance` choosing among them), else the
+    // built-in defaults (record::resolve).
+    let live = crate::registry::live(&settings.redis())
+        .await
+        .unwrap_or_default();
+    let known = record::resolve(configured, &live);
+    let pipeline = record::find_known(&known, &args.pipeline)
+        .map_err(|unknown| anyhow::anyhow!("--pipeline: {}", safe(&unknown.to_string())))?;
+    // The parked list reads the table by the pipeline's name: it needs none of its queues.
+    let instance = args.instance.as_deref();
+    let target = || -> anyhow::Result<PipelineRecord> {
+        let set = pipeline
+            .choose(instance)
+            .map_err(|e| anyhow::anyhow!("{}", safe(&e.to_string())))?;
+        if instance.is_none()
+            && let Some(note) = pipeline.note()
+        {
+            crate::cli::say(format_args!("note: {}", safe(&note)));
         }
+        Ok(set.pipeline.clone())
     };
     match args.command {
-        DlqCommand::Inspect(a) => inspect(settings, &target, a).await,
-        DlqCommand::Replay(a) => replay(settings, &target, a).await,
+        DlqCommand::Inspect(a) => inspect(settings, &target()?, a).await,
+        DlqCommand::Replay(a) => replay(settings, &target()?, a).await,
         DlqCommand::Parked(ParkedCommand::List(mut a)) => {
             a.pipeline = args.pipeline;
             parked_list(settings, a).await
         }
         DlqCommand::Parked(ParkedCommand::Replay(mut a)) => {
+            let target = target()?;
             a.pipeline = args.pipeline;
             parked_replay(settings, &target, a).await
         }
