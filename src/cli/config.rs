@@ -26,11 +26,12 @@ pub fn execute(settings: &Settings, sources: &Sources, args: Args) -> anyhow::Re
             }
         }
     }
-    // Each pipeline's prefetch window as resolved (at its batch concurrency).
+    // Each pipeline's largest prefetch window as resolved: at its batch concurrency, or when
+    // balanced at its most inserts in flight (what the rate limit is checked against).
     let windows: Vec<String> = settings
         .pipelines()
         .iter()
-        .map(|p| format!("{} ({})", p.prefetch, p.name))
+        .map(|p| format!("{} ({})", p.most_prefetch, p.name))
         .collect();
     outln!("# effective prefetch: {}", windows.join(", "))?;
     Ok(0)

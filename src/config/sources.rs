@@ -96,6 +96,22 @@ pub(super) fn env_name_of(key: &str) -> Option<String> {
         .find(|name| std::env::var_os(name).is_some())
 }
 
+/// The setting the environment variable `name` sets, given `prefix` (`""` for the bare names,
+/// `"WARREN_"`): the setting's key when `name` is exactly `prefix` + the key in upper case.
+/// Only those names are settings: `prefetch`, `Prefetch` or `warren_prefetch` are not, and are
+/// ignored like any other variable (figment's own matching would ignore the case, and the last
+/// of `PREFETCH=9 prefetch=7` would win).
+pub(super) fn setting_of_env(name: &str, prefix: &str) -> Option<&'static str> {
+    let rest = name.strip_prefix(prefix)?;
+    RULES.iter().map(|(key, _)| *key).find(|key| {
+        rest.len() == key.len()
+            && rest
+                .bytes()
+                .zip(key.bytes())
+                .all(|(r, k)| r == k.to_ascii_uppercase())
+    })
+}
+
 /// Whether `name` (with `value`) is one of the variables Kubernetes gives every pod for each
 /// Service of its namespace (service links): a Service `warren` (or `warren-api`) makes
 /// `WARREN_SERVICE_HOST`, `WARREN_SERVICE_PORT`, `WARREN_SERVICE_PORT_<PORT NAME>`,
@@ -137,8 +153,9 @@ pub(super) fn check_warren_env() -> Result<(), ConfigError> {
         {
             continue;
         }
+        // `WARREN_prefetch` is no setting (only the upper-case names are): refused as a misspelling.
         let key = rest.to_ascii_lowercase();
-        if RULES.iter().any(|(k, _)| *k == key)
+        if setting_of_env(name, "WARREN_").is_some()
             || is_kubernetes_service_link(name, &value.to_string_lossy())
         {
             continue;
