@@ -645,3 +645,68 @@ fn only_upper_case_environment_names_are_settings() {
         "{out}"
     );
 }
+
+/// `config --origin` says where each key of a pipeline entry was given: the file and its line,
+/// or default; never the origin of the setting of the same name (found by the review: an
+/// entry's `prefetch = 20` was labelled "command line" after `--set prefetch=7`, its
+/// `max_retries = 2` "environment WARREN_MAX_RETRIES", its `batch_size = 50` "default").
+#[test]
+fn config_origin_places_an_entrys_keys_at_their_lines() {
+    let entry = |name: &str| {
+        format!(
+            "# review file\n\
+             [[pipelines]]\n\
+             name = \"{name}\"\n\
+             table = \"shop.orders\"\n\
+             batch_size = 50\n\
+             prefetch = 20\n\
+             max_retries = 2\n\
+             key = [\"order_id\"]\n\
+             \n\
+             [pipelines.columns]\n\
+             order_id = {{ path = \"/id\", type = \"uuid\" }}\n"
+        )
+    };
+    for name in ["orders", "users"] {
+        let file = File::new(&entry(name));
+        let path = file.path();
+        let at = path.to_str().expect("utf-8");
+        let out = Command::new(bin())
+            .env_clear()
+            .envs([("PREFETCH", "5"), ("WARREN_MAX_RETRIES", "9")])
+            .args(["--config", at, "--set", "prefetch=7", "config", "--origin"])
+            .output()
+            .expect("run warren");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(0), "{name}: {err}");
+        let out = String::from_utf8_lossy(&out.stdout);
+        let entry = out
+            .split("[[pipelines]]")
+            .find(|e| e.contains(&format!("name = \"{name}\"")))
+            .unwrap_or_else(|| panic!("{name}: no entry:\n{out}"));
+        for expected in [
+            format!("name = \"{name}\"  # file {at}, line 3"),
+            format!("batch_size = 50  # file {at}, line 5"),
+            format!("prefetch = 20  # file {at}, line 6"),
+            format!("max_retries = 2  # file {at}, line 7"),
+            "on_conflict = \"keep\"  # default".to_string(),
+            format!("type = \"uuid\"  # file {at}, line 11"),
+        ] {
+            assert!(
+                entry.lines().any(|l| l == expected),
+                "{name}: no line {expected:?} in\n{entry}"
+            );
+        }
+        // The settings of the same names keep their own origins.
+        assert!(
+            out.lines()
+                .any(|l| l == "prefetch = 7  # command line (--set or a flag)"),
+            "{out}"
+        );
+        assert!(
+            out.lines()
+                .any(|l| l == "max_retries = 9  # environment WARREN_MAX_RETRIES"),
+            "{out}"
+        );
+    }
+}

@@ -24,7 +24,7 @@ pub use error::{ConfigError, Origin};
 pub use redact::redact_url;
 use rules::{Rule, check, suggest};
 pub use rules::{list_entries, listen_addr};
-pub use sources::{Sources, environment_help, origins};
+pub use sources::{Sources, environment_help, file_origin, origins};
 use sources::{check_warren_env, env_name_of, parse_raw, setting_of_env};
 pub use values::{
     Balance, LogFormat, MAX_RETRY_TIERS, QueueType, RetryTier, RetryTtls, Role, Roles, humanize_ms,

@@ -6,6 +6,7 @@ use std::path::{Path, PathBuf};
 
 use figment::value::Value;
 
+use super::diagnose::FileText;
 use super::error::closest;
 use super::{ConfigError, DEFAULT_TOML, Origin, RULES, Rule, redact_url};
 
@@ -207,6 +208,28 @@ pub fn origins(sources: &Sources) -> Result<BTreeMap<&'static str, String>, Conf
             (*key, origin)
         })
         .collect())
+}
+
+/// Where the key at `path` of the `--config` file was given (`["pipelines", "1", "batch_size"]`,
+/// `["pipelines", "1", "columns", "total", "max"]`), for `warren config --origin`: `file PATH,
+/// line N`; `None` when the file does not have that very key (the value is then a default).
+pub fn file_origin(sources: &Sources, path: &[String]) -> Option<String> {
+    let file = FileText::read(sources.file.as_deref()?).ok()?;
+    let table: toml::Table = file.text.parse().ok()?;
+    let (first, rest) = path.split_first()?;
+    rest.iter()
+        .try_fold(table.get(first)?, |value, segment| match value {
+            toml::Value::Table(t) => t.get(segment),
+            toml::Value::Array(items) => items.get(segment.parse::<usize>().ok()?),
+            _ => None,
+        })?;
+    match file.at(path) {
+        Origin::File {
+            path,
+            line: Some(line),
+        } => Some(format!("file {}, line {line}", path.display())),
+        _ => None,
+    }
 }
 
 /// The ENVIRONMENT section of `warren run --help` and the man pages, from the shipped defaults
