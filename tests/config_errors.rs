@@ -710,3 +710,65 @@ fn config_origin_places_an_entrys_keys_at_their_lines() {
         );
     }
 }
+
+/// `run --pipelines` checks `MAX_INSERTS_IN_FLIGHT` against the pipelines it keeps only (found
+/// by the review: 2 was refused for the 6 inserts of every pipeline of the file though only one
+/// pipeline of 2 would run). The kept pipeline's table does not exist, so the run stops at the
+/// table check (PostgreSQL at its default URL), past the budget, and never starts.
+#[test]
+fn the_insert_budget_counts_the_selected_pipelines_only() {
+    let file = File::new(
+        "[[pipelines]]\n\
+         name = \"rv_orders\"\n\
+         table = \"r1_no_such_schema.orders\"\n\
+         key = [\"order_id\"]\n\
+         \n\
+         [pipelines.columns]\n\
+         order_id = { path = \"/id\", type = \"uuid\" }\n",
+    );
+    let path = file.path();
+    let at = path.to_str().expect("utf-8");
+    let run = |budget: &str, selected: &str| {
+        let out = Command::new(bin())
+            .env_clear()
+            .envs([
+                ("WARREN_MAX_INSERTS_IN_FLIGHT", budget),
+                ("METRICS_ADDR", "127.0.0.1:0"),
+            ])
+            .args([
+                "--config",
+                at,
+                "run",
+                "--roles",
+                "consumer",
+                "--pipelines",
+                selected,
+            ])
+            .output()
+            .expect("run warren");
+        (
+            out.status.code().unwrap_or(-1),
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        )
+    };
+    // The table check refuses the run (exit 2 too): past the budget, which said nothing.
+    let (_, err) = run("2", "rv_orders");
+    assert!(!err.contains("MAX_INSERTS_IN_FLIGHT"), "{err}");
+    assert!(
+        err.contains("table r1_no_such_schema.orders does not exist"),
+        "{err}"
+    );
+    assert_refused(
+        "both pipelines",
+        run("2", "users,rv_orders"),
+        &[
+            "MAX_INSERTS_IN_FLIGHT: expected 0 or at least the 4 batch inserts the pipelines that \
+             run (users, rv_orders) always hold",
+        ],
+    );
+    assert_refused(
+        "the one kept, over the budget",
+        run("1", "rv_orders"),
+        &["at least the 2 batch inserts the pipelines that run (rv_orders)"],
+    );
+}

@@ -412,6 +412,11 @@ impl Settings {
         let timeout_at = diagnose::origin_of("amqp_consumer_timeout_ms", sources, file.as_ref());
         settings.resolved = pipelines::resolve(&settings, &timeout_at)
             .map_err(|e| diagnose::place(e, sources, file.as_ref(), None))?;
+        if !sources.selecting {
+            settings
+                .check_inserts_budget()
+                .map_err(|e| diagnose::place(e, sources, file.as_ref(), None))?;
+        }
         Ok(settings)
     }
 
@@ -453,6 +458,13 @@ impl Settings {
     /// The pipeline `name` among [`Settings::pipelines`].
     pub fn pipeline(&self, name: &str) -> Option<&pipelines::PipelineSpec> {
         self.resolved.iter().find(|p| p.name == name)
+    }
+
+    /// `MAX_INSERTS_IN_FLIGHT` holds at least the batch inserts the pipelines to run always
+    /// hold: checked at load, or after [`Settings::select_pipelines`] when the sources said a
+    /// selection follows (the pipelines left out do not count).
+    pub fn check_inserts_budget(&self) -> Result<(), ConfigError> {
+        pipelines::check_budget(&self.resolved, self.max_inserts_in_flight)
     }
 
     /// Keeps only the pipelines named in `wanted` (`warren run --pipelines`): the resolved

@@ -14,7 +14,7 @@ use serde::{Deserialize, Serialize};
 
 use super::{ConfigError, RetryTier, Settings, humanize_ms, retry_base};
 use crate::domain::mapping::{ColumnSpec, Mapping, MappingSpec, OnConflict, UnknownFields};
-pub use spec::{Api, Balancing, Batching, PipelineSpec, pool_size, resolve};
+pub use spec::{Api, Balancing, Batching, PipelineSpec, check_budget, pool_size, resolve};
 
 /// One `[[pipelines]]` entry as written in the file.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

@@ -22,6 +22,10 @@ pub struct Sources {
     /// How each override was given on the command line (`--set users_batch_size=0`), so that
     /// an error about its value can quote it.
     pub given: BTreeMap<String, String>,
+    /// The caller keeps only some pipelines (`warren run --pipelines`) and checks the inserts
+    /// they always hold against the budget after it ([`super::Settings::check_inserts_budget`]):
+    /// pipelines that will not run must not count.
+    pub selecting: bool,
 }
 
 impl Sources {
@@ -32,6 +36,7 @@ impl Sources {
             overrides: BTreeMap::new(),
             use_env: true,
             given: BTreeMap::new(),
+            selecting: false,
         }
     }
 

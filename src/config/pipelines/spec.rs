@@ -4,7 +4,8 @@
 //! here: the ranges of an entry's numbers, min <= max concurrency, the batch's minimum wait
 //! within its timeout, auto's thresholds, the
 //! prefetch and its cap, the rate against the consumer timeout, the retry queues' names, names
-//! shared by two pipelines, and the inserts the pipelines always hold against the budget.
+//! shared by two pipelines, and the inserts the pipelines that run always hold against the
+//! budget ([`check_budget`], after `warren run --pipelines` kept the ones that run).
 
 use std::collections::HashMap;
 use std::time::Duration;
@@ -199,18 +200,29 @@ pub fn resolve(settings: &Settings, timeout_at: &Origin) -> Result<Vec<PipelineS
         specs.push(Entry::new(settings, p, Some(index), timeout_at).resolve()?);
     }
     check_shared_names(settings, &specs)?;
+    Ok(specs)
+}
+
+/// The batch inserts `specs` always hold fit in `max_inserts_in_flight` (0: no such budget):
+/// checked for the pipelines that run ([`Settings::check_inserts_budget`]).
+pub fn check_budget(
+    specs: &[PipelineSpec],
+    max_inserts_in_flight: usize,
+) -> Result<(), ConfigError> {
     let held: usize = specs.iter().map(PipelineSpec::held_inserts).sum();
-    if settings.max_inserts_in_flight > 0 && settings.max_inserts_in_flight < held {
+    if max_inserts_in_flight > 0 && max_inserts_in_flight < held {
+        let names: Vec<&str> = specs.iter().map(|p| p.name.as_str()).collect();
         return Err(ConfigError::Invalid {
             setting: "MAX_INSERTS_IN_FLIGHT".into(),
             expected: format!(
-                "0 or at least the {held} batch inserts the pipelines always hold (each \
-                 pipeline's batch concurrency, or its min_concurrency when balanced)"
+                "0 or at least the {held} batch inserts the pipelines that run ({}) always hold \
+                 (each pipeline's batch concurrency, or its min_concurrency when balanced)",
+                names.join(", ")
             ),
-            got: settings.max_inserts_in_flight.to_string(),
+            got: max_inserts_in_flight.to_string(),
         });
     }
-    Ok(specs)
+    Ok(())
 }
 
 /// An error about the `index`-th entry's `field` (a path in the entry, dot-separated; empty:
