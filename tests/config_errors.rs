@@ -772,3 +772,44 @@ fn the_insert_budget_counts_the_selected_pipelines_only() {
         &["at least the 2 batch inserts the pipelines that run (rv_orders)"],
     );
 }
+
+/// A column's `min` or `max` is a finite number its type can hold (found by the review: `max =
+/// nan` turned the check off, `pipelines test` then accepted 1e300; `max = 1e20` on an int4
+/// column was accepted). The error names the pipeline, the column and the key, at its line.
+#[test]
+fn a_bound_that_is_no_number_or_outside_the_columns_type_is_refused() {
+    for (column, expected) in [
+        (
+            "qty = { path = \"/qty\", type = \"numeric\", max = nan }",
+            "pipelines.orders.columns.qty.max: expected a finite number",
+        ),
+        (
+            "qty = { path = \"/qty\", type = \"float8\", min = -inf }",
+            "pipelines.orders.columns.qty.min: expected a finite number",
+        ),
+        (
+            "qty = { path = \"/qty\", type = \"int4\", max = 1e20 }",
+            "pipelines.orders.columns.qty.max: expected a number an int4 column can hold \
+             (-2147483648 to 2147483647), got 100000000000000000000",
+        ),
+        (
+            "qty = { path = \"/qty\", type = \"int8\", min = -1e19 }",
+            "pipelines.orders.columns.qty.min: expected a number an int8 column can hold",
+        ),
+    ] {
+        let file = File::new(&format!("{}{column}\n", orders("")));
+        let path = file.path();
+        let at = path.to_str().expect("utf-8");
+        assert_refused(
+            column,
+            config(&[], &["--config", at]),
+            &[&format!("{at}, line 9: {expected}")],
+        );
+    }
+    let file = File::new(&format!(
+        "{}qty = {{ path = \"/qty\", type = \"int4\", min = -5, max = 2147483647 }}\n",
+        orders("")
+    ));
+    let (code, err) = config(&[], &["--config", file.path().to_str().expect("utf-8")]);
+    assert_eq!(code, 0, "{err}");
+}

@@ -674,6 +674,7 @@ impl<'a> Entry<'a> {
         let refuse = |field: &str, expected: &str, got: &str| {
             self.refuse_with(field, Source::Entry, expected.into(), got.into())
         };
+        self.check_bounds()?;
         if p.api && p.key.len() != 1 {
             return Err(refuse(
                 "api",
@@ -713,6 +714,44 @@ impl<'a> Entry<'a> {
                 "false with on_conflict = \"update\" (a newer version is no conflict)",
                 "true",
             ));
+        }
+        Ok(())
+    }
+
+    /// A column's `min` and `max` are finite numbers its type can hold: `nan` would turn the
+    /// check off (every comparison with it is false), and `1e20` on an `int4` column can never
+    /// be reached. The error names the pipeline, the column and the key, at its line.
+    fn check_bounds(&self) -> Result<(), ConfigError> {
+        use crate::domain::mapping::ColType;
+        for (column, spec) in &self.p.columns {
+            for (key, bound) in [("min", spec.min), ("max", spec.max)] {
+                let Some(bound) = bound else { continue };
+                let range = match spec.ty {
+                    ColType::Int4 => Some((f64::from(i32::MIN), f64::from(i32::MAX), "int4")),
+                    ColType::Int8 => Some((i64::MIN as f64, i64::MAX as f64, "int8")),
+                    _ => None,
+                };
+                let expected = if !bound.is_finite() {
+                    Some("a finite number (nan or inf would turn the check off)".to_string())
+                } else if let Some((lo, hi, ty)) = range
+                    && (bound < lo || bound > hi)
+                {
+                    Some(format!(
+                        "a number an {ty} column can hold ({} to {})",
+                        lo as i64, hi as i64
+                    ))
+                } else {
+                    None
+                };
+                if let Some(expected) = expected {
+                    return Err(self.refuse_with(
+                        &format!("columns.{column}.{key}"),
+                        Source::Entry,
+                        expected,
+                        format!("{bound}"),
+                    ));
+                }
+            }
         }
         Ok(())
     }
