@@ -813,3 +813,22 @@ fn a_bound_that_is_no_number_or_outside_the_columns_type_is_refused() {
     let (code, err) = config(&[], &["--config", file.path().to_str().expect("utf-8")]);
     assert_eq!(code, 0, "{err}");
 }
+
+/// `[pipelines]` (a table) where `[[pipelines]]` entries were meant is placed at its line and
+/// said in warren's words (found by the review: `...key "default.pipelines"`, no line).
+#[test]
+fn a_pipelines_table_instead_of_entries_is_placed_at_its_line() {
+    let file = File::new("prefetch = 3\n\n[pipelines]\nname = \"orders\"\n");
+    let path = file.path();
+    let at = path.to_str().expect("utf-8");
+    let (code, err) = config(&[], &["--config", at]);
+    assert_refused(
+        "[pipelines]",
+        (code, err.clone()),
+        &[&format!(
+            "{at}, line 3: pipelines: expected a list of entries, each opening with \
+             [[pipelines]] (two brackets), got a table"
+        )],
+    );
+    assert!(!err.contains("default.pipelines"), "{err}");
+}
