@@ -153,6 +153,11 @@ impl Cli {
         {
             sources = sources.with_override("roles", roles.clone());
         }
+        // `run --pipelines`: the budget is checked against the pipelines kept
+        // (`run::select_pipelines`), not against every one of the file.
+        if let Command::Run(args) = &self.command {
+            sources.selecting = args.pipelines.is_some();
+        }
         Ok(sources)
     }
 

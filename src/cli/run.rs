@@ -27,7 +27,8 @@ pub struct Args {
 }
 
 /// `settings` with only the pipelines `list` names (comma-separated); an unknown name is a
-/// configuration error (exit 2) naming the known ones.
+/// configuration error (exit 2) naming the known ones, and so is a `MAX_INSERTS_IN_FLIGHT`
+/// below what the pipelines kept always hold.
 pub fn select_pipelines(mut settings: Settings, list: &str) -> Result<Settings, ConfigError> {
     let wanted: Vec<&str> = crate::config::list_entries(list).collect();
     let mut known = vec!["users".to_string()];
@@ -49,6 +50,8 @@ pub fn select_pipelines(mut settings: Settings, list: &str) -> Result<Settings, 
         });
     }
     settings.select_pipelines(&wanted);
+    // Only now: the inserts of the pipelines left out do not count against the budget.
+    settings.check_inserts_budget()?;
     Ok(settings)
 }
 

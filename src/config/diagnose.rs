@@ -275,6 +275,23 @@ pub(super) fn from_figment(error: figment::Error, file: Option<&FileText>) -> Co
         (Some("pipelines"), Some(index), Some(file)) => {
             entry_error(file, index, &path[2..], error.kind)
         }
+        // `[pipelines]` (one table) where `[[pipelines]]` (a list of tables) was meant.
+        (Some("pipelines"), None, Some(file)) if path.len() == 1 => {
+            let got = match &error.kind {
+                Kind::InvalidType(actual, _) => shown(actual),
+                other => other.to_string(),
+            };
+            ConfigError::At {
+                at: file.at(&path),
+                error: Box::new(ConfigError::Invalid {
+                    setting: "pipelines".into(),
+                    expected: "a list of entries, each opening with [[pipelines]] (two brackets)"
+                        .into(),
+                    got,
+                }),
+                closest: None,
+            }
+        }
         _ => ConfigError::Other(without_source(&error.to_string(), file)),
     }
 }

@@ -24,8 +24,8 @@ pub use error::{ConfigError, Origin};
 pub use redact::redact_url;
 use rules::{Rule, check, suggest};
 pub use rules::{list_entries, listen_addr};
-pub use sources::{Sources, environment_help, origins};
-use sources::{check_warren_env, env_name_of, parse_raw};
+pub use sources::{Sources, environment_help, file_origin, origins};
+use sources::{check_warren_env, env_name_of, parse_raw, setting_of_env};
 pub use values::{
     Balance, LogFormat, MAX_RETRY_TIERS, QueueType, RetryTier, RetryTtls, Role, Roles, humanize_ms,
     retry_base,
@@ -351,11 +351,13 @@ impl Settings {
             figment = figment.merge(Toml::string(&file.text));
         }
         if sources.use_env {
-            let keys: Vec<&str> = RULES.iter().map(|(k, _)| *k).collect();
             // `WARREN_<NAME>` wins over `<NAME>` (a shared environment may hold the bare name).
-            figment = figment
-                .merge(Env::raw().only(&keys))
-                .merge(Env::prefixed("WARREN_").only(&keys));
+            // Only the upper-case names are settings, matched on the variable's own name.
+            let names = |prefix: &'static str| {
+                Env::raw()
+                    .filter_map(move |name| setting_of_env(name.as_str(), prefix).map(Into::into))
+            };
+            figment = figment.merge(names("")).merge(names("WARREN_"));
         }
         let mut overrides: BTreeMap<String, Value> = sources
             .overrides
@@ -407,8 +409,14 @@ impl Settings {
             .validate()
             .map_err(|e| diagnose::place(e, sources, file.as_ref(), None))?;
         // The one resolution step: every pipeline's entry plus the defaults, checked.
-        settings.resolved = pipelines::resolve(&settings)
+        let timeout_at = diagnose::origin_of("amqp_consumer_timeout_ms", sources, file.as_ref());
+        settings.resolved = pipelines::resolve(&settings, &timeout_at)
             .map_err(|e| diagnose::place(e, sources, file.as_ref(), None))?;
+        if !sources.selecting {
+            settings
+                .check_inserts_budget()
+                .map_err(|e| diagnose::place(e, sources, file.as_ref(), None))?;
+        }
         Ok(settings)
     }
 
@@ -450,6 +458,13 @@ impl Settings {
     /// The pipeline `name` among [`Settings::pipelines`].
     pub fn pipeline(&self, name: &str) -> Option<&pipelines::PipelineSpec> {
         self.resolved.iter().find(|p| p.name == name)
+    }
+
+    /// `MAX_INSERTS_IN_FLIGHT` holds at least the batch inserts the pipelines to run always
+    /// hold: checked at load, or after [`Settings::select_pipelines`] when the sources said a
+    /// selection follows (the pipelines left out do not count).
+    pub fn check_inserts_budget(&self) -> Result<(), ConfigError> {
+        pipelines::check_budget(&self.resolved, self.max_inserts_in_flight)
     }
 
     /// Keeps only the pipelines named in `wanted` (`warren run --pipelines`): the resolved

@@ -14,7 +14,7 @@ use serde::{Deserialize, Serialize};
 
 use super::{ConfigError, RetryTier, Settings, humanize_ms, retry_base};
 use crate::domain::mapping::{ColumnSpec, Mapping, MappingSpec, OnConflict, UnknownFields};
-pub use spec::{Api, Balancing, Batching, PipelineSpec, pool_size, resolve};
+pub use spec::{Api, Balancing, Batching, PipelineSpec, check_budget, pool_size, resolve};
 
 /// One `[[pipelines]]` entry as written in the file.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -203,10 +203,18 @@ impl PipelineConfig {
     }
 
     /// Its exchanges and queues, given or derived from its name (resolved into
-    /// [`PipelineSpec::names`]).
+    /// [`PipelineSpec::names`]). A file's pipeline named users takes, for each name it does not
+    /// give, the users naming settings (`MAIN_QUEUE`, ..., its retry tiers named from
+    /// `RETRY_QUEUE`), as the built-in one does: declaring users in a file does not move its
+    /// queues.
     fn names(&self, settings: &Settings) -> Names {
         let n = &self.name;
-        let or = |given: &Option<String>, default: String| given.clone().unwrap_or(default);
+        let users = n == "users";
+        let or = |given: &Option<String>, setting: &String, derived: String| {
+            given
+                .clone()
+                .unwrap_or_else(|| if users { setting.clone() } else { derived })
+        };
         let ttls = match &self.retry_ttls_ms {
             Some(list) => list.clone(),
             None => settings.retry_ttls_ms.0.clone(),
@@ -215,13 +223,18 @@ impl PipelineConfig {
             vec![RetryTier {
                 queue: or(
                     &self.retry_queue,
+                    &settings.retry_queue,
                     format!("{n}_retry_{}", humanize_ms(settings.retry_ttl_ms)),
                 ),
                 ttl_ms: settings.retry_ttl_ms,
             }]
         } else {
-            let default = format!("{n}_retry");
-            let base = retry_base(self.retry_queue.as_deref().unwrap_or(&default));
+            let base = retry_base(&or(
+                &self.retry_queue,
+                &settings.retry_queue,
+                format!("{n}_retry"),
+            ))
+            .to_string();
             ttls.iter()
                 .map(|&ttl_ms| RetryTier {
                     queue: format!("{base}_{}", humanize_ms(ttl_ms)),
@@ -230,12 +243,24 @@ impl PipelineConfig {
                 .collect()
         };
         Names {
-            main_exchange: or(&self.main_exchange, format!("{n}_exchange")),
-            main_queue: or(&self.main_queue, format!("{n}_queue")),
-            retry_exchange: or(&self.retry_exchange, format!("{n}_retry_exchange")),
+            main_exchange: or(
+                &self.main_exchange,
+                &settings.main_exchange,
+                format!("{n}_exchange"),
+            ),
+            main_queue: or(&self.main_queue, &settings.main_queue, format!("{n}_queue")),
+            retry_exchange: or(
+                &self.retry_exchange,
+                &settings.retry_exchange,
+                format!("{n}_retry_exchange"),
+            ),
             retry_tiers,
-            dlx_exchange: or(&self.dlx_exchange, format!("{n}_dlx")),
-            dlq_queue: or(&self.dlq_queue, format!("{n}_dlq")),
+            dlx_exchange: or(
+                &self.dlx_exchange,
+                &settings.dlx_exchange,
+                format!("{n}_dlx"),
+            ),
+            dlq_queue: or(&self.dlq_queue, &settings.dlq_queue, format!("{n}_dlq")),
         }
     }
 }

@@ -6,6 +6,7 @@ use std::path::{Path, PathBuf};
 
 use figment::value::Value;
 
+use super::diagnose::FileText;
 use super::error::closest;
 use super::{ConfigError, DEFAULT_TOML, Origin, RULES, Rule, redact_url};
 
@@ -21,6 +22,10 @@ pub struct Sources {
     /// How each override was given on the command line (`--set users_batch_size=0`), so that
     /// an error about its value can quote it.
     pub given: BTreeMap<String, String>,
+    /// The caller keeps only some pipelines (`warren run --pipelines`) and checks the inserts
+    /// they always hold against the budget after it ([`super::Settings::check_inserts_budget`]):
+    /// pipelines that will not run must not count.
+    pub selecting: bool,
 }
 
 impl Sources {
@@ -31,6 +36,7 @@ impl Sources {
             overrides: BTreeMap::new(),
             use_env: true,
             given: BTreeMap::new(),
+            selecting: false,
         }
     }
 
@@ -96,6 +102,22 @@ pub(super) fn env_name_of(key: &str) -> Option<String> {
         .find(|name| std::env::var_os(name).is_some())
 }
 
+/// The setting the environment variable `name` sets, given `prefix` (`""` for the bare names,
+/// `"WARREN_"`): the setting's key when `name` is exactly `prefix` + the key in upper case.
+/// Only those names are settings: `prefetch`, `Prefetch` or `warren_prefetch` are not, and are
+/// ignored like any other variable (figment's own matching would ignore the case, and the last
+/// of `PREFETCH=9 prefetch=7` would win).
+pub(super) fn setting_of_env(name: &str, prefix: &str) -> Option<&'static str> {
+    let rest = name.strip_prefix(prefix)?;
+    RULES.iter().map(|(key, _)| *key).find(|key| {
+        rest.len() == key.len()
+            && rest
+                .bytes()
+                .zip(key.bytes())
+                .all(|(r, k)| r == k.to_ascii_uppercase())
+    })
+}
+
 /// Whether `name` (with `value`) is one of the variables Kubernetes gives every pod for each
 /// Service of its namespace (service links): a Service `warren` (or `warren-api`) makes
 /// `WARREN_SERVICE_HOST`, `WARREN_SERVICE_PORT`, `WARREN_SERVICE_PORT_<PORT NAME>`,
@@ -137,8 +159,9 @@ pub(super) fn check_warren_env() -> Result<(), ConfigError> {
         {
             continue;
         }
+        // `WARREN_prefetch` is no setting (only the upper-case names are): refused as a misspelling.
         let key = rest.to_ascii_lowercase();
-        if RULES.iter().any(|(k, _)| *k == key)
+        if setting_of_env(name, "WARREN_").is_some()
             || is_kubernetes_service_link(name, &value.to_string_lossy())
         {
             continue;
@@ -190,6 +213,28 @@ pub fn origins(sources: &Sources) -> Result<BTreeMap<&'static str, String>, Conf
             (*key, origin)
         })
         .collect())
+}
+
+/// Where the key at `path` of the `--config` file was given (`["pipelines", "1", "batch_size"]`,
+/// `["pipelines", "1", "columns", "total", "max"]`), for `warren config --origin`: `file PATH,
+/// line N`; `None` when the file does not have that very key (the value is then a default).
+pub fn file_origin(sources: &Sources, path: &[String]) -> Option<String> {
+    let file = FileText::read(sources.file.as_deref()?).ok()?;
+    let table: toml::Table = file.text.parse().ok()?;
+    let (first, rest) = path.split_first()?;
+    rest.iter()
+        .try_fold(table.get(first)?, |value, segment| match value {
+            toml::Value::Table(t) => t.get(segment),
+            toml::Value::Array(items) => items.get(segment.parse::<usize>().ok()?),
+            _ => None,
+        })?;
+    match file.at(path) {
+        Origin::File {
+            path,
+            line: Some(line),
+        } => Some(format!("file {}, line {line}", path.display())),
+        _ => None,
+    }
 }
 
 /// The ENVIRONMENT section of `warren run --help` and the man pages, from the shipped defaults

@@ -4,13 +4,14 @@
 //! here: the ranges of an entry's numbers, min <= max concurrency, the batch's minimum wait
 //! within its timeout, auto's thresholds, the
 //! prefetch and its cap, the rate against the consumer timeout, the retry queues' names, names
-//! shared by two pipelines, and the inserts the pipelines always hold against the budget.
+//! shared by two pipelines, and the inserts the pipelines that run always hold against the
+//! budget ([`check_budget`], after `warren run --pipelines` kept the ones that run).
 
 use std::collections::HashMap;
 use std::time::Duration;
 
 use super::{ApiKey, Names, PipelineConfig};
-use crate::config::{Balance, ConfigError, Rule, Settings, window_outlasts};
+use crate::config::{Balance, ConfigError, Origin, Rule, Settings, window_outlasts};
 use crate::domain::mapping::{Mapping, MappingSpec, OnConflict};
 
 /// A pipeline's HTTP API (docs/api.md).
@@ -92,6 +93,11 @@ pub struct PipelineSpec {
     /// The most the window may be: `prefetch` when set, and what the byte budget holds of
     /// bodies of the largest accepted size (`MAX_INFLIGHT_BYTES / MAX_MESSAGE_BYTES`).
     pub window_cap: u16,
+    /// The largest window the main stage uses on its own: [`Self::prefetch`] when not
+    /// balanced; balanced, its window at its most inserts in flight ([`Self::most_inserts`]:
+    /// batch size x that x 2, within `window_cap`), where the balancer takes it under backlog.
+    /// What the rate is checked against and what `warren config` prints.
+    pub most_prefetch: u16,
     /// Retries through the retry queue before a transient failure is dead-lettered.
     pub max_retries: u32,
     /// Attempts of the DLQ stage at a message the database keeps refusing before it parks it.
@@ -135,12 +141,12 @@ impl PipelineSpec {
         self.batching.concurrency.max(self.balance.max)
     }
 
-    /// At `per_s` messages a second (0 = no limit), whether the last delivery of a full window
-    /// ([`Self::prefetch`]) would wait in the rate limiter as long as `hand_back` (see
+    /// At `per_s` messages a second (0 = no limit), whether the last delivery of its largest
+    /// window ([`Self::most_prefetch`]) would wait in the rate limiter as long as `hand_back` (see
     /// [`crate::config::hand_back_after`]) or longer; that time if so. An error at load, a
     /// warning on `warren ctl rate`.
     pub fn window_outlasts(&self, per_s: u32, hand_back: Option<Duration>) -> Option<Duration> {
-        window_outlasts(self.prefetch, per_s, hand_back)
+        window_outlasts(self.most_prefetch, per_s, hand_back)
     }
 }
 
@@ -156,8 +162,9 @@ pub fn pool_size(pipelines: &[PipelineSpec], at_least: usize, budget: usize) -> 
 /// Every pipeline `settings` runs, resolved and checked: the built-in users pipeline first
 /// (unless a file's pipeline named users replaces it), then the file's, in its order. An error
 /// names the pipeline and the field: an entry's key (the loader adds the file and line), or the
-/// setting the value came from (the loader adds where it was given).
-pub fn resolve(settings: &Settings) -> Result<Vec<PipelineSpec>, ConfigError> {
+/// setting the value came from (the loader adds where it was given). `timeout_at` is where
+/// `AMQP_CONSUMER_TIMEOUT_MS` was given, which an error about a batch timeout names.
+pub fn resolve(settings: &Settings, timeout_at: &Origin) -> Result<Vec<PipelineSpec>, ConfigError> {
     let mut seen: HashMap<&str, usize> = HashMap::new();
     for (index, p) in settings.pipelines.iter().enumerate() {
         let invalid = |expected: &str, got: String| {
@@ -187,24 +194,35 @@ pub fn resolve(settings: &Settings) -> Result<Vec<PipelineSpec>, ConfigError> {
     let mut specs = Vec::new();
     if !seen.contains_key("users") {
         let users = super::users()?;
-        specs.push(Entry::new(settings, &users, None).resolve()?);
+        specs.push(Entry::new(settings, &users, None, timeout_at).resolve()?);
     }
     for (index, p) in settings.pipelines.iter().enumerate() {
-        specs.push(Entry::new(settings, p, Some(index)).resolve()?);
+        specs.push(Entry::new(settings, p, Some(index), timeout_at).resolve()?);
     }
     check_shared_names(settings, &specs)?;
+    Ok(specs)
+}
+
+/// The batch inserts `specs` always hold fit in `max_inserts_in_flight` (0: no such budget):
+/// checked for the pipelines that run ([`Settings::check_inserts_budget`]).
+pub fn check_budget(
+    specs: &[PipelineSpec],
+    max_inserts_in_flight: usize,
+) -> Result<(), ConfigError> {
     let held: usize = specs.iter().map(PipelineSpec::held_inserts).sum();
-    if settings.max_inserts_in_flight > 0 && settings.max_inserts_in_flight < held {
+    if max_inserts_in_flight > 0 && max_inserts_in_flight < held {
+        let names: Vec<&str> = specs.iter().map(|p| p.name.as_str()).collect();
         return Err(ConfigError::Invalid {
             setting: "MAX_INSERTS_IN_FLIGHT".into(),
             expected: format!(
-                "0 or at least the {held} batch inserts the pipelines always hold (each \
-                 pipeline's batch concurrency, or its min_concurrency when balanced)"
+                "0 or at least the {held} batch inserts the pipelines that run ({}) always hold \
+                 (each pipeline's batch concurrency, or its min_concurrency when balanced)",
+                names.join(", ")
             ),
-            got: settings.max_inserts_in_flight.to_string(),
+            got: max_inserts_in_flight.to_string(),
         });
     }
-    Ok(specs)
+    Ok(())
 }
 
 /// An error about the `index`-th entry's `field` (a path in the entry, dot-separated; empty:
@@ -262,11 +280,23 @@ struct Entry<'a> {
     p: &'a PipelineConfig,
     /// Its place in the file's `[[pipelines]]`; `None` for the built-in users pipeline.
     index: Option<usize>,
+    /// Where `AMQP_CONSUMER_TIMEOUT_MS` was given (an error about the batch timeout names it).
+    timeout_at: &'a Origin,
 }
 
 impl<'a> Entry<'a> {
-    fn new(settings: &'a Settings, p: &'a PipelineConfig, index: Option<usize>) -> Self {
-        Self { settings, p, index }
+    fn new(
+        settings: &'a Settings,
+        p: &'a PipelineConfig,
+        index: Option<usize>,
+        timeout_at: &'a Origin,
+    ) -> Self {
+        Self {
+            settings,
+            p,
+            index,
+            timeout_at,
+        }
     }
 
     /// How an error names the value's field: the entry's key, or the setting in upper case (the
@@ -504,6 +534,24 @@ impl<'a> Entry<'a> {
                 ),
             ));
         }
+        // A partial batch is held at most its timeout before a sink takes it; its deliveries
+        // must still be inserted and acked before the hand-back time (80% of the consumer
+        // timeout), so the timeout is at most half of that (the minimum wait is within it).
+        if let Some(hand_back) = s.hand_back_after() {
+            let most = u64::try_from(hand_back.as_millis() / 2).unwrap_or(u64::MAX);
+            if timeout.value > most {
+                return Err(self.refuse(
+                    &timeout,
+                    format!(
+                        "at most {most} ms: half of 80% of AMQP_CONSUMER_TIMEOUT_MS ({} ms, from \
+                         {}), so that a partial batch held this long is still inserted and acked \
+                         before warren hands its deliveries back (lower it, or set \
+                         AMQP_CONSUMER_TIMEOUT_MS to the broker's larger consumer_timeout)",
+                        s.amqp_consumer_timeout_ms, self.timeout_at
+                    ),
+                ));
+            }
+        }
         if strategy.value == Balance::Auto && down.value >= up.value {
             return Err(self.refuse(
                 &down,
@@ -542,9 +590,12 @@ impl<'a> Entry<'a> {
             0 => two_batches(concurrency_n),
             _ => window_cap,
         };
-        let start = match strategy.value {
-            Balance::Off => fixed,
-            _ => two_batches(min_n),
+        let (start, most) = match strategy.value {
+            Balance::Off => (fixed, fixed),
+            _ => (
+                two_batches(min_n),
+                two_batches(concurrency_n.max(small(max.value))),
+            ),
         };
         let spec = PipelineSpec {
             name: p.name.clone(),
@@ -576,6 +627,7 @@ impl<'a> Entry<'a> {
             prefetch: fixed,
             start_prefetch: start,
             window_cap,
+            most_prefetch: most,
             max_retries: narrow(max_retries.value),
             dlq_max_attempts: narrow(dlq_max_attempts.value),
             rate_limit_per_s: narrow(rate.value),
@@ -585,15 +637,23 @@ impl<'a> Entry<'a> {
             db_retry_window: Duration::from_millis(s.db_retry_window_ms),
         };
         // A rate set at start cannot keep a full window waiting past the hand-back time (the
-        // last of `prefetch` deliveries waits `prefetch / rate` seconds in the consumer).
+        // last of `prefetch` deliveries waits `prefetch / rate` seconds in the consumer): the
+        // largest window the stage takes, a balanced one's at its most inserts in flight.
         if let Some(give_back) = spec.window_outlasts(spec.rate_limit_per_s, s.hand_back_after()) {
             return Err(self.refuse(
                 &rate,
                 format!(
-                    "a rate at which one prefetch window ({} deliveries) is handed on within {} \
+                    "a rate at which one prefetch window ({} deliveries{}) is handed on within {} \
                      ms (80% of AMQP_CONSUMER_TIMEOUT_MS): raise the rate, lower PREFETCH, or \
                      set AMQP_CONSUMER_TIMEOUT_MS to the broker's larger consumer_timeout",
-                    spec.prefetch,
+                    spec.most_prefetch,
+                    match strategy.value {
+                        Balance::Off => String::new(),
+                        _ => format!(
+                            ", balanced at its most: {} inserts in flight",
+                            spec.most_inserts()
+                        ),
+                    },
                     give_back.as_millis()
                 ),
             ));
@@ -614,6 +674,7 @@ impl<'a> Entry<'a> {
         let refuse = |field: &str, expected: &str, got: &str| {
             self.refuse_with(field, Source::Entry, expected.into(), got.into())
         };
+        self.check_bounds()?;
         if p.api && p.key.len() != 1 {
             return Err(refuse(
                 "api",
@@ -653,6 +714,44 @@ impl<'a> Entry<'a> {
                 "false with on_conflict = \"update\" (a newer version is no conflict)",
                 "true",
             ));
+        }
+        Ok(())
+    }
+
+    /// A column's `min` and `max` are finite numbers its type can hold: `nan` would turn the
+    /// check off (every comparison with it is false), and `1e20` on an `int4` column can never
+    /// be reached. The error names the pipeline, the column and the key, at its line.
+    fn check_bounds(&self) -> Result<(), ConfigError> {
+        use crate::domain::mapping::ColType;
+        for (column, spec) in &self.p.columns {
+            for (key, bound) in [("min", spec.min), ("max", spec.max)] {
+                let Some(bound) = bound else { continue };
+                let range = match spec.ty {
+                    ColType::Int4 => Some((f64::from(i32::MIN), f64::from(i32::MAX), "int4")),
+                    ColType::Int8 => Some((i64::MIN as f64, i64::MAX as f64, "int8")),
+                    _ => None,
+                };
+                let expected = if !bound.is_finite() {
+                    Some("a finite number (nan or inf would turn the check off)".to_string())
+                } else if let Some((lo, hi, ty)) = range
+                    && (bound < lo || bound > hi)
+                {
+                    Some(format!(
+                        "a number an {ty} column can hold ({} to {})",
+                        lo as i64, hi as i64
+                    ))
+                } else {
+                    None
+                };
+                if let Some(expected) = expected {
+                    return Err(self.refuse_with(
+                        &format!("columns.{column}.{key}"),
+                        Source::Entry,
+                        expected,
+                        format!("{bound}"),
+                    ));
+                }
+            }
         }
         Ok(())
     }

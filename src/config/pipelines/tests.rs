@@ -507,3 +507,55 @@ fn a_rules_error_names_the_pipeline_and_the_field() {
     assert_eq!(s.inserts_budget(), 10);
     assert_eq!(s.pipelines_pool_size(), 10 + 10 + 1);
 }
+
+/// A file's pipeline named users keeps the users naming settings for each name it does not
+/// give, as the built-in one does (found by the review: `MAIN_QUEUE=rv_mq` and a file users
+/// entry ran on `users_queue` while `config --origin` said `main_queue = "rv_mq"`); a name the
+/// entry gives wins; another pipeline's names are still derived from its own name.
+#[test]
+fn a_files_users_pipeline_keeps_the_users_names() {
+    let users = ORDERS.replace("name = \"orders\"", "name = \"users\"");
+    let s = load_with(
+        &users,
+        &[
+            ("main_queue", "rv_mq"),
+            ("main_exchange", "rv_ex"),
+            ("dlq_queue", "rv_dlq"),
+            ("retry_queue", "rv_retry_10s"),
+        ],
+    )
+    .expect("valid");
+    let names = &s.pipeline("users").expect("users").names;
+    assert_eq!(names.main_queue, "rv_mq");
+    assert_eq!(names.main_exchange, "rv_ex");
+    assert_eq!(names.dlq_queue, "rv_dlq");
+    assert_eq!(names.retry_exchange, s.retry_exchange);
+    assert_eq!(names.dlx_exchange, s.dlx_exchange);
+    assert_eq!(names.retry_tiers, s.retry_tiers());
+    // With tiers, named from RETRY_QUEUE's base, as the built-in users pipeline's.
+    let s = load_with(
+        &users,
+        &[
+            ("retry_queue", "rv_retry_10s"),
+            ("retry_ttls_ms", "1000,60000"),
+        ],
+    )
+    .expect("valid");
+    let tiers: Vec<String> = s.pipelines()[0]
+        .names
+        .retry_tiers
+        .iter()
+        .map(|t| t.queue.clone())
+        .collect();
+    assert_eq!(tiers, ["rv_retry_1s", "rv_retry_1m"]);
+    // The entry's own name wins.
+    let own = users.replace("batch_size = 500", "main_queue = \"mine\"");
+    let s = load_with(&own, &[("main_queue", "rv_mq")]).expect("valid");
+    assert_eq!(s.pipelines()[0].names.main_queue, "mine");
+    // Another pipeline's are its own.
+    let s = load_with(ORDERS, &[("main_queue", "rv_mq")]).expect("valid");
+    assert_eq!(
+        s.pipeline("orders").expect("orders").names.main_queue,
+        "orders_queue"
+    );
+}
