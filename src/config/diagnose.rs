@@ -49,36 +49,43 @@ pub const MAX_FILE_BYTES: u64 = 4 * 1024 * 1024;
 /// directory is refused before it is opened for reading: a read that never ends would hold the
 /// thread that reads it (a reload runs on the runtime's one thread: every pipeline would stop).
 /// The file is opened without blocking, and what it holds is read up to the bound only.
-fn read_regular(path: &Path) -> Result<String, String> {
+fn read_regular(path: &Path) -> Result<String, Unreadable> {
     use std::io::Read as _;
     use std::os::unix::fs::OpenOptionsExt as _;
-    let meta = std::fs::metadata(path).map_err(|e| e.to_string())?;
+    let meta = std::fs::metadata(path)?;
     if !meta.is_file() {
-        return Err("expected a regular file (not a directory, a FIFO or a device)".into());
+        return Err(Unreadable::NotAFile);
     }
     if meta.len() > MAX_FILE_BYTES {
-        return Err(format!(
-            "expected at most {MAX_FILE_BYTES} bytes, the file has {}",
-            meta.len()
-        ));
+        return Err(Unreadable::TooLarge(Some(meta.len())));
     }
     // O_NONBLOCK: if the path was swapped for a FIFO since, the open does not wait for a writer.
     let file = std::fs::OpenOptions::new()
         .read(true)
         .custom_flags(libc::O_NONBLOCK)
-        .open(path)
-        .map_err(|e| e.to_string())?;
-    if !file.metadata().map_err(|e| e.to_string())?.is_file() {
-        return Err("expected a regular file (not a directory, a FIFO or a device)".into());
+        .open(path)?;
+    if !file.metadata()?.is_file() {
+        return Err(Unreadable::NotAFile);
     }
     let mut bytes = Vec::new();
-    file.take(MAX_FILE_BYTES + 1)
-        .read_to_end(&mut bytes)
-        .map_err(|e| e.to_string())?;
+    file.take(MAX_FILE_BYTES + 1).read_to_end(&mut bytes)?;
     if bytes.len() as u64 > MAX_FILE_BYTES {
-        return Err(format!("expected at most {MAX_FILE_BYTES} bytes"));
+        return Err(Unreadable::TooLarge(None));
     }
-    String::from_utf8(bytes).map_err(|_| "stream did not contain valid UTF-8".into())
+    String::from_utf8(bytes).map_err(|_| Unreadable::NotUtf8)
+}
+
+/// Why [`read_regular`] read no text, in the words a configuration error shows.
+#[derive(Debug, thiserror::Error)]
+enum Unreadable {
+    #[error("{0}")]
+    Io(#[from] std::io::Error),
+    #[error("expected a regular file (not a directory, a FIFO or a device)")]
+    NotAFile,
+    #[error("expected at most {MAX_FILE_BYTES} bytes{}", .0.map(|n| format!(", the file has {n}")).unwrap_or_default())]
+    TooLarge(Option<u64>),
+    #[error("stream did not contain valid UTF-8")]
+    NotUtf8,
 }
 
 impl FileText {
@@ -89,7 +96,7 @@ impl FileText {
             path: path.to_path_buf(),
             reason,
         };
-        let text = read_regular(path).map_err(file_error)?;
+        let text = read_regular(path).map_err(|e| file_error(e.to_string()))?;
         text.parse::<toml::Table>()
             .map_err(|e| file_error(syntax_error(&text, &e)))?;
         Ok(Self {
