@@ -466,6 +466,64 @@ fn redaction_covers_lists_multi_host_urls_and_what_no_parser_accepts() {
     }
 }
 
+/// Every way to misplace the `://`, the `:` before the password or the `@` after it (one at a
+/// time, and the `://` with the `@`), for each URL setting, alone, as the first and the second
+/// entry of a list, with a query: neither the redacted form nor the error shows the password.
+#[test]
+fn a_url_of_the_wrong_shape_never_shows_its_password() {
+    const PW: &str = "S3cretPw";
+    let schemes = [":/", "//", ":", "/", "", ":///", "::/", "://"];
+    let users = [":", "@", "/", "::", "//", ":/", ":@"];
+    let ats = ["@", ":", "/", "", "@@", "//", ":/", "?", "#", "/@"];
+    let mut shapes = vec![];
+    for (scheme, host) in [
+        ("amqp", "127.0.0.1:5672/%2f"),
+        ("postgres", "127.0.0.1:5432/db"),
+        ("redis", "127.0.0.1:6379"),
+    ] {
+        for a in schemes {
+            for c in ats {
+                shapes.push(format!("{scheme}{a}g:{PW}{c}{host}"));
+            }
+            shapes.push(format!("{scheme}{a}g:{PW}"));
+        }
+        for b in users {
+            shapes.push(format!("{scheme}://g{b}{PW}@{host}"));
+        }
+    }
+    // The review's own spellings.
+    shapes.extend(
+        [
+            "guest:S3cretPw@127.0.0.1:5672",
+            "amqp://guest:S3cretPw",
+            "warren:S3cretPw@h/db",
+            "postgres:/warren:S3cretPw@h/db",
+            "postgres://warren:S3cretPw/db",
+            ":S3cretPw@127.0.0.1:6379",
+            "redis://u:S3cretPw",
+        ]
+        .map(String::from),
+    );
+    for shape in &shapes {
+        for raw in [
+            shape.clone(),
+            format!("{shape}?heartbeat=5"),
+            format!("amqp://u:p@h/%2f,{shape}"),
+            format!("amqp://h/%2f,{shape}"),
+            format!("{shape},amqp://h/%2f"),
+        ] {
+            let shown = redact_url(&raw);
+            assert!(!shown.contains(PW), "{raw:?} is shown as {shown:?}");
+            for key in ["amqp_url", "database_url", "redis_url"] {
+                if let Err(e) = with(&[(key, raw.as_str())]) {
+                    let text = e.to_string();
+                    assert!(!text.contains(PW), "{key}={raw:?}: {text}");
+                }
+            }
+        }
+    }
+}
+
 #[test]
 fn passwords_are_redacted() {
     let shown = Settings::defaults().to_redacted_toml();
