@@ -524,6 +524,28 @@ fn a_url_of_the_wrong_shape_never_shows_its_password() {
     }
 }
 
+/// A DLQ delivery limit that an outage can spend is refused; 0 (none declared) and the floor
+/// are taken.
+#[test]
+fn a_dlq_delivery_limit_an_outage_can_spend_is_refused() {
+    for bad in ["1", "20", "9999"] {
+        let text = with(&[("dlq_delivery_limit", bad)])
+            .unwrap_err()
+            .to_string();
+        assert!(
+            text.starts_with(
+                "DLQ_DELIVERY_LIMIT: expected 0 (none declared) or 10000 to 1000000000"
+            ),
+            "{text}"
+        );
+        assert!(text.ends_with(&format!("got {bad}")), "{text}");
+    }
+    for good in ["0", "10000", "1000000"] {
+        let s = with(&[("dlq_delivery_limit", good)]).unwrap();
+        assert_eq!(s.dlq_delivery_limit.to_string(), good);
+    }
+}
+
 #[test]
 fn passwords_are_redacted() {
     let shown = Settings::defaults().to_redacted_toml();
