@@ -546,6 +546,52 @@ fn a_dlq_delivery_limit_an_outage_can_spend_is_refused() {
     }
 }
 
+/// A `frame_max` outside what AMQP 0-9-1 and the broker allow, and a database URL warren
+/// could never connect with, are refused at load, naming what is wrong.
+#[test]
+fn urls_warren_could_never_connect_with_are_refused() {
+    for n in ["0", "1", "4095", "1048577"] {
+        let url = format!("amqp://guest:s3cret@127.0.0.1:5672/%2f?frame_max={n}");
+        let text = with(&[("amqp_url", &url)]).unwrap_err().to_string();
+        assert!(
+            text.starts_with(
+                "AMQP_URL: expected frame_max from 4096 (the AMQP 0-9-1 minimum frame size) \
+                 to 1048576"
+            ),
+            "{text}"
+        );
+        assert!(text.contains(&format!("not {n}")), "{text}");
+        assert!(!text.contains("s3cret"), "{text}");
+    }
+    for n in ["4096", "131072", "1048576"] {
+        let url = format!("amqp://guest:guest@127.0.0.1:5672/%2f?frame_max={n}");
+        with(&[("amqp_url", &url)]).unwrap();
+    }
+    let pg = "postgres://warren:s3cret@127.0.0.1:5432/warren";
+    let text = with(&[("database_url", &format!("{pg}?sslmode=require"))])
+        .unwrap_err()
+        .to_string();
+    assert!(text.contains("DATABASE_URL"), "{text}");
+    assert!(
+        text.contains("without sslmode=require (warren connects without TLS"),
+        "{text}"
+    );
+    for (query, option) in [
+        ("sslpassword=x", "sslpassword"),
+        ("sslmode=verify-full", "sslmode"),
+    ] {
+        let text = with(&[("database_url", &format!("{pg}?{query}"))])
+            .unwrap_err()
+            .to_string();
+        assert!(text.contains("DATABASE_URL"), "{text}");
+        assert!(text.contains(&format!("option `{option}`")), "{text}");
+        assert!(!text.contains("s3cret"), "{text}");
+    }
+    for query in ["sslmode=disable", "sslmode=prefer"] {
+        with(&[("database_url", &format!("{pg}?{query}"))]).unwrap();
+    }
+}
+
 #[test]
 fn passwords_are_redacted() {
     let shown = Settings::defaults().to_redacted_toml();
