@@ -113,7 +113,7 @@ settings! {
     /// Redis for the instance registry and remote control.
     redis_url: String => Rule::Url(&["redis", "rediss"]),
     /// Prefix of every Redis key, so several deployments share one Redis.
-    redis_prefix: String => Rule::Name,
+    redis_prefix: String => Rule::KeyPrefix,
     /// Shared secret that signs remote-control commands (HMAC-SHA256); empty = unsigned
     /// commands are accepted, with a warning at start.
     control_secret: String => Rule::Secret,

@@ -27,6 +27,9 @@ pub(super) enum Rule {
     Bool,
     Addr,
     Name,
+    /// A prefix of Redis keys (`REDIS_PREFIX`): 1 to 255 characters without control characters
+    /// (Redis has no reserved names, unlike the broker's `amq.`).
+    KeyPrefix,
     Ident,
     Roles,
     /// A comma-separated list of retry TTLs (see [`RetryTtls`]).
@@ -301,6 +304,15 @@ pub(super) fn check(key: &str, rule: &Rule, value: &Value) -> Result<(), ConfigE
             if !ok {
                 return Err(invalid(
                     "a name of 1 to 255 characters, not starting with \"amq.\"".into(),
+                ));
+            }
+        }
+        Rule::KeyPrefix => {
+            let ok = matches!(value, Value::String(_, s)
+                if !s.is_empty() && s.len() <= 255 && !s.chars().any(char::is_control));
+            if !ok {
+                return Err(invalid(
+                    "a Redis key prefix of 1 to 255 characters without control characters".into(),
                 ));
             }
         }

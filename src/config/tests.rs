@@ -592,6 +592,22 @@ fn urls_warren_could_never_connect_with_are_refused() {
     }
 }
 
+/// REDIS_PREFIX is a Redis key prefix: `amq.` is fine there, and its error cites Redis's rule,
+/// not the broker's.
+#[test]
+fn redis_prefix_follows_redis_rules() {
+    assert_eq!(
+        with(&[("redis_prefix", "amq.x")]).unwrap().redis_prefix,
+        "amq.x"
+    );
+    let text = with(&[("redis_prefix", "")]).unwrap_err().to_string();
+    assert_eq!(
+        text,
+        "REDIS_PREFIX: expected a Redis key prefix of 1 to 255 characters without control \
+         characters, got \"\""
+    );
+}
+
 #[test]
 fn passwords_are_redacted() {
     let shown = Settings::defaults().to_redacted_toml();
