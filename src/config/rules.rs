@@ -73,6 +73,12 @@ pub fn list_entries(raw: &str) -> impl Iterator<Item = &str> {
 enum AmqpUrlError {
     #[error("a URL starting with amqp:// or amqps://")]
     Scheme,
+    /// The scheme is right, the port is not one.
+    #[error("a port from 1 to 65535 after the host (amqp://user:password@host:5672/vhost)")]
+    Port,
+    /// The scheme is right, there is no host after it.
+    #[error("a host after amqp:// (amqp://user:password@host:5672/vhost)")]
+    Host,
     /// The AMQP client's own parser refused it; its words, passwords redacted.
     #[error("an AMQP URL the client accepts ({0})")]
     Client(String),
@@ -95,8 +101,12 @@ const FRAME_MAX_MAX: u32 = 1_048_576;
 /// accepts too (it has its own parser, for query options such as heartbeat: a URL it refuses
 /// must stop warren now, not loop in a reconnect). The error says what was expected.
 fn check_amqp_url(entry: &str) -> Result<(), AmqpUrlError> {
+    let lower = entry.to_ascii_lowercase();
+    let amqp = lower.starts_with("amqp://") || lower.starts_with("amqps://");
     match url::Url::parse(entry) {
-        Ok(u) if ["amqp", "amqps"].contains(&u.scheme()) && u.host_str().is_some() => {}
+        Ok(u) if amqp && u.host_str().is_some_and(|h| !h.is_empty()) => {}
+        Ok(_) | Err(url::ParseError::EmptyHost) if amqp => return Err(AmqpUrlError::Host),
+        Err(url::ParseError::InvalidPort) if amqp => return Err(AmqpUrlError::Port),
         _ => return Err(AmqpUrlError::Scheme),
     }
     let uri = entry

@@ -608,6 +608,30 @@ fn redis_prefix_follows_redis_rules() {
     );
 }
 
+/// An AMQP URL with the right scheme says what is wrong after it, not "starting with amqp://".
+#[test]
+fn an_amqp_url_with_a_bad_port_or_no_host_says_so() {
+    for (url, expected) in [
+        (
+            "amqp://g:s3cret@127.0.0.1:99999/%2f",
+            "AMQP_URL: expected a port from 1 to 65535",
+        ),
+        (
+            "amqp://g:s3cret@:5672/%2f",
+            "AMQP_URL: expected a host after amqp://",
+        ),
+        ("amqp:///%2f", "AMQP_URL: expected a host after amqp://"),
+        (
+            "http://h/%2f",
+            "AMQP_URL: expected a URL starting with amqp://",
+        ),
+    ] {
+        let text = with(&[("amqp_url", url)]).unwrap_err().to_string();
+        assert!(text.starts_with(expected), "{url}: {text}");
+        assert!(!text.contains("s3cret"), "{text}");
+    }
+}
+
 #[test]
 fn passwords_are_redacted() {
     let shown = Settings::defaults().to_redacted_toml();
