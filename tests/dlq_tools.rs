@@ -898,3 +898,49 @@ async fn a_parked_row_with_unreadable_headers_does_not_stop_the_others_replay() 
     assert!(!replayed_at_set(&env, seq_bad).await);
     wait_depth(&env, &env.main_queue, 1).await;
 }
+
+/// On a quorum DLQ every `basic.get` spends one of a message's deliveries, and past the DLQ's
+/// delivery limit the broker drops it: `dlq inspect` says what it spent, and refuses (leaving
+/// the message) once a message is within the margin of the limit (`DLQ_DELIVERY_LIMIT=0`: the
+/// broker's default, taken as RabbitMQ 4's 20, margin 2).
+#[tokio::test(flavor = "multi_thread")]
+async fn inspect_on_a_quorum_dlq_counts_deliveries_and_refuses_near_the_limit() {
+    let mut env = TestEnv::new("dlqt_spend").await;
+    env.set("QUEUE_TYPE", "quorum")
+        .set("DLQ_DELIVERY_LIMIT", "0");
+    env.declare();
+    let id = put_dead_user(&env, "retries_exhausted").await;
+    wait_depth(&env, &env.dlq_queue, 1).await;
+    let (out, _) = dlq(&env, &["inspect"], 0);
+    assert!(
+        out.contains("this spent 1 delivery of each message shown (quorum DLQ: limit 20, most delivered now 1)"),
+        "{out}"
+    );
+    // Delivered 17 times in all: the next inspection would be its 18th, within 2 of 20.
+    for _ in 0..16 {
+        let m = env
+            .channel
+            .basic_get(
+                env.dlq_queue.as_str().into(),
+                BasicGetOptions { no_ack: false },
+            )
+            .await
+            .expect("basic.get")
+            .expect("the dead letter");
+        m.acker
+            .reject(BasicRejectOptions { requeue: true })
+            .await
+            .expect("requeue");
+    }
+    wait_depth(&env, &env.dlq_queue, 1).await;
+    let (code, out, err) = env.run(&["dlq", "inspect"]);
+    assert_eq!(code, 1, "inspect near the limit:\n{out}\n{err}");
+    assert!(
+        err.contains(&format!(
+            "dlq inspect refused: message {id} in {}",
+            env.dlq_queue
+        )) && err.contains("delivered 18 times, within 2 of the DLQ's delivery limit of 20"),
+        "{out}\n{err}"
+    );
+    wait_depth(&env, &env.dlq_queue, 1).await;
+}

@@ -1004,3 +1004,31 @@ async fn every_per_pipeline_series_carries_the_pipeline_and_its_stage() {
     );
     assert!(warren.terminate(Duration::from_secs(25)).success());
 }
+
+/// `METRICS_ADDR=127.0.0.1:0` takes a port from the system: the log names the port bound (not
+/// `:0`), and the endpoints answer there.
+#[tokio::test(flavor = "multi_thread")]
+async fn the_metrics_log_line_names_the_port_bound() {
+    let mut env = TestEnv::new("ep_port0").await;
+    env.set("METRICS_ADDR", "127.0.0.1:0");
+    let mut warren = env.start(&["--roles", "api"]);
+    warren
+        .wait_for_log("the metrics listener's line", "metrics listening")
+        .await;
+    let logs = warren.logs();
+    let line = logs
+        .lines()
+        .find(|l| l.contains("metrics listening"))
+        .expect("the line")
+        .to_string();
+    let port: u16 = line
+        .split("addr=127.0.0.1:")
+        .nth(1)
+        .and_then(|rest| rest.split_whitespace().next())
+        .and_then(|p| p.parse().ok())
+        .unwrap_or_else(|| panic!("no addr=127.0.0.1:PORT in {line:?}"));
+    assert_ne!(port, 0, "{line}");
+    let healthy = tokio::net::TcpStream::connect(("127.0.0.1", port)).await;
+    assert!(healthy.is_ok(), "nothing listens on {port}: {line}");
+    warren.terminate_ok(Duration::from_secs(25));
+}

@@ -251,3 +251,118 @@ async fn every_subcommand_is_clean(shape: Shape) {
         }
     }
 }
+
+/// URL settings of the wrong shape (a misplaced or missing `:`, `@` or `//`), given through the
+/// environment, `--set` and a `--config` file: `warren config` refuses each naming the setting,
+/// and never shows the password.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_malformed_url_is_refused_without_its_password() {
+    let env = TestEnv::new("secrets_shape").await;
+    let dir = tempfile::tempdir().expect("temp dir");
+    let pw = "S3cretShape";
+    let cases = [
+        ("AMQP_URL", format!("guest:{pw}@127.0.0.1:5672")),
+        ("AMQP_URL", format!("amqp//g:{pw}@h/%2f")),
+        ("AMQP_URL", format!("amqp:/g:{pw}@h/%2f")),
+        ("AMQP_URL", format!("amqp://guest:{pw}")),
+        ("AMQP_URL", format!("amqp://h/%2f,amqp//g:{pw}@h/%2f")),
+        ("AMQP_URL", format!("amqp://h/%2f,amqp://g:{pw}")),
+        ("DATABASE_URL", format!("warren:{pw}@h/db")),
+        ("DATABASE_URL", format!("postgres:/warren:{pw}@h/db")),
+        ("DATABASE_URL", format!("postgres://warren:{pw}/db")),
+        ("REDIS_URL", format!(":{pw}@127.0.0.1:6379")),
+        ("REDIS_URL", format!("redis://u:{pw}")),
+    ];
+    for (setting, value) in &cases {
+        let key = setting.to_ascii_lowercase();
+        let file = dir.path().join("warren.toml");
+        std::fs::write(&file, format!("{key} = {value:?}\n")).expect("write");
+        let file = file.to_string_lossy().into_owned();
+        let set = format!("{key}={value}");
+        for (how, args) in [
+            ("env", vec!["config"]),
+            ("--set", vec!["--set", set.as_str(), "config"]),
+            ("--config", vec!["--config", file.as_str(), "config"]),
+        ] {
+            let mut cmd = env.command(&args);
+            if how == "env" {
+                cmd.env(setting, value);
+            } else {
+                cmd.env_remove(setting);
+            }
+            let out = cmd.output().expect("run warren");
+            let text = format!(
+                "{}{}",
+                String::from_utf8_lossy(&out.stdout),
+                String::from_utf8_lossy(&out.stderr)
+            );
+            assert_eq!(
+                out.status.code(),
+                Some(2),
+                "{how} {setting}={value}: {text}"
+            );
+            // A file's setting is named by its key (`amqp_url`), the others by the variable.
+            assert!(
+                text.to_ascii_lowercase().contains(&key),
+                "{how} {setting}={value}: {text}"
+            );
+            assert!(!text.contains(pw), "{how} {setting}={value}: {text}");
+        }
+    }
+}
+
+/// A running instance whose file gains a malformed `database_url` and gets SIGHUP: the reload
+/// fails, and neither the log line nor the `reload_failed` event in Redis shows the password.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_reload_refusing_a_malformed_url_logs_and_stores_no_password() {
+    let mut env = TestEnv::new("secrets_reload").await;
+    env.set("REGISTRY_HEARTBEAT_MS", "300");
+    let dir = tempfile::tempdir().expect("temp dir");
+    let path = dir.path().join("warren.toml");
+    let good = env.setting("DATABASE_URL").expect("set").to_string();
+    std::fs::write(&path, format!("database_url = {good:?}\n")).expect("write");
+    let file = path.to_string_lossy().into_owned();
+    let log = env.log_path();
+    let mut cmd = env.command(&["run", "--config", &file, "--declare", "--roles", "consumer"]);
+    cmd.env_remove("DATABASE_URL")
+        .stdout(Stdio::null())
+        .stderr(std::fs::File::create(&log).expect("log file"));
+    let mut warren = Warren::new(cmd.spawn().expect("start warren"), log);
+    let pid = warren.pid();
+    wait_until("registered", Duration::from_secs(30), || async {
+        instance(&env, pid).await["status"] == "running"
+    })
+    .await;
+    let pw = "S3cretLEAK";
+    std::fs::write(
+        &path,
+        format!("database_url = \"warren:{pw}@127.0.0.1:5432/warren\"\n"),
+    )
+    .expect("write");
+    warren.signal("HUP");
+    let failed = || async {
+        stream_events(&env)
+            .await
+            .into_iter()
+            .find(|e| e["type"] == "reload_failed")
+    };
+    wait_until("a reload_failed event", Duration::from_secs(30), || async {
+        failed().await.is_some()
+    })
+    .await;
+    let event = failed().await.expect("seen");
+    let reason = event["reason"].as_str().unwrap_or_default();
+    assert!(reason.contains("database_url"), "{event}");
+    assert!(!event.to_string().contains(pw), "{event}");
+    warren
+        .wait_for_log("the reload failed", "reload failed")
+        .await;
+    let logs = warren.logs();
+    assert!(!logs.contains(pw), "{logs}");
+    warren.terminate_ok(Duration::from_secs(25));
+    let logs = warren.logs();
+    assert!(!logs.contains(pw), "{logs}");
+    for event in stream_events(&env).await {
+        assert!(!event.to_string().contains(pw), "{event}");
+    }
+}

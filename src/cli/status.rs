@@ -257,7 +257,7 @@ fn render(
                     i.inflight.to_string(),
                     breaker_name(i.breaker).to_string(),
                     limit,
-                    format!("{}s ago", now_s().saturating_sub(i.last_heartbeat)),
+                    beaten(now_s(), i.last_heartbeat),
                     i.concurrency.to_string(),
                 ]);
             }
@@ -462,9 +462,26 @@ async fn queue_rows(settings: &Settings, pipelines: &[KnownPipeline]) -> Option<
     Some(rows)
 }
 
+/// When an instance's heartbeat last ran, as the HEARTBEAT column shows it: 0 (a record that
+/// never had one) is "never", not 56 years ago.
+fn beaten(now: u64, last_heartbeat: u64) -> String {
+    match last_heartbeat {
+        0 => "never".to_string(),
+        t if t > now => format!("{}s ahead (clock skew)", t - now),
+        t => format!("{}s ago", now - t),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_heartbeat_of_0_is_never() {
+        assert_eq!(beaten(1_795_877_137, 0), "never");
+        assert_eq!(beaten(100, 98), "2s ago");
+        assert_eq!(beaten(100, 103), "3s ahead (clock skew)");
+    }
 
     #[test]
     fn trends_are_depth_changes_per_second() {

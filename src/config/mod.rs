@@ -113,7 +113,7 @@ settings! {
     /// Redis for the instance registry and remote control.
     redis_url: String => Rule::Url(&["redis", "rediss"]),
     /// Prefix of every Redis key, so several deployments share one Redis.
-    redis_prefix: String => Rule::Name,
+    redis_prefix: String => Rule::KeyPrefix,
     /// Shared secret that signs remote-control commands (HMAC-SHA256); empty = unsigned
     /// commands are accepted, with a warning at start.
     control_secret: String => Rule::Secret,
@@ -132,7 +132,8 @@ settings! {
     delivery_limit: u32 => Rule::Int { min: 1, max: 1000 },
     /// Quorum queues only: the DLQ's own delivery limit, declared explicitly (0: not declared,
     /// the broker's default applies: none on RabbitMQ 3.x, 20 on 4.x, after which the DLQ, which
-    /// dead-letters nowhere, would drop a message).
+    /// dead-letters nowhere, would drop a message). 1 to [`DLQ_DELIVERY_LIMIT_FLOOR`] - 1 are
+    /// refused: an outage spends them.
     dlq_delivery_limit: u32 => Rule::Int { min: 0, max: 1_000_000_000 },
     /// Exchange the publisher writes to and the retry queue dead-letters back to.
     main_exchange: String => Rule::Name,
@@ -338,6 +339,11 @@ fn check_overridden(sources: &Sources, file: &FileText) -> Result<(), ConfigErro
     Ok(())
 }
 
+/// The smallest non-zero `DLQ_DELIVERY_LIMIT`: the DLQ dead-letters nowhere, and a database
+/// outage makes the DLQ consumer give each message back about 100 times an hour (measured: a
+/// limit of 20 was spent in 13 minutes), so 10,000 lasts about four days of outage.
+pub const DLQ_DELIVERY_LIMIT_FLOOR: u32 = 10_000;
+
 impl Settings {
     /// Loads and validates the settings from `sources`.
     pub fn load(sources: &Sources) -> Result<Self, ConfigError> {
@@ -434,6 +440,20 @@ impl Settings {
     /// The checks of single settings that the rules cannot express; the checks across a
     /// pipeline's fields and across pipelines are the resolution's ([`pipelines::resolve`]).
     fn validate(&self) -> Result<(), ConfigError> {
+        let limit = self.dlq_delivery_limit;
+        if limit > 0 && limit < DLQ_DELIVERY_LIMIT_FLOOR {
+            return Err(ConfigError::Invalid {
+                setting: "DLQ_DELIVERY_LIMIT".into(),
+                expected: format!(
+                    "0 (none declared) or {DLQ_DELIVERY_LIMIT_FLOOR} to 1000000000: the DLQ \
+                     dead-letters nowhere, so a message past its limit is dropped, and while \
+                     the database is down every message the DLQ consumer gives back spends a \
+                     delivery (about 100 an hour each), so a smaller limit loses messages \
+                     within hours (see docs/cluster.md)"
+                ),
+                got: limit.to_string(),
+            });
+        }
         let timeout = self.amqp_consumer_timeout_ms;
         if timeout > 0 && timeout < 1000 {
             return Err(ConfigError::Invalid {

@@ -27,6 +27,9 @@ pub(super) enum Rule {
     Bool,
     Addr,
     Name,
+    /// A prefix of Redis keys (`REDIS_PREFIX`): 1 to 255 characters without control characters
+    /// (Redis has no reserved names, unlike the broker's `amq.`).
+    KeyPrefix,
     Ident,
     Roles,
     /// A comma-separated list of retry TTLs (see [`RetryTtls`]).
@@ -70,23 +73,49 @@ pub fn list_entries(raw: &str) -> impl Iterator<Item = &str> {
 enum AmqpUrlError {
     #[error("a URL starting with amqp:// or amqps://")]
     Scheme,
+    /// The scheme is right, the port is not one.
+    #[error("a port from 1 to 65535 after the host (amqp://user:password@host:5672/vhost)")]
+    Port,
+    /// The scheme is right, there is no host after it.
+    #[error("a host after amqp:// (amqp://user:password@host:5672/vhost)")]
+    Host,
     /// The AMQP client's own parser refused it; its words, passwords redacted.
     #[error("an AMQP URL the client accepts ({0})")]
     Client(String),
+    /// A `frame_max` no broker can work with: the handshake fails with FRAME-ERROR, for ever.
+    #[error(
+        "frame_max from {FRAME_MAX_MIN} (the AMQP 0-9-1 minimum frame size) to {FRAME_MAX_MAX} \
+         (the broker lowers it to its own, 131072 by default on RabbitMQ), or no frame_max, \
+         not {0}"
+    )]
+    FrameMax(u32),
 }
+
+/// The smallest `frame_max` AMQP 0-9-1 allows (its `frame-min-size`).
+const FRAME_MAX_MIN: u32 = 4096;
+/// The largest `frame_max` warren takes: a frame of 1 MiB is already more than RabbitMQ's own
+/// limit, which the handshake settles on.
+const FRAME_MAX_MAX: u32 = 1_048_576;
 
 /// One entry of `AMQP_URL`: a URL of scheme amqp or amqps with a host, which the AMQP client
 /// accepts too (it has its own parser, for query options such as heartbeat: a URL it refuses
 /// must stop warren now, not loop in a reconnect). The error says what was expected.
 fn check_amqp_url(entry: &str) -> Result<(), AmqpUrlError> {
+    let lower = entry.to_ascii_lowercase();
+    let amqp = lower.starts_with("amqp://") || lower.starts_with("amqps://");
     match url::Url::parse(entry) {
-        Ok(u) if ["amqp", "amqps"].contains(&u.scheme()) && u.host_str().is_some() => {}
+        Ok(u) if amqp && u.host_str().is_some_and(|h| !h.is_empty()) => {}
+        Ok(_) | Err(url::ParseError::EmptyHost) if amqp => return Err(AmqpUrlError::Host),
+        Err(url::ParseError::InvalidPort) if amqp => return Err(AmqpUrlError::Port),
         _ => return Err(AmqpUrlError::Scheme),
     }
-    entry
+    let uri = entry
         .parse::<lapin::uri::AMQPUri>()
-        .map(|_| ())
-        .map_err(|e| AmqpUrlError::Client(redact_url(&e)))
+        .map_err(|e| AmqpUrlError::Client(redact_url(&e)))?;
+    match uri.query.frame_max {
+        Some(n) if !(FRAME_MAX_MIN..=FRAME_MAX_MAX).contains(&n) => Err(AmqpUrlError::FrameMax(n)),
+        _ => Ok(()),
+    }
 }
 
 /// How a value is shown in an error: strings quoted, numbers bare.
@@ -238,12 +267,28 @@ pub(super) fn check(key: &str, rule: &Rule, value: &Value) -> Result<(), ConfigE
                 return Err(expected(String::new()));
             }
             match s.parse::<tokio_postgres::Config>() {
-                Ok(c) if !c.get_hosts().is_empty() => {}
-                Ok(_) => return Err(expected(" naming a host".into())),
+                Ok(c) if c.get_hosts().is_empty() => {
+                    return Err(expected(" naming a host".into()));
+                }
+                Ok(c) if c.get_ssl_mode() == tokio_postgres::config::SslMode::Require => {
+                    return Err(expected(
+                        " without sslmode=require (warren connects without TLS: it has no TLS \
+                         implementation, so such a URL could never connect; use sslmode=disable \
+                         or prefer, or a TLS-terminating proxy)"
+                            .into(),
+                    ));
+                }
+                Ok(_) => {}
                 Err(e) => {
+                    // Which parameter and why (`unknown option `sslpassword``), not only
+                    // "invalid connection string"; it names options, never their values.
+                    let why = match std::error::Error::source(&e) {
+                        Some(cause) => format!("{e}: {cause}"),
+                        None => e.to_string(),
+                    };
                     return Err(expected(format!(
                         " that the PostgreSQL client accepts ({})",
-                        redact_url(&e.to_string())
+                        redact_url(&why)
                     )));
                 }
             }
@@ -269,6 +314,15 @@ pub(super) fn check(key: &str, rule: &Rule, value: &Value) -> Result<(), ConfigE
             if !ok {
                 return Err(invalid(
                     "a name of 1 to 255 characters, not starting with \"amq.\"".into(),
+                ));
+            }
+        }
+        Rule::KeyPrefix => {
+            let ok = matches!(value, Value::String(_, s)
+                if !s.is_empty() && s.len() <= 255 && !s.chars().any(char::is_control));
+            if !ok {
+                return Err(invalid(
+                    "a Redis key prefix of 1 to 255 characters without control characters".into(),
                 ));
             }
         }

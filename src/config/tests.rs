@@ -466,6 +466,172 @@ fn redaction_covers_lists_multi_host_urls_and_what_no_parser_accepts() {
     }
 }
 
+/// Every way to misplace the `://`, the `:` before the password or the `@` after it (one at a
+/// time, and the `://` with the `@`), for each URL setting, alone, as the first and the second
+/// entry of a list, with a query: neither the redacted form nor the error shows the password.
+#[test]
+fn a_url_of_the_wrong_shape_never_shows_its_password() {
+    const PW: &str = "S3cretPw";
+    let schemes = [":/", "//", ":", "/", "", ":///", "::/", "://"];
+    let users = [":", "@", "/", "::", "//", ":/", ":@"];
+    let ats = ["@", ":", "/", "", "@@", "//", ":/", "?", "#", "/@"];
+    let mut shapes = vec![];
+    for (scheme, host) in [
+        ("amqp", "127.0.0.1:5672/%2f"),
+        ("postgres", "127.0.0.1:5432/db"),
+        ("redis", "127.0.0.1:6379"),
+    ] {
+        for a in schemes {
+            for c in ats {
+                shapes.push(format!("{scheme}{a}g:{PW}{c}{host}"));
+            }
+            shapes.push(format!("{scheme}{a}g:{PW}"));
+        }
+        for b in users {
+            shapes.push(format!("{scheme}://g{b}{PW}@{host}"));
+        }
+    }
+    // The review's own spellings.
+    shapes.extend(
+        [
+            "guest:S3cretPw@127.0.0.1:5672",
+            "amqp://guest:S3cretPw",
+            "warren:S3cretPw@h/db",
+            "postgres:/warren:S3cretPw@h/db",
+            "postgres://warren:S3cretPw/db",
+            ":S3cretPw@127.0.0.1:6379",
+            "redis://u:S3cretPw",
+        ]
+        .map(String::from),
+    );
+    for shape in &shapes {
+        for raw in [
+            shape.clone(),
+            format!("{shape}?heartbeat=5"),
+            format!("amqp://u:p@h/%2f,{shape}"),
+            format!("amqp://h/%2f,{shape}"),
+            format!("{shape},amqp://h/%2f"),
+        ] {
+            let shown = redact_url(&raw);
+            assert!(!shown.contains(PW), "{raw:?} is shown as {shown:?}");
+            for key in ["amqp_url", "database_url", "redis_url"] {
+                if let Err(e) = with(&[(key, raw.as_str())]) {
+                    let text = e.to_string();
+                    assert!(!text.contains(PW), "{key}={raw:?}: {text}");
+                }
+            }
+        }
+    }
+}
+
+/// A DLQ delivery limit that an outage can spend is refused; 0 (none declared) and the floor
+/// are taken.
+#[test]
+fn a_dlq_delivery_limit_an_outage_can_spend_is_refused() {
+    for bad in ["1", "20", "9999"] {
+        let text = with(&[("dlq_delivery_limit", bad)])
+            .unwrap_err()
+            .to_string();
+        assert!(
+            text.starts_with(
+                "DLQ_DELIVERY_LIMIT: expected 0 (none declared) or 10000 to 1000000000"
+            ),
+            "{text}"
+        );
+        assert!(text.ends_with(&format!("got {bad}")), "{text}");
+    }
+    for good in ["0", "10000", "1000000"] {
+        let s = with(&[("dlq_delivery_limit", good)]).unwrap();
+        assert_eq!(s.dlq_delivery_limit.to_string(), good);
+    }
+}
+
+/// A `frame_max` outside what AMQP 0-9-1 and the broker allow, and a database URL warren
+/// could never connect with, are refused at load, naming what is wrong.
+#[test]
+fn urls_warren_could_never_connect_with_are_refused() {
+    for n in ["0", "1", "4095", "1048577"] {
+        let url = format!("amqp://guest:s3cret@127.0.0.1:5672/%2f?frame_max={n}");
+        let text = with(&[("amqp_url", &url)]).unwrap_err().to_string();
+        assert!(
+            text.starts_with(
+                "AMQP_URL: expected frame_max from 4096 (the AMQP 0-9-1 minimum frame size) \
+                 to 1048576"
+            ),
+            "{text}"
+        );
+        assert!(text.contains(&format!("not {n}")), "{text}");
+        assert!(!text.contains("s3cret"), "{text}");
+    }
+    for n in ["4096", "131072", "1048576"] {
+        let url = format!("amqp://guest:guest@127.0.0.1:5672/%2f?frame_max={n}");
+        with(&[("amqp_url", &url)]).unwrap();
+    }
+    let pg = "postgres://warren:s3cret@127.0.0.1:5432/warren";
+    let text = with(&[("database_url", &format!("{pg}?sslmode=require"))])
+        .unwrap_err()
+        .to_string();
+    assert!(text.contains("DATABASE_URL"), "{text}");
+    assert!(
+        text.contains("without sslmode=require (warren connects without TLS"),
+        "{text}"
+    );
+    for (query, option) in [
+        ("sslpassword=x", "sslpassword"),
+        ("sslmode=verify-full", "sslmode"),
+    ] {
+        let text = with(&[("database_url", &format!("{pg}?{query}"))])
+            .unwrap_err()
+            .to_string();
+        assert!(text.contains("DATABASE_URL"), "{text}");
+        assert!(text.contains(&format!("option `{option}`")), "{text}");
+        assert!(!text.contains("s3cret"), "{text}");
+    }
+    for query in ["sslmode=disable", "sslmode=prefer"] {
+        with(&[("database_url", &format!("{pg}?{query}"))]).unwrap();
+    }
+}
+
+/// REDIS_PREFIX is a Redis key prefix: `amq.` is fine there, and its error cites Redis's rule,
+/// not the broker's.
+#[test]
+fn redis_prefix_follows_redis_rules() {
+    assert_eq!(
+        with(&[("redis_prefix", "amq.x")]).unwrap().redis_prefix,
+        "amq.x"
+    );
+    let text = with(&[("redis_prefix", "")]).unwrap_err().to_string();
+    assert_eq!(
+        text,
+        "REDIS_PREFIX: expected a Redis key prefix of 1 to 255 characters without control \
+         characters, got \"\""
+    );
+}
+
+/// An AMQP URL with the right scheme says what is wrong after it, not "starting with amqp://".
+#[test]
+fn an_amqp_url_with_a_bad_port_or_no_host_says_so() {
+    for (url, expected) in [
+        (
+            "amqp://g:s3cret@127.0.0.1:99999/%2f",
+            "AMQP_URL: expected a port from 1 to 65535",
+        ),
+        (
+            "amqp://g:s3cret@:5672/%2f",
+            "AMQP_URL: expected a host after amqp://",
+        ),
+        ("amqp:///%2f", "AMQP_URL: expected a host after amqp://"),
+        (
+            "http://h/%2f",
+            "AMQP_URL: expected a URL starting with amqp://",
+        ),
+    ] {
+        let text = with(&[("amqp_url", url)]).unwrap_err().to_string();
+        assert!(text.starts_with(expected), "{url}: {text}");
+        assert!(!text.contains("s3cret"), "{text}");
+    }
+}
+
 #[test]
 fn passwords_are_redacted() {
     let shown = Settings::defaults().to_redacted_toml();

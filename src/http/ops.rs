@@ -56,6 +56,8 @@ pub async fn serve(
     let listener = TcpListener::bind(addr)
         .await
         .map_err(|error| ListenError::Bind { addr, error })?;
+    // The port bound, not the one asked for: `METRICS_ADDR=127.0.0.1:0` gets one from the system.
+    let addr = listener.local_addr().unwrap_or(addr);
     tokio::spawn(accept(listener, metrics));
     info!(%addr, "metrics listening (/metrics, /healthz, /readyz)");
     watchdog();

@@ -4,6 +4,7 @@
 use anyhow::Context as _;
 use lapin::message::BasicGetMessage;
 use lapin::options::BasicGetOptions;
+use lapin::types::AMQPValue;
 use lapin::{Channel, Connection};
 use tokio_util::sync::CancellationToken;
 
@@ -14,7 +15,7 @@ use crate::amqp::publisher::Publish;
 use crate::amqp::transfer::{self, Stop};
 use crate::amqp::{self, headers};
 use crate::cli::out::{self, errln, out, outln};
-use crate::config::{Settings, redact_url};
+use crate::config::{QueueType, Settings, redact_url};
 use crate::registry::record::PipelineRecord;
 
 pub(super) async fn broker(settings: &Settings) -> anyhow::Result<Connection> {
@@ -36,6 +37,63 @@ async fn depth(conn: &Connection, queue: &str) -> anyhow::Result<u32> {
         Err(e) => anyhow::bail!(
             "cannot read queue {queue} ({e}); if it does not exist, run `warren declare` first"
         ),
+    }
+}
+
+/// The delivery limit RabbitMQ 4 gives a quorum queue that declares none (`DLQ_DELIVERY_LIMIT=0`);
+/// RabbitMQ 3.x gives none, but inspect cannot tell which it talks to, so it assumes the lower.
+const BROKER_DEFAULT_DELIVERY_LIMIT: u64 = 20;
+
+/// What `dlq inspect` spends on a quorum DLQ: each `basic.get` is a delivery, and the broker
+/// drops a message past the DLQ's delivery limit (the DLQ dead-letters nowhere).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Spend {
+    /// The DLQ's `x-delivery-limit` (`DLQ_DELIVERY_LIMIT`, or the broker's default for 0).
+    limit: u64,
+    /// Deliveries kept in reserve: inspect refuses to bring a message closer to the limit than
+    /// this (a tenth of it, at least 2), so outages and restarts still have room.
+    margin: u64,
+}
+
+impl Spend {
+    /// `None` for classic queues, which have no delivery limit.
+    fn of(settings: &Settings) -> Option<Self> {
+        (settings.queue_type == QueueType::Quorum).then(|| {
+            let limit = match settings.dlq_delivery_limit {
+                0 => BROKER_DEFAULT_DELIVERY_LIMIT,
+                n => u64::from(n),
+            };
+            Spend {
+                limit,
+                margin: (limit / 10).max(2),
+            }
+        })
+    }
+
+    /// Whether a message now delivered `delivered` times (this inspection's included) is
+    /// within the margin of the limit.
+    fn too_close(&self, delivered: u64) -> bool {
+        delivered + self.margin >= self.limit
+    }
+}
+
+/// How often a message was delivered before this delivery: the quorum queue's
+/// `x-delivery-count` (absent on a first delivery).
+fn delivered_before(m: &BasicGetMessage) -> u64 {
+    let value = m
+        .properties
+        .headers()
+        .as_ref()
+        .and_then(|h| h.inner().get("x-delivery-count").cloned());
+    match value {
+        Some(AMQPValue::LongLongInt(n)) => u64::try_from(n).unwrap_or(0),
+        Some(AMQPValue::LongInt(n)) => u64::try_from(n).unwrap_or(0),
+        Some(AMQPValue::LongUInt(n)) => u64::from(n),
+        Some(AMQPValue::ShortInt(n)) => u64::try_from(n).unwrap_or(0),
+        Some(AMQPValue::ShortUInt(n)) => u64::from(n),
+        Some(AMQPValue::ShortShortInt(n)) => u64::try_from(n).unwrap_or(0),
+        Some(AMQPValue::ShortShortUInt(n)) => u64::from(n),
+        _ => 0,
     }
 }
 
@@ -126,7 +184,7 @@ pub(super) async fn inspect(
     args: InspectArgs,
 ) -> anyhow::Result<i32> {
     let conn = broker(settings).await?;
-    let result = inspect_on(&conn, target, &args).await;
+    let result = inspect_on(&conn, target, &args, Spend::of(settings)).await;
     // Closing the connection returns anything still unacked to the queue, whatever happened.
     amqp::close(None, Some(conn)).await;
     result
@@ -136,6 +194,7 @@ async fn inspect_on(
     conn: &Connection,
     target: &PipelineRecord,
     args: &InspectArgs,
+    spend: Option<Spend>,
 ) -> anyhow::Result<i32> {
     let queue = target.dlq_queue.as_str();
     let total = depth(conn, queue).await?;
@@ -143,6 +202,8 @@ async fn inspect_on(
     let mut seen = Vec::new();
     let mut last_tag = None;
     let mut got = Ok(());
+    // The most deliveries a message shown has had, this one included (quorum only).
+    let mut most = 0;
     while (seen.len() as u64) < args.limit && (seen.len() as u64) < u64::from(total) {
         // Not acked: each stays unacked on this channel (so it is not returned twice) until the
         // nack below puts them all back.
@@ -152,6 +213,22 @@ async fn inspect_on(
         {
             Ok(Some(m)) => {
                 last_tag = Some(m.delivery_tag);
+                let delivered = delivered_before(&m) + 1;
+                most = most.max(delivered);
+                if let Some(spend) = spend.filter(|s| s.too_close(delivered)) {
+                    let id = Seen::of(&m).message_id.unwrap_or_else(|| "-".into());
+                    got = Err(anyhow::anyhow!(
+                        "dlq inspect refused: message {id} in {queue} has been delivered \
+                         {delivered} times, within {} of the DLQ's delivery limit of {} \
+                         (DLQ_DELIVERY_LIMIT, or RabbitMQ 4's default of 20 when it is 0), past \
+                         which the broker drops it; every inspection spends one delivery of each \
+                         message shown. Move it out instead (`warren dlq replay`, or `warren \
+                         move` to a queue of your own); all messages are left in the queue",
+                        spend.margin,
+                        spend.limit
+                    ));
+                    break;
+                }
                 seen.push(Seen::of(&m));
             }
             Ok(None) => break,
@@ -167,6 +244,14 @@ async fn inspect_on(
     released?;
 
     let now = now_s();
+    let spent = match spend {
+        Some(spend) if !seen.is_empty() => format!(
+            "; this spent 1 delivery of each message shown (quorum DLQ: limit {}, most \
+             delivered now {most})",
+            spend.limit
+        ),
+        _ => String::new(),
+    };
     if args.json {
         for s in &seen {
             outln!(
@@ -175,13 +260,13 @@ async fn inspect_on(
             )?;
         }
         errln!(
-            "dlq {queue}: {}, {} shown, all left in the queue",
+            "dlq {queue}: {}, {} shown, all left in the queue{spent}",
             plural(u64::from(total), "message"),
             seen.len()
         );
     } else {
         outln!(
-            "dlq {queue}: {}, {} shown, all left in the queue",
+            "dlq {queue}: {}, {} shown, all left in the queue{spent}",
             plural(u64::from(total), "message"),
             seen.len()
         )?;
