@@ -373,12 +373,21 @@ pub fn find_known<'a>(
     known: &'a [KnownPipeline],
     name: &str,
 ) -> Result<&'a KnownPipeline, UnknownPipeline> {
-    known
+    by_name(known, name, |p| &p.name)
+}
+
+/// The item of `items` whose name (`name_of`) is `name`, or the error that lists every name.
+fn by_name<'a, T>(
+    items: &'a [T],
+    name: &str,
+    name_of: impl Fn(&T) -> &String,
+) -> Result<&'a T, UnknownPipeline> {
+    items
         .iter()
-        .find(|p| p.name == name)
+        .find(|p| name_of(p) == name)
         .ok_or_else(|| UnknownPipeline {
             name: name.to_string(),
-            known: known.iter().map(|p| p.name.clone()).collect(),
+            known: items.iter().map(|p| name_of(p).clone()).collect(),
         })
 }
 
@@ -399,13 +408,7 @@ pub fn find<'a>(
     known: &'a [PipelineRecord],
     name: &str,
 ) -> Result<&'a PipelineRecord, UnknownPipeline> {
-    known
-        .iter()
-        .find(|p| p.name == name)
-        .ok_or_else(|| UnknownPipeline {
-            name: name.to_string(),
-            known: known.iter().map(|p| p.name.clone()).collect(),
-        })
+    by_name(known, name, |p| &p.name)
 }
 
 /// One instance as it publishes itself.
