@@ -1,9 +1,11 @@
 //! The batcher stage: collects decoded chunks and hands its sink one batch at a time, as soon as
 //! the sink is free (natural batching): whatever waits goes, up to the batch size. A batch is
 //! small when the load is light (a message waits for one insert, not for a clock) and grows by
-//! itself when the load rises (what arrives while the sink inserts is the next batch).
-//! `batch_min_wait_ms` keeps a deliberate wait for fuller batches, capped by the batch timeout;
-//! draining and a `Flush` hand over at once. While the sink works on a batch the next one
+//! itself when the load rises (what arrives while the sink inserts is the next batch). A partial
+//! batch goes at most once per [`PACE`] after the previous one: a lone message after a pause goes
+//! at once, a steady stream costs at most one statement per pace per batcher however short the
+//! inserts are, and a drain's batches fill. `batch_min_wait_ms` keeps a deliberate wait for
+//! fuller batches, capped by the batch timeout; draining and a `Flush` hand over at once. While the sink works on a batch the next one
 //! fills; the prefetch window bounds both. Why this shape, and what it costs the database at
 //! moderate rates: docs/performance.md, "Natural batching".
 
@@ -12,6 +14,12 @@ use std::time::{Duration, Instant};
 use actix::prelude::*;
 
 use super::message::{Batch, Decoded, Drain, Flush, Processed};
+
+/// The shortest time between a batch and the next partial one of the same batcher (capped by the
+/// batch timeout). Short enough that a message waits for it less than the live latency targets
+/// allow (docs/performance.md, "Natural batching"), long enough that short inserts do not turn
+/// a stream into one statement per few rows: at most 50 partial statements a second a batcher.
+pub const PACE: Duration = Duration::from_millis(20);
 
 /// When to hand a batch to the sink, and how large.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -31,13 +39,28 @@ impl FlushRule {
         self.min_wait.min(self.timeout)
     }
 
+    /// The shortest time between a batch and the next partial one: [`PACE`], never past the
+    /// timeout.
+    pub fn pace(&self) -> Duration {
+        PACE.min(self.timeout)
+    }
+
+    /// When a partial batch may go: once its oldest entry was held [`FlushRule::hold`] and the
+    /// previous batch went [`FlushRule::pace`] ago. `None` when nothing waits.
+    pub fn partial_at(&self, oldest: Option<Instant>, last: Option<Instant>) -> Option<Instant> {
+        let held = oldest? + self.hold();
+        Some(last.map_or(held, |last| held.max(last + self.pace())))
+    }
+
     /// How many entries go to the sink now: `None` while the sink is busy or nothing waits; a
-    /// full batch at once; everything waiting (up to the size) once the oldest was held
-    /// [`FlushRule::hold`], or at once when the pipeline drains.
+    /// full batch at once; everything waiting (up to the size) from
+    /// [`FlushRule::partial_at`] on, or at once when the pipeline drains. `last` is when the
+    /// previous batch went.
     pub fn due(
         &self,
         waiting: usize,
         oldest: Option<Instant>,
+        last: Option<Instant>,
         draining: bool,
         sink_busy: bool,
     ) -> Option<usize> {
@@ -45,10 +68,12 @@ impl FlushRule {
             return None;
         }
         let size = self.batch_size.max(1);
-        let held = oldest.is_none_or(|at| at.elapsed() >= self.hold());
+        let ready = self
+            .partial_at(oldest, last)
+            .is_none_or(|at| Instant::now() >= at);
         if waiting >= size {
             Some(size)
-        } else if draining || held {
+        } else if draining || ready {
             Some(waiting)
         } else {
             None
@@ -66,6 +91,8 @@ pub struct Batcher<R: Send + Unpin + 'static> {
     oldest: Option<Instant>,
     /// A batch is at the sink.
     busy: bool,
+    /// When the last batch went to the sink.
+    last: Option<Instant>,
     /// A timer is pending for the entry that arrived at this instant.
     timer: Option<(SpawnHandle, Instant)>,
     /// After `Drain`, everything is flushed at once.
@@ -86,6 +113,7 @@ impl<R: Send + Unpin + 'static> Batcher<R> {
             entries: Vec::new(),
             oldest: None,
             busy: false,
+            last: None,
             timer: None,
             draining: false,
             flushing: false,
@@ -99,6 +127,7 @@ impl<R: Send + Unpin + 'static> Batcher<R> {
         if let Some(n) = self.rule.due(
             self.entries.len(),
             self.oldest,
+            self.last,
             self.draining || self.flushing,
             self.busy,
         ) {
@@ -117,6 +146,7 @@ impl<R: Send + Unpin + 'static> Batcher<R> {
                 entries,
             };
             self.busy = true;
+            self.last = Some(Instant::now());
             ctx.spawn(self.sink.send(batch).into_actor(self).map(|_, act, ctx| {
                 act.busy = false;
                 act.flush(ctx);
@@ -125,12 +155,13 @@ impl<R: Send + Unpin + 'static> Batcher<R> {
         self.arm_timer(ctx);
     }
 
-    /// A timer for when the oldest waiting entry was held long enough (none while the sink is
-    /// busy: its answer flushes; none without a minimum wait: a free sink took it already). A timer already pending for the same entry stays: chunks that join a
-    /// waiting batch cost no timer work.
+    /// A timer for when the waiting partial batch may go ([`FlushRule::partial_at`]; none while
+    /// the sink is busy: its answer flushes). A timer already pending for the same instant
+    /// stays: chunks that join a waiting batch cost no timer work.
     fn arm_timer(&mut self, ctx: &mut Context<Self>) {
         let due = self
-            .oldest
+            .rule
+            .partial_at(self.oldest, self.last)
             .filter(|_| !self.busy && !self.entries.is_empty());
         if let Some((timer, at)) = self.timer.take() {
             if Some(at) == due {
@@ -139,15 +170,15 @@ impl<R: Send + Unpin + 'static> Batcher<R> {
             }
             ctx.cancel_future(timer);
         }
-        let Some(oldest) = due else {
+        let Some(at) = due else {
             return;
         };
-        let wait = self.rule.hold().saturating_sub(oldest.elapsed());
+        let wait = at.saturating_duration_since(Instant::now());
         let timer = ctx.run_later(wait, |act, ctx| {
             act.timer = None;
             act.flush(ctx);
         });
-        self.timer = Some((timer, oldest));
+        self.timer = Some((timer, at));
     }
 }
 
@@ -213,20 +244,26 @@ mod tests {
     #[test]
     fn a_full_batch_goes_at_once_and_never_more_than_the_size() {
         let now = Some(Instant::now());
-        assert_eq!(RULE.due(100, now, false, false), Some(100));
-        assert_eq!(RULE.due(250, now, false, false), Some(100));
+        assert_eq!(RULE.due(100, now, None, false, false), Some(100));
+        assert_eq!(RULE.due(250, now, None, false, false), Some(100));
         let waiting = FlushRule {
             min_wait: Duration::from_secs(30),
             ..RULE
         };
-        assert_eq!(waiting.due(250, now, false, false), Some(100));
+        assert_eq!(waiting.due(250, now, None, false, false), Some(100));
     }
 
     #[test]
     fn a_free_sink_takes_whatever_waits_without_waiting_for_the_timeout() {
         // The old rule held these until the oldest had waited the timeout (60 s).
-        assert_eq!(RULE.due(1, Some(Instant::now()), false, false), Some(1));
-        assert_eq!(RULE.due(99, Some(Instant::now()), false, false), Some(99));
+        assert_eq!(
+            RULE.due(1, Some(Instant::now()), None, false, false),
+            Some(1)
+        );
+        assert_eq!(
+            RULE.due(99, Some(Instant::now()), None, false, false),
+            Some(99)
+        );
     }
 
     #[test]
@@ -235,10 +272,13 @@ mod tests {
             min_wait: Duration::from_millis(500),
             ..RULE
         };
-        assert_eq!(rule.due(7, Some(Instant::now()), false, false), None);
-        assert_eq!(rule.due(7, ago(501), false, false), Some(7));
+        assert_eq!(rule.due(7, Some(Instant::now()), None, false, false), None);
+        assert_eq!(rule.due(7, ago(501), None, false, false), Some(7));
         // Draining does not wait.
-        assert_eq!(rule.due(7, Some(Instant::now()), true, false), Some(7));
+        assert_eq!(
+            rule.due(7, Some(Instant::now()), None, true, false),
+            Some(7)
+        );
     }
 
     #[test]
@@ -249,8 +289,30 @@ mod tests {
             min_wait: Duration::from_secs(60),
         };
         assert_eq!(rule.hold(), Duration::from_millis(200));
-        assert_eq!(rule.due(7, ago(100), false, false), None);
-        assert_eq!(rule.due(7, ago(201), false, false), Some(7));
+        assert_eq!(rule.due(7, ago(100), None, false, false), None);
+        assert_eq!(rule.due(7, ago(201), None, false, false), Some(7));
+    }
+
+    #[test]
+    fn a_partial_batch_waits_for_the_pace_after_the_previous_batch_and_a_full_one_does_not() {
+        let just_now = Some(Instant::now());
+        // A lone message after a pause goes at once ...
+        assert_eq!(RULE.due(1, just_now, ago(1_000), false, false), Some(1));
+        // ... one that follows the previous batch closely waits for the pace ...
+        assert_eq!(RULE.due(3, just_now, ago(5), false, false), None);
+        assert_eq!(RULE.due(3, just_now, ago(21), false, false), Some(3));
+        // ... unless the batch is full or the pipeline drains.
+        assert_eq!(RULE.due(100, just_now, just_now, false, false), Some(100));
+        assert_eq!(RULE.due(3, just_now, just_now, true, false), Some(3));
+        let at = RULE.partial_at(just_now, just_now).expect("waiting");
+        assert_eq!(at, just_now.expect("now") + PACE);
+        // A timeout shorter than the pace caps it.
+        let short = FlushRule {
+            timeout: Duration::from_millis(5),
+            ..RULE
+        };
+        assert_eq!(short.pace(), Duration::from_millis(5));
+        assert_eq!(short.due(3, just_now, ago(6), false, false), Some(3));
     }
 
     /// A sink that records each batch's delivery tags and answers (is free again) only when the
@@ -351,8 +413,8 @@ mod tests {
 
     #[test]
     fn nothing_goes_while_the_sink_is_busy_or_nothing_waits() {
-        assert_eq!(RULE.due(500, ago(61_000), true, true), None);
-        assert_eq!(RULE.due(1, ago(61_000), false, true), None);
-        assert_eq!(RULE.due(0, None, true, false), None);
+        assert_eq!(RULE.due(500, ago(61_000), None, true, true), None);
+        assert_eq!(RULE.due(1, ago(61_000), None, false, true), None);
+        assert_eq!(RULE.due(0, None, None, true, false), None);
     }
 }

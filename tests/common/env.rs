@@ -121,8 +121,12 @@ impl TestEnv {
         let (db, connection) = tokio_postgres::connect(&database_url(), NoTls)
             .await
             .unwrap_or_else(|e| {
+                // "db error" alone says nothing: the server's own words are in its DbError.
+                let why = e
+                    .as_db_error()
+                    .map_or_else(|| e.to_string(), |db| db.message().to_string());
                 panic!(
-                    "cannot reach PostgreSQL at {}: {e}; {HOW_TO_START}",
+                    "cannot reach PostgreSQL at {}: {why}; {HOW_TO_START}",
                     database_url()
                 )
             });
