@@ -295,7 +295,8 @@ mod tests {
 
     #[test]
     fn a_partial_batch_waits_for_the_pace_after_the_previous_batch_and_a_full_one_does_not() {
-        let just_now = Some(Instant::now());
+        let now = Instant::now();
+        let just_now = Some(now);
         // A lone message after a pause goes at once ...
         assert_eq!(RULE.due(1, just_now, ago(1_000), false, false), Some(1));
         // ... one that follows the previous batch closely waits for the pace ...
@@ -305,7 +306,7 @@ mod tests {
         assert_eq!(RULE.due(100, just_now, just_now, false, false), Some(100));
         assert_eq!(RULE.due(3, just_now, just_now, true, false), Some(3));
         let at = RULE.partial_at(just_now, just_now).expect("waiting");
-        assert_eq!(at, just_now.expect("now") + PACE);
+        assert_eq!(at, now + PACE);
         // A timeout shorter than the pace caps it.
         let short = FlushRule {
             timeout: Duration::from_millis(5),
