@@ -832,3 +832,78 @@ fn a_pipelines_table_instead_of_entries_is_placed_at_its_line() {
     );
     assert!(!err.contains("default.pipelines"), "{err}");
 }
+
+/// A mistake the mapping finds in an entry (a check that does not fit a column's type, a key
+/// or version column that is not mapped) is placed at the line of the key at fault, not at the
+/// entry's first line (found by a review: every such error pointed at the second pipeline's
+/// `name`).
+#[test]
+fn a_mapping_mistake_is_placed_at_the_line_of_its_key() {
+    // `extra` goes in the second entry at line 12, its columns from line 14.
+    let file_with = |extra: &str, columns: &str| {
+        format!(
+            "[[pipelines]]\n\
+             name = \"orders\"\n\
+             table = \"shop.orders\"\n\
+             key = [\"order_id\"]\n\
+             \n\
+             [pipelines.columns]\n\
+             order_id = {{ path = \"/id\", type = \"uuid\" }}\n\
+             \n\
+             [[pipelines]]\n\
+             name = \"items\"\n\
+             table = \"shop.items\"\n\
+             {extra}\n\
+             \n\
+             {columns}"
+        )
+    };
+    let item_id = "[pipelines.columns.item_id]\npath = \"/id\"\ntype = \"uuid\"\n";
+    let cases = [
+        (
+            "a min on a text column",
+            file_with(
+                "key = [\"item_id\"]",
+                &format!(
+                    "{item_id}\n[pipelines.columns.qty]\npath = \"/qty\"\ntype = \"text\"\nmin = 1\n"
+                ),
+            ),
+            "line 21: pipeline items: columns.qty: min and max are for numbers",
+        ),
+        (
+            "a key column not mapped",
+            file_with("key = [\"nope\"]", item_id),
+            "line 12: pipeline items: key: column \"nope\" is not among the columns",
+        ),
+        (
+            "a version column of the wrong type",
+            file_with(
+                "key = [\"item_id\"]\non_conflict = \"update\"\nversion_column = \"note\"",
+                &format!(
+                    "{item_id}\n[pipelines.columns.note]\npath = \"/note\"\ntype = \"text\"\n"
+                ),
+            ),
+            "line 14: pipeline items: version_column \"note\" is text",
+        ),
+        (
+            "a column with two sources",
+            file_with(
+                "key = [\"item_id\"]",
+                &format!(
+                    "{item_id}\n[pipelines.columns.qty]\npath = \"/qty\"\ntype = \"int4\"\nheader = \"x-qty\"\n"
+                ),
+            ),
+            "line 21: pipeline items: columns.qty: give a path or a header, not both",
+        ),
+    ];
+    for (what, text, expected) in cases {
+        let file = File::new(&text);
+        let path = file.path();
+        let at = path.to_str().expect("utf-8");
+        assert_refused(
+            what,
+            config(&[], &["--config", at]),
+            &[&format!("{at}, {expected}")],
+        );
+    }
+}
