@@ -22,6 +22,8 @@ mod values;
 use diagnose::FileText;
 pub use error::{ConfigError, Origin};
 pub use redact::redact_url;
+#[cfg(test)]
+pub use rules::sample_values;
 use rules::{Rule, check, suggest};
 pub use rules::{list_entries, listen_addr};
 pub use sources::{Sources, environment_help, file_origin, origins};
