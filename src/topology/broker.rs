@@ -78,19 +78,10 @@ impl Topology {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::config::Settings;
 
     /// The topology of the defaults with `pairs` set.
     fn topology(pairs: &[(&str, &str)]) -> Topology {
-        let mut sources = crate::config::Sources {
-            use_env: false,
-            ..Default::default()
-        };
-        for (k, v) in pairs {
-            sources = sources.with_override(k, *v);
-        }
-        let settings = Settings::load(&sources).expect("valid settings");
-        Topology::from_settings(&settings).expect("a topology")
+        Topology::from_settings(&crate::topology::tests::with(pairs)).expect("a topology")
     }
 
     #[test]
