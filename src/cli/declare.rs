@@ -90,6 +90,13 @@ pub async fn declare_topology(
     topology: &Topology,
 ) -> anyhow::Result<Vec<Vec<String>>> {
     let conn = broker(settings).await?;
+    // What the broker's version allows (a quorum DLQ without a limit on RabbitMQ 4), before
+    // anything is declared: a bad setting, exit 2.
+    let version = crate::topology::broker::broker_version(&conn);
+    if let Err(refused) = topology.check_broker(version.as_deref()) {
+        amqp::close(None, Some(conn)).await;
+        return Err(refused.into());
+    }
     let result = topology.declare(&conn).await;
     amqp::close(None, Some(conn)).await;
     let steps = result?;

@@ -200,6 +200,9 @@ impl fmt::Display for ColType {
 pub struct SpecError {
     pub pipeline: String,
     pub problem: String,
+    /// The key at fault, as its path in the pipeline's entry (`["columns", "qty", "min"]`,
+    /// `["key"]`; empty: the entry as a whole): the configuration places the error at its line.
+    pub field: Vec<String>,
 }
 
 /// Where a column's value comes from.
@@ -317,22 +320,35 @@ impl Mapping {
     /// check that does not fit the type, a key column not mapped, `update` without a mapped
     /// `version_column`.
     pub fn compile(pipeline: &str, spec: &MappingSpec) -> Result<Self, SpecError> {
-        let err = |problem: String| SpecError {
+        let err_at = |field: &[&str], problem: String| SpecError {
             pipeline: pipeline.to_string(),
             problem,
+            field: field.iter().map(|f| f.to_string()).collect(),
         };
-        let table = TableName::parse(&spec.table).map_err(|e| err(e.to_string()))?;
+        let table = TableName::parse(&spec.table).map_err(|e| err_at(&["table"], e.to_string()))?;
         if spec.columns.is_empty() {
-            return Err(err("columns: at least one column is needed".into()));
+            return Err(err_at(
+                &["columns"],
+                "columns: at least one column is needed".into(),
+            ));
         }
         let mut columns = Vec::with_capacity(spec.columns.len());
         let mut fields = HashSet::new();
         for (name, c) in &spec.columns {
-            let at = |p: String| err(format!("columns.{name}: {p}"));
+            // The column's mistake, placed at its key `key` (or at the column, "").
+            let at_key = |key: &str, p: String| {
+                let field: &[&str] = if key.is_empty() {
+                    &["columns", name]
+                } else {
+                    &["columns", name, key]
+                };
+                err_at(field, format!("columns.{name}: {p}"))
+            };
+            let at = |p: String| at_key("", p);
             identifier(name).map_err(|e| at(e.to_string()))?;
             let source = match (&c.path, &c.header) {
                 (Some(_), Some(_)) => {
-                    return Err(at("give a path or a header, not both".into()));
+                    return Err(at_key("header", "give a path or a header, not both".into()));
                 }
                 (None, None) => {
                     return Err(at(
@@ -341,7 +357,8 @@ impl Mapping {
                     ));
                 }
                 (Some(pointer), None) => {
-                    let segments = pointer_segments(pointer).map_err(|e| at(e.to_string()))?;
+                    let segments =
+                        pointer_segments(pointer).map_err(|e| at_key("path", e.to_string()))?;
                     if let Some(first) = segments.first() {
                         fields.insert(first.clone());
                     }
@@ -352,34 +369,49 @@ impl Mapping {
                 }
                 (None, Some(header)) => {
                     if header.is_empty() || header.len() > 255 {
-                        return Err(at("header: expected a name of 1 to 255 bytes".into()));
+                        return Err(at_key(
+                            "header",
+                            "header: expected a name of 1 to 255 bytes".into(),
+                        ));
                     }
                     Source::Header(header.clone())
                 }
             };
             if (c.min.is_some() || c.max.is_some()) && !c.ty.is_number() {
-                return Err(at(format!(
-                    "min and max are for numbers (int4, int8, float8, numeric), not {}",
-                    c.ty
-                )));
+                let key = if c.min.is_some() { "min" } else { "max" };
+                return Err(at_key(
+                    key,
+                    format!(
+                        "min and max are for numbers (int4, int8, float8, numeric), not {}",
+                        c.ty
+                    ),
+                ));
             }
             if let (Some(lo), Some(hi)) = (c.min, c.max)
                 && lo > hi
             {
-                return Err(at(format!("min {lo} is above max {hi}")));
+                return Err(at_key("min", format!("min {lo} is above max {hi}")));
             }
             if (c.min_len.is_some() || c.max_len.is_some() || c.format.is_some())
                 && c.ty != ColType::Text
             {
-                return Err(at(format!(
-                    "min_len, max_len and format are for text, not {}",
-                    c.ty
-                )));
+                let key = match (c.min_len, c.max_len) {
+                    (Some(_), _) => "min_len",
+                    (None, Some(_)) => "max_len",
+                    (None, None) => "format",
+                };
+                return Err(at_key(
+                    key,
+                    format!("min_len, max_len and format are for text, not {}", c.ty),
+                ));
             }
             if let (Some(lo), Some(hi)) = (c.min_len, c.max_len)
                 && lo > hi
             {
-                return Err(at(format!("min_len {lo} is above max_len {hi}")));
+                return Err(at_key(
+                    "min_len",
+                    format!("min_len {lo} is above max_len {hi}"),
+                ));
             }
             columns.push(Column {
                 name: name.clone(),
@@ -394,55 +426,73 @@ impl Mapping {
             });
         }
         let index_of = |name: &str| columns.iter().position(|c| c.name == name);
+        let err = |key: &str, problem: String| err_at(&[key], problem);
         if spec.key.is_empty() {
             return Err(err(
+                "key",
                 "key: name the columns of a primary key or unique index".into(),
             ));
         }
         let mut key = Vec::with_capacity(spec.key.len());
         for k in &spec.key {
             let i = index_of(k)
-                .ok_or_else(|| err(format!("key: column {k:?} is not among the columns")))?;
+                .ok_or_else(|| err("key", format!("key: column {k:?} is not among the columns")))?;
             if columns[i].optional {
-                return Err(err(format!(
-                    "key: column {k:?} is optional; a key is never NULL"
-                )));
+                return Err(err(
+                    "key",
+                    format!("key: column {k:?} is optional; a key is never NULL"),
+                ));
             }
             if key.contains(&i) {
-                return Err(err(format!("key: column {k:?} named twice")));
+                return Err(err("key", format!("key: column {k:?} named twice")));
             }
             key.push(i);
         }
         let version = match (spec.on_conflict, &spec.version_column) {
             (OnConflict::Update, None) => {
                 return Err(err(
+                    "on_conflict",
                     "on_conflict = \"update\" needs version_column (a stored row is replaced only by a higher version)"
                         .into(),
                 ));
             }
             (OnConflict::Keep, Some(_)) => {
                 return Err(err(
-                    "version_column is for on_conflict = \"update\" only".into()
+                    "version_column",
+                    "version_column is for on_conflict = \"update\" only".into(),
                 ));
             }
             (OnConflict::Keep, None) => None,
             (OnConflict::Update, Some(v)) => {
-                let i = index_of(v)
-                    .ok_or_else(|| err(format!("version_column {v:?} is not among the columns")))?;
+                let i = index_of(v).ok_or_else(|| {
+                    err(
+                        "version_column",
+                        format!("version_column {v:?} is not among the columns"),
+                    )
+                })?;
                 if !matches!(
                     columns[i].ty,
                     ColType::Int4 | ColType::Int8 | ColType::Numeric | ColType::Timestamptz
                 ) {
-                    return Err(err(format!(
-                        "version_column {v:?} is {}; expected int4, int8, numeric or timestamptz",
-                        columns[i].ty
-                    )));
+                    return Err(err(
+                        "version_column",
+                        format!(
+                            "version_column {v:?} is {}; expected int4, int8, numeric or timestamptz",
+                            columns[i].ty
+                        ),
+                    ));
                 }
                 if columns[i].optional {
-                    return Err(err(format!("version_column {v:?} cannot be optional")));
+                    return Err(err(
+                        "version_column",
+                        format!("version_column {v:?} cannot be optional"),
+                    ));
                 }
                 if key.contains(&i) {
-                    return Err(err(format!("version_column {v:?} is a key column")));
+                    return Err(err(
+                        "version_column",
+                        format!("version_column {v:?} is a key column"),
+                    ));
                 }
                 Some(i)
             }
