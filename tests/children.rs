@@ -318,6 +318,49 @@ async fn a_child_table_that_does_not_fit_is_named() {
     );
 }
 
+/// `warren declare` checks a child table as it checks the pipeline's: a missing column exits
+/// 2 naming the pipeline, the child table and the column.
+#[tokio::test(flavor = "multi_thread")]
+async fn declare_refuses_a_child_table_that_does_not_fit() {
+    let env = TestEnv::new("ch_declare").await;
+    let names = PipelineNames::of(&env, "orders");
+    let _cleanup = names.cleanup();
+    env.db
+        .batch_execute(
+            "CREATE TABLE orders (order_id uuid PRIMARY KEY, total numeric NOT NULL,
+                 version int8 NOT NULL);
+             CREATE TABLE order_items (order_id uuid NOT NULL, line int4 NOT NULL,
+                 sku text NOT NULL, PRIMARY KEY (order_id, line))",
+        )
+        .await
+        .expect("create the tables");
+    let dir = tempfile::tempdir().expect("temp dir");
+    let path = dir.path().join("orders.toml");
+    std::fs::write(&path, pipeline_config(&names)).expect("write the config");
+    let file = path.to_str().expect("utf-8").to_string();
+    let (code, out, err) = env.run_async(&["--config", &file, "declare"]).await;
+    assert_eq!(code, 2, "declare:\n{out}{err}");
+    assert!(
+        err.contains(
+            "pipeline orders: child table order_items (rows /items): column qty does not exist"
+        ),
+        "{err}"
+    );
+}
+
+/// The pipeline entry of [`COLUMNS`] under `names`.
+fn pipeline_config(names: &PipelineNames) -> String {
+    format!(
+        "[[pipelines]]\nname = \"orders\"\ntable = \"orders\"\nkey = [\"order_id\"]\n\
+         batch_size = 100\nretry_ttls_ms = [1000]\n{}\n{}",
+        names.toml(),
+        COLUMNS
+            .replace("[columns]", "[pipelines.columns]")
+            .replace("[[children]]", "[[pipelines.children]]")
+            .replace("[children.columns]", "[pipelines.children.columns]")
+    )
+}
+
 /// A running pipeline: one batch holds good orders and, in its middle, an order whose item the
 /// table's CHECK refuses: that order alone is parked (`db_permanent`), with neither its parent
 /// nor its other items stored; the rest of the batch commits with all its items. A redelivered
@@ -328,15 +371,7 @@ async fn a_refused_item_in_the_middle_of_a_batch_parks_only_its_message() {
     let names = PipelineNames::of(&env, "orders");
     let _cleanup = names.cleanup();
     tables(&env).await;
-    let config = format!(
-        "[[pipelines]]\nname = \"orders\"\ntable = \"orders\"\nkey = [\"order_id\"]\n\
-         batch_size = 100\nretry_ttls_ms = [1000]\n{}\n{}",
-        names.toml(),
-        COLUMNS
-            .replace("[columns]", "[pipelines.columns]")
-            .replace("[[children]]", "[[pipelines.children]]")
-            .replace("[children.columns]", "[pipelines.children.columns]")
-    );
+    let config = pipeline_config(&names);
     let dir = tempfile::tempdir().expect("temp dir");
     let path = dir.path().join("orders.toml");
     std::fs::write(&path, config).expect("write the config");
