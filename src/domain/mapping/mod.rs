@@ -7,7 +7,8 @@
 //! found. Every pipeline is one, the built-in users pipeline included. `values.rs` holds the
 //! checks of one value; `insert.rs` writes a batch with one statement (`on_conflict = keep |
 //! update`), `lookup.rs` answers the API's questions to the table; `schema.rs` checks the mapping against
-//! the table before anything is consumed.
+//! the table before anything is consumed; `children.rs` holds the child tables filled from arrays
+//! of the message (`[[pipelines.children]]`), written in the parent row's transaction.
 
 mod children;
 mod insert;
