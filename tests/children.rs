@@ -501,3 +501,131 @@ async fn a_refused_item_in_the_middle_of_a_batch_parks_only_its_message() {
     assert_eq!(items(&env, good[1]).await.len(), 2, "the stored items stay");
     assert_eq!(count("SELECT count(*) FROM order_items".into()).await, 41);
 }
+
+/// Two records of one key that only the column's type makes one (`k` and `k ` in a `char(3)`
+/// key) reach the upsert as two rows (21000): the batch goes through the probe, where the
+/// higher version still wins with its own items, the other's deleted.
+#[tokio::test(flavor = "multi_thread")]
+async fn update_through_the_probe_keeps_the_highest_versions_items() {
+    let env = TestEnv::new("ch_probe").await;
+    env.db
+        .batch_execute(
+            "CREATE TABLE tags (k char(3) PRIMARY KEY, version int8 NOT NULL);
+             CREATE TABLE tag_items (k char(3) NOT NULL REFERENCES tags, line int4 NOT NULL,
+                 sku text NOT NULL, PRIMARY KEY (k, line))",
+        )
+        .await
+        .expect("create the tables");
+    let spec: MappingSpec = toml::from_str(
+        r#"
+        table = "tags"
+        key = ["k"]
+        on_conflict = "update"
+        version_column = "version"
+        [columns]
+        k       = { path = "/k", type = "text" }
+        version = { path = "/v", type = "int8" }
+        [[children]]
+        table = "tag_items"
+        rows = "/items"
+        key = ["k", "line"]
+        [children.columns]
+        k    = { parent = "k" }
+        line = { index = true }
+        sku  = { path = "/sku", type = "text" }
+        "#,
+    )
+    .expect("spec");
+    let m = Mapping::compile("tags", &spec).expect("compiles");
+    let pool = pool(&env).await;
+    let body = |k: &str, v: i64, skus: &[&str]| {
+        let items: Vec<String> = skus.iter().map(|s| format!(r#"{{"sku":"{s}"}}"#)).collect();
+        format!(r#"{{"k":"{k}","v":{v},"items":[{}]}}"#, items.join(",")).into_bytes()
+    };
+    insert(&m, &pool, &[body("k", 1, &["a", "b", "c"])])
+        .await
+        .expect("insert");
+    let done = insert(
+        &m,
+        &pool,
+        &[body("k", 2, &["d", "e"]), body("k ", 3, &["f"])],
+    )
+    .await
+    .expect("insert");
+    assert_eq!((done.rows, done.unchanged), (1, 1));
+    let stored: Vec<(i32, String)> = env
+        .db
+        .query("SELECT line, sku FROM tag_items ORDER BY line", &[])
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| (r.get(0), r.get(1)))
+        .collect();
+    assert_eq!(stored, vec![(1, "f".to_string())]);
+}
+
+/// Through the broker with `on_conflict = "update"`: a newer version with fewer items leaves
+/// only its items; a redelivered older version, and a copy of the newest, change nothing and
+/// are no failure (nothing parked).
+#[tokio::test(flavor = "multi_thread")]
+async fn a_running_update_pipeline_replaces_items_with_the_newer_versions() {
+    let env = TestEnv::new("ch_pl_update").await;
+    let names = PipelineNames::of(&env, "orders");
+    let _cleanup = names.cleanup();
+    tables(&env).await;
+    let config = pipeline_config(&names).replace(
+        "key = [\"order_id\"]\nbatch_size",
+        "key = [\"order_id\"]\non_conflict = \"update\"\nversion_column = \"version\"\nbatch_size",
+    );
+    assert!(config.contains("on_conflict = \"update\""));
+    let dir = tempfile::tempdir().expect("temp dir");
+    let path = dir.path().join("orders.toml");
+    std::fs::write(&path, config).expect("write the config");
+    let file = path.to_str().expect("utf-8").to_string();
+    let (code, out, err) = env.run_async(&["--config", &file, "declare"]).await;
+    assert_eq!(code, 0, "declare:\n{out}{err}");
+    let warren = env.start(&["--config", &file, "--roles", "consumer,dlq"]);
+    let _logs = LogsOnPanic(vec![warren.log.clone()]);
+    let props = || BasicProperties::default().with_delivery_mode(2);
+    let a = Uuid::new_v4();
+    let v1 = order(a, 1, &[("A", 1), ("B", 2), ("C", 3)]);
+    env.publish_to(&names.exchange, &names.queue, &v1, props())
+        .await;
+    wait_until(
+        "version 1 with 3 items",
+        Duration::from_secs(30),
+        || async { items(&env, a).await.len() == 3 },
+    )
+    .await;
+    let v2 = order(a, 2, &[("B", 5)]);
+    for body in [&v2, &v1, &v2] {
+        env.publish_to(&names.exchange, &names.queue, body, props())
+            .await;
+    }
+    let sentinel = Uuid::new_v4();
+    env.publish_to(
+        &names.exchange,
+        &names.queue,
+        &order(sentinel, 1, &[("S", 1)]),
+        props(),
+    )
+    .await;
+    wait_until("the sentinel order", Duration::from_secs(30), || async {
+        items(&env, sentinel).await.len() == 1
+    })
+    .await;
+    wait_queues_settled(
+        &[&names.queue, &names.retry, &names.dlq],
+        Duration::from_secs(30),
+    )
+    .await;
+    assert_eq!(items(&env, a).await, owned(&[(1, "B", 5)]));
+    assert_eq!(
+        count_of(
+            &env,
+            "SELECT count(*) FROM dead_letters WHERE pipeline = 'orders'"
+        )
+        .await,
+        0
+    );
+}

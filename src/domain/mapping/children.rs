@@ -680,8 +680,7 @@ fn child_arrays<'a>(
     (arrays, ords)
 }
 
-/// `statement` run with `arrays` (and the ordinals `ords`, when given) as its parameters,
-/// prepared once per connection.
+/// `statement` run with `arrays`, then `more`, as its parameters, prepared once per connection.
 async fn run(
     client: &deadpool_postgres::Client,
     statement: &str,
@@ -696,6 +695,22 @@ async fn run(
         .map_err(DbError::from_pg)?;
     client
         .execute(&prepared, &params)
+        .await
+        .map_err(DbError::from_pg)
+}
+
+/// As [`run`], prepared for this one run: a statement that reads a probe, a temporary table
+/// made again by each transaction, is never kept prepared.
+async fn run_once(
+    client: &deadpool_postgres::Client,
+    statement: &str,
+    arrays: &[Array],
+    more: &[&(dyn ToSql + Sync)],
+) -> Result<u64, DbError> {
+    let mut params: Vec<&(dyn ToSql + Sync)> = arrays.iter().map(Array::as_param).collect();
+    params.extend_from_slice(more);
+    client
+        .execute(statement, &params)
         .await
         .map_err(DbError::from_pg)
 }
@@ -839,9 +854,9 @@ pub(super) async fn insert(
                             .map_err(DbError::from_pg)?
                             as usize;
                         for (n, child) in mapping.children.iter().enumerate() {
-                            run(client, &child.statements.delete_probe, &[], &[]).await?;
+                            run_once(client, &child.statements.delete_probe, &[], &[]).await?;
                             let (arrays, ords) = child_arrays(child, n, all());
-                            run(
+                            run_once(
                                 client,
                                 &child.statements.insert_won_probe,
                                 &arrays,
