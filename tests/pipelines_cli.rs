@@ -360,7 +360,7 @@ fn test_prints_the_child_rows_and_names_an_elements_path() {
     assert_eq!(code, 0, "{err}");
     for expected in [
         "child   shop.order_items from /items, key order_id+line, max_rows 3",
-        "parent order_id",
+        "order_id  parent order_id     uuid",
         "(position, from 1)",
     ] {
         assert!(out.contains(expected), "{expected:?} in:\n{out}");

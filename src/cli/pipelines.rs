@@ -137,11 +137,13 @@ fn list(settings: &Settings) -> anyhow::Result<String> {
                         _ if c.index => "(position, from 1)".into(),
                         _ => "-".into(),
                     };
-                    let ty = c.ty.map(|t| t.as_str()).unwrap_or(if c.index {
-                        "int4"
-                    } else {
-                        "(parent's)"
-                    });
+                    // A parent column takes its parent's type; an index is an int4 unless typed.
+                    let parent_ty = c
+                        .parent
+                        .as_ref()
+                        .and_then(|name| p.columns.get(name))
+                        .map(|pc| pc.ty.as_str());
+                    let ty = c.ty.map(|t| t.as_str()).or(parent_ty).unwrap_or("int4");
                     row(
                         name,
                         &source,
