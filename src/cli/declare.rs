@@ -252,8 +252,8 @@ async fn pipeline_mismatches(settings: &Settings) -> Result<Vec<String>, db::DbE
     let mut out = Vec::new();
     let mut result = Ok(());
     for m in &mappings {
-        match crate::domain::mapping::schema::describe(m, &client).await {
-            Ok(info) => out.extend(crate::domain::mapping::schema::mismatches(m, info.as_ref())),
+        match crate::domain::mapping::schema::check(m, &client).await {
+            Ok(found) => out.extend(found),
             Err(e) => {
                 result = Err(e);
                 break;

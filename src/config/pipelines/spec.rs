@@ -689,6 +689,13 @@ impl<'a> Entry<'a> {
                 &format!("true with key {:?}", p.key),
             ));
         }
+        if p.api && !p.children.is_empty() {
+            return Err(refuse(
+                "api",
+                "false for a pipeline with child tables (the API does not take them yet)",
+                "true",
+            ));
+        }
         if !p.api && (p.api_key != ApiKey::Body || p.api_check) {
             let (field, got) = if p.api_check {
                 ("api_check", "true")

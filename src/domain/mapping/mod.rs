@@ -7,8 +7,10 @@
 //! found. Every pipeline is one, the built-in users pipeline included. `values.rs` holds the
 //! checks of one value; `insert.rs` writes a batch with one statement (`on_conflict = keep |
 //! update`), `lookup.rs` answers the API's questions to the table; `schema.rs` checks the mapping against
-//! the table before anything is consumed.
+//! the table before anything is consumed; `children.rs` holds the child tables filled from arrays
+//! of the message (`[[pipelines.children]]`), written in the parent row's transaction.
 
+mod children;
 mod insert;
 mod lookup;
 mod names;
@@ -55,6 +57,71 @@ pub struct MappingSpec {
     pub unknown_fields: UnknownFields,
     /// Column name -> where its value comes from, its type and checks.
     pub columns: BTreeMap<String, ColumnSpec>,
+    /// Child tables, each filled from an array of the message, one row per element
+    /// (`[[pipelines.children]]`, see `children.rs`).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub children: Vec<ChildSpec>,
+}
+
+/// The elements a child table takes from one message when its entry gives no `max_rows`.
+pub const MAX_ROWS_DEFAULT: usize = 1000;
+
+/// A child table of a pipeline: one row per element of an array of the message, written in the
+/// same transaction as the message's parent row.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ChildSpec {
+    /// The table, `name` or `schema.name`: it must exist (warren never creates or alters it).
+    pub table: String,
+    /// A JSON Pointer to the array whose elements are the rows.
+    pub rows: String,
+    /// The columns of a primary key or unique index of the child table.
+    pub key: Vec<String>,
+    /// An absent or null array is no rows instead of a rejection.
+    #[serde(default, skip_serializing_if = "is_false")]
+    pub optional: bool,
+    /// The most elements one message may hold (more: `invalid_payload`); absent:
+    /// [`MAX_ROWS_DEFAULT`]. Bounds the statement a batch makes.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_rows: Option<usize>,
+    /// Column name -> where its value comes from: the element (paths relative to it), the
+    /// parent row's column, or the element's position.
+    pub columns: BTreeMap<String, ChildColumnSpec>,
+}
+
+/// One column of a child table: a path into the element (or a header) with a type and checks,
+/// as a parent column; or `parent = "<column>"` (the parent row's value), or `index = true`
+/// (the element's position, from 1).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ChildColumnSpec {
+    /// A JSON Pointer into the element; `""` is the whole element.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub path: Option<String>,
+    /// An AMQP header name instead of a path.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub header: Option<String>,
+    /// The parent row's column whose value this column takes (its type is the parent's).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub parent: Option<String>,
+    /// The element's position in the array, from 1 (an `int4`, or `int8` when typed so).
+    #[serde(default, skip_serializing_if = "is_false")]
+    pub index: bool,
+    /// Required with a path or header; `parent` takes the parent's, `index` int4 or int8.
+    #[serde(rename = "type", default, skip_serializing_if = "Option::is_none")]
+    pub ty: Option<ColType>,
+    #[serde(default, skip_serializing_if = "is_false")]
+    pub optional: bool,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub min: Option<f64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max: Option<f64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub min_len: Option<usize>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_len: Option<usize>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub format: Option<Format>,
 }
 
 /// What the same key with other content does.
@@ -214,6 +281,10 @@ enum Source {
         segments: Vec<String>,
     },
     Header(String),
+    /// A child column: the parent row's column (its index in the parent's columns).
+    Parent(usize),
+    /// A child column: the element's position in its array, from 1.
+    Index,
 }
 
 /// One compiled column.
@@ -238,6 +309,8 @@ impl Column {
             Source::Path { pointer, .. } if pointer.is_empty() => "the body".into(),
             Source::Path { pointer, .. } => pointer.clone(),
             Source::Header(h) => format!("header {h}"),
+            Source::Parent(_) => "the parent row".into(),
+            Source::Index => "the element's position".into(),
         }
     }
 
@@ -312,6 +385,9 @@ pub struct Mapping {
     /// Per column, its place in the table (`attnum`), learnt with `bound`: a reason that lists
     /// several columns lists them in the table's order (`another name and email`).
     attnums: std::sync::Arc<std::sync::OnceLock<Vec<i16>>>,
+    /// The child tables, in the spec's order (each message's [`Row::1`] holds their rows in
+    /// this order).
+    children: Vec<children::Child>,
 }
 
 impl Mapping {
@@ -498,15 +574,26 @@ impl Mapping {
             }
         };
         let statements = insert::Statements::build(&table, &columns, &key, version, &[]);
-        let reads_object = columns.iter().any(|c| match &c.source {
+        let mut reads_object = columns.iter().any(|c| match &c.source {
             Source::Path { segments, .. } => {
                 !c.optional
                     && segments
                         .first()
                         .is_some_and(|f| !f.bytes().all(|b| b.is_ascii_digit()))
             }
-            Source::Header(_) => false,
+            _ => false,
         });
+        let mut compiled_children = Vec::with_capacity(spec.children.len());
+        for (n, child) in spec.children.iter().enumerate() {
+            let c = children::Child::compile(n, child, &table, &columns, &key, version)
+                .map_err(|problem| err(format!("children.{}: {problem}", child.table)))?;
+            if let Some(first) = c.first_field() {
+                fields.insert(first.to_string());
+                reads_object |= !c.optional() && !first.bytes().all(|b| b.is_ascii_digit());
+            }
+            compiled_children.push(c);
+        }
+        children::distinct_tables(&table, &compiled_children).map_err(err)?;
         Ok(Self {
             pipeline: pipeline.to_string(),
             table,
@@ -520,6 +607,7 @@ impl Mapping {
             statements,
             bound: Default::default(),
             attnums: Default::default(),
+            children: compiled_children,
         })
     }
 
@@ -556,6 +644,19 @@ impl Mapping {
         record: &Row,
     ) -> Result<Standing, DbError> {
         lookup::standing(self, client, record).await
+    }
+
+    /// Each child table: its name, the pointer to its array, its most rows per message, and
+    /// its column names in the order of the cells of a [`ChildRows`] row.
+    pub fn child_tables(&self) -> impl Iterator<Item = (&TableName, &str, usize, Vec<&str>)> {
+        self.children.iter().map(|c| {
+            (
+                &c.table,
+                c.rows(),
+                c.max_rows(),
+                c.columns.iter().map(|c| c.name.as_str()).collect(),
+            )
+        })
     }
 
     /// (column, type, optional) in the spec's order.
@@ -676,8 +777,19 @@ impl Mapping {
                 Err(p) => problems.push((c, p)),
             }
         }
-        if problems.is_empty() {
-            return Ok(Row(cells));
+        let mut rows = Vec::with_capacity(self.children.len());
+        let mut child_problems: Vec<(String, Problem)> = Vec::new();
+        for child in &self.children {
+            match child.decode(self, text, &doc, &cells, headers) {
+                Ok(r) => rows.push(r),
+                Err(mut found) => {
+                    rows.push(Vec::new());
+                    child_problems.append(&mut found);
+                }
+            }
+        }
+        if problems.is_empty() && child_problems.is_empty() {
+            return Ok(Row(cells, rows));
         }
         if problems.len() > 1 {
             // In the order the body gives its fields (a field it lacks, or a header, after).
@@ -687,10 +799,11 @@ impl Mapping {
                     .first()
                     .and_then(|f| order.iter().position(|o| o == f))
                     .unwrap_or(usize::MAX),
-                Source::Header(_) => usize::MAX,
+                _ => usize::MAX,
             });
         }
-        let reason: Vec<String> = problems.iter().map(|(c, e)| c.reason(e)).collect();
+        let mut reason: Vec<String> = problems.iter().map(|(c, e)| c.reason(e)).collect();
+        reason.extend(child_problems.iter().map(|(r, _)| r.clone()));
         Err(Refused {
             rejection: Rejection::payload(reason.join("; ")),
             problems: problems
@@ -699,6 +812,7 @@ impl Mapping {
                     column: c.name.clone(),
                     error,
                 })
+                .chain(child_problems.into_iter().map(|(_, p)| p))
                 .collect(),
         })
     }
@@ -729,6 +843,8 @@ impl Mapping {
     ) -> Result<Cell, ValueError> {
         let value = match &c.source {
             Source::Path { segments, .. } => lookup(doc, segments).cloned(),
+            // Filled by the child table's decode, never looked up.
+            Source::Parent(_) | Source::Index => None,
             Source::Header(h) => match headers
                 .and_then(|t| t.inner().get(h.as_str()))
                 .map(header_json)
@@ -774,7 +890,7 @@ impl Mapping {
                 // As written: `-0` is 0 (serde_json reads it as a float).
                 let written = || match &c.source {
                     Source::Path { segments, .. } => raw_number(text, segments),
-                    Source::Header(_) => None,
+                    _ => None,
                 };
                 let n = strict::integer(&value, written).ok_or_else(|| wrong(&value))?;
                 check_range(c, n as f64, &n.to_string())?;
@@ -820,7 +936,7 @@ impl Mapping {
                         Source::Path { segments, .. } => {
                             raw_number(text, segments).unwrap_or_else(|| value.to_string())
                         }
-                        Source::Header(_) => value.to_string(),
+                        _ => value.to_string(),
                     },
                     Value::String(s) if is_decimal(s) => s.clone(),
                     Value::String(s) => {
@@ -900,7 +1016,7 @@ impl Mapping {
                 // The JSON as written (jsonb keeps a number's digits; a parsed float would not).
                 let raw = match &c.source {
                     Source::Path { segments, .. } => raw_json(text, segments),
-                    Source::Header(_) => None,
+                    _ => None,
                 };
                 let json = raw.unwrap_or_else(|| value.to_string());
                 if let Some(n) = strict::number_beyond_numeric(&json) {
@@ -922,9 +1038,14 @@ fn unfit(words: String) -> ValueError {
     ValueError::Unfit(words)
 }
 
-/// A decoded message: one cell per column of its mapping, in the mapping's order.
+/// A decoded message: one cell per column of its mapping, in the mapping's order; and, per
+/// child table of the mapping (in its order), the rows its array gave, each one cell per
+/// column of the child table (empty for a mapping without child tables).
 #[derive(Debug, Clone, PartialEq)]
-pub struct Row(pub Vec<Cell>);
+pub struct Row(pub Vec<Cell>, pub Vec<ChildRows>);
+
+/// The rows one message gives one child table, each one cell per column of the child table.
+pub type ChildRows = Vec<Vec<Cell>>;
 
 /// One column's value.
 #[derive(Debug, Clone, PartialEq)]
