@@ -585,15 +585,22 @@ impl Mapping {
         });
         let mut compiled_children = Vec::with_capacity(spec.children.len());
         for (n, child) in spec.children.iter().enumerate() {
-            let c = children::Child::compile(n, child, &table, &columns, &key, version)
-                .map_err(|problem| err(format!("children.{}: {problem}", child.table)))?;
+            let c = children::Child::compile(n, child, &table, &columns, &key, version).map_err(
+                |problem| {
+                    err_at(
+                        &["children", &n.to_string()],
+                        format!("children.{}: {problem}", child.table),
+                    )
+                },
+            )?;
             if let Some(first) = c.first_field() {
                 fields.insert(first.to_string());
                 reads_object |= !c.optional() && !first.bytes().all(|b| b.is_ascii_digit());
             }
             compiled_children.push(c);
         }
-        children::distinct_tables(&table, &compiled_children).map_err(err)?;
+        children::distinct_tables(&table, &compiled_children)
+            .map_err(|problem| err("children", problem))?;
         Ok(Self {
             pipeline: pipeline.to_string(),
             table,
