@@ -547,8 +547,22 @@ async fn consuming_with_acks_held(
 /// routed. Each malformed message once in the DLQ, compared by id. (Before the fix: 300 twice.)
 #[tokio::test(flavor = "multi_thread")]
 async fn a_dead_letter_whose_ack_is_lost_with_its_link_is_not_dead_lettered_again() {
+    dead_letters_once_after_lost_acks("lost_ack_dlq", "classic").await;
+}
+
+/// The same on quorum queues, whose redeliveries carry the broker's `x-delivery-count` (which
+/// the memory's fingerprint leaves out).
+#[tokio::test(flavor = "multi_thread")]
+async fn a_dead_letter_whose_ack_is_lost_with_its_link_is_not_dead_lettered_again_quorum() {
+    dead_letters_once_after_lost_acks("lost_ack_dlq_q", "quorum").await;
+}
+
+/// 300 malformed messages dead-lettered with their acks held, the link cut: each once in the
+/// DLQ (queues of `queue_type`).
+async fn dead_letters_once_after_lost_acks(name: &str, queue_type: &str) {
     let _serial = SERIAL.lock().await;
-    let (env, proxy, first, mut warren) = consuming_with_acks_held("lost_ack_dlq", &[]).await;
+    let (env, proxy, first, mut warren) =
+        consuming_with_acks_held(name, &[("QUEUE_TYPE", queue_type)]).await;
     let _redis = RedisCleanup::new(&env);
     let _logs = LogsOnPanic(vec![warren.log.clone()]);
     let (_, malformed) = publish_mix(&env, 300, 1).await;
