@@ -17,7 +17,9 @@
 //! that the broker handled its original's ack (`copies.rs`), the executor follows the acks it
 //! sent with a fence, a passive declare of `amq.direct` on the same channel: the broker handles a
 //! channel's frames in order, so its answer proves every ack sent before it was handled, and those
-//! copies are forgotten. Without such copies (the happy path) there is no fence.
+//! copies are forgotten. Without such copies (the happy path) there is no fence. A fence runs
+//! beside the acks, one at a time, and never holds them up: a drain at a stop waits for the acks
+//! to be sent, never for a proof (an awaited fence held a stop whose link was slow to answer).
 //!
 //! A resubscription (a new window, a resume, the byte budget) never waits for a held front: the
 //! next subscription on the same channel starts once the cancelled one's stream ended, so its
@@ -31,7 +33,7 @@ use lapin::options::{BasicAckOptions, BasicNackOptions, ExchangeDeclareOptions};
 use lapin::types::FieldTable;
 use lapin::{Channel, ExchangeKind};
 use tokio::sync::mpsc;
-use tracing::warn;
+use tracing::{debug, warn};
 
 use super::copies::Copies;
 pub use super::message::Disposition;
@@ -289,8 +291,10 @@ impl Acker {
 }
 
 /// Executes channel operations in order; stops at the first failure (the channel is gone and
-/// the broker requeues whatever was not acked). After a group of operations that acked a copy's
-/// original not yet proven handled, a fence proves it (see the module doc).
+/// the broker requeues whatever was not acked). After operations that acked a copy's original
+/// not yet proven handled, a fence proves it (see the module doc). The fence runs beside the
+/// operations, one at a time, and never holds them up: a broker slow to answer (or a link whose
+/// answers are held) still gets every ack at once, and a drain never waits for a proof.
 async fn run_ops(
     channel: Channel,
     mut rx: mpsc::UnboundedReceiver<Vec<Op>>,
@@ -298,9 +302,29 @@ async fn run_ops(
     (copies, generation): (Arc<Copies>, u64),
 ) {
     let acks = crate::metrics::acks_counter(&stage);
-    // Every tag up to `upto` is acked; `ones` were acked alone since the last proof.
+    // Every tag up to `upto` is acked; `ones` were acked alone since the last fence began.
     let (mut upto, mut ones) = (0u64, Vec::new());
-    while let Some(mut ops) = rx.recv().await {
+    // Answers of fences: the acks they prove (every tag up to .., and those acked alone).
+    let (proofs_tx, mut proofs) = mpsc::unbounded_channel::<(lapin::Result<()>, u64, Vec<u64>)>();
+    let mut fencing = false;
+    loop {
+        let mut ops = tokio::select! {
+            ops = rx.recv() => match ops {
+                Some(ops) => ops,
+                None => return,
+            },
+            Some((answer, proven_upto, proven_ones)) = proofs.recv() => {
+                fencing = false;
+                match answer {
+                    Ok(()) => copies.prove(generation, proven_upto, &proven_ones),
+                    // The channel is gone: those copies stay unproven, and the link's end
+                    // makes them candidates for their redeliveries.
+                    Err(e) => debug!(pipeline = stage.pipeline(), stage = stage.stage().as_str(), error = %e,
+                        "a fence was not answered; its acks stay unproven"),
+                }
+                Vec::new()
+            }
+        };
         while let Ok(more) = rx.try_recv() {
             ops.extend(more);
         }
@@ -340,14 +364,17 @@ async fn run_ops(
         if copies.none_unproven() {
             // Nothing registered later can be among them: its ack comes after.
             ones.clear();
-        } else if copies.provable(generation, upto, &ones) {
-            if let Err(e) = fence(&channel).await {
-                warn!(pipeline = stage.pipeline(), stage = stage.stage().as_str(), error = %e,
-                    "cannot prove the acks on this channel; their copies' redeliveries will be acked as already routed");
-                return;
-            }
-            copies.prove(generation, upto, &ones);
-            ones.clear();
+        } else if !fencing && copies.provable(generation, upto, &ones) {
+            fencing = true;
+            let (channel, tx, ones) = (
+                channel.clone(),
+                proofs_tx.clone(),
+                std::mem::take(&mut ones),
+            );
+            tokio::spawn(async move {
+                let answer = fence(&channel).await;
+                let _ = tx.send((answer, upto, ones));
+            });
         }
     }
 }
