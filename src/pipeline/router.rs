@@ -3,7 +3,9 @@
 //! `x-error-kind` / `x-error-reason`; a transient failure goes through the retry queue with
 //! `x-retries` + 1 (the n-th retry through the n-th retry tier's queue, every later one through
 //! the last) until `MAX_RETRIES`, then to the DLX; a systemic one stays with the broker.
-//! Every republish is confirmed by the broker before the original is acked. A republish that is
+//! Every republish is confirmed by the broker before the original is acked; a copy whose ack
+//! is lost with the consumer's link is remembered (`copies.rs`), and the redelivery that follows
+//! is acked as already routed instead of routed twice. A republish that is
 //! not confirmed leaves the message with warren's queue (nack with requeue, after a backoff):
 //! never with the broker's own dead-lettering, which is at-most-once and drops a message whose
 //! target is missing at that moment.
