@@ -1,0 +1,168 @@
+//! The SQL of one child table (see the parent module's doc), built once at compile time: the
+//! plain insert of its rows, and for `update` and the probe the statements that replace the
+//! children of the keys whose parent row this transaction wrote (told by `xmin`).
+
+use super::*;
+
+/// The statements of one child table, built once (see the module's doc).
+#[derive(Debug, Clone)]
+pub(super) struct ChildStatements {
+    /// The child rows (`$1..$n`, one array per column).
+    pub(super) insert: String,
+    /// `update`: the stored children of the keys (`$1..$k`, the parent key's arrays) whose
+    /// parent row this transaction wrote, deleted.
+    pub(super) delete: String,
+    /// `update`: the child rows (`$1..$n`, then `$n+1` each row's record ordinal) of each key's
+    /// winning record (`$n+2..`: the parent key's arrays, then the versions), when this
+    /// transaction wrote its parent row.
+    pub(super) insert_won: String,
+    /// `delete` for the keys of the parents' probe (`pg_temp.warren_probe`).
+    pub(super) delete_probe: String,
+    /// `insert_won` with the winners read from the parents' probe (`$1..$n`, `$n+1`).
+    pub(super) insert_won_probe: String,
+    /// Makes the child probe: the mapped columns of the child table, as it types them, and the
+    /// record's ordinal (inside the parents' probe transaction).
+    pub(super) probe_table: String,
+    /// The child rows into the child probe (`$1..$n`, `$n+1`).
+    pub(super) probe_fill: String,
+    /// Of the records `$1` (ordinals in the parents' probe), those whose key holds other child
+    /// rows than the child probe holds for them (compared with the columns' own equality).
+    pub(super) probe_differs: String,
+}
+
+/// `a = b AND ...` of `left.<columns[i]>` and `right.<names[j]>`, pairwise.
+pub(super) fn joined(left: &str, l: &[String], right: &str, r: &[String]) -> String {
+    l.iter()
+        .zip(r)
+        .map(|(a, b)| format!("{left}.{a} = {right}.{b}"))
+        .collect::<Vec<_>>()
+        .join(" AND ")
+}
+
+/// The transaction's own id, to tell the parent rows this transaction wrote (their `xmin`).
+pub(super) const OURS: &str = "pg_current_xact_id()::xid";
+
+impl ChildStatements {
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn build(
+        n: usize,
+        table: &TableName,
+        columns: &[Column],
+        link: &[usize],
+        parent_table: &TableName,
+        parent: &[Column],
+        parent_key: &[usize],
+        version: Option<usize>,
+    ) -> Self {
+        let ct = table.sql();
+        let t = parent_table.sql();
+        let names: Vec<String> = columns.iter().map(|c| quote(&c.name)).collect();
+        let list = names.join(", ");
+        let v_list: Vec<String> = names.iter().map(|c| format!("v.{c}")).collect();
+        let v_list = v_list.join(", ");
+        let c_params: Vec<String> = columns
+            .iter()
+            .enumerate()
+            .map(|(i, c)| insert::param(c.ty, i + 1, None))
+            .collect();
+        let count = columns.len();
+        let ord_param = format!("${}::int8[]", count + 1);
+        let pk: Vec<String> = parent_key.iter().map(|&i| quote(&parent[i].name)).collect();
+        let lk: Vec<String> = link.iter().map(|&i| names[i].clone()).collect();
+        let pks = pk.join(", ");
+        let probe = probe_name(n);
+        let insert = format!(
+            "INSERT INTO {ct} ({list}) SELECT * FROM UNNEST({}) AS v({list})",
+            c_params.join(", ")
+        );
+        let pk_params = |from: usize| -> Vec<String> {
+            parent_key
+                .iter()
+                .enumerate()
+                .map(|(j, &i)| insert::param(parent[i].ty, from + j, None))
+                .collect()
+        };
+        let delete = format!(
+            "DELETE FROM {ct} AS c USING {t} AS s, UNNEST({}) AS w({pks}) \
+             WHERE {} AND s.xmin = {OURS} AND {}",
+            pk_params(1).join(", "),
+            joined("s", &pk, "w", &pk),
+            joined("c", &lk, "s", &pk),
+        );
+        let (insert_won, insert_won_probe) = match version {
+            Some(ver) => {
+                let first = count + 2;
+                let ver_param = insert::param(parent[ver].ty, first + pk.len(), None);
+                let vn = quote(&parent[ver].name);
+                let won = format!(
+                    "INSERT INTO {ct} ({list}) SELECT {v_list} \
+                     FROM UNNEST({c}, {ord_param}) AS v({list}, {ORD}) \
+                     WHERE v.{ORD} IN (SELECT w.{ORD} FROM (\
+                       SELECT DISTINCT ON ({pks}) {pks}, {ORD} \
+                       FROM UNNEST({kp}, {ver_param}) WITH ORDINALITY AS w({pks}, {vn}, {ORD}) \
+                       ORDER BY {pks}, {vn} DESC, {ORD}) AS w \
+                     JOIN {t} AS s ON {on} WHERE s.xmin = {OURS})",
+                    c = c_params.join(", "),
+                    kp = pk_params(first).join(", "),
+                    on = joined("s", &pk, "w", &pk),
+                );
+                let p_pks: Vec<String> = pk.iter().map(|k| format!("p.{k}")).collect();
+                let won_probe = format!(
+                    "INSERT INTO {ct} ({list}) SELECT {v_list} \
+                     FROM UNNEST({c}, {ord_param}) AS v({list}, {ORD}) \
+                     WHERE v.{ORD} IN (SELECT w.{ORD} FROM (\
+                       SELECT DISTINCT ON ({pp}) {pp}, p.{ORD} FROM pg_temp.warren_probe AS p \
+                       ORDER BY {pp}, p.{vn} DESC, p.{ORD}) AS w \
+                     JOIN {t} AS s ON {on} WHERE s.xmin = {OURS})",
+                    c = c_params.join(", "),
+                    pp = p_pks.join(", "),
+                    on = joined("s", &pk, "w", &pk),
+                );
+                (won, won_probe)
+            }
+            None => (String::new(), String::new()),
+        };
+        let delete_probe = format!(
+            "DELETE FROM {ct} AS c USING {t} AS s, pg_temp.warren_probe AS w \
+             WHERE {} AND s.xmin = {OURS} AND {}",
+            joined("s", &pk, "w", &pk),
+            joined("c", &lk, "s", &pk),
+        );
+        let probe_table = format!(
+            "{path} CREATE TEMPORARY TABLE {probe} ON COMMIT DROP AS \
+             SELECT {list}, 0::int8 AS {ORD} FROM {ct} WITH NO DATA",
+            path = insert::types_on_path(table),
+        );
+        let probe_fill = format!(
+            "INSERT INTO pg_temp.{probe} ({list}, {ORD}) SELECT * FROM UNNEST({}, {ord_param})",
+            c_params.join(", ")
+        );
+        let same: Vec<String> = columns
+            .iter()
+            .zip(&names)
+            .map(|(c, n)| match c.ty {
+                ColType::Jsonb => format!("s.{n}::jsonb IS NOT DISTINCT FROM m.{n}::jsonb"),
+                _ => format!("s.{n} IS NOT DISTINCT FROM m.{n}"),
+            })
+            .collect();
+        let of_parent = joined("s", &lk, "p", &pk);
+        let probe_differs = format!(
+            "SELECT p.{ORD} FROM pg_temp.warren_probe AS p WHERE p.{ORD} = ANY($1) AND (\
+               (SELECT count(*) FROM {ct} AS s WHERE {of_parent}) <> \
+               (SELECT count(*) FROM pg_temp.{probe} AS m WHERE m.{ORD} = p.{ORD}) \
+               OR EXISTS (SELECT 1 FROM pg_temp.{probe} AS m WHERE m.{ORD} = p.{ORD} \
+                 AND NOT EXISTS (SELECT 1 FROM {ct} AS s WHERE {of_parent} AND {same})))",
+            same = same.join(" AND "),
+        );
+        Self {
+            insert,
+            delete,
+            insert_won,
+            delete_probe,
+            insert_won_probe,
+            probe_table,
+            probe_fill,
+            probe_differs,
+        }
+    }
+}

@@ -1,0 +1,232 @@
+//! What a configured pipeline declares about its data, as the configuration gives it: the spec
+//! of the parent table ([`MappingSpec`]), its columns ([`ColumnSpec`]), its child tables
+//! ([`ChildSpec`], [`ChildColumnSpec`]) and the words of the file format (`on_conflict`,
+//! `unknown_fields`, `format`, `type`). [`Mapping::compile`](super::Mapping::compile) checks and
+//! compiles it.
+
+use std::collections::BTreeMap;
+use std::fmt;
+
+use serde::{Deserialize, Serialize};
+
+/// What a configured pipeline says about its data (the queue names and batching live in the
+/// pipeline's own settings).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct MappingSpec {
+    /// The table, `name` or `schema.name`: it must exist (warren never creates or alters it).
+    pub table: String,
+    /// The columns of a primary key or unique index of the table.
+    pub key: Vec<String>,
+    #[serde(default)]
+    pub on_conflict: OnConflict,
+    /// `on_conflict = "update"` only: a stored row is replaced only by a higher version.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub version_column: Option<String>,
+    #[serde(default)]
+    pub unknown_fields: UnknownFields,
+    /// Column name -> where its value comes from, its type and checks.
+    pub columns: BTreeMap<String, ColumnSpec>,
+    /// Child tables, each filled from an array of the message, one row per element
+    /// (`[[pipelines.children]]`, see `children.rs`).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub children: Vec<ChildSpec>,
+}
+
+/// The elements a child table takes from one message when its entry gives no `max_rows`.
+pub const MAX_ROWS_DEFAULT: usize = 1000;
+
+/// A child table of a pipeline: one row per element of an array of the message, written in the
+/// same transaction as the message's parent row.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ChildSpec {
+    /// The table, `name` or `schema.name`: it must exist (warren never creates or alters it).
+    pub table: String,
+    /// A JSON Pointer to the array whose elements are the rows.
+    pub rows: String,
+    /// The columns of a primary key or unique index of the child table.
+    pub key: Vec<String>,
+    /// An absent or null array is no rows instead of a rejection.
+    #[serde(default, skip_serializing_if = "is_false")]
+    pub optional: bool,
+    /// The most elements one message may hold (more: `invalid_payload`); absent:
+    /// [`MAX_ROWS_DEFAULT`]. Bounds the statement a batch makes.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_rows: Option<usize>,
+    /// Column name -> where its value comes from: the element (paths relative to it), the
+    /// parent row's column, or the element's position.
+    pub columns: BTreeMap<String, ChildColumnSpec>,
+}
+
+/// One column of a child table: a path into the element (or a header) with a type and checks,
+/// as a parent column; or `parent = "<column>"` (the parent row's value), or `index = true`
+/// (the element's position, from 1).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ChildColumnSpec {
+    /// A JSON Pointer into the element; `""` is the whole element.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub path: Option<String>,
+    /// An AMQP header name instead of a path.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub header: Option<String>,
+    /// The parent row's column whose value this column takes (its type is the parent's).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub parent: Option<String>,
+    /// The element's position in the array, from 1 (an `int4`, or `int8` when typed so).
+    #[serde(default, skip_serializing_if = "is_false")]
+    pub index: bool,
+    /// Required with a path or header; `parent` takes the parent's, `index` int4 or int8.
+    #[serde(rename = "type", default, skip_serializing_if = "Option::is_none")]
+    pub ty: Option<ColType>,
+    #[serde(default, skip_serializing_if = "is_false")]
+    pub optional: bool,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub min: Option<f64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max: Option<f64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub min_len: Option<usize>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_len: Option<usize>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub format: Option<Format>,
+}
+
+/// What the same key with other content does.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum OnConflict {
+    /// The stored row stays; a message with the same key and other content is `id_conflict`.
+    #[default]
+    Keep,
+    /// The higher `version_column` wins; an older or equal version changes nothing.
+    Update,
+}
+
+/// What a top-level field that no column reads does.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum UnknownFields {
+    /// The message is `invalid_payload`, naming the field.
+    #[default]
+    Reject,
+    /// The field is dropped.
+    Ignore,
+}
+
+/// One column of the table and where its value comes from.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ColumnSpec {
+    /// A JSON Pointer into the body; `""` is the whole body.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub path: Option<String>,
+    /// An AMQP header name instead of a path.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub header: Option<String>,
+    #[serde(rename = "type")]
+    pub ty: ColType,
+    /// Absent or null is NULL instead of a rejection.
+    #[serde(default, skip_serializing_if = "is_false")]
+    pub optional: bool,
+    /// Numbers: the least and greatest accepted.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub min: Option<f64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max: Option<f64>,
+    /// Text: the fewest and most characters accepted.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub min_len: Option<usize>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_len: Option<usize>,
+    /// Text: `email` (a plausible address).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub format: Option<Format>,
+}
+
+fn is_false(b: &bool) -> bool {
+    !*b
+}
+
+/// A text format a column checks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Format {
+    /// A plausible address such as `ana@example.com` (at most 254 bytes).
+    Email,
+    /// One line of readable text: not blank (only whitespace) and without what a screen would
+    /// not show as written ([`line_problem`]), for names and titles that end up on a screen.
+    Line,
+}
+
+/// The types a column can take, and how a JSON value becomes one.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ColType {
+    /// A JSON string.
+    Text,
+    /// A JSON string holding a UUID.
+    Uuid,
+    /// A JSON integer within 32 bits.
+    Int4,
+    /// A JSON integer within 64 bits.
+    Int8,
+    /// A JSON number (finite).
+    Float8,
+    /// A JSON number, or a string holding a decimal; its digits are kept as written.
+    Numeric,
+    /// A JSON boolean.
+    Bool,
+    /// A JSON string in RFC 3339 (`2026-11-24T10:00:00Z`).
+    Timestamptz,
+    /// A JSON string `YYYY-MM-DD`.
+    Date,
+    /// Any JSON value, stored as it is.
+    Jsonb,
+}
+
+impl ColType {
+    /// Every type, in the order the docs list them.
+    pub const ALL: [ColType; 10] = [
+        ColType::Text,
+        ColType::Uuid,
+        ColType::Int4,
+        ColType::Int8,
+        ColType::Float8,
+        ColType::Numeric,
+        ColType::Bool,
+        ColType::Timestamptz,
+        ColType::Date,
+        ColType::Jsonb,
+    ];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ColType::Text => "text",
+            ColType::Uuid => "uuid",
+            ColType::Int4 => "int4",
+            ColType::Int8 => "int8",
+            ColType::Float8 => "float8",
+            ColType::Numeric => "numeric",
+            ColType::Bool => "bool",
+            ColType::Timestamptz => "timestamptz",
+            ColType::Date => "date",
+            ColType::Jsonb => "jsonb",
+        }
+    }
+
+    pub(super) fn is_number(self) -> bool {
+        matches!(
+            self,
+            ColType::Int4 | ColType::Int8 | ColType::Float8 | ColType::Numeric
+        )
+    }
+}
+
+impl fmt::Display for ColType {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
