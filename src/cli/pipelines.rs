@@ -102,6 +102,17 @@ fn list(settings: &Settings) -> anyhow::Result<String> {
         if let Some(v) = &p.version_column {
             conflict.push_str(&format!(" (version_column {v})"));
         }
+        if let Some(d) = &p.delete {
+            let value = match &d.value {
+                crate::domain::mapping::DeleteValue::Text(t) => format!("{t:?}"),
+                crate::domain::mapping::DeleteValue::Int(n) => n.to_string(),
+                crate::domain::mapping::DeleteValue::Bool(b) => b.to_string(),
+            };
+            conflict.push_str(&format!(
+                ", delete when {} = {value} (tombstones_{})",
+                d.field, spec.name
+            ));
+        }
         let table = format!(
             "{}, key {}, on_conflict {conflict}, unknown_fields {}{}",
             p.table,
@@ -290,6 +301,18 @@ pub fn test(
             )))
         } else {
             mapping.decode_message(&body, headers.as_ref()).map(|row| {
+                if row.2 == crate::domain::mapping::Op::Delete {
+                    // A delete: its key and version, what it deletes (no child rows).
+                    let (names, cells): (Vec<&str>, Vec<_>) = mapping
+                        .columns()
+                        .zip(&row.0)
+                        .filter(|((c, _, _), _)| {
+                            mapping.key().contains(c) || mapping.version_column() == Some(*c)
+                        })
+                        .map(|((c, _, _), cell)| (c, cell.clone()))
+                        .unzip();
+                    return (true, row_json(names.into_iter(), &cells), Vec::new());
+                }
                 let parent = row_json(mapping.columns().map(|(c, _, _)| c), &row.0);
                 // Each child row under its parent, named by its table.
                 let children: Vec<String> = mapping
@@ -301,16 +324,17 @@ pub fn test(
                         })
                     })
                     .collect();
-                (parent, children)
+                (false, parent, children)
             })
         };
         match verdict {
-            Ok((row, children)) => {
+            Ok((delete, row, children)) => {
                 accepted += 1;
                 writeln!(
                     out,
-                    "{}: ok {}",
+                    "{}: {} {}",
                     i + 1,
+                    if delete { "delete" } else { "ok" },
                     crate::cli::json_terminal_safe(&row)
                 )?;
                 for child in children {
