@@ -104,3 +104,42 @@ async fn refused_8_mib_bodies_at_the_head_of_the_queue_stay_under_a_256_mib_limi
     assert_eq!(env.queue_state(&env.dlq_queue).await, (0, 0));
     assert_eq!(env.queue_state(&env.main_queue).await, (0, 0));
 }
+
+/// The windows the main stage of `users` subscribed with, in order (its "consuming" log lines).
+fn main_windows(warren: &Warren) -> Vec<u64> {
+    warren
+        .logs()
+        .lines()
+        .filter(|l| l.contains(" consuming pipeline=\"users\" stage=\"main\""))
+        .filter_map(|l| l.rsplit_once(" window=")?.1.split(' ').next()?.parse().ok())
+        .collect()
+}
+
+/// One refused body (8 MiB, over MAX_MESSAGE_BYTES) at the head of the queue must not shrink
+/// the window for good: the window is computed from the largest ACCEPTED delivery, so the
+/// accepted users behind it open it again to the prefetch (4,000 with the defaults: batch
+/// size x concurrency x 2, within the 4,096 the budget holds of 64 KiB bodies). Failed before
+/// the fix: the refused body counted as the largest delivery and the window stayed at
+/// 256 MiB / 8 MiB = 31 until a restart (drains 3-4 times slower; 2 after a 100 MiB body).
+#[tokio::test(flavor = "multi_thread")]
+async fn the_window_opens_again_after_a_refused_big_body() {
+    let env = TestEnv::new("memwindow").await;
+    env.declare();
+    env.publish_raw(&vec![b'x'; 8 << 20], labelled("big-0"))
+        .await;
+    let users: HashSet<Uuid> = env.publish_users(20_000).await.into_iter().collect();
+    let mut warren = env.start(&["--roles", "consumer"]);
+    let _logs = LogsOnPanic(vec![warren.log.clone()]);
+    assert_rows_exactly(&env, &users, Duration::from_secs(120), &|| warren.logs()).await;
+    let windows = main_windows(&warren);
+    warren.terminate_ok(Duration::from_secs(30));
+    let last = windows.last().copied().unwrap_or(0);
+    assert!(
+        last >= 4_000,
+        "the window after one refused 8 MiB body: {last} (windows in order: {windows:?}); \
+         the accepted users behind it should have opened it to the prefetch"
+    );
+    // The big body went its way once: dead-lettered to the DLQ (no DLQ consumer runs here).
+    assert_eq!(env.queue_state(&env.dlq_queue).await.0, 1);
+    assert_eq!(env.queue_state(&env.main_queue).await, (0, 0));
+}
