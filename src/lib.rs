@@ -19,9 +19,10 @@
 //!   confirm -> ack loop (`move`, `dlq replay`).
 //! - [`pipeline`]: the stages, wired in flow order in `pipeline/mod.rs` with the one shutdown
 //!   sequence: message, consumer (broker link, a folder), acks, processor, batcher (flush rules), sink
-//!   (insert, retry in place, row isolation), breaker, router (outcome policy), dlq; a
-//!   pipeline is started with its spec and its `Links` (the broker link's and the database's
-//!   settings), and `shutdown` holds the graceful stop's bound.
+//!   (insert, retry in place, row isolation), breaker, router (outcome policy), copies (so a
+//!   copy whose ack was lost is not routed twice), dlq; a pipeline is started with its spec
+//!   and its `Links` (the broker link's and the database's settings), and `shutdown` holds the
+//!   graceful stop's bound.
 //! - [`domain`]: the seam the pipeline stores through, and the users domain behind it.
 //! - [`db`]: its own settings (`DbConfig`, built by `config`; it imports nothing of warren's
 //!   settings, broker link or events), pools (pipeline and API), client-side statement bounds,

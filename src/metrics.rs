@@ -39,6 +39,7 @@ pub const BUILD_INFO: &str = "warren_build_info";
 pub const BREAKER_OPEN: &str = "warren_breaker_open";
 pub const CONSUMER_RESTARTS: &str = "warren_consumer_restarts_total";
 pub const REQUEUED: &str = "warren_messages_requeued_total";
+pub const REDELIVERIES: &str = "warren_redeliveries_total";
 pub const ACKS: &str = "warren_amqp_acks_total";
 pub const LOG_LINES_DROPPED: &str = "warren_log_lines_dropped_total";
 pub const EVENTS_DROPPED: &str = "warren_events_dropped_total";
@@ -394,7 +395,14 @@ fn describe() {
         REQUEUED,
         "Messages given back to their queue (nack with requeue) after a backoff, by pipeline and \
          reason (publish_failed: a retry or dead-letter republish was not confirmed; db_unavailable: \
-         the DLQ consumer found no database)."
+         the DLQ consumer found no database; copy_pending: a redelivery whose earlier copy was \
+         still being published after the wait)."
+    );
+    describe_counter!(
+        REDELIVERIES,
+        "Copies whose ack was lost with the consumer's link, by pipeline, stage and outcome \
+         (already_routed: the redelivery was acked instead of routed again; forgotten: past twice \
+         the prefetch, the oldest were forgotten and their redeliveries are routed again)."
     );
     describe_counter!(
         ACKS,
@@ -433,6 +441,12 @@ pub fn consumer_restart(stage: &StageId, reason: &'static str) {
 /// `n` messages of a stage are given back to their queue, for `reason`.
 pub fn requeued(stage: &StageId, reason: &'static str, n: u64) {
     counter!(REQUEUED, stage.labels(&[("reason", reason)])).increment(n);
+}
+
+/// `n` copies whose ack was lost with the consumer's link ended this way (`already_routed`,
+/// `forgotten`).
+pub fn redeliveries(stage: &StageId, outcome: &'static str, n: u64) {
+    counter!(REDELIVERIES, stage.labels(&[("outcome", outcome)])).increment(n);
 }
 
 /// The received counter of a stage, resolved once (it is hit per message).
@@ -795,8 +809,11 @@ pub fn preregister_stage(p: &StageId) {
     for kind in ErrorKind::ALL {
         counter!(DEAD_LETTERED, p.labels(&[("kind", kind.as_str())])).absolute(0);
     }
-    for reason in ["publish_failed", "db_unavailable"] {
+    for reason in ["publish_failed", "db_unavailable", "copy_pending"] {
         counter!(REQUEUED, p.labels(&[("reason", reason)])).absolute(0);
+    }
+    for outcome in ["already_routed", "forgotten"] {
+        counter!(REDELIVERIES, p.labels(&[("outcome", outcome)])).absolute(0);
     }
     for reason in [
         "connection_lost",

@@ -315,6 +315,7 @@ impl Topology {
     }
 
     /// Declares every object, in order: exchanges, queues, bindings. Stops at the first drift.
+    /// (What the broker's version allows is checked before, [`Topology::check_broker`].)
     pub async fn declare(&self, conn: &Connection) -> Result<Vec<Step>, TopologyError> {
         let mut steps = Vec::new();
         for e in &self.exchanges {
@@ -594,8 +595,8 @@ fn advise_queue(q: &Queue, drift: &mut Drift) {
              since RabbitMQ 4 gives every quorum queue a limit of 20, past which this queue, \
              which dead-letters nowhere, would drop a message; this DLQ was declared without one.\n"
             .into();
-        drift.hint = "keep it as it is with DLQ_DELIVERY_LIMIT=0 (on RabbitMQ 3.x a quorum queue \
-             has no default limit), or move its messages to a queue of your own \
+        drift.hint = "on RabbitMQ 3.x, keep it as it is with DLQ_DELIVERY_LIMIT=0 (a quorum queue \
+             has no default limit there; on 4.x warren refuses 0), or move its messages to a queue of your own \
              (`warren move`), delete it, `warren declare`, and move them back"
             .into();
         return;
@@ -669,5 +670,6 @@ fn clean_value(raw: &str) -> String {
     value.trim_matches('\'').to_string()
 }
 
+pub mod broker;
 #[cfg(test)]
 mod tests;

@@ -344,38 +344,20 @@ async fn auto_stops_rising_when_more_inserts_in_flight_do_not_help() {
     .await;
 }
 
-/// Creates the `orders` table and a `[[pipelines]]` file for it (balanced by `strategy`, min 1,
-/// max 6, batches of 100) in `dir`; declares its topology; answers the file's path.
-async fn orders_pipeline(
+/// The `orders` pipeline balanced by `strategy` (min 1, max 6, batches of 100): its table, its
+/// file and its topology ([`orders_pipeline`]).
+async fn balanced_orders(
     env: &TestEnv,
     names: &PipelineNames,
-    dir: &tempfile::TempDir,
     strategy: &str,
     cooldown_ms: u64,
-) -> String {
-    env.db
-        .batch_execute("CREATE TABLE orders (order_id uuid PRIMARY KEY, qty int4 NOT NULL)")
-        .await
-        .expect("create orders");
-    let path = dir.path().join("orders.toml");
-    std::fs::write(
-        &path,
-        format!(
-            "[[pipelines]]\nname = \"orders\"\ntable = \"orders\"\nkey = [\"order_id\"]\n\
-             balance = \"{strategy}\"\nmin_concurrency = 1\nmax_concurrency = 6\n\
-             scale_threshold = 500\nscale_up_threshold = 500\nscale_down_threshold = 100\n\
-             balance_cooldown_ms = {cooldown_ms}\nbatch_size = 100\n\
-             batch_timeout_ms = 50\nretry_ttls_ms = [1000]\n{}\n[pipelines.columns]\n\
-             order_id = {{ path = \"/id\", type = \"uuid\" }}\n\
-             qty = {{ path = \"/qty\", type = \"int4\" }}\n",
-            names.toml()
-        ),
-    )
-    .expect("write the config");
-    let file = path.to_str().expect("utf-8").to_string();
-    let (code, out, err) = env.run_async(&["--config", &file, "declare"]).await;
-    assert_eq!(code, 0, "declare:\n{out}{err}");
-    file
+) -> ConfigFile {
+    let extra = format!(
+        "balance = \"{strategy}\"\nmin_concurrency = 1\nmax_concurrency = 6\n\
+         scale_threshold = 500\nscale_up_threshold = 500\nscale_down_threshold = 100\n\
+         balance_cooldown_ms = {cooldown_ms}\nbatch_size = 100\nbatch_timeout_ms = 50"
+    );
+    orders_pipeline(env, names, &extra).await
 }
 
 async fn publish_orders(env: &TestEnv, names: &PipelineNames, n: usize) -> Vec<Uuid> {
@@ -424,7 +406,7 @@ struct WithOrders {
     /// Runs while the test lasts (its logs are shown by `_logs` on a failure).
     _warren: Warren,
     _logs: LogsOnPanic,
-    _dir: tempfile::TempDir,
+    _file: ConfigFile,
     _cleanup: PipelineCleanup,
     _redis: RedisCleanup,
 }
@@ -434,9 +416,8 @@ impl WithOrders {
         let names = PipelineNames::of(env, "orders");
         let cleanup = names.cleanup();
         let redis = RedisCleanup::new(env);
-        let dir = tempfile::tempdir().expect("temp dir");
-        let file = orders_pipeline(env, &names, &dir, strategy, cooldown_ms).await;
-        let warren = env.start(&["--config", &file, "--roles", "consumer"]);
+        let file = balanced_orders(env, &names, strategy, cooldown_ms).await;
+        let warren = env.start(&["--config", file.at(), "--roles", "consumer"]);
         let logs = LogsOnPanic(vec![warren.log.clone()]);
         wait_until("both gauges at min", Duration::from_secs(30), || async {
             concurrency(env, "users").await == 1.0 && concurrency(env, "orders").await == 1.0
@@ -446,7 +427,7 @@ impl WithOrders {
             names,
             _warren: warren,
             _logs: logs,
-            _dir: dir,
+            _file: file,
             _cleanup: cleanup,
             _redis: redis,
         }

@@ -6,27 +6,9 @@
 
 mod common;
 
-use std::path::PathBuf;
 use std::process::Command;
 
-use common::bin;
-
-/// A configuration file of this test's own, removed when dropped.
-struct File {
-    dir: tempfile::TempDir,
-}
-
-impl File {
-    fn new(text: &str) -> Self {
-        let dir = tempfile::tempdir().expect("temp dir");
-        std::fs::write(dir.path().join("warren.toml"), text).expect("write the file");
-        Self { dir }
-    }
-
-    fn path(&self) -> PathBuf {
-        self.dir.path().join("warren.toml")
-    }
-}
+use common::{ConfigFile, bin};
 
 /// `warren <args> config` with only `vars` in its environment: (exit code, stderr).
 fn config(vars: &[(&str, &str)], args: &[&str]) -> (i32, String) {
@@ -72,7 +54,7 @@ fn orders(extra: &str) -> String {
 
 #[test]
 fn an_unknown_key_in_a_file_is_named_with_its_line_and_the_closest_setting() {
-    let file = File::new("# mine\nusers_batch_size = 500\nuser_batch_timeout_ms = 200\n");
+    let file = ConfigFile::new("# mine\nusers_batch_size = 500\nuser_batch_timeout_ms = 200\n");
     let path = file.path().display().to_string();
     assert_refused(
         "unknown top-level key",
@@ -85,7 +67,7 @@ fn an_unknown_key_in_a_file_is_named_with_its_line_and_the_closest_setting() {
         ],
     );
     // A pipeline declared under a misspelled table name.
-    let file = File::new(&orders("").replace("[[pipelines]]", "[[pipeline]]"));
+    let file = ConfigFile::new(&orders("").replace("[[pipelines]]", "[[pipeline]]"));
     let path = file.path().display().to_string();
     assert_refused(
         "a misspelled [[pipelines]]",
@@ -100,7 +82,7 @@ fn an_unknown_key_in_a_file_is_named_with_its_line_and_the_closest_setting() {
 
 #[test]
 fn an_unknown_key_in_a_pipeline_entry_names_the_pipeline_and_the_closest_key() {
-    let file = File::new(&orders("batch_sise = 500"));
+    let file = ConfigFile::new(&orders("batch_sise = 500"));
     let path = file.path().display().to_string();
     assert_refused(
         "unknown key in a pipeline",
@@ -113,7 +95,8 @@ fn an_unknown_key_in_a_pipeline_entry_names_the_pipeline_and_the_closest_key() {
         ],
     );
     // In a column: the column is named too (line 8).
-    let file = File::new(&orders("").replace("type = \"uuid\"", "type = \"uuid\", optinal = true"));
+    let file =
+        ConfigFile::new(&orders("").replace("type = \"uuid\"", "type = \"uuid\", optinal = true"));
     let path = file.path().display().to_string();
     assert_refused(
         "unknown key in a column",
@@ -128,7 +111,7 @@ fn an_unknown_key_in_a_pipeline_entry_names_the_pipeline_and_the_closest_key() {
 
 #[test]
 fn a_bad_enum_value_names_the_field_the_variants_and_the_closest() {
-    let file = File::new(&orders("on_conflict = \"upsert\""));
+    let file = ConfigFile::new(&orders("on_conflict = \"upsert\""));
     let path = file.path().display().to_string();
     assert_refused(
         "bad variant in a pipeline",
@@ -140,7 +123,7 @@ fn a_bad_enum_value_names_the_field_the_variants_and_the_closest() {
         ],
     );
     // A setting's closed set, from the file.
-    let file = File::new("users_batch_size = 500\nqueue_type = \"quorom\"\n");
+    let file = ConfigFile::new("users_batch_size = 500\nqueue_type = \"quorom\"\n");
     let path = file.path().display().to_string();
     assert_refused(
         "bad variant of a setting",
@@ -174,7 +157,7 @@ fn a_wrong_type_from_the_environment_names_the_variable_and_the_value_meant() {
         ],
     );
     // A number where a pipeline's field takes one, written as a string in the file.
-    let file = File::new(&orders("batch_size = \"500\""));
+    let file = ConfigFile::new(&orders("batch_size = \"500\""));
     let path = file.path().display().to_string();
     assert_refused(
         "a quoted number in a pipeline",
@@ -239,7 +222,7 @@ fn a_file_that_is_no_toml_is_placed_without_quoting_its_secrets() {
             "line 5",
         ),
     ] {
-        let file = File::new(text);
+        let file = ConfigFile::new(text);
         let path = file.path();
         let path = path.to_str().expect("utf-8");
         let (code, err) = config(&[], &["--config", path]);
@@ -261,9 +244,8 @@ fn a_file_that_is_no_toml_is_placed_without_quoting_its_secrets() {
 /// users pipeline alone; the bare names are every pipeline's defaults.
 #[test]
 fn a_rule_of_a_pipeline_names_the_pipeline_and_where_its_value_was_given() {
-    let file = File::new(&orders("min_concurrency = 9"));
-    let path = file.path();
-    let at = path.to_str().expect("utf-8");
+    let file = ConfigFile::new(&orders("min_concurrency = 9"));
+    let at = file.at();
     assert_refused(
         "an entry's min_concurrency over the default maximum",
         config(&[], &["--config", at]),
@@ -272,9 +254,8 @@ fn a_rule_of_a_pipeline_names_the_pipeline_and_where_its_value_was_given() {
             "MAX_CONCURRENCY (8), got 9",
         ],
     );
-    let file = File::new(&orders("max_concurrency = 2"));
-    let path = file.path();
-    let at = path.to_str().expect("utf-8");
+    let file = ConfigFile::new(&orders("max_concurrency = 2"));
+    let at = file.at();
     assert_refused(
         "the default minimum over an entry's maximum",
         config(&[("WARREN_MIN_CONCURRENCY", "3")], &["--config", at]),
@@ -347,7 +328,7 @@ fn a_secret_misplaced_under_a_pipeline_is_refused_without_its_value() {
             "DBPASSqq",
         ),
     ] {
-        let file = File::new(&format!("{}{line}\n", orders("")));
+        let file = ConfigFile::new(&format!("{}{line}\n", orders("")));
         let path = file.path();
         let (code, err) = config(&[], &["--config", path.to_str().expect("utf-8")]);
         assert_eq!(code, 2, "{line}: exit {code}\n{err}");
@@ -360,7 +341,7 @@ fn a_secret_misplaced_under_a_pipeline_is_refused_without_its_value() {
 /// from the file as from the environment (found by the review).
 #[test]
 fn a_float_for_an_integer_is_shown_as_given() {
-    let file = File::new("batch_size = 5.0\n");
+    let file = ConfigFile::new("batch_size = 5.0\n");
     let path = file.path().display().to_string();
     assert_refused(
         "a float in the file",
@@ -379,7 +360,7 @@ fn a_float_for_an_integer_is_shown_as_given() {
 /// a good one overridden is no error.
 #[test]
 fn a_bad_value_in_the_file_is_refused_even_when_overridden() {
-    let file = File::new("# mine\nbatch_size = \"abc\"\n");
+    let file = ConfigFile::new("# mine\nbatch_size = \"abc\"\n");
     let path = file.path().display().to_string();
     assert_refused(
         "overridden by the environment",
@@ -395,7 +376,7 @@ fn a_bad_value_in_the_file_is_refused_even_when_overridden() {
         config(&[], &["--config", &path, "--set", "batch_size=10"]),
         &["line 2: batch_size: ", "overridden by --set batch_size=10"],
     );
-    let good = File::new("batch_size = 5\n");
+    let good = ConfigFile::new("batch_size = 5\n");
     let good = good.path().display().to_string();
     let (code, err) = config(&[("BATCH_SIZE", "10")], &["--config", &good]);
     assert_eq!(code, 0, "{err}");
@@ -557,9 +538,8 @@ fn a_batch_timeout_past_the_consumer_timeout_is_refused_naming_both() {
             "got 2001",
         ],
     );
-    let file = File::new(&orders("batch_timeout_ms = 2500"));
-    let path = file.path();
-    let at = path.to_str().expect("utf-8");
+    let file = ConfigFile::new(&orders("batch_timeout_ms = 2500"));
+    let at = file.at();
     assert_refused(
         "an entry's batch timeout, the consumer timeout from a flag",
         config(
@@ -668,9 +648,8 @@ fn config_origin_places_an_entrys_keys_at_their_lines() {
         )
     };
     for name in ["orders", "users"] {
-        let file = File::new(&entry(name));
-        let path = file.path();
-        let at = path.to_str().expect("utf-8");
+        let file = ConfigFile::new(&entry(name));
+        let at = file.at();
         let out = Command::new(bin())
             .env_clear()
             .envs([("PREFETCH", "5"), ("WARREN_MAX_RETRIES", "9")])
@@ -717,7 +696,7 @@ fn config_origin_places_an_entrys_keys_at_their_lines() {
 /// table check (PostgreSQL at its default URL), past the budget, and never starts.
 #[test]
 fn the_insert_budget_counts_the_selected_pipelines_only() {
-    let file = File::new(
+    let file = ConfigFile::new(
         "[[pipelines]]\n\
          name = \"rv_orders\"\n\
          table = \"r1_no_such_schema.orders\"\n\
@@ -726,8 +705,7 @@ fn the_insert_budget_counts_the_selected_pipelines_only() {
          [pipelines.columns]\n\
          order_id = { path = \"/id\", type = \"uuid\" }\n",
     );
-    let path = file.path();
-    let at = path.to_str().expect("utf-8");
+    let at = file.at();
     let run = |budget: &str, selected: &str| {
         let out = Command::new(bin())
             .env_clear()
@@ -797,16 +775,15 @@ fn a_bound_that_is_no_number_or_outside_the_columns_type_is_refused() {
             "pipelines.orders.columns.qty.min: expected a number an int8 column can hold",
         ),
     ] {
-        let file = File::new(&format!("{}{column}\n", orders("")));
-        let path = file.path();
-        let at = path.to_str().expect("utf-8");
+        let file = ConfigFile::new(&format!("{}{column}\n", orders("")));
+        let at = file.at();
         assert_refused(
             column,
             config(&[], &["--config", at]),
             &[&format!("{at}, line 9: {expected}")],
         );
     }
-    let file = File::new(&format!(
+    let file = ConfigFile::new(&format!(
         "{}qty = {{ path = \"/qty\", type = \"int4\", min = -5, max = 2147483647 }}\n",
         orders("")
     ));
@@ -818,9 +795,8 @@ fn a_bound_that_is_no_number_or_outside_the_columns_type_is_refused() {
 /// said in warren's words (found by the review: `...key "default.pipelines"`, no line).
 #[test]
 fn a_pipelines_table_instead_of_entries_is_placed_at_its_line() {
-    let file = File::new("prefetch = 3\n\n[pipelines]\nname = \"orders\"\n");
-    let path = file.path();
-    let at = path.to_str().expect("utf-8");
+    let file = ConfigFile::new("prefetch = 3\n\n[pipelines]\nname = \"orders\"\n");
+    let at = file.at();
     let (code, err) = config(&[], &["--config", at]);
     assert_refused(
         "[pipelines]",
@@ -831,4 +807,78 @@ fn a_pipelines_table_instead_of_entries_is_placed_at_its_line() {
         )],
     );
     assert!(!err.contains("default.pipelines"), "{err}");
+}
+
+/// A mistake the mapping finds in an entry (a check that does not fit a column's type, a key
+/// or version column that is not mapped) is placed at the line of the key at fault, not at the
+/// entry's first line (found by a review: every such error pointed at the second pipeline's
+/// `name`).
+#[test]
+fn a_mapping_mistake_is_placed_at_the_line_of_its_key() {
+    // `extra` goes in the second entry at line 12, its columns from line 14.
+    let file_with = |extra: &str, columns: &str| {
+        format!(
+            "[[pipelines]]\n\
+             name = \"orders\"\n\
+             table = \"shop.orders\"\n\
+             key = [\"order_id\"]\n\
+             \n\
+             [pipelines.columns]\n\
+             order_id = {{ path = \"/id\", type = \"uuid\" }}\n\
+             \n\
+             [[pipelines]]\n\
+             name = \"items\"\n\
+             table = \"shop.items\"\n\
+             {extra}\n\
+             \n\
+             {columns}"
+        )
+    };
+    let item_id = "[pipelines.columns.item_id]\npath = \"/id\"\ntype = \"uuid\"\n";
+    let cases = [
+        (
+            "a min on a text column",
+            file_with(
+                "key = [\"item_id\"]",
+                &format!(
+                    "{item_id}\n[pipelines.columns.qty]\npath = \"/qty\"\ntype = \"text\"\nmin = 1\n"
+                ),
+            ),
+            "line 21: pipeline items: columns.qty: min and max are for numbers",
+        ),
+        (
+            "a key column not mapped",
+            file_with("key = [\"nope\"]", item_id),
+            "line 12: pipeline items: key: column \"nope\" is not among the columns",
+        ),
+        (
+            "a version column of the wrong type",
+            file_with(
+                "key = [\"item_id\"]\non_conflict = \"update\"\nversion_column = \"note\"",
+                &format!(
+                    "{item_id}\n[pipelines.columns.note]\npath = \"/note\"\ntype = \"text\"\n"
+                ),
+            ),
+            "line 14: pipeline items: version_column \"note\" is text",
+        ),
+        (
+            "a column with two sources",
+            file_with(
+                "key = [\"item_id\"]",
+                &format!(
+                    "{item_id}\n[pipelines.columns.qty]\npath = \"/qty\"\ntype = \"int4\"\nheader = \"x-qty\"\n"
+                ),
+            ),
+            "line 21: pipeline items: columns.qty: give a path or a header, not both",
+        ),
+    ];
+    for (what, text, expected) in cases {
+        let file = ConfigFile::new(&text);
+        let at = file.at();
+        assert_refused(
+            what,
+            config(&[], &["--config", at]),
+            &[&format!("{at}, {expected}")],
+        );
+    }
 }

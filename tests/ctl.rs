@@ -15,18 +15,6 @@ use hmac::{Hmac, KeyInit, Mac};
 use serde_json::{Value, json};
 use sha2::Sha256;
 
-/// Waits until the record of `pid` has `field` = `value` (a string or a number: the value as
-/// JSON, `"running"` or `3`).
-async fn wait_field(env: &TestEnv, pid: i32, field: &str, value: &str) {
-    let expected: Value = serde_json::from_str(value).unwrap_or_else(|_| value.into());
-    wait_until(
-        &format!("{field} = {value} in the record of {pid}"),
-        Duration::from_secs(15),
-        || async { instance(env, pid).await[field] == expected },
-    )
-    .await;
-}
-
 /// `warren ctl ARGS`, which must succeed with one `executed` line per pid in `pids`.
 async fn ctl_ok(env: &TestEnv, args: &[&str], pids: &[i32]) {
     let mut full = vec!["ctl"];
@@ -99,7 +87,7 @@ async fn pause_holds_deliveries_and_resume_drains_them() {
     let (env, _cleanup) = env_for("ctl_pause").await;
     let mut warren = env.start(&["--roles", "consumer"]);
     let pid = warren.pid();
-    wait_field(&env, pid, "status", "running").await;
+    wait_running(&env, pid).await;
     env.publish_users(20).await;
     wait_until("20 rows", Duration::from_secs(20), || async {
         env.count_rows().await == 20
@@ -107,7 +95,7 @@ async fn pause_holds_deliveries_and_resume_drains_them() {
     .await;
 
     ctl_ok(&env, &["pause", "--all"], &[pid]).await;
-    wait_field(&env, pid, "status", "paused").await;
+    wait_record_field(&env, pid, "status", "paused").await;
 
     // Published while paused: the messages wait in the queue and nothing is inserted. No sentinel
     // can pass a paused consumer, so the proof is the broker's: the queue has no consumer, hence
@@ -130,7 +118,7 @@ async fn pause_holds_deliveries_and_resume_drains_them() {
     .await;
     let ids = env.row_ids().await;
     assert!(held.iter().all(|id| ids.contains(id)));
-    wait_field(&env, pid, "status", "running").await;
+    wait_running(&env, pid).await;
     wait_until("the queue drained", Duration::from_secs(10), || async {
         env.queue_state(&env.main_queue).await.0 == 0
     })
@@ -148,7 +136,7 @@ async fn pause_holds_deliveries_and_resume_drains_them() {
 
     // A paused instance drains at once: the held messages stay in the queue.
     ctl_ok(&env, &["pause", "--all"], &[pid]).await;
-    wait_field(&env, pid, "status", "paused").await;
+    wait_record_field(&env, pid, "status", "paused").await;
     env.publish_users(50).await;
     let asked = Instant::now();
     ctl_ok(&env, &["drain", "--all"], &[pid]).await;
@@ -174,7 +162,7 @@ async fn scale_changes_the_number_of_processors() {
         .set("USERS_BATCH_SIZE", "100");
     let mut warren = env.start(&["--roles", "consumer"]);
     let pid = warren.pid();
-    wait_field(&env, pid, "status", "running").await;
+    wait_running(&env, pid).await;
     assert_eq!(instance(&env, pid).await["processors"], 2);
 
     // Scaled up while batches are in flight (held by a table lock), then more published.
@@ -182,7 +170,7 @@ async fn scale_changes_the_number_of_processors() {
     let mut ids = env.publish_users(2_000).await;
     lock.wait_for_a_blocked_insert(&env).await;
     ctl_ok(&env, &["scale", "--processors", "3", "--all"], &[pid]).await;
-    wait_field(&env, pid, "processors", "3").await;
+    wait_record_field(&env, pid, "processors", "3").await;
     lock.release().await;
     ids.extend(env.publish_users(1_000).await);
     wait_until("3,000 rows", Duration::from_secs(60), || async {
@@ -197,7 +185,7 @@ async fn scale_changes_the_number_of_processors() {
         &[pid],
     )
     .await;
-    wait_field(&env, pid, "processors", "1").await;
+    wait_record_field(&env, pid, "processors", "1").await;
     ids.extend(env.publish_users(500).await);
     wait_until("3,500 rows", Duration::from_secs(60), || async {
         env.count_rows().await >= 3_500
@@ -240,7 +228,7 @@ async fn drain_exits_zero_with_nothing_lost() {
     env.set("USERS_BATCH_SIZE", "100");
     let mut warren = env.start(&["--roles", "consumer,dlq"]);
     let pid = warren.pid();
-    wait_field(&env, pid, "status", "running").await;
+    wait_running(&env, pid).await;
 
     // Drain in the middle of a backlog, with batches in flight (held by a table lock).
     let lock = InsertLock::take(&env).await;
@@ -282,7 +270,7 @@ async fn drain_exits_zero_with_nothing_lost() {
 
     // Another instance takes the rest: every message arrives.
     let mut next = env.start(&["--roles", "consumer"]);
-    wait_field(&env, next.pid(), "status", "running").await;
+    wait_record_field(&env, next.pid(), "status", "running").await;
     wait_until("every row", Duration::from_secs(60), || async {
         env.count_rows().await >= N
     })
@@ -299,7 +287,7 @@ async fn bad_targets_and_failed_commands_are_refused_clearly() {
     // An API-only instance: live, but with no consumer to pause.
     let mut warren = env.start(&["--roles", "api"]);
     let pid = warren.pid();
-    wait_field(&env, pid, "status", "running").await;
+    wait_running(&env, pid).await;
 
     // No instance on that host.
     let (code, out, err) = env
@@ -388,12 +376,12 @@ async fn all_reaches_every_instance() {
     let mut second = env.start(&["--roles", "consumer"]);
     let pids = [first.pid(), second.pid()];
     for pid in pids {
-        wait_field(&env, pid, "status", "running").await;
+        wait_running(&env, pid).await;
     }
 
     ctl_ok(&env, &["pause", "--all"], &pids).await;
     for pid in pids {
-        wait_field(&env, pid, "status", "paused").await;
+        wait_record_field(&env, pid, "status", "paused").await;
     }
     // Neither instance consumes: the queue has no consumer (as in
     // `pause_holds_deliveries_and_resume_drains_them`), so nothing can be delivered.
@@ -409,8 +397,8 @@ async fn all_reaches_every_instance() {
     ctl_ok(&env, &["scale", "--processors", "4", "--all"], &pids).await;
     ctl_ok(&env, &["resume", "--all"], &pids).await;
     for pid in pids {
-        wait_field(&env, pid, "status", "running").await;
-        wait_field(&env, pid, "processors", "4").await;
+        wait_running(&env, pid).await;
+        wait_record_field(&env, pid, "processors", "4").await;
     }
     wait_until("400 rows", Duration::from_secs(30), || async {
         env.count_rows().await == 400
@@ -452,14 +440,14 @@ async fn a_command_to_a_stopping_instance_fails_and_it_still_deregisters() {
     env.set("SHUTDOWN_TIMEOUT_MS", "60000");
     let mut warren = env.start(&["--roles", "consumer"]);
     let pid = warren.pid();
-    wait_field(&env, pid, "status", "running").await;
+    wait_running(&env, pid).await;
 
     // SIGTERM while a batch is held by a table lock: the instance stays in its graceful stop.
     let lock = InsertLock::take(&env).await;
     let ids = env.publish_users(300).await;
     lock.wait_for_a_blocked_insert(&env).await;
     warren.signal("TERM");
-    wait_field(&env, pid, "status", "draining").await;
+    wait_record_field(&env, pid, "status", "draining").await;
 
     // A command that arrives now cannot be applied: it is answered as failed, promptly.
     let asked = Instant::now();
@@ -624,7 +612,7 @@ async fn with_a_secret_signed_commands_work_and_forged_ones_are_refused() {
     let warren = env.start(&["--roles", "consumer"]);
     let _logs = LogsOnPanic(vec![warren.log.clone()]);
     let pid = warren.pid();
-    wait_field(&env, pid, "status", "running").await;
+    wait_running(&env, pid).await;
     // Commands are signed for this run of the instance, `host:pid/run`.
     let run = instance(&env, pid).await["run"]
         .as_str()
@@ -635,9 +623,9 @@ async fn with_a_secret_signed_commands_work_and_forged_ones_are_refused() {
 
     // `warren ctl` with the same secret: pause and resume work.
     ctl_ok(&env, &["pause", "--all"], &[pid]).await;
-    wait_field(&env, pid, "status", "paused").await;
+    wait_record_field(&env, pid, "status", "paused").await;
     ctl_ok(&env, &["resume", "--all"], &[pid]).await;
-    wait_field(&env, pid, "status", "running").await;
+    wait_running(&env, pid).await;
     assert_in_history(&env, "pause", pid, "executed").await;
     assert_in_history(&env, "resume", pid, "executed").await;
     still_consumes(&env, 10, 10).await;
@@ -647,9 +635,9 @@ async fn with_a_secret_signed_commands_work_and_forged_ones_are_refused() {
     push_raw(&env, pid, &[&captured]).await;
     let o = wait_outcomes(&env, &captured_id, 1).await;
     assert_eq!(o[0]["outcome"], "executed", "{o:?}");
-    wait_field(&env, pid, "status", "paused").await;
+    wait_record_field(&env, pid, "status", "paused").await;
     ctl_ok(&env, &["resume", "--all"], &[pid]).await;
-    wait_field(&env, pid, "status", "running").await;
+    wait_running(&env, pid).await;
 
     // ...and every forged or replayed pause is refused.
     let other = format!("{}:{}/{run}", host(), pid + 1);
@@ -779,7 +767,7 @@ async fn ctl_without_the_instances_secret_is_refused_clearly() {
     let _logs = LogsOnPanic(vec![warren.log.clone()]);
     let pid = warren.pid();
     let me = format!("{}:{pid}", host());
-    wait_field(&env, pid, "status", "running").await;
+    wait_running(&env, pid).await;
 
     let (code, out, err) = ctl_with_secret(&env, &["pause", "--all"], None).await;
     assert_eq!(code, 1, "{out}\n{err}");
@@ -819,7 +807,7 @@ async fn without_a_secret_commands_work_as_before_and_a_warning_is_logged() {
     let warren = env.start(&["--roles", "consumer"]);
     let _logs = LogsOnPanic(vec![warren.log.clone()]);
     let pid = warren.pid();
-    wait_field(&env, pid, "status", "running").await;
+    wait_running(&env, pid).await;
     let warnings: Vec<String> = warren
         .logs()
         .lines()
@@ -833,14 +821,14 @@ async fn without_a_secret_commands_work_as_before_and_a_warning_is_logged() {
     );
 
     ctl_ok(&env, &["pause", "--all"], &[pid]).await;
-    wait_field(&env, pid, "status", "paused").await;
+    wait_record_field(&env, pid, "status", "paused").await;
     // A command in the format of older `warren ctl`s (no target, no signature) still works.
     let id = uuid::Uuid::new_v4().to_string();
     let old = json!({"id": id, "command": "resume", "issued_at": now_s(), "by": "old:1"});
     push_raw(&env, pid, &[&old.to_string()]).await;
     let o = wait_outcomes(&env, &id, 1).await;
     assert_eq!(o[0]["outcome"], "executed", "{o:?}");
-    wait_field(&env, pid, "status", "running").await;
+    wait_running(&env, pid).await;
     still_consumes(&env, 15, 15).await;
 }
 
@@ -866,30 +854,11 @@ async fn a_refused_change_of_bounds_changes_no_pipeline() {
         .set("USERS_BATCH_CONCURRENCY", "2");
     let names = PipelineNames::of(&env, "orders");
     let _names_cleanup = names.cleanup();
-    env.db
-        .batch_execute("CREATE TABLE orders (order_id uuid PRIMARY KEY, qty int4 NOT NULL)")
-        .await
-        .expect("create orders");
-    let dir = tempfile::tempdir().expect("temp dir");
-    let path = dir.path().join("orders.toml");
-    std::fs::write(
-        &path,
-        format!(
-            "[[pipelines]]\nname = \"orders\"\ntable = \"orders\"\nkey = [\"order_id\"]\n\
-             batch_concurrency = 2\nretry_ttls_ms = [1000]\n{}\n[pipelines.columns]\n\
-             order_id = {{ path = \"/id\", type = \"uuid\" }}\n\
-             qty = {{ path = \"/qty\", type = \"int4\" }}\n",
-            names.toml()
-        ),
-    )
-    .expect("write the config");
-    let file = path.to_str().expect("utf-8").to_string();
-    let (code, out, err) = env.run_async(&["--config", &file, "declare"]).await;
-    assert_eq!(code, 0, "declare:\n{out}{err}");
-    let warren = env.start(&["--config", &file, "--roles", "consumer"]);
+    let file = orders_pipeline(&env, &names, "batch_concurrency = 2").await;
+    let warren = env.start(&["--config", file.at(), "--roles", "consumer"]);
     let _logs = LogsOnPanic(vec![warren.log.clone()]);
     let pid = warren.pid();
-    wait_field(&env, pid, "status", "running").await;
+    wait_running(&env, pid).await;
     wait_until(
         "both at 2 inserts in flight",
         Duration::from_secs(15),

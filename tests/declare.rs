@@ -619,3 +619,45 @@ async fn declare_applies_the_migrations_in_the_schema() {
         .get(0);
     assert!(recent);
 }
+
+/// `DLQ_DELIVERY_LIMIT=0` declares a quorum DLQ without a delivery limit where the broker gives it
+/// none (RabbitMQ 3.x, the broker of these tests), and is refused, exit 2 and nothing declared,
+/// where it would give it 20 (RabbitMQ 4): the version is the one the broker sends in
+/// `connection.start`.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_quorum_dlq_without_a_limit_is_declared_only_where_the_broker_sets_none() {
+    let mut env = TestEnv::new("decl_dlq0").await;
+    env.set("QUEUE_TYPE", "quorum")
+        .set("DLQ_DELIVERY_LIMIT", "0");
+    let version = warren::topology::broker::broker_version(&env.conn)
+        .expect("RabbitMQ says its version in connection.start");
+    let major: u32 = version
+        .split('.')
+        .next()
+        .and_then(|m| m.parse().ok())
+        .unwrap_or_else(|| panic!("a version: {version:?}"));
+    let (code, out, err) = env.run(&["declare"]);
+    if major >= 4 {
+        assert_eq!(code, 2, "declare on RabbitMQ {version}:\n{out}\n{err}");
+        assert!(
+            err.contains("DLQ_DELIVERY_LIMIT: expected 10000 to 1000000000 on RabbitMQ"),
+            "{err}"
+        );
+        assert!(queues(&env).await.is_empty(), "something was declared");
+        return;
+    }
+    assert_eq!(code, 0, "declare on RabbitMQ {version}:\n{out}\n{err}");
+    let declared = queues(&env).await;
+    let dlq = &declared[&env.dlq_queue];
+    assert_eq!(dlq.arguments.get("x-queue-type"), Some(&json!("quorum")));
+    assert!(
+        !dlq.arguments.contains_key("x-delivery-limit"),
+        "{:?}",
+        dlq.arguments
+    );
+    // The main queue keeps its own limit.
+    assert_eq!(
+        declared[&env.main_queue].arguments.get("x-delivery-limit"),
+        Some(&json!(20))
+    );
+}

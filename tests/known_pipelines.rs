@@ -21,34 +21,12 @@ async fn every_tool_knows_the_pipelines_a_live_instance_runs() {
     let _cleanup = RedisCleanup::new(&env);
     let names = PipelineNames::of(&env, "orders");
     let _names_cleanup = names.cleanup();
-    env.db
-        .batch_execute("CREATE TABLE orders (order_id uuid PRIMARY KEY, qty int4 NOT NULL)")
-        .await
-        .expect("create orders");
-    let dir = tempfile::tempdir().expect("temp dir");
-    let path = dir.path().join("orders.toml");
-    std::fs::write(
-        &path,
-        format!(
-            "[[pipelines]]\nname = \"orders\"\ntable = \"orders\"\nkey = [\"order_id\"]\n\
-             retry_ttls_ms = [1000]\n{}\n[pipelines.columns]\n\
-             order_id = {{ path = \"/id\", type = \"uuid\" }}\n\
-             qty = {{ path = \"/qty\", type = \"int4\" }}\n",
-            names.toml()
-        ),
-    )
-    .expect("write the config");
-    let file = path.to_str().expect("utf-8").to_string();
-    let (code, out, err) = env.run_async(&["--config", &file, "declare"]).await;
-    assert_eq!(code, 0, "declare:\n{out}{err}");
+    let file = orders_pipeline(&env, &names, "").await;
     // No DLQ role: a dead letter put into orders' DLQ stays there for `dlq inspect`.
-    let mut warren = env.start(&["--config", &file, "--roles", "consumer"]);
+    let mut warren = env.start(&["--config", file.at(), "--roles", "consumer"]);
     let _logs = LogsOnPanic(vec![warren.log.clone()]);
     let pid = warren.pid();
-    wait_until("registered as running", Duration::from_secs(20), || async {
-        instance(&env, pid).await["status"] == "running"
-    })
-    .await;
+    wait_running(&env, pid).await;
     env.publish_to("", &names.dlq, b"{\"id\":1}", BasicProperties::default())
         .await;
 
@@ -130,7 +108,14 @@ async fn every_tool_knows_the_pipelines_a_live_instance_runs() {
     );
     // With the file, as always.
     let (code, out, err) = env
-        .run_async(&["--config", &file, "dlq", "--pipeline", "orders", "inspect"])
+        .run_async(&[
+            "--config",
+            file.at(),
+            "dlq",
+            "--pipeline",
+            "orders",
+            "inspect",
+        ])
         .await;
     assert_eq!(code, 0, "{out}\n{err}");
 }
@@ -192,10 +177,7 @@ async fn the_users_queues_are_the_running_instances_not_the_defaults() {
     let mut warren = env.start(&["--roles", "consumer"]);
     let _logs = LogsOnPanic(vec![warren.log.clone()]);
     let pid = warren.pid();
-    wait_until("registered as running", Duration::from_secs(20), || async {
-        instance(&env, pid).await["status"] == "running"
-    })
-    .await;
+    wait_running(&env, pid).await;
     env.publish_to_dlq(b"{\"id\":1}", BasicProperties::default())
         .await;
     let ours = [&env.main_queue, &env.retry_queue, &env.dlq_queue];
@@ -305,44 +287,24 @@ async fn instances_that_run_one_pipeline_on_different_queues_are_each_shown() {
     let mut env = TestEnv::new("known_split").await;
     env.set("REGISTRY_HEARTBEAT_MS", "300");
     let _cleanup = RedisCleanup::new(&env);
-    env.db
-        .batch_execute("CREATE TABLE orders (order_id uuid PRIMARY KEY, qty int4 NOT NULL)")
-        .await
-        .expect("create orders");
+    create_orders_table(&env).await;
     let first = PipelineNames::of(&env, "orders");
     let second = PipelineNames::of(&env, "orders2");
     let _first_cleanup = first.cleanup();
     let _second_cleanup = second.cleanup();
-    let dir = tempfile::tempdir().expect("temp dir");
     let mut files = Vec::new();
-    for (i, names) in [&first, &second].into_iter().enumerate() {
-        let path = dir.path().join(format!("orders{i}.toml"));
-        std::fs::write(
-            &path,
-            format!(
-                "[[pipelines]]\nname = \"orders\"\ntable = \"orders\"\nkey = [\"order_id\"]\n\
-                 retry_ttls_ms = [1000]\n{}\n[pipelines.columns]\n\
-                 order_id = {{ path = \"/id\", type = \"uuid\" }}\n\
-                 qty = {{ path = \"/qty\", type = \"int4\" }}\n",
-                names.toml()
-            ),
-        )
-        .expect("write the config");
-        let file = path.to_str().expect("utf-8").to_string();
-        let (code, out, err) = env.run_async(&["--config", &file, "declare"]).await;
-        assert_eq!(code, 0, "declare:\n{out}{err}");
+    for names in [&first, &second] {
+        let file = ConfigFile::new(&orders_toml(names, ""));
+        declare_file(&env, &file).await;
         files.push(file);
     }
-    let a = env.start(&["--config", &files[0], "--roles", "consumer"]);
+    let a = env.start(&["--config", files[0].at(), "--roles", "consumer"]);
     env.set("HTTP_ADDR", format!("127.0.0.1:{}", free_port()));
     env.set("METRICS_ADDR", format!("127.0.0.1:{}", free_port()));
-    let b = env.start(&["--config", &files[1], "--roles", "consumer"]);
+    let b = env.start(&["--config", files[1].at(), "--roles", "consumer"]);
     let _logs = LogsOnPanic(vec![a.log.clone(), b.log.clone()]);
     for pid in [a.pid(), b.pid()] {
-        wait_until("registered as running", Duration::from_secs(20), || async {
-            instance(&env, pid).await["status"] == "running"
-        })
-        .await;
+        wait_running(&env, pid).await;
     }
     let (who_a, who_b) = (
         format!("{}:{}", host(), a.pid()),
@@ -462,7 +424,7 @@ async fn instances_that_run_one_pipeline_on_different_queues_are_each_shown() {
     let (code, out, err) = env
         .run_async(&[
             "--config",
-            &files[0],
+            files[0].at(),
             "dlq",
             "--pipeline",
             "orders",

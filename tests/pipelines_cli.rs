@@ -328,3 +328,61 @@ fn users_own_settings_reach_users_alone_and_the_defaults_every_pipeline() {
         "1200 (users), 200 (orders)"
     );
 }
+
+const NESTED: &str = r#"
+[[pipelines]]
+name = "orders"
+table = "shop.orders"
+key = ["order_id"]
+
+[pipelines.columns]
+order_id = { path = "/order_id", type = "uuid" }
+total    = { path = "/total", type = "numeric", min = 0 }
+
+[[pipelines.children]]
+table = "shop.order_items"
+rows = "/items"
+key = ["order_id", "line"]
+max_rows = 3
+
+[pipelines.children.columns]
+order_id = { parent = "order_id" }
+line     = { index = true }
+sku      = { path = "/sku", type = "text", min_len = 1 }
+qty      = { path = "/qty", type = "int4", min = 1 }
+"#;
+
+/// A pipeline with a child table: the listing shows it, `test` prints each child row under
+/// its parent, and a refused element is named by its path.
+#[test]
+fn test_prints_the_child_rows_and_names_an_elements_path() {
+    let (code, out, err) = warren(NESTED, &["pipelines"], "");
+    assert_eq!(code, 0, "{err}");
+    for expected in [
+        "child   shop.order_items from /items, key order_id+line, max_rows 3",
+        "order_id  parent order_id     uuid",
+        "(position, from 1)",
+    ] {
+        assert!(out.contains(expected), "{expected:?} in:\n{out}");
+    }
+    let id = "6f1c3c1e-8a4e-4f55-9a53-2d5e0b7f1a01";
+    let input = format!(
+        "{{\"order_id\":\"{id}\",\"total\":\"12.50\",\"items\":[{{\"sku\":\"A-1\",\"qty\":2}},{{\"sku\":\"B-2\",\"qty\":1}}]}}\n\
+         {{\"order_id\":\"{id}\",\"total\":1,\"items\":[{{\"sku\":\"A\",\"qty\":1}},{{\"sku\":\"B\",\"qty\":0}}]}}\n\
+         {{\"order_id\":\"{id}\",\"total\":1,\"items\":[{{}},{{}},{{}},{{}}]}}\n"
+    );
+    let (code, out, err) = warren(NESTED, &["pipelines", "test", "orders"], &input);
+    assert_eq!(code, 1, "{err}");
+    assert_eq!(
+        out,
+        format!(
+            "1: ok {{\"order_id\":\"{id}\",\"total\":12.50}}\n   \
+             + shop.order_items {{\"line\":1,\"order_id\":\"{id}\",\"qty\":2,\"sku\":\"A-1\"}}\n   \
+             + shop.order_items {{\"line\":2,\"order_id\":\"{id}\",\"qty\":1,\"sku\":\"B-2\"}}\n\
+             2: invalid_payload items/1/qty must be at least 1, found 0\n\
+             3: invalid_payload /items: holds 4 elements, more than the 3 rows of \
+             shop.order_items one message may give (max_rows)\n\
+             1 accepted, 2 refused\n"
+        )
+    );
+}

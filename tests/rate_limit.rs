@@ -21,13 +21,6 @@ fn limited_env(env: &mut TestEnv, rate: u32) {
         .set("RATE_LIMIT_PER_S", rate.to_string());
 }
 
-async fn wait_running(env: &TestEnv, pid: i32) {
-    wait_until("instance registered", Duration::from_secs(20), || async {
-        instance(env, pid).await["status"] == "running"
-    })
-    .await;
-}
-
 #[tokio::test(flavor = "multi_thread")]
 async fn the_rate_limit_holds_messages_in_the_queue_and_ctl_rate_changes_it_live() {
     let mut env = TestEnv::new("rate_limit").await;

@@ -33,7 +33,8 @@ struct Fixture {
     names: Vec<Names>,
     _cleanups: Vec<PipelineCleanup>,
     _redis: RedisCleanup,
-    _dir: tempfile::TempDir,
+    _config: ConfigFile,
+    /// The configuration file, and its path as `--config` takes it.
     path: std::path::PathBuf,
     file: String,
 }
@@ -44,17 +45,14 @@ impl Fixture {
         let names: Vec<Names> = pipelines.iter().map(|p| Names::of(env, p)).collect();
         let _cleanups = names.iter().map(Names::cleanup).collect();
         create_tables(env, pipelines).await;
-        let _dir = tempfile::tempdir().expect("temp dir");
-        let path = _dir.path().join("warren.toml");
-        let file = path.to_str().expect("utf-8").to_string();
-        std::fs::write(&path, entry(pipelines[0], &names[0], 50, 1000)).expect("write");
+        let _config = ConfigFile::new(&entry(pipelines[0], &names[0], 50, 1000));
         Self {
             names,
             _cleanups,
             _redis,
-            _dir,
-            path,
-            file,
+            path: _config.path().to_path_buf(),
+            file: _config.at().to_string(),
+            _config,
         }
     }
 
@@ -444,10 +442,7 @@ async fn a_bad_file_changes_nothing_and_ctl_reload_answers_signed() {
     let _logs = LogsOnPanic(vec![warren.log.clone()]);
     let pid = warren.pid();
     one_consumer(&orders.queue).await;
-    wait_until("registered", Duration::from_secs(20), || async {
-        instance(&env, pid).await["status"] == "running"
-    })
-    .await;
+    wait_running(&env, pid).await;
 
     // batch_size 0 is out of range: nothing changes.
     std::fs::write(&path, good.replace("batch_size = 50", "batch_size = 0")).expect("write");
@@ -715,10 +710,7 @@ async fn sigcont_and_reloads_keep_a_pipelines_own_pause() {
     let _logs = LogsOnPanic(vec![warren.log.clone()]);
     one_consumer(&orders.queue).await;
     one_consumer(&env.main_queue).await;
-    wait_until("registered", Duration::from_secs(20), || async {
-        instance(&env, warren.pid()).await["status"] == "running"
-    })
-    .await;
+    wait_running(&env, warren.pid()).await;
     let (code, out, err) = env
         .run_async(&["ctl", "pause", "--all", "--pipeline", "orders"])
         .await;

@@ -59,7 +59,8 @@ pub(super) fn declared(settings: &Settings) -> Result<Vec<Declared>, ConfigError
 /// names and settings, the limits every pipeline takes): a change of one changes the pipelines
 /// whose resolved spec it changes, and needs no restart. Every other setting is the process's
 /// (connections, listeners, roles, timeouts of the links, the insert budget) and changes only
-/// with a restart ([`restart_needed`]).
+/// with a restart ([`restart_needed`]). Kept by hand, and held by a test to exactly the
+/// settings that change some pipeline's resolved spec (each setting tried with other values).
 pub(super) const PIPELINE_SETTINGS: &[&str] = &[
     "main_exchange",
     "main_queue",
@@ -797,6 +798,59 @@ id = { path = "/id", type = "uuid" }
         for key in PIPELINE_SETTINGS {
             assert!(names.contains(key), "{key}");
         }
+    }
+
+    /// [`PIPELINE_SETTINGS`] is exactly the settings that change a pipeline's resolved spec:
+    /// each setting is given other valid values, one at a time, and the pipelines resolved
+    /// again. One missing from the list would make a reload that changes it restart-only (and
+    /// keep running the pipelines' old spec); one listed that changes no pipeline would hide a
+    /// change that needs a restart.
+    #[test]
+    fn the_pipeline_settings_are_those_that_change_a_pipeline() {
+        let load = |over: Option<(&str, &str)>| {
+            let mut sources = crate::config::Sources {
+                use_env: false,
+                ..crate::config::Sources::new(None)
+            };
+            if let Some((key, value)) = over {
+                sources = sources.with_override(key, value);
+            }
+            Settings::load(&sources)
+        };
+        let base = load(None).unwrap();
+        let mut missing = Vec::new();
+        let mut idle = Vec::new();
+        for (key, values) in crate::config::sample_values() {
+            let listed = PIPELINE_SETTINGS.contains(&key);
+            let mut loaded = false;
+            let mut changes = None;
+            for value in &values {
+                let Ok(other) = load(Some((key, value))) else {
+                    continue;
+                };
+                loaded = true;
+                if other.pipelines() != base.pipelines() {
+                    changes = Some(value.clone());
+                }
+            }
+            assert!(
+                loaded,
+                "{key}: none of {values:?} loads: give the test a valid one"
+            );
+            match (listed, changes) {
+                (false, Some(value)) => missing.push(format!("{key} (= {value:?})")),
+                (true, None) => idle.push(key),
+                _ => {}
+            }
+        }
+        assert!(
+            missing.is_empty(),
+            "settings that change a pipeline's spec but are not in PIPELINE_SETTINGS: {missing:?}"
+        );
+        assert!(
+            idle.is_empty(),
+            "settings in PIPELINE_SETTINGS that change no pipeline's spec: {idle:?}"
+        );
     }
 
     /// A pipeline changes with its entry or a setting it reads (its own, or a default it takes),

@@ -90,6 +90,13 @@ pub async fn declare_topology(
     topology: &Topology,
 ) -> anyhow::Result<Vec<Vec<String>>> {
     let conn = broker(settings).await?;
+    // What the broker's version allows (a quorum DLQ without a limit on RabbitMQ 4), before
+    // anything is declared: a bad setting, exit 2.
+    let version = crate::topology::broker::broker_version(&conn);
+    if let Err(refused) = topology.check_broker(version.as_deref()) {
+        amqp::close(None, Some(conn)).await;
+        return Err(refused.into());
+    }
     let result = topology.declare(&conn).await;
     amqp::close(None, Some(conn)).await;
     let steps = result?;
@@ -245,8 +252,8 @@ async fn pipeline_mismatches(settings: &Settings) -> Result<Vec<String>, db::DbE
     let mut out = Vec::new();
     let mut result = Ok(());
     for m in &mappings {
-        match crate::domain::mapping::schema::describe(m, &client).await {
-            Ok(info) => out.extend(crate::domain::mapping::schema::mismatches(m, info.as_ref())),
+        match crate::domain::mapping::schema::check(m, &client).await {
+            Ok(found) => out.extend(found),
             Err(e) => {
                 result = Err(e);
                 break;

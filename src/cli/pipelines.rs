@@ -17,7 +17,7 @@ use crate::cli::out::{self, out};
 use crate::cli::terminal_safe as safe;
 use crate::config::Settings;
 use crate::config::pipelines::{Names, PipelineSpec};
-use crate::domain::mapping::{Cell, Row};
+use crate::domain::mapping::Cell;
 
 #[derive(Debug, clap::Args)]
 pub struct Args {
@@ -119,34 +119,106 @@ fn list(settings: &Settings) -> anyhow::Result<String> {
                     (None, Some(h)) => format!("header {h}"),
                     (None, None) => "-".into(),
                 };
-                let mut checks = Vec::new();
-                if c.optional {
-                    checks.push("optional".to_string());
-                }
-                if let Some(f) = c.format {
-                    checks.push(format!("format {}", format!("{f:?}").to_lowercase()));
-                }
-                for (what, v) in [("min", c.min), ("max", c.max)] {
-                    if let Some(v) = v {
-                        checks.push(format!("{what} {v}"));
-                    }
-                }
-                for (what, v) in [("min_len", c.min_len), ("max_len", c.max_len)] {
-                    if let Some(v) = v {
-                        checks.push(format!("{what} {v}"));
-                    }
-                }
-                row(name, &source, c.ty.as_str(), &checks.join(", "))
+                let checks = checks(c.optional, c.format, c.min, c.max, c.min_len, c.max_len);
+                row(name, &source, c.ty.as_str(), &checks)
             })
             .collect();
+        let mut children = String::new();
+        for c in &p.children {
+            let rows: Vec<Vec<String>> = c
+                .columns
+                .iter()
+                .map(|(name, c)| {
+                    let source = match (&c.path, &c.header, &c.parent) {
+                        (Some(path), _, _) if path.is_empty() => "(whole element)".to_string(),
+                        (Some(path), _, _) => path.clone(),
+                        (_, Some(h), _) => format!("header {h}"),
+                        (_, _, Some(p)) => format!("parent {p}"),
+                        _ if c.index => "(position, from 1)".into(),
+                        _ => "-".into(),
+                    };
+                    // A parent column takes its parent's type; an index is an int4 unless typed.
+                    let parent_ty = c
+                        .parent
+                        .as_ref()
+                        .and_then(|name| p.columns.get(name))
+                        .map(|pc| pc.ty.as_str());
+                    let ty = c.ty.map(|t| t.as_str()).or(parent_ty).unwrap_or("int4");
+                    row(
+                        name,
+                        &source,
+                        ty,
+                        &checks(c.optional, c.format, c.min, c.max, c.min_len, c.max_len),
+                    )
+                })
+                .collect();
+            children.push_str(&format!(
+                "  child   {} from {}{}, key {}, max_rows {}\n{}\n",
+                c.table,
+                c.rows,
+                if c.optional { " (optional)" } else { "" },
+                c.key.join("+"),
+                c.max_rows
+                    .unwrap_or(crate::domain::mapping::MAX_ROWS_DEFAULT),
+                columns_table(rows)
+            ));
+        }
         let title = if spec.builtin {
             format!("{} (built-in)", spec.name)
         } else {
             spec.name.clone()
         };
-        out.push_str(&block(&title, &spec.names, &table, columns));
+        let mut text = block(&title, &spec.names, &table, columns);
+        if !children.is_empty() {
+            text.pop();
+            text.push_str(&children);
+            text.push('\n');
+        }
+        out.push_str(&text);
     }
     Ok(out)
+}
+
+/// A column's checks as the listing shows them (`optional, min 1`).
+fn checks(
+    optional: bool,
+    format: Option<crate::domain::mapping::Format>,
+    min: Option<f64>,
+    max: Option<f64>,
+    min_len: Option<usize>,
+    max_len: Option<usize>,
+) -> String {
+    let mut checks = Vec::new();
+    if optional {
+        checks.push("optional".to_string());
+    }
+    if let Some(f) = format {
+        checks.push(format!("format {}", format!("{f:?}").to_lowercase()));
+    }
+    for (what, v) in [("min", min), ("max", max)] {
+        if let Some(v) = v {
+            checks.push(format!("{what} {v}"));
+        }
+    }
+    for (what, v) in [("min_len", min_len), ("max_len", max_len)] {
+        if let Some(v) = v {
+            checks.push(format!("{what} {v}"));
+        }
+    }
+    checks.join(", ")
+}
+
+/// Columns as an indented borderless table.
+fn columns_table(rows: Vec<Vec<String>>) -> String {
+    let mut t = Table::new();
+    t.load_style(presets::NOTHING)
+        .set_header(vec!["COLUMN", "SOURCE", "TYPE", "CHECKS"])
+        .add_rows(rows);
+    for column in t.column_iter_mut() {
+        column.set_padding((0, 2));
+    }
+    let indented: Vec<String> = t.trim_fmt().lines().map(|l| format!("  {l}")).collect();
+    indented.join("\n")
 }
 
 fn row(column: &str, source: &str, ty: &str, checks: &str) -> Vec<String> {
@@ -217,12 +289,23 @@ pub fn test(
                 pipeline.max_message_bytes
             )))
         } else {
-            mapping
-                .decode_message(&body, headers.as_ref())
-                .map(|row| row_json(mapping.columns().map(|(c, _, _)| c), &row))
+            mapping.decode_message(&body, headers.as_ref()).map(|row| {
+                let parent = row_json(mapping.columns().map(|(c, _, _)| c), &row.0);
+                // Each child row under its parent, named by its table.
+                let children: Vec<String> = mapping
+                    .child_tables()
+                    .zip(&row.1)
+                    .flat_map(|((table, _, _, columns), rows)| {
+                        rows.iter().map(move |cells| {
+                            format!("{table} {}", row_json(columns.iter().copied(), cells))
+                        })
+                    })
+                    .collect();
+                (parent, children)
+            })
         };
         match verdict {
-            Ok(row) => {
+            Ok((row, children)) => {
                 accepted += 1;
                 writeln!(
                     out,
@@ -230,6 +313,9 @@ pub fn test(
                     i + 1,
                     crate::cli::json_terminal_safe(&row)
                 )?;
+                for child in children {
+                    writeln!(out, "   + {}", crate::cli::json_terminal_safe(&child))?;
+                }
             }
             Err(r) => {
                 refused += 1;
@@ -283,10 +369,10 @@ fn envelope(line: &str) -> Result<(Vec<u8>, Option<FieldTable>), String> {
 
 /// A decoded row as a JSON object, column -> value; a `jsonb` value and a `numeric` one as
 /// written in the message (a JSON reader would round `1e2` to `100.0` and long decimals).
-fn row_json<'a>(columns: impl Iterator<Item = &'a str>, row: &Row) -> String {
+fn row_json<'a>(columns: impl Iterator<Item = &'a str>, cells: &[Cell]) -> String {
     use serde_json::value::{RawValue, to_raw_value};
     let mut out: Vec<(String, Box<RawValue>)> = Vec::new();
-    for (name, cell) in columns.zip(&row.0) {
+    for (name, cell) in columns.zip(cells) {
         let value = match cell {
             Cell::Null => to_raw_value(&Value::Null),
             Cell::Text(s) | Cell::Timestamptz(s) | Cell::Date(s) => to_raw_value(s),

@@ -22,6 +22,8 @@ mod values;
 use diagnose::FileText;
 pub use error::{ConfigError, Origin};
 pub use redact::redact_url;
+#[cfg(test)]
+pub use rules::sample_values;
 use rules::{Rule, check, suggest};
 pub use rules::{list_entries, listen_addr};
 pub use sources::{Sources, environment_help, file_origin, origins};
@@ -132,8 +134,9 @@ settings! {
     delivery_limit: u32 => Rule::Int { min: 1, max: 1000 },
     /// Quorum queues only: the DLQ's own delivery limit, declared explicitly (0: not declared,
     /// the broker's default applies: none on RabbitMQ 3.x, 20 on 4.x, after which the DLQ, which
-    /// dead-letters nowhere, would drop a message). 1 to [`DLQ_DELIVERY_LIMIT_FLOOR`] - 1 are
-    /// refused: an outage spends them.
+    /// dead-letters nowhere, would drop a message: refused on 4.x where the topology is declared,
+    /// `topology::broker`). 1 to [`DLQ_DELIVERY_LIMIT_FLOOR`] - 1 are refused: an outage spends
+    /// them.
     dlq_delivery_limit: u32 => Rule::Int { min: 0, max: 1_000_000_000 },
     /// Exchange the publisher writes to and the retry queue dead-letters back to.
     main_exchange: String => Rule::Name,

@@ -13,7 +13,9 @@ use std::collections::BTreeMap;
 use serde::{Deserialize, Serialize};
 
 use super::{ConfigError, RetryTier, Settings, humanize_ms, retry_base};
-use crate::domain::mapping::{ColumnSpec, Mapping, MappingSpec, OnConflict, UnknownFields};
+use crate::domain::mapping::{
+    ChildSpec, ColumnSpec, Mapping, MappingSpec, OnConflict, UnknownFields,
+};
 pub use spec::{Api, Balancing, Batching, PipelineSpec, check_budget, pool_size, resolve};
 
 /// One `[[pipelines]]` entry as written in the file.
@@ -101,6 +103,10 @@ pub struct PipelineConfig {
     pub dlq_queue: Option<String>,
     /// Column name -> where its value comes from, its type and checks.
     pub columns: BTreeMap<String, ColumnSpec>,
+    /// Child tables filled from arrays of the message (`[[pipelines.children]]`), written in
+    /// the same transaction as the parent row.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub children: Vec<ChildSpec>,
 }
 
 /// Who gives a `POST` of the pipeline's API its key.
@@ -193,6 +199,7 @@ impl PipelineConfig {
             version_column: self.version_column.clone(),
             unknown_fields: self.unknown_fields,
             columns: self.columns.clone(),
+            children: self.children.clone(),
         }
     }
 

@@ -390,3 +390,37 @@ pub(super) fn check(key: &str, rule: &Rule, value: &Value) -> Result<(), ConfigE
     }
     Ok(())
 }
+
+/// For tests that try every setting: a few valid values of each (by its rule, whatever its
+/// default; some may still be refused in combination with the defaults of others, or equal the
+/// default), in the order of [`super::RULES`].
+#[cfg(test)]
+pub fn sample_values() -> Vec<(&'static str, Vec<String>)> {
+    fn of(rule: &Rule) -> Vec<String> {
+        let strings = |values: &[&str]| values.iter().map(|v| v.to_string()).collect();
+        match rule {
+            Rule::OrEmpty(inner) => of(inner),
+            Rule::Int { min, max } => {
+                let mut values = vec![*min, min + 1, (min + max) / 2, *max];
+                values.dedup();
+                values.iter().map(u64::to_string).collect()
+            }
+            Rule::Url(schemes) => vec![format!("{}://127.0.0.1:6390", schemes[0])],
+            Rule::AmqpUrls => strings(&["amqp://guest:guest@127.0.0.1:5673/%2f"]),
+            Rule::PgUrl => strings(&["postgres://warren:secret@127.0.0.1:5433/other"]),
+            Rule::Bool => strings(&["true", "false"]),
+            Rule::Addr => strings(&["127.0.0.1:1"]),
+            Rule::Name => strings(&["sample_name"]),
+            Rule::KeyPrefix => strings(&["sample:"]),
+            Rule::Ident => strings(&["sample_schema"]),
+            Rule::Roles => strings(&["consumer", "dlq", "consumer,dlq,api"]),
+            Rule::TtlList => strings(&["", "1000", "1000,60000"]),
+            Rule::OneOf(choices) => strings(choices),
+            Rule::Secret => strings(&["sample-secret"]),
+        }
+    }
+    super::RULES
+        .iter()
+        .map(|(key, rule)| (*key, of(rule)))
+        .collect()
+}

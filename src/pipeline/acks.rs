@@ -13,18 +13,29 @@
 //! (batches commit within milliseconds, at most `batchers - 1` batches ahead of the front)
 //! neither happens and the acks stay ordered multi-acks.
 //!
+//! Acks are not confirmed in AMQP. While a copy the fallback stage republished waits for proof
+//! that the broker handled its original's ack (`copies.rs`), the executor follows the acks it
+//! sent with a fence, a passive declare of `amq.direct` on the same channel: the broker handles a
+//! channel's frames in order, so its answer proves every ack sent before it was handled, and those
+//! copies are forgotten. Without such copies (the happy path) there is no fence. A fence runs
+//! beside the acks, one at a time, and never holds them up: a drain at a stop waits for the acks
+//! to be sent, never for a proof (an awaited fence held a stop whose link was slow to answer).
+//!
 //! A resubscription (a new window, a resume, the byte budget) never waits for a held front: the
 //! next subscription on the same channel starts once the cancelled one's stream ended, so its
 //! deliveries come behind the held one in tag order, and are acked behind it the same way.
 
 use crate::metrics::StageId;
 use std::collections::VecDeque;
+use std::sync::Arc;
 
-use lapin::Channel;
-use lapin::options::{BasicAckOptions, BasicNackOptions};
+use lapin::options::{BasicAckOptions, BasicNackOptions, ExchangeDeclareOptions};
+use lapin::types::FieldTable;
+use lapin::{Channel, ExchangeKind};
 use tokio::sync::mpsc;
-use tracing::warn;
+use tracing::{debug, warn};
 
+use super::copies::Copies;
 pub use super::message::Disposition;
 
 /// A channel operation to perform, in order.
@@ -197,15 +208,21 @@ pub struct Acker {
 }
 
 impl Acker {
-    /// Starts the executor for `channel`, whose consumer has a window of `prefetch`.
-    pub fn open(channel: Channel, stage: StageId, prefetch: u16) -> Self {
+    /// Starts the executor for `channel`, whose consumer has a window of `prefetch`; `copies`
+    /// is its stage's memory of copies and the channel's generation, for the proofs.
+    pub fn open(
+        channel: Channel,
+        stage: StageId,
+        prefetch: u16,
+        copies: (Arc<Copies>, u64),
+    ) -> Self {
         let (tx, rx) = mpsc::unbounded_channel();
         Self {
             tracker: AckTracker::default(),
             release_at: usize::from(prefetch / 2).max(1),
             held: None,
             ops: Some(tx),
-            task: Some(tokio::spawn(run_ops(channel, rx, stage.clone()))),
+            task: Some(tokio::spawn(run_ops(channel, rx, stage.clone(), copies))),
             stage,
         }
     }
@@ -274,10 +291,40 @@ impl Acker {
 }
 
 /// Executes channel operations in order; stops at the first failure (the channel is gone and
-/// the broker requeues whatever was not acked).
-async fn run_ops(channel: Channel, mut rx: mpsc::UnboundedReceiver<Vec<Op>>, stage: StageId) {
+/// the broker requeues whatever was not acked). After operations that acked a copy's original
+/// not yet proven handled, a fence proves it (see the module doc). The fence runs beside the
+/// operations, one at a time, and never holds them up: a broker slow to answer (or a link whose
+/// answers are held) still gets every ack at once, and a drain never waits for a proof.
+async fn run_ops(
+    channel: Channel,
+    mut rx: mpsc::UnboundedReceiver<Vec<Op>>,
+    stage: StageId,
+    (copies, generation): (Arc<Copies>, u64),
+) {
     let acks = crate::metrics::acks_counter(&stage);
-    while let Some(mut ops) = rx.recv().await {
+    // Every tag up to `upto` is acked; `ones` were acked alone since the last fence began.
+    let (mut upto, mut ones) = (0u64, Vec::new());
+    // Answers of fences: the acks they prove (every tag up to .., and those acked alone).
+    let (proofs_tx, mut proofs) = mpsc::unbounded_channel::<(lapin::Result<()>, u64, Vec<u64>)>();
+    let mut fencing = false;
+    loop {
+        let mut ops = tokio::select! {
+            ops = rx.recv() => match ops {
+                Some(ops) => ops,
+                None => return,
+            },
+            Some((answer, proven_upto, proven_ones)) = proofs.recv() => {
+                fencing = false;
+                match answer {
+                    Ok(()) => copies.prove(generation, proven_upto, &proven_ones),
+                    // The channel is gone: those copies stay unproven, and the link's end
+                    // makes them candidates for their redeliveries.
+                    Err(e) => debug!(pipeline = stage.pipeline(), stage = stage.stage().as_str(), error = %e,
+                        "a fence was not answered; its acks stay unproven"),
+                }
+                Vec::new()
+            }
+        };
         while let Ok(more) = rx.try_recv() {
             ops.extend(more);
         }
@@ -285,12 +332,14 @@ async fn run_ops(channel: Channel, mut rx: mpsc::UnboundedReceiver<Vec<Op>>, sta
             let result = match op {
                 Op::AckUpTo(tag) => {
                     acks.increment(1);
+                    upto = upto.max(tag);
                     channel
                         .basic_ack(tag, BasicAckOptions { multiple: true })
                         .await
                 }
                 Op::AckOne(tag) => {
                     acks.increment(1);
+                    ones.push(tag);
                     channel
                         .basic_ack(tag, BasicAckOptions { multiple: false })
                         .await
@@ -312,7 +361,39 @@ async fn run_ops(channel: Channel, mut rx: mpsc::UnboundedReceiver<Vec<Op>>, sta
                 return;
             }
         }
+        if copies.none_unproven() {
+            // Nothing registered later can be among them: its ack comes after.
+            ones.clear();
+        } else if !fencing && copies.provable(generation, upto, &ones) {
+            fencing = true;
+            let (channel, tx, ones) = (
+                channel.clone(),
+                proofs_tx.clone(),
+                std::mem::take(&mut ones),
+            );
+            tokio::spawn(async move {
+                let answer = fence(&channel).await;
+                let _ = tx.send((answer, upto, ones));
+            });
+        }
     }
+}
+
+/// A synchronous round trip on `channel` that changes nothing: a passive declare of
+/// `amq.direct`, which every virtual host has and nobody can delete. Its answer comes after the
+/// broker handled every frame sent before it on the channel.
+async fn fence(channel: &Channel) -> lapin::Result<()> {
+    channel
+        .exchange_declare(
+            "amq.direct".into(),
+            ExchangeKind::Direct,
+            ExchangeDeclareOptions {
+                passive: true,
+                ..ExchangeDeclareOptions::default()
+            },
+            FieldTable::default(),
+        )
+        .await
 }
 
 #[cfg(test)]

@@ -19,7 +19,9 @@
 //! - `batcher.rs`: flush rules only (a free sink takes what waits, up to the size; the minimum
 //!   wait; drain).
 //! - `sink.rs`: one insert statement per batch, in-place retry, row isolation; `breaker.rs`.
-//! - `router.rs`: the outcome policy and republishing; `dlq.rs`: the DLQ consumer's stage.
+//! - `router.rs`: the outcome policy and republishing; `dlq.rs`: the DLQ consumer's stage;
+//!   `copies.rs`: the copies whose ack may be lost with the consumer's link, so their
+//!   redeliveries are not routed twice.
 //! - `balance.rs`: how many batch inserts a main stage has in flight (balancing, its bounds).
 //! - `shutdown.rs`: the bound on the graceful stop ([`shutdown::ShutdownConfig`]).
 //!
@@ -32,6 +34,7 @@ pub mod balance;
 pub mod batcher;
 pub mod breaker;
 pub mod consumer;
+pub mod copies;
 pub mod dispatch;
 pub mod dlq;
 pub mod message;
@@ -248,7 +251,10 @@ pub fn start<D: Domain>(
     )
     .start();
     let db_bound = links.db_bound;
-    let live_generation = Arc::new(std::sync::atomic::AtomicU64::new(0));
+    let copies = Arc::new(copies::Copies::new(
+        id.clone(),
+        spec.window_cap.max(spec.prefetch),
+    ));
     let fallback = Fallback {
         stage: id.clone(),
         republisher: Republisher::new(publisher.clone(), &spec, links.amqp.publish_timeout()),
@@ -258,7 +264,7 @@ pub fn start<D: Domain>(
         pool: pool.clone(),
         db_bound,
         parks_as: spec.pipeline.clone(),
-        live_generation: live_generation.clone(),
+        copies: copies.clone(),
     };
     let leftovers: Recipient<Leftovers> = match spec.fallback {
         FallbackKind::Route => Supervisor::start(move |_| Router::new(fallback)).recipient(),
@@ -355,7 +361,7 @@ pub fn start<D: Domain>(
         max_message_bytes: spec.max_message_bytes,
         rate_limit_per_s: spec.rate_limit_per_s,
         depths,
-        live_generation,
+        copies,
     };
     // A batch's worth to one batcher before the next one's turn, each chunk to the next processor.
     let dispatch = Dispatch::new(chunks, created, spec.batchers, spec.batch_size);

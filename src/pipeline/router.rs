@@ -3,14 +3,16 @@
 //! `x-error-kind` / `x-error-reason`; a transient failure goes through the retry queue with
 //! `x-retries` + 1 (the n-th retry through the n-th retry tier's queue, every later one through
 //! the last) until `MAX_RETRIES`, then to the DLX; a systemic one stays with the broker.
-//! Every republish is confirmed by the broker before the original is acked. A republish that is
+//! Every republish is confirmed by the broker before the original is acked; a copy whose ack
+//! is lost with the consumer's link is remembered (`copies.rs`), and the redelivery that follows
+//! is acked as already routed instead of routed twice. A republish that is
 //! not confirmed leaves the message with warren's queue (nack with requeue, after a backoff):
 //! never with the broker's own dead-lettering, which is at-most-once and drops a message whose
 //! target is missing at that moment.
 
 use crate::metrics::StageId;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::Duration;
 
 use actix::prelude::*;
@@ -18,6 +20,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::{error, info, warn};
 
 use super::Spec;
+use super::copies::{Copies, Fingerprint, Recall};
 use super::message::{Delivery, Disposition, Failure, Leftovers, Settle};
 use crate::amqp::AmqpError;
 use crate::amqp::headers::{self, Retries};
@@ -348,10 +351,9 @@ pub struct Fallback {
     pub db_bound: Duration,
     /// The pipeline parked rows are filed under (`dead_letters.pipeline`).
     pub parks_as: String,
-    /// The generation of the consumer's open channel, 0 while none ([`ConsumerConfig`]).
-    ///
-    /// [`ConsumerConfig`]: super::consumer::ConsumerConfig
-    pub live_generation: Arc<AtomicU64>,
+    /// The generation of the consumer's open channel, and the copies whose ack is not proven
+    /// handled by the broker (shared with the consumer).
+    pub copies: Arc<Copies>,
 }
 
 impl Fallback {
@@ -362,22 +364,53 @@ impl Fallback {
     /// republished: the broker took it back when the channel closed and delivers it again, and a
     /// copy routed now would be routed again then, a second copy in the DLQ or the retry queue
     /// (found by review). It is settled as given back, which the consumer drops with the channel.
-    /// The check comes before the publish; a link lost during the publish's confirm can still
-    /// leave a second copy, as any publish-then-ack can.
+    ///
+    /// A copy confirmed whose ack is then lost with its link (the channel died before the broker
+    /// handled it) is remembered ([`Copies`]): its redelivery is acked as already routed, not
+    /// routed again; one whose copy is still being published waits for that outcome (at most
+    /// twice the publish patience and 5 s, else it goes back to its queue, `copy_pending`).
     pub async fn route_all(&self, items: &[(Delivery, Failure)], fates: &mut [Fate]) {
-        let live = self.live_generation.load(Ordering::Acquire);
-        let mut indices = Vec::new();
-        let mut routes: Vec<(&Delivery, Route)> = Vec::new();
+        let live = self.copies.live();
         let mut stale = 0usize;
+        let mut redelivered = Vec::new();
         for (i, fate) in fates.iter_mut().enumerate() {
-            if let Fate::Route(route) = fate {
+            if let Fate::Route(_) = fate {
                 if items[i].0.generation != live {
                     *fate = Fate::Settled(Disposition::Requeue);
                     stale += 1;
-                    continue;
+                } else if items[i].0.redelivered {
+                    redelivered.push(i);
                 }
+            }
+        }
+        if !redelivered.is_empty() && self.copies.any_lost() {
+            self.recall(items, fates, redelivered).await;
+        }
+        let mut indices = Vec::new();
+        let mut keys = Vec::new();
+        for (i, fate) in fates.iter().enumerate() {
+            if let Fate::Route(_) = fate {
+                let d = &items[i].0;
                 indices.push(i);
-                routes.push((&items[i].0, route.clone()));
+                keys.push((d.generation, d.tag, self.copies.fingerprint(d)));
+            }
+        }
+        // Remembered before the publish, under the lock that the link's end takes: a copy is
+        // either published for a live channel (and moves to the lost ones if the link dies) or
+        // not at all.
+        let allowed = self.copies.publishing(&keys);
+        let mut routes: Vec<(&Delivery, Route)> = Vec::new();
+        let mut routed_at = Vec::new();
+        for (i, ok) in indices.into_iter().zip(allowed) {
+            match (&fates[i], ok) {
+                (Fate::Route(route), true) => {
+                    routes.push((&items[i].0, route.clone()));
+                    routed_at.push(i);
+                }
+                _ => {
+                    fates[i] = Fate::Settled(Disposition::Requeue);
+                    stale += 1;
+                }
             }
         }
         if stale > 0 {
@@ -393,8 +426,17 @@ impl Fallback {
             return;
         }
         let outcomes = self.republisher.route(&routes).await;
+        let ended: Vec<(u64, u64, bool)> = routed_at
+            .iter()
+            .zip(&outcomes)
+            .map(|(&i, (sent, _))| {
+                let d = &items[i].0;
+                (d.generation, d.tag, *sent == Sent::Confirmed)
+            })
+            .collect();
+        self.copies.published(&ended);
         let mut routed = Vec::new();
-        for (i, (sent, kind)) in indices.into_iter().zip(outcomes) {
+        for (i, (sent, kind)) in routed_at.into_iter().zip(outcomes) {
             fates[i] = match sent {
                 Sent::Confirmed => {
                     let d = &items[i].0;
@@ -429,6 +471,69 @@ impl Fallback {
         }
         for (kind, n) in count_by_kind(routed.into_iter()) {
             metrics::messages_routed(&self.stage, kind, n);
+        }
+    }
+
+    /// Looks the redeliveries at `indices` (each a `Fate::Route`) up in the memory of copies:
+    /// one whose copy was confirmed before its link died is acked as already routed; one whose
+    /// copy is still being published waits for the outcome (bounded, then it goes back to its
+    /// queue); any other is routed.
+    async fn recall(&self, items: &[(Delivery, Failure)], fates: &mut [Fate], indices: Vec<usize>) {
+        let bound = self.republisher.patience * 2 + Duration::from_secs(5);
+        let deadline = tokio::time::Instant::now() + bound;
+        let fingerprints: Vec<(usize, Fingerprint)> = indices
+            .into_iter()
+            .map(|i| (i, self.copies.fingerprint(&items[i].0)))
+            .collect();
+        let mut open = fingerprints;
+        let mut acked: Vec<&Delivery> = Vec::new();
+        loop {
+            let outcome = self.copies.outcome();
+            let mut pending = Vec::new();
+            for (i, fingerprint) in open {
+                match self.copies.recall(&items[i].0, fingerprint) {
+                    Recall::Routed => {
+                        fates[i] = Fate::Settled(Disposition::Ack);
+                        acked.push(&items[i].0);
+                    }
+                    Recall::Pending => pending.push((i, fingerprint)),
+                    Recall::Unknown => {}
+                }
+            }
+            open = pending;
+            if open.is_empty() {
+                break;
+            }
+            let waited = tokio::select! {
+                _ = outcome => true,
+                _ = tokio::time::sleep_until(deadline) => false,
+                _ = self.stopping.cancelled() => false,
+            };
+            if !waited {
+                warn!(
+                    pipeline = self.stage.pipeline(),
+                    stage = self.stage.stage().as_str(),
+                    count = open.len(),
+                    "redeliveries whose earlier copy is still being published go back to their \
+                     queue"
+                );
+                for (i, _) in &open {
+                    fates[*i] = Fate::Requeue("copy_pending");
+                }
+                break;
+            }
+        }
+        if !acked.is_empty() {
+            metrics::redeliveries(&self.stage, "already_routed", acked.len() as u64);
+            let ids: Vec<&str> = acked.iter().take(10).map(|d| d.message_id()).collect();
+            info!(
+                pipeline = self.stage.pipeline(),
+                stage = self.stage.stage().as_str(),
+                count = acked.len(),
+                message_ids = ?ids,
+                "redeliveries acked as already routed: their copies were confirmed before the \
+                 link that delivered them went down with their acks"
+            );
         }
     }
 

@@ -125,7 +125,8 @@ fn rabbitmq_drift_messages_are_read() {
     );
 }
 
-fn with(pairs: &[(&str, &str)]) -> Settings {
+/// The settings of the defaults with `pairs` set (no environment).
+pub(super) fn with(pairs: &[(&str, &str)]) -> Settings {
     let mut sources = crate::config::Sources {
         use_env: false,
         ..Default::default()

@@ -5,6 +5,8 @@
 //!   `database_url`, `redis_url`), `free_port`, `host` (the host name as warren records it), and
 //!   **`TestEnv`**, one test's private world (unique queues, exchanges, database schema, Redis
 //!   prefix; `set`, `setting`), removed on drop even when the test panics.
+//! - `files`: **`ConfigFile`**, a configuration file of the test's own (`--config`), removed on
+//!   drop.
 //! - `warren`: running warren (`command`, `run`, `run_async`, `declare`, `start`, `log_path`),
 //!   **`Warren`**, a running `warren run` (signals, `terminate`, `terminate_ok`, `wait`, `kill9`,
 //!   `logs`), and `LogsOnPanic` to show the logs of failed tests.
@@ -23,14 +25,16 @@
 //!   `install_poison_trigger`), `InsertLock`, which holds warren's batch inserts, and
 //!   `terminate_backends`.
 //! - `redis`: `RedisCleanup`, `try_redis_query`, `redis_query`, the instance registry
-//!   (`instance_key`, `instance`, `shutdowns`) and the events stream (`stream_events`,
+//!   (`instance_key`, `instance`, `wait_record_field`, `wait_running`, `shutdowns`) and the events stream (`stream_events`,
 //!   `stream_events_at`; Redis must answer).
 //! - `proxy`: `TcpProxy`, which cuts, restores, freezes and thaws one warren's link to a server.
 //! - `schedule`: the ledgers' fault schedule (`fault_schedule`, `check_fault_schedules`).
 //! - `metrics`: the `/metrics` scrape (`scrape_text`, `Scrape`, `wait_scrape`) and single values
 //!   (`metric`: an absent series is 0, no answer panics; `try_metric`, for polling only).
 //! - `http`: `http_base`, `http_agent` and `http`, one request to the env's API.
-//! - `pipelines`: `PipelineNames` and `PipelineCleanup` for configured pipelines, `tail`.
+//! - `pipelines`: `PipelineNames` and `PipelineCleanup` for configured pipelines, the `orders`
+//!   pipeline several tests run beside users (`create_orders_table`, `orders_toml`,
+//!   `declare_file`, `orders_pipeline`), `tail`.
 //! - `wait`: `wait_until`, `wait_queues_settled`. Wait on conditions, never on fixed sleeps; to
 //!   prove that something did not happen, publish a sentinel after it and wait for the sentinel
 //!   (then for the queues to be settled).
@@ -51,6 +55,7 @@ pub mod cluster;
 pub mod container;
 mod db;
 mod env;
+mod files;
 pub mod hostile;
 mod http;
 mod messages;
@@ -67,6 +72,6 @@ mod warren;
 // Each test binary uses some of the parts: the others' re-exports are unused there.
 #[allow(unused_imports)]
 pub use self::{
-    broker::*, db::*, env::*, http::*, messages::*, metrics::*, pipelines::*, proxy::*, redis::*,
-    schedule::*, wait::*, warren::*,
+    broker::*, db::*, env::*, files::*, http::*, messages::*, metrics::*, pipelines::*, proxy::*,
+    redis::*, schedule::*, wait::*, warren::*,
 };

@@ -1,8 +1,11 @@
 //! Configured pipelines in tests: `PipelineNames`, a pipeline's own broker names under the
 //! test's id (with their `[[pipelines]]` lines), and `PipelineCleanup`, which deletes its
-//! queues and exchanges also after a failed assertion; `tail` for logs in reports.
+//! queues and exchanges also after a failed assertion; the `orders` pipeline several tests run
+//! beside users (`create_orders_table`, `orders_toml`, `declare_file`, `orders_pipeline`);
+//! `tail` for logs in reports.
 
 use super::env::{TestEnv, amqp_url};
+use super::files::ConfigFile;
 
 /// A configured pipeline's broker names, the test's own: `<id>_<pipeline>_exchange`, ...,
 /// one retry tier of 1 s.
@@ -75,6 +78,42 @@ impl Drop for PipelineCleanup {
             std::mem::take(&mut self.1),
         );
     }
+}
+
+/// Creates the `orders` table of the env's schema: `order_id uuid` (the key), `qty int4`.
+pub async fn create_orders_table(env: &TestEnv) {
+    env.db
+        .batch_execute("CREATE TABLE orders (order_id uuid PRIMARY KEY, qty int4 NOT NULL)")
+        .await
+        .expect("create orders");
+}
+
+/// The text of a configuration file with one `orders` pipeline on `names`' queues (one retry
+/// tier of 1 s) reading `{"id": uuid, "qty": int}` into the `orders` table, with the lines
+/// `extra` (`batch_size = 100\n...`, or nothing) in its entry.
+pub fn orders_toml(names: &PipelineNames, extra: &str) -> String {
+    format!(
+        "[[pipelines]]\nname = \"orders\"\ntable = \"orders\"\nkey = [\"order_id\"]\n\
+         {extra}\nretry_ttls_ms = [1000]\n{}\n[pipelines.columns]\n\
+         order_id = {{ path = \"/id\", type = \"uuid\" }}\n\
+         qty = {{ path = \"/qty\", type = \"int4\" }}\n",
+        names.toml()
+    )
+}
+
+/// `warren --config <file> declare`, which must succeed.
+pub async fn declare_file(env: &TestEnv, file: &ConfigFile) {
+    let (code, out, err) = env.run_async(&["--config", file.at(), "declare"]).await;
+    assert_eq!(code, 0, "declare:\n{out}{err}");
+}
+
+/// The `orders` pipeline ready to run: its table created, its file ([`orders_toml`] with
+/// `extra`) written and its topology declared.
+pub async fn orders_pipeline(env: &TestEnv, names: &PipelineNames, extra: &str) -> ConfigFile {
+    create_orders_table(env).await;
+    let file = ConfigFile::new(&orders_toml(names, extra));
+    declare_file(env, &file).await;
+    file
 }
 
 /// The last `n` lines of `text`.

@@ -1,5 +1,5 @@
 //! The TCP proxy: `TcpProxy` cuts, restores, freezes, thaws and delays one warren's link to a
-//! server.
+//! server, either way.
 
 use std::collections::HashSet;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -35,7 +35,8 @@ pub struct ProxyState {
     frozen: watch::Sender<bool>,
     /// The live connections' holds: while one is true, what the server sends on that connection
     /// waits (in the proxy and the kernel's buffers) and is passed on, in order, when the hold
-    /// ends: a slow link, not a broken one. What the client sends passes.
+    /// ends: a slow link, not a broken one. What the client sends passes, unless its own hold
+    /// (`Hold::held_up`) is on.
     holds: Mutex<Vec<Hold>>,
     /// When not zero, on connections accepted from then on every AMQP `basic.consume-ok` the
     /// server sends (and what follows it) reaches the client this many ms late: a broker slow to
@@ -136,6 +137,19 @@ impl TcpProxy {
         busiest.held.send_replace(true);
     }
 
+    /// What the client sends from now on on the live connection that has carried the most bytes
+    /// to the client (a consumer's link: its acks) is held back, until [`TcpProxy::release`] or a
+    /// cut (which drops it: frames the server never saw); the server's bytes still pass.
+    pub fn hold_busiest_from_client(&self) {
+        let holds = self.state.holds.lock().unwrap();
+        let busiest = holds
+            .iter()
+            .filter(|h| !h.held.is_closed())
+            .max_by_key(|h| h.bytes_down.load(Ordering::Relaxed))
+            .expect("a live connection to hold");
+        busiest.held_up.send_replace(true);
+    }
+
     /// On connections accepted from now on, every `basic.consume-ok` of the server (AMQP) reaches
     /// the client `delay` late, and what the server sent after it waits behind it.
     pub fn delay_consume_ok(&self, delay: std::time::Duration) {
@@ -147,6 +161,7 @@ impl TcpProxy {
     pub fn release(&self) {
         for hold in self.state.holds.lock().unwrap().iter() {
             hold.held.send_replace(false);
+            hold.held_up.send_replace(false);
         }
     }
 
@@ -188,9 +203,14 @@ impl ProxyState {
         self.upstream_ports.lock().unwrap().insert(port);
         let hold = Hold {
             held: watch::Sender::new(false),
+            held_up: watch::Sender::new(false),
             bytes_down: Arc::new(AtomicU64::new(0)),
         };
-        let (held, bytes_down) = (hold.held.subscribe(), hold.bytes_down.clone());
+        let (held, held_up, bytes_down) = (
+            hold.held.subscribe(),
+            hold.held_up.subscribe(),
+            hold.bytes_down.clone(),
+        );
         {
             let mut holds = self.holds.lock().unwrap();
             holds.retain(|h| !h.held.is_closed());
@@ -206,7 +226,7 @@ impl ProxyState {
             consume_ok_delay,
         };
         tokio::select! {
-            _ = pass(&mut client, &mut upstream, down) => {}
+            _ = pass(&mut client, &mut upstream, down, held_up) => {}
             _ = cuts.changed() => {
                 let _ = client.set_zero_linger();
                 let _ = upstream.set_zero_linger();
@@ -225,6 +245,8 @@ impl ProxyState {
 /// The hold of one connection (see [`ProxyState::holds`]).
 struct Hold {
     held: watch::Sender<bool>,
+    /// The same for what the client sends.
+    held_up: watch::Sender<bool>,
     /// Bytes passed from the server to the client so far.
     bytes_down: Arc<AtomicU64>,
 }
@@ -241,17 +263,26 @@ struct Down<'a> {
 
 /// Passes bytes both ways until both sides have ended or one fails, as
 /// `tokio::io::copy_bidirectional` does, except that the server's bytes wait while held, and
-/// behind a delayed `basic.consume-ok`.
+/// behind a delayed `basic.consume-ok`, and the client's while `held_up`.
 async fn pass(
     client: &mut TcpStream,
     upstream: &mut TcpStream,
     mut down: Down<'_>,
+    mut held_up: watch::Receiver<bool>,
 ) -> std::io::Result<()> {
     let (mut from_client, mut to_client) = client.split();
     let (mut from_upstream, mut to_upstream) = upstream.split();
     let up = async {
-        tokio::io::copy(&mut from_client, &mut to_upstream).await?;
-        to_upstream.shutdown().await
+        let mut buf = vec![0u8; 64 * 1024];
+        loop {
+            let n = from_client.read(&mut buf).await?;
+            if n == 0 {
+                return to_upstream.shutdown().await;
+            }
+            // The sender dropped means the proxy is going away: pass on.
+            let _ = held_up.wait_for(|h| !*h).await;
+            to_upstream.write_all(&buf[..n]).await?;
+        }
     };
     let down = async {
         let mut buf = vec![0u8; 64 * 1024];

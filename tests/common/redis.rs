@@ -1,5 +1,5 @@
 //! Redis: `RedisCleanup`, commands (`try_redis_query`, `redis_query`), the instance registry
-//! (`instance_key`, `instance`, `shutdowns`) and the events stream (`stream_events`,
+//! (`instance_key`, `instance`, `wait_record_field`, `wait_running`, `shutdowns`) and the events stream (`stream_events`,
 //! `stream_events_at`).
 //!
 //! The instance registry lives under the env's prefix (`REDIS_PREFIX`, the env's id) in the Redis
@@ -108,6 +108,23 @@ pub async fn instance(env: &TestEnv, pid: i32) -> Value {
         None if fields.is_empty() => Value::Null,
         None => panic!("a registry hash without a record: {fields:?}"),
     }
+}
+
+/// Waits (up to 20 s) until the registry record of `pid` has `field` = `value` (`value` read as
+/// JSON when it parses, else as a string: `"2"` is the number 2, `running` the string).
+pub async fn wait_record_field(env: &TestEnv, pid: i32, field: &str, value: &str) {
+    let expected: Value = serde_json::from_str(value).unwrap_or_else(|_| value.into());
+    super::wait::wait_until(
+        &format!("{field} = {value} in the record of {pid}"),
+        Duration::from_secs(20),
+        || async { instance(env, pid).await[field] == expected },
+    )
+    .await;
+}
+
+/// Waits (up to 20 s) until `pid` is registered as running.
+pub async fn wait_running(env: &TestEnv, pid: i32) {
+    wait_record_field(env, pid, "status", "running").await;
 }
 
 /// The shutdown records of the env's instances, oldest first.

@@ -666,11 +666,18 @@ impl<'a> Entry<'a> {
     /// `on_conflict = "keep"` (a stored key with other content is a conflict only then).
     fn check_mapping(&self) -> Result<(), ConfigError> {
         let p = self.p;
-        let at = |error| match self.index {
-            Some(index) => on_entry(index, "", error),
-            None => error,
-        };
-        p.mapping().map_err(at)?;
+        Mapping::compile(&p.name, &p.mapping_spec()).map_err(|e| {
+            let error = ConfigError::Pipeline(e.to_string());
+            match self.index {
+                // Placed at the key at fault (its path in the entry), not the entry's start.
+                Some(index) => ConfigError::Entry {
+                    index,
+                    field: e.field,
+                    error: Box::new(error),
+                },
+                None => error,
+            }
+        })?;
         let refuse = |field: &str, expected: &str, got: &str| {
             self.refuse_with(field, Source::Entry, expected.into(), got.into())
         };
@@ -680,6 +687,13 @@ impl<'a> Entry<'a> {
                 "api",
                 "false, or a one-column key (PUT and GET /api/v1/<name>/<key> address a row by it)",
                 &format!("true with key {:?}", p.key),
+            ));
+        }
+        if p.api && !p.children.is_empty() {
+            return Err(refuse(
+                "api",
+                "false for a pipeline with child tables (the API does not take them yet)",
+                "true",
             ));
         }
         if !p.api && (p.api_key != ApiKey::Body || p.api_check) {

@@ -65,7 +65,7 @@ pub(super) struct Statements {
 }
 
 /// The ordinal column of the probe (a name no mapped column can have: it has a space).
-const ORD: &str = "\"warren ord\"";
+pub(super) const ORD: &str = "\"warren ord\"";
 
 /// The probe: the records of a batch converted by PostgreSQL into the table's column types by
 /// an INSERT, so with the same assignment rules as the insert itself (a value too long for a
@@ -241,7 +241,7 @@ fn on_conflict_update(names: &[String], key: &[usize], version: usize) -> String
 /// The SQL type a column's parameter array is sent as, and the cast to the column's type.
 /// `cast`: the column's own type, for a `text` column written to an enum (PostgreSQL has no
 /// assignment cast from text to an enum: the enum's input function reads the label).
-fn param(ty: ColType, n: usize, cast: Option<&str>) -> String {
+pub(super) fn param(ty: ColType, n: usize, cast: Option<&str>) -> String {
     match (ty, cast) {
         (ColType::Text, Some(to)) => format!("${n}::text[]::{to}[]"),
         (ColType::Text, None) => format!("${n}::text[]"),
@@ -397,7 +397,7 @@ pub(super) enum Array {
 }
 
 impl Array {
-    fn new(ty: ColType, n: usize) -> Self {
+    pub(super) fn new(ty: ColType, n: usize) -> Self {
         match ty {
             ColType::Text
             | ColType::Numeric
@@ -412,7 +412,7 @@ impl Array {
         }
     }
 
-    fn push(&mut self, cell: &Cell) {
+    pub(super) fn push(&mut self, cell: &Cell) {
         match (self, cell) {
             (Array::Text(v), Cell::Text(s) | Cell::Numeric(s))
             | (Array::Text(v), Cell::Timestamptz(s) | Cell::Date(s) | Cell::Jsonb(s)) => {
@@ -483,7 +483,7 @@ pub(super) fn shown(cell: &Cell) -> String {
 }
 
 /// The key of `row` as text: `id 5f0c...` or `(a, b) (1, 2)`.
-fn key_text(mapping: &Mapping, row: &Row) -> String {
+pub(super) fn key_text(mapping: &Mapping, row: &Row) -> String {
     let names = mapping.key();
     let values: Vec<String> = mapping.key.iter().map(|&i| shown(&row.0[i])).collect();
     if names.len() == 1 {
@@ -498,6 +498,9 @@ pub(super) async fn insert(
     client: &deadpool_postgres::Client,
     records: &[&Row],
 ) -> Result<crate::domain::Inserted, DbError> {
+    if !mapping.children.is_empty() {
+        return super::children::insert(mapping, client, records).await;
+    }
     let st = statements(mapping, client).await?;
     if records.is_empty() {
         // The breaker's probe: the statement runs, writing nothing (a read-only server, a
@@ -534,70 +537,14 @@ pub(super) async fn insert(
     }
     if let Some(keep) = &st.probe_keep {
         // keep, and some key is held or repeated: the batch through the probe, in one
-        // transaction: inserted in the key's own order (the first delivered of one key wins),
-        // then PostgreSQL says of each record skipped whether its key holds the same content
-        // (a copy), other content (`id_conflict`), or nothing (another unique index's value).
-        let mut conflicts = Vec::new();
-        let mut skipped = Vec::new();
-        let (written, refused) = in_probe(&st.probe_table, client, true, async {
-            let written = client
-                .execute(keep.as_str(), &params)
-                .await
-                .map_err(DbError::from_pg)? as usize;
-            if written == records.len() {
-                return Ok((written, Vec::new()));
-            }
-            for row in client
-                .query(st.probe_read.as_str(), &[])
-                .await
-                .map_err(DbError::from_pg)?
-            {
-                let i = (row.get::<_, i64>(0) - 1) as usize;
-                let stored: bool = row.get(1);
-                let same: Vec<bool> = row.get(2);
-                if !stored {
-                    // Its key, as sent, holds nothing: a copy whose key a BEFORE INSERT trigger
-                    // rewrote (`lower(k)`) is still a copy; else another unique index, or the
-                    // table, refused it.
-                    if !same_after_triggers(st, client, i as i64 + 1).await? {
-                        skipped.push(i);
-                    }
-                } else if let Some(record) = records.get(i)
-                    && same.iter().any(|s| !s)
-                    && !same_after_triggers(st, client, i as i64 + 1).await?
-                {
-                    let differs = mapping.in_table_order(
-                        mapping
-                            .columns
-                            .iter()
-                            .zip(&same)
-                            .filter(|(_, s)| !**s)
-                            .map(|(c, _)| c.name.as_str()),
-                    );
-                    conflicts.push((
-                        i,
-                        format!(
-                            "{} is already stored with another {}",
-                            key_text(mapping, record),
-                            differs.join(" and ")
-                        ),
-                    ));
-                }
-            }
-            let refused = if skipped.is_empty() {
-                Vec::new()
-            } else {
-                unique_holders(mapping, client, &skipped).await?
-            };
-            Ok((written, refused))
-        })
-        .await?;
-        return Ok(Inserted {
-            rows: written as u64,
-            conflicts,
-            refused,
-            ..Default::default()
-        });
+        // transaction.
+        return in_probe(
+            &st.probe_table,
+            client,
+            true,
+            keep_in_probe(mapping, st, client, records, &params, keep),
+        )
+        .await;
     }
     let statement = client
         .prepare_cached(&st.insert)
@@ -626,6 +573,80 @@ pub(super) async fn insert(
     Ok(Inserted {
         rows: written as u64,
         unchanged: (records.len() - written) as u64,
+        ..Default::default()
+    })
+}
+
+/// `keep`, some key held or repeated, inside the probe's transaction (see [`in_probe`]): the
+/// batch inserted in the key's own order (the first delivered of one key wins), then PostgreSQL
+/// says of each record skipped whether its key holds the same content (a copy), other content
+/// (`id_conflict`), or nothing (another unique index's value).
+pub(super) async fn keep_in_probe(
+    mapping: &Mapping,
+    st: &Statements,
+    client: &deadpool_postgres::Client,
+    records: &[&Row],
+    params: &[&(dyn ToSql + Sync)],
+    keep: &str,
+) -> Result<Inserted, DbError> {
+    let mut conflicts = Vec::new();
+    let mut skipped = Vec::new();
+    let written = client
+        .execute(keep, params)
+        .await
+        .map_err(DbError::from_pg)? as usize;
+    if written == records.len() {
+        return Ok(Inserted {
+            rows: written as u64,
+            ..Default::default()
+        });
+    }
+    for row in client
+        .query(st.probe_read.as_str(), &[])
+        .await
+        .map_err(DbError::from_pg)?
+    {
+        let i = (row.get::<_, i64>(0) - 1) as usize;
+        let stored: bool = row.get(1);
+        let same: Vec<bool> = row.get(2);
+        if !stored {
+            // Its key, as sent, holds nothing: a copy whose key a BEFORE INSERT trigger
+            // rewrote (`lower(k)`) is still a copy; else another unique index, or the
+            // table, refused it.
+            if !same_after_triggers(st, client, i as i64 + 1).await? {
+                skipped.push(i);
+            }
+        } else if let Some(record) = records.get(i)
+            && same.iter().any(|s| !s)
+            && !same_after_triggers(st, client, i as i64 + 1).await?
+        {
+            let differs = mapping.in_table_order(
+                mapping
+                    .columns
+                    .iter()
+                    .zip(&same)
+                    .filter(|(_, s)| !**s)
+                    .map(|(c, _)| c.name.as_str()),
+            );
+            conflicts.push((
+                i,
+                format!(
+                    "{} is already stored with another {}",
+                    key_text(mapping, record),
+                    differs.join(" and ")
+                ),
+            ));
+        }
+    }
+    let refused = if skipped.is_empty() {
+        Vec::new()
+    } else {
+        unique_holders(mapping, client, &skipped).await?
+    };
+    Ok(Inserted {
+        rows: written as u64,
+        conflicts,
+        refused,
         ..Default::default()
     })
 }
@@ -699,8 +720,12 @@ pub(super) async fn stored(
         match client.query(st.probe_compare.as_str(), &params).await {
             Ok(rows) => match rows.first() {
                 Some(row) if row.get::<_, bool>(1) => {
-                    Ok(row.get::<_, Vec<bool>>(2).iter().all(|s| *s)
-                        || same_after_triggers(st, client, 1).await?)
+                    let parent = row.get::<_, Vec<bool>>(2).iter().all(|s| *s)
+                        || same_after_triggers(st, client, 1).await?;
+                    // With child tables, its key must also hold exactly its child rows.
+                    Ok(parent
+                        && (mapping.children.is_empty()
+                            || super::children::same_children(mapping, client, record).await?))
                 }
                 _ => Ok(false),
             },

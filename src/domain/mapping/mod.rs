@@ -7,8 +7,10 @@
 //! found. Every pipeline is one, the built-in users pipeline included. `values.rs` holds the
 //! checks of one value; `insert.rs` writes a batch with one statement (`on_conflict = keep |
 //! update`), `lookup.rs` answers the API's questions to the table; `schema.rs` checks the mapping against
-//! the table before anything is consumed.
+//! the table before anything is consumed; `children.rs` holds the child tables filled from arrays
+//! of the message (`[[pipelines.children]]`), written in the parent row's transaction.
 
+mod children;
 mod insert;
 mod lookup;
 mod names;
@@ -55,6 +57,71 @@ pub struct MappingSpec {
     pub unknown_fields: UnknownFields,
     /// Column name -> where its value comes from, its type and checks.
     pub columns: BTreeMap<String, ColumnSpec>,
+    /// Child tables, each filled from an array of the message, one row per element
+    /// (`[[pipelines.children]]`, see `children.rs`).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub children: Vec<ChildSpec>,
+}
+
+/// The elements a child table takes from one message when its entry gives no `max_rows`.
+pub const MAX_ROWS_DEFAULT: usize = 1000;
+
+/// A child table of a pipeline: one row per element of an array of the message, written in the
+/// same transaction as the message's parent row.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ChildSpec {
+    /// The table, `name` or `schema.name`: it must exist (warren never creates or alters it).
+    pub table: String,
+    /// A JSON Pointer to the array whose elements are the rows.
+    pub rows: String,
+    /// The columns of a primary key or unique index of the child table.
+    pub key: Vec<String>,
+    /// An absent or null array is no rows instead of a rejection.
+    #[serde(default, skip_serializing_if = "is_false")]
+    pub optional: bool,
+    /// The most elements one message may hold (more: `invalid_payload`); absent:
+    /// [`MAX_ROWS_DEFAULT`]. Bounds the statement a batch makes.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_rows: Option<usize>,
+    /// Column name -> where its value comes from: the element (paths relative to it), the
+    /// parent row's column, or the element's position.
+    pub columns: BTreeMap<String, ChildColumnSpec>,
+}
+
+/// One column of a child table: a path into the element (or a header) with a type and checks,
+/// as a parent column; or `parent = "<column>"` (the parent row's value), or `index = true`
+/// (the element's position, from 1).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ChildColumnSpec {
+    /// A JSON Pointer into the element; `""` is the whole element.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub path: Option<String>,
+    /// An AMQP header name instead of a path.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub header: Option<String>,
+    /// The parent row's column whose value this column takes (its type is the parent's).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub parent: Option<String>,
+    /// The element's position in the array, from 1 (an `int4`, or `int8` when typed so).
+    #[serde(default, skip_serializing_if = "is_false")]
+    pub index: bool,
+    /// Required with a path or header; `parent` takes the parent's, `index` int4 or int8.
+    #[serde(rename = "type", default, skip_serializing_if = "Option::is_none")]
+    pub ty: Option<ColType>,
+    #[serde(default, skip_serializing_if = "is_false")]
+    pub optional: bool,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub min: Option<f64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max: Option<f64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub min_len: Option<usize>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_len: Option<usize>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub format: Option<Format>,
 }
 
 /// What the same key with other content does.
@@ -200,6 +267,9 @@ impl fmt::Display for ColType {
 pub struct SpecError {
     pub pipeline: String,
     pub problem: String,
+    /// The key at fault, as its path in the pipeline's entry (`["columns", "qty", "min"]`,
+    /// `["key"]`; empty: the entry as a whole): the configuration places the error at its line.
+    pub field: Vec<String>,
 }
 
 /// Where a column's value comes from.
@@ -211,6 +281,10 @@ enum Source {
         segments: Vec<String>,
     },
     Header(String),
+    /// A child column: the parent row's column (its index in the parent's columns).
+    Parent(usize),
+    /// A child column: the element's position in its array, from 1.
+    Index,
 }
 
 /// One compiled column.
@@ -235,6 +309,8 @@ impl Column {
             Source::Path { pointer, .. } if pointer.is_empty() => "the body".into(),
             Source::Path { pointer, .. } => pointer.clone(),
             Source::Header(h) => format!("header {h}"),
+            Source::Parent(_) => "the parent row".into(),
+            Source::Index => "the element's position".into(),
         }
     }
 
@@ -309,6 +385,9 @@ pub struct Mapping {
     /// Per column, its place in the table (`attnum`), learnt with `bound`: a reason that lists
     /// several columns lists them in the table's order (`another name and email`).
     attnums: std::sync::Arc<std::sync::OnceLock<Vec<i16>>>,
+    /// The child tables, in the spec's order (each message's [`Row::1`] holds their rows in
+    /// this order).
+    children: Vec<children::Child>,
 }
 
 impl Mapping {
@@ -317,22 +396,35 @@ impl Mapping {
     /// check that does not fit the type, a key column not mapped, `update` without a mapped
     /// `version_column`.
     pub fn compile(pipeline: &str, spec: &MappingSpec) -> Result<Self, SpecError> {
-        let err = |problem: String| SpecError {
+        let err_at = |field: &[&str], problem: String| SpecError {
             pipeline: pipeline.to_string(),
             problem,
+            field: field.iter().map(|f| f.to_string()).collect(),
         };
-        let table = TableName::parse(&spec.table).map_err(|e| err(e.to_string()))?;
+        let table = TableName::parse(&spec.table).map_err(|e| err_at(&["table"], e.to_string()))?;
         if spec.columns.is_empty() {
-            return Err(err("columns: at least one column is needed".into()));
+            return Err(err_at(
+                &["columns"],
+                "columns: at least one column is needed".into(),
+            ));
         }
         let mut columns = Vec::with_capacity(spec.columns.len());
         let mut fields = HashSet::new();
         for (name, c) in &spec.columns {
-            let at = |p: String| err(format!("columns.{name}: {p}"));
+            // The column's mistake, placed at its key `key` (or at the column, "").
+            let at_key = |key: &str, p: String| {
+                let field: &[&str] = if key.is_empty() {
+                    &["columns", name]
+                } else {
+                    &["columns", name, key]
+                };
+                err_at(field, format!("columns.{name}: {p}"))
+            };
+            let at = |p: String| at_key("", p);
             identifier(name).map_err(|e| at(e.to_string()))?;
             let source = match (&c.path, &c.header) {
                 (Some(_), Some(_)) => {
-                    return Err(at("give a path or a header, not both".into()));
+                    return Err(at_key("header", "give a path or a header, not both".into()));
                 }
                 (None, None) => {
                     return Err(at(
@@ -341,7 +433,8 @@ impl Mapping {
                     ));
                 }
                 (Some(pointer), None) => {
-                    let segments = pointer_segments(pointer).map_err(|e| at(e.to_string()))?;
+                    let segments =
+                        pointer_segments(pointer).map_err(|e| at_key("path", e.to_string()))?;
                     if let Some(first) = segments.first() {
                         fields.insert(first.clone());
                     }
@@ -352,34 +445,49 @@ impl Mapping {
                 }
                 (None, Some(header)) => {
                     if header.is_empty() || header.len() > 255 {
-                        return Err(at("header: expected a name of 1 to 255 bytes".into()));
+                        return Err(at_key(
+                            "header",
+                            "header: expected a name of 1 to 255 bytes".into(),
+                        ));
                     }
                     Source::Header(header.clone())
                 }
             };
             if (c.min.is_some() || c.max.is_some()) && !c.ty.is_number() {
-                return Err(at(format!(
-                    "min and max are for numbers (int4, int8, float8, numeric), not {}",
-                    c.ty
-                )));
+                let key = if c.min.is_some() { "min" } else { "max" };
+                return Err(at_key(
+                    key,
+                    format!(
+                        "min and max are for numbers (int4, int8, float8, numeric), not {}",
+                        c.ty
+                    ),
+                ));
             }
             if let (Some(lo), Some(hi)) = (c.min, c.max)
                 && lo > hi
             {
-                return Err(at(format!("min {lo} is above max {hi}")));
+                return Err(at_key("min", format!("min {lo} is above max {hi}")));
             }
             if (c.min_len.is_some() || c.max_len.is_some() || c.format.is_some())
                 && c.ty != ColType::Text
             {
-                return Err(at(format!(
-                    "min_len, max_len and format are for text, not {}",
-                    c.ty
-                )));
+                let key = match (c.min_len, c.max_len) {
+                    (Some(_), _) => "min_len",
+                    (None, Some(_)) => "max_len",
+                    (None, None) => "format",
+                };
+                return Err(at_key(
+                    key,
+                    format!("min_len, max_len and format are for text, not {}", c.ty),
+                ));
             }
             if let (Some(lo), Some(hi)) = (c.min_len, c.max_len)
                 && lo > hi
             {
-                return Err(at(format!("min_len {lo} is above max_len {hi}")));
+                return Err(at_key(
+                    "min_len",
+                    format!("min_len {lo} is above max_len {hi}"),
+                ));
             }
             columns.push(Column {
                 name: name.clone(),
@@ -394,69 +502,105 @@ impl Mapping {
             });
         }
         let index_of = |name: &str| columns.iter().position(|c| c.name == name);
+        let err = |key: &str, problem: String| err_at(&[key], problem);
         if spec.key.is_empty() {
             return Err(err(
+                "key",
                 "key: name the columns of a primary key or unique index".into(),
             ));
         }
         let mut key = Vec::with_capacity(spec.key.len());
         for k in &spec.key {
             let i = index_of(k)
-                .ok_or_else(|| err(format!("key: column {k:?} is not among the columns")))?;
+                .ok_or_else(|| err("key", format!("key: column {k:?} is not among the columns")))?;
             if columns[i].optional {
-                return Err(err(format!(
-                    "key: column {k:?} is optional; a key is never NULL"
-                )));
+                return Err(err(
+                    "key",
+                    format!("key: column {k:?} is optional; a key is never NULL"),
+                ));
             }
             if key.contains(&i) {
-                return Err(err(format!("key: column {k:?} named twice")));
+                return Err(err("key", format!("key: column {k:?} named twice")));
             }
             key.push(i);
         }
         let version = match (spec.on_conflict, &spec.version_column) {
             (OnConflict::Update, None) => {
                 return Err(err(
+                    "on_conflict",
                     "on_conflict = \"update\" needs version_column (a stored row is replaced only by a higher version)"
                         .into(),
                 ));
             }
             (OnConflict::Keep, Some(_)) => {
                 return Err(err(
-                    "version_column is for on_conflict = \"update\" only".into()
+                    "version_column",
+                    "version_column is for on_conflict = \"update\" only".into(),
                 ));
             }
             (OnConflict::Keep, None) => None,
             (OnConflict::Update, Some(v)) => {
-                let i = index_of(v)
-                    .ok_or_else(|| err(format!("version_column {v:?} is not among the columns")))?;
+                let i = index_of(v).ok_or_else(|| {
+                    err(
+                        "version_column",
+                        format!("version_column {v:?} is not among the columns"),
+                    )
+                })?;
                 if !matches!(
                     columns[i].ty,
                     ColType::Int4 | ColType::Int8 | ColType::Numeric | ColType::Timestamptz
                 ) {
-                    return Err(err(format!(
-                        "version_column {v:?} is {}; expected int4, int8, numeric or timestamptz",
-                        columns[i].ty
-                    )));
+                    return Err(err(
+                        "version_column",
+                        format!(
+                            "version_column {v:?} is {}; expected int4, int8, numeric or timestamptz",
+                            columns[i].ty
+                        ),
+                    ));
                 }
                 if columns[i].optional {
-                    return Err(err(format!("version_column {v:?} cannot be optional")));
+                    return Err(err(
+                        "version_column",
+                        format!("version_column {v:?} cannot be optional"),
+                    ));
                 }
                 if key.contains(&i) {
-                    return Err(err(format!("version_column {v:?} is a key column")));
+                    return Err(err(
+                        "version_column",
+                        format!("version_column {v:?} is a key column"),
+                    ));
                 }
                 Some(i)
             }
         };
         let statements = insert::Statements::build(&table, &columns, &key, version, &[]);
-        let reads_object = columns.iter().any(|c| match &c.source {
+        let mut reads_object = columns.iter().any(|c| match &c.source {
             Source::Path { segments, .. } => {
                 !c.optional
                     && segments
                         .first()
                         .is_some_and(|f| !f.bytes().all(|b| b.is_ascii_digit()))
             }
-            Source::Header(_) => false,
+            _ => false,
         });
+        let mut compiled_children = Vec::with_capacity(spec.children.len());
+        for (n, child) in spec.children.iter().enumerate() {
+            let c = children::Child::compile(n, child, &table, &columns, &key, version).map_err(
+                |problem| {
+                    err_at(
+                        &["children", &n.to_string()],
+                        format!("children.{}: {problem}", child.table),
+                    )
+                },
+            )?;
+            if let Some(first) = c.first_field() {
+                fields.insert(first.to_string());
+                reads_object |= !c.optional() && !first.bytes().all(|b| b.is_ascii_digit());
+            }
+            compiled_children.push(c);
+        }
+        children::distinct_tables(&table, &compiled_children)
+            .map_err(|problem| err("children", problem))?;
         Ok(Self {
             pipeline: pipeline.to_string(),
             table,
@@ -470,6 +614,7 @@ impl Mapping {
             statements,
             bound: Default::default(),
             attnums: Default::default(),
+            children: compiled_children,
         })
     }
 
@@ -506,6 +651,19 @@ impl Mapping {
         record: &Row,
     ) -> Result<Standing, DbError> {
         lookup::standing(self, client, record).await
+    }
+
+    /// Each child table: its name, the pointer to its array, its most rows per message, and
+    /// its column names in the order of the cells of a [`ChildRows`] row.
+    pub fn child_tables(&self) -> impl Iterator<Item = (&TableName, &str, usize, Vec<&str>)> {
+        self.children.iter().map(|c| {
+            (
+                &c.table,
+                c.rows(),
+                c.max_rows(),
+                c.columns.iter().map(|c| c.name.as_str()).collect(),
+            )
+        })
     }
 
     /// (column, type, optional) in the spec's order.
@@ -626,8 +784,19 @@ impl Mapping {
                 Err(p) => problems.push((c, p)),
             }
         }
-        if problems.is_empty() {
-            return Ok(Row(cells));
+        let mut rows = Vec::with_capacity(self.children.len());
+        let mut child_problems: Vec<(String, Problem)> = Vec::new();
+        for child in &self.children {
+            match child.decode(self, text, &doc, &cells, headers) {
+                Ok(r) => rows.push(r),
+                Err(mut found) => {
+                    rows.push(Vec::new());
+                    child_problems.append(&mut found);
+                }
+            }
+        }
+        if problems.is_empty() && child_problems.is_empty() {
+            return Ok(Row(cells, rows));
         }
         if problems.len() > 1 {
             // In the order the body gives its fields (a field it lacks, or a header, after).
@@ -637,10 +806,11 @@ impl Mapping {
                     .first()
                     .and_then(|f| order.iter().position(|o| o == f))
                     .unwrap_or(usize::MAX),
-                Source::Header(_) => usize::MAX,
+                _ => usize::MAX,
             });
         }
-        let reason: Vec<String> = problems.iter().map(|(c, e)| c.reason(e)).collect();
+        let mut reason: Vec<String> = problems.iter().map(|(c, e)| c.reason(e)).collect();
+        reason.extend(child_problems.iter().map(|(r, _)| r.clone()));
         Err(Refused {
             rejection: Rejection::payload(reason.join("; ")),
             problems: problems
@@ -649,6 +819,7 @@ impl Mapping {
                     column: c.name.clone(),
                     error,
                 })
+                .chain(child_problems.into_iter().map(|(_, p)| p))
                 .collect(),
         })
     }
@@ -679,6 +850,8 @@ impl Mapping {
     ) -> Result<Cell, ValueError> {
         let value = match &c.source {
             Source::Path { segments, .. } => lookup(doc, segments).cloned(),
+            // Filled by the child table's decode, never looked up.
+            Source::Parent(_) | Source::Index => None,
             Source::Header(h) => match headers
                 .and_then(|t| t.inner().get(h.as_str()))
                 .map(header_json)
@@ -724,7 +897,7 @@ impl Mapping {
                 // As written: `-0` is 0 (serde_json reads it as a float).
                 let written = || match &c.source {
                     Source::Path { segments, .. } => raw_number(text, segments),
-                    Source::Header(_) => None,
+                    _ => None,
                 };
                 let n = strict::integer(&value, written).ok_or_else(|| wrong(&value))?;
                 check_range(c, n as f64, &n.to_string())?;
@@ -770,7 +943,7 @@ impl Mapping {
                         Source::Path { segments, .. } => {
                             raw_number(text, segments).unwrap_or_else(|| value.to_string())
                         }
-                        Source::Header(_) => value.to_string(),
+                        _ => value.to_string(),
                     },
                     Value::String(s) if is_decimal(s) => s.clone(),
                     Value::String(s) => {
@@ -850,7 +1023,7 @@ impl Mapping {
                 // The JSON as written (jsonb keeps a number's digits; a parsed float would not).
                 let raw = match &c.source {
                     Source::Path { segments, .. } => raw_json(text, segments),
-                    Source::Header(_) => None,
+                    _ => None,
                 };
                 let json = raw.unwrap_or_else(|| value.to_string());
                 if let Some(n) = strict::number_beyond_numeric(&json) {
@@ -872,9 +1045,14 @@ fn unfit(words: String) -> ValueError {
     ValueError::Unfit(words)
 }
 
-/// A decoded message: one cell per column of its mapping, in the mapping's order.
+/// A decoded message: one cell per column of its mapping, in the mapping's order; and, per
+/// child table of the mapping (in its order), the rows its array gave, each one cell per
+/// column of the child table (empty for a mapping without child tables).
 #[derive(Debug, Clone, PartialEq)]
-pub struct Row(pub Vec<Cell>);
+pub struct Row(pub Vec<Cell>, pub Vec<ChildRows>);
+
+/// The rows one message gives one child table, each one cell per column of the child table.
+pub type ChildRows = Vec<Vec<Cell>>;
 
 /// One column's value.
 #[derive(Debug, Clone, PartialEq)]

@@ -1,13 +1,14 @@
 //! A mapping against its table, before anything is consumed (`warren declare`, `warren run`): the
 //! table exists; every mapped column exists with a type the mapping's type can be written to;
 //! every NOT NULL column without a default is mapped and not optional; the key is a primary key
-//! or unique index of the table. Each mismatch names the pipeline, the table, the column, what
+//! or unique index of the table. Child tables (`[[pipelines.children]]`) are checked the same
+//! way ([`check`]). Each mismatch names the pipeline, the table, the column, what
 //! was found and what was expected. And, for a row the database skipped: which unique index
 //! holds its value, under which key.
 
 use std::collections::HashMap;
 
-use super::{ColType, Mapping};
+use super::{ColType, Column, Mapping, TableName};
 use crate::db::error::DbError;
 
 /// A column of the table as the catalog describes it.
@@ -59,6 +60,47 @@ fn writable(ty: ColType) -> &'static [&'static str] {
 /// Every mismatch between `mapping` and `table` (empty: they fit), each a full sentence.
 pub fn mismatches(mapping: &Mapping, table: Option<&TableInfo>) -> Vec<String> {
     let at = format!("pipeline {}: table {}", mapping.pipeline, mapping.table);
+    table_mismatches(at, &mapping.columns, mapping.key(), table, false)
+}
+
+/// Every mismatch between the mapping and its table, and between each child table of the
+/// mapping and its spec, as the catalog of `client`'s session describes them (empty: they
+/// fit); each a full sentence naming the pipeline, the table and the column.
+pub async fn check(
+    mapping: &Mapping,
+    client: &tokio_postgres::Client,
+) -> Result<Vec<String>, DbError> {
+    let info = describe_table(&mapping.table, client).await?;
+    let mut out = mismatches(mapping, info.as_ref());
+    for child in &mapping.children {
+        let info = describe_table(&child.table, client).await?;
+        let at = format!(
+            "pipeline {}: child table {} (rows {})",
+            mapping.pipeline,
+            child.table,
+            child.rows()
+        );
+        out.extend(table_mismatches(
+            at,
+            &child.columns,
+            child.key_names(),
+            info.as_ref(),
+            true,
+        ));
+    }
+    Ok(out)
+}
+
+/// The mismatches of one table (`at` names the pipeline and the table) with the `columns`
+/// written to it and its `key`; `child`: a child table's (whose text columns cannot yet be
+/// written to an enum).
+fn table_mismatches(
+    at: String,
+    columns: &[Column],
+    key: Vec<&str>,
+    table: Option<&TableInfo>,
+    child: bool,
+) -> Vec<String> {
     let Some(table) = table else {
         return vec![format!(
             "{at} does not exist (warren never creates a pipeline's table: create it first)"
@@ -67,7 +109,7 @@ pub fn mismatches(mapping: &Mapping, table: Option<&TableInfo>) -> Vec<String> {
     let mut out = Vec::new();
     let by_name: HashMap<&str, &TableColumn> =
         table.columns.iter().map(|c| (c.name.as_str(), c)).collect();
-    for c in &mapping.columns {
+    for c in columns {
         match by_name.get(c.name.as_str()) {
             None => out.push(format!(
                 "{at}: column {} does not exist (expected a column for the {} mapping)",
@@ -85,6 +127,11 @@ pub fn mismatches(mapping: &Mapping, table: Option<&TableInfo>) -> Vec<String> {
                     writable(c.ty).join(" or ")
                 ))
             }
+            Some(t) if child && t.is_enum => out.push(format!(
+                "{at}: column {} is an enum ({}): a child table's text column is not written to \
+                 an enum yet (expected a text, varchar or citext column)",
+                c.name, t.sql_type
+            )),
             Some(t) if t.generated => out.push(format!(
                 "{at}: column {} is GENERATED ALWAYS: the database computes it and refuses any \
                  value an insert gives it (expected it left out of the mapping)",
@@ -98,7 +145,7 @@ pub fn mismatches(mapping: &Mapping, table: Option<&TableInfo>) -> Vec<String> {
         if !t.not_null || t.generated {
             continue;
         }
-        match mapping.columns.iter().find(|c| c.name == t.name) {
+        match columns.iter().find(|c| c.name == t.name) {
             None if !t.has_default => out.push(format!(
                 "{at}: column {} is NOT NULL without a default, and no column of the mapping \
                  fills it (expected a mapping for it)",
@@ -124,7 +171,8 @@ pub fn mismatches(mapping: &Mapping, table: Option<&TableInfo>) -> Vec<String> {
             _ => {}
         }
     }
-    let mut key: Vec<&str> = mapping.key();
+    let named = key.join(", ");
+    let mut key = key;
     key.sort_unstable();
     let covered = table.unique.iter().any(|(_, cols)| {
         let mut cols: Vec<&str> = cols.iter().map(String::as_str).collect();
@@ -141,7 +189,7 @@ pub fn mismatches(mapping: &Mapping, table: Option<&TableInfo>) -> Vec<String> {
             "{at}: the key ({}) is not a primary key or unique index of the table (found: {}); \
              expected one on exactly these columns, neither partial nor DEFERRABLE (ON CONFLICT \
              cannot use those)",
-            mapping.key().join(", "),
+            named,
             if found.is_empty() {
                 "none".to_string()
             } else {
@@ -158,7 +206,15 @@ pub async fn describe(
     mapping: &Mapping,
     client: &tokio_postgres::Client,
 ) -> Result<Option<TableInfo>, DbError> {
-    let name = mapping.table.sql();
+    describe_table(&mapping.table, client).await
+}
+
+/// What the catalog says of `table` (`None`: no such table).
+async fn describe_table(
+    table: &TableName,
+    client: &tokio_postgres::Client,
+) -> Result<Option<TableInfo>, DbError> {
+    let name = table.sql();
     let oid: Option<u32> = client
         .query_one("SELECT to_regclass($1)::oid", &[&name])
         .await

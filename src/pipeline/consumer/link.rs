@@ -3,7 +3,6 @@
 //! died young, tearing a link down (its unacked deliveries go back to the queue) and naming why
 //! it ended.
 
-use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use actix::prelude::*;
@@ -167,7 +166,7 @@ impl Consumer {
             Link::Up(linked) => {
                 // However it ended (the channel closed, the stream ended, a stuck consumer): the
                 // link is down until the next one is up.
-                self.config.live_generation.store(0, Ordering::Release);
+                self.config.copies.link_down();
                 crate::events::amqp_link(
                     &self.config.stage.to_string(),
                     false,
@@ -240,14 +239,13 @@ impl Handler<Connected> for Consumer {
         }
         self.generation += 1;
         let generation = self.generation;
-        self.config
-            .live_generation
-            .store(generation, Ordering::Release);
+        self.config.copies.link_up(generation);
         self.link = Link::Up(Box::new(Linked {
             acker: Some(Acker::open(
                 msg.channel.clone(),
                 self.config.stage.clone(),
                 self.config.prefetch,
+                (self.config.copies.clone(), generation),
             )),
             connection: msg.conn,
             channel: msg.channel,

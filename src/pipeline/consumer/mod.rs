@@ -33,7 +33,6 @@ mod watchdog;
 mod window;
 
 use std::sync::Arc;
-use std::sync::atomic::AtomicU64;
 use std::time::Duration;
 
 use actix::prelude::*;
@@ -106,10 +105,12 @@ pub struct ConsumerConfig {
     /// The queue depths the poller last saw (`amqp::monitor`): the idle watchdog's evidence
     /// that messages wait while nothing arrives, without a round trip of its own.
     pub depths: crate::amqp::monitor::Depths,
-    /// The generation of the channel deliveries can still be settled on, 0 while there is none:
-    /// written here, read by the stages that republish (a delivery of a channel that is gone
-    /// is the broker's again, and republished it would be republished twice).
-    pub live_generation: Arc<AtomicU64>,
+    /// The generation of the channel deliveries can still be settled on (0 while there is
+    /// none) and the copies whose ack is not proven handled: the generation is written here and
+    /// read by the stages that republish (a delivery of a channel that is gone is the broker's
+    /// again, and republished it would be republished twice); a link's end hands its unproven
+    /// copies to the memory of lost ones, and its acker proves the others (`copies.rs`).
+    pub copies: Arc<crate::pipeline::copies::Copies>,
 }
 
 /// The consumer actor.

@@ -792,6 +792,9 @@ impl Channel {
 
         match step {
             ConnectionStep::ProtocolHeader(resolver, mut connection) => {
+                // WARREN-PATCH: keep the server properties (Configuration::server_properties).
+                self.configuration
+                    .set_server_properties(method.server_properties.clone());
                 let configuration = connection.configuration_mut();
                 let auth_provider = configuration.auth_provider.clone();
                 let mechanism = auth_provider.mechanism();

@@ -63,6 +63,14 @@ impl Configuration {
         self.negotiated_config.heartbeat()
     }
 
+    // WARREN-PATCH: the server properties of `connection.start` (RabbitMQ's `product`,
+    // `version`, `cluster_name`, ...), which upstream reads and drops.
+    /// The server properties the broker sent in `connection.start` (empty before it).
+    #[must_use]
+    pub fn server_properties(&self) -> FieldTable {
+        self.negotiated_config.server_properties()
+    }
+
     pub(crate) fn recovery_config(&self) -> RecoveryConfig {
         RecoveryConfig(self.auto_recover)
     }
@@ -99,6 +107,8 @@ struct Inner {
     channel_max: ChannelId,
     frame_max: FrameSize,
     heartbeat: Heartbeat,
+    // WARREN-PATCH: kept from `connection.start`.
+    server_properties: FieldTable,
 }
 
 impl NegotiatedConfig {
@@ -108,6 +118,7 @@ impl NegotiatedConfig {
                 frame_max: uri.query.frame_max.unwrap_or_default(),
                 channel_max: uri.query.channel_max.unwrap_or_default(),
                 heartbeat: uri.query.heartbeat.unwrap_or_default(),
+                server_properties: FieldTable::default(),
             })),
         }
     }
@@ -135,6 +146,16 @@ impl NegotiatedConfig {
 
     pub(crate) fn set_heartbeat(&self, heartbeat: Heartbeat) {
         self.write_inner().heartbeat = heartbeat;
+    }
+
+    // WARREN-PATCH
+    pub(crate) fn server_properties(&self) -> FieldTable {
+        self.read_inner().server_properties.clone()
+    }
+
+    // WARREN-PATCH
+    pub(crate) fn set_server_properties(&self, server_properties: FieldTable) {
+        self.write_inner().server_properties = server_properties;
     }
 
     fn read_inner(&self) -> RwLockReadGuard<'_, Inner> {

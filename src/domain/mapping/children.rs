@@ -1,0 +1,1003 @@
+//! Child tables (`[[pipelines.children]]`): one row per element of an array of the message,
+//! written in the same transaction as the message's parent row, so a reader never sees a
+//! parent without its children. Here: compiling a child table's spec, decoding a message's
+//! elements (each checked as a parent column is, a refusal naming the element's path), and
+//! writing a batch's children with one statement per child table:
+//! - `keep`, every parent new (the common case): the parents' plain insert, then each child
+//!   table's plain insert of every child row, in one transaction. When a key is held or repeated,
+//!   the parents go through the probe as before (`insert.rs`); the records whose parent row this
+//!   transaction wrote (its `xmin`) insert their children, and every other record whose parent is
+//!   a copy has its children compared with what its key holds (converted by PostgreSQL in a probe
+//!   of the child table): the same rows, an idempotent success; other rows, `id_conflict`.
+//! - `update`: the parents' upsert, then, for the keys whose row this transaction wrote (a
+//!   winning version), the stored children deleted and the winning record's inserted: two
+//!   statements per child table. An older or equal version changes nothing, children included.
+//!
+//! A database refusal of a child row (a CHECK, a foreign key, a trigger) fails the batch's
+//! transaction: nothing of it stays, and the sink's isolation finds the message at fault.
+
+use std::borrow::Cow;
+use std::collections::{BTreeMap, HashSet};
+
+use serde_json::Value;
+use serde_json::value::RawValue;
+use tokio_postgres::types::ToSql;
+
+use super::insert::{self, Array, ORD};
+use super::values::{found, lookup, pointer_segments, raw_json};
+use super::{
+    Cell, ChildRows, ChildSpec, ColType, Column, MAX_ROWS_DEFAULT, Mapping, OnConflict, Problem,
+    Row, Source, TableName, UnknownFields, ValueError, identifier, quote,
+};
+use crate::db::error::DbError;
+use crate::domain::Inserted;
+
+/// The most `max_rows` may be: a batch's statement holds every child row of every message.
+pub const MAX_ROWS_LIMIT: usize = 100_000;
+
+/// A compiled child table.
+#[derive(Debug, Clone)]
+pub(super) struct Child {
+    pub(super) table: TableName,
+    /// The pointer to the array, as written (the start of every element's path in a reason).
+    rows: String,
+    segments: Vec<String>,
+    optional: bool,
+    max_rows: usize,
+    /// The columns, in the spec's order (by name).
+    pub(super) columns: Vec<Column>,
+    /// Indices of the key columns.
+    pub(super) key: Vec<usize>,
+    /// The top-level fields of an element the paths read (`unknown_fields = "reject"`).
+    fields: HashSet<String>,
+    /// Whether a required column reads a field of the element: an element that is no object is
+    /// then refused as the wrong shape.
+    reads_object: bool,
+    statements: ChildStatements,
+}
+
+/// The statements of one child table, built once (see the module's doc).
+#[derive(Debug, Clone)]
+struct ChildStatements {
+    /// The child rows (`$1..$n`, one array per column).
+    insert: String,
+    /// `update`: the stored children of the keys (`$1..$k`, the parent key's arrays) whose
+    /// parent row this transaction wrote, deleted.
+    delete: String,
+    /// `update`: the child rows (`$1..$n`, then `$n+1` each row's record ordinal) of each key's
+    /// winning record (`$n+2..`: the parent key's arrays, then the versions), when this
+    /// transaction wrote its parent row.
+    insert_won: String,
+    /// `delete` for the keys of the parents' probe (`pg_temp.warren_probe`).
+    delete_probe: String,
+    /// `insert_won` with the winners read from the parents' probe (`$1..$n`, `$n+1`).
+    insert_won_probe: String,
+    /// Makes the child probe: the mapped columns of the child table, as it types them, and the
+    /// record's ordinal (inside the parents' probe transaction).
+    probe_table: String,
+    /// The child rows into the child probe (`$1..$n`, `$n+1`).
+    probe_fill: String,
+    /// Of the records `$1` (ordinals in the parents' probe), those whose key holds other child
+    /// rows than the child probe holds for them (compared with the columns' own equality).
+    probe_differs: String,
+}
+
+/// The name of the n-th child table's probe.
+fn probe_name(n: usize) -> String {
+    format!("warren_probe_c{n}")
+}
+
+impl Child {
+    /// Checks and compiles `spec`, the `n`-th child table of the pipeline whose parent table,
+    /// columns, key and version column are given.
+    pub(super) fn compile(
+        n: usize,
+        spec: &ChildSpec,
+        parent_table: &TableName,
+        parent: &[Column],
+        parent_key: &[usize],
+        version: Option<usize>,
+    ) -> Result<Self, String> {
+        let table = TableName::parse(&spec.table).map_err(|e| e.to_string())?;
+        let segments = pointer_segments(&spec.rows).map_err(|e| format!("rows: {e}"))?;
+        if segments.is_empty() {
+            return Err(
+                "rows: expected a JSON Pointer to an array inside the body (\"/items\"), not \
+                 \"\" (the whole body)"
+                    .into(),
+            );
+        }
+        let max_rows = spec.max_rows.unwrap_or(MAX_ROWS_DEFAULT);
+        if !(1..=MAX_ROWS_LIMIT).contains(&max_rows) {
+            return Err(format!(
+                "max_rows: expected 1 to {MAX_ROWS_LIMIT}, found {max_rows}"
+            ));
+        }
+        if spec.columns.is_empty() {
+            return Err("columns: at least one column is needed".into());
+        }
+        let mut columns = Vec::with_capacity(spec.columns.len());
+        let mut fields = HashSet::new();
+        for (name, c) in &spec.columns {
+            let at = |p: String| format!("columns.{name}: {p}");
+            identifier(name).map_err(|e| at(e.to_string()))?;
+            let given = [
+                c.path.is_some(),
+                c.header.is_some(),
+                c.parent.is_some(),
+                c.index,
+            ];
+            if given.iter().filter(|g| **g).count() != 1 {
+                return Err(at(
+                    "give one of path (a JSON Pointer into the element, \"\" for the whole \
+                     element), header, parent (a column of the parent row) or index = true"
+                        .into(),
+                ));
+            }
+            let checks = c.optional
+                || c.min.is_some()
+                || c.max.is_some()
+                || c.min_len.is_some()
+                || c.max_len.is_some()
+                || c.format.is_some();
+            let column = if let Some(p) = &c.parent {
+                let i = parent.iter().position(|pc| &pc.name == p).ok_or_else(|| {
+                    at(format!("parent {p:?} is not among the pipeline's columns"))
+                })?;
+                if checks || c.ty.is_some_and(|t| t != parent[i].ty) {
+                    return Err(at(format!(
+                        "a parent column takes the parent row's value as it is: no checks, no \
+                         optional, and its type is the parent's ({})",
+                        parent[i].ty
+                    )));
+                }
+                Column {
+                    name: name.clone(),
+                    source: Source::Parent(i),
+                    ty: parent[i].ty,
+                    optional: parent[i].optional,
+                    min: None,
+                    max: None,
+                    min_len: None,
+                    max_len: None,
+                    format: None,
+                }
+            } else if c.index {
+                let ty = c.ty.unwrap_or(ColType::Int4);
+                if checks || !matches!(ty, ColType::Int4 | ColType::Int8) {
+                    return Err(at(
+                        "an index column is the element's position from 1: type int4 (the \
+                         default) or int8, no checks"
+                            .into(),
+                    ));
+                }
+                Column {
+                    name: name.clone(),
+                    source: Source::Index,
+                    ty,
+                    optional: false,
+                    min: None,
+                    max: None,
+                    min_len: None,
+                    max_len: None,
+                    format: None,
+                }
+            } else {
+                let ty = c.ty.ok_or_else(|| {
+                    at("type: a path or header column needs a type (text, uuid, int4, ...)".into())
+                })?;
+                let source = match (&c.path, &c.header) {
+                    (Some(pointer), _) => {
+                        let segments = pointer_segments(pointer).map_err(|e| at(e.to_string()))?;
+                        if let Some(first) = segments.first() {
+                            fields.insert(first.clone());
+                        }
+                        Source::Path {
+                            pointer: pointer.clone(),
+                            segments,
+                        }
+                    }
+                    (None, Some(header)) => {
+                        if header.is_empty() || header.len() > 255 {
+                            return Err(at("header: expected a name of 1 to 255 bytes".into()));
+                        }
+                        Source::Header(header.clone())
+                    }
+                    (None, None) => unreachable_source(),
+                };
+                for (key, bound) in [("min", c.min), ("max", c.max)] {
+                    if bound.is_some_and(|b| !b.is_finite()) {
+                        return Err(at(format!(
+                            "{key}: expected a finite number (nan or inf would turn the check off)"
+                        )));
+                    }
+                }
+                if (c.min.is_some() || c.max.is_some()) && !ty.is_number() {
+                    return Err(at(format!(
+                        "min and max are for numbers (int4, int8, float8, numeric), not {ty}"
+                    )));
+                }
+                if let (Some(lo), Some(hi)) = (c.min, c.max)
+                    && lo > hi
+                {
+                    return Err(at(format!("min {lo} is above max {hi}")));
+                }
+                if (c.min_len.is_some() || c.max_len.is_some() || c.format.is_some())
+                    && ty != ColType::Text
+                {
+                    return Err(at(format!(
+                        "min_len, max_len and format are for text, not {ty}"
+                    )));
+                }
+                if let (Some(lo), Some(hi)) = (c.min_len, c.max_len)
+                    && lo > hi
+                {
+                    return Err(at(format!("min_len {lo} is above max_len {hi}")));
+                }
+                Column {
+                    name: name.clone(),
+                    source,
+                    ty,
+                    optional: c.optional,
+                    min: c.min,
+                    max: c.max,
+                    min_len: c.min_len,
+                    max_len: c.max_len,
+                    format: c.format,
+                }
+            };
+            columns.push(column);
+        }
+        if spec.key.is_empty() {
+            return Err("key: name the columns of a primary key or unique index".into());
+        }
+        let mut key = Vec::with_capacity(spec.key.len());
+        for k in &spec.key {
+            let i = columns
+                .iter()
+                .position(|c| &c.name == k)
+                .ok_or_else(|| format!("key: column {k:?} is not among the columns"))?;
+            if key.contains(&i) {
+                return Err(format!("key: column {k:?} named twice"));
+            }
+            key.push(i);
+        }
+        // Per column of the parent's key, the child column carrying it: how a parent's stored
+        // children are found.
+        let mut link = Vec::with_capacity(parent_key.len());
+        for &pk in parent_key {
+            let i = columns
+                .iter()
+                .position(|c| c.source == Source::Parent(pk))
+                .ok_or_else(|| {
+                    format!(
+                        "columns: no column carries the parent's key column {name} (expected \
+                         one such as {name} = {{ parent = \"{name}\" }}: a message's stored \
+                         child rows are found by it)",
+                        name = parent[pk].name
+                    )
+                })?;
+            link.push(i);
+        }
+        let reads_object = columns.iter().any(|c| match &c.source {
+            Source::Path { segments, .. } => {
+                !c.optional
+                    && segments
+                        .first()
+                        .is_some_and(|f| !f.bytes().all(|b| b.is_ascii_digit()))
+            }
+            _ => false,
+        });
+        let statements = ChildStatements::build(
+            n,
+            &table,
+            &columns,
+            &link,
+            parent_table,
+            parent,
+            parent_key,
+            version,
+        );
+        Ok(Self {
+            table,
+            rows: spec.rows.clone(),
+            segments,
+            optional: spec.optional,
+            max_rows,
+            columns,
+            key,
+            fields,
+            reads_object,
+            statements,
+        })
+    }
+
+    /// The top-level field of the body the array is in.
+    pub(super) fn first_field(&self) -> Option<&str> {
+        self.segments.first().map(String::as_str)
+    }
+
+    pub(super) fn optional(&self) -> bool {
+        self.optional
+    }
+
+    /// The pointer to the array, as written.
+    pub(super) fn rows(&self) -> &str {
+        &self.rows
+    }
+
+    pub(super) fn max_rows(&self) -> usize {
+        self.max_rows
+    }
+
+    /// The key's column names.
+    pub(super) fn key_names(&self) -> Vec<&str> {
+        self.key
+            .iter()
+            .map(|&i| self.columns[i].name.as_str())
+            .collect()
+    }
+
+    /// The rows of this child table in a message (`doc`, its JSON `text`), whose parent row's
+    /// cells are `parent`; or every reason it is refused for (an element's path first), each
+    /// with the field at fault.
+    pub(super) fn decode(
+        &self,
+        mapping: &Mapping,
+        text: &str,
+        doc: &Value,
+        parent: &[Cell],
+        headers: Option<&lapin::types::FieldTable>,
+    ) -> Result<ChildRows, Vec<(String, Problem)>> {
+        let at = &self.rows;
+        let whole = |reason: String| {
+            let problem = Problem::Column {
+                column: self.table.to_string(),
+                error: ValueError::Unfit(reason.clone()),
+            };
+            vec![(reason, problem)]
+        };
+        let items = match lookup(doc, &self.segments) {
+            None | Some(Value::Null) if self.optional => return Ok(Vec::new()),
+            None => {
+                return Err(whole(format!(
+                    "{at}: missing (an array is required: the rows of {})",
+                    self.table
+                )));
+            }
+            Some(Value::Null) => {
+                return Err(whole(format!(
+                    "{at}: null (an array is required: the rows of {})",
+                    self.table
+                )));
+            }
+            Some(Value::Array(items)) => items,
+            Some(other) => {
+                return Err(whole(format!(
+                    "{at}: expected an array (the rows of {}), found {}",
+                    self.table,
+                    found(other)
+                )));
+            }
+        };
+        if items.len() > self.max_rows {
+            return Err(whole(format!(
+                "{at}: holds {} elements, more than the {} rows of {} one message may give \
+                 (max_rows)",
+                items.len(),
+                self.max_rows,
+                self.table
+            )));
+        }
+        // Each element's JSON as written: a number's digits (numeric, -0) and a jsonb value are
+        // read from it, as a parent column's are from the body. One parse of the array.
+        let raw = raw_json(text, &self.segments);
+        let raws: Vec<&RawValue> = raw
+            .as_deref()
+            .and_then(|r| serde_json::from_str(r).ok())
+            .unwrap_or_default();
+        let mut rows = Vec::with_capacity(items.len());
+        let mut problems = Vec::new();
+        for (i, element) in items.iter().enumerate() {
+            let here = format!("{at}/{i}");
+            if self.reads_object && !element.is_object() {
+                problems.extend(whole(format!(
+                    "{here}: expected a JSON object (the columns of {} read its fields), found {}",
+                    self.table,
+                    found(element)
+                )));
+                continue;
+            }
+            if mapping.unknown_fields == UnknownFields::Reject
+                && let Value::Object(map) = element
+            {
+                let mut unknown: Vec<&String> =
+                    map.keys().filter(|k| !self.fields.contains(*k)).collect();
+                if !unknown.is_empty() {
+                    unknown.sort();
+                    let list: Vec<String> = unknown
+                        .iter()
+                        .map(|k| format!("{here}/{}", escape(k)))
+                        .collect();
+                    problems.push((
+                        format!(
+                            "unknown field{} {} (unknown_fields = \"reject\")",
+                            if list.len() == 1 { "" } else { "s" },
+                            list.join(", ")
+                        ),
+                        Problem::Unknown(list.join(", ")),
+                    ));
+                    continue;
+                }
+            }
+            let element_text: Cow<str> = match raws.get(i) {
+                Some(r) => Cow::Borrowed(r.get()),
+                None => Cow::Owned(element.to_string()),
+            };
+            let mut cells = Vec::with_capacity(self.columns.len());
+            let mut found_here: Vec<(&Column, String, Problem)> = Vec::new();
+            for c in &self.columns {
+                let cell = match &c.source {
+                    Source::Parent(p) => Ok(parent.get(*p).cloned().unwrap_or(Cell::Null)),
+                    Source::Index => Ok(match c.ty {
+                        ColType::Int8 => Cell::Int8(i as i64 + 1),
+                        _ => Cell::Int4(i as i32 + 1),
+                    }),
+                    _ => mapping.cell(c, &element_text, element, headers),
+                };
+                match cell {
+                    Ok(cell) => cells.push(cell),
+                    Err(error) => {
+                        let reason = match &c.source {
+                            Source::Path { pointer, .. } => reason_at(&error, &here, pointer),
+                            _ => c.reason(&error),
+                        };
+                        found_here.push((
+                            c,
+                            reason,
+                            Problem::Column {
+                                column: format!("{}.{}", self.table, c.name),
+                                error,
+                            },
+                        ));
+                    }
+                }
+            }
+            if found_here.len() > 1 {
+                // In the order the element gives its fields, as a parent's are.
+                let order = super::values::body_fields(&element_text);
+                found_here.sort_by_key(|(c, _, _)| match &c.source {
+                    Source::Path { segments, .. } => segments
+                        .first()
+                        .and_then(|f| order.iter().position(|o| o == f))
+                        .unwrap_or(usize::MAX),
+                    _ => usize::MAX,
+                });
+            }
+            problems.extend(found_here.into_iter().map(|(_, r, p)| (r, p)));
+            rows.push(cells);
+        }
+        if problems.is_empty() {
+            Ok(rows)
+        } else {
+            Err(problems)
+        }
+    }
+}
+
+/// A child column's source is one of path, header, parent or index (checked before).
+fn unreachable_source() -> Source {
+    Source::Index
+}
+
+/// A field name as a JSON Pointer segment (`~` as `~0`, `/` as `~1`).
+fn escape(field: &str) -> String {
+    field.replace('~', "~0").replace('/', "~1")
+}
+
+/// The reason for an element's value, named by its path from the body's root (`/items/1/qty`):
+/// a declared check's refusal as a parent column's, the field then the rule (`items/1/qty must
+/// be at least 1, found 0`); anything else by the path, then what was expected and found.
+fn reason_at(error: &ValueError, element: &str, pointer: &str) -> String {
+    let path = format!("{element}{pointer}");
+    match error {
+        ValueError::Check(check) => format!("{} {check}", &path[1..]),
+        other => format!("{path}: {other}"),
+    }
+}
+
+/// No child table is the parent's or another child's.
+pub(super) fn distinct_tables(parent: &TableName, children: &[Child]) -> Result<(), String> {
+    let mut seen = vec![parent.sql()];
+    for c in children {
+        let name = c.table.sql();
+        if seen.contains(&name) {
+            return Err(format!(
+                "children: table {} is written twice by this pipeline (expected each child \
+                 table once, none the pipeline's own table)",
+                c.table
+            ));
+        }
+        seen.push(name);
+    }
+    Ok(())
+}
+
+/// `a = b AND ...` of `left.<columns[i]>` and `right.<names[j]>`, pairwise.
+fn joined(left: &str, l: &[String], right: &str, r: &[String]) -> String {
+    l.iter()
+        .zip(r)
+        .map(|(a, b)| format!("{left}.{a} = {right}.{b}"))
+        .collect::<Vec<_>>()
+        .join(" AND ")
+}
+
+/// The transaction's own id, to tell the parent rows this transaction wrote (their `xmin`).
+const OURS: &str = "pg_current_xact_id()::xid";
+
+impl ChildStatements {
+    #[allow(clippy::too_many_arguments)]
+    fn build(
+        n: usize,
+        table: &TableName,
+        columns: &[Column],
+        link: &[usize],
+        parent_table: &TableName,
+        parent: &[Column],
+        parent_key: &[usize],
+        version: Option<usize>,
+    ) -> Self {
+        let ct = table.sql();
+        let t = parent_table.sql();
+        let names: Vec<String> = columns.iter().map(|c| quote(&c.name)).collect();
+        let list = names.join(", ");
+        let v_list: Vec<String> = names.iter().map(|c| format!("v.{c}")).collect();
+        let v_list = v_list.join(", ");
+        let c_params: Vec<String> = columns
+            .iter()
+            .enumerate()
+            .map(|(i, c)| insert::param(c.ty, i + 1, None))
+            .collect();
+        let count = columns.len();
+        let ord_param = format!("${}::int8[]", count + 1);
+        let pk: Vec<String> = parent_key.iter().map(|&i| quote(&parent[i].name)).collect();
+        let lk: Vec<String> = link.iter().map(|&i| names[i].clone()).collect();
+        let pks = pk.join(", ");
+        let probe = probe_name(n);
+        let insert = format!(
+            "INSERT INTO {ct} ({list}) SELECT * FROM UNNEST({}) AS v({list})",
+            c_params.join(", ")
+        );
+        let pk_params = |from: usize| -> Vec<String> {
+            parent_key
+                .iter()
+                .enumerate()
+                .map(|(j, &i)| insert::param(parent[i].ty, from + j, None))
+                .collect()
+        };
+        let delete = format!(
+            "DELETE FROM {ct} AS c USING {t} AS s, UNNEST({}) AS w({pks}) \
+             WHERE {} AND s.xmin = {OURS} AND {}",
+            pk_params(1).join(", "),
+            joined("s", &pk, "w", &pk),
+            joined("c", &lk, "s", &pk),
+        );
+        let (insert_won, insert_won_probe) = match version {
+            Some(ver) => {
+                let first = count + 2;
+                let ver_param = insert::param(parent[ver].ty, first + pk.len(), None);
+                let vn = quote(&parent[ver].name);
+                let won = format!(
+                    "INSERT INTO {ct} ({list}) SELECT {v_list} \
+                     FROM UNNEST({c}, {ord_param}) AS v({list}, {ORD}) \
+                     WHERE v.{ORD} IN (SELECT w.{ORD} FROM (\
+                       SELECT DISTINCT ON ({pks}) {pks}, {ORD} \
+                       FROM UNNEST({kp}, {ver_param}) WITH ORDINALITY AS w({pks}, {vn}, {ORD}) \
+                       ORDER BY {pks}, {vn} DESC, {ORD}) AS w \
+                     JOIN {t} AS s ON {on} WHERE s.xmin = {OURS})",
+                    c = c_params.join(", "),
+                    kp = pk_params(first).join(", "),
+                    on = joined("s", &pk, "w", &pk),
+                );
+                let p_pks: Vec<String> = pk.iter().map(|k| format!("p.{k}")).collect();
+                let won_probe = format!(
+                    "INSERT INTO {ct} ({list}) SELECT {v_list} \
+                     FROM UNNEST({c}, {ord_param}) AS v({list}, {ORD}) \
+                     WHERE v.{ORD} IN (SELECT w.{ORD} FROM (\
+                       SELECT DISTINCT ON ({pp}) {pp}, p.{ORD} FROM pg_temp.warren_probe AS p \
+                       ORDER BY {pp}, p.{vn} DESC, p.{ORD}) AS w \
+                     JOIN {t} AS s ON {on} WHERE s.xmin = {OURS})",
+                    c = c_params.join(", "),
+                    pp = p_pks.join(", "),
+                    on = joined("s", &pk, "w", &pk),
+                );
+                (won, won_probe)
+            }
+            None => (String::new(), String::new()),
+        };
+        let delete_probe = format!(
+            "DELETE FROM {ct} AS c USING {t} AS s, pg_temp.warren_probe AS w \
+             WHERE {} AND s.xmin = {OURS} AND {}",
+            joined("s", &pk, "w", &pk),
+            joined("c", &lk, "s", &pk),
+        );
+        let probe_table = format!(
+            "{path} CREATE TEMPORARY TABLE {probe} ON COMMIT DROP AS \
+             SELECT {list}, 0::int8 AS {ORD} FROM {ct} WITH NO DATA",
+            path = insert::types_on_path(table),
+        );
+        let probe_fill = format!(
+            "INSERT INTO pg_temp.{probe} ({list}, {ORD}) SELECT * FROM UNNEST({}, {ord_param})",
+            c_params.join(", ")
+        );
+        let same: Vec<String> = columns
+            .iter()
+            .zip(&names)
+            .map(|(c, n)| match c.ty {
+                ColType::Jsonb => format!("s.{n}::jsonb IS NOT DISTINCT FROM m.{n}::jsonb"),
+                _ => format!("s.{n} IS NOT DISTINCT FROM m.{n}"),
+            })
+            .collect();
+        let of_parent = joined("s", &lk, "p", &pk);
+        let probe_differs = format!(
+            "SELECT p.{ORD} FROM pg_temp.warren_probe AS p WHERE p.{ORD} = ANY($1) AND (\
+               (SELECT count(*) FROM {ct} AS s WHERE {of_parent}) <> \
+               (SELECT count(*) FROM pg_temp.{probe} AS m WHERE m.{ORD} = p.{ORD}) \
+               OR EXISTS (SELECT 1 FROM pg_temp.{probe} AS m WHERE m.{ORD} = p.{ORD} \
+                 AND NOT EXISTS (SELECT 1 FROM {ct} AS s WHERE {of_parent} AND {same})))",
+            same = same.join(" AND "),
+        );
+        Self {
+            insert,
+            delete,
+            insert_won,
+            delete_probe,
+            insert_won_probe,
+            probe_table,
+            probe_fill,
+            probe_differs,
+        }
+    }
+}
+
+/// The parameter arrays of the child rows of `records` (ordinal from 1, record) for child
+/// table `n`, one per column, and each row's record ordinal.
+fn child_arrays<'a>(
+    child: &Child,
+    n: usize,
+    records: impl Iterator<Item = (i64, &'a Row)>,
+) -> (Vec<Array>, Vec<i64>) {
+    let mut arrays: Vec<Array> = child.columns.iter().map(|c| Array::new(c.ty, 0)).collect();
+    let mut ords = Vec::new();
+    for (ord, r) in records {
+        for row in r.1.get(n).into_iter().flatten() {
+            for (array, cell) in arrays.iter_mut().zip(row) {
+                array.push(cell);
+            }
+            ords.push(ord);
+        }
+    }
+    (arrays, ords)
+}
+
+/// `statement` run with `arrays`, then `more`, as its parameters, prepared once per connection.
+async fn run(
+    client: &deadpool_postgres::Client,
+    statement: &str,
+    arrays: &[Array],
+    more: &[&(dyn ToSql + Sync)],
+) -> Result<u64, DbError> {
+    let mut params: Vec<&(dyn ToSql + Sync)> = arrays.iter().map(Array::as_param).collect();
+    params.extend_from_slice(more);
+    let prepared = client
+        .prepare_cached(statement)
+        .await
+        .map_err(DbError::from_pg)?;
+    client
+        .execute(&prepared, &params)
+        .await
+        .map_err(DbError::from_pg)
+}
+
+/// As [`run`], prepared for this one run: a statement that reads a probe, a temporary table
+/// made again by each transaction, is never kept prepared.
+async fn run_once(
+    client: &deadpool_postgres::Client,
+    statement: &str,
+    arrays: &[Array],
+    more: &[&(dyn ToSql + Sync)],
+) -> Result<u64, DbError> {
+    let mut params: Vec<&(dyn ToSql + Sync)> = arrays.iter().map(Array::as_param).collect();
+    params.extend_from_slice(more);
+    client
+        .execute(statement, &params)
+        .await
+        .map_err(DbError::from_pg)
+}
+
+/// Ends the transaction `work` ran in: committed when it succeeded with `Some`, else rolled
+/// back. A transaction that cannot be ended is the connection's failure.
+async fn end<T>(
+    client: &deadpool_postgres::Client,
+    result: Result<Option<T>, DbError>,
+) -> Result<Option<T>, DbError> {
+    let end = if matches!(result, Ok(Some(_))) {
+        "COMMIT"
+    } else {
+        "ROLLBACK"
+    };
+    match client.batch_execute(end).await {
+        Ok(()) => result,
+        Err(e) => result.and(Err(DbError::from_pg(e))),
+    }
+}
+
+/// Inserts `records` of a mapping with child tables: each message's parent row and child rows
+/// in one transaction, one statement per table (see the module's doc).
+pub(super) async fn insert(
+    mapping: &Mapping,
+    client: &deadpool_postgres::Client,
+    records: &[&Row],
+) -> Result<Inserted, DbError> {
+    let st = insert::statements(mapping, client).await?;
+    let arrays = insert::arrays(mapping, records);
+    let params: Vec<&(dyn ToSql + Sync)> = arrays.iter().map(Array::as_param).collect();
+    if records.is_empty() {
+        // The breaker's probe: each statement runs, writing nothing (a missing table or
+        // privilege answers as it would for a batch).
+        let prepared = client
+            .prepare_cached(&st.insert)
+            .await
+            .map_err(DbError::from_pg)?;
+        client
+            .query(&prepared, &params)
+            .await
+            .map_err(DbError::from_pg)?;
+        for (n, child) in mapping.children.iter().enumerate() {
+            let (arrays, _) = child_arrays(child, n, std::iter::empty());
+            run(client, &child.statements.insert, &arrays, &[]).await?;
+        }
+        return Ok(Inserted::default());
+    }
+    let all = || records.iter().enumerate().map(|(i, r)| (i as i64 + 1, *r));
+    match mapping.on_conflict {
+        OnConflict::Keep => {
+            // Every parent new (the common case): the parents, then every child row.
+            client
+                .batch_execute("BEGIN")
+                .await
+                .map_err(DbError::from_pg)?;
+            let fast = async {
+                let Some(sql) = &st.insert_new else {
+                    return Ok(None);
+                };
+                match crate::domain::insert_if_all_new(client, sql, &params).await? {
+                    Some(rows) if rows == records.len() as u64 => {
+                        for (n, child) in mapping.children.iter().enumerate() {
+                            let (arrays, _) = child_arrays(child, n, all());
+                            run(client, &child.statements.insert, &arrays, &[]).await?;
+                        }
+                        Ok(Some(rows))
+                    }
+                    // A key held or repeated, or a row a trigger discarded: through the probe.
+                    _ => Ok(None),
+                }
+            }
+            .await;
+            if let Some(rows) = end(client, fast).await? {
+                return Ok(Inserted {
+                    rows,
+                    ..Default::default()
+                });
+            }
+            let Some(keep) = &st.probe_keep else {
+                return Err(DbError::Migration(
+                    "keep without its probe statement".into(),
+                ));
+            };
+            insert::in_probe(&st.probe_table, client, true, async {
+                let mut done =
+                    insert::keep_in_probe(mapping, st, client, records, &params, keep).await?;
+                keep_children(mapping, client, records, &mut done).await?;
+                Ok(done)
+            })
+            .await
+        }
+        OnConflict::Update => {
+            client
+                .batch_execute("BEGIN")
+                .await
+                .map_err(DbError::from_pg)?;
+            let key_arrays: Vec<&(dyn ToSql + Sync)> =
+                mapping.key.iter().map(|&i| params[i]).collect();
+            let version = mapping.version.map(|v| params[v]);
+            let upsert = async {
+                let prepared = client
+                    .prepare_cached(&st.insert)
+                    .await
+                    .map_err(DbError::from_pg)?;
+                let written = match client.query(&prepared, &params).await {
+                    Ok(rows) => rows.len(),
+                    // Two records of one key under the column's type: through the probe.
+                    Err(e)
+                        if e.code()
+                            == Some(&tokio_postgres::error::SqlState::CARDINALITY_VIOLATION)
+                            && st.probe_upsert.is_some() =>
+                    {
+                        return Ok(None);
+                    }
+                    Err(e) => return Err(DbError::from_pg(e)),
+                };
+                for (n, child) in mapping.children.iter().enumerate() {
+                    run(client, &child.statements.delete, &[], &key_arrays).await?;
+                    let (arrays, ords) = child_arrays(child, n, all());
+                    let mut more: Vec<&(dyn ToSql + Sync)> = vec![&ords];
+                    more.extend(key_arrays.iter().copied());
+                    more.extend(version);
+                    run(client, &child.statements.insert_won, &arrays, &more).await?;
+                }
+                Ok(Some(written))
+            }
+            .await;
+            let written = match end(client, upsert).await? {
+                Some(written) => written,
+                None => {
+                    let Some(upsert) = &st.probe_upsert else {
+                        return Err(DbError::Migration(
+                            "update without its probe statement".into(),
+                        ));
+                    };
+                    insert::in_probe(&st.probe_table, client, true, async {
+                        let written = client
+                            .execute(upsert.as_str(), &params)
+                            .await
+                            .map_err(DbError::from_pg)?
+                            as usize;
+                        for (n, child) in mapping.children.iter().enumerate() {
+                            run_once(client, &child.statements.delete_probe, &[], &[]).await?;
+                            let (arrays, ords) = child_arrays(child, n, all());
+                            run_once(
+                                client,
+                                &child.statements.insert_won_probe,
+                                &arrays,
+                                &[&ords],
+                            )
+                            .await?;
+                        }
+                        Ok(written)
+                    })
+                    .await?
+                }
+            };
+            Ok(Inserted {
+                rows: written as u64,
+                unchanged: (records.len() - written) as u64,
+                ..Default::default()
+            })
+        }
+    }
+}
+
+/// `keep`, some key held or repeated, inside the parents' probe transaction after their insert
+/// (`done`: what it found): the records whose parent row this transaction wrote insert their
+/// children (of several records of one key, the first delivered, the one written); every
+/// other record whose parent is a copy has its children compared with what its key holds,
+/// and other rows make it `id_conflict`.
+async fn keep_children(
+    mapping: &Mapping,
+    client: &deadpool_postgres::Client,
+    records: &[&Row],
+    done: &mut Inserted,
+) -> Result<(), DbError> {
+    let t = mapping.table.sql();
+    let pk: Vec<String> = mapping
+        .key
+        .iter()
+        .map(|&i| quote(&mapping.columns[i].name))
+        .collect();
+    let sql = format!(
+        "SELECT p.{ORD}, s.ctid::text FROM pg_temp.warren_probe AS p JOIN {t} AS s ON {} \
+         WHERE s.xmin = {OURS}",
+        joined("s", &pk, "p", &pk)
+    );
+    let out: HashSet<usize> = done
+        .conflicts
+        .iter()
+        .chain(&done.refused)
+        .map(|(i, _)| *i)
+        .collect();
+    // Per parent row written here, the first record (by ordinal) that is not refused.
+    let mut written: BTreeMap<String, usize> = BTreeMap::new();
+    for row in client.query(&sql, &[]).await.map_err(DbError::from_pg)? {
+        let i = (row.get::<_, i64>(0) - 1) as usize;
+        if out.contains(&i) {
+            continue;
+        }
+        let at: String = row.get(1);
+        let first = written.entry(at).or_insert(i);
+        *first = (*first).min(i);
+    }
+    let owners: HashSet<usize> = written.into_values().collect();
+    for (n, child) in mapping.children.iter().enumerate() {
+        let (arrays, _) = child_arrays(
+            child,
+            n,
+            records
+                .iter()
+                .enumerate()
+                .filter(|(i, _)| owners.contains(i))
+                .map(|(i, r)| (i as i64 + 1, *r)),
+        );
+        run(client, &child.statements.insert, &arrays, &[]).await?;
+    }
+    let copies: Vec<usize> = (0..records.len())
+        .filter(|i| !out.contains(i) && !owners.contains(i))
+        .collect();
+    if copies.is_empty() {
+        return Ok(());
+    }
+    for (i, table) in differing_children(mapping, client, records, &copies).await? {
+        done.conflicts.push((
+            i,
+            format!(
+                "{} is already stored with other rows of {table}",
+                insert::key_text(mapping, records[i])
+            ),
+        ));
+    }
+    Ok(())
+}
+
+/// Of `which` (indices into `records`, each in the parents' probe as ordinal index + 1), those
+/// whose key holds other child rows than the record has, with the first child table that
+/// differs; asked inside the parents' probe transaction, of the child rows converted by
+/// PostgreSQL into each child table's types.
+async fn differing_children(
+    mapping: &Mapping,
+    client: &deadpool_postgres::Client,
+    records: &[&Row],
+    which: &[usize],
+) -> Result<Vec<(usize, String)>, DbError> {
+    let mut differ: Vec<(usize, String)> = Vec::new();
+    let ords: Vec<i64> = which.iter().map(|&i| i as i64 + 1).collect();
+    for (n, child) in mapping.children.iter().enumerate() {
+        client
+            .batch_execute(&child.statements.probe_table)
+            .await
+            .map_err(DbError::from_pg)?;
+        let (arrays, row_ords) =
+            child_arrays(child, n, which.iter().map(|&i| (i as i64 + 1, records[i])));
+        let mut params: Vec<&(dyn ToSql + Sync)> = arrays.iter().map(Array::as_param).collect();
+        params.push(&row_ords);
+        client
+            .execute(child.statements.probe_fill.as_str(), &params)
+            .await
+            .map_err(DbError::from_pg)?;
+        for row in client
+            .query(child.statements.probe_differs.as_str(), &[&ords])
+            .await
+            .map_err(DbError::from_pg)?
+        {
+            let i = (row.get::<_, i64>(0) - 1) as usize;
+            if !differ.iter().any(|(d, _)| *d == i) {
+                differ.push((i, child.table.to_string()));
+            }
+        }
+    }
+    Ok(differ)
+}
+
+/// Whether the record at ordinal 1 of the parents' probe, whose parent row its key holds as it
+/// is, also has exactly its child rows stored (asked inside the probe's transaction).
+pub(super) async fn same_children(
+    mapping: &Mapping,
+    client: &deadpool_postgres::Client,
+    record: &Row,
+) -> Result<bool, DbError> {
+    Ok(differing_children(mapping, client, &[record], &[0])
+        .await?
+        .is_empty())
+}
+
+#[cfg(test)]
+mod tests;

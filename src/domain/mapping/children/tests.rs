@@ -1,0 +1,233 @@
+//! A child table's spec and a message's elements: what compiles, and every way an element,
+//! or the array, is refused, named by its path.
+
+use super::super::{Cell, Mapping, MappingSpec};
+use crate::domain::Domain;
+
+fn spec(extra: &str, child_extra: &str) -> MappingSpec {
+    toml::from_str(&format!(
+        r#"
+        table = "shop.orders"
+        key = ["order_id"]
+        {extra}
+        [columns]
+        order_id = {{ path = "/order_id", type = "uuid" }}
+        total    = {{ path = "/total", type = "numeric", min = 0 }}
+        version  = {{ path = "/version", type = "int8" }}
+
+        [[children]]
+        table = "shop.order_items"
+        rows = "/items"
+        key = ["order_id", "line"]
+        {child_extra}
+        [children.columns]
+        order_id = {{ parent = "order_id" }}
+        line     = {{ index = true }}
+        sku      = {{ path = "/sku", type = "text", min_len = 1 }}
+        qty      = {{ path = "/qty", type = "int4", min = 1 }}
+        price    = {{ path = "/price", type = "numeric", optional = true }}
+        "#
+    ))
+    .expect("spec")
+}
+
+fn mapping(extra: &str, child_extra: &str) -> Mapping {
+    Mapping::compile("orders", &spec(extra, child_extra)).expect("compiles")
+}
+
+const ID: &str = "6f1c3c1e-8a4e-4f55-9a53-2d5e0b7f1a01";
+
+fn order(items: &str) -> Vec<u8> {
+    format!(r#"{{"order_id":"{ID}","total":"12.50","version":1,"items":{items}}}"#).into_bytes()
+}
+
+#[test]
+fn each_element_is_a_row_with_the_parents_key_and_its_position() {
+    let m = mapping("", "");
+    let row = m
+        .decode(&order(
+            r#"[{"sku":"A-1","qty":2,"price":1.10},{"sku":"B-2","qty":1}]"#,
+        ))
+        .expect("valid");
+    let id: uuid::Uuid = ID.parse().unwrap();
+    assert_eq!(row.1.len(), 1, "one child table");
+    // Columns by name: line, order_id, price, qty, sku.
+    assert_eq!(
+        row.1[0],
+        vec![
+            vec![
+                Cell::Int4(1),
+                Cell::Uuid(id),
+                Cell::Numeric("1.10".into()),
+                Cell::Int4(2),
+                Cell::Text("A-1".into()),
+            ],
+            vec![
+                Cell::Int4(2),
+                Cell::Uuid(id),
+                Cell::Null,
+                Cell::Int4(1),
+                Cell::Text("B-2".into()),
+            ],
+        ]
+    );
+    let empty = m.decode(&order("[]")).expect("no items is valid");
+    assert_eq!(empty.1, vec![Vec::<Vec<Cell>>::new()]);
+}
+
+#[test]
+fn an_element_failing_a_check_refuses_the_message_naming_its_path() {
+    let m = mapping("", "");
+    let r = m
+        .decode(&order(r#"[{"sku":"A","qty":1},{"sku":"B","qty":0}]"#))
+        .unwrap_err();
+    assert_eq!(r.kind.as_str(), "invalid_payload");
+    assert_eq!(r.reason, "items/1/qty must be at least 1, found 0");
+    let r = m.decode(&order(r#"[{"sku":"","qty":"2"}]"#)).unwrap_err();
+    assert_eq!(
+        r.reason,
+        "items/0/sku must be at least 1 characters; \
+         /items/0/qty: expected an integer (int4), found the string \"2\"",
+        "every element's problem, each by its path"
+    );
+    let r = m.decode(&order(r#"[{"qty":1}]"#)).unwrap_err();
+    assert_eq!(r.reason, "/items/0/sku: missing (a text is required)");
+    // With a parent column at fault too: the parent's first.
+    let body =
+        format!(r#"{{"order_id":"{ID}","total":-1,"version":1,"items":[{{"sku":"A","qty":0}}]}}"#);
+    let r = m.decode(body.as_bytes()).unwrap_err();
+    assert_eq!(
+        r.reason,
+        "total must be at least 0, found -1; items/0/qty must be at least 1, found 0"
+    );
+}
+
+#[test]
+fn rows_that_are_not_an_array_or_too_many_refuse_the_message() {
+    let m = mapping("", "max_rows = 2");
+    let r = m.decode(&order(r#"{"sku":"A"}"#)).unwrap_err();
+    assert_eq!(
+        r.reason,
+        "/items: expected an array (the rows of shop.order_items), found an object"
+    );
+    let r = m
+        .decode(&order(
+            r#"[{"sku":"A","qty":1},{"sku":"B","qty":1},{"sku":"C","qty":1}]"#,
+        ))
+        .unwrap_err();
+    assert_eq!(
+        r.reason,
+        "/items: holds 3 elements, more than the 2 rows of shop.order_items one message may \
+         give (max_rows)"
+    );
+    let body = format!(r#"{{"order_id":"{ID}","total":1,"version":1}}"#);
+    let r = m.decode(body.as_bytes()).unwrap_err();
+    assert_eq!(
+        r.reason,
+        "/items: missing (an array is required: the rows of shop.order_items)"
+    );
+    let optional = mapping("", "optional = true");
+    let row = optional.decode(body.as_bytes()).expect("optional rows");
+    assert!(row.1[0].is_empty());
+    let r = m.decode(&order(r#"[{"sku":"A","qty":1},7]"#)).unwrap_err();
+    assert_eq!(
+        r.reason,
+        "/items/1: expected a JSON object (the columns of shop.order_items read its fields), \
+         found the number 7"
+    );
+}
+
+#[test]
+fn unknown_fields_of_an_element_follow_the_pipelines_policy() {
+    let m = mapping("", "");
+    let r = m
+        .decode(&order(r#"[{"sku":"A","qty":1,"colour":"red"}]"#))
+        .unwrap_err();
+    assert_eq!(
+        r.reason,
+        "unknown field /items/0/colour (unknown_fields = \"reject\")"
+    );
+    let ignore = mapping("unknown_fields = \"ignore\"", "");
+    assert!(
+        ignore
+            .decode(&order(r#"[{"sku":"A","qty":1,"colour":"red"}]"#))
+            .is_ok()
+    );
+    // The array's own field is read: not unknown at the top level.
+    assert!(m.decode(&order(r#"[{"sku":"A","qty":1}]"#)).is_ok());
+}
+
+#[test]
+fn a_child_spec_that_cannot_work_is_refused_naming_the_table_and_column() {
+    let refused = |child: &str| {
+        let text = format!(
+            r#"
+            table = "orders"
+            key = ["order_id"]
+            [columns]
+            order_id = {{ path = "/id", type = "uuid" }}
+            [[children]]
+            {child}
+            "#
+        );
+        let spec: MappingSpec = toml::from_str(&text).expect("parses");
+        Mapping::compile("orders", &spec).unwrap_err().to_string()
+    };
+    let base = |rows: &str, key: &str, cols: &str| {
+        format!("table = \"items\"\nrows = \"{rows}\"\nkey = {key}\n[children.columns]\n{cols}")
+    };
+    assert_eq!(
+        refused(&base("/items", "[\"line\"]", "line = { index = true }")),
+        "pipeline orders: children.items: columns: no column carries the parent's key column \
+         order_id (expected one such as order_id = { parent = \"order_id\" }: a message's \
+         stored child rows are found by it)"
+    );
+    assert_eq!(
+        refused(&base("", "[\"id\"]", "id = { parent = \"order_id\" }")),
+        "pipeline orders: children.items: rows: expected a JSON Pointer to an array inside the \
+         body (\"/items\"), not \"\" (the whole body)"
+    );
+    assert!(
+        refused(&base(
+            "/items",
+            "[\"id\"]",
+            "id = { parent = \"order_id\" }\nsku = { path = \"/sku\" }"
+        ))
+        .contains("columns.sku: type: a path or header column needs a type")
+    );
+    assert!(
+        refused(&base("/items", "[\"id\"]", "id = { parent = \"nope\" }"))
+            .contains("columns.id: parent \"nope\" is not among the pipeline's columns")
+    );
+    assert!(
+        refused(&base(
+            "/items",
+            "[\"id\"]",
+            "id = { parent = \"order_id\", index = true }"
+        ))
+        .contains("columns.id: give one of path")
+    );
+    assert!(
+        refused(&base(
+            "/items",
+            "[\"sku\"]",
+            "id = { parent = \"order_id\" }"
+        ))
+        .contains("key: column \"sku\" is not among the columns")
+    );
+    assert!(
+        refused(
+            &format!(
+                "{}\nmax_rows = 0",
+                base("/items", "[\"id\"]", "id = { parent = \"order_id\" }")
+            )
+            .replace(
+                "\n[children.columns]\nid = { parent = \"order_id\" }\nmax_rows = 0",
+                "\nmax_rows = 0\n[children.columns]\nid = { parent = \"order_id\" }"
+            )
+        )
+        .contains("max_rows: expected 1 to 100000, found 0")
+    );
+    let same_table = "table = \"orders\"\nrows = \"/items\"\nkey = [\"id\"]\n[children.columns]\nid = { parent = \"order_id\" }";
+    assert!(refused(same_table).contains("table orders is written twice"));
+}

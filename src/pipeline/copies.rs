@@ -1,0 +1,502 @@
+//! The copies a stage republished of deliveries whose ack the broker may not have handled: the
+//! memory that keeps a redelivery of such a message from being routed (retried, dead-lettered,
+//! sent back to the DLQ) a second time.
+//!
+//! The fallback stage acks a message once its copy is confirmed, and AMQP acks are not
+//! confirmed: when the consumer's channel dies after the copy was confirmed and before the broker
+//! handled the ack, the broker delivers the original again (redelivered), and routed again it
+//! made a second copy (found by review: 100 of 500 malformed messages twice in the DLQ under
+//! load). Per stage, [`Copies`] remembers:
+//! - the generation of the consumer's open channel (0 while there is none);
+//! - *unproven*: each delivery of the open channel whose copy is being published or was
+//!   confirmed, until a later round trip on that channel proves the broker handled its ack (the
+//!   acker's fence, `acks.rs`: the broker handles a channel's frames in order, so the answer to
+//!   a synchronous method sent after an ack comes after the ack was handled);
+//! - *lost*: what dead channels left unproven. The broker delivers those again. A redelivery
+//!   (its redelivered flag set) with the same [`Fingerprint`] as a confirmed one is acked as
+//!   already routed instead of routed again, and the entry is used up (one redelivery per copy);
+//!   the new ack is unproven in its turn, so a second lost link is covered too. A redelivery
+//!   whose copy is still being published waits for that publish's outcome. A delivery that was
+//!   never delivered before is never looked up, so an identical second message is routed as any
+//!   other.
+//!
+//! The bound: a channel's unproven acks are deliveries the broker still counts as unacked, at
+//! most its prefetch window (two while a cancelled subscription's deliveries are still held), so
+//! *lost* keeps at most twice the prefetch, oldest forgotten first (counted and logged): a
+//! forgotten copy's redelivery is routed again, a second copy as before. Entries a redelivery
+//! never uses up (the ack did land before the link died; the redelivery went to another
+//! instance, or was inserted this time) stay until pushed out. The memory is the process's own: a
+//! redelivery to another instance, or after a restart, is routed as any other.
+
+use std::collections::VecDeque;
+use std::hash::{BuildHasher, Hasher, RandomState};
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+
+use lapin::BasicProperties;
+use tokio::sync::Notify;
+use tracing::{info, warn};
+
+use super::message::Delivery;
+use crate::metrics::StageId;
+
+/// What the memory knows a message by: a keyed hash (random keys per process, so nobody can
+/// make two messages collide on purpose) of its body and every property, headers included, but
+/// the broker's redelivery count (`x-delivery-count`, which a quorum queue adds to a redelivery).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Fingerprint(u64);
+
+/// One delivery whose copy is being published or was confirmed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Entry {
+    generation: u64,
+    tag: u64,
+    fingerprint: Fingerprint,
+    /// The copy was confirmed (else its publish is under way).
+    confirmed: bool,
+}
+
+/// What the lock guards.
+#[derive(Debug, Default)]
+struct State {
+    /// The open channel's generation, 0 while there is none.
+    live: u64,
+    /// Deliveries of the open channel whose ack is not proven handled.
+    unproven: Vec<Entry>,
+    /// Deliveries of dead channels whose ack was not proven handled, oldest first.
+    lost: VecDeque<Entry>,
+}
+
+/// What the memory says of a redelivery that is about to be routed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Recall {
+    /// Its copy was confirmed before its channel died: ack it as already routed.
+    Routed,
+    /// A copy of it is still being published for a channel that died: wait for the outcome.
+    Pending,
+    /// Nothing known: route it.
+    Unknown,
+}
+
+/// One stage's memory of its copies (see the module doc). Shared by the consumer (its channel's
+/// generation, the acker's proofs) and the fallback stage (what it publishes and recalls).
+#[derive(Debug)]
+pub struct Copies {
+    /// The pipeline and stage, the labels of its log lines and metric.
+    stage: StageId,
+    /// The open channel's generation, read without the lock by the fallback stage.
+    live: AtomicU64,
+    /// Entries in `unproven`: while 0, the acker never takes the lock nor fences.
+    unproven: AtomicUsize,
+    /// Entries `lost` holds at most (twice the prefetch).
+    capacity: usize,
+    /// The fingerprints' keys, random per process.
+    keys: RandomState,
+    state: Mutex<State>,
+    /// Woken when a publish under way ends: a redelivery may wait for it.
+    outcomes: Notify,
+}
+
+impl Copies {
+    /// The memory of `stage`, whose consumer has a window of at most `prefetch`.
+    pub fn new(stage: StageId, prefetch: u16) -> Self {
+        Self {
+            stage,
+            live: AtomicU64::new(0),
+            unproven: AtomicUsize::new(0),
+            capacity: usize::from(prefetch.max(1)) * 2,
+            keys: RandomState::new(),
+            state: Mutex::new(State::default()),
+            outcomes: Notify::new(),
+        }
+    }
+
+    fn state(&self) -> std::sync::MutexGuard<'_, State> {
+        // A panic while holding the lock leaves the lists consistent (each change is one call).
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// The generation of the consumer's open channel, 0 while there is none.
+    pub fn live(&self) -> u64 {
+        self.live.load(Ordering::Acquire)
+    }
+
+    /// The consumer opened a channel of this generation.
+    pub fn link_up(&self, generation: u64) {
+        let mut state = self.state();
+        state.live = generation;
+        self.live.store(generation, Ordering::Release);
+    }
+
+    /// The consumer's channel is gone: what it left unproven is the broker's again, and comes
+    /// back redelivered.
+    pub fn link_down(&self) {
+        let (moved, forgotten) = {
+            let mut state = self.state();
+            state.live = 0;
+            self.live.store(0, Ordering::Release);
+            let unproven = std::mem::take(&mut state.unproven);
+            self.unproven.store(0, Ordering::Release);
+            let moved = unproven.len();
+            state.lost.extend(unproven);
+            let over = state.lost.len().saturating_sub(self.capacity);
+            state.lost.drain(..over);
+            (moved, over)
+        };
+        if moved > 0 {
+            info!(
+                pipeline = self.stage.pipeline(),
+                stage = self.stage.stage().as_str(),
+                count = moved,
+                "copies made of deliveries whose ack the broker may not have handled when the \
+                 link went down: their redeliveries are acked as already routed"
+            );
+        }
+        if forgotten > 0 {
+            crate::metrics::redeliveries(&self.stage, "forgotten", forgotten as u64);
+            warn!(
+                pipeline = self.stage.pipeline(),
+                stage = self.stage.stage().as_str(),
+                count = forgotten,
+                capacity = self.capacity,
+                "more copies with unproven acks than twice the prefetch: the oldest are \
+                 forgotten, and their redeliveries are routed again"
+            );
+        }
+    }
+
+    /// The fingerprint of `d`'s body and properties.
+    pub fn fingerprint(&self, d: &Delivery) -> Fingerprint {
+        let mut h = self.keys.build_hasher();
+        h.write(&d.body);
+        hash_properties(&mut h, &d.properties);
+        Fingerprint(h.finish())
+    }
+
+    /// Whether any copy of a dead channel is remembered (a redelivery needs looking up).
+    pub fn any_lost(&self) -> bool {
+        !self.state().lost.is_empty()
+    }
+
+    /// Copies of these deliveries (generation, tag, fingerprint) are about to be published:
+    /// answers, for each, whether it may be (false: its channel is gone, the broker has it
+    /// again; the delivery must not be routed).
+    pub fn publishing(&self, items: &[(u64, u64, Fingerprint)]) -> Vec<bool> {
+        let mut state = self.state();
+        let live = state.live;
+        let answers = items
+            .iter()
+            .map(|&(generation, tag, fingerprint)| {
+                let ok = generation == live && live != 0;
+                if ok {
+                    state.unproven.push(Entry {
+                        generation,
+                        tag,
+                        fingerprint,
+                        confirmed: false,
+                    });
+                }
+                ok
+            })
+            .collect();
+        self.unproven.store(state.unproven.len(), Ordering::Release);
+        answers
+    }
+
+    /// The publishes of copies of these deliveries (generation, tag, confirmed) ended: a
+    /// confirmed one is remembered until its ack is proven, any other is forgotten (its original
+    /// is given back or parked, which is idempotent).
+    pub fn published(&self, outcomes: &[(u64, u64, bool)]) {
+        {
+            let mut state = self.state();
+            for &(generation, tag, confirmed) in outcomes {
+                let at = |e: &Entry| e.generation == generation && e.tag == tag;
+                if let Some(i) = state.unproven.iter().position(at) {
+                    if confirmed {
+                        state.unproven[i].confirmed = true;
+                    } else {
+                        state.unproven.swap_remove(i);
+                    }
+                } else if let Some(i) = state.lost.iter().position(at) {
+                    if confirmed {
+                        state.lost[i].confirmed = true;
+                    } else {
+                        state.lost.remove(i);
+                    }
+                }
+            }
+            self.unproven.store(state.unproven.len(), Ordering::Release);
+        }
+        self.outcomes.notify_waiters();
+    }
+
+    /// What is known of `d`, a redelivery about to be routed, whose fingerprint is
+    /// `fingerprint`. On [`Recall::Routed`] the remembered copy is used up, and `d`'s own ack is
+    /// unproven from now on (acked on its channel, which may die in its turn).
+    pub fn recall(&self, d: &Delivery, fingerprint: Fingerprint) -> Recall {
+        let mut state = self.state();
+        if !d.redelivered || d.generation != state.live || state.live == 0 {
+            return Recall::Unknown;
+        }
+        let same = |e: &Entry| e.fingerprint == fingerprint;
+        if let Some(i) = state.lost.iter().position(|e| same(e) && e.confirmed) {
+            state.lost.remove(i);
+            state.unproven.push(Entry {
+                generation: d.generation,
+                tag: d.tag,
+                fingerprint,
+                confirmed: true,
+            });
+            self.unproven.store(state.unproven.len(), Ordering::Release);
+            Recall::Routed
+        } else if state.lost.iter().any(same) {
+            Recall::Pending
+        } else {
+            Recall::Unknown
+        }
+    }
+
+    /// Wakes when a publish under way ends. Take it before [`Copies::recall`] answers
+    /// [`Recall::Pending`], so an outcome in between is not missed.
+    pub fn outcome(&self) -> tokio::sync::futures::Notified<'_> {
+        self.outcomes.notified()
+    }
+
+    /// Whether the acker of channel `generation` should fence: it has copies whose ack it sent
+    /// (every tag up to `upto` is acked, and the tags of `ones`) and that are not proven yet.
+    pub fn provable(&self, generation: u64, upto: u64, ones: &[u64]) -> bool {
+        if self.unproven.load(Ordering::Acquire) == 0 {
+            return false;
+        }
+        let state = self.state();
+        state
+            .unproven
+            .iter()
+            .any(|e| covered(e, generation, upto, ones))
+    }
+
+    /// The broker handled every ack the acker of channel `generation` sent so far (a fence was
+    /// answered): those copies are forgotten, also when their link died since (the proof came
+    /// first).
+    pub fn prove(&self, generation: u64, upto: u64, ones: &[u64]) {
+        let mut state = self.state();
+        state
+            .unproven
+            .retain(|e| !covered(e, generation, upto, ones));
+        state.lost.retain(|e| !covered(e, generation, upto, ones));
+        self.unproven.store(state.unproven.len(), Ordering::Release);
+    }
+
+    /// Whether no copy waits for a proof (the acker forgets the tags it acked alone).
+    pub fn none_unproven(&self) -> bool {
+        self.unproven.load(Ordering::Acquire) == 0
+    }
+}
+
+/// Whether the acker of channel `generation`, having acked every tag up to `upto` and the tags
+/// of `ones`, sent the ack of `e` (a confirmed copy's: its settlement came after the confirm).
+fn covered(e: &Entry, generation: u64, upto: u64, ones: &[u64]) -> bool {
+    e.generation == generation && e.confirmed && (e.tag <= upto || ones.contains(&e.tag))
+}
+
+/// Feeds every property of `p` to `h`, the headers in their (sorted) order without
+/// `x-delivery-count`; each field as its `Debug` form (`None`, `Some(..)`), so an absent one
+/// never reads as another.
+fn hash_properties(h: &mut impl Hasher, p: &BasicProperties) {
+    use std::fmt::Write;
+    let mut w = HashWriter(h);
+    let _ = write!(
+        w,
+        "{:?}{:?}{:?}{:?}{:?}{:?}{:?}{:?}{:?}{:?}{:?}{:?}{:?}",
+        p.content_type(),
+        p.content_encoding(),
+        p.delivery_mode(),
+        p.priority(),
+        p.correlation_id(),
+        p.reply_to(),
+        p.expiration(),
+        p.message_id(),
+        p.timestamp(),
+        p.kind(),
+        p.user_id(),
+        p.app_id(),
+        p.cluster_id(),
+    );
+    // No table and an empty one are the same: a quorum queue gives a message without headers a
+    // table of one, `x-delivery-count`, when it delivers it again.
+    let _ = w.write_str("headers:");
+    for (key, value) in p.headers().iter().flat_map(|h| h.inner()) {
+        if key.as_str() != "x-delivery-count" {
+            let _ = write!(w, "{:?}={:?};", key.as_str(), value);
+        }
+    }
+}
+
+/// Formats straight into a hasher (no string per message).
+struct HashWriter<'a, H: Hasher>(&'a mut H);
+
+impl<H: Hasher> std::fmt::Write for HashWriter<'_, H> {
+    fn write_str(&mut self, s: &str) -> std::fmt::Result {
+        self.0.write(s.as_bytes());
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::metrics::Stage;
+    use lapin::types::{AMQPValue, FieldTable, ShortString};
+    use std::time::Instant;
+
+    fn copies() -> Copies {
+        Copies::new(StageId::new("users", Stage::Main), 2)
+    }
+
+    fn delivery(generation: u64, tag: u64, redelivered: bool, body: &str) -> Delivery {
+        Delivery {
+            generation,
+            tag,
+            redelivered,
+            body: body.as_bytes().to_vec().into(),
+            properties: BasicProperties::default().with_message_id(ShortString::from("m-1")),
+            held_bytes: 0,
+            received_at: Instant::now(),
+        }
+    }
+
+    fn with_header(mut d: Delivery, key: &str, value: AMQPValue) -> Delivery {
+        let mut headers = d.properties.headers().clone().unwrap_or_default();
+        headers.insert(key.into(), value);
+        d.properties = d.properties.with_headers(headers);
+        d
+    }
+
+    /// Publishes and confirms a copy of `d` on its (live) channel.
+    fn confirmed(c: &Copies, d: &Delivery) {
+        let f = c.fingerprint(d);
+        assert_eq!(c.publishing(&[(d.generation, d.tag, f)]), [true]);
+        c.published(&[(d.generation, d.tag, true)]);
+    }
+
+    #[test]
+    fn a_fingerprint_tells_messages_apart_by_body_and_every_property() {
+        let c = copies();
+        let a = delivery(1, 1, false, "body");
+        let fa = c.fingerprint(&a);
+        // Another delivery of the same message (tag, generation, flag) is the same.
+        assert_eq!(fa, c.fingerprint(&delivery(2, 9, true, "body")));
+        assert_ne!(fa, c.fingerprint(&delivery(1, 1, false, "bodz")));
+        let mut b = delivery(1, 1, false, "body");
+        b.properties = b.properties.with_message_id(ShortString::from("m-2"));
+        assert_ne!(fa, c.fingerprint(&b));
+        let tenant = with_header(
+            delivery(1, 1, false, "body"),
+            "tenant",
+            AMQPValue::LongString("a".into()),
+        );
+        assert_ne!(fa, c.fingerprint(&tenant));
+        // The broker's count of deliveries (a quorum queue's redelivery) does not count, nor the
+        // table it then adds to a message that had none.
+        let mut empty = delivery(1, 1, false, "body");
+        empty.properties = empty.properties.with_headers(FieldTable::default());
+        assert_eq!(fa, c.fingerprint(&empty));
+        let counted = with_header(
+            delivery(1, 1, true, "body"),
+            "x-delivery-count",
+            AMQPValue::LongLongInt(1),
+        );
+        assert_eq!(fa, c.fingerprint(&counted));
+    }
+
+    #[test]
+    fn a_redelivery_of_a_copy_lost_with_its_link_is_recalled_once() {
+        let c = copies();
+        c.link_up(1);
+        let first = delivery(1, 7, false, "bad");
+        confirmed(&c, &first);
+        c.link_down();
+        c.link_up(2);
+        let again = delivery(2, 3, true, "bad");
+        let f = c.fingerprint(&again);
+        assert_eq!(c.recall(&again, f), Recall::Routed);
+        // Used up: a third delivery of the same content is routed.
+        assert_eq!(c.recall(&delivery(2, 4, true, "bad"), f), Recall::Unknown);
+        // The recalled one's ack is unproven in its turn: lost again with link 2, recalled again.
+        assert!(c.provable(2, 3, &[]));
+        c.link_down();
+        c.link_up(3);
+        assert_eq!(c.recall(&delivery(3, 1, true, "bad"), f), Recall::Routed);
+    }
+
+    #[test]
+    fn a_first_delivery_or_another_message_is_never_recalled() {
+        let c = copies();
+        c.link_up(1);
+        confirmed(&c, &delivery(1, 1, false, "bad"));
+        c.link_down();
+        c.link_up(2);
+        // The same content never delivered before: a second message, routed.
+        let twin = delivery(2, 1, false, "bad");
+        assert_eq!(c.recall(&twin, c.fingerprint(&twin)), Recall::Unknown);
+        let other = delivery(2, 2, true, "worse");
+        assert_eq!(c.recall(&other, c.fingerprint(&other)), Recall::Unknown);
+        // A delivery of a channel that is gone is the broker's again: never recalled.
+        let stale = delivery(1, 5, true, "bad");
+        assert_eq!(c.recall(&stale, c.fingerprint(&stale)), Recall::Unknown);
+        let again = delivery(2, 3, true, "bad");
+        assert_eq!(c.recall(&again, c.fingerprint(&again)), Recall::Routed);
+    }
+
+    #[test]
+    fn a_proven_ack_forgets_its_copy() {
+        let c = copies();
+        c.link_up(1);
+        for tag in [1, 2, 5] {
+            confirmed(&c, &delivery(1, tag, false, &format!("bad {tag}")));
+        }
+        // Acked up to 2, and 5 alone: nothing of another channel.
+        assert!(!c.provable(9, 10, &[]));
+        assert!(c.provable(1, 2, &[]));
+        c.prove(1, 2, &[]);
+        assert!(!c.provable(1, 2, &[]));
+        c.prove(1, 2, &[5]);
+        assert!(c.none_unproven());
+        c.link_down();
+        c.link_up(2);
+        let again = delivery(2, 1, true, "bad 1");
+        assert_eq!(c.recall(&again, c.fingerprint(&again)), Recall::Unknown);
+    }
+
+    #[test]
+    fn a_copy_not_confirmed_is_forgotten_and_a_pending_one_is_waited_for() {
+        let c = copies();
+        c.link_up(1);
+        let d = delivery(1, 1, false, "bad");
+        let f = c.fingerprint(&d);
+        assert_eq!(c.publishing(&[(1, 1, f)]), [true]);
+        c.link_down();
+        // A channel that is gone takes no new copies.
+        assert_eq!(c.publishing(&[(1, 2, f)]), [false]);
+        c.link_up(2);
+        let again = delivery(2, 1, true, "bad");
+        assert_eq!(c.recall(&again, f), Recall::Pending);
+        c.published(&[(1, 1, false)]);
+        assert_eq!(c.recall(&again, f), Recall::Unknown);
+    }
+
+    #[test]
+    fn past_twice_the_prefetch_the_oldest_copies_are_forgotten() {
+        let c = copies(); // prefetch 2: 4 kept
+        c.link_up(1);
+        for tag in 1..=5 {
+            confirmed(&c, &delivery(1, tag, false, &format!("bad {tag}")));
+        }
+        c.link_down();
+        c.link_up(2);
+        let oldest = delivery(2, 1, true, "bad 1");
+        assert_eq!(c.recall(&oldest, c.fingerprint(&oldest)), Recall::Unknown);
+        let newest = delivery(2, 2, true, "bad 5");
+        assert_eq!(c.recall(&newest, c.fingerprint(&newest)), Recall::Routed);
+    }
+}

@@ -1,0 +1,631 @@
+//! Child tables (`[[pipelines.children]]`) against the real database and broker: an order and
+//! its items written in one transaction, one statement per table; a redelivery with the same
+//! items an idempotent success, other items `id_conflict`; a newer version with fewer items
+//! deletes the old extra rows, several versions in one batch end as the highest with its
+//! items; a child row the database refuses fails the whole message and only it, in the middle
+//! of a batch; declare names a child table that does not fit.
+
+mod common;
+
+use std::time::Duration;
+
+use common::*;
+use lapin::BasicProperties;
+use uuid::Uuid;
+use warren::domain::mapping::{Mapping, MappingSpec, Row, schema};
+use warren::domain::{Domain, Inserted};
+
+/// `orders` and `order_items` (a foreign key to its order, a CHECK on qty) in the env's schema.
+async fn tables(env: &TestEnv) {
+    env.db
+        .batch_execute(
+            "CREATE TABLE orders (
+                order_id uuid PRIMARY KEY,
+                total numeric NOT NULL,
+                version int8 NOT NULL
+            );
+            CREATE TABLE order_items (
+                order_id uuid NOT NULL REFERENCES orders ON DELETE CASCADE,
+                line int4 NOT NULL,
+                sku text NOT NULL,
+                qty int4 NOT NULL CHECK (qty < 100),
+                PRIMARY KEY (order_id, line)
+            )",
+        )
+        .await
+        .expect("create the tables");
+}
+
+const COLUMNS: &str = r#"
+[columns]
+order_id = { path = "/order_id", type = "uuid" }
+total    = { path = "/total", type = "numeric", min = 0 }
+version  = { path = "/version", type = "int8" }
+
+[[children]]
+table = "order_items"
+rows = "/items"
+key = ["order_id", "line"]
+
+[children.columns]
+order_id = { parent = "order_id" }
+line     = { index = true }
+sku      = { path = "/sku", type = "text", min_len = 1 }
+qty      = { path = "/qty", type = "int4", min = 1 }
+"#;
+
+fn mapping(conflict: &str) -> Mapping {
+    let spec: MappingSpec = toml::from_str(&format!(
+        "table = \"orders\"\nkey = [\"order_id\"]\n{conflict}\n{COLUMNS}"
+    ))
+    .expect("spec");
+    Mapping::compile("orders", &spec).expect("compiles")
+}
+
+fn keep() -> Mapping {
+    mapping("on_conflict = \"keep\"")
+}
+
+fn update() -> Mapping {
+    mapping("on_conflict = \"update\"\nversion_column = \"version\"")
+}
+
+/// An order with `items` as (sku, qty).
+fn order(id: Uuid, version: i64, items: &[(&str, i64)]) -> Vec<u8> {
+    let items: Vec<String> = items
+        .iter()
+        .map(|(sku, qty)| format!(r#"{{"sku":"{sku}","qty":{qty}}}"#))
+        .collect();
+    format!(
+        r#"{{"order_id":"{id}","total":"12.50","version":{version},"items":[{}]}}"#,
+        items.join(",")
+    )
+    .into_bytes()
+}
+
+async fn pool(env: &TestEnv) -> deadpool_postgres::Pool {
+    warren::db::pool_for(&env.settings().database(), 2, "warren-children-test").expect("pool")
+}
+
+async fn insert(
+    m: &Mapping,
+    pool: &deadpool_postgres::Pool,
+    bodies: &[Vec<u8>],
+) -> Result<Inserted, warren::db::DbError> {
+    let rows: Vec<Row> = bodies
+        .iter()
+        .map(|b| m.decode(b).expect("a valid body"))
+        .collect();
+    let refs: Vec<&Row> = rows.iter().collect();
+    let client = pool.get().await.expect("client");
+    m.insert(&client, &refs).await
+}
+
+/// The stored items of `id`, (line, sku, qty) by line.
+async fn items(env: &TestEnv, id: Uuid) -> Vec<(i32, String, i32)> {
+    env.db
+        .query(
+            "SELECT line, sku, qty FROM order_items WHERE order_id = $1 ORDER BY line",
+            &[&id],
+        )
+        .await
+        .expect("items")
+        .iter()
+        .map(|r| (r.get(0), r.get(1), r.get(2)))
+        .collect()
+}
+
+fn owned(items: &[(i32, &str, i32)]) -> Vec<(i32, String, i32)> {
+    items
+        .iter()
+        .map(|(l, s, q)| (*l, s.to_string(), *q))
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn keep_writes_items_once_a_copy_is_done_other_items_conflict() {
+    let env = TestEnv::new("ch_keep").await;
+    tables(&env).await;
+    let m = keep();
+    let pool = pool(&env).await;
+    let (a, b, c) = (Uuid::new_v4(), Uuid::new_v4(), Uuid::new_v4());
+    let done = insert(
+        &m,
+        &pool,
+        &[
+            order(a, 1, &[("A-1", 2), ("A-2", 1)]),
+            order(b, 1, &[("B-1", 5)]),
+            order(c, 1, &[]),
+        ],
+    )
+    .await
+    .expect("insert");
+    assert_eq!((done.rows, done.conflicts.len()), (3, 0));
+    assert_eq!(items(&env, a).await, owned(&[(1, "A-1", 2), (2, "A-2", 1)]));
+    assert_eq!(items(&env, b).await, owned(&[(1, "B-1", 5)]));
+
+    // Redeliveries (same items, and the order without any), a new order, the same key with
+    // other items, and a new key twice in one batch with the same items: the copies are done,
+    // the other items are id_conflict, nothing is written twice.
+    let d = Uuid::new_v4();
+    let again = insert(
+        &m,
+        &pool,
+        &[
+            order(a, 1, &[("A-1", 2), ("A-2", 1)]),
+            order(c, 1, &[]),
+            order(b, 1, &[("B-1", 5), ("B-2", 1)]),
+            order(d, 1, &[("D-1", 1)]),
+            order(d, 1, &[("D-1", 1)]),
+            order(a, 1, &[("A-1", 3), ("A-2", 1)]),
+        ],
+    )
+    .await
+    .expect("insert");
+    assert_eq!(again.rows, 1, "{again:?}");
+    let mut conflicts: Vec<(usize, String)> = again.conflicts.clone();
+    conflicts.sort();
+    assert_eq!(
+        conflicts,
+        vec![
+            (
+                2,
+                format!("order_id {b} is already stored with other rows of order_items")
+            ),
+            (
+                5,
+                format!("order_id {a} is already stored with other rows of order_items")
+            ),
+        ]
+    );
+    assert!(again.refused.is_empty());
+    assert_eq!(items(&env, a).await, owned(&[(1, "A-1", 2), (2, "A-2", 1)]));
+    assert_eq!(items(&env, b).await, owned(&[(1, "B-1", 5)]));
+    assert_eq!(items(&env, d).await, owned(&[(1, "D-1", 1)]));
+    assert!(items(&env, c).await.is_empty());
+
+    // `stored` (asked of a record the database refuses on its own) sees the items too.
+    let client = pool.get().await.expect("client");
+    let same = m.decode(&order(a, 1, &[("A-1", 2), ("A-2", 1)])).unwrap();
+    let fewer = m.decode(&order(a, 1, &[("A-1", 2)])).unwrap();
+    assert!(m.stored(&client, &same).await.expect("stored"));
+    assert!(!m.stored(&client, &fewer).await.expect("stored"));
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_refused_item_fails_its_whole_message_and_nothing_of_it_is_visible() {
+    let env = TestEnv::new("ch_refused").await;
+    tables(&env).await;
+    let pool = pool(&env).await;
+    for m in [keep(), update()] {
+        let bad = Uuid::new_v4();
+        // qty 100: the table's CHECK refuses the second item; the order must not stay alone.
+        let e = insert(&m, &pool, &[order(bad, 1, &[("OK", 1), ("BAD", 100)])])
+            .await
+            .expect_err("the CHECK refuses");
+        assert!(
+            e.to_string().contains("order_items_qty_check"),
+            "names the constraint: {e}"
+        );
+        assert_eq!(
+            count_of(
+                &env,
+                &format!("SELECT count(*) FROM orders WHERE order_id = '{bad}'")
+            )
+            .await,
+            0,
+            "no parent without its children ({:?})",
+            m.on_conflict()
+        );
+        assert!(items(&env, bad).await.is_empty());
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn update_replaces_the_items_with_the_winning_versions() {
+    let env = TestEnv::new("ch_update").await;
+    tables(&env).await;
+    let m = update();
+    let pool = pool(&env).await;
+    let a = Uuid::new_v4();
+    let done = insert(&m, &pool, &[order(a, 1, &[("A", 1), ("B", 2), ("C", 3)])])
+        .await
+        .expect("insert");
+    assert_eq!(done.rows, 1);
+    // A newer version with fewer items: the old extra rows go.
+    let done = insert(&m, &pool, &[order(a, 2, &[("A", 9)])])
+        .await
+        .expect("insert");
+    assert_eq!((done.rows, done.unchanged), (1, 0));
+    assert_eq!(items(&env, a).await, owned(&[(1, "A", 9)]));
+    // Older and equal versions change nothing, items included.
+    let done = insert(
+        &m,
+        &pool,
+        &[order(a, 1, &[("X", 1), ("Y", 1)]), order(a, 2, &[("Z", 1)])],
+    )
+    .await
+    .expect("insert");
+    assert_eq!((done.rows, done.unchanged), (0, 2));
+    assert_eq!(items(&env, a).await, owned(&[(1, "A", 9)]));
+    // Several versions of a key in one batch, and a new key: each ends as its highest, with
+    // its items (the highest here has none).
+    let b = Uuid::new_v4();
+    let done = insert(
+        &m,
+        &pool,
+        &[
+            order(a, 4, &[("P", 1), ("Q", 2)]),
+            order(b, 1, &[("N", 1)]),
+            order(a, 5, &[]),
+            order(a, 3, &[("R", 1)]),
+        ],
+    )
+    .await
+    .expect("insert");
+    assert_eq!((done.rows, done.unchanged), (2, 2));
+    assert!(items(&env, a).await.is_empty(), "version 5 has no items");
+    assert_eq!(items(&env, b).await, owned(&[(1, "N", 1)]));
+    let version: i64 = env
+        .db
+        .query_one("SELECT version FROM orders WHERE order_id = $1", &[&a])
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(version, 5);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_child_table_that_does_not_fit_is_named() {
+    let env = TestEnv::new("ch_schema").await;
+    env.db
+        .batch_execute(
+            "CREATE TABLE orders (order_id uuid PRIMARY KEY, total numeric NOT NULL,
+                 version int8 NOT NULL);
+             CREATE TABLE order_items (order_id uuid NOT NULL, line int4 NOT NULL,
+                 sku int4 NOT NULL, note text NOT NULL)",
+        )
+        .await
+        .expect("create the tables");
+    let (client, connection) = tokio_postgres::connect(&database_url(), tokio_postgres::NoTls)
+        .await
+        .expect("connect");
+    tokio::spawn(connection);
+    client
+        .batch_execute(&format!("SET search_path TO {}", env.schema))
+        .await
+        .unwrap();
+    let found = schema::check(&keep(), &client).await.expect("asked");
+    let at = "pipeline orders: child table order_items (rows /items)";
+    assert_eq!(
+        found,
+        vec![
+            format!("{at}: column qty does not exist (expected a column for the int4 mapping)"),
+            format!(
+                "{at}: column sku is integer; a text mapping is written to text or varchar or \
+                 bpchar or citext"
+            ),
+            format!(
+                "{at}: column note is NOT NULL without a default, and no column of the mapping \
+                 fills it (expected a mapping for it)"
+            ),
+            format!(
+                "{at}: the key (order_id, line) is not a primary key or unique index of the \
+                 table (found: none); expected one on exactly these columns, neither partial nor \
+                 DEFERRABLE (ON CONFLICT cannot use those)"
+            ),
+        ]
+    );
+}
+
+/// `warren declare` checks a child table as it checks the pipeline's: a missing column exits
+/// 2 naming the pipeline, the child table and the column.
+#[tokio::test(flavor = "multi_thread")]
+async fn declare_refuses_a_child_table_that_does_not_fit() {
+    let env = TestEnv::new("ch_declare").await;
+    let names = PipelineNames::of(&env, "orders");
+    let _cleanup = names.cleanup();
+    env.db
+        .batch_execute(
+            "CREATE TABLE orders (order_id uuid PRIMARY KEY, total numeric NOT NULL,
+                 version int8 NOT NULL);
+             CREATE TABLE order_items (order_id uuid NOT NULL, line int4 NOT NULL,
+                 sku text NOT NULL, PRIMARY KEY (order_id, line))",
+        )
+        .await
+        .expect("create the tables");
+    let dir = tempfile::tempdir().expect("temp dir");
+    let path = dir.path().join("orders.toml");
+    std::fs::write(&path, pipeline_config(&names)).expect("write the config");
+    let file = path.to_str().expect("utf-8").to_string();
+    let (code, out, err) = env.run_async(&["--config", &file, "declare"]).await;
+    assert_eq!(code, 2, "declare:\n{out}{err}");
+    assert!(
+        err.contains(
+            "pipeline orders: child table order_items (rows /items): column qty does not exist"
+        ),
+        "{err}"
+    );
+}
+
+/// The pipeline entry of [`COLUMNS`] under `names`.
+fn pipeline_config(names: &PipelineNames) -> String {
+    format!(
+        "[[pipelines]]\nname = \"orders\"\ntable = \"orders\"\nkey = [\"order_id\"]\n\
+         batch_size = 100\nretry_ttls_ms = [1000]\n{}\n{}",
+        names.toml(),
+        COLUMNS
+            .replace("[columns]", "[pipelines.columns]")
+            .replace("[[children]]", "[[pipelines.children]]")
+            .replace("[children.columns]", "[pipelines.children.columns]")
+    )
+}
+
+/// A running pipeline: one batch holds good orders and, in its middle, an order whose item the
+/// table's CHECK refuses: that order alone is parked (`db_permanent`), with neither its parent
+/// nor its other items stored; the rest of the batch commits with all its items. A redelivered
+/// copy is a success, a copy with other items `id_conflict`.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_refused_item_in_the_middle_of_a_batch_parks_only_its_message() {
+    let env = TestEnv::new("ch_pipeline").await;
+    let names = PipelineNames::of(&env, "orders");
+    let _cleanup = names.cleanup();
+    tables(&env).await;
+    let config = pipeline_config(&names);
+    let dir = tempfile::tempdir().expect("temp dir");
+    let path = dir.path().join("orders.toml");
+    std::fs::write(&path, config).expect("write the config");
+    let file = path.to_str().expect("utf-8").to_string();
+    let (code, out, err) = env.run_async(&["--config", &file, "declare"]).await;
+    assert_eq!(code, 0, "declare:\n{out}{err}");
+
+    // Queued before warren starts, so that they come as one batch.
+    let props = || BasicProperties::default().with_delivery_mode(2);
+    let good: Vec<Uuid> = (0..20).map(|_| Uuid::new_v4()).collect();
+    let bad = Uuid::new_v4();
+    for (i, id) in good.iter().enumerate() {
+        env.publish_to(
+            &names.exchange,
+            &names.queue,
+            &order(*id, 1, &[("S-1", 1), ("S-2", 2)]),
+            props(),
+        )
+        .await;
+        if i == 9 {
+            env.publish_to(
+                &names.exchange,
+                &names.queue,
+                &order(bad, 1, &[("S-1", 1), ("S-2", 100), ("S-3", 1)]),
+                props(),
+            )
+            .await;
+        }
+    }
+    let warren = env.start(&["--config", &file, "--roles", "consumer,dlq"]);
+    let _logs = LogsOnPanic(vec![warren.log.clone()]);
+    let count = |sql: String| {
+        let env = &env;
+        async move { count_of(env, &sql).await }
+    };
+    wait_until(
+        "20 orders with 40 items, the refused one parked",
+        Duration::from_secs(60),
+        || async {
+            count("SELECT count(*) FROM orders".into()).await == 20
+                && count("SELECT count(*) FROM order_items".into()).await == 40
+                && count("SELECT count(*) FROM dead_letters WHERE pipeline = 'orders'".into()).await
+                    == 1
+        },
+    )
+    .await;
+    let parked = env
+        .db
+        .query_one(
+            "SELECT error_kind, error_reason, convert_from(body, 'UTF8') FROM dead_letters \
+             WHERE pipeline = 'orders'",
+            &[],
+        )
+        .await
+        .expect("the parked row");
+    assert_eq!(parked.get::<_, String>(0), "db_permanent");
+    assert!(
+        parked.get::<_, String>(1).contains("order_items_qty_check"),
+        "{}",
+        parked.get::<_, String>(1)
+    );
+    assert!(parked.get::<_, String>(2).contains(&bad.to_string()));
+    assert_eq!(
+        count(format!(
+            "SELECT count(*) FROM orders WHERE order_id = '{bad}'"
+        ))
+        .await,
+        0
+    );
+
+    // A redelivered copy (same items) is done; other items under a stored key is id_conflict.
+    env.publish_to(
+        &names.exchange,
+        &names.queue,
+        &order(good[0], 1, &[("S-1", 1), ("S-2", 2)]),
+        props(),
+    )
+    .await;
+    env.publish_to(
+        &names.exchange,
+        &names.queue,
+        &order(good[1], 1, &[("S-1", 1)]),
+        props(),
+    )
+    .await;
+    wait_until(
+        "the other items parked",
+        Duration::from_secs(60),
+        || async {
+            count("SELECT count(*) FROM dead_letters WHERE pipeline = 'orders'".into()).await == 2
+        },
+    )
+    .await;
+    let sentinel = Uuid::new_v4();
+    env.publish_to(
+        &names.exchange,
+        &names.queue,
+        &order(sentinel, 1, &[("S", 1)]),
+        props(),
+    )
+    .await;
+    wait_until("the sentinel order", Duration::from_secs(30), || async {
+        count(format!(
+            "SELECT count(*) FROM orders WHERE order_id = '{sentinel}'"
+        ))
+        .await
+            == 1
+    })
+    .await;
+    wait_queues_settled(
+        &[&names.queue, &names.retry, &names.dlq],
+        Duration::from_secs(30),
+    )
+    .await;
+    let kinds: Vec<String> = env
+        .db
+        .query(
+            "SELECT error_kind FROM dead_letters WHERE pipeline = 'orders' ORDER BY seq",
+            &[],
+        )
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    assert_eq!(kinds, ["db_permanent", "id_conflict"]);
+    assert_eq!(items(&env, good[1]).await.len(), 2, "the stored items stay");
+    assert_eq!(count("SELECT count(*) FROM order_items".into()).await, 41);
+}
+
+/// Two records of one key that only the column's type makes one (`k` and `k ` in a `char(3)`
+/// key) reach the upsert as two rows (21000): the batch goes through the probe, where the
+/// higher version still wins with its own items, the other's deleted.
+#[tokio::test(flavor = "multi_thread")]
+async fn update_through_the_probe_keeps_the_highest_versions_items() {
+    let env = TestEnv::new("ch_probe").await;
+    env.db
+        .batch_execute(
+            "CREATE TABLE tags (k char(3) PRIMARY KEY, version int8 NOT NULL);
+             CREATE TABLE tag_items (k char(3) NOT NULL REFERENCES tags, line int4 NOT NULL,
+                 sku text NOT NULL, PRIMARY KEY (k, line))",
+        )
+        .await
+        .expect("create the tables");
+    let spec: MappingSpec = toml::from_str(
+        r#"
+        table = "tags"
+        key = ["k"]
+        on_conflict = "update"
+        version_column = "version"
+        [columns]
+        k       = { path = "/k", type = "text" }
+        version = { path = "/v", type = "int8" }
+        [[children]]
+        table = "tag_items"
+        rows = "/items"
+        key = ["k", "line"]
+        [children.columns]
+        k    = { parent = "k" }
+        line = { index = true }
+        sku  = { path = "/sku", type = "text" }
+        "#,
+    )
+    .expect("spec");
+    let m = Mapping::compile("tags", &spec).expect("compiles");
+    let pool = pool(&env).await;
+    let body = |k: &str, v: i64, skus: &[&str]| {
+        let items: Vec<String> = skus.iter().map(|s| format!(r#"{{"sku":"{s}"}}"#)).collect();
+        format!(r#"{{"k":"{k}","v":{v},"items":[{}]}}"#, items.join(",")).into_bytes()
+    };
+    insert(&m, &pool, &[body("k", 1, &["a", "b", "c"])])
+        .await
+        .expect("insert");
+    let done = insert(
+        &m,
+        &pool,
+        &[body("k", 2, &["d", "e"]), body("k ", 3, &["f"])],
+    )
+    .await
+    .expect("insert");
+    assert_eq!((done.rows, done.unchanged), (1, 1));
+    let stored: Vec<(i32, String)> = env
+        .db
+        .query("SELECT line, sku FROM tag_items ORDER BY line", &[])
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| (r.get(0), r.get(1)))
+        .collect();
+    assert_eq!(stored, vec![(1, "f".to_string())]);
+}
+
+/// Through the broker with `on_conflict = "update"`: a newer version with fewer items leaves
+/// only its items; a redelivered older version, and a copy of the newest, change nothing and
+/// are no failure (nothing parked).
+#[tokio::test(flavor = "multi_thread")]
+async fn a_running_update_pipeline_replaces_items_with_the_newer_versions() {
+    let env = TestEnv::new("ch_pl_update").await;
+    let names = PipelineNames::of(&env, "orders");
+    let _cleanup = names.cleanup();
+    tables(&env).await;
+    let config = pipeline_config(&names).replace(
+        "key = [\"order_id\"]\nbatch_size",
+        "key = [\"order_id\"]\non_conflict = \"update\"\nversion_column = \"version\"\nbatch_size",
+    );
+    assert!(config.contains("on_conflict = \"update\""));
+    let dir = tempfile::tempdir().expect("temp dir");
+    let path = dir.path().join("orders.toml");
+    std::fs::write(&path, config).expect("write the config");
+    let file = path.to_str().expect("utf-8").to_string();
+    let (code, out, err) = env.run_async(&["--config", &file, "declare"]).await;
+    assert_eq!(code, 0, "declare:\n{out}{err}");
+    let warren = env.start(&["--config", &file, "--roles", "consumer,dlq"]);
+    let _logs = LogsOnPanic(vec![warren.log.clone()]);
+    let props = || BasicProperties::default().with_delivery_mode(2);
+    let a = Uuid::new_v4();
+    let v1 = order(a, 1, &[("A", 1), ("B", 2), ("C", 3)]);
+    env.publish_to(&names.exchange, &names.queue, &v1, props())
+        .await;
+    wait_until(
+        "version 1 with 3 items",
+        Duration::from_secs(30),
+        || async { items(&env, a).await.len() == 3 },
+    )
+    .await;
+    let v2 = order(a, 2, &[("B", 5)]);
+    for body in [&v2, &v1, &v2] {
+        env.publish_to(&names.exchange, &names.queue, body, props())
+            .await;
+    }
+    let sentinel = Uuid::new_v4();
+    env.publish_to(
+        &names.exchange,
+        &names.queue,
+        &order(sentinel, 1, &[("S", 1)]),
+        props(),
+    )
+    .await;
+    wait_until("the sentinel order", Duration::from_secs(30), || async {
+        items(&env, sentinel).await.len() == 1
+    })
+    .await;
+    wait_queues_settled(
+        &[&names.queue, &names.retry, &names.dlq],
+        Duration::from_secs(30),
+    )
+    .await;
+    assert_eq!(items(&env, a).await, owned(&[(1, "B", 5)]));
+    assert_eq!(
+        count_of(
+            &env,
+            "SELECT count(*) FROM dead_letters WHERE pipeline = 'orders'"
+        )
+        .await,
+        0
+    );
+}
