@@ -396,7 +396,8 @@ fn describe() {
         "Messages given back to their queue (nack with requeue) after a backoff, by pipeline and \
          reason (publish_failed: a retry or dead-letter republish was not confirmed; db_unavailable: \
          the DLQ consumer found no database; copy_pending: a redelivery whose earlier copy was \
-         still being published after the wait)."
+         still being published after the wait; stopping: at once at a stop, what the database did \
+         not take for a passing reason, no retry spent)."
     );
     describe_counter!(
         REDELIVERIES,
@@ -809,7 +810,12 @@ pub fn preregister_stage(p: &StageId) {
     for kind in ErrorKind::ALL {
         counter!(DEAD_LETTERED, p.labels(&[("kind", kind.as_str())])).absolute(0);
     }
-    for reason in ["publish_failed", "db_unavailable", "copy_pending"] {
+    for reason in [
+        "publish_failed",
+        "db_unavailable",
+        "copy_pending",
+        "stopping",
+    ] {
         counter!(REQUEUED, p.labels(&[("reason", reason)])).absolute(0);
     }
     for outcome in ["already_routed", "forgotten"] {

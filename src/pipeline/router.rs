@@ -474,6 +474,42 @@ impl Fallback {
         }
     }
 
+    /// At a stop, what the database did not take for a passing reason (an outage, a timeout, a
+    /// serialization failure: `ErrorClass::Transient`) goes back to the broker unprocessed, nack
+    /// with requeue at once: its in-place retry ended only because warren stops, so no retry
+    /// (nor DLQ attempt) is spent on it and it is counted as given back, not settled. Before,
+    /// a stop during a database outage sent every batch in flight through the retry queue, each
+    /// message spending a retry, and said "4001 settled, none given back" (review F4).
+    pub fn give_back_at_stop(&self, items: &[(Delivery, Failure)], fates: &mut [Fate]) {
+        if !self.stopping.is_cancelled() {
+            return;
+        }
+        let mut given_back = 0u64;
+        for ((_, failure), fate) in items.iter().zip(fates.iter_mut()) {
+            let transient = matches!(
+                failure,
+                Failure::Db {
+                    class: ErrorClass::Transient,
+                    ..
+                }
+            );
+            if transient && !matches!(fate, Fate::Settled(_)) {
+                *fate = Fate::Settled(Disposition::Requeue);
+                given_back += 1;
+            }
+        }
+        if given_back > 0 {
+            metrics::requeued(&self.stage, "stopping", given_back);
+            info!(
+                pipeline = self.stage.pipeline(),
+                stage = self.stage.stage().as_str(),
+                count = given_back,
+                "stopping: messages the database did not take go back to their queue unprocessed \
+                 (no retry spent; the next consumer takes them)"
+            );
+        }
+    }
+
     /// Looks the redeliveries at `indices` (each a `Fate::Route`) up in the memory of copies:
     /// one whose copy was confirmed before its link died is acked as already routed; one whose
     /// copy is still being published waits for the outcome (bounded, then it goes back to its
@@ -710,6 +746,7 @@ impl Handler<Leftovers> for Router {
         let fallback = self.fallback.clone();
         Box::pin(async move {
             let mut fates: Vec<Fate> = msg.items.iter().map(|(_, f)| main_fate(f)).collect();
+            fallback.give_back_at_stop(&msg.items, &mut fates);
             fallback.route_all(&msg.items, &mut fates).await;
             fallback.park_all(&msg.items, &mut fates).await;
             fallback
