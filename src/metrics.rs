@@ -585,7 +585,7 @@ pub fn messages_routed(id: &StageId, kind: &'static str, n: u64) {
     }
 }
 
-/// The DLQ consumer parked `n` messages of `kind` in `dead_letters`.
+/// A fallback stage parked `n` messages of `kind` in `dead_letters`.
 pub fn messages_parked(kind: &'static str, n: u64) {
     counter!(PARKED, "kind" => kind).increment(n);
     STATS.parked.fetch_add(n, Ordering::Relaxed);
