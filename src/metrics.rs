@@ -685,7 +685,8 @@ pub struct Readiness {
     /// Every AMQP link of the roles (consumers, their publisher, the API's publisher) is up.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub broker: Option<bool>,
-    /// The database answered the last probe (every 5 s) or insert.
+    /// The database answered the last probe (every 2 s, on a connection of its own, within
+    /// 2 s) or insert.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub database: Option<bool>,
     /// The stages (`<pipeline>/<stage>`) whose sink-outage breaker is open; left out when none.
