@@ -17,15 +17,31 @@ cd "$(dirname "$0")/.."
 BIN=""
 NAME="localhost/warren"
 ENGINE=""
+log() { printf 'image: %s\n' "$*" >&2; }
 while [ $# -gt 0 ]; do
+  case "$1" in
+    --bin|--tag|--engine)
+      [ $# -ge 2 ] || { log "$1 needs a value (expected --bin PATH, --tag NAME, --engine podman|docker)"; exit 2; } ;;
+  esac
   case "$1" in
     --bin) BIN="$2"; shift 2 ;;
     --tag) NAME="$2"; shift 2 ;;
     --engine) ENGINE="$2"; shift 2 ;;
-    *) echo "image: unknown argument $1 (expected --bin PATH, --tag NAME, --engine podman|docker)" >&2; exit 2 ;;
+    *) log "unknown argument $1 (expected --bin PATH, --tag NAME, --engine podman|docker)"; exit 2 ;;
   esac
 done
-log() { printf 'image: %s\n' "$*" >&2; }
+# --tag names the image, the script adds the tags (:<version> and :latest): a tag or a digest
+# given with it would make "NAME:1.0:0.1.0", which the engine refuses with a message about a
+# reference format. A registry's port (registry.example:5000/warren) is part of the name.
+BASE="${NAME##*/}"
+case "$BASE" in
+  *:*|*@*) log "--tag $NAME: give the image's name without a tag or digest (here ${NAME%"$BASE"}${BASE%%[:@]*}); the script tags it :<version> and :latest itself"; exit 2 ;;
+esac
+[ -n "$NAME" ] && [ -n "${NAME##*/}" ] || { log "--tag '$NAME': expected an image name such as localhost/warren"; exit 2; }
+# What the image carries besides the binary, from this checkout.
+for f in config/default.toml LICENSE-MIT LICENSE-APACHE deploy/container/Containerfile; do
+  [ -f "$f" ] || { log "$f is missing from $(pwd): the image carries it (the licences and the commented defaults under /usr/share/doc/warren/); run this script from a complete checkout of warren"; exit 1; }
+done
 
 if [ -z "$ENGINE" ]; then
   if command -v podman >/dev/null; then ENGINE=podman

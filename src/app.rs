@@ -32,6 +32,10 @@ mod signals;
 
 pub use signals::catch as catch_operator_signals;
 
+/// How long the readiness probe waits for the database's answer (connecting included), and how
+/// long between probes: a database that hangs reads as unreachable within twice this.
+const READY_PROBE: Duration = Duration::from_secs(2);
+
 /// Installs the metrics recorder and binds the metrics listener (`METRICS_ADDR`: `/metrics`,
 /// `/healthz`, `/readyz`), before anything waits for a server: a warren waiting for its database
 /// at start is alive (`/healthz` 200) and not ready (`/readyz` 503, the database down), so a
@@ -137,12 +141,19 @@ pub async fn run(
         warn!(error = %e, "cannot tell systemd (NOTIFY_SOCKET) that warren is ready");
     }
 
-    let probe_pool = pool.clone();
-    let probe_bound = database.call_bound();
+    // The database probe behind `/readyz`: a connection of its own (a pool of one), so
+    // pipelines whose connections are all busy never delay it, and bounded by READY_PROBE, so a
+    // database that accepts and never answers reads as unreachable within seconds. Bounded by
+    // the statement timeout on the pipeline's pool, `/readyz` said 200 for 30-40 s of such a
+    // hang (review F5).
+    let probe_pool = db::pool_for(&database, 1, "warren-probe")?;
     tokio::spawn(async move {
         loop {
-            crate::events::database(db::ping(&probe_pool, probe_bound).await.is_ok());
-            tokio::time::sleep(Duration::from_secs(5)).await;
+            let answered = tokio::time::timeout(READY_PROBE, db::ping(&probe_pool, READY_PROBE))
+                .await
+                .is_ok_and(|r| r.is_ok());
+            crate::events::database(answered);
+            tokio::time::sleep(READY_PROBE).await;
         }
     });
 

@@ -403,7 +403,8 @@ fn describe() {
         "Messages given back to their queue (nack with requeue) after a backoff, by pipeline and \
          reason (publish_failed: a retry or dead-letter republish was not confirmed; db_unavailable: \
          the DLQ consumer found no database; copy_pending: a redelivery whose earlier copy was \
-         still being published after the wait)."
+         still being published after the wait; stopping: at once at a stop, what the database did \
+         not take for a passing reason, no retry spent)."
     );
     describe_counter!(
         REDELIVERIES,
@@ -698,7 +699,8 @@ pub struct Readiness {
     /// Every AMQP link of the roles (consumers, their publisher, the API's publisher) is up.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub broker: Option<bool>,
-    /// The database answered the last probe (every 5 s) or insert.
+    /// The database answered the last probe (every 2 s, on a connection of its own, within
+    /// 2 s) or insert.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub database: Option<bool>,
     /// The stages (`<pipeline>/<stage>`) whose sink-outage breaker is open; left out when none.
@@ -824,7 +826,12 @@ pub fn preregister_stage(p: &StageId) {
     for outcome in ["stale", "deleted"] {
         counter!(OUTCOMES, p.labels(&[("outcome", outcome)])).absolute(0);
     }
-    for reason in ["publish_failed", "db_unavailable", "copy_pending"] {
+    for reason in [
+        "publish_failed",
+        "db_unavailable",
+        "copy_pending",
+        "stopping",
+    ] {
         counter!(REQUEUED, p.labels(&[("reason", reason)])).absolute(0);
     }
     for outcome in ["already_routed", "forgotten"] {

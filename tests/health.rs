@@ -213,3 +213,36 @@ async fn an_open_breaker_on_a_missing_table_is_named_by_readyz_and_leaves_it_rea
     .await;
     warren.terminate_ok(Duration::from_secs(30));
 }
+
+/// Review F5: a database that accepts and never answers (the proxy lets no byte through, the
+/// connections stay open) must be named unreachable by `/readyz` within a few seconds. Before,
+/// the probe ran on the pipeline's pool bounded by the statement timeout plus 2 s, and
+/// `/readyz` answered 200, `"database": true`, for 30-40 s of such a hang. Now the probe has a
+/// connection of its own and a 2 s bound: 503 with `"database": false` within two probes.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_database_that_hangs_is_named_unreachable_by_readyz_within_seconds() {
+    let mut env = TestEnv::new("health_hang").await;
+    env.declare();
+    let db = TcpProxy::start(&database_url(), 5432).await;
+    env.set("DATABASE_URL", db.url());
+    let mut warren = env.start(&["--roles", "consumer"]);
+    let _logs = LogsOnPanic(vec![warren.log.clone()]);
+    let ready = wait_status(&env, &warren, "/readyz", 200).await;
+    assert_eq!(ready["database"], true, "{ready}");
+
+    db.freeze();
+    let hung = std::time::Instant::now();
+    let down = wait_status(&env, &warren, "/readyz", 503).await;
+    let took = hung.elapsed();
+    assert_eq!(down["database"], false, "{down}");
+    assert_eq!(down["broker"], true, "{down}");
+    assert!(
+        took < Duration::from_secs(8),
+        "/readyz named the hung database only after {took:?}"
+    );
+    assert_eq!(metrics_get(&env, "/healthz").await.map(|a| a.0), Some(200));
+    db.thaw();
+    let ready = wait_status(&env, &warren, "/readyz", 200).await;
+    assert_eq!(ready["database"], true, "{ready}");
+    warren.terminate_ok(Duration::from_secs(30));
+}

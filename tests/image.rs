@@ -195,3 +195,88 @@ async fn podman_stop_in_the_middle_of_a_backlog_gives_back_what_it_did_not_store
     assert_queue_empty(&env, &env.main_queue).await;
     assert_queue_empty(&env, &env.dlq_queue).await;
 }
+
+/// Runs `script` with `args`, from the directory it is in; (exit code, stderr).
+fn run_script(script: &std::path::Path, args: &[&str]) -> (Option<i32>, String) {
+    let out = std::process::Command::new("bash")
+        .arg(script)
+        .args(args)
+        .output()
+        .expect("run scripts/image.sh");
+    (
+        out.status.code(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+/// Review F6: `--tag` with a tag (`localhost/warren:1.0`) made "localhost/warren:1.0:0.1.0",
+/// which the engine refused in words about a reference format; the script now refuses it
+/// itself (exit 2), saying what to give. A registry's port is part of a name and is taken.
+/// Checked before anything else: no podman needed, nothing built.
+#[test]
+fn image_sh_refuses_a_tag_in_its_tag_option_and_says_what_to_give() {
+    let script = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("scripts/image.sh");
+    for (tag, name) in [
+        ("localhost/warren:1.0", "localhost/warren"),
+        ("warren:latest", "warren"),
+        (
+            "registry.example:5000/team/warren@sha256:0123",
+            "registry.example:5000/team/warren",
+        ),
+    ] {
+        // No engine and no binary: whatever the script checks, it never builds anything.
+        let (code, err) = run_script(
+            &script,
+            &["--tag", tag, "--engine", "none", "--bin", "/nonexistent"],
+        );
+        assert_eq!(code, Some(2), "--tag {tag}: {err}");
+        assert!(
+            err.contains(&format!(
+                "--tag {tag}: give the image's name without a tag or digest (here {name})"
+            )),
+            "--tag {tag}: {err}"
+        );
+    }
+    // A registry's port is no tag: refused only for the engine named next.
+    let (code, err) = run_script(
+        &script,
+        &["--tag", "registry.example:5000/warren", "--engine", "none"],
+    );
+    assert_eq!(code, Some(2), "{err}");
+    assert!(
+        err.contains("--engine: expected podman or docker, got none"),
+        "{err}"
+    );
+    let (code, err) = run_script(&script, &["--tag"]);
+    assert_eq!(code, Some(2), "{err}");
+    assert!(err.contains("--tag needs a value"), "{err}");
+}
+
+/// Review F6: without the LICENSE-* files (a partial copy of the tree) the script failed inside
+/// `install` with a bare "cannot stat"; it now says which file is missing, why the image needs
+/// it, and to run it from a complete checkout, before anything is built.
+#[test]
+fn image_sh_names_a_missing_licence_file() {
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
+    let copy = tempfile::tempdir().expect("temp dir");
+    for file in [
+        "scripts/image.sh",
+        "config/default.toml",
+        "deploy/container/Containerfile",
+        "LICENSE-APACHE",
+    ] {
+        let to = copy.path().join(file);
+        std::fs::create_dir_all(to.parent().expect("a parent")).expect("mkdir");
+        std::fs::copy(root.join(file), &to).expect("copy");
+    }
+    let (code, err) = run_script(
+        &copy.path().join("scripts/image.sh"),
+        &["--engine", "none", "--bin", "/nonexistent"],
+    );
+    assert_eq!(code, Some(1), "{err}");
+    assert!(
+        err.contains("LICENSE-MIT is missing from")
+            && err.contains("run this script from a complete checkout of warren"),
+        "{err}"
+    );
+}

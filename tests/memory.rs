@@ -104,3 +104,189 @@ async fn refused_8_mib_bodies_at_the_head_of_the_queue_stay_under_a_256_mib_limi
     assert_eq!(env.queue_state(&env.dlq_queue).await, (0, 0));
     assert_eq!(env.queue_state(&env.main_queue).await, (0, 0));
 }
+
+/// The windows the main stage of `users` subscribed with, in order (its "consuming" log lines).
+fn main_windows(warren: &Warren) -> Vec<u64> {
+    warren
+        .logs()
+        .lines()
+        .filter(|l| l.contains(" consuming pipeline=\"users\" stage=\"main\""))
+        .filter_map(|l| l.rsplit_once(" window=")?.1.split(' ').next()?.parse().ok())
+        .collect()
+}
+
+/// One refused body (8 MiB, over MAX_MESSAGE_BYTES) at the head of the queue must not shrink
+/// the window for good: the window is computed from the largest ACCEPTED delivery, so the
+/// accepted users behind it open it again to the prefetch (4,000 with the defaults: batch
+/// size x concurrency x 2, within the 4,096 the budget holds of 64 KiB bodies). Failed before
+/// the fix: the refused body counted as the largest delivery and the window stayed at
+/// 256 MiB / 8 MiB = 31 until a restart (drains 3-4 times slower; 2 after a 100 MiB body).
+#[tokio::test(flavor = "multi_thread")]
+async fn the_window_opens_again_after_a_refused_big_body() {
+    let env = TestEnv::new("memwindow").await;
+    env.declare();
+    env.publish_raw(&vec![b'x'; 8 << 20], labelled("big-0"))
+        .await;
+    let users: HashSet<Uuid> = env.publish_users(20_000).await.into_iter().collect();
+    let mut warren = env.start(&["--roles", "consumer"]);
+    let _logs = LogsOnPanic(vec![warren.log.clone()]);
+    assert_rows_exactly(&env, &users, Duration::from_secs(120), &|| warren.logs()).await;
+    let windows = main_windows(&warren);
+    warren.terminate_ok(Duration::from_secs(30));
+    let last = windows.last().copied().unwrap_or(0);
+    assert!(
+        last >= 4_000,
+        "the window after one refused 8 MiB body: {last} (windows in order: {windows:?}); \
+         the accepted users behind it should have opened it to the prefetch"
+    );
+    // The big body went its way once: parked by the main stage that refused it.
+    assert_eq!(
+        count_of(
+            &env,
+            "SELECT count(*) FROM dead_letters WHERE message_id = 'big-0'"
+        )
+        .await,
+        1
+    );
+    assert_eq!(env.queue_state(&env.dlq_queue).await, (0, 0));
+    assert_eq!(env.queue_state(&env.main_queue).await, (0, 0));
+}
+
+/// Polls until `done` holds, failing at once when the process's peak passes `bound` (the OOM
+/// kill a container limit would have made), not after a long wait.
+async fn drain_within<F, Fut>(what: &str, pid: i32, bound: u64, timeout: Duration, done: F)
+where
+    F: Fn() -> Fut,
+    Fut: std::future::Future<Output = bool>,
+{
+    wait_until(what, timeout, || async {
+        let peak = peak_rss(pid);
+        assert!(
+            peak < bound,
+            "peak RSS {} MiB while draining ({what}): over the bound of {} MiB",
+            peak >> 20,
+            bound >> 20
+        );
+        done().await
+    })
+    .await;
+}
+
+/// F1 of the issue-38 review: refused bodies of the largest accepted size (64 KiB of junk, not
+/// JSON) held the DLQ stage at 4-5 times its byte budget: with MAX_INFLIGHT_BYTES = 64 MiB the
+/// peak was 373-458 MiB against the ~159 MiB of the documented bound (R + A_main + A_dlq + 6
+/// MiB), because their copies were not counted: the router's republished frames (a whole batch
+/// at once, per batch in flight) and the park statement's parameters and their encoding (twice
+/// the batch's bodies, per park in flight). Now the router republishes and the parking streams
+/// at most a few MiB at a time per stage, and the peak stays near the bound: every junk body
+/// parked once, every user behind them stored.
+#[tokio::test(flavor = "multi_thread")]
+async fn junk_bodies_of_the_largest_accepted_size_stay_within_the_byte_budgets() {
+    const JUNK: usize = 1_600;
+    let mut env = TestEnv::new("memjunk").await;
+    env.set("MAX_INFLIGHT_BYTES", (64u64 << 20).to_string());
+    env.declare();
+    // Made one at a time as they are published (never all 100 MiB in the test at once).
+    env.publish_pipelined((0..JUNK).map(|i| {
+        let mut body = format!("junk {i} ").into_bytes();
+        body.resize(64 << 10, b'j');
+        (body, labelled(&format!("junk-{i}")))
+    }))
+    .await;
+    let users: HashSet<Uuid> = env.publish_users(500).await.into_iter().collect();
+    let mut warren = env.start(&["--roles", "consumer,dlq"]);
+    let _logs = LogsOnPanic(vec![warren.log.clone()]);
+    let pid = warren.pid();
+    // The documented bound with 64 MiB budgets and a debug build's R (about 40 MiB, release
+    // 25): 40 + 64 + 64 + 6 = 174 MiB, and the copies now bounded (4 MiB republished and 1 MiB
+    // streamed per stage at a time, the allocator's rounding).
+    let bound = 200 << 20;
+    let parked = || async {
+        count_of(
+            &env,
+            "SELECT count(DISTINCT message_id) FROM dead_letters WHERE message_id LIKE 'junk-%'",
+        )
+        .await
+    };
+    drain_within(
+        "every junk body parked and every user stored",
+        pid,
+        bound,
+        Duration::from_secs(240),
+        || async { parked().await >= JUNK as i64 && env.count_rows().await >= 500 },
+    )
+    .await;
+    assert_rows_exactly(&env, &users, Duration::from_secs(10), &|| warren.logs()).await;
+    eprintln!(
+        "peak RSS with {JUNK} junk bodies of 64 KiB, 64 MiB budgets: {} MiB",
+        peak_rss(pid) >> 20
+    );
+    warren.terminate_ok(Duration::from_secs(30));
+    assert_eq!(
+        count_of(
+            &env,
+            "SELECT count(*) FROM dead_letters WHERE message_id LIKE 'junk-%'"
+        )
+        .await,
+        JUNK as i64
+    );
+    assert_eq!(env.queue_state(&env.dlq_queue).await, (0, 0));
+    assert_eq!(env.queue_state(&env.main_queue).await, (0, 0));
+}
+
+/// F3 of the issue-38 review: a 100 MiB body (RabbitMQ 3.10 takes up to 128 MiB) crash-looped a
+/// 256 MiB container: the main stage held it twice (the delivery, and its dead-letter copy's
+/// frames), the DLQ consumer held it again and three times more while parking it (the
+/// statement's parameter, its message in the connection's buffer), and the 500 users behind it
+/// were never stored. Now a body over MAX_MESSAGE_BYTES is parked by the stage that refused it,
+/// streamed to the database in 1 MiB pieces, never republished: held once. Every user lands,
+/// the big one is parked once, whole, and the peak stays under 200 MiB (the Deployment's limit
+/// is 256 MiB).
+#[tokio::test(flavor = "multi_thread")]
+async fn a_100_mib_body_is_parked_once_under_a_256_mib_limit_and_the_users_behind_it_land() {
+    const SIZE: usize = 100 << 20;
+    let env = TestEnv::new("memhuge").await;
+    env.declare();
+    let mut body = b"{\"huge\": \"".to_vec();
+    body.resize(SIZE, b'h');
+    env.publish_raw(&body, labelled("huge-0")).await;
+    drop(body);
+    let users: HashSet<Uuid> = env.publish_users(500).await.into_iter().collect();
+    let mut warren = env.start(&["--roles", "consumer,dlq"]);
+    let _logs = LogsOnPanic(vec![warren.log.clone()]);
+    let pid = warren.pid();
+    let parked = || async {
+        count_of(
+            &env,
+            "SELECT count(*) FROM dead_letters WHERE message_id = 'huge-0'",
+        )
+        .await
+    };
+    drain_within(
+        "the huge body parked and every user stored",
+        pid,
+        BOUND,
+        Duration::from_secs(240),
+        || async { parked().await >= 1 && env.count_rows().await >= 500 },
+    )
+    .await;
+    assert_rows_exactly(&env, &users, Duration::from_secs(10), &|| warren.logs()).await;
+    let peak = peak_rss(pid);
+    eprintln!(
+        "peak RSS with one refused body of 100 MiB: {} MiB",
+        peak >> 20
+    );
+    warren.terminate_ok(Duration::from_secs(30));
+    // Once, whole: one row of 100 MiB, nothing in the DLQ or the main queue.
+    assert_eq!(parked().await, 1);
+    assert_eq!(
+        count_of(
+            &env,
+            "SELECT octet_length(body)::int8 FROM dead_letters WHERE message_id = 'huge-0'"
+        )
+        .await,
+        SIZE as i64
+    );
+    assert_eq!(env.queue_state(&env.dlq_queue).await, (0, 0));
+    assert_eq!(env.queue_state(&env.main_queue).await, (0, 0));
+}

@@ -267,3 +267,87 @@ async fn a_stop_during_a_table_outage_says_how_many_deliveries_it_gave_back() {
     )
     .await;
 }
+
+/// A SIGTERM during a database outage (the database cut through a proxy while the batches in
+/// flight wait for it, retried in place). Found by review (F4): the stop ended their in-place
+/// retry and sent every one through the retry queue, each spending a retry, and said "stopped
+/// cleanly: 3976 deliveries settled, none given back" while 4001 messages went to the retry
+/// queue. Now they go back to the broker unprocessed (nack with requeue, no retry spent): the
+/// retry queue stays empty, and the last line and the `stopped` event count them as given back.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_stop_during_a_database_outage_gives_the_batches_back_without_a_retry() {
+    const TOTAL: usize = 2_000;
+    let proxy = TcpProxy::start(&database_url(), 5432).await;
+    let mut env = TestEnv::new("term_pgcut").await;
+    env.set("DATABASE_URL", proxy.url());
+    env.declare();
+    let mut warren = env.start(&["--roles", "consumer"]);
+    let _logs = LogsOnPanic(vec![warren.log.clone()]);
+    warren
+        .wait_for_log("the consumer subscribed", " consuming pipeline=")
+        .await;
+    proxy.cut();
+    let ids = env.publish_users(TOTAL).await;
+    // The batches in flight wait in place for the database.
+    wait_until(
+        "a batch retried in place",
+        Duration::from_secs(60),
+        || async { warren.logs().contains("retrying the batch in place") },
+    )
+    .await;
+    let unacked = queue_counts(&env.main_queue).await.1;
+    assert!(
+        unacked > 0,
+        "nothing held at the signal; log:\n{}",
+        warren.logs()
+    );
+
+    let status = warren.terminate(Duration::from_secs(40));
+    let logs = warren.logs();
+    eprintln!("SIGTERM with {unacked} deliveries held during a database outage");
+    assert_eq!(status.code(), Some(0), "log:\n{logs}");
+    // None went through the retry queue: no retry spent on a message nobody tried to insert.
+    let (retrying, _) = queue_counts(&env.retry_queue).await;
+    assert_eq!(
+        retrying, 0,
+        "the stop sent {retrying} messages through the retry queue; log:\n{logs}"
+    );
+    // Nothing is acked while the database is down, so what the consumer held at the signal is
+    // at least what it held at the snapshot (more may have arrived since) and at most the lot.
+    let last = logs
+        .lines()
+        .rev()
+        .find(|l| l.contains("stopped"))
+        .unwrap_or_default();
+    let given_back: u64 = last
+        .split_once("stopped: 0 deliveries settled, ")
+        .and_then(|(_, rest)| rest.split_once(" given back to the broker unprocessed"))
+        .and_then(|(n, _)| n.parse().ok())
+        .unwrap_or_else(|| {
+            panic!(
+                "the last line does not say that the stop gave back what it held ({unacked} \
+                 unacked at the snapshot): {last}\nlog:\n{logs}"
+            )
+        });
+    assert!(
+        (unacked..=TOTAL as u64).contains(&given_back),
+        "given back {given_back}, held {unacked} at the snapshot, {TOTAL} published: {last}"
+    );
+    let events = stream_events(&env).await;
+    let stopped = events
+        .iter()
+        .rev()
+        .find(|e| e["type"] == "stopped")
+        .unwrap_or_else(|| panic!("no stopped event: {events:#?}"));
+    assert_eq!(stopped["settled"], 0, "{stopped}");
+    assert_eq!(stopped["given_back"], given_back, "{stopped}");
+    // The broker has them all again, none retried: once the database is back, each lands once.
+    wait_until(
+        "every message ready again",
+        Duration::from_secs(10),
+        || async { queue_counts(&env.main_queue).await == (TOTAL as u64, 0) },
+    )
+    .await;
+    proxy.restore();
+    assert_everything_arrives_once(&env, &ids).await;
+}

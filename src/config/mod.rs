@@ -248,7 +248,7 @@ settings! {
     /// Messages per second each pipeline takes from its queue; 0 = no limit. Changed at run
     /// time by `warren ctl rate`.
     rate_limit_per_s: u32 => Rule::Int { min: 0, max: 1_000_000 },
-    /// Largest accepted body; larger ones are dead-lettered unread.
+    /// Largest accepted body; larger ones are parked unread where they were refused.
     max_message_bytes: usize => Rule::Int { min: 1, max: 134_217_728 },
     /// Bytes of messages one pipeline holds at once (delivered, not yet settled: bodies and
     /// their properties as parsed): the prefetch window never exceeds budget /

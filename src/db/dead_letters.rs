@@ -10,7 +10,9 @@
 //! idempotent: one row per message, found by its fingerprint (message id, body and the
 //! publisher's own headers, [`fingerprint`]; computed here,
 //! so a row parked without its id keeps it), re-opened if the message comes back after a
-//! replay. Besides the park: the reads of `dlq parked list` and of the API's `GET` (a message's
+//! replay. A park streams its rows in (binary `COPY` into a temporary table, [`PIECE`] bytes at
+//! a time, then one `INSERT ... ON CONFLICT` from it), so a body of any size is never copied
+//! whole. Besides the park: the reads of `dlq parked list` and of the API's `GET` (a message's
 //! parked fate), and the locked select and the mark of `dlq parked replay`. Like every statement
 //! of warren's, they name the table unqualified: the connection's search path is
 //! `DATABASE_SCHEMA` ([`super::DbConfig::pg_config`]).
@@ -53,16 +55,31 @@ pub struct Parked {
     pub bare: usize,
 }
 
+/// The rows of one park, streamed in before they are parked (`COPY ... FROM STDIN`): dropped
+/// with the transaction that made it.
+const STAGE: &str = "BEGIN; CREATE TEMPORARY TABLE warren_park \
+     (p text, m text, b bytea, h jsonb, k text, r text, f bytea) ON COMMIT DROP";
+
+/// The stream of a park's rows into [`STAGE`]'s table, in PostgreSQL's binary copy format.
+const COPY: &str = "COPY warren_park (p, m, b, h, k, r, f) FROM STDIN (FORMAT binary)";
+
+/// The park itself, from the streamed rows, and its commit.
 const PARK: &str = "INSERT INTO dead_letters \
      (pipeline, message_id, body, headers, error_kind, error_reason, fingerprint) \
-     SELECT p, m, b, h, k, r, f \
-     FROM UNNEST($1::text[], $2::text[], $3::bytea[], $4::jsonb[], $5::text[], $6::text[], \
-                 $7::bytea[]) AS t(p, m, b, h, k, r, f) \
+     SELECT p, m, b, h, k, r, f FROM warren_park \
      ON CONFLICT (pipeline, fingerprint) DO UPDATE SET \
        replayed_at = NULL, error_kind = EXCLUDED.error_kind, \
        error_reason = EXCLUDED.error_reason, headers = EXCLUDED.headers, \
        parked_at = now(), park_count = dead_letters.park_count + 1 \
-     WHERE dead_letters.replayed_at IS NOT NULL";
+     WHERE dead_letters.replayed_at IS NOT NULL; COMMIT";
+
+/// Bytes of a park's rows sent to the server in one piece at most: beside the deliveries it
+/// parks, a park holds about twice this (the piece, and the connection's write buffer, whose
+/// capacity the connection keeps), whatever the bodies' sizes. Bound as statement parameters,
+/// a park held its rows twice more (the bind message, and the connection's buffer that kept its
+/// capacity for good): a 100 MiB body took the DLQ stage past a 256 MiB limit, and a batch of
+/// 64 KiB bodies held four to five times the byte budget (review F1, F3).
+pub const PIECE: usize = 1 << 20;
 
 /// Text PostgreSQL can store: U+0000 written as the six characters `\u0000`.
 pub fn storable(text: &str) -> std::borrow::Cow<'_, str> {
@@ -188,11 +205,13 @@ fn refused_for_data(e: &DbError) -> bool {
 /// server), or refuses even a row's bare body and reason: then nothing is lost, the caller
 /// gives the messages back to their queue.
 pub async fn park(pool: &Pool, bound: Duration, rows: &[ParkRow<'_>]) -> Result<Parked, DbError> {
-    // The same message twice in one statement would trip ON CONFLICT: park each once.
+    // The same message twice in one statement would trip ON CONFLICT: park each once. Each
+    // fingerprint is computed once (a body may be 128 MiB).
     let mut seen = HashSet::with_capacity(rows.len());
-    let unique: Vec<&ParkRow> = rows
+    let unique: Vec<(&ParkRow, Vec<u8>)> = rows
         .iter()
-        .filter(|r| seen.insert((r.pipeline, fingerprint(r.message_id, r.body, &r.headers))))
+        .map(|r| (r, fingerprint(r.message_id, r.body, &r.headers)))
+        .filter(|(r, f)| seen.insert((r.pipeline, f.clone())))
         .collect();
     match insert(pool, bound, &unique, Keep::All).await {
         Ok(()) => {
@@ -212,10 +231,10 @@ pub async fn park(pool: &Pool, bound: Duration, rows: &[ParkRow<'_>]) -> Result<
     for row in unique {
         let mut keep = Keep::All;
         loop {
-            match insert(pool, bound, &[row], keep).await {
+            match insert(pool, bound, std::slice::from_ref(&row), keep).await {
                 Ok(()) => break,
                 Err(e) if refused_for_data(&e) && keep != Keep::Bare => {
-                    tracing::error!(message_id = row.message_id.unwrap_or("-"), error = %e,
+                    tracing::error!(message_id = row.0.message_id.unwrap_or("-"), error = %e,
                         "row refused by the parking table; parking less of it");
                     keep = if keep == Keep::All {
                         Keep::NoHeaders
@@ -236,75 +255,161 @@ pub async fn park(pool: &Pool, bound: Duration, rows: &[ParkRow<'_>]) -> Result<
     })
 }
 
-/// One park statement for `rows`, keeping what `keep` says of each.
-async fn insert(
-    pool: &Pool,
-    bound: Duration,
-    rows: &[&ParkRow<'_>],
+/// A row's columns as parked, keeping what `keep` says: (message id, headers, reason).
+fn kept<'a>(
+    row: &'a ParkRow<'_>,
     keep: Keep,
-) -> Result<(), DbError> {
-    let pipelines: Vec<&str> = rows.iter().map(|r| r.pipeline).collect();
-    let mut ids: Vec<Option<String>> = Vec::with_capacity(rows.len());
-    let mut bodies: Vec<&[u8]> = Vec::with_capacity(rows.len());
-    let mut headers: Vec<Value> = Vec::with_capacity(rows.len());
-    let mut kinds: Vec<String> = Vec::with_capacity(rows.len());
-    let mut reasons: Vec<String> = Vec::with_capacity(rows.len());
-    let mut fingerprints: Vec<Vec<u8>> = Vec::with_capacity(rows.len());
-    for r in rows {
-        bodies.push(r.body);
-        kinds.push(storable(r.kind).into_owned());
-        fingerprints.push(fingerprint(r.message_id, r.body, &r.headers));
-        match keep {
-            Keep::All => {
-                ids.push(r.message_id.map(|m| storable(m).into_owned()));
-                headers.push(storable_json(r.headers.clone()));
-                reasons.push(stored_reason(r.reason));
-            }
-            Keep::NoHeaders => {
-                ids.push(r.message_id.map(|m| storable(m).into_owned()));
-                headers.push(Value::Object(Default::default()));
-                reasons.push(stored_reason(&format!(
-                    "parked without its headers (the database refused them); {}",
-                    r.reason
-                )));
-            }
-            Keep::Bare => {
-                ids.push(None);
-                headers.push(Value::Object(Default::default()));
-                reasons.push(stored_reason(&format!(
-                    "parked without message id and headers (the database refused them); {}",
-                    r.reason
-                )));
+) -> (Option<std::borrow::Cow<'a, str>>, Value, String) {
+    match keep {
+        Keep::All => (
+            row.message_id.map(storable),
+            storable_json(row.headers.clone()),
+            stored_reason(row.reason),
+        ),
+        Keep::NoHeaders => (
+            row.message_id.map(storable),
+            Value::Object(Default::default()),
+            stored_reason(&format!(
+                "parked without its headers (the database refused them); {}",
+                row.reason
+            )),
+        ),
+        Keep::Bare => (
+            None,
+            Value::Object(Default::default()),
+            stored_reason(&format!(
+                "parked without message id and headers (the database refused them); {}",
+                row.reason
+            )),
+        ),
+    }
+}
+
+/// `rows` in PostgreSQL's binary copy format, handed to `send` in pieces of about [`PIECE`]
+/// bytes: a body is cut into pieces, never copied whole.
+struct CopyOut {
+    buf: bytes::BytesMut,
+}
+
+impl CopyOut {
+    /// The format's signature, flags and header extension.
+    fn new() -> Self {
+        let mut buf = bytes::BytesMut::with_capacity(4096);
+        buf.extend_from_slice(b"PGCOPY\n\xff\r\n\0");
+        buf.extend_from_slice(&0i32.to_be_bytes());
+        buf.extend_from_slice(&0i32.to_be_bytes());
+        Self { buf }
+    }
+
+    /// What is written so far, once it reached a piece (or `all`).
+    fn piece(&mut self, all: bool) -> Option<bytes::Bytes> {
+        (self.buf.len() >= PIECE || (all && !self.buf.is_empty()))
+            .then(|| self.buf.split().freeze())
+    }
+
+    fn tuple(&mut self, fields: i16) {
+        self.buf.extend_from_slice(&fields.to_be_bytes());
+    }
+
+    /// One field: NULL, or its length and bytes.
+    fn field(&mut self, data: Option<&[u8]>) {
+        match data {
+            None => self.buf.extend_from_slice(&(-1i32).to_be_bytes()),
+            Some(d) => {
+                self.buf.extend_from_slice(&(d.len() as i32).to_be_bytes());
+                self.buf.extend_from_slice(d);
             }
         }
     }
+
+    fn trailer(&mut self) {
+        self.buf.extend_from_slice(&(-1i16).to_be_bytes());
+    }
+}
+
+/// Streams `rows` into the park's table through `sink`, about a [`PIECE`] at a time.
+async fn stream_rows(
+    client: &deadpool_postgres::Client,
+    rows: &[(&ParkRow<'_>, Vec<u8>)],
+    keep: Keep,
+) -> Result<(), DbError> {
+    use futures::SinkExt;
+    let sink = client
+        .copy_in::<_, bytes::Bytes>(COPY)
+        .await
+        .map_err(DbError::from_pg)?;
+    futures::pin_mut!(sink);
+    let mut out = CopyOut::new();
+    for (row, fingerprint) in rows {
+        let (id, headers, reason) = kept(row, keep);
+        // jsonb's binary form: a version byte, then the text (a `Value` always writes).
+        let mut json = vec![1u8];
+        json.extend(serde_json::to_vec(&headers).unwrap_or_else(|_| b"{}".to_vec()));
+        out.tuple(7);
+        out.field(Some(row.pipeline.as_bytes()));
+        out.field(id.as_deref().map(str::as_bytes));
+        // The body in pieces: never a second copy of all of it. (The broker's bodies are at
+        // most 512 MiB; a length past i32 would be refused by the server as bad copy data.)
+        let body = row.body;
+        let len = i32::try_from(body.len()).unwrap_or(i32::MAX);
+        out.buf.extend_from_slice(&len.to_be_bytes());
+        for part in body.chunks(PIECE) {
+            out.buf.extend_from_slice(part);
+            if let Some(piece) = out.piece(false) {
+                sink.send(piece).await.map_err(DbError::from_pg)?;
+            }
+        }
+        out.field(Some(&json));
+        out.field(Some(storable(row.kind).as_bytes()));
+        out.field(Some(reason.as_bytes()));
+        out.field(Some(fingerprint));
+        if let Some(piece) = out.piece(false) {
+            sink.send(piece).await.map_err(DbError::from_pg)?;
+        }
+    }
+    out.trailer();
+    if let Some(piece) = out.piece(true) {
+        sink.send(piece).await.map_err(DbError::from_pg)?;
+    }
+    sink.finish().await.map_err(DbError::from_pg)?;
+    Ok(())
+}
+
+/// One park for `rows` (each with its fingerprint), keeping what `keep` says of each: in one
+/// transaction, the rows streamed into a temporary table (binary `COPY`, a [`PIECE`] at a
+/// time), then parked from it with one statement.
+async fn insert(
+    pool: &Pool,
+    bound: Duration,
+    rows: &[(&ParkRow<'_>, Vec<u8>)],
+    keep: Keep,
+) -> Result<(), DbError> {
     let client = pool.get().await.map_err(DbError::from_pool)?;
+    // Err((error, ended)): `ended` says whether the transaction was rolled back.
     let work = async {
-        let statement = client
-            .prepare_cached(PARK)
-            .await
-            .map_err(DbError::from_pg)?;
-        client
-            .execute(
-                &statement,
-                &[
-                    &pipelines,
-                    &ids,
-                    &bodies,
-                    &headers,
-                    &kinds,
-                    &reasons,
-                    &fingerprints,
-                ],
-            )
-            .await
-            .map_err(DbError::from_pg)?;
-        Ok(())
+        let result = match client.batch_execute(STAGE).await {
+            Ok(()) => match stream_rows(&client, rows, keep).await {
+                Ok(()) => client.batch_execute(PARK).await.map_err(DbError::from_pg),
+                Err(e) => Err(e),
+            },
+            Err(e) => Err(DbError::from_pg(e)),
+        };
+        match result {
+            Ok(()) => Ok(()),
+            Err(e) => Err((e, client.batch_execute("ROLLBACK").await.is_ok())),
+        }
     };
     match tokio::time::timeout(bound, work).await {
-        Ok(result) => {
+        Ok(Ok(())) => Ok(()),
+        Ok(Err((e, true))) => {
+            let result = Err(e);
             super::release(pool, client, &result);
             result
+        }
+        // A connection whose transaction could not be ended is never used again.
+        Ok(Err((e, false))) => {
+            drop(deadpool_postgres::Object::take(client));
+            Err(e)
         }
         Err(_) => Err(abandon(client, bound)),
     }

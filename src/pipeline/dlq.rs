@@ -100,6 +100,7 @@ impl Handler<Leftovers> for DlqStage {
                 .iter()
                 .map(|(d, f)| dlq_fate(f, &headers::dlq_attempts(&d.properties), max))
                 .collect();
+            fallback.give_back_at_stop(&items, &mut fates);
             fallback.park_all(&items, &mut fates).await;
             // What goes back to the DLQ for another attempt waits a backoff first, so a
             // database that keeps refusing is never a hot loop. It grows with the pipeline's

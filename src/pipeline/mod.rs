@@ -264,6 +264,7 @@ pub fn start<D: Domain>(
         pool: pool.clone(),
         db_bound,
         parks_as: spec.pipeline.clone(),
+        park_over: spec.max_message_bytes,
         copies: copies.clone(),
     };
     let leftovers: Recipient<Leftovers> = match spec.fallback {

@@ -2,7 +2,9 @@
 //! message the domain refused or the database refused for good goes to the DLX with
 //! `x-error-kind` / `x-error-reason`; a transient failure goes through the retry queue with
 //! `x-retries` + 1 (the n-th retry through the n-th retry tier's queue, every later one through
-//! the last) until `MAX_RETRIES`, then to the DLX; a systemic one stays with the broker.
+//! the last) until `MAX_RETRIES`, then to the DLX; a systemic one stays with the broker. A body
+//! over `MAX_MESSAGE_BYTES` is parked here at once, never republished ([`Fallback::park_over`]);
+//! what is republished goes a few MiB of bodies at a time ([`ROUTE_KIB`]).
 //! Every republish is confirmed by the broker before the original is acked; a copy whose ack
 //! is lost with the consumer's link is remembered (`copies.rs`), and the redelivery that follows
 //! is acked as already routed instead of routed twice. A republish that is
@@ -58,7 +60,18 @@ pub struct Republisher {
     stage: StageId,
     /// How long a publish waits for the publisher to (re)connect.
     patience: Duration,
+    /// The body bytes this stage's copies may hold at once, in KiB ([`ROUTE_KIB`]), shared by
+    /// its batches in flight.
+    allowance: Arc<tokio::sync::Semaphore>,
 }
+
+/// Body bytes (in KiB) one stage republishes at once at most, beside one body larger than that
+/// alone: lapin copies every body it publishes into frames, held until they are written to the
+/// socket. A batch's refused bodies went as one group, copied at once, for every batch in
+/// flight: with 64 KiB bodies and a 64 MiB budget the copies held about as much again as the
+/// window (review F1). Groups of at most this many bytes go one after another, and the stage's
+/// batches in flight share the allowance.
+pub const ROUTE_KIB: usize = 4 << 10;
 
 impl Republisher {
     /// The republisher of `spec`'s stage; a publish waits at most `patience` for the publisher
@@ -75,6 +88,7 @@ impl Republisher {
             max_retries: spec.max_retries,
             stage: StageId::new(&spec.pipeline, spec.stage),
             patience,
+            allowance: Arc::new(tokio::sync::Semaphore::new(ROUTE_KIB)),
         }
     }
 
@@ -147,7 +161,7 @@ impl Republisher {
             .iter()
             .map(|(message, route)| self.plan(message, route))
             .unzip();
-        let outcomes = send_isolating(&self.publisher, publishes, self.patience).await;
+        let outcomes = self.send_in_groups(publishes).await;
         items
             .iter()
             .zip(kinds)
@@ -167,6 +181,33 @@ impl Republisher {
                 (sent, kind)
             })
             .collect()
+    }
+}
+
+impl Republisher {
+    /// Sends `publishes` in groups of at most [`ROUTE_KIB`] of bodies (a larger body alone),
+    /// each holding its share of the stage's allowance while lapin holds its copies, within one
+    /// patience for all of them.
+    async fn send_in_groups(&self, publishes: Vec<Publish>) -> Vec<Sent> {
+        let deadline = std::time::Instant::now() + self.patience;
+        let mut outcomes = Vec::with_capacity(publishes.len());
+        let mut publishes = publishes.into_iter().peekable();
+        while publishes.peek().is_some() {
+            let mut group = Vec::new();
+            let mut bytes = 0usize;
+            while let Some(p) =
+                publishes.next_if(|p| group.is_empty() || bytes + p.body.len() <= ROUTE_KIB << 10)
+            {
+                bytes += p.body.len();
+                group.push(p);
+            }
+            let kib = bytes.div_ceil(1024).clamp(1, ROUTE_KIB) as u32;
+            // Never closed: an error would only mean no wait.
+            let _held = self.allowance.acquire_many(kib).await.ok();
+            let patience = deadline.saturating_duration_since(std::time::Instant::now());
+            outcomes.extend(send_isolating(&self.publisher, group, patience).await);
+        }
+        outcomes
     }
 }
 
@@ -311,9 +352,15 @@ pub enum Fate {
     Requeue(&'static str),
 }
 
-/// The main pipeline's policy: where a message that failed this way goes.
-pub fn main_fate(failure: &Failure) -> Fate {
+/// The main pipeline's policy: where a message that failed this way goes. `oversize`: its body
+/// is over `MAX_MESSAGE_BYTES`; refused, it is parked here, never republished (see
+/// [`Fallback::park_over`]).
+pub fn main_fate(failure: &Failure, oversize: bool) -> Fate {
     match failure {
+        Failure::Refused { kind, reason } if oversize => Fate::Park {
+            kind: *kind,
+            reason: reason.clone(),
+        },
         Failure::Refused { kind, reason } => Fate::Route(Route::DeadLetter {
             kind: *kind,
             reason: reason.clone(),
@@ -351,6 +398,13 @@ pub struct Fallback {
     pub db_bound: Duration,
     /// The pipeline parked rows are filed under (`dead_letters.pipeline`).
     pub parks_as: String,
+    /// `MAX_MESSAGE_BYTES`: the main stage parks a refused body over it at once, never
+    /// republishes it. The DLQ consumer refuses it too (the same limit), so the DLQ would only
+    /// have been its way to the parking table, at a price: its dead-letter copy's frames (lapin
+    /// copies a body it publishes), then the DLQ consumer's delivery, all at once: a 100 MiB body
+    /// took a 256 MiB container to an OOM kill at every restart (review F3). Parked here, it is
+    /// held once, and streamed to the database a piece at a time (`dead_letters::PIECE`).
+    pub park_over: usize,
     /// The generation of the consumer's open channel, and the copies whose ack is not proven
     /// handled by the broker (shared with the consumer).
     pub copies: Arc<Copies>,
@@ -471,6 +525,42 @@ impl Fallback {
         }
         for (kind, n) in count_by_kind(routed.into_iter()) {
             metrics::messages_routed(&self.stage, kind, n);
+        }
+    }
+
+    /// At a stop, what the database did not take for a passing reason (an outage, a timeout, a
+    /// serialization failure: `ErrorClass::Transient`) goes back to the broker unprocessed, nack
+    /// with requeue at once: its in-place retry ended only because warren stops, so no retry
+    /// (nor DLQ attempt) is spent on it and it is counted as given back, not settled. Before,
+    /// a stop during a database outage sent every batch in flight through the retry queue, each
+    /// message spending a retry, and said "4001 settled, none given back" (review F4).
+    pub fn give_back_at_stop(&self, items: &[(Delivery, Failure)], fates: &mut [Fate]) {
+        if !self.stopping.is_cancelled() {
+            return;
+        }
+        let mut given_back = 0u64;
+        for ((_, failure), fate) in items.iter().zip(fates.iter_mut()) {
+            let transient = matches!(
+                failure,
+                Failure::Db {
+                    class: ErrorClass::Transient,
+                    ..
+                }
+            );
+            if transient && !matches!(fate, Fate::Settled(_)) {
+                *fate = Fate::Settled(Disposition::Requeue);
+                given_back += 1;
+            }
+        }
+        if given_back > 0 {
+            metrics::requeued(&self.stage, "stopping", given_back);
+            info!(
+                pipeline = self.stage.pipeline(),
+                stage = self.stage.stage().as_str(),
+                count = given_back,
+                "stopping: messages the database did not take go back to their queue unprocessed \
+                 (no retry spent; the next consumer takes them)"
+            );
         }
     }
 
@@ -709,7 +799,12 @@ impl Handler<Leftovers> for Router {
     fn handle(&mut self, msg: Leftovers, _: &mut Self::Context) -> Self::Result {
         let fallback = self.fallback.clone();
         Box::pin(async move {
-            let mut fates: Vec<Fate> = msg.items.iter().map(|(_, f)| main_fate(f)).collect();
+            let mut fates: Vec<Fate> = msg
+                .items
+                .iter()
+                .map(|(d, f)| main_fate(f, d.body.len() > fallback.park_over))
+                .collect();
+            fallback.give_back_at_stop(&msg.items, &mut fates);
             fallback.route_all(&msg.items, &mut fates).await;
             fallback.park_all(&msg.items, &mut fates).await;
             fallback
@@ -758,28 +853,43 @@ mod tests {
             reason: "eof".into(),
         };
         assert_eq!(
-            main_fate(&refused),
+            main_fate(&refused, false),
             Fate::Route(Route::DeadLetter {
                 kind: ErrorKind::InvalidJson,
                 reason: "eof".into()
             })
         );
         assert_eq!(
-            main_fate(&db(ErrorClass::Permanent)),
+            main_fate(&db(ErrorClass::Permanent), false),
             Fate::Route(Route::DeadLetter {
                 kind: ErrorKind::DbPermanent,
                 reason: "boom".into()
             })
         );
         assert_eq!(
-            main_fate(&db(ErrorClass::Transient)),
+            main_fate(&db(ErrorClass::Transient), false),
             Fate::Route(Route::Retry {
                 reason: "boom".into()
             })
         );
         assert_eq!(
-            main_fate(&db(ErrorClass::Systemic)),
+            main_fate(&db(ErrorClass::Systemic), false),
             Fate::Settled(Disposition::Requeue)
+        );
+        // A body over MAX_MESSAGE_BYTES is parked where it was refused; a database failure of
+        // such a message (it never reaches the database) goes its usual way.
+        assert_eq!(
+            main_fate(&refused, true),
+            Fate::Park {
+                kind: ErrorKind::InvalidJson,
+                reason: "eof".into()
+            }
+        );
+        assert_eq!(
+            main_fate(&db(ErrorClass::Transient), true),
+            Fate::Route(Route::Retry {
+                reason: "boom".into()
+            })
         );
     }
 

@@ -106,7 +106,7 @@ pub struct PipelineSpec {
     pub rate_limit_per_s: u32,
     /// Consecutive failing batches that open the main stage's breaker.
     pub breaker_failures: u32,
-    /// Largest accepted body; larger ones are dead-lettered unread.
+    /// Largest accepted body; larger ones are parked unread where they were refused.
     pub max_message_bytes: usize,
     /// Bytes of messages the pipeline holds at once, delivered and not yet settled.
     pub max_inflight_bytes: u64,

@@ -57,8 +57,13 @@ impl Consumer {
         let mut refused = 0;
         for d in &deliveries {
             self.inflight_bytes += d.held_bytes;
-            self.largest = self.largest.max(d.held_bytes as usize);
-            refused += usize::from(d.body.len() > self.config.max_message_bytes);
+            if d.body.len() > self.config.max_message_bytes {
+                // A refused body cuts the window to one (`observe`), not the budget's window:
+                // counted here, one 8 MiB body kept the window at 31 for good.
+                refused += 1;
+            } else {
+                self.largest = self.largest.max(d.held_bytes as usize);
+            }
         }
         self.observe(deliveries.len(), refused);
         self.check_budget();

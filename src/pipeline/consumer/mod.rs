@@ -145,8 +145,10 @@ pub struct Consumer {
     inflight: usize,
     /// The bytes those deliveries hold (bodies and parsed properties).
     inflight_bytes: u64,
-    /// The largest delivery (body and parsed properties) since the current subscription began
-    /// (kept across a reconnect): the next window is cut to what the budget holds of it.
+    /// The largest accepted delivery (body at most `MAX_MESSAGE_BYTES`, and its parsed
+    /// properties) since the current subscription began (kept across a reconnect): the next
+    /// window is cut to what the budget holds of it. Refused bodies never count here: they cut
+    /// the window to one and the next accepted delivery opens it again (`window.rs`).
     largest: usize,
     /// The largest delivery of earlier subscriptions that cut the window: kept until two
     /// windows of smaller ones grow it back, so that a later change of window (the concurrency

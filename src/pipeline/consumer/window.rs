@@ -17,9 +17,10 @@
 //!   pushed arrives: at most the window of that moment.
 //! - **The budget.** Once what is in flight reaches `MAX_INFLIGHT_BYTES` the consumer cancels
 //!   its subscription, lets what it holds settle back under the budget, and subscribes again with
-//!   a window cut to what the budget holds of the largest delivery it saw; after two such
-//!   windows of small deliveries it grows back to the prefetch the same way. A change of
-//!   concurrency (balancing) changes the window the same way.
+//!   a window cut to what the budget holds of the largest accepted delivery it saw (a refused
+//!   one never counts there: it cuts the window to one instead, and the accepted ones behind it
+//!   open it again); after two such windows of small deliveries it grows back to the prefetch
+//!   the same way. A change of concurrency (balancing) changes the window the same way.
 //!
 //! docs/failures.md ("Memory") turns these into the bound a memory limit is sized from.
 
@@ -124,7 +125,6 @@ impl Consumer {
                 pipeline = self.config.stage.pipeline(),
                 stage = self.config.stage.stage().as_str(),
                 window,
-                largest_delivery = self.largest,
                 max_message_bytes = self.config.max_message_bytes,
                 "a body over MAX_MESSAGE_BYTES arrived: refused bodies are taken one at a time; \
                  the prefetch window is cut to 1 now and grows back with the accepted ones"
