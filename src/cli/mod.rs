@@ -53,7 +53,8 @@ pub enum Command {
     Run(run::Args),
     /// Declare the RabbitMQ topology and apply the database migrations, idempotently.
     Declare(declare::Args),
-    /// Publish users (a load generator, or JSON lines from stdin) with publisher confirms.
+    /// Publish users (a load generator, or JSON lines), or JSON lines to any pipeline
+    /// (`--pipeline NAME`), with publisher confirms.
     Publish(publish::Args),
     /// Print the effective configuration, passwords redacted.
     Config(config::Args),

@@ -34,7 +34,8 @@
 //! - `http`: `http_base`, `http_agent` and `http`, one request to the env's API.
 //! - `pipelines`: `PipelineNames` and `PipelineCleanup` for configured pipelines, the `orders`
 //!   pipeline several tests run beside users (`create_orders_table`, `orders_toml`,
-//!   `declare_file`, `orders_pipeline`), `tail`.
+//!   `declare_file`, `orders_pipeline`), the nested orders and their items (`create_nested_tables`,
+//!   `NESTED_ORDERS`, `nested_toml`, `nested_order`, `nested_items`), `tail`.
 //! - `wait`: `wait_until`, `wait_queues_settled`. Wait on conditions, never on fixed sleeps; to
 //!   prove that something did not happen, publish a sentinel after it and wait for the sentinel
 //!   (then for the queues to be settled).
