@@ -395,7 +395,7 @@ pub async fn dispatch(cli: Cli, settings: Settings) -> i32 {
             Err(e) => Err(e.into()),
         },
         Command::Declare(args) => declare::execute(&settings, args).await,
-        Command::Pipelines(args) => pipelines::execute(&settings, args),
+        Command::Pipelines(args) => pipelines::execute(&settings, args).await,
         Command::Publish(args) => publish::execute(&settings, args).await,
         Command::Config(args) => sources
             .map_err(anyhow::Error::from)
