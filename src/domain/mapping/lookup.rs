@@ -108,17 +108,73 @@ fn sent_as(ty: ColType) -> &'static str {
     }
 }
 
-/// The row `s` as JSON text, every column as `to_jsonb` writes it but a `timestamptz`, written
+/// The row `alias` as jsonb, every column as `to_jsonb` writes it but a `timestamptz`, written
 /// in UTC to the microsecond, `2026-11-28T10:00:00.123000Z` (RFC 3339, as `GET /api/v1/users`
 /// always wrote `inserted_at`), whatever the session's time zone; `infinity` stays as it is.
-const ROW_JSON: &str = "(SELECT jsonb_object_agg(e.key, CASE \
-     WHEN a.atttypid = 'timestamptz'::regtype AND jsonb_typeof(e.value) = 'string' THEN \
-     CASE WHEN e.value #>> '{}' IN ('infinity', '-infinity') THEN e.value \
-     ELSE to_jsonb(to_char((e.value #>> '{}')::timestamptz AT TIME ZONE 'UTC', \
-     'YYYY-MM-DD\"T\"HH24:MI:SS.US\"Z\"')) END \
-     ELSE e.value END) \
-     FROM jsonb_each(to_jsonb(s.*)) AS e \
-     LEFT JOIN pg_catalog.pg_attribute AS a ON a.attrelid = s.tableoid AND a.attname = e.key)::text";
+fn row_json(alias: &str) -> String {
+    format!(
+        "(SELECT jsonb_object_agg(e.key, CASE \
+         WHEN a.atttypid = 'timestamptz'::regtype AND jsonb_typeof(e.value) = 'string' THEN \
+         CASE WHEN e.value #>> '{{}}' IN ('infinity', '-infinity') THEN e.value \
+         ELSE to_jsonb(to_char((e.value #>> '{{}}')::timestamptz AT TIME ZONE 'UTC', \
+         'YYYY-MM-DD\"T\"HH24:MI:SS.US\"Z\"')) END \
+         ELSE e.value END) \
+         FROM jsonb_each(to_jsonb({alias}.*)) AS e \
+         LEFT JOIN pg_catalog.pg_attribute AS a ON a.attrelid = {alias}.tableoid \
+           AND a.attname = e.key)"
+    )
+}
+
+/// The row `s` as [`row_json`] writes it, with each child table's rows of it under its
+/// array's name (the last segment of `rows`: `"items": [...]`), each row as [`row_json`]
+/// writes it, in the order of the element's position (an `index` column), else of the child
+/// table's key; `[]` when it has none.
+fn with_children(mapping: &Mapping) -> String {
+    let mut out = row_json("s");
+    for child in &mapping.children {
+        let name = child.rows().rsplit('/').next().unwrap_or_default();
+        let name = name
+            .replace("~1", "/")
+            .replace("~0", "~")
+            .replace('\'', "''");
+        let link: Vec<String> = mapping
+            .key
+            .iter()
+            .filter_map(|&pk| {
+                let c = child
+                    .columns
+                    .iter()
+                    .find(|c| c.source == super::Source::Parent(pk))?;
+                Some(format!(
+                    "c.{} = s.{}",
+                    quote(&c.name),
+                    quote(&mapping.columns[pk].name)
+                ))
+            })
+            .collect();
+        let order: Vec<String> = match child
+            .columns
+            .iter()
+            .find(|c| c.source == super::Source::Index)
+        {
+            Some(c) => vec![format!("c.{}", quote(&c.name))],
+            None => child
+                .key
+                .iter()
+                .map(|&i| format!("c.{}", quote(&child.columns[i].name)))
+                .collect(),
+        };
+        out = format!(
+            "({out} || jsonb_build_object('{name}', (SELECT COALESCE(jsonb_agg({} ORDER BY {}), \
+             '[]'::jsonb) FROM {} AS c WHERE {})))",
+            row_json("c"),
+            order.join(", "),
+            child.table.sql(),
+            link.join(" AND "),
+        );
+    }
+    format!("{out}::text")
+}
 
 /// Runs `sql` (and `params`) in a transaction holding `create`'s temporary table, rolled back.
 async fn rolled_back<T>(
@@ -140,7 +196,8 @@ async fn rolled_back<T>(
 /// as JSON text: `key` is converted to the column's type by an insert into the probe (so a
 /// value too long for a `varchar(3)` key is refused, 22001, never truncated onto another
 /// row), then compared with the column's own equality (a `citext` key finds its row in any
-/// case); a `timestamptz` written as [`ROW_JSON`] says. `None` when no row holds it.
+/// case); a `timestamptz` written as [`row_json`] says, and each child table's rows under its
+/// array's name ([`with_children`]). `None` when no row holds it.
 pub(super) async fn find_by_key(
     mapping: &Mapping,
     client: &tokio_postgres::Client,
@@ -169,7 +226,8 @@ pub(super) async fn find_by_key(
     );
     let sql = format!(
         "WITH p AS (INSERT INTO pg_temp.warren_key ({name}) SELECT $1::text::{ty} RETURNING {name}) \
-         SELECT {ROW_JSON} FROM {t} AS s JOIN p ON s.{name} = p.{name}"
+         SELECT {} FROM {t} AS s JOIN p ON s.{name} = p.{name}",
+        with_children(mapping)
     );
     rolled_back(client, &create, async {
         // `s.*`, the whole row: `to_jsonb(s)` would be a column of the table named `s`.
