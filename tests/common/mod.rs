@@ -22,7 +22,8 @@
 //!   (`count_of`, `uuids_of`, `assert_same_ids`; a failed query panics, never reads as 0),
 //!   fault injection through triggers (`install_fault` with `CountAttempts`,
 //!   `set_fault_sqlstate`, `clear_fault`, `track_attempts`, `attempts`,
-//!   `install_poison_trigger`), `InsertLock`, which holds warren's batch inserts, and
+//!   `install_poison_trigger`), `InsertLock`, which holds warren's batch inserts (`take_on` a
+//!   pipeline's table), and
 //!   `terminate_backends`.
 //! - `redis`: `RedisCleanup`, `try_redis_query`, `redis_query`, the instance registry
 //!   (`instance_key`, `instance`, `wait_record_field`, `wait_running`, `shutdowns`) and the events stream (`stream_events`,
