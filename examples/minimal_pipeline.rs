@@ -3,9 +3,11 @@
 //! `{"id","name","email"}` body with serde_json, inserts every 1000 messages (or, with a partial
 //! batch, once no message came for a short timeout: the queue is drained) with ONE
 //! `INSERT .. SELECT * FROM UNNEST(..) ON CONFLICT DO NOTHING` through tokio-postgres, then sends
-//! ONE `basic.ack multiple=true` for the batch. Stops after N messages and prints one line of
-//! `key=value` figures: messages, drain seconds (first delivery to last ack), rate, rows
+//! ONE `basic.ack multiple=true` for the batch; one insert in flight. Stops after N messages and
+//! prints one line of `key=value` figures: messages, drain seconds by its own clock (from its
+//! start to its last ack; `scripts/bench.sh` times it itself, from the broker), rate, rows
 //! inserted, undecodable bodies, acks sent, batches, its own CPU time and peak RSS.
+//! `tuned_pipeline.rs` is the same job done with care.
 //!
 //! `cargo run --release --example minimal_pipeline -- --queue QUEUE --count N --schema SCHEMA`
 
@@ -14,24 +16,15 @@ mod common;
 use std::time::{Duration, Instant};
 
 use clap::Parser;
+use common::users::{self, Batch, Drained};
 use futures::StreamExt;
-use lapin::options::{BasicAckOptions, BasicConsumeOptions, BasicQosOptions};
-use lapin::types::FieldTable;
-use lapin::{Connection, ConnectionProperties};
-use uuid::Uuid;
+use lapin::options::BasicAckOptions;
 
 #[derive(Debug, Parser)]
 #[command(about = "Drain N user messages into <schema>.users: decode, batch insert, multi-ack")]
 struct Args {
-    /// Queue to drain.
-    #[arg(long, env = "MAIN_QUEUE")]
-    queue: String,
-    /// Messages to drain; the pipeline stops once N are acked.
-    #[arg(long)]
-    count: u64,
-    /// Schema holding the `users` table (created by `warren declare`).
-    #[arg(long, env = "DATABASE_SCHEMA")]
-    schema: String,
+    #[command(flatten)]
+    drain: users::Drain,
     /// Unacked deliveries the broker may have in flight (basic.qos).
     #[arg(long, default_value_t = 2000)]
     prefetch: u16,
@@ -46,86 +39,38 @@ struct Args {
     idle_timeout_s: u64,
 }
 
-/// The message body.
-#[derive(serde::Deserialize)]
-struct User {
-    id: Uuid,
-    name: String,
-    email: String,
-}
-
-/// The columns of the batch being collected, as the UNNEST insert takes them.
-#[derive(Default)]
-struct Batch {
-    ids: Vec<Uuid>,
-    names: Vec<String>,
-    emails: Vec<String>,
-    /// Deliveries in the batch, decodable or not (all of them are acked with it).
-    len: usize,
-    /// The highest delivery tag of the batch: the one multi-ack settles them all.
-    last_tag: u64,
-}
-
 #[tokio::main(flavor = "current_thread")]
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    let started = Instant::now();
     let args = Args::parse();
-    if args.count == 0 || args.batch_size == 0 {
+    if args.drain.count == 0 || args.batch_size == 0 {
         return Err("--count and --batch-size must be at least 1".into());
     }
-    let (client, connection) =
-        tokio_postgres::connect(&common::database_url(), tokio_postgres::NoTls).await?;
-    tokio::spawn(async move {
-        if let Err(e) = connection.await {
-            eprintln!("minimal_pipeline: database connection: {e}");
-        }
-    });
+    let client = users::connect("minimal_pipeline").await?;
     let insert = client
-        .prepare(&format!(
-            "INSERT INTO {}.users (id, name, email) \
-             SELECT * FROM UNNEST($1::uuid[], $2::text[], $3::text[]) ON CONFLICT DO NOTHING",
-            args.schema
+        .prepare(&users::unnest_insert(
+            &args.drain.schema,
+            " ON CONFLICT DO NOTHING",
         ))
         .await?;
 
-    let conn = Connection::connect(&common::amqp_url(), ConnectionProperties::default()).await?;
-    let channel = conn.create_channel().await?;
-    channel
-        .basic_qos(args.prefetch, BasicQosOptions::default())
-        .await?;
-    let mut consumer = channel
-        .basic_consume(
-            args.queue.as_str().into(),
-            "minimal_pipeline".into(),
-            BasicConsumeOptions::default(),
-            FieldTable::default(),
-        )
-        .await?;
+    let (conn, channel, mut consumer) =
+        common::subscribe(&args.drain.queue, args.prefetch, "minimal_pipeline").await?;
 
     let batch_timeout = Duration::from_millis(args.batch_timeout_ms);
     let idle = Duration::from_secs(args.idle_timeout_s);
     let mut batch = Batch::default();
-    let (mut received, mut settled, mut inserted, mut invalid) = (0u64, 0u64, 0u64, 0u64);
-    let (mut acks, mut batches) = (0u64, 0u64);
-    let mut first: Option<Instant> = None;
-    while settled < args.count {
+    let mut received = 0u64;
+    let mut d = Drained::default();
+    while d.settled < args.drain.count {
         // With a partial batch, a pause of `batch_timeout` means the queue is drained: flush.
         let wait = if batch.len > 0 { batch_timeout } else { idle };
         let due = match tokio::time::timeout(wait, consumer.next()).await {
             Ok(Some(delivery)) => {
                 let delivery = delivery?;
-                first.get_or_insert_with(Instant::now);
                 received += 1;
-                match serde_json::from_slice::<User>(&delivery.data) {
-                    Ok(user) => {
-                        batch.ids.push(user.id);
-                        batch.names.push(user.name);
-                        batch.emails.push(user.email);
-                    }
-                    Err(_) => invalid += 1,
-                }
-                batch.len += 1;
-                batch.last_tag = delivery.delivery_tag;
-                batch.len >= args.batch_size || received == args.count
+                batch.push(delivery.delivery_tag, &delivery.data);
+                batch.len >= args.batch_size || received == args.drain.count
             }
             Ok(None) => {
                 return Err(format!("the consumer ended after {received} deliveries").into());
@@ -134,7 +79,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
             Err(_) => {
                 return Err(format!(
                     "only {received} of {} messages arrived (nothing for {} s)",
-                    args.count, args.idle_timeout_s
+                    args.drain.count, args.idle_timeout_s
                 )
                 .into());
             }
@@ -142,28 +87,20 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         if !due {
             continue;
         }
-        inserted += client
+        d.inserted += client
             .execute(&insert, &[&batch.ids, &batch.names, &batch.emails])
             .await?;
         channel
             .basic_ack(batch.last_tag, BasicAckOptions { multiple: true })
             .await?;
-        acks += 1;
-        batches += 1;
-        settled += batch.len as u64;
-        batch.ids.clear();
-        batch.names.clear();
-        batch.emails.clear();
-        batch.len = 0;
+        d.acks += 1;
+        d.batches += 1;
+        d.settled += batch.len as u64;
+        d.invalid += batch.invalid as u64;
+        batch.clear();
     }
-    let secs = first.map(|s| s.elapsed().as_secs_f64()).unwrap_or(0.0);
+    let secs = started.elapsed().as_secs_f64();
     let _ = conn.close(200, "bye".into()).await;
-    let usage = common::usage()?;
-    println!(
-        "minimal_pipeline messages={settled} secs={secs:.3} rate={:.0} inserted={inserted} invalid={invalid} acks={acks} batches={batches} cpu_us={} peak_rss_kb={}",
-        settled as f64 / secs.max(1e-9),
-        usage.cpu.as_micros(),
-        usage.peak_rss_kb
-    );
+    users::report("minimal_pipeline", secs, &d)?;
     Ok(())
 }

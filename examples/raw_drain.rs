@@ -1,8 +1,9 @@
 //! Raw drain for `scripts/bench.sh`: what the broker alone delivers on this machine. A bare
 //! lapin consumer drains N messages (prefetch 5000, one `basic.ack multiple=true` per 100
 //! deliveries; no decoding, no database) and prints one line of `key=value` figures: messages,
-//! drain seconds (first to last delivery), rate, acks sent, batches (groups of deliveries one ack
-//! settles), its own CPU time and peak RSS.
+//! drain seconds by its own clock (from its start to its last ack; `scripts/bench.sh` times
+//! every contender itself, from the broker), rate, acks sent, batches (groups of deliveries one
+//! ack settles), its own CPU time and peak RSS.
 //!
 //! `cargo run --release --example raw_drain -- --queue QUEUE --count N`
 
@@ -12,9 +13,7 @@ use std::time::{Duration, Instant};
 
 use clap::Parser;
 use futures::StreamExt;
-use lapin::options::{BasicAckOptions, BasicConsumeOptions, BasicQosOptions};
-use lapin::types::FieldTable;
-use lapin::{Connection, ConnectionProperties};
+use lapin::options::BasicAckOptions;
 
 #[derive(Debug, Parser)]
 #[command(about = "Drain N messages with a bare lapin consumer (no database) and print the rate")]
@@ -39,26 +38,15 @@ struct Args {
 // One task does everything and lapin has its own I/O thread: no worker threads needed.
 #[tokio::main(flavor = "current_thread")]
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    let started = Instant::now();
     let args = Args::parse();
     if args.count == 0 || args.ack_every == 0 {
         return Err("--count and --ack-every must be at least 1".into());
     }
-    let conn = Connection::connect(&common::amqp_url(), ConnectionProperties::default()).await?;
-    let channel = conn.create_channel().await?;
-    channel
-        .basic_qos(args.prefetch, BasicQosOptions::default())
-        .await?;
-    let mut consumer = channel
-        .basic_consume(
-            args.queue.as_str().into(),
-            "raw_drain".into(),
-            BasicConsumeOptions::default(),
-            FieldTable::default(),
-        )
-        .await?;
+    let (conn, channel, mut consumer) =
+        common::subscribe(&args.queue, args.prefetch, "raw_drain").await?;
     let idle = Duration::from_secs(args.idle_timeout_s);
     let (mut seen, mut acks) = (0u64, 0u64);
-    let mut first: Option<Instant> = None;
     while seen < args.count {
         let delivery = match tokio::time::timeout(idle, consumer.next()).await {
             Ok(Some(delivery)) => delivery?,
@@ -71,7 +59,6 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
                 .into());
             }
         };
-        first.get_or_insert_with(Instant::now);
         seen += 1;
         if seen.is_multiple_of(args.ack_every) || seen == args.count {
             channel
@@ -80,7 +67,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
             acks += 1;
         }
     }
-    let secs = first.map(|s| s.elapsed().as_secs_f64()).unwrap_or(0.0);
+    let secs = started.elapsed().as_secs_f64();
     let _ = conn.close(200, "bye".into()).await;
     let usage = common::usage()?;
     println!(

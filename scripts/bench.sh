@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# Benchmark that tells the truth: warren next to what the broker alone and the least code doing
-# warren's job achieve on this machine, in ONE run, repetitions interleaved, so the ratios hold
-# even when the machine's speed drifts.
+# Benchmark that tells the truth: warren next to what the broker alone, the least code doing
+# warren's job and careful code doing it achieve on this machine, in ONE run, repetitions
+# interleaved, so the ratios hold even when the machine's speed drifts.
 #
-#   scripts/bench.sh [N] [REPS] [KEY=VALUE...]              drain bench (N=200000, REPS=5)
+#   scripts/bench.sh [N] [REPS] [KEY=VALUE...]              drain bench (N=200000, REPS=6)
 #   scripts/bench.sh --live [RATE] [SECONDS] [KEY=VALUE...]  live bench (RATE=10000, SECONDS=60)
 #   scripts/bench.sh --live-search [RATE] [SECONDS] [KEY=VALUE...]
 #                                                            the highest live rate warren keeps up
@@ -33,24 +33,39 @@
 # BENCH_PIN=1 gives the broker CPU 0 to itself and runs PostgreSQL and the contenders on the other
 # CPUs (as where the broker has its own host); needs root, restores the CPU masks at exit.
 #
-# Drain bench: every repetition runs the five contenders, each on its own backlog of N persistent
+# Drain bench: every repetition runs the six contenders, each on its own backlog of N persistent
 # ~100-byte users published with `warren publish --count N` (the queue must hold N before the
 # drain starts). The order turns by one each repetition (repetition 2 starts with the minimal
-# pipeline, 3 with warren, ...), so that what a drain leaves behind in the broker (its message
-# store's garbage, a warm or cold cache) is not always charged to the same contender; with REPS a
-# multiple of 5 every contender runs in every place equally often:
+# pipeline, 3 with the tuned one, 4 with warren, ...), so that what a drain leaves behind in the
+# broker (its message store's garbage, a warm or cold cache) is not always charged to the same
+# contender; with REPS a multiple of 6 every contender runs in every place equally often:
 #   raw_drain          examples/raw_drain.rs: bare lapin, prefetch 5000, one multi-ack per 100
 #                      deliveries, no decoding, no database (what the broker alone delivers)
-#   minimal_pipeline   examples/minimal_pipeline.rs: lapin, prefetch 2000, serde_json, one UNNEST
-#                      insert per 1000 messages then one multi-ack, no actors
+#   minimal_pipeline   examples/minimal_pipeline.rs, the least code: lapin, prefetch 2000,
+#                      serde_json, one UNNEST insert ON CONFLICT DO NOTHING per 1000 messages then
+#                      one multi-ack, one insert in flight, no actors
+#   tuned_pipeline     examples/tuned_pipeline.rs, careful code: prefetch 4000, batches of up to
+#                      1000 (1 s timeout), each to whichever of two connections is free (two
+#                      inserts in flight while the next batch fills), a plain UNNEST insert first
+#                      (ON CONFLICT (id) DO NOTHING only after a unique violation), one multi-ack
+#                      per run of committed batches, in batch order (as the yardstick's probe
+#                      `pipeline --inflight 2 --plain-first`)
 #   warren             warren run --roles consumer, default settings (plus the KEY=VALUEs given)
 #   warren_pf5000      the same with PREFETCH=5000
 #   warren_mapped      warren with users declared as a configured pipeline (docs/pipelines.md):
 #                      the same queue, table and checks through the generic mapping instead of
 #                      the typed users code
-# and prints one table of medians (rate, ratios, CPU and broker CPU per message, peak RSS, acks
-# per batch) and the figures of every repetition. docs/performance.md ("How to reproduce") says what
-# each column measures.
+# and prints one table of medians (rate, ratios to the raw drain and, for warren, to the minimal
+# and the tuned pipeline, CPU and broker CPU per message, peak RSS, acks per batch) and the figures
+# of every repetition. docs/performance.md ("How to reproduce") says what each column measures.
+# Every contender is timed the same way, by this script and the broker, never by the contender:
+# from its launch (connecting and subscribing included) to the moment the queue holds nothing,
+# ready or unacked (its last ack done: the broker's own count, read every 10 ms from inside the
+# node, see "the end of a drain" below) and the table holds all N rows (counted once then; a
+# contender that acked rows before committing them is timed until they are all in). msg/s is N
+# over that span, the raw drain's included (it has no table). Until issue 37 the pipelines' rates
+# came from inserted_at, which left out the last batch's insert, commit and ack and every
+# start-up: figures from before are not comparable with these.
 #
 # Live bench: warren (run --roles consumer, defaults) consumes an empty queue while
 # examples/live_publisher.rs publishes RATE msg/s for SECONDS s on a fixed schedule, then reports
@@ -66,8 +81,11 @@
 # Capacity search (--live-search): live runs of SECONDS s, REPS times each rate (a rate is held
 # only if every repetition holds it; the first miss ends its repetitions), from RATE doubling
 # while warren keeps up, then bisecting between the last rate held and the first missed until
-# they are within 10%, within BENCH_SEARCH_BUDGET_S (280) s; prints each run's verdict, latency
-# and costs and the highest rate held.
+# they are within 10%. The whole search (after the build) stays within BENCH_SEARCH_BUDGET_S
+# (270) s, so a run is under 5 minutes: a rate is tried only if all its runs fit, by the longest
+# run so far, and a run waits at most SECONDS after publishing for its last commits (later is a
+# miss anyway). Prints each run's verdict, latency, costs and length, the time the search took,
+# what the budget left untried, and the highest rate held.
 #
 # All roles: `warren run` with its default roles (consumer, dlq, api) drains N messages of which
 # every 50th is invalid (to the DLQ, parked by the DLQ consumer) while 2,000 users are posted to
@@ -150,7 +168,7 @@ elif [ "$MODE" = drain ] || [ "$MODE" = wide ] || [ "$MODE" = balance ] || [ "$M
   case "$MODE" in
     wide) DEFAULT_N=100000 DEFAULT_REPS=3 ;;
     balance|redis|props) DEFAULT_N=200000 DEFAULT_REPS=3 ;;
-    *) DEFAULT_N=200000 DEFAULT_REPS=5 ;;
+    *) DEFAULT_N=200000 DEFAULT_REPS=6 ;;   # a multiple of the drain bench's six contenders
   esac
   N=$(named N "${POSITIONAL[0]:-$DEFAULT_N}" "$@")
   REPS=$(named REPS "${POSITIONAL[1]:-$DEFAULT_REPS}" "$@")
@@ -282,19 +300,22 @@ free_port() {
 # the one label scheme (docs/operations.md, upgrading), so WARREN_BIN_B may be one of those.
 # Sum of a metric's samples for the users stage (or without labels), read with bash alone so
 # that polling spawns no process while warren is measured; empty if warren has not exported it.
-metric_now() { # PORT NAME
+scrape() { # PORT: sets PAGE to warren's /metrics page, empty when it does not answer
   # The page in one read, searched as one string: bash reads a socket line by line a byte a
   # syscall, and loops over lines slowly (15 ms of CPU a poll, 7% of the machine during a quorum
   # drain, all of it charged to warren's runs; now under 1 ms).
-  local page rest re line sum="" value
+  PAGE=""
   { exec 3<>"/dev/tcp/127.0.0.1/$1"; } 2>/dev/null || return 0
   printf 'GET /metrics HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n' >&3
-  IFS= read -r -d '' -N 4194304 page <&3 || true
+  IFS= read -r -d '' -N 4194304 PAGE <&3 || true
   exec 3<&-
+}
+metric_of() { # NAME: the sum from the last scrape's PAGE
+  local rest re line sum="" value
   # Each line `NAME VALUE` or `NAME{labels} VALUE`, by regex (a glob `*X*` that fails is
   # quadratic in bash).
-  rest=$'\n'"${page//$'\r'/}"
-  re=$'\n'"$2"$'([ {][^\n]*)(.*)'
+  rest=$'\n'"${PAGE//$'\r'/}"
+  re=$'\n'"$1"$'([ {][^\n]*)(.*)'
   while [[ "$rest" =~ $re ]]; do
     line="${BASH_REMATCH[1]}"; rest="${BASH_REMATCH[2]}"
     case "$line" in *pipeline=*) [[ "$line" == *'pipeline="users"'* || "$line" == *'pipeline="main"'* ]] || continue ;; esac
@@ -302,6 +323,7 @@ metric_now() { # PORT NAME
   done
   printf '%s' "$sum"
 }
+metric_now() { scrape "$1"; metric_of "$2"; } # PORT NAME
 metric_file() { # FILE NAME: the same from a saved scrape (awk, after the measurement)
   awk -v name="$2" '
     (index($1, name "{") == 1 || $1 == name) && ($0 !~ /pipeline=/ || index($0, "pipeline=\"users\"") || index($0, "pipeline=\"main\"")) { s += $NF; found = 1 }
@@ -322,6 +344,7 @@ stop_child() { # SIGTERM, wait up to 30 s, then SIGKILL; sets STOP_RC (not in a 
 cleanup() {
   local rc=$?
   [ -z "${PERF_PID:-}" ] || kill -INT "$PERF_PID" 2>/dev/null || true
+  if declare -F watch_stop >/dev/null; then watch_stop; fi
   if [ -n "$CHILD" ] && kill -0 "$CHILD" 2>/dev/null; then stop_child; fi
   purge_queues
   if [ "${QUEUE_TYPE:-classic}" = quorum ]; then
@@ -375,6 +398,11 @@ if [ "$MODE" = live ] || [ "$MODE" = search ]; then
   fi
   BOUND=$((2 * PREFETCH_NOW)); TARGET_MS=${BENCH_TARGET_P99_MS:-$((BATCH_TIMEOUT_MS + 250))}
   positive_int BENCH_TARGET_P99_MS "$TARGET_MS"
+  SEARCH_START=$SECONDS
+  # A run's wait, after publishing, for every message to be committed: a live bench waits up to
+  # 120 s; a search step that needs more than SECONDS has missed anyway (far beyond the p99
+  # target), and must not spend the search's budget.
+  if [ "$MODE" = search ]; then SETTLE_S=$LIVE_SECONDS; else SETTLE_S=120; fi
   # The commit watcher's trigger (examples/live_publisher.rs), before any warren runs: no DDL
   # meets a running warren's statements.
   "$EX/live_publisher" --install-only >"$LOGDIR/install.log" 2>&1 || die "the live publisher could not install its trigger; see $LOGDIR/install.log"
@@ -393,7 +421,7 @@ if [ "$MODE" = live ] || [ "$MODE" = search ]; then
     done
     b0=$(broker_ticks); m0=$(machine_ticks); p0=$(pg_ticks)
     "$EX/live_publisher" --rate "$rate" --seconds "$secs" --depth-bound "$BOUND" \
-      --target-p99-ms "$TARGET_MS" 2>"$LOGDIR/live_publisher-$tag.err" >"$LOGDIR/live_publisher-$tag.out" || rc=$?
+      --target-p99-ms "$TARGET_MS" --settle-timeout-s "$SETTLE_S" 2>"$LOGDIR/live_publisher-$tag.err" >"$LOGDIR/live_publisher-$tag.out" || rc=$?
     b1=$(broker_ticks); m1=$(machine_ticks); p1=$(pg_ticks)
     kill -0 "$CHILD" 2>/dev/null || die "warren exited during the live run; see $WARREN_LOG"
     read_warren "$LOGDIR/warren-$tag.metrics"
@@ -432,24 +460,30 @@ if [ "$MODE" = live ] || [ "$MODE" = search ]; then
     # Capacity search: double the rate from RATE while warren keeps up, then halve the interval
     # between the last rate held and the first missed until they are within 10% of each other.
     echo "capacity search: the highest rate warren (run --roles consumer${SETTINGS[*]:+, ${SETTINGS[*]}}) keeps up with, $LIVE_SECONDS s a run, $LIVE_REPS runs a rate, from $LIVE_RATE msg/s; kept up = every run: p99 (due -> committed) <= $TARGET_MS ms, every message in, depth <= $BOUND, rate reached ($BIN)"
-    BUDGET_S=${BENCH_SEARCH_BUDGET_S:-280}
+    # The budget bounds the whole search (set-up, every run, the stops between them): a run
+    # starts only if it fits, by the longest run so far (before the first: SECONDS + 10 s), and
+    # a rate is tried only if all its repetitions fit; what does not fit is left undecided, and
+    # said.
+    BUDGET_S=${BENCH_SEARCH_BUDGET_S:-270}
     positive_int BENCH_SEARCH_BUDGET_S "$BUDGET_S"
-    search_start=$SECONDS
-    held=0; missed=0; rate=$LIVE_RATE; step=0; HELD_LINE=""
+    held=0; missed=0; rate=$LIVE_RATE; step=0; HELD_LINE=""; longest=0; out_of_budget=""
+    run_estimate() { if [ "$longest" -gt 0 ]; then echo "$longest"; else echo $((LIVE_SECONDS + 10)); fi; }
+    fits() { [ $((SECONDS - SEARCH_START + $1 * $(run_estimate))) -le "$BUDGET_S" ]; } # RUNS: do they fit?
     while :; do
       step=$((step + 1))
+      fits "$LIVE_REPS" || { out_of_budget=$rate; break; }
       # A rate is held only if every repetition holds it; the first miss ends its repetitions.
       rate_kept=yes
       for rep in $(seq 1 "$LIVE_REPS"); do
+        if [ "$rep" -gt 1 ] && ! fits 1; then out_of_budget=$rate; break; fi
+        run_start=$SECONDS
         live_once "$rate" "$LIVE_SECONDS" "search-$step-$rate-$rep"
-        printf '  %6d msg/s, run %d: %s\n' "$rate" "$rep" "$LIVE_LINE"
+        [ $((SECONDS - run_start)) -le "$longest" ] || longest=$((SECONDS - run_start))
+        printf '  %6d msg/s, run %d (%d s): %s\n' "$rate" "$rep" "$((SECONDS - run_start))" "$LIVE_LINE"
         [ "$KEPT_UP" = yes ] || { rate_kept=no; break; }
       done
+      [ -z "$out_of_budget" ] || break
       if [ "$rate_kept" = yes ]; then held=$rate; HELD_LINE=$LIVE_LINE; else missed=$rate; fi
-      if [ $((SECONDS - search_start)) -ge "$BUDGET_S" ]; then
-        echo "search budget of $BUDGET_S s spent (BENCH_SEARCH_BUDGET_S): stopped between $held and ${missed/#0/none missed}"
-        break
-      fi
       if [ "$missed" = 0 ]; then
         [ "$rate" -lt 128000 ] || break
         rate=$((rate * 2))
@@ -459,8 +493,11 @@ if [ "$MODE" = live ] || [ "$MODE" = search ]; then
         rate=$(( (held + missed) / 2 ))
       fi
     done
+    echo "search: $((SECONDS - SEARCH_START)) s of a budget of $BUDGET_S s (BENCH_SEARCH_BUDGET_S)${out_of_budget:+; $out_of_budget msg/s left undecided: its runs (about $(run_estimate) s each) did not fit}"
     if [ "$held" -gt 0 ]; then
       echo "highest rate kept up: $held msg/s (missed at ${missed/#0/none tried}); there: $HELD_LINE"
+    elif [ "$missed" = 0 ]; then
+      echo "no rate decided within the budget"
     else
       echo "kept up at no rate tried (the lowest missed: $missed msg/s)"
     fi
@@ -521,7 +558,7 @@ fi
 #   rep contender msg/s drain_s wall_s cpu_us/msg broker_us/msg rss_mib acks batches acks/batch
 RESULTS="$LOGDIR/results.tsv"
 : >"$RESULTS"
-CONTENDERS=(raw_drain minimal_pipeline warren warren_pf5000 warren_mapped)
+CONTENDERS=(raw_drain minimal_pipeline tuned_pipeline warren warren_pf5000 warren_mapped)
 # The bench's queue and exchange names as the lines of a `[[pipelines]]` entry.
 names_toml() {
   printf 'main_exchange = "%s"\nmain_queue = "%s"\nretry_exchange = "%s"\n' "$MAIN_EXCHANGE" "$MAIN_QUEUE" "$RETRY_EXCHANGE"
@@ -631,14 +668,101 @@ fill_queue() { # LOG
     sleep 0.5
   done
 }
-# Rate by the database's clock: rows committed before the last batch began, over the time from
-# the first batch's start to the last's (inserted_at is each insert's transaction start); 0 when
-# all rows came in one batch.
-db_rate() { # -> "rows rate span_s"
-  psql_q "WITH b AS (SELECT min(inserted_at) lo, max(inserted_at) hi, count(*) n FROM $SCHEMA.$TABLE)
-          SELECT b.n, coalesce(CASE WHEN b.hi > b.lo THEN
-                   (SELECT count(*) FROM $SCHEMA.$TABLE WHERE inserted_at < b.hi) / extract(epoch FROM b.hi - b.lo)
-                 END, 0), coalesce(extract(epoch FROM b.hi - b.lo), 0) FROM b" | tr '|' ' '
+# The rows in the table (counted once a drain is over, never in a loop while one runs: a
+# count(*) of a growing table costs PostgreSQL tens of ms).
+rows_in_table() { psql_q "SELECT count(*) FROM $SCHEMA.$TABLE"; }
+
+# --- the end of a drain, as the broker sees it --------------------------------------------------
+# A drain is over when its queue holds nothing, ready or unacked: the contender's last ack is
+# done. `rabbitmqctl list_queues` cannot time that: each call starts a CLI (0.7 s, 0.5 s of CPU)
+# and counts a quorum queue from statistics emitted every 5 s. So one `rabbitmqctl eval` a drain,
+# started and reading the queue before the contender starts, asks the broker from inside every
+# 10 ms (a classic queue: its process's `messages`, ready plus unacked; a quorum queue: its
+# leader's `rabbit_fifo` total, ready plus checked out) and returns the broker's clock at the
+# first read of 0. It only reads, ends with its CLI (it monitors it) and after BENCH_TIMEOUT_S.
+WATCH_PID=""
+vhost_of() { # URL: the vhost of an amqp:// URL (its path, percent-decoded; "/" when it has none)
+  local rest="${1#*://}" path=""
+  case "$rest" in */*) path="${rest#*/}" ;; esac
+  path="${path%%\?*}"
+  if [ -z "$path" ]; then printf '/'; else printf '%b' "${path//%/\\x}"; fi
+}
+VHOST=$(vhost_of "$AMQP_URL")
+watch_expr() { # QUEUE TIMEOUT_MS: the Erlang the watcher evaluates on the node
+  cat <<ERL
+QName = rabbit_misc:r(<<"$VHOST">>, queue, <<"$1">>),
+case rabbit_amqqueue:lookup(QName) of
+  {error, not_found} -> no_queue;
+  {ok, Q} ->
+    Count = case amqqueue:get_type(Q) of
+      rabbit_quorum_queue ->
+        fun() -> {ok, {_, N}, _} = ra:local_query(amqqueue:get_pid(Q), fun rabbit_fifo:query_messages_total/1), N end;
+      _ -> fun() -> [{messages, N}] = rabbit_amqqueue:info(Q, [messages]), N end
+    end,
+    erlang:monitor(process, group_leader()),
+    io:format("watching ~b cli ~s~n", [Count(), rpc:call(node(group_leader()), os, getpid, [])]),
+    Deadline = erlang:monotonic_time(millisecond) + $2,
+    Loop = fun L() ->
+      case Count() of
+        0 -> {empty, os:system_time(microsecond)};
+        Left -> receive {'DOWN', _, _, _, _} -> gone
+                after 10 -> case erlang:monotonic_time(millisecond) > Deadline of
+                              true -> {timeout, Left}; false -> L() end
+                end
+      end
+    end,
+    Loop()
+end.
+ERL
+}
+watch_start() { # TAG: starts the watcher on MAIN_QUEUE; returns once it has read the queue's N
+  local out="$LOGDIR/$1.watch" deadline=$((SECONDS + 30)) seen=""
+  rabbitmqctl -q eval "$(watch_expr "$MAIN_QUEUE" $((TIMEOUT_S * 1000)))" >"$out" 2>&1 &
+  WATCH_PID=$!; WATCH_OUT="$out"; WATCH_CLI=""
+  until [ -n "$seen" ]; do
+    if ! kill -0 "$WATCH_PID" 2>/dev/null || [ "$SECONDS" -ge "$deadline" ]; then
+      watch_stop; FAIL="the drain's watcher (rabbitmqctl eval) did not start: $(tail -1 "$out"); see $out"; return 1
+    fi
+    sleep 0.05
+    read -r _ seen _ WATCH_CLI < <(grep -m1 '^watching ' "$out") || true
+  done
+  [ "$seen" = "$N" ] || { watch_stop; FAIL="$MAIN_QUEUE holds $seen messages, not $N, as the drain starts; see $out"; return 1; }
+}
+# Ends the watcher before its time: its CLI's own process (rabbitmqctl runs it through su, whose
+# child is in a session of its own, out of reach of the wrapper's signals); the node's side of
+# the watcher ends with it.
+watch_stop() {
+  [ -n "${WATCH_PID:-}" ] || return 0
+  if kill -0 "$WATCH_PID" 2>/dev/null && [ -n "${WATCH_CLI:-}" ] \
+    && [ "$(cat "/proc/$WATCH_CLI/comm" 2>/dev/null)" = beam.smp ]; then
+    kill "$WATCH_CLI" 2>/dev/null || true
+  fi
+  kill "$WATCH_PID" 2>/dev/null || true; wait "$WATCH_PID" 2>/dev/null || true; WATCH_PID=""
+}
+watch_over() { [ -n "$WATCH_PID" ] && ! kill -0 "$WATCH_PID" 2>/dev/null; } # it returned: the queue emptied, or it gave up
+# Once the watcher returned: sets DRAIN_END (epoch seconds) to the moment the queue held nothing
+# ready or unacked and the table all N rows (not counted with NO_TABLE=1: the raw drain); with
+# fewer rows then, the contender acked rows it had not committed: the drain ends when they are
+# all there, if they come.
+drain_end() { # [NO_TABLE]
+  local result rows deadline
+  wait "$WATCH_PID" 2>/dev/null || true; WATCH_PID=""
+  result=$(tail -1 "$WATCH_OUT")
+  case "$result" in
+    '{empty,'*'}') DRAIN_END=$(awk -v us="${result//[^0-9]/}" 'BEGIN {printf "%.6f", us / 1e6}') ;;
+    '{timeout,'*'}') FAIL="$MAIN_QUEUE still held ${result//[^0-9]/} messages (ready or unacked) after $TIMEOUT_S s"; return 1 ;;
+    *) FAIL="the drain's watcher failed: $result; see $WATCH_OUT"; return 1 ;;
+  esac
+  [ "${1:-}" != 1 ] || return 0
+  rows=$(rows_in_table); deadline=$((SECONDS + 10))
+  if [ "$rows" != "$N" ]; then
+    say "warning: $MAIN_QUEUE was empty with ${rows:-?} of $N rows in $SCHEMA.$TABLE: acks before commits"
+    until [ "$rows" = "$N" ]; do
+      [ "$SECONDS" -lt "$deadline" ] || { FAIL="$SCHEMA.$TABLE holds ${rows:-?} rows of $N, every message acked"; return 1; }
+      sleep 0.02; rows=$(rows_in_table)
+    done
+    DRAIN_END=$(now)
+  fi
 }
 # Rate over the first 99% of the backlog, by the database's clock: the rows committed before the
 # batch that brought the table past 99% of N began, over the time from the first batch's start to
@@ -694,7 +818,8 @@ perf_stop() { # writes $LOGDIR/<tag>.perf.txt: CPU by thread name, then the top 
 
 run_example() { # rep contender tag example args...
   local rep="$1" name="$2" tag="$3" ex="$4"; shift 4
-  local out="$LOGDIR/$tag.out" err="$LOGDIR/$tag.err" b0 b1 p0 p1 t0 t1 rc=0 line rate drain rows dbrate span
+  local out="$LOGDIR/$tag.out" err="$LOGDIR/$tag.err" b0 b1 p0 p1 t0 t1 rc=0 line
+  watch_start "$tag" || return 1
   perf_start "$tag"
   p0=$(pg_ticks); b0=$(broker_ticks); t0=$(now)
   "$EX/$ex" "$@" >"$out" 2>"$err" &
@@ -703,47 +828,52 @@ run_example() { # rep contender tag example args...
   CHILD=""
   t1=$(now); b1=$(broker_ticks); p1=$(pg_ticks)
   perf_stop
-  [ "$rc" = 0 ] || { FAIL="$ex failed (status $rc): $(tail -1 "$err"); see $err"; return 1; }
+  [ "$rc" = 0 ] || { watch_stop; FAIL="$ex failed (status $rc): $(tail -1 "$err"); see $err"; return 1; }
+  # The example acked its last message and closed its connection: the queue is empty by now,
+  # unless an ack was lost (then the watcher times out, and the drain is measured again).
+  drain_end "$([ "$ex" = raw_drain ] && echo 1)" || return 1
   line=$(tail -1 "$out")
-  rate=$(field rate "$line"); drain=$(field secs "$line")
-  if [ "$name" = minimal_pipeline ]; then
-    read -r rows dbrate span <<<"$(db_rate)"
-    [ "$rows" = "$N" ] || { FAIL="minimal_pipeline left ${rows:-?} rows of $N in $SCHEMA.users; see $out"; return 1; }
-    if [ "$dbrate" != 0 ]; then rate="$dbrate"; drain="$span"; fi
-  fi
-  record "$rep" "$name" "$rate" "$drain" "$(seconds_between "$t0" "$t1")" \
+  record "$rep" "$name" "$(drain_rate "$t0")" "$(seconds_between "$t0" "$DRAIN_END")" "$(seconds_between "$t0" "$t1")" \
     "$(( $(field cpu_us "$line") * CLK_TCK / 1000000 ))" "$(( b0 < 0 ? -1 : b1 - b0 ))" \
     "$(field peak_rss_kb "$line")" "$(field acks "$line")" "$(field batches "$line")" \
     "$(( p0 < 0 || p1 < 0 ? -1 : p1 - p0 ))"
 }
+# N over the drain: from the contender's launch (T0) to DRAIN_END.
+drain_rate() { awk -v n="$N" -v a="$1" -v b="$DRAIN_END" 'BEGIN {print n / (b - a)}'; }
 
 run_warren() { # rep contender tag [KEY=VALUE...]
   local rep="$1" name="$2" tag="$3"; shift 3
-  local b0 b1 p0 p1 t0 t1 inserted deadline rows dbrate span wall disturbed
+  local b0 b1 p0 p1 t0 t1 inserted deadline disturbed
+  watch_start "$tag" || return 1
   perf_start "$tag"
   p0=$(pg_ticks); b0=$(broker_ticks); t0=$(now)
   start_warren "$LOGDIR/$tag.log" "$@"
-  deadline=$((SECONDS + TIMEOUT_S))
+  deadline=$((SECONDS + TIMEOUT_S + 5))
   local next_sample=0 elapsed
   [ -z "${CURVE:-}" ] || : >"$CURVE"
-  while :; do
-    sleep 0.1
-    kill -0 "$CHILD" 2>/dev/null || { stop_child; FAIL="warren exited (status $STOP_RC) before draining the queue; see $WARREN_LOG"; return 1; }
-    inserted=$(metric_now "$WARREN_PORT" warren_messages_inserted_total)
+  # Until the watcher saw the queue empty. warren's /metrics is read only where a bench needs
+  # it during the drain (the balance bench's curve, the Redis stop): a plain drain is left alone,
+  # as the examples are.
+  until watch_over; do
+    sleep 0.05
+    kill -0 "$CHILD" 2>/dev/null || { stop_child; watch_stop; FAIL="warren exited (status $STOP_RC) before draining the queue; see $WARREN_LOG"; return 1; }
     if [ -n "${CURVE:-}" ]; then
       elapsed=$(seconds_between "$t0" "$(now)")
       if awk -v e="$elapsed" -v n="$next_sample" 'BEGIN {exit !(e >= n)}'; then
-        printf '%.1f\t%s\t%s\n' "$elapsed" "$(metric_now "$WARREN_PORT" warren_pipeline_concurrency)" "${inserted:-0}" >>"$CURVE"
+        scrape "$WARREN_PORT"
+        printf '%.1f\t%s\t%s\n' "$elapsed" "$(metric_of warren_pipeline_concurrency)" "$(metric_of warren_messages_inserted_total)" >>"$CURVE"
         next_sample=$(awk -v n="$next_sample" 'BEGIN {print n + 0.5}')
       fi
     fi
-    [ "${inserted:-0}" -ge "$N" ] && break
-    if [ -n "${REDIS_STOP_PORT:-}" ] && [ "${inserted:-0}" -ge $((N / 10)) ]; then
-      redis-cli -p "$REDIS_STOP_PORT" shutdown nosave >/dev/null 2>&1 || true
-      say "$tag: Redis (port $REDIS_STOP_PORT) stopped at ${inserted} rows"; REDIS_STOP_PORT=""
+    if [ -n "${REDIS_STOP_PORT:-}" ]; then
+      inserted=$(metric_now "$WARREN_PORT" warren_messages_inserted_total)
+      if [ "${inserted:-0}" -ge $((N / 10)) ]; then
+        redis-cli -p "$REDIS_STOP_PORT" shutdown nosave >/dev/null 2>&1 || true
+        say "$tag: Redis (port $REDIS_STOP_PORT) stopped at ${inserted} rows"; REDIS_STOP_PORT=""
+      fi
     fi
     if [ "$SECONDS" -ge "$deadline" ]; then
-      stop_warren; FAIL="warren inserted ${inserted:-0} of $N within $TIMEOUT_S s; see $WARREN_LOG"; return 1
+      stop_warren; watch_stop; FAIL="$MAIN_QUEUE not empty $TIMEOUT_S s after warren started; see $WARREN_LOG"; return 1
     fi
   done
   t1=$(now); b1=$(broker_ticks); p1=$(pg_ticks)
@@ -754,14 +884,10 @@ run_warren() { # rep contender tag [KEY=VALUE...]
   # the figures those of a different run: measure again.
   disturbed=$(( $(metric_file "$LOGDIR/$tag.metrics" warren_reconnects_total || echo 0) + 0
     + $(metric_file "$LOGDIR/$tag.metrics" warren_consumer_restarts_total || echo 0) + 0 ))
-  [ "$disturbed" = 0 ] || { FAIL="warren reconnected or rebuilt its consumer $disturbed time(s) during the drain; see $WARREN_LOG"; return 1; }
-  read -r rows dbrate span <<<"$(db_rate)"
-  [ "$rows" = "$N" ] || { FAIL="warren left ${rows:-?} rows of $N in $SCHEMA.$TABLE; see $WARREN_LOG"; return 1; }
+  [ "$disturbed" = 0 ] || { watch_stop; FAIL="warren reconnected or rebuilt its consumer $disturbed time(s) during the drain; see $WARREN_LOG"; return 1; }
+  drain_end || return 1
   if [ "$MODE" = balance ]; then printf '%s\t%s\t%s\n' "$rep" "$name" "$(db_rate99)" >>"$LOGDIR/rate99.tsv"; fi
-  wall=$(seconds_between "$t0" "$t1")
-  # One batch only (tiny N): no span between batches; the rate from process start instead.
-  if [ "$dbrate" = 0 ]; then dbrate=$(awk -v n="$N" -v w="$wall" 'BEGIN {print n / w}'); span="$wall"; fi
-  record "$rep" "$name" "$dbrate" "$span" "$wall" \
+  record "$rep" "$name" "$(drain_rate "$t0")" "$(seconds_between "$t0" "$DRAIN_END")" "$(seconds_between "$t0" "$t1")" \
     "$W_TICKS" "$(( b0 < 0 ? -1 : b1 - b0 ))" "$W_RSS_KB" "$W_ACKS" "$W_BATCHES" \
     "$(( p0 < 0 || p1 < 0 ? -1 : p1 - p0 ))"
 }
@@ -787,6 +913,7 @@ measure() { # rep contender tag
                         "$LOGDIR/$3.publish.log" >>"$LOGDIR/publish.tsv" ;;
     raw_drain)        run_example "$1" "$2" "$3" raw_drain --count "$N" ;;
     minimal_pipeline) run_example "$1" "$2" "$3" minimal_pipeline --count "$N" ;;
+    tuned_pipeline)   run_example "$1" "$2" "$3" tuned_pipeline --count "$N" ;;
     warren)           run_warren "$1" "$2" "$3" ;;
     warren_b)         local bin_a="$BIN" rc=0
                       BIN="$BIN_B"; run_warren "$1" "$2" "$3" || rc=$?; BIN="$bin_a"
@@ -864,7 +991,7 @@ awk -F'\t' -v reps="$REPS" -v list="${CONTENDERS[*]}" -v base="${CONTENDERS[0]}"
     add($2 SUBSEP "rss", $8); add($2 SUBSEP "apb", $11); add($2 SUBSEP "db", $12); line[NR] = $0 }
   END {
     nc = split(list, names, " ")
-    label["raw_drain"] = "raw drain"; label["minimal_pipeline"] = "minimal pipeline"
+    label["raw_drain"] = "raw drain"; label["minimal_pipeline"] = "minimal pipeline"; label["tuned_pipeline"] = "tuned pipeline"
     label["warren"] = "warren (defaults)"; label["warren_pf5000"] = "warren PREFETCH=5000"
     label["warren_mapped"] = "warren, users mapped"; label["warren_wide"] = "warren, 10 columns"
     for (i = 1; i <= 9; i++) label["warren_c" i] = "warren concurrency " i
@@ -878,6 +1005,7 @@ awk -F'\t' -v reps="$REPS" -v list="${CONTENDERS[*]}" -v base="${CONTENDERS[0]}"
       c = names[k]
       if (rate["" r, base] > 0) add(c SUBSEP "vs_raw", rate["" r, c] / rate["" r, base])
       if (c ~ /^warren/ && rate["" r, "minimal_pipeline"] > 0) add(c SUBSEP "vs_min", rate["" r, c] / rate["" r, "minimal_pipeline"])
+      if (c ~ /^warren/ && rate["" r, "tuned_pipeline"] > 0) add(c SUBSEP "vs_tuned", rate["" r, c] / rate["" r, "tuned_pipeline"])
     }
     # Balance bench: auto against the best fixed concurrency of the same repetition.
     for (r = 1; r <= reps; r++) {
@@ -889,16 +1017,19 @@ awk -F'\t' -v reps="$REPS" -v list="${CONTENDERS[*]}" -v base="${CONTENDERS[0]}"
       }
     }
     print "medians over " reps " repetition(s); ratios are medians of the per-repetition ratios, (min-max) their spread"
-    printf "%-22s %8s %7s %10s %11s %10s %11s %14s %10s %13s %11s\n", "contender", "msg/s", "vs raw", "(min-max)", "vs minimal", "(min-max)", "CPU us/msg", "broker us/msg", "db us/msg", "peak RSS MiB", "acks/batch"
+    printf "%-22s %8s %7s %10s %11s %10s %9s %10s %11s %14s %10s %13s %11s\n", "contender", "msg/s", "vs raw", "(min-max)", "vs minimal", "(min-max)", "vs tuned", "(min-max)", "CPU us/msg", "broker us/msg", "db us/msg", "peak RSS MiB", "acks/batch"
     for (k = 1; k <= nc; k++) {
       c = names[k]
       vm = (c ~ /^warren/) ? median(vals[c SUBSEP "vs_min"]) : "-"
       if (vm != "-" && vm != "n/a") vm = sprintf("%.2f", vm)
+      vt = (c ~ /^warren/) ? median(vals[c SUBSEP "vs_tuned"]) : "-"
+      if (vt != "-" && vt != "n/a") vt = sprintf("%.2f", vt)
       br = median(vals[c SUBSEP "broker"]); ap = median(vals[c SUBSEP "apb"]); db = median(vals[c SUBSEP "db"])
       sr = (c == base) ? "-" : spread(vals[c SUBSEP "vs_raw"])
       sm = (vm == "-" || vm == "n/a") ? "-" : spread(vals[c SUBSEP "vs_min"])
-      printf "%-22s %8.0f %7.2f %10s %11s %10s %11.2f %14s %10s %13.1f %11s\n", (c in label) ? label[c] : c, median(vals[c SUBSEP "rate"]),
-        median(vals[c SUBSEP "vs_raw"]), sr, vm, sm, median(vals[c SUBSEP "cpu"]),
+      st = (vt == "-" || vt == "n/a") ? "-" : spread(vals[c SUBSEP "vs_tuned"])
+      printf "%-22s %8.0f %7.2f %10s %11s %10s %9s %10s %11.2f %14s %10s %13.1f %11s\n", (c in label) ? label[c] : c, median(vals[c SUBSEP "rate"]),
+        median(vals[c SUBSEP "vs_raw"]), sr, vm, sm, vt, st, median(vals[c SUBSEP "cpu"]),
         (br == "n/a" ? br : sprintf("%.2f", br)), (db == "n/a" ? db : sprintf("%.2f", db)),
         median(vals[c SUBSEP "rss"]), (ap == "n/a" ? ap : sprintf("%.2f", ap))
     }

@@ -116,11 +116,17 @@ pub enum Kind {
         to: usize,
         reason: String,
     },
-    /// A batch committed: `rows` new rows (of `messages`) in `duration_ms`. One per batch.
+    /// A batch committed: `rows` messages stored (of `messages`) in `duration_ms`; `stale`
+    /// of them older than their key's version (changed nothing) and `deleted` deletes that
+    /// hold, both acked and not counted in `rows` (absent when 0). One per batch.
     BatchCommitted {
         rows: u64,
         messages: u64,
         duration_ms: u64,
+        #[serde(skip_serializing_if = "is_zero")]
+        stale: u64,
+        #[serde(skip_serializing_if = "is_zero")]
+        deleted: u64,
     },
     /// A message was republished to the dead-letter exchange.
     DeadLettered {
@@ -139,6 +145,10 @@ pub enum Kind {
         #[serde(skip_serializing_if = "Option::is_none")]
         traceparent: Option<String>,
     },
+    /// A message older than the version its key holds or its batch writes
+    /// (`on_conflict = "update"`): acked, it changed nothing; `reason` names the key and both
+    /// versions.
+    Stale { message_id: String, reason: String },
     /// Deliveries held too long were given back to the queue before the broker's consumer
     /// timeout (nack with requeue).
     GivenBack { count: u64, reason: String },
@@ -162,6 +172,11 @@ pub enum Kind {
     ReloadFailed { reason: String },
 }
 
+/// For `skip_serializing_if`: a count of 0 is left out.
+fn is_zero(n: &u64) -> bool {
+    *n == 0
+}
+
 impl Kind {
     /// The `type` field of this kind, as written.
     pub fn name(&self) -> &'static str {
@@ -180,6 +195,7 @@ impl Kind {
             Kind::BatchCommitted { .. } => "batch_committed",
             Kind::DeadLettered { .. } => "dead_lettered",
             Kind::Parked { .. } => "parked",
+            Kind::Stale { .. } => "stale",
             Kind::GivenBack { .. } => "given_back",
             Kind::Error { .. } => "error",
             Kind::Reloaded { .. } => "reloaded",
@@ -251,6 +267,10 @@ impl Kind {
                 reason: cap(reason),
                 traceparent: opt(traceparent),
             },
+            Kind::Stale { message_id, reason } => Kind::Stale {
+                message_id: cap(message_id),
+                reason: cap(reason),
+            },
             Kind::GivenBack { count, reason } => Kind::GivenBack {
                 count,
                 reason: cap(reason),
@@ -286,7 +306,7 @@ impl Kind {
     }
 
     /// Every type, as written (docs/events.md lists the same).
-    pub const NAMES: [&'static str; 18] = [
+    pub const NAMES: [&'static str; 19] = [
         "started",
         "ready",
         "paused",
@@ -301,6 +321,7 @@ impl Kind {
         "batch_committed",
         "dead_lettered",
         "parked",
+        "stale",
         "given_back",
         "error",
         "reloaded",
@@ -597,6 +618,8 @@ mod tests {
                 rows: 99,
                 messages: 100,
                 duration_ms: 12,
+                stale: 0,
+                deleted: 0,
             },
             Kind::DeadLettered {
                 message_id: "m-1".into(),
@@ -609,6 +632,11 @@ mod tests {
                 kind: "invalid_json".into(),
                 reason: "expected value".into(),
                 traceparent: None,
+            },
+            Kind::Stale {
+                message_id: "m-2".into(),
+                reason: "id a version 2 is older than the stored version 3: it changes nothing"
+                    .into(),
             },
             Kind::GivenBack {
                 count: 7,
@@ -674,10 +702,27 @@ mod tests {
             rows: 5,
             messages: 6,
             duration_ms: 7,
+            stale: 0,
+            deleted: 0,
         });
         assert_eq!(
             (e["rows"].as_u64(), e["duration_ms"].as_u64()),
             (Some(5), Some(7))
+        );
+        assert!(
+            e.get("stale").is_none() && e.get("deleted").is_none(),
+            "{e}"
+        );
+        let e = json(Kind::BatchCommitted {
+            rows: 1,
+            messages: 4,
+            duration_ms: 7,
+            stale: 2,
+            deleted: 1,
+        });
+        assert_eq!(
+            (e["stale"].as_u64(), e["deleted"].as_u64()),
+            (Some(2), Some(1))
         );
         let e = json(Kind::Stopped {
             exit_code: 1,

@@ -21,6 +21,7 @@ pub const INSERTED: &str = "warren_messages_inserted_total";
 pub const RETRIED: &str = "warren_messages_retried_total";
 pub const DEAD_LETTERED: &str = "warren_messages_dead_lettered_total";
 pub const PARKED: &str = "warren_messages_parked_total";
+pub const OUTCOMES: &str = "warren_messages_outcomes_total";
 pub const BATCH_SIZE: &str = "warren_batch_size";
 pub const BATCH_INSERT_SECONDS: &str = "warren_batch_insert_seconds";
 pub const END_TO_END_SECONDS: &str = "warren_end_to_end_seconds";
@@ -320,7 +321,13 @@ fn describe() {
     );
     describe_counter!(
         PARKED,
-        "Messages parked in the dead_letters table by the DLQ consumer, by kind."
+        "Messages parked in the dead_letters table, by pipeline, stage and kind."
+    );
+    describe_counter!(
+        OUTCOMES,
+        "Messages acked without being counted as inserted, by pipeline, stage and outcome \
+         (stale: older than the version its key holds or its batch writes, it changed nothing; \
+         deleted: a delete that holds, its key's row and child rows gone)."
     );
     describe_histogram!(BATCH_SIZE, "Valid messages per batch insert.");
     describe_gauge!(
@@ -584,10 +591,17 @@ pub fn messages_routed(id: &StageId, kind: &'static str, n: u64) {
     }
 }
 
-/// The DLQ consumer parked `n` messages of `kind` in `dead_letters`.
-pub fn messages_parked(kind: &'static str, n: u64) {
-    counter!(PARKED, "kind" => kind).increment(n);
+/// `n` messages of `kind` of stage `id` were parked in `dead_letters`.
+pub fn messages_parked(id: &StageId, kind: &'static str, n: u64) {
+    counter!(PARKED, id.labels(&[("kind", kind)])).increment(n);
     STATS.parked.fetch_add(n, Ordering::Relaxed);
+}
+
+/// Of one batch of stage `id`, `stale` messages changed nothing (older than their key's
+/// version) and `deleted` were deletes that hold: acked, not counted as inserted.
+pub fn messages_settled(id: &StageId, stale: u64, deleted: u64) {
+    counter!(OUTCOMES, id.labels(&[("outcome", "stale")])).increment(stale);
+    counter!(OUTCOMES, id.labels(&[("outcome", "deleted")])).increment(deleted);
 }
 
 /// The sink-outage breaker of `id` opened or closed.
@@ -779,9 +793,6 @@ static AMQP_LINKS: Mutex<Option<HashMap<String, bool>>> = Mutex::new(None);
 /// than "no data" before the first event.
 pub fn preregister(stages: &[StageId]) {
     stages.iter().for_each(preregister_stage);
-    for kind in ErrorKind::ALL {
-        counter!(PARKED, "kind" => kind.as_str()).absolute(0);
-    }
     for outcome in [
         "confirmed",
         "unroutable",
@@ -808,6 +819,10 @@ pub fn preregister_stage(p: &StageId) {
     counter!(RETRIED, p.labels(&[("reason", "db_transient")])).absolute(0);
     for kind in ErrorKind::ALL {
         counter!(DEAD_LETTERED, p.labels(&[("kind", kind.as_str())])).absolute(0);
+        counter!(PARKED, p.labels(&[("kind", kind.as_str())])).absolute(0);
+    }
+    for outcome in ["stale", "deleted"] {
+        counter!(OUTCOMES, p.labels(&[("outcome", outcome)])).absolute(0);
     }
     for reason in ["publish_failed", "db_unavailable", "copy_pending"] {
         counter!(REQUEUED, p.labels(&[("reason", reason)])).absolute(0);

@@ -168,3 +168,58 @@ async fn a_minimum_wait_holds_a_partial_batch_for_more() {
     );
     warren.terminate_ok(Duration::from_secs(25));
 }
+
+/// A table slower than the load (a per-row trigger of 10 ms: one sink takes 100 rows a second)
+/// gets its second insert in flight as soon as the first has been inserting for longer than the
+/// pace, not after a whole batch's worth of deliveries went to the first batcher (found by
+/// review: at 360 msg/s on such a table the second sink idled for 1,000 deliveries at a time,
+/// p99 2.9 s). 300 messages, fewer than a batch's worth: on the old rule they all went to the
+/// first batcher, one insert at a time (fails against a build before the fix:
+/// `WARREN_TEST_BIN=<that build>`: no two transactions overlapped).
+#[tokio::test(flavor = "multi_thread")]
+async fn a_slow_table_gets_its_second_insert_in_flight_without_waiting_for_a_batch_s_worth() {
+    let env = TestEnv::new("slow_table").await;
+    env.declare();
+    env.db
+        .batch_execute(
+            "CREATE TABLE insert_trace (tx text NOT NULL, at timestamptz NOT NULL);
+             CREATE FUNCTION slow_row() RETURNS trigger LANGUAGE plpgsql AS $$
+             BEGIN
+               PERFORM pg_sleep(0.01);
+               INSERT INTO insert_trace VALUES (pg_current_xact_id()::text, clock_timestamp());
+               RETURN NULL;
+             END $$;
+             CREATE TRIGGER slow_row AFTER INSERT ON users FOR EACH ROW EXECUTE FUNCTION slow_row();",
+        )
+        .await
+        .expect("the slow trigger");
+    let ids: HashSet<Uuid> = env.publish_users(300).await.into_iter().collect();
+    let mut warren = env.start(&["--roles", "consumer"]);
+    let _logs = LogsOnPanic(vec![warren.log.clone()]);
+    assert_rows_exactly(&env, &ids, Duration::from_secs(60), &|| warren.logs()).await;
+    warren.terminate_ok(Duration::from_secs(25));
+    // Each insert's transaction, from its first row to its last: two that overlap were in
+    // flight at once.
+    let overlapping: i64 = env
+        .db
+        .query_one(
+            "WITH t AS (SELECT tx, min(at) lo, max(at) hi, count(*) n FROM insert_trace GROUP BY tx)
+             SELECT count(*) FROM t a JOIN t b ON a.tx < b.tx AND a.lo < b.hi AND b.lo < a.hi",
+            &[],
+        )
+        .await
+        .expect("overlapping inserts")
+        .get(0);
+    let transactions: i64 = env
+        .db
+        .query_one("SELECT count(DISTINCT tx) FROM insert_trace", &[])
+        .await
+        .expect("transactions")
+        .get(0);
+    eprintln!("{transactions} insert transactions, {overlapping} overlapping pairs");
+    assert!(
+        overlapping >= 1,
+        "no two of the {transactions} inserts were in flight at once: the second sink idled \
+         while the first could not keep up"
+    );
+}

@@ -236,17 +236,43 @@ async fn update_replaces_the_items_with_the_winning_versions() {
     let done = insert(&m, &pool, &[order(a, 2, &[("A", 9)])])
         .await
         .expect("insert");
-    assert_eq!((done.rows, done.unchanged), (1, 0));
+    assert_eq!((done.rows, done.stale.len()), (1, 0));
     assert_eq!(items(&env, a).await, owned(&[(1, "A", 9)]));
-    // Older and equal versions change nothing, items included.
+    // An older version is stale; the same version with other items is id_conflict (two
+    // states under one version); the same version with the same items is a copy. None
+    // changes anything.
     let done = insert(
         &m,
         &pool,
-        &[order(a, 1, &[("X", 1), ("Y", 1)]), order(a, 2, &[("Z", 1)])],
+        &[
+            order(a, 1, &[("X", 1), ("Y", 1)]),
+            order(a, 2, &[("Z", 1)]),
+            order(a, 2, &[("A", 9)]),
+        ],
     )
     .await
     .expect("insert");
-    assert_eq!((done.rows, done.unchanged), (0, 2));
+    assert_eq!(done.rows, 0, "{done:?}");
+    assert_eq!(done.stale.len(), 1, "{done:?}");
+    assert_eq!(done.stale[0].0, 0);
+    assert!(
+        done.stale[0]
+            .1
+            .contains("version 1 is older than the stored version 2"),
+        "{done:?}"
+    );
+    assert_eq!(done.conflicts.len(), 1, "{done:?}");
+    assert_eq!(done.conflicts[0].0, 1);
+    assert!(
+        done.conflicts[0]
+            .1
+            .contains("under version 2 with other rows of order_items"),
+        "{done:?}"
+    );
+    assert!(
+        done.refused.is_empty() && done.deleted.is_empty(),
+        "{done:?}"
+    );
     assert_eq!(items(&env, a).await, owned(&[(1, "A", 9)]));
     // Several versions of a key in one batch, and a new key: each ends as its highest, with
     // its items (the highest here has none).
@@ -263,7 +289,10 @@ async fn update_replaces_the_items_with_the_winning_versions() {
     )
     .await
     .expect("insert");
-    assert_eq!((done.rows, done.unchanged), (2, 2));
+    assert_eq!(done.rows, 2, "{done:?}");
+    let stale: Vec<usize> = done.stale.iter().map(|(i, _)| *i).collect();
+    assert_eq!(stale, [0, 3], "versions 4 and 3 of a are stale: {done:?}");
+    assert!(done.conflicts.is_empty(), "{done:?}");
     assert!(items(&env, a).await.is_empty(), "version 5 has no items");
     assert_eq!(items(&env, b).await, owned(&[(1, "N", 1)]));
     let version: i64 = env
@@ -552,7 +581,7 @@ async fn update_through_the_probe_keeps_the_highest_versions_items() {
     )
     .await
     .expect("insert");
-    assert_eq!((done.rows, done.unchanged), (1, 1));
+    assert_eq!((done.rows, done.stale.len()), (1, 1), "{done:?}");
     let stored: Vec<(i32, String)> = env
         .db
         .query("SELECT line, sku FROM tag_items ORDER BY line", &[])

@@ -193,21 +193,33 @@ async fn update_keeps_the_highest_version_also_within_one_batch() {
         ],
     )
     .await;
-    assert_eq!((done.rows, done.unchanged), (1, 2));
+    assert_eq!(done.rows, 1, "{done:?}");
+    let stale: Vec<usize> = done.stale.iter().map(|(i, _)| *i).collect();
+    assert_eq!(stale, [0, 2], "{done:?}");
     assert_eq!(stored(&env).await, ("v3@example.com".into(), 3));
-    // Older, equal (other content): success, nothing changes. Newer: replaces.
-    for (v, email, changed) in [
-        (2, "old@example.com", 0),
-        (3, "eq@example.com", 0),
-        (4, "new@example.com", 1),
+    // Older: stale. Equal, other content: id_conflict. Equal, same content: a copy. Newer:
+    // replaces. Only the newer changes anything.
+    for (v, email, rows, stale, conflict) in [
+        (2, "old@example.com", 0, 1, 0),
+        (3, "eq@example.com", 0, 0, 1),
+        (3, "v3@example.com", 0, 0, 0),
+        (4, "new@example.com", 1, 0, 0),
     ] {
         let done = insert(&m, &pool, &[body(A, email, "1", None, v)]).await;
         assert_eq!(
-            (done.rows, done.unchanged),
-            (changed, 1 - changed),
-            "version {v}"
+            (done.rows, done.stale.len(), done.conflicts.len()),
+            (rows, stale, conflict),
+            "version {v} {email}: {done:?}"
         );
-        assert!(done.conflicts.is_empty() && done.refused.is_empty());
+        assert!(done.refused.is_empty());
+        if conflict == 1 {
+            assert!(
+                done.conflicts[0]
+                    .1
+                    .contains("under version 3 with another email"),
+                "{done:?}"
+            );
+        }
     }
     assert_eq!(stored(&env).await, ("new@example.com".into(), 4));
 }
@@ -484,7 +496,7 @@ async fn any_version_replaces_a_stored_row_that_has_none() {
     let m = Mapping::compile("shared", &spec).unwrap();
     let pool = pool(&env).await;
     let done = insert(&m, &pool, &[br#"{"id":"s1","v":"mine","ver":1}"#.to_vec()]).await;
-    assert_eq!((done.rows, done.unchanged), (1, 0), "{done:?}");
+    assert_eq!((done.rows, done.stale.len()), (1, 0), "{done:?}");
     let row = env
         .db
         .query_one("SELECT v, ver FROM shared WHERE id = 's1'", &[])

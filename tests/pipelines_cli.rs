@@ -386,3 +386,53 @@ fn test_prints_the_child_rows_and_names_an_elements_path() {
         )
     );
 }
+
+/// A pipeline with deletes: the listing names the delete's field and value and the tombstone
+/// table; `test` prints a delete as its key and version (`delete {...}`), a message whose field
+/// holds another value as a row; a delete without `on_conflict = "update"`, or reading the
+/// key's own field, stops warren with exit 2 naming `delete`.
+#[test]
+fn deletes_are_listed_tested_and_refused_where_they_make_no_sense() {
+    let config = ORDERS
+        .replace(
+            "key = [\"order_id\"]\n",
+            "key = [\"order_id\"]\non_conflict = \"update\"\nversion_column = \"quantity\"\n\
+             delete = { field = \"/op\", value = \"delete\" }\n",
+        )
+        .replace("doc       = { path = \"\", type = \"jsonb\" }\n", "");
+    let (code, out, err) = warren(&config, &["pipelines"], "");
+    assert_eq!(code, 0, "{out}{err}");
+    assert!(
+        out.contains("delete when /op = \"delete\" (tombstones_orders)"),
+        "{out}"
+    );
+    let delete = r#"{"op":"delete","id":"6f1c3c1e-8a4e-4f55-9a53-2d5e0b7f1a01","qty":3}"#;
+    let upsert = GOOD.replace("{\"id\"", "{\"op\":\"upsert\",\"id\"");
+    let input = format!("{delete}\n{upsert}\n");
+    let (code, out, err) = warren(&config, &["pipelines", "test", "orders"], &input);
+    assert_eq!(code, 0, "{out}{err}");
+    assert!(
+        out.contains(
+            r#"1: delete {"order_id":"6f1c3c1e-8a4e-4f55-9a53-2d5e0b7f1a01","quantity":3}"#
+        ),
+        "{out}"
+    );
+    assert!(out.contains("2: ok {"), "{out}");
+    for (edit, expected) in [
+        (
+            config.replace(
+                "on_conflict = \"update\"\nversion_column = \"quantity\"\n",
+                "",
+            ),
+            "delete needs on_conflict = \"update\"",
+        ),
+        (
+            config.replace("field = \"/op\"", "field = \"/id\""),
+            "delete.field \"/id\" is read by column order_id",
+        ),
+    ] {
+        let (code, out, err) = warren(&edit, &["pipelines"], "");
+        assert_eq!(code, 2, "{out}{err}");
+        assert!(err.contains(expected), "{err}");
+    }
+}

@@ -1,8 +1,16 @@
-//! What the bench examples share: the broker and database URLs from the environment, and the
-//! process's own CPU time and peak RSS, read from /proc/self the way `scripts/bench.sh` reads
-//! warren's (utime + stime of /proc/PID/stat, VmHWM of /proc/PID/status).
+//! What the bench examples share: the broker and database URLs from the environment, the
+//! consumer the drains subscribe, and the process's own CPU time and peak RSS, read from
+//! /proc/self the way `scripts/bench.sh` reads warren's (utime + stime of /proc/PID/stat, VmHWM
+//! of /proc/PID/status). `users.rs`: what the two pipelines (minimal and tuned) share.
 
 use std::time::Duration;
+
+use lapin::options::{BasicConsumeOptions, BasicQosOptions};
+use lapin::types::FieldTable;
+use lapin::{Channel, Connection, ConnectionProperties, Consumer};
+
+#[allow(dead_code)] // only the two pipelines use it
+pub mod users;
 
 /// The broker, from `AMQP_URL` as warren reads it.
 pub fn amqp_url() -> String {
@@ -14,6 +22,30 @@ pub fn amqp_url() -> String {
 pub fn database_url() -> String {
     std::env::var("DATABASE_URL")
         .unwrap_or_else(|_| "postgres://warren:warren@127.0.0.1:5432/warren".into())
+}
+
+/// A drain's link to the broker: one connection, one channel with `prefetch` unacked deliveries
+/// at most (basic.qos), and a consumer named `tag` on `queue`.
+#[allow(dead_code)] // the publishers consume nothing
+pub async fn subscribe(
+    queue: &str,
+    prefetch: u16,
+    tag: &str,
+) -> Result<(Connection, Channel, Consumer), lapin::Error> {
+    let conn = Connection::connect(&amqp_url(), ConnectionProperties::default()).await?;
+    let channel = conn.create_channel().await?;
+    channel
+        .basic_qos(prefetch, BasicQosOptions::default())
+        .await?;
+    let consumer = channel
+        .basic_consume(
+            queue.into(),
+            tag.into(),
+            BasicConsumeOptions::default(),
+            FieldTable::default(),
+        )
+        .await?;
+    Ok((conn, channel, consumer))
 }
 
 /// This process's resource use so far.

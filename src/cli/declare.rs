@@ -67,6 +67,7 @@ pub async fn declare_all(
 ) -> anyhow::Result<()> {
     let mut rows = declare_topology(settings, topology).await?;
     let report = migrate(settings).await?;
+    rows.extend(tombstones(settings).await?);
     if verbose {
         let what = if report.applied.is_empty() {
             "already up to date".to_string()
@@ -224,6 +225,56 @@ pub async fn check_tables(settings: &Settings) -> anyhow::Result<()> {
         return Ok(());
     }
     Err(crate::config::ConfigError::Pipeline(mismatches.join("\n")).into())
+}
+
+/// Makes the tombstone table of every configured pipeline with deletes that lacks one
+/// (docs/pipelines.md, "Deletes"); answers each with its outcome, as table rows.
+pub async fn tombstones(settings: &Settings) -> anyhow::Result<Vec<Vec<String>>> {
+    let mut mappings = Vec::new();
+    for p in settings.pipelines().iter().filter(|p| !p.builtin) {
+        let m = p.mapping().map_err(|e| anyhow::anyhow!(e.to_string()))?;
+        if m.delete().is_some() {
+            mappings.push(m);
+        }
+    }
+    if mappings.is_empty() {
+        return Ok(Vec::new());
+    }
+    let (client, connection) = settings
+        .database()
+        .pg_config()?
+        .connect(tokio_postgres::NoTls)
+        .await
+        .map_err(db::DbError::from_pg)
+        .context("cannot make the tombstone tables")?;
+    let task = tokio::spawn(connection);
+    let mut rows = Vec::new();
+    let mut result = Ok(());
+    for m in &mappings {
+        let Some((_, _, table)) = m.delete() else {
+            continue;
+        };
+        match m.declare_tombstones(&client).await {
+            Ok(Some(made)) => rows.push(vec![
+                format!("table {table}"),
+                if made { "created" } else { "already matched" }.to_string(),
+            ]),
+            Ok(None) => {}
+            Err(e) => {
+                // A table that does not exist yet is the tables' check to name (exit 2).
+                if e.sqlstate() == Some("42P01") {
+                    continue;
+                }
+                result = Err(e);
+                break;
+            }
+        }
+    }
+    drop(client);
+    let _ = task.await;
+    result
+        .map(|()| rows)
+        .context("cannot make the tombstone tables")
 }
 
 /// Every configured pipeline's mapping against its table (see

@@ -170,6 +170,17 @@ fn list(settings: &Settings) -> anyhow::Result<String> {
         if let Some(v) = &p.version_column {
             conflict.push_str(&format!(" (version_column {v})"));
         }
+        if let Some(d) = &p.delete {
+            let value = match &d.value {
+                crate::domain::mapping::DeleteValue::Text(t) => format!("{t:?}"),
+                crate::domain::mapping::DeleteValue::Int(n) => n.to_string(),
+                crate::domain::mapping::DeleteValue::Bool(b) => b.to_string(),
+            };
+            conflict.push_str(&format!(
+                ", delete when {} = {value} (tombstones_{})",
+                d.field, spec.name
+            ));
+        }
         let table = format!(
             "{}, key {}, on_conflict {conflict}, unknown_fields {}{}",
             p.table,
@@ -360,6 +371,18 @@ pub async fn test(
             )))
         } else {
             mapping.decode_message(&body, headers.as_ref()).map(|row| {
+                if row.2 == crate::domain::mapping::Op::Delete {
+                    // A delete: its key and version, what it deletes (no child rows).
+                    let (names, cells): (Vec<&str>, Vec<_>) = mapping
+                        .columns()
+                        .zip(&row.0)
+                        .filter(|((c, _, _), _)| {
+                            mapping.key().contains(c) || mapping.version_column() == Some(*c)
+                        })
+                        .map(|((c, _, _), cell)| (c, cell.clone()))
+                        .unzip();
+                    return (true, row_json(names.into_iter(), &cells), Vec::new(), row);
+                }
                 let parent = row_json(mapping.columns().map(|(c, _, _)| c), &row.0);
                 // Each child row under its parent, named by its table.
                 let children: Vec<String> = mapping
@@ -371,11 +394,11 @@ pub async fn test(
                         })
                     })
                     .collect();
-                (parent, children, row)
+                (false, parent, children, row)
             })
         };
         let verdict = match (verdict, db) {
-            (Ok((parent, children, row)), Some(db)) => {
+            (Ok((false, parent, children, row)), Some(db)) => {
                 let tried = tokio::time::timeout(db.bound, mapping.trial(&db.client, &row))
                     .await
                     .map_err(|_| anyhow::anyhow!("no answer within {} ms", db.bound.as_millis()))
@@ -397,6 +420,7 @@ pub async fn test(
                             .into(),
                     )),
                     Trial::Held => Ok((
+                        false,
                         parent,
                         children,
                         Some(format!(
@@ -412,7 +436,9 @@ pub async fn test(
                             }
                         )),
                     )),
+                    Trial::Delete => Ok((true, parent, children, None)),
                     Trial::Written(n) => Ok((
+                        false,
                         parent,
                         children,
                         Some(format!(
@@ -422,15 +448,19 @@ pub async fn test(
                     )),
                 }
             }
-            (verdict, _) => verdict.map(|(parent, children, _)| (parent, children, None)),
+            // A delete writes no rows: nothing of it is tried.
+            (verdict, _) => {
+                verdict.map(|(delete, parent, children, _)| (delete, parent, children, None))
+            }
         };
         match verdict {
-            Ok((row, children, db_note)) => {
+            Ok((delete, row, children, db_note)) => {
                 accepted += 1;
                 writeln!(
                     out,
-                    "{}: ok {}",
+                    "{}: {} {}",
                     i + 1,
+                    if delete { "delete" } else { "ok" },
                     crate::cli::json_terminal_safe(&row)
                 )?;
                 for child in children {

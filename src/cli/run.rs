@@ -123,6 +123,7 @@ pub async fn execute(
     let prepare = || async {
         if declare {
             crate::cli::declare::migrate(&settings).await?;
+            crate::cli::declare::tombstones(&settings).await?;
         }
         crate::cli::declare::check_tables(&settings).await
     };
@@ -163,6 +164,9 @@ pub async fn execute(
                 // table declares nothing on the broker.
                 let prepared = async {
                     let topology = Topology::from_settings(&settings)?;
+                    if declare {
+                        crate::cli::declare::tombstones(&settings).await?;
+                    }
                     crate::cli::declare::check_tables(&settings).await?;
                     if declare {
                         crate::cli::declare::declare_topology(&settings, &topology)

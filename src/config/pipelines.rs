@@ -14,7 +14,7 @@ use serde::{Deserialize, Serialize};
 
 use super::{ConfigError, RetryTier, Settings, humanize_ms, retry_base};
 use crate::domain::mapping::{
-    ChildSpec, ColumnSpec, Mapping, MappingSpec, OnConflict, UnknownFields,
+    ChildSpec, ColumnSpec, DeleteSpec, Mapping, MappingSpec, OnConflict, UnknownFields,
 };
 pub use spec::{Api, Balancing, Batching, PipelineSpec, check_budget, pool_size, resolve};
 
@@ -107,6 +107,9 @@ pub struct PipelineConfig {
     /// the same transaction as the parent row.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub children: Vec<ChildSpec>,
+    /// Which messages delete their key's row (`delete = { field = "/op", value = "delete" }`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub delete: Option<DeleteSpec>,
 }
 
 /// Who gives a `POST` of the pipeline's API its key.
@@ -200,6 +203,7 @@ impl PipelineConfig {
             unknown_fields: self.unknown_fields,
             columns: self.columns.clone(),
             children: self.children.clone(),
+            delete: self.delete.clone(),
         }
     }
 

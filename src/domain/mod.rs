@@ -151,9 +151,14 @@ pub struct Inserted {
     /// Records (by index) not stored because another unique key of theirs belongs to another
     /// record (an email stored under another id), each with the reason: refused for good.
     pub refused: Vec<(usize, String)>,
-    /// Records that were a success but changed nothing: an older or equal version of a stored
-    /// row (`on_conflict = "update"`), or a lower version of another record in the batch.
-    pub unchanged: u64,
+    /// Records (by index) older than the version their key holds or the batch writes
+    /// (`on_conflict = "update"`): acked, changed nothing, counted and evented as `stale`, never
+    /// as inserted; each with the reason (the key, its version and the newer one).
+    pub stale: Vec<(usize, String)>,
+    /// Records (by index) that are deletes (`delete = { field, value }`) and hold: their key's
+    /// row and child rows are gone, its tombstone keeps their version (a redelivered delete
+    /// included). Acked, counted as `deleted`.
+    pub deleted: Vec<usize>,
 }
 
 /// The fast path of an idempotent batch insert: `sql` is the plain `INSERT .. SELECT FROM

@@ -489,7 +489,7 @@ async fn storable(
                         Trial::Discarded => Standing::Unstorable(
                             "not written: a trigger of the table discarded its row".into(),
                         ),
-                        Trial::Written(_) | Trial::Held => Standing::New,
+                        Trial::Written(_) | Trial::Held | Trial::Delete => Standing::New,
                     }))
                 } else {
                     Ok(match api.mapping.storable(client, &row).await? {

@@ -13,6 +13,9 @@ use std::time::{Duration, Instant};
 
 use actix::prelude::*;
 
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+
 use super::message::{Batch, Decoded, Drain, Flush, Processed};
 
 /// The shortest time between a batch and the next partial one of the same batcher (capped by the
@@ -20,6 +23,48 @@ use super::message::{Batch, Decoded, Drain, Flush, Processed};
 /// allow (docs/performance.md, "Natural batching"), long enough that short inserts do not turn
 /// a stream into one statement per few rows: at most 50 partial statements a second a batcher.
 pub const PACE: Duration = Duration::from_millis(20);
+
+/// Which batchers' sinks are inserting, and since when: written by each batcher as it hands its
+/// sink a batch and gets the answer, read by the dispatch.
+#[derive(Debug)]
+pub struct SinkStates {
+    epoch: Instant,
+    /// Per batcher: microseconds from `epoch` to when its sink took the batch under way, plus
+    /// one; 0 while the sink is free.
+    since: Vec<AtomicU64>,
+}
+
+impl SinkStates {
+    /// `n` sinks, all free.
+    pub fn new(n: usize) -> Arc<Self> {
+        Arc::new(Self {
+            epoch: Instant::now(),
+            since: (0..n).map(|_| AtomicU64::new(0)).collect(),
+        })
+    }
+
+    /// Batcher `i`'s sink took a batch.
+    pub fn busy(&self, i: usize) {
+        let micros = u64::try_from(self.epoch.elapsed().as_micros()).unwrap_or(u64::MAX - 1);
+        if let Some(s) = self.since.get(i) {
+            s.store(micros + 1, Ordering::Relaxed);
+        }
+    }
+
+    /// Batcher `i`'s sink answered.
+    pub fn free(&self, i: usize) {
+        if let Some(s) = self.since.get(i) {
+            s.store(0, Ordering::Relaxed);
+        }
+    }
+
+    /// How long batcher `i`'s sink has been inserting at `now`; `None` while it is free.
+    pub(super) fn busy_for(&self, i: usize, now: Instant) -> Option<Duration> {
+        let since = self.since.get(i)?.load(Ordering::Relaxed).checked_sub(1)?;
+        let took = self.epoch + Duration::from_micros(since);
+        Some(now.saturating_duration_since(took))
+    }
+}
 
 /// When to hand a batch to the sink, and how large.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -103,6 +148,9 @@ pub struct Batcher<R: Send + Unpin + 'static> {
     /// `pipeline-index`, the prefix of batch ids in logs.
     name: String,
     next_batch_id: u64,
+    /// Where this batcher says whether its sink is inserting (the dispatch reads it), and its
+    /// index there.
+    states: Option<(Arc<SinkStates>, usize)>,
 }
 
 impl<R: Send + Unpin + 'static> Batcher<R> {
@@ -119,7 +167,14 @@ impl<R: Send + Unpin + 'static> Batcher<R> {
             flushing: false,
             name,
             next_batch_id: 0,
+            states: None,
         }
+    }
+
+    /// Says in `states[index]` when its sink is inserting.
+    pub fn reporting(mut self, states: Arc<SinkStates>, index: usize) -> Self {
+        self.states = Some((states, index));
+        self
     }
 
     /// Hands the sink a batch if one is due, and arms the timer for what waits.
@@ -147,8 +202,14 @@ impl<R: Send + Unpin + 'static> Batcher<R> {
             };
             self.busy = true;
             self.last = Some(Instant::now());
+            if let Some((states, i)) = &self.states {
+                states.busy(*i);
+            }
             ctx.spawn(self.sink.send(batch).into_actor(self).map(|_, act, ctx| {
                 act.busy = false;
+                if let Some((states, i)) = &act.states {
+                    states.free(*i);
+                }
                 act.flush(ctx);
             }));
         }

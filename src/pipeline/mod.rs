@@ -60,7 +60,7 @@ use crate::amqp::publisher::{self, Publisher};
 use crate::config::pipelines::{Names, PipelineSpec};
 use crate::domain::Domain;
 pub use crate::metrics::{Stage, StageId};
-use batcher::{Batcher, FlushRule};
+use batcher::{Batcher, FlushRule, SinkStates};
 use breaker::Breaker;
 use consumer::{Consumer, ConsumerConfig};
 use dispatch::{Dispatch, Feed};
@@ -298,12 +298,14 @@ pub fn start<D: Domain>(
         timeout: spec.batch_timeout,
         min_wait: spec.batch_min_wait,
     };
+    let sink_states = SinkStates::new(spec.max_batchers.max(spec.batchers).max(1));
     let batchers: Vec<Addr<Batcher<D::Record>>> = (0..spec.max_batchers.max(spec.batchers).max(1))
         .map(|i| {
             let config = sink_config.clone();
             let sink = Supervisor::start(move |_| Sink::new(config)).recipient();
             let name = format!("{id}-{i}");
-            Supervisor::start(move |_| Batcher::new(rule, sink, name))
+            let states = sink_states.clone();
+            Supervisor::start(move |_| Batcher::new(rule, sink, name).reporting(states, i))
         })
         .collect();
 
@@ -364,7 +366,7 @@ pub fn start<D: Domain>(
         copies,
     };
     // A batch's worth to one batcher before the next one's turn, each chunk to the next processor.
-    let dispatch = Dispatch::new(chunks, created, spec.batchers, spec.batch_size);
+    let dispatch = Dispatch::new(chunks, created, spec.batchers, spec.batch_size, sink_states);
     let consumer = Consumer::new(config, links.amqp.clone(), dispatch);
     consumer_ctx.run(consumer);
     pipeline

@@ -587,7 +587,7 @@ impl Fallback {
                     }
                 }
                 for (kind, n) in count_by_kind(kinds.into_iter()) {
-                    metrics::messages_parked(kind, n);
+                    metrics::messages_parked(&self.stage, kind, n);
                 }
                 Fate::Settled(Disposition::Ack)
             }

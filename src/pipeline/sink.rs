@@ -101,8 +101,12 @@ async fn sink<D: Domain>(config: Arc<SinkConfig<D>>, batch: Batch<D::Record>) {
         deliveries.push(entry.delivery);
     }
 
+    // Acked: stored (`committed`), stale or deleted.
     let mut inserted = vec![false; n];
     let mut committed = 0usize;
+    let mut acked = 0usize;
+    let mut stale: Vec<(usize, String)> = Vec::new();
+    let mut deleted = 0usize;
     let mut transient: Option<String> = None;
     if !records.is_empty() {
         let refs: Vec<(usize, &D::Record)> = records.iter().map(|(i, r)| (*i, r)).collect();
@@ -112,7 +116,12 @@ async fn sink<D: Domain>(config: Arc<SinkConfig<D>>, batch: Batch<D::Record>) {
         );
         for (indices, result) in insert_isolating(&config, refs, &id, give_back_at).await {
             match result {
-                Ok(Refusals { conflicts, refused }) => {
+                Ok(Refusals {
+                    conflicts,
+                    refused,
+                    stale: group_stale,
+                    deleted: group_deleted,
+                }) => {
                     for (i, reason) in conflicts {
                         failures[i] = Some(Failure::Refused {
                             kind: ErrorKind::IdConflict,
@@ -128,9 +137,18 @@ async fn sink<D: Domain>(config: Arc<SinkConfig<D>>, batch: Batch<D::Record>) {
                     for i in indices {
                         if failures[i].is_none() {
                             inserted[i] = true;
-                            committed += 1;
+                            acked += 1;
+                            if group_stale.iter().any(|(s, _)| *s == i) {
+                                continue;
+                            }
+                            if group_deleted.contains(&i) {
+                                deleted += 1;
+                            } else {
+                                committed += 1;
+                            }
                         }
                     }
+                    stale.extend(group_stale);
                 }
                 Err(e) => {
                     let reason: Arc<str> = e.short_reason().into();
@@ -149,13 +167,27 @@ async fn sink<D: Domain>(config: Arc<SinkConfig<D>>, batch: Batch<D::Record>) {
         }
         let took = started.elapsed();
         metrics::batch_inserted(&config.stage, records.len(), committed, took);
-        if committed > 0 {
+        if !stale.is_empty() || deleted > 0 {
+            metrics::messages_settled(&config.stage, stale.len() as u64, deleted as u64);
+        }
+        for (i, reason) in &stale {
+            crate::events::emit(
+                Some(config.stage.pipeline()),
+                crate::events::Kind::Stale {
+                    message_id: deliveries[*i].message_id().to_string(),
+                    reason: reason.clone(),
+                },
+            );
+        }
+        if acked > 0 {
             crate::events::emit(
                 Some(config.stage.pipeline()),
                 crate::events::Kind::BatchCommitted {
                     rows: committed as u64,
                     messages: n as u64,
                     duration_ms: took.as_millis() as u64,
+                    stale: stale.len() as u64,
+                    deleted: deleted as u64,
                 },
             );
         }
@@ -167,12 +199,9 @@ async fn sink<D: Domain>(config: Arc<SinkConfig<D>>, batch: Batch<D::Record>) {
                 .filter_map(|(d, _)| headers::published_ms(&d.properties))
                 .min(),
         );
-        config.breaker.record(
-            committed,
-            transient.as_deref(),
-            &config.domain,
-            &config.pool,
-        );
+        config
+            .breaker
+            .record(acked, transient.as_deref(), &config.domain, &config.pool);
     }
     drop(records);
     if let Some(reason) = &transient {
@@ -189,7 +218,7 @@ async fn sink<D: Domain>(config: Arc<SinkConfig<D>>, batch: Batch<D::Record>) {
     ) {
         config.settle.do_send(settle);
     }
-    if committed == n {
+    if acked == n {
         return;
     }
     let items: Vec<(Delivery, Failure)> = deliveries
@@ -217,12 +246,17 @@ async fn sink<D: Domain>(config: Arc<SinkConfig<D>>, batch: Batch<D::Record>) {
         .await;
 }
 
-/// The records of a committed group that were not stored, by batch index, with their reason.
+/// The records of a committed group that were not stored, by batch index, with their reason;
+/// and those acked without being stored as their own row.
 struct Refusals {
     /// Their id is stored with other content (`id_conflict`).
     conflicts: Vec<(usize, String)>,
     /// Another unique key of theirs is taken (`db_permanent`).
     refused: Vec<(usize, String)>,
+    /// Older than their key's version (`on_conflict = "update"`): acked, changed nothing.
+    stale: Vec<(usize, String)>,
+    /// Deletes that hold: acked.
+    deleted: Vec<usize>,
 }
 
 /// Indices of a group and how its insert ended: what it did not store when it committed, or
@@ -255,6 +289,12 @@ async fn insert_isolating<D: Domain>(
                 let refusals = Refusals {
                     conflicts: in_batch(done.conflicts),
                     refused: in_batch(done.refused),
+                    stale: in_batch(done.stale),
+                    deleted: done
+                        .deleted
+                        .iter()
+                        .filter_map(|&j| group.get(j).map(|(i, _)| *i))
+                        .collect(),
                 };
                 out.push((group.into_iter().map(|(i, _)| i).collect(), Ok(refusals)));
             }
@@ -289,6 +329,8 @@ async fn insert_isolating<D: Domain>(
                 let refusals = Refusals {
                     conflicts: Vec::new(),
                     refused: Vec::new(),
+                    stale: Vec::new(),
+                    deleted: Vec::new(),
                 };
                 out.push((vec![group[0].0], Ok(refusals)));
             }

@@ -74,6 +74,7 @@ impl Child {
         parent: &[Column],
         parent_key: &[usize],
         version: Option<usize>,
+        tombstones: Option<&TableName>,
     ) -> Result<Self, String> {
         let table = TableName::parse(&spec.table).map_err(|e| e.to_string())?;
         let segments = pointer_segments(&spec.rows).map_err(|e| format!("rows: {e}"))?;
@@ -274,6 +275,7 @@ impl Child {
             parent,
             parent_key,
             version,
+            tombstones,
         );
         Ok(Self {
             table,
@@ -287,6 +289,23 @@ impl Child {
             reads_object,
             statements,
         })
+    }
+
+    /// `update`: the stored child rows of the keys whose row this transaction wrote (read from
+    /// the parents' probe), deleted.
+    pub(super) fn delete_probe(&self) -> &str {
+        &self.statements.delete_probe
+    }
+
+    /// `update`: the winning write's child rows (`$1..$n`, `$n+1` each row's record ordinal)
+    /// of each key whose row this transaction wrote (winners read from the parents' probe).
+    pub(super) fn insert_won_probe(&self) -> &str {
+        &self.statements.insert_won_probe
+    }
+
+    /// Deletes: the child rows of the keys whose tombstone this transaction wrote, deleted.
+    pub(super) fn delete_tombstoned(&self) -> &str {
+        &self.statements.delete_tombstoned
     }
 
     /// The top-level field of the body the array is in.
@@ -502,7 +521,7 @@ pub(super) fn distinct_tables(parent: &TableName, children: &[Child]) -> Result<
 
 /// The parameter arrays of the child rows of `records` (ordinal from 1, record) for child
 /// table `n`, one per column, and each row's record ordinal.
-fn child_arrays<'a>(
+pub(super) fn child_arrays<'a>(
     child: &Child,
     n: usize,
     records: impl Iterator<Item = (i64, &'a Row)>,
@@ -535,22 +554,6 @@ async fn run(
         .map_err(DbError::from_pg)?;
     client
         .execute(&prepared, &params)
-        .await
-        .map_err(DbError::from_pg)
-}
-
-/// As [`run`], prepared for this one run: a statement that reads a probe, a temporary table
-/// made again by each transaction, is never kept prepared.
-async fn run_once(
-    client: &deadpool_postgres::Client,
-    statement: &str,
-    arrays: &[Array],
-    more: &[&(dyn ToSql + Sync)],
-) -> Result<u64, DbError> {
-    let mut params: Vec<&(dyn ToSql + Sync)> = arrays.iter().map(Array::as_param).collect();
-    params.extend_from_slice(more);
-    client
-        .execute(statement, &params)
         .await
         .map_err(DbError::from_pg)
 }
@@ -644,6 +647,10 @@ pub(super) async fn insert(
             .await
         }
         OnConflict::Update => {
+            if mapping.delete.is_some() {
+                // Deletes: every batch through the probe, under a lock per key.
+                return super::versions::write(mapping, st, client, records).await;
+            }
             client
                 .batch_execute("BEGIN")
                 .await
@@ -661,8 +668,7 @@ pub(super) async fn insert(
                     // Two records of one key under the column's type: through the probe.
                     Err(e)
                         if e.code()
-                            == Some(&tokio_postgres::error::SqlState::CARDINALITY_VIOLATION)
-                            && st.probe_upsert.is_some() =>
+                            == Some(&tokio_postgres::error::SqlState::CARDINALITY_VIOLATION) =>
                     {
                         return Ok(None);
                     }
@@ -679,41 +685,21 @@ pub(super) async fn insert(
                 Ok(Some(written))
             }
             .await;
-            let written = match end(client, upsert).await? {
-                Some(written) => written,
-                None => {
-                    let Some(upsert) = &st.probe_upsert else {
-                        return Err(DbError::Migration(
-                            "update without its probe statement".into(),
-                        ));
-                    };
-                    insert::in_probe(&st.probe_table, client, true, async {
-                        let written = client
-                            .execute(upsert.as_str(), &params)
-                            .await
-                            .map_err(DbError::from_pg)?
-                            as usize;
-                        for (n, child) in mapping.children.iter().enumerate() {
-                            run_once(client, &child.statements.delete_probe, &[], &[]).await?;
-                            let (arrays, ords) = child_arrays(child, n, all());
-                            run_once(
-                                client,
-                                &child.statements.insert_won_probe,
-                                &arrays,
-                                &[&ords],
-                            )
-                            .await?;
-                        }
-                        Ok(written)
-                    })
-                    .await?
+            match end(client, upsert).await? {
+                // Every record its key's newest version: the common case.
+                Some(written) if written == records.len() => Ok(Inserted {
+                    rows: written as u64,
+                    ..Default::default()
+                }),
+                // An older or equal version, or two records of one key: each record's outcome
+                // through the probe; what was committed is its key's newest, a copy there.
+                Some(written) => {
+                    let mut done = super::versions::write(mapping, st, client, records).await?;
+                    done.rows += written as u64;
+                    Ok(done)
                 }
-            };
-            Ok(Inserted {
-                rows: written as u64,
-                unchanged: (records.len() - written) as u64,
-                ..Default::default()
-            })
+                None => super::versions::write(mapping, st, client, records).await,
+            }
         }
     }
 }
@@ -819,7 +805,7 @@ async fn keep_children(
 /// whose key holds other child rows than the record has, with the first child table that
 /// differs; asked inside the parents' probe transaction, of the child rows converted by
 /// PostgreSQL into each child table's types.
-async fn differing_children(
+pub(super) async fn differing_children(
     mapping: &Mapping,
     client: &deadpool_postgres::Client,
     records: &[&Row],

@@ -45,9 +45,6 @@ pub(super) struct Statements {
     /// The records into the probe, then, from what the probe holds: for each record (by
     /// ordinal), whether its key holds a row, and per column whether the stored value equals it.
     pub(super) probe_compare: String,
-    /// `update`: the insert again, of what the probe holds, so that PostgreSQL's own equality
-    /// (the key's type and collation) says which records are one key; `None` for `keep`.
-    pub(super) probe_upsert: Option<String>,
     /// `keep`: the insert of a batch some of whose keys are held, from the probe: in the order
     /// of the key's own type, so of two records that are one key the first delivered is
     /// inserted; `None` for `update`.
@@ -62,6 +59,8 @@ pub(super) struct Statements {
     /// that changes the row only when it is the same (returning it then), run inside a
     /// savepoint that is rolled back.
     pub(super) probe_same: String,
+    /// `update`: the probe's path, which gives each record its own outcome (`versions.rs`).
+    pub(super) versions: Option<super::versions::VersionStatements>,
 }
 
 /// The ordinal column of the probe (a name no mapped column can have: it has a space).
@@ -134,18 +133,6 @@ fn probe_statements(
             p_list = p_list.join(", "),
         )
     });
-    let upsert = version.map(|v| {
-        format!(
-            "WITH p AS ({fill}) INSERT INTO {t} AS stored ({list}) \
-             SELECT DISTINCT ON ({p_keys}) {p_list} FROM p \
-             ORDER BY {p_keys}, p.{ver} DESC, p.{ORD} \
-             {conflict} RETURNING 1",
-            p_keys = p_keys.join(", "),
-            p_list = p_list.join(", "),
-            ver = names[v],
-            conflict = on_conflict_update(&names, key, v),
-        )
-    });
     // As the insert would write it: `EXCLUDED` is the proposed row after the table's BEFORE
     // INSERT triggers (a trigger that rewrites a value: the stored row holds what it wrote).
     let same_after: Vec<String> = (0..columns.len())
@@ -171,7 +158,6 @@ fn probe_statements(
         compare,
         read,
         keep,
-        upsert,
         same,
     }
 }
@@ -187,9 +173,6 @@ struct Probe {
     read: String,
     /// `keep`: the records into the probe, and from it into the table.
     keep: Option<String>,
-    /// `update`: the records into the probe, and from it the highest version of each key into
-    /// the table.
-    upsert: Option<String>,
     /// See [`Statements::probe_same`].
     same: String,
 }
@@ -217,7 +200,7 @@ pub(super) fn types_on_path(table: &TableName) -> String {
 
 /// `ON CONFLICT (key) DO UPDATE` of `update`: every other column from the new version, only
 /// when it is higher than the stored one (or the stored row has none).
-fn on_conflict_update(names: &[String], key: &[usize], version: usize) -> String {
+pub(super) fn on_conflict_update(names: &[String], key: &[usize], version: usize) -> String {
     let keys: Vec<&str> = key.iter().map(|&i| names[i].as_str()).collect();
     let sets: Vec<String> = names
         .iter()
@@ -259,7 +242,7 @@ pub(super) fn param(ty: ColType, n: usize, cast: Option<&str>) -> String {
 }
 
 /// The parameters of `columns`, `$1` on, each with its column's cast (see [`param`]).
-fn params(columns: &[Column], casts: &[Option<String>]) -> Vec<String> {
+pub(super) fn params(columns: &[Column], casts: &[Option<String>]) -> Vec<String> {
     columns
         .iter()
         .enumerate()
@@ -321,6 +304,7 @@ pub(super) async fn statements<'m>(
                     &mapping.key,
                     mapping.version,
                     &casts,
+                    mapping.delete.as_ref().map(|d| &d.tombstones),
                 )
             }))
         })
@@ -335,6 +319,7 @@ impl Statements {
         key: &[usize],
         version: Option<usize>,
         casts: &[Option<String>],
+        tombstones: Option<&TableName>,
     ) -> Self {
         let names: Vec<String> = columns.iter().map(|c| quote(&c.name)).collect();
         let list = names.join(", ");
@@ -377,11 +362,13 @@ impl Statements {
             insert_new,
             probe_table: probe.table,
             probe_compare: probe.compare,
-            probe_upsert: probe.upsert,
             probe_keep: probe.keep,
             probe_read: probe.read,
             probe_same: probe.same,
             casts: casts.to_vec(),
+            versions: version.map(|v| {
+                super::versions::VersionStatements::build(table, columns, key, v, casts, tombstones)
+            }),
         }
     }
 }
@@ -546,35 +533,35 @@ pub(super) async fn insert(
         )
         .await;
     }
+    if mapping.delete.is_some() {
+        // Deletes: every batch through the probe, under a lock per key (`versions.rs`).
+        return super::versions::write(mapping, st, client, records).await;
+    }
     let statement = client
         .prepare_cached(&st.insert)
         .await
         .map_err(DbError::from_pg)?;
-    let written = match client.query(&statement, &params).await {
-        Ok(rows) => rows.len(),
-        // Two records of one key as the column sees it, sent as different parameters: the
-        // probe's insert, where PostgreSQL's equality says which records are one key.
-        Err(e)
-            if e.code() == Some(&SqlState::CARDINALITY_VIOLATION)
-                && let Some(upsert) = &st.probe_upsert =>
-        {
+    match client.query(&statement, &params).await {
+        // Every record its key's newest version: the common case, one statement.
+        Ok(rows) if rows.len() == records.len() => Ok(Inserted {
+            rows: rows.len() as u64,
+            ..Default::default()
+        }),
+        // An older or equal version, or two records of one key (also two that only the
+        // column's type says are one, 21000): each record's outcome through the probe. What the
+        // statement wrote stays (it is the key's newest version), and is found a copy there.
+        Ok(rows) => {
+            let mut done = super::versions::write(mapping, st, client, records).await?;
+            done.rows += rows.len() as u64;
+            Ok(done)
+        }
+        Err(e) if e.code() == Some(&SqlState::CARDINALITY_VIOLATION) => {
             tracing::debug!(pipeline = %mapping.pipeline, error = %e,
                 "records of one key under the column's type: inserting through the probe");
-            in_probe(&st.probe_table, client, true, async {
-                client
-                    .execute(upsert.as_str(), &params)
-                    .await
-                    .map_err(DbError::from_pg)
-            })
-            .await? as usize
+            super::versions::write(mapping, st, client, records).await
         }
-        Err(e) => return Err(DbError::from_pg(e)),
-    };
-    Ok(Inserted {
-        rows: written as u64,
-        unchanged: (records.len() - written) as u64,
-        ..Default::default()
-    })
+        Err(e) => Err(DbError::from_pg(e)),
+    }
 }
 
 /// `keep`, some key held or repeated, inside the probe's transaction (see [`in_probe`]): the
@@ -712,6 +699,10 @@ pub(super) async fn stored(
     client: &deadpool_postgres::Client,
     record: &Row,
 ) -> Result<bool, DbError> {
+    if record.2 == super::Op::Delete {
+        // A refused delete is not asked after: its refusal stands.
+        return Ok(false);
+    }
     let st = statements(mapping, client).await?;
     let records = [record];
     let arrays = arrays(mapping, &records);

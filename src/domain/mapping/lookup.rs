@@ -302,6 +302,8 @@ pub enum Trial {
     Discarded,
     /// The database refused a row of it (the pipeline's `db_permanent`).
     Refused(Refusal),
+    /// A delete: it writes no rows, so nothing of it is tried.
+    Delete,
 }
 
 /// A row the database refused, in its words: the SQLSTATE, the message, the table, column and
@@ -364,6 +366,9 @@ pub(super) async fn trial(
     client: &tokio_postgres::Client,
     record: &Row,
 ) -> Result<Trial, DbError> {
+    if record.2 == super::Op::Delete {
+        return Ok(Trial::Delete);
+    }
     let st = statements(mapping, client).await?;
     let records = [record];
     let arrays = arrays(mapping, &records);

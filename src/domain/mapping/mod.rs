@@ -12,10 +12,12 @@
 //! the spec as the configuration gives it.
 
 mod children;
+mod delete;
 mod insert;
 mod lookup;
 mod names;
 mod spec;
+pub use delete::Op;
 pub use lookup::{Refusal, Standing, Trial, Unstorable};
 use names::identifier;
 pub use names::{NameError, TableName, TableNameError, quote};
@@ -23,6 +25,7 @@ pub use spec::*;
 pub mod schema;
 mod strict;
 mod values;
+mod versions;
 
 pub use strict::parse as parse_strict;
 pub use strict::{DEPTH_MAX, too_deep, too_deep_reason};
@@ -167,6 +170,8 @@ pub struct Mapping {
     /// The child tables, in the spec's order (each message's [`Row::1`] holds their rows in
     /// this order).
     children: Vec<children::Child>,
+    /// Which messages delete their key's row, and the table of its tombstones (`delete.rs`).
+    delete: Option<delete::Delete>,
 }
 
 impl Mapping {
@@ -352,7 +357,23 @@ impl Mapping {
                 Some(i)
             }
         };
-        let statements = insert::Statements::build(&table, &columns, &key, version, &[]);
+        let delete = match &spec.delete {
+            None => None,
+            Some(d) => {
+                let read: Vec<&Column> = key.iter().chain(&version).map(|&i| &columns[i]).collect();
+                let d = delete::Delete::compile(pipeline, d, spec.on_conflict, &read).map_err(
+                    |(at, problem)| match at {
+                        "delete" => err("delete", problem),
+                        at => err_at(&["delete", at], problem),
+                    },
+                )?;
+                fields.insert(d.first_field().to_string());
+                Some(d)
+            }
+        };
+        let tombstones = delete.as_ref().map(|d| &d.tombstones);
+        let statements =
+            insert::Statements::build(&table, &columns, &key, version, &[], tombstones);
         let mut reads_object = columns.iter().any(|c| match &c.source {
             Source::Path { segments, .. } => {
                 !c.optional
@@ -364,14 +385,13 @@ impl Mapping {
         });
         let mut compiled_children = Vec::with_capacity(spec.children.len());
         for (n, child) in spec.children.iter().enumerate() {
-            let c = children::Child::compile(n, child, &table, &columns, &key, version).map_err(
-                |problem| {
+            let c = children::Child::compile(n, child, &table, &columns, &key, version, tombstones)
+                .map_err(|problem| {
                     err_at(
                         &["children", &n.to_string()],
                         format!("children.{}: {problem}", child.table),
                     )
-                },
-            )?;
+                })?;
             if let Some(first) = c.first_field() {
                 fields.insert(first.to_string());
                 reads_object |= !c.optional() && !first.bytes().all(|b| b.is_ascii_digit());
@@ -394,6 +414,7 @@ impl Mapping {
             bound: Default::default(),
             attnums: Default::default(),
             children: compiled_children,
+            delete,
         })
     }
 
@@ -454,6 +475,14 @@ impl Mapping {
                 c.columns.iter().map(|c| c.name.as_str()).collect(),
             )
         })
+    }
+
+    /// The delete spec: the field's pointer and the value that means delete (shown as a
+    /// reason shows it), and warren's tombstone table of the pipeline.
+    pub fn delete(&self) -> Option<(&str, String, &TableName)> {
+        self.delete
+            .as_ref()
+            .map(|d| (d.field.as_str(), d.shown_value(), &d.tombstones))
     }
 
     /// (column, type, optional) in the spec's order.
@@ -566,6 +595,11 @@ impl Mapping {
                 });
             }
         }
+        if let Some(d) = &self.delete
+            && d.matches(&doc)
+        {
+            return self.decode_delete(text, &doc, headers);
+        }
         let mut cells = Vec::with_capacity(self.columns.len());
         let mut problems = Vec::new();
         for c in &self.columns {
@@ -586,7 +620,7 @@ impl Mapping {
             }
         }
         if problems.is_empty() && child_problems.is_empty() {
-            return Ok(Row(cells, rows));
+            return Ok(Row(cells, rows, Op::Write));
         }
         if problems.len() > 1 {
             // In the order the body gives its fields (a field it lacks, or a header, after).
@@ -837,9 +871,10 @@ fn unfit(words: String) -> ValueError {
 
 /// A decoded message: one cell per column of its mapping, in the mapping's order; and, per
 /// child table of the mapping (in its order), the rows its array gave, each one cell per
-/// column of the child table (empty for a mapping without child tables).
+/// column of the child table (empty for a mapping without child tables); and whether it
+/// writes its key or deletes it (a delete's cells are its key and version, the rest NULL).
 #[derive(Debug, Clone, PartialEq)]
-pub struct Row(pub Vec<Cell>, pub Vec<ChildRows>);
+pub struct Row(pub Vec<Cell>, pub Vec<ChildRows>, pub Op);
 
 /// The rows one message gives one child table, each one cell per column of the child table.
 pub type ChildRows = Vec<Vec<Cell>>;

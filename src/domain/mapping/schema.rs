@@ -74,6 +74,9 @@ pub async fn check(
 ) -> Result<Vec<String>, DbError> {
     let info = describe_table(&mapping.table, client).await?;
     let mut out = mismatches(mapping, info.as_ref());
+    if info.is_some() {
+        out.extend(super::versions::check(mapping, client).await?);
+    }
     for child in &mapping.children {
         let info = describe_table(&child.table, client).await?;
         let at = format!(

@@ -31,6 +31,10 @@ pub struct MappingSpec {
     /// (`[[pipelines.children]]`, see `children.rs`).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub children: Vec<ChildSpec>,
+    /// Which messages delete their key's row (`delete = { field = "/op", value = "delete" }`,
+    /// see `delete.rs`); `on_conflict = "update"` only.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub delete: Option<DeleteSpec>,
 }
 
 /// The elements a child table takes from one message when its entry gives no `max_rows`.
@@ -229,4 +233,26 @@ impl fmt::Display for ColType {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(self.as_str())
     }
+}
+
+/// Which messages are deletes: those whose `field` (a JSON Pointer into the body) holds
+/// `value`. A delete carries the key and the version; its key's row and child rows go, and a
+/// tombstone keeps the version (`delete.rs`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DeleteSpec {
+    /// A JSON Pointer into the body (`/op`).
+    pub field: String,
+    /// The value there that means delete (a string, an integer or a boolean).
+    pub value: DeleteValue,
+}
+
+/// The value of a delete's field: compared with the message's as JSON (a string with a
+/// string, an integer with an integer, a boolean with a boolean).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(untagged)]
+pub enum DeleteValue {
+    Bool(bool),
+    Int(i64),
+    Text(String),
 }

@@ -28,6 +28,9 @@ pub(super) struct ChildStatements {
     /// Of the records `$1` (ordinals in the parents' probe), those whose key holds other child
     /// rows than the child probe holds for them (compared with the columns' own equality).
     pub(super) probe_differs: String,
+    /// Deletes: the child rows of the keys whose tombstone this transaction wrote (empty
+    /// without deletes).
+    pub(super) delete_tombstoned: String,
 }
 
 /// `a = b AND ...` of `left.<columns[i]>` and `right.<names[j]>`, pairwise.
@@ -53,6 +56,7 @@ impl ChildStatements {
         parent: &[Column],
         parent_key: &[usize],
         version: Option<usize>,
+        tombstones: Option<&TableName>,
     ) -> Self {
         let ct = table.sql();
         let t = parent_table.sql();
@@ -154,9 +158,19 @@ impl ChildStatements {
                  AND NOT EXISTS (SELECT 1 FROM {ct} AS s WHERE {of_parent} AND {same})))",
             same = same.join(" AND "),
         );
+        let delete_tombstoned = tombstones
+            .map(|tomb| {
+                format!(
+                    "DELETE FROM {ct} AS c USING {tomb} AS tb WHERE {} AND tb.xmin = {OURS}",
+                    joined("c", &lk, "tb", &pk),
+                    tomb = tomb.sql(),
+                )
+            })
+            .unwrap_or_default();
         Self {
             insert,
             delete,
+            delete_tombstoned,
             insert_won,
             delete_probe,
             insert_won_probe,

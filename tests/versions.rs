@@ -1,0 +1,653 @@
+//! `on_conflict = "update"` outcomes and deletes against the real database and broker: an older
+//! version is `stale` (acked, counted and evented, never inserted), the same version with other
+//! content (child rows included) `id_conflict`, the same content a copy; a delete removes its
+//! key's row and child rows under the version guard and leaves a tombstone an older write never
+//! gets past. Generated sequences (seeded) of versions, deletes and conflicting twins of a few
+//! keys, cut into batches of every size and order, with and without child tables, must end as
+//! the highest version says, with every message accounted for once.
+
+mod common;
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use common::*;
+use lapin::BasicProperties;
+use uuid::Uuid;
+use warren::domain::mapping::{Mapping, MappingSpec, Row};
+use warren::domain::{Domain, Inserted};
+
+/// `orders` and `order_items` (a foreign key without cascade: warren deletes the items itself).
+async fn tables(env: &TestEnv) {
+    env.db
+        .batch_execute(
+            "CREATE TABLE orders (
+                order_id uuid PRIMARY KEY,
+                total numeric NOT NULL,
+                version int8 NOT NULL
+            );
+            CREATE TABLE order_items (
+                order_id uuid NOT NULL REFERENCES orders,
+                line int4 NOT NULL,
+                sku text NOT NULL,
+                PRIMARY KEY (order_id, line)
+            )",
+        )
+        .await
+        .expect("create the tables");
+}
+
+const PARENT: &str = r#"
+[columns]
+order_id = { path = "/order_id", type = "uuid" }
+total    = { path = "/total", type = "numeric" }
+version  = { path = "/version", type = "int8" }
+"#;
+
+const CHILDREN: &str = r#"
+[[children]]
+table = "order_items"
+rows = "/items"
+key = ["order_id", "line"]
+optional = true
+
+[children.columns]
+order_id = { parent = "order_id" }
+line     = { index = true }
+sku      = { path = "/sku", type = "text" }
+"#;
+
+/// The orders mapping, `update`, with deletes (`/op` = "delete") or without, with the items
+/// child table or without.
+fn mapping(deletes: bool, children: bool) -> Mapping {
+    let spec: MappingSpec = toml::from_str(&format!(
+        "table = \"orders\"\nkey = [\"order_id\"]\non_conflict = \"update\"\n\
+         version_column = \"version\"\nunknown_fields = \"ignore\"\n{}{PARENT}{}",
+        if deletes {
+            "delete = { field = \"/op\", value = \"delete\" }\n"
+        } else {
+            ""
+        },
+        if children { CHILDREN } else { "" }
+    ))
+    .expect("spec");
+    Mapping::compile("orders", &spec).expect("compiles")
+}
+
+/// One message of the generated sequences: a write of `total` with `items`, or a delete.
+#[derive(Debug, Clone, PartialEq)]
+struct Msg {
+    key: Uuid,
+    version: i64,
+    delete: bool,
+    total: String,
+    items: Vec<String>,
+}
+
+impl Msg {
+    fn body(&self) -> Vec<u8> {
+        if self.delete {
+            return format!(
+                r#"{{"op":"delete","order_id":"{}","version":{}}}"#,
+                self.key, self.version
+            )
+            .into_bytes();
+        }
+        let items: Vec<String> = self
+            .items
+            .iter()
+            .map(|s| format!(r#"{{"sku":"{s}"}}"#))
+            .collect();
+        format!(
+            r#"{{"op":"upsert","order_id":"{}","total":"{}","version":{},"items":[{}]}}"#,
+            self.key,
+            self.total,
+            self.version,
+            items.join(",")
+        )
+        .into_bytes()
+    }
+
+    /// Same state (a delete is a delete; a write its total and items).
+    fn same(&self, other: &Msg) -> bool {
+        self.delete == other.delete
+            && (self.delete || (self.total == other.total && self.items == other.items))
+    }
+}
+
+/// xorshift64*: a small seeded generator, so a failing case can be run again by its seed.
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
+    }
+
+    fn below(&mut self, n: u64) -> u64 {
+        self.next() % n
+    }
+}
+
+async fn pool(env: &TestEnv) -> deadpool_postgres::Pool {
+    warren::db::pool_for(&env.settings().database(), 2, "warren-versions-test").expect("pool")
+}
+
+async fn insert(
+    m: &Mapping,
+    pool: &deadpool_postgres::Pool,
+    bodies: &[Vec<u8>],
+) -> Result<Inserted, warren::db::DbError> {
+    let rows: Vec<Row> = bodies
+        .iter()
+        .map(|b| m.decode(b).expect("a valid body"))
+        .collect();
+    let refs: Vec<&Row> = rows.iter().collect();
+    let client = pool.get().await.expect("client");
+    m.insert(&client, &refs).await
+}
+
+/// What the table holds for `key`: (total, version, items by line), or None.
+async fn stored(env: &TestEnv, key: Uuid) -> Option<(String, i64, Vec<String>)> {
+    let row = env
+        .db
+        .query_opt(
+            "SELECT total::text, version FROM orders WHERE order_id = $1",
+            &[&key],
+        )
+        .await
+        .expect("orders")?;
+    let items = env
+        .db
+        .query(
+            "SELECT sku FROM order_items WHERE order_id = $1 ORDER BY line",
+            &[&key],
+        )
+        .await
+        .expect("items")
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    Some((row.get(0), row.get(1), items))
+}
+
+/// The tombstone's version of `key`, if any.
+async fn tombstone(env: &TestEnv, key: Uuid) -> Option<i64> {
+    env.db
+        .query_opt(
+            "SELECT version FROM tombstones_orders WHERE order_id = $1",
+            &[&key],
+        )
+        .await
+        .expect("tombstones")
+        .map(|r| r.get(0))
+}
+
+async fn items_of(env: &TestEnv, key: Uuid) -> i64 {
+    env.db
+        .query_one(
+            "SELECT count(*) FROM order_items WHERE order_id = $1",
+            &[&key],
+        )
+        .await
+        .expect("count")
+        .get(0)
+}
+
+/// Generated sequences: 2 keys, 3 to 9 messages each round, versions 1 to 4, a delete 3 times in
+/// 10 (with deletes), a conflicting twin (same version, other content or a delete) 1 in 5, cut
+/// into batches of 1 to 4 in delivery order. Each key must end as its highest version's first
+/// delivered message says (a row with its total and items and no tombstone, or no row, no
+/// items and a tombstone of that version); of that version, each other message is a copy when
+/// it says the same and `id_conflict` when not; nothing is refused; each message has one outcome
+/// at most (a stale one is never a delete nor a conflict), a delete's never `stored`.
+async fn generated(env: &TestEnv, deletes: bool, children: bool, seed: u64, rounds: usize) {
+    let m = mapping(deletes, children);
+    let pool = pool(env).await;
+    let mut rng = Rng(seed);
+    for round in 0..rounds {
+        let keys = [Uuid::new_v4(), Uuid::new_v4()];
+        let n = 3 + rng.below(7) as usize;
+        let mut msgs: Vec<Msg> = Vec::with_capacity(n);
+        for _ in 0..n {
+            let key = keys[rng.below(2) as usize];
+            let version = 1 + rng.below(4) as i64;
+            // The state a version stands for, unless this one is a twin (other content).
+            let twin = rng.below(5) == 0;
+            let salt = if twin { 100 + rng.below(3) } else { 0 };
+            let delete = deletes && (version as u64 * 7 + salt) % 10 < 3;
+            let items: Vec<String> = if children {
+                (0..(version as u64 + salt) % 3)
+                    .map(|i| format!("v{version}-{salt}-{i}"))
+                    .collect()
+            } else {
+                Vec::new()
+            };
+            msgs.push(Msg {
+                key,
+                version,
+                delete,
+                total: format!("{}.{salt}", version * 10),
+                items,
+            });
+        }
+        // Cut into batches, in delivery order.
+        let mut outcome: Vec<Vec<&'static str>> = vec![Vec::new(); n];
+        let mut at = 0;
+        let mut cuts = Vec::new();
+        while at < n {
+            let size = (1 + rng.below(4) as usize).min(n - at);
+            let bodies: Vec<Vec<u8>> = msgs[at..at + size].iter().map(Msg::body).collect();
+            let done = insert(&m, &pool, &bodies)
+                .await
+                .unwrap_or_else(|e| panic!("seed {seed} round {round}: {e}\n{msgs:#?}"));
+            for (i, _) in &done.stale {
+                outcome[at + i].push("stale");
+            }
+            for (i, _) in &done.conflicts {
+                outcome[at + i].push("conflict");
+            }
+            if let Some((i, reason)) = done.refused.first() {
+                panic!(
+                    "seed {seed} round {round}: message {} refused: {reason}",
+                    at + i
+                );
+            }
+            for i in &done.deleted {
+                outcome[at + i].push("deleted");
+            }
+            cuts.push(size);
+            at += size;
+        }
+        let ctx = format!("seed {seed} round {round} batches {cuts:?}\n{msgs:#?}\n{outcome:?}");
+        for (i, o) in outcome.iter().enumerate() {
+            assert!(o.len() <= 1, "message {i} has two outcomes: {ctx}");
+            if msgs[i].delete {
+                assert!(!o.is_empty(), "delete {i} counted as stored: {ctx}");
+            }
+        }
+        for key in keys {
+            let of_key: Vec<(usize, &Msg)> = msgs
+                .iter()
+                .enumerate()
+                .filter(|(_, m)| m.key == key)
+                .collect();
+            let Some(top) = of_key.iter().map(|(_, m)| m.version).max() else {
+                assert_eq!(stored(env, key).await, None, "{ctx}");
+                continue;
+            };
+            let (wi, winner) = of_key
+                .iter()
+                .find(|(_, m)| m.version == top)
+                .copied()
+                .expect("a winner");
+            assert!(
+                outcome[wi].is_empty() || outcome[wi] == ["deleted"],
+                "the winner {wi} must hold: {ctx}"
+            );
+            for (i, msg) in &of_key {
+                if msg.version == top && *i != wi {
+                    let wanted: &[&str] = match (msg.same(winner), msg.delete) {
+                        (true, true) => &["deleted"],
+                        (true, false) => &[],
+                        (false, _) => &["conflict"],
+                    };
+                    assert_eq!(outcome[*i], wanted, "message {i} against {wi}: {ctx}");
+                }
+                if outcome[*i] == ["stale"] {
+                    assert!(msg.version < top, "stale {i} at the top version: {ctx}");
+                }
+            }
+            if winner.delete {
+                assert_eq!(stored(env, key).await, None, "{ctx}");
+                assert_eq!(items_of(env, key).await, 0, "{ctx}");
+                assert_eq!(tombstone(env, key).await, Some(top), "{ctx}");
+            } else {
+                let total: f64 = winner.total.parse().expect("total");
+                let (t, v, items) = stored(env, key).await.expect("a row");
+                assert_eq!(
+                    (t.parse::<f64>().expect("numeric"), v, items),
+                    (total, top, winner.items.clone()),
+                    "{ctx}"
+                );
+                if deletes {
+                    assert_eq!(tombstone(env, key).await, None, "{ctx}");
+                }
+            }
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn generated_versions_end_as_the_highest_says() {
+    let env = TestEnv::new("ver_gen").await;
+    tables(&env).await;
+    for (deletes, children, seed) in [
+        (false, false, 0x9e37_79b9_7f4a_7c15),
+        (false, true, 0x2545_f491_4f6c_dd1d),
+    ] {
+        generated(&env, deletes, children, seed, 60).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn generated_versions_and_deletes_end_as_the_highest_says() {
+    let env = TestEnv::new("ver_gen_del").await;
+    tables(&env).await;
+    for children in [false, true] {
+        let m = mapping(true, children);
+        assert_eq!(
+            m.declare_tombstones(&env.db).await.expect("declare"),
+            Some(!children),
+            "made once"
+        );
+    }
+    for (children, seed) in [
+        (false, 0x853c_49e6_748f_ea9b),
+        (true, 0xda94_2042_e4dd_58b5),
+    ] {
+        generated(&env, true, children, seed, 60).await;
+    }
+}
+
+/// A delete, told step by step: the row and its items go and a tombstone keeps the version; an
+/// older write is stale and brings nothing back, one of the same version `id_conflict`; a
+/// redelivered delete is a copy; a delete of a key never stored leaves its tombstone, which an
+/// older write never gets past and a newer one replaces; a write, a delete and an older write of
+/// one key in one batch end deleted.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_delete_holds_against_older_writes_and_is_idempotent() {
+    let env = TestEnv::new("ver_delete").await;
+    tables(&env).await;
+    let m = mapping(true, true);
+    m.declare_tombstones(&env.db).await.expect("declare");
+    let pool = pool(&env).await;
+    let write = |key: Uuid, version: i64, total: &str, items: &[&str]| Msg {
+        key,
+        version,
+        delete: false,
+        total: total.into(),
+        items: items.iter().map(|s| s.to_string()).collect(),
+    };
+    let delete = |key: Uuid, version: i64| Msg {
+        key,
+        version,
+        delete: true,
+        total: String::new(),
+        items: Vec::new(),
+    };
+    let run = |msgs: Vec<Msg>| {
+        let (m, pool) = (&m, &pool);
+        async move {
+            let bodies: Vec<Vec<u8>> = msgs.iter().map(Msg::body).collect();
+            insert(m, pool, &bodies).await.expect("insert")
+        }
+    };
+    let a = Uuid::new_v4();
+    let done = run(vec![write(a, 2, "20", &["x", "y"])]).await;
+    assert_eq!(done.rows, 1);
+    let done = run(vec![delete(a, 3)]).await;
+    assert_eq!((done.rows, done.deleted.clone()), (0, vec![0]), "{done:?}");
+    assert_eq!(stored(&env, a).await, None);
+    assert_eq!(items_of(&env, a).await, 0);
+    assert_eq!(tombstone(&env, a).await, Some(3));
+    // The older write again (a redelivery): stale, the row stays gone.
+    let done = run(vec![write(a, 2, "20", &["x", "y"])]).await;
+    assert_eq!(done.stale.len(), 1, "{done:?}");
+    assert!(
+        done.stale[0]
+            .1
+            .contains("version 2 is older than the version 3 it was deleted under"),
+        "{done:?}"
+    );
+    assert_eq!(stored(&env, a).await, None);
+    // A write of the delete's version: two states under one version.
+    let done = run(vec![write(a, 3, "30", &[])]).await;
+    assert_eq!(done.conflicts.len(), 1, "{done:?}");
+    assert!(
+        done.conflicts[0].1.contains("was deleted under version 3"),
+        "{done:?}"
+    );
+    // The delete again: a copy, nothing changes.
+    let done = run(vec![delete(a, 3)]).await;
+    assert_eq!(done.deleted, [0], "{done:?}");
+    assert!(done.stale.is_empty() && done.conflicts.is_empty());
+    assert_eq!(tombstone(&env, a).await, Some(3));
+    // A newer write brings the key back and removes its tombstone.
+    let done = run(vec![write(a, 4, "40", &["z"])]).await;
+    assert_eq!(done.rows, 1, "{done:?}");
+    assert_eq!(
+        stored(&env, a).await,
+        Some(("40".into(), 4, vec!["z".into()]))
+    );
+    assert_eq!(tombstone(&env, a).await, None);
+    // A delete of the stored version: two states under one version; an older delete: stale.
+    let done = run(vec![delete(a, 4), delete(a, 1)]).await;
+    assert_eq!(done.conflicts.len(), 1, "{done:?}");
+    assert_eq!(done.conflicts[0].0, 0);
+    assert_eq!(done.stale.len(), 1, "{done:?}");
+    assert_eq!(done.stale[0].0, 1);
+    assert_eq!(
+        stored(&env, a).await,
+        Some(("40".into(), 4, vec!["z".into()]))
+    );
+
+    // A key never stored: its delete leaves a tombstone; an older write is stale.
+    let b = Uuid::new_v4();
+    let done = run(vec![delete(b, 5)]).await;
+    assert_eq!(done.deleted, [0], "{done:?}");
+    assert_eq!(tombstone(&env, b).await, Some(5));
+    let done = run(vec![write(b, 4, "1", &["q"])]).await;
+    assert_eq!(done.stale.len(), 1, "{done:?}");
+    assert_eq!(stored(&env, b).await, None);
+    assert_eq!(items_of(&env, b).await, 0);
+
+    // One batch: a write, a delete, an older write of one key, and a newer write of another.
+    let c = Uuid::new_v4();
+    let done = run(vec![
+        write(c, 7, "70", &["r"]),
+        delete(c, 8),
+        write(c, 6, "60", &[]),
+        write(b, 6, "6", &["s"]),
+    ])
+    .await;
+    assert_eq!(done.deleted, [1], "{done:?}");
+    let stale: Vec<usize> = done.stale.iter().map(|(i, _)| *i).collect();
+    assert_eq!(stale, [0, 2], "{done:?}");
+    assert_eq!(done.rows, 1, "{done:?}");
+    assert_eq!(stored(&env, c).await, None);
+    assert_eq!(tombstone(&env, c).await, Some(8));
+    assert_eq!(
+        stored(&env, b).await,
+        Some(("6".into(), 6, vec!["s".into()]))
+    );
+    assert_eq!(tombstone(&env, b).await, None);
+}
+
+/// A delete needs only its key and version: a missing version is refused naming it; a message
+/// whose `/op` holds another value is a write.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_delete_reads_only_its_key_and_version() {
+    let m = mapping(true, true);
+    let id = Uuid::new_v4();
+    let refused = m
+        .decode(format!(r#"{{"op":"delete","order_id":"{id}"}}"#).as_bytes())
+        .expect_err("no version");
+    assert!(
+        refused.reason.contains("/version: missing") && refused.reason.contains("(a delete)"),
+        "{}",
+        refused.reason
+    );
+    let row = m
+        .decode(format!(r#"{{"op":"delete","order_id":"{id}","version":2}}"#).as_bytes())
+        .expect("a delete");
+    assert_eq!(row.2, warren::domain::mapping::Op::Delete);
+    let refused = m
+        .decode(format!(r#"{{"op":"Delete","order_id":"{id}","version":2}}"#).as_bytes())
+        .expect_err("a write without a total");
+    assert!(
+        refused.reason.contains("/total: missing"),
+        "{}",
+        refused.reason
+    );
+}
+
+/// The pipeline with deletes through the broker: `warren declare` makes the tombstone table (and
+/// `run` refuses to start without it); an older version is acked as stale (counted with the
+/// pipeline's label and evented, not inserted), the same version with other items is parked
+/// once as `id_conflict` (counted with the pipeline's label), a delete is counted as deleted and
+/// removes the order and its items.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_running_pipeline_counts_and_tells_stale_conflicts_and_deletes() {
+    let env = TestEnv::new("ver_pipeline").await;
+    let names = PipelineNames::of(&env, "orders");
+    let _cleanup = names.cleanup();
+    let _redis = RedisCleanup::new(&env);
+    tables(&env).await;
+    let config = format!(
+        "[[pipelines]]\nname = \"orders\"\ntable = \"orders\"\nkey = [\"order_id\"]\n\
+         on_conflict = \"update\"\nversion_column = \"version\"\nunknown_fields = \"ignore\"\n\
+         delete = {{ field = \"/op\", value = \"delete\" }}\n\
+         batch_size = 100\nretry_ttls_ms = [1000]\n{}\n{}{}",
+        names.toml(),
+        PARENT.replace("[columns]", "[pipelines.columns]"),
+        CHILDREN
+            .replace("[[children]]", "[[pipelines.children]]")
+            .replace("[children.columns]", "[pipelines.children.columns]")
+    );
+    let dir = tempfile::tempdir().expect("temp dir");
+    let path = dir.path().join("orders.toml");
+    std::fs::write(&path, config).expect("write the config");
+    let file = path.to_str().expect("utf-8").to_string();
+    // Before declare, the tombstone table is missing: the start is refused, naming it.
+    let (code, out, err) = env
+        .run_async(&["--config", &file, "run", "--roles", "consumer"])
+        .await;
+    assert_eq!(code, 2, "run before declare:\n{out}{err}");
+    assert!(
+        err.contains("the tombstone table tombstones_orders does not exist"),
+        "{err}"
+    );
+    let (code, out, err) = env.run_async(&["--config", &file, "declare"]).await;
+    assert_eq!(code, 0, "declare:\n{out}{err}");
+    assert!(
+        out.lines()
+            .any(|l| l.starts_with("table tombstones_orders ") && l.ends_with(" created")),
+        "{out}"
+    );
+    let warren = env.start(&["--config", &file, "--roles", "consumer,dlq"]);
+    let _logs = LogsOnPanic(vec![warren.log.clone()]);
+    let props = |id: &str| {
+        BasicProperties::default()
+            .with_delivery_mode(2)
+            .with_message_id(id.into())
+    };
+    let publish = |body: Vec<u8>, id: &'static str| {
+        let (env, names) = (&env, &names);
+        async move {
+            env.publish_to(&names.exchange, &names.queue, &body, props(id))
+                .await
+        }
+    };
+    let a = Uuid::new_v4();
+    let msg = |version: i64, items: &[&str]| Msg {
+        key: a,
+        version,
+        delete: false,
+        total: "5".into(),
+        items: items.iter().map(|s| s.to_string()).collect(),
+    };
+    publish(msg(2, &["x"]).body(), "v2").await;
+    wait_until("version 2", Duration::from_secs(30), || async {
+        stored(&env, a).await.is_some()
+    })
+    .await;
+    publish(msg(1, &["old"]).body(), "v1-stale").await;
+    publish(msg(2, &["other"]).body(), "v2-conflict").await;
+    wait_scrape(
+        &env,
+        &warren,
+        "one stale and one id_conflict parked, both of orders",
+        Duration::from_secs(60),
+        |s| {
+            s.sum(
+                "warren_messages_outcomes_total",
+                &[("pipeline", "orders"), ("outcome", "stale")],
+            ) == 1.0
+                && s.sum(
+                    "warren_messages_parked_total",
+                    &[("pipeline", "orders"), ("kind", "id_conflict")],
+                ) == 1.0
+        },
+    )
+    .await;
+    let mut delete = msg(3, &[]);
+    delete.delete = true;
+    publish(delete.body(), "v3-delete").await;
+    wait_until("the order deleted", Duration::from_secs(30), || async {
+        stored(&env, a).await.is_none()
+    })
+    .await;
+    assert_eq!(items_of(&env, a).await, 0);
+    assert_eq!(tombstone(&env, a).await, Some(3));
+    let s = wait_scrape(
+        &env,
+        &warren,
+        "one delete counted",
+        Duration::from_secs(30),
+        |s| {
+            s.sum(
+                "warren_messages_outcomes_total",
+                &[("pipeline", "orders"), ("outcome", "deleted")],
+            ) == 1.0
+        },
+    )
+    .await;
+    assert_eq!(
+        s.sum(
+            "warren_messages_inserted_total",
+            &[("pipeline", "orders"), ("stage", "main")]
+        ),
+        1.0,
+        "only version 2 is inserted"
+    );
+    assert_eq!(
+        count_of(
+            &env,
+            "SELECT count(*) FROM dead_letters WHERE pipeline = 'orders' \
+             AND error_kind = 'id_conflict'"
+        )
+        .await,
+        1
+    );
+    let events = stream_events(&env).await;
+    let stale: Vec<&serde_json::Value> = events.iter().filter(|e| e["type"] == "stale").collect();
+    assert_eq!(stale.len(), 1, "{events:#?}");
+    assert_eq!(stale[0]["message_id"], "v1-stale");
+    assert_eq!(stale[0]["pipeline"], "orders");
+    assert!(
+        stale[0]["reason"]
+            .as_str()
+            .is_some_and(|r| r.contains("version 1 is older than the stored version 2")),
+        "{stale:?}"
+    );
+    let committed: BTreeMap<&str, u64> = events
+        .iter()
+        .filter(|e| e["type"] == "batch_committed")
+        .flat_map(|e| {
+            ["stale", "deleted"]
+                .into_iter()
+                .map(move |k| (k, e[k].as_u64().unwrap_or(0)))
+        })
+        .fold(BTreeMap::new(), |mut m, (k, v)| {
+            *m.entry(k).or_default() += v;
+            m
+        });
+    assert_eq!(
+        (committed.get("stale"), committed.get("deleted")),
+        (Some(&1), Some(&1)),
+        "{events:#?}"
+    );
+}
