@@ -4,7 +4,8 @@
 //! (`PUT` with the client's id, `POST` with an `Idempotency-Key`), 409 for what the database
 //! already holds, the fate of a parked message on `GET`, and the API's own bounded pool: a slow
 //! database answers 503 within seconds, a flood of requests never touches the pipeline's
-//! connections.
+//! connections. A nested pipeline's API (child tables): nested messages in, the order with its
+//! items out.
 
 mod common;
 
@@ -1220,4 +1221,113 @@ async fn a_row_of_the_same_key_landing_during_the_check_is_answered_as_the_key()
     // Both were answered from what the table holds: nothing published.
     assert_queue_empty(&env, &names.queue).await;
     warren.terminate_ok(Duration::from_secs(30));
+}
+
+/// A pipeline with child tables and `api = true`: `PUT` and `POST` take nested messages, checked
+/// by the same mapping (an element's check is a 422 naming its path) and, their rows written
+/// into the tables and rolled back, by the database (a child row's CHECK is a 422
+/// `db_permanent` naming the constraint, nothing published); the pipeline writes what was
+/// accepted, and `GET` answers the order with its items under `"items"` in the elements' order
+/// (`[]` for none). `api_check` with child tables is refused when the configuration loads.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_nested_pipelines_api_takes_orders_and_answers_them_with_their_items() {
+    let env = TestEnv::new("api_nested").await;
+    let names = PipelineNames::of(&env, "orders");
+    let _cleanup = names.cleanup();
+    create_nested_tables(&env).await;
+    let file = ConfigFile::new(&nested_toml(&names, "api = true"));
+    declare_file(&env, &file).await;
+    let checked = ConfigFile::new(&nested_toml(&names, "api = true\napi_check = true"));
+    let (code, out, err) = env.run_async(&["--config", checked.at(), "config"]).await;
+    assert_eq!(code, 2, "{out}{err}");
+    assert!(
+        err.contains("api_check") && err.contains("child tables"),
+        "{err}"
+    );
+
+    let warren = env.start(&[
+        "--config",
+        file.at(),
+        "--roles",
+        "api,consumer,dlq",
+        "--pipelines",
+        "orders",
+    ]);
+    let _logs = LogsOnPanic(vec![warren.log.clone()]);
+    let http = Http::new(&env);
+    http.wait_status("/readyz", 200, Duration::from_secs(20))
+        .await;
+
+    let a = Uuid::new_v4();
+    let put = http.put(
+        &format!("/api/v1/orders/{a}"),
+        nested_order(a, 1, &[("C-3", 3), ("A-1", 1), ("B-2", 2)]),
+    );
+    assert_eq!(put.status, 200, "{put:?}");
+    assert_eq!(put.body, json!({"id": a.to_string()}));
+    let none = Uuid::new_v4();
+    let post = http.post("/api/v1/orders", nested_order(none, 1, &[]));
+    assert_eq!(post.status, 200, "{post:?}");
+
+    let refused = http.post(
+        "/api/v1/orders",
+        nested_order(Uuid::new_v4(), 1, &[("A", 100)]),
+    );
+    assert_eq!(refused.status, 422, "{refused:?}");
+    assert_eq!(refused.body["kind"], json!("db_permanent"), "{refused:?}");
+    let error = refused.body["error"].as_str().unwrap_or_default();
+    assert!(
+        error.contains("order_items_qty_check") && error.contains("table order_items"),
+        "{refused:?}"
+    );
+    let invalid = http.post(
+        "/api/v1/orders",
+        nested_order(Uuid::new_v4(), 1, &[("A", 0)]),
+    );
+    assert_eq!(invalid.status, 422, "{invalid:?}");
+    assert_eq!(
+        invalid.body["kind"],
+        json!("invalid_payload"),
+        "{invalid:?}"
+    );
+    assert!(
+        invalid.body["reason"]
+            .as_str()
+            .is_some_and(|r| r.contains("items/0/qty must be at least 1, found 0")),
+        "{invalid:?}"
+    );
+
+    http.wait_status(&format!("/api/v1/orders/{a}"), 200, Duration::from_secs(30))
+        .await;
+    let got = http.get(&format!("/api/v1/orders/{a}"));
+    let item = |line: i32, sku: &str, qty: i32| json!({"order_id": a.to_string(), "line": line, "sku": sku, "qty": qty});
+    assert_eq!(
+        got.body,
+        json!({
+            "order_id": a.to_string(),
+            "total": 12.50,
+            "version": 1,
+            "items": [item(1, "C-3", 3), item(2, "A-1", 1), item(3, "B-2", 2)],
+        }),
+        "{got:?}"
+    );
+    http.wait_status(
+        &format!("/api/v1/orders/{none}"),
+        200,
+        Duration::from_secs(30),
+    )
+    .await;
+    let got = http.get(&format!("/api/v1/orders/{none}"));
+    assert_eq!(got.body["items"], json!([]), "{got:?}");
+    // The refused bodies were never published: the queues hold nothing, nothing is parked.
+    wait_queues_settled(&[&names.queue, &names.dlq], Duration::from_secs(30)).await;
+    assert_eq!(count_of(&env, "SELECT count(*) FROM orders").await, 2);
+    assert_eq!(
+        count_of(
+            &env,
+            "SELECT count(*) FROM dead_letters WHERE pipeline = 'orders'"
+        )
+        .await,
+        0
+    );
 }

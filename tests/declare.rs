@@ -661,3 +661,66 @@ async fn a_quorum_dlq_without_a_limit_is_declared_only_where_the_broker_sets_non
         Some(&json!(20))
     );
 }
+
+/// A child table's foreign keys at `warren declare` and at the start of `warren run`: one to the
+/// parent table on the columns that carry the parent's key, and one from `sku` to a catalog,
+/// fit (exit 0); one that pairs the carried column with another parent column, and one from
+/// the carried column to another table, stop both with exit 2 naming the pipeline, the child
+/// table, the foreign key and the column.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_child_tables_foreign_key_must_reference_what_its_parent_columns_carry() {
+    let env = TestEnv::new("decl_child_fk").await;
+    let names = PipelineNames::of(&env, "orders");
+    let _cleanup = names.cleanup();
+    create_nested_tables(&env).await;
+    env.db
+        .batch_execute(
+            "CREATE TABLE skus (sku text PRIMARY KEY);
+             ALTER TABLE order_items ADD FOREIGN KEY (sku) REFERENCES skus",
+        )
+        .await
+        .expect("a catalog");
+    let file = ConfigFile::new(&nested_toml(&names, ""));
+    let (code, out, err) = env.run_async(&["--config", file.at(), "declare"]).await;
+    assert_eq!(code, 0, "a fitting foreign key:\n{out}{err}");
+
+    env.db
+        .batch_execute(
+            "ALTER TABLE orders ADD alt uuid UNIQUE;
+             CREATE TABLE archive (order_id uuid PRIMARY KEY);
+             ALTER TABLE order_items DROP CONSTRAINT order_items_order_id_fkey,
+                 ADD CONSTRAINT items_alt_fkey FOREIGN KEY (order_id) REFERENCES orders (alt),
+                 ADD CONSTRAINT items_archive_fkey FOREIGN KEY (order_id) REFERENCES archive",
+        )
+        .await
+        .expect("the foreign keys that do not fit");
+    let at = "pipeline orders: child table order_items (rows /items)";
+    let expected = [
+        format!(
+            "{at}: foreign key items_alt_fkey (order_id) references orders (alt), but column \
+             order_id holds the parent's order_id (expected order_id = {{ parent = \"alt\" }}: \
+             a child row references the parent row of its own message)"
+        ),
+        format!(
+            "{at}: foreign key items_archive_fkey (order_id) references archive (order_id), not \
+             the pipeline's table orders, but column order_id holds the parent's order_id \
+             (expected a foreign key to orders (order_id), or none)"
+        ),
+    ];
+    let (code, out, err) = env.run_async(&["--config", file.at(), "declare"]).await;
+    assert_eq!(code, 2, "declare:\n{out}{err}");
+    for line in &expected {
+        assert!(err.contains(line.as_str()), "{line}\nmissing from:\n{err}");
+    }
+    assert!(!err.contains("skus"), "the catalog's key fits:\n{err}");
+    let mut warren = env.start(&["--config", file.at(), "--roles", "consumer"]);
+    let status = warren.wait(Duration::from_secs(30));
+    let logs = warren.logs();
+    assert_eq!(status.code(), Some(2), "run:\n{logs}");
+    for line in &expected {
+        assert!(
+            logs.contains(line.as_str()),
+            "{line}\nmissing from:\n{logs}"
+        );
+    }
+}

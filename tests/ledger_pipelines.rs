@@ -1,13 +1,16 @@
-//! The ledger with two mapped pipelines in one process: `orders` (`on_conflict = "keep"`, a
-//! numeric with a minimum, an int4 range, a CHECK the database enforces, the whole body as jsonb)
-//! and `events` (`on_conflict = "update"` by a version column), beside the built-in users
-//! pipeline, each with its own queues, retry tier, DLQ and DLQ stage. One seeded mix per pipeline
-//! (good rows, malformed JSON, invalid payloads, same-key conflicts, rows the database refuses,
+//! The ledger with three mapped pipelines in one process: `orders` (`on_conflict = "keep"`, a
+//! numeric with a minimum, an int4 range, a CHECK the database enforces, the whole body as jsonb),
+//! `events` (`on_conflict = "update"` by a version column) and `baskets`, a nested pipeline (each
+//! basket's items in the child table `basket_items`, with a foreign key to its basket and a CHECK
+//! the database enforces), beside the built-in users pipeline, each with its own queues, retry
+//! tier, DLQ and DLQ stage. One seeded mix per pipeline (good rows, malformed JSON, invalid
+//! payloads, an invalid element, same-key conflicts, rows and child rows the database refuses,
 //! several versions of one key in random order, exact duplicates) is published while faults hit
 //! (the broker link cut, backends terminated, kill -9 and restart, a database outage, every
 //! write refused as read-only for a while). Then every message the broker confirmed must end
 //! exactly once in its own pipeline: orders in `orders` holding its content or parked once under
-//! `orders`; every event version accounted for: stored as its key's row (the row names the
+//! `orders`; every basket with exactly its items (compared line by line) or parked once under
+//! `baskets`, never a basket without its items; every event version accounted for: stored as its key's row (the row names the
 //! message), or superseded by a higher version of its key (or an equal one stored first), or
 //! parked once under `events`; each key's row is its highest version; every parked row parked
 //! once (`park_count` 1, never replayed); nothing parked under another pipeline, no row without a
@@ -43,7 +46,7 @@ fn env_number(key: &str, default: u64) -> u64 {
 
 type Names = PipelineNames;
 
-fn config(orders: &Names, events: &Names) -> String {
+fn config(orders: &Names, events: &Names, baskets: &Names) -> String {
     format!(
         r#"
 [[pipelines]]
@@ -83,21 +86,51 @@ event_id = {{ path = "/id", type = "uuid" }}
 version  = {{ path = "/version", type = "int8", min = 0 }}
 kind     = {{ path = "/kind", type = "text", max_len = 40 }}
 payload  = {{ path = "/payload", type = "jsonb", optional = true }}
+
+[[pipelines]]
+name = "baskets"
+table = "baskets"
+key = ["basket_id"]
+on_conflict = "keep"
+unknown_fields = "reject"
+batch_size = 100
+batch_timeout_ms = 100
+retry_ttls_ms = [1000]
+max_retries = 2
+dlq_max_attempts = 3
+{}
+[pipelines.columns]
+basket_id = {{ path = "/id", type = "uuid" }}
+total     = {{ path = "/total", type = "numeric", min = 0 }}
+
+[[pipelines.children]]
+table = "basket_items"
+rows = "/items"
+key = ["basket_id", "line"]
+max_rows = 5
+
+[pipelines.children.columns]
+basket_id = {{ parent = "basket_id" }}
+line      = {{ index = true }}
+sku       = {{ path = "/sku", type = "text", min_len = 1 }}
+qty       = {{ path = "/qty", type = "int4", min = 1 }}
 "#,
         orders.toml(),
-        events.toml()
+        events.toml(),
+        baskets.toml()
     )
 }
 
 /// What one published message is, and where it may end.
 #[derive(Debug, Clone)]
 struct Entry {
-    /// `orders` or `events`.
+    /// `orders`, `events` or `baskets`.
     pipeline: &'static str,
     /// The mix's label, for the report.
     kind: &'static str,
     /// For a message that may land: its key and what the row then holds (orders: the email and
-    /// total; events: the version and the kind, `<version> k<i>`, which names the message). An
+    /// total; events: the version and the kind, `<version> k<i>`, which names the message;
+    /// baskets: the total and every item, `<total> <sku>:<qty>,...` in line order). An
     /// order lands or is parked (a same-key order with other content wins or loses by arrival);
     /// an event always succeeds, its key holding the highest version.
     lands: Option<(Uuid, String)>,
@@ -147,6 +180,86 @@ fn orders_mix(rng: &mut fastrand::Rng, n: usize) -> Published {
             format!("o-{i}"),
             Entry {
                 pipeline: "orders",
+                kind,
+                lands,
+            },
+            body,
+        ));
+    }
+    out
+}
+
+/// The baskets mix, keyed by message id (`b-<i>`): nested messages of 1 to 5 items.
+fn baskets_mix(rng: &mut fastrand::Rng, n: usize) -> Published {
+    let mut out = Vec::with_capacity(n);
+    let mut good: Vec<Uuid> = Vec::new();
+    for i in 0..n {
+        // A basket and what its rows then hold.
+        let basket = |id: Uuid, total: &str, items: &[(String, i64)]| {
+            let elements: Vec<String> = items
+                .iter()
+                .map(|(sku, qty)| format!(r#"{{"sku":"{sku}","qty":{qty}}}"#))
+                .collect();
+            let content: Vec<String> = items.iter().map(|(s, q)| format!("{s}:{q}")).collect();
+            (
+                format!(
+                    r#"{{"id":"{id}","total":"{total}","items":[{}]}}"#,
+                    elements.join(",")
+                )
+                .into_bytes(),
+                format!("{total} {}", content.join(",")),
+            )
+        };
+        let items = |rng: &mut fastrand::Rng| -> Vec<(String, i64)> {
+            (0..rng.usize(1..=5))
+                .map(|j| (format!("s{i}-{j}"), rng.i64(1..99)))
+                .collect()
+        };
+        let id = Uuid::new_v4();
+        let mut drawn = items(rng);
+        let (kind, body, lands) = match rng.u32(0..100) {
+            0..=4 => ("malformed", b"{\"id\":\"".to_vec(), None),
+            // An element a check refuses: the whole basket is invalid_payload.
+            5..=9 => {
+                let at = rng.usize(0..drawn.len());
+                drawn[at].1 = 0;
+                ("invalid_item", basket(id, "1.00", &drawn).0, None)
+            }
+            10..=11 => (
+                "too_many_items",
+                basket(
+                    id,
+                    "1.00",
+                    &drawn.iter().cycle().take(6).cloned().collect::<Vec<_>>(),
+                )
+                .0,
+                None,
+            ),
+            // An item the table's CHECK refuses (qty < 100), in the middle of a batch: the
+            // basket alone is parked, with neither its row nor its other items stored.
+            12..=16 => {
+                let at = rng.usize(0..drawn.len());
+                drawn[at].1 = 100;
+                ("item_refused", basket(id, "1.00", &drawn).0, None)
+            }
+            // The same key as another basket, other items: whichever arrives second is an
+            // id_conflict under keep.
+            17..=21 if !good.is_empty() => {
+                let taken = good[rng.usize(0..good.len())];
+                let (body, content) = basket(taken, "2.00", &drawn);
+                ("same_key_other_items", body, Some((taken, content)))
+            }
+            _ => {
+                good.push(id);
+                let total = format!("{}.{:02}", rng.u32(0..1000), rng.u32(0..100));
+                let (body, content) = basket(id, &total, &drawn);
+                ("good", body, Some((id, content)))
+            }
+        };
+        out.push((
+            format!("b-{i}"),
+            Entry {
+                pipeline: "baskets",
                 kind,
                 lands,
             },
@@ -253,7 +366,8 @@ async fn two_mapped_pipelines_end_every_message_exactly_once_under_faults() {
         .set("SHUTDOWN_TIMEOUT_MS", "5000");
     let orders = Names::of(&env, "orders");
     let events = Names::of(&env, "events");
-    let _cleanup = (orders.cleanup(), events.cleanup());
+    let baskets = Names::of(&env, "baskets");
+    let _cleanup = (orders.cleanup(), events.cleanup(), baskets.cleanup());
     let s = env.schema.clone();
     env.db
         .batch_execute(&format!(
@@ -271,6 +385,17 @@ async fn two_mapped_pipelines_end_every_message_exactly_once_under_faults() {
                 kind text NOT NULL,
                 payload jsonb
             );
+            CREATE TABLE baskets (
+                basket_id uuid PRIMARY KEY,
+                total numeric NOT NULL
+            );
+            CREATE TABLE basket_items (
+                basket_id uuid NOT NULL REFERENCES baskets,
+                line int4 NOT NULL,
+                sku text NOT NULL,
+                qty int4 NOT NULL CHECK (qty < 100),
+                PRIMARY KEY (basket_id, line)
+            );
             CREATE TABLE read_only_fence (up boolean NOT NULL);
             INSERT INTO read_only_fence VALUES (false);
             CREATE FUNCTION {s}.refuse_while_fenced() RETURNS trigger LANGUAGE plpgsql AS $f$
@@ -285,13 +410,17 @@ async fn two_mapped_pipelines_end_every_message_exactly_once_under_faults() {
                 FOR EACH STATEMENT EXECUTE FUNCTION {s}.refuse_while_fenced();
             CREATE TRIGGER events_read_only BEFORE INSERT OR UPDATE ON events
                 FOR EACH STATEMENT EXECUTE FUNCTION {s}.refuse_while_fenced();
+            CREATE TRIGGER baskets_read_only BEFORE INSERT OR UPDATE ON baskets
+                FOR EACH STATEMENT EXECUTE FUNCTION {s}.refuse_while_fenced();
+            CREATE TRIGGER basket_items_read_only BEFORE INSERT OR UPDATE ON basket_items
+                FOR EACH STATEMENT EXECUTE FUNCTION {s}.refuse_while_fenced();
             "#
         ))
         .await
         .expect("create the tables");
     let dir = tempfile::tempdir().expect("temp dir");
     let path = dir.path().join("pipelines.toml");
-    std::fs::write(&path, config(&orders, &events)).expect("write the config");
+    std::fs::write(&path, config(&orders, &events, &baskets)).expect("write the config");
     let file = path.to_str().expect("utf-8").to_string();
     let (code, out, err) = env.run_async(&["--config", &file, "declare"]).await;
     assert_eq!(code, 0, "declare:\n{out}{err}");
@@ -314,6 +443,7 @@ async fn two_mapped_pipelines_end_every_message_exactly_once_under_faults() {
 
     let mut published = orders_mix(&mut rng, n);
     published.extend(events_mix(&mut rng, n));
+    published.extend(baskets_mix(&mut rng, n));
     // Exact duplicates (a publisher that retried), then interleaving as several publishers would.
     let mut with_copies = Vec::with_capacity(published.len() + published.len() / 20);
     for p in &published {
@@ -374,7 +504,11 @@ async fn two_mapped_pipelines_end_every_message_exactly_once_under_faults() {
                     tokio::time::sleep(Duration::from_millis(50)).await;
                 }
             }
-            for (names, pipeline) in [(&orders, "orders"), (&events, "events")] {
+            for (names, pipeline) in [
+                (&orders, "orders"),
+                (&events, "events"),
+                (&baskets, "baskets"),
+            ] {
                 let messages: Vec<(Vec<u8>, BasicProperties)> = chunk
                     .iter()
                     .filter(|(_, e, _)| e.pipeline == pipeline)
@@ -449,6 +583,7 @@ async fn two_mapped_pipelines_end_every_message_exactly_once_under_faults() {
         }
     }
     let all_orders = ledger.values().filter(|e| e.pipeline == "orders").count();
+    let all_baskets = ledger.values().filter(|e| e.pipeline == "baskets").count();
     let bad_events = ledger
         .values()
         .filter(|e| e.pipeline == "events" && e.lands.is_none())
@@ -466,7 +601,7 @@ async fn two_mapped_pipelines_end_every_message_exactly_once_under_faults() {
             }
         }
     };
-    let queues: Vec<&String> = [&orders, &events]
+    let queues: Vec<&String> = [&orders, &events, &baskets]
         .iter()
         .flat_map(|n| [&n.queue, &n.retry, &n.dlq])
         .collect();
@@ -479,7 +614,13 @@ async fn two_mapped_pipelines_end_every_message_exactly_once_under_faults() {
              (SELECT count(*) FROM dead_letters WHERE pipeline = 'orders')",
         )
         .await;
+        let baskets_accounted = count(
+            "SELECT (SELECT count(*) FROM baskets) + \
+             (SELECT count(*) FROM dead_letters WHERE pipeline = 'baskets')",
+        )
+        .await;
         let done = orders_accounted.is_some_and(|n| n >= all_orders)
+            && baskets_accounted.is_some_and(|n| n >= all_baskets)
             && count("SELECT count(*) FROM events")
                 .await
                 .is_some_and(|n| n >= latest.len())
@@ -525,6 +666,31 @@ async fn two_mapped_pipelines_end_every_message_exactly_once_under_faults() {
         .iter()
         .map(|r| (r.get(0), r.get(1)))
         .collect();
+    // Each basket as `<total> <sku>:<qty>,...`, its items in line order (none: nothing after
+    // the space, which no published basket is).
+    let basket_rows: HashMap<Uuid, String> = env
+        .db
+        .query(
+            "SELECT b.basket_id, b.total::text || ' ' || COALESCE((SELECT string_agg(\
+               i.sku || ':' || i.qty, ',' ORDER BY i.line) FROM basket_items i \
+               WHERE i.basket_id = b.basket_id), '') FROM baskets b",
+            &[],
+        )
+        .await
+        .expect("baskets")
+        .iter()
+        .map(|r| (r.get(0), r.get(1)))
+        .collect();
+    let stray_items = count_of(
+        &env,
+        "SELECT count(*) FROM basket_items i WHERE NOT EXISTS \
+         (SELECT 1 FROM baskets b WHERE b.basket_id = i.basket_id)",
+    )
+    .await;
+    if stray_items != 0 {
+        problems.push(format!("{stray_items} items without their basket"));
+    }
+    let mut owned_baskets: HashMap<Uuid, usize> = HashMap::new();
     // Each key's row as `<version> k<i>`: its version and the message that wrote it.
     let event_rows: HashMap<Uuid, String> = env
         .db
@@ -583,7 +749,28 @@ async fn two_mapped_pipelines_end_every_message_exactly_once_under_faults() {
         let under_orders = parked_as
             .get(id)
             .is_some_and(|p| p.iter().all(|(pipeline, _)| pipeline == "orders"));
+        let under_baskets = parked_as
+            .get(id)
+            .is_some_and(|p| p.iter().all(|(pipeline, _)| pipeline == "baskets"));
         match (&entry.lands, entry.pipeline) {
+            // A basket lands with exactly its items, or is parked once under baskets.
+            (Some((key, content)), "baskets") => {
+                let landed = basket_rows.get(key) == Some(content);
+                if landed {
+                    *owned_baskets.entry(*key).or_default() += 1;
+                }
+                if !matches!(
+                    (landed, times, under_baskets),
+                    (true, 0, _) | (false, 1, true)
+                ) {
+                    problems.push(format!(
+                        "{id} (baskets, {}): row {:?} (its content {content:?}), parked {:?}",
+                        entry.kind,
+                        basket_rows.get(key),
+                        parked_as.get(id)
+                    ));
+                }
+            }
             (Some((key, content)), "orders") => {
                 let landed = order_rows.get(key) == Some(content);
                 if landed {
@@ -666,6 +853,13 @@ async fn two_mapped_pipelines_end_every_message_exactly_once_under_faults() {
             owned.len()
         ));
     }
+    if basket_rows.len() != owned_baskets.len() || owned_baskets.values().any(|&n| n != 1) {
+        problems.push(format!(
+            "{} rows in baskets, {} owned by a published basket with its items",
+            basket_rows.len(),
+            owned_baskets.len()
+        ));
+    }
     if event_rows.len() != latest.len() {
         problems.push(format!(
             "{} rows in events, {} keys published",
@@ -687,10 +881,11 @@ async fn two_mapped_pipelines_end_every_message_exactly_once_under_faults() {
         *kinds.entry((pipeline.as_str(), kind.as_str())).or_default() += 1;
     }
     eprintln!(
-        "ledger_pipelines: seed {seed}: {} messages, {} orders, {} event keys, {} parked \
-         {kinds:?}, {} faults, settled after {:?}, {} problems",
+        "ledger_pipelines: seed {seed}: {} messages, {} orders, {} baskets, {} event keys, {} \
+         parked {kinds:?}, {} faults, settled after {:?}, {} problems",
         ledger.len(),
         order_rows.len(),
+        basket_rows.len(),
         event_rows.len(),
         parked.len(),
         faults.len(),

@@ -1,5 +1,6 @@
 //! Process faults: warren killed with SIGKILL mid-run, alone and among several consumers of one
-//! queue. The broker redelivers what the dead process held; nothing is lost, nothing written twice.
+//! queue, and a nested pipeline's instance killed between its commit and its acks. The broker
+//! redelivers what the dead process held; nothing is lost, nothing written twice.
 
 mod common;
 
@@ -106,4 +107,125 @@ async fn one_of_three_consumers_killed_midway_loses_nothing() {
     assert_eq!(env.queue_state(&env.main_queue).await, (0, 0));
     assert_eq!(env.queue_state(&env.dlq_queue).await.0, 0, "DLQ not empty");
     assert_eq!(env.count_rows().await, total as i64);
+}
+
+/// A nested pipeline (orders and their items) killed with SIGKILL between the commit of its
+/// batches and their acks: the inserts are held by a lock on `orders` until the broker link is
+/// frozen (the deliveries are in, no ack can pass), then committed; the process is killed while
+/// every order is stored and still unacked. The broker redelivers them all to the next
+/// instance, which finds each order stored with exactly its items (a copy: done): every order
+/// and every item once, nothing parked, the queues empty.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_nested_order_redelivered_after_a_kill_between_commit_and_ack_stays_once() {
+    let amqp = TcpProxy::start(&amqp_url(), 5672).await;
+    let mut env = TestEnv::new("kill9_nested").await;
+    let names = PipelineNames::of(&env, "orders");
+    let _cleanup = names.cleanup();
+    create_nested_tables(&env).await;
+    let file = ConfigFile::new(&nested_toml(&names, "batch_size = 100"));
+    declare_file(&env, &file).await;
+    let ids: Vec<Uuid> = (0..30).map(|_| Uuid::new_v4()).collect();
+    let items = |i: usize| -> Vec<(String, i64)> {
+        (0..1 + i % 5)
+            .map(|j| (format!("S-{i}-{j}"), 1 + j as i64))
+            .collect()
+    };
+    let body = |i: usize| {
+        let owned = items(i);
+        let items: Vec<(&str, i64)> = owned.iter().map(|(s, q)| (s.as_str(), *q)).collect();
+        nested_order(ids[i], 1, &items)
+    };
+    for i in 0..ids.len() {
+        env.publish_to(
+            &names.exchange,
+            &names.queue,
+            &body(i),
+            lapin::BasicProperties::default().with_delivery_mode(2),
+        )
+        .await;
+    }
+    let expected_items: usize = (0..ids.len()).map(|i| items(i).len()).sum();
+
+    env.set("AMQP_URL", amqp.url());
+    let lock = InsertLock::take_on(&env, "orders").await;
+    let mut first = env.start(&["--config", file.at(), "--roles", "consumer"]);
+    let _logs = LogsOnPanic(vec![first.log.clone()]);
+    lock.wait_for_a_blocked_insert(&env).await;
+    wait_until(
+        "every order delivered, none acked",
+        Duration::from_secs(30),
+        || async { queue_counts(&names.queue).await == (0, ids.len() as u64) },
+    )
+    .await;
+    amqp.freeze();
+    lock.release().await;
+    wait_until(
+        "every order and item committed",
+        Duration::from_secs(30),
+        || async {
+            count_of(&env, "SELECT count(*) FROM orders").await == ids.len() as i64
+                && count_of(&env, "SELECT count(*) FROM order_items").await == expected_items as i64
+        },
+    )
+    .await;
+    first.kill9();
+    amqp.thaw();
+    // Nothing was acked: the broker has every order back, for the next instance.
+    wait_until(
+        "every order back in the queue",
+        Duration::from_secs(30),
+        || async { queue_counts(&names.queue).await == (ids.len() as u64, 0) },
+    )
+    .await;
+
+    env.set("AMQP_URL", amqp_url());
+    let mut second = env.start(&["--config", file.at(), "--roles", "consumer,dlq"]);
+    let _logs_second = LogsOnPanic(vec![second.log.clone()]);
+    let sentinel = Uuid::new_v4();
+    env.publish_to(
+        &names.exchange,
+        &names.queue,
+        &nested_order(sentinel, 1, &[("S", 1)]),
+        lapin::BasicProperties::default().with_delivery_mode(2),
+    )
+    .await;
+    wait_until("the sentinel order", Duration::from_secs(60), || async {
+        nested_items(&env, sentinel).await.len() == 1
+    })
+    .await;
+    wait_queues_settled(
+        &[&names.queue, &names.retry, &names.dlq],
+        Duration::from_secs(30),
+    )
+    .await;
+    let stored: HashSet<Uuid> = uuids_of(&env, "SELECT order_id FROM orders")
+        .await
+        .into_iter()
+        .collect();
+    let mut all: HashSet<Uuid> = ids.iter().copied().collect();
+    all.insert(sentinel);
+    assert_eq!(stored, all);
+    for (i, id) in ids.iter().enumerate() {
+        let expected: Vec<(i32, String, i32)> = items(i)
+            .into_iter()
+            .enumerate()
+            .map(|(j, (sku, qty))| (j as i32 + 1, sku, qty as i32))
+            .collect();
+        assert_eq!(nested_items(&env, *id).await, expected, "order {i}");
+    }
+    assert_eq!(
+        count_of(&env, "SELECT count(*) FROM order_items").await,
+        expected_items as i64 + 1
+    );
+    assert_eq!(
+        count_of(
+            &env,
+            "SELECT count(*) FROM dead_letters WHERE pipeline = 'orders'"
+        )
+        .await,
+        0,
+        "a redelivered copy was parked:\n{}",
+        second.logs()
+    );
+    assert!(second.terminate(Duration::from_secs(25)).success());
 }

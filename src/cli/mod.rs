@@ -53,7 +53,8 @@ pub enum Command {
     Run(run::Args),
     /// Declare the RabbitMQ topology and apply the database migrations, idempotently.
     Declare(declare::Args),
-    /// Publish users (a load generator, or JSON lines from stdin) with publisher confirms.
+    /// Publish users (a load generator, or JSON lines), or JSON lines to any pipeline
+    /// (`--pipeline NAME`), with publisher confirms.
     Publish(publish::Args),
     /// Print the effective configuration, passwords redacted.
     Config(config::Args),
@@ -394,7 +395,7 @@ pub async fn dispatch(cli: Cli, settings: Settings) -> i32 {
             Err(e) => Err(e.into()),
         },
         Command::Declare(args) => declare::execute(&settings, args).await,
-        Command::Pipelines(args) => pipelines::execute(&settings, args),
+        Command::Pipelines(args) => pipelines::execute(&settings, args).await,
         Command::Publish(args) => publish::execute(&settings, args).await,
         Command::Config(args) => sources
             .map_err(anyhow::Error::from)

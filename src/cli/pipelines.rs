@@ -2,6 +2,9 @@
 //! `warren pipelines test NAME [FILE]`: what pipeline NAME would do with each JSON line of FILE
 //! (standard input by default), the row it would insert or the rejection with its kind and
 //! reason, with no broker and no database; exit 0 when every line is accepted, 1 otherwise.
+//! With `--db`, each accepted message's rows are also written into the live tables by the
+//! pipeline's own statements in a transaction rolled back, so a CHECK, a foreign key, a
+//! trigger or a type the database refuses shows up before a message is sent.
 
 use std::io::{BufRead, BufReader, Read};
 use std::path::PathBuf;
@@ -17,7 +20,7 @@ use crate::cli::out::{self, out};
 use crate::cli::terminal_safe as safe;
 use crate::config::Settings;
 use crate::config::pipelines::{Names, PipelineSpec};
-use crate::domain::mapping::Cell;
+use crate::domain::mapping::{Cell, Trial};
 
 #[derive(Debug, clap::Args)]
 pub struct Args {
@@ -34,6 +37,12 @@ pub enum Action {
     /// void) as the AMQP headers the pipeline's `header` columns read, the body as the message.
     /// Prints, per line, `ok` and the row it would insert (JSON), or the kind and reason it would
     /// be dead-lettered with. Exit 0 when every line is accepted, 1 otherwise.
+    ///
+    /// With --db, each accepted message's parent row and child rows are also written into the
+    /// live tables (DATABASE_URL) by the pipeline's own statements, in a transaction that is
+    /// rolled back: a CHECK, a foreign key, a trigger or a type the database refuses is
+    /// printed as `db_permanent` with PostgreSQL's words (the table, column and constraint it
+    /// names) and counts as refused. Nothing stays in the tables.
     Test {
         /// The pipeline (see `warren pipelines`).
         name: String,
@@ -42,10 +51,13 @@ pub enum Action {
         /// Lines carry headers: `{"headers": {...}, "body": ...}`.
         #[arg(long)]
         headers: bool,
+        /// Also try each accepted message's rows against the live tables, rolled back.
+        #[arg(long)]
+        db: bool,
     },
 }
 
-pub fn execute(settings: &Settings, args: Args) -> anyhow::Result<i32> {
+pub async fn execute(settings: &Settings, args: Args) -> anyhow::Result<i32> {
     match args.action {
         None => {
             out!("{}", list(settings)?)?;
@@ -55,6 +67,7 @@ pub fn execute(settings: &Settings, args: Args) -> anyhow::Result<i32> {
             name,
             file,
             headers,
+            db,
         }) => {
             let input: Box<dyn Read> = match &file {
                 Some(path) => Box::new(
@@ -63,14 +76,69 @@ pub fn execute(settings: &Settings, args: Args) -> anyhow::Result<i32> {
                 ),
                 None => Box::new(std::io::stdin()),
             };
-            test(
+            let database = match db {
+                true => Some(Database::connect(settings).await?),
+                false => None,
+            };
+            let code = test(
                 settings,
                 &name,
                 BufReader::new(input),
                 headers,
+                database.as_ref(),
                 &mut out::stdout(),
             )
+            .await;
+            if let Some(d) = database {
+                d.close().await;
+            }
+            code
         }
+    }
+}
+
+/// `--db`'s link to the database, as `declare` reaches it (`DATABASE_URL`, its schema), and
+/// the bound on each message's trial.
+pub struct Database {
+    client: tokio_postgres::Client,
+    task: tokio::task::JoinHandle<Result<(), tokio_postgres::Error>>,
+    bound: std::time::Duration,
+    url: String,
+}
+
+impl Database {
+    pub async fn connect(settings: &Settings) -> anyhow::Result<Self> {
+        let config = settings.database();
+        let bound = std::time::Duration::from_secs(5) + config.call_bound();
+        let url = crate::config::redact_url(&settings.database_url);
+        let connecting = async {
+            config
+                .pg_config()?
+                .connect(tokio_postgres::NoTls)
+                .await
+                .map_err(crate::db::DbError::from_pg)
+        };
+        let (client, connection) = tokio::time::timeout(bound, connecting)
+            .await
+            .map_err(|_| {
+                anyhow::anyhow!(
+                    "no answer from the database within {} ms",
+                    bound.as_millis()
+                )
+            })
+            .and_then(|r| r.map_err(anyhow::Error::from))
+            .with_context(|| format!("--db: cannot reach the database at {url}"))?;
+        Ok(Self {
+            client,
+            task: tokio::spawn(connection),
+            bound,
+            url,
+        })
+    }
+
+    async fn close(self) {
+        drop(self.client);
+        let _ = self.task.await;
     }
 }
 
@@ -259,12 +327,14 @@ fn block(title: &str, names: &Names, table: &str, columns: Vec<Vec<String>>) -> 
     )
 }
 
-/// Decodes every line of `input` as pipeline `name` would and writes the verdicts to `out`.
-pub fn test(
+/// Decodes every line of `input` as pipeline `name` would and writes the verdicts to `out`;
+/// with `db`, tries each accepted message's rows against the live tables, rolled back.
+pub async fn test(
     settings: &Settings,
     name: &str,
     input: impl BufRead,
     with_headers: bool,
+    db: Option<&Database>,
     out: &mut impl std::io::Write,
 ) -> anyhow::Result<i32> {
     // The built-in users pipeline is its declaration, as for any other.
@@ -311,7 +381,7 @@ pub fn test(
                         })
                         .map(|((c, _, _), cell)| (c, cell.clone()))
                         .unzip();
-                    return (true, row_json(names.into_iter(), &cells), Vec::new());
+                    return (true, row_json(names.into_iter(), &cells), Vec::new(), row);
                 }
                 let parent = row_json(mapping.columns().map(|(c, _, _)| c), &row.0);
                 // Each child row under its parent, named by its table.
@@ -324,11 +394,67 @@ pub fn test(
                         })
                     })
                     .collect();
-                (false, parent, children)
+                (false, parent, children, row)
             })
         };
+        let verdict = match (verdict, db) {
+            (Ok((false, parent, children, row)), Some(db)) => {
+                let tried = tokio::time::timeout(db.bound, mapping.trial(&db.client, &row))
+                    .await
+                    .map_err(|_| anyhow::anyhow!("no answer within {} ms", db.bound.as_millis()))
+                    .and_then(|r| r.map_err(anyhow::Error::from))
+                    .with_context(|| {
+                        format!(
+                            "--db: line {}: cannot try its rows in the database at {}",
+                            i + 1,
+                            db.url
+                        )
+                    })?;
+                match tried {
+                    Trial::Refused(r) => {
+                        Err(refused_by_db(format!("the database refuses it: {r}")))
+                    }
+                    Trial::Discarded => Err(refused_by_db(
+                        "the database refuses it: not written (a trigger of the table \
+                         discarded its row)"
+                            .into(),
+                    )),
+                    Trial::Held => Ok((
+                        false,
+                        parent,
+                        children,
+                        Some(format!(
+                            "db: not tried: {}, the pipeline's on_conflict decides (a copy \
+                             is done{})",
+                            match mapping.version_column() {
+                                Some(_) => "its key holds the same or a higher version",
+                                None => "its key is stored already",
+                            },
+                            match mapping.version_column() {
+                                Some(_) => ", an older version changes nothing",
+                                None => ", other content is id_conflict",
+                            }
+                        )),
+                    )),
+                    Trial::Delete => Ok((true, parent, children, None)),
+                    Trial::Written(n) => Ok((
+                        false,
+                        parent,
+                        children,
+                        Some(format!(
+                            "db: ok, the parent row and {n} child row{} written and rolled back",
+                            if n == 1 { "" } else { "s" }
+                        )),
+                    )),
+                }
+            }
+            // A delete writes no rows: nothing of it is tried.
+            (verdict, _) => {
+                verdict.map(|(delete, parent, children, _)| (delete, parent, children, None))
+            }
+        };
         match verdict {
-            Ok((delete, row, children)) => {
+            Ok((delete, row, children, db_note)) => {
                 accepted += 1;
                 writeln!(
                     out,
@@ -340,6 +466,9 @@ pub fn test(
                 for child in children {
                     writeln!(out, "   + {}", crate::cli::json_terminal_safe(&child))?;
                 }
+                if let Some(note) = db_note {
+                    writeln!(out, "   {}", safe(&note))?;
+                }
             }
             Err(r) => {
                 refused += 1;
@@ -349,6 +478,14 @@ pub fn test(
     }
     writeln!(out, "{accepted} accepted, {refused} refused")?;
     Ok(if refused == 0 { 0 } else { 1 })
+}
+
+/// A message the live tables refuse (`--db`), as the pipeline would park it.
+fn refused_by_db(reason: String) -> crate::domain::Rejection {
+    crate::domain::Rejection {
+        kind: crate::domain::ErrorKind::DbPermanent,
+        reason,
+    }
 }
 
 /// `{"headers": {...}, "body": ...}`: the body's bytes as written, and the headers as AMQP ones.

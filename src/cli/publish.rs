@@ -1,7 +1,9 @@
 //! `warren publish`: a load generator (`--count N [--rate R] [--invalid-every K]`) and a JSON
-//! lines publisher (`--stdin`), both with publisher confirms and pipelined publishes.
+//! lines publisher (`--stdin`, `--file PATH`; `--pipeline NAME` for any pipeline's exchange),
+//! both with publisher confirms and pipelined publishes.
 
 use std::io::Write as _;
+use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use actix::{Actor, Addr};
@@ -15,6 +17,7 @@ use crate::amqp::headers;
 use crate::amqp::publisher::{Close, IsConnected, Publish, Publisher, json_properties};
 use crate::cli::out::{self, errln, outln};
 use crate::config::{Settings, redact_url};
+use crate::domain::mapping::Mapping;
 
 #[derive(Debug, clap::Args)]
 pub struct Args {
@@ -32,6 +35,14 @@ pub struct Args {
     /// exactly those can be sent again.
     #[arg(long)]
     pub stdin: bool,
+    /// Publish JSON lines (standard input, or --file) to pipeline NAME's exchange with its
+    /// routing key, instead of users. Each message's id is the line's key when the pipeline's
+    /// key is one column read from a top-level field (`"order_id"`), else a new UUID.
+    #[arg(long, value_name = "NAME", conflicts_with_all = ["count", "invalid_every"])]
+    pub pipeline: Option<String>,
+    /// Read the JSON lines from this file instead of standard input.
+    #[arg(long, value_name = "PATH", conflicts_with_all = ["count", "invalid_every", "stdin"])]
+    pub file: Option<PathBuf>,
     /// Publishes awaiting their confirm at once.
     #[arg(long, default_value_t = 512)]
     pub in_flight: usize,
@@ -83,12 +94,36 @@ pub async fn execute(settings: &Settings, args: Args) -> anyhow::Result<i32> {
     if args.in_flight == 0 {
         bail!("--in-flight: expected at least 1");
     }
-    // What is published is users: to the users pipeline's exchange and queue as resolved.
-    let users = settings
-        .pipeline("users")
-        .ok_or_else(|| anyhow::anyhow!("this configuration runs no users pipeline"))?;
-    let exchange = users.names.main_exchange.clone();
-    let routing_key = users.names.main_queue.clone();
+    // What is published goes to the pipeline's exchange and queue as resolved: users unless
+    // --pipeline names another.
+    let name = args.pipeline.as_deref().unwrap_or("users");
+    let pipeline = match settings.pipeline(name) {
+        Some(p) => p,
+        None if args.pipeline.is_none() => bail!("this configuration runs no users pipeline"),
+        None => {
+            let known: Vec<&str> = settings
+                .pipelines()
+                .iter()
+                .map(|p| p.name.as_str())
+                .collect();
+            return Err(super::Usage(format!(
+                "--pipeline: no pipeline {:?}; this configuration has: {}",
+                super::terminal_safe(name),
+                known.join(", ")
+            ))
+            .into());
+        }
+    };
+    let id_field = id_field(&pipeline.mapping()?);
+    let input: Option<Box<dyn tokio::io::AsyncRead + Unpin + Send>> = match &args.file {
+        Some(path) => Some(Box::new(tokio::fs::File::open(path).await.map_err(
+            |e| anyhow::anyhow!("--file: cannot read {}: {e}", path.display()),
+        )?)),
+        None if args.stdin || args.pipeline.is_some() => Some(Box::new(tokio::io::stdin())),
+        None => None,
+    };
+    let exchange = pipeline.names.main_exchange.clone();
+    let routing_key = pipeline.names.main_queue.clone();
     let publisher = connected_publisher(settings).await?;
     let latency_header = settings.publish_latency_header;
     let make = |id: ShortString, body: Vec<u8>| Publish {
@@ -103,24 +138,27 @@ pub async fn execute(settings: &Settings, args: Args) -> anyhow::Result<i32> {
     let mut first_error: Option<String> = None;
 
     // (input line for --stdin, message id, body)
-    let messages: futures::stream::BoxStream<'_, (Option<u64>, ShortString, Vec<u8>)> = if args
-        .stdin
-    {
-        let lines = tokio_stream_lines();
-        lines
-            .filter_map(|(n, line)| async move {
+    let messages: futures::stream::BoxStream<'_, (Option<u64>, ShortString, Vec<u8>)> =
+        if let Some(input) = input {
+            let lines = stream_lines(input);
+            let id_field = &id_field;
+            lines
+            .filter_map(move |(n, line)| async move {
                 match serde_json::from_str::<serde_json::Value>(&line) {
                     Ok(serde_json::Value::Object(o)) => {
-                        let id = o
-                            .get("id")
-                            .and_then(|v| v.as_str())
-                            .map(str::to_string)
-                            .unwrap_or_else(|| Uuid::new_v4().to_string());
+                        let id = match o.get(id_field.as_str()) {
+                            Some(serde_json::Value::String(s)) => s.clone(),
+                            Some(serde_json::Value::Number(n)) if n.is_i64() || n.is_u64() => {
+                                n.to_string()
+                            }
+                            _ => Uuid::new_v4().to_string(),
+                        };
                         match headers::short(id) {
                             Ok(id) => Some((Some(n), id, line.into_bytes())),
                             Err(e) => {
                                 errln!(
-                                    "warren publish: line {n}: \"id\": {e} (an AMQP message id), skipped"
+                                    "warren publish: line {n}: {:?}: {e} (an AMQP message id), skipped",
+                                    super::terminal_safe(id_field)
                                 );
                                 None
                             }
@@ -137,16 +175,16 @@ pub async fn execute(settings: &Settings, args: Args) -> anyhow::Result<i32> {
                 }
             })
             .boxed()
-    } else {
-        let invalid_every = args.invalid_every;
-        futures::stream::iter(0..args.count)
-            .map(move |i| {
-                let (id, body) = generated(i, invalid_every);
-                // A UUID: 36 bytes, always a short string.
-                (None, headers::short(id).unwrap_or_default(), body)
-            })
-            .boxed()
-    };
+        } else {
+            let invalid_every = args.invalid_every;
+            futures::stream::iter(0..args.count)
+                .map(move |i| {
+                    let (id, body) = generated(i, invalid_every);
+                    // A UUID: 36 bytes, always a short string.
+                    (None, headers::short(id).unwrap_or_default(), body)
+                })
+                .boxed()
+        };
     // `--rate`, for generated messages and `--stdin` lines alike: the i-th is sent no earlier
     // than i / rate seconds after the start.
     let messages = match args.rate {
@@ -202,11 +240,22 @@ fn not_confirmed(line: u64, id: &str, error: &str) -> String {
     format!("line {line} (id {id}) not confirmed: {error}")
 }
 
-/// Standard input as numbered, non-empty lines. A line that is not UTF-8 is named and skipped
-/// like a line that is not JSON, and the lines after it are read (found by the review: it ended
-/// the input there, with exit 0 and the rest unpublished).
-fn tokio_stream_lines() -> futures::stream::BoxStream<'static, (u64, String)> {
-    let reader = tokio::io::BufReader::new(tokio::io::stdin());
+/// The top-level field a line's message id is read from: the key's, when the pipeline's key is
+/// one column read from a top-level field (`id` for users, `order_id`), else `id`.
+fn id_field(mapping: &Mapping) -> String {
+    match mapping.key().as_slice() {
+        [k] => mapping.field_of(k).unwrap_or("id").to_string(),
+        _ => "id".to_string(),
+    }
+}
+
+/// `input` (standard input or a file) as numbered, non-empty lines. A line that is not UTF-8 is
+/// named and skipped like a line that is not JSON, and the lines after it are read (found by
+/// the review: it ended the input there, with exit 0 and the rest unpublished).
+fn stream_lines(
+    input: Box<dyn tokio::io::AsyncRead + Unpin + Send>,
+) -> futures::stream::BoxStream<'static, (u64, String)> {
+    let reader = tokio::io::BufReader::new(input);
     futures::stream::unfold(
         (reader.split(b'\n'), 0u64),
         |(mut lines, mut n)| async move {
@@ -230,7 +279,7 @@ fn tokio_stream_lines() -> futures::stream::BoxStream<'static, (u64, String)> {
                     Err(e) => {
                         let _ = writeln!(
                             std::io::stderr(),
-                            "warren publish: cannot read standard input: {e}"
+                            "warren publish: cannot read the input: {e}"
                         );
                         return None;
                     }

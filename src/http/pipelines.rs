@@ -2,8 +2,10 @@
 //! among them): `POST /api/v1/<name>` checks a message body with the pipeline's mapping (as
 //! `warren pipelines test` does) and publishes it to the pipeline's exchange with a broker
 //! confirm; `PUT /api/v1/<name>/<key>` does the same for a body whose key is the one in the path;
-//! `GET /api/v1/<name>/<key>` reads the row (as JSON, every column), else the fate of a message
-//! parked under the pipeline with that key as its message id, else 404. The message id of a
+//! `GET /api/v1/<name>/<key>` reads the row (as JSON, every column, and each child table's rows
+//! under its array's name), else the fate of a message parked under the pipeline with that key
+//! as its message id, else 404. A nested message (child tables) is checked by writing its rows
+//! into the tables and rolling them back, so what the database refuses of it is a 422. The message id of a
 //! published message is its key, so a retried request is the same message to the pipeline (the
 //! same key and content: one row).
 //!
@@ -36,7 +38,7 @@ use crate::amqp::headers;
 use crate::config::ConfigError;
 use crate::config::pipelines::{ApiKey, PipelineSpec};
 use crate::domain::ErrorKind;
-use crate::domain::mapping::{Cell, ColType, Mapping, Problem, Refused, Row, Standing};
+use crate::domain::mapping::{Cell, ColType, Mapping, Problem, Refused, Row, Standing, Trial};
 
 /// One pipeline's API: its mapping, where it publishes, its table's key and its options.
 pub struct PipelineApi {
@@ -478,6 +480,17 @@ async fn storable(
             async move {
                 if api.check {
                     Ok(api.mapping.standing(client, &row).await)
+                } else if api.mapping.child_tables().next().is_some() {
+                    // A nested message: its parent and child rows written into the tables by
+                    // the pipeline's statements and rolled back, so whatever the database
+                    // refuses of any of them (a type, a CHECK, a foreign key) is answered now.
+                    Ok(api.mapping.trial(client, &row).await.map(|t| match t {
+                        Trial::Refused(r) => Standing::Unstorable(r.to_string()),
+                        Trial::Discarded => Standing::Unstorable(
+                            "not written: a trigger of the table discarded its row".into(),
+                        ),
+                        Trial::Written(_) | Trial::Held | Trial::Delete => Standing::New,
+                    }))
                 } else {
                     Ok(match api.mapping.storable(client, &row).await? {
                         Ok(()) => Ok(Standing::New),

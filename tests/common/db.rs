@@ -237,7 +237,7 @@ pub async fn attempts(env: &TestEnv, id: Uuid) -> i64 {
         .get(0)
 }
 
-/// A transaction holding a lock that blocks INSERT into `users` (but not SELECT), so warren's
+/// A transaction holding a lock that blocks INSERT into `users` or another table (but not SELECT), so warren's
 /// batches hang in the database (a command can land while they are in flight, a graceful
 /// shutdown cannot drain); released by [`InsertLock::release`] or by dropping it.
 pub struct InsertLock {
@@ -249,17 +249,22 @@ pub struct InsertLock {
 impl InsertLock {
     /// Takes the lock on the env's `users` table.
     pub async fn take(env: &TestEnv) -> Self {
+        Self::take_on(env, "users").await
+    }
+
+    /// Takes the lock on `table` of the env's schema (a configured pipeline's).
+    pub async fn take_on(env: &TestEnv, table: &str) -> Self {
         let (client, connection) = tokio_postgres::connect(&database_url(), NoTls)
             .await
             .expect("connect");
         tokio::spawn(connection);
         client
             .batch_execute(&format!(
-                "SET search_path TO {}; BEGIN; LOCK TABLE users IN SHARE MODE",
+                "SET search_path TO {}; BEGIN; LOCK TABLE {table} IN SHARE MODE",
                 env.schema
             ))
             .await
-            .expect("lock users");
+            .expect("lock the table");
         let pid: i32 = client
             .query_one("SELECT pg_backend_pid()", &[])
             .await

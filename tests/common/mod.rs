@@ -22,7 +22,8 @@
 //!   (`count_of`, `uuids_of`, `assert_same_ids`; a failed query panics, never reads as 0),
 //!   fault injection through triggers (`install_fault` with `CountAttempts`,
 //!   `set_fault_sqlstate`, `clear_fault`, `track_attempts`, `attempts`,
-//!   `install_poison_trigger`), `InsertLock`, which holds warren's batch inserts, and
+//!   `install_poison_trigger`), `InsertLock`, which holds warren's batch inserts (`take_on` a
+//!   pipeline's table), and
 //!   `terminate_backends`.
 //! - `redis`: `RedisCleanup`, `try_redis_query`, `redis_query`, the instance registry
 //!   (`instance_key`, `instance`, `wait_record_field`, `wait_running`, `shutdowns`) and the events stream (`stream_events`,
@@ -34,7 +35,8 @@
 //! - `http`: `http_base`, `http_agent` and `http`, one request to the env's API.
 //! - `pipelines`: `PipelineNames` and `PipelineCleanup` for configured pipelines, the `orders`
 //!   pipeline several tests run beside users (`create_orders_table`, `orders_toml`,
-//!   `declare_file`, `orders_pipeline`), `tail`.
+//!   `declare_file`, `orders_pipeline`), the nested orders and their items (`create_nested_tables`,
+//!   `NESTED_ORDERS`, `nested_toml`, `nested_order`, `nested_items`), `tail`.
 //! - `wait`: `wait_until`, `wait_queues_settled`. Wait on conditions, never on fixed sleeps; to
 //!   prove that something did not happen, publish a sentinel after it and wait for the sentinel
 //!   (then for the queues to be settled).

@@ -2,7 +2,8 @@
 //! test's id (with their `[[pipelines]]` lines), and `PipelineCleanup`, which deletes its
 //! queues and exchanges also after a failed assertion; the `orders` pipeline several tests run
 //! beside users (`create_orders_table`, `orders_toml`, `declare_file`, `orders_pipeline`);
-//! `tail` for logs in reports.
+//! the nested orders, an order and its items (`create_nested_tables`, `NESTED_ORDERS`,
+//! `nested_toml`, `nested_order`, `nested_items`); `tail` for logs in reports.
 
 use super::env::{TestEnv, amqp_url};
 use super::files::ConfigFile;
@@ -114,6 +115,85 @@ pub async fn orders_pipeline(env: &TestEnv, names: &PipelineNames, extra: &str) 
     let file = ConfigFile::new(&orders_toml(names, extra));
     declare_file(env, &file).await;
     file
+}
+
+/// The nested orders' tables in the env's schema: `orders` (`order_id uuid` the key, `total
+/// numeric`, `version int8`) and `order_items` (a foreign key to its order, `CHECK (qty <
+/// 100)`, the key `order_id, line`).
+pub async fn create_nested_tables(env: &TestEnv) {
+    env.db
+        .batch_execute(
+            "CREATE TABLE orders (
+                order_id uuid PRIMARY KEY,
+                total numeric NOT NULL,
+                version int8 NOT NULL
+            );
+            CREATE TABLE order_items (
+                order_id uuid NOT NULL REFERENCES orders ON DELETE CASCADE,
+                line int4 NOT NULL,
+                sku text NOT NULL,
+                qty int4 NOT NULL CHECK (qty < 100),
+                PRIMARY KEY (order_id, line)
+            )",
+        )
+        .await
+        .expect("create the nested orders' tables");
+}
+
+/// The nested orders' columns and child table, as the lines of a `[[pipelines]]` entry.
+pub const NESTED_ORDERS: &str = r#"
+[pipelines.columns]
+order_id = { path = "/order_id", type = "uuid" }
+total    = { path = "/total", type = "numeric", min = 0 }
+version  = { path = "/version", type = "int8" }
+
+[[pipelines.children]]
+table = "order_items"
+rows = "/items"
+key = ["order_id", "line"]
+
+[pipelines.children.columns]
+order_id = { parent = "order_id" }
+line     = { index = true }
+sku      = { path = "/sku", type = "text", min_len = 1 }
+qty      = { path = "/qty", type = "int4", min = 1 }
+"#;
+
+/// A configuration file's text with the nested `orders` pipeline (`on_conflict = "keep"`
+/// unless `extra` says otherwise) on `names`' queues, with the lines `extra` in its entry.
+pub fn nested_toml(names: &PipelineNames, extra: &str) -> String {
+    format!(
+        "[[pipelines]]\nname = \"orders\"\ntable = \"orders\"\nkey = [\"order_id\"]\n\
+         {extra}\nretry_ttls_ms = [1000]\n{}{NESTED_ORDERS}",
+        names.toml()
+    )
+}
+
+/// An order of the nested pipeline with `items` as (sku, qty).
+pub fn nested_order(id: uuid::Uuid, version: i64, items: &[(&str, i64)]) -> Vec<u8> {
+    let items: Vec<String> = items
+        .iter()
+        .map(|(sku, qty)| format!(r#"{{"sku":"{sku}","qty":{qty}}}"#))
+        .collect();
+    format!(
+        r#"{{"order_id":"{id}","total":"12.50","version":{version},"items":[{}]}}"#,
+        items.join(",")
+    )
+    .into_bytes()
+}
+
+/// The stored items of order `id`, (line, sku, qty) by line.
+pub async fn nested_items(env: &TestEnv, id: uuid::Uuid) -> Vec<(i32, String, i32)> {
+    env.db
+        .query(
+            "SELECT line, sku, qty FROM order_items WHERE order_id = $1 ORDER BY line",
+            &[&id],
+        )
+        .await
+        .expect("the items")
+        .iter()
+        .map(|r| (r.get(0), r.get(1), r.get(2)))
+        .collect()
 }
 
 /// The last `n` lines of `text`.

@@ -689,12 +689,35 @@ impl<'a> Entry<'a> {
                 &format!("true with key {:?}", p.key),
             ));
         }
-        if p.api && !p.children.is_empty() {
+        if p.api_check && !p.children.is_empty() {
             return Err(refuse(
-                "api",
-                "false for a pipeline with child tables (the API does not take them yet)",
+                "api_check",
+                "false for a pipeline with child tables (the API does not compare child rows \
+                 before publishing; the pipeline does: other rows under a stored key are \
+                 id_conflict)",
                 "true",
             ));
+        }
+        if p.api {
+            // A GET answers each child table's rows under its array's name, beside the
+            // parent's columns.
+            let mut names: Vec<&str> = p.columns.keys().map(String::as_str).collect();
+            for child in &p.children {
+                let name = child.rows.rsplit('/').next().unwrap_or_default();
+                if names.contains(&name) {
+                    return Err(refuse(
+                        "api",
+                        &format!(
+                            "false, or child tables whose arrays' names are neither a column \
+                             of the pipeline nor another child table's (a GET answers the rows \
+                             of {} under \"{name}\")",
+                            child.table
+                        ),
+                        "true",
+                    ));
+                }
+                names.push(name);
+            }
         }
         if !p.api && (p.api_key != ApiKey::Body || p.api_check) {
             let (field, got) = if p.api_check {

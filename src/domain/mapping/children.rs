@@ -704,6 +704,33 @@ pub(super) async fn insert(
     }
 }
 
+/// `warren pipelines test --db` (`lookup::trial`): `record`'s child rows written after its
+/// parent row, in the caller's transaction (which rolls them back), one child table at a
+/// time, by the pipeline's statements; with `update`, the stored children of its key deleted
+/// first, as the pipeline replaces them (`key` the parent key's parameters). How many child
+/// rows were written.
+pub(super) async fn trial(
+    mapping: &Mapping,
+    client: &tokio_postgres::Client,
+    record: &Row,
+    key: &[&(dyn ToSql + Sync)],
+) -> Result<u64, tokio_postgres::Error> {
+    let mut written = 0;
+    for (n, child) in mapping.children.iter().enumerate() {
+        if mapping.on_conflict == OnConflict::Update {
+            client
+                .execute(child.statements.delete.as_str(), key)
+                .await?;
+        }
+        let (arrays, _) = child_arrays(child, n, std::iter::once((1, record)));
+        let params: Vec<&(dyn ToSql + Sync)> = arrays.iter().map(Array::as_param).collect();
+        written += client
+            .execute(child.statements.insert.as_str(), &params)
+            .await?;
+    }
+    Ok(written)
+}
+
 /// `keep`, some key held or repeated, inside the parents' probe transaction after their insert
 /// (`done`: what it found): the records whose parent row this transaction wrote insert their
 /// children (of several records of one key, the first delivered, the one written); every

@@ -2,7 +2,9 @@
 //! answer and never written: the row of a key (`GET`), whether PostgreSQL can hold a record's
 //! values, and what the table holds for a record before it is published ([`Standing`],
 //! `api_check`). Each runs in a transaction that is rolled back, through the probe of
-//! `insert.rs` (PostgreSQL converts and compares, warren never casts).
+//! `insert.rs` (PostgreSQL converts and compares, warren never casts). And `warren pipelines
+//! test --db`'s [`Trial`]: a record's parent and child rows written into the live tables by
+//! the pipeline's own statements, in a transaction rolled back.
 
 use tokio_postgres::types::ToSql;
 
@@ -106,17 +108,73 @@ fn sent_as(ty: ColType) -> &'static str {
     }
 }
 
-/// The row `s` as JSON text, every column as `to_jsonb` writes it but a `timestamptz`, written
+/// The row `alias` as jsonb, every column as `to_jsonb` writes it but a `timestamptz`, written
 /// in UTC to the microsecond, `2026-11-28T10:00:00.123000Z` (RFC 3339, as `GET /api/v1/users`
 /// always wrote `inserted_at`), whatever the session's time zone; `infinity` stays as it is.
-const ROW_JSON: &str = "(SELECT jsonb_object_agg(e.key, CASE \
-     WHEN a.atttypid = 'timestamptz'::regtype AND jsonb_typeof(e.value) = 'string' THEN \
-     CASE WHEN e.value #>> '{}' IN ('infinity', '-infinity') THEN e.value \
-     ELSE to_jsonb(to_char((e.value #>> '{}')::timestamptz AT TIME ZONE 'UTC', \
-     'YYYY-MM-DD\"T\"HH24:MI:SS.US\"Z\"')) END \
-     ELSE e.value END) \
-     FROM jsonb_each(to_jsonb(s.*)) AS e \
-     LEFT JOIN pg_catalog.pg_attribute AS a ON a.attrelid = s.tableoid AND a.attname = e.key)::text";
+fn row_json(alias: &str) -> String {
+    format!(
+        "(SELECT jsonb_object_agg(e.key, CASE \
+         WHEN a.atttypid = 'timestamptz'::regtype AND jsonb_typeof(e.value) = 'string' THEN \
+         CASE WHEN e.value #>> '{{}}' IN ('infinity', '-infinity') THEN e.value \
+         ELSE to_jsonb(to_char((e.value #>> '{{}}')::timestamptz AT TIME ZONE 'UTC', \
+         'YYYY-MM-DD\"T\"HH24:MI:SS.US\"Z\"')) END \
+         ELSE e.value END) \
+         FROM jsonb_each(to_jsonb({alias}.*)) AS e \
+         LEFT JOIN pg_catalog.pg_attribute AS a ON a.attrelid = {alias}.tableoid \
+           AND a.attname = e.key)"
+    )
+}
+
+/// The row `s` as [`row_json`] writes it, with each child table's rows of it under its
+/// array's name (the last segment of `rows`: `"items": [...]`), each row as [`row_json`]
+/// writes it, in the order of the element's position (an `index` column), else of the child
+/// table's key; `[]` when it has none.
+fn with_children(mapping: &Mapping) -> String {
+    let mut out = row_json("s");
+    for child in &mapping.children {
+        let name = child.rows().rsplit('/').next().unwrap_or_default();
+        let name = name
+            .replace("~1", "/")
+            .replace("~0", "~")
+            .replace('\'', "''");
+        let link: Vec<String> = mapping
+            .key
+            .iter()
+            .filter_map(|&pk| {
+                let c = child
+                    .columns
+                    .iter()
+                    .find(|c| c.source == super::Source::Parent(pk))?;
+                Some(format!(
+                    "c.{} = s.{}",
+                    quote(&c.name),
+                    quote(&mapping.columns[pk].name)
+                ))
+            })
+            .collect();
+        let order: Vec<String> = match child
+            .columns
+            .iter()
+            .find(|c| c.source == super::Source::Index)
+        {
+            Some(c) => vec![format!("c.{}", quote(&c.name))],
+            None => child
+                .key
+                .iter()
+                .map(|&i| format!("c.{}", quote(&child.columns[i].name)))
+                .collect(),
+        };
+        out = format!(
+            "({out} || jsonb_build_object('{name}', (SELECT COALESCE(jsonb_agg({} ORDER BY {}), \
+             '[]'::jsonb) FROM {} AS c WHERE {})))",
+            row_json("c"),
+            order.join(", "),
+            child.table.sql(),
+            link.join(" AND "),
+        );
+    }
+    format!("{out}::text")
+}
 
 /// Runs `sql` (and `params`) in a transaction holding `create`'s temporary table, rolled back.
 async fn rolled_back<T>(
@@ -138,7 +196,8 @@ async fn rolled_back<T>(
 /// as JSON text: `key` is converted to the column's type by an insert into the probe (so a
 /// value too long for a `varchar(3)` key is refused, 22001, never truncated onto another
 /// row), then compared with the column's own equality (a `citext` key finds its row in any
-/// case); a `timestamptz` written as [`ROW_JSON`] says. `None` when no row holds it.
+/// case); a `timestamptz` written as [`row_json`] says, and each child table's rows under its
+/// array's name ([`with_children`]). `None` when no row holds it.
 pub(super) async fn find_by_key(
     mapping: &Mapping,
     client: &tokio_postgres::Client,
@@ -167,7 +226,8 @@ pub(super) async fn find_by_key(
     );
     let sql = format!(
         "WITH p AS (INSERT INTO pg_temp.warren_key ({name}) SELECT $1::text::{ty} RETURNING {name}) \
-         SELECT {ROW_JSON} FROM {t} AS s JOIN p ON s.{name} = p.{name}"
+         SELECT {} FROM {t} AS s JOIN p ON s.{name} = p.{name}",
+        with_children(mapping)
     );
     rolled_back(client, &create, async {
         // `s.*`, the whole row: `to_jsonb(s)` would be a column of the table named `s`.
@@ -223,4 +283,172 @@ pub(super) async fn storable(
         }
     })
     .await
+}
+
+/// What the live tables make of one record's rows (`warren pipelines test --db`): written by
+/// the pipeline's own statements (the parent row, then each child table's rows) in a
+/// transaction that is rolled back, so the tables' CHECKs, foreign keys, triggers and types
+/// answer as they would for the pipeline.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Trial {
+    /// Written: the parent row and this many child rows.
+    Written(u64),
+    /// Its key holds a row already (`keep`), or one of the same or a higher version
+    /// (`update`): the pipeline's `on_conflict` decides what it is (a copy, `id_conflict`,
+    /// `stale`), and its child rows were not tried.
+    Held,
+    /// The insert wrote no row and no key held it: a trigger discarded it (the pipeline parks
+    /// it `db_permanent`).
+    Discarded,
+    /// The database refused a row of it (the pipeline's `db_permanent`).
+    Refused(Refusal),
+    /// A delete: it writes no rows, so nothing of it is tried.
+    Delete,
+}
+
+/// A row the database refused, in its words: the SQLSTATE, the message, the table, column and
+/// constraint it names (where it names them) and its detail.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Refusal {
+    pub code: String,
+    pub message: String,
+    pub table: Option<String>,
+    pub column: Option<String>,
+    pub constraint: Option<String>,
+    pub detail: Option<String>,
+}
+
+impl Refusal {
+    fn of(db: &tokio_postgres::error::DbError) -> Self {
+        let shown = |s: &str| crate::text::shown(s).into_owned();
+        Self {
+            code: db.code().code().to_string(),
+            message: shown(db.message()),
+            table: db.table().map(shown),
+            column: db.column().map(shown),
+            constraint: db.constraint().map(shown),
+            detail: db.detail().map(shown),
+        }
+    }
+}
+
+impl std::fmt::Display for Refusal {
+    /// `23514 new row for relation "order_items" violates check constraint "..." (table
+    /// order_items, constraint ...): Failing row contains (...)`.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{} {}", self.code, self.message)?;
+        let named: Vec<String> = [
+            ("table", &self.table),
+            ("column", &self.column),
+            ("constraint", &self.constraint),
+        ]
+        .into_iter()
+        .filter_map(|(what, v)| v.as_ref().map(|v| format!("{what} {v}")))
+        .collect();
+        if !named.is_empty() {
+            write!(f, " ({})", named.join(", "))?;
+        }
+        if let Some(d) = &self.detail {
+            write!(f, ": {d}")?;
+        }
+        Ok(())
+    }
+}
+
+/// See [`Trial`]. `keep`: the plain insert of the batch whose keys are all new (a key held is
+/// its unique violation, told apart from another unique index's by the index's columns);
+/// `update`: the upsert (no row written: the stored version is the same or higher), then, as
+/// the pipeline does, the stored children of the key deleted before the record's are
+/// inserted. A refusal is one the pipeline would park (a data or integrity error, or a code
+/// only a row can cause: a trigger's); any other failure is the database's, an `Err`.
+pub(super) async fn trial(
+    mapping: &Mapping,
+    client: &tokio_postgres::Client,
+    record: &Row,
+) -> Result<Trial, DbError> {
+    if record.2 == super::Op::Delete {
+        return Ok(Trial::Delete);
+    }
+    let st = statements(mapping, client).await?;
+    let records = [record];
+    let arrays = arrays(mapping, &records);
+    let params: Vec<&(dyn ToSql + Sync)> = arrays.iter().map(Array::as_param).collect();
+    let key_params: Vec<&(dyn ToSql + Sync)> = mapping.key.iter().map(|&i| params[i]).collect();
+    client
+        .batch_execute("BEGIN")
+        .await
+        .map_err(DbError::from_pg)?;
+    let tried = async {
+        let parent = st.insert_new.as_deref().unwrap_or(st.insert.as_str());
+        if client.execute(parent, &params).await? == 0 {
+            return Ok(if mapping.version.is_some() {
+                Trial::Held
+            } else {
+                Trial::Discarded
+            });
+        }
+        let children = super::children::trial(mapping, client, record, &key_params).await?;
+        Ok::<_, tokio_postgres::Error>(Trial::Written(children))
+    }
+    .await;
+    let rolled_back = client.batch_execute("ROLLBACK").await;
+    let trial = match tried {
+        Ok(trial) => trial,
+        Err(e) => {
+            let Some(db) = e.as_db_error() else {
+                return Err(DbError::from_pg(e));
+            };
+            let error = DbError::Server {
+                code: db.code().code().to_string(),
+                message: crate::text::shown(db.message()).into_owned(),
+            };
+            let row_specific = error.class() == crate::db::error::ErrorClass::Permanent
+                || error.may_be_row_specific();
+            if !row_specific {
+                return Err(error);
+            }
+            // `keep`'s plain insert: the key's own unique index is the key held.
+            if mapping.version.is_none()
+                && db.code() == &tokio_postgres::error::SqlState::UNIQUE_VIOLATION
+                && db.table() == Some(mapping.table.name.as_str())
+                && rolled_back.is_ok()
+                && is_key_index(mapping, client, db).await?
+            {
+                Trial::Held
+            } else {
+                Trial::Refused(Refusal::of(db))
+            }
+        }
+    };
+    rolled_back.map_err(DbError::from_pg)?;
+    Ok(trial)
+}
+
+/// Whether the unique index a violation names (`db.constraint()`, in `db.schema()`) is on
+/// exactly the mapping's key columns.
+async fn is_key_index(
+    mapping: &Mapping,
+    client: &tokio_postgres::Client,
+    db: &tokio_postgres::error::DbError,
+) -> Result<bool, DbError> {
+    let (Some(schema), Some(index)) = (db.schema(), db.constraint()) else {
+        return Ok(false);
+    };
+    let row = client
+        .query_opt(
+            "SELECT array_agg(a.attname::text ORDER BY a.attname) \
+             FROM pg_class i JOIN pg_namespace n ON n.oid = i.relnamespace \
+             JOIN pg_index x ON x.indexrelid = i.oid \
+             JOIN pg_attribute a ON a.attrelid = x.indrelid AND a.attnum = ANY(x.indkey) \
+             WHERE n.nspname = $1 AND i.relname = $2",
+            &[&schema, &index],
+        )
+        .await
+        .map_err(DbError::from_pg)?;
+    let Some(columns) = row.and_then(|r| r.get::<_, Option<Vec<String>>>(0)) else {
+        return Ok(false);
+    };
+    let mut key: Vec<String> = mapping.key().iter().map(|k| k.to_string()).collect();
+    key.sort();
+    Ok(columns == key)
 }

@@ -18,7 +18,7 @@ mod lookup;
 mod names;
 mod spec;
 pub use delete::Op;
-pub use lookup::{Standing, Unstorable};
+pub use lookup::{Refusal, Standing, Trial, Unstorable};
 use names::identifier;
 pub use names::{NameError, TableName, TableNameError, quote};
 pub use spec::*;
@@ -451,6 +451,17 @@ impl Mapping {
         record: &Row,
     ) -> Result<Standing, DbError> {
         lookup::standing(self, client, record).await
+    }
+
+    /// What the live tables make of `record`'s parent and child rows, written by the
+    /// pipeline's own statements in a transaction that is rolled back ([`Trial`]; `warren
+    /// pipelines test --db`): nothing stays.
+    pub async fn trial(
+        &self,
+        client: &tokio_postgres::Client,
+        record: &Row,
+    ) -> Result<Trial, DbError> {
+        lookup::trial(self, client, record).await
     }
 
     /// Each child table: its name, the pointer to its array, its most rows per message, and

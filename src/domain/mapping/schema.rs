@@ -2,13 +2,15 @@
 //! table exists; every mapped column exists with a type the mapping's type can be written to;
 //! every NOT NULL column without a default is mapped and not optional; the key is a primary key
 //! or unique index of the table. Child tables (`[[pipelines.children]]`) are checked the same
-//! way ([`check`]). Each mismatch names the pipeline, the table, the column, what
-//! was found and what was expected. And, for a row the database skipped: which unique index
+//! way ([`check`]), and so are their foreign keys: one to the parent table must pair each of
+//! its columns with the parent column its `parent` mapping carries; one to another table may
+//! not hold a column that carries the parent's ([`foreign_key_mismatches`]). Each mismatch
+//! names the pipeline, the table, the column, what was found and what was expected. And, for a row the database skipped: which unique index
 //! holds its value, under which key.
 
 use std::collections::HashMap;
 
-use super::{ColType, Column, Mapping, TableName};
+use super::{ColType, Column, Mapping, Source, TableName};
 use crate::db::error::DbError;
 
 /// A column of the table as the catalog describes it.
@@ -84,14 +86,139 @@ pub async fn check(
             child.rows()
         );
         out.extend(table_mismatches(
-            at,
+            at.clone(),
             &child.columns,
             child.key_names(),
             info.as_ref(),
             true,
         ));
+        if info.is_some() {
+            let fks = foreign_keys(&child.table, &mapping.table, client).await?;
+            out.extend(foreign_key_mismatches(
+                &at,
+                &child.columns,
+                &mapping.columns,
+                &mapping.table,
+                &fks,
+            ));
+        }
     }
     Ok(out)
+}
+
+/// A foreign key of a child table, as the catalog describes it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ForeignKey {
+    pub name: String,
+    /// Its columns in the child table, in the key's order.
+    pub columns: Vec<String>,
+    /// The table it references, as the session's search path names it.
+    pub references: String,
+    /// Whether that table is the pipeline's own (the parent table).
+    pub to_parent: bool,
+    /// The referenced columns, paired with `columns`.
+    pub referenced: Vec<String>,
+}
+
+/// The foreign keys of `child`, each with whether it references `parent`.
+async fn foreign_keys(
+    child: &TableName,
+    parent: &TableName,
+    client: &tokio_postgres::Client,
+) -> Result<Vec<ForeignKey>, DbError> {
+    let names = |side: &str, rel: &str| {
+        format!(
+            "ARRAY(SELECT a.attname::text FROM unnest(c.{side}) WITH ORDINALITY AS k(n, o) \
+             JOIN pg_attribute a ON a.attrelid = c.{rel} AND a.attnum = k.n ORDER BY k.o)"
+        )
+    };
+    let sql = format!(
+        "SELECT c.conname::text, {}, c.confrelid::regclass::text, \
+                c.confrelid = to_regclass($2)::oid, {} \
+         FROM pg_constraint c WHERE c.conrelid = to_regclass($1)::oid AND c.contype = 'f' \
+         ORDER BY c.conname",
+        names("conkey", "conrelid"),
+        names("confkey", "confrelid"),
+    );
+    Ok(client
+        .query(&sql, &[&child.sql(), &parent.sql()])
+        .await
+        .map_err(DbError::from_pg)?
+        .iter()
+        .map(|r| ForeignKey {
+            name: r.get(0),
+            columns: r.get(1),
+            references: r.get(2),
+            to_parent: r.get(3),
+            referenced: r.get(4),
+        })
+        .collect())
+}
+
+/// The mismatches of a child table's foreign keys (`at` names the pipeline and the child
+/// table) with its `columns`, whose `parent` columns carry the `parent` columns of the
+/// pipeline's table `parent_table`. A foreign key to the parent table is welcome when each of
+/// its columns carries the very parent column it references (the parent row is written first,
+/// in the same transaction); one to another table may not hold a column that carries the
+/// parent's (every message's child rows would then need a row there). Foreign keys on other
+/// columns (a `sku` to a catalog) are the table's own business.
+fn foreign_key_mismatches(
+    at: &str,
+    columns: &[Column],
+    parent: &[Column],
+    parent_table: &TableName,
+    fks: &[ForeignKey],
+) -> Vec<String> {
+    let mut out = Vec::new();
+    let carried = |column: &str| {
+        columns
+            .iter()
+            .find(|c| c.name == column)
+            .and_then(|c| match c.source {
+                Source::Parent(i) => parent.get(i).map(|p| p.name.as_str()),
+                _ => None,
+            })
+    };
+    let source = |column: &str| match columns.iter().find(|c| c.name == column) {
+        None => "not mapped".to_string(),
+        Some(c) => match &c.source {
+            Source::Parent(i) => format!(
+                "the parent's {}",
+                parent.get(*i).map_or("?", |p| p.name.as_str())
+            ),
+            Source::Index => "the element's position".into(),
+            Source::Path { pointer, .. } if pointer.is_empty() => "the whole element".into(),
+            Source::Path { pointer, .. } => format!("the element's {pointer}"),
+            Source::Header(h) => format!("header {h}"),
+        },
+    };
+    for fk in fks {
+        let shown = format!(
+            "foreign key {} ({}) references {} ({})",
+            fk.name,
+            fk.columns.join(", "),
+            fk.references,
+            fk.referenced.join(", ")
+        );
+        for (column, referenced) in fk.columns.iter().zip(&fk.referenced) {
+            match (fk.to_parent, carried(column)) {
+                (true, Some(p)) if p == referenced => {}
+                (true, _) => out.push(format!(
+                    "{at}: {shown}, but column {column} holds {} (expected {column} = {{ parent \
+                     = \"{referenced}\" }}: a child row references the parent row of its own \
+                     message)",
+                    source(column)
+                )),
+                (false, Some(p)) => out.push(format!(
+                    "{at}: {shown}, not the pipeline's table {parent_table}, but column \
+                     {column} holds the parent's {p} (expected a foreign key to \
+                     {parent_table} ({p}), or none)"
+                )),
+                (false, None) => {}
+            }
+        }
+    }
+    out
 }
 
 /// The mismatches of one table (`at` names the pipeline and the table) with the `columns`

@@ -1,0 +1,280 @@
+//! The tools around a configured pipeline, against the real broker and database: `warren
+//! publish --pipeline NAME` (JSON lines from a file or standard input to the pipeline's
+//! exchange with its routing key, confirmed, each message's id its key; a line that is no JSON
+//! object named and skipped; exit 1 when a publish is not confirmed, 2 for an unknown
+//! pipeline), and what the pipeline then makes of them; `warren pipelines test NAME --db`,
+//! which tries each message's rows against the live tables and leaves nothing in them.
+
+mod common;
+
+use std::io::Write as _;
+use std::process::Stdio;
+use std::time::Duration;
+
+use common::*;
+use uuid::Uuid;
+
+/// `warren --config FILE ARGS` fed `stdin`: (exit code, stdout, stderr).
+async fn with_stdin(env: &TestEnv, args: &[&str], stdin: &[u8]) -> (i32, String, String) {
+    let mut child = env
+        .command(args)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("start warren");
+    let mut input = child.stdin.take().expect("stdin");
+    input.write_all(stdin).expect("write stdin");
+    drop(input);
+    let out = tokio::task::spawn_blocking(move || child.wait_with_output())
+        .await
+        .expect("join")
+        .expect("warren");
+    (
+        out.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+/// `publish --pipeline orders --file F` sends the file's orders to the orders queue (not
+/// users'), each with its `order_id` as its message id, names the lines that are not JSON
+/// objects; standard input works the same; the pipeline then stores each order with its items.
+#[tokio::test(flavor = "multi_thread")]
+async fn publish_pipeline_sends_json_lines_to_the_pipelines_queue() {
+    let env = TestEnv::new("tools_publish").await;
+    let names = PipelineNames::of(&env, "orders");
+    let _cleanup = names.cleanup();
+    create_nested_tables(&env).await;
+    let file = ConfigFile::new(&nested_toml(&names, ""));
+    declare_file(&env, &file).await;
+
+    let (a, b, c) = (Uuid::new_v4(), Uuid::new_v4(), Uuid::new_v4());
+    let dir = tempfile::tempdir().expect("temp dir");
+    let lines = dir.path().join("orders.jsonl");
+    let mut text = Vec::new();
+    text.extend(nested_order(a, 1, &[("A-1", 2), ("B-2", 1)]));
+    text.extend(b"\nnot json\n");
+    text.extend(nested_order(b, 1, &[("C-3", 5)]));
+    text.extend(b"\n[1, 2]\n");
+    std::fs::write(&lines, text).expect("write the lines");
+    let (code, out, err) = env
+        .run_async(&[
+            "--config",
+            file.at(),
+            "publish",
+            "--pipeline",
+            "orders",
+            "--file",
+            lines.to_str().expect("utf-8"),
+        ])
+        .await;
+    assert_eq!(code, 0, "{out}{err}");
+    assert!(out.contains("published 2 messages"), "{out}");
+    assert!(out.contains(", 0 failed"), "{out}");
+    assert!(err.contains("line 2: not JSON"), "{err}");
+    assert!(err.contains("line 4: expected a JSON object"), "{err}");
+    assert_eq!(env.ready(&env.main_queue).await, 0, "nothing to users");
+    let queued = env.peek(&names.queue, 10).await;
+    let ids: Vec<String> = queued.iter().map(message_id).collect();
+    assert_eq!(ids, [a.to_string(), b.to_string()]);
+
+    // Standard input, when there is no --file.
+    let (code, out, err) = with_stdin(
+        &env,
+        &["--config", file.at(), "publish", "--pipeline", "orders"],
+        &nested_order(c, 1, &[("D-4", 1)]),
+    )
+    .await;
+    assert_eq!(code, 0, "{out}{err}");
+    assert!(out.contains("published 1 messages"), "{out}");
+
+    // The pipeline stores what was published: each order once, with its items.
+    let warren = env.start(&["--config", file.at(), "--roles", "consumer,dlq"]);
+    let _logs = LogsOnPanic(vec![warren.log.clone()]);
+    wait_until("the three orders", Duration::from_secs(60), || async {
+        count_of(&env, "SELECT count(*) FROM order_items").await == 4
+    })
+    .await;
+    assert_eq!(
+        nested_items(&env, a).await,
+        [(1, "A-1".to_string(), 2), (2, "B-2".to_string(), 1)]
+    );
+    assert_eq!(nested_items(&env, c).await, [(1, "D-4".to_string(), 1)]);
+    assert_eq!(count_of(&env, "SELECT count(*) FROM orders").await, 3);
+}
+
+/// An unknown pipeline is a usage error naming the known ones (exit 2); a publish the broker
+/// does not confirm (here: the pipeline's topology never declared, so its exchange is missing)
+/// names the line and exits 1, as the other modes do.
+#[tokio::test(flavor = "multi_thread")]
+async fn publish_pipeline_exits_by_what_was_confirmed() {
+    let env = TestEnv::new("tools_publish_fail").await;
+    let names = PipelineNames::of(&env, "orders");
+    let _cleanup = names.cleanup();
+    let file = ConfigFile::new(&nested_toml(&names, ""));
+    let (code, out, err) = with_stdin(
+        &env,
+        &["--config", file.at(), "publish", "--pipeline", "order"],
+        b"",
+    )
+    .await;
+    assert_eq!(code, 2, "{out}{err}");
+    assert!(
+        err.contains("--pipeline: no pipeline \"order\"; this configuration has: users, orders"),
+        "{err}"
+    );
+
+    let id = Uuid::new_v4();
+    let (code, out, err) = with_stdin(
+        &env,
+        &[
+            "--config",
+            file.at(),
+            "--set",
+            "PUBLISH_TIMEOUT_MS=3000",
+            "publish",
+            "--pipeline",
+            "orders",
+        ],
+        &nested_order(id, 1, &[("A", 1)]),
+    )
+    .await;
+    assert_eq!(code, 1, "{out}{err}");
+    assert!(out.contains("published 0 messages"), "{out}");
+    assert!(out.contains("1 failed"), "{out}");
+    assert!(
+        err.contains(&format!("line 1 (id {id}) not confirmed")),
+        "{err}"
+    );
+}
+
+/// `pipelines test orders FILE --db`: each accepted order's rows are written into the live
+/// tables and rolled back: a child row's CHECK, a child's foreign key to another table, a
+/// parent's CHECK and a value too long for a `varchar(5)` each show up on their line as
+/// `db_permanent` in PostgreSQL's words naming the table (and constraint); a key already
+/// stored is not tried; a message the mapping refuses is refused offline as before. Exit 1,
+/// and the tables hold exactly what they held before; with good lines only, exit 0, and still
+/// nothing stays.
+#[tokio::test(flavor = "multi_thread")]
+async fn pipelines_test_db_names_what_the_tables_refuse_and_leaves_nothing() {
+    let env = TestEnv::new("tools_test_db").await;
+    let names = PipelineNames::of(&env, "orders");
+    create_nested_tables(&env).await;
+    env.db
+        .batch_execute(
+            "CREATE TABLE skus (sku text PRIMARY KEY);
+             INSERT INTO skus VALUES ('A-1'), ('B-2'), ('LONGER');
+             ALTER TABLE order_items ALTER sku TYPE varchar(5),
+                 ADD FOREIGN KEY (sku) REFERENCES skus;
+             ALTER TABLE orders ADD CONSTRAINT orders_total_check CHECK (total < 1000)",
+        )
+        .await
+        .expect("the constraints");
+    let file = ConfigFile::new(&nested_toml(&names, ""));
+    let stored = Uuid::new_v4();
+    env.db
+        .batch_execute(&format!(
+            "INSERT INTO orders VALUES ('{stored}', 1, 1);
+             INSERT INTO order_items VALUES ('{stored}', 1, 'A-1', 1)"
+        ))
+        .await
+        .expect("a stored order");
+    let good = Uuid::new_v4();
+    let order = |items: &[(&str, i64)]| {
+        String::from_utf8(nested_order(Uuid::new_v4(), 1, items)).expect("utf-8")
+    };
+    let lines = [
+        String::from_utf8(nested_order(good, 1, &[("A-1", 2), ("B-2", 1)])).expect("utf-8"),
+        order(&[("A-1", 1), ("B-2", 100)]),
+        order(&[("A-1", 1), ("Z-9", 1)]),
+        order(&[("A-1", 1)]).replace(r#""total":"12.50""#, r#""total":5000"#),
+        order(&[("LONGER", 1)]),
+        order(&[("A-1", 0)]),
+        String::from_utf8(nested_order(stored, 1, &[("B-2", 1)])).expect("utf-8"),
+    ];
+    let dir = tempfile::tempdir().expect("temp dir");
+    let path = dir.path().join("orders.jsonl");
+    std::fs::write(&path, lines.join("\n")).expect("write the lines");
+    let path = path.to_str().expect("utf-8");
+    let (code, out, err) = env
+        .run_async(&[
+            "--config",
+            file.at(),
+            "pipelines",
+            "test",
+            "orders",
+            path,
+            "--db",
+        ])
+        .await;
+    assert_eq!(code, 1, "{out}{err}");
+    let line = |n: usize| -> String {
+        out.lines()
+            .find(|l| l.starts_with(&format!("{n}: ")))
+            .unwrap_or_else(|| panic!("no line {n}:\n{out}"))
+            .to_string()
+    };
+    assert!(line(1).starts_with("1: ok "), "{out}");
+    assert!(
+        out.contains("db: ok, the parent row and 2 child rows written and rolled back"),
+        "{out}"
+    );
+    for (n, words) in [
+        (
+            2,
+            "db_permanent the database refuses it: 23514 new row for relation \"order_items\" \
+             violates check constraint \"order_items_qty_check\" (table order_items, \
+             constraint order_items_qty_check)",
+        ),
+        (
+            3,
+            "db_permanent the database refuses it: 23503 insert or update on table \
+             \"order_items\" violates foreign key constraint \"order_items_sku_fkey\" (table \
+             order_items, constraint order_items_sku_fkey): Key (sku)=(Z-9) is not present in \
+             table \"skus\".",
+        ),
+        (
+            4,
+            "db_permanent the database refuses it: 23514 new row for relation \"orders\" \
+             violates check constraint \"orders_total_check\" (table orders, constraint \
+             orders_total_check)",
+        ),
+        (
+            5,
+            "db_permanent the database refuses it: 22001 value too long for type character \
+             varying(5)",
+        ),
+        (6, "invalid_payload items/0/qty must be at least 1, found 0"),
+    ] {
+        assert!(
+            line(n).starts_with(&format!("{n}: {words}")),
+            "line {n}:\n{out}"
+        );
+    }
+    assert!(line(7).starts_with("7: ok "), "{out}");
+    assert!(
+        out.contains("db: not tried: its key is stored already"),
+        "{out}"
+    );
+    assert!(out.contains("2 accepted, 5 refused"), "{out}");
+    let held = || async {
+        (
+            count_of(&env, "SELECT count(*) FROM orders").await,
+            count_of(&env, "SELECT count(*) FROM order_items").await,
+            count_of(&env, "SELECT count(*) FROM skus").await,
+        )
+    };
+    assert_eq!(held().await, (1, 1, 3), "the trial left rows behind");
+
+    // Good lines only: exit 0, and still nothing stays.
+    let (code, out, err) = with_stdin(
+        &env,
+        &["--config", file.at(), "pipelines", "test", "orders", "--db"],
+        lines[0].as_bytes(),
+    )
+    .await;
+    assert_eq!(code, 0, "{out}{err}");
+    assert!(out.contains("1 accepted, 0 refused"), "{out}");
+    assert_eq!(held().await, (1, 1, 3), "the trial left rows behind");
+}
