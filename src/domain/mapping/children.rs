@@ -391,19 +391,15 @@ impl Child {
                 let mut unknown: Vec<&String> =
                     map.keys().filter(|k| !self.fields.contains(*k)).collect();
                 if !unknown.is_empty() {
+                    // Each by its path first, as every other refusal of an element.
                     unknown.sort();
-                    let list: Vec<String> = unknown
-                        .iter()
-                        .map(|k| format!("{here}/{}", escape(k)))
-                        .collect();
-                    problems.push((
-                        format!(
-                            "unknown field{} {} (unknown_fields = \"reject\")",
-                            if list.len() == 1 { "" } else { "s" },
-                            list.join(", ")
-                        ),
-                        Problem::Unknown(list.join(", ")),
-                    ));
+                    problems.extend(unknown.iter().map(|k| {
+                        let path = format!("{here}/{}", escape(k));
+                        (
+                            format!("{path}: unknown field (unknown_fields = \"reject\")"),
+                            Problem::Unknown(path),
+                        )
+                    }));
                     continue;
                 }
             }
@@ -472,14 +468,13 @@ fn escape(field: &str) -> String {
     field.replace('~', "~0").replace('/', "~1")
 }
 
-/// The reason for an element's value, named by its path from the body's root (`/items/1/qty`):
-/// a declared check's refusal as a parent column's, the field then the rule (`items/1/qty must
-/// be at least 1, found 0`); anything else by the path, then what was expected and found.
+/// The reason for an element's value: its path from the body's root first (`/items/1/qty`),
+/// then what was expected and found (`expected at least 1, found 0`, `missing (a text is
+/// required)`).
 fn reason_at(error: &ValueError, element: &str, pointer: &str) -> String {
-    let path = format!("{element}{pointer}");
     match error {
-        ValueError::Check(check) => format!("{} {check}", &path[1..]),
-        other => format!("{path}: {other}"),
+        ValueError::Check(check) => format!("{element}{pointer}: {}", check.expected()),
+        other => format!("{element}{pointer}: {other}"),
     }
 }
 

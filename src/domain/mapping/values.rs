@@ -230,18 +230,20 @@ impl ValueError {
 }
 
 /// A declared check of a column that refused its value, in the words users always had (`name
-/// must not be empty`, `name must be at most 200 characters`).
+/// must not be empty`, `name must be at most 200 characters`): the column's name, then the rule.
+/// An element of a child table's array is named by its path instead, then what was expected
+/// and found ([`CheckError::expected`]: `/items/1/qty: expected at least 1, found 0`).
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
 pub enum CheckError {
     /// `format = "line"`: only whitespace.
     #[error("must not be empty")]
     Blank,
-    /// `min_len`, in characters.
-    #[error("must be at least {0} characters")]
-    TooShort(usize),
-    /// `max_len`, in characters.
-    #[error("must be at most {0} characters")]
-    TooLong(usize),
+    /// `min_len`, in characters, and the characters found.
+    #[error("must be at least {min} characters")]
+    TooShort { min: usize, found: usize },
+    /// `max_len`, in characters, and the characters found.
+    #[error("must be at most {max} characters")]
+    TooLong { max: usize, found: usize },
     /// `format = "line"`: what a screen would not show as written ([`line_problem`]).
     #[error("must be one line of readable text, without {0}")]
     NotALine(String),
@@ -254,6 +256,33 @@ pub enum CheckError {
     /// `max`: the greatest accepted, and the value as written.
     #[error("must be at most {max}, found {shown}")]
     Above { max: f64, shown: String },
+}
+
+impl CheckError {
+    /// The same refusal said after a path, as what was expected and what was found (an
+    /// element of a child table: `/items/1/qty: expected at least 1, found 0`).
+    pub fn expected(&self) -> String {
+        match self {
+            CheckError::Blank => "expected text that is not blank, found only whitespace".into(),
+            CheckError::TooShort { min, found } => {
+                format!("expected at least {min} characters, found {found}")
+            }
+            CheckError::TooLong { max, found } => {
+                format!("expected at most {max} characters, found {found}")
+            }
+            CheckError::NotALine(what) => {
+                format!("expected one line of readable text, found {what}")
+            }
+            CheckError::NotAnEmail(EmailProblem::TooLong) => {
+                format!("expected an email address of at most {EMAIL_MAX} characters")
+            }
+            CheckError::NotAnEmail(EmailProblem::Implausible) => {
+                "expected a valid email address such as ana@example.com".into()
+            }
+            CheckError::Below { min, shown } => format!("expected at least {min}, found {shown}"),
+            CheckError::Above { max, shown } => format!("expected at most {max}, found {shown}"),
+        }
+    }
 }
 
 /// Why an address is not one `format = "email"` takes.
@@ -278,12 +307,12 @@ pub(super) fn check_text(c: &Column, s: &str) -> Result<(), ValueError> {
     if let Some(min) = c.min_len
         && chars < min
     {
-        return Err(CheckError::TooShort(min).into());
+        return Err(CheckError::TooShort { min, found: chars }.into());
     }
     if let Some(max) = c.max_len
         && chars > max
     {
-        return Err(CheckError::TooLong(max).into());
+        return Err(CheckError::TooLong { max, found: chars }.into());
     }
     match c.format {
         Some(Format::Email) => {

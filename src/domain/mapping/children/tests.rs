@@ -82,11 +82,11 @@ fn an_element_failing_a_check_refuses_the_message_naming_its_path() {
         .decode(&order(r#"[{"sku":"A","qty":1},{"sku":"B","qty":0}]"#))
         .unwrap_err();
     assert_eq!(r.kind.as_str(), "invalid_payload");
-    assert_eq!(r.reason, "items/1/qty must be at least 1, found 0");
+    assert_eq!(r.reason, "/items/1/qty: expected at least 1, found 0");
     let r = m.decode(&order(r#"[{"sku":"","qty":"2"}]"#)).unwrap_err();
     assert_eq!(
         r.reason,
-        "items/0/sku must be at least 1 characters; \
+        "/items/0/sku: expected at least 1 characters, found 0; \
          /items/0/qty: expected an integer (int4), found the string \"2\"",
         "every element's problem, each by its path"
     );
@@ -97,8 +97,8 @@ fn an_element_failing_a_check_refuses_the_message_naming_its_path() {
         format!(r#"{{"order_id":"{ID}","total":-1,"version":1,"items":[{{"sku":"A","qty":0}}]}}"#);
     let r = m.decode(body.as_bytes()).unwrap_err();
     assert_eq!(
-        r.reason,
-        "total must be at least 0, found -1; items/0/qty must be at least 1, found 0"
+        r.reason, "total must be at least 0, found -1; /items/0/qty: expected at least 1, found 0",
+        "a parent column in the words users' tests hold, an element by its path"
     );
 }
 
@@ -145,7 +145,7 @@ fn unknown_fields_of_an_element_follow_the_pipelines_policy() {
         .unwrap_err();
     assert_eq!(
         r.reason,
-        "unknown field /items/0/colour (unknown_fields = \"reject\")"
+        "/items/0/colour: unknown field (unknown_fields = \"reject\")"
     );
     let ignore = mapping("unknown_fields = \"ignore\"", "");
     assert!(
