@@ -1033,3 +1033,65 @@ async fn a_uuid_is_accepted_exactly_when_postgresql_reads_it() {
         mismatches.join("\n")
     );
 }
+
+/// `default = <value>`: an absent field stores the default as PostgreSQL reads it (a char(3),
+/// a timestamptz with an offset, a jsonb keeping its number's digits), and a copy of the
+/// message, the field still absent, is the same content (no conflict).
+#[tokio::test(flavor = "multi_thread")]
+async fn an_absent_field_stores_its_default_and_a_copy_of_it_is_a_copy() {
+    let env = TestEnv::new("map_default").await;
+    env.db
+        .batch_execute(
+            "CREATE TABLE priced (id int4 PRIMARY KEY, currency char(3) NOT NULL, \
+             at timestamptz NOT NULL, tags jsonb NOT NULL)",
+        )
+        .await
+        .expect("create priced");
+    let spec: MappingSpec = toml::from_str(
+        r#"
+        table = "priced"
+        key = ["id"]
+        [columns]
+        id       = { path = "/id", type = "int4" }
+        currency = { path = "/currency", type = "text", default = "EUR", max_len = 3 }
+        at       = { path = "/at", type = "timestamptz", default = "2026-01-01T00:00:00+01:00" }
+        tags     = { path = "/tags", type = "jsonb", default = ["a", 1.5] }
+        "#,
+    )
+    .expect("spec");
+    let m = Mapping::compile("priced", &spec).expect("compiles");
+    let pool = pool(&env).await;
+    let done = insert(
+        &m,
+        &pool,
+        &[
+            br#"{"id":1}"#.to_vec(),
+            br#"{"id":2,"currency":"USD","at":"2026-05-01T00:00:00Z","tags":[]}"#.to_vec(),
+        ],
+    )
+    .await;
+    assert_eq!(done.rows, 2, "{done:?}");
+    let stored = |id: i32| {
+        let db = &env.db;
+        async move {
+            let r = db
+                .query_one(
+                    "SELECT currency, at = '2026-01-01T00:00:00+01:00'::timestamptz, tags::text \
+                     FROM priced WHERE id = $1",
+                    &[&id],
+                )
+                .await
+                .expect("the row");
+            (
+                r.get::<_, String>(0),
+                r.get::<_, bool>(1),
+                r.get::<_, String>(2),
+            )
+        }
+    };
+    assert_eq!(stored(1).await, ("EUR".into(), true, "[\"a\", 1.5]".into()));
+    assert_eq!(stored(2).await, ("USD".into(), false, "[]".into()));
+    // A copy, the fields still absent: the same content as stored, an idempotent success.
+    let again = insert(&m, &pool, &[br#"{"id":1}"#.to_vec()]).await;
+    assert_eq!(again, Inserted::default(), "a copy");
+}

@@ -119,7 +119,8 @@ fn list(settings: &Settings) -> anyhow::Result<String> {
                     (None, Some(h)) => format!("header {h}"),
                     (None, None) => "-".into(),
                 };
-                let checks = checks(c.optional, c.format, c.min, c.max, c.min_len, c.max_len);
+                let mut checks = checks(c.optional, c.format, c.min, c.max, c.min_len, c.max_len);
+                more_checks(&mut checks, c.default.as_ref());
                 row(name, &source, c.ty.as_str(), &checks)
             })
             .collect();
@@ -144,12 +145,10 @@ fn list(settings: &Settings) -> anyhow::Result<String> {
                         .and_then(|name| p.columns.get(name))
                         .map(|pc| pc.ty.as_str());
                     let ty = c.ty.map(|t| t.as_str()).or(parent_ty).unwrap_or("int4");
-                    row(
-                        name,
-                        &source,
-                        ty,
-                        &checks(c.optional, c.format, c.min, c.max, c.min_len, c.max_len),
-                    )
+                    let mut checks =
+                        checks(c.optional, c.format, c.min, c.max, c.min_len, c.max_len);
+                    more_checks(&mut checks, c.default.as_ref());
+                    row(name, &source, ty, &checks)
                 })
                 .collect();
             children.push_str(&format!(
@@ -206,6 +205,20 @@ fn checks(
         }
     }
     checks.join(", ")
+}
+
+/// Appends to a column's listed checks its default (`default "EUR"`).
+fn more_checks(checks: &mut String, default: Option<&Value>) {
+    let mut more = Vec::new();
+    if let Some(v) = default {
+        more.push(format!("default {v}"));
+    }
+    for m in more {
+        if !checks.is_empty() {
+            checks.push_str(", ");
+        }
+        checks.push_str(&m);
+    }
 }
 
 /// Columns as an indented borderless table.

@@ -112,6 +112,7 @@ impl Child {
                 ));
             }
             let checks = c.optional
+                || c.default.is_some()
                 || c.min.is_some()
                 || c.max.is_some()
                 || c.min_len.is_some()
@@ -129,15 +130,8 @@ impl Child {
                     )));
                 }
                 Column {
-                    name: name.clone(),
-                    source: Source::Parent(i),
-                    ty: parent[i].ty,
                     optional: parent[i].optional,
-                    min: None,
-                    max: None,
-                    min_len: None,
-                    max_len: None,
-                    format: None,
+                    ..Column::new(name, Source::Parent(i), parent[i].ty)
                 }
             } else if c.index {
                 let ty = c.ty.unwrap_or(ColType::Int4);
@@ -148,17 +142,7 @@ impl Child {
                             .into(),
                     ));
                 }
-                Column {
-                    name: name.clone(),
-                    source: Source::Index,
-                    ty,
-                    optional: false,
-                    min: None,
-                    max: None,
-                    min_len: None,
-                    max_len: None,
-                    format: None,
-                }
+                Column::new(name, Source::Index, ty)
             } else {
                 let ty = c.ty.ok_or_else(|| {
                     at("type: a path or header column needs a type (text, uuid, int4, ...)".into())
@@ -211,17 +195,17 @@ impl Child {
                 {
                     return Err(at(format!("min_len {lo} is above max_len {hi}")));
                 }
-                Column {
-                    name: name.clone(),
-                    source,
-                    ty,
+                let mut column = Column {
                     optional: c.optional,
                     min: c.min,
                     max: c.max,
                     min_len: c.min_len,
                     max_len: c.max_len,
                     format: c.format,
-                }
+                    ..Column::new(name, source, ty)
+                };
+                column.set_default(c.default.as_ref()).map_err(at)?;
+                column
             };
             columns.push(column);
         }
@@ -416,7 +400,7 @@ impl Child {
                         ColType::Int8 => Cell::Int8(i as i64 + 1),
                         _ => Cell::Int4(i as i32 + 1),
                     }),
-                    _ => mapping.cell(c, &element_text, element, headers),
+                    _ => Mapping::cell(c, &element_text, element, headers),
                 };
                 match cell {
                     Ok(cell) => cells.push(cell),

@@ -79,9 +79,65 @@ struct Column {
     max_len: Option<usize>,
     /// The text format checked, if any.
     format: Option<Format>,
+    /// The cell of a value that is absent (`default = <value>`), checked at compile time
+    /// against the type and every check of the column.
+    default: Option<Cell>,
 }
 
 impl Column {
+    /// A column of `ty` from `source` with no checks.
+    fn new(name: &str, source: Source, ty: ColType) -> Self {
+        Self {
+            name: name.to_string(),
+            source,
+            ty,
+            optional: false,
+            min: None,
+            max: None,
+            min_len: None,
+            max_len: None,
+            format: None,
+            default: None,
+        }
+    }
+
+    /// `value` as a message's value of this column would be read and checked, or what is
+    /// wrong with it (`expected a string, found the number 5`, `expected at least 1, found 0`).
+    fn probe(&self, value: &Value) -> Result<Cell, String> {
+        let mut probe = self.clone();
+        probe.source = Source::Path {
+            pointer: String::new(),
+            segments: Vec::new(),
+        };
+        probe.optional = false;
+        probe.default = None;
+        Mapping::cell(&probe, &value.to_string(), value, None).map_err(|e| match &e {
+            ValueError::Check(check) => check.expected(),
+            other => other.to_string(),
+        })
+    }
+
+    /// Sets the column's `default` (the spec's value), after checking it as a message's value
+    /// of the column would be checked: `Err` names what is wrong with it (`expected a string,
+    /// found the number 5`, `expected at least 1, found 0`).
+    fn set_default(&mut self, value: Option<&Value>) -> Result<(), String> {
+        let Some(value) = value else {
+            return Ok(());
+        };
+        if value.is_null() {
+            return Err(
+                "default: expected a value of the column's type (null is no default: an \
+                 optional column is NULL when its field is absent)"
+                    .into(),
+            );
+        }
+        self.default = Some(
+            self.probe(value)
+                .map_err(|words| format!("default: {words}"))?,
+        );
+        Ok(())
+    }
+
     /// Where its value is, as a reason names it: the path, `the body`, or `header <name>`.
     fn at(&self) -> String {
         match &self.source {
@@ -268,17 +324,19 @@ impl Mapping {
                     format!("min_len {lo} is above max_len {hi}"),
                 ));
             }
-            columns.push(Column {
-                name: name.clone(),
-                source,
-                ty: c.ty,
+            let mut column = Column {
                 optional: c.optional,
                 min: c.min,
                 max: c.max,
                 min_len: c.min_len,
                 max_len: c.max_len,
                 format: c.format,
-            });
+                ..Column::new(name, source, c.ty)
+            };
+            column
+                .set_default(c.default.as_ref())
+                .map_err(|p| at_key("default", p))?;
+            columns.push(column);
         }
         let index_of = |name: &str| columns.iter().position(|c| c.name == name);
         let err = |key: &str, problem: String| err_at(&[key], problem);
@@ -558,7 +616,7 @@ impl Mapping {
         let mut cells = Vec::with_capacity(self.columns.len());
         let mut problems = Vec::new();
         for c in &self.columns {
-            match self.cell(c, text, &doc, headers) {
+            match Self::cell(c, text, &doc, headers) {
                 Ok(cell) => cells.push(cell),
                 Err(p) => problems.push((c, p)),
             }
@@ -621,7 +679,6 @@ impl Mapping {
 
     /// One column's cell, or what is wrong with its value.
     fn cell(
-        &self,
         c: &Column,
         text: &str,
         doc: &Value,
@@ -647,6 +704,7 @@ impl Mapping {
             },
         };
         let value = match value {
+            None if c.default.is_some() => return Ok(c.default.clone().unwrap_or(Cell::Null)),
             None | Some(Value::Null) if c.optional => return Ok(Cell::Null),
             None => return Err(ValueError::Missing(c.ty)),
             Some(Value::Null) => return Err(ValueError::Null(c.ty)),

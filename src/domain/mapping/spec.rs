@@ -92,6 +92,9 @@ pub struct ChildColumnSpec {
     pub max_len: Option<usize>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub format: Option<Format>,
+    /// The value of an absent field (a path or header column), as a parent column's.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub default: Option<serde_json::Value>,
 }
 
 /// What the same key with other content does.
@@ -144,6 +147,11 @@ pub struct ColumnSpec {
     /// Text: `email` (a plausible address).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub format: Option<Format>,
+    /// The value taken when the field (or header) is absent, as if the message held it: checked
+    /// when the configuration loads against the column's type and checks. A `null` is not
+    /// absent (NULL when `optional`, else refused).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub default: Option<serde_json::Value>,
 }
 
 fn is_false(b: &bool) -> bool {

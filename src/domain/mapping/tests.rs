@@ -544,3 +544,63 @@ fn a_date_postgresql_cannot_read_is_refused_at_decode() {
         }
     }
 }
+
+#[test]
+fn a_default_fills_an_absent_field_and_is_checked_when_the_spec_compiles() {
+    let spec = |extra: &str| -> Result<Mapping, SpecError> {
+        let spec: MappingSpec = toml::from_str(&format!(
+            "table = \"t\"\nkey = [\"k\"]\n[columns]\nk = {{ path = \"/k\", type = \"int4\" }}\n{extra}\n"
+        ))
+        .expect("parses");
+        Mapping::compile("orders", &spec)
+    };
+    let m = spec(
+        "currency = { path = \"/currency\", type = \"text\", default = \"EUR\", max_len = 3 }\n\
+         qty = { path = \"/qty\", type = \"int4\", default = 1, min = 1 }\n\
+         tenant = { header = \"x-tenant\", type = \"text\", default = \"main\" }",
+    )
+    .expect("compiles");
+    let row = m
+        .decode_message(br#"{"k":1}"#, None)
+        .expect("absent fields take defaults");
+    assert_eq!(cell(&m, &row, "currency"), Cell::Text("EUR".into()));
+    assert_eq!(cell(&m, &row, "qty"), Cell::Int4(1));
+    assert_eq!(cell(&m, &row, "tenant"), Cell::Text("main".into()));
+    // Given, the message's value; null is not absent.
+    let row = m
+        .decode_message(br#"{"k":1,"currency":"USD","qty":3}"#, None)
+        .expect("given");
+    assert_eq!(cell(&m, &row, "currency"), Cell::Text("USD".into()));
+    assert_eq!(cell(&m, &row, "qty"), Cell::Int4(3));
+    let r = m
+        .decode_message(br#"{"k":1,"currency":null}"#, None)
+        .unwrap_err();
+    assert_eq!(r.reason, "/currency: null (a text is required)");
+    // A default the column would refuse is the configuration's mistake, placed at its key.
+    for (column, wanted) in [
+        (
+            "qty = { path = \"/qty\", type = \"int4\", default = \"1\" }",
+            "pipeline orders: columns.qty: default: expected an integer (int4), found the string \"1\"",
+        ),
+        (
+            "qty = { path = \"/qty\", type = \"int4\", default = 0, min = 1 }",
+            "pipeline orders: columns.qty: default: expected at least 1, found 0",
+        ),
+        (
+            "c = { path = \"/c\", type = \"text\", default = \"EURO\", max_len = 3 }",
+            "pipeline orders: columns.c: default: expected at most 3 characters, found 4",
+        ),
+        (
+            "d = { path = \"/d\", type = \"uuid\", default = \"nope\" }",
+            "pipeline orders: columns.d: default: expected a UUID, found \"nope\"",
+        ),
+    ] {
+        let err = spec(column).unwrap_err();
+        assert_eq!(err.to_string(), wanted);
+        assert_eq!(
+            err.field.last().map(String::as_str),
+            Some("default"),
+            "{err:?}"
+        );
+    }
+}

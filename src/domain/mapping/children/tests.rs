@@ -231,3 +231,28 @@ fn a_child_spec_that_cannot_work_is_refused_naming_the_table_and_column() {
     let same_table = "table = \"orders\"\nrows = \"/items\"\nkey = [\"id\"]\n[children.columns]\nid = { parent = \"order_id\" }";
     assert!(refused(same_table).contains("table orders is written twice"));
 }
+
+#[test]
+fn a_child_column_takes_its_default_and_a_bad_one_names_the_child_table() {
+    let with = |qty: &str| -> MappingSpec {
+        let text = format!(
+            "table = \"shop.orders\"\nkey = [\"order_id\"]\n\
+             [columns]\norder_id = {{ path = \"/order_id\", type = \"uuid\" }}\n\
+             [[children]]\ntable = \"shop.order_items\"\nrows = \"/items\"\nkey = [\"order_id\", \"line\"]\n\
+             [children.columns]\norder_id = {{ parent = \"order_id\" }}\nline = {{ index = true }}\n\
+             qty = {{ path = \"/qty\", type = \"int4\", min = 1, {qty} }}\n"
+        );
+        toml::from_str(&text).expect("parses")
+    };
+    let m = Mapping::compile("orders", &with("default = 1")).expect("compiles");
+    let body = format!(r#"{{"order_id":"{ID}","items":[{{}},{{"qty":4}}]}}"#);
+    let row = m.decode(body.as_bytes()).expect("valid");
+    assert_eq!(row.1[0][0][2], Cell::Int4(1));
+    assert_eq!(row.1[0][1][2], Cell::Int4(4));
+    let err = Mapping::compile("orders", &with("default = 0")).unwrap_err();
+    assert_eq!(
+        err.to_string(),
+        "pipeline orders: children.shop.order_items: columns.qty: default: expected at least 1, \
+         found 0"
+    );
+}
