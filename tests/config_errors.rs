@@ -888,10 +888,22 @@ fn a_mapping_mistake_is_placed_at_the_line_of_its_key() {
 /// column and the key, at its line.
 #[test]
 fn a_columns_default_or_check_that_cannot_hold_is_named_at_its_line() {
-    let cases: &[(&str, &str)] = &[(
-        "qty = { path = \"/qty\", type = \"int4\", min = 1, default = 0 }",
-        "pipeline orders: columns.qty: default: expected at least 1, found 0",
-    )];
+    let cases: &[(&str, &str)] = &[
+        (
+            "qty = { path = \"/qty\", type = \"int4\", min = 1, default = 0 }",
+            "pipeline orders: columns.qty: default: expected at least 1, found 0",
+        ),
+        (
+            "sku = { path = \"/sku\", type = \"text\", pattern = \"[[:alpha:]]+\" }",
+            "pipeline orders: columns.sku: pattern: \"[[:alpha:]]+\": the class [:alpha:] (its \
+             letters are the database's locale's; write the ranges) is not in the dialect warren \
+             checks as PostgreSQL's ~ does",
+        ),
+        (
+            "c = { path = \"/c\", type = \"text\", one_of = [\"EUR\", 5] }",
+            "pipeline orders: columns.c: one_of: the value 5: expected a string, found the number 5",
+        ),
+    ];
     for (column, wanted) in cases {
         let file = ConfigFile::new(&format!(
             "[[pipelines]]\nname = \"orders\"\ntable = \"shop.orders\"\nkey = [\"order_id\"]\n\n\

@@ -120,7 +120,12 @@ fn list(settings: &Settings) -> anyhow::Result<String> {
                     (None, None) => "-".into(),
                 };
                 let mut checks = checks(c.optional, c.format, c.min, c.max, c.min_len, c.max_len);
-                more_checks(&mut checks, c.default.as_ref());
+                more_checks(
+                    &mut checks,
+                    c.one_of.as_deref(),
+                    c.pattern.as_deref(),
+                    c.default.as_ref(),
+                );
                 row(name, &source, c.ty.as_str(), &checks)
             })
             .collect();
@@ -147,7 +152,12 @@ fn list(settings: &Settings) -> anyhow::Result<String> {
                     let ty = c.ty.map(|t| t.as_str()).or(parent_ty).unwrap_or("int4");
                     let mut checks =
                         checks(c.optional, c.format, c.min, c.max, c.min_len, c.max_len);
-                    more_checks(&mut checks, c.default.as_ref());
+                    more_checks(
+                        &mut checks,
+                        c.one_of.as_deref(),
+                        c.pattern.as_deref(),
+                        c.default.as_ref(),
+                    );
                     row(name, &source, ty, &checks)
                 })
                 .collect();
@@ -207,9 +217,21 @@ fn checks(
     checks.join(", ")
 }
 
-/// Appends to a column's listed checks its default (`default "EUR"`).
-fn more_checks(checks: &mut String, default: Option<&Value>) {
+/// Appends to a column's listed checks its values, pattern and default (`one_of ["EUR","USD"],
+/// pattern "^[A-Z]{3}$", default "EUR"`).
+fn more_checks(
+    checks: &mut String,
+    one_of: Option<&[Value]>,
+    pattern: Option<&str>,
+    default: Option<&Value>,
+) {
     let mut more = Vec::new();
+    if let Some(values) = one_of {
+        more.push(format!("one_of {}", Value::from(values.to_vec())));
+    }
+    if let Some(p) = pattern {
+        more.push(format!("pattern {}", Value::from(p)));
+    }
     if let Some(v) = default {
         more.push(format!("default {v}"));
     }

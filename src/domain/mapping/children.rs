@@ -113,6 +113,8 @@ impl Child {
             }
             let checks = c.optional
                 || c.default.is_some()
+                || c.one_of.is_some()
+                || c.pattern.is_some()
                 || c.min.is_some()
                 || c.max.is_some()
                 || c.min_len.is_some()
@@ -204,6 +206,9 @@ impl Child {
                     format: c.format,
                     ..Column::new(name, source, ty)
                 };
+                column
+                    .set_checks(c.one_of.as_deref(), c.pattern.as_deref())
+                    .map_err(|(_, p)| at(p))?;
                 column.set_default(c.default.as_ref()).map_err(at)?;
                 column
             };

@@ -15,6 +15,7 @@ mod children;
 mod insert;
 mod lookup;
 mod names;
+mod pattern;
 mod spec;
 pub use lookup::{Standing, Unstorable};
 use names::identifier;
@@ -79,10 +80,24 @@ struct Column {
     max_len: Option<usize>,
     /// The text format checked, if any.
     format: Option<Format>,
+    /// The values accepted (`one_of`), as cells of the column's type.
+    one_of: Option<OneOf>,
+    /// Text: the regular expression a value must hold a match of (`pattern.rs`).
+    pattern: Option<pattern::Pattern>,
     /// The cell of a value that is absent (`default = <value>`), checked at compile time
     /// against the type and every check of the column.
     default: Option<Cell>,
 }
+
+/// A column's `one_of`: the cells accepted, and their list as a reason shows it.
+#[derive(Debug, Clone)]
+struct OneOf {
+    cells: Vec<Cell>,
+    shown: String,
+}
+
+/// The types a `one_of` compares, exactly as PostgreSQL's `=` does.
+const ONE_OF_TYPES: [ColType; 4] = [ColType::Text, ColType::Int4, ColType::Int8, ColType::Uuid];
 
 impl Column {
     /// A column of `ty` from `source` with no checks.
@@ -97,8 +112,58 @@ impl Column {
             min_len: None,
             max_len: None,
             format: None,
+            one_of: None,
+            pattern: None,
             default: None,
         }
+    }
+
+    /// Sets the column's `one_of` and `pattern` (the spec's), checked: `Err` is the key at
+    /// fault and what is wrong. Each value of `one_of` must pass the column's type and other
+    /// checks.
+    fn set_checks(
+        &mut self,
+        one_of: Option<&[Value]>,
+        pattern: Option<&str>,
+    ) -> Result<(), (&'static str, String)> {
+        if let Some(source) = pattern {
+            if self.ty != ColType::Text {
+                return Err(("pattern", format!("pattern is for text, not {}", self.ty)));
+            }
+            self.pattern = Some(
+                pattern::Pattern::compile(source)
+                    .map_err(|e| ("pattern", format!("pattern: {e}")))?,
+            );
+        }
+        if let Some(values) = one_of {
+            if !ONE_OF_TYPES.contains(&self.ty) {
+                return Err((
+                    "one_of",
+                    format!(
+                        "one_of is for text, int4, int8 and uuid (values compared exactly), not {}",
+                        self.ty
+                    ),
+                ));
+            }
+            if values.is_empty() {
+                return Err(("one_of", "one_of: name at least one value".into()));
+            }
+            let mut cells = Vec::with_capacity(values.len());
+            for v in values {
+                let cell = self
+                    .probe(v)
+                    .map_err(|words| ("one_of", format!("one_of: the value {v}: {words}")))?;
+                if !cells.contains(&cell) {
+                    cells.push(cell);
+                }
+            }
+            let shown: Vec<String> = cells.iter().map(shown_cell).collect();
+            self.one_of = Some(OneOf {
+                cells,
+                shown: shown.join(", "),
+            });
+        }
+        Ok(())
     }
 
     /// `value` as a message's value of this column would be read and checked, or what is
@@ -333,6 +398,9 @@ impl Mapping {
                 format: c.format,
                 ..Column::new(name, source, c.ty)
             };
+            column
+                .set_checks(c.one_of.as_deref(), c.pattern.as_deref())
+                .map_err(|(key, p)| at_key(key, p))?;
             column
                 .set_default(c.default.as_ref())
                 .map_err(|p| at_key("default", p))?;
@@ -873,7 +941,27 @@ impl Mapping {
                 Cell::Jsonb(json)
             }
         };
+        if let Some(one_of) = &c.one_of
+            && !one_of.cells.contains(&cell)
+        {
+            return Err(CheckError::NotOneOf {
+                allowed: one_of.shown.clone(),
+                found: shown_cell(&cell),
+            }
+            .into());
+        }
         Ok(cell)
+    }
+}
+
+/// A cell of a `one_of` column as a reason shows it (`EUR`, `7`).
+fn shown_cell(cell: &Cell) -> String {
+    match cell {
+        Cell::Text(s) => values::shown(s),
+        Cell::Uuid(u) => u.to_string(),
+        Cell::Int4(n) => n.to_string(),
+        Cell::Int8(n) => n.to_string(),
+        other => format!("{other:?}"),
     }
 }
 

@@ -92,6 +92,12 @@ pub struct ChildColumnSpec {
     pub max_len: Option<usize>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub format: Option<Format>,
+    /// The values accepted (text, int4, int8, uuid), as a parent column's.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub one_of: Option<Vec<serde_json::Value>>,
+    /// Text: a regular expression the value must hold a match of, as a parent column's.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pattern: Option<String>,
     /// The value of an absent field (a path or header column), as a parent column's.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub default: Option<serde_json::Value>,
@@ -147,6 +153,14 @@ pub struct ColumnSpec {
     /// Text: `email` (a plausible address).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub format: Option<Format>,
+    /// The values accepted, compared exactly as PostgreSQL's `=` compares them (text, int4,
+    /// int8, uuid): `currency must be one of EUR, USD, found GBP`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub one_of: Option<Vec<serde_json::Value>>,
+    /// Text: a regular expression the value must hold a match of, as PostgreSQL's `~` answers
+    /// it, in the subset both read alike (`pattern.rs`; anchor it, `^...$`, for the whole value).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pattern: Option<String>,
     /// The value taken when the field (or header) is absent, as if the message held it: checked
     /// when the configuration loads against the column's type and checks. A `null` is not
     /// absent (NULL when `optional`, else refused).

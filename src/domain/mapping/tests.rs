@@ -604,3 +604,110 @@ fn a_default_fills_an_absent_field_and_is_checked_when_the_spec_compiles() {
         );
     }
 }
+
+#[test]
+fn one_of_and_pattern_refuse_in_the_words_of_the_other_checks() {
+    let spec = |columns: &str| -> Result<Mapping, SpecError> {
+        let spec: MappingSpec = toml::from_str(&format!(
+            "table = \"t\"\nkey = [\"k\"]\n[columns]\nk = {{ path = \"/k\", type = \"int4\" }}\n{columns}\n"
+        ))
+        .expect("parses");
+        Mapping::compile("orders", &spec)
+    };
+    let m = spec(
+        "currency = { path = \"/currency\", type = \"text\", one_of = [\"EUR\", \"USD\"] }\n\
+         size = { path = \"/size\", type = \"int4\", one_of = [1, 2, 3], optional = true }\n\
+         sku = { path = \"/sku\", type = \"text\", pattern = \"^[A-Z]{2}-[0-9]+$\", optional = true }",
+    )
+    .expect("compiles");
+    let ok = m
+        .decode_message(br#"{"k":1,"currency":"USD","size":2,"sku":"AB-12"}"#, None)
+        .expect("allowed values");
+    assert_eq!(cell(&m, &ok, "currency"), Cell::Text("USD".into()));
+    for (body, wanted) in [
+        (
+            r#"{"k":1,"currency":"GBP"}"#,
+            "currency must be one of EUR, USD, found GBP",
+        ),
+        (
+            r#"{"k":1,"currency":"eur"}"#,
+            "currency must be one of EUR, USD, found eur",
+        ),
+        (
+            r#"{"k":1,"currency":"EUR, USD"}"#,
+            "currency must be one of EUR, USD, found \"EUR, USD\"",
+        ),
+        (
+            r#"{"k":1,"currency":"EUR","size":4}"#,
+            "size must be one of 1, 2, 3, found 4",
+        ),
+        (
+            r#"{"k":1,"currency":"EUR","sku":"ab-12"}"#,
+            "sku must match the pattern \"^[A-Z]{2}-[0-9]+$\", found ab-12",
+        ),
+    ] {
+        let r = m.decode_message(body.as_bytes(), None).unwrap_err();
+        assert_eq!(r.kind, ErrorKind::InvalidPayload);
+        assert_eq!(r.reason, wanted, "{body}");
+    }
+    // The API's field words are the same rule.
+    let refused = m
+        .decode_detailed(br#"{"k":1,"currency":"GBP"}"#, None)
+        .unwrap_err();
+    assert!(matches!(
+        &refused.problems[..],
+        [Problem::Column { column, error }]
+            if column == "currency"
+                && error.field_message() == "must be one of EUR, USD, found GBP"
+    ));
+    for (column, key, wanted) in [
+        (
+            "c = { path = \"/c\", type = \"numeric\", one_of = [1] }",
+            "one_of",
+            "columns.c: one_of is for text, int4, int8 and uuid (values compared exactly), not numeric",
+        ),
+        (
+            "c = { path = \"/c\", type = \"int4\", one_of = [1, \"2\"] }",
+            "one_of",
+            "columns.c: one_of: the value \"2\": expected an integer (int4), found the string \"2\"",
+        ),
+        (
+            "c = { path = \"/c\", type = \"int4\", one_of = [0, 5], min = 1 }",
+            "one_of",
+            "columns.c: one_of: the value 0: expected at least 1, found 0",
+        ),
+        (
+            "c = { path = \"/c\", type = \"text\", one_of = [] }",
+            "one_of",
+            "columns.c: one_of: name at least one value",
+        ),
+        (
+            "c = { path = \"/c\", type = \"int4\", pattern = \"^1\" }",
+            "pattern",
+            "columns.c: pattern is for text, not int4",
+        ),
+        (
+            "c = { path = \"/c\", type = \"text\", pattern = \"\\\\d+\" }",
+            "pattern",
+            "columns.c: pattern: \"\\\\d+\": the class \\d (write a bracket expression",
+        ),
+        (
+            "c = { path = \"/c\", type = \"text\", one_of = [\"EUR\"], default = \"GBP\" }",
+            "default",
+            "columns.c: default: expected one of EUR, found GBP",
+        ),
+        (
+            "c = { path = \"/c\", type = \"text\", pattern = \"^[A-Z]+$\", default = \"eur\" }",
+            "default",
+            "columns.c: default: expected a match of the pattern \"^[A-Z]+$\", found eur",
+        ),
+    ] {
+        let err = spec(column).unwrap_err();
+        assert!(
+            err.to_string()
+                .starts_with(&format!("pipeline orders: {wanted}")),
+            "{err}"
+        );
+        assert_eq!(err.field.last().map(String::as_str), Some(key), "{err:?}");
+    }
+}

@@ -256,6 +256,12 @@ pub enum CheckError {
     /// `max`: the greatest accepted, and the value as written.
     #[error("must be at most {max}, found {shown}")]
     Above { max: f64, shown: String },
+    /// `one_of`: the values accepted, as shown (`EUR, USD`), and the value found.
+    #[error("must be one of {allowed}, found {found}")]
+    NotOneOf { allowed: String, found: String },
+    /// `pattern`: the pattern, as shown, and the value found.
+    #[error("must match the pattern {pattern}, found {found}")]
+    NoMatch { pattern: String, found: String },
 }
 
 impl CheckError {
@@ -281,6 +287,12 @@ impl CheckError {
             }
             CheckError::Below { min, shown } => format!("expected at least {min}, found {shown}"),
             CheckError::Above { max, shown } => format!("expected at most {max}, found {shown}"),
+            CheckError::NotOneOf { allowed, found } => {
+                format!("expected one of {allowed}, found {found}")
+            }
+            CheckError::NoMatch { pattern, found } => {
+                format!("expected a match of the pattern {pattern}, found {found}")
+            }
         }
     }
 }
@@ -326,6 +338,15 @@ pub(super) fn check_text(c: &Column, s: &str) -> Result<(), ValueError> {
             }
         }
         None => {}
+    }
+    if let Some(p) = &c.pattern
+        && !p.matches(s)
+    {
+        return Err(CheckError::NoMatch {
+            pattern: shown(&p.source),
+            found: shown(s),
+        }
+        .into());
     }
     if s.contains('\0') {
         return Err(ValueError::Unfit(
@@ -383,6 +404,21 @@ pub(super) fn found(v: &Value) -> String {
         Value::String(s) => format!("the string {:?}", clip(s)),
         Value::Array(_) => "an array".into(),
         Value::Object(_) => "an object".into(),
+    }
+}
+
+/// A value of a `one_of` or `pattern` check in a reason: as it is when it is a plain word
+/// (letters, digits and `-_.@:/+`, at most 60 characters: `EUR`), else quoted and cut
+/// (`"a, b"`), so a value never reads as two.
+pub(super) fn shown(s: &str) -> String {
+    let plain = !s.is_empty()
+        && s.chars().count() <= 60
+        && s.chars()
+            .all(|c| c.is_alphanumeric() || "-_.@:/+".contains(c));
+    if plain {
+        s.to_string()
+    } else {
+        format!("{:?}", clip(s))
     }
 }
 

@@ -256,3 +256,26 @@ fn a_child_column_takes_its_default_and_a_bad_one_names_the_child_table() {
          found 0"
     );
 }
+
+#[test]
+fn an_elements_one_of_or_pattern_refusal_starts_with_its_path() {
+    let spec: MappingSpec = toml::from_str(
+        "table = \"shop.orders\"\nkey = [\"order_id\"]\n\
+         [columns]\norder_id = { path = \"/order_id\", type = \"uuid\" }\n\
+         [[children]]\ntable = \"shop.order_items\"\nrows = \"/items\"\nkey = [\"order_id\", \"line\"]\n\
+         [children.columns]\norder_id = { parent = \"order_id\" }\nline = { index = true }\n\
+         unit = { path = \"/unit\", type = \"text\", one_of = [\"kg\", \"pc\"] }\n\
+         sku = { path = \"/sku\", type = \"text\", pattern = \"^[A-Z]+-[0-9]+$\" }\n"
+    )
+    .expect("parses");
+    let m = Mapping::compile("orders", &spec).expect("compiles");
+    let body = format!(
+        r#"{{"order_id":"{ID}","items":[{{"unit":"kg","sku":"A-1"}},{{"unit":"lb","sku":"a-1"}}]}}"#
+    );
+    let r = m.decode(body.as_bytes()).unwrap_err();
+    assert_eq!(
+        r.reason,
+        "/items/1/unit: expected one of kg, pc, found lb; \
+         /items/1/sku: expected a match of the pattern \"^[A-Z]+-[0-9]+$\", found a-1"
+    );
+}
