@@ -916,4 +916,19 @@ fn a_columns_default_or_check_that_cannot_hold_is_named_at_its_line() {
             &[&format!("{at}, line 8: {wanted}")],
         );
     }
+    // A property column and the API: an API request has no AMQP properties.
+    let file = ConfigFile::new(
+        "[[pipelines]]\nname = \"orders\"\ntable = \"shop.orders\"\nkey = [\"order_id\"]\n\
+         api = true\n\n[pipelines.columns]\norder_id = { path = \"/id\", type = \"uuid\" }\n\
+         msg = { property = \"message_id\", type = \"text\" }\n",
+    );
+    let at = file.at();
+    assert_refused(
+        "a property column with api = true",
+        config(&[], &["--config", at]),
+        &[
+            &format!("{at}, line 5: pipelines.orders.api"),
+            "msg reads the AMQP property message_id: an API request has none",
+        ],
+    );
 }

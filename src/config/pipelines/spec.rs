@@ -696,6 +696,20 @@ impl<'a> Entry<'a> {
                 "true",
             ));
         }
+        if p.api
+            && let Some((name, c)) = p.columns.iter().find(|(_, c)| c.property.is_some())
+        {
+            return Err(refuse(
+                "api",
+                &format!(
+                    "false for a pipeline with a property column ({name} reads the AMQP property \
+                     {}: an API request has none, and the API's own publish would give it \
+                     warren's, not the client's; read it from the body instead)",
+                    c.property.map(|p| p.as_str()).unwrap_or_default()
+                ),
+                "true",
+            ));
+        }
         if !p.api && (p.api_key != ApiKey::Body || p.api_check) {
             let (field, got) = if p.api_check {
                 ("api_check", "true")

@@ -405,7 +405,7 @@ impl Child {
                         ColType::Int8 => Cell::Int8(i as i64 + 1),
                         _ => Cell::Int4(i as i32 + 1),
                     }),
-                    _ => Mapping::cell(c, &element_text, element, headers),
+                    _ => Mapping::cell(c, &element_text, element, headers, None),
                 };
                 match cell {
                     Ok(cell) => cells.push(cell),

@@ -38,7 +38,7 @@ use std::collections::HashSet;
 use futures::future::BoxFuture;
 use serde_json::Value;
 
-use super::{Domain, Inserted, Rejection};
+use super::{Domain, Envelope, Inserted, Rejection};
 use crate::db::error::DbError;
 
 /// A mistake in a pipeline's spec, naming the pipeline and what is wrong.
@@ -61,6 +61,8 @@ enum Source {
         segments: Vec<String>,
     },
     Header(String),
+    /// A property of the message (the original's, on a copy warren republished).
+    Property(Property),
     /// A child column: the parent row's column (its index in the parent's columns).
     Parent(usize),
     /// A child column: the element's position in its array, from 1.
@@ -176,7 +178,7 @@ impl Column {
         };
         probe.optional = false;
         probe.default = None;
-        Mapping::cell(&probe, &value.to_string(), value, None).map_err(|e| match &e {
+        Mapping::cell(&probe, &value.to_string(), value, None, None).map_err(|e| match &e {
             ValueError::Check(check) => check.expected(),
             other => other.to_string(),
         })
@@ -209,6 +211,7 @@ impl Column {
             Source::Path { pointer, .. } if pointer.is_empty() => "the body".into(),
             Source::Path { pointer, .. } => pointer.clone(),
             Source::Header(h) => format!("header {h}"),
+            Source::Property(p) => format!("property {p}"),
             Source::Parent(_) => "the parent row".into(),
             Source::Index => "the element's position".into(),
         }
@@ -326,12 +329,42 @@ impl Mapping {
                 (Some(_), Some(_)) => {
                     return Err(at_key("header", "give a path or a header, not both".into()));
                 }
-                (None, None) => {
-                    return Err(at(
-                        "give a path (a JSON Pointer into the body, \"\" for the whole body) or a header"
-                            .into(),
+                (Some(_), None) | (None, Some(_)) if c.property.is_some() => {
+                    return Err(at_key(
+                        "property",
+                        "give one of path, header or property, not two".into(),
                     ));
                 }
+                (None, None) => match c.property {
+                    Some(p) => {
+                        let fits = match p {
+                            Property::Timestamp => c.ty == ColType::Timestamptz,
+                            _ => matches!(c.ty, ColType::Text | ColType::Uuid),
+                        };
+                        if !fits {
+                            return Err(at_key(
+                                "type",
+                                format!(
+                                    "property {p} is read as {}, not {}",
+                                    if p == Property::Timestamp {
+                                        "timestamptz"
+                                    } else {
+                                        "text or uuid"
+                                    },
+                                    c.ty
+                                ),
+                            ));
+                        }
+                        Source::Property(p)
+                    }
+                    None => {
+                        return Err(at(
+                            "give a path (a JSON Pointer into the body, \"\" for the whole body), a \
+                             header or a property"
+                                .into(),
+                        ));
+                    }
+                },
                 (Some(pointer), None) => {
                     let segments =
                         pointer_segments(pointer).map_err(|e| at_key("path", e.to_string()))?;
@@ -616,7 +649,8 @@ impl Mapping {
         self.on_conflict
     }
 
-    /// Decodes one message: its body (and headers) into one cell per column, or why not.
+    /// Decodes one message: its body (and headers) into one cell per column, or why not. No
+    /// properties: a property column is absent (NULL when optional, its default, or refused).
     pub fn decode_message(
         &self,
         body: &[u8],
@@ -632,6 +666,20 @@ impl Mapping {
         &self,
         body: &[u8],
         headers: Option<&lapin::types::FieldTable>,
+    ) -> Result<Row, Refused> {
+        self.decode_full(body, headers, None)
+    }
+
+    /// Decodes one delivered message: body, headers and properties (`envelope`).
+    pub fn decode_envelope(&self, body: &[u8], envelope: &Envelope<'_>) -> Result<Row, Refused> {
+        self.decode_full(body, envelope.properties.headers().as_ref(), Some(envelope))
+    }
+
+    fn decode_full(
+        &self,
+        body: &[u8],
+        headers: Option<&lapin::types::FieldTable>,
+        envelope: Option<&Envelope<'_>>,
     ) -> Result<Row, Refused> {
         if body.is_empty() {
             return Err(Rejection::json("empty body").into());
@@ -684,7 +732,7 @@ impl Mapping {
         let mut cells = Vec::with_capacity(self.columns.len());
         let mut problems = Vec::new();
         for c in &self.columns {
-            match Self::cell(c, text, &doc, headers) {
+            match Self::cell(c, text, &doc, headers, envelope) {
                 Ok(cell) => cells.push(cell),
                 Err(p) => problems.push((c, p)),
             }
@@ -751,9 +799,14 @@ impl Mapping {
         text: &str,
         doc: &Value,
         headers: Option<&lapin::types::FieldTable>,
+        envelope: Option<&Envelope<'_>>,
     ) -> Result<Cell, ValueError> {
         let value = match &c.source {
             Source::Path { segments, .. } => lookup(doc, segments).cloned(),
+            Source::Property(p) => match envelope {
+                Some(e) => property(*p, e)?,
+                None => None,
+            },
             // Filled by the child table's decode, never looked up.
             Source::Parent(_) | Source::Index => None,
             Source::Header(h) => match headers
@@ -965,6 +1018,46 @@ fn shown_cell(cell: &Cell) -> String {
     }
 }
 
+/// The value of property `p` of a delivered message, as JSON (absent: `None`); the exchange
+/// and routing key are where the original was published (`headers::origin`), the timestamp an
+/// RFC 3339 time of its seconds.
+fn property(p: Property, e: &Envelope<'_>) -> Result<Option<Value>, ValueError> {
+    let text = |s: &Option<lapin::types::ShortString>| {
+        s.as_ref().map(|s| Value::String(s.as_str().to_string()))
+    };
+    let props = e.properties;
+    Ok(match p {
+        Property::MessageId => text(props.message_id()),
+        Property::CorrelationId => text(props.correlation_id()),
+        Property::Type => text(props.kind()),
+        Property::AppId => text(props.app_id()),
+        Property::ContentType => text(props.content_type()),
+        Property::Exchange | Property::RoutingKey => {
+            let (ex, rk) = crate::amqp::headers::origin(props, e.exchange, e.routing_key);
+            let v = if p == Property::Exchange { ex } else { rk };
+            Some(Value::String(v.into_owned()))
+        }
+        Property::Timestamp => match *props.timestamp() {
+            None => None,
+            Some(t) => {
+                let time = i64::try_from(t)
+                    .ok()
+                    .and_then(|t| time::OffsetDateTime::from_unix_timestamp(t).ok())
+                    .and_then(|t| {
+                        t.format(&time::format_description::well_known::Rfc3339)
+                            .ok()
+                    })
+                    .ok_or_else(|| {
+                        unfit(format!(
+                            "the timestamp {t} is beyond the times a timestamptz holds"
+                        ))
+                    })?;
+                Some(Value::String(time))
+            }
+        },
+    })
+}
+
 /// A value the column's type cannot take, in these words.
 fn unfit(words: String) -> ValueError {
     ValueError::Unfit(words)
@@ -1006,12 +1099,9 @@ impl Domain for Mapping {
         self.decode_message(body, None)
     }
 
-    fn decode_with(
-        &self,
-        body: &[u8],
-        properties: &lapin::BasicProperties,
-    ) -> Result<Row, Rejection> {
-        self.decode_message(body, properties.headers().as_ref())
+    fn decode_with(&self, body: &[u8], envelope: &Envelope<'_>) -> Result<Row, Rejection> {
+        self.decode_envelope(body, envelope)
+            .map_err(|r| r.rejection)
     }
 
     fn insert<'a>(

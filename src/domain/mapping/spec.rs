@@ -103,6 +103,45 @@ pub struct ChildColumnSpec {
     pub default: Option<serde_json::Value>,
 }
 
+/// A property of a message a column can read (`property = "message_id"`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Property {
+    MessageId,
+    CorrelationId,
+    /// The AMQP timestamp (seconds), read as a `timestamptz`.
+    Timestamp,
+    /// The AMQP `type` property.
+    Type,
+    AppId,
+    ContentType,
+    /// The routing key it was published with.
+    RoutingKey,
+    /// The exchange it was published to (`""`: the default exchange).
+    Exchange,
+}
+
+impl Property {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Property::MessageId => "message_id",
+            Property::CorrelationId => "correlation_id",
+            Property::Timestamp => "timestamp",
+            Property::Type => "type",
+            Property::AppId => "app_id",
+            Property::ContentType => "content_type",
+            Property::RoutingKey => "routing_key",
+            Property::Exchange => "exchange",
+        }
+    }
+}
+
+impl fmt::Display for Property {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
 /// What the same key with other content does.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
@@ -135,6 +174,10 @@ pub struct ColumnSpec {
     /// An AMQP header name instead of a path.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub header: Option<String>,
+    /// A property of the message instead of a path (`message_id`, `timestamp`, `exchange`,
+    /// ...): the original's, also on a retried or replayed copy.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub property: Option<Property>,
     #[serde(rename = "type")]
     pub ty: ColType,
     /// Absent or null is NULL instead of a rejection.
