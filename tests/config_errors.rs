@@ -882,3 +882,53 @@ fn a_mapping_mistake_is_placed_at_the_line_of_its_key() {
         );
     }
 }
+
+/// A column's `default`, `one_of`, `pattern` or `property` that the column would refuse (or
+/// that is not a column's) is the configuration's mistake: exit 2, naming the pipeline, the
+/// column and the key, at its line.
+#[test]
+fn a_columns_default_or_check_that_cannot_hold_is_named_at_its_line() {
+    let cases: &[(&str, &str)] = &[
+        (
+            "qty = { path = \"/qty\", type = \"int4\", min = 1, default = 0 }",
+            "pipeline orders: columns.qty: default: expected at least 1, found 0",
+        ),
+        (
+            "sku = { path = \"/sku\", type = \"text\", pattern = \"[[:alpha:]]+\" }",
+            "pipeline orders: columns.sku: pattern: \"[[:alpha:]]+\": the class [:alpha:] (its \
+             letters are the database's locale's; write the ranges) is not in the dialect warren \
+             checks as PostgreSQL's ~ does",
+        ),
+        (
+            "c = { path = \"/c\", type = \"text\", one_of = [\"EUR\", 5] }",
+            "pipeline orders: columns.c: one_of: the value 5: expected a string, found the number 5",
+        ),
+    ];
+    for (column, wanted) in cases {
+        let file = ConfigFile::new(&format!(
+            "[[pipelines]]\nname = \"orders\"\ntable = \"shop.orders\"\nkey = [\"order_id\"]\n\n\
+             [pipelines.columns]\norder_id = {{ path = \"/id\", type = \"uuid\" }}\n{column}\n"
+        ));
+        let at = file.at();
+        assert_refused(
+            column,
+            config(&[], &["--config", at]),
+            &[&format!("{at}, line 8: {wanted}")],
+        );
+    }
+    // A property column and the API: an API request has no AMQP properties.
+    let file = ConfigFile::new(
+        "[[pipelines]]\nname = \"orders\"\ntable = \"shop.orders\"\nkey = [\"order_id\"]\n\
+         api = true\n\n[pipelines.columns]\norder_id = { path = \"/id\", type = \"uuid\" }\n\
+         msg = { property = \"message_id\", type = \"text\" }\n",
+    );
+    let at = file.at();
+    assert_refused(
+        "a property column with api = true",
+        config(&[], &["--config", at]),
+        &[
+            &format!("{at}, line 5: pipelines.orders.api"),
+            "msg reads the AMQP property message_id: an API request has none",
+        ],
+    );
+}

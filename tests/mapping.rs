@@ -1045,3 +1045,216 @@ async fn a_uuid_is_accepted_exactly_when_postgresql_reads_it() {
         mismatches.join("\n")
     );
 }
+
+/// `default = <value>`: an absent field stores the default as PostgreSQL reads it (a char(3),
+/// a timestamptz with an offset, a jsonb keeping its number's digits), and a copy of the
+/// message, the field still absent, is the same content (no conflict).
+#[tokio::test(flavor = "multi_thread")]
+async fn an_absent_field_stores_its_default_and_a_copy_of_it_is_a_copy() {
+    let env = TestEnv::new("map_default").await;
+    env.db
+        .batch_execute(
+            "CREATE TABLE priced (id int4 PRIMARY KEY, currency char(3) NOT NULL, \
+             at timestamptz NOT NULL, tags jsonb NOT NULL)",
+        )
+        .await
+        .expect("create priced");
+    let spec: MappingSpec = toml::from_str(
+        r#"
+        table = "priced"
+        key = ["id"]
+        [columns]
+        id       = { path = "/id", type = "int4" }
+        currency = { path = "/currency", type = "text", default = "EUR", max_len = 3 }
+        at       = { path = "/at", type = "timestamptz", default = "2026-01-01T00:00:00+01:00" }
+        tags     = { path = "/tags", type = "jsonb", default = ["a", 1.5] }
+        "#,
+    )
+    .expect("spec");
+    let m = Mapping::compile("priced", &spec).expect("compiles");
+    let pool = pool(&env).await;
+    let done = insert(
+        &m,
+        &pool,
+        &[
+            br#"{"id":1}"#.to_vec(),
+            br#"{"id":2,"currency":"USD","at":"2026-05-01T00:00:00Z","tags":[]}"#.to_vec(),
+        ],
+    )
+    .await;
+    assert_eq!(done.rows, 2, "{done:?}");
+    let stored = |id: i32| {
+        let db = &env.db;
+        async move {
+            let r = db
+                .query_one(
+                    "SELECT currency, at = '2026-01-01T00:00:00+01:00'::timestamptz, tags::text \
+                     FROM priced WHERE id = $1",
+                    &[&id],
+                )
+                .await
+                .expect("the row");
+            (
+                r.get::<_, String>(0),
+                r.get::<_, bool>(1),
+                r.get::<_, String>(2),
+            )
+        }
+    };
+    assert_eq!(stored(1).await, ("EUR".into(), true, "[\"a\", 1.5]".into()));
+    assert_eq!(stored(2).await, ("USD".into(), false, "[]".into()));
+    // A copy, the fields still absent: the same content as stored, an idempotent success.
+    let again = insert(&m, &pool, &[br#"{"id":1}"#.to_vec()]).await;
+    assert_eq!(again, Inserted::default(), "a copy");
+}
+
+/// A text column's `pattern` is checked offline exactly as PostgreSQL's `~` answers it: seeded
+/// generated patterns of the subset warren takes (characters, escapes of punctuation, `.`, `^`,
+/// `$`, `|`, groups, every quantifier form, bracket expressions with ranges and negation) and
+/// strings over an alphabet with a line feed, a space, a non-ASCII letter and punctuation; each
+/// pair's verdict must be the database's. `one_of` likewise against `= ANY`.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_pattern_or_one_of_refuses_exactly_what_postgresql_would() {
+    let env = TestEnv::new("map_pattern").await;
+    let seed: u64 = std::env::var("WARREN_PATTERN_SEED")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(36);
+    let mut rng = fastrand::Rng::with_seed(seed);
+    const CHARS: [&str; 8] = ["a", "b", "A", "1", "é", " ", "\\.", "\\-"];
+    const CLASS: [&str; 8] = ["a-c", "A", "0-9", "é", "\\]", "b", "-", "à-ÿ"];
+    const QUANT: [&str; 11] = [
+        "", "", "", "*", "+", "?", "{1}", "{0,2}", "{2,}", "*?", "+?",
+    ];
+    fn expr(rng: &mut fastrand::Rng, depth: u32) -> String {
+        let alternatives = if rng.u32(0..4) == 0 { 2 } else { 1 };
+        let mut out = Vec::new();
+        for _ in 0..alternatives {
+            let mut s = String::new();
+            if rng.u32(0..4) == 0 {
+                s.push('^');
+            }
+            for _ in 0..rng.usize(1..4) {
+                let atom = match rng.u32(0..10) {
+                    0..=4 => CHARS[rng.usize(..CHARS.len())].to_string(),
+                    5 => ".".into(),
+                    6 | 7 => {
+                        let mut class = String::from("[");
+                        if rng.bool() {
+                            class.push('^');
+                        }
+                        for _ in 0..rng.usize(1..3) {
+                            let item = CLASS[rng.usize(..CLASS.len())];
+                            // A `-` of its own only last, where both read it as itself.
+                            class.push_str(if item == "-" { "b" } else { item });
+                        }
+                        if rng.u32(0..4) == 0 {
+                            class.push('-');
+                        }
+                        class.push(']');
+                        class
+                    }
+                    _ if depth > 0 => {
+                        let open = if rng.bool() { "(" } else { "(?:" };
+                        format!("{open}{})", expr(rng, depth - 1))
+                    }
+                    _ => "a".into(),
+                };
+                s.push_str(&atom);
+                s.push_str(QUANT[rng.usize(..QUANT.len())]);
+            }
+            if rng.u32(0..4) == 0 {
+                s.push('$');
+            }
+            out.push(s);
+        }
+        out.join("|")
+    }
+    const ALPHABET: [char; 10] = ['a', 'b', 'A', '1', 'é', ' ', '.', '-', '\n', 'ü'];
+    let strings: Vec<String> = (0..40)
+        .map(|_| {
+            (0..rng.usize(0..6))
+                .map(|_| ALPHABET[rng.usize(..ALPHABET.len())])
+                .collect()
+        })
+        .collect();
+    let mut patterns: Vec<String> = [
+        "",
+        "^$",
+        "a|",
+        "[^a]",
+        "^.$",
+        "^a.b$",
+        "é+",
+        "[-a]",
+        "[a-]",
+        "\\.",
+        "a{0}",
+        "(a|ab)(c|bcd)(d*)",
+        "^(?:a|b)*$",
+        "^[^\\-]*$",
+        "^ ",
+        "ü$",
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect();
+    patterns.extend((0..150).map(|_| expr(&mut rng, 2)));
+    let mut differ = Vec::new();
+    for p in &patterns {
+        let spec: MappingSpec = toml::from_str(&format!(
+            "table = \"t\"\nkey = [\"k\"]\n[columns]\nk = {{ path = \"/k\", type = \"int4\" }}\n\
+             s = {{ path = \"/s\", type = \"text\", pattern = {} }}\n",
+            serde_json::Value::from(p.as_str())
+        ))
+        .expect("spec");
+        let m = Mapping::compile("t", &spec)
+            .unwrap_or_else(|e| panic!("seed {seed}: warren refuses {p:?}: {e}"));
+        let oracle: Vec<bool> = env
+            .db
+            .query(
+                "SELECT s ~ $1 FROM unnest($2::text[]) WITH ORDINALITY AS t(s, n) ORDER BY n",
+                &[p, &strings],
+            )
+            .await
+            .unwrap_or_else(|e| panic!("seed {seed}: PostgreSQL refuses {p:?}: {e}"))
+            .iter()
+            .map(|r| r.get(0))
+            .collect();
+        for (s, expected) in strings.iter().zip(oracle) {
+            let body = serde_json::json!({"k": 1, "s": s}).to_string();
+            let got = m.decode(body.as_bytes()).is_ok();
+            if got != expected {
+                differ.push(format!(
+                    "{p:?} ~ {s:?}: PostgreSQL {expected}, warren {got}"
+                ));
+            }
+        }
+    }
+    assert!(
+        differ.is_empty(),
+        "seed {seed}: {} of {} verdicts differ:\n{}",
+        differ.len(),
+        patterns.len() * strings.len(),
+        differ.join("\n")
+    );
+    // one_of: exactly the values `= ANY` finds (case, trailing blanks and normal forms differ).
+    let allowed = ["EUR", "USD", "é"];
+    let spec: MappingSpec = toml::from_str(
+        "table = \"t\"\nkey = [\"k\"]\n[columns]\nk = { path = \"/k\", type = \"int4\" }\n\
+         s = { path = \"/s\", type = \"text\", one_of = [\"EUR\", \"USD\", \"é\"] }\n",
+    )
+    .expect("spec");
+    let m = Mapping::compile("t", &spec).expect("compiles");
+    let candidates = ["EUR", "eur", "EUR ", "USD", "e\u{301}", "é", "", "GBP"];
+    for c in candidates {
+        let expected: bool = env
+            .db
+            .query_one("SELECT $1::text = ANY($2::text[])", &[&c, &&allowed[..]])
+            .await
+            .expect("= ANY")
+            .get(0);
+        let body = serde_json::json!({"k": 1, "s": c}).to_string();
+        assert_eq!(m.decode(body.as_bytes()).is_ok(), expected, "{c:?}");
+    }
+}

@@ -379,7 +379,7 @@ fn test_prints_the_child_rows_and_names_an_elements_path() {
             "1: ok {{\"order_id\":\"{id}\",\"total\":12.50}}\n   \
              + shop.order_items {{\"line\":1,\"order_id\":\"{id}\",\"qty\":2,\"sku\":\"A-1\"}}\n   \
              + shop.order_items {{\"line\":2,\"order_id\":\"{id}\",\"qty\":1,\"sku\":\"B-2\"}}\n\
-             2: invalid_payload items/1/qty must be at least 1, found 0\n\
+             2: invalid_payload /items/1/qty: expected at least 1, found 0\n\
              3: invalid_payload /items: holds 4 elements, more than the 3 rows of \
              shop.order_items one message may give (max_rows)\n\
              1 accepted, 2 refused\n"

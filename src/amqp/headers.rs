@@ -112,6 +112,77 @@ fn count(properties: &BasicProperties, key: &str) -> Retries {
     }
 }
 
+/// Where the original of a copy warren republished was published: its exchange and routing
+/// key (set on every copy, `republish::stamp_origin`: a retry comes back from the retry tier
+/// through the DLX, a replay through the main exchange, and the broker's own `exchange` and
+/// `routing_key` then name warren's hop, not the publisher's).
+pub const X_WARREN_EXCHANGE: &str = "x-warren-exchange";
+pub const X_WARREN_ROUTING_KEY: &str = "x-warren-routing-key";
+/// The original's properties a parked row keeps in its headers (the parking table has columns
+/// for the message id and headers only), given back as properties by a parked replay.
+pub const X_WARREN_TIMESTAMP: &str = "x-warren-timestamp";
+pub const X_WARREN_CORRELATION_ID: &str = "x-warren-correlation-id";
+pub const X_WARREN_TYPE: &str = "x-warren-type";
+pub const X_WARREN_APP_ID: &str = "x-warren-app-id";
+pub const X_WARREN_CONTENT_TYPE: &str = "x-warren-content-type";
+
+/// The exchange and routing key a message was first published with, from the message as
+/// delivered (`exchange`, `routing_key`): a copy of warren's names them in
+/// [`X_WARREN_EXCHANGE`] and [`X_WARREN_ROUTING_KEY`]; a message the broker dead-lettered
+/// (expired, over a delivery limit) before warren copied it names its first hop in
+/// `x-first-death-exchange` and the routing keys of the `x-death` entry of that first death;
+/// else the delivery's own. A publisher can write these headers too: they are believed, as
+/// every property is.
+pub fn origin<'a>(
+    properties: &'a BasicProperties,
+    exchange: &'a str,
+    routing_key: &'a str,
+) -> (std::borrow::Cow<'a, str>, std::borrow::Cow<'a, str>) {
+    use std::borrow::Cow;
+    let Some(headers) = properties.headers().as_ref().map(|h| h.inner()) else {
+        return (Cow::Borrowed(exchange), Cow::Borrowed(routing_key));
+    };
+    let string = |v: &AMQPValue| match v {
+        AMQPValue::LongString(_) | AMQPValue::ShortString(_) => Some(value_text(v)),
+        _ => None,
+    };
+    if let Some(ex) = headers.get(X_WARREN_EXCHANGE).and_then(string) {
+        let rk = headers
+            .get(X_WARREN_ROUTING_KEY)
+            .and_then(string)
+            .map(Cow::Owned)
+            .unwrap_or(Cow::Borrowed(routing_key));
+        return (Cow::Owned(ex), rk);
+    }
+    if let Some(ex) = headers.get("x-first-death-exchange").and_then(string) {
+        let queue = headers.get("x-first-death-queue").and_then(string);
+        let reason = headers.get("x-first-death-reason").and_then(string);
+        // The first death's entry: its queue and reason, the last such in the history.
+        let key = match headers.get("x-death") {
+            Some(AMQPValue::FieldArray(deaths)) => deaths.as_slice().iter().rev().find_map(|d| {
+                let AMQPValue::FieldTable(t) = d else {
+                    return None;
+                };
+                let t = t.inner();
+                let same = t.get("queue").and_then(string) == queue
+                    && t.get("reason").and_then(string) == reason
+                    && t.get("exchange").and_then(string).as_deref() == Some(ex.as_str());
+                match t.get("routing-keys") {
+                    Some(AMQPValue::FieldArray(keys)) if same => {
+                        keys.as_slice().first().and_then(string)
+                    }
+                    _ => None,
+                }
+            }),
+            _ => None,
+        };
+        if let Some(key) = key {
+            return (Cow::Owned(ex), Cow::Owned(key));
+        }
+    }
+    (Cow::Borrowed(exchange), Cow::Borrowed(routing_key))
+}
+
 /// The header warren's publisher sets to the publish time in Unix milliseconds (the AMQP
 /// timestamp has one-second resolution): end-to-end latency is measured from it.
 pub const PUBLISHED_MS: &str = "x-published-ms";
@@ -292,6 +363,37 @@ pub fn to_json(properties: &BasicProperties) -> serde_json::Value {
         }
     }
     serde_json::Value::Object(map)
+}
+
+/// The headers a parked row keeps of a message delivered with `exchange` and `routing_key`:
+/// its headers ([`to_json`]), where it was first published ([`origin`]) and the properties
+/// the parking table has no column for (timestamp, correlation id, type, app id, content type,
+/// as `x-warren-*`), which a parked replay gives back as properties.
+pub fn parked_json(
+    properties: &BasicProperties,
+    exchange: &str,
+    routing_key: &str,
+) -> serde_json::Value {
+    let mut json = to_json(properties);
+    let (ex, rk) = origin(properties, exchange, routing_key);
+    if let serde_json::Value::Object(map) = &mut json {
+        map.insert(X_WARREN_EXCHANGE.into(), ex.as_ref().into());
+        map.insert(X_WARREN_ROUTING_KEY.into(), rk.as_ref().into());
+        if let Some(t) = properties.timestamp() {
+            map.insert(X_WARREN_TIMESTAMP.into(), (*t).into());
+        }
+        for (key, value) in [
+            (X_WARREN_CORRELATION_ID, properties.correlation_id()),
+            (X_WARREN_TYPE, properties.kind()),
+            (X_WARREN_APP_ID, properties.app_id()),
+            (X_WARREN_CONTENT_TYPE, properties.content_type()),
+        ] {
+            if let Some(v) = value {
+                map.insert(key.into(), v.as_str().into());
+            }
+        }
+    }
+    json
 }
 
 /// The key of the JSON object that stands for an AMQP value JSON has no form of its own.

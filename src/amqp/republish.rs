@@ -222,6 +222,29 @@ pub fn copy_properties(original: &BasicProperties, stamp: &Stamp<'_>) -> BasicPr
     copy
 }
 
+/// `copy` (warren's copy of `original`, delivered with `exchange` and `routing_key`) with the
+/// original's exchange and routing key in `x-warren-exchange` and `x-warren-routing-key`
+/// ([`headers::origin`]: those the original names already, or its own), so a property column
+/// of a retried or replayed copy reads where the message was published, not warren's hop.
+pub fn stamp_origin(
+    copy: BasicProperties,
+    original: &BasicProperties,
+    exchange: &str,
+    routing_key: &str,
+) -> BasicProperties {
+    let (ex, rk) = crate::amqp::headers::origin(original, exchange, routing_key);
+    let mut headers = copy.headers().clone().unwrap_or_default();
+    headers.insert(
+        crate::amqp::headers::X_WARREN_EXCHANGE.into(),
+        long(ex.as_bytes()),
+    );
+    headers.insert(
+        crate::amqp::headers::X_WARREN_ROUTING_KEY.into(),
+        long(rk.as_bytes()),
+    );
+    copy.with_headers(headers)
+}
+
 /// The size of the content header frame that carries `properties`.
 pub fn header_frame_size(properties: &BasicProperties) -> usize {
     use amq_protocol::frame::{AMQPContentHeader, AMQPFrame, WriteContext, gen_frame};
@@ -567,6 +590,72 @@ mod tests {
         assert!(matches!(err, Unpublishable::TooLarge { .. }), "{err}");
         assert_eq!(header_limit(131_072), 131_072 - 4096);
         assert_eq!(header_limit(4096), 3072);
+    }
+}
+
+#[cfg(test)]
+mod origin_tests {
+    use super::*;
+    use crate::amqp::headers::{X_WARREN_EXCHANGE, X_WARREN_ROUTING_KEY, origin, text};
+
+    #[test]
+    fn every_copy_names_where_the_original_was_published() {
+        let original = BasicProperties::default().with_message_id("m".into());
+        // The first copy: the delivery's exchange and routing key.
+        let retry = stamp_origin(
+            for_retry(&original, 1, "db", "main"),
+            &original,
+            "shop",
+            "orders.eu",
+        );
+        assert_eq!(text(&retry, X_WARREN_EXCHANGE).as_deref(), Some("shop"));
+        assert_eq!(
+            text(&retry, X_WARREN_ROUTING_KEY).as_deref(),
+            Some("orders.eu")
+        );
+        // Back from the retry tier (delivered through warren's exchange), then dead-lettered,
+        // then replayed: still the original's.
+        let dead = stamp_origin(
+            for_dead_letter(&retry, Some(1), "db_permanent", "x"),
+            &retry,
+            "main_exchange",
+            "main_queue",
+        );
+        let replay = stamp_origin(for_replay(&dead), &dead, "dlx", "dlq");
+        assert_eq!(
+            origin(&replay, "main_exchange", "main_queue"),
+            ("shop".into(), "orders.eu".into())
+        );
+    }
+
+    #[test]
+    fn a_message_the_broker_dead_lettered_names_its_first_hop() {
+        let mut death = FieldTable::default();
+        death.insert("queue".into(), long(b"main"));
+        death.insert("reason".into(), long(b"expired"));
+        death.insert("exchange".into(), long(b"shop"));
+        death.insert(
+            "routing-keys".into(),
+            AMQPValue::FieldArray(vec![long(b"orders.eu")].into()),
+        );
+        let mut h = FieldTable::default();
+        h.insert("x-first-death-exchange".into(), long(b"shop"));
+        h.insert("x-first-death-queue".into(), long(b"main"));
+        h.insert("x-first-death-reason".into(), long(b"expired"));
+        h.insert(
+            X_DEATH.into(),
+            AMQPValue::FieldArray(vec![AMQPValue::FieldTable(death)].into()),
+        );
+        let p = BasicProperties::default().with_headers(h);
+        assert_eq!(
+            origin(&p, "dlx", "dlq"),
+            ("shop".into(), "orders.eu".into())
+        );
+        // Nothing said: the delivery's own.
+        assert_eq!(
+            origin(&BasicProperties::default(), "shop", "k"),
+            ("shop".into(), "k".into())
+        );
     }
 }
 

@@ -247,12 +247,17 @@ impl Route for Mover<'_> {
                 .clone()
                 .unwrap_or_else(|| m.delivery.routing_key.to_string()),
             body: std::mem::take(&mut m.delivery.data).into(),
-            properties: republish::copy_properties(
+            properties: republish::stamp_origin(
+                republish::copy_properties(
+                    &m.delivery.properties,
+                    &Stamp {
+                        restart: true,
+                        ..Default::default()
+                    },
+                ),
                 &m.delivery.properties,
-                &Stamp {
-                    restart: true,
-                    ..Default::default()
-                },
+                m.delivery.exchange.as_str(),
+                m.delivery.routing_key.as_str(),
             ),
         })
     }

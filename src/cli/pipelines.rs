@@ -33,8 +33,11 @@ pub enum Action {
     /// Decode JSON lines as pipeline NAME would, with no broker and no database.
     ///
     /// Each non-empty line is one message body. With --headers, each line is instead
-    /// `{"headers": {...}, "body": ...}`: the headers (strings, numbers, booleans, null: AMQP's
-    /// void) as the AMQP headers the pipeline's `header` columns read, the body as the message.
+    /// `{"headers": {...}, "properties": {...}, "body": ...}`: the headers (strings, numbers,
+    /// booleans, null: AMQP's void) as the AMQP headers the pipeline's `header` columns read, the
+    /// properties (message_id, correlation_id, timestamp in seconds, type, app_id, content_type,
+    /// exchange, routing_key; optional) as its `property` columns read them, the body as the
+    /// message. Without properties, a property column is absent.
     /// Prints, per line, `ok` and the row it would insert (JSON), or the kind and reason it would
     /// be dead-lettered with. Exit 0 when every line is accepted, 1 otherwise.
     ///
@@ -48,7 +51,7 @@ pub enum Action {
         name: String,
         /// A file of JSON lines; standard input when absent.
         file: Option<PathBuf>,
-        /// Lines carry headers: `{"headers": {...}, "body": ...}`.
+        /// Lines carry headers and properties: `{"headers": {...}, "properties": {...}, "body": ...}`.
         #[arg(long)]
         headers: bool,
         /// Also try each accepted message's rows against the live tables, rolled back.
@@ -192,13 +195,20 @@ fn list(settings: &Settings) -> anyhow::Result<String> {
             .columns
             .iter()
             .map(|(name, c)| {
-                let source = match (&c.path, &c.header) {
-                    (Some(path), _) if path.is_empty() => "(whole body)".to_string(),
-                    (Some(path), _) => path.clone(),
-                    (None, Some(h)) => format!("header {h}"),
-                    (None, None) => "-".into(),
+                let source = match (&c.path, &c.header, c.property) {
+                    (Some(path), _, _) if path.is_empty() => "(whole body)".to_string(),
+                    (Some(path), _, _) => path.clone(),
+                    (None, Some(h), _) => format!("header {h}"),
+                    (None, None, Some(p)) => format!("property {p}"),
+                    (None, None, None) => "-".into(),
                 };
-                let checks = checks(c.optional, c.format, c.min, c.max, c.min_len, c.max_len);
+                let mut checks = checks(c.optional, c.format, c.min, c.max, c.min_len, c.max_len);
+                more_checks(
+                    &mut checks,
+                    c.one_of.as_deref(),
+                    c.pattern.as_deref(),
+                    c.default.as_ref(),
+                );
                 row(name, &source, c.ty.as_str(), &checks)
             })
             .collect();
@@ -223,12 +233,15 @@ fn list(settings: &Settings) -> anyhow::Result<String> {
                         .and_then(|name| p.columns.get(name))
                         .map(|pc| pc.ty.as_str());
                     let ty = c.ty.map(|t| t.as_str()).or(parent_ty).unwrap_or("int4");
-                    row(
-                        name,
-                        &source,
-                        ty,
-                        &checks(c.optional, c.format, c.min, c.max, c.min_len, c.max_len),
-                    )
+                    let mut checks =
+                        checks(c.optional, c.format, c.min, c.max, c.min_len, c.max_len);
+                    more_checks(
+                        &mut checks,
+                        c.one_of.as_deref(),
+                        c.pattern.as_deref(),
+                        c.default.as_ref(),
+                    );
+                    row(name, &source, ty, &checks)
                 })
                 .collect();
             children.push_str(&format!(
@@ -285,6 +298,32 @@ fn checks(
         }
     }
     checks.join(", ")
+}
+
+/// Appends to a column's listed checks its values, pattern and default (`one_of ["EUR","USD"],
+/// pattern "^[A-Z]{3}$", default "EUR"`).
+fn more_checks(
+    checks: &mut String,
+    one_of: Option<&[Value]>,
+    pattern: Option<&str>,
+    default: Option<&Value>,
+) {
+    let mut more = Vec::new();
+    if let Some(values) = one_of {
+        more.push(format!("one_of {}", Value::from(values.to_vec())));
+    }
+    if let Some(p) = pattern {
+        more.push(format!("pattern {}", Value::from(p)));
+    }
+    if let Some(v) = default {
+        more.push(format!("default {v}"));
+    }
+    for m in more {
+        if !checks.is_empty() {
+            checks.push_str(", ");
+        }
+        checks.push_str(&m);
+    }
 }
 
 /// Columns as an indented borderless table.
@@ -351,7 +390,7 @@ pub async fn test(
         if line.iter().all(u8::is_ascii_whitespace) {
             continue;
         }
-        let (body, headers) = if with_headers {
+        let (body, headers, properties) = if with_headers {
             let parsed = std::str::from_utf8(&line)
                 .map_err(|e| format!("not UTF-8: {e}"))
                 .and_then(envelope);
@@ -360,7 +399,7 @@ pub async fn test(
                 Err(e) => bail!("line {}: {e}", i + 1),
             }
         } else {
-            (line, None)
+            (line, None, None)
         };
         // Refused unread over the size limit, as the pipeline's processor refuses it.
         let verdict = if body.len() > pipeline.max_message_bytes {
@@ -370,7 +409,21 @@ pub async fn test(
                 pipeline.max_message_bytes
             )))
         } else {
-            mapping.decode_message(&body, headers.as_ref()).map(|row| {
+            let decoded = match &properties {
+                Some(p) => {
+                    let (props, exchange, routing_key) = p.amqp(headers.clone());
+                    let envelope = crate::domain::Envelope {
+                        properties: &props,
+                        exchange: &exchange,
+                        routing_key: &routing_key,
+                    };
+                    mapping
+                        .decode_envelope(&body, &envelope)
+                        .map_err(|r| r.rejection)
+                }
+                None => mapping.decode_message(&body, headers.as_ref()),
+            };
+            decoded.map(|row| {
                 if row.2 == crate::domain::mapping::Op::Delete {
                     // A delete: its key and version, what it deletes (no child rows).
                     let (names, cells): (Vec<&str>, Vec<_>) = mapping
@@ -488,18 +541,76 @@ fn refused_by_db(reason: String) -> crate::domain::Rejection {
     }
 }
 
-/// `{"headers": {...}, "body": ...}`: the body's bytes as written, and the headers as AMQP ones.
-fn envelope(line: &str) -> Result<(Vec<u8>, Option<FieldTable>), String> {
+/// The properties a `--headers` line may give its message (`"properties": {...}`), for the
+/// property columns.
+#[derive(Debug, Clone, Default, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+struct LineProperties {
+    message_id: Option<String>,
+    correlation_id: Option<String>,
+    /// Seconds since the epoch, as AMQP carries it.
+    timestamp: Option<u64>,
+    #[serde(rename = "type")]
+    kind: Option<String>,
+    app_id: Option<String>,
+    content_type: Option<String>,
+    #[serde(default)]
+    exchange: String,
+    #[serde(default)]
+    routing_key: String,
+}
+
+impl LineProperties {
+    /// As AMQP properties (with `headers`), and the exchange and routing key.
+    fn amqp(&self, headers: Option<FieldTable>) -> (lapin::BasicProperties, String, String) {
+        let short = |s: &Option<String>| s.as_deref().and_then(|s| headers::short(s).ok());
+        let mut p = lapin::BasicProperties::default();
+        if let Some(h) = headers {
+            p = p.with_headers(h);
+        }
+        if let Some(v) = short(&self.message_id) {
+            p = p.with_message_id(v);
+        }
+        if let Some(v) = short(&self.correlation_id) {
+            p = p.with_correlation_id(v);
+        }
+        if let Some(t) = self.timestamp {
+            p = p.with_timestamp(t);
+        }
+        if let Some(v) = short(&self.kind) {
+            p = p.with_type(v);
+        }
+        if let Some(v) = short(&self.app_id) {
+            p = p.with_app_id(v);
+        }
+        if let Some(v) = short(&self.content_type) {
+            p = p.with_content_type(v);
+        }
+        (p, self.exchange.clone(), self.routing_key.clone())
+    }
+}
+
+/// A `--headers` line parsed: the body's bytes, its headers as AMQP ones, its properties.
+type Line = (Vec<u8>, Option<FieldTable>, Option<LineProperties>);
+
+/// `{"headers": {...}, "properties": {...}, "body": ...}`: the body's bytes as written, the
+/// headers as AMQP ones, and the properties if given.
+fn envelope(line: &str) -> Result<Line, String> {
     #[derive(serde::Deserialize)]
     #[serde(deny_unknown_fields)]
     struct Envelope<'a> {
         #[serde(default)]
         headers: serde_json::Map<String, Value>,
+        #[serde(default)]
+        properties: Option<LineProperties>,
         #[serde(borrow)]
         body: &'a serde_json::value::RawValue,
     }
     let e: Envelope = serde_json::from_str(line).map_err(|e| {
-        format!("expected {{\"headers\": {{...}}, \"body\": ...}} (--headers): {e}")
+        format!(
+            "expected {{\"headers\": {{...}}, \"properties\": {{...}}, \"body\": ...}} \
+             (--headers): {e}"
+        )
     })?;
     let mut table = FieldTable::default();
     for (k, v) in e.headers {
@@ -525,7 +636,7 @@ fn envelope(line: &str) -> Result<(Vec<u8>, Option<FieldTable>), String> {
         })?;
         table.insert(name, value);
     }
-    Ok((e.body.get().as_bytes().to_vec(), Some(table)))
+    Ok((e.body.get().as_bytes().to_vec(), Some(table), e.properties))
 }
 
 /// A decoded row as a JSON object, column -> value; a `jsonb` value and a `numeric` one as

@@ -144,15 +144,21 @@ pub fn fingerprint(message_id: Option<&str>, body: &[u8], headers: &Value) -> Ve
 
 /// Whether a header is a stamp of warren's or the broker's rather than the publisher's:
 /// `x-retries`, `x-retry-reason`, `x-dlq-attempts`, `x-error-*`, `x-original-*` (what warren
-/// moved aside), `x-death`, `x-first-death-*`, `x-last-death-*` (amqp::headers and
+/// moved aside), `x-warren-*` (the original's exchange, routing key and properties), `x-death`, `x-first-death-*`, `x-last-death-*` (amqp::headers and
 /// amqp::republish name them), and a quorum queue's `x-delivery-count`.
 fn is_stamp(key: &str) -> bool {
     matches!(
         key,
         "x-retries" | "x-retry-reason" | "x-dlq-attempts" | "x-death" | "x-delivery-count"
-    ) || ["x-error-", "x-original-", "x-first-death-", "x-last-death-"]
-        .iter()
-        .any(|p| key.starts_with(p))
+    ) || [
+        "x-error-",
+        "x-original-",
+        "x-first-death-",
+        "x-last-death-",
+        "x-warren-",
+    ]
+    .iter()
+    .any(|p| key.starts_with(p))
 }
 
 /// `value` as JSON with every object's keys sorted, whatever order the map keeps.

@@ -94,6 +94,16 @@ impl Rejection {
     }
 }
 
+/// What a delivered message carries besides its body: its properties, and the exchange and
+/// routing key the broker delivered it with (a copy warren republished names its original's in
+/// headers: `amqp::headers::origin`).
+#[derive(Debug, Clone, Copy)]
+pub struct Envelope<'a> {
+    pub properties: &'a lapin::BasicProperties,
+    pub exchange: &'a str,
+    pub routing_key: &'a str,
+}
+
 /// A kind of data the pipeline can move into PostgreSQL.
 pub trait Domain: Send + Sync + 'static {
     /// A decoded, validated message.
@@ -102,12 +112,12 @@ pub trait Domain: Send + Sync + 'static {
     /// Decodes and validates one body. Must not panic on any input.
     fn decode(&self, body: &[u8]) -> Result<Self::Record, Rejection>;
 
-    /// Decodes one message, its properties at hand (a mapping reads columns from headers);
-    /// the body alone by default.
+    /// Decodes one message, its properties and where it was delivered from at hand (a mapping
+    /// reads columns from headers and properties); the body alone by default.
     fn decode_with(
         &self,
         body: &[u8],
-        _properties: &lapin::BasicProperties,
+        _envelope: &Envelope<'_>,
     ) -> Result<Self::Record, Rejection> {
         self.decode(body)
     }

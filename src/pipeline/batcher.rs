@@ -411,6 +411,8 @@ mod tests {
                     redelivered: false,
                     body: bytes::Bytes::new(),
                     properties: lapin::BasicProperties::default(),
+                    exchange: Default::default(),
+                    routing_key: Default::default(),
                     held_bytes: 0,
                     received_at: Instant::now(),
                 },

@@ -360,6 +360,8 @@ mod tests {
             redelivered,
             body: body.as_bytes().to_vec().into(),
             properties: BasicProperties::default().with_message_id(ShortString::from("m-1")),
+            exchange: Default::default(),
+            routing_key: Default::default(),
             held_bytes: 0,
             received_at: Instant::now(),
         }

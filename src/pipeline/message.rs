@@ -22,6 +22,10 @@ pub struct Delivery {
     /// Shared with a republished copy (retry, dead letter), never copied.
     pub body: bytes::Bytes,
     pub properties: BasicProperties,
+    /// The exchange and routing key the broker delivered it with: where it was published (a
+    /// copy of warren's names its original's in headers, `amqp::headers::origin`).
+    pub exchange: lapin::types::ShortString,
+    pub routing_key: lapin::types::ShortString,
     /// What it holds in memory, counted against `MAX_INFLIGHT_BYTES`: the body and its
     /// properties as parsed (`headers::parsed_bytes`), reckoned once at receipt.
     pub held_bytes: u64,
@@ -31,6 +35,15 @@ pub struct Delivery {
 }
 
 impl Delivery {
+    /// What the domain reads besides the body.
+    pub fn envelope(&self) -> crate::domain::Envelope<'_> {
+        crate::domain::Envelope {
+            properties: &self.properties,
+            exchange: self.exchange.as_str(),
+            routing_key: self.routing_key.as_str(),
+        }
+    }
+
     /// The AMQP message id, for logs (`-` when the publisher set none).
     pub fn message_id(&self) -> &str {
         self.properties
@@ -206,6 +219,8 @@ mod tests {
             redelivered: false,
             body: vec![b'x'; bytes].into(),
             properties: BasicProperties::default(),
+            exchange: Default::default(),
+            routing_key: Default::default(),
             held_bytes: bytes as u64,
             received_at: Instant::now(),
         }

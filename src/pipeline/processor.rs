@@ -51,7 +51,7 @@ impl<D: Domain> Processor<D> {
                 self.max_message_bytes
             )));
         }
-        self.domain.decode_with(body, &delivery.properties)
+        self.domain.decode_with(body, &delivery.envelope())
     }
 }
 
@@ -144,6 +144,8 @@ mod tests {
             redelivered: false,
             body: body.to_vec().into(),
             properties: BasicProperties::default(),
+            exchange: Default::default(),
+            routing_key: Default::default(),
             held_bytes: body.len() as u64,
             received_at: std::time::Instant::now(),
         }

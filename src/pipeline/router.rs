@@ -142,6 +142,13 @@ impl Republisher {
                 "dlq_retry",
             ),
         };
+        // Where the original was published, for a property column of the copy.
+        let properties = republish::stamp_origin(
+            properties,
+            &message.properties,
+            message.exchange.as_str(),
+            message.routing_key.as_str(),
+        );
         (
             Publish {
                 exchange: exchange.clone(),
@@ -642,7 +649,11 @@ impl Fallback {
                     pipeline: &self.parks_as,
                     message_id: d.properties.message_id().as_ref().map(|m| m.as_str()),
                     body: &d.body,
-                    headers: headers::to_json(&d.properties),
+                    headers: headers::parked_json(
+                        &d.properties,
+                        d.exchange.as_str(),
+                        d.routing_key.as_str(),
+                    ),
                     kind: kind.as_str(),
                     reason,
                 });

@@ -120,6 +120,8 @@ mod tests {
             received_at: std::time::Instant::now(),
             body: Default::default(),
             properties: Default::default(),
+            exchange: Default::default(),
+            routing_key: Default::default(),
             held_bytes: 0,
         })
         .collect()

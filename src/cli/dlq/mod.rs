@@ -539,4 +539,29 @@ mod tests {
         );
         assert!(parked_properties(Some(&"x".repeat(300)), &none).is_err());
     }
+
+    #[test]
+    fn a_parked_replay_gives_back_the_originals_properties() {
+        let original = lapin::BasicProperties::default()
+            .with_message_id("m1".into())
+            .with_timestamp(1_700_000_000)
+            .with_correlation_id("c".into())
+            .with_type("order.created".into())
+            .with_app_id("shop".into())
+            .with_content_type("text/plain".into());
+        // As the router parks it, delivered back from a retry tier through warren's exchange.
+        let parked = headers::parked_json(&original, "shop_in", "orders.eu");
+        let p = parked_properties(Some("m1"), &parked).unwrap();
+        assert_eq!(*p.timestamp(), Some(1_700_000_000));
+        assert_eq!(p.correlation_id().as_ref().unwrap().as_str(), "c");
+        assert_eq!(p.kind().as_ref().unwrap().as_str(), "order.created");
+        assert_eq!(p.app_id().as_ref().unwrap().as_str(), "shop");
+        assert_eq!(p.content_type().as_ref().unwrap().as_str(), "text/plain");
+        assert_eq!(
+            headers::origin(&p, "main_exchange", "main_queue"),
+            ("shop_in".into(), "orders.eu".into())
+        );
+        // Given back as properties, not kept as headers too.
+        assert_eq!(headers::text(&p, headers::X_WARREN_TIMESTAMP), None);
+    }
 }

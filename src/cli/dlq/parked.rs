@@ -184,9 +184,47 @@ pub(super) fn parked_properties(
             .with_content_type("application/json".into())
             .with_timestamp(now_s()),
     };
+    // The original's properties the row keeps in its headers (`headers::parked_json`) are
+    // given back as properties: a property column of the replay reads the original's.
+    let kept = |key: &str| headers_json.get(key);
+    let text = |key: &str| {
+        kept(key)
+            .and_then(|v| v.as_str())
+            .and_then(|s| headers::short(s).ok())
+    };
+    let mut base = base;
+    if let Some(t) = kept(headers::X_WARREN_TIMESTAMP).and_then(|v| v.as_u64()) {
+        base = base.with_timestamp(t);
+    }
+    if let Some(v) = text(headers::X_WARREN_CORRELATION_ID) {
+        base = base.with_correlation_id(v);
+    }
+    if let Some(v) = text(headers::X_WARREN_TYPE) {
+        base = base.with_type(v);
+    }
+    if let Some(v) = text(headers::X_WARREN_APP_ID) {
+        base = base.with_app_id(v);
+    }
+    if let Some(v) = text(headers::X_WARREN_CONTENT_TYPE) {
+        base = base.with_content_type(v);
+    }
+    let given_back = [
+        headers::X_WARREN_TIMESTAMP,
+        headers::X_WARREN_CORRELATION_ID,
+        headers::X_WARREN_TYPE,
+        headers::X_WARREN_APP_ID,
+        headers::X_WARREN_CONTENT_TYPE,
+    ];
+    let table: FieldTable = replay_headers(headers_json)?
+        .inner()
+        .iter()
+        .filter(|(k, _)| !given_back.contains(&k.as_str()))
+        .map(|(k, v)| (k.clone(), v.clone()))
+        .collect::<std::collections::BTreeMap<_, _>>()
+        .into();
     // Through the republish policy like every copy warren publishes (`amqp::republish`).
     Ok(crate::amqp::republish::for_replay(
-        &base.with_headers(replay_headers(headers_json)?),
+        &base.with_headers(table),
     ))
 }
 

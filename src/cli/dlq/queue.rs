@@ -347,7 +347,12 @@ async fn replay_on(
             exchange: target.main_exchange.clone(),
             routing_key: target.main_queue.clone(),
             body: std::mem::take(&mut m.data).into(),
-            properties: crate::amqp::republish::for_replay(&m.properties),
+            properties: crate::amqp::republish::stamp_origin(
+                crate::amqp::republish::for_replay(&m.properties),
+                &m.properties,
+                m.delivery.exchange.as_str(),
+                m.delivery.routing_key.as_str(),
+            ),
         })
     };
     // A replay has no stop of its own: a signal ends the process, and the broker returns what

@@ -698,6 +698,20 @@ impl<'a> Entry<'a> {
                 "true",
             ));
         }
+        if p.api
+            && let Some((name, c)) = p.columns.iter().find(|(_, c)| c.property.is_some())
+        {
+            return Err(refuse(
+                "api",
+                &format!(
+                    "false for a pipeline with a property column ({name} reads the AMQP property \
+                     {}: an API request has none, and the API's own publish would give it \
+                     warren's, not the client's; read it from the body instead)",
+                    c.property.map(|p| p.as_str()).unwrap_or_default()
+                ),
+                "true",
+            ));
+        }
         if p.api {
             // A GET answers each child table's rows under its array's name, beside the
             // parent's columns.

@@ -113,6 +113,9 @@ impl Child {
                 ));
             }
             let checks = c.optional
+                || c.default.is_some()
+                || c.one_of.is_some()
+                || c.pattern.is_some()
                 || c.min.is_some()
                 || c.max.is_some()
                 || c.min_len.is_some()
@@ -130,15 +133,8 @@ impl Child {
                     )));
                 }
                 Column {
-                    name: name.clone(),
-                    source: Source::Parent(i),
-                    ty: parent[i].ty,
                     optional: parent[i].optional,
-                    min: None,
-                    max: None,
-                    min_len: None,
-                    max_len: None,
-                    format: None,
+                    ..Column::new(name, Source::Parent(i), parent[i].ty)
                 }
             } else if c.index {
                 let ty = c.ty.unwrap_or(ColType::Int4);
@@ -149,17 +145,7 @@ impl Child {
                             .into(),
                     ));
                 }
-                Column {
-                    name: name.clone(),
-                    source: Source::Index,
-                    ty,
-                    optional: false,
-                    min: None,
-                    max: None,
-                    min_len: None,
-                    max_len: None,
-                    format: None,
-                }
+                Column::new(name, Source::Index, ty)
             } else {
                 let ty = c.ty.ok_or_else(|| {
                     at("type: a path or header column needs a type (text, uuid, int4, ...)".into())
@@ -212,17 +198,20 @@ impl Child {
                 {
                     return Err(at(format!("min_len {lo} is above max_len {hi}")));
                 }
-                Column {
-                    name: name.clone(),
-                    source,
-                    ty,
+                let mut column = Column {
                     optional: c.optional,
                     min: c.min,
                     max: c.max,
                     min_len: c.min_len,
                     max_len: c.max_len,
                     format: c.format,
-                }
+                    ..Column::new(name, source, ty)
+                };
+                column
+                    .set_checks(c.one_of.as_deref(), c.pattern.as_deref())
+                    .map_err(|(_, p)| at(p))?;
+                column.set_default(c.default.as_ref()).map_err(at)?;
+                column
             };
             columns.push(column);
         }
@@ -410,19 +399,15 @@ impl Child {
                 let mut unknown: Vec<&String> =
                     map.keys().filter(|k| !self.fields.contains(*k)).collect();
                 if !unknown.is_empty() {
+                    // Each by its path first, as every other refusal of an element.
                     unknown.sort();
-                    let list: Vec<String> = unknown
-                        .iter()
-                        .map(|k| format!("{here}/{}", escape(k)))
-                        .collect();
-                    problems.push((
-                        format!(
-                            "unknown field{} {} (unknown_fields = \"reject\")",
-                            if list.len() == 1 { "" } else { "s" },
-                            list.join(", ")
-                        ),
-                        Problem::Unknown(list.join(", ")),
-                    ));
+                    problems.extend(unknown.iter().map(|k| {
+                        let path = format!("{here}/{}", escape(k));
+                        (
+                            format!("{path}: unknown field (unknown_fields = \"reject\")"),
+                            Problem::Unknown(path),
+                        )
+                    }));
                     continue;
                 }
             }
@@ -439,7 +424,7 @@ impl Child {
                         ColType::Int8 => Cell::Int8(i as i64 + 1),
                         _ => Cell::Int4(i as i32 + 1),
                     }),
-                    _ => mapping.cell(c, &element_text, element, headers),
+                    _ => Mapping::cell(c, &element_text, element, headers, None),
                 };
                 match cell {
                     Ok(cell) => cells.push(cell),
@@ -491,14 +476,13 @@ fn escape(field: &str) -> String {
     field.replace('~', "~0").replace('/', "~1")
 }
 
-/// The reason for an element's value, named by its path from the body's root (`/items/1/qty`):
-/// a declared check's refusal as a parent column's, the field then the rule (`items/1/qty must
-/// be at least 1, found 0`); anything else by the path, then what was expected and found.
+/// The reason for an element's value: its path from the body's root first (`/items/1/qty`),
+/// then what was expected and found (`expected at least 1, found 0`, `missing (a text is
+/// required)`).
 fn reason_at(error: &ValueError, element: &str, pointer: &str) -> String {
-    let path = format!("{element}{pointer}");
     match error {
-        ValueError::Check(check) => format!("{} {check}", &path[1..]),
-        other => format!("{path}: {other}"),
+        ValueError::Check(check) => format!("{element}{pointer}: {}", check.expected()),
+        other => format!("{element}{pointer}: {other}"),
     }
 }
 

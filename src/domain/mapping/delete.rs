@@ -12,7 +12,8 @@ use serde_json::Value;
 
 use super::values::{lookup, pointer_segments};
 use super::{
-    Cell, DeleteSpec, DeleteValue, Mapping, OnConflict, Refused, Rejection, Row, Source, TableName,
+    Cell, DeleteSpec, DeleteValue, Envelope, Mapping, OnConflict, Refused, Rejection, Row, Source,
+    TableName,
 };
 
 /// What a message asks of its key: to be written (the common case) or deleted.
@@ -127,12 +128,13 @@ impl Mapping {
         text: &str,
         doc: &Value,
         headers: Option<&lapin::types::FieldTable>,
+        envelope: Option<&Envelope<'_>>,
     ) -> Result<Row, Refused> {
         let mut cells = vec![Cell::Null; self.columns.len()];
         let mut problems = Vec::new();
         for i in self.key.iter().copied().chain(self.version) {
             let c = &self.columns[i];
-            match self.cell(c, text, doc, headers) {
+            match Self::cell(c, text, doc, headers, envelope) {
                 Ok(cell) => cells[i] = cell,
                 Err(e) => problems.push((c, e)),
             }

@@ -16,6 +16,7 @@ mod delete;
 mod insert;
 mod lookup;
 mod names;
+mod pattern;
 mod spec;
 pub use delete::Op;
 pub use lookup::{Refusal, Standing, Trial, Unstorable};
@@ -40,7 +41,7 @@ use std::collections::HashSet;
 use futures::future::BoxFuture;
 use serde_json::Value;
 
-use super::{Domain, Inserted, Rejection};
+use super::{Domain, Envelope, Inserted, Rejection};
 use crate::db::error::DbError;
 
 /// A mistake in a pipeline's spec, naming the pipeline and what is wrong.
@@ -63,6 +64,8 @@ enum Source {
         segments: Vec<String>,
     },
     Header(String),
+    /// A property of the message (the original's, on a copy warren republished).
+    Property(Property),
     /// A child column: the parent row's column (its index in the parent's columns).
     Parent(usize),
     /// A child column: the element's position in its array, from 1.
@@ -82,15 +85,136 @@ struct Column {
     max_len: Option<usize>,
     /// The text format checked, if any.
     format: Option<Format>,
+    /// The values accepted (`one_of`), as cells of the column's type.
+    one_of: Option<OneOf>,
+    /// Text: the regular expression a value must hold a match of (`pattern.rs`).
+    pattern: Option<pattern::Pattern>,
+    /// The cell of a value that is absent (`default = <value>`), checked at compile time
+    /// against the type and every check of the column.
+    default: Option<Cell>,
 }
 
+/// A column's `one_of`: the cells accepted, and their list as a reason shows it.
+#[derive(Debug, Clone)]
+struct OneOf {
+    cells: Vec<Cell>,
+    shown: String,
+}
+
+/// The types a `one_of` compares, exactly as PostgreSQL's `=` does.
+const ONE_OF_TYPES: [ColType; 4] = [ColType::Text, ColType::Int4, ColType::Int8, ColType::Uuid];
+
 impl Column {
+    /// A column of `ty` from `source` with no checks.
+    fn new(name: &str, source: Source, ty: ColType) -> Self {
+        Self {
+            name: name.to_string(),
+            source,
+            ty,
+            optional: false,
+            min: None,
+            max: None,
+            min_len: None,
+            max_len: None,
+            format: None,
+            one_of: None,
+            pattern: None,
+            default: None,
+        }
+    }
+
+    /// Sets the column's `one_of` and `pattern` (the spec's), checked: `Err` is the key at
+    /// fault and what is wrong. Each value of `one_of` must pass the column's type and other
+    /// checks.
+    fn set_checks(
+        &mut self,
+        one_of: Option<&[Value]>,
+        pattern: Option<&str>,
+    ) -> Result<(), (&'static str, String)> {
+        if let Some(source) = pattern {
+            if self.ty != ColType::Text {
+                return Err(("pattern", format!("pattern is for text, not {}", self.ty)));
+            }
+            self.pattern = Some(
+                pattern::Pattern::compile(source)
+                    .map_err(|e| ("pattern", format!("pattern: {e}")))?,
+            );
+        }
+        if let Some(values) = one_of {
+            if !ONE_OF_TYPES.contains(&self.ty) {
+                return Err((
+                    "one_of",
+                    format!(
+                        "one_of is for text, int4, int8 and uuid (values compared exactly), not {}",
+                        self.ty
+                    ),
+                ));
+            }
+            if values.is_empty() {
+                return Err(("one_of", "one_of: name at least one value".into()));
+            }
+            let mut cells = Vec::with_capacity(values.len());
+            for v in values {
+                let cell = self
+                    .probe(v)
+                    .map_err(|words| ("one_of", format!("one_of: the value {v}: {words}")))?;
+                if !cells.contains(&cell) {
+                    cells.push(cell);
+                }
+            }
+            let shown: Vec<String> = cells.iter().map(shown_cell).collect();
+            self.one_of = Some(OneOf {
+                cells,
+                shown: shown.join(", "),
+            });
+        }
+        Ok(())
+    }
+
+    /// `value` as a message's value of this column would be read and checked, or what is
+    /// wrong with it (`expected a string, found the number 5`, `expected at least 1, found 0`).
+    fn probe(&self, value: &Value) -> Result<Cell, String> {
+        let mut probe = self.clone();
+        probe.source = Source::Path {
+            pointer: String::new(),
+            segments: Vec::new(),
+        };
+        probe.optional = false;
+        probe.default = None;
+        Mapping::cell(&probe, &value.to_string(), value, None, None).map_err(|e| match &e {
+            ValueError::Check(check) => check.expected(),
+            other => other.to_string(),
+        })
+    }
+
+    /// Sets the column's `default` (the spec's value), after checking it as a message's value
+    /// of the column would be checked: `Err` names what is wrong with it (`expected a string,
+    /// found the number 5`, `expected at least 1, found 0`).
+    fn set_default(&mut self, value: Option<&Value>) -> Result<(), String> {
+        let Some(value) = value else {
+            return Ok(());
+        };
+        if value.is_null() {
+            return Err(
+                "default: expected a value of the column's type (null is no default: an \
+                 optional column is NULL when its field is absent)"
+                    .into(),
+            );
+        }
+        self.default = Some(
+            self.probe(value)
+                .map_err(|words| format!("default: {words}"))?,
+        );
+        Ok(())
+    }
+
     /// Where its value is, as a reason names it: the path, `the body`, or `header <name>`.
     fn at(&self) -> String {
         match &self.source {
             Source::Path { pointer, .. } if pointer.is_empty() => "the body".into(),
             Source::Path { pointer, .. } => pointer.clone(),
             Source::Header(h) => format!("header {h}"),
+            Source::Property(p) => format!("property {p}"),
             Source::Parent(_) => "the parent row".into(),
             Source::Index => "the element's position".into(),
         }
@@ -210,12 +334,42 @@ impl Mapping {
                 (Some(_), Some(_)) => {
                     return Err(at_key("header", "give a path or a header, not both".into()));
                 }
-                (None, None) => {
-                    return Err(at(
-                        "give a path (a JSON Pointer into the body, \"\" for the whole body) or a header"
-                            .into(),
+                (Some(_), None) | (None, Some(_)) if c.property.is_some() => {
+                    return Err(at_key(
+                        "property",
+                        "give one of path, header or property, not two".into(),
                     ));
                 }
+                (None, None) => match c.property {
+                    Some(p) => {
+                        let fits = match p {
+                            Property::Timestamp => c.ty == ColType::Timestamptz,
+                            _ => matches!(c.ty, ColType::Text | ColType::Uuid),
+                        };
+                        if !fits {
+                            return Err(at_key(
+                                "type",
+                                format!(
+                                    "property {p} is read as {}, not {}",
+                                    if p == Property::Timestamp {
+                                        "timestamptz"
+                                    } else {
+                                        "text or uuid"
+                                    },
+                                    c.ty
+                                ),
+                            ));
+                        }
+                        Source::Property(p)
+                    }
+                    None => {
+                        return Err(at(
+                            "give a path (a JSON Pointer into the body, \"\" for the whole body), a \
+                             header or a property"
+                                .into(),
+                        ));
+                    }
+                },
                 (Some(pointer), None) => {
                     let segments =
                         pointer_segments(pointer).map_err(|e| at_key("path", e.to_string()))?;
@@ -273,17 +427,22 @@ impl Mapping {
                     format!("min_len {lo} is above max_len {hi}"),
                 ));
             }
-            columns.push(Column {
-                name: name.clone(),
-                source,
-                ty: c.ty,
+            let mut column = Column {
                 optional: c.optional,
                 min: c.min,
                 max: c.max,
                 min_len: c.min_len,
                 max_len: c.max_len,
                 format: c.format,
-            });
+                ..Column::new(name, source, c.ty)
+            };
+            column
+                .set_checks(c.one_of.as_deref(), c.pattern.as_deref())
+                .map_err(|(key, p)| at_key(key, p))?;
+            column
+                .set_default(c.default.as_ref())
+                .map_err(|p| at_key("default", p))?;
+            columns.push(column);
         }
         let index_of = |name: &str| columns.iter().position(|c| c.name == name);
         let err = |key: &str, problem: String| err_at(&[key], problem);
@@ -530,7 +689,8 @@ impl Mapping {
         self.on_conflict
     }
 
-    /// Decodes one message: its body (and headers) into one cell per column, or why not.
+    /// Decodes one message: its body (and headers) into one cell per column, or why not. No
+    /// properties: a property column is absent (NULL when optional, its default, or refused).
     pub fn decode_message(
         &self,
         body: &[u8],
@@ -546,6 +706,20 @@ impl Mapping {
         &self,
         body: &[u8],
         headers: Option<&lapin::types::FieldTable>,
+    ) -> Result<Row, Refused> {
+        self.decode_full(body, headers, None)
+    }
+
+    /// Decodes one delivered message: body, headers and properties (`envelope`).
+    pub fn decode_envelope(&self, body: &[u8], envelope: &Envelope<'_>) -> Result<Row, Refused> {
+        self.decode_full(body, envelope.properties.headers().as_ref(), Some(envelope))
+    }
+
+    fn decode_full(
+        &self,
+        body: &[u8],
+        headers: Option<&lapin::types::FieldTable>,
+        envelope: Option<&Envelope<'_>>,
     ) -> Result<Row, Refused> {
         if body.is_empty() {
             return Err(Rejection::json("empty body").into());
@@ -598,12 +772,12 @@ impl Mapping {
         if let Some(d) = &self.delete
             && d.matches(&doc)
         {
-            return self.decode_delete(text, &doc, headers);
+            return self.decode_delete(text, &doc, headers, envelope);
         }
         let mut cells = Vec::with_capacity(self.columns.len());
         let mut problems = Vec::new();
         for c in &self.columns {
-            match self.cell(c, text, &doc, headers) {
+            match Self::cell(c, text, &doc, headers, envelope) {
                 Ok(cell) => cells.push(cell),
                 Err(p) => problems.push((c, p)),
             }
@@ -666,14 +840,18 @@ impl Mapping {
 
     /// One column's cell, or what is wrong with its value.
     fn cell(
-        &self,
         c: &Column,
         text: &str,
         doc: &Value,
         headers: Option<&lapin::types::FieldTable>,
+        envelope: Option<&Envelope<'_>>,
     ) -> Result<Cell, ValueError> {
         let value = match &c.source {
             Source::Path { segments, .. } => lookup(doc, segments).cloned(),
+            Source::Property(p) => match envelope {
+                Some(e) => property(*p, e)?,
+                None => None,
+            },
             // Filled by the child table's decode, never looked up.
             Source::Parent(_) | Source::Index => None,
             Source::Header(h) => match headers
@@ -692,6 +870,7 @@ impl Mapping {
             },
         };
         let value = match value {
+            None if c.default.is_some() => return Ok(c.default.clone().unwrap_or(Cell::Null)),
             None | Some(Value::Null) if c.optional => return Ok(Cell::Null),
             None => return Err(ValueError::Missing(c.ty)),
             Some(Value::Null) => return Err(ValueError::Null(c.ty)),
@@ -860,8 +1039,68 @@ impl Mapping {
                 Cell::Jsonb(json)
             }
         };
+        if let Some(one_of) = &c.one_of
+            && !one_of.cells.contains(&cell)
+        {
+            return Err(CheckError::NotOneOf {
+                allowed: one_of.shown.clone(),
+                found: shown_cell(&cell),
+            }
+            .into());
+        }
         Ok(cell)
     }
+}
+
+/// A cell of a `one_of` column as a reason shows it (`EUR`, `7`).
+fn shown_cell(cell: &Cell) -> String {
+    match cell {
+        Cell::Text(s) => values::shown(s),
+        Cell::Uuid(u) => u.to_string(),
+        Cell::Int4(n) => n.to_string(),
+        Cell::Int8(n) => n.to_string(),
+        other => format!("{other:?}"),
+    }
+}
+
+/// The value of property `p` of a delivered message, as JSON (absent: `None`); the exchange
+/// and routing key are where the original was published (`headers::origin`), the timestamp an
+/// RFC 3339 time of its seconds.
+fn property(p: Property, e: &Envelope<'_>) -> Result<Option<Value>, ValueError> {
+    let text = |s: &Option<lapin::types::ShortString>| {
+        s.as_ref().map(|s| Value::String(s.as_str().to_string()))
+    };
+    let props = e.properties;
+    Ok(match p {
+        Property::MessageId => text(props.message_id()),
+        Property::CorrelationId => text(props.correlation_id()),
+        Property::Type => text(props.kind()),
+        Property::AppId => text(props.app_id()),
+        Property::ContentType => text(props.content_type()),
+        Property::Exchange | Property::RoutingKey => {
+            let (ex, rk) = crate::amqp::headers::origin(props, e.exchange, e.routing_key);
+            let v = if p == Property::Exchange { ex } else { rk };
+            Some(Value::String(v.into_owned()))
+        }
+        Property::Timestamp => match *props.timestamp() {
+            None => None,
+            Some(t) => {
+                let time = i64::try_from(t)
+                    .ok()
+                    .and_then(|t| time::OffsetDateTime::from_unix_timestamp(t).ok())
+                    .and_then(|t| {
+                        t.format(&time::format_description::well_known::Rfc3339)
+                            .ok()
+                    })
+                    .ok_or_else(|| {
+                        unfit(format!(
+                            "the timestamp {t} is beyond the times a timestamptz holds"
+                        ))
+                    })?;
+                Some(Value::String(time))
+            }
+        },
+    })
 }
 
 /// A value the column's type cannot take, in these words.
@@ -906,12 +1145,9 @@ impl Domain for Mapping {
         self.decode_message(body, None)
     }
 
-    fn decode_with(
-        &self,
-        body: &[u8],
-        properties: &lapin::BasicProperties,
-    ) -> Result<Row, Rejection> {
-        self.decode_message(body, properties.headers().as_ref())
+    fn decode_with(&self, body: &[u8], envelope: &Envelope<'_>) -> Result<Row, Rejection> {
+        self.decode_envelope(body, envelope)
+            .map_err(|r| r.rejection)
     }
 
     fn insert<'a>(

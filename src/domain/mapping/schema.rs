@@ -190,6 +190,7 @@ fn foreign_key_mismatches(
             Source::Path { pointer, .. } if pointer.is_empty() => "the whole element".into(),
             Source::Path { pointer, .. } => format!("the element's {pointer}"),
             Source::Header(h) => format!("header {h}"),
+            Source::Property(p) => format!("property {}", p.as_str()),
         },
     };
     for fk in fks {

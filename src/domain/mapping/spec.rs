@@ -96,6 +96,54 @@ pub struct ChildColumnSpec {
     pub max_len: Option<usize>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub format: Option<Format>,
+    /// The values accepted (text, int4, int8, uuid), as a parent column's.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub one_of: Option<Vec<serde_json::Value>>,
+    /// Text: a regular expression the value must hold a match of, as a parent column's.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pattern: Option<String>,
+    /// The value of an absent field (a path or header column), as a parent column's.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub default: Option<serde_json::Value>,
+}
+
+/// A property of a message a column can read (`property = "message_id"`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Property {
+    MessageId,
+    CorrelationId,
+    /// The AMQP timestamp (seconds), read as a `timestamptz`.
+    Timestamp,
+    /// The AMQP `type` property.
+    Type,
+    AppId,
+    ContentType,
+    /// The routing key it was published with.
+    RoutingKey,
+    /// The exchange it was published to (`""`: the default exchange).
+    Exchange,
+}
+
+impl Property {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Property::MessageId => "message_id",
+            Property::CorrelationId => "correlation_id",
+            Property::Timestamp => "timestamp",
+            Property::Type => "type",
+            Property::AppId => "app_id",
+            Property::ContentType => "content_type",
+            Property::RoutingKey => "routing_key",
+            Property::Exchange => "exchange",
+        }
+    }
+}
+
+impl fmt::Display for Property {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
 }
 
 /// What the same key with other content does.
@@ -130,6 +178,10 @@ pub struct ColumnSpec {
     /// An AMQP header name instead of a path.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub header: Option<String>,
+    /// A property of the message instead of a path (`message_id`, `timestamp`, `exchange`,
+    /// ...): the original's, also on a retried or replayed copy.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub property: Option<Property>,
     #[serde(rename = "type")]
     pub ty: ColType,
     /// Absent or null is NULL instead of a rejection.
@@ -148,6 +200,19 @@ pub struct ColumnSpec {
     /// Text: `email` (a plausible address).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub format: Option<Format>,
+    /// The values accepted, compared exactly as PostgreSQL's `=` compares them (text, int4,
+    /// int8, uuid): `currency must be one of EUR, USD, found GBP`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub one_of: Option<Vec<serde_json::Value>>,
+    /// Text: a regular expression the value must hold a match of, as PostgreSQL's `~` answers
+    /// it, in the subset both read alike (`pattern.rs`; anchor it, `^...$`, for the whole value).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pattern: Option<String>,
+    /// The value taken when the field (or header) is absent, as if the message held it: checked
+    /// when the configuration loads against the column's type and checks. A `null` is not
+    /// absent (NULL when `optional`, else refused).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub default: Option<serde_json::Value>,
 }
 
 fn is_false(b: &bool) -> bool {

@@ -544,3 +544,319 @@ fn a_date_postgresql_cannot_read_is_refused_at_decode() {
         }
     }
 }
+
+#[test]
+fn a_default_fills_an_absent_field_and_is_checked_when_the_spec_compiles() {
+    let spec = |extra: &str| -> Result<Mapping, SpecError> {
+        let spec: MappingSpec = toml::from_str(&format!(
+            "table = \"t\"\nkey = [\"k\"]\n[columns]\nk = {{ path = \"/k\", type = \"int4\" }}\n{extra}\n"
+        ))
+        .expect("parses");
+        Mapping::compile("orders", &spec)
+    };
+    let m = spec(
+        "currency = { path = \"/currency\", type = \"text\", default = \"EUR\", max_len = 3 }\n\
+         qty = { path = \"/qty\", type = \"int4\", default = 1, min = 1 }\n\
+         tenant = { header = \"x-tenant\", type = \"text\", default = \"main\" }",
+    )
+    .expect("compiles");
+    let row = m
+        .decode_message(br#"{"k":1}"#, None)
+        .expect("absent fields take defaults");
+    assert_eq!(cell(&m, &row, "currency"), Cell::Text("EUR".into()));
+    assert_eq!(cell(&m, &row, "qty"), Cell::Int4(1));
+    assert_eq!(cell(&m, &row, "tenant"), Cell::Text("main".into()));
+    // Given, the message's value; null is not absent.
+    let row = m
+        .decode_message(br#"{"k":1,"currency":"USD","qty":3}"#, None)
+        .expect("given");
+    assert_eq!(cell(&m, &row, "currency"), Cell::Text("USD".into()));
+    assert_eq!(cell(&m, &row, "qty"), Cell::Int4(3));
+    let r = m
+        .decode_message(br#"{"k":1,"currency":null}"#, None)
+        .unwrap_err();
+    assert_eq!(r.reason, "/currency: null (a text is required)");
+    // A default the column would refuse is the configuration's mistake, placed at its key.
+    for (column, wanted) in [
+        (
+            "qty = { path = \"/qty\", type = \"int4\", default = \"1\" }",
+            "pipeline orders: columns.qty: default: expected an integer (int4), found the string \"1\"",
+        ),
+        (
+            "qty = { path = \"/qty\", type = \"int4\", default = 0, min = 1 }",
+            "pipeline orders: columns.qty: default: expected at least 1, found 0",
+        ),
+        (
+            "c = { path = \"/c\", type = \"text\", default = \"EURO\", max_len = 3 }",
+            "pipeline orders: columns.c: default: expected at most 3 characters, found 4",
+        ),
+        (
+            "d = { path = \"/d\", type = \"uuid\", default = \"nope\" }",
+            "pipeline orders: columns.d: default: expected a UUID, found \"nope\"",
+        ),
+    ] {
+        let err = spec(column).unwrap_err();
+        assert_eq!(err.to_string(), wanted);
+        assert_eq!(
+            err.field.last().map(String::as_str),
+            Some("default"),
+            "{err:?}"
+        );
+    }
+}
+
+#[test]
+fn one_of_and_pattern_refuse_in_the_words_of_the_other_checks() {
+    let spec = |columns: &str| -> Result<Mapping, SpecError> {
+        let spec: MappingSpec = toml::from_str(&format!(
+            "table = \"t\"\nkey = [\"k\"]\n[columns]\nk = {{ path = \"/k\", type = \"int4\" }}\n{columns}\n"
+        ))
+        .expect("parses");
+        Mapping::compile("orders", &spec)
+    };
+    let m = spec(
+        "currency = { path = \"/currency\", type = \"text\", one_of = [\"EUR\", \"USD\"] }\n\
+         size = { path = \"/size\", type = \"int4\", one_of = [1, 2, 3], optional = true }\n\
+         sku = { path = \"/sku\", type = \"text\", pattern = \"^[A-Z]{2}-[0-9]+$\", optional = true }",
+    )
+    .expect("compiles");
+    let ok = m
+        .decode_message(br#"{"k":1,"currency":"USD","size":2,"sku":"AB-12"}"#, None)
+        .expect("allowed values");
+    assert_eq!(cell(&m, &ok, "currency"), Cell::Text("USD".into()));
+    for (body, wanted) in [
+        (
+            r#"{"k":1,"currency":"GBP"}"#,
+            "currency must be one of EUR, USD, found GBP",
+        ),
+        (
+            r#"{"k":1,"currency":"eur"}"#,
+            "currency must be one of EUR, USD, found eur",
+        ),
+        (
+            r#"{"k":1,"currency":"EUR, USD"}"#,
+            "currency must be one of EUR, USD, found \"EUR, USD\"",
+        ),
+        (
+            r#"{"k":1,"currency":"EUR","size":4}"#,
+            "size must be one of 1, 2, 3, found 4",
+        ),
+        (
+            r#"{"k":1,"currency":"EUR","sku":"ab-12"}"#,
+            "sku must match the pattern \"^[A-Z]{2}-[0-9]+$\", found ab-12",
+        ),
+    ] {
+        let r = m.decode_message(body.as_bytes(), None).unwrap_err();
+        assert_eq!(r.kind, ErrorKind::InvalidPayload);
+        assert_eq!(r.reason, wanted, "{body}");
+    }
+    // The API's field words are the same rule.
+    let refused = m
+        .decode_detailed(br#"{"k":1,"currency":"GBP"}"#, None)
+        .unwrap_err();
+    assert!(matches!(
+        &refused.problems[..],
+        [Problem::Column { column, error }]
+            if column == "currency"
+                && error.field_message() == "must be one of EUR, USD, found GBP"
+    ));
+    for (column, key, wanted) in [
+        (
+            "c = { path = \"/c\", type = \"numeric\", one_of = [1] }",
+            "one_of",
+            "columns.c: one_of is for text, int4, int8 and uuid (values compared exactly), not numeric",
+        ),
+        (
+            "c = { path = \"/c\", type = \"int4\", one_of = [1, \"2\"] }",
+            "one_of",
+            "columns.c: one_of: the value \"2\": expected an integer (int4), found the string \"2\"",
+        ),
+        (
+            "c = { path = \"/c\", type = \"int4\", one_of = [0, 5], min = 1 }",
+            "one_of",
+            "columns.c: one_of: the value 0: expected at least 1, found 0",
+        ),
+        (
+            "c = { path = \"/c\", type = \"text\", one_of = [] }",
+            "one_of",
+            "columns.c: one_of: name at least one value",
+        ),
+        (
+            "c = { path = \"/c\", type = \"int4\", pattern = \"^1\" }",
+            "pattern",
+            "columns.c: pattern is for text, not int4",
+        ),
+        (
+            "c = { path = \"/c\", type = \"text\", pattern = \"\\\\d+\" }",
+            "pattern",
+            "columns.c: pattern: \"\\\\d+\": the class \\d (write a bracket expression",
+        ),
+        (
+            "c = { path = \"/c\", type = \"text\", one_of = [\"EUR\"], default = \"GBP\" }",
+            "default",
+            "columns.c: default: expected one of EUR, found GBP",
+        ),
+        (
+            "c = { path = \"/c\", type = \"text\", pattern = \"^[A-Z]+$\", default = \"eur\" }",
+            "default",
+            "columns.c: default: expected a match of the pattern \"^[A-Z]+$\", found eur",
+        ),
+    ] {
+        let err = spec(column).unwrap_err();
+        assert!(
+            err.to_string()
+                .starts_with(&format!("pipeline orders: {wanted}")),
+            "{err}"
+        );
+        assert_eq!(err.field.last().map(String::as_str), Some(key), "{err:?}");
+    }
+}
+
+#[test]
+fn property_columns_read_the_originals_properties() {
+    use crate::domain::Envelope;
+    use lapin::types::{AMQPValue, FieldTable, ShortString};
+    let spec: MappingSpec = toml::from_str(
+        r#"
+        table = "t"
+        key = ["k"]
+        [columns]
+        k      = { path = "/k", type = "int4" }
+        msg_id = { property = "message_id", type = "uuid" }
+        corr   = { property = "correlation_id", type = "text", optional = true }
+        at     = { property = "timestamp", type = "timestamptz" }
+        kind   = { property = "type", type = "text", optional = true }
+        app    = { property = "app_id", type = "text", default = "unknown" }
+        ctype  = { property = "content_type", type = "text", optional = true }
+        rk     = { property = "routing_key", type = "text" }
+        ex     = { property = "exchange", type = "text" }
+        "#,
+    )
+    .expect("parses");
+    let m = Mapping::compile("t", &spec).expect("compiles");
+    let id = "5f0c8a4e-8f0e-4f6e-9d53-1a2b3c4d5e6f";
+    let props = lapin::BasicProperties::default()
+        .with_message_id(ShortString::from(id))
+        .with_correlation_id(ShortString::from("c-1"))
+        .with_timestamp(1_764_000_000)
+        .with_type(ShortString::from("order.created"))
+        .with_content_type(ShortString::from("application/json"));
+    let delivered = Envelope {
+        properties: &props,
+        exchange: "shop",
+        routing_key: "orders.eu",
+    };
+    let row = m
+        .decode_envelope(br#"{"k":1}"#, &delivered)
+        .expect("decodes");
+    assert_eq!(cell(&m, &row, "msg_id"), Cell::Uuid(id.parse().unwrap()));
+    assert_eq!(cell(&m, &row, "corr"), Cell::Text("c-1".into()));
+    assert_eq!(
+        cell(&m, &row, "at"),
+        Cell::Timestamptz("2025-11-24T16:00:00Z".into())
+    );
+    assert_eq!(cell(&m, &row, "kind"), Cell::Text("order.created".into()));
+    assert_eq!(
+        cell(&m, &row, "app"),
+        Cell::Text("unknown".into()),
+        "its default"
+    );
+    assert_eq!(cell(&m, &row, "rk"), Cell::Text("orders.eu".into()));
+    assert_eq!(cell(&m, &row, "ex"), Cell::Text("shop".into()));
+    // A copy warren republished (a retry, back through the retry tier): the original's
+    // exchange and routing key, from its headers.
+    let mut h = FieldTable::default();
+    h.insert(
+        "x-warren-exchange".into(),
+        AMQPValue::LongString("shop".into()),
+    );
+    h.insert(
+        "x-warren-routing-key".into(),
+        AMQPValue::LongString("orders.eu".into()),
+    );
+    let copy = props.clone().with_headers(h);
+    let retried = Envelope {
+        properties: &copy,
+        exchange: "t_exchange",
+        routing_key: "t_queue",
+    };
+    assert_eq!(
+        m.decode_envelope(br#"{"k":1}"#, &retried).expect("decodes"),
+        row
+    );
+    // Absent and required: refused naming the property; optional: NULL.
+    let bare = lapin::BasicProperties::default().with_timestamp(0);
+    let r = m
+        .decode_envelope(
+            br#"{"k":1}"#,
+            &Envelope {
+                properties: &bare,
+                exchange: "",
+                routing_key: "q",
+            },
+        )
+        .unwrap_err();
+    assert_eq!(
+        r.rejection.reason,
+        "property message_id: missing (a uuid is required)"
+    );
+    let no_id = bare.clone().with_message_id(ShortString::from(id));
+    let row = m
+        .decode_envelope(
+            br#"{"k":1}"#,
+            &Envelope {
+                properties: &no_id,
+                exchange: "",
+                routing_key: "q",
+            },
+        )
+        .expect("the rest optional");
+    assert_eq!(cell(&m, &row, "corr"), Cell::Null);
+    assert_eq!(
+        cell(&m, &row, "ex"),
+        Cell::Text("".into()),
+        "the default exchange"
+    );
+    assert_eq!(
+        cell(&m, &row, "at"),
+        Cell::Timestamptz("1970-01-01T00:00:00Z".into())
+    );
+    // A message id that is no UUID, for a uuid column.
+    let bad = bare.with_message_id(ShortString::from("m-1"));
+    let r = m
+        .decode_envelope(
+            br#"{"k":1}"#,
+            &Envelope {
+                properties: &bad,
+                exchange: "",
+                routing_key: "q",
+            },
+        )
+        .unwrap_err();
+    assert_eq!(
+        r.rejection.reason,
+        "property message_id: expected a UUID, found \"m-1\""
+    );
+    // Mistakes in the spec.
+    for (column, wanted) in [
+        (
+            "c = { property = \"timestamp\", type = \"int8\" }",
+            "columns.c: property timestamp is read as timestamptz, not int8",
+        ),
+        (
+            "c = { property = \"app_id\", type = \"int4\" }",
+            "columns.c: property app_id is read as text or uuid, not int4",
+        ),
+        (
+            "c = { path = \"/c\", property = \"app_id\", type = \"text\" }",
+            "columns.c: give one of path, header or property, not two",
+        ),
+    ] {
+        let spec: MappingSpec = toml::from_str(&format!(
+            "table = \"t\"\nkey = [\"k\"]\n[columns]\nk = {{ path = \"/k\", type = \"int4\" }}\n{column}\n"
+        ))
+        .expect("parses");
+        let err = Mapping::compile("t", &spec).unwrap_err();
+        assert_eq!(err.to_string(), format!("pipeline t: {wanted}"));
+    }
+}

@@ -230,18 +230,20 @@ impl ValueError {
 }
 
 /// A declared check of a column that refused its value, in the words users always had (`name
-/// must not be empty`, `name must be at most 200 characters`).
+/// must not be empty`, `name must be at most 200 characters`): the column's name, then the rule.
+/// An element of a child table's array is named by its path instead, then what was expected
+/// and found ([`CheckError::expected`]: `/items/1/qty: expected at least 1, found 0`).
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
 pub enum CheckError {
     /// `format = "line"`: only whitespace.
     #[error("must not be empty")]
     Blank,
-    /// `min_len`, in characters.
-    #[error("must be at least {0} characters")]
-    TooShort(usize),
-    /// `max_len`, in characters.
-    #[error("must be at most {0} characters")]
-    TooLong(usize),
+    /// `min_len`, in characters, and the characters found.
+    #[error("must be at least {min} characters")]
+    TooShort { min: usize, found: usize },
+    /// `max_len`, in characters, and the characters found.
+    #[error("must be at most {max} characters")]
+    TooLong { max: usize, found: usize },
     /// `format = "line"`: what a screen would not show as written ([`line_problem`]).
     #[error("must be one line of readable text, without {0}")]
     NotALine(String),
@@ -254,6 +256,45 @@ pub enum CheckError {
     /// `max`: the greatest accepted, and the value as written.
     #[error("must be at most {max}, found {shown}")]
     Above { max: f64, shown: String },
+    /// `one_of`: the values accepted, as shown (`EUR, USD`), and the value found.
+    #[error("must be one of {allowed}, found {found}")]
+    NotOneOf { allowed: String, found: String },
+    /// `pattern`: the pattern, as shown, and the value found.
+    #[error("must match the pattern {pattern}, found {found}")]
+    NoMatch { pattern: String, found: String },
+}
+
+impl CheckError {
+    /// The same refusal said after a path, as what was expected and what was found (an
+    /// element of a child table: `/items/1/qty: expected at least 1, found 0`).
+    pub fn expected(&self) -> String {
+        match self {
+            CheckError::Blank => "expected text that is not blank, found only whitespace".into(),
+            CheckError::TooShort { min, found } => {
+                format!("expected at least {min} characters, found {found}")
+            }
+            CheckError::TooLong { max, found } => {
+                format!("expected at most {max} characters, found {found}")
+            }
+            CheckError::NotALine(what) => {
+                format!("expected one line of readable text, found {what}")
+            }
+            CheckError::NotAnEmail(EmailProblem::TooLong) => {
+                format!("expected an email address of at most {EMAIL_MAX} characters")
+            }
+            CheckError::NotAnEmail(EmailProblem::Implausible) => {
+                "expected a valid email address such as ana@example.com".into()
+            }
+            CheckError::Below { min, shown } => format!("expected at least {min}, found {shown}"),
+            CheckError::Above { max, shown } => format!("expected at most {max}, found {shown}"),
+            CheckError::NotOneOf { allowed, found } => {
+                format!("expected one of {allowed}, found {found}")
+            }
+            CheckError::NoMatch { pattern, found } => {
+                format!("expected a match of the pattern {pattern}, found {found}")
+            }
+        }
+    }
 }
 
 /// Why an address is not one `format = "email"` takes.
@@ -278,12 +319,12 @@ pub(super) fn check_text(c: &Column, s: &str) -> Result<(), ValueError> {
     if let Some(min) = c.min_len
         && chars < min
     {
-        return Err(CheckError::TooShort(min).into());
+        return Err(CheckError::TooShort { min, found: chars }.into());
     }
     if let Some(max) = c.max_len
         && chars > max
     {
-        return Err(CheckError::TooLong(max).into());
+        return Err(CheckError::TooLong { max, found: chars }.into());
     }
     match c.format {
         Some(Format::Email) => {
@@ -297,6 +338,15 @@ pub(super) fn check_text(c: &Column, s: &str) -> Result<(), ValueError> {
             }
         }
         None => {}
+    }
+    if let Some(p) = &c.pattern
+        && !p.matches(s)
+    {
+        return Err(CheckError::NoMatch {
+            pattern: shown(&p.source),
+            found: shown(s),
+        }
+        .into());
     }
     if s.contains('\0') {
         return Err(ValueError::Unfit(
@@ -354,6 +404,21 @@ pub(super) fn found(v: &Value) -> String {
         Value::String(s) => format!("the string {:?}", clip(s)),
         Value::Array(_) => "an array".into(),
         Value::Object(_) => "an object".into(),
+    }
+}
+
+/// A value of a `one_of` or `pattern` check in a reason: as it is when it is a plain word
+/// (letters, digits and `-_.@:/+`, at most 60 characters: `EUR`), else quoted and cut
+/// (`"a, b"`), so a value never reads as two.
+pub(super) fn shown(s: &str) -> String {
+    let plain = !s.is_empty()
+        && s.chars().count() <= 60
+        && s.chars()
+            .all(|c| c.is_alphanumeric() || "-_.@:/+".contains(c));
+    if plain {
+        s.to_string()
+    } else {
+        format!("{:?}", clip(s))
     }
 }
 

@@ -37,6 +37,8 @@ impl Consumer {
                         as u64,
                     body: d.data.into(),
                     properties: d.properties,
+                    exchange: d.exchange,
+                    routing_key: d.routing_key,
                     received_at,
                 }),
                 Err(e) => {

@@ -82,11 +82,11 @@ fn an_element_failing_a_check_refuses_the_message_naming_its_path() {
         .decode(&order(r#"[{"sku":"A","qty":1},{"sku":"B","qty":0}]"#))
         .unwrap_err();
     assert_eq!(r.kind.as_str(), "invalid_payload");
-    assert_eq!(r.reason, "items/1/qty must be at least 1, found 0");
+    assert_eq!(r.reason, "/items/1/qty: expected at least 1, found 0");
     let r = m.decode(&order(r#"[{"sku":"","qty":"2"}]"#)).unwrap_err();
     assert_eq!(
         r.reason,
-        "items/0/sku must be at least 1 characters; \
+        "/items/0/sku: expected at least 1 characters, found 0; \
          /items/0/qty: expected an integer (int4), found the string \"2\"",
         "every element's problem, each by its path"
     );
@@ -97,8 +97,8 @@ fn an_element_failing_a_check_refuses_the_message_naming_its_path() {
         format!(r#"{{"order_id":"{ID}","total":-1,"version":1,"items":[{{"sku":"A","qty":0}}]}}"#);
     let r = m.decode(body.as_bytes()).unwrap_err();
     assert_eq!(
-        r.reason,
-        "total must be at least 0, found -1; items/0/qty must be at least 1, found 0"
+        r.reason, "total must be at least 0, found -1; /items/0/qty: expected at least 1, found 0",
+        "a parent column in the words users' tests hold, an element by its path"
     );
 }
 
@@ -145,7 +145,7 @@ fn unknown_fields_of_an_element_follow_the_pipelines_policy() {
         .unwrap_err();
     assert_eq!(
         r.reason,
-        "unknown field /items/0/colour (unknown_fields = \"reject\")"
+        "/items/0/colour: unknown field (unknown_fields = \"reject\")"
     );
     let ignore = mapping("unknown_fields = \"ignore\"", "");
     assert!(
@@ -230,4 +230,52 @@ fn a_child_spec_that_cannot_work_is_refused_naming_the_table_and_column() {
     );
     let same_table = "table = \"orders\"\nrows = \"/items\"\nkey = [\"id\"]\n[children.columns]\nid = { parent = \"order_id\" }";
     assert!(refused(same_table).contains("table orders is written twice"));
+}
+
+#[test]
+fn a_child_column_takes_its_default_and_a_bad_one_names_the_child_table() {
+    let with = |qty: &str| -> MappingSpec {
+        let text = format!(
+            "table = \"shop.orders\"\nkey = [\"order_id\"]\n\
+             [columns]\norder_id = {{ path = \"/order_id\", type = \"uuid\" }}\n\
+             [[children]]\ntable = \"shop.order_items\"\nrows = \"/items\"\nkey = [\"order_id\", \"line\"]\n\
+             [children.columns]\norder_id = {{ parent = \"order_id\" }}\nline = {{ index = true }}\n\
+             qty = {{ path = \"/qty\", type = \"int4\", min = 1, {qty} }}\n"
+        );
+        toml::from_str(&text).expect("parses")
+    };
+    let m = Mapping::compile("orders", &with("default = 1")).expect("compiles");
+    let body = format!(r#"{{"order_id":"{ID}","items":[{{}},{{"qty":4}}]}}"#);
+    let row = m.decode(body.as_bytes()).expect("valid");
+    assert_eq!(row.1[0][0][2], Cell::Int4(1));
+    assert_eq!(row.1[0][1][2], Cell::Int4(4));
+    let err = Mapping::compile("orders", &with("default = 0")).unwrap_err();
+    assert_eq!(
+        err.to_string(),
+        "pipeline orders: children.shop.order_items: columns.qty: default: expected at least 1, \
+         found 0"
+    );
+}
+
+#[test]
+fn an_elements_one_of_or_pattern_refusal_starts_with_its_path() {
+    let spec: MappingSpec = toml::from_str(
+        "table = \"shop.orders\"\nkey = [\"order_id\"]\n\
+         [columns]\norder_id = { path = \"/order_id\", type = \"uuid\" }\n\
+         [[children]]\ntable = \"shop.order_items\"\nrows = \"/items\"\nkey = [\"order_id\", \"line\"]\n\
+         [children.columns]\norder_id = { parent = \"order_id\" }\nline = { index = true }\n\
+         unit = { path = \"/unit\", type = \"text\", one_of = [\"kg\", \"pc\"] }\n\
+         sku = { path = \"/sku\", type = \"text\", pattern = \"^[A-Z]+-[0-9]+$\" }\n"
+    )
+    .expect("parses");
+    let m = Mapping::compile("orders", &spec).expect("compiles");
+    let body = format!(
+        r#"{{"order_id":"{ID}","items":[{{"unit":"kg","sku":"A-1"}},{{"unit":"lb","sku":"a-1"}}]}}"#
+    );
+    let r = m.decode(body.as_bytes()).unwrap_err();
+    assert_eq!(
+        r.reason,
+        "/items/1/unit: expected one of kg, pc, found lb; \
+         /items/1/sku: expected a match of the pattern \"^[A-Z]+-[0-9]+$\", found a-1"
+    );
 }
