@@ -173,7 +173,7 @@ async fn a_minimum_wait_holds_a_partial_batch_for_more() {
 /// gets its second insert in flight as soon as the first has been inserting for longer than the
 /// pace, not after a whole batch's worth of deliveries went to the first batcher (found by
 /// review: at 360 msg/s on such a table the second sink idled for 1,000 deliveries at a time,
-/// p99 2.9 s). 300 messages, fewer than a batch's worth: on the old rule they all went to the
+/// p99 2.9 s). 301 messages, fewer than a batch's worth: on the old rule they all went to the
 /// first batcher, one insert at a time (fails against a build before the fix:
 /// `WARREN_TEST_BIN=<that build>`: no two transactions overlapped).
 #[tokio::test(flavor = "multi_thread")]
@@ -193,9 +193,18 @@ async fn a_slow_table_gets_its_second_insert_in_flight_without_waiting_for_a_bat
         )
         .await
         .expect("the slow trigger");
-    let ids: HashSet<Uuid> = env.publish_users(300).await.into_iter().collect();
     let mut warren = env.start(&["--roles", "consumer"]);
     let _logs = LogsOnPanic(vec![warren.log.clone()]);
+    // One message first, so warren is consuming; then a stream of about 200 msg/s (5 every
+    // 25 ms, the pacing of the input, not a wait) into a table that takes 100 rows a second:
+    // deliveries keep arriving while the first sink inserts. A backlog published before the
+    // start would arrive in one chunk while the sink is free (one batch, nothing to pass).
+    let mut ids: HashSet<Uuid> = env.publish_users(1).await.into_iter().collect();
+    assert_rows_exactly(&env, &ids, Duration::from_secs(30), &|| warren.logs()).await;
+    for _ in 0..60 {
+        ids.extend(env.publish_users(5).await);
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
     assert_rows_exactly(&env, &ids, Duration::from_secs(60), &|| warren.logs()).await;
     warren.terminate_ok(Duration::from_secs(25));
     // Each insert's transaction, from its first row to its last: two that overlap were in

@@ -245,7 +245,10 @@ async fn pipelines_test_db_names_what_the_tables_refuse_and_leaves_nothing() {
             "db_permanent the database refuses it: 22001 value too long for type character \
              varying(5)",
         ),
-        (6, "invalid_payload items/0/qty must be at least 1, found 0"),
+        (
+            6,
+            "invalid_payload /items/0/qty: expected at least 1, found 0",
+        ),
     ] {
         assert!(
             line(n).starts_with(&format!("{n}: {words}")),
