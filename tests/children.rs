@@ -12,28 +12,12 @@ use std::time::Duration;
 use common::*;
 use lapin::BasicProperties;
 use uuid::Uuid;
-use warren::domain::mapping::{Mapping, MappingSpec, Row, schema};
+use warren::domain::mapping::{Mapping, MappingSpec, schema};
 use warren::domain::{Domain, Inserted};
 
 /// `orders` and `order_items` (a foreign key to its order, a CHECK on qty) in the env's schema.
 async fn tables(env: &TestEnv) {
-    env.db
-        .batch_execute(
-            "CREATE TABLE orders (
-                order_id uuid PRIMARY KEY,
-                total numeric NOT NULL,
-                version int8 NOT NULL
-            );
-            CREATE TABLE order_items (
-                order_id uuid NOT NULL REFERENCES orders ON DELETE CASCADE,
-                line int4 NOT NULL,
-                sku text NOT NULL,
-                qty int4 NOT NULL CHECK (qty < 100),
-                PRIMARY KEY (order_id, line)
-            )",
-        )
-        .await
-        .expect("create the tables");
+    create_nested_tables(env).await;
 }
 
 const COLUMNS: &str = r#"
@@ -84,7 +68,7 @@ fn order(id: Uuid, version: i64, items: &[(&str, i64)]) -> Vec<u8> {
 }
 
 async fn pool(env: &TestEnv) -> deadpool_postgres::Pool {
-    warren::db::pool_for(&env.settings().database(), 2, "warren-children-test").expect("pool")
+    mapping_pool(env, "warren-children-test")
 }
 
 async fn insert(
@@ -92,13 +76,7 @@ async fn insert(
     pool: &deadpool_postgres::Pool,
     bodies: &[Vec<u8>],
 ) -> Result<Inserted, warren::db::DbError> {
-    let rows: Vec<Row> = bodies
-        .iter()
-        .map(|b| m.decode(b).expect("a valid body"))
-        .collect();
-    let refs: Vec<&Row> = rows.iter().collect();
-    let client = pool.get().await.expect("client");
-    m.insert(&client, &refs).await
+    insert_bodies(m, pool, bodies).await
 }
 
 /// The stored items of `id`, (line, sku, qty) by line.

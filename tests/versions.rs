@@ -14,7 +14,7 @@ use std::time::Duration;
 use common::*;
 use lapin::BasicProperties;
 use uuid::Uuid;
-use warren::domain::mapping::{Mapping, MappingSpec, Row};
+use warren::domain::mapping::{Mapping, MappingSpec};
 use warren::domain::{Domain, Inserted};
 
 /// `orders` and `order_items` (a foreign key without cascade: warren deletes the items itself).
@@ -132,7 +132,7 @@ impl Rng {
 }
 
 async fn pool(env: &TestEnv) -> deadpool_postgres::Pool {
-    warren::db::pool_for(&env.settings().database(), 2, "warren-versions-test").expect("pool")
+    mapping_pool(env, "warren-versions-test")
 }
 
 async fn insert(
@@ -140,13 +140,7 @@ async fn insert(
     pool: &deadpool_postgres::Pool,
     bodies: &[Vec<u8>],
 ) -> Result<Inserted, warren::db::DbError> {
-    let rows: Vec<Row> = bodies
-        .iter()
-        .map(|b| m.decode(b).expect("a valid body"))
-        .collect();
-    let refs: Vec<&Row> = rows.iter().collect();
-    let client = pool.get().await.expect("client");
-    m.insert(&client, &refs).await
+    insert_bodies(m, pool, bodies).await
 }
 
 /// What the table holds for `key`: (total, version, items by line), or None.

@@ -3,7 +3,8 @@
 //! queues and exchanges also after a failed assertion; the `orders` pipeline several tests run
 //! beside users (`create_orders_table`, `orders_toml`, `declare_file`, `orders_pipeline`);
 //! the nested orders, an order and its items (`create_nested_tables`, `NESTED_ORDERS`,
-//! `nested_toml`, `nested_order`, `nested_items`); `tail` for logs in reports.
+//! `nested_toml`, `nested_order`, `nested_items`); a mapping driven straight against the
+//! database (`mapping_pool`, `insert_bodies`); `tail` for logs in reports.
 
 use super::env::{TestEnv, amqp_url};
 use super::files::ConfigFile;
@@ -200,4 +201,26 @@ pub async fn nested_items(env: &TestEnv, id: uuid::Uuid) -> Vec<(i32, String, i3
 pub fn tail(text: &str, n: usize) -> String {
     let lines: Vec<&str> = text.lines().collect();
     lines[lines.len().saturating_sub(n)..].join("\n")
+}
+
+/// A pool of two connections to the test's database, named `name` in pg_stat_activity, for a
+/// mapping driven straight against the tables.
+pub fn mapping_pool(env: &TestEnv, name: &str) -> deadpool_postgres::Pool {
+    warren::db::pool_for(&env.settings().database(), 2, name).expect("pool")
+}
+
+/// `bodies` decoded by `m` (each must be valid) and inserted as one batch, as a sink does.
+pub async fn insert_bodies(
+    m: &warren::domain::mapping::Mapping,
+    pool: &deadpool_postgres::Pool,
+    bodies: &[Vec<u8>],
+) -> Result<warren::domain::Inserted, warren::db::DbError> {
+    use warren::domain::Domain;
+    let rows: Vec<warren::domain::mapping::Row> = bodies
+        .iter()
+        .map(|b| m.decode(b).expect("a valid body"))
+        .collect();
+    let refs: Vec<&warren::domain::mapping::Row> = rows.iter().collect();
+    let client = pool.get().await.expect("client");
+    m.insert(&client, &refs).await
 }
