@@ -12,6 +12,8 @@
 #
 # Prints the image's name:version on stdout as its last line.
 set -euo pipefail
+# Paths given on the command line are the caller's: resolve them before moving to the checkout.
+CALLER_DIR="$PWD"
 cd "$(dirname "$0")/.."
 
 BIN=""
@@ -24,7 +26,7 @@ while [ $# -gt 0 ]; do
       [ $# -ge 2 ] || { log "$1 needs a value (expected --bin PATH, --tag NAME, --engine podman|docker)"; exit 2; } ;;
   esac
   case "$1" in
-    --bin) BIN="$2"; shift 2 ;;
+    --bin) case "$2" in /*) BIN="$2" ;; *) BIN="$CALLER_DIR/$2" ;; esac; shift 2 ;;
     --tag) NAME="$2"; shift 2 ;;
     --engine) ENGINE="$2"; shift 2 ;;
     *) log "unknown argument $1 (expected --bin PATH, --tag NAME, --engine podman|docker)"; exit 2 ;;
@@ -38,6 +40,16 @@ case "$BASE" in
   *:*|*@*) log "--tag $NAME: give the image's name without a tag or digest (here ${NAME%"$BASE"}${BASE%%[:@]*}); the script tags it :<version> and :latest itself"; exit 2 ;;
 esac
 [ -n "$NAME" ] && [ -n "${NAME##*/}" ] || { log "--tag '$NAME': expected an image name such as localhost/warren"; exit 2; }
+# An image's repository is lower case, which the engine would say only after the build, in its
+# own words. The first part is a registry (whose host may have capitals) when it holds a dot or
+# a colon or is localhost, as the engines read a reference.
+FIRST="${NAME%%/*}"; REPO_PART="$NAME"; HOST_PART=""
+if [ "$FIRST" != "$NAME" ] && { [[ "$FIRST" == *[.:]* ]] || [ "$FIRST" = localhost ]; }; then
+  HOST_PART="$FIRST/"; REPO_PART="${NAME#*/}"
+fi
+case "$REPO_PART" in
+  *[A-Z]*) log "--tag $NAME: an image's repository must be lower case (here $HOST_PART$(printf '%s' "$REPO_PART" | tr 'A-Z' 'a-z'))"; exit 2 ;;
+esac
 # What the image carries besides the binary, from this checkout.
 for f in config/default.toml LICENSE-MIT LICENSE-APACHE deploy/container/Containerfile; do
   [ -f "$f" ] || { log "$f is missing from $(pwd): the image carries it (the licences and the commented defaults under /usr/share/doc/warren/); run this script from a complete checkout of warren"; exit 1; }
@@ -58,8 +70,11 @@ if [ -z "$BIN" ]; then
   fi
 fi
 [ -x "$BIN" ] || { log "--bin: $BIN is not an executable file"; exit 2; }
-VERSION="$("$BIN" --version | awk '{print $2}')"
-[ -n "$VERSION" ] || { log "$BIN --version printed no version"; exit 1; }
+# `warren --version` prints "warren 0.1.0": anything else is not warren.
+read -r PROGRAM VERSION _ < <("$BIN" --version 2>/dev/null || true) || true
+if [ "${PROGRAM:-}" != warren ] || ! [[ "${VERSION:-}" =~ ^[0-9]+\.[0-9]+\.[0-9]+([-+][0-9A-Za-z.-]+)?$ ]]; then
+  log "--bin: $BIN is not a warren binary (\`$BIN --version\` should print \"warren <version>\")"; exit 2
+fi
 
 CTX="$(mktemp -d)"
 trap 'rm -rf "$CTX"' EXIT

@@ -274,27 +274,27 @@ pub async fn run(
     let _ = stop_tx.send(reason.to_string());
     let _ = tokio::time::timeout(Duration::from_secs(5), registry).await;
     // The last line says what the stop did with the deliveries it had in hand.
+    let done = deliveries(settled);
     let code = if !drained {
         warn!(
             settled,
             given_back,
-            "stopped with messages still in flight after SHUTDOWN_TIMEOUT_MS: {settled} \
-             deliveries settled, {given_back} given back to the broker unprocessed (it \
-             redelivers them); exit 1"
+            "stopped with messages still in flight after SHUTDOWN_TIMEOUT_MS: {done} settled, \
+             {given_back} given back to the broker unprocessed (it redelivers them); exit 1"
         );
         1
     } else if given_back > 0 {
         warn!(
             settled,
             given_back,
-            "stopped: {settled} deliveries settled, {given_back} given back to the broker \
-             unprocessed (they wait in their queues for the next consumer; nothing is lost)"
+            "stopped: {done} settled, {given_back} given back to the broker unprocessed (they \
+             wait in their queues for the next consumer; nothing is lost)"
         );
         0
     } else {
         info!(
             settled,
-            given_back, "stopped cleanly: {settled} deliveries settled, none given back"
+            given_back, "stopped cleanly: {done} settled, none given back"
         );
         0
     };
@@ -332,4 +332,13 @@ fn command_now(
     }
     pipelines.report_runs(report);
     Ok(())
+}
+
+/// "1 delivery", "0 deliveries", "812 deliveries": the stop's last line in plain English.
+fn deliveries(n: u64) -> String {
+    if n == 1 {
+        "1 delivery".to_string()
+    } else {
+        format!("{n} deliveries")
+    }
 }

@@ -774,7 +774,11 @@ async fn a_forged_x_death_never_makes_a_retry_vanish() {
 #[tokio::test(flavor = "multi_thread")]
 async fn an_x_death_the_broker_cannot_read_is_set_aside_on_a_retry_copy() {
     let mut env = TestEnv::new("unreadabledeath").await;
-    env.set("MAX_RETRIES", "5")
+    // Many rounds: the peek below must catch each message in the retry queue with x-retries 2
+    // or more, and under a loaded machine a 300 ms stay can pass between two peeks; with 5
+    // retries a message could reach its last round unseen and go to the DLQ (flaky in suite
+    // runs). 100 rounds of at least 300 ms outlast the 30 s the peek waits.
+    env.set("MAX_RETRIES", "100")
         .set("RETRY_TTL_MS", "300")
         .set("DB_RETRY_WINDOW_MS", "0");
     env.declare();
@@ -813,8 +817,8 @@ async fn an_x_death_the_broker_cannot_read_is_set_aside_on_a_retry_copy() {
     .await;
     // Each message back from the retry tier at least once while the database still fails: a
     // copy in the retry queue with x-retries 2 was dead-lettered by the broker through the
-    // x-death its first copy carried, and retried again (MAX_RETRIES 5 leaves three more
-    // rounds before the fault must be cleared).
+    // x-death its first copy carried, and retried again (MAX_RETRIES leaves many more rounds
+    // before the fault must be cleared).
     // Peeked on one channel: each copy taken unacked and rejected back to its place (with its
     // expiry), every 50 ms.
     let peeker = env.conn.create_channel().await.expect("channel");

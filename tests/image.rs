@@ -280,3 +280,48 @@ fn image_sh_names_a_missing_licence_file() {
         "{err}"
     );
 }
+
+/// Review R38 F3: a relative `--bin` was taken from the checkout (the script moves there), so
+/// `--bin ./warren` in the caller's directory was "not an executable file"; a binary that is
+/// not warren (`/bin/ls`) took "(GNU" for its version and failed in the engine; an upper-case
+/// repository passed and failed in the engine. Each now gets the script's own words, exit 2,
+/// before anything is built.
+#[test]
+fn image_sh_takes_a_relative_bin_from_the_caller_and_refuses_what_is_not_warren() {
+    let script = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("scripts/image.sh");
+    let caller = tempfile::tempdir().expect("temp dir");
+    std::fs::copy("/bin/ls", caller.path().join("notwarren")).expect("copy /bin/ls");
+    let out = std::process::Command::new("bash")
+        .arg(&script)
+        .args(["--engine", "podman", "--bin", "./notwarren"])
+        .current_dir(caller.path())
+        .output()
+        .expect("run scripts/image.sh");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    let named = caller.path().join("./notwarren");
+    assert!(
+        err.contains(&format!(
+            "--bin: {} is not a warren binary",
+            named.display()
+        )),
+        "{err}"
+    );
+    for (tag, lower) in [
+        ("LOCALHOST/WARREN", "localhost/warren"),
+        ("localhost/Warren", "localhost/warren"),
+        (
+            "Registry.Example:5000/Team/warren",
+            "Registry.Example:5000/team/warren",
+        ),
+    ] {
+        let (code, err) = run_script(&script, &["--tag", tag, "--engine", "none"]);
+        assert_eq!(code, Some(2), "--tag {tag}: {err}");
+        assert!(
+            err.contains(&format!(
+                "--tag {tag}: an image's repository must be lower case (here {lower})"
+            )),
+            "--tag {tag}: {err}"
+        );
+    }
+}
