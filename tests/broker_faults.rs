@@ -655,6 +655,135 @@ async fn a_retry_whose_ack_is_lost_with_its_link_is_not_retried_twice() {
     assert_eq!(env.row_ids().await, first, "rows other than the first 200");
 }
 
+/// A republish whose confirm comes after `PUBLISH_TIMEOUT_MS` (a broker holding publishes under
+/// a memory or disk alarm; here the router's link holds what the broker sends for a while) is in
+/// doubt, not failed: its original goes back to the queue, and its redelivery waits for the late
+/// confirm, then is acked as already routed. 300 malformed messages, the router's confirms held
+/// past a 300 ms publish timeout: each once in the DLQ, compared by id. (Before the fix, the
+/// timed-out copies were forgotten and the redeliveries dead-lettered again: 100 of 300 twice.)
+#[tokio::test(flavor = "multi_thread")]
+async fn a_dead_letter_confirmed_after_the_publish_timeout_is_dead_lettered_once() {
+    let _serial = SERIAL.lock().await;
+    let (env, proxy) = declared_through_a_proxy(
+        "late_confirm_dlq",
+        &[("PREFETCH", "1000"), ("PUBLISH_TIMEOUT_MS", "300")],
+    )
+    .await;
+    let first: HashSet<Uuid> = env.publish_users(200).await.into_iter().collect();
+    let mut warren = env.start(&["--roles", "consumer"]);
+    let _redis = RedisCleanup::new(&env);
+    let _logs = LogsOnPanic(vec![warren.log.clone()]);
+    assert_rows_once_and_acked(&env, &first, &warren).await;
+    // What the broker sends the router's link (its confirms) waits in the proxy.
+    proxy.hold_named(&format!("warren router {}:{}", host(), warren.pid()));
+    let (_, malformed) = publish_mix(&env, 300, 1).await;
+    wait_until(
+        "a dead-letter publish timed out",
+        Duration::from_secs(30),
+        || async { warren.logs().contains("did not confirm the publish within") },
+    )
+    .await;
+    // The originals go back to the queue, and come again while the confirms are still held
+    // (the hold lasts a second more: the fault's length, not a wait for a condition).
+    wait_until(
+        "the originals given back to their queue",
+        Duration::from_secs(30),
+        || async {
+            warren
+                .logs()
+                .contains("go back to their queue after a backoff")
+        },
+    )
+    .await;
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    proxy.release();
+    wait_until(
+        "300 copies in the DLQ, the main queue empty and all acked",
+        Duration::from_secs(60),
+        || async {
+            queue_counts(&env.dlq_queue).await.0 >= 300
+                && queue_counts(&env.main_queue).await == (0, 0)
+        },
+    )
+    .await;
+    warren.terminate_ok(Duration::from_secs(30));
+    assert_dead_lettered_once(&env, &malformed).await;
+    assert!(
+        warren.logs().contains("acked as already routed"),
+        "no redelivery waited for its late confirm:\n{}",
+        warren.logs()
+    );
+}
+
+/// The ack window across a reload: malformed messages dead-lettered, their acks held in the
+/// proxy, then a reload that changes the users pipeline stops its stages and starts new ones,
+/// and only then is the old link cut, so the broker delivers the originals again to the new
+/// stage. The old stage's memory of copies is handed to the new one (same stage, same queue),
+/// which acks the redeliveries as already routed. Each once in the DLQ. (Before: a reload
+/// started with an empty memory, 300 twice.)
+#[tokio::test(flavor = "multi_thread")]
+async fn a_dead_letter_whose_ack_is_lost_across_a_reload_is_not_dead_lettered_again() {
+    let _serial = SERIAL.lock().await;
+    let (env, proxy) = declared_through_a_proxy(
+        "lost_ack_reload",
+        &[("PREFETCH", "1000"), ("SHUTDOWN_TIMEOUT_MS", "5000")],
+    )
+    .await;
+    let config = ConfigFile::new("users_batch_timeout_ms = 100\n");
+    let first: HashSet<Uuid> = env.publish_users(200).await.into_iter().collect();
+    let mut warren = env.start(&["--config", config.at(), "--roles", "consumer"]);
+    let _redis = RedisCleanup::new(&env);
+    let _logs = LogsOnPanic(vec![warren.log.clone()]);
+    assert_rows_once_and_acked(&env, &first, &warren).await;
+    proxy.hold_busiest_from_client();
+    let (_, malformed) = publish_mix(&env, 300, 1).await;
+    wait_until(
+        "300 copies in the DLQ, their originals unacked",
+        Duration::from_secs(60),
+        || async {
+            queue_counts(&env.dlq_queue).await == (300, 0)
+                && queue_counts(&env.main_queue).await == (0, 300)
+        },
+    )
+    .await;
+    // A change of the users pipeline: the reload stops its stages (their acks still held, the
+    // broker still counts the 300 unacked on the old link) and starts new ones.
+    config.write("users_batch_timeout_ms = 150\n");
+    warren.signal("HUP");
+    let reloaded = || async {
+        stream_events(&env)
+            .await
+            .into_iter()
+            .find(|e| e["type"] == "reloaded")
+    };
+    wait_until("the reload applied", Duration::from_secs(60), || async {
+        reloaded().await.is_some()
+    })
+    .await;
+    let event = reloaded().await.expect("awaited");
+    assert_eq!(
+        event["changed"],
+        serde_json::json!(["users"]),
+        "the reload did not restart users: {event}"
+    );
+    // The old link goes: the 300 come again, to the new stage.
+    proxy.cut();
+    proxy.restore();
+    wait_until(
+        "main queue empty and all acked",
+        Duration::from_secs(60),
+        || async { queue_counts(&env.main_queue).await == (0, 0) },
+    )
+    .await;
+    warren.terminate_ok(Duration::from_secs(30));
+    assert_dead_lettered_once(&env, &malformed).await;
+    assert!(
+        warren.logs().contains("acked as already routed"),
+        "no redelivery was recognised:\n{}",
+        warren.logs()
+    );
+}
+
 /// The publisher reports its link to whoever owns it (the broker layer emits no event itself):
 /// up once connected, down once the link is cut, up again once it reconnected, in that order and
 /// each once.

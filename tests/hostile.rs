@@ -373,7 +373,7 @@ async fn an_offender_goes_alone_and_no_copy_is_made_more_than_twice() {
             BasicProperties::default().with_user_id("not-guest".into()),
         ),
     );
-    let outcomes = send_isolating(&publisher, publishes, Duration::from_secs(10)).await;
+    let (outcomes, _) = send_isolating(&publisher, publishes, Duration::from_secs(10)).await;
     for (i, outcome) in outcomes.iter().enumerate() {
         if i == 10 {
             assert!(

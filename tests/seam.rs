@@ -125,7 +125,7 @@ async fn a_second_domain_runs_through_the_same_core() {
         amqp: settings.amqp(),
         db_bound: settings.database().call_bound(),
     };
-    let running = pipeline::start(&links, spec, domain, pool, Default::default());
+    let running = pipeline::start(&links, spec, domain, pool, Default::default(), None);
 
     let ids: Vec<Uuid> = (0..120).map(|_| Uuid::new_v4()).collect();
     for id in &ids {

@@ -39,9 +39,10 @@ pub struct Publish {
 /// (unroutable) message is told to the right publish: lapin hands each returned message to
 /// whichever confirm it completes next, which under a `multiple` ack may be another publish's,
 /// so with single publishes in flight to several destinations an unroutable message could
-/// look confirmed (see [`publish_group`]). The router and the DLQ stage publish this way.
+/// look confirmed (see [`publish_group`]). The router and the DLQ stage publish this way, and
+/// learn the late outcome of what is in doubt ([`Group::late`]).
 #[derive(Debug, Message)]
-#[rtype(result = "Vec<Result<(), AmqpError>>")]
+#[rtype(result = "Group")]
 pub struct PublishAll(pub Vec<Publish>);
 
 /// Whether the publisher has a live channel (for `/readyz`).
@@ -421,7 +422,7 @@ fn lock(pending: &Pending) -> std::sync::MutexGuard<'_, Vec<PendingPublish>> {
 }
 
 impl Handler<PublishAll> for Publisher {
-    type Result = ResponseFuture<Vec<Result<(), AmqpError>>>;
+    type Result = ResponseFuture<Group>;
 
     fn handle(&mut self, msg: PublishAll, ctx: &mut Self::Context) -> Self::Result {
         let n = msg.0.len();
@@ -431,7 +432,12 @@ impl Handler<PublishAll> for Publisher {
             for _ in 0..n {
                 amqp::count_publish(&result, Duration::ZERO);
             }
-            return Box::pin(async move { vec![result; n] });
+            return Box::pin(async move {
+                Group {
+                    results: vec![result; n],
+                    late: None,
+                }
+            });
         };
         let timeout = self.amqp.publish_timeout();
         let frame_max = self.frame_max();
@@ -439,21 +445,73 @@ impl Handler<PublishAll> for Publisher {
         Box::pin(async move {
             let _alone = group.lock().await;
             let started = std::time::Instant::now();
-            let results = publish_group(&channel, msg.0, frame_max, timeout).await;
-            for result in &results {
+            let group = publish_group_late(&channel, msg.0, frame_max, timeout).await;
+            for result in &group.results {
                 amqp::count_publish(result, started.elapsed());
             }
-            if results.iter().any(|r| matches!(r, Err(AmqpError::Nacked))) {
+            if group
+                .results
+                .iter()
+                .any(|r| matches!(r, Err(AmqpError::Nacked)))
+            {
                 addr.do_send(Refused { generation });
             }
-            results
+            group
         })
     }
 }
 
+/// The longest a publish in doubt (sent, its confirm not come within `PUBLISH_TIMEOUT_MS`) is
+/// still awaited in the background ([`Late`]): after it, it counts as not confirmed (a
+/// redelivery of its original is then routed again, a second copy if it did land). Five minutes
+/// cover a broker holding publishes under a memory or disk alarm that an operator clears.
+pub const LATE_CONFIRMS: Duration = Duration::from_secs(300);
+
+/// What became of a group of publishes ([`publish_group_late`]).
+#[derive(Debug)]
+pub struct Group {
+    /// One result per publish, in order.
+    pub results: Vec<Result<(), AmqpError>>,
+    /// The publishes that were sent and whose confirm did not come in time: their result is
+    /// `ConfirmTimeout`, yet the broker may hold them (a broker under an alarm confirms late).
+    pub late: Option<Late>,
+}
+
+/// Publishes in doubt, and their outcome once known.
+#[derive(Debug)]
+pub struct Late {
+    /// Their indices in the group, in order.
+    pub indices: Vec<usize>,
+    /// Resolves, once every one of them ended (or after [`LATE_CONFIRMS`]), to whether each
+    /// was confirmed after all (an ack whose message came back unroutable, a nack, a channel
+    /// that failed or no answer in time are not), in the order of `indices`.
+    pub outcome: tokio::sync::oneshot::Receiver<Vec<bool>>,
+}
+
 /// Publishes `publishes` on `channel` (in confirm mode, used by nobody else meanwhile), waits
 /// for every confirm, and tells each publish's fate: confirmed, or not (nacked, unroutable,
-/// timed out, the channel failed).
+/// timed out, the channel failed). [`publish_group_late`] without the late outcomes.
+pub async fn publish_group(
+    channel: &Channel,
+    publishes: Vec<Publish>,
+    frame_max: u32,
+    timeout: Duration,
+) -> Vec<Result<(), AmqpError>> {
+    publish_group_late(channel, publishes, frame_max, timeout)
+        .await
+        .results
+}
+
+/// Publishes `publishes` on `channel` (in confirm mode, used by nobody else meanwhile), waits
+/// up to `timeout` for every confirm, and tells each publish's fate: confirmed, or not (nacked,
+/// unroutable, timed out, the channel failed).
+///
+/// A publish sent whose confirm did not come within `timeout` is in doubt, not failed: the
+/// broker may hold it (under a memory or disk alarm it confirms late). Its confirm is still
+/// awaited in the background (up to [`LATE_CONFIRMS`]) and [`Group::late`] tells its outcome.
+/// Publishes are sent one after another; what was not sent yet when `timeout` passed is not
+/// sent at all (its result is `ConfirmTimeout`, and it is not in doubt), so the channel is the
+/// next group's alone once this one returns.
 ///
 /// Which publish a returned message belongs to is decided here, not by lapin: lapin attaches
 /// each `basic.return` to whichever pending confirm it completes next, and a `basic.ack` with
@@ -465,17 +523,22 @@ impl Handler<PublishAll> for Publisher {
 /// exchange, routing key, body and properties (identical publishes are interchangeable).
 /// Before the group starts, every confirm still outstanding on the channel (an earlier group's
 /// that timed out) is awaited, so a late ack cannot take one of this group's returned messages.
-pub async fn publish_group(
+pub async fn publish_group_late(
     channel: &Channel,
     publishes: Vec<Publish>,
     frame_max: u32,
     timeout: Duration,
-) -> Vec<Result<(), AmqpError>> {
+) -> Group {
     let n = publishes.len();
-    match tokio::time::timeout(timeout, channel.wait_for_confirms()).await {
+    let fail = |e: AmqpError| Group {
+        results: vec![Err(e); n],
+        late: None,
+    };
+    let deadline = tokio::time::Instant::now() + timeout;
+    match tokio::time::timeout_at(deadline, channel.wait_for_confirms()).await {
         Ok(Ok(_)) => {}
-        Ok(Err(e)) => return vec![Err(AmqpError::Unavailable(e.to_string())); n],
-        Err(_) => return vec![Err(AmqpError::ConfirmTimeout(timeout)); n],
+        Ok(Err(e)) => return fail(AmqpError::Unavailable(e.to_string())),
+        Err(_) => return fail(AmqpError::ConfirmTimeout(timeout)),
     }
     // What the link cannot carry is never sent: a content header over the frame limit makes
     // the broker close the connection, and every other publish in flight with it.
@@ -493,39 +556,107 @@ pub async fn publish_group(
             }
         }
     }
-    let work = async {
-        let mut confirms = Vec::with_capacity(n);
-        for (p, properties) in publishes.iter().zip(fitted) {
-            match properties {
-                // Not sent: the channel refused it before it left (closed already).
-                Some(properties) => confirms.push(Some(
-                    start(channel, p, properties)
-                        .await
-                        .map_err(|e| AmqpError::Unavailable(e.to_string())),
-                )),
-                None => confirms.push(None),
-            }
-        }
-        futures::future::join_all(confirms.into_iter().map(|c| async move {
-            match c? {
-                Ok(confirm) => Some(confirm.await.map_err(|e| AmqpError::from_confirm(&e))),
-                Err(e) => Some(Err(e)),
-            }
-        }))
-        .await
-    };
-    let Ok(outcomes) = tokio::time::timeout(timeout, work).await else {
-        return results
-            .into_iter()
-            .map(|r| r.and(Err(AmqpError::ConfirmTimeout(timeout))))
-            .collect();
-    };
-    let mut returned = Vec::new();
-    for (result, outcome) in results.iter_mut().zip(outcomes) {
-        let Some(outcome) = outcome else {
+    // Sent one after another; each confirm awaited beside the others. A send under way when
+    // the time is up has its frames queued already: it is in doubt with the ones before it.
+    let mut confirms: Vec<(usize, Confirming)> = Vec::with_capacity(n);
+    let mut sent_all = true;
+    for (i, properties) in fitted.into_iter().enumerate() {
+        let Some(properties) = properties else {
             continue;
         };
-        *result = match outcome {
+        if !sent_all {
+            results[i] = Err(AmqpError::ConfirmTimeout(timeout));
+            continue;
+        }
+        let (ch, p) = (channel.clone(), publishes[i].clone());
+        let mut sending = Box::pin(async move { start(&ch, &p, properties).await });
+        match tokio::time::timeout_at(deadline, &mut sending).await {
+            Ok(Ok(confirm)) => confirms.push((
+                i,
+                Box::pin(async move { confirm.await.map_err(|e| AmqpError::from_confirm(&e)) }),
+            )),
+            // Not sent: the channel refused it before it left (closed already).
+            Ok(Err(e)) => results[i] = Err(AmqpError::Unavailable(e.to_string())),
+            Err(_) => {
+                sent_all = false;
+                confirms.push((
+                    i,
+                    Box::pin(async move {
+                        let confirm = sending
+                            .await
+                            .map_err(|e| AmqpError::Unavailable(e.to_string()))?;
+                        confirm.await.map_err(|e| AmqpError::from_confirm(&e))
+                    }),
+                ));
+            }
+        }
+    }
+    let indices: Vec<usize> = confirms.iter().map(|(i, _)| *i).collect();
+    let mut all = futures::future::join_all(confirms.into_iter().map(|(_, c)| c));
+    let waited = if sent_all {
+        tokio::time::timeout_at(deadline, &mut all).await.ok()
+    } else {
+        None
+    };
+    if let Some(outcomes) = waited {
+        settle(
+            &publishes,
+            &mut results,
+            indices.iter().copied().zip(outcomes),
+        );
+        return Group {
+            results,
+            late: None,
+        };
+    }
+    // In doubt: the answers are still awaited, and told when they come.
+    let mut late = results.clone();
+    for &i in &indices {
+        results[i] = Err(AmqpError::ConfirmTimeout(timeout));
+    }
+    let (tx, rx) = tokio::sync::oneshot::channel();
+    let doubtful = indices.clone();
+    tokio::spawn(async move {
+        match tokio::time::timeout(LATE_CONFIRMS, all).await {
+            Ok(outcomes) => settle(
+                &publishes,
+                &mut late,
+                doubtful.iter().copied().zip(outcomes),
+            ),
+            Err(_) => {
+                for &i in &doubtful {
+                    late[i] = Err(AmqpError::ConfirmTimeout(LATE_CONFIRMS));
+                }
+            }
+        }
+        let _ = tx.send(doubtful.iter().map(|&i| late[i].is_ok()).collect());
+    });
+    Group {
+        results,
+        late: Some(Late {
+            indices,
+            outcome: rx,
+        }),
+    }
+}
+
+/// A publish's confirm being awaited (its send first, when that was still under way).
+type Confirming = std::pin::Pin<
+    Box<dyn std::future::Future<Output = Result<Confirmation, AmqpError>> + Send + 'static>,
+>;
+
+/// Writes the confirms `outcomes` (index in the group, answer) into `results`, then tells each
+/// returned message to the publish it belongs to (see [`publish_group_late`]): a publish whose
+/// message came back is not confirmed, whatever its ack said.
+fn settle(
+    publishes: &[Publish],
+    results: &mut [Result<(), AmqpError>],
+    outcomes: impl Iterator<Item = (usize, Result<Confirmation, AmqpError>)>,
+) {
+    let n = publishes.len();
+    let mut returned = Vec::new();
+    for (i, outcome) in outcomes {
+        results[i] = match outcome {
             Ok(Confirmation::Ack(r)) => {
                 returned.extend(r);
                 Ok(())
@@ -568,7 +699,6 @@ pub async fn publish_group(
                 "a returned message matches no publish of its group; ignored"),
         }
     }
-    results
 }
 
 /// Sends `p` on `channel` as a `mandatory` publish with `properties` (persistent if they say so);

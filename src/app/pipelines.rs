@@ -23,6 +23,7 @@ use crate::config::{Balance, ConfigError, Role, Settings};
 use crate::domain::mapping::Mapping;
 use crate::pipeline::balance::Decision;
 use crate::pipeline::consumer::StopCounts;
+use crate::pipeline::copies::Copies;
 use crate::pipeline::{self, Pipeline, Spec, Stage, StageId};
 use crate::registry::PipelineRecord;
 
@@ -346,6 +347,10 @@ pub(super) struct Pipelines {
     records: watch::Sender<Vec<PipelineRecord>>,
     /// The pipelines a reload in progress stops or starts again ([`Pipelines::reloading`]).
     reloading: Vec<String>,
+    /// The memories of copies of the stages a reload in progress stops: a stage it starts in
+    /// the place of one (same pipeline and stage, same queue) takes its memory over, so the
+    /// redeliveries of what the stopped one left are still recognised (`pipeline/copies.rs`).
+    kept: Vec<Arc<Copies>>,
 }
 
 /// The pool size the pipelines of `declared` need: a connection for each insert that can be in
@@ -395,6 +400,7 @@ impl Pipelines {
             registered: BTreeSet::new(),
             records,
             reloading: Vec::new(),
+            kept: Vec::new(),
         };
         let stages: Vec<StageId> = declared
             .iter()
@@ -448,12 +454,14 @@ impl Pipelines {
                     Stage::Main => Spec::main(&d.spec),
                     Stage::Dlq => Spec::dlq(&d.spec),
                 };
+                let kept = self.kept.iter().find(|c| c.stage() == &id).cloned();
                 pipeline::start(
                     &self.links,
                     spec,
                     d.mapping.clone(),
                     self.pool.clone(),
                     self.depths.clone(),
+                    kept,
                 )
             })
             .collect();
@@ -652,6 +660,11 @@ impl Pipelines {
             .into_iter()
             .partition(|r| !plan.report.unchanged.contains(&r.declared.name));
         self.running = kept;
+        self.kept = stopping
+            .iter()
+            .flat_map(|r| r.stages.iter())
+            .map(|p| p.copies.clone())
+            .collect();
         self.reloading = plan
             .report
             .removed
@@ -722,6 +735,7 @@ impl Pipelines {
             let stages = self.launch(&d);
             self.running.push(Running::new(d, stages));
         }
+        self.kept.clear();
         if self.stages().is_empty() {
             crate::metrics::unneed(&["router".to_string()]);
         }

@@ -20,18 +20,37 @@
 //!   never delivered before is never looked up, so an identical second message is routed as any
 //!   other.
 //!
+//!
+//! A copy whose confirm does not come within `PUBLISH_TIMEOUT_MS` is *in doubt*, not failed: it
+//! was sent, and the broker may hold it (under a memory or disk alarm it confirms late). Its
+//! original goes back to its queue (nacked) all the same, and its entry moves to *lost*
+//! ([`Copies::in_doubt`]; no ack of it can be proven, the nack is not one), so that the
+//! redelivery (redelivered flag, a new tag, the same fingerprint) waits for the outcome while the
+//! publisher still awaits the confirm in the background (`publisher::LATE_CONFIRMS`); the late
+//! outcome comes through [`Copies::published`]: confirmed, the redelivery is acked as already
+//! routed; not (nacked, returned unroutable, the publisher's channel failed, no answer after
+//! all), it is routed. A confirm lost with the publisher's link stays unknowable (the broker may
+//! or may not hold the copy): such a copy counts as not confirmed and its original is routed
+//! again, since a duplicate beats a loss.
+//!
 //! The bound: a channel's unproven acks are deliveries the broker still counts as unacked, at
 //! most its prefetch window (two while a cancelled subscription's deliveries are still held), so
 //! *lost* keeps at most twice the prefetch, oldest forgotten first (counted and logged): a
-//! forgotten copy's redelivery is routed again, a second copy as before. Entries a redelivery
-//! never uses up (the ack did land before the link died; the redelivery went to another
-//! instance, or was inserted this time) stay until pushed out. The memory is the process's own: a
-//! redelivery to another instance, or after a restart, is routed as any other.
+//! forgotten copy's redelivery is routed again, a second copy as before. Copies in doubt count
+//! against the same bound (they were deliveries of the window too). Entries a redelivery never
+//! uses up (the ack did land before the link died; the redelivery went to another instance, or
+//! was inserted this time) stay until pushed out.
+//!
+//! The memory is the process's own, and outlives a stage a reload restarts: the stage started
+//! in its place (the same pipeline and stage, on the same queue) takes it over
+//! ([`Copies::carry_on`]), and the generations of its links go on from the old stage's, so a
+//! redelivery of what the old stage left is still recognised. A redelivery to another instance,
+//! or after warren itself restarted, is routed as any other.
 
 use std::collections::VecDeque;
 use std::hash::{BuildHasher, Hasher, RandomState};
-use std::sync::Mutex;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
 
 use lapin::BasicProperties;
 use tokio::sync::Notify;
@@ -52,8 +71,11 @@ struct Entry {
     generation: u64,
     tag: u64,
     fingerprint: Fingerprint,
-    /// The copy was confirmed (else its publish is under way).
+    /// The copy was confirmed (else its publish is under way, or in doubt).
     confirmed: bool,
+    /// Its original was given back to its queue (nack with requeue) while its copy was in
+    /// doubt: no ack of it can be proven, and its redelivery comes on any channel.
+    given_back: bool,
 }
 
 /// What the lock guards.
@@ -61,6 +83,9 @@ struct Entry {
 struct State {
     /// The open channel's generation, 0 while there is none.
     live: u64,
+    /// The last generation handed out: the next link's is one more, also when the memory
+    /// passed to the stage a reload started in its place (its consumer counts from here).
+    last: u64,
     /// Deliveries of the open channel whose ack is not proven handled.
     unproven: Vec<Entry>,
     /// Deliveries of dead channels whose ack was not proven handled, oldest first.
@@ -88,8 +113,12 @@ pub struct Copies {
     live: AtomicU64,
     /// Entries in `unproven`: while 0, the acker never takes the lock nor fences.
     unproven: AtomicUsize,
-    /// Entries `lost` holds at most (twice the prefetch).
-    capacity: usize,
+    /// Entries `lost` holds at most (twice the prefetch; the larger prefetch once handed to a
+    /// successor).
+    capacity: AtomicUsize,
+    /// The queue the stage consumes: a successor on another queue starts with a memory of its
+    /// own.
+    queue: String,
     /// The fingerprints' keys, random per process.
     keys: RandomState,
     state: Mutex<State>,
@@ -98,17 +127,44 @@ pub struct Copies {
 }
 
 impl Copies {
-    /// The memory of `stage`, whose consumer has a window of at most `prefetch`.
-    pub fn new(stage: StageId, prefetch: u16) -> Self {
+    /// The memory of `stage`, which consumes `queue` with a window of at most `prefetch`.
+    pub fn new(stage: StageId, queue: &str, prefetch: u16) -> Self {
         Self {
             stage,
             live: AtomicU64::new(0),
             unproven: AtomicUsize::new(0),
-            capacity: usize::from(prefetch.max(1)) * 2,
+            capacity: AtomicUsize::new(capacity(prefetch)),
+            queue: queue.to_string(),
             keys: RandomState::new(),
             state: Mutex::new(State::default()),
             outcomes: Notify::new(),
         }
+    }
+
+    /// The memory of `stage` (consuming `queue`, a window of at most `prefetch`) that a reload
+    /// starts: `kept`, the memory of the stage it replaces, when that one was the same stage on
+    /// the same queue (the redeliveries of what it left come to this one), else a new one.
+    /// The stage it replaces has stopped: its link is down, what it left unproven is lost.
+    pub fn carry_on(
+        kept: Option<Arc<Copies>>,
+        stage: StageId,
+        queue: &str,
+        prefetch: u16,
+    ) -> Arc<Copies> {
+        match kept {
+            Some(kept) if kept.stage == stage && kept.queue == queue => {
+                kept.capacity
+                    .fetch_max(capacity(prefetch), Ordering::AcqRel);
+                kept.link_down();
+                kept
+            }
+            _ => Arc::new(Self::new(stage, queue, prefetch)),
+        }
+    }
+
+    /// The pipeline and stage whose memory this is.
+    pub fn stage(&self) -> &StageId {
+        &self.stage
     }
 
     fn state(&self) -> std::sync::MutexGuard<'_, State> {
@@ -121,11 +177,13 @@ impl Copies {
         self.live.load(Ordering::Acquire)
     }
 
-    /// The consumer opened a channel of this generation.
-    pub fn link_up(&self, generation: u64) {
+    /// The consumer opened a channel: answers its generation (one more than the last).
+    pub fn link_up(&self) -> u64 {
         let mut state = self.state();
-        state.live = generation;
-        self.live.store(generation, Ordering::Release);
+        state.last += 1;
+        state.live = state.last;
+        self.live.store(state.live, Ordering::Release);
+        state.live
     }
 
     /// The consumer's channel is gone: what it left unproven is the broker's again, and comes
@@ -139,9 +197,7 @@ impl Copies {
             self.unproven.store(0, Ordering::Release);
             let moved = unproven.len();
             state.lost.extend(unproven);
-            let over = state.lost.len().saturating_sub(self.capacity);
-            state.lost.drain(..over);
-            (moved, over)
+            (moved, self.trim(&mut state))
         };
         if moved > 0 {
             info!(
@@ -152,13 +208,28 @@ impl Copies {
                  link went down: their redeliveries are acked as already routed"
             );
         }
+        self.forgot(forgotten);
+    }
+
+    /// Forgets the oldest of `lost` past the capacity: answers how many.
+    fn trim(&self, state: &mut State) -> usize {
+        let over = state
+            .lost
+            .len()
+            .saturating_sub(self.capacity.load(Ordering::Acquire));
+        state.lost.drain(..over);
+        over
+    }
+
+    /// Counts and logs `forgotten` copies pushed out of `lost`.
+    fn forgot(&self, forgotten: usize) {
         if forgotten > 0 {
             crate::metrics::redeliveries(&self.stage, "forgotten", forgotten as u64);
             warn!(
                 pipeline = self.stage.pipeline(),
                 stage = self.stage.stage().as_str(),
                 count = forgotten,
-                capacity = self.capacity,
+                capacity = self.capacity.load(Ordering::Acquire),
                 "more copies with unproven acks than twice the prefetch: the oldest are \
                  forgotten, and their redeliveries are routed again"
             );
@@ -194,6 +265,7 @@ impl Copies {
                         tag,
                         fingerprint,
                         confirmed: false,
+                        given_back: false,
                     });
                 }
                 ok
@@ -230,6 +302,29 @@ impl Copies {
         self.outcomes.notify_waiters();
     }
 
+    /// The copies of these deliveries (generation, tag) were sent and not confirmed in time:
+    /// the broker may hold them, and their originals go back to their queue. Each is remembered
+    /// as lost (the redelivery, with a new tag, finds it by its fingerprint and waits for the
+    /// outcome) until [`Copies::published`] tells its late outcome.
+    pub fn in_doubt(&self, items: &[(u64, u64)]) {
+        let forgotten = {
+            let mut state = self.state();
+            for &(generation, tag) in items {
+                let at = |e: &Entry| e.generation == generation && e.tag == tag;
+                if let Some(i) = state.unproven.iter().position(at) {
+                    let mut entry = state.unproven.swap_remove(i);
+                    entry.given_back = true;
+                    state.lost.push_back(entry);
+                } else if let Some(e) = state.lost.iter_mut().find(|e| at(e)) {
+                    e.given_back = true;
+                }
+            }
+            self.unproven.store(state.unproven.len(), Ordering::Release);
+            self.trim(&mut state)
+        };
+        self.forgot(forgotten);
+    }
+
     /// What is known of `d`, a redelivery about to be routed, whose fingerprint is
     /// `fingerprint`. On [`Recall::Routed`] the remembered copy is used up, and `d`'s own ack is
     /// unproven from now on (acked on its channel, which may die in its turn).
@@ -246,6 +341,7 @@ impl Copies {
                 tag: d.tag,
                 fingerprint,
                 confirmed: true,
+                given_back: false,
             });
             self.unproven.store(state.unproven.len(), Ordering::Release);
             Recall::Routed
@@ -295,8 +391,17 @@ impl Copies {
 
 /// Whether the acker of channel `generation`, having acked every tag up to `upto` and the tags
 /// of `ones`, sent the ack of `e` (a confirmed copy's: its settlement came after the confirm).
+/// An original given back was nacked, never acked: no ack proves it.
 fn covered(e: &Entry, generation: u64, upto: u64, ones: &[u64]) -> bool {
-    e.generation == generation && e.confirmed && (e.tag <= upto || ones.contains(&e.tag))
+    e.generation == generation
+        && e.confirmed
+        && !e.given_back
+        && (e.tag <= upto || ones.contains(&e.tag))
+}
+
+/// The entries `lost` keeps for a window of `prefetch`: twice the prefetch.
+fn capacity(prefetch: u16) -> usize {
+    usize::from(prefetch.max(1)) * 2
 }
 
 /// Feeds every property of `p` to `h`, the headers in their (sorted) order without
@@ -350,7 +455,7 @@ mod tests {
     use std::time::Instant;
 
     fn copies() -> Copies {
-        Copies::new(StageId::new("users", Stage::Main), 2)
+        Copies::new(StageId::new("users", Stage::Main), "users_q", 2)
     }
 
     fn delivery(generation: u64, tag: u64, redelivered: bool, body: &str) -> Delivery {
@@ -414,11 +519,11 @@ mod tests {
     #[test]
     fn a_redelivery_of_a_copy_lost_with_its_link_is_recalled_once() {
         let c = copies();
-        c.link_up(1);
+        assert_eq!(c.link_up(), 1);
         let first = delivery(1, 7, false, "bad");
         confirmed(&c, &first);
         c.link_down();
-        c.link_up(2);
+        assert_eq!(c.link_up(), 2);
         let again = delivery(2, 3, true, "bad");
         let f = c.fingerprint(&again);
         assert_eq!(c.recall(&again, f), Recall::Routed);
@@ -427,17 +532,17 @@ mod tests {
         // The recalled one's ack is unproven in its turn: lost again with link 2, recalled again.
         assert!(c.provable(2, 3, &[]));
         c.link_down();
-        c.link_up(3);
+        assert_eq!(c.link_up(), 3);
         assert_eq!(c.recall(&delivery(3, 1, true, "bad"), f), Recall::Routed);
     }
 
     #[test]
     fn a_first_delivery_or_another_message_is_never_recalled() {
         let c = copies();
-        c.link_up(1);
+        assert_eq!(c.link_up(), 1);
         confirmed(&c, &delivery(1, 1, false, "bad"));
         c.link_down();
-        c.link_up(2);
+        assert_eq!(c.link_up(), 2);
         // The same content never delivered before: a second message, routed.
         let twin = delivery(2, 1, false, "bad");
         assert_eq!(c.recall(&twin, c.fingerprint(&twin)), Recall::Unknown);
@@ -453,7 +558,7 @@ mod tests {
     #[test]
     fn a_proven_ack_forgets_its_copy() {
         let c = copies();
-        c.link_up(1);
+        assert_eq!(c.link_up(), 1);
         for tag in [1, 2, 5] {
             confirmed(&c, &delivery(1, tag, false, &format!("bad {tag}")));
         }
@@ -465,7 +570,7 @@ mod tests {
         c.prove(1, 2, &[5]);
         assert!(c.none_unproven());
         c.link_down();
-        c.link_up(2);
+        assert_eq!(c.link_up(), 2);
         let again = delivery(2, 1, true, "bad 1");
         assert_eq!(c.recall(&again, c.fingerprint(&again)), Recall::Unknown);
     }
@@ -473,14 +578,14 @@ mod tests {
     #[test]
     fn a_copy_not_confirmed_is_forgotten_and_a_pending_one_is_waited_for() {
         let c = copies();
-        c.link_up(1);
+        assert_eq!(c.link_up(), 1);
         let d = delivery(1, 1, false, "bad");
         let f = c.fingerprint(&d);
         assert_eq!(c.publishing(&[(1, 1, f)]), [true]);
         c.link_down();
         // A channel that is gone takes no new copies.
         assert_eq!(c.publishing(&[(1, 2, f)]), [false]);
-        c.link_up(2);
+        assert_eq!(c.link_up(), 2);
         let again = delivery(2, 1, true, "bad");
         assert_eq!(c.recall(&again, f), Recall::Pending);
         c.published(&[(1, 1, false)]);
@@ -490,15 +595,84 @@ mod tests {
     #[test]
     fn past_twice_the_prefetch_the_oldest_copies_are_forgotten() {
         let c = copies(); // prefetch 2: 4 kept
-        c.link_up(1);
+        assert_eq!(c.link_up(), 1);
         for tag in 1..=5 {
             confirmed(&c, &delivery(1, tag, false, &format!("bad {tag}")));
         }
         c.link_down();
-        c.link_up(2);
+        assert_eq!(c.link_up(), 2);
         let oldest = delivery(2, 1, true, "bad 1");
         assert_eq!(c.recall(&oldest, c.fingerprint(&oldest)), Recall::Unknown);
         let newest = delivery(2, 2, true, "bad 5");
         assert_eq!(c.recall(&newest, c.fingerprint(&newest)), Recall::Routed);
+    }
+
+    #[test]
+    fn a_copy_in_doubt_waits_for_its_late_confirm_then_is_recalled() {
+        let c = copies();
+        assert_eq!(c.link_up(), 1);
+        let d = delivery(1, 5, false, "bad");
+        let f = c.fingerprint(&d);
+        assert_eq!(c.publishing(&[(1, 5, f)]), [true]);
+        // Not confirmed in time: the original goes back to its queue (nacked), the copy is in
+        // doubt. Its redelivery, on the same channel, waits.
+        c.in_doubt(&[(1, 5)]);
+        assert!(c.none_unproven(), "a nacked original has no ack to prove");
+        let again = delivery(1, 9, true, "bad");
+        assert_eq!(c.recall(&again, f), Recall::Pending);
+        // The late confirm; acks up to a later tag prove nothing of a nacked original.
+        c.published(&[(1, 5, true)]);
+        c.prove(1, 100, &[5]);
+        assert_eq!(c.recall(&again, f), Recall::Routed);
+        assert_eq!(c.recall(&delivery(1, 10, true, "bad"), f), Recall::Unknown);
+    }
+
+    #[test]
+    fn a_copy_in_doubt_that_was_not_confirmed_is_routed_again() {
+        let c = copies();
+        assert_eq!(c.link_up(), 1);
+        let d = delivery(1, 5, false, "bad");
+        let f = c.fingerprint(&d);
+        assert_eq!(c.publishing(&[(1, 5, f)]), [true]);
+        c.in_doubt(&[(1, 5)]);
+        // The link died meanwhile: the redelivery comes on the next channel, and still waits.
+        c.link_down();
+        assert_eq!(c.link_up(), 2);
+        let again = delivery(2, 1, true, "bad");
+        assert_eq!(c.recall(&again, f), Recall::Pending);
+        c.published(&[(1, 5, false)]);
+        assert_eq!(c.recall(&again, f), Recall::Unknown);
+    }
+
+    #[test]
+    fn a_reload_hands_the_memory_to_the_same_stage_on_the_same_queue() {
+        let c = Arc::new(copies());
+        assert_eq!(c.link_up(), 1);
+        confirmed(&c, &delivery(1, 7, false, "bad"));
+        // The stage stopped (its acks unproven); a reload starts one in its place.
+        let main = StageId::new("users", Stage::Main);
+        let next = Copies::carry_on(Some(c.clone()), main.clone(), "users_q", 4);
+        assert!(Arc::ptr_eq(&c, &next), "the same stage on the same queue");
+        // Its links go on counting: no generation of the old stage comes again.
+        assert_eq!(next.link_up(), 2);
+        let again = delivery(2, 1, true, "bad");
+        assert_eq!(
+            next.recall(&again, next.fingerprint(&again)),
+            Recall::Routed
+        );
+        // Another queue, or another stage, starts with a memory of its own.
+        let moved = Copies::carry_on(Some(c.clone()), main, "users_q2", 2);
+        assert!(!Arc::ptr_eq(&c, &moved));
+        let dlq = Copies::carry_on(
+            Some(c.clone()),
+            StageId::new("users", Stage::Dlq),
+            "users_q",
+            2,
+        );
+        assert!(!Arc::ptr_eq(&c, &dlq));
+        assert_eq!(
+            Copies::carry_on(None, StageId::new("users", Stage::Main), "users_q", 2).link_up(),
+            1
+        );
     }
 }

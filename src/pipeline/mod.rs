@@ -208,6 +208,9 @@ pub struct Pipeline {
     /// A main stage's batch inserts in flight (balancing, `warren ctl scale --min/--max`);
     /// `None` for a DLQ stage.
     pub concurrency: Option<Arc<balance::Concurrency>>,
+    /// The stage's memory of copies whose original's ack may be lost: a reload hands it to the
+    /// stage it starts in this one's place ([`start`]'s `kept`).
+    pub copies: Arc<copies::Copies>,
 }
 
 /// What a pipeline's stages connect with, beside the pool they are given: the broker link's
@@ -227,13 +230,16 @@ pub struct Links {
 /// Starts the pipeline `spec` of `domain`, wired in flow order from the broker link down.
 /// `links` gives the connections only (the broker, the database's statement bound); what the
 /// pipeline consumes, where its failures go, its batching and limits come from `spec`; `depths`
-/// is what the queue poller sees of its queues.
+/// is what the queue poller sees of its queues; `kept` is the memory of copies of the stage this
+/// one replaces (a reload), taken over when it is the same stage on the same queue, so the
+/// redeliveries of what that one left are still recognised (`copies.rs`).
 pub fn start<D: Domain>(
     links: &Links,
     spec: Spec,
     domain: Arc<D>,
     pool: Pool,
     depths: Depths,
+    kept: Option<Arc<copies::Copies>>,
 ) -> Pipeline {
     let id = StageId::new(&spec.pipeline, spec.stage);
     let stopping = CancellationToken::new();
@@ -251,10 +257,12 @@ pub fn start<D: Domain>(
     )
     .start();
     let db_bound = links.db_bound;
-    let copies = Arc::new(copies::Copies::new(
+    let copies = copies::Copies::carry_on(
+        kept,
         id.clone(),
+        &spec.queue,
         spec.window_cap.max(spec.prefetch),
-    ));
+    );
     let fallback = Fallback {
         stage: id.clone(),
         republisher: Republisher::new(publisher.clone(), &spec, links.amqp.publish_timeout()),
@@ -352,6 +360,7 @@ pub fn start<D: Domain>(
         publisher,
         stopping,
         concurrency,
+        copies: copies.clone(),
     };
     let chunks = pipeline.processors(spec.processors);
 

@@ -7,8 +7,9 @@
 //! what is republished goes a few MiB of bodies at a time ([`ROUTE_KIB`]).
 //! Every republish is confirmed by the broker before the original is acked; a copy whose ack
 //! is lost with the consumer's link is remembered (`copies.rs`), and the redelivery that follows
-//! is acked as already routed instead of routed twice. A republish that is
-//! not confirmed leaves the message with warren's queue (nack with requeue, after a backoff):
+//! is acked as already routed instead of routed twice; so is the redelivery of a copy whose
+//! confirm came late (in doubt: sent, not confirmed within `PUBLISH_TIMEOUT_MS`). A republish
+//! that is not confirmed leaves the message with warren's queue (nack with requeue, after a backoff):
 //! never with the broker's own dead-lettering, which is at-most-once and drops a message whose
 //! target is missing at that moment.
 
@@ -26,7 +27,7 @@ use super::copies::{Copies, Fingerprint, Recall};
 use super::message::{Delivery, Disposition, Failure, Leftovers, Settle};
 use crate::amqp::AmqpError;
 use crate::amqp::headers::{self, Retries};
-use crate::amqp::publisher::{Publish, PublishAll, Publisher};
+use crate::amqp::publisher::{Group, Late, Publish, PublishAll, Publisher};
 use crate::amqp::republish::{self, Unpublishable};
 use crate::db::{ErrorClass, dead_letters};
 use crate::domain::ErrorKind;
@@ -163,13 +164,18 @@ impl Republisher {
     /// Routes every message, each with how its republish ended (see [`Sent`]) and the kind it
     /// is counted as. While the publisher has no connection (at start-up, during a reconnect)
     /// publishes are tried again for up to `patience`.
-    pub async fn route(&self, items: &[(&Delivery, Route)]) -> Vec<(Sent, &'static str)> {
+    /// Those in doubt ([`Sent::InDoubt`]) are answered beside, with how to learn their late
+    /// outcome (indices into `items`).
+    pub async fn route(
+        &self,
+        items: &[(&Delivery, Route)],
+    ) -> (Vec<(Sent, &'static str)>, InDoubt) {
         let (publishes, kinds): (Vec<Publish>, Vec<&'static str>) = items
             .iter()
             .map(|(message, route)| self.plan(message, route))
             .unzip();
-        let outcomes = self.send_in_groups(publishes).await;
-        items
+        let (outcomes, in_doubt) = self.send_in_groups(publishes).await;
+        let outcomes = items
             .iter()
             .zip(kinds)
             .zip(outcomes)
@@ -180,6 +186,10 @@ impl Republisher {
                         error!(message_id = message.message_id(), pipeline = self.stage.pipeline(), stage = self.stage.stage().as_str(), delivery_tag = message.tag, error = %e, kind,
                             "republish not confirmed; the message goes back to its queue after a backoff");
                     }
+                    Sent::InDoubt(e) => {
+                        warn!(message_id = message.message_id(), pipeline = self.stage.pipeline(), stage = self.stage.stage().as_str(), delivery_tag = message.tag, error = %e, kind,
+                            "republish in doubt (sent, not confirmed in time; the broker may hold the copy): the message goes back to its queue after a backoff, and its redelivery waits for the late confirm");
+                    }
                     Sent::Unpublishable(why) => {
                         error!(message_id = message.message_id(), pipeline = self.stage.pipeline(), stage = self.stage.stage().as_str(), delivery_tag = message.tag, reason = %why, kind,
                             "message cannot be republished; parking it");
@@ -187,7 +197,8 @@ impl Republisher {
                 }
                 (sent, kind)
             })
-            .collect()
+            .collect();
+        (outcomes, in_doubt)
     }
 }
 
@@ -195,9 +206,10 @@ impl Republisher {
     /// Sends `publishes` in groups of at most [`ROUTE_KIB`] of bodies (a larger body alone),
     /// each holding its share of the stage's allowance while lapin holds its copies, within one
     /// patience for all of them.
-    async fn send_in_groups(&self, publishes: Vec<Publish>) -> Vec<Sent> {
+    async fn send_in_groups(&self, publishes: Vec<Publish>) -> (Vec<Sent>, InDoubt) {
         let deadline = std::time::Instant::now() + self.patience;
         let mut outcomes = Vec::with_capacity(publishes.len());
+        let mut in_doubt = InDoubt::default();
         let mut publishes = publishes.into_iter().peekable();
         while publishes.peek().is_some() {
             let mut group = Vec::new();
@@ -212,9 +224,11 @@ impl Republisher {
             // Never closed: an error would only mean no wait.
             let _held = self.allowance.acquire_many(kib).await.ok();
             let patience = deadline.saturating_duration_since(std::time::Instant::now());
-            outcomes.extend(send_isolating(&self.publisher, group, patience).await);
+            let (sent, late) = send_isolating(&self.publisher, group, patience).await;
+            in_doubt.extend(late.shifted(outcomes.len()));
+            outcomes.extend(sent);
         }
-        outcomes
+        (outcomes, in_doubt)
     }
 }
 
@@ -226,6 +240,11 @@ pub enum Sent {
     /// Not confirmed (no broker, nacked, unroutable, no answer): the original goes back to its
     /// queue after a backoff, and is tried again later.
     Failed(String),
+    /// Sent, and not confirmed within `PUBLISH_TIMEOUT_MS`: the broker may hold the copy (a
+    /// broker under an alarm confirms late). The original goes back to its queue as if it
+    /// failed, but the confirm is still awaited ([`InDoubt`]), and its redelivery waits for it
+    /// (`copies.rs`).
+    InDoubt(String),
     /// It can never be published as it is (too large for a frame, or the broker closed the
     /// channel over it alone): the original is parked.
     Unpublishable(String),
@@ -242,23 +261,29 @@ pub enum Sent {
 /// multiplies its copies: a publish is sent twice at most, when the broker closed the link
 /// while it was in flight (the first copy may have been taken; the target's consumers take such
 /// copies idempotently: a retry is inserted once, a dead letter parked once).
+///
+/// A publish sent whose confirm did not come in time is [`Sent::InDoubt`], never sent again
+/// here; its late outcome comes through the [`InDoubt`] answered beside.
 pub async fn send_isolating(
     publisher: &Addr<Publisher>,
     publishes: Vec<Publish>,
     patience: Duration,
-) -> Vec<Sent> {
+) -> (Vec<Sent>, InDoubt) {
     let n = publishes.len();
     let deadline = std::time::Instant::now() + patience;
     let mut sent: Vec<Option<Sent>> = vec![None; n];
+    let mut in_doubt = InDoubt::default();
     let mut unsent: Vec<usize> = (0..n).collect();
     let mut suspects: Vec<usize> = Vec::new();
     let pause = Duration::from_millis(100);
     while !unsent.is_empty() {
         let group = unsent.iter().map(|&i| publishes[i].clone()).collect();
-        let results = publish_all(publisher, group).await;
+        let Group { results, late } = publish_all(publisher, group).await;
+        let doubtful = in_doubt.add(&unsent, late);
         let mut again = Vec::new();
         for (i, result) in unsent.iter().copied().zip(results) {
             match result {
+                Err(e) if doubtful.contains(&i) => sent[i] = Some(Sent::InDoubt(e.to_string())),
                 Ok(()) => sent[i] = Some(Sent::Confirmed),
                 Err(AmqpError::Unavailable(_)) => again.push(i),
                 Err(AmqpError::Unpublishable(e)) => {
@@ -291,11 +316,14 @@ pub async fn send_isolating(
             continue;
         }
         let outcome = loop {
-            let result = publish_all(publisher, vec![publishes[i].clone()])
-                .await
-                .pop()
+            let Group { results, late } = publish_all(publisher, vec![publishes[i].clone()]).await;
+            let doubtful = !in_doubt.add(&[i], late).is_empty();
+            let result = results
+                .into_iter()
+                .next()
                 .unwrap_or_else(|| Err(AmqpError::Unavailable("no answer".into())));
             match result {
+                Err(e) if doubtful => break Sent::InDoubt(e.to_string()),
                 Ok(()) => break Sent::Confirmed,
                 Err(AmqpError::Unavailable(e)) => {
                     if std::time::Instant::now() + pause > deadline {
@@ -317,25 +345,86 @@ pub async fn send_isolating(
         };
         sent[i] = Some(outcome);
     }
-    sent.into_iter()
+    let sent = sent
+        .into_iter()
         .map(|s| s.unwrap_or_else(|| Sent::Failed("not published".into())))
-        .collect()
+        .collect();
+    (sent, in_doubt)
 }
 
 /// One group through the publisher actor; a gone actor fails every publish as unsent.
-async fn publish_all(
-    publisher: &Addr<Publisher>,
-    group: Vec<Publish>,
-) -> Vec<Result<(), AmqpError>> {
+async fn publish_all(publisher: &Addr<Publisher>, group: Vec<Publish>) -> Group {
     let n = group.len();
     match publisher.send(PublishAll(group)).await {
-        Ok(results) => results,
-        Err(e) => vec![
-            Err(AmqpError::Unavailable(format!(
-                "publisher actor is gone: {e}"
-            )));
-            n
-        ],
+        Ok(group) => group,
+        Err(e) => Group {
+            results: vec![
+                Err(AmqpError::Unavailable(format!(
+                    "publisher actor is gone: {e}"
+                )));
+                n
+            ],
+            late: None,
+        },
+    }
+}
+
+/// Publishes in doubt ([`Sent::InDoubt`]) and how to learn their late outcome: the broker's
+/// confirms, still awaited in the background (`publisher::LATE_CONFIRMS` at most).
+#[derive(Debug, Default)]
+pub struct InDoubt {
+    /// Per group that had some: their indices (among the publishes routed), and their outcome.
+    parts: Vec<(Vec<usize>, tokio::sync::oneshot::Receiver<Vec<bool>>)>,
+}
+
+impl InDoubt {
+    /// Takes in the late publishes of a group whose publish `i` is `at[i]` among those routed;
+    /// answers the indices (among those routed) in doubt.
+    fn add(&mut self, at: &[usize], late: Option<Late>) -> Vec<usize> {
+        let Some(late) = late else {
+            return Vec::new();
+        };
+        let indices: Vec<usize> = late
+            .indices
+            .iter()
+            .filter_map(|&i| at.get(i).copied())
+            .collect();
+        self.parts.push((indices.clone(), late.outcome));
+        indices
+    }
+
+    /// The same publishes, `by` further on (their group was a later part of a larger one).
+    fn shifted(mut self, by: usize) -> Self {
+        for (indices, _) in &mut self.parts {
+            indices.iter_mut().for_each(|i| *i += by);
+        }
+        self
+    }
+
+    /// Takes in `other`'s publishes.
+    fn extend(&mut self, other: InDoubt) {
+        self.parts.extend(other.parts);
+    }
+
+    /// Whether nothing is in doubt.
+    pub fn is_empty(&self) -> bool {
+        self.parts.is_empty()
+    }
+
+    /// Waits for every late outcome: (index, whether it was confirmed after all). An outcome
+    /// that never comes (the publisher is gone) counts as not confirmed.
+    pub async fn outcomes(self) -> Vec<(usize, bool)> {
+        let mut all = Vec::new();
+        for (indices, outcome) in self.parts {
+            let confirmed = outcome.await.unwrap_or_default();
+            all.extend(
+                indices
+                    .iter()
+                    .enumerate()
+                    .map(|(k, &i)| (i, confirmed.get(k).copied().unwrap_or(false))),
+            );
+        }
+        all
     }
 }
 
@@ -430,6 +519,11 @@ impl Fallback {
     /// handled it) is remembered ([`Copies`]): its redelivery is acked as already routed, not
     /// routed again; one whose copy is still being published waits for that outcome (at most
     /// twice the publish patience and 5 s, else it goes back to its queue, `copy_pending`).
+    ///
+    /// A copy sent and not confirmed in time is in doubt ([`Sent::InDoubt`]): its original goes
+    /// back to its queue as for a failure, but the memory keeps it ([`Copies::in_doubt`]), a
+    /// task learns the late confirm and tells the memory, and the redelivery waits for it
+    /// (acked as already routed if it was confirmed, routed if not).
     pub async fn route_all(&self, items: &[(Delivery, Failure)], fates: &mut [Fate]) {
         let live = self.copies.live();
         let mut stale = 0usize;
@@ -486,16 +580,45 @@ impl Fallback {
         if routes.is_empty() {
             return;
         }
-        let outcomes = self.republisher.route(&routes).await;
-        let ended: Vec<(u64, u64, bool)> = routed_at
-            .iter()
-            .zip(&outcomes)
-            .map(|(&i, (sent, _))| {
-                let d = &items[i].0;
-                (d.generation, d.tag, *sent == Sent::Confirmed)
-            })
-            .collect();
+        let (outcomes, in_doubt) = self.republisher.route(&routes).await;
+        let mut ended: Vec<(u64, u64, bool)> = Vec::with_capacity(outcomes.len());
+        let mut doubtful: Vec<(u64, u64)> = Vec::new();
+        for (&i, (sent, _)) in routed_at.iter().zip(&outcomes) {
+            let d = &items[i].0;
+            match sent {
+                Sent::InDoubt(_) => doubtful.push((d.generation, d.tag)),
+                sent => ended.push((d.generation, d.tag, *sent == Sent::Confirmed)),
+            }
+        }
         self.copies.published(&ended);
+        if !doubtful.is_empty() {
+            // Their originals go back to their queue: remembered for the redeliveries, which
+            // wait for the late outcome (then acked as already routed, or routed).
+            self.copies.in_doubt(&doubtful);
+            let keys: Vec<(u64, u64)> = routed_at
+                .iter()
+                .map(|&i| (items[i].0.generation, items[i].0.tag))
+                .collect();
+            let (copies, stage) = (self.copies.clone(), self.stage.clone());
+            tokio::spawn(async move {
+                let late: Vec<(u64, u64, bool)> = in_doubt
+                    .outcomes()
+                    .await
+                    .into_iter()
+                    .filter_map(|(k, ok)| keys.get(k).map(|&(g, t)| (g, t, ok)))
+                    .collect();
+                copies.published(&late);
+                let confirmed = late.iter().filter(|(.., ok)| *ok).count();
+                info!(
+                    pipeline = stage.pipeline(),
+                    stage = stage.stage().as_str(),
+                    confirmed,
+                    not_confirmed = late.len() - confirmed,
+                    "republishes in doubt ended: the redeliveries of those confirmed are acked \
+                     as already routed, the others are routed"
+                );
+            });
+        }
         let mut routed = Vec::new();
         for (i, (sent, kind)) in routed_at.into_iter().zip(outcomes) {
             fates[i] = match sent {
@@ -523,7 +646,7 @@ impl Fallback {
                     routed.push(kind);
                     Fate::Settled(Disposition::Ack)
                 }
-                Sent::Failed(_) => Fate::Requeue("publish_failed"),
+                Sent::Failed(_) | Sent::InDoubt(_) => Fate::Requeue("publish_failed"),
                 Sent::Unpublishable(why) => Fate::Park {
                     kind: ErrorKind::Unpublishable,
                     reason: format!("{why}; it was to go on as {kind}: {}", items[i].1),

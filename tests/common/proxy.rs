@@ -137,6 +137,24 @@ impl TcpProxy {
         busiest.held.send_replace(true);
     }
 
+    /// What the server sends from now on on every live connection whose client named itself
+    /// with a connection name containing `name` (AMQP: warren's links are named `warren
+    /// <purpose> <host>:<pid>`, so `warren router <host>:<pid>` is one warren's publisher) is
+    /// held back, until [`TcpProxy::release`]: publisher confirms that come late, as from a
+    /// broker under a memory alarm. Panics when no live connection has such a name.
+    pub fn hold_named(&self, name: &str) {
+        let holds = self.state.holds.lock().unwrap();
+        let mut held = 0;
+        for h in holds.iter().filter(|h| !h.held.is_closed()) {
+            let opening = h.opening.lock().unwrap();
+            if opening.windows(name.len()).any(|w| w == name.as_bytes()) {
+                h.held.send_replace(true);
+                held += 1;
+            }
+        }
+        assert!(held > 0, "no live connection named {name:?} to hold");
+    }
+
     /// What the client sends from now on on the live connection that has carried the most bytes
     /// to the client (a consumer's link: its acks) is held back, until [`TcpProxy::release`] or a
     /// cut (which drops it: frames the server never saw); the server's bytes still pass.
@@ -205,11 +223,13 @@ impl ProxyState {
             held: watch::Sender::new(false),
             held_up: watch::Sender::new(false),
             bytes_down: Arc::new(AtomicU64::new(0)),
+            opening: Arc::new(Mutex::new(Vec::new())),
         };
-        let (held, held_up, bytes_down) = (
+        let (held, held_up, bytes_down, opening) = (
             hold.held.subscribe(),
             hold.held_up.subscribe(),
             hold.bytes_down.clone(),
+            hold.opening.clone(),
         );
         {
             let mut holds = self.holds.lock().unwrap();
@@ -225,8 +245,9 @@ impl ProxyState {
             bytes: &bytes_down,
             consume_ok_delay,
         };
+        let up = Up { held_up, opening };
         tokio::select! {
-            _ = pass(&mut client, &mut upstream, down, held_up) => {}
+            _ = pass(&mut client, &mut upstream, down, up) => {}
             _ = cuts.changed() => {
                 let _ = client.set_zero_linger();
                 let _ = upstream.set_zero_linger();
@@ -249,6 +270,20 @@ struct Hold {
     held_up: watch::Sender<bool>,
     /// Bytes passed from the server to the client so far.
     bytes_down: Arc<AtomicU64>,
+    /// The first bytes the client sent ([`OPENING`] at most): an AMQP client's connection name
+    /// is among them (`TcpProxy::hold_named`).
+    opening: Arc<Mutex<Vec<u8>>>,
+}
+
+/// How many of a client's first bytes are kept to find its connection name by.
+const OPENING: usize = 8 * 1024;
+
+/// How [`pass`] treats what the client sends.
+struct Up {
+    /// The connection's hold of what the client sends.
+    held_up: watch::Receiver<bool>,
+    /// Where its first bytes are kept.
+    opening: Arc<Mutex<Vec<u8>>>,
 }
 
 /// How [`pass`] treats what the server sends.
@@ -268,7 +303,7 @@ async fn pass(
     client: &mut TcpStream,
     upstream: &mut TcpStream,
     mut down: Down<'_>,
-    mut held_up: watch::Receiver<bool>,
+    mut upward: Up,
 ) -> std::io::Result<()> {
     let (mut from_client, mut to_client) = client.split();
     let (mut from_upstream, mut to_upstream) = upstream.split();
@@ -279,8 +314,13 @@ async fn pass(
             if n == 0 {
                 return to_upstream.shutdown().await;
             }
+            {
+                let mut opening = upward.opening.lock().unwrap();
+                let room = OPENING.saturating_sub(opening.len()).min(n);
+                opening.extend_from_slice(&buf[..room]);
+            }
             // The sender dropped means the proxy is going away: pass on.
-            let _ = held_up.wait_for(|h| !*h).await;
+            let _ = upward.held_up.wait_for(|h| !*h).await;
             to_upstream.write_all(&buf[..n]).await?;
         }
     };

@@ -237,9 +237,11 @@ impl Handler<Connected> for Consumer {
             self.stream_done(ctx);
             return;
         }
-        self.generation += 1;
-        let generation = self.generation;
-        self.config.copies.link_up(generation);
+        // Counted by the stage's memory of copies, which a reload may hand to the stage that
+        // replaces this one: generations never repeat within it.
+        let first = self.generation == 0;
+        let generation = self.config.copies.link_up();
+        self.generation = generation;
         self.link = Link::Up(Box::new(Linked {
             acker: Some(Acker::open(
                 msg.channel.clone(),
@@ -262,7 +264,7 @@ impl Handler<Connected> for Consumer {
             true,
             Some(self.config.stage.pipeline()),
         );
-        if generation > 1 {
+        if !first {
             crate::metrics::reconnected("amqp");
         }
         self.maybe_subscribe(ctx);

@@ -123,7 +123,9 @@ pub struct Consumer {
     dispatch: Dispatch,
     link: Link,
     phase: Phase,
-    /// Bumped on every (re)connect; deliveries carry it back in `Settle`.
+    /// Bumped on every (re)connect (handed out by the stage's memory of copies, so a stage a
+    /// reload starts in this one's place never repeats one); deliveries carry it back in
+    /// `Settle`. 0 before the first link.
     generation: u64,
     /// Numbers subscriptions, so consumer tags stay unique.
     subscriptions: u64,
