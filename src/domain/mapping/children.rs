@@ -64,6 +64,34 @@ fn probe_name(n: usize) -> String {
     format!("warren_probe_c{n}")
 }
 
+/// A mistake in a child table's entry: the key at fault, as its path in the entry
+/// (`["columns", "qty"]`, `["key"]`; empty: the entry as a whole), and what was expected. It
+/// reads `columns.qty: <expected>` (the expected words alone for the entry as a whole).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{}", shown_at(.field, .expected))]
+pub(super) struct ChildError {
+    pub(super) field: Vec<String>,
+    pub(super) expected: String,
+}
+
+impl ChildError {
+    fn at(field: &[&str], expected: impl ToString) -> Self {
+        Self {
+            field: field.iter().map(|f| f.to_string()).collect(),
+            expected: expected.to_string(),
+        }
+    }
+}
+
+/// `field.path: expected`, or `expected` alone when no field is named.
+fn shown_at(field: &[String], expected: &str) -> String {
+    if field.is_empty() {
+        expected.to_string()
+    } else {
+        format!("{}: {expected}", field.join("."))
+    }
+}
+
 impl Child {
     /// Checks and compiles `spec`, the `n`-th child table of the pipeline whose parent table,
     /// columns, key and version column are given.
@@ -75,29 +103,33 @@ impl Child {
         parent_key: &[usize],
         version: Option<usize>,
         tombstones: Option<&TableName>,
-    ) -> Result<Self, String> {
-        let table = TableName::parse(&spec.table).map_err(|e| e.to_string())?;
-        let segments = pointer_segments(&spec.rows).map_err(|e| format!("rows: {e}"))?;
+    ) -> Result<Self, ChildError> {
+        let table = TableName::parse(&spec.table).map_err(|e| ChildError::at(&[], e))?;
+        let segments = pointer_segments(&spec.rows).map_err(|e| ChildError::at(&["rows"], e))?;
         if segments.is_empty() {
-            return Err(
-                "rows: expected a JSON Pointer to an array inside the body (\"/items\"), not \
-                 \"\" (the whole body)"
-                    .into(),
-            );
+            return Err(ChildError::at(
+                &["rows"],
+                "expected a JSON Pointer to an array inside the body (\"/items\"), not \"\" \
+                 (the whole body)",
+            ));
         }
         let max_rows = spec.max_rows.unwrap_or(MAX_ROWS_DEFAULT);
         if !(1..=MAX_ROWS_LIMIT).contains(&max_rows) {
-            return Err(format!(
-                "max_rows: expected 1 to {MAX_ROWS_LIMIT}, found {max_rows}"
+            return Err(ChildError::at(
+                &["max_rows"],
+                format!("expected 1 to {MAX_ROWS_LIMIT}, found {max_rows}"),
             ));
         }
         if spec.columns.is_empty() {
-            return Err("columns: at least one column is needed".into());
+            return Err(ChildError::at(
+                &["columns"],
+                "at least one column is needed",
+            ));
         }
         let mut columns = Vec::with_capacity(spec.columns.len());
         let mut fields = HashSet::new();
         for (name, c) in &spec.columns {
-            let at = |p: String| format!("columns.{name}: {p}");
+            let at = |p: String| ChildError::at(&["columns", name.as_str()], p);
             identifier(name).map_err(|e| at(e.to_string()))?;
             let given = [
                 c.path.is_some(),
@@ -210,22 +242,32 @@ impl Child {
                 column
                     .set_checks(c.one_of.as_deref(), c.pattern.as_deref())
                     .map_err(|(_, p)| at(p))?;
-                column.set_default(c.default.as_ref()).map_err(at)?;
+                column
+                    .set_default(c.default.as_ref())
+                    .map_err(|e| at(e.to_string()))?;
                 column
             };
             columns.push(column);
         }
         if spec.key.is_empty() {
-            return Err("key: name the columns of a primary key or unique index".into());
+            return Err(ChildError::at(
+                &["key"],
+                "name the columns of a primary key or unique index",
+            ));
         }
         let mut key = Vec::with_capacity(spec.key.len());
         for k in &spec.key {
             let i = columns
                 .iter()
                 .position(|c| &c.name == k)
-                .ok_or_else(|| format!("key: column {k:?} is not among the columns"))?;
+                .ok_or_else(|| {
+                    ChildError::at(&["key"], format!("column {k:?} is not among the columns"))
+                })?;
             if key.contains(&i) {
-                return Err(format!("key: column {k:?} named twice"));
+                return Err(ChildError::at(
+                    &["key"],
+                    format!("column {k:?} named twice"),
+                ));
             }
             key.push(i);
         }
@@ -237,11 +279,14 @@ impl Child {
                 .iter()
                 .position(|c| c.source == Source::Parent(pk))
                 .ok_or_else(|| {
-                    format!(
-                        "columns: no column carries the parent's key column {name} (expected \
-                         one such as {name} = {{ parent = \"{name}\" }}: a message's stored \
-                         child rows are found by it)",
-                        name = parent[pk].name
+                    ChildError::at(
+                        &["columns"],
+                        format!(
+                            "no column carries the parent's key column {name} (expected one \
+                             such as {name} = {{ parent = \"{name}\" }}: a message's stored \
+                             child rows are found by it)",
+                            name = parent[pk].name
+                        ),
                     )
                 })?;
             link.push(i);
@@ -487,15 +532,18 @@ fn reason_at(error: &ValueError, element: &str, pointer: &str) -> String {
 }
 
 /// No child table is the parent's or another child's.
-pub(super) fn distinct_tables(parent: &TableName, children: &[Child]) -> Result<(), String> {
+pub(super) fn distinct_tables(parent: &TableName, children: &[Child]) -> Result<(), ChildError> {
     let mut seen = vec![parent.sql()];
     for c in children {
         let name = c.table.sql();
         if seen.contains(&name) {
-            return Err(format!(
-                "children: table {} is written twice by this pipeline (expected each child \
-                 table once, none the pipeline's own table)",
-                c.table
+            return Err(ChildError::at(
+                &["children"],
+                format!(
+                    "table {} is written twice by this pipeline (expected each child table \
+                     once, none the pipeline's own table)",
+                    c.table
+                ),
             ));
         }
         seen.push(name);

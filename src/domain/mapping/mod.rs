@@ -96,6 +96,33 @@ struct Column {
     default: Option<Cell>,
 }
 
+/// Why a value written in the spec (a `one_of` value, a `default`) is not a value of its
+/// column: what a message's value would be told (`expected a string, found the number 5`,
+/// `expected at least 1, found 0`).
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+#[error("{}", unfit_words(.0))]
+struct Unfit(ValueError);
+
+/// [`Unfit`]'s words: a declared check's expectation, else the value's error as it reads.
+fn unfit_words(error: &ValueError) -> String {
+    match error {
+        ValueError::Check(check) => check.expected(),
+        other => other.to_string(),
+    }
+}
+
+/// Why a column's `default` is refused.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+enum DefaultError {
+    #[error(
+        "default: expected a value of the column's type (null is no default: an optional \
+         column is NULL when its field is absent)"
+    )]
+    Null,
+    #[error("default: {0}")]
+    Unfit(Unfit),
+}
+
 /// A column's `one_of`: the cells accepted, and their list as a reason shows it.
 #[derive(Debug, Clone)]
 struct OneOf {
@@ -175,7 +202,7 @@ impl Column {
 
     /// `value` as a message's value of this column would be read and checked, or what is
     /// wrong with it (`expected a string, found the number 5`, `expected at least 1, found 0`).
-    fn probe(&self, value: &Value) -> Result<Cell, String> {
+    fn probe(&self, value: &Value) -> Result<Cell, Unfit> {
         let mut probe = self.clone();
         probe.source = Source::Path {
             pointer: String::new(),
@@ -183,30 +210,20 @@ impl Column {
         };
         probe.optional = false;
         probe.default = None;
-        Mapping::cell(&probe, &value.to_string(), value, None, None).map_err(|e| match &e {
-            ValueError::Check(check) => check.expected(),
-            other => other.to_string(),
-        })
+        Mapping::cell(&probe, &value.to_string(), value, None, None).map_err(Unfit)
     }
 
     /// Sets the column's `default` (the spec's value), after checking it as a message's value
     /// of the column would be checked: `Err` names what is wrong with it (`expected a string,
     /// found the number 5`, `expected at least 1, found 0`).
-    fn set_default(&mut self, value: Option<&Value>) -> Result<(), String> {
+    fn set_default(&mut self, value: Option<&Value>) -> Result<(), DefaultError> {
         let Some(value) = value else {
             return Ok(());
         };
         if value.is_null() {
-            return Err(
-                "default: expected a value of the column's type (null is no default: an \
-                 optional column is NULL when its field is absent)"
-                    .into(),
-            );
+            return Err(DefaultError::Null);
         }
-        self.default = Some(
-            self.probe(value)
-                .map_err(|words| format!("default: {words}"))?,
-        );
+        self.default = Some(self.probe(value).map_err(DefaultError::Unfit)?);
         Ok(())
     }
 
@@ -443,7 +460,7 @@ impl Mapping {
                 .map_err(|(key, p)| at_key(key, p))?;
             column
                 .set_default(c.default.as_ref())
-                .map_err(|p| at_key("default", p))?;
+                .map_err(|p| at_key("default", p.to_string()))?;
             columns.push(column);
         }
         let index_of = |name: &str| columns.iter().position(|c| c.name == name);
@@ -560,7 +577,7 @@ impl Mapping {
             compiled_children.push(c);
         }
         children::distinct_tables(&table, &compiled_children)
-            .map_err(|problem| err("children", problem))?;
+            .map_err(|problem| err("children", problem.to_string()))?;
         Ok(Self {
             pipeline: pipeline.to_string(),
             table,
