@@ -80,12 +80,13 @@ impl Pattern {
                 found: source.len(),
             });
         }
-        let parsed = ast::parse::Parser::new()
-            .parse(source)
-            .map_err(|e| PatternError::NotRegex {
-                written: source.to_string(),
-                problem: e.kind().to_string(),
-            })?;
+        let parsed =
+            ast::parse::Parser::new()
+                .parse(source)
+                .map_err(|e| PatternError::NotRegex {
+                    written: source.to_string(),
+                    problem: e.kind().to_string(),
+                })?;
         check(&parsed, source).map_err(|construct| PatternError::Outside {
             written: source.to_string(),
             construct,
