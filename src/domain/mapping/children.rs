@@ -5,7 +5,7 @@
 //! writing a batch's children with one statement per child table:
 //! - `keep`, every parent new (the common case): the parents' plain insert, then each child
 //!   table's plain insert of every child row, in one transaction. When a key is held or repeated,
-//!   the parents go through the probe as before (`insert.rs`); the records whose parent row this
+//!   the parents go through the probe as before (`probe.rs`); the records whose parent row this
 //!   transaction wrote (its `xmin`) insert their children, and every other record whose parent is
 //!   a copy has its children compared with what its key holds (converted by PostgreSQL in a probe
 //!   of the child table): the same rows, an idempotent success; other rows, `id_conflict`.
@@ -23,7 +23,8 @@ use serde_json::Value;
 use serde_json::value::RawValue;
 use tokio_postgres::types::ToSql;
 
-use super::insert::{self, Array, ORD};
+use super::arrays::{Array, key_text, run};
+use super::statements::ORD;
 use super::values::{found, lookup, pointer_segments, raw_json};
 use super::{
     Cell, ChildRows, ChildSpec, ColType, Column, MAX_ROWS_DEFAULT, Mapping, OnConflict, Problem,
@@ -257,12 +258,9 @@ impl Child {
         }
         let mut key = Vec::with_capacity(spec.key.len());
         for k in &spec.key {
-            let i = columns
-                .iter()
-                .position(|c| &c.name == k)
-                .ok_or_else(|| {
-                    ChildError::at(&["key"], format!("column {k:?} is not among the columns"))
-                })?;
+            let i = columns.iter().position(|c| &c.name == k).ok_or_else(|| {
+                ChildError::at(&["key"], format!("column {k:?} is not among the columns"))
+            })?;
             if key.contains(&i) {
                 return Err(ChildError::at(
                     &["key"],
@@ -323,6 +321,22 @@ impl Child {
             reads_object,
             statements,
         })
+    }
+
+    /// The plain insert of its rows (`$1..$n`, one array per column).
+    pub(super) fn insert_statement(&self) -> &str {
+        &self.statements.insert
+    }
+
+    /// `update`: the stored child rows of the keys (`$1..$k`) whose parent row this
+    /// transaction wrote, deleted.
+    pub(super) fn delete_statement(&self) -> &str {
+        &self.statements.delete
+    }
+
+    /// `update`: the rows of the records whose parent row this transaction wrote.
+    pub(super) fn insert_won_statement(&self) -> &str {
+        &self.statements.insert_won
     }
 
     /// `update`: the stored child rows of the keys whose row this transaction wrote (read from
@@ -571,171 +585,6 @@ pub(super) fn child_arrays<'a>(
     (arrays, ords)
 }
 
-/// `statement` run with `arrays`, then `more`, as its parameters, prepared once per connection.
-async fn run(
-    client: &deadpool_postgres::Client,
-    statement: &str,
-    arrays: &[Array],
-    more: &[&(dyn ToSql + Sync)],
-) -> Result<u64, DbError> {
-    let mut params: Vec<&(dyn ToSql + Sync)> = arrays.iter().map(Array::as_param).collect();
-    params.extend_from_slice(more);
-    let prepared = client
-        .prepare_cached(statement)
-        .await
-        .map_err(DbError::from_pg)?;
-    client
-        .execute(&prepared, &params)
-        .await
-        .map_err(DbError::from_pg)
-}
-
-/// Ends the transaction `work` ran in: committed when it succeeded with `Some`, else rolled
-/// back. A transaction that cannot be ended is the connection's failure.
-async fn end<T>(
-    client: &deadpool_postgres::Client,
-    result: Result<Option<T>, DbError>,
-) -> Result<Option<T>, DbError> {
-    let end = if matches!(result, Ok(Some(_))) {
-        "COMMIT"
-    } else {
-        "ROLLBACK"
-    };
-    match client.batch_execute(end).await {
-        Ok(()) => result,
-        Err(e) => result.and(Err(DbError::from_pg(e))),
-    }
-}
-
-/// Inserts `records` of a mapping with child tables: each message's parent row and child rows
-/// in one transaction, one statement per table (see the module's doc).
-pub(super) async fn insert(
-    mapping: &Mapping,
-    client: &deadpool_postgres::Client,
-    records: &[&Row],
-) -> Result<Inserted, DbError> {
-    let st = insert::statements(mapping, client).await?;
-    let arrays = insert::arrays(mapping, records);
-    let params: Vec<&(dyn ToSql + Sync)> = arrays.iter().map(Array::as_param).collect();
-    if records.is_empty() {
-        // The breaker's probe: each statement runs, writing nothing (a missing table or
-        // privilege answers as it would for a batch).
-        let prepared = client
-            .prepare_cached(&st.insert)
-            .await
-            .map_err(DbError::from_pg)?;
-        client
-            .query(&prepared, &params)
-            .await
-            .map_err(DbError::from_pg)?;
-        for (n, child) in mapping.children.iter().enumerate() {
-            let (arrays, _) = child_arrays(child, n, std::iter::empty());
-            run(client, &child.statements.insert, &arrays, &[]).await?;
-        }
-        return Ok(Inserted::default());
-    }
-    let all = || records.iter().enumerate().map(|(i, r)| (i as i64 + 1, *r));
-    match mapping.on_conflict {
-        OnConflict::Keep => {
-            // Every parent new (the common case): the parents, then every child row.
-            client
-                .batch_execute("BEGIN")
-                .await
-                .map_err(DbError::from_pg)?;
-            let fast = async {
-                let Some(sql) = &st.insert_new else {
-                    return Ok(None);
-                };
-                match crate::domain::insert_if_all_new(client, sql, &params).await? {
-                    Some(rows) if rows == records.len() as u64 => {
-                        for (n, child) in mapping.children.iter().enumerate() {
-                            let (arrays, _) = child_arrays(child, n, all());
-                            run(client, &child.statements.insert, &arrays, &[]).await?;
-                        }
-                        Ok(Some(rows))
-                    }
-                    // A key held or repeated, or a row a trigger discarded: through the probe.
-                    _ => Ok(None),
-                }
-            }
-            .await;
-            if let Some(rows) = end(client, fast).await? {
-                return Ok(Inserted {
-                    rows,
-                    ..Default::default()
-                });
-            }
-            let Some(keep) = &st.probe_keep else {
-                return Err(DbError::Migration(
-                    "keep without its probe statement".into(),
-                ));
-            };
-            insert::in_probe(&st.probe_table, client, true, async {
-                let mut done =
-                    insert::keep_in_probe(mapping, st, client, records, &params, keep).await?;
-                keep_children(mapping, client, records, &mut done).await?;
-                Ok(done)
-            })
-            .await
-        }
-        OnConflict::Update => {
-            if mapping.delete.is_some() {
-                // Deletes: every batch through the probe, under a lock per key.
-                return super::versions::write(mapping, st, client, records).await;
-            }
-            client
-                .batch_execute("BEGIN")
-                .await
-                .map_err(DbError::from_pg)?;
-            let key_arrays: Vec<&(dyn ToSql + Sync)> =
-                mapping.key.iter().map(|&i| params[i]).collect();
-            let version = mapping.version.map(|v| params[v]);
-            let upsert = async {
-                let prepared = client
-                    .prepare_cached(&st.insert)
-                    .await
-                    .map_err(DbError::from_pg)?;
-                let written = match client.query(&prepared, &params).await {
-                    Ok(rows) => rows.len(),
-                    // Two records of one key under the column's type: through the probe.
-                    Err(e)
-                        if e.code()
-                            == Some(&tokio_postgres::error::SqlState::CARDINALITY_VIOLATION) =>
-                    {
-                        return Ok(None);
-                    }
-                    Err(e) => return Err(DbError::from_pg(e)),
-                };
-                for (n, child) in mapping.children.iter().enumerate() {
-                    run(client, &child.statements.delete, &[], &key_arrays).await?;
-                    let (arrays, ords) = child_arrays(child, n, all());
-                    let mut more: Vec<&(dyn ToSql + Sync)> = vec![&ords];
-                    more.extend(key_arrays.iter().copied());
-                    more.extend(version);
-                    run(client, &child.statements.insert_won, &arrays, &more).await?;
-                }
-                Ok(Some(written))
-            }
-            .await;
-            match end(client, upsert).await? {
-                // Every record its key's newest version: the common case.
-                Some(written) if written == records.len() => Ok(Inserted {
-                    rows: written as u64,
-                    ..Default::default()
-                }),
-                // An older or equal version, or two records of one key: each record's outcome
-                // through the probe; what was committed is its key's newest, a copy there.
-                Some(written) => {
-                    let mut done = super::versions::write(mapping, st, client, records).await?;
-                    done.rows += written as u64;
-                    Ok(done)
-                }
-                None => super::versions::write(mapping, st, client, records).await,
-            }
-        }
-    }
-}
-
 /// `warren pipelines test --db` (`lookup::trial`): `record`'s child rows written after its
 /// parent row, in the caller's transaction (which rolls them back), one child table at a
 /// time, by the pipeline's statements; with `update`, the stored children of its key deleted
@@ -768,7 +617,7 @@ pub(super) async fn trial(
 /// children (of several records of one key, the first delivered, the one written); every
 /// other record whose parent is a copy has its children compared with what its key holds,
 /// and other rows make it `id_conflict`.
-async fn keep_children(
+pub(super) async fn keep_children(
     mapping: &Mapping,
     client: &deadpool_postgres::Client,
     records: &[&Row],
@@ -826,7 +675,7 @@ async fn keep_children(
             i,
             format!(
                 "{} is already stored with other rows of {table}",
-                insert::key_text(mapping, records[i])
+                key_text(mapping, records[i])
             ),
         ));
     }

@@ -6,11 +6,14 @@
 //! yields one cell per column, or a rejection naming the path, what was expected and what was
 //! found. Every pipeline is one, the built-in users pipeline included. `values.rs` holds the
 //! checks of one value; `insert.rs` writes a batch with one statement (`on_conflict = keep |
-//! update`), `lookup.rs` answers the API's questions to the table; `schema.rs` checks the mapping against
+//! update`), choosing its path: above `children.rs`, `versions.rs` (`update`'s per-record
+//! outcomes), `probe.rs` (the probe's questions), and, at the bottom, `statements.rs` (every
+//! statement's text, built once) and `arrays.rs` (a batch as parameters); `lookup.rs` answers the API's questions to the table; `schema.rs` checks the mapping against
 //! the table before anything is consumed; `children.rs` holds the child tables filled from arrays
 //! of the message (`[[pipelines.children]]`), written in the parent row's transaction; `spec.rs`
 //! the spec as the configuration gives it; `decode.rs` one message into its cells.
 
+mod arrays;
 mod children;
 mod decode;
 use decode::shown_cell;
@@ -19,7 +22,9 @@ mod insert;
 mod lookup;
 mod names;
 mod pattern;
+mod probe;
 mod spec;
+mod statements;
 pub use delete::Op;
 pub use lookup::{Refusal, Standing, Trial, Unstorable};
 use names::identifier;
@@ -303,10 +308,10 @@ pub struct Mapping {
     /// that is no object is then refused as the wrong shape.
     reads_object: bool,
     /// The insert statements, built once.
-    statements: insert::Statements,
+    statements: statements::Statements,
     /// The statements again with the casts of the table's enum columns, built when the table
     /// is first written (`None`: it has none, `statements` serve).
-    bound: std::sync::Arc<tokio::sync::OnceCell<Option<insert::Statements>>>,
+    bound: std::sync::Arc<tokio::sync::OnceCell<Option<statements::Statements>>>,
     /// Per column, its place in the table (`attnum`), learnt with `bound`: a reason that lists
     /// several columns lists them in the table's order (`another name and email`).
     attnums: std::sync::Arc<std::sync::OnceLock<Vec<i16>>>,
@@ -551,7 +556,7 @@ impl Mapping {
         };
         let tombstones = delete.as_ref().map(|d| &d.tombstones);
         let statements =
-            insert::Statements::build(&table, &columns, &key, version, &[], tombstones);
+            statements::Statements::build(&table, &columns, &key, version, &[], tombstones);
         let mut reads_object = columns.iter().any(|c| match &c.source {
             Source::Path { segments, .. } => {
                 !c.optional
