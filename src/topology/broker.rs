@@ -57,6 +57,13 @@ fn drops_past_default_limit(q: &Queue) -> bool {
 }
 
 impl Topology {
+    /// Whether [`Topology::check_broker`] depends on the broker's version: some queue is a
+    /// quorum queue declared without a delivery limit that dead-letters nowhere (a quorum DLQ
+    /// with `DLQ_DELIVERY_LIMIT=0`). Only then must `warren run` ask the broker which it is.
+    pub fn depends_on_broker_version(&self) -> bool {
+        self.queues.iter().any(drops_past_default_limit)
+    }
+
     /// Refuses, as a bad setting (exit 2), a topology that would lose messages on the broker
     /// of `version`: on RabbitMQ 4 a quorum DLQ declared without a delivery limit
     /// (`DLQ_DELIVERY_LIMIT=0`) gets one of 20. Called before anything is declared.
@@ -134,5 +141,15 @@ mod tests {
         assert_eq!(limited.check_broker(Some("4.0.5")).ok(), Some(()));
         let classic = topology(&[("dlq_delivery_limit", "0")]);
         assert_eq!(classic.check_broker(Some("4.0.5")).ok(), Some(()));
+    }
+
+    /// `warren run` without `--declare` asks the broker only when the check depends on it.
+    #[test]
+    fn only_a_quorum_dlq_without_a_limit_depends_on_the_brokers_version() {
+        let unlimited = topology(&[("queue_type", "quorum"), ("dlq_delivery_limit", "0")]);
+        assert!(unlimited.depends_on_broker_version());
+        assert!(!topology(&[("queue_type", "quorum")]).depends_on_broker_version());
+        assert!(!topology(&[("dlq_delivery_limit", "0")]).depends_on_broker_version());
+        assert!(!topology(&[]).depends_on_broker_version());
     }
 }
