@@ -46,6 +46,10 @@
 //!   folder (`dlq/`: the queue and the parking table).
 //! - [`text`]: the caps on outside text wherever it reaches an event, a log line or a stored
 //!   error; below every other module.
+//! - [`redact`]: secrets out of URL settings wherever one is shown (the broker link, the
+//!   configuration, the CLI); below every other module.
+//! - [`error_kind`]: [`error_kind::ErrorKind`], the one list of why a message is dead-lettered
+//!   or parked (stages, metrics, parking, API and CLI); below every other module.
 
 pub mod amqp;
 pub mod app;
@@ -53,10 +57,12 @@ pub mod cli;
 pub mod config;
 pub mod db;
 pub mod domain;
+pub mod error_kind;
 pub mod events;
 pub mod http;
 pub mod metrics;
 pub mod pipeline;
+pub mod redact;
 pub mod registry;
 pub mod text;
 pub mod topology;

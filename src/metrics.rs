@@ -14,7 +14,7 @@ use metrics::{
 use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
 use tracing::warn;
 
-use crate::domain::ErrorKind;
+use crate::error_kind::ErrorKind;
 
 pub const RECEIVED: &str = "warren_messages_received_total";
 pub const INSERTED: &str = "warren_messages_inserted_total";

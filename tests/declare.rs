@@ -623,7 +623,8 @@ async fn declare_applies_the_migrations_in_the_schema() {
 /// `DLQ_DELIVERY_LIMIT=0` declares a quorum DLQ without a delivery limit where the broker gives it
 /// none (RabbitMQ 3.x, the broker of these tests), and is refused, exit 2 and nothing declared,
 /// where it would give it 20 (RabbitMQ 4): the version is the one the broker sends in
-/// `connection.start`.
+/// `connection.start`. `warren run` without `--declare` checks the same at its start: on 3.x it
+/// starts (and serves), on 4.x it exits 2 in the same words.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_quorum_dlq_without_a_limit_is_declared_only_where_the_broker_sets_none() {
     let mut env = TestEnv::new("decl_dlq0").await;
@@ -644,6 +645,14 @@ async fn a_quorum_dlq_without_a_limit_is_declared_only_where_the_broker_sets_non
             "{err}"
         );
         assert!(queues(&env).await.is_empty(), "something was declared");
+        let mut run = env.start(&[]);
+        let status = run.wait(Duration::from_secs(30));
+        let logs = run.logs();
+        assert_eq!(status.code(), Some(2), "run on RabbitMQ {version}:\n{logs}");
+        assert!(
+            logs.contains("DLQ_DELIVERY_LIMIT: expected 10000 to 1000000000 on RabbitMQ"),
+            "{logs}"
+        );
         return;
     }
     assert_eq!(code, 0, "declare on RabbitMQ {version}:\n{out}\n{err}");
@@ -660,6 +669,11 @@ async fn a_quorum_dlq_without_a_limit_is_declared_only_where_the_broker_sets_non
         declared[&env.main_queue].arguments.get("x-delivery-limit"),
         Some(&json!(20))
     );
+    // `run` without `--declare` asks the broker its version too, and starts on 3.x.
+    let mut run = env.start(&[]);
+    wait_ready(&env, Duration::from_secs(30)).await;
+    assert!(run.is_running(), "{}", run.logs());
+    run.terminate_ok(Duration::from_secs(30));
 }
 
 /// A child table's foreign keys at `warren declare` and at the start of `warren run`: one to the

@@ -1,7 +1,8 @@
 //! The broker link's own settings ([`AmqpConfig`]: the nodes, the shuffle, the heartbeat, the
 //! connect, publish and consumer timeouts, the latency header) and their checks
 //! ([`AmqpConfig::validate`]). Built from warren's settings above this layer
-//! (`config::components`); nothing here reads those.
+//! (`config::components`); nothing here reads those. [`hand_back_after`] (the time a delivery
+//! may be held under the broker's `consumer_timeout`) is the broker's rule, so it lives here.
 
 use std::fmt;
 use std::time::Duration;
@@ -66,7 +67,7 @@ impl fmt::Debug for AmqpConfig {
         let nodes: Vec<String> = self
             .urls
             .iter()
-            .map(|u| crate::config::redact_url(u))
+            .map(|u| crate::redact::redact_url(u))
             .collect();
         f.debug_struct("AmqpConfig")
             .field("urls", &nodes)
@@ -105,7 +106,7 @@ impl AmqpConfig {
             .map(|(i, url)| {
                 url.parse().map_err(|error: String| AmqpConfigError::Url {
                     entry: i + 1,
-                    shown: crate::config::redact_url(url),
+                    shown: crate::redact::redact_url(url),
                     error,
                 })
             })
@@ -123,11 +124,21 @@ impl AmqpConfig {
     }
 
     /// How long a delivery may stay unacked in warren before it is given back (nack with
-    /// requeue): 80% of the broker's `consumer_timeout` ([`crate::config::hand_back_after`]);
-    /// `None` when the broker has none.
+    /// requeue): 80% of the broker's `consumer_timeout` ([`hand_back_after`]); `None` when
+    /// the broker has none.
     pub fn hand_back_after(&self) -> Option<Duration> {
-        crate::config::hand_back_after(self.consumer_timeout_ms)
+        hand_back_after(self.consumer_timeout_ms)
     }
+}
+
+/// How long a delivery may stay unacked in warren under a broker `consumer_timeout` of
+/// `timeout_ms` (0 = none): 80% of it. The 20% margin (6 minutes at RabbitMQ's default of
+/// 30) covers what may still run after the check: the database statement in flight (bounded by
+/// `DATABASE_STATEMENT_TIMEOUT_MS` + 2 s), the fallback stage's settling and the nack's way to
+/// the broker; the broker itself only checks on its channel tick (every 60 s on 3.10), which can
+/// only make it later.
+pub fn hand_back_after(timeout_ms: u64) -> Option<Duration> {
+    (timeout_ms > 0).then(|| Duration::from_millis(timeout_ms * 4 / 5))
 }
 
 #[cfg(test)]

@@ -21,7 +21,7 @@ use lapin::{Channel, Connection, ConnectionProperties};
 
 use tracing::{info, warn};
 
-pub use config::{AmqpConfig, AmqpConfigError};
+pub use config::{AmqpConfig, AmqpConfigError, hand_back_after};
 
 /// An AMQP failure at warren's boundary.
 #[derive(Debug, Clone, thiserror::Error)]

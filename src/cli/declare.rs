@@ -114,6 +114,23 @@ pub async fn declare_topology(
     Ok(rows)
 }
 
+/// What `warren declare` checks of the broker before declaring ([`Topology::check_broker`]:
+/// on RabbitMQ 4 a quorum DLQ without a delivery limit gets one of 20), for `warren run`
+/// without `--declare`, whose queues were declared by another run or another version of the
+/// broker: refused as a bad setting (exit 2) with the same words. The broker is asked only
+/// when the answer depends on it (a quorum DLQ with `DLQ_DELIVERY_LIMIT=0`); one that cannot be
+/// reached is an error the caller retries.
+pub async fn check_broker(settings: &Settings, topology: &Topology) -> anyhow::Result<()> {
+    if !topology.depends_on_broker_version() {
+        return Ok(());
+    }
+    let conn = broker(settings).await?;
+    let version = crate::topology::broker::broker_version(&conn);
+    amqp::close(None, Some(conn)).await;
+    topology.check_broker(version.as_deref())?;
+    Ok(())
+}
+
 /// Checks that every exchange and queue of `topology` exists (a passive declare each), so a
 /// pipeline a reload starts without `--declare` is refused with the names to declare, instead of
 /// starting, failing to subscribe for ever and taking the instance's readiness with it.

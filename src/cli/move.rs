@@ -27,7 +27,7 @@ pub struct Args {
     #[arg(long, value_name = "EXCHANGE[/ROUTING_KEY]", value_parser = parse_target)]
     pub to: Target,
     /// Move at most N messages.
-    #[arg(long, value_name = "N", value_parser = parse_limit)]
+    #[arg(long, value_name = "N", value_parser = crate::cli::dlq::parse_limit)]
     pub limit: Option<u64>,
     /// Messages republished and awaiting their confirms at once (1 to 10000).
     #[arg(long, value_name = "N", default_value_t = 100,
@@ -80,14 +80,6 @@ fn parse_target(raw: &str) -> Result<Target, String> {
         exchange: exchange.to_string(),
         routing_key,
     })
-}
-
-/// `--limit`: a whole number of at least 1.
-fn parse_limit(raw: &str) -> Result<u64, String> {
-    match raw.trim().parse::<u64>() {
-        Ok(n) if n >= 1 => Ok(n),
-        _ => Err("expected a whole number of at least 1".into()),
-    }
 }
 
 pub async fn execute(settings: &Settings, args: Args) -> anyhow::Result<i32> {

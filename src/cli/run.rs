@@ -124,6 +124,11 @@ pub async fn execute(
         if declare {
             crate::cli::declare::migrate(&settings).await?;
             crate::cli::declare::tombstones(&settings).await?;
+        } else {
+            // What declare checks of the broker's version (a quorum DLQ without a delivery
+            // limit on RabbitMQ 4), checked here too: exit 2 in the same words.
+            let topology = Topology::from_settings(&settings)?;
+            crate::cli::declare::check_broker(&settings, &topology).await?;
         }
         crate::cli::declare::check_tables(&settings).await
     };
@@ -173,6 +178,7 @@ pub async fn execute(
                             .await
                             .map(drop)
                     } else {
+                        crate::cli::declare::check_broker(&settings, &topology).await?;
                         crate::cli::declare::check_declared(&settings, &topology).await
                     }
                 };

@@ -7,21 +7,20 @@
 //! values (queue type, balance, roles, retry tiers); `error` the [`ConfigError`]s and where a
 //! value was given ([`Origin`]); `diagnose` the file's lines and an error in warren's words
 //! (where, which setting or pipeline field, what was expected, the closest valid name);
-//! `redact` keeps secrets out of what is shown; [`pipelines`] the `[[pipelines]]` entries and
+//! secrets are kept out of what is shown by `crate::redact` (re-exported here); [`pipelines`] the `[[pipelines]]` entries and
 //! the one resolution step that turns each, with the defaults, into its checked
 //! [`pipelines::PipelineSpec`] when the settings load ([`Settings::pipelines`]).
 
 mod diagnose;
 mod error;
 pub mod pipelines;
-mod redact;
 mod rules;
 mod sources;
 mod values;
 
+pub use crate::redact::redact_url;
 use diagnose::FileText;
 pub use error::{ConfigError, Origin};
-pub use redact::redact_url;
 #[cfg(test)]
 pub use rules::sample_values;
 use rules::{Rule, check, suggest};
@@ -289,15 +288,7 @@ pub fn setting_names() -> impl Iterator<Item = (&'static str, String)> {
         .map(|(key, _)| (*key, key.to_ascii_uppercase()))
 }
 
-/// How long a delivery may stay unacked in warren under a broker `consumer_timeout` of
-/// `timeout_ms` (0 = none): 80% of it. The 20% margin (6 minutes at RabbitMQ's default of
-/// 30) covers what may still run after the check: the database statement in flight (bounded by
-/// `DATABASE_STATEMENT_TIMEOUT_MS` + 2 s), the fallback stage's settling and the nack's way to
-/// the broker; the broker itself only checks on its channel tick (every 60 s on 3.10), which can
-/// only make it later.
-pub fn hand_back_after(timeout_ms: u64) -> Option<Duration> {
-    (timeout_ms > 0).then(|| Duration::from_millis(timeout_ms * 4 / 5))
-}
+pub use crate::amqp::hand_back_after;
 
 /// Checks each value of `file` that another source overrides (the environment, a flag) by its
 /// setting's rule, as if it were the effective one: the error names the file's line and says

@@ -179,9 +179,12 @@ pub(super) fn check_warren_env() -> Result<(), ConfigError> {
     Ok(())
 }
 
+/// Each setting's origin, by the setting's key (what [`origins`] answers).
+pub type Origins = BTreeMap<&'static str, String>;
+
 /// Where each setting's value comes from, for `warren config --origin`: `--set`/a flag, an
 /// environment variable (named), the file (its path), or the built-in defaults.
-pub fn origins(sources: &Sources) -> Result<BTreeMap<&'static str, String>, ConfigError> {
+pub fn origins(sources: &Sources) -> Result<Origins, ConfigError> {
     let file_keys: Vec<String> = match &sources.file {
         Some(path) => std::fs::read_to_string(path)
             .ok()

@@ -11,8 +11,11 @@ use super::{Queue, Topology};
 use crate::config::ConfigError;
 
 /// The first RabbitMQ major version that gives a quorum queue declared without
-/// `x-delivery-limit` a limit of 20 (3.x: none).
+/// `x-delivery-limit` a limit of [`DEFAULT_DELIVERY_LIMIT`] (3.x: none).
 const DEFAULT_LIMIT_SINCE: u32 = 4;
+
+/// The delivery limit RabbitMQ 4 gives a quorum queue that declares none.
+pub const DEFAULT_DELIVERY_LIMIT: u32 = 20;
 
 /// The broker's version as it said it in `connection.start` (RabbitMQ: `3.10.7`, `4.0.5`);
 /// `None` when it gave none.
@@ -31,13 +34,18 @@ fn major(version: &str) -> Option<u32> {
     version.split(['.', '-', '+']).next()?.trim().parse().ok()
 }
 
+/// Whether the broker of `version` gives a quorum queue that declares no delivery limit a
+/// limit of its own ([`DEFAULT_DELIVERY_LIMIT`], RabbitMQ 4 and later); `None` when the version
+/// is unknown or unreadable, for the caller to decide which way is safe.
+pub fn gives_default_limit(version: Option<&str>) -> Option<bool> {
+    version.and_then(major).map(|m| m >= DEFAULT_LIMIT_SINCE)
+}
+
 /// Whether the broker gives a quorum queue that declares no delivery limit a limit of its own
 /// (RabbitMQ 4 and later). An unknown or unreadable version is taken as one that does not: the
 /// check cannot tell, and 3.x is what warren is tested on.
 fn limits_by_default(version: Option<&str>) -> bool {
-    version
-        .and_then(major)
-        .is_some_and(|m| m >= DEFAULT_LIMIT_SINCE)
+    gives_default_limit(version).unwrap_or(false)
 }
 
 /// A queue the broker's default limit would make drop messages: quorum, no `x-delivery-limit`,
@@ -49,6 +57,13 @@ fn drops_past_default_limit(q: &Queue) -> bool {
 }
 
 impl Topology {
+    /// Whether [`Topology::check_broker`] depends on the broker's version: some queue is a
+    /// quorum queue declared without a delivery limit that dead-letters nowhere (a quorum DLQ
+    /// with `DLQ_DELIVERY_LIMIT=0`). Only then must `warren run` ask the broker which it is.
+    pub fn depends_on_broker_version(&self) -> bool {
+        self.queues.iter().any(drops_past_default_limit)
+    }
+
     /// Refuses, as a bad setting (exit 2), a topology that would lose messages on the broker
     /// of `version`: on RabbitMQ 4 a quorum DLQ declared without a delivery limit
     /// (`DLQ_DELIVERY_LIMIT=0`) gets one of 20. Called before anything is declared.
@@ -97,6 +112,10 @@ mod tests {
         assert!(limits_by_default(Some("4.2.1")));
         assert!(!limits_by_default(None));
         assert!(!limits_by_default(Some("unknown")));
+        assert_eq!(gives_default_limit(Some("3.10.7")), Some(false));
+        assert_eq!(gives_default_limit(Some("4.0.5")), Some(true));
+        assert_eq!(gives_default_limit(Some("unknown")), None);
+        assert_eq!(gives_default_limit(None), None);
     }
 
     #[test]
@@ -122,5 +141,15 @@ mod tests {
         assert_eq!(limited.check_broker(Some("4.0.5")).ok(), Some(()));
         let classic = topology(&[("dlq_delivery_limit", "0")]);
         assert_eq!(classic.check_broker(Some("4.0.5")).ok(), Some(()));
+    }
+
+    /// `warren run` without `--declare` asks the broker only when the check depends on it.
+    #[test]
+    fn only_a_quorum_dlq_without_a_limit_depends_on_the_brokers_version() {
+        let unlimited = topology(&[("queue_type", "quorum"), ("dlq_delivery_limit", "0")]);
+        assert!(unlimited.depends_on_broker_version());
+        assert!(!topology(&[("queue_type", "quorum")]).depends_on_broker_version());
+        assert!(!topology(&[("dlq_delivery_limit", "0")]).depends_on_broker_version());
+        assert!(!topology(&[]).depends_on_broker_version());
     }
 }

@@ -229,8 +229,8 @@ pub struct ParkedReplayArgs {
     pub limit: Option<u64>,
 }
 
-/// `--limit`: a whole number of at least 1.
-fn parse_limit(raw: &str) -> Result<u64, String> {
+/// `--limit` (of `dlq` and `move`): a whole number of at least 1.
+pub(crate) fn parse_limit(raw: &str) -> Result<u64, String> {
     match raw.trim().parse::<u64>() {
         Ok(n) if n >= 1 => Ok(n),
         _ => Err("expected a whole number of at least 1".into()),

@@ -17,6 +17,7 @@ use crate::amqp::{self, headers};
 use crate::cli::out::{self, errln, out, outln};
 use crate::config::{QueueType, Settings, redact_url};
 use crate::registry::record::PipelineRecord;
+use crate::topology::broker::{DEFAULT_DELIVERY_LIMIT, broker_version, gives_default_limit};
 
 pub(super) async fn broker(settings: &Settings) -> anyhow::Result<Connection> {
     amqp::connect(&settings.amqp(), "dlq tool", amqp::Frames::Broker)
@@ -40,9 +41,50 @@ async fn depth(conn: &Connection, queue: &str) -> anyhow::Result<u32> {
     }
 }
 
-/// The delivery limit RabbitMQ 4 gives a quorum queue that declares none (`DLQ_DELIVERY_LIMIT=0`);
-/// RabbitMQ 3.x gives none, but inspect cannot tell which it talks to, so it assumes the lower.
-const BROKER_DEFAULT_DELIVERY_LIMIT: u64 = 20;
+/// How the DLQ's deliveries are bounded, which is what `dlq inspect` must respect.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Bound {
+    /// A classic queue: no delivery limit.
+    Classic,
+    /// A quorum DLQ declared without a delivery limit (`DLQ_DELIVERY_LIMIT=0`) on a broker that
+    /// gives it none (RabbitMQ 3.x, its version given): no delivery is spent against anything.
+    Unlimited { version: String },
+    /// A quorum DLQ with a delivery limit: its own, or, for 0, RabbitMQ 4's default.
+    Limited(Spend),
+}
+
+impl Bound {
+    /// The bound of a DLQ of `queue_type` declared with `dlq_delivery_limit`, on the broker of
+    /// `version` (as it says it in `connection.start`). For 0, RabbitMQ 4 gives a quorum queue
+    /// a limit of 20 and 3.x none; a broker that gives no readable version is taken as 4.x (the
+    /// lower bound, so inspect never spends what it cannot tell is free).
+    fn of(queue_type: QueueType, dlq_delivery_limit: u32, version: Option<&str>) -> Self {
+        if queue_type != QueueType::Quorum {
+            return Bound::Classic;
+        }
+        let limit = match (dlq_delivery_limit, gives_default_limit(version)) {
+            (0, Some(false)) => {
+                return Bound::Unlimited {
+                    version: version.unwrap_or_default().to_string(),
+                };
+            }
+            (0, _) => u64::from(DEFAULT_DELIVERY_LIMIT),
+            (n, _) => u64::from(n),
+        };
+        Bound::Limited(Spend {
+            limit,
+            margin: (limit / 10).max(2),
+        })
+    }
+
+    /// The spend to check each message against (`None`: nothing to check).
+    fn spend(&self) -> Option<Spend> {
+        match self {
+            Bound::Limited(spend) => Some(*spend),
+            Bound::Classic | Bound::Unlimited { .. } => None,
+        }
+    }
+}
 
 /// What `dlq inspect` spends on a quorum DLQ: each `basic.get` is a delivery, and the broker
 /// drops a message past the DLQ's delivery limit (the DLQ dead-letters nowhere).
@@ -56,20 +98,6 @@ struct Spend {
 }
 
 impl Spend {
-    /// `None` for classic queues, which have no delivery limit.
-    fn of(settings: &Settings) -> Option<Self> {
-        (settings.queue_type == QueueType::Quorum).then(|| {
-            let limit = match settings.dlq_delivery_limit {
-                0 => BROKER_DEFAULT_DELIVERY_LIMIT,
-                n => u64::from(n),
-            };
-            Spend {
-                limit,
-                margin: (limit / 10).max(2),
-            }
-        })
-    }
-
     /// Whether a message now delivered `delivered` times (this inspection's included) is
     /// within the margin of the limit.
     fn too_close(&self, delivered: u64) -> bool {
@@ -184,7 +212,13 @@ pub(super) async fn inspect(
     args: InspectArgs,
 ) -> anyhow::Result<i32> {
     let conn = broker(settings).await?;
-    let result = inspect_on(&conn, target, &args, Spend::of(settings)).await;
+    let version = broker_version(&conn);
+    let bound = Bound::of(
+        settings.queue_type,
+        settings.dlq_delivery_limit,
+        version.as_deref(),
+    );
+    let result = inspect_on(&conn, target, &args, bound).await;
     // Closing the connection returns anything still unacked to the queue, whatever happened.
     amqp::close(None, Some(conn)).await;
     result
@@ -194,8 +228,9 @@ async fn inspect_on(
     conn: &Connection,
     target: &PipelineRecord,
     args: &InspectArgs,
-    spend: Option<Spend>,
+    bound: Bound,
 ) -> anyhow::Result<i32> {
+    let spend = bound.spend();
     let queue = target.dlq_queue.as_str();
     let total = depth(conn, queue).await?;
     let channel = conn.create_channel().await?;
@@ -244,11 +279,15 @@ async fn inspect_on(
     released?;
 
     let now = now_s();
-    let spent = match spend {
-        Some(spend) if !seen.is_empty() => format!(
+    let spent = match &bound {
+        Bound::Limited(spend) if !seen.is_empty() => format!(
             "; this spent 1 delivery of each message shown (quorum DLQ: limit {}, most \
              delivered now {most})",
             spend.limit
+        ),
+        Bound::Unlimited { version } if !seen.is_empty() => format!(
+            "; quorum DLQ without a delivery limit (DLQ_DELIVERY_LIMIT=0 on RabbitMQ \
+             {version}, which gives it none): no delivery limit to spend, no check needed"
         ),
         _ => String::new(),
     };
@@ -381,5 +420,51 @@ fn failure(stop: Stop, queue: &str) -> String {
              replaying it again is harmless"
         ),
         Stop::NotReturned(e) => format!("{:#}", anyhow::Error::new(e).context(NOT_RETURNED)),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_dlq_bound_follows_the_queue_type_the_limit_and_the_broker_version() {
+        let spend = |limit, margin| Bound::Limited(Spend { limit, margin });
+        // Classic: no delivery limit at all, whatever the setting or broker.
+        assert_eq!(
+            Bound::of(QueueType::Classic, 0, Some("4.0.5")),
+            Bound::Classic
+        );
+        // Quorum, 0: none on RabbitMQ 3.x; 20 on 4.x, and when the version cannot be read.
+        assert_eq!(
+            Bound::of(QueueType::Quorum, 0, Some("3.10.7")),
+            Bound::Unlimited {
+                version: "3.10.7".into()
+            }
+        );
+        assert_eq!(Bound::of(QueueType::Quorum, 0, Some("4.0.5")), spend(20, 2));
+        assert_eq!(
+            Bound::of(QueueType::Quorum, 0, Some("4.1.0-rc.1")),
+            spend(20, 2)
+        );
+        assert_eq!(Bound::of(QueueType::Quorum, 0, None), spend(20, 2));
+        assert_eq!(Bound::of(QueueType::Quorum, 0, Some("v?")), spend(20, 2));
+        // A declared limit is the limit on any broker.
+        assert_eq!(
+            Bound::of(QueueType::Quorum, 1_000_000, Some("3.10.7")),
+            spend(1_000_000, 100_000)
+        );
+        assert_eq!(
+            Bound::of(QueueType::Quorum, 10_000, Some("4.0.5")),
+            spend(10_000, 1_000)
+        );
+        assert_eq!(
+            Bound::of(QueueType::Quorum, 0, Some("3.10.7")).spend(),
+            None
+        );
+        let near = Bound::of(QueueType::Quorum, 0, Some("4.0.5"))
+            .spend()
+            .unwrap();
+        assert!(!near.too_close(17) && near.too_close(18));
     }
 }

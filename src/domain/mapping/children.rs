@@ -5,7 +5,7 @@
 //! writing a batch's children with one statement per child table:
 //! - `keep`, every parent new (the common case): the parents' plain insert, then each child
 //!   table's plain insert of every child row, in one transaction. When a key is held or repeated,
-//!   the parents go through the probe as before (`insert.rs`); the records whose parent row this
+//!   the parents go through the probe as before (`probe.rs`); the records whose parent row this
 //!   transaction wrote (its `xmin`) insert their children, and every other record whose parent is
 //!   a copy has its children compared with what its key holds (converted by PostgreSQL in a probe
 //!   of the child table): the same rows, an idempotent success; other rows, `id_conflict`.
@@ -23,7 +23,8 @@ use serde_json::Value;
 use serde_json::value::RawValue;
 use tokio_postgres::types::ToSql;
 
-use super::insert::{self, Array, ORD};
+use super::arrays::{Array, key_text, run};
+use super::statements::ORD;
 use super::values::{found, lookup, pointer_segments, raw_json};
 use super::{
     Cell, ChildRows, ChildSpec, ColType, Column, MAX_ROWS_DEFAULT, Mapping, OnConflict, Problem,
@@ -64,6 +65,34 @@ fn probe_name(n: usize) -> String {
     format!("warren_probe_c{n}")
 }
 
+/// A mistake in a child table's entry: the key at fault, as its path in the entry
+/// (`["columns", "qty"]`, `["key"]`; empty: the entry as a whole), and what was expected. It
+/// reads `columns.qty: <expected>` (the expected words alone for the entry as a whole).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{}", shown_at(.field, .expected))]
+pub(super) struct ChildError {
+    pub(super) field: Vec<String>,
+    pub(super) expected: String,
+}
+
+impl ChildError {
+    fn at(field: &[&str], expected: impl ToString) -> Self {
+        Self {
+            field: field.iter().map(|f| f.to_string()).collect(),
+            expected: expected.to_string(),
+        }
+    }
+}
+
+/// `field.path: expected`, or `expected` alone when no field is named.
+fn shown_at(field: &[String], expected: &str) -> String {
+    if field.is_empty() {
+        expected.to_string()
+    } else {
+        format!("{}: {expected}", field.join("."))
+    }
+}
+
 impl Child {
     /// Checks and compiles `spec`, the `n`-th child table of the pipeline whose parent table,
     /// columns, key and version column are given.
@@ -75,29 +104,33 @@ impl Child {
         parent_key: &[usize],
         version: Option<usize>,
         tombstones: Option<&TableName>,
-    ) -> Result<Self, String> {
-        let table = TableName::parse(&spec.table).map_err(|e| e.to_string())?;
-        let segments = pointer_segments(&spec.rows).map_err(|e| format!("rows: {e}"))?;
+    ) -> Result<Self, ChildError> {
+        let table = TableName::parse(&spec.table).map_err(|e| ChildError::at(&[], e))?;
+        let segments = pointer_segments(&spec.rows).map_err(|e| ChildError::at(&["rows"], e))?;
         if segments.is_empty() {
-            return Err(
-                "rows: expected a JSON Pointer to an array inside the body (\"/items\"), not \
-                 \"\" (the whole body)"
-                    .into(),
-            );
+            return Err(ChildError::at(
+                &["rows"],
+                "expected a JSON Pointer to an array inside the body (\"/items\"), not \"\" \
+                 (the whole body)",
+            ));
         }
         let max_rows = spec.max_rows.unwrap_or(MAX_ROWS_DEFAULT);
         if !(1..=MAX_ROWS_LIMIT).contains(&max_rows) {
-            return Err(format!(
-                "max_rows: expected 1 to {MAX_ROWS_LIMIT}, found {max_rows}"
+            return Err(ChildError::at(
+                &["max_rows"],
+                format!("expected 1 to {MAX_ROWS_LIMIT}, found {max_rows}"),
             ));
         }
         if spec.columns.is_empty() {
-            return Err("columns: at least one column is needed".into());
+            return Err(ChildError::at(
+                &["columns"],
+                "at least one column is needed",
+            ));
         }
         let mut columns = Vec::with_capacity(spec.columns.len());
         let mut fields = HashSet::new();
         for (name, c) in &spec.columns {
-            let at = |p: String| format!("columns.{name}: {p}");
+            let at = |p: String| ChildError::at(&["columns", name.as_str()], p);
             identifier(name).map_err(|e| at(e.to_string()))?;
             let given = [
                 c.path.is_some(),
@@ -210,22 +243,29 @@ impl Child {
                 column
                     .set_checks(c.one_of.as_deref(), c.pattern.as_deref())
                     .map_err(|(_, p)| at(p))?;
-                column.set_default(c.default.as_ref()).map_err(at)?;
+                column
+                    .set_default(c.default.as_ref())
+                    .map_err(|e| at(e.to_string()))?;
                 column
             };
             columns.push(column);
         }
         if spec.key.is_empty() {
-            return Err("key: name the columns of a primary key or unique index".into());
+            return Err(ChildError::at(
+                &["key"],
+                "name the columns of a primary key or unique index",
+            ));
         }
         let mut key = Vec::with_capacity(spec.key.len());
         for k in &spec.key {
-            let i = columns
-                .iter()
-                .position(|c| &c.name == k)
-                .ok_or_else(|| format!("key: column {k:?} is not among the columns"))?;
+            let i = columns.iter().position(|c| &c.name == k).ok_or_else(|| {
+                ChildError::at(&["key"], format!("column {k:?} is not among the columns"))
+            })?;
             if key.contains(&i) {
-                return Err(format!("key: column {k:?} named twice"));
+                return Err(ChildError::at(
+                    &["key"],
+                    format!("column {k:?} named twice"),
+                ));
             }
             key.push(i);
         }
@@ -237,11 +277,14 @@ impl Child {
                 .iter()
                 .position(|c| c.source == Source::Parent(pk))
                 .ok_or_else(|| {
-                    format!(
-                        "columns: no column carries the parent's key column {name} (expected \
-                         one such as {name} = {{ parent = \"{name}\" }}: a message's stored \
-                         child rows are found by it)",
-                        name = parent[pk].name
+                    ChildError::at(
+                        &["columns"],
+                        format!(
+                            "no column carries the parent's key column {name} (expected one \
+                             such as {name} = {{ parent = \"{name}\" }}: a message's stored \
+                             child rows are found by it)",
+                            name = parent[pk].name
+                        ),
                     )
                 })?;
             link.push(i);
@@ -278,6 +321,22 @@ impl Child {
             reads_object,
             statements,
         })
+    }
+
+    /// The plain insert of its rows (`$1..$n`, one array per column).
+    pub(super) fn insert_statement(&self) -> &str {
+        &self.statements.insert
+    }
+
+    /// `update`: the stored child rows of the keys (`$1..$k`) whose parent row this
+    /// transaction wrote, deleted.
+    pub(super) fn delete_statement(&self) -> &str {
+        &self.statements.delete
+    }
+
+    /// `update`: the rows of the records whose parent row this transaction wrote.
+    pub(super) fn insert_won_statement(&self) -> &str {
+        &self.statements.insert_won
     }
 
     /// `update`: the stored child rows of the keys whose row this transaction wrote (read from
@@ -487,15 +546,18 @@ fn reason_at(error: &ValueError, element: &str, pointer: &str) -> String {
 }
 
 /// No child table is the parent's or another child's.
-pub(super) fn distinct_tables(parent: &TableName, children: &[Child]) -> Result<(), String> {
+pub(super) fn distinct_tables(parent: &TableName, children: &[Child]) -> Result<(), ChildError> {
     let mut seen = vec![parent.sql()];
     for c in children {
         let name = c.table.sql();
         if seen.contains(&name) {
-            return Err(format!(
-                "children: table {} is written twice by this pipeline (expected each child \
-                 table once, none the pipeline's own table)",
-                c.table
+            return Err(ChildError::at(
+                &["children"],
+                format!(
+                    "table {} is written twice by this pipeline (expected each child table \
+                     once, none the pipeline's own table)",
+                    c.table
+                ),
             ));
         }
         seen.push(name);
@@ -521,171 +583,6 @@ pub(super) fn child_arrays<'a>(
         }
     }
     (arrays, ords)
-}
-
-/// `statement` run with `arrays`, then `more`, as its parameters, prepared once per connection.
-async fn run(
-    client: &deadpool_postgres::Client,
-    statement: &str,
-    arrays: &[Array],
-    more: &[&(dyn ToSql + Sync)],
-) -> Result<u64, DbError> {
-    let mut params: Vec<&(dyn ToSql + Sync)> = arrays.iter().map(Array::as_param).collect();
-    params.extend_from_slice(more);
-    let prepared = client
-        .prepare_cached(statement)
-        .await
-        .map_err(DbError::from_pg)?;
-    client
-        .execute(&prepared, &params)
-        .await
-        .map_err(DbError::from_pg)
-}
-
-/// Ends the transaction `work` ran in: committed when it succeeded with `Some`, else rolled
-/// back. A transaction that cannot be ended is the connection's failure.
-async fn end<T>(
-    client: &deadpool_postgres::Client,
-    result: Result<Option<T>, DbError>,
-) -> Result<Option<T>, DbError> {
-    let end = if matches!(result, Ok(Some(_))) {
-        "COMMIT"
-    } else {
-        "ROLLBACK"
-    };
-    match client.batch_execute(end).await {
-        Ok(()) => result,
-        Err(e) => result.and(Err(DbError::from_pg(e))),
-    }
-}
-
-/// Inserts `records` of a mapping with child tables: each message's parent row and child rows
-/// in one transaction, one statement per table (see the module's doc).
-pub(super) async fn insert(
-    mapping: &Mapping,
-    client: &deadpool_postgres::Client,
-    records: &[&Row],
-) -> Result<Inserted, DbError> {
-    let st = insert::statements(mapping, client).await?;
-    let arrays = insert::arrays(mapping, records);
-    let params: Vec<&(dyn ToSql + Sync)> = arrays.iter().map(Array::as_param).collect();
-    if records.is_empty() {
-        // The breaker's probe: each statement runs, writing nothing (a missing table or
-        // privilege answers as it would for a batch).
-        let prepared = client
-            .prepare_cached(&st.insert)
-            .await
-            .map_err(DbError::from_pg)?;
-        client
-            .query(&prepared, &params)
-            .await
-            .map_err(DbError::from_pg)?;
-        for (n, child) in mapping.children.iter().enumerate() {
-            let (arrays, _) = child_arrays(child, n, std::iter::empty());
-            run(client, &child.statements.insert, &arrays, &[]).await?;
-        }
-        return Ok(Inserted::default());
-    }
-    let all = || records.iter().enumerate().map(|(i, r)| (i as i64 + 1, *r));
-    match mapping.on_conflict {
-        OnConflict::Keep => {
-            // Every parent new (the common case): the parents, then every child row.
-            client
-                .batch_execute("BEGIN")
-                .await
-                .map_err(DbError::from_pg)?;
-            let fast = async {
-                let Some(sql) = &st.insert_new else {
-                    return Ok(None);
-                };
-                match crate::domain::insert_if_all_new(client, sql, &params).await? {
-                    Some(rows) if rows == records.len() as u64 => {
-                        for (n, child) in mapping.children.iter().enumerate() {
-                            let (arrays, _) = child_arrays(child, n, all());
-                            run(client, &child.statements.insert, &arrays, &[]).await?;
-                        }
-                        Ok(Some(rows))
-                    }
-                    // A key held or repeated, or a row a trigger discarded: through the probe.
-                    _ => Ok(None),
-                }
-            }
-            .await;
-            if let Some(rows) = end(client, fast).await? {
-                return Ok(Inserted {
-                    rows,
-                    ..Default::default()
-                });
-            }
-            let Some(keep) = &st.probe_keep else {
-                return Err(DbError::Migration(
-                    "keep without its probe statement".into(),
-                ));
-            };
-            insert::in_probe(&st.probe_table, client, true, async {
-                let mut done =
-                    insert::keep_in_probe(mapping, st, client, records, &params, keep).await?;
-                keep_children(mapping, client, records, &mut done).await?;
-                Ok(done)
-            })
-            .await
-        }
-        OnConflict::Update => {
-            if mapping.delete.is_some() {
-                // Deletes: every batch through the probe, under a lock per key.
-                return super::versions::write(mapping, st, client, records).await;
-            }
-            client
-                .batch_execute("BEGIN")
-                .await
-                .map_err(DbError::from_pg)?;
-            let key_arrays: Vec<&(dyn ToSql + Sync)> =
-                mapping.key.iter().map(|&i| params[i]).collect();
-            let version = mapping.version.map(|v| params[v]);
-            let upsert = async {
-                let prepared = client
-                    .prepare_cached(&st.insert)
-                    .await
-                    .map_err(DbError::from_pg)?;
-                let written = match client.query(&prepared, &params).await {
-                    Ok(rows) => rows.len(),
-                    // Two records of one key under the column's type: through the probe.
-                    Err(e)
-                        if e.code()
-                            == Some(&tokio_postgres::error::SqlState::CARDINALITY_VIOLATION) =>
-                    {
-                        return Ok(None);
-                    }
-                    Err(e) => return Err(DbError::from_pg(e)),
-                };
-                for (n, child) in mapping.children.iter().enumerate() {
-                    run(client, &child.statements.delete, &[], &key_arrays).await?;
-                    let (arrays, ords) = child_arrays(child, n, all());
-                    let mut more: Vec<&(dyn ToSql + Sync)> = vec![&ords];
-                    more.extend(key_arrays.iter().copied());
-                    more.extend(version);
-                    run(client, &child.statements.insert_won, &arrays, &more).await?;
-                }
-                Ok(Some(written))
-            }
-            .await;
-            match end(client, upsert).await? {
-                // Every record its key's newest version: the common case.
-                Some(written) if written == records.len() => Ok(Inserted {
-                    rows: written as u64,
-                    ..Default::default()
-                }),
-                // An older or equal version, or two records of one key: each record's outcome
-                // through the probe; what was committed is its key's newest, a copy there.
-                Some(written) => {
-                    let mut done = super::versions::write(mapping, st, client, records).await?;
-                    done.rows += written as u64;
-                    Ok(done)
-                }
-                None => super::versions::write(mapping, st, client, records).await,
-            }
-        }
-    }
 }
 
 /// `warren pipelines test --db` (`lookup::trial`): `record`'s child rows written after its
@@ -720,7 +617,7 @@ pub(super) async fn trial(
 /// children (of several records of one key, the first delivered, the one written); every
 /// other record whose parent is a copy has its children compared with what its key holds,
 /// and other rows make it `id_conflict`.
-async fn keep_children(
+pub(super) async fn keep_children(
     mapping: &Mapping,
     client: &deadpool_postgres::Client,
     records: &[&Row],
@@ -778,7 +675,7 @@ async fn keep_children(
             i,
             format!(
                 "{} is already stored with other rows of {table}",
-                insert::key_text(mapping, records[i])
+                key_text(mapping, records[i])
             ),
         ));
     }

@@ -8,9 +8,9 @@
 
 use tokio_postgres::types::ToSql;
 
-use super::insert::{
-    Array, arrays, holders, in_probe, same_after_triggers, shown, statements, types_on_path,
-};
+use super::arrays::{Array, arrays, shown};
+use super::probe::{holders, in_probe, same_after_triggers};
+use super::statements::{statements, types_on_path};
 use super::{ColType, Mapping, Row, quote};
 use crate::db::error::DbError;
 

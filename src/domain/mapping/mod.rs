@@ -6,11 +6,14 @@
 //! yields one cell per column, or a rejection naming the path, what was expected and what was
 //! found. Every pipeline is one, the built-in users pipeline included. `values.rs` holds the
 //! checks of one value; `insert.rs` writes a batch with one statement (`on_conflict = keep |
-//! update`), `lookup.rs` answers the API's questions to the table; `schema.rs` checks the mapping against
+//! update`), choosing its path: above `children.rs`, `versions.rs` (`update`'s per-record
+//! outcomes), `probe.rs` (the probe's questions), and, at the bottom, `statements.rs` (every
+//! statement's text, built once) and `arrays.rs` (a batch as parameters); `lookup.rs` answers the API's questions to the table; `schema.rs` checks the mapping against
 //! the table before anything is consumed; `children.rs` holds the child tables filled from arrays
 //! of the message (`[[pipelines.children]]`), written in the parent row's transaction; `spec.rs`
 //! the spec as the configuration gives it; `decode.rs` one message into its cells.
 
+mod arrays;
 mod children;
 mod decode;
 use decode::shown_cell;
@@ -19,7 +22,9 @@ mod insert;
 mod lookup;
 mod names;
 mod pattern;
+mod probe;
 mod spec;
+mod statements;
 pub use delete::Op;
 pub use lookup::{Refusal, Standing, Trial, Unstorable};
 use names::identifier;
@@ -94,6 +99,33 @@ struct Column {
     /// The cell of a value that is absent (`default = <value>`), checked at compile time
     /// against the type and every check of the column.
     default: Option<Cell>,
+}
+
+/// Why a value written in the spec (a `one_of` value, a `default`) is not a value of its
+/// column: what a message's value would be told (`expected a string, found the number 5`,
+/// `expected at least 1, found 0`).
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+#[error("{}", unfit_words(.0))]
+struct Unfit(ValueError);
+
+/// [`Unfit`]'s words: a declared check's expectation, else the value's error as it reads.
+fn unfit_words(error: &ValueError) -> String {
+    match error {
+        ValueError::Check(check) => check.expected(),
+        other => other.to_string(),
+    }
+}
+
+/// Why a column's `default` is refused.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+enum DefaultError {
+    #[error(
+        "default: expected a value of the column's type (null is no default: an optional \
+         column is NULL when its field is absent)"
+    )]
+    Null,
+    #[error("default: {0}")]
+    Unfit(Unfit),
 }
 
 /// A column's `one_of`: the cells accepted, and their list as a reason shows it.
@@ -175,7 +207,7 @@ impl Column {
 
     /// `value` as a message's value of this column would be read and checked, or what is
     /// wrong with it (`expected a string, found the number 5`, `expected at least 1, found 0`).
-    fn probe(&self, value: &Value) -> Result<Cell, String> {
+    fn probe(&self, value: &Value) -> Result<Cell, Unfit> {
         let mut probe = self.clone();
         probe.source = Source::Path {
             pointer: String::new(),
@@ -183,30 +215,20 @@ impl Column {
         };
         probe.optional = false;
         probe.default = None;
-        Mapping::cell(&probe, &value.to_string(), value, None, None).map_err(|e| match &e {
-            ValueError::Check(check) => check.expected(),
-            other => other.to_string(),
-        })
+        Mapping::cell(&probe, &value.to_string(), value, None, None).map_err(Unfit)
     }
 
     /// Sets the column's `default` (the spec's value), after checking it as a message's value
     /// of the column would be checked: `Err` names what is wrong with it (`expected a string,
     /// found the number 5`, `expected at least 1, found 0`).
-    fn set_default(&mut self, value: Option<&Value>) -> Result<(), String> {
+    fn set_default(&mut self, value: Option<&Value>) -> Result<(), DefaultError> {
         let Some(value) = value else {
             return Ok(());
         };
         if value.is_null() {
-            return Err(
-                "default: expected a value of the column's type (null is no default: an \
-                 optional column is NULL when its field is absent)"
-                    .into(),
-            );
+            return Err(DefaultError::Null);
         }
-        self.default = Some(
-            self.probe(value)
-                .map_err(|words| format!("default: {words}"))?,
-        );
+        self.default = Some(self.probe(value).map_err(DefaultError::Unfit)?);
         Ok(())
     }
 
@@ -286,10 +308,10 @@ pub struct Mapping {
     /// that is no object is then refused as the wrong shape.
     reads_object: bool,
     /// The insert statements, built once.
-    statements: insert::Statements,
+    statements: statements::Statements,
     /// The statements again with the casts of the table's enum columns, built when the table
     /// is first written (`None`: it has none, `statements` serve).
-    bound: std::sync::Arc<tokio::sync::OnceCell<Option<insert::Statements>>>,
+    bound: std::sync::Arc<tokio::sync::OnceCell<Option<statements::Statements>>>,
     /// Per column, its place in the table (`attnum`), learnt with `bound`: a reason that lists
     /// several columns lists them in the table's order (`another name and email`).
     attnums: std::sync::Arc<std::sync::OnceLock<Vec<i16>>>,
@@ -443,7 +465,7 @@ impl Mapping {
                 .map_err(|(key, p)| at_key(key, p))?;
             column
                 .set_default(c.default.as_ref())
-                .map_err(|p| at_key("default", p))?;
+                .map_err(|p| at_key("default", p.to_string()))?;
             columns.push(column);
         }
         let index_of = |name: &str| columns.iter().position(|c| c.name == name);
@@ -534,7 +556,7 @@ impl Mapping {
         };
         let tombstones = delete.as_ref().map(|d| &d.tombstones);
         let statements =
-            insert::Statements::build(&table, &columns, &key, version, &[], tombstones);
+            statements::Statements::build(&table, &columns, &key, version, &[], tombstones);
         let mut reads_object = columns.iter().any(|c| match &c.source {
             Source::Path { segments, .. } => {
                 !c.optional
@@ -560,7 +582,7 @@ impl Mapping {
             compiled_children.push(c);
         }
         children::distinct_tables(&table, &compiled_children)
-            .map_err(|problem| err("children", problem))?;
+            .map_err(|problem| err("children", problem.to_string()))?;
         Ok(Self {
             pipeline: pipeline.to_string(),
             table,

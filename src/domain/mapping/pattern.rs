@@ -27,6 +27,44 @@ pub const PATTERN_MAX: usize = 1000;
 /// PostgreSQL's largest bound of a `{m,n}` (`DUPMAX`).
 const BOUND_MAX: u32 = 255;
 
+/// Why a `pattern` is refused when the configuration loads (its words are the reason shown
+/// after `pattern: `).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub(super) enum PatternError {
+    /// Longer than [`PATTERN_MAX`] bytes (`found`: its length).
+    #[error("at most {PATTERN_MAX} bytes, found {found}")]
+    TooLong { found: usize },
+    /// Not a regular expression at all (`problem`: the parser's words).
+    #[error("{written:?} is not a regular expression: {problem}")]
+    NotRegex { written: String, problem: String },
+    /// A regular expression, with a construct outside the subset both engines read alike.
+    #[error(
+        "{written:?}: {construct} is not in the dialect warren checks as PostgreSQL's ~ does \
+         (characters, \\ before punctuation, ., ^, $, |, (...), (?:...), * + ? {{m,n}} \
+         up to 255, and [...] of characters and ranges; docs/pipelines.md)"
+    )]
+    Outside {
+        written: String,
+        construct: Construct,
+    },
+    /// In the subset, yet refused by the matcher (`problem`: its words; a size limit).
+    #[error("{written:?}: {problem}")]
+    Engine { written: String, problem: String },
+}
+
+/// The first construct of a pattern outside the subset, as a reason names it (`the class \d`,
+/// `the bound {256} (write {m}, ...)`).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{0}")]
+pub(super) struct Construct(String);
+
+/// A [`Construct`] in the words `format!` makes of its arguments.
+macro_rules! construct {
+    ($($words:tt)*) => {
+        Construct(format!($($words)*))
+    };
+}
+
 /// A compiled `pattern`: the text as written (for reasons) and its matcher.
 #[derive(Debug, Clone)]
 pub(super) struct Pattern {
@@ -36,27 +74,30 @@ pub(super) struct Pattern {
 
 impl Pattern {
     /// Compiles `source`, or says why it is not in the dialect both engines read alike.
-    pub(super) fn compile(source: &str) -> Result<Self, String> {
+    pub(super) fn compile(source: &str) -> Result<Self, PatternError> {
         if source.len() > PATTERN_MAX {
-            return Err(format!(
-                "at most {PATTERN_MAX} bytes, found {}",
-                source.len()
-            ));
+            return Err(PatternError::TooLong {
+                found: source.len(),
+            });
         }
-        let parsed = ast::parse::Parser::new()
-            .parse(source)
-            .map_err(|e| format!("{source:?} is not a regular expression: {}", e.kind()))?;
-        check(&parsed, source).map_err(|what| {
-            format!(
-                "{source:?}: {what} is not in the dialect warren checks as PostgreSQL's ~ does \
-                 (characters, \\ before punctuation, ., ^, $, |, (...), (?:...), * + ? {{m,n}} \
-                 up to 255, and [...] of characters and ranges; docs/pipelines.md)"
-            )
+        let parsed =
+            ast::parse::Parser::new()
+                .parse(source)
+                .map_err(|e| PatternError::NotRegex {
+                    written: source.to_string(),
+                    problem: e.kind().to_string(),
+                })?;
+        check(&parsed, source).map_err(|construct| PatternError::Outside {
+            written: source.to_string(),
+            construct,
         })?;
         let regex = regex::RegexBuilder::new(source)
             .dot_matches_new_line(true)
             .build()
-            .map_err(|e| format!("{source:?}: {e}"))?;
+            .map_err(|e| PatternError::Engine {
+                written: source.to_string(),
+                problem: e.to_string(),
+            })?;
         Ok(Self {
             source: source.to_string(),
             regex,
@@ -70,18 +111,18 @@ impl Pattern {
 }
 
 /// `Err` names the first construct of `ast` outside the subset (`source` is the pattern).
-fn check(ast: &Ast, source: &str) -> Result<(), String> {
+fn check(ast: &Ast, source: &str) -> Result<(), Construct> {
     let text = |span: &ast::Span| source[span.start.offset..span.end.offset].to_string();
     match ast {
         Ast::Empty(_) | Ast::Dot(_) => Ok(()),
         Ast::Literal(l) => literal(l, false, source),
         Ast::Assertion(a) => match a.kind {
             ast::AssertionKind::StartLine | ast::AssertionKind::EndLine => Ok(()),
-            _ => Err(format!("the assertion {}", text(&a.span))),
+            _ => Err(construct!("the assertion {}", text(&a.span))),
         },
-        Ast::Flags(f) => Err(format!("the flags {}", text(&f.span))),
-        Ast::ClassUnicode(c) => Err(format!("the Unicode class {}", text(&c.span))),
-        Ast::ClassPerl(c) => Err(format!(
+        Ast::Flags(f) => Err(construct!("the flags {}", text(&f.span))),
+        Ast::ClassUnicode(c) => Err(construct!("the Unicode class {}", text(&c.span))),
+        Ast::ClassPerl(c) => Err(construct!(
             "the class {} (write a bracket expression: [0-9], [A-Za-z0-9_], or the characters \
              meant)",
             text(&c.span)
@@ -92,7 +133,7 @@ fn check(ast: &Ast, source: &str) -> Result<(), String> {
                 *r.ast,
                 Ast::Empty(_) | Ast::Assertion(_) | Ast::Repetition(_) | Ast::Flags(_)
             ) {
-                return Err(format!(
+                return Err(construct!(
                     "the quantifier {} on no character",
                     text(&r.op.span)
                 ));
@@ -104,7 +145,7 @@ fn check(ast: &Ast, source: &str) -> Result<(), String> {
                     RepetitionRange::Bounded(m, n) => (m, n),
                 };
                 if m.max(n) > BOUND_MAX {
-                    return Err(format!(
+                    return Err(construct!(
                         "the bound {} (write {{m}}, {{m,}} or {{m,n}}, at most {BOUND_MAX})",
                         text(&r.op.span)
                     ));
@@ -115,9 +156,9 @@ fn check(ast: &Ast, source: &str) -> Result<(), String> {
         Ast::Group(g) => match &g.kind {
             GroupKind::CaptureIndex(_) => check(&g.ast, source),
             GroupKind::NonCapturing(flags) if flags.items.is_empty() => check(&g.ast, source),
-            GroupKind::NonCapturing(flags) => Err(format!("the flags {}", text(&flags.span))),
+            GroupKind::NonCapturing(flags) => Err(construct!("the flags {}", text(&flags.span))),
             GroupKind::CaptureName { name, .. } => {
-                Err(format!("the named group {}", text(&name.span)))
+                Err(construct!("the named group {}", text(&name.span)))
             }
         },
         Ast::Alternation(a) => a.asts.iter().try_for_each(|x| check(x, source)),
@@ -127,22 +168,22 @@ fn check(ast: &Ast, source: &str) -> Result<(), String> {
 
 /// A character as itself: verbatim (not `]` or `}` outside a bracket expression, which one
 /// engine reads as themselves and the other may not) or `\` and a punctuation character.
-fn literal(l: &ast::Literal, in_brackets: bool, source: &str) -> Result<(), String> {
+fn literal(l: &ast::Literal, in_brackets: bool, source: &str) -> Result<(), Construct> {
     let written = &source[l.span.start.offset..l.span.end.offset];
     match l.kind {
         LiteralKind::Verbatim if !in_brackets && matches!(l.c, ']' | '}') => {
-            Err(format!("the unescaped {written} (write \\{written})"))
+            Err(construct!("the unescaped {written} (write \\{written})"))
         }
         LiteralKind::Verbatim => Ok(()),
         LiteralKind::Meta | LiteralKind::Superfluous if l.c.is_ascii_punctuation() => Ok(()),
-        _ => Err(format!("the escape {written}")),
+        _ => Err(construct!("the escape {written}")),
     }
 }
 
 /// A bracket expression of characters and ranges, negated or not.
-fn bracketed(c: &ast::ClassBracketed, source: &str) -> Result<(), String> {
+fn bracketed(c: &ast::ClassBracketed, source: &str) -> Result<(), Construct> {
     let text = |span: &ast::Span| source[span.start.offset..span.end.offset].to_string();
-    let item = |i: &ClassSetItem| -> Result<(), String> {
+    let item = |i: &ClassSetItem| -> Result<(), Construct> {
         match i {
             ClassSetItem::Empty(_) => Ok(()),
             ClassSetItem::Literal(l) => literal(l, true, source),
@@ -150,23 +191,23 @@ fn bracketed(c: &ast::ClassBracketed, source: &str) -> Result<(), String> {
                 literal(&r.start, true, source)?;
                 literal(&r.end, true, source)
             }
-            ClassSetItem::Ascii(a) => Err(format!(
+            ClassSetItem::Ascii(a) => Err(construct!(
                 "the class {} (its letters are the database's locale's; write the ranges)",
                 text(&a.span)
             )),
-            ClassSetItem::Unicode(u) => Err(format!("the Unicode class {}", text(&u.span))),
-            ClassSetItem::Perl(p) => Err(format!(
+            ClassSetItem::Unicode(u) => Err(construct!("the Unicode class {}", text(&u.span))),
+            ClassSetItem::Perl(p) => Err(construct!(
                 "the class {} (write its ranges: 0-9, A-Za-z0-9_)",
                 text(&p.span)
             )),
-            ClassSetItem::Bracketed(b) => Err(format!("the nested class {}", text(&b.span))),
-            ClassSetItem::Union(_) => Err(format!("the class {}", text(&c.span))),
+            ClassSetItem::Bracketed(b) => Err(construct!("the nested class {}", text(&b.span))),
+            ClassSetItem::Union(_) => Err(construct!("the class {}", text(&c.span))),
         }
     };
     match &c.kind {
         ClassSet::Item(ClassSetItem::Union(u)) => u.items.iter().try_for_each(item),
         ClassSet::Item(i) => item(i),
-        ClassSet::BinaryOp(op) => Err(format!("the class operation {}", text(&op.span))),
+        ClassSet::BinaryOp(op) => Err(construct!("the class operation {}", text(&op.span))),
     }
 }
 
@@ -213,10 +254,10 @@ mod tests {
             ("a]", "the unescaped ]"),
             ("\\p{L}", "the Unicode class"),
         ] {
-            let err = Pattern::compile(bad).unwrap_err();
+            let err = Pattern::compile(bad).unwrap_err().to_string();
             assert!(err.contains(named), "{bad:?}: {err}");
         }
-        let err = Pattern::compile("(").unwrap_err();
+        let err = Pattern::compile("(").unwrap_err().to_string();
         assert!(err.contains("is not a regular expression"), "{err}");
     }
 }

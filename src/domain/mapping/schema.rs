@@ -75,7 +75,7 @@ pub async fn check(
     let info = describe_table(&mapping.table, client).await?;
     let mut out = mismatches(mapping, info.as_ref());
     if info.is_some() {
-        out.extend(super::versions::check(mapping, client).await?);
+        out.extend(tombstone_mismatch(mapping, client).await?);
     }
     for child in &mapping.children {
         let info = describe_table(&child.table, client).await?;
@@ -408,4 +408,45 @@ pub(super) async fn unique_indexes<C: tokio_postgres::GenericClient>(
         .iter()
         .map(|r| (r.get(0), r.get(1)))
         .collect())
+}
+
+/// The mismatch of a pipeline with deletes whose tombstone table is missing or lacks the key's
+/// unique index (`warren run` before `warren declare`), as a sentence; `None`: it fits.
+async fn tombstone_mismatch(
+    mapping: &Mapping,
+    client: &tokio_postgres::Client,
+) -> Result<Option<String>, DbError> {
+    let Some(d) = &mapping.delete else {
+        return Ok(None);
+    };
+    let tomb = d.tombstones.sql();
+    let oid: Option<u32> = client
+        .query_one("SELECT to_regclass($1)::oid", &[&tomb])
+        .await
+        .map_err(DbError::from_pg)?
+        .get(0);
+    let Some(oid) = oid else {
+        return Ok(Some(format!(
+            "pipeline {}: the tombstone table {} does not exist (a pipeline with deletes keeps \
+             the version of each deleted key there: run warren declare, which makes it)",
+            mapping.pipeline, d.tombstones
+        )));
+    };
+    let mut key: Vec<&str> = mapping.key();
+    key.sort_unstable();
+    let unique = unique_indexes(client, oid).await?;
+    let keyed = unique.iter().any(|(_, cols)| {
+        let mut c: Vec<&str> = cols.iter().map(String::as_str).collect();
+        c.sort_unstable();
+        c == key
+    });
+    Ok((!keyed).then(|| {
+        format!(
+            "pipeline {}: the tombstone table {} has no unique index on ({}) (made by warren \
+             declare; drop it and declare again)",
+            mapping.pipeline,
+            d.tombstones,
+            mapping.key().join(", ")
+        )
+    }))
 }

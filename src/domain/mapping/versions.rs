@@ -25,209 +25,13 @@
 
 use tokio_postgres::types::ToSql;
 
-use super::children::Child;
-use super::insert::{self, Array, ORD, Statements, key_text, shown};
-use super::{Column, Mapping, Op, Row, TableName, quote};
+use super::arrays::{self, Array, key_text, shown};
+use super::children::{self, Child};
+use super::probe::{in_probe, same_after_triggers};
+use super::statements::{Statements, sql_text};
+use super::{Mapping, Op, Row, quote};
 use crate::db::error::DbError;
 use crate::domain::Inserted;
-
-/// The transaction's own id, to tell the rows and tombstones this transaction wrote (`xmin`).
-const OURS: &str = "pg_current_xact_id()::xid";
-
-/// The statements of an `update` mapping's probe path, built once with its other statements.
-#[derive(Debug, Clone)]
-pub(super) struct VersionStatements {
-    /// The writes into the probe (`$1..$n`, then `$n+1` each record's ordinal in the batch).
-    fill: String,
-    /// With deletes: the deletes' probe (key and version columns, as the table types them).
-    del_table: Option<String>,
-    /// The deletes into it (`$1..$k` the key, `$k+1` the version, `$k+2` the ordinals).
-    del_fill: String,
-    /// With deletes: one advisory lock per key of the batch, in the order of the keys' hashes.
-    lock: Option<String>,
-    /// Each key's winning write, from the probe, unless a tombstone as new holds it back.
-    upsert: String,
-    /// With deletes: each key's winning delete's tombstone, unless a row as new holds it back.
-    tomb_write: String,
-    /// With deletes: the rows whose tombstone this transaction wrote, deleted.
-    rows_gone: String,
-    /// With deletes: the tombstones of keys whose row this transaction wrote, removed.
-    tomb_clear: String,
-    /// Per record: ordinal, delete?, written?, older than the key holds?, is the stored row at
-    /// its version?, is the tombstone at its version?, the key's stored version as text.
-    classify: String,
-}
-
-impl VersionStatements {
-    pub(super) fn build(
-        table: &TableName,
-        columns: &[Column],
-        key: &[usize],
-        version: usize,
-        casts: &[Option<String>],
-        tombstones: Option<&TableName>,
-    ) -> Self {
-        let t = table.sql();
-        let names: Vec<String> = columns.iter().map(|c| quote(&c.name)).collect();
-        let list = names.join(", ");
-        let n = columns.len();
-        let params = insert::params(columns, casts);
-        let keys: Vec<String> = key.iter().map(|&i| names[i].clone()).collect();
-        let ver = &names[version];
-        let of = |alias: &str| -> String {
-            keys.iter()
-                .map(|k| format!("{alias}.{k}"))
-                .collect::<Vec<_>>()
-                .join(", ")
-        };
-        let on = |a: &str, b: &str| -> String {
-            keys.iter()
-                .map(|k| format!("{a}.{k} = {b}.{k}"))
-                .collect::<Vec<_>>()
-                .join(" AND ")
-        };
-        let fill = format!(
-            "INSERT INTO pg_temp.warren_probe ({list}, {ORD}) SELECT * FROM UNNEST({}, ${}::int8[])",
-            params.join(", "),
-            n + 1
-        );
-        let kv = format!("{}, {ver}", keys.join(", "));
-        let del_table = tombstones.map(|_| {
-            format!(
-                "CREATE TEMPORARY TABLE warren_probe_del ON COMMIT DROP AS \
-                 SELECT {kv}, 0::int8 AS {ORD} FROM {t} WITH NO DATA"
-            )
-        });
-        let kv_params: Vec<String> = key
-            .iter()
-            .chain(std::iter::once(&version))
-            .enumerate()
-            .map(|(j, &i)| {
-                insert::param(
-                    columns[i].ty,
-                    j + 1,
-                    casts.get(i).and_then(|c| c.as_deref()),
-                )
-            })
-            .collect();
-        let del_fill = format!(
-            "INSERT INTO pg_temp.warren_probe_del ({kv}, {ORD}) SELECT * FROM UNNEST({}, ${}::int8[])",
-            kv_params.join(", "),
-            key.len() + 2
-        );
-        // Every record: the writes, and with deletes the deletes.
-        let every = match tombstones {
-            Some(_) => format!(
-                "(SELECT {kv}, {ORD}, false AS del FROM pg_temp.warren_probe \
-                 UNION ALL SELECT {kv}, {ORD}, true FROM pg_temp.warren_probe_del)"
-            ),
-            None => format!("(SELECT {kv}, {ORD}, false AS del FROM pg_temp.warren_probe)"),
-        };
-        // Each key's winner: its highest version, of equal ones the first delivered.
-        let winners = format!(
-            "(SELECT DISTINCT ON ({k}) {kv}, {ORD}, del FROM {every} AS u \
-             ORDER BY {k}, {ver} DESC, {ORD})",
-            k = keys.join(", "),
-        );
-        let hash: Vec<String> = keys
-            .iter()
-            .map(|k| format!("hash_array(ARRAY[u.{k}])"))
-            .collect();
-        let lock = tombstones.map(|tomb| {
-            format!(
-                "SELECT pg_advisory_xact_lock(hashtext({name}), x.h) FROM (SELECT DISTINCT {h} \
-                 AS h FROM {every} AS u ORDER BY 1 OFFSET 0) AS x",
-                name = sql_text(&tomb.sql()),
-                h = hash.join(" # "),
-            )
-        });
-        let held_back = match tombstones {
-            Some(tomb) => format!(
-                " AND NOT EXISTS (SELECT 1 FROM {tomb} AS tb WHERE {} AND tb.{ver} >= p.{ver})",
-                on("tb", "p"),
-                tomb = tomb.sql()
-            ),
-            None => String::new(),
-        };
-        let p_list: Vec<String> = names.iter().map(|c| format!("p.{c}")).collect();
-        let upsert = format!(
-            "INSERT INTO {t} AS stored ({list}) SELECT {p_list} FROM pg_temp.warren_probe AS p \
-             WHERE p.{ORD} IN (SELECT w.{ORD} FROM {winners} AS w WHERE NOT w.del){held_back} \
-             ORDER BY {p_keys} {conflict} RETURNING 1",
-            p_list = p_list.join(", "),
-            p_keys = of("p"),
-            conflict = insert::on_conflict_update(&names, key, version),
-        );
-        let (tomb_write, rows_gone, tomb_clear) = match tombstones {
-            Some(tomb) => {
-                let tomb = tomb.sql();
-                (
-                    format!(
-                        "INSERT INTO {tomb} AS tb ({kv}) SELECT {w_keys}, w.{ver} FROM {winners} AS w \
-                         WHERE w.del AND NOT EXISTS (SELECT 1 FROM {t} AS s WHERE {s_w} \
-                           AND s.{ver} >= w.{ver}) \
-                         ORDER BY {w_keys} \
-                         ON CONFLICT ({k}) DO UPDATE SET {ver} = EXCLUDED.{ver}, deleted_at = now() \
-                         WHERE tb.{ver} < EXCLUDED.{ver}",
-                        w_keys = of("w"),
-                        s_w = on("s", "w"),
-                        k = keys.join(", "),
-                    ),
-                    format!(
-                        "DELETE FROM {t} AS s USING {tomb} AS tb WHERE {} AND tb.xmin = {OURS} \
-                         AND (s.{ver} IS NULL OR s.{ver} < tb.{ver})",
-                        on("s", "tb")
-                    ),
-                    format!(
-                        "DELETE FROM {tomb} AS tb USING {t} AS s WHERE {} AND s.xmin = {OURS} \
-                         AND tb.{ver} < s.{ver}",
-                        on("tb", "s")
-                    ),
-                )
-            }
-            None => Default::default(),
-        };
-        let (tb_join, tb_ver, tb_ours) = match tombstones {
-            Some(tomb) => (
-                format!(" LEFT JOIN {} AS tb ON {}", tomb.sql(), on("tb", "u")),
-                format!("tb.{ver}"),
-                format!("tb.xmin = {OURS}"),
-            ),
-            None => (String::new(), "NULL".to_string(), "false".to_string()),
-        };
-        let classify = format!(
-            "SELECT u.{ORD}, u.del, \
-               COALESCE(w.{ORD} = u.{ORD} AND CASE WHEN u.del THEN {tb_ours} \
-                 ELSE s.xmin = {OURS} END, false), \
-               COALESCE(u.{ver} < GREATEST(s.{ver}, {tb_ver}), false), \
-               COALESCE(s.{ver} = u.{ver}, false), \
-               COALESCE({tb_ver} = u.{ver}, false), \
-               GREATEST(s.{ver}, {tb_ver})::text, \
-               COALESCE({tb_ver} > s.{ver} OR s.{first} IS NULL, false) \
-             FROM {every} AS u JOIN {winners} AS w ON {w_u} \
-             LEFT JOIN {t} AS s ON {s_u}{tb_join}",
-            first = keys[0],
-            w_u = on("w", "u"),
-            s_u = on("s", "u"),
-        );
-        Self {
-            fill,
-            del_table,
-            del_fill,
-            lock,
-            upsert,
-            tomb_write,
-            rows_gone,
-            tomb_clear,
-            classify,
-        }
-    }
-}
-
-/// `s` as an SQL string literal.
-fn sql_text(s: &str) -> String {
-    format!("'{}'", s.replace('\'', "''"))
-}
 
 /// What one record's classification said (see [`VersionStatements::classify`]).
 struct Found {
@@ -265,9 +69,9 @@ pub(super) async fn write(
         .filter(|(_, r)| r.2 == Op::Delete)
         .map(|(i, r)| (i, *r))
         .collect();
-    insert::in_probe(&st.probe_table, client, true, async {
+    in_probe(&st.probe_table, client, true, async {
         let rows: Vec<&Row> = writes.iter().map(|(_, r)| *r).collect();
-        let arrays = insert::arrays(mapping, &rows);
+        let arrays = arrays::arrays(mapping, &rows);
         let ords: Vec<i64> = writes.iter().map(|(i, _)| *i as i64 + 1).collect();
         let mut params: Vec<&(dyn ToSql + Sync)> = arrays.iter().map(Array::as_param).collect();
         params.push(&ords);
@@ -278,7 +82,7 @@ pub(super) async fn write(
                 .await
                 .map_err(DbError::from_pg)?;
             let rows: Vec<&Row> = deletes.iter().map(|(_, r)| *r).collect();
-            let arrays = insert::arrays(mapping, &rows);
+            let arrays = arrays::arrays(mapping, &rows);
             let ords: Vec<i64> = deletes.iter().map(|(i, _)| *i as i64 + 1).collect();
             let mut params: Vec<&(dyn ToSql + Sync)> = mapping
                 .key
@@ -429,7 +233,7 @@ async fn outcomes(
             continue;
         }
         let same: Vec<bool> = row.get(2);
-        if same.iter().all(|s| *s) || insert::same_after_triggers(st, client, i as i64 + 1).await? {
+        if same.iter().all(|s| *s) || same_after_triggers(st, client, i as i64 + 1).await? {
             same_parent.push(i);
             continue;
         }
@@ -453,7 +257,7 @@ async fn outcomes(
     }
     if !mapping.children.is_empty() && !same_parent.is_empty() {
         for (i, table) in
-            super::children::differing_children(mapping, client, records, &same_parent).await?
+            children::differing_children(mapping, client, records, &same_parent).await?
         {
             done.conflicts.push((
                 i,
@@ -479,7 +283,7 @@ async fn replace_children(
 ) -> Result<(), DbError> {
     exec(client, child.delete_probe(), &[]).await?;
     let (arrays, ords) =
-        super::children::child_arrays(child, n, writes.iter().map(|(i, r)| (*i as i64 + 1, *r)));
+        children::child_arrays(child, n, writes.iter().map(|(i, r)| (*i as i64 + 1, *r)));
     let mut params: Vec<&(dyn ToSql + Sync)> = arrays.iter().map(Array::as_param).collect();
     params.push(&ords);
     exec(client, child.insert_won_probe(), &params).await?;
@@ -567,45 +371,4 @@ async fn declare(mapping: &Mapping, client: &tokio_postgres::Client) -> Result<b
     );
     client.batch_execute(&pk).await.map_err(DbError::from_pg)?;
     Ok(true)
-}
-
-/// The mismatch of a pipeline with deletes whose tombstone table is missing or lacks the key's
-/// unique index (`warren run` before `warren declare`), as a sentence; `None`: it fits.
-pub(super) async fn check(
-    mapping: &Mapping,
-    client: &tokio_postgres::Client,
-) -> Result<Option<String>, DbError> {
-    let Some(d) = &mapping.delete else {
-        return Ok(None);
-    };
-    let tomb = d.tombstones.sql();
-    let oid: Option<u32> = client
-        .query_one("SELECT to_regclass($1)::oid", &[&tomb])
-        .await
-        .map_err(DbError::from_pg)?
-        .get(0);
-    let Some(oid) = oid else {
-        return Ok(Some(format!(
-            "pipeline {}: the tombstone table {} does not exist (a pipeline with deletes keeps \
-             the version of each deleted key there: run warren declare, which makes it)",
-            mapping.pipeline, d.tombstones
-        )));
-    };
-    let mut key: Vec<&str> = mapping.key();
-    key.sort_unstable();
-    let unique = super::schema::unique_indexes(client, oid).await?;
-    let keyed = unique.iter().any(|(_, cols)| {
-        let mut c: Vec<&str> = cols.iter().map(String::as_str).collect();
-        c.sort_unstable();
-        c == key
-    });
-    Ok((!keyed).then(|| {
-        format!(
-            "pipeline {}: the tombstone table {} has no unique index on ({}) (made by warren \
-             declare; drop it and declare again)",
-            mapping.pipeline,
-            d.tombstones,
-            mapping.key().join(", ")
-        )
-    }))
 }

@@ -3,6 +3,7 @@
 //! children of the keys whose parent row this transaction wrote (told by `xmin`).
 
 use super::*;
+use crate::domain::mapping::statements::{param, types_on_path};
 
 /// The statements of one child table, built once (see the module's doc).
 #[derive(Debug, Clone)]
@@ -67,7 +68,7 @@ impl ChildStatements {
         let c_params: Vec<String> = columns
             .iter()
             .enumerate()
-            .map(|(i, c)| insert::param(c.ty, i + 1, None))
+            .map(|(i, c)| param(c.ty, i + 1, None))
             .collect();
         let count = columns.len();
         let ord_param = format!("${}::int8[]", count + 1);
@@ -83,7 +84,7 @@ impl ChildStatements {
             parent_key
                 .iter()
                 .enumerate()
-                .map(|(j, &i)| insert::param(parent[i].ty, from + j, None))
+                .map(|(j, &i)| param(parent[i].ty, from + j, None))
                 .collect()
         };
         let delete = format!(
@@ -96,7 +97,7 @@ impl ChildStatements {
         let (insert_won, insert_won_probe) = match version {
             Some(ver) => {
                 let first = count + 2;
-                let ver_param = insert::param(parent[ver].ty, first + pk.len(), None);
+                let ver_param = param(parent[ver].ty, first + pk.len(), None);
                 let vn = quote(&parent[ver].name);
                 let won = format!(
                     "INSERT INTO {ct} ({list}) SELECT {v_list} \
@@ -135,7 +136,7 @@ impl ChildStatements {
         let probe_table = format!(
             "{path} CREATE TEMPORARY TABLE {probe} ON COMMIT DROP AS \
              SELECT {list}, 0::int8 AS {ORD} FROM {ct} WITH NO DATA",
-            path = insert::types_on_path(table),
+            path = types_on_path(table),
         );
         let probe_fill = format!(
             "INSERT INTO pg_temp.{probe} ({list}, {ORD}) SELECT * FROM UNNEST({}, {ord_param})",
