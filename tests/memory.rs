@@ -290,3 +290,54 @@ async fn a_100_mib_body_is_parked_once_under_a_256_mib_limit_and_the_users_behin
     assert_eq!(env.queue_state(&env.dlq_queue).await, (0, 0));
     assert_eq!(env.queue_state(&env.main_queue).await, (0, 0));
 }
+
+/// Review R38 F3: a body over MAX_MESSAGE_BYTES at the head of the queue while parking fails
+/// (INSERT on dead_letters revoked: a deployment's mistake, or a database refusing that table).
+/// The main stage parks such a body where it refused it; a failed park gave it back, the
+/// window cut to one for it brought it back first every time, and no user behind it was stored
+/// for as long as parking failed (0 of 100 after 40 s in the review). Now a failed park in the
+/// main stage lets the broker dead-letter the original to the DLQ (nack without requeue: no
+/// copy held): the users land while parking still fails, and the big message is in the DLQ,
+/// once, whole.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_refused_big_body_whose_park_fails_goes_to_the_dlq_and_the_users_behind_it_land() {
+    let env = TestEnv::new("parkfails").await;
+    env.declare();
+    env.db
+        .batch_execute("REVOKE INSERT ON dead_letters FROM CURRENT_USER")
+        .await
+        .expect("revoke INSERT on dead_letters");
+    let body = vec![b'x'; 200 << 10];
+    env.publish_raw(&body, labelled("big-0")).await;
+    let users: HashSet<Uuid> = env.publish_users(100).await.into_iter().collect();
+    let mut warren = env.start(&["--roles", "consumer"]);
+    let _logs = LogsOnPanic(vec![warren.log.clone()]);
+    assert_rows_exactly(&env, &users, Duration::from_secs(60), &|| warren.logs()).await;
+    wait_until(
+        "the big message in the DLQ",
+        Duration::from_secs(30),
+        || async { env.queue_state(&env.dlq_queue).await.0 == 1 },
+    )
+    .await;
+    warren.terminate_ok(Duration::from_secs(30));
+    let dead = env.drain_queue(&env.dlq_queue, 10).await;
+    let ids: Vec<String> = dead
+        .iter()
+        .map(|m| {
+            m.delivery
+                .properties
+                .message_id()
+                .as_ref()
+                .map(|s| s.to_string())
+                .unwrap_or_default()
+        })
+        .collect();
+    assert_eq!(ids, ["big-0"], "the DLQ holds {ids:?}");
+    assert_eq!(dead[0].delivery.data, body, "the body, whole");
+    assert_eq!(env.queue_state(&env.main_queue).await, (0, 0));
+    assert_eq!(
+        count_of(&env, "SELECT count(*) FROM dead_letters").await,
+        0,
+        "nothing parked while INSERT is revoked"
+    );
+}

@@ -47,6 +47,8 @@ pub enum Op {
     AckOne(u64),
     /// `basic.nack(tag, multiple = false, requeue = true)`.
     Requeue(u64),
+    /// `basic.nack(tag, multiple = false, requeue = false)`: the broker dead-letters it.
+    DeadLetter(u64),
 }
 
 /// Where one outstanding delivery stands.
@@ -129,6 +131,10 @@ impl AckTracker {
             Disposition::Requeue => {
                 self.outstanding[i].1 = State::Sent;
                 ops.push(Op::Requeue(tag));
+            }
+            Disposition::DeadLetter => {
+                self.outstanding[i].1 = State::Sent;
+                ops.push(Op::DeadLetter(tag));
             }
         }
         let mut ack_to = None;
@@ -344,13 +350,13 @@ async fn run_ops(
                         .basic_ack(tag, BasicAckOptions { multiple: false })
                         .await
                 }
-                Op::Requeue(tag) => {
+                Op::Requeue(tag) | Op::DeadLetter(tag) => {
                     channel
                         .basic_nack(
                             tag,
                             BasicNackOptions {
                                 multiple: false,
-                                requeue: true,
+                                requeue: matches!(op, Op::Requeue(_)),
                             },
                         )
                         .await

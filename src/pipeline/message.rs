@@ -135,6 +135,10 @@ pub enum Disposition {
     Ack,
     /// Give it back to the queue (nack with requeue).
     Requeue,
+    /// Let the broker dead-letter it (nack without requeue): the main queue's dead-letter
+    /// exchange takes the original to the DLQ, warren holding no copy. Only for a main stage
+    /// (a DLQ dead-letters nowhere, and the broker would drop it).
+    DeadLetter,
 }
 
 /// Sink -> consumer: how deliveries of one channel generation ended (one per batch and
