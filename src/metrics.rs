@@ -354,8 +354,8 @@ fn describe() {
     describe_gauge!(
         INFLIGHT_BYTES,
         "Bytes of messages (bodies and parsed properties) received and not yet acked or \
-         requeued, by pipeline (bounded by MAX_INFLIGHT_BYTES, overshot by at most one prefetch \
-         window)."
+         requeued, by pipeline (accepted ones bounded by MAX_INFLIGHT_BYTES; beside them at most \
+         one body over MAX_MESSAGE_BYTES, being parked)."
     );
     describe_gauge!(
         QUEUE_MESSAGES,

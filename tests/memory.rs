@@ -340,4 +340,88 @@ async fn a_refused_big_body_whose_park_fails_goes_to_the_dlq_and_the_users_behin
         0,
         "nothing parked while INSERT is revoked"
     );
+
+/// R38-F1 of the issue-38 review: a refused body that arrives in an OPEN window. A queue of
+/// `[1 user, 2 bodies of 120 MiB]` groups OOM-killed a 256 MiB container once per group (a crash
+/// loop): the user opened the window of one to the prefetch in one step, and both bodies came
+/// at once before the refusal could cut it (lapin assembles every body before warren sees it).
+/// Scaled here to 48 MiB bodies (3 groups, then 200 users), default settings. Now the vendored
+/// lapin does not store a body over MAX_MESSAGE_BYTES announced in an open window: it is given
+/// back unread (nack, requeue), the window cut to one, and it comes back alone, whole, to be
+/// parked: one big body held at a time.
+///
+/// The bound: R (about 40 MiB, debug build) + one body (48 MiB) + the copies and the events
+/// (C + 6 = 22 MiB) = 110 MiB, and 10 of margin. Before, the two bodies of a group were held
+/// together: at least R + 2 x 48 MiB = 136 MiB (measured: see the commit).
+#[tokio::test(flavor = "multi_thread")]
+async fn oversize_bodies_in_an_open_window_are_given_back_and_parked_one_at_a_time() {
+    const SIZE: usize = 48 << 20;
+    const BOUND: u64 = 120 << 20;
+    let env = TestEnv::new("memopen").await;
+    env.declare();
+    let mut body = b"{\"big\": \"".to_vec();
+    body.resize(SIZE, b'b');
+    let mut users = HashSet::new();
+    let mut bigs = Vec::new();
+    for group in 0..3 {
+        users.extend(env.publish_users(1).await);
+        for i in 0..2 {
+            let id = format!("big-{group}-{i}");
+            env.publish_raw(&body, labelled(&id)).await;
+            bigs.push(id);
+        }
+    }
+    drop(body);
+    users.extend(env.publish_users(200).await);
+    let mut warren = env.start(&["--roles", "consumer,dlq"]);
+    let _logs = LogsOnPanic(vec![warren.log.clone()]);
+    let pid = warren.pid();
+    let parked = || async {
+        count_of(
+            &env,
+            "SELECT count(DISTINCT message_id) FROM dead_letters WHERE message_id LIKE 'big-%'",
+        )
+        .await
+    };
+    drain_within(
+        "every user stored and the 6 big bodies parked",
+        pid,
+        BOUND,
+        Duration::from_secs(240),
+        || async { parked().await >= bigs.len() as i64 && env.count_rows().await >= 203 },
+    )
+    .await;
+    assert_rows_exactly(&env, &users, Duration::from_secs(10), &|| warren.logs()).await;
+    let peak = peak_rss(pid);
+    eprintln!(
+        "peak RSS with 3 x [1 user, 2 x 48 MiB] and 200 users: {} MiB",
+        peak >> 20
+    );
+    assert!(
+        peak < BOUND,
+        "peak RSS {} MiB: over {} MiB",
+        peak >> 20,
+        BOUND >> 20
+    );
+    // The path under test was taken: bodies came in an open window and were given back.
+    assert!(
+        warren.logs().contains("given back to the queue unread"),
+        "no body was given back unread: the test did not open a window before the big bodies"
+    );
+    warren.terminate_ok(Duration::from_secs(30));
+    // Each big body parked once, whole: its id once, at its size.
+    let rows = env
+        .db
+        .query(
+            "SELECT message_id, octet_length(body)::int8 FROM dead_letters \
+             WHERE message_id LIKE 'big-%' ORDER BY message_id",
+            &[],
+        )
+        .await
+        .expect("the parked big bodies");
+    let parked: Vec<(String, i64)> = rows.iter().map(|r| (r.get(0), r.get(1))).collect();
+    let expected: Vec<(String, i64)> = bigs.iter().map(|id| (id.clone(), SIZE as i64)).collect();
+    assert_eq!(parked, expected);
+    assert_eq!(env.queue_state(&env.dlq_queue).await, (0, 0));
+    assert_eq!(env.queue_state(&env.main_queue).await, (0, 0));
 }

@@ -11,7 +11,7 @@ use tracing::{debug, info, warn};
 
 use super::link::{Link, Phase};
 use super::{Consumer, SetProcessors, SetRate};
-use crate::pipeline::message::{Delivery, Settle};
+use crate::pipeline::message::{Delivery, Disposition, Settle};
 use crate::pipeline::throttle::Release;
 
 impl Consumer {
@@ -27,31 +27,57 @@ impl Consumer {
         // consumer_timeout, counted from here (see `Delivery::received_at`).
         let received_at = Instant::now();
         let mut deliveries = Vec::with_capacity(chunk.len());
+        // Every tag in delivery order (the acks'), and those whose body lapin did not store.
+        let mut tags = Vec::with_capacity(chunk.len());
+        let mut oversize = Vec::new();
         for item in chunk {
             match item {
-                Ok(d) => deliveries.push(Delivery {
-                    generation,
-                    tag: d.delivery_tag,
-                    redelivered: d.redelivered,
-                    held_bytes: (d.data.len() + crate::amqp::headers::parsed_bytes(&d.properties))
-                        as u64,
-                    body: d.data.into(),
-                    properties: d.properties,
-                    exchange: d.exchange,
-                    routing_key: d.routing_key,
-                    received_at,
-                }),
+                Ok(d) if d.discarded.is_some() => {
+                    debug!(
+                        pipeline = self.config.stage.pipeline(),
+                        stage = self.config.stage.stage().as_str(),
+                        tag = d.delivery_tag,
+                        announced_bytes = d.discarded,
+                        "a body over MAX_MESSAGE_BYTES announced in an open window: not stored"
+                    );
+                    tags.push(d.delivery_tag);
+                    oversize.push((d.delivery_tag, Disposition::Requeue));
+                }
+                Ok(d) => {
+                    tags.push(d.delivery_tag);
+                    deliveries.push(Delivery {
+                        generation,
+                        tag: d.delivery_tag,
+                        redelivered: d.redelivered,
+                        held_bytes: (d.data.len()
+                            + crate::amqp::headers::parsed_bytes(&d.properties))
+                            as u64,
+                        body: d.data.into(),
+                        properties: d.properties,
+                        exchange: d.exchange,
+                        routing_key: d.routing_key,
+                        received_at,
+                    })
+                }
                 Err(e) => {
                     warn!(pipeline = self.config.stage.pipeline(), stage = self.config.stage.stage().as_str(), error = %e, "consumer stream error");
                     self.last_stream_error = Some(e.to_string());
                 }
             }
         }
-        if deliveries.is_empty() {
+        if tags.is_empty() {
             return;
         }
         if let Some(acker) = self.linked().and_then(|l| l.acker.as_mut()) {
-            acker.delivered(deliveries.iter().map(|d| d.tag));
+            acker.delivered(tags.into_iter());
+            // Given back at once, unread: not a failure, no retry spent.
+            acker.settle(&oversize);
+        }
+        if !oversize.is_empty() {
+            self.give_back_oversize(oversize.len());
+        }
+        if deliveries.is_empty() {
+            return;
         }
         self.inflight += deliveries.len();
         self.received += deliveries.len() as u64;
@@ -180,6 +206,8 @@ impl Handler<Settle> for Consumer {
                 "settlement for a closed channel dropped; the broker redelivers those messages"
             );
         }
+        // Everything settled under a window of one: the next body may come whole.
+        self.lift_body_limit();
         // Whatever is still held: a new subscription waits only for room (`room_for`).
         self.maybe_subscribe(ctx);
         self.maybe_finish(ctx);

@@ -160,6 +160,11 @@ pub struct Consumer {
     since_subscribe: u64,
     /// The window the consumer has earned (a first window of one, `window.rs`).
     earned: window::Earned,
+    /// A delivery announced a body over `MAX_MESSAGE_BYTES` in an open window and was given
+    /// back unread (`Delivery::discarded`, the vendored lapin's body limit): no subscription
+    /// until everything delivered before is settled; the next one takes a window of one with
+    /// the body limit lifted, so the body comes back whole and alone (`window.rs`).
+    given_back_oversize: bool,
     /// The bytes-in-flight gauge, resolved once; the value last published to it.
     inflight_bytes_gauge: (metrics::Gauge, u64),
     /// Held by the breaker and/or an operator: no consumer subscribed while non-empty.
@@ -210,6 +215,7 @@ impl Consumer {
             kept_largest: 0,
             since_subscribe: 0,
             earned: window::Earned::default(),
+            given_back_oversize: false,
             inflight_bytes_gauge: (crate::metrics::inflight_bytes_gauge(&config.stage), 0),
             holds: Vec::new(),
             received: 0,

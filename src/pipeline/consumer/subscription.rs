@@ -87,6 +87,7 @@ impl Consumer {
         // whose steps are logged at debug only).
         let budget_cut = window == self.budget_window() && window < prefetch.max(1);
         let max_inflight_bytes = self.config.max_inflight_bytes;
+        let body_limit = self.body_limit(window);
         let Link::Up(linked) = &mut self.link else {
             return;
         };
@@ -116,6 +117,9 @@ impl Consumer {
         }
         linked.subscription = Subscription::Pending;
         let channel = linked.channel.clone();
+        // In place before the consume, so before its first delivery (`window.rs`).
+        channel.set_body_limit(body_limit);
+        self.given_back_oversize = false;
         let generation = self.generation;
         let tag = consumer_tag(&stage, &format!("{generation}-{}", self.subscriptions));
         self.subscriptions += 1;

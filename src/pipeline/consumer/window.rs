@@ -2,7 +2,7 @@
 //! in flight, not their size: a delivery holds its body and its properties as parsed (a header
 //! table can take some 30 times its wire size: `headers::parsed_bytes`), and the AMQP client
 //! receives a whole window of bodies, whatever their size, before warren sees the first one.
-//! Three rules keep what it receives bounded in bytes:
+//! Four rules keep what it receives bounded in bytes:
 //! - **A first window of one.** A consumer begins with a window of one delivery
 //!   ([`FIRST_WINDOW`]); once a delivery with an accepted body (at most `MAX_MESSAGE_BYTES`)
 //!   arrived, the window opens to the prefetch and what the budget holds (cancel, then
@@ -11,10 +11,18 @@
 //!   over a memory limit at every start (a crash loop). One step, not a doubling per window:
 //!   every step is a consume, and a broker slow to answer consumes made a ramp of a dozen a
 //!   livelock (`tests/broker_faults.rs`, a consume answered late).
-//! - **Refused bodies one at a time.** A body over `MAX_MESSAGE_BYTES` (refused, dead-lettered)
-//!   cuts the window to one delivery at once, and the next accepted one opens it again: refused
-//!   bodies are held one at a time, whatever the budget. Before the cut, what the broker already
-//!   pushed arrives: at most the window of that moment.
+//! - **No body over `MAX_MESSAGE_BYTES` in an open window.** The vendored lapin reads a body
+//!   limit at each content header ([`Consumer::body_limit`], set on the channel before each
+//!   consume): `MAX_MESSAGE_BYTES` unless the window is one with nothing in flight. A body
+//!   announced over it is not stored (its frames are dropped) and comes marked
+//!   (`Delivery::discarded`): it is given back at once (nack, requeue; no retry spent), the
+//!   window cut to one and the subscription cancelled, and the next subscription waits until
+//!   everything delivered before is settled, then takes a window of one with no limit: the body
+//!   comes back whole and alone (review R38-F1: every accepted delivery reopened the window in
+//!   one step, and two 120 MiB bodies behind one came together, an OOM kill per group).
+//! - **Refused bodies one at a time.** A body over `MAX_MESSAGE_BYTES` (so received whole, in a
+//!   window of one) keeps the window at one delivery, and the next accepted one opens it again:
+//!   refused bodies are held one at a time, whatever the budget.
 //! - **The budget.** Once what is in flight reaches `MAX_INFLIGHT_BYTES` the consumer cancels
 //!   its subscription, lets what it holds settle back under the budget, and subscribes again with
 //!   a window cut to what the budget holds of the largest accepted delivery it saw (a refused
@@ -71,8 +79,70 @@ impl Consumer {
     /// are held, and under the byte budget, which counts every delivery held (past it, nothing
     /// more is taken until enough settles). A single held delivery never stops it, unless it
     /// alone fills the byte budget.
+    /// After a body over `MAX_MESSAGE_BYTES` was given back unread, nothing may be in flight:
+    /// the next subscription lifts the body limit (`body_limit`).
     pub(super) fn room_for(&self, window: u16) -> bool {
+        if self.given_back_oversize && self.inflight > 0 {
+            return false;
+        }
         self.inflight <= usize::from(window) && self.inflight_bytes < self.config.max_inflight_bytes
+    }
+
+    /// The body limit a subscription with `window` takes (the vendored lapin's
+    /// `Channel::set_body_limit`, read at each content header): none (`u64::MAX`) for a window of
+    /// one with nothing in flight, so at most one body of any size is held, and a body over
+    /// `MAX_MESSAGE_BYTES` comes whole, to be parked; else `MAX_MESSAGE_BYTES`: a body over it
+    /// in an open window is not stored, and given back (`give_back_oversize`).
+    pub(super) fn body_limit(&self, window: u16) -> u64 {
+        if window <= FIRST_WINDOW && self.inflight == 0 {
+            u64::MAX
+        } else {
+            self.config.max_message_bytes as u64
+        }
+    }
+
+    /// Deliveries whose bodies were over `MAX_MESSAGE_BYTES` in an open window came unread and
+    /// were given back (nack with requeue, already sent): the window is cut to one, the
+    /// subscription cancelled at once (under a window of one with the limit still in place, the
+    /// broker would send the same body back at once, again and again), and the next one waits
+    /// until everything delivered before is settled, then takes a window of one without a body
+    /// limit: the body comes back whole and alone, and is parked.
+    pub(super) fn give_back_oversize(&mut self, n: usize) {
+        crate::metrics::requeued(&self.config.stage, "oversize_in_window", n as u64);
+        if self.phase != Phase::Running {
+            self.stop_counts.given_back += n as u64;
+            return;
+        }
+        info!(
+            pipeline = self.config.stage.pipeline(),
+            stage = self.config.stage.stage().as_str(),
+            given_back = n,
+            max_message_bytes = self.config.max_message_bytes,
+            "bodies over MAX_MESSAGE_BYTES announced in an open prefetch window: given back to \
+             the queue unread; the window is cut to 1, and once what is in flight settles they \
+             come back one at a time, whole, to be parked"
+        );
+        self.earned.window = FIRST_WINDOW;
+        self.earned.run = 0;
+        self.given_back_oversize = true;
+        if self.consuming() {
+            self.unsubscribe();
+            self.dispatch.flush_all();
+        }
+    }
+
+    /// Under a window of one with nothing in flight, the body limit is lifted on the current
+    /// subscription: the next delivery (a body given back unread, redelivered) comes whole.
+    pub(super) fn lift_body_limit(&mut self) {
+        if self.inflight > 0 || self.phase != Phase::Running {
+            return;
+        }
+        let Link::Up(linked) = &self.link else {
+            return;
+        };
+        if linked.window <= FIRST_WINDOW && matches!(linked.subscription, Subscription::Active(_)) {
+            linked.channel.set_body_limit(u64::MAX);
+        }
     }
 
     /// The window the next subscription takes: the prefetch, cut to what the byte budget holds

@@ -26,7 +26,14 @@ use crate::{
     types::*,
 };
 use amq_protocol::frame::{AMQPContentHeader, AMQPFrame};
-use std::{convert::TryFrom, fmt, sync::Arc};
+use std::{
+    convert::TryFrom,
+    fmt,
+    sync::{
+        Arc,
+        atomic::{AtomicU64, Ordering},
+    },
+};
 use tracing::{error, info, trace};
 
 /// Main entry point for most AMQP operations.
@@ -71,6 +78,9 @@ pub struct Channel {
     channel_closer: Option<Arc<ChannelCloser>>,
     _connection_closer: Option<Arc<ConnectionCloser>>,
     recovery_config: RecoveryConfig,
+    /// WARREN-PATCH: the body limit every consumer this channel makes shares
+    /// (`Channel::set_body_limit`, `Consumer::set_body_limit`).
+    body_limit: Arc<AtomicU64>,
 }
 
 impl PartialEq for Channel {
@@ -136,7 +146,23 @@ impl Channel {
             channel_closer,
             _connection_closer: connection_closer,
             recovery_config,
+            body_limit: Arc::new(AtomicU64::new(u64::MAX)),
         }
+    }
+
+    /// WARREN-PATCH: the largest body, in bytes, the consumers of this channel store
+    /// (`u64::MAX`, the default: any); it applies from the next content header, to every
+    /// consumer made on this channel, before and after. A delivery whose content header
+    /// announces more comes with an empty `data` and `Delivery::discarded` set to the announced
+    /// size; its body frames are read and dropped. Set it before `basic_consume` so that no
+    /// delivery arrives before it is in place.
+    pub fn set_body_limit(&self, bytes: u64) {
+        self.body_limit.store(bytes, Ordering::Release);
+    }
+
+    /// WARREN-PATCH: the limit the consumers of this channel share.
+    pub(crate) fn shared_body_limit(&self) -> Arc<AtomicU64> {
+        self.body_limit.clone()
     }
 
     /// Return a snapshot of the current channel state.
@@ -1242,6 +1268,8 @@ impl Channel {
                 options,
                 arguments,
             )
+            // WARREN-PATCH: the channel's body limit, in place before the first delivery.
+            .with_body_limit(self.shared_body_limit())
         });
         self.consumers
             .register(method.consumer_tag, consumer.clone());

@@ -766,4 +766,127 @@ mod tests {
             assert!(channel.status().connected());
         }
     }
+
+    // WARREN-PATCH: the body limit (`Channel::set_body_limit`, `Delivery::discarded`).
+
+    /// A channel in a consuming state and a consumer on it sharing its body limit, as
+    /// `on_basic_consume_ok_received` makes it.
+    fn warren_patch_consumer() -> (Channels, Channel, crate::consumer::Consumer) {
+        let (conn, channels, internal_rpc) = create_connection();
+        conn.configuration.negotiated_config.set_channel_max(2047);
+        let channel = channels.create(conn.closer.clone()).unwrap();
+        channel.set_state(ChannelState::Connected);
+        let consumer = crate::consumer::Consumer::new(
+            "consumer-tag".into(),
+            internal_rpc,
+            None,
+            "consumed".into(),
+            BasicConsumeOptions::default(),
+            FieldTable::default(),
+        )
+        .with_body_limit(channel.shared_body_limit());
+        channel.register_consumer("consumer-tag".into(), consumer.clone());
+        (channels, channel, consumer)
+    }
+
+    /// Feeds one delivery of `body` to `channel`, in body frames of at most `frame` bytes.
+    fn warren_patch_deliver(
+        channels: &Channels,
+        channel: &Channel,
+        tag: u64,
+        body: &[u8],
+        frame: usize,
+    ) {
+        let method = AMQPClass::Basic(basic::AMQPMethod::Deliver(basic::Deliver {
+            consumer_tag: "consumer-tag".into(),
+            delivery_tag: tag,
+            redelivered: false,
+            exchange: "".into(),
+            routing_key: "consumed".into(),
+        }));
+        channels
+            .handle_frame(AMQPFrame::Method(channel.id(), method))
+            .unwrap();
+        channels
+            .handle_frame(AMQPFrame::Header(
+                channel.id(),
+                AMQPContentHeader {
+                    class_id: 60,
+                    body_size: body.len() as u64,
+                    properties: BasicProperties::default(),
+                },
+            ))
+            .unwrap();
+        for piece in body.chunks(frame) {
+            channels
+                .handle_frame(AMQPFrame::Body(channel.id(), piece.to_vec()))
+                .unwrap();
+        }
+        assert!(channel.status().connected());
+    }
+
+    /// The next delivery the consumer holds ready (none pending: a failure).
+    fn warren_patch_next(consumer: &mut crate::consumer::Consumer) -> crate::message::Delivery {
+        use futures_lite::stream::StreamExt;
+        let waker = std::task::Waker::noop();
+        let mut cx = std::task::Context::from_waker(waker);
+        let mut next = consumer.next();
+        match std::pin::Pin::new(&mut next).poll(&mut cx) {
+            std::task::Poll::Ready(Some(Ok(delivery))) => delivery,
+            other => panic!("a delivery expected, got {other:?}"),
+        }
+    }
+
+    /// A body over the channel's limit is counted, not stored: the delivery comes with an
+    /// empty body and its announced size; the next one, within the limit, comes whole, and the
+    /// channel reads on (its frames were all consumed).
+    #[test]
+    fn warren_patch_a_body_over_the_limit_comes_empty_with_its_size() {
+        let (channels, channel, mut consumer) = warren_patch_consumer();
+        channel.set_body_limit(10);
+        assert_eq!(
+            consumer.body_limit(),
+            10,
+            "the consumer shares its channel's limit"
+        );
+        warren_patch_deliver(&channels, &channel, 1, &[b'x'; 100], 30);
+        let big = warren_patch_next(&mut consumer);
+        assert_eq!((big.delivery_tag, big.discarded), (1, Some(100)));
+        assert!(
+            big.data.is_empty() && big.data.capacity() == 0,
+            "nothing of it stored"
+        );
+        warren_patch_deliver(&channels, &channel, 2, b"0123456789", 4);
+        let small = warren_patch_next(&mut consumer);
+        assert_eq!((small.delivery_tag, small.discarded), (2, None));
+        assert_eq!(small.data, b"0123456789");
+        // Exactly at the limit is within it.
+        assert_eq!(
+            small.data.capacity(),
+            10,
+            "stored in one allocation of its size"
+        );
+    }
+
+    /// The limit applies from the next content header: lifted (`u64::MAX`) through the
+    /// consumer, a body of any size comes whole, in one allocation of its announced size.
+    #[test]
+    fn warren_patch_a_lifted_limit_lets_the_next_body_come_whole() {
+        let (channels, channel, mut consumer) = warren_patch_consumer();
+        channel.set_body_limit(10);
+        warren_patch_deliver(&channels, &channel, 1, &[b'y'; 50], 7);
+        assert_eq!(warren_patch_next(&mut consumer).discarded, Some(50));
+        consumer.set_body_limit(u64::MAX);
+        let body: Vec<u8> = (0..1000u32).map(|i| i as u8).collect();
+        warren_patch_deliver(&channels, &channel, 2, &body, 64);
+        let whole = warren_patch_next(&mut consumer);
+        assert_eq!((whole.delivery_tag, whole.discarded), (2, None));
+        assert_eq!(whole.data, body);
+        assert_eq!(whole.data.capacity(), body.len());
+        // The default is no limit: a channel never set stores everything.
+        let (channels, channel, mut consumer) = warren_patch_consumer();
+        assert_eq!(consumer.body_limit(), u64::MAX);
+        warren_patch_deliver(&channels, &channel, 1, &body, 100);
+        assert_eq!(warren_patch_next(&mut consumer).data, body);
+    }
 }

@@ -17,7 +17,10 @@ use std::{
     fmt,
     future::{self, Future},
     pin::Pin,
-    sync::{Arc, Mutex, MutexGuard},
+    sync::{
+        Arc, Mutex, MutexGuard,
+        atomic::{AtomicU64, Ordering},
+    },
     task::{Context, Poll},
 };
 use tracing::{error, trace};
@@ -146,6 +149,12 @@ pub struct Consumer {
     deliveries_in: Sender<DeliveryResult>,
     listener: Listener,
     error: ErrorHolder,
+    /// WARREN-PATCH: the largest body this consumer stores, in bytes (`u64::MAX`: any). A
+    /// delivery whose content header announces more is handed over with an empty `data` and
+    /// `Delivery::discarded` set: its body frames are counted, never stored. Shared with the
+    /// channel that made it (`Channel::set_body_limit`), so the limit is in place before the
+    /// first delivery, and read at each content header.
+    body_limit: Arc<AtomicU64>,
 }
 
 impl Consumer {
@@ -176,7 +185,29 @@ impl Consumer {
             deliveries_in: sender,
             listener: Listener::default(),
             error: ErrorHolder::default(),
+            body_limit: Arc::new(AtomicU64::new(u64::MAX)),
         }
+    }
+
+    /// WARREN-PATCH: shares `limit` as this consumer's body limit (its channel's).
+    pub(crate) fn with_body_limit(mut self, limit: Arc<AtomicU64>) -> Self {
+        self.body_limit = limit;
+        self
+    }
+
+    /// WARREN-PATCH: sets the largest body this consumer stores, in bytes (`u64::MAX`: any);
+    /// it applies from the next content header. A consumer made by `Channel::basic_consume`
+    /// shares its channel's limit: setting it here sets it for the channel and its other
+    /// consumers too (`Channel::set_body_limit`, which a client sets before `basic_consume`, so
+    /// no delivery arrives before the limit is in place).
+    pub fn set_body_limit(&self, bytes: u64) {
+        self.body_limit.store(bytes, Ordering::Release);
+    }
+
+    /// WARREN-PATCH: the body limit in force (`u64::MAX`: none).
+    #[must_use]
+    pub fn body_limit(&self) -> u64 {
+        self.body_limit.load(Ordering::Acquire)
     }
 
     pub(crate) fn external(&self, channel_id: ChannelId) -> Self {
@@ -240,9 +271,11 @@ impl Consumer {
         size: PayloadSize,
         properties: BasicProperties,
     ) {
+        // WARREN-PATCH: the limit of this moment decides for the whole body.
+        let limit = self.body_limit();
         self.check_new_delivery(
             self.lock_inner()
-                .handle_content_header_frame(size, properties),
+                .handle_content_header_frame(size, properties, limit),
         );
     }
 
@@ -381,9 +414,20 @@ impl Inner {
         &mut self,
         size: PayloadSize,
         properties: BasicProperties,
+        body_limit: u64,
     ) -> Option<Delivery> {
         if let Some(delivery) = self.current_message.as_mut() {
             delivery.properties = properties;
+            // WARREN-PATCH: a body over the limit is not stored (`Delivery::discarded`); one
+            // within it is stored in one allocation of its announced size (upstream grew the
+            // vector frame by frame: up to twice the body while it doubled, and a copy when
+            // the owner turned it into an exact-size buffer). A size the allocator refuses is
+            // left to grow as upstream does.
+            if size > body_limit {
+                delivery.discarded = Some(size);
+            } else if let Ok(size) = usize::try_from(size) {
+                let _ = delivery.data.try_reserve_exact(size);
+            }
         }
         self.check_new_delivery_complete(size == 0)
     }
@@ -394,7 +438,10 @@ impl Inner {
         payload: Vec<u8>,
     ) -> Option<Delivery> {
         if let Some(delivery) = self.current_message.as_mut() {
-            delivery.receive_content(payload);
+            // WARREN-PATCH: the frames of a discarded body are dropped as they come.
+            if delivery.discarded.is_none() {
+                delivery.receive_content(payload);
+            }
         }
         self.check_new_delivery_complete(remaining_size == 0)
     }

@@ -47,6 +47,12 @@ pub struct Delivery {
 
     /// The acker used to ack/nack the message
     pub acker: Acker,
+
+    /// WARREN-PATCH: `Some(size)` when the content header announced a body of `size` bytes,
+    /// over the consumer's body limit (`Channel::set_body_limit`): its body frames were counted
+    /// but not stored, and `data` is empty. The owner decides what to do with it (warren gives
+    /// it back to the queue: `basic.nack` with requeue). `None` for every other delivery.
+    pub discarded: Option<u64>,
 }
 
 impl Delivery {
@@ -89,6 +95,7 @@ impl Delivery {
             properties: BasicProperties::default(),
             data: Vec::default(),
             acker: Acker::new(channel_id, delivery_tag, internal_rpc, poison),
+            discarded: None,
         }
     }
 

@@ -135,6 +135,7 @@ async fn tokio_main() {
                 properties: BasicProperties::default().with_priority(42),
                 data: payload.to_vec(),
                 acker,
+                discarded: None,
             },
             reply_code: 312,
             reply_text: "NO_ROUTE".into(),
