@@ -17,6 +17,8 @@
 #                                                            (N=200000, REPS=3)
 #   scripts/bench.sh --props [N] [REPS]                     what message properties cost the broker
 #                                                            (N=200000, REPS=3)
+#   scripts/bench.sh --orders [N] [REPS] [KEY=VALUE...]     nested orders (1-5 items each) against
+#                                                            the users pipeline (N=100000, REPS=4)
 #
 # N, REPS, RATE and SECONDS may also be given as N=..., REPS=..., RATE=..., SECONDS=...; any other
 # KEY=VALUE is a warren setting (environment) for the warren runs, e.g. USERS_BATCH_SIZE=2000.
@@ -116,6 +118,22 @@
 # the drain's rate. PROPS_SETS="bare id:43 id:44" measures those sets instead (examples/
 # publish_props.rs --props: id:N is a message id of N characters).
 #
+# Orders bench: the raw drain and warren (defaults) on the drain bench's users backlog, and the
+# raw drain and warren on a backlog of N orders of 1-5 items each (generated from ORDERS_SEED, 36
+# by default: the same orders every run) drained through the nested pipeline of docs/pipelines.md's
+# worked example (parent table orders, child table order_items with a foreign key to it, on_conflict
+# = "update"): timed the same way, from the launch to the queue empty AND every order's parent row
+# and child rows in their tables. Prints, per repetition and as medians: the orders' msg/s and its
+# ratio to warren's users of the same repetition (target >= 0.75), rows/s (parents + children),
+# PostgreSQL's CPU a row and warren's peak RSS (target <= 32 MiB). After each orders drain (not
+# timed) the tables are compared with the published orders, ids and values, parent and child rows:
+# a row missing, extra or different stops the bench (exit 1), naming orders. With WARREN_BIN_B the
+# B build drains both backlogs too (warren_b, warren_orders_b).
+#
+# Every drain of a table ends with all its rows: a queue empty (every message acked) while rows
+# are still missing 10 s later is a lost message, and stops the bench (exit 1), never measured
+# again.
+#
 # QUEUE_TYPE=quorum runs every contender (raw drain and minimal pipeline included) on quorum
 # queues (warren_bench_*_quorum, deleted at the end): warren's drain of a quorum queue against the
 # raw drain of the same quorum queue.
@@ -140,6 +158,7 @@ case "${1:-}" in
   --balance) MODE=balance; shift ;;
   --redis-stop) MODE=redis; shift ;;
   --props) MODE=props; shift ;;
+  --orders) MODE=orders; shift ;;
 esac
 POSITIONAL=()
 SETTINGS=()
@@ -163,11 +182,12 @@ if [ "$MODE" = roles ]; then
   [ ${#POSITIONAL[@]} -le 1 ] || die "too many numbers: expected [N]"
   N=$(named N "${POSITIONAL[0]:-100000}" "$@")
   positive_int N "$N"
-elif [ "$MODE" = drain ] || [ "$MODE" = wide ] || [ "$MODE" = balance ] || [ "$MODE" = redis ] || [ "$MODE" = props ]; then
+elif [ "$MODE" = drain ] || [ "$MODE" = wide ] || [ "$MODE" = balance ] || [ "$MODE" = redis ] || [ "$MODE" = props ] || [ "$MODE" = orders ]; then
   [ ${#POSITIONAL[@]} -le 2 ] || die "too many numbers: expected [N] [REPS]"
   case "$MODE" in
     wide) DEFAULT_N=100000 DEFAULT_REPS=3 ;;
     balance|redis|props) DEFAULT_N=200000 DEFAULT_REPS=3 ;;
+    orders) DEFAULT_N=100000 DEFAULT_REPS=4 ;;   # each of the four contenders once in each place
     *) DEFAULT_N=200000 DEFAULT_REPS=6 ;;   # a multiple of the drain bench's six contenders
   esac
   N=$(named N "${POSITIONAL[0]:-$DEFAULT_N}" "$@")
@@ -612,6 +632,82 @@ day   = { path = "/day", type = "date" }
 doc   = { path = "/doc", type = "jsonb" }
 TOML
 fi
+if [ "$MODE" = orders ]; then
+  CONTENDERS=(raw_drain warren raw_drain_orders warren_orders)
+  [ -z "$BIN_B" ] || CONTENDERS+=(warren_b warren_orders_b)
+  # docs/pipelines.md's worked example: its tables (the items' foreign key and CHECK included)
+  # and its pipeline, on the bench's queues. The entry is named users, as the wide bench's: it
+  # takes the built-in users pipeline's place (and its metrics' label, which the script reads).
+  psql_q "CREATE TABLE $SCHEMA.orders (order_id uuid PRIMARY KEY, email text NOT NULL,
+            total numeric NOT NULL, version int8 NOT NULL);
+          CREATE TABLE $SCHEMA.order_items (
+            order_id uuid NOT NULL REFERENCES $SCHEMA.orders ON DELETE CASCADE,
+            line int4 NOT NULL, sku text NOT NULL, qty int4 NOT NULL CHECK (qty <= 100),
+            PRIMARY KEY (order_id, line))" >/dev/null
+  ORDERS="$LOGDIR/orders.toml"
+  cat >"$ORDERS" <<TOML
+[[pipelines]]
+name = "users"
+table = "orders"
+key = ["order_id"]
+on_conflict = "update"
+version_column = "version"
+$(names_toml)
+
+[pipelines.columns]
+order_id = { path = "/order_id", type = "uuid" }
+email    = { path = "/customer/email", type = "text", format = "email" }
+total    = { path = "/total", type = "numeric", min = 0 }
+version  = { path = "/version", type = "int8" }
+
+[[pipelines.children]]
+table = "order_items"
+rows = "/items"
+key = ["order_id", "line"]
+
+[pipelines.children.columns]
+order_id = { parent = "order_id" }
+line     = { index = true }
+sku      = { path = "/sku", type = "text", min_len = 1 }
+qty      = { path = "/qty", type = "int4", min = 1 }
+TOML
+  # N orders, the same for a seed on every machine (an integer hash of the order's number, not
+  # awk's rand): 1-5 items of 1-100 each, ~150-350 bytes. The items' count is kept for the end
+  # of a drain; the orders themselves are loaded into the schema as the rows they must give, to
+  # compare with the tables after each drain.
+  ORDERS_SEED="${ORDERS_SEED:-36}"
+  positive_int ORDERS_SEED "$ORDERS_SEED"
+  ORDERS_FILE="$LOGDIR/orders.jsonl"
+  ITEMS=$(awk -v n="$N" -v seed="$ORDERS_SEED" -v out="$ORDERS_FILE" 'BEGIN {
+    for (i = 1; i <= n; i++) {
+      h = (i * 2654435761 + seed * 40503) % 4294967296
+      k = 1 + h % 5; items = ""; cents = 0
+      for (j = 1; j <= k; j++) {
+        g = (h + j * 2246822519) % 4294967296
+        qty = 1 + int(g / 5) % 100; price = 100 + int(g / 500) % 9900; cents += qty * price
+        items = items sprintf("%s{\"sku\":\"SKU-%05d\",\"qty\":%d}", (j > 1 ? "," : ""), int(g / 7) % 100000, qty)
+      }
+      printf "{\"order_id\":\"%08x-0000-4000-8000-%012x\",\"customer\":{\"email\":\"o%d@example.com\"},\"total\":\"%d.%02d\",\"version\":1,\"items\":[%s]}\n", \
+        i, seed, i, int(cents / 100), cents % 100, items >out
+      total += k
+    }
+    print total }') || die "cannot generate $ORDERS_FILE"
+  psql_q "CREATE TABLE $SCHEMA.orders_published (doc jsonb NOT NULL)" >/dev/null
+  PGOPTIONS='-c client_min_messages=warning' psql "$DATABASE_URL" -v ON_ERROR_STOP=1 -qtAX \
+    -c "\\copy $SCHEMA.orders_published (doc) FROM '$ORDERS_FILE'" >/dev/null \
+    || die "cannot load $ORDERS_FILE into $SCHEMA.orders_published"
+  psql_q "CREATE TABLE $SCHEMA.orders_expected AS
+            SELECT (doc->>'order_id')::uuid order_id, doc#>>'{customer,email}' email,
+                   (doc->>'total')::numeric total, (doc->>'version')::int8 version
+            FROM $SCHEMA.orders_published;
+          CREATE TABLE $SCHEMA.order_items_expected AS
+            SELECT (doc->>'order_id')::uuid order_id, e.line::int4 line, e.item->>'sku' sku,
+                   (e.item->>'qty')::int4 qty
+            FROM $SCHEMA.orders_published, jsonb_array_elements(doc->'items') WITH ORDINALITY e(item, line)" >/dev/null
+  loaded=$(psql_q "SELECT (SELECT count(*) FROM $SCHEMA.orders_expected) || ' ' || (SELECT count(*) FROM $SCHEMA.order_items_expected)")
+  [ "$loaded" = "$N $ITEMS" ] || die "the generated orders load as $loaded orders and items, not $N $ITEMS"
+  say "orders: $N orders of $ITEMS items (seed $ORDERS_SEED, $(( $(stat -c %s "$ORDERS_FILE") / N )) bytes each on average)"
+fi
 # users as a configured pipeline: the typed pipeline's queue, table and checks, through the mapping.
 MAPPED="$LOGDIR/users-mapped.toml"
 cat >"$MAPPED" <<TOML
@@ -653,6 +749,8 @@ fill_queue() { # LOG
     "$EX/publish_props" --count "$N" --props "$PROPS" >"$1" 2>&1 || { FAIL="publish_props failed: $(tail -1 "$1"); see $1"; return 1; }
     b1=$(broker_ticks)
     PUBLISH_BROKER_TICKS=$(( b0 < 0 ? -1 : b1 - b0 ))
+  elif [ "$BACKLOG" = orders ]; then
+    "$BIN" publish --file "$ORDERS_FILE" >"$1" 2>&1 || { FAIL="warren publish --file $ORDERS_FILE failed: $(tail -1 "$1"); see $1"; return 1; }
   elif [ "$MODE" = wide ]; then
     awk -v n="$N" 'BEGIN { for (i = 1; i <= n; i++) printf "{\"id\":\"%08x-0000-4000-8000-%012x\",\"email\":\"w%d@example.com\",\"total\":\"%d.%02d\",\"qty\":%d,\"big\":%d,\"ratio\":%d.5,\"flag\":%s,\"at\":\"2026-11-25T10:%02d:%02dZ\",\"day\":\"2026-11-25\",\"doc\":{\"n\":%d,\"tags\":[\"a\",\"b\"]}}\n", i, i, i, i % 1000, i % 100, 1 + i % 1000, 1000000000 + i, i % 7, (i % 2 ? "true" : "false"), i % 60, i % 60, i }' \
       | "$BIN" publish --stdin >"$1" 2>&1 || { FAIL="warren publish --stdin failed: $(tail -1 "$1"); see $1"; return 1; }
@@ -668,9 +766,46 @@ fill_queue() { # LOG
     sleep 0.5
   done
 }
+# What the queue is filled with before a drain: users (warren publish --count), or the orders
+# bench's orders (set by measure).
+BACKLOG=users
 # The rows in the table (counted once a drain is over, never in a loop while one runs: a
-# count(*) of a growing table costs PostgreSQL tens of ms).
-rows_in_table() { psql_q "SELECT count(*) FROM $SCHEMA.$TABLE"; }
+# count(*) of a growing table costs PostgreSQL tens of ms); for orders, the parent rows and the
+# child rows, as "PARENTS CHILDREN".
+rows_in_table() {
+  if [ "$TABLE" = orders ]; then
+    psql_q "SELECT (SELECT count(*) FROM $SCHEMA.orders) || ' ' || (SELECT count(*) FROM $SCHEMA.order_items)"
+  else
+    psql_q "SELECT count(*) FROM $SCHEMA.$TABLE"
+  fi
+}
+# The rows a drain must leave, in the form rows_in_table answers.
+rows_wanted() { if [ "$TABLE" = orders ]; then printf '%s %s' "$N" "$ITEMS"; else printf '%s' "$N"; fi; }
+# The orders bench's tables against the orders published (ids and values, parent and child
+# rows), once a drain is over; a difference stops the bench: warren lost, added or changed rows.
+verify_orders() { # TAG
+  local diff
+  diff=$(psql_q "WITH
+      p_missing AS (SELECT * FROM $SCHEMA.orders_expected
+                    EXCEPT SELECT order_id, email, total, version FROM $SCHEMA.orders),
+      p_extra AS (SELECT order_id, email, total, version FROM $SCHEMA.orders
+                  EXCEPT SELECT * FROM $SCHEMA.orders_expected),
+      c_missing AS (SELECT * FROM $SCHEMA.order_items_expected
+                    EXCEPT SELECT order_id, line, sku, qty FROM $SCHEMA.order_items),
+      c_extra AS (SELECT order_id, line, sku, qty FROM $SCHEMA.order_items
+                  EXCEPT SELECT * FROM $SCHEMA.order_items_expected)
+    SELECT (SELECT count(*) FROM p_missing) || ' ' || (SELECT count(*) FROM p_extra) || ' '
+        || (SELECT count(*) FROM c_missing) || ' ' || (SELECT count(*) FROM c_extra) || ' '
+        || coalesce((SELECT string_agg(order_id::text, ',') FROM (SELECT order_id FROM p_missing
+             UNION SELECT order_id FROM p_extra UNION SELECT order_id FROM c_missing
+             UNION SELECT order_id FROM c_extra ORDER BY 1 LIMIT 3) f), '-')") \
+    || die "$1: cannot compare $SCHEMA.orders and $SCHEMA.order_items with the orders published"
+  read -r pm pe cm ce ids <<<"$diff"
+  [ "$pm $pe $cm $ce" = "0 0 0 0" ] || die "$1: the tables do not hold the orders published: \
+$pm of $N orders missing or different in $SCHEMA.orders and $pe there not as published; \
+$cm of $ITEMS items missing or different in $SCHEMA.order_items and $ce there not as published \
+(orders $ids ...); every message was acked: a lost or changed message. See $LOGDIR/$1.log"
+}
 
 # --- the end of a drain, as the broker sees it --------------------------------------------------
 # A drain is over when its queue holds nothing, ready or unacked: the contender's last ack is
@@ -754,11 +889,13 @@ drain_end() { # [NO_TABLE]
     *) FAIL="the drain's watcher failed: $result; see $WATCH_OUT"; return 1 ;;
   esac
   [ "${1:-}" != 1 ] || return 0
+  local want; want=$(rows_wanted)
   rows=$(rows_in_table); deadline=$((SECONDS + 10))
-  if [ "$rows" != "$N" ]; then
-    say "warning: $MAIN_QUEUE was empty with ${rows:-?} of $N rows in $SCHEMA.$TABLE: acks before commits"
-    until [ "$rows" = "$N" ]; do
-      [ "$SECONDS" -lt "$deadline" ] || { FAIL="$SCHEMA.$TABLE holds ${rows:-?} rows of $N, every message acked"; return 1; }
+  if [ "$rows" != "$want" ]; then
+    say "warning: $MAIN_QUEUE was empty with ${rows:-?} of $want rows in $SCHEMA.$TABLE: acks before commits"
+    until [ "$rows" = "$want" ]; do
+      # Every message acked and rows still missing: a lost message, not a disturbed measurement.
+      [ "$SECONDS" -lt "$deadline" ] || die "$SCHEMA.$TABLE holds ${rows:-?} rows of $want ($([ "$TABLE" = orders ] && echo 'orders and items, ')10 s after every message was acked: rows lost; logs in $LOGDIR"
       sleep 0.02; rows=$(rows_in_table)
     done
     DRAIN_END=$(now)
@@ -893,7 +1030,12 @@ run_warren() { # rep contender tag [KEY=VALUE...]
 }
 
 measure() { # rep contender tag
-  psql_q "TRUNCATE $SCHEMA.$TABLE" >/dev/null || { FAIL="cannot empty $SCHEMA.$TABLE"; return 1; }
+  if [ "$MODE" = orders ]; then
+    case "$2" in *orders*) BACKLOG=orders TABLE=orders ;; *) BACKLOG=users TABLE=users ;; esac
+    psql_q "TRUNCATE $SCHEMA.users, $SCHEMA.order_items, $SCHEMA.orders" >/dev/null || { FAIL="cannot empty the tables"; return 1; }
+  else
+    psql_q "TRUNCATE $SCHEMA.$TABLE" >/dev/null || { FAIL="cannot empty $SCHEMA.$TABLE"; return 1; }
+  fi
   case "$2" in
     props_bare) PROPS=bare ;;
     props_id) PROPS=id ;;
@@ -911,7 +1053,7 @@ measure() { # rep contender tag
                         '/^published/ { rate = $NF == "msg/s" ? $(NF - 1) : "" } END {
                           printf "%s\t%s\t%s\t%s\n", r, c, (t >= 0 ? sprintf("%.2f", t / hz * 1e6 / n) : "n/a"), rate }' \
                         "$LOGDIR/$3.publish.log" >>"$LOGDIR/publish.tsv" ;;
-    raw_drain)        run_example "$1" "$2" "$3" raw_drain --count "$N" ;;
+    raw_drain|raw_drain_orders) run_example "$1" "$2" "$3" raw_drain --count "$N" ;;
     minimal_pipeline) run_example "$1" "$2" "$3" minimal_pipeline --count "$N" ;;
     tuned_pipeline)   run_example "$1" "$2" "$3" tuned_pipeline --count "$N" ;;
     warren)           run_warren "$1" "$2" "$3" ;;
@@ -919,6 +1061,11 @@ measure() { # rep contender tag
                       BIN="$BIN_B"; run_warren "$1" "$2" "$3" || rc=$?; BIN="$bin_a"
                       return "$rc" ;;
     warren_pf5000)    run_warren "$1" "$2" "$3" PREFETCH=5000 ;;
+    warren_orders)    run_warren "$1" "$2" "$3" WARREN_CONFIG="$ORDERS" && verify_orders "$3" ;;
+    warren_orders_b)  local bin_a="$BIN" rc=0
+                      BIN="$BIN_B"; run_warren "$1" "$2" "$3" WARREN_CONFIG="$ORDERS" || rc=$?; BIN="$bin_a"
+                      [ "$rc" = 0 ] || return "$rc"
+                      verify_orders "$3" ;;
     warren_mapped)    run_warren "$1" "$2" "$3" WARREN_CONFIG="$MAPPED" ;;
     warren_wide)      run_warren "$1" "$2" "$3" WARREN_CONFIG="$WIDE" ;;
     warren_redis_stop)
@@ -1000,6 +1147,8 @@ awk -F'\t' -v reps="$REPS" -v list="${CONTENDERS[*]}" -v base="${CONTENDERS[0]}"
     label["props_id32_ts"] = "drain, + 32-hex id, timestamp"
     label["props_warren"] = "drain, + x-published-ms"; label["props_traced"] = "drain, + traceparent"
     label["warren_b"] = "warren B (WARREN_BIN_B)"
+    label["raw_drain_orders"] = "raw drain, orders"; label["warren_orders"] = "warren, orders nested"
+    label["warren_orders_b"] = "warren B, orders"
     label["warren_auto"] = "warren balance=auto"; label["warren_redis_stop"] = "warren, Redis stopped"
     for (r = 1; r <= reps; r++) for (k = 1; k <= nc; k++) {
       c = names[k]
@@ -1074,6 +1223,45 @@ if [ "$MODE" = redis ]; then
       printf "  rep %d: %.0f against %.0f msg/s = %.3f; events dropped and counted: %s\n", r, rate[r, "warren_redis_stop"],
         rate[r, "warren"], rate[r, "warren_redis_stop"] / rate[r, "warren"], (dropped[r] == "" ? "n/a" : dropped[r]) }' \
     "$LOGDIR/dropped.tsv" "$RESULTS"
+fi
+if [ "$MODE" = orders ]; then
+  echo
+  echo "orders: $N orders and $ITEMS items, $((N + ITEMS)) rows a drain (parents + children; seed $ORDERS_SEED), per repetition:"
+  # Per repetition, for warren (and B): the orders' rate against the users' of the same build and
+  # repetition, rows/s, PostgreSQL's CPU a row (its us/msg over the rows a message gives) and the
+  # peak RSS; then the medians and the worst peak against the targets.
+  awk -F'\t' -v n="$N" -v items="$ITEMS" '
+    function median(list,   a, k, i, j, t) {
+      k = split(list, a, " "); if (k == 0) return "n/a"
+      for (i = 2; i <= k; i++) { t = a[i]; for (j = i - 1; j >= 1 && a[j] + 0 > t + 0; j--) a[j + 1] = a[j]; a[j + 1] = t }
+      return k % 2 ? a[(k + 1) / 2] : (a[k / 2] + a[k / 2 + 1]) / 2
+    }
+    function lo(list,   a, k, i, m) { k = split(list, a, " "); m = a[1] + 0; for (i = 2; i <= k; i++) if (a[i] + 0 < m) m = a[i] + 0; return m }
+    function hi(list,   a, k, i, m) { k = split(list, a, " "); m = a[1] + 0; for (i = 2; i <= k; i++) if (a[i] + 0 > m) m = a[i] + 0; return m }
+    { rate[$1, $2] = $3; db[$1, $2] = $12; rss[$1, $2] = $8; if ($1 > reps) reps = $1 }
+    END {
+      rows = (n + items) / n
+      nb = split("warren_orders:warren:warren_orders_b:warren_b", pairs, ":")
+      for (b = 1; b <= nb; b += 2) {
+        o = pairs[b]; u = pairs[b + 1]; who = (b == 1 ? "warren" : "warren B")
+        ratios = ""; rates = ""; rps = ""; pgrow = ""; upg = ""; peak = ""; seen = 0
+        for (r = 1; r <= reps; r++) {
+          if (rate[r, o] == "" || rate[r, u] == "") continue
+          seen = 1
+          ratio = rate[r, o] / rate[r, u]; ratios = ratios " " ratio; rates = rates " " rate[r, o]
+          rps = rps " " rate[r, o] * rows; peak = peak " " rss[r, o]
+          pr = (db[r, o] == "n/a" ? "n/a" : sprintf("%.2f", db[r, o] / rows)); if (pr != "n/a") pgrow = pgrow " " pr
+          if (db[r, u] != "n/a") upg = upg " " db[r, u]
+          printf "  rep %d %-9s %6.0f msg/s = %.2f of its users (%.0f msg/s), %7.0f rows/s, raw drain of the orders %s msg/s; PostgreSQL %s us/row (users %s); peak RSS %.1f MiB\n", \
+            r, who, rate[r, o], ratio, rate[r, u], rate[r, o] * rows, (rate[r, "raw_drain_orders"] == "" ? "n/a" : rate[r, "raw_drain_orders"]), \
+            pr, db[r, u], rss[r, o]
+        }
+        if (!seen) continue
+        printf "%s, medians over %d repetition(s): %.0f msg/s = %.2f (%.2f-%.2f) of the users pipeline (target >= 0.75), %.0f rows/s, PostgreSQL %s us/row (users %s us/row); peak RSS at most %.1f MiB (target <= 32)\n", \
+          who, reps, median(rates), median(ratios), lo(ratios), hi(ratios), median(rps), \
+          (pgrow == "" ? "n/a" : sprintf("%.2f", median(pgrow))), (upg == "" ? "n/a" : sprintf("%.2f", median(upg))), hi(peak)
+      }
+    }' "$RESULTS"
 fi
 if [ "$MODE" = props ]; then
   echo

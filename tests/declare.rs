@@ -738,3 +738,111 @@ async fn a_child_tables_foreign_key_must_reference_what_its_parent_columns_carry
         );
     }
 }
+
+/// A pipeline with deletes renamed (or removed, or without deletes now) leaves its tombstone
+/// table behind: `warren declare` names it with its tombstones, how to move it to the new name or
+/// drop it, and keeps it; a table of someone else's named `tombstones_...` is not named. Moved
+/// as docs/pipelines.md says (the new name's empty table dropped, the old one renamed), declare
+/// matches it and names nothing.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_renamed_pipelines_tombstone_table_is_named_and_kept() {
+    let env = TestEnv::new("decl_tomb_rename").await;
+    let names = PipelineNames::of(&env, "orders");
+    let _cleanup = names.cleanup();
+    create_nested_tables(&env).await;
+    let update = "on_conflict = \"update\"\nversion_column = \"version\"\n";
+    let deletes = format!("{update}delete = {{ field = \"/op\", value = \"delete\" }}\n");
+    let orders = ConfigFile::new(&nested_toml(&names, &deletes));
+    let (code, out, err) = env.run_async(&["--config", orders.at(), "declare"]).await;
+    assert_eq!(code, 0, "declare:\n{out}{err}");
+    assert!(!out.contains("kept"), "nothing stray yet:\n{out}");
+    let deleted = uuid::Uuid::new_v4();
+    env.db
+        .batch_execute(&format!(
+            "INSERT INTO tombstones_orders (order_id, version) VALUES ('{deleted}', 3);
+             CREATE TABLE tombstones_mine (x int)"
+        ))
+        .await
+        .expect("a tombstone, and a table warren did not make");
+
+    // Renamed: orders becomes shop.
+    let shop_toml =
+        nested_toml(&names, &deletes).replacen("name = \"orders\"", "name = \"shop\"", 1);
+    let shop = ConfigFile::new(&shop_toml);
+    let (code, out, err) = env.run_async(&["--config", shop.at(), "declare"]).await;
+    assert_eq!(code, 0, "declare:\n{out}{err}");
+    let old = format!("{}.tombstones_orders", env.schema);
+    assert!(
+        line_of(&out, &format!("table {old} "))
+            .contains("kept: no pipeline here uses it (1 tombstone)"),
+        "{out}"
+    );
+    for advice in [
+        format!(
+            "tombstone table {old} (1 tombstone) is of pipeline orders, which this configuration \
+             does not have: warren keeps it"
+        ),
+        "renamed pipeline: move it to the new name before that pipeline runs".to_string(),
+        format!("no longer needed: DROP TABLE {old};"),
+    ] {
+        assert!(out.contains(&advice), "{advice}\nmissing from:\n{out}");
+    }
+    assert!(
+        line_of(&out, "table tombstones_shop").contains("created"),
+        "{out}"
+    );
+    assert!(!out.contains("tombstones_mine"), "not warren's:\n{out}");
+    let kept: i64 = env
+        .db
+        .query_one(
+            "SELECT count(*) FROM tombstones_orders WHERE order_id = $1",
+            &[&deleted],
+        )
+        .await
+        .expect("the old table is still there")
+        .get(0);
+    assert_eq!(kept, 1);
+
+    // The same pipeline without deletes: its table is named, in those words.
+    let no_deletes = ConfigFile::new(&nested_toml(&names, update));
+    let (code, out, err) = env
+        .run_async(&["--config", no_deletes.at(), "declare"])
+        .await;
+    assert_eq!(code, 0, "declare:\n{out}{err}");
+    assert!(
+        out.contains(&format!(
+            "tombstone table {old} (1 tombstone) is of pipeline orders, which has no deletes any more"
+        )),
+        "{out}"
+    );
+    assert!(out.contains("tombstones_shop (0 tombstones) is of pipeline shop, which this configuration does not have"), "{out}");
+
+    // Moved as the docs say: the new name's empty table dropped, the old one renamed.
+    env.db
+        .batch_execute(
+            "BEGIN; DROP TABLE tombstones_shop;
+             ALTER TABLE tombstones_orders RENAME TO tombstones_shop; COMMIT",
+        )
+        .await
+        .expect("move the tombstones");
+    let (code, out, err) = env.run_async(&["--config", shop.at(), "declare"]).await;
+    assert_eq!(code, 0, "declare:\n{out}{err}");
+    assert!(
+        line_of(&out, "table tombstones_shop").contains("already matched"),
+        "{out}"
+    );
+    assert!(
+        !out.contains("kept") && !out.contains("DROP TABLE"),
+        "nothing stray:\n{out}"
+    );
+    let moved: i64 = env
+        .db
+        .query_one(
+            "SELECT version FROM tombstones_shop WHERE order_id = $1",
+            &[&deleted],
+        )
+        .await
+        .expect("the tombstone, moved")
+        .get(0);
+    assert_eq!(moved, 3);
+}

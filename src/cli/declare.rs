@@ -1,6 +1,7 @@
 //! `warren declare [--dry-run]`: declare the topology (reporting each object as created or
 //! already matched), apply the database migrations and check the configured pipelines' tables.
-//! Never deletes anything. `--dry-run` lists the objects and the migrations (applied or pending,
+//! Never deletes anything: a tombstone table of no configured pipeline (one renamed or removed)
+//! is named, with what to do, and kept. `--dry-run` lists the objects and the migrations (applied or pending,
 //! from the built-in set and the database's history) and changes nothing.
 
 use anyhow::Context as _;
@@ -68,6 +69,17 @@ pub async fn declare_all(
     let mut rows = declare_topology(settings, topology).await?;
     let report = migrate(settings).await?;
     rows.extend(tombstones(settings).await?);
+    let strays = if verbose {
+        stray_tombstones(settings).await?
+    } else {
+        Vec::new()
+    };
+    for stray in &strays {
+        rows.push(vec![
+            format!("table {}", stray.table),
+            format!("kept: no pipeline here uses it ({})", stray.count()),
+        ]);
+    }
     if verbose {
         let what = if report.applied.is_empty() {
             "already up to date".to_string()
@@ -80,6 +92,9 @@ pub async fn declare_all(
         ]);
         // Nobody reading the report is no reason to skip the tables' check (exit 2).
         out::unless_closed(outln!("{}", table(&["OBJECT", "OUTCOME"], rows)))?;
+        for stray in &strays {
+            out::unless_closed(outln!("{}", stray.advice()))?;
+        }
     }
     check_tables(settings).await
 }
@@ -292,6 +307,99 @@ pub async fn tombstones(settings: &Settings) -> anyhow::Result<Vec<Vec<String>>>
     result
         .map(|()| rows)
         .context("cannot make the tombstone tables")
+}
+
+/// A tombstone table warren made that no configured pipeline uses.
+#[derive(Debug)]
+pub struct StrayTombstones {
+    /// The table, schema-qualified as SQL reads it.
+    pub table: String,
+    /// The pipeline it was made for.
+    pub pipeline: String,
+    /// Whether that pipeline is configured (without deletes now) or not at all.
+    pub configured: bool,
+    /// Tombstones in it.
+    pub rows: i64,
+}
+
+impl StrayTombstones {
+    /// What the operator reads below the report: why it is kept and what to do with it.
+    pub fn advice(&self) -> String {
+        let whose = if self.configured {
+            format!("pipeline {}, which has no deletes any more", self.pipeline)
+        } else {
+            format!(
+                "pipeline {}, which this configuration does not have",
+                self.pipeline
+            )
+        };
+        format!(
+            "tombstone table {table} ({rows}) is of {whose}: warren keeps it (it \
+             drops no table it does not know to be unused).\n  \
+             renamed pipeline: move it to the new name before that pipeline runs, or its \
+             deletes no longer hold back older writes (docs/pipelines.md#deletes, a renamed \
+             pipeline)\n  \
+             no longer needed: DROP TABLE {table};",
+            table = self.table,
+            rows = self.count(),
+        )
+    }
+
+    /// Its tombstones, in words.
+    fn count(&self) -> String {
+        match self.rows {
+            1 => "1 tombstone".to_string(),
+            n => format!("{n} tombstones"),
+        }
+    }
+}
+
+/// The tombstone tables warren made in `DATABASE_SCHEMA` that no pipeline of `settings` uses:
+/// of a pipeline renamed or removed, or without deletes now (docs/pipelines.md, "Deletes").
+pub async fn stray_tombstones(settings: &Settings) -> anyhow::Result<Vec<StrayTombstones>> {
+    let mut used = Vec::new();
+    for p in settings.pipelines().iter().filter(|p| !p.builtin) {
+        let m = p.mapping().map_err(|e| anyhow::anyhow!(e.to_string()))?;
+        if let Some((_, _, table)) = m.delete() {
+            used.push(table.name.clone());
+        }
+    }
+    let (client, connection) = settings
+        .database()
+        .pg_config()?
+        .connect(tokio_postgres::NoTls)
+        .await
+        .map_err(db::DbError::from_pg)
+        .context("cannot look for tombstone tables")?;
+    let task = tokio::spawn(connection);
+    let schema = &settings.database_schema;
+    let found = crate::domain::mapping::tombstone_tables(&client, schema).await;
+    drop(client);
+    let _ = task.await;
+    let found = found.context("cannot look for tombstone tables")?;
+    Ok(found
+        .into_iter()
+        .filter(|t| !used.contains(&t.name))
+        .map(|t| StrayTombstones {
+            table: format!("{}.{}", sql_name(schema), sql_name(&t.name)),
+            configured: settings.pipeline(&t.pipeline).is_some(),
+            pipeline: t.pipeline,
+            rows: t.rows,
+        })
+        .collect())
+}
+
+/// `name` as SQL reads it: bare when it is a plain lower-case identifier, else quoted.
+fn sql_name(name: &str) -> String {
+    let plain = name.starts_with(|c: char| c.is_ascii_lowercase() || c == '_')
+        && name
+            .chars()
+            .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_');
+    if plain {
+        name.to_string()
+    } else {
+        crate::domain::mapping::quote(name)
+    }
 }
 
 /// Every configured pipeline's mapping against its table (see

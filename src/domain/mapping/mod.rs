@@ -34,6 +34,7 @@ pub mod schema;
 mod strict;
 mod values;
 mod versions;
+pub use versions::{TombstoneTable, tombstone_tables};
 
 pub use strict::parse as parse_strict;
 pub use strict::{DEPTH_MAX, too_deep, too_deep_reason};

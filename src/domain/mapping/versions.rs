@@ -21,7 +21,8 @@
 //! key, the delete's version and when it was written. A tombstone goes when a newer version of
 //! its key is written (the row guards the key again); otherwise it stays until an operator
 //! prunes it (docs/pipelines.md: a parked or replayed older copy arriving after that would
-//! write its key again).
+//! write its key again). [`tombstone_tables`] finds the ones warren made, so that `warren
+//! declare` can name those no configured pipeline uses (a pipeline renamed or removed).
 
 use tokio_postgres::types::ToSql;
 
@@ -317,6 +318,63 @@ impl Mapping {
     }
 }
 
+/// How the comment of a tombstone table warren made begins (the pipeline's name follows): what
+/// tells it from a table of someone else's that happens to be named `tombstones_...`.
+const TOMBSTONES_COMMENT: &str = "warren: the deletes of pipeline ";
+
+/// A tombstone table warren made, as [`tombstone_tables`] finds it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TombstoneTable {
+    /// Its name in the schema (`tombstones_<pipeline>`).
+    pub name: String,
+    /// The pipeline its name is for (`<pipeline>`): the one whose deletes it guards.
+    pub pipeline: String,
+    /// The tombstones it holds: an operator decides by it whether it matters.
+    pub rows: i64,
+}
+
+/// The tombstone tables warren made in `schema` (named `tombstones_<pipeline>`, its comment
+/// saying warren made it), by name, with their rows counted.
+pub async fn tombstone_tables(
+    client: &tokio_postgres::Client,
+    schema: &str,
+) -> Result<Vec<TombstoneTable>, DbError> {
+    let found = client
+        .query(
+            "SELECT c.relname::text FROM pg_class c \
+             JOIN pg_namespace n ON n.oid = c.relnamespace \
+             JOIN pg_description d ON d.objoid = c.oid \
+               AND d.classoid = 'pg_class'::regclass AND d.objsubid = 0 \
+             WHERE n.nspname = $1 AND c.relkind IN ('r', 'p') \
+               AND starts_with(c.relname::text, 'tombstones_') \
+               AND starts_with(d.description, $2) \
+             ORDER BY 1",
+            &[&schema, &TOMBSTONES_COMMENT],
+        )
+        .await
+        .map_err(DbError::from_pg)?;
+    let mut tables = Vec::with_capacity(found.len());
+    for row in found {
+        let name: String = row.get(0);
+        let qualified = format!("{}.{}", quote(schema), quote(&name));
+        let rows: i64 = client
+            .query_one(&format!("SELECT count(*) FROM {qualified}"), &[])
+            .await
+            .map_err(DbError::from_pg)?
+            .get(0);
+        let pipeline = name
+            .strip_prefix("tombstones_")
+            .unwrap_or(&name)
+            .to_string();
+        tables.push(TombstoneTable {
+            name,
+            pipeline,
+            rows,
+        });
+    }
+    Ok(tables)
+}
+
 /// Makes the pipeline's tombstone table when it is missing (`warren declare`): the key's and
 /// the version's columns as the pipeline's table types them (so a key compares as the table's
 /// own), `deleted_at`, and the key as its primary key. `Ok(true)`: made now.
@@ -350,7 +408,7 @@ async fn declare(mapping: &Mapping, client: &tokio_postgres::Client) -> Result<b
         k = keys.join(", "),
         t = mapping.table.sql(),
         comment = sql_text(&format!(
-            "warren: the deletes of pipeline {} (key, version); see docs/pipelines.md",
+            "{TOMBSTONES_COMMENT}{} (key, version); see docs/pipelines.md",
             mapping.pipeline
         )),
     );
