@@ -188,7 +188,7 @@ fn list(settings: &Settings) -> anyhow::Result<String> {
             "{}, key {}, on_conflict {conflict}, unknown_fields {}{}",
             p.table,
             p.key.join("+"),
-            format!("{:?}", p.unknown_fields).to_lowercase(),
+            p.unknown_fields,
             if spec.api.enabled { ", api" } else { "" },
         );
         let columns = p
@@ -211,6 +211,11 @@ fn list(settings: &Settings) -> anyhow::Result<String> {
                 );
                 row(name, &source, c.ty.as_str(), &checks)
             })
+            .chain(
+                p.unknown_fields
+                    .keep_column()
+                    .map(|kept| row(kept, "(unknown fields)", "jsonb", "")),
+            )
             .collect();
         let mut children = String::new();
         for c in &p.children {

@@ -191,6 +191,7 @@ fn foreign_key_mismatches(
             Source::Path { pointer, .. } => format!("the element's {pointer}"),
             Source::Header(h) => format!("header {h}"),
             Source::Property(p) => format!("property {}", p.as_str()),
+            Source::Kept => "the unknown fields".into(),
         },
     };
     for fk in fks {
@@ -242,6 +243,16 @@ fn table_mismatches(
         table.columns.iter().map(|c| (c.name.as_str(), c)).collect();
     for c in columns {
         match by_name.get(c.name.as_str()) {
+            None if c.source == Source::Kept => out.push(format!(
+                "{at}: column {} does not exist (expected a jsonb column: unknown_fields = {{ \
+                 keep = \"{}\" }} keeps there the fields no column reads)",
+                c.name, c.name
+            )),
+            Some(t) if c.source == Source::Kept && t.type_name != "jsonb" => out.push(format!(
+                "{at}: column {} is {}; unknown_fields = {{ keep = \"{}\" }} needs a jsonb \
+                 column (it keeps an object of the fields no column reads)",
+                c.name, t.sql_type, c.name
+            )),
             None => out.push(format!(
                 "{at}: column {} does not exist (expected a column for the {} mapping)",
                 c.name, c.ty
