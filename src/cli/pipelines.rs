@@ -228,6 +228,9 @@ fn list(settings: &Settings) -> anyhow::Result<String> {
                         (Some(path), _, _) => path.clone(),
                         (_, Some(h), _) => format!("header {h}"),
                         (_, _, Some(p)) => format!("parent {p}"),
+                        _ if c.property.is_some() => {
+                            format!("property {}", c.property.map(|p| p.as_str()).unwrap_or(""))
+                        }
                         _ if c.index => "(position, from 1)".into(),
                         _ => "-".into(),
                     };

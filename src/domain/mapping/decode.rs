@@ -106,7 +106,7 @@ impl Mapping {
         let mut rows = Vec::with_capacity(self.children.len());
         let mut child_problems: Vec<(String, Problem)> = Vec::new();
         for child in &self.children {
-            match child.decode(self, text, &doc, &cells, headers) {
+            match child.decode(self, text, &doc, &cells, headers, envelope) {
                 Ok(r) => rows.push(r),
                 Err(mut found) => {
                     rows.push(Vec::new());

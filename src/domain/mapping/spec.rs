@@ -63,8 +63,8 @@ pub struct ChildSpec {
     pub columns: BTreeMap<String, ChildColumnSpec>,
 }
 
-/// One column of a child table: a path into the element (or a header) with a type and checks,
-/// as a parent column; or `parent = "<column>"` (the parent row's value), or `index = true`
+/// One column of a child table: a path into the element (or a header, or a property of the
+/// message) with a type and checks, as a parent column; or `parent = "<column>"` (the parent row's value), or `index = true`
 /// (the element's position, from 1).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -75,6 +75,10 @@ pub struct ChildColumnSpec {
     /// An AMQP header name instead of a path.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub header: Option<String>,
+    /// A property of the message instead of a path (as a parent column's): the message's, the
+    /// same for each element.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub property: Option<Property>,
     /// The parent row's column whose value this column takes (its type is the parent's).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub parent: Option<String>,
