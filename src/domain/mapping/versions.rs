@@ -599,13 +599,41 @@ pub(super) async fn check(
         c.sort_unstable();
         c == key
     });
-    Ok((!keyed).then(|| {
-        format!(
+    if !keyed {
+        return Ok(Some(format!(
             "pipeline {}: the tombstone table {} has no unique index on ({}) (made by warren \
              declare; drop it and declare again)",
             mapping.pipeline,
             d.tombstones,
             mapping.key().join(", ")
+        )));
+    }
+    // The key compares in the tombstones as in the table: the same type and collation (a
+    // table whose key column changed after declare made the tombstones would not).
+    let key: Vec<String> = mapping.key().iter().map(|k| k.to_string()).collect();
+    let differ: Vec<String> = client
+        .query(
+            "SELECT t.attname::text FROM pg_attribute AS t \
+             JOIN pg_attribute AS s ON s.attrelid = to_regclass($2) AND s.attname = t.attname \
+             WHERE t.attrelid = $1 AND t.attname = ANY($3) \
+               AND (t.atttypid <> s.atttypid OR t.attcollation <> s.attcollation) \
+             ORDER BY t.attnum",
+            &[&oid, &mapping.table.sql(), &key],
+        )
+        .await
+        .map_err(DbError::from_pg)?
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    Ok((!differ.is_empty()).then(|| {
+        format!(
+            "pipeline {}: the tombstone table {} types or collates the key column {} otherwise \
+             than the table {} (the table changed after warren declare made it; drop it and \
+             declare again)",
+            mapping.pipeline,
+            d.tombstones,
+            differ.join(", "),
+            mapping.table
         )
     }))
 }
