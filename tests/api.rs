@@ -1338,3 +1338,109 @@ async fn a_nested_pipelines_api_takes_orders_and_answers_them_with_their_items()
         0
     );
 }
+
+/// A pipeline with deletes and `api = true`: a `PUT` of a delete is published and the pipeline
+/// deletes the key through its version guard (the row goes, a tombstone keeps the version; an
+/// older write after it changes nothing); a delete is checked as the pipeline checks it (its
+/// version is required) but not tried against the table (it writes no row); a `POST` of a
+/// delete, whose key the API would choose, is a 422 naming the delete's field.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_pipelines_api_deletes_through_the_version_guard() {
+    let env = TestEnv::new("api_delete").await;
+    let names = PipelineNames::of(&env, "orders");
+    let _cleanup = names.cleanup();
+    env.db
+        .batch_execute(
+            "CREATE TABLE orders (order_id uuid PRIMARY KEY, total numeric NOT NULL, \
+             version int8 NOT NULL)",
+        )
+        .await
+        .expect("create orders");
+    let file = ConfigFile::new(&format!(
+        "[[pipelines]]\nname = \"orders\"\ntable = \"orders\"\nkey = [\"order_id\"]\n\
+         on_conflict = \"update\"\nversion_column = \"version\"\n\
+         delete = {{ field = \"/op\", value = \"delete\" }}\napi = true\napi_key = \"chosen\"\n\
+         retry_ttls_ms = [1000]\n{}\n[pipelines.columns]\n\
+         order_id = {{ path = \"/order_id\", type = \"uuid\" }}\n\
+         total = {{ path = \"/total\", type = \"numeric\" }}\n\
+         version = {{ path = \"/version\", type = \"int8\" }}\n",
+        names.toml()
+    ));
+    declare_file(&env, &file).await;
+    let warren = env.start(&[
+        "--config",
+        file.at(),
+        "--roles",
+        "api,consumer,dlq",
+        "--pipelines",
+        "orders",
+    ]);
+    let _logs = LogsOnPanic(vec![warren.log.clone()]);
+    let http = Http::new(&env);
+    http.wait_status("/readyz", 200, Duration::from_secs(20))
+        .await;
+
+    let a = Uuid::new_v4();
+    let path = format!("/api/v1/orders/{a}");
+    let put = http.put(&path, r#"{"total":"5","version":1}"#);
+    assert_eq!(put.status, 200, "{put:?}");
+    http.wait_status(&path, 200, Duration::from_secs(30)).await;
+    let put = http.put(&path, r#"{"op":"delete","version":2}"#);
+    assert_eq!(put.status, 200, "{put:?}");
+    assert_eq!(put.body, json!({"id": a.to_string()}));
+    http.wait_status(&path, 404, Duration::from_secs(30)).await;
+    let tomb: i64 = env
+        .db
+        .query_one(
+            "SELECT version FROM tombstones_orders WHERE order_id = $1",
+            &[&a],
+        )
+        .await
+        .expect("the tombstone")
+        .get(0);
+    assert_eq!(tomb, 2);
+    // An older write after the delete: published, and stale to the pipeline.
+    let put = http.put(&path, r#"{"total":"6","version":1}"#);
+    assert_eq!(put.status, 200, "{put:?}");
+    // A delete without its version: refused as the pipeline would refuse it.
+    let put = http.put(&path, r#"{"op":"delete"}"#);
+    assert_eq!(put.status, 422, "{put:?}");
+    assert!(
+        put.body["reason"]
+            .as_str()
+            .is_some_and(|r| r.contains("/version: missing") && r.contains("(a delete)")),
+        "{put:?}"
+    );
+    // A POST of a delete: the API would choose its key.
+    let post = http.post("/api/v1/orders", r#"{"op":"delete","version":3}"#);
+    assert_eq!(post.status, 422, "{post:?}");
+    assert_eq!(post.body["kind"], json!("invalid_payload"), "{post:?}");
+    assert_eq!(post.body["fields"][0]["field"], json!("op"), "{post:?}");
+    assert!(
+        post.body["fields"][0]["message"]
+            .as_str()
+            .is_some_and(|m| m.contains("use PUT /api/v1/orders/{order_id} to delete one")),
+        "{post:?}"
+    );
+    // A sentinel after the older write: once it is stored and the queues are empty, the older
+    // write was handled, and the key is still deleted.
+    let b = Uuid::new_v4();
+    let put = http.put(
+        &format!("/api/v1/orders/{b}"),
+        r#"{"total":"1","version":1}"#,
+    );
+    assert_eq!(put.status, 200, "{put:?}");
+    http.wait_status(&format!("/api/v1/orders/{b}"), 200, Duration::from_secs(30))
+        .await;
+    wait_queues_settled(
+        &[&names.queue, &names.retry, &names.dlq],
+        Duration::from_secs(30),
+    )
+    .await;
+    assert_eq!(http.get(&path).status, 404);
+    assert_eq!(
+        count_of(&env, "SELECT count(*) FROM dead_letters").await,
+        0,
+        "nothing parked"
+    );
+}

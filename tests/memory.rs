@@ -340,6 +340,7 @@ async fn a_refused_big_body_whose_park_fails_goes_to_the_dlq_and_the_users_behin
         0,
         "nothing parked while INSERT is revoked"
     );
+}
 
 /// R38-F1 of the issue-38 review: a refused body that arrives in an OPEN window. A queue of
 /// `[1 user, 2 bodies of 120 MiB]` groups OOM-killed a 256 MiB container once per group (a crash

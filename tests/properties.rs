@@ -198,3 +198,108 @@ async fn a_retried_and_a_replayed_message_store_the_originals_properties() {
         "replayed from the DLQ"
     );
 }
+
+/// A child table's column reads a property of the message (`{ property = "message_id" }` in
+/// `[pipelines.children.columns]`): each element's row holds its message's, the same for each
+/// element; a message without it is parked once, `invalid_payload` naming the property.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_child_column_stores_its_messages_property_in_each_row() {
+    let env = TestEnv::new("props_child").await;
+    let names = PipelineNames::of(&env, "orders");
+    let _cleanup = names.cleanup();
+    create_nested_tables(&env).await;
+    env.db
+        .batch_execute(
+            "ALTER TABLE order_items ADD COLUMN msg_id text NOT NULL, ADD COLUMN rk text NOT NULL",
+        )
+        .await
+        .expect("add the property columns");
+    let text = nested_toml(&names, "").replace(
+        "qty      = { path = \"/qty\", type = \"int4\", min = 1 }",
+        "qty      = { path = \"/qty\", type = \"int4\", min = 1 }\n\
+         msg_id   = { property = \"message_id\", type = \"text\" }\n\
+         rk       = { property = \"routing_key\", type = \"text\" }",
+    );
+    assert!(text.contains("msg_id"), "the child columns were extended");
+    let file = ConfigFile::new(&text);
+    declare_file(&env, &file).await;
+    let warren = env.start(&[
+        "--config",
+        file.at(),
+        "--roles",
+        "consumer,dlq",
+        "--pipelines",
+        "orders",
+    ]);
+    let _logs = LogsOnPanic(vec![warren.log.clone()]);
+    let orders: Vec<(uuid::Uuid, usize)> = (1..=4).map(|n| (uuid::Uuid::new_v4(), n)).collect();
+    for (id, n) in &orders {
+        let items: Vec<(&str, i64)> = (0..*n).map(|_| ("S-1", 1)).collect();
+        env.publish_to(
+            &names.exchange,
+            &names.queue,
+            &nested_order(*id, 1, &items),
+            BasicProperties::default()
+                .with_delivery_mode(2)
+                .with_message_id(format!("m-{id}").into()),
+        )
+        .await;
+    }
+    let without = uuid::Uuid::new_v4();
+    env.publish_to(
+        &names.exchange,
+        &names.queue,
+        &nested_order(without, 1, &[("S-1", 1)]),
+        BasicProperties::default().with_delivery_mode(2),
+    )
+    .await;
+    let all: i64 = orders.iter().map(|(_, n)| *n as i64).sum();
+    wait_until(
+        "every item stored, the bad order parked",
+        Duration::from_secs(60),
+        || async {
+            count_of(&env, "SELECT count(*) FROM order_items").await == all
+                && count_of(&env, "SELECT count(*) FROM dead_letters").await == 1
+        },
+    )
+    .await;
+    for (id, n) in &orders {
+        let rows = env
+            .db
+            .query(
+                "SELECT msg_id, rk FROM order_items WHERE order_id = $1 ORDER BY line",
+                &[id],
+            )
+            .await
+            .expect("the items");
+        let got: Vec<(String, String)> = rows.iter().map(|r| (r.get(0), r.get(1))).collect();
+        assert_eq!(
+            got,
+            vec![(format!("m-{id}"), names.queue.clone()); *n],
+            "order {id}"
+        );
+    }
+    let parked = env
+        .db
+        .query_one(
+            "SELECT error_kind, error_reason, body FROM dead_letters",
+            &[],
+        )
+        .await
+        .expect("the parked order");
+    let (kind, reason, body): (String, String, Vec<u8>) =
+        (parked.get(0), parked.get(1), parked.get(2));
+    assert_eq!(kind, "invalid_payload");
+    assert!(
+        reason.contains("property message_id: missing (a text is required)"),
+        "{reason}"
+    );
+    assert!(
+        String::from_utf8_lossy(&body).contains(&without.to_string()),
+        "the order without a message id is the one parked"
+    );
+    assert_eq!(
+        count_of(&env, "SELECT count(*) FROM orders").await,
+        orders.len() as i64
+    );
+}

@@ -645,3 +645,180 @@ async fn a_running_pipeline_counts_and_tells_stale_conflicts_and_deletes() {
         "{events:#?}"
     );
 }
+
+/// A key column under a nondeterministic collation (case-insensitive ICU, `und-u-ks-level2`) or
+/// `citext`: the table's unique index, the column's `=`, the advisory lock's hash and the
+/// tombstone (typed as the column) all take `ABC` and `abc` as one key, so a delete of `abc`
+/// removes the row `ABC`, holds against an older `Abc`, and a write of `ABC` and a delete of
+/// `abc` in two concurrent batches take turns (each round ends as the higher version says:
+/// no row and a tombstone, never both a row and a newer tombstone).
+#[tokio::test(flavor = "multi_thread")]
+async fn a_key_equal_under_its_collation_is_one_key_to_writes_deletes_and_locks() {
+    let env = TestEnv::new("ver_collation").await;
+    env.db
+        .batch_execute(
+            "CREATE COLLATION ci (provider = icu, locale = 'und-u-ks-level2', \
+               deterministic = false);
+             CREATE EXTENSION IF NOT EXISTS citext SCHEMA public;
+             CREATE TABLE ci_orders (k text COLLATE ci PRIMARY KEY, total numeric NOT NULL, \
+               version int8 NOT NULL);",
+        )
+        .await
+        .expect("create the table");
+    // What the lock relies on: PostgreSQL hashes a key as its collation (or citext) compares it.
+    let same: bool = env
+        .db
+        .query_one(
+            "SELECT hash_array(ARRAY['ABC' COLLATE ci]) = hash_array(ARRAY['abc' COLLATE ci]) \
+               AND hash_array(ARRAY['ABC'::public.citext]) \
+                 = hash_array(ARRAY['abc'::public.citext])",
+            &[],
+        )
+        .await
+        .expect("hash")
+        .get(0);
+    assert!(same, "keys equal under their collation hash alike");
+    let spec: MappingSpec = toml::from_str(
+        "table = \"ci_orders\"\nkey = [\"k\"]\non_conflict = \"update\"\n\
+         version_column = \"version\"\nunknown_fields = \"ignore\"\n\
+         delete = { field = \"/op\", value = \"delete\" }\n\
+         [columns]\nk = { path = \"/k\", type = \"text\" }\n\
+         total = { path = \"/total\", type = \"numeric\" }\n\
+         version = { path = \"/version\", type = \"int8\" }\n",
+    )
+    .expect("spec");
+    let m = Mapping::compile("ci_orders", &spec).expect("compiles");
+    m.declare_tombstones(&env.db).await.expect("declare");
+    let problems = warren::domain::mapping::schema::check(&m, &env.db)
+        .await
+        .expect("check");
+    assert!(problems.is_empty(), "{problems:?}");
+    let pool = pool(&env).await;
+    let write =
+        |k: &str, v: i64| format!(r#"{{"k":"{k}","total":"1","version":{v}}}"#).into_bytes();
+    let delete =
+        |k: &str, v: i64| format!(r#"{{"op":"delete","k":"{k}","version":{v}}}"#).into_bytes();
+    let rows = |sql: &'static str| {
+        let db = &env.db;
+        async move { db.query_one(sql, &[]).await.expect(sql).get::<_, i64>(0) }
+    };
+
+    let done = insert(&m, &pool, &[write("ABC", 1)]).await.expect("write");
+    assert_eq!(done.rows, 1);
+    let done = insert(&m, &pool, &[delete("abc", 2)])
+        .await
+        .expect("delete");
+    assert_eq!(done.deleted, vec![0], "{done:?}");
+    assert_eq!(rows("SELECT count(*) FROM ci_orders").await, 0);
+    assert_eq!(rows("SELECT count(*) FROM tombstones_ci_orders").await, 1);
+    let done = insert(&m, &pool, &[write("Abc", 1)])
+        .await
+        .expect("older write");
+    assert_eq!(done.stale.len(), 1, "{done:?}");
+    assert_eq!(rows("SELECT count(*) FROM ci_orders").await, 0);
+    // In one batch, the two spellings are one key: the highest version wins.
+    let done = insert(&m, &pool, &[write("aBc", 4), delete("ABC", 3)])
+        .await
+        .expect("one batch");
+    assert_eq!((done.rows, done.stale.len()), (1, 1), "{done:?}");
+    assert_eq!(rows("SELECT count(*) FROM tombstones_ci_orders").await, 0);
+
+    // Two batches at once, a write of one spelling and a newer delete of another, many rounds.
+    for round in 0..60 {
+        let upper = format!("KEY-{round}");
+        let lower = upper.to_lowercase();
+        let (w, d) = ([write(&upper, 1)], [delete(&lower, 2)]);
+        let (a, b) = tokio::join!(insert(&m, &pool, &w), insert(&m, &pool, &d));
+        a.expect("the write");
+        b.expect("the delete");
+        let row = env
+            .db
+            .query_one(
+                "SELECT (SELECT count(*) FROM ci_orders WHERE k = $1), \
+                   (SELECT max(version) FROM tombstones_ci_orders WHERE k = $1)",
+                &[&upper],
+            )
+            .await
+            .expect("the round's end");
+        let (stored, tomb): (i64, Option<i64>) = (row.get(0), row.get(1));
+        assert_eq!(
+            (stored, tomb),
+            (0, Some(2)),
+            "round {round}: the delete (version 2) is the key's last word"
+        );
+    }
+}
+
+/// A unique index on the key that compares under another collation than the column's
+/// (`CREATE UNIQUE INDEX ON t (k COLLATE ci)` on a column of the default collation): `ON
+/// CONFLICT` would take `ABC` and `abc` as one key while the probe, the lock and the tombstone
+/// take them as two; `declare` and the start of `run` refuse it, naming the pipeline, the
+/// table, the column and the index (exit 2).
+#[tokio::test(flavor = "multi_thread")]
+async fn a_key_index_under_another_collation_than_its_column_is_refused() {
+    let env = TestEnv::new("ver_coll_idx").await;
+    let names = PipelineNames::of(&env, "ci_orders");
+    let _cleanup = names.cleanup();
+    env.db
+        .batch_execute(
+            "CREATE COLLATION ci (provider = icu, locale = 'und-u-ks-level2', \
+               deterministic = false);
+             CREATE TABLE ci_orders (k text NOT NULL, total numeric NOT NULL, \
+               version int8 NOT NULL);
+             CREATE UNIQUE INDEX ci_orders_k ON ci_orders (k COLLATE ci);",
+        )
+        .await
+        .expect("create the table");
+    let file = ConfigFile::new(&format!(
+        "[[pipelines]]\nname = \"ci_orders\"\ntable = \"ci_orders\"\nkey = [\"k\"]\n\
+         on_conflict = \"update\"\nversion_column = \"version\"\n\
+         delete = {{ field = \"/op\", value = \"delete\" }}\nretry_ttls_ms = [1000]\n{}\n\
+         [pipelines.columns]\nk = {{ path = \"/k\", type = \"text\" }}\n\
+         total = {{ path = \"/total\", type = \"numeric\" }}\n\
+         version = {{ path = \"/version\", type = \"int8\" }}\n",
+        names.toml()
+    ));
+    let (code, out, err) = env.run_async(&["--config", file.at(), "declare"]).await;
+    assert_eq!(code, 2, "declare:\n{out}{err}");
+    assert!(
+        err.contains(
+            "pipeline ci_orders: table ci_orders: column k: the key's unique index ci_orders_k \
+             compares it under the collation \"ci\", the column under \"default\""
+        ),
+        "{err}"
+    );
+    let (code, out, err) = env
+        .run_async(&[
+            "--config",
+            file.at(),
+            "run",
+            "--pipelines",
+            "ci_orders",
+            "--roles",
+            "consumer",
+        ])
+        .await;
+    assert_eq!(code, 2, "run:\n{out}{err}");
+    assert!(err.contains("the key's unique index ci_orders_k"), "{err}");
+    // The column given the index's collation: the table is taken, but the tombstone table the
+    // first declare made keys by the old collation, and is named until it is made again.
+    env.db
+        .batch_execute("ALTER TABLE ci_orders ALTER COLUMN k TYPE text COLLATE ci")
+        .await
+        .expect("alter");
+    let (code, out, err) = env.run_async(&["--config", file.at(), "declare"]).await;
+    assert_eq!(code, 2, "declare:\n{out}{err}");
+    assert!(
+        err.contains(
+            "the tombstone table tombstones_ci_orders types or collates the key column k \
+             otherwise than the table ci_orders"
+        ),
+        "{err}"
+    );
+    env.db
+        .batch_execute("DROP TABLE tombstones_ci_orders")
+        .await
+        .expect("drop the tombstones");
+    let (code, out, err) = env.run_async(&["--config", file.at(), "declare"]).await;
+    assert_eq!(code, 0, "declare:\n{out}{err}");
+}

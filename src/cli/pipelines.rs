@@ -188,7 +188,7 @@ fn list(settings: &Settings) -> anyhow::Result<String> {
             "{}, key {}, on_conflict {conflict}, unknown_fields {}{}",
             p.table,
             p.key.join("+"),
-            format!("{:?}", p.unknown_fields).to_lowercase(),
+            p.unknown_fields,
             if spec.api.enabled { ", api" } else { "" },
         );
         let columns = p
@@ -211,6 +211,11 @@ fn list(settings: &Settings) -> anyhow::Result<String> {
                 );
                 row(name, &source, c.ty.as_str(), &checks)
             })
+            .chain(
+                p.unknown_fields
+                    .keep_column()
+                    .map(|kept| row(kept, "(unknown fields)", "jsonb", "")),
+            )
             .collect();
         let mut children = String::new();
         for c in &p.children {
@@ -223,6 +228,9 @@ fn list(settings: &Settings) -> anyhow::Result<String> {
                         (Some(path), _, _) => path.clone(),
                         (_, Some(h), _) => format!("header {h}"),
                         (_, _, Some(p)) => format!("parent {p}"),
+                        _ if c.property.is_some() => {
+                            format!("property {}", c.property.map(|p| p.as_str()).unwrap_or(""))
+                        }
                         _ if c.index => "(position, from 1)".into(),
                         _ => "-".into(),
                     };

@@ -200,7 +200,7 @@ impl PipelineConfig {
             key: self.key.clone(),
             on_conflict: self.on_conflict,
             version_column: self.version_column.clone(),
-            unknown_fields: self.unknown_fields,
+            unknown_fields: self.unknown_fields.clone(),
             columns: self.columns.clone(),
             children: self.children.clone(),
             delete: self.delete.clone(),

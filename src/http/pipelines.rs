@@ -38,7 +38,7 @@ use crate::amqp::headers;
 use crate::config::ConfigError;
 use crate::config::pipelines::{ApiKey, PipelineSpec};
 use crate::domain::ErrorKind;
-use crate::domain::mapping::{Cell, ColType, Mapping, Problem, Refused, Row, Standing, Trial};
+use crate::domain::mapping::{Cell, ColType, Mapping, Op, Problem, Refused, Row, Standing, Trial};
 
 /// One pipeline's API: its mapping, where it publishes, its table's key and its options.
 pub struct PipelineApi {
@@ -467,6 +467,11 @@ async fn storable(
     key: &str,
     row: Row,
 ) -> Result<(), HttpResponse> {
+    if row.2 == Op::Delete {
+        // A delete writes no row: its key and version were checked by the mapping, and the
+        // pipeline's version guard decides what it does (deleted, stale, a copy, id_conflict).
+        return Ok(());
+    }
     let unstorable = |reason: &str| {
         HttpResponse::UnprocessableEntity().json(json!({
             "error": crate::text::shown(reason),
@@ -654,6 +659,25 @@ async fn post(
         None => body,
     };
     match check(&state, &api, &body, sent, None).await {
+        // A key the API chose names no stored row: a delete names its key by PUT.
+        Ok((_, _, row)) if row.2 == Op::Delete && chosen.is_some() => {
+            let (field, value) = api
+                .mapping
+                .delete()
+                .map(|(f, v, _)| (f, v))
+                .unwrap_or_default();
+            let message = format!(
+                "is {value}: a delete names the key it deletes, and a POST's key is chosen by \
+                 the API (use PUT /api/v1/{}/{{{}}} to delete one)",
+                api.name, api.key_column
+            );
+            HttpResponse::UnprocessableEntity().json(json!({
+                "error": "validation failed",
+                "kind": ErrorKind::InvalidPayload.as_str(),
+                "reason": format!("{field} {message}"),
+                "fields": [FieldError { field: field.trim_start_matches('/').to_string(), message }],
+            }))
+        }
         Ok((key, id, row)) => accept(&req, &state, &api.into_inner(), body, key, id, row).await,
         Err(response) => *response,
     }

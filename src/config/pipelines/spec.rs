@@ -698,8 +698,21 @@ impl<'a> Entry<'a> {
                 "true",
             ));
         }
+        let child_properties = p.children.iter().flat_map(|child| {
+            child
+                .columns
+                .iter()
+                .filter(|(_, c)| c.property.is_some())
+                .map(move |(name, c)| (format!("{}.{name}", child.table), c.property))
+        });
         if p.api
-            && let Some((name, c)) = p.columns.iter().find(|(_, c)| c.property.is_some())
+            && let Some((name, property)) = p
+                .columns
+                .iter()
+                .filter(|(_, c)| c.property.is_some())
+                .map(|(name, c)| (name.clone(), c.property))
+                .chain(child_properties)
+                .next()
         {
             return Err(refuse(
                 "api",
@@ -707,7 +720,7 @@ impl<'a> Entry<'a> {
                     "false for a pipeline with a property column ({name} reads the AMQP property \
                      {}: an API request has none, and the API's own publish would give it \
                      warren's, not the client's; read it from the body instead)",
-                    c.property.map(|p| p.as_str()).unwrap_or_default()
+                    property.map(|p| p.as_str()).unwrap_or_default()
                 ),
                 "true",
             ));

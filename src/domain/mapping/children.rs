@@ -27,8 +27,8 @@ use super::arrays::{Array, key_text, run};
 use super::statements::ORD;
 use super::values::{found, lookup, pointer_segments, raw_json};
 use super::{
-    Cell, ChildRows, ChildSpec, ColType, Column, MAX_ROWS_DEFAULT, Mapping, OnConflict, Problem,
-    Row, Source, TableName, UnknownFields, ValueError, identifier, quote,
+    Cell, ChildRows, ChildSpec, ColType, Column, Envelope, MAX_ROWS_DEFAULT, Mapping, OnConflict,
+    Problem, Property, Row, Source, TableName, UnknownFields, ValueError, identifier, quote,
 };
 use crate::db::error::DbError;
 use statements::{ChildStatements, OURS, joined};
@@ -135,13 +135,15 @@ impl Child {
             let given = [
                 c.path.is_some(),
                 c.header.is_some(),
+                c.property.is_some(),
                 c.parent.is_some(),
                 c.index,
             ];
             if given.iter().filter(|g| **g).count() != 1 {
                 return Err(at(
                     "give one of path (a JSON Pointer into the element, \"\" for the whole \
-                     element), header, parent (a column of the parent row) or index = true"
+                     element), header, property (of the message), parent (a column of the \
+                     parent row) or index = true"
                         .into(),
                 ));
             }
@@ -181,9 +183,31 @@ impl Child {
                 Column::new(name, Source::Index, ty)
             } else {
                 let ty = c.ty.ok_or_else(|| {
-                    at("type: a path or header column needs a type (text, uuid, int4, ...)".into())
+                    at(
+                        "type: a path, header or property column needs a type (text, uuid, \
+                         int4, ...)"
+                            .into(),
+                    )
                 })?;
                 let source = match (&c.path, &c.header) {
+                    (None, None) if c.property.is_some() => {
+                        let p = c.property.unwrap_or(Property::MessageId);
+                        let fits = match p {
+                            Property::Timestamp => ty == ColType::Timestamptz,
+                            _ => matches!(ty, ColType::Text | ColType::Uuid),
+                        };
+                        if !fits {
+                            return Err(at(format!(
+                                "property {p} is read as {}, not {ty}",
+                                if p == Property::Timestamp {
+                                    "timestamptz"
+                                } else {
+                                    "text or uuid"
+                                }
+                            )));
+                        }
+                        Source::Property(p)
+                    }
                     (Some(pointer), _) => {
                         let segments = pointer_segments(pointer).map_err(|e| at(e.to_string()))?;
                         if let Some(first) = segments.first() {
@@ -382,8 +406,8 @@ impl Child {
             .collect()
     }
 
-    /// The rows of this child table in a message (`doc`, its JSON `text`), whose parent row's
-    /// cells are `parent`; or every reason it is refused for (an element's path first), each
+    /// The rows of this child table in a message (`doc`, its JSON `text`, its headers and, when
+    /// delivered, its properties), whose parent row's cells are `parent`; or every reason it is refused for (an element's path first), each
     /// with the field at fault.
     pub(super) fn decode(
         &self,
@@ -392,6 +416,7 @@ impl Child {
         doc: &Value,
         parent: &[Cell],
         headers: Option<&lapin::types::FieldTable>,
+        envelope: Option<&Envelope<'_>>,
     ) -> Result<ChildRows, Vec<(String, Problem)>> {
         let at = &self.rows;
         let whole = |reason: String| {
@@ -483,7 +508,8 @@ impl Child {
                         ColType::Int8 => Cell::Int8(i as i64 + 1),
                         _ => Cell::Int4(i as i32 + 1),
                     }),
-                    _ => Mapping::cell(c, &element_text, element, headers, None),
+                    // A property is the message's: the same for each element.
+                    _ => Mapping::cell(c, &element_text, element, headers, envelope),
                 };
                 match cell {
                     Ok(cell) => cells.push(cell),

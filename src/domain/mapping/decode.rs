@@ -94,7 +94,11 @@ impl Mapping {
         let mut cells = Vec::with_capacity(self.columns.len());
         let mut problems = Vec::new();
         for c in &self.columns {
-            match Self::cell(c, text, &doc, headers, envelope) {
+            let cell = match c.source {
+                Source::Kept => self.kept(text, &doc),
+                _ => Self::cell(c, text, &doc, headers, envelope),
+            };
+            match cell {
                 Ok(cell) => cells.push(cell),
                 Err(p) => problems.push((c, p)),
             }
@@ -102,7 +106,7 @@ impl Mapping {
         let mut rows = Vec::with_capacity(self.children.len());
         let mut child_problems: Vec<(String, Problem)> = Vec::new();
         for child in &self.children {
-            match child.decode(self, text, &doc, &cells, headers) {
+            match child.decode(self, text, &doc, &cells, headers, envelope) {
                 Ok(r) => rows.push(r),
                 Err(mut found) => {
                     rows.push(Vec::new());
@@ -139,6 +143,56 @@ impl Mapping {
         })
     }
 
+    /// `unknown_fields = { keep = ... }`: the body's top-level fields no column reads, as one
+    /// JSON object of them, each value as written (a number keeps its digits); `{}` when there
+    /// are none (or the body is no object). Checked as a jsonb column's value is: no U+0000, no
+    /// number beyond PostgreSQL's numeric.
+    fn kept(&self, text: &str, doc: &Value) -> Result<Cell, ValueError> {
+        let Value::Object(map) = doc else {
+            return Ok(Cell::Jsonb("{}".into()));
+        };
+        if map.keys().all(|k| self.fields.contains(k)) {
+            return Ok(Cell::Jsonb("{}".into()));
+        }
+        // The body once more, each field's value as written (the body parsed strictly
+        // already: no key twice).
+        let raw: std::collections::BTreeMap<String, &serde_json::value::RawValue> =
+            serde_json::from_str(text)
+                .map_err(|e| unfit(format!("the body's fields could not be read again: {e}")))?;
+        let mut out = String::with_capacity(text.len());
+        out.push('{');
+        for (k, v) in raw.iter().filter(|(k, _)| !self.fields.contains(*k)) {
+            if out.len() > 1 {
+                out.push(',');
+            }
+            out.push_str(&Value::String(k.clone()).to_string());
+            out.push(':');
+            out.push_str(v.get());
+        }
+        out.push('}');
+        let kept: Vec<(&String, &Value)> = map
+            .iter()
+            .filter(|(k, _)| !self.fields.contains(*k))
+            .collect();
+        if let Some((k, _)) = kept
+            .iter()
+            .find(|(k, v)| k.contains('\0') || contains_nul(v))
+        {
+            return Err(unfit(format!(
+                "the unknown field {:?} holds U+0000, which PostgreSQL's jsonb cannot store",
+                clip(k)
+            )));
+        }
+        if let Some(n) = strict::number_beyond_numeric(&out) {
+            return Err(unfit(format!(
+                "an unknown field holds the number {}, beyond what PostgreSQL's jsonb stores (a \
+                 numeric: at most 131072 digits before the point and 16383 after)",
+                clip(n)
+            )));
+        }
+        Ok(Cell::Jsonb(out))
+    }
+
     /// The top-level fields of a body the columns read, sorted.
     pub fn fields(&self) -> Vec<&str> {
         let mut fields: Vec<&str> = self.fields.iter().map(String::as_str).collect();
@@ -169,8 +223,8 @@ impl Mapping {
                 Some(e) => property(*p, e)?,
                 None => None,
             },
-            // Filled by the child table's decode, never looked up.
-            Source::Parent(_) | Source::Index => None,
+            // Filled by the child table's decode (or the decode of the body), never looked up.
+            Source::Parent(_) | Source::Index | Source::Kept => None,
             Source::Header(h) => match headers
                 .and_then(|t| t.inner().get(h.as_str()))
                 .map(header_json)

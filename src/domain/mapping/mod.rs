@@ -78,6 +78,9 @@ enum Source {
     Parent(usize),
     /// A child column: the element's position in its array, from 1.
     Index,
+    /// `unknown_fields = { keep = "<column>" }`: the body's top-level fields no column reads,
+    /// as one JSON object.
+    Kept,
 }
 
 /// One compiled column.
@@ -242,6 +245,7 @@ impl Column {
             Source::Property(p) => format!("property {p}"),
             Source::Parent(_) => "the parent row".into(),
             Source::Index => "the element's position".into(),
+            Source::Kept => "the unknown fields".into(),
         }
     }
 
@@ -555,6 +559,17 @@ impl Mapping {
                 Some(d)
             }
         };
+        if let Some(kept) = spec.unknown_fields.keep_column() {
+            let at = |p: String| err_at(&["unknown_fields"], format!("unknown_fields: {p}"));
+            identifier(kept).map_err(|e| at(format!("keep: {e}")))?;
+            if spec.columns.contains_key(kept) {
+                return Err(at(format!(
+                    "keep = {kept:?} is also among the columns (expected a column of its own, \
+                     left out of columns: warren fills it with the fields no column reads)"
+                )));
+            }
+            columns.push(Column::new(kept, Source::Kept, ColType::Jsonb));
+        }
         let tombstones = delete.as_ref().map(|d| &d.tombstones);
         let statements =
             statements::Statements::build(&table, &columns, &key, version, &[], tombstones);
@@ -591,7 +606,7 @@ impl Mapping {
             key,
             on_conflict: spec.on_conflict,
             version,
-            unknown_fields: spec.unknown_fields,
+            unknown_fields: spec.unknown_fields.clone(),
             fields,
             reads_object,
             statements,

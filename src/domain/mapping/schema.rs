@@ -76,6 +76,8 @@ pub async fn check(
     let mut out = mismatches(mapping, info.as_ref());
     if info.is_some() {
         out.extend(tombstone_mismatch(mapping, client).await?);
+        let at = format!("pipeline {}: table {}", mapping.pipeline, mapping.table);
+        out.extend(key_collation_mismatches(&at, &mapping.table, mapping.key(), client).await?);
     }
     for child in &mapping.children {
         let info = describe_table(&child.table, client).await?;
@@ -191,6 +193,7 @@ fn foreign_key_mismatches(
             Source::Path { pointer, .. } => format!("the element's {pointer}"),
             Source::Header(h) => format!("header {h}"),
             Source::Property(p) => format!("property {}", p.as_str()),
+            Source::Kept => "the unknown fields".into(),
         },
     };
     for fk in fks {
@@ -242,6 +245,16 @@ fn table_mismatches(
         table.columns.iter().map(|c| (c.name.as_str(), c)).collect();
     for c in columns {
         match by_name.get(c.name.as_str()) {
+            None if c.source == Source::Kept => out.push(format!(
+                "{at}: column {} does not exist (expected a jsonb column: unknown_fields = {{ \
+                 keep = \"{}\" }} keeps there the fields no column reads)",
+                c.name, c.name
+            )),
+            Some(t) if c.source == Source::Kept && t.type_name != "jsonb" => out.push(format!(
+                "{at}: column {} is {}; unknown_fields = {{ keep = \"{}\" }} needs a jsonb \
+                 column (it keeps an object of the fields no column reads)",
+                c.name, t.sql_type, c.name
+            )),
             None => out.push(format!(
                 "{at}: column {} does not exist (expected a column for the {} mapping)",
                 c.name, c.ty
@@ -385,6 +398,80 @@ async fn describe_table(
     Ok(Some(TableInfo { columns, unique }))
 }
 
+/// The key's columns that a unique index on exactly the key's columns compares under another
+/// collation than the column's own (`CREATE UNIQUE INDEX ON t (k COLLATE "ci")` on a column of
+/// the default collation), each a sentence. `ON CONFLICT (k)` takes such an index as its
+/// arbiter, so two keys the index takes as one (`ABC`, `abc`) would be one to the insert and two
+/// to everything else warren asks of the key by the column's `=`: the probe that finds the
+/// stored row, the winner of a batch, the advisory lock of a key with deletes (its hash follows
+/// the column's collation) and the tombstone (its key typed as the column). A column whose own
+/// collation is nondeterministic, or a `citext` one, is fine: there the column's `=`, its hash
+/// and the index agree.
+async fn key_collation_mismatches(
+    at: &str,
+    table: &TableName,
+    key: Vec<&str>,
+    client: &tokio_postgres::Client,
+) -> Result<Vec<String>, DbError> {
+    let rows = client
+        .query(
+            "SELECT i.relname::text, array_agg(a.attname::text ORDER BY k.ord), \
+               array_agg(CASE WHEN k.coll <> a.attcollation THEN a.attname::text END \
+                 ORDER BY k.ord), \
+               array_agg(COALESCE(ic.collname::text, '') ORDER BY k.ord), \
+               array_agg(COALESCE(ac.collname::text, '') ORDER BY k.ord) \
+             FROM pg_index x JOIN pg_class i ON i.oid = x.indexrelid \
+             CROSS JOIN LATERAL unnest(x.indkey::int2[], x.indcollation::oid[]) \
+               WITH ORDINALITY AS k(attnum, coll, ord) \
+             JOIN pg_attribute a ON a.attrelid = x.indrelid AND a.attnum = k.attnum \
+             LEFT JOIN pg_collation ic ON ic.oid = k.coll \
+             LEFT JOIN pg_collation ac ON ac.oid = a.attcollation \
+             WHERE x.indrelid = to_regclass($1) AND x.indisunique AND x.indpred IS NULL \
+               AND x.indexprs IS NULL AND x.indimmediate AND k.ord <= x.indnkeyatts \
+             GROUP BY i.relname ORDER BY i.relname",
+            &[&table.sql()],
+        )
+        .await
+        .map_err(DbError::from_pg)?;
+    let mut key = key;
+    key.sort_unstable();
+    let mut out = Vec::new();
+    for row in rows {
+        let index: String = row.get(0);
+        let columns: Vec<String> = row.get(1);
+        let differ: Vec<Option<String>> = row.get(2);
+        let index_coll: Vec<String> = row.get(3);
+        let column_coll: Vec<String> = row.get(4);
+        let mut sorted: Vec<&str> = columns.iter().map(String::as_str).collect();
+        sorted.sort_unstable();
+        if sorted != key {
+            continue;
+        }
+        for (i, column) in differ.iter().enumerate() {
+            let Some(column) = column else { continue };
+            let named = |c: &str| {
+                if c.is_empty() {
+                    "none".to_string()
+                } else {
+                    format!("{c:?}")
+                }
+            };
+            out.push(format!(
+                "{at}: column {column}: the key's unique index {index} compares it under the \
+                 collation {}, the column under {} (warren finds, locks and tombstones a key \
+                 by the column's equality: two keys the index takes as one would be two to \
+                 warren); expected the index on the column's own collation (or the column given \
+                 the index's: ALTER TABLE {table} ALTER COLUMN {column} TYPE <its type> COLLATE \
+                 {})",
+                named(&index_coll[i]),
+                named(&column_coll[i]),
+                named(&index_coll[i]),
+            ));
+        }
+    }
+    Ok(out)
+}
+
 /// The unique indexes (and primary key) of the table `oid`: (name, columns), expression,
 /// partial and deferrable ones left out (ON CONFLICT cannot take them as its arbiter, so they
 /// cannot be a key).
@@ -440,13 +527,41 @@ async fn tombstone_mismatch(
         c.sort_unstable();
         c == key
     });
-    Ok((!keyed).then(|| {
-        format!(
+    if !keyed {
+        return Ok(Some(format!(
             "pipeline {}: the tombstone table {} has no unique index on ({}) (made by warren \
              declare; drop it and declare again)",
             mapping.pipeline,
             d.tombstones,
             mapping.key().join(", ")
+        )));
+    }
+    // The key compares in the tombstones as in the table: the same type and collation (a
+    // table whose key column changed after declare made the tombstones would not).
+    let key: Vec<String> = mapping.key().iter().map(|k| k.to_string()).collect();
+    let differ: Vec<String> = client
+        .query(
+            "SELECT t.attname::text FROM pg_attribute AS t \
+             JOIN pg_attribute AS s ON s.attrelid = to_regclass($2) AND s.attname = t.attname \
+             WHERE t.attrelid = $1 AND t.attname = ANY($3) \
+               AND (t.atttypid <> s.atttypid OR t.attcollation <> s.attcollation) \
+             ORDER BY t.attnum",
+            &[&oid, &mapping.table.sql(), &key],
+        )
+        .await
+        .map_err(DbError::from_pg)?
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    Ok((!differ.is_empty()).then(|| {
+        format!(
+            "pipeline {}: the tombstone table {} types or collates the key column {} otherwise \
+             than the table {} (the table changed after warren declare made it; drop it and \
+             declare again)",
+            mapping.pipeline,
+            d.tombstones,
+            differ.join(", "),
+            mapping.table
         )
     }))
 }

@@ -63,8 +63,8 @@ pub struct ChildSpec {
     pub columns: BTreeMap<String, ChildColumnSpec>,
 }
 
-/// One column of a child table: a path into the element (or a header) with a type and checks,
-/// as a parent column; or `parent = "<column>"` (the parent row's value), or `index = true`
+/// One column of a child table: a path into the element (or a header, or a property of the
+/// message) with a type and checks, as a parent column; or `parent = "<column>"` (the parent row's value), or `index = true`
 /// (the element's position, from 1).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -75,6 +75,10 @@ pub struct ChildColumnSpec {
     /// An AMQP header name instead of a path.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub header: Option<String>,
+    /// A property of the message instead of a path (as a parent column's): the message's, the
+    /// same for each element.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub property: Option<Property>,
     /// The parent row's column whose value this column takes (its type is the parent's).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub parent: Option<String>,
@@ -157,15 +161,99 @@ pub enum OnConflict {
     Update,
 }
 
-/// What a top-level field that no column reads does.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
+/// What a top-level field that no column reads does: `unknown_fields = "reject"` (the
+/// default), `"ignore"`, or `{ keep = "<column>" }`.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub enum UnknownFields {
     /// The message is `invalid_payload`, naming the field.
     #[default]
     Reject,
     /// The field is dropped.
     Ignore,
+    /// Every such field is kept in this `jsonb` column of the table, as one object of them
+    /// (`{}` when there are none), so a producer that adds fields loses nothing.
+    Keep(String),
+}
+
+impl UnknownFields {
+    /// The column the unknown fields are kept in (`keep`).
+    pub fn keep_column(&self) -> Option<&str> {
+        match self {
+            UnknownFields::Keep(c) => Some(c),
+            _ => None,
+        }
+    }
+}
+
+impl fmt::Display for UnknownFields {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            UnknownFields::Reject => f.write_str("reject"),
+            UnknownFields::Ignore => f.write_str("ignore"),
+            UnknownFields::Keep(c) => write!(f, "keep (in column {c})"),
+        }
+    }
+}
+
+/// The words of a bad `unknown_fields` (the configuration names the setting and its line).
+const UNKNOWN_FIELDS_EXPECTED: &str = "\"reject\", \"ignore\", or { keep = \"<column>\" } (a jsonb column \
+     of the table that keeps the fields no column reads)";
+
+impl Serialize for UnknownFields {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        use serde::ser::SerializeMap;
+        match self {
+            UnknownFields::Reject => s.serialize_str("reject"),
+            UnknownFields::Ignore => s.serialize_str("ignore"),
+            UnknownFields::Keep(c) => {
+                let mut map = s.serialize_map(Some(1))?;
+                map.serialize_entry("keep", c)?;
+                map.end()
+            }
+        }
+    }
+}
+
+impl<'de> Deserialize<'de> for UnknownFields {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct Visitor;
+        impl<'de> serde::de::Visitor<'de> for Visitor {
+            type Value = UnknownFields;
+            fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+                f.write_str(UNKNOWN_FIELDS_EXPECTED)
+            }
+            fn visit_str<E: serde::de::Error>(self, v: &str) -> Result<Self::Value, E> {
+                use serde::de::Unexpected;
+                match v {
+                    "reject" => Ok(UnknownFields::Reject),
+                    "ignore" => Ok(UnknownFields::Ignore),
+                    "keep" => Err(E::invalid_value(
+                        Unexpected::Str(v),
+                        &"{ keep = \"<column>\" }, naming the jsonb column the unknown fields \
+                          are kept in",
+                    )),
+                    _ => Err(E::invalid_value(Unexpected::Str(v), &self)),
+                }
+            }
+            fn visit_map<A: serde::de::MapAccess<'de>>(
+                self,
+                mut map: A,
+            ) -> Result<Self::Value, A::Error> {
+                use serde::de::Error;
+                let mut column: Option<String> = None;
+                while let Some(key) = map.next_key::<String>()? {
+                    if key != "keep" || column.is_some() {
+                        return Err(A::Error::unknown_field(&key, &["keep"]));
+                    }
+                    column = Some(map.next_value()?);
+                }
+                column
+                    .map(UnknownFields::Keep)
+                    .ok_or_else(|| A::Error::missing_field("keep"))
+            }
+        }
+        d.deserialize_any(Visitor)
+    }
 }
 
 /// One column of the table and where its value comes from.

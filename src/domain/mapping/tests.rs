@@ -206,6 +206,125 @@ fn unknown_fields_are_refused_or_ignored_as_the_spec_says() {
     assert!(m.decode_message(body.as_bytes(), None).is_ok());
 }
 
+/// `unknown_fields = { keep = "extra" }`: the fields no column reads, as one object of them,
+/// each value as written; `{}` when there are none; what a jsonb column cannot hold refused.
+#[test]
+fn unknown_fields_are_kept_as_one_object_in_the_named_column() {
+    let spec: MappingSpec = toml::from_str(
+        r#"
+        table = "shop.orders"
+        key = ["order_id"]
+        unknown_fields = { keep = "extra" }
+        [columns]
+        order_id = { path = "/id", type = "uuid" }
+        email    = { path = "/customer/email", type = "text" }
+        tenant   = { header = "x-tenant", type = "text", optional = true }
+        "#,
+    )
+    .expect("the spec parses");
+    let m = Mapping::compile("orders", &spec).unwrap();
+    assert_eq!(
+        m.columns().last(),
+        Some(("extra", ColType::Jsonb, false)),
+        "the kept column is written as a jsonb column"
+    );
+    let id = "5f0c8a4e-8f0e-4f6e-9d53-1a2b3c4d5e6f";
+    let body = format!(
+        r#"{{"z":1.000000000000000000001,"id":"{id}","customer":{{"email":"a@b.co","x":1}},"a\"b":[1,{{"k":null}}],"x-tenant":"t","e":-0}}"#
+    );
+    let row = m.decode_message(body.as_bytes(), None).unwrap();
+    // Every top-level field no column reads (a header's name is no field), as written; a
+    // field inside a read one (customer.x) belongs to it.
+    assert_eq!(
+        cell(&m, &row, "extra"),
+        Cell::Jsonb(
+            r#"{"a\"b":[1,{"k":null}],"e":-0,"x-tenant":"t","z":1.000000000000000000001}"#.into()
+        )
+    );
+    let text = match cell(&m, &row, "extra") {
+        Cell::Jsonb(t) => t,
+        other => panic!("{other:?}"),
+    };
+    let parsed: Value = serde_json::from_str(&text).expect("the kept fields are JSON");
+    assert_eq!(parsed["a\"b"][1]["k"], Value::Null);
+    // None: an empty object, never NULL.
+    let plain = format!(r#"{{"id":"{id}","customer":{{"email":"a@b.co"}}}}"#);
+    let row = m.decode_message(plain.as_bytes(), None).unwrap();
+    assert_eq!(cell(&m, &row, "extra"), Cell::Jsonb("{}".into()));
+    // What jsonb cannot store is refused, naming the field.
+    let nul = format!(r#"{{"id":"{id}","customer":{{"email":"a@b.co"}},"bad":"a\u0000b"}}"#);
+    let r = refused(&m, &nul);
+    assert_eq!(r.kind, ErrorKind::InvalidPayload);
+    assert!(r.reason.contains("\"bad\" holds U+0000"), "{}", r.reason);
+    let huge = format!(
+        r#"{{"id":"{id}","customer":{{"email":"a@b.co"}},"n":0.{}}}"#,
+        "1".repeat(17_000)
+    );
+    let r = refused(&m, &huge);
+    assert!(
+        r.reason.contains("beyond what PostgreSQL's jsonb stores"),
+        "{}",
+        r.reason
+    );
+    // The kept column is no column of the spec's, and a name a column can have.
+    let mut twice = spec.clone();
+    twice.unknown_fields = UnknownFields::Keep("email".into());
+    let e = Mapping::compile("orders", &twice).unwrap_err();
+    assert_eq!(e.field, vec!["unknown_fields"]);
+    assert!(
+        e.problem
+            .contains("keep = \"email\" is also among the columns"),
+        "{}",
+        e.problem
+    );
+    let mut bad = spec;
+    bad.unknown_fields = UnknownFields::Keep("".into());
+    assert!(Mapping::compile("orders", &bad).is_err());
+}
+
+/// `unknown_fields` as the file writes it, and a mistake in warren's words.
+#[test]
+fn unknown_fields_reads_reject_ignore_and_keep() {
+    #[derive(Debug, serde::Deserialize)]
+    struct One {
+        unknown_fields: UnknownFields,
+    }
+    let read = |text: &str| toml::from_str::<One>(text).map(|o| o.unknown_fields);
+    assert_eq!(
+        read(r#"unknown_fields = "reject""#).unwrap(),
+        UnknownFields::Reject
+    );
+    assert_eq!(
+        read(r#"unknown_fields = "ignore""#).unwrap(),
+        UnknownFields::Ignore
+    );
+    assert_eq!(
+        read(r#"unknown_fields = { keep = "extra" }"#).unwrap(),
+        UnknownFields::Keep("extra".into())
+    );
+    let e = read(r#"unknown_fields = "keep""#).unwrap_err().to_string();
+    assert!(
+        e.contains(r#"{ keep = "<column>" }, naming the jsonb column"#),
+        "{e}"
+    );
+    let e = read(r#"unknown_fields = "drop""#).unwrap_err().to_string();
+    assert!(
+        e.contains(r#""reject", "ignore", or { keep = "<column>" }"#),
+        "{e}"
+    );
+    let e = read(r#"unknown_fields = { kep = "extra" }"#)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("kep"), "{e}");
+    // Written back as read.
+    let spec: MappingSpec = toml::from_str(
+        "table = \"t\"\nkey = [\"id\"]\nunknown_fields = { keep = \"extra\" }\n[columns]\nid = { path = \"/id\", type = \"text\" }\n",
+    )
+    .unwrap();
+    let again: MappingSpec = toml::from_str(&toml::to_string(&spec).unwrap()).unwrap();
+    assert_eq!(again, spec);
+}
+
 #[test]
 fn bodies_that_are_not_json_are_invalid_json() {
     let m = orders();

@@ -193,7 +193,7 @@ fn a_child_spec_that_cannot_work_is_refused_naming_the_table_and_column() {
             "[\"id\"]",
             "id = { parent = \"order_id\" }\nsku = { path = \"/sku\" }"
         ))
-        .contains("columns.sku: type: a path or header column needs a type")
+        .contains("columns.sku: type: a path, header or property column needs a type")
     );
     assert!(
         refused(&base("/items", "[\"id\"]", "id = { parent = \"nope\" }"))
@@ -278,4 +278,92 @@ fn an_elements_one_of_or_pattern_refusal_starts_with_its_path() {
         "/items/1/unit: expected one of kg, pc, found lb; \
          /items/1/sku: expected a match of the pattern \"^[A-Z]+-[0-9]+$\", found a-1"
     );
+}
+
+/// A child column may read a property of the message, as a parent column does: the message's,
+/// the same in each element's row; absent, its default, NULL when optional, else refused
+/// naming the property. Its type must fit the property.
+#[test]
+fn a_child_column_reads_a_property_of_the_message_for_each_element() {
+    use crate::domain::Envelope;
+    let with = |columns: &str| {
+        let text = format!(
+            r#"
+            table = "shop.orders"
+            key = ["order_id"]
+            [columns]
+            order_id = {{ path = "/order_id", type = "uuid" }}
+            [[children]]
+            table = "shop.order_items"
+            rows = "/items"
+            key = ["order_id", "line"]
+            [children.columns]
+            order_id = {{ parent = "order_id" }}
+            line     = {{ index = true }}
+            {columns}
+            "#
+        );
+        let spec: MappingSpec = toml::from_str(&text).expect("spec");
+        Mapping::compile("orders", &spec)
+    };
+    let m = with(
+        r#"msg_id = { property = "message_id", type = "text" }
+           sent = { property = "timestamp", type = "timestamptz", optional = true }
+           route = { property = "routing_key", type = "text" }"#,
+    )
+    .expect("compiles");
+    let body = format!(r#"{{"order_id":"{ID}","items":[{{}},{{}}]}}"#);
+    let props = lapin::BasicProperties::default()
+        .with_message_id("m-1".into())
+        .with_timestamp(1_700_000_000);
+    let envelope = Envelope {
+        properties: &props,
+        exchange: "shop",
+        routing_key: "orders.eu",
+    };
+    let row = m
+        .decode_envelope(body.as_bytes(), &envelope)
+        .expect("valid");
+    // Columns by name: line, msg_id, order_id, route, sent.
+    let id: uuid::Uuid = ID.parse().unwrap();
+    let element = |line: i32| {
+        vec![
+            Cell::Int4(line),
+            Cell::Text("m-1".into()),
+            Cell::Uuid(id),
+            Cell::Text("orders.eu".into()),
+            Cell::Timestamptz("2023-11-14T22:13:20Z".into()),
+        ]
+    };
+    assert_eq!(row.1[0], vec![element(1), element(2)]);
+    // Absent: the optional one NULL, the required one refused naming the property.
+    let bare = lapin::BasicProperties::default();
+    let envelope = Envelope {
+        properties: &bare,
+        exchange: "shop",
+        routing_key: "orders.eu",
+    };
+    let refused = m
+        .decode_envelope(body.as_bytes(), &envelope)
+        .expect_err("no message id");
+    assert!(
+        refused
+            .rejection
+            .reason
+            .contains("property message_id: missing (a text is required)"),
+        "{}",
+        refused.rejection.reason
+    );
+    // Without properties at all (decode of a body alone), as absent.
+    assert!(m.decode(body.as_bytes()).is_err());
+    // A type the property is not read as, or two sources, refused when it compiles.
+    let e = with(r#"sent = { property = "timestamp", type = "text" }"#).unwrap_err();
+    assert!(
+        e.problem
+            .contains("property timestamp is read as timestamptz, not text"),
+        "{}",
+        e.problem
+    );
+    let e = with(r#"x = { property = "type", path = "/x", type = "text" }"#).unwrap_err();
+    assert!(e.problem.contains("give one of path"), "{}", e.problem);
 }
