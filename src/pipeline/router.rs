@@ -1,17 +1,14 @@
 //! The main pipeline's fallback stage and the outcome policy: which failure goes where. A
-//! message the domain refused or the database refused for good goes to the DLX with
-//! `x-error-kind` / `x-error-reason`; a transient failure goes through the retry queue with
-//! `x-retries` + 1 (the n-th retry through the n-th retry tier's queue, every later one through
-//! the last) until `MAX_RETRIES`, then to the DLX; a systemic one stays with the broker. A body
-//! over `MAX_MESSAGE_BYTES` is parked here at once, never republished ([`Fallback::park_over`]);
-//! what is republished goes a few MiB of bodies at a time ([`ROUTE_KIB`]).
-//! Every republish is confirmed by the broker before the original is acked; a copy whose ack
-//! is lost with the consumer's link is remembered (`copies.rs`), and the redelivery that follows
-//! is acked as already routed instead of routed twice; so is the redelivery of a copy whose
-//! confirm came late (in doubt: sent, not confirmed within `PUBLISH_TIMEOUT_MS`). A republish
-//! that is not confirmed leaves the message with warren's queue (nack with requeue, after a backoff):
-//! never with the broker's own dead-lettering, which is at-most-once and drops a message whose
-//! target is missing at that moment.
+//! message the domain or the database refused for good goes to the DLX with `x-error-kind` /
+//! `x-error-reason`; a transient failure through the retry queue with `x-retries` + 1 (the n-th
+//! retry through the n-th tier's queue, later ones through the last) until `MAX_RETRIES`, then to
+//! the DLX; a systemic one stays with the broker. A body over `MAX_MESSAGE_BYTES` is parked here
+//! ([`Fallback::park_over`]), and if parking fails the broker dead-letters it (no copy held);
+//! what is republished goes a few MiB of bodies at a time ([`ROUTE_KIB`]). Every republish is
+//! confirmed before the original is acked; a copy whose ack was lost with the link, or whose
+//! confirm came late (in doubt), is remembered (`copies.rs`) and its redelivery acked as already
+//! routed. A republish not confirmed leaves the message with its queue (requeue after a backoff),
+//! not with the broker's dead-lettering, at-most-once and lost if its target is missing then.
 
 use crate::metrics::StageId;
 use std::sync::Arc;
@@ -999,88 +996,4 @@ pub fn requeue_backoff(streak: u32) -> Duration {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn db(class: ErrorClass) -> Failure {
-        Failure::Db {
-            class,
-            server_answered: true,
-            reason: "boom".into(),
-        }
-    }
-
-    #[test]
-    fn every_failure_class_has_its_way_in_the_main_pipeline() {
-        let refused = Failure::Refused {
-            kind: ErrorKind::InvalidJson,
-            reason: "eof".into(),
-        };
-        assert_eq!(
-            main_fate(&refused, false),
-            Fate::Route(Route::DeadLetter {
-                kind: ErrorKind::InvalidJson,
-                reason: "eof".into()
-            })
-        );
-        assert_eq!(
-            main_fate(&db(ErrorClass::Permanent), false),
-            Fate::Route(Route::DeadLetter {
-                kind: ErrorKind::DbPermanent,
-                reason: "boom".into()
-            })
-        );
-        assert_eq!(
-            main_fate(&db(ErrorClass::Transient), false),
-            Fate::Route(Route::Retry {
-                reason: "boom".into()
-            })
-        );
-        assert_eq!(
-            main_fate(&db(ErrorClass::Systemic), false),
-            Fate::Settled(Disposition::Requeue)
-        );
-        // A body over MAX_MESSAGE_BYTES is parked where it was refused; a database failure of
-        // such a message (it never reaches the database) goes its usual way.
-        assert_eq!(
-            main_fate(&refused, true),
-            Fate::Park {
-                kind: ErrorKind::InvalidJson,
-                reason: "eof".into()
-            }
-        );
-        assert_eq!(
-            main_fate(&db(ErrorClass::Transient), true),
-            Fate::Route(Route::Retry {
-                reason: "boom".into()
-            })
-        );
-    }
-
-    #[test]
-    fn the_nth_retry_waits_in_the_nth_tier_then_in_the_last() {
-        let tiers: Vec<usize> = (1..=5).map(|n| retry_tier(n, 3)).collect();
-        assert_eq!(tiers, [0, 1, 2, 2, 2]);
-        // One tier (no RETRY_TTLS_MS): every retry in the retry queue.
-        assert!((1..=100).all(|n| retry_tier(n, 1) == 0));
-        // Never out of range, whatever the header said.
-        assert_eq!(retry_tier(0, 3), 0);
-        assert_eq!(retry_tier(u32::MAX, 3), 2);
-    }
-
-    #[test]
-    fn requeue_backoff_grows_from_200ms_to_30s() {
-        let first = requeue_backoff(1);
-        assert!(
-            first >= Duration::from_millis(200) && first < Duration::from_millis(400),
-            "{first:?}"
-        );
-        let later = requeue_backoff(5);
-        assert!(later >= Duration::from_millis(3200), "{later:?}");
-        let capped = requeue_backoff(40);
-        assert!(
-            capped >= Duration::from_secs(30) && capped < Duration::from_secs(60),
-            "{capped:?}"
-        );
-    }
-}
+mod tests;
