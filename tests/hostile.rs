@@ -777,8 +777,11 @@ async fn an_x_death_the_broker_cannot_read_is_set_aside_on_a_retry_copy() {
     // Many rounds: the peek below must catch each message in the retry queue with x-retries 2
     // or more, and under a loaded machine a 300 ms stay can pass between two peeks; with 5
     // retries a message could reach its last round unseen and go to the DLQ (flaky in suite
-    // runs). 100 rounds of at least 300 ms outlast the 30 s the peek waits.
+    // runs). 100 rounds of at least 300 ms outlast the 30 s the peek waits. The breaker must
+    // not open: a held consumer takes no copy back from the retry tier, so the peek below would
+    // see no second round (failed in CI once three batches had failed in a row).
     env.set("MAX_RETRIES", "100")
+        .set("BREAKER_FAILURES", "1000")
         .set("RETRY_TTL_MS", "300")
         .set("DB_RETRY_WINDOW_MS", "0");
     env.declare();
