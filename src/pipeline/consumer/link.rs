@@ -182,8 +182,8 @@ impl Consumer {
     }
 
     /// Why the current link ended, from what the stream reported; a delivery the AMQP client
-    /// cannot parse is named with what to do about it, and a frame over the configured limit
-    /// makes the next link take the broker's limit.
+    /// cannot parse is named with what to do about it, and a frame over twice the configured
+    /// limit (the AMQP client takes up to that) makes the next link take the broker's limit.
     pub(super) fn link_end_reason(&mut self) -> &'static str {
         match &self.last_stream_error {
             Some(e) if e.contains("frame too large") => {

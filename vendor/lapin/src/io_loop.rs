@@ -617,7 +617,13 @@ impl<
             Ok((i, f)) => {
                 let consumed = self.receive_buffer.offset(i);
                 let frame_max = self.configuration.frame_max() as usize;
-                if frame_max > 0 && consumed > frame_max {
+                // WARREN-PATCH: a frame up to twice `frame_max` is taken. RabbitMQ grows the
+                // content header of a message it dead-letters (`x-death`, `x-first-death-*`)
+                // past the `frame_max` it negotiated, and sends it so: a client that refused
+                // the frame closed its connection at every delivery of that message, which
+                // stayed at the head of its queue for ever (the frame is parsed already; the
+                // receive buffer holds 32 frames of `frame_max`).
+                if frame_max > 0 && consumed > frame_max.saturating_mul(2) {
                     error!(bytes = consumed, "received large frame");
                     let error = AMQPError::new(
                         AMQPHardError::FRAMEERROR.into(),
