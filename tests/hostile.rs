@@ -272,7 +272,9 @@ async fn a_header_over_a_configured_frame_max_costs_one_reconnect() {
     let mut h = lapin::types::FieldTable::default();
     h.insert(
         "pad".into(),
-        AMQPValue::LongString(vec![b'x'; 20_000].into()),
+        // Over twice the configured 16 KiB (the AMQP client takes a frame up to twice its
+        // frame_max: what the broker adds to a header it dead-letters), under the broker's own.
+        AMQPValue::LongString(vec![b'x'; 40_000].into()),
     );
     env.publish_raw(&user_body(good), json_props(good).with_headers(h))
         .await;
@@ -986,4 +988,140 @@ async fn a_retry_count_hidden_past_the_parsers_budget_dead_letters_at_once() {
     warren.terminate_ok(Duration::from_secs(30));
     assert_eq!(env.queue_state(&env.main_queue).await, (0, 0));
     assert_eq!(env.queue_state(&env.retry_queue).await, (0, 0));
+}
+
+/// Properties whose content header fills the frame to within 40 bytes of RabbitMQ's default
+/// frame_max (131,072): warren's own headers do not fit on a copy (`unpublishable`), and what
+/// the broker adds when it dead-letters it grows the header past the frame_max.
+fn frame_full(label: &str) -> BasicProperties {
+    let pad = |size: usize| {
+        let mut h = lapin::types::FieldTable::default();
+        h.insert("pad".into(), AMQPValue::LongString(vec![b'x'; size].into()));
+        h
+    };
+    let base = warren::amqp::republish::header_frame_size(&labelled(label).with_headers(pad(0)));
+    labelled(label).with_headers(pad(131_072 - 40 - base))
+}
+
+/// A message warren cannot copy (`unpublishable`) in the main stage while parking fails (INSERT
+/// on `dead_letters` revoked): it goes back to its queue (paced by the requeue backoff), never to
+/// the broker's at-most-once dead-lettering; the users behind it land meanwhile, and once the
+/// database takes it, it is parked once. Nothing tested this path before: only the oversize
+/// body's.
+#[tokio::test(flavor = "multi_thread")]
+async fn an_unpublishable_message_whose_park_fails_waits_and_is_parked_once_the_database_takes_it()
+{
+    let env = TestEnv::new("unpubpark").await;
+    env.declare();
+    env.db
+        .batch_execute("REVOKE INSERT ON dead_letters FROM CURRENT_USER")
+        .await
+        .expect("revoke INSERT on dead_letters");
+    env.publish_raw(b"{not json", frame_full("full-bad")).await;
+    let users: std::collections::HashSet<Uuid> = env.publish_users(20).await.into_iter().collect();
+    let mut warren = env.start(&["--roles", "consumer"]);
+    let _logs = LogsOnPanic(vec![warren.log.clone()]);
+    assert_rows_exactly(&env, &users, Duration::from_secs(60), &|| warren.logs()).await;
+    wait_until(
+        "a failed park of full-bad",
+        Duration::from_secs(30),
+        || async {
+            warren
+                .logs()
+                .contains("cannot park messages; they go back to their queue")
+        },
+    )
+    .await;
+    assert_eq!(
+        env.queue_state(&env.dlq_queue).await,
+        (0, 0),
+        "nothing in the DLQ"
+    );
+    assert!(
+        parked(&env).await.is_empty(),
+        "nothing parked while INSERT is revoked"
+    );
+    env.db
+        .batch_execute("GRANT INSERT ON dead_letters TO CURRENT_USER")
+        .await
+        .expect("grant INSERT on dead_letters");
+    wait_parked(&env, 1, &|| warren.logs()).await;
+    warren.terminate_ok(Duration::from_secs(20));
+    let rows = parked(&env).await;
+    assert_eq!(rows.len(), 1, "{rows:?}");
+    assert_eq!(rows[0].0.as_deref(), Some("full-bad"), "{rows:?}");
+    assert_eq!(rows[0].1, "unpublishable", "{rows:?}");
+    assert_eq!(env.queue_state(&env.main_queue).await, (0, 0));
+    assert_eq!(env.queue_state(&env.dlq_queue).await, (0, 0));
+}
+
+/// The broker grows the content header of a message it dead-letters (`x-death`,
+/// `x-first-death-*`) past the frame_max it negotiated, and sends it so: a DLQ consumer that
+/// refused the frame closed its connection at every delivery, and the DLQ stage was stuck
+/// behind it for ever. The vendored lapin takes a frame up to twice its frame_max: the message
+/// is received and parked, with no reconnect. (A queue of the test's own, with a TTL of 0 and
+/// the DLQ as its dead-letter target, makes the broker dead-letter it.)
+#[tokio::test(flavor = "multi_thread")]
+async fn a_header_the_broker_grew_past_frame_max_is_received_and_parked() {
+    let env = TestEnv::new("grownhead").await;
+    env.declare();
+    let side = format!("{}_side", env.main_queue);
+    let mut args = lapin::types::FieldTable::default();
+    args.insert("x-message-ttl".into(), AMQPValue::LongInt(0));
+    args.insert(
+        "x-dead-letter-exchange".into(),
+        AMQPValue::LongString(env.dlx_exchange.as_bytes().to_vec().into()),
+    );
+    args.insert(
+        "x-dead-letter-routing-key".into(),
+        AMQPValue::LongString(env.dlq_queue.as_bytes().to_vec().into()),
+    );
+    let channel = env.conn.create_channel().await.expect("channel");
+    channel
+        .queue_declare(
+            side.as_str().into(),
+            lapin::options::QueueDeclareOptions::default(),
+            args,
+        )
+        .await
+        .expect("declare the side queue");
+    channel
+        .confirm_select(lapin::options::ConfirmSelectOptions::default())
+        .await
+        .expect("confirms");
+    channel
+        .basic_publish(
+            "".into(),
+            side.as_str().into(),
+            lapin::options::BasicPublishOptions::default(),
+            b"{not json",
+            frame_full("grown"),
+        )
+        .await
+        .expect("publish")
+        .await
+        .expect("confirm");
+    wait_until(
+        "the message dead-lettered to the DLQ",
+        Duration::from_secs(30),
+        || async { env.queue_state(&env.dlq_queue).await.0 == 1 },
+    )
+    .await;
+    channel
+        .queue_delete(
+            side.as_str().into(),
+            lapin::options::QueueDeleteOptions::default(),
+        )
+        .await
+        .expect("delete the side queue");
+    let mut warren = env.start(&["--roles", "dlq"]);
+    let _logs = LogsOnPanic(vec![warren.log.clone()]);
+    wait_parked(&env, 1, &|| warren.logs()).await;
+    let rows = parked(&env).await;
+    assert_eq!(rows.len(), 1, "{rows:?}");
+    assert_eq!(rows[0].0.as_deref(), Some("grown"), "{rows:?}");
+    let reconnects = metric(&env, "warren_reconnects_total", &[("target", "amqp")]).await;
+    assert_eq!(reconnects, 0.0, "log:\n{}", warren.logs());
+    warren.terminate_ok(Duration::from_secs(20));
+    assert_queue_empty(&env, &env.dlq_queue).await;
 }

@@ -295,12 +295,14 @@ async fn a_100_mib_body_is_parked_once_under_a_256_mib_limit_and_the_users_behin
 /// (INSERT on dead_letters revoked: a deployment's mistake, or a database refusing that table).
 /// The main stage parks such a body where it refused it; a failed park gave it back, the
 /// window cut to one for it brought it back first every time, and no user behind it was stored
-/// for as long as parking failed (0 of 100 after 40 s in the review). Now a failed park in the
-/// main stage lets the broker dead-letter the original to the DLQ (nack without requeue: no
-/// copy held): the users land while parking still fails, and the big message is in the DLQ,
-/// once, whole.
+/// for as long as parking failed (0 of 100 after 40 s in the review, on a build before the
+/// body limit). A broker dead-letter instead (nack without requeue) lost it when the DLQ was
+/// unbound at that moment (review R38b-F1). Now it goes back to its queue after the requeue
+/// backoff, and while it is held the accepted deliveries behind it flow: the users land while
+/// parking still fails, nothing goes to the DLQ, and once the database takes it the body is
+/// parked once, whole.
 #[tokio::test(flavor = "multi_thread")]
-async fn a_refused_big_body_whose_park_fails_goes_to_the_dlq_and_the_users_behind_it_land() {
+async fn a_refused_big_body_whose_park_fails_waits_in_its_queue_and_the_users_behind_it_land() {
     let env = TestEnv::new("parkfails").await;
     env.declare();
     env.db
@@ -313,33 +315,36 @@ async fn a_refused_big_body_whose_park_fails_goes_to_the_dlq_and_the_users_behin
     let mut warren = env.start(&["--roles", "consumer"]);
     let _logs = LogsOnPanic(vec![warren.log.clone()]);
     assert_rows_exactly(&env, &users, Duration::from_secs(60), &|| warren.logs()).await;
-    wait_until(
-        "the big message in the DLQ",
-        Duration::from_secs(30),
-        || async { env.queue_state(&env.dlq_queue).await.0 == 1 },
-    )
-    .await;
-    warren.terminate_ok(Duration::from_secs(30));
-    let dead = env.drain_queue(&env.dlq_queue, 10).await;
-    let ids: Vec<String> = dead
-        .iter()
-        .map(|m| {
-            m.delivery
-                .properties
-                .message_id()
-                .as_ref()
-                .map(|s| s.to_string())
-                .unwrap_or_default()
-        })
-        .collect();
-    assert_eq!(ids, ["big-0"], "the DLQ holds {ids:?}");
-    assert_eq!(dead[0].delivery.data, body, "the body, whole");
-    assert_eq!(env.queue_state(&env.main_queue).await, (0, 0));
     assert_eq!(
         count_of(&env, "SELECT count(*) FROM dead_letters").await,
         0,
         "nothing parked while INSERT is revoked"
     );
+    assert_eq!(
+        env.queue_state(&env.dlq_queue).await,
+        (0, 0),
+        "nothing in the DLQ"
+    );
+    env.db
+        .batch_execute("GRANT INSERT ON dead_letters TO CURRENT_USER")
+        .await
+        .expect("grant INSERT on dead_letters");
+    wait_until("the big body parked", Duration::from_secs(60), || async {
+        count_of(&env, "SELECT count(*) FROM dead_letters").await >= 1
+    })
+    .await;
+    warren.terminate_ok(Duration::from_secs(30));
+    let parked = env
+        .db
+        .query("SELECT message_id, body FROM dead_letters", &[])
+        .await
+        .expect("the parked rows");
+    let ids: Vec<Option<String>> = parked.iter().map(|r| r.get(0)).collect();
+    assert_eq!(ids, [Some("big-0".to_string())], "parked: {ids:?}");
+    let stored: Vec<u8> = parked[0].get(1);
+    assert!(stored == body, "the body, whole ({} bytes)", stored.len());
+    assert_eq!(env.queue_state(&env.main_queue).await, (0, 0));
+    assert_eq!(env.queue_state(&env.dlq_queue).await, (0, 0));
 }
 
 /// R38-F1 of the issue-38 review: a refused body that arrives in an OPEN window. A queue of

@@ -47,8 +47,6 @@ pub enum Op {
     AckOne(u64),
     /// `basic.nack(tag, multiple = false, requeue = true)`.
     Requeue(u64),
-    /// `basic.nack(tag, multiple = false, requeue = false)`: the broker dead-letters it.
-    DeadLetter(u64),
 }
 
 /// Where one outstanding delivery stands.
@@ -131,10 +129,6 @@ impl AckTracker {
             Disposition::Requeue => {
                 self.outstanding[i].1 = State::Sent;
                 ops.push(Op::Requeue(tag));
-            }
-            Disposition::DeadLetter => {
-                self.outstanding[i].1 = State::Sent;
-                ops.push(Op::DeadLetter(tag));
             }
         }
         let mut ack_to = None;
@@ -350,13 +344,13 @@ async fn run_ops(
                         .basic_ack(tag, BasicAckOptions { multiple: false })
                         .await
                 }
-                Op::Requeue(tag) | Op::DeadLetter(tag) => {
+                Op::Requeue(tag) => {
                     channel
                         .basic_nack(
                             tag,
                             BasicNackOptions {
                                 multiple: false,
-                                requeue: matches!(op, Op::Requeue(_)),
+                                requeue: true,
                             },
                         )
                         .await

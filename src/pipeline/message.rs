@@ -133,12 +133,10 @@ impl Message for Leftovers {
 pub enum Disposition {
     /// Done (inserted, or safely republished elsewhere): ack.
     Ack,
-    /// Give it back to the queue (nack with requeue).
+    /// Give it back to the queue (nack with requeue). warren never lets the broker dead-letter
+    /// a delivery (a nack without requeue): RabbitMQ dead-letters at most once, and drops the
+    /// message if the target is missing at that moment (review R38b-F1).
     Requeue,
-    /// Let the broker dead-letter it (nack without requeue): the main queue's dead-letter
-    /// exchange takes the original to the DLQ, warren holding no copy. Only for a main stage
-    /// (a DLQ dead-letters nowhere, and the broker would drop it).
-    DeadLetter,
 }
 
 /// Sink -> consumer: how deliveries of one channel generation ended (one per batch and

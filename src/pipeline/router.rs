@@ -755,8 +755,7 @@ impl Fallback {
     }
 
     /// Parks every `Fate::Park` with one statement (row by row if refused); each becomes an
-    /// ack once committed; if the database does not take it, a broker dead-letter in a main
-    /// stage (to the DLQ, whose consumer parks it), a requeue in a DLQ stage.
+    /// ack once committed; if the database does not take it, a requeue (after the backoff).
     pub async fn park_all(&self, items: &[(Delivery, Failure)], fates: &mut [Fate]) {
         let mut indices = Vec::new();
         let mut kinds = Vec::new();
@@ -813,38 +812,20 @@ impl Fallback {
                 }
                 Fate::Settled(Disposition::Ack)
             }
-            // The main stage's queue has a dead-letter exchange: the broker takes the originals to
-            // the DLQ itself, warren holding no copy, and the DLQ consumer parks them once the
-            // database takes them. Given back instead, a refused body over MAX_MESSAGE_BYTES (the
-            // window cut to one for it) came back first every time and stopped the pipeline
-            // behind it for as long as parking failed (review R38 F3). A DLQ stage gives them
-            // back: its queue dead-letters nowhere.
-            Err(e) if self.stage.stage() == crate::metrics::Stage::Main => {
-                error!(pipeline = self.stage.pipeline(), stage = self.stage.stage().as_str(), error = %e, count = indices.len(),
-                    "cannot park messages; the broker dead-letters them to the DLQ, whose consumer parks them");
-                for i in &indices {
-                    if let (d, Fate::Park { kind, reason }) = (&items[*i].0, &fates[*i]) {
-                        crate::events::emit(
-                            Some(self.stage.pipeline()),
-                            crate::events::Kind::DeadLettered {
-                                message_id: d.message_id().to_string(),
-                                kind: kind.as_str().to_string(),
-                                reason: format!(
-                                    "{reason}; parking failed ({e}), dead-lettered by the broker"
-                                ),
-                                traceparent: headers::traceparent(&d.properties),
-                            },
-                        );
-                    }
-                }
-                for (kind, n) in count_by_kind(kinds.into_iter()) {
-                    metrics::messages_routed(&self.stage, kind, n);
-                }
-                Fate::Settled(Disposition::DeadLetter)
-            }
+            // Given back (after the requeue backoff), in every stage: the broker keeps them until
+            // the database takes them. Not the broker's dead-lettering (a nack without requeue):
+            // RabbitMQ dead-letters at most once, and a DLQ unbound or deleted at that moment
+            // dropped two 8 MiB bodies (review R38b-F1). A refused body over MAX_MESSAGE_BYTES
+            // held for its backoff does not hold the window behind it: the accepted deliveries
+            // behind it flow meanwhile (`tests/memory.rs`).
             Err(e) => {
-                error!(pipeline = self.stage.pipeline(), stage = self.stage.stage().as_str(), error = %e, count = indices.len(),
-                    "cannot park messages; they go back to their queue");
+                let ids: Vec<&str> = indices
+                    .iter()
+                    .take(10)
+                    .map(|i| items[*i].0.message_id())
+                    .collect();
+                error!(pipeline = self.stage.pipeline(), stage = self.stage.stage().as_str(), error = %e, count = indices.len(), message_ids = ?ids,
+                    "cannot park messages; they go back to their queue until the database takes them");
                 Fate::Requeue("db_unavailable")
             }
         };

@@ -176,6 +176,9 @@ pub struct Consumer {
     published: (u64, usize),
     /// `received` at the last watchdog tick, and the ticks since it last moved.
     idle: (u64, u32),
+    /// `received` at the last watchdog tick, and the ticks since, while a window of one is full
+    /// (`check_held_window`).
+    held_window: (u64, u32),
     /// The received counter, resolved once.
     received_counter: metrics::Counter,
     /// The in-flight gauge, resolved once.
@@ -221,6 +224,7 @@ impl Consumer {
             received: 0,
             published: (0, 0),
             idle: (0, 0),
+            held_window: (0, 0),
             received_counter,
             inflight_gauge: crate::metrics::inflight_gauge(),
             stop_counts: StopCounts::default(),

@@ -37,7 +37,7 @@ impl StopCounts {
     pub(super) fn count(&mut self, items: &[(u64, Disposition)], live: bool) {
         for (_, disposition) in items {
             match disposition {
-                Disposition::Ack | Disposition::DeadLetter if live => self.settled += 1,
+                Disposition::Ack if live => self.settled += 1,
                 _ => self.given_back += 1,
             }
         }

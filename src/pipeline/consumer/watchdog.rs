@@ -1,12 +1,18 @@
 //! The consumer's watchdog, once a second: a closed channel or connection, a cancel never
 //! answered, and a consumer that receives nothing while its queue holds messages (the idle
-//! watchdog, from the depths the poller saw) each rebuild the link.
+//! watchdog, from the depths the poller saw) each rebuild the link; a window of one held by its
+//! one delivery gets a subscription beside it.
 
 use actix::prelude::*;
-use tracing::warn;
+use tracing::{info, warn};
 
 use super::Consumer;
 use super::link::{Link, Phase, Subscription};
+use super::window::FIRST_WINDOW;
+
+/// Watchdog ticks a window of one may stay full, nothing received, before a subscription
+/// takes a window beside its delivery (`check_held_window`).
+const HELD_TICKS: u32 = 3;
 
 /// The idle watchdog found messages waiting while nothing arrives: rebuild the consumer.
 #[derive(Message)]
@@ -112,8 +118,41 @@ impl Consumer {
             );
             self.rebuild(ctx, "cancel_unanswered");
         } else {
+            self.check_held_window();
             self.check_idle(ctx);
         }
+    }
+
+    /// A window of one whose delivery stays unsettled (a refused body waiting out its requeue
+    /// backoff while parking fails, or a long park) gives the broker its reason to send
+    /// nothing: every message behind it waited as long (review R38 F3: 0 of 100 users stored
+    /// while INSERT on dead_letters was revoked). After [`HELD_TICKS`] ticks of it, the
+    /// subscription is cancelled, and the next one takes its window beside the held delivery
+    /// once the cancel is answered (`room_for`: at most two windows in flight, and under the
+    /// byte budget, which the held body counts in). The new one stores no body over
+    /// `MAX_MESSAGE_BYTES` while anything is in flight (`body_limit`): never two refused bodies.
+    fn check_held_window(&mut self) {
+        let window = match &self.link {
+            Link::Up(l) if matches!(l.subscription, Subscription::Active(_)) => l.window,
+            _ => 0,
+        };
+        let full = window == FIRST_WINDOW && self.window_full() && self.holds.is_empty();
+        if !full || self.received != self.held_window.0 {
+            self.held_window = (self.received, 0);
+            return;
+        }
+        self.held_window.1 += 1;
+        if self.held_window.1 < HELD_TICKS || !self.room_for(window) {
+            return;
+        }
+        self.held_window.1 = 0;
+        info!(
+            pipeline = self.config.stage.pipeline(),
+            stage = self.config.stage.stage().as_str(),
+            inflight = self.inflight,
+            "the window's one delivery stays unsettled; a new subscription takes a window beside it"
+        );
+        self.unsubscribe();
     }
 }
 
