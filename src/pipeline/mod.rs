@@ -19,7 +19,8 @@
 //! - `batcher.rs`: flush rules only (a free sink takes what waits, up to the size; the minimum
 //!   wait; drain).
 //! - `sink.rs`: one insert statement per batch, in-place retry, row isolation; `breaker.rs`.
-//! - `router.rs`: the outcome policy and republishing; `dlq.rs`: the DLQ consumer's stage;
+//! - `router.rs`: the outcome policy (`router/republisher.rs`: the confirmed republishing);
+//!   `dlq.rs`: the DLQ consumer's stage;
 //!   `copies.rs`: the copies whose ack may be lost with the consumer's link, so their
 //!   redeliveries are not routed twice.
 //! - `balance.rs`: how many batch inserts a main stage has in flight (balancing, its bounds).

@@ -1,5 +1,6 @@
 //! The router's rules: where each failure goes, the retry tiers, the requeue backoff.
 
+use super::republisher::retry_tier;
 use super::*;
 
 fn db(class: ErrorClass) -> Failure {
