@@ -267,8 +267,8 @@ async fn with_children(
                     .prepare_cached(&st.insert)
                     .await
                     .map_err(DbError::from_pg)?;
-                let written = match client.query(&prepared, &params).await {
-                    Ok(rows) => rows.len(),
+                let (written, all_new) = match client.query(&prepared, &params).await {
+                    Ok(rows) => (rows.len(), rows.iter().all(|r| r.get::<_, bool>(0))),
                     // Two records of one key under the column's type: through the probe.
                     Err(e)
                         if e.code()
@@ -282,7 +282,11 @@ async fn with_children(
                 // key) and its version won, so every child row of the batch is a winner's.
                 let every = written == records.len();
                 for (n, child) in mapping.children.iter().enumerate() {
-                    arrays::run(client, child.delete_statement(), &[], &key_arrays).await?;
+                    // Every parent row new, and a foreign key to it guarding the table: no
+                    // key holds a child row to replace.
+                    if !(every && all_new && child.guarded(mapping, client).await?) {
+                        arrays::run(client, child.delete_statement(), &[], &key_arrays).await?;
+                    }
                     let (arrays, ords) = children::child_arrays(child, n, all());
                     if every {
                         // The common case: the plain insert of every child row.
