@@ -3,7 +3,8 @@
 //! items an idempotent success, other items `id_conflict`; a newer version with fewer items
 //! deletes the old extra rows, several versions in one batch end as the highest with its
 //! items; a child row the database refuses fails the whole message and only it, in the middle
-//! of a batch; declare names a child table that does not fit.
+//! of a batch; declare names a child table that does not fit; child rows a new key already
+//! holds (no valid foreign key ruling them out) are replaced too.
 
 mod common;
 
@@ -635,4 +636,91 @@ async fn a_running_update_pipeline_replaces_items_with_the_newer_versions() {
         .await,
         0
     );
+}
+
+/// Child rows stored under `id` with no parent row, as another writer may leave them in a table
+/// no valid foreign key guards: (line, sku, qty).
+async fn orphans(env: &TestEnv, id: Uuid, rows: &[(i32, &str, i32)]) {
+    for (line, sku, qty) in rows {
+        env.db
+            .execute(
+                "INSERT INTO order_items (order_id, line, sku, qty) VALUES ($1, $2, $3, $4)",
+                &[&id, line, sku, qty],
+            )
+            .await
+            .expect("an orphan item");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn update_replaces_items_a_new_key_holds_unless_a_valid_foreign_key_rules_them_out() {
+    // A batch whose parent rows are all new skips the children's delete only where a valid
+    // foreign key to the parent's key says no child row can be there; without one, or with one
+    // NOT VALID (rows from before it stay), child rows stored under a new key are still
+    // replaced by the message's.
+    let env = TestEnv::new("ch_orphans").await;
+    tables(&env).await;
+    env.db
+        .batch_execute("ALTER TABLE order_items DROP CONSTRAINT order_items_order_id_fkey")
+        .await
+        .expect("drop the foreign key");
+    let pool = pool(&env).await;
+    let (a, b) = (Uuid::new_v4(), Uuid::new_v4());
+    orphans(&env, a, &[(1, "OLD", 1), (5, "OLD", 5)]).await;
+    let m = update();
+    let done = insert(
+        &m,
+        &pool,
+        &[order(a, 1, &[("A", 1), ("B", 2)]), order(b, 1, &[("C", 3)])],
+    )
+    .await
+    .expect("insert over orphans, no foreign key");
+    assert_eq!(done.rows, 2, "{done:?}");
+    assert_eq!(items(&env, a).await, owned(&[(1, "A", 1), (2, "B", 2)]));
+    assert_eq!(items(&env, b).await, owned(&[(1, "C", 3)]));
+
+    let c = Uuid::new_v4();
+    orphans(&env, c, &[(2, "OLD", 2)]).await;
+    env.db
+        .batch_execute(
+            "ALTER TABLE order_items ADD CONSTRAINT order_items_order_id_fkey \
+             FOREIGN KEY (order_id) REFERENCES orders ON DELETE CASCADE NOT VALID",
+        )
+        .await
+        .expect("a foreign key NOT VALID");
+    let m = update();
+    let done = insert(&m, &pool, &[order(c, 1, &[("D", 4)])])
+        .await
+        .expect("insert over orphans, a foreign key NOT VALID");
+    assert_eq!(done.rows, 1, "{done:?}");
+    assert_eq!(items(&env, c).await, owned(&[(1, "D", 4)]));
+
+    // Validated: new keys' items are inserted without the delete, a newer version's replace.
+    env.db
+        .batch_execute(
+            "DELETE FROM order_items WHERE order_id NOT IN (SELECT order_id FROM orders); \
+                        ALTER TABLE order_items VALIDATE CONSTRAINT order_items_order_id_fkey",
+        )
+        .await
+        .expect("validate the foreign key");
+    let (d, e) = (Uuid::new_v4(), Uuid::new_v4());
+    let m = update();
+    let done = insert(
+        &m,
+        &pool,
+        &[order(d, 1, &[("E", 1), ("F", 2)]), order(e, 1, &[])],
+    )
+    .await
+    .expect("insert new keys, a valid foreign key");
+    assert_eq!(done.rows, 2, "{done:?}");
+    let done = insert(&m, &pool, &[order(d, 2, &[("G", 3)]), order(a, 2, &[])])
+        .await
+        .expect("insert newer versions, a valid foreign key");
+    assert_eq!(done.rows, 2, "{done:?}");
+    assert_eq!(items(&env, d).await, owned(&[(1, "G", 3)]));
+    assert!(
+        items(&env, a).await.is_empty(),
+        "version 2 of a has no items"
+    );
+    assert!(items(&env, e).await.is_empty());
 }

@@ -11,7 +11,10 @@
 //!   of the child table): the same rows, an idempotent success; other rows, `id_conflict`.
 //! - `update`: the parents' upsert, then, for the keys whose row this transaction wrote (a
 //!   winning version), the stored children deleted and the winning record's inserted: two
-//!   statements per child table. An older or equal version changes nothing, children included.
+//!   statements per child table. When the upsert wrote every record (the common case) every
+//!   child row is a winner's: the plain insert; and when every parent row is new and a valid
+//!   foreign key to the parent's key guards the table, no delete. An older or equal version
+//!   changes nothing, children included.
 //!
 //! A database refusal of a child row (a CHECK, a foreign key, a trigger) fails the batch's
 //! transaction: nothing of it stays, and the sink's isolation finds the message at fault.
@@ -58,6 +61,11 @@ pub(super) struct Child {
     /// then refused as the wrong shape.
     reads_object: bool,
     statements: ChildStatements,
+    /// `update`: whether a validated, enabled foreign key from the columns carrying the parent's
+    /// key to that key guards the table (read from the catalog once, when first written). Then
+    /// a key whose parent row a batch inserted new holds no child rows, and the replacement of
+    /// its children needs no delete.
+    guarded: std::sync::Arc<tokio::sync::OnceCell<bool>>,
 }
 
 /// The name of the n-th child table's probe.
@@ -344,6 +352,7 @@ impl Child {
             fields,
             reads_object,
             statements,
+            guarded: Default::default(),
         })
     }
 
@@ -356,6 +365,55 @@ impl Child {
     /// transaction wrote, deleted.
     pub(super) fn delete_statement(&self) -> &str {
         &self.statements.delete
+    }
+
+    /// `update`: whether a foreign key to the parent's key guards this table (see the field),
+    /// asked of the catalog the first time.
+    pub(super) async fn guarded(
+        &self,
+        mapping: &Mapping,
+        client: &tokio_postgres::Client,
+    ) -> Result<bool, DbError> {
+        let names = |side: &str, rel: &str| {
+            format!(
+                "ARRAY(SELECT a.attname::text FROM unnest(c.{side}) WITH ORDINALITY AS k(n, o) \
+                 JOIN pg_attribute a ON a.attrelid = c.{rel} AND a.attnum = k.n ORDER BY k.o)"
+            )
+        };
+        // Its columns carry the parent's key, in the key's order, and reference that key.
+        let (link, key): (Vec<String>, Vec<String>) = mapping
+            .key
+            .iter()
+            .filter_map(|&pk| {
+                let c = self
+                    .columns
+                    .iter()
+                    .find(|c| c.source == Source::Parent(pk))?;
+                Some((c.name.clone(), mapping.columns[pk].name.clone()))
+            })
+            .unzip();
+        let sql = format!(
+            "SELECT EXISTS (SELECT 1 FROM pg_constraint c \
+               WHERE c.conrelid = to_regclass($1)::oid AND c.confrelid = to_regclass($2)::oid \
+                 AND c.contype = 'f' AND c.convalidated AND {} = $3 AND {} = $4 \
+                 AND NOT EXISTS (SELECT 1 FROM pg_trigger t \
+                   WHERE t.tgconstraint = c.oid AND t.tgenabled = 'D'))",
+            names("conkey", "conrelid"),
+            names("confkey", "confrelid"),
+        );
+        self.guarded
+            .get_or_try_init(|| async {
+                let row = client
+                    .query_one(
+                        &sql,
+                        &[&self.table.sql(), &mapping.table.sql(), &link, &key],
+                    )
+                    .await
+                    .map_err(DbError::from_pg)?;
+                Ok(row.get::<_, bool>(0))
+            })
+            .await
+            .copied()
     }
 
     /// `update`: the rows of the records whose parent row this transaction wrote.

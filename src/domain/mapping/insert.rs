@@ -267,8 +267,8 @@ async fn with_children(
                     .prepare_cached(&st.insert)
                     .await
                     .map_err(DbError::from_pg)?;
-                let written = match client.query(&prepared, &params).await {
-                    Ok(rows) => rows.len(),
+                let (written, all_new) = match client.query(&prepared, &params).await {
+                    Ok(rows) => (rows.len(), rows.iter().all(|r| r.get::<_, bool>(0))),
                     // Two records of one key under the column's type: through the probe.
                     Err(e)
                         if e.code()
@@ -278,13 +278,29 @@ async fn with_children(
                     }
                     Err(e) => return Err(DbError::from_pg(e)),
                 };
+                // Every record written: each is its key's only record (DISTINCT ON keeps one a
+                // key) and its version won, so every child row of the batch is a winner's.
+                let every = written == records.len();
                 for (n, child) in mapping.children.iter().enumerate() {
-                    arrays::run(client, child.delete_statement(), &[], &key_arrays).await?;
+                    // Every parent row new, and a foreign key to it guarding the table: no
+                    // key holds a child row to replace.
+                    if !(every && all_new && child.guarded(mapping, client).await?) {
+                        arrays::run(client, child.delete_statement(), &[], &key_arrays).await?;
+                    }
                     let (arrays, ords) = children::child_arrays(child, n, all());
+                    if every {
+                        // The common case: the plain insert of every child row.
+                        arrays::run(client, child.insert_statement(), &arrays, &[]).await?;
+                        continue;
+                    }
                     let mut more: Vec<&(dyn ToSql + Sync)> = vec![&ords];
                     more.extend(key_arrays.iter().copied());
                     more.extend(version);
-                    arrays::run(client, child.insert_won_statement(), &arrays, &more).await?;
+                    // Planned for this batch, never kept prepared: a cached (generic) plan
+                    // guesses 10 rows an array and joins the child rows to the winners in a
+                    // nested loop, rows times records (40 ms of PostgreSQL's CPU for 1,000
+                    // orders of 3,000 items).
+                    arrays::run_once(client, child.insert_won_statement(), &arrays, &more).await?;
                 }
                 Ok(Some(written))
             }

@@ -9,7 +9,8 @@ use crate::db::error::DbError;
 /// The statements of one mapping, built once.
 #[derive(Debug, Clone)]
 pub(super) struct Statements {
-    /// The insert (`keep` or `update`), returning the key of each row it wrote.
+    /// The insert (`keep` or `update`), returning for each row it wrote its key (`keep`), or
+    /// whether it is new (`update`: `xmax` is 0; a row the upsert updated carries its lock).
     pub(super) insert: String,
     /// `keep`: the plain insert tried first, when every row is new
     /// ([`crate::domain::insert_if_all_new`]); `None` for `update`.
@@ -326,7 +327,7 @@ impl Statements {
                  SELECT DISTINCT ON ({keys}) {list} FROM {unnest} WITH ORDINALITY \
                  AS v({list}, {ORD}) \
                  ORDER BY {keys}, {ver} DESC, {ORD} \
-                 {conflict} RETURNING {keys}",
+                 {conflict} RETURNING stored.xmax = 0",
                 ver = names[v],
                 conflict = on_conflict_update(&names, key, v),
             ),
