@@ -46,6 +46,7 @@ pub const LOG_LINES_DROPPED: &str = "warren_log_lines_dropped_total";
 pub const EVENTS_DROPPED: &str = "warren_events_dropped_total";
 pub const PIPELINE_CONCURRENCY: &str = "warren_pipeline_concurrency";
 pub const BALANCE_DECISIONS: &str = "warren_balance_decisions_total";
+pub const OVERSIZE_PERMIT_WAITING: &str = "warren_oversize_permit_waiting";
 
 /// Which of a pipeline's two stages a consumer is: the `stage` label of every per-pipeline
 /// metric. Every pipeline has the same two, whatever its name.
@@ -358,6 +359,11 @@ fn describe() {
          one body over MAX_MESSAGE_BYTES, being parked)."
     );
     describe_gauge!(
+        OVERSIZE_PERMIT_WAITING,
+        "1 while the stage waits for the process's one permit to hold a body over \
+         MAX_MESSAGE_BYTES (another stage holds one): it takes no deliveries meanwhile."
+    );
+    describe_gauge!(
         QUEUE_MESSAGES,
         "Messages ready in the main, retry and DLQ queues (passive declare every few seconds)."
     );
@@ -470,6 +476,12 @@ pub fn inflight_gauge() -> Gauge {
 /// The bytes-in-flight gauge of `stage`, resolved once by its consumer.
 pub fn inflight_bytes_gauge(stage: &StageId) -> Gauge {
     gauge!(INFLIGHT_BYTES, stage.labels(&[]))
+}
+
+/// The gauge of `stage` waiting for the permit to hold a body over `MAX_MESSAGE_BYTES`,
+/// resolved once by its consumer.
+pub fn oversize_waiting_gauge(stage: &StageId) -> Gauge {
+    gauge!(OVERSIZE_PERMIT_WAITING, stage.labels(&[]))
 }
 
 /// `n` deliveries entered (`n > 0`) or left (`n < 0`) the pipeline.
@@ -847,6 +859,7 @@ pub fn preregister_stage(p: &StageId) {
         counter!(CONSUMER_RESTARTS, p.labels(&[("reason", reason)])).absolute(0);
     }
     gauge!(BREAKER_OPEN, p.labels(&[])).set(0.0);
+    gauge!(OVERSIZE_PERMIT_WAITING, p.labels(&[])).set(0.0);
     counter!(ACKS, p.labels(&[])).absolute(0);
 }
 

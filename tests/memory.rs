@@ -431,3 +431,160 @@ async fn oversize_bodies_in_an_open_window_are_given_back_and_parked_one_at_a_ti
     assert_eq!(env.queue_state(&env.dlq_queue).await, (0, 0));
     assert_eq!(env.queue_state(&env.main_queue).await, (0, 0));
 }
+
+/// A body of `size` bytes, JSON-looking, filled with `fill` (so two bodies differ: a pipeline
+/// parks one row per fingerprint).
+fn huge_body(size: usize, fill: u8) -> Vec<u8> {
+    let mut body = b"{\"huge\": \"".to_vec();
+    body.resize(size, fill);
+    body
+}
+
+/// The parked rows whose message id starts with `prefix`: (pipeline, message id, body size).
+async fn parked_sizes(env: &TestEnv, prefix: &str) -> Vec<(String, String, i64)> {
+    env.db
+        .query(
+            "SELECT pipeline, message_id, octet_length(body)::int8 FROM dead_letters \
+             WHERE message_id LIKE $1 ORDER BY message_id",
+            &[&format!("{prefix}%")],
+        )
+        .await
+        .expect("the parked huge bodies")
+        .iter()
+        .map(|r| (r.get(0), r.get(1), r.get(2)))
+        .collect()
+}
+
+/// Issue 38, "memory under a limit", the case left open: each stage (main, DLQ) could hold one
+/// body over MAX_MESSAGE_BYTES at once, so when the DLQ held such a body too (a quorum queue's
+/// delivery limit, `warren move`, a park that failed in the main stage) the process held two:
+/// 367 MiB at worst on RabbitMQ 3.x under a 256 MiB limit. Now one permit per process: a stage
+/// lifts its body limit only while it holds it. A body of 100 MiB at the head of the main
+/// queue and one at the head of the DLQ, 200 users behind each, roles `consumer,dlq`, default
+/// settings: both bodies parked once, whole, every user stored, and the peak under 200 MiB
+/// (one such body measured 142 MiB; two at once are at least R + 200 MiB).
+#[tokio::test(flavor = "multi_thread")]
+async fn a_big_body_at_the_head_of_the_main_queue_and_one_of_the_dlq_are_held_one_at_a_time() {
+    const SIZE: usize = 100 << 20;
+    let env = TestEnv::new("memboth").await;
+    env.declare();
+    env.publish_raw(&huge_body(SIZE, b'm'), labelled("huge-main"))
+        .await;
+    env.publish_to_dlq(&huge_body(SIZE, b'd'), labelled("huge-dlq"))
+        .await;
+    let mut users: HashSet<Uuid> = env.publish_users(200).await.into_iter().collect();
+    for _ in 0..200 {
+        let id = Uuid::new_v4();
+        env.publish_to_dlq(&user_body(id), json_props(id)).await;
+        users.insert(id);
+    }
+    let mut warren = env.start(&["--roles", "consumer,dlq"]);
+    let _logs = LogsOnPanic(vec![warren.log.clone()]);
+    let pid = warren.pid();
+    drain_within(
+        "both huge bodies parked and every user stored",
+        pid,
+        BOUND,
+        Duration::from_secs(240),
+        || async { parked_sizes(&env, "huge-").await.len() >= 2 && env.count_rows().await >= 400 },
+    )
+    .await;
+    assert_rows_exactly(&env, &users, Duration::from_secs(10), &|| warren.logs()).await;
+    let peak = peak_rss(pid);
+    eprintln!(
+        "peak RSS with a 100 MiB body at the head of the main queue and one of the DLQ: {} MiB",
+        peak >> 20
+    );
+    // Both stages gave their body back at the start (a window of one no longer lifts the limit
+    // by itself), and one of them waited for the other's to be parked.
+    let logs = warren.logs();
+    assert!(
+        logs.contains("waiting for the process's one permit"),
+        "no stage waited for the permit: the test did not have both stages want it at once"
+    );
+    warren.terminate_ok(Duration::from_secs(30));
+    // Each parked once, whole, by the stage that refused it.
+    assert_eq!(
+        parked_sizes(&env, "huge-").await,
+        [
+            ("users".to_string(), "huge-dlq".to_string(), SIZE as i64),
+            ("users".to_string(), "huge-main".to_string(), SIZE as i64),
+        ]
+    );
+    assert_eq!(env.queue_state(&env.dlq_queue).await, (0, 0));
+    assert_eq!(env.queue_state(&env.main_queue).await, (0, 0));
+}
+
+/// The same with two pipelines: users and a configured `orders`, a body of 100 MiB at the head
+/// of each main queue, users and orders behind them, role `consumer`: one big body held at a
+/// time in the process, whatever the number of pipelines.
+#[tokio::test(flavor = "multi_thread")]
+async fn big_bodies_at_the_heads_of_two_pipelines_are_held_one_at_a_time() {
+    const SIZE: usize = 100 << 20;
+    let env = TestEnv::new("memtwo").await;
+    env.declare();
+    let names = PipelineNames::of(&env, "orders");
+    let _cleanup = names.cleanup();
+    let file = orders_pipeline(&env, &names, "").await;
+    env.publish_raw(&huge_body(SIZE, b'u'), labelled("huge-users"))
+        .await;
+    env.publish_to(
+        &names.exchange,
+        &names.queue,
+        &huge_body(SIZE, b'o'),
+        labelled("huge-orders"),
+    )
+    .await;
+    let users: HashSet<Uuid> = env.publish_users(200).await.into_iter().collect();
+    let orders: Vec<Uuid> = (0..200).map(|_| Uuid::new_v4()).collect();
+    env.publish_pipelined_to(
+        &names.exchange,
+        &names.queue,
+        orders.iter().map(|id| {
+            (
+                format!(r#"{{"id":"{id}","qty":1}}"#).into_bytes(),
+                labelled(&id.to_string()),
+            )
+        }),
+    )
+    .await;
+    let mut warren = env.start(&["--config", file.at(), "--roles", "consumer"]);
+    let _logs = LogsOnPanic(vec![warren.log.clone()]);
+    let pid = warren.pid();
+    let stored_orders = || async { count_of(&env, "SELECT count(*) FROM orders").await };
+    drain_within(
+        "both huge bodies parked, every user and order stored",
+        pid,
+        BOUND,
+        Duration::from_secs(240),
+        || async {
+            parked_sizes(&env, "huge-").await.len() >= 2
+                && env.count_rows().await >= 200
+                && stored_orders().await >= 200
+        },
+    )
+    .await;
+    assert_rows_exactly(&env, &users, Duration::from_secs(10), &|| warren.logs()).await;
+    let peak = peak_rss(pid);
+    eprintln!(
+        "peak RSS with a 100 MiB body at the head of two pipelines: {} MiB",
+        peak >> 20
+    );
+    assert!(
+        warren
+            .logs()
+            .contains("waiting for the process's one permit"),
+        "no stage waited for the permit: the test did not have both pipelines want it at once"
+    );
+    warren.terminate_ok(Duration::from_secs(30));
+    assert_eq!(stored_orders().await, 200);
+    assert_eq!(
+        parked_sizes(&env, "huge-").await,
+        [
+            ("orders".to_string(), "huge-orders".to_string(), SIZE as i64),
+            ("users".to_string(), "huge-users".to_string(), SIZE as i64),
+        ]
+    );
+    assert_eq!(env.queue_state(&names.queue).await, (0, 0));
+    assert_eq!(env.queue_state(&env.main_queue).await, (0, 0));
+}

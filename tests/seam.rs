@@ -124,6 +124,7 @@ async fn a_second_domain_runs_through_the_same_core() {
     let links = pipeline::Links {
         amqp: settings.amqp(),
         db_bound: settings.database().call_bound(),
+        oversize: Default::default(),
     };
     let running = pipeline::start(&links, spec, domain, pool, Default::default(), None);
 

@@ -385,6 +385,8 @@ impl Pipelines {
         let links = pipeline::Links {
             amqp: base.amqp(),
             db_bound: base.database().call_bound(),
+            // One per process: every stage, of every pipeline, shares it.
+            oversize: pipeline::consumer::OversizePermit::new(),
         };
         let mut pipelines = Self {
             base,

@@ -215,7 +215,8 @@ pub struct Pipeline {
 }
 
 /// What a pipeline's stages connect with, beside the pool they are given: the broker link's
-/// settings and the database's bound on one statement. Nothing else of warren's settings
+/// settings, the database's bound on one statement, and what the process's stages share: the
+/// one permit to hold a body over `MAX_MESSAGE_BYTES`. Nothing else of warren's settings
 /// reaches a pipeline: what it consumes, where its failures go, its batching and limits are its
 /// [`Spec`].
 #[derive(Debug, Clone)]
@@ -226,6 +227,10 @@ pub struct Links {
     /// The client-side bound on one database statement (`DbConfig::call_bound`): the sinks'
     /// inserts and the fallback stages' parking give up on a statement after it.
     pub db_bound: Duration,
+    /// The process's one permit to hold a body over `MAX_MESSAGE_BYTES`, made once by the
+    /// composition root and shared by every stage of every pipeline, those a reload starts
+    /// included: the process holds one such body at a time (`consumer/oversize.rs`).
+    pub oversize: consumer::OversizePermit,
 }
 
 /// Starts the pipeline `spec` of `domain`, wired in flow order from the broker link down.
@@ -375,6 +380,7 @@ pub fn start<D: Domain>(
         rate_limit_per_s: spec.rate_limit_per_s,
         depths,
         copies,
+        oversize: links.oversize.clone(),
     };
     // A batch's worth to one batcher before the next one's turn, each chunk to the next processor.
     let dispatch = Dispatch::new(chunks, created, spec.batchers, spec.batch_size, sink_states);

@@ -94,6 +94,8 @@ impl Consumer {
             }
         }
         self.observe(deliveries.len(), refused);
+        // The first delivery without a body limit restores it; a refused body keeps the permit.
+        self.oversize_delivered(refused);
         self.check_budget();
         if self.throttle.is_open() {
             self.hand_on(deliveries);
@@ -144,6 +146,9 @@ impl Consumer {
             self.stop_counts.given_back += dropped as u64;
         }
         self.inflight_bytes = self.inflight_bytes.saturating_sub(dropped_bytes);
+        if dropped > 0 {
+            self.oversize_settled();
+        }
         if let Some(wait) = wait
             && !self.release_pending
         {
@@ -206,8 +211,8 @@ impl Handler<Settle> for Consumer {
                 "settlement for a closed channel dropped; the broker redelivers those messages"
             );
         }
-        // Everything settled under a window of one: the next body may come whole.
-        self.lift_body_limit();
+        // A body held whole with the process's permit settled: the permit goes.
+        self.oversize_settled();
         // Whatever is still held: a new subscription waits only for room (`room_for`).
         self.maybe_subscribe(ctx);
         self.maybe_finish(ctx);

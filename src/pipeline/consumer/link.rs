@@ -162,6 +162,10 @@ impl Consumer {
         let (held, held_bytes) = self.throttle.clear();
         self.inflight = self.inflight.saturating_sub(held);
         self.inflight_bytes = self.inflight_bytes.saturating_sub(held_bytes);
+        // A permit held for a subscription without a body limit goes; one held for a body
+        // still in flight stays until it settles (`oversize.rs`).
+        self.oversize_link_lost();
+        self.oversize_settled();
         match std::mem::replace(&mut self.link, Link::Down) {
             Link::Up(linked) => {
                 // However it ended (the channel closed, the stream ended, a stuck consumer): the

@@ -19,6 +19,8 @@
 //!   its end, the holds (breaker, operator).
 //! - `window.rs`: the prefetch window and the byte budget (`MAX_INFLIGHT_BYTES`), and the window
 //!   following the concurrency.
+//! - `oversize.rs`: bodies over `MAX_MESSAGE_BYTES`: given back unread, then taken whole and
+//!   alone under the process's one permit ([`OversizePermit`]).
 //! - `deliveries.rs`: deliveries handed on (through the rate limit, `throttle.rs`), settlements
 //!   back, the counts.
 //! - `watchdog.rs`: the once-a-second checks: a closed link, a cancel never answered, a
@@ -27,6 +29,7 @@
 
 mod deliveries;
 mod link;
+mod oversize;
 mod stop;
 mod subscription;
 mod watchdog;
@@ -43,6 +46,7 @@ use crate::pipeline::dispatch::{Dispatch, Feed};
 use crate::pipeline::message::HoldReason;
 use crate::pipeline::throttle::Throttle;
 use link::{Link, Phase};
+pub use oversize::OversizePermit;
 pub use stop::StopCounts;
 
 /// Shutdown, step 1: stop taking deliveries (cancel the subscription). Answers once nothing
@@ -111,6 +115,9 @@ pub struct ConsumerConfig {
     /// again, and republished it would be republished twice); a link's end hands its unproven
     /// copies to the memory of lost ones, and its acker proves the others (`copies.rs`).
     pub copies: Arc<crate::pipeline::copies::Copies>,
+    /// The process's one permit to hold a body over `MAX_MESSAGE_BYTES` (shared by every stage
+    /// of every pipeline): the body limit is lifted only by its holder (`oversize.rs`).
+    pub oversize: OversizePermit,
 }
 
 /// The consumer actor.
@@ -160,11 +167,12 @@ pub struct Consumer {
     since_subscribe: u64,
     /// The window the consumer has earned (a first window of one, `window.rs`).
     earned: window::Earned,
-    /// A delivery announced a body over `MAX_MESSAGE_BYTES` in an open window and was given
-    /// back unread (`Delivery::discarded`, the vendored lapin's body limit): no subscription
-    /// until everything delivered before is settled; the next one takes a window of one with
-    /// the body limit lifted, so the body comes back whole and alone (`window.rs`).
-    given_back_oversize: bool,
+    /// Where the stage is with bodies over `MAX_MESSAGE_BYTES` (`oversize.rs`): given back
+    /// unread (`Delivery::discarded`, the vendored lapin's body limit), waiting for the
+    /// process's permit, or holding it (the limit lifted for one delivery, or a body held whole).
+    oversize: oversize::Oversize,
+    /// `warren_oversize_permit_waiting`, resolved once.
+    oversize_gauge: metrics::Gauge,
     /// The bytes-in-flight gauge, resolved once; the value last published to it.
     inflight_bytes_gauge: (metrics::Gauge, u64),
     /// Held by the breaker and/or an operator: no consumer subscribed while non-empty.
@@ -218,7 +226,8 @@ impl Consumer {
             kept_largest: 0,
             since_subscribe: 0,
             earned: window::Earned::default(),
-            given_back_oversize: false,
+            oversize: oversize::Oversize::Limited,
+            oversize_gauge: crate::metrics::oversize_waiting_gauge(&config.stage),
             inflight_bytes_gauge: (crate::metrics::inflight_bytes_gauge(&config.stage), 0),
             holds: Vec::new(),
             received: 0,

@@ -145,6 +145,8 @@ impl Handler<Close> for Consumer {
         // in flight too) goes back to the queue with the channel.
         self.stop_counts.given_back += self.inflight as u64;
         self.inflight = 0;
+        // The process's permit for a body over MAX_MESSAGE_BYTES, if this stage held it.
+        self.oversize_closed();
         let counts = self.stop_counts;
         let link = std::mem::replace(&mut self.link, Link::Down);
         let stage = self.config.stage.clone();

@@ -77,17 +77,27 @@ impl Consumer {
         if self.phase != Phase::Running || !self.holds.is_empty() {
             return;
         }
-        let window = self.wanted_window();
+        let window = self.next_window();
         if !self.room_for(window) {
             return;
         }
+        // A body given back waits for the process's permit (`oversize.rs`), asked for only
+        // when the stage could subscribe at once: never held while waiting for something else.
+        if !matches!(&self.link, Link::Up(l) if l.subscription == Subscription::None
+            && l.channel.status().connected())
+            || !self.oversize_ready(ctx)
+        {
+            return;
+        }
+        // The permit may just have been taken: a window of one without a body limit.
+        let window = self.next_window();
         let stage = self.config.stage.clone();
         let (prefetch, largest) = (self.config.prefetch, self.largest);
         // What the budget holds of the largest delivery: the budget's cut (else the earned window,
         // whose steps are logged at debug only).
         let budget_cut = window == self.budget_window() && window < prefetch.max(1);
         let max_inflight_bytes = self.config.max_inflight_bytes;
-        let body_limit = self.body_limit(window);
+        let body_limit = self.body_limit();
         let Link::Up(linked) = &mut self.link else {
             return;
         };
@@ -119,7 +129,6 @@ impl Consumer {
         let channel = linked.channel.clone();
         // In place before the consume, so before its first delivery (`window.rs`).
         channel.set_body_limit(body_limit);
-        self.given_back_oversize = false;
         let generation = self.generation;
         let tag = consumer_tag(&stage, &format!("{generation}-{}", self.subscriptions));
         self.subscriptions += 1;
@@ -248,6 +257,7 @@ impl StreamHandler<Event> for Consumer {
                     && matches!(&linked.subscription, Subscription::Cancelling(t, _) if *t == tag)
                 {
                     linked.subscription = Subscription::None;
+                    self.oversize_unsubscribed();
                     if self.phase == Phase::Running {
                         self.maybe_subscribe(ctx);
                     } else {
@@ -331,6 +341,7 @@ impl Handler<Subscribed> for Consumer {
                 // the cancel stays unacked and goes back to the queue when the channel closes.
                 drop(consumer);
                 cancel(&linked.channel, msg.tag);
+                self.oversize_unsubscribed();
             }
             Ok(consumer) => {
                 linked.window = msg.window;
@@ -344,7 +355,8 @@ impl Handler<Subscribed> for Consumer {
                 info!(pipeline = self.config.stage.pipeline(), stage = self.config.stage.stage().as_str(), queue = %self.config.queue,
                     consumer_tag = %msg.tag, generation = msg.generation, window = msg.window,
                     "consuming");
-                self.add_consumer_stream(ctx, consumer, msg.tag);
+                self.add_consumer_stream(ctx, consumer, msg.tag.clone());
+                self.lifted_subscribed(ctx, msg.tag);
                 // A hold that came while subscribing wins at once; a concurrency that changed
                 // while subscribing gets its window.
                 if !self.holds.is_empty() {

@@ -53,7 +53,11 @@ impl Consumer {
         // send nothing, and the next body takes a while to arrive whole. Counted across it, the
         // first tick after the park rebuilt the link while that next body was on its way, and it
         // came again, whole, beside the first (found by tests/memory.rs, the open window case).
-        if self.window_full() {
+        // Likewise a subscription without a body limit, waiting for the body given back: a body
+        // of 100 MiB took over 15 s to arrive on a loaded machine, and rebuilt under it, the link
+        // let the permit go while the AMQP client still held what had come of it (peak 200 MiB
+        // with two pipelines' bodies, tests/memory.rs). `LIFTED_FOR` bounds that wait instead.
+        if self.window_full() || self.oversize.lifted() {
             self.idle.1 = 0;
             return;
         }

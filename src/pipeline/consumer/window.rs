@@ -6,23 +6,27 @@
 //! - **A first window of one.** A consumer begins with a window of one delivery
 //!   ([`FIRST_WINDOW`]); once a delivery with an accepted body (at most `MAX_MESSAGE_BYTES`)
 //!   arrived, the window opens to the prefetch and what the budget holds (cancel, then
-//!   `basic.qos` before `basic.consume`). So a restarted instance receives one body of any size
-//!   before it knows what the head of its queue holds: a queue of huge bodies cannot take it
-//!   over a memory limit at every start (a crash loop). One step, not a doubling per window:
+//!   `basic.qos` before `basic.consume`). So a restarted instance receives one delivery before it
+//!   knows what the head of its queue holds (a body over `MAX_MESSAGE_BYTES` only under the
+//!   next rule): a queue of huge bodies cannot take it over a memory limit at every start (a
+//!   crash loop). One step, not a doubling per window:
 //!   every step is a consume, and a broker slow to answer consumes made a ramp of a dozen a
 //!   livelock (`tests/broker_faults.rs`, a consume answered late).
-//! - **No body over `MAX_MESSAGE_BYTES` in an open window.** The vendored lapin reads a body
-//!   limit at each content header ([`Consumer::body_limit`], set on the channel before each
-//!   consume): `MAX_MESSAGE_BYTES` unless the window is one with nothing in flight. A body
-//!   announced over it is not stored (its frames are dropped) and comes marked
+//! - **No body over `MAX_MESSAGE_BYTES` without the process's permit.** The vendored lapin reads
+//!   a body limit at each content header (`Consumer::body_limit`, set on the channel before
+//!   each consume): `MAX_MESSAGE_BYTES`, in every window, the first window of one included. A
+//!   body announced over it is not stored (its frames are dropped) and comes marked
 //!   (`Delivery::discarded`): it is given back at once (nack, requeue; no retry spent), the
 //!   window cut to one and the subscription cancelled, and the next subscription waits until
-//!   everything delivered before is settled, then takes a window of one with no limit: the body
-//!   comes back whole and alone (review R38-F1: every accepted delivery reopened the window in
-//!   one step, and two 120 MiB bodies behind one came together, an OOM kill per group).
+//!   everything delivered before is settled and the process's one permit to hold such a body is
+//!   the stage's, then takes a window of one with no limit: the body comes back whole and
+//!   alone, and the permit goes once it is parked (`oversize.rs`). So the whole process holds
+//!   one such body at a time, whatever its stages and pipelines (review R38-F1: every accepted
+//!   delivery reopened the window in one step, and two 120 MiB bodies behind one came together,
+//!   an OOM kill per group; issue 38: a main and a DLQ stage each held one, 367 MiB on 3.x).
 //! - **Refused bodies one at a time.** A body over `MAX_MESSAGE_BYTES` (so received whole, in a
-//!   window of one) keeps the window at one delivery, and the next accepted one opens it again:
-//!   refused bodies are held one at a time, whatever the budget.
+//!   window of one, with the permit) keeps the window at one delivery, and the next accepted
+//!   one opens it again: refused bodies are held one at a time, whatever the budget.
 //! - **The budget.** Once what is in flight reaches `MAX_INFLIGHT_BYTES` the consumer cancels
 //!   its subscription, lets what it holds settle back under the budget, and subscribes again with
 //!   a window cut to what the budget holds of the largest accepted delivery it saw (a refused
@@ -39,7 +43,7 @@ use super::link::{Link, Phase, Subscription};
 use super::{Consumer, SetConcurrency};
 
 /// The window of a consumer's first subscription, and the window a refused body cuts to: one
-/// delivery, so at most one body of any size is received before its size is known.
+/// delivery, so at most one body is received before its size is known.
 pub(super) const FIRST_WINDOW: u16 = 1;
 
 /// The window the consumer has earned: how many deliveries the AMQP client may receive at once
@@ -80,69 +84,13 @@ impl Consumer {
     /// more is taken until enough settles). A single held delivery never stops it, unless it
     /// alone fills the byte budget.
     /// After a body over `MAX_MESSAGE_BYTES` was given back unread, nothing may be in flight:
-    /// the next subscription lifts the body limit (`body_limit`).
+    /// the next subscription takes the process's permit and lifts the body limit
+    /// (`oversize.rs`).
     pub(super) fn room_for(&self, window: u16) -> bool {
-        if self.given_back_oversize && self.inflight > 0 {
+        if self.oversize.pending() && self.inflight > 0 {
             return false;
         }
         self.inflight <= usize::from(window) && self.inflight_bytes < self.config.max_inflight_bytes
-    }
-
-    /// The body limit a subscription with `window` takes (the vendored lapin's
-    /// `Channel::set_body_limit`, read at each content header): none (`u64::MAX`) for a window of
-    /// one with nothing in flight, so at most one body of any size is held, and a body over
-    /// `MAX_MESSAGE_BYTES` comes whole, to be parked; else `MAX_MESSAGE_BYTES`: a body over it
-    /// in an open window is not stored, and given back (`give_back_oversize`).
-    pub(super) fn body_limit(&self, window: u16) -> u64 {
-        if window <= FIRST_WINDOW && self.inflight == 0 {
-            u64::MAX
-        } else {
-            self.config.max_message_bytes as u64
-        }
-    }
-
-    /// Deliveries whose bodies were over `MAX_MESSAGE_BYTES` in an open window came unread and
-    /// were given back (nack with requeue, already sent): the window is cut to one, the
-    /// subscription cancelled at once (under a window of one with the limit still in place, the
-    /// broker would send the same body back at once, again and again), and the next one waits
-    /// until everything delivered before is settled, then takes a window of one without a body
-    /// limit: the body comes back whole and alone, and is parked.
-    pub(super) fn give_back_oversize(&mut self, n: usize) {
-        crate::metrics::requeued(&self.config.stage, "oversize_in_window", n as u64);
-        if self.phase != Phase::Running {
-            self.stop_counts.given_back += n as u64;
-            return;
-        }
-        info!(
-            pipeline = self.config.stage.pipeline(),
-            stage = self.config.stage.stage().as_str(),
-            given_back = n,
-            max_message_bytes = self.config.max_message_bytes,
-            "bodies over MAX_MESSAGE_BYTES announced in an open prefetch window: given back to \
-             the queue unread; the window is cut to 1, and once what is in flight settles they \
-             come back one at a time, whole, to be parked"
-        );
-        self.earned.window = FIRST_WINDOW;
-        self.earned.run = 0;
-        self.given_back_oversize = true;
-        if self.consuming() {
-            self.unsubscribe();
-            self.dispatch.flush_all();
-        }
-    }
-
-    /// Under a window of one with nothing in flight, the body limit is lifted on the current
-    /// subscription: the next delivery (a body given back unread, redelivered) comes whole.
-    pub(super) fn lift_body_limit(&mut self) {
-        if self.inflight > 0 || self.phase != Phase::Running {
-            return;
-        }
-        let Link::Up(linked) = &self.link else {
-            return;
-        };
-        if linked.window <= FIRST_WINDOW && matches!(linked.subscription, Subscription::Active(_)) {
-            linked.channel.set_body_limit(u64::MAX);
-        }
     }
 
     /// The window the next subscription takes: the prefetch, cut to what the byte budget holds
@@ -239,14 +187,14 @@ impl Consumer {
     /// the current one's cancel is answered, so the batches need not go before they fill (a
     /// backlog still makes whole batches while the window grows from 1).
     pub(super) fn growing(&self) -> bool {
-        matches!(&self.link, Link::Up(l) if self.wanted_window() > l.window)
+        matches!(&self.link, Link::Up(l) if self.next_window() > l.window)
     }
 
     /// A subscription whose window is not the one wanted (the concurrency changed) is
     /// cancelled, and the next one takes the new window once the cancel is answered (its
     /// stream ended), whatever is still in flight.
     pub(super) fn follow_window(&mut self) {
-        let wanted = self.wanted_window();
+        let wanted = self.next_window();
         if self.phase != Phase::Running
             || !matches!(&self.link, Link::Up(l) if l.window != wanted
                 && matches!(l.subscription, Subscription::Active(_)))
