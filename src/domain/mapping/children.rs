@@ -326,6 +326,7 @@ impl Child {
             n,
             &table,
             &columns,
+            &key,
             &link,
             parent_table,
             parent,
