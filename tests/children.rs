@@ -171,6 +171,68 @@ async fn keep_writes_items_once_a_copy_is_done_other_items_conflict() {
     assert!(!m.stored(&client, &fewer).await.expect("stored"));
 }
 
+/// A copy of a stored order with 20,000 items is compared by the child key (its index), not
+/// every stored item against every item of the copy (quadratic: 20 s for 10,000 items, minutes
+/// for 20,000): under a 10 s statement timeout the copy is a success and a copy with one other
+/// item `id_conflict`, each statement well within it.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_copy_of_an_order_with_20000_items_is_compared_in_linear_time() {
+    const N: usize = 20_000;
+    let env = TestEnv::new("ch_many").await;
+    tables(&env).await;
+    let spec: MappingSpec = toml::from_str(&format!(
+        "table = \"orders\"\nkey = [\"order_id\"]\non_conflict = \"keep\"\n{}",
+        COLUMNS.replace(
+            "key = [\"order_id\", \"line\"]",
+            "key = [\"order_id\", \"line\"]\nmax_rows = 20000"
+        )
+    ))
+    .expect("spec");
+    let m = Mapping::compile("orders", &spec).expect("compiles");
+    let mut db = env.settings().database();
+    db.statement_timeout_ms = 10_000;
+    let pool = warren::db::pool_for(&db, 2, "warren-children-many").expect("pool");
+    let skus: Vec<String> = (0..N).map(|i| format!("S-{i}")).collect();
+    let all: Vec<(&str, i64)> = skus.iter().map(|s| (s.as_str(), 1)).collect();
+    let id = Uuid::new_v4();
+    let done = insert(&m, &pool, &[order(id, 1, &all)])
+        .await
+        .expect("insert");
+    assert_eq!((done.rows, done.conflicts.len()), (1, 0));
+
+    let again = insert(&m, &pool, &[order(id, 1, &all)])
+        .await
+        .expect("the copy is compared within the statement timeout");
+    assert_eq!(again.rows, 0, "{again:?}");
+    assert!(
+        again.conflicts.is_empty() && again.refused.is_empty(),
+        "{again:?}"
+    );
+
+    let mut other = all.clone();
+    other[N - 1].1 = 2;
+    let differs = insert(&m, &pool, &[order(id, 1, &other)])
+        .await
+        .expect("the other copy is compared within the statement timeout");
+    assert_eq!(
+        differs.conflicts,
+        vec![(
+            0,
+            format!("order_id {id} is already stored with other rows of order_items")
+        )]
+    );
+    let stored: i64 = env
+        .db
+        .query_one(
+            "SELECT count(*) FROM order_items WHERE order_id = $1 AND qty = 1",
+            &[&id],
+        )
+        .await
+        .expect("count")
+        .get(0);
+    assert_eq!(stored, N as i64);
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn a_refused_item_fails_its_whole_message_and_nothing_of_it_is_visible() {
     let env = TestEnv::new("ch_refused").await;

@@ -334,6 +334,7 @@ impl Child {
             n,
             &table,
             &columns,
+            &key,
             &link,
             parent_table,
             parent,
