@@ -8,7 +8,9 @@
 //! message ends once in its table. A reload runs beside the control loop: while it drains,
 //! signals, commands, the heartbeat and SIGTERM are taken at once, and reloads asked for
 //! meanwhile run once after it; signals sent while warren starts are applied once it runs; a
-//! refused reload declares nothing; after reloads the record and the metrics say what runs.
+//! refused reload declares nothing; after reloads the record and the metrics say what runs; a
+//! reload switching a table while inserts wait on a lock of the old one stores each message
+//! once (the drain cancels them before its deadline).
 
 mod common;
 
@@ -1235,6 +1237,62 @@ async fn after_reloads_the_record_and_metrics_say_what_runs() {
         instance(&env, pid).await["rate_limit_per_s"] == 0
     })
     .await;
+    let mut warren = warren;
+    warren.terminate_ok(Duration::from_secs(25));
+}
+
+/// A reload that switches a pipeline's table while its batch inserts wait on a lock of the old
+/// table, with a drain bound shorter than the lock (`SHUTDOWN_TIMEOUT_MS=2000`): the inserts
+/// still waiting before the drain's deadline are cancelled, their deliveries go back to the
+/// queue, and the stage started in its place stores each message once, in the new table; when
+/// the lock goes, the old table gets nothing. Before, the old inserts were left waiting and
+/// committed when the lock went: every message in both tables (review R35-F1).
+#[tokio::test(flavor = "multi_thread")]
+async fn a_reload_switching_the_table_behind_a_lock_stores_each_message_once() {
+    let mut env = TestEnv::new("rl_lock").await;
+    env.set("SHUTDOWN_TIMEOUT_MS", "2000");
+    let fx = Fixture::new(&env, &["orders", "orders_new"]).await;
+    let (orders, path, file) = (fx.names(0), fx.path.clone(), fx.file.clone());
+    let warren = env.start(&["--config", &file, "--declare", "--roles", "consumer"]);
+    let _logs = LogsOnPanic(vec![warren.log.clone()]);
+    one_consumer(&orders.queue).await;
+
+    let lock = InsertLock::take_on(&env, "orders").await;
+    let held = new_ids(300);
+    publish(&env, &orders, &held).await;
+    lock.wait_for_a_blocked_insert(&env).await;
+    let blocked = lock.blocked(&env).await;
+    let switched = entry("orders", &orders, 50, 1000)
+        .replace(r#"table = "orders""#, r#"table = "orders_new""#);
+    assert!(switched.contains("orders_new"), "{switched}");
+    std::fs::write(&path, switched).expect("write");
+    let event = reload(&env, &warren, "reloaded", 1).await;
+    assert_eq!(names_of(&event["changed"]), ["orders"], "{event}");
+    let expected: HashSet<Uuid> = held.iter().copied().collect();
+    assert_table(&env, "orders_new", &expected, &warren).await;
+
+    // The lock goes: an old insert still waiting would commit now.
+    lock.release().await;
+    wait_until("the old inserts ended", Duration::from_secs(30), || async {
+        active_backends(&env, &blocked).await == 0
+    })
+    .await;
+    let old: HashSet<Uuid> = ids_in(&env, "orders").await.into_iter().collect();
+    assert!(
+        old.is_empty(),
+        "{} of the {} messages stored in the old table too; log:\n{}",
+        old.intersection(&expected).count(),
+        expected.len(),
+        tail(&warren.logs(), 40)
+    );
+    assert_table(&env, "orders_new", &expected, &warren).await;
+    assert!(
+        warren
+            .logs()
+            .contains("statements still running are cancelled"),
+        "{}",
+        tail(&warren.logs(), 40)
+    );
     let mut warren = warren;
     warren.terminate_ok(Duration::from_secs(25));
 }

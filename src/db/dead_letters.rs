@@ -18,13 +18,14 @@
 //! `DATABASE_SCHEMA` ([`super::DbConfig::pg_config`]).
 
 use std::collections::HashSet;
+use std::sync::Arc;
 use std::time::Duration;
 
 use deadpool_postgres::Pool;
 use serde_json::Value;
 use tokio_postgres::{Client, Transaction};
 
-use super::{DbError, ErrorClass, abandon};
+use super::{DbError, ErrorClass, Statements, abandon};
 
 /// Longest reason stored, in bytes (cut on a character boundary).
 pub const REASON_MAX: usize = 1024;
@@ -209,8 +210,14 @@ fn refused_for_data(e: &DbError) -> bool {
 /// Parks `rows` (one statement; row by row if the database refuses their data). Fails when the
 /// database does not take the rows at all (no connection, a timeout, a lock, a read-only
 /// server), or refuses even a row's bare body and reason: then nothing is lost, the caller
-/// gives the messages back to their queue.
-pub async fn park(pool: &Pool, bound: Duration, rows: &[ParkRow<'_>]) -> Result<Parked, DbError> {
+/// gives the messages back to their queue. Each statement is entered in the stage's
+/// `statements`, so its stop can cancel a park still waiting (on a lock, a slow server).
+pub async fn park(
+    pool: &Pool,
+    bound: Duration,
+    statements: &Arc<Statements>,
+    rows: &[ParkRow<'_>],
+) -> Result<Parked, DbError> {
     // The same message twice in one statement would trip ON CONFLICT: park each once. Each
     // fingerprint is computed once (a body may be 128 MiB).
     let mut seen = HashSet::with_capacity(rows.len());
@@ -219,7 +226,7 @@ pub async fn park(pool: &Pool, bound: Duration, rows: &[ParkRow<'_>]) -> Result<
         .map(|r| (r, fingerprint(r.message_id, r.body, &r.headers)))
         .filter(|(r, f)| seen.insert((r.pipeline, f.clone())))
         .collect();
-    match insert(pool, bound, &unique, Keep::All).await {
+    match insert(pool, bound, statements, &unique, Keep::All).await {
         Ok(()) => {
             return Ok(Parked {
                 rows: rows.len(),
@@ -237,7 +244,7 @@ pub async fn park(pool: &Pool, bound: Duration, rows: &[ParkRow<'_>]) -> Result<
     for row in unique {
         let mut keep = Keep::All;
         loop {
-            match insert(pool, bound, std::slice::from_ref(&row), keep).await {
+            match insert(pool, bound, statements, std::slice::from_ref(&row), keep).await {
                 Ok(()) => break,
                 Err(e) if refused_for_data(&e) && keep != Keep::Bare => {
                     tracing::error!(message_id = row.0.message_id.unwrap_or("-"), error = %e,
@@ -387,10 +394,12 @@ async fn stream_rows(
 async fn insert(
     pool: &Pool,
     bound: Duration,
+    statements: &Arc<Statements>,
     rows: &[(&ParkRow<'_>, Vec<u8>)],
     keep: Keep,
 ) -> Result<(), DbError> {
     let client = pool.get().await.map_err(DbError::from_pool)?;
+    let running = statements.enter(&client)?;
     // Err((error, ended)): `ended` says whether the transaction was rolled back.
     let work = async {
         let result = match client.batch_execute(STAGE).await {
@@ -405,7 +414,9 @@ async fn insert(
             Err(e) => Err((e, client.batch_execute("ROLLBACK").await.is_ok())),
         }
     };
-    match tokio::time::timeout(bound, work).await {
+    let done = tokio::time::timeout(bound, work).await;
+    drop(running);
+    match done {
         Ok(Ok(())) => Ok(()),
         Ok(Err((e, true))) => {
             let result = Err(e);

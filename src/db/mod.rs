@@ -1,14 +1,17 @@
 //! PostgreSQL: the connection pools (the pipeline's and the API's), the embedded migrations, the
 //! error classification that decides between retrying, dead-lettering and stopping, and
-//! (`dead_letters`) the parking table. Its settings are its own ([`DbConfig`], in `config`: the
+//! (`dead_letters`) the parking table; `statements` keeps a stage's statements in flight, to
+//! cancel at its stop. Its settings are its own ([`DbConfig`], in `config`: the
 //! session timeouts and the client-side bound on every statement); it imports nothing of
 //! warren's configuration, broker link or events.
 
 pub mod config;
 pub mod dead_letters;
 pub mod error;
+pub mod statements;
 pub use config::{DbConfig, DbConfigError};
 pub use error::{DbError, ErrorClass, classify_sqlstate};
+pub use statements::{Running, Statements};
 
 use std::time::Duration;
 
@@ -23,11 +26,14 @@ mod embedded {
 const MIGRATION_LOCK: i64 = 0x7761_7272_656e; // "warren"
 
 /// Gives up on `client` after its statement passed the client-side bound (a half-open link, a
-/// server that stopped answering): the connection is taken out of the pool and closed, and the
-/// error to report is a connection error (transient), not a hang.
+/// server that stopped answering): a cancel request is sent for its statement (a server that
+/// is only slow, or waits on a lock, ends it rather than commit it later unseen), the
+/// connection is taken out of the pool and closed, and the error to report is a connection
+/// error (transient), not a hang.
 ///
 /// Use: `match timeout(bound, work(&client)).await { Ok(r) => r, Err(_) => Err(abandon(client, bound)) }`.
 pub fn abandon(client: deadpool_postgres::Object, bound: Duration) -> DbError {
+    statements::cancel(client.cancel_token());
     drop(deadpool_postgres::Object::take(client));
     DbError::Connection(format!(
         "no answer from the database within {} ms; the connection was dropped",

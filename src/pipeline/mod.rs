@@ -206,6 +206,12 @@ pub struct Pipeline {
     publisher: Addr<Publisher>,
     /// Cancelled when shutdown starts: backoffs and in-place retries end.
     stopping: CancellationToken,
+    /// The stage's statements in flight (its sinks' inserts, its parks): cancelled when the
+    /// drain nears its deadline, so each is known ended before its deliveries go elsewhere.
+    statements: Arc<crate::db::Statements>,
+    /// The client-side bound on one statement: the longest a statement the stop cancelled may
+    /// still take to end (a cancel that did not reach the server).
+    db_bound: Duration,
     /// A main stage's batch inserts in flight (balancing, `warren ctl scale --min/--max`);
     /// `None` for a DLQ stage.
     pub concurrency: Option<Arc<balance::Concurrency>>,
@@ -249,6 +255,7 @@ pub fn start<D: Domain>(
 ) -> Pipeline {
     let id = StageId::new(&spec.pipeline, spec.stage);
     let stopping = CancellationToken::new();
+    let statements = crate::db::Statements::new();
 
     // The consumer's address exists before it runs: the last stages settle to it.
     let consumer_ctx: Context<Consumer> = Context::new();
@@ -277,6 +284,7 @@ pub fn start<D: Domain>(
         requeues: AtomicU32::new(0),
         pool: pool.clone(),
         db_bound,
+        statements: statements.clone(),
         parks_as: spec.pipeline.clone(),
         park_over: spec.max_message_bytes,
         copies: copies.clone(),
@@ -303,6 +311,7 @@ pub fn start<D: Domain>(
             stopping.clone(),
         )),
         stopping: stopping.clone(),
+        statements: statements.clone(),
         settle: consumer_addr.clone().recipient(),
         leftovers,
     });
@@ -365,6 +374,8 @@ pub fn start<D: Domain>(
         threads: Mutex::new(Vec::new()),
         publisher,
         stopping,
+        statements,
+        db_bound,
         concurrency,
         copies: copies.clone(),
     };
@@ -467,12 +478,20 @@ impl Pipeline {
     /// 4. ack: the consumer answers once every delivery is settled and its ack was sent;
     /// 5. close: the consumer's channel and connection, the republisher, the processor threads.
     ///
+    /// A statement still running [`cancel_grace`] before the deadline (a batch waiting on a
+    /// lock, a slow server) is cancelled then, and no new one starts: each ends rolled back
+    /// (its messages go back to their queue, no retry spent) or committed (acked), and the
+    /// sinks settle the batch the usual way, the channel still open. Past the deadline, what
+    /// still runs is waited for (at most a statement's bound): once this returns, no statement
+    /// of the stage can commit any more, so a stage started in its place (a reload switching
+    /// the table) never stores again what one of these stores (review R35-F1).
+    ///
     /// Returns whether everything in flight was settled (acked, or given back with a nack:
     /// what was not is redelivered by the broker when the channel closes), and what the stop
     /// did with the deliveries: settled, or given back to the broker unprocessed.
     pub async fn shutdown(&self, timeout: Duration) -> (bool, consumer::StopCounts) {
         self.stopping.cancel();
-        let drained = tokio::time::timeout(timeout, async {
+        let drain = async {
             let _ = self.consumer.send(consumer::Cancel).await;
             let drains = self
                 .drains
@@ -483,9 +502,25 @@ impl Pipeline {
                 d.do_send(Drain);
             }
             let _ = self.consumer.send(consumer::Settled).await;
-        })
-        .await
-        .is_ok();
+        };
+        tokio::pin!(drain);
+        let grace = cancel_grace(timeout);
+        let mut drained = tokio::time::timeout(timeout - grace, &mut drain)
+            .await
+            .is_ok();
+        if !drained {
+            let cancelled = self.statements.cancel_all();
+            if cancelled > 0 {
+                warn!(
+                    pipeline = self.id.pipeline(),
+                    stage = self.id.stage().as_str(),
+                    cancelled,
+                    "the drain nears its deadline: statements still running are cancelled; \
+                     what they did not commit goes back to its queue"
+                );
+            }
+            drained = tokio::time::timeout(grace, &mut drain).await.is_ok();
+        }
         if drained {
             info!(
                 pipeline = self.id.pipeline(),
@@ -499,6 +534,15 @@ impl Pipeline {
                 ?timeout,
                 "shutdown timeout reached; unacked messages will be redelivered"
             );
+            if !self.statements.ended(self.db_bound).await {
+                warn!(
+                    pipeline = self.id.pipeline(),
+                    stage = self.id.stage().as_str(),
+                    running = self.statements.running(),
+                    "statements still running after their bound; the server's statement_timeout \
+                     ends them"
+                );
+            }
         }
         // A consumer that does not answer (it never does but in a broken process) counts
         // nothing: its channel closes with the process, and the broker has every delivery back.
@@ -525,6 +569,13 @@ impl Pipeline {
     }
 }
 
+/// How long before the drain's deadline `timeout` the statements still running are cancelled:
+/// a quarter of it, at most 5 s (a cancel takes milliseconds; the settle that follows it, every
+/// batch's failure, its nacks, took 1.4 s on a loaded test machine).
+pub fn cancel_grace(timeout: Duration) -> Duration {
+    (timeout / 4).min(Duration::from_secs(5))
+}
+
 /// Sleeps `delay` unless `stopping` is cancelled first; returns whether the whole delay passed.
 pub async fn sleep_or_cancel(delay: Duration, stopping: &CancellationToken) -> bool {
     tokio::select! {
@@ -542,5 +593,23 @@ pub fn cancellable_sleep(
         Box::pin(async move {
             sleep_or_cancel(delay, &stopping).await;
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn statements_are_cancelled_a_quarter_of_the_bound_before_it_at_most_5_s() {
+        assert_eq!(cancel_grace(Duration::ZERO), Duration::ZERO);
+        assert_eq!(
+            cancel_grace(Duration::from_millis(2_000)),
+            Duration::from_millis(500)
+        );
+        assert_eq!(
+            cancel_grace(Duration::from_secs(30)),
+            Duration::from_secs(5)
+        );
     }
 }

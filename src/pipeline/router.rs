@@ -99,14 +99,14 @@ pub struct Fallback {
     pub pool: deadpool_postgres::Pool,
     /// Client-side bound on the park statement.
     pub db_bound: Duration,
+    /// The stage's statements in flight: its stop cancels a park running at its deadline.
+    pub statements: Arc<crate::db::Statements>,
     /// The pipeline parked rows are filed under (`dead_letters.pipeline`).
     pub parks_as: String,
-    /// `MAX_MESSAGE_BYTES`: the main stage parks a refused body over it at once, never
-    /// republishes it. The DLQ consumer refuses it too (the same limit), so the DLQ would only
-    /// have been its way to the parking table, at a price: its dead-letter copy's frames (lapin
-    /// copies a body it publishes), then the DLQ consumer's delivery, all at once: a 100 MiB body
-    /// took a 256 MiB container to an OOM kill at every restart (review F3). Parked here, it is
-    /// held once, and streamed to the database a piece at a time (`dead_letters::PIECE`).
+    /// `MAX_MESSAGE_BYTES`: a refused body over it is parked at once, never republished: the
+    /// DLQ consumer would refuse it too, and the way through the DLQ held it thrice at once
+    /// (a 100 MiB body OOM-killed a 256 MiB container at every restart, review F3). Parked
+    /// here it is held once, streamed a piece at a time (`dead_letters::PIECE`).
     pub park_over: usize,
     /// The generation of the consumer's open channel, and the copies whose ack is not proven
     /// handled by the broker (shared with the consumer).
@@ -266,11 +266,9 @@ impl Fallback {
     }
 
     /// At a stop, what the database did not take for a passing reason (an outage, a timeout, a
-    /// serialization failure: `ErrorClass::Transient`) goes back to the broker unprocessed, nack
-    /// with requeue at once: its in-place retry ended only because warren stops, so no retry
-    /// (nor DLQ attempt) is spent on it and it is counted as given back, not settled. Before,
-    /// a stop during a database outage sent every batch in flight through the retry queue, each
-    /// message spending a retry, and said "4001 settled, none given back" (review F4).
+    /// statement the stop cancelled: `ErrorClass::Transient`) goes back to the broker
+    /// unprocessed, nack with requeue at once: no retry (nor DLQ attempt) is spent on it, and
+    /// it is counted as given back (review F4: a stop in an outage spent a retry on each).
     pub fn give_back_at_stop(&self, items: &[(Delivery, Failure)], fates: &mut [Fate]) {
         if !self.stopping.is_cancelled() {
             return;
@@ -392,7 +390,7 @@ impl Fallback {
         if rows.is_empty() {
             return;
         }
-        let result = dead_letters::park(&self.pool, self.db_bound, &rows).await;
+        let result = dead_letters::park(&self.pool, self.db_bound, &self.statements, &rows).await;
         drop(rows);
         let settled = match result {
             Ok(parked) => {

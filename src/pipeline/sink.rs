@@ -41,6 +41,9 @@ pub struct SinkConfig<D: Domain> {
     pub breaker: Arc<Breaker>,
     /// Cancelled at shutdown: in-place retries give up (the messages are requeued).
     pub stopping: CancellationToken,
+    /// The stage's statements in flight: its stop cancels those still running at the drain's
+    /// deadline, and none starts after that.
+    pub statements: Arc<crate::db::Statements>,
     /// The consumer's acks.
     pub settle: Recipient<Settle>,
     /// The fallback stage, for every message not inserted.
@@ -355,7 +358,11 @@ async fn already_stored<D: Domain>(config: &Arc<SinkConfig<D>>, record: &D::Reco
     let Ok(client) = config.pool.get().await else {
         return false;
     };
+    let Ok(running) = config.statements.enter(&client) else {
+        return false;
+    };
     let asked = tokio::time::timeout(config.db_bound, config.domain.stored(&client, record)).await;
+    drop(running);
     match asked {
         Ok(result) => {
             crate::db::release(&config.pool, client, &result);
@@ -413,14 +420,20 @@ async fn insert_retrying<D: Domain>(
                 return Err(e);
             }
         };
+        // Known to the stop, which cancels it if it still runs at the drain's deadline.
+        let running = config.statements.enter(&client)?;
         // A table changed under a prepared statement: prepared again and run at once.
         let insert = crate::db::replanning(&config.pool, || config.domain.insert(&client, records));
         let result = match tokio::time::timeout(config.db_bound, insert).await {
             Ok(result) => {
+                drop(running);
                 crate::db::release(&config.pool, client, &result);
                 result
             }
-            Err(_) => Err(crate::db::abandon(client, config.db_bound)),
+            Err(_) => {
+                drop(running);
+                Err(crate::db::abandon(client, config.db_bound))
+            }
         };
         match &result {
             Ok(_) => crate::events::database(true),

@@ -292,10 +292,37 @@ impl InsertLock {
         .await;
     }
 
+    /// The backends (warren's statements) waiting for the lock now.
+    pub async fn blocked(&self, env: &TestEnv) -> Vec<i32> {
+        env.db
+            .query(
+                "SELECT pid FROM pg_stat_activity WHERE $1 = ANY(pg_blocking_pids(pid))",
+                &[&self.pid],
+            )
+            .await
+            .unwrap_or_else(|e| panic!("pg_blocking_pids: {e:?}"))
+            .iter()
+            .map(|r| r.get(0))
+            .collect()
+    }
+
     /// Lets the inserts through (`ROLLBACK`).
     pub async fn release(self) {
         self.client.batch_execute("ROLLBACK").await.expect("unlock");
     }
+}
+
+/// How many of the backends `pids` run a statement now (`state = 'active'`): once none does,
+/// what they were running committed or rolled back.
+pub async fn active_backends(env: &TestEnv, pids: &[i32]) -> i64 {
+    env.db
+        .query_one(
+            "SELECT count(*) FROM pg_stat_activity WHERE pid = ANY($1) AND state = 'active'",
+            &[&pids],
+        )
+        .await
+        .unwrap_or_else(|e| panic!("pg_stat_activity: {e:?}"))
+        .get(0)
 }
 
 /// A superuser connection, for `pg_terminate_backend` (`WARREN_TEST_PG_SUPERUSER_URL`).
