@@ -211,31 +211,13 @@ impl ReloadReport {
 pub struct Reload {
     /// The settings from the sources the process started with (the file, the environment,
     /// `--set`), with its `--pipelines` selection.
-    /// Called off the async runtime ([`Loaded::read`]): a large file takes a while to read
+    /// Called off the async runtime (`reload::Loaded::read`): a large file takes a while to read
     /// and resolve, and the pipelines, the heartbeat and the broker links run on that runtime.
     pub load: Arc<dyn Fn() -> Result<Settings, ConfigError> + Send + Sync>,
     /// Checks the tables of the settings' pipelines (and, under `--declare`, declares their
     /// exchanges and queues): a [`ReloadError::Prepare`] when they cannot start.
     pub prepare:
         Box<dyn Fn(Settings) -> futures::future::LocalBoxFuture<'static, Result<(), ReloadError>>>,
-}
-
-/// A configuration read again and its pipelines compiled: the slow part of a reload's first
-/// step, done off the async runtime ([`Loaded::read`]).
-pub(super) struct Loaded {
-    next: Settings,
-    wanted: Vec<Declared>,
-}
-
-impl Loaded {
-    /// Reads the configuration with `load` and compiles its pipelines' mappings.
-    pub fn read(
-        load: &(dyn Fn() -> Result<Settings, ConfigError> + Send + Sync),
-    ) -> Result<Self, ReloadError> {
-        let next = load().map_err(|e| ReloadError::Config(e.to_string()))?;
-        let wanted = declared(&next).map_err(|e| ReloadError::Config(e.to_string()))?;
-        Ok(Self { next, wanted })
-    }
 }
 
 /// Why a reload changed nothing. Its text is the `reload_failed` event's reason, the error
@@ -498,8 +480,7 @@ impl Pipelines {
         if self.holds.holds(&d.name) {
             stages.iter().for_each(|p| p.hold(true));
         }
-        // Its own pause as the record shows it: one taken while a reload restarted it (its
-        // stages were in no running set then) shows too (review of issue 35, F7).
+        // Its own pause in the record, also one taken while a reload restarted it (issue 35).
         let own = self.holds.pipelines.contains(&d.name);
         for p in &stages {
             crate::metrics::stage(&p.id)
@@ -623,12 +604,12 @@ impl Pipelines {
         self.records.send_replace(records);
     }
 
-    /// A reload's first step: what the configuration `next` ([`Loaded::read`]) changes, by
+    /// A reload's first step: what the configuration `next` (`Loaded::read`) changes, by
     /// name, and the settings [`Reload::prepare`] checks (and declares) before
     /// anything changes: the pipelines it adds or changes (`None` when it starts none). Refuses
     /// a configuration that runs no pipeline where some run now ([`ReloadError::NoPipeline`]).
-    pub fn plan(&self, next: Loaded) -> Result<Plan, ReloadError> {
-        let Loaded { next, wanted } = next;
+    pub fn plan(&self, next: super::reload::Loaded) -> Result<Plan, ReloadError> {
+        let super::reload::Loaded { next, wanted } = next;
         let running: Vec<&str> = self
             .running
             .iter()
