@@ -207,7 +207,7 @@ pub async fn run(
             (command, signal) = operator.next() => {
                 if command == Command::Reload {
                     // As `warren ctl reload`, for this process.
-                    reloads.ask(signal, None, &mut pipelines, &reload, &report_tx);
+                    reloads.ask(signal, None, &reload);
                     continue;
                 }
                 // As `warren ctl pause` / `resume` without `--pipeline`, for this process.
@@ -219,14 +219,14 @@ pub async fn run(
             }
             Some((wire, command, reply)) = ctl_rx.recv() => {
                 if command == Command::Reload {
-                    info!(command = %command, id = %wire.id, "remote command: reload asked");
-                    reloads.ask("ctl", Some(reply), &mut pipelines, &reload, &report_tx);
+                    info!(command = %command, id = %crate::text::shown(&wire.id), "remote command: reload asked");
+                    reloads.ask("ctl", Some(reply), &reload);
                     continue;
                 }
                 let answer = command_now(command, wire.pipeline.as_deref(), &mut pipelines, &report_tx)
                     .map(|()| None);
                 let drain = command == Command::Drain && answer.is_ok();
-                info!(command = %command, id = %wire.id, ok = answer.is_ok(), "remote command");
+                info!(command = %command, id = %crate::text::shown(&wire.id), ok = answer.is_ok(), "remote command");
                 let _ = reply.send(answer);
                 if drain {
                     break "drain";

@@ -164,7 +164,7 @@ fn a_wrong_type_from_the_environment_names_the_variable_and_the_value_meant() {
         config(&[], &["--config", &path]),
         &[
             &format!("{path}, line 5"),
-            "pipelines.orders.batch_size: expected a whole number, got \"500\"",
+            "pipelines.orders.batch_size: expected an integer from 1 to 10000, got \"500\"",
             "did you mean 500?",
         ],
     );
@@ -353,6 +353,35 @@ fn a_float_for_an_integer_is_shown_as_given() {
     );
     let (_, err) = config(&[], &["--config", &path]);
     assert!(!err.contains("got 5 ") && !err.contains("got 5\n"), "{err}");
+}
+
+/// A pipeline entry's number is refused in the words of the setting of the same name: the
+/// range, the value as written, the integer a whole float means (it was "expected a whole
+/// number, got 5" for `5.0` and "a whole number, got -1" for -1; review of issue 35, F8).
+#[test]
+fn a_pipeline_entrys_number_is_refused_in_the_settings_words() {
+    for (value, got, meant) in [
+        ("-1", "got -1", None),
+        ("5.0", "got 5.0", Some("(did you mean 5?)")),
+        ("1e3", "got 1000.0", Some("(did you mean 1000?)")),
+        ("0", "got 0", None),
+        ("20000", "got 20000", None),
+    ] {
+        let file = ConfigFile::new(&orders(&format!("batch_size = {value}")));
+        let path = file.path().display().to_string();
+        let (code, err) = config(&[], &["--config", &path]);
+        let mut parts = vec![format!(
+            "{path}, line 5: pipelines.orders.batch_size: expected an integer from 1 to 10000, {got}"
+        )];
+        parts.extend(meant.map(String::from));
+        let parts: Vec<&str> = parts.iter().map(String::as_str).collect();
+        assert_refused(
+            &format!("batch_size = {value}"),
+            (code, err.clone()),
+            &parts,
+        );
+        assert!(!err.contains("whole number"), "{value}: {err}");
+    }
 }
 
 /// A bad value in the file is refused even when the environment (or a flag) overrides it, at

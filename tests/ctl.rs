@@ -832,6 +832,46 @@ async fn without_a_secret_commands_work_as_before_and_a_warning_is_logged() {
     still_consumes(&env, 15, 15).await;
 }
 
+/// A command that is not UTF-8 is an unreadable command like any other: logged and dropped,
+/// the Redis link kept (it was taken for Redis being unreachable, the link redone and the
+/// command lost without a word); and a command's id is logged capped, not whole (review of
+/// issue 35, F3 and F4).
+#[tokio::test(flavor = "multi_thread")]
+async fn a_command_not_utf8_is_unreadable_and_a_huge_id_is_logged_capped() {
+    let (env, _cleanup) = env_for("ctl_bytes").await;
+    let warren = env.start(&["--roles", "consumer"]);
+    let _logs = LogsOnPanic(vec![warren.log.clone()]);
+    let pid = warren.pid();
+    wait_running(&env, pid).await;
+    let prefix = env.setting("REDIS_PREFIX").unwrap_or(&env.id).to_string();
+    let key = format!("{prefix}:commands:{}:{pid}", host());
+    let mut bad = br#"{"id":"x5","command":"pa"#.to_vec();
+    bad.push(0xff);
+    bad.extend_from_slice(format!(r#"use","issued_at":{},"by":"a:1"}}"#, now_s()).as_bytes());
+    let _: i64 = redis_query(&env, redis::cmd("RPUSH").arg(&key).arg(bad)).await;
+    let id = "i".repeat(100_000);
+    let pause = json!({"id": id, "command": "pause", "issued_at": now_s(), "by": "t:1"});
+    push_raw(&env, pid, &[&pause.to_string()]).await;
+    wait_record_field(&env, pid, "status", "paused").await;
+    let logs = warren.logs();
+    assert!(
+        logs.lines()
+            .any(|l| l.contains("unreadable remote command ignored") && l.contains("utf-8")),
+        "no unreadable-command line for the bytes that are not UTF-8"
+    );
+    assert!(
+        !logs.contains("Redis unreachable"),
+        "a malformed command dropped the Redis link"
+    );
+    let longest = logs.lines().map(str::len).max().unwrap_or(0);
+    assert!(longest < 4096, "a log line of {longest} bytes");
+    assert!(
+        logs.lines()
+            .any(|l| l.contains("remote command") && l.contains("iiii")),
+        "the pause's line is not logged"
+    );
+}
+
 /// The gauge of `stage`'s batch inserts in flight; the endpoint must answer and the series exist.
 async fn inserts_in_flight(env: &TestEnv, pipeline: &str) -> f64 {
     try_metric(

@@ -1296,3 +1296,151 @@ async fn a_reload_switching_the_table_behind_a_lock_stores_each_message_once() {
     let mut warren = warren;
     warren.terminate_ok(Duration::from_secs(25));
 }
+
+/// A reload of a large file (2,000 pipelines on tables that do not exist) reads and resolves
+/// it off the runtime the pipelines and the heartbeat run on: the record keeps beating while it
+/// runs (the whole instance froze for the length of the load, and the broker dropped every
+/// link; review of issue 35, F5), and its one error line quotes a few of the tables and says
+/// how many more (it was one line of 350 KB).
+#[tokio::test(flavor = "multi_thread")]
+async fn a_reload_of_a_large_file_blocks_no_heartbeat_and_says_one_short_line() {
+    let mut env = TestEnv::new("rl_large").await;
+    env.set("REGISTRY_HEARTBEAT_MS", "300");
+    let fx = Fixture::new(&env, &["orders"]).await;
+    let (orders, path, file) = (fx.names(0), fx.path.clone(), fx.file.clone());
+    let warren = env.start(&["--config", &file, "--declare", "--roles", "consumer"]);
+    let _logs = LogsOnPanic(vec![warren.log.clone()]);
+    let pid = warren.pid();
+    one_consumer(&orders.queue).await;
+    wait_until("registered", Duration::from_secs(20), || async {
+        beat(&env, pid).await.0 == "running"
+    })
+    .await;
+
+    let mut large = entry("orders", &orders, 50, 1000);
+    for i in 0..2000 {
+        large.push_str(&format!(
+            "\n[[pipelines]]\nname = \"large{i}\"\ntable = \"no_such_table_{i}\"\nkey = [\"id\"]\n\n\
+             [pipelines.columns]\nid = {{ path = \"/id\", type = \"uuid\" }}\n"
+        ));
+    }
+    std::fs::write(&path, large).expect("write");
+    warren.signal("HUP");
+    // Until the reload is refused, the record's heartbeat is never more than 3 s old.
+    let started = std::time::Instant::now();
+    let mut oldest = 0;
+    while events_of(&env, "reload_failed").await.is_empty() {
+        assert!(
+            started.elapsed() < Duration::from_secs(300),
+            "no reload_failed within 300 s"
+        );
+        let (_, last) = beat(&env, pid).await;
+        oldest = oldest.max((common::ops::unix_now() as u64).saturating_sub(last));
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    assert!(
+        oldest <= 3,
+        "the heartbeat stopped for {oldest} s during the reload ({:?} in all)",
+        started.elapsed()
+    );
+    let errors: Vec<String> = warren
+        .logs()
+        .lines()
+        .filter(|l| l.contains("reload failed"))
+        .map(String::from)
+        .collect();
+    assert_eq!(errors.len(), 1, "one error line");
+    assert!(
+        errors[0].len() < 4096,
+        "an error line of {} bytes",
+        errors[0].len()
+    );
+    assert!(
+        errors[0].contains("no_such_table_") && errors[0].contains("more"),
+        "{}",
+        errors[0]
+    );
+    // Nothing changed: orders still consumes.
+    let ids = new_ids(10);
+    publish(&env, &orders, &ids).await;
+    assert_table(&env, "orders", &ids.into_iter().collect(), &warren).await;
+}
+
+/// `ctl pause --pipeline P` sent while a reload restarts P is kept for when it starts again,
+/// and the record says so: P's stages show `"paused": true` in `status --json` (they showed
+/// false while P consumed nothing; review of issue 35, F7).
+#[tokio::test(flavor = "multi_thread")]
+async fn a_pause_taken_while_a_reload_restarts_a_pipeline_shows_in_the_record() {
+    let mut env = TestEnv::new("rl_pausewhile").await;
+    env.set("REGISTRY_HEARTBEAT_MS", "300");
+    let fx = Fixture::new(&env, &["orders"]).await;
+    let (orders, path, file) = (fx.names(0), fx.path.clone(), fx.file.clone());
+    let warren = env.start(&["--config", &file, "--declare", "--roles", "consumer"]);
+    let _logs = LogsOnPanic(vec![warren.log.clone()]);
+    one_consumer(&orders.queue).await;
+    wait_running(&env, warren.pid()).await;
+
+    // orders changed (its batch size) while its inserts wait on a lock: its drain waits.
+    let (lock, held) = hold(&env, &orders, "orders", 5).await;
+    std::fs::write(&path, entry("orders", &orders, 40, 1000)).expect("write");
+    warren.signal("HUP");
+    cancelled(&orders, "orders' consumer cancelled: the drain under way").await;
+    let (code, out, err) = env
+        .run_async(&["ctl", "pause", "--all", "--pipeline", "orders"])
+        .await;
+    assert_eq!(code, 0, "{out}{err}");
+    lock.release().await;
+    wait_for_event(&env, &warren, "reloaded", 1).await;
+    assert_table(&env, "orders", &held.into_iter().collect(), &warren).await;
+    wait_until(
+        "status shows orders paused",
+        Duration::from_secs(10),
+        || async {
+            let (_, out, _) = env.run_async(&["status", "--json"]).await;
+            let doc: Value = serde_json::from_str(&out).unwrap_or_default();
+            let stages = &doc["instances"][0]["stages"];
+            stages["orders/main"]["paused"] == true && stages["users/main"]["paused"] == false
+        },
+    )
+    .await;
+    assert!(tags(&orders.queue).await.is_empty(), "orders consumes");
+}
+
+/// A reload whose drain reaches SHUTDOWN_TIMEOUT_MS (refunds removed while its inserts wait on
+/// a lock): once everything is settled, nothing shows in flight (`warren_inflight_messages`
+/// and the record's count stayed at the deliveries given back, for ever; review of issue 35,
+/// F2).
+#[tokio::test(flavor = "multi_thread")]
+async fn a_drain_that_times_out_leaves_nothing_in_flight() {
+    let mut env = TestEnv::new("rl_inflight").await;
+    env.set("REGISTRY_HEARTBEAT_MS", "300")
+        .set("SHUTDOWN_TIMEOUT_MS", "2000");
+    let fx = Fixture::new(&env, &["orders", "refunds"]).await;
+    let (orders, refunds, path, file) =
+        (fx.names(0), fx.names(1), fx.path.clone(), fx.file.clone());
+    std::fs::write(
+        &path,
+        entry("orders", &orders, 50, 1000) + &entry("refunds", &refunds, 50, 1000),
+    )
+    .expect("write");
+    let warren = env.start(&["--config", &file, "--declare", "--roles", "consumer"]);
+    let _logs = LogsOnPanic(vec![warren.log.clone()]);
+    let pid = warren.pid();
+    one_consumer(&refunds.queue).await;
+    wait_running(&env, pid).await;
+
+    let (lock, _held) = hold(&env, &refunds, "refunds", 20).await;
+    std::fs::write(&path, entry("orders", &orders, 50, 1000)).expect("write");
+    let done = reload(&env, &warren, "reloaded", 1).await;
+    assert_eq!(done["drained"], false, "{done}");
+    lock.release().await;
+    wait_until(
+        "nothing in flight (metric and record)",
+        Duration::from_secs(20),
+        || async {
+            try_metric(&env, "warren_inflight_messages", &[]).await == Some(0.0)
+                && instance(&env, pid).await["inflight"].as_u64() == Some(0)
+        },
+    )
+    .await;
+}

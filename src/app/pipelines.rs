@@ -7,7 +7,7 @@
 //! as a pipeline's change is [`same`], in one place; what the process keeps until a restart is
 //! every setting that is not a pipeline's ([`restart_needed`]).
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeSet, HashMap, HashSet};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -211,7 +211,9 @@ impl ReloadReport {
 pub struct Reload {
     /// The settings from the sources the process started with (the file, the environment,
     /// `--set`), with its `--pipelines` selection.
-    pub load: Box<dyn Fn() -> Result<Settings, ConfigError>>,
+    /// Called off the async runtime (`reload::Loaded::read`): a large file takes a while to read
+    /// and resolve, and the pipelines, the heartbeat and the broker links run on that runtime.
+    pub load: Arc<dyn Fn() -> Result<Settings, ConfigError> + Send + Sync>,
     /// Checks the tables of the settings' pipelines (and, under `--declare`, declares their
     /// exchanges and queues): a [`ReloadError::Prepare`] when they cannot start.
     pub prepare:
@@ -238,16 +240,26 @@ pub enum ReloadError {
     NoPipeline { running: String },
 }
 
+/// The most lines of an error a reload's one error line quotes ([`ReloadError::one_line`]).
+pub const SHOWN_LINES: usize = 5;
+
 impl ReloadError {
     /// The same error on one line (a configuration error may quote several): its lines joined
-    /// with ` | `, for the one error line and the event.
+    /// with ` | `, for the one error line and the event; past [`SHOWN_LINES`] of them, how
+    /// many more there are (a file of 3,000 pipelines on missing tables made a line of
+    /// 350 KB).
     pub fn one_line(self) -> Self {
         let join = |text: String| {
-            text.lines()
+            let lines: Vec<&str> = text
+                .lines()
                 .map(str::trim)
                 .filter(|l| !l.is_empty())
-                .collect::<Vec<_>>()
-                .join(" | ")
+                .collect();
+            let mut shown = lines[..lines.len().min(SHOWN_LINES)].join(" | ");
+            if lines.len() > SHOWN_LINES {
+                shown.push_str(&format!(" | and {} more", lines.len() - SHOWN_LINES));
+            }
+            shown
         };
         match self {
             ReloadError::Config(text) => ReloadError::Config(join(text)),
@@ -470,6 +482,13 @@ impl Pipelines {
         if self.holds.holds(&d.name) {
             stages.iter().for_each(|p| p.hold(true));
         }
+        // Its own pause in the record, also one taken while a reload restarted it (issue 35).
+        let own = self.holds.pipelines.contains(&d.name);
+        for p in &stages {
+            crate::metrics::stage(&p.id)
+                .paused
+                .store(own, std::sync::atomic::Ordering::Relaxed);
+        }
         stages
     }
 
@@ -587,12 +606,12 @@ impl Pipelines {
         self.records.send_replace(records);
     }
 
-    /// A reload's first step: what the configuration `next` (already loaded and checked)
-    /// changes, by name, and the settings [`Reload::prepare`] checks (and declares) before
+    /// A reload's first step: what the configuration `next` (`Loaded::read`) changes, by
+    /// name, and the settings [`Reload::prepare`] checks (and declares) before
     /// anything changes: the pipelines it adds or changes (`None` when it starts none). Refuses
     /// a configuration that runs no pipeline where some run now ([`ReloadError::NoPipeline`]).
-    pub fn plan(&self, next: Settings) -> Result<Plan, ReloadError> {
-        let wanted = declared(&next).map_err(|e| ReloadError::Config(e.to_string()))?;
+    pub fn plan(&self, next: super::reload::Loaded) -> Result<Plan, ReloadError> {
+        let super::reload::Loaded { next, wanted } = next;
         let running: Vec<&str> = self
             .running
             .iter()
@@ -604,19 +623,25 @@ impl Pipelines {
             drained: true,
             ..ReloadReport::default()
         };
+        // By name, in sets: a file may declare thousands of pipelines, and this runs on the
+        // control loop's thread.
+        let by_name: HashMap<&str, &Declared> =
+            wanted.iter().map(|d| (d.name.as_str(), d)).collect();
+        let running_names: HashSet<&str> = running.iter().copied().collect();
         for r in &self.running {
-            match wanted.iter().find(|d| d.name == r.declared.name) {
+            match by_name.get(r.declared.name.as_str()) {
                 None => report.removed.push(r.declared.name.clone()),
                 Some(d) if same(&r.declared, d) => report.unchanged.push(d.name.clone()),
                 Some(d) => report.changed.push(d.name.clone()),
             }
         }
         for d in &wanted {
-            if !self.running.iter().any(|r| r.declared.name == d.name) {
+            if !running_names.contains(d.name.as_str()) {
                 report.added.push(d.name.clone());
             }
         }
-        let starting = |name: &String| report.added.contains(name) || report.changed.contains(name);
+        let starts: HashSet<&String> = report.added.iter().chain(&report.changed).collect();
+        let starting = |name: &String| starts.contains(name);
         // What starts is checked against its tables first, as at start.
         let mut checked = next.clone();
         let names: Vec<String> = checked

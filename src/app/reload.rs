@@ -1,5 +1,7 @@
 //! A reload as the control loop runs it ([`Reloads`]): beside the loop, never in its way. Its
-//! steps are [`Pipelines::plan`] (read the file, compare), `Reload::prepare` (check the tables,
+//! steps are [`Loaded::read`] (read the file and resolve it, on a blocking thread: a file of
+//! thousands of pipelines takes a while, and the runtime runs the pipelines, the heartbeat and
+//! the broker links), [`Pipelines::plan`] (compare), `Reload::prepare` (check the tables,
 //! then declare what starts), [`Pipelines::begin`] (what goes or changes leaves the running set
 //! and drains) and [`Pipelines::finish`] (what is added or changed starts); the loop awaits the
 //! slow ones ([`Reloads::step`]) beside signals, commands and the shutdown. One reload runs at a
@@ -10,7 +12,8 @@ use tokio::sync::{oneshot, watch};
 use tracing::{info, warn};
 
 use super::control::{Answer, ControlError};
-use super::pipelines::{Draining, Pipelines, Plan, Reload, ReloadError, ReloadReport};
+use super::pipelines::{Declared, Draining, Pipelines, Plan, Reload, ReloadError, ReloadReport};
+use crate::config::{ConfigError, Settings};
 use crate::events::{self, Kind};
 use crate::pipeline::consumer::StopCounts;
 use crate::registry::Report;
@@ -31,8 +34,29 @@ impl Asked {
     }
 }
 
+/// A configuration read again and its pipelines compiled: the slow part of a reload's first
+/// step, done off the async runtime ([`Loaded::read`]).
+pub(super) struct Loaded {
+    pub next: Settings,
+    pub wanted: Vec<Declared>,
+}
+
+impl Loaded {
+    /// Reads the configuration with `load` and compiles its pipelines' mappings.
+    pub fn read(
+        load: &(dyn Fn() -> Result<Settings, ConfigError> + Send + Sync),
+    ) -> Result<Self, ReloadError> {
+        let next = load().map_err(|e| ReloadError::Config(e.to_string()))?;
+        let wanted =
+            super::pipelines::declared(&next).map_err(|e| ReloadError::Config(e.to_string()))?;
+        Ok(Self { next, wanted })
+    }
+}
+
 /// The slow part of the reload under way.
 enum Work {
+    /// [`Loaded::read`], on a blocking thread.
+    Loading(tokio::task::JoinHandle<Result<Box<Loaded>, ReloadError>>),
     /// `Reload::prepare`: the tables checked, then (`--declare`) what starts declared.
     Preparing(futures::future::LocalBoxFuture<'static, Result<(), ReloadError>>),
     /// The drain of what it stops ([`Pipelines::begin`]).
@@ -42,12 +66,14 @@ enum Work {
 /// The reload under way.
 struct Current {
     asked: Asked,
-    plan: Plan,
+    /// `None` while the configuration is read ([`Work::Loading`]).
+    plan: Option<Plan>,
     work: Work,
 }
 
 /// What the slow part of the reload under way came to ([`Reloads::step`]).
 pub(super) enum Step {
+    Loaded(Result<Box<Loaded>, ReloadError>),
     Prepared(Result<(), ReloadError>),
     Drained((bool, StopCounts)),
 }
@@ -70,6 +96,11 @@ impl Reloads {
     /// the work stays in `self` when the loop takes another branch.
     pub async fn step(&mut self) -> Step {
         match self.current.as_mut().map(|c| &mut c.work) {
+            Some(Work::Loading(work)) => Step::Loaded(work.await.unwrap_or_else(|e| {
+                Err(ReloadError::Config(format!(
+                    "reading the configuration failed: {e}"
+                )))
+            })),
             Some(Work::Preparing(work)) => Step::Prepared(work.await),
             Some(Work::Draining(work)) => Step::Drained(work.await),
             None => std::future::pending().await,
@@ -82,9 +113,7 @@ impl Reloads {
         &mut self,
         by: &'static str,
         waiter: Option<oneshot::Sender<Answer>>,
-        pipelines: &mut Pipelines,
         reload: &Reload,
-        report: &watch::Sender<Report>,
     ) {
         let mut asked = match (self.current.is_some(), self.queued.take()) {
             (true, Some(queued)) => queued,
@@ -101,46 +130,55 @@ impl Reloads {
             );
             self.queued = Some(asked);
         } else {
-            self.start(asked, pipelines, reload, report);
+            self.start(asked, reload);
         }
     }
 
-    /// Reads the configuration again and plans it; starts its checks (or, when it starts
-    /// nothing, the drain of what it stops). One that fails here is answered at once.
-    fn start(
+    /// Starts reading the configuration again, on a blocking thread ([`Loaded::read`]).
+    fn start(&mut self, asked: Asked, reload: &Reload) {
+        let load = reload.load.clone();
+        let work = Work::Loading(tokio::task::spawn_blocking(move || {
+            Loaded::read(&*load).map(Box::new)
+        }));
+        self.current = Some(Current {
+            asked,
+            plan: None,
+            work,
+        });
+    }
+
+    /// The configuration read again (`loaded`): plans it and starts its checks (or, when it
+    /// starts nothing, the drain of what it stops). One that fails here is answered at once.
+    fn planned(
         &mut self,
         asked: Asked,
+        loaded: Result<Box<Loaded>, ReloadError>,
         pipelines: &mut Pipelines,
         reload: &Reload,
-        report: &watch::Sender<Report>,
     ) {
-        let plan = (reload.load)()
-            .map_err(|e| ReloadError::Config(e.to_string()))
-            .and_then(|next| pipelines.plan(next));
-        let plan = match plan {
+        let plan = match loaded.and_then(|next| pipelines.plan(*next)) {
             Ok(plan) => plan,
             Err(error) => {
                 let answer = failed(asked.by, error);
                 asked.answer(&answer);
-                return self.start_queued(pipelines, reload, report);
+                return self.start_queued(reload);
             }
         };
         let work = match plan.checked.clone() {
             Some(checked) => Work::Preparing((reload.prepare)(checked)),
             None => Work::Draining(pipelines.begin(&plan)),
         };
-        self.current = Some(Current { asked, plan, work });
+        self.current = Some(Current {
+            asked,
+            plan: Some(plan),
+            work,
+        });
     }
 
     /// The reload asked for while the last one ran, if any.
-    fn start_queued(
-        &mut self,
-        pipelines: &mut Pipelines,
-        reload: &Reload,
-        report: &watch::Sender<Report>,
-    ) {
+    fn start_queued(&mut self, reload: &Reload) {
         if let Some(asked) = self.queued.take() {
-            self.start(asked, pipelines, reload, report);
+            self.start(asked, reload);
         }
     }
 
@@ -156,24 +194,34 @@ impl Reloads {
         let Some(current) = self.current.take() else {
             return;
         };
-        match step {
-            Step::Prepared(Ok(())) => {
-                let work = Work::Draining(pipelines.begin(&current.plan));
-                self.current = Some(Current { work, ..current });
+        let Current { asked, plan, .. } = current;
+        match (step, plan) {
+            (Step::Loaded(loaded), _) => {
+                return self.planned(asked, loaded, pipelines, reload);
+            }
+            (Step::Prepared(Ok(())), Some(plan)) => {
+                let work = Work::Draining(pipelines.begin(&plan));
+                self.current = Some(Current {
+                    asked,
+                    plan: Some(plan),
+                    work,
+                });
                 return;
             }
-            Step::Prepared(Err(error)) => {
-                let answer = failed(current.asked.by, error);
-                current.asked.answer(&answer);
+            (Step::Prepared(Err(error)), _) => {
+                let answer = failed(asked.by, error);
+                asked.answer(&answer);
             }
-            Step::Drained((drained, _)) => {
-                let done = pipelines.finish(current.plan, drained);
+            (Step::Drained((drained, _)), Some(plan)) => {
+                let done = pipelines.finish(plan, drained);
                 pipelines.report_runs(report);
-                let answer = reloaded(current.asked.by, &done);
-                current.asked.answer(&answer);
+                let answer = reloaded(asked.by, &done);
+                asked.answer(&answer);
             }
+            // A step past the loading always has its plan.
+            (Step::Prepared(Ok(())) | Step::Drained(_), None) => {}
         }
-        self.start_queued(pipelines, reload, report);
+        self.start_queued(reload);
     }
 
     /// The shutdown began: the reload under way ends here (what it would start does not
@@ -188,7 +236,7 @@ impl Reloads {
         let by = current.asked.by;
         current.asked.answer(&stopping);
         match current.work {
-            Work::Preparing(_) => {
+            Work::Loading(_) | Work::Preparing(_) => {
                 warn!(
                     by,
                     "reload interrupted by the shutdown before it changed anything"
@@ -196,8 +244,9 @@ impl Reloads {
                 None
             }
             Work::Draining(drain) => {
-                warn!(by, removed = %current.plan.report.removed.join(","),
-                    changed = %current.plan.report.changed.join(","),
+                let report = current.plan.map(|p| p.report).unwrap_or_default();
+                warn!(by, removed = %report.removed.join(","),
+                    changed = %report.changed.join(","),
                     "reload interrupted by the shutdown: what it stops drains with the rest, what it would start does not start");
                 Some(drain)
             }

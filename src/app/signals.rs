@@ -4,8 +4,9 @@
 //! control loop in the order they arrived ([`OperatorSignals::next`]).
 //!
 //! Each kind is kept once: several `SIGUSR1` before the loop takes one are one pause. Kinds are
-//! ordered by their last arrival, so `SIGUSR1` then `SIGCONT` ends running, and `SIGCONT` then
-//! `SIGUSR1` paused, however close together they came.
+//! ordered by their last arrival as the handlers saw it. Two sent back to back may both be
+//! pending in the kernel, which runs their handlers in an order of its own: their order is
+//! kept only when the first was caught before the second was sent (docs/operations.md).
 
 use std::sync::Once;
 use std::sync::atomic::{AtomicU64, Ordering};

@@ -155,8 +155,15 @@ pub async fn execute(
         info!("topology declared and migrations applied");
     }
     let selection = args.pipelines.clone();
+    // A refusal of the database or the broker names the file the pipelines came from (the
+    // pipeline and the table or queue are in its words).
+    let from = sources
+        .file
+        .as_ref()
+        .map(|f| format!("{}: ", f.display()))
+        .unwrap_or_default();
     let reload = crate::app::Reload {
-        load: Box::new(move || {
+        load: std::sync::Arc::new(move || {
             let settings = Settings::load(&sources)?;
             match &selection {
                 Some(list) => select_pipelines(settings, list),
@@ -164,6 +171,7 @@ pub async fn execute(
             }
         }),
         prepare: Box::new(move |settings: Settings| {
+            let from = from.clone();
             Box::pin(async move {
                 // Everything is checked before anything is declared: a reload refused for a
                 // table declares nothing on the broker.
@@ -182,9 +190,9 @@ pub async fn execute(
                         crate::cli::declare::check_declared(&settings, &topology).await
                     }
                 };
-                prepared
-                    .await
-                    .map_err(|e: anyhow::Error| crate::app::ReloadError::Prepare(format!("{e:#}")))
+                prepared.await.map_err(|e: anyhow::Error| {
+                    crate::app::ReloadError::Prepare(format!("{from}{e:#}"))
+                })
             })
         }),
     };

@@ -16,6 +16,10 @@ use super::{ConfigError, Origin, RULES, Sources, env_name_of};
 pub(super) struct FileText {
     pub path: PathBuf,
     pub text: String,
+    /// Each top-level key and its byte offset, found once: a load asks where each setting is
+    /// given, and parsing the whole file for each of them made a file of thousands of
+    /// pipelines take seconds to load (review of issue 35, F5).
+    top: Vec<(String, usize)>,
 }
 
 /// A TOML syntax error as its position and the parser's message, without the source line the
@@ -99,10 +103,25 @@ impl FileText {
         let text = read_regular(path).map_err(|e| file_error(e.to_string()))?;
         text.parse::<toml::Table>()
             .map_err(|e| file_error(syntax_error(&text, &e)))?;
-        Ok(Self {
-            path: path.to_path_buf(),
-            text,
-        })
+        Ok(Self::new(path.to_path_buf(), text))
+    }
+
+    /// The file `path` holding `text` (valid TOML, or no key is found in it).
+    pub(super) fn new(path: PathBuf, text: String) -> Self {
+        let top = DeTable::parse(&text)
+            .map(|root| {
+                root.get_ref()
+                    .iter()
+                    .map(|(k, _)| {
+                        (
+                            AsRef::<str>::as_ref(k.get_ref()).to_string(),
+                            k.span().start,
+                        )
+                    })
+                    .collect()
+            })
+            .unwrap_or_default();
+        Self { path, text, top }
     }
 
     /// Refuses a top-level key that is no setting, naming the file, the line and the closest
@@ -135,6 +154,9 @@ impl FileText {
 
     /// The byte offset of the key at `path`, or of the deepest part of it the file has.
     pub(super) fn offset_of(&self, path: &[String]) -> Option<usize> {
+        if let [key] = path {
+            return self.top.iter().find(|(k, _)| k == key).map(|(_, at)| *at);
+        }
         let root = DeTable::parse(&self.text).ok()?;
         let mut table: Option<&DeTable> = Some(root.get_ref());
         let mut list: Option<&[Spanned<DeValue>]> = None;
@@ -510,10 +532,7 @@ mod tests {
     use super::*;
 
     fn file(text: &str) -> FileText {
-        FileText {
-            path: PathBuf::from("w.toml"),
-            text: text.into(),
-        }
+        FileText::new(PathBuf::from("w.toml"), text.into())
     }
 
     fn line(at: Origin) -> Option<usize> {

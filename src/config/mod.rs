@@ -294,7 +294,8 @@ pub use crate::amqp::hand_back_after;
 /// setting's rule, as if it were the effective one: the error names the file's line and says
 /// what overrides it.
 fn check_overridden(sources: &Sources, file: &FileText) -> Result<(), ConfigError> {
-    let alone = Figment::from(Toml::string(&file.text));
+    // The file alone, merged once (and only when a value of it is overridden).
+    let mut alone: Option<Option<Value>> = None;
     for (key, rule) in RULES {
         let path = [key.to_string()];
         if file.offset_of(&path).is_none() {
@@ -304,7 +305,9 @@ fn check_overridden(sources: &Sources, file: &FileText) -> Result<(), ConfigErro
             Origin::File { .. } | Origin::Default => continue,
             over => over,
         };
-        let Ok(value) = alone.find_value(key) else {
+        let alone = alone
+            .get_or_insert_with(|| Figment::from(Toml::string(&file.text)).find_value("").ok());
+        let Some(value) = alone.as_ref().and_then(|all| all.find_ref(key)).cloned() else {
             continue;
         };
         if let Err(e) = check(key, rule, &value) {
@@ -327,6 +330,48 @@ fn check_overridden(sources: &Sources, file: &FileText) -> Result<(), ConfigErro
                 at: file.at(&path),
                 error: Box::new(e),
                 closest: suggest(key, rule, &value),
+            });
+        }
+    }
+    Ok(())
+}
+
+/// Each `[[pipelines]]` entry's numbers ([`pipelines::NUMBERS`]) by the rule of the setting
+/// of the same name, before the typed parse: the same words as the setting's error (the
+/// range, the value as written, the integer a whole float means), at the entry's file and line.
+fn check_entry_numbers(merged: &Value, file: Option<&FileText>) -> Result<(), ConfigError> {
+    let Some(Value::Array(_, entries)) = merged.find_ref("pipelines") else {
+        return Ok(());
+    };
+    for (index, entry) in entries.iter().enumerate() {
+        let Value::Dict(_, fields) = entry else {
+            continue;
+        };
+        for key in pipelines::NUMBERS {
+            let (Some(value), Some((_, rule))) =
+                (fields.get(*key), RULES.iter().find(|(k, _)| k == key))
+            else {
+                continue;
+            };
+            let Err(ConfigError::Invalid { expected, got, .. }) = check(key, rule, value) else {
+                continue;
+            };
+            let name = match fields.get("name") {
+                Some(Value::String(_, n)) => format!("pipelines.{n}"),
+                _ => format!("pipelines[{index}]"),
+            };
+            let error = ConfigError::Invalid {
+                setting: format!("{name}.{key}"),
+                expected,
+                got,
+            };
+            return Err(match file {
+                Some(file) => ConfigError::At {
+                    at: file.at(&["pipelines".into(), index.to_string(), key.to_string()]),
+                    error: Box::new(error),
+                    closest: suggest(key, rule, value),
+                },
+                None => error,
             });
         }
     }
@@ -388,9 +433,16 @@ impl Settings {
         }
         figment = figment.merge(Serialized::defaults(overrides));
 
+        // Merged once: figment merges (and clones) every layer, the file's pipelines included,
+        // at each look-up, which made a file of thousands of pipelines take seconds to load.
+        let merged = figment
+            .find_value("")
+            .map_err(|e| diagnose::from_figment(e, file.as_ref()))?;
         for (key, rule) in RULES {
-            let value = figment
-                .find_value(key)
+            let value = merged
+                .find_ref(key)
+                .cloned()
+                .ok_or_else(|| figment::error::Kind::MissingField(key.to_string().into()).into())
                 .map_err(|e| diagnose::from_figment(e, file.as_ref()))?;
             check(key, rule, &value).map_err(|e| {
                 diagnose::place(e, sources, file.as_ref(), suggest(key, rule, &value))
@@ -402,6 +454,7 @@ impl Settings {
         if let Some(file) = &file {
             check_overridden(sources, file)?;
         }
+        check_entry_numbers(&merged, file.as_ref())?;
         let mut settings: Settings = figment
             .extract()
             .map_err(|e| diagnose::from_figment(e, file.as_ref()))?;
@@ -484,9 +537,11 @@ impl Settings {
     /// Keeps only the pipelines named in `wanted` (`warren run --pipelines`): the resolved
     /// specs and the file's entries.
     pub fn select_pipelines(&mut self, wanted: &[&str]) {
-        self.pipelines.retain(|p| wanted.contains(&p.name.as_str()));
-        self.resolved.retain(|p| wanted.contains(&p.name.as_str()));
-        self.without_users = !wanted.contains(&"users");
+        // A set: a reload selects every pipeline it starts, thousands in a large file.
+        let wanted: std::collections::HashSet<&str> = wanted.iter().copied().collect();
+        self.pipelines.retain(|p| wanted.contains(p.name.as_str()));
+        self.resolved.retain(|p| wanted.contains(p.name.as_str()));
+        self.without_users = !wanted.contains("users");
     }
 
     /// The retry tiers of the built-in users pipeline in order, at least one. Without

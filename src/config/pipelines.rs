@@ -112,6 +112,28 @@ pub struct PipelineConfig {
     pub delete: Option<DeleteSpec>,
 }
 
+/// The entry's keys that are numbers checked by the rule of the setting of the same name (its
+/// range), before the typed parse: a value out of it, negative or a float is refused in the
+/// words a setting's is (`expected an integer from 1 to 10000, got 5.0`, `5` offered).
+pub const NUMBERS: &[&str] = &[
+    "batch_size",
+    "batch_timeout_ms",
+    "batch_min_wait_ms",
+    "batch_concurrency",
+    "proc_concurrency",
+    "prefetch",
+    "min_concurrency",
+    "max_concurrency",
+    "balance_cooldown_ms",
+    "balance_max_shift",
+    "scale_threshold",
+    "scale_up_threshold",
+    "scale_down_threshold",
+    "max_retries",
+    "dlq_max_attempts",
+    "rate_limit_per_s",
+];
+
 /// Who gives a `POST` of the pipeline's API its key.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]

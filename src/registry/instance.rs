@@ -356,12 +356,22 @@ impl Registry {
     /// here). One that is not a command at all is logged and dropped.
     pub async fn next_command(&mut self) -> Option<(CtlCommand, Result<Command, Rejected>)> {
         let key = self.keys.commands(&self.instance.host, self.instance.pid);
-        let raw: Option<String> = self
+        // Bytes: a command that is not UTF-8 is a malformed command like any other, not a
+        // failure of the link (read as a string, the client's conversion error was taken for
+        // Redis being unreachable and the link redone; review of issue 35, F3).
+        let raw: Option<Vec<u8>> = self
             .redis
-            .query::<Option<String>>(redis::cmd("LPOP").arg(&key))
+            .query::<Option<Vec<u8>>>(redis::cmd("LPOP").arg(&key))
             .await
             .flatten();
-        let raw = raw?;
+        let raw = match String::from_utf8(raw?) {
+            Ok(raw) => raw,
+            Err(e) => {
+                let raw = String::from_utf8_lossy(e.as_bytes());
+                warn!(error = %e.utf8_error(), command = %crate::text::shown(&raw), "unreadable remote command ignored");
+                return None;
+            }
+        };
         match serde_json::from_str::<CtlCommand>(&raw) {
             Ok(c) => {
                 let verdict = self
@@ -370,7 +380,8 @@ impl Registry {
                     .map_err(Rejected::from)
                     .and_then(|()| Command::read(&c).map_err(Rejected::from));
                 if let Err(error) = &verdict {
-                    warn!(id = %c.id, command = %c.command, by = %c.by, %error, "remote command refused");
+                    warn!(id = %crate::text::shown(&c.id), command = %crate::text::shown(&c.command),
+                        by = %crate::text::shown(&c.by), %error, "remote command refused");
                 }
                 Some((c, verdict))
             }

@@ -254,6 +254,13 @@ impl Actor for Consumer {
     }
 
     fn stopped(&mut self, _: &mut Self::Context) {
+        // A stopped consumer holds nothing: what it had not settled (a drain that reached
+        // SHUTDOWN_TIMEOUT_MS) went back to the broker with its channel, and a settle of it
+        // reaches no one now. The in-flight gauge and the record drop it (they kept it for the
+        // rest of the process's life; review of issue 35, F2).
+        self.inflight = 0;
+        self.inflight_bytes = 0;
+        self.publish_counts();
         tracing::info!(
             pipeline = self.config.stage.pipeline(),
             stage = self.config.stage.stage().as_str(),
