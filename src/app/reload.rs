@@ -12,8 +12,7 @@ use tokio::sync::{oneshot, watch};
 use tracing::{info, warn};
 
 use super::control::{Answer, ControlError};
-use super::pipelines::{Declared, Draining, Pipelines, Plan, Reload, ReloadError, ReloadReport};
-use crate::config::{ConfigError, Settings};
+use super::pipelines::{Draining, Loaded, Pipelines, Plan, Reload, ReloadError, ReloadReport};
 use crate::events::{self, Kind};
 use crate::pipeline::consumer::StopCounts;
 use crate::registry::Report;
@@ -31,25 +30,6 @@ impl Asked {
         for waiter in self.waiters {
             let _ = waiter.send(answer.clone());
         }
-    }
-}
-
-/// A configuration read again and its pipelines compiled: the slow part of a reload's first
-/// step, done off the async runtime ([`Loaded::read`]).
-pub(super) struct Loaded {
-    pub next: Settings,
-    pub wanted: Vec<Declared>,
-}
-
-impl Loaded {
-    /// Reads the configuration with `load` and compiles its pipelines' mappings.
-    pub fn read(
-        load: &(dyn Fn() -> Result<Settings, ConfigError> + Send + Sync),
-    ) -> Result<Self, ReloadError> {
-        let next = load().map_err(|e| ReloadError::Config(e.to_string()))?;
-        let wanted =
-            super::pipelines::declared(&next).map_err(|e| ReloadError::Config(e.to_string()))?;
-        Ok(Self { next, wanted })
     }
 }
 

@@ -1,0 +1,193 @@
+//! Unit tests of `app/pipelines.rs`: the plan of a reload, holds and pauses.
+
+use super::*;
+
+fn with(file: &str) -> Settings {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("w.toml");
+    std::fs::write(&path, file).unwrap();
+    let sources = crate::config::Sources {
+        use_env: false,
+        ..crate::config::Sources::new(Some(path))
+    };
+    Settings::load(&sources).unwrap()
+}
+
+const ORDERS: &str = r#"
+[[pipelines]]
+name = "orders"
+table = "orders"
+key = ["id"]
+batch_size = 50
+[pipelines.columns]
+id = { path = "/id", type = "uuid" }
+"#;
+
+fn find<'a>(all: &'a [Declared], name: &str) -> &'a Declared {
+    all.iter().find(|d| d.name == name).unwrap()
+}
+
+#[test]
+fn every_pipeline_setting_is_a_setting() {
+    let names: Vec<&str> = crate::config::setting_names().map(|(k, _)| k).collect();
+    for key in PIPELINE_SETTINGS {
+        assert!(names.contains(key), "{key}");
+    }
+}
+
+/// [`PIPELINE_SETTINGS`] is exactly the settings that change a pipeline's resolved spec:
+/// each setting is given other valid values, one at a time, and the pipelines resolved
+/// again. One missing from the list would make a reload that changes it restart-only (and
+/// keep running the pipelines' old spec); one listed that changes no pipeline would hide a
+/// change that needs a restart.
+#[test]
+fn the_pipeline_settings_are_those_that_change_a_pipeline() {
+    let load = |over: Option<(&str, &str)>| {
+        let mut sources = crate::config::Sources {
+            use_env: false,
+            ..crate::config::Sources::new(None)
+        };
+        if let Some((key, value)) = over {
+            sources = sources.with_override(key, value);
+        }
+        Settings::load(&sources)
+    };
+    let base = load(None).unwrap();
+    let mut missing = Vec::new();
+    let mut idle = Vec::new();
+    for (key, values) in crate::config::sample_values() {
+        let listed = PIPELINE_SETTINGS.contains(&key);
+        let mut loaded = false;
+        let mut changes = None;
+        for value in &values {
+            let Ok(other) = load(Some((key, value))) else {
+                continue;
+            };
+            loaded = true;
+            if other.pipelines() != base.pipelines() {
+                changes = Some(value.clone());
+            }
+        }
+        assert!(
+            loaded,
+            "{key}: none of {values:?} loads: give the test a valid one"
+        );
+        match (listed, changes) {
+            (false, Some(value)) => missing.push(format!("{key} (= {value:?})")),
+            (true, None) => idle.push(key),
+            _ => {}
+        }
+    }
+    assert!(
+        missing.is_empty(),
+        "settings that change a pipeline's spec but are not in PIPELINE_SETTINGS: {missing:?}"
+    );
+    assert!(
+        idle.is_empty(),
+        "settings in PIPELINE_SETTINGS that change no pipeline's spec: {idle:?}"
+    );
+}
+
+/// A pipeline changes with its entry or a setting it reads (its own, or a default it takes),
+/// never with the process's settings.
+#[test]
+fn a_pipeline_changes_with_what_it_reads_only() {
+    let before = with(ORDERS);
+    let was = declared(&before).unwrap();
+    assert_eq!(
+        was.iter().map(|d| d.name.as_str()).collect::<Vec<_>>(),
+        ["users", "orders"]
+    );
+    let again = declared(&with(ORDERS)).unwrap();
+    assert!(same(find(&was, "orders"), find(&again, "orders")));
+    assert!(same(find(&was, "users"), find(&again, "users")));
+
+    let bigger = declared(&with(&ORDERS.replace("batch_size = 50", "batch_size = 60"))).unwrap();
+    assert!(!same(find(&was, "orders"), find(&bigger, "orders")));
+    assert!(same(find(&was, "users"), find(&bigger, "users")));
+
+    // A default both read (BATCH_TIMEOUT_MS) changes both; users' own setting users only.
+    let timeout = declared(&with(&format!("batch_timeout_ms = 7\n{ORDERS}"))).unwrap();
+    assert!(!same(find(&was, "orders"), find(&timeout, "orders")));
+    assert!(!same(find(&was, "users"), find(&timeout, "users")));
+    let own = declared(&with(&format!("users_batch_timeout_ms = 7\n{ORDERS}"))).unwrap();
+    assert!(same(find(&was, "orders"), find(&own, "orders")));
+    assert!(!same(find(&was, "users"), find(&own, "users")));
+
+    // The process's settings change no pipeline: they need a restart.
+    let listen = with(&format!(
+        "http_addr = \"127.0.0.1:1\"\ncontrol_secret = \"s3cret-that-is-long-enough\"\n{ORDERS}"
+    ));
+    let moved = declared(&listen).unwrap();
+    assert!(same(find(&was, "orders"), find(&moved, "orders")));
+    assert!(same(find(&was, "users"), find(&moved, "users")));
+    assert_eq!(
+        restart_needed(&before, &listen),
+        ["control_secret", "http_addr"]
+    );
+    assert!(restart_needed(&before, &with(ORDERS)).is_empty());
+    assert!(
+        restart_needed(&before, &with("users_batch_size = 3\n")).is_empty(),
+        "a pipeline's setting, and the file's pipelines, are no restart's"
+    );
+}
+
+/// A reload never leaves an instance that runs pipelines with none; one that runs none
+/// (started with an empty `--pipelines`) reloads as it likes.
+#[test]
+fn a_reload_to_no_pipeline_is_refused() {
+    let one = declared(&with("")).unwrap();
+    assert_eq!(refuse_empty(&[], &[]), Ok(()));
+    assert_eq!(refuse_empty(&["users"], &one), Ok(()));
+    assert_eq!(refuse_empty(&[], &one), Ok(()));
+    let refused = refuse_empty(&["users", "orders"], &[]).unwrap_err();
+    assert!(
+        refused.to_string().contains("keeps running users, orders")
+            && refused.to_string().contains("warren ctl drain"),
+        "{refused}"
+    );
+}
+
+#[test]
+fn holds_are_two_layers() {
+    let mut holds = Holds::default();
+    holds.pipelines.insert("orders".into());
+    assert!(holds.holds("orders") && !holds.holds("users"));
+    holds.all = true;
+    assert!(holds.holds("orders") && holds.holds("users"));
+    holds.all = false;
+    assert!(
+        holds.holds("orders"),
+        "lifting the instance's pause leaves a pipeline's own"
+    );
+}
+
+#[test]
+fn a_report_names_what_changed() {
+    let report = ReloadReport {
+        added: vec!["orders".into()],
+        changed: vec!["users".into(), "audit".into()],
+        unchanged: vec!["refunds".into()],
+        restart_needed: vec!["amqp_url".into()],
+        drained: true,
+        ..ReloadReport::default()
+    };
+    assert_eq!(
+        report.summary(),
+        "added orders; changed users, audit; unchanged refunds; needs a restart to apply amqp_url"
+    );
+    let nothing = ReloadReport {
+        drained: true,
+        ..ReloadReport::default()
+    };
+    assert_eq!(nothing.summary(), "no pipeline changed");
+    let late = ReloadReport {
+        removed: vec!["orders".into()],
+        ..ReloadReport::default()
+    };
+    assert_eq!(
+        late.summary(),
+        "removed orders; a stopped stage reached SHUTDOWN_TIMEOUT_MS: what it had not settled \
+         went back to its queue"
+    );
+}
