@@ -588,3 +588,137 @@ async fn big_bodies_at_the_heads_of_two_pipelines_are_held_one_at_a_time() {
     assert_eq!(env.queue_state(&names.queue).await, (0, 0));
     assert_eq!(env.queue_state(&env.main_queue).await, (0, 0));
 }
+
+/// Review R38c F1: two refused bodies in a row while parking fails. The first is held whole
+/// (its park fails; it waits out its requeue backoff); the window beside it received the second
+/// unread, gave it back at once and cut itself to nothing while the first was held: no message
+/// behind them moved (0 of 300 users stored in 117 s). Now the second is held aside, unacked
+/// and unread, while the first is held, and the messages behind both flow; both go back to the
+/// queue and are parked once each, whole, when the database takes them again.
+#[tokio::test(flavor = "multi_thread")]
+async fn two_refused_bodies_in_a_row_whose_park_fails_wait_and_the_users_behind_them_land() {
+    let env = TestEnv::new("parkfails2").await;
+    env.declare();
+    env.db
+        .batch_execute("REVOKE INSERT ON dead_letters FROM CURRENT_USER")
+        .await
+        .expect("revoke INSERT on dead_letters");
+    let bigs = [huge_body(200 << 10, b'a'), huge_body(300 << 10, b'b')];
+    for (i, body) in bigs.iter().enumerate() {
+        env.publish_raw(body, labelled(&format!("big-{i}"))).await;
+    }
+    let users: HashSet<Uuid> = env.publish_users(300).await.into_iter().collect();
+    let mut warren = env.start(&["--roles", "consumer"]);
+    let _logs = LogsOnPanic(vec![warren.log.clone()]);
+    assert_rows_exactly(&env, &users, Duration::from_secs(120), &|| warren.logs()).await;
+    assert!(
+        warren.logs().contains("held aside"),
+        "the second body was never held aside: the test did not reach the path"
+    );
+    assert_eq!(
+        count_of(&env, "SELECT count(*) FROM dead_letters").await,
+        0,
+        "nothing parked while INSERT is revoked"
+    );
+    assert_eq!(
+        env.queue_state(&env.dlq_queue).await,
+        (0, 0),
+        "nothing in the DLQ"
+    );
+    env.db
+        .batch_execute("GRANT INSERT ON dead_letters TO CURRENT_USER")
+        .await
+        .expect("grant INSERT on dead_letters");
+    wait_until(
+        "both big bodies parked",
+        Duration::from_secs(90),
+        || async { count_of(&env, "SELECT count(*) FROM dead_letters").await >= 2 },
+    )
+    .await;
+    warren.terminate_ok(Duration::from_secs(30));
+    let parked = parked_sizes(&env, "big-").await;
+    let expected: Vec<(String, String, i64)> = bigs
+        .iter()
+        .enumerate()
+        .map(|(i, b)| ("users".to_string(), format!("big-{i}"), b.len() as i64))
+        .collect();
+    assert_eq!(parked, expected, "each big body parked once, whole");
+    assert_eq!(env.queue_state(&env.main_queue).await, (0, 0));
+    assert_eq!(env.queue_state(&env.dlq_queue).await, (0, 0));
+}
+
+/// Review R38c F3: a stage that gave a big body back and then lost it (another instance of the
+/// queue took it) held the process's one permit for 60 s on a queue with nothing for it, and a
+/// big body of every other stage waited as long. Here the DLQ stage holds the permit (its park
+/// blocked by a lock) while the main stage gives its body back and waits for the permit; the
+/// test takes that body from the queue meanwhile (as another instance would). Once the lock
+/// goes, the main stage subscribes without a body limit to a queue without the body: it gives
+/// the permit up within seconds (no body on its way), and the DLQ's second body is parked long
+/// before the 60 s the permit was held for.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_permit_taken_for_a_body_another_consumer_took_is_given_up_within_seconds() {
+    let env = TestEnv::new("permitlost").await;
+    env.declare();
+    let lock = InsertLock::take_on(&env, "dead_letters").await;
+    let dlq_bodies = [huge_body(200 << 10, b'd'), huge_body(220 << 10, b'e')];
+    env.publish_to_dlq(&dlq_bodies[0], labelled("dlq-0")).await;
+    let mut warren = env.start(&["--roles", "consumer,dlq"]);
+    let _logs = LogsOnPanic(vec![warren.log.clone()]);
+    // The DLQ stage holds the permit: its park of dlq-0 waits on the lock.
+    lock.wait_for_a_blocked_insert(&env).await;
+    let main_body = huge_body(240 << 10, b'm');
+    env.publish_raw(&main_body, labelled("main-0")).await;
+    warren
+        .wait_for_log(
+            "the main stage waiting for the permit",
+            "waiting for the process's one permit",
+        )
+        .await;
+    // Another instance takes the main stage's body meanwhile.
+    let taken = env.drain_queue(&env.main_queue, 10).await;
+    assert_eq!(
+        taken.len(),
+        1,
+        "the main body, given back, waits in its queue"
+    );
+    assert!(taken[0].delivery.data == main_body, "the main body, whole");
+    env.publish_to_dlq(&dlq_bodies[1], labelled("dlq-1")).await;
+    lock.release().await;
+    let unlocked = std::time::Instant::now();
+    wait_until(
+        "both DLQ bodies parked within 40 s of the lock's release",
+        Duration::from_secs(40),
+        || async { count_of(&env, "SELECT count(*) FROM dead_letters").await >= 2 },
+    )
+    .await;
+    eprintln!(
+        "both DLQ bodies parked {:?} after the lock went",
+        unlocked.elapsed()
+    );
+    assert!(
+        warren
+            .logs()
+            .contains("no body arriving without a body limit"),
+        "the main stage never subscribed without a body limit to an empty queue: the test did \
+         not reach the path"
+    );
+    warren.terminate_ok(Duration::from_secs(30));
+    let parked = parked_sizes(&env, "dlq-").await;
+    let expected: Vec<(String, String, i64)> = dlq_bodies
+        .iter()
+        .enumerate()
+        .map(|(i, b)| ("users".to_string(), format!("dlq-{i}"), b.len() as i64))
+        .collect();
+    assert_eq!(parked, expected, "each DLQ body parked once, whole");
+    assert_eq!(
+        count_of(
+            &env,
+            "SELECT count(*) FROM dead_letters WHERE message_id = 'main-0'"
+        )
+        .await,
+        0,
+        "the body another consumer took is not parked here"
+    );
+    assert_eq!(env.queue_state(&env.main_queue).await, (0, 0));
+    assert_eq!(env.queue_state(&env.dlq_queue).await, (0, 0));
+}

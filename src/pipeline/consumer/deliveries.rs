@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 use actix::prelude::*;
 use tracing::{debug, info, warn};
 
-use super::link::{Link, Phase};
+use super::link::{Link, Phase, Subscription};
 use super::{Consumer, SetProcessors, SetRate};
 use crate::pipeline::message::{Delivery, Disposition, Settle};
 use crate::pipeline::throttle::Release;
@@ -30,6 +30,7 @@ impl Consumer {
         // Every tag in delivery order (the acks'), and those whose body lapin did not store.
         let mut tags = Vec::with_capacity(chunk.len());
         let mut oversize = Vec::new();
+        let mut aside = 0;
         for item in chunk {
             match item {
                 Ok(d) if d.discarded.is_some() => {
@@ -41,7 +42,11 @@ impl Consumer {
                         "a body over MAX_MESSAGE_BYTES announced in an open window: not stored"
                     );
                     tags.push(d.delivery_tag);
-                    oversize.push((d.delivery_tag, Disposition::Requeue));
+                    if self.set_aside(d.delivery_tag) {
+                        aside += 1;
+                    } else {
+                        oversize.push((d.delivery_tag, Disposition::Requeue));
+                    }
                 }
                 Ok(d) => {
                     tags.push(d.delivery_tag);
@@ -68,6 +73,12 @@ impl Consumer {
         if tags.is_empty() {
             return;
         }
+        // A cancelled subscription still delivering is answering: its cancel-ok comes behind
+        // (`cancel_unanswered` counts from here).
+        if let Some(Subscription::Cancelling(_, since)) = self.linked().map(|l| &mut l.subscription)
+        {
+            *since = Instant::now();
+        }
         if let Some(acker) = self.linked().and_then(|l| l.acker.as_mut()) {
             acker.delivered(tags.into_iter());
             // Given back at once, unread: not a failure, no retry spent.
@@ -76,26 +87,30 @@ impl Consumer {
         if !oversize.is_empty() {
             self.give_back_oversize(oversize.len());
         }
+        if aside > 0 {
+            self.held_aside(aside);
+        }
         if deliveries.is_empty() {
             return;
         }
         self.inflight += deliveries.len();
         self.received += deliveries.len() as u64;
         self.since_subscribe += deliveries.len() as u64;
-        let mut refused = 0;
+        let (mut refused, mut first_refused) = (0, None);
         for d in &deliveries {
             self.inflight_bytes += d.held_bytes;
             if d.body.len() > self.config.max_message_bytes {
                 // A refused body cuts the window to one (`observe`), not the budget's window:
                 // counted here, one 8 MiB body kept the window at 31 for good.
                 refused += 1;
+                first_refused.get_or_insert(d.tag);
             } else {
                 self.largest = self.largest.max(d.held_bytes as usize);
             }
         }
         self.observe(deliveries.len(), refused);
         // The first delivery without a body limit restores it; a refused body keeps the permit.
-        self.oversize_delivered(refused);
+        self.oversize_delivered(first_refused);
         self.check_budget();
         if self.throttle.is_open() {
             self.hand_on(deliveries);
@@ -212,6 +227,7 @@ impl Handler<Settle> for Consumer {
             );
         }
         // A body held whole with the process's permit settled: the permit goes.
+        self.oversize_settle(msg.generation, &msg.items);
         self.oversize_settled();
         // Whatever is still held: a new subscription waits only for room (`room_for`).
         self.maybe_subscribe(ctx);

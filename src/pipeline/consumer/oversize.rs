@@ -12,9 +12,12 @@
 //! the log says so and `warren_oversize_permit_waiting` is 1); then it subscribes with a window
 //! of one and no body limit ([`Oversize::Lifted`]). The first delivery of that subscription
 //! restores the limit at once: an accepted body releases the permit there, a refused one (the
-//! body, whole) keeps it until it settles, parked or given back ([`Oversize::Holding`]). Nothing
-//! within [`LIFTED_FOR`] (another instance took the body): the subscription is cancelled, and
-//! the permit released at its stream's end. A link lost, a stop: released.
+//! body, whole) keeps it until it settles, parked or given back ([`Oversize::Holding`]). Meanwhile
+//! a window beside it (the held-window watchdog) holds any other body over the limit aside,
+//! unacked and unread, and goes on to the messages behind it; what was held aside goes back to
+//! the queue when the held body settles, and is taken whole in its turn. No body begun within
+//! [`LIFTED_FOR`] (another instance took it): the subscription is cancelled, and the permit
+//! released at its stream's end. A link lost, a stop: released.
 //!
 //! The permit is never held by a stage that waits for something else than its own delivery: it
 //! is taken only with nothing in flight, nothing subscribed, no hold, and given up at once if
@@ -31,16 +34,21 @@ use tracing::{debug, info};
 use super::Consumer;
 use super::link::{Link, Phase, Subscription};
 use super::window::FIRST_WINDOW;
+use crate::pipeline::message::Disposition;
 
-/// How long a subscription without a body limit waits for its first delivery before it is
-/// cancelled and the permit released: the body given back is at the head of the queue (the
-/// broker sends it at once), unless another consumer of the queue took it meanwhile. Long
-/// next to a body's transfer: warren sees a delivery only once its body is whole, and a body of
-/// 100 MiB took 10 s to arrive on a loaded machine; 5 s cancelled such bodies on their way, and
-/// a cancel-ok that came late behind one made the watchdog rebuild the link, the body's ack
-/// lost with it (found by `tests/memory.rs`, two pipelines). A body on its way when the cancel
-/// goes still arrives before the subscription's end, whole, the permit held.
-pub(super) const LIFTED_FOR: Duration = Duration::from_secs(60);
+/// How long a subscription without a body limit waits for its body to begin arriving before it
+/// is cancelled and the permit released: the body given back is at the head of the queue (the
+/// broker sends it at once), unless another consumer of the queue took it meanwhile (then the
+/// permit would be held for nothing, and every other stage's big body wait: review R38c F3,
+/// 60 s on an empty queue). A body on its way (its content header came: the vendored lapin's
+/// `Channel::body_remaining`) is waited for however long it takes: warren sees a delivery only
+/// once it is whole, and a body of 100 MiB took 10 s to arrive on a loaded machine. A body
+/// whose header comes just after the cancel still arrives before the subscription's end, whole,
+/// the permit held; the cancel-ok behind it is not taken for unanswered meanwhile
+/// (`cancel_unanswered`). 10 s, not less: a broker slow to send the head of a queue (a quorum
+/// queue reading a big body back) would otherwise see it given back again, a delivery more on
+/// a quorum queue's count each time.
+pub(super) const LIFTED_FOR: Duration = Duration::from_secs(10);
 
 /// The process's one permit to hold a body over `MAX_MESSAGE_BYTES`: made once by the
 /// composition root (`app/pipelines.rs`), handed to every stage with its links
@@ -81,14 +89,29 @@ pub(super) enum Oversize {
     /// first delivery restores the limit.
     Lifted(OwnedSemaphorePermit),
     /// The permit is held for a body over the limit that came whole, until it settles.
-    /// `given_back`: meanwhile another one was given back unread, so the permit is taken again
-    /// once this one settles.
     Holding {
         /// Held for its drop: the permit goes when the state does.
         _permit: OwnedSemaphorePermit,
+        /// The body's delivery (channel generation, delivery tag): its settlement releases the
+        /// permit.
+        body: (u64, u64),
+        /// Deliveries over the limit that came meanwhile (in a window beside the held body),
+        /// of the current channel, held unacked without their bodies (nothing of them is
+        /// stored): given back once the body settles, and taken whole one at a time then. At
+        /// most [`ASIDE_MAX`].
+        aside: Vec<u64>,
+        /// Meanwhile another one was given back unread (past [`ASIDE_MAX`], or while
+        /// stopping), so the permit is taken again once this one settles.
         given_back: bool,
     },
 }
+
+/// The most deliveries over `MAX_MESSAGE_BYTES` a stage holds aside (unacked, bodies not stored)
+/// while it holds the permit for another body: each is a tag and nothing else, so the window
+/// beside a held body goes on to the messages behind them (review R38c F1: two big bodies in a
+/// row while parking failed, the second given back at once, cut the window beside the first to
+/// nothing, and no message behind them moved). Past it, they are given back as before.
+pub(super) const ASIDE_MAX: usize = 32;
 
 impl Oversize {
     /// Whether a body was given back and the stage is on its way to take it whole: nothing
@@ -104,6 +127,12 @@ impl Oversize {
                     ..
                 }
         )
+    }
+
+    /// Whether a delivery over the limit that just came unread can be held aside: the stage
+    /// holds the permit for another body, and there is room.
+    fn room_aside(&self) -> bool {
+        matches!(self, Oversize::Holding { aside, given_back: false, .. } if aside.len() < ASIDE_MAX)
     }
 
     pub(super) fn lifted(&self) -> bool {
@@ -238,34 +267,82 @@ impl Consumer {
         }
     }
 
-    /// A subscription without a body limit began (`generation`, `tag`): cancelled if nothing
-    /// came within [`LIFTED_FOR`].
+    /// A subscription without a body limit began (`generation`, `tag`): cancelled if no body
+    /// began to arrive within [`LIFTED_FOR`].
     pub(super) fn lifted_subscribed(&mut self, ctx: &mut Context<Self>, tag: String) {
-        if !self.oversize.lifted() {
-            return;
+        if self.oversize.lifted() {
+            self.lifted_check(ctx, self.generation, tag, LIFTED_FOR);
         }
-        let generation = self.generation;
-        ctx.run_later(LIFTED_FOR, move |act, _| {
+    }
+
+    /// After `after`: a subscription without a body limit (`generation`, `tag`) that is still
+    /// waiting for its first delivery is cancelled, unless a body is on its way (checked again
+    /// a second later then).
+    fn lifted_check(
+        &mut self,
+        ctx: &mut Context<Self>,
+        generation: u64,
+        tag: String,
+        after: Duration,
+    ) {
+        ctx.run_later(after, move |act, ctx| {
             let current = generation == act.generation
                 && matches!(&act.link, Link::Up(l)
                     if matches!(&l.subscription, Subscription::Active(t) if *t == tag));
-            if act.oversize.lifted() && current && act.phase == Phase::Running {
-                info!(
-                    pipeline = act.config.stage.pipeline(),
-                    stage = act.config.stage.stage().as_str(),
-                    waited_s = LIFTED_FOR.as_secs(),
-                    "no delivery without a body limit: the body given back went elsewhere; \
-                     cancelling, and the permit goes at the subscription's end"
-                );
-                act.unsubscribe();
+            if !act.oversize.lifted() || !current || act.phase != Phase::Running {
+                return;
             }
+            if act.body_on_its_way() {
+                act.lifted_check(ctx, generation, tag, Duration::from_secs(1));
+                return;
+            }
+            info!(
+                pipeline = act.config.stage.pipeline(),
+                stage = act.config.stage.stage().as_str(),
+                waited_s = LIFTED_FOR.as_secs(),
+                "no body arriving without a body limit: the body given back went elsewhere; \
+                 cancelling, and the permit goes at the subscription's end"
+            );
+            act.unsubscribe();
         });
     }
 
-    /// The deliveries of a chunk came, `refused` of them over `MAX_MESSAGE_BYTES`: the first
-    /// delivery of a subscription without a limit restores it at once; the permit goes with an
-    /// accepted body, stays with a refused one until it settles.
-    pub(super) fn oversize_delivered(&mut self, refused: usize) {
+    /// A delivery over `MAX_MESSAGE_BYTES` came unread (`tag`, of the current channel): held
+    /// aside (unacked, nothing of it stored) when the stage holds the permit for another body
+    /// and there is room ([`ASIDE_MAX`]); answers whether it was. Else it is given back.
+    pub(super) fn set_aside(&mut self, tag: u64) -> bool {
+        if self.phase != Phase::Running || !self.oversize.room_aside() {
+            return false;
+        }
+        if let Oversize::Holding { aside, .. } = &mut self.oversize {
+            aside.push(tag);
+        }
+        true
+    }
+
+    /// Deliveries over the limit were held aside (`set_aside`): they fill the broker's window
+    /// of the subscription that brought them, so it is cancelled, and the next one begins at
+    /// once (what is held aside counts in no window of warren's: it holds no bytes).
+    pub(super) fn held_aside(&mut self, n: usize) {
+        info!(
+            pipeline = self.config.stage.pipeline(),
+            stage = self.config.stage.stage().as_str(),
+            set_aside = n,
+            max_message_bytes = self.config.max_message_bytes,
+            "bodies over MAX_MESSAGE_BYTES announced while this stage holds one whole: held aside \
+             unread (nothing of them stored) and given back once it settles; the messages \
+             behind them go on"
+        );
+        if self.consuming() {
+            self.unsubscribe();
+        }
+    }
+
+    /// The deliveries of a chunk came, `refused` the tag of the first of them over
+    /// `MAX_MESSAGE_BYTES` (of the current channel): the first delivery of a subscription
+    /// without a limit restores it at once; the permit goes with an accepted body, stays with a
+    /// refused one until it settles.
+    pub(super) fn oversize_delivered(&mut self, refused: Option<u64>) {
         if !self.oversize.lifted() {
             return;
         }
@@ -273,26 +350,81 @@ impl Consumer {
         let Oversize::Lifted(permit) = std::mem::take(&mut self.oversize) else {
             return;
         };
-        if refused > 0 {
+        if let Some(tag) = refused {
             self.oversize = Oversize::Holding {
                 _permit: permit,
+                body: (self.generation, tag),
+                aside: Vec::new(),
                 given_back: false,
             };
         }
     }
 
-    /// Something settled: a body held whole with the permit that settled (nothing left in
-    /// flight) releases it; taken again if another was given back meanwhile.
+    /// Deliveries of channel `generation` settled: the body held whole with the permit among
+    /// them releases it (what was held aside meanwhile is given back, and the permit taken
+    /// again for it).
+    pub(super) fn oversize_settle(&mut self, generation: u64, items: &[(u64, Disposition)]) {
+        if matches!(self.oversize, Oversize::Holding { body, .. }
+            if body.0 == generation && items.iter().any(|(tag, _)| *tag == body.1))
+        {
+            self.release_held();
+        }
+    }
+
+    /// Something settled, or went with a closed channel: with nothing left in flight, a body
+    /// held whole with the permit has settled too (it may have gone with a channel, unsettled),
+    /// and releases it.
     pub(super) fn oversize_settled(&mut self) {
-        if self.inflight > 0 {
+        if self.inflight == 0 {
+            self.release_held();
+        }
+    }
+
+    /// The body held whole with the permit settled: the permit goes; what was held aside goes
+    /// back to the queue now, and the stage takes the permit again for it (nothing subscribes
+    /// until what is in flight settled: `Oversize::pending`).
+    fn release_held(&mut self) {
+        let Oversize::Holding {
+            aside, given_back, ..
+        } = std::mem::take(&mut self.oversize)
+        else {
+            return;
+        };
+        let again = given_back || !aside.is_empty();
+        self.give_back_aside(aside);
+        if again && self.phase == Phase::Running {
+            self.oversize = Oversize::GivenBack;
+            if self.consuming() {
+                self.unsubscribe();
+                self.dispatch.flush_all();
+            }
+        }
+    }
+
+    /// Gives back (nack, requeue) deliveries held aside, on the channel they came on.
+    fn give_back_aside(&mut self, aside: Vec<u64>) {
+        if aside.is_empty() {
             return;
         }
-        if let Oversize::Holding { given_back, .. } = self.oversize {
-            self.oversize = if given_back {
-                Oversize::GivenBack
-            } else {
-                Oversize::Limited
-            };
+        crate::metrics::requeued(&self.config.stage, "oversize_in_window", aside.len() as u64);
+        if self.phase != Phase::Running {
+            self.stop_counts.given_back += aside.len() as u64;
+        }
+        let items: Vec<_> = aside
+            .into_iter()
+            .map(|t| (t, Disposition::Requeue))
+            .collect();
+        if let Some(acker) = self.linked().and_then(|l| l.acker.as_mut()) {
+            acker.settle(&items);
+        }
+    }
+
+    /// The stage begins to stop: what it held aside goes back to the queue now (it is in no
+    /// count the drain waits for).
+    pub(super) fn oversize_stopping(&mut self) {
+        if let Oversize::Holding { aside, .. } = &mut self.oversize {
+            let aside = std::mem::take(aside);
+            self.give_back_aside(aside);
         }
     }
 
@@ -309,8 +441,19 @@ impl Consumer {
     /// takes it again before it subscribes); one held for a body still in flight stays until
     /// that body settles.
     pub(super) fn oversize_link_lost(&mut self) {
-        if self.oversize.lifted() {
-            self.oversize = Oversize::GivenBack;
+        match &mut self.oversize {
+            Oversize::Lifted(_) => self.oversize = Oversize::GivenBack,
+            // What was held aside went back to the queue with the channel: taken whole later.
+            Oversize::Holding {
+                aside, given_back, ..
+            } if !aside.is_empty() => {
+                if self.phase != Phase::Running {
+                    self.stop_counts.given_back += aside.len() as u64;
+                }
+                aside.clear();
+                *given_back = true;
+            }
+            _ => {}
         }
     }
 
@@ -319,6 +462,8 @@ impl Consumer {
         if matches!(self.oversize, Oversize::Waiting) {
             self.oversize_gauge.set(0.0);
         }
+        // Held aside still (a stop that never cancelled): back with the channel.
+        self.oversize_stopping();
         self.oversize = Oversize::Limited;
     }
 
@@ -361,9 +506,32 @@ mod tests {
         assert!(
             !Oversize::Holding {
                 _permit: permit(),
+                body: (1, 1),
+                aside: vec![2],
                 given_back: false
             }
             .pending()
         );
+    }
+
+    /// Bodies are held aside only beside a body held whole, at most `ASIDE_MAX`, and not once
+    /// one was given back (the stage takes the permit again then, for all of them).
+    #[test]
+    fn bodies_are_held_aside_only_beside_a_held_body_and_within_the_bound() {
+        let semaphore = Arc::new(Semaphore::new(4));
+        let permit = || semaphore.clone().try_acquire_owned().expect("free");
+        let holding = |aside: usize, given_back| Oversize::Holding {
+            _permit: permit(),
+            body: (1, 1),
+            aside: (0..aside as u64).collect(),
+            given_back,
+        };
+        assert!(holding(0, false).room_aside());
+        assert!(holding(ASIDE_MAX - 1, false).room_aside());
+        assert!(!holding(ASIDE_MAX, false).room_aside());
+        assert!(!holding(0, true).room_aside());
+        assert!(!Oversize::Limited.room_aside());
+        assert!(!Oversize::GivenBack.room_aside());
+        assert!(!Oversize::Lifted(permit()).room_aside());
     }
 }

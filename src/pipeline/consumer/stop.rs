@@ -84,6 +84,8 @@ impl Handler<Cancel> for Consumer {
         self.cancelled.push(tx);
         if self.phase == Phase::Running {
             self.phase = Phase::Stopping;
+            // What is held aside unread goes back to the queue now.
+            self.oversize_stopping();
             // Whatever the limiter holds goes onwards now, ahead of the drain marker.
             self.release(ctx);
             // The subscription stays recorded, so its end (`Event::Ended`) answers the waiters.

@@ -23,10 +23,20 @@ struct Stuck {
 }
 
 impl Consumer {
-    /// A subscription warren cancelled whose stream has not ended after the connect timeout.
+    /// A subscription warren cancelled whose stream has not ended after the connect timeout,
+    /// counted from the cancel or from its last delivery, and with no body on its way: a
+    /// cancel-ok comes behind what the broker sent before it, and a body of 100 MiB takes
+    /// seconds to arrive (rebuilt under it, the link lost the delivery's ack: tests/memory.rs).
     pub(super) fn cancel_unanswered(&self) -> bool {
-        matches!(&self.link, Link::Up(l) if matches!(&l.subscription,
-            Subscription::Cancelling(_, since) if since.elapsed() > self.amqp.connect_timeout()))
+        !self.body_on_its_way()
+            && matches!(&self.link, Link::Up(l) if matches!(&l.subscription,
+                Subscription::Cancelling(_, since) if since.elapsed() > self.amqp.connect_timeout()))
+    }
+
+    /// A body's content header came and its frames are still arriving (the vendored lapin's
+    /// `Channel::body_remaining`): the link is busy, not silent.
+    pub(super) fn body_on_its_way(&self) -> bool {
+        matches!(&self.link, Link::Up(l) if l.channel.body_remaining() > 0)
     }
 
     /// As many deliveries in flight as the subscription's window (or no link): the broker has
@@ -56,8 +66,9 @@ impl Consumer {
         // Likewise a subscription without a body limit, waiting for the body given back: a body
         // of 100 MiB took over 15 s to arrive on a loaded machine, and rebuilt under it, the link
         // let the permit go while the AMQP client still held what had come of it (peak 200 MiB
-        // with two pipelines' bodies, tests/memory.rs). `LIFTED_FOR` bounds that wait instead.
-        if self.window_full() || self.oversize.lifted() {
+        // with two pipelines' bodies, tests/memory.rs). `LIFTED_FOR` and a body on its way bound that
+        // wait instead (`oversize.rs`).
+        if self.window_full() || self.oversize.lifted() || self.body_on_its_way() {
             self.idle.1 = 0;
             return;
         }

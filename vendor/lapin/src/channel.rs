@@ -81,6 +81,9 @@ pub struct Channel {
     /// WARREN-PATCH: the body limit every consumer this channel makes shares
     /// (`Channel::set_body_limit`, `Consumer::set_body_limit`).
     body_limit: Arc<AtomicU64>,
+    /// WARREN-PATCH: the bytes still to come of the body a consumer of this channel is
+    /// receiving (0: none) (`Channel::body_remaining`).
+    body_remaining: Arc<AtomicU64>,
 }
 
 impl PartialEq for Channel {
@@ -147,6 +150,7 @@ impl Channel {
             _connection_closer: connection_closer,
             recovery_config,
             body_limit: Arc::new(AtomicU64::new(u64::MAX)),
+            body_remaining: Arc::new(AtomicU64::new(0)),
         }
     }
 
@@ -163,6 +167,20 @@ impl Channel {
     /// WARREN-PATCH: the limit the consumers of this channel share.
     pub(crate) fn shared_body_limit(&self) -> Arc<AtomicU64> {
         self.body_limit.clone()
+    }
+
+    /// WARREN-PATCH: the bytes still to come of the body a consumer of this channel is
+    /// receiving: set at its content header, lowered by each body frame, 0 once the delivery is
+    /// whole (or when none is under way). A client can tell "a body is on its way" from
+    /// "nothing was sent" before the delivery is handed over.
+    #[must_use]
+    pub fn body_remaining(&self) -> u64 {
+        self.body_remaining.load(Ordering::Acquire)
+    }
+
+    /// WARREN-PATCH: the counter `body_remaining` reads, shared with the consumers.
+    pub(crate) fn shared_body_remaining(&self) -> Arc<AtomicU64> {
+        self.body_remaining.clone()
     }
 
     /// Return a snapshot of the current channel state.
@@ -1270,6 +1288,7 @@ impl Channel {
             )
             // WARREN-PATCH: the channel's body limit, in place before the first delivery.
             .with_body_limit(self.shared_body_limit())
+            .with_body_remaining(self.shared_body_remaining())
         });
         self.consumers
             .register(method.consumer_tag, consumer.clone());

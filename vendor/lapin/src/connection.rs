@@ -784,7 +784,8 @@ mod tests {
             BasicConsumeOptions::default(),
             FieldTable::default(),
         )
-        .with_body_limit(channel.shared_body_limit());
+        .with_body_limit(channel.shared_body_limit())
+        .with_body_remaining(channel.shared_body_remaining());
         channel.register_consumer("consumer-tag".into(), consumer.clone());
         (channels, channel, consumer)
     }
@@ -888,5 +889,43 @@ mod tests {
         assert_eq!(consumer.body_limit(), u64::MAX);
         warren_patch_deliver(&channels, &channel, 1, &body, 100);
         assert_eq!(warren_patch_next(&mut consumer).data, body);
+    }
+
+    /// The channel tells a body on its way before its delivery is handed over: the bytes still
+    /// to come from its content header on, 0 once it is whole.
+    #[test]
+    fn warren_patch_a_body_on_its_way_is_seen_before_it_is_whole() {
+        let (channels, channel, mut consumer) = warren_patch_consumer();
+        assert_eq!(channel.body_remaining(), 0, "nothing under way");
+        let method = AMQPClass::Basic(basic::AMQPMethod::Deliver(basic::Deliver {
+            consumer_tag: "consumer-tag".into(),
+            delivery_tag: 1,
+            redelivered: false,
+            exchange: "".into(),
+            routing_key: "consumed".into(),
+        }));
+        channels
+            .handle_frame(AMQPFrame::Method(channel.id(), method))
+            .unwrap();
+        channels
+            .handle_frame(AMQPFrame::Header(
+                channel.id(),
+                AMQPContentHeader {
+                    class_id: 60,
+                    body_size: 100,
+                    properties: BasicProperties::default(),
+                },
+            ))
+            .unwrap();
+        assert_eq!(channel.body_remaining(), 100, "announced, nothing come yet");
+        channels
+            .handle_frame(AMQPFrame::Body(channel.id(), vec![b'z'; 40]))
+            .unwrap();
+        assert_eq!(channel.body_remaining(), 60);
+        channels
+            .handle_frame(AMQPFrame::Body(channel.id(), vec![b'z'; 60]))
+            .unwrap();
+        assert_eq!(channel.body_remaining(), 0, "whole");
+        assert_eq!(warren_patch_next(&mut consumer).data.len(), 100);
     }
 }

@@ -155,6 +155,9 @@ pub struct Consumer {
     /// channel that made it (`Channel::set_body_limit`), so the limit is in place before the
     /// first delivery, and read at each content header.
     body_limit: Arc<AtomicU64>,
+    /// WARREN-PATCH: the bytes still to come of the body being received (0: none), shared
+    /// with the channel (`Channel::body_remaining`).
+    body_remaining: Arc<AtomicU64>,
 }
 
 impl Consumer {
@@ -186,12 +189,20 @@ impl Consumer {
             listener: Listener::default(),
             error: ErrorHolder::default(),
             body_limit: Arc::new(AtomicU64::new(u64::MAX)),
+            body_remaining: Arc::new(AtomicU64::new(0)),
         }
     }
 
     /// WARREN-PATCH: shares `limit` as this consumer's body limit (its channel's).
     pub(crate) fn with_body_limit(mut self, limit: Arc<AtomicU64>) -> Self {
         self.body_limit = limit;
+        self
+    }
+
+    /// WARREN-PATCH: shares `remaining` as the counter of the body being received (its
+    /// channel's).
+    pub(crate) fn with_body_remaining(mut self, remaining: Arc<AtomicU64>) -> Self {
+        self.body_remaining = remaining;
         self
     }
 
@@ -273,6 +284,8 @@ impl Consumer {
     ) {
         // WARREN-PATCH: the limit of this moment decides for the whole body.
         let limit = self.body_limit();
+        // WARREN-PATCH: a body on its way, before its delivery is handed over.
+        self.body_remaining.store(size, Ordering::Release);
         self.check_new_delivery(
             self.lock_inner()
                 .handle_content_header_frame(size, properties, limit),
@@ -280,6 +293,8 @@ impl Consumer {
     }
 
     pub(crate) fn handle_body_frame(&self, remaining_size: PayloadSize, payload: Vec<u8>) {
+        // WARREN-PATCH: what is still to come of the body (0: it is whole).
+        self.body_remaining.store(remaining_size, Ordering::Release);
         self.check_new_delivery(self.lock_inner().handle_body_frame(remaining_size, payload));
     }
 
