@@ -604,3 +604,224 @@ async fn a_fresh_dlq_message_waits_its_own_backoff_not_the_streak_of_a_poisoned_
     assert_eq!(parked_count(&env).await, 0);
     assert_eq!(env.count_rows().await, 0);
 }
+
+/// A DLQ message whose insert always outlasts the database's `statement_timeout` (57014, a
+/// slow trigger here; a huge child array or a slow disk elsewhere): the server answers with an
+/// error each time, so each try is a counted attempt, carried in the message's own
+/// `x-dlq-attempts` across a restart of warren; at `DLQ_MAX_ATTEMPTS` it is parked with a reason
+/// naming the timeout, neither dropped nor cycled for ever. A valid sentinel behind it is
+/// inserted once.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_dlq_message_whose_insert_always_times_out_is_parked_after_its_attempts() {
+    let mut env = TestEnv::new("dlq_timeout").await;
+    env.set("DB_RETRY_WINDOW_MS", "0")
+        .set("DATABASE_STATEMENT_TIMEOUT_MS", "300")
+        .set("USERS_BATCH_TIMEOUT_MS", "20")
+        .set("DLQ_MAX_ATTEMPTS", "4");
+    env.declare();
+    let s = &env.schema;
+    env.db
+        .batch_execute(&format!(
+            r#"
+            CREATE FUNCTION {s}.slow_insert() RETURNS trigger LANGUAGE plpgsql AS $f$
+            BEGIN
+                IF NEW.name = 'slow' THEN
+                    PERFORM pg_sleep(3);
+                END IF;
+                RETURN NEW;
+            END $f$;
+            CREATE TRIGGER users_slow_insert BEFORE INSERT ON {s}.users
+                FOR EACH ROW EXECUTE FUNCTION {s}.slow_insert();
+            "#
+        ))
+        .await
+        .expect("install the slow trigger");
+    let slow = Uuid::new_v4();
+    let body =
+        serde_json::json!({"id": slow, "name": "slow", "email": format!("{slow}@example.com")})
+            .to_string()
+            .into_bytes();
+    env.publish_to_dlq(
+        &body,
+        dead_lettered(&slow.to_string(), "retries_exhausted", 3),
+    )
+    .await;
+
+    // The first life: an attempt counted, then warren stops with the message in the DLQ.
+    let mut warren = env.start(&["--roles", "dlq"]);
+    let _logs = LogsOnPanic(vec![warren.log.clone()]);
+    wait_until("a DLQ attempt counted", Duration::from_secs(30), || async {
+        try_metric(
+            &env,
+            "warren_messages_retried_total",
+            &[("pipeline", "users"), ("stage", "dlq")],
+        )
+        .await
+        .unwrap_or(0.0)
+            >= 1.0
+    })
+    .await;
+    assert!(warren.terminate(Duration::from_secs(25)).success());
+    let held = env.peek(&env.dlq_queue, 2).await;
+    assert_eq!(
+        held.len(),
+        1,
+        "the message left the DLQ; log:\n{}",
+        warren.logs()
+    );
+    let counted = header(&held[0].properties, "x-dlq-attempts")
+        .and_then(as_int)
+        .expect("x-dlq-attempts");
+    assert!(
+        (1..4).contains(&counted),
+        "x-dlq-attempts = {counted} after the first life"
+    );
+    assert_eq!(parked_count(&env).await, 0, "parked before its attempts");
+
+    // The second life goes on from the message's count and parks it at the bound.
+    let mut warren = env.start(&["--roles", "dlq"]);
+    let _logs = LogsOnPanic(vec![warren.log.clone()]);
+    wait_until(
+        "the slow message parked",
+        Duration::from_secs(60),
+        || async { parked_count(&env).await >= 1 },
+    )
+    .await;
+    let sentinel = Uuid::new_v4();
+    publish_exhausted_user(&env, sentinel).await;
+    wait_inserted_and_dlq_empty(&env, sentinel).await;
+    stop_with_everything_acked(&env, &mut warren).await;
+    let rows = env
+        .db
+        .query(
+            "SELECT message_id, error_kind, error_reason, headers FROM dead_letters",
+            &[],
+        )
+        .await
+        .expect("parked rows");
+    assert_eq!(rows.len(), 1, "parked once");
+    let (id, kind, reason, headers): (String, String, String, serde_json::Value) = (
+        rows[0].get(0),
+        rows[0].get(1),
+        rows[0].get(2),
+        rows[0].get(3),
+    );
+    assert_eq!(id, slow.to_string());
+    assert_eq!(kind, "retries_exhausted");
+    assert!(
+        reason.contains("57014")
+            && reason.contains("statement timeout")
+            && reason.contains("gave up after 4 attempts"),
+        "{reason:?}"
+    );
+    assert_eq!(headers["x-dlq-attempts"], 3, "{headers}");
+    assert!(!env.row_ids().await.contains(&slow));
+    assert_eq!(env.count_rows().await, 1, "the sentinel only");
+}
+
+/// A DLQ message whose insert outlasts warren's own bound on it (`DATABASE_STATEMENT_TIMEOUT_MS`
+/// + 2 s) while each of its statements stays under the server's timeout: a newer version of an
+/// order whose items take two slow statements (the old items deleted, the new ones inserted).
+/// warren cancels it and drops the connection; the database still answers, so the message's
+/// own work is at fault, not an outage: each try is a counted attempt and the message is parked
+/// after `dlq_max_attempts` with a reason naming the bound. (Before, a bound passed on the
+/// client counted as "no database", never as an attempt: the message cycled for ever.)
+#[tokio::test(flavor = "multi_thread")]
+async fn a_dlq_message_whose_statements_outlast_the_client_bound_is_parked() {
+    let mut env = TestEnv::new("dlq_client_bound").await;
+    env.set("DB_RETRY_WINDOW_MS", "0")
+        .set("DATABASE_STATEMENT_TIMEOUT_MS", "3000");
+    let names = PipelineNames::of(&env, "orders");
+    let _cleanup = names.cleanup();
+    create_nested_tables(&env).await;
+    let dir = tempfile::tempdir().expect("temp dir");
+    let path = dir.path().join("orders.toml");
+    std::fs::write(
+        &path,
+        format!(
+            "[[pipelines]]\nname = \"orders\"\ntable = \"orders\"\nkey = [\"order_id\"]\n\
+             on_conflict = \"update\"\nversion_column = \"version\"\nbatch_timeout_ms = 20\n\
+             dlq_max_attempts = 2\nretry_ttls_ms = [1000]\n{}\n{NESTED_ORDERS}",
+            names.toml()
+        ),
+    )
+    .expect("write the config");
+    let file = path.to_str().expect("utf-8").to_string();
+    let (code, out, err) = env.run_async(&["--config", &file, "declare"]).await;
+    assert_eq!(code, 0, "declare:\n{out}{err}");
+    // Version 1 is stored; then every statement on the items takes 2.8 s (under the server's
+    // 3 s), so version 2's delete and insert of its items take 5.6 s (over warren's 5 s).
+    let id = Uuid::new_v4();
+    let s = &env.schema;
+    env.db
+        .batch_execute(&format!(
+            r#"
+            INSERT INTO {s}.orders VALUES ('{id}', 1, 1);
+            INSERT INTO {s}.order_items VALUES ('{id}', 1, 'A', 1);
+            CREATE FUNCTION {s}.slow_items() RETURNS trigger LANGUAGE plpgsql AS $f$
+            BEGIN
+                PERFORM pg_sleep(2.8);
+                RETURN NULL;
+            END $f$;
+            CREATE TRIGGER order_items_slow AFTER INSERT OR DELETE ON {s}.order_items
+                FOR EACH STATEMENT EXECUTE FUNCTION {s}.slow_items();
+            "#
+        ))
+        .await
+        .expect("the stored version and the slow trigger");
+    let body = serde_json::json!({"order_id": id, "total": 2, "version": 2,
+        "items": [{"sku": "B", "qty": 2}]})
+    .to_string()
+    .into_bytes();
+    env.publish_to(
+        &names.dlx,
+        &names.dlq,
+        &body,
+        dead_lettered(&id.to_string(), "retries_exhausted", 1),
+    )
+    .await;
+
+    let mut warren = env.start(&["--config", &file, "--roles", "dlq"]);
+    let _logs = LogsOnPanic(vec![warren.log.clone()]);
+    wait_until("the order parked", Duration::from_secs(60), || async {
+        parked_count(&env).await >= 1
+    })
+    .await;
+    wait_until("the DLQ empty", Duration::from_secs(10), || async {
+        env.queue_state(&names.dlq).await.0 == 0
+    })
+    .await;
+    assert!(warren.terminate(Duration::from_secs(25)).success());
+    // Acked, not merely held: nothing came back when warren closed its channel.
+    assert_eq!(env.queue_state(&names.dlq).await, (0, 0));
+    let rows = env
+        .db
+        .query(
+            "SELECT message_id, error_kind, error_reason FROM dead_letters",
+            &[],
+        )
+        .await
+        .expect("parked rows");
+    assert_eq!(rows.len(), 1, "parked once");
+    let (mid, kind, reason): (String, String, String) =
+        (rows[0].get(0), rows[0].get(1), rows[0].get(2));
+    assert_eq!(mid, id.to_string());
+    assert_eq!(kind, "retries_exhausted");
+    assert!(
+        reason.contains("gave up after 2 attempts") && reason.contains("5000 ms"),
+        "{reason:?}"
+    );
+    // Version 1 and its item are still what is stored: nothing of version 2 committed.
+    assert_eq!(
+        count_of(
+            &env,
+            &format!("SELECT count(*) FROM orders WHERE order_id = '{id}' AND version = 1")
+        )
+        .await,
+        1
+    );
+    assert_eq!(
+        count_of(&env, "SELECT count(*) FROM order_items WHERE sku = 'A'").await,
+        1
+    );
+}

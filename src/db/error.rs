@@ -26,6 +26,16 @@ pub enum DbError {
     /// No connection: refused, dropped, timed out, pool exhausted.
     #[error("{0}")]
     Connection(String),
+    /// The work ran past warren's own bound on it (the server's `statement_timeout` plus a
+    /// margin: several statements each under the server's timeout, one message's huge child
+    /// arrays) and was cancelled, while the database answered a question asked right after:
+    /// the work is too slow, not the link gone. The server answered, so the DLQ consumer counts
+    /// it as an attempt (an outage never counts): otherwise such a message cycled for ever.
+    #[error(
+        "the statement ran past warren's bound of {bound_ms} ms (DATABASE_STATEMENT_TIMEOUT_MS \
+         + 2 s) while the database answered; it was cancelled"
+    )]
+    Outlasted { bound_ms: u64 },
     /// The configuration cannot work (a bad URL, schema, timeout or pool size).
     #[error("{0}")]
     Config(#[from] super::DbConfigError),
@@ -66,7 +76,7 @@ impl DbError {
     pub fn class(&self) -> ErrorClass {
         match self {
             DbError::Server { code, .. } => classify_sqlstate(code),
-            DbError::Connection(_) => ErrorClass::Transient,
+            DbError::Connection(_) | DbError::Outlasted { .. } => ErrorClass::Transient,
             DbError::Config(_) | DbError::Migration(_) => ErrorClass::Systemic,
         }
     }
@@ -116,9 +126,10 @@ impl DbError {
             if code == "0A000" && message.contains("cached plan must not change result type"))
     }
 
-    /// Whether the server answered (as opposed to no connection at all).
+    /// Whether the server answered (as opposed to no connection at all): with an error, or,
+    /// for work that outlasted warren's bound, a question asked right after.
     pub fn server_answered(&self) -> bool {
-        matches!(self, DbError::Server { .. })
+        matches!(self, DbError::Server { .. } | DbError::Outlasted { .. })
     }
 
     /// A short reason for headers and logs: `db_error: connection refused`.
@@ -213,6 +224,23 @@ mod tests {
             assert!(!server(code).may_be_row_specific(), "{code}");
         }
         assert!(!DbError::Connection("refused".into()).may_be_row_specific());
+        // Too slow is about the batch's size and the moment, as 57014 is: not split.
+        assert!(!DbError::Outlasted { bound_ms: 5000 }.may_be_row_specific());
+    }
+
+    #[test]
+    fn work_that_outlasted_the_bound_while_the_server_answered_is_an_answer() {
+        let e = DbError::Outlasted { bound_ms: 5000 };
+        assert!(e.is_transient());
+        assert!(e.server_answered(), "counted as a DLQ attempt");
+        assert!(!e.discards_connection(), "already dropped");
+        let reason = e.short_reason();
+        assert!(reason.len() <= 200, "{reason}");
+        assert!(
+            reason.contains("5000 ms") && reason.contains("DATABASE_STATEMENT_TIMEOUT_MS"),
+            "{reason}"
+        );
+        assert!(!DbError::Connection("no answer".into()).server_answered());
     }
 
     #[test]

@@ -41,6 +41,26 @@ pub fn abandon(client: deadpool_postgres::Object, bound: Duration) -> DbError {
     ))
 }
 
+/// [`abandon`], then one question to the database (a fresh round trip within at most 5 s):
+/// when it answers, the server is there and the abandoned work was too slow for the bound
+/// ([`DbError::Outlasted`], an answer: the DLQ consumer counts it as an attempt, so a message
+/// whose work always outlasts the bound is parked, not cycled for ever); when it does not,
+/// the link or the server is gone (the connection error of [`abandon`]: an outage, uncounted).
+pub async fn abandon_asking(
+    pool: &Pool,
+    client: deadpool_postgres::Object,
+    bound: Duration,
+) -> DbError {
+    let gone = abandon(client, bound);
+    let ask = bound.min(Duration::from_secs(5));
+    match tokio::time::timeout(ask, ping(pool, ask)).await {
+        Ok(Ok(())) => DbError::Outlasted {
+            bound_ms: bound.as_millis() as u64,
+        },
+        _ => gone,
+    }
+}
+
 /// Hands `client` back after a statement that ended with `result`: an error that says the
 /// server takes no writes or is going away ([`DbError::discards_connection`]) drops it, and every
 /// idle connection of the pool with it (they reach the same server), so the next statement

@@ -27,7 +27,9 @@ pub fn dlq_fate(failure: &Failure, attempts_so_far: &Retries, max_attempts: u32)
             kind: ErrorKind::DbPermanent,
             reason: reason.to_string(),
         },
-        // The database answers with an error: count the attempt, park after the bound.
+        // The database answers with an error (a timeout too: the server's 57014, or work
+        // past warren's bound while the database answers, `DbError::Outlasted`): count the
+        // attempt, park after the bound.
         Failure::Db {
             class: ErrorClass::Transient,
             server_answered: true,

@@ -432,7 +432,9 @@ async fn insert_retrying<D: Domain>(
             }
             Err(_) => {
                 drop(running);
-                Err(crate::db::abandon(client, config.db_bound))
+                // Too slow while the database answers is the work's failure (counted by the
+                // DLQ consumer); no answer at all is an outage (never counted).
+                Err(crate::db::abandon_asking(&config.pool, client, config.db_bound).await)
             }
         };
         match &result {

@@ -27,7 +27,7 @@ use serde_json::value::RawValue;
 use tokio_postgres::types::ToSql;
 
 use super::arrays::{Array, key_text, run};
-use super::statements::ORD;
+use super::statements::{ORD, XMIN};
 use super::values::{found, lookup, pointer_segments, raw_json};
 use super::{
     Cell, ChildRows, ChildSpec, ColType, Column, Envelope, MAX_ROWS_DEFAULT, Mapping, OnConflict,
@@ -714,9 +714,12 @@ pub(super) async fn keep_children(
         .iter()
         .map(|&i| quote(&mapping.columns[i].name))
         .collect();
+    // From the batch's keys through the key's index; the fence keeps the `xmin` test above
+    // the lookup (below it, PostgreSQL may scan the whole table: R36-F2).
     let sql = format!(
-        "SELECT p.{ORD}, s.ctid::text FROM pg_temp.warren_probe AS p JOIN {t} AS s ON {} \
-         WHERE s.xmin = {OURS}",
+        "SELECT f.{ORD}, f.at FROM (SELECT p.{ORD}, s.ctid::text AS at, s.xmin AS {XMIN} \
+           FROM pg_temp.warren_probe AS p JOIN {t} AS s ON {} OFFSET 0) AS f \
+         WHERE f.{XMIN} = {OURS}",
         joined("s", &pk, "p", &pk)
     );
     let out: HashSet<usize> = done

@@ -3,7 +3,7 @@
 //! children of the keys whose parent row this transaction wrote (told by `xmin`).
 
 use super::*;
-use crate::domain::mapping::statements::{param, types_on_path};
+use crate::domain::mapping::statements::{XMIN, param, types_on_path};
 
 /// The statements of one child table, built once (see the module's doc).
 #[derive(Debug, Clone)]
@@ -91,9 +91,15 @@ impl ChildStatements {
                 .map(|(j, &i)| param(parent[i].ty, from + j, None))
                 .collect()
         };
+        // The parents this transaction wrote are found from the batch's keys through the
+        // key's index; the fence (`OFFSET 0`) keeps the `xmin` test above that lookup, else
+        // PostgreSQL may scan the whole parent table for it (R36-F2).
+        let s_pk: Vec<String> = pk.iter().map(|k| format!("s.{k}")).collect();
+        let s_pk = s_pk.join(", ");
         let delete = format!(
-            "DELETE FROM {ct} AS c USING {t} AS s, UNNEST({}) AS w({pks}) \
-             WHERE {} AND s.xmin = {OURS} AND {}",
+            "DELETE FROM {ct} AS c USING (SELECT {s_pk}, s.xmin AS {XMIN} \
+               FROM UNNEST({}) AS w({pks}) JOIN {t} AS s ON {} OFFSET 0) AS s \
+             WHERE s.{XMIN} = {OURS} AND {}",
             pk_params(1).join(", "),
             joined("s", &pk, "w", &pk),
             joined("c", &lk, "s", &pk),
@@ -132,8 +138,9 @@ impl ChildStatements {
             None => (String::new(), String::new()),
         };
         let delete_probe = format!(
-            "DELETE FROM {ct} AS c USING {t} AS s, pg_temp.warren_probe AS w \
-             WHERE {} AND s.xmin = {OURS} AND {}",
+            "DELETE FROM {ct} AS c USING (SELECT {s_pk}, s.xmin AS {XMIN} \
+               FROM pg_temp.warren_probe AS w JOIN {t} AS s ON {} OFFSET 0) AS s \
+             WHERE s.{XMIN} = {OURS} AND {}",
             joined("s", &pk, "w", &pk),
             joined("c", &lk, "s", &pk),
         );
@@ -171,8 +178,15 @@ impl ChildStatements {
         );
         let delete_tombstoned = tombstones
             .map(|tomb| {
+                // The tombstones this transaction wrote, found from the batch's deletes.
+                let tb_pk: Vec<String> = pk.iter().map(|k| format!("tb.{k}")).collect();
                 format!(
-                    "DELETE FROM {ct} AS c USING {tomb} AS tb WHERE {} AND tb.xmin = {OURS}",
+                    "DELETE FROM {ct} AS c USING (SELECT {}, tb.xmin AS {XMIN} \
+                       FROM pg_temp.warren_probe_del AS d JOIN {tomb} AS tb ON {} OFFSET 0) \
+                       AS tb \
+                     WHERE {} AND tb.{XMIN} = {OURS}",
+                    tb_pk.join(", "),
+                    joined("tb", &pk, "d", &pk),
                     joined("c", &lk, "tb", &pk),
                     tomb = tomb.sql(),
                 )

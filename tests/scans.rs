@@ -1,0 +1,186 @@
+//! What a batch reads: the rows of its own keys, through the keys' indexes, never a whole
+//! table, however large the tables are (R36-F2 of issue 36: with deletes, the statements that
+//! find what the transaction wrote filtered on `xmin` and read every row of the table, the
+//! tombstones and the child table, per batch and per half of a batch being isolated). Counted
+//! by PostgreSQL's own statistics (rows read by scans and index fetches), not timed.
+
+mod common;
+
+use std::time::Duration;
+
+use common::*;
+use uuid::Uuid;
+use warren::domain::Domain;
+use warren::domain::mapping::{Mapping, MappingSpec};
+
+/// Rows in each big table.
+const BIG: i64 = 200_000;
+
+/// `orders` (with deletes, `update` by `version`) and its `order_items`, as `tests/versions.rs`
+/// has them.
+fn mapping() -> Mapping {
+    let spec: MappingSpec = toml::from_str(
+        r#"
+table = "orders"
+key = ["order_id"]
+on_conflict = "update"
+version_column = "version"
+unknown_fields = "ignore"
+delete = { field = "/op", value = "delete" }
+
+[columns]
+order_id = { path = "/order_id", type = "uuid" }
+total    = { path = "/total", type = "numeric" }
+version  = { path = "/version", type = "int8" }
+
+[[children]]
+table = "order_items"
+rows = "/items"
+key = ["order_id", "line"]
+optional = true
+
+[children.columns]
+order_id = { parent = "order_id" }
+line     = { index = true }
+sku      = { path = "/sku", type = "text" }
+"#,
+    )
+    .expect("spec");
+    Mapping::compile("orders", &spec).expect("compiles")
+}
+
+/// Rows read from `table` so far (by sequential scans and by index fetches), as flushed.
+async fn rows_read(env: &TestEnv, table: &str) -> i64 {
+    env.db
+        .batch_execute("SELECT pg_stat_clear_snapshot()")
+        .await
+        .expect("clear the stats snapshot");
+    env.db
+        .query_one(
+            "SELECT (COALESCE(seq_tup_read, 0) + COALESCE(idx_tup_fetch, 0))::int8 \
+             FROM pg_stat_user_tables WHERE schemaname = current_schema() AND relname = $1",
+            &[&table],
+        )
+        .await
+        .expect("the table's statistics")
+        .get(0)
+}
+
+/// Rows deleted from `orders` so far, as flushed.
+async fn orders_deleted(env: &TestEnv) -> i64 {
+    env.db
+        .batch_execute("SELECT pg_stat_clear_snapshot()")
+        .await
+        .expect("clear the stats snapshot");
+    env.db
+        .query_one(
+            "SELECT n_tup_del FROM pg_stat_user_tables \
+             WHERE schemaname = current_schema() AND relname = 'orders'",
+            &[],
+        )
+        .await
+        .expect("orders' statistics")
+        .get(0)
+}
+
+/// 200,000 orders (one item each) and 200,000 tombstones of other keys; then batches of 50
+/// newer writes of stored orders (their items replaced) and 50 deletes of others, once whole
+/// and once in halves (as the isolation of a refused row splits a batch). Each batch reads a few
+/// rows per record from the orders, the items and the tombstones, not a table: before, each read
+/// the whole of each (about 200,000 rows from every table, per batch and per half).
+#[tokio::test(flavor = "multi_thread")]
+async fn a_batch_with_deletes_reads_its_keys_rows_not_the_tables() {
+    let env = TestEnv::new("scan_deletes").await;
+    env.db
+        .batch_execute(&format!(
+            "CREATE TABLE orders (order_id uuid PRIMARY KEY, total numeric NOT NULL, \
+               version int8 NOT NULL);
+             CREATE TABLE order_items (order_id uuid NOT NULL REFERENCES orders, \
+               line int4 NOT NULL, sku text NOT NULL, PRIMARY KEY (order_id, line));
+             INSERT INTO orders SELECT gen_random_uuid(), 1, 1 FROM generate_series(1, {BIG});
+             INSERT INTO order_items SELECT order_id, 1, 'A' FROM orders;"
+        ))
+        .await
+        .expect("the big tables");
+    let m = mapping();
+    m.declare_tombstones(&env.db).await.expect("declare");
+    env.db
+        .batch_execute(&format!(
+            "INSERT INTO tombstones_orders (order_id, version) \
+               SELECT gen_random_uuid(), 1 FROM generate_series(1, {BIG});
+             ANALYZE orders; ANALYZE order_items; ANALYZE tombstones_orders;"
+        ))
+        .await
+        .expect("the tombstones");
+    let keys: Vec<Uuid> = uuids_of(&env, "SELECT order_id FROM orders LIMIT 400").await;
+    let pool = mapping_pool(&env, "warren-scans-test");
+    let tables = ["orders", "order_items", "tombstones_orders"];
+
+    // Batches of (50 writes, 50 deletes): one whole, then one in two halves.
+    let batch = |keys: &[Uuid]| -> Vec<Vec<u8>> {
+        let (writes, deletes) = keys.split_at(keys.len() / 2);
+        writes
+            .iter()
+            .map(|k| {
+                format!(r#"{{"order_id":"{k}","total":"2","version":2,"items":[{{"sku":"B"}}]}}"#)
+                    .into_bytes()
+            })
+            .chain(
+                deletes.iter().map(|k| {
+                    format!(r#"{{"op":"delete","order_id":"{k}","version":2}}"#).into_bytes()
+                }),
+            )
+            .collect()
+    };
+    let before_deleted = orders_deleted(&env).await;
+    let mut before = Vec::new();
+    for t in tables {
+        before.push(rows_read(&env, t).await);
+    }
+    let mut deleted = 0;
+    for group in [&keys[0..100], &keys[100..150], &keys[150..200]] {
+        let bodies = batch(group);
+        let client = pool.get().await.expect("client");
+        let rows: Vec<_> = bodies.iter().map(|b| m.decode(b).expect("valid")).collect();
+        let refs: Vec<_> = rows.iter().collect();
+        let done = m.insert(&client, &refs).await.expect("the batch");
+        assert_eq!(done.deleted.len(), group.len() / 2, "{done:?}");
+        deleted += group.len() as i64 / 2;
+        // This connection's statistics reach the shared ones once it is idle.
+        client
+            .batch_execute("SELECT pg_stat_force_next_flush()")
+            .await
+            .expect("flush the statistics");
+    }
+    wait_until(
+        "the batches' statistics",
+        Duration::from_secs(30),
+        || async { orders_deleted(&env).await >= before_deleted + deleted },
+    )
+    .await;
+    let mut read = Vec::new();
+    for (t, b) in tables.iter().zip(&before) {
+        read.push((*t, rows_read(&env, t).await - b));
+    }
+    // 200 records in 3 batches: a few rows each per table (the row, its item, its tombstone;
+    // and PostgreSQL's foreign key checks), far from one table's 200,000.
+    for (t, n) in &read {
+        assert!(
+            *n < 5_000,
+            "{t}: {n} rows read by 200 records in 3 batches: {read:?}"
+        );
+    }
+    // What the batches did, for the record.
+    assert_eq!(
+        count_of(&env, "SELECT count(*) FROM orders WHERE version = 2").await,
+        100
+    );
+    assert_eq!(
+        count_of(
+            &env,
+            "SELECT count(*) FROM tombstones_orders WHERE version = 2"
+        )
+        .await,
+        100
+    );
+}
