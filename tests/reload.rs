@@ -10,7 +10,8 @@
 //! meanwhile run once after it; signals sent while warren starts are applied once it runs; a
 //! refused reload declares nothing; after reloads the record and the metrics say what runs; a
 //! reload switching a table while inserts wait on a lock of the old one stores each message
-//! once (the drain cancels them before its deadline).
+//! once, and one renaming a pipeline while its park waits on a lock parks the message once (the
+//! drain cancels them before its deadline).
 
 mod common;
 
@@ -1286,6 +1287,91 @@ async fn a_reload_switching_the_table_behind_a_lock_stores_each_message_once() {
         tail(&warren.logs(), 40)
     );
     assert_table(&env, "orders_new", &expected, &warren).await;
+    assert!(
+        warren
+            .logs()
+            .contains("statements still running are cancelled"),
+        "{}",
+        tail(&warren.logs(), 40)
+    );
+    let mut warren = warren;
+    warren.terminate_ok(Duration::from_secs(25));
+}
+
+/// A reload that renames a pipeline (the same queues and table, another name) while its DLQ
+/// stage's park of a message (an INSERT into `dead_letters`) waits on a lock, with a drain bound
+/// shorter than the lock (`SHUTDOWN_TIMEOUT_MS=2000`): the drain cancels the park before its
+/// deadline, the message goes back to the DLQ, and the stage started under the new name parks
+/// it; when the lock goes, the message is parked once, under the new name. A park left
+/// waiting past the drain commits when the lock goes, after the new stage parked the message
+/// again: once under each name, the unique (pipeline, fingerprint) no help (review R35-F1b).
+#[tokio::test(flavor = "multi_thread")]
+async fn a_reload_renaming_a_pipeline_while_its_park_waits_parks_the_message_once() {
+    let mut env = TestEnv::new("rl_park").await;
+    env.set("SHUTDOWN_TIMEOUT_MS", "2000");
+    let fx = Fixture::new(&env, &["orders"]).await;
+    let (orders, path, file) = (fx.names(0), fx.path.clone(), fx.file.clone());
+    let warren = env.start(&["--config", &file, "--declare", "--roles", "dlq"]);
+    let _logs = LogsOnPanic(vec![warren.log.clone()]);
+    one_consumer(&orders.dlq).await;
+
+    // A message refused for good (qty over its maximum) in the DLQ: its stage parks it, and
+    // the park waits on the lock.
+    let lock = InsertLock::take_on(&env, "dead_letters").await;
+    let id = Uuid::new_v4();
+    env.publish_to("", &orders.dlq, &body(id, 5000), props(id))
+        .await;
+    lock.wait_for_a_blocked_insert(&env).await;
+    let blocked = lock.blocked(&env).await;
+
+    let renamed =
+        entry("orders", &orders, 50, 1000).replace(r#"name = "orders""#, r#"name = "orders_v2""#);
+    assert!(renamed.contains(r#"table = "orders""#), "{renamed}");
+    std::fs::write(&path, renamed).expect("write");
+    let event = reload(&env, &warren, "reloaded", 1).await;
+    assert_eq!(names_of(&event["added"]), ["orders_v2"], "{event}");
+    assert_eq!(names_of(&event["removed"]), ["orders"], "{event}");
+    // The new stage took the message back from the DLQ: its park waits on the lock too.
+    wait_until(
+        "the message taken again, by the new stage",
+        Duration::from_secs(30),
+        || async { env.queue_state(&orders.dlq).await == (0, 1) },
+    )
+    .await;
+
+    // The lock goes: a park of the old stage still waiting would commit now.
+    lock.release().await;
+    wait_until("the old park ended", Duration::from_secs(30), || async {
+        active_backends(&env, &blocked).await == 0
+    })
+    .await;
+    let parked_as = || async {
+        env.db
+            .query(
+                "SELECT pipeline FROM dead_letters WHERE message_id = $1 ORDER BY seq",
+                &[&id.to_string()],
+            )
+            .await
+            .expect("read dead_letters")
+            .iter()
+            .map(|r| r.get::<_, String>(0))
+            .collect::<Vec<_>>()
+    };
+    wait_until("the message parked", Duration::from_secs(30), || async {
+        !parked_as().await.is_empty()
+    })
+    .await;
+    // Settled: acked once parked, nothing left in the DLQ or in flight.
+    wait_until("the DLQ settled", Duration::from_secs(30), || async {
+        env.queue_state(&orders.dlq).await == (0, 1) && queue_counts(&orders.dlq).await == (0, 0)
+    })
+    .await;
+    assert_eq!(
+        parked_as().await,
+        ["orders_v2"],
+        "log:\n{}",
+        tail(&warren.logs(), 40)
+    );
     assert!(
         warren
             .logs()

@@ -1,7 +1,8 @@
 //! Graceful shutdown of `warren run`: SIGTERM in the middle of a large run drains and exits 0
 //! in time with every inserted message acked and nothing lost; a stop says how many deliveries
 //! it settled and how many it gave back to the broker; a stop behind a lock cancels the
-//! inserts still waiting before its deadline and exits 0, one with no time to drain exits 1,
+//! inserts still waiting before its deadline and exits 0 (saying so, its breaker closed: the
+//! cancels are the stop's, not the database's), one with no time to drain exits 1,
 //! and neither leaves an insert running behind it; a second SIGTERM during a stuck shutdown exits at once, and
 //! a restart still delivers every message exactly once.
 
@@ -213,6 +214,68 @@ async fn a_stop_behind_a_lock_cancels_the_inserts_and_exits_zero_before_the_time
     assert_queue_empty(&env, &env.retry_queue).await;
     assert_queue_empty(&env, &env.dlq_queue).await;
     eprintln!("a stop behind a lock exited 0 after {took:?}");
+
+    release_and_assert_everything_arrives_once(&env, locker, &ids).await;
+}
+
+/// A stop behind a lock says what happened: the inserts it cancelled near the drain's deadline
+/// are the stop's doing, said as such, and never counted against the database. With four batch
+/// inserts waiting (`BATCH_CONCURRENCY=4`, `BREAKER_FAILURES=3`), the cancels counted as
+/// failures and opened the sink-outage breaker in the middle of the stop: an error line saying
+/// that the database keeps failing, and a `breaker_opened` event, on a healthy database.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_stop_behind_a_lock_says_it_cancelled_the_inserts_and_opens_no_breaker() {
+    const TOTAL: usize = 2_000;
+    const SHUTDOWN_TIMEOUT_MS: u64 = 8_000;
+    let mut env = TestEnv::new("term_words").await;
+    env.set("SHUTDOWN_TIMEOUT_MS", SHUTDOWN_TIMEOUT_MS.to_string())
+        .set("BATCH_SIZE", "100")
+        .set("BATCH_CONCURRENCY", "4")
+        .set("BREAKER_FAILURES", "3");
+    let _redis = RedisCleanup::new(&env);
+    env.declare();
+    let ids = env.publish_users(TOTAL).await;
+    let locker = InsertLock::take(&env).await;
+    let mut warren = env.start(&["--roles", "consumer"]);
+    wait_until(
+        "four inserts blocked by the lock",
+        Duration::from_secs(30),
+        || async { locker.blocked(&env).await.len() >= 4 },
+    )
+    .await;
+
+    let status =
+        warren.terminate(Duration::from_millis(SHUTDOWN_TIMEOUT_MS) + Duration::from_secs(15));
+    let logs = warren.logs();
+    assert_eq!(status.code(), Some(0), "log:\n{logs}");
+    assert!(
+        logs.contains("statements still running are cancelled"),
+        "log:\n{logs}"
+    );
+    let cancelled = logs
+        .lines()
+        .filter(|l| l.contains("batch insert cancelled by the stop"))
+        .count();
+    assert!(
+        cancelled >= 4,
+        "{cancelled} batches said cancelled; log:\n{logs}"
+    );
+    for wrong in [
+        "sink-outage breaker OPEN",
+        "batch insert failed for some rows",
+        "transient database error",
+    ] {
+        assert!(
+            !logs.contains(wrong),
+            "{wrong:?} in the log of a stop:\n{logs}"
+        );
+    }
+    let opened: Vec<_> = stream_events(&env)
+        .await
+        .into_iter()
+        .filter(|e| e["type"] == "breaker_opened")
+        .collect();
+    assert!(opened.is_empty(), "{opened:?}");
 
     release_and_assert_everything_arrives_once(&env, locker, &ids).await;
 }

@@ -56,56 +56,28 @@ pub(super) fn declared(settings: &Settings) -> Result<Vec<Declared>, ConfigError
         .collect()
 }
 
-/// The settings that only feed the pipelines' specs (the defaults, the users pipeline's own
-/// names and settings, the limits every pipeline takes): a change of one changes the pipelines
-/// whose resolved spec it changes, and needs no restart. Every other setting is the process's
-/// (connections, listeners, roles, timeouts of the links, the insert budget) and changes only
-/// with a restart ([`restart_needed`]). Kept by hand, and held by a test to exactly the
-/// settings that change some pipeline's resolved spec (each setting tried with other values).
-pub(super) const PIPELINE_SETTINGS: &[&str] = &[
-    "main_exchange",
-    "main_queue",
-    "retry_exchange",
-    "retry_queue",
-    "dlx_exchange",
-    "dlq_queue",
+/// The settings every pipeline's spec reads that no entry key stands for (the limits and
+/// bounds every pipeline takes as they are).
+const SPEC_WIDE_SETTINGS: &[&str] = &[
     "retry_ttl_ms",
-    "retry_ttls_ms",
-    "max_retries",
-    "dlq_max_attempts",
-    "batch_size",
-    "batch_timeout_ms",
-    "batch_min_wait_ms",
-    "proc_concurrency",
-    "batch_concurrency",
-    "balance",
-    "min_concurrency",
-    "max_concurrency",
-    "balance_cooldown_ms",
-    "balance_max_shift",
-    "scale_threshold",
-    "scale_up_threshold",
-    "scale_down_threshold",
-    "users_batch_size",
-    "users_batch_timeout_ms",
-    "users_batch_min_wait_ms",
-    "users_proc_concurrency",
-    "users_batch_concurrency",
-    "users_balance",
-    "users_min_concurrency",
-    "users_max_concurrency",
-    "users_balance_cooldown_ms",
-    "users_balance_max_shift",
-    "users_scale_threshold",
-    "users_scale_up_threshold",
-    "users_scale_down_threshold",
-    "prefetch",
-    "rate_limit_per_s",
     "max_message_bytes",
     "max_inflight_bytes",
     "db_retry_window_ms",
     "breaker_failures",
 ];
+
+/// The settings that only feed the pipelines' specs: those an entry key stands for (the
+/// defaults, the users pipeline's own names and settings; `config::pipelines::ENTRY_KEYS`, the
+/// one table), and [`SPEC_WIDE_SETTINGS`]. A change of one changes the pipelines whose resolved
+/// spec it changes, and needs no restart. Every other setting is the process's (connections,
+/// listeners, roles, timeouts of the links, the insert budget) and changes only with a restart
+/// ([`restart_needed`]). Held by a test to exactly the settings that change some pipeline's
+/// resolved spec (each setting tried with other values).
+pub(super) fn pipeline_settings() -> Vec<String> {
+    crate::config::pipelines::entry_settings()
+        .chain(SPEC_WIDE_SETTINGS.iter().map(|k| k.to_string()))
+        .collect()
+}
 
 /// The settings as one JSON object, by key.
 fn by_key(settings: &Settings) -> serde_json::Map<String, serde_json::Value> {
@@ -125,8 +97,9 @@ pub(super) fn same(old: &Declared, new: &Declared) -> bool {
 /// a pipeline's: they apply only at a restart. Names only, never values (a secret may be one).
 pub(super) fn restart_needed(base: &Settings, next: &Settings) -> Vec<String> {
     let (was, now) = (by_key(base), by_key(next));
+    let pipelines = pipeline_settings();
     let mut keys: BTreeSet<&String> = was.keys().chain(now.keys()).collect();
-    keys.retain(|k| k.as_str() != "pipelines" && !PIPELINE_SETTINGS.contains(&k.as_str()));
+    keys.retain(|k| k.as_str() != "pipelines" && !pipelines.contains(k));
     keys.into_iter()
         .filter(|k| was.get(*k) != now.get(*k))
         .map(|k| k.to_string())

@@ -19,7 +19,7 @@ use crate::cli::out::{self, out};
 use crate::cli::{json_terminal_safe, terminal_safe as safe};
 use crate::config::{Settings, redact_url};
 use crate::registry::record::{Configured, KnownPipeline};
-use crate::registry::{self, Breaker, Keys, Listed, Redis, now_s, record};
+use crate::registry::{self, Breaker, ConnectError, Keys, Listed, Redis, now_s, record};
 
 #[derive(Debug, clap::Args)]
 pub struct Args {
@@ -44,7 +44,9 @@ type QueueRow = (String, Option<u32>, Option<u32>);
 
 /// What one redraw shows.
 struct Snapshot {
-    instances: Option<Vec<Listed>>,
+    /// The registry's entries (none when no instance is registered), or why Redis could not
+    /// be asked: two different answers, said differently.
+    instances: Result<Vec<Listed>, ConnectError>,
     /// Every pipeline the configuration names or a live instance runs, once each, with every
     /// set of queues it runs on.
     pipelines: Vec<KnownPipeline>,
@@ -70,7 +72,7 @@ pub async fn execute(
         let trends = trends(first.as_ref().map(|(q, at)| (q.as_slice(), *at)), &now);
         // A closed stdout loses the answer, never the exit code of servers out of reach.
         out::unless_closed(out!("{}", render(settings, &now, &trends, args.json, true)))?;
-        return Ok(if now.instances.is_none() && now.queues.is_none() {
+        return Ok(if now.instances.is_err() && now.queues.is_none() {
             1
         } else {
             0
@@ -110,16 +112,21 @@ pub async fn execute(
     }
 }
 
-/// The registry's entries (`None` without Redis), and every pipeline the configuration names or
-/// a readable record publishes, with the queues the tools take for it.
+/// The registry's entries (or why Redis could not be asked), and every pipeline the
+/// configuration names or a readable record publishes, with the queues the tools take for it.
 async fn listing(
     settings: &Settings,
     configured: &[Configured],
-) -> (Option<Vec<Listed>>, Vec<KnownPipeline>) {
+) -> (Result<Vec<Listed>, ConnectError>, Vec<KnownPipeline>) {
     let keys = Keys::new(&settings.redis_prefix);
     let instances = match Redis::connect(&settings.redis_url).await {
-        Ok(_) => registry::instances(&mut Redis::new(&settings.redis_url), &keys).await,
-        Err(_) => None,
+        Ok(_) => registry::instances(&mut Redis::quiet(&settings.redis_url), &keys)
+            .await
+            .ok_or_else(|| ConnectError::Unreachable {
+                url: redact_url(&settings.redis_url),
+                error: "it stopped answering while the instances were listed".into(),
+            }),
+        Err(e) => Err(e),
     };
     let records = instances
         .iter()
@@ -190,7 +197,8 @@ fn render(
             .collect();
         let doc = json!({
             "version": JSON_VERSION,
-            "instances": snap.instances.as_ref().map(|list| list.iter().map(instance_json).collect::<Vec<_>>()),
+            "instances": snap.instances.as_ref().ok().map(|list| list.iter().map(instance_json).collect::<Vec<_>>()),
+            "registry_error": snap.instances.as_ref().err().map(|e| format!("{e}; {}", e.remedy())),
             "pipelines": sets,
             "notes": notes,
             "queues": snap.queues.as_ref().map(|q| q.iter().map(|(name, m, c)| json!({
@@ -209,7 +217,7 @@ fn render(
         return out;
     }
     match &snap.instances {
-        Some(list) => {
+        Ok(list) => {
             let mut t = table(
                 &[
                     "INSTANCE",
@@ -283,16 +291,19 @@ fn render(
             if list.is_empty() {
                 let _ = writeln!(
                     out,
-                    "(no live instance under REDIS_PREFIX {:?})",
+                    "(Redis at {} answers, and no live instance is registered under \
+                     REDIS_PREFIX {:?}: start one with `warren run`, or set REDIS_PREFIX to the \
+                     deployment's)",
+                    redact_url(&settings.redis_url),
                     settings.redis_prefix
                 );
             }
         }
-        None => {
+        Err(e) => {
             let _ = writeln!(
                 out,
-                "instances: Redis unreachable at {}",
-                redact_url(&settings.redis_url)
+                "instances: unknown, Redis unreachable ({e}); {}",
+                e.remedy()
             );
         }
     }
@@ -488,7 +499,7 @@ mod tests {
         let then = Instant::now();
         let before = vec![("q".to_string(), Some(100), Some(1))];
         let now = Snapshot {
-            instances: None,
+            instances: Ok(Vec::new()),
             pipelines: Vec::new(),
             queues: Some(vec![
                 ("q".to_string(), Some(40), Some(1)),

@@ -336,7 +336,7 @@ fn check_overridden(sources: &Sources, file: &FileText) -> Result<(), ConfigErro
     Ok(())
 }
 
-/// Each `[[pipelines]]` entry's numbers ([`pipelines::NUMBERS`]) by the rule of the setting
+/// Each `[[pipelines]]` entry's numbers ([`pipelines::numbers`]) by the rule of the setting
 /// of the same name, before the typed parse: the same words as the setting's error (the
 /// range, the value as written, the integer a whole float means), at the entry's file and line.
 fn check_entry_numbers(merged: &Value, file: Option<&FileText>) -> Result<(), ConfigError> {
@@ -347,9 +347,9 @@ fn check_entry_numbers(merged: &Value, file: Option<&FileText>) -> Result<(), Co
         let Value::Dict(_, fields) = entry else {
             continue;
         };
-        for key in pipelines::NUMBERS {
+        for key in pipelines::numbers() {
             let (Some(value), Some((_, rule))) =
-                (fields.get(*key), RULES.iter().find(|(k, _)| k == key))
+                (fields.get(key), RULES.iter().find(|(k, _)| *k == key))
             else {
                 continue;
             };

@@ -112,27 +112,96 @@ pub struct PipelineConfig {
     pub delete: Option<DeleteSpec>,
 }
 
-/// The entry's keys that are numbers checked by the rule of the setting of the same name (its
-/// range), before the typed parse: a value out of it, negative or a float is refused in the
-/// words a setting's is (`expected an integer from 1 to 10000, got 5.0`, `5` offered).
-pub const NUMBERS: &[&str] = &[
-    "batch_size",
-    "batch_timeout_ms",
-    "batch_min_wait_ms",
-    "batch_concurrency",
-    "proc_concurrency",
-    "prefetch",
-    "min_concurrency",
-    "max_concurrency",
-    "balance_cooldown_ms",
-    "balance_max_shift",
-    "scale_threshold",
-    "scale_up_threshold",
-    "scale_down_threshold",
-    "max_retries",
-    "dlq_max_attempts",
-    "rate_limit_per_s",
+/// Whose default the setting of an entry key's name is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DefaultOf {
+    /// Every pipeline's: an entry without the key takes the setting (`batch_size`).
+    Every,
+    /// The users pipeline's alone: its exchanges and queues (`MAIN_QUEUE`, ...); another
+    /// pipeline derives its own from its name (`orders_queue`).
+    Users,
+}
+
+/// An entry key that stands for the setting of the same name: what it takes when the entry
+/// leaves it out, and how it is checked.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct EntryKey {
+    /// The key, in the entry and as a setting (`batch_size`, `BATCH_SIZE`).
+    pub key: &'static str,
+    /// A number, checked by the rule of the setting of the same name (its range) before the
+    /// typed parse: a value out of it, negative or a float is refused in the words a
+    /// setting's is (`expected an integer from 1 to 10000, got 5.0`, `5` offered).
+    pub number: bool,
+    /// Whose default the setting is.
+    pub default_of: DefaultOf,
+    /// The users pipeline has a setting of its own, `users_<key>`, which wins over the default
+    /// for it (its entry's key still wins).
+    pub users_own: bool,
+}
+
+impl EntryKey {
+    const fn new(key: &'static str, number: bool, users_own: bool) -> Self {
+        Self {
+            key,
+            number,
+            default_of: DefaultOf::Every,
+            users_own,
+        }
+    }
+
+    const fn name(key: &'static str) -> Self {
+        Self {
+            key,
+            number: false,
+            default_of: DefaultOf::Users,
+            users_own: false,
+        }
+    }
+}
+
+/// Every entry key that stands for a setting of the same name, in one table: the numbers
+/// checked before the parse ([`numbers`]) and the settings a reload applies to the pipelines
+/// without a restart (`app::pipelines`) are read from it. A test holds each to a field of
+/// [`PipelineConfig`] and a setting.
+pub const ENTRY_KEYS: &[EntryKey] = &[
+    EntryKey::name("main_exchange"),
+    EntryKey::name("main_queue"),
+    EntryKey::name("retry_exchange"),
+    EntryKey::name("retry_queue"),
+    EntryKey::name("dlx_exchange"),
+    EntryKey::name("dlq_queue"),
+    EntryKey::new("retry_ttls_ms", false, false),
+    EntryKey::new("batch_size", true, true),
+    EntryKey::new("batch_timeout_ms", true, true),
+    EntryKey::new("batch_min_wait_ms", true, true),
+    EntryKey::new("batch_concurrency", true, true),
+    EntryKey::new("proc_concurrency", true, true),
+    EntryKey::new("prefetch", true, false),
+    EntryKey::new("balance", false, true),
+    EntryKey::new("min_concurrency", true, true),
+    EntryKey::new("max_concurrency", true, true),
+    EntryKey::new("balance_cooldown_ms", true, true),
+    EntryKey::new("balance_max_shift", true, true),
+    EntryKey::new("scale_threshold", true, true),
+    EntryKey::new("scale_up_threshold", true, true),
+    EntryKey::new("scale_down_threshold", true, true),
+    EntryKey::new("max_retries", true, false),
+    EntryKey::new("dlq_max_attempts", true, false),
+    EntryKey::new("rate_limit_per_s", true, false),
 ];
+
+/// The entry's keys that are numbers ([`EntryKey::number`]), in the table's order.
+pub fn numbers() -> impl Iterator<Item = &'static str> {
+    ENTRY_KEYS.iter().filter(|k| k.number).map(|k| k.key)
+}
+
+/// The settings an entry key stands for: each key's own, and the users pipeline's
+/// `users_<key>` where it has one.
+pub fn entry_settings() -> impl Iterator<Item = String> {
+    ENTRY_KEYS.iter().flat_map(|k| {
+        std::iter::once(k.key.to_string()).chain(k.users_own.then(|| format!("users_{}", k.key)))
+    })
+}
 
 /// Who gives a `POST` of the pipeline's API its key.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]

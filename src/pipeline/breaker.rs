@@ -2,7 +2,10 @@
 //! nothing of (or at once on a systemic error), the consumer is held (no new deliveries) and a
 //! probe runs the domain's insert of zero rows with backoff until the database takes it again,
 //! each attempt on a connection made after the breaker opened (a failover leaves the pool's
-//! old ones on a server that takes no writes); then the hold is lifted.
+//! old ones on a server that takes no writes); then the hold is lifted. A stopping stage
+//! counts nothing and never opens it: what fails then is the stop's doing (statements it
+//! cancelled near the drain's deadline, statements it no longer starts), not the database's,
+//! and its consumer takes nothing more anyway.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
@@ -54,6 +57,9 @@ impl Breaker {
 
     /// Counts one batch: `inserted` rows committed, `transient` the reason when rows failed
     /// transiently. A batch that lost one bad row and committed the rest is a sign of health.
+    /// Once the stage stops, nothing counts: its failures are the stop's (a statement it
+    /// cancelled fails with SQLSTATE 57014, one it no longer starts as refused), and three of
+    /// them opened the breaker on a healthy database, with a log line saying it kept failing.
     pub fn record<D: Domain>(
         self: &Arc<Self>,
         inserted: usize,
@@ -61,6 +67,9 @@ impl Breaker {
         domain: &Arc<D>,
         pool: &Pool,
     ) {
+        if self.stopping.is_cancelled() {
+            return;
+        }
         match transient {
             Some(reason) if inserted == 0 => {
                 let failures = self.failures.fetch_add(1, Ordering::Relaxed) + 1;
@@ -73,9 +82,10 @@ impl Breaker {
         }
     }
 
-    /// Opens the breaker once: holds the consumer and starts the probe.
+    /// Opens the breaker once: holds the consumer and starts the probe. Never once the stage
+    /// stops: its consumer takes nothing more, and the probe would end at once.
     pub fn trip<D: Domain>(self: &Arc<Self>, reason: &str, domain: &Arc<D>, pool: &Pool) {
-        if self.open.swap(true, Ordering::SeqCst) {
+        if self.stopping.is_cancelled() || self.open.swap(true, Ordering::SeqCst) {
             return;
         }
         error!(

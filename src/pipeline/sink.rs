@@ -111,6 +111,9 @@ async fn sink<D: Domain>(config: Arc<SinkConfig<D>>, batch: Batch<D::Record>) {
     let mut stale: Vec<(usize, String)> = Vec::new();
     let mut deleted = 0usize;
     let mut transient: Option<String> = None;
+    // A statement of the batch the stop cancelled near the drain's deadline (SQLSTATE 57014
+    // while stopping): the stop's doing, said as such, not as the database failing.
+    let mut cancelled_by_stop = false;
     if !records.is_empty() {
         let refs: Vec<(usize, &D::Record)> = records.iter().map(|(i, r)| (*i, r)).collect();
         let give_back_at = give_back_at(
@@ -165,6 +168,9 @@ async fn sink<D: Domain>(config: Arc<SinkConfig<D>>, batch: Batch<D::Record>) {
                     if e.class() == ErrorClass::Transient && transient.is_none() {
                         transient = Some(reason.to_string());
                     }
+                    cancelled_by_stop |= config.stopping.is_cancelled()
+                        && e.sqlstate()
+                            == Some(tokio_postgres::error::SqlState::QUERY_CANCELED.code());
                 }
             }
         }
@@ -208,8 +214,20 @@ async fn sink<D: Domain>(config: Arc<SinkConfig<D>>, batch: Batch<D::Record>) {
     }
     drop(records);
     if let Some(reason) = &transient {
-        warn!(pipeline = config.stage.pipeline(), stage = config.stage.stage().as_str(), batch_id = %id, reason = %crate::text::shown(reason),
-            "batch insert failed for some rows; they go their way (retry queue, DLQ attempt or requeue)");
+        let (pipeline, stage) = (config.stage.pipeline(), config.stage.stage().as_str());
+        if cancelled_by_stop {
+            info!(pipeline, stage, batch_id = %id,
+                "batch insert cancelled by the stop: it still waited at the drain's deadline (a \
+                 lock, a slow server); its messages go back to their queue unprocessed, and the \
+                 breaker does not count it");
+        } else if config.stopping.is_cancelled() {
+            info!(pipeline, stage, batch_id = %id, reason = %crate::text::shown(reason),
+                "batch not inserted during the stop; its messages go back to their queue \
+                 unprocessed, and the breaker does not count it");
+        } else {
+            warn!(pipeline, stage, batch_id = %id, reason = %crate::text::shown(reason),
+                "batch insert failed for some rows; they go their way (retry queue, DLQ attempt or requeue)");
+        }
     }
 
     for settle in Settle::group(

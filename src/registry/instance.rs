@@ -24,7 +24,7 @@ use super::record::{
     Breaker, InstanceRecord, Listed, PipelineRecord, RECORD_FIELD, RECORD_FORMAT, StageCounts,
     Status, Unreadable,
 };
-use super::redis::Redis;
+use super::redis::{ConnectError, Redis};
 use crate::metrics;
 
 /// History entries kept.
@@ -533,13 +533,19 @@ pub async fn instances(redis: &mut Redis, keys: &Keys) -> Option<Vec<Listed>> {
     Some(out)
 }
 
-/// The readable records of the live instances of the deployment `redis` names; `None` when
-/// Redis cannot be reached (asked once, without the warnings of a long-lived link).
-pub async fn live(redis: &RedisConfig) -> Option<Vec<InstanceRecord>> {
-    Redis::connect(&redis.url).await.ok()?;
+/// The readable records of the live instances of the deployment `redis` names (none when no
+/// instance is registered), or why Redis could not tell (asked once, without the warnings of a
+/// long-lived link): a tool says which of the two it met.
+pub async fn live(redis: &RedisConfig) -> Result<Vec<InstanceRecord>, ConnectError> {
+    Redis::connect(&redis.url).await?;
     let keys = Keys::new(&redis.prefix);
-    let listed = instances(&mut Redis::quiet(&redis.url), &keys).await?;
-    Some(listed.into_iter().filter_map(|l| l.record.ok()).collect())
+    let listed = instances(&mut Redis::quiet(&redis.url), &keys)
+        .await
+        .ok_or_else(|| ConnectError::Unreachable {
+            url: crate::config::redact_url(&redis.url),
+            error: "it stopped answering while the instances were listed".into(),
+        })?;
+    Ok(listed.into_iter().filter_map(|l| l.record.ok()).collect())
 }
 
 #[cfg(test)]

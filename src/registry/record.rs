@@ -14,6 +14,7 @@ use std::collections::{BTreeMap, HashMap};
 
 use serde::{Deserialize, Serialize};
 
+use super::redis::ConnectError;
 use crate::config::pipelines::Names;
 use crate::config::pipelines::PipelineSpec;
 
@@ -388,20 +389,58 @@ fn by_name<'a, T>(
         .ok_or_else(|| UnknownPipeline {
             name: name.to_string(),
             known: items.iter().map(|p| name_of(p).clone()).collect(),
+            registry: None,
         })
 }
 
-/// A `--pipeline` that names no pipeline the configuration names or a live instance runs.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error(
-    "no pipeline {name:?}: the configuration does not name it and no live instance runs it; \
-     known: {}", if known.is_empty() { "none".to_string() } else { known.join(", ") }
-)]
+/// A `--pipeline` that names no pipeline the configuration names or a live instance runs: Redis
+/// answered and no instance runs it, or Redis could not be asked ([`UnknownPipeline::registry`]),
+/// which the error tells apart, each with what to do.
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct UnknownPipeline {
     pub name: String,
     /// Every known pipeline's name, once each.
     pub known: Vec<String>,
+    /// Why the live instances are unknown (Redis unreachable), when they are: then an instance
+    /// may well run the pipeline, and the error says so rather than that none does.
+    pub registry: Option<ConnectError>,
 }
+
+impl UnknownPipeline {
+    /// The error with what the tool met asking Redis for the live instances (`live`'s answer).
+    pub fn asked<T>(mut self, live: &Result<T, ConnectError>) -> Self {
+        self.registry = live.as_ref().err().cloned();
+        self
+    }
+}
+
+impl std::fmt::Display for UnknownPipeline {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let name = &self.name;
+        match &self.registry {
+            None => write!(
+                f,
+                "no pipeline {name:?}: the configuration does not name it and no live instance \
+                 runs it; give the file that declares it (--config FILE), or start an instance \
+                 that runs it (`warren run --config FILE`)"
+            )?,
+            Some(e) => write!(
+                f,
+                "no pipeline {name:?} in the configuration, and the live instances are unknown \
+                 ({e}); {}, or give the file that declares it (--config FILE)",
+                e.remedy()
+            )?,
+        }
+        let known = if self.known.is_empty() {
+            "none".to_string()
+        } else {
+            self.known.join(", ")
+        };
+        write!(f, "; known: {known}")
+    }
+}
+
+impl std::error::Error for UnknownPipeline {}
 
 /// The pipeline `name` among `known`, or the error that lists them.
 pub fn find<'a>(
@@ -764,10 +803,25 @@ mod tests {
             find(&known, "orders").map(|p| p.name.as_str()),
             Ok("orders")
         );
+        let unknown = find(&known, "nosuch").unwrap_err();
         assert_eq!(
-            find(&known, "nosuch").unwrap_err().to_string(),
+            unknown.to_string(),
             "no pipeline \"nosuch\": the configuration does not name it and no live instance \
-             runs it; known: users, orders"
+             runs it; give the file that declares it (--config FILE), or start an instance that \
+             runs it (`warren run --config FILE`); known: users, orders"
+        );
+        // Redis away: the instances are unknown, not absent, and the error says how to start it.
+        let away: Result<(), ConnectError> = Err(ConnectError::Unreachable {
+            url: "redis://127.0.0.1:1".into(),
+            error: "Connection refused".into(),
+        });
+        assert_eq!(
+            unknown.asked(&away).to_string(),
+            "no pipeline \"nosuch\" in the configuration, and the live instances are unknown \
+             (cannot reach Redis at redis://127.0.0.1:1: Connection refused); start Redis \
+             (`systemctl start redis-server`, or `redis-server --daemonize yes`) or set \
+             REDIS_URL to the deployment's Redis, or give the file that declares it (--config \
+             FILE); known: users, orders"
         );
     }
 }

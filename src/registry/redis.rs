@@ -28,6 +28,19 @@ pub enum ConnectError {
     Unreachable { url: String, error: String },
 }
 
+impl ConnectError {
+    /// What a person does about it: point `REDIS_URL` at a Redis, or start the one it names.
+    pub fn remedy(&self) -> &'static str {
+        match self {
+            ConnectError::BadUrl { .. } => "set REDIS_URL to the deployment's redis:// URL",
+            ConnectError::Unreachable { .. } => {
+                "start Redis (`systemctl start redis-server`, or `redis-server --daemonize yes`) \
+                 or set REDIS_URL to the deployment's Redis"
+            }
+        }
+    }
+}
+
 /// A Redis link that reconnects lazily and never blocks for long.
 pub struct Redis {
     /// `REDIS_URL`, to connect again after an outage and to scrub from messages.

@@ -22,7 +22,7 @@ use lapin::types::AMQPValue;
 
 use crate::amqp::{headers, republish};
 use crate::config::Settings;
-use crate::registry::record::{self, Configured, PipelineRecord};
+use crate::registry::record::{self, Basis, Configured, PipelineRecord, UnknownPipeline};
 
 /// The kinds of dead letter `--kind` selects: the values of `x-error-kind` (and of
 /// `dead_letters.error_kind`), then the kinds of messages the broker dead-lettered itself (see
@@ -194,6 +194,10 @@ pub struct ParkedListArgs {
     /// The pipeline whose rows (from `dlq --pipeline`).
     #[arg(skip)]
     pub pipeline: String,
+    /// Why no configuration or live instance knows the pipeline, when none does: said when
+    /// nothing is parked under its name (a misspelt name lists nothing).
+    #[arg(skip)]
+    pub unknown: Option<UnknownPipeline>,
     /// Only rows with this error kind.
     #[arg(long, value_name = "KIND", value_parser = PossibleValuesParser::new(KINDS))]
     pub kind: Option<String>,
@@ -245,19 +249,38 @@ pub async fn execute(
     use crate::cli::terminal_safe as safe;
     // The chosen pipeline's DLQ, exchange and queue: the configuration's when it names them,
     // else those the live instances run it on (`--instance` choosing among them), else the
-    // built-in defaults (record::resolve).
-    let live = crate::registry::live(&settings.redis())
-        .await
-        .unwrap_or_default();
-    let known = record::resolve(configured, &live);
-    let pipeline = record::find_known(&known, &args.pipeline)
-        .map_err(|unknown| anyhow::anyhow!("--pipeline: {}", safe(&unknown.to_string())))?;
-    // The parked list reads the table by the pipeline's name: it needs none of its queues.
+    // built-in defaults (record::resolve). Redis away is not "no instance": each answer below
+    // says which of the two it met.
+    let live = crate::registry::live(&settings.redis()).await;
+    let known = record::resolve(configured, live.as_ref().map_or(&[][..], Vec::as_slice));
+    let found = record::find_known(&known, &args.pipeline).map_err(|u| u.asked(&live));
     let instance = args.instance.as_deref();
     let target = || -> anyhow::Result<PipelineRecord> {
+        let pipeline = found
+            .as_ref()
+            .map_err(|unknown| anyhow::anyhow!("--pipeline: {}", safe(&unknown.to_string())))?;
+        if let (Some(instance), Err(e)) = (instance, &live) {
+            anyhow::bail!(
+                "--instance {}: the live instances are unknown ({}); {}",
+                safe(instance),
+                safe(&e.to_string()),
+                e.remedy()
+            );
+        }
         let set = pipeline
             .choose(instance)
             .map_err(|e| anyhow::anyhow!("{}", safe(&e.to_string())))?;
+        if let (Basis::Defaults, Err(e)) = (set.basis, &live) {
+            crate::cli::say(format_args!(
+                "warning: {}: the queues of pipeline {:?} are the built-in defaults ({}), which \
+                 a live instance may not run on; {}, or name them (--config FILE, MAIN_QUEUE, \
+                 ...)",
+                safe(&e.to_string()),
+                pipeline.name,
+                safe(&set.pipeline.queues().collect::<Vec<_>>().join(", ")),
+                e.remedy()
+            ));
+        }
         if instance.is_none()
             && let Some(note) = pipeline.note()
         {
@@ -269,7 +292,19 @@ pub async fn execute(
         DlqCommand::Inspect(a) => inspect(settings, &target()?, a).await,
         DlqCommand::Replay(a) => replay(settings, &target()?, a).await,
         DlqCommand::Parked(ParkedCommand::List(mut a)) => {
+            // The parked rows are read by the pipeline's name from the database: they need
+            // neither its queues nor Redis. A name nobody knows is still listed (its rows say
+            // it existed); with nothing parked, the listing says that nobody knows it.
+            if let (Err(unknown), Err(e)) = (&found, &live) {
+                crate::cli::say(format_args!(
+                    "warning: {}: whether a live instance runs pipeline {:?} is unknown; its \
+                     parked rows are listed from the database",
+                    safe(&e.to_string()),
+                    safe(&unknown.name)
+                ));
+            }
             a.pipeline = args.pipeline;
+            a.unknown = found.err();
             parked_list(settings, a).await
         }
         DlqCommand::Parked(ParkedCommand::Replay(mut a)) => {

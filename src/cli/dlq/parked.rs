@@ -73,6 +73,17 @@ fn row_cells(row: &Listed) -> Vec<String> {
     ]
 }
 
+/// With nothing parked under a name no configuration or live instance knows, why it is unknown
+/// (a misspelt `--pipeline` lists nothing): on stderr, after the summary.
+fn unknown_note(total: i64, args: &ParkedListArgs) {
+    if let (0, Some(unknown)) = (total, &args.unknown) {
+        crate::cli::say(format_args!(
+            "note: {}",
+            crate::cli::terminal_safe(&unknown.to_string())
+        ));
+    }
+}
+
 pub(super) async fn parked_list(settings: &Settings, args: ParkedListArgs) -> anyhow::Result<i32> {
     let client = database(settings).await?;
     let kind = args.kind.as_deref();
@@ -102,9 +113,11 @@ pub(super) async fn parked_list(settings: &Settings, args: ParkedListArgs) -> an
             )?;
         }
         errln!("{summary}");
+        unknown_note(total, &args);
         return Ok(0);
     }
     outln!("{summary}")?;
+    unknown_note(total, &args);
     if !rows.is_empty() {
         let cells: Vec<Vec<String>> = rows.iter().map(row_cells).collect();
         let header = [

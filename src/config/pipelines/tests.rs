@@ -559,3 +559,45 @@ fn a_files_users_pipeline_keeps_the_users_names() {
         "orders_queue"
     );
 }
+
+/// Whether `key` is a field of [`PipelineConfig`]: an entry giving it a string is refused for
+/// its type, or taken, but never as an unknown field.
+fn is_entry_field(key: &str) -> bool {
+    let text = format!(
+        "name = \"p\"\ntable = \"t\"\nkey = [\"id\"]\n{key} = \"x\"\n[columns]\nid = {{ path = \"/id\", type = \"uuid\" }}\n"
+    );
+    match toml::from_str::<PipelineConfig>(&text) {
+        Ok(_) => true,
+        Err(e) => !e.to_string().contains("unknown field"),
+    }
+}
+
+/// [`ENTRY_KEYS`] is exactly the entry's keys named after a setting, each a field of the entry
+/// and a setting, its numbers those with an integer rule, and its `users_own` those with a
+/// `users_<key>` setting: the one table the number checks and the reload's list read.
+#[test]
+fn the_entry_keys_table_is_every_entry_key_named_after_a_setting() {
+    let settings: Vec<&str> = crate::config::setting_names().map(|(k, _)| k).collect();
+    for k in ENTRY_KEYS {
+        assert!(is_entry_field(k.key), "{}: not an entry key", k.key);
+        assert!(settings.contains(&k.key), "{}: not a setting", k.key);
+        let integer = crate::config::RULES
+            .iter()
+            .any(|(key, rule)| *key == k.key && matches!(rule, crate::config::Rule::Int { .. }));
+        assert_eq!(k.number, integer, "{}: number", k.key);
+        let own = format!("users_{}", k.key);
+        assert_eq!(
+            k.users_own,
+            settings.contains(&own.as_str()),
+            "{}: users_own",
+            k.key
+        );
+    }
+    for key in settings.iter().filter(|k| is_entry_field(k)) {
+        assert!(
+            ENTRY_KEYS.iter().any(|k| k.key == *key),
+            "the entry key {key} is named after a setting but not in ENTRY_KEYS"
+        );
+    }
+    assert_eq!(numbers().count(), 16);
+}
