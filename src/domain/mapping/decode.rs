@@ -225,9 +225,14 @@ impl Mapping {
             },
             // Filled by the child table's decode (or the decode of the body), never looked up.
             Source::Parent(_) | Source::Index | Source::Kept => None,
+            // Past the parser's budget too: a header the message carries is never read as
+            // absent (`headers::header`).
             Source::Header(h) => match headers
-                .and_then(|t| t.inner().get(h.as_str()))
-                .map(header_json)
+                .map(|t| crate::amqp::headers::header(t, h))
+                .transpose()
+                .map_err(|e| ValueError::Unfit(e.to_string()))?
+                .flatten()
+                .map(|v| header_json(&v))
             {
                 Some(Err(amqp_type)) => {
                     return Err(ValueError::Unfit(format!(

@@ -78,6 +78,50 @@ fn a_header_column_reads_the_header() {
     assert_eq!(cell(&m, &row, "tenant"), Cell::Text("acme".into()));
 }
 
+/// Found by review (R36-F3): a header the parser kept raw, past its 128 KiB budget (entries
+/// sorted before it spent it), read NULL in an optional header column: a value the message
+/// carries was stored as NULL. It is read from the raw rest; raw bytes that cannot be read as
+/// far as the header refuse the message, naming the header and the budget.
+#[test]
+fn a_header_past_the_parsers_budget_is_read_not_taken_for_absent() {
+    use amq_protocol::frame::WriteContext;
+    use lapin::types::{AMQPValue, FieldTable};
+    let m = orders();
+    let mut sent = FieldTable::default();
+    for i in 0..2_000 {
+        sent.insert(format!("x-f{i:04}").into(), AMQPValue::Void);
+    }
+    sent.insert("x-tenant".into(), AMQPValue::LongString("acme".into()));
+    let wire = lapin::types::generation::gen_field_table(&sent)(WriteContext::from(Vec::new()))
+        .expect("encode")
+        .write;
+    let (_, received) = lapin::types::parsing::parse_field_table(&wire[..]).expect("parse");
+    assert!(
+        received
+            .inner()
+            .contains_key(crate::amqp::headers::UNPARSED_KEY)
+            && !received.inner().contains_key("x-tenant"),
+        "the header is not past the budget"
+    );
+    let row = m.decode_message(GOOD.as_bytes(), Some(&received)).unwrap();
+    assert_eq!(cell(&m, &row, "tenant"), Cell::Text("acme".into()));
+
+    let mut cut = FieldTable::default();
+    cut.insert(
+        crate::amqp::headers::UNPARSED_KEY.into(),
+        AMQPValue::ByteArray(vec![8, b'x', b'-', b't'].into()),
+    );
+    let e = m.decode_message(GOOD.as_bytes(), Some(&cut)).unwrap_err();
+    assert_eq!(e.kind, ErrorKind::InvalidPayload);
+    assert!(
+        e.reason.starts_with("header x-tenant: cannot be read")
+            && e.reason.contains("128 KiB")
+            && e.reason.contains("x-unparsed-entries"),
+        "{}",
+        e.reason
+    );
+}
+
 /// A header of an AMQP type with no one JSON reading is refused, naming the header and the type,
 /// never stored as some rendering of it; the readable types are read.
 #[test]
