@@ -656,6 +656,62 @@ fn a_year_postgresql_cannot_read_is_refused_at_decode() {
     assert!(m.decode_message(body.as_bytes(), None).is_ok());
 }
 
+/// Found by review (R36-F4): a time after year 9999 was refused as no RFC 3339 time ("a
+/// character literal was not valid"), though a timestamptz holds it; and a timestamp property
+/// that large was "beyond the times a timestamptz holds". Both are taken up to PostgreSQL's end
+/// of a timestamptz, and past it refused naming that end.
+#[test]
+fn a_time_after_9999_is_taken_up_to_the_end_of_a_timestamptz() {
+    use crate::domain::Envelope;
+    let m = orders();
+    let body = with("placed_at", "\"10000-01-01T00:00:00Z\"");
+    let row = m
+        .decode_message(body.as_bytes(), None)
+        .expect("10000 is a timestamptz");
+    assert_eq!(
+        cell(&m, &row, "placed_at"),
+        Cell::Timestamptz("10000-01-01T00:00:00Z".into())
+    );
+    let e = refused(&m, &with("placed_at", "\"294277-01-01T00:00:00Z\""));
+    assert_eq!(
+        e.reason,
+        "/placed_at: expected a time up to 294276-12-31T23:59:59.999999Z (the last a \
+         PostgreSQL timestamptz holds), found \"294277-01-01T00:00:00Z\""
+    );
+    let spec: MappingSpec = toml::from_str(
+        r#"
+        table = "t"
+        key = ["k"]
+        [columns]
+        k  = { path = "/k", type = "int4" }
+        at = { property = "timestamp", type = "timestamptz" }
+        "#,
+    )
+    .expect("parses");
+    let p = Mapping::compile("t", &spec).expect("compiles");
+    let decode = |secs: u64| {
+        let props = lapin::BasicProperties::default().with_timestamp(secs);
+        let envelope = Envelope {
+            properties: &props,
+            exchange: "",
+            routing_key: "q",
+        };
+        p.decode_envelope(br#"{"k":1}"#, &envelope)
+            .map(|row| row.0[0].clone())
+            .map_err(|r| r.rejection.reason)
+    };
+    assert_eq!(
+        decode(253_402_300_800),
+        Ok(Cell::Timestamptz("10000-01-01T00:00:00Z".into()))
+    );
+    let words = decode(9_224_318_016_000).unwrap_err();
+    assert!(
+        words.starts_with("property timestamp: the timestamp 9224318016000 (Unix seconds) is past")
+            && words.contains("294276-12-31T23:59:59Z, the last second a PostgreSQL timestamptz"),
+        "{words}"
+    );
+}
+
 /// Found by the second review: an offset beyond what PostgreSQL reads (+-15:59) passed decode,
 /// and the database refused the batch.
 #[test]
