@@ -602,11 +602,78 @@ impl Child {
             problems.extend(found_here.into_iter().map(|(_, r, p)| (r, p)));
             rows.push(cells);
         }
+        if problems.is_empty()
+            && let Some((first, again)) = self.repeated_key(&rows)
+        {
+            let names = self.key_names();
+            let values: Vec<String> = self
+                .key
+                .iter()
+                .map(|&k| crate::text::capped(&super::arrays::shown(&rows[again][k]), 64).into())
+                .collect();
+            return Err(whole(format!(
+                "{at}/{again}: the same key as {at}/{first}, ({}) = ({}): {} holds one row per \
+                 key",
+                names.join(", "),
+                values.join(", "),
+                self.table
+            )));
+        }
         if problems.is_empty() {
             Ok(rows)
         } else {
             Err(problems)
         }
+    }
+
+    /// The first two rows of one message that are one key of the child table (equal key cells,
+    /// none NULL: a unique index holds NULLs apart), by position: the database would refuse
+    /// the second (a unique violation, or an upsert that cannot affect a row twice), naming
+    /// neither element. Keys PostgreSQL alone finds equal (`1.0` and `1` in a numeric, text
+    /// under a case-insensitive collation) are still refused by it.
+    fn repeated_key(&self, rows: &[Vec<Cell>]) -> Option<(usize, usize)> {
+        use std::hash::{Hash, Hasher};
+        if rows.len() < 2 {
+            return None;
+        }
+        let hash = |row: &[Cell]| {
+            let mut h = std::collections::hash_map::DefaultHasher::new();
+            for &k in &self.key {
+                let cell = &row[k];
+                std::mem::discriminant(cell).hash(&mut h);
+                match cell {
+                    Cell::Null => {}
+                    Cell::Text(s)
+                    | Cell::Numeric(s)
+                    | Cell::Timestamptz(s)
+                    | Cell::Date(s)
+                    | Cell::Jsonb(s) => s.hash(&mut h),
+                    Cell::Uuid(u) => u.hash(&mut h),
+                    Cell::Int4(n) => n.hash(&mut h),
+                    Cell::Int8(n) => n.hash(&mut h),
+                    // -0 and 0 are one value (as `==` and PostgreSQL's float8 have them).
+                    Cell::Float8(f) => (if *f == 0.0 { 0.0f64 } else { *f }).to_bits().hash(&mut h),
+                    Cell::Bool(b) => b.hash(&mut h),
+                }
+            }
+            h.finish()
+        };
+        let mut seen: std::collections::HashMap<u64, Vec<usize>> =
+            std::collections::HashMap::with_capacity(rows.len());
+        for (i, row) in rows.iter().enumerate() {
+            if self.key.iter().any(|&k| row[k] == Cell::Null) {
+                continue;
+            }
+            let same = seen.entry(hash(row)).or_default();
+            if let Some(&first) = same
+                .iter()
+                .find(|&&j| self.key.iter().all(|&k| rows[j][k] == row[k]))
+            {
+                return Some((first, i));
+            }
+            same.push(i);
+        }
+        None
     }
 }
 
