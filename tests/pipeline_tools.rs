@@ -104,6 +104,45 @@ async fn publish_pipeline_sends_json_lines_to_the_pipelines_queue() {
     assert_eq!(count_of(&env, "SELECT count(*) FROM orders").await, 3);
 }
 
+/// Found by review (R36-b): a line whose key is too long for an AMQP message id (over 255
+/// bytes) was skipped, and the command still exited 0 with the message never sent. It is sent,
+/// with a new UUID as its message id, and standard error names the line and that id.
+#[tokio::test(flavor = "multi_thread")]
+async fn publish_pipeline_sends_a_line_whose_key_is_too_long_for_a_message_id() {
+    let env = TestEnv::new("tools_publish_long").await;
+    let names = PipelineNames::of(&env, "orders");
+    let _cleanup = names.cleanup();
+    create_nested_tables(&env).await;
+    let file = ConfigFile::new(&nested_toml(&names, ""));
+    declare_file(&env, &file).await;
+    let long = "k".repeat(300);
+    let line = format!(r#"{{"order_id":"{long}","total":"1","version":1,"items":[]}}"#);
+    let (code, out, err) = with_stdin(
+        &env,
+        &["--config", file.at(), "publish", "--pipeline", "orders"],
+        line.as_bytes(),
+    )
+    .await;
+    assert_eq!(code, 0, "{out}{err}");
+    assert!(out.contains("published 1 messages"), "{out}");
+    let queued = env.peek(&names.queue, 10).await;
+    assert_eq!(queued.len(), 1, "the line was not sent: {err}");
+    let id = message_id(&queued[0]);
+    assert!(id.parse::<Uuid>().is_ok(), "{id}");
+    assert_eq!(
+        queued[0].delivery.data,
+        line.as_bytes(),
+        "the body as written"
+    );
+    assert!(
+        err.contains(&format!(
+            "line 1: \"order_id\": at most 255 bytes, found 300 (an AMQP message id), sent with \
+             message id {id}"
+        )),
+        "{err}"
+    );
+}
+
 /// An unknown pipeline is a usage error naming the known ones (exit 2); a publish the broker
 /// does not confirm (here: the pipeline's topology never declared, so its exchange is missing)
 /// names the line and exits 1, as the other modes do.
