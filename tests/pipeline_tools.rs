@@ -320,3 +320,63 @@ async fn pipelines_test_db_names_what_the_tables_refuse_and_leaves_nothing() {
     assert!(out.contains("1 accepted, 0 refused"), "{out}");
     assert_eq!(held().await, (1, 1, 3), "the trial left rows behind");
 }
+
+/// Found by review (R36-e): with `on_conflict = "update"`, `pipelines test --db` of a newer
+/// version of a stored key wrote it (the upsert updated the live row and the delete took its
+/// child rows, rolled back after): for the length of the trial it held the rows the running
+/// pipeline writes to, and passed them to their UPDATE and DELETE triggers. A stored key is
+/// now only read: here a lock on the stored row (a writer of the pipeline's, mid-transaction)
+/// does not hold the trial up, the line says it was not tried, and the rows are as they were.
+#[tokio::test(flavor = "multi_thread")]
+async fn pipelines_test_db_only_reads_a_stored_key() {
+    let env = TestEnv::new("tools_test_db_ro").await;
+    let names = PipelineNames::of(&env, "orders");
+    create_nested_tables(&env).await;
+    let file = ConfigFile::new(&nested_toml(
+        &names,
+        "on_conflict = \"update\"\nversion_column = \"version\"",
+    ));
+    let stored = Uuid::new_v4();
+    env.db
+        .batch_execute(&format!(
+            "INSERT INTO orders VALUES ('{stored}', 1, 1);
+             INSERT INTO order_items VALUES ('{stored}', 1, 'A-1', 1)"
+        ))
+        .await
+        .expect("a stored order");
+    // Another writer holds the stored order's row, as the pipeline's transaction would.
+    let (writer, connection) = tokio_postgres::connect(&database_url(), tokio_postgres::NoTls)
+        .await
+        .expect("a second connection");
+    tokio::spawn(connection);
+    writer
+        .batch_execute(&format!(
+            "SET search_path TO {}; BEGIN; \
+             SELECT 1 FROM orders WHERE order_id = '{stored}' FOR NO KEY UPDATE",
+            env.schema
+        ))
+        .await
+        .expect("lock the stored row");
+    let newer = String::from_utf8(nested_order(stored, 2, &[("B-2", 1)])).expect("utf-8");
+    let started = std::time::Instant::now();
+    let (code, out, err) = with_stdin(
+        &env,
+        &["--config", file.at(), "pipelines", "test", "orders", "--db"],
+        newer.as_bytes(),
+    )
+    .await;
+    let took = started.elapsed();
+    writer.batch_execute("ROLLBACK").await.expect("unlock");
+    assert_eq!(code, 0, "{out}{err}");
+    assert!(
+        out.contains(
+            "db: not tried: its key is stored already (--db writes no row of a stored key)"
+        ),
+        "{out}"
+    );
+    assert!(took < Duration::from_secs(4), "waited {took:?} on the lock");
+    assert_eq!(
+        nested_items(&env, stored).await,
+        [(1, "A-1".to_string(), 1)]
+    );
+}

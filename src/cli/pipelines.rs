@@ -4,7 +4,8 @@
 //! reason, with no broker and no database; exit 0 when every line is accepted, 1 otherwise.
 //! With `--db`, each accepted message's rows are also written into the live tables by the
 //! pipeline's own statements in a transaction rolled back, so a CHECK, a foreign key, a
-//! trigger or a type the database refuses shows up before a message is sent.
+//! trigger or a type the database refuses shows up before a message is sent; a key the table
+//! holds already is only read, never written.
 
 use std::io::{BufRead, BufReader, Read};
 use std::path::PathBuf;
@@ -45,7 +46,9 @@ pub enum Action {
     /// live tables (DATABASE_URL) by the pipeline's own statements, in a transaction that is
     /// rolled back: a CHECK, a foreign key, a trigger or a type the database refuses is
     /// printed as `db_permanent` with PostgreSQL's words (the table, column and constraint it
-    /// names) and counts as refused. Nothing stays in the tables.
+    /// names) and counts as refused. Nothing stays in the tables. A message whose key is stored
+    /// already is not tried: that row and its child rows are only read, never written or
+    /// locked.
     Test {
         /// The pipeline (see `warren pipelines`).
         name: String,
@@ -485,15 +488,13 @@ pub async fn test(
                         parent,
                         children,
                         Some(format!(
-                            "db: not tried: {}, the pipeline's on_conflict decides (a copy \
-                             is done{})",
+                            "db: not tried: its key is stored already (--db writes no row of \
+                             a stored key), the pipeline's on_conflict decides ({})",
                             match mapping.version_column() {
-                                Some(_) => "its key holds the same or a higher version",
-                                None => "its key is stored already",
-                            },
-                            match mapping.version_column() {
-                                Some(_) => ", an older version changes nothing",
-                                None => ", other content is id_conflict",
+                                Some(_) =>
+                                    "a higher version replaces it and its child rows, the \
+                                     same content is a copy, an older version changes nothing",
+                                None => "the same content is a copy, other content is id_conflict",
                             }
                         )),
                     )),
