@@ -38,7 +38,8 @@ pub enum Action {
     /// booleans, null: AMQP's void) as the AMQP headers the pipeline's `header` columns read, the
     /// properties (message_id, correlation_id, timestamp in seconds, type, app_id, content_type,
     /// exchange, routing_key; optional) as its `property` columns read them, the body as the
-    /// message. Without properties, a property column is absent.
+    /// message. Without properties, a property column is absent; properties without an
+    /// exchange or routing key have the pipeline's own (where `publish --pipeline` sends).
     /// Prints, per line, `ok` and the row it would insert (JSON), or the kind and reason it would
     /// be dead-lettered with. Exit 0 when every line is accepted, 1 otherwise.
     ///
@@ -422,7 +423,7 @@ pub async fn test(
         } else {
             let decoded = match &properties {
                 Some(p) => {
-                    let (props, exchange, routing_key) = p.amqp(headers.clone());
+                    let (props, exchange, routing_key) = p.amqp(headers.clone(), &pipeline.names);
                     let envelope = crate::domain::Envelope {
                         properties: &props,
                         exchange: &exchange,
@@ -563,15 +564,19 @@ struct LineProperties {
     kind: Option<String>,
     app_id: Option<String>,
     content_type: Option<String>,
-    #[serde(default)]
-    exchange: String,
-    #[serde(default)]
-    routing_key: String,
+    /// Where it was published; absent: the pipeline's own exchange and routing key, where
+    /// `warren publish --pipeline` and the API publish (a delivery always has them).
+    exchange: Option<String>,
+    routing_key: Option<String>,
 }
 
 impl LineProperties {
     /// As AMQP properties (with `headers`), and the exchange and routing key.
-    fn amqp(&self, headers: Option<FieldTable>) -> (lapin::BasicProperties, String, String) {
+    fn amqp(
+        &self,
+        headers: Option<FieldTable>,
+        names: &Names,
+    ) -> (lapin::BasicProperties, String, String) {
         let short = |s: &Option<String>| s.as_deref().and_then(|s| headers::short(s).ok());
         let mut p = lapin::BasicProperties::default();
         if let Some(h) = headers {
@@ -595,7 +600,15 @@ impl LineProperties {
         if let Some(v) = short(&self.content_type) {
             p = p.with_content_type(v);
         }
-        (p, self.exchange.clone(), self.routing_key.clone())
+        (
+            p,
+            self.exchange
+                .clone()
+                .unwrap_or_else(|| names.main_exchange.clone()),
+            self.routing_key
+                .clone()
+                .unwrap_or_else(|| names.main_queue.clone()),
+        )
     }
 }
 
