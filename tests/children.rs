@@ -262,6 +262,55 @@ async fn a_refused_item_fails_its_whole_message_and_nothing_of_it_is_visible() {
     }
 }
 
+/// Found by review (R36-d): a message whose key holds other parent content and other child
+/// rows was `id_conflict` naming the parent's columns only ("with another total"): the child
+/// tables that differ were never compared once the parent differed. Both are named now, under
+/// `keep` and under `update` (an equal version); the parent alone is named as before.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_conflict_names_the_child_tables_that_differ_beside_the_parents_columns() {
+    let env = TestEnv::new("ch_conflict_both").await;
+    tables(&env).await;
+    let pool = pool(&env).await;
+    let total = |id: Uuid, total: &str, items: &[(&str, i64)]| {
+        String::from_utf8(order(id, 1, items))
+            .expect("utf-8")
+            .replace(r#""total":"12.50""#, &format!(r#""total":"{total}""#))
+            .into_bytes()
+    };
+    for (m, under) in [(keep(), ""), (update(), " under version 1")] {
+        let a = Uuid::new_v4();
+        insert(&m, &pool, &[order(a, 1, &[("A", 1)])])
+            .await
+            .expect("insert");
+        let done = insert(&m, &pool, &[total(a, "99", &[("A", 2)])])
+            .await
+            .expect("insert");
+        assert_eq!(
+            done.conflicts,
+            vec![(
+                0,
+                format!(
+                    "order_id {a} is already stored{under} with another total and other rows \
+                     of order_items"
+                )
+            )],
+            "{done:?}"
+        );
+        let done = insert(&m, &pool, &[total(a, "99", &[("A", 1)])])
+            .await
+            .expect("insert");
+        assert_eq!(
+            done.conflicts,
+            vec![(
+                0,
+                format!("order_id {a} is already stored{under} with another total")
+            )],
+            "{done:?}"
+        );
+        assert_eq!(items(&env, a).await, owned(&[(1, "A", 1)]));
+    }
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn update_replaces_the_items_with_the_winning_versions() {
     let env = TestEnv::new("ch_update").await;

@@ -104,6 +104,45 @@ async fn publish_pipeline_sends_json_lines_to_the_pipelines_queue() {
     assert_eq!(count_of(&env, "SELECT count(*) FROM orders").await, 3);
 }
 
+/// Found by review (R36-b): a line whose key is too long for an AMQP message id (over 255
+/// bytes) was skipped, and the command still exited 0 with the message never sent. It is sent,
+/// with a new UUID as its message id, and standard error names the line and that id.
+#[tokio::test(flavor = "multi_thread")]
+async fn publish_pipeline_sends_a_line_whose_key_is_too_long_for_a_message_id() {
+    let env = TestEnv::new("tools_publish_long").await;
+    let names = PipelineNames::of(&env, "orders");
+    let _cleanup = names.cleanup();
+    create_nested_tables(&env).await;
+    let file = ConfigFile::new(&nested_toml(&names, ""));
+    declare_file(&env, &file).await;
+    let long = "k".repeat(300);
+    let line = format!(r#"{{"order_id":"{long}","total":"1","version":1,"items":[]}}"#);
+    let (code, out, err) = with_stdin(
+        &env,
+        &["--config", file.at(), "publish", "--pipeline", "orders"],
+        line.as_bytes(),
+    )
+    .await;
+    assert_eq!(code, 0, "{out}{err}");
+    assert!(out.contains("published 1 messages"), "{out}");
+    let queued = env.peek(&names.queue, 10).await;
+    assert_eq!(queued.len(), 1, "the line was not sent: {err}");
+    let id = message_id(&queued[0]);
+    assert!(id.parse::<Uuid>().is_ok(), "{id}");
+    assert_eq!(
+        queued[0].delivery.data,
+        line.as_bytes(),
+        "the body as written"
+    );
+    assert!(
+        err.contains(&format!(
+            "line 1: \"order_id\": at most 255 bytes, found 300 (an AMQP message id), sent with \
+             message id {id}"
+        )),
+        "{err}"
+    );
+}
+
 /// An unknown pipeline is a usage error naming the known ones (exit 2); a publish the broker
 /// does not confirm (here: the pipeline's topology never declared, so its exchange is missing)
 /// names the line and exits 1, as the other modes do.
@@ -280,4 +319,64 @@ async fn pipelines_test_db_names_what_the_tables_refuse_and_leaves_nothing() {
     assert_eq!(code, 0, "{out}{err}");
     assert!(out.contains("1 accepted, 0 refused"), "{out}");
     assert_eq!(held().await, (1, 1, 3), "the trial left rows behind");
+}
+
+/// Found by review (R36-e): with `on_conflict = "update"`, `pipelines test --db` of a newer
+/// version of a stored key wrote it (the upsert updated the live row and the delete took its
+/// child rows, rolled back after): for the length of the trial it held the rows the running
+/// pipeline writes to, and passed them to their UPDATE and DELETE triggers. A stored key is
+/// now only read: here a lock on the stored row (a writer of the pipeline's, mid-transaction)
+/// does not hold the trial up, the line says it was not tried, and the rows are as they were.
+#[tokio::test(flavor = "multi_thread")]
+async fn pipelines_test_db_only_reads_a_stored_key() {
+    let env = TestEnv::new("tools_test_db_ro").await;
+    let names = PipelineNames::of(&env, "orders");
+    create_nested_tables(&env).await;
+    let file = ConfigFile::new(&nested_toml(
+        &names,
+        "on_conflict = \"update\"\nversion_column = \"version\"",
+    ));
+    let stored = Uuid::new_v4();
+    env.db
+        .batch_execute(&format!(
+            "INSERT INTO orders VALUES ('{stored}', 1, 1);
+             INSERT INTO order_items VALUES ('{stored}', 1, 'A-1', 1)"
+        ))
+        .await
+        .expect("a stored order");
+    // Another writer holds the stored order's row, as the pipeline's transaction would.
+    let (writer, connection) = tokio_postgres::connect(&database_url(), tokio_postgres::NoTls)
+        .await
+        .expect("a second connection");
+    tokio::spawn(connection);
+    writer
+        .batch_execute(&format!(
+            "SET search_path TO {}; BEGIN; \
+             SELECT 1 FROM orders WHERE order_id = '{stored}' FOR NO KEY UPDATE",
+            env.schema
+        ))
+        .await
+        .expect("lock the stored row");
+    let newer = String::from_utf8(nested_order(stored, 2, &[("B-2", 1)])).expect("utf-8");
+    let started = std::time::Instant::now();
+    let (code, out, err) = with_stdin(
+        &env,
+        &["--config", file.at(), "pipelines", "test", "orders", "--db"],
+        newer.as_bytes(),
+    )
+    .await;
+    let took = started.elapsed();
+    writer.batch_execute("ROLLBACK").await.expect("unlock");
+    assert_eq!(code, 0, "{out}{err}");
+    assert!(
+        out.contains(
+            "db: not tried: its key is stored already (--db writes no row of a stored key)"
+        ),
+        "{out}"
+    );
+    assert!(took < Duration::from_secs(4), "waited {took:?} on the lock");
+    assert_eq!(
+        nested_items(&env, stored).await,
+        [(1, "A-1".to_string(), 1)]
+    );
 }

@@ -416,6 +416,77 @@ async fn run_pipelines_chooses_which_pipelines_run() {
     assert_eq!(env.count_rows().await, 0);
 }
 
+/// Found by review (R36-F3): a header the AMQP parser kept raw, past its 128 KiB budget (2,000
+/// entries sorted before it spent the budget), was stored as NULL by an optional header column.
+/// Through the real broker and consumer it is stored as sent; an order with plain headers beside
+/// it too.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_header_past_the_parsers_budget_is_stored_not_null() {
+    let env = TestEnv::new("pl_hdr_budget").await;
+    let names = Names::of(&env, "orders");
+    let _cleanup = names.cleanup();
+    env.db
+        .batch_execute(
+            "CREATE TABLE orders (order_id uuid PRIMARY KEY, email text NOT NULL,
+                total numeric NOT NULL, quantity int4 NOT NULL, placed_at timestamptz NOT NULL,
+                note text, tenant text, ref text UNIQUE, doc jsonb NOT NULL)",
+        )
+        .await
+        .expect("create orders");
+    let dir = tempfile::tempdir().expect("temp dir");
+    let path = dir.path().join("orders.toml");
+    std::fs::write(&path, config(&names)).expect("write the config");
+    let file = path.to_str().expect("utf-8").to_string();
+    let (code, out, err) = env.run_async(&["--config", &file, "declare"]).await;
+    assert_eq!(code, 0, "declare:\n{out}{err}");
+    let warren = env.start(&[
+        "--config",
+        &file,
+        "--roles",
+        "consumer",
+        "--pipelines",
+        "orders",
+    ]);
+    let _logs = LogsOnPanic(vec![warren.log.clone()]);
+
+    let mut headers = FieldTable::default();
+    for i in 0..2_000 {
+        headers.insert(format!("x-f{i:04}").into(), AMQPValue::Void);
+    }
+    headers.insert("x-tenant".into(), AMQPValue::LongString("far".into()));
+    let (far, near) = (Uuid::new_v4(), Uuid::new_v4());
+    env.publish_to(
+        &names.exchange,
+        &names.queue,
+        &order(far, "1", 1, None),
+        BasicProperties::default().with_headers(headers),
+    )
+    .await;
+    env.publish_to(
+        &names.exchange,
+        &names.queue,
+        &order(near, "1", 1, None),
+        with_tenant("near"),
+    )
+    .await;
+    wait_until("both orders", Duration::from_secs(30), || async {
+        count_of(&env, "SELECT count(*) FROM orders").await == 2
+    })
+    .await;
+    let tenant = |id: Uuid| {
+        let env = &env;
+        async move {
+            env.db
+                .query_one("SELECT tenant FROM orders WHERE order_id = $1", &[&id])
+                .await
+                .expect("the order")
+                .get::<_, Option<String>>(0)
+        }
+    };
+    assert_eq!(tenant(far).await.as_deref(), Some("far"));
+    assert_eq!(tenant(near).await.as_deref(), Some("near"));
+}
+
 /// `api = true`: `POST /api/v1/orders` checks a body with the mapping and publishes it under its
 /// key; `GET /api/v1/orders/<key>` reads the row back, or the fate of a parked message; `PUT`
 /// refuses a body whose key is not the path's; the users API keeps working beside it.

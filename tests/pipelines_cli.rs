@@ -436,3 +436,39 @@ fn deletes_are_listed_tested_and_refused_where_they_make_no_sense() {
         assert!(err.contains(expected), "{err}");
     }
 }
+
+/// Found by review (R36-f): a `--headers` line whose properties gave no exchange or routing key
+/// showed them as `""` in the row, values no delivery of the pipeline carries (a delivery
+/// always has both; `""` is the default exchange). Such a line has the pipeline's own, where
+/// `publish --pipeline` and the API publish; an empty one given is `""`; a line without
+/// properties leaves every property column absent, as before.
+#[test]
+fn test_headers_gives_a_line_without_exchange_the_pipelines_own() {
+    const PROPS: &str = r#"
+[[pipelines]]
+name = "p"
+table = "t"
+key = ["k"]
+
+[pipelines.columns]
+k   = { path = "/k", type = "int4" }
+ex  = { property = "exchange", type = "text", optional = true }
+rk  = { property = "routing_key", type = "text", optional = true }
+mid = { property = "message_id", type = "text", optional = true }
+"#;
+    let lines = [
+        r#"{"properties":{"message_id":"m-1"},"body":{"k":1}}"#,
+        r#"{"properties":{"exchange":"","routing_key":"eu"},"body":{"k":2}}"#,
+        r#"{"body":{"k":3}}"#,
+    ]
+    .join("\n");
+    let (code, out, err) = warren(PROPS, &["pipelines", "test", "p", "--headers"], &lines);
+    assert_eq!(code, 0, "{out}{err}");
+    for expected in [
+        r#"1: ok {"ex":"p_exchange","k":1,"mid":"m-1","rk":"p_queue"}"#,
+        r#"2: ok {"ex":"","k":2,"mid":null,"rk":"eu"}"#,
+        r#"3: ok {"ex":null,"k":3,"mid":null,"rk":null}"#,
+    ] {
+        assert!(out.contains(expected), "{expected} missing:\n{out}");
+    }
+}

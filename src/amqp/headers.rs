@@ -72,6 +72,114 @@ impl Retries {
 /// bytes, the rest of a header table past its memory budget (128 KiB parsed).
 pub const UNPARSED_KEY: &str = lapin::types::parsing::UNPARSED_KEY;
 
+/// The header tables a header column reads could not be read as far as its name: past the
+/// parser's budget ([`MAX_PARSED_BYTES`]), the rest of the table is kept as raw bytes
+/// ([`UNPARSED_KEY`]) and those are not a well-formed run of AMQP table entries, so whether the
+/// message carries the header cannot be told.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+#[error(
+    "cannot be read: past the first {} KiB the AMQP parser reads of a header table, the rest \
+     (kept as raw bytes, {UNPARSED_KEY}) is not well-formed",
+    MAX_PARSED_BYTES / 1024
+)]
+pub struct Unreadable;
+
+/// What the parser reads of one header table before it keeps the rest as raw bytes.
+pub const MAX_PARSED_BYTES: usize = lapin::types::parsing::MAX_PARSED_BYTES;
+
+/// Header `name` of `table`, wherever the parser left it: among the parsed entries or, past the
+/// parser's budget ([`MAX_PARSED_BYTES`]), in the raw bytes of the rest of the table
+/// ([`UNPARSED_KEY`]). The budget bounds what a hostile table takes in memory once parsed; the
+/// raw rest is searched without parsing it (each entry stepped over by its encoded length: no
+/// allocation, one pass over bytes the delivery holds already, at most a frame's), and only the
+/// value found is parsed, so reading a header costs no more than the budget allows. A table or
+/// array found there is given as the raw bytes of its content (a byte array), as the parser
+/// keeps a nested container past its budget. Of two entries of one name the later counts, as
+/// when a table is parsed whole. [`Unreadable`] when the raw rest is not well-formed up to
+/// where the name would be.
+pub fn header<'a>(
+    table: &'a lapin::types::FieldTable,
+    name: &str,
+) -> Result<Option<std::borrow::Cow<'a, AMQPValue>>, Unreadable> {
+    use std::borrow::Cow;
+    let entries = table.inner();
+    if let Some(AMQPValue::ByteArray(raw)) = entries.get(UNPARSED_KEY)
+        && name != UNPARSED_KEY
+        && let Some(value) = raw_header(raw.as_slice(), name)?
+    {
+        return Ok(Some(Cow::Owned(value)));
+    }
+    Ok(entries.get(name).map(Cow::Borrowed))
+}
+
+/// The value of the last entry named `name` in `raw`, AMQP table entries one after the other
+/// (a short string key, a type octet, the value), as the parser leaves them past its budget.
+fn raw_header(raw: &[u8], name: &str) -> Result<Option<AMQPValue>, Unreadable> {
+    let mut at = 0;
+    let mut found: Option<(u8, &[u8])> = None;
+    while at < raw.len() {
+        let key_len = usize::from(raw[at]);
+        let key = raw.get(at + 1..at + 1 + key_len).ok_or(Unreadable)?;
+        let ty_at = at + 1 + key_len;
+        let ty = *raw.get(ty_at).ok_or(Unreadable)?;
+        let length = |at: usize| -> Result<usize, Unreadable> {
+            let bytes = raw.get(at..at + 4).ok_or(Unreadable)?;
+            let n = u32::from_be_bytes([bytes[0], bytes[1], bytes[2], bytes[3]]);
+            Ok(4 + n as usize)
+        };
+        // The value's size on the wire, by the type octets lapin's parser reads (RabbitMQ's).
+        let size = match ty {
+            b'V' => 0,
+            b't' | b'b' | b'B' => 1,
+            b's' | b'U' | b'u' => 2,
+            b'I' | b'i' | b'f' => 4,
+            b'D' => 5,
+            b'L' | b'l' | b'd' | b'T' => 8,
+            b'S' | b'x' | b'A' | b'F' => length(ty_at + 1)?,
+            _ => return Err(Unreadable),
+        };
+        let end = ty_at + 1 + size;
+        if end > raw.len() {
+            return Err(Unreadable);
+        }
+        if key_is(key, name) {
+            found = Some((ty, &raw[ty_at..end]));
+        }
+        at = end;
+    }
+    let Some((ty, value)) = found else {
+        return Ok(None);
+    };
+    Ok(Some(match ty {
+        // A container is not parsed here (its content could be any size once parsed).
+        b'A' | b'F' => AMQPValue::ByteArray(value[5..].to_vec().into()),
+        _ => match lapin::types::parsing::parse_value(value) {
+            Ok(([], v)) => v,
+            _ => return Err(Unreadable),
+        },
+    }))
+}
+
+/// Whether a raw entry's key is `name` as the parser reads keys: bytes that are not UTF-8 are
+/// decoded lossily (U+FFFD each invalid sequence, `?` when that would pass 255 bytes).
+fn key_is(key: &[u8], name: &str) -> bool {
+    if let Ok(key) = std::str::from_utf8(key) {
+        return key == name;
+    }
+    let lossy = String::from_utf8_lossy(key);
+    if lossy.len() <= SHORT_MAX {
+        return lossy == name;
+    }
+    let mut short = String::with_capacity(key.len());
+    for chunk in key.utf8_chunks() {
+        short.push_str(chunk.valid());
+        if !chunk.invalid().is_empty() {
+            short.push('?');
+        }
+    }
+    short == name
+}
+
 /// Reads `x-retries`: missing is 0, any AMQP integer type is read, anything else is invalid.
 pub fn retries(properties: &BasicProperties) -> Retries {
     count(properties, X_RETRIES)
@@ -552,6 +660,113 @@ mod tests {
         let mut h = FieldTable::default();
         h.insert(X_RETRIES.into(), v);
         BasicProperties::default().with_headers(h)
+    }
+
+    /// `table` as the consumer receives it: encoded, then parsed by lapin's (patched) parser.
+    fn received(table: &FieldTable) -> FieldTable {
+        use amq_protocol::frame::WriteContext;
+        let ctx = lapin::types::generation::gen_field_table(table)(WriteContext::from(Vec::new()))
+            .expect("encode");
+        let bytes = ctx.write;
+        lapin::types::parsing::parse_field_table(&bytes[..])
+            .expect("parse")
+            .1
+    }
+
+    /// 2,000 voids sorted before the names that follow spend the parser's budget (each entry
+    /// is charged ~130 bytes), so what sorts after them is kept raw.
+    fn past_the_budget(after: &[(&str, AMQPValue)]) -> FieldTable {
+        let mut t = FieldTable::default();
+        for i in 0..2_000 {
+            t.insert(format!("x-f{i:04}").into(), AMQPValue::Void);
+        }
+        for (k, v) in after {
+            t.insert((*k).into(), v.clone());
+        }
+        received(&t)
+    }
+
+    #[test]
+    fn a_header_past_the_parsers_budget_is_read_from_the_raw_rest() {
+        let values = [
+            ("x-va-text", AMQPValue::LongString(b"acme".to_vec().into())),
+            ("x-vb-bool", AMQPValue::Boolean(true)),
+            ("x-vc-int", AMQPValue::LongLongInt(-7)),
+            ("x-vd-short", AMQPValue::ShortInt(300)),
+            ("x-ve-double", AMQPValue::Double(2.5)),
+            ("x-vg-void", AMQPValue::Void),
+            ("x-vh-time", AMQPValue::Timestamp(1_700_000_000)),
+            ("x-vi-bytes", AMQPValue::ByteArray(vec![1, 2].into())),
+        ];
+        let mut nested = FieldTable::default();
+        nested.insert("k".into(), AMQPValue::LongInt(1));
+        let mut all = values.to_vec();
+        all.push(("x-vj-table", AMQPValue::FieldTable(nested)));
+        let table = past_the_budget(&all);
+        assert!(table.inner().contains_key(UNPARSED_KEY), "budget not spent");
+        for (name, value) in &values {
+            assert!(table.inner().get(*name).is_none(), "{name} was parsed");
+            assert_eq!(
+                header(&table, name).map(|v| v.map(|v| v.into_owned())),
+                Ok(Some(value.clone())),
+                "{name}"
+            );
+        }
+        // A container is given as its content's raw bytes, as the parser keeps one.
+        assert!(matches!(
+            header(&table, "x-vj-table"),
+            Ok(Some(v)) if matches!(v.as_ref(), AMQPValue::ByteArray(_))
+        ));
+        assert_eq!(header(&table, "x-absent"), Ok(None));
+        // One the parser read is read as before.
+        assert_eq!(
+            header(&table, "x-f0000").map(|v| v.map(|v| v.into_owned())),
+            Ok(Some(AMQPValue::Void))
+        );
+    }
+
+    #[test]
+    fn raw_entries_that_are_not_well_formed_are_unreadable_and_the_later_entry_counts() {
+        let raw_table = |raw: Vec<u8>| {
+            let mut t = FieldTable::default();
+            t.insert(
+                "x-tenant".into(),
+                AMQPValue::LongString(b"early".to_vec().into()),
+            );
+            t.insert(UNPARSED_KEY.into(), AMQPValue::ByteArray(raw.into()));
+            t
+        };
+        let entry = |key: &str, value: &[u8]| {
+            let mut e = vec![key.len() as u8];
+            e.extend_from_slice(key.as_bytes());
+            e.push(b'S');
+            e.extend_from_slice(&(value.len() as u32).to_be_bytes());
+            e.extend_from_slice(value);
+            e
+        };
+        // The raw rest comes after the parsed entries: its entry of the name is the later one.
+        let t = raw_table(entry("x-tenant", b"late"));
+        assert_eq!(
+            header(&t, "x-tenant").map(|v| v.map(|v| v.into_owned())),
+            Ok(Some(AMQPValue::LongString(b"late".to_vec().into())))
+        );
+        // Cut short, an unknown type octet, a length past the end: cannot be told.
+        let mut cut = entry("x-other", b"abc");
+        cut.pop();
+        assert_eq!(header(&raw_table(cut), "x-tenant"), Err(Unreadable));
+        let mut odd = entry("x-other", b"abc");
+        odd[8] = b'?';
+        assert_eq!(header(&raw_table(odd), "x-tenant"), Err(Unreadable));
+        let mut long = entry("x-other", b"abc");
+        long[12] = 9;
+        assert_eq!(header(&raw_table(long), "x-tenant"), Err(Unreadable));
+        // A key of invalid UTF-8 is compared as the parser decodes it.
+        let mut lossy = entry("x-ab", b"v");
+        lossy[3] = 0xff;
+        assert_eq!(
+            header(&raw_table(lossy), "x-\u{FFFD}b").map(|v| v.is_some()),
+            Ok(true)
+        );
     }
 
     #[test]

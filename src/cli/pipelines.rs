@@ -4,7 +4,8 @@
 //! reason, with no broker and no database; exit 0 when every line is accepted, 1 otherwise.
 //! With `--db`, each accepted message's rows are also written into the live tables by the
 //! pipeline's own statements in a transaction rolled back, so a CHECK, a foreign key, a
-//! trigger or a type the database refuses shows up before a message is sent.
+//! trigger or a type the database refuses shows up before a message is sent; a key the table
+//! holds already is only read, never written.
 
 use std::io::{BufRead, BufReader, Read};
 use std::path::PathBuf;
@@ -37,7 +38,8 @@ pub enum Action {
     /// booleans, null: AMQP's void) as the AMQP headers the pipeline's `header` columns read, the
     /// properties (message_id, correlation_id, timestamp in seconds, type, app_id, content_type,
     /// exchange, routing_key; optional) as its `property` columns read them, the body as the
-    /// message. Without properties, a property column is absent.
+    /// message. Without properties, a property column is absent; properties without an
+    /// exchange or routing key have the pipeline's own (where `publish --pipeline` sends).
     /// Prints, per line, `ok` and the row it would insert (JSON), or the kind and reason it would
     /// be dead-lettered with. Exit 0 when every line is accepted, 1 otherwise.
     ///
@@ -45,7 +47,9 @@ pub enum Action {
     /// live tables (DATABASE_URL) by the pipeline's own statements, in a transaction that is
     /// rolled back: a CHECK, a foreign key, a trigger or a type the database refuses is
     /// printed as `db_permanent` with PostgreSQL's words (the table, column and constraint it
-    /// names) and counts as refused. Nothing stays in the tables.
+    /// names) and counts as refused. Nothing stays in the tables. A message whose key is stored
+    /// already is not tried: that row and its child rows are only read, never written or
+    /// locked.
     Test {
         /// The pipeline (see `warren pipelines`).
         name: String,
@@ -419,7 +423,7 @@ pub async fn test(
         } else {
             let decoded = match &properties {
                 Some(p) => {
-                    let (props, exchange, routing_key) = p.amqp(headers.clone());
+                    let (props, exchange, routing_key) = p.amqp(headers.clone(), &pipeline.names);
                     let envelope = crate::domain::Envelope {
                         properties: &props,
                         exchange: &exchange,
@@ -485,15 +489,13 @@ pub async fn test(
                         parent,
                         children,
                         Some(format!(
-                            "db: not tried: {}, the pipeline's on_conflict decides (a copy \
-                             is done{})",
+                            "db: not tried: its key is stored already (--db writes no row of \
+                             a stored key), the pipeline's on_conflict decides ({})",
                             match mapping.version_column() {
-                                Some(_) => "its key holds the same or a higher version",
-                                None => "its key is stored already",
-                            },
-                            match mapping.version_column() {
-                                Some(_) => ", an older version changes nothing",
-                                None => ", other content is id_conflict",
+                                Some(_) =>
+                                    "a higher version replaces it and its child rows, the \
+                                     same content is a copy, an older version changes nothing",
+                                None => "the same content is a copy, other content is id_conflict",
                             }
                         )),
                     )),
@@ -562,15 +564,19 @@ struct LineProperties {
     kind: Option<String>,
     app_id: Option<String>,
     content_type: Option<String>,
-    #[serde(default)]
-    exchange: String,
-    #[serde(default)]
-    routing_key: String,
+    /// Where it was published; absent: the pipeline's own exchange and routing key, where
+    /// `warren publish --pipeline` and the API publish (a delivery always has them).
+    exchange: Option<String>,
+    routing_key: Option<String>,
 }
 
 impl LineProperties {
     /// As AMQP properties (with `headers`), and the exchange and routing key.
-    fn amqp(&self, headers: Option<FieldTable>) -> (lapin::BasicProperties, String, String) {
+    fn amqp(
+        &self,
+        headers: Option<FieldTable>,
+        names: &Names,
+    ) -> (lapin::BasicProperties, String, String) {
         let short = |s: &Option<String>| s.as_deref().and_then(|s| headers::short(s).ok());
         let mut p = lapin::BasicProperties::default();
         if let Some(h) = headers {
@@ -594,7 +600,15 @@ impl LineProperties {
         if let Some(v) = short(&self.content_type) {
             p = p.with_content_type(v);
         }
-        (p, self.exchange.clone(), self.routing_key.clone())
+        (
+            p,
+            self.exchange
+                .clone()
+                .unwrap_or_else(|| names.main_exchange.clone()),
+            self.routing_key
+                .clone()
+                .unwrap_or_else(|| names.main_queue.clone()),
+        )
     }
 }
 

@@ -37,7 +37,8 @@ pub struct Args {
     pub stdin: bool,
     /// Publish JSON lines (standard input, or --file) to pipeline NAME's exchange with its
     /// routing key, instead of users. Each message's id is the line's key when the pipeline's
-    /// key is one column read from a top-level field (`"order_id"`), else a new UUID.
+    /// key is one column read from a top-level field (`"order_id"`) and fits an AMQP message id
+    /// (255 bytes), else a new UUID.
     #[arg(long, value_name = "NAME", conflicts_with_all = ["count", "invalid_every"])]
     pub pipeline: Option<String>,
     /// Read the JSON lines from this file instead of standard input.
@@ -143,38 +144,41 @@ pub async fn execute(settings: &Settings, args: Args) -> anyhow::Result<i32> {
             let lines = stream_lines(input);
             let id_field = &id_field;
             lines
-            .filter_map(move |(n, line)| async move {
-                match serde_json::from_str::<serde_json::Value>(&line) {
-                    Ok(serde_json::Value::Object(o)) => {
-                        let id = match o.get(id_field.as_str()) {
-                            Some(serde_json::Value::String(s)) => s.clone(),
-                            Some(serde_json::Value::Number(n)) if n.is_i64() || n.is_u64() => {
-                                n.to_string()
-                            }
-                            _ => Uuid::new_v4().to_string(),
-                        };
-                        match headers::short(id) {
-                            Ok(id) => Some((Some(n), id, line.into_bytes())),
-                            Err(e) => {
-                                errln!(
-                                    "warren publish: line {n}: {:?}: {e} (an AMQP message id), skipped",
-                                    super::terminal_safe(id_field)
-                                );
-                                None
-                            }
+                .filter_map(move |(n, line)| async move {
+                    match serde_json::from_str::<serde_json::Value>(&line) {
+                        Ok(serde_json::Value::Object(o)) => {
+                            let id = match o.get(id_field.as_str()) {
+                                Some(serde_json::Value::String(s)) => s.clone(),
+                                Some(serde_json::Value::Number(n)) if n.is_i64() || n.is_u64() => {
+                                    n.to_string()
+                                }
+                                _ => Uuid::new_v4().to_string(),
+                            };
+                            // A key too long for a message id is no reason to leave the message
+                            // out (the body is sent unchecked): it gets a new id, and the line says so.
+                            let id = headers::short(id).unwrap_or_else(|e| {
+                            let fresh = Uuid::new_v4().to_string();
+                            errln!(
+                                "warren publish: line {n}: {:?}: {e} (an AMQP message id), sent \
+                                 with message id {fresh}",
+                                super::terminal_safe(id_field)
+                            );
+                            // A UUID: 36 bytes, always a short string.
+                            headers::short(fresh).unwrap_or_default()
+                        });
+                            Some((Some(n), id, line.into_bytes()))
+                        }
+                        Ok(_) => {
+                            errln!("warren publish: line {n}: expected a JSON object, skipped");
+                            None
+                        }
+                        Err(e) => {
+                            errln!("warren publish: line {n}: not JSON ({e}), skipped");
+                            None
                         }
                     }
-                    Ok(_) => {
-                        errln!("warren publish: line {n}: expected a JSON object, skipped");
-                        None
-                    }
-                    Err(e) => {
-                        errln!("warren publish: line {n}: not JSON ({e}), skipped");
-                        None
-                    }
-                }
-            })
-            .boxed()
+                })
+                .boxed()
         } else {
             let invalid_every = args.invalid_every;
             futures::stream::iter(0..args.count)

@@ -602,11 +602,78 @@ impl Child {
             problems.extend(found_here.into_iter().map(|(_, r, p)| (r, p)));
             rows.push(cells);
         }
+        if problems.is_empty()
+            && let Some((first, again)) = self.repeated_key(&rows)
+        {
+            let names = self.key_names();
+            let values: Vec<String> = self
+                .key
+                .iter()
+                .map(|&k| crate::text::capped(&super::arrays::shown(&rows[again][k]), 64).into())
+                .collect();
+            return Err(whole(format!(
+                "{at}/{again}: the same key as {at}/{first}, ({}) = ({}): {} holds one row per \
+                 key",
+                names.join(", "),
+                values.join(", "),
+                self.table
+            )));
+        }
         if problems.is_empty() {
             Ok(rows)
         } else {
             Err(problems)
         }
+    }
+
+    /// The first two rows of one message that are one key of the child table (equal key cells,
+    /// none NULL: a unique index holds NULLs apart), by position: the database would refuse
+    /// the second (a unique violation, or an upsert that cannot affect a row twice), naming
+    /// neither element. Keys PostgreSQL alone finds equal (`1.0` and `1` in a numeric, text
+    /// under a case-insensitive collation) are still refused by it.
+    fn repeated_key(&self, rows: &[Vec<Cell>]) -> Option<(usize, usize)> {
+        use std::hash::{Hash, Hasher};
+        if rows.len() < 2 {
+            return None;
+        }
+        let hash = |row: &[Cell]| {
+            let mut h = std::collections::hash_map::DefaultHasher::new();
+            for &k in &self.key {
+                let cell = &row[k];
+                std::mem::discriminant(cell).hash(&mut h);
+                match cell {
+                    Cell::Null => {}
+                    Cell::Text(s)
+                    | Cell::Numeric(s)
+                    | Cell::Timestamptz(s)
+                    | Cell::Date(s)
+                    | Cell::Jsonb(s) => s.hash(&mut h),
+                    Cell::Uuid(u) => u.hash(&mut h),
+                    Cell::Int4(n) => n.hash(&mut h),
+                    Cell::Int8(n) => n.hash(&mut h),
+                    // -0 and 0 are one value (as `==` and PostgreSQL's float8 have them).
+                    Cell::Float8(f) => (if *f == 0.0 { 0.0f64 } else { *f }).to_bits().hash(&mut h),
+                    Cell::Bool(b) => b.hash(&mut h),
+                }
+            }
+            h.finish()
+        };
+        let mut seen: std::collections::HashMap<u64, Vec<usize>> =
+            std::collections::HashMap::with_capacity(rows.len());
+        for (i, row) in rows.iter().enumerate() {
+            if self.key.iter().any(|&k| row[k] == Cell::Null) {
+                continue;
+            }
+            let same = seen.entry(hash(row)).or_default();
+            if let Some(&first) = same
+                .iter()
+                .find(|&&j| self.key.iter().all(|&k| rows[j][k] == row[k]))
+            {
+                return Some((first, i));
+            }
+            same.push(i);
+        }
+        None
     }
 }
 
@@ -755,32 +822,60 @@ pub(super) async fn keep_children(
     let copies: Vec<usize> = (0..records.len())
         .filter(|i| !out.contains(i) && !owners.contains(i))
         .collect();
-    if copies.is_empty() {
+    // The records whose parent content differs are conflicts already: their reason also names
+    // the child tables whose rows differ.
+    let parent_conflicts: Vec<usize> = done.conflicts.iter().map(|(i, _)| *i).collect();
+    if copies.is_empty() && parent_conflicts.is_empty() {
         return Ok(());
     }
-    for (i, table) in differing_children(mapping, client, records, &copies).await? {
-        done.conflicts.push((
-            i,
-            format!(
-                "{} is already stored with other rows of {table}",
-                key_text(mapping, records[i])
-            ),
-        ));
+    let which: Vec<usize> = copies.iter().chain(&parent_conflicts).copied().collect();
+    let differ = differing_children(mapping, client, records, &which).await?;
+    with_other_rows(&mut done.conflicts, &differ);
+    for i in copies {
+        if let Some(tables) = differ.get(&i) {
+            done.conflicts.push((
+                i,
+                format!(
+                    "{} is already stored with {}",
+                    key_text(mapping, records[i]),
+                    other_rows(tables)
+                ),
+            ));
+        }
     }
     Ok(())
 }
 
+/// `other rows of shop.order_items and shop.payments`.
+pub(super) fn other_rows(tables: &[String]) -> String {
+    format!("other rows of {}", tables.join(" and "))
+}
+
+/// Appends ` and other rows of ...` to the reason of each conflict (a parent row stored with
+/// other content) whose record's child rows differ too (`differ`).
+pub(super) fn with_other_rows(
+    conflicts: &mut [(usize, String)],
+    differ: &BTreeMap<usize, Vec<String>>,
+) {
+    for (i, reason) in conflicts.iter_mut() {
+        if let Some(tables) = differ.get(i) {
+            reason.push_str(" and ");
+            reason.push_str(&other_rows(tables));
+        }
+    }
+}
+
 /// Of `which` (indices into `records`, each in the parents' probe as ordinal index + 1), those
-/// whose key holds other child rows than the record has, with the first child table that
-/// differs; asked inside the parents' probe transaction, of the child rows converted by
-/// PostgreSQL into each child table's types.
+/// whose key holds other child rows than the record has, with every child table that differs
+/// (in the spec's order); asked inside the parents' probe transaction, of the child rows
+/// converted by PostgreSQL into each child table's types.
 pub(super) async fn differing_children(
     mapping: &Mapping,
     client: &deadpool_postgres::Client,
     records: &[&Row],
     which: &[usize],
-) -> Result<Vec<(usize, String)>, DbError> {
-    let mut differ: Vec<(usize, String)> = Vec::new();
+) -> Result<BTreeMap<usize, Vec<String>>, DbError> {
+    let mut differ: BTreeMap<usize, Vec<String>> = BTreeMap::new();
     let ords: Vec<i64> = which.iter().map(|&i| i as i64 + 1).collect();
     for (n, child) in mapping.children.iter().enumerate() {
         client
@@ -801,9 +896,7 @@ pub(super) async fn differing_children(
             .map_err(DbError::from_pg)?
         {
             let i = (row.get::<_, i64>(0) - 1) as usize;
-            if !differ.iter().any(|(d, _)| *d == i) {
-                differ.push((i, child.table.to_string()));
-            }
+            differ.entry(i).or_default().push(child.table.to_string());
         }
     }
     Ok(differ)

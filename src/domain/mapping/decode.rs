@@ -225,9 +225,14 @@ impl Mapping {
             },
             // Filled by the child table's decode (or the decode of the body), never looked up.
             Source::Parent(_) | Source::Index | Source::Kept => None,
+            // Past the parser's budget too: a header the message carries is never read as
+            // absent (`headers::header`).
             Source::Header(h) => match headers
-                .and_then(|t| t.inner().get(h.as_str()))
-                .map(header_json)
+                .map(|t| crate::amqp::headers::header(t, h))
+                .transpose()
+                .map_err(|e| ValueError::Unfit(e.to_string()))?
+                .flatten()
+                .map(|v| header_json(&v))
             {
                 Some(Err(amqp_type)) => {
                     return Err(ValueError::Unfit(format!(
@@ -345,45 +350,14 @@ impl Mapping {
             },
             ColType::Timestamptz => match &value {
                 Value::String(s) => {
-                    let t = time::OffsetDateTime::parse(
-                        s,
-                        &time::format_description::well_known::Rfc3339,
-                    )
-                    .map_err(|e| {
-                        unfit(format!(
-                            "expected an RFC 3339 time, found {:?} ({e})",
-                            clip(s)
-                        ))
-                    })?;
-                    check_year(t.year(), s)?;
-                    // PostgreSQL reads UTC offsets up to 15:59 either way.
-                    if t.offset().whole_minutes().unsigned_abs() > 15 * 60 + 59 {
-                        return Err(unfit(format!(
-                            "expected a UTC offset from -15:59 to +15:59 (what PostgreSQL \
-                             reads), found {:?}",
-                            clip(s)
-                        )));
-                    }
+                    times::timestamptz(s)?;
                     Cell::Timestamptz(s.clone())
                 }
                 other => return Err(wrong(other)),
             },
             ColType::Date => match &value {
                 Value::String(s) => {
-                    let format = time::macros::format_description!("[year]-[month]-[day]");
-                    let d = time::Date::parse(s, format).map_err(|e| {
-                        unfit(format!(
-                            "expected a date YYYY-MM-DD, found {:?} ({e})",
-                            clip(s)
-                        ))
-                    })?;
-                    check_year(d.year(), s)?;
-                    if s.starts_with(['+', '-']) {
-                        return Err(unfit(format!(
-                            "expected a date YYYY-MM-DD, its year without a sign, found {:?}",
-                            clip(s)
-                        )));
-                    }
+                    times::date(s)?;
                     Cell::Date(s.clone())
                 }
                 other => return Err(wrong(other)),
@@ -455,21 +429,7 @@ fn property(p: Property, e: &Envelope<'_>) -> Result<Option<Value>, ValueError> 
         }
         Property::Timestamp => match *props.timestamp() {
             None => None,
-            Some(t) => {
-                let time = i64::try_from(t)
-                    .ok()
-                    .and_then(|t| time::OffsetDateTime::from_unix_timestamp(t).ok())
-                    .and_then(|t| {
-                        t.format(&time::format_description::well_known::Rfc3339)
-                            .ok()
-                    })
-                    .ok_or_else(|| {
-                        unfit(format!(
-                            "the timestamp {t} is beyond the times a timestamptz holds"
-                        ))
-                    })?;
-                Some(Value::String(time))
-            }
+            Some(t) => Some(Value::String(times::of_unix_seconds(t)?)),
         },
     })
 }

@@ -293,9 +293,10 @@ pub(super) async fn storable(
 pub enum Trial {
     /// Written: the parent row and this many child rows.
     Written(u64),
-    /// Its key holds a row already (`keep`), or one of the same or a higher version
-    /// (`update`): the pipeline's `on_conflict` decides what it is (a copy, `id_conflict`,
-    /// `stale`), and its child rows were not tried.
+    /// Its key holds a row already: nothing of it was written (the stored row and its child
+    /// rows are only read), and the pipeline's `on_conflict` decides what it is (`keep`: a
+    /// copy or `id_conflict`; `update`: a replacement when its version is higher, else a
+    /// copy, `stale` or `id_conflict`).
     Held,
     /// The insert wrote no row and no key held it: a trigger discarded it (the pipeline parks
     /// it `db_permanent`).
@@ -355,11 +356,12 @@ impl std::fmt::Display for Refusal {
     }
 }
 
-/// See [`Trial`]. `keep`: the plain insert of the batch whose keys are all new (a key held is
+/// See [`Trial`]. First the key is looked up, read only (through the probe, as PostgreSQL
+/// converts it): a key the table holds is [`Trial::Held`], and nothing of it is written.
+/// Else `keep`: the plain insert of the batch whose keys are all new (a key held meanwhile is
 /// its unique violation, told apart from another unique index's by the index's columns);
-/// `update`: the upsert (no row written: the stored version is the same or higher), then, as
-/// the pipeline does, the stored children of the key deleted before the record's are
-/// inserted. A refusal is one the pipeline would park (a data or integrity error, or a code
+/// `update`: the upsert, then, as the pipeline does, the key's stored children (none, unless
+/// left by another writer) deleted before the record's are inserted. A refusal is one the pipeline would park (a data or integrity error, or a code
 /// only a row can cause: a trigger's); any other failure is the database's, an `Err`.
 pub(super) async fn trial(
     mapping: &Mapping,
@@ -374,11 +376,20 @@ pub(super) async fn trial(
     let arrays = arrays(mapping, &records);
     let params: Vec<&(dyn ToSql + Sync)> = arrays.iter().map(Array::as_param).collect();
     let key_params: Vec<&(dyn ToSql + Sync)> = mapping.key.iter().map(|&i| params[i]).collect();
+    // BEGIN, and the probe's table: the record converted into the table's types.
     client
-        .batch_execute("BEGIN")
+        .batch_execute(&st.probe_table)
         .await
         .map_err(DbError::from_pg)?;
     let tried = async {
+        // A key the table holds is only read, never written: its row and child rows are the
+        // live pipeline's, and a write (the upsert of a higher version, the delete of its
+        // children) would lock them for the trial, fire their UPDATE and DELETE triggers, and
+        // hold the pipeline's own writes to that key until the rollback.
+        let found = client.query(st.probe_compare.as_str(), &params).await?;
+        if found.first().is_some_and(|row| row.get::<_, bool>(1)) {
+            return Ok(Trial::Held);
+        }
         let parent = st.insert_new.as_deref().unwrap_or(st.insert.as_str());
         if client.execute(parent, &params).await? == 0 {
             return Ok(if mapping.version.is_some() {

@@ -5,7 +5,7 @@
 //! the body (`""` is the whole body) or a header, a type, and optional checks; decoding a body
 //! yields one cell per column, or a rejection naming the path, what was expected and what was
 //! found. Every pipeline is one, the built-in users pipeline included. `values.rs` holds the
-//! checks of one value; `insert.rs` writes a batch with one statement (`on_conflict = keep |
+//! checks of one value, `times.rs` those of a time or a date; `insert.rs` writes a batch with one statement (`on_conflict = keep |
 //! update`), choosing its path: above `children.rs`, `versions.rs` (`update`'s per-record
 //! outcomes), `probe.rs` (the probe's questions), and, at the bottom, `statements.rs` (every
 //! statement's text, built once) and `arrays.rs` (a batch as parameters); `lookup.rs` answers the API's questions to the table; `schema.rs` checks the mapping against
@@ -32,6 +32,7 @@ pub use names::{NameError, TableName, TableNameError, quote};
 pub use spec::*;
 pub mod schema;
 mod strict;
+mod times;
 mod values;
 mod versions;
 pub use versions::{TombstoneTable, tombstone_tables};

@@ -78,6 +78,50 @@ fn a_header_column_reads_the_header() {
     assert_eq!(cell(&m, &row, "tenant"), Cell::Text("acme".into()));
 }
 
+/// Found by review (R36-F3): a header the parser kept raw, past its 128 KiB budget (entries
+/// sorted before it spent it), read NULL in an optional header column: a value the message
+/// carries was stored as NULL. It is read from the raw rest; raw bytes that cannot be read as
+/// far as the header refuse the message, naming the header and the budget.
+#[test]
+fn a_header_past_the_parsers_budget_is_read_not_taken_for_absent() {
+    use amq_protocol::frame::WriteContext;
+    use lapin::types::{AMQPValue, FieldTable};
+    let m = orders();
+    let mut sent = FieldTable::default();
+    for i in 0..2_000 {
+        sent.insert(format!("x-f{i:04}").into(), AMQPValue::Void);
+    }
+    sent.insert("x-tenant".into(), AMQPValue::LongString("acme".into()));
+    let wire = lapin::types::generation::gen_field_table(&sent)(WriteContext::from(Vec::new()))
+        .expect("encode")
+        .write;
+    let (_, received) = lapin::types::parsing::parse_field_table(&wire[..]).expect("parse");
+    assert!(
+        received
+            .inner()
+            .contains_key(crate::amqp::headers::UNPARSED_KEY)
+            && !received.inner().contains_key("x-tenant"),
+        "the header is not past the budget"
+    );
+    let row = m.decode_message(GOOD.as_bytes(), Some(&received)).unwrap();
+    assert_eq!(cell(&m, &row, "tenant"), Cell::Text("acme".into()));
+
+    let mut cut = FieldTable::default();
+    cut.insert(
+        crate::amqp::headers::UNPARSED_KEY.into(),
+        AMQPValue::ByteArray(vec![8, b'x', b'-', b't'].into()),
+    );
+    let e = m.decode_message(GOOD.as_bytes(), Some(&cut)).unwrap_err();
+    assert_eq!(e.kind, ErrorKind::InvalidPayload);
+    assert!(
+        e.reason.starts_with("header x-tenant: cannot be read")
+            && e.reason.contains("128 KiB")
+            && e.reason.contains("x-unparsed-entries"),
+        "{}",
+        e.reason
+    );
+}
+
 /// A header of an AMQP type with no one JSON reading is refused, naming the header and the type,
 /// never stored as some rendering of it; the readable types are read.
 #[test]
@@ -610,6 +654,62 @@ fn a_year_postgresql_cannot_read_is_refused_at_decode() {
     }
     let body = with("placed_at", "\"0001-01-01T00:00:00Z\"");
     assert!(m.decode_message(body.as_bytes(), None).is_ok());
+}
+
+/// Found by review (R36-F4): a time after year 9999 was refused as no RFC 3339 time ("a
+/// character literal was not valid"), though a timestamptz holds it; and a timestamp property
+/// that large was "beyond the times a timestamptz holds". Both are taken up to PostgreSQL's end
+/// of a timestamptz, and past it refused naming that end.
+#[test]
+fn a_time_after_9999_is_taken_up_to_the_end_of_a_timestamptz() {
+    use crate::domain::Envelope;
+    let m = orders();
+    let body = with("placed_at", "\"10000-01-01T00:00:00Z\"");
+    let row = m
+        .decode_message(body.as_bytes(), None)
+        .expect("10000 is a timestamptz");
+    assert_eq!(
+        cell(&m, &row, "placed_at"),
+        Cell::Timestamptz("10000-01-01T00:00:00Z".into())
+    );
+    let e = refused(&m, &with("placed_at", "\"294277-01-01T00:00:00Z\""));
+    assert_eq!(
+        e.reason,
+        "/placed_at: expected a time up to 294276-12-31T23:59:59.999999Z (the last a \
+         PostgreSQL timestamptz holds), found \"294277-01-01T00:00:00Z\""
+    );
+    let spec: MappingSpec = toml::from_str(
+        r#"
+        table = "t"
+        key = ["k"]
+        [columns]
+        k  = { path = "/k", type = "int4" }
+        at = { property = "timestamp", type = "timestamptz" }
+        "#,
+    )
+    .expect("parses");
+    let p = Mapping::compile("t", &spec).expect("compiles");
+    let decode = |secs: u64| {
+        let props = lapin::BasicProperties::default().with_timestamp(secs);
+        let envelope = Envelope {
+            properties: &props,
+            exchange: "",
+            routing_key: "q",
+        };
+        p.decode_envelope(br#"{"k":1}"#, &envelope)
+            .map(|row| row.0[0].clone())
+            .map_err(|r| r.rejection.reason)
+    };
+    assert_eq!(
+        decode(253_402_300_800),
+        Ok(Cell::Timestamptz("10000-01-01T00:00:00Z".into()))
+    );
+    let words = decode(9_224_318_016_000).unwrap_err();
+    assert!(
+        words.starts_with("property timestamp: the timestamp 9224318016000 (Unix seconds) is past")
+            && words.contains("294276-12-31T23:59:59Z, the last second a PostgreSQL timestamptz"),
+        "{words}"
+    );
 }
 
 /// Found by the second review: an offset beyond what PostgreSQL reads (+-15:59) passed decode,

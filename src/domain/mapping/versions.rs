@@ -224,6 +224,7 @@ async fn outcomes(
     }
     // The probe's ordinals are the batch's (index + 1).
     let mut same_parent: Vec<usize> = Vec::new();
+    let mut conflicts: Vec<(usize, String)> = Vec::new();
     for row in client
         .query(st.probe_read.as_str(), &[])
         .await
@@ -246,7 +247,7 @@ async fn outcomes(
                 .filter(|(_, s)| !**s)
                 .map(|(c, _)| c.name.as_str()),
         );
-        done.conflicts.push((
+        conflicts.push((
             i,
             format!(
                 "{} is already stored under version {} with another {}",
@@ -256,20 +257,31 @@ async fn outcomes(
             ),
         ));
     }
-    if !mapping.children.is_empty() && !same_parent.is_empty() {
-        for (i, table) in
-            children::differing_children(mapping, client, records, &same_parent).await?
-        {
-            done.conflicts.push((
-                i,
-                format!(
-                    "{} is already stored under version {} with other rows of {table}",
-                    key(i),
-                    version(i)
-                ),
-            ));
+    let compared = !same_parent.is_empty() || !conflicts.is_empty();
+    if !mapping.children.is_empty() && compared {
+        // Every child table whose rows differ is named, beside the parent's columns too.
+        let which: Vec<usize> = same_parent
+            .iter()
+            .copied()
+            .chain(conflicts.iter().map(|(i, _)| *i))
+            .collect();
+        let differ = children::differing_children(mapping, client, records, &which).await?;
+        children::with_other_rows(&mut conflicts, &differ);
+        for i in same_parent {
+            if let Some(tables) = differ.get(&i) {
+                conflicts.push((
+                    i,
+                    format!(
+                        "{} is already stored under version {} with {}",
+                        key(i),
+                        version(i),
+                        children::other_rows(tables)
+                    ),
+                ));
+            }
         }
     }
+    done.conflicts.extend(conflicts);
     done.conflicts.sort_by_key(|(i, _)| *i);
     Ok(done)
 }

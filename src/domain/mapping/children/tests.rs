@@ -102,6 +102,53 @@ fn an_element_failing_a_check_refuses_the_message_naming_its_path() {
     );
 }
 
+/// Found by review (R36-a): two elements of one key (the child table's key columns equal)
+/// passed decode, and the database refused the message with a unique violation naming neither
+/// element. Refused at decode, naming both elements and the key.
+#[test]
+fn two_elements_of_one_child_key_refuse_the_message_naming_both() {
+    let m = Mapping::compile(
+        "orders",
+        &toml::from_str::<MappingSpec>(
+            r#"
+            table = "shop.orders"
+            key = ["order_id"]
+            [columns]
+            order_id = { path = "/order_id", type = "uuid" }
+            [[children]]
+            table = "shop.order_items"
+            rows = "/items"
+            key = ["order_id", "sku"]
+            [children.columns]
+            order_id = { parent = "order_id" }
+            sku      = { path = "/sku", type = "text" }
+            qty      = { path = "/qty", type = "int4" }
+            "#,
+        )
+        .expect("spec"),
+    )
+    .expect("compiles");
+    let body = |items: &str| format!(r#"{{"order_id":"{ID}","items":{items}}}"#).into_bytes();
+    let r = m
+        .decode(&body(
+            r#"[{"sku":"A","qty":1},{"sku":"B","qty":2},{"sku":"A","qty":3}]"#,
+        ))
+        .unwrap_err();
+    assert_eq!(r.kind.as_str(), "invalid_payload");
+    assert_eq!(
+        r.reason,
+        format!(
+            "/items/2: the same key as /items/0, (order_id, sku) = ({ID}, A): \
+             shop.order_items holds one row per key"
+        )
+    );
+    // Keys that differ (text by its bytes: a collation's equality is the database's) are rows.
+    assert!(
+        m.decode(&body(r#"[{"sku":"A","qty":1},{"sku":"a","qty":1}]"#))
+            .is_ok()
+    );
+}
+
 #[test]
 fn rows_that_are_not_an_array_or_too_many_refuse_the_message() {
     let m = mapping("", "max_rows = 2");
