@@ -619,28 +619,9 @@ async fn a_dlq_message_whose_insert_always_times_out_is_parked_after_its_attempt
         .set("USERS_BATCH_TIMEOUT_MS", "20")
         .set("DLQ_MAX_ATTEMPTS", "4");
     env.declare();
-    let s = &env.schema;
-    env.db
-        .batch_execute(&format!(
-            r#"
-            CREATE FUNCTION {s}.slow_insert() RETURNS trigger LANGUAGE plpgsql AS $f$
-            BEGIN
-                IF NEW.name = 'slow' THEN
-                    PERFORM pg_sleep(3);
-                END IF;
-                RETURN NEW;
-            END $f$;
-            CREATE TRIGGER users_slow_insert BEFORE INSERT ON {s}.users
-                FOR EACH ROW EXECUTE FUNCTION {s}.slow_insert();
-            "#
-        ))
-        .await
-        .expect("install the slow trigger");
+    install_slow_trigger(&env).await;
     let slow = Uuid::new_v4();
-    let body =
-        serde_json::json!({"id": slow, "name": "slow", "email": format!("{slow}@example.com")})
-            .to_string()
-            .into_bytes();
+    let body = slow_user_body(slow);
     env.publish_to_dlq(
         &body,
         dead_lettered(&slow.to_string(), "retries_exhausted", 3),
@@ -823,5 +804,97 @@ async fn a_dlq_message_whose_statements_outlast_the_client_bound_is_parked() {
     assert_eq!(
         count_of(&env, "SELECT count(*) FROM order_items WHERE sku = 'A'").await,
         1
+    );
+}
+
+/// A DLQ batch of 20 messages, one of which times out (a trigger sleeping past a 300 ms
+/// `statement_timeout` for its key): the timeout is the slow message's, not its neighbours'.
+/// The batch is split to find it within the same delivery, the 19 others are inserted once,
+/// and only the slow message spends attempts and is parked once, after `DLQ_MAX_ATTEMPTS`.
+/// The search is bounded as a bisection is: each delivery's isolation meets at most
+/// ceil(log2 20) + 2 = 7 timeouts, not 20. (Before, a timeout failed the whole batch: every
+/// message spent an attempt with the slow one each time and all 20 were parked.)
+#[tokio::test(flavor = "multi_thread")]
+async fn a_slow_message_in_a_dlq_batch_is_isolated_and_its_neighbours_inserted() {
+    let mut env = TestEnv::new("dlq_slow_one").await;
+    env.set("DB_RETRY_WINDOW_MS", "0")
+        .set("DATABASE_STATEMENT_TIMEOUT_MS", "300")
+        .set("LOG_FORMAT", "json")
+        .set("USERS_BATCH_MIN_WAIT_MS", "500")
+        .set("USERS_BATCH_TIMEOUT_MS", "1000")
+        .set("DLQ_MAX_ATTEMPTS", "3");
+    env.declare();
+    install_slow_trigger(&env).await;
+    let ids: Vec<Uuid> = (0..20).map(|_| Uuid::new_v4()).collect();
+    let slow = ids[7];
+    for &id in &ids {
+        let body = if id == slow {
+            slow_user_body(id)
+        } else {
+            user_body(id)
+        };
+        env.publish_to_dlq(
+            &body,
+            dead_lettered(&id.to_string(), "retries_exhausted", 3),
+        )
+        .await;
+    }
+    assert_eq!(env.queue_state(&env.dlq_queue).await.0, 20);
+
+    let mut warren = env.start(&["--roles", "dlq"]);
+    let _logs = LogsOnPanic(vec![warren.log.clone()]);
+    wait_until(
+        "something parked and the DLQ empty",
+        Duration::from_secs(60),
+        || async { parked_count(&env).await >= 1 && env.queue_state(&env.dlq_queue).await.0 == 0 },
+    )
+    .await;
+    let retried = metric(
+        &env,
+        "warren_messages_retried_total",
+        &[("pipeline", "users"), ("stage", "dlq")],
+    )
+    .await;
+    stop_with_everything_acked(&env, &mut warren).await;
+
+    let innocent: std::collections::HashSet<Uuid> =
+        ids.iter().copied().filter(|&id| id != slow).collect();
+    assert_eq!(
+        env.row_ids().await,
+        innocent,
+        "the 19 others inserted, the slow one not; log:\n{}",
+        warren.logs()
+    );
+    let rows = env
+        .db
+        .query(
+            "SELECT message_id, error_kind, error_reason, park_count FROM dead_letters",
+            &[],
+        )
+        .await
+        .expect("parked rows");
+    let parked: Vec<String> = rows.iter().map(|r| r.get(0)).collect();
+    assert_eq!(parked, vec![slow.to_string()], "only the slow one parked");
+    let (kind, reason, park_count): (String, String, i32) =
+        (rows[0].get(1), rows[0].get(2), rows[0].get(3));
+    assert_eq!(kind, "retries_exhausted");
+    assert_eq!(park_count, 1, "parked once");
+    assert!(
+        reason.contains("57014") && reason.contains("gave up after 3 attempts"),
+        "{reason:?}"
+    );
+    // Only the slow message went back to the DLQ for another attempt (twice: the third parks).
+    assert_eq!(retried, 2.0, "DLQ attempts republished");
+    // Each delivery's search met at most 7 timeouts.
+    let log = warren.logs();
+    let searches: Vec<u64> = log
+        .lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        .filter_map(|v| v["timed_out"].as_u64())
+        .collect();
+    assert!(!searches.is_empty(), "no isolation of a timeout logged");
+    assert!(
+        searches.iter().all(|&n| n <= 7),
+        "timeouts met per isolation: {searches:?}"
     );
 }

@@ -428,3 +428,128 @@ async fn each_retry_goes_through_its_tier_in_order() {
     }
     assert_eq!(env.queue_state(&env.main_queue).await, (0, 0));
 }
+
+/// A batch of 20 in which one message's insert times out (a trigger sleeping past a 300 ms
+/// `statement_timeout` for its key): the timeout is that message's, not its batch's. The batch
+/// is split at once to find it, the 19 others are inserted without a retry, and only the slow
+/// message goes through the retry queue, then to the DLQ (`retries_exhausted`). (Before, a
+/// timeout was not split: all 20 spent every retry together and all 20 were dead-lettered.)
+#[tokio::test(flavor = "multi_thread")]
+async fn only_the_slow_message_of_a_batch_that_timed_out_spends_retries() {
+    let mut env = TestEnv::new("retry_slow_one").await;
+    env.set("RETRY_TTL_MS", "300")
+        .set("DB_RETRY_WINDOW_MS", "0")
+        .set("MAX_RETRIES", "2")
+        .set("DATABASE_STATEMENT_TIMEOUT_MS", "300")
+        .set("USERS_BATCH_MIN_WAIT_MS", "500")
+        .set("USERS_BATCH_TIMEOUT_MS", "1000")
+        .set("BREAKER_FAILURES", "1000");
+    env.declare();
+    install_slow_trigger(&env).await;
+    let ids: Vec<Uuid> = (0..20).map(|_| Uuid::new_v4()).collect();
+    let slow = ids[12];
+    env.publish_pipelined(ids.iter().map(|&id| {
+        let body = if id == slow {
+            slow_user_body(id)
+        } else {
+            user_body(id)
+        };
+        (body, json_props(id))
+    }))
+    .await;
+
+    // Without the DLQ consumer: the dead letter stays in the DLQ to be read.
+    let mut warren = env.start(&["--roles", "consumer"]);
+    let _logs = LogsOnPanic(vec![warren.log.clone()]);
+    wait_until(
+        "a message in the DLQ, main and retry queues empty",
+        Duration::from_secs(40),
+        || async {
+            env.ready(&env.dlq_queue).await >= 1
+                && env.ready(&env.main_queue).await == 0
+                && env.ready(&env.retry_queue).await == 0
+        },
+    )
+    .await;
+    let retried = metric(
+        &env,
+        "warren_messages_retried_total",
+        &[("pipeline", "users"), ("stage", "main")],
+    )
+    .await;
+    assert!(warren.terminate(Duration::from_secs(25)).success());
+
+    let others: std::collections::HashSet<Uuid> =
+        ids.iter().copied().filter(|&id| id != slow).collect();
+    assert_eq!(env.row_ids().await, others, "the 19 others inserted");
+    assert_eq!(
+        retried, 2.0,
+        "republishes to the retry queue: the slow one's"
+    );
+    let dead = env.drain_queue(&env.dlq_queue, 25).await;
+    let dead_ids: Vec<Uuid> = dead.iter().map(message_uuid).collect();
+    assert_eq!(dead_ids, vec![slow], "only the slow one dead-lettered");
+    let p = &dead[0].delivery.properties;
+    assert_eq!(int_header(p, "x-retries"), Some(2));
+    assert_eq!(
+        text_header(p, "x-error-kind").as_deref(),
+        Some("retries_exhausted")
+    );
+    let reason = text_header(p, "x-error-reason").expect("x-error-reason");
+    assert!(reason.contains("57014"), "x-error-reason {reason:?}");
+    assert_eq!(env.queue_state(&env.main_queue).await, (0, 0));
+    assert_queue_empty(&env, &env.retry_queue).await;
+}
+
+/// A batch in which every message times out (an overloaded server, as far as warren can tell):
+/// the search for slow rows stops once both halves of the batch time out too, three timeouts in
+/// all, not one per message; every message then spends its retries, as any transient failure.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_batch_whose_every_message_times_out_stops_its_search_after_both_halves() {
+    let mut env = TestEnv::new("retry_all_slow").await;
+    env.set("RETRY_TTL_MS", "300")
+        .set("DB_RETRY_WINDOW_MS", "0")
+        .set("MAX_RETRIES", "1")
+        .set("DATABASE_STATEMENT_TIMEOUT_MS", "300")
+        .set("LOG_FORMAT", "json")
+        .set("USERS_BATCH_MIN_WAIT_MS", "500")
+        .set("USERS_BATCH_TIMEOUT_MS", "1000")
+        .set("BREAKER_FAILURES", "1000");
+    env.declare();
+    install_slow_trigger(&env).await;
+    let ids: Vec<Uuid> = (0..20).map(|_| Uuid::new_v4()).collect();
+    env.publish_pipelined(ids.iter().map(|&id| (slow_user_body(id), json_props(id))))
+        .await;
+
+    let mut warren = env.start(&["--roles", "consumer"]);
+    let _logs = LogsOnPanic(vec![warren.log.clone()]);
+    wait_until("all 20 in the DLQ", Duration::from_secs(40), || async {
+        env.ready(&env.dlq_queue).await == 20
+    })
+    .await;
+    assert!(warren.terminate(Duration::from_secs(25)).success());
+    let searches: Vec<u64> = warren
+        .logs()
+        .lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        .filter_map(|v| v["timed_out"].as_u64())
+        .collect();
+    assert!(!searches.is_empty(), "no search logged");
+    assert!(
+        searches.iter().all(|&n| n == 3),
+        "timeouts met per search: {searches:?}"
+    );
+    assert_eq!(env.count_rows().await, 0);
+    let dead: Vec<Uuid> = env
+        .drain_queue(&env.dlq_queue, 25)
+        .await
+        .iter()
+        .map(message_uuid)
+        .collect();
+    assert_eq!(dead.len(), 20, "each dead-lettered once: {dead:?}");
+    assert_eq!(
+        dead.into_iter()
+            .collect::<std::collections::HashSet<Uuid>>(),
+        ids.iter().copied().collect()
+    );
+}

@@ -126,6 +126,16 @@ impl DbError {
             if code == "0A000" && message.contains("cached plan must not change result type"))
     }
 
+    /// Whether the work ran out of time: the server's `statement_timeout` (57014, also the code
+    /// of a cancel, which warren sends only at a stop) or warren's own bound on it
+    /// ([`DbError::Outlasted`]). One slow row (a huge child array, a slow trigger, a lock held
+    /// on its key) times out its whole batch, so the sink splits a batch that timed out to find
+    /// it (`pipeline/sink.rs`), within a bound of about log2 of the batch's size in timeouts;
+    /// it is not [`Self::may_be_row_specific`], which splits only after the in-place retries.
+    pub fn is_timeout(&self) -> bool {
+        matches!(self, DbError::Outlasted { .. }) || self.sqlstate() == Some("57014")
+    }
+
     /// Whether the server answered (as opposed to no connection at all): with an error, or,
     /// for work that outlasted warren's bound, a question asked right after.
     pub fn server_answered(&self) -> bool {
@@ -224,8 +234,22 @@ mod tests {
             assert!(!server(code).may_be_row_specific(), "{code}");
         }
         assert!(!DbError::Connection("refused".into()).may_be_row_specific());
-        // Too slow is about the batch's size and the moment, as 57014 is: not split.
+        // Timeouts have their own search (`is_timeout`), not this one.
         assert!(!DbError::Outlasted { bound_ms: 5000 }.may_be_row_specific());
+    }
+
+    #[test]
+    fn the_servers_timeout_and_warrens_bound_are_timeouts() {
+        let server = |code: &str| DbError::Server {
+            code: code.into(),
+            message: "x".into(),
+        };
+        assert!(server("57014").is_timeout());
+        assert!(DbError::Outlasted { bound_ms: 5000 }.is_timeout());
+        for code in ["57P01", "40001", "55P03", "P0001", "23505"] {
+            assert!(!server(code).is_timeout(), "{code}");
+        }
+        assert!(!DbError::Connection("no answer".into()).is_timeout());
     }
 
     #[test]

@@ -1,10 +1,11 @@
 //! The sink stage: inserts one batch with one statement through the domain, retries a
 //! transient failure in place within `DB_RETRY_WINDOW_MS`, isolates the rows the database
-//! refuses (split in halves, so one bad row never takes its batch down), acks what committed
-//! and hands every other message, with why, to the pipeline's fallback stage (`router.rs` for
-//! the main pipeline, `dlq.rs` for the DLQ consumer). It answers the batcher once the whole
-//! batch is settled: one batch at a time per sink. A batch retried in place (the breaker open)
-//! is given back to its queue at 80% of the broker's `consumer_timeout`
+//! refuses or that time out (split in halves, so one bad or slow row never takes its batch
+//! down; the search for a slow one costs about log2 of the batch's size in timeouts), acks
+//! what committed and hands every other message, with why, to the pipeline's fallback stage
+//! (`router.rs` for the main pipeline, `dlq.rs` for the DLQ consumer). It answers the batcher
+//! once the whole batch is settled: one batch at a time per sink. A batch retried in place (the
+//! breaker open) is given back to its queue at 80% of the broker's `consumer_timeout`
 //! (`AMQP_CONSUMER_TIMEOUT_MS`), counted from its oldest delivery, before the broker would close
 //! the channel over it.
 
@@ -288,19 +289,164 @@ type GroupResult = (Vec<usize>, Result<Refusals, DbError>);
 /// may have caused (permanently, or transiently with a server error once the in-place retries
 /// are spent), so only the offending rows fail. Known transient classes (connection, deadlock,
 /// resources) are about the moment, not a row: not split.
+///
+/// A group that times out (`DbError::is_timeout`: the server's `statement_timeout`, or warren's
+/// own bound) is split too, at once, without an in-place retry: one slow row (a huge child
+/// array, a slow trigger, a lock held on its key) times out the whole batch, and without the
+/// split every row of the batch spent a retry (or a DLQ attempt) with it, each time, and went to
+/// the DLQ (or was parked) with it. Both halves are tried before either is split again; when
+/// both time out, the time is the moment's (an overloaded server) or several rows' own, and the
+/// search stops there: those halves fail as they are. So one slow row among N costs at most
+/// ceil(log2 N) + 1 timeouts, and the search never more than ceil(log2 N) + 2 timeouts
+/// followed by a split ([`timeout_budget`]), not N: a timeout of a single row, or one past the
+/// budget, at a stop, or too near the time the batch is given back, fails as before.
 async fn insert_isolating<D: Domain>(
     config: &Arc<SinkConfig<D>>,
     records: Vec<(usize, &D::Record)>,
     batch_id: &str,
     give_back_at: Option<Instant>,
 ) -> Vec<GroupResult> {
-    let mut out = Vec::new();
-    let deadline = Instant::now() + config.db_retry_window;
-    let mut stack: Vec<Vec<(usize, &D::Record)>> = vec![records];
-    let mut splits = 0usize;
-    while let Some(group) = stack.pop() {
+    let mut search = Isolation {
+        config,
+        batch_id,
+        deadline: Instant::now() + config.db_retry_window,
+        give_back_at,
+        timeout_budget: timeout_budget(records.len()),
+        stack: vec![Work::Group(records)],
+        out: Vec::new(),
+        splits: 0,
+        halvings: 0,
+        timed_out: 0,
+        alone: 0,
+    };
+    while let Some(work) = search.stack.pop() {
+        match work {
+            Work::Group(group) => {
+                let (result, split) = search.attempt(&group).await;
+                search.take(group, result, split).await;
+            }
+            Work::Halves(left, right) => {
+                let (left_result, left_split) = search.attempt(&left).await;
+                let (right_result, right_split) = search.attempt(&right).await;
+                let timed_out =
+                    |r: &Result<Inserted, DbError>| matches!(r, Err(e) if e.is_timeout());
+                let both = timed_out(&left_result) && timed_out(&right_result);
+                // Pushed so that the left half's rows are searched first, as the stack does.
+                search.take(right, right_result, right_split && !both).await;
+                search.take(left, left_result, left_split && !both).await;
+            }
+        }
+    }
+    let (pipeline, stage) = (config.stage.pipeline(), config.stage.stage().as_str());
+    if search.splits > 0 {
+        info!(
+            pipeline,
+            stage,
+            batch_id,
+            splits = search.splits,
+            "batch split to isolate refused rows"
+        );
+    }
+    if search.halvings > 0 {
+        info!(
+            pipeline,
+            stage,
+            batch_id,
+            halvings = search.halvings,
+            timed_out = search.timed_out,
+            alone = search.alone,
+            "batch that timed out split to find its slow rows; the others went on"
+        );
+    }
+    search.out
+}
+
+/// A group of a batch's records, with their indices in the batch.
+type Group<'r, R> = Vec<(usize, &'r R)>;
+
+/// What the search for a batch's rows at fault still has to try.
+enum Work<'r, R> {
+    /// One group.
+    Group(Group<'r, R>),
+    /// The halves of a group that timed out, both tried before either is split again.
+    Halves(Group<'r, R>, Group<'r, R>),
+}
+
+/// How many tries of one batch's search may time out and still be followed by a split: what
+/// finding one slow row among `n` takes (the batch, then one half at each of ceil(log2 n)
+/// halvings), and one more.
+fn timeout_budget(n: usize) -> usize {
+    let halvings = usize::BITS - n.saturating_sub(1).leading_zeros();
+    halvings as usize + 2
+}
+
+/// The search for the rows at fault in one batch: what it still has to try, what it found, and
+/// what it spent.
+struct Isolation<'c, 'r, D: Domain> {
+    config: &'c Arc<SinkConfig<D>>,
+    batch_id: &'c str,
+    /// Transient failures are retried in place until then (`DB_RETRY_WINDOW_MS` from the start).
+    deadline: Instant,
+    give_back_at: Option<Instant>,
+    /// [`timeout_budget`] of the batch.
+    timeout_budget: usize,
+    stack: Vec<Work<'r, D::Record>>,
+    out: Vec<GroupResult>,
+    /// Splits after a refusal.
+    splits: usize,
+    /// Splits after a timeout.
+    halvings: usize,
+    /// Tries that timed out.
+    timed_out: usize,
+    /// Rows that timed out alone.
+    alone: usize,
+}
+
+impl<'r, D: Domain> Isolation<'_, 'r, D> {
+    /// Whether a group of `len` rows that times out now is split: it has more than one row, the
+    /// search's budget is not spent, warren is not stopping (a stop cancels its statements with
+    /// a 57014 too, and gives their batch back), and the batch has time for two more bounds
+    /// before it is given back to the broker.
+    fn splits_on_timeout(&self, len: usize) -> bool {
+        len > 1
+            && self.timed_out < self.timeout_budget
+            && !self.config.stopping.is_cancelled()
+            && !past_give_back(
+                self.give_back_at,
+                Instant::now(),
+                self.config.db_bound.saturating_mul(2),
+            )
+    }
+
+    /// Inserts `group` (retried in place as [`insert_retrying`] does, except a timeout that is
+    /// to be split); the result, and whether a timeout of it is split.
+    async fn attempt(&mut self, group: &Group<'r, D::Record>) -> (Result<Inserted, DbError>, bool) {
+        let split = self.splits_on_timeout(group.len());
         let refs: Vec<&D::Record> = group.iter().map(|(_, r)| *r).collect();
-        match insert_retrying(config, &refs, deadline, give_back_at, batch_id).await {
+        let result = insert_retrying(
+            self.config,
+            &refs,
+            self.deadline,
+            self.give_back_at,
+            self.batch_id,
+            !split,
+        )
+        .await;
+        if matches!(&result, Err(e) if e.is_timeout()) {
+            self.timed_out += 1;
+        }
+        (result, split)
+    }
+
+    /// What `group`'s try ended with: its result, or more work (its halves) when it failed in a
+    /// way one of its rows may have caused; `split_timeout`: a timeout of it is split.
+    async fn take(
+        &mut self,
+        group: Group<'r, D::Record>,
+        result: Result<Inserted, DbError>,
+        split_timeout: bool,
+    ) {
+        match result {
             Ok(done) => {
                 let in_batch = |list: Vec<(usize, String)>| -> Vec<(usize, String)> {
                     list.into_iter()
@@ -317,18 +463,25 @@ async fn insert_isolating<D: Domain>(
                         .filter_map(|&j| group.get(j).map(|(i, _)| *i))
                         .collect(),
                 };
-                out.push((group.into_iter().map(|(i, _)| i).collect(), Ok(refusals)));
+                self.out
+                    .push((group.into_iter().map(|(i, _)| i).collect(), Ok(refusals)));
+            }
+            Err(e) if split_timeout && e.is_timeout() => {
+                self.halvings += 1;
+                let mut left = group;
+                let right = left.split_off(left.len() / 2);
+                self.stack.push(Work::Halves(left, right));
             }
             // Also while stopping: a group's error belongs to the group, not to each row, and
             // only the split can tell which row it was (the halves take milliseconds; without
             // it, a shutdown during a batch with one duplicate email dead-lettered the whole
             // batch, and the DLQ consumer parked it).
             Err(e) if group.len() > 1 && splits_on(&e) => {
-                splits += 1;
+                self.splits += 1;
                 let mut left = group;
                 let right = left.split_off(left.len() / 2);
-                stack.push(right);
-                stack.push(left);
+                self.stack.push(Work::Group(right));
+                self.stack.push(Work::Group(left));
             }
             // A row the server refuses on its own may be one it already holds exactly: a
             // redelivered copy whose first copy committed, refused now by a CHECK or trigger
@@ -338,12 +491,12 @@ async fn insert_isolating<D: Domain>(
                 if group.len() == 1
                     && e.server_answered()
                     && e.class() != ErrorClass::Systemic
-                    && already_stored(config, group[0].1).await =>
+                    && already_stored(self.config, group[0].1).await =>
             {
                 info!(
-                    pipeline = config.stage.pipeline(),
-                    stage = config.stage.stage().as_str(),
-                    batch_id,
+                    pipeline = self.config.stage.pipeline(),
+                    stage = self.config.stage.stage().as_str(),
+                    batch_id = self.batch_id,
                     error = %e,
                     "a refused row is already stored as it is: done"
                 );
@@ -353,21 +506,17 @@ async fn insert_isolating<D: Domain>(
                     stale: Vec::new(),
                     deleted: Vec::new(),
                 };
-                out.push((vec![group[0].0], Ok(refusals)));
+                self.out.push((vec![group[0].0], Ok(refusals)));
             }
-            Err(e) => out.push((group.into_iter().map(|(i, _)| i).collect(), Err(e))),
+            Err(e) => {
+                if group.len() == 1 && e.is_timeout() {
+                    self.alone += 1;
+                }
+                self.out
+                    .push((group.into_iter().map(|(i, _)| i).collect(), Err(e)));
+            }
         }
     }
-    if splits > 0 {
-        info!(
-            pipeline = config.stage.pipeline(),
-            stage = config.stage.stage().as_str(),
-            batch_id,
-            splits,
-            "batch split to isolate refused rows"
-        );
-    }
-    out
 }
 
 /// Whether the table already holds `record` exactly, asked within the statement bound; `false`
@@ -420,12 +569,14 @@ fn past_give_back(give_back_at: Option<Instant>, now: Instant, delay: Duration) 
 /// batch back to its queue (a systemic error is requeued, `x-retries` untouched), so the broker's
 /// `consumer_timeout` never closes the channel over it; the breaker keeps the consumer held.
 /// Each attempt is bounded on the client side, so a half-open connection fails it in seconds.
+/// `retry_timeouts`: a timeout is retried in place too (not when the group is split on it).
 async fn insert_retrying<D: Domain>(
     config: &Arc<SinkConfig<D>>,
     records: &[&D::Record],
     deadline: Instant,
     give_back_at: Option<Instant>,
     batch_id: &str,
+    retry_timeouts: bool,
 ) -> Result<Inserted, DbError> {
     let attempt = || async {
         let client = match config.pool.get().await {
@@ -467,7 +618,11 @@ async fn insert_retrying<D: Domain>(
     attempt
         .retry(crate::amqp::reconnect_builder())
         .sleep(super::cancellable_sleep(stopping.clone()))
-        .when(|e| !stopping.is_cancelled() && e.class() != ErrorClass::Permanent)
+        .when(|e| {
+            !stopping.is_cancelled()
+                && e.class() != ErrorClass::Permanent
+                && (retry_timeouts || !e.is_timeout())
+        })
         .adjust(|e, delay| match (e.class(), delay) {
             (ErrorClass::Transient, Some(d)) if Instant::now() + d > deadline => None,
             (_, Some(d)) if past_give_back(give_back_at, Instant::now(), d) => {
@@ -511,6 +666,18 @@ async fn insert_retrying<D: Domain>(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_timeout_search_may_split_as_often_as_finding_one_slow_row_takes_and_once_more() {
+        // The batch, then one group per halving: ceil(log2 n) + 1 timeouts find one slow row.
+        assert_eq!(timeout_budget(1), 2);
+        assert_eq!(timeout_budget(2), 3);
+        assert_eq!(timeout_budget(20), 7);
+        assert_eq!(timeout_budget(32), 7);
+        assert_eq!(timeout_budget(33), 8);
+        assert_eq!(timeout_budget(1000), 12);
+        assert_eq!(timeout_budget(0), 2);
+    }
 
     #[test]
     fn a_batch_is_given_back_at_its_oldest_delivery_plus_the_hand_back_time() {

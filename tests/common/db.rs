@@ -190,6 +190,35 @@ pub async fn install_poison_trigger(env: &TestEnv) {
         .expect("install the poison trigger");
 }
 
+/// A trigger that makes the insert of a user named `slow` sleep 3 s, row by row: past a small
+/// `DATABASE_STATEMENT_TIMEOUT_MS`, its statement times out (57014), and so does its batch.
+pub async fn install_slow_trigger(env: &TestEnv) {
+    let s = &env.schema;
+    env.db
+        .batch_execute(&format!(
+            r#"
+            CREATE FUNCTION {s}.slow_insert() RETURNS trigger LANGUAGE plpgsql AS $f$
+            BEGIN
+                IF NEW.name = 'slow' THEN
+                    PERFORM pg_sleep(3);
+                END IF;
+                RETURN NEW;
+            END $f$;
+            CREATE TRIGGER users_slow_insert BEFORE INSERT ON {s}.users
+                FOR EACH ROW EXECUTE FUNCTION {s}.slow_insert();
+            "#
+        ))
+        .await
+        .expect("install the slow trigger");
+}
+
+/// The body of a user named `slow` (see [`install_slow_trigger`]).
+pub fn slow_user_body(id: Uuid) -> Vec<u8> {
+    serde_json::json!({"id": id, "name": "slow", "email": format!("{id}@example.com")})
+        .to_string()
+        .into_bytes()
+}
+
 /// Makes the fault raise `sqlstate` instead of 40001 (for example 42501, a systemic error).
 pub async fn set_fault_sqlstate(env: &TestEnv, sqlstate: &str) {
     env.db
