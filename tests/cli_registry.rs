@@ -3,8 +3,9 @@
 //! PostgreSQL, so it lists a pipeline's parked rows with Redis down (warning that whether an
 //! instance runs it is unknown) or with no instance registered; `inspect`, `replay`, `parked
 //! replay` and `--instance` say that the live instances are unknown, not that none runs the
-//! pipeline, and how to start Redis; `warren status` says which of the two it met (review of
-//! issue 35, R35-F10: every one of them answered "no live instance runs it" with Redis down).
+//! pipeline, and how to start Redis; `warren status`, `warren ctl` and `warren events` say which
+//! of the two they met, with what to do (review of issue 35, R35-F10: every one of them answered
+//! "no live instance runs it" with Redis down).
 
 mod common;
 
@@ -143,6 +144,26 @@ async fn the_tools_tell_a_redis_that_is_down_from_a_registry_without_instances()
         "{err}"
     );
 
+    // ctl and events go through Redis: they say it cannot be reached and how to start it,
+    // never that no instance runs the pipeline.
+    for args in [
+        &["ctl", "pause", "--all"][..],
+        &["ctl", "pause", "--all", "--pipeline", "orders"],
+        &["events"],
+        &["events", "--pipeline", "orders"],
+    ] {
+        let (code, out, err) = run(&env, down, false, args).await;
+        assert_eq!(code, 1, "{args:?}: {out}\n{err}");
+        assert!(
+            err.contains("cannot reach Redis at")
+                && (err.contains("through Redis") || err.contains("from Redis"))
+                && err.contains("start Redis (`systemctl start redis-server`")
+                && err.contains("REDIS_URL"),
+            "{args:?}: {err}"
+        );
+        assert!(!err.contains("no live instance"), "{args:?}: {err}");
+    }
+
     // status: the instances are unknown, and how to start Redis; the queues are still shown.
     let (code, out, err) = run(&env, down, false, &["status"]).await;
     assert_eq!(code, 0, "{out}\n{err}");
@@ -206,6 +227,27 @@ async fn the_tools_tell_a_redis_that_is_down_from_a_registry_without_instances()
         "{err}"
     );
     assert!(!err.contains("Redis"), "{err}");
+    // ctl and events: Redis answers and no instance runs the pipeline; how to start one.
+    for args in [
+        &["ctl", "pause", "--all", "--pipeline", "orders"][..],
+        &["events", "--pipeline", "orders"],
+    ] {
+        let (code, out, err) = run(&env, None, false, args).await;
+        assert_eq!(code, 1, "{args:?}: {out}\n{err}");
+        assert!(
+            err.contains(NOBODY) && err.contains("start an instance that runs it"),
+            "{args:?}: {err}"
+        );
+        assert!(!err.contains("Redis"), "{args:?}: {err}");
+    }
+    let (code, out, err) = run(&env, None, false, &["ctl", "pause", "--all"]).await;
+    assert_eq!(code, 1, "{out}\n{err}");
+    assert!(
+        err.contains("no live instance registered under REDIS_PREFIX")
+            && err.contains("answers")
+            && err.contains("start one with `warren run`"),
+        "{err}"
+    );
     let (code, out, err) = run(&env, None, false, &["status"]).await;
     assert_eq!(code, 0, "{out}\n{err}");
     assert!(

@@ -2,7 +2,8 @@
 //! in time with every inserted message acked and nothing lost; a stop says how many deliveries
 //! it settled and how many it gave back to the broker; a stop behind a lock cancels the
 //! inserts still waiting before its deadline and exits 0 (saying so, its breaker closed: the
-//! cancels are the stop's, not the database's), one with no time to drain exits 1,
+//! cancels are the stop's, not the database's; a park it cancelled too), one with no time to
+//! drain exits 1,
 //! and neither leaves an insert running behind it; a second SIGTERM during a stuck shutdown exits at once, and
 //! a restart still delivers every message exactly once.
 
@@ -278,6 +279,81 @@ async fn a_stop_behind_a_lock_says_it_cancelled_the_inserts_and_opens_no_breaker
     assert!(opened.is_empty(), "{opened:?}");
 
     release_and_assert_everything_arrives_once(&env, locker, &ids).await;
+}
+
+/// A stop while a park (the DLQ stage's INSERT into `dead_letters`) waits on a lock says the
+/// stop cancelled it, and gives the message back to its queue: the park was logged as an ERROR
+/// saying the database did not take the messages, which read as an outage (review R35). When the
+/// lock goes, the next DLQ consumer parks the message once.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_stop_behind_a_lock_says_it_cancelled_the_park() {
+    const SHUTDOWN_TIMEOUT_MS: u64 = 4_000;
+    let mut env = TestEnv::new("term_park").await;
+    env.set("SHUTDOWN_TIMEOUT_MS", SHUTDOWN_TIMEOUT_MS.to_string());
+    env.declare();
+    let lock = InsertLock::take_on(&env, "dead_letters").await;
+    // Not JSON: the DLQ stage parks it at once, and the park waits on the lock.
+    env.publish_to_dlq(
+        b"{not json",
+        dead_letter_props(
+            "park-at-stop",
+            "invalid_json",
+            0,
+            "set by the main pipeline",
+        ),
+    )
+    .await;
+    let mut warren = env.start(&["--roles", "dlq"]);
+    lock.wait_for_a_blocked_insert(&env).await;
+    let blocked = lock.blocked(&env).await;
+
+    let status =
+        warren.terminate(Duration::from_millis(SHUTDOWN_TIMEOUT_MS) + Duration::from_secs(15));
+    let logs = warren.logs();
+    assert_eq!(status.code(), Some(0), "log:\n{logs}");
+    assert!(
+        logs.contains("statements still running are cancelled"),
+        "log:\n{logs}"
+    );
+    assert!(logs.contains("park cancelled by the stop"), "log:\n{logs}");
+    for wrong in ["cannot park messages", "ERROR"] {
+        assert!(
+            !logs.contains(wrong),
+            "{wrong:?} in the log of a stop:\n{logs}"
+        );
+    }
+    assert_eq!(
+        active_backends(&env, &blocked).await,
+        0,
+        "a park of the stopped warren still runs"
+    );
+    // Back in the DLQ, unparked.
+    wait_until(
+        "the message back in the DLQ",
+        Duration::from_secs(10),
+        || async { env.queue_state(&env.dlq_queue).await == (1, 0) },
+    )
+    .await;
+
+    lock.release().await;
+    let count_parked = || async {
+        env.db
+            .query_one(
+                "SELECT count(*) FROM dead_letters WHERE message_id = 'park-at-stop'",
+                &[],
+            )
+            .await
+            .map(|r| r.get::<_, i64>(0))
+            .unwrap_or(-1)
+    };
+    assert_eq!(count_parked().await, 0);
+    let mut warren = env.start(&["--roles", "dlq"]);
+    wait_until("the message parked", Duration::from_secs(30), || async {
+        count_parked().await == 1 && env.queue_state(&env.dlq_queue).await.0 == 0
+    })
+    .await;
+    warren.terminate_ok(Duration::from_secs(25));
+    assert_eq!(count_parked().await, 1);
 }
 
 /// A stop that has no time to drain (`SHUTDOWN_TIMEOUT_MS=0`) behind a lock exits 1 at once

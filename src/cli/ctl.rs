@@ -118,8 +118,13 @@ pub async fn execute(settings: &Settings, args: Args) -> anyhow::Result<i32> {
     let config = settings.registry();
     let keys = Keys::new(&config.redis.prefix);
     let mut redis = Redis::new(&config.redis.url);
+    // Redis away is not "no instance": the commands go through it, and so does what names the
+    // instances; say how to reach it (review R35-F10).
     if let Err(e) = Redis::connect(&config.redis.url).await {
-        bail!("{e}");
+        bail!(
+            "{e}; `warren ctl` reaches the instances through Redis: {}",
+            e.remedy()
+        );
     }
     let secret = config.secret();
     let (asked, target, pipeline) = match args.action {
@@ -202,8 +207,10 @@ pub async fn execute(settings: &Settings, args: Args) -> anyhow::Result<i32> {
                 safe(&format!("{h:?}"))
             ),
             None => bail!(
-                "no live instance registered under REDIS_PREFIX {:?}",
-                config.redis.prefix
+                "no live instance registered under REDIS_PREFIX {:?} (Redis at {} answers): \
+                 start one with `warren run`, or set REDIS_PREFIX to the deployment's",
+                config.redis.prefix,
+                crate::config::redact_url(&config.redis.url)
             ),
         }
     }

@@ -65,13 +65,22 @@ pub async fn execute(settings: &Settings, args: Args) -> anyhow::Result<i32> {
     tokio::pin!(stop);
     let redis_config = settings.redis();
     let url = &redis_config.url;
-    let mut conn = connect(url).await.map_err(anyhow::Error::msg)?;
+    // Redis away is not "no instance": the events are read from it; say how to reach it.
+    let mut conn = connect(url).await.map_err(|e| {
+        anyhow::anyhow!(
+            "{e}; `warren events` reads the events from Redis: {}",
+            e.remedy()
+        )
+    })?;
     // `--pipeline`: one the configuration names, a live instance runs, or (a pipeline a reload
-    // removed) the events name.
+    // removed) the events name. Whether no instance runs it or the instances are unknown (Redis
+    // lost since), the error says which, with what to do.
     let mut unknown = None;
     if let Some(name) = &args.pipeline {
         let known = crate::cli::known_pipelines(settings).await;
-        unknown = crate::registry::record::find(&known, name).err();
+        if let Err(u) = crate::registry::record::find(&known, name) {
+            unknown = Some(u.asked(&crate::registry::live(&redis_config).await));
+        }
     }
     let key = stream_key(&redis_config.prefix);
     let failed = |e: redis::RedisError| {

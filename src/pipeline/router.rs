@@ -426,6 +426,31 @@ impl Fallback {
             // dropped two 8 MiB bodies (review R38b-F1). A refused body over MAX_MESSAGE_BYTES
             // held for its backoff does not hold the window behind it: the accepted deliveries
             // behind it flow meanwhile (`tests/memory.rs`).
+            // At a stop, a park that failed for a passing reason is the stop's doing: the drain
+            // cancelled it near its deadline (SQLSTATE 57014: it still waited on a lock, a slow
+            // server) or no longer started it. Said as such, not as the database failing (an
+            // ERROR saying the database did not take them read as an outage, review R35), and
+            // given back at once, like what the sink gives back then (`give_back_at_stop`).
+            Err(e) if self.stopping.is_cancelled() && e.is_transient() => {
+                let (pipeline, stage) = (self.stage.pipeline(), self.stage.stage().as_str());
+                let count = indices.len();
+                if e.sqlstate() == Some(tokio_postgres::error::SqlState::QUERY_CANCELED.code()) {
+                    info!(
+                        pipeline,
+                        stage,
+                        count,
+                        "park cancelled by the stop: it still waited at the drain's deadline (a \
+                         lock, a slow server); its messages go back to their queue unparked, and \
+                         the next consumer parks them"
+                    );
+                } else {
+                    info!(pipeline, stage, count, reason = %e,
+                        "messages not parked during the stop; they go back to their queue \
+                         unparked, and the next consumer parks them");
+                }
+                metrics::requeued(&self.stage, "stopping", count as u64);
+                Fate::Settled(Disposition::Requeue)
+            }
             Err(e) => {
                 let ids: Vec<&str> = indices
                     .iter()

@@ -11,6 +11,15 @@ use std::collections::HashMap;
 use std::time::Duration;
 
 use super::{ApiKey, Names, PipelineConfig};
+
+#[cfg(test)]
+thread_local! {
+    /// Each `(field, users' own setting, default setting)` [`Resolver::pick`] resolved on this
+    /// thread: the test that ties the names spelt in `resolve` to `ENTRY_KEYS` reads them.
+    pub(super) static PICKED: std::cell::RefCell<
+        Vec<(&'static str, Option<&'static str>, &'static str)>,
+    > = const { std::cell::RefCell::new(Vec::new()) };
+}
 use crate::config::{Balance, ConfigError, Origin, Rule, Settings, window_outlasts};
 use crate::domain::mapping::{Mapping, MappingSpec, OnConflict};
 
@@ -356,7 +365,9 @@ impl<'a> Entry<'a> {
     }
 
     /// The value of `field`: the entry's, else the users pipeline's own setting `own` (for the
-    /// pipeline named users), else the default `default`.
+    /// pipeline named users), else the default `default`. The names given here are the third
+    /// place the entry keys are spelt; a unit test holds them to [`super::ENTRY_KEYS`]
+    /// ([`PICKED`]).
     fn pick<T: Copy>(
         &self,
         field: &'static str,
@@ -364,6 +375,11 @@ impl<'a> Entry<'a> {
         own: Option<(&'static str, Option<T>)>,
         default: (&'static str, T),
     ) -> Picked<T> {
+        #[cfg(test)]
+        PICKED.with(|p| {
+            p.borrow_mut()
+                .push((field, own.as_ref().map(|o| o.0), default.0))
+        });
         let (value, source) = match (given, own.filter(|_| self.p.name == "users")) {
             (Some(v), _) => (v, Source::Entry),
             (None, Some((key, Some(v)))) => (v, Source::Setting(key)),

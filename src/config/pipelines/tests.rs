@@ -601,3 +601,33 @@ fn the_entry_keys_table_is_every_entry_key_named_after_a_setting() {
     }
     assert_eq!(numbers().count(), 16);
 }
+
+/// The names `spec.rs` spells by hand as it resolves each entry key (the key, users' own
+/// `users_<key>` setting, the default's setting) are those of [`ENTRY_KEYS`]: every key of
+/// every pipeline's default but `retry_ttls_ms` (a list, checked apart) resolved once, none
+/// other, each with users' own setting exactly when the table says it has one. A key added to
+/// one place and not the other, or a misspelt name, fails here.
+#[test]
+fn the_names_resolve_spells_are_those_of_the_entry_keys_table() {
+    use std::collections::BTreeSet;
+    spec::PICKED.with(|p| p.borrow_mut().clear());
+    load(ORDERS).expect("load");
+    let picked: Vec<(String, Option<String>, String)> = spec::PICKED.with(|p| {
+        p.borrow()
+            .iter()
+            .map(|(f, own, d)| (f.to_string(), own.map(str::to_string), d.to_string()))
+            .collect()
+    });
+    let expected: BTreeSet<(String, Option<String>, String)> = ENTRY_KEYS
+        .iter()
+        .filter(|k| k.default_of == DefaultOf::Every && k.key != "retry_ttls_ms")
+        .map(|k| {
+            let own = k.users_own.then(|| format!("users_{}", k.key));
+            (k.key.to_string(), own, k.key.to_string())
+        })
+        .collect();
+    let got: BTreeSet<_> = picked.iter().cloned().collect();
+    assert_eq!(got, expected);
+    // Each key once per pipeline: users (the shipped default) and orders.
+    assert_eq!(picked.len(), 2 * expected.len(), "{picked:?}");
+}
