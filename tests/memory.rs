@@ -722,3 +722,116 @@ async fn a_permit_taken_for_a_body_another_consumer_took_is_given_up_within_seco
     assert_eq!(env.queue_state(&env.main_queue).await, (0, 0));
     assert_eq!(env.queue_state(&env.dlq_queue).await, (0, 0));
 }
+
+/// A stop while a body is held aside: it is given back at once (the drain does not wait for it,
+/// and the stop's last line counts it), and a restarted warren takes both bodies and every user
+/// once the database takes parks again: every user stored once, each body parked once.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_stop_while_a_body_is_held_aside_gives_it_back_and_loses_nothing() {
+    let env = TestEnv::new("asidestop").await;
+    env.declare();
+    env.db
+        .batch_execute("REVOKE INSERT ON dead_letters FROM CURRENT_USER")
+        .await
+        .expect("revoke INSERT on dead_letters");
+    let bigs = [huge_body(200 << 10, b'p'), huge_body(260 << 10, b'q')];
+    for (i, body) in bigs.iter().enumerate() {
+        env.publish_raw(body, labelled(&format!("big-{i}"))).await;
+    }
+    let users: HashSet<Uuid> = env.publish_users(300).await.into_iter().collect();
+    let mut warren = env.start(&["--roles", "consumer"]);
+    let _logs = LogsOnPanic(vec![warren.log.clone()]);
+    warren
+        .wait_for_log("the second body held aside", "held aside")
+        .await;
+    let status = warren.terminate(Duration::from_secs(40));
+    let logs = warren.logs();
+    assert_eq!(status.code(), Some(0), "log:\n{logs}");
+    let last = logs
+        .lines()
+        .rev()
+        .find(|l| l.contains("stopped"))
+        .unwrap_or_default();
+    let given_back: u64 = last
+        .split_once(" deliveries settled, ")
+        .and_then(|(_, rest)| rest.split_once(" given back to the broker unprocessed"))
+        .and_then(|(n, _)| n.parse().ok())
+        .unwrap_or_else(|| panic!("the last line names no count given back: {last}"));
+    assert!(
+        given_back >= 1,
+        "the body held aside was not counted as given back: {last}"
+    );
+    // Both bodies wait in the queue again (nothing parked, nothing in the DLQ).
+    assert_eq!(count_of(&env, "SELECT count(*) FROM dead_letters").await, 0);
+    assert_eq!(
+        env.queue_state(&env.dlq_queue).await,
+        (0, 0),
+        "nothing in the DLQ"
+    );
+    env.db
+        .batch_execute("GRANT INSERT ON dead_letters TO CURRENT_USER")
+        .await
+        .expect("grant INSERT on dead_letters");
+    let mut warren = env.start(&["--roles", "consumer"]);
+    let _logs = LogsOnPanic(vec![warren.log.clone()]);
+    assert_rows_exactly(&env, &users, Duration::from_secs(90), &|| warren.logs()).await;
+    wait_until(
+        "both big bodies parked",
+        Duration::from_secs(90),
+        || async { count_of(&env, "SELECT count(*) FROM dead_letters").await >= 2 },
+    )
+    .await;
+    warren.terminate_ok(Duration::from_secs(30));
+    let parked = parked_sizes(&env, "big-").await;
+    let expected: Vec<(String, String, i64)> = bigs
+        .iter()
+        .enumerate()
+        .map(|(i, b)| ("users".to_string(), format!("big-{i}"), b.len() as i64))
+        .collect();
+    assert_eq!(parked, expected, "each big body parked once, whole");
+    assert_eq!(env.queue_state(&env.main_queue).await, (0, 0));
+    assert_eq!(env.queue_state(&env.dlq_queue).await, (0, 0));
+}
+
+/// Review R38d F3: refused bodies larger than `MAX_INFLIGHT_BYTES` (the Deployment sets 32 MiB),
+/// held whole while its park fails, counted against the byte budget: no window beside it ever
+/// opened, and the messages behind it waited as long as parking failed. It is the `M` of the
+/// memory bound, not part of the budget: the users behind it land while parking fails.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_refused_body_over_the_byte_budget_whose_park_fails_lets_the_users_behind_it_land() {
+    let mut env = TestEnv::new("parkbudget").await;
+    env.set("MAX_INFLIGHT_BYTES", (1u64 << 20).to_string());
+    env.declare();
+    env.db
+        .batch_execute("REVOKE INSERT ON dead_letters FROM CURRENT_USER")
+        .await
+        .expect("revoke INSERT on dead_letters");
+    let bigs = [huge_body(2 << 20, b'z'), huge_body(3 << 20, b'y')];
+    for (i, body) in bigs.iter().enumerate() {
+        env.publish_raw(body, labelled(&format!("big-{i}"))).await;
+    }
+    let users: HashSet<Uuid> = env.publish_users(100).await.into_iter().collect();
+    let mut warren = env.start(&["--roles", "consumer"]);
+    let _logs = LogsOnPanic(vec![warren.log.clone()]);
+    assert_rows_exactly(&env, &users, Duration::from_secs(60), &|| warren.logs()).await;
+    assert_eq!(count_of(&env, "SELECT count(*) FROM dead_letters").await, 0);
+    env.db
+        .batch_execute("GRANT INSERT ON dead_letters TO CURRENT_USER")
+        .await
+        .expect("grant INSERT on dead_letters");
+    wait_until(
+        "both big bodies parked",
+        Duration::from_secs(90),
+        || async { count_of(&env, "SELECT count(*) FROM dead_letters").await >= 2 },
+    )
+    .await;
+    warren.terminate_ok(Duration::from_secs(30));
+    let expected: Vec<(String, String, i64)> = bigs
+        .iter()
+        .enumerate()
+        .map(|(i, b)| ("users".to_string(), format!("big-{i}"), b.len() as i64))
+        .collect();
+    assert_eq!(parked_sizes(&env, "big-").await, expected);
+    assert_eq!(env.queue_state(&env.main_queue).await, (0, 0));
+    assert_eq!(env.queue_state(&env.dlq_queue).await, (0, 0));
+}

@@ -103,7 +103,7 @@ impl Consumer {
                 // A refused body cuts the window to one (`observe`), not the budget's window:
                 // counted here, one 8 MiB body kept the window at 31 for good.
                 refused += 1;
-                first_refused.get_or_insert(d.tag);
+                first_refused.get_or_insert((d.tag, d.held_bytes));
             } else {
                 self.largest = self.largest.max(d.held_bytes as usize);
             }

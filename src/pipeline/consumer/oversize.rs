@@ -95,6 +95,9 @@ pub(super) enum Oversize {
         /// The body's delivery (channel generation, delivery tag): its settlement releases the
         /// permit.
         body: (u64, u64),
+        /// The bytes it holds (body and parsed properties): the `M` of the memory bound, not
+        /// part of the byte budget's `A` (`accepted_bytes`).
+        bytes: u64,
         /// Deliveries over the limit that came meanwhile (in a window beside the held body),
         /// of the current channel, held unacked without their bodies (nothing of them is
         /// stored): given back once the body settles, and taken whole one at a time then. At
@@ -137,6 +140,14 @@ impl Oversize {
 
     pub(super) fn lifted(&self) -> bool {
         matches!(self, Oversize::Lifted(_))
+    }
+
+    /// The bytes of the body held whole with the permit (0: none).
+    pub(super) fn held_bytes(&self) -> u64 {
+        match self {
+            Oversize::Holding { bytes, .. } => *bytes,
+            _ => 0,
+        }
     }
 }
 
@@ -338,11 +349,11 @@ impl Consumer {
         }
     }
 
-    /// The deliveries of a chunk came, `refused` the tag of the first of them over
+    /// The deliveries of a chunk came, `refused` the tag and bytes of the first of them over
     /// `MAX_MESSAGE_BYTES` (of the current channel): the first delivery of a subscription
     /// without a limit restores it at once; the permit goes with an accepted body, stays with a
     /// refused one until it settles.
-    pub(super) fn oversize_delivered(&mut self, refused: Option<u64>) {
+    pub(super) fn oversize_delivered(&mut self, refused: Option<(u64, u64)>) {
         if !self.oversize.lifted() {
             return;
         }
@@ -350,10 +361,11 @@ impl Consumer {
         let Oversize::Lifted(permit) = std::mem::take(&mut self.oversize) else {
             return;
         };
-        if let Some(tag) = refused {
+        if let Some((tag, bytes)) = refused {
             self.oversize = Oversize::Holding {
                 _permit: permit,
                 body: (self.generation, tag),
+                bytes,
                 aside: Vec::new(),
                 given_back: false,
             };
@@ -507,6 +519,7 @@ mod tests {
             !Oversize::Holding {
                 _permit: permit(),
                 body: (1, 1),
+                bytes: 1,
                 aside: vec![2],
                 given_back: false
             }
@@ -523,6 +536,7 @@ mod tests {
         let holding = |aside: usize, given_back| Oversize::Holding {
             _permit: permit(),
             body: (1, 1),
+            bytes: 1,
             aside: (0..aside as u64).collect(),
             given_back,
         };

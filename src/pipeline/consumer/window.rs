@@ -90,7 +90,18 @@ impl Consumer {
         if self.oversize.pending() && self.inflight > 0 {
             return false;
         }
-        self.inflight <= usize::from(window) && self.inflight_bytes < self.config.max_inflight_bytes
+        self.inflight <= usize::from(window)
+            && self.accepted_bytes() < self.config.max_inflight_bytes
+    }
+
+    /// The bytes in flight the byte budget counts: all but a body over `MAX_MESSAGE_BYTES` held
+    /// whole with the process's permit, which is the `M` of the memory bound, apart from the
+    /// budget's `A` (docs/failures.md, "Memory"). Counted in, a body larger than the budget
+    /// kept every window beside it shut while its park failed: nothing behind it moved (review
+    /// R38d F3: bodies over the Deployment's 32 MiB).
+    pub(super) fn accepted_bytes(&self) -> u64 {
+        self.inflight_bytes
+            .saturating_sub(self.oversize.held_bytes())
     }
 
     /// The window the next subscription takes: the prefetch, cut to what the byte budget holds
@@ -127,7 +138,7 @@ impl Consumer {
         };
         let window = linked.window;
         let earned = self.earned_window();
-        if self.inflight_bytes >= self.config.max_inflight_bytes {
+        if self.accepted_bytes() >= self.config.max_inflight_bytes {
             warn!(
                 pipeline = self.config.stage.pipeline(),
                 stage = self.config.stage.stage().as_str(),
