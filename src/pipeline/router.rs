@@ -3,7 +3,8 @@
 //! `x-error-reason`; a transient failure through the retry queue with `x-retries` + 1 (the n-th
 //! retry through the n-th tier's queue, later ones through the last) until `MAX_RETRIES`, then to
 //! the DLX; a systemic one stays with the broker. A body over `MAX_MESSAGE_BYTES` is parked here
-//! ([`Fallback::park_over`]), and if parking fails the broker dead-letters it (no copy held);
+//! ([`Fallback::park_over`]); if parking fails it goes back to its queue after the requeue
+//! backoff (never to the broker's dead-lettering), and is parked once the database takes it;
 //! what is republished goes a few MiB of bodies at a time ([`ROUTE_KIB`]). Every republish is
 //! confirmed before the original is acked; a copy whose ack was lost with the link, or whose
 //! confirm came late (in doubt), is remembered (`copies.rs`) and its redelivery acked as already
