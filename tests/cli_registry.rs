@@ -185,7 +185,7 @@ async fn the_tools_tell_a_redis_that_is_down_from_a_registry_without_instances()
     );
 
     // Redis up, no instance registered under the env's prefix: the parked rows are listed
-    // without a warning; a name nobody knows lists nothing and says so; the tools that need
+    // without a warning; a name nobody knows with nothing parked is refused (exit 1), naming the known ones; the tools that need
     // the queues say that no live instance runs the pipeline, and what to do.
     let (code, out, err) = run(
         &env,
@@ -204,14 +204,13 @@ async fn the_tools_tell_a_redis_that_is_down_from_a_registry_without_instances()
         &["dlq", "--pipeline", "ordres", "parked", "list"],
     )
     .await;
-    assert_eq!(code, 0, "{out}\n{err}");
-    assert!(
-        out.contains("for pipeline ordres, not replayed: 0 messages"),
-        "{out}"
+    assert_eq!(
+        code, 1,
+        "a misspelt name with nothing parked is refused: {out}\n{err}"
     );
     assert!(
-        err.contains("note: no pipeline \"ordres\": the configuration does not name it and no live instance runs it")
-            && err.contains("known: users\n"),
+        err.contains("no pipeline \"ordres\": the configuration does not name it and no live instance runs it")
+            && err.contains("known: users"),
         "{err}"
     );
     let (code, out, err) = run(

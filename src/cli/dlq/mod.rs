@@ -198,6 +198,10 @@ pub struct ParkedListArgs {
     /// nothing is parked under its name (a misspelt name lists nothing).
     #[arg(skip)]
     pub unknown: Option<UnknownPipeline>,
+    /// Redis answered (so "no live instance runs it" is known, not guessed): a name nobody
+    /// knows with nothing parked under it is then a misspelt one, refused.
+    #[arg(skip)]
+    pub registry_answered: bool,
     /// Only rows with this error kind.
     #[arg(long, value_name = "KIND", value_parser = PossibleValuesParser::new(KINDS))]
     pub kind: Option<String>,
@@ -305,6 +309,7 @@ pub async fn execute(
             }
             a.pipeline = args.pipeline;
             a.unknown = found.err();
+            a.registry_answered = live.is_ok();
             parked_list(settings, a).await
         }
         DlqCommand::Parked(ParkedCommand::Replay(mut a)) => {

@@ -90,6 +90,21 @@ pub(super) async fn parked_list(settings: &Settings, args: ParkedListArgs) -> an
     let total = dead_letters::count_open(&client, &args.pipeline, kind)
         .await
         .map_err(|e| table_error(settings, e))?;
+    // A name neither the configuration nor a live instance knows (Redis answered), with nothing
+    // parked under it (of any kind): a typo, refused as one (exit 1), naming the pipelines that
+    // are known. With Redis away it may be another instance's: listed, with a warning.
+    if let Some(unknown) = args.unknown.as_ref().filter(|_| args.registry_answered) {
+        let any = if kind.is_some() {
+            dead_letters::count_open(&client, &args.pipeline, None)
+                .await
+                .map_err(|e| table_error(settings, e))?
+        } else {
+            total
+        };
+        if any == 0 {
+            anyhow::bail!("{}", crate::cli::terminal_safe(&unknown.to_string()));
+        }
+    }
     let rows = dead_letters::list_open(&client, &args.pipeline, kind, args.limit)
         .await
         .map_err(|e| table_error(settings, e))?;
