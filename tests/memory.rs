@@ -8,7 +8,10 @@ use std::collections::HashSet;
 use std::time::Duration;
 
 use common::*;
+use futures::StreamExt;
 use lapin::BasicProperties;
+use lapin::options::{BasicAckOptions, BasicConsumeOptions, BasicQosOptions};
+use lapin::types::FieldTable;
 use uuid::Uuid;
 
 /// Persistent JSON properties labelled with a message id.
@@ -650,11 +653,11 @@ async fn two_refused_bodies_in_a_row_whose_park_fails_wait_and_the_users_behind_
 /// Review R38c F3: a stage that gave a big body back and then lost it (another instance of the
 /// queue took it) held the process's one permit for 60 s on a queue with nothing for it, and a
 /// big body of every other stage waited as long. Here the DLQ stage holds the permit (its park
-/// blocked by a lock) while the main stage gives its body back and waits for the permit; the
-/// test takes that body from the queue meanwhile (as another instance would). Once the lock
-/// goes, the main stage subscribes without a body limit to a queue without the body: it gives
-/// the permit up within seconds (no body on its way), and the DLQ's second body is parked long
-/// before the 60 s the permit was held for.
+/// blocked by a lock) while the main stage waits for the permit, its body held aside; another
+/// consumer of the main queue (as another instance would be) takes that body when the main
+/// stage gives it back for its turn. The main stage then subscribes without a body limit to a
+/// queue without the body: it gives the permit up within seconds (no body on its way), and the
+/// DLQ's second body is parked long before the 60 s the permit was held for.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_permit_taken_for_a_body_another_consumer_took_is_given_up_within_seconds() {
     let env = TestEnv::new("permitlost").await;
@@ -674,17 +677,38 @@ async fn a_permit_taken_for_a_body_another_consumer_took_is_given_up_within_seco
             "waiting for the process's one permit",
         )
         .await;
-    // Another instance takes the main stage's body meanwhile.
-    let taken = env.drain_queue(&env.main_queue, 10).await;
-    assert_eq!(
-        taken.len(),
-        1,
-        "the main body, given back, waits in its queue"
-    );
-    assert!(taken[0].delivery.data == main_body, "the main body, whole");
+    // Another instance of the queue consumes meanwhile. The main stage holds its body aside
+    // while it waits; when the permit comes, that body goes back to the queue before the
+    // stage's window of one without a body limit begins (`Acker::sent`), so the other instance,
+    // subscribed already, takes it.
+    let other = env.conn.create_channel().await.expect("channel");
+    other
+        .basic_qos(1, BasicQosOptions::default())
+        .await
+        .expect("qos");
+    let mut consumer = other
+        .basic_consume(
+            env.main_queue.as_str().into(),
+            "another-instance".into(),
+            BasicConsumeOptions::default(),
+            FieldTable::default(),
+        )
+        .await
+        .expect("consume");
     env.publish_to_dlq(&dlq_bodies[1], labelled("dlq-1")).await;
     lock.release().await;
     let unlocked = std::time::Instant::now();
+    let taken = tokio::time::timeout(Duration::from_secs(40), consumer.next())
+        .await
+        .expect("the main body reaches the other instance within 40 s")
+        .expect("a delivery")
+        .expect("a delivery, not an error");
+    assert!(taken.data == main_body, "the main body, whole");
+    taken
+        .ack(BasicAckOptions::default())
+        .await
+        .expect("ack the main body");
+    let _ = other.close(200, "ok".into()).await;
     wait_until(
         "both DLQ bodies parked within 40 s of the lock's release",
         Duration::from_secs(40),
@@ -695,6 +719,12 @@ async fn a_permit_taken_for_a_body_another_consumer_took_is_given_up_within_seco
         "both DLQ bodies parked {:?} after the lock went",
         unlocked.elapsed()
     );
+    warren
+        .wait_for_log(
+            "the main stage giving the permit up on a queue without its body",
+            "no body arriving without a body limit",
+        )
+        .await;
     assert!(
         warren
             .logs()
@@ -832,6 +862,107 @@ async fn a_refused_body_over_the_byte_budget_whose_park_fails_lets_the_users_beh
         .map(|(i, b)| ("users".to_string(), format!("big-{i}"), b.len() as i64))
         .collect();
     assert_eq!(parked_sizes(&env, "big-").await, expected);
+    assert_eq!(env.queue_state(&env.main_queue).await, (0, 0));
+    assert_eq!(env.queue_state(&env.dlq_queue).await, (0, 0));
+}
+
+/// Review R38d F1/F2: while parking keeps failing, a stage that waits for the process's permit
+/// (for a big body of its own) took no deliveries at all: another pipeline's small messages
+/// waited 100-180 s behind the first stage's park. Here users and orders each have a refused
+/// body at the head of their queue and 200 messages behind it, and `dead_letters` is locked:
+/// one stage holds its body with the permit (its park waits on the lock, under a statement
+/// timeout of 2 minutes), the other waits for the permit. Now the waiting stage holds its big
+/// body aside, unread, and goes on: every user and order lands while the park still waits.
+/// Once the lock goes, both bodies are parked once, whole. (Before: the waiting pipeline's
+/// messages waited for the lock's end.)
+#[tokio::test(flavor = "multi_thread")]
+async fn a_stage_waiting_for_the_permit_while_a_park_waits_goes_on_with_the_messages_behind() {
+    let mut env = TestEnv::new("parkwait").await;
+    env.set("DATABASE_STATEMENT_TIMEOUT_MS", "120000");
+    env.declare();
+    let names = PipelineNames::of(&env, "orders");
+    let _cleanup = names.cleanup();
+    let file = orders_pipeline(&env, &names, "").await;
+    let lock = InsertLock::take_on(&env, "dead_letters").await;
+    let users_big = huge_body(200 << 10, b'u');
+    let orders_big = huge_body(300 << 10, b'o');
+    env.publish_raw(&users_big, labelled("big-users")).await;
+    env.publish_to(
+        &names.exchange,
+        &names.queue,
+        &orders_big,
+        labelled("big-orders"),
+    )
+    .await;
+    let users: HashSet<Uuid> = env.publish_users(200).await.into_iter().collect();
+    let orders: HashSet<Uuid> = (0..200).map(|_| Uuid::new_v4()).collect();
+    env.publish_pipelined_to(
+        &names.exchange,
+        &names.queue,
+        orders.iter().map(|id| {
+            (
+                format!(r#"{{"id":"{id}","qty":1}}"#).into_bytes(),
+                labelled(&id.to_string()),
+            )
+        }),
+    )
+    .await;
+    let mut warren = env.start(&["--config", file.at(), "--roles", "consumer"]);
+    let _logs = LogsOnPanic(vec![warren.log.clone()]);
+    let stored_orders = || async {
+        env.db
+            .query("SELECT order_id FROM orders", &[])
+            .await
+            .expect("the stored orders")
+            .iter()
+            .map(|r| r.get::<_, Uuid>(0))
+            .collect::<HashSet<Uuid>>()
+    };
+    // One stage's park waits on the lock, with the permit.
+    lock.wait_for_a_blocked_insert(&env).await;
+    assert_rows_exactly(&env, &users, Duration::from_secs(60), &|| warren.logs()).await;
+    wait_until(
+        "every order stored while a park waits on the lock",
+        Duration::from_secs(60),
+        || async { stored_orders().await == orders },
+    )
+    .await;
+    assert!(
+        !lock.blocked(&env).await.is_empty(),
+        "the park no longer waits on the lock: the test did not hold the permit throughout"
+    );
+    assert!(
+        warren
+            .logs()
+            .contains("waits for the process's one permit to hold one"),
+        "no stage held a body aside while waiting for the permit: the test did not reach the path"
+    );
+    lock.release().await;
+    wait_until(
+        "both big bodies parked",
+        Duration::from_secs(120),
+        || async { count_of(&env, "SELECT count(*) FROM dead_letters").await >= 2 },
+    )
+    .await;
+    warren.terminate_ok(Duration::from_secs(30));
+    assert_eq!(stored_orders().await, orders);
+    assert_eq!(
+        parked_sizes(&env, "big-").await,
+        [
+            (
+                "orders".to_string(),
+                "big-orders".to_string(),
+                orders_big.len() as i64
+            ),
+            (
+                "users".to_string(),
+                "big-users".to_string(),
+                users_big.len() as i64
+            ),
+        ],
+        "each big body parked once, whole, by its own pipeline"
+    );
+    assert_eq!(env.queue_state(&names.queue).await, (0, 0));
     assert_eq!(env.queue_state(&env.main_queue).await, (0, 0));
     assert_eq!(env.queue_state(&env.dlq_queue).await, (0, 0));
 }

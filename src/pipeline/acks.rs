@@ -32,7 +32,7 @@ use std::sync::Arc;
 use lapin::options::{BasicAckOptions, BasicNackOptions, ExchangeDeclareOptions};
 use lapin::types::FieldTable;
 use lapin::{Channel, ExchangeKind};
-use tokio::sync::mpsc;
+use tokio::sync::{mpsc, oneshot};
 use tracing::{debug, warn};
 
 use super::copies::Copies;
@@ -47,6 +47,14 @@ pub enum Op {
     AckOne(u64),
     /// `basic.nack(tag, multiple = false, requeue = true)`.
     Requeue(u64),
+}
+
+/// What the executor task is given, in order.
+#[derive(Debug)]
+enum Work {
+    Ops(Vec<Op>),
+    /// Answered once every operation given before it was sent on the channel.
+    Sent(oneshot::Sender<()>),
 }
 
 /// Where one outstanding delivery stands.
@@ -200,8 +208,8 @@ pub struct Acker {
     release_at: usize,
     /// The held front seen at the last tick: still held at this one, it releases what waits.
     held: Option<u64>,
-    /// Operations for the executor task; `None` once closing.
-    ops: Option<mpsc::UnboundedSender<Vec<Op>>>,
+    /// Work for the executor task; `None` once closing.
+    ops: Option<mpsc::UnboundedSender<Work>>,
     /// The stage whose deliveries these are: the labels of its logs and its ack counter.
     stage: StageId,
     task: Option<tokio::task::JoinHandle<()>>,
@@ -277,8 +285,20 @@ impl Acker {
         if !ops.is_empty()
             && let Some(tx) = &self.ops
         {
-            let _ = tx.send(ops);
+            let _ = tx.send(Work::Ops(ops));
         }
+    }
+
+    /// Answers once every operation settled so far was sent on the channel (or the channel
+    /// failed, or the acks closed): a frame sent on the channel after the answer reaches the
+    /// broker after them. A lifted subscription waits for it, so that the bodies it gave back
+    /// are in the queue before it takes its window of one (`consumer/oversize.rs`).
+    pub fn sent(&self) -> oneshot::Receiver<()> {
+        let (tx, rx) = oneshot::channel();
+        if let Some(ops) = &self.ops {
+            let _ = ops.send(Work::Sent(tx));
+        }
+        rx
     }
 
     /// Waits until every operation sent so far was executed (or the channel failed).
@@ -297,7 +317,7 @@ impl Acker {
 /// answers are held) still gets every ack at once, and a drain never waits for a proof.
 async fn run_ops(
     channel: Channel,
-    mut rx: mpsc::UnboundedReceiver<Vec<Op>>,
+    mut rx: mpsc::UnboundedReceiver<Work>,
     stage: StageId,
     (copies, generation): (Arc<Copies>, u64),
 ) {
@@ -308,9 +328,14 @@ async fn run_ops(
     let (proofs_tx, mut proofs) = mpsc::unbounded_channel::<(lapin::Result<()>, u64, Vec<u64>)>();
     let mut fencing = false;
     loop {
+        let mut sent = Vec::new();
         let mut ops = tokio::select! {
-            ops = rx.recv() => match ops {
-                Some(ops) => ops,
+            work = rx.recv() => match work {
+                Some(Work::Ops(ops)) => ops,
+                Some(Work::Sent(answer)) => {
+                    sent.push(answer);
+                    Vec::new()
+                }
                 None => return,
             },
             Some((answer, proven_upto, proven_ones)) = proofs.recv() => {
@@ -326,7 +351,10 @@ async fn run_ops(
             }
         };
         while let Ok(more) = rx.try_recv() {
-            ops.extend(more);
+            match more {
+                Work::Ops(more) => ops.extend(more),
+                Work::Sent(answer) => sent.push(answer),
+            }
         }
         for op in coalesce(ops) {
             let result = match op {
@@ -360,6 +388,10 @@ async fn run_ops(
                 warn!(pipeline = stage.pipeline(), stage = stage.stage().as_str(), error = %e, "cannot ack on this channel any more; the broker will redeliver");
                 return;
             }
+        }
+        // Every operation given before these was sent.
+        for answer in sent {
+            let _ = answer.send(());
         }
         if copies.none_unproven() {
             // Nothing registered later can be among them: its ack comes after.

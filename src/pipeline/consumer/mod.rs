@@ -173,6 +173,9 @@ pub struct Consumer {
     oversize: oversize::Oversize,
     /// `warren_oversize_permit_waiting`, resolved once.
     oversize_gauge: metrics::Gauge,
+    /// Answered once the nacks of what was held aside were sent: the next `basic.consume`
+    /// waits for it (`oversize.rs`, `Acker::sent`).
+    consume_after: Option<oneshot::Receiver<()>>,
     /// The bytes-in-flight gauge, resolved once; the value last published to it.
     inflight_bytes_gauge: (metrics::Gauge, u64),
     /// Held by the breaker and/or an operator: no consumer subscribed while non-empty.
@@ -228,6 +231,7 @@ impl Consumer {
             earned: window::Earned::default(),
             oversize: oversize::Oversize::Limited,
             oversize_gauge: crate::metrics::oversize_waiting_gauge(&config.stage),
+            consume_after: None,
             inflight_bytes_gauge: (crate::metrics::inflight_bytes_gauge(&config.stage), 0),
             holds: Vec::new(),
             received: 0,

@@ -7,17 +7,22 @@
 //!
 //! The way, for a stage: a body over the limit arrives in any window (the first window of one
 //! too) as `Delivery::discarded` and is given back unread (`give_back_oversize`); the stage
-//! subscribes again only once everything it holds has settled and the permit is its own
-//! (taken at once when free, else waited for in FIFO order: while it waits nothing subscribes,
-//! the log says so and `warren_oversize_permit_waiting` is 1); then it subscribes with a window
-//! of one and no body limit ([`Oversize::Lifted`]). The first delivery of that subscription
-//! restores the limit at once: an accepted body releases the permit there, a refused one (the
-//! body, whole) keeps it until it settles, parked or given back ([`Oversize::Holding`]). Meanwhile
-//! a window beside it (the held-window watchdog) holds any other body over the limit aside,
-//! unacked and unread, and goes on to the messages behind it; what was held aside goes back to
-//! the queue when the held body settles, and is taken whole in its turn. No body begun within
-//! [`LIFTED_FOR`] (another instance took it): the subscription is cancelled, and the permit
-//! released at its stream's end. A link lost, a stop: released.
+//! subscribes again only once everything it holds has settled, then takes the permit: at once
+//! when free, and subscribes with a window of one and no body limit ([`Oversize::Lifted`]).
+//! When another stage holds it, the stage asks for it (FIFO) and goes on meanwhile with its
+//! limit in place ([`Oversize::Waiting`]): each body over the limit that comes (the one given
+//! back first) is held aside, unacked and unread, and the messages behind it go on; once the
+//! permit comes and what the stage holds has settled, what was held aside goes back to the
+//! queue, and a window of one without a body limit takes it. The first delivery of that
+//! subscription restores the limit at once: an accepted body releases the permit there, a
+//! refused one (the body, whole) keeps it until it settles, parked or given back
+//! ([`Oversize::Holding`]). Meanwhile a window beside it (the held-window watchdog) holds any
+//! other body over the limit aside the same way; what was held aside goes back to the queue when
+//! the held body settles, and is taken whole in its turn. At most [`ASIDE_MAX`] are held aside,
+//! and none longer than the broker's `consumer_timeout` allows (`aside_aged`); past either, the
+//! stage gives them back and takes nothing more until the permit is its own. No body begun
+//! within [`LIFTED_FOR`] (another instance took it): the subscription is cancelled, and the
+//! permit released at its stream's end. A link lost, a stop: released.
 //!
 //! The permit is never held by a stage that waits for something else than its own delivery: it
 //! is taken only with nothing in flight, nothing subscribed, no hold, and given up at once if
@@ -25,11 +30,11 @@
 //! on another that waits on it.
 
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use actix::prelude::*;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
-use tracing::{debug, info};
+use tracing::{debug, info, warn};
 
 use super::Consumer;
 use super::link::{Link, Phase, Subscription};
@@ -82,9 +87,18 @@ pub(super) enum Oversize {
     Limited,
     /// A body was given back unread: nothing subscribes until everything in flight has
     /// settled; then the permit is taken.
-    GivenBack,
-    /// The permit is being waited for (another stage holds it): nothing subscribes.
-    Waiting,
+    GivenBack {
+        /// Held aside while the permit was waited for, given back when it is taken.
+        aside: Aside,
+    },
+    /// The permit is being waited for (another stage holds it). Meanwhile the stage takes
+    /// deliveries under its limit and holds the bodies over it aside.
+    Waiting {
+        aside: Aside,
+        /// One more came than could be held aside (or they were held too long): given back,
+        /// and nothing subscribes until the permit comes.
+        full: bool,
+    },
     /// The permit is held: the next subscription has a window of one and no body limit, and its
     /// first delivery restores the limit.
     Lifted(OwnedSemaphorePermit),
@@ -98,11 +112,9 @@ pub(super) enum Oversize {
         /// The bytes it holds (body and parsed properties): the `M` of the memory bound, not
         /// part of the byte budget's `A` (`accepted_bytes`).
         bytes: u64,
-        /// Deliveries over the limit that came meanwhile (in a window beside the held body),
-        /// of the current channel, held unacked without their bodies (nothing of them is
-        /// stored): given back once the body settles, and taken whole one at a time then. At
-        /// most [`ASIDE_MAX`].
-        aside: Vec<u64>,
+        /// Deliveries over the limit that came meanwhile (in a window beside the held body):
+        /// given back once the body settles, and taken whole one at a time then.
+        aside: Aside,
         /// Meanwhile another one was given back unread (past [`ASIDE_MAX`], or while
         /// stopping), so the permit is taken again once this one settles.
         given_back: bool,
@@ -110,21 +122,65 @@ pub(super) enum Oversize {
 }
 
 /// The most deliveries over `MAX_MESSAGE_BYTES` a stage holds aside (unacked, bodies not stored)
-/// while it holds the permit for another body: each is a tag and nothing else, so the window
-/// beside a held body goes on to the messages behind them (review R38c F1: two big bodies in a
-/// row while parking failed, the second given back at once, cut the window beside the first to
-/// nothing, and no message behind them moved). Past it, they are given back as before.
+/// while it holds the permit for another body or waits for it: each is a tag and nothing else,
+/// so the stage goes on to the messages behind them (review R38c F1: two big bodies in a row
+/// while parking failed, the second given back at once, cut the window beside the first to
+/// nothing, and no message behind them moved; review R38d F1/F2: a stage waiting for the permit
+/// took no deliveries at all while another stage's park kept failing). Past it, they are given
+/// back, and the stage takes nothing more until the permit is its own.
 pub(super) const ASIDE_MAX: usize = 32;
+
+/// Deliveries over the limit held aside, of the current channel: unacked, nothing of them
+/// stored.
+#[derive(Debug, Default)]
+pub(super) struct Aside {
+    tags: Vec<u64>,
+    /// When the first of them was held aside.
+    since: Option<Instant>,
+}
+
+impl Aside {
+    fn push(&mut self, tag: u64) {
+        self.since.get_or_insert_with(Instant::now);
+        self.tags.push(tag);
+    }
+
+    fn room(&self) -> bool {
+        self.tags.len() < ASIDE_MAX
+    }
+
+    fn take(&mut self) -> Vec<u64> {
+        self.since = None;
+        std::mem::take(&mut self.tags)
+    }
+
+    fn held_longer_than(&self, bound: Duration) -> bool {
+        self.since.is_some_and(|since| since.elapsed() > bound)
+    }
+
+    fn len(&self) -> usize {
+        self.tags.len()
+    }
+
+    fn is_empty(&self) -> bool {
+        self.tags.is_empty()
+    }
+}
 
 impl Oversize {
     /// Whether a body was given back and the stage is on its way to take it whole: nothing
     /// subscribes beside anything still in flight.
     pub(super) fn pending(&self) -> bool {
+        self.lifted() || self.stands_still()
+    }
+
+    /// Whether the stage takes no deliveries until what it holds settled and the permit is its
+    /// own: a subscription that begins meanwhile is cancelled at once.
+    pub(super) fn stands_still(&self) -> bool {
         matches!(
             self,
-            Oversize::GivenBack
-                | Oversize::Waiting
-                | Oversize::Lifted(_)
+            Oversize::GivenBack { .. }
+                | Oversize::Waiting { full: true, .. }
                 | Oversize::Holding {
                     given_back: true,
                     ..
@@ -133,9 +189,27 @@ impl Oversize {
     }
 
     /// Whether a delivery over the limit that just came unread can be held aside: the stage
-    /// holds the permit for another body, and there is room.
+    /// holds the permit for another body or waits for it, and there is room.
     fn room_aside(&self) -> bool {
-        matches!(self, Oversize::Holding { aside, given_back: false, .. } if aside.len() < ASIDE_MAX)
+        match self {
+            Oversize::Holding {
+                aside,
+                given_back: false,
+                ..
+            }
+            | Oversize::Waiting { aside, full: false } => aside.room(),
+            _ => false,
+        }
+    }
+
+    /// What is held aside, if anything can be.
+    fn aside(&mut self) -> Option<&mut Aside> {
+        match self {
+            Oversize::GivenBack { aside }
+            | Oversize::Waiting { aside, .. }
+            | Oversize::Holding { aside, .. } => Some(aside),
+            Oversize::Limited | Oversize::Lifted(_) => None,
+        }
     }
 
     pub(super) fn lifted(&self) -> bool {
@@ -174,9 +248,10 @@ impl Consumer {
     /// Deliveries whose bodies were over `MAX_MESSAGE_BYTES` came unread and were given back
     /// (nack with requeue, already sent): the window is cut to one, the subscription cancelled
     /// at once (with the limit still in place, the broker would send the same body back at once,
-    /// again and again), and the next one waits until everything delivered before is settled
-    /// and the permit is the stage's, then takes a window of one without a body limit: the body
-    /// comes back whole and alone, and is parked.
+    /// again and again), and the next one waits until everything delivered before is settled;
+    /// then the permit is taken (or asked for, and the stage goes on meanwhile, holding such
+    /// bodies aside), and a window of one without a body limit takes the body back whole and
+    /// alone, to be parked.
     pub(super) fn give_back_oversize(&mut self, n: usize) {
         crate::metrics::requeued(&self.config.stage, "oversize_in_window", n as u64);
         if self.phase != Phase::Running {
@@ -193,10 +268,15 @@ impl Consumer {
              hold such a body is this stage's, they come back one at a time, whole, to be parked"
         );
         self.earned = super::window::Earned::default();
-        if let Oversize::Holding { given_back, .. } = &mut self.oversize {
-            *given_back = true;
-        } else if matches!(self.oversize, Oversize::Limited) {
-            self.oversize = Oversize::GivenBack;
+        match &mut self.oversize {
+            Oversize::Holding { given_back, .. } => *given_back = true,
+            Oversize::Waiting { full, .. } => *full = true,
+            Oversize::Limited => {
+                self.oversize = Oversize::GivenBack {
+                    aside: Aside::default(),
+                }
+            }
+            Oversize::GivenBack { .. } | Oversize::Lifted(_) => {}
         }
         if self.consuming() {
             self.unsubscribe();
@@ -206,31 +286,37 @@ impl Consumer {
 
     /// Whether a subscription may begin as far as bodies over the limit go; called by
     /// `maybe_subscribe` with the link up, nothing subscribed, nothing held. A body given back
-    /// with nothing left in flight takes the permit now when it is free, else waits for it in
-    /// the background (FIFO); nothing subscribes meanwhile.
+    /// with nothing left in flight takes the permit now when it is free; else the permit is
+    /// asked for (FIFO), and the stage subscribes meanwhile under its limit, holding such
+    /// bodies aside (`Oversize::Waiting`).
     pub(super) fn oversize_ready(&mut self, ctx: &mut Context<Self>) -> bool {
-        match self.oversize {
-            Oversize::GivenBack if self.inflight == 0 => {}
-            Oversize::GivenBack | Oversize::Waiting => return false,
+        match &self.oversize {
+            Oversize::GivenBack { .. } if self.inflight == 0 => {}
+            Oversize::GivenBack { .. } => return false,
+            Oversize::Waiting { full, .. } => return !full,
             Oversize::Limited | Oversize::Lifted(_) | Oversize::Holding { .. } => return true,
         }
+        let Oversize::GivenBack { aside } = std::mem::take(&mut self.oversize) else {
+            return false;
+        };
         if let Ok(permit) = self.config.oversize.0.clone().try_acquire_owned() {
-            self.oversize = Oversize::Lifted(permit);
             debug!(
                 pipeline = self.config.stage.pipeline(),
                 stage = self.config.stage.stage().as_str(),
                 "the permit to hold a body over MAX_MESSAGE_BYTES is this stage's: subscribing \
                  with a window of 1 and no body limit"
             );
+            self.lift(permit, aside);
             return true;
         }
         info!(
             pipeline = self.config.stage.pipeline(),
             stage = self.config.stage.stage().as_str(),
+            aside_max = ASIDE_MAX,
             "waiting for the process's one permit to hold a body over MAX_MESSAGE_BYTES (another \
-             stage holds one): no new deliveries meanwhile"
+             stage holds one); meanwhile this stage goes on, holding such bodies aside unread"
         );
-        self.oversize = Oversize::Waiting;
+        self.oversize = Oversize::Waiting { aside, full: false };
         self.oversize_gauge.set(1.0);
         let semaphore = self.config.oversize.0.clone();
         ctx.spawn(
@@ -242,27 +328,49 @@ impl Consumer {
                     }
                 }),
         );
-        false
+        true
     }
 
-    /// The permit came after a wait: the stage subscribes without a body limit, unless what it
-    /// was waiting for changed meanwhile (a hold, a stop, a link lost): then the permit goes at
-    /// once (never held while the stage waits for something else), and is taken again when the
-    /// stage may subscribe.
+    /// The permit is this stage's, with nothing in flight and nothing subscribed: what was held
+    /// aside goes back to the queue, and the next subscription (a window of one, no body limit)
+    /// begins only once those nacks were sent (`Acker::sent`), so the bodies are in the queue
+    /// before it.
+    fn lift(&mut self, permit: OwnedSemaphorePermit, mut aside: Aside) {
+        self.give_back_aside(aside.take());
+        if let Some(acker) = self.linked().and_then(|l| l.acker.as_ref()) {
+            self.consume_after = Some(acker.sent());
+        }
+        self.oversize = Oversize::Lifted(permit);
+    }
+
+    /// The permit came after a wait: the stage subscribes without a body limit when it can at
+    /// once (nothing in flight, nothing subscribed, no hold); else the permit goes at once
+    /// (never held while the stage waits for something else), the subscription is cancelled,
+    /// and the permit is taken again once what is in flight settled.
     fn granted(&mut self, permit: OwnedSemaphorePermit, ctx: &mut Context<Self>) {
-        self.oversize_gauge.set(0.0);
-        if !matches!(self.oversize, Oversize::Waiting) {
+        if !matches!(self.oversize, Oversize::Waiting { .. }) {
             return;
         }
+        self.oversize_gauge.set(0.0);
+        let Oversize::Waiting { aside, .. } = std::mem::take(&mut self.oversize) else {
+            return;
+        };
         let free = matches!(&self.link, Link::Up(l) if l.subscription == Subscription::None
             && l.channel.status().connected());
         if self.phase != Phase::Running || !self.holds.is_empty() || self.inflight > 0 || !free {
             debug!(
                 pipeline = self.config.stage.pipeline(),
                 stage = self.config.stage.stage().as_str(),
-                "the permit came while the stage cannot subscribe: given up until it can"
+                inflight = self.inflight,
+                "the permit came while the stage has deliveries in flight: given up until they \
+                 settle"
             );
-            self.oversize = Oversize::GivenBack;
+            drop(permit);
+            self.oversize = Oversize::GivenBack { aside };
+            if self.consuming() {
+                self.unsubscribe();
+                self.dispatch.flush_all();
+            }
             return;
         }
         info!(
@@ -271,10 +379,12 @@ impl Consumer {
             "the permit to hold a body over MAX_MESSAGE_BYTES is this stage's: subscribing with a \
              window of 1 and no body limit"
         );
-        self.oversize = Oversize::Lifted(permit);
+        self.lift(permit, aside);
         self.maybe_subscribe(ctx);
         if matches!(&self.link, Link::Up(l) if l.subscription == Subscription::None) {
-            self.oversize = Oversize::GivenBack;
+            self.oversize = Oversize::GivenBack {
+                aside: Aside::default(),
+            };
         }
     }
 
@@ -320,12 +430,13 @@ impl Consumer {
 
     /// A delivery over `MAX_MESSAGE_BYTES` came unread (`tag`, of the current channel): held
     /// aside (unacked, nothing of it stored) when the stage holds the permit for another body
-    /// and there is room ([`ASIDE_MAX`]); answers whether it was. Else it is given back.
+    /// or waits for it, and there is room ([`ASIDE_MAX`]); answers whether it was. Else it is
+    /// given back.
     pub(super) fn set_aside(&mut self, tag: u64) -> bool {
         if self.phase != Phase::Running || !self.oversize.room_aside() {
             return false;
         }
-        if let Oversize::Holding { aside, .. } = &mut self.oversize {
+        if let Some(aside) = self.oversize.aside() {
             aside.push(tag);
         }
         true
@@ -335,17 +446,62 @@ impl Consumer {
     /// of the subscription that brought them, so it is cancelled, and the next one begins at
     /// once (what is held aside counts in no window of warren's: it holds no bytes).
     pub(super) fn held_aside(&mut self, n: usize) {
+        let waiting = matches!(self.oversize, Oversize::Waiting { .. });
         info!(
             pipeline = self.config.stage.pipeline(),
             stage = self.config.stage.stage().as_str(),
             set_aside = n,
+            held_aside = self.oversize.aside().map_or(0, |a| a.len()),
             max_message_bytes = self.config.max_message_bytes,
-            "bodies over MAX_MESSAGE_BYTES announced while this stage holds one whole: held aside \
-             unread (nothing of them stored) and given back once it settles; the messages \
-             behind them go on"
+            "bodies over MAX_MESSAGE_BYTES announced while this stage {}: held aside unread \
+             (nothing of them stored) and given back when its turn comes; the messages behind \
+             them go on",
+            if waiting {
+                "waits for the process's one permit to hold one"
+            } else {
+                "holds one whole"
+            }
         );
         if self.consuming() {
             self.unsubscribe();
+        }
+    }
+
+    /// Once per watchdog tick: deliveries held aside longer than the broker's
+    /// `consumer_timeout` allows (`hand_back_after`) go back to the queue (else the broker
+    /// closes the channel, and everything in flight on it goes back too); the stage takes
+    /// nothing more until the permit is its own (`stands_still`).
+    pub(super) fn aside_aged(&mut self) {
+        let Some(bound) = self.amqp.hand_back_after() else {
+            return;
+        };
+        if self.phase != Phase::Running
+            || !self
+                .oversize
+                .aside()
+                .is_some_and(|a| a.held_longer_than(bound))
+        {
+            return;
+        }
+        let tags = self.oversize.aside().map(Aside::take).unwrap_or_default();
+        warn!(
+            pipeline = self.config.stage.pipeline(),
+            stage = self.config.stage.stage().as_str(),
+            given_back = tags.len(),
+            held_for_s = bound.as_secs(),
+            "bodies held aside unread for as long as the broker's consumer_timeout allows: given \
+             back to the queue; no new deliveries until the permit to take them whole is this \
+             stage's"
+        );
+        self.give_back_aside(tags);
+        match &mut self.oversize {
+            Oversize::Waiting { full, .. } => *full = true,
+            Oversize::Holding { given_back, .. } => *given_back = true,
+            _ => {}
+        }
+        if self.consuming() {
+            self.unsubscribe();
+            self.dispatch.flush_all();
         }
     }
 
@@ -366,7 +522,7 @@ impl Consumer {
                 _permit: permit,
                 body: (self.generation, tag),
                 bytes,
-                aside: Vec::new(),
+                aside: Aside::default(),
                 given_back: false,
             };
         }
@@ -396,16 +552,24 @@ impl Consumer {
     /// back to the queue now, and the stage takes the permit again for it (nothing subscribes
     /// until what is in flight settled: `Oversize::pending`).
     fn release_held(&mut self) {
+        if !matches!(self.oversize, Oversize::Holding { .. }) {
+            return;
+        }
         let Oversize::Holding {
-            aside, given_back, ..
+            mut aside,
+            given_back,
+            ..
         } = std::mem::take(&mut self.oversize)
         else {
             return;
         };
+        let aside = aside.take();
         let again = given_back || !aside.is_empty();
         self.give_back_aside(aside);
         if again && self.phase == Phase::Running {
-            self.oversize = Oversize::GivenBack;
+            self.oversize = Oversize::GivenBack {
+                aside: Aside::default(),
+            };
             if self.consuming() {
                 self.unsubscribe();
                 self.dispatch.flush_all();
@@ -434,8 +598,8 @@ impl Consumer {
     /// The stage begins to stop: what it held aside goes back to the queue now (it is in no
     /// count the drain waits for).
     pub(super) fn oversize_stopping(&mut self) {
-        if let Oversize::Holding { aside, .. } = &mut self.oversize {
-            let aside = std::mem::take(aside);
+        if let Some(aside) = self.oversize.aside() {
+            let aside = aside.take();
             self.give_back_aside(aside);
         }
     }
@@ -451,27 +615,38 @@ impl Consumer {
 
     /// The link is gone: a permit held for a subscription without a limit goes (the next link
     /// takes it again before it subscribes); one held for a body still in flight stays until
-    /// that body settles.
+    /// that body settles. What was held aside went back to the queue with the channel: taken
+    /// whole later.
     pub(super) fn oversize_link_lost(&mut self) {
+        let stopping = self.phase != Phase::Running;
+        let mut gone = 0;
         match &mut self.oversize {
-            Oversize::Lifted(_) => self.oversize = Oversize::GivenBack,
-            // What was held aside went back to the queue with the channel: taken whole later.
+            Oversize::Lifted(_) => {
+                self.oversize = Oversize::GivenBack {
+                    aside: Aside::default(),
+                }
+            }
             Oversize::Holding {
                 aside, given_back, ..
             } if !aside.is_empty() => {
-                if self.phase != Phase::Running {
-                    self.stop_counts.given_back += aside.len() as u64;
-                }
-                aside.clear();
+                gone = aside.take().len();
                 *given_back = true;
             }
+            Oversize::Waiting { aside, full } => {
+                gone = aside.take().len();
+                *full = false;
+            }
+            Oversize::GivenBack { aside } => gone = aside.take().len(),
             _ => {}
+        }
+        if stopping {
+            self.stop_counts.given_back += gone as u64;
         }
     }
 
     /// The stage stops: whatever it held goes.
     pub(super) fn oversize_closed(&mut self) {
-        if matches!(self.oversize, Oversize::Waiting) {
+        if matches!(self.oversize, Oversize::Waiting { .. }) {
             self.oversize_gauge.set(0.0);
         }
         // Held aside still (a stop that never cancelled): back with the channel.
@@ -507,45 +682,82 @@ mod tests {
         assert!(permit.0.clone().try_acquire_owned().is_ok());
     }
 
+    fn aside(n: u64) -> Aside {
+        let mut aside = Aside::default();
+        (0..n).for_each(|t| aside.push(t));
+        aside
+    }
+
     #[test]
     fn a_stage_on_its_way_to_a_body_subscribes_beside_nothing() {
         assert!(!Oversize::Limited.pending());
-        assert!(Oversize::GivenBack.pending());
-        assert!(Oversize::Waiting.pending());
+        assert!(Oversize::GivenBack { aside: aside(0) }.pending());
+        // Waiting for the permit, the stage goes on (holding big bodies aside) until one more
+        // comes than it can hold.
+        let waiting = |full| Oversize::Waiting {
+            aside: aside(1),
+            full,
+        };
+        assert!(!waiting(false).pending());
+        assert!(!waiting(false).stands_still());
+        assert!(waiting(true).pending());
+        assert!(waiting(true).stands_still());
         let semaphore = Arc::new(Semaphore::new(2));
         let permit = || semaphore.clone().try_acquire_owned().expect("free");
         assert!(Oversize::Lifted(permit()).pending());
+        assert!(!Oversize::Lifted(permit()).stands_still());
         assert!(
             !Oversize::Holding {
                 _permit: permit(),
                 body: (1, 1),
                 bytes: 1,
-                aside: vec![2],
+                aside: aside(1),
                 given_back: false
             }
             .pending()
         );
     }
 
-    /// Bodies are held aside only beside a body held whole, at most `ASIDE_MAX`, and not once
-    /// one was given back (the stage takes the permit again then, for all of them).
+    /// Bodies are held aside only beside a body held whole or while the permit is waited for,
+    /// at most `ASIDE_MAX`, and not once one was given back (the stage takes the permit again
+    /// then, for all of them).
     #[test]
-    fn bodies_are_held_aside_only_beside_a_held_body_and_within_the_bound() {
+    fn bodies_are_held_aside_only_beside_a_held_body_or_while_waiting_and_within_the_bound() {
         let semaphore = Arc::new(Semaphore::new(4));
         let permit = || semaphore.clone().try_acquire_owned().expect("free");
-        let holding = |aside: usize, given_back| Oversize::Holding {
+        let holding = |n: usize, given_back| Oversize::Holding {
             _permit: permit(),
             body: (1, 1),
             bytes: 1,
-            aside: (0..aside as u64).collect(),
+            aside: aside(n as u64),
             given_back,
         };
         assert!(holding(0, false).room_aside());
         assert!(holding(ASIDE_MAX - 1, false).room_aside());
         assert!(!holding(ASIDE_MAX, false).room_aside());
         assert!(!holding(0, true).room_aside());
+        let waiting = |n: usize, full| Oversize::Waiting {
+            aside: aside(n as u64),
+            full,
+        };
+        assert!(waiting(0, false).room_aside());
+        assert!(waiting(ASIDE_MAX - 1, false).room_aside());
+        assert!(!waiting(ASIDE_MAX, false).room_aside());
+        assert!(!waiting(0, true).room_aside());
         assert!(!Oversize::Limited.room_aside());
-        assert!(!Oversize::GivenBack.room_aside());
+        assert!(!Oversize::GivenBack { aside: aside(0) }.room_aside());
         assert!(!Oversize::Lifted(permit()).room_aside());
+    }
+
+    /// What is held aside is timed from the first of them, and taking them clears the clock.
+    #[test]
+    fn what_is_held_aside_is_timed_from_the_first_and_taken_whole() {
+        let mut held = aside(3);
+        assert!(!held.held_longer_than(Duration::from_secs(60)));
+        std::thread::sleep(Duration::from_millis(5));
+        assert!(held.held_longer_than(Duration::from_millis(1)));
+        assert_eq!(held.take(), vec![0, 1, 2]);
+        assert!(held.is_empty());
+        assert!(!held.held_longer_than(Duration::ZERO));
     }
 }

@@ -135,10 +135,17 @@ impl Consumer {
         let queue = self.config.queue.clone();
         let addr = ctx.address();
         let bound = self.amqp.connect_timeout() * (1 << self.consume_failures.min(4));
+        let after = self.consume_after.take();
         actix::spawn(async move {
             // Bounded: a consume that never answers must not leave the pipeline unsubscribed.
             // A new window first: the broker applies a per-consumer qos to consumers made after.
             let consume = async {
+                // Bodies held aside go back to the queue before a window of one without a body
+                // limit begins (`oversize.rs`): sent on the same channel ahead of it. A closed
+                // acker answers with an error: the channel is gone, and the consume fails too.
+                if let Some(after) = after {
+                    let _ = after.await;
+                }
                 if let Some(w) = qos {
                     channel
                         .basic_qos(w, BasicQosOptions { global: false })
@@ -357,9 +364,10 @@ impl Handler<Subscribed> for Consumer {
                     "consuming");
                 self.add_consumer_stream(ctx, consumer, msg.tag.clone());
                 self.lifted_subscribed(ctx, msg.tag);
-                // A hold that came while subscribing wins at once; a concurrency that changed
-                // while subscribing gets its window.
-                if !self.holds.is_empty() {
+                // A hold that came while subscribing wins at once, and so does a body given
+                // back meanwhile (the stage takes nothing until it is taken whole); a
+                // concurrency that changed while subscribing gets its window.
+                if !self.holds.is_empty() || self.oversize.stands_still() {
                     self.unsubscribe();
                 } else {
                     self.follow_window();

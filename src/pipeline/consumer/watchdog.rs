@@ -99,6 +99,7 @@ impl Consumer {
         if let Some(acker) = self.linked().and_then(|l| l.acker.as_mut()) {
             acker.tick();
         }
+        self.aside_aged();
         if self.phase == Phase::Stopping && self.cancel_unanswered() {
             // Stopping behind a cancel whose stream never ended: the stop goes on; what that
             // subscription still held unacked goes back to the queue with the channel.
