@@ -107,6 +107,28 @@ fn an_unknown_key_in_a_pipeline_entry_names_the_pipeline_and_the_closest_key() {
             "did you mean optional?",
         ],
     );
+    // In a child table's column: the child table and the column are named (line 14); `rows`
+    // belongs to the child table, not to a column.
+    let child = "\n[[pipelines.children]]\ntable = \"order_items\"\nrows = \"/items\"\n\
+                 key = [\"order_id\", \"line\"]\n[pipelines.children.columns]\n\
+                 order_id = { parent = \"order_id\" }\nline = { index = true }\n\
+                 sku = { path = \"/sku\", type = \"text\", rows = \"/x\" }\n";
+    let file = ConfigFile::new(&format!("{}{child}", orders("")));
+    let path = file.path().display().to_string();
+    let text = std::fs::read_to_string(file.path()).expect("the file");
+    let line = text
+        .lines()
+        .position(|l| l.starts_with("sku ="))
+        .expect("the sku line")
+        + 1;
+    assert_refused(
+        "unknown key in a child table's column",
+        config(&[], &["--config", &path]),
+        &[
+            &format!("{path}, line {line}"),
+            "unknown key `rows` in pipeline orders, child table order_items, column sku",
+        ],
+    );
 }
 
 #[test]

@@ -77,9 +77,12 @@ pub async fn execute(settings: &Settings, args: Args) -> anyhow::Result<i32> {
     // lost since), the error says which, with what to do.
     let mut unknown = None;
     if let Some(name) = &args.pipeline {
-        let known = crate::cli::known_pipelines(settings).await;
+        // Asked once: Redis lost since the connect above is said as such, never read as "no
+        // instance runs it".
+        let live = crate::registry::live(&redis_config).await;
+        let known = crate::registry::record::known(settings.pipelines(), live.iter().flatten());
         if let Err(u) = crate::registry::record::find(&known, name) {
-            unknown = Some(u.asked(&crate::registry::live(&redis_config).await));
+            unknown = Some(u.asked(&live));
         }
     }
     let key = stream_key(&redis_config.prefix);

@@ -340,15 +340,6 @@ pub fn say(message: std::fmt::Arguments) {
     let _ = writeln!(std::io::stderr(), "warren: {message}");
 }
 
-/// Every pipeline the configuration names or a live instance of the deployment runs, once
-/// each (the configured ones only while Redis is away): what `--pipeline` may name.
-pub(crate) async fn known_pipelines(settings: &Settings) -> Vec<crate::registry::PipelineRecord> {
-    let live = crate::registry::live(&settings.redis())
-        .await
-        .unwrap_or_default();
-    crate::registry::record::known(settings.pipelines(), &live)
-}
-
 /// The settings that name the built-in users pipeline's exchanges and queues: one given in a
 /// file, the environment or `--set` makes its names the configuration's own.
 const USERS_NAME_SETTINGS: [&str; 7] = [

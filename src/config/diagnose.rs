@@ -197,6 +197,18 @@ impl FileText {
         Some(name.to_string())
     }
 
+    /// The `table` of child table `child` of the `index`-th `[[pipelines]]` entry, if it has one.
+    fn child_table(&self, index: usize, child: &str) -> Option<String> {
+        let table: toml::Table = self.text.parse().ok()?;
+        let entry = table.get("pipelines")?.get(index)?;
+        let name = entry
+            .get("children")?
+            .get(child.parse::<usize>().ok()?)?
+            .get("table")?
+            .as_str()?;
+        Some(name.to_string())
+    }
+
     /// `pipelines.orders` (or `pipelines[2]` for an entry without a name).
     fn pipeline_label(&self, index: usize) -> String {
         self.pipeline_name(index)
@@ -399,9 +411,21 @@ fn entry_error(file: &FileText, index: usize, field: &[String], kind: Kind) -> C
             let name = file
                 .pipeline_name(index)
                 .unwrap_or_else(|| format!("pipelines[{index}]"));
+            let child = |i: &str| {
+                file.child_table(index, i)
+                    .map_or(format!("child table {i}"), |t| format!("child table {t}"))
+            };
             let table = match within.as_slice() {
                 [columns, column, ..] if columns == "columns" => {
                     format!("pipeline {name}, column {column}")
+                }
+                [children, i, columns, column, ..]
+                    if children == "children" && columns == "columns" =>
+                {
+                    format!("pipeline {name}, {}, column {column}", child(i))
+                }
+                [children, i, ..] if children == "children" => {
+                    format!("pipeline {name}, {}", child(i))
                 }
                 _ => format!("pipeline {name}"),
             };

@@ -793,4 +793,6 @@ impl Domain for Mapping {
 #[cfg(test)]
 mod tests;
 #[cfg(test)]
+mod times_tests;
+#[cfg(test)]
 mod users_tests;
