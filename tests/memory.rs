@@ -966,3 +966,80 @@ async fn a_stage_waiting_for_the_permit_while_a_park_waits_goes_on_with_the_mess
     assert_eq!(env.queue_state(&env.main_queue).await, (0, 0));
     assert_eq!(env.queue_state(&env.dlq_queue).await, (0, 0));
 }
+
+/// Review R38e F1: more big bodies in a row than a stage could hold aside (33 with a bound of
+/// 32), while parking failed: the 33rd was given back, the stage stood still, and on each turn
+/// with the permit it held the other 32 aside again and stood still again, so the 300 messages
+/// behind them waited for the whole outage; every failed park also gave back all 32 (256
+/// give-backs a minute, each a delivery counted on a quorum queue). Now a stage holds up to
+/// 1,024 aside and gives back one per turn: 40 bodies of 100 KiB then 300 users, INSERT on
+/// `dead_letters` revoked: every user lands while parking fails, the give-backs stay near one a
+/// turn, and once the database takes parks again all 40 are parked once, whole.
+#[tokio::test(flavor = "multi_thread")]
+async fn forty_refused_bodies_in_a_row_whose_parks_fail_let_the_users_behind_them_land() {
+    const BODIES: usize = 40;
+    let env = TestEnv::new("aside40").await;
+    env.declare();
+    env.db
+        .batch_execute("REVOKE INSERT ON dead_letters FROM CURRENT_USER")
+        .await
+        .expect("revoke INSERT on dead_letters");
+    let bigs: Vec<Vec<u8>> = (0..BODIES)
+        .map(|i| huge_body((100 << 10) + i, b'a' + (i % 26) as u8))
+        .collect();
+    env.publish_pipelined(
+        bigs.iter()
+            .enumerate()
+            .map(|(i, b)| (b.clone(), labelled(&format!("big-{i:02}")))),
+    )
+    .await;
+    let users: HashSet<Uuid> = env.publish_users(300).await.into_iter().collect();
+    let mut warren = env.start(&["--roles", "consumer"]);
+    let _logs = LogsOnPanic(vec![warren.log.clone()]);
+    assert_rows_exactly(&env, &users, Duration::from_secs(90), &|| warren.logs()).await;
+    assert_eq!(
+        count_of(&env, "SELECT count(*) FROM dead_letters").await,
+        0,
+        "nothing parked while INSERT is revoked"
+    );
+    // A few turns more with parking failing: each gives back one body held aside, not all.
+    tokio::time::sleep(Duration::from_secs(15)).await;
+    let given_back = metric(
+        &env,
+        "warren_messages_requeued_total",
+        &[
+            ("pipeline", "users"),
+            ("stage", "main"),
+            ("reason", "oversize_in_window"),
+        ],
+    )
+    .await;
+    eprintln!("bodies given back unread while parking failed: {given_back}");
+    assert!(
+        given_back < 80.0,
+        "{given_back} give-backs of {BODIES} bodies: each turn gave back every body held aside"
+    );
+    env.db
+        .batch_execute("GRANT INSERT ON dead_letters TO CURRENT_USER")
+        .await
+        .expect("grant INSERT on dead_letters");
+    wait_until(
+        "every big body parked",
+        Duration::from_secs(180),
+        || async { count_of(&env, "SELECT count(*) FROM dead_letters").await >= BODIES as i64 },
+    )
+    .await;
+    warren.terminate_ok(Duration::from_secs(30));
+    let expected: Vec<(String, String, i64)> = bigs
+        .iter()
+        .enumerate()
+        .map(|(i, b)| ("users".to_string(), format!("big-{i:02}"), b.len() as i64))
+        .collect();
+    assert_eq!(
+        parked_sizes(&env, "big-").await,
+        expected,
+        "each big body parked once, whole"
+    );
+    assert_eq!(env.queue_state(&env.main_queue).await, (0, 0));
+    assert_eq!(env.queue_state(&env.dlq_queue).await, (0, 0));
+}

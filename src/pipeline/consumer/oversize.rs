@@ -12,15 +12,17 @@
 //! When another stage holds it, the stage asks for it (FIFO) and goes on meanwhile with its
 //! limit in place ([`Oversize::Waiting`]): each body over the limit that comes (the one given
 //! back first) is held aside, unacked and unread, and the messages behind it go on; once the
-//! permit comes and what the stage holds has settled, what was held aside goes back to the
-//! queue, and a window of one without a body limit takes it. The first delivery of that
+//! permit comes and what the stage holds has settled, the oldest body held aside goes back to
+//! the queue, and a window of one without a body limit takes it (the others wait aside for
+//! their own turns). The first delivery of that
 //! subscription restores the limit at once: an accepted body releases the permit there, a
 //! refused one (the body, whole) keeps it until it settles, parked or given back
 //! ([`Oversize::Holding`]). Meanwhile a window beside it (the held-window watchdog) holds any
-//! other body over the limit aside the same way; what was held aside goes back to the queue when
-//! the held body settles, and is taken whole in its turn. At most [`ASIDE_MAX`] are held aside,
-//! and none longer than the broker's `consumer_timeout` allows (`aside_aged`); past either, the
-//! stage gives them back and takes nothing more until the permit is its own. No body begun
+//! other body over the limit aside the same way; when the held body settles, the next body held
+//! aside takes the permit in its turn. At most [`ASIDE_MAX`] are held aside
+//! (past it, the stage gives one back and takes nothing more until the permit is its own), and
+//! none longer than the broker's `consumer_timeout` allows (`aside_aged`: given back, and held
+//! aside again as they come). No body begun
 //! within [`LIFTED_FOR`] (another instance took it): the subscription is cancelled, and the
 //! permit released at its stream's end. A link lost, a stop: released.
 //!
@@ -100,8 +102,8 @@ pub(super) enum Oversize {
         full: bool,
     },
     /// The permit is held: the next subscription has a window of one and no body limit, and its
-    /// first delivery restores the limit.
-    Lifted(OwnedSemaphorePermit),
+    /// first delivery restores the limit. What is still held aside waits for its own turn.
+    Lifted(OwnedSemaphorePermit, Aside),
     /// The permit is held for a body over the limit that came whole, until it settles.
     Holding {
         /// Held for its drop: the permit goes when the state does.
@@ -112,8 +114,9 @@ pub(super) enum Oversize {
         /// The bytes it holds (body and parsed properties): the `M` of the memory bound, not
         /// part of the byte budget's `A` (`accepted_bytes`).
         bytes: u64,
-        /// Deliveries over the limit that came meanwhile (in a window beside the held body):
-        /// given back once the body settles, and taken whole one at a time then.
+        /// Deliveries over the limit that came meanwhile (in a window beside the held body), or
+        /// were held aside before and wait for their turn: each is given back alone when the
+        /// permit is taken for it, and taken whole then.
         aside: Aside,
         /// Meanwhile another one was given back unread (past [`ASIDE_MAX`], or while
         /// stopping), so the permit is taken again once this one settles.
@@ -126,9 +129,14 @@ pub(super) enum Oversize {
 /// so the stage goes on to the messages behind them (review R38c F1: two big bodies in a row
 /// while parking failed, the second given back at once, cut the window beside the first to
 /// nothing, and no message behind them moved; review R38d F1/F2: a stage waiting for the permit
-/// took no deliveries at all while another stage's park kept failing). Past it, they are given
-/// back, and the stage takes nothing more until the permit is its own.
-pub(super) const ASIDE_MAX: usize = 32;
+/// took no deliveries at all while another stage's park kept failing). Past it, one more is
+/// given back, and the stage takes nothing more until the permit is its own: so only more than
+/// this many such bodies in a row stop the messages behind them while parking fails (review
+/// R38e F1: 33 did, with a bound of 32). What one costs: 8 bytes here, an unacked message on
+/// the broker (its body is in the queue anyway), and a resubscription when it comes (the
+/// broker's window of the subscription it came on is refreshed); on a quorum queue, a
+/// cancelled consumer stays listed while it has unacked messages.
+pub(super) const ASIDE_MAX: usize = 1024;
 
 /// Deliveries over the limit held aside, of the current channel: unacked, nothing of them
 /// stored.
@@ -152,6 +160,19 @@ impl Aside {
     fn take(&mut self) -> Vec<u64> {
         self.since = None;
         std::mem::take(&mut self.tags)
+    }
+
+    /// The oldest held aside (the first at the queue's head once given back), taken alone; the
+    /// clock of the others goes on.
+    fn take_first(&mut self) -> Option<u64> {
+        if self.tags.is_empty() {
+            return None;
+        }
+        let first = self.tags.remove(0);
+        if self.tags.is_empty() {
+            self.since = None;
+        }
+        Some(first)
     }
 
     fn held_longer_than(&self, bound: Duration) -> bool {
@@ -207,13 +228,14 @@ impl Oversize {
         match self {
             Oversize::GivenBack { aside }
             | Oversize::Waiting { aside, .. }
+            | Oversize::Lifted(_, aside)
             | Oversize::Holding { aside, .. } => Some(aside),
-            Oversize::Limited | Oversize::Lifted(_) => None,
+            Oversize::Limited => None,
         }
     }
 
     pub(super) fn lifted(&self) -> bool {
-        matches!(self, Oversize::Lifted(_))
+        matches!(self, Oversize::Lifted(..))
     }
 
     /// The bytes of the body held whole with the permit (0: none).
@@ -276,7 +298,7 @@ impl Consumer {
                     aside: Aside::default(),
                 }
             }
-            Oversize::GivenBack { .. } | Oversize::Lifted(_) => {}
+            Oversize::GivenBack { .. } | Oversize::Lifted(..) => {}
         }
         if self.consuming() {
             self.unsubscribe();
@@ -294,7 +316,7 @@ impl Consumer {
             Oversize::GivenBack { .. } if self.inflight == 0 => {}
             Oversize::GivenBack { .. } => return false,
             Oversize::Waiting { full, .. } => return !full,
-            Oversize::Limited | Oversize::Lifted(_) | Oversize::Holding { .. } => return true,
+            Oversize::Limited | Oversize::Lifted(..) | Oversize::Holding { .. } => return true,
         }
         let Oversize::GivenBack { aside } = std::mem::take(&mut self.oversize) else {
             return false;
@@ -331,16 +353,21 @@ impl Consumer {
         true
     }
 
-    /// The permit is this stage's, with nothing in flight and nothing subscribed: what was held
-    /// aside goes back to the queue, and the next subscription (a window of one, no body limit)
-    /// begins only once those nacks were sent (`Acker::sent`), so the bodies are in the queue
-    /// before it.
+    /// The permit is this stage's, with nothing in flight and nothing subscribed: the oldest body
+    /// held aside goes back to the queue (at its head: RabbitMQ requeues to a message's place),
+    /// and the next subscription (a window of one, no body limit) begins only once that nack was
+    /// sent (`Acker::sent`), so the body is in the queue before it. The others stay aside for
+    /// their own turns: each body is given back once per turn, not once per turn of every one
+    /// (review R38e F1: 32 given back at each failed park, 256 give-backs a minute, each a
+    /// delivery counted on a quorum queue).
     fn lift(&mut self, permit: OwnedSemaphorePermit, mut aside: Aside) {
-        self.give_back_aside(aside.take());
+        if let Some(first) = aside.take_first() {
+            self.give_back_aside(vec![first]);
+        }
         if let Some(acker) = self.linked().and_then(|l| l.acker.as_ref()) {
             self.consume_after = Some(acker.sent());
         }
-        self.oversize = Oversize::Lifted(permit);
+        self.oversize = Oversize::Lifted(permit, aside);
     }
 
     /// The permit came after a wait: the stage subscribes without a body limit when it can at
@@ -469,8 +496,9 @@ impl Consumer {
 
     /// Once per watchdog tick: deliveries held aside longer than the broker's
     /// `consumer_timeout` allows (`hand_back_after`) go back to the queue (else the broker
-    /// closes the channel, and everything in flight on it goes back too); the stage takes
-    /// nothing more until the permit is its own (`stands_still`).
+    /// closes the channel, and everything in flight on it goes back too). The stage goes on:
+    /// they come again, unread, and are held aside anew, their clock started again (review
+    /// R38e E9: standing still after such a give-back held small messages for 45 s).
     pub(super) fn aside_aged(&mut self) {
         let Some(bound) = self.amqp.hand_back_after() else {
             return;
@@ -490,19 +518,9 @@ impl Consumer {
             given_back = tags.len(),
             held_for_s = bound.as_secs(),
             "bodies held aside unread for as long as the broker's consumer_timeout allows: given \
-             back to the queue; no new deliveries until the permit to take them whole is this \
-             stage's"
+             back to the queue, to be held aside again as they come"
         );
         self.give_back_aside(tags);
-        match &mut self.oversize {
-            Oversize::Waiting { full, .. } => *full = true,
-            Oversize::Holding { given_back, .. } => *given_back = true,
-            _ => {}
-        }
-        if self.consuming() {
-            self.unsubscribe();
-            self.dispatch.flush_all();
-        }
     }
 
     /// The deliveries of a chunk came, `refused` the tag and bytes of the first of them over
@@ -514,7 +532,7 @@ impl Consumer {
             return;
         }
         self.restore_body_limit();
-        let Oversize::Lifted(permit) = std::mem::take(&mut self.oversize) else {
+        let Oversize::Lifted(permit, aside) = std::mem::take(&mut self.oversize) else {
             return;
         };
         if let Some((tag, bytes)) = refused {
@@ -522,9 +540,27 @@ impl Consumer {
                 _permit: permit,
                 body: (self.generation, tag),
                 bytes,
-                aside: Aside::default(),
+                aside,
                 given_back: false,
             };
+        } else {
+            // An accepted body (the one given back went elsewhere): the permit goes; what is
+            // still held aside takes it again in its turn.
+            self.after_turn(aside);
+        }
+    }
+
+    /// A turn with the permit ended: with bodies still held aside, the stage stands still until
+    /// what it holds settled and takes the permit for the next of them; else it is done.
+    fn after_turn(&mut self, aside: Aside) {
+        self.oversize = if aside.is_empty() {
+            Oversize::Limited
+        } else {
+            Oversize::GivenBack { aside }
+        };
+        if self.oversize.stands_still() && self.consuming() {
+            self.unsubscribe();
+            self.dispatch.flush_all();
         }
     }
 
@@ -563,17 +599,18 @@ impl Consumer {
         else {
             return;
         };
-        let aside = aside.take();
-        let again = given_back || !aside.is_empty();
-        self.give_back_aside(aside);
-        if again && self.phase == Phase::Running {
-            self.oversize = Oversize::GivenBack {
-                aside: Aside::default(),
-            };
+        if self.phase != Phase::Running {
+            self.give_back_aside(aside.take());
+            return;
+        }
+        if given_back && aside.is_empty() {
+            self.oversize = Oversize::GivenBack { aside };
             if self.consuming() {
                 self.unsubscribe();
                 self.dispatch.flush_all();
             }
+        } else {
+            self.after_turn(aside);
         }
     }
 
@@ -609,7 +646,10 @@ impl Consumer {
     pub(super) fn oversize_unsubscribed(&mut self) {
         if self.oversize.lifted() {
             self.restore_body_limit();
-            self.oversize = Oversize::Limited;
+            let Oversize::Lifted(_, aside) = std::mem::take(&mut self.oversize) else {
+                return;
+            };
+            self.after_turn(aside);
         }
     }
 
@@ -621,7 +661,8 @@ impl Consumer {
         let stopping = self.phase != Phase::Running;
         let mut gone = 0;
         match &mut self.oversize {
-            Oversize::Lifted(_) => {
+            Oversize::Lifted(_, aside) => {
+                gone = aside.take().len();
                 self.oversize = Oversize::GivenBack {
                     aside: Aside::default(),
                 }
@@ -704,8 +745,8 @@ mod tests {
         assert!(waiting(true).stands_still());
         let semaphore = Arc::new(Semaphore::new(2));
         let permit = || semaphore.clone().try_acquire_owned().expect("free");
-        assert!(Oversize::Lifted(permit()).pending());
-        assert!(!Oversize::Lifted(permit()).stands_still());
+        assert!(Oversize::Lifted(permit(), aside(0)).pending());
+        assert!(!Oversize::Lifted(permit(), aside(0)).stands_still());
         assert!(
             !Oversize::Holding {
                 _permit: permit(),
@@ -746,7 +787,22 @@ mod tests {
         assert!(!waiting(0, true).room_aside());
         assert!(!Oversize::Limited.room_aside());
         assert!(!Oversize::GivenBack { aside: aside(0) }.room_aside());
-        assert!(!Oversize::Lifted(permit()).room_aside());
+        assert!(!Oversize::Lifted(permit(), aside(0)).room_aside());
+    }
+
+    /// At a turn with the permit only the oldest held aside is given back; the clock of the
+    /// others goes on until the last is taken.
+    #[test]
+    fn a_turn_takes_the_oldest_held_aside_alone() {
+        let mut held = aside(3);
+        let since = held.since;
+        assert_eq!(held.take_first(), Some(0));
+        assert_eq!(held.tags, vec![1, 2]);
+        assert_eq!(held.since, since, "the others' clock goes on");
+        assert_eq!(held.take_first(), Some(1));
+        assert_eq!(held.take_first(), Some(2));
+        assert!(held.since.is_none());
+        assert_eq!(held.take_first(), None);
     }
 
     /// What is held aside is timed from the first of them, and taking them clears the clock.
