@@ -95,6 +95,16 @@ async fn every_tool_knows_the_pipelines_a_live_instance_runs() {
     let (code, out, err) = env.run_async(&["events", "--pipeline", "nosuch"]).await;
     assert_ne!(code, 0, "{out}\n{err}");
     assert!(err.contains("known: users, orders\n"), "{err}");
+    // An empty name (a script's unset variable) is no pipeline either: it matched every
+    // instance-wide event, and printed them all (review R35e F8).
+    let (code, out, err) = env.run_async(&["events", "--pipeline", ""]).await;
+    assert_eq!(code, 1, "{out}\n{err}");
+    assert!(
+        out.is_empty()
+            && err.contains("no pipeline \"\"")
+            && err.contains("known: users, orders\n"),
+        "{out}\n{err}"
+    );
 
     // Once it stops, orders is known to nobody without the file.
     warren.terminate_ok(Duration::from_secs(25));

@@ -249,8 +249,10 @@ fn render(args: &Args, id: &str, field: Option<&redis::Value>) -> Option<String>
         return unreadable(args, id, format!("not an event: {text}"));
     };
     let field = |name: &str| event.get(name).and_then(Value::as_str).unwrap_or("");
+    // An event without a pipeline (instance-wide) matches no `--pipeline`, an empty one
+    // included.
     if let Some(p) = &args.pipeline
-        && field("pipeline") != p
+        && event.get("pipeline").and_then(Value::as_str) != Some(p.as_str())
     {
         return None;
     }

@@ -76,6 +76,10 @@ enum AmqpUrlError {
     /// The scheme is right, the port is not one.
     #[error("a port from 1 to 65535 after the host (amqp://user:password@host:5672/vhost)")]
     Port,
+    /// A character of the user or password that ends them in a URL (`/`, `?`, `#`), not
+    /// percent-encoded: the parser read the rest as the host and port.
+    #[error("{}", Unencoded(*.0))]
+    Unencoded(char),
     /// The scheme is right, there is no host after it.
     #[error("a host after amqp:// (amqp://user:password@host:5672/vhost)")]
     Host,
@@ -101,6 +105,9 @@ const FRAME_MAX_MAX: u32 = 1_048_576;
 /// accepts too (it has its own parser, for query options such as heartbeat: a URL it refuses
 /// must stop warren now, not loop in a reconnect). The error says what was expected.
 fn check_amqp_url(entry: &str) -> Result<(), AmqpUrlError> {
+    if let Some(c) = unencoded_userinfo(entry) {
+        return Err(AmqpUrlError::Unencoded(c));
+    }
     let lower = entry.to_ascii_lowercase();
     let amqp = lower.starts_with("amqp://") || lower.starts_with("amqps://");
     match url::Url::parse(entry) {
@@ -115,6 +122,34 @@ fn check_amqp_url(entry: &str) -> Result<(), AmqpUrlError> {
     match uri.query.frame_max {
         Some(n) if !(FRAME_MAX_MIN..=FRAME_MAX_MAX).contains(&n) => Err(AmqpUrlError::FrameMax(n)),
         _ => Ok(()),
+    }
+}
+
+/// A character that ends a URL's user and password (`/`, `?`, `#`) found between the scheme and
+/// the last `@` (review R35e F11: a password with `#` read as "expected a port", the redacted
+/// URL shown with a port). Never the password itself: only the character is named.
+fn unencoded_userinfo(url: &str) -> Option<char> {
+    let (_, rest) = url.split_once("://")?;
+    let (userinfo, _) = rest.rsplit_once('@')?;
+    userinfo.chars().find(|c| matches!(c, '/' | '?' | '#'))
+}
+
+/// What to say of a user or password holding `c` unencoded.
+struct Unencoded(char);
+
+impl std::fmt::Display for Unencoded {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let code = match self.0 {
+            '/' => "%2F",
+            '?' => "%3F",
+            _ => "%23",
+        };
+        write!(
+            f,
+            "the user and password percent-encoded: a `{}` in them must be written {code} \
+             (scheme://user:pass{code}word@host:port/...)",
+            self.0
+        )
     }
 }
 
@@ -218,8 +253,29 @@ pub(super) fn check(key: &str, rule: &Rule, value: &Value) -> Result<(), ConfigE
             let Value::String(_, s) = value else {
                 return Err(invalid(expected()));
             };
+            if let Some(c) = unencoded_userinfo(s) {
+                return Err(invalid(Unencoded(c).to_string()));
+            }
             match url::Url::parse(s) {
-                Ok(u) if schemes.contains(&u.scheme()) && u.host_str().is_some() => {}
+                Ok(u) if schemes.contains(&u.scheme()) && u.host_str().is_some() => {
+                    // The Redis client's own parser (the database number, the protocol): a URL
+                    // it refuses never connects, and must stop warren now, not read as an
+                    // outage for ever (review R35e F1).
+                    if u.scheme() == "redis"
+                        && let Err(e) = redis::Client::open(s.as_str())
+                    {
+                        return Err(invalid(format!(
+                            "a Redis URL the client accepts ({})",
+                            redact_url(&e.to_string())
+                        )));
+                    }
+                }
+                Err(url::ParseError::InvalidPort) => {
+                    return Err(invalid(format!(
+                        "a port from 1 to 65535 after the host ({}://host:6379)",
+                        schemes[0]
+                    )));
+                }
                 _ => return Err(invalid(expected())),
             }
         }

@@ -608,6 +608,57 @@ fn redis_prefix_follows_redis_rules() {
     );
 }
 
+/// A password with an unencoded `#`, `?` or `/` is named as such (the character only), not as a
+/// port (review R35e F11); a Redis URL its client refuses, or with a port out of range, is
+/// refused at load for what it is, not taken for an outage at run time (review R35e F1).
+#[test]
+fn unencoded_passwords_and_redis_urls_the_client_refuses_are_named() {
+    for (key, url, code) in [
+        (
+            "amqp_url",
+            "amqp://guest:hun#ter2@127.0.0.1:5672/%2f",
+            "%23",
+        ),
+        (
+            "amqp_url",
+            "amqp://guest:hun/ter2@127.0.0.1:5672/%2f",
+            "%2F",
+        ),
+        (
+            "amqp_url",
+            "amqp://guest:hunter2?x@127.0.0.1:5672/%2f",
+            "%3F",
+        ),
+        ("redis_url", "redis://:pa#ss@127.0.0.1:6379", "%23"),
+    ] {
+        let text = with(&[(key, url)]).unwrap_err().to_string();
+        assert!(
+            text.contains("the user and password percent-encoded") && text.contains(code),
+            "{url}: {text}"
+        );
+        assert!(
+            !text.contains("ter2") && !text.contains("pa#ss"),
+            "{url}: {text}"
+        );
+    }
+    let text = with(&[("redis_url", "redis://:pw@127.0.0.1:6379/abc")])
+        .unwrap_err()
+        .to_string();
+    assert!(
+        text.starts_with("REDIS_URL: expected a Redis URL the client accepts (")
+            && !text.contains(":pw@"),
+        "{text}"
+    );
+    let text = with(&[("redis_url", "redis://127.0.0.1:99999")])
+        .unwrap_err()
+        .to_string();
+    assert!(
+        text.starts_with("REDIS_URL: expected a port from 1 to 65535"),
+        "{text}"
+    );
+    assert!(with(&[("redis_url", "redis://:p%23w@127.0.0.1:6379/2")]).is_ok());
+}
+
 /// An AMQP URL with the right scheme says what is wrong after it, not "starting with amqp://".
 #[test]
 fn an_amqp_url_with_a_bad_port_or_no_host_says_so() {
