@@ -283,7 +283,7 @@ async fn drain_exits_zero_with_nothing_lost() {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn bad_targets_and_failed_commands_are_refused_clearly() {
-    let (env, _cleanup) = env_for("ctl_refuse").await;
+    let (mut env, _cleanup) = env_for("ctl_refuse").await;
     // An API-only instance: live, but with no consumer to pause.
     let mut warren = env.start(&["--roles", "api"]);
     let pid = warren.pid();
@@ -350,21 +350,59 @@ async fn bad_targets_and_failed_commands_are_refused_clearly() {
     );
     redis_query::<i64>(&env, redis::cmd("DEL").arg(&history)).await;
 
-    // A command the instance cannot apply: exit 1, the reason, recorded as failed.
+    // A command on pipelines skips an instance that runs none, said on stderr; with no other
+    // instance nothing is addressed: exit 1, and nothing reaches the instance.
     let (code, out, err) = env.run_async(&["ctl", "pause", "--all"]).await;
     assert_eq!(code, 1, "{out}\n{err}");
     assert!(
-        out.contains(&format!("{}:{pid}", host())) && out.contains("no consumer"),
-        "{out}"
+        err.contains(&format!(
+            "{}:{pid}: skipped, it runs no pipeline (roles api)",
+            host()
+        )) && err.contains("no addressed instance runs a pipeline"),
+        "{err}"
     );
-    let entry = assert_in_history(&env, "pause", pid, "failed").await;
+    // Sent anyway (by hand, or an older ctl), the instance refuses it: recorded as failed.
+    let run = instance(&env, pid).await["run"]
+        .as_str()
+        .expect("the instance's run")
+        .to_string();
+    let (id, json) = command_json("pause", now_s(), &format!("{}:{pid}/{run}", host()), None);
+    push_raw(&env, pid, &[&json]).await;
+    let o = wait_outcomes(&env, &id, 1).await;
+    assert_eq!(o[0]["outcome"], "failed", "{o:?}");
     assert!(
-        entry["error"]
+        o[0]["error"]
             .as_str()
             .is_some_and(|e| e.contains("consumer")),
-        "{entry}"
+        "{o:?}"
     );
     assert_eq!(instance(&env, pid).await["status"], "running");
+
+    // The split deployment the README shows (an API-only instance beside a consumer): a command
+    // on pipelines reaches the consumer, skips the API instance, and exits 0 (review R35e F15:
+    // every `ctl pause --all` of it exited 1). `drain` would reach both.
+    env.set("METRICS_ADDR", format!("127.0.0.1:{}", free_port()));
+    env.set("HTTP_ADDR", format!("127.0.0.1:{}", free_port()));
+    let mut consumer = env.start(&["--roles", "consumer"]);
+    let consumer_pid = consumer.pid();
+    wait_running(&env, consumer_pid).await;
+    for (args, status) in [
+        (["pause", "--all"], "paused"),
+        (["resume", "--all"], "running"),
+    ] {
+        let mut full = vec!["ctl"];
+        full.extend_from_slice(&args);
+        let (code, out, err) = env.run_async(&full).await;
+        assert_eq!(code, 0, "{full:?}:\n{out}\n{err}");
+        assert!(
+            out.contains(&format!("{}:{consumer_pid}", host()))
+                && !out.contains(&format!("{}:{pid} ", host()))
+                && err.contains(&format!("{}:{pid}: skipped", host())),
+            "{full:?}:\n{out}\n{err}"
+        );
+        wait_record_field(&env, consumer_pid, "status", status).await;
+    }
+    assert!(consumer.terminate(Duration::from_secs(25)).success());
     assert!(warren.terminate(Duration::from_secs(25)).success());
 }
 

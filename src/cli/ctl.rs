@@ -114,6 +114,13 @@ pub enum Action {
     },
 }
 
+/// Whether an instance of `roles` (`consumer,dlq,api`) runs pipelines.
+fn runs_pipelines(roles: &str) -> bool {
+    roles
+        .split(',')
+        .any(|r| matches!(r.trim(), "consumer" | "dlq"))
+}
+
 pub async fn execute(settings: &Settings, args: Args) -> anyhow::Result<i32> {
     let config = settings.registry();
     let keys = Keys::new(&config.redis.prefix);
@@ -193,10 +200,35 @@ pub async fn execute(settings: &Settings, args: Args) -> anyhow::Result<i32> {
             bail!("--pipeline: {}", safe(&unknown.to_string()));
         }
     }
-    // (host, pid) -> run: the run goes into the signed target.
-    let runs: BTreeMap<(String, u32), String> = records
+    let addressed: Vec<&InstanceRecord> = records
         .iter()
+        .copied()
         .filter(|i| target.all || Some(&i.host) == target.host.as_ref())
+        .collect();
+    // A command on pipelines skips the instances that run none (an API-only instance of the
+    // split deployment the README shows), said once each: sent, it came back refused, and every
+    // `ctl pause --all` of that deployment exited 1 (review R35e F15).
+    let (runners, skipped): (Vec<&InstanceRecord>, Vec<&InstanceRecord>) = addressed
+        .into_iter()
+        .partition(|i| !asked.acts_on_pipelines() || runs_pipelines(&i.roles));
+    for i in &skipped {
+        eprintln!(
+            "warren: {}:{}: skipped, it runs no pipeline (roles {})",
+            safe(&i.host),
+            i.pid,
+            safe(&i.roles)
+        );
+    }
+    if runners.is_empty() && !skipped.is_empty() {
+        bail!(
+            "no addressed instance runs a pipeline (ROLES with consumer or dlq): {} acts on \
+             pipelines",
+            asked.name()
+        );
+    }
+    // (host, pid) -> run: the run goes into the signed target.
+    let runs: BTreeMap<(String, u32), String> = runners
+        .iter()
         .map(|i| ((i.host.clone(), i.pid), i.run.clone()))
         .collect();
     let chosen: Vec<(String, u32)> = runs.keys().cloned().collect();

@@ -87,6 +87,13 @@ impl Command {
         }
     }
 
+    /// Whether it acts on pipelines (their stages): an instance that runs none (ROLES without
+    /// consumer and dlq: an API-only instance) refuses it. `drain` and `reload` act on the
+    /// instance.
+    pub fn acts_on_pipelines(&self) -> bool {
+        !matches!(self, Command::Drain | Command::Reload)
+    }
+
     /// What the wire fields of `wire` ask, or why they ask nothing this instance can do.
     pub fn read(wire: &CtlCommand) -> Result<Self, CommandError> {
         let command = match wire.command.as_str() {
