@@ -777,19 +777,11 @@ async fn a_stop_while_a_body_is_held_aside_gives_it_back_and_loses_nothing() {
     let status = warren.terminate(Duration::from_secs(40));
     let logs = warren.logs();
     assert_eq!(status.code(), Some(0), "log:\n{logs}");
-    let last = logs
-        .lines()
-        .rev()
-        .find(|l| l.contains("stopped"))
-        .unwrap_or_default();
-    let given_back: u64 = last
-        .split_once(" deliveries settled, ")
-        .and_then(|(_, rest)| rest.split_once(" given back to the broker unprocessed"))
-        .and_then(|(n, _)| n.parse().ok())
-        .unwrap_or_else(|| panic!("the last line names no count given back: {last}"));
+    let (_, given_back) = stop_counts(&logs)
+        .unwrap_or_else(|| panic!("no last line with the stop's counts; log:\n{logs}"));
     assert!(
         given_back >= 1,
-        "the body held aside was not counted as given back: {last}"
+        "the body held aside was not counted as given back; log:\n{logs}"
     );
     // Both bodies wait in the queue again (nothing parked, nothing in the DLQ).
     assert_eq!(count_of(&env, "SELECT count(*) FROM dead_letters").await, 0);
@@ -1035,6 +1027,88 @@ async fn forty_refused_bodies_in_a_row_whose_parks_fail_let_the_users_behind_the
         .enumerate()
         .map(|(i, b)| ("users".to_string(), format!("big-{i:02}"), b.len() as i64))
         .collect();
+    assert_eq!(
+        parked_sizes(&env, "big-").await,
+        expected,
+        "each big body parked once, whole"
+    );
+    assert_eq!(env.queue_state(&env.main_queue).await, (0, 0));
+    assert_eq!(env.queue_state(&env.dlq_queue).await, (0, 0));
+}
+
+/// Review R38e F2: one body whose park always fails (a trigger on `dead_letters` refusing bodies
+/// over 1.5 MB, as a DBA's size cap would) went back to the queue's head after each failed
+/// park, and the next turn with the permit (a window of one) took it again: the five bodies
+/// behind it, which parking takes, were never tried (9 attempts in 95 s, all on the one body).
+/// Now a body whose park failed, with others held aside for their turns, is held aside behind
+/// them: the five are parked while the one keeps failing, and it is parked once the trigger
+/// goes.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_body_whose_park_always_fails_does_not_keep_the_others_from_theirs() {
+    let env = TestEnv::new("parkrotate").await;
+    env.declare();
+    env.db
+        .batch_execute(
+            "CREATE FUNCTION refuse_big() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN \
+               IF octet_length(NEW.body) > 1500000 THEN \
+                 RAISE EXCEPTION 'test: body too large for parking'; \
+               END IF; RETURN NEW; END $$; \
+             CREATE TRIGGER refuse_big BEFORE INSERT ON dead_letters \
+               FOR EACH ROW EXECUTE FUNCTION refuse_big()",
+        )
+        .await
+        .expect("the trigger refusing big parks");
+    let unparkable = huge_body(2 << 20, b'z');
+    env.publish_raw(&unparkable, labelled("big-0")).await;
+    let parkable: Vec<Vec<u8>> = (1..=5)
+        .map(|i| huge_body((300 << 10) + i, b'a' + i as u8))
+        .collect();
+    for (i, body) in parkable.iter().enumerate() {
+        env.publish_raw(body, labelled(&format!("big-{}", i + 1)))
+            .await;
+    }
+    let users: HashSet<Uuid> = env.publish_users(100).await.into_iter().collect();
+    let mut warren = env.start(&["--roles", "consumer"]);
+    let _logs = LogsOnPanic(vec![warren.log.clone()]);
+    assert_rows_exactly(&env, &users, Duration::from_secs(60), &|| warren.logs()).await;
+    wait_until(
+        "the five bodies parking takes, parked while the other keeps failing",
+        Duration::from_secs(120),
+        || async { count_of(&env, "SELECT count(*) FROM dead_letters").await >= 5 },
+    )
+    .await;
+    assert_eq!(
+        count_of(
+            &env,
+            "SELECT count(*) FROM dead_letters WHERE message_id = 'big-0'"
+        )
+        .await,
+        0,
+        "the body the trigger refuses is not parked while it refuses it"
+    );
+    env.db
+        .batch_execute("DROP TRIGGER refuse_big ON dead_letters")
+        .await
+        .expect("drop the trigger");
+    wait_until(
+        "the sixth body parked once the trigger went",
+        Duration::from_secs(120),
+        || async { count_of(&env, "SELECT count(*) FROM dead_letters").await >= 6 },
+    )
+    .await;
+    warren.terminate_ok(Duration::from_secs(30));
+    let mut expected = vec![(
+        "users".to_string(),
+        "big-0".to_string(),
+        unparkable.len() as i64,
+    )];
+    expected.extend(parkable.iter().enumerate().map(|(i, b)| {
+        (
+            "users".to_string(),
+            format!("big-{}", i + 1),
+            b.len() as i64,
+        )
+    }));
     assert_eq!(
         parked_sizes(&env, "big-").await,
         expected,

@@ -511,24 +511,16 @@ async fn a_stop_during_a_database_outage_gives_the_batches_back_without_a_retry(
     );
     // Nothing is acked while the database is down, so what the consumer held at the signal is
     // at least what it held at the snapshot (more may have arrived since) and at most the lot.
-    let last = logs
-        .lines()
-        .rev()
-        .find(|l| l.contains("stopped"))
-        .unwrap_or_default();
-    let given_back: u64 = last
-        .split_once("stopped: 0 deliveries settled, ")
-        .and_then(|(_, rest)| rest.split_once(" given back to the broker unprocessed"))
-        .and_then(|(n, _)| n.parse().ok())
-        .unwrap_or_else(|| {
-            panic!(
-                "the last line does not say that the stop gave back what it held ({unacked} \
-                 unacked at the snapshot): {last}\nlog:\n{logs}"
-            )
-        });
+    let given_back = match stop_counts(&logs) {
+        Some((0, given_back)) => given_back,
+        other => panic!(
+            "the last line does not say that the stop settled nothing and gave back what it \
+             held ({unacked} unacked at the snapshot): {other:?}\nlog:\n{logs}"
+        ),
+    };
     assert!(
         (unacked..=TOTAL as u64).contains(&given_back),
-        "given back {given_back}, held {unacked} at the snapshot, {TOTAL} published: {last}"
+        "given back {given_back}, held {unacked} at the snapshot, {TOTAL} published"
     );
     let events = stream_events(&env).await;
     let stopped = events

@@ -213,3 +213,20 @@ impl Drop for LogsOnPanic {
         }
     }
 }
+
+/// What the last `stopped` line of `logs` says the stop did: (deliveries settled, given back to
+/// the broker unprocessed); `None` when no such line gives both. One parser for every test: a
+/// line of one delivery says `1 delivery settled`, which a match on "deliveries settled" missed.
+pub fn stop_counts(logs: &str) -> Option<(u64, u64)> {
+    let line = logs.lines().rev().find(|l| l.contains("stopped"))?;
+    let from = &line[line.find("stopped")?..];
+    let (_, counts) = from.split_once(": ")?;
+    let (settled, rest) = counts.split_once(" settled, ")?;
+    let settled = settled.split_whitespace().next()?.parse().ok()?;
+    let given_back = if rest.starts_with("none given back") {
+        0
+    } else {
+        rest.split_once(" given back")?.0.trim().parse().ok()?
+    };
+    Some((settled, given_back))
+}

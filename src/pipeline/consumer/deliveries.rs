@@ -207,11 +207,16 @@ impl Consumer {
 impl Handler<Settle> for Consumer {
     type Result = ();
 
-    fn handle(&mut self, msg: Settle, ctx: &mut Self::Context) {
+    fn handle(&mut self, mut msg: Settle, ctx: &mut Self::Context) {
         self.inflight = self.inflight.saturating_sub(msg.items.len());
         self.inflight_bytes = self.inflight_bytes.saturating_sub(msg.bytes);
         self.publish_counts();
         let current = msg.generation == self.generation;
+        // A body held whole whose park failed, with others held aside for their turns: it
+        // joins them, unacked, behind them, instead of going back to the queue's head.
+        if current {
+            self.oversize_rotate(&mut msg.items);
+        }
         if self.phase != Phase::Running {
             let live = current && self.linked().is_some_and(|l| l.acker.is_some());
             self.stop_counts.count(&msg.items, live);

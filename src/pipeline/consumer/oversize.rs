@@ -575,6 +575,39 @@ impl Consumer {
         }
     }
 
+    /// Settlements of the current channel: when the body held whole with the permit goes back
+    /// to its queue (its park failed: a requeue after a backoff) while other bodies are held
+    /// aside for their turns, it is not given back but held aside behind them (its body
+    /// dropped, its delivery unacked), and its turn ends (the permit goes). Given back, it went
+    /// to the queue's head, and the next turn, a window of one, took it again: one body whose
+    /// park always fails (a trigger or a CHECK on `dead_letters`) kept every other body of the
+    /// stage from its park (review R38e F2: 35 bodies parking would take, never tried).
+    pub(super) fn oversize_rotate(&mut self, items: &mut Vec<(u64, Disposition)>) {
+        let Oversize::Holding { body, aside, .. } = &mut self.oversize else {
+            return;
+        };
+        if self.phase != Phase::Running || body.0 != self.generation || aside.is_empty() {
+            return;
+        }
+        let held = body.1;
+        let Some(at) = items
+            .iter()
+            .position(|(tag, d)| *tag == held && *d == Disposition::Requeue)
+        else {
+            return;
+        };
+        items.remove(at);
+        aside.push(held);
+        debug!(
+            pipeline = self.config.stage.pipeline(),
+            stage = self.config.stage.stage().as_str(),
+            tag = held,
+            held_aside = aside.len(),
+            "a body whose park failed is held aside behind the others for its next turn"
+        );
+        self.release_held();
+    }
+
     /// Something settled, or went with a closed channel: with nothing left in flight, a body
     /// held whole with the permit has settled too (it may have gone with a channel, unsettled),
     /// and releases it.
