@@ -603,5 +603,15 @@ mod tests {
         );
         // Given back as properties, not kept as headers too.
         assert_eq!(headers::text(&p, headers::X_WARREN_TIMESTAMP), None);
+        // An original without a timestamp or a content type: its replay carries none either
+        // (review R36e F10: the replay's time and application/json were stored as its own).
+        let bare = lapin::BasicProperties::default().with_message_id("m2".into());
+        let parked = headers::parked_json(&bare, "shop_in", "orders.eu");
+        let p = parked_properties(Some("m2"), &parked).unwrap();
+        assert_eq!(p.message_id().as_ref().unwrap().as_str(), "m2");
+        assert_eq!(*p.timestamp(), None);
+        assert_eq!(p.content_type(), &None);
+        assert_eq!(*p.delivery_mode(), Some(2));
+        assert_eq!(headers::retries(&p), headers::Retries::Count(0));
     }
 }

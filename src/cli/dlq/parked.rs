@@ -195,7 +195,7 @@ pub(super) fn parked_properties(
     message_id: Option<&str>,
     headers_json: &serde_json::Value,
 ) -> Result<BasicProperties, String> {
-    let base = match message_id.map(headers::short) {
+    let id = match message_id.map(headers::short) {
         Some(Err(e)) => {
             return Err(format!(
                 "message_id of {} bytes is longer than AMQP allows ({})",
@@ -203,18 +203,34 @@ pub(super) fn parked_properties(
                 headers::SHORT_MAX
             ));
         }
-        // Its headers are the parked ones (below), never a new latency header.
-        // With the content type, unlike a fresh message: a replay always carries a header table
-        // (x-retries), so its properties pass 64 bytes anyway (`json_properties`).
-        Some(Ok(id)) => json_properties(id, false).with_content_type("application/json".into()),
-        None => BasicProperties::default()
-            .with_delivery_mode(2)
-            .with_content_type("application/json".into())
-            .with_timestamp(now_s()),
+        Some(Ok(id)) => Some(id),
+        None => None,
     };
     // The original's properties the row keeps in its headers (`headers::parked_json`) are
     // given back as properties: a property column of the replay reads the original's.
     let kept = |key: &str| headers_json.get(key);
+    // A row that recorded them (its origin is always among them) gives back exactly those: a
+    // timestamp or content type the original did not carry is not made up (review R36e F10:
+    // the replay's time and `application/json` were stored as the original's, and a replay run
+    // twice parked the stored message as a conflict). An older row gets a fresh message's.
+    let base = if kept(headers::X_WARREN_EXCHANGE).is_some() {
+        let base = BasicProperties::default().with_delivery_mode(2);
+        match id {
+            Some(id) => base.with_message_id(id),
+            None => base,
+        }
+    } else {
+        match id {
+            // Its headers are the parked ones (below), never a new latency header. With the
+            // content type, unlike a fresh message: a replay always carries a header table
+            // (x-retries), so its properties pass 64 bytes anyway (`json_properties`).
+            Some(id) => json_properties(id, false).with_content_type("application/json".into()),
+            None => BasicProperties::default()
+                .with_delivery_mode(2)
+                .with_content_type("application/json".into())
+                .with_timestamp(now_s()),
+        }
+    };
     let text = |key: &str| {
         kept(key)
             .and_then(|v| v.as_str())
