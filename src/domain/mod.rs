@@ -66,6 +66,12 @@ pub trait Domain: Send + Sync + 'static {
         self.decode(body)
     }
 
+    /// The bytes `record` holds in memory, itself and what it owns (counted against
+    /// `MAX_INFLIGHT_BYTES` until its batch's statement ends). Its own size by default.
+    fn record_bytes(&self, _record: &Self::Record) -> u64 {
+        std::mem::size_of::<Self::Record>() as u64
+    }
+
     /// Inserts `records` with ONE statement, idempotently: a record already stored exactly as
     /// it is counts as done, also when another copy of it is being inserted at the same moment
     /// (delivery is at least once: a redelivered copy can meet the first copy's statement still

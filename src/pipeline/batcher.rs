@@ -415,6 +415,7 @@ mod tests {
                     routing_key: Default::default(),
                     held_bytes: 0,
                     received_at: Instant::now(),
+                    decoded: Default::default(),
                 },
                 result: Ok(0),
             })

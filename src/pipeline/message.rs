@@ -3,6 +3,7 @@
 //! between stages is paid per chunk, not per message.
 
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Instant;
 
 use actix::prelude::*;
@@ -32,6 +33,9 @@ pub struct Delivery {
     /// When warren received it (one clock read per chunk): the broker's `consumer_timeout`
     /// counts from about then, so a stage holding it long gives it back in time (`sink.rs`).
     pub received_at: Instant,
+    /// What its decoded record holds, counted against `MAX_INFLIGHT_BYTES` from the decode to
+    /// the end of its batch's statement (the processor sets it, the sink releases it).
+    pub decoded: Charge,
 }
 
 impl Delivery {
@@ -61,6 +65,76 @@ impl Delivery {
 pub struct Chunk {
     pub batcher: usize,
     pub deliveries: Vec<Delivery>,
+}
+
+/// The memory a stage's decoded records hold: the processors add each record's bytes as they
+/// decode it, the sink releases them once its batch's statement ended (before it settles), and
+/// the consumer counts them in its byte budget. A record can hold many times its body: a
+/// message of 12 KB whose array gives 1,000 child rows decodes to some 260 KB, and a budget
+/// that counted bodies alone let 4,000 of them take a process to 1 GB (review R36e F9).
+#[derive(Debug, Default)]
+pub struct DecodedBytes {
+    /// Bytes of the records alive now.
+    live: AtomicU64,
+    /// The largest delivery decoded since the consumer last looked, its body, properties and
+    /// record together: the consumer's window is cut to what the budget holds of it.
+    largest: AtomicU64,
+    /// Deliveries the processors have decoded (accepted or refused): the consumer compares it
+    /// with what it handed them before it opens a window.
+    done: AtomicU64,
+}
+
+impl DecodedBytes {
+    /// Bytes of the records alive now.
+    pub fn live(&self) -> u64 {
+        self.live.load(Ordering::Acquire)
+    }
+
+    /// The largest delivery decoded since the last call (0 if none), and forgets it.
+    pub fn take_largest(&self) -> u64 {
+        self.largest.swap(0, Ordering::AcqRel)
+    }
+
+    /// Deliveries the processors have decoded so far.
+    pub fn done(&self) -> u64 {
+        self.done.load(Ordering::Acquire)
+    }
+
+    /// `n` more deliveries decoded (their charges taken).
+    pub fn decoded(&self, n: usize) {
+        self.done.fetch_add(n as u64, Ordering::AcqRel);
+    }
+
+    /// Counts a record of `bytes` decoded from a delivery holding `held` bytes; the returned
+    /// charge gives them back when released or dropped.
+    pub fn charge(self: &Arc<Self>, bytes: u64, held: u64) -> Charge {
+        self.largest.fetch_max(held + bytes, Ordering::AcqRel);
+        if bytes == 0 {
+            return Charge::default();
+        }
+        self.live.fetch_add(bytes, Ordering::AcqRel);
+        Charge(Some((self.clone(), bytes)))
+    }
+}
+
+/// One delivery's share of its stage's [`DecodedBytes`]: released once, by the sink when its
+/// record is dropped, or by whoever drops the delivery first.
+#[derive(Debug, Default)]
+pub struct Charge(Option<(Arc<DecodedBytes>, u64)>);
+
+impl Charge {
+    /// Gives the bytes back (once).
+    pub fn release(&mut self) {
+        if let Some((counter, bytes)) = self.0.take() {
+            counter.live.fetch_sub(bytes, Ordering::AcqRel);
+        }
+    }
+}
+
+impl Drop for Charge {
+    fn drop(&mut self) {
+        self.release();
+    }
 }
 
 /// One delivery and what the domain made of its body.
@@ -225,6 +299,7 @@ mod tests {
             routing_key: Default::default(),
             held_bytes: bytes as u64,
             received_at: Instant::now(),
+            decoded: Default::default(),
         }
     }
 

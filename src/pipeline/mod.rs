@@ -335,13 +335,16 @@ pub fn start<D: Domain>(
 
     // Processors: one on the pipeline's own thread, or several on threads of their own.
     let max = spec.max_message_bytes;
+    let decoded = Arc::new(message::DecodedBytes::default());
+    let counted = decoded.clone();
     let spawn_processor: ProcessorFactory = Box::new(move |thread| {
         let domain = domain.clone();
+        let decoded = counted.clone();
         let records = batchers.iter().map(|b| b.clone().recipient()).collect();
         let drains = batchers.iter().map(|b| b.clone().recipient()).collect();
         let flushes = batchers.iter().map(|b| b.clone().recipient()).collect();
         let make = move |_: &mut Context<Processor<D>>| {
-            Processor::new(domain, max, records, drains, flushes)
+            Processor::new(domain, max, records, drains, flushes, decoded)
         };
         let addr: Addr<Processor<D>> = match thread {
             Some(thread) => Supervisor::start_in_arbiter(thread, make),
@@ -392,6 +395,7 @@ pub fn start<D: Domain>(
         depths,
         copies,
         oversize: links.oversize.clone(),
+        decoded,
     };
     // A batch's worth to one batcher before the next one's turn, each chunk to the next processor.
     let dispatch = Dispatch::new(chunks, created, spec.batchers, spec.batch_size, sink_states);

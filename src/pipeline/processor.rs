@@ -8,7 +8,7 @@ use std::sync::Arc;
 
 use actix::prelude::*;
 
-use super::message::{Chunk, Decoded, Delivery, Drain, Flush, Processed};
+use super::message::{Chunk, Decoded, DecodedBytes, Delivery, Drain, Flush, Processed};
 use crate::domain::{Domain, Rejection};
 
 /// The processor actor.
@@ -22,6 +22,8 @@ pub struct Processor<D: Domain> {
     drains: Vec<Recipient<Drain>>,
     /// The same batchers, for the `Flush` of one taken out by a scale-down.
     flushes: Vec<Recipient<Flush>>,
+    /// The stage's count of decoded bytes, which the consumer's byte budget reads.
+    decoded: Arc<DecodedBytes>,
 }
 
 impl<D: Domain> Processor<D> {
@@ -31,6 +33,7 @@ impl<D: Domain> Processor<D> {
         batchers: Vec<Recipient<Processed<D::Record>>>,
         drains: Vec<Recipient<Drain>>,
         flushes: Vec<Recipient<Flush>>,
+        decoded: Arc<DecodedBytes>,
     ) -> Self {
         Self {
             domain,
@@ -38,6 +41,7 @@ impl<D: Domain> Processor<D> {
             batchers,
             drains,
             flushes,
+            decoded,
         }
     }
 
@@ -65,14 +69,19 @@ impl<D: Domain> Handler<Chunk> for Processor<D> {
     type Result = ();
 
     fn handle(&mut self, chunk: Chunk, _: &mut Self::Context) {
-        let decoded = chunk
+        let decoded: Vec<_> = chunk
             .deliveries
             .into_iter()
-            .map(|delivery| Decoded {
-                result: self.decode(&delivery),
-                delivery,
+            .map(|mut delivery| {
+                let result = self.decode(&delivery);
+                if let Ok(record) = &result {
+                    let bytes = self.domain.record_bytes(record);
+                    delivery.decoded = self.decoded.charge(bytes, delivery.held_bytes);
+                }
+                Decoded { result, delivery }
             })
             .collect();
+        self.decoded.decoded(decoded.len());
         let index = chunk.batcher % self.batchers.len();
         self.batchers[index].do_send(Processed(decoded));
     }
@@ -148,6 +157,7 @@ mod tests {
             routing_key: Default::default(),
             held_bytes: body.len() as u64,
             received_at: std::time::Instant::now(),
+            decoded: Default::default(),
         }
     }
 
@@ -158,12 +168,14 @@ mod tests {
         let users: Mapping = crate::config::pipelines::users()
             .and_then(|p| p.mapping())
             .expect("the shipped users pipeline compiles");
+        let decoded = Arc::new(DecodedBytes::default());
         let processor = Processor::new(
             Arc::new(users),
             100,
             probes.iter().map(|p| p.clone().recipient()).collect(),
             probes.iter().map(|p| p.clone().recipient()).collect(),
             probes.iter().map(|p| p.clone().recipient()).collect(),
+            decoded.clone(),
         )
         .start();
         let good =
@@ -189,6 +201,10 @@ mod tests {
             .copied()
             .collect();
         assert_eq!(chunk, [(1, true), (1, false), (1, false)]);
+        // The decoded record was counted (the largest: its body and record together), and
+        // given back when the probe dropped it; the refused ones count nothing.
+        assert!(decoded.take_largest() > good.len() as u64);
+        assert_eq!(decoded.live(), 0);
         assert_eq!(seen.len(), 3 + 2 + 2, "{seen:?}");
     }
 }

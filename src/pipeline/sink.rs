@@ -213,7 +213,12 @@ async fn sink<D: Domain>(config: Arc<SinkConfig<D>>, batch: Batch<D::Record>) {
             .breaker
             .record(acked, transient.as_deref(), &config.domain, &config.pool);
     }
+    // The records are gone: their bytes leave the consumer's budget before anything settles
+    // (a consumer waiting for room decides at the settlement).
     drop(records);
+    for d in &mut deliveries {
+        d.decoded.release();
+    }
     if let Some(reason) = &transient {
         let (pipeline, stage) = (config.stage.pipeline(), config.stage.stage().as_str());
         if cancelled_by_stop {

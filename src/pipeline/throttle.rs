@@ -123,6 +123,7 @@ mod tests {
             exchange: Default::default(),
             routing_key: Default::default(),
             held_bytes: 0,
+            decoded: Default::default(),
         })
         .collect()
     }

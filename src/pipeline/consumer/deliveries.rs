@@ -62,6 +62,7 @@ impl Consumer {
                         exchange: d.exchange,
                         routing_key: d.routing_key,
                         received_at,
+                        decoded: Default::default(),
                     })
                 }
                 Err(e) => {
@@ -108,6 +109,9 @@ impl Consumer {
                 self.largest = self.largest.max(d.held_bytes as usize);
             }
         }
+        // The largest delivery decoded since the last chunk, its record included: a window
+        // of records that hold many times their bodies is cut to what the budget holds of them.
+        self.fold_decoded();
         self.observe(deliveries.len(), refused);
         // The first delivery without a body limit restores it; a refused body keeps the permit.
         self.oversize_delivered(first_refused);
@@ -131,6 +135,7 @@ impl Consumer {
     /// there would only cut the others short. Nor while the first window of one opens
     /// (`growing`): a larger window comes at once, and a backlog keeps making whole batches.
     pub(super) fn hand_on(&mut self, deliveries: Vec<Delivery>) {
+        self.handed.0 += deliveries.len() as u64;
         self.dispatch.hand_on(deliveries);
         // This subscription delivered its whole window (what earlier ones still hold does not
         // count against it on the broker: its qos is per consumer).

@@ -118,6 +118,9 @@ pub struct ConsumerConfig {
     /// The process's one permit to hold a body over `MAX_MESSAGE_BYTES` (shared by every stage
     /// of every pipeline): the body limit is lifted only by its holder (`oversize.rs`).
     pub oversize: OversizePermit,
+    /// What the stage's decoded records hold (the processors count them, the sinks release
+    /// them): part of the byte budget.
+    pub decoded: Arc<crate::pipeline::message::DecodedBytes>,
 }
 
 /// The consumer actor.
@@ -182,6 +185,9 @@ pub struct Consumer {
     holds: Vec<HoldReason>,
     /// Deliveries taken so far; metrics and the idle watchdog derive from it.
     received: u64,
+    /// Deliveries handed to the processors so far (compared with `DecodedBytes::done` before a
+    /// window opens), and the subscribes put off meanwhile (`subscription.rs`).
+    handed: (u64, u32),
     /// `received` and `inflight` as last published to the metrics (per settle and per tick,
     /// not per message).
     published: (u64, usize),
@@ -235,6 +241,7 @@ impl Consumer {
             inflight_bytes_gauge: (crate::metrics::inflight_bytes_gauge(&config.stage), 0),
             holds: Vec::new(),
             received: 0,
+            handed: (0, 0),
             published: (0, 0),
             idle: (0, 0),
             held_window: (0, 0),

@@ -77,8 +77,15 @@ impl Consumer {
         if self.phase != Phase::Running || !self.holds.is_empty() {
             return;
         }
+        self.fold_decoded();
         let window = self.next_window();
         if !self.room_for(window) {
+            return;
+        }
+        if self.awaits_decode(window) {
+            ctx.run_later(Duration::from_millis(1), |consumer, ctx| {
+                consumer.maybe_subscribe(ctx)
+            });
             return;
         }
         // A body given back waits for the process's permit (`oversize.rs`), asked for only
@@ -122,7 +129,7 @@ impl Consumer {
                 largest_delivery = largest,
                 max_inflight_bytes,
                 "prefetch window set to what MAX_INFLIGHT_BYTES holds of the largest delivery \
-                 seen (body and parsed properties)"
+                 seen (body, parsed properties and decoded rows)"
             );
         }
         linked.subscription = Subscription::Pending;

@@ -46,6 +46,10 @@ use super::{Consumer, SetConcurrency};
 /// delivery, so at most one body is received before its size is known.
 pub(super) const FIRST_WINDOW: u16 = 1;
 
+/// How many times in a row a subscription that opens the window waits a millisecond for the
+/// processors to decode what they hold (`awaits_decode`).
+pub(super) const DECODE_WAITS: u32 = 100;
+
 /// The window the consumer has earned: how many deliveries the AMQP client may receive at once
 /// before warren has seen how large they are. Kept across reconnects (a process that starts
 /// again starts from [`FIRST_WINDOW`]): a rebuild that started over made every rebuild a step
@@ -99,9 +103,38 @@ impl Consumer {
     /// budget's `A` (docs/failures.md, "Memory"). Counted in, a body larger than the budget
     /// kept every window beside it shut while its park failed: nothing behind it moved (review
     /// R38d F3: bodies over the Deployment's 32 MiB).
+    /// The decoded records of the deliveries in flight count too (`DecodedBytes`): a record can
+    /// hold many times its body (review R36e F9: child rows).
     pub(super) fn accepted_bytes(&self) -> u64 {
         self.inflight_bytes
             .saturating_sub(self.oversize.held_bytes())
+            + self.config.decoded.live()
+    }
+
+    /// Takes in the largest delivery the processors decoded since the last look, its record
+    /// included: a window of records that hold many times their bodies is cut to what the
+    /// budget holds of them (review R36e F9: 1,000 child rows from a body of 12 KB).
+    pub(super) fn fold_decoded(&mut self) {
+        let decoded = self.config.decoded.take_largest() as usize;
+        self.largest = self.largest.max(decoded);
+    }
+
+    /// Whether the processors have yet to decode some of what was handed to them, when the
+    /// next window would be larger than the current one: its size must wait for theirs (a
+    /// first window of one opening on a message whose record is 20 times its body took a whole
+    /// window of them before the budget knew). Never more than [`DECODE_WAITS`] times in a row
+    /// (a processor restarted by its supervisor loses what it held: never a stall).
+    pub(super) fn awaits_decode(&mut self, window: u16) -> bool {
+        let current = self.linked().map_or(FIRST_WINDOW, |l| l.window);
+        if window <= current
+            || self.config.decoded.done() >= self.handed.0
+            || self.handed.1 >= DECODE_WAITS
+        {
+            self.handed.1 = 0;
+            return false;
+        }
+        self.handed.1 += 1;
+        true
     }
 
     /// The window the next subscription takes: the prefetch, cut to what the byte budget holds
