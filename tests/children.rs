@@ -835,3 +835,125 @@ async fn update_replaces_items_a_new_key_holds_unless_a_valid_foreign_key_rules_
     );
     assert!(items(&env, e).await.is_empty());
 }
+
+/// Review R36e F2: a BEFORE INSERT trigger on the child table that rewrites a value
+/// (`upper(sku)`) made every redelivered copy of a stored order `id_conflict`: its items were
+/// compared as the message has them, not as the trigger wrote them, and the copy was parked
+/// beside the stored order (a duplicate). Now items that differ are compared again as an insert
+/// of them would write them, the trigger included: the copy is done, in both modes; other items
+/// are still a conflict.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_copy_whose_items_a_child_trigger_rewrites_is_done_not_a_conflict() {
+    let env = TestEnv::new("ch_trigger").await;
+    tables(&env).await;
+    env.db
+        .batch_execute(
+            "CREATE FUNCTION upper_sku() RETURNS trigger LANGUAGE plpgsql AS \
+               $$ BEGIN NEW.sku := upper(NEW.sku); RETURN NEW; END $$;
+             CREATE TRIGGER upper_sku BEFORE INSERT OR UPDATE ON order_items \
+               FOR EACH ROW EXECUTE FUNCTION upper_sku()",
+        )
+        .await
+        .expect("the trigger");
+    let pool = pool(&env).await;
+    for (m, what) in [(keep(), "keep"), (update(), "update")] {
+        let id = Uuid::new_v4();
+        let body = order(id, 1, &[("a-1", 2), ("b-2", 1)]);
+        let first = insert(&m, &pool, std::slice::from_ref(&body))
+            .await
+            .expect("insert");
+        assert_eq!((first.rows, first.conflicts.len()), (1, 0), "{what}");
+        assert_eq!(
+            items(&env, id).await,
+            owned(&[(1, "A-1", 2), (2, "B-2", 1)])
+        );
+        let copy = insert(&m, &pool, &[body.clone(), body])
+            .await
+            .expect("insert");
+        assert!(copy.conflicts.is_empty(), "{what}: {copy:?}");
+        assert!(copy.refused.is_empty(), "{what}: {copy:?}");
+        let other = insert(&m, &pool, &[order(id, 1, &[("a-1", 3), ("b-2", 1)])])
+            .await
+            .expect("insert");
+        assert_eq!(other.conflicts.len(), 1, "{what}: {other:?}");
+        assert_eq!(
+            items(&env, id).await,
+            owned(&[(1, "A-1", 2), (2, "B-2", 1)])
+        );
+    }
+}
+
+/// Review R36e F4: a BEFORE INSERT trigger on the parent table that rewrites the key
+/// (`lower(k)`), with `on_conflict = "update"`: the parent row was written under its new key,
+/// its child rows not at all (they were looked for under the key as sent), and the message was
+/// refused beside it: stored (without its items) and parked, a duplicate; without child tables,
+/// every copy was refused ("a BEFORE trigger discarded it") and parked beside the stored row.
+/// Now, with child tables, such a message is refused by a rolled-back transaction (nothing of
+/// it written; `db_permanent`, the reason naming the trigger); without them, a copy is done.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_parent_trigger_that_rewrites_the_key_never_leaves_a_message_stored_and_refused() {
+    let env = TestEnv::new("ch_keytrig").await;
+    env.db
+        .batch_execute(
+            "CREATE TABLE docs (k text PRIMARY KEY, total numeric NOT NULL, version int8 NOT NULL);
+             CREATE TABLE doc_lines (k text NOT NULL, line int4 NOT NULL, sku text NOT NULL,
+               PRIMARY KEY (k, line));
+             CREATE FUNCTION lower_k() RETURNS trigger LANGUAGE plpgsql AS \
+               $$ BEGIN NEW.k := lower(NEW.k); RETURN NEW; END $$;
+             CREATE TRIGGER lower_k BEFORE INSERT OR UPDATE ON docs \
+               FOR EACH ROW EXECUTE FUNCTION lower_k()",
+        )
+        .await
+        .expect("the tables");
+    let pool = pool(&env).await;
+    let mapping = |children: &str| {
+        let spec: MappingSpec = toml::from_str(&format!(
+            "table = \"docs\"\nkey = [\"k\"]\non_conflict = \"update\"\n\
+             unknown_fields = \"ignore\"\nversion_column = \"version\"\n[columns]\nk = {{ path = \"/k\", type = \"text\" }}\n\
+             total = {{ path = \"/total\", type = \"numeric\" }}\n\
+             version = {{ path = \"/version\", type = \"int8\" }}\n{children}"
+        ))
+        .expect("spec");
+        Mapping::compile("docs", &spec).expect("compiles")
+    };
+    let doc = |k: &str, version: i64| {
+        format!(r#"{{"k":"{k}","total":"1","version":{version},"lines":[{{"sku":"x"}}]}}"#)
+            .into_bytes()
+    };
+    let counts = || async {
+        (
+            count_of(&env, "SELECT count(*) FROM docs").await,
+            count_of(&env, "SELECT count(*) FROM doc_lines").await,
+        )
+    };
+
+    let nested = mapping(
+        "[[children]]\ntable = \"doc_lines\"\nrows = \"/lines\"\nkey = [\"k\", \"line\"]\n\
+         [children.columns]\nk = { parent = \"k\" }\nline = { index = true }\n\
+         sku = { path = \"/sku\", type = \"text\" }\n",
+    );
+    for batch in [vec![doc("A-1", 1)], vec![doc("A-1", 1), doc("A-1", 2)]] {
+        match insert(&nested, &pool, &batch).await {
+            Err(e) => {
+                assert_eq!(e.class(), warren::db::ErrorClass::Permanent, "{e}");
+                assert!(e.to_string().contains("rewrote its key"), "{e}");
+            }
+            Ok(done) => panic!("neither written nor refused as a whole: {done:?}"),
+        }
+        assert_eq!(counts().await, (0, 0), "written beside the refusal");
+    }
+
+    let flat = mapping("");
+    let first = insert(&flat, &pool, &[doc("B-1", 1)])
+        .await
+        .expect("insert");
+    assert_eq!(first.rows, 1, "{first:?}");
+    let copy = insert(&flat, &pool, &[doc("B-1", 1), doc("B-1", 1)])
+        .await
+        .expect("insert");
+    assert!(
+        copy.refused.is_empty() && copy.conflicts.is_empty(),
+        "a copy refused beside its stored row: {copy:?}"
+    );
+    assert_eq!(counts().await, (1, 0));
+}

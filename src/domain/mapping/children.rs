@@ -896,10 +896,37 @@ pub(super) async fn differing_children(
             .map_err(DbError::from_pg)?
         {
             let i = (row.get::<_, i64>(0) - 1) as usize;
-            differ.entry(i).or_default().push(child.table.to_string());
+            if !same_after_triggers(client, &child.statements.probe_same, i as i64 + 1).await? {
+                differ.entry(i).or_default().push(child.table.to_string());
+            }
         }
     }
     Ok(differ)
+}
+
+/// Whether record `ord`'s child rows are what its key holds once the child table's BEFORE
+/// INSERT triggers made them the rows an insert would write (`probe_same`): asked inside a
+/// savepoint rolled back, so nothing changes. An error (a trigger or a constraint refusing a
+/// row, two rows of the record one stored row) is "not the same".
+async fn same_after_triggers(
+    client: &deadpool_postgres::Client,
+    probe_same: &str,
+    ord: i64,
+) -> Result<bool, DbError> {
+    client
+        .batch_execute("SAVEPOINT warren_same_children")
+        .await
+        .map_err(DbError::from_pg)?;
+    let same = client.query_one(probe_same, &[&ord]).await;
+    client
+        .batch_execute("ROLLBACK TO SAVEPOINT warren_same_children")
+        .await
+        .map_err(DbError::from_pg)?;
+    match same {
+        Ok(row) => Ok(row.get::<_, Option<bool>>(0).unwrap_or(false)),
+        Err(e) if e.as_db_error().is_some() => Ok(false),
+        Err(e) => Err(DbError::from_pg(e)),
+    }
 }
 
 /// Whether the record at ordinal 1 of the parents' probe, whose parent row its key holds as it

@@ -255,6 +255,11 @@ async fn with_children(
                 // Deletes: every batch through the probe, under a lock per key.
                 return versions::write(mapping, st, client, records).await;
             }
+            if !mapping.children.is_empty() && versions::parent_triggers(mapping, client).await? {
+                // A trigger may write the parent row under another key than the message's: only
+                // the probe can tell (`versions::write`), before any child row is written.
+                return versions::write(mapping, st, client, records).await;
+            }
             client
                 .batch_execute("BEGIN")
                 .await

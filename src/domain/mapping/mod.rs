@@ -326,6 +326,9 @@ pub struct Mapping {
     children: Vec<children::Child>,
     /// Which messages delete their key's row, and the table of its tombstones (`delete.rs`).
     delete: Option<delete::Delete>,
+    /// Whether the table has an enabled BEFORE INSERT or UPDATE row trigger, learnt when an
+    /// `update` mapping with child tables first writes (`versions::parent_triggers`).
+    triggers: std::sync::Arc<tokio::sync::OnceCell<bool>>,
 }
 
 impl Mapping {
@@ -615,6 +618,7 @@ impl Mapping {
             attnums: Default::default(),
             children: compiled_children,
             delete,
+            triggers: Default::default(),
         })
     }
 

@@ -130,6 +130,14 @@ pub(super) async fn write(
             ));
         }
         found.sort_by_key(|(i, _)| *i);
+        let found_written = found.iter().filter(|(_, f)| !f.delete && f.written).count();
+        if written > found_written as u64 {
+            // A row written that no record's key holds: a trigger wrote it under another key.
+            // Its child rows were looked for under the key as sent (none written), and its
+            // copies would be told by that key: the transaction must not stay (review R36e F4:
+            // the parent committed without its children, and the message parked beside it).
+            return Err(key_rewritten(mapping));
+        }
         outcomes(mapping, st, client, records, found, written).await
     })
     .await
@@ -206,6 +214,10 @@ async fn outcomes(
                     version(i)
                 ),
             ));
+        } else if !f.delete && same_after_triggers(st, client, i as i64 + 1).await? {
+            // Its key, as sent, holds nothing, but the row an insert of it would write (a
+            // BEFORE trigger rewrote the key) is stored as it is: a copy, compared as the others.
+            compare.push(i);
         } else {
             done.refused.push((
                 i,
@@ -284,6 +296,45 @@ async fn outcomes(
     done.conflicts.extend(conflicts);
     done.conflicts.sort_by_key(|(i, _)| *i);
     Ok(done)
+}
+
+/// The refusal of a batch whose upsert wrote a row under another key than its message's (a
+/// BEFORE trigger rewrote it): permanent, so the batch is split down to the message, which is
+/// dead-lettered, then parked, with nothing of it written.
+fn key_rewritten(mapping: &Mapping) -> DbError {
+    DbError::Server {
+        code: "23000".into(),
+        message: format!(
+            "a BEFORE trigger of {} rewrote its key: with on_conflict = \"update\", warren \
+             tells versions and child rows by the key a message sends; nothing of it was \
+             written",
+            mapping.table
+        ),
+    }
+}
+
+/// Whether `mapping`'s table has an enabled BEFORE INSERT or UPDATE row trigger (asked once).
+pub(super) async fn parent_triggers(
+    mapping: &Mapping,
+    client: &deadpool_postgres::Client,
+) -> Result<bool, DbError> {
+    mapping
+        .triggers
+        .get_or_try_init(|| async {
+            // tgtype bits: 1 row, 2 before, 4 insert, 16 update.
+            let row = client
+                .query_one(
+                    "SELECT EXISTS (SELECT 1 FROM pg_trigger t \
+                       WHERE t.tgrelid = to_regclass($1)::oid AND NOT t.tgisinternal \
+                         AND t.tgenabled <> 'D' AND t.tgtype & 3 = 3 AND t.tgtype & 20 <> 0)",
+                    &[&mapping.table.sql()],
+                )
+                .await
+                .map_err(DbError::from_pg)?;
+            Ok(row.get::<_, bool>(0))
+        })
+        .await
+        .copied()
 }
 
 /// The child rows of the keys whose row this transaction wrote, replaced by the winning

@@ -32,6 +32,11 @@ pub(super) struct ChildStatements {
     /// a key column that may be NULL, optional or jsonb, is compared as the others are), then
     /// compared column by column with `IS NOT DISTINCT FROM`.
     pub(super) probe_differs: String,
+    /// Whether the record `$1`'s child rows, as an insert of them would write them (the child
+    /// table's BEFORE INSERT triggers included: `EXCLUDED`), are each a stored row of its key
+    /// as it is, and as many as its key holds: asked of a record `probe_differs` found, inside
+    /// a savepoint rolled back (a trigger that rewrites a value: review R36e F2).
+    pub(super) probe_same: String,
     /// Deletes: the child rows of the keys whose tombstone this transaction wrote (empty
     /// without deletes).
     pub(super) delete_tombstoned: String,
@@ -176,6 +181,25 @@ impl ChildStatements {
                  AND NOT EXISTS (SELECT 1 FROM {ct} AS s WHERE {of_parent} AND {same})))",
             same = same.join(" AND "),
         );
+        let keys: Vec<String> = key.iter().map(|&i| names[i].clone()).collect();
+        let m_list: Vec<String> = names.iter().map(|n| format!("m.{n}")).collect();
+        let same_after: Vec<String> = columns
+            .iter()
+            .zip(&names)
+            .map(|(c, n)| match c.ty {
+                ColType::Jsonb => format!("s.{n}::jsonb IS NOT DISTINCT FROM EXCLUDED.{n}::jsonb"),
+                _ => format!("s.{n} IS NOT DISTINCT FROM EXCLUDED.{n}"),
+            })
+            .collect();
+        let mine = format!("(SELECT count(*) FROM pg_temp.{probe} AS m WHERE m.{ORD} = $1)");
+        // `xmax` is 0 in a row the insert made (no stored row of that key): not a copy.
+        let probe_same = format!(
+            "WITH w AS (INSERT INTO {ct} AS s ({list}) SELECT {m_list} FROM pg_temp.{probe} AS m                WHERE m.{ORD} = $1 ON CONFLICT ({keys}) DO UPDATE SET {k0} = EXCLUDED.{k0}                WHERE {same_after} RETURNING s.xmax::text <> '0' AS was)              SELECT (SELECT count(*) FROM {ct} AS s, pg_temp.warren_probe AS p                  WHERE p.{ORD} = $1 AND {of_parent}) = {mine}                AND count(*) = {mine} AND coalesce(bool_and(w.was), true) FROM w",
+            m_list = m_list.join(", "),
+            keys = keys.join(", "),
+            k0 = keys[0],
+            same_after = same_after.join(" AND "),
+        );
         let delete_tombstoned = tombstones
             .map(|tomb| {
                 // The tombstones this transaction wrote, found from the batch's deletes.
@@ -202,6 +226,7 @@ impl ChildStatements {
             probe_table,
             probe_fill,
             probe_differs,
+            probe_same,
         }
     }
 }
