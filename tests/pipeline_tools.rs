@@ -160,7 +160,10 @@ async fn publish_pipeline_exits_by_what_was_confirmed() {
     .await;
     assert_eq!(code, 2, "{out}{err}");
     assert!(
-        err.contains("--pipeline: no pipeline \"order\"; this configuration has: users, orders"),
+        err.contains(
+            "--pipeline: no pipeline \"order\" (did you mean orders?); this configuration has: \
+             users, orders"
+        ),
         "{err}"
     );
 

@@ -212,6 +212,23 @@ main_queue = "raffle_queue""#,
     }
 }
 
+/// Reviews R36e F14, R35e F3: `pipelines test` of a name the configuration does not have
+/// exited 1, as for a refused line, and no command said which name was meant. Now it is a usage
+/// error (exit 2) naming the closest pipeline; a name close to none gets the list alone.
+#[test]
+fn an_unknown_pipeline_name_is_exit_2_with_the_closest_name() {
+    let (code, out, err) = warren(ORDERS, &["pipelines", "test", "order"], GOOD);
+    assert_eq!(code, 2, "{out}{err}");
+    assert!(
+        err.contains("no pipeline \"order\" (did you mean orders?); this configuration has: \
+             users, orders"),
+        "{err}"
+    );
+    let (code, out, err) = warren(ORDERS, &["pipelines", "test", "zzzzzz"], GOOD);
+    assert_eq!(code, 2, "{out}{err}");
+    assert!(!err.contains("did you mean"), "{err}");
+}
+
 /// Found by the review: a line that is not UTF-8 stopped `pipelines test` ("cannot read the
 /// input"), the lines after it never checked, where the pipeline parks such a body as
 /// `invalid_json`. Now it is that line's verdict and the next lines are checked.

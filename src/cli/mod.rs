@@ -103,7 +103,8 @@ pub const EXIT_STATUS: &[(&str, &str)] = &[
     (
         "2",
         "a bad setting, flag or configuration file (the message names it), an unknown WARREN_* \
-         variable, or a pipeline whose table does not fit its mapping",
+         variable, a pipeline name the configuration does not have (`pipelines test`, `publish \
+         --pipeline`; the closest name said), or a pipeline whose table does not fit its mapping",
     ),
     (
         "130",

@@ -41,7 +41,8 @@ pub enum Action {
     /// message. Without properties, a property column is absent; properties without an
     /// exchange or routing key have the pipeline's own (where `publish --pipeline` sends).
     /// Prints, per line, `ok` and the row it would insert (JSON), or the kind and reason it would
-    /// be dead-lettered with. Exit 0 when every line is accepted, 1 otherwise.
+    /// be dead-lettered with. Exit 0 when every line is accepted, 1 otherwise, 2 when NAME is no
+    /// pipeline of the configuration (the closest name said).
     ///
     /// With --db, each accepted message's parent row and child rows are also written into the
     /// live tables (DATABASE_URL) by the pipeline's own statements, in a transaction that is
@@ -149,21 +150,12 @@ impl Database {
     }
 }
 
-/// The pipeline `name` as the configuration resolves it.
+/// The pipeline `name` as the configuration resolves it; an unknown name is a usage error
+/// (exit 2), with the closest name and the known ones.
 fn find<'a>(settings: &'a Settings, name: &str) -> anyhow::Result<&'a PipelineSpec> {
-    if let Some(p) = settings.pipeline(name) {
-        return Ok(p);
-    }
-    let known: Vec<&str> = settings
-        .pipelines()
-        .iter()
-        .map(|p| p.name.as_str())
-        .collect();
-    bail!(
-        "no pipeline {:?}; this configuration has: {}",
-        safe(name),
-        known.join(", ")
-    )
+    settings
+        .pipeline(name)
+        .ok_or_else(|| super::Usage(settings.no_pipeline(name)).into())
 }
 
 /// The listing: one block per pipeline.

@@ -102,17 +102,7 @@ pub async fn execute(settings: &Settings, args: Args) -> anyhow::Result<i32> {
         Some(p) => p,
         None if args.pipeline.is_none() => bail!("this configuration runs no users pipeline"),
         None => {
-            let known: Vec<&str> = settings
-                .pipelines()
-                .iter()
-                .map(|p| p.name.as_str())
-                .collect();
-            return Err(super::Usage(format!(
-                "--pipeline: no pipeline {:?}; this configuration has: {}",
-                super::terminal_safe(name),
-                known.join(", ")
-            ))
-            .into());
+            return Err(super::Usage(format!("--pipeline: {}", settings.no_pipeline(name))).into());
         }
     };
     let id_field = id_field(&pipeline.mapping()?);

@@ -20,7 +20,7 @@ mod values;
 
 pub use crate::redact::redact_url;
 use diagnose::FileText;
-pub use error::{ConfigError, Origin};
+pub use error::{ConfigError, Origin, closest};
 #[cfg(test)]
 pub use rules::sample_values;
 use rules::{Rule, check, suggest};
@@ -525,6 +525,19 @@ impl Settings {
     /// The pipeline `name` among [`Settings::pipelines`].
     pub fn pipeline(&self, name: &str) -> Option<&pipelines::PipelineSpec> {
         self.resolved.iter().find(|p| p.name == name)
+    }
+
+    /// Why `name` is none of [`Settings::pipelines`], for a user who gave it: the closest name
+    /// (`did you mean orders?`) and every name this configuration has.
+    pub fn no_pipeline(&self, name: &str) -> String {
+        let known: Vec<&str> = self.resolved.iter().map(|p| p.name.as_str()).collect();
+        let hint = error::closest(name, known.iter().copied(), false)
+            .map(|c| format!(" (did you mean {c}?)"))
+            .unwrap_or_default();
+        format!(
+            "no pipeline {name:?}{hint}; this configuration has: {}",
+            known.join(", ")
+        )
     }
 
     /// `MAX_INSERTS_IN_FLIGHT` holds at least the batch inserts the pipelines to run always

@@ -436,7 +436,11 @@ impl std::fmt::Display for UnknownPipeline {
         } else {
             self.known.join(", ")
         };
-        write!(f, "; known: {known}")
+        write!(f, "; known: {known}")?;
+        match crate::config::closest(name, self.known.iter().map(String::as_str), false) {
+            Some(closest) => write!(f, " (did you mean {closest}?)"),
+            None => Ok(()),
+        }
     }
 }
 
