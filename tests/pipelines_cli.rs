@@ -220,8 +220,10 @@ fn an_unknown_pipeline_name_is_exit_2_with_the_closest_name() {
     let (code, out, err) = warren(ORDERS, &["pipelines", "test", "order"], GOOD);
     assert_eq!(code, 2, "{out}{err}");
     assert!(
-        err.contains("no pipeline \"order\" (did you mean orders?); this configuration has: \
-             users, orders"),
+        err.contains(
+            "no pipeline \"order\" (did you mean orders?); this configuration has: \
+             users, orders"
+        ),
         "{err}"
     );
     let (code, out, err) = warren(ORDERS, &["pipelines", "test", "zzzzzz"], GOOD);

@@ -142,7 +142,7 @@ pub(super) const ASIDE_MAX: usize = 1024;
 /// stored.
 #[derive(Debug, Default)]
 pub(super) struct Aside {
-    tags: Vec<u64>,
+    tags: std::collections::VecDeque<u64>,
     /// When the first of them was held aside.
     since: Option<Instant>,
 }
@@ -150,7 +150,7 @@ pub(super) struct Aside {
 impl Aside {
     fn push(&mut self, tag: u64) {
         self.since.get_or_insert_with(Instant::now);
-        self.tags.push(tag);
+        self.tags.push_back(tag);
     }
 
     fn room(&self) -> bool {
@@ -159,16 +159,13 @@ impl Aside {
 
     fn take(&mut self) -> Vec<u64> {
         self.since = None;
-        std::mem::take(&mut self.tags)
+        std::mem::take(&mut self.tags).into()
     }
 
     /// The oldest held aside (the first at the queue's head once given back), taken alone; the
     /// clock of the others goes on.
     fn take_first(&mut self) -> Option<u64> {
-        if self.tags.is_empty() {
-            return None;
-        }
-        let first = self.tags.remove(0);
+        let first = self.tags.pop_front()?;
         if self.tags.is_empty() {
             self.since = None;
         }
@@ -546,14 +543,15 @@ impl Consumer {
         } else {
             // An accepted body (the one given back went elsewhere): the permit goes; what is
             // still held aside takes it again in its turn.
-            self.after_turn(aside);
+            self.after_turn(aside, false);
         }
     }
 
-    /// A turn with the permit ended: with bodies still held aside, the stage stands still until
-    /// what it holds settled and takes the permit for the next of them; else it is done.
-    fn after_turn(&mut self, aside: Aside) {
-        self.oversize = if aside.is_empty() {
+    /// A turn with the permit ended: with bodies still held aside, or one given back meanwhile
+    /// (`again`), the stage stands still until what it holds settled and takes the permit for
+    /// the next of them; else it is done.
+    fn after_turn(&mut self, aside: Aside, again: bool) {
+        self.oversize = if aside.is_empty() && !again {
             Oversize::Limited
         } else {
             Oversize::GivenBack { aside }
@@ -636,15 +634,7 @@ impl Consumer {
             self.give_back_aside(aside.take());
             return;
         }
-        if given_back && aside.is_empty() {
-            self.oversize = Oversize::GivenBack { aside };
-            if self.consuming() {
-                self.unsubscribe();
-                self.dispatch.flush_all();
-            }
-        } else {
-            self.after_turn(aside);
-        }
+        self.after_turn(aside, given_back);
     }
 
     /// Gives back (nack, requeue) deliveries held aside, on the channel they came on.
@@ -682,7 +672,7 @@ impl Consumer {
             let Oversize::Lifted(_, aside) = std::mem::take(&mut self.oversize) else {
                 return;
             };
-            self.after_turn(aside);
+            self.after_turn(aside, false);
         }
     }
 
@@ -830,7 +820,7 @@ mod tests {
         let mut held = aside(3);
         let since = held.since;
         assert_eq!(held.take_first(), Some(0));
-        assert_eq!(held.tags, vec![1, 2]);
+        assert_eq!(held.tags, [1, 2]);
         assert_eq!(held.since, since, "the others' clock goes on");
         assert_eq!(held.take_first(), Some(1));
         assert_eq!(held.take_first(), Some(2));
