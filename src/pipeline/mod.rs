@@ -335,6 +335,7 @@ pub fn start<D: Domain>(
 
     // Processors: one on the pipeline's own thread, or several on threads of their own.
     let max = spec.max_message_bytes;
+    let limit = spec.max_inflight_bytes;
     let decoded = Arc::new(message::DecodedBytes::default());
     let counted = decoded.clone();
     let spawn_processor: ProcessorFactory = Box::new(move |thread| {
@@ -344,7 +345,7 @@ pub fn start<D: Domain>(
         let drains = batchers.iter().map(|b| b.clone().recipient()).collect();
         let flushes = batchers.iter().map(|b| b.clone().recipient()).collect();
         let make = move |_: &mut Context<Processor<D>>| {
-            Processor::new(domain, max, records, drains, flushes, decoded)
+            Processor::new(domain, max, records, drains, flushes, decoded, limit)
         };
         let addr: Addr<Processor<D>> = match thread {
             Some(thread) => Supervisor::start_in_arbiter(thread, make),
