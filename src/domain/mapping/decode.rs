@@ -410,22 +410,34 @@ pub(super) fn shown_cell(cell: &Cell) -> String {
 
 /// The value of property `p` of a delivered message, as JSON (absent: `None`); the exchange
 /// and routing key are where the original was published (`headers::origin`), the timestamp an
-/// RFC 3339 time of its seconds.
+/// RFC 3339 time of its seconds. A text property holding U+FFFD is refused: the AMQP parser
+/// reads bytes that are not UTF-8 as U+FFFD, so distinct message ids (`id-\xff`, `id-\xfe`)
+/// read alike, and a key of them took the second for a copy of the first, acked unstored
+/// (review R36f F8).
 fn property(p: Property, e: &Envelope<'_>) -> Result<Option<Value>, ValueError> {
-    let text = |s: &Option<lapin::types::ShortString>| {
-        s.as_ref().map(|s| Value::String(s.as_str().to_string()))
+    let checked = |s: &str| {
+        if s.contains('\u{fffd}') {
+            return Err(unfit(
+                "holds U+FFFD, which is how bytes that are not UTF-8 are read: warren cannot \
+                 tell this value from others as text"
+                    .into(),
+            ));
+        }
+        Ok(Value::String(s.to_string()))
     };
+    let text =
+        |s: &Option<lapin::types::ShortString>| s.as_ref().map(|s| checked(s.as_str())).transpose();
     let props = e.properties;
     Ok(match p {
-        Property::MessageId => text(props.message_id()),
-        Property::CorrelationId => text(props.correlation_id()),
-        Property::Type => text(props.kind()),
-        Property::AppId => text(props.app_id()),
-        Property::ContentType => text(props.content_type()),
+        Property::MessageId => text(props.message_id())?,
+        Property::CorrelationId => text(props.correlation_id())?,
+        Property::Type => text(props.kind())?,
+        Property::AppId => text(props.app_id())?,
+        Property::ContentType => text(props.content_type())?,
         Property::Exchange | Property::RoutingKey => {
             let (ex, rk) = crate::amqp::headers::origin(props, e.exchange, e.routing_key);
             let v = if p == Property::Exchange { ex } else { rk };
-            Some(Value::String(v.into_owned()))
+            Some(checked(&v)?)
         }
         Property::Timestamp => match *props.timestamp() {
             None => None,

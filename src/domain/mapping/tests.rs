@@ -805,6 +805,51 @@ fn one_of_and_pattern_refuse_in_the_words_of_the_other_checks() {
     }
 }
 
+/// Review R36f F8: the AMQP parser reads property bytes that are not UTF-8 as U+FFFD, so
+/// message ids `id-\xff` and `id-\xfe` read alike, and a key of them took the second for a
+/// copy of the first (acked, never stored). A property read into a column that holds U+FFFD
+/// refuses the message, naming the property.
+#[test]
+fn a_property_holding_u_fffd_is_refused_naming_it() {
+    use crate::domain::Envelope;
+    use lapin::types::ShortString;
+    let spec: MappingSpec = toml::from_str(
+        r#"
+        table = "t"
+        key = ["mid"]
+        [columns]
+        mid = { property = "message_id", type = "text" }
+        "#,
+    )
+    .expect("parses");
+    let m = Mapping::compile("t", &spec).expect("compiles");
+    for (id, ok) in [
+        ("id-\u{fffd}", false),
+        ("id-\u{fffd}\u{fffd}", false),
+        ("id-é", true),
+    ] {
+        let props = lapin::BasicProperties::default().with_message_id(ShortString::from(id));
+        let delivered = Envelope {
+            properties: &props,
+            exchange: "shop",
+            routing_key: "orders",
+        };
+        match m.decode_envelope(b"{}", &delivered) {
+            Ok(_) => assert!(ok, "{id} accepted"),
+            Err(e) => {
+                assert!(!ok, "{id}: {e:?}");
+                assert_eq!(e.rejection.kind, crate::domain::ErrorKind::InvalidPayload);
+                assert!(
+                    e.rejection.reason.contains("property message_id")
+                        && e.rejection.reason.contains("U+FFFD"),
+                    "{}",
+                    e.rejection.reason
+                );
+            }
+        }
+    }
+}
+
 #[test]
 fn property_columns_read_the_originals_properties() {
     use crate::domain::Envelope;
