@@ -42,7 +42,9 @@ impl Consumer {
                         "a body over MAX_MESSAGE_BYTES announced in an open window: not stored"
                     );
                     tags.push(d.delivery_tag);
-                    if self.set_aside(d.delivery_tag) {
+                    let identity =
+                        super::oversize::identity(&d.properties, d.discarded.unwrap_or_default());
+                    if self.set_aside(d.delivery_tag, identity) {
                         aside += 1;
                     } else {
                         oversize.push((d.delivery_tag, Disposition::Requeue));
@@ -104,7 +106,10 @@ impl Consumer {
                 // A refused body cuts the window to one (`observe`), not the budget's window:
                 // counted here, one 8 MiB body kept the window at 31 for good.
                 refused += 1;
-                first_refused.get_or_insert((d.tag, d.held_bytes));
+                first_refused.get_or_insert_with(|| {
+                    let identity = super::oversize::identity(&d.properties, d.body.len() as u64);
+                    (d.tag, d.held_bytes, identity)
+                });
             } else {
                 self.largest = self.largest.max(d.held_bytes as usize);
             }

@@ -174,6 +174,9 @@ pub struct Consumer {
     /// unread (`Delivery::discarded`, the vendored lapin's body limit), waiting for the
     /// process's permit, or holding it (the limit lifted for one delivery, or a body held whole).
     oversize: oversize::Oversize,
+    /// Failed parks per body over the limit (by `oversize::identity`): the next turn goes to
+    /// the body held aside whose parks failed the fewest times.
+    failed_parks: std::collections::HashMap<u64, u32>,
     /// `warren_oversize_permit_waiting`, resolved once.
     oversize_gauge: metrics::Gauge,
     /// Answered once the nacks of what was held aside were sent: the next `basic.consume`
@@ -236,6 +239,7 @@ impl Consumer {
             since_subscribe: 0,
             earned: window::Earned::default(),
             oversize: oversize::Oversize::Limited,
+            failed_parks: Default::default(),
             oversize_gauge: crate::metrics::oversize_waiting_gauge(&config.stage),
             consume_after: None,
             inflight_bytes_gauge: (crate::metrics::inflight_bytes_gauge(&config.stage), 0),

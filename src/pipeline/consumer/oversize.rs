@@ -31,6 +31,7 @@
 //! any of these changed while it was waited for. So no stage, of one pipeline or several, waits
 //! on another that waits on it.
 
+use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -111,6 +112,8 @@ pub(super) enum Oversize {
         /// The body's delivery (channel generation, delivery tag): its settlement releases the
         /// permit.
         body: (u64, u64),
+        /// The body's identity ([`identity`]): a failed park counts against it.
+        identity: u64,
         /// The bytes it holds (body and parsed properties): the `M` of the memory bound, not
         /// part of the byte budget's `A` (`accepted_bytes`).
         bytes: u64,
@@ -138,19 +141,45 @@ pub(super) enum Oversize {
 /// cancelled consumer stays listed while it has unacked messages.
 pub(super) const ASIDE_MAX: usize = 1024;
 
+/// The most bodies whose failed parks a stage remembers (by [`identity`]); past it, it forgets
+/// them all (the order of turns starts again from the oldest).
+const FAILED_PARKS_MAX: usize = 4 * ASIDE_MAX;
+
+/// What tells one body over the limit from another while it is held aside (its delivery tag
+/// changes at every delivery): its message id, correlation id, timestamp and size, hashed.
+/// Two bodies alike in all four share their failed parks' count, nothing more.
+pub(super) fn identity(properties: &lapin::BasicProperties, size: u64) -> u64 {
+    use std::hash::{Hash, Hasher};
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    properties
+        .message_id()
+        .as_ref()
+        .map(|s| s.as_str())
+        .hash(&mut h);
+    properties
+        .correlation_id()
+        .as_ref()
+        .map(|s| s.as_str())
+        .hash(&mut h);
+    properties.timestamp().hash(&mut h);
+    size.hash(&mut h);
+    h.finish()
+}
+
 /// Deliveries over the limit held aside, of the current channel: unacked, nothing of them
 /// stored.
 #[derive(Debug, Default)]
 pub(super) struct Aside {
-    tags: std::collections::VecDeque<u64>,
+    /// Each delivery's tag and its body's identity ([`identity`]).
+    tags: std::collections::VecDeque<(u64, u64)>,
     /// When the first of them was held aside.
     since: Option<Instant>,
 }
 
 impl Aside {
-    fn push(&mut self, tag: u64) {
+    fn push(&mut self, tag: u64, identity: u64) {
         self.since.get_or_insert_with(Instant::now);
-        self.tags.push_back(tag);
+        self.tags.push_back((tag, identity));
     }
 
     fn room(&self) -> bool {
@@ -159,17 +188,30 @@ impl Aside {
 
     fn take(&mut self) -> Vec<u64> {
         self.since = None;
-        std::mem::take(&mut self.tags).into()
+        std::mem::take(&mut self.tags)
+            .into_iter()
+            .map(|(tag, _)| tag)
+            .collect()
     }
 
-    /// The oldest held aside (the first at the queue's head once given back), taken alone; the
-    /// clock of the others goes on.
-    fn take_first(&mut self) -> Option<u64> {
-        let first = self.tags.pop_front()?;
+    /// The next to take its turn, taken alone: of those whose parks failed the fewest times
+    /// (`failed`, by identity), the oldest held aside; the clock of the others goes on. By
+    /// identity, not by place: a give-back (`aside_aged`), a lost link or a stop puts every
+    /// body back at the queue's head in its first order, and a rotation by place began again
+    /// there, at the bodies parking always refuses (review R38f F2: 5 bodies parking would
+    /// take never tried in 4 minutes).
+    fn take_next(&mut self, failed: &HashMap<u64, u32>) -> Option<u64> {
+        let at = self
+            .tags
+            .iter()
+            .enumerate()
+            .min_by_key(|(i, (_, id))| (failed.get(id).copied().unwrap_or(0), *i))
+            .map(|(i, _)| i)?;
+        let (tag, _) = self.tags.remove(at)?;
         if self.tags.is_empty() {
             self.since = None;
         }
-        Some(first)
+        Some(tag)
     }
 
     fn held_longer_than(&self, bound: Duration) -> bool {
@@ -358,8 +400,8 @@ impl Consumer {
     /// (review R38e F1: 32 given back at each failed park, 256 give-backs a minute, each a
     /// delivery counted on a quorum queue).
     fn lift(&mut self, permit: OwnedSemaphorePermit, mut aside: Aside) {
-        if let Some(first) = aside.take_first() {
-            self.give_back_aside(vec![first]);
+        if let Some(next) = aside.take_next(&self.failed_parks) {
+            self.give_back_aside(vec![next]);
         }
         if let Some(acker) = self.linked().and_then(|l| l.acker.as_ref()) {
             self.consume_after = Some(acker.sent());
@@ -456,12 +498,12 @@ impl Consumer {
     /// aside (unacked, nothing of it stored) when the stage holds the permit for another body
     /// or waits for it, and there is room ([`ASIDE_MAX`]); answers whether it was. Else it is
     /// given back.
-    pub(super) fn set_aside(&mut self, tag: u64) -> bool {
+    pub(super) fn set_aside(&mut self, tag: u64, identity: u64) -> bool {
         if self.phase != Phase::Running || !self.oversize.room_aside() {
             return false;
         }
         if let Some(aside) = self.oversize.aside() {
-            aside.push(tag);
+            aside.push(tag, identity);
         }
         true
     }
@@ -524,7 +566,7 @@ impl Consumer {
     /// `MAX_MESSAGE_BYTES` (of the current channel): the first delivery of a subscription
     /// without a limit restores it at once; the permit goes with an accepted body, stays with a
     /// refused one until it settles.
-    pub(super) fn oversize_delivered(&mut self, refused: Option<(u64, u64)>) {
+    pub(super) fn oversize_delivered(&mut self, refused: Option<(u64, u64, u64)>) {
         if !self.oversize.lifted() {
             return;
         }
@@ -532,10 +574,11 @@ impl Consumer {
         let Oversize::Lifted(permit, aside) = std::mem::take(&mut self.oversize) else {
             return;
         };
-        if let Some((tag, bytes)) = refused {
+        if let Some((tag, bytes, identity)) = refused {
             self.oversize = Oversize::Holding {
                 _permit: permit,
                 body: (self.generation, tag),
+                identity,
                 bytes,
                 aside,
                 given_back: false,
@@ -581,21 +624,37 @@ impl Consumer {
     /// park always fails (a trigger or a CHECK on `dead_letters`) kept every other body of the
     /// stage from its park (review R38e F2: 35 bodies parking would take, never tried).
     pub(super) fn oversize_rotate(&mut self, items: &mut Vec<(u64, Disposition)>) {
-        let Oversize::Holding { body, aside, .. } = &mut self.oversize else {
-            return;
-        };
-        if self.phase != Phase::Running || body.0 != self.generation || aside.is_empty() {
-            return;
-        }
-        let held = body.1;
-        let Some(at) = items
-            .iter()
-            .position(|(tag, d)| *tag == held && *d == Disposition::Requeue)
+        let Oversize::Holding {
+            body,
+            identity,
+            aside,
+            ..
+        } = &mut self.oversize
         else {
             return;
         };
+        if body.0 != self.generation {
+            return;
+        }
+        let (held, identity) = (body.1, *identity);
+        let Some(at) = items.iter().position(|(tag, _)| *tag == held) else {
+            return;
+        };
+        // Each failed park counts against the body (its next turn comes after the others'),
+        // a park that held forgets it.
+        if items[at].1 == Disposition::Ack {
+            self.failed_parks.remove(&identity);
+            return;
+        }
+        if self.failed_parks.len() >= FAILED_PARKS_MAX {
+            self.failed_parks.clear();
+        }
+        *self.failed_parks.entry(identity).or_default() += 1;
+        if self.phase != Phase::Running || aside.is_empty() {
+            return;
+        }
         items.remove(at);
-        aside.push(held);
+        aside.push(held, identity);
         debug!(
             pipeline = self.config.stage.pipeline(),
             stage = self.config.stage.stage().as_str(),
@@ -748,7 +807,7 @@ mod tests {
 
     fn aside(n: u64) -> Aside {
         let mut aside = Aside::default();
-        (0..n).for_each(|t| aside.push(t));
+        (0..n).for_each(|t| aside.push(t, t));
         aside
     }
 
@@ -774,6 +833,7 @@ mod tests {
             !Oversize::Holding {
                 _permit: permit(),
                 body: (1, 1),
+                identity: 1,
                 bytes: 1,
                 aside: aside(1),
                 given_back: false
@@ -792,6 +852,7 @@ mod tests {
         let holding = |n: usize, given_back| Oversize::Holding {
             _permit: permit(),
             body: (1, 1),
+            identity: 1,
             bytes: 1,
             aside: aside(n as u64),
             given_back,
@@ -813,19 +874,26 @@ mod tests {
         assert!(!Oversize::Lifted(permit(), aside(0)).room_aside());
     }
 
-    /// At a turn with the permit only the oldest held aside is given back; the clock of the
-    /// others goes on until the last is taken.
+    /// At a turn with the permit only one held aside is given back: the oldest of those whose
+    /// parks failed the fewest times (by identity, whatever their place: review R38f F2); the
+    /// clock of the others goes on until the last is taken.
     #[test]
-    fn a_turn_takes_the_oldest_held_aside_alone() {
+    fn a_turn_takes_the_oldest_of_the_least_failed_held_aside_alone() {
+        let none = HashMap::new();
         let mut held = aside(3);
         let since = held.since;
-        assert_eq!(held.take_first(), Some(0));
-        assert_eq!(held.tags, [1, 2]);
+        assert_eq!(held.take_next(&none), Some(0));
+        assert_eq!(held.tags, [(1, 1), (2, 2)]);
         assert_eq!(held.since, since, "the others' clock goes on");
-        assert_eq!(held.take_first(), Some(1));
-        assert_eq!(held.take_first(), Some(2));
+        assert_eq!(held.take_next(&none), Some(1));
+        assert_eq!(held.take_next(&none), Some(2));
         assert!(held.since.is_none());
-        assert_eq!(held.take_first(), None);
+        assert_eq!(held.take_next(&none), None);
+        // Bodies 0 and 1 failed to park (0 twice): 2, then 3, then 1, then 0.
+        let failed = HashMap::from([(0, 2), (1, 1)]);
+        let mut held = aside(4);
+        let order: Vec<u64> = std::iter::from_fn(|| held.take_next(&failed)).collect();
+        assert_eq!(order, [2, 3, 1, 0]);
     }
 
     /// What is held aside is timed from the first of them, and taking them clears the clock.
