@@ -130,6 +130,10 @@ impl Mapping {
         }
         let mut reason: Vec<String> = problems.iter().map(|(c, e)| c.reason(e)).collect();
         reason.extend(child_problems.iter().map(|(r, _)| r.clone()));
+        // Once each: a property or header every element of an array reads refused the message
+        // once per element, its reason a thousand times over (review R36f F2).
+        let mut seen = std::collections::HashSet::new();
+        reason.retain(|r| seen.insert(r.clone()));
         Err(Refused {
             rejection: Rejection::payload(reason.join("; ")),
             problems: problems

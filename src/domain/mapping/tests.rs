@@ -850,6 +850,48 @@ fn a_property_holding_u_fffd_is_refused_naming_it() {
     }
 }
 
+/// Review R36f F2: a property every element of an array reads, refused, repeated its reason
+/// once per element (1,000 times, cut at 1 KiB mid-word). Each distinct reason comes once.
+#[test]
+fn a_refused_property_read_by_every_element_is_said_once() {
+    use crate::domain::Envelope;
+    use lapin::types::ShortString;
+    let spec: MappingSpec = toml::from_str(
+        r#"
+        table = "t"
+        key = ["k"]
+        [columns]
+        k = { path = "/k", type = "int4" }
+        mid = { property = "message_id", type = "text" }
+        [[children]]
+        table = "c"
+        rows = "/items"
+        key = ["k", "line"]
+        [children.columns]
+        k = { parent = "k" }
+        line = { index = true }
+        mid = { property = "message_id", type = "text" }
+        "#,
+    )
+    .expect("parses");
+    let m = Mapping::compile("t", &spec).expect("compiles");
+    let props = lapin::BasicProperties::default().with_message_id(ShortString::from("a\u{fffd}"));
+    let delivered = Envelope {
+        properties: &props,
+        exchange: "shop",
+        routing_key: "orders",
+    };
+    let e = m
+        .decode_envelope(br#"{"k":1,"items":[{},{},{}]}"#, &delivered)
+        .expect_err("refused");
+    assert_eq!(
+        e.rejection.reason.matches("U+FFFD").count(),
+        1,
+        "{}",
+        e.rejection.reason
+    );
+}
+
 #[test]
 fn property_columns_read_the_originals_properties() {
     use crate::domain::Envelope;
