@@ -764,6 +764,21 @@ pub(super) async fn trial(
     Ok(written)
 }
 
+/// Child tables filled from one array read the fields of one element between them: with
+/// `unknown_fields = "reject"`, a field one of them reads is known to every one of them (review
+/// R36f F10: items and their skus from one `/items`, every message refused for the field the
+/// other table reads).
+pub(super) fn share_fields(children: &mut [Child]) {
+    for i in 0..children.len() {
+        let shared: HashSet<String> = children
+            .iter()
+            .filter(|c| c.rows == children[i].rows)
+            .flat_map(|c| c.fields.iter().cloned())
+            .collect();
+        children[i].fields = shared;
+    }
+}
+
 /// `keep`, some key held or repeated, inside the parents' probe transaction after their insert
 /// (`done`: what it found): the records whose parent row this transaction wrote insert their
 /// children (of several records of one key, the first delivered, the one written); every

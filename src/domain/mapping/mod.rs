@@ -603,6 +603,7 @@ impl Mapping {
         }
         children::distinct_tables(&table, &compiled_children)
             .map_err(|problem| err("children", problem.to_string()))?;
+        children::share_fields(&mut compiled_children);
         Ok(Self {
             pipeline: pipeline.to_string(),
             table,

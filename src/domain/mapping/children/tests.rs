@@ -204,6 +204,48 @@ fn unknown_fields_of_an_element_follow_the_pipelines_policy() {
     assert!(m.decode(&order(r#"[{"sku":"A","qty":1}]"#)).is_ok());
 }
 
+/// Review R36f F10: two child tables filled from one array read its elements' fields between
+/// them; a field one reads is not unknown to the other (every message was refused).
+#[test]
+fn child_tables_of_one_array_share_its_known_fields() {
+    let spec: MappingSpec = toml::from_str(
+        r#"
+        table = "shop.orders"
+        key = ["order_id"]
+        [columns]
+        order_id = { path = "/order_id", type = "uuid" }
+        total    = { path = "/total", type = "numeric" }
+        version  = { path = "/version", type = "int8" }
+        [[children]]
+        table = "shop.order_items"
+        rows = "/items"
+        key = ["order_id", "line"]
+        [children.columns]
+        order_id = { parent = "order_id" }
+        line     = { index = true }
+        qty      = { path = "/qty", type = "int4" }
+        [[children]]
+        table = "shop.order_skus"
+        rows = "/items"
+        key = ["order_id", "sku"]
+        [children.columns]
+        order_id = { parent = "order_id" }
+        sku      = { path = "/sku", type = "text" }
+        "#,
+    )
+    .expect("spec");
+    let m = Mapping::compile("orders", &spec).expect("compiles");
+    assert!(m.decode(&order(r#"[{"sku":"A","qty":1}]"#)).is_ok());
+    let r = m
+        .decode(&order(r#"[{"sku":"A","qty":1,"colour":"red"}]"#))
+        .unwrap_err();
+    assert!(
+        r.reason.starts_with("/items/0/colour: unknown field"),
+        "{}",
+        r.reason
+    );
+}
+
 #[test]
 fn a_child_spec_that_cannot_work_is_refused_naming_the_table_and_column() {
     let refused = |child: &str| {
