@@ -69,13 +69,14 @@ impl Settings {
         }
     }
 
-    /// The HTTP API's configuration: `HTTP_ADDR`, `API_POOL_SIZE`, and `MAX_MESSAGE_BYTES` as
-    /// the largest body it publishes.
+    /// The HTTP API's configuration: `HTTP_ADDR`, `API_POOL_SIZE`, `MAX_MESSAGE_BYTES` as the
+    /// largest body it publishes, `MAX_INFLIGHT_BYTES` as what its writes hold between them.
     pub fn http(&self) -> HttpConfig {
         HttpConfig {
             addr: self.http_addr.clone(),
             pool_size: self.api_pool_size,
             max_message_bytes: self.max_message_bytes,
+            max_inflight_bytes: self.max_inflight_bytes,
         }
     }
 

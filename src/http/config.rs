@@ -15,6 +15,9 @@ pub struct HttpConfig {
     /// The largest body the pipelines accept (`MAX_MESSAGE_BYTES`): the API refuses a larger
     /// one with 422 instead of publishing it to be parked.
     pub max_message_bytes: usize,
+    /// `MAX_INFLIGHT_BYTES`: half of it is what the API's writes in work hold between them (their
+    /// bodies, and the rows decoded from them), at most; more wait their turn.
+    pub max_inflight_bytes: u64,
 }
 
 /// The metrics listener's (`/metrics`, `/healthz`, `/readyz`, on every role) settings.
@@ -95,6 +98,7 @@ mod tests {
             addr: "127.0.0.1:8080".into(),
             pool_size: 4,
             max_message_bytes: 1 << 20,
+            max_inflight_bytes: 16 << 20,
         }
     }
 

@@ -72,6 +72,38 @@ struct AppState {
     /// `MAX_MESSAGE_BYTES`: a larger body is what the pipeline refuses unread, so the API
     /// refuses it with 422 instead of publishing it to be parked.
     max_message_bytes: usize,
+    /// The writes' budget (half `MAX_INFLIGHT_BYTES`, in units of [`WRITE_UNIT`]): each write holds
+    /// what its body may decode to until it is answered; more wait their turn. Unbounded,
+    /// concurrent POSTs of orders of 6,000 items took 2 MB each: 100 of them 231 MiB, an OOM
+    /// kill under the Deployment's limit (review R38f F6).
+    writes: Arc<tokio::sync::Semaphore>,
+    /// The budget's size in units.
+    write_units: u32,
+}
+
+/// The unit of the API's write budget.
+const WRITE_UNIT: u64 = 64 << 10;
+
+impl AppState {
+    /// Waits for room for a write of `body` bytes (`nested`: the mapping has child tables, each
+    /// element of an array a row of its own: counted at 64 times the body, about the most its
+    /// rows hold; else twice, the body and its row), and holds it until the returned permit
+    /// drops. Never more than the whole budget: a single write always goes.
+    async fn room_for_write(
+        &self,
+        body: usize,
+        nested: bool,
+    ) -> Option<tokio::sync::OwnedSemaphorePermit> {
+        let factor: u64 = if nested { 64 } else { 2 };
+        let units = (body as u64 * factor)
+            .div_ceil(WRITE_UNIT)
+            .clamp(1, u64::from(self.write_units));
+        self.writes
+            .clone()
+            .acquire_many_owned(units as u32)
+            .await
+            .ok()
+    }
 }
 
 /// A running API server.
@@ -128,11 +160,16 @@ pub async fn serve(
         crate::amqp::Frames::Small,
         crate::events::publisher_link,
     ));
+    // Half a stage's budget: the API is one more holder beside the stages (docs/failures.md).
+    let write_units =
+        (config.max_inflight_bytes / 2 / WRITE_UNIT).clamp(1, u64::from(u32::MAX >> 4)) as u32;
     let state = web::Data::new(AppState {
         publisher: publisher.clone(),
         pool,
         latency_header: amqp.publish_latency_header,
         max_message_bytes: config.max_message_bytes,
+        writes: Arc::new(tokio::sync::Semaphore::new(write_units as usize)),
+        write_units,
     });
     let server = HttpServer::new(move || {
         App::new()

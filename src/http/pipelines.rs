@@ -622,6 +622,10 @@ async fn post(
         Ok(b) => b.freeze(),
         Err(response) => return response,
     };
+    // Held until answered: what the writes in work decode stays within the budget.
+    let _room = state
+        .room_for_write(body.len(), api.mapping.child_tables().next().is_some())
+        .await;
     // What the client sent, before the API writes a key into it.
     let sent = body.len();
     let body = match &chosen {
@@ -703,6 +707,10 @@ async fn put(
         Ok(b) => b.freeze(),
         Err(response) => return response,
     };
+    // Held until answered: what the writes in work decode stays within the budget.
+    let _room = state
+        .room_for_write(body.len(), api.mapping.child_tables().next().is_some())
+        .await;
     // What the client sent, before the API writes a key into it.
     let sent = body.len();
     let body = match api
