@@ -134,7 +134,10 @@ impl Handler<Leftovers> for DlqStage {
                     .settle(&batch_id, rest_items, rest_fates, false)
                     .await;
             }
-            let delay = fallback.next_backoff_at_most(least);
+            let delay = fallback.within_hand_back(
+                fallback.next_backoff_at_most(least),
+                attempts.iter().map(|((d, _), _)| d.received_at).min(),
+            );
             warn!(pipeline = fallback.stage.pipeline(), stage = fallback.stage.stage().as_str(), batch_id = %batch_id, count = attempts.len(),
                 delay_ms = delay.as_millis() as u64,
                 "the database refused DLQ messages; trying them again after a backoff");

@@ -288,6 +288,7 @@ pub fn start<D: Domain>(
         parks_as: spec.pipeline.clone(),
         park_over: spec.max_message_bytes,
         copies: copies.clone(),
+        hand_back_after: links.amqp.hand_back_after(),
     };
     let leftovers: Recipient<Leftovers> = match spec.fallback {
         FallbackKind::Route => Supervisor::start(move |_| Router::new(fallback)).recipient(),

@@ -112,9 +112,26 @@ pub struct Fallback {
     /// The generation of the consumer's open channel, and the copies whose ack is not proven
     /// handled by the broker (shared with the consumer).
     pub copies: Arc<Copies>,
+    /// 80% of the broker's `consumer_timeout` (`AmqpConfig::hand_back_after`): a backoff never
+    /// holds a delivery past it.
+    pub hand_back_after: Option<Duration>,
 }
 
 impl Fallback {
+    /// `delay`, cut so that deliveries received at `oldest` are given back before the broker's
+    /// `consumer_timeout` closes their channel (review R38f F5: a body over the limit held 49 s
+    /// through its park's backoff under a 20 s timeout).
+    pub fn within_hand_back(
+        &self,
+        delay: Duration,
+        oldest: Option<std::time::Instant>,
+    ) -> Duration {
+        match (self.hand_back_after, oldest) {
+            (Some(bound), Some(at)) => delay.min(bound.saturating_sub(at.elapsed())),
+            _ => delay,
+        }
+    }
+
     /// Republishes every `Fate::Route` (confirmed); each becomes an ack once confirmed, a
     /// requeue if it was not, or a park if it can never be republished as it is.
     ///
@@ -494,6 +511,7 @@ impl Fallback {
             } else {
                 self.next_backoff()
             };
+            let wait = self.within_hand_back(wait, items.iter().map(|(d, _)| d.received_at).min());
             for (reason, n) in count_by_kind(requeued.into_iter()) {
                 metrics::requeued(&self.stage, reason, n);
                 warn!(
