@@ -1303,6 +1303,21 @@ async fn a_nested_pipelines_api_takes_orders_and_answers_them_with_their_items()
             .is_some_and(|r| r.contains("/items/0/qty: expected at least 1, found 0")),
         "{invalid:?}"
     );
+    // An unknown field of an element is not answered with the order's fields as the expected
+    // ones (review R38f F7).
+    let stray = http.post(
+        "/api/v1/orders",
+        format!(
+            r#"{{"order_id":"{}","total":"1","version":1,"items":[{{"sku":"A","qty":1,"q":2}}]}}"#,
+            Uuid::new_v4()
+        ),
+    );
+    assert_eq!(stray.status, 422, "{stray:?}");
+    assert_eq!(
+        stray.body["error"],
+        json!("unknown field \"/items/0/q\": no column of its array's elements reads it"),
+        "{stray:?}"
+    );
 
     http.wait_status(&format!("/api/v1/orders/{a}"), 200, Duration::from_secs(30))
         .await;

@@ -256,6 +256,12 @@ impl PipelineApi {
             .problems
             .into_iter()
             .filter_map(|p| match p {
+                // An element's field (a path into an array): the parent's fields are not what
+                // it should have been (review R38f F7).
+                Problem::Unknown(field) if field.starts_with('/') => Some(FieldError {
+                    field,
+                    message: "is not a field the columns of its array's elements read".into(),
+                }),
                 Problem::Unknown(field) => Some(FieldError {
                     field,
                     message: format!(
@@ -290,6 +296,11 @@ impl PipelineApi {
             .collect();
         let message = if let Some(unreadable) = self.unreadable(body, &expected) {
             unreadable
+        } else if !unknown.is_empty() && unknown.iter().all(|u| u.starts_with("\"/")) {
+            format!(
+                "unknown field {}: no column of its array's elements reads it",
+                unknown.join(", ")
+            )
         } else if !unknown.is_empty() {
             // An unknown field is named as a client reads it (the DLQ's reason gives its path).
             format!(
