@@ -200,13 +200,21 @@ impl Aside {
     /// body back at the queue's head in its first order, and a rotation by place began again
     /// there, at the bodies parking always refuses (review R38f F2: 5 bodies parking would
     /// take never tried in 4 minutes).
+    /// Bodies alike in all that tells them apart share their count: among them, each failed park
+    /// moves the turn to the next in order (review R38g F3: the oldest of one id and size took
+    /// every turn of all of them).
     fn take_next(&mut self, failed: &HashMap<u64, u32>) -> Option<u64> {
-        let at = self
+        let failures = |id: &u64| failed.get(id).copied().unwrap_or(0);
+        let (_, (_, chosen)) = self
             .tags
             .iter()
             .enumerate()
-            .min_by_key(|(i, (_, id))| (failed.get(id).copied().unwrap_or(0), *i))
-            .map(|(i, _)| i)?;
+            .min_by_key(|(i, (_, id))| (failures(id), *i))?;
+        let chosen = *chosen;
+        let alike: Vec<usize> = (0..self.tags.len())
+            .filter(|&i| self.tags[i].1 == chosen)
+            .collect();
+        let at = alike[failures(&chosen) as usize % alike.len()];
         let (tag, _) = self.tags.remove(at)?;
         if self.tags.is_empty() {
             self.since = None;
@@ -894,6 +902,11 @@ mod tests {
         let mut held = aside(4);
         let order: Vec<u64> = std::iter::from_fn(|| held.take_next(&failed)).collect();
         assert_eq!(order, [2, 3, 1, 0]);
+        // Three bodies alike (one identity, 7) that failed once between them: the second's
+        // turn, not the first's again (review R38g F3).
+        let mut alike = Aside::default();
+        (10..13).for_each(|t| alike.push(t, 7));
+        assert_eq!(alike.take_next(&HashMap::from([(7, 1)])), Some(11));
     }
 
     /// What is held aside is timed from the first of them, and taking them clears the clock.
