@@ -72,6 +72,12 @@ pub trait Domain: Send + Sync + 'static {
         std::mem::size_of::<Self::Record>() as u64
     }
 
+    /// About the most bytes a record decoded from a body of `body` bytes may hold, reserved
+    /// against `MAX_INFLIGHT_BYTES` before the body is decoded. Twice the body by default.
+    fn record_estimate(&self, body: usize) -> u64 {
+        2 * body as u64 + std::mem::size_of::<Self::Record>() as u64
+    }
+
     /// Inserts `records` with ONE statement, idempotently: a record already stored exactly as
     /// it is counts as done, also when another copy of it is being inserted at the same moment
     /// (delivery is at least once: a redelivered copy can meet the first copy's statement still

@@ -9,7 +9,9 @@
 //! consumer can see what their records will hold: a window opened on small orders took 470
 //! orders of 6,000 items, 370 MB of rows (review R38f F1). So a processor decodes the next
 //! delivery only while the records its stage holds (`DecodedBytes`, released as their batches'
-//! statements end) are under `MAX_INFLIGHT_BYTES`, or none are held; past it, what it was
+//! statements end) leave room under `MAX_INFLIGHT_BYTES` for what it may decode to (reserved
+//! before, atomically, so several processors never pass on the same room), or none are held;
+//! past it, what it was
 //! handed waits, undecoded (its body already counted), the batcher it feeds is flushed so its
 //! rows commit, and it looks again shortly. `Drain` and `Flush` keep their place behind the
 //! chunks that wait.
@@ -104,10 +106,13 @@ impl<D: Domain> Processor<D> {
         Decoded { result, delivery }
     }
 
-    /// Whether the stage's records leave room for another.
-    fn room(&self) -> bool {
-        let live = self.decoded.live();
-        live == 0 || live < self.limit
+    /// Reserves room for `delivery`'s record under the budget ([`DecodedBytes::reserve`]): the
+    /// estimate, to give back once it is charged; `None` while there is no room.
+    fn room(&self, delivery: &Delivery) -> Option<u64> {
+        let estimate = self.domain.record_estimate(delivery.body.len());
+        self.decoded
+            .reserve(estimate, self.limit)
+            .then_some(estimate)
     }
 
     /// Hands on what waits, in order, as far as the budget lets it; past it, flushes the
@@ -121,11 +126,13 @@ impl<D: Domain> Processor<D> {
                 } => {
                     let index = batcher % self.batchers.len();
                     let mut out = Vec::new();
-                    while self.room() {
-                        let Some(delivery) = deliveries.pop_front() else {
+                    while let Some(delivery) = deliveries.pop_front() {
+                        let Some(reserved) = self.room(&delivery) else {
+                            deliveries.push_front(delivery);
                             break;
                         };
                         out.push(self.decoded(delivery));
+                        self.decoded.unreserve(reserved);
                     }
                     if !out.is_empty() {
                         self.decoded.decoded(out.len());

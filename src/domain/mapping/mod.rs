@@ -812,6 +812,13 @@ impl Domain for Mapping {
         record.held_bytes()
     }
 
+    /// With child tables, each element of an array is a row of its own: some 64 times the
+    /// bytes of a small element at most (a 60 KB body of 6,000 items held 786 KB counted).
+    fn record_estimate(&self, body: usize) -> u64 {
+        let factor = if self.children.is_empty() { 2 } else { 64 };
+        factor * body as u64 + std::mem::size_of::<Row>() as u64
+    }
+
     fn decode(&self, body: &[u8]) -> Result<Row, Rejection> {
         self.decode_message(body, None)
     }
