@@ -340,4 +340,24 @@ mod tests {
         assert_eq!(groups[1].items, [(1, Disposition::Requeue)]);
         assert_eq!(groups[1].bytes, 7);
     }
+
+    /// Review R38g F2: the room under the budget is taken before decoding, atomically: of two
+    /// processors asking at once for more than is left, one goes (always one, when nothing is
+    /// held), the other waits until it is given back.
+    #[test]
+    fn a_reservation_takes_the_room_once() {
+        let bytes = Arc::new(DecodedBytes::default());
+        assert!(bytes.reserve(10, 4), "nothing held: one always goes");
+        assert!(!bytes.reserve(1, 4), "no room left beside it");
+        bytes.unreserve(10);
+        assert_eq!(bytes.live(), 0);
+        assert!(bytes.reserve(3, 4));
+        assert!(bytes.reserve(1, 4));
+        assert!(!bytes.reserve(1, 4));
+        let charge = bytes.charge(2, 0);
+        bytes.unreserve(4);
+        assert_eq!(bytes.live(), 2);
+        drop(charge);
+        assert_eq!(bytes.live(), 0);
+    }
 }
