@@ -1460,17 +1460,6 @@ async fn a_pipelines_api_deletes_through_the_version_guard() {
     );
 }
 
-/// The peak resident memory (`VmHWM`) of process `pid`, in bytes.
-fn peak_rss(pid: i32) -> u64 {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).expect("/proc status");
-    status
-        .lines()
-        .find_map(|l| l.strip_prefix("VmHWM:"))
-        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
-        .map(|kb| kb * 1024)
-        .expect("VmHWM in kB")
-}
-
 /// Review R38f F6: every concurrent write of a nested pipeline decoded its body at once, an
 /// order of 3,000 items some 2 MB of rows: 100 concurrent POSTs took the API to 231 MiB, an OOM
 /// kill under the Deployment's 256 MiB. Now the writes in work hold half `MAX_INFLIGHT_BYTES`

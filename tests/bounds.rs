@@ -421,21 +421,6 @@ async fn events_of_refused_messages_carry_capped_reasons() {
     warren_alive(warren);
 }
 
-/// The peak resident memory (`VmHWM`) of process `pid`, in bytes.
-fn peak_rss(pid: i32) -> u64 {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).expect("read status");
-    let line = status
-        .lines()
-        .find(|l| l.starts_with("VmHWM:"))
-        .expect("a VmHWM line");
-    let kb: u64 = line
-        .split_whitespace()
-        .nth(1)
-        .and_then(|n| n.parse().ok())
-        .expect("VmHWM in kB");
-    kb * 1024
-}
-
 /// Runs `warren run --roles consumer` on `file` with Redis behind a frozen proxy (it accepts
 /// connections and never answers) and events on (`events`) or off, publishes `n` messages
 /// refused for a 30 KB unknown field name, waits until they are all dead-lettered, and returns

@@ -575,17 +575,6 @@ async fn a_held_delivery_never_holds_the_window_behind_it() {
     assert_eq!(env.queue_state(&env.main_queue).await, (0, 0));
 }
 
-/// The peak resident memory of process `pid` (VmHWM), in bytes.
-fn peak_rss(pid: i32) -> u64 {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).expect("/proc status");
-    status
-        .lines()
-        .find_map(|l| l.strip_prefix("VmHWM:"))
-        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
-        .map(|kb| kb * 1024)
-        .expect("VmHWM")
-}
-
 /// The prefetch window bounds a count, not bytes: 24 bodies of 16 MB were all held at once
 /// (1.19 GB; here their dead letters are unroutable for a while, so every one of them waits in
 /// warren). The window now never holds more than MAX_INFLIGHT_BYTES of bodies of the largest

@@ -22,17 +22,6 @@ fn labelled(label: &str) -> BasicProperties {
         .with_delivery_mode(2)
 }
 
-/// The peak resident memory (`VmHWM`) of process `pid`, in bytes.
-fn peak_rss(pid: i32) -> u64 {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).expect("/proc status");
-    status
-        .lines()
-        .find_map(|l| l.strip_prefix("VmHWM:"))
-        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
-        .map(|kb| kb * 1024)
-        .expect("VmHWM in kB")
-}
-
 /// The limit the Deployment in deploy/kubernetes/ sets, and the test's bound below it: the
 /// process must stay under it with room for what a container adds (the page cache of its
 /// files is charged to it too).

@@ -230,3 +230,14 @@ pub fn stop_counts(logs: &str) -> Option<(u64, u64)> {
     };
     Some((settled, given_back))
 }
+
+/// The peak resident memory (`VmHWM`) of process `pid`, in bytes.
+pub fn peak_rss(pid: i32) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).expect("/proc status");
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmHWM:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
+        .map(|kb| kb * 1024)
+        .expect("VmHWM in kB")
+}
