@@ -846,6 +846,8 @@ impl Domain for Mapping {
 }
 
 #[cfg(test)]
+mod properties_tests;
+#[cfg(test)]
 mod tests;
 #[cfg(test)]
 mod times_tests;
