@@ -1036,6 +1036,27 @@ async fn forty_refused_bodies_in_a_row_whose_parks_fail_let_the_users_behind_the
 async fn a_body_whose_park_always_fails_does_not_keep_the_others_from_theirs() {
     let env = TestEnv::new("parkrotate").await;
     env.declare();
+    let (unparkable, parkable) = one_body_parking_refuses_then_five(&env, true).await;
+    let users: HashSet<Uuid> = env.publish_users(100).await.into_iter().collect();
+    let mut warren = env.start(&["--roles", "consumer"]);
+    let _logs = LogsOnPanic(vec![warren.log.clone()]);
+    assert_rows_exactly(&env, &users, Duration::from_secs(60), &|| warren.logs()).await;
+    wait_until(
+        "the five bodies parking takes, parked while the other keeps failing",
+        Duration::from_secs(120),
+        || async { count_of(&env, "SELECT count(*) FROM dead_letters").await >= 5 },
+    )
+    .await;
+    then_the_sixth_once_parking_takes_it(&env, &mut warren, &unparkable, &parkable).await;
+}
+
+/// A trigger on `dead_letters` refusing bodies over 1.5 MB, then one such body (`big-0`, 2 MiB)
+/// published, and five parking takes (`big-1`..`big-5`, about 300 KB) behind it when
+/// `publish_five`: the two kinds of body.
+async fn one_body_parking_refuses_then_five(
+    env: &TestEnv,
+    publish_five: bool,
+) -> (Vec<u8>, Vec<Vec<u8>>) {
     env.db
         .batch_execute(
             "CREATE FUNCTION refuse_big() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN \
@@ -1052,23 +1073,26 @@ async fn a_body_whose_park_always_fails_does_not_keep_the_others_from_theirs() {
     let parkable: Vec<Vec<u8>> = (1..=5)
         .map(|i| huge_body((300 << 10) + i, b'a' + i as u8))
         .collect();
-    for (i, body) in parkable.iter().enumerate() {
-        env.publish_raw(body, labelled(&format!("big-{}", i + 1)))
-            .await;
+    if publish_five {
+        for (i, body) in parkable.iter().enumerate() {
+            env.publish_raw(body, labelled(&format!("big-{}", i + 1)))
+                .await;
+        }
     }
-    let users: HashSet<Uuid> = env.publish_users(100).await.into_iter().collect();
-    let mut warren = env.start(&["--roles", "consumer"]);
-    let _logs = LogsOnPanic(vec![warren.log.clone()]);
-    assert_rows_exactly(&env, &users, Duration::from_secs(60), &|| warren.logs()).await;
-    wait_until(
-        "the five bodies parking takes, parked while the other keeps failing",
-        Duration::from_secs(120),
-        || async { count_of(&env, "SELECT count(*) FROM dead_letters").await >= 5 },
-    )
-    .await;
+    (unparkable, parkable)
+}
+
+/// The five parkable bodies are parked and the other is not: the trigger goes, and the sixth
+/// is parked too; every one once, whole, and the queues are empty after the stop.
+async fn then_the_sixth_once_parking_takes_it(
+    env: &TestEnv,
+    warren: &mut Warren,
+    unparkable: &[u8],
+    parkable: &[Vec<u8>],
+) {
     assert_eq!(
         count_of(
-            &env,
+            env,
             "SELECT count(*) FROM dead_letters WHERE message_id = 'big-0'"
         )
         .await,
@@ -1082,7 +1106,7 @@ async fn a_body_whose_park_always_fails_does_not_keep_the_others_from_theirs() {
     wait_until(
         "the sixth body parked once the trigger went",
         Duration::from_secs(120),
-        || async { count_of(&env, "SELECT count(*) FROM dead_letters").await >= 6 },
+        || async { count_of(env, "SELECT count(*) FROM dead_letters").await >= 6 },
     )
     .await;
     warren.terminate_ok(Duration::from_secs(30));
@@ -1099,12 +1123,76 @@ async fn a_body_whose_park_always_fails_does_not_keep_the_others_from_theirs() {
         )
     }));
     assert_eq!(
-        parked_sizes(&env, "big-").await,
+        parked_sizes(env, "big-").await,
         expected,
         "each big body parked once, whole"
     );
     assert_eq!(env.queue_state(&env.main_queue).await, (0, 0));
     assert_eq!(env.queue_state(&env.dlq_queue).await, (0, 0));
+}
+
+/// Review R38g F4: a lost link (or a give-back at 80% of `consumer_timeout`) puts every body
+/// over the limit back at the queue's head in its first order, and the first turn after it
+/// took the head whole, before anything was held aside to choose from: the body parking
+/// refuses, at the head, took the turn after every lost link, and links lost more often than
+/// a turn lasts (its park's backoff, up to 60 s, during which the stage stood still) kept the
+/// five bodies behind it from their parks. Now the backoff of a delivery whose channel went ends
+/// at once, and a turn with nothing held aside after a failed park first takes the messages as
+/// they come for 3 s, holding the bodies aside, so it goes to one whose parks failed the
+/// fewest times. The refused body's park fails six times first (its backoff grows to 6 to 13
+/// s), then the five come and the link is cut every 10 s (rebuilt after a backoff growing to
+/// 10 s, since none lives 30 s).
+#[tokio::test(flavor = "multi_thread")]
+async fn a_body_parking_refuses_does_not_take_every_turn_while_links_keep_dropping() {
+    let mut env = TestEnv::new("parklinks").await;
+    let proxy = std::sync::Arc::new(TcpProxy::start(&amqp_url(), 5672).await);
+    env.set("AMQP_URL", proxy.url())
+        .set("AMQP_HEARTBEAT_S", "0")
+        .set("AMQP_CONNECT_TIMEOUT_MS", "2000");
+    env.declare();
+    let (unparkable, parkable) = one_body_parking_refuses_then_five(&env, false).await;
+    let mut warren = env.start(&["--roles", "consumer"]);
+    let _logs = LogsOnPanic(vec![warren.log.clone()]);
+    const BACKOFF: &str = "messages go back to their queue after a backoff";
+    wait_until(
+        "the refused body's park failed six times",
+        Duration::from_secs(60),
+        || async { warren.logs().matches(BACKOFF).count() >= 6 },
+    )
+    .await;
+    // The first cut while the refused body waits out its backoff, the five published behind
+    // it then.
+    let cuts = std::sync::Arc::new(std::sync::atomic::AtomicU32::new(0));
+    let cutter = tokio::spawn({
+        let (proxy, cuts) = (proxy.clone(), cuts.clone());
+        async move {
+            loop {
+                proxy.cut();
+                proxy.restore();
+                cuts.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                tokio::time::sleep(Duration::from_secs(10)).await;
+            }
+        }
+    });
+    wait_until("the first cut", Duration::from_secs(5), || async {
+        cuts.load(std::sync::atomic::Ordering::Relaxed) > 0
+    })
+    .await;
+    for (i, body) in parkable.iter().enumerate() {
+        env.publish_raw(body, labelled(&format!("big-{}", i + 1)))
+            .await;
+    }
+    let users: HashSet<Uuid> = env.publish_users(100).await.into_iter().collect();
+    assert_rows_exactly(&env, &users, Duration::from_secs(90), &|| warren.logs()).await;
+    wait_until(
+        "the five bodies parking takes, parked while the link keeps dropping",
+        Duration::from_secs(120),
+        || async { count_of(&env, "SELECT count(*) FROM dead_letters").await >= 5 },
+    )
+    .await;
+    cutter.abort();
+    let _ = cutter.await;
+    then_the_sixth_once_parking_takes_it(&env, &mut warren, &unparkable, &parkable).await;
 }
 
 /// Reviews R36e F9 and R38f F1: a pipeline with child tables decodes each element of an array

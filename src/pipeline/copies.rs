@@ -124,6 +124,9 @@ pub struct Copies {
     state: Mutex<State>,
     /// Woken when a publish under way ends: a redelivery may wait for it.
     outcomes: Notify,
+    /// Woken when the consumer's channel goes: a backoff holding its deliveries ends
+    /// ([`Copies::gone`]).
+    links: Notify,
 }
 
 impl Copies {
@@ -138,6 +141,7 @@ impl Copies {
             keys: RandomState::new(),
             state: Mutex::new(State::default()),
             outcomes: Notify::new(),
+            links: Notify::new(),
         }
     }
 
@@ -179,11 +183,15 @@ impl Copies {
 
     /// The consumer opened a channel: answers its generation (one more than the last).
     pub fn link_up(&self) -> u64 {
-        let mut state = self.state();
-        state.last += 1;
-        state.live = state.last;
-        self.live.store(state.live, Ordering::Release);
-        state.live
+        let live = {
+            let mut state = self.state();
+            state.last += 1;
+            state.live = state.last;
+            self.live.store(state.live, Ordering::Release);
+            state.live
+        };
+        self.links.notify_waiters();
+        live
     }
 
     /// The consumer's channel is gone: what it left unproven is the broker's again, and comes
@@ -199,6 +207,7 @@ impl Copies {
             state.lost.extend(unproven);
             (moved, self.trim(&mut state))
         };
+        self.links.notify_waiters();
         if moved > 0 {
             info!(
                 pipeline = self.stage.pipeline(),
@@ -209,6 +218,23 @@ impl Copies {
             );
         }
         self.forgot(forgotten);
+    }
+
+    /// Resolves once the channel of `generation` is gone (the link went down, or a newer one
+    /// is up): its unsettled deliveries are the broker's again, and holding them longer (a
+    /// requeue backoff) only keeps the consumer counting them in flight (review R38g F4: a body
+    /// whose park failed held its stage still for its whole backoff, up to 60 s, after each
+    /// lost link).
+    pub async fn gone(&self, generation: u64) {
+        loop {
+            let notified = self.links.notified();
+            tokio::pin!(notified);
+            notified.as_mut().enable();
+            if self.live() != generation {
+                return;
+            }
+            notified.await;
+        }
     }
 
     /// Forgets the oldest of `lost` past the capacity: answers how many.
@@ -452,7 +478,7 @@ mod tests {
     use super::*;
     use crate::metrics::Stage;
     use lapin::types::{AMQPValue, FieldTable, ShortString};
-    use std::time::Instant;
+    use std::time::{Duration, Instant};
 
     fn copies() -> Copies {
         Copies::new(StageId::new("users", Stage::Main), "users_q", 2)
@@ -515,6 +541,32 @@ mod tests {
             AMQPValue::LongLongInt(1),
         );
         assert_eq!(fa, c.fingerprint(&counted));
+    }
+
+    /// A backoff holding deliveries ends when their channel goes, not before.
+    #[tokio::test]
+    async fn gone_resolves_when_the_channel_goes_and_not_before() {
+        let c = Arc::new(copies());
+        assert_eq!(c.link_up(), 1);
+        let waiting = tokio::spawn({
+            let c = c.clone();
+            async move { c.gone(1).await }
+        });
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        assert!(
+            !waiting.is_finished(),
+            "the channel of generation 1 is still open"
+        );
+        c.link_down();
+        tokio::time::timeout(Duration::from_secs(5), waiting)
+            .await
+            .expect("gone resolved once the link went down")
+            .expect("the task ended");
+        // An older generation is gone already; a newer link does not bring it back.
+        assert_eq!(c.link_up(), 2);
+        tokio::time::timeout(Duration::from_secs(1), c.gone(1))
+            .await
+            .expect("an older generation is gone");
     }
 
     #[test]

@@ -143,7 +143,14 @@ impl Handler<Leftovers> for DlqStage {
                 "the database refused DLQ messages; trying them again after a backoff");
             let (items, mut fates): (Vec<_>, Vec<_>) = attempts.into_iter().unzip();
             tokio::spawn(async move {
-                super::sleep_or_cancel(delay, &fallback.stopping).await;
+                let generation = items.iter().map(|(d, _)| d.generation).max();
+                super::router::backoff_while_linked(
+                    delay,
+                    &fallback.stopping,
+                    &fallback.copies,
+                    generation.unwrap_or(0),
+                )
+                .await;
                 fallback.route_all(&items, &mut fates).await;
                 // What could not be republished is parked.
                 fallback.park_all(&items, &mut fates).await;

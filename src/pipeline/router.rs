@@ -541,13 +541,15 @@ impl Fallback {
         }
         if let Some(delay) = delay {
             let (settle, stopping) = (self.settle.clone(), self.stopping.clone());
+            let copies = self.copies.clone();
+            let generation = later.iter().map(|(d, ..)| d.generation).max();
             let later = Settle::group(
                 later
                     .into_iter()
                     .map(|(d, disposition, _)| (d, disposition)),
             );
             tokio::spawn(async move {
-                super::sleep_or_cancel(delay, &stopping).await;
+                backoff_while_linked(delay, &stopping, &copies, generation.unwrap_or(0)).await;
                 for s in later {
                     settle.do_send(s);
                 }
@@ -565,6 +567,23 @@ impl Fallback {
     pub fn next_backoff_at_most(&self, steps: u32) -> Duration {
         let streak = self.requeues.fetch_add(1, Ordering::Relaxed) + 1;
         requeue_backoff(streak.min(steps.max(1)))
+    }
+}
+
+/// A requeue backoff of deliveries of channel `generation` (the newest among them): it ends
+/// at its delay, at the stop, or as soon as that channel is gone (the broker has them back
+/// already; the consumer counted them in flight until they settle, and a body whose park
+/// failed, holding the stage's permit, kept the stage still for its whole backoff after a lost
+/// link: review R38g F4).
+pub async fn backoff_while_linked(
+    delay: Duration,
+    stopping: &CancellationToken,
+    copies: &Copies,
+    generation: u64,
+) {
+    tokio::select! {
+        _ = super::sleep_or_cancel(delay, stopping) => {}
+        _ = copies.gone(generation) => {}
     }
 }
 

@@ -14,7 +14,9 @@
 //! back first) is held aside, unacked and unread, and the messages behind it go on; once the
 //! permit comes and what the stage holds has settled, the oldest body held aside goes back to
 //! the queue, and a window of one without a body limit takes it (the others wait aside for
-//! their own turns). The first delivery of that
+//! their own turns; when nothing is held aside to choose from and a body's park failed before,
+//! the stage first takes the messages as they come for [`COLLECT_FOR`], holding such bodies
+//! aside, so the turn never goes to the queue's head by default). The first delivery of that
 //! subscription restores the limit at once: an accepted body releases the permit there, a
 //! refused one (the body, whole) keeps it until it settles, parked or given back
 //! ([`Oversize::Holding`]). Meanwhile a window beside it (the held-window watchdog) holds any
@@ -57,6 +59,17 @@ use crate::pipeline::message::Disposition;
 /// queue reading a big body back) would otherwise see it given back again, a delivery more on
 /// a quorum queue's count each time.
 pub(super) const LIFTED_FOR: Duration = Duration::from_secs(10);
+
+/// How long a stage takes the messages as they come, holding bodies over the limit aside,
+/// before a turn that would otherwise take the queue's head whole, when a body's park failed
+/// before (`Consumer::failed_parks`): a lost link, a give-back at 80% of `consumer_timeout` or a
+/// stop puts every body back at the head in its first order, and a turn taken at once took the
+/// head, the body parking refuses included, after every lost link (review R38g F4: links lost
+/// more often than a turn lasts, 30 to 60 s, kept the parkable bodies behind it from their
+/// parks). Collected, the turn goes to the one whose parks failed the fewest times
+/// (`Aside::take_next`). As long as the held-window watchdog's wait: the broker sends the head
+/// at once, and what comes behind it in this time comes at the broker's speed.
+pub(super) const COLLECT_FOR: Duration = Duration::from_secs(3);
 
 /// The process's one permit to hold a body over `MAX_MESSAGE_BYTES`: made once by the
 /// composition root (`app/pipelines.rs`), handed to every stage with its links
@@ -368,7 +381,21 @@ impl Consumer {
         let Oversize::GivenBack { aside } = std::mem::take(&mut self.oversize) else {
             return false;
         };
-        if let Ok(permit) = self.config.oversize.0.clone().try_acquire_owned() {
+        // Nothing held aside to choose from, and a park failed before: the body at the queue's
+        // head may be one parking refuses, so the turn waits until the bodies behind it were
+        // seen (review R38g F4).
+        let collect = aside.is_empty() && !self.failed_parks.is_empty();
+        if collect {
+            info!(
+                pipeline = self.config.stage.pipeline(),
+                stage = self.config.stage.stage().as_str(),
+                collect_ms = COLLECT_FOR.as_millis() as u64,
+                "a body over MAX_MESSAGE_BYTES is to be taken whole and bodies' parks failed \
+                 before: taking the messages as they come for a moment first, holding such \
+                 bodies aside unread, so the turn goes to the one whose parks failed the fewest \
+                 times"
+            );
+        } else if let Ok(permit) = self.config.oversize.0.clone().try_acquire_owned() {
             debug!(
                 pipeline = self.config.stage.pipeline(),
                 stage = self.config.stage.stage().as_str(),
@@ -377,15 +404,30 @@ impl Consumer {
             );
             self.lift(permit, aside);
             return true;
+        } else {
+            info!(
+                pipeline = self.config.stage.pipeline(),
+                stage = self.config.stage.stage().as_str(),
+                aside_max = ASIDE_MAX,
+                "waiting for the process's one permit to hold a body over MAX_MESSAGE_BYTES \
+                 (another stage holds one); meanwhile this stage goes on, holding such bodies \
+                 aside unread"
+            );
         }
-        info!(
-            pipeline = self.config.stage.pipeline(),
-            stage = self.config.stage.stage().as_str(),
-            aside_max = ASIDE_MAX,
-            "waiting for the process's one permit to hold a body over MAX_MESSAGE_BYTES (another \
-             stage holds one); meanwhile this stage goes on, holding such bodies aside unread"
-        );
         self.oversize = Oversize::Waiting { aside, full: false };
+        if collect {
+            ctx.run_later(COLLECT_FOR, |act, ctx| act.ask_permit(ctx));
+        } else {
+            self.ask_permit(ctx);
+        }
+        true
+    }
+
+    /// Waiting for the permit (FIFO, the gauge says so); `granted` when it comes.
+    fn ask_permit(&mut self, ctx: &mut Context<Self>) {
+        if !matches!(self.oversize, Oversize::Waiting { .. }) {
+            return;
+        }
         self.oversize_gauge.set(1.0);
         let semaphore = self.config.oversize.0.clone();
         ctx.spawn(
@@ -397,7 +439,6 @@ impl Consumer {
                     }
                 }),
         );
-        true
     }
 
     /// The permit is this stage's, with nothing in flight and nothing subscribed: the oldest body
