@@ -322,3 +322,123 @@ async fn warren_recovers_when_the_broker_times_its_consumer_out() {
     .await;
     warren.terminate_ok(Duration::from_secs(30));
 }
+
+/// Reviews R38f F5 and F2: bodies over MAX_MESSAGE_BYTES whose parks wait, under a broker
+/// `consumer_timeout` of 6 s that warren knows (`AMQP_CONSUMER_TIMEOUT_MS`). One body parking
+/// refuses (a trigger on `dead_letters`) is at the head of the queue, two parking takes behind
+/// it. The refused body's park is tried again after a backoff that grows to 30 to 60 s, and it
+/// held the delivery that long (F5: 49 s under a 20 s timeout, and the broker closed the
+/// channel, everything in flight on it going back): now it is cut to what is left of 80% of the
+/// timeout. And every give-back put the bodies back at the queue's head in their first order,
+/// where a rotation by place began again at the refused one (F2): now the turn goes by the
+/// failed parks of each body. The two are parked, the users land, and the refused body's
+/// park fails until its backoff (0.2 s doubling) is past the timeout, and for twice the timeout
+/// more: the broker never closed the channel. Then the trigger goes and the third is parked,
+/// each once.
+#[tokio::test(flavor = "multi_thread")]
+async fn bodies_whose_parks_fail_are_given_back_within_the_brokers_consumer_timeout() {
+    const N: usize = 20;
+    const TIMEOUT_MS: u64 = 6_000;
+    let (url, node) = last_node();
+    let mut c = ClusterEnv::new("ct_parks").await;
+    c.env
+        .set("AMQP_URL", &url)
+        .set("AMQP_CONSUMER_TIMEOUT_MS", TIMEOUT_MS.to_string());
+    c.env.declare();
+    c.env
+        .db
+        .batch_execute(
+            "CREATE FUNCTION refuse_big() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN \
+               IF octet_length(NEW.body) > 1500000 THEN \
+                 RAISE EXCEPTION 'test: body too large for parking'; \
+               END IF; RETURN NEW; END $$; \
+             CREATE TRIGGER refuse_big BEFORE INSERT ON dead_letters \
+               FOR EACH ROW EXECUTE FUNCTION refuse_big()",
+        )
+        .await
+        .expect("the trigger refusing big parks");
+    let sizes = [2usize << 20, 300 << 10, (300 << 10) + 1];
+    for (i, size) in sizes.iter().enumerate() {
+        let properties = lapin::BasicProperties::default()
+            .with_content_type("application/json".into())
+            .with_message_id(format!("big-{i}").into());
+        c.publish_with(
+            &c.env.main_exchange,
+            &c.env.main_queue,
+            &vec![b'a' + i as u8; *size],
+            properties,
+        )
+        .await;
+    }
+    let ids: Vec<uuid::Uuid> = (0..N).map(|_| uuid::Uuid::new_v4()).collect();
+    c.publish_ids(&ids).await;
+    let mut guard = NodeSettings::shorten(&node, TIMEOUT_MS).await;
+    let mut warren = start_on_short_timeout(&c, &mut guard).await;
+    let _logs = LogsOnPanic(vec![warren.log.clone()]);
+    let expected = ids.iter().copied().collect();
+    assert_rows_exactly(&c.env, &expected, Duration::from_secs(60), &|| {
+        warren.logs()
+    })
+    .await;
+    let parked = "SELECT count(*) FROM dead_letters WHERE message_id IN ('big-1', 'big-2')";
+    wait_until(
+        "the two bodies parking takes, parked",
+        Duration::from_secs(60),
+        || async { count_of(&c.env, parked).await == 2 },
+    )
+    .await;
+    // The refused body's backoff grows past the timeout (its 7th is 6.4 to 12.8 s): had one
+    // held its delivery past it, the broker (checking every second) would close the channel.
+    const BACKOFF: &str = "messages go back to their queue after a backoff";
+    wait_until(
+        "the refused body's park failed 7 times",
+        Duration::from_secs(120),
+        || async { warren.logs().matches(BACKOFF).count() >= 7 },
+    )
+    .await;
+    let since = Instant::now();
+    wait_until(
+        "twice the broker's timeout more",
+        Duration::from_secs(60),
+        || async { since.elapsed() > Duration::from_millis(2 * TIMEOUT_MS) },
+    )
+    .await;
+    assert_eq!(amqp_reconnects(&c.env).await, 0.0, "the channel was closed");
+    assert!(
+        !warren.logs().contains("consumer channel is closed"),
+        "log:\n{}",
+        warren.logs()
+    );
+    c.env
+        .db
+        .batch_execute("DROP TRIGGER refuse_big ON dead_letters")
+        .await
+        .expect("drop the trigger");
+    wait_until(
+        "the refused body parked once the trigger went",
+        Duration::from_secs(90),
+        || async { count_of(&c.env, "SELECT count(*) FROM dead_letters").await == 3 },
+    )
+    .await;
+    warren.terminate_ok(Duration::from_secs(30));
+    let rows = c
+        .env
+        .db
+        .query(
+            "SELECT message_id, octet_length(body) FROM dead_letters ORDER BY message_id",
+            &[],
+        )
+        .await
+        .expect("the parked rows");
+    let parked: Vec<(String, i32)> = rows.iter().map(|r| (r.get(0), r.get(1))).collect();
+    let expected: Vec<(String, i32)> = sizes
+        .iter()
+        .enumerate()
+        .map(|(i, s)| (format!("big-{i}"), *s as i32))
+        .collect();
+    assert_eq!(parked, expected, "each body parked once, whole");
+    assert_eq!(
+        queue_counts_on(Some(&node), &c.env.main_queue).await,
+        (0, 0)
+    );
+}
