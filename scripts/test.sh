@@ -14,4 +14,7 @@ fi
 # The vendored patches' own unit tests (vendor/*/WARREN-PATCH.md), built in warren's target dir.
 CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$PWD/target}" cargo test -q --manifest-path vendor/lapin/Cargo.toml \
   --lib --no-default-features --features tokio warren_patch
+# The patched AMQP parser's and generator's own tests (vendor/amq-protocol-types/WARREN-PATCH.md).
+CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$PWD/target}" cargo test -q \
+  --manifest-path vendor/amq-protocol-types/Cargo.toml --lib
 exec cargo test --all-targets "$@"

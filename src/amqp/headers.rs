@@ -9,7 +9,7 @@
 //! [`crate::text::shown`].
 
 use lapin::BasicProperties;
-use lapin::types::{AMQPValue, ShortString};
+use lapin::types::{AMQPValue, ShortString, parsing};
 
 use crate::text::shown;
 
@@ -50,9 +50,12 @@ pub enum Retries {
     /// Present but unusable (a string, a negative number, a float...): treated as 0, and the
     /// description says what was there so it can be logged.
     Invalid(String),
-    /// Not found, in headers the parser cut short (past its memory budget the rest of a table
-    /// is kept as raw bytes under [`UNPARSED_KEY`]): the count may be in there. Acted on as
-    /// exhausted, so such a message is never cycled with a count that would not grow.
+    /// Not found among the parsed headers, and the raw rest of the table (past the parser's
+    /// memory budget, kept as raw bytes under [`UNPARSED_KEY`]) is not well-formed up to where
+    /// it would be: the count may be in there. Acted on as exhausted, so such a message is
+    /// never cycled with a count that would not grow. (A count in a well-formed rest is read
+    /// there: until review R36e F1 any rest made the count unreadable, and a publisher's own
+    /// `x-unparsed-entries` header sent its message to the DLQ at its first transient error.)
     Unreadable,
 }
 
@@ -103,49 +106,129 @@ pub fn header<'a>(
 ) -> Result<Option<std::borrow::Cow<'a, AMQPValue>>, Unreadable> {
     use std::borrow::Cow;
     let entries = table.inner();
-    if let Some(AMQPValue::ByteArray(raw)) = entries.get(UNPARSED_KEY)
-        && name != UNPARSED_KEY
-        && let Some(value) = raw_header(raw.as_slice(), name)?
-    {
-        return Ok(Some(Cow::Owned(value)));
+    if let Some(raw) = unparsed(table) {
+        if let Some(value) = raw_header(raw, name)? {
+            return Ok(Some(Cow::Owned(value)));
+        }
+        // The rest itself is no header of the message's (one the publisher named so is among
+        // the raw entries, found above).
+        if name == UNPARSED_KEY {
+            return Ok(None);
+        }
     }
     Ok(entries.get(name).map(Cow::Borrowed))
+}
+
+/// The raw rest of `table` past the parser's budget ([`UNPARSED_KEY`]), if it has one: the
+/// entries as they came on the wire. Only the parser makes it (its value has a form no wire
+/// value has: `lapin::types::parsing::unparsed_entries`), and a copy carries it back as those
+/// entries (reviews R36e F1: a publisher's own `x-unparsed-entries` was read as the rest, its
+/// header columns given values the message did not carry; R36f F3: a copy carried the rest as
+/// one byte-array entry, and a header column read from the copy was NULL).
+pub fn unparsed(table: &lapin::types::FieldTable) -> Option<&[u8]> {
+    table
+        .inner()
+        .get(UNPARSED_KEY)
+        .and_then(lapin::types::parsing::as_unparsed_entries)
+}
+
+/// The entries of a raw rest ([`unparsed`]) one after the other: each one's key bytes and the
+/// whole entry's bytes (key, type octet and value), as the parser left them; `Err` at the first
+/// that is not well-formed.
+fn raw_entries(raw: &[u8]) -> impl Iterator<Item = Result<(&[u8], &[u8]), Unreadable>> {
+    let mut at = 0;
+    std::iter::from_fn(move || {
+        if at >= raw.len() {
+            return None;
+        }
+        let entry = raw_entry(raw, at);
+        match entry {
+            Ok((key, end)) => {
+                let whole = &raw[at..end];
+                at = end;
+                Some(Ok((key, whole)))
+            }
+            Err(e) => {
+                at = raw.len();
+                Some(Err(e))
+            }
+        }
+    })
+}
+
+/// The entry of `raw` at `at`: its key's bytes and where it ends.
+fn raw_entry(raw: &[u8], at: usize) -> Result<(&[u8], usize), Unreadable> {
+    let key_len = usize::from(raw[at]);
+    let key = raw.get(at + 1..at + 1 + key_len).ok_or(Unreadable)?;
+    let ty_at = at + 1 + key_len;
+    let ty = *raw.get(ty_at).ok_or(Unreadable)?;
+    let length = |at: usize| -> Result<usize, Unreadable> {
+        let bytes = raw.get(at..at + 4).ok_or(Unreadable)?;
+        let n = u32::from_be_bytes([bytes[0], bytes[1], bytes[2], bytes[3]]);
+        Ok(4 + n as usize)
+    };
+    // The value's size on the wire, by the type octets lapin's parser reads (RabbitMQ's).
+    let size = match ty {
+        b'V' => 0,
+        b't' | b'b' | b'B' => 1,
+        b's' | b'U' | b'u' => 2,
+        b'I' | b'i' | b'f' => 4,
+        b'D' => 5,
+        b'L' | b'l' | b'd' | b'T' => 8,
+        b'S' | b'x' | b'A' | b'F' => length(ty_at + 1)?,
+        _ => return Err(Unreadable),
+    };
+    let end = ty_at + 1 + size;
+    if end > raw.len() {
+        return Err(Unreadable);
+    }
+    Ok((key, end))
+}
+
+/// What a copy does with an entry of a raw rest ([`rewrite_unparsed`]).
+pub enum RawEntry {
+    Keep,
+    Drop,
+    /// Kept under another key.
+    Rename(String),
+}
+
+/// `raw` (a raw rest, [`unparsed`]) with each entry kept, dropped or renamed as `policy` says of
+/// its key (as the parser reads keys: bytes that are not UTF-8 decoded lossily), its value's
+/// bytes untouched: how a copy applies the republish policy to entries the parser did not
+/// read. `Err` when the rest is not well-formed (the copy then carries it as it is).
+pub fn rewrite_unparsed(
+    raw: &[u8],
+    policy: impl Fn(&str) -> RawEntry,
+) -> Result<Vec<u8>, Unreadable> {
+    let mut out = Vec::with_capacity(raw.len());
+    for entry in raw_entries(raw) {
+        let (key, whole) = entry?;
+        let name = String::from_utf8_lossy(key);
+        match policy(&name) {
+            RawEntry::Keep => out.extend_from_slice(whole),
+            RawEntry::Drop => {}
+            RawEntry::Rename(to) => {
+                let to = &to.as_bytes()[..to.len().min(SHORT_MAX)];
+                out.push(to.len() as u8);
+                out.extend_from_slice(to);
+                out.extend_from_slice(&whole[1 + key.len()..]);
+            }
+        }
+    }
+    Ok(out)
 }
 
 /// The value of the last entry named `name` in `raw`, AMQP table entries one after the other
 /// (a short string key, a type octet, the value), as the parser leaves them past its budget.
 fn raw_header(raw: &[u8], name: &str) -> Result<Option<AMQPValue>, Unreadable> {
-    let mut at = 0;
     let mut found: Option<(u8, &[u8])> = None;
-    while at < raw.len() {
-        let key_len = usize::from(raw[at]);
-        let key = raw.get(at + 1..at + 1 + key_len).ok_or(Unreadable)?;
-        let ty_at = at + 1 + key_len;
-        let ty = *raw.get(ty_at).ok_or(Unreadable)?;
-        let length = |at: usize| -> Result<usize, Unreadable> {
-            let bytes = raw.get(at..at + 4).ok_or(Unreadable)?;
-            let n = u32::from_be_bytes([bytes[0], bytes[1], bytes[2], bytes[3]]);
-            Ok(4 + n as usize)
-        };
-        // The value's size on the wire, by the type octets lapin's parser reads (RabbitMQ's).
-        let size = match ty {
-            b'V' => 0,
-            b't' | b'b' | b'B' => 1,
-            b's' | b'U' | b'u' => 2,
-            b'I' | b'i' | b'f' => 4,
-            b'D' => 5,
-            b'L' | b'l' | b'd' | b'T' => 8,
-            b'S' | b'x' | b'A' | b'F' => length(ty_at + 1)?,
-            _ => return Err(Unreadable),
-        };
-        let end = ty_at + 1 + size;
-        if end > raw.len() {
-            return Err(Unreadable);
-        }
+    for entry in raw_entries(raw) {
+        let (key, whole) = entry?;
         if key_is(key, name) {
-            found = Some((ty, &raw[ty_at..end]));
+            let value = &whole[1 + key.len()..];
+            found = Some((value[0], value));
         }
-        at = end;
     }
     let Some((ty, value)) = found else {
         return Ok(None);
@@ -192,14 +275,14 @@ pub fn dlq_attempts(properties: &BasicProperties) -> Retries {
 
 /// Reads a count header: missing is 0, any AMQP integer type is read, anything else is invalid.
 fn count(properties: &BasicProperties, key: &str) -> Retries {
-    let headers = properties.headers().as_ref();
-    let Some(value) = headers.and_then(|h| h.inner().get(key)) else {
-        if headers.is_some_and(|h| h.inner().contains_key(UNPARSED_KEY)) {
-            return Retries::Unreadable;
-        }
-        return Retries::Count(0);
+    // Wherever the parser left it: in a raw rest too (a copy writes its count back there as
+    // it reads it here: `republish::copy_properties` drops the rest's own).
+    let value = match properties.headers().as_ref().map(|h| header(h, key)) {
+        None | Some(Ok(None)) => return Retries::Count(0),
+        Some(Err(Unreadable)) => return Retries::Unreadable,
+        Some(Ok(Some(value))) => value,
     };
-    let n: Option<i128> = match value {
+    let n: Option<i128> = match &*value {
         AMQPValue::ShortShortInt(v) => Some(*v as i128),
         AMQPValue::ShortShortUInt(v) => Some(*v as i128),
         AMQPValue::ShortInt(v) => Some(*v as i128),
@@ -529,6 +612,10 @@ fn value_json(v: &AMQPValue) -> serde_json::Value {
             _ => json!({TAG: "long_string", "hex": hex(s.as_bytes())}),
         },
         AMQPValue::ByteArray(b) => json!({TAG: "byte_array", "hex": hex(b.as_slice())}),
+        // The parser's raw rest: given back as the entries it holds (`unparsed`).
+        AMQPValue::FieldArray(_) if parsing::as_unparsed_entries(v).is_some() => {
+            json!({TAG: "unparsed_entries", "hex": hex(parsing::as_unparsed_entries(v).unwrap_or_default())})
+        }
         AMQPValue::DecimalValue(d) => json!({TAG: "decimal", "scale": d.scale, "value": d.value}),
         AMQPValue::Timestamp(t) => json!({TAG: "timestamp", "value": t}),
         AMQPValue::FieldArray(a) => {
@@ -606,6 +693,7 @@ pub fn json_value(json: &serde_json::Value) -> Result<AMQPValue, MalformedHeader
             match o.get(TAG).and_then(Value::as_str) {
                 Some("long_string") => AMQPValue::LongString(unhex(json)?.into()),
                 Some("byte_array") => AMQPValue::ByteArray(unhex(json)?.into()),
+                Some("unparsed_entries") => parsing::unparsed_entries(unhex(json)?),
                 Some("decimal") => AMQPValue::DecimalValue(lapin::types::DecimalValue {
                     scale: o
                         .get("scale")
@@ -733,7 +821,7 @@ mod tests {
                 "x-tenant".into(),
                 AMQPValue::LongString(b"early".to_vec().into()),
             );
-            t.insert(UNPARSED_KEY.into(), AMQPValue::ByteArray(raw.into()));
+            t.insert(UNPARSED_KEY.into(), parsing::unparsed_entries(raw));
             t
         };
         let entry = |key: &str, value: &[u8]| {
@@ -770,19 +858,45 @@ mod tests {
     }
 
     #[test]
-    fn a_count_the_parser_may_have_kept_as_bytes_is_unreadable_and_exhausted() {
-        let mut h = FieldTable::default();
-        h.insert(
+    fn a_count_the_parser_may_have_kept_as_bytes_is_read_there_or_unreadable() {
+        let with_rest = |raw: Vec<u8>, parsed: Option<i32>| {
+            let mut h = FieldTable::default();
+            h.insert(UNPARSED_KEY.into(), parsing::unparsed_entries(raw));
+            if let Some(n) = parsed {
+                h.insert(X_RETRIES.into(), AMQPValue::LongInt(n));
+            }
+            BasicProperties::default().with_headers(h)
+        };
+        // A rest that is not well-formed: whether the count is in there cannot be told.
+        let cut = with_rest(vec![1, b'x'], None);
+        assert_eq!(retries(&cut), Retries::Unreadable);
+        assert_eq!(dlq_attempts(&cut).count(), u32::MAX);
+        assert_eq!(
+            retries(&with_rest(vec![1, b'x'], Some(2))),
+            Retries::Unreadable
+        );
+        // A well-formed one: read there (the later entry), else the parsed one, else none.
+        let count = [&[9u8][..], b"x-retries", b"I", &3i32.to_be_bytes()].concat();
+        let other = [&[1u8][..], b"a", b"V"].concat();
+        assert_eq!(
+            retries(&with_rest(count.clone(), Some(2))),
+            Retries::Count(3)
+        );
+        assert_eq!(retries(&with_rest(count, None)), Retries::Count(3));
+        assert_eq!(
+            retries(&with_rest(other.clone(), Some(2))),
+            Retries::Count(2)
+        );
+        assert_eq!(retries(&with_rest(other, None)), Retries::Count(0));
+        // A publisher's own header of that name is no rest: the count is what is parsed.
+        let mut spoof = FieldTable::default();
+        spoof.insert(
             UNPARSED_KEY.into(),
             AMQPValue::ByteArray(vec![1, b'x'].into()),
         );
-        let cut = BasicProperties::default().with_headers(h.clone());
-        assert_eq!(retries(&cut), Retries::Unreadable);
-        assert_eq!(dlq_attempts(&cut).count(), u32::MAX);
-        h.insert(X_RETRIES.into(), AMQPValue::LongInt(2));
         assert_eq!(
-            retries(&BasicProperties::default().with_headers(h)),
-            Retries::Count(2)
+            retries(&BasicProperties::default().with_headers(spoof)),
+            Retries::Count(0)
         );
     }
 
@@ -933,6 +1047,9 @@ mod tests {
             AMQPValue::Void,
             AMQPValue::Boolean(true),
             AMQPValue::LongLongInt(-7),
+            // The parser's raw rest (a parked message's headers past its budget): given back
+            // as the rest, which a replay writes back as its entries.
+            parsing::unparsed_entries([&[1u8][..], b"a", b"V"].concat()),
         ];
         for v in values {
             let mut h = FieldTable::default();

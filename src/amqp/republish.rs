@@ -52,6 +52,51 @@ pub const X_ORIGINAL_DEATH: &str = "x-original-x-death";
 /// Headers dropped from every copy.
 const DROPPED_HEADERS: [&str; 1] = ["x-delivery-count"];
 
+/// The raw rest of the original's headers (past the parser's budget, `headers::unparsed`),
+/// which the copy writes back as the entries it holds, after the others: the policy applied
+/// to them by key as to the parsed ones, and no key the copy already has kept beside it
+/// (RabbitMQ reads the first of two entries of one key, lapin the later). An `x-death` among
+/// them is moved aside whole on a copy that starts a new life or goes through a retry tier
+/// (its entries are not read there). A rest that is not well-formed is carried as one byte
+/// array, as before (nobody reads into it).
+fn unparsed_by_policy(headers: &mut BTreeMap<ShortString, AMQPValue>, stamp: &Stamp<'_>) {
+    use crate::amqp::headers::{RawEntry, UNPARSED_KEY, rewrite_unparsed};
+    let Some(raw) = headers
+        .get(UNPARSED_KEY)
+        .and_then(lapin::types::parsing::as_unparsed_entries)
+    else {
+        return;
+    };
+    let death_aside = stamp.restart || stamp.dead_letters_into.is_some();
+    let rewritten = rewrite_unparsed(raw, |key| {
+        if MOVED_HEADERS.contains(&key) || (death_aside && key == X_DEATH) {
+            let to = match key {
+                X_DEATH => X_ORIGINAL_DEATH.to_string(),
+                _ => format!("{ORIGINAL_PREFIX}{}", key.to_ascii_lowercase()),
+            };
+            return RawEntry::Rename(to);
+        }
+        let dropped = DROPPED_HEADERS.contains(&key)
+            || stamp.remove.contains(&key)
+            || stamp.remove_prefixes.iter().any(|p| key.starts_with(p))
+            || (key != UNPARSED_KEY && headers.contains_key(key));
+        if dropped {
+            RawEntry::Drop
+        } else {
+            RawEntry::Keep
+        }
+    });
+    let value = match rewritten {
+        Ok(raw) if raw.is_empty() => {
+            headers.remove(UNPARSED_KEY);
+            return;
+        }
+        Ok(raw) => lapin::types::parsing::unparsed_entries(raw),
+        Err(_) => AMQPValue::ByteArray(raw.to_vec().into()),
+    };
+    headers.insert(UNPARSED_KEY.into(), value);
+}
+
 /// Frame bytes around a content header's properties: frame type, channel and size (7), class,
 /// weight and body size (12), property flags (2), frame end (1).
 pub const HEADER_FRAME_OVERHEAD: usize = 22;
@@ -160,7 +205,7 @@ pub fn copy_properties(original: &BasicProperties, stamp: &Stamp<'_>) -> BasicPr
             ));
         }
     }
-    let mut headers = FieldTable::from(kept);
+    let mut headers = kept;
     for (k, v) in moved {
         headers.insert(short(&k), v);
     }
@@ -184,6 +229,8 @@ pub fn copy_properties(original: &BasicProperties, stamp: &Stamp<'_>) -> BasicPr
     for (k, v) in &stamp.set {
         headers.insert(short(k), v.clone());
     }
+    unparsed_by_policy(&mut headers, stamp);
+    let headers = FieldTable::from(headers);
     // Every property decided one by one (lapin offers no way to unset one): the kept ones
     // copied, `expiration` and `user_id` left out, the delivery mode and headers set.
     let mut copy = BasicProperties::default()
@@ -730,5 +777,98 @@ mod stamp_tests {
         // No headers at all: only x-retries = 0 is added.
         let bare = for_replay(&BasicProperties::default());
         assert_eq!(to_json(&bare), serde_json::json!({"x-retries": 0}));
+    }
+}
+
+/// Reviews R36e F1 and R36f F3: headers past the parser's budget, on a copy.
+#[cfg(test)]
+mod unparsed_tests {
+    use super::*;
+    use crate::amqp::headers::{X_RETRIES, header, retries, unparsed};
+    use amq_protocol::frame::WriteContext;
+
+    /// One table entry on the wire: key, type octet and value bytes.
+    fn entry(key: &str, ty: u8, value: &[u8]) -> Vec<u8> {
+        [&[key.len() as u8][..], key.as_bytes(), &[ty], value].concat()
+    }
+
+    fn long_string(text: &[u8]) -> Vec<u8> {
+        [&(text.len() as u32).to_be_bytes()[..], text].concat()
+    }
+
+    fn parse(content: &[u8]) -> FieldTable {
+        let wire = [&(content.len() as u32).to_be_bytes()[..], content].concat();
+        lapin::types::parsing::parse_field_table(&wire[..])
+            .expect("parse")
+            .1
+    }
+
+    fn generate(table: &FieldTable) -> Vec<u8> {
+        let wire = lapin::types::generation::gen_field_table(table)(WriteContext::from(Vec::new()))
+            .expect("encode")
+            .write;
+        wire[4..].to_vec()
+    }
+
+    /// A message whose headers pass the parser's budget (2,000 small entries first), with, in
+    /// the raw rest: a header a column reads, what the broker acts on (`CC`, `x-death`), the
+    /// broker's count, and a retry count of the publisher's.
+    fn past_the_budget() -> BasicProperties {
+        let mut content: Vec<u8> = (0..2000)
+            .flat_map(|i| entry(&format!("a{i:04}"), b'V', &[]))
+            .collect();
+        content.extend(entry("CC", b'A', &long_string(b"")));
+        content.extend(entry("x-delivery-count", b'l', &5i64.to_be_bytes()));
+        content.extend(entry(X_RETRIES, b'l', &1i64.to_be_bytes()));
+        content.extend(entry(X_DEATH, b'A', &0u32.to_be_bytes()));
+        content.extend(entry("x-tenant", b'S', &long_string(b"acme")));
+        let headers = parse(&content);
+        assert!(unparsed(&headers).is_some(), "the budget was not spent");
+        assert!(!headers.inner().contains_key("x-tenant"));
+        BasicProperties::default().with_headers(headers)
+    }
+
+    /// The copy carries the rest back as its entries, under the republish policy: a header read
+    /// from the copy is the original's (it was NULL: R36f F3); `CC` and `x-death` are set aside,
+    /// the broker's count dropped, and the retry count is the copy's alone.
+    #[test]
+    fn a_retry_copy_writes_the_raw_rest_back_as_entries_under_the_policy() {
+        let original = past_the_budget();
+        assert_eq!(retries(&original), crate::amqp::headers::Retries::Count(1));
+        let copy = for_retry(&original, 2, "db down", "main_q");
+        let again = parse(&generate(copy.headers().as_ref().expect("headers")));
+        let read = |name: &str| {
+            header(&again, name)
+                .expect("readable")
+                .map(|v| v.into_owned())
+        };
+        assert_eq!(read("x-tenant"), Some(AMQPValue::LongString("acme".into())));
+        assert_eq!(read("CC"), None);
+        assert!(read("x-original-cc").is_some());
+        assert_eq!(read(X_DEATH), None);
+        assert!(read(X_ORIGINAL_DEATH).is_some());
+        assert_eq!(read("x-delivery-count"), None);
+        let copied = BasicProperties::default().with_headers(again.clone());
+        assert_eq!(retries(&copied), crate::amqp::headers::Retries::Count(2));
+        // One entry of each name on the wire: the broker reads the first, lapin the later.
+        let wire = generate(&again);
+        let count = wire
+            .windows(X_RETRIES.len() + 1)
+            .filter(|w| w[0] as usize == X_RETRIES.len() && &w[1..] == X_RETRIES.as_bytes())
+            .count();
+        assert_eq!(count, 1, "x-retries once on the copy");
+        // A copy of the copy: the same again.
+        let second = for_retry(&copied, 3, "db down", "main_q");
+        let again = parse(&generate(second.headers().as_ref().expect("headers")));
+        assert_eq!(
+            header(&again, "x-tenant")
+                .expect("readable")
+                .map(|v| v.into_owned()),
+            Some(AMQPValue::LongString("acme".into()))
+        );
+        assert_eq!(
+            retries(&BasicProperties::default().with_headers(again)),
+            crate::amqp::headers::Retries::Count(3)
+        );
     }
 }

@@ -109,7 +109,7 @@ fn a_header_past_the_parsers_budget_is_read_not_taken_for_absent() {
     let mut cut = FieldTable::default();
     cut.insert(
         crate::amqp::headers::UNPARSED_KEY.into(),
-        AMQPValue::ByteArray(vec![8, b'x', b'-', b't'].into()),
+        lapin::types::parsing::unparsed_entries(vec![8, b'x', b'-', b't']),
     );
     let e = m.decode_message(GOOD.as_bytes(), Some(&cut)).unwrap_err();
     assert_eq!(e.kind, ErrorKind::InvalidPayload);
@@ -119,6 +119,39 @@ fn a_header_past_the_parsers_budget_is_read_not_taken_for_absent() {
             && e.reason.contains("x-unparsed-entries"),
         "{}",
         e.reason
+    );
+}
+
+/// Review R36e F1: a publisher's own `x-unparsed-entries` header (a byte array holding what
+/// looks like table entries) was read as the parser's raw rest: a header column took a value
+/// the message does not carry. It is an ordinary header: the column reads what the message
+/// carries under its name (nothing: NULL, the column is optional), and the header itself is read as it came.
+#[test]
+fn a_publishers_own_unparsed_entries_header_is_not_read_as_the_parsers_rest() {
+    use amq_protocol::frame::WriteContext;
+    use lapin::types::{AMQPValue, FieldTable};
+    let m = orders();
+    let fake = [&[8u8][..], b"x-tenant", b"S", &4u32.to_be_bytes(), b"evil"].concat();
+    let mut sent = FieldTable::default();
+    sent.insert(
+        crate::amqp::headers::UNPARSED_KEY.into(),
+        AMQPValue::ByteArray(fake.clone().into()),
+    );
+    let wire = lapin::types::generation::gen_field_table(&sent)(WriteContext::from(Vec::new()))
+        .expect("encode")
+        .write;
+    let (_, received) = lapin::types::parsing::parse_field_table(&wire[..]).expect("parse");
+    let row = m.decode_message(GOOD.as_bytes(), Some(&received)).unwrap();
+    assert_eq!(
+        cell(&m, &row, "tenant"),
+        Cell::Null,
+        "the column is not given the spoofed value"
+    );
+    assert_eq!(
+        crate::amqp::headers::header(&received, crate::amqp::headers::UNPARSED_KEY)
+            .expect("readable")
+            .as_deref(),
+        Some(&AMQPValue::ByteArray(fake.into()))
     );
 }
 

@@ -99,8 +99,8 @@ impl Republisher {
                     ErrorKind::RetriesExhausted.as_str(),
                     &match retries {
                         Retries::Unreadable => format!(
-                            "not retried: its headers passed the parser's budget, so its \
-                             x-retries cannot be read ({}): {reason}",
+                            "not retried: its headers past the parser's budget ({}) are not \
+                             well-formed, so its x-retries cannot be read: {reason}",
                             headers::UNPARSED_KEY
                         ),
                         _ => format!("retries exhausted after {count}: {reason}"),

@@ -184,7 +184,22 @@ pub fn gen_timestamp<W: Write>(t: Timestamp) -> impl SerializeFn<W> {
 pub fn gen_field_table<'a, W: Write + BackToTheBuffer + 'a>(
     t: &'a FieldTable,
 ) -> impl SerializeFn<W> + 'a {
-    gen_with_len(many_ref(t, gen_field_entry))
+    // warren patch: the rest of a table the parser kept raw is written back as the entries it
+    // holds, after the others (as it came).
+    gen_with_len(pair(
+        many_ref(
+            t.inner()
+                .iter()
+                .filter(|(_, v)| crate::parsing::as_unparsed_entries(v).is_none()),
+            gen_field_entry,
+        ),
+        many_ref(
+            t.inner()
+                .values()
+                .filter_map(crate::parsing::as_unparsed_entries),
+            slice,
+        ),
+    ))
 }
 
 fn gen_field_entry<'a, W: Write + BackToTheBuffer + 'a>(

@@ -188,8 +188,43 @@ where
 }
 
 /// warren patch: the key of the entry that keeps, as raw bytes (the entries' encoding, one after
-/// the other), the rest of a top-level table past [`MAX_PARSED_BYTES`].
+/// the other), the rest of a top-level table past [`MAX_PARSED_BYTES`] ([`unparsed_entries`]).
 pub const UNPARSED_KEY: &str = "x-unparsed-entries";
+
+/// warren patch: the value under [`UNPARSED_KEY`] that holds `raw`, the rest of a top-level table
+/// as it came on the wire: an array of a short string (the key's name) and the bytes. No wire
+/// value has this form (no type octet is read as a short string: RabbitMQ's `s` is a short
+/// int), so a publisher's own entry of that name is never taken for the rest; and generated
+/// (`gen_field_table`), the bytes are written back as the entries they are, after the others,
+/// so a copy of the table carries them as the original did (they were carried as one byte
+/// array entry, in which nobody found them again: reviews R36e F1 and R36f F3 of warren).
+#[must_use]
+pub fn unparsed_entries(raw: Vec<u8>) -> AMQPValue {
+    AMQPValue::FieldArray(
+        vec![
+            AMQPValue::ShortString(UNPARSED_KEY.into()),
+            AMQPValue::ByteArray(raw.into()),
+        ]
+        .into(),
+    )
+}
+
+/// warren patch: the raw entries `value` holds when it is the rest of a table
+/// ([`unparsed_entries`]).
+#[must_use]
+pub fn as_unparsed_entries(value: &AMQPValue) -> Option<&[u8]> {
+    match value {
+        AMQPValue::FieldArray(a) => match a.as_slice() {
+            [AMQPValue::ShortString(name), AMQPValue::ByteArray(raw)]
+                if name.as_str() == UNPARSED_KEY =>
+            {
+                Some(raw.as_slice())
+            }
+            _ => None,
+        },
+        _ => None,
+    }
+}
 
 thread_local! {
     /// Bytes the top-level table being parsed may still take; `None` outside one.
@@ -482,13 +517,21 @@ fn parse_top_level_table<I: ParsableInput>(i: I, _budget: Budget) -> ParserResul
         }
         while input.input_len() > 0 {
             match complete(parse_table_entry).parse(input.clone()) {
+                // An entry of the wire under the key of the raw rest: kept raw from there, so
+                // the key holds only the parser's rest (an entry the publisher named so is one
+                // of the raw entries, as on the wire).
+                Ok((_, (key, _))) if key.as_str() == UNPARSED_KEY => {
+                    let raw: Vec<u8> = input.iter_elements().collect();
+                    table.insert(UNPARSED_KEY.into(), unparsed_entries(raw));
+                    break;
+                }
                 Ok((next, (key, value))) => {
                     table.insert(key, value);
                     input = next;
                 }
                 Err(nom::Err::Error(_)) if Budget::spent() => {
                     let raw: Vec<u8> = input.iter_elements().collect();
-                    table.insert(UNPARSED_KEY.into(), AMQPValue::ByteArray(raw.into()));
+                    table.insert(UNPARSED_KEY.into(), unparsed_entries(raw));
                     break;
                 }
                 Err(e) => return Err(e),
@@ -804,8 +847,8 @@ mod test {
         let (_, parsed) = parse_field_table(&wire[..]).unwrap();
         let fit = (MAX_PARSED_BYTES - NODE_BYTES) / (ENTRY_BYTES + 5 + VALUE_BYTES);
         assert_eq!(parsed.inner().len(), fit + 1);
-        match parsed.inner().get(UNPARSED_KEY) {
-            Some(AMQPValue::ByteArray(b)) => assert_eq!(b.as_slice(), &entries[fit..].concat()[..]),
+        match parsed.inner().get(UNPARSED_KEY).and_then(as_unparsed_entries) {
+            Some(b) => assert_eq!(b, &entries[fit..].concat()[..]),
             other => panic!("{other:?}"),
         }
         // An array of 1,000 one-entry tables (9 bytes each on the wire, a B-tree node each
@@ -846,6 +889,57 @@ mod test {
         // A malformed table is still an error, not raw bytes.
         let bad = table(&[entry("a", &[b'?', 1])]);
         assert!(parse_field_table(&bad[..]).is_err());
+    }
+
+    /// A table generated to bytes.
+    fn generate(t: &FieldTable) -> Vec<u8> {
+        let mut buf = vec![0u8; 1 << 20];
+        let (_, len) = cookie_factory::r#gen(crate::generation::gen_field_table(t), &mut buf[..])
+            .expect("generate");
+        buf.truncate(len as usize);
+        buf
+    }
+
+    /// warren patch: the raw rest is written back as the entries it holds, after the others, so
+    /// a table generated from what was parsed is the table that came (its keys in order).
+    #[test]
+    fn test_a_table_kept_raw_past_the_budget_is_generated_as_it_came() {
+        let entries: Vec<Vec<u8>> = (0..2000)
+            .map(|n| entry(&format!("k{n:04}"), &[b'I', 0, 0, 0, n as u8]))
+            .collect();
+        let wire = table(&entries);
+        let (_, parsed) = parse_field_table(&wire[..]).unwrap();
+        assert!(parsed.inner().contains_key(UNPARSED_KEY));
+        assert_eq!(generate(&parsed), wire);
+    }
+
+    /// warren patch: a publisher's own entry named as the raw rest is not taken for it (it was
+    /// read as the parser's rest, its content as entries the message did not carry: review R36e
+    /// F1 of warren): kept raw from there, as it came, and generated back as it came.
+    #[test]
+    fn test_an_entry_of_the_wire_named_as_the_raw_rest_is_kept_as_it_came() {
+        let mut spoof = vec![b'x'];
+        let fake = entry("tenant", &[b'S', 0, 0, 0, 1, b'z']);
+        spoof.extend_from_slice(&(fake.len() as u32).to_be_bytes());
+        spoof.extend_from_slice(&fake);
+        let entries = [
+            entry("a", &[b't', 1]),
+            entry(UNPARSED_KEY, &spoof),
+            entry("z", &[b'b', 7]),
+        ];
+        let wire = table(&entries);
+        let (_, parsed) = parse_field_table(&wire[..]).unwrap();
+        assert_eq!(parsed.inner().get("a"), Some(&AMQPValue::Boolean(true)));
+        assert_eq!(parsed.inner().get("tenant"), None);
+        assert_eq!(parsed.inner().get("z"), None);
+        assert_eq!(
+            parsed.inner().get(UNPARSED_KEY).and_then(as_unparsed_entries),
+            Some(&entries[1..].concat()[..])
+        );
+        assert_eq!(generate(&parsed), wire);
+        // No value of the wire has the raw rest's form.
+        let (_, value) = parse_value(&spoof[..]).unwrap();
+        assert_eq!(as_unparsed_entries(&value), None);
     }
 
     #[test]
