@@ -957,3 +957,60 @@ async fn a_parent_trigger_that_rewrites_the_key_never_leaves_a_message_stored_an
     );
     assert_eq!(counts().await, (1, 0));
 }
+
+/// Review R36f F13: a BEFORE INSERT trigger on a child table that discards a row (returns NULL)
+/// left the message stored without that element and acked: the element lost, nothing said. The
+/// message is refused as a whole (`db_permanent`, the reason naming the table and how many rows
+/// were discarded, nothing of it written), under `keep` (every parent new, and through the
+/// probe, a copy beside it) and `update`; the sink's isolation then parks it alone.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_child_trigger_that_discards_a_row_refuses_the_whole_message() {
+    let env = TestEnv::new("ch_discard").await;
+    tables(&env).await;
+    env.db
+        .batch_execute(
+            "CREATE FUNCTION drop_sku() RETURNS trigger LANGUAGE plpgsql AS \
+               $$ BEGIN IF NEW.sku = 'DROP' THEN RETURN NULL; END IF; RETURN NEW; END $$;
+             CREATE TRIGGER drop_sku BEFORE INSERT ON order_items \
+               FOR EACH ROW EXECUTE FUNCTION drop_sku()",
+        )
+        .await
+        .expect("the trigger");
+    let pool = pool(&env).await;
+    for (m, what) in [(keep(), "keep"), (update(), "update")] {
+        let (good, bad) = (Uuid::new_v4(), Uuid::new_v4());
+        let good_body = order(good, 1, &[("OK", 1)]);
+        let bad_body = order(bad, 1, &[("OK", 1), ("DROP", 2), ("OK2", 1)]);
+        // Alone, and beside a copy of a stored order (keep: through the probe).
+        let first = insert(&m, &pool, std::slice::from_ref(&good_body))
+            .await
+            .expect("the good order");
+        assert_eq!(first.rows, 1, "{what}: {first:?}");
+        for batch in [
+            vec![bad_body.clone()],
+            vec![good_body.clone(), bad_body.clone()],
+        ] {
+            match insert(&m, &pool, &batch).await {
+                Err(e) => {
+                    assert_eq!(e.class(), warren::db::ErrorClass::Permanent, "{what}: {e}");
+                    assert!(
+                        e.to_string().contains("order_items discarded 1 of the 3"),
+                        "{what}: {e}"
+                    );
+                }
+                Ok(done) => panic!("{what}: stored without its discarded row: {done:?}"),
+            }
+            assert_eq!(
+                count_of(
+                    &env,
+                    &format!("SELECT count(*) FROM orders WHERE order_id = '{bad}'")
+                )
+                .await,
+                0,
+                "{what}: the order stored without one of its items"
+            );
+            assert!(items(&env, bad).await.is_empty(), "{what}");
+        }
+        assert_eq!(items(&env, good).await, owned(&[(1, "OK", 1)]), "{what}");
+    }
+}

@@ -132,20 +132,3 @@ pub(super) async fn run(
         .await
         .map_err(DbError::from_pg)
 }
-
-/// `statement` run with `arrays`, then `more`, as its parameters, prepared for this one run:
-/// PostgreSQL plans it for the arrays' sizes (a statement kept prepared is soon given a generic
-/// plan, which guesses 10 elements an array).
-pub(super) async fn run_once(
-    client: &deadpool_postgres::Client,
-    statement: &str,
-    arrays: &[Array],
-    more: &[&(dyn ToSql + Sync)],
-) -> Result<u64, DbError> {
-    let mut params: Vec<&(dyn ToSql + Sync)> = arrays.iter().map(Array::as_param).collect();
-    params.extend_from_slice(more);
-    client
-        .execute(statement, &params)
-        .await
-        .map_err(DbError::from_pg)
-}

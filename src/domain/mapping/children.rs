@@ -362,6 +362,57 @@ impl Child {
         &self.statements.insert
     }
 
+    /// The plain insert of `rows` child rows (`arrays`, one per column): every one written, or
+    /// an error naming the table when a trigger discarded some (a BEFORE INSERT trigger that
+    /// returns NULL), so the message is never counted inserted without them: the batch is
+    /// isolated, and the message whose rows were discarded parked `db_permanent` (review R36f
+    /// F13: its other rows were stored and it was acked, the discarded element lost).
+    pub(super) async fn insert_all(
+        &self,
+        client: &deadpool_postgres::Client,
+        arrays: &[Array],
+        rows: usize,
+    ) -> Result<(), DbError> {
+        let written = run(client, &self.statements.insert, arrays, &[]).await?;
+        if written < rows as u64 {
+            return Err(self.discarded(written, rows));
+        }
+        Ok(())
+    }
+
+    /// `update`: `statement` (`insert_won` or `insert_won_probe`) run once with `params`: the
+    /// winners' child rows written, every one, or the same error as [`Child::insert_all`].
+    pub(super) async fn insert_won_checked(
+        &self,
+        client: &deadpool_postgres::Client,
+        statement: &str,
+        params: &[&(dyn ToSql + Sync)],
+    ) -> Result<(), DbError> {
+        let row = client
+            .query_one(statement, params)
+            .await
+            .map_err(DbError::from_pg)?;
+        let (written, wanted) = (row.get::<_, i64>(0), row.get::<_, i64>(1));
+        if written < wanted {
+            return Err(self.discarded(written as u64, wanted as usize));
+        }
+        Ok(())
+    }
+
+    /// A trigger of the table discarded some of `rows` child rows: `written` were.
+    fn discarded(&self, written: u64, rows: usize) -> DbError {
+        DbError::Server {
+            code: "23000".into(),
+            message: format!(
+                "a trigger of {} discarded {} of the {rows} child rows written (a BEFORE INSERT \
+                 trigger that returns NULL): warren writes a message whole or not at all; \
+                 nothing of it was written",
+                self.table,
+                rows as u64 - written
+            ),
+        }
+    }
+
     /// `update`: the stored child rows of the keys (`$1..$k`) whose parent row this
     /// transaction wrote, deleted.
     pub(super) fn delete_statement(&self) -> &str {
@@ -823,7 +874,7 @@ pub(super) async fn keep_children(
     }
     let owners: HashSet<usize> = written.into_values().collect();
     for (n, child) in mapping.children.iter().enumerate() {
-        let (arrays, _) = child_arrays(
+        let (arrays, ords) = child_arrays(
             child,
             n,
             records
@@ -832,7 +883,7 @@ pub(super) async fn keep_children(
                 .filter(|(i, _)| owners.contains(i))
                 .map(|(i, r)| (i as i64 + 1, *r)),
         );
-        run(client, &child.statements.insert, &arrays, &[]).await?;
+        child.insert_all(client, &arrays, ords.len()).await?;
     }
     let copies: Vec<usize> = (0..records.len())
         .filter(|i| !out.contains(i) && !owners.contains(i))

@@ -350,8 +350,9 @@ async fn replace_children(
         children::child_arrays(child, n, writes.iter().map(|(i, r)| (*i as i64 + 1, *r)));
     let mut params: Vec<&(dyn ToSql + Sync)> = arrays.iter().map(Array::as_param).collect();
     params.push(&ords);
-    exec(client, child.insert_won_probe(), &params).await?;
-    Ok(())
+    child
+        .insert_won_checked(client, child.insert_won_probe(), &params)
+        .await
 }
 
 /// `statement` run once with `params` (a statement that reads a probe, a temporary table made

@@ -15,11 +15,12 @@ pub(super) struct ChildStatements {
     pub(super) delete: String,
     /// `update`: the child rows (`$1..$n`, then `$n+1` each row's record ordinal) of each key's
     /// winning record (`$n+2..`: the parent key's arrays, then the versions), when this
-    /// transaction wrote its parent row.
+    /// transaction wrote its parent row; answers the rows written and the rows of the winners.
     pub(super) insert_won: String,
     /// `delete` for the keys of the parents' probe (`pg_temp.warren_probe`).
     pub(super) delete_probe: String,
-    /// `insert_won` with the winners read from the parents' probe (`$1..$n`, `$n+1`).
+    /// `insert_won` with the winners read from the parents' probe (`$1..$n`, `$n+1`); answers
+    /// the same two counts.
     pub(super) insert_won_probe: String,
     /// Makes the child probe: the mapped columns of the child table, as it types them, and the
     /// record's ordinal (inside the parents' probe transaction).
@@ -114,26 +115,34 @@ impl ChildStatements {
                 let first = count + 2;
                 let ver_param = param(parent[ver].ty, first + pk.len(), None);
                 let vn = quote(&parent[ver].name);
+                // Each statement answers how many rows it wrote and how many the winners
+                // have: fewer written, a trigger discarded some (`Child::insert_won_checked`).
                 let won = format!(
-                    "INSERT INTO {ct} ({list}) SELECT {v_list} \
-                     FROM UNNEST({c}, {ord_param}) AS v({list}, {ORD}) \
-                     WHERE v.{ORD} IN (SELECT w.{ORD} FROM (\
+                    "WITH won AS (SELECT w.{ORD} FROM (\
                        SELECT DISTINCT ON ({pks}) {pks}, {ORD} \
                        FROM UNNEST({kp}, {ver_param}) WITH ORDINALITY AS w({pks}, {vn}, {ORD}) \
                        ORDER BY {pks}, {vn} DESC, {ORD}) AS w \
-                     JOIN {t} AS s ON {on} WHERE s.xmin = {OURS})",
+                     JOIN {t} AS s ON {on} WHERE s.xmin = {OURS}), \
+                     ins AS (INSERT INTO {ct} ({list}) SELECT {v_list} \
+                     FROM UNNEST({c}, {ord_param}) AS v({list}, {ORD}) \
+                     WHERE v.{ORD} IN (SELECT {ORD} FROM won) RETURNING 1) \
+                     SELECT (SELECT count(*) FROM ins), (SELECT count(*) \
+                       FROM UNNEST({ord_param}) AS o({ORD}) WHERE o.{ORD} IN (SELECT {ORD} FROM won))",
                     c = c_params.join(", "),
                     kp = pk_params(first).join(", "),
                     on = joined("s", &pk, "w", &pk),
                 );
                 let p_pks: Vec<String> = pk.iter().map(|k| format!("p.{k}")).collect();
                 let won_probe = format!(
-                    "INSERT INTO {ct} ({list}) SELECT {v_list} \
-                     FROM UNNEST({c}, {ord_param}) AS v({list}, {ORD}) \
-                     WHERE v.{ORD} IN (SELECT w.{ORD} FROM (\
+                    "WITH won AS (SELECT w.{ORD} FROM (\
                        SELECT DISTINCT ON ({pp}) {pp}, p.{ORD} FROM pg_temp.warren_probe AS p \
                        ORDER BY {pp}, p.{vn} DESC, p.{ORD}) AS w \
-                     JOIN {t} AS s ON {on} WHERE s.xmin = {OURS})",
+                     JOIN {t} AS s ON {on} WHERE s.xmin = {OURS}), \
+                     ins AS (INSERT INTO {ct} ({list}) SELECT {v_list} \
+                     FROM UNNEST({c}, {ord_param}) AS v({list}, {ORD}) \
+                     WHERE v.{ORD} IN (SELECT {ORD} FROM won) RETURNING 1) \
+                     SELECT (SELECT count(*) FROM ins), (SELECT count(*) \
+                       FROM UNNEST({ord_param}) AS o({ORD}) WHERE o.{ORD} IN (SELECT {ORD} FROM won))",
                     c = c_params.join(", "),
                     pp = p_pks.join(", "),
                     on = joined("s", &pk, "w", &pk),
