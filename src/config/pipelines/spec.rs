@@ -209,6 +209,7 @@ pub fn resolve(settings: &Settings, timeout_at: &Origin) -> Result<Vec<PipelineS
         specs.push(Entry::new(settings, p, Some(index), timeout_at).resolve()?);
     }
     check_shared_names(settings, &specs)?;
+    check_shared_tables(settings, &specs)?;
     Ok(specs)
 }
 
@@ -894,6 +895,50 @@ fn is_broker_name(name: &str) -> bool {
         && name.len() <= 255
         && !name.starts_with("amq.")
         && !name.chars().any(char::is_control)
+}
+
+/// No table a pipeline with deletes writes (its own or a child table) is written by another
+/// pipeline: a delete's tombstone is its pipeline's own (`tombstones_<pipeline>`), and the
+/// other pipeline's writes never look there, so an older write of a deleted key through it
+/// brought the row back, the delete lost (review R36f F11). Both sources can feed one pipeline
+/// instead (bind both to its queue). Tables are told apart by their name as written, with
+/// `public.` taken for the unqualified name.
+fn check_shared_tables(settings: &Settings, specs: &[PipelineSpec]) -> Result<(), ConfigError> {
+    let normal = |t: &str| t.strip_prefix("public.").unwrap_or(t).to_string();
+    let writes = |spec: &PipelineSpec| -> Vec<String> {
+        std::iter::once(&spec.mapping.table)
+            .chain(spec.mapping.children.iter().map(|c| &c.table))
+            .map(|t| normal(t))
+            .collect()
+    };
+    for spec in specs.iter().filter(|s| s.mapping.delete.is_some()) {
+        let mine = writes(spec);
+        for other in specs.iter().filter(|o| o.name != spec.name) {
+            let Some(table) = writes(other).into_iter().find(|t| mine.contains(t)) else {
+                continue;
+            };
+            let error = ConfigError::Invalid {
+                setting: format!("pipelines.{}.delete", spec.name),
+                expected: format!(
+                    "deletes in a pipeline whose tables no other pipeline writes: its tombstones \
+                     are its own, and pipeline {}'s writes would not see them (an older write of \
+                     a deleted key would bring its row back); feed both sources to one pipeline \
+                     (bind them to its queue)",
+                    other.name
+                ),
+                got: format!(
+                    "table {table}, written by pipelines {} and {}",
+                    spec.name, other.name
+                ),
+            };
+            let index = settings.pipelines.iter().position(|p| p.name == spec.name);
+            return Err(match index {
+                Some(index) if !spec.builtin => on_entry(index, "delete", error),
+                _ => error,
+            });
+        }
+    }
+    Ok(())
 }
 
 /// No exchange or queue is used by two pipelines, or twice within one (exchanges and queues are

@@ -631,3 +631,75 @@ fn the_names_resolve_spells_are_those_of_the_entry_keys_table() {
     // Each key once per pipeline: users (the shipped default) and orders.
     assert_eq!(picked.len(), 2 * expected.len(), "{picked:?}");
 }
+
+/// Review R36f F11: two pipelines writing one table, one with deletes: the other's older writes
+/// never saw the delete's tombstone (its pipeline's own) and brought the row back. Refused,
+/// naming both and the table, whichever table they share (the parent, or a child table); two
+/// pipelines on one table without deletes are fine.
+#[test]
+fn a_table_written_by_another_pipeline_refuses_deletes_naming_both() {
+    let with_delete = |name: &str, table: &str, child: &str| {
+        format!(
+            r#"
+[[pipelines]]
+name = "{name}"
+table = "{table}"
+key = ["order_id"]
+on_conflict = "update"
+version_column = "version"
+delete = {{ field = "/op", value = "delete" }}
+
+[pipelines.columns]
+order_id = {{ path = "/id", type = "uuid" }}
+version = {{ path = "/version", type = "int8" }}
+{child}"#
+        )
+    };
+    let plain = |name: &str, table: &str| {
+        format!(
+            r#"
+[[pipelines]]
+name = "{name}"
+table = "{table}"
+key = ["order_id"]
+
+[pipelines.columns]
+order_id = {{ path = "/id", type = "uuid" }}
+"#
+        )
+    };
+    let e = load(&format!(
+        "{}{}",
+        with_delete("orders", "shop.orders", ""),
+        plain("imports", "shop.orders")
+    ))
+    .expect_err("a deleted row brought back by the other pipeline");
+    let text = e.to_string();
+    assert!(
+        text.contains("delete")
+            && text.contains("table shop.orders, written by pipelines orders and imports"),
+        "{text}"
+    );
+    // A child table of the one with deletes, written by the other as its own table.
+    let items = "\n[[pipelines.children]]\ntable = \"shop.items\"\nrows = \"/items\"\n\
+                 key = [\"order_id\", \"line\"]\n\n[pipelines.children.columns]\n\
+                 order_id = { parent = \"order_id\" }\nline = { index = true }\n";
+    let e = load(&format!(
+        "{}{}",
+        plain("imports", "items"),
+        with_delete("orders", "shop.orders", items).replace("shop.items", "public.items")
+    ))
+    .expect_err("a child table written by another pipeline");
+    assert!(
+        e.to_string()
+            .contains("table items, written by pipelines orders and imports"),
+        "{e}"
+    );
+    // Without deletes, two pipelines may share a table.
+    load(&format!(
+        "{}{}",
+        plain("orders", "shop.orders"),
+        plain("imports", "shop.orders")
+    ))
+    .expect("two pipelines on one table");
+}
