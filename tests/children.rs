@@ -1014,3 +1014,55 @@ async fn a_child_trigger_that_discards_a_row_refuses_the_whole_message() {
         assert_eq!(items(&env, good).await, owned(&[(1, "OK", 1)]), "{what}");
     }
 }
+
+/// Review R36f F7: an AFTER INSERT trigger on the parent table that writes a row into a mapped
+/// child table (an audit line) made every redelivered copy `id_conflict`: the key held a row
+/// the message does not give, and the copy was parked beside the stored order, a duplicate.
+/// A copy is now compared with what its insert writes, the parent's triggers included (run
+/// again in a savepoint rolled back): a copy is done, under `keep` and under `update` (the same
+/// version), and other items are still `id_conflict`.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_copy_whose_parent_trigger_adds_child_rows_is_done_not_a_conflict() {
+    let env = TestEnv::new("ch_audit").await;
+    tables(&env).await;
+    env.db
+        .batch_execute(
+            "CREATE FUNCTION audit_line() RETURNS trigger LANGUAGE plpgsql AS \
+               $$ BEGIN INSERT INTO order_items (order_id, line, sku, qty) \
+                 VALUES (NEW.order_id, 0, 'AUDIT', 1); RETURN NULL; END $$;
+             CREATE TRIGGER audit_line AFTER INSERT ON orders \
+               FOR EACH ROW EXECUTE FUNCTION audit_line()",
+        )
+        .await
+        .expect("the trigger");
+    let pool = pool(&env).await;
+    for (m, what) in [(keep(), "keep"), (update(), "update")] {
+        let id = Uuid::new_v4();
+        let body = order(id, 1, &[("a-1", 2), ("b-2", 1)]);
+        let first = insert(&m, &pool, std::slice::from_ref(&body))
+            .await
+            .expect("insert");
+        assert_eq!((first.rows, first.conflicts.len()), (1, 0), "{what}");
+        let stored = owned(&[(0, "AUDIT", 1), (1, "a-1", 2), (2, "b-2", 1)]);
+        assert_eq!(items(&env, id).await, stored, "{what}");
+        let copy = insert(&m, &pool, &[body.clone(), body])
+            .await
+            .expect("insert");
+        assert!(copy.conflicts.is_empty(), "{what}: {copy:?}");
+        assert!(copy.refused.is_empty(), "{what}: {copy:?}");
+        assert_eq!(
+            items(&env, id).await,
+            stored,
+            "{what}: the copy changed nothing"
+        );
+        let other = insert(&m, &pool, &[order(id, 1, &[("a-1", 3), ("b-2", 1)])])
+            .await
+            .expect("insert");
+        assert_eq!(other.conflicts.len(), 1, "{what}: {other:?}");
+        assert_eq!(
+            items(&env, id).await,
+            stored,
+            "{what}: the conflict changed nothing"
+        );
+    }
+}
