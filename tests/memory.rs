@@ -581,6 +581,133 @@ async fn big_bodies_at_the_heads_of_two_pipelines_are_held_one_at_a_time() {
     assert_eq!(env.queue_state(&env.main_queue).await, (0, 0));
 }
 
+/// Review R38h F1: a body parking refuses in one pipeline held the process's one permit
+/// through each failed park's backoff (31 to 51 s), and another pipeline's parkable bodies took
+/// a turn each between its turns: orders' bodies over the limit were parked one a minute, the
+/// small orders behind them waiting for minutes. Now the refused body's turn ends with its
+/// failed park (held aside, the permit released at once), and its stage asks again only after
+/// the backoff: the other pipeline's 100 bodies are parked and its 50 orders stored within
+/// 10 s (1.3 s here; 25 s on the build before, the users body's backoff then 13 to 26 s),
+/// while the refused one keeps failing.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_body_parking_refuses_in_one_pipeline_does_not_hold_the_permit_from_another() {
+    const BIG: usize = 100;
+    let env = TestEnv::new("permitfair").await;
+    env.declare();
+    let names = PipelineNames::of(&env, "orders");
+    let _cleanup = names.cleanup();
+    let file = orders_pipeline(&env, &names, "").await;
+    env.db
+        .batch_execute(
+            "CREATE FUNCTION refuse_big() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN \
+               IF octet_length(NEW.body) > 1500000 THEN \
+                 RAISE EXCEPTION 'test: body too large for parking'; \
+               END IF; RETURN NEW; END $$; \
+             CREATE TRIGGER refuse_big BEFORE INSERT ON dead_letters \
+               FOR EACH ROW EXECUTE FUNCTION refuse_big()",
+        )
+        .await
+        .expect("the trigger refusing big parks");
+    let unparkable = huge_body(2 << 20, b'z');
+    env.publish_raw(&unparkable, labelled("big-users")).await;
+    let mut warren = env.start(&["--config", file.at(), "--roles", "consumer"]);
+    let _logs = LogsOnPanic(vec![warren.log.clone()]);
+    const BACKOFF: &str = "messages go back to their queue after a backoff";
+    wait_until(
+        "the users body's park failed seven times (its backoff past 12 s)",
+        Duration::from_secs(90),
+        || async { warren.logs().matches(BACKOFF).count() >= 7 },
+    )
+    .await;
+    let since = std::time::Instant::now();
+    let bodies: Vec<Vec<u8>> = (0..BIG)
+        .map(|i| huge_body((70 << 10) + i, b'a' + (i % 26) as u8))
+        .collect();
+    for (i, body) in bodies.iter().enumerate() {
+        env.publish_to(
+            &names.exchange,
+            &names.queue,
+            body,
+            labelled(&format!("big-o{i:03}")),
+        )
+        .await;
+    }
+    let orders: Vec<Uuid> = (0..50).map(|_| Uuid::new_v4()).collect();
+    env.publish_pipelined_to(
+        &names.exchange,
+        &names.queue,
+        orders.iter().map(|id| {
+            (
+                format!(r#"{{"id":"{id}","qty":1}}"#).into_bytes(),
+                labelled(&id.to_string()),
+            )
+        }),
+    )
+    .await;
+    wait_until(
+        "orders' bodies parked and its orders stored while the users body keeps failing",
+        Duration::from_secs(10),
+        || async {
+            count_of(
+                &env,
+                "SELECT count(*) FROM dead_letters WHERE pipeline = 'orders'",
+            )
+            .await
+                == BIG as i64
+                && count_of(&env, "SELECT count(*) FROM orders").await == orders.len() as i64
+        },
+    )
+    .await;
+    eprintln!(
+        "orders' {BIG} bodies parked and its orders stored in {} ms",
+        since.elapsed().as_millis()
+    );
+    assert_eq!(
+        count_of(
+            &env,
+            "SELECT count(*) FROM dead_letters WHERE pipeline = 'users'"
+        )
+        .await,
+        0,
+        "the users body is parked only once the trigger goes"
+    );
+    env.db
+        .batch_execute("DROP TRIGGER refuse_big ON dead_letters")
+        .await
+        .expect("drop the trigger");
+    wait_until(
+        "the users body parked once the trigger went",
+        Duration::from_secs(120),
+        || async {
+            count_of(
+                &env,
+                "SELECT count(*) FROM dead_letters WHERE pipeline = 'users'",
+            )
+            .await
+                == 1
+        },
+    )
+    .await;
+    warren.terminate_ok(Duration::from_secs(30));
+    let mut expected: Vec<(String, String, i64)> = bodies
+        .iter()
+        .enumerate()
+        .map(|(i, b)| ("orders".to_string(), format!("big-o{i:03}"), b.len() as i64))
+        .collect();
+    expected.push((
+        "users".to_string(),
+        "big-users".to_string(),
+        unparkable.len() as i64,
+    ));
+    assert_eq!(
+        parked_sizes(&env, "big-").await,
+        expected,
+        "each parked once, whole"
+    );
+    assert_eq!(env.queue_state(&names.queue).await, (0, 0));
+    assert_eq!(env.queue_state(&env.main_queue).await, (0, 0));
+}
+
 /// Review R38c F1: two refused bodies in a row while parking fails. The first is held whole
 /// (its park fails; it waits out its requeue backoff); the window beside it received the second
 /// unread, gave it back at once and cut itself to nothing while the first was held: no message

@@ -249,8 +249,10 @@ settings! {
     rate_limit_per_s: u32 => Rule::Int { min: 0, max: 1_000_000 },
     /// Largest accepted body; larger ones are parked unread where they were refused.
     max_message_bytes: usize => Rule::Int { min: 1, max: 134_217_728 },
-    /// Bytes of messages one pipeline holds at once (delivered, not yet settled: bodies and
-    /// their properties as parsed): the prefetch window never exceeds budget /
+    /// Bytes of messages each stage (a pipeline's main or DLQ consumer) holds at once
+    /// (delivered, not yet settled: bodies, their properties as parsed, and the rows decoded
+    /// from them, each counted up to this: a stage holds at most about twice it and one
+    /// message's rows more): the prefetch window never exceeds budget /
     /// MAX_MESSAGE_BYTES; past the budget (larger, refused bodies; large header tables) the
     /// consumer takes no more until they settle, and its next window is cut to what the budget
     /// holds of the largest delivery seen.

@@ -528,12 +528,20 @@ impl Fallback {
         } else if !waited && fates.iter().all(|f| matches!(f, Fate::Settled(_))) {
             self.requeues.store(0, Ordering::Relaxed);
         }
+        // A body over MAX_MESSAGE_BYTES is never held through the backoff: it holds the
+        // process's one permit while it is in memory, and every other stage and pipeline waited
+        // for it (review R38h F1); its consumer holds it aside and waits the backoff itself,
+        // without the permit (`Consumer::oversize_rotate`).
         let (now, later): (Vec<_>, Vec<_>) = items
             .iter()
             .zip(fates)
             .map(|((d, _), fate)| match fate {
                 Fate::Settled(disposition) => (d, disposition, false),
-                _ => (d, Disposition::Requeue, delay.is_some()),
+                _ => (
+                    d,
+                    Disposition::Requeue,
+                    delay.is_some() && d.body.len() <= self.park_over,
+                ),
             })
             .partition(|(.., held)| !held);
         for settle in Settle::group(now.into_iter().map(|(d, disposition, _)| (d, disposition))) {

@@ -225,7 +225,7 @@ impl Handler<Settle> for Consumer {
         // A body held whole whose park failed, with others held aside for their turns: it
         // joins them, unacked, behind them, instead of going back to the queue's head.
         if current {
-            self.oversize_rotate(&mut msg.items);
+            self.oversize_rotate(&mut msg.items, ctx);
         }
         if self.phase != Phase::Running {
             let live = current && self.linked().is_some_and(|l| l.acker.is_some());

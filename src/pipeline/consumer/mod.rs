@@ -177,6 +177,9 @@ pub struct Consumer {
     /// Failed parks per body over the limit (by `oversize::identity`): the next turn goes to
     /// the body held aside whose parks failed the fewest times.
     failed_parks: std::collections::HashMap<u64, u32>,
+    /// Parks of bodies over the limit failed in a row: the backoff before the stage asks for
+    /// the permit again (`oversize_rotate`); 0 once one held.
+    park_streak: u32,
     /// `warren_oversize_permit_waiting`, resolved once.
     oversize_gauge: metrics::Gauge,
     /// Answered once the nacks of what was held aside were sent: the next `basic.consume`
@@ -240,6 +243,7 @@ impl Consumer {
             earned: window::Earned::default(),
             oversize: oversize::Oversize::Limited,
             failed_parks: Default::default(),
+            park_streak: 0,
             oversize_gauge: crate::metrics::oversize_waiting_gauge(&config.stage),
             consume_after: None,
             inflight_bytes_gauge: (crate::metrics::inflight_bytes_gauge(&config.stage), 0),

@@ -21,7 +21,9 @@
 //! refused one (the body, whole) keeps it until it settles, parked or given back
 //! ([`Oversize::Holding`]). Meanwhile a window beside it (the held-window watchdog) holds any
 //! other body over the limit aside the same way; when the held body settles, the next body held
-//! aside takes the permit in its turn. At most [`ASIDE_MAX`] are held aside
+//! aside takes the permit in its turn. A held body whose park failed is held aside too, and the
+//! permit goes at once: the stage asks for it again after the failed park's backoff, so a body
+//! parking refuses never keeps the permit from the other stages (`oversize_rotate`). At most [`ASIDE_MAX`] are held aside
 //! (past it, the stage gives one back and takes nothing more until the permit is its own), and
 //! none longer than the broker's `consumer_timeout` allows (`aside_aged`: given back, and held
 //! aside again as they come). No body begun
@@ -107,8 +109,9 @@ pub(super) enum Oversize {
         /// Held aside while the permit was waited for, given back when it is taken.
         aside: Aside,
     },
-    /// The permit is being waited for (another stage holds it). Meanwhile the stage takes
-    /// deliveries under its limit and holds the bodies over it aside.
+    /// The permit is being waited for (another stage holds it), or will be asked for after a
+    /// failed park's backoff (`oversize_rotate`) or a moment of collecting ([`COLLECT_FOR`]).
+    /// Meanwhile the stage takes deliveries under its limit and holds the bodies over it aside.
     Waiting {
         aside: Aside,
         /// One more came than could be held aside (or they were held too long): given back,
@@ -666,20 +669,25 @@ impl Consumer {
     }
 
     /// Settlements of the current channel: when the body held whole with the permit goes back
-    /// to its queue (its park failed: a requeue after a backoff) while other bodies are held
-    /// aside for their turns, it is not given back but held aside behind them (its body
-    /// dropped, its delivery unacked), and its turn ends (the permit goes). Given back, it went
-    /// to the queue's head, and the next turn, a window of one, took it again: one body whose
-    /// park always fails (a trigger or a CHECK on `dead_letters`) kept every other body of the
-    /// stage from its park (review R38e F2: 35 bodies parking would take, never tried).
-    pub(super) fn oversize_rotate(&mut self, items: &mut Vec<(u64, Disposition)>) {
-        let Oversize::Holding {
-            body,
-            identity,
-            aside,
-            ..
-        } = &mut self.oversize
-        else {
+    /// to its queue (its park failed), it is not given back but held aside (its body dropped,
+    /// its delivery unacked), behind any others, and its turn ends at once: the permit goes to
+    /// whichever stage waits for it, and this stage asks for it again only after the failed
+    /// park's backoff (`requeue_backoff` of the parks failed in a row), taking its messages
+    /// meanwhile and holding such bodies aside (`Oversize::Waiting`). The router settles such a
+    /// body at once (`Fallback::settle`), never holding it through the backoff.
+    ///
+    /// Given back, it went to the queue's head, and the next turn took it again: one body
+    /// whose park always fails (a trigger or a CHECK on `dead_letters`) kept every other body of
+    /// the stage from its park (review R38e F2). Held through its backoff (31 to 51 s), it kept
+    /// the process's one permit from every other stage and pipeline: another pipeline's
+    /// parkable bodies were parked one a minute, its small messages waiting behind them for
+    /// minutes (review R38h F1).
+    pub(super) fn oversize_rotate(
+        &mut self,
+        items: &mut Vec<(u64, Disposition)>,
+        ctx: &mut Context<Self>,
+    ) {
+        let Oversize::Holding { body, identity, .. } = &self.oversize else {
             return;
         };
         if body.0 != self.generation {
@@ -693,25 +701,54 @@ impl Consumer {
         // a park that held forgets it.
         if items[at].1 == Disposition::Ack {
             self.failed_parks.remove(&identity);
+            self.park_streak = 0;
             return;
         }
         if self.failed_parks.len() >= FAILED_PARKS_MAX {
             self.failed_parks.clear();
         }
         *self.failed_parks.entry(identity).or_default() += 1;
-        if self.phase != Phase::Running || aside.is_empty() {
+        self.park_streak = self.park_streak.saturating_add(1);
+        if self.phase != Phase::Running {
             return;
         }
         items.remove(at);
+        let Oversize::Holding {
+            mut aside,
+            given_back,
+            ..
+        } = std::mem::take(&mut self.oversize)
+        else {
+            return;
+        };
         aside.push(held, identity);
+        // The backoff of the parks failed in a row (as the router's requeues grow): whichever
+        // body takes the next turn, parks that keep failing never make a hot loop.
+        let wait = crate::pipeline::router::requeue_backoff(self.park_streak);
         debug!(
             pipeline = self.config.stage.pipeline(),
             stage = self.config.stage.stage().as_str(),
             tag = held,
             held_aside = aside.len(),
-            "a body whose park failed is held aside behind the others for its next turn"
+            wait_ms = wait.as_millis() as u64,
+            "a body whose park failed is held aside; the permit goes, and is asked for again \
+             after the backoff"
         );
-        self.release_held();
+        // The permit goes with the state. One given back meanwhile (`given_back`): nothing is
+        // taken until the permit comes again.
+        self.oversize = Oversize::Waiting {
+            aside,
+            full: given_back,
+        };
+        // The subscription that brought it has its window filled by it (unacked): cancelled,
+        // and the next one, under the limit, takes the messages behind it.
+        if self.consuming() {
+            self.unsubscribe();
+            if self.oversize.stands_still() {
+                self.dispatch.flush_all();
+            }
+        }
+        ctx.run_later(wait, |act, ctx| act.ask_permit(ctx));
     }
 
     /// Something settled, or went with a closed channel: with nothing left in flight, a body
