@@ -1016,3 +1016,54 @@ async fn a_refused_change_of_bounds_changes_no_pipeline() {
     .await;
     assert_eq!(env.row_ids().await, ids.iter().copied().collect());
 }
+
+/// A command no instance answers within the wait is withdrawn from the instance's list while it
+/// is still queued, and said not applied; one the instance already took is said taken, with
+/// where its outcome will show (review R35e F7: `ctl` said "no answer within 15 s" and left the
+/// command queued, and the instance applied it 150 s later, behind a backlog). Two instances
+/// with records and no process: `gone` takes nothing, `busy` takes its copy and never answers.
+#[tokio::test(flavor = "multi_thread")]
+async fn an_unanswered_command_is_withdrawn_or_said_taken() {
+    let env = TestEnv::new("ctl_unanswered").await;
+    let _cleanup = RedisCleanup::new(&env);
+    let gone = register_record(&env, &fake_record("gone", 1, "consumer")).await;
+    let busy = register_record(&env, &fake_record("busy", 2, "consumer")).await;
+    let (url, _) = redis_of(&env);
+    let taker = tokio::spawn(async move {
+        let started = Instant::now();
+        while started.elapsed() < Duration::from_secs(30) {
+            if let Some(Some(json)) =
+                try_redis_query::<Option<String>>(&url, redis::cmd("LPOP").arg(&busy)).await
+            {
+                return Some(json);
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        None
+    });
+
+    let (code, out, err) = env.run_async(&["ctl", "pause", "--all"]).await;
+    assert_eq!(code, 1, "{out}\n{err}");
+    let left: i64 = redis_query(&env, redis::cmd("LLEN").arg(&gone)).await;
+    assert_eq!(
+        left, 0,
+        "the unanswered command is still queued for gone:1:\n{out}"
+    );
+    let line = |who: &str| {
+        out.lines()
+            .find(|l| l.starts_with(who))
+            .unwrap_or_else(|| panic!("no line for {who}:\n{out}"))
+            .to_string()
+    };
+    assert_eq!(
+        line("gone:1"),
+        "gone:1  pause  no answer within 15 s (busy, or gone): withdrawn, not applied"
+    );
+    assert_eq!(
+        line("busy:2"),
+        "busy:2  pause  no answer within 15 s: the instance took it and may still apply it; \
+         its outcome will show in `warren ctl history`"
+    );
+    let taken = taker.await.unwrap().expect("busy:2 took no command");
+    assert!(taken.contains("\"pause\""), "{taken}");
+}

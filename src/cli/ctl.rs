@@ -1,6 +1,7 @@
 //! `warren ctl`: remote control through Redis. `pause`, `resume`, `drain`, `reload`, `scale` and
 //! `rate` are queued for the chosen instances (signed for each one with CONTROL_SECRET when it is set), which
-//! apply them and record the outcome; `history` lists outcomes, and the balancers' changes of
+//! apply them and record the outcome (a copy no instance answered within the wait is withdrawn
+//! while still queued, or said taken); `history` lists outcomes, and the balancers' changes of
 //! concurrency (`balance`). With CONTROL_SECRET set, an
 //! outcome counts only when its signature verifies; every string read from Redis is escaped
 //! before it reaches the terminal. Instances are addressed from their registry records (one that
@@ -254,6 +255,15 @@ pub async fn execute(settings: &Settings, args: Args) -> anyhow::Result<i32> {
         format!("{}:{}", crate::hostname(), std::process::id()),
     );
     let name = asked.name();
+    // How long the outcomes are waited for. A reload may drain pipelines first (bounded by
+    // SHUTDOWN_TIMEOUT_MS): it is waited for that much longer.
+    let wait = match asked {
+        Command::Reload => Duration::from_secs(15) + settings.shutdown().timeout(),
+        _ => Duration::from_secs(15),
+    };
+    let within = wait.as_secs();
+    // Each copy as queued, by instance: what is withdrawn when no answer comes.
+    let mut queued: BTreeMap<(String, u32), (String, String)> = BTreeMap::new();
     for (host, pid) in &chosen {
         // One copy per instance: the signature covers the target (this run of the instance),
         // so it cannot be redirected, nor replayed to a later process with the same PID.
@@ -265,49 +275,52 @@ pub async fn execute(settings: &Settings, args: Args) -> anyhow::Result<i32> {
         }
         let json = serde_json::to_string(&copy)?;
         let key = keys.commands(host, *pid);
+        // The list outlives the wait, so a copy still queued at its end is there to withdraw
+        // (not expired, which would read as taken).
+        let ttl = i64::try_from(wait.as_secs())
+            .unwrap_or(i64::MAX)
+            .saturating_add(60);
         let mut pipe = redis::pipe();
-        pipe.rpush(&key, &json).ignore().expire(&key, 60).ignore();
+        pipe.rpush(&key, &json).ignore().expire(&key, ttl).ignore();
         if redis.pipe::<()>(&pipe).await.is_none() {
             bail!("lost the connection to Redis while sending the command");
         }
+        queued.insert((host.clone(), *pid), (key, json));
     }
 
     // Wait for every chosen instance to record its outcome.
-    // A reload may drain pipelines first (bounded by SHUTDOWN_TIMEOUT_MS): it is waited for
-    // that much longer.
-    let wait = match asked {
-        Command::Reload => Duration::from_secs(15) + settings.shutdown().timeout(),
-        _ => Duration::from_secs(15),
-    };
-    let within = wait.as_secs();
     let deadline = Instant::now() + wait;
-    let mut outcomes: BTreeMap<(String, u32), CtlOutcome> = BTreeMap::new();
-    // Outcomes under this command's id whose signature does not verify: written by someone
-    // else than the instance, never believed.
-    let mut forged: BTreeMap<(String, u32), CtlOutcome> = BTreeMap::new();
-    while outcomes.len() < chosen.len() && Instant::now() < deadline {
+    let mut answers = Answers::default();
+    while answers.answered.len() < chosen.len() && Instant::now() < deadline {
         tokio::time::sleep(Duration::from_millis(200)).await;
-        let recent: Vec<String> = redis
-            .query(redis::cmd("LRANGE").arg(keys.history()).arg(0).arg(499))
-            .await
-            .unwrap_or_default();
-        for raw in recent {
-            if let Ok(o) = serde_json::from_str::<CtlOutcome>(&raw)
-                && o.id == command.id
-            {
-                let key = (o.host.clone(), o.pid);
-                if secret.is_none_or(|s| o.verifies(s)) {
-                    outcomes.insert(key, o);
-                } else if o.outcome != "executed" {
-                    // A refusal under another secret (or a forged failure: at worst a command
-                    // reported failed) is shown, marked; a verified outcome replaces it.
-                    outcomes.entry(key).or_insert(o);
-                } else {
-                    forged.insert(key, o);
-                }
-            }
-        }
+        answers.read(&mut redis, &keys, &command.id, secret).await;
     }
+    // A copy no instance answered is withdrawn while it is still queued, so it is never applied
+    // after `ctl` gave up on it (review R35e F7: one was applied 150 s later, behind a backlog);
+    // one the instance already took may still apply, and its outcome lands in the history.
+    let mut fates: BTreeMap<(String, u32), Unanswered> = BTreeMap::new();
+    for (at, (key, json)) in &queued {
+        if answers.answered.contains_key(at) {
+            continue;
+        }
+        let removed: Option<i64> = redis
+            .query(redis::cmd("LREM").arg(key).arg(1).arg(json))
+            .await;
+        let fate = match removed {
+            Some(n) if n > 0 => Unanswered::Withdrawn,
+            Some(_) => Unanswered::Taken,
+            None => Unanswered::Unknown,
+        };
+        fates.insert(at.clone(), fate);
+    }
+    // What was taken may have been answered in the meantime.
+    if fates.values().any(|f| *f != Unanswered::Withdrawn) {
+        answers.read(&mut redis, &keys, &command.id, secret).await;
+    }
+    let Answers {
+        answered: outcomes,
+        forged,
+    } = answers;
     let mut all_ok = true;
     let (mut unsigned, mut bad_signature) = (false, false);
     for (host, pid) in &chosen {
@@ -339,12 +352,25 @@ pub async fn execute(settings: &Settings, args: Args) -> anyhow::Result<i32> {
                 format!(
                     "{host}:{pid}  {name}  no signed answer within {within} s: an outcome under this \
                      command's id does not verify with CONTROL_SECRET (written by someone else \
-                     than the instance), ignored"
+                     than the instance), ignored; {}",
+                    fates
+                        .get(&key)
+                        .copied()
+                        .unwrap_or(Unanswered::Unknown)
+                        .said()
                 )
             }
             None => {
                 all_ok = false;
-                format!("{host}:{pid}  {name}  no answer within {within} s (busy, or gone)")
+                let fate = fates.get(&key).copied().unwrap_or(Unanswered::Unknown);
+                let why = match fate {
+                    Unanswered::Withdrawn => " (busy, or gone)",
+                    _ => "",
+                };
+                format!(
+                    "{host}:{pid}  {name}  no answer within {within} s{why}: {}",
+                    fate.said()
+                )
             }
         };
         // A closed stdout loses the lines, never the exit code of a failed command.
@@ -362,6 +388,71 @@ pub async fn execute(settings: &Settings, args: Args) -> anyhow::Result<i32> {
         );
     }
     Ok(if all_ok { 0 } else { 1 })
+}
+
+/// What became of a copy of a command that no outcome answered within the wait.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Unanswered {
+    /// Still queued: withdrawn, so it is never applied.
+    Withdrawn,
+    /// No longer queued: the instance took it, and may still apply it.
+    Taken,
+    /// Redis did not answer the withdrawal.
+    Unknown,
+}
+
+impl Unanswered {
+    /// What it means for the person who sent it.
+    fn said(self) -> &'static str {
+        match self {
+            Unanswered::Withdrawn => "withdrawn, not applied",
+            Unanswered::Taken => {
+                "the instance took it and may still apply it; its outcome will show in \
+                 `warren ctl history`"
+            }
+            Unanswered::Unknown => {
+                "Redis did not answer its withdrawal, so it may still be applied; its outcome \
+                 will show in `warren ctl history`"
+            }
+        }
+    }
+}
+
+/// The outcomes recorded under one command's id, by instance (`host`, `pid`).
+#[derive(Debug, Default)]
+struct Answers {
+    /// Believed: verified with CONTROL_SECRET here (any without one), or a refusal that does
+    /// not verify (shown marked; a verified outcome replaces it).
+    answered: BTreeMap<(String, u32), CtlOutcome>,
+    /// `executed` outcomes that do not verify: written by someone else than the instance,
+    /// never believed.
+    forged: BTreeMap<(String, u32), CtlOutcome>,
+}
+
+impl Answers {
+    /// Reads the newest 500 entries of the history for outcomes of command `id`.
+    async fn read(&mut self, redis: &mut Redis, keys: &Keys, id: &str, secret: Option<&str>) {
+        let recent: Vec<String> = redis
+            .query(redis::cmd("LRANGE").arg(keys.history()).arg(0).arg(499))
+            .await
+            .unwrap_or_default();
+        for raw in recent {
+            if let Ok(o) = serde_json::from_str::<CtlOutcome>(&raw)
+                && o.id == id
+            {
+                let key = (o.host.clone(), o.pid);
+                if secret.is_none_or(|s| o.verifies(s)) {
+                    self.answered.insert(key, o);
+                } else if o.outcome != "executed" {
+                    // A refusal under another secret (or a forged failure: at worst a command
+                    // reported failed) is shown, marked; a verified outcome replaces it.
+                    self.answered.entry(key).or_insert(o);
+                } else {
+                    self.forged.insert(key, o);
+                }
+            }
+        }
+    }
 }
 
 /// The newest `limit` outcomes; with `secret`, each one marked verified or not (an outcome that

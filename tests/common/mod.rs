@@ -26,7 +26,8 @@
 //!   pipeline's table), and
 //!   `terminate_backends`.
 //! - `redis`: `RedisCleanup`, `try_redis_query`, `redis_query`, the instance registry
-//!   (`instance_key`, `instance`, `wait_record_field`, `wait_running`, `shutdowns`) and the events stream (`stream_events`,
+//!   (`instance_key`, `instance`, `wait_record_field`, `wait_running`, `shutdowns`; records of
+//!   no process, `fake_record` and `register_record`) and the events stream (`stream_events`,
 //!   `stream_events_at`; Redis must answer).
 //! - `proxy`: `TcpProxy`, which cuts, restores, freezes and thaws one warren's link to a server.
 //! - `schedule`: the ledgers' fault schedule (`fault_schedule`, `check_fault_schedules`).

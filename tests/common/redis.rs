@@ -1,6 +1,7 @@
 //! Redis: `RedisCleanup`, commands (`try_redis_query`, `redis_query`), the instance registry
-//! (`instance_key`, `instance`, `wait_record_field`, `wait_running`, `shutdowns`) and the events stream (`stream_events`,
-//! `stream_events_at`).
+//! (`instance_key`, `instance`, `wait_record_field`, `wait_running`, `shutdowns`, and records
+//! of instances that do not run: `fake_record`, `register_record`) and the events stream
+//! (`stream_events`, `stream_events_at`).
 //!
 //! The instance registry lives under the env's prefix (`REDIS_PREFIX`, the env's id) in the Redis
 //! of the env's `REDIS_URL` setting (the shared one unless a test points it at its own server).
@@ -108,6 +109,39 @@ pub async fn instance(env: &TestEnv, pid: i32) -> Value {
         None if fields.is_empty() => Value::Null,
         None => panic!("a registry hash without a record: {fields:?}"),
     }
+}
+
+/// A registry record (format 1) of an instance `host:pid` running `roles` with the users
+/// pipeline, as a running warren writes it; no process stands behind it, so nothing takes its
+/// commands unless the test does. Change fields before [`register_record`].
+pub fn fake_record(host: &str, pid: u32, roles: &str) -> Value {
+    serde_json::json!({
+        "format": 1, "host": host, "pid": pid, "run": format!("run{pid}"), "roles": roles,
+        "version": "0.0.0", "started_at": 1, "last_heartbeat": 1, "status": "running",
+        "processors": 1, "concurrency": 1, "rate_limit_per_s": 0, "breaker": "closed",
+        "received": 0, "inserted": 0, "retried": 0, "dead_lettered": 0, "inflight": 0,
+        "received_per_s": 0.0, "inserted_per_s": 0.0, "stages": {},
+        "pipelines": [{"name": "users", "table": "users", "main_exchange": "x",
+            "main_queue": "q", "retry_queues": [], "dlq_queue": "d"}],
+    })
+}
+
+/// Writes `record` under its `host` and `pid` in the env's registry, for 120 s; returns the
+/// key of its command list.
+pub async fn register_record(env: &TestEnv, record: &Value) -> String {
+    let (_, prefix) = redis_of(env);
+    let (host, pid) = (record["host"].as_str().expect("host"), &record["pid"]);
+    let key = format!("{prefix}:instances:{host}:{pid}");
+    let _: () = redis_query(
+        env,
+        redis::cmd("HSET")
+            .arg(&key)
+            .arg("record")
+            .arg(record.to_string()),
+    )
+    .await;
+    let _: () = redis_query(env, redis::cmd("EXPIRE").arg(&key).arg(120)).await;
+    format!("{prefix}:commands:{host}:{pid}")
 }
 
 /// Waits (up to 20 s) until the registry record of `pid` has `field` = `value` (`value` read as
