@@ -183,6 +183,7 @@ pub async fn run(
         } else {
             Vec::new()
         },
+        shutdown_config.timeout_ms,
     );
     let registry = tokio::spawn(control::registry_loop(
         registry::Registry::new(&registry_config, instance),

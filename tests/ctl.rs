@@ -1067,3 +1067,29 @@ async fn an_unanswered_command_is_withdrawn_or_said_taken() {
     let taken = taker.await.unwrap().expect("busy:2 took no command");
     assert!(taken.contains("\"pause\""), "{taken}");
 }
+
+/// `ctl reload` waits for the longest drain among the instances it addresses, as each one's
+/// record publishes its `SHUTDOWN_TIMEOUT_MS` (review R35e F13: it waited on its own setting).
+/// Two records with no process: one with a 5 s bound, one of an older warren without it (taken
+/// to have ctl's own, 2 s): 15 s + 5 s.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_reload_waits_for_the_instances_shutdown_bound() {
+    let mut env = TestEnv::new("ctl_reload_wait").await;
+    env.set("SHUTDOWN_TIMEOUT_MS", "2000");
+    let _cleanup = RedisCleanup::new(&env);
+    let mut slow = fake_record("slow", 1, "consumer");
+    slow["shutdown_timeout_ms"] = 5_000.into();
+    register_record(&env, &slow).await;
+    register_record(&env, &fake_record("older", 2, "consumer")).await;
+    let (code, out, err) = env.run_async(&["ctl", "reload", "--all"]).await;
+    assert_eq!(code, 1, "{out}\n{err}");
+    for who in ["slow:1", "older:2"] {
+        assert!(
+            out.lines().any(|l| l
+                == format!(
+                    "{who}  reload  no answer within 20 s (busy, or gone): withdrawn, not applied"
+                )),
+            "{out}"
+        );
+    }
+}

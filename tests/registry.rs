@@ -553,6 +553,7 @@ async fn status_json_follows_its_documented_schema() {
         "processors",
         "concurrency",
         "rate_limit_per_s",
+        "shutdown_timeout_ms",
         "received",
         "inserted",
         "retried",

@@ -18,6 +18,7 @@ use comfy_table::{Table, presets};
 use crate::cli::out::{self, outln};
 use crate::cli::{json_terminal_safe, terminal_safe as safe};
 use crate::config::Settings;
+use crate::pipeline::shutdown::MAX_SHUTDOWN_MS;
 use crate::registry::{
     self, Command, CtlCommand, CtlOutcome, InstanceRecord, Keys, REFUSED_BAD_SIGNATURE,
     REFUSED_UNSIGNED, Redis, now_s, record, utc,
@@ -255,11 +256,11 @@ pub async fn execute(settings: &Settings, args: Args) -> anyhow::Result<i32> {
         format!("{}:{}", crate::hostname(), std::process::id()),
     );
     let name = asked.name();
-    // How long the outcomes are waited for. A reload may drain pipelines first (bounded by
-    // SHUTDOWN_TIMEOUT_MS): it is waited for that much longer.
+    // How long the outcomes are waited for. A reload may drain pipelines first, each instance
+    // bounded by its own SHUTDOWN_TIMEOUT_MS: it is waited for the longest of them.
     let wait = match asked {
-        Command::Reload => Duration::from_secs(15) + settings.shutdown().timeout(),
-        _ => Duration::from_secs(15),
+        Command::Reload => ANSWER_WITHIN + reload_drain(&runners, settings.shutdown().timeout()),
+        _ => ANSWER_WITHIN,
     };
     let within = wait.as_secs();
     // Each copy as queued, by instance: what is withdrawn when no answer comes.
@@ -388,6 +389,22 @@ pub async fn execute(settings: &Settings, args: Args) -> anyhow::Result<i32> {
         );
     }
     Ok(if all_ok { 0 } else { 1 })
+}
+
+/// How long an instance has to answer a command, beside a reload's drain.
+const ANSWER_WITHIN: Duration = Duration::from_secs(15);
+
+/// The longest drain a reload of `instances` may wait for: the largest of their shutdown
+/// bounds as their records publish them, `local` (this configuration's `SHUTDOWN_TIMEOUT_MS`)
+/// for a record of a warren before they were published; at most [`MAX_SHUTDOWN_MS`], whatever
+/// a record says (review R35e F13: `ctl reload` waited on its own bound, not the instances').
+fn reload_drain(instances: &[&InstanceRecord], local: Duration) -> Duration {
+    instances
+        .iter()
+        .map(|i| i.shutdown_timeout_ms.map_or(local, Duration::from_millis))
+        .max()
+        .unwrap_or(local)
+        .min(Duration::from_millis(MAX_SHUTDOWN_MS))
 }
 
 /// What became of a copy of a command that no outcome answered within the wait.
@@ -550,4 +567,34 @@ async fn history(
     }
     outln!("{}", table.trim_fmt())?;
     Ok(0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::registry::record::tests::sample;
+
+    #[test]
+    fn a_reload_waits_for_the_longest_drain_of_the_instances_it_addresses() {
+        let with = |ms: Option<u64>| InstanceRecord {
+            shutdown_timeout_ms: ms,
+            ..sample()
+        };
+        let local = Duration::from_secs(30);
+        let (short, long, older) = (with(Some(5_000)), with(Some(90_000)), with(None));
+        assert_eq!(reload_drain(&[&short], local), Duration::from_secs(5));
+        assert_eq!(
+            reload_drain(&[&short, &long], local),
+            Duration::from_secs(90)
+        );
+        // A record without the bound (an older warren's) is taken to have the local one.
+        assert_eq!(reload_drain(&[&short, &older], local), local);
+        assert_eq!(reload_drain(&[], local), local);
+        // Whatever a record says, never past the longest bound an instance accepts.
+        let absurd = with(Some(u64::MAX));
+        assert_eq!(
+            reload_drain(&[&absurd], local),
+            Duration::from_millis(MAX_SHUTDOWN_MS)
+        );
+    }
 }

@@ -106,13 +106,16 @@ pub struct Instance {
     pub run: String,
     /// The pipelines it runs (none without the consumer and DLQ roles), for every tool.
     pub pipelines: Vec<PipelineRecord>,
+    /// `SHUTDOWN_TIMEOUT_MS` as it started with: what `warren ctl reload` waits for beside its
+    /// own bound.
+    pub shutdown_timeout_ms: u64,
 }
 
 impl Instance {
     /// This process, running `roles` (as `warren status` shows them) and `pipelines` (none
-    /// without the consumer and DLQ roles: the composition root decides), started now under a
-    /// fresh run id.
-    pub fn this(roles: String, pipelines: Vec<PipelineRecord>) -> Self {
+    /// without the consumer and DLQ roles: the composition root decides), its graceful stop
+    /// bounded by `shutdown_timeout_ms`, started now under a fresh run id.
+    pub fn this(roles: String, pipelines: Vec<PipelineRecord>, shutdown_timeout_ms: u64) -> Self {
         Self {
             host: crate::hostname(),
             pid: std::process::id(),
@@ -120,6 +123,7 @@ impl Instance {
             started_at: now_s(),
             run: uuid::Uuid::new_v4().simple().to_string(),
             pipelines,
+            shutdown_timeout_ms,
         }
     }
 
@@ -338,6 +342,7 @@ impl Registry {
                 .map(|(_, s)| s.concurrency.load(Relaxed))
                 .sum(),
             rate_limit_per_s: report.rate_limit_per_s,
+            shutdown_timeout_ms: Some(i.shutdown_timeout_ms),
             breaker,
             received,
             inserted,

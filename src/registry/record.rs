@@ -478,6 +478,11 @@ pub struct InstanceRecord {
     pub concurrency: u64,
     /// Messages per second each pipeline takes, 0 = no limit.
     pub rate_limit_per_s: u32,
+    /// Its bound on a graceful stop and on a reload's drain (`SHUTDOWN_TIMEOUT_MS`), so that
+    /// `warren ctl reload` waits as long as the instance may take; absent in the records of a
+    /// warren before it (read as `None`).
+    #[serde(default)]
+    pub shutdown_timeout_ms: Option<u64>,
     pub breaker: Breaker,
     /// The process's counts from its start.
     pub received: u64,
@@ -564,9 +569,10 @@ impl Listed {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
 
+    /// A record of `vm:7`, paused, running users; for the tests of its readers too.
     pub(crate) fn sample() -> InstanceRecord {
         InstanceRecord {
             format: RECORD_FORMAT,
@@ -581,6 +587,7 @@ mod tests {
             processors: 2,
             concurrency: 3,
             rate_limit_per_s: 0,
+            shutdown_timeout_ms: Some(30_000),
             breaker: Breaker::Closed,
             received: 10,
             inserted: 9,
@@ -611,7 +618,17 @@ mod tests {
         assert_eq!(json["received_per_s"], 1.5);
         assert_eq!(json["format"], RECORD_FORMAT);
         let fields = [(RECORD_FIELD.to_string(), json.to_string())].into();
-        assert_eq!(InstanceRecord::read(&fields), Ok(r));
+        assert_eq!(InstanceRecord::read(&fields), Ok(r.clone()));
+        // A record of a warren before the shutdown bound was published reads without it.
+        let mut older = json.clone();
+        older.as_object_mut().unwrap().remove("shutdown_timeout_ms");
+        assert_eq!(
+            InstanceRecord::parse(&older.to_string()),
+            Ok(InstanceRecord {
+                shutdown_timeout_ms: None,
+                ..r
+            })
+        );
     }
 
     #[test]
