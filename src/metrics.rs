@@ -156,6 +156,11 @@ pub struct StageStats {
     /// Batch inserts in flight at most (the batchers in use), as last set; 0 before the stage
     /// starts.
     pub concurrency: AtomicU64,
+    /// Its processors, as set at start (its pipeline's spec) or by `warren ctl scale`: a
+    /// pipeline of a file may run another number than the instance's first.
+    pub processors: AtomicU64,
+    /// Messages per second it takes, 0 = no limit, as set at start or by `warren ctl rate`.
+    pub rate_limit_per_s: AtomicU32,
     /// Batches the sinks finished, and the time they took in all (microseconds): the balancer's
     /// insert latency.
     pub batches: AtomicU64,

@@ -1093,3 +1093,99 @@ async fn a_reload_waits_for_the_instances_shutdown_bound() {
         );
     }
 }
+
+/// The `stages` entry of `pipeline`'s main stage in the record of `pid`, from `warren status
+/// --json`.
+async fn main_stage_in_status(env: &TestEnv, pid: i32, pipeline: &str) -> Value {
+    let (code, out, err) = env.run_async(&["status", "--json"]).await;
+    assert_eq!(code, 0, "{out}\n{err}");
+    let doc: Value = serde_json::from_str(&out).unwrap_or_else(|e| panic!("{e}:\n{out}"));
+    doc["instances"]
+        .as_array()
+        .and_then(|l| l.iter().find(|i| i["pid"] == pid))
+        .unwrap_or_else(|| panic!("no instance {pid}: {doc}"))["stages"][format!("{pipeline}/main")]
+    .clone()
+}
+
+/// Each pipeline's own processors and rate limit show in `warren status` (text and `--json`,
+/// as numbers), from its file's entry at start and after `ctl scale` / `rate --pipeline`
+/// (review R35e F12: status showed the instance's first pipeline's only).
+#[tokio::test(flavor = "multi_thread")]
+async fn status_shows_each_pipelines_processors_and_rate_limit() {
+    let (env, _cleanup) = env_for("ctl_stage_limits").await;
+    let names = PipelineNames::of(&env, "orders");
+    let _names_cleanup = names.cleanup();
+    let file = orders_pipeline(&env, &names, "proc_concurrency = 3\nrate_limit_per_s = 700").await;
+    let warren = env.start(&["--config", file.at(), "--roles", "consumer"]);
+    let _logs = LogsOnPanic(vec![warren.log.clone()]);
+    let pid = warren.pid();
+    wait_running(&env, pid).await;
+    let users_procs = instance(&env, pid).await["processors"].clone();
+    let orders = main_stage_in_status(&env, pid, "orders").await;
+    assert_eq!(
+        (&orders["processors"], &orders["rate_limit_per_s"]),
+        (&json!(3), &json!(700)),
+        "{orders}"
+    );
+    let users = main_stage_in_status(&env, pid, "users").await;
+    assert_eq!(
+        (&users["processors"], &users["rate_limit_per_s"]),
+        (&users_procs, &json!(0)),
+        "{users}"
+    );
+
+    ctl_ok(
+        &env,
+        &["rate", "11", "--all", "--pipeline", "orders"],
+        &[pid],
+    )
+    .await;
+    ctl_ok(
+        &env,
+        &[
+            "scale",
+            "--processors",
+            "2",
+            "--all",
+            "--pipeline",
+            "orders",
+        ],
+        &[pid],
+    )
+    .await;
+    wait_until(
+        "orders at 2 processors, 11/s",
+        Duration::from_secs(10),
+        || async {
+            let orders = main_stage_in_status(&env, pid, "orders").await;
+            orders["processors"] == 2 && orders["rate_limit_per_s"] == 11
+        },
+    )
+    .await;
+    let users = main_stage_in_status(&env, pid, "users").await;
+    assert_eq!(
+        (&users["processors"], &users["rate_limit_per_s"]),
+        (&users_procs, &json!(0)),
+        "{users}"
+    );
+    let (code, out, err) = env.run_async(&["status"]).await;
+    assert_eq!(code, 0, "{out}\n{err}");
+    let header = out
+        .lines()
+        .find(|l| l.trim_start().starts_with("INSTANCE") && l.contains("PIPELINE"))
+        .unwrap_or_else(|| panic!("no stage table:\n{out}"));
+    assert!(header.trim_end().ends_with("PROCS  LIMIT/S"), "{out}");
+    let me = format!("{}:{pid}", host());
+    let row = |stage: &str| -> Vec<String> {
+        out.lines()
+            .map(|l| l.split_whitespace().map(String::from).collect::<Vec<_>>())
+            .find(|t| t.first() == Some(&me) && t.get(1).map(String::as_str) == Some(stage))
+            .unwrap_or_else(|| panic!("no {stage} row:\n{out}"))
+    };
+    assert_eq!(row("orders/main")[9..], ["2", "11"], "{out}");
+    assert_eq!(
+        row("users/main")[9..],
+        [users_procs.to_string(), "off".to_string()],
+        "{out}"
+    );
+}

@@ -278,7 +278,7 @@ fn render(
                 let mut t = table(
                     &[
                         "INSTANCE", "PIPELINE", "RECEIVED", "INSERTED", "RECV/S", "INS/S",
-                        "RETRIED", "DEAD", "INSERTS",
+                        "RETRIED", "DEAD", "INSERTS", "PROCS", "LIMIT/S",
                     ],
                     2,
                 );
@@ -399,9 +399,10 @@ fn instance_json(listed: &Listed) -> serde_json::Value {
     }
 }
 
-/// Each instance's per-stage lines (instance, stage, its counters), from its record's `stages`;
-/// empty when every instance runs only users' stages (`main`, `dlq`), whose counts are the
-/// instance's own.
+/// Each instance's per-stage lines (instance, stage, its counters, its processors and rate
+/// limit), from its record's `stages`; empty when every instance runs only users' stages
+/// (`main`, `dlq`), whose counts are the instance's own, at the instance's processors and rate
+/// limit (a pipeline's own `ctl scale` / `rate --pipeline` shows them).
 fn pipeline_rows(list: &[Listed]) -> Vec<Vec<String>> {
     let mut rows = Vec::new();
     let mut configured = false;
@@ -409,6 +410,16 @@ fn pipeline_rows(list: &[Listed]) -> Vec<Vec<String>> {
         let instance = format!("{}:{}", safe(&i.host), i.pid);
         for (stage, c) in &i.stages {
             configured |= stage != "users/main" && stage != "users/dlq";
+            // 0 processors: a record of a warren before the stages published them.
+            let known = c.processors > 0;
+            configured |= known
+                && (c.processors != i.processors as u64
+                    || c.rate_limit_per_s != i.rate_limit_per_s);
+            let (procs, limit) = match (known, c.rate_limit_per_s) {
+                (false, _) => ("-".to_string(), "-".to_string()),
+                (true, 0) => (c.processors.to_string(), "off".to_string()),
+                (true, n) => (c.processors.to_string(), n.to_string()),
+            };
             rows.push(vec![
                 instance.clone(),
                 safe(stage),
@@ -422,6 +433,8 @@ fn pipeline_rows(list: &[Listed]) -> Vec<Vec<String>> {
                     0 => "-".into(),
                     n => n.to_string(),
                 },
+                procs,
+                limit,
             ]);
         }
     }

@@ -385,6 +385,9 @@ pub fn start<D: Domain>(
         copies: copies.clone(),
     };
     let chunks = pipeline.processors(spec.processors);
+    crate::metrics::stage(&pipeline.id)
+        .rate_limit_per_s
+        .store(spec.rate_limit_per_s, std::sync::atomic::Ordering::Relaxed);
 
     // The broker link.
     let config = ConsumerConfig {
@@ -463,6 +466,10 @@ impl Pipeline {
             })
             .unzip();
         *self.drains.lock().unwrap_or_else(|p| p.into_inner()) = drains;
+        // What the registry publishes of the stage (`warren status`).
+        crate::metrics::stage(&self.id)
+            .processors
+            .store(n.max(1) as u64, std::sync::atomic::Ordering::Relaxed);
         chunks
     }
 
@@ -473,6 +480,9 @@ impl Pipeline {
             return Err(OutOfRange::Rate(per_s));
         }
         self.consumer.do_send(consumer::SetRate { per_s });
+        crate::metrics::stage(&self.id)
+            .rate_limit_per_s
+            .store(per_s, std::sync::atomic::Ordering::Relaxed);
         Ok(())
     }
 

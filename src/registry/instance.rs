@@ -316,6 +316,8 @@ impl Registry {
                     received_per_s: round(r),
                     inserted_per_s: round(i),
                     concurrency: s.concurrency.load(Relaxed),
+                    processors: s.processors.load(Relaxed),
+                    rate_limit_per_s: s.rate_limit_per_s.load(Relaxed),
                 };
                 (name.to_string(), counts)
             })

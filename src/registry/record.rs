@@ -70,6 +70,13 @@ pub struct StageCounts {
     pub inserted_per_s: f64,
     /// Batch inserts in flight at most; 0 for a stage that does not batch-insert (yet).
     pub concurrency: u64,
+    /// Its processors and rate limit (messages per second, 0 = none), each pipeline's own: from
+    /// its spec at start, then `warren ctl scale` / `rate` (with or without `--pipeline`).
+    /// Absent in the records of a warren before them (read as 0).
+    #[serde(default)]
+    pub processors: u64,
+    #[serde(default)]
+    pub rate_limit_per_s: u32,
 }
 
 /// A pipeline an instance runs: what `status`, `ctl`, `dlq` and `events` need to know of it
