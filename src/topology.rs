@@ -42,6 +42,17 @@ pub struct Queue {
     pub name: String,
     /// Queue arguments (`x-message-ttl`, `x-dead-letter-*`, `x-queue-type`, ...).
     pub arguments: BTreeMap<String, Arg>,
+    /// What names it and its TTL, so that the advice on a drift names what to change.
+    pub named_by: NamedBy,
+}
+
+/// Where the configuration gives a queue's name and TTL.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum NamedBy {
+    /// The built-in users pipeline: the settings `MAIN_QUEUE`, `RETRY_QUEUE`, `RETRY_TTL_MS`, ...
+    Settings,
+    /// A file's `[[pipelines]]` entry of this name: its own keys (`pipelines.orders.retry_queue`).
+    Entry(String),
 }
 
 impl Queue {
@@ -243,6 +254,11 @@ impl Topology {
             .next()
             .ok_or_else(|| TopologyError::Template("no retry tier".into()))?;
         let others: Vec<Template> = tiers.collect();
+        let named_by = if p.builtin {
+            NamedBy::Settings
+        } else {
+            NamedBy::Entry(p.name.clone())
+        };
         let mut queues = Vec::new();
         for (i, q) in first.queues.into_iter().enumerate() {
             let repeat = q.per_retry_tier;
@@ -266,7 +282,11 @@ impl Topology {
                 if arguments.get("x-delivery-limit") == Some(&Arg::Int(0)) {
                     arguments.remove("x-delivery-limit");
                 }
-                queues.push(Queue { name, arguments });
+                queues.push(Queue {
+                    name,
+                    arguments,
+                    named_by: named_by.clone(),
+                });
             }
         }
         let mut bindings = Vec::new();
@@ -631,14 +651,31 @@ fn advise_queue(q: &Queue, drift: &mut Drift) {
         }
         return;
     }
-    drift.hint = match arg {
-        "x-message-ttl" => "for the TTL: with one retry queue, set RETRY_TTL_MS to the existing \
-                            value; with retry tiers (RETRY_TTLS_MS) a tier queue's name carries \
-                            its TTL, so give RETRY_QUEUE another base name"
-            .into(),
-        "x-delivery-limit" if is_dlq => "set DLQ_DELIVERY_LIMIT to the existing value".into(),
-        "x-delivery-limit" => "set DELIVERY_LIMIT to the existing value".into(),
-        _ => "point the *_QUEUE / *_EXCHANGE settings at objects that match".into(),
+    // The TTL and the names are the pipeline's own: the users pipeline's settings, or the keys
+    // of a file's entry (review R35e F9: a file's pipeline was told to change RETRY_TTL_MS and
+    // RETRY_QUEUE, the users pipeline's).
+    drift.hint = match (arg, &q.named_by) {
+        ("x-message-ttl", NamedBy::Settings) => {
+            "for the TTL: with one retry queue, set RETRY_TTL_MS to the existing value; with \
+             retry tiers (RETRY_TTLS_MS) a tier queue's name carries its TTL, so give \
+             RETRY_QUEUE another base name"
+                .into()
+        }
+        ("x-message-ttl", NamedBy::Entry(p)) => format!(
+            "for the TTL: the retry queues of pipeline {p} are named in its entry, each tier's after \
+             its TTL: give pipelines.{p}.retry_queue another base name, or set \
+             pipelines.{p}.retry_ttls_ms to the TTLs it should have (without it, RETRY_TTLS_MS, \
+             else RETRY_TTL_MS apply)"
+        ),
+        ("x-delivery-limit", _) if is_dlq => "set DLQ_DELIVERY_LIMIT to the existing value".into(),
+        ("x-delivery-limit", _) => "set DELIVERY_LIMIT to the existing value".into(),
+        (_, NamedBy::Settings) => {
+            "point the *_QUEUE / *_EXCHANGE settings at objects that match".into()
+        }
+        (_, NamedBy::Entry(p)) => format!(
+            "point the names in the entry of pipeline {p} (pipelines.{p}.main_queue, retry_queue, \
+             dlq_queue, main_exchange, retry_exchange, dlx_exchange) at objects that match"
+        ),
     };
 }
 

@@ -846,3 +846,56 @@ async fn a_renamed_pipelines_tombstone_table_is_named_and_kept() {
         .get(0);
     assert_eq!(moved, 3);
 }
+
+/// A drifted queue of a file's pipeline is advised in the keys of that pipeline's entry
+/// (`pipelines.orders.retry_queue`, `retry_ttls_ms`), not the users pipeline's settings
+/// (review R35e F9: the advice said `RETRY_TTL_MS` and `RETRY_QUEUE` for any pipeline).
+#[tokio::test(flavor = "multi_thread")]
+async fn a_drifted_queue_of_a_files_pipeline_is_advised_in_its_entrys_keys() {
+    let env = TestEnv::new("decl_entry_drift").await;
+    let names = PipelineNames::of(&env, "orders");
+    let _cleanup = names.cleanup();
+    create_orders_table(&env).await;
+    // Its 1 s retry tier, created by someone else with a TTL of 5 s.
+    let mut args = FieldTable::default();
+    args.insert("x-message-ttl".into(), AMQPValue::LongInt(5000));
+    args.insert(
+        "x-dead-letter-exchange".into(),
+        long_string(&names.exchange),
+    );
+    args.insert(
+        "x-dead-letter-routing-key".into(),
+        long_string(&names.queue),
+    );
+    env.channel
+        .queue_declare(
+            names.retry.as_str().into(),
+            QueueDeclareOptions {
+                durable: true,
+                ..Default::default()
+            },
+            args,
+        )
+        .await
+        .expect("declare the drifted retry tier");
+    let file = ConfigFile::new(&orders_toml(&names, ""));
+    let (code, out, err) = env.run_async(&["--config", file.at(), "declare"]).await;
+    assert_ne!(
+        code, 0,
+        "declare succeeded over a drifted queue:\n{out}\n{err}"
+    );
+    assert!(
+        err.contains(&format!(
+            "queue {} exists with x-message-ttl = 5000, but warren declares x-message-ttl = 1000",
+            names.retry
+        )),
+        "{err}"
+    );
+    assert!(
+        err.contains("pipelines.orders.retry_queue")
+            && err.contains("pipelines.orders.retry_ttls_ms")
+            && !err.contains("set RETRY_TTL_MS")
+            && !err.contains("give RETRY_QUEUE"),
+        "the advice names the users pipeline's settings:\n{err}"
+    );
+}

@@ -81,6 +81,30 @@ fn every_pipeline_renders_its_own_names_and_tiers() {
     );
     assert_eq!(t.exchanges.len(), 6);
     assert_eq!(t.bindings.len(), 3 + 4);
+    // A drift of a file's pipeline is advised in its entry's own keys, not the users
+    // pipeline's settings (review R35e F9); users' queues keep theirs.
+    let d = drift_of(orders, "x-message-ttl", "5000", "1000");
+    assert!(
+        d.hint.contains("pipelines.orders.retry_queue")
+            && d.hint.contains("pipelines.orders.retry_ttls_ms")
+            && !d.hint.contains("set RETRY_TTL_MS")
+            && !d.hint.contains("give RETRY_QUEUE"),
+        "{}",
+        d.hint
+    );
+    let d = drift_of(
+        &t.queues[3],
+        "x-dead-letter-exchange",
+        "elsewhere",
+        "orders_dlx",
+    );
+    assert!(
+        d.hint.contains("pipelines.orders.main_queue") && !d.hint.contains("*_QUEUE"),
+        "{}",
+        d.hint
+    );
+    let d = drift_of(&t.queues[1], "x-message-ttl", "5000", "10000");
+    assert!(d.hint.contains("set RETRY_TTL_MS"), "{}", d.hint);
     // One pipeline alone, as `warren run --pipelines orders` declares it.
     let orders = s.pipeline("orders").unwrap();
     let alone = Topology::of(orders, Queues::of(&s)).unwrap();
