@@ -1016,3 +1016,39 @@ fn a_columns_default_or_check_that_cannot_hold_is_named_at_its_line() {
         ],
     );
 }
+
+/// A file named by `WARREN_CONFIG` is named so in its errors, not as `--config` (review R35e F2:
+/// a user who never typed `--config` was told to look at it); `--config` keeps its name.
+#[test]
+fn a_file_from_warren_config_is_named_by_that_variable() {
+    let missing = "/nonexistent/warren.toml";
+    let (code, err) = config(&[("WARREN_CONFIG", missing)], &[]);
+    assert_refused(
+        "WARREN_CONFIG",
+        (code, err.clone()),
+        &[&format!("WARREN_CONFIG={missing}: ")],
+    );
+    assert!(!err.contains("--config"), "{err}");
+    let file = ConfigFile::new("[[pipelines]\n");
+    let (code, err) = config(&[("WARREN_CONFIG", file.at())], &[]);
+    assert_refused(
+        "WARREN_CONFIG, no TOML",
+        (code, err.clone()),
+        &[&format!("WARREN_CONFIG={}: ", file.at())],
+    );
+    assert!(!err.contains("--config"), "{err}");
+    assert_refused(
+        "--config",
+        config(&[], &["--config", missing]),
+        &[&format!("--config {missing}: ")],
+    );
+    // Both given: the flag wins, and is named.
+    assert_refused(
+        "--config over WARREN_CONFIG",
+        config(
+            &[("WARREN_CONFIG", "/elsewhere.toml")],
+            &["--config", missing],
+        ),
+        &[&format!("--config {missing}: ")],
+    );
+}

@@ -40,6 +40,9 @@ pub struct Cli {
     #[arg(long, global = true, value_name = "PATH", env = "WARREN_CONFIG",
           value_parser = clap::builder::ValueParser::os_string())]
     pub config: Option<std::ffi::OsString>,
+    /// Whether `config` came from `WARREN_CONFIG` rather than `--config`: its errors say which.
+    #[arg(skip)]
+    pub config_from_env: bool,
     /// Override a setting, KEY=VALUE (repeatable); wins over the file and the environment.
     #[arg(long = "set", global = true, value_name = "KEY=VALUE")]
     pub set: Vec<String>,
@@ -144,12 +147,18 @@ impl Cli {
         let matches = command()
             .try_get_matches()
             .unwrap_or_else(|e| exit_with(&e));
-        Self::from_arg_matches(&matches).unwrap_or_else(|e| exit_with(&e))
+        let mut cli = Self::from_arg_matches(&matches).unwrap_or_else(|e| exit_with(&e));
+        cli.config_from_env =
+            matches.value_source("config") == Some(clap::parser::ValueSource::EnvVariable);
+        cli
     }
 
     /// Where the settings come from (the file, the environment, `--set` and named flags).
     pub fn sources(&self) -> Result<Sources, ConfigError> {
         let mut sources = Sources::new(self.config_file()).with_set_flags(&self.set)?;
+        if self.config_from_env {
+            sources.file_named_by = crate::config::FileNamedBy::Env;
+        }
         if let Command::Run(args) = &self.command
             && let Some(roles) = &args.roles
         {

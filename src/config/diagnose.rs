@@ -101,11 +101,12 @@ enum Unreadable {
 }
 
 impl FileText {
-    /// Reads the file; an unreadable one or one that is no TOML is an error naming it (the TOML
-    /// parser's words give the line and column).
-    pub fn read(path: &Path) -> Result<Self, ConfigError> {
+    /// Reads the file; an unreadable one or one that is no TOML is an error naming it as it was
+    /// given (`named_by`; the TOML parser's words give the line and column).
+    pub fn read(path: &Path, named_by: super::FileNamedBy) -> Result<Self, ConfigError> {
         let file_error = |reason: String| ConfigError::File {
             path: path.to_path_buf(),
+            named_by,
             reason,
         };
         let text = read_regular(path).map_err(|e| file_error(e.to_string()))?;

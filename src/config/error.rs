@@ -163,9 +163,14 @@ pub enum ConfigError {
     /// A `--set` flag that is not `KEY=VALUE`.
     #[error("--set {0}: expected KEY=VALUE, for example --set users_batch_size=500")]
     BadFlag(String),
-    /// The file given with `--config` could not be read.
-    #[error("--config {path}: {reason}")]
-    File { path: PathBuf, reason: String },
+    /// The file given with `--config` or `WARREN_CONFIG` (`named_by`, as the error names it)
+    /// could not be read.
+    #[error("{}: {reason}", named_by.naming(path))]
+    File {
+        path: PathBuf,
+        named_by: super::FileNamedBy,
+        reason: String,
+    },
     /// A `[[pipelines]]` entry that does not compile (its text names the pipeline and column).
     #[error("{0}")]
     Pipeline(String),

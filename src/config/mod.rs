@@ -25,7 +25,7 @@ pub use error::{ConfigError, Origin, closest};
 pub use rules::sample_values;
 use rules::{Rule, check, suggest};
 pub use rules::{list_entries, listen_addr};
-pub use sources::{Sources, environment_help, file_origin, origins};
+pub use sources::{FileNamedBy, Sources, environment_help, file_origin, origins};
 use sources::{check_warren_env, env_name_of, parse_raw, setting_of_env};
 pub use values::{
     Balance, LogFormat, MAX_RETRY_TIERS, QueueType, RetryTier, RetryTtls, Role, Roles, humanize_ms,
@@ -392,7 +392,11 @@ impl Settings {
             check_warren_env()?;
         }
         let mut figment = Figment::from(Toml::string(default_settings_toml()));
-        let file = sources.file.as_deref().map(FileText::read).transpose()?;
+        let file = sources
+            .file
+            .as_deref()
+            .map(|path| FileText::read(path, sources.file_named_by))
+            .transpose()?;
         if let Some(file) = &file {
             file.check_keys()?;
             figment = figment.merge(Toml::string(&file.text));

@@ -10,11 +10,34 @@ use super::diagnose::FileText;
 use super::error::closest;
 use super::{ConfigError, DEFAULT_TOML, Origin, RULES, Rule, redact_url};
 
+/// How the configuration file was named, which its errors say: a user who set
+/// `WARREN_CONFIG` never typed `--config`.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub enum FileNamedBy {
+    /// `--config PATH`.
+    #[default]
+    Flag,
+    /// The environment variable `WARREN_CONFIG`.
+    Env,
+}
+
+impl FileNamedBy {
+    /// `--config PATH` or `WARREN_CONFIG=PATH`, as the user gave it.
+    pub fn naming(self, path: &Path) -> String {
+        match self {
+            FileNamedBy::Flag => format!("--config {}", path.display()),
+            FileNamedBy::Env => format!("WARREN_CONFIG={}", path.display()),
+        }
+    }
+}
+
 /// Where settings come from, besides the shipped defaults and the environment.
 #[derive(Debug, Default, Clone)]
 pub struct Sources {
-    /// A TOML file layered over the defaults (`--config PATH`).
+    /// A TOML file layered over the defaults (`--config PATH` or `WARREN_CONFIG`).
     pub file: Option<PathBuf>,
+    /// Which of the two named it, for its errors.
+    pub file_named_by: FileNamedBy,
     /// CLI overrides, `key -> raw value` (from `--set` and named flags); they win over all.
     pub overrides: BTreeMap<String, String>,
     /// Whether to read the process environment (tests turn it off to stay hermetic).
@@ -33,6 +56,7 @@ impl Sources {
     pub fn new(file: Option<PathBuf>) -> Self {
         Self {
             file,
+            file_named_by: FileNamedBy::Flag,
             overrides: BTreeMap::new(),
             use_env: true,
             given: BTreeMap::new(),
@@ -222,7 +246,7 @@ pub fn origins(sources: &Sources) -> Result<Origins, ConfigError> {
 /// `["pipelines", "1", "columns", "total", "max"]`), for `warren config --origin`: `file PATH,
 /// line N`; `None` when the file does not have that very key (the value is then a default).
 pub fn file_origin(sources: &Sources, path: &[String]) -> Option<String> {
-    let file = FileText::read(sources.file.as_deref()?).ok()?;
+    let file = FileText::read(sources.file.as_deref()?, sources.file_named_by).ok()?;
     let table: toml::Table = file.text.parse().ok()?;
     let (first, rest) = path.split_first()?;
     rest.iter()
