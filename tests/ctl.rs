@@ -1189,3 +1189,36 @@ async fn status_shows_each_pipelines_processors_and_rate_limit() {
         "{out}"
     );
 }
+
+/// `--host HOST:PID`, as `warren status` shows an instance, addresses that one instance (review
+/// R35e F4: it was refused as a host of that name); a live instance of the same host that it
+/// does not name is not addressed, and one that matches none is refused naming the live ones.
+#[tokio::test(flavor = "multi_thread")]
+async fn host_colon_pid_addresses_one_instance() {
+    let (env, _cleanup) = env_for("ctl_host_pid").await;
+    let warren = env.start(&["--roles", "consumer"]);
+    let _logs = LogsOnPanic(vec![warren.log.clone()]);
+    let pid = warren.pid();
+    wait_running(&env, pid).await;
+    // Another instance of this host, that would be addressed by `--host HOST` (no process: it
+    // would never answer).
+    let other = pid as u32 + 100_000;
+    let queued = register_record(&env, &fake_record(&host(), other, "consumer")).await;
+    let me = format!("{}:{pid}", host());
+    ctl_ok(&env, &["pause", "--host", &me], &[pid]).await;
+    wait_record_field(&env, pid, "status", "paused").await;
+    let left: i64 = redis_query(&env, redis::cmd("LLEN").arg(&queued)).await;
+    assert_eq!(left, 0, "a command went to {}:{other}", host());
+    let (code, out, err) = env
+        .run_async(&["ctl", "resume", "--host", &format!("{}:1", host())])
+        .await;
+    assert_eq!(code, 1, "{out}\n{err}");
+    assert!(
+        err.contains(&format!("no live instance {}:1; live on", host()))
+            && err.contains(&me)
+            && err.contains(&format!("{}:{other}", host())),
+        "{err}"
+    );
+    ctl_ok(&env, &["resume", "--host", &me], &[pid]).await;
+    wait_running(&env, pid).await;
+}

@@ -34,8 +34,9 @@ pub struct Args {
 #[derive(Debug, Clone, clap::Args)]
 #[group(required = true, multiple = false)]
 pub struct Target {
-    /// Every live instance on this host.
-    #[arg(long, value_name = "HOST")]
+    /// Every live instance on this host, or one instance as `warren status` shows it
+    /// (HOST:PID).
+    #[arg(long, value_name = "HOST[:PID]")]
     pub host: Option<String>,
     /// Every live instance of the deployment (REDIS_PREFIX).
     #[arg(long)]
@@ -202,11 +203,13 @@ pub async fn execute(settings: &Settings, args: Args) -> anyhow::Result<i32> {
             bail!("--pipeline: {}", safe(&unknown.to_string()));
         }
     }
-    let addressed: Vec<&InstanceRecord> = records
-        .iter()
-        .copied()
-        .filter(|i| target.all || Some(&i.host) == target.host.as_ref())
-        .collect();
+    let addressed: Vec<&InstanceRecord> = match &target.host {
+        None => records.clone(),
+        Some(given) => {
+            let at = Address::of(given, &records);
+            records.iter().copied().filter(|i| at.is(i)).collect()
+        }
+    };
     // A command on pipelines skips the instances that run none (an API-only instance of the
     // split deployment the README shows), said once each: sent, it came back refused, and every
     // `ctl pause --all` of that deployment exited 1 (review R35e F15).
@@ -236,10 +239,7 @@ pub async fn execute(settings: &Settings, args: Args) -> anyhow::Result<i32> {
     let chosen: Vec<(String, u32)> = runs.keys().cloned().collect();
     if chosen.is_empty() {
         match &target.host {
-            Some(h) => bail!(
-                "no live instance on host {} (see `warren status`)",
-                safe(&format!("{h:?}"))
-            ),
+            Some(given) => bail!("{}", Address::of(given, &records).none_live(&records)),
             None => bail!(
                 "no live instance registered under REDIS_PREFIX {:?} (Redis at {} answers): \
                  start one with `warren run`, or set REDIS_PREFIX to the deployment's",
@@ -389,6 +389,60 @@ pub async fn execute(settings: &Settings, args: Args) -> anyhow::Result<i32> {
         );
     }
     Ok(if all_ok { 0 } else { 1 })
+}
+
+/// What `--host` names: every instance of a host, or one instance as `warren status` shows it
+/// (`HOST:PID`; review R35e F4: that was refused as a host named `vm:20740`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Address {
+    Host(String),
+    Instance(String, u32),
+}
+
+impl Address {
+    /// `given` as a host, when a live instance runs on a host of that very name (or it has no
+    /// `:PID`); else `HOST:PID`.
+    fn of(given: &str, live: &[&InstanceRecord]) -> Self {
+        if live.iter().any(|i| i.host == given) {
+            return Address::Host(given.to_string());
+        }
+        match given.rsplit_once(':') {
+            Some((host, pid)) if !host.is_empty() => match pid.parse::<u32>() {
+                Ok(pid) => Address::Instance(host.to_string(), pid),
+                Err(_) => Address::Host(given.to_string()),
+            },
+            _ => Address::Host(given.to_string()),
+        }
+    }
+
+    /// Whether it names `instance`.
+    fn is(&self, instance: &InstanceRecord) -> bool {
+        match self {
+            Address::Host(host) => instance.host == *host,
+            Address::Instance(host, pid) => instance.host == *host && instance.pid == *pid,
+        }
+    }
+
+    /// Why no live instance is addressed, and the live ones of that host if there are any.
+    fn none_live(&self, live: &[&InstanceRecord]) -> String {
+        let (what, host) = match self {
+            Address::Host(host) => (format!("on host {host:?}"), host),
+            Address::Instance(host, pid) => (format!("{host}:{pid}"), host),
+        };
+        let there: Vec<String> = live
+            .iter()
+            .filter(|i| i.host == *host)
+            .map(|i| format!("{}:{}", i.host, i.pid))
+            .collect();
+        let others = if there.is_empty() {
+            String::new()
+        } else {
+            format!("; live on {host:?}: {}", there.join(", "))
+        };
+        safe(&format!(
+            "no live instance {what}{others} (see `warren status`)"
+        ))
+    }
 }
 
 /// How long an instance has to answer a command, beside a reload's drain.
@@ -573,6 +627,36 @@ async fn history(
 mod tests {
     use super::*;
     use crate::registry::record::tests::sample;
+
+    #[test]
+    fn host_names_a_host_or_one_instance_as_status_shows_it() {
+        let on = |host: &str, pid: u32| InstanceRecord {
+            host: host.into(),
+            pid,
+            ..sample()
+        };
+        let (a, b, odd) = (on("vm", 7), on("vm", 8), on("db:9", 1));
+        let live = [&a, &b, &odd];
+        assert_eq!(Address::of("vm", &live), Address::Host("vm".into()));
+        assert_eq!(
+            Address::of("vm:7", &live),
+            Address::Instance("vm".into(), 7)
+        );
+        // A host whose name looks like HOST:PID is a host.
+        assert_eq!(Address::of("db:9", &live), Address::Host("db:9".into()));
+        assert_eq!(Address::of("vm:x", &live), Address::Host("vm:x".into()));
+        assert_eq!(Address::of(":7", &live), Address::Host(":7".into()));
+        let vm7 = Address::of("vm:7", &live);
+        assert!(vm7.is(&a) && !vm7.is(&b));
+        assert_eq!(
+            Address::of("vm:9", &live).none_live(&live),
+            "no live instance vm:9; live on \"vm\": vm:7, vm:8 (see `warren status`)"
+        );
+        assert_eq!(
+            Address::of("elsewhere", &live).none_live(&live),
+            "no live instance on host \"elsewhere\" (see `warren status`)"
+        );
+    }
 
     #[test]
     fn a_reload_waits_for_the_longest_drain_of_the_instances_it_addresses() {
