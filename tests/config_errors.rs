@@ -1052,3 +1052,52 @@ fn a_file_from_warren_config_is_named_by_that_variable() {
         &[&format!("--config {missing}: ")],
     );
 }
+
+/// An invalid value in a child table's column is placed at that column's line, and the error
+/// names the pipeline, the child table and the column (review R35e F6: it was placed at the
+/// child's `table =` line); a bound an int4 child column cannot hold is refused as a parent
+/// column's is (it was accepted).
+#[test]
+fn a_bad_value_in_a_child_tables_column_is_placed_at_the_column() {
+    for (sku, words) in [
+        (
+            "sku = { path = \"/sku\", type = \"text\", min_len = 5, max_len = 2 }",
+            vec![
+                "pipeline orders",
+                "children.order_items",
+                "columns.sku",
+                "min_len 5 is above max_len 2",
+            ],
+        ),
+        (
+            "sku = { path = \"/sku\", type = \"text\", pattern = \"((\" }",
+            vec!["children.order_items", "columns.sku", "pattern"],
+        ),
+        (
+            "sku = { path = \"/sku\", type = \"int4\", max = 99999999999 }",
+            vec![
+                "pipelines.orders.children.0.columns.sku.max",
+                "child table order_items",
+                "a number an int4 column can hold",
+            ],
+        ),
+    ] {
+        let child = format!(
+            "\n[[pipelines.children]]\ntable = \"order_items\"\nrows = \"/items\"\n\
+             key = [\"order_id\", \"line\"]\n[pipelines.children.columns]\n\
+             order_id = {{ parent = \"order_id\" }}\nline = {{ index = true }}\n{sku}\n"
+        );
+        let file = ConfigFile::new(&format!("{}{child}", orders("")));
+        let path = file.path().display().to_string();
+        let text = std::fs::read_to_string(file.path()).expect("the file");
+        let line = text
+            .lines()
+            .position(|l| l.starts_with("sku ="))
+            .expect("the sku line")
+            + 1;
+        let at = format!("{path}, line {line}: ");
+        let mut parts = vec![at.as_str()];
+        parts.extend(words);
+        assert_refused(sku, config(&[], &["--config", &path]), &parts);
+    }
+}

@@ -804,12 +804,34 @@ impl<'a> Entry<'a> {
     /// be reached. The error names the pipeline, the column and the key, at its line.
     fn check_bounds(&self) -> Result<(), ConfigError> {
         use crate::domain::mapping::ColType;
-        for (column, spec) in &self.p.columns {
-            for (key, bound) in [("min", spec.min), ("max", spec.max)] {
+        let parent = self.p.columns.iter().map(|(column, spec)| {
+            (
+                format!("columns.{column}"),
+                None,
+                spec.min,
+                spec.max,
+                Some(spec.ty),
+            )
+        });
+        // A child table's columns too, named with their child table (review R35e F6: an int4
+        // child column's `max = 1e11` was accepted).
+        let children = self.p.children.iter().enumerate().flat_map(|(i, child)| {
+            child.columns.iter().map(move |(column, spec)| {
+                (
+                    format!("children.{i}.columns.{column}"),
+                    Some(child.table.as_str()),
+                    spec.min,
+                    spec.max,
+                    spec.ty,
+                )
+            })
+        });
+        for (at, child, min, max, ty) in parent.chain(children) {
+            for (key, bound) in [("min", min), ("max", max)] {
                 let Some(bound) = bound else { continue };
-                let range = match spec.ty {
-                    ColType::Int4 => Some((f64::from(i32::MIN), f64::from(i32::MAX), "int4")),
-                    ColType::Int8 => Some((i64::MIN as f64, i64::MAX as f64, "int8")),
+                let range = match ty {
+                    Some(ColType::Int4) => Some((f64::from(i32::MIN), f64::from(i32::MAX), "int4")),
+                    Some(ColType::Int8) => Some((i64::MIN as f64, i64::MAX as f64, "int8")),
                     _ => None,
                 };
                 let expected = if !bound.is_finite() {
@@ -824,14 +846,21 @@ impl<'a> Entry<'a> {
                 } else {
                     None
                 };
-                if let Some(expected) = expected {
-                    return Err(self.refuse_with(
-                        &format!("columns.{column}.{key}"),
-                        Source::Entry,
-                        expected,
-                        format!("{bound}"),
-                    ));
-                }
+                let Some(expected) = expected else { continue };
+                let field = format!("{at}.{key}");
+                let got = format!("{bound}");
+                let Some(table) = child else {
+                    return Err(self.refuse_with(&field, Source::Entry, expected, got));
+                };
+                let error = ConfigError::Invalid {
+                    setting: format!("pipelines.{}.{field} (child table {table})", self.p.name),
+                    expected,
+                    got,
+                };
+                return Err(match self.index {
+                    Some(index) => on_entry(index, &field, error),
+                    None => error,
+                });
             }
         }
         Ok(())

@@ -590,10 +590,12 @@ impl Mapping {
         for (n, child) in spec.children.iter().enumerate() {
             let c = children::Child::compile(n, child, &table, &columns, &key, version, tombstones)
                 .map_err(|problem| {
-                    err_at(
-                        &["children", &n.to_string()],
-                        format!("children.{}: {problem}", child.table),
-                    )
+                    // Placed at the key at fault within the child's entry (a column's line),
+                    // not the child's first line (review R35e F6).
+                    let n = n.to_string();
+                    let mut field = vec!["children", n.as_str()];
+                    field.extend(problem.field.iter().map(String::as_str));
+                    err_at(&field, format!("children.{}: {problem}", child.table))
                 })?;
             if let Some(first) = c.first_field() {
                 fields.insert(first.to_string());
