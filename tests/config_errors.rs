@@ -1101,3 +1101,40 @@ fn a_bad_value_in_a_child_tables_column_is_placed_at_the_column() {
         assert_refused(sku, config(&[], &["--config", &path]), &parts);
     }
 }
+
+/// Each value of a file is checked on its own, but a rule across settings is checked on the
+/// effective values: a file whose `min_concurrency` only fits under a `--set max_concurrency`
+/// starts with it and stops without it (exit 2, at the file's line). docs/configuration.md says
+/// so and shows warren's very words (review R35e F10: it said "a file is valid on its own, so
+/// taking an override away never turns a running configuration into one that does not start").
+#[test]
+fn a_rule_across_settings_is_checked_on_the_effective_values_as_documented() {
+    let file = ConfigFile::new("min_concurrency = 10\nbalance = \"auto\"\n");
+    let (code, _, err) = config_out(&[], &["--config", file.at(), "--set", "max_concurrency=12"]);
+    assert_eq!(code, 0, "{err}");
+    let (code, err) = config(&[], &["--config", file.at()]);
+    assert_eq!(code, 2, "{err}");
+    let said = err
+        .lines()
+        .find(|l| l.starts_with("warren: "))
+        .unwrap_or_else(|| panic!("no error line:\n{err}"))
+        .replace(file.at(), "warren.toml");
+    assert_eq!(
+        said,
+        "warren: warren.toml, line 1: min_concurrency (pipeline users): expected at most \
+         MAX_CONCURRENCY (8), got 10"
+    );
+    let docs = std::fs::read_to_string(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/docs/configuration.md"
+    ))
+    .expect("docs/configuration.md");
+    assert!(
+        docs.lines().any(|l| l == said),
+        "docs/configuration.md does not show {said:?}"
+    );
+    assert!(
+        !docs.contains("never turns a running\nconfiguration into one that does not start"),
+        "docs/configuration.md still says a file is valid on its own whatever the overrides"
+    );
+}

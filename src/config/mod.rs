@@ -454,9 +454,10 @@ impl Settings {
                 diagnose::place(e, sources, file.as_ref(), suggest(key, rule, &value))
             })?;
         }
-        // The file's own values, also those the environment or a flag overrides: a file is
-        // valid on its own, so taking the override away never turns a running configuration
-        // into one that does not start (and a mistake in it is not silently carried along).
+        // The file's own values, also those the environment or a flag overrides: each value
+        // of a file is valid on its own (a mistake in it is not silently carried along). The
+        // rules across settings are checked on the effective values only, below: taking an
+        // override away may still break one of them (docs/configuration.md, "Layers").
         if let Some(file) = &file {
             check_overridden(sources, file)?;
         }
