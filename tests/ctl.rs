@@ -1222,3 +1222,57 @@ async fn host_colon_pid_addresses_one_instance() {
     ctl_ok(&env, &["resume", "--host", &me], &[pid]).await;
     wait_running(&env, pid).await;
 }
+
+/// A mixed deployment, one instance with CONTROL_SECRET and one without: each says what it did
+/// (review R35e F5). `ctl` with the secret: the one without applies the signed command as any
+/// other and its unsigned outcome is shown as its own, marked unverified, with a note on
+/// stderr (it read as a forgery, "no signed answer", exit 1, while the command had been
+/// applied); `ctl` without it: the signed one refuses, the other applies.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_mixed_deployment_says_per_instance_what_each_did() {
+    let (mut env, _cleanup) = env_for("ctl_mixed").await;
+    env.set("CONTROL_SECRET", SECRET);
+    let signed = env.start(&["--roles", "consumer"]);
+    env.set("CONTROL_SECRET", "");
+    env.set("METRICS_ADDR", format!("127.0.0.1:{}", free_port()));
+    let open = env.start(&["--roles", "consumer"]);
+    let _logs = LogsOnPanic(vec![signed.log.clone(), open.log.clone()]);
+    let (s, o) = (signed.pid(), open.pid());
+    wait_running(&env, s).await;
+    wait_running(&env, o).await;
+    assert_eq!(instance(&env, s).await["signed_commands"], true);
+    assert_eq!(instance(&env, o).await["signed_commands"], false);
+    let (sh, oh) = (format!("{}:{s}", host()), format!("{}:{o}", host()));
+
+    let (code, out, err) = ctl_with_secret(&env, &["pause", "--all"], Some(SECRET)).await;
+    assert_eq!(code, 0, "{out}\n{err}");
+    assert!(
+        out.lines().any(|l| l == format!("{sh}  pause  executed")),
+        "{out}"
+    );
+    assert!(
+        out.lines().any(|l| l
+            == format!(
+                "{oh}  pause  executed (unverified: this instance runs without CONTROL_SECRET)"
+            )),
+        "{out}"
+    );
+    assert!(
+        err.contains(&format!("{oh} runs without CONTROL_SECRET"))
+            && err.contains("set the deployment's CONTROL_SECRET"),
+        "{err}"
+    );
+    wait_record_field(&env, s, "status", "paused").await;
+    wait_record_field(&env, o, "status", "paused").await;
+
+    let (code, out, err) = ctl_with_secret(&env, &["resume", "--all"], None).await;
+    assert_eq!(code, 1, "{out}\n{err}");
+    assert!(
+        out.contains(&format!("{sh}  resume  failed: refused: unsigned command"))
+            && out.lines().any(|l| l == format!("{oh}  resume  executed")),
+        "{out}"
+    );
+    assert!(err.contains("CONTROL_SECRET is not set here"), "{err}");
+    wait_record_field(&env, o, "status", "running").await;
+    assert_eq!(instance(&env, s).await["status"], "paused");
+}

@@ -8,7 +8,7 @@
 //! cannot be read is named, not addressed); `--pipeline` must name a pipeline a live instance
 //! runs or the configuration names.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::time::{Duration, Instant};
 
 use anyhow::bail;
@@ -289,12 +289,24 @@ pub async fn execute(settings: &Settings, args: Args) -> anyhow::Result<i32> {
         queued.insert((host.clone(), *pid), (key, json));
     }
 
+    // A mixed deployment: instances without CONTROL_SECRET apply a signed command as any
+    // other, and record outcomes that cannot be verified; with a secret here, those are shown
+    // as theirs, marked unverified (review R35e F5: they read as forgeries, "no signed answer",
+    // exit 1, while the command had been applied).
+    let open: BTreeSet<(String, u32)> = runners
+        .iter()
+        .filter(|i| secret.is_some() && i.signed_commands == Some(false))
+        .map(|i| (i.host.clone(), i.pid))
+        .collect();
+
     // Wait for every chosen instance to record its outcome.
     let deadline = Instant::now() + wait;
     let mut answers = Answers::default();
     while answers.answered.len() < chosen.len() && Instant::now() < deadline {
         tokio::time::sleep(Duration::from_millis(200)).await;
-        answers.read(&mut redis, &keys, &command.id, secret).await;
+        answers
+            .read(&mut redis, &keys, &command.id, secret, &open)
+            .await;
     }
     // A copy no instance answered is withdrawn while it is still queued, so it is never applied
     // after `ctl` gave up on it (review R35e F7: one was applied 150 s later, behind a backlog);
@@ -316,7 +328,9 @@ pub async fn execute(settings: &Settings, args: Args) -> anyhow::Result<i32> {
     }
     // What was taken may have been answered in the meantime.
     if fates.values().any(|f| *f != Unanswered::Withdrawn) {
-        answers.read(&mut redis, &keys, &command.id, secret).await;
+        answers
+            .read(&mut redis, &keys, &command.id, secret, &open)
+            .await;
     }
     let Answers {
         answered: outcomes,
@@ -324,24 +338,39 @@ pub async fn execute(settings: &Settings, args: Args) -> anyhow::Result<i32> {
     } = answers;
     let mut all_ok = true;
     let (mut unsigned, mut bad_signature) = (false, false);
+    // The instances whose outcome is shown unverified because they run without a secret.
+    let mut unprotected: Vec<String> = Vec::new();
     for (host, pid) in &chosen {
         let key = (host.clone(), *pid);
         let host = safe(host);
+        let unverified = |o: &CtlOutcome| secret.is_some_and(|s| !o.verifies(s));
         let line = match outcomes.get(&key) {
             // A reload says what it changed.
-            Some(o) if o.outcome == "executed" => match (&o.detail, asked) {
-                (Some(detail), Command::Reload) => {
-                    format!("{host}:{pid}  {name}  executed: {}", safe(detail))
+            Some(o) if o.outcome == "executed" => {
+                let mark = if unverified(o) {
+                    unprotected.push(format!("{host}:{pid}"));
+                    UNVERIFIED_OPEN
+                } else {
+                    ""
+                };
+                match (&o.detail, asked) {
+                    (Some(detail), Command::Reload) => {
+                        format!("{host}:{pid}  {name}  executed{mark}: {}", safe(detail))
+                    }
+                    _ => format!("{host}:{pid}  {name}  executed{mark}"),
                 }
-                _ => format!("{host}:{pid}  {name}  executed"),
-            },
+            }
             Some(o) => {
                 all_ok = false;
                 let error = o.error.as_deref().unwrap_or("?");
                 unsigned |= error.starts_with(REFUSED_UNSIGNED);
                 bad_signature |= error.starts_with(REFUSED_BAD_SIGNATURE);
                 let mark = match secret {
-                    Some(s) if !o.verifies(s) => {
+                    Some(_) if unverified(o) && open.contains(&key) => {
+                        unprotected.push(format!("{host}:{pid}"));
+                        UNVERIFIED_OPEN
+                    }
+                    Some(_) if unverified(o) => {
                         " (this outcome is not signed with CONTROL_SECRET here)"
                     }
                     _ => "",
@@ -381,6 +410,26 @@ pub async fn execute(settings: &Settings, args: Args) -> anyhow::Result<i32> {
         eprintln!(
             "warren: refused: the instance requires signed commands and CONTROL_SECRET is not set here; \
              run `warren ctl` with the deployment's CONTROL_SECRET"
+        );
+    }
+    if !unprotected.is_empty() {
+        eprintln!(
+            "warren: {} run{} without CONTROL_SECRET: {} any command from whoever can write to \
+             Redis, signed or not, and {} outcomes cannot be verified; set the deployment's \
+             CONTROL_SECRET on {}",
+            unprotected.join(", "),
+            if unprotected.len() == 1 { "s" } else { "" },
+            if unprotected.len() == 1 {
+                "it applies"
+            } else {
+                "they apply"
+            },
+            if unprotected.len() == 1 {
+                "its"
+            } else {
+                "their"
+            },
+            if unprotected.len() == 1 { "it" } else { "them" },
         );
     }
     if bad_signature {
@@ -445,6 +494,9 @@ impl Address {
     }
 }
 
+/// How the outcome of an instance that runs without CONTROL_SECRET is marked by a `ctl` with one.
+const UNVERIFIED_OPEN: &str = " (unverified: this instance runs without CONTROL_SECRET)";
+
 /// How long an instance has to answer a command, beside a reload's drain.
 const ANSWER_WITHIN: Duration = Duration::from_secs(15);
 
@@ -501,8 +553,17 @@ struct Answers {
 }
 
 impl Answers {
-    /// Reads the newest 500 entries of the history for outcomes of command `id`.
-    async fn read(&mut self, redis: &mut Redis, keys: &Keys, id: &str, secret: Option<&str>) {
+    /// Reads the newest 500 entries of the history for outcomes of command `id`. `open`: the
+    /// instances whose records say they run without CONTROL_SECRET, whose unsigned outcomes
+    /// are theirs to give (shown unverified), not forgeries.
+    async fn read(
+        &mut self,
+        redis: &mut Redis,
+        keys: &Keys,
+        id: &str,
+        secret: Option<&str>,
+        open: &BTreeSet<(String, u32)>,
+    ) {
         let recent: Vec<String> = redis
             .query(redis::cmd("LRANGE").arg(keys.history()).arg(0).arg(499))
             .await
@@ -512,7 +573,9 @@ impl Answers {
                 && o.id == id
             {
                 let key = (o.host.clone(), o.pid);
-                if secret.is_none_or(|s| o.verifies(s)) {
+                if secret.is_none_or(|s| o.verifies(s))
+                    || (o.signature.is_none() && open.contains(&key))
+                {
                     self.answered.insert(key, o);
                 } else if o.outcome != "executed" {
                     // A refusal under another secret (or a forged failure: at worst a command

@@ -143,6 +143,9 @@ pub struct Registry {
     instance: Instance,
     /// Which remote commands are applied (signatures, freshness, replays).
     guard: Guard,
+    /// Whether CONTROL_SECRET is set (only signed commands applied, outcomes signed), as the
+    /// record publishes it.
+    signed: bool,
     /// How often the entry is renewed (`REGISTRY_HEARTBEAT_MS`), for whoever drives
     /// [`Registry::heartbeat`].
     heartbeat_every: Duration,
@@ -195,6 +198,7 @@ impl Registry {
             keys: Keys::new(&config.redis.prefix),
             instance,
             guard: Guard::new(&config.control_secret, me),
+            signed: config.secret().is_some(),
             heartbeat_every: config.heartbeat(),
             // The counters start at zero with the process.
             samples: [Sample {
@@ -345,6 +349,7 @@ impl Registry {
                 .sum(),
             rate_limit_per_s: report.rate_limit_per_s,
             shutdown_timeout_ms: Some(i.shutdown_timeout_ms),
+            signed_commands: Some(self.signed),
             breaker,
             received,
             inserted,

@@ -490,6 +490,12 @@ pub struct InstanceRecord {
     /// warren before it (read as `None`).
     #[serde(default)]
     pub shutdown_timeout_ms: Option<u64>,
+    /// Whether it has CONTROL_SECRET: it applies only commands signed for it, and signs its
+    /// outcomes. `false`: it applies any command (a signature is not checked) and its outcomes
+    /// cannot be verified, which `warren ctl` says of it in a mixed deployment; absent in the
+    /// records of a warren before it.
+    #[serde(default)]
+    pub signed_commands: Option<bool>,
     pub breaker: Breaker,
     /// The process's counts from its start.
     pub received: u64,
@@ -595,6 +601,7 @@ pub(crate) mod tests {
             concurrency: 3,
             rate_limit_per_s: 0,
             shutdown_timeout_ms: Some(30_000),
+            signed_commands: Some(false),
             breaker: Breaker::Closed,
             received: 10,
             inserted: 9,
@@ -629,10 +636,12 @@ pub(crate) mod tests {
         // A record of a warren before the shutdown bound was published reads without it.
         let mut older = json.clone();
         older.as_object_mut().unwrap().remove("shutdown_timeout_ms");
+        older.as_object_mut().unwrap().remove("signed_commands");
         assert_eq!(
             InstanceRecord::parse(&older.to_string()),
             Ok(InstanceRecord {
                 shutdown_timeout_ms: None,
+                signed_commands: None,
                 ..r
             })
         );
