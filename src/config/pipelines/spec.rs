@@ -930,10 +930,16 @@ fn is_broker_name(name: &str) -> bool {
 /// pipeline: a delete's tombstone is its pipeline's own (`tombstones_<pipeline>`), and the
 /// other pipeline's writes never look there, so an older write of a deleted key through it
 /// brought the row back, the delete lost (review R36f F11). Both sources can feed one pipeline
-/// instead (bind both to its queue). Tables are told apart by their name as written, with
-/// `public.` taken for the unqualified name.
+/// instead (bind both to its queue). Tables are told apart by their names, an unqualified
+/// one taken in `DATABASE_SCHEMA` (the search path of warren's sessions).
 fn check_shared_tables(settings: &Settings, specs: &[PipelineSpec]) -> Result<(), ConfigError> {
-    let normal = |t: &str| t.strip_prefix("public.").unwrap_or(t).to_string();
+    // An unqualified name is the table of that name in `DATABASE_SCHEMA`, the one schema
+    // warren's sessions search (review R38i F1: `orders` beside `shop.orders` with
+    // `DATABASE_SCHEMA=shop` passed the check, and a deleted row came back).
+    let normal = |t: &str| match t.contains('.') {
+        true => t.to_string(),
+        false => format!("{}.{t}", settings.database_schema),
+    };
     let writes = |spec: &PipelineSpec| -> Vec<String> {
         std::iter::once(&spec.mapping.table)
             .chain(spec.mapping.children.iter().map(|c| &c.table))

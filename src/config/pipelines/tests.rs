@@ -692,8 +692,36 @@ order_id = {{ path = "/id", type = "uuid" }}
     .expect_err("a child table written by another pipeline");
     assert!(
         e.to_string()
-            .contains("table items, written by pipelines orders and imports"),
+            .contains("table public.items, written by pipelines orders and imports"),
         "{e}"
+    );
+    // An unqualified name is the table of DATABASE_SCHEMA (public by default), the one warren's
+    // sessions search: the same table as `public.orders`, another than `shop.orders`
+    // (review R38i F1).
+    assert!(
+        load(&format!(
+            "{}{}",
+            with_delete("orders", "public.orders", ""),
+            plain("imports", "orders")
+        ))
+        .is_err(),
+        "orders and public.orders are one table"
+    );
+    load(&format!(
+        "{}{}",
+        with_delete("orders", "shop.orders", ""),
+        plain("imports", "orders")
+    ))
+    .expect("shop.orders is another table than public.orders");
+    // With DATABASE_SCHEMA = shop, `orders` is shop.orders.
+    assert!(
+        load(&format!(
+            "database_schema = \"shop\"\n{}{}",
+            with_delete("orders", "shop.orders", ""),
+            plain("imports", "orders")
+        ))
+        .is_err(),
+        "orders is shop.orders under DATABASE_SCHEMA = shop"
     );
     // Without deletes, two pipelines may share a table.
     load(&format!(
