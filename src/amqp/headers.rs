@@ -190,17 +190,19 @@ pub fn origin<'a>(
     routing_key: &'a str,
 ) -> (std::borrow::Cow<'a, str>, std::borrow::Cow<'a, str>) {
     use std::borrow::Cow;
-    let Some(headers) = properties.headers().as_ref().map(|h| h.inner()) else {
+    let Some(table) = properties.headers().as_ref() else {
         return (Cow::Borrowed(exchange), Cow::Borrowed(routing_key));
     };
+    let headers = table.inner();
     let string = |v: &AMQPValue| match v {
         AMQPValue::LongString(_) | AMQPValue::ShortString(_) => Some(value_text(v)),
         _ => None,
     };
-    if let Some(ex) = headers.get(X_WARREN_EXCHANGE).and_then(string) {
-        let rk = headers
-            .get(X_WARREN_ROUTING_KEY)
-            .and_then(string)
+    // warren's own stamps, wherever the parser left them (in the raw rest of a table past its
+    // budget too).
+    let stamp = |name: &str| header(table, name).ok().flatten().and_then(|v| string(&v));
+    if let Some(ex) = stamp(X_WARREN_EXCHANGE) {
+        let rk = stamp(X_WARREN_ROUTING_KEY)
             .map(Cow::Owned)
             .unwrap_or(Cow::Borrowed(routing_key));
         return (Cow::Owned(ex), rk);
@@ -381,8 +383,10 @@ pub fn valid_traceparent(text: &str) -> bool {
 
 /// A header value as readable text (for logs, `dlq inspect` and the parked table).
 pub fn text(properties: &BasicProperties, key: &str) -> Option<String> {
-    let value = properties.headers().as_ref()?.inner().get(key)?;
-    Some(value_text(value))
+    // Wherever the parser left it: past its budget too (review R38i F4: `dlq inspect` showed no
+    // kind for a copy whose own stamps were in the raw rest, and `replay --kind` skipped it).
+    let value = header(properties.headers().as_ref()?, key).ok()??;
+    Some(value_text(&value))
 }
 
 /// An AMQP value as text.
@@ -715,6 +719,34 @@ mod tests {
             header(&raw_table(lossy), "x-\u{FFFD}b").map(|v| v.is_some()),
             Ok(true)
         );
+    }
+
+    /// Review R38i F4: warren's own stamps on a copy of a message past the budget are in the
+    /// raw rest; the DLQ tools read them there (`text`, `origin`).
+    #[test]
+    fn warrens_stamps_in_the_raw_rest_are_read_there() {
+        let stamp = |key: &str, value: &[u8]| {
+            [
+                &[key.len() as u8][..],
+                key.as_bytes(),
+                b"S",
+                &(value.len() as u32).to_be_bytes(),
+                value,
+            ]
+            .concat()
+        };
+        let raw = [
+            stamp(X_ERROR_KIND, b"retries_exhausted"),
+            stamp(X_WARREN_EXCHANGE, b"shop"),
+            stamp(X_WARREN_ROUTING_KEY, b"orders"),
+        ]
+        .concat();
+        let mut h = FieldTable::default();
+        h.insert(UNPARSED_KEY.into(), parsing::unparsed_entries(raw));
+        let p = BasicProperties::default().with_headers(h);
+        assert_eq!(text(&p, X_ERROR_KIND).as_deref(), Some("retries_exhausted"));
+        let (ex, rk) = origin(&p, "dlx", "dlq");
+        assert_eq!((ex.as_ref(), rk.as_ref()), ("shop", "orders"));
     }
 
     #[test]
