@@ -345,18 +345,7 @@ async fn bodies_whose_parks_fail_are_given_back_within_the_brokers_consumer_time
         .set("AMQP_URL", &url)
         .set("AMQP_CONSUMER_TIMEOUT_MS", TIMEOUT_MS.to_string());
     c.env.declare();
-    c.env
-        .db
-        .batch_execute(
-            "CREATE FUNCTION refuse_big() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN \
-               IF octet_length(NEW.body) > 1500000 THEN \
-                 RAISE EXCEPTION 'test: body too large for parking'; \
-               END IF; RETURN NEW; END $$; \
-             CREATE TRIGGER refuse_big BEFORE INSERT ON dead_letters \
-               FOR EACH ROW EXECUTE FUNCTION refuse_big()",
-        )
-        .await
-        .expect("the trigger refusing big parks");
+    refuse_big_parks(&c.env).await;
     let sizes = [2usize << 20, 300 << 10, (300 << 10) + 1];
     for (i, size) in sizes.iter().enumerate() {
         let properties = lapin::BasicProperties::default()

@@ -597,17 +597,7 @@ async fn a_body_parking_refuses_in_one_pipeline_does_not_hold_the_permit_from_an
     let names = PipelineNames::of(&env, "orders");
     let _cleanup = names.cleanup();
     let file = orders_pipeline(&env, &names, "").await;
-    env.db
-        .batch_execute(
-            "CREATE FUNCTION refuse_big() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN \
-               IF octet_length(NEW.body) > 1500000 THEN \
-                 RAISE EXCEPTION 'test: body too large for parking'; \
-               END IF; RETURN NEW; END $$; \
-             CREATE TRIGGER refuse_big BEFORE INSERT ON dead_letters \
-               FOR EACH ROW EXECUTE FUNCTION refuse_big()",
-        )
-        .await
-        .expect("the trigger refusing big parks");
+    refuse_big_parks(&env).await;
     let unparkable = huge_body(2 << 20, b'z');
     env.publish_raw(&unparkable, labelled("big-users")).await;
     let mut warren = env.start(&["--config", file.at(), "--roles", "consumer"]);
@@ -1184,17 +1174,7 @@ async fn one_body_parking_refuses_then_five(
     env: &TestEnv,
     publish_five: bool,
 ) -> (Vec<u8>, Vec<Vec<u8>>) {
-    env.db
-        .batch_execute(
-            "CREATE FUNCTION refuse_big() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN \
-               IF octet_length(NEW.body) > 1500000 THEN \
-                 RAISE EXCEPTION 'test: body too large for parking'; \
-               END IF; RETURN NEW; END $$; \
-             CREATE TRIGGER refuse_big BEFORE INSERT ON dead_letters \
-               FOR EACH ROW EXECUTE FUNCTION refuse_big()",
-        )
-        .await
-        .expect("the trigger refusing big parks");
+    refuse_big_parks(env).await;
     let unparkable = huge_body(2 << 20, b'z');
     env.publish_raw(&unparkable, labelled("big-0")).await;
     let parkable: Vec<Vec<u8>> = (1..=5)

@@ -377,3 +377,20 @@ pub async fn terminate_backends(ports: &[i32]) -> usize {
     .filter(|row| row.get::<_, bool>(0))
     .count()
 }
+
+/// A trigger on the env's `dead_letters` refusing every park of a body over 1.5 MB (drop it
+/// with `DROP TRIGGER refuse_big ON dead_letters`): bodies parking refuses, beside bodies it
+/// takes.
+pub async fn refuse_big_parks(env: &TestEnv) {
+    env.db
+        .batch_execute(
+            "CREATE FUNCTION refuse_big() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN \
+               IF octet_length(NEW.body) > 1500000 THEN \
+                 RAISE EXCEPTION 'test: body too large for parking'; \
+               END IF; RETURN NEW; END $$; \
+             CREATE TRIGGER refuse_big BEFORE INSERT ON dead_letters \
+               FOR EACH ROW EXECUTE FUNCTION refuse_big()",
+        )
+        .await
+        .expect("the trigger refusing big parks");
+}
