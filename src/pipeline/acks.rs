@@ -8,10 +8,14 @@
 //! waiting out a requeue backoff) must not hold the settled ones behind it: they count against
 //! the prefetch window, which fills, and the broker stops delivering. So when the front has been
 //! held across a watchdog tick ([`Acker::tick`]), or more is settled behind it than the happy
-//! path ever has there (half the window, and more than all but one batch of it), the settled
-//! deliveries behind it are acked one by one (`basic.ack multiple=false`). On the happy path
-//! (batches commit within milliseconds, at most `batchers - 1` batches ahead of the front)
-//! neither happens and the acks stay ordered multi-acks.
+//! path ever has there (half the window, and more than all but one batch of it, but never the
+//! whole window: [`release_point`]), the settled deliveries behind it are acked one by one
+//! (`basic.ack multiple=false`). On the happy path (batches commit within milliseconds, at most
+//! `batchers - 1` batches ahead of the front) neither happens and the acks stay ordered
+//! multi-acks. A delivery the consumer holds aside for long (a body over `MAX_MESSAGE_BYTES`
+//! waiting for its turn: [`Acker::aside`]) is not waited for at all: what settles behind it is
+//! acked one by one at once (review R38i F1: behind one such body, the window filled and waited
+//! for the next tick, one window a second, 6,000 users in 18 to 36 s instead of 0.5).
 //!
 //! Acks are not confirmed in AMQP. While a copy the fallback stage republished waits for proof
 //! that the broker handled its original's ack (`copies.rs`), the executor follows the acks it
@@ -62,6 +66,9 @@ enum Work {
 enum State {
     /// Not settled yet.
     Open,
+    /// Not settled yet, and held for long by the consumer ([`Acker::aside`]): what settles
+    /// behind it is acked one by one at once.
+    Aside,
     /// Settled with Ack; its ack not sent yet (a multi-ack from the front will cover it).
     Ack,
     /// Its operation was sent on its own (a requeue, or a single ack): no multi-ack may name it.
@@ -116,8 +123,25 @@ impl AckTracker {
     pub fn held_front(&self) -> Option<u64> {
         self.outstanding
             .front()
-            .filter(|(_, state)| *state == State::Open)
+            .filter(|(_, state)| matches!(state, State::Open | State::Aside))
             .map(|(tag, _)| *tag)
+    }
+
+    /// Whether the front is a delivery held aside ([`AckTracker::aside`]).
+    pub fn front_aside(&self) -> bool {
+        self.outstanding
+            .front()
+            .is_some_and(|(_, state)| *state == State::Aside)
+    }
+
+    /// Marks an unsettled delivery as held aside for long: it is settled later like any other,
+    /// but nothing settled behind it waits for it. Unknown or settled tags are ignored.
+    pub fn aside(&mut self, tag: u64) {
+        if let Ok(i) = self.outstanding.binary_search_by_key(&tag, |(t, _)| *t)
+            && self.outstanding[i].1 == State::Open
+        {
+            self.outstanding[i].1 = State::Aside;
+        }
     }
 
     /// Settles `tag` and appends the operations that become possible to `ops`.
@@ -126,7 +150,7 @@ impl AckTracker {
         let Ok(i) = self.outstanding.binary_search_by_key(&tag, |(t, _)| *t) else {
             return;
         };
-        if self.outstanding[i].1 != State::Open {
+        if !matches!(self.outstanding[i].1, State::Open | State::Aside) {
             return;
         }
         match disposition {
@@ -142,7 +166,7 @@ impl AckTracker {
         let mut ack_to = None;
         while let Some((t, state)) = self.outstanding.front().copied() {
             match state {
-                State::Open => break,
+                State::Open | State::Aside => break,
                 State::Ack => {
                     ack_to = Some(t);
                     self.waiting -= 1;
@@ -192,10 +216,14 @@ pub fn coalesce(ops: Vec<Op>) -> Vec<Op> {
 /// window of 4,096 (the byte budget's cut) had three batches acked one by one each time the
 /// oldest committed last (the balance bench); at `batchers - 1` batches, four batchers of 200
 /// gave about 13 acks a batch (a review).
+/// Never more than the window less the front: behind a held front no more can settle before the
+/// broker stops delivering, and a point past it left the release to the next watchdog tick,
+/// one window a second (review R38i F1: a window of 192 under 2 batchers of 1,000).
 pub fn release_point(window: u16, batchers: usize, batch_size: usize) -> usize {
     let others = batchers.saturating_sub(1).saturating_mul(batch_size);
     let ahead = others.max(usize::from(window).saturating_sub(batch_size));
-    usize::from(window / 2).max(ahead + 1)
+    let point = usize::from(window / 2).max(ahead + 1);
+    point.min(usize::from(window).saturating_sub(1)).max(1)
 }
 
 /// The acks of one channel generation: the tracker, and the task that executes its operations
@@ -257,14 +285,27 @@ impl Acker {
         }
     }
 
-    /// Settles deliveries and sends the operations that became possible; with half the window
-    /// settled behind a held front, those are acked one by one.
+    /// A delivery the consumer holds aside for long, unsettled (a body over `MAX_MESSAGE_BYTES`
+    /// waiting for its turn): what settles behind it is acked one by one at once, never held
+    /// for it. Its own settlement comes later as any other's.
+    pub fn aside(&mut self, tag: u64) {
+        self.tracker.aside(tag);
+        if self.tracker.front_aside() {
+            let mut ops = Vec::new();
+            self.tracker.release(&mut ops);
+            self.send(ops);
+        }
+    }
+
+    /// Settles deliveries and sends the operations that became possible; past the release
+    /// point settled behind a held front, or behind a delivery held aside, those are acked
+    /// one by one.
     pub fn settle(&mut self, items: &[(u64, Disposition)]) {
         let mut ops = Vec::new();
         for (tag, disposition) in items {
             self.tracker.settle(*tag, *disposition, &mut ops);
         }
-        if self.tracker.waiting() >= self.release_at {
+        if self.tracker.waiting() >= self.release_at || self.tracker.front_aside() {
             self.tracker.release(&mut ops);
         }
         self.send(ops);
@@ -526,10 +567,55 @@ mod tests {
         assert_eq!(release_point(4000, 2, 1000), 3001);
         // The byte budget's cap under 4 batchers: three whole batches may be ahead.
         assert_eq!(release_point(4096, 4, 1000), 3097);
-        // A window smaller than the batchers' batches: their batches decide.
-        assert_eq!(release_point(1000, 8, 500), 3501);
+        // A window smaller than the batchers' batches: all of it but the front (no more can
+        // settle behind a held front; review R38i F1: past it, one window a tick).
+        assert_eq!(release_point(1000, 8, 500), 999);
+        assert_eq!(release_point(192, 2, 1000), 191);
         // A window smaller than a batch: half of it.
         assert_eq!(release_point(100, 1, 1000), 50);
+        // A window of one: its one delivery.
+        assert_eq!(release_point(1, 2, 1000), 1);
+    }
+
+    /// Review R38i F1: behind a delivery held aside (a body over the limit waiting for its
+    /// turn), what settles is acked one by one at once, whatever the release point; the
+    /// aside one settles later as any other.
+    #[test]
+    fn what_settles_behind_a_delivery_held_aside_is_acked_at_once() {
+        let mut t = tracker(5);
+        let mut ops = Vec::new();
+        t.settle(2, Disposition::Ack, &mut ops);
+        t.aside(1);
+        assert!(t.front_aside());
+        assert_eq!(t.held_front(), Some(1));
+        t.release(&mut ops);
+        assert_eq!(ops, [Op::AckOne(2)]);
+        ops.clear();
+        // A front settling in front of an aside one: the multi-ack stops before it.
+        let mut t = tracker(5);
+        t.aside(3);
+        assert!(!t.front_aside());
+        t.settle(1, Disposition::Ack, &mut ops);
+        assert_eq!(ops, [Op::AckUpTo(1)]);
+        t.settle(4, Disposition::Ack, &mut ops);
+        t.settle(2, Disposition::Ack, &mut ops);
+        assert_eq!(ops, [Op::AckUpTo(1), Op::AckUpTo(2)]);
+        assert!(t.front_aside());
+        ops.clear();
+        t.release(&mut ops);
+        assert_eq!(ops, [Op::AckOne(4)]);
+        // The aside one settles (given back): nothing acked twice, the rest goes on.
+        ops.clear();
+        t.settle(3, Disposition::Requeue, &mut ops);
+        t.settle(5, Disposition::Ack, &mut ops);
+        assert_eq!(ops, [Op::Requeue(3), Op::AckUpTo(5)]);
+        assert!(t.is_empty());
+        // Marking a settled or unknown tag changes nothing.
+        let mut t = tracker(2);
+        t.settle(1, Disposition::Ack, &mut ops);
+        t.aside(1);
+        t.aside(9);
+        assert!(!t.front_aside());
     }
 
     #[test]

@@ -44,6 +44,10 @@ pub struct ProxyState {
     consume_ok_delay_ms: AtomicU64,
     /// Local ports of the live upstream connections: PostgreSQL's `client_port` for them.
     upstream_ports: Mutex<HashSet<u16>>,
+    /// When not zero, a connection that has passed this many bytes from the server stops
+    /// there (mid-frame, a body half-received), until [`TcpProxy::release`]: a link that
+    /// stalls while a big message arrives.
+    stall_past: watch::Sender<u64>,
 }
 
 impl TcpProxy {
@@ -67,6 +71,7 @@ impl TcpProxy {
             holds: Mutex::new(Vec::new()),
             consume_ok_delay_ms: AtomicU64::new(0),
             upstream_ports: Mutex::new(HashSet::new()),
+            stall_past: watch::Sender::new(0),
         });
         let accept = tokio::spawn({
             let state = state.clone();
@@ -175,8 +180,16 @@ impl TcpProxy {
         self.state.consume_ok_delay_ms.store(ms, Ordering::SeqCst);
     }
 
-    /// Ends every hold: what the server sent meanwhile reaches the client, in order.
+    /// Every connection that has passed (or passes) `bytes` from the server stops there, in
+    /// the middle of whatever frame it carries, until [`TcpProxy::release`]: a big body that
+    /// begins arriving and stalls (a link slow under its load).
+    pub fn stall_past(&self, bytes: u64) {
+        self.state.stall_past.send_replace(bytes);
+    }
+
+    /// Ends every hold and stall: what the server sent meanwhile reaches the client, in order.
     pub fn release(&self) {
+        self.state.stall_past.send_replace(0);
         for hold in self.state.holds.lock().unwrap().iter() {
             hold.held.send_replace(false);
             hold.held_up.send_replace(false);
@@ -244,6 +257,7 @@ impl ProxyState {
             held,
             bytes: &bytes_down,
             consume_ok_delay,
+            stall_past: self.stall_past.subscribe(),
         };
         let up = Up { held_up, opening };
         tokio::select! {
@@ -294,6 +308,37 @@ struct Down<'a> {
     bytes: &'a AtomicU64,
     /// Delay of each AMQP `basic.consume-ok` (the stream is then read frame by frame).
     consume_ok_delay: Option<std::time::Duration>,
+    /// [`ProxyState::stall_past`].
+    stall_past: watch::Receiver<u64>,
+}
+
+impl Down<'_> {
+    /// Writes `bytes` to the client, stopping at the stall point while one is set.
+    async fn write(
+        &mut self,
+        to: &mut (impl AsyncWriteExt + Unpin),
+        mut bytes: &[u8],
+    ) -> std::io::Result<()> {
+        while !bytes.is_empty() {
+            let passed = self.bytes.load(Ordering::Relaxed);
+            let limit = *self.stall_past.borrow_and_update();
+            let room = match limit {
+                0 => bytes.len(),
+                limit => (limit.saturating_sub(passed) as usize).min(bytes.len()),
+            };
+            if room == 0 {
+                // The sender dropped means the proxy is going away: pass on.
+                if self.stall_past.changed().await.is_err() {
+                    self.stall_past = watch::Sender::new(0).subscribe();
+                }
+                continue;
+            }
+            to.write_all(&bytes[..room]).await?;
+            self.bytes.fetch_add(room as u64, Ordering::Relaxed);
+            bytes = &bytes[room..];
+        }
+        Ok(())
+    }
 }
 
 /// Passes bytes both ways until both sides have ended or one fails, as
@@ -336,8 +381,7 @@ async fn pass(
             // The sender dropped means the proxy is going away: pass on.
             let _ = down.held.wait_for(|h| !*h).await;
             let Some(delay) = down.consume_ok_delay else {
-                to_client.write_all(&buf[..n]).await?;
-                down.bytes.fetch_add(n as u64, Ordering::Relaxed);
+                down.write(&mut to_client, &buf[..n]).await?;
                 continue;
             };
             pending.extend_from_slice(&buf[..n]);
@@ -352,8 +396,7 @@ async fn pass(
                 if pending[0] == 1 && size >= 4 && pending[7..11] == [0, 60, 0, 21] {
                     tokio::time::sleep(delay).await;
                 }
-                to_client.write_all(&pending[..end]).await?;
-                down.bytes.fetch_add(end as u64, Ordering::Relaxed);
+                down.write(&mut to_client, &pending[..end]).await?;
                 pending.drain(..end);
             }
         }

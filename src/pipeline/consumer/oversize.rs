@@ -470,7 +470,17 @@ impl Consumer {
         if let Some(aside) = self.oversize.aside() {
             aside.push(tag, identity);
         }
+        self.ack_around(tag);
         true
+    }
+
+    /// A delivery of the current channel is held aside: its acker acks what settles behind it
+    /// at once, one by one, never waiting for it (review R38i F1: the window filled behind it
+    /// and waited for the watchdog's tick, the pipeline some 50 times slower).
+    fn ack_around(&mut self, tag: u64) {
+        if let Some(acker) = self.linked().and_then(|l| l.acker.as_mut()) {
+            acker.aside(tag);
+        }
     }
 
     /// Deliveries over the limit were held aside (`set_aside`): they fill the broker's window
@@ -635,6 +645,7 @@ impl Consumer {
             return;
         };
         aside.push(held, identity);
+        self.ack_around(held);
         // The backoff of the parks failed in a row (as the router's requeues grow): whichever
         // body takes the next turn, parks that keep failing never make a hot loop.
         let wait = crate::pipeline::router::requeue_backoff(self.park_streak);

@@ -88,6 +88,13 @@ impl Handler<Cancel> for Consumer {
             self.oversize_stopping();
             // Whatever the limiter holds goes onwards now, ahead of the drain marker.
             self.release(ctx);
+            // A subscription without a body limit that has delivered nothing yet (its body not
+            // begun, or still arriving: a body of 100 MiB takes seconds, more on a slow link)
+            // is not waited for: cancelled, and its stream taken as ended now. What still
+            // arrives on it is left to the broker, which has it back when the channel closes
+            // (review R38i F3: a stop waited for such a body, then for its park, to
+            // SHUTDOWN_TIMEOUT_MS and an exit 1).
+            let lifted = self.oversize.lifted() && self.inflight == 0;
             // The subscription stays recorded, so its end (`Event::Ended`) answers the waiters.
             match &self.link {
                 Link::Up(linked) if linked.channel.status().connected() => {
@@ -103,7 +110,11 @@ impl Handler<Cancel> for Consumer {
                             // goes on with the stop without it. (Left `Active`, a silent link
                             // held the stop to SHUTDOWN_TIMEOUT_MS and an exit 1.)
                             self.unsubscribe();
+                            if lifted {
+                                self.stream_done(ctx);
+                            }
                         }
+                        Subscription::Cancelling(..) if lifted => self.stream_done(ctx),
                         // Its end (`Event::Ended`) goes on with the stop.
                         Subscription::Cancelling(..) => {}
                         Subscription::None | Subscription::Pending => self.stream_done(ctx),
