@@ -6,6 +6,7 @@
 //! pipeline named `users` replaces it. `spec` resolves each entry once, at load, into its
 //! complete and checked [`PipelineSpec`] ([`resolve`]): what everything else reads.
 
+mod shared;
 mod spec;
 
 use std::collections::BTreeMap;

@@ -4,7 +4,7 @@
 //! here: the ranges of an entry's numbers, min <= max concurrency, the batch's minimum wait
 //! within its timeout, auto's thresholds, the
 //! prefetch and its cap, the rate against the consumer timeout, the retry queues' names, names
-//! shared by two pipelines, and the inserts the pipelines that run always hold against the
+//! and tables shared by two pipelines (`shared.rs`), and the inserts the pipelines that run always hold against the
 //! budget ([`check_budget`], after `warren run --pipelines` kept the ones that run).
 
 use std::collections::HashMap;
@@ -208,8 +208,8 @@ pub fn resolve(settings: &Settings, timeout_at: &Origin) -> Result<Vec<PipelineS
     for (index, p) in settings.pipelines.iter().enumerate() {
         specs.push(Entry::new(settings, p, Some(index), timeout_at).resolve()?);
     }
-    check_shared_names(settings, &specs)?;
-    check_shared_tables(settings, &specs)?;
+    super::shared::check_shared_names(settings, &specs)?;
+    super::shared::check_shared_tables(settings, &specs)?;
     Ok(specs)
 }
 
@@ -237,7 +237,7 @@ pub fn check_budget(
 
 /// An error about the `index`-th entry's `field` (a path in the entry, dot-separated; empty:
 /// the entry as a whole): the loader adds the file and the line.
-fn on_entry(index: usize, field: &str, error: ConfigError) -> ConfigError {
+pub(super) fn on_entry(index: usize, field: &str, error: ConfigError) -> ConfigError {
     ConfigError::Entry {
         index,
         field: field
@@ -924,81 +924,4 @@ fn is_broker_name(name: &str) -> bool {
         && name.len() <= 255
         && !name.starts_with("amq.")
         && !name.chars().any(char::is_control)
-}
-
-/// No table a pipeline with deletes writes (its own or a child table) is written by another
-/// pipeline: a delete's tombstone is its pipeline's own (`tombstones_<pipeline>`), and the
-/// other pipeline's writes never look there, so an older write of a deleted key through it
-/// brought the row back, the delete lost (review R36f F11). Both sources can feed one pipeline
-/// instead (bind both to its queue). Tables are told apart by their names, an unqualified
-/// one taken in `DATABASE_SCHEMA` (the search path of warren's sessions).
-fn check_shared_tables(settings: &Settings, specs: &[PipelineSpec]) -> Result<(), ConfigError> {
-    // An unqualified name is the table of that name in `DATABASE_SCHEMA`, the one schema
-    // warren's sessions search (review R38i F1: `orders` beside `shop.orders` with
-    // `DATABASE_SCHEMA=shop` passed the check, and a deleted row came back).
-    let normal = |t: &str| match t.contains('.') {
-        true => t.to_string(),
-        false => format!("{}.{t}", settings.database_schema),
-    };
-    let writes = |spec: &PipelineSpec| -> Vec<String> {
-        std::iter::once(&spec.mapping.table)
-            .chain(spec.mapping.children.iter().map(|c| &c.table))
-            .map(|t| normal(t))
-            .collect()
-    };
-    for spec in specs.iter().filter(|s| s.mapping.delete.is_some()) {
-        let mine = writes(spec);
-        for other in specs.iter().filter(|o| o.name != spec.name) {
-            let Some(table) = writes(other).into_iter().find(|t| mine.contains(t)) else {
-                continue;
-            };
-            let error = ConfigError::Invalid {
-                setting: format!("pipelines.{}.delete", spec.name),
-                expected: format!(
-                    "deletes in a pipeline whose tables no other pipeline writes: its tombstones \
-                     are its own, and pipeline {}'s writes would not see them (an older write of \
-                     a deleted key would bring its row back); feed both sources to one pipeline \
-                     (bind them to its queue)",
-                    other.name
-                ),
-                got: format!(
-                    "table {table}, written by pipelines {} and {}",
-                    spec.name, other.name
-                ),
-            };
-            let index = settings.pipelines.iter().position(|p| p.name == spec.name);
-            return Err(match index {
-                Some(index) if !spec.builtin => on_entry(index, "delete", error),
-                _ => error,
-            });
-        }
-    }
-    Ok(())
-}
-
-/// No exchange or queue is used by two pipelines, or twice within one (exchanges and queues are
-/// two name spaces of the broker). The error of a file's pipeline is placed at its entry.
-fn check_shared_names(settings: &Settings, specs: &[PipelineSpec]) -> Result<(), ConfigError> {
-    let mut owner: HashMap<(bool, &str), (&str, &'static str)> = HashMap::new();
-    for spec in specs {
-        for (what, name) in spec.names.all() {
-            let key = (what.ends_with("exchange"), name);
-            if let Some((other, other_what)) = owner.get(&key)
-                && (*other != spec.name || *other_what != what)
-            {
-                let error = ConfigError::Invalid {
-                    setting: format!("pipelines.{}.{what}", spec.name),
-                    expected: "a name no other pipeline uses for its exchanges and queues".into(),
-                    got: format!("{name:?}, also the {other_what} of pipeline {other}"),
-                };
-                let index = settings.pipelines.iter().position(|p| p.name == spec.name);
-                return Err(match index {
-                    Some(index) if !spec.builtin => on_entry(index, what, error),
-                    _ => error,
-                });
-            }
-            owner.insert(key, (&spec.name, what));
-        }
-    }
-    Ok(())
 }
