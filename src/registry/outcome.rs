@@ -64,12 +64,16 @@ impl CtlOutcome {
         result: &Result<(), impl std::fmt::Display>,
         at: u64,
     ) -> Self {
+        // What the command carried is outside text (anyone who can write to Redis can send
+        // one): capped as a log line shows it, so the history's lines, and `warren ctl history`,
+        // never grow with it (review R35g F1: an id of 2 MB stored and printed whole).
+        let shown = |text: &str| crate::text::shown(text).into_owned();
         Self {
-            id: command.id.clone(),
-            command: command.command.clone(),
+            id: shown(&command.id),
+            command: shown(&command.command),
             processors: command.processors,
             rate: command.rate,
-            pipeline: command.pipeline.clone(),
+            pipeline: command.pipeline.as_deref().map(shown),
             detail: match (command.min, command.max) {
                 (None, None) => None,
                 (min, max) => Some(
@@ -83,7 +87,7 @@ impl CtlOutcome {
             host: instance.host.to_string(),
             pid: instance.pid,
             outcome: if result.is_ok() { "executed" } else { "failed" }.into(),
-            error: result.as_ref().err().map(ToString::to_string),
+            error: result.as_ref().err().map(|e| shown(&e.to_string())),
             at,
             run: Some(instance.run.to_string()),
             signature: None,

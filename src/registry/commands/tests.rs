@@ -382,6 +382,29 @@ fn numbers_that_are_not_the_commands_own_are_kept_and_signed_but_refused() {
     assert_eq!((o.processors, o.rate), (Some(4), Some(9)), "shown as read");
 }
 
+/// Review R35g F1: a forged command's id, name and pipeline (2 MB, 1 MB) were stored in the
+/// history whole, and `warren ctl history` printed them; capped as a log line shows them.
+#[test]
+fn an_outcome_caps_what_the_command_carried() {
+    let mut c = sample();
+    c.id = "I".repeat(2_000_000);
+    c.command = "pause".repeat(200_000);
+    c.pipeline = Some("p".repeat(100_000));
+    let error = Rejected::from(Refusal::Unsigned);
+    let o = CtlOutcome::of(&c, recorder(), &Err(error), 1);
+    let max = crate::text::SHOWN_MAX;
+    assert!(o.id.len() <= max && o.id.starts_with("III") && o.id.ends_with('…'));
+    assert!(o.command.len() <= max);
+    assert!(o.pipeline.as_deref().is_some_and(|p| p.len() <= max));
+    assert!(o.error.as_deref().is_some_and(|e| e.len() <= max));
+    // A command as `warren ctl` sends it (a UUID id) is recorded as it is.
+    let c = sample();
+    assert_eq!(
+        CtlOutcome::of(&c, recorder(), &Ok::<(), Rejected>(()), 1).id,
+        c.id
+    );
+}
+
 #[test]
 fn outcomes_carry_the_typed_errors_text() {
     let c = sample();
