@@ -916,7 +916,10 @@ async fn beat(env: &TestEnv, pid: i32) -> (String, u64) {
 #[tokio::test(flavor = "multi_thread")]
 async fn a_draining_reload_blocks_no_signal_command_or_heartbeat() {
     let mut env = TestEnv::new("rl_beside").await;
-    env.set("REGISTRY_HEARTBEAT_MS", "300");
+    // The drain lasts until the test lets the lock go: a bound of 20 s ran out on a loaded
+    // machine before the steps below were done (refunds gone, the command not refused).
+    env.set("REGISTRY_HEARTBEAT_MS", "300")
+        .set("SHUTDOWN_TIMEOUT_MS", "120000");
     let fx = Fixture::new(&env, &["orders", "refunds", "audit"]).await;
     let (orders, refunds, audit, path, file) = (
         fx.names(0),
