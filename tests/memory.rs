@@ -1035,6 +1035,64 @@ async fn a_body_held_aside_does_not_slow_the_messages_behind_it() {
     );
 }
 
+/// Review R38j F1: a body whose park always fails took a turn every 0.2 to 2 s at first (the
+/// parks' backoff), and each turn stood its stage still while the body came whole and its park
+/// was tried (0.8 to 3.7 s for 10 to 100 MB): 20,000 small messages behind it drained 2.5 to 6
+/// times slower. Now a failed turn is followed by nine times its length of going on. The same
+/// users drained without the body and behind it, in one test (a body of 64 MiB: a turn of
+/// seconds, the next one half a minute later); the stall made the second two to four times the
+/// first.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_body_whose_park_fails_takes_at_most_a_tenth_of_its_stages_time() {
+    const USERS: usize = 20_000;
+    let env = TestEnv::new("turnduty").await;
+    env.declare();
+    refuse_big_parks(&env).await;
+    let mut warren = env.start(&["--roles", "consumer"]);
+    let _logs = LogsOnPanic(vec![warren.log.clone()]);
+    warren
+        .wait_for_log("the consumer subscribed", " consuming pipeline=")
+        .await;
+    let drain = |n: i64| {
+        let env = &env;
+        async move {
+            let begun = std::time::Instant::now();
+            let ids: HashSet<Uuid> = env.publish_users(USERS).await.into_iter().collect();
+            wait_until("the users stored", Duration::from_secs(180), || async {
+                env.count_rows().await >= n
+            })
+            .await;
+            (begun.elapsed(), ids)
+        }
+    };
+    let (alone, mut ids) = drain(USERS as i64).await;
+    env.publish_raw(&huge_body(64 << 20, b't'), labelled("big-0"))
+        .await;
+    const BACKOFF: &str = "messages go back to their queue after a backoff";
+    wait_until(
+        "the body's first park failed",
+        Duration::from_secs(60),
+        || async { warren.logs().contains(BACKOFF) },
+    )
+    .await;
+    let (behind, more) = drain(2 * USERS as i64).await;
+    ids.extend(more);
+    eprintln!("{USERS} users: {alone:?} alone, {behind:?} behind a body parking refuses");
+    assert_rows_exactly(&env, &ids, Duration::from_secs(30), &|| warren.logs()).await;
+    assert!(
+        behind < alone.mul_f64(1.5) + Duration::from_secs(3),
+        "{USERS} users took {behind:?} behind a body whose park fails, {alone:?} alone; log:\n{}",
+        warren.logs()
+    );
+    warren.terminate_ok(Duration::from_secs(30));
+    assert_eq!(count_of(&env, "SELECT count(*) FROM dead_letters").await, 0);
+    assert_eq!(
+        env.queue_state(&env.main_queue).await,
+        (1, 0),
+        "the body waits"
+    );
+}
+
 /// Review R38d F3: refused bodies larger than `MAX_INFLIGHT_BYTES` (the Deployment sets 32 MiB),
 /// held whole while its park fails, counted against the byte budget: no window beside it ever
 /// opened, and the messages behind it waited as long as parking failed. It is the `M` of the

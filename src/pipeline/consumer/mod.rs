@@ -180,6 +180,10 @@ pub struct Consumer {
     /// Parks of bodies over the limit failed in a row: the backoff before the stage asks for
     /// the permit again (`oversize_rotate`); 0 once one held.
     park_streak: u32,
+    /// When the stage began to stand still for a body's turn (its deliveries settling before the
+    /// permit, the body taken whole, its park): a turn whose park failed is followed by
+    /// [`oversize::TURN_DUTY`] times its length of going on (`oversize_rotate`).
+    turn_since: Option<std::time::Instant>,
     /// `warren_oversize_permit_waiting`, resolved once.
     oversize_gauge: metrics::Gauge,
     /// Answered once the nacks of what was held aside were sent: the next `basic.consume`
@@ -244,6 +248,7 @@ impl Consumer {
             oversize: oversize::Oversize::Limited,
             failed_parks: Default::default(),
             park_streak: 0,
+            turn_since: None,
             oversize_gauge: crate::metrics::oversize_waiting_gauge(&config.stage),
             consume_after: None,
             inflight_bytes_gauge: (crate::metrics::inflight_bytes_gauge(&config.stage), 0),

@@ -36,7 +36,7 @@
 //! on another that waits on it.
 
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use actix::prelude::*;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
@@ -75,6 +75,15 @@ pub(super) const LIFTED_FOR: Duration = Duration::from_secs(10);
 /// (`Aside::take_next`). As long as the held-window watchdog's wait: the broker sends the head
 /// at once, and what comes behind it in this time comes at the broker's speed.
 pub(super) const COLLECT_FOR: Duration = Duration::from_secs(3);
+
+/// How many times as long as a turn whose park failed the stage goes on before it asks for
+/// the permit again, at least: a turn stands the stage still (what it holds settles, the body
+/// comes whole, its park is tried), so a body parking refuses holds its messages for at most a
+/// tenth of the time. The backoff of the parks failed in a row alone (200 ms doubling) gave
+/// turns every 0.2 to 2 s at first, of 0.8 to 3.7 s each for bodies of 10 to 100 MB: the stage
+/// stood still about half of its first 30 s, 20,000 small messages behind one such body drained
+/// 2.5 to 6 times slower (review R38j F1).
+pub(super) const TURN_DUTY: u32 = 9;
 
 /// The process's one permit to hold a body over `MAX_MESSAGE_BYTES`: made once by the
 /// composition root (`app/pipelines.rs`), handed to every stage with its links
@@ -163,6 +172,15 @@ pub(super) const ASIDE_MAX: usize = 1024;
 /// The most bodies whose failed parks a stage remembers (by [`identity`]); past it, it forgets
 /// them all (the order of turns starts again from the oldest).
 const FAILED_PARKS_MAX: usize = 4 * ASIDE_MAX;
+
+/// How long a stage goes on after a turn of `turn` whose park failed, the `streak`-th in a
+/// row, before it asks for the permit again: the parks' backoff, and at least [`TURN_DUTY`]
+/// times the turn (at most 10 minutes: a body's turn never waits longer than that).
+fn turn_wait(streak: u32, turn: Option<Duration>) -> Duration {
+    let backoff = crate::pipeline::router::requeue_backoff(streak);
+    let duty = turn.map_or(Duration::ZERO, |t| t.saturating_mul(TURN_DUTY));
+    backoff.max(duty.min(Duration::from_secs(600)))
+}
 
 impl Oversize {
     /// Whether a body was given back and the stage is on its way to take it whole: nothing
@@ -266,6 +284,10 @@ impl Consumer {
              hold such a body is this stage's, they come back one at a time, whole, to be parked"
         );
         self.earned = super::window::Earned::default();
+        if matches!(self.oversize, Oversize::Limited) {
+            // A turn begins: the stage stands still until what it holds settled.
+            self.turn_since = Some(Instant::now());
+        }
         match &mut self.oversize {
             Oversize::Holding { given_back, .. } => *given_back = true,
             Oversize::Waiting { full, .. } => *full = true,
@@ -386,6 +408,8 @@ impl Consumer {
         let Oversize::Waiting { aside, .. } = std::mem::take(&mut self.oversize) else {
             return;
         };
+        // The turn begins: from here the stage stands still until the body's park ends.
+        self.turn_since = Some(Instant::now());
         let free = matches!(&self.link, Link::Up(l) if l.subscription == Subscription::None
             && l.channel.status().connected());
         if self.phase != Phase::Running || !self.holds.is_empty() || self.inflight > 0 || !free {
@@ -569,6 +593,7 @@ impl Consumer {
     /// (`again`), the stage stands still until what it holds settled and takes the permit for
     /// the next of them; else it is done.
     fn after_turn(&mut self, aside: Aside, again: bool) {
+        self.turn_since = None;
         self.oversize = if aside.is_empty() && !again {
             Oversize::Limited
         } else {
@@ -622,6 +647,7 @@ impl Consumer {
         };
         // Each failed park counts against the body (its next turn comes after the others'),
         // a park that held forgets it.
+        let turn = self.turn_since.take().map(|since| since.elapsed());
         if items[at].1 == Disposition::Ack {
             self.failed_parks.remove(&identity);
             self.park_streak = 0;
@@ -647,8 +673,9 @@ impl Consumer {
         aside.push(held, identity);
         self.ack_around(held);
         // The backoff of the parks failed in a row (as the router's requeues grow): whichever
-        // body takes the next turn, parks that keep failing never make a hot loop.
-        let wait = crate::pipeline::router::requeue_backoff(self.park_streak);
+        // body takes the next turn, parks that keep failing never make a hot loop; and at least
+        // `TURN_DUTY` times the turn, so the stage goes on at least nine tenths of the time.
+        let wait = turn_wait(self.park_streak, turn);
         debug!(
             pipeline = self.config.stage.pipeline(),
             stage = self.config.stage.stage().as_str(),
@@ -813,6 +840,28 @@ mod tests {
         drop(first);
         assert!(!permit.held());
         assert!(permit.0.clone().try_acquire_owned().is_ok());
+    }
+
+    /// Review R38j F1: after a turn whose park failed the stage goes on nine times as long as
+    /// the turn took, at least the parks' backoff, at most 10 minutes.
+    #[test]
+    fn a_failed_turn_is_followed_by_nine_times_its_length_of_going_on() {
+        // No turn measured: the backoff alone (200 ms, and its jitter).
+        assert!(turn_wait(1, None) < Duration::from_millis(500));
+        assert_eq!(
+            turn_wait(1, Some(Duration::from_millis(800))),
+            Duration::from_millis(7200)
+        );
+        assert_eq!(
+            turn_wait(1, Some(Duration::from_secs(4))),
+            Duration::from_secs(36)
+        );
+        // A short turn: the backoff decides (never a hot loop).
+        assert!(turn_wait(12, Some(Duration::from_millis(1))) >= Duration::from_secs(30));
+        assert_eq!(
+            turn_wait(1, Some(Duration::from_secs(3600))),
+            Duration::from_secs(600)
+        );
     }
 
     fn aside(n: u64) -> Aside {
