@@ -44,6 +44,10 @@ impl StopCounts {
     }
 }
 
+/// How long a stopping consumer waits for its channel and connection to close: less than the
+/// stop's wait for its answer (5 s, `Pipeline::shutdown`), which would take its counts as none.
+const CLOSE_WITHIN: std::time::Duration = std::time::Duration::from_secs(3);
+
 impl Consumer {
     /// Nothing more will arrive: answers `Cancel`, then checks whether all is settled.
     pub(super) fn stream_done(&mut self, ctx: &mut Context<Self>) {
@@ -88,13 +92,14 @@ impl Handler<Cancel> for Consumer {
             self.oversize_stopping();
             // Whatever the limiter holds goes onwards now, ahead of the drain marker.
             self.release(ctx);
-            // A subscription without a body limit that has delivered nothing yet (its body not
-            // begun, or still arriving: a body of 100 MiB takes seconds, more on a slow link)
-            // is not waited for: cancelled, and its stream taken as ended now. What still
+            // A body still arriving (a body of 100 MiB takes seconds, more on a slow link),
+            // whether taken whole without a body limit or read and dropped over it, and a
+            // subscription without a body limit that has delivered nothing yet, are not waited
+            // for: the subscription is cancelled and its stream taken as ended now. What still
             // arrives on it is left to the broker, which has it back when the channel closes
-            // (review R38i F3: a stop waited for such a body, then for its park, to
-            // SHUTDOWN_TIMEOUT_MS and an exit 1).
-            let lifted = self.oversize.lifted() && self.inflight == 0;
+            // (counted given back then: `Close`). Reviews R38i F3 and R38j F2: a stop waited for
+            // such a body, then for its park, to SHUTDOWN_TIMEOUT_MS and an exit 1.
+            let leave = (self.oversize.lifted() && self.inflight == 0) || self.body_on_its_way();
             // The subscription stays recorded, so its end (`Event::Ended`) answers the waiters.
             match &self.link {
                 Link::Up(linked) if linked.channel.status().connected() => {
@@ -110,11 +115,11 @@ impl Handler<Cancel> for Consumer {
                             // goes on with the stop without it. (Left `Active`, a silent link
                             // held the stop to SHUTDOWN_TIMEOUT_MS and an exit 1.)
                             self.unsubscribe();
-                            if lifted {
+                            if leave {
                                 self.stream_done(ctx);
                             }
                         }
-                        Subscription::Cancelling(..) if lifted => self.stream_done(ctx),
+                        Subscription::Cancelling(..) if leave => self.stream_done(ctx),
                         // Its end (`Event::Ended`) goes on with the stop.
                         Subscription::Cancelling(..) => {}
                         Subscription::None | Subscription::Pending => self.stream_done(ctx),
@@ -158,6 +163,11 @@ impl Handler<Close> for Consumer {
         // in flight too) goes back to the queue with the channel.
         self.stop_counts.given_back += self.inflight as u64;
         self.inflight = 0;
+        // A body still arriving when the stream was taken as ended (`Cancel`): the broker has
+        // it back with the channel.
+        if self.body_on_its_way() {
+            self.stop_counts.given_back += 1;
+        }
         // The process's permit for a body over MAX_MESSAGE_BYTES, if this stage held it.
         self.oversize_closed();
         let counts = self.stop_counts;
@@ -167,7 +177,19 @@ impl Handler<Close> for Consumer {
             async move {
                 if let Link::Up(linked) = link {
                     drop(linked.acker);
-                    amqp::close(Some(linked.channel), Some(linked.connection)).await;
+                    // Bounded: a link that does not answer (a body still arriving on a stalled
+                    // link: review R38j F2) must not keep the counts from the stop, whose wait
+                    // for this answer is 5 s (`Pipeline::shutdown`). The broker has back what
+                    // was not acked once the process ends.
+                    let close = amqp::close(Some(linked.channel), Some(linked.connection));
+                    if tokio::time::timeout(CLOSE_WITHIN, close).await.is_err() {
+                        info!(
+                            pipeline = stage.pipeline(),
+                            stage = stage.stage().as_str(),
+                            within_ms = CLOSE_WITHIN.as_millis() as u64,
+                            "the broker link did not answer its close; left to end with the process"
+                        );
+                    }
                 }
                 info!(
                     pipeline = stage.pipeline(),
