@@ -5,8 +5,11 @@
 # libraries it links (as `ldd` names them), the CA bundle (for amqps://), an /etc/passwd with the
 # user warren (65532) and the commented defaults (deploy/container/Containerfile).
 #
-#   scripts/image.sh [--bin PATH] [--tag NAME] [--engine podman|docker]
+#   scripts/image.sh [--bin PATH] [--revision REV] [--tag NAME] [--engine podman|docker]
 #     --bin PATH     the binary to package (default target/release/warren)
+#     --revision REV the source revision the binary was built from, for the image's
+#                    org.opencontainers.image.revision label (default: this checkout's commit
+#                    when the binary is its release build; with --bin, no label unless given)
 #     --tag NAME     the image name (default localhost/warren); tagged :<version> and :latest
 #     --engine E     podman or docker (default: podman if installed, else docker)
 #
@@ -17,19 +20,21 @@ CALLER_DIR="$PWD"
 cd "$(dirname "$0")/.."
 
 BIN=""
+REVISION=""
 NAME="localhost/warren"
 ENGINE=""
 log() { printf 'image: %s\n' "$*" >&2; }
 while [ $# -gt 0 ]; do
   case "$1" in
-    --bin|--tag|--engine)
-      [ $# -ge 2 ] || { log "$1 needs a value (expected --bin PATH, --tag NAME, --engine podman|docker)"; exit 2; } ;;
+    --bin|--tag|--engine|--revision)
+      [ $# -ge 2 ] || { log "$1 needs a value (expected --bin PATH, --revision REV, --tag NAME, --engine podman|docker)"; exit 2; } ;;
   esac
   case "$1" in
     --bin) case "$2" in /*) BIN="$2" ;; *) BIN="$CALLER_DIR/$2" ;; esac; shift 2 ;;
+    --revision) REVISION="$2"; shift 2 ;;
     --tag) NAME="$2"; shift 2 ;;
     --engine) ENGINE="$2"; shift 2 ;;
-    *) log "unknown argument $1 (expected --bin PATH, --tag NAME, --engine podman|docker)"; exit 2 ;;
+    *) log "unknown argument $1 (expected --bin PATH, --revision REV, --tag NAME, --engine podman|docker)"; exit 2 ;;
   esac
 done
 # --tag names the image, the script adds the tags (:<version> and :latest): a tag or a digest
@@ -63,6 +68,8 @@ fi
 case "$ENGINE" in podman|docker) ;; *) log "--engine: expected podman or docker, got $ENGINE"; exit 2 ;; esac
 
 if [ -z "$BIN" ]; then
+  # This checkout's release build: its commit is the image's revision (unless given).
+  [ -n "$REVISION" ] || REVISION="$(git rev-parse HEAD 2>/dev/null || true)"
   BIN=target/release/warren
   if [ ! -x "$BIN" ]; then
     log "building the release binary (cargo build --release --locked)"
@@ -101,7 +108,14 @@ mkdir -p "$ROOT/usr/share/doc/warren"
 install -m 0644 config/default.toml LICENSE-MIT LICENSE-APACHE "$ROOT/usr/share/doc/warren/"
 cp deploy/container/Containerfile "$CTX/Containerfile"
 
-REVISION="$(git rev-parse HEAD 2>/dev/null || echo unknown)"
+# A binary given with --bin may come from another revision than this checkout's: the label
+# says only what the caller says (review R38j F3: it named the checkout's commit).
+REVISION_LABEL=()
+if [ -n "$REVISION" ]; then
+  REVISION_LABEL=(--label "org.opencontainers.image.revision=$REVISION")
+else
+  log "no org.opencontainers.image.revision label: give --revision REV for the revision $BIN was built from"
+fi
 # Where the source is: SOURCE_URL, else the checkout's origin remote (a label needs a URL).
 SOURCE="${SOURCE_URL:-$(git remote get-url origin 2>/dev/null || true)}"
 SOURCE_LABEL=()
@@ -111,7 +125,7 @@ log "building $NAME:$VERSION with $ENGINE from $BIN"
   --label "org.opencontainers.image.title=warren" \
   --label "org.opencontainers.image.description=Moves RabbitMQ messages into PostgreSQL through a supervised, batched pipeline" \
   --label "org.opencontainers.image.version=$VERSION" \
-  --label "org.opencontainers.image.revision=$REVISION" \
+  "${REVISION_LABEL[@]}" \
   "${SOURCE_LABEL[@]}" \
   --label "org.opencontainers.image.licenses=MIT OR Apache-2.0" \
   -t "$NAME:$VERSION" -t "$NAME:latest" "$CTX" >&2

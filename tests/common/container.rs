@@ -11,6 +11,9 @@ use std::sync::OnceLock;
 use super::bin;
 use super::ops::repo_path;
 
+/// The revision the tests' image is labelled with (`scripts/image.sh --revision`).
+pub const TEST_REVISION: &str = "warren-test-build";
+
 /// The podman invocation this machine needs: the defaults, or, where the default runtime
 /// cannot set the default rlimits (an unprivileged sandbox: `error setting rlimit`), a
 /// `containers.conf` with `default_ulimits = []` (docs/deploying.md, "Container").
@@ -67,6 +70,7 @@ pub fn image() -> &'static Image {
         let tag = format!("localhost/warren-test-{repo}");
         let out = Command::new(repo_path("scripts/image.sh"))
             .args(["--engine", "podman", "--bin", &bin(), "--tag", &tag])
+            .args(["--revision", TEST_REVISION])
             .output()
             .expect("run scripts/image.sh");
         assert!(
