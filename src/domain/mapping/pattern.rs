@@ -26,6 +26,12 @@ use regex_syntax::ast::{
 pub const PATTERN_MAX: usize = 1000;
 /// PostgreSQL's largest bound of a `{m,n}` (`DUPMAX`).
 const BOUND_MAX: u32 = 255;
+/// The most a pattern may compile to, in bytes (the `regex` crate's `size_limit`; its default is
+/// 10 MiB): a counted repetition inside another multiplies, and `^([a-z]{1,255}){1,255}$`
+/// compiled under the default to a matcher that took 165 s on a value of 3,000 letters, on the
+/// processor's thread, which froze the whole process (review R35g F7). Every pattern of the
+/// docs and the tests compiles to a few KiB.
+pub const PATTERN_COMPILED_MAX: usize = 1 << 20;
 
 /// Why a `pattern` is refused when the configuration loads (its words are the reason shown
 /// after `pattern: `).
@@ -93,10 +99,17 @@ impl Pattern {
         })?;
         let regex = regex::RegexBuilder::new(source)
             .dot_matches_new_line(true)
+            .size_limit(PATTERN_COMPILED_MAX)
             .build()
             .map_err(|e| PatternError::Engine {
                 written: source.to_string(),
-                problem: e.to_string(),
+                problem: match e {
+                    regex::Error::CompiledTooBig(_) => format!(
+                        "compiles to more than {} KiB, and its matching would cost seconds a                          value: a counted repetition inside another multiplies (write + or *                          for the outer one, or smaller bounds)",
+                        PATTERN_COMPILED_MAX >> 10
+                    ),
+                    e => e.to_string(),
+                },
             })?;
         Ok(Self {
             source: source.to_string(),
@@ -238,6 +251,31 @@ mod tests {
         }
     }
 
+    /// Review R35g F7: a counted repetition inside another compiled (under the crate's 10 MiB
+    /// default) to a matcher that took minutes on one value and froze the process; refused at
+    /// load now, saying what to write. Realistic bounded patterns still compile.
+    #[test]
+    fn a_pattern_whose_matcher_would_be_huge_is_refused_saying_what_to_write() {
+        for huge in ["^([a-z]{1,255}){1,255}$", "^[a-z]{1,255}(,[a-z]{1,255}){0,255}$"] {
+            let e = Pattern::compile(huge).expect_err(huge).to_string();
+            assert!(
+                e.contains("compiles to more than 1024 KiB") && e.contains("write + or *"),
+                "{huge}: {e}"
+            );
+        }
+        for fine in [
+            "^[a-z]{1,255}$",
+            "^[a-z0-9._-]{1,64}@[a-z0-9.-]{1,255}$",
+            "^(a|b|c){0,255}x{0,255}$",
+            "^[a-z]{1,255}(,[a-z]{1,255})*$",
+        ] {
+            let p = Pattern::compile(fine).unwrap_or_else(|e| panic!("{fine}: {e}"));
+            let begun = std::time::Instant::now();
+            p.matches(&"a".repeat(3000));
+            assert!(begun.elapsed() < std::time::Duration::from_secs(1), "{fine}");
+        }
+    }
+
     #[test]
     fn what_the_engines_read_apart_is_refused_naming_it() {
         for (bad, named) in [
@@ -261,3 +299,4 @@ mod tests {
         assert!(err.contains("is not a regular expression"), "{err}");
     }
 }
+
