@@ -6,8 +6,8 @@ use std::collections::HashMap;
 use super::spec::{PipelineSpec, on_entry};
 use crate::config::{ConfigError, Settings};
 
-/// No table a pipeline with deletes writes (its own or a child table) is written by another
-/// pipeline: a delete's tombstone is its pipeline's own (`tombstones_<pipeline>`), and the
+/// No child table of a pipeline is written by another (below), and no table a pipeline with
+/// deletes writes (its own or a child table) is written by another pipeline: a delete's tombstone is its pipeline's own (`tombstones_<pipeline>`), and the
 /// other pipeline's writes never look there, so an older write of a deleted key through it
 /// brought the row back, the delete lost (review R36f F11). Both sources can feed one pipeline
 /// instead (bind both to its queue). Tables are told apart by their names, an unqualified
@@ -52,6 +52,41 @@ pub(super) fn check_shared_tables(
             let index = settings.pipelines.iter().position(|p| p.name == spec.name);
             return Err(match index {
                 Some(index) if !spec.builtin => on_entry(index, "delete", error),
+                _ => error,
+            });
+        }
+    }
+    // A child table is its pipeline's alone: an update replaces a key's child rows (another
+    // pipeline's among them), and a copy's children are compared with what its key holds
+    // (another pipeline's rows make it a conflict) (review R36g F2: two pipelines on one child
+    // table, one's update deleted the other's rows, whose redelivery was parked).
+    for spec in specs {
+        let children: Vec<String> = spec
+            .mapping
+            .children
+            .iter()
+            .map(|c| normal(&c.table))
+            .collect();
+        for other in specs.iter().filter(|o| o.name != spec.name) {
+            let Some(table) = writes(other).into_iter().find(|t| children.contains(t)) else {
+                continue;
+            };
+            let error = ConfigError::Invalid {
+                setting: format!("pipelines.{}.children", spec.name),
+                expected: format!(
+                    "child tables no other pipeline writes: a pipeline replaces and compares \
+                     its keys' child rows, and pipeline {}'s rows there would be deleted or \
+                     taken for a conflict",
+                    other.name
+                ),
+                got: format!(
+                    "table {table}, a child table of pipeline {} written by pipeline {}",
+                    spec.name, other.name
+                ),
+            };
+            let index = settings.pipelines.iter().position(|p| p.name == spec.name);
+            return Err(match index {
+                Some(index) if !spec.builtin => on_entry(index, "children", error),
                 _ => error,
             });
         }

@@ -632,6 +632,48 @@ fn the_names_resolve_spells_are_those_of_the_entry_keys_table() {
     assert_eq!(picked.len(), 2 * expected.len(), "{picked:?}");
 }
 
+/// Review R36g F2: two pipelines writing one child table (or one's child table the other's own
+/// table), without deletes: one's update deleted the other's child rows, whose redelivery was
+/// then parked as a conflict. Refused, naming both and the table.
+#[test]
+fn a_child_table_written_by_another_pipeline_is_refused_naming_both() {
+    let with_items = |name: &str, table: &str| {
+        format!(
+            "\n[[pipelines]]\nname = \"{name}\"\ntable = \"{table}\"\nkey = [\"id\"]\n\n\
+             [pipelines.columns]\nid = {{ path = \"/id\", type = \"text\" }}\n\n\
+             [[pipelines.children]]\ntable = \"shop.items\"\nrows = \"/items\"\n\
+             key = [\"id\", \"line\"]\n\n[pipelines.children.columns]\n\
+             id = {{ parent = \"id\" }}\nline = {{ index = true }}\n"
+        )
+    };
+    let e = load(&format!(
+        "{}{}",
+        with_items("orders", "shop.orders"),
+        with_items("returns", "shop.returns")
+    ))
+    .expect_err("one child table, two pipelines");
+    let text = e.to_string();
+    assert!(
+        text.contains("pipelines.orders.children")
+            && text.contains(
+                "table shop.items, a child table of pipeline orders written by pipeline returns"
+            ),
+        "{text}"
+    );
+    // The other's own table.
+    let plain = "\n[[pipelines]]\nname = \"lines\"\ntable = \"shop.items\"\nkey = [\"id\"]\n\n\
+                 [pipelines.columns]\nid = { path = \"/id\", type = \"text\" }\n";
+    let e = load(&format!("{}{plain}", with_items("orders", "shop.orders")))
+        .expect_err("a child table another pipeline's own");
+    assert!(e.to_string().contains("written by pipeline lines"), "{e}");
+    // Two pipelines on one parent table, without children or deletes: fine.
+    load(&format!(
+        "{plain}{}",
+        plain.replace("\"lines\"", "\"lines2\"")
+    ))
+    .expect("one table, two plain pipelines");
+}
+
 /// Review R36f F11: two pipelines writing one table, one with deletes: the other's older writes
 /// never saw the delete's tombstone (its pipeline's own) and brought the row back. Refused,
 /// naming both and the table, whichever table they share (the parent, or a child table); two

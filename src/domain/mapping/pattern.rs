@@ -256,7 +256,10 @@ mod tests {
     /// load now, saying what to write. Realistic bounded patterns still compile.
     #[test]
     fn a_pattern_whose_matcher_would_be_huge_is_refused_saying_what_to_write() {
-        for huge in ["^([a-z]{1,255}){1,255}$", "^[a-z]{1,255}(,[a-z]{1,255}){0,255}$"] {
+        for huge in [
+            "^([a-z]{1,255}){1,255}$",
+            "^[a-z]{1,255}(,[a-z]{1,255}){0,255}$",
+        ] {
             let e = Pattern::compile(huge).expect_err(huge).to_string();
             assert!(
                 e.contains("compiles to more than 1024 KiB") && e.contains("write + or *"),
@@ -272,7 +275,10 @@ mod tests {
             let p = Pattern::compile(fine).unwrap_or_else(|e| panic!("{fine}: {e}"));
             let begun = std::time::Instant::now();
             p.matches(&"a".repeat(3000));
-            assert!(begun.elapsed() < std::time::Duration::from_secs(1), "{fine}");
+            assert!(
+                begun.elapsed() < std::time::Duration::from_secs(1),
+                "{fine}"
+            );
         }
     }
 
@@ -299,4 +305,3 @@ mod tests {
         assert!(err.contains("is not a regular expression"), "{err}");
     }
 }
-
