@@ -192,6 +192,61 @@ async fn events_of(env: &TestEnv, kind: &str) -> Vec<Value> {
         .collect()
 }
 
+/// Review R35g F3: a reload whose file also raised `MAX_INSERTS_IN_FLIGHT` (a setting that
+/// applies only at a restart) checked the pipeline it added against the new budget, which does
+/// not run, and started it past the budget that runs. Now a reload resolves and checks its
+/// pipelines against the running values of such settings: refused, naming the budget; without
+/// the new pipeline the same file reloads, its new budget named as waiting for a restart.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_reload_checks_what_it_adds_against_the_settings_that_run() {
+    let env = TestEnv::new("rl_pinned").await;
+    let fx = Fixture::new(&env, &["orders", "refunds"]).await;
+    let (orders, refunds, path, file) =
+        (fx.names(0), fx.names(1), fx.path.clone(), fx.file.clone());
+    let orders_entry = entry("orders", &orders, 50, 1000);
+    // users and orders hold 2 inserts each: a budget of 4, in the file.
+    std::fs::write(&path, format!("max_inserts_in_flight = 4\n{orders_entry}")).expect("write");
+    let warren = env.start(&["--config", &file, "--declare", "--roles", "consumer"]);
+    let _logs = LogsOnPanic(vec![warren.log.clone()]);
+    one_consumer(&orders.queue).await;
+
+    std::fs::write(
+        &path,
+        format!(
+            "max_inserts_in_flight = 100\n{orders_entry}{}",
+            entry("refunds", &refunds, 50, 1000)
+        ),
+    )
+    .expect("write");
+    let failed = reload(&env, &warren, "reload_failed", 1).await;
+    let reason = failed["reason"].as_str().unwrap_or_default();
+    assert!(
+        reason.contains("checked with the values that run of max_inserts_in_flight")
+            && reason.contains("got 4"),
+        "checked against the budget that runs: {failed}"
+    );
+    assert!(
+        events_of(&env, "reloaded").await.is_empty(),
+        "nothing added"
+    );
+    assert!(tags(&refunds.queue).await.is_empty(), "refunds not started");
+
+    std::fs::write(
+        &path,
+        format!("max_inserts_in_flight = 100\n{orders_entry}"),
+    )
+    .expect("write");
+    reload(&env, &warren, "reloaded", 1).await;
+    assert!(
+        warren
+            .logs()
+            .lines()
+            .any(|l| l.contains("apply only at a restart") && l.contains("max_inserts_in_flight")),
+        "the new budget named as waiting for a restart; log:\n{}",
+        warren.logs()
+    );
+}
+
 /// Sends SIGHUP and waits for the `n`-th event of `kind` (`reloaded`, `reload_failed`); answers it.
 async fn reload(env: &TestEnv, warren: &Warren, kind: &str, n: usize) -> Value {
     warren.signal("HUP");

@@ -179,6 +179,11 @@ impl ReloadReport {
     }
 }
 
+/// Reads the configuration's sources again, with values that win over them all.
+pub type LoadFn = dyn Fn(&std::collections::BTreeMap<String, serde_json::Value>) -> Result<Settings, ConfigError>
+    + Send
+    + Sync;
+
 /// How `warren run` reads its configuration again and prepares what a reload starts (given by
 /// `cli/run.rs`, which knows the sources and `--declare`).
 pub struct Reload {
@@ -186,7 +191,12 @@ pub struct Reload {
     /// `--set`), with its `--pipelines` selection.
     /// Called off the async runtime (`reload::Loaded::read`): a large file takes a while to read
     /// and resolve, and the pipelines, the heartbeat and the broker links run on that runtime.
-    pub load: Arc<dyn Fn() -> Result<Settings, ConfigError> + Send + Sync>,
+    /// Its argument: values that win over every source (`Sources::pinned`), the running
+    /// values of the settings that apply only at a restart ([`Loaded::read`]).
+    pub load: Arc<LoadFn>,
+    /// The settings the process started with: a reload resolves and checks its pipelines
+    /// against their values of the settings that apply only at a restart.
+    pub base: Arc<Settings>,
     /// Checks the tables of the settings' pipelines (and, under `--declare`, declares their
     /// exchanges and queues): a [`ReloadError::Prepare`] when they cannot start.
     pub prepare:
@@ -584,7 +594,11 @@ impl Pipelines {
     /// anything changes: the pipelines it adds or changes (`None` when it starts none). Refuses
     /// a configuration that runs no pipeline where some run now ([`ReloadError::NoPipeline`]).
     pub fn plan(&self, next: Loaded) -> Result<Plan, ReloadError> {
-        let Loaded { next, wanted } = next;
+        let Loaded {
+            next,
+            wanted,
+            restart,
+        } = next;
         let running: Vec<&str> = self
             .running
             .iter()
@@ -592,7 +606,7 @@ impl Pipelines {
             .collect();
         refuse_empty(&running, &wanted)?;
         let mut report = ReloadReport {
-            restart_needed: restart_needed(&self.base, &next),
+            restart_needed: restart,
             drained: true,
             ..ReloadReport::default()
         };
@@ -782,16 +796,43 @@ impl Pipelines {
 pub struct Loaded {
     pub next: Settings,
     pub wanted: Vec<Declared>,
+    /// The settings the sources changed that apply only at a restart (names only).
+    pub restart: Vec<String>,
 }
 
 impl Loaded {
-    /// Reads the configuration with `load` and compiles its pipelines' mappings.
-    pub fn read(
-        load: &(dyn Fn() -> Result<Settings, ConfigError> + Send + Sync),
-    ) -> Result<Self, ReloadError> {
-        let next = load().map_err(|e| ReloadError::Config(e.to_string()))?;
-        let wanted = declared(&next).map_err(|e| ReloadError::Config(e.to_string()))?;
-        Ok(Self { next, wanted })
+    /// Reads the configuration with `load` and compiles its pipelines' mappings. When the
+    /// sources change settings that apply only at a restart (`base`: what runs), it is read
+    /// again with those pinned to the running values, so the pipelines are resolved and checked
+    /// against what runs, not against values that do not apply (review R35g F3, F4: a new
+    /// `MAX_INSERTS_IN_FLIGHT` let a pipeline past the budget that runs, and a new
+    /// `DATABASE_SCHEMA` had a tombstone table checked where the pipeline would not write).
+    /// The sources as they are must load too: a mistake in them is refused either way.
+    pub fn read(load: &LoadFn, base: &Settings) -> Result<Self, ReloadError> {
+        let config = |e: ConfigError| ReloadError::Config(e.to_string());
+        let raw = load(&std::collections::BTreeMap::new()).map_err(config)?;
+        let restart = restart_needed(base, &raw);
+        let next = if restart.is_empty() {
+            raw
+        } else {
+            let running = by_key(base);
+            let pins = restart
+                .iter()
+                .filter_map(|k| running.get(k).map(|v| (k.clone(), v.clone())))
+                .collect();
+            load(&pins).map_err(|e| {
+                ReloadError::Config(format!(
+                    "checked with the values that run of {} (they apply only at a restart): {e}",
+                    restart.join(", ")
+                ))
+            })?
+        };
+        let wanted = declared(&next).map_err(config)?;
+        Ok(Self {
+            next,
+            wanted,
+            restart,
+        })
     }
 }
 

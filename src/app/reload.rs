@@ -116,9 +116,9 @@ impl Reloads {
 
     /// Starts reading the configuration again, on a blocking thread ([`Loaded::read`]).
     fn start(&mut self, asked: Asked, reload: &Reload) {
-        let load = reload.load.clone();
+        let (load, base) = (reload.load.clone(), reload.base.clone());
         let work = Work::Loading(tokio::task::spawn_blocking(move || {
-            Loaded::read(&*load).map(Box::new)
+            Loaded::read(&*load, &base).map(Box::new)
         }));
         self.current = Some(Current {
             asked,

@@ -163,7 +163,10 @@ pub async fn execute(
         .map(|f| format!("{}: ", f.display()))
         .unwrap_or_default();
     let reload = crate::app::Reload {
-        load: std::sync::Arc::new(move || {
+        base: std::sync::Arc::new(settings.clone()),
+        load: std::sync::Arc::new(move |pinned| {
+            let mut sources = sources.clone();
+            sources.pinned = pinned.clone();
             let settings = Settings::load(&sources)?;
             match &selection {
                 Some(list) => select_pipelines(settings, list),

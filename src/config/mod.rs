@@ -438,6 +438,9 @@ impl Settings {
             }
         }
         figment = figment.merge(Serialized::defaults(overrides));
+        if !sources.pinned.is_empty() {
+            figment = figment.merge(Serialized::defaults(&sources.pinned));
+        }
 
         // Merged once: figment merges (and clones) every layer, the file's pipelines included,
         // at each look-up, which made a file of thousands of pipelines take seconds to load.

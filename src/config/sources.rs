@@ -49,6 +49,11 @@ pub struct Sources {
     /// they always hold against the budget after it ([`super::Settings::check_inserts_budget`]):
     /// pipelines that will not run must not count.
     pub selecting: bool,
+    /// Values that win over every other source: a reload pins the settings that apply only at a
+    /// restart to the values the process runs with, so its pipelines are resolved and checked
+    /// against what runs (review R35g F3, F4: a reload checked a new pipeline against a new
+    /// `MAX_INSERTS_IN_FLIGHT` or `DATABASE_SCHEMA` that did not apply).
+    pub pinned: BTreeMap<String, serde_json::Value>,
 }
 
 impl Sources {
@@ -61,6 +66,7 @@ impl Sources {
             use_env: true,
             given: BTreeMap::new(),
             selecting: false,
+            pinned: BTreeMap::new(),
         }
     }
 
