@@ -467,6 +467,37 @@ async fn declare_refuses_a_child_table_that_does_not_fit() {
     );
 }
 
+/// Review R38j F4: a child table with a foreign key, its pipeline's table missing (a typo, or
+/// renamed away: the foreign key follows the rename). Reading whether the key references the
+/// parent read NULL as a bool and panicked (exit 101), in `declare`, `run`, and a reload of a
+/// running instance. Now exit 2, naming the missing table.
+#[tokio::test(flavor = "multi_thread")]
+async fn declare_names_a_missing_parent_table_of_a_child_table_with_a_foreign_key() {
+    let env = TestEnv::new("ch_noparent").await;
+    let names = PipelineNames::of(&env, "orders");
+    let _cleanup = names.cleanup();
+    env.db
+        .batch_execute(
+            "CREATE TABLE orders (order_id uuid PRIMARY KEY, total numeric NOT NULL,
+                 version int8 NOT NULL);
+             CREATE TABLE order_items (order_id uuid NOT NULL REFERENCES orders, line int4 NOT NULL,
+                 sku text NOT NULL, qty int4 NOT NULL, PRIMARY KEY (order_id, line));
+             ALTER TABLE orders RENAME TO orders_before",
+        )
+        .await
+        .expect("create the tables");
+    let dir = tempfile::tempdir().expect("temp dir");
+    let path = dir.path().join("orders.toml");
+    std::fs::write(&path, pipeline_config(&names)).expect("write the config");
+    let file = path.to_str().expect("utf-8").to_string();
+    let (code, out, err) = env.run_async(&["--config", &file, "declare"]).await;
+    assert_eq!(code, 2, "declare:\n{out}{err}");
+    assert!(
+        err.contains("orders") && err.contains("does not exist") && !err.contains("panicked"),
+        "{err}"
+    );
+}
+
 /// The pipeline entry of [`COLUMNS`] under `names`.
 fn pipeline_config(names: &PipelineNames) -> String {
     format!(

@@ -136,7 +136,7 @@ async fn foreign_keys(
     };
     let sql = format!(
         "SELECT c.conname::text, {}, c.confrelid::regclass::text, \
-                c.confrelid = to_regclass($2)::oid, {} \
+                COALESCE(c.confrelid = to_regclass($2)::oid, false), {} \
          FROM pg_constraint c WHERE c.conrelid = to_regclass($1)::oid AND c.contype = 'f' \
          ORDER BY c.conname",
         names("conkey", "conrelid"),
