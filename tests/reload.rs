@@ -1242,6 +1242,19 @@ async fn after_reloads_the_record_and_metrics_say_what_runs() {
         .run_async(&["ctl", "pause", "--all", "--pipeline", "refunds"])
         .await;
     assert_eq!(code, 0, "{out}{err}");
+    // Messages wait in refunds' queue, and its gauge says so.
+    let held = new_ids(5);
+    publish(&env, &refunds, &held).await;
+    let depth = |queue: String| {
+        let env = &env;
+        async move { try_metric(env, "warren_queue_messages", &[("queue", &queue)]).await }
+    };
+    wait_until(
+        "refunds' queue gauge at 5",
+        Duration::from_secs(20),
+        || async { depth(refunds.queue.clone()).await == Some(5.0) },
+    )
+    .await;
     // A rate for every pipeline: the record shows it.
     let (code, out, err) = env.run_async(&["ctl", "rate", "7", "--all"]).await;
     assert_eq!(code, 0, "{out}{err}");
@@ -1267,6 +1280,23 @@ async fn after_reloads_the_record_and_metrics_say_what_runs() {
             "{link} is on no node"
         );
     }
+    // Its queues are no longer polled: their gauges go to 0, not frozen at their last value
+    // (review R35g F2), though the messages still wait there.
+    wait_until(
+        "refunds' queue gauges at 0",
+        Duration::from_secs(20),
+        || async {
+            depth(refunds.queue.clone()).await == Some(0.0)
+                && try_metric(&env, "warren_queue_consumers", &[("queue", &refunds.queue)]).await
+                    == Some(0.0)
+        },
+    )
+    .await;
+    assert_eq!(
+        env.queue_state(&refunds.queue).await,
+        (5, 0),
+        "still waiting"
+    );
     // Its past events are shown.
     let (code, out, err) = env.run_async(&["events", "--pipeline", "refunds"]).await;
     assert_eq!(code, 0, "{out}{err}");
@@ -1286,7 +1316,13 @@ async fn after_reloads_the_record_and_metrics_say_what_runs() {
     .await;
     let ids = new_ids(10);
     publish(&env, &refunds, &ids).await;
-    assert_table(&env, "refunds", &ids.into_iter().collect(), &warren).await;
+    assert_table(
+        &env,
+        "refunds",
+        &ids.into_iter().chain(held).collect(),
+        &warren,
+    )
+    .await;
 
     // users started again by a reload runs at its own rate (0): so does the record.
     std::fs::write(&path, format!("users_batch_size = 7\n{both}")).expect("write");

@@ -335,6 +335,8 @@ pub(super) struct Pipelines {
     decisions: mpsc::UnboundedSender<Decision>,
     /// The queue poller of the current pipelines' queues (restarted when they change).
     poller: Option<JoinHandle<()>>,
+    /// The queues it polls: those a reload stops polling have their gauges set to 0.
+    polled: Vec<String>,
     /// Stages whose series were registered, once each in a process (registering sets the
     /// counters to 0).
     registered: BTreeSet<StageId>,
@@ -394,6 +396,7 @@ impl Pipelines {
             balancing: CancellationToken::new(),
             decisions,
             poller: None,
+            polled: Vec::new(),
             registered: BTreeSet::new(),
             records,
             reloading: Vec::new(),
@@ -543,6 +546,14 @@ impl Pipelines {
         if let Some(old) = self.poller.take() {
             old.abort();
         }
+        // The queues of the pipelines a reload removed (or renamed) are no longer polled: their
+        // gauges go to 0, not frozen at their last value, which kept an alert on a queue no
+        // pipeline serves firing until a restart (review R35g F2). The exporter cannot drop a
+        // series.
+        for gone in self.polled.iter().filter(|q| !queues.contains(q)) {
+            crate::metrics::queue_polled(gone, 0, 0);
+        }
+        self.polled = queues.clone();
         self.poller = Some(tokio::spawn(crate::amqp::monitor::poll_queues(
             self.links.amqp.clone(),
             queues,
