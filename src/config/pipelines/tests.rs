@@ -632,6 +632,27 @@ fn the_names_resolve_spells_are_those_of_the_entry_keys_table() {
     assert_eq!(picked.len(), 2 * expected.len(), "{picked:?}");
 }
 
+/// Review R36g F6: a `delete.value` of another type than a string, an integer or a boolean
+/// was refused in the parser's words, naming its enum.
+#[test]
+fn a_delete_value_of_another_type_says_what_is_taken() {
+    for value in ["1.5", "[1]"] {
+        let e = load(&format!(
+            "\n[[pipelines]]\nname = \"orders\"\ntable = \"orders\"\nkey = [\"id\"]\n\
+             on_conflict = \"update\"\nversion_column = \"version\"\n\
+             delete = {{ field = \"/op\", value = {value} }}\n\n[pipelines.columns]\n\
+             id = {{ path = \"/id\", type = \"text\" }}\n\
+             version = {{ path = \"/version\", type = \"int8\" }}\n"
+        ))
+        .expect_err(value)
+        .to_string();
+        assert!(
+            e.contains("a string, an integer or a boolean") && !e.contains("untagged"),
+            "{value}: {e}"
+        );
+    }
+}
+
 /// Review R36g F2: two pipelines writing one child table (or one's child table the other's own
 /// table), without deletes: one's update deleted the other's child rows, whose redelivery was
 /// then parked as a conflict. Refused, naming both and the table.

@@ -403,7 +403,11 @@ pub struct DeleteSpec {
 /// The value of a delete's field: compared with the message's as JSON (a string with a
 /// string, an integer with an integer, a boolean with a boolean).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(untagged)]
+// `expecting`: the parser's own words named this enum (review R36g F6).
+#[serde(
+    untagged,
+    expecting = "a string, an integer or a boolean (the value of the field that marks a delete)"
+)]
 pub enum DeleteValue {
     Bool(bool),
     Int(i64),
