@@ -459,8 +459,10 @@ fn deletes_are_listed_tested_and_refused_where_they_make_no_sense() {
 /// Found by review (R36-f): a `--headers` line whose properties gave no exchange or routing key
 /// showed them as `""` in the row, values no delivery of the pipeline carries (a delivery
 /// always has both; `""` is the default exchange). Such a line has the pipeline's own, where
-/// `publish --pipeline` and the API publish; an empty one given is `""`; a line without
-/// properties leaves every property column absent, as before.
+/// `publish --pipeline` and the API publish; an empty one given is `""`. A line without
+/// properties leaves the other property columns absent, and has the pipeline's exchange and
+/// routing key too (review R36g F3: it had none, and a required `routing_key` column refused
+/// every line `run` stores).
 #[test]
 fn test_headers_gives_a_line_without_exchange_the_pipelines_own() {
     const PROPS: &str = r#"
@@ -486,8 +488,27 @@ mid = { property = "message_id", type = "text", optional = true }
     for expected in [
         r#"1: ok {"ex":"p_exchange","k":1,"mid":"m-1","rk":"p_queue"}"#,
         r#"2: ok {"ex":"","k":2,"mid":null,"rk":"eu"}"#,
-        r#"3: ok {"ex":null,"k":3,"mid":null,"rk":null}"#,
+        r#"3: ok {"ex":"p_exchange","k":3,"mid":null,"rk":"p_queue"}"#,
     ] {
         assert!(out.contains(expected), "{expected} missing:\n{out}");
     }
+    // Without --headers, a required routing_key column takes the pipeline's own, as `run`.
+    let required = PROPS.replace(
+        r#"rk  = { property = "routing_key", type = "text", optional = true }"#,
+        r#"rk  = { property = "routing_key", type = "text" }"#,
+    );
+    let (code, out, err) = warren(&required, &["pipelines", "test", "p"], r#"{"k":4}"#);
+    assert_eq!(code, 0, "{out}{err}");
+    assert!(out.contains(r#""rk":"p_queue""#), "{out}{err}");
+    // A property AMQP cannot carry (over 255 bytes) refuses the line, naming it.
+    let long = format!(
+        r#"{{"properties":{{"message_id":"{}"}},"body":{{"k":5}}}}"#,
+        "m".repeat(256)
+    );
+    let (code, out, err) = warren(PROPS, &["pipelines", "test", "p", "--headers"], &long);
+    assert_ne!(code, 0, "{out}{err}");
+    assert!(
+        err.contains("property message_id: at most 255 bytes, found 256"),
+        "{out}{err}"
+    );
 }
