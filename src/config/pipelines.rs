@@ -17,7 +17,19 @@ use super::{ConfigError, RetryTier, Settings, humanize_ms, retry_base};
 use crate::domain::mapping::{
     ChildSpec, ColumnSpec, DeleteSpec, Mapping, MappingSpec, OnConflict, UnknownFields,
 };
-pub use spec::{Api, Balancing, Batching, PipelineSpec, check_budget, pool_size, resolve};
+pub use spec::{Api, Balancing, Batching, PipelineSpec, check_budget, pool_size};
+
+/// The one resolution step (`spec.rs`): every pipeline of `settings` resolved, each on its own,
+/// then the checks across them (`shared.rs`): names and tables two pipelines may not share.
+pub fn resolve(
+    settings: &Settings,
+    timeout_at: &crate::config::Origin,
+) -> Result<Vec<PipelineSpec>, ConfigError> {
+    let specs = spec::resolve(settings, timeout_at)?;
+    shared::check_shared_names(settings, &specs)?;
+    shared::check_shared_tables(settings, &specs)?;
+    Ok(specs)
+}
 
 /// One `[[pipelines]]` entry as written in the file.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

@@ -4,7 +4,8 @@
 //! here: the ranges of an entry's numbers, min <= max concurrency, the batch's minimum wait
 //! within its timeout, auto's thresholds, the
 //! prefetch and its cap, the rate against the consumer timeout, the retry queues' names, names
-//! and tables shared by two pipelines (`shared.rs`), and the inserts the pipelines that run always hold against the
+//! and tables shared by two pipelines (`shared.rs`, after this step: [`super::resolve`]), and
+//! the inserts the pipelines that run always hold against the
 //! budget ([`check_budget`], after `warren run --pipelines` kept the ones that run).
 
 use std::collections::HashMap;
@@ -208,8 +209,6 @@ pub fn resolve(settings: &Settings, timeout_at: &Origin) -> Result<Vec<PipelineS
     for (index, p) in settings.pipelines.iter().enumerate() {
         specs.push(Entry::new(settings, p, Some(index), timeout_at).resolve()?);
     }
-    super::shared::check_shared_names(settings, &specs)?;
-    super::shared::check_shared_tables(settings, &specs)?;
     Ok(specs)
 }
 
