@@ -1,5 +1,6 @@
-//! The checks across pipelines of the one resolution step (`spec.rs`): names of exchanges and
-//! queues no two pipelines share, and tables a pipeline with deletes shares with none.
+//! The checks across pipelines, after the one resolution step (`spec.rs`): names of exchanges
+//! and queues no two pipelines share, child tables no other pipeline writes, and tables a
+//! pipeline with deletes shares with none.
 
 use std::collections::HashMap;
 
@@ -29,12 +30,15 @@ pub(super) fn check_shared_tables(
             .map(|t| normal(t))
             .collect()
     };
+    // The first table of `mine` another pipeline than `spec` writes, and that pipeline.
+    let shared = |spec: &PipelineSpec, mine: &[String]| {
+        specs
+            .iter()
+            .filter(|o| o.name != spec.name)
+            .find_map(|o| Some((o, writes(o).into_iter().find(|t| mine.contains(t))?)))
+    };
     for spec in specs.iter().filter(|s| s.mapping.delete.is_some()) {
-        let mine = writes(spec);
-        for other in specs.iter().filter(|o| o.name != spec.name) {
-            let Some(table) = writes(other).into_iter().find(|t| mine.contains(t)) else {
-                continue;
-            };
+        if let Some((other, table)) = shared(spec, &writes(spec)) {
             let error = ConfigError::Invalid {
                 setting: format!("pipelines.{}.delete", spec.name),
                 expected: format!(
@@ -49,11 +53,7 @@ pub(super) fn check_shared_tables(
                     spec.name, other.name
                 ),
             };
-            let index = settings.pipelines.iter().position(|p| p.name == spec.name);
-            return Err(match index {
-                Some(index) if !spec.builtin => on_entry(index, "delete", error),
-                _ => error,
-            });
+            return Err(at_entry(settings, spec, "delete", error));
         }
     }
     // A child table is its pipeline's alone: an update replaces a key's child rows (another
@@ -67,10 +67,7 @@ pub(super) fn check_shared_tables(
             .iter()
             .map(|c| normal(&c.table))
             .collect();
-        for other in specs.iter().filter(|o| o.name != spec.name) {
-            let Some(table) = writes(other).into_iter().find(|t| children.contains(t)) else {
-                continue;
-            };
+        if let Some((other, table)) = shared(spec, &children) {
             let error = ConfigError::Invalid {
                 setting: format!("pipelines.{}.children", spec.name),
                 expected: format!(
@@ -84,11 +81,7 @@ pub(super) fn check_shared_tables(
                     spec.name, other.name
                 ),
             };
-            let index = settings.pipelines.iter().position(|p| p.name == spec.name);
-            return Err(match index {
-                Some(index) if !spec.builtin => on_entry(index, "children", error),
-                _ => error,
-            });
+            return Err(at_entry(settings, spec, "children", error));
         }
     }
     Ok(())
@@ -112,14 +105,24 @@ pub(super) fn check_shared_names(
                     expected: "a name no other pipeline uses for its exchanges and queues".into(),
                     got: format!("{name:?}, also the {other_what} of pipeline {other}"),
                 };
-                let index = settings.pipelines.iter().position(|p| p.name == spec.name);
-                return Err(match index {
-                    Some(index) if !spec.builtin => on_entry(index, what, error),
-                    _ => error,
-                });
+                return Err(at_entry(settings, spec, what, error));
             }
             owner.insert(key, (&spec.name, what));
         }
     }
     Ok(())
+}
+
+/// `error` about `spec`'s `field`, placed at its entry of the file when a file declares it (the
+/// loader adds the file and the line), as it is for the built-in users pipeline.
+fn at_entry(
+    settings: &Settings,
+    spec: &PipelineSpec,
+    field: &str,
+    error: ConfigError,
+) -> ConfigError {
+    match settings.pipelines.iter().position(|p| p.name == spec.name) {
+        Some(index) if !spec.builtin => on_entry(index, field, error),
+        _ => error,
+    }
 }
