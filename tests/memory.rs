@@ -1049,13 +1049,7 @@ async fn a_body_held_aside_does_not_slow_the_messages_behind_it() {
         USERS / 200,
         warren.logs()
     );
-    warren.terminate_ok(Duration::from_secs(30));
-    assert_eq!(count_of(&env, "SELECT count(*) FROM dead_letters").await, 0);
-    assert_eq!(
-        env.queue_state(&env.main_queue).await,
-        (1, 0),
-        "the body waits"
-    );
+    stops_with_the_body_waiting(&env, &mut warren).await;
 }
 
 /// Review R38j F1: a body whose park always fails took a turn every 0.2 to 2 s at first (the
@@ -1107,8 +1101,14 @@ async fn a_body_whose_park_fails_takes_at_most_a_tenth_of_its_stages_time() {
         "{USERS} users took {behind:?} behind a body whose park fails, {alone:?} alone; log:\n{}",
         warren.logs()
     );
+    stops_with_the_body_waiting(&env, &mut warren).await;
+}
+
+/// Stops `warren` cleanly: nothing was parked (parking refuses), and the one body waits in the
+/// main queue, unacked by no one.
+async fn stops_with_the_body_waiting(env: &TestEnv, warren: &mut Warren) {
     warren.terminate_ok(Duration::from_secs(30));
-    assert_eq!(count_of(&env, "SELECT count(*) FROM dead_letters").await, 0);
+    assert_eq!(count_of(env, "SELECT count(*) FROM dead_letters").await, 0);
     assert_eq!(
         env.queue_state(&env.main_queue).await,
         (1, 0),
