@@ -374,6 +374,58 @@ impl Topology {
     }
 }
 
+/// What [`Topology::check`] found short of a drift.
+#[derive(Debug, Default, PartialEq, Eq)]
+pub struct Checked {
+    /// The exchanges and queues that do not exist (`queue orders_queue`).
+    pub missing: Vec<String>,
+    /// Those that exist but whose properties the broker user may not check (a declare needs
+    /// the configure permission): only their existence was checked.
+    pub unchecked: Vec<String>,
+}
+
+impl Topology {
+    /// Checks, creating nothing, that every exchange and queue exists with the declared
+    /// properties, for `warren run` without `--declare`: an existing one is declared again with
+    /// them, which changes nothing when they match and is refused by the broker when they
+    /// differ (a [`TopologyError::Drift`] naming the argument, as `warren declare` says it: a
+    /// retry queue that still dead-letters to the main queue a reload renamed would strand
+    /// every retried message, review R35g F5). One the broker user may not configure
+    /// (`ACCESS_REFUSED`) is checked to exist only ([`Checked::unchecked`]). Bindings cannot
+    /// be read over AMQP 0-9-1 and are not checked. (An object deleted between the two
+    /// declares is created by the second, with the declared properties.)
+    pub async fn check(&self, conn: &Connection) -> Result<Checked, TopologyError> {
+        let mut checked = Checked::default();
+        for e in &self.exchanges {
+            let object = format!("exchange {}", e.name);
+            if !crate::amqp::exchange_exists(conn, &e.name).await? {
+                checked.missing.push(object);
+            } else if refused(assert_exchange(conn, e).await)? {
+                checked.unchecked.push(object);
+            }
+        }
+        for q in &self.queues {
+            let object = format!("queue {}", q.name);
+            if !crate::amqp::queue_exists(conn, &q.name).await? {
+                checked.missing.push(object);
+            } else if refused(assert_queue(conn, q).await)? {
+                checked.unchecked.push(object);
+            }
+        }
+        Ok(checked)
+    }
+}
+
+/// Whether a declare was refused for want of a permission (`ACCESS_REFUSED`); any other error
+/// passes through.
+fn refused(result: Result<(), TopologyError>) -> Result<bool, TopologyError> {
+    match result {
+        Ok(()) => Ok(false),
+        Err(TopologyError::Amqp(e)) if e.to_string().contains("ACCESS_REFUSED") => Ok(true),
+        Err(e) => Err(e),
+    }
+}
+
 /// The values of the template's placeholders for one retry tier of the pipeline `p`: its names
 /// (under the names of the users pipeline's settings, `main_queue`, ...), the tier's queue and
 /// TTL, the queue type and the delivery limits.
@@ -491,6 +543,17 @@ pub fn arguments(q: &Queue) -> FieldTable {
 
 async fn declare_exchange(conn: &Connection, e: &Exchange) -> Result<Outcome, TopologyError> {
     let existed = crate::amqp::exchange_exists(conn, &e.name).await?;
+    assert_exchange(conn, e).await?;
+    Ok(if existed {
+        Outcome::Matched
+    } else {
+        Outcome::Created
+    })
+}
+
+/// Declares `e` with its properties (created if missing; a [`TopologyError::Drift`] if it
+/// exists with others).
+async fn assert_exchange(conn: &Connection, e: &Exchange) -> Result<(), TopologyError> {
     let channel: Channel = conn.create_channel().await.map_err(AmqpError::from)?;
     let result = channel
         .exchange_declare(
@@ -506,11 +569,7 @@ async fn declare_exchange(conn: &Connection, e: &Exchange) -> Result<Outcome, To
     match result {
         Ok(()) => {
             let _ = channel.close(200, "ok".into()).await;
-            Ok(if existed {
-                Outcome::Matched
-            } else {
-                Outcome::Created
-            })
+            Ok(())
         }
         Err(err) => Err(drift_or(
             err,
@@ -527,6 +586,17 @@ async fn declare_exchange(conn: &Connection, e: &Exchange) -> Result<Outcome, To
 
 async fn declare_queue(conn: &Connection, q: &Queue) -> Result<Outcome, TopologyError> {
     let existed = crate::amqp::queue_exists(conn, &q.name).await?;
+    assert_queue(conn, q).await?;
+    Ok(if existed {
+        Outcome::Matched
+    } else {
+        Outcome::Created
+    })
+}
+
+/// Declares `q` with its arguments (created if missing; a [`TopologyError::Drift`] if it
+/// exists with others).
+async fn assert_queue(conn: &Connection, q: &Queue) -> Result<(), TopologyError> {
     let channel: Channel = conn.create_channel().await.map_err(AmqpError::from)?;
     let result = channel
         .queue_declare(
@@ -541,11 +611,7 @@ async fn declare_queue(conn: &Connection, q: &Queue) -> Result<Outcome, Topology
     match result {
         Ok(_) => {
             let _ = channel.close(200, "ok".into()).await;
-            Ok(if existed {
-                Outcome::Matched
-            } else {
-                Outcome::Created
-            })
+            Ok(())
         }
         Err(err) => Err(drift_or(
             err,

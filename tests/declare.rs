@@ -899,3 +899,58 @@ async fn a_drifted_queue_of_a_files_pipeline_is_advised_in_its_entrys_keys() {
         "the advice names the users pipeline's settings:\n{err}"
     );
 }
+
+/// `warren run` without `--declare` checks that what exists matches what it declares, not only
+/// that it exists (review R35g F5): a retry queue that still dead-letters to another main queue
+/// (left so by a rename) would strand every retried message there. It exits 1 at once, naming
+/// the queue, the argument and both values, and leaves the queue as it was.
+#[tokio::test(flavor = "multi_thread")]
+async fn run_without_declare_refuses_a_retry_queue_that_dead_letters_elsewhere() {
+    let env = TestEnv::new("decl_drift_run").await;
+    env.declare();
+    let ttl = queues(&env).await[&env.retry_queue].arguments["x-message-ttl"]
+        .as_i64()
+        .expect("the retry queue's TTL");
+    // The retry queue as a rename of the main queue left it.
+    let old_main = format!("{}_old", env.main_queue);
+    let channel = env.conn.create_channel().await.expect("channel");
+    channel
+        .queue_delete(env.retry_queue.as_str().into(), Default::default())
+        .await
+        .expect("delete the retry queue");
+    let mut args = FieldTable::default();
+    args.insert(
+        "x-message-ttl".into(),
+        AMQPValue::LongInt(ttl.try_into().unwrap()),
+    );
+    for (key, value) in [
+        ("x-dead-letter-exchange", env.main_exchange.as_str()),
+        ("x-dead-letter-routing-key", old_main.as_str()),
+    ] {
+        args.insert(key.into(), AMQPValue::LongString(value.into()));
+    }
+    let durable = QueueDeclareOptions {
+        durable: true,
+        ..Default::default()
+    };
+    channel
+        .queue_declare(env.retry_queue.as_str().into(), durable, args)
+        .await
+        .expect("the retry queue, dead-lettering to the old main queue");
+
+    let mut run = env.start(&[]);
+    let status = run.wait(Duration::from_secs(60));
+    let logs = run.logs();
+    assert_eq!(status.code(), Some(1), "{logs}");
+    let expected = format!(
+        "queue {} exists with x-dead-letter-routing-key = {old_main}, but warren declares \
+         x-dead-letter-routing-key = {}",
+        env.retry_queue, env.main_queue
+    );
+    assert!(logs.contains(&expected), "{expected}\n{logs}");
+    assert_eq!(
+        queues(&env).await[&env.retry_queue].arguments["x-dead-letter-routing-key"],
+        json!(old_main),
+        "the queue is left as it was"
+    );
+}

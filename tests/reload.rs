@@ -633,6 +633,77 @@ async fn a_pipeline_added_before_its_queues_are_declared_is_refused() {
     warren.terminate_ok(Duration::from_secs(25));
 }
 
+/// Without `--declare`, a reload checks that the objects of a changed pipeline match what it
+/// declares, not only that they exist (review R35g F5): orders' main queue renamed, its new
+/// queue declared and bound, but its retry queue still dead-letters to the old one, where every
+/// retried message would be stranded. The reload is refused naming the retry queue and the
+/// argument, and orders goes on as it ran.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_reload_onto_a_retry_queue_that_dead_letters_elsewhere_is_refused() {
+    let mut env = TestEnv::new("rl_drift").await;
+    env.set("REGISTRY_HEARTBEAT_MS", "300");
+    let fx = Fixture::new(&env, &["orders"]).await;
+    let (orders, path, file) = (fx.names(0), fx.path.clone(), fx.file.clone());
+    let (code, out, err) = env.run_async(&["--config", &file, "declare"]).await;
+    assert_eq!(code, 0, "{out}{err}");
+    let warren = env.start(&["--config", &file, "--roles", "consumer"]);
+    let _logs = LogsOnPanic(vec![warren.log.clone()]);
+    one_consumer(&orders.queue).await;
+
+    // The new main queue, declared and bound as `warren declare` would.
+    let renamed = Names {
+        queue: format!("{}_v2", orders.queue),
+        ..orders.clone()
+    };
+    let _c2 = PipelineCleanup::queues(&[&renamed.queue]);
+    let channel = env.conn.create_channel().await.expect("channel");
+    let mut args = lapin::types::FieldTable::default();
+    for (key, value) in [
+        ("x-dead-letter-exchange", orders.dlx.as_str()),
+        ("x-dead-letter-routing-key", orders.dlq.as_str()),
+    ] {
+        args.insert(
+            key.into(),
+            lapin::types::AMQPValue::LongString(value.into()),
+        );
+    }
+    let durable = lapin::options::QueueDeclareOptions {
+        durable: true,
+        ..Default::default()
+    };
+    channel
+        .queue_declare(renamed.queue.as_str().into(), durable, args)
+        .await
+        .expect("the new main queue");
+    channel
+        .queue_bind(
+            renamed.queue.as_str().into(),
+            renamed.exchange.as_str().into(),
+            renamed.queue.as_str().into(),
+            Default::default(),
+            Default::default(),
+        )
+        .await
+        .expect("bound");
+
+    std::fs::write(&path, entry("orders", &renamed, 50, 1000)).expect("write");
+    let failed = reload(&env, &warren, "reload_failed", 1).await;
+    let reason = failed["reason"].as_str().unwrap_or_default();
+    let expected = format!(
+        "queue {} exists with x-dead-letter-routing-key = {}, but warren declares \
+         x-dead-letter-routing-key = {}",
+        orders.retry, orders.queue, renamed.queue
+    );
+    assert!(reason.contains(&expected), "{expected}\n{failed}");
+    assert!(events_of(&env, "reloaded").await.is_empty());
+    assert_eq!(stops(&warren, "orders"), 0, "orders untouched");
+    let ids = new_ids(10);
+    publish(&env, &orders, &ids).await;
+    assert_table(&env, "orders", &ids.into_iter().collect(), &warren).await;
+    let mut warren = warren;
+    warren.terminate_ok(Duration::from_secs(25));
+}
+
 /// Publishes `{"id", "qty": 1}` messages to `names` with pipelined confirms (chunks of 100)
 /// until `stop`, recording every confirmed id in `confirmed`.
 async fn publish_until(

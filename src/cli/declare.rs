@@ -146,52 +146,43 @@ pub async fn check_broker(settings: &Settings, topology: &Topology) -> anyhow::R
     Ok(())
 }
 
-/// Checks that every exchange and queue of `topology` exists (a passive declare each), so a
-/// pipeline a reload starts without `--declare` is refused with the names to declare, instead of
-/// starting, failing to subscribe for ever and taking the instance's readiness with it.
-pub async fn check_declared(settings: &Settings, topology: &Topology) -> anyhow::Result<()> {
+/// What `warren run` without `--declare` does about an exchange or queue that does not exist.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Missing {
+    /// A reload refuses the pipelines that need it, naming what to declare: started, they
+    /// would fail to subscribe for ever and take the instance's readiness with them.
+    Refused,
+    /// At the start it is waited for (the stages subscribe once it is declared, by another
+    /// step of the deployment).
+    Waited,
+}
+
+/// Checks, creating nothing, that the exchanges and queues of `topology` exist with the
+/// declared properties ([`Topology::check`]): one with other arguments (a retry queue that
+/// dead-letters to another main queue, a queue of the other type) is refused with the advice of
+/// `warren declare`; a missing one as `missing` says. Those the broker user may not configure
+/// are checked to exist only, with a warning naming them.
+pub async fn check_declared(
+    settings: &Settings,
+    topology: &Topology,
+    missing: Missing,
+) -> anyhow::Result<()> {
     let conn = broker(settings).await?;
-    let objects = topology
-        .exchanges
-        .iter()
-        .map(|e| ("exchange", e.name.as_str()))
-        .chain(topology.queues.iter().map(|q| ("queue", q.name.as_str())));
-    let mut missing = Vec::new();
-    for (kind, name) in objects {
-        // A failed passive declare closes its channel: one channel for each object.
-        let channel = match conn.create_channel().await {
-            Ok(channel) => channel,
-            Err(e) => {
-                amqp::close(None, Some(conn)).await;
-                return Err(e).context("cannot open a channel to check the topology");
-            }
-        };
-        let found = if kind == "exchange" {
-            let passive = lapin::options::ExchangeDeclareOptions {
-                passive: true,
-                ..Default::default()
-            };
-            let kind = lapin::ExchangeKind::Direct;
-            let declared = channel.exchange_declare(name.into(), kind, passive, Default::default());
-            declared.await.is_ok()
-        } else {
-            let passive = lapin::options::QueueDeclareOptions {
-                passive: true,
-                ..Default::default()
-            };
-            let declared = channel.queue_declare(name.into(), passive, Default::default());
-            declared.await.is_ok()
-        };
-        if !found {
-            missing.push(format!("{kind} {name}"));
-        }
-    }
+    let checked = topology.check(&conn).await;
     amqp::close(None, Some(conn)).await;
-    if !missing.is_empty() {
+    let checked = checked?;
+    if !checked.unchecked.is_empty() {
+        tracing::warn!(
+            objects = %checked.unchecked.join(", "),
+            "the broker user may not configure these exchanges and queues (ACCESS_REFUSED): \
+             their existence was checked, not their arguments"
+        );
+    }
+    if missing == Missing::Refused && !checked.missing.is_empty() {
         anyhow::bail!(
             "not declared on the broker: {}; run `warren declare` with this configuration first \
              (or `warren run --declare`)",
-            missing.join(", ")
+            checked.missing.join(", ")
         );
     }
     Ok(())

@@ -10,7 +10,7 @@ use backon::Retryable;
 use tracing::{info, warn};
 
 use crate::config::{ConfigError, Settings, Sources};
-use crate::topology::Topology;
+use crate::topology::{Topology, TopologyError};
 
 #[derive(Debug, clap::Args)]
 pub struct Args {
@@ -129,6 +129,10 @@ pub async fn execute(
             // limit on RabbitMQ 4), checked here too: exit 2 in the same words.
             let topology = Topology::from_settings(&settings)?;
             crate::cli::declare::check_broker(&settings, &topology).await?;
+            // What exists matches what this configuration declares (a retry queue that
+            // dead-letters to another main queue would strand every retried message).
+            let missing = crate::cli::declare::Missing::Waited;
+            crate::cli::declare::check_declared(&settings, &topology, missing).await?;
         }
         crate::cli::declare::check_tables(&settings).await
     };
@@ -138,6 +142,8 @@ pub async fn execute(
             e.downcast_ref::<ConfigError>().is_none()
                 && e.downcast_ref::<crate::cli::declare::MigrationRefused>()
                     .is_none()
+                // An existing object with other arguments stays so until an operator acts.
+                && !matches!(e.downcast_ref::<TopologyError>(), Some(TopologyError::Drift(_)))
         })
         .notify(|e: &anyhow::Error, delay: Duration| {
             warn!(error = %format!("{e:#}"), retry_in_ms = delay.as_millis() as u64,
@@ -190,7 +196,8 @@ pub async fn execute(
                             .map(drop)
                     } else {
                         crate::cli::declare::check_broker(&settings, &topology).await?;
-                        crate::cli::declare::check_declared(&settings, &topology).await
+                        let missing = crate::cli::declare::Missing::Refused;
+                        crate::cli::declare::check_declared(&settings, &topology, missing).await
                     }
                 };
                 prepared.await.map_err(|e: anyhow::Error| {

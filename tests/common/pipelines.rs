@@ -72,6 +72,13 @@ impl PipelineNames {
 /// Deletes queues and exchanges (queues first), also after a failed assertion.
 pub struct PipelineCleanup(Vec<String>, Vec<String>);
 
+impl PipelineCleanup {
+    /// Deletes `queues` when dropped.
+    pub fn queues(queues: &[&str]) -> Self {
+        PipelineCleanup(queues.iter().map(|q| q.to_string()).collect(), Vec::new())
+    }
+}
+
 impl Drop for PipelineCleanup {
     fn drop(&mut self) {
         super::cluster::delete_on(
