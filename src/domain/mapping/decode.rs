@@ -65,30 +65,15 @@ impl Mapping {
             ))
             .into());
         }
-        if self.unknown_fields == UnknownFields::Reject
-            && let Value::Object(map) = &doc
-        {
-            let mut unknown: Vec<&String> =
-                map.keys().filter(|k| !self.fields.contains(*k)).collect();
-            if !unknown.is_empty() {
-                unknown.sort();
-                let list: Vec<String> = unknown.iter().map(|k| format!("/{k}")).collect();
-                return Err(Refused {
-                    rejection: Rejection::payload(format!(
-                        "unknown field{} {} (unknown_fields = \"reject\")",
-                        if list.len() == 1 { "" } else { "s" },
-                        list.join(", ")
-                    )),
-                    problems: unknown
-                        .into_iter()
-                        .map(|k| Problem::Unknown(k.clone()))
-                        .collect(),
-                });
-            }
-        }
+        // Every problem is named, the unknown fields of the body's top level with those of the
+        // elements and the columns' (review R36g F5: the first ones alone were named).
+        let unknown = self.unknown_top_level(&doc);
         if let Some(d) = &self.delete
             && d.matches(&doc)
         {
+            if let Some(refused) = unknown {
+                return Err(refused);
+            }
             return self.decode_delete(text, &doc, headers, envelope);
         }
         let mut cells = Vec::with_capacity(self.columns.len());
@@ -114,7 +99,7 @@ impl Mapping {
                 }
             }
         }
-        if problems.is_empty() && child_problems.is_empty() {
+        if problems.is_empty() && child_problems.is_empty() && unknown.is_none() {
             return Ok(Row(cells, rows, Op::Write));
         }
         if problems.len() > 1 {
@@ -128,21 +113,51 @@ impl Mapping {
                 _ => usize::MAX,
             });
         }
-        let mut reason: Vec<String> = problems.iter().map(|(c, e)| c.reason(e)).collect();
+        let (mut reason, mut found) = match unknown {
+            Some(refused) => (vec![refused.rejection.reason], refused.problems),
+            None => (Vec::new(), Vec::new()),
+        };
+        reason.extend(problems.iter().map(|(c, e)| c.reason(e)));
         reason.extend(child_problems.iter().map(|(r, _)| r.clone()));
         // Once each: a property or header every element of an array reads refused the message
         // once per element, its reason a thousand times over (review R36f F2).
         let mut seen = std::collections::HashSet::new();
         reason.retain(|r| seen.insert(r.clone()));
+        found.extend(problems.into_iter().map(|(c, error)| Problem::Column {
+            column: c.name.clone(),
+            error,
+        }));
+        found.extend(child_problems.into_iter().map(|(_, p)| p));
         Err(Refused {
             rejection: Rejection::payload(reason.join("; ")),
-            problems: problems
+            problems: found,
+        })
+    }
+
+    /// Under `unknown_fields = "reject"`, the body's top-level fields no column reads, as a
+    /// refusal naming them all (`unknown fields /a, /b`); `None` when there are none.
+    fn unknown_top_level(&self, doc: &Value) -> Option<Refused> {
+        let Value::Object(map) = doc else {
+            return None;
+        };
+        if self.unknown_fields != UnknownFields::Reject {
+            return None;
+        }
+        let mut unknown: Vec<&String> = map.keys().filter(|k| !self.fields.contains(*k)).collect();
+        if unknown.is_empty() {
+            return None;
+        }
+        unknown.sort();
+        let list: Vec<String> = unknown.iter().map(|k| format!("/{k}")).collect();
+        Some(Refused {
+            rejection: Rejection::payload(format!(
+                "unknown field{} {} (unknown_fields = \"reject\")",
+                if list.len() == 1 { "" } else { "s" },
+                list.join(", ")
+            )),
+            problems: unknown
                 .into_iter()
-                .map(|(c, error)| Problem::Column {
-                    column: c.name.clone(),
-                    error,
-                })
-                .chain(child_problems.into_iter().map(|(_, p)| p))
+                .map(|k| Problem::Unknown(k.clone()))
                 .collect(),
         })
     }

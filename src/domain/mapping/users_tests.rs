@@ -186,7 +186,14 @@ fn every_field_at_fault_is_named() {
             None,
         )
         .unwrap_err();
-    assert_eq!(unknown.problems, [Problem::Unknown("x".into())]);
+    // The unknown field with the others at fault (review R36g F5: it alone was named).
+    assert_eq!(
+        unknown.rejection.reason,
+        "unknown field /x (unknown_fields = \"reject\"); /email: missing (a text is required); \
+         /name: missing (a text is required)"
+    );
+    assert_eq!(unknown.problems[0], Problem::Unknown("x".into()));
+    assert_eq!(unknown.problems.len(), 3, "{:?}", unknown.problems);
     assert_eq!(users.field_of("email"), Some("email"));
 }
 

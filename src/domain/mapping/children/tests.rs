@@ -202,6 +202,18 @@ fn unknown_fields_of_an_element_follow_the_pipelines_policy() {
     );
     // The array's own field is read: not unknown at the top level.
     assert!(m.decode(&order(r#"[{"sku":"A","qty":1}]"#)).is_ok());
+    // Every unknown field is named, the top level's and the elements' (review R36g F5: the
+    // top level's alone were), with the columns' other problems.
+    let body = format!(
+        r#"{{"order_id":"{ID}","total":1,"version":"x","coupon":"X","items":[{{"sku":"A","qty":1,"colour":"red"}}]}}"#
+    );
+    let r = m.decode(body.as_bytes()).unwrap_err();
+    assert_eq!(
+        r.reason,
+        "unknown field /coupon (unknown_fields = \"reject\"); /version: expected an integer \
+         (int8), found the string \"x\"; /items/0/colour: unknown field (unknown_fields = \
+         \"reject\")"
+    );
 }
 
 /// Review R36f F10: two child tables filled from one array read its elements' fields between
