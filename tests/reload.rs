@@ -637,7 +637,8 @@ async fn a_pipeline_added_before_its_queues_are_declared_is_refused() {
 /// declares, not only that they exist (review R35g F5): orders' main queue renamed, its new
 /// queue declared and bound, but its retry queue still dead-letters to the old one, where every
 /// retried message would be stranded. The reload is refused naming the retry queue and the
-/// argument, and orders goes on as it ran.
+/// argument, and orders goes on as it ran. Then the file as it runs, but orders' retry queue
+/// declared again dead-lettering elsewhere: refused too, though orders is unchanged.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_reload_onto_a_retry_queue_that_dead_letters_elsewhere_is_refused() {
     let mut env = TestEnv::new("rl_drift").await;
@@ -700,6 +701,42 @@ async fn a_reload_onto_a_retry_queue_that_dead_letters_elsewhere_is_refused() {
     let ids = new_ids(10);
     publish(&env, &orders, &ids).await;
     assert_table(&env, "orders", &ids.into_iter().collect(), &warren).await;
+
+    // The file as it runs, but the retry queue of the unchanged pipeline declared again with
+    // other arguments (review R35h F4: checked only for what a reload starts, it passed, and
+    // every retried message was dropped by the broker).
+    std::fs::write(&path, entry("orders", &orders, 50, 1000)).expect("write");
+    channel
+        .queue_delete(orders.retry.as_str().into(), Default::default())
+        .await
+        .expect("delete the retry queue");
+    let mut args = lapin::types::FieldTable::default();
+    args.insert(
+        "x-message-ttl".into(),
+        lapin::types::AMQPValue::LongInt(1000),
+    );
+    for (key, value) in [
+        ("x-dead-letter-exchange", orders.exchange.as_str()),
+        ("x-dead-letter-routing-key", renamed.queue.as_str()),
+    ] {
+        args.insert(
+            key.into(),
+            lapin::types::AMQPValue::LongString(value.into()),
+        );
+    }
+    channel
+        .queue_declare(orders.retry.as_str().into(), durable, args)
+        .await
+        .expect("the retry queue, dead-lettering elsewhere");
+    let failed = reload(&env, &warren, "reload_failed", 2).await;
+    let reason = failed["reason"].as_str().unwrap_or_default();
+    let expected = format!(
+        "queue {} exists with x-dead-letter-routing-key = {}, but warren declares \
+         x-dead-letter-routing-key = {}",
+        orders.retry, renamed.queue, orders.queue
+    );
+    assert!(reason.contains(&expected), "{expected}\n{failed}");
+    assert!(events_of(&env, "reloaded").await.is_empty());
     let mut warren = warren;
     warren.terminate_ok(Duration::from_secs(25));
 }

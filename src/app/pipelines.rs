@@ -184,6 +184,13 @@ pub type LoadFn = dyn Fn(&std::collections::BTreeMap<String, serde_json::Value>)
     + Send
     + Sync;
 
+/// Checks (and declares) what a reload starts, and the broker objects of every pipeline of
+/// the configuration read again ([`Reload::prepare`]).
+pub type PrepareFn = dyn Fn(
+    Option<Settings>,
+    Settings,
+) -> futures::future::LocalBoxFuture<'static, Result<(), ReloadError>>;
+
 /// How `warren run` reads its configuration again and prepares what a reload starts (given by
 /// `cli/run.rs`, which knows the sources and `--declare`).
 pub struct Reload {
@@ -197,10 +204,13 @@ pub struct Reload {
     /// The settings the process started with: a reload resolves and checks its pipelines
     /// against their values of the settings that apply only at a restart.
     pub base: Arc<Settings>,
-    /// Checks the tables of the settings' pipelines (and, under `--declare`, declares their
-    /// exchanges and queues): a [`ReloadError::Prepare`] when they cannot start.
-    pub prepare:
-        Box<dyn Fn(Settings) -> futures::future::LocalBoxFuture<'static, Result<(), ReloadError>>>,
+    /// Checks the tables of the first settings' pipelines, those the reload starts (and,
+    /// under `--declare`, declares their exchanges and queues), then that the exchanges and
+    /// queues of every pipeline of the second, the whole configuration read again, exist with
+    /// the declared properties (review R35h F4: an unchanged pipeline's retry queue declared
+    /// again with other arguments passed a reload that a restart refused): a
+    /// [`ReloadError::Prepare`] when they cannot start or run.
+    pub prepare: Box<PrepareFn>,
 }
 
 /// Why a reload changed nothing. Its text is the `reload_failed` event's reason, the error
@@ -295,6 +305,13 @@ pub(super) struct Plan {
     /// The settings with only the pipelines it adds or changes, for [`Reload::prepare`] to
     /// check (and declare) before anything changes; `None` when it starts none.
     pub checked: Option<Settings>,
+}
+
+impl Plan {
+    /// The configuration read again, every pipeline of it.
+    pub fn next(&self) -> &Settings {
+        &self.next
+    }
 }
 
 /// The drain of the stages a reload stops ([`Pipelines::begin`]): whether every one settled

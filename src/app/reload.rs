@@ -144,10 +144,9 @@ impl Reloads {
                 return self.start_queued(reload);
             }
         };
-        let work = match plan.checked.clone() {
-            Some(checked) => Work::Preparing((reload.prepare)(checked)),
-            None => Work::Draining(pipelines.begin(&plan)),
-        };
+        // Always prepared: the broker objects of the pipelines it leaves running are checked
+        // too (review R35h F4).
+        let work = Work::Preparing((reload.prepare)(plan.checked.clone(), plan.next().clone()));
         self.current = Some(Current {
             asked,
             plan: Some(plan),

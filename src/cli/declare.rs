@@ -178,6 +178,14 @@ pub async fn check_declared(
              their existence was checked, not their arguments"
         );
     }
+    if missing == Missing::Waited && !checked.missing.is_empty() {
+        tracing::warn!(
+            objects = %checked.missing.join(", "),
+            "not declared on the broker yet: the stages wait for their queues, but what another \
+             step declares later is not checked against this configuration (run `warren declare` \
+             with it, or `warren run --declare`)"
+        );
+    }
     if missing == Missing::Refused && !checked.missing.is_empty() {
         anyhow::bail!(
             "not declared on the broker: {}; run `warren declare` with this configuration first \

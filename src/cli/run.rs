@@ -175,26 +175,29 @@ pub async fn execute(
                 None => Ok(settings),
             }
         }),
-        prepare: Box::new(move |settings: Settings| {
+        prepare: Box::new(move |starting: Option<Settings>, all: Settings| {
             let from = from.clone();
             Box::pin(async move {
                 // Everything is checked before anything is declared: a reload refused for a
                 // table declares nothing on the broker.
                 let prepared = async {
-                    let topology = Topology::from_settings(&settings)?;
-                    if declare {
-                        crate::cli::declare::tombstones(&settings).await?;
+                    if let Some(settings) = &starting {
+                        let topology = Topology::from_settings(settings)?;
+                        if declare {
+                            crate::cli::declare::tombstones(settings).await?;
+                        }
+                        crate::cli::declare::check_tables(settings).await?;
+                        if declare {
+                            crate::cli::declare::declare_topology(settings, &topology).await?;
+                        } else {
+                            crate::cli::declare::check_broker(settings, &topology).await?;
+                        }
                     }
-                    crate::cli::declare::check_tables(&settings).await?;
-                    if declare {
-                        crate::cli::declare::declare_topology(&settings, &topology)
-                            .await
-                            .map(drop)
-                    } else {
-                        crate::cli::declare::check_broker(&settings, &topology).await?;
-                        let missing = crate::cli::declare::Missing::Refused;
-                        crate::cli::declare::check_declared(&settings, &topology, missing).await
-                    }
+                    // Every pipeline's exchanges and queues, those it leaves running too: they
+                    // exist and have the declared properties (review R35g F5, R35h F4).
+                    let topology = Topology::from_settings(&all)?;
+                    let missing = crate::cli::declare::Missing::Refused;
+                    crate::cli::declare::check_declared(&all, &topology, missing).await
                 };
                 prepared.await.map_err(|e: anyhow::Error| {
                     crate::app::ReloadError::Prepare(format!("{from}{e:#}"))
