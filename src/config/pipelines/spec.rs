@@ -521,12 +521,20 @@ impl<'a> Entry<'a> {
         )?;
         if let Some(ttls) = &p.retry_ttls_ms {
             let (min, max) = range_of("retry_ttl_ms").unwrap_or((1, u64::MAX));
-            if ttls.is_empty() || ttls.iter().any(|t| *t < min || *t > max) || !ttls.is_sorted() {
+            // As RETRY_TTLS_MS (review R35h F1: equal TTLs planned one queue twice, and 300
+            // tiers were taken).
+            let most = crate::config::MAX_RETRY_TIERS;
+            if ttls.is_empty()
+                || ttls.len() > most
+                || ttls.iter().any(|t| *t < min || *t > max)
+                || ttls.windows(2).any(|w| w[0] >= w[1])
+            {
                 return Err(self.refuse_with(
                     "retry_ttls_ms",
                     Source::Entry,
                     format!(
-                        "a non-empty list of TTLs in ascending order, each from {min} to {max} ms"
+                        "a non-empty list of at most {most} increasing TTLs (no two equal), each \
+                         from {min} to {max} ms"
                     ),
                     format!("{ttls:?}"),
                 ));

@@ -82,7 +82,19 @@ fn every_mistake_in_a_pipeline_is_named() {
         (
             "batch_size = 500",
             "retry_ttls_ms = [60000, 1000]",
-            "pipelines.orders.retry_ttls_ms: expected a non-empty list of TTLs in ascending order",
+            "pipelines.orders.retry_ttls_ms: expected a non-empty list of at most 10 increasing \
+             TTLs (no two equal)",
+        ),
+        (
+            "batch_size = 500",
+            "retry_ttls_ms = [1000, 1000]",
+            "pipelines.orders.retry_ttls_ms: expected a non-empty list of at most 10 increasing \
+             TTLs (no two equal), each from 1 to 86400000 ms, got [1000, 1000]",
+        ),
+        (
+            "batch_size = 500",
+            "retry_ttls_ms = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11]",
+            "pipelines.orders.retry_ttls_ms: expected a non-empty list of at most 10 increasing",
         ),
         (
             "batch_size = 500",
