@@ -721,6 +721,14 @@ fn advise_queue(q: &Queue, drift: &mut Drift) {
     // of a file's entry (review R35e F9: a file's pipeline was told to change RETRY_TTL_MS and
     // RETRY_QUEUE, the users pipeline's).
     drift.hint = match (arg, &q.named_by) {
+        // The main queue and the DLQ have no TTL: no retry setting makes them match (review
+        // R35h F7: a TTL on a main queue got the retry tiers' advice).
+        ("x-message-ttl", _) if !q.arguments.contains_key("x-message-ttl") => {
+            "warren declares no TTL on this queue (only its retry queues have one): a message \
+             waiting in it, paused or behind a backlog, would expire; point the name at another \
+             queue, or move its messages away and delete it (below)"
+                .into()
+        }
         ("x-message-ttl", NamedBy::Settings) => {
             "for the TTL: with one retry queue, set RETRY_TTL_MS to the existing value; with \
              retry tiers (RETRY_TTLS_MS) a tier queue's name carries its TTL, so give \

@@ -386,6 +386,14 @@ fn a_queue_of_the_other_type_is_named_as_such() {
     let d = drift_of(&quorum.queues[0], "x-delivery-limit", "20", "7");
     assert_eq!(d.note, "");
     assert_eq!(d.hint, "set DELIVERY_LIMIT to the existing value");
+    // A TTL on the main queue: no retry setting makes it match (review R35h F7).
+    let d = drift_of(&classic.queues[0], "x-message-ttl", "1000", NOT_SET);
+    assert!(
+        d.hint
+            .starts_with("warren declares no TTL on this queue (only its retry queues"),
+        "{}",
+        d.hint
+    );
     let d = drift_of(&classic.queues[1], "x-message-ttl", "5000", "10000");
     assert_eq!(d.note, "");
     assert!(
