@@ -600,6 +600,7 @@ impl Child {
                 if !unknown.is_empty() {
                     // Each by its path first, as every other refusal of an element.
                     unknown.sort();
+                    // With the element's other problems (review R36h F1: they were hidden).
                     problems.extend(unknown.iter().map(|k| {
                         let path = format!("{here}/{}", escape(k));
                         (
@@ -607,7 +608,6 @@ impl Child {
                             Problem::Unknown(path),
                         )
                     }));
-                    continue;
                 }
             }
             let element_text: Cow<str> = match raws.get(i) {
@@ -739,7 +739,7 @@ fn unreachable_source() -> Source {
 }
 
 /// A field name as a JSON Pointer segment (`~` as `~0`, `/` as `~1`).
-fn escape(field: &str) -> String {
+pub(super) fn escape(field: &str) -> String {
     field.replace('~', "~0").replace('/', "~1")
 }
 

@@ -71,10 +71,17 @@ impl Mapping {
         if let Some(d) = &self.delete
             && d.matches(&doc)
         {
-            if let Some(refused) = unknown {
-                return Err(refused);
-            }
-            return self.decode_delete(text, &doc, headers, envelope);
+            // Its unknown fields with its other problems (review R36h F8).
+            return match (unknown, self.decode_delete(text, &doc, headers, envelope)) {
+                (None, decoded) => decoded,
+                (Some(refused), Ok(_)) => Err(refused),
+                (Some(mut refused), Err(other)) => {
+                    refused.rejection.reason =
+                        format!("{}; {}", refused.rejection.reason, other.rejection.reason);
+                    refused.problems.extend(other.problems);
+                    Err(refused)
+                }
+            };
         }
         let mut cells = Vec::with_capacity(self.columns.len());
         let mut problems = Vec::new();
@@ -148,7 +155,11 @@ impl Mapping {
             return None;
         }
         unknown.sort();
-        let list: Vec<String> = unknown.iter().map(|k| format!("/{k}")).collect();
+        // JSON Pointers, as every other path (review R36h F2: `/c/d` read as d inside c).
+        let list: Vec<String> = unknown
+            .iter()
+            .map(|k| format!("/{}", super::children::escape(k)))
+            .collect();
         Some(Refused {
             rejection: Rejection::payload(format!(
                 "unknown field{} {} (unknown_fields = \"reject\")",

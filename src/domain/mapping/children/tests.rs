@@ -214,6 +214,31 @@ fn unknown_fields_of_an_element_follow_the_pipelines_policy() {
          (int8), found the string \"x\"; /items/0/colour: unknown field (unknown_fields = \
          \"reject\")"
     );
+    // An element's unknown field with the element's other problems (review R36h F1), and a
+    // top-level field's name as a JSON Pointer (review R36h F2).
+    let body = format!(
+        r#"{{"order_id":"{ID}","total":1,"version":1,"c/d":1,"items":[{{"qty":"s","x":1}}]}}"#
+    );
+    let r = m.decode(body.as_bytes()).unwrap_err();
+    assert_eq!(
+        r.reason,
+        "unknown field /c~1d (unknown_fields = \"reject\"); /items/0/x: unknown field \
+         (unknown_fields = \"reject\"); /items/0/qty: expected an integer (int4), found the \
+         string \"s\"; /items/0/sku: missing (a text is required)"
+    );
+    // A delete's unknown field with its other problems (review R36h F8).
+    let deletes = mapping(
+        "on_conflict = \"update\"\nversion_column = \"version\"\n\
+         delete = { field = \"/op\", value = \"delete\" }",
+        "",
+    );
+    let body = format!(r#"{{"order_id":"{ID}","op":"delete","version":"x","zz":1}}"#);
+    let r = deletes.decode(body.as_bytes()).unwrap_err();
+    assert_eq!(
+        r.reason,
+        "unknown field /zz (unknown_fields = \"reject\"); /version: expected an integer \
+         (int8), found the string \"x\" (a delete)"
+    );
 }
 
 /// Review R36f F10: two child tables filled from one array read its elements' fields between
