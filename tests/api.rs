@@ -40,6 +40,19 @@ impl Http {
         }
     }
 
+    /// As [`Http::new`], for requests that wait their turn behind many others (a minute each).
+    fn patient(env: &TestEnv) -> Self {
+        let agent = ureq::Agent::config_builder()
+            .http_status_as_error(false)
+            .timeout_global(Some(Duration::from_secs(60)))
+            .build()
+            .into();
+        Self {
+            agent,
+            base: env.http_base(),
+        }
+    }
+
     fn answer(response: Result<ureq::http::Response<ureq::Body>, ureq::Error>) -> Answer {
         let mut response = response.unwrap_or_else(|e| panic!("HTTP request failed: {e}"));
         let status = response.status().as_u16();
@@ -1501,7 +1514,9 @@ async fn concurrent_nested_posts_stay_within_the_write_budget() {
                 .iter()
                 .map(|body| {
                     let env = &env;
-                    scope.spawn(move || Http::new(env).post("/api/v1/orders", body).status)
+                    // They wait their turn: the last ones answer after the others' decodes,
+                    // past 15 s on a loaded machine (the full suite, two lanes).
+                    scope.spawn(move || Http::patient(env).post("/api/v1/orders", body).status)
                 })
                 .collect();
             posts
