@@ -84,7 +84,14 @@ fn read_regular(path: &Path) -> Result<String, Unreadable> {
     if bytes.len() as u64 > MAX_FILE_BYTES {
         return Err(Unreadable::TooLarge(None));
     }
-    String::from_utf8(bytes).map_err(|_| Unreadable::NotUtf8)
+    String::from_utf8(bytes).map_err(|e| {
+        // Where, as every other error of the file says it (review R35h F10).
+        let good = &e.as_bytes()[..e.utf8_error().valid_up_to()];
+        let line = good.iter().filter(|b| **b == b'\n').count() + 1;
+        let start = good.iter().rposition(|b| *b == b'\n').map_or(0, |i| i + 1);
+        let column = String::from_utf8_lossy(&good[start..]).chars().count() + 1;
+        Unreadable::NotUtf8 { line, column }
+    })
 }
 
 /// Why [`read_regular`] read no text, in the words a configuration error shows.
@@ -96,8 +103,8 @@ enum Unreadable {
     NotAFile,
     #[error("expected at most {MAX_FILE_BYTES} bytes{}", .0.map(|n| format!(", the file has {n}")).unwrap_or_default())]
     TooLarge(Option<u64>),
-    #[error("stream did not contain valid UTF-8")]
-    NotUtf8,
+    #[error("line {line}, column {column}: not UTF-8 (a configuration file is UTF-8 text)")]
+    NotUtf8 { line: usize, column: usize },
 }
 
 impl FileText {
@@ -579,6 +586,20 @@ mod tests {
 
     fn file(text: &str) -> FileText {
         FileText::new(PathBuf::from("w.toml"), text.into())
+    }
+
+    /// A byte that is not UTF-8 is named by its line and column (review R35h F10: the
+    /// standard library's words, no line).
+    #[test]
+    fn a_file_that_is_not_utf8_is_refused_naming_where() {
+        let dir = tempfile::tempdir().expect("a directory");
+        let path = dir.path().join("utf.toml");
+        std::fs::write(&path, b"batch_size = 5\n# \xff\xfe\n").expect("write");
+        let err = read_regular(&path).expect_err("not UTF-8");
+        assert_eq!(
+            err.to_string(),
+            "line 2, column 3: not UTF-8 (a configuration file is UTF-8 text)"
+        );
     }
 
     fn line(at: Origin) -> Option<usize> {
