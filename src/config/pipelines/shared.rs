@@ -100,10 +100,25 @@ pub(super) fn check_shared_names(
             if let Some((other, other_what)) = owner.get(&key)
                 && (*other != spec.name || *other_what != what)
             {
+                // Within one entry, the name written is blamed, not the one derived from the
+                // pipeline's name (review R35h F2: `dlq_queue = "orders_queue"` was reported as
+                // `main_queue` at the entry's first line).
+                let (what, other_what) = if *other == spec.name
+                    && !written(settings, spec, what)
+                    && written(settings, spec, other_what)
+                {
+                    (*other_what, what)
+                } else {
+                    (what, *other_what)
+                };
                 let error = ConfigError::Invalid {
                     setting: format!("pipelines.{}.{what}", spec.name),
                     expected: "a name no other pipeline uses for its exchanges and queues".into(),
-                    got: format!("{name:?}, also the {other_what} of pipeline {other}"),
+                    got: if *other == spec.name {
+                        format!("{name:?}, also this pipeline's {other_what}")
+                    } else {
+                        format!("{name:?}, also the {other_what} of pipeline {other}")
+                    },
                 };
                 return Err(at_entry(settings, spec, what, error));
             }
@@ -111,6 +126,23 @@ pub(super) fn check_shared_names(
         }
     }
     Ok(())
+}
+
+/// Whether `spec`'s entry in a file writes the name `field` (else it is derived from the
+/// pipeline's name or the defaults).
+fn written(settings: &Settings, spec: &PipelineSpec, field: &str) -> bool {
+    let Some(entry) = settings.pipelines.iter().find(|p| p.name == spec.name) else {
+        return false;
+    };
+    match field {
+        "main_exchange" => entry.main_exchange.is_some(),
+        "main_queue" => entry.main_queue.is_some(),
+        "retry_exchange" => entry.retry_exchange.is_some(),
+        "retry_queue" => entry.retry_queue.is_some(),
+        "dlx_exchange" => entry.dlx_exchange.is_some(),
+        "dlq_queue" => entry.dlq_queue.is_some(),
+        _ => false,
+    }
 }
 
 /// `error` about `spec`'s `field`, placed at its entry of the file when a file declares it (the

@@ -131,6 +131,17 @@ fn every_mistake_in_a_pipeline_is_named() {
             "main_queue = \"raffle_queue\"",
             "pipelines.orders.main_queue: expected a name no other pipeline uses for its exchanges and queues, got \"raffle_queue\", also the main_queue of pipeline users",
         ),
+        // Within one entry the name written is blamed, at its line, not the one derived.
+        (
+            "batch_size = 500",
+            "main_queue = \"orders_dlq\"",
+            "line 6: pipelines.orders.main_queue: expected a name no other pipeline uses for its exchanges and queues, got \"orders_dlq\", also this pipeline's dlq_queue",
+        ),
+        (
+            "batch_size = 500",
+            "dlq_queue = \"orders_queue\"",
+            "line 6: pipelines.orders.dlq_queue: expected a name no other pipeline uses for its exchanges and queues, got \"orders_queue\", also this pipeline's main_queue",
+        ),
         (
             "key = [\"order_id\"]",
             "key = [\"order_id\", \"total\"]\napi = true",
