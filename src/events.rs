@@ -166,6 +166,10 @@ pub enum Kind {
         /// Whether every stage it stopped settled all its deliveries within
         /// `SHUTDOWN_TIMEOUT_MS`; false: the rest went back to their queues (nothing lost).
         drained: bool,
+        /// Queues of the pipelines removed or changed that no pipeline consumes now,
+        /// `queue (pipeline)`: what they hold waits there until moved (absent when none).
+        #[serde(default, skip_serializing_if = "Vec::is_empty")]
+        left_queues: Vec<String>,
     },
     /// A reload found a configuration that does not load or check (or a table that does not
     /// fit): nothing changed; `reason` says where and what.
@@ -284,6 +288,7 @@ impl Kind {
                 changed,
                 restart_needed,
                 drained,
+                left_queues,
             } => {
                 let all = |v: Vec<String>| v.into_iter().map(cap).collect();
                 Kind::Reloaded {
@@ -292,6 +297,7 @@ impl Kind {
                     changed: all(changed),
                     restart_needed: all(restart_needed),
                     drained,
+                    left_queues: all(left_queues),
                 }
             }
             Kind::ReloadFailed { reason } => Kind::ReloadFailed {
@@ -651,6 +657,7 @@ mod tests {
                 changed: vec!["users".into()],
                 restart_needed: vec!["amqp_url".into()],
                 drained: true,
+                left_queues: vec!["orders_queue (orders)".into()],
             },
             Kind::ReloadFailed {
                 reason: "pipelines[1].batch_size: expected 1 to 10000, got 0".into(),
@@ -749,6 +756,7 @@ mod tests {
             changed: vec![],
             restart_needed: vec![],
             drained: false,
+            left_queues: vec![],
         });
         assert_eq!(e["drained"], false, "{e}");
         assert_eq!(e["added"], serde_json::json!(["orders"]), "{e}");

@@ -90,7 +90,34 @@ fn by_key(settings: &Settings) -> serde_json::Map<String, serde_json::Value> {
 /// Whether a running pipeline declared as `old` is left untouched by a reload that declares it
 /// as `new`: the same resolved spec. The one place that says what a pipeline's change is.
 pub(super) fn same(old: &Declared, new: &Declared) -> bool {
-    old.spec == new.spec
+    // Where the entry is written (the shipped defaults or a file) is not what runs: the
+    // built-in users entry copied into a file is the same pipeline (review R35h F9: it was
+    // drained and started again).
+    if old.spec.builtin == new.spec.builtin {
+        return old.spec == new.spec;
+    }
+    let mut new = new.spec.clone();
+    new.builtin = old.spec.builtin;
+    old.spec == new
+}
+
+/// The queues of `running` (removed or changed) that none of `wanted` consumes: `queue
+/// (pipeline)`, for [`ReloadReport::left_queues`].
+pub(super) fn left_queues<'a>(
+    running: impl Iterator<Item = &'a Declared>,
+    wanted: &[Declared],
+) -> Vec<String> {
+    let consumed: HashSet<&str> = wanted.iter().flat_map(|d| d.spec.names.queues()).collect();
+    running
+        .flat_map(|r| {
+            r.spec
+                .names
+                .queues()
+                .filter(|q| !consumed.contains(q))
+                .map(|q| format!("{q} ({})", r.name))
+                .collect::<Vec<_>>()
+        })
+        .collect()
 }
 
 /// The settings of `next` that differ from those the process started with (`base`) and are not
@@ -141,6 +168,11 @@ pub(super) struct ReloadReport {
     /// Whether every stage it stopped settled all its deliveries within `SHUTDOWN_TIMEOUT_MS`
     /// (what one did not settle goes back to its queue).
     pub drained: bool,
+    /// Queues a removed or changed pipeline consumed (or dead-lettered back to its main queue)
+    /// that no pipeline consumes now, `queue (pipeline)`: what they hold waits there until
+    /// moved (review R35h F3: a main and retry queue renamed together stranded every retry
+    /// without a word, and `warren status` stopped showing them).
+    pub left_queues: Vec<String>,
 }
 
 impl ReloadReport {
@@ -166,6 +198,12 @@ impl ReloadReport {
             parts.push(format!(
                 "needs a restart to apply {}",
                 self.restart_needed.join(", ")
+            ));
+        }
+        if !self.left_queues.is_empty() {
+            parts.push(format!(
+                "no pipeline consumes {} now: what they hold waits there (warren move)",
+                self.left_queues.join(", ")
             ));
         }
         if !self.drained {
@@ -655,6 +693,7 @@ impl Pipelines {
                 report.added.push(d.name.clone());
             }
         }
+        report.left_queues = left_queues(self.running.iter().map(|r| &r.declared), &wanted);
         let starts: HashSet<&String> = report.added.iter().chain(&report.changed).collect();
         let starting = |name: &String| starts.contains(name);
         // What starts is checked against its tables first, as at start.

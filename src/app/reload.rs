@@ -245,6 +245,10 @@ fn reloaded(by: &str, report: &ReloadReport) -> Answer {
         warn!(by, pipelines = %report.api_unchanged.join(", "),
             "reload: the HTTP API serves the pipelines it started with until a restart");
     }
+    if !report.left_queues.is_empty() {
+        warn!(by, queues = %report.left_queues.join(", "),
+            "reload: no pipeline consumes these queues now; what they hold (and what their retry queues dead-letter back to them) waits there until moved (warren move --from QUEUE --to EXCHANGE)");
+    }
     info!(by, added = %report.added.join(","), removed = %report.removed.join(","),
         changed = %report.changed.join(","), unchanged = %report.unchanged.join(","),
         drained = report.drained, "configuration reloaded");
@@ -256,6 +260,7 @@ fn reloaded(by: &str, report: &ReloadReport) -> Answer {
             changed: report.changed.clone(),
             restart_needed: report.restart_needed.clone(),
             drained: report.drained,
+            left_queues: report.left_queues.clone(),
         },
     );
     Ok(Some(report.summary()))

@@ -133,6 +133,50 @@ fn a_pipeline_changes_with_what_it_reads_only() {
     );
 }
 
+/// The built-in users entry copied into a file is the pipeline that runs: not changed.
+#[test]
+fn the_users_entry_written_in_a_file_as_shipped_is_not_a_change() {
+    let shipped = crate::config::DEFAULT_TOML
+        .split_once(crate::config::pipelines::USERS_MARK)
+        .map(|(_, rest)| format!("{}{rest}", crate::config::pipelines::USERS_MARK))
+        .unwrap();
+    let builtin = declared(&with("")).unwrap();
+    let written = declared(&with(&shipped)).unwrap();
+    assert!(find(&builtin, "users").spec.builtin && !find(&written, "users").spec.builtin);
+    assert!(same(find(&builtin, "users"), find(&written, "users")));
+    assert!(same(find(&written, "users"), find(&builtin, "users")));
+    // One value other is a change.
+    let other = shipped.replace("name = \"users\"", "name = \"users\"\nbatch_size = 7");
+    let other = declared(&with(&other)).unwrap();
+    assert!(!same(find(&builtin, "users"), find(&other, "users")));
+}
+
+/// A reload that leaves a queue no pipeline consumes names it (review R35h F3).
+#[test]
+fn the_queues_a_reload_leaves_are_named() {
+    let was = declared(&with(ORDERS)).unwrap();
+    assert!(left_queues(was.iter(), &was).is_empty());
+    let renamed = declared(&with(&ORDERS.replace(
+        "batch_size = 50",
+        "main_queue = \"orders_q2\"\nretry_queue = \"orders_r2\"",
+    )))
+    .unwrap();
+    assert_eq!(
+        left_queues(was.iter().filter(|d| d.name == "orders"), &renamed),
+        ["orders_queue (orders)", "orders_retry_10s (orders)"]
+    );
+    // A pipeline removed whose queues another takes over leaves none.
+    let taken = declared(&with(&ORDERS.replace(
+        "name = \"orders\"",
+        "name = \"orders2\"\nmain_queue = \"orders_queue\"",
+    )))
+    .unwrap();
+    assert_eq!(
+        left_queues(was.iter().filter(|d| d.name == "orders"), &taken),
+        ["orders_retry_10s (orders)", "orders_dlq (orders)"]
+    );
+}
+
 /// A reload never leaves an instance that runs pipelines with none; one that runs none
 /// (started with an empty `--pipelines`) reloads as it likes.
 #[test]
