@@ -295,7 +295,7 @@ pub fn parsed_bytes(properties: &BasicProperties) -> usize {
     strings + properties.headers().as_ref().map_or(0, table_bytes)
 }
 
-fn table_bytes(table: &lapin::types::FieldTable) -> usize {
+pub(crate) fn table_bytes(table: &lapin::types::FieldTable) -> usize {
     let entries = table.inner();
     let node = if entries.is_empty() {
         0

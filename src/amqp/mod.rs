@@ -1,11 +1,13 @@
 //! RabbitMQ plumbing: bounded connects with heartbeats to one of several endpoints (each link
 //! moves on to the next node after a failure), exponential backoff with jitter for reconnect
-//! loops, the AMQP error enum, the `x-*` headers warren reads and writes, the one policy of
+//! loops, the AMQP error enum, the `x-*` headers warren reads and writes, a delivery's properties as
+//! held in flight (`held`), the one policy of
 //! what warren's republished copies of a message carry (`republish`), and the one get ->
 //! publish with confirm -> ack loop that moves messages out of a queue (`transfer`).
 
 pub mod config;
 pub mod headers;
+pub mod held;
 pub mod monitor;
 pub mod publisher;
 pub mod republish;

@@ -56,6 +56,13 @@ pub trait Domain: Send + Sync + 'static {
     /// Decodes and validates one body. Must not panic on any input.
     fn decode(&self, body: &[u8]) -> Result<Self::Record, Rejection>;
 
+    /// Whether [`Domain::decode_with`] reads the message's header table: when it does not, it
+    /// is given the properties without it (a small table is held packed, `amqp::held`, and
+    /// rebuilt only for what reads it).
+    fn reads_headers(&self) -> bool {
+        false
+    }
+
     /// Decodes one message, its properties and where it was delivered from at hand (a mapping
     /// reads columns from headers and properties); the body alone by default.
     fn decode_with(

@@ -100,7 +100,7 @@ impl Handler<Leftovers> for DlqStage {
             let Leftovers { batch_id, items } = msg;
             let mut fates: Vec<Fate> = items
                 .iter()
-                .map(|(d, f)| dlq_fate(f, &headers::dlq_attempts(&d.properties), max))
+                .map(|(d, f)| dlq_fate(f, &headers::dlq_attempts(&d.properties.full()), max))
                 .collect();
             fallback.give_back_at_stop(&items, &mut fates);
             fallback.park_all(&items, &mut fates).await;

@@ -42,6 +42,9 @@ enum Pending {
 /// The processor actor.
 pub struct Processor<D: Domain> {
     domain: Arc<D>,
+    /// Whether the domain reads the header table (`Domain::reads_headers`, asked once): a small
+    /// one is rebuilt from its packed entries for each decode only then.
+    reads_headers: bool,
     /// Bodies larger than this are refused unread.
     max_message_bytes: usize,
     /// The batchers, by the index a chunk names.
@@ -71,6 +74,7 @@ impl<D: Domain> Processor<D> {
         limit: u64,
     ) -> Self {
         Self {
+            reads_headers: domain.reads_headers(),
             domain,
             max_message_bytes,
             batchers,
@@ -93,7 +97,13 @@ impl<D: Domain> Processor<D> {
                 self.max_message_bytes
             )));
         }
-        self.domain.decode_with(body, &delivery.envelope())
+        let properties = if self.reads_headers {
+            delivery.properties.full()
+        } else {
+            std::borrow::Cow::Borrowed(delivery.properties.bare())
+        };
+        self.domain
+            .decode_with(body, &delivery.envelope(&properties))
     }
 
     /// Decodes one delivery and charges its record to the stage.
@@ -259,7 +269,8 @@ mod tests {
             tag,
             redelivered: false,
             body: body.to_vec().into(),
-            properties: BasicProperties::default(),
+            properties: BasicProperties::default().into(),
+            published_ms: None,
             exchange: Default::default(),
             routing_key: Default::default(),
             held_bytes: body.len() as u64,

@@ -249,7 +249,7 @@ impl Fallback {
             fates[i] = match sent {
                 Sent::Confirmed => {
                     let d = &items[i].0;
-                    let trace = headers::traceparent(&d.properties);
+                    let trace = headers::traceparent(&d.properties.full());
                     metrics::message_routed(
                         &self.stage,
                         kind,
@@ -393,10 +393,15 @@ impl Fallback {
                 kinds.push(kind.as_str());
                 rows.push(dead_letters::ParkRow {
                     pipeline: &self.parks_as,
-                    message_id: d.properties.message_id().as_ref().map(|m| m.as_str()),
+                    message_id: d
+                        .properties
+                        .bare()
+                        .message_id()
+                        .as_ref()
+                        .map(|m| m.as_str()),
                     body: &d.body,
                     headers: headers::parked_json(
-                        &d.properties,
+                        &d.properties.full(),
                         d.exchange.as_str(),
                         d.routing_key.as_str(),
                     ),
@@ -428,7 +433,7 @@ impl Fallback {
                                 message_id: d.message_id().to_string(),
                                 kind: kind.as_str().to_string(),
                                 reason: reason.clone(),
-                                traceparent: headers::traceparent(&d.properties),
+                                traceparent: headers::traceparent(&d.properties.full()),
                             },
                         );
                     }

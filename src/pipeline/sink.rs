@@ -20,7 +20,6 @@ use tracing::{error, info, warn};
 
 use super::breaker::Breaker;
 use super::message::{Batch, Delivery, Disposition, Failure, Leftovers, Settle};
-use crate::amqp::headers;
 use crate::db::{DbError, ErrorClass};
 use crate::domain::{Domain, ErrorKind, Inserted};
 use crate::metrics;
@@ -206,7 +205,7 @@ async fn sink<D: Domain>(config: Arc<SinkConfig<D>>, batch: Batch<D::Record>) {
                 .iter()
                 .zip(&inserted)
                 .filter(|(_, ok)| **ok)
-                .filter_map(|(d, _)| headers::published_ms(&d.properties))
+                .filter_map(|(d, _)| d.published_ms)
                 .min(),
         );
         config

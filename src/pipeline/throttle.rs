@@ -120,6 +120,7 @@ mod tests {
             received_at: std::time::Instant::now(),
             body: Default::default(),
             properties: Default::default(),
+            published_ms: None,
             exchange: Default::default(),
             routing_key: Default::default(),
             held_bytes: 0,

@@ -754,6 +754,22 @@ impl Mapping {
         self.reads_object
     }
 
+    /// Whether a column, the parent's or a child's, reads the header table: a header, or where
+    /// the message was published (a copy names its original's in headers).
+    pub fn reads_headers(&self) -> bool {
+        let reads = |c: &Column| {
+            matches!(
+                c.source,
+                Source::Header(_) | Source::Property(Property::Exchange | Property::RoutingKey)
+            )
+        };
+        self.columns.iter().any(reads)
+            || self
+                .children
+                .iter()
+                .any(|child| child.columns.iter().any(reads))
+    }
+
     /// The key's column names.
     pub fn key(&self) -> Vec<&str> {
         self.key
@@ -857,6 +873,10 @@ impl Domain for Mapping {
 
     fn decode(&self, body: &[u8]) -> Result<Row, Rejection> {
         self.decode_message(body, None)
+    }
+
+    fn reads_headers(&self) -> bool {
+        Mapping::reads_headers(self)
     }
 
     fn decode_with(&self, body: &[u8], envelope: &Envelope<'_>) -> Result<Row, Rejection> {

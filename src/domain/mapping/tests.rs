@@ -82,6 +82,69 @@ fn a_header_column_reads_the_header() {
 /// sorted before it spent it), read NULL in an optional header column: a value the message
 /// carries was stored as NULL. It is read from the raw rest; raw bytes that cannot be read as
 /// far as the header refuse the message, naming the header and the budget.
+/// The processor gives a mapping that reads no header the properties without their (packed)
+/// table: every column that reads one must say so, a child's too.
+#[test]
+fn a_mapping_says_whether_it_reads_the_header_table() {
+    assert!(orders().reads_headers());
+    let compile = |columns: &str| {
+        let spec: MappingSpec = toml::from_str(&format!(
+            "table = \"t\"\nkey = [\"id\"]\n[columns]\nid = {{ path = \"/id\", type = \"text\" }}\n{columns}"
+        ))
+        .unwrap();
+        Mapping::compile("t", &spec).unwrap().reads_headers()
+    };
+    assert!(!compile(""));
+    for property in [
+        "message_id",
+        "correlation_id",
+        "timestamp",
+        "type",
+        "app_id",
+        "content_type",
+    ] {
+        let ty = if property == "timestamp" {
+            "timestamptz"
+        } else {
+            "text"
+        };
+        assert!(
+            !compile(&format!(
+                "p = {{ property = \"{property}\", type = \"{ty}\" }}"
+            )),
+            "{property}"
+        );
+    }
+    // Where a copy was first published is in its headers.
+    for property in ["exchange", "routing_key"] {
+        assert!(
+            compile(&format!(
+                "p = {{ property = \"{property}\", type = \"text\" }}"
+            )),
+            "{property}"
+        );
+    }
+    assert!(compile("h = { header = \"x-h\", type = \"text\" }"));
+    let child: MappingSpec = toml::from_str(
+        r#"
+        table = "t"
+        key = ["id"]
+        [columns]
+        id = { path = "/id", type = "text" }
+        [[children]]
+        table = "c"
+        rows = "/items"
+        key = ["id", "line"]
+        [children.columns]
+        id = { parent = "id" }
+        line = { index = true }
+        h = { header = "x-h", type = "text" }
+        "#,
+    )
+    .unwrap();
+    assert!(Mapping::compile("t", &child).unwrap().reads_headers());
+}
+
 #[test]
 fn a_header_past_the_parsers_budget_is_read_not_taken_for_absent() {
     use amq_protocol::frame::WriteContext;

@@ -52,20 +52,7 @@ impl Consumer {
                 }
                 Ok(d) => {
                     tags.push(d.delivery_tag);
-                    deliveries.push(Delivery {
-                        generation,
-                        tag: d.delivery_tag,
-                        redelivered: d.redelivered,
-                        held_bytes: (d.data.len()
-                            + crate::amqp::headers::parsed_bytes(&d.properties))
-                            as u64,
-                        body: d.data.into(),
-                        properties: d.properties,
-                        exchange: d.exchange,
-                        routing_key: d.routing_key,
-                        received_at,
-                        decoded: Default::default(),
-                    })
+                    deliveries.push(Delivery::new(generation, d, received_at))
                 }
                 Err(e) => {
                     warn!(pipeline = self.config.stage.pipeline(), stage = self.config.stage.stage().as_str(), error = %e, "consumer stream error");
@@ -107,7 +94,8 @@ impl Consumer {
                 // counted here, one 8 MiB body kept the window at 31 for good.
                 refused += 1;
                 first_refused.get_or_insert_with(|| {
-                    let identity = super::oversize::identity(&d.properties, d.body.len() as u64);
+                    let identity =
+                        super::oversize::identity(d.properties.bare(), d.body.len() as u64);
                     (d.tag, d.held_bytes, identity)
                 });
             } else {

@@ -74,7 +74,8 @@ impl Republisher {
     /// The publish for `message` along `route`, after applying the retry budget, and the kind
     /// it is counted as (`retry`, `dlq_retry` or an `x-error-kind`).
     pub fn plan(&self, message: &Delivery, route: &Route) -> (Publish, &'static str) {
-        let retries = headers::retries(&message.properties);
+        let full = message.properties.full();
+        let retries = headers::retries(&full);
         if let Retries::Invalid(what) = &retries {
             warn!(message_id = message.message_id(), pipeline = self.stage.pipeline(), stage = self.stage.stage().as_str(), delivery_tag = message.tag, problem = %what,
                 "unusable x-retries treated as 0; it is rewritten as an integer");
@@ -87,14 +88,14 @@ impl Republisher {
             Route::Retry { reason } if count < self.max_retries => (
                 &self.retry_exchange,
                 &self.retry_queues[retry_tier(count + 1, self.retry_queues.len())],
-                republish::for_retry(&message.properties, count + 1, reason, &self.main_queue),
+                republish::for_retry(&full, count + 1, reason, &self.main_queue),
                 "retry",
             ),
             Route::Retry { reason } => (
                 &self.dlx_exchange,
                 &self.dlq_queue,
                 republish::for_dead_letter(
-                    &message.properties,
+                    &full,
                     written,
                     ErrorKind::RetriesExhausted.as_str(),
                     &match retries {
@@ -111,20 +112,20 @@ impl Republisher {
             Route::DeadLetter { kind, reason } => (
                 &self.dlx_exchange,
                 &self.dlq_queue,
-                republish::for_dead_letter(&message.properties, written, kind.as_str(), reason),
+                republish::for_dead_letter(&full, written, kind.as_str(), reason),
                 kind.as_str(),
             ),
             Route::DlqAttempt { attempts, reason } => (
                 &self.dlx_exchange,
                 &self.dlq_queue,
-                republish::for_dlq_attempt(&message.properties, *attempts, reason),
+                republish::for_dlq_attempt(&full, *attempts, reason),
                 "dlq_retry",
             ),
         };
         // Where the original was published, for a property column of the copy.
         let properties = republish::stamp_origin(
             properties,
-            &message.properties,
+            &full,
             message.exchange.as_str(),
             message.routing_key.as_str(),
         );
