@@ -147,26 +147,24 @@ pub async fn check_broker(settings: &Settings, topology: &Topology) -> anyhow::R
 }
 
 /// What `warren run` without `--declare` does about an exchange or queue that does not exist.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Missing {
-    /// A reload refuses the pipelines that need it, naming what to declare: started, they
-    /// would fail to subscribe for ever and take the instance's readiness with them.
-    Refused,
-    /// At the start it is waited for (the stages subscribe once it is declared, by another
-    /// step of the deployment).
-    Waited,
-}
+/// Exchanges or queues of the configuration that do not exist on the broker: a reload refuses
+/// the pipelines that need them (started, they would fail to subscribe for ever and take the
+/// instance's readiness with them); a start waits for them, then checks them
+/// (`cli::run::check_topology`).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error(
+    "not declared on the broker: {}; run `warren declare` with this configuration first (or \
+     `warren run --declare`)",
+    .0.join(", ")
+)]
+pub struct NotDeclared(pub Vec<String>);
 
 /// Checks, creating nothing, that the exchanges and queues of `topology` exist with the
 /// declared properties ([`Topology::check`]): one with other arguments (a retry queue that
 /// dead-letters to another main queue, a queue of the other type) is refused with the advice of
-/// `warren declare`; a missing one as `missing` says. Those the broker user may not configure
+/// `warren declare`; a missing one is [`NotDeclared`]. Those the broker user may not configure
 /// are checked to exist only, with a warning naming them.
-pub async fn check_declared(
-    settings: &Settings,
-    topology: &Topology,
-    missing: Missing,
-) -> anyhow::Result<()> {
+pub async fn check_declared(settings: &Settings, topology: &Topology) -> anyhow::Result<()> {
     let conn = broker(settings).await?;
     let checked = topology.check(&conn).await;
     amqp::close(None, Some(conn)).await;
@@ -178,20 +176,8 @@ pub async fn check_declared(
              their existence was checked, not their arguments"
         );
     }
-    if missing == Missing::Waited && !checked.missing.is_empty() {
-        tracing::warn!(
-            objects = %checked.missing.join(", "),
-            "not declared on the broker yet: the stages wait for their queues, but what another \
-             step declares later is not checked against this configuration (run `warren declare` \
-             with it, or `warren run --declare`)"
-        );
-    }
-    if missing == Missing::Refused && !checked.missing.is_empty() {
-        anyhow::bail!(
-            "not declared on the broker: {}; run `warren declare` with this configuration first \
-             (or `warren run --declare`)",
-            checked.missing.join(", ")
-        );
+    if !checked.missing.is_empty() {
+        return Err(NotDeclared(checked.missing).into());
     }
     Ok(())
 }

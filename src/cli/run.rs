@@ -154,7 +154,11 @@ pub async fn execute(
     if declare {
         info!("topology declared and migrations applied");
     } else {
-        check_topology(&settings).await?;
+        // Waited for, as the database is: a stop meanwhile ends warren at once.
+        tokio::select! {
+            result = check_topology(&settings) => result?,
+            _ = &mut shutdown => return Ok(0),
+        }
     }
     let selection = args.pipelines.clone();
     // A refusal of the database or the broker names the file the pipelines came from (the
@@ -196,8 +200,7 @@ pub async fn execute(
                     // Every pipeline's exchanges and queues, those it leaves running too: they
                     // exist and have the declared properties (review R35g F5, R35h F4).
                     let topology = Topology::from_settings(&all)?;
-                    let missing = crate::cli::declare::Missing::Refused;
-                    crate::cli::declare::check_declared(&all, &topology, missing).await
+                    crate::cli::declare::check_declared(&all, &topology).await
                 };
                 prepared.await.map_err(|e: anyhow::Error| {
                     crate::app::ReloadError::Prepare(format!("{from}{e:#}"))
@@ -208,16 +211,29 @@ pub async fn execute(
     crate::app::run(settings, reload, shutdown).await
 }
 
-/// At a start without `--declare`: the exchanges and queues that exist have the properties this
+/// At a start without `--declare`: the exchanges and queues exist with the properties this
 /// configuration declares (review R35g F5: a retry queue that still dead-letters to a main queue
 /// the file renamed strands every retried message there); a drift stops warren (exit 1, the
-/// advice of `warren declare`). Asked once: a broker that cannot be reached now is not waited
-/// for (the roles start and wait for it, the API answers 503, as at every start), and the check
-/// is left out with a warning.
+/// advice of `warren declare`). Those not declared yet are waited for, with the reconnect
+/// backoff and a warning naming them at each attempt, and checked once they exist (review
+/// R35h F5: one another step declared later with other arguments was taken unchecked until
+/// the next reload). A broker that cannot be reached now is not waited for (the roles start
+/// and wait for it, the API answers 503, as at every start): the check is left out with a
+/// warning.
 async fn check_topology(settings: &Settings) -> anyhow::Result<()> {
+    use crate::cli::declare::NotDeclared;
     let topology = Topology::from_settings(settings)?;
-    let missing = crate::cli::declare::Missing::Waited;
-    match crate::cli::declare::check_declared(settings, &topology, missing).await {
+    let check = || crate::cli::declare::check_declared(settings, &topology);
+    let checked = check
+        .retry(crate::amqp::reconnect_builder())
+        .when(|e: &anyhow::Error| e.downcast_ref::<NotDeclared>().is_some())
+        .notify(|e: &anyhow::Error, delay: Duration| {
+            warn!(error = %format!("{e:#}"), retry_in_ms = delay.as_millis() as u64,
+                "waiting for the pipelines' exchanges and queues to be declared; the roles start once they exist and match this configuration");
+            crate::app::extend_start(delay + Duration::from_secs(15));
+        })
+        .await;
+    match checked {
         Ok(()) => Ok(()),
         Err(e)
             if matches!(
