@@ -9,7 +9,8 @@
 //! The data path never waits on Redis: [`emit`] is a non-blocking send into a bounded channel
 //! that one background task ([`start`]) drains, a pipelined `XADD` per chunk. A full channel
 //! (Redis slow or down) or a failed write drops the events, counted in
-//! `warren_events_dropped_total{reason}`; nothing is retried, nothing blocks.
+//! `warren_events_dropped_total{reason}`; nothing blocks, and nothing is retried but a write on a
+//! link Redis dropped since it was made (a restart: `registry::redis`), once on a new link.
 //!
 //! What an event holds and what waits are bounded, whatever the messages carry: every text field
 //! is capped at [`SHOWN_MAX`] bytes (a refused message's reason, its id, its `traceparent`), and

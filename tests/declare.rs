@@ -1067,3 +1067,36 @@ async fn a_broker_user_that_may_not_configure_gets_its_objects_checked_to_exist(
     .await;
     run.terminate_ok(Duration::from_secs(30));
 }
+
+/// A binding removed by hand is made again by the start's check (review R35i F3: a main queue
+/// unbound from its exchange passed, and every retry vanished at its hop back).
+#[tokio::test(flavor = "multi_thread")]
+async fn run_without_declare_binds_again_a_main_queue_unbound_by_hand() {
+    let env = TestEnv::new("decl_rebind").await;
+    env.declare();
+    let binding = (
+        env.main_exchange.clone(),
+        env.main_queue.clone(),
+        env.main_queue.clone(),
+    );
+    assert!(bindings(&env).await.contains(&binding), "declared bound");
+    let channel = env.conn.create_channel().await.expect("channel");
+    channel
+        .queue_unbind(
+            env.main_queue.as_str().into(),
+            env.main_exchange.as_str().into(),
+            env.main_queue.as_str().into(),
+            FieldTable::default(),
+        )
+        .await
+        .expect("unbind the main queue");
+    assert!(!bindings(&env).await.contains(&binding), "unbound by hand");
+    let mut run = env.start(&["--roles", "consumer"]);
+    wait_until(
+        "the main queue bound again",
+        Duration::from_secs(60),
+        || async { bindings(&env).await.contains(&binding) },
+    )
+    .await;
+    run.terminate_ok(Duration::from_secs(30));
+}

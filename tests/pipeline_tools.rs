@@ -324,6 +324,87 @@ async fn pipelines_test_db_names_what_the_tables_refuse_and_leaves_nothing() {
     assert_eq!(held().await, (1, 1, 3), "the trial left rows behind");
 }
 
+/// What the run's commit refuses, the trial refuses (review R36h F10, R36i F1): a foreign key
+/// and a constraint trigger `DEFERRABLE INITIALLY DEFERRED` (checked at a commit, which a trial
+/// never makes), and a child table's BEFORE INSERT trigger that discards a row (the run parks
+/// the message whole). Each was "ok" before; a good order still is.
+#[tokio::test(flavor = "multi_thread")]
+async fn pipelines_test_db_refuses_what_deferred_constraints_and_discarding_triggers_refuse() {
+    let env = TestEnv::new("tools_test_deferred").await;
+    let names = PipelineNames::of(&env, "orders");
+    create_nested_tables(&env).await;
+    env.db
+        .batch_execute(
+            "CREATE TABLE skus (sku text PRIMARY KEY);
+             INSERT INTO skus VALUES ('A-1'), ('B-2');
+             ALTER TABLE order_items ADD FOREIGN KEY (sku) REFERENCES skus
+                 DEFERRABLE INITIALLY DEFERRED;
+             CREATE FUNCTION discard_14() RETURNS trigger LANGUAGE plpgsql AS $$
+                 BEGIN IF NEW.qty = 14 THEN RETURN NULL; END IF; RETURN NEW; END $$;
+             CREATE TRIGGER discard_14 BEFORE INSERT ON order_items
+                 FOR EACH ROW EXECUTE FUNCTION discard_14();
+             CREATE FUNCTION refuse_15() RETURNS trigger LANGUAGE plpgsql AS $$
+                 BEGIN IF NEW.qty = 15 THEN
+                     RAISE EXCEPTION 'deferred refusal of qty 15' USING ERRCODE = '23514';
+                 END IF; RETURN NULL; END $$;
+             CREATE CONSTRAINT TRIGGER refuse_15 AFTER INSERT ON order_items
+                 DEFERRABLE INITIALLY DEFERRED FOR EACH ROW EXECUTE FUNCTION refuse_15();",
+        )
+        .await
+        .expect("the deferred constraints and triggers");
+    let file = ConfigFile::new(&nested_toml(&names, ""));
+    let order = |items: &[(&str, i64)]| {
+        String::from_utf8(nested_order(Uuid::new_v4(), 1, items)).expect("utf-8")
+    };
+    let lines = [
+        order(&[("A-1", 2), ("B-2", 1)]),
+        order(&[("A-1", 1), ("Z-9", 1)]),
+        order(&[("A-1", 14)]),
+        order(&[("B-2", 15)]),
+    ];
+    let (code, out, err) = with_stdin(
+        &env,
+        &["--config", file.at(), "pipelines", "test", "orders", "--db"],
+        lines.join("\n").as_bytes(),
+    )
+    .await;
+    assert_eq!(code, 1, "{out}{err}");
+    let line = |n: usize| -> String {
+        out.lines()
+            .find(|l| l.starts_with(&format!("{n}: ")))
+            .unwrap_or_else(|| panic!("no line {n}:\n{out}"))
+            .to_string()
+    };
+    assert!(line(1).starts_with("1: ok "), "{out}");
+    for (n, words) in [
+        (
+            2,
+            "db_permanent the database refuses it: 23503 insert or update on table \
+             \"order_items\" violates foreign key constraint \"order_items_sku_fkey\"",
+        ),
+        (
+            3,
+            "db_permanent the database refuses it: 23000 a trigger of order_items discarded 1 \
+             of the 1 child rows written",
+        ),
+        (
+            4,
+            "db_permanent the database refuses it: 23514 deferred refusal of qty 15",
+        ),
+    ] {
+        assert!(
+            line(n).starts_with(&format!("{n}: {words}")),
+            "line {n}:\n{out}"
+        );
+    }
+    assert!(out.contains("1 accepted, 3 refused"), "{out}");
+    assert_eq!(
+        count_of(&env, "SELECT count(*) FROM orders").await,
+        0,
+        "the trial left rows behind"
+    );
+}
+
 /// Found by review (R36-e): with `on_conflict = "update"`, `pipelines test --db` of a newer
 /// version of a stored key wrote it (the upsert updated the live row and the delete took its
 /// child rows, rolled back after): for the length of the trial it held the rows the running

@@ -102,18 +102,26 @@ pub(super) fn same(old: &Declared, new: &Declared) -> bool {
 }
 
 /// The queues of `running` (removed or changed) that none of `wanted` consumes: `queue
-/// (pipeline)`, for [`ReloadReport::left_queues`].
+/// (pipeline)`, for [`ReloadReport::left_queues`]. A main queue or a DLQ: a retry queue is
+/// consumed by no one, it dead-letters back to its main queue by TTL, so it empties by itself
+/// while that main queue is consumed, and fills the main queue named here when it is not
+/// (review R35i F1: a retry tier dropped by a reload was named though it drained by itself).
 pub(super) fn left_queues<'a>(
     running: impl Iterator<Item = &'a Declared>,
-    wanted: &[Declared],
+    wanted: &'a [Declared],
 ) -> Vec<String> {
-    let consumed: HashSet<&str> = wanted.iter().flat_map(|d| d.spec.names.queues()).collect();
+    let consumed = |d: &'a Declared| {
+        [
+            d.spec.names.main_queue.as_str(),
+            d.spec.names.dlq_queue.as_str(),
+        ]
+    };
+    let now: HashSet<&str> = wanted.iter().flat_map(consumed).collect();
     running
         .flat_map(|r| {
-            r.spec
-                .names
-                .queues()
-                .filter(|q| !consumed.contains(q))
+            consumed(r)
+                .into_iter()
+                .filter(|q| !now.contains(q))
                 .map(|q| format!("{q} ({})", r.name))
                 .collect::<Vec<_>>()
         })

@@ -278,13 +278,6 @@ impl Names {
         }
     }
 
-    /// Its queues: the main queue, each retry tier's and the DLQ.
-    pub fn queues(&self) -> impl Iterator<Item = &str> {
-        std::iter::once(self.main_queue.as_str())
-            .chain(self.retry_tiers.iter().map(|t| t.queue.as_str()))
-            .chain(std::iter::once(self.dlq_queue.as_str()))
-    }
-
     /// Every exchange and queue, with what it is (`main_queue`, ...), for the clash check.
     fn all(&self) -> Vec<(&'static str, &str)> {
         let mut out = vec![

@@ -171,13 +171,34 @@ impl Redis {
     }
 
     /// Runs one Redis call with the bound, reconnecting if needed; `None` while Redis is away.
+    /// A link made before that finds its connection dropped (Redis restarted since) is made
+    /// again and the call tried once more on it: the call never reached the Redis that runs
+    /// now (review R35i F4: the first events after every Redis restart were dropped, though
+    /// Redis had been back for seconds).
     async fn call<T, F, Fut>(&mut self, f: F) -> Option<T>
     where
-        F: FnOnce(MultiplexedConnection) -> Fut,
+        F: Fn(MultiplexedConnection) -> Fut,
         Fut: std::future::Future<Output = redis::RedisResult<T>>,
     {
+        let stale = self.conn.is_some();
         let conn = self.link().await?;
         match tokio::time::timeout(CALL_TIMEOUT, f(conn)).await {
+            Ok(Err(e)) if stale && e.is_connection_dropped() => {
+                self.conn = None;
+                let conn = self.link().await?;
+                let again = tokio::time::timeout(CALL_TIMEOUT, f(conn)).await;
+                self.outcome(again)
+            }
+            outcome => self.outcome(outcome),
+        }
+    }
+
+    /// The link's state after one call's `outcome`, and its value.
+    fn outcome<T>(
+        &mut self,
+        outcome: Result<redis::RedisResult<T>, tokio::time::error::Elapsed>,
+    ) -> Option<T> {
+        match outcome {
             Ok(Ok(v)) => {
                 self.mark(true, None);
                 Some(v)

@@ -88,53 +88,56 @@ pub(super) fn check_shared_tables(
 }
 
 /// No exchange or queue is used by two pipelines, or twice within one (exchanges and queues are
-/// two name spaces of the broker). The error of a file's pipeline is placed at its entry.
+/// two name spaces of the broker). Of the two uses, the error blames the name someone wrote: a
+/// key of a file's entry first, then a users naming setting given (`MAIN_QUEUE`, ...: the
+/// loader names its file line, variable or flag), then a name derived from the pipeline's
+/// (review R35h F2, R35i F2: a clash made by `WARREN_MAIN_QUEUE` was blamed on the first line
+/// of an entry that writes no `main_queue`).
 pub(super) fn check_shared_names(
     settings: &Settings,
     specs: &[PipelineSpec],
 ) -> Result<(), ConfigError> {
-    let mut owner: HashMap<(bool, &str), (&str, &'static str)> = HashMap::new();
+    let mut owner: HashMap<(bool, &str), (&PipelineSpec, &'static str)> = HashMap::new();
     for spec in specs {
         for (what, name) in spec.names.all() {
             let key = (what.ends_with("exchange"), name);
-            if let Some((other, other_what)) = owner.get(&key)
-                && (*other != spec.name || *other_what != what)
+            if let Some(&(other, other_what)) = owner.get(&key)
+                && (other.name != spec.name || other_what != what)
             {
-                // Within one entry, the name written is blamed, not the one derived from the
-                // pipeline's name (review R35h F2: `dlq_queue = "orders_queue"` was reported as
-                // `main_queue` at the entry's first line).
-                let (what, other_what) = if *other == spec.name
-                    && !written(settings, spec, what)
-                    && written(settings, spec, other_what)
-                {
-                    (*other_what, what)
+                let this = (spec, what);
+                let that = (other, other_what);
+                let (blamed, also) = if written(settings, that) > written(settings, this) {
+                    (that, this)
                 } else {
-                    (what, *other_what)
+                    (this, that)
                 };
-                let error = ConfigError::Invalid {
-                    setting: format!("pipelines.{}.{what}", spec.name),
-                    expected: "a name no other pipeline uses for its exchanges and queues".into(),
-                    got: if *other == spec.name {
-                        format!("{name:?}, also this pipeline's {other_what}")
-                    } else {
-                        format!("{name:?}, also the {other_what} of pipeline {other}")
-                    },
-                };
-                return Err(at_entry(settings, spec, what, error));
+                return Err(clash(settings, name, blamed, also));
             }
-            owner.insert(key, (&spec.name, what));
+            owner.insert(key, (spec, what));
         }
     }
     Ok(())
 }
 
-/// Whether `spec`'s entry in a file writes the name `field` (else it is derived from the
-/// pipeline's name or the defaults).
-fn written(settings: &Settings, spec: &PipelineSpec, field: &str) -> bool {
-    let Some(entry) = settings.pipelines.iter().find(|p| p.name == spec.name) else {
-        return false;
-    };
-    match field {
+/// Who wrote a pipeline's name of an exchange or queue, in the order of blame.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+enum Written {
+    /// Derived from the pipeline's name (`<name>_queue`), or a users naming setting left at
+    /// its shipped value.
+    Derived,
+    /// A users naming setting given another value (a file's key, a variable, `--set`).
+    Setting,
+    /// A key of the pipeline's entry in a file.
+    Entry,
+}
+
+/// Who wrote `field` (`main_queue`, ...) of `spec`.
+fn written(settings: &Settings, (spec, field): (&PipelineSpec, &str)) -> Written {
+    let entry = settings
+        .pipelines
+        .iter()
+        .find(|p| p.name == spec.name && !spec.builtin);
+    let in_entry = entry.is_some_and(|entry| match field {
         "main_exchange" => entry.main_exchange.is_some(),
         "main_queue" => entry.main_queue.is_some(),
         "retry_exchange" => entry.retry_exchange.is_some(),
@@ -142,7 +145,67 @@ fn written(settings: &Settings, spec: &PipelineSpec, field: &str) -> bool {
         "dlx_exchange" => entry.dlx_exchange.is_some(),
         "dlq_queue" => entry.dlq_queue.is_some(),
         _ => false,
+    });
+    if in_entry {
+        return Written::Entry;
     }
+    // The users pipeline takes the naming settings for what its entry does not write.
+    let shipped = crate::config::default_settings_toml()
+        .parse::<toml::Table>()
+        .ok()
+        .and_then(|t| t.get(field).and_then(|v| v.as_str()).map(String::from));
+    if spec.name == "users" && users_setting(settings, field) != shipped.as_deref() {
+        return Written::Setting;
+    }
+    Written::Derived
+}
+
+/// The users naming setting `field` (`main_queue`, ...), as set now.
+fn users_setting<'a>(settings: &'a Settings, field: &str) -> Option<&'a str> {
+    Some(match field {
+        "main_exchange" => &settings.main_exchange,
+        "main_queue" => &settings.main_queue,
+        "retry_exchange" => &settings.retry_exchange,
+        "retry_queue" => &settings.retry_queue,
+        "dlx_exchange" => &settings.dlx_exchange,
+        "dlq_queue" => &settings.dlq_queue,
+        _ => return None,
+    })
+}
+
+/// The error of `name` used as `blamed` and as `also`, placed where `blamed` was written.
+fn clash(
+    settings: &Settings,
+    name: &str,
+    blamed: (&PipelineSpec, &'static str),
+    also: (&PipelineSpec, &'static str),
+) -> ConfigError {
+    let ((spec, what), (other, other_what)) = (blamed, also);
+    let (expected, got) = if other.name == spec.name {
+        (
+            "a name of its own, used by no other exchange or queue of a pipeline",
+            format!("{name:?}, also its {other_what}"),
+        )
+    } else {
+        (
+            "a name no other pipeline uses for its exchanges and queues",
+            format!("{name:?}, also the {other_what} of pipeline {}", other.name),
+        )
+    };
+    if written(settings, blamed) == Written::Setting {
+        // The users naming setting itself: the loader says where it was given.
+        return ConfigError::Invalid {
+            setting: what.to_string(),
+            expected: expected.into(),
+            got,
+        };
+    }
+    let error = ConfigError::Invalid {
+        setting: format!("pipelines.{}.{what}", spec.name),
+        expected: expected.into(),
+        got,
+    };
+    at_entry(settings, spec, what, error)
 }
 
 /// `error` about `spec`'s `field`, placed at its entry of the file when a file declares it (the

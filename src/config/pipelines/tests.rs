@@ -135,12 +135,12 @@ fn every_mistake_in_a_pipeline_is_named() {
         (
             "batch_size = 500",
             "main_queue = \"orders_dlq\"",
-            "line 6: pipelines.orders.main_queue: expected a name no other pipeline uses for its exchanges and queues, got \"orders_dlq\", also this pipeline's dlq_queue",
+            "line 6: pipelines.orders.main_queue: expected a name of its own, used by no other exchange or queue of a pipeline, got \"orders_dlq\", also its dlq_queue",
         ),
         (
             "batch_size = 500",
             "dlq_queue = \"orders_queue\"",
-            "line 6: pipelines.orders.dlq_queue: expected a name no other pipeline uses for its exchanges and queues, got \"orders_queue\", also this pipeline's main_queue",
+            "line 6: pipelines.orders.dlq_queue: expected a name of its own, used by no other exchange or queue of a pipeline, got \"orders_queue\", also its main_queue",
         ),
         (
             "key = [\"order_id\"]",
@@ -159,6 +159,21 @@ fn every_mistake_in_a_pipeline_is_named() {
     let error = load(&twice).unwrap_err().to_string();
     assert!(
         error.contains("pipelines[1].name: expected a name no other pipeline has, got \"orders\", as pipelines[0]"),
+        "{error}"
+    );
+    // A users naming setting given the name an entry derives is blamed, where it was given
+    // (review R35i F2), not the entry that writes no such key.
+    let setting = format!("main_queue = \"orders_queue\"\n{ORDERS}");
+    let error = load(&setting).unwrap_err().to_string();
+    assert!(
+        error.contains("line 1: main_queue: expected a name no other pipeline uses for its exchanges and queues, got \"orders_queue\", also the main_queue of pipeline orders"),
+        "{error}"
+    );
+    // A pipeline whose derived name is the users setting's shipped one: the entry is blamed.
+    let raffle = ORDERS.replace("name = \"orders\"", "name = \"raffle\"");
+    let error = load(&raffle).unwrap_err().to_string();
+    assert!(
+        error.contains("pipelines.raffle.main_exchange: expected a name no other pipeline uses for its exchanges and queues, got \"raffle_exchange\", also the main_exchange of pipeline users"),
         "{error}"
     );
     // A pipeline named users replaces the built-in one, so it may take its names.

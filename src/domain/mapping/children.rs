@@ -407,15 +407,20 @@ impl Child {
     /// A trigger of the table discarded some of `rows` child rows: `written` were.
     fn discarded(&self, written: u64, rows: usize) -> DbError {
         DbError::Server {
-            code: "23000".into(),
-            message: format!(
-                "a trigger of {} discarded {} of the {rows} child rows written (a BEFORE INSERT \
-                 trigger that returns NULL): warren writes a message whole or not at all; \
-                 nothing of it was written",
-                self.table,
-                rows as u64 - written
-            ),
+            code: DISCARDED_CODE.into(),
+            message: self.discarded_message(written, rows),
         }
+    }
+
+    /// What [`Child::discarded`] says.
+    fn discarded_message(&self, written: u64, rows: usize) -> String {
+        format!(
+            "a trigger of {} discarded {} of the {rows} child rows written (a BEFORE INSERT \
+             trigger that returns NULL): warren writes a message whole or not at all; nothing \
+             of it was written",
+            self.table,
+            rows as u64 - written
+        )
     }
 
     /// `update`: the stored child rows of the keys (`$1..$k`) whose parent row this
@@ -803,7 +808,7 @@ pub(super) async fn trial(
     client: &tokio_postgres::Client,
     record: &Row,
     key: &[&(dyn ToSql + Sync)],
-) -> Result<u64, tokio_postgres::Error> {
+) -> Result<Result<u64, super::lookup::Refusal>, tokio_postgres::Error> {
     let mut written = 0;
     for (n, child) in mapping.children.iter().enumerate() {
         if mapping.on_conflict == OnConflict::Update {
@@ -811,14 +816,31 @@ pub(super) async fn trial(
                 .execute(child.statements.delete.as_str(), key)
                 .await?;
         }
-        let (arrays, _) = child_arrays(child, n, std::iter::once((1, record)));
+        let (arrays, owners) = child_arrays(child, n, std::iter::once((1, record)));
         let params: Vec<&(dyn ToSql + Sync)> = arrays.iter().map(Array::as_param).collect();
-        written += client
+        let rows = client
             .execute(child.statements.insert.as_str(), &params)
             .await?;
+        // What the run refuses (`Child::insert_all`), the trial refuses in its words (review
+        // R36i F1: a child trigger that discards was "ok, 0 child rows written").
+        if rows < owners.len() as u64 {
+            return Ok(Err(super::lookup::Refusal {
+                code: DISCARDED_CODE.into(),
+                message: child.discarded_message(rows, owners.len()),
+                table: Some(child.table.to_string()),
+                column: None,
+                constraint: None,
+                detail: None,
+            }));
+        }
+        written += rows;
     }
-    Ok(written)
+    Ok(Ok(written))
 }
+
+/// The SQLSTATE of a message whose rows a trigger discarded (`integrity_constraint_violation`:
+/// permanent, so the message is parked `db_permanent`).
+const DISCARDED_CODE: &str = "23000";
 
 /// Child tables filled from one array read the fields of one element between them: with
 /// `unknown_fields = "reject"`, a field one of them reads is known to every one of them (review

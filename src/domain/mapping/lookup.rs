@@ -392,13 +392,21 @@ pub(super) async fn trial(
         }
         let parent = st.insert_new.as_deref().unwrap_or(st.insert.as_str());
         if client.execute(parent, &params).await? == 0 {
-            return Ok(if mapping.version.is_some() {
-                Trial::Held
-            } else {
-                Trial::Discarded
-            });
+            // No row holds its key (above), and nothing was written: a BEFORE INSERT trigger
+            // discarded it, as the run finds it and parks it (review R36h F11: an `update`
+            // pipeline's discarded row was said "stored already").
+            return Ok(Trial::Discarded);
         }
-        let children = super::children::trial(mapping, client, record, &key_params).await?;
+        let children = match super::children::trial(mapping, client, record, &key_params).await? {
+            Ok(children) => children,
+            Err(refusal) => return Ok(Trial::Refused(refusal)),
+        };
+        // Deferred constraints (a foreign key or a constraint trigger `DEFERRABLE INITIALLY
+        // DEFERRED`) are checked at a commit, which a trial never makes: checked now, so what
+        // the run's commit refuses the trial refuses (review R36h F10, R36i F1).
+        client
+            .batch_execute("SET CONSTRAINTS ALL IMMEDIATE")
+            .await?;
         Ok::<_, tokio_postgres::Error>(Trial::Written(children))
     }
     .await;
