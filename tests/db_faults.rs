@@ -795,3 +795,60 @@ async fn a_stale_plan_is_prepared_again_at_once_on_the_same_connection() {
         .await
         .expect("the new plan is cached");
 }
+
+/// A session of warren's pools whose client went silent inside a transaction (a partition
+/// that lost the link's FIN, a proxy that holds it) is ended by the server within a
+/// statement's bound, and its locks with it (review R36h F4, R36i F2: two orphans `idle in
+/// transaction` held their keys' advisory locks for as long as the server's TCP keepalive, two
+/// hours by default, and the pipeline stalled).
+#[tokio::test(flavor = "multi_thread")]
+async fn a_pool_session_silent_inside_a_transaction_is_ended_with_its_locks() {
+    let mut env = TestEnv::new("pg_idle_tx").await;
+    env.set("DATABASE_STATEMENT_TIMEOUT_MS", "1000");
+    let pool = mapping_pool(&env, "warren-idle-tx-test");
+    let client = pool.get().await.expect("client");
+    let key: i64 = 0x5ee_d00d ^ i64::from(std::process::id());
+    client.batch_execute("BEGIN").await.expect("begin");
+    let pid: i32 = client
+        .query_one("SELECT pg_backend_pid()", &[])
+        .await
+        .expect("pid")
+        .get(0);
+    client
+        .execute("SELECT pg_advisory_xact_lock($1)", &[&key])
+        .await
+        .expect("the lock");
+    let silent = Instant::now();
+    wait_until(
+        "the silent session ended by the server",
+        Duration::from_secs(15),
+        || async {
+            env.db
+                .query("SELECT 1 FROM pg_stat_activity WHERE pid = $1", &[&pid])
+                .await
+                .expect("pg_stat_activity")
+                .is_empty()
+        },
+    )
+    .await;
+    assert!(
+        silent.elapsed() >= Duration::from_secs(2),
+        "ended after {:?}, before the bound (statement timeout + 2 s)",
+        silent.elapsed()
+    );
+    let free: bool = env
+        .db
+        .query_one("SELECT pg_try_advisory_lock($1)", &[&key])
+        .await
+        .expect("try the lock")
+        .get(0);
+    assert!(free, "its lock went with it");
+    env.db
+        .execute("SELECT pg_advisory_unlock($1)", &[&key])
+        .await
+        .expect("unlock");
+    assert!(
+        client.execute("SELECT 1", &[]).await.is_err(),
+        "the session is gone"
+    );
+}

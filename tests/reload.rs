@@ -1500,6 +1500,70 @@ async fn a_reload_switching_the_table_behind_a_lock_stores_each_message_once() {
     warren.terminate_ok(Duration::from_secs(25));
 }
 
+/// A reload that switches a pipeline's table while the answer to a batch's COMMIT is lost (the
+/// link to PostgreSQL goes silent right after the client sent it; the server committed): the
+/// statement outlasts its bound during the stop, and its messages, stored in the old table, are
+/// found there and acked, not given back to be stored again in the new one. Before, every such
+/// message was in both tables (review R35i F9).
+#[tokio::test(flavor = "multi_thread")]
+async fn a_reload_switching_the_table_while_a_commits_answer_is_lost_stores_each_message_once() {
+    let pg = TcpProxy::start(&database_url(), 5432).await;
+    let mut env = TestEnv::new("rl_lost_commit").await;
+    env.set("DATABASE_URL", pg.url())
+        .set("DATABASE_STATEMENT_TIMEOUT_MS", "1000")
+        .set("SHUTDOWN_TIMEOUT_MS", "15000");
+    let fx = Fixture::new(&env, &["orders", "orders_new"]).await;
+    let (orders, path, file) = (fx.names(0), fx.path.clone(), fx.file.clone());
+    let warren = env.start(&["--config", &file, "--declare", "--roles", "consumer"]);
+    let _logs = LogsOnPanic(vec![warren.log.clone()]);
+    one_consumer(&orders.queue).await;
+    let warm = new_ids(100);
+    publish(&env, &orders, &warm).await;
+    assert_table(&env, "orders", &warm.iter().copied().collect(), &warren).await;
+
+    pg.hold_after_client_sends(b"COMMIT");
+    let held = new_ids(200);
+    publish(&env, &orders, &held).await;
+    wait_until(
+        "a COMMIT's answer held",
+        Duration::from_secs(30),
+        || async { pg.hold_fired() },
+    )
+    .await;
+    // At once, within the client's bound (1 s + 2 s): the batch fails during the stop.
+    let switched = entry("orders", &orders, 50, 1000)
+        .replace(r#"table = "orders""#, r#"table = "orders_new""#);
+    std::fs::write(&path, switched).expect("write");
+    let event = reload(&env, &warren, "reloaded", 1).await;
+    assert_eq!(names_of(&event["changed"]), ["orders"], "{event}");
+    let all: HashSet<Uuid> = warm.iter().chain(&held).copied().collect();
+    wait_until("every message stored", Duration::from_secs(60), || async {
+        let mut stored: HashSet<Uuid> = ids_in(&env, "orders").await.into_iter().collect();
+        stored.extend(ids_in(&env, "orders_new").await);
+        stored == all
+    })
+    .await;
+    pg.release();
+    let old: HashSet<Uuid> = ids_in(&env, "orders").await.into_iter().collect();
+    let new: HashSet<Uuid> = ids_in(&env, "orders_new").await.into_iter().collect();
+    let both: Vec<&Uuid> = old.intersection(&new).collect();
+    assert!(
+        both.is_empty(),
+        "{} messages in both tables; log:\n{}",
+        both.len(),
+        tail(&warren.logs(), 40)
+    );
+    assert!(
+        warren
+            .logs()
+            .contains("rows whose statement got no answer at the stop are stored as they are"),
+        "the lost answer was met: {}",
+        tail(&warren.logs(), 40)
+    );
+    let mut warren = warren;
+    warren.terminate_ok(Duration::from_secs(25));
+}
+
 /// A reload that renames a pipeline (the same queues and table, another name) while its DLQ
 /// stage's park of a message (an INSERT into `dead_letters`) waits on a lock, with a drain bound
 /// shorter than the lock (`SHUTDOWN_TIMEOUT_MS=2000`): the drain cancels the park before its

@@ -46,6 +46,12 @@ pub enum ControlError {
         "pipeline {name:?} is being stopped or started again by a reload in progress; send the command again once the reload is done (`warren events --type reloaded`)"
     )]
     Reloading { name: String },
+    /// `pause` or `resume` with `--pipeline` naming a pipeline that a reload in progress
+    /// removes: nothing would keep it (review R35i F6: answered `executed`, then forgotten).
+    #[error(
+        "pipeline {name:?} is being removed by a reload in progress: there is nothing to pause or resume (added again later, it starts as the instance's pause says)"
+    )]
+    Removing { name: String },
     /// A reload that changed nothing: the configuration does not load or check, or a table
     /// does not fit.
     #[error("reload failed, nothing changed: {0}")]
@@ -61,14 +67,16 @@ pub(super) type Control = (CtlCommand, Command, oneshot::Sender<Answer>);
 /// Applies `command` (for every pipeline, or only `pipeline`) to this instance's running
 /// stages, and `pause` / `resume` to the holds ([`Holds`]: the instance's pause and each
 /// pipeline's own are two layers). `drain` and `reload` are the run loop's to carry out.
-/// `reloading` names the pipelines a reload in progress stops or starts again: their stages are
-/// not in `pipelines`; a pause or resume of one by name changes its hold (a pipeline started
-/// again takes it), anything else naming one is refused ([`ControlError::Reloading`]).
+/// `reloading` names the pipelines a reload in progress stops or starts again, each with
+/// whether it removes it: their stages are not in `pipelines`; a pause or resume of one it
+/// starts again by name changes its hold (the pipeline started again takes it), of one it
+/// removes is refused ([`ControlError::Removing`]), anything else naming one is refused
+/// ([`ControlError::Reloading`]).
 pub(super) fn apply(
     command: Command,
     pipeline: Option<&str>,
     pipelines: &[&Pipeline],
-    reloading: &[String],
+    reloading: &[(String, bool)],
     holds: &mut Holds,
     report: &watch::Sender<Report>,
     budget: usize,
@@ -89,7 +97,13 @@ pub(super) fn apply(
                 .copied()
                 .filter(|p| p.id.pipeline() == name)
                 .collect();
-            if chosen.is_empty() && reloading.iter().any(|r| r == name) {
+            let reloaded = reloading.iter().find(|(r, _)| r == name);
+            if chosen.is_empty() && reloaded.is_some_and(|(_, removed)| *removed) {
+                return Err(ControlError::Removing {
+                    name: name.to_string(),
+                });
+            }
+            if chosen.is_empty() && reloaded.is_some() {
                 if !matches!(command, Command::Pause | Command::Resume) {
                     return Err(ControlError::Reloading {
                         name: name.to_string(),
@@ -311,6 +325,36 @@ pub(super) async fn registry_loop(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A pause of a pipeline a reload in progress starts again is kept in the holds; of one it
+    /// removes, refused (review R35i F6); anything else of either waits for the reload.
+    #[test]
+    fn a_pause_of_a_pipeline_a_reload_removes_is_refused() {
+        let (report, _) = watch::channel(Report {
+            status: Status::Running,
+            processors: 1,
+            rate_limit_per_s: 0,
+        });
+        let reloading = [("gone".to_string(), true), ("again".to_string(), false)];
+        let mut holds = Holds::default();
+        let apply = |command, name, holds: &mut Holds| {
+            apply(command, Some(name), &[], &reloading, holds, &report, 8)
+                .map_err(|e| e.to_string())
+        };
+        assert_eq!(apply(Command::Pause, "again", &mut holds), Ok(()));
+        assert!(holds.holds("again"));
+        let refused = apply(Command::Pause, "gone", &mut holds).unwrap_err();
+        assert!(
+            refused.contains("\"gone\" is being removed by a reload in progress"),
+            "{refused}"
+        );
+        assert!(!holds.holds("gone"));
+        let waits = apply(Command::Scale { processors: 2 }, "again", &mut holds).unwrap_err();
+        assert!(
+            waits.contains("is being stopped or started again"),
+            "{waits}"
+        );
+    }
 
     /// Commands read from Redis, applied by an instance without pipelines: what is malformed is
     /// refused when read (by its typed error), the rest by the instance.

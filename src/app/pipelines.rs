@@ -93,23 +93,75 @@ pub(super) fn same(old: &Declared, new: &Declared) -> bool {
     // Where the entry is written (the shipped defaults or a file) is not what runs: the
     // built-in users entry copied into a file is the same pipeline (review R35h F9: it was
     // drained and started again).
-    if old.spec.builtin == new.spec.builtin {
+    // Nor is its HTTP API: the API serves the pipelines it started with until a restart, so a
+    // change of `api`, `api_key` or `api_check` alone restarted the consumers for nothing
+    // (review R35i F8; the reload warns that the API waits for a restart).
+    if old.spec.builtin == new.spec.builtin && old.spec.api == new.spec.api {
         return old.spec == new.spec;
     }
     let mut new = new.spec.clone();
     new.builtin = old.spec.builtin;
+    new.api = old.spec.api;
     old.spec == new
 }
 
+/// The pipelines this process's HTTP API serves (`api`: those it started with, `api = true`)
+/// keep, in `wanted`, where the API publishes and reads: a reload that removes one or changes
+/// its main exchange, main queue or tables is refused, as the API follows only at a restart
+/// (review R35i F5: after a reload renamed users' main queue, every POST was answered 200 and
+/// stranded in the queue left behind; after a table switch, GET read the old table).
+pub(super) fn api_kept(api: &[Declared], wanted: &[Declared]) -> Result<(), ReloadError> {
+    let tables = |d: &Declared| -> Vec<String> {
+        std::iter::once(d.spec.mapping.table.clone())
+            .chain(d.spec.mapping.children.iter().map(|c| c.table.clone()))
+            .collect()
+    };
+    for served in api.iter().filter(|d| d.spec.api.enabled) {
+        let (was, table_was) = (&served.spec.names, tables(served));
+        let change = match wanted.iter().find(|d| d.name == served.name) {
+            None => Some(format!("removes pipeline {}", served.name)),
+            Some(d)
+                if (&d.spec.names.main_exchange, &d.spec.names.main_queue)
+                    != (&was.main_exchange, &was.main_queue) =>
+            {
+                Some(format!(
+                    "moves pipeline {}'s main queue from {}/{} to {}/{}",
+                    served.name,
+                    was.main_exchange,
+                    was.main_queue,
+                    d.spec.names.main_exchange,
+                    d.spec.names.main_queue
+                ))
+            }
+            Some(d) if tables(d) != table_was => Some(format!(
+                "changes pipeline {}'s tables from {} to {}",
+                served.name,
+                table_was.join(", "),
+                tables(d).join(", ")
+            )),
+            Some(_) => None,
+        };
+        if let Some(change) = change {
+            return Err(ReloadError::Api {
+                pipeline: served.name.clone(),
+                change,
+            });
+        }
+    }
+    Ok(())
+}
+
 /// The queues of `running` (removed or changed) that none of `wanted` consumes: `queue
-/// (pipeline)`, for [`ReloadReport::left_queues`]. A main queue or a DLQ: a retry queue is
-/// consumed by no one, it dead-letters back to its main queue by TTL, so it empties by itself
-/// while that main queue is consumed, and fills the main queue named here when it is not
-/// (review R35i F1: a retry tier dropped by a reload was named though it drained by itself).
+/// (pipeline)`, for [`ReloadReport::left_queues`], and the `warren move` that empties each
+/// where the pipeline now takes such messages ([`ReloadReport::moves`]). A main queue or a
+/// DLQ: a retry queue is consumed by no one, it dead-letters back to its main queue by TTL, so
+/// it empties by itself while that main queue is consumed, and fills the main queue named here
+/// when it is not (review R35i F1: a retry tier dropped by a reload was named though it
+/// drained by itself).
 pub(super) fn left_queues<'a>(
     running: impl Iterator<Item = &'a Declared>,
     wanted: &'a [Declared],
-) -> Vec<String> {
+) -> Vec<(String, String)> {
     let consumed = |d: &'a Declared| {
         [
             d.spec.names.main_queue.as_str(),
@@ -119,10 +171,30 @@ pub(super) fn left_queues<'a>(
     let now: HashSet<&str> = wanted.iter().flat_map(consumed).collect();
     running
         .flat_map(|r| {
+            // Where the pipeline of that name takes them now: its main exchange under its
+            // main queue's routing key, its DLX under its DLQ's. A message moved keeps its
+            // own routing key without one, which the left queue is still bound under (review
+            // R35i F7: the advice moved them back where they were).
+            let next = wanted.iter().find(|d| d.name == r.name).map(|d| {
+                let n = &d.spec.names;
+                [
+                    format!("{}/{}", n.main_exchange, n.main_queue),
+                    format!("{}/{}", n.dlx_exchange, n.dlq_queue),
+                ]
+            });
             consumed(r)
                 .into_iter()
-                .filter(|q| !now.contains(q))
-                .map(|q| format!("{q} ({})", r.name))
+                .enumerate()
+                .filter(|(_, q)| !now.contains(q))
+                .map(|(i, q)| {
+                    let to = next
+                        .as_ref()
+                        .map_or("EXCHANGE/ROUTING_KEY", |to| to[i].as_str());
+                    (
+                        format!("{q} ({})", r.name),
+                        format!("warren move --from {q} --to {to}"),
+                    )
+                })
                 .collect::<Vec<_>>()
         })
         .collect()
@@ -181,6 +253,8 @@ pub(super) struct ReloadReport {
     /// moved (review R35h F3: a main and retry queue renamed together stranded every retry
     /// without a word, and `warren status` stopped showing them).
     pub left_queues: Vec<String>,
+    /// For each of [`ReloadReport::left_queues`], the `warren move` that empties it.
+    pub moves: Vec<String>,
 }
 
 impl ReloadReport {
@@ -210,8 +284,9 @@ impl ReloadReport {
         }
         if !self.left_queues.is_empty() {
             parts.push(format!(
-                "no pipeline consumes {} now: what they hold waits there (warren move)",
-                self.left_queues.join(", ")
+                "no pipeline consumes {} now: what they hold waits there until moved ({})",
+                self.left_queues.join(", "),
+                self.moves.join("; ")
             ));
         }
         if !self.drained {
@@ -271,6 +346,12 @@ pub enum ReloadError {
     /// asked, or (started with `--declare`) its exchanges and queues cannot be declared.
     #[error("{0}")]
     Prepare(String),
+    /// The reload would remove, or move the main queue or the tables of, a pipeline this
+    /// process's HTTP API serves (`api_kept`).
+    #[error(
+        "this reload {change}, but this process's HTTP API serves pipeline {pipeline} as it started until a restart (it would publish to a queue no pipeline consumes, or read a table the pipeline no longer writes): restart warren to apply it, or serve the API from instances of their own (`--roles api`)"
+    )]
+    Api { pipeline: String, change: String },
     /// The configuration runs no pipeline, and the instance runs some (`running`): a reload
     /// never stops every pipeline.
     #[error(
@@ -303,7 +384,7 @@ impl ReloadError {
         match self {
             ReloadError::Config(text) => ReloadError::Config(join(text)),
             ReloadError::Prepare(text) => ReloadError::Prepare(join(text)),
-            other @ ReloadError::NoPipeline { .. } => other,
+            other @ (ReloadError::NoPipeline { .. } | ReloadError::Api { .. }) => other,
         }
     }
 }
@@ -405,8 +486,9 @@ pub(super) struct Pipelines {
     registered: BTreeSet<StageId>,
     /// The pipelines the registry record publishes.
     records: watch::Sender<Vec<PipelineRecord>>,
-    /// The pipelines a reload in progress stops or starts again ([`Pipelines::reloading`]).
-    reloading: Vec<String>,
+    /// The pipelines a reload in progress stops or starts again, each with whether it removes
+    /// it ([`Pipelines::reloading`]).
+    reloading: Vec<(String, bool)>,
     /// The memories of copies of the stages a reload in progress stops: a stage it starts in
     /// the place of one (same pipeline and stage, same queue) takes its memory over, so the
     /// redeliveries of what the stopped one left are still recognised (`pipeline/copies.rs`).
@@ -679,6 +761,10 @@ impl Pipelines {
             .map(|r| r.declared.name.as_str())
             .collect();
         refuse_empty(&running, &wanted)?;
+        if self.base.has_role(Role::Api) {
+            let api = declared(&self.base).map_err(|e| ReloadError::Config(e.to_string()))?;
+            api_kept(&api, &wanted)?;
+        }
         let mut report = ReloadReport {
             restart_needed: restart,
             drained: true,
@@ -701,7 +787,10 @@ impl Pipelines {
                 report.added.push(d.name.clone());
             }
         }
-        report.left_queues = left_queues(self.running.iter().map(|r| &r.declared), &wanted);
+        (report.left_queues, report.moves) =
+            left_queues(self.running.iter().map(|r| &r.declared), &wanted)
+                .into_iter()
+                .unzip();
         let starts: HashSet<&String> = report.added.iter().chain(&report.changed).collect();
         let starting = |name: &String| starts.contains(name);
         // What starts is checked against its tables first, as at start.
@@ -722,12 +811,19 @@ impl Pipelines {
             };
             let is_api =
                 |name: &String| wanted.iter().any(|d| &d.name == name && d.spec.api.enabled);
+            // An unchanged pipeline whose `api` keys alone changed (`same` leaves them out).
+            let api_changed = |name: &String| {
+                let was = self.running.iter().find(|r| &r.declared.name == name);
+                let now = wanted.iter().find(|d| &d.name == name);
+                matches!((was, now), (Some(r), Some(d)) if r.declared.spec.api != d.spec.api)
+            };
             report.api_unchanged = report
                 .added
                 .iter()
                 .chain(&report.removed)
                 .chain(&report.changed)
                 .filter(|n| was_api(n) || is_api(n))
+                .chain(report.unchanged.iter().filter(|n| api_changed(n)))
                 .cloned()
                 .collect();
         }
@@ -754,14 +850,9 @@ impl Pipelines {
             .flat_map(|r| r.stages.iter())
             .map(|p| p.copies.clone())
             .collect();
-        self.reloading = plan
-            .report
-            .removed
-            .iter()
-            .chain(&plan.report.changed)
-            .chain(&plan.report.added)
-            .cloned()
-            .collect();
+        let removed = plan.report.removed.iter().map(|n| (n.clone(), true));
+        let again = plan.report.changed.iter().chain(&plan.report.added);
+        self.reloading = removed.chain(again.map(|n| (n.clone(), false))).collect();
         let timeout = self.base.shutdown_timeout();
         Box::pin(async move {
             let results = futures::future::join_all(
@@ -845,7 +936,7 @@ impl Pipelines {
 
     /// The pipelines a reload in progress stops or starts again (none between reloads):
     /// commands naming one wait for it ([`super::control::apply`]).
-    pub fn reloading(&self) -> &[String] {
+    pub fn reloading(&self) -> &[(String, bool)] {
         &self.reloading
     }
 

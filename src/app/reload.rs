@@ -246,8 +246,8 @@ fn reloaded(by: &str, report: &ReloadReport) -> Answer {
             "reload: the HTTP API serves the pipelines it started with until a restart");
     }
     if !report.left_queues.is_empty() {
-        warn!(by, queues = %report.left_queues.join(", "),
-            "reload: no pipeline consumes these queues now; what they hold (and what their retry queues dead-letter back to them) waits there until moved (warren move --from QUEUE --to EXCHANGE)");
+        warn!(by, queues = %report.left_queues.join(", "), moves = %report.moves.join("; "),
+            "reload: no pipeline consumes these queues now; what they hold (and what their retry queues dead-letter back to them) waits there until moved");
     }
     info!(by, added = %report.added.join(","), removed = %report.removed.join(","),
         changed = %report.changed.join(","), unchanged = %report.unchanged.join(","),

@@ -116,8 +116,23 @@ pub fn pool_for(
     max_size: usize,
     application_name: &str,
 ) -> Result<Pool, DbError> {
+    let idle = config.call_bound();
     let mut config = config.pg_config()?;
     config.application_name(application_name);
+    // A session of the service's own never waits inside a transaction on anything but its
+    // next statement: one silent longer than a statement may take lost its client (a
+    // partition that dropped the link's FIN, a proxy that holds it), and the server ends it,
+    // its locks with it, instead of keeping them for the hours its TCP keepalive takes (review
+    // R36h F4, R36i F2: two such orphans held their keys' advisory locks and stalled the
+    // pipeline for minutes). The server's own keepalives notice a peer gone within seconds.
+    // Not for the CLI's sessions: a replay holds its rows' locks while the broker confirms.
+    let options = format!(
+        "{} -c idle_in_transaction_session_timeout={} -c tcp_keepalives_idle=5 \
+         -c tcp_keepalives_interval=2 -c tcp_keepalives_count=3",
+        config.get_options().unwrap_or_default(),
+        idle.as_millis()
+    );
+    config.options(options);
     let manager = Manager::from_config(
         config,
         NoTls,

@@ -515,6 +515,50 @@ impl<'r, D: Domain> Isolation<'_, 'r, D> {
                 };
                 self.out.push((vec![group[0].0], Ok(refusals)));
             }
+            // At a stop, a group whose statement got no answer (the link went silent, the
+            // client's bound passed) may have committed: given back as it is, its messages
+            // came again to the stage that follows, into another table after a reload that
+            // changed it (review R35i F9: 4 messages in both tables). Asked of the table
+            // first, on another connection, once the bound passed: the server ended such a
+            // statement by then (its `statement_timeout`), and a transaction left open without
+            // its COMMIT never commits (`idle_in_transaction_session_timeout` ends it). What is
+            // stored as it is is done; the rest goes back, as all of it does when the
+            // table cannot be asked.
+            Err(e)
+                if self.config.stopping.is_cancelled()
+                    && !e.server_answered()
+                    && e.class() == ErrorClass::Transient =>
+            {
+                let stored = stored_of(self.config, &group).await;
+                let (done, rest): (Vec<_>, Vec<_>) = group
+                    .into_iter()
+                    .zip(stored)
+                    .partition(|(_, stored)| *stored);
+                if !done.is_empty() {
+                    info!(
+                        pipeline = self.config.stage.pipeline(),
+                        stage = self.config.stage.stage().as_str(),
+                        batch_id = self.batch_id,
+                        error = %e,
+                        rows = done.len(),
+                        "rows whose statement got no answer at the stop are stored as they are: done"
+                    );
+                    let refusals = Refusals {
+                        conflicts: Vec::new(),
+                        refused: Vec::new(),
+                        stale: Vec::new(),
+                        deleted: Vec::new(),
+                    };
+                    self.out.push((
+                        done.into_iter().map(|((i, _), _)| i).collect(),
+                        Ok(refusals),
+                    ));
+                }
+                if !rest.is_empty() {
+                    self.out
+                        .push((rest.into_iter().map(|((i, _), _)| i).collect(), Err(e)));
+                }
+            }
             Err(e) => {
                 if group.len() == 1 && e.is_timeout() {
                     self.alone += 1;
@@ -545,6 +589,40 @@ async fn already_stored<D: Domain>(config: &Arc<SinkConfig<D>>, record: &D::Reco
         Err(_) => {
             let _ = crate::db::abandon(client, config.db_bound);
             false
+        }
+    }
+}
+
+/// For each record of `group`, whether the table already holds it exactly, asked on one
+/// connection within the statement bound; all `false` when it cannot tell.
+async fn stored_of<D: Domain>(
+    config: &Arc<SinkConfig<D>>,
+    group: &[(usize, &D::Record)],
+) -> Vec<bool> {
+    let none = vec![false; group.len()];
+    let Ok(client) = config.pool.get().await else {
+        return none;
+    };
+    let Ok(running) = config.statements.enter(&client) else {
+        return none;
+    };
+    let asked = tokio::time::timeout(config.db_bound, async {
+        let mut stored = Vec::with_capacity(group.len());
+        for (_, record) in group {
+            stored.push(config.domain.stored(&client, record).await?);
+        }
+        Ok::<_, DbError>(stored)
+    })
+    .await;
+    drop(running);
+    match asked {
+        Ok(result) => {
+            crate::db::release(&config.pool, client, &result);
+            result.unwrap_or(none)
+        }
+        Err(_) => {
+            let _ = crate::db::abandon(client, config.db_bound);
+            none
         }
     }
 }

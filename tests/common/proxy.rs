@@ -48,6 +48,11 @@ pub struct ProxyState {
     /// there (mid-frame, a body half-received), until [`TcpProxy::release`]: a link that
     /// stalls while a big message arrives.
     stall_past: watch::Sender<u64>,
+    /// Armed by [`TcpProxy::hold_after_client_sends`]: the first live connection whose client
+    /// sends these bytes has what the server sends from then on held, once.
+    hold_after: Mutex<Option<Vec<u8>>>,
+    /// Whether the armed hold took a connection.
+    hold_fired: AtomicBool,
 }
 
 impl TcpProxy {
@@ -72,6 +77,8 @@ impl TcpProxy {
             consume_ok_delay_ms: AtomicU64::new(0),
             upstream_ports: Mutex::new(HashSet::new()),
             stall_past: watch::Sender::new(0),
+            hold_after: Mutex::new(None),
+            hold_fired: AtomicBool::new(false),
         });
         let accept = tokio::spawn({
             let state = state.clone();
@@ -187,6 +194,20 @@ impl TcpProxy {
         self.state.stall_past.send_replace(bytes);
     }
 
+    /// The first connection whose client sends `pattern` from now on (PostgreSQL: `COMMIT`, the
+    /// simple query a transaction ends with) has everything the server sends from then on held,
+    /// until [`TcpProxy::release`]: the server did what was asked, and the answer is lost on
+    /// the way (a link that went silent at that moment). Once; [`TcpProxy::hold_fired`] tells.
+    pub fn hold_after_client_sends(&self, pattern: &[u8]) {
+        self.state.hold_fired.store(false, Ordering::SeqCst);
+        *self.state.hold_after.lock().unwrap() = Some(pattern.to_vec());
+    }
+
+    /// Whether the hold armed by [`TcpProxy::hold_after_client_sends`] took a connection.
+    pub fn hold_fired(&self) -> bool {
+        self.state.hold_fired.load(Ordering::SeqCst)
+    }
+
     /// Ends every hold and stall: what the server sent meanwhile reaches the client, in order.
     pub fn release(&self) {
         self.state.stall_past.send_replace(0);
@@ -233,11 +254,12 @@ impl ProxyState {
         let port = upstream.local_addr().map(|a| a.port()).unwrap_or(0);
         self.upstream_ports.lock().unwrap().insert(port);
         let hold = Hold {
-            held: watch::Sender::new(false),
+            held: Arc::new(watch::Sender::new(false)),
             held_up: watch::Sender::new(false),
             bytes_down: Arc::new(AtomicU64::new(0)),
             opening: Arc::new(Mutex::new(Vec::new())),
         };
+        let held_down = hold.held.clone();
         let (held, held_up, bytes_down, opening) = (
             hold.held.subscribe(),
             hold.held_up.subscribe(),
@@ -259,7 +281,12 @@ impl ProxyState {
             consume_ok_delay,
             stall_past: self.stall_past.subscribe(),
         };
-        let up = Up { held_up, opening };
+        let up = Up {
+            held_up,
+            opening,
+            held_down: held_down.clone(),
+            state: &self,
+        };
         tokio::select! {
             _ = pass(&mut client, &mut upstream, down, up) => {}
             _ = cuts.changed() => {
@@ -279,7 +306,7 @@ impl ProxyState {
 
 /// The hold of one connection (see [`ProxyState::holds`]).
 struct Hold {
-    held: watch::Sender<bool>,
+    held: Arc<watch::Sender<bool>>,
     /// The same for what the client sends.
     held_up: watch::Sender<bool>,
     /// Bytes passed from the server to the client so far.
@@ -293,11 +320,14 @@ struct Hold {
 const OPENING: usize = 8 * 1024;
 
 /// How [`pass`] treats what the client sends.
-struct Up {
+struct Up<'a> {
     /// The connection's hold of what the client sends.
     held_up: watch::Receiver<bool>,
     /// Where its first bytes are kept.
     opening: Arc<Mutex<Vec<u8>>>,
+    /// The connection's hold of what the server sends (`ProxyState::hold_after`).
+    held_down: Arc<watch::Sender<bool>>,
+    state: &'a ProxyState,
 }
 
 /// How [`pass`] treats what the server sends.
@@ -348,7 +378,7 @@ async fn pass(
     client: &mut TcpStream,
     upstream: &mut TcpStream,
     mut down: Down<'_>,
-    mut upward: Up,
+    mut upward: Up<'_>,
 ) -> std::io::Result<()> {
     let (mut from_client, mut to_client) = client.split();
     let (mut from_upstream, mut to_upstream) = upstream.split();
@@ -366,6 +396,21 @@ async fn pass(
             }
             // The sender dropped means the proxy is going away: pass on.
             let _ = upward.held_up.wait_for(|h| !*h).await;
+            // Held before the bytes go, so the server's answer to them is held too.
+            let fire = {
+                let mut armed = upward.state.hold_after.lock().unwrap();
+                let found = armed
+                    .as_ref()
+                    .is_some_and(|p| buf[..n].windows(p.len()).any(|w| w == p.as_slice()));
+                if found {
+                    armed.take();
+                }
+                found
+            };
+            if fire {
+                upward.held_down.send_replace(true);
+                upward.state.hold_fired.store(true, Ordering::SeqCst);
+            }
             to_upstream.write_all(&buf[..n]).await?;
         }
     };

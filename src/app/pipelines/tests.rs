@@ -151,6 +151,46 @@ fn the_users_entry_written_in_a_file_as_shipped_is_not_a_change() {
     assert!(!same(find(&builtin, "users"), find(&other, "users")));
 }
 
+/// What the process's HTTP API serves keeps its main queue and tables across a reload (review
+/// R35i F5); its `api` keys alone are no change of the pipeline (review R35i F8).
+#[test]
+fn a_reload_keeps_where_the_api_publishes_and_reads() {
+    let api = ORDERS.replace("batch_size = 50", "batch_size = 50\napi = true");
+    let was = declared(&with(&api)).unwrap();
+    assert_eq!(api_kept(&was, &was), Ok(()));
+    let bigger = declared(&with(&api.replace("batch_size = 50", "batch_size = 60"))).unwrap();
+    assert_eq!(
+        api_kept(&was, &bigger),
+        Ok(()),
+        "another batch size is fine"
+    );
+    let refused = |file: &str| {
+        api_kept(&was, &declared(&with(file)).unwrap())
+            .unwrap_err()
+            .to_string()
+    };
+    let moved = refused(&api.replace("batch_size = 50", "main_queue = \"orders_q2\""));
+    assert!(
+        moved.contains("this reload moves pipeline orders's main queue from orders_exchange/orders_queue to orders_exchange/orders_q2, but this process's HTTP API serves pipeline orders as it started"),
+        "{moved}"
+    );
+    let table = refused(&api.replace("table = \"orders\"", "table = \"orders2\""));
+    assert!(
+        table.contains("changes pipeline orders's tables from orders to orders2"),
+        "{table}"
+    );
+    let removed = refused("");
+    assert!(
+        removed.contains("this reload removes pipeline orders, but"),
+        "{removed}"
+    );
+    // Without the API, all of it is a pipeline's change like another.
+    let plain = declared(&with(ORDERS)).unwrap();
+    assert_eq!(api_kept(&plain, &declared(&with("")).unwrap()), Ok(()));
+    // `api` alone: the same pipeline.
+    assert!(same(find(&plain, "orders"), find(&was, "orders")));
+}
+
 /// A reload that leaves a queue no pipeline consumes names it (review R35h F3).
 #[test]
 fn the_queues_a_reload_leaves_are_named() {
@@ -163,7 +203,10 @@ fn the_queues_a_reload_leaves_are_named() {
     .unwrap();
     assert_eq!(
         left_queues(was.iter().filter(|d| d.name == "orders"), &renamed),
-        ["orders_queue (orders)"],
+        [(
+            "orders_queue (orders)".to_string(),
+            "warren move --from orders_queue --to orders_exchange/orders_q2".to_string()
+        )],
         "a retry queue dead-letters back to its main queue: named through it"
     );
     // A pipeline removed whose queues another takes over leaves none.
@@ -174,7 +217,10 @@ fn the_queues_a_reload_leaves_are_named() {
     .unwrap();
     assert_eq!(
         left_queues(was.iter().filter(|d| d.name == "orders"), &taken),
-        ["orders_dlq (orders)"]
+        [(
+            "orders_dlq (orders)".to_string(),
+            "warren move --from orders_dlq --to EXCHANGE/ROUTING_KEY".to_string()
+        )]
     );
 }
 

@@ -92,7 +92,13 @@ impl Mapping {
             };
             match cell {
                 Ok(cell) => cells.push(cell),
-                Err(p) => problems.push((c, p)),
+                Err(p) => {
+                    // A place kept, so the columns after it keep their indices: a child column
+                    // reads its parent's cell by index (review R36i F3: a parent column refused
+                    // before the key put the next column's value in a child key's reason).
+                    cells.push(Cell::Null);
+                    problems.push((c, p));
+                }
             }
         }
         let mut rows = Vec::with_capacity(self.children.len());

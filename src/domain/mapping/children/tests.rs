@@ -147,6 +147,43 @@ fn two_elements_of_one_child_key_refuse_the_message_naming_both() {
         m.decode(&body(r#"[{"sku":"A","qty":1},{"sku":"a","qty":1}]"#))
             .is_ok()
     );
+    // A parent column refused before the key (by name, `amount` < `order_id`) leaves the key's
+    // value where a child column reads it (review R36i F3: the next column's value was shown).
+    let with_amount = Mapping::compile(
+        "orders",
+        &toml::from_str::<MappingSpec>(
+            r#"
+            table = "shop.orders"
+            key = ["order_id"]
+            [columns]
+            amount   = { path = "/amount", type = "int4", min = 1 }
+            order_id = { path = "/order_id", type = "uuid" }
+            zone     = { path = "/zone", type = "text", optional = true }
+            [[children]]
+            table = "shop.order_items"
+            rows = "/items"
+            key = ["order_id", "sku"]
+            [children.columns]
+            order_id = { parent = "order_id" }
+            sku      = { path = "/sku", type = "text" }
+            "#,
+        )
+        .expect("spec"),
+    )
+    .expect("compiles");
+    let r = with_amount
+        .decode(
+            format!(
+                r#"{{"amount":0,"order_id":"{ID}","zone":"z9","items":[{{"sku":"A"}},{{"sku":"A"}}]}}"#
+            )
+            .as_bytes(),
+        )
+        .unwrap_err();
+    assert!(
+        r.reason.contains(&format!("(order_id, sku) = ({ID}, A)")),
+        "{}",
+        r.reason
+    );
 }
 
 #[test]
