@@ -164,6 +164,17 @@ async fn a_key_no_message_id_can_carry_is_refused_422_and_the_api_answers_on() {
     assert_eq!(status, 422, "{text}");
     assert!(text.contains("found 300"), "{text}");
 
+    // An empty key: no path could address it (review R36i F6).
+    let body = json!({"code": "", "v": 1}).to_string();
+    let (status, text) = http(&env, "POST", "/api/v1/bounds", Some(&body))
+        .await
+        .expect("POST answered");
+    assert_eq!(status, 422, "{text}");
+    assert!(
+        text.contains("key code: empty, which GET and PUT /api/v1/bounds/<key> cannot address"),
+        "{text}"
+    );
+
     // The server answers on, and a 255-byte key (the most a message id holds) goes through.
     let edge = "e".repeat(255);
     let body = json!({"code": edge, "v": 2}).to_string();

@@ -944,25 +944,6 @@ async fn assert_drift_refused(env: &TestEnv, status: std::process::ExitStatus, l
     );
 }
 
-/// The consumers on the main queue now.
-async fn main_consumers(env: &TestEnv) -> u32 {
-    let channel = env.conn.create_channel().await.expect("channel");
-    let passive = QueueDeclareOptions {
-        passive: true,
-        ..Default::default()
-    };
-    let q = channel
-        .queue_declare(
-            env.main_queue.as_str().into(),
-            passive,
-            FieldTable::default(),
-        )
-        .await
-        .expect("the main queue exists");
-    let _ = channel.close(200, "".into()).await;
-    q.consumer_count()
-}
-
 /// A queue missing at the start is waited for before anything consumes, and checked once
 /// another step declares it (review R35h F5: one declared later with other arguments was
 /// taken unchecked until the next reload): declared as warren declares it, the roles start;
@@ -987,7 +968,11 @@ async fn run_without_declare_waits_for_a_missing_retry_queue_and_checks_it_once_
             "the warning names the queue:\n{}",
             run.logs()
         );
-        assert_eq!(main_consumers(&env).await, 0, "nothing consumes meanwhile");
+        assert_eq!(
+            env.queue_state(&env.main_queue).await.1,
+            0,
+            "nothing consumes meanwhile"
+        );
         if drifted {
             declare_retry_queue_to(&env, &format!("{}_old", env.main_queue), ttl).await;
             let status = run.wait(Duration::from_secs(60));
@@ -995,7 +980,7 @@ async fn run_without_declare_waits_for_a_missing_retry_queue_and_checks_it_once_
         } else {
             env.declare();
             wait_until("the stages subscribe", Duration::from_secs(60), || async {
-                main_consumers(&env).await > 0
+                env.queue_state(&env.main_queue).await.1 > 0
             })
             .await;
             run.terminate_ok(Duration::from_secs(30));
@@ -1062,7 +1047,7 @@ async fn a_broker_user_that_may_not_configure_gets_its_objects_checked_to_exist(
         "the warning names the objects:\n{logs}"
     );
     wait_until("the stages subscribe", Duration::from_secs(60), || async {
-        main_consumers(&env).await > 0
+        env.queue_state(&env.main_queue).await.1 > 0
     })
     .await;
     run.terminate_ok(Duration::from_secs(30));

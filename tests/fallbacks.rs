@@ -81,7 +81,11 @@ async fn an_unroutable_retry_keeps_the_message_with_warren_until_the_route_is_ba
         .set("RETRY_TTL_MS", "500");
     env.declare();
     install_fault(&env, CountAttempts::No).await;
-    // The retry exchange routes nowhere: the router's mandatory republish comes back unroutable.
+    let mut warren = env.start(&["--roles", "consumer"]);
+    let _logs = LogsOnPanic(vec![warren.log.clone()]);
+    // Once warren runs (its start binds what `warren declare` binds): the retry exchange routes
+    // nowhere, and the router's mandatory republish comes back unroutable.
+    wait_consuming(&env).await;
     env.channel
         .queue_unbind(
             env.retry_queue.as_str().into(),
@@ -92,8 +96,6 @@ async fn an_unroutable_retry_keeps_the_message_with_warren_until_the_route_is_ba
         .await
         .expect("unbind the retry queue");
     let id = env.publish_users(1).await[0];
-    let mut warren = env.start(&["--roles", "consumer"]);
-    let _logs = LogsOnPanic(vec![warren.log.clone()]);
 
     wait_requeued(&env, 3).await;
     // Still with warren's queue: nothing in the DLQ, nothing lost, no retry spent.
@@ -142,6 +144,8 @@ async fn malformed_messages_survive_the_dlq_being_deleted_and_redeclared() {
     env.declare();
     let mut warren = env.start(&["--roles", "consumer"]);
     let _logs = LogsOnPanic(vec![warren.log.clone()]);
+    // Once warren runs: a DLQ missing at the start is waited for.
+    wait_consuming(&env).await;
     env.channel
         .queue_delete(env.dlq_queue.as_str().into(), Default::default())
         .await
@@ -182,6 +186,14 @@ async fn malformed_messages_survive_the_dlq_being_deleted_and_redeclared() {
         );
     }
     assert_eq!(env.queue_state(&env.main_queue).await, (0, 0));
+}
+
+/// Waits until a consumer of the env's warren takes the main queue's deliveries.
+async fn wait_consuming(env: &TestEnv) {
+    wait_until("warren consuming", Duration::from_secs(60), || async {
+        env.queue_state(&env.main_queue).await.1 > 0
+    })
+    .await;
 }
 
 /// Waits until the main pipeline gave `n` messages back to their queue for a failed republish.

@@ -189,17 +189,6 @@ async fn a_held_message_never_holds_the_rows_behind_it_across_any_resubscription
         .set("USERS_BATCH_TIMEOUT_MS", "50");
     let _redis = RedisCleanup::new(&env);
     env.declare();
-    // The DLQ unbound: the held message's dead letter comes back unroutable, so warren keeps it
-    // (a requeue after a growing backoff) instead of acking it.
-    env.channel
-        .queue_unbind(
-            env.dlq_queue.as_str().into(),
-            env.dlx_exchange.as_str().into(),
-            env.dlq_queue.as_str().into(),
-            FieldTable::default(),
-        )
-        .await
-        .expect("unbind the DLQ");
     let mut warren = env.start(&["--roles", "consumer"]);
     let _logs = LogsOnPanic(vec![warren.log.clone()]);
     let pid = warren.pid();
@@ -209,6 +198,18 @@ async fn a_held_message_never_holds_the_rows_behind_it_across_any_resubscription
         || async { instance(&env, pid).await["status"] == "running" },
     )
     .await;
+    // The DLQ unbound (once warren runs: its start binds what `warren declare` binds): the
+    // held message's dead letter comes back unroutable, so warren keeps it (a requeue after a
+    // growing backoff) instead of acking it.
+    env.channel
+        .queue_unbind(
+            env.dlq_queue.as_str().into(),
+            env.dlx_exchange.as_str().into(),
+            env.dlq_queue.as_str().into(),
+            FieldTable::default(),
+        )
+        .await
+        .expect("unbind the DLQ");
     let props = lapin::BasicProperties::default().with_message_id(HELD.into());
     env.publish_raw(b"{not json", props).await;
     let mut all: HashSet<Uuid> = HashSet::new();

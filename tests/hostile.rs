@@ -539,6 +539,13 @@ async fn a_held_delivery_never_holds_the_window_behind_it() {
     let mut env = TestEnv::new("heldfront").await;
     env.set("PREFETCH", "200").set("USERS_BATCH_SIZE", "50");
     env.declare();
+    let mut warren = env.start(&["--roles", "consumer"]);
+    let _logs = LogsOnPanic(vec![warren.log.clone()]);
+    // Once warren runs (its start binds what `warren declare` binds): the DLQ unbound.
+    wait_until("warren consuming", Duration::from_secs(60), || async {
+        env.queue_state(&env.main_queue).await.1 > 0
+    })
+    .await;
     env.channel
         .queue_unbind(
             env.dlq_queue.as_str().into(),
@@ -551,8 +558,6 @@ async fn a_held_delivery_never_holds_the_window_behind_it() {
     env.publish_raw(b"{not json", labelled("held")).await;
     let users: std::collections::HashSet<Uuid> =
         env.publish_users(5_000).await.into_iter().collect();
-    let mut warren = env.start(&["--roles", "consumer"]);
-    let _logs = LogsOnPanic(vec![warren.log.clone()]);
     assert_rows_exactly(&env, &users, Duration::from_secs(40), &|| warren.logs()).await;
 
     env.channel
@@ -589,6 +594,13 @@ async fn large_bodies_in_flight_stay_within_the_byte_budget() {
     env.set("MAX_MESSAGE_BYTES", "16777216")
         .set("MAX_INFLIGHT_BYTES", "33554432");
     env.declare();
+    let mut warren = env.start(&["--roles", "consumer"]);
+    let _logs = LogsOnPanic(vec![warren.log.clone()]);
+    // Once warren runs (its start binds what `warren declare` binds): the DLQ unbound.
+    wait_until("warren consuming", Duration::from_secs(60), || async {
+        env.queue_state(&env.main_queue).await.1 > 0
+    })
+    .await;
     env.channel
         .queue_unbind(
             env.dlq_queue.as_str().into(),
@@ -602,8 +614,6 @@ async fn large_bodies_in_flight_stay_within_the_byte_budget() {
     for i in 0..24 {
         env.publish_raw(&body, labelled(&format!("big-{i}"))).await;
     }
-    let mut warren = env.start(&["--roles", "consumer"]);
-    let _logs = LogsOnPanic(vec![warren.log.clone()]);
     wait_until(
         "dead letters refused a while",
         Duration::from_secs(60),

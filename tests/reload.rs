@@ -1500,13 +1500,13 @@ async fn a_reload_switching_the_table_behind_a_lock_stores_each_message_once() {
     warren.terminate_ok(Duration::from_secs(25));
 }
 
-/// A reload that switches a pipeline's table while the answer to a batch's COMMIT is lost (the
+/// A reload that switches a pipeline's table while the answer to a batch's insert is lost (the
 /// link to PostgreSQL goes silent right after the client sent it; the server committed): the
 /// statement outlasts its bound during the stop, and its messages, stored in the old table, are
 /// found there and acked, not given back to be stored again in the new one. Before, every such
 /// message was in both tables (review R35i F9).
 #[tokio::test(flavor = "multi_thread")]
-async fn a_reload_switching_the_table_while_a_commits_answer_is_lost_stores_each_message_once() {
+async fn a_reload_switching_the_table_while_an_inserts_answer_is_lost_stores_each_message_once() {
     let pg = TcpProxy::start(&database_url(), 5432).await;
     let mut env = TestEnv::new("rl_lost_commit").await;
     env.set("DATABASE_URL", pg.url())
@@ -1521,11 +1521,11 @@ async fn a_reload_switching_the_table_while_a_commits_answer_is_lost_stores_each
     publish(&env, &orders, &warm).await;
     assert_table(&env, "orders", &warm.iter().copied().collect(), &warren).await;
 
-    pg.hold_after_client_sends(b"COMMIT");
+    pg.hold_after_next_send("warren-pipeline");
     let held = new_ids(200);
     publish(&env, &orders, &held).await;
     wait_until(
-        "a COMMIT's answer held",
+        "an insert's answer held",
         Duration::from_secs(30),
         || async { pg.hold_fired() },
     )

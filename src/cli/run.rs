@@ -222,11 +222,16 @@ pub async fn execute(
 /// warning.
 async fn check_topology(settings: &Settings) -> anyhow::Result<()> {
     use crate::cli::declare::NotDeclared;
+    use crate::config::Role;
     let topology = Topology::from_settings(settings)?;
     let check = || crate::cli::declare::check_declared(settings, &topology);
+    // Only what consumes waits: an instance of the API alone starts (its publishes are
+    // refused, 503, until the queues exist), so it also says at once what else is wrong
+    // with it (an address it cannot listen on).
+    let consumes = settings.has_role(Role::Consumer) || settings.has_role(Role::Dlq);
     let checked = check
         .retry(crate::amqp::reconnect_builder())
-        .when(|e: &anyhow::Error| e.downcast_ref::<NotDeclared>().is_some())
+        .when(|e: &anyhow::Error| consumes && e.downcast_ref::<NotDeclared>().is_some())
         .notify(|e: &anyhow::Error, delay: Duration| {
             warn!(error = %format!("{e:#}"), retry_in_ms = delay.as_millis() as u64,
                 "waiting for the pipelines' exchanges and queues to be declared; the roles start once they exist and match this configuration");
@@ -235,6 +240,11 @@ async fn check_topology(settings: &Settings) -> anyhow::Result<()> {
         .await;
     match checked {
         Ok(()) => Ok(()),
+        Err(e) if e.downcast_ref::<NotDeclared>().is_some() => {
+            warn!(error = %format!("{e:#}"),
+                "the HTTP API starts; what it publishes is refused (503) until they are declared, and what is declared then is not checked against this configuration");
+            Ok(())
+        }
         Err(e)
             if matches!(
                 e.downcast_ref::<TopologyError>(),

@@ -449,6 +449,17 @@ async fn check(
             format!("the key column {} is null", api.key_column),
         ))
     })?;
+    // An empty key is no path segment: `GET` and `PUT /api/v1/<name>/<key>` could not address
+    // what was accepted (review R36i F6).
+    if key.is_empty() {
+        return Err(Box::new(error(
+            StatusCode::UNPROCESSABLE_ENTITY,
+            format!(
+                "key {}: empty, which GET and PUT /api/v1/{}/<key> cannot address",
+                api.key_column, api.name
+            ),
+        )));
+    }
     let id = headers::short(key.as_str()).map_err(|e| {
         Box::new(error(
             StatusCode::UNPROCESSABLE_ENTITY,

@@ -48,8 +48,9 @@ pub struct ProxyState {
     /// there (mid-frame, a body half-received), until [`TcpProxy::release`]: a link that
     /// stalls while a big message arrives.
     stall_past: watch::Sender<u64>,
-    /// Armed by [`TcpProxy::hold_after_client_sends`]: the first live connection whose client
-    /// sends these bytes has what the server sends from then on held, once.
+    /// Armed by [`TcpProxy::hold_after_next_send`]: the first connection whose opening bytes
+    /// hold these (its client's name) to send anything has what the server sends from then on
+    /// held, once.
     hold_after: Mutex<Option<Vec<u8>>>,
     /// Whether the armed hold took a connection.
     hold_fired: AtomicBool,
@@ -194,16 +195,18 @@ impl TcpProxy {
         self.state.stall_past.send_replace(bytes);
     }
 
-    /// The first connection whose client sends `pattern` from now on (PostgreSQL: `COMMIT`, the
-    /// simple query a transaction ends with) has everything the server sends from then on held,
-    /// until [`TcpProxy::release`]: the server did what was asked, and the answer is lost on
-    /// the way (a link that went silent at that moment). Once; [`TcpProxy::hold_fired`] tells.
-    pub fn hold_after_client_sends(&self, pattern: &[u8]) {
+    /// The first connection whose client named itself `name` (in its first bytes: PostgreSQL's
+    /// `application_name`, AMQP's connection name) to send anything from now on (a batch's
+    /// insert on a connection of the pool) has everything the server sends from then on held,
+    /// until [`TcpProxy::release`]: the server did what was asked (an autocommitted insert is
+    /// stored), and the answer is lost on the way, a link gone silent at that moment. Once;
+    /// [`TcpProxy::hold_fired`] tells.
+    pub fn hold_after_next_send(&self, name: &str) {
         self.state.hold_fired.store(false, Ordering::SeqCst);
-        *self.state.hold_after.lock().unwrap() = Some(pattern.to_vec());
+        *self.state.hold_after.lock().unwrap() = Some(name.as_bytes().to_vec());
     }
 
-    /// Whether the hold armed by [`TcpProxy::hold_after_client_sends`] took a connection.
+    /// Whether the hold armed by [`TcpProxy::hold_after_next_send`] took a connection.
     pub fn hold_fired(&self) -> bool {
         self.state.hold_fired.load(Ordering::SeqCst)
     }
@@ -399,9 +402,10 @@ async fn pass(
             // Held before the bytes go, so the server's answer to them is held too.
             let fire = {
                 let mut armed = upward.state.hold_after.lock().unwrap();
+                let opening = upward.opening.lock().unwrap();
                 let found = armed
                     .as_ref()
-                    .is_some_and(|p| buf[..n].windows(p.len()).any(|w| w == p.as_slice()));
+                    .is_some_and(|p| opening.windows(p.len()).any(|w| w == p.as_slice()));
                 if found {
                     armed.take();
                 }
