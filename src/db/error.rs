@@ -136,6 +136,12 @@ impl DbError {
         matches!(self, DbError::Outlasted { .. }) || self.sqlstate() == Some("57014")
     }
 
+    /// Whether what the work did is unknown: it outlasted warren's bound (the answer may be
+    /// lost on a silent link after the server committed) or the connection failed under it.
+    pub fn outcome_unknown(&self) -> bool {
+        matches!(self, DbError::Outlasted { .. } | DbError::Connection(_))
+    }
+
     /// Whether the server answered (as opposed to no connection at all): with an error, or,
     /// for work that outlasted warren's bound, a question asked right after.
     pub fn server_answered(&self) -> bool {

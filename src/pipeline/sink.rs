@@ -516,7 +516,7 @@ impl<'r, D: Domain> Isolation<'_, 'r, D> {
                 self.out.push((vec![group[0].0], Ok(refusals)));
             }
             // At a stop, a group whose statement got no answer (the link went silent, the
-            // client's bound passed) may have committed: given back as it is, its messages
+            // client's bound passed, `DbError::outcome_unknown`) may have committed: given back as it is, its messages
             // came again to the stage that follows, into another table after a reload that
             // changed it (review R35i F9: 4 messages in both tables). Asked of the table
             // first, on another connection, once the bound passed: the server ended such a
@@ -524,11 +524,7 @@ impl<'r, D: Domain> Isolation<'_, 'r, D> {
             // its COMMIT never commits (`idle_in_transaction_session_timeout` ends it). What is
             // stored as it is is done; the rest goes back, as all of it does when the
             // table cannot be asked.
-            Err(e)
-                if self.config.stopping.is_cancelled()
-                    && !e.server_answered()
-                    && e.class() == ErrorClass::Transient =>
-            {
+            Err(e) if self.config.stopping.is_cancelled() && e.outcome_unknown() => {
                 let stored = stored_of(self.config, &group).await;
                 let (done, rest): (Vec<_>, Vec<_>) = group
                     .into_iter()
