@@ -808,7 +808,7 @@ pub(super) async fn trial(
     client: &tokio_postgres::Client,
     record: &Row,
     key: &[&(dyn ToSql + Sync)],
-) -> Result<Result<u64, super::lookup::Refusal>, tokio_postgres::Error> {
+) -> Result<Result<u64, Discarded>, tokio_postgres::Error> {
     let mut written = 0;
     for (n, child) in mapping.children.iter().enumerate() {
         if mapping.on_conflict == OnConflict::Update {
@@ -824,18 +824,23 @@ pub(super) async fn trial(
         // What the run refuses (`Child::insert_all`), the trial refuses in its words (review
         // R36i F1: a child trigger that discards was "ok, 0 child rows written").
         if rows < owners.len() as u64 {
-            return Ok(Err(super::lookup::Refusal {
-                code: DISCARDED_CODE.into(),
+            return Ok(Err(Discarded {
+                code: DISCARDED_CODE,
                 message: child.discarded_message(rows, owners.len()),
-                table: Some(child.table.to_string()),
-                column: None,
-                constraint: None,
-                detail: None,
+                table: child.table.to_string(),
             }));
         }
         written += rows;
     }
     Ok(Ok(written))
+}
+
+/// A child table's trigger discarded rows of a trial's message (`trial`): the refusal the run
+/// makes of it, in its words.
+pub(super) struct Discarded {
+    pub code: &'static str,
+    pub message: String,
+    pub table: String,
 }
 
 /// The SQLSTATE of a message whose rows a trigger discarded (`integrity_constraint_violation`:

@@ -399,7 +399,16 @@ pub(super) async fn trial(
         }
         let children = match super::children::trial(mapping, client, record, &key_params).await? {
             Ok(children) => children,
-            Err(refusal) => return Ok(Trial::Refused(refusal)),
+            Err(discarded) => {
+                return Ok(Trial::Refused(Refusal {
+                    code: discarded.code.into(),
+                    message: discarded.message,
+                    table: Some(discarded.table),
+                    column: None,
+                    constraint: None,
+                    detail: None,
+                }));
+            }
         };
         // Deferred constraints (a foreign key or a constraint trigger `DEFERRABLE INITIALLY
         // DEFERRED`) are checked at a commit, which a trial never makes: checked now, so what

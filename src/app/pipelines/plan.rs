@@ -1,0 +1,187 @@
+//! A reload's plan, apart from the running pipelines: what counts as a pipeline's change
+//! ([`same`]), what the process's HTTP API needs kept ([`api_kept`]), the queues a reload leaves
+//! ([`left_queues`]) and the report of what it did ([`ReloadReport`]).
+
+use std::collections::HashSet;
+
+use super::{Declared, ReloadError};
+
+/// Whether a running pipeline declared as `old` is left untouched by a reload that declares it
+/// as `new`: the same resolved spec. The one place that says what a pipeline's change is.
+pub(in crate::app) fn same(old: &Declared, new: &Declared) -> bool {
+    // Where the entry is written (the shipped defaults or a file) is not what runs: the
+    // built-in users entry copied into a file is the same pipeline (review R35h F9: it was
+    // drained and started again).
+    // Nor is its HTTP API: the API serves the pipelines it started with until a restart, so a
+    // change of `api`, `api_key` or `api_check` alone restarted the consumers for nothing
+    // (review R35i F8; the reload warns that the API waits for a restart).
+    if old.spec.builtin == new.spec.builtin && old.spec.api == new.spec.api {
+        return old.spec == new.spec;
+    }
+    let mut new = new.spec.clone();
+    new.builtin = old.spec.builtin;
+    new.api = old.spec.api;
+    old.spec == new
+}
+
+/// The pipelines this process's HTTP API serves (`api`: those it started with, `api = true`)
+/// keep, in `wanted`, where the API publishes and reads: a reload that removes one or changes
+/// its main exchange, main queue or tables is refused, as the API follows only at a restart
+/// (review R35i F5: after a reload renamed users' main queue, every POST was answered 200 and
+/// stranded in the queue left behind; after a table switch, GET read the old table).
+pub(in crate::app) fn api_kept(api: &[Declared], wanted: &[Declared]) -> Result<(), ReloadError> {
+    let tables = |d: &Declared| -> Vec<String> {
+        std::iter::once(d.spec.mapping.table.clone())
+            .chain(d.spec.mapping.children.iter().map(|c| c.table.clone()))
+            .collect()
+    };
+    for served in api.iter().filter(|d| d.spec.api.enabled) {
+        let (was, table_was) = (&served.spec.names, tables(served));
+        let change = match wanted.iter().find(|d| d.name == served.name) {
+            None => Some(format!("removes pipeline {}", served.name)),
+            Some(d)
+                if (&d.spec.names.main_exchange, &d.spec.names.main_queue)
+                    != (&was.main_exchange, &was.main_queue) =>
+            {
+                Some(format!(
+                    "moves pipeline {}'s main queue from {}/{} to {}/{}",
+                    served.name,
+                    was.main_exchange,
+                    was.main_queue,
+                    d.spec.names.main_exchange,
+                    d.spec.names.main_queue
+                ))
+            }
+            Some(d) if tables(d) != table_was => Some(format!(
+                "changes pipeline {}'s tables from {} to {}",
+                served.name,
+                table_was.join(", "),
+                tables(d).join(", ")
+            )),
+            Some(_) => None,
+        };
+        if let Some(change) = change {
+            return Err(ReloadError::Api {
+                pipeline: served.name.clone(),
+                change,
+            });
+        }
+    }
+    Ok(())
+}
+
+/// The queues of `running` (removed or changed) that none of `wanted` consumes: `queue
+/// (pipeline)`, for [`ReloadReport::left_queues`], and the `warren move` that empties each
+/// where the pipeline now takes such messages ([`ReloadReport::moves`]). A main queue or a
+/// DLQ: a retry queue is consumed by no one, it dead-letters back to its main queue by TTL, so
+/// it empties by itself while that main queue is consumed, and fills the main queue named here
+/// when it is not (review R35i F1: a retry tier dropped by a reload was named though it
+/// drained by itself).
+pub(in crate::app) fn left_queues<'a>(
+    running: impl Iterator<Item = &'a Declared>,
+    wanted: &'a [Declared],
+) -> Vec<(String, String)> {
+    let consumed = |d: &'a Declared| {
+        [
+            d.spec.names.main_queue.as_str(),
+            d.spec.names.dlq_queue.as_str(),
+        ]
+    };
+    let now: HashSet<&str> = wanted.iter().flat_map(consumed).collect();
+    running
+        .flat_map(|r| {
+            // Where the pipeline of that name takes them now: its main exchange under its
+            // main queue's routing key, its DLX under its DLQ's. A message moved keeps its
+            // own routing key without one, which the left queue is still bound under (review
+            // R35i F7: the advice moved them back where they were).
+            let next = wanted.iter().find(|d| d.name == r.name).map(|d| {
+                let n = &d.spec.names;
+                [
+                    format!("{}/{}", n.main_exchange, n.main_queue),
+                    format!("{}/{}", n.dlx_exchange, n.dlq_queue),
+                ]
+            });
+            consumed(r)
+                .into_iter()
+                .enumerate()
+                .filter(|(_, q)| !now.contains(q))
+                .map(|(i, q)| {
+                    let to = next
+                        .as_ref()
+                        .map_or("EXCHANGE/ROUTING_KEY", |to| to[i].as_str());
+                    (
+                        format!("{q} ({})", r.name),
+                        format!("warren move --from {q} --to {to}"),
+                    )
+                })
+                .collect::<Vec<_>>()
+        })
+        .collect()
+}
+
+/// What a reload changed: the pipelines by name, and what it could not apply.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub(in crate::app) struct ReloadReport {
+    pub added: Vec<String>,
+    pub removed: Vec<String>,
+    pub changed: Vec<String>,
+    pub unchanged: Vec<String>,
+    /// Settings it changed that are not a pipeline's: they keep their values until a restart.
+    pub restart_needed: Vec<String>,
+    /// Added, removed or changed pipelines with `api = true`: the HTTP API serves the pipelines
+    /// it started with until a restart.
+    pub api_unchanged: Vec<String>,
+    /// Whether every stage it stopped settled all its deliveries within `SHUTDOWN_TIMEOUT_MS`
+    /// (what one did not settle goes back to its queue).
+    pub drained: bool,
+    /// Queues a removed or changed pipeline consumed (or dead-lettered back to its main queue)
+    /// that no pipeline consumes now, `queue (pipeline)`: what they hold waits there until
+    /// moved (review R35h F3: a main and retry queue renamed together stranded every retry
+    /// without a word, and `warren status` stopped showing them).
+    pub left_queues: Vec<String>,
+    /// For each of [`ReloadReport::left_queues`], the `warren move` that empties it.
+    pub moves: Vec<String>,
+}
+
+impl ReloadReport {
+    /// `added orders; removed refunds; changed users; unchanged audit`, the parts with names
+    /// only (`nothing changed` when none), then what waits for a restart.
+    pub fn summary(&self) -> String {
+        let mut parts: Vec<String> = [
+            ("added", &self.added),
+            ("removed", &self.removed),
+            ("changed", &self.changed),
+        ]
+        .iter()
+        .filter(|(_, names)| !names.is_empty())
+        .map(|(what, names)| format!("{what} {}", names.join(", ")))
+        .collect();
+        if parts.is_empty() {
+            parts.push("no pipeline changed".into());
+        }
+        if !self.unchanged.is_empty() {
+            parts.push(format!("unchanged {}", self.unchanged.join(", ")));
+        }
+        if !self.restart_needed.is_empty() {
+            parts.push(format!(
+                "needs a restart to apply {}",
+                self.restart_needed.join(", ")
+            ));
+        }
+        if !self.left_queues.is_empty() {
+            parts.push(format!(
+                "no pipeline consumes {} now: what they hold waits there until moved ({})",
+                self.left_queues.join(", "),
+                self.moves.join("; ")
+            ));
+        }
+        if !self.drained {
+            parts.push(
+                "a stopped stage reached SHUTDOWN_TIMEOUT_MS: what it had not settled went back \
+                 to its queue"
+                    .into(),
+            );
+        }
+        parts.join("; ")
+    }
+}
