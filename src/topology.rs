@@ -354,16 +354,7 @@ impl Topology {
         }
         let channel = conn.create_channel().await.map_err(AmqpError::from)?;
         for b in &self.bindings {
-            channel
-                .queue_bind(
-                    b.queue.as_str().into(),
-                    b.exchange.as_str().into(),
-                    b.key().into(),
-                    QueueBindOptions::default(),
-                    FieldTable::default(),
-                )
-                .await
-                .map_err(AmqpError::from)?;
+            bind_on(&channel, b).await?;
             steps.push(Step {
                 object: describe_binding(b),
                 outcome: Some(Outcome::Bound),
@@ -604,11 +595,16 @@ async fn declare_queue(conn: &Connection, q: &Queue) -> Result<Outcome, Topology
     })
 }
 
-/// Declares `q` with its arguments (created if missing; a [`TopologyError::Drift`] if it
-/// exists with others).
 /// Declares the binding `b` (idempotent), on a channel of its own (a refusal closes it).
 async fn bind(conn: &Connection, b: &Binding) -> Result<(), TopologyError> {
     let channel: Channel = conn.create_channel().await.map_err(AmqpError::from)?;
+    bind_on(&channel, b).await?;
+    let _ = channel.close(200, "ok".into()).await;
+    Ok(())
+}
+
+/// Declares the binding `b` (idempotent) on `channel`.
+async fn bind_on(channel: &Channel, b: &Binding) -> Result<(), TopologyError> {
     channel
         .queue_bind(
             b.queue.as_str().into(),
@@ -619,10 +615,11 @@ async fn bind(conn: &Connection, b: &Binding) -> Result<(), TopologyError> {
         )
         .await
         .map_err(AmqpError::from)?;
-    let _ = channel.close(200, "ok".into()).await;
     Ok(())
 }
 
+/// Declares `q` with its arguments (created if missing; a [`TopologyError::Drift`] if it
+/// exists with others).
 async fn assert_queue(conn: &Connection, q: &Queue) -> Result<(), TopologyError> {
     let channel: Channel = conn.create_channel().await.map_err(AmqpError::from)?;
     let result = channel
