@@ -1553,12 +1553,14 @@ async fn a_reload_switching_the_table_while_an_inserts_answer_is_lost_stores_eac
         both.len(),
         tail(&warren.logs(), 40)
     );
+    // The lost answer was met and looked up: by the stop's look-up of a group, or, when the
+    // group was split down to one row before the stop began, by the one row's (CI once).
+    let logs = warren.logs();
     assert!(
-        warren
-            .logs()
-            .contains("rows whose statement got no answer at the stop are stored as they are"),
-        "the lost answer was met: {}",
-        tail(&warren.logs(), 40)
+        logs.contains("rows whose statement got no answer at the stop are stored as they are")
+            || logs.contains("a refused row is already stored as it is"),
+        "the lost answer was met and looked up: {}",
+        tail(&logs, 40)
     );
     let mut warren = warren;
     warren.terminate_ok(Duration::from_secs(25));
