@@ -723,18 +723,41 @@ pub struct Readiness {
     /// The stages (`<pipeline>/<stage>`) whose sink-outage breaker is open; left out when none.
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub breakers_open: Vec<String>,
+    /// While `warren run` waits before its roles start, what it waits for (the roles' links
+    /// are not made yet, so they are left out: review R37x F2, `"database": false` while the
+    /// database had answered); then never again.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub starting: Option<String>,
 }
 
 impl Readiness {
-    /// Whether every needed link is up (open breakers do not count).
+    /// Whether the roles run and every needed link is up (open breakers do not count).
     pub fn ready(&self) -> bool {
-        self.broker != Some(false) && self.database != Some(false)
+        self.starting.is_none() && self.broker != Some(false) && self.database != Some(false)
     }
+}
+
+/// What the start waits for before the roles run (`None`: they run), for `/readyz`.
+static STARTING: std::sync::Mutex<Option<String>> = std::sync::Mutex::new(None);
+
+/// The start waits for `what` (`None`: the roles run): `/readyz` answers 503 naming it.
+pub fn starting(what: Option<&str>) {
+    *STARTING.lock().unwrap_or_else(|p| p.into_inner()) = what.map(str::to_string);
 }
 
 /// The links this instance needs (see [`needs`]) as [`connection`] last saw them, and the
 /// stages whose breaker is open.
 pub fn readiness() -> Readiness {
+    let starting = STARTING.lock().unwrap_or_else(|p| p.into_inner()).clone();
+    if starting.is_some() {
+        // The roles' links are not made yet: what they would say is not known.
+        return Readiness {
+            broker: None,
+            database: None,
+            breakers_open: Vec::new(),
+            starting,
+        };
+    }
     let needed = NEEDED.load(Ordering::Relaxed);
     let link = |i: usize| (needed & (1 << i) != 0).then(|| LINK_UP[i].load(Ordering::Relaxed));
     Readiness {
@@ -745,6 +768,7 @@ pub fn readiness() -> Readiness {
             .filter(|(_, s)| s.breaker_open.load(Ordering::Relaxed))
             .map(|(id, _)| id.to_string())
             .collect(),
+        starting: None,
     }
 }
 
@@ -940,6 +964,7 @@ mod tests {
                 broker,
                 database,
                 breakers_open: Vec::new(),
+                starting: None,
             }
             .ready()
         };
@@ -949,6 +974,17 @@ mod tests {
         assert!(!r(Some(false), Some(true)));
         assert!(!r(Some(true), Some(false)));
         assert!(!r(None, Some(false)));
+        let waiting = Readiness {
+            broker: None,
+            database: None,
+            breakers_open: Vec::new(),
+            starting: Some("checking".into()),
+        };
+        assert!(!waiting.ready(), "the roles do not run yet");
+        assert_eq!(
+            serde_json::to_value(&waiting).expect("json"),
+            serde_json::json!({"starting": "checking"})
+        );
     }
 
     #[test]
@@ -957,6 +993,7 @@ mod tests {
             broker: None,
             database: Some(false),
             breakers_open: Vec::new(),
+            starting: None,
         })
         .expect("json");
         assert_eq!(body, serde_json::json!({"database": false}));
@@ -969,6 +1006,7 @@ mod tests {
             broker: Some(true),
             database: Some(true),
             breakers_open: vec!["users/main".into()],
+            starting: None,
         };
         assert!(readiness.ready());
         assert_eq!(

@@ -988,6 +988,78 @@ async fn run_without_declare_waits_for_a_missing_retry_queue_and_checks_it_once_
     }
 }
 
+/// The broker goes away while a start waits for a missing retry queue (review R37x F4): the
+/// roles start, but nothing consumes until the check ran once the broker is back. Declared
+/// meanwhile dead-lettering elsewhere, warren exits 1 as at a start, having consumed nothing
+/// (the check was left out, and every retry was lost); declared as warren declares it, the
+/// stages subscribe.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_broker_gone_during_the_wait_holds_the_consumers_until_the_check() {
+    let mut env = TestEnv::new("decl_wait_cut").await;
+    env.declare();
+    let ttl = retry_ttl(&env).await;
+    let amqp = TcpProxy::start(&amqp_url(), 5672).await;
+    env.set("AMQP_URL", amqp.url());
+    let channel = env.conn.create_channel().await.expect("channel");
+    for drifted in [true, false] {
+        channel
+            .queue_delete(env.retry_queue.as_str().into(), Default::default())
+            .await
+            .expect("delete the retry queue");
+        let mut run = env.start(&["--roles", "consumer,dlq"]);
+        run.wait_for_log(
+            "the wait for the retry queue",
+            "waiting for the pipelines' exchanges and queues to be declared",
+        )
+        .await;
+        let (status, body) = metrics_get(&env, "/readyz").await.expect("/readyz answers");
+        assert_eq!(status, 503, "{body}");
+        assert_eq!(
+            serde_json::from_str::<Value>(&body).expect("JSON"),
+            json!({"starting": "checking the broker's exchanges and queues against the configuration"}),
+            "what the start waits for, not a database link it has not made"
+        );
+        amqp.cut();
+        run.wait_for_log(
+            "the consumers held",
+            "the consumers wait for the check of the broker's exchanges and queues",
+        )
+        .await;
+        if drifted {
+            declare_retry_queue_to(&env, &format!("{}_old", env.main_queue), ttl).await;
+        } else {
+            // Past the cut link: straight to the broker.
+            env.set("AMQP_URL", amqp_url());
+            env.declare();
+            env.set("AMQP_URL", amqp.url());
+        }
+        env.publish_users(5).await;
+        amqp.restore();
+        if drifted {
+            let status = run.wait(Duration::from_secs(60));
+            assert_drift_refused(&env, status, &run.logs()).await;
+            assert_eq!(
+                env.queue_state(&env.main_queue).await.0,
+                5,
+                "nothing was consumed:\n{}",
+                run.logs()
+            );
+        } else {
+            wait_until("the stages subscribe", Duration::from_secs(60), || async {
+                env.queue_state(&env.main_queue).await.1 > 0
+            })
+            .await;
+            assert!(
+                run.logs()
+                    .contains("match this configuration; the consumers start"),
+                "{}",
+                run.logs()
+            );
+            run.terminate_ok(Duration::from_secs(30));
+        }
+    }
+}
+
 /// The retry queue declared with `ttl`, dead-lettering to `main` through the main exchange.
 async fn declare_retry_queue_to(env: &TestEnv, main: &str, ttl: i64) {
     let channel = env.conn.create_channel().await.expect("channel");

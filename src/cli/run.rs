@@ -132,6 +132,7 @@ pub async fn execute(
         }
         crate::cli::declare::check_tables(&settings).await
     };
+    crate::metrics::starting(Some("checking the pipelines' tables in the database"));
     let prepared = prepare
         .retry(crate::amqp::reconnect_builder())
         .when(|e: &anyhow::Error| {
@@ -151,15 +152,38 @@ pub async fn execute(
         result = prepared => result?,
         _ = &mut shutdown => return Ok(0),
     }
+    // A drift found by a check left for later (the broker could not be reached): told here,
+    // and warren stops (exit 1) as the check at the start would have.
+    let (drifted, mut drift) = tokio::sync::oneshot::channel::<anyhow::Error>();
     if declare {
         info!("topology declared and migrations applied");
     } else {
         // Waited for, as the database is: a stop meanwhile ends warren at once.
-        tokio::select! {
+        crate::metrics::starting(Some(
+            "checking the broker's exchanges and queues against the configuration",
+        ));
+        let checked = tokio::select! {
             result = check_topology(&settings) => result?,
             _ = &mut shutdown => return Ok(0),
+        };
+        if checked == Checked::Later {
+            crate::pipeline::consumer::gate::hold();
+            tokio::spawn(check_later(settings.clone(), drifted));
         }
     }
+    crate::metrics::starting(None);
+    let found = std::sync::Arc::new(std::sync::Mutex::new(None));
+    let shutdown = {
+        let found = found.clone();
+        async move {
+            tokio::select! {
+                _ = shutdown => {}
+                Ok(e) = &mut drift => {
+                    *found.lock().unwrap_or_else(|p| p.into_inner()) = Some(e);
+                }
+            }
+        }
+    };
     let selection = args.pipelines.clone();
     // A refusal of the database or the broker names the file the pipelines came from (the
     // pipeline and the table or queue are in its words).
@@ -208,7 +232,58 @@ pub async fn execute(
             })
         }),
     };
-    crate::app::run(settings, reload, shutdown).await
+    let code = crate::app::run(settings, reload, shutdown).await?;
+    match found.lock().unwrap_or_else(|p| p.into_inner()).take() {
+        Some(e) => Err(e),
+        None => Ok(code),
+    }
+}
+
+/// How the start's topology check ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Checked {
+    /// Checked, or nothing to check that waits (an instance of the API alone).
+    Now,
+    /// The broker could not be reached: the consumers are held ([`crate::pipeline::consumer::gate`])
+    /// until [`check_later`] passed.
+    Later,
+}
+
+/// The start's check, run once the broker can be reached (its reconnect backoff, no limit):
+/// opens the consume gate when it passes; a drift (or a missing object that was there at the
+/// start's first look) is sent to `drifted`, which stops warren with it (exit 1).
+async fn check_later(settings: Settings, drifted: tokio::sync::oneshot::Sender<anyhow::Error>) {
+    let checked = async {
+        let topology = Topology::from_settings(&settings)?;
+        let check = || crate::cli::declare::check_declared(&settings, &topology);
+        check
+            .retry(crate::amqp::reconnect_builder())
+            .when(|e: &anyhow::Error| !is_drift(e))
+            .notify(|e: &anyhow::Error, delay: Duration| {
+                warn!(error = %format!("{e:#}"), retry_in_ms = delay.as_millis() as u64,
+                    "the consumers wait for the check of the broker's exchanges and queues; trying again");
+            })
+            .await
+    };
+    match checked.await {
+        Ok(()) => {
+            info!(
+                "the broker's exchanges and queues match this configuration; the consumers start"
+            );
+            crate::pipeline::consumer::gate::open();
+        }
+        Err(e) => {
+            tracing::error!(error = %format!("{e:#}"), "the broker's exchanges and queues do not match this configuration; stopping");
+            let _ = drifted.send(e);
+        }
+    }
+}
+
+fn is_drift(e: &anyhow::Error) -> bool {
+    matches!(
+        e.downcast_ref::<TopologyError>(),
+        Some(TopologyError::Drift(_))
+    )
 }
 
 /// At a start without `--declare`: the exchanges and queues exist with the properties this
@@ -217,10 +292,12 @@ pub async fn execute(
 /// advice of `warren declare`). Those not declared yet are waited for, with the reconnect
 /// backoff and a warning naming them at each attempt, and checked once they exist (review
 /// R35h F5: one another step declared later with other arguments was taken unchecked until
-/// the next reload). A broker that cannot be reached now is not waited for (the roles start
-/// and wait for it, the API answers 503, as at every start): the check is left out with a
-/// warning.
-async fn check_topology(settings: &Settings) -> anyhow::Result<()> {
+/// the next reload). A broker that cannot be reached now (or that went away during that wait)
+/// does not hold the start (the roles start and wait for it, the API answers 503, as at every
+/// start): [`Checked::Later`], the consumers held until [`check_later`] passed (review R37x F4:
+/// the check was left out, and a drifted retry queue lost every retry); an instance of the API
+/// alone starts without the check.
+async fn check_topology(settings: &Settings) -> anyhow::Result<Checked> {
     use crate::cli::declare::NotDeclared;
     use crate::config::Role;
     let topology = Topology::from_settings(settings)?;
@@ -239,25 +316,24 @@ async fn check_topology(settings: &Settings) -> anyhow::Result<()> {
         })
         .await;
     match checked {
-        Ok(()) => Ok(()),
+        Ok(()) => Ok(Checked::Now),
         Err(e) if e.downcast_ref::<NotDeclared>().is_some() => {
             warn!(error = %format!("{e:#}"),
                 "the HTTP API starts; what it publishes is refused (503) until they are declared, and what is declared then is not checked against this configuration");
-            Ok(())
+            Ok(Checked::Now)
         }
-        Err(e)
-            if matches!(
-                e.downcast_ref::<TopologyError>(),
-                Some(TopologyError::Drift(_))
-            ) =>
-        {
-            Err(e)
+        Err(e) if is_drift(&e) => Err(e),
+        Err(e) if consumes => {
+            warn!(error = %format!("{e:#}"),
+                "cannot check yet that the broker's exchanges and queues match the configuration; \
+                 the roles start, and the consumers wait until the check passed");
+            Ok(Checked::Later)
         }
         Err(e) => {
             warn!(error = %format!("{e:#}"),
                 "cannot check that the broker's exchanges and queues match the configuration; \
-                 starting without the check");
-            Ok(())
+                 the HTTP API starts without the check");
+            Ok(Checked::Now)
         }
     }
 }
