@@ -346,6 +346,77 @@ async fn generated_versions_and_deletes_end_as_the_highest_says() {
     }
 }
 
+/// What a stop asks of a batch whose statement got no answer (review R37x F1): of each message,
+/// whether the table already decides it, so that it is done whether that statement committed
+/// or not. A copy, or a version older than what its key holds (a row's or a tombstone's), or
+/// than the group's winner of its key, is settled; a newer version, a new key, the same
+/// version with other content are not. Asked through a write rolled back: the table is left
+/// as it was.
+#[tokio::test(flavor = "multi_thread")]
+async fn settled_says_which_messages_the_table_already_decides() {
+    let env = TestEnv::new("ver_settled").await;
+    tables(&env).await;
+    let m = mapping(true, true);
+    m.declare_tombstones(&env.db).await.expect("declare");
+    let pool = pool(&env).await;
+    let (held, deleted, new) = (Uuid::new_v4(), Uuid::new_v4(), Uuid::new_v4());
+    let msg = |key, version, delete, total: &str, items: &[&str]| Msg {
+        key,
+        version,
+        delete,
+        total: total.into(),
+        items: items.iter().map(|s| s.to_string()).collect(),
+    };
+    for stored in [
+        msg(held, 2, false, "10", &["a"]),
+        msg(deleted, 1, false, "5", &["b"]),
+        msg(deleted, 3, true, "", &[]),
+    ] {
+        insert(&m, &pool, &[stored.body()]).await.expect("insert");
+    }
+    // Two groups: a newer version in a group makes the older ones of its key settled.
+    let groups = [
+        vec![
+            (msg(held, 1, false, "7", &["x"]), true),
+            (msg(held, 2, false, "10", &["a"]), true),
+            (msg(held, 2, false, "11", &["a"]), false),
+            (msg(held, 2, false, "10", &["a", "c"]), false),
+            (msg(deleted, 3, true, "", &[]), true),
+            (msg(deleted, 2, true, "", &[]), true),
+            (msg(deleted, 2, false, "5", &["b"]), true),
+            (msg(deleted, 3, false, "5", &["b"]), false),
+            (msg(new, 1, false, "1", &["n"]), false),
+        ],
+        vec![
+            (msg(held, 3, false, "10", &["a"]), false),
+            (msg(held, 2, false, "11", &["a"]), true),
+            (msg(deleted, 4, false, "5", &["b"]), false),
+            (msg(new, 1, false, "1", &["n"]), true),
+            (msg(new, 2, false, "2", &["n"]), false),
+        ],
+    ];
+    let client = pool.get().await.expect("client");
+    for asked in groups {
+        let rows: Vec<warren::domain::mapping::Row> = asked
+            .iter()
+            .map(|(msg, _)| m.decode(&msg.body()).expect("valid"))
+            .collect();
+        let refs: Vec<&warren::domain::mapping::Row> = rows.iter().collect();
+        let settled = m.settled(&client, &refs).await.expect("settled");
+        assert_eq!(settled.len(), asked.len());
+        for ((msg, expected), got) in asked.iter().zip(&settled) {
+            assert_eq!(got, expected, "{msg:?}: all {settled:?}");
+        }
+    }
+    assert_eq!(
+        stored(&env, held).await,
+        Some(("10".into(), 2, vec!["a".into()]))
+    );
+    assert_eq!(stored(&env, deleted).await, None);
+    assert_eq!(tombstone(&env, deleted).await, Some(3));
+    assert_eq!(stored(&env, new).await, None, "nothing was written");
+}
+
 /// A delete, told step by step: the row and its items go and a tombstone keeps the version; an
 /// older write is stale and brings nothing back, one of the same version `id_conflict`; a
 /// redelivered delete is a copy; a delete of a key never stored leaves its tombstone, which an

@@ -111,6 +111,24 @@ pub trait Domain: Send + Sync + 'static {
     ) -> BoxFuture<'a, Result<bool, DbError>> {
         Box::pin(async { Ok(false) })
     }
+
+    /// Of each of `records`, a batch whose statement's outcome is unknown (no answer at a
+    /// stop), whether what the table holds already decides it, so that it is done whether or
+    /// not that statement committed: stored exactly as it is, or, with versions, older than
+    /// what its key holds. Each record [`Domain::stored`] by default.
+    fn settled<'a>(
+        &'a self,
+        client: &'a deadpool_postgres::Client,
+        records: &'a [&'a Self::Record],
+    ) -> BoxFuture<'a, Result<Vec<bool>, DbError>> {
+        Box::pin(async move {
+            let mut done = Vec::with_capacity(records.len());
+            for record in records {
+                done.push(self.stored(client, record).await?);
+            }
+            Ok(done)
+        })
+    }
 }
 
 /// What one insert did.

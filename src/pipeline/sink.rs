@@ -589,8 +589,9 @@ async fn already_stored<D: Domain>(config: &Arc<SinkConfig<D>>, record: &D::Reco
     }
 }
 
-/// For each record of `group`, whether the table already holds it exactly, asked on one
-/// connection within the statement bound; all `false` when it cannot tell.
+/// For each record of `group`, whether the table already decides it ([`Domain::settled`]:
+/// stored exactly, or, with versions, older than what its key holds), asked on one connection
+/// within the statement bound; all `false` when it cannot tell.
 async fn stored_of<D: Domain>(
     config: &Arc<SinkConfig<D>>,
     group: &[(usize, &D::Record)],
@@ -602,19 +603,18 @@ async fn stored_of<D: Domain>(
     let Ok(running) = config.statements.enter(&client) else {
         return none;
     };
-    let asked = tokio::time::timeout(config.db_bound, async {
-        let mut stored = Vec::with_capacity(group.len());
-        for (_, record) in group {
-            stored.push(config.domain.stored(&client, record).await?);
-        }
-        Ok::<_, DbError>(stored)
-    })
-    .await;
+    let records: Vec<&D::Record> = group.iter().map(|(_, r)| *r).collect();
+    let asked =
+        tokio::time::timeout(config.db_bound, config.domain.settled(&client, &records)).await;
     drop(running);
     match asked {
         Ok(result) => {
             crate::db::release(&config.pool, client, &result);
-            result.unwrap_or(none)
+            // An answer of other records than asked cannot be read.
+            result
+                .ok()
+                .filter(|s| s.len() == none.len())
+                .unwrap_or(none)
         }
         Err(_) => {
             let _ = crate::db::abandon(client, config.db_bound);

@@ -163,6 +163,26 @@ pub(super) async fn stored(
     .await
 }
 
+/// Of each of `records` (a batch whose statement's outcome is unknown), whether the table
+/// already decides it, so that it is done whether or not that statement committed: `update`,
+/// through a write rolled back ([`versions::settled`]: a copy, or older than what its key
+/// holds); `keep`, each stored exactly as it is ([`stored`]).
+pub(super) async fn settled(
+    mapping: &Mapping,
+    client: &deadpool_postgres::Client,
+    records: &[&Row],
+) -> Result<Vec<bool>, DbError> {
+    let st = statements(mapping, client).await?;
+    if st.versions.is_some() {
+        return versions::settled(mapping, st, client, records).await;
+    }
+    let mut done = Vec::with_capacity(records.len());
+    for record in records {
+        done.push(stored(mapping, client, record).await?);
+    }
+    Ok(done)
+}
+
 /// Ends the transaction `work` ran in: committed when it succeeded with `Some`, else rolled
 /// back. A transaction that cannot be ended is the connection's failure.
 async fn end<T>(

@@ -899,6 +899,14 @@ impl Domain for Mapping {
     ) -> BoxFuture<'a, Result<bool, DbError>> {
         Box::pin(insert::stored(self, client, record))
     }
+
+    fn settled<'a>(
+        &'a self,
+        client: &'a deadpool_postgres::Client,
+        records: &'a [&'a Row],
+    ) -> BoxFuture<'a, Result<Vec<bool>, DbError>> {
+        Box::pin(insert::settled(self, client, records))
+    }
 }
 
 #[cfg(test)]

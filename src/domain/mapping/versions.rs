@@ -55,6 +55,45 @@ pub(super) async fn write(
     client: &deadpool_postgres::Client,
     records: &[&Row],
 ) -> Result<Inserted, DbError> {
+    Ok(run(mapping, st, client, records, true).await?.0)
+}
+
+/// Of each of `records`, whether what the table holds already decides it, so that writing it
+/// now would change nothing: a copy of what its key holds (a delete: its tombstone at that
+/// version), or older than its key's stored version or than a record of the group that wins.
+/// Asked by running the write in a transaction that is rolled back (one probe for the group):
+/// a statement whose outcome is unknown at a stop (review R37x F1: a key updated since by a
+/// newer version was "not stored", went back, and was stored again in the table a reload
+/// switched to).
+pub(super) async fn settled(
+    mapping: &Mapping,
+    st: &Statements,
+    client: &deadpool_postgres::Client,
+    records: &[&Row],
+) -> Result<Vec<bool>, DbError> {
+    let (done, written) = run(mapping, st, client, records, false).await?;
+    let refused: Vec<usize> = done
+        .conflicts
+        .iter()
+        .chain(&done.refused)
+        .map(|(i, _)| *i)
+        .collect();
+    Ok(written
+        .iter()
+        .enumerate()
+        .map(|(i, w)| !w && !refused.contains(&i))
+        .collect())
+}
+
+/// [`write`]'s work, its transaction committed when `commit`: what it did, and of each record
+/// whether this write wrote it (its row, or a delete's tombstone).
+async fn run(
+    mapping: &Mapping,
+    st: &Statements,
+    client: &deadpool_postgres::Client,
+    records: &[&Row],
+    commit: bool,
+) -> Result<(Inserted, Vec<bool>), DbError> {
     let Some(vs) = &st.versions else {
         return Err(DbError::Migration("update without its statements".into()));
     };
@@ -70,7 +109,7 @@ pub(super) async fn write(
         .filter(|(_, r)| r.2 == Op::Delete)
         .map(|(i, r)| (i, *r))
         .collect();
-    in_probe(&st.probe_table, client, true, async {
+    in_probe(&st.probe_table, client, commit, async {
         let rows: Vec<&Row> = writes.iter().map(|(_, r)| *r).collect();
         let arrays = arrays::arrays(mapping, &rows);
         let ords: Vec<i64> = writes.iter().map(|(i, _)| *i as i64 + 1).collect();
@@ -138,7 +177,16 @@ pub(super) async fn write(
             // the parent committed without its children, and the message parked beside it).
             return Err(key_rewritten(mapping));
         }
-        outcomes(mapping, st, client, records, found, written).await
+        let mut wrote = vec![false; records.len()];
+        for (i, f) in &found {
+            if let Some(w) = wrote.get_mut(*i) {
+                *w = f.written;
+            }
+        }
+        Ok((
+            outcomes(mapping, st, client, records, found, written).await?,
+            wrote,
+        ))
     })
     .await
 }
