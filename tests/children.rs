@@ -1046,6 +1046,75 @@ async fn a_child_trigger_that_discards_a_row_refuses_the_whole_message() {
     }
 }
 
+/// Review R36i F7: a BEFORE INSERT trigger on a child table that rewrites a row's link to its
+/// parent (`order_id`) wrote that row under another order: the message stored without it and
+/// acked, the other order a row more. The message is refused as a whole (`db_permanent`, the
+/// reason naming the table, nothing of it written), under `keep` (every parent new, and
+/// through the probe) and `update`; the other order keeps its rows.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_child_trigger_that_moves_a_row_to_another_parent_refuses_the_whole_message() {
+    let env = TestEnv::new("ch_move").await;
+    tables(&env).await;
+    env.db
+        .batch_execute(
+            "CREATE TABLE move_to (order_id uuid NOT NULL);
+             CREATE FUNCTION move_sku() RETURNS trigger LANGUAGE plpgsql AS \
+               $$ BEGIN IF NEW.sku = 'MOVE' THEN \
+                 NEW.order_id := (SELECT order_id FROM move_to LIMIT 1); END IF; \
+                 RETURN NEW; END $$;
+             CREATE TRIGGER move_sku BEFORE INSERT ON order_items \
+               FOR EACH ROW EXECUTE FUNCTION move_sku()",
+        )
+        .await
+        .expect("the trigger");
+    let pool = pool(&env).await;
+    for (m, what) in [(keep(), "keep"), (update(), "update")] {
+        let (victim, good, bad) = (Uuid::new_v4(), Uuid::new_v4(), Uuid::new_v4());
+        env.db
+            .execute("DELETE FROM move_to", &[])
+            .await
+            .expect("clear");
+        env.db
+            .execute("INSERT INTO move_to VALUES ($1)", &[&victim])
+            .await
+            .expect("the victim");
+        let good_body = order(good, 1, &[("OK", 1)]);
+        for body in [order(victim, 1, &[("V", 1)]), good_body.clone()] {
+            let first = insert(&m, &pool, &[body]).await.expect("stored first");
+            assert_eq!(first.rows, 1, "{what}: {first:?}");
+        }
+        let bad_body = order(bad, 1, &[("OK", 1), ("MOVE", 2)]);
+        for batch in [
+            vec![bad_body.clone()],
+            vec![good_body.clone(), bad_body.clone()],
+        ] {
+            match insert(&m, &pool, &batch).await {
+                Err(e) => {
+                    assert_eq!(e.class(), warren::db::ErrorClass::Permanent, "{what}: {e}");
+                    assert!(
+                        e.to_string()
+                            .contains("order_items wrote child rows under another parent"),
+                        "{what}: {e}"
+                    );
+                }
+                Ok(done) => panic!("{what}: stored with a row under another order: {done:?}"),
+            }
+            assert_eq!(
+                count_of(
+                    &env,
+                    &format!("SELECT count(*) FROM orders WHERE order_id = '{bad}'")
+                )
+                .await,
+                0,
+                "{what}: the order stored without one of its items"
+            );
+            assert!(items(&env, bad).await.is_empty(), "{what}");
+            assert_eq!(items(&env, victim).await, owned(&[(1, "V", 1)]), "{what}");
+        }
+        assert_eq!(items(&env, good).await, owned(&[(1, "OK", 1)]), "{what}");
+    }
+}
+
 /// Review R36f F7: an AFTER INSERT trigger on the parent table that writes a row into a mapped
 /// child table (an audit line) made every redelivered copy `id_conflict`: the key held a row
 /// the message does not give, and the copy was parked beside the stored order, a duplicate.

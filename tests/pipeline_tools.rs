@@ -405,6 +405,56 @@ async fn pipelines_test_db_refuses_what_deferred_constraints_and_discarding_trig
     );
 }
 
+/// What `warren run` refuses at its start, `pipelines test --db` refuses first, in the same
+/// words and exit code (review R37x F3: with a DEFERRABLE primary key, which ON CONFLICT cannot
+/// take, every line was "ok", and the run then exited 2).
+#[tokio::test(flavor = "multi_thread")]
+async fn pipelines_test_db_refuses_a_table_the_run_refuses() {
+    let env = TestEnv::new("tools_test_deferrable").await;
+    let names = PipelineNames::of(&env, "orders");
+    env.db
+        .batch_execute(
+            "CREATE TABLE orders (
+                order_id uuid PRIMARY KEY DEFERRABLE,
+                total numeric NOT NULL,
+                version int8 NOT NULL
+            );
+            CREATE TABLE order_items (
+                order_id uuid NOT NULL,
+                line int4 NOT NULL,
+                sku text NOT NULL,
+                qty int4 NOT NULL,
+                PRIMARY KEY (order_id, line)
+            )",
+        )
+        .await
+        .expect("the tables");
+    let file = ConfigFile::new(&nested_toml(&names, ""));
+    let line = String::from_utf8(nested_order(Uuid::new_v4(), 1, &[("A-1", 2)])).expect("utf-8");
+    let (code, out, err) = with_stdin(
+        &env,
+        &["--config", file.at(), "pipelines", "test", "orders", "--db"],
+        line.as_bytes(),
+    )
+    .await;
+    assert_eq!(code, 2, "{out}{err}");
+    assert!(
+        err.contains("neither partial nor DEFERRABLE"),
+        "the run's words:\n{out}{err}"
+    );
+    assert!(!out.contains("1: ok"), "{out}");
+    let run = env
+        .command(&["--config", file.at(), "run", "--roles", "consumer"])
+        .output()
+        .expect("run");
+    let run_err = String::from_utf8_lossy(&run.stderr);
+    assert_eq!(run.status.code(), Some(2), "{run_err}");
+    assert!(
+        run_err.contains("neither partial nor DEFERRABLE"),
+        "{run_err}"
+    );
+}
+
 /// Found by review (R36-e): with `on_conflict = "update"`, `pipelines test --db` of a newer
 /// version of a stored key wrote it (the upsert updated the live row and the delete took its
 /// child rows, rolled back after): for the length of the trial it held the rows the running

@@ -27,7 +27,7 @@ use serde_json::Value;
 use serde_json::value::RawValue;
 use tokio_postgres::types::ToSql;
 
-use super::arrays::{Array, run};
+use super::arrays::Array;
 use super::statements::ORD;
 use super::values::{found, lookup, pointer_segments, raw_json};
 use super::{
@@ -378,9 +378,21 @@ impl Child {
         arrays: &[Array],
         rows: usize,
     ) -> Result<(), DbError> {
-        let written = run(client, &self.statements.insert, arrays, &[]).await?;
-        if written < rows as u64 {
-            return Err(self.discarded(written, rows));
+        let params: Vec<&(dyn ToSql + Sync)> = arrays.iter().map(Array::as_param).collect();
+        let prepared = client
+            .prepare_cached(&self.statements.insert_checked)
+            .await
+            .map_err(DbError::from_pg)?;
+        let row = client
+            .query_one(&prepared, &params)
+            .await
+            .map_err(DbError::from_pg)?;
+        let (written, moved) = (row.get::<_, i64>(0), row.get::<_, i64>(1));
+        if written < rows as i64 {
+            return Err(self.discarded(written as u64, rows));
+        }
+        if moved > 0 {
+            return Err(self.moved(moved));
         }
         Ok(())
     }
@@ -401,7 +413,29 @@ impl Child {
         if written < wanted {
             return Err(self.discarded(written as u64, wanted as usize));
         }
+        let moved = row.get::<_, i64>(2);
+        if moved > 0 {
+            return Err(self.moved(moved));
+        }
         Ok(())
+    }
+
+    /// A trigger of the table wrote `parents` child rows under another parent.
+    fn moved(&self, parents: i64) -> DbError {
+        DbError::Server {
+            code: DISCARDED_CODE.into(),
+            message: self.moved_message(parents),
+        }
+    }
+
+    /// What [`Child::moved`] says.
+    fn moved_message(&self, parents: i64) -> String {
+        format!(
+            "a trigger of {} wrote child rows under another parent than the message's ({parents} \
+             rows; a BEFORE INSERT trigger that rewrites the columns of the parent key): \
+             warren writes a message whole or not at all; nothing of it was written",
+            self.table
+        )
     }
 
     /// A trigger of the table discarded some of `rows` child rows: `written` were.
@@ -818,15 +852,22 @@ pub(super) async fn trial(
         }
         let (arrays, owners) = child_arrays(child, n, std::iter::once((1, record)));
         let params: Vec<&(dyn ToSql + Sync)> = arrays.iter().map(Array::as_param).collect();
-        let rows = client
-            .execute(child.statements.insert.as_str(), &params)
+        let row = client
+            .query_one(child.statements.insert_checked.as_str(), &params)
             .await?;
+        let (rows, moved) = (row.get::<_, i64>(0) as u64, row.get::<_, i64>(1));
         // What the run refuses (`Child::insert_all`), the trial refuses in its words (review
-        // R36i F1: a child trigger that discards was "ok, 0 child rows written").
-        if rows < owners.len() as u64 {
+        // R36i F1: a child trigger that discards was "ok, 0 child rows written"; R36i F7: one
+        // that moves a row to another parent).
+        if rows < owners.len() as u64 || moved > 0 {
+            let message = if rows < owners.len() as u64 {
+                child.discarded_message(rows, owners.len())
+            } else {
+                child.moved_message(moved)
+            };
             return Ok(Err(Discarded {
                 code: DISCARDED_CODE,
-                message: child.discarded_message(rows, owners.len()),
+                message,
                 table: child.table.to_string(),
             }));
         }

@@ -10,6 +10,9 @@ use crate::domain::mapping::statements::{XMIN, param, types_on_path};
 pub(super) struct ChildStatements {
     /// The child rows (`$1..$n`, one array per column).
     pub(super) insert: String,
+    /// [`ChildStatements::insert`] that answers how many rows it wrote and of how many parents
+    /// the rows written differ from the rows sent ([`moved`]).
+    pub(super) insert_checked: String,
     /// `update`: the stored children of the keys (`$1..$k`, the parent key's arrays) whose
     /// parent row this transaction wrote, deleted.
     pub(super) delete: String,
@@ -52,6 +55,19 @@ pub(super) fn joined(left: &str, l: &[String], right: &str, r: &[String]) -> Str
         .join(" AND ")
 }
 
+/// How many of the child rows an `ins` CTE wrote (returning the link columns `lk`) have no
+/// parent row (`t`, its key `pk`) that this transaction wrote: compared in the tables' own
+/// types. Not 0 when a BEFORE INSERT trigger rewrote a row's link to its parent (review R36i
+/// F7: the row written under another order, the message half-written and the other order a
+/// row more). A trigger that moves a row to another parent of the same batch is not seen.
+fn moved(t: &str, pk: &[String], lk: &[String]) -> String {
+    format!(
+        "(SELECT count(*) FROM ins WHERE NOT EXISTS (SELECT 1 FROM (SELECT s.xmin AS {XMIN} \
+           FROM {t} AS s WHERE {on} OFFSET 0) AS s WHERE s.{XMIN} = {OURS}))",
+        on = joined("s", pk, "ins", lk),
+    )
+}
+
 /// The transaction's own id, to tell the parent rows this transaction wrote (their `xmin`).
 pub(super) const OURS: &str = "pg_current_xact_id()::xid";
 
@@ -90,6 +106,13 @@ impl ChildStatements {
             "INSERT INTO {ct} ({list}) SELECT * FROM UNNEST({}) AS v({list})",
             c_params.join(", ")
         );
+        let all_rows = format!("UNNEST({}) AS v({list})", c_params.join(", "));
+        let insert_checked = format!(
+            "WITH ins AS (INSERT INTO {ct} ({list}) SELECT * FROM {all_rows} RETURNING {lks}) \
+             SELECT (SELECT count(*) FROM ins), {}",
+            moved(&t, &pk, &lk),
+            lks = lk.join(", "),
+        );
         let pk_params = |from: usize| -> Vec<String> {
             parent_key
                 .iter()
@@ -110,6 +133,11 @@ impl ChildStatements {
             joined("s", &pk, "w", &pk),
             joined("c", &lk, "s", &pk),
         );
+        let won_rows = format!(
+            "UNNEST({}, {ord_param}) AS v({list}, {ORD}) WHERE v.{ORD} IN (SELECT {ORD} FROM won)",
+            c_params.join(", ")
+        );
+        let lks = lk.join(", ");
         let (insert_won, insert_won_probe) = match version {
             Some(ver) => {
                 let first = count + 2;
@@ -124,11 +152,10 @@ impl ChildStatements {
                        ORDER BY {pks}, {vn} DESC, {ORD}) AS w \
                      JOIN {t} AS s ON {on} WHERE s.xmin = {OURS}), \
                      ins AS (INSERT INTO {ct} ({list}) SELECT {v_list} \
-                     FROM UNNEST({c}, {ord_param}) AS v({list}, {ORD}) \
-                     WHERE v.{ORD} IN (SELECT {ORD} FROM won) RETURNING 1) \
+                     FROM {won_rows} RETURNING {lks}) \
                      SELECT (SELECT count(*) FROM ins), (SELECT count(*) \
-                       FROM UNNEST({ord_param}) AS o({ORD}) WHERE o.{ORD} IN (SELECT {ORD} FROM won))",
-                    c = c_params.join(", "),
+                       FROM UNNEST({ord_param}) AS o({ORD}) WHERE o.{ORD} IN (SELECT {ORD} FROM won)), {moved}",
+                    moved = moved(&t, &pk, &lk),
                     kp = pk_params(first).join(", "),
                     on = joined("s", &pk, "w", &pk),
                 );
@@ -139,11 +166,10 @@ impl ChildStatements {
                        ORDER BY {pp}, p.{vn} DESC, p.{ORD}) AS w \
                      JOIN {t} AS s ON {on} WHERE s.xmin = {OURS}), \
                      ins AS (INSERT INTO {ct} ({list}) SELECT {v_list} \
-                     FROM UNNEST({c}, {ord_param}) AS v({list}, {ORD}) \
-                     WHERE v.{ORD} IN (SELECT {ORD} FROM won) RETURNING 1) \
+                     FROM {won_rows} RETURNING {lks}) \
                      SELECT (SELECT count(*) FROM ins), (SELECT count(*) \
-                       FROM UNNEST({ord_param}) AS o({ORD}) WHERE o.{ORD} IN (SELECT {ORD} FROM won))",
-                    c = c_params.join(", "),
+                       FROM UNNEST({ord_param}) AS o({ORD}) WHERE o.{ORD} IN (SELECT {ORD} FROM won)), {moved}",
+                    moved = moved(&t, &pk, &lk),
                     pp = p_pks.join(", "),
                     on = joined("s", &pk, "w", &pk),
                 );
@@ -227,6 +253,7 @@ impl ChildStatements {
             .unwrap_or_default();
         Self {
             insert,
+            insert_checked,
             delete,
             delete_tombstoned,
             insert_won,
