@@ -1115,6 +1115,50 @@ async fn a_child_trigger_that_moves_a_row_to_another_parent_refuses_the_whole_me
     }
 }
 
+/// Review R38-F3: a BEFORE INSERT trigger on a child table that writes a row of its own into
+/// the same table (an audit line beside the first item) made every copy of a stored message
+/// `id_conflict`: the key held a row the message does not give, and the copy was parked beside
+/// the stored order, a duplicate. The copy is compared with what its insert writes, the child
+/// table's triggers included: done, under `keep` and `update`; other items still conflict.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_copy_whose_child_trigger_adds_rows_to_its_own_table_is_done_not_a_conflict() {
+    let env = TestEnv::new("ch_selfaudit").await;
+    tables(&env).await;
+    env.db
+        .batch_execute(
+            "CREATE FUNCTION audit_item() RETURNS trigger LANGUAGE plpgsql AS \
+               $$ BEGIN IF NEW.line = 1 AND NEW.sku <> 'AUDIT' THEN \
+                 INSERT INTO order_items (order_id, line, sku, qty) \
+                 VALUES (NEW.order_id, 1000, 'AUDIT', 1) ON CONFLICT DO NOTHING; END IF; \
+                 RETURN NEW; END $$;
+             CREATE TRIGGER audit_item BEFORE INSERT ON order_items \
+               FOR EACH ROW EXECUTE FUNCTION audit_item()",
+        )
+        .await
+        .expect("the trigger");
+    let pool = pool(&env).await;
+    for (m, what) in [(keep(), "keep"), (update(), "update")] {
+        let id = Uuid::new_v4();
+        let body = order(id, 1, &[("a-1", 2), ("b-2", 1)]);
+        let first = insert(&m, &pool, std::slice::from_ref(&body))
+            .await
+            .expect("insert");
+        assert_eq!((first.rows, first.conflicts.len()), (1, 0), "{what}");
+        let stored = owned(&[(1, "a-1", 2), (2, "b-2", 1), (1000, "AUDIT", 1)]);
+        assert_eq!(items(&env, id).await, stored, "{what}");
+        let copy = insert(&m, &pool, &[body.clone(), body])
+            .await
+            .expect("insert");
+        assert!(copy.conflicts.is_empty(), "{what}: a copy parked: {copy:?}");
+        assert!(copy.refused.is_empty(), "{what}: {copy:?}");
+        let other = insert(&m, &pool, &[order(id, 1, &[("a-1", 3), ("b-2", 1)])])
+            .await
+            .expect("insert");
+        assert_eq!(other.conflicts.len(), 1, "{what}: {other:?}");
+        assert_eq!(items(&env, id).await, stored, "{what}");
+    }
+}
+
 /// Review R36f F7: an AFTER INSERT trigger on the parent table that writes a row into a mapped
 /// child table (an audit line) made every redelivered copy `id_conflict`: the key held a row
 /// the message does not give, and the copy was parked beside the stored order, a duplicate.

@@ -405,6 +405,65 @@ async fn pipelines_test_db_refuses_what_deferred_constraints_and_discarding_trig
     );
 }
 
+/// Review R38-F4: a parent table's BEFORE trigger that rewrites the key, with `on_conflict =
+/// "update"` and child tables: the run refuses such a message whole, "a BEFORE trigger of
+/// orders rewrote its key"; `pipelines test --db` said `ok` for an order without items, and
+/// named the child table for one with items. Both are refused now in the run's words.
+#[tokio::test(flavor = "multi_thread")]
+async fn pipelines_test_db_refuses_a_rewritten_key_in_the_runs_words() {
+    let env = TestEnv::new("tools_test_rekey").await;
+    let names = PipelineNames::of(&env, "orders");
+    create_nested_tables(&env).await;
+    env.db
+        .batch_execute(
+            "CREATE FUNCTION rekey() RETURNS trigger LANGUAGE plpgsql AS $$
+                 BEGIN NEW.order_id := gen_random_uuid(); RETURN NEW; END $$;
+             CREATE TRIGGER rekey BEFORE INSERT ON orders
+                 FOR EACH ROW WHEN (NEW.total = 99) EXECUTE FUNCTION rekey();",
+        )
+        .await
+        .expect("the trigger");
+    let file = ConfigFile::new(&nested_toml(
+        &names,
+        "on_conflict = \"update\"\nversion_column = \"version\"",
+    ));
+    let order = |total: &str, items: &str| {
+        format!(
+            r#"{{"order_id":"{}","total":"{total}","version":1,"items":[{items}]}}"#,
+            Uuid::new_v4()
+        )
+    };
+    let lines = [
+        order("12.50", r#"{"sku":"A-1","qty":1}"#),
+        order("99", ""),
+        order("99", r#"{"sku":"A-1","qty":1}"#),
+    ];
+    let (code, out, err) = with_stdin(
+        &env,
+        &["--config", file.at(), "pipelines", "test", "orders", "--db"],
+        lines.join("\n").as_bytes(),
+    )
+    .await;
+    assert_eq!(code, 1, "{out}{err}");
+    let line = |n: usize| -> String {
+        out.lines()
+            .find(|l| l.starts_with(&format!("{n}: ")))
+            .unwrap_or_else(|| panic!("no line {n}:\n{out}"))
+            .to_string()
+    };
+    assert!(line(1).starts_with("1: ok "), "{out}");
+    for n in [2, 3] {
+        assert!(
+            line(n).starts_with(&format!(
+                "{n}: db_permanent the database refuses it: 23000 a BEFORE trigger of "
+            )) && line(n).contains("orders rewrote its key"),
+            "line {n}:\n{out}"
+        );
+    }
+    assert!(out.contains("1 accepted, 2 refused"), "{out}");
+    assert_eq!(count_of(&env, "SELECT count(*) FROM orders").await, 0);
+}
+
 /// What `warren run` refuses at its start, `pipelines test --db` refuses first, in the same
 /// words and exit code (review R37x F3: with a DEFERRABLE primary key, which ON CONFLICT cannot
 /// take, every line was "ok", and the run then exited 2).

@@ -1566,6 +1566,115 @@ async fn a_reload_switching_the_table_while_an_inserts_answer_is_lost_stores_eac
     warren.terminate_ok(Duration::from_secs(25));
 }
 
+/// A reload that switches a pipeline's table while a batch's insert is on its way to the
+/// server (held in the proxy: the server has not received it) (review R38-F2): the statement
+/// outlasts its bound during the stop and its batch goes back to the queue, to be stored in the
+/// new table. The old session is ended first, so the held insert, delivered after that, runs
+/// nowhere. Before, the cancel reached an idle server process, the batch went back, and the
+/// insert, delivered late, committed in the old table: the messages were in both.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_reload_switching_the_table_while_an_insert_is_on_its_way_stores_each_message_once() {
+    let pg = TcpProxy::start(&database_url(), 5432).await;
+    let mut env = TestEnv::new("rl_in_transit").await;
+    env.set("DATABASE_URL", pg.url())
+        .set("DATABASE_STATEMENT_TIMEOUT_MS", "1000")
+        .set("SHUTDOWN_TIMEOUT_MS", "15000");
+    let fx = Fixture::new(&env, &["orders", "orders_new"]).await;
+    let (orders, path, file) = (fx.names(0), fx.path.clone(), fx.file.clone());
+    let warren = env.start(&["--config", &file, "--declare", "--roles", "consumer"]);
+    let _logs = LogsOnPanic(vec![warren.log.clone()]);
+    one_consumer(&orders.queue).await;
+    let warm = new_ids(100);
+    publish(&env, &orders, &warm).await;
+    assert_table(&env, "orders", &warm.iter().copied().collect(), &warren).await;
+
+    pg.hold_next_send("warren-pipeline");
+    let held = new_ids(200);
+    publish(&env, &orders, &held).await;
+    wait_until(
+        "an insert held on its way",
+        Duration::from_secs(30),
+        || async { pg.held_before_fired() },
+    )
+    .await;
+    let switched = entry("orders", &orders, 50, 1000)
+        .replace(r#"table = "orders""#, r#"table = "orders_new""#);
+    std::fs::write(&path, switched).expect("write");
+    let event = reload(&env, &warren, "reloaded", 1).await;
+    assert_eq!(names_of(&event["changed"]), ["orders"], "{event}");
+    let all: HashSet<Uuid> = warm.iter().chain(&held).copied().collect();
+    wait_until("every message stored", Duration::from_secs(60), || async {
+        let mut stored: HashSet<Uuid> = ids_in(&env, "orders").await.into_iter().collect();
+        stored.extend(ids_in(&env, "orders_new").await);
+        stored == all
+    })
+    .await;
+    // The held insert goes on now, and its connection ends once what it carried was passed
+    // on or refused (a server that took it has run it by then).
+    pg.release();
+    wait_until(
+        "the held connection ended",
+        Duration::from_secs(30),
+        || async { pg.held_before_ended() },
+    )
+    .await;
+    let old: HashSet<Uuid> = ids_in(&env, "orders").await.into_iter().collect();
+    let new: HashSet<Uuid> = ids_in(&env, "orders_new").await.into_iter().collect();
+    let both: Vec<&Uuid> = old.intersection(&new).collect();
+    assert!(
+        both.is_empty(),
+        "{} messages in both tables; log:\n{}",
+        both.len(),
+        tail(&warren.logs(), 40)
+    );
+    let mut warren = warren;
+    warren.terminate_ok(Duration::from_secs(25));
+}
+
+/// A reload applied while a start without `--declare` still holds its consumers (the broker was
+/// away at the start, and the start's configuration names a retry queue that does not exist)
+/// (review R38-F1): the reload checked the configuration that runs from then on, so the
+/// consumers start. Before, the start's check kept asking for the queue the reload had left,
+/// for ever, and nothing was consumed.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_reload_while_the_start_holds_the_consumers_lets_them_consume() {
+    let amqp = TcpProxy::start(&amqp_url(), 5672).await;
+    let mut env = TestEnv::new("rl_held_start").await;
+    let fx = Fixture::new(&env, &["orders"]).await;
+    let (orders, path, file) = (fx.names(0), fx.path.clone(), fx.file.clone());
+    let (code, out, err) = env.run_async(&["--config", &file, "declare"]).await;
+    assert_eq!(code, 0, "{out}{err}");
+    let missing = Names {
+        retry: format!("{}_gone", orders.retry),
+        ..orders.clone()
+    };
+    std::fs::write(&path, entry("orders", &missing, 50, 1000)).expect("write");
+    env.set("AMQP_URL", amqp.url());
+    amqp.cut();
+    let warren = env.start(&["--config", &file, "--roles", "consumer"]);
+    let _logs = LogsOnPanic(vec![warren.log.clone()]);
+    warren
+        .wait_for_log(
+            "the consumers held",
+            "the consumers wait for the check of the broker's exchanges and queues",
+        )
+        .await;
+    amqp.restore();
+    warren
+        .wait_for_log(
+            "the missing retry tier named",
+            &format!("queue {}_1s", missing.retry),
+        )
+        .await;
+    std::fs::write(&path, entry("orders", &orders, 50, 1000)).expect("write");
+    reload(&env, &warren, "reloaded", 1).await;
+    let ids = new_ids(20);
+    publish(&env, &orders, &ids).await;
+    assert_table(&env, "orders", &ids.iter().copied().collect(), &warren).await;
+    let mut warren = warren;
+    warren.terminate_ok(Duration::from_secs(25));
+}
+
 /// A reload that renames a pipeline (the same queues and table, another name) while its DLQ
 /// stage's park of a message (an INSERT into `dead_letters`) waits on a lock, with a drain bound
 /// shorter than the lock (`SHUTDOWN_TIMEOUT_MS=2000`): the drain cancels the park before its

@@ -224,7 +224,12 @@ pub async fn execute(
                     // Every pipeline's exchanges and queues, those it leaves running too: they
                     // exist and have the declared properties (review R35g F5, R35h F4).
                     let topology = Topology::from_settings(&all)?;
-                    crate::cli::declare::check_declared(&all, &topology).await
+                    crate::cli::declare::check_declared(&all, &topology).await?;
+                    // The configuration that runs from now on is checked: consumers held by a
+                    // start whose check waits for the broker may consume (review R38-F1: the
+                    // start's check kept asking for a queue the reload had left, for ever).
+                    crate::pipeline::consumer::gate::open();
+                    Ok(())
                 };
                 prepared.await.map_err(|e: anyhow::Error| {
                     crate::app::ReloadError::Prepare(format!("{from}{e:#}"))
@@ -255,7 +260,14 @@ enum Checked {
 async fn check_later(settings: Settings, drifted: tokio::sync::oneshot::Sender<anyhow::Error>) {
     let checked = async {
         let topology = Topology::from_settings(&settings)?;
-        let check = || crate::cli::declare::check_declared(&settings, &topology);
+        // A reload whose own check passed opened the gate: the start's configuration no
+        // longer runs, and is not asked after any more.
+        let check = || async {
+            if crate::pipeline::consumer::gate::is_open() {
+                return Ok(());
+            }
+            crate::cli::declare::check_declared(&settings, &topology).await
+        };
         check
             .retry(crate::amqp::reconnect_builder())
             .when(|e: &anyhow::Error| !is_drift(e))
@@ -266,12 +278,15 @@ async fn check_later(settings: Settings, drifted: tokio::sync::oneshot::Sender<a
             .await
     };
     match checked.await {
+        Ok(()) if crate::pipeline::consumer::gate::is_open() => {}
         Ok(()) => {
             info!(
                 "the broker's exchanges and queues match this configuration; the consumers start"
             );
             crate::pipeline::consumer::gate::open();
         }
+        // What a reload checked and applied meanwhile runs now, not the start's configuration.
+        Err(_) if crate::pipeline::consumer::gate::is_open() => {}
         Err(e) => {
             tracing::error!(error = %format!("{e:#}"), "the broker's exchanges and queues do not match this configuration; stopping");
             let _ = drifted.send(e);

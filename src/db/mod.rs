@@ -46,18 +46,80 @@ pub fn abandon(client: deadpool_postgres::Object, bound: Duration) -> DbError {
 /// ([`DbError::Outlasted`], an answer: the DLQ consumer counts it as an attempt, so a message
 /// whose work always outlasts the bound is parked, not cycled for ever); when it does not,
 /// the link or the server is gone (the connection error of [`abandon`]: an outage, uncounted).
+///
+/// The abandoned connection's server process is ended too (`pg_terminate_backend`, once the
+/// database answers, then awaited gone): its statement may still be on its way (a proxy or a
+/// network path that holds the bytes) and reach an idle process after the cancel did, and
+/// commit there after the batch went back to its queue; or its transaction may wait for a
+/// COMMIT that never comes, holding its locks (review R38-F2: after a reload that switched the
+/// table, such a statement committed in the old table, and its message was in both). Once the
+/// process is gone, what it committed is in the table and nothing else of it ever will be, so
+/// a look-up of the rows is the answer.
 pub async fn abandon_asking(
     pool: &Pool,
     client: deadpool_postgres::Object,
     bound: Duration,
 ) -> DbError {
+    let backend = statements::backend_pid(&client.cancel_token()).await;
     let gone = abandon(client, bound);
     let ask = bound.min(Duration::from_secs(5));
-    match tokio::time::timeout(ask, ping(pool, ask)).await {
+    let asked = async {
+        match backend {
+            Some(pid) => end_backend(pool, pid, ask).await,
+            None => ping(pool, ask).await,
+        }
+    };
+    match tokio::time::timeout(ask, asked).await {
         Ok(Ok(())) => DbError::Outlasted {
             bound_ms: bound.as_millis() as u64,
         },
         _ => gone,
+    }
+}
+
+/// Ends the server process `pid` of an abandoned connection of `pool` (the same role and
+/// `application_name`, so never another client's) and waits until it is gone, polling every
+/// 20 ms within `bound`: `Ok` once the database answered that no such process runs.
+async fn end_backend(pool: &Pool, pid: i32, bound: Duration) -> Result<(), DbError> {
+    let client = pool.get().await.map_err(DbError::from_pool)?;
+    let ended = tokio::time::timeout(bound, async {
+        const OURS: &str = "pid = $1 AND usename = current_user \
+             AND application_name = current_setting('application_name')";
+        let terminated = client
+            .query(
+                &format!("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE {OURS}"),
+                &[&pid],
+            )
+            .await;
+        match terminated {
+            Ok(_) => {}
+            // Refused (a role without the right to end it): the database answered, and the
+            // cancel is all that was sent, as before.
+            Err(e) if e.as_db_error().is_some() => return Ok(()),
+            Err(e) => return Err(e),
+        }
+        loop {
+            let running = client
+                .query_one(
+                    &format!("SELECT EXISTS (SELECT 1 FROM pg_stat_activity WHERE {OURS})"),
+                    &[&pid],
+                )
+                .await?
+                .get::<_, bool>(0);
+            if !running {
+                return Ok::<_, tokio_postgres::Error>(());
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    })
+    .await;
+    match ended {
+        Ok(result) => {
+            let result = result.map_err(DbError::from_pg);
+            release(pool, client, &result);
+            result
+        }
+        Err(_) => Err(abandon(client, bound)),
     }
 }
 

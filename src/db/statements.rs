@@ -134,6 +134,26 @@ pub fn cancel(token: CancelToken) {
     });
 }
 
+/// The server process of the connection `token` cancels for (`pg_backend_pid()` on it), read
+/// from the cancel request the client would send: tokio-postgres keeps it private and has no
+/// accessor (`CancelToken::cancel_query_raw` writes the request, 16 bytes, into a stream we
+/// give it: length, code, process id, secret key). `None` when it cannot be read (a TLS mode
+/// that would negotiate first).
+pub async fn backend_pid(token: &CancelToken) -> Option<i32> {
+    use tokio::io::AsyncReadExt;
+    let (mut ours, theirs) = tokio::io::duplex(64);
+    token.cancel_query_raw(theirs, NoTls).await.ok()?;
+    let mut request = Vec::with_capacity(16);
+    ours.read_to_end(&mut request).await.ok()?;
+    const CANCEL_REQUEST_CODE: i32 = 80_877_102;
+    let word = |i: usize| -> Option<i32> {
+        Some(i32::from_be_bytes(request.get(i..i + 4)?.try_into().ok()?))
+    };
+    (request.len() == 16 && word(0)? == 16 && word(4)? == CANCEL_REQUEST_CODE)
+        .then(|| word(8))
+        .flatten()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -54,6 +54,12 @@ pub struct ProxyState {
     hold_after: Mutex<Option<Vec<u8>>>,
     /// Whether the armed hold took a connection.
     hold_fired: AtomicBool,
+    /// Armed by [`TcpProxy::hold_next_send`]: the first connection whose opening bytes hold
+    /// these to send anything has what it sends held, from those bytes on, once.
+    hold_before: Mutex<Option<Vec<u8>>>,
+    /// The connection the armed [`ProxyState::hold_before`] took: its hold's sender, closed
+    /// once that connection has ended.
+    held_before: Mutex<Option<Arc<watch::Sender<bool>>>>,
 }
 
 impl TcpProxy {
@@ -80,6 +86,8 @@ impl TcpProxy {
             stall_past: watch::Sender::new(0),
             hold_after: Mutex::new(None),
             hold_fired: AtomicBool::new(false),
+            hold_before: Mutex::new(None),
+            held_before: Mutex::new(None),
         });
         let accept = tokio::spawn({
             let state = state.clone();
@@ -206,6 +214,32 @@ impl TcpProxy {
         *self.state.hold_after.lock().unwrap() = Some(name.as_bytes().to_vec());
     }
 
+    /// The first connection whose client named itself `name` (see
+    /// [`TcpProxy::hold_after_next_send`]) to send anything from now on has what it sends held
+    /// from those bytes on, until [`TcpProxy::release`]: a statement on its way that the server
+    /// has not received (a proxy or a network path holding it), delivered late. Once;
+    /// [`TcpProxy::held_before_fired`] tells, [`TcpProxy::held_before_ended`] whether that
+    /// connection has ended since (both ways: what it carried was passed or refused).
+    pub fn hold_next_send(&self, name: &str) {
+        *self.state.held_before.lock().unwrap() = None;
+        *self.state.hold_before.lock().unwrap() = Some(name.as_bytes().to_vec());
+    }
+
+    /// Whether the hold armed by [`TcpProxy::hold_next_send`] took a connection.
+    pub fn held_before_fired(&self) -> bool {
+        self.state.held_before.lock().unwrap().is_some()
+    }
+
+    /// Whether the connection [`TcpProxy::hold_next_send`] took has ended.
+    pub fn held_before_ended(&self) -> bool {
+        self.state
+            .held_before
+            .lock()
+            .unwrap()
+            .as_ref()
+            .is_some_and(|h| h.is_closed())
+    }
+
     /// Whether the hold armed by [`TcpProxy::hold_after_next_send`] took a connection.
     pub fn hold_fired(&self) -> bool {
         self.state.hold_fired.load(Ordering::SeqCst)
@@ -258,11 +292,12 @@ impl ProxyState {
         self.upstream_ports.lock().unwrap().insert(port);
         let hold = Hold {
             held: Arc::new(watch::Sender::new(false)),
-            held_up: watch::Sender::new(false),
+            held_up: Arc::new(watch::Sender::new(false)),
             bytes_down: Arc::new(AtomicU64::new(0)),
             opening: Arc::new(Mutex::new(Vec::new())),
         };
         let held_down = hold.held.clone();
+        let held_up_tx = hold.held_up.clone();
         let (held, held_up, bytes_down, opening) = (
             hold.held.subscribe(),
             hold.held_up.subscribe(),
@@ -286,6 +321,7 @@ impl ProxyState {
         };
         let up = Up {
             held_up,
+            held_up_tx,
             opening,
             held_down: held_down.clone(),
             state: &self,
@@ -311,7 +347,7 @@ impl ProxyState {
 struct Hold {
     held: Arc<watch::Sender<bool>>,
     /// The same for what the client sends.
-    held_up: watch::Sender<bool>,
+    held_up: Arc<watch::Sender<bool>>,
     /// Bytes passed from the server to the client so far.
     bytes_down: Arc<AtomicU64>,
     /// The first bytes the client sent ([`OPENING`] at most): an AMQP client's connection name
@@ -326,6 +362,8 @@ const OPENING: usize = 8 * 1024;
 struct Up<'a> {
     /// The connection's hold of what the client sends.
     held_up: watch::Receiver<bool>,
+    /// Its sender (`ProxyState::hold_before`).
+    held_up_tx: Arc<watch::Sender<bool>>,
     /// Where its first bytes are kept.
     opening: Arc<Mutex<Vec<u8>>>,
     /// The connection's hold of what the server sends (`ProxyState::hold_after`).
@@ -396,6 +434,21 @@ async fn pass(
                 let mut opening = upward.opening.lock().unwrap();
                 let room = OPENING.saturating_sub(opening.len()).min(n);
                 opening.extend_from_slice(&buf[..room]);
+            }
+            let before = {
+                let mut armed = upward.state.hold_before.lock().unwrap();
+                let opening = upward.opening.lock().unwrap();
+                let found = armed
+                    .as_ref()
+                    .is_some_and(|p| opening.windows(p.len()).any(|w| w == p.as_slice()));
+                if found {
+                    armed.take();
+                }
+                found
+            };
+            if before {
+                upward.held_up_tx.send_replace(true);
+                *upward.state.held_before.lock().unwrap() = Some(upward.held_down.clone());
             }
             // The sender dropped means the proxy is going away: pass on.
             let _ = upward.held_up.wait_for(|h| !*h).await;

@@ -397,6 +397,42 @@ pub(super) async fn trial(
             // pipeline's discarded row was said "stored already").
             return Ok(Trial::Discarded);
         }
+        // Written, but not under its key as sent (compared in the table's types, through the
+        // probe): a BEFORE trigger rewrote the key, which the run refuses with `update` in
+        // these words (review R38-F4: `ok` with no child rows, a child table's words with some).
+        if mapping.version.is_some() {
+            let on: Vec<String> = mapping
+                .key
+                .iter()
+                .map(|&i| {
+                    let k = quote(&mapping.columns[i].name);
+                    format!("s.{k} = p.{k}")
+                })
+                .collect();
+            let ours = client
+                .query_one(
+                    &format!(
+                        "SELECT EXISTS (SELECT 1 FROM {} AS s, pg_temp.warren_probe AS p \
+                         WHERE {} AND s.xmin = pg_current_xact_id()::xid)",
+                        mapping.table.sql(),
+                        on.join(" AND ")
+                    ),
+                    &[],
+                )
+                .await?
+                .get::<_, bool>(0);
+            if !ours {
+                let (code, message) = super::versions::key_rewritten_words(mapping);
+                return Ok(Trial::Refused(Refusal {
+                    code,
+                    message,
+                    table: Some(mapping.table.to_string()),
+                    column: None,
+                    constraint: None,
+                    detail: None,
+                }));
+            }
+        }
         let children = match super::children::trial(mapping, client, record, &key_params).await? {
             Ok(children) => children,
             Err(discarded) => {

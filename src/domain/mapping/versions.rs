@@ -350,15 +350,21 @@ async fn outcomes(
 /// BEFORE trigger rewrote it): permanent, so the batch is split down to the message, which is
 /// dead-lettered, then parked, with nothing of it written.
 fn key_rewritten(mapping: &Mapping) -> DbError {
-    DbError::Server {
-        code: "23000".into(),
-        message: format!(
+    let (code, message) = key_rewritten_words(mapping);
+    DbError::Server { code, message }
+}
+
+/// The SQLSTATE and words of [`key_rewritten`], which `pipelines test --db` says too.
+pub(super) fn key_rewritten_words(mapping: &Mapping) -> (String, String) {
+    (
+        "23000".into(),
+        format!(
             "a BEFORE trigger of {} rewrote its key: with on_conflict = \"update\", warren \
              tells versions and child rows by the key a message sends; nothing of it was \
              written",
             mapping.table
         ),
-    }
+    )
 }
 
 /// Whether `mapping`'s table has an enabled BEFORE INSERT or UPDATE row trigger (asked once).

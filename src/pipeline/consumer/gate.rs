@@ -25,6 +25,11 @@ pub fn open() {
     gate().send_replace(true);
 }
 
+/// Whether consumers may consume.
+pub fn is_open() -> bool {
+    *gate().borrow()
+}
+
 /// Waits up to `bound` for the gate to be open; `false` when it is still closed.
 pub(super) async fn wait_open(bound: Duration) -> bool {
     let mut open = gate().subscribe();

@@ -8,7 +8,8 @@
 //! redelivered copy of such a message was `id_conflict`, parked beside the stored message: a
 //! duplicate.
 //!
-//! Asked only when the parent table has an enabled AFTER INSERT trigger, for records the
+//! Asked only when the parent table has an enabled AFTER INSERT trigger, or a child table an
+//! INSERT trigger (one that adds rows to its own table: review R38-F3), for records the
 //! comparison of `differing_children` found different (copies and conflicts, rare). What the
 //! re-insert does is rolled back, except what PostgreSQL never rolls back (a sequence a trigger
 //! draws from advances). Anything refused on the way (a DELETE a foreign key from another table
@@ -51,18 +52,24 @@ pub(in super::super) async fn same_after_reinsert(
     }
 }
 
-/// Whether `mapping`'s table has an enabled AFTER INSERT trigger (row or statement).
+/// Whether an insert of the message may write rows of its own into a child table: `mapping`'s
+/// table has an enabled AFTER INSERT trigger (row or statement), or a child table has an
+/// enabled INSERT trigger, BEFORE or AFTER (review R38-F3: a child table's trigger that adds an
+/// audit row to the same table made every copy `id_conflict`, parked beside its stored rows).
 async fn after_insert_triggers(
     mapping: &Mapping,
     client: &deadpool_postgres::Client,
 ) -> Result<bool, DbError> {
+    let children: Vec<String> = mapping.children.iter().map(|c| c.table.sql()).collect();
     // tgtype bits: 2 before, 4 insert, 64 instead of.
     let row = client
         .query_one(
             "SELECT EXISTS (SELECT 1 FROM pg_trigger t \
-               WHERE t.tgrelid = to_regclass($1)::oid AND NOT t.tgisinternal \
-                 AND t.tgenabled <> 'D' AND t.tgtype & 66 = 0 AND t.tgtype & 4 <> 0)",
-            &[&mapping.table.sql()],
+               WHERE NOT t.tgisinternal AND t.tgenabled <> 'D' AND t.tgtype & 4 <> 0 \
+                 AND ((t.tgrelid = to_regclass($1)::oid AND t.tgtype & 66 = 0) \
+                   OR (t.tgrelid IN (SELECT to_regclass(c)::oid FROM unnest($2::text[]) AS c) \
+                       AND t.tgtype & 64 = 0)))",
+            &[&mapping.table.sql(), &children],
         )
         .await
         .map_err(DbError::from_pg)?;
