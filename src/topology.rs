@@ -806,5 +806,6 @@ fn clean_value(raw: &str) -> String {
 }
 
 pub mod broker;
+pub mod gate;
 #[cfg(test)]
 mod tests;

@@ -488,6 +488,80 @@ async fn an_unreachable_broker_gives_503_fast() {
     warren.terminate_ok(Duration::from_secs(30));
 }
 
+/// Review R38-F8: an instance of the API alone started while the broker was away, whose main
+/// queue drifted (declared by hand with a length limit of 2 and no dead-lettering: the broker
+/// drops what overflows): it publishes nothing (503) until the start's check ran once the
+/// broker is back, and that check stops it (exit 1). Before, it never checked, and answered 200
+/// for messages the queue dropped.
+#[tokio::test(flavor = "multi_thread")]
+async fn an_api_started_while_the_broker_was_away_publishes_only_once_the_topology_is_checked() {
+    let mut env = TestEnv::new("api_held").await;
+    env.declare();
+    let channel = env.conn.create_channel().await.expect("channel");
+    channel
+        .queue_delete(env.main_queue.as_str().into(), Default::default())
+        .await
+        .expect("delete the main queue");
+    let mut args = lapin::types::FieldTable::default();
+    args.insert("x-max-length".into(), lapin::types::AMQPValue::LongInt(2));
+    let durable = lapin::options::QueueDeclareOptions {
+        durable: true,
+        ..Default::default()
+    };
+    channel
+        .queue_declare(env.main_queue.as_str().into(), durable, args)
+        .await
+        .expect("the drifted main queue");
+    channel
+        .queue_bind(
+            env.main_queue.as_str().into(),
+            env.main_exchange.as_str().into(),
+            env.main_queue.as_str().into(),
+            Default::default(),
+            Default::default(),
+        )
+        .await
+        .expect("bound");
+    let amqp = TcpProxy::start(&amqp_url(), 5672).await;
+    env.set("AMQP_URL", amqp.url());
+    amqp.cut();
+    let mut warren = env.start(&["--roles", "api"]);
+    let _logs = LogsOnPanic(vec![warren.log.clone()]);
+    let http = Http::new(&env);
+    http.wait_status("/healthz", 200, Duration::from_secs(20))
+        .await;
+    amqp.restore();
+    // Requests until warren stops, paced: none may be answered 200.
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let mut answers = BTreeMap::new();
+    let mut n = 0;
+    while warren.is_running() && Instant::now() < deadline {
+        n += 1;
+        let body = json!({"name": "Ana", "email": format!("ana{n}@example.com")}).to_string();
+        let status = tokio::task::block_in_place(|| {
+            http.agent
+                .post(format!("{}/api/v1/users", http.base))
+                .header("content-type", "application/json")
+                .send(body.as_bytes())
+                .map(|r| r.status().as_u16())
+                .unwrap_or(0)
+        });
+        *answers.entry(status).or_insert(0) += 1;
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let status = warren.wait(Duration::from_secs(10));
+    assert_eq!(status.code(), Some(1), "{}", warren.logs());
+    assert!(
+        warren
+            .logs()
+            .contains(&format!("queue {} exists with", env.main_queue)),
+        "the drift named:\n{}",
+        warren.logs()
+    );
+    assert!(answers.contains_key(&503), "{answers:?}");
+    assert!(!answers.contains_key(&200), "answered 200: {answers:?}");
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn the_api_recovers_by_itself_when_the_broker_comes_back() {
     let mut env = TestEnv::new("api_back").await;

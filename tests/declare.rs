@@ -1022,9 +1022,16 @@ async fn a_broker_gone_during_the_wait_holds_the_consumers_until_the_check() {
         amqp.cut();
         run.wait_for_log(
             "the consumers held",
-            "the consumers wait for the check of the broker's exchanges and queues",
+            "consuming and publishing wait for the check of the broker's exchanges and queues",
         )
         .await;
+        // Not the broker's link blamed: what the roles wait for (review R38-F7).
+        let (status, body) = metrics_get(&env, "/readyz").await.expect("/readyz answers");
+        assert_eq!(status, 503, "{body}");
+        assert_eq!(
+            serde_json::from_str::<Value>(&body).expect("JSON"),
+            json!({"starting": "the consumers and the API wait for the check of the broker's exchanges and queues"}),
+        );
         if drifted {
             declare_retry_queue_to(&env, &format!("{}_old", env.main_queue), ttl).await;
         } else {
@@ -1051,7 +1058,7 @@ async fn a_broker_gone_during_the_wait_holds_the_consumers_until_the_check() {
             .await;
             assert!(
                 run.logs()
-                    .contains("match this configuration; the consumers start"),
+                    .contains("match this configuration; consuming and publishing start"),
                 "{}",
                 run.logs()
             );

@@ -1656,7 +1656,7 @@ async fn a_reload_while_the_start_holds_the_consumers_lets_them_consume() {
     warren
         .wait_for_log(
             "the consumers held",
-            "the consumers wait for the check of the broker's exchanges and queues",
+            "consuming and publishing wait for the check of the broker's exchanges and queues",
         )
         .await;
     amqp.restore();

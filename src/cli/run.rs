@@ -166,12 +166,15 @@ pub async fn execute(
             result = check_topology(&settings) => result?,
             _ = &mut shutdown => return Ok(0),
         };
+        crate::metrics::starting(None);
         if checked == Checked::Later {
-            crate::pipeline::consumer::gate::hold();
+            crate::topology::gate::hold();
             tokio::spawn(check_later(settings.clone(), drifted));
         }
     }
-    crate::metrics::starting(None);
+    if declare {
+        crate::metrics::starting(None);
+    }
     let found = std::sync::Arc::new(std::sync::Mutex::new(None));
     let shutdown = {
         let found = found.clone();
@@ -228,7 +231,7 @@ pub async fn execute(
                     // The configuration that runs from now on is checked: consumers held by a
                     // start whose check waits for the broker may consume (review R38-F1: the
                     // start's check kept asking for a queue the reload had left, for ever).
-                    crate::pipeline::consumer::gate::open();
+                    crate::topology::gate::open();
                     Ok(())
                 };
                 prepared.await.map_err(|e: anyhow::Error| {
@@ -247,23 +250,24 @@ pub async fn execute(
 /// How the start's topology check ended.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Checked {
-    /// Checked, or nothing to check that waits (an instance of the API alone).
+    /// Checked.
     Now,
-    /// The broker could not be reached: the consumers are held ([`crate::pipeline::consumer::gate`])
-    /// until [`check_later`] passed.
+    /// Not checked yet (the broker could not be reached; for an instance of the API alone, also
+    /// what is not declared yet): the consumers and the API's publishes are held
+    /// ([`crate::topology::gate`]) until [`check_later`] passed.
     Later,
 }
 
-/// The start's check, run once the broker can be reached (its reconnect backoff, no limit):
-/// opens the consume gate when it passes; a drift (or a missing object that was there at the
-/// start's first look) is sent to `drifted`, which stops warren with it (exit 1).
+/// The start's check, tried again with the reconnect backoff (no limit) until the broker can be
+/// reached and every object exists: opens the topology gate when it passes; a drift is sent to
+/// `drifted`, which stops warren with it (exit 1).
 async fn check_later(settings: Settings, drifted: tokio::sync::oneshot::Sender<anyhow::Error>) {
     let checked = async {
         let topology = Topology::from_settings(&settings)?;
         // A reload whose own check passed opened the gate: the start's configuration no
         // longer runs, and is not asked after any more.
         let check = || async {
-            if crate::pipeline::consumer::gate::is_open() {
+            if crate::topology::gate::is_open() {
                 return Ok(());
             }
             crate::cli::declare::check_declared(&settings, &topology).await
@@ -273,20 +277,20 @@ async fn check_later(settings: Settings, drifted: tokio::sync::oneshot::Sender<a
             .when(|e: &anyhow::Error| !is_drift(e))
             .notify(|e: &anyhow::Error, delay: Duration| {
                 warn!(error = %format!("{e:#}"), retry_in_ms = delay.as_millis() as u64,
-                    "the consumers wait for the check of the broker's exchanges and queues; trying again");
+                    "consuming and publishing wait for the check of the broker's exchanges and queues; trying again");
             })
             .await
     };
     match checked.await {
-        Ok(()) if crate::pipeline::consumer::gate::is_open() => {}
+        Ok(()) if crate::topology::gate::is_open() => {}
         Ok(()) => {
             info!(
-                "the broker's exchanges and queues match this configuration; the consumers start"
+                "the broker's exchanges and queues match this configuration; consuming and publishing start"
             );
-            crate::pipeline::consumer::gate::open();
+            crate::topology::gate::open();
         }
         // What a reload checked and applied meanwhile runs now, not the start's configuration.
-        Err(_) if crate::pipeline::consumer::gate::is_open() => {}
+        Err(_) if crate::topology::gate::is_open() => {}
         Err(e) => {
             tracing::error!(error = %format!("{e:#}"), "the broker's exchanges and queues do not match this configuration; stopping");
             let _ = drifted.send(e);
@@ -309,9 +313,10 @@ fn is_drift(e: &anyhow::Error) -> bool {
 /// R35h F5: one another step declared later with other arguments was taken unchecked until
 /// the next reload). A broker that cannot be reached now (or that went away during that wait)
 /// does not hold the start (the roles start and wait for it, the API answers 503, as at every
-/// start): [`Checked::Later`], the consumers held until [`check_later`] passed (review R37x F4:
-/// the check was left out, and a drifted retry queue lost every retry); an instance of the API
-/// alone starts without the check.
+/// start): [`Checked::Later`], the consumers and the API's publishes held until [`check_later`]
+/// passed (review R37x F4: the check was left out, and a drifted retry queue lost every retry);
+/// an instance of the API alone does not wait for what is not declared either, and is held the
+/// same way until it is (review R38-F8: a drifted main queue dropped what the API confirmed).
 async fn check_topology(settings: &Settings) -> anyhow::Result<Checked> {
     use crate::cli::declare::NotDeclared;
     use crate::config::Role;
@@ -332,12 +337,12 @@ async fn check_topology(settings: &Settings) -> anyhow::Result<Checked> {
         .await;
     match checked {
         Ok(()) => Ok(Checked::Now),
+        Err(e) if is_drift(&e) => Err(e),
         Err(e) if e.downcast_ref::<NotDeclared>().is_some() => {
             warn!(error = %format!("{e:#}"),
-                "the HTTP API starts; what it publishes is refused (503) until they are declared, and what is declared then is not checked against this configuration");
-            Ok(Checked::Now)
+                "the HTTP API starts; what it publishes is refused (503) until they are declared and checked against this configuration");
+            Ok(Checked::Later)
         }
-        Err(e) if is_drift(&e) => Err(e),
         Err(e) if consumes => {
             warn!(error = %format!("{e:#}"),
                 "cannot check yet that the broker's exchanges and queues match the configuration; \
@@ -346,9 +351,9 @@ async fn check_topology(settings: &Settings) -> anyhow::Result<Checked> {
         }
         Err(e) => {
             warn!(error = %format!("{e:#}"),
-                "cannot check that the broker's exchanges and queues match the configuration; \
-                 the HTTP API starts without the check");
-            Ok(Checked::Now)
+                "cannot check yet that the broker's exchanges and queues match the configuration; \
+                 the HTTP API starts, and refuses to publish (503) until the check passed");
+            Ok(Checked::Later)
         }
     }
 }

@@ -380,6 +380,17 @@ async fn publish_body(
     if let Some(refused) = oversized(state, &body, body.len()) {
         return refused;
     }
+    // Not before the start's topology check passed (a queue that drops what the broker
+    // confirms must not get a 200: review R38-F8).
+    if !crate::topology::gate::is_open() {
+        return error(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "the broker's exchanges and queues are not checked against this configuration yet \
+             (the broker could not be reached, or they were not declared, at the start); \
+             try again"
+                .to_string(),
+        );
+    }
     let shown = id.as_str().to_string();
     let publish = Publish {
         exchange: exchange.to_string(),

@@ -212,14 +212,14 @@ impl Consumer {
     }
 }
 
-/// Connects (once the consume [`gate`](super::gate) is open) and sets the prefetch; subscribing is left to [`Consumer::maybe_subscribe`].
+/// Connects (once the [topology gate](crate::topology::gate) is open) and sets the prefetch; subscribing is left to [`Consumer::maybe_subscribe`].
 async fn open(
     amqp: &AmqpConfig,
     config: &ConsumerConfig,
     frames: amqp::Frames,
 ) -> Result<(Connection, Channel), AmqpError> {
     // Before connecting: held until the start's topology check passed (`gate`).
-    if !super::gate::wait_open(amqp.connect_timeout()).await {
+    if !crate::topology::gate::wait_open(amqp.connect_timeout()).await {
         return Err(AmqpError::Unavailable(
             "the exchanges and queues are not checked yet (the broker could not be reached at \
              the start; the check is tried again with the reconnect backoff)"

@@ -15,8 +15,6 @@
 //! of its messages):
 //! - `mod.rs`: the messages the pipeline sends it, its configuration, its state, its start.
 //! - `link.rs`: the link's states; connect, rebuild with backoff, teardown, why a link ended.
-//! - `gate.rs`: the process's consume gate, held while the start's topology check waits for
-//!   the broker.
 //! - `subscription.rs`: `basic.consume` and its cancel, the stream of deliveries in chunks and
 //!   its end, the holds (breaker, operator).
 //! - `window.rs`: the prefetch window and the byte budget (`MAX_INFLIGHT_BYTES`), and the window
@@ -30,7 +28,6 @@
 //! - `stop.rs`: its part of the shutdown sequence (`Cancel`, `Settled`, `Close`).
 
 mod deliveries;
-pub mod gate;
 mod link;
 mod oversize;
 mod stop;
