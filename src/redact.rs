@@ -200,17 +200,29 @@ fn redact_keywords(text: &str) -> String {
         }
         let value = after.trim_start();
         out.push_str(&after[..after.len() - value.len()]);
-        let end = if let Some(quoted) = value.strip_prefix('\'') {
-            // A quoted value ends at the first quote not escaped by a backslash.
+        // Where the value ends as libpq reads it: a quoted value at the first quote not escaped
+        // by a backslash, an unquoted one at the first whitespace not escaped by one (`my\ pw`
+        // is one value: review R38-F6 showed its second half). Whatever follows a quoted value
+        // up to the next whitespace is hidden too (`'a'b` is no valid string, but may be a
+        // password mistyped): more hidden rather than less.
+        let unescaped_end = |text: &str, stop: fn(char) -> bool| -> Option<usize> {
             let mut escaped = false;
-            let close = quoted.char_indices().find(|&(_, c)| {
-                let closes = c == '\'' && !escaped;
-                escaped = c == '\\' && !escaped;
-                closes
-            });
-            close.map_or(value.len(), |(i, _)| i + 2)
+            text.char_indices()
+                .find(|&(_, c)| {
+                    let ends = stop(c) && !escaped;
+                    escaped = c == '\\' && !escaped;
+                    ends
+                })
+                .map(|(i, _)| i)
+        };
+        let end = if let Some(quoted) = value.strip_prefix('\'') {
+            let close = unescaped_end(quoted, |c| c == '\'').map_or(value.len(), |i| i + 2);
+            close
+                + value[close..]
+                    .find(char::is_whitespace)
+                    .unwrap_or(value.len() - close)
         } else {
-            value.find(char::is_whitespace).unwrap_or(value.len())
+            unescaped_end(value, char::is_whitespace).unwrap_or(value.len())
         };
         out.push_str("***");
         rest = &value[end..];

@@ -460,6 +460,21 @@ fn redaction_covers_lists_multi_host_urls_and_what_no_parser_accepts() {
             "host=h password = 'a \\' b' dbname=d",
             "host=h password = *** dbname=d",
         ),
+        // an unquoted value with an escaped space is one value (review R38-F6), and what
+        // sticks to a quoted one is hidden with it
+        (
+            "host=h password=my\\ sekret2 dbname=d",
+            "host=h password=*** dbname=d",
+        ),
+        (
+            "host=h password=a\\\\ sekret2 dbname=d",
+            "host=h password=*** sekret2 dbname=d",
+        ),
+        (
+            "host=h password='ab'sekretB dbname=d",
+            "host=h password=*** dbname=d",
+        ),
+        ("host=h password=trailing\\", "host=h password=***"),
     ];
     for (raw, shown) in cases {
         assert_eq!(redact_url(raw), shown, "{raw}");
