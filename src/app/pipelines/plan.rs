@@ -73,10 +73,10 @@ pub(in crate::app) fn api_kept(api: &[Declared], wanted: &[Declared]) -> Result<
 /// The queues of `running` (removed or changed) that none of `wanted` consumes: `queue
 /// (pipeline)`, for [`ReloadReport::left_queues`], and the `warren move` that empties each
 /// where the pipeline now takes such messages ([`ReloadReport::moves`]). A main queue or a
-/// DLQ: a retry queue is consumed by no one, it dead-letters back to its main queue by TTL, so
-/// it empties by itself while that main queue is consumed, and fills the main queue named here
-/// when it is not (review R35i F1: a retry tier dropped by a reload was named though it
-/// drained by itself).
+/// DLQ; and, with a main queue left, its retry tiers that no wanted pipeline uses, as `tier
+/// (pipeline, retry tier of queue)`: what waits there dead-letters back to the left main queue
+/// by its TTL, after a move of that queue said "0 left" (review R38-F5). A retry tier of a main
+/// queue still consumed empties by itself and is not named (review R35i F1).
 pub(in crate::app) fn left_queues<'a>(
     running: impl Iterator<Item = &'a Declared>,
     wanted: &'a [Declared],
@@ -88,6 +88,10 @@ pub(in crate::app) fn left_queues<'a>(
         ]
     };
     let now: HashSet<&str> = wanted.iter().flat_map(consumed).collect();
+    let tiers_now: HashSet<&str> = wanted
+        .iter()
+        .flat_map(|d| d.spec.names.retry_tiers.iter().map(|t| t.queue.as_str()))
+        .collect();
     running
         .flat_map(|r| {
             // Where the pipeline of that name takes them now: its main exchange under its
@@ -101,20 +105,39 @@ pub(in crate::app) fn left_queues<'a>(
                     format!("{}/{}", n.dlx_exchange, n.dlq_queue),
                 ]
             });
-            consumed(r)
+            let to = |i: usize| -> String {
+                next.as_ref()
+                    .map_or("EXCHANGE/ROUTING_KEY".to_string(), |to| to[i].clone())
+            };
+            let main = r.spec.names.main_queue.as_str();
+            let mut left: Vec<(String, String)> = consumed(r)
                 .into_iter()
                 .enumerate()
                 .filter(|(_, q)| !now.contains(q))
                 .map(|(i, q)| {
-                    let to = next
-                        .as_ref()
-                        .map_or("EXCHANGE/ROUTING_KEY", |to| to[i].as_str());
                     (
                         format!("{q} ({})", r.name),
-                        format!("warren move --from {q} --to {to}"),
+                        format!("warren move --from {q} --to {}", to(i)),
                     )
                 })
-                .collect::<Vec<_>>()
+                .collect();
+            if !now.contains(main) {
+                left.extend(
+                    r.spec
+                        .names
+                        .retry_tiers
+                        .iter()
+                        .map(|t| t.queue.as_str())
+                        .filter(|q| !tiers_now.contains(q))
+                        .map(|q| {
+                            (
+                                format!("{q} ({}, retry tier of {main})", r.name),
+                                format!("warren move --from {q} --to {}", to(0)),
+                            )
+                        }),
+                );
+            }
+            left
         })
         .collect()
 }

@@ -203,12 +203,26 @@ fn the_queues_a_reload_leaves_are_named() {
     .unwrap();
     assert_eq!(
         left_queues(was.iter().filter(|d| d.name == "orders"), &renamed),
-        [(
-            "orders_queue (orders)".to_string(),
-            "warren move --from orders_queue --to orders_exchange/orders_q2".to_string()
-        )],
-        "a retry queue dead-letters back to its main queue: named through it"
+        [
+            (
+                "orders_queue (orders)".to_string(),
+                "warren move --from orders_queue --to orders_exchange/orders_q2".to_string()
+            ),
+            (
+                "orders_retry_10s (orders, retry tier of orders_queue)".to_string(),
+                "warren move --from orders_retry_10s --to orders_exchange/orders_q2".to_string()
+            )
+        ],
+        "what waits in the old retry tier dead-letters back to the left main queue: named too \
+         (review R38-F5)"
     );
+    // The retry queue renamed alone: its old tier drains by itself into the main queue,
+    // still consumed, and is not named.
+    let retry_only = declared(&with(
+        &ORDERS.replace("batch_size = 50", "retry_queue = \"orders_r2\""),
+    ))
+    .unwrap();
+    assert!(left_queues(was.iter().filter(|d| d.name == "orders"), &retry_only).is_empty());
     // A pipeline removed whose queues another takes over leaves none.
     let taken = declared(&with(&ORDERS.replace(
         "name = \"orders\"",
