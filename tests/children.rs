@@ -1115,6 +1115,67 @@ async fn a_child_trigger_that_moves_a_row_to_another_parent_refuses_the_whole_me
     }
 }
 
+/// Review R38-F9: a `citext` parent key (the extension in `public`, not on warren's path) and a
+/// child table's trigger that only re-cases the key of each row: the row is under the
+/// message's own parent by the key's equality (the foreign key takes it), so the message is
+/// stored, under `keep` and `update`. The child insert compared the rows it wrote with the
+/// parent by `=` looked up on warren's path, which took text's: every such message was refused
+/// as "moved to another parent", and `pipelines test --db` said ok.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_child_trigger_that_recases_a_citext_key_keeps_the_row_under_its_parent() {
+    let env = TestEnv::new("ch_citext").await;
+    env.db
+        .batch_execute(
+            "CREATE EXTENSION IF NOT EXISTS citext SCHEMA public;
+             CREATE TABLE ci (k public.citext PRIMARY KEY, version int8 NOT NULL);
+             CREATE TABLE ci_items (k public.citext NOT NULL REFERENCES ci ON DELETE CASCADE,
+               line int4 NOT NULL, sku text NOT NULL, PRIMARY KEY (k, line));
+             CREATE FUNCTION lower_k() RETURNS trigger LANGUAGE plpgsql AS \
+               $$ BEGIN NEW.k := lower(NEW.k::text); RETURN NEW; END $$;
+             CREATE TRIGGER lower_k BEFORE INSERT ON ci_items \
+               FOR EACH ROW EXECUTE FUNCTION lower_k()",
+        )
+        .await
+        .expect("the tables");
+    let pool = pool(&env).await;
+    for (conflict, what) in [
+        ("on_conflict = \"keep\"", "keep"),
+        (
+            "on_conflict = \"update\"\nversion_column = \"version\"",
+            "update",
+        ),
+    ] {
+        let spec: MappingSpec = toml::from_str(&format!(
+            "table = \"ci\"\nkey = [\"k\"]\n{conflict}\n[columns]\n\
+             k = {{ path = \"/k\", type = \"text\" }}\n\
+             version = {{ path = \"/v\", type = \"int8\" }}\n\
+             [[children]]\ntable = \"ci_items\"\nrows = \"/items\"\nkey = [\"k\", \"line\"]\n\
+             [children.columns]\nk = {{ parent = \"k\" }}\nline = {{ index = true }}\n\
+             sku = {{ path = \"/sku\", type = \"text\" }}\n"
+        ))
+        .expect("spec");
+        let m = Mapping::compile("ci", &spec).expect("compiles");
+        let key = format!("MiXed-{what}");
+        let body = format!(r#"{{"k":"{key}","v":1,"items":[{{"sku":"a"}}]}}"#).into_bytes();
+        let done = insert(&m, &pool, &[body])
+            .await
+            .expect("stored, not refused");
+        assert_eq!(done.rows, 1, "{what}: {done:?}");
+        assert_eq!(
+            count_of(
+                &env,
+                &format!(
+                    "SELECT count(*) FROM ci_items WHERE k = '{}'",
+                    key.to_lowercase()
+                )
+            )
+            .await,
+            1,
+            "{what}"
+        );
+    }
+}
+
 /// Review R38-F3: a BEFORE INSERT trigger on a child table that writes a row of its own into
 /// the same table (an audit line beside the first item) made every copy of a stored message
 /// `id_conflict`: the key held a row the message does not give, and the copy was parked beside

@@ -31,7 +31,7 @@ use tokio_postgres::types::ToSql;
 
 use super::arrays::{self, Array, arrays};
 use super::probe::{in_probe, keep_in_probe, same_after_triggers};
-use super::statements::statements;
+use super::statements::{statements, types_on_path};
 use super::{Mapping, OnConflict, Row, children, versions};
 use crate::db::error::DbError;
 use crate::domain::Inserted;
@@ -228,11 +228,15 @@ async fn with_children(
         return Ok(Inserted::default());
     }
     let all = || records.iter().enumerate().map(|(i, r)| (i as i64 + 1, *r));
+    // The parent's column types' schemas on the path for the transaction: the child inserts
+    // compare the rows they wrote with the parent's key by `=`, looked up by name (a `citext`
+    // key compared as text called a re-cased child row moved: review R38-F9).
+    let begin = format!("BEGIN; {}", types_on_path(&mapping.table));
     match mapping.on_conflict {
         OnConflict::Keep => {
             // Every parent new (the common case): the parents, then every child row.
             client
-                .batch_execute("BEGIN")
+                .batch_execute(&begin)
                 .await
                 .map_err(DbError::from_pg)?;
             let fast = async {
@@ -281,7 +285,7 @@ async fn with_children(
                 return versions::write(mapping, st, client, records).await;
             }
             client
-                .batch_execute("BEGIN")
+                .batch_execute(&begin)
                 .await
                 .map_err(DbError::from_pg)?;
             let key_arrays: Vec<&(dyn ToSql + Sync)> =
