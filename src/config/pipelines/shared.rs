@@ -1,6 +1,6 @@
 //! The checks across pipelines, after the one resolution step (`spec.rs`): names of exchanges
-//! and queues no two pipelines share, child tables no other pipeline writes, and tables a
-//! pipeline with deletes shares with none.
+//! and queues no two pipelines share, child tables no other pipeline writes, tables a
+//! pipeline with deletes shares with none, and none of warren's own tables written.
 
 use std::collections::HashMap;
 
@@ -37,6 +37,45 @@ pub(super) fn check_shared_tables(
             .filter(|o| o.name != spec.name)
             .find_map(|o| Some((o, writes(o).into_iter().find(|t| mine.contains(t))?)))
     };
+    // warren's own tables in `DATABASE_SCHEMA`: a pipeline that writes one corrupts what warren
+    // keeps there (review R38-F10: a pipeline on another's tombstone table made that one's
+    // writes `stale`, acked and never stored).
+    let schema = &settings.database_schema;
+    let mut own: Vec<(String, String)> = vec![
+        (
+            format!("{schema}.dead_letters"),
+            "the parking table".to_string(),
+        ),
+        (
+            format!("{schema}.refinery_schema_history"),
+            "the migrations' history".to_string(),
+        ),
+    ];
+    own.extend(
+        specs
+            .iter()
+            .filter(|s| s.mapping.delete.is_some())
+            .map(|s| {
+                (
+                    format!("{schema}.tombstones_{}", s.name),
+                    format!("pipeline {}'s tombstones", s.name),
+                )
+            }),
+    );
+    for spec in specs.iter().filter(|s| !s.builtin) {
+        let mine = writes(spec);
+        if let Some((table, what)) = own.iter().find(|(t, _)| mine.contains(t)) {
+            let error = ConfigError::Invalid {
+                setting: format!("pipelines.{}.table", spec.name),
+                expected: "tables of the pipeline's own, not one warren keeps in \
+                           DATABASE_SCHEMA (dead_letters, refinery_schema_history, \
+                           tombstones_<pipeline>)"
+                    .to_string(),
+                got: format!("table {table}, which is warren's own: {what}"),
+            };
+            return Err(at_entry(settings, spec, "table", error));
+        }
+    }
     for spec in specs.iter().filter(|s| s.mapping.delete.is_some()) {
         if let Some((other, table)) = shared(spec, &writes(spec)) {
             let error = ConfigError::Invalid {

@@ -733,6 +733,58 @@ fn a_child_table_written_by_another_pipeline_is_refused_naming_both() {
     .expect("one table, two plain pipelines");
 }
 
+/// Review R38-F10: a pipeline whose table (or child table) is one warren keeps in
+/// `DATABASE_SCHEMA` is refused at load, naming it: another pipeline's tombstone table (its
+/// rows made that pipeline's writes `stale`), `dead_letters`, the migrations' history.
+#[test]
+fn a_pipeline_on_one_of_warrens_own_tables_is_refused() {
+    let entry = |name: &str, table: &str, delete: bool| {
+        format!(
+            r#"
+[[pipelines]]
+name = "{name}"
+table = "{table}"
+key = ["k"]
+on_conflict = "update"
+version_column = "v"
+{}
+[pipelines.columns]
+k = {{ path = "/k", type = "text" }}
+v = {{ path = "/v", type = "int8" }}
+"#,
+            if delete {
+                r#"delete = { field = "/op", value = "delete" }"#
+            } else {
+                ""
+            }
+        )
+    };
+    for (table, what) in [
+        ("tombstones_del", "pipeline del's tombstones"),
+        ("public.tombstones_del", "pipeline del's tombstones"),
+        ("dead_letters", "the parking table"),
+        ("refinery_schema_history", "the migrations' history"),
+    ] {
+        let e = load(&format!(
+            "{}{}",
+            entry("del", "shop_del", true),
+            entry("tb", table, false)
+        ))
+        .expect_err(table);
+        let text = e.to_string();
+        assert!(
+            text.contains("pipelines.tb.table") || text.contains("tb"),
+            "{table}: {text}"
+        );
+        assert!(
+            text.contains(&format!("which is warren's own: {what}")),
+            "{table}: {text}"
+        );
+    }
+    // A table of that name without a pipeline with deletes of that name is the team's.
+    load(&entry("tb", "tombstones_other", false)).expect("not warren's");
+}
+
 /// Review R36f F11: two pipelines writing one table, one with deletes: the other's older writes
 /// never saw the delete's tombstone (its pipeline's own) and brought the row back. Refused,
 /// naming both and the table, whichever table they share (the parent, or a child table); two
