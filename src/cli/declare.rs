@@ -421,9 +421,67 @@ async fn pipeline_mismatches(settings: &Settings) -> Result<Vec<String>, db::DbE
             }
         }
     }
+    if result.is_ok() {
+        match shared_families(settings, &client).await {
+            Ok(found) => out.extend(found),
+            Err(e) => result = Err(e),
+        }
+    }
     drop(client);
     let _ = task.await;
     result.map(|()| out)
+}
+
+/// The load refuses a table that a pipeline with deletes shares with another pipeline by its
+/// name (`config::pipelines::shared`); here, by the catalog: a partition of it, its parent, or
+/// another table of its inheritance tree, written by another pipeline, holds the same rows
+/// under another name, and that pipeline's writes never see the tombstones (review R38-F11: a
+/// delete lost through a partition). One sentence per such pair.
+async fn shared_families(
+    settings: &Settings,
+    client: &tokio_postgres::Client,
+) -> Result<Vec<String>, db::DbError> {
+    let root = "WITH RECURSIVE up(oid, depth) AS ( \
+                   SELECT to_regclass($1)::oid, 0 \
+                   UNION ALL SELECT i.inhparent, up.depth + 1 FROM pg_inherits i \
+                   JOIN up ON i.inhrelid = up.oid) \
+                 SELECT oid::regclass::text FROM up WHERE oid IS NOT NULL \
+                 ORDER BY depth DESC LIMIT 1";
+    let mut tables: Vec<(&str, bool, String, String)> = Vec::new();
+    for spec in settings.pipelines().iter().filter(|p| !p.builtin) {
+        let deletes = spec.mapping.delete.is_some();
+        for table in std::iter::once(&spec.mapping.table)
+            .chain(spec.mapping.children.iter().map(|c| &c.table))
+        {
+            let found = client
+                .query_opt(root, &[table])
+                .await
+                .map_err(db::DbError::from_pg)?;
+            if let Some(row) = found {
+                let family: String = row.get(0);
+                tables.push((spec.name.as_str(), deletes, table.clone(), family));
+            }
+        }
+    }
+    let mut out = Vec::new();
+    for (name, deletes, table, family) in &tables {
+        if !deletes {
+            continue;
+        }
+        if let Some((other, _, theirs, _)) = tables
+            .iter()
+            .find(|(o, _, t, f)| o != name && f == family && t != table)
+        {
+            out.push(format!(
+                "pipeline {name} has deletes and writes {table}; pipeline {other} writes \
+                 {theirs}, of the same partitioned or inherited table {family}: the same rows \
+                 under another name, and {other}'s writes would not see {name}'s tombstones \
+                 (an older write of a deleted key would bring its row back); feed both sources \
+                 to one pipeline (bind them to its queue)"
+            ));
+        }
+    }
+    Ok(out)
 }
 
 /// A borderless table (comfy-table), two spaces between columns, no trailing blanks.
