@@ -381,8 +381,10 @@ async fn publish_body(
         return refused;
     }
     // Not before the start's topology check passed (a queue that drops what the broker
-    // confirms must not get a 200: review R38-F8).
+    // confirms must not get a 200: review R38-F8). Counted as a publish that found no broker
+    // (`unavailable`), which is what it is until the check ran: WarrenPublishFailing sees it.
     if !crate::topology::gate::is_open() {
+        crate::metrics::published("unavailable", Duration::ZERO);
         return error(
             StatusCode::SERVICE_UNAVAILABLE,
             "the broker's exchanges and queues are not checked against this configuration yet \
