@@ -497,6 +497,17 @@ impl Settings {
     /// The checks of single settings that the rules cannot express; the checks across a
     /// pipeline's fields and across pipelines are the resolution's ([`pipelines::resolve`]).
     fn validate(&self) -> Result<(), ConfigError> {
+        // The API's listener and the metrics listener of one process cannot share an address
+        // (review R38-F15: `run` exited 1 blaming "another process").
+        if self.has_role(Role::Api) && self.http_addr.trim() == self.metrics_addr.trim() {
+            return Err(ConfigError::Invalid {
+                setting: "HTTP_ADDR".into(),
+                expected: "an address other than METRICS_ADDR: the HTTP API and the metrics \
+                           listener of one process listen on two addresses"
+                    .into(),
+                got: format!("{:?}, which is METRICS_ADDR too", self.http_addr),
+            });
+        }
         let limit = self.dlq_delivery_limit;
         if limit > 0 && limit < DLQ_DELIVERY_LIMIT_FLOOR {
             return Err(ConfigError::Invalid {

@@ -848,3 +848,24 @@ fn retry_tiers_from_a_file_may_be_a_toml_list() {
     assert_eq!(s.retry_ttls_ms, RetryTtls(vec![500, 5000]));
     assert_eq!(s.queue_type, QueueType::Quorum);
 }
+
+/// Review R38-F15: the API and the metrics listener of one process on one address is refused at
+/// load (exit 2, naming both), not at the start's bind as "another process"; without the API
+/// role only the metrics listener runs, and the address is fine.
+#[test]
+fn the_api_and_the_metrics_listener_on_one_address_are_refused() {
+    let same = [
+        ("http_addr", "127.0.0.1:19101"),
+        ("metrics_addr", "127.0.0.1:19101"),
+    ];
+    match with(&same) {
+        Err(ConfigError::Invalid { setting, got, .. }) => {
+            assert_eq!(setting, "HTTP_ADDR");
+            assert!(got.contains("METRICS_ADDR"), "{got}");
+        }
+        other => panic!("{other:?}"),
+    }
+    let mut consumer = same.to_vec();
+    consumer.push(("roles", "consumer"));
+    with(&consumer).expect("no API listener");
+}
