@@ -408,6 +408,17 @@ fn failure(stop: Stop, queue: &str) -> String {
             "basic.get on {queue} not answered within {bound:?} (unacked messages return to the \
              DLQ)"
         ),
+        // Sent, its confirm lost with the link (or the channel closed meanwhile): the broker
+        // may have taken it (review R38-F14: said "not republished", and it was in both).
+        Stop::NotPublished {
+            message_id,
+            error: error @ (amqp::AmqpError::Unconfirmed(_) | amqp::AmqpError::Closed { .. }),
+            ..
+        } => format!(
+            "message {message_id} stays in the DLQ; its copy was sent but not confirmed \
+             ({error}): it may or may not have reached its queue too (replaying it again is \
+             harmless: the insert is idempotent)"
+        ),
         Stop::NotPublished {
             message_id, error, ..
         } => format!("message {message_id} was not republished and stays in the DLQ: {error}"),
@@ -426,6 +437,28 @@ fn failure(stop: Stop, queue: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Review R38-F14: a copy sent whose confirm was lost may be in its queue too; one never
+    /// sent is not.
+    #[test]
+    fn a_replay_stopped_by_a_lost_confirm_says_the_copy_may_have_arrived() {
+        let stop = |error| Stop::NotPublished {
+            message_id: "rp-179".into(),
+            error,
+            window: 1,
+            confirmed: 0,
+        };
+        let lost = failure(
+            stop(amqp::AmqpError::Unconfirmed("connection aborted".into())),
+            "q",
+        );
+        assert!(
+            lost.contains("may or may not have reached its queue") && !lost.contains("was not"),
+            "{lost}"
+        );
+        let refused = failure(stop(amqp::AmqpError::Nacked), "q");
+        assert!(refused.contains("was not republished"), "{refused}");
+    }
 
     #[test]
     fn the_dlq_bound_follows_the_queue_type_the_limit_and_the_broker_version() {
