@@ -389,6 +389,21 @@ impl Topology {
     /// through the main exchange). (An object deleted between the two declares is created by
     /// the second, with the declared properties.)
     pub async fn check(&self, conn: &Connection) -> Result<Checked, TopologyError> {
+        let mut checked = self.check_objects(conn).await?;
+        if checked.missing.is_empty() {
+            for b in &self.bindings {
+                if refused(bind(conn, b).await)? {
+                    checked.unchecked.push(describe_binding(b));
+                }
+            }
+        }
+        Ok(checked)
+    }
+
+    /// [`Topology::check`] of the exchanges and queues alone, binding nothing: what exists is
+    /// declared again with its properties (which changes nothing, or is refused as a drift),
+    /// what is missing is named and not made (`warren declare --dry-run`).
+    pub async fn check_objects(&self, conn: &Connection) -> Result<Checked, TopologyError> {
         let mut checked = Checked::default();
         for e in &self.exchanges {
             let object = format!("exchange {}", e.name);
@@ -404,13 +419,6 @@ impl Topology {
                 checked.missing.push(object);
             } else if refused(assert_queue(conn, q).await)? {
                 checked.unchecked.push(object);
-            }
-        }
-        if checked.missing.is_empty() {
-            for b in &self.bindings {
-                if refused(bind(conn, b).await)? {
-                    checked.unchecked.push(describe_binding(b));
-                }
             }
         }
         Ok(checked)

@@ -534,6 +534,39 @@ async fn dry_run_prints_the_plan_and_creates_nothing() {
         line_of(&out, "V4__pipeline_parking").ends_with("applied"),
         "{out}"
     );
+    assert!(
+        line_of(&out, "broker:").ends_with("to declare: none"),
+        "{out}"
+    );
+
+    // What declare refuses, the dry run refuses in its words and exit code, changing nothing
+    // (review R38-F13: a drifted queue was a plan, exit 0).
+    let ttl = retry_ttl(&env).await;
+    let channel = env.conn.create_channel().await.expect("channel");
+    channel
+        .queue_delete(env.retry_queue.as_str().into(), Default::default())
+        .await
+        .expect("delete the retry queue");
+    let (code, out, _) = env.run(&["declare", "--dry-run"]);
+    assert_eq!(code, 0, "{out}");
+    assert!(
+        line_of(&out, "broker:").ends_with(&format!("to declare: queue {}", env.retry_queue)),
+        "{out}"
+    );
+    assert!(
+        !env.queue_exists(&env.retry_queue).await,
+        "the dry run made it"
+    );
+    declare_retry_queue_to(&env, &format!("{}_old", env.main_queue), ttl).await;
+    let (code, out, err) = env.run(&["declare", "--dry-run"]);
+    assert_eq!(code, 1, "{out}{err}");
+    assert!(
+        err.contains(&format!(
+            "queue {} exists with x-dead-letter-routing-key",
+            env.retry_queue
+        )),
+        "{err}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread")]

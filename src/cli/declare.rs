@@ -26,6 +26,40 @@ pub async fn execute(settings: &Settings, args: Args) -> anyhow::Result<i32> {
             outln!("  {}", step.object)?;
         }
         outln!()?;
+        // What `declare` would refuse, refused here with its words and exit code (review
+        // R38-F13: a queue with other arguments and a missing table were a plan, exit 0): the
+        // objects that exist, declared again with their properties (nothing changes, nothing
+        // is made or bound), and the pipelines' tables, read.
+        match broker(settings).await {
+            Ok(conn) => {
+                let checked = topology.check_objects(&conn).await;
+                amqp::close(None, Some(conn)).await;
+                let checked = checked?;
+                outln!(
+                    "broker: the exchanges and queues that exist have these properties; to \
+                     declare: {}{}",
+                    if checked.missing.is_empty() {
+                        "none".to_string()
+                    } else {
+                        checked.missing.join(", ")
+                    },
+                    if checked.unchecked.is_empty() {
+                        String::new()
+                    } else {
+                        format!(
+                            " ({} checked to exist only: the broker user may not configure them)",
+                            checked.unchecked.len()
+                        )
+                    }
+                )?;
+            }
+            Err(e) => outln!("broker: cannot be asked ({e:#}); the objects are not checked")?,
+        }
+        match check_tables(settings).await {
+            Ok(()) => {}
+            Err(e) if e.downcast_ref::<crate::config::ConfigError>().is_some() => return Err(e),
+            Err(e) => outln!("tables: cannot be asked ({e:#}); they are not checked")?,
+        }
         // The database is read, never written: which built-in migrations it already has.
         let applied = db::applied_migrations(&settings.database()).await;
         let embedded = db::embedded_migrations();
