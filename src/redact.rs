@@ -173,7 +173,10 @@ fn redact_loose(text: &str) -> String {
 
 /// Whether a query parameter or connection keyword names a secret.
 fn is_secret_key(key: &str) -> bool {
-    let key = key.trim().to_ascii_lowercase();
+    // As the clients read it: percent-decoded (`%70assword` is `password` to libpq: review
+    // R39-F1), and `+` a space. Undecodable bytes stay as they are.
+    let decoded = percent_decoded(key.trim());
+    let key = decoded.to_ascii_lowercase();
     ["pass", "pwd", "secret", "token"]
         .iter()
         .any(|word| key.contains(word))
@@ -229,4 +232,36 @@ fn redact_keywords(text: &str) -> String {
     }
     out.push_str(rest);
     out
+}
+
+/// `text` with every `%XX` escape decoded and `+` read as a space (bytes that are no UTF-8 are
+/// replaced); an escape that is not two hex digits stays as written.
+fn percent_decoded(text: &str) -> String {
+    let bytes = text.as_bytes();
+    let mut out = Vec::with_capacity(bytes.len());
+    let mut i = 0;
+    while i < bytes.len() {
+        let hex = |b: u8| (b as char).to_digit(16);
+        match bytes[i] {
+            b'%' if i + 2 < bytes.len() => match (hex(bytes[i + 1]), hex(bytes[i + 2])) {
+                (Some(h), Some(l)) => {
+                    out.push((h * 16 + l) as u8);
+                    i += 3;
+                }
+                _ => {
+                    out.push(b'%');
+                    i += 1;
+                }
+            },
+            b'+' => {
+                out.push(b' ');
+                i += 1;
+            }
+            b => {
+                out.push(b);
+                i += 1;
+            }
+        }
+    }
+    String::from_utf8_lossy(&out).into_owned()
 }

@@ -475,6 +475,19 @@ fn redaction_covers_lists_multi_host_urls_and_what_no_parser_accepts() {
             "host=h password=*** dbname=d",
         ),
         ("host=h password=trailing\\", "host=h password=***"),
+        // a parameter name as the client decodes it (review R39-F1)
+        (
+            "postgres://u@h:5432/db?%70assword=s3cret&sslmode=disable",
+            "postgres://u@h:5432/db?%70assword=***&sslmode=disable",
+        ),
+        (
+            "postgres://u@h/db?p%61ssw%6Frd=s3cret",
+            "postgres://u@h/db?p%61ssw%6Frd=***",
+        ),
+        (
+            "amqp://h/%2f?auth%5Ftoken=s3cret",
+            "amqp://h/%2f?auth%5Ftoken=***",
+        ),
     ];
     for (raw, shown) in cases {
         assert_eq!(redact_url(raw), shown, "{raw}");
