@@ -1093,7 +1093,7 @@ async fn a_child_trigger_that_moves_a_row_to_another_parent_refuses_the_whole_me
                     assert_eq!(e.class(), warren::db::ErrorClass::Permanent, "{what}: {e}");
                     assert!(
                         e.to_string()
-                            .contains("order_items wrote child rows under another parent"),
+                            .contains("child rows of order_items are not under the parent row the message wrote"),
                         "{what}: {e}"
                     );
                 }
@@ -1113,6 +1113,47 @@ async fn a_child_trigger_that_moves_a_row_to_another_parent_refuses_the_whole_me
         }
         assert_eq!(items(&env, good).await, owned(&[(1, "OK", 1)]), "{what}");
     }
+}
+
+/// Review R39-F3: `keep` with child tables and a parent BEFORE trigger that rewrites the key
+/// (`lower(k)`): the parent row was stored under the rewritten key and its child rows under the
+/// key as sent, a parent without its children and children without a parent. The message is
+/// refused whole now (`db_permanent`), nothing of it written.
+#[tokio::test(flavor = "multi_thread")]
+async fn keep_refuses_a_message_whose_parent_trigger_rewrites_the_key() {
+    let env = TestEnv::new("ch_keep_rekey").await;
+    env.db
+        .batch_execute(
+            "CREATE TABLE docs (k text PRIMARY KEY, version int8 NOT NULL);
+             CREATE TABLE doc_lines (k text NOT NULL, line int4 NOT NULL, sku text NOT NULL,
+               PRIMARY KEY (k, line));
+             CREATE FUNCTION lower_k() RETURNS trigger LANGUAGE plpgsql AS \
+               $$ BEGIN NEW.k := lower(NEW.k); RETURN NEW; END $$;
+             CREATE TRIGGER lower_k BEFORE INSERT ON docs \
+               FOR EACH ROW EXECUTE FUNCTION lower_k()",
+        )
+        .await
+        .expect("the tables");
+    let pool = pool(&env).await;
+    let spec: MappingSpec = toml::from_str(
+        "table = \"docs\"\nkey = [\"k\"]\nunknown_fields = \"ignore\"\n[columns]\n\
+         k = { path = \"/k\", type = \"text\" }\nversion = { path = \"/version\", type = \"int8\" }\n\
+         [[children]]\ntable = \"doc_lines\"\nrows = \"/lines\"\nkey = [\"k\", \"line\"]\n\
+         [children.columns]\nk = { parent = \"k\" }\nline = { index = true }\n\
+         sku = { path = \"/sku\", type = \"text\" }\n",
+    )
+    .expect("spec");
+    let m = Mapping::compile("docs", &spec).expect("compiles");
+    let doc = br#"{"k":"ABC","version":1,"lines":[{"sku":"a"},{"sku":"b"}]}"#.to_vec();
+    match insert(&m, &pool, &[doc]).await {
+        Err(e) => {
+            assert_eq!(e.class(), warren::db::ErrorClass::Permanent, "{e}");
+            assert!(e.to_string().contains("not under the parent row"), "{e}");
+        }
+        Ok(done) => panic!("stored half: {done:?}"),
+    }
+    assert_eq!(count_of(&env, "SELECT count(*) FROM docs").await, 0);
+    assert_eq!(count_of(&env, "SELECT count(*) FROM doc_lines").await, 0);
 }
 
 /// Review R38-F9: a `citext` parent key (the extension in `public`, not on warren's path) and a

@@ -431,9 +431,9 @@ impl Child {
     /// What [`Child::moved`] says.
     fn moved_message(&self, parents: i64) -> String {
         format!(
-            "a trigger of {} wrote child rows under another parent than the message's ({parents} \
-             rows; a BEFORE INSERT trigger that rewrites the columns of the parent key): \
-             warren writes a message whole or not at all; nothing of it was written",
+            "child rows of {} are not under the parent row the message wrote ({parents} \
+             rows; a BEFORE INSERT trigger of it or of the parent table rewrote the parent \
+             key): warren writes a message whole or not at all; nothing of it was written",
             self.table
         )
     }

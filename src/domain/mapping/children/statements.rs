@@ -60,17 +60,20 @@ pub(super) fn joined(left: &str, l: &[String], right: &str, r: &[String]) -> Str
 /// own types. Not 0 when a BEFORE INSERT trigger rewrote a row's link to its parent (review
 /// R36i F7: the row written under another order, the message half-written and the other order
 /// a row more). A trigger that moves a row to another parent of the same batch is not seen.
-/// Asked only when `ct` has an enabled BEFORE INSERT row trigger (read in the same statement,
-/// whose lock on `ct` keeps a trigger from being made meanwhile): the lookups cost about 1 us a
-/// child row (20-25% of the child insert), and a table without such a trigger cannot move one.
+/// Also when a BEFORE trigger of the parent `t` wrote the parent row under another key than the
+/// message's (review R39-F3: `keep` stored the parent under the rewritten key and its child rows
+/// under the sent one). Asked only when `ct` or `t` has an enabled BEFORE INSERT row trigger
+/// (read in the same statement): the lookups cost about 1 us a child row (20-25% of the child
+/// insert), and without such a trigger no row can be under another parent.
 fn moved(ct: &str, t: &str, pk: &[String], lk: &[String]) -> String {
     format!(
         "CASE WHEN EXISTS (SELECT 1 FROM pg_catalog.pg_trigger AS tg \
-           WHERE tg.tgrelid = {ct_text}::regclass AND NOT tg.tgisinternal \
+           WHERE tg.tgrelid IN ({ct_text}::regclass, {t_text}::regclass) AND NOT tg.tgisinternal \
              AND tg.tgenabled <> 'D' AND tg.tgtype & 7 = 7) \
          THEN (SELECT count(*) FROM ins WHERE NOT EXISTS (SELECT 1 FROM (SELECT s.xmin AS {XMIN} \
            FROM {t} AS s WHERE {on} OFFSET 0) AS s WHERE s.{XMIN} = {OURS})) ELSE 0 END",
         ct_text = crate::domain::mapping::statements::sql_text(ct),
+        t_text = crate::domain::mapping::statements::sql_text(t),
         on = joined("s", pk, "ins", lk),
     )
 }
