@@ -83,19 +83,30 @@ pub async fn abandon_asking(
 async fn end_backend(pool: &Pool, pid: i32, bound: Duration) -> Result<(), DbError> {
     let client = pool.get().await.map_err(DbError::from_pool)?;
     let ended = tokio::time::timeout(bound, async {
-        const OURS: &str = "pid = $1 AND usename = current_user \
+        // The login role's own session (`usename` is the role that logged in): ended as that
+        // role, not as one the session switched to by default (`ALTER ROLE login SET role =
+        // owner`, the usual login/owner split), which may not end it (review R39-F8).
+        const OURS: &str = "pid = $1 AND usename = session_user \
              AND application_name = current_setting('application_name')";
         let terminated = client
-            .query(
-                &format!("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE {OURS}"),
-                &[&pid],
-            )
+            .simple_query(&format!(
+                "BEGIN; SET LOCAL ROLE NONE; \
+                 SELECT pg_terminate_backend(pid) FROM pg_stat_activity \
+                 WHERE {}; COMMIT",
+                OURS.replace("$1", &pid.to_string())
+            ))
             .await;
         match terminated {
             Ok(_) => {}
-            // Refused (a role without the right to end it): the database answered, and the
-            // cancel is all that was sent, as before.
-            Err(e) if e.as_db_error().is_some() => return Ok(()),
+            // Refused: the database answered, and the cancel is all that was sent, as before;
+            // said, as what the stop then gives back may be stored twice.
+            Err(e) if e.as_db_error().is_some() => {
+                let _ = client.simple_query("ROLLBACK").await;
+                tracing::warn!(error = %e, pid,
+                    "cannot end the server process of an abandoned statement: a statement still \
+                     on its way may commit after its messages went back to the queue");
+                return Ok(());
+            }
             Err(e) => return Err(e),
         }
         loop {
