@@ -1174,6 +1174,46 @@ async fn a_pipeline_on_a_partition_of_a_table_with_deletes_is_refused() {
         .await;
     assert_eq!(code, 2, "{out}{err}");
     assert!(err.contains(words), "{words}\n{out}{err}");
+    // Each selected by an instance of its own, against the whole file (review R39-F5).
+    for selected in ["part0", "parted"] {
+        let (code, out, err) = env
+            .run_async(&[
+                "--config",
+                file.at(),
+                "run",
+                "--roles",
+                "consumer",
+                "--pipelines",
+                selected,
+            ])
+            .await;
+        assert_eq!(code, 2, "{selected}: {out}{err}");
+        assert!(err.contains(words), "{selected}: {words}\n{out}{err}");
+    }
+    // A pipeline's table under warren's own tombstone table (an inheritance child): its rows
+    // would be read as tombstones (review R39-F6).
+    env.db
+        .batch_execute("CREATE TABLE tomb_child (PRIMARY KEY (k)) INHERITS (tombstones_parted)")
+        .await
+        .expect("an inheritance child of the tombstone table");
+    let file = ConfigFile::new(&format!(
+        "{}\n{}",
+        entry(
+            "parted",
+            "pt",
+            &pd,
+            "delete = { field = \"/op\", value = \"delete\" }\n"
+        ),
+        entry("part0", "tomb_child", &pw, "")
+    ));
+    let (code, out, err) = env.run_async(&["--config", file.at(), "declare"]).await;
+    assert_eq!(code, 2, "{out}{err}");
+    assert!(
+        err.contains(
+            "pipeline part0 writes tomb_child, under warren's own table tombstones_parted"
+        ),
+        "{out}{err}"
+    );
 }
 
 /// A broker user of the test's own, deleted when dropped (a panic included).

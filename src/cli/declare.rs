@@ -255,10 +255,18 @@ pub async fn migrate(settings: &Settings) -> anyhow::Result<db::MigrationReport>
 /// The configured pipelines' tables fit their mappings, or a configuration error (exit 2)
 /// listing every mismatch.
 pub async fn check_tables(settings: &Settings) -> anyhow::Result<()> {
+    check_tables_among(settings, settings).await
+}
+
+/// [`check_tables`] of `settings`' pipelines, the partitions and inheritance trees of their
+/// tables checked against every pipeline of `all` (the whole configuration, when `run
+/// --pipelines` selected some: review R39-F5, two instances of one file, each selecting one
+/// pipeline, wrote around the tombstones; a reload's new configuration).
+pub async fn check_tables_among(settings: &Settings, all: &Settings) -> anyhow::Result<()> {
     // A database that accepts the connection and then says nothing (a half-open link, a frozen
     // host) is an error after the connect timeout and one statement's bound, not a silent hang.
     let bound = std::time::Duration::from_secs(5) + settings.database().call_bound();
-    let checked = tokio::time::timeout(bound, pipeline_mismatches(settings))
+    let checked = tokio::time::timeout(bound, pipeline_mismatches(settings, all))
         .await
         .unwrap_or_else(|_| {
             Err(db::DbError::Connection(format!(
@@ -425,7 +433,10 @@ fn sql_name(name: &str) -> String {
 /// [`crate::domain::mapping::schema`]), before anything is consumed: `Ok` with every mismatch of
 /// every pipeline, each a sentence naming the pipeline, the table and the column (empty: they
 /// fit); `Err` when the database cannot be asked.
-async fn pipeline_mismatches(settings: &Settings) -> Result<Vec<String>, db::DbError> {
+async fn pipeline_mismatches(
+    settings: &Settings,
+    all: &Settings,
+) -> Result<Vec<String>, db::DbError> {
     // The file's pipelines: the built-in users pipeline's table is warren's own migration.
     let mut mappings = Vec::new();
     for p in settings.pipelines().iter().filter(|p| !p.builtin) {
@@ -434,7 +445,7 @@ async fn pipeline_mismatches(settings: &Settings) -> Result<Vec<String>, db::DbE
                 .map_err(|e| db::DbError::Migration(e.to_string()))?,
         );
     }
-    if mappings.is_empty() {
+    if mappings.is_empty() && all.pipelines().iter().all(|p| p.builtin) {
         return Ok(Vec::new());
     }
     let (client, connection) = settings
@@ -456,7 +467,7 @@ async fn pipeline_mismatches(settings: &Settings) -> Result<Vec<String>, db::DbE
         }
     }
     if result.is_ok() {
-        match shared_families(settings, &client).await {
+        match shared_families(all, &client).await {
             Ok(found) => out.extend(found),
             Err(e) => result = Err(e),
         }
@@ -479,8 +490,19 @@ async fn shared_families(
                    SELECT to_regclass($1)::oid, 0 \
                    UNION ALL SELECT i.inhparent, up.depth + 1 FROM pg_inherits i \
                    JOIN up ON i.inhrelid = up.oid) \
-                 SELECT oid::regclass::text FROM up WHERE oid IS NOT NULL \
-                 ORDER BY depth DESC LIMIT 1";
+                 SELECT up.oid::regclass::text, n.nspname::text, c.relname::text \
+                 FROM up JOIN pg_class c ON c.oid = up.oid \
+                 JOIN pg_namespace n ON n.oid = c.relnamespace \
+                 WHERE up.oid IS NOT NULL ORDER BY depth DESC LIMIT 1";
+    // warren's own tables in its schema: a pipeline's table under one of them (an inheritance
+    // child) writes warren's rows (review R39-F6: a child of a tombstone table made another
+    // pipeline's writes stale).
+    let reserved = |schema: &str, name: &str| {
+        schema == settings.database_schema
+            && (name == "dead_letters"
+                || name == "refinery_schema_history"
+                || name.starts_with("tombstones_"))
+    };
     let mut tables: Vec<(&str, bool, String, String)> = Vec::new();
     for spec in settings.pipelines().iter().filter(|p| !p.builtin) {
         let deletes = spec.mapping.delete.is_some();
@@ -493,6 +515,15 @@ async fn shared_families(
                 .map_err(db::DbError::from_pg)?;
             if let Some(row) = found {
                 let family: String = row.get(0);
+                let (schema, name): (String, String) = (row.get(1), row.get(2));
+                if reserved(&schema, &name) {
+                    return Ok(vec![format!(
+                        "pipeline {} writes {table}, under warren's own table {family} (its \
+                         partition or inheritance child): a pipeline's rows there are read as \
+                         warren's; map a table of the pipeline's own",
+                        spec.name
+                    )]);
+                }
                 tables.push((spec.name.as_str(), deletes, table.clone(), family));
             }
         }

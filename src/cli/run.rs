@@ -97,6 +97,9 @@ pub async fn execute(
     args: Args,
     shutdown: impl Future<Output = ()>,
 ) -> anyhow::Result<i32> {
+    // The whole configuration, before `--pipelines`: what the selected pipelines' tables may
+    // share with the others is checked against all of it.
+    let whole = settings.clone();
     let settings = match &args.pipelines {
         Some(list) => select_pipelines(settings, list)?,
         None => settings,
@@ -130,7 +133,7 @@ pub async fn execute(
             let topology = Topology::from_settings(&settings)?;
             crate::cli::declare::check_broker(&settings, &topology).await?;
         }
-        crate::cli::declare::check_tables(&settings).await
+        crate::cli::declare::check_tables_among(&settings, &whole).await
     };
     crate::metrics::starting(Some("checking the pipelines' tables in the database"));
     let prepared = prepare
@@ -217,7 +220,7 @@ pub async fn execute(
                         if declare {
                             crate::cli::declare::tombstones(settings).await?;
                         }
-                        crate::cli::declare::check_tables(settings).await?;
+                        crate::cli::declare::check_tables_among(settings, &all).await?;
                         if declare {
                             crate::cli::declare::declare_topology(settings, &topology).await?;
                         } else {

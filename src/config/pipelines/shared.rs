@@ -62,9 +62,25 @@ pub(super) fn check_shared_tables(
                 )
             }),
     );
+    // Every `tombstones_*` name there is warren's, a pipeline of this file or not (review
+    // R39-F6: a file without pipeline P could write P's tombstones).
+    let reserved = format!("{schema}.tombstones_");
     for spec in specs.iter().filter(|s| !s.builtin) {
         let mine = writes(spec);
-        if let Some((table, what)) = own.iter().find(|(t, _)| mine.contains(t)) {
+        let found = own
+            .iter()
+            .find(|(t, _)| mine.contains(t))
+            .cloned()
+            .or_else(|| {
+                mine.iter().find(|t| t.starts_with(&reserved)).map(|t| {
+                    (
+                        t.clone(),
+                        "a name warren keeps for the tombstones of a pipeline with deletes"
+                            .to_string(),
+                    )
+                })
+            });
+        if let Some((table, what)) = found {
             let error = ConfigError::Invalid {
                 setting: format!("pipelines.{}.table", spec.name),
                 expected: "tables of the pipeline's own, not one warren keeps in \

@@ -781,8 +781,11 @@ v = {{ path = "/v", type = "int8" }}
             "{table}: {text}"
         );
     }
-    // A table of that name without a pipeline with deletes of that name is the team's.
-    load(&entry("tb", "tombstones_other", false)).expect("not warren's");
+    // Any `tombstones_*` name in warren's schema is warren's, its pipeline in this file or not
+    // (review R39-F6); in another schema it is the team's.
+    let e = load(&entry("tb", "tombstones_other", false)).expect_err("reserved");
+    assert!(e.to_string().contains("a name warren keeps"), "{e}");
+    load(&entry("tb", "shop.tombstones_other", false)).expect("another schema");
 }
 
 /// Review R36f F11: two pipelines writing one table, one with deletes: the other's older writes
