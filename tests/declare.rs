@@ -1058,6 +1058,19 @@ async fn a_broker_gone_during_the_wait_holds_the_consumers_until_the_check() {
             "consuming and publishing wait for the check of the broker's exchanges and queues",
         )
         .await;
+        // The instance record says it waits (review R39-F9: it said `running`).
+        wait_until(
+            "the record says waiting",
+            Duration::from_secs(30),
+            || async {
+                let (_, out, _) = env.run_async(&["status", "--json"]).await;
+                serde_json::from_str::<Value>(&out)
+                    .ok()
+                    .and_then(|v| v["instances"].as_array().cloned())
+                    .is_some_and(|list| list.iter().any(|i| i["status"] == "waiting"))
+            },
+        )
+        .await;
         // Not the broker's link blamed: what the roles wait for (review R38-F7).
         let (status, body) = metrics_get(&env, "/readyz").await.expect("/readyz answers");
         assert_eq!(status, 503, "{body}");

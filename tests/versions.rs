@@ -417,6 +417,77 @@ async fn settled_says_which_messages_the_table_already_decides() {
     assert_eq!(stored(&env, new).await, None, "nothing was written");
 }
 
+/// Review R39-F10: an `update` pipeline on a partitioned table stored nothing: the upsert's
+/// fast path returns `xmax`, which an insert into a partitioned table cannot (`0A000`, taken for
+/// a transient error: retries, the breaker, the DLQ). Such a table goes through the probe: the
+/// highest version wins with its items, an older one is stale, and the breaker's probe (an
+/// empty batch) answers.
+#[tokio::test(flavor = "multi_thread")]
+async fn an_update_pipeline_on_a_partitioned_table_keeps_the_highest_version() {
+    let env = TestEnv::new("ver_parted").await;
+    env.db
+        .batch_execute(
+            "CREATE TABLE orders (order_id uuid NOT NULL, total numeric NOT NULL,
+                 version int8 NOT NULL, PRIMARY KEY (order_id)) PARTITION BY HASH (order_id);
+             CREATE TABLE orders_0 PARTITION OF orders FOR VALUES WITH (MODULUS 2, REMAINDER 0);
+             CREATE TABLE orders_1 PARTITION OF orders FOR VALUES WITH (MODULUS 2, REMAINDER 1);
+             CREATE TABLE order_items (order_id uuid NOT NULL, line int4 NOT NULL,
+                 sku text NOT NULL, PRIMARY KEY (order_id, line))",
+        )
+        .await
+        .expect("the partitioned table");
+    let pool = pool(&env).await;
+    for children in [false, true] {
+        let m = mapping(false, children);
+        let client = pool.get().await.expect("client");
+        m.insert(&client, &[]).await.expect("the breaker's probe");
+        drop(client);
+        let key = Uuid::new_v4();
+        let msg = |version: i64, total: &str, items: &[&str]| Msg {
+            key,
+            version,
+            delete: false,
+            total: total.into(),
+            items: items.iter().map(|s| s.to_string()).collect(),
+        };
+        let done = insert(
+            &m,
+            &pool,
+            &[msg(1, "1", &["a"]).body(), msg(2, "2", &["b", "c"]).body()],
+        )
+        .await
+        .expect("stored");
+        assert_eq!(
+            (done.rows, done.stale.len()),
+            (1, 1),
+            "{children}: {done:?}"
+        );
+        let items: Vec<String> = if children {
+            vec!["b".into(), "c".into()]
+        } else {
+            Vec::new()
+        };
+        assert_eq!(
+            stored(&env, key).await,
+            Some(("2".into(), 2, items.clone()))
+        );
+        let older = insert(&m, &pool, &[msg(1, "1", &["a"]).body()])
+            .await
+            .expect("stale");
+        assert_eq!(older.stale.len(), 1, "{children}: {older:?}");
+        let newer = insert(&m, &pool, &[msg(3, "3", &["d"]).body()])
+            .await
+            .expect("stored");
+        assert_eq!(newer.rows, 1, "{children}: {newer:?}");
+        let items: Vec<String> = if children {
+            vec!["d".into()]
+        } else {
+            Vec::new()
+        };
+        assert_eq!(stored(&env, key).await, Some(("3".into(), 3, items)));
+    }
+}
+
 /// A delete, told step by step: the row and its items go and a tombstone keeps the version; an
 /// older write is stale and brings nothing back, one of the same version `id_conflict`; a
 /// redelivered delete is a copy; a delete of a key never stored leaves its tombstone, which an

@@ -341,7 +341,10 @@ impl Registry {
             version: env!("CARGO_PKG_VERSION").to_string(),
             started_at: i.started_at,
             last_heartbeat: now_s(),
-            status: report.status,
+            status: match report.status {
+                Status::Running if !crate::topology::gate::is_open() => Status::Waiting,
+                status => status,
+            },
             processors: report.processors,
             concurrency: stages
                 .iter()

@@ -33,6 +33,9 @@ pub enum Status {
     Paused,
     /// Stopping: finishing what is in flight.
     Draining,
+    /// Started, every consumer and the API's publishes held until the start's check of the
+    /// broker's exchanges and queues passed (`topology::gate`; review R39-F9: said `running`).
+    Waiting,
 }
 
 impl Status {
@@ -42,6 +45,7 @@ impl Status {
             Status::Running => "running",
             Status::Paused => "paused",
             Status::Draining => "draining",
+            Status::Waiting => "waiting",
         }
     }
 }

@@ -49,7 +49,7 @@ pub(super) async fn insert(
         // The breaker's probe: the statement runs, writing nothing (a read-only server, a
         // missing table or privilege still answer as they would for a batch).
         let statement = client
-            .prepare_cached(&st.insert)
+            .prepare_cached(&st.insert_plain)
             .await
             .map_err(DbError::from_pg)?;
         let arrays = arrays(mapping, records);
@@ -89,8 +89,9 @@ pub(super) async fn insert(
         )
         .await;
     }
-    if mapping.delete.is_some() {
-        // Deletes: every batch through the probe, under a lock per key (`versions.rs`).
+    if mapping.delete.is_some() || versions::partitioned(mapping, client).await? {
+        // Deletes: every batch through the probe, under a lock per key (`versions.rs`); a
+        // partitioned table too (its insert returns no system column).
         return versions::write(mapping, st, client, records).await;
     }
     let statement = client
@@ -214,7 +215,7 @@ async fn with_children(
         // The breaker's probe: each statement runs, writing nothing (a missing table or
         // privilege answers as it would for a batch).
         let prepared = client
-            .prepare_cached(&st.insert)
+            .prepare_cached(&st.insert_plain)
             .await
             .map_err(DbError::from_pg)?;
         client
@@ -275,8 +276,9 @@ async fn with_children(
             .await
         }
         OnConflict::Update => {
-            if mapping.delete.is_some() {
-                // Deletes: every batch through the probe, under a lock per key.
+            if mapping.delete.is_some() || versions::partitioned(mapping, client).await? {
+                // Deletes: every batch through the probe, under a lock per key; a partitioned
+                // table too (its insert returns no system column).
                 return versions::write(mapping, st, client, records).await;
             }
             if !mapping.children.is_empty() && versions::parent_triggers(mapping, client).await? {

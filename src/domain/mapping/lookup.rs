@@ -390,7 +390,8 @@ pub(super) async fn trial(
         if found.first().is_some_and(|row| row.get::<_, bool>(1)) {
             return Ok(Trial::Held);
         }
-        let parent = st.insert_new.as_deref().unwrap_or(st.insert.as_str());
+        // Its key is not held (above): the plain insert writes what the upsert would.
+        let parent = st.insert_plain.as_str();
         if client.execute(parent, &params).await? == 0 {
             // No row holds its key (above), and nothing was written: a BEFORE INSERT trigger
             // discarded it, as the run finds it and parks it (review R36h F11: an `update`

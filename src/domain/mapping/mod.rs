@@ -363,6 +363,9 @@ pub struct Mapping {
     /// Whether the table has an enabled BEFORE INSERT or UPDATE row trigger, learnt when an
     /// `update` mapping with child tables first writes (`versions::parent_triggers`).
     triggers: std::sync::Arc<tokio::sync::OnceCell<bool>>,
+    /// Whether the table is partitioned, learnt when an `update` mapping first writes
+    /// (`versions::partitioned`).
+    partitioned: std::sync::Arc<tokio::sync::OnceCell<bool>>,
 }
 
 impl Mapping {
@@ -656,6 +659,7 @@ impl Mapping {
             children: compiled_children,
             delete,
             triggers: Default::default(),
+            partitioned: Default::default(),
         })
     }
 

@@ -17,6 +17,10 @@ pub(super) struct Statements {
     pub(super) insert_new: Option<String>,
     /// The probe's table, made for one transaction: the mapped columns of the table, as the
     /// table types them (type, length, precision, collation, domain), and the record's ordinal.
+    /// The plain insert (`$1..$n`), no conflict target and nothing returned: the breaker's
+    /// probe (an empty batch) and `pipelines test --db` of a key not held run it (an `update`
+    /// upsert returns `xmax`, which an insert into a partitioned table cannot: review R39-F10).
+    pub(super) insert_plain: String,
     pub(super) probe_table: String,
     /// The records into the probe, then, from what the probe holds: for each record (by
     /// ordinal), whether its key holds a row, and per column whether the stored value equals it.
@@ -303,6 +307,7 @@ impl Statements {
         let key_names: Vec<&str> = key.iter().map(|&i| names[i].as_str()).collect();
         let keys = key_names.join(", ");
         let t = table.sql();
+        let insert_plain = format!("INSERT INTO {t} ({list}) SELECT * FROM {unnest} AS v({list})");
         let insert_new = version.is_none().then(|| {
             format!("INSERT INTO {t} ({list}) SELECT * FROM {unnest} AS v({list}) ORDER BY {keys}")
         });
@@ -336,6 +341,7 @@ impl Statements {
         Self {
             insert,
             insert_new,
+            insert_plain,
             probe_table: probe.table,
             probe_compare: probe.compare,
             probe_keep: probe.keep,

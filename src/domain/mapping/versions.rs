@@ -391,6 +391,31 @@ pub(super) async fn parent_triggers(
         .copied()
 }
 
+/// Whether `mapping`'s table is partitioned (asked once): an insert into one cannot return a
+/// system column (`0A000`), which the upsert's fast path tells new rows by (`xmax = 0`), so its
+/// batches go through the probe (review R39-F10: every batch of such an `update` pipeline
+/// failed, taken for a transient error, and nothing was ever stored).
+pub(super) async fn partitioned(
+    mapping: &Mapping,
+    client: &deadpool_postgres::Client,
+) -> Result<bool, DbError> {
+    mapping
+        .partitioned
+        .get_or_try_init(|| async {
+            let row = client
+                .query_one(
+                    "SELECT EXISTS (SELECT 1 FROM pg_class c \
+                       WHERE c.oid = to_regclass($1)::oid AND c.relkind = 'p')",
+                    &[&mapping.table.sql()],
+                )
+                .await
+                .map_err(DbError::from_pg)?;
+            Ok(row.get::<_, bool>(0))
+        })
+        .await
+        .copied()
+}
+
 /// The child rows of the keys whose row this transaction wrote, replaced by the winning
 /// write's (the writes' ordinals in the probe are their batch indices + 1).
 async fn replace_children(
