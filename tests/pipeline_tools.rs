@@ -498,7 +498,7 @@ async fn pipelines_test_db_refuses_a_table_the_run_refuses() {
     .await;
     assert_eq!(code, 2, "{out}{err}");
     assert!(
-        err.contains("neither partial nor DEFERRABLE"),
+        err.contains("neither partial, DEFERRABLE nor invalid"),
         "the run's words:\n{out}{err}"
     );
     assert!(!out.contains("1: ok"), "{out}");
@@ -509,9 +509,66 @@ async fn pipelines_test_db_refuses_a_table_the_run_refuses() {
     let run_err = String::from_utf8_lossy(&run.stderr);
     assert_eq!(run.status.code(), Some(2), "{run_err}");
     assert!(
-        run_err.contains("neither partial nor DEFERRABLE"),
+        run_err.contains("neither partial, DEFERRABLE nor invalid"),
         "{run_err}"
     );
+}
+
+/// Review R39-F13 and F11: a key covered only by an invalid unique index (left by a failed
+/// `CREATE UNIQUE INDEX CONCURRENTLY`: it enforces nothing, and every copy was stored again),
+/// and a materialized view as the table (the run held on a systemic error), are refused by the
+/// start's check, so by `--db` and `run` alike (exit 2).
+#[tokio::test(flavor = "multi_thread")]
+async fn pipelines_test_db_refuses_an_invalid_key_index_and_a_materialized_view() {
+    let env = TestEnv::new("tools_test_invalid").await;
+    let names = PipelineNames::of(&env, "orders");
+    env.db
+        .batch_execute(
+            "CREATE TABLE orders (order_id uuid, total numeric NOT NULL, version int8 NOT NULL);
+             CREATE TABLE order_items (order_id uuid NOT NULL, line int4 NOT NULL,
+                 sku text NOT NULL, qty int4 NOT NULL, PRIMARY KEY (order_id, line));
+             INSERT INTO orders VALUES ('00000000-0000-0000-0000-000000000001', 1, 1),
+                                       ('00000000-0000-0000-0000-000000000001', 1, 1);",
+        )
+        .await
+        .expect("the tables");
+    let failed = env
+        .db
+        .batch_execute("CREATE UNIQUE INDEX CONCURRENTLY orders_id ON orders (order_id)")
+        .await;
+    assert!(failed.is_err(), "the duplicate makes the index invalid");
+    env.db
+        .batch_execute("DELETE FROM orders")
+        .await
+        .expect("emptied");
+    let file = ConfigFile::new(&nested_toml(&names, ""));
+    let line = String::from_utf8(nested_order(Uuid::new_v4(), 1, &[("A-1", 2)])).expect("utf-8");
+    let (code, out, err) = with_stdin(
+        &env,
+        &["--config", file.at(), "pipelines", "test", "orders", "--db"],
+        line.as_bytes(),
+    )
+    .await;
+    assert_eq!(code, 2, "{out}{err}");
+    assert!(err.contains("nor invalid"), "{out}{err}");
+
+    env.db
+        .batch_execute(
+            "DROP TABLE orders;
+             CREATE TABLE orders_src (order_id uuid PRIMARY KEY, total numeric, version int8);
+             CREATE MATERIALIZED VIEW orders AS SELECT * FROM orders_src;
+             CREATE UNIQUE INDEX ON orders (order_id);",
+        )
+        .await
+        .expect("the materialized view");
+    let (code, out, err) = with_stdin(
+        &env,
+        &["--config", file.at(), "pipelines", "test", "orders", "--db"],
+        line.as_bytes(),
+    )
+    .await;
+    assert_eq!(code, 2, "{out}{err}");
+    assert!(err.contains("orders is a materialized view"), "{out}{err}");
 }
 
 /// Found by review (R36-e): with `on_conflict = "update"`, `pipelines test --db` of a newer

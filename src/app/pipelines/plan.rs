@@ -110,7 +110,10 @@ pub(in crate::app) fn left_queues<'a>(
                     .map_or("EXCHANGE/ROUTING_KEY".to_string(), |to| to[i].clone())
             };
             let main = r.spec.names.main_queue.as_str();
-            let mut left: Vec<(String, String)> = consumed(r)
+            // The tiers first: moved after the main queue, what a tier's TTL sends back to it
+            // meanwhile stays there after its move said "0 left" (review R39-F14).
+            let mut left: Vec<(String, String)> = Vec::new();
+            let mut queues: Vec<(String, String)> = consumed(r)
                 .into_iter()
                 .enumerate()
                 .filter(|(_, q)| !now.contains(q))
@@ -137,6 +140,7 @@ pub(in crate::app) fn left_queues<'a>(
                         }),
                 );
             }
+            left.append(&mut queues);
             left
         })
         .collect()

@@ -205,16 +205,16 @@ fn the_queues_a_reload_leaves_are_named() {
         left_queues(was.iter().filter(|d| d.name == "orders"), &renamed),
         [
             (
-                "orders_queue (orders)".to_string(),
-                "warren move --from orders_queue --to orders_exchange/orders_q2".to_string()
-            ),
-            (
                 "orders_retry_10s (orders, retry tier of orders_queue)".to_string(),
                 "warren move --from orders_retry_10s --to orders_exchange/orders_q2".to_string()
+            ),
+            (
+                "orders_queue (orders)".to_string(),
+                "warren move --from orders_queue --to orders_exchange/orders_q2".to_string()
             )
         ],
         "what waits in the old retry tier dead-letters back to the left main queue: named too \
-         (review R38-F5)"
+         (review R38-F5), and moved first (R39-F14)"
     );
     // The retry queue renamed alone: its old tier drains by itself into the main queue,
     // still consumed, and is not named.

@@ -74,6 +74,28 @@ pub async fn check(
 ) -> Result<Vec<String>, DbError> {
     let info = describe_table(&mapping.table, client).await?;
     let mut out = mismatches(mapping, info.as_ref());
+    // A relation that takes no INSERT of rows (review R39-F11: a materialized view with a
+    // unique index passed, and the run held on a systemic error for good).
+    for table in std::iter::once(&mapping.table).chain(mapping.children.iter().map(|c| &c.table)) {
+        let kind: Option<String> = client
+            .query_opt(
+                "SELECT c.relkind::text FROM pg_class c WHERE c.oid = to_regclass($1)",
+                &[&table.sql()],
+            )
+            .await
+            .map_err(DbError::from_pg)?
+            .map(|r| r.get(0));
+        let what = match kind.as_deref() {
+            Some("m") => "a materialized view",
+            Some("v") => "a view",
+            Some("f") => "a foreign table",
+            _ => continue,
+        };
+        out.push(format!(
+            "pipeline {}: {table} is {what}: a pipeline writes a table (or a partitioned table)",
+            mapping.pipeline
+        ));
+    }
     if info.is_some() {
         out.extend(tombstone_mismatch(mapping, client).await?);
         let at = format!("pipeline {}: table {}", mapping.pipeline, mapping.table);
@@ -331,8 +353,8 @@ fn table_mismatches(
             .collect();
         out.push(format!(
             "{at}: the key ({}) is not a primary key or unique index of the table (found: {}); \
-             expected one on exactly these columns, neither partial nor DEFERRABLE (ON CONFLICT \
-             cannot use those)",
+             expected one on exactly these columns, neither partial, DEFERRABLE nor invalid (a \
+             failed CREATE INDEX CONCURRENTLY) (ON CONFLICT cannot use those)",
             named,
             if found.is_empty() {
                 "none".to_string()
@@ -426,7 +448,7 @@ async fn key_collation_mismatches(
              JOIN pg_attribute a ON a.attrelid = x.indrelid AND a.attnum = k.attnum \
              LEFT JOIN pg_collation ic ON ic.oid = k.coll \
              LEFT JOIN pg_collation ac ON ac.oid = a.attcollation \
-             WHERE x.indrelid = to_regclass($1) AND x.indisunique AND x.indpred IS NULL \
+             WHERE x.indrelid = to_regclass($1) AND x.indisunique AND x.indisvalid AND x.indpred IS NULL \
                AND x.indexprs IS NULL AND x.indimmediate AND k.ord <= x.indnkeyatts \
              GROUP BY i.relname ORDER BY i.relname",
             &[&table.sql()],
@@ -485,7 +507,7 @@ pub(super) async fn unique_indexes<C: tokio_postgres::GenericClient>(
              FROM pg_index x JOIN pg_class i ON i.oid = x.indexrelid \
              CROSS JOIN LATERAL unnest(x.indkey) WITH ORDINALITY AS k(attnum, ord) \
              JOIN pg_attribute a ON a.attrelid = x.indrelid AND a.attnum = k.attnum \
-             WHERE x.indrelid = $1 AND x.indisunique AND x.indpred IS NULL \
+             WHERE x.indrelid = $1 AND x.indisunique AND x.indisvalid AND x.indpred IS NULL \
                AND x.indexprs IS NULL AND x.indimmediate AND k.ord <= x.indnkeyatts \
              GROUP BY i.relname ORDER BY i.relname",
             &[&oid],
