@@ -430,8 +430,9 @@ async fn a_child_table_that_does_not_fit_is_named() {
             ),
             format!(
                 "{at}: the key (order_id, line) is not a primary key or unique index of the \
-                 table (found: none); expected one on exactly these columns, neither partial nor \
-                 DEFERRABLE (ON CONFLICT cannot use those)"
+                 table (found: none); expected one on exactly these columns, neither partial, \
+                 DEFERRABLE nor invalid (a failed CREATE INDEX CONCURRENTLY) (ON CONFLICT cannot \
+                 use those)"
             ),
         ]
     );

@@ -49,7 +49,7 @@ pub(super) async fn insert(
         // The breaker's probe: the statement runs, writing nothing (a read-only server, a
         // missing table or privilege still answer as they would for a batch).
         let statement = client
-            .prepare_cached(&st.insert_plain)
+            .prepare_cached(probe_statement(mapping, st))
             .await
             .map_err(DbError::from_pg)?;
         let arrays = arrays(mapping, records);
@@ -164,6 +164,16 @@ pub(super) async fn stored(
     .await
 }
 
+/// What the breaker's probe (a batch of no records) runs: the batch's own statement, so a plan
+/// cached on the connection is asked as a batch would (`db::replanning`); for `update` the plain
+/// insert, as its upsert returns `xmax`, which a partitioned table cannot (review R39-F10).
+fn probe_statement<'s>(mapping: &Mapping, st: &'s super::statements::Statements) -> &'s str {
+    match mapping.version {
+        None => &st.insert,
+        Some(_) => &st.insert_plain,
+    }
+}
+
 /// Of each of `records` (a batch whose statement's outcome is unknown), whether the table
 /// already decides it, so that it is done whether or not that statement committed: `update`,
 /// through a write rolled back ([`versions::settled`]: a copy, or older than what its key
@@ -215,7 +225,7 @@ async fn with_children(
         // The breaker's probe: each statement runs, writing nothing (a missing table or
         // privilege answers as it would for a batch).
         let prepared = client
-            .prepare_cached(&st.insert_plain)
+            .prepare_cached(probe_statement(mapping, st))
             .await
             .map_err(DbError::from_pg)?;
         client
