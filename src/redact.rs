@@ -234,34 +234,8 @@ fn redact_keywords(text: &str) -> String {
     out
 }
 
-/// `text` with every `%XX` escape decoded and `+` read as a space (bytes that are no UTF-8 are
-/// replaced); an escape that is not two hex digits stays as written.
+/// `text` with every `%XX` escape decoded ([`crate::text::percent_decoded`]) and `+` read as a
+/// space (bytes that are no UTF-8 are replaced).
 fn percent_decoded(text: &str) -> String {
-    let bytes = text.as_bytes();
-    let mut out = Vec::with_capacity(bytes.len());
-    let mut i = 0;
-    while i < bytes.len() {
-        let hex = |b: u8| (b as char).to_digit(16);
-        match bytes[i] {
-            b'%' if i + 2 < bytes.len() => match (hex(bytes[i + 1]), hex(bytes[i + 2])) {
-                (Some(h), Some(l)) => {
-                    out.push((h * 16 + l) as u8);
-                    i += 3;
-                }
-                _ => {
-                    out.push(b'%');
-                    i += 1;
-                }
-            },
-            b'+' => {
-                out.push(b' ');
-                i += 1;
-            }
-            b => {
-                out.push(b);
-                i += 1;
-            }
-        }
-    }
-    String::from_utf8_lossy(&out).into_owned()
+    String::from_utf8_lossy(&crate::text::percent_decoded(&text.replace('+', " "))).into_owned()
 }

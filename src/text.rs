@@ -1,6 +1,8 @@
 //! Bounds on text that came from outside (a message's reason, id or header value, a server's
 //! error message): [`capped`] cuts text to a number of bytes on a character boundary, and
-//! [`shown`] is that cut wherever such text reaches an event, a log line or a stored error.
+//! [`shown`] is that cut wherever such text reaches an event, a log line or a stored error;
+//! [`percent_decoded`] reads `%XX` escapes as the clients do (the API's path key, a URL's
+//! parameter names when redacting).
 //! Neutral ground: the broker link, the database layer and the events all use it, and it
 //! imports nothing of theirs.
 
@@ -28,6 +30,28 @@ pub fn capped(text: &str, max: usize) -> Cow<'_, str> {
         cut -= 1;
     }
     format!("{}…", &text[..cut]).into()
+}
+
+/// `text`'s bytes with every `%XX` escape (two hex digits) decoded; an escape that is not one
+/// stays as written. The caller decides what bytes that are no UTF-8 mean.
+pub fn percent_decoded(text: &str) -> Vec<u8> {
+    let bytes = text.as_bytes();
+    let mut out = Vec::with_capacity(bytes.len());
+    let mut i = 0;
+    while i < bytes.len() {
+        let hex = |b: u8| (b as char).to_digit(16);
+        match (bytes[i], bytes.get(i + 1), bytes.get(i + 2)) {
+            (b'%', Some(&h), Some(&l)) if hex(h).is_some() && hex(l).is_some() => {
+                out.push((hex(h).unwrap_or(0) * 16 + hex(l).unwrap_or(0)) as u8);
+                i += 3;
+            }
+            (b, _, _) => {
+                out.push(b);
+                i += 1;
+            }
+        }
+    }
+    out
 }
 
 #[cfg(test)]

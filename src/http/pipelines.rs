@@ -781,28 +781,7 @@ async fn put(
 /// with the row of that other key (found by the review).
 fn path_key(req: &HttpRequest) -> Result<String, Box<HttpResponse>> {
     let raw = req.uri().path().rsplit('/').next().unwrap_or_default();
-    let bytes = raw.as_bytes();
-    let mut out = Vec::with_capacity(bytes.len());
-    let mut i = 0;
-    while i < bytes.len() {
-        let hex = |b: u8| (b as char).to_digit(16);
-        match bytes[i] {
-            b'%' if i + 2 < bytes.len() => match (hex(bytes[i + 1]), hex(bytes[i + 2])) {
-                (Some(h), Some(l)) => {
-                    out.push((h * 16 + l) as u8);
-                    i += 3;
-                }
-                _ => {
-                    out.push(b'%');
-                    i += 1;
-                }
-            },
-            b => {
-                out.push(b);
-                i += 1;
-            }
-        }
-    }
+    let out = crate::text::percent_decoded(raw);
     String::from_utf8(out).map_err(|_| {
         Box::new(error(
             StatusCode::BAD_REQUEST,
