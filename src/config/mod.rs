@@ -499,7 +499,12 @@ impl Settings {
     fn validate(&self) -> Result<(), ConfigError> {
         // The API's listener and the metrics listener of one process cannot share an address
         // (review R38-F15: `run` exited 1 blaming "another process").
-        if self.has_role(Role::Api) && self.http_addr.trim() == self.metrics_addr.trim() {
+        // Port 0 is any free port: two listeners on it get two (the bench gives both `:0`).
+        let any_port = self.http_addr.trim().ends_with(":0");
+        if self.has_role(Role::Api)
+            && !any_port
+            && self.http_addr.trim() == self.metrics_addr.trim()
+        {
             return Err(ConfigError::Invalid {
                 setting: "HTTP_ADDR".into(),
                 expected: "an address other than METRICS_ADDR: the HTTP API and the metrics \

@@ -881,4 +881,9 @@ fn the_api_and_the_metrics_listener_on_one_address_are_refused() {
     let mut consumer = same.to_vec();
     consumer.push(("roles", "consumer"));
     with(&consumer).expect("no API listener");
+    with(&[
+        ("http_addr", "127.0.0.1:0"),
+        ("metrics_addr", "127.0.0.1:0"),
+    ])
+    .expect("port 0: each listener gets a free port of its own");
 }
