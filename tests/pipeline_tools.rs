@@ -569,6 +569,38 @@ async fn pipelines_test_db_refuses_an_invalid_key_index_and_a_materialized_view(
     .await;
     assert_eq!(code, 2, "{out}{err}");
     assert!(err.contains("orders is a materialized view"), "{out}{err}");
+
+    // A rule ON INSERT on a child table (R39-F10's rule variant: ON CONFLICT cannot run
+    // through it, and DO INSTEAD takes the rows unseen): refused by --db and run alike.
+    env.db
+        .batch_execute(
+            "DROP MATERIALIZED VIEW orders;
+             CREATE TABLE orders (order_id uuid PRIMARY KEY, total numeric NOT NULL,
+                 version int8 NOT NULL);
+             CREATE TABLE items_elsewhere (LIKE order_items);
+             CREATE RULE items_away AS ON INSERT TO order_items
+                 DO INSTEAD INSERT INTO items_elsewhere VALUES (NEW.*);",
+        )
+        .await
+        .expect("the rule");
+    let (code, out, err) = with_stdin(
+        &env,
+        &["--config", file.at(), "pipelines", "test", "orders", "--db"],
+        line.as_bytes(),
+    )
+    .await;
+    assert_eq!(code, 2, "{out}{err}");
+    assert!(
+        err.contains("order_items has the rule \"items_away\" ON INSERT"),
+        "{out}{err}"
+    );
+    let run = env
+        .command(&["--config", file.at(), "run", "--roles", "consumer"])
+        .output()
+        .expect("run");
+    let run_err = String::from_utf8_lossy(&run.stderr);
+    assert_eq!(run.status.code(), Some(2), "{run_err}");
+    assert!(run_err.contains("ON INSERT"), "{run_err}");
 }
 
 /// Found by review (R36-e): with `on_conflict = "update"`, `pipelines test --db` of a newer

@@ -96,6 +96,30 @@ pub async fn check(
             mapping.pipeline
         ));
     }
+    // A rule on a table warren writes: `INSERT ... ON CONFLICT` cannot run through an INSERT or
+    // UPDATE rule (0A000 on every batch, a systemic error for good), and a DO INSTEAD rule takes
+    // the rows, or a delete, where the statement's answer cannot see them (review R39-F10).
+    for table in std::iter::once(&mapping.table).chain(mapping.children.iter().map(|c| &c.table)) {
+        let rules = client
+            .query(
+                "SELECT r.rulename::text, CASE r.ev_type WHEN '2' THEN 'UPDATE' \
+                 WHEN '3' THEN 'INSERT' ELSE 'DELETE' END \
+                 FROM pg_rewrite r WHERE r.ev_class = to_regclass($1) \
+                 AND r.ev_type IN ('2', '3', '4') ORDER BY 1",
+                &[&table.sql()],
+            )
+            .await
+            .map_err(DbError::from_pg)?;
+        for rule in rules {
+            let (name, event): (String, String) = (rule.get(0), rule.get(1));
+            out.push(format!(
+                "pipeline {}: {table} has the rule {name:?} ON {event}: warren writes with \
+                 INSERT ... ON CONFLICT (and DELETE), which a rule refuses or takes elsewhere \
+                 unseen; drop the rule (a trigger is allowed)",
+                mapping.pipeline
+            ));
+        }
+    }
     if info.is_some() {
         out.extend(tombstone_mismatch(mapping, client).await?);
         let at = format!("pipeline {}: table {}", mapping.pipeline, mapping.table);
