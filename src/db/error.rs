@@ -59,8 +59,24 @@ impl DbError {
     }
 
     pub fn from_pool(e: PoolError) -> Self {
+        use deadpool_postgres::TimeoutType;
+        // The pool's timeouts in words an operator reads as the cause: a new connection or
+        // the check of a pooled one that got no answer is a silent database (a frozen host, a
+        // half-open link), as a statement past its bound is.
         match e {
             PoolError::Backend(e) => Self::from_pg(e),
+            PoolError::Timeout(TimeoutType::Create) => DbError::Connection(format!(
+                "no answer from the database within {} ms while connecting",
+                super::POOL_CREATE.as_millis()
+            )),
+            PoolError::Timeout(TimeoutType::Recycle) => DbError::Connection(format!(
+                "no answer from the database within {} ms to the check of a pooled connection",
+                super::POOL_RECYCLE.as_millis()
+            )),
+            PoolError::Timeout(TimeoutType::Wait) => DbError::Connection(format!(
+                "no pooled database connection free within {} ms",
+                super::POOL_WAIT.as_millis()
+            )),
             other => DbError::Connection(format!("pool: {other}")),
         }
     }
@@ -207,6 +223,25 @@ pub fn classify_sqlstate(code: &str) -> ErrorClass {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The pool's timeouts say what an operator reads as the cause (the full suite once: a
+    /// frozen link failed a batch at a new connection, `pool: Timeout occurred while creating
+    /// a new object`, where a statement on a pooled one said "no answer from the database").
+    #[test]
+    fn the_pools_timeouts_are_said_in_warrens_words() {
+        use deadpool_postgres::TimeoutType;
+        let said = |t| DbError::from_pool(PoolError::Timeout(t)).to_string();
+        assert!(
+            said(TimeoutType::Create)
+                .contains("no answer from the database within 5000 ms while connecting"),
+            "{}",
+            said(TimeoutType::Create)
+        );
+        assert!(said(TimeoutType::Recycle).contains("no answer from the database within 2000 ms"));
+        assert!(
+            said(TimeoutType::Wait).contains("no pooled database connection free within 5000 ms")
+        );
+    }
 
     #[test]
     fn sqlstates_are_classified_as_documented() {

@@ -174,6 +174,12 @@ where
     }
 }
 
+/// How long a pool waits for a free connection, for a new one, and for the check of a pooled
+/// one before its `get` fails (the words of [`DbError::from_pool`]).
+pub const POOL_WAIT: Duration = Duration::from_secs(5);
+pub const POOL_CREATE: Duration = Duration::from_secs(5);
+pub const POOL_RECYCLE: Duration = Duration::from_secs(2);
+
 /// The pipeline's pool (`warren-pipeline` in `pg_stat_activity`): `config.pool_size`
 /// connections (the composition root sizes it so batches never wait for one).
 pub fn pool(config: &DbConfig) -> Result<Pool, DbError> {
@@ -216,9 +222,9 @@ pub fn pool_for(
     Pool::builder(manager)
         .max_size(max_size.max(1))
         .runtime(Runtime::Tokio1)
-        .wait_timeout(Some(Duration::from_secs(5)))
-        .create_timeout(Some(Duration::from_secs(5)))
-        .recycle_timeout(Some(Duration::from_secs(2)))
+        .wait_timeout(Some(POOL_WAIT))
+        .create_timeout(Some(POOL_CREATE))
+        .recycle_timeout(Some(POOL_RECYCLE))
         .build()
         .map_err(|e| DbError::Config(DbConfigError::Pool(e.to_string())))
 }
