@@ -1635,7 +1635,8 @@ async fn a_reload_switching_the_table_while_an_insert_is_on_its_way_stores_each_
 /// away at the start, and the start's configuration names a retry queue that does not exist)
 /// (review R38-F1): the reload checked the configuration that runs from then on, so the
 /// consumers start. Before, the start's check kept asking for the queue the reload had left,
-/// for ever, and nothing was consumed.
+/// for ever, and nothing was consumed. The start's main queue, never declared, is not named
+/// as a queue the reload leaves (review R39-F15).
 #[tokio::test(flavor = "multi_thread")]
 async fn a_reload_while_the_start_holds_the_consumers_lets_them_consume() {
     let amqp = TcpProxy::start(&amqp_url(), 5672).await;
@@ -1646,6 +1647,7 @@ async fn a_reload_while_the_start_holds_the_consumers_lets_them_consume() {
     assert_eq!(code, 0, "{out}{err}");
     let missing = Names {
         retry: format!("{}_gone", orders.retry),
+        queue: format!("{}_gone", orders.queue),
         ..orders.clone()
     };
     std::fs::write(&path, entry("orders", &missing, 50, 1000)).expect("write");
@@ -1667,7 +1669,17 @@ async fn a_reload_while_the_start_holds_the_consumers_lets_them_consume() {
         )
         .await;
     std::fs::write(&path, entry("orders", &orders, 50, 1000)).expect("write");
-    reload(&env, &warren, "reloaded", 1).await;
+    let reloaded = reload(&env, &warren, "reloaded", 1).await;
+    // The main queue and retry tier the start's configuration named were never declared: they
+    // hold nothing to move, and the reload does not name them as left (review R39-F15).
+    assert!(reloaded.get("left_queues").is_none(), "{reloaded}");
+    assert!(
+        !warren
+            .logs()
+            .contains("no pipeline consumes these queues now"),
+        "{}",
+        warren.logs()
+    );
     let ids = new_ids(20);
     publish(&env, &orders, &ids).await;
     assert_table(&env, "orders", &ids.iter().copied().collect(), &warren).await;
@@ -1909,4 +1921,71 @@ async fn a_drain_that_times_out_leaves_nothing_in_flight() {
         },
     )
     .await;
+}
+
+/// Review R39-F5, the reload's half: an instance started with `--pipelines parted` (deletes on
+/// a partitioned table) reloads a file that adds `part0` on one of its partitions, for another
+/// instance to run. The start refuses that file for either selection (the shared rows never see
+/// the tombstones, and a delete is lost); the reload, which starts nothing here, refused
+/// nothing: it checked the selection alone.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_reload_under_a_selection_checks_shared_tables_against_the_whole_file() {
+    let env = TestEnv::new("rl_family").await;
+    let fx = Fixture::new(&env, &["parted"]).await;
+    let (parted, path, file) = (fx.names(0), fx.path.clone(), fx.file.clone());
+    let part0 = Names::of(&env, "part0");
+    let _part0 = part0.cleanup();
+    env.db
+        .batch_execute(
+            "CREATE TABLE pt (k text NOT NULL, v int8 NOT NULL, PRIMARY KEY (k))
+                 PARTITION BY HASH (k);
+             CREATE TABLE pt_0 PARTITION OF pt FOR VALUES WITH (MODULUS 1, REMAINDER 0)",
+        )
+        .await
+        .expect("the partitioned table");
+    let entry = |name: &str, table: &str, names: &Names, extra: &str| {
+        format!(
+            "[[pipelines]]\nname = \"{name}\"\ntable = \"{table}\"\nkey = [\"k\"]\n\
+             on_conflict = \"update\"\nversion_column = \"v\"\n{extra}{}\n\
+             [pipelines.columns]\nk = {{ path = \"/k\", type = \"text\" }}\n\
+             v = {{ path = \"/v\", type = \"int8\" }}\n",
+            names.toml()
+        )
+    };
+    let with_deletes = entry(
+        "parted",
+        "pt",
+        &parted,
+        "delete = { field = \"/op\", value = \"delete\" }\n",
+    );
+    std::fs::write(&path, &with_deletes).expect("write");
+    let (code, out, err) = env.run_async(&["--config", &file, "declare"]).await;
+    assert_eq!(code, 0, "{out}{err}");
+    let warren = env.start(&[
+        "--config",
+        &file,
+        "--roles",
+        "consumer",
+        "--pipelines",
+        "parted",
+    ]);
+    let _logs = LogsOnPanic(vec![warren.log.clone()]);
+    one_consumer(&parted.queue).await;
+    std::fs::write(
+        &path,
+        format!("{with_deletes}\n{}", entry("part0", "pt_0", &part0, "")),
+    )
+    .expect("write");
+    let failed = reload(&env, &warren, "reload_failed", 1).await;
+    let words = "pipeline parted has deletes and writes pt; pipeline part0 writes pt_0, of the \
+                 same partitioned or inherited table pt:";
+    assert!(
+        failed["reason"]
+            .as_str()
+            .unwrap_or_default()
+            .contains(words),
+        "{words}\n{failed}"
+    );
+    let mut warren = warren;
+    warren.terminate_ok(Duration::from_secs(25));
 }

@@ -127,10 +127,12 @@ pub type LoadFn = dyn Fn(&std::collections::BTreeMap<String, serde_json::Value>)
 
 /// Checks (and declares) what a reload starts, and the broker objects of every pipeline of
 /// the configuration read again ([`Reload::prepare`]).
-pub type PrepareFn = dyn Fn(
-    Option<Settings>,
-    Settings,
-) -> futures::future::LocalBoxFuture<'static, Result<(), ReloadError>>;
+pub type PrepareFn =
+    dyn Fn(
+        Option<Settings>,
+        Settings,
+        Vec<String>,
+    ) -> futures::future::LocalBoxFuture<'static, Result<Vec<String>, ReloadError>>;
 
 /// How `warren run` reads its configuration again and prepares what a reload starts (given by
 /// `cli/run.rs`, which knows the sources and `--declare`).
@@ -150,7 +152,8 @@ pub struct Reload {
     /// queues of every pipeline of the second, the whole configuration read again, exist with
     /// the declared properties (review R35h F4: an unchanged pipeline's retry queue declared
     /// again with other arguments passed a reload that a restart refused): a
-    /// [`ReloadError::Prepare`] when they cannot start or run.
+    /// [`ReloadError::Prepare`] when they cannot start or run. Answers which of the third, the
+    /// queues the reload leaves ([`ReloadReport::left_names`]), do not exist on the broker.
     pub prepare: Box<PrepareFn>,
 }
 
@@ -607,10 +610,10 @@ impl Pipelines {
                 report.added.push(d.name.clone());
             }
         }
-        (report.left_queues, report.moves) =
-            left_queues(self.running.iter().map(|r| &r.declared), &wanted)
-                .into_iter()
-                .unzip();
+        report.leave(left_queues(
+            self.running.iter().map(|r| &r.declared),
+            &wanted,
+        ));
         let starts: HashSet<&String> = report.added.iter().chain(&report.changed).collect();
         let starting = |name: &String| starts.contains(name);
         // What starts is checked against its tables first, as at start.
@@ -823,6 +826,8 @@ impl Loaded {
 }
 
 mod plan;
+#[cfg(test)]
+use plan::Left;
 pub(super) use plan::{ReloadReport, api_kept, left_queues, same};
 
 #[cfg(test)]

@@ -38,7 +38,7 @@ enum Work {
     /// [`Loaded::read`], on a blocking thread.
     Loading(tokio::task::JoinHandle<Result<Box<Loaded>, ReloadError>>),
     /// `Reload::prepare`: the tables checked, then (`--declare`) what starts declared.
-    Preparing(futures::future::LocalBoxFuture<'static, Result<(), ReloadError>>),
+    Preparing(futures::future::LocalBoxFuture<'static, Result<Vec<String>, ReloadError>>),
     /// The drain of what it stops ([`Pipelines::begin`]).
     Draining(Draining),
 }
@@ -54,7 +54,7 @@ struct Current {
 /// What the slow part of the reload under way came to ([`Reloads::step`]).
 pub(super) enum Step {
     Loaded(Result<Box<Loaded>, ReloadError>),
-    Prepared(Result<(), ReloadError>),
+    Prepared(Result<Vec<String>, ReloadError>),
     Drained((bool, StopCounts)),
 }
 
@@ -146,7 +146,11 @@ impl Reloads {
         };
         // Always prepared: the broker objects of the pipelines it leaves running are checked
         // too (review R35h F4).
-        let work = Work::Preparing((reload.prepare)(plan.checked.clone(), plan.next().clone()));
+        let work = Work::Preparing((reload.prepare)(
+            plan.checked.clone(),
+            plan.next().clone(),
+            plan.report.left_names.clone(),
+        ));
         self.current = Some(Current {
             asked,
             plan: Some(plan),
@@ -178,7 +182,8 @@ impl Reloads {
             (Step::Loaded(loaded), _) => {
                 return self.planned(asked, loaded, pipelines, reload);
             }
-            (Step::Prepared(Ok(())), Some(plan)) => {
+            (Step::Prepared(Ok(absent)), Some(mut plan)) => {
+                plan.report.forget_absent(&absent);
                 let work = Work::Draining(pipelines.begin(&plan));
                 self.current = Some(Current {
                     asked,
@@ -198,7 +203,7 @@ impl Reloads {
                 asked.answer(&answer);
             }
             // A step past the loading always has its plan.
-            (Step::Prepared(Ok(())) | Step::Drained(_), None) => {}
+            (Step::Prepared(Ok(_)) | Step::Drained(_), None) => {}
         }
         self.start_queued(reload);
     }

@@ -199,8 +199,34 @@ pub struct NotDeclared(pub Vec<String>);
 /// `warren declare`; a missing one is [`NotDeclared`]. Those the broker user may not configure
 /// are checked to exist only, with a warning naming them.
 pub async fn check_declared(settings: &Settings, topology: &Topology) -> anyhow::Result<()> {
+    check_declared_and_absent(settings, topology, &[])
+        .await
+        .map(|_| ())
+}
+
+/// [`check_declared`], and which of `queues` do not exist on the broker (for a reload's left
+/// queues: one never declared holds nothing to move, review R39-F15).
+pub async fn check_declared_and_absent(
+    settings: &Settings,
+    topology: &Topology,
+    queues: &[String],
+) -> anyhow::Result<Vec<String>> {
     let conn = broker(settings).await?;
     let checked = topology.check(&conn).await;
+    let mut absent = Vec::new();
+    if checked.is_ok() {
+        for queue in queues {
+            match amqp::queue_exists(&conn, queue).await {
+                Ok(false) => absent.push(queue.clone()),
+                Ok(true) => {}
+                Err(e) => {
+                    amqp::close(None, Some(conn)).await;
+                    return Err(anyhow::Error::new(e)
+                        .context(format!("asking the broker whether queue {queue} exists")));
+                }
+            }
+        }
+    }
     amqp::close(None, Some(conn)).await;
     let checked = checked?;
     if !checked.unchecked.is_empty() {
@@ -213,7 +239,7 @@ pub async fn check_declared(settings: &Settings, topology: &Topology) -> anyhow:
     if !checked.missing.is_empty() {
         return Err(NotDeclared(checked.missing).into());
     }
-    Ok(())
+    Ok(absent)
 }
 
 /// A connection to the broker for declaring or checking the topology, its error naming where
@@ -263,10 +289,40 @@ pub async fn check_tables(settings: &Settings) -> anyhow::Result<()> {
 /// --pipelines` selected some: review R39-F5, two instances of one file, each selecting one
 /// pipeline, wrote around the tombstones; a reload's new configuration).
 pub async fn check_tables_among(settings: &Settings, all: &Settings) -> anyhow::Result<()> {
+    refused_if_any(settings, pipeline_mismatches(settings, all)).await
+}
+
+/// The partitions and inheritance trees of the tables of `all`'s pipelines alone (the end of
+/// [`check_tables_among`]): a reload under `run --pipelines` that starts none of the file's
+/// new pipelines still refuses a file in which another instance's pipeline would write the
+/// rows of a selected table with deletes (review R39-F5).
+pub async fn check_shared_tables(all: &Settings) -> anyhow::Result<()> {
+    let mismatches = async {
+        let (client, connection) = all
+            .database()
+            .pg_config()?
+            .connect(tokio_postgres::NoTls)
+            .await
+            .map_err(db::DbError::from_pg)?;
+        let task = tokio::spawn(connection);
+        let found = shared_families(all, &client).await;
+        drop(client);
+        let _ = task.await;
+        found
+    };
+    refused_if_any(all, mismatches).await
+}
+
+/// The mismatches `check` finds, as a configuration error (exit 2) listing each; bounded, and
+/// an error naming the database when it cannot be asked.
+async fn refused_if_any(
+    settings: &Settings,
+    check: impl std::future::Future<Output = Result<Vec<String>, db::DbError>>,
+) -> anyhow::Result<()> {
     // A database that accepts the connection and then says nothing (a half-open link, a frozen
     // host) is an error after the connect timeout and one statement's bound, not a silent hang.
     let bound = std::time::Duration::from_secs(5) + settings.database().call_bound();
-    let checked = tokio::time::timeout(bound, pipeline_mismatches(settings, all))
+    let checked = tokio::time::timeout(bound, check)
         .await
         .unwrap_or_else(|_| {
             Err(db::DbError::Connection(format!(

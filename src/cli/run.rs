@@ -198,6 +198,12 @@ pub async fn execute(
         .as_ref()
         .map(|f| format!("{}: ", f.display()))
         .unwrap_or_default();
+    // With `--pipelines`, the whole configuration a reload read, for the check of shared
+    // partitions and inheritance trees (review R39-F5: against the selection alone, a pipeline
+    // added on a partition of a selected table with deletes passed). Reloads run one at a
+    // time, so the last load is the one prepared.
+    let whole: std::sync::Arc<std::sync::Mutex<Option<Settings>>> = Default::default();
+    let loaded_whole = whole.clone();
     let reload = crate::app::Reload {
         base: std::sync::Arc::new(settings.clone()),
         load: std::sync::Arc::new(move |pinned| {
@@ -205,43 +211,56 @@ pub async fn execute(
             sources.pinned = pinned.clone();
             let settings = Settings::load(&sources)?;
             match &selection {
-                Some(list) => select_pipelines(settings, list),
+                Some(list) => {
+                    *loaded_whole.lock().unwrap_or_else(|p| p.into_inner()) =
+                        Some(settings.clone());
+                    select_pipelines(settings, list)
+                }
                 None => Ok(settings),
             }
         }),
-        prepare: Box::new(move |starting: Option<Settings>, all: Settings| {
-            let from = from.clone();
-            Box::pin(async move {
-                // Everything is checked before anything is declared: a reload refused for a
-                // table declares nothing on the broker.
-                let prepared = async {
-                    if let Some(settings) = &starting {
-                        let topology = Topology::from_settings(settings)?;
-                        if declare {
-                            crate::cli::declare::tombstones(settings).await?;
+        prepare: Box::new(
+            move |starting: Option<Settings>, all: Settings, left: Vec<String>| {
+                let from = from.clone();
+                let loaded = whole.lock().unwrap_or_else(|p| p.into_inner()).clone();
+                let selected = loaded.is_some();
+                let whole = loaded.unwrap_or_else(|| all.clone());
+                Box::pin(async move {
+                    // Everything is checked before anything is declared: a reload refused for a
+                    // table declares nothing on the broker.
+                    let prepared = async {
+                        if let Some(settings) = &starting {
+                            let topology = Topology::from_settings(settings)?;
+                            if declare {
+                                crate::cli::declare::tombstones(settings).await?;
+                            }
+                            crate::cli::declare::check_tables_among(settings, &whole).await?;
+                            if declare {
+                                crate::cli::declare::declare_topology(settings, &topology).await?;
+                            } else {
+                                crate::cli::declare::check_broker(settings, &topology).await?;
+                            }
+                        } else if selected {
+                            crate::cli::declare::check_shared_tables(&whole).await?;
                         }
-                        crate::cli::declare::check_tables_among(settings, &all).await?;
-                        if declare {
-                            crate::cli::declare::declare_topology(settings, &topology).await?;
-                        } else {
-                            crate::cli::declare::check_broker(settings, &topology).await?;
-                        }
-                    }
-                    // Every pipeline's exchanges and queues, those it leaves running too: they
-                    // exist and have the declared properties (review R35g F5, R35h F4).
-                    let topology = Topology::from_settings(&all)?;
-                    crate::cli::declare::check_declared(&all, &topology).await?;
-                    // The configuration that runs from now on is checked: consumers held by a
-                    // start whose check waits for the broker may consume (review R38-F1: the
-                    // start's check kept asking for a queue the reload had left, for ever).
-                    crate::topology::gate::open();
-                    Ok(())
-                };
-                prepared.await.map_err(|e: anyhow::Error| {
-                    crate::app::ReloadError::Prepare(format!("{from}{e:#}"))
+                        // Every pipeline's exchanges and queues, those it leaves running too: they
+                        // exist and have the declared properties (review R35g F5, R35h F4).
+                        let topology = Topology::from_settings(&all)?;
+                        let absent =
+                            crate::cli::declare::check_declared_and_absent(&all, &topology, &left)
+                                .await?;
+                        // The configuration that runs from now on is checked: consumers held by a
+                        // start whose check waits for the broker may consume (review R38-F1: the
+                        // start's check kept asking for a queue the reload had left, for ever).
+                        crate::topology::gate::open();
+                        Ok(absent)
+                    };
+                    prepared.await.map_err(|e: anyhow::Error| {
+                        crate::app::ReloadError::Prepare(format!("{from}{e:#}"))
+                    })
                 })
-            })
-        }),
+            },
+        ),
     };
     let code = crate::app::run(settings, reload, shutdown).await?;
     match found.lock().unwrap_or_else(|p| p.into_inner()).take() {

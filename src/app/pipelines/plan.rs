@@ -80,7 +80,7 @@ pub(in crate::app) fn api_kept(api: &[Declared], wanted: &[Declared]) -> Result<
 pub(in crate::app) fn left_queues<'a>(
     running: impl Iterator<Item = &'a Declared>,
     wanted: &'a [Declared],
-) -> Vec<(String, String)> {
+) -> Vec<Left> {
     let consumed = |d: &'a Declared| {
         [
             d.spec.names.main_queue.as_str(),
@@ -112,16 +112,15 @@ pub(in crate::app) fn left_queues<'a>(
             let main = r.spec.names.main_queue.as_str();
             // The tiers first: moved after the main queue, what a tier's TTL sends back to it
             // meanwhile stays there after its move said "0 left" (review R39-F14).
-            let mut left: Vec<(String, String)> = Vec::new();
-            let mut queues: Vec<(String, String)> = consumed(r)
+            let mut left: Vec<Left> = Vec::new();
+            let mut queues: Vec<Left> = consumed(r)
                 .into_iter()
                 .enumerate()
                 .filter(|(_, q)| !now.contains(q))
-                .map(|(i, q)| {
-                    (
-                        format!("{q} ({})", r.name),
-                        format!("warren move --from {q} --to {}", to(i)),
-                    )
+                .map(|(i, q)| Left {
+                    queue: q.to_string(),
+                    named: format!("{q} ({})", r.name),
+                    moved: format!("warren move --from {q} --to {}", to(i)),
                 })
                 .collect();
             if !now.contains(main) {
@@ -132,11 +131,10 @@ pub(in crate::app) fn left_queues<'a>(
                         .iter()
                         .map(|t| t.queue.as_str())
                         .filter(|q| !tiers_now.contains(q))
-                        .map(|q| {
-                            (
-                                format!("{q} ({}, retry tier of {main})", r.name),
-                                format!("warren move --from {q} --to {}", to(0)),
-                            )
+                        .map(|q| Left {
+                            queue: q.to_string(),
+                            named: format!("{q} ({}, retry tier of {main})", r.name),
+                            moved: format!("warren move --from {q} --to {}", to(0)),
                         }),
                 );
             }
@@ -144,6 +142,17 @@ pub(in crate::app) fn left_queues<'a>(
             left
         })
         .collect()
+}
+
+/// A queue a reload leaves ([`left_queues`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(in crate::app) struct Left {
+    /// Its name on the broker.
+    pub queue: String,
+    /// `queue (pipeline)`, or `tier (pipeline, retry tier of queue)`.
+    pub named: String,
+    /// The `warren move` that empties it.
+    pub moved: String,
 }
 
 /// What a reload changed: the pipelines by name, and what it could not apply.
@@ -168,9 +177,35 @@ pub(in crate::app) struct ReloadReport {
     pub left_queues: Vec<String>,
     /// For each of [`ReloadReport::left_queues`], the `warren move` that empties it.
     pub moves: Vec<String>,
+    /// For each of [`ReloadReport::left_queues`], its name on the broker.
+    pub left_names: Vec<String>,
 }
 
 impl ReloadReport {
+    /// The queues it leaves, as [`left_queues`] answers them.
+    pub fn leave(&mut self, left: Vec<Left>) {
+        for l in left {
+            self.left_queues.push(l.named);
+            self.moves.push(l.moved);
+            self.left_names.push(l.queue);
+        }
+    }
+
+    /// Forgets the left queues that do not exist on the broker (`absent`): one never declared
+    /// holds nothing, and naming it with a move sends the operator after nothing (review
+    /// R39-F15).
+    pub fn forget_absent(&mut self, absent: &[String]) {
+        let keep: Vec<bool> = self
+            .left_names
+            .iter()
+            .map(|q| !absent.contains(q))
+            .collect();
+        for list in [&mut self.left_queues, &mut self.moves, &mut self.left_names] {
+            let mut kept = keep.iter();
+            list.retain(|_| *kept.next().unwrap_or(&true));
+        }
+    }
+
     /// `added orders; removed refunds; changed users; unchanged audit`, the parts with names
     /// only (`nothing changed` when none), then what waits for a restart.
     pub fn summary(&self) -> String {

@@ -191,7 +191,13 @@ fn a_reload_keeps_where_the_api_publishes_and_reads() {
     assert!(same(find(&plain, "orders"), find(&was, "orders")));
 }
 
-/// A reload that leaves a queue no pipeline consumes names it (review R35h F3).
+/// A left queue as it is named, with its move.
+fn pairs(left: Vec<Left>) -> Vec<(String, String)> {
+    left.into_iter().map(|l| (l.named, l.moved)).collect()
+}
+
+/// A reload that leaves a queue no pipeline consumes names it (review R35h F3); one that
+/// does not exist on the broker is forgotten (review R39-F15).
 #[test]
 fn the_queues_a_reload_leaves_are_named() {
     let was = declared(&with(ORDERS)).unwrap();
@@ -202,7 +208,10 @@ fn the_queues_a_reload_leaves_are_named() {
     )))
     .unwrap();
     assert_eq!(
-        left_queues(was.iter().filter(|d| d.name == "orders"), &renamed),
+        pairs(left_queues(
+            was.iter().filter(|d| d.name == "orders"),
+            &renamed
+        )),
         [
             (
                 "orders_retry_10s (orders, retry tier of orders_queue)".to_string(),
@@ -230,12 +239,27 @@ fn the_queues_a_reload_leaves_are_named() {
     )))
     .unwrap();
     assert_eq!(
-        left_queues(was.iter().filter(|d| d.name == "orders"), &taken),
+        pairs(left_queues(
+            was.iter().filter(|d| d.name == "orders"),
+            &taken
+        )),
         [(
             "orders_dlq (orders)".to_string(),
             "warren move --from orders_dlq --to EXCHANGE/ROUTING_KEY".to_string()
         )]
     );
+    let mut report = ReloadReport::default();
+    report.leave(left_queues(
+        was.iter().filter(|d| d.name == "orders"),
+        &renamed,
+    ));
+    report.forget_absent(&["orders_retry_10s".to_string()]);
+    assert_eq!(report.left_queues, ["orders_queue (orders)"]);
+    assert_eq!(
+        report.moves,
+        ["warren move --from orders_queue --to orders_exchange/orders_q2"]
+    );
+    assert_eq!(report.left_names, ["orders_queue"]);
 }
 
 /// A reload never leaves an instance that runs pipelines with none; one that runs none
