@@ -856,3 +856,50 @@ async fn a_pool_session_silent_inside_a_transaction_is_ended_with_its_locks() {
         "the session is gone"
     );
 }
+
+/// Review R40a F5: a stop while the database is silent (a partition: the link holds every byte
+/// and every new connection) with many batches still held. Each batch tried during the stop
+/// waited out the pool's 5 s for a connection in turn, so the stop took all of
+/// `SHUTDOWN_TIMEOUT_MS` and exited 1. Now the first batch that gets no answer during the stop
+/// makes the others go back untried: exit 0 well within the bound, and every message is stored
+/// once by the next start.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_stop_while_the_database_is_silent_gives_back_what_it_holds_within_its_bound() {
+    let pg = TcpProxy::start(&database_url(), 5432).await;
+    let mut env = TestEnv::new("pg_stop_silent").await;
+    env.set("DATABASE_URL", pg.url())
+        .set("DATABASE_STATEMENT_TIMEOUT_MS", "1000")
+        .set("USERS_BATCH_SIZE", "20")
+        .set("PREFETCH", "2000")
+        .set("SHUTDOWN_TIMEOUT_MS", "15000");
+    env.declare();
+    let expected: HashSet<Uuid> = env.publish_users(2000).await.into_iter().collect();
+    pg.freeze();
+    let mut warren = env.start(&["--roles", "consumer"]);
+    let _logs = LogsOnPanic(vec![warren.log.clone()]);
+    warren
+        .wait_for_log("the consumer subscribed", "consuming pipeline=\"users\"")
+        .await;
+    // The window fills while the first batches wait for a connection.
+    wait_until("deliveries held", Duration::from_secs(20), || async {
+        try_metric(
+            &env,
+            "warren_messages_received_total",
+            &[("pipeline", "users"), ("stage", "main")],
+        )
+        .await
+        .unwrap_or(0.0)
+            >= 1000.0
+    })
+    .await;
+    // Exit 0 is a stop within SHUTDOWN_TIMEOUT_MS (exit 1 past it, as before the fix).
+    let status = warren.terminate(Duration::from_secs(40));
+    assert_eq!(status.code(), Some(0), "log:\n{}", warren.logs());
+    pg.thaw();
+    let mut warren = env.start(&["--roles", "consumer"]);
+    let _logs = LogsOnPanic(vec![warren.log.clone()]);
+    assert_rows_exactly(&env, &expected, Duration::from_secs(60), &|| warren.logs()).await;
+    warren.terminate_ok(Duration::from_secs(25));
+    assert_eq!(env.queue_state(&env.main_queue).await, (0, 0));
+    assert_eq!(env.queue_state(&env.dlq_queue).await.0, 0);
+}

@@ -312,6 +312,7 @@ pub fn start<D: Domain>(
             stopping.clone(),
         )),
         stopping: stopping.clone(),
+        silent_at_stop: Default::default(),
         statements: statements.clone(),
         settle: consumer_addr.clone().recipient(),
         leftovers,

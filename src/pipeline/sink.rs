@@ -41,6 +41,11 @@ pub struct SinkConfig<D: Domain> {
     pub breaker: Arc<Breaker>,
     /// Cancelled at shutdown: in-place retries give up (the messages are requeued).
     pub stopping: CancellationToken,
+    /// Set when a batch tried during the stop got no answer from the database (no connection,
+    /// a silent link): the batches still held are given back without trying, each of which
+    /// would otherwise wait out the pool's connection timeout in turn, past the stop's bound
+    /// (review R40a F5: a stop during a partition took all of `SHUTDOWN_TIMEOUT_MS`, exit 1).
+    pub silent_at_stop: std::sync::atomic::AtomicBool,
     /// The stage's statements in flight: its stop cancels those still running at the drain's
     /// deadline, and none starts after that.
     pub statements: Arc<crate::db::Statements>,
@@ -120,7 +125,20 @@ async fn sink<D: Domain>(config: Arc<SinkConfig<D>>, batch: Batch<D::Record>) {
             deliveries.iter().map(|d| d.received_at).min(),
             config.hand_back_after,
         );
-        for (indices, result) in insert_isolating(&config, refs, &id, give_back_at).await {
+        let results = if config.stopping.is_cancelled()
+            && config
+                .silent_at_stop
+                .load(std::sync::atomic::Ordering::Relaxed)
+        {
+            let all = refs.iter().map(|(i, _)| *i).collect();
+            let untried = DbError::Connection(
+                "not tried: the database did not answer another batch during the stop".into(),
+            );
+            vec![(all, Err(untried))]
+        } else {
+            insert_isolating(&config, refs, &id, give_back_at).await
+        };
+        for (indices, result) in results {
             match result {
                 Ok(Refusals {
                     conflicts,
@@ -167,6 +185,11 @@ async fn sink<D: Domain>(config: Arc<SinkConfig<D>>, batch: Batch<D::Record>) {
                     }
                     if e.class() == ErrorClass::Transient && transient.is_none() {
                         transient = Some(reason.to_string());
+                    }
+                    if config.stopping.is_cancelled() && !e.server_answered() && e.is_transient() {
+                        config
+                            .silent_at_stop
+                            .store(true, std::sync::atomic::Ordering::Relaxed);
                     }
                     cancelled_by_stop |= config.stopping.is_cancelled()
                         && e.sqlstate()
