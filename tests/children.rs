@@ -1313,3 +1313,74 @@ async fn a_copy_whose_parent_trigger_adds_child_rows_is_done_not_a_conflict() {
         );
     }
 }
+
+/// Review R40b F3, F6, F10: a child column that carries the parent's key under another type,
+/// modifier or collation (`text` under a `citext` key, `numeric` under `numeric(6,2)`) found
+/// the stored child rows by the other type's equality, and kept another version's rows or
+/// outlived deletes. The table check refuses it; a domain over the key's type is the same
+/// type. F2: a foreign key to a partitioned parent table is the one the user made, not also
+/// its per-partition clones. F5: row-level security that applies to warren's role is refused.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_child_column_that_carries_the_key_under_another_type_is_refused() {
+    let env = TestEnv::new("ch_carried").await;
+    let (client, connection) = tokio_postgres::connect(&database_url(), tokio_postgres::NoTls)
+        .await
+        .expect("connect");
+    tokio::spawn(connection);
+    client
+        .batch_execute(&format!("SET search_path TO {}", env.schema))
+        .await
+        .unwrap();
+    let at = "pipeline orders: child table order_items (rows /items)";
+    env.db
+        .batch_execute(
+            "CREATE TABLE orders (order_id uuid PRIMARY KEY, total numeric NOT NULL,
+                 version int8 NOT NULL);
+             CREATE TABLE order_items (order_id text NOT NULL, line int4 NOT NULL,
+                 sku text NOT NULL, qty int4 NOT NULL, PRIMARY KEY (order_id, line))",
+        )
+        .await
+        .expect("the tables");
+    let found = schema::check(&keep(), &client).await.expect("asked");
+    let words = format!(
+        "{at}: column order_id is text, but it carries the parent's order_id, which orders \
+         holds as uuid (expected uuid:"
+    );
+    assert!(found.iter().any(|f| f.starts_with(&words)), "{found:#?}");
+
+    // A domain over uuid is uuid; a foreign key to the partitioned parent is one key.
+    env.db
+        .batch_execute(
+            "DROP TABLE order_items, orders;
+             CREATE DOMAIN order_ref AS uuid;
+             CREATE TABLE orders (order_id uuid PRIMARY KEY, total numeric NOT NULL,
+                 version int8 NOT NULL) PARTITION BY HASH (order_id);
+             CREATE TABLE orders_0 PARTITION OF orders FOR VALUES WITH (MODULUS 2, REMAINDER 0);
+             CREATE TABLE orders_1 PARTITION OF orders FOR VALUES WITH (MODULUS 2, REMAINDER 1);
+             CREATE TABLE order_items (order_id order_ref NOT NULL REFERENCES orders,
+                 line int4 NOT NULL, sku text NOT NULL, qty int4 NOT NULL,
+                 PRIMARY KEY (order_id, line))",
+        )
+        .await
+        .expect("the partitioned tables");
+    let found = schema::check(&keep(), &client).await.expect("asked");
+    assert_eq!(found, Vec::<String>::new());
+
+    // Row-level security that applies to the owner (FORCE).
+    env.db
+        .batch_execute(
+            "ALTER TABLE order_items ENABLE ROW LEVEL SECURITY;
+             ALTER TABLE order_items FORCE ROW LEVEL SECURITY;
+             CREATE POLICY small ON order_items USING (true) WITH CHECK (qty < 100)",
+        )
+        .await
+        .expect("the policy");
+    let found = schema::check(&keep(), &client).await.expect("asked");
+    assert_eq!(found.len(), 1, "{found:#?}");
+    assert!(
+        found[0].starts_with(
+            "pipeline orders: order_items has row-level security that applies to this role"
+        ),
+        "{found:#?}"
+    );
+}

@@ -120,6 +120,30 @@ pub async fn check(
             ));
         }
     }
+    // Row-level security that applies to this session: a policy's WITH CHECK refuses one row
+    // as a missing privilege would (42501, systemic: the pipeline holds for good, review R40b
+    // F5), where a CHECK constraint would have parked the one message.
+    for table in std::iter::once(&mapping.table).chain(mapping.children.iter().map(|c| &c.table)) {
+        let active: Option<bool> = client
+            .query_one(
+                "SELECT row_security_active(c.oid) FROM (SELECT to_regclass($1) AS oid) c \
+                 WHERE c.oid IS NOT NULL",
+                &[&table.sql()],
+            )
+            .await
+            .ok()
+            .map(|r| r.get(0));
+        if active == Some(true) {
+            out.push(format!(
+                "pipeline {}: {table} has row-level security that applies to this role: a \
+                 policy that refuses one row is said as a missing privilege (42501), which \
+                 holds the pipeline rather than parking the message; write it as a role that \
+                 bypasses it (the owner without FORCE ROW LEVEL SECURITY, or BYPASSRLS), or \
+                 check the rows with a CHECK constraint",
+                mapping.pipeline
+            ));
+        }
+    }
     if info.is_some() {
         out.extend(tombstone_mismatch(mapping, client).await?);
         let at = format!("pipeline {}: table {}", mapping.pipeline, mapping.table);
@@ -141,6 +165,7 @@ pub async fn check(
             true,
         ));
         if info.is_some() {
+            out.extend(carried_mismatches(&at, child, mapping, client).await?);
             let fks = foreign_keys(&child.table, &mapping.table, client).await?;
             out.extend(foreign_key_mismatches(
                 &at,
@@ -150,6 +175,81 @@ pub async fn check(
                 &fks,
             ));
         }
+    }
+    Ok(out)
+}
+
+/// The type (with its modifier; a domain's base type, whose equality it has) and collation of
+/// `table`'s column `column`, as the catalog says; `None` when it has no such column (the
+/// column check names that).
+async fn column_kind(
+    table: &TableName,
+    column: &str,
+    client: &tokio_postgres::Client,
+) -> Result<Option<(String, String)>, DbError> {
+    Ok(client
+        .query_opt(
+            "SELECT CASE WHEN t.typtype = 'd' THEN format_type(t.typbasetype, t.typtypmod) \
+                    ELSE format_type(a.atttypid, a.atttypmod) END, \
+                    COALESCE(co.collname::text, '') \
+             FROM pg_attribute a JOIN pg_type t ON t.oid = a.atttypid \
+             LEFT JOIN pg_collation co ON co.oid = a.attcollation \
+             WHERE a.attrelid = to_regclass($1) AND a.attname = $2 AND a.attnum > 0 \
+             AND NOT a.attisdropped",
+            &[&table.sql(), &column],
+        )
+        .await
+        .map_err(DbError::from_pg)?
+        .map(|r| (r.get(0), r.get(1))))
+}
+
+/// A child column that carries a parent column (`{ parent = "k" }`) must hold it as the parent
+/// table does, its type, modifier and collation the same: the child rows are found, replaced
+/// and deleted under their parent by comparing the two, and the value written is the
+/// message's (review R40b F3, F6, F10: a `text` column under a `citext` key, or `numeric`
+/// under `numeric(6,2)`, kept another version's rows and outlived deletes; a column under
+/// another collation than a nondeterministic key's held every batch on 42P22).
+async fn carried_mismatches(
+    at: &str,
+    child: &super::children::Child,
+    mapping: &Mapping,
+    client: &tokio_postgres::Client,
+) -> Result<Vec<String>, DbError> {
+    let mut out = Vec::new();
+    for column in &child.columns {
+        let Source::Parent(i) = column.source else {
+            continue;
+        };
+        let Some(parent) = mapping.columns.get(i) else {
+            continue;
+        };
+        let (Some(mine), Some(theirs)) = (
+            column_kind(&child.table, &column.name, client).await?,
+            column_kind(&mapping.table, &parent.name, client).await?,
+        ) else {
+            continue;
+        };
+        if mine == theirs {
+            continue;
+        }
+        let said = |(ty, coll): &(String, String)| {
+            if coll.is_empty() || coll == "default" {
+                ty.clone()
+            } else {
+                format!("{ty} COLLATE \"{coll}\"")
+            }
+        };
+        out.push(format!(
+            "{at}: column {} is {}, but it carries the parent's {}, which {} holds as {} \
+             (expected {}: the child rows are found under their parent by comparing the two, \
+             and another type, modifier or collation compares, rounds or hashes otherwise)",
+            column.name,
+            said(&mine),
+            parent.name,
+            mapping.table,
+            said(&theirs),
+            said(&theirs)
+        ));
     }
     Ok(out)
 }
@@ -184,7 +284,7 @@ async fn foreign_keys(
         "SELECT c.conname::text, {}, c.confrelid::regclass::text, \
                 COALESCE(c.confrelid = to_regclass($2)::oid, false), {} \
          FROM pg_constraint c WHERE c.conrelid = to_regclass($1)::oid AND c.contype = 'f' \
-         ORDER BY c.conname",
+         AND c.conparentid = 0 ORDER BY c.conname",
         names("conkey", "conrelid"),
         names("confkey", "confrelid"),
     );
