@@ -1319,7 +1319,8 @@ async fn a_copy_whose_parent_trigger_adds_child_rows_is_done_not_a_conflict() {
 /// the stored child rows by the other type's equality, and kept another version's rows or
 /// outlived deletes. The table check refuses it; a domain over the key's type is the same
 /// type. F2: a foreign key to a partitioned parent table is the one the user made, not also
-/// its per-partition clones. F5: row-level security that applies to warren's role is refused.
+/// its per-partition clones. F9: a privilege the statements need is named. F5: row-level
+/// security that applies to warren's role is refused.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_child_column_that_carries_the_key_under_another_type_is_refused() {
     let env = TestEnv::new("ch_carried").await;
@@ -1365,6 +1366,28 @@ async fn a_child_column_that_carries_the_key_under_another_type_is_refused() {
         .expect("the partitioned tables");
     let found = schema::check(&keep(), &client).await.expect("asked");
     assert_eq!(found, Vec::<String>::new());
+
+    // A privilege the update pipeline's statements need, revoked (review R40b F9).
+    env.db
+        .batch_execute("REVOKE UPDATE ON orders FROM CURRENT_USER")
+        .await
+        .expect("revoked");
+    assert_eq!(
+        schema::check(&keep(), &client).await.expect("asked"),
+        Vec::<String>::new()
+    );
+    let found = schema::check(&update(), &client).await.expect("asked");
+    assert_eq!(
+        found,
+        [
+            "pipeline orders: this role may not UPDATE orders (expected the privileges INSERT, \
+          SELECT, UPDATE on it: GRANT them, or the first message holds the pipeline on 42501)"
+        ]
+    );
+    env.db
+        .batch_execute("GRANT UPDATE ON orders TO CURRENT_USER")
+        .await
+        .expect("granted");
 
     // Row-level security that applies to the owner (FORCE).
     env.db

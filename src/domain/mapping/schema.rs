@@ -120,6 +120,47 @@ pub async fn check(
             ));
         }
     }
+    // The privileges the pipeline's statements need (review R40b F9: a table warren may only
+    // INSERT into passed, and the first message held the pipeline on 42501 for good).
+    let update = matches!(mapping.on_conflict(), super::OnConflict::Update);
+    let deletes = mapping.delete().is_some();
+    let mut needs: Vec<(&TableName, Vec<&str>)> = Vec::new();
+    let mut parent = vec!["INSERT", "SELECT"];
+    if update {
+        parent.push("UPDATE");
+    }
+    if deletes {
+        parent.push("DELETE");
+    }
+    needs.push((&mapping.table, parent));
+    for child in &mapping.children {
+        let mut privileges = vec!["INSERT", "SELECT"];
+        if update || deletes {
+            privileges.push("DELETE");
+        }
+        needs.push((&child.table, privileges));
+    }
+    for (table, privileges) in needs {
+        let missing: Option<Vec<String>> = client
+            .query_opt(
+                "SELECT ARRAY(SELECT p FROM unnest($2::text[]) AS p \
+                 WHERE NOT has_table_privilege(c.oid, p)) \
+                 FROM (SELECT to_regclass($1) AS oid) c WHERE c.oid IS NOT NULL",
+                &[&table.sql(), &privileges],
+            )
+            .await
+            .map_err(DbError::from_pg)?
+            .map(|r| r.get(0));
+        if let Some(missing) = missing.filter(|m| !m.is_empty()) {
+            out.push(format!(
+                "pipeline {}: this role may not {} {table} (expected the privileges {} on it: \
+                 GRANT them, or the first message holds the pipeline on 42501)",
+                mapping.pipeline,
+                missing.join(", "),
+                privileges.join(", ")
+            ));
+        }
+    }
     // Row-level security that applies to this session: a policy's WITH CHECK refuses one row
     // as a missing privilege would (42501, systemic: the pipeline holds for good, review R40b
     // F5), where a CHECK constraint would have parked the one message.
