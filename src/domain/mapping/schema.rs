@@ -207,6 +207,11 @@ pub async fn check(
         ));
         if info.is_some() {
             out.extend(carried_mismatches(&at, child, mapping, client).await?);
+            // The child key's index compares as its columns do (review R40b F11: an index
+            // under another collation than the column passed for a child table).
+            out.extend(
+                key_collation_mismatches(&at, &child.table, child.key_names(), client).await?,
+            );
             let fks = foreign_keys(&child.table, &mapping.table, client).await?;
             out.extend(foreign_key_mismatches(
                 &at,
