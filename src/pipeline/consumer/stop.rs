@@ -5,7 +5,7 @@
 
 use actix::prelude::*;
 use tokio::sync::oneshot;
-use tracing::info;
+use tracing::{info, warn};
 
 use super::link::{Link, Phase, Subscription};
 use super::{Cancel, Close, Consumer, Settled};
@@ -182,12 +182,20 @@ impl Handler<Close> for Consumer {
                     // for this answer is 5 s (`Pipeline::shutdown`). The broker has back what
                     // was not acked once the process ends.
                     let close = amqp::close(Some(linked.channel), Some(linked.connection));
+                    // Unanswered, the close proves nothing of the acks sent before it: those of
+                    // the last commits may never have reached the broker, which delivers those
+                    // messages again once it drops the link. The next consumer finds them in its
+                    // table (a copy), unless a reload gave it another table or name (review
+                    // R40a F4, F6: stored, or parked, under both).
                     if tokio::time::timeout(CLOSE_WITHIN, close).await.is_err() {
-                        info!(
+                        warn!(
                             pipeline = stage.pipeline(),
                             stage = stage.stage().as_str(),
                             within_ms = CLOSE_WITHIN.as_millis() as u64,
-                            "the broker link did not answer its close; left to end with the process"
+                            "the broker link did not answer its close; left to end with the \
+                             process. Its last acks may not have reached the broker, which then \
+                             delivers those messages again: a copy for a consumer of the same \
+                             table and name, but stored (or parked) again if a reload changed them"
                         );
                     }
                 }
