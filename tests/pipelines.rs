@@ -384,6 +384,15 @@ async fn run_pipelines_chooses_which_pipelines_run() {
         err.contains("--pipelines: expected names of pipelines of this configuration (users, orders), got \"nope\""),
         "{err}"
     );
+    // A name close to one offers it, as every other tool's --pipeline (review R40a F1).
+    let (code, out, err) = env
+        .run_async(&["--config", &file, "run", "--pipelines", "ordres"])
+        .await;
+    assert_eq!(code, 2, "{out}{err}");
+    assert!(
+        err.contains("got \"ordres\" (did you mean orders?)"),
+        "{err}"
+    );
 
     let warren = env.start(&[
         "--config",

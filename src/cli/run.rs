@@ -40,13 +40,17 @@ pub fn select_pipelines(mut settings: Settings, list: &str) -> Result<Settings, 
             .filter(|n| n != "users"),
     );
     if let Some(unknown) = wanted.iter().find(|w| !known.iter().any(|k| k == *w)) {
+        // As every other tool's --pipeline (review R40a F1).
+        let meant = crate::config::closest(unknown, known.iter().map(String::as_str), false)
+            .map(|m| format!(" (did you mean {m}?)"))
+            .unwrap_or_default();
         return Err(ConfigError::Invalid {
             setting: "--pipelines".into(),
             expected: format!(
                 "names of pipelines of this configuration ({})",
                 known.join(", ")
             ),
-            got: format!("{unknown:?}"),
+            got: format!("{unknown:?}{meant}"),
         });
     }
     settings.select_pipelines(&wanted);
