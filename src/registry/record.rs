@@ -288,24 +288,46 @@ impl KnownPipeline {
         if rest.is_empty() {
             return None;
         }
+        // What differs is what is said: two sets with the same queues differ in their table or
+        // main exchange (review R40a F8: "different queues" over two identical lists, when one
+        // queue's messages went into two tables).
+        let queues_differ = rest.iter().any(|s| queues(s) != queues(first));
+        let tables_differ = rest.iter().any(|s| s.pipeline.table != first.pipeline.table);
+        let how = if queues_differ {
+            "on different queues"
+        } else if tables_differ {
+            "into different tables"
+        } else {
+            "from different exchanges"
+        };
+        let shown = |s: &NameSet| {
+            let mut shown = queues(s);
+            if tables_differ {
+                shown.push_str(&format!(" into table {}", s.pipeline.table));
+            }
+            if !queues_differ && !tables_differ {
+                shown.push_str(&format!(" from exchange {}", s.pipeline.main_exchange));
+            }
+            shown
+        };
         let others: Vec<String> = rest
             .iter()
-            .map(|s| format!("{} runs it on {}", s.instances.join(", "), queues(s)))
+            .map(|s| format!("{} runs it on {}", s.instances.join(", "), shown(s)))
             .collect();
         Some(if first.basis == Basis::Config {
             format!(
                 "pipeline {:?}: the configuration names {}, but {}; the tools act on the \
                  configuration's",
                 self.name,
-                queues(first),
+                shown(first),
                 others.join("; ")
             )
         } else {
             format!(
-                "pipeline {:?}: live instances run it on different queues: {} runs it on {}; {}",
+                "pipeline {:?}: live instances run it {how}: {} runs it on {}; {}",
                 self.name,
                 first.instances.join(", "),
-                queues(first),
+                shown(first),
                 others.join("; ")
             )
         })
@@ -819,6 +841,17 @@ pub(crate) mod tests {
                 .note()
                 .unwrap()
                 .contains("vm:1, vm:3 runs it on o1_queue")
+        );
+        // The same queues into another table: the note names the tables (review R40a F8).
+        let mut elsewhere = on("orders", "o1");
+        elsewhere.table = "orders_v2".into();
+        let e = running(5, vec![elsewhere]);
+        let known = resolve(&[], [&a, &e]);
+        let note = known[0].note().unwrap();
+        assert!(
+            note.contains("live instances run it into different tables: vm:1 runs it on ")
+                && note.contains("into table orders_v2"),
+            "{note}"
         );
         // Retry tiers alone differing: the DLQ work is the same either way.
         let mut longer = on("orders", "o1");
