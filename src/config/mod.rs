@@ -500,17 +500,28 @@ impl Settings {
         // The API's listener and the metrics listener of one process cannot share an address
         // (review R38-F15: `run` exited 1 blaming "another process").
         // Port 0 is any free port: two listeners on it get two (the bench gives both `:0`).
-        let any_port = self.http_addr.trim().ends_with(":0");
-        if self.has_role(Role::Api)
-            && !any_port
-            && self.http_addr.trim() == self.metrics_addr.trim()
-        {
+        // Compared as the listeners bind them: `localhost:P` is `127.0.0.1:P`, and a wildcard
+        // holds the port on every address (review R40a F2); a host that does not resolve is
+        // compared as written (the bind names it).
+        let (http, metrics) = (self.http_addr.trim(), self.metrics_addr.trim());
+        let clash = match (rules::listen_addr(http), rules::listen_addr(metrics)) {
+            (Ok(h), Ok(m)) => {
+                h.port() != 0
+                    && h.port() == m.port()
+                    && (h.ip() == m.ip() || h.ip().is_unspecified() || m.ip().is_unspecified())
+            }
+            _ => !http.ends_with(":0") && http == metrics,
+        };
+        if self.has_role(Role::Api) && clash {
             return Err(ConfigError::Invalid {
                 setting: "HTTP_ADDR".into(),
                 expected: "an address other than METRICS_ADDR: the HTTP API and the metrics \
                            listener of one process listen on two addresses"
                     .into(),
-                got: format!("{:?}, which is METRICS_ADDR too", self.http_addr),
+                got: format!(
+                    "{:?}, which is METRICS_ADDR ({:?}) once bound",
+                    self.http_addr, self.metrics_addr
+                ),
             });
         }
         let limit = self.dlq_delivery_limit;

@@ -878,6 +878,24 @@ fn the_api_and_the_metrics_listener_on_one_address_are_refused() {
         }
         other => panic!("{other:?}"),
     }
+    // Equal once bound (review R40a F2): a name that resolves to the other, a wildcard.
+    for (http, metrics) in [
+        ("localhost:19101", "127.0.0.1:19101"),
+        ("127.0.0.1:19101", "0.0.0.0:19101"),
+    ] {
+        match with(&[("http_addr", http), ("metrics_addr", metrics)]) {
+            Err(ConfigError::Invalid { setting, got, .. }) => {
+                assert_eq!(setting, "HTTP_ADDR");
+                assert!(got.contains("METRICS_ADDR"), "{got}");
+            }
+            other => panic!("{http} {metrics}: {other:?}"),
+        }
+    }
+    with(&[
+        ("http_addr", "127.0.0.1:19101"),
+        ("metrics_addr", "127.0.0.1:19102"),
+    ])
+    .expect("two ports");
     let mut consumer = same.to_vec();
     consumer.push(("roles", "consumer"));
     with(&consumer).expect("no API listener");
