@@ -213,7 +213,12 @@ pub const LOG_QUEUE_LINES: usize = 4096;
 /// writes what is queued (waiting 1.1 s at the most).
 pub fn init_logs(cli: &Cli, settings: &Settings) -> tracing_appender::non_blocking::WorkerGuard {
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default_filter(&cli.command)));
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default_filter(&cli.command)))
+        // Whatever RUST_LOG says: the AMQP client's warning for a returned message prints the
+        // whole message, body and headers, uncapped (review R40a F11: a 300 KB line for an API
+        // request's body, personal data included). warren says what it does with a returned
+        // publish in its own words.
+        .add_directive(QUIET_TARGET.parse().expect("a valid directive"));
     let no_color = std::env::var_os("NO_COLOR").is_some_and(|v| !v.is_empty());
     let (queue, guard) = tracing_appender::non_blocking::NonBlockingBuilder::default()
         .lossy(true)
@@ -273,6 +278,9 @@ impl Write for CountedQueue {
         self.queue.flush()
     }
 }
+
+/// A directive added to every log filter, `RUST_LOG`'s too (see [`init_logs`]).
+const QUIET_TARGET: &str = "lapin::returned_messages=off";
 
 /// The log filter when `RUST_LOG` is unset: info for the service (`run`), warnings and errors
 /// for the one-shot subcommands.

@@ -292,7 +292,9 @@ impl KnownPipeline {
         // main exchange (review R40a F8: "different queues" over two identical lists, when one
         // queue's messages went into two tables).
         let queues_differ = rest.iter().any(|s| queues(s) != queues(first));
-        let tables_differ = rest.iter().any(|s| s.pipeline.table != first.pipeline.table);
+        let tables_differ = rest
+            .iter()
+            .any(|s| s.pipeline.table != first.pipeline.table);
         let how = if queues_differ {
             "on different queues"
         } else if tables_differ {
