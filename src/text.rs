@@ -2,7 +2,8 @@
 //! error message): [`capped`] cuts text to a number of bytes on a character boundary, and
 //! [`shown`] is that cut wherever such text reaches an event, a log line or a stored error;
 //! [`percent_decoded`] reads `%XX` escapes as the clients do (the API's path key, a URL's
-//! parameter names when redacting).
+//! parameter names when redacting); [`closest`] is the "did you mean" of every error that
+//! names a choice.
 //! Neutral ground: the broker link, the database layer and the events all use it, and it
 //! imports nothing of theirs.
 
@@ -52,6 +53,29 @@ pub fn percent_decoded(text: &str) -> Vec<u8> {
         }
     }
     out
+}
+
+/// The name of `candidates` closest to `got` (case aside), if it is close enough to be what was
+/// meant: at most a quarter of its length (plus one) of edits for a key among many, at most half
+/// (plus one) among the few variants of a closed set (`upsert` -> `update`), whose full list the
+/// error gives anyway.
+pub fn closest<'a>(
+    got: &str,
+    candidates: impl IntoIterator<Item = &'a str>,
+    few: bool,
+) -> Option<&'a str> {
+    let got = got.to_ascii_lowercase();
+    let (distance, best) = candidates
+        .into_iter()
+        .map(|c| (strsim::levenshtein(&got, &c.to_ascii_lowercase()), c))
+        .min_by_key(|(d, _)| *d)?;
+    let longest = got.len().max(best.len());
+    let allowed = if few {
+        longest / 2 + 1
+    } else {
+        longest / 4 + 1
+    };
+    (distance <= allowed).then_some(best)
 }
 
 #[cfg(test)]

@@ -9,8 +9,8 @@ use figment::error::{Actual, Kind};
 use toml::Spanned;
 use toml::de::{DeTable, DeValue};
 
-use super::error::closest;
 use super::{ConfigError, Origin, RULES, Sources, env_name_of};
+use crate::text::closest;
 
 /// The `--config` file: its path and text.
 pub(super) struct FileText {

@@ -185,32 +185,9 @@ pub enum ConfigError {
     Other(String),
 }
 
-/// The name of `candidates` closest to `got` (case aside), if it is close enough to be what was
-/// meant: at most a quarter of its length (plus one) of edits for a key among many, at most half
-/// (plus one) among the few variants of a closed set (`upsert` -> `update`), whose full list the
-/// error gives anyway.
-pub fn closest<'a>(
-    got: &str,
-    candidates: impl IntoIterator<Item = &'a str>,
-    few: bool,
-) -> Option<&'a str> {
-    let got = got.to_ascii_lowercase();
-    let (distance, best) = candidates
-        .into_iter()
-        .map(|c| (strsim::levenshtein(&got, &c.to_ascii_lowercase()), c))
-        .min_by_key(|(d, _)| *d)?;
-    let longest = got.len().max(best.len());
-    let allowed = if few {
-        longest / 2 + 1
-    } else {
-        longest / 4 + 1
-    };
-    (distance <= allowed).then_some(best)
-}
-
 #[cfg(test)]
 mod tests {
-    use super::closest;
+    use crate::text::closest;
 
     #[test]
     fn the_closest_name_is_offered_only_when_close() {

@@ -19,8 +19,9 @@ mod sources;
 mod values;
 
 pub use crate::redact::redact_url;
+pub use crate::text::closest;
 use diagnose::FileText;
-pub use error::{ConfigError, Origin, closest};
+pub use error::{ConfigError, Origin};
 #[cfg(test)]
 pub use rules::sample_values;
 use rules::{Rule, check, suggest};
@@ -568,7 +569,7 @@ impl Settings {
     /// (`did you mean orders?`) and every name this configuration has.
     pub fn no_pipeline(&self, name: &str) -> String {
         let known: Vec<&str> = self.resolved.iter().map(|p| p.name.as_str()).collect();
-        let hint = error::closest(name, known.iter().copied(), false)
+        let hint = crate::text::closest(name, known.iter().copied(), false)
             .map(|c| format!(" (did you mean {c}?)"))
             .unwrap_or_default();
         format!(

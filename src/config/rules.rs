@@ -6,9 +6,9 @@ use std::net::SocketAddr;
 use figment::value::Value;
 
 use super::diagnose::{bool_hint, number_hint};
-use super::error::closest;
 use super::values::{RETRY_TTL_RANGE, Role, ValueError};
 use super::{ConfigError, MAX_RETRY_TIERS, RetryTtls, Roles, redact_url};
+use crate::text::closest;
 
 /// What a setting accepts.
 pub(super) enum Rule {

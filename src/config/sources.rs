@@ -7,8 +7,8 @@ use std::path::{Path, PathBuf};
 use figment::value::Value;
 
 use super::diagnose::FileText;
-use super::error::closest;
 use super::{ConfigError, DEFAULT_TOML, Origin, RULES, Rule, redact_url};
+use crate::text::closest;
 
 /// How the configuration file was named, which its errors say: a user who set
 /// `WARREN_CONFIG` never typed `--config`.

@@ -171,7 +171,10 @@ impl Child {
                 || c.format.is_some();
             let column = if let Some(p) = &c.parent {
                 let i = parent.iter().position(|pc| &pc.name == p).ok_or_else(|| {
-                    at(format!("parent {p:?} is not among the pipeline's columns"))
+                    at(format!(
+                        "parent {p:?} is not among the pipeline's columns{}",
+                        super::meant(p, parent.iter().map(|pc| pc.name.as_str()))
+                    ))
                 })?;
                 if checks || c.ty.is_some_and(|t| t != parent[i].ty) {
                     return Err(at(format!(
@@ -296,7 +299,13 @@ impl Child {
         let mut key = Vec::with_capacity(spec.key.len());
         for k in &spec.key {
             let i = columns.iter().position(|c| &c.name == k).ok_or_else(|| {
-                ChildError::at(&["key"], format!("column {k:?} is not among the columns"))
+                ChildError::at(
+                    &["key"],
+                    format!(
+                        "column {k:?} is not among the columns{}",
+                        super::meant(k, columns.iter().map(|c| c.name.as_str()))
+                    ),
+                )
             })?;
             if key.contains(&i) {
                 return Err(ChildError::at(

@@ -652,6 +652,11 @@ fn mistakes_in_a_spec_name_the_pipeline_and_the_setting() {
         "key: column \"nope\" is not among the columns",
     );
     bad(&|s| s.key = vec![], "key: name the columns");
+    // One letter off: the closest column is offered (review R40a F10).
+    bad(
+        &|s| s.key = vec!["ordr_id".into()],
+        "key: column \"ordr_id\" is not among the columns (did you mean order_id?)",
+    );
     bad(
         &|s| s.on_conflict = OnConflict::Update,
         "needs version_column",
