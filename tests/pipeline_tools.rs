@@ -512,6 +512,12 @@ async fn pipelines_test_db_refuses_a_table_the_run_refuses() {
         run_err.contains("neither partial, DEFERRABLE nor invalid"),
         "{run_err}"
     );
+    // The index there is named, with why it cannot serve (review R40b F12: "found: none").
+    assert!(
+        run_err.contains("(found: none); expected")
+            && run_err.contains("unusable: orders_pkey (order_id), DEFERRABLE"),
+        "{run_err}"
+    );
 }
 
 /// Review R39-F13 and F11: a key covered only by an invalid unique index (left by a failed

@@ -37,6 +37,9 @@ pub struct TableColumn {
 pub struct TableInfo {
     pub columns: Vec<TableColumn>,
     pub unique: Vec<(String, Vec<String>)>,
+    /// The unique indexes ON CONFLICT cannot use, each `name (columns), why` (review R40b F12:
+    /// a DEFERRABLE one on exactly the key was said as "found: none").
+    pub unusable: Vec<String>,
 }
 
 /// The types of `pg_type` a mapping's type can be written to: those PostgreSQL converts the
@@ -532,6 +535,10 @@ fn table_mismatches(
                 found.join(", ")
             }
         ));
+        if !table.unusable.is_empty() {
+            let last = out.pop().unwrap_or_default();
+            out.push(format!("{last}; unusable: {}", table.unusable.join("; ")));
+        }
     }
     out
 }
@@ -587,7 +594,32 @@ async fn describe_table(
         })
         .collect();
     let unique = unique_indexes(client, oid).await?;
-    Ok(Some(TableInfo { columns, unique }))
+    let unusable = client
+        .query(
+            "SELECT i.relname::text || ' (' || array_to_string(ARRAY(SELECT \
+                 COALESCE(a.attname::text, 'an expression') FROM unnest(x.indkey) \
+                 WITH ORDINALITY AS k(n, o) LEFT JOIN pg_attribute a ON a.attrelid = x.indrelid \
+                 AND a.attnum = k.n WHERE k.o <= x.indnkeyatts ORDER BY k.o), ', ') || '), ' || \
+                 concat_ws(', ', CASE WHEN NOT x.indimmediate THEN 'DEFERRABLE' END, \
+                     CASE WHEN x.indpred IS NOT NULL THEN 'partial' END, \
+                     CASE WHEN NOT x.indisvalid THEN 'invalid' END, \
+                     CASE WHEN x.indexprs IS NOT NULL THEN 'on an expression' END) \
+             FROM pg_index x JOIN pg_class i ON i.oid = x.indexrelid \
+             WHERE x.indrelid = $1 AND x.indisunique AND (NOT x.indisvalid \
+                 OR x.indpred IS NOT NULL OR x.indexprs IS NOT NULL OR NOT x.indimmediate) \
+             ORDER BY i.relname",
+            &[&oid],
+        )
+        .await
+        .map_err(DbError::from_pg)?
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    Ok(Some(TableInfo {
+        columns,
+        unique,
+        unusable,
+    }))
 }
 
 /// The key's columns that a unique index on exactly the key's columns compares under another
