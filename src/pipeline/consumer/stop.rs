@@ -185,8 +185,9 @@ impl Handler<Close> for Consumer {
                     // Unanswered, the close proves nothing of the acks sent before it: those of
                     // the last commits may never have reached the broker, which delivers those
                     // messages again once it drops the link. The next consumer finds them in its
-                    // table (a copy), unless a reload gave it another table or name (review
-                    // R40a F4, F6: stored, or parked, under both).
+                    // table (a copy), unless a reload changed the pipeline: another table, name
+                    // or mapping (review R40a F4, F6: stored in both tables, parked under both
+                    // names, or stored and parked id_conflict).
                     if tokio::time::timeout(CLOSE_WITHIN, close).await.is_err() {
                         warn!(
                             pipeline = stage.pipeline(),
@@ -195,7 +196,8 @@ impl Handler<Close> for Consumer {
                             "the broker link did not answer its close; left to end with the \
                              process. Its last acks may not have reached the broker, which then \
                              delivers those messages again: a copy for a consumer of the same \
-                             table and name, but stored (or parked) again if a reload changed them"
+                             pipeline, but stored or parked again if a reload changed it (its \
+                             table, name or mapping)"
                         );
                     }
                 }
