@@ -1203,6 +1203,24 @@ async fn a_pipeline_on_a_partition_of_a_table_with_deletes_is_refused() {
         assert_eq!(code, 2, "{selected}: {out}{err}");
         assert!(err.contains(words), "{selected}: {words}\n{out}{err}");
     }
+    // One reading of a name in every check (review R40a F3): PT_0 is not pt_0, so it does not
+    // exist, and no family of pt_0's is said of it.
+    let upper = ConfigFile::new(&format!(
+        "{}\n{}",
+        entry(
+            "parted",
+            "pt",
+            &pd,
+            "delete = { field = \"/op\", value = \"delete\" }\n"
+        ),
+        entry("part0", "PT_0", &pw, "")
+    ));
+    let (code, out, err) = env.run_async(&["--config", upper.at(), "declare"]).await;
+    assert_eq!(code, 2, "{out}{err}");
+    assert!(
+        err.contains("table PT_0 does not exist") && !err.contains("writes PT_0"),
+        "{out}{err}"
+    );
     // A pipeline's table under warren's own tombstone table (an inheritance child): its rows
     // would be read as tombstones (review R39-F6).
     env.db

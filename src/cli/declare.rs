@@ -565,8 +565,13 @@ async fn shared_families(
         for table in std::iter::once(&spec.mapping.table)
             .chain(spec.mapping.children.iter().map(|c| &c.table))
         {
+            // Read as the table check reads it (quoted: `R40A.ITEMS` is not `r40a.items`;
+            // review R40a F3: the two checks read one name two ways in one answer).
+            let quoted = crate::domain::mapping::TableName::parse(table)
+                .map(|t| t.sql())
+                .unwrap_or_else(|_| table.clone());
             let found = client
-                .query_opt(root, &[table])
+                .query_opt(root, &[&quoted])
                 .await
                 .map_err(db::DbError::from_pg)?;
             if let Some(row) = found {

@@ -11,7 +11,7 @@ pub struct TableName {
 }
 
 impl TableName {
-    pub(super) fn parse(text: &str) -> Result<Self, TableNameError> {
+    pub fn parse(text: &str) -> Result<Self, TableNameError> {
         let parts: Vec<&str> = text.split('.').collect();
         let (schema, name) = match parts.as_slice() {
             [name] => (None, *name),
