@@ -93,7 +93,18 @@ enum AmqpUrlError {
          not {0}"
     )]
     FrameMax(u32),
+    /// A numeric query parameter (`heartbeat`, `channel_max`, ...) that is not a number.
+    #[error("{key} as a whole number of its unit (?{key}=60), not {value:?}")]
+    Number { key: String, value: String },
 }
+
+/// The query parameters of an AMQP URL whose value the client reads as a number.
+const NUMERIC_QUERY: &[&str] = &[
+    "heartbeat",
+    "channel_max",
+    "frame_max",
+    "connection_timeout",
+];
 
 /// The smallest `frame_max` AMQP 0-9-1 allows (its `frame-min-size`).
 const FRAME_MAX_MIN: u32 = 4096;
@@ -115,6 +126,18 @@ fn check_amqp_url(entry: &str) -> Result<(), AmqpUrlError> {
         Ok(_) | Err(url::ParseError::EmptyHost) if amqp => return Err(AmqpUrlError::Host),
         Err(url::ParseError::InvalidPort) if amqp => return Err(AmqpUrlError::Port),
         _ => return Err(AmqpUrlError::Scheme),
+    }
+    // The client's words for a number it cannot read name no parameter (review R40a F7):
+    // its numeric query parameters are read here first.
+    if let Ok(u) = url::Url::parse(entry) {
+        for (key, value) in u.query_pairs() {
+            if NUMERIC_QUERY.contains(&key.as_ref()) && value.parse::<u64>().is_err() {
+                return Err(AmqpUrlError::Number {
+                    key: key.into_owned(),
+                    value: crate::text::shown(&value).into_owned(),
+                });
+            }
+        }
     }
     let uri = entry
         .parse::<lapin::uri::AMQPUri>()

@@ -352,8 +352,12 @@ fn amqp_url_takes_a_list_and_names_the_bad_entry_without_its_password() {
     );
     let bad = "amqp://u:p1@h1:5681/%2f,amqp://u:s3cret@h2:5682/%2f?heartbeat=x";
     let text = with(&[("amqp_url", bad)]).unwrap_err().to_string();
+    // The parameter is named (review R40a F7: "invalid digit found in string" alone).
     assert!(
-        text.starts_with("AMQP_URL (entry 2 of 2): expected an AMQP URL the client accepts"),
+        text.starts_with(
+            "AMQP_URL (entry 2 of 2): expected heartbeat as a whole number of its unit \
+             (?heartbeat=60), not \"x\""
+        ),
         "{text}"
     );
     assert!(!text.contains("s3cret") && !text.contains("p1"), "{text}");
