@@ -564,3 +564,19 @@ async fn an_empty_warren_config_means_no_file() {
     assert_eq!(code, 2, "{err}");
     assert!(err.contains("/nonexistent/warren.toml"), "{err}");
 }
+
+/// Review R40a F7: `warren status` against a broker that refuses the login said "broker
+/// unreachable", sending the operator after the network; it now says what the broker answered.
+#[tokio::test(flavor = "multi_thread")]
+async fn status_says_what_the_broker_answered() {
+    let mut env = TestEnv::new("edge_status_login").await;
+    let url = amqp_url().replace("guest:guest@", "guest:not-the-password@");
+    assert_ne!(url, amqp_url(), "the test's AMQP_URL has guest:guest");
+    env.set("AMQP_URL", url);
+    let (_, out, err) = env.run_async(&["status"]).await;
+    assert!(
+        out.contains("did not answer:") && out.contains("ACCESS_REFUSED"),
+        "{out}{err}"
+    );
+    assert!(!out.contains("not-the-password"), "{out}");
+}

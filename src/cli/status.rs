@@ -50,7 +50,9 @@ struct Snapshot {
     /// Every pipeline the configuration names or a live instance runs, once each, with every
     /// set of queues it runs on.
     pipelines: Vec<KnownPipeline>,
-    queues: Option<Vec<QueueRow>>,
+    /// The queues' rows, or why the broker did not answer (a refused login is not a network
+    /// problem: review R40a F7).
+    queues: Result<Vec<QueueRow>, crate::amqp::AmqpError>,
     /// When the queue depths were read.
     at: Instant,
 }
@@ -64,6 +66,7 @@ pub async fn execute(
         let (_, pipelines) = listing(settings, configured).await;
         let first = queue_rows(settings, &pipelines)
             .await
+            .ok()
             .map(|q| (q, Instant::now()));
         if first.is_some() {
             tokio::time::sleep(TREND_SAMPLE).await;
@@ -72,7 +75,7 @@ pub async fn execute(
         let trends = trends(first.as_ref().map(|(q, at)| (q.as_slice(), *at)), &now);
         // A closed stdout loses the answer, never the exit code of servers out of reach.
         out::unless_closed(out!("{}", render(settings, &now, &trends, args.json, true)))?;
-        return Ok(if now.instances.is_err() && now.queues.is_none() {
+        return Ok(if now.instances.is_err() && now.queues.is_err() {
             1
         } else {
             0
@@ -102,7 +105,7 @@ pub async fn execute(
             // without the terminal's escape codes.
             out!("{text}\n")?;
         }
-        if let Some(q) = now.queues {
+        if let Ok(q) = now.queues {
             previous = Some((q, now.at));
         }
         tokio::select! {
@@ -151,7 +154,7 @@ async fn snapshot(settings: &Settings, configured: &[Configured]) -> Snapshot {
 /// readings).
 fn trends(before: Option<(&[QueueRow], Instant)>, now: &Snapshot) -> HashMap<String, f64> {
     let mut out = HashMap::new();
-    let (Some((before, then)), Some(rows)) = (before, &now.queues) else {
+    let (Some((before, then)), Ok(rows)) = (before, &now.queues) else {
         return out;
     };
     let secs = now.at.saturating_duration_since(then).as_secs_f64();
@@ -201,7 +204,8 @@ fn render(
             "registry_error": snap.instances.as_ref().err().map(|e| format!("{e}; {}", e.remedy())),
             "pipelines": sets,
             "notes": notes,
-            "queues": snap.queues.as_ref().map(|q| q.iter().map(|(name, m, c)| json!({
+            "broker_error": snap.queues.as_ref().err().map(ToString::to_string),
+            "queues": snap.queues.as_ref().ok().map(|q| q.iter().map(|(name, m, c)| json!({
                 "name": name,
                 "pipeline": sets.iter().find(|s| s.pipeline.queues().any(|n| n == name)).map(|s| &s.pipeline.name),
                 "messages": m, "consumers": c,
@@ -309,7 +313,7 @@ fn render(
     }
     let _ = writeln!(out);
     match &snap.queues {
-        Some(rows) => {
+        Ok(rows) => {
             let mut t = table(&["QUEUE", "MESSAGES", "CONSUMERS", "TREND"], 1);
             for (name, m, c) in rows {
                 // Queue names may come from a record in Redis: escaped like every such string.
@@ -326,10 +330,10 @@ fn render(
             }
             let _ = writeln!(out, "{}", t.trim_fmt());
         }
-        None => {
+        Err(e) => {
             let _ = writeln!(
                 out,
-                "queues: broker unreachable at {}",
+                "queues: the broker at {} did not answer: {e}",
                 redact_url(&settings.amqp_url)
             );
         }
@@ -457,12 +461,13 @@ fn table(header: &[&str], first_number: usize) -> Table {
 
 /// (queue, messages, consumers) for the main queue, every retry tier and the DLQ of every set
 /// of queues of every pipeline in `pipelines`, once each; `None` without a broker.
-async fn queue_rows(settings: &Settings, pipelines: &[KnownPipeline]) -> Option<Vec<QueueRow>> {
+async fn queue_rows(
+    settings: &Settings,
+    pipelines: &[KnownPipeline],
+) -> Result<Vec<QueueRow>, crate::amqp::AmqpError> {
     let mut fast = settings.amqp();
     fast.connect_timeout_ms = fast.connect_timeout_ms.min(3000);
-    let conn = crate::amqp::connect(&fast, "status", crate::amqp::Frames::Small)
-        .await
-        .ok()?;
+    let conn = crate::amqp::connect(&fast, "status", crate::amqp::Frames::Small).await?;
     let mut rows = Vec::new();
     let mut queues: Vec<&str> = Vec::new();
     for q in pipelines
@@ -483,7 +488,7 @@ async fn queue_rows(settings: &Settings, pipelines: &[KnownPipeline]) -> Option<
         }
     }
     crate::amqp::close(None, Some(conn)).await;
-    Some(rows)
+    Ok(rows)
 }
 
 /// When an instance's heartbeat last ran, as the HEARTBEAT column shows it: 0 (a record that
@@ -514,7 +519,7 @@ mod tests {
         let now = Snapshot {
             instances: Ok(Vec::new()),
             pipelines: Vec::new(),
-            queues: Some(vec![
+            queues: Ok(vec![
                 ("q".to_string(), Some(40), Some(1)),
                 ("new".to_string(), Some(5), Some(0)),
             ]),
