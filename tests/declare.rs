@@ -504,6 +504,18 @@ async fn dry_run_prints_the_plan_and_creates_nothing() {
         assert!(line.split_whitespace().eq([m, "pending"]), "{line}");
     }
     assert!(out.contains("4 migrations, 4 to apply"), "{out}");
+    // The database out of reach: which to apply is unknown, not all (review R40a F12).
+    let mut away = TestEnv::new("decl_dry_away").await;
+    away.set(
+        "DATABASE_URL",
+        "postgres://warren:warren@127.0.0.1:1/warren",
+    );
+    let (code, out, err) = away.run_async(&["declare", "--dry-run"]).await;
+    assert_eq!(code, 0, "{out}{err}");
+    assert!(
+        out.contains("4 migrations, unknown which to apply (the database at"),
+        "{out}"
+    );
 
     for q in [&env.main_queue, &env.retry_queue, &env.dlq_queue] {
         assert!(!env.queue_exists(q).await, "dry run created queue {q}");
