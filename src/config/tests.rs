@@ -318,7 +318,16 @@ fn a_config_file_layers_over_the_defaults() {
 
 #[test]
 fn urls_are_checked_by_the_amqp_parser_and_redacted_in_errors() {
+    // A query number that is not one names its parameter (review R40a F7).
     let err = with(&[("amqp_url", "amqp://u:s3cret@h:5672/%2f?heartbeat=10s")]).unwrap_err();
+    let text = err.to_string();
+    assert!(
+        text.starts_with("AMQP_URL: expected heartbeat as a whole number of its unit"),
+        "{text}"
+    );
+    assert!(!text.contains("s3cret"), "{text}");
+    // What the client's own parser refuses is said in its words.
+    let err = with(&[("amqp_url", "amqp://u:s3cret@h:5672/%2f?auth_mechanism=nope")]).unwrap_err();
     let text = err.to_string();
     assert!(
         text.starts_with("AMQP_URL: expected an AMQP URL the client accepts"),
