@@ -405,6 +405,69 @@ async fn pipelines_test_db_refuses_what_deferred_constraints_and_discarding_trig
     );
 }
 
+/// Review R40b F4: a parent table's BEFORE trigger that writes the row into an inheritance
+/// child itself and returns NULL (classic trigger partitioning) stores the row where the table
+/// shows it, as the run finds it; `pipelines test --db` said it was discarded (and the API's
+/// pre-check answered 422 for every new key). A row the trigger drops is still refused.
+#[tokio::test(flavor = "multi_thread")]
+async fn pipelines_test_db_takes_a_row_a_trigger_routes_into_an_inheritance_child() {
+    let env = TestEnv::new("tools_test_routed").await;
+    let names = PipelineNames::of(&env, "orders");
+    env.db
+        .batch_execute(
+            "CREATE TABLE orders (order_id uuid PRIMARY KEY, total numeric NOT NULL,
+                 version int8 NOT NULL);
+             CREATE TABLE order_items (order_id uuid NOT NULL, line int4 NOT NULL,
+                 sku text NOT NULL, qty int4 NOT NULL, PRIMARY KEY (order_id, line));
+             CREATE TABLE orders_big (PRIMARY KEY (order_id)) INHERITS (orders);
+             CREATE FUNCTION route_big() RETURNS trigger LANGUAGE plpgsql AS $$
+                 BEGIN
+                     IF NEW.total >= 1000 THEN RETURN NULL; END IF;
+                     IF NEW.total >= 100 THEN
+                         INSERT INTO orders_big VALUES (NEW.*); RETURN NULL;
+                     END IF;
+                     RETURN NEW;
+                 END $$;
+             CREATE TRIGGER route_big BEFORE INSERT ON orders
+                 FOR EACH ROW EXECUTE FUNCTION route_big();",
+        )
+        .await
+        .expect("the routed tables");
+    let file = ConfigFile::new(&nested_toml(&names, ""));
+    let order = |total: &str| {
+        format!(
+            r#"{{"order_id":"{}","total":"{total}","version":1,"items":[{{"sku":"A-1","qty":2}}]}}"#,
+            Uuid::new_v4()
+        )
+    };
+    let lines = [order("12.50"), order("500"), order("5000")];
+    let (code, out, err) = with_stdin(
+        &env,
+        &["--config", file.at(), "pipelines", "test", "orders", "--db"],
+        lines.join("\n").as_bytes(),
+    )
+    .await;
+    assert_eq!(code, 1, "{out}{err}");
+    let line = |n: usize| -> String {
+        out.lines()
+            .find(|l| l.starts_with(&format!("{n}: ")))
+            .unwrap_or_else(|| panic!("no line {n}:\n{out}"))
+            .to_string()
+    };
+    assert!(line(1).starts_with("1: ok "), "{out}");
+    assert!(line(2).starts_with("2: ok "), "{out}");
+    assert!(
+        line(3).contains("discarded"),
+        "a row the trigger drops is refused:\n{out}"
+    );
+    assert!(out.contains("2 accepted, 1 refused"), "{out}");
+    assert_eq!(
+        count_of(&env, "SELECT count(*) FROM orders").await,
+        0,
+        "the trial left rows behind"
+    );
+}
+
 /// Review R38-F4: a parent table's BEFORE trigger that rewrites the key, with `on_conflict =
 /// "update"` and child tables: the run refuses such a message whole, "a BEFORE trigger of
 /// orders rewrote its key"; `pipelines test --db` said `ok` for an order without items, and

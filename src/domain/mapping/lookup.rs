@@ -393,10 +393,16 @@ pub(super) async fn trial(
         // Its key is not held (above): the plain insert writes what the upsert would.
         let parent = st.insert_plain.as_str();
         if client.execute(parent, &params).await? == 0 {
-            // No row holds its key (above), and nothing was written: a BEFORE INSERT trigger
+            // No row held its key (above), and the insert wrote none: a BEFORE INSERT trigger
             // discarded it, as the run finds it and parks it (review R36h F11: an `update`
-            // pipeline's discarded row was said "stored already").
-            return Ok(Trial::Discarded);
+            // pipeline's discarded row was said "stored already"), unless the trigger wrote
+            // it itself where the table shows it (classic trigger partitioning into an
+            // inheritance child), which the run stores (review R40b F4: refused here, and by
+            // the API's pre-check for every new key of such a table).
+            let now = client.query(st.probe_compare.as_str(), &params).await?;
+            if !now.first().is_some_and(|row| row.get::<_, bool>(1)) {
+                return Ok(Trial::Discarded);
+            }
         }
         // Written, but not under its key as sent (compared in the table's types, through the
         // probe): a BEFORE trigger rewrote the key, which the run refuses with `update` in
