@@ -271,6 +271,11 @@ async fn a_mapping_that_does_not_fit_its_table_is_named_before_anything_runs() {
 #[tokio::test(flavor = "multi_thread")]
 async fn declare_and_run_refuse_a_pipeline_whose_table_does_not_fit() {
     let env = TestEnv::new("map_check").await;
+    // The test's own queue names, removed at its end (the built-in `orders_*` names were left
+    // on the broker by the successful declare below).
+    let names = PipelineNames::of(&env, "orders");
+    let _cleanup = names.cleanup();
+    let own = names.toml();
     let dir = tempfile::tempdir().expect("temp dir");
     let path = dir.path().join("pipelines.toml");
     let write = |extra_column: &str| {
@@ -280,6 +285,7 @@ async fn declare_and_run_refuse_a_pipeline_whose_table_does_not_fit() {
 name = "orders"
 table = "orders"
 key = ["order_id"]
+{own}
 [pipelines.columns]
 order_id  = {{ path = "/id", type = "uuid" }}
 email     = {{ path = "/email", type = "text", format = "email" }}
