@@ -301,20 +301,10 @@ pub async fn check_tables_among(settings: &Settings, all: &Settings) -> anyhow::
 /// new pipelines still refuses a file in which another instance's pipeline would write the
 /// rows of a selected table with deletes (review R39-F5).
 pub async fn check_shared_tables(all: &Settings) -> anyhow::Result<()> {
-    let mismatches = async {
-        let (client, connection) = all
-            .database()
-            .pg_config()?
-            .connect(tokio_postgres::NoTls)
-            .await
-            .map_err(db::DbError::from_pg)?;
-        let task = tokio::spawn(connection);
-        let found = shared_families(all, &client).await;
-        drop(client);
-        let _ = task.await;
-        found
-    };
-    refused_if_any(all, mismatches).await
+    // No pipeline's own table checked, only `all`'s shared ones ([`pipeline_mismatches`]).
+    let mut none = all.clone();
+    none.select_pipelines(&[]);
+    check_tables_among(&none, all).await
 }
 
 /// The mismatches `check` finds, as a configuration error (exit 2) listing each; bounded, and

@@ -212,13 +212,15 @@ pub const LOG_QUEUE_LINES: usize = 4096;
 /// never a panic (see [`LossyStderr`]). Keep the guard until the process exits: dropping it
 /// writes what is queued (waiting 1.1 s at the most).
 pub fn init_logs(cli: &Cli, settings: &Settings) -> tracing_appender::non_blocking::WorkerGuard {
-    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default_filter(&cli.command)))
-        // Whatever RUST_LOG says: the AMQP client's warning for a returned message prints the
-        // whole message, body and headers, uncapped (review R40a F11: a 300 KB line for an API
-        // request's body, personal data included). warren says what it does with a returned
-        // publish in its own words.
-        .add_directive(QUIET_TARGET.parse().expect("a valid directive"));
+    let mut filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default_filter(&cli.command)));
+    // Whatever RUST_LOG says: the AMQP client's warning for a returned message prints the
+    // whole message, body and headers, uncapped (review R40a F11: a 300 KB line for an API
+    // request's body, personal data included). warren says what it does with a returned
+    // publish in its own words.
+    if let Ok(quiet) = QUIET_TARGET.parse() {
+        filter = filter.add_directive(quiet);
+    }
     let no_color = std::env::var_os("NO_COLOR").is_some_and(|v| !v.is_empty());
     let (queue, guard) = tracing_appender::non_blocking::NonBlockingBuilder::default()
         .lossy(true)
