@@ -318,6 +318,7 @@ impl ProxyState {
             bytes: &bytes_down,
             consume_ok_delay,
             stall_past: self.stall_past.subscribe(),
+            frozen: self.frozen.subscribe(),
         };
         let up = Up {
             held_up,
@@ -381,6 +382,8 @@ struct Down<'a> {
     consume_ok_delay: Option<std::time::Duration>,
     /// [`ProxyState::stall_past`].
     stall_past: watch::Receiver<u64>,
+    /// [`ProxyState::frozen`], looked at before each read's bytes are passed on.
+    frozen: watch::Receiver<bool>,
 }
 
 impl Down<'_> {
@@ -429,6 +432,11 @@ async fn pass(
             let n = from_client.read(&mut buf).await?;
             if n == 0 {
                 return to_upstream.shutdown().await;
+            }
+            // A freeze is in force the moment `freeze` returns: bytes read after it never pass,
+            // even when this task runs before the `serve` select has seen the freeze.
+            if *upward.state.frozen.borrow() {
+                std::future::pending::<()>().await;
             }
             {
                 let mut opening = upward.opening.lock().unwrap();
@@ -479,6 +487,9 @@ async fn pass(
             let n = from_upstream.read(&mut buf).await?;
             if n == 0 {
                 return to_client.shutdown().await;
+            }
+            if *down.frozen.borrow() {
+                std::future::pending::<()>().await;
             }
             // The sender dropped means the proxy is going away: pass on.
             let _ = down.held.wait_for(|h| !*h).await;
