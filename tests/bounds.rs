@@ -400,11 +400,23 @@ async fn events_of_refused_messages_carry_capped_reasons() {
             .cloned()
             .collect()
     };
-    wait_until("50 parked events", Duration::from_secs(30), || async {
-        of(&stream_events(&env).await, "parked").len() >= n
-    })
+    // Events are lossy by design (docs/events.md): a chunk whose Redis write timed out under
+    // load is dropped and counted in `warren_events_dropped_total`. Every event is awaited
+    // as written or counted as dropped; a missing one that no drop accounts for fails.
+    let dropped = || async { metric(&env, "warren_events_dropped_total", &[]).await };
+    wait_until(
+        "100 events written or counted as dropped",
+        Duration::from_secs(30),
+        || async {
+            let events = stream_events(&env).await;
+            let written = of(&events, "dead_lettered").len() + of(&events, "parked").len();
+            written as f64 + dropped().await >= 2.0 * n as f64
+        },
+    )
     .await;
     let events = stream_events(&env).await;
+    let dropped = dropped().await;
+    let mut missing_all = Vec::new();
     for kind in ["dead_lettered", "parked"] {
         let these = of(&events, kind);
         let mut ids: Vec<String> = these
@@ -412,7 +424,16 @@ async fn events_of_refused_messages_carry_capped_reasons() {
             .map(|e| e["message_id"].as_str().expect("message_id").to_string())
             .collect();
         ids.sort();
-        assert_eq!(ids, expected, "one {kind} event per message");
+        let missing: Vec<&String> = expected.iter().filter(|id| !ids.contains(id)).collect();
+        let mut unique = ids.clone();
+        unique.dedup();
+        assert_eq!(unique, ids, "at most one {kind} event per message");
+        assert!(
+            ids.iter().all(|id| expected.contains(id)),
+            "{kind} events of messages never sent: {ids:?}"
+        );
+        assert!(!ids.is_empty(), "no {kind} event written");
+        missing_all.extend(missing.into_iter().map(|id| format!("{kind} {id}")));
         for e in &these {
             let reason = e["reason"].as_str().expect("reason");
             assert!(
@@ -423,6 +444,11 @@ async fn events_of_refused_messages_carry_capped_reasons() {
             );
         }
     }
+    assert!(
+        missing_all.len() as f64 <= dropped,
+        "{} events missing ({missing_all:?}) but {dropped} counted as dropped",
+        missing_all.len()
+    );
     let total: usize = events.iter().map(|e| e.to_string().len()).sum();
     assert!(
         total <= events.len() * 2 * SHOWN_MAX,

@@ -1029,6 +1029,15 @@ async fn the_metrics_log_line_names_the_port_bound() {
         .unwrap_or_else(|| panic!("no addr=127.0.0.1:PORT in {line:?}"));
     assert_ne!(port, 0, "{line}");
     let healthy = tokio::net::TcpStream::connect(("127.0.0.1", port)).await;
-    assert!(healthy.is_ok(), "nothing listens on {port}: {line}");
+    assert!(
+        healthy.is_ok(),
+        "nothing listens on {port} ({healthy:?}): {line}\nwarren {}; its log:\n{}",
+        if warren.is_running() {
+            "still runs"
+        } else {
+            "exited"
+        },
+        warren.logs()
+    );
     warren.terminate_ok(Duration::from_secs(25));
 }
