@@ -1290,7 +1290,13 @@ async fn a_copy_whose_parent_trigger_adds_child_rows_is_done_not_a_conflict() {
             .await
             .expect("insert");
         assert_eq!((first.rows, first.conflicts.len()), (1, 0), "{what}");
-        let stored = owned(&[(0, "AUDIT", 1), (1, "a-1", 2), (2, "b-2", 1)]);
+        // `update` replaces the child rows of every key it writes with the message's, the
+        // trigger's row too (docs/pipelines.md; a table with a trigger goes through the probe,
+        // which deletes them, since review R40b F14).
+        let stored = match what {
+            "keep" => owned(&[(0, "AUDIT", 1), (1, "a-1", 2), (2, "b-2", 1)]),
+            _ => owned(&[(1, "a-1", 2), (2, "b-2", 1)]),
+        };
         assert_eq!(items(&env, id).await, stored, "{what}");
         let copy = insert(&m, &pool, &[body.clone(), body])
             .await
@@ -1406,4 +1412,105 @@ async fn a_child_column_that_carries_the_key_under_another_type_is_refused() {
         ),
         "{found:#?}"
     );
+}
+
+/// Review R40b F14: a trigger that updates other rows of the parent table (the "latest order
+/// per customer" flag) made those rows this transaction's (`xmin`), and warren took them for
+/// rows it wrote: with `update`, a stale version's items replaced the stored newer ones and it
+/// was counted inserted; with `keep`, a copy with other items had them written beside the
+/// stored ones. The rows warren wrote are the ones its statement returned.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_trigger_that_updates_other_parent_rows_never_makes_them_written() {
+    let env = TestEnv::new("ch_latest").await;
+    tables(&env).await;
+    env.db
+        .batch_execute(
+            "ALTER TABLE orders ADD customer text NOT NULL DEFAULT '', \
+               ADD latest bool NOT NULL DEFAULT true;
+             CREATE FUNCTION latest_only() RETURNS trigger LANGUAGE plpgsql AS \
+               $$ BEGIN UPDATE orders SET latest = false WHERE customer = NEW.customer \
+                 AND order_id <> NEW.order_id AND latest; RETURN NULL; END $$;
+             CREATE TRIGGER latest_only AFTER INSERT ON orders \
+               FOR EACH ROW EXECUTE FUNCTION latest_only()",
+        )
+        .await
+        .expect("the trigger");
+    let with_customer = |conflict: &str| {
+        let columns = COLUMNS.replacen(
+            "[columns]\n",
+            "[columns]\ncustomer = { path = \"/customer\", type = \"text\" }\n",
+            1,
+        );
+        let spec: MappingSpec = toml::from_str(&format!(
+            "table = \"orders\"\nkey = [\"order_id\"]\n{conflict}\n{columns}"
+        ))
+        .expect("spec");
+        Mapping::compile("orders", &spec).expect("compiles")
+    };
+    let of = |customer: &str, id: Uuid, version: i64, items: &[(&str, i64)]| {
+        let mut body: serde_json::Value =
+            serde_json::from_slice(&order(id, version, items)).unwrap();
+        body["customer"] = customer.into();
+        serde_json::to_vec(&body).unwrap()
+    };
+    let pool = pool(&env).await;
+    let cases = [
+        (with_customer("on_conflict = \"keep\""), "keep"),
+        (
+            with_customer("on_conflict = \"update\"\nversion_column = \"version\""),
+            "update",
+        ),
+    ];
+    for (m, what) in cases {
+        let customer = format!("c-{what}");
+        let b = Uuid::new_v4();
+        // b stored with no items: the rows of a copy (keep) or an older version (update)
+        // under it would not even meet its key's unique index.
+        let done = insert(&m, &pool, &[of(&customer, b, 2, &[])])
+            .await
+            .expect("insert");
+        assert_eq!(done.rows, 1, "{what}: {done:?}");
+        // A new order of the same customer (its insert's trigger updates b's row), and an
+        // older version of b (update), or a copy of b's row with other items (keep).
+        let copy_version = if what == "keep" { 2 } else { 1 };
+        let a = Uuid::new_v4();
+        let done = insert(
+            &m,
+            &pool,
+            &[
+                of(&customer, a, 1, &[("P", 1)]),
+                of(&customer, b, copy_version, &[("Y", 1), ("Z", 2)]),
+            ],
+        )
+        .await
+        .expect("insert");
+        assert_eq!(done.rows, 1, "{what}: only a is written: {done:?}");
+        match what {
+            "update" => {
+                let stale: Vec<usize> = done.stale.iter().map(|(i, _)| *i).collect();
+                assert_eq!(stale, [1], "{what}: b's version 1 is stale: {done:?}");
+                assert!(done.conflicts.is_empty(), "{what}: {done:?}");
+            }
+            _ => {
+                let conflicts: Vec<usize> = done.conflicts.iter().map(|(i, _)| *i).collect();
+                assert_eq!(conflicts, [1], "{what}: b's other items conflict: {done:?}");
+            }
+        }
+        assert!(done.refused.is_empty(), "{what}: {done:?}");
+        assert_eq!(items(&env, b).await, [], "{what}: b keeps its stored items");
+        assert_eq!(items(&env, a).await, owned(&[(1, "P", 1)]), "{what}");
+        let row = env
+            .db
+            .query_one(
+                "SELECT version, latest FROM orders WHERE order_id = $1",
+                &[&b],
+            )
+            .await
+            .expect("b's row");
+        assert_eq!(
+            (row.get::<_, i64>(0), row.get::<_, bool>(1)),
+            (2, false),
+            "{what}: b keeps its version, the trigger's flag set"
+        );
+    }
 }

@@ -292,8 +292,9 @@ async fn with_children(
                 return versions::write(mapping, st, client, records).await;
             }
             if !mapping.children.is_empty() && versions::parent_triggers(mapping, client).await? {
-                // A trigger may write the parent row under another key than the message's: only
-                // the probe can tell (`versions::write`), before any child row is written.
+                // A trigger may write the parent row under another key than the message's, or
+                // update other parent rows: only the probe can tell which rows its upsert wrote
+                // (`versions::write`), before any child row is written.
                 return versions::write(mapping, st, client, records).await;
             }
             client

@@ -368,7 +368,7 @@ pub struct Mapping {
     children: Vec<children::Child>,
     /// Which messages delete their key's row, and the table of its tombstones (`delete.rs`).
     delete: Option<delete::Delete>,
-    /// Whether the table has an enabled BEFORE INSERT or UPDATE row trigger, learnt when an
+    /// Whether the table or a child table has an enabled trigger of its own, learnt when an
     /// `update` mapping with child tables first writes (`versions::parent_triggers`).
     triggers: std::sync::Arc<tokio::sync::OnceCell<bool>>,
     /// Whether the table is partitioned, learnt when an `update` mapping first writes

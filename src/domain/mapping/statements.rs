@@ -69,8 +69,11 @@ fn probe_statements(
     let p_list: Vec<String> = names.iter().map(|n| format!("p.{n}")).collect();
     let create = format!(
         "BEGIN; {path} CREATE TEMPORARY TABLE warren_probe ON COMMIT DROP AS \
-         SELECT {list}, 0::int8 AS {ORD} FROM {t} WITH NO DATA",
+         SELECT {list}, 0::int8 AS {ORD} FROM {t} WITH NO DATA; \
+         CREATE TEMPORARY TABLE warren_written ON COMMIT DROP AS \
+         SELECT {k} FROM {t} WITH NO DATA",
         path = types_on_path(table),
+        k = keys.join(", "),
     );
     let fill = format!(
         "INSERT INTO pg_temp.warren_probe ({list}, {ORD}) \
@@ -107,8 +110,10 @@ fn probe_statements(
     // order as every other batch: copies in other orders wait, not deadlock.
     let keep = version.is_none().then(|| {
         format!(
-            "WITH p AS ({fill}) INSERT INTO {t} ({list}) SELECT {p_list} FROM p \
-             ORDER BY {p_keys}, p.{ORD} ON CONFLICT DO NOTHING RETURNING 1",
+            "WITH p AS ({fill}), ins AS (INSERT INTO {t} ({list}) SELECT {p_list} FROM p \
+             ORDER BY {p_keys}, p.{ORD} ON CONFLICT DO NOTHING RETURNING {k}), \
+             x AS (INSERT INTO {WRITTEN} SELECT * FROM ins) SELECT 1 FROM ins",
+            k = keys.join(", "),
             p_keys = p_keys.join(", "),
             p_list = p_list.join(", "),
         )
@@ -361,6 +366,35 @@ const OURS: &str = "pg_current_xact_id()::xid";
 /// be tested above the fence: tested below it, PostgreSQL scans the whole table for it.
 pub(super) const XMIN: &str = "\"warren xmin\"";
 
+/// A row's `tableoid` as a fenced lookup by key names it (see [`written_here`]).
+pub(super) const TOID: &str = "\"warren tableoid\"";
+
+/// The keys of the rows this transaction's own parent statement wrote (what its `RETURNING`
+/// answered), typed as the table's key: made with the probe, filled by the probe's `keep`
+/// insert and `update` upsert.
+pub(super) const WRITTEN: &str = "pg_temp.warren_written";
+
+/// Whether the row `row` of `table` found by the key of `of` (`row` from a fenced lookup
+/// naming its `xmin` [`XMIN`] and its `tableoid` [`TOID`]) was written by this transaction's
+/// own parent statement: its `xmin` is this transaction's and its key is in [`WRITTEN`]. An
+/// `xmin` alone is fooled by a trigger that updates other rows of the table (review R40b F14:
+/// a "latest order per customer" trigger made a stale order's row this transaction's, and its
+/// child rows were replaced by the stale ones). The one row written without being returned,
+/// one a BEFORE INSERT trigger of the table wrote into another table of its tree itself
+/// (classic trigger partitioning into inheritance children), is told by its `xmin`, its
+/// `tableoid` and that trigger.
+pub(super) fn written_here(table: &str, row: &str, of: &str, keys: &[String]) -> String {
+    let t = sql_text(table);
+    let on: Vec<String> = keys.iter().map(|k| format!("x.{k} = {of}.{k}")).collect();
+    format!(
+        "({row}.{XMIN} = {OURS} AND (EXISTS (SELECT 1 FROM {WRITTEN} AS x WHERE {on}) \
+           OR ({row}.{TOID} <> {t}::regclass AND EXISTS (SELECT 1 FROM pg_catalog.pg_trigger \
+             AS tg WHERE tg.tgrelid = {t}::regclass AND NOT tg.tgisinternal \
+               AND tg.tgenabled <> 'D' AND tg.tgtype & 7 = 7))))",
+        on = on.join(" AND "),
+    )
+}
+
 /// The statements of an `update` mapping's probe path, built once with its other statements.
 #[derive(Debug, Clone)]
 pub(super) struct VersionStatements {
@@ -478,11 +512,14 @@ impl VersionStatements {
         };
         let p_list: Vec<String> = names.iter().map(|c| format!("p.{c}")).collect();
         let upsert = format!(
-            "INSERT INTO {t} AS stored ({list}) SELECT {p_list} FROM pg_temp.warren_probe AS p \
+            "WITH ins AS (INSERT INTO {t} AS stored ({list}) \
+             SELECT {p_list} FROM pg_temp.warren_probe AS p \
              WHERE p.{ORD} IN (SELECT w.{ORD} FROM {winners} AS w WHERE NOT w.del){held_back} \
-             ORDER BY {p_keys} {conflict} RETURNING 1",
+             ORDER BY {p_keys} {conflict} RETURNING {s_keys}), \
+             x AS (INSERT INTO {WRITTEN} SELECT * FROM ins) SELECT 1 FROM ins",
             p_list = p_list.join(", "),
             p_keys = of("p"),
+            s_keys = of("stored"),
             conflict = on_conflict_update(&names, key, version),
         );
         let (tomb_write, rows_gone, tomb_clear) = match tombstones {
@@ -549,16 +586,17 @@ impl VersionStatements {
         let classify = format!(
             "SELECT u.{ORD}, u.del, \
                COALESCE(w.{ORD} = u.{ORD} AND CASE WHEN u.del THEN {tb_ours} \
-                 ELSE s.{XMIN} = {OURS} END, false), \
+                 ELSE {written} END, false), \
                COALESCE(u.{ver} < GREATEST(s.{SV}, {tb_ver}), false), \
                COALESCE(s.{SV} = u.{ver}, false), \
                COALESCE({tb_ver} = u.{ver}, false), \
                GREATEST(s.{SV}, {tb_ver})::text, \
                COALESCE({tb_ver} > s.{SV} OR s.{SK} IS NULL, false) \
              FROM {every} AS u JOIN {winners} AS w ON {w_u} \
-             LEFT JOIN LATERAL (SELECT s.{first} AS {SK}, s.{ver} AS {SV}, s.xmin AS {XMIN} \
-               FROM {t} AS s WHERE {s_u} OFFSET 0) AS s ON true{tb_join}",
+             LEFT JOIN LATERAL (SELECT s.{first} AS {SK}, s.{ver} AS {SV}, s.xmin AS {XMIN}, \
+               s.tableoid AS {TOID} FROM {t} AS s WHERE {s_u} OFFSET 0) AS s ON true{tb_join}",
             first = keys[0],
+            written = written_here(&t, "s", "u", &keys),
             w_u = on("w", "u"),
             s_u = on("s", "u"),
         );

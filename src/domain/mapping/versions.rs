@@ -367,7 +367,13 @@ pub(super) fn key_rewritten_words(mapping: &Mapping) -> (String, String) {
     )
 }
 
-/// Whether `mapping`'s table has an enabled BEFORE INSERT or UPDATE row trigger (asked once).
+/// Whether `mapping`'s table or one of its child tables has an enabled trigger of its own (not
+/// a foreign key's), of any kind (asked once). Then the upsert's fast path cannot tell the
+/// parent rows it wrote by their `xmin`: a BEFORE trigger may write the parent row under
+/// another key than the message's, and any trigger may update other parent rows (review R40b
+/// F14: a "latest order per customer" trigger made a stale order's row look written, and its
+/// child rows were replaced by the stale ones). Only the probe tells (`versions::write`),
+/// before any child row is written.
 pub(super) async fn parent_triggers(
     mapping: &Mapping,
     client: &deadpool_postgres::Client,
@@ -375,13 +381,15 @@ pub(super) async fn parent_triggers(
     mapping
         .triggers
         .get_or_try_init(|| async {
-            // tgtype bits: 1 row, 2 before, 4 insert, 16 update.
+            let tables: Vec<String> = std::iter::once(mapping.table.sql())
+                .chain(mapping.children.iter().map(|c| c.table.sql()))
+                .collect();
             let row = client
                 .query_one(
                     "SELECT EXISTS (SELECT 1 FROM pg_trigger t \
-                       WHERE t.tgrelid = to_regclass($1)::oid AND NOT t.tgisinternal \
-                         AND t.tgenabled <> 'D' AND t.tgtype & 3 = 3 AND t.tgtype & 20 <> 0)",
-                    &[&mapping.table.sql()],
+                       WHERE t.tgrelid IN (SELECT to_regclass(n)::oid FROM unnest($1::text[]) AS n) \
+                         AND NOT t.tgisinternal AND t.tgenabled <> 'D')",
+                    &[&tables],
                 )
                 .await
                 .map_err(DbError::from_pg)?;

@@ -11,9 +11,9 @@ use std::collections::{BTreeMap, HashSet};
 use tokio_postgres::types::ToSql;
 
 use super::super::arrays::{Array, key_text};
-use super::super::statements::{ORD, XMIN};
+use super::super::statements::{ORD, TOID, XMIN, written_here};
 use super::super::{Mapping, Row, quote};
-use super::statements::{OURS, joined};
+use super::statements::joined;
 use super::{child_arrays, reinsert};
 use crate::db::error::DbError;
 use crate::domain::Inserted;
@@ -37,11 +37,19 @@ pub(in crate::domain::mapping) async fn keep_children(
         .collect();
     // From the batch's keys through the key's index; the fence keeps the `xmin` test above
     // the lookup (below it, PostgreSQL may scan the whole table: R36-F2).
+    // Written by this transaction's insert, not only touched by a trigger (`written_here`).
     let sql = format!(
-        "SELECT f.{ORD}, f.at FROM (SELECT p.{ORD}, s.ctid::text AS at, s.xmin AS {XMIN} \
-           FROM pg_temp.warren_probe AS p JOIN {t} AS s ON {} OFFSET 0) AS f \
-         WHERE f.{XMIN} = {OURS}",
-        joined("s", &pk, "p", &pk)
+        "SELECT f.{ORD}, f.at FROM (SELECT p.{ORD}, s.ctid::text AS at, s.xmin AS {XMIN}, \
+           s.tableoid AS {TOID}, {p_pk} FROM pg_temp.warren_probe AS p JOIN {t} AS s ON {} \
+           OFFSET 0) AS f \
+         WHERE {}",
+        joined("s", &pk, "p", &pk),
+        written_here(&t, "f", "f", &pk),
+        p_pk = pk
+            .iter()
+            .map(|k| format!("p.{k}"))
+            .collect::<Vec<_>>()
+            .join(", "),
     );
     let out: HashSet<usize> = done
         .conflicts

@@ -3,7 +3,7 @@
 //! children of the keys whose parent row this transaction wrote (told by `xmin`).
 
 use super::*;
-use crate::domain::mapping::statements::{XMIN, param, types_on_path};
+use crate::domain::mapping::statements::{TOID, XMIN, param, types_on_path, written_here};
 
 /// The statements of one child table, built once (see the module's doc).
 #[derive(Debug, Clone)]
@@ -170,11 +170,14 @@ impl ChildStatements {
                     on = joined("s", &pk, "w", &pk),
                 );
                 let p_pks: Vec<String> = pk.iter().map(|k| format!("p.{k}")).collect();
+                // Through the probe, the parent rows this transaction's upsert wrote (not
+                // those a trigger only touched: `written_here`).
                 let won_probe = format!(
                     "WITH won AS (SELECT w.{ORD} FROM (\
                        SELECT DISTINCT ON ({pp}) {pp}, p.{ORD} FROM pg_temp.warren_probe AS p \
                        ORDER BY {pp}, p.{vn} DESC, p.{ORD}) AS w \
-                     JOIN {t} AS s ON {on} WHERE s.xmin = {OURS}), \
+                     JOIN LATERAL (SELECT s.xmin AS {XMIN}, s.tableoid AS {TOID} FROM {t} AS s \
+                       WHERE {on} OFFSET 0) AS s ON {written}), \
                      ins AS (INSERT INTO {ct} ({list}) SELECT {v_list} \
                      FROM {won_rows} RETURNING {lks}) \
                      SELECT (SELECT count(*) FROM ins), (SELECT count(*) \
@@ -182,16 +185,18 @@ impl ChildStatements {
                     moved = moved(&ct, &t, &pk, &lk),
                     pp = p_pks.join(", "),
                     on = joined("s", &pk, "w", &pk),
+                    written = written_here(&t, "s", "w", &pk),
                 );
                 (won, won_probe)
             }
             None => (String::new(), String::new()),
         };
         let delete_probe = format!(
-            "DELETE FROM {ct} AS c USING (SELECT {s_pk}, s.xmin AS {XMIN} \
+            "DELETE FROM {ct} AS c USING (SELECT {s_pk}, s.xmin AS {XMIN}, s.tableoid AS {TOID} \
                FROM pg_temp.warren_probe AS w JOIN {t} AS s ON {} OFFSET 0) AS s \
-             WHERE s.{XMIN} = {OURS} AND {}",
+             WHERE {} AND {}",
             joined("s", &pk, "w", &pk),
+            written_here(&t, "s", "s", &pk),
             joined("c", &lk, "s", &pk),
         );
         let probe_table = format!(
