@@ -11,7 +11,9 @@
 //! refused reload declares nothing; after reloads the record and the metrics say what runs; a
 //! reload switching a table while inserts wait on a lock of the old one stores each message
 //! once, and one renaming a pipeline while its park waits on a lock parks the message once (the
-//! drain cancels them before its deadline).
+//! drain cancels them before its deadline); a reload switching a table or renaming a pipeline
+//! while the old consumer's link is silent (its acks, cancel and close lost) stores and parks
+//! each message once when the broker delivers them again.
 
 mod common;
 
@@ -1986,6 +1988,191 @@ async fn a_reload_under_a_selection_checks_shared_tables_against_the_whole_file(
             .contains(words),
         "{words}\n{failed}"
     );
+    let mut warren = warren;
+    warren.terminate_ok(Duration::from_secs(25));
+}
+
+/// A reload that switches a pipeline's table while its consumer's link has gone silent (what
+/// warren sends on it never reaches the broker: the acks of its last commits, then its cancel
+/// and close): the old stage drains and its close goes unanswered, the broker still counts
+/// those messages unacked, and once the link drops it delivers them again, to the stage started
+/// on the new table. That stage finds them stored in the old table (asked with the old
+/// mapping) and acks them as done; before, each was stored in both tables (review R40a F4).
+#[tokio::test(flavor = "multi_thread")]
+async fn a_reload_switching_the_table_while_the_old_links_acks_are_lost_stores_each_message_once() {
+    let amqp = TcpProxy::start(&amqp_url(), 5672).await;
+    let mut env = TestEnv::new("rl_lost_acks").await;
+    env.set("SHUTDOWN_TIMEOUT_MS", "15000");
+    let fx = Fixture::new(&env, &["orders", "orders_new"]).await;
+    let (orders, path, file) = (fx.names(0), fx.path.clone(), fx.file.clone());
+    let (code, out, err) = env.run_async(&["--config", &file, "declare"]).await;
+    assert_eq!(code, 0, "{out}{err}");
+    env.set("AMQP_URL", amqp.url());
+    let warren = env.start(&["--config", &file, "--roles", "consumer"]);
+    let _logs = LogsOnPanic(vec![warren.log.clone()]);
+    one_consumer(&orders.queue).await;
+    // Deliveries make the consumer's link the busiest.
+    let warm = new_ids(50);
+    publish(&env, &orders, &warm).await;
+    let mut all: HashSet<Uuid> = warm.iter().copied().collect();
+    assert_table(&env, "orders", &all, &warren).await;
+
+    amqp.hold_busiest_from_client();
+    let held = new_ids(200);
+    publish(&env, &orders, &held).await;
+    all.extend(held.iter().copied());
+    assert_table(&env, "orders", &all, &warren).await;
+    wait_until(
+        "the stored messages still unacked on the broker",
+        Duration::from_secs(30),
+        || async { queue_counts(&orders.queue).await == (0, held.len() as u64) },
+    )
+    .await;
+
+    let switched = entry("orders", &orders, 50, 1000)
+        .replace(r#"table = "orders""#, r#"table = "orders_new""#);
+    std::fs::write(&path, switched).expect("write");
+    let event = reload(&env, &warren, "reloaded", 1).await;
+    assert_eq!(names_of(&event["changed"]), ["orders"], "{event}");
+    assert!(
+        warren
+            .logs()
+            .contains("the broker link did not answer its close"),
+        "{}",
+        tail(&warren.logs(), 40)
+    );
+    // The old link drops: the broker delivers its unacked messages again, to the new stage.
+    amqp.cut();
+    amqp.restore();
+    wait_until(
+        "every message settled on the broker",
+        Duration::from_secs(60),
+        || async { queue_counts(&orders.queue).await == (0, 0) },
+    )
+    .await;
+    // The new stage stores what comes now, in the new table, and nothing of the old one's.
+    let fresh = new_ids(20);
+    publish(&env, &orders, &fresh).await;
+    assert_table(
+        &env,
+        "orders_new",
+        &fresh.iter().copied().collect(),
+        &warren,
+    )
+    .await;
+    assert_table(&env, "orders", &all, &warren).await;
+    warren
+        .wait_for_log(
+            "the redeliveries acked as done",
+            "redeliveries acked as done: the stage this reload replaced had settled them",
+        )
+        .await;
+    let mut warren = warren;
+    warren.terminate_ok(Duration::from_secs(25));
+}
+
+/// The same silence at a reload that renames a pipeline (the same queues and table): its DLQ
+/// stage parked messages under the old name and its acks were lost; the stage started under the
+/// new name gets them again and finds them parked under the old name, and acks them as done.
+/// Before, each was parked once under each name (review R40a F6).
+#[tokio::test(flavor = "multi_thread")]
+async fn a_reload_renaming_a_pipeline_while_the_old_links_acks_are_lost_parks_each_message_once() {
+    let amqp = TcpProxy::start(&amqp_url(), 5672).await;
+    let mut env = TestEnv::new("rl_lost_parks").await;
+    env.set("SHUTDOWN_TIMEOUT_MS", "15000");
+    let fx = Fixture::new(&env, &["orders"]).await;
+    let (orders, path, file) = (fx.names(0), fx.path.clone(), fx.file.clone());
+    let (code, out, err) = env.run_async(&["--config", &file, "declare"]).await;
+    assert_eq!(code, 0, "{out}{err}");
+    env.set("AMQP_URL", amqp.url());
+    let warren = env.start(&["--config", &file, "--roles", "dlq"]);
+    let _logs = LogsOnPanic(vec![warren.log.clone()]);
+    one_consumer(&orders.dlq).await;
+    // Messages refused for good (qty over its maximum) straight into the DLQ: parked.
+    let refused = |ids: &[Uuid]| -> Vec<(Vec<u8>, BasicProperties)> {
+        ids.iter().map(|id| (body(*id, 5000), props(*id))).collect()
+    };
+    let parked = |pipeline: &'static str| {
+        let env = &env;
+        async move {
+            env.db
+                .query(
+                    "SELECT message_id FROM dead_letters WHERE pipeline = $1",
+                    &[&pipeline],
+                )
+                .await
+                .expect("read dead_letters")
+                .iter()
+                .map(|r| r.get::<_, String>(0).parse::<Uuid>().expect("a uuid"))
+                .collect::<HashSet<Uuid>>()
+        }
+    };
+    let warm = new_ids(50);
+    env.publish_pipelined_to("", &orders.dlq, refused(&warm))
+        .await;
+    let mut all: HashSet<Uuid> = warm.iter().copied().collect();
+    wait_until("the first ones parked", Duration::from_secs(30), || async {
+        parked("orders").await == all
+    })
+    .await;
+
+    amqp.hold_busiest_from_client();
+    let held = new_ids(100);
+    env.publish_pipelined_to("", &orders.dlq, refused(&held))
+        .await;
+    all.extend(held.iter().copied());
+    wait_until("all parked", Duration::from_secs(30), || async {
+        parked("orders").await == all
+    })
+    .await;
+    wait_until(
+        "the parked messages still unacked on the broker",
+        Duration::from_secs(30),
+        || async { queue_counts(&orders.dlq).await == (0, held.len() as u64) },
+    )
+    .await;
+
+    let renamed =
+        entry("orders", &orders, 50, 1000).replace(r#"name = "orders""#, r#"name = "orders_v2""#);
+    std::fs::write(&path, renamed).expect("write");
+    let event = reload(&env, &warren, "reloaded", 1).await;
+    assert_eq!(names_of(&event["added"]), ["orders_v2"], "{event}");
+    assert!(
+        warren
+            .logs()
+            .contains("the broker link did not answer its close"),
+        "{}",
+        tail(&warren.logs(), 40)
+    );
+    amqp.cut();
+    amqp.restore();
+    wait_until(
+        "every message settled on the broker",
+        Duration::from_secs(60),
+        || async { queue_counts(&orders.dlq).await == (0, 0) },
+    )
+    .await;
+    // The new name parks what comes now, and nothing the old one parked.
+    let fresh = new_ids(10);
+    env.publish_pipelined_to("", &orders.dlq, refused(&fresh))
+        .await;
+    let fresh: HashSet<Uuid> = fresh.into_iter().collect();
+    wait_until("the new ones parked", Duration::from_secs(30), || async {
+        parked("orders_v2").await.len() >= fresh.len()
+    })
+    .await;
+    assert_same_ids(
+        "dead_letters of orders_v2",
+        &fresh,
+        &parked("orders_v2").await.into_iter().collect::<Vec<_>>(),
+    );
+    assert_eq!(parked("orders").await, all);
+    warren
+        .wait_for_log(
+            "the redeliveries acked as done",
+            "redeliveries acked as done: the stage this reload replaced had parked them",
+        )
+        .await;
     let mut warren = warren;
     warren.terminate_ok(Duration::from_secs(25));
 }

@@ -315,7 +315,10 @@ pub(super) struct Pipelines {
     /// The memories of copies of the stages a reload in progress stops: a stage it starts in
     /// the place of one (same pipeline and stage, same queue) takes its memory over, so the
     /// redeliveries of what the stopped one left are still recognised (`pipeline/copies.rs`).
-    kept: Vec<Arc<Copies>>,
+    /// Each with the mapping its stage ran: a stage started on the same queue in the place of
+    /// one whose close went unanswered asks that mapping's table and that name's parking about
+    /// the redeliveries it gets (`pipeline::sink::Predecessor`).
+    kept: Vec<(Arc<Copies>, Arc<Mapping>)>,
 }
 
 /// The pool size the pipelines of `declared` need: a connection for each insert that can be in
@@ -422,7 +425,24 @@ impl Pipelines {
                     Stage::Main => Spec::main(&d.spec),
                     Stage::Dlq => Spec::dlq(&d.spec),
                 };
-                let kept = self.kept.iter().find(|c| c.stage() == &id).cloned();
+                // The stopped stage of the same kind on the same queue: the same pipeline, or
+                // one renamed (its memory, and with an unanswered close, what it settled).
+                let replaced = self
+                    .kept
+                    .iter()
+                    .find(|(c, _)| c.stage() == &id)
+                    .or_else(|| {
+                        self.kept.iter().find(|(c, _)| {
+                            c.stage().stage() == id.stage() && c.queue() == spec.queue
+                        })
+                    });
+                let before = replaced
+                    .filter(|(c, _)| c.close_unanswered() && c.queue() == spec.queue)
+                    .map(|(c, m)| pipeline::sink::Predecessor {
+                        domain: m.clone(),
+                        parks_as: c.stage().pipeline().to_string(),
+                    });
+                let kept = replaced.map(|(c, _)| c.clone());
                 pipeline::start(
                     &self.links,
                     spec,
@@ -430,6 +450,7 @@ impl Pipelines {
                     self.pool.clone(),
                     self.depths.clone(),
                     kept,
+                    before,
                 )
             })
             .collect();
@@ -670,8 +691,11 @@ impl Pipelines {
         self.running = kept;
         self.kept = stopping
             .iter()
-            .flat_map(|r| r.stages.iter())
-            .map(|p| p.copies.clone())
+            .flat_map(|r| {
+                r.stages
+                    .iter()
+                    .map(|p| (p.copies.clone(), r.declared.mapping.clone()))
+            })
             .collect();
         let removed = plan.report.removed.iter().map(|n| (n.clone(), true));
         let again = plan.report.changed.iter().chain(&plan.report.added);

@@ -437,6 +437,38 @@ fn sql_limit(limit: u64) -> i64 {
     i64::try_from(limit).unwrap_or(i64::MAX)
 }
 
+/// Of `fingerprints` (see [`fingerprint`]), those `pipeline` has a row of (open or replayed),
+/// asked within `bound`: a stage a reload started in the place of one that parked under
+/// another name asks it of that name's rows before parking a redelivery again.
+pub async fn parked_of(
+    pool: &Pool,
+    bound: Duration,
+    statements: &Arc<Statements>,
+    pipeline: &str,
+    fingerprints: &[Vec<u8>],
+) -> Result<HashSet<Vec<u8>>, DbError> {
+    let client = pool.get().await.map_err(DbError::from_pool)?;
+    let running = statements.enter(&client)?;
+    let asked = tokio::time::timeout(
+        bound,
+        client.query(
+            "SELECT fingerprint FROM dead_letters \
+             WHERE pipeline = $1 AND fingerprint = ANY($2::bytea[])",
+            &[&pipeline, &fingerprints],
+        ),
+    )
+    .await;
+    drop(running);
+    match asked {
+        Ok(result) => {
+            let result = result.map_err(DbError::from_pg);
+            super::release(pool, client, &result);
+            Ok(result?.iter().map(|r| r.get::<_, Vec<u8>>(0)).collect())
+        }
+        Err(_) => Err(abandon(client, bound)),
+    }
+}
+
 /// Fails when the table cannot be read (missing, or not readable by this role); reads no row.
 /// For work that must not start otherwise (a replay checks it before it touches the broker).
 pub async fn check(client: &Client) -> Result<(), tokio_postgres::Error> {

@@ -42,10 +42,13 @@
 //! was inserted this time) stay until pushed out.
 //!
 //! The memory is the process's own, and outlives a stage a reload restarts: the stage started
-//! in its place (the same pipeline and stage, on the same queue) takes it over
-//! ([`Copies::carry_on`]), and the generations of its links go on from the old stage's, so a
-//! redelivery of what the old stage left is still recognised. A redelivery to another instance,
-//! or after warren itself restarted, is routed as any other.
+//! in its place (a stage of the same kind on the same queue, the same pipeline or one renamed)
+//! takes it over ([`Copies::carry_on`]), and the generations of its links go on from the old
+//! stage's, so a redelivery of what the old stage left is still recognised. It also says
+//! whether the old stage's close went unanswered ([`Copies::close_unanswered`]): then what that
+//! stage stored or parked may come again too, and the new stage asks its table and parking
+//! (`sink::settled_before`, `Fallback::parked_before`). A redelivery to another instance, or
+//! after warren itself restarted, is routed as any other.
 
 use std::collections::VecDeque;
 use std::hash::{BuildHasher, Hasher, RandomState};
@@ -127,6 +130,10 @@ pub struct Copies {
     /// Woken when the consumer's channel goes: a backoff holding its deliveries ends
     /// ([`Copies::gone`]).
     links: Notify,
+    /// Set when the stage's stop closed its broker link and the close went unanswered: the
+    /// acks of its last commits may never have reached the broker, which delivers those
+    /// messages again to whatever consumes the queue next ([`Copies::close_unanswered`]).
+    unanswered: std::sync::atomic::AtomicBool,
 }
 
 impl Copies {
@@ -142,13 +149,16 @@ impl Copies {
             state: Mutex::new(State::default()),
             outcomes: Notify::new(),
             links: Notify::new(),
+            unanswered: Default::default(),
         }
     }
 
     /// The memory of `stage` (consuming `queue`, a window of at most `prefetch`) that a reload
-    /// starts: `kept`, the memory of the stage it replaces, when that one was the same stage on
-    /// the same queue (the redeliveries of what it left come to this one), else a new one.
-    /// The stage it replaces has stopped: its link is down, what it left unproven is lost.
+    /// starts: `kept`, the memory of the stage it replaces, when that one was a stage of the
+    /// same kind on the same queue (the redeliveries of what it left come to this one), else a
+    /// new one. The stage it replaces has stopped: its link is down, what it left unproven is
+    /// lost. A pipeline renamed on the same queue gets what the old name's memory held, under
+    /// its own name (review R40a F6: the redeliveries were routed again, a second copy).
     pub fn carry_on(
         kept: Option<Arc<Copies>>,
         stage: StageId,
@@ -156,14 +166,47 @@ impl Copies {
         prefetch: u16,
     ) -> Arc<Copies> {
         match kept {
-            Some(kept) if kept.stage == stage && kept.queue == queue => {
+            Some(kept) if kept.stage.stage() == stage.stage() && kept.queue == queue => {
                 kept.capacity
                     .fetch_max(capacity(prefetch), Ordering::AcqRel);
                 kept.link_down();
-                kept
+                // What its close left is the caller's to pass on (`sink::Predecessor`).
+                kept.unanswered.store(false, Ordering::Release);
+                if kept.stage == stage {
+                    return kept;
+                }
+                let mut renamed = Self::new(stage, queue, prefetch);
+                // The same keys: the lost entries are found by the fingerprints they made.
+                renamed.keys = kept.keys.clone();
+                renamed
+                    .capacity
+                    .fetch_max(kept.capacity.load(Ordering::Acquire), Ordering::AcqRel);
+                {
+                    let mut from = kept.state();
+                    let mut to = renamed.state();
+                    to.last = from.last;
+                    to.lost = std::mem::take(&mut from.lost);
+                }
+                Arc::new(renamed)
             }
             _ => Arc::new(Self::new(stage, queue, prefetch)),
         }
+    }
+
+    /// The queue the stage consumes.
+    pub fn queue(&self) -> &str {
+        &self.queue
+    }
+
+    /// The stage's stop closed its broker link and no answer came (`consumer/stop.rs`).
+    pub fn left_unanswered(&self) {
+        self.unanswered.store(true, Ordering::Release);
+    }
+
+    /// Whether the stage's stop found its link silent at the close: the broker may deliver
+    /// again what it stored, parked or routed last (see [`Copies::left_unanswered`]).
+    pub fn close_unanswered(&self) -> bool {
+        self.unanswered.load(Ordering::Acquire)
     }
 
     /// The pipeline and stage whose memory this is.
@@ -734,6 +777,30 @@ mod tests {
         assert_eq!(
             Copies::carry_on(None, StageId::new("users", Stage::Main), "users_q", 2).link_up(),
             1
+        );
+    }
+
+    #[test]
+    fn a_pipeline_renamed_on_the_same_queue_takes_the_memory_under_its_name() {
+        let c = Arc::new(copies());
+        assert_eq!(c.link_up(), 1);
+        confirmed(&c, &delivery(1, 7, false, "bad"));
+        c.left_unanswered();
+        assert!(c.close_unanswered());
+        let renamed = StageId::new("users_v2", Stage::Main);
+        let next = Copies::carry_on(Some(c.clone()), renamed.clone(), "users_q", 4);
+        assert!(!Arc::ptr_eq(&c, &next), "a memory under the new name");
+        assert_eq!(next.stage(), &renamed);
+        assert!(
+            !next.close_unanswered(),
+            "the old close is the old stage's (passed on as its predecessor)"
+        );
+        // The lost copy, its fingerprint made with the same keys, and the generations go on.
+        assert_eq!(next.link_up(), 2);
+        let again = delivery(2, 1, true, "bad");
+        assert_eq!(
+            next.recall(&again, next.fingerprint(&again)),
+            Recall::Routed
         );
     }
 }

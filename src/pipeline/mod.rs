@@ -244,7 +244,9 @@ pub struct Links {
 /// pipeline consumes, where its failures go, its batching and limits come from `spec`; `depths`
 /// is what the queue poller sees of its queues; `kept` is the memory of copies of the stage this
 /// one replaces (a reload), taken over when it is the same stage on the same queue, so the
-/// redeliveries of what that one left are still recognised (`copies.rs`).
+/// redeliveries of what that one left are still recognised (`copies.rs`); `before` is that
+/// stage's domain and name when its close went unanswered: a redelivery it stored or parked is
+/// then acked as done, not stored or parked again under this spec (`sink::settled_before`).
 pub fn start<D: Domain>(
     links: &Links,
     spec: Spec,
@@ -252,6 +254,7 @@ pub fn start<D: Domain>(
     pool: Pool,
     depths: Depths,
     kept: Option<Arc<copies::Copies>>,
+    before: Option<sink::Predecessor<D>>,
 ) -> Pipeline {
     let id = StageId::new(&spec.pipeline, spec.stage);
     let stopping = CancellationToken::new();
@@ -289,6 +292,10 @@ pub fn start<D: Domain>(
         park_over: spec.max_message_bytes,
         copies: copies.clone(),
         hand_back_after: links.amqp.hand_back_after(),
+        parked_before: before
+            .as_ref()
+            .map(|b| b.parks_as.clone())
+            .filter(|name| *name != spec.pipeline),
     };
     let leftovers: Recipient<Leftovers> = match spec.fallback {
         FallbackKind::Route => Supervisor::start(move |_| Router::new(fallback)).recipient(),
@@ -316,6 +323,7 @@ pub fn start<D: Domain>(
         statements: statements.clone(),
         settle: consumer_addr.clone().recipient(),
         leftovers,
+        predecessor: before,
     });
 
     // Batchers.

@@ -112,6 +112,11 @@ pub struct Fallback {
     /// The generation of the consumer's open channel, and the copies whose ack is not proven
     /// handled by the broker (shared with the consumer).
     pub copies: Arc<Copies>,
+    /// The name the stage a reload replaced with this one parked under, when it was another
+    /// (a pipeline renamed on the same queue) and its close went unanswered: a redelivery it
+    /// parked, whose ack may be lost, is not parked again under the new name (review R40a F6:
+    /// parked under both names).
+    pub parked_before: Option<String>,
     /// 80% of the broker's `consumer_timeout` (`AmqpConfig::hand_back_after`): a backoff never
     /// holds a delivery past it.
     pub hand_back_after: Option<Duration>,
@@ -413,6 +418,23 @@ impl Fallback {
         if rows.is_empty() {
             return;
         }
+        // Parked already under the name a reload replaced: acked as done, not parked again.
+        let before = self.parked_before(items, &indices, &rows).await;
+        if !before.is_empty() {
+            let kept: Vec<bool> = indices.iter().map(|i| !before.contains(i)).collect();
+            let mut at = kept.iter();
+            rows.retain(|_| *at.next().unwrap_or(&true));
+            let mut at = kept.iter();
+            kinds.retain(|_| *at.next().unwrap_or(&true));
+            indices.retain(|i| !before.contains(i));
+            if rows.is_empty() {
+                drop(rows);
+                for i in before {
+                    fates[i] = Fate::Settled(Disposition::Ack);
+                }
+                return;
+            }
+        }
         let result = dead_letters::park(&self.pool, self.db_bound, &self.statements, &rows).await;
         drop(rows);
         let settled = match result {
@@ -488,6 +510,71 @@ impl Fallback {
         for i in indices {
             fates[i] = settled.clone();
         }
+        for i in before {
+            fates[i] = Fate::Settled(Disposition::Ack);
+        }
+    }
+
+    /// Of the messages about to be parked (`indices` into `items`, their `rows`), those the
+    /// stage a reload replaced parked already under its other name ([`Fallback::parked_before`]):
+    /// redeliveries only. Counted and logged; what cannot be asked is parked as any other.
+    async fn parked_before(
+        &self,
+        items: &[(Delivery, Failure)],
+        indices: &[usize],
+        rows: &[dead_letters::ParkRow<'_>],
+    ) -> std::collections::HashSet<usize> {
+        let mut found = std::collections::HashSet::new();
+        let Some(name) = &self.parked_before else {
+            return found;
+        };
+        let asked: Vec<(usize, Vec<u8>)> = indices
+            .iter()
+            .zip(rows)
+            .filter(|(i, _)| items[**i].0.redelivered)
+            .map(|(i, r)| {
+                (
+                    *i,
+                    dead_letters::fingerprint(r.message_id, r.body, &r.headers),
+                )
+            })
+            .collect();
+        if asked.is_empty() {
+            return found;
+        }
+        let prints: Vec<Vec<u8>> = asked.iter().map(|(_, f)| f.clone()).collect();
+        match dead_letters::parked_of(&self.pool, self.db_bound, &self.statements, name, &prints)
+            .await
+        {
+            Ok(parked) => {
+                found.extend(
+                    asked
+                        .iter()
+                        .filter(|(_, f)| parked.contains(f))
+                        .map(|(i, _)| *i),
+                );
+            }
+            Err(e) => warn!(
+                pipeline = self.stage.pipeline(),
+                stage = self.stage.stage().as_str(),
+                before = %name,
+                error = %e,
+                "cannot ask whether redeliveries were parked under the name this reload replaced; \
+                 they are parked under this one"
+            ),
+        }
+        if !found.is_empty() {
+            metrics::redeliveries(&self.stage, "settled_before_reload", found.len() as u64);
+            info!(
+                pipeline = self.stage.pipeline(),
+                stage = self.stage.stage().as_str(),
+                before = %name,
+                count = found.len(),
+                "redeliveries acked as done: the stage this reload replaced had parked them \
+                 under its name (its close went unanswered, and their acks with it)"
+            );
+        }
+        found
     }
 
     /// Settles every message of the batch: at once, except what goes back to its queue

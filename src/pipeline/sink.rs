@@ -53,6 +53,17 @@ pub struct SinkConfig<D: Domain> {
     pub settle: Recipient<Settle>,
     /// The fallback stage, for every message not inserted.
     pub leftovers: Recipient<Leftovers>,
+    /// The stage a reload stopped on the same queue when it started this one, when its close
+    /// went unanswered: what it settled may come again ([`settled_before`]).
+    pub predecessor: Option<Predecessor<D>>,
+}
+
+/// The stage of the same kind on the same queue that a reload stopped when it started this
+/// one (another table, name or mapping, or only other settings), when its close went
+/// unanswered: its domain, and the name it parked under.
+pub struct Predecessor<D: Domain> {
+    pub domain: Arc<D>,
+    pub parks_as: String,
 }
 
 /// The sink actor.
@@ -85,11 +96,18 @@ async fn sink<D: Domain>(config: Arc<SinkConfig<D>>, batch: Batch<D::Record>) {
     let started = Instant::now();
     let Batch { id, entries } = batch;
     let n = entries.len();
-    let mut deliveries: Vec<Delivery> = Vec::with_capacity(n);
+    let (mut deliveries, results): (Vec<Delivery>, Vec<_>) =
+        entries.into_iter().map(|e| (e.delivery, e.result)).unzip();
+    // Acked: settled by the stage a reload replaced, stored (`committed`), stale or deleted.
+    let mut inserted = settled_before(&config, &deliveries).await;
+    let mut acked = inserted.iter().filter(|done| **done).count();
     let mut records: Vec<(usize, D::Record)> = Vec::with_capacity(n);
     let mut failures: Vec<Option<Failure>> = (0..n).map(|_| None).collect();
-    for (i, entry) in entries.into_iter().enumerate() {
-        match entry.result {
+    for (i, result) in results.into_iter().enumerate() {
+        if inserted[i] {
+            continue;
+        }
+        match result {
             Ok(record) => records.push((i, record)),
             Err(rejection) => {
                 let kind = rejection.kind;
@@ -97,8 +115,8 @@ async fn sink<D: Domain>(config: Arc<SinkConfig<D>>, batch: Batch<D::Record>) {
                     &config.stage,
                     kind.as_str(),
                     &rejection.reason,
-                    entry.delivery.message_id(),
-                    entry.delivery.tag,
+                    deliveries[i].message_id(),
+                    deliveries[i].tag,
                 );
                 failures[i] = Some(Failure::Refused {
                     kind,
@@ -106,13 +124,9 @@ async fn sink<D: Domain>(config: Arc<SinkConfig<D>>, batch: Batch<D::Record>) {
                 });
             }
         }
-        deliveries.push(entry.delivery);
     }
 
-    // Acked: stored (`committed`), stale or deleted.
-    let mut inserted = vec![false; n];
     let mut committed = 0usize;
-    let mut acked = 0usize;
     let mut stale: Vec<(usize, String)> = Vec::new();
     let mut deleted = 0usize;
     let mut transient: Option<String> = None;
@@ -548,7 +562,7 @@ impl<'r, D: Domain> Isolation<'_, 'r, D> {
             // stored as it is is done; the rest goes back, as all of it does when the
             // table cannot be asked.
             Err(e) if self.config.stopping.is_cancelled() && e.outcome_unknown() => {
-                let stored = stored_of(self.config, &group).await;
+                let stored = stored_of(self.config, &self.config.domain, &group).await;
                 let (done, rest): (Vec<_>, Vec<_>) = group
                     .into_iter()
                     .zip(stored)
@@ -612,11 +626,71 @@ async fn already_stored<D: Domain>(config: &Arc<SinkConfig<D>>, record: &D::Reco
     }
 }
 
-/// For each record of `group`, whether the table already decides it ([`Domain::settled`]:
-/// stored exactly, or, with versions, older than what its key holds), asked on one connection
-/// within the statement bound; all `false` when it cannot tell.
+/// Of `deliveries`, those the stage a reload replaced with this one settled already, acked
+/// as done: its close went unanswered, so the acks of its last commits may never have reached
+/// the broker, which delivers those messages again (redelivered) to this stage. Each
+/// redelivery is decoded with that stage's mapping and asked of its table
+/// ([`Domain::settled`]: stored exactly, or older than what its key holds). Without it, a
+/// reload that changed the table, the name or the mapping stored them in the new table too,
+/// or parked them `id_conflict` beside their rows (review R40a F4, F6). What cannot be asked
+/// (the old table gone, the database silent) goes on as any message.
+async fn settled_before<D: Domain>(
+    config: &Arc<SinkConfig<D>>,
+    deliveries: &[Delivery],
+) -> Vec<bool> {
+    let mut done = vec![false; deliveries.len()];
+    let Some(before) = &config.predecessor else {
+        return done;
+    };
+    if !deliveries.iter().any(|d| d.redelivered) {
+        return done;
+    }
+    let decoded: Vec<(usize, D::Record)> = deliveries
+        .iter()
+        .enumerate()
+        .filter(|(_, d)| d.redelivered)
+        .filter_map(|(i, d)| {
+            let properties = d.properties.full();
+            let envelope = d.envelope(&properties);
+            before
+                .domain
+                .decode_with(&d.body, &envelope)
+                .ok()
+                .map(|r| (i, r))
+        })
+        .collect();
+    if decoded.is_empty() {
+        return done;
+    }
+    let group: Vec<(usize, &D::Record)> = decoded.iter().map(|(i, r)| (*i, r)).collect();
+    let settled = stored_of(config, &before.domain, &group).await;
+    let mut ids = Vec::new();
+    for ((i, _), yes) in group.iter().zip(settled) {
+        if yes {
+            done[*i] = true;
+            ids.push(deliveries[*i].message_id());
+        }
+    }
+    if !ids.is_empty() {
+        metrics::redeliveries(&config.stage, "settled_before_reload", ids.len() as u64);
+        info!(
+            pipeline = config.stage.pipeline(),
+            stage = config.stage.stage().as_str(),
+            count = ids.len(),
+            message_ids = ?ids.iter().take(10).collect::<Vec<_>>(),
+            "redeliveries acked as done: the stage this reload replaced had settled them (its \
+             close went unanswered, and their acks with it)"
+        );
+    }
+    done
+}
+
+/// For each record of `group`, whether `domain`'s table already decides it
+/// ([`Domain::settled`]: stored exactly, or, with versions, older than what its key holds),
+/// asked on one connection within the statement bound; all `false` when it cannot tell.
 async fn stored_of<D: Domain>(
     config: &Arc<SinkConfig<D>>,
+    domain: &D,
     group: &[(usize, &D::Record)],
 ) -> Vec<bool> {
     let none = vec![false; group.len()];
@@ -627,8 +701,7 @@ async fn stored_of<D: Domain>(
         return none;
     };
     let records: Vec<&D::Record> = group.iter().map(|(_, r)| *r).collect();
-    let asked =
-        tokio::time::timeout(config.db_bound, config.domain.settled(&client, &records)).await;
+    let asked = tokio::time::timeout(config.db_bound, domain.settled(&client, &records)).await;
     drop(running);
     match asked {
         Ok(result) => {
