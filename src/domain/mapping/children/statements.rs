@@ -65,13 +65,29 @@ pub(super) fn joined(left: &str, l: &[String], right: &str, r: &[String]) -> Str
 /// under the sent one). Asked only when `ct` or `t` has an enabled BEFORE INSERT row trigger
 /// (read in the same statement): the lookups cost about 1 us a child row (20-25% of the child
 /// insert), and without such a trigger no row can be under another parent.
-fn moved(ct: &str, t: &str, pk: &[String], lk: &[String]) -> String {
+///
+/// `probe`: in the probe's transaction, where the parent rows this transaction wrote are known
+/// (`written_here`), not only told by `xmin` (which a trigger updating other parent rows
+/// fools: review R40b F14).
+fn moved(ct: &str, t: &str, pk: &[String], lk: &[String], probe: bool) -> String {
+    let (fenced, ours) = if probe {
+        let s_pk: Vec<String> = pk.iter().map(|k| format!("s.{k}")).collect();
+        (
+            format!(
+                "s.xmin AS {XMIN}, s.tableoid AS {TOID}, {}",
+                s_pk.join(", ")
+            ),
+            written_here(t, "s", "s", pk),
+        )
+    } else {
+        (format!("s.xmin AS {XMIN}"), format!("s.{XMIN} = {OURS}"))
+    };
     format!(
         "CASE WHEN EXISTS (SELECT 1 FROM pg_catalog.pg_trigger AS tg \
            WHERE tg.tgrelid IN ({ct_text}::regclass, {t_text}::regclass) AND NOT tg.tgisinternal \
              AND tg.tgenabled <> 'D' AND tg.tgtype & 7 = 7) \
-         THEN (SELECT count(*) FROM ins WHERE NOT EXISTS (SELECT 1 FROM (SELECT s.xmin AS {XMIN} \
-           FROM {t} AS s WHERE {on} OFFSET 0) AS s WHERE s.{XMIN} = {OURS})) ELSE 0 END",
+         THEN (SELECT count(*) FROM ins WHERE NOT EXISTS (SELECT 1 FROM (SELECT {fenced} \
+           FROM {t} AS s WHERE {on} OFFSET 0) AS s WHERE {ours})) ELSE 0 END",
         ct_text = crate::domain::mapping::statements::sql_text(ct),
         t_text = crate::domain::mapping::statements::sql_text(t),
         on = joined("s", pk, "ins", lk),
@@ -120,7 +136,7 @@ impl ChildStatements {
         let insert_checked = format!(
             "WITH ins AS (INSERT INTO {ct} ({list}) SELECT * FROM {all_rows} RETURNING {lks}) \
              SELECT (SELECT count(*) FROM ins), {}",
-            moved(&ct, &t, &pk, &lk),
+            moved(&ct, &t, &pk, &lk, false),
             lks = lk.join(", "),
         );
         let pk_params = |from: usize| -> Vec<String> {
@@ -165,7 +181,7 @@ impl ChildStatements {
                      FROM {won_rows} RETURNING {lks}) \
                      SELECT (SELECT count(*) FROM ins), (SELECT count(*) \
                        FROM UNNEST({ord_param}) AS o({ORD}) WHERE o.{ORD} IN (SELECT {ORD} FROM won)), {moved}",
-                    moved = moved(&ct, &t, &pk, &lk),
+                    moved = moved(&ct, &t, &pk, &lk, false),
                     kp = pk_params(first).join(", "),
                     on = joined("s", &pk, "w", &pk),
                 );
@@ -182,7 +198,7 @@ impl ChildStatements {
                      FROM {won_rows} RETURNING {lks}) \
                      SELECT (SELECT count(*) FROM ins), (SELECT count(*) \
                        FROM UNNEST({ord_param}) AS o({ORD}) WHERE o.{ORD} IN (SELECT {ORD} FROM won)), {moved}",
-                    moved = moved(&ct, &t, &pk, &lk),
+                    moved = moved(&ct, &t, &pk, &lk, true),
                     pp = p_pks.join(", "),
                     on = joined("s", &pk, "w", &pk),
                     written = written_here(&t, "s", "w", &pk),
