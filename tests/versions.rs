@@ -964,3 +964,54 @@ async fn a_key_index_under_another_collation_than_its_column_is_refused() {
     let (code, out, err) = env.run_async(&["--config", file.at(), "declare"]).await;
     assert_eq!(code, 0, "declare:\n{out}{err}");
 }
+
+/// Review R40b F13: a reason named the version as the message wrote it, though the table
+/// compares it as its column types it: a `numeric(6,2)` version `1.005` is `1.01`, the stored
+/// row's version, and the conflict said "under version 1.005". Now it names `1.01`.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_reason_names_the_version_as_the_table_types_it() {
+    let env = TestEnv::new("ver_typed").await;
+    env.db
+        .batch_execute(
+            "CREATE TABLE docs (k text PRIMARY KEY, v numeric(6,2) NOT NULL, body text NOT NULL)",
+        )
+        .await
+        .expect("create docs");
+    let spec: MappingSpec = toml::from_str(
+        r#"
+table = "docs"
+key = ["k"]
+on_conflict = "update"
+version_column = "v"
+
+[columns]
+k    = { path = "/k", type = "text" }
+v    = { path = "/v", type = "numeric" }
+body = { path = "/body", type = "text" }
+"#,
+    )
+    .expect("spec");
+    let m = Mapping::compile("docs", &spec).expect("compiles");
+    let pool = pool(&env).await;
+    let doc = |v: &str, body: &str| format!(r#"{{"k":"a","v":{v},"body":"{body}"}}"#).into_bytes();
+    let done = insert_bodies(&m, &pool, &[doc("1.01", "one")])
+        .await
+        .expect("insert");
+    assert_eq!(done.rows, 1, "{done:?}");
+    let done = insert_bodies(&m, &pool, &[doc("1.005", "other"), doc("0.999", "older")])
+        .await
+        .expect("insert");
+    assert_eq!(done.conflicts.len(), 1, "{done:?}");
+    assert!(
+        done.conflicts[0].1.contains("under version 1.01 ")
+            && !done.conflicts[0].1.contains("1.005"),
+        "{done:?}"
+    );
+    assert_eq!(done.stale.len(), 1, "{done:?}");
+    assert!(
+        done.stale[0]
+            .1
+            .contains("version 1.00 is older than the stored version 1.01"),
+        "{done:?}"
+    );
+}

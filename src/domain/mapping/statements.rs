@@ -415,7 +415,8 @@ pub(super) struct VersionStatements {
     /// With deletes: the tombstones of keys whose row this transaction wrote, removed.
     pub(super) tomb_clear: String,
     /// Per record: ordinal, delete?, written?, older than the key holds?, is the stored row at
-    /// its version?, is the tombstone at its version?, the key's stored version as text.
+    /// its version?, is the tombstone at its version?, the key's stored version as text, is
+    /// the newest a tombstone?, its own version as the table types it (rounded, as text).
     pub(super) classify: String,
 }
 
@@ -591,7 +592,8 @@ impl VersionStatements {
                COALESCE(s.{SV} = u.{ver}, false), \
                COALESCE({tb_ver} = u.{ver}, false), \
                GREATEST(s.{SV}, {tb_ver})::text, \
-               COALESCE({tb_ver} > s.{SV} OR s.{SK} IS NULL, false) \
+               COALESCE({tb_ver} > s.{SV} OR s.{SK} IS NULL, false), \
+               u.{ver}::text \
              FROM {every} AS u JOIN {winners} AS w ON {w_u} \
              LEFT JOIN LATERAL (SELECT s.{first} AS {SK}, s.{ver} AS {SV}, s.xmin AS {XMIN}, \
                s.tableoid AS {TOID} FROM {t} AS s WHERE {s_u} OFFSET 0) AS s ON true{tb_join}",

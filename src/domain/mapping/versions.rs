@@ -45,6 +45,9 @@ struct Found {
     newest: Option<String>,
     /// The newest is a tombstone's (the key is deleted).
     deleted: bool,
+    /// Its own version as the table types it, as text: what the reasons name (a `numeric(6,2)`
+    /// version of `1.005` is `1.01`, the version it is compared as; review R40b F13).
+    at: Option<String>,
 }
 
 /// Writes `records` of an `update` mapping through the probe, in one transaction, and says
@@ -165,6 +168,7 @@ async fn run(
                     tomb_at: row.get(5),
                     newest: row.get(6),
                     deleted: row.get(7),
+                    at: row.get(8),
                 },
             ));
         }
@@ -205,11 +209,18 @@ async fn outcomes(
         rows: written,
         ..Default::default()
     };
+    // As the table types it (the probe's), else as sent.
+    let typed: std::collections::HashMap<usize, String> = found
+        .iter()
+        .filter_map(|(i, f)| f.at.clone().map(|at| (*i, at)))
+        .collect();
     let version = |i: usize| -> String {
-        mapping
-            .version
-            .and_then(|v| records.get(i).map(|r| shown(&r.0[v])))
-            .unwrap_or_default()
+        typed.get(&i).cloned().unwrap_or_else(|| {
+            mapping
+                .version
+                .and_then(|v| records.get(i).map(|r| shown(&r.0[v])))
+                .unwrap_or_default()
+        })
     };
     let key = |i: usize| {
         records
