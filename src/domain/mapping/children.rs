@@ -313,6 +313,16 @@ impl Child {
                     format!("column {k:?} named twice"),
                 ));
             }
+            // NULL is distinct from NULL in a unique index: two rows of one parent whose key
+            // holds a NULL are both stored, and a message's rows could no longer be told from
+            // another's by their keys (review R41b F12: `a, a` taken for a copy of a stored
+            // `a, b`, acked, stored nowhere).
+            if columns[i].optional {
+                return Err(ChildError::at(
+                    &["key"],
+                    format!("column {k:?} is optional; a key is never NULL"),
+                ));
+            }
             key.push(i);
         }
         // Per column of the parent's key, the child column carrying it: how a parent's stored

@@ -33,7 +33,7 @@ pub(super) struct ChildStatements {
     /// Of the records `$1` (ordinals in the parents' probe), those whose key holds other child
     /// rows than the child probe holds for them (compared with the columns' own equality): each
     /// row of the probe looked up by the child key with `=` (its index, so linear in the rows;
-    /// a key column that may be NULL, optional or jsonb, is compared as the others are), then
+    /// a jsonb key column is compared as the others are; a key column is never optional), then
     /// compared column by column with `IS NOT DISTINCT FROM`.
     pub(super) probe_differs: String,
     /// Whether the record `$1`'s child rows, as an insert of them would write them (the child

@@ -530,3 +530,33 @@ fn a_child_column_reads_a_property_of_the_message_for_each_element() {
     let e = with(r#"x = { property = "type", path = "/x", type = "text" }"#).unwrap_err();
     assert!(e.problem.contains("give one of path"), "{}", e.problem);
 }
+
+/// Review R41b F12: a child key column mapped `optional = true` held NULLs, which a unique
+/// index lets repeat: a message's rows `a, a` were taken for a copy of the stored `a, b`, acked
+/// and stored nowhere. Such a key is refused where the mapping compiles, as the parent's is.
+#[test]
+fn an_optional_child_key_column_is_refused() {
+    let spec = toml::from_str::<MappingSpec>(
+        r#"
+        table = "shop.orders"
+        key = ["order_id"]
+        [columns]
+        order_id = { path = "/order_id", type = "uuid" }
+        [[children]]
+        table = "shop.order_items"
+        rows = "/items"
+        key = ["order_id", "code"]
+        [children.columns]
+        order_id = { parent = "order_id" }
+        code     = { path = "/code", type = "text", optional = true }
+        sku      = { path = "/sku", type = "text" }
+        "#,
+    )
+    .expect("spec");
+    let err = Mapping::compile("orders", &spec).unwrap_err().to_string();
+    assert_eq!(
+        err,
+        "pipeline orders: children.shop.order_items: key: column \"code\" is optional; a key \
+         is never NULL"
+    );
+}
