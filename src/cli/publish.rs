@@ -137,7 +137,7 @@ pub async fn execute(settings: &Settings, args: Args) -> anyhow::Result<i32> {
                 .filter_map(move |(n, line)| async move {
                     match serde_json::from_str::<serde_json::Value>(&line) {
                         Ok(serde_json::Value::Object(o)) => {
-                            let id = match o.get(id_field.as_str()) {
+                            let id = match id_field.as_deref().and_then(|f| o.get(f)) {
                                 Some(serde_json::Value::String(s)) => s.clone(),
                                 Some(serde_json::Value::Number(n)) if n.is_i64() || n.is_u64() => {
                                     n.to_string()
@@ -151,7 +151,7 @@ pub async fn execute(settings: &Settings, args: Args) -> anyhow::Result<i32> {
                             errln!(
                                 "warren publish: line {n}: {:?}: {e} (an AMQP message id), sent \
                                  with message id {fresh}",
-                                super::terminal_safe(id_field)
+                                super::terminal_safe(id_field.as_deref().unwrap_or_default())
                             );
                             // A UUID: 36 bytes, always a short string.
                             headers::short(fresh).unwrap_or_default()
@@ -235,11 +235,13 @@ fn not_confirmed(line: u64, id: &str, error: &str) -> String {
 }
 
 /// The top-level field a line's message id is read from: the key's, when the pipeline's key is
-/// one column read from a top-level field (`id` for users, `order_id`), else `id`.
-fn id_field(mapping: &Mapping) -> String {
+/// one column read from a top-level field (`id` for users, `order_id`); else none, and each
+/// line gets a new UUID (review R41b F6: a two-column key's lines took the field `id`, so the
+/// messages of two rows shared one message id).
+fn id_field(mapping: &Mapping) -> Option<String> {
     match mapping.key().as_slice() {
-        [k] => mapping.field_of(k).unwrap_or("id").to_string(),
-        _ => "id".to_string(),
+        [k] => mapping.field_of(k).map(str::to_string),
+        _ => None,
     }
 }
 
@@ -311,5 +313,24 @@ mod tests {
         }
         assert_eq!(invalid, 10);
         assert!(users.decode(&generated(0, None).1).is_ok());
+    }
+
+    /// Review R41b F6: the message id is a one-column key's top-level field; a key of two
+    /// columns, or one not read from a top-level field, gives each line a new UUID.
+    #[test]
+    fn the_message_id_is_read_from_a_one_column_top_level_key_only() {
+        let compile = |key: &str, id: &str| {
+            let spec: crate::domain::mapping::MappingSpec = toml::from_str(&format!(
+                "table = \"t\"\nkey = {key}\n[columns]\nid = {id}\n\
+                 region = {{ path = \"/region\", type = \"text\" }}\n"
+            ))
+            .expect("spec");
+            Mapping::compile("t", &spec).expect("compiles")
+        };
+        let top = r#"{ path = "/id", type = "text" }"#;
+        assert_eq!(id_field(&compile(r#"["id"]"#, top)).as_deref(), Some("id"));
+        assert_eq!(id_field(&compile(r#"["id", "region"]"#, top)), None);
+        let nested = r#"{ path = "/a/id", type = "text" }"#;
+        assert_eq!(id_field(&compile(r#"["id"]"#, nested)), None);
     }
 }
