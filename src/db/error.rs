@@ -206,7 +206,10 @@ pub fn classify_sqlstate(code: &str) -> ErrorClass {
     if code.starts_with("08") || TRANSIENT.contains(&code) {
         return ErrorClass::Transient;
     }
-    if code.starts_with("22") || code.starts_with("23") {
+    // 21: a cardinality violation (`ON CONFLICT DO UPDATE command cannot affect row a second
+    // time`, 21000) is the rows' doing, the same at every try: a trigger that touches a row the
+    // statement upserts later (review R41b F11: retried in place for the whole window first).
+    if code.starts_with("21") || code.starts_with("22") || code.starts_with("23") {
         return ErrorClass::Permanent;
     }
     if code.starts_with("42")
@@ -251,7 +254,7 @@ mod tests {
         ] {
             assert_eq!(classify_sqlstate(code), ErrorClass::Transient, "{code}");
         }
-        for code in ["22001", "22P02", "23505", "23502", "23503"] {
+        for code in ["21000", "22001", "22P02", "23505", "23502", "23503"] {
             assert_eq!(classify_sqlstate(code), ErrorClass::Permanent, "{code}");
         }
         for code in ["42P01", "42501", "28P01", "28000", "3D000"] {

@@ -24,6 +24,13 @@ impl TableName {
                 name,
             })?;
         }
+        // warren's temporary tables (`warren_probe`, `warren_written`, `warren_snapshot_0`,
+        // ...) come first on a session's path: a table of such a name given without its schema
+        // would be one of them to warren's statements (review R41b F15: the pipeline held on
+        // 42P10).
+        if schema.is_none() && name.starts_with(TEMPORARY) {
+            return Err(TableNameError::Reserved(text.to_string()));
+        }
         Ok(Self {
             schema: schema.map(str::to_string),
             name: name.to_string(),
@@ -55,7 +62,15 @@ pub enum TableNameError {
     Parts(String),
     #[error("table {table:?}: {name}")]
     Name { table: String, name: NameError },
+    #[error(
+        "table {0:?}: names starting with warren_ are those of warren's temporary tables, which \
+         hide a table given without its schema; give it with its schema (schema.{0})"
+    )]
+    Reserved(String),
 }
+
+/// How the names of warren's temporary tables begin (`pg_temp.warren_probe`, ...).
+pub const TEMPORARY: &str = "warren_";
 
 /// A table, schema or column name that is not an SQL identifier warren takes.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]

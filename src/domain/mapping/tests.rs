@@ -697,6 +697,10 @@ fn mistakes_in_a_spec_name_the_pipeline_and_the_setting() {
         "is not a name warren takes",
     );
     bad(
+        &|s| s.table = "warren_probe".into(),
+        "names starting with warren_ are those of warren's temporary tables",
+    );
+    bad(
         &|s| s.columns.get_mut("order_id").unwrap().optional = true,
         "is optional; a key is never NULL",
     );
