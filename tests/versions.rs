@@ -1015,3 +1015,81 @@ body = { path = "/body", type = "text" }
         "{done:?}"
     );
 }
+
+/// Review R41b F5: a BEFORE UPDATE trigger that keeps a mapped column as it was (the usual
+/// "preserve created_at") makes the row a newer version wrote other than the row its insert
+/// would write: the redelivery of that version was compared with the insert's row and parked
+/// `id_conflict` beside itself, stored and parked. A copy is now also compared with what an
+/// update of the stored row by it writes; other content is still `id_conflict`.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_copy_of_a_version_a_before_update_trigger_shaped_is_a_copy() {
+    let env = TestEnv::new("ver_keep_created").await;
+    env.db
+        .batch_execute(
+            "CREATE TABLE notes (id text PRIMARY KEY, v int8 NOT NULL, created text NOT NULL, \
+               note text);
+             CREATE FUNCTION keep_created() RETURNS trigger LANGUAGE plpgsql AS \
+               $$ BEGIN NEW.created := OLD.created; RETURN NEW; END $$;
+             CREATE TRIGGER keep_created BEFORE UPDATE ON notes \
+               FOR EACH ROW EXECUTE FUNCTION keep_created()",
+        )
+        .await
+        .expect("the table and its trigger");
+    let spec: MappingSpec = toml::from_str(
+        r#"
+table = "notes"
+key = ["id"]
+on_conflict = "update"
+version_column = "v"
+
+[columns]
+id      = { path = "/id", type = "text" }
+v       = { path = "/v", type = "int8" }
+created = { path = "/created", type = "text" }
+note    = { path = "/note", type = "text" }
+"#,
+    )
+    .expect("spec");
+    let m = Mapping::compile("notes", &spec).expect("compiles");
+    let pool = pool(&env).await;
+    let note = |v: i64, created: &str, text: &str| {
+        format!(r#"{{"id":"u1","v":{v},"created":"{created}","note":"{text}"}}"#).into_bytes()
+    };
+    for (body, rows) in [(note(1, "2020", "a"), 1), (note(2, "2021", "b"), 1)] {
+        let done = insert_bodies(&m, &pool, &[body]).await.expect("insert");
+        assert_eq!(done.rows, rows, "{done:?}");
+    }
+    let row = env
+        .db
+        .query_one("SELECT v, created, note FROM notes WHERE id = 'u1'", &[])
+        .await
+        .expect("the row");
+    assert_eq!(
+        (
+            row.get::<_, i64>(0),
+            row.get::<_, String>(1),
+            row.get::<_, String>(2)
+        ),
+        (2, "2020".to_string(), "b".to_string()),
+        "the trigger kept created"
+    );
+    // Its redelivery, and the first version's: a copy and a stale one, nothing parked.
+    let done = insert_bodies(&m, &pool, &[note(2, "2021", "b"), note(1, "2020", "a")])
+        .await
+        .expect("insert");
+    assert!(
+        done.conflicts.is_empty() && done.refused.is_empty(),
+        "{done:?}"
+    );
+    assert_eq!(done.stale.len(), 1, "{done:?}");
+    // The same version with another note is two states under one version.
+    let done = insert_bodies(&m, &pool, &[note(2, "2021", "c")])
+        .await
+        .expect("insert");
+    assert_eq!(done.conflicts.len(), 1, "{done:?}");
+    assert!(
+        done.conflicts[0].1.contains("under version 2 with another")
+            && done.conflicts[0].1.contains("note"),
+        "{done:?}"
+    );
+}

@@ -118,18 +118,30 @@ pub(super) async fn in_probe<T>(
 
 /// Whether record `ord` (1 on) of the probe is what its key holds once the table's BEFORE
 /// INSERT triggers have made it the row an insert would write (see
-/// [`Statements::probe_same`]): asked inside a savepoint rolled back, so nothing changes. An
-/// error (a trigger or a constraint refusing the row) is "not the same".
+/// [`Statements::probe_same`]), or, with `update`, the row an update of the stored row would
+/// write ([`Statements::probe_same_update`]): each asked inside a savepoint rolled back, so
+/// nothing changes. An error (a trigger or a constraint refusing the row) is "not the same".
 pub(super) async fn same_after_triggers(
     st: &Statements,
     client: &deadpool_postgres::Client,
     ord: i64,
 ) -> Result<bool, DbError> {
+    if same_by(&st.probe_same, client, ord).await? {
+        return Ok(true);
+    }
+    match &st.probe_same_update {
+        Some(sql) => same_by(sql, client, ord).await,
+        None => Ok(false),
+    }
+}
+
+/// Whether `sql` (the record `$1`) answers a row, asked inside a savepoint rolled back.
+async fn same_by(sql: &str, client: &deadpool_postgres::Client, ord: i64) -> Result<bool, DbError> {
     client
         .batch_execute("SAVEPOINT warren_same")
         .await
         .map_err(DbError::from_pg)?;
-    let same = client.query(st.probe_same.as_str(), &[&ord]).await;
+    let same = client.query(sql, &[&ord]).await;
     client
         .batch_execute("ROLLBACK TO SAVEPOINT warren_same")
         .await

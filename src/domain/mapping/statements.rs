@@ -39,6 +39,13 @@ pub(super) struct Statements {
     /// that changes the row only when it is the same (returning it then), run inside a
     /// savepoint that is rolled back.
     pub(super) probe_same: String,
+    /// `update`: whether one record of the probe (`$1`) is what its key holds once an update of
+    /// the stored row by it would have written it, the table's BEFORE UPDATE triggers included
+    /// (one that keeps a mapped column, a `created_at`): asked when [`Statements::probe_same`]
+    /// says not, inside a savepoint rolled back (review R41b F5: the redelivery of a version
+    /// that replaced a row was compared with the row an insert would write, and parked
+    /// `id_conflict` beside itself).
+    pub(super) probe_same_update: Option<String>,
     /// `update`: the probe's path, which gives each record its own outcome (`versions.rs`).
     pub(super) versions: Option<VersionStatements>,
 }
@@ -138,7 +145,46 @@ fn probe_statements(
         first = names[key[0]],
         same_after = same_after.join(" AND "),
     );
+    // The stored row (`o`, as the statement's snapshot sees it) and the row an update of it by
+    // the record writes (`u`, after the BEFORE INSERT and BEFORE UPDATE triggers), compared.
+    let same_update = version.map(|_| {
+        let sets: Vec<String> = (0..columns.len())
+            .filter(|i| !key.contains(i))
+            .map(|i| format!("{n} = EXCLUDED.{n}", n = names[i]))
+            .collect();
+        let sets = if sets.is_empty() {
+            format!("{0} = EXCLUDED.{0}", names[key[0]])
+        } else {
+            sets.join(", ")
+        };
+        let s_list: Vec<String> = names.iter().map(|n| format!("s.{n}")).collect();
+        let stored_list: Vec<String> = names.iter().map(|n| format!("stored.{n}")).collect();
+        let equal: Vec<String> = (0..columns.len())
+            .map(|i| match columns[i].ty {
+                ColType::Jsonb => format!(
+                    "o.{n}::jsonb IS NOT DISTINCT FROM u.{n}::jsonb",
+                    n = names[i]
+                ),
+                _ => format!("o.{n} IS NOT DISTINCT FROM u.{n}", n = names[i]),
+            })
+            .collect();
+        format!(
+            "WITH o AS (SELECT {s_list} FROM {t} AS s JOIN pg_temp.warren_probe AS p ON {on} \
+               WHERE p.{ORD} = $1), \
+             u AS (INSERT INTO {t} AS stored ({list}) SELECT {p_list} \
+               FROM pg_temp.warren_probe AS p WHERE p.{ORD} = $1 \
+               ON CONFLICT ({keys}) DO UPDATE SET {sets} RETURNING {stored_list}) \
+             SELECT 1 FROM o, u WHERE {equal}",
+            s_list = s_list.join(", "),
+            on = joined.join(" AND "),
+            p_list = p_list.join(", "),
+            keys = keys.join(", "),
+            stored_list = stored_list.join(", "),
+            equal = equal.join(" AND "),
+        )
+    });
     Probe {
+        same_update,
         table: create,
         compare,
         read,
@@ -160,6 +206,8 @@ struct Probe {
     keep: Option<String>,
     /// See [`Statements::probe_same`].
     same: String,
+    /// See [`Statements::probe_same_update`].
+    same_update: Option<String>,
 }
 
 /// A statement that puts, for the rest of the transaction, the schema of each column type of
@@ -352,6 +400,7 @@ impl Statements {
             probe_keep: probe.keep,
             probe_read: probe.read,
             probe_same: probe.same,
+            probe_same_update: probe.same_update,
             casts: casts.to_vec(),
             versions: version
                 .map(|v| VersionStatements::build(table, columns, key, v, casts, tombstones)),
