@@ -434,13 +434,18 @@ pub(super) const WRITTEN: &str = "pg_temp.warren_written";
 /// `tableoid` and that trigger.
 pub(super) fn written_here(table: &str, row: &str, of: &str, keys: &[String]) -> String {
     let t = sql_text(table);
-    let on: Vec<String> = keys.iter().map(|k| format!("x.{k} = {of}.{k}")).collect();
+    // `IN`, not a correlated `EXISTS`: PostgreSQL hashes the written keys once (a hashed
+    // SubPlan); an `EXISTS` under the `OR` scanned them again for every row, quadratic in the
+    // batch.
+    let of_keys: Vec<String> = keys.iter().map(|k| format!("{of}.{k}")).collect();
+    let x_keys: Vec<String> = keys.iter().map(|k| format!("x.{k}")).collect();
     format!(
-        "({row}.{XMIN} = {OURS} AND (EXISTS (SELECT 1 FROM {WRITTEN} AS x WHERE {on}) \
+        "({row}.{XMIN} = {OURS} AND (({of_keys}) IN (SELECT {x_keys} FROM {WRITTEN} AS x) \
            OR ({row}.{TOID} <> {t}::regclass AND EXISTS (SELECT 1 FROM pg_catalog.pg_trigger \
              AS tg WHERE tg.tgrelid = {t}::regclass AND NOT tg.tgisinternal \
                AND tg.tgenabled <> 'D' AND tg.tgtype & 7 = 7))))",
-        on = on.join(" AND "),
+        of_keys = of_keys.join(", "),
+        x_keys = x_keys.join(", "),
     )
 }
 
