@@ -2031,25 +2031,9 @@ async fn a_reload_switching_the_table_while_the_old_links_acks_are_lost_stores_e
 
     let switched = entry("orders", &orders, 50, 1000)
         .replace(r#"table = "orders""#, r#"table = "orders_new""#);
-    std::fs::write(&path, switched).expect("write");
-    let event = reload(&env, &warren, "reloaded", 1).await;
+    let event =
+        reload_behind_a_silent_link(&env, &warren, &amqp, &path, &switched, &orders.queue).await;
     assert_eq!(names_of(&event["changed"]), ["orders"], "{event}");
-    assert!(
-        warren
-            .logs()
-            .contains("the broker link did not answer its close"),
-        "{}",
-        tail(&warren.logs(), 40)
-    );
-    // The old link drops: the broker delivers its unacked messages again, to the new stage.
-    amqp.cut();
-    amqp.restore();
-    wait_until(
-        "every message settled on the broker",
-        Duration::from_secs(60),
-        || async { queue_counts(&orders.queue).await == (0, 0) },
-    )
-    .await;
     // The new stage stores what comes now, in the new table, and nothing of the old one's.
     let fresh = new_ids(20);
     publish(&env, &orders, &fresh).await;
@@ -2134,24 +2118,9 @@ async fn a_reload_renaming_a_pipeline_while_the_old_links_acks_are_lost_parks_ea
 
     let renamed =
         entry("orders", &orders, 50, 1000).replace(r#"name = "orders""#, r#"name = "orders_v2""#);
-    std::fs::write(&path, renamed).expect("write");
-    let event = reload(&env, &warren, "reloaded", 1).await;
+    let event =
+        reload_behind_a_silent_link(&env, &warren, &amqp, &path, &renamed, &orders.dlq).await;
     assert_eq!(names_of(&event["added"]), ["orders_v2"], "{event}");
-    assert!(
-        warren
-            .logs()
-            .contains("the broker link did not answer its close"),
-        "{}",
-        tail(&warren.logs(), 40)
-    );
-    amqp.cut();
-    amqp.restore();
-    wait_until(
-        "every message settled on the broker",
-        Duration::from_secs(60),
-        || async { queue_counts(&orders.dlq).await == (0, 0) },
-    )
-    .await;
     // The new name parks what comes now, and nothing the old one parked.
     let fresh = new_ids(10);
     env.publish_pipelined_to("", &orders.dlq, refused(&fresh))
@@ -2175,4 +2144,36 @@ async fn a_reload_renaming_a_pipeline_while_the_old_links_acks_are_lost_parks_ea
         .await;
     let mut warren = warren;
     warren.terminate_ok(Duration::from_secs(25));
+}
+
+/// Writes `text` to the configuration file and reloads while the consumer's link is held (its
+/// close goes unanswered, as the log must say), then drops every link: the broker delivers
+/// what the old link left unacked again. Waits until `queue` has settled everything; answers
+/// the `reloaded` event.
+async fn reload_behind_a_silent_link(
+    env: &TestEnv,
+    warren: &Warren,
+    amqp: &TcpProxy,
+    path: &std::path::Path,
+    text: &str,
+    queue: &str,
+) -> Value {
+    std::fs::write(path, text).expect("write");
+    let event = reload(env, warren, "reloaded", 1).await;
+    assert!(
+        warren
+            .logs()
+            .contains("the broker link did not answer its close"),
+        "{}",
+        tail(&warren.logs(), 40)
+    );
+    amqp.cut();
+    amqp.restore();
+    wait_until(
+        "every message settled on the broker",
+        Duration::from_secs(60),
+        || async { queue_counts(queue).await == (0, 0) },
+    )
+    .await;
+    event
 }
