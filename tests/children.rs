@@ -1320,6 +1320,78 @@ async fn a_copy_whose_parent_trigger_adds_child_rows_is_done_not_a_conflict() {
     }
 }
 
+/// Review R41b F9, F10: with the audit trigger of the test above and a guard that forbids
+/// deleting an order, a copy could not be re-inserted (the re-insert deletes the stored order
+/// first, in a savepoint rolled back) and every copy was parked `id_conflict` beside its rows,
+/// saying only "other rows". A guard that lets warren's re-insert pass
+/// (`current_setting('warren.reask', true) = 'on'`, docs/pipelines.md) makes copies done, the
+/// many copies of a batch asked at once (F10: one at a time, 3,000 took 45 s); a guard that
+/// does not is named in the conflict's reason; other items are a conflict either way.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_copy_behind_a_guard_against_deletes_is_done_when_the_guard_lets_the_reask_pass() {
+    let env = TestEnv::new("ch_guard").await;
+    tables(&env).await;
+    env.db
+        .batch_execute(
+            "CREATE FUNCTION audit_line() RETURNS trigger LANGUAGE plpgsql AS \
+               $$ BEGIN INSERT INTO order_items (order_id, line, sku, qty) \
+                 VALUES (NEW.order_id, 0, 'AUDIT', 1); RETURN NULL; END $$;
+             CREATE TRIGGER audit_line AFTER INSERT ON orders \
+               FOR EACH ROW EXECUTE FUNCTION audit_line();
+             CREATE TABLE guard_mode (lets_reask bool NOT NULL);
+             INSERT INTO guard_mode VALUES (false);
+             CREATE FUNCTION no_delete() RETURNS trigger LANGUAGE plpgsql AS \
+               $$ BEGIN \
+                 IF (SELECT lets_reask FROM guard_mode) \
+                    AND current_setting('warren.reask', true) = 'on' THEN RETURN OLD; END IF; \
+                 RAISE EXCEPTION 'orders are never deleted'; END $$;
+             CREATE TRIGGER no_delete BEFORE DELETE ON orders \
+               FOR EACH ROW EXECUTE FUNCTION no_delete()",
+        )
+        .await
+        .expect("the triggers");
+    let pool = pool(&env).await;
+    let m = keep();
+    let ids: Vec<Uuid> = (0..40).map(|_| Uuid::new_v4()).collect();
+    let bodies: Vec<Vec<u8>> = ids
+        .iter()
+        .map(|id| order(*id, 1, &[("a-1", 2), ("b-2", 1)]))
+        .collect();
+    let first = insert(&m, &pool, &bodies).await.expect("insert");
+    assert_eq!(first.rows, 40, "{first:?}");
+    let stored = owned(&[(0, "AUDIT", 1), (1, "a-1", 2), (2, "b-2", 1)]);
+    // A guard that refuses warren's re-insert: the copy cannot be told from a conflict, and
+    // its reason says why.
+    let copy = insert(&m, &pool, &bodies[..1]).await.expect("insert");
+    assert_eq!(copy.conflicts.len(), 1, "{copy:?}");
+    let reason = &copy.conflicts[0].1;
+    assert!(
+        reason.contains("orders are never deleted") && reason.contains("warren.reask"),
+        "{reason}"
+    );
+    env.db
+        .batch_execute("UPDATE guard_mode SET lets_reask = true")
+        .await
+        .expect("the guard lets the re-insert pass");
+    // Every copy of the batch, asked at once, beside one with other items.
+    let mut batch = bodies.clone();
+    batch.push(order(ids[7], 1, &[("a-1", 3), ("b-2", 1)]));
+    let copy = insert(&m, &pool, &batch).await.expect("insert");
+    let conflicts: Vec<usize> = copy.conflicts.iter().map(|(i, _)| *i).collect();
+    assert_eq!(conflicts, vec![40], "{copy:?}");
+    assert!(copy.refused.is_empty(), "{copy:?}");
+    for id in &ids {
+        assert_eq!(items(&env, *id).await, stored, "the copies changed nothing");
+    }
+    // The guard still refuses a delete of warren's own outside the re-insert.
+    let err = env
+        .db
+        .batch_execute(&format!("DELETE FROM orders WHERE order_id = '{}'", ids[0]))
+        .await
+        .expect_err("the guard");
+    assert!(format!("{err:?}").contains("never deleted"), "{err:?}");
+}
+
 /// Review R40b F3, F6, F10: a child column that carries the parent's key under another type,
 /// modifier or collation (`text` under a `citext` key, `numeric` under `numeric(6,2)`) found
 /// the stored child rows by the other type's equality, and kept another version's rows or

@@ -405,6 +405,58 @@ async fn pipelines_test_db_refuses_what_deferred_constraints_and_discarding_trig
     );
 }
 
+/// Review R41b F7: with `on_conflict = "update"`, the pipeline deletes the child rows a key
+/// holds before it writes the message's (rows left without their order, on a table no foreign
+/// key guards); a child table's guard that keeps a shipped line (a BEFORE DELETE trigger
+/// returning NULL) makes the run park the message whole, and `pipelines test --db` says so in
+/// the run's words, naming how many rows the trigger kept; an order whose lines may go is ok.
+#[tokio::test(flavor = "multi_thread")]
+async fn pipelines_test_db_refuses_an_order_whose_old_items_a_guard_keeps() {
+    let env = TestEnv::new("tools_test_kept").await;
+    let names = PipelineNames::of(&env, "orders");
+    create_nested_tables(&env).await;
+    let (shipped, open) = (Uuid::new_v4(), Uuid::new_v4());
+    env.db
+        .batch_execute(&format!(
+            "ALTER TABLE order_items DROP CONSTRAINT order_items_order_id_fkey;
+             CREATE FUNCTION keep_shipped() RETURNS trigger LANGUAGE plpgsql AS $$
+                 BEGIN IF OLD.sku = 'SHIPPED' THEN RETURN NULL; END IF; RETURN OLD; END $$;
+             CREATE TRIGGER keep_shipped BEFORE DELETE ON order_items
+                 FOR EACH ROW EXECUTE FUNCTION keep_shipped();
+             INSERT INTO order_items (order_id, line, sku, qty) VALUES
+                 ('{shipped}', 1, 'A-1', 1), ('{shipped}', 2, 'SHIPPED', 1),
+                 ('{open}', 1, 'A-1', 1);"
+        ))
+        .await
+        .expect("the guard and the rows left behind");
+    let file = ConfigFile::new(&nested_toml(
+        &names,
+        "on_conflict = \"update\"\nversion_column = \"version\"",
+    ));
+    let order = |id: Uuid| String::from_utf8(nested_order(id, 2, &[("B-2", 1)])).expect("utf-8");
+    let lines = [order(shipped), order(open)];
+    let (code, out, err) = with_stdin(
+        &env,
+        &["--config", file.at(), "pipelines", "test", "orders", "--db"],
+        lines.join("\n").as_bytes(),
+    )
+    .await;
+    assert_eq!(code, 1, "{out}{err}");
+    assert!(
+        out.lines().any(|l| l.starts_with(
+            "1: db_permanent the database refuses it: 23000 a trigger of order_items kept 1 of \
+             the 2 rows the message removes"
+        )),
+        "{out}"
+    );
+    assert!(out.lines().any(|l| l.starts_with("2: ok ")), "{out}");
+    assert_eq!(
+        nested_items(&env, open).await,
+        vec![(1, "A-1".to_string(), 1)],
+        "the trial left its rows behind"
+    );
+}
+
 /// Review R40b F4: a parent table's BEFORE trigger that writes the row into an inheritance
 /// child itself and returns NULL (classic trigger partitioning) stores the row where the table
 /// shows it, as the run finds it; `pipelines test --db` said it was discarded (and the API's

@@ -1093,3 +1093,111 @@ note    = { path = "/note", type = "text" }
         "{done:?}"
     );
 }
+
+/// Review R41b F7, F8: a BEFORE DELETE trigger that discards deletes (returns NULL: a "never
+/// delete shipped lines" guard on the items, a "never delete paid orders" guard on the
+/// orders) made warren's deletes silently partial: a newer version was stored with the old
+/// version's surviving items beside its own, a delete left its items or its row behind a
+/// tombstone (counted `deleted`). A message some of whose rows a trigger keeps is refused as a
+/// whole (`db_permanent`, the reason naming the table and how many rows were kept, nothing of
+/// it written, alone or in a batch beside a good message), as one whose rows a trigger
+/// discards on insert.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_trigger_that_keeps_rows_warren_deletes_refuses_the_whole_message() {
+    let env = TestEnv::new("ver_keep_deleted").await;
+    tables(&env).await;
+    env.db
+        .batch_execute(
+            "CREATE FUNCTION keep_shipped() RETURNS trigger LANGUAGE plpgsql AS \
+               $$ BEGIN IF OLD.sku = 'SHIPPED' THEN RETURN NULL; END IF; RETURN OLD; END $$;
+             CREATE TRIGGER keep_shipped BEFORE DELETE ON order_items \
+               FOR EACH ROW EXECUTE FUNCTION keep_shipped();
+             CREATE FUNCTION keep_paid() RETURNS trigger LANGUAGE plpgsql AS \
+               $$ BEGIN IF OLD.total = 99 THEN RETURN NULL; END IF; RETURN OLD; END $$;
+             CREATE TRIGGER keep_paid BEFORE DELETE ON orders \
+               FOR EACH ROW EXECUTE FUNCTION keep_paid()",
+        )
+        .await
+        .expect("the guards");
+    let m = mapping(true, true);
+    m.declare_tombstones(&env.db).await.expect("declare");
+    let pool = pool(&env).await;
+    let msg = |key: Uuid, version: i64, delete: bool, total: &str, items: &[&str]| Msg {
+        key,
+        version,
+        delete,
+        total: total.into(),
+        items: items.iter().map(|s| s.to_string()).collect(),
+    };
+    let (shipped, paid, good) = (Uuid::new_v4(), Uuid::new_v4(), Uuid::new_v4());
+    // The shipped line is the second: a newer version's one line does not collide with it.
+    let first = [
+        msg(shipped, 1, false, "10", &["x", "SHIPPED"]),
+        msg(paid, 1, false, "99", &["z"]),
+        msg(good, 1, false, "5", &["g"]),
+    ];
+    let bodies: Vec<Vec<u8>> = first.iter().map(Msg::body).collect();
+    let done = insert(&m, &pool, &bodies)
+        .await
+        .expect("the first versions");
+    assert_eq!(done.rows, 3, "{done:?}");
+    let cases = [
+        (
+            "a newer version of an order with a shipped line",
+            msg(shipped, 2, false, "11", &["y"]),
+            "order_items kept 1 of the",
+        ),
+        (
+            "a delete of an order with a shipped line",
+            msg(shipped, 3, true, "", &[]),
+            "order_items kept 1 of the",
+        ),
+        (
+            "a delete of a paid order",
+            msg(paid, 2, true, "", &[]),
+            "orders kept 1 of the",
+        ),
+    ];
+    for (what, bad, words) in cases {
+        for batch in [
+            vec![bad.body()],
+            vec![msg(good, 9, false, "6", &["h"]).body(), bad.body()],
+        ] {
+            match insert(&m, &pool, &batch).await {
+                Err(e) => {
+                    assert_eq!(e.class(), warren::db::ErrorClass::Permanent, "{what}: {e}");
+                    assert!(e.to_string().contains(words), "{what}: {e}");
+                }
+                Ok(done) => panic!("{what}: done, though a trigger kept rows: {done:?}"),
+            }
+        }
+    }
+    // Nothing of any refused message written, nor of the good one beside them.
+    assert_eq!(
+        stored(&env, shipped).await,
+        Some(("10".into(), 1, vec!["x".into(), "SHIPPED".into()]))
+    );
+    assert_eq!(
+        stored(&env, paid).await,
+        Some(("99".into(), 1, vec!["z".into()]))
+    );
+    assert_eq!(
+        stored(&env, good).await,
+        Some(("5".into(), 1, vec!["g".into()]))
+    );
+    for key in [shipped, paid, good] {
+        assert_eq!(
+            tombstone(&env, key).await,
+            None,
+            "a tombstone beside a live row"
+        );
+    }
+    // A delete of an order whose rows the guards let go is done, items and all.
+    let done = insert(&m, &pool, &[msg(good, 2, true, "", &[]).body()])
+        .await
+        .expect("the good delete");
+    assert_eq!(done.deleted, vec![0], "{done:?}");
+    assert_eq!(stored(&env, good).await, None);
+    assert_eq!(items_of(&env, good).await, 0);
+    assert_eq!(tombstone(&env, good).await, Some(2));
+}

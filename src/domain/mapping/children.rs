@@ -865,9 +865,17 @@ pub(super) async fn trial(
     let mut written = 0;
     for (n, child) in mapping.children.iter().enumerate() {
         if mapping.on_conflict == OnConflict::Update {
-            client
-                .execute(child.statements.delete.as_str(), key)
+            let row = client
+                .query_one(child.statements.delete_counted.as_str(), key)
                 .await?;
+            let (deleted, meant) = (row.get::<_, i64>(0), row.get::<_, i64>(1));
+            if deleted < meant {
+                return Ok(Err(Discarded {
+                    code: DISCARDED_CODE,
+                    message: kept_message(&child.table, meant - deleted, meant),
+                    table: child.table.to_string(),
+                }));
+            }
         }
         let (arrays, owners) = child_arrays(child, n, std::iter::once((1, record)));
         let params: Vec<&(dyn ToSql + Sync)> = arrays.iter().map(Array::as_param).collect();
@@ -893,6 +901,40 @@ pub(super) async fn trial(
         written += rows;
     }
     Ok(Ok(written))
+}
+
+/// `statement`, a counted delete of `table`'s rows (`statements::counted_delete`), run once:
+/// every row it meant to delete deleted, or the refusal of the message, some of whose rows a
+/// trigger kept (SQLSTATE 23000, permanent: the batch is split down to the message, which is
+/// parked `db_permanent` with nothing of it written).
+pub(super) async fn delete_whole(
+    client: &deadpool_postgres::Client,
+    statement: &str,
+    table: &TableName,
+) -> Result<(), DbError> {
+    let row = client
+        .query_one(statement, &[])
+        .await
+        .map_err(DbError::from_pg)?;
+    let (deleted, meant) = (row.get::<_, i64>(0), row.get::<_, i64>(1));
+    if deleted < meant {
+        return Err(DbError::Server {
+            code: DISCARDED_CODE.into(),
+            message: kept_message(table, meant - deleted, meant),
+        });
+    }
+    Ok(())
+}
+
+/// What a message is refused for when a trigger of `table` kept `kept` of the `meant` rows its
+/// write or delete removes.
+pub(super) fn kept_message(table: &TableName, kept: i64, meant: i64) -> String {
+    format!(
+        "a trigger of {table} kept {kept} of the {meant} rows the message removes (a BEFORE \
+         DELETE trigger that returns NULL): a newer version replaces its key's child rows, a \
+         delete removes its row and them; warren writes a message whole or not at all; \
+         nothing of it was written"
+    )
 }
 
 /// A child table's trigger discarded rows of a trial's message (`trial`): the refusal the run

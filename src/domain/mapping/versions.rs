@@ -146,9 +146,9 @@ async fn run(
         if vs.lock.is_some() {
             exec(client, &vs.tomb_write, &[]).await?;
             for child in &mapping.children {
-                exec(client, child.delete_tombstoned(), &[]).await?;
+                children::delete_whole(client, child.delete_tombstoned(), &child.table).await?;
             }
-            exec(client, &vs.rows_gone, &[]).await?;
+            children::delete_whole(client, &vs.rows_gone, &mapping.table).await?;
             exec(client, &vs.tomb_clear, &[]).await?;
         }
         let mut found: Vec<(usize, Found)> = Vec::with_capacity(records.len());
@@ -443,7 +443,7 @@ async fn replace_children(
     client: &deadpool_postgres::Client,
     writes: &[(usize, &Row)],
 ) -> Result<(), DbError> {
-    exec(client, child.delete_probe(), &[]).await?;
+    children::delete_whole(client, child.delete_probe(), &child.table).await?;
     let (arrays, ords) =
         children::child_arrays(child, n, writes.iter().map(|(i, r)| (*i as i64 + 1, *r)));
     let mut params: Vec<&(dyn ToSql + Sync)> = arrays.iter().map(Array::as_param).collect();

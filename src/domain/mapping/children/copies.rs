@@ -108,16 +108,33 @@ pub(in crate::domain::mapping) async fn keep_children(
     Ok(())
 }
 
-/// `other rows of shop.order_items and shop.payments`.
-pub(in crate::domain::mapping) fn other_rows(tables: &[String]) -> String {
-    format!("other rows of {}", tables.join(" and "))
+/// The child tables whose stored rows of a key differ from a record's, and, when the re-insert
+/// that tells a trigger's rows apart was refused, its words (`reinsert.rs`).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub(in crate::domain::mapping) struct Differs {
+    pub(in crate::domain::mapping) tables: Vec<String>,
+    pub(in crate::domain::mapping) unasked: Option<String>,
+}
+
+/// `other rows of shop.order_items and shop.payments`, and why a trigger's rows could not be
+/// told apart when the re-insert was refused.
+pub(in crate::domain::mapping) fn other_rows(differs: &Differs) -> String {
+    let mut words = format!("other rows of {}", differs.tables.join(" and "));
+    if let Some(refused) = &differs.unasked {
+        words.push_str(&format!(
+            " (or rows a trigger writes beside the message's: the re-insert that tells them \
+             apart was refused: {refused}; a guard can let it pass when \
+             current_setting('warren.reask', true) = 'on', see docs/pipelines.md)"
+        ));
+    }
+    words
 }
 
 /// Appends ` and other rows of ...` to the reason of each conflict (a parent row stored with
 /// other content) whose record's child rows differ too (`differ`).
 pub(in crate::domain::mapping) fn with_other_rows(
     conflicts: &mut [(usize, String)],
-    differ: &BTreeMap<usize, Vec<String>>,
+    differ: &BTreeMap<usize, Differs>,
 ) {
     for (i, reason) in conflicts.iter_mut() {
         if let Some(tables) = differ.get(i) {
@@ -136,8 +153,8 @@ pub(in crate::domain::mapping) async fn differing_children(
     client: &deadpool_postgres::Client,
     records: &[&Row],
     which: &[usize],
-) -> Result<BTreeMap<usize, Vec<String>>, DbError> {
-    let mut differ: BTreeMap<usize, Vec<String>> = BTreeMap::new();
+) -> Result<BTreeMap<usize, Differs>, DbError> {
+    let mut differ: BTreeMap<usize, Differs> = BTreeMap::new();
     let ords: Vec<i64> = which.iter().map(|&i| i as i64 + 1).collect();
     for (n, child) in mapping.children.iter().enumerate() {
         client
@@ -152,25 +169,139 @@ pub(in crate::domain::mapping) async fn differing_children(
             .execute(child.statements.probe_fill.as_str(), &params)
             .await
             .map_err(DbError::from_pg)?;
-        for row in client
+        let found: Vec<usize> = client
             .query(child.statements.probe_differs.as_str(), &[&ords])
             .await
             .map_err(DbError::from_pg)?
-        {
-            let i = (row.get::<_, i64>(0) - 1) as usize;
-            if !same_after_triggers(client, &child.statements.probe_same, i as i64 + 1).await? {
-                differ.entry(i).or_default().push(child.table.to_string());
+            .iter()
+            .map(|row| (row.get::<_, i64>(0) - 1) as usize)
+            .collect();
+        let same = same_after_triggers_many(mapping, client, child, &found).await?;
+        for i in found {
+            if !same.contains(&i) {
+                differ
+                    .entry(i)
+                    .or_default()
+                    .tables
+                    .push(child.table.to_string());
             }
         }
     }
     // Rows the parent's own triggers add beside the message's are no difference.
     let asked: Vec<usize> = differ.keys().copied().collect();
-    for i in asked {
-        if reinsert::same_after_reinsert(mapping, client, records[i], i as i64 + 1).await? {
-            differ.remove(&i);
+    for (i, answer) in reinsert::reask(mapping, client, records, &asked).await? {
+        match answer {
+            reinsert::Reask::Same => {
+                differ.remove(&i);
+            }
+            reinsert::Reask::Differs => {}
+            reinsert::Reask::Refused(words) => {
+                if let Some(d) = differ.get_mut(&i) {
+                    d.unasked = Some(words);
+                }
+            }
         }
     }
     Ok(differ)
+}
+
+/// `asked` (indices into `records`, ordinals index + 1 in the parents' probe) in rounds of
+/// distinct parent keys, as PostgreSQL compares the key (the first record of each key in the
+/// first round, the second in the second, ...): a round's records can be written again in one
+/// statement. Each alone when the key cannot be compared so.
+pub(in crate::domain::mapping) async fn rounds(
+    mapping: &Mapping,
+    client: &deadpool_postgres::Client,
+    asked: &[usize],
+) -> Result<Vec<Vec<usize>>, DbError> {
+    let alone = || asked.iter().map(|&i| vec![i]).collect();
+    if asked.len() < 2 {
+        return Ok(alone());
+    }
+    let keys: Vec<String> = mapping
+        .key
+        .iter()
+        .map(|&i| format!("p.{}", quote(&mapping.columns[i].name)))
+        .collect();
+    let ords: Vec<i64> = asked.iter().map(|&i| i as i64 + 1).collect();
+    client
+        .batch_execute("SAVEPOINT warren_rounds")
+        .await
+        .map_err(DbError::from_pg)?;
+    let found = client
+        .query(
+            &format!(
+                "SELECT p.{ORD}, row_number() OVER (PARTITION BY {} ORDER BY p.{ORD}) \
+                 FROM pg_temp.warren_probe AS p WHERE p.{ORD} = ANY($1)",
+                keys.join(", ")
+            ),
+            &[&ords],
+        )
+        .await;
+    client
+        .batch_execute("ROLLBACK TO SAVEPOINT warren_rounds")
+        .await
+        .map_err(DbError::from_pg)?;
+    let found = match found {
+        Ok(found) => found,
+        Err(e) if e.as_db_error().is_some() => return Ok(alone()),
+        Err(e) => return Err(DbError::from_pg(e)),
+    };
+    let mut rounds: Vec<Vec<usize>> = Vec::new();
+    for row in found {
+        let (i, round) = (
+            (row.get::<_, i64>(0) - 1) as usize,
+            row.get::<_, i64>(1) as usize,
+        );
+        if rounds.len() < round {
+            rounds.resize_with(round, Vec::new);
+        }
+        rounds[round - 1].push(i);
+    }
+    Ok(rounds)
+}
+
+/// Of `asked` (indices into `records`), those whose rows of `child` are what their key holds
+/// once its BEFORE INSERT triggers made them the rows an insert would write: each round of
+/// distinct keys asked at once (review R41b F10: one savepoint a record, 3,000 copies took
+/// 18 s), a round the database refuses asked one record at a time.
+async fn same_after_triggers_many(
+    mapping: &Mapping,
+    client: &deadpool_postgres::Client,
+    child: &super::Child,
+    asked: &[usize],
+) -> Result<HashSet<usize>, DbError> {
+    let mut same = HashSet::new();
+    for round in rounds(mapping, client, asked).await? {
+        if round.len() > 1 {
+            let ords: Vec<i64> = round.iter().map(|&i| i as i64 + 1).collect();
+            client
+                .batch_execute("SAVEPOINT warren_same_children")
+                .await
+                .map_err(DbError::from_pg)?;
+            let found = client
+                .query(child.statements.probe_same_many.as_str(), &[&ords])
+                .await;
+            client
+                .batch_execute("ROLLBACK TO SAVEPOINT warren_same_children")
+                .await
+                .map_err(DbError::from_pg)?;
+            match found {
+                Ok(rows) => {
+                    same.extend(rows.iter().map(|r| (r.get::<_, i64>(0) - 1) as usize));
+                    continue;
+                }
+                Err(e) if e.as_db_error().is_some() => {}
+                Err(e) => return Err(DbError::from_pg(e)),
+            }
+        }
+        for i in round {
+            if same_after_triggers(client, &child.statements.probe_same, i as i64 + 1).await? {
+                same.insert(i);
+            }
+        }
+    }
+    Ok(same)
 }
 
 /// Whether record `ord`'s child rows are what its key holds once the child table's BEFORE

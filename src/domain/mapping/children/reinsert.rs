@@ -10,45 +10,101 @@
 //!
 //! Asked only when the parent table has an enabled AFTER INSERT trigger, or a child table an
 //! INSERT trigger (one that adds rows to its own table: review R38-F3), for records the
-//! comparison of `differing_children` found different (copies and conflicts, rare). What the
-//! re-insert does is rolled back, except what PostgreSQL never rolls back (a sequence a trigger
-//! draws from advances). Anything refused on the way (a DELETE a foreign key from another table
-//! restricts, a column type without equality such as `json`) leaves the answer "different", as
-//! before.
+//! comparison of `differing_children` found different (copies and conflicts). The records of a
+//! batch are asked in rounds of distinct keys, each round in one savepoint (review R41b F10:
+//! asked one at a time, 3,000 copies took 45 s against 1.7 s); a round that fails (a row
+//! refused) is asked again one record at a time. What the re-insert does is rolled back, except what PostgreSQL never rolls back (a
+//! sequence a trigger draws from advances).
+//!
+//! Anything refused on the way (a guard that forbids deleting an order, raising or returning
+//! NULL; a DELETE a foreign key from another table restricts; a column type without equality
+//! such as `json`) leaves the answer "different", the refusal's words in the reason (review
+//! R41b F9: such copies were parked `id_conflict` saying only "other rows"). The re-insert runs
+//! with the setting `warren.reask` = `on` (for its savepoint only), so that a guard can let it
+//! pass (`current_setting('warren.reask', true) = 'on'`, docs/pipelines.md).
 
 use tokio_postgres::types::ToSql;
 
 use super::super::arrays::{Array, arrays};
 use super::super::names::quote;
-use super::super::statements::{ORD, statements};
+use super::super::statements::{ORD, counted_delete, statements};
 use super::super::{Mapping, Row, Source};
 use super::child_arrays;
 use crate::db::error::DbError;
 
-/// Whether record `ord` of the parents' probe (`record`), whose child rows differ from what its
-/// key holds, writes exactly the rows its key holds when inserted again (see the module doc).
-pub(in super::super) async fn same_after_reinsert(
+/// What a re-insert answered of one record (see the module doc).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(in super::super) enum Reask {
+    /// Inserted again, it writes exactly the rows its key holds: a copy.
+    Same,
+    /// It writes other rows, or no re-insert is asked (no trigger writes rows of its own).
+    Differs,
+    /// The re-insert was refused, in these words: it cannot tell.
+    Refused(String),
+}
+
+/// Of `asked` (indices into `records`, each in the parents' probe as ordinal index + 1), whose
+/// child rows differ from what their keys hold: whether each writes exactly the rows its key
+/// holds when inserted again (see the module doc).
+pub(in super::super) async fn reask(
     mapping: &Mapping,
     client: &deadpool_postgres::Client,
-    record: &Row,
-    ord: i64,
-) -> Result<bool, DbError> {
-    if !after_insert_triggers(mapping, client).await? {
-        return Ok(false);
+    records: &[&Row],
+    asked: &[usize],
+) -> Result<Vec<(usize, Reask)>, DbError> {
+    if asked.is_empty() || !after_insert_triggers(mapping, client).await? {
+        return Ok(asked.iter().map(|&i| (i, Reask::Differs)).collect());
     }
+    let mut answers = Vec::with_capacity(asked.len());
+    for round in super::copies::rounds(mapping, client, asked).await? {
+        if round.len() > 1
+            && let Ok(same) = in_savepoint(mapping, client, records, &round).await?
+        {
+            answers.extend(round.iter().map(|&i| {
+                let answer = if same.contains(&i) {
+                    Reask::Same
+                } else {
+                    Reask::Differs
+                };
+                (i, answer)
+            }));
+            continue;
+        }
+        for i in round {
+            let answer = match in_savepoint(mapping, client, records, &[i]).await? {
+                Ok(same) if same.contains(&i) => Reask::Same,
+                Ok(_) => Reask::Differs,
+                Err(refused) => Reask::Refused(refused),
+            };
+            answers.push((i, answer));
+        }
+    }
+    Ok(answers)
+}
+
+/// [`reinserted_same`] inside a savepoint rolled back: `Ok(Ok(same))`, or `Ok(Err(words))` when
+/// the database refused a step.
+async fn in_savepoint(
+    mapping: &Mapping,
+    client: &deadpool_postgres::Client,
+    records: &[&Row],
+    asked: &[usize],
+) -> Result<Result<Vec<usize>, String>, DbError> {
     client
-        .batch_execute("SAVEPOINT warren_reinsert")
+        .batch_execute("SAVEPOINT warren_reinsert; SELECT set_config('warren.reask', 'on', true)")
         .await
         .map_err(DbError::from_pg)?;
-    let same = reinserted_same(mapping, client, record, ord).await;
+    let same = reinserted_same(mapping, client, records, asked).await;
     client
         .batch_execute("ROLLBACK TO SAVEPOINT warren_reinsert")
         .await
         .map_err(DbError::from_pg)?;
     match same {
-        Ok(same) => Ok(same),
-        Err(e) if e.as_db_error().is_some() => Ok(false),
-        Err(e) => Err(DbError::from_pg(e)),
+        Ok(answer) => Ok(answer),
+        Err(e) => match e.as_db_error() {
+            Some(db) => Ok(Err(format!("{} {}", db.code().code(), db.message()))),
+            None => Err(DbError::from_pg(e)),
+        },
     }
 }
 
@@ -76,13 +132,20 @@ async fn after_insert_triggers(
     Ok(row.get::<_, bool>(0))
 }
 
+/// The re-insert of `asked` (see the module doc), in the caller's savepoint: the indices of
+/// those whose rows, inserted again, are each child table's rows of their key as they were.
+/// `Ok(Err(words))` when a trigger kept a row the re-insert deletes, or not every parent row was
+/// written again (two records of one key, when several are asked: then each is asked alone);
+/// `Err` when the database refused a step.
 async fn reinserted_same(
     mapping: &Mapping,
     client: &deadpool_postgres::Client,
-    record: &Row,
-    ord: i64,
-) -> Result<bool, tokio_postgres::Error> {
-    let of_probe = format!("pg_temp.warren_probe AS p WHERE p.{ORD} = {ord}");
+    records: &[&Row],
+    asked: &[usize],
+) -> Result<Result<Vec<usize>, String>, tokio_postgres::Error> {
+    let ords: Vec<String> = asked.iter().map(|i| (*i as i64 + 1).to_string()).collect();
+    let ords = format!("'{{{}}}'::int8[]", ords.join(","));
+    let of_probe = format!("pg_temp.warren_probe AS p WHERE p.{ORD} = ANY({ords})");
     // Per child table: its mapped columns of the stored rows, and how its rows name the parent.
     let tables: Vec<(String, String, String)> = mapping
         .children
@@ -108,14 +171,25 @@ async fn reinserted_same(
             (child.table.sql(), cols.join(", "), link.join(" AND "))
         })
         .collect();
+    // A row a guard keeps (a BEFORE DELETE trigger returning NULL) is a refusal too: what the
+    // re-insert writes would be compared with it still there.
+    let delete_all = |table: &str, cond: &str| {
+        let sql = counted_delete(table, "s", "pg_temp.warren_probe AS p", cond);
+        async move {
+            let row = client.query_one(sql.as_str(), &[]).await?;
+            Ok::<_, tokio_postgres::Error>(row.get::<_, i64>(0) == row.get::<_, i64>(1))
+        }
+    };
     for (n, (ct, cols, link)) in tables.iter().enumerate() {
         client
             .batch_execute(&format!(
                 "CREATE TEMPORARY TABLE warren_snapshot_{n} ON COMMIT DROP AS \
-                 SELECT {cols} FROM {ct} AS s, {of_probe} AND {link}; \
-                 DELETE FROM {ct} AS s USING {of_probe} AND {link}"
+                 SELECT p.{ORD}, {cols} FROM {ct} AS s, {of_probe} AND {link}"
             ))
             .await?;
+        if !delete_all(ct, &format!("p.{ORD} = ANY({ords}) AND {link}")).await? {
+            return Ok(Err(kept(ct)));
+        }
     }
     let key: Vec<String> = mapping
         .key
@@ -125,42 +199,59 @@ async fn reinserted_same(
             format!("s.{k} = p.{k}")
         })
         .collect();
-    client
-        .batch_execute(&format!(
-            "DELETE FROM {} AS s USING {of_probe} AND {}",
-            mapping.table.sql(),
-            key.join(" AND ")
-        ))
-        .await?;
+    let t = mapping.table.sql();
+    if !delete_all(
+        &t,
+        &format!("p.{ORD} = ANY({ords}) AND {}", key.join(" AND ")),
+    )
+    .await?
+    {
+        return Ok(Err(kept(&t)));
+    }
     // With the casts of the table's enum columns, when it has them.
     let st = match statements(mapping, client).await {
         Ok(st) => st,
         Err(_) => &mapping.statements,
     };
-    let records = [record];
-    let parent = arrays(mapping, &records);
+    let these: Vec<&Row> = asked.iter().map(|&i| records[i]).collect();
+    let parent = arrays(mapping, &these);
     let params: Vec<&(dyn ToSql + Sync)> = parent.iter().map(Array::as_param).collect();
-    client.query(st.insert.as_str(), &params).await?;
+    let written = client.query(st.insert.as_str(), &params).await?.len();
+    if written != asked.len() {
+        // Two of them are one key (asked alone, each is its own), or a trigger discarded it.
+        return Ok(Err(format!(
+            "{written} of {} rows written again",
+            asked.len()
+        )));
+    }
     for (n, child) in mapping.children.iter().enumerate() {
-        let (rows, _) = child_arrays(child, n, std::iter::once((1, record)));
+        let (rows, _) = child_arrays(child, n, asked.iter().map(|&i| (i as i64 + 1, records[i])));
         let params: Vec<&(dyn ToSql + Sync)> = rows.iter().map(Array::as_param).collect();
         client.execute(child.insert_statement(), &params).await?;
     }
+    // Each table's rows of every asked key as (ordinal, mapped columns), before and after, as
+    // multisets: one hashed set operation (a correlated comparison per record was quadratic).
+    let mut same: std::collections::BTreeSet<usize> = asked.iter().copied().collect();
     for (n, (ct, cols, link)) in tables.iter().enumerate() {
-        let now = format!("SELECT {cols} FROM {ct} AS s, {of_probe} AND {link}");
-        let same = client
-            .query_one(
+        let now = format!("SELECT p.{ORD}, {cols} FROM {ct} AS s, {of_probe} AND {link}");
+        let then = format!("SELECT s.{ORD}, {cols} FROM pg_temp.warren_snapshot_{n} AS s");
+        for row in client
+            .query(
                 &format!(
-                    "SELECT NOT EXISTS (SELECT 1 FROM (\
-                       (TABLE pg_temp.warren_snapshot_{n} EXCEPT ALL {now}) \
-                       UNION ALL ({now} EXCEPT ALL TABLE pg_temp.warren_snapshot_{n})) AS d)"
+                    "SELECT DISTINCT d.{ORD} FROM (({then} EXCEPT ALL {now}) \
+                       UNION ALL ({now} EXCEPT ALL {then})) AS d"
                 ),
                 &[],
             )
-            .await?;
-        if !same.get::<_, bool>(0) {
-            return Ok(false);
+            .await?
+        {
+            same.remove(&((row.get::<_, i64>(0) - 1) as usize));
         }
     }
-    Ok(true)
+    Ok(Ok(same.into_iter().collect()))
+}
+
+/// What a re-insert says when a trigger of `table` kept a row it deletes.
+fn kept(table: &str) -> String {
+    format!("a trigger of {table} kept a row the re-insert deletes (a BEFORE DELETE trigger)")
 }

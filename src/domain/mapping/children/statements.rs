@@ -3,7 +3,9 @@
 //! children of the keys whose parent row this transaction wrote (told by `xmin`).
 
 use super::*;
-use crate::domain::mapping::statements::{TOID, XMIN, param, types_on_path, written_here};
+use crate::domain::mapping::statements::{
+    TOID, XMIN, counted_delete, param, types_on_path, written_here,
+};
 
 /// The statements of one child table, built once (see the module's doc).
 #[derive(Debug, Clone)]
@@ -16,11 +18,15 @@ pub(super) struct ChildStatements {
     /// `update`: the stored children of the keys (`$1..$k`, the parent key's arrays) whose
     /// parent row this transaction wrote, deleted.
     pub(super) delete: String,
+    /// [`ChildStatements::delete`] answering the rows deleted and the rows meant
+    /// ([`counted_delete`]): `pipelines test --db`.
+    pub(super) delete_counted: String,
     /// `update`: the child rows (`$1..$n`, then `$n+1` each row's record ordinal) of each key's
     /// winning record (`$n+2..`: the parent key's arrays, then the versions), when this
     /// transaction wrote its parent row; answers the rows written and the rows of the winners.
     pub(super) insert_won: String,
-    /// `delete` for the keys of the parents' probe (`pg_temp.warren_probe`).
+    /// `delete` for the keys of the parents' probe (`pg_temp.warren_probe`), counted
+    /// ([`counted_delete`]).
     pub(super) delete_probe: String,
     /// `insert_won` with the winners read from the parents' probe (`$1..$n`, `$n+1`); answers
     /// the same two counts.
@@ -41,8 +47,11 @@ pub(super) struct ChildStatements {
     /// as it is, and as many as its key holds: asked of a record `probe_differs` found, inside
     /// a savepoint rolled back (a trigger that rewrites a value: review R36e F2).
     pub(super) probe_same: String,
+    /// [`ChildStatements::probe_same`] of the records `$1` (ordinals of distinct parent keys)
+    /// at once: the ordinals of those whose rows are the same (review R41b F10).
+    pub(super) probe_same_many: String,
     /// Deletes: the child rows of the keys whose tombstone this transaction wrote (empty
-    /// without deletes).
+    /// without deletes), counted ([`counted_delete`]).
     pub(super) delete_tombstoned: String,
 }
 
@@ -151,14 +160,17 @@ impl ChildStatements {
         // PostgreSQL may scan the whole parent table for it (R36-F2).
         let s_pk: Vec<String> = pk.iter().map(|k| format!("s.{k}")).collect();
         let s_pk = s_pk.join(", ");
-        let delete = format!(
-            "DELETE FROM {ct} AS c USING (SELECT {s_pk}, s.xmin AS {XMIN} \
-               FROM UNNEST({}) AS w({pks}) JOIN {t} AS s ON {} OFFSET 0) AS s \
-             WHERE s.{XMIN} = {OURS} AND {}",
-            pk_params(1).join(", "),
-            joined("s", &pk, "w", &pk),
-            joined("c", &lk, "s", &pk),
+        let (using, cond) = (
+            format!(
+                "(SELECT {s_pk}, s.xmin AS {XMIN} \
+                   FROM UNNEST({}) AS w({pks}) JOIN {t} AS s ON {} OFFSET 0) AS s",
+                pk_params(1).join(", "),
+                joined("s", &pk, "w", &pk),
+            ),
+            format!("s.{XMIN} = {OURS} AND {}", joined("c", &lk, "s", &pk)),
         );
+        let delete = format!("DELETE FROM {ct} AS c USING {using} WHERE {cond}");
+        let delete_counted = counted_delete(&ct, "c", &using, &cond);
         let won_rows = format!(
             "UNNEST({}, {ord_param}) AS v({list}, {ORD}) WHERE v.{ORD} IN (SELECT {ORD} FROM won)",
             c_params.join(", ")
@@ -207,13 +219,19 @@ impl ChildStatements {
             }
             None => (String::new(), String::new()),
         };
-        let delete_probe = format!(
-            "DELETE FROM {ct} AS c USING (SELECT {s_pk}, s.xmin AS {XMIN}, s.tableoid AS {TOID} \
-               FROM pg_temp.warren_probe AS w JOIN {t} AS s ON {} OFFSET 0) AS s \
-             WHERE {} AND {}",
-            joined("s", &pk, "w", &pk),
-            written_here(&t, "s", "s", &pk),
-            joined("c", &lk, "s", &pk),
+        let delete_probe = counted_delete(
+            &ct,
+            "c",
+            &format!(
+                "(SELECT {s_pk}, s.xmin AS {XMIN}, s.tableoid AS {TOID} \
+                   FROM pg_temp.warren_probe AS w JOIN {t} AS s ON {} OFFSET 0) AS s",
+                joined("s", &pk, "w", &pk),
+            ),
+            &format!(
+                "{} AND {}",
+                written_here(&t, "s", "s", &pk),
+                joined("c", &lk, "s", &pk),
+            ),
         );
         let probe_table = format!(
             "{path} CREATE TEMPORARY TABLE {probe} ON COMMIT DROP AS \
@@ -266,19 +284,45 @@ impl ChildStatements {
             k0 = keys[0],
             same_after = same_after.join(" AND "),
         );
+        // The same question of several records at once (`$1`, their ordinals; their parent
+        // keys distinct): the ordinals of those whose rows are the same.
+        let lks_s: Vec<String> = lk.iter().map(|k| format!("s.{k}")).collect();
+        let probe_same_many = format!(
+            "WITH w AS (INSERT INTO {ct} AS s ({list}) SELECT {m_list} FROM pg_temp.{probe} AS m \
+               WHERE m.{ORD} = ANY($1) ON CONFLICT ({keys}) DO UPDATE SET {k0} = EXCLUDED.{k0} \
+               WHERE {same_after} RETURNING {s_lk}, s.xmax::text <> '0' AS was), \
+             wa AS (SELECT {lks}, count(*) AS n, bool_and(w.was) AS was FROM w GROUP BY {lks}), \
+             mc AS (SELECT m.{ORD}, count(*) AS n FROM pg_temp.{probe} AS m \
+               WHERE m.{ORD} = ANY($1) GROUP BY m.{ORD}) \
+             SELECT p.{ORD} FROM pg_temp.warren_probe AS p \
+               LEFT JOIN mc ON mc.{ORD} = p.{ORD} LEFT JOIN wa ON {wa_p} \
+             WHERE p.{ORD} = ANY($1) \
+               AND (SELECT count(*) FROM {ct} AS s WHERE {of_parent}) = coalesce(mc.n, 0) \
+               AND coalesce(wa.n, 0) = coalesce(mc.n, 0) AND coalesce(wa.was, true)",
+            m_list = m_list.join(", "),
+            keys = keys.join(", "),
+            k0 = keys[0],
+            same_after = same_after.join(" AND "),
+            s_lk = lks_s.join(", "),
+            lks = lk.join(", "),
+            wa_p = joined("wa", &lk, "p", &pk),
+        );
         let delete_tombstoned = tombstones
             .map(|tomb| {
                 // The tombstones this transaction wrote, found from the batch's deletes.
                 let tb_pk: Vec<String> = pk.iter().map(|k| format!("tb.{k}")).collect();
-                format!(
-                    "DELETE FROM {ct} AS c USING (SELECT {}, tb.xmin AS {XMIN} \
-                       FROM pg_temp.warren_probe_del AS d JOIN {tomb} AS tb ON {} OFFSET 0) \
-                       AS tb \
-                     WHERE {} AND tb.{XMIN} = {OURS}",
-                    tb_pk.join(", "),
-                    joined("tb", &pk, "d", &pk),
-                    joined("c", &lk, "tb", &pk),
-                    tomb = tomb.sql(),
+                counted_delete(
+                    &ct,
+                    "c",
+                    &format!(
+                        "(SELECT {}, tb.xmin AS {XMIN} \
+                           FROM pg_temp.warren_probe_del AS d JOIN {tomb} AS tb ON {} OFFSET 0) \
+                           AS tb",
+                        tb_pk.join(", "),
+                        joined("tb", &pk, "d", &pk),
+                        tomb = tomb.sql(),
+                    ),
+                    &format!("{} AND tb.{XMIN} = {OURS}", joined("c", &lk, "tb", &pk)),
                 )
             })
             .unwrap_or_default();
@@ -286,6 +330,7 @@ impl ChildStatements {
             insert,
             insert_checked,
             delete,
+            delete_counted,
             delete_tombstoned,
             insert_won,
             delete_probe,
@@ -294,6 +339,7 @@ impl ChildStatements {
             probe_fill,
             probe_differs,
             probe_same,
+            probe_same_many,
         }
     }
 }
