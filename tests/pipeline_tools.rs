@@ -457,6 +457,60 @@ async fn pipelines_test_db_refuses_an_order_whose_old_items_a_guard_keeps() {
     );
 }
 
+/// Review R41b F14: with `update` and a BEFORE INSERT trigger that folds the key
+/// (`lower(email)`), `pipelines test --db` refused a message whose key as sent was not stored
+/// but whose folded key was (the plain insert's unique violation), and refused a new key's
+/// message as "a BEFORE trigger rewrote its key", where the run stores a newer version, finds an
+/// older one stale and writes a new key. Now a stored folded key is "not tried: its key is
+/// stored already", and a new key is ok.
+#[tokio::test(flavor = "multi_thread")]
+async fn pipelines_test_db_takes_a_key_a_trigger_folds_as_the_run_does() {
+    let env = TestEnv::new("tools_test_folded").await;
+    let names = PipelineNames::of(&env, "people");
+    env.db
+        .batch_execute(
+            "CREATE TABLE people (email text PRIMARY KEY, v int8 NOT NULL, name text NOT NULL);
+             CREATE FUNCTION fold_email() RETURNS trigger LANGUAGE plpgsql AS
+               $$ BEGIN NEW.email := lower(NEW.email); RETURN NEW; END $$;
+             CREATE TRIGGER fold_email BEFORE INSERT ON people
+               FOR EACH ROW EXECUTE FUNCTION fold_email();
+             INSERT INTO people VALUES ('ann@x.org', 2, 'Ann');",
+        )
+        .await
+        .expect("the table, its trigger and a stored row");
+    let file = ConfigFile::new(&format!(
+        "[[pipelines]]\nname = \"people\"\ntable = \"people\"\nkey = [\"email\"]\n\
+         on_conflict = \"update\"\nversion_column = \"v\"\nretry_ttls_ms = [1000]\n{}\
+         [pipelines.columns]\nemail = {{ path = \"/email\", type = \"text\" }}\n\
+         v = {{ path = \"/v\", type = \"int8\" }}\nname = {{ path = \"/name\", type = \"text\" }}\n",
+        names.toml()
+    ));
+    let lines = [
+        r#"{"email":"Ann@X.org","v":1,"name":"Old"}"#,
+        r#"{"email":"Ann@X.org","v":3,"name":"New"}"#,
+        r#"{"email":"Bob@X.org","v":1,"name":"Bob"}"#,
+    ];
+    let (code, out, err) = with_stdin(
+        &env,
+        &["--config", file.at(), "pipelines", "test", "people", "--db"],
+        lines.join("\n").as_bytes(),
+    )
+    .await;
+    assert_eq!(code, 0, "{out}{err}");
+    assert!(out.contains("3 accepted, 0 refused"), "{out}");
+    assert_eq!(
+        out.matches("not tried: its key is stored already").count(),
+        2,
+        "{out}"
+    );
+    assert!(out.contains("db: ok"), "{out}");
+    assert_eq!(
+        count_of(&env, "SELECT count(*) FROM people").await,
+        1,
+        "the trial left rows behind"
+    );
+}
+
 /// Review R40b F4: a parent table's BEFORE trigger that writes the row into an inheritance
 /// child itself and returns NULL (classic trigger partitioning) stores the row where the table
 /// shows it, as the run finds it; `pipelines test --db` said it was discarded (and the API's

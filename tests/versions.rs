@@ -1201,3 +1201,99 @@ async fn a_trigger_that_keeps_rows_warren_deletes_refuses_the_whole_message() {
     assert_eq!(items_of(&env, good).await, 0);
     assert_eq!(tombstone(&env, good).await, Some(2));
 }
+
+/// Review R41b F2: with `update` and a BEFORE INSERT trigger that folds the key
+/// (`lower(email)`), a message whose key as sent holds nothing was taken for a discarded one
+/// when it was not written: an older version, or the same version with other content, was
+/// parked `db_permanent` ("a BEFORE trigger ... discarded it"). They are `stale` and
+/// `id_conflict`, as for any key, found under the key the insert lands on; a copy is a copy and
+/// a newer version is written.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_key_a_trigger_folds_is_stale_or_conflicting_under_the_folded_key() {
+    let env = TestEnv::new("ver_folded").await;
+    env.db
+        .batch_execute(
+            "CREATE TABLE people (email text PRIMARY KEY, v int8 NOT NULL, name text NOT NULL);
+             CREATE FUNCTION fold_email() RETURNS trigger LANGUAGE plpgsql AS \
+               $$ BEGIN NEW.email := lower(NEW.email); RETURN NEW; END $$;
+             CREATE TRIGGER fold_email BEFORE INSERT ON people \
+               FOR EACH ROW EXECUTE FUNCTION fold_email()",
+        )
+        .await
+        .expect("the table and its trigger");
+    let spec: MappingSpec = toml::from_str(
+        r#"
+table = "people"
+key = ["email"]
+on_conflict = "update"
+version_column = "v"
+
+[columns]
+email = { path = "/email", type = "text" }
+v     = { path = "/v", type = "int8" }
+name  = { path = "/name", type = "text" }
+"#,
+    )
+    .expect("spec");
+    let m = Mapping::compile("people", &spec).expect("compiles");
+    let pool = pool(&env).await;
+    let person = |v: i64, name: &str| {
+        format!(r#"{{"email":"Ann@X.org","v":{v},"name":"{name}"}}"#).into_bytes()
+    };
+    let done = insert_bodies(&m, &pool, &[person(2, "Ann")])
+        .await
+        .expect("insert");
+    assert_eq!(done.rows, 1, "{done:?}");
+    let done = insert_bodies(
+        &m,
+        &pool,
+        &[person(1, "Old"), person(2, "Other"), person(2, "Ann")],
+    )
+    .await
+    .expect("insert");
+    assert!(done.refused.is_empty(), "{done:?}");
+    let stale: Vec<usize> = done.stale.iter().map(|(i, _)| *i).collect();
+    let conflicts: Vec<usize> = done.conflicts.iter().map(|(i, _)| *i).collect();
+    assert_eq!((stale, conflicts), (vec![0], vec![1]), "{done:?}");
+    assert!(
+        done.stale[0].1.contains("older than the stored version 2"),
+        "{done:?}"
+    );
+    assert!(
+        done.conflicts[0]
+            .1
+            .contains("already stored under version 2 with other content"),
+        "{done:?}"
+    );
+    let done = insert_bodies(&m, &pool, &[person(3, "Ann B.")])
+        .await
+        .expect("insert");
+    assert_eq!(done.rows, 1, "{done:?}");
+    // A newer version beside an older one (the probe's path): written, the older stale.
+    let done = insert_bodies(&m, &pool, &[person(4, "Ann C."), person(1, "Old")])
+        .await
+        .expect("insert");
+    assert_eq!(done.rows, 1, "{done:?}");
+    assert!(
+        done.refused.is_empty() && done.conflicts.is_empty(),
+        "{done:?}"
+    );
+    assert_eq!(done.stale.len(), 1, "{done:?}");
+    let done = insert_bodies(&m, &pool, &[person(3, "Ann B.")])
+        .await
+        .expect("insert");
+    assert_eq!(done.stale.len(), 1, "{done:?}");
+    let row = env
+        .db
+        .query_one("SELECT email, v, name FROM people", &[])
+        .await
+        .expect("one row");
+    assert_eq!(
+        (
+            row.get::<_, String>(0),
+            row.get::<_, i64>(1),
+            row.get::<_, String>(2)
+        ),
+        ("ann@x.org".to_string(), 4, "Ann C.".to_string())
+    );
+}

@@ -390,6 +390,29 @@ pub(super) async fn trial(
         if found.first().is_some_and(|row| row.get::<_, bool>(1)) {
             return Ok(Trial::Held);
         }
+        // `update`: its key as sent is not held, but the key its insert lands on may be (a
+        // BEFORE trigger folding the key): then the run finds it stale, a copy, a conflict or
+        // a newer version, as for a held key (review R41b F14: refused here as the unique
+        // violation the plain insert meets). Asked in a savepoint rolled back, which locks
+        // that row for the moment it takes.
+        if mapping.version.is_some() {
+            client
+                .batch_execute("SAVEPOINT warren_trial_folded")
+                .await?;
+            let folded = match &st.probe_folded {
+                Some(sql) => client.query_opt(sql.as_str(), &[&1i64]).await,
+                None => Ok(None),
+            };
+            client
+                .batch_execute("ROLLBACK TO SAVEPOINT warren_trial_folded; RELEASE SAVEPOINT warren_trial_folded")
+                .await?;
+            match folded {
+                Ok(Some(_)) => return Ok(Trial::Held),
+                Ok(None) => {}
+                Err(e) if e.as_db_error().is_some() => {}
+                Err(e) => return Err(e),
+            }
+        }
         // Its key is not held (above): the plain insert writes what the upsert would.
         let parent = st.insert_plain.as_str();
         if client.execute(parent, &params).await? == 0 {
@@ -407,7 +430,9 @@ pub(super) async fn trial(
         // Written, but not under its key as sent (compared in the table's types, through the
         // probe): a BEFORE trigger rewrote the key, which the run refuses with `update` in
         // these words (review R38-F4: `ok` with no child rows, a child table's words with some).
-        if mapping.version.is_some() {
+        // Without child tables or deletes, which go by the key as sent, the row under the
+        // rewritten key is the message's, as the run writes it.
+        if mapping.version.is_some() && (!mapping.children.is_empty() || mapping.delete.is_some()) {
             let on: Vec<String> = mapping
                 .key
                 .iter()

@@ -135,6 +135,34 @@ pub(super) async fn same_after_triggers(
     }
 }
 
+/// `update`: the version stored under the key record `ord`'s insert lands on once the
+/// table's BEFORE INSERT triggers made it, and whether it is higher than or equal to the
+/// record's ([`Statements::probe_folded`]); `None` when no row holds that key, or the question
+/// was refused. Asked inside a savepoint rolled back.
+pub(super) async fn folded_after_triggers(
+    st: &Statements,
+    client: &deadpool_postgres::Client,
+    ord: i64,
+) -> Result<Option<(String, bool, bool)>, DbError> {
+    let Some(sql) = &st.probe_folded else {
+        return Ok(None);
+    };
+    client
+        .batch_execute("SAVEPOINT warren_folded")
+        .await
+        .map_err(DbError::from_pg)?;
+    let found = client.query_opt(sql.as_str(), &[&ord]).await;
+    client
+        .batch_execute("ROLLBACK TO SAVEPOINT warren_folded; RELEASE SAVEPOINT warren_folded")
+        .await
+        .map_err(DbError::from_pg)?;
+    match found {
+        Ok(row) => Ok(row.map(|r| (r.get(0), r.get(1), r.get(2)))),
+        Err(e) if e.as_db_error().is_some() => Ok(None),
+        Err(e) => Err(DbError::from_pg(e)),
+    }
+}
+
 /// Whether `sql` (the record `$1`) answers a row, asked inside a savepoint rolled back.
 async fn same_by(sql: &str, client: &deadpool_postgres::Client, ord: i64) -> Result<bool, DbError> {
     client
@@ -143,7 +171,7 @@ async fn same_by(sql: &str, client: &deadpool_postgres::Client, ord: i64) -> Res
         .map_err(DbError::from_pg)?;
     let same = client.query(sql, &[&ord]).await;
     client
-        .batch_execute("ROLLBACK TO SAVEPOINT warren_same")
+        .batch_execute("ROLLBACK TO SAVEPOINT warren_same; RELEASE SAVEPOINT warren_same")
         .await
         .map_err(DbError::from_pg)?;
     match same {

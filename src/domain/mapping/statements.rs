@@ -46,6 +46,13 @@ pub(super) struct Statements {
     /// that replaced a row was compared with the row an insert would write, and parked
     /// `id_conflict` beside itself).
     pub(super) probe_same_update: Option<String>,
+    /// `update`: of the record `$1`, whose key as sent holds nothing and which was not
+    /// written, the version stored under the key its insert lands on once the table's BEFORE
+    /// INSERT triggers made it (a trigger folding the key), as text, and whether it is higher
+    /// than, or equal to, the record's; no row when no stored row holds that key. Asked inside
+    /// a savepoint rolled back (review R41b F2: an older version, or the same version with
+    /// other content, was parked `db_permanent` "a BEFORE trigger discarded it").
+    pub(super) probe_folded: Option<String>,
     /// `update`: the probe's path, which gives each record its own outcome (`versions.rs`).
     pub(super) versions: Option<VersionStatements>,
 }
@@ -183,8 +190,26 @@ fn probe_statements(
             equal = equal.join(" AND "),
         )
     });
+    // `update`: the key the record's insert lands on once the BEFORE INSERT triggers made it
+    // (a trigger that folds the key: `lower(email)`), and that key's stored version against
+    // the record's, when a row holds it (`xmax` not 0: the upsert met it).
+    let folded = version.map(|v| {
+        format!(
+            "WITH w AS (INSERT INTO {t} AS stored ({list}) SELECT {p_list} \
+               FROM pg_temp.warren_probe AS p WHERE p.{ORD} = $1 \
+               ON CONFLICT ({keys}) DO UPDATE SET {first} = stored.{first} \
+               RETURNING stored.{ver} AS v, stored.xmax::text <> '0' AS was) \
+             SELECT w.v::text, w.v > p.{ver}, w.v = p.{ver} \
+             FROM w, pg_temp.warren_probe AS p WHERE p.{ORD} = $1 AND w.was",
+            keys = keys.join(", "),
+            p_list = p_list.join(", "),
+            first = names[key[0]],
+            ver = names[v],
+        )
+    });
     Probe {
         same_update,
+        folded,
         table: create,
         compare,
         read,
@@ -208,6 +233,8 @@ struct Probe {
     same: String,
     /// See [`Statements::probe_same_update`].
     same_update: Option<String>,
+    /// See [`Statements::probe_folded`].
+    folded: Option<String>,
 }
 
 /// A statement that puts, for the rest of the transaction, the schema of each column type of
@@ -401,6 +428,7 @@ impl Statements {
             probe_read: probe.read,
             probe_same: probe.same,
             probe_same_update: probe.same_update,
+            probe_folded: probe.folded,
             casts: casts.to_vec(),
             versions: version
                 .map(|v| VersionStatements::build(table, columns, key, v, casts, tombstones)),

@@ -28,7 +28,7 @@ use tokio_postgres::types::ToSql;
 
 use super::arrays::{self, Array, key_text, shown};
 use super::children::{self, Child};
-use super::probe::{in_probe, same_after_triggers};
+use super::probe::{folded_after_triggers, in_probe, same_after_triggers};
 use super::statements::{Statements, sql_text};
 use super::{Mapping, Op, Row, quote};
 use crate::db::error::DbError;
@@ -174,7 +174,11 @@ async fn run(
         }
         found.sort_by_key(|(i, _)| *i);
         let found_written = found.iter().filter(|(_, f)| !f.delete && f.written).count();
-        if written > found_written as u64 {
+        // Without child tables or deletes, a row under a key a trigger rewrote is the
+        // message's, written as the fast path writes it (its outcome below: a copy of itself),
+        // but for `settled`, which must not take it for decided.
+        let by_key_as_sent = !mapping.children.is_empty() || mapping.delete.is_some() || !commit;
+        if written > found_written as u64 && by_key_as_sent {
             // A row written that no record's key holds: a trigger wrote it under another key.
             // Its child rows were looked for under the key as sent (none written), and its
             // copies would be told by that key: the transaction must not stay (review R36e F4:
@@ -277,6 +281,37 @@ async fn outcomes(
             // Its key, as sent, holds nothing, but the row an insert of it would write (a
             // BEFORE trigger rewrote the key) is stored as it is: a copy, compared as the others.
             compare.push(i);
+        } else if let Some((stored, higher, equal)) =
+            folded_after_triggers(st, client, i as i64 + 1).await?
+            && (higher || equal)
+        {
+            // Its key, as sent, holds nothing, but the key its insert lands on (a BEFORE
+            // trigger folded it) holds a version as new: stale, or two states under one
+            // version (review R41b F2: both were "discarded", parked `db_permanent`).
+            let landed = format!(
+                "(the key as a BEFORE INSERT trigger of {} writes it)",
+                mapping.table
+            );
+            if higher {
+                done.stale.push((
+                    i,
+                    format!(
+                        "{} version {} is older than the stored version {stored} {landed}: it \
+                         changes nothing",
+                        key(i),
+                        version(i)
+                    ),
+                ));
+            } else {
+                done.conflicts.push((
+                    i,
+                    format!(
+                        "{} is already stored under version {} with other content {landed}",
+                        key(i),
+                        version(i)
+                    ),
+                ));
+            }
         } else {
             done.refused.push((
                 i,

@@ -239,7 +239,7 @@ pub(in crate::domain::mapping) async fn rounds(
         )
         .await;
     client
-        .batch_execute("ROLLBACK TO SAVEPOINT warren_rounds")
+        .batch_execute("ROLLBACK TO SAVEPOINT warren_rounds; RELEASE SAVEPOINT warren_rounds")
         .await
         .map_err(DbError::from_pg)?;
     let found = match found {
@@ -283,7 +283,7 @@ async fn same_after_triggers_many(
                 .query(child.statements.probe_same_many.as_str(), &[&ords])
                 .await;
             client
-                .batch_execute("ROLLBACK TO SAVEPOINT warren_same_children")
+                .batch_execute("ROLLBACK TO SAVEPOINT warren_same_children; RELEASE SAVEPOINT warren_same_children")
                 .await
                 .map_err(DbError::from_pg)?;
             match found {
@@ -319,7 +319,9 @@ async fn same_after_triggers(
         .map_err(DbError::from_pg)?;
     let same = client.query_one(probe_same, &[&ord]).await;
     client
-        .batch_execute("ROLLBACK TO SAVEPOINT warren_same_children")
+        .batch_execute(
+            "ROLLBACK TO SAVEPOINT warren_same_children; RELEASE SAVEPOINT warren_same_children",
+        )
         .await
         .map_err(DbError::from_pg)?;
     match same {

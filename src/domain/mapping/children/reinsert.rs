@@ -96,7 +96,7 @@ async fn in_savepoint(
         .map_err(DbError::from_pg)?;
     let same = reinserted_same(mapping, client, records, asked).await;
     client
-        .batch_execute("ROLLBACK TO SAVEPOINT warren_reinsert")
+        .batch_execute("ROLLBACK TO SAVEPOINT warren_reinsert; RELEASE SAVEPOINT warren_reinsert")
         .await
         .map_err(DbError::from_pg)?;
     match same {
