@@ -2048,7 +2048,89 @@ async fn a_reload_switching_the_table_while_the_old_links_acks_are_lost_stores_e
     warren
         .wait_for_log(
             "the redeliveries acked as done",
-            "redeliveries acked as done: the stage this reload replaced had settled them",
+            "redeliveries acked as done: a stage a reload replaced had settled them",
+        )
+        .await;
+    let mut warren = warren;
+    warren.terminate_ok(Duration::from_secs(25));
+}
+
+/// Review R42b F2: the same silence, and a second reload right after the first (before the
+/// old link drops) switching the table again: the broker delivers the first stage's unacked
+/// messages to the third stage, which asks every stage this process's reloads stopped on the
+/// queue (the second's table and the first's), finds them stored in the first table and acks
+/// them as done. Before, only the stage replaced last was asked, after its own close went
+/// unanswered: each was stored in the first and the third table.
+#[tokio::test(flavor = "multi_thread")]
+async fn two_reloads_before_the_old_link_drops_store_each_message_once() {
+    let amqp = TcpProxy::start(&amqp_url(), 5672).await;
+    let mut env = TestEnv::new("rl_two_reloads").await;
+    env.set("SHUTDOWN_TIMEOUT_MS", "15000");
+    let fx = Fixture::new(&env, &["orders", "orders_new", "orders_third"]).await;
+    let (orders, path, file) = (fx.names(0), fx.path.clone(), fx.file.clone());
+    let (code, out, err) = env.run_async(&["--config", &file, "declare"]).await;
+    assert_eq!(code, 0, "{out}{err}");
+    env.set("AMQP_URL", amqp.url());
+    let warren = env.start(&["--config", &file, "--roles", "consumer"]);
+    let _logs = LogsOnPanic(vec![warren.log.clone()]);
+    one_consumer(&orders.queue).await;
+    let warm = new_ids(50);
+    publish(&env, &orders, &warm).await;
+    let mut all: HashSet<Uuid> = warm.iter().copied().collect();
+    assert_table(&env, "orders", &all, &warren).await;
+
+    amqp.hold_busiest_from_client();
+    let held = new_ids(200);
+    publish(&env, &orders, &held).await;
+    all.extend(held.iter().copied());
+    assert_table(&env, "orders", &all, &warren).await;
+    wait_until(
+        "the stored messages still unacked on the broker",
+        Duration::from_secs(30),
+        || async { queue_counts(&orders.queue).await == (0, held.len() as u64) },
+    )
+    .await;
+
+    let table = |t: &str| {
+        entry("orders", &orders, 50, 1000)
+            .replace(r#"table = "orders""#, &format!("table = \"{t}\""))
+    };
+    std::fs::write(&path, table("orders_new")).expect("write");
+    let first = reload(&env, &warren, "reloaded", 1).await;
+    assert_eq!(names_of(&first["changed"]), ["orders"], "{first}");
+    assert!(
+        warren
+            .logs()
+            .contains("the broker link did not answer its close"),
+        "{}",
+        tail(&warren.logs(), 40)
+    );
+    std::fs::write(&path, table("orders_third")).expect("write");
+    let second = reload(&env, &warren, "reloaded", 2).await;
+    assert_eq!(names_of(&second["changed"]), ["orders"], "{second}");
+    amqp.cut();
+    amqp.restore();
+    wait_until(
+        "every message settled on the broker",
+        Duration::from_secs(60),
+        || async { queue_counts(&orders.queue).await == (0, 0) },
+    )
+    .await;
+    let fresh = new_ids(20);
+    publish(&env, &orders, &fresh).await;
+    assert_table(
+        &env,
+        "orders_third",
+        &fresh.iter().copied().collect(),
+        &warren,
+    )
+    .await;
+    assert_table(&env, "orders_new", &HashSet::new(), &warren).await;
+    assert_table(&env, "orders", &all, &warren).await;
+    warren
+        .wait_for_log(
+            "the redeliveries acked as done",
+            "redeliveries acked as done: a stage a reload replaced had settled them",
         )
         .await;
     let mut warren = warren;
@@ -2139,7 +2221,7 @@ async fn a_reload_renaming_a_pipeline_while_the_old_links_acks_are_lost_parks_ea
     warren
         .wait_for_log(
             "the redeliveries acked as done",
-            "redeliveries acked as done: the stage this reload replaced had parked them",
+            "redeliveries acked as done: a stage a reload replaced had parked them",
         )
         .await;
     let mut warren = warren;

@@ -126,7 +126,15 @@ async fn a_second_domain_runs_through_the_same_core() {
         db_bound: settings.database().call_bound(),
         oversize: Default::default(),
     };
-    let running = pipeline::start(&links, spec, domain, pool, Default::default(), None, None);
+    let running = pipeline::start(
+        &links,
+        spec,
+        domain,
+        pool,
+        Default::default(),
+        None,
+        Vec::new(),
+    );
 
     let ids: Vec<Uuid> = (0..120).map(|_| Uuid::new_v4()).collect();
     for id in &ids {

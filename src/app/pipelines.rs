@@ -315,10 +315,38 @@ pub(super) struct Pipelines {
     /// The memories of copies of the stages a reload in progress stops: a stage it starts in
     /// the place of one (same pipeline and stage, same queue) takes its memory over, so the
     /// redeliveries of what the stopped one left are still recognised (`pipeline/copies.rs`).
-    /// Each with the mapping its stage ran: a stage started on the same queue in the place of
-    /// one whose close went unanswered asks that mapping's table and that name's parking about
-    /// the redeliveries it gets (`pipeline::sink::Predecessor`).
+    /// Each with the mapping its stage ran.
     kept: Vec<(Arc<Copies>, Arc<Mapping>)>,
+    /// The stages this process's reloads stopped, newest first, at most
+    /// `sink::PREDECESSORS` per queue and kind: a stage started on the same queue asks their
+    /// tables and parking about the redeliveries it gets (`pipeline::sink::Predecessor`), for
+    /// the acks of their last commits may have been lost with their link (review R42b F1-F3:
+    /// asked only of the one stage replaced, after an unanswered close, a reset link, a second
+    /// reload or a pipeline removed and added back stored the window twice).
+    retired: Vec<Retired>,
+}
+
+/// A stage a reload stopped (see [`Pipelines::retired`]).
+struct Retired {
+    kind: Stage,
+    queue: String,
+    pipeline: String,
+    mapping: Arc<Mapping>,
+}
+
+/// Puts `stopped` first in `retired`, keeping the newest `sink::PREDECESSORS` of its queue and
+/// kind.
+fn retire(retired: &mut Vec<Retired>, stopped: Retired) {
+    retired.insert(0, stopped);
+    let mut seen = 0;
+    let (kind, queue) = (retired[0].kind, retired[0].queue.clone());
+    retired.retain(|r| {
+        if r.kind != kind || r.queue != queue {
+            return true;
+        }
+        seen += 1;
+        seen <= pipeline::sink::PREDECESSORS
+    });
 }
 
 /// The pool size the pipelines of `declared` need: a connection for each insert that can be in
@@ -372,6 +400,7 @@ impl Pipelines {
             records,
             reloading: Vec::new(),
             kept: Vec::new(),
+            retired: Vec::new(),
         };
         let stages: Vec<StageId> = declared
             .iter()
@@ -436,12 +465,15 @@ impl Pipelines {
                             c.stage().stage() == id.stage() && c.queue() == spec.queue
                         })
                     });
-                let before = replaced
-                    .filter(|(c, _)| c.close_unanswered() && c.queue() == spec.queue)
-                    .map(|(c, m)| pipeline::sink::Predecessor {
-                        domain: m.clone(),
-                        parks_as: c.stage().pipeline().to_string(),
-                    });
+                let before: Vec<pipeline::sink::Predecessor<Mapping>> = self
+                    .retired
+                    .iter()
+                    .filter(|r| r.kind == id.stage() && r.queue == spec.queue)
+                    .map(|r| pipeline::sink::Predecessor {
+                        domain: r.mapping.clone(),
+                        parks_as: r.pipeline.clone(),
+                    })
+                    .collect();
                 let kept = replaced.map(|(c, _)| c.clone());
                 pipeline::start(
                     &self.links,
@@ -697,6 +729,17 @@ impl Pipelines {
                     .map(|p| (p.copies.clone(), r.declared.mapping.clone()))
             })
             .collect();
+        for (copies, mapping) in &self.kept {
+            retire(
+                &mut self.retired,
+                Retired {
+                    kind: copies.stage().stage(),
+                    queue: copies.queue().to_string(),
+                    pipeline: copies.stage().pipeline().to_string(),
+                    mapping: mapping.clone(),
+                },
+            );
+        }
         let removed = plan.report.removed.iter().map(|n| (n.clone(), true));
         let again = plan.report.changed.iter().chain(&plan.report.added);
         self.reloading = removed.chain(again.map(|n| (n.clone(), false))).collect();

@@ -44,11 +44,11 @@
 //! The memory is the process's own, and outlives a stage a reload restarts: the stage started
 //! in its place (a stage of the same kind on the same queue, the same pipeline or one renamed)
 //! takes it over ([`Copies::carry_on`]), and the generations of its links go on from the old
-//! stage's, so a redelivery of what the old stage left is still recognised. It also says
-//! whether the old stage's close went unanswered ([`Copies::close_unanswered`]): then what that
-//! stage stored or parked may come again too, and the new stage asks its table and parking
-//! (`sink::settled_before`, `Fallback::parked_before`). A redelivery to another instance, or
-//! after warren itself restarted, is routed as any other.
+//! stage's, so a redelivery of what the old stage left is still recognised. What the stopped
+//! stages stored or parked may come again too (the acks of their last commits lost with their
+//! link): a stage a reload starts asks their tables and parking (`sink::settled_before`,
+//! `Fallback::parked_before`; the app keeps them, `app/pipelines.rs`). A redelivery to another
+//! instance, or after warren itself restarted, is routed as any other.
 
 use std::collections::VecDeque;
 use std::hash::{BuildHasher, Hasher, RandomState};
@@ -130,10 +130,6 @@ pub struct Copies {
     /// Woken when the consumer's channel goes: a backoff holding its deliveries ends
     /// ([`Copies::gone`]).
     links: Notify,
-    /// Set when the stage's stop closed its broker link and the close went unanswered: the
-    /// acks of its last commits may never have reached the broker, which delivers those
-    /// messages again to whatever consumes the queue next ([`Copies::close_unanswered`]).
-    unanswered: std::sync::atomic::AtomicBool,
 }
 
 impl Copies {
@@ -149,7 +145,6 @@ impl Copies {
             state: Mutex::new(State::default()),
             outcomes: Notify::new(),
             links: Notify::new(),
-            unanswered: Default::default(),
         }
     }
 
@@ -170,8 +165,6 @@ impl Copies {
                 kept.capacity
                     .fetch_max(capacity(prefetch), Ordering::AcqRel);
                 kept.link_down();
-                // What its close left is the caller's to pass on (`sink::Predecessor`).
-                kept.unanswered.store(false, Ordering::Release);
                 if kept.stage == stage {
                     return kept;
                 }
@@ -196,17 +189,6 @@ impl Copies {
     /// The queue the stage consumes.
     pub fn queue(&self) -> &str {
         &self.queue
-    }
-
-    /// The stage's stop closed its broker link and no answer came (`consumer/stop.rs`).
-    pub fn left_unanswered(&self) {
-        self.unanswered.store(true, Ordering::Release);
-    }
-
-    /// Whether the stage's stop found its link silent at the close: the broker may deliver
-    /// again what it stored, parked or routed last (see [`Copies::left_unanswered`]).
-    pub fn close_unanswered(&self) -> bool {
-        self.unanswered.load(Ordering::Acquire)
     }
 
     /// The pipeline and stage whose memory this is.
@@ -785,16 +767,10 @@ mod tests {
         let c = Arc::new(copies());
         assert_eq!(c.link_up(), 1);
         confirmed(&c, &delivery(1, 7, false, "bad"));
-        c.left_unanswered();
-        assert!(c.close_unanswered());
         let renamed = StageId::new("users_v2", Stage::Main);
         let next = Copies::carry_on(Some(c.clone()), renamed.clone(), "users_q", 4);
         assert!(!Arc::ptr_eq(&c, &next), "a memory under the new name");
         assert_eq!(next.stage(), &renamed);
-        assert!(
-            !next.close_unanswered(),
-            "the old close is the old stage's (passed on as its predecessor)"
-        );
         // The lost copy, its fingerprint made with the same keys, and the generations go on.
         assert_eq!(next.link_up(), 2);
         let again = delivery(2, 1, true, "bad");

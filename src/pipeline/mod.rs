@@ -244,9 +244,10 @@ pub struct Links {
 /// pipeline consumes, where its failures go, its batching and limits come from `spec`; `depths`
 /// is what the queue poller sees of its queues; `kept` is the memory of copies of the stage this
 /// one replaces (a reload), taken over when it is the same stage on the same queue, so the
-/// redeliveries of what that one left are still recognised (`copies.rs`); `before` is that
-/// stage's domain and name when its close went unanswered: a redelivery it stored or parked is
-/// then acked as done, not stored or parked again under this spec (`sink::settled_before`).
+/// redeliveries of what that one left are still recognised (`copies.rs`); `before` are the
+/// domains and names of the stages of this kind this process's reloads stopped on the queue
+/// (newest first): a redelivery one of them stored or parked is acked as done, not stored or
+/// parked again under this spec (`sink::settled_before`).
 pub fn start<D: Domain>(
     links: &Links,
     spec: Spec,
@@ -254,7 +255,7 @@ pub fn start<D: Domain>(
     pool: Pool,
     depths: Depths,
     kept: Option<Arc<copies::Copies>>,
-    before: Option<sink::Predecessor<D>>,
+    before: Vec<sink::Predecessor<D>>,
 ) -> Pipeline {
     let id = StageId::new(&spec.pipeline, spec.stage);
     let stopping = CancellationToken::new();
@@ -292,10 +293,15 @@ pub fn start<D: Domain>(
         park_over: spec.max_message_bytes,
         copies: copies.clone(),
         hand_back_after: links.amqp.hand_back_after(),
-        parked_before: before
-            .as_ref()
-            .map(|b| b.parks_as.clone())
-            .filter(|name| *name != spec.pipeline),
+        parked_before: {
+            let mut names: Vec<String> = Vec::new();
+            for b in &before {
+                if b.parks_as != spec.pipeline && !names.contains(&b.parks_as) {
+                    names.push(b.parks_as.clone());
+                }
+            }
+            names
+        },
     };
     let leftovers: Recipient<Leftovers> = match spec.fallback {
         FallbackKind::Route => Supervisor::start(move |_| Router::new(fallback)).recipient(),
@@ -323,7 +329,7 @@ pub fn start<D: Domain>(
         statements: statements.clone(),
         settle: consumer_addr.clone().recipient(),
         leftovers,
-        predecessor: before,
+        predecessors: before,
     });
 
     // Batchers.

@@ -112,11 +112,11 @@ pub struct Fallback {
     /// The generation of the consumer's open channel, and the copies whose ack is not proven
     /// handled by the broker (shared with the consumer).
     pub copies: Arc<Copies>,
-    /// The name the stage a reload replaced with this one parked under, when it was another
-    /// (a pipeline renamed on the same queue) and its close went unanswered: a redelivery it
-    /// parked, whose ack may be lost, is not parked again under the new name (review R40a F6:
-    /// parked under both names).
-    pub parked_before: Option<String>,
+    /// The names the stages this process's reloads stopped on the same queue parked under,
+    /// when other than this one's (a pipeline renamed on the same queue): a redelivery one of
+    /// them parked, whose ack may be lost, is not parked again under the new name (review R40a
+    /// F6: parked under both names).
+    pub parked_before: Vec<String>,
     /// 80% of the broker's `consumer_timeout` (`AmqpConfig::hand_back_after`): a backoff never
     /// holds a delivery past it.
     pub hand_back_after: Option<Duration>,
@@ -515,8 +515,8 @@ impl Fallback {
         }
     }
 
-    /// Of the messages about to be parked (`indices` into `items`, their `rows`), those the
-    /// stage a reload replaced parked already under its other name ([`Fallback::parked_before`]):
+    /// Of the messages about to be parked (`indices` into `items`, their `rows`), those a stage
+    /// a reload replaced parked already under another name ([`Fallback::parked_before`]):
     /// redeliveries only. Counted and logged; what cannot be asked is parked as any other.
     async fn parked_before(
         &self,
@@ -525,54 +525,61 @@ impl Fallback {
         rows: &[dead_letters::ParkRow<'_>],
     ) -> std::collections::HashSet<usize> {
         let mut found = std::collections::HashSet::new();
-        let Some(name) = &self.parked_before else {
-            return found;
-        };
-        let asked: Vec<(usize, Vec<u8>)> = indices
-            .iter()
-            .zip(rows)
-            .filter(|(i, _)| items[**i].0.redelivered)
-            .map(|(i, r)| {
-                (
-                    *i,
-                    dead_letters::fingerprint(r.message_id, r.body, &r.headers),
-                )
-            })
-            .collect();
-        if asked.is_empty() {
-            return found;
-        }
-        let prints: Vec<Vec<u8>> = asked.iter().map(|(_, f)| f.clone()).collect();
-        match dead_letters::parked_of(&self.pool, self.db_bound, &self.statements, name, &prints)
-            .await
-        {
-            Ok(parked) => {
-                found.extend(
-                    asked
-                        .iter()
-                        .filter(|(_, f)| parked.contains(f))
-                        .map(|(i, _)| *i),
-                );
+        for name in &self.parked_before {
+            let asked: Vec<(usize, Vec<u8>)> = indices
+                .iter()
+                .zip(rows)
+                .filter(|(i, _)| items[**i].0.redelivered && !found.contains(*i))
+                .map(|(i, r)| {
+                    (
+                        *i,
+                        dead_letters::fingerprint(r.message_id, r.body, &r.headers),
+                    )
+                })
+                .collect();
+            if asked.is_empty() {
+                break;
             }
-            Err(e) => warn!(
-                pipeline = self.stage.pipeline(),
-                stage = self.stage.stage().as_str(),
-                before = %name,
-                error = %e,
-                "cannot ask whether redeliveries were parked under the name this reload replaced; \
-                 they are parked under this one"
-            ),
-        }
-        if !found.is_empty() {
-            metrics::redeliveries(&self.stage, "settled_before_reload", found.len() as u64);
-            info!(
-                pipeline = self.stage.pipeline(),
-                stage = self.stage.stage().as_str(),
-                before = %name,
-                count = found.len(),
-                "redeliveries acked as done: the stage this reload replaced had parked them \
-                 under its name (its close went unanswered, and their acks with it)"
-            );
+            let prints: Vec<Vec<u8>> = asked.iter().map(|(_, f)| f.clone()).collect();
+            let parked = match dead_letters::parked_of(
+                &self.pool,
+                self.db_bound,
+                &self.statements,
+                name,
+                &prints,
+            )
+            .await
+            {
+                Ok(parked) => parked,
+                Err(e) => {
+                    warn!(
+                        pipeline = self.stage.pipeline(),
+                        stage = self.stage.stage().as_str(),
+                        before = %name,
+                        error = %e,
+                        "cannot ask whether redeliveries were parked under a name a reload \
+                         replaced; they are parked under this one"
+                    );
+                    continue;
+                }
+            };
+            let here: Vec<usize> = asked
+                .iter()
+                .filter(|(_, f)| parked.contains(f))
+                .map(|(i, _)| *i)
+                .collect();
+            if !here.is_empty() {
+                metrics::redeliveries(&self.stage, "settled_before_reload", here.len() as u64);
+                info!(
+                    pipeline = self.stage.pipeline(),
+                    stage = self.stage.stage().as_str(),
+                    before = %name,
+                    count = here.len(),
+                    "redeliveries acked as done: a stage a reload replaced had parked them \
+                     under its name (their acks may have been lost with its link)"
+                );
+                found.extend(here);
+            }
         }
         found
     }

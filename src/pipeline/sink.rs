@@ -53,14 +53,19 @@ pub struct SinkConfig<D: Domain> {
     pub settle: Recipient<Settle>,
     /// The fallback stage, for every message not inserted.
     pub leftovers: Recipient<Leftovers>,
-    /// The stage a reload stopped on the same queue when it started this one, when its close
-    /// went unanswered: what it settled may come again ([`settled_before`]).
-    pub predecessor: Option<Predecessor<D>>,
+    /// The stages this process's reloads stopped on the same queue before starting this one
+    /// (of the same kind; newest first, at most [`PREDECESSORS`]): what one of them settled may
+    /// come again ([`settled_before`]).
+    pub predecessors: Vec<Predecessor<D>>,
 }
 
-/// The stage of the same kind on the same queue that a reload stopped when it started this
-/// one (another table, name or mapping, or only other settings), when its close went
-/// unanswered: its domain, and the name it parked under.
+/// The most stages of one kind on one queue a stage started by a reload asks about its
+/// redeliveries (the newest): reloads in a row, a pipeline removed and added back.
+pub const PREDECESSORS: usize = 4;
+
+/// A stage of the same kind on the same queue that a reload of this process stopped before it
+/// started this one (another table, name or mapping, or only other settings): its domain, and
+/// the name it parked under.
 pub struct Predecessor<D: Domain> {
     pub domain: Arc<D>,
     pub parks_as: String,
@@ -626,61 +631,61 @@ async fn already_stored<D: Domain>(config: &Arc<SinkConfig<D>>, record: &D::Reco
     }
 }
 
-/// Of `deliveries`, those the stage a reload replaced with this one settled already, acked
-/// as done: its close went unanswered, so the acks of its last commits may never have reached
-/// the broker, which delivers those messages again (redelivered) to this stage. Each
-/// redelivery is decoded with that stage's mapping and asked of its table
+/// Of `deliveries`, those a stage this process's reloads stopped on the same queue settled
+/// already, acked as done. The acks of a stopped stage's last commits may never have reached
+/// the broker (its link silent at the close, or reset before it), which delivers those
+/// messages again (redelivered), to whatever consumes the queue next. Each redelivery is
+/// decoded with each predecessor's mapping in turn (newest first) and asked of its table
 /// ([`Domain::settled`]: stored exactly, or older than what its key holds). Without it, a
 /// reload that changed the table, the name or the mapping stored them in the new table too,
-/// or parked them `id_conflict` beside their rows (review R40a F4, F6). What cannot be asked
-/// (the old table gone, the database silent) goes on as any message.
+/// or parked them `id_conflict` beside their rows (review R40a F4, F6); asked only after an
+/// unanswered close, a reset link, a second reload or a pipeline removed and added back
+/// escaped it (review R42b F1-F3). What cannot be asked (the old table gone, the database
+/// silent) goes on as any message.
 async fn settled_before<D: Domain>(
     config: &Arc<SinkConfig<D>>,
     deliveries: &[Delivery],
 ) -> Vec<bool> {
     let mut done = vec![false; deliveries.len()];
-    let Some(before) = &config.predecessor else {
-        return done;
-    };
-    if !deliveries.iter().any(|d| d.redelivered) {
-        return done;
-    }
-    let decoded: Vec<(usize, D::Record)> = deliveries
-        .iter()
-        .enumerate()
-        .filter(|(_, d)| d.redelivered)
-        .filter_map(|(i, d)| {
-            let properties = d.properties.full();
-            let envelope = d.envelope(&properties);
-            before
-                .domain
-                .decode_with(&d.body, &envelope)
-                .ok()
-                .map(|r| (i, r))
-        })
-        .collect();
-    if decoded.is_empty() {
-        return done;
-    }
-    let group: Vec<(usize, &D::Record)> = decoded.iter().map(|(i, r)| (*i, r)).collect();
-    let settled = stored_of(config, &before.domain, &group).await;
-    let mut ids = Vec::new();
-    for ((i, _), yes) in group.iter().zip(settled) {
-        if yes {
-            done[*i] = true;
-            ids.push(deliveries[*i].message_id());
+    for before in &config.predecessors {
+        let decoded: Vec<(usize, D::Record)> = deliveries
+            .iter()
+            .enumerate()
+            .filter(|(i, d)| d.redelivered && !done[*i])
+            .filter_map(|(i, d)| {
+                let properties = d.properties.full();
+                let envelope = d.envelope(&properties);
+                before
+                    .domain
+                    .decode_with(&d.body, &envelope)
+                    .ok()
+                    .map(|r| (i, r))
+            })
+            .collect();
+        if decoded.is_empty() {
+            continue;
         }
-    }
-    if !ids.is_empty() {
-        metrics::redeliveries(&config.stage, "settled_before_reload", ids.len() as u64);
-        info!(
-            pipeline = config.stage.pipeline(),
-            stage = config.stage.stage().as_str(),
-            count = ids.len(),
-            message_ids = ?ids.iter().take(10).collect::<Vec<_>>(),
-            "redeliveries acked as done: the stage this reload replaced had settled them (its \
-             close went unanswered, and their acks with it)"
-        );
+        let group: Vec<(usize, &D::Record)> = decoded.iter().map(|(i, r)| (*i, r)).collect();
+        let settled = stored_of(config, &before.domain, &group).await;
+        let mut ids = Vec::new();
+        for ((i, _), yes) in group.iter().zip(settled) {
+            if yes {
+                done[*i] = true;
+                ids.push(deliveries[*i].message_id());
+            }
+        }
+        if !ids.is_empty() {
+            metrics::redeliveries(&config.stage, "settled_before_reload", ids.len() as u64);
+            info!(
+                pipeline = config.stage.pipeline(),
+                stage = config.stage.stage().as_str(),
+                before = %before.parks_as,
+                count = ids.len(),
+                message_ids = ?ids.iter().take(10).collect::<Vec<_>>(),
+                "redeliveries acked as done: a stage a reload replaced had settled them (their \
+                 acks may have been lost with its link)"
+            );
+        }
     }
     done
 }

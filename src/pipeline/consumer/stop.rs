@@ -173,7 +173,6 @@ impl Handler<Close> for Consumer {
         let counts = self.stop_counts;
         let link = std::mem::replace(&mut self.link, Link::Down);
         let stage = self.config.stage.clone();
-        let copies = self.config.copies.clone();
         Box::pin(
             async move {
                 if let Link::Up(linked) = link {
@@ -186,20 +185,20 @@ impl Handler<Close> for Consumer {
                     // Unanswered, the close proves nothing of the acks sent before it: those of
                     // the last commits may never have reached the broker, which delivers those
                     // messages again once it drops the link. The next consumer finds them in its
-                    // table (a copy); a stage a reload starts in this one's place under another
-                    // spec (table, name or mapping) asks this one's table and parking first
-                    // (`sink::settled_before`; review R40a F4, F6: stored in both tables, parked
-                    // under both names, or stored and parked id_conflict).
+                    // table (a copy); a stage this process's reloads start on the queue under
+                    // another spec (table, name or mapping) asks this one's table and parking
+                    // first (`sink::settled_before`; review R40a F4, F6: stored in both tables,
+                    // parked under both names, or stored and parked id_conflict).
                     if tokio::time::timeout(CLOSE_WITHIN, close).await.is_err() {
-                        copies.left_unanswered();
                         warn!(
                             pipeline = stage.pipeline(),
                             stage = stage.stage().as_str(),
                             within_ms = CLOSE_WITHIN.as_millis() as u64,
                             "the broker link did not answer its close; left to end with the \
                              process. Its last acks may not have reached the broker, which then \
-                             delivers those messages again: a stage that consumes the queue \
-                             next takes those it finds stored or parked already as done"
+                             delivers those messages again: a stage this process starts on the \
+                             queue takes those it finds stored or parked already as done (another \
+                             instance, or this one after a restart, stores them again)"
                         );
                     }
                 }
