@@ -124,9 +124,11 @@ pub struct Copies {
     queue: String,
     /// The fingerprints' keys, random per process.
     keys: RandomState,
-    state: Mutex<State>,
+    /// Shared with the memory of a stage renamed by a reload on the same queue: the old stage's
+    /// late publish outcomes still reach the entries its successor waits on.
+    state: Arc<Mutex<State>>,
     /// Woken when a publish under way ends: a redelivery may wait for it.
-    outcomes: Notify,
+    outcomes: Arc<Notify>,
     /// Woken when the consumer's channel goes: a backoff holding its deliveries ends
     /// ([`Copies::gone`]).
     links: Notify,
@@ -142,8 +144,8 @@ impl Copies {
             capacity: AtomicUsize::new(capacity(prefetch)),
             queue: queue.to_string(),
             keys: RandomState::new(),
-            state: Mutex::new(State::default()),
-            outcomes: Notify::new(),
+            state: Default::default(),
+            outcomes: Default::default(),
             links: Notify::new(),
         }
     }
@@ -174,12 +176,13 @@ impl Copies {
                 renamed
                     .capacity
                     .fetch_max(kept.capacity.load(Ordering::Acquire), Ordering::AcqRel);
-                {
-                    let mut from = kept.state();
-                    let mut to = renamed.state();
-                    to.last = from.last;
-                    to.lost = std::mem::take(&mut from.lost);
-                }
+                // The same entries and generations, and the same wake-ups: a copy the old stage
+                // was still publishing, or had in doubt, ends through the old stage's publisher,
+                // which tells the old memory (review R42b F6: moved to a memory of their own,
+                // their redeliveries waited on outcomes that never came, requeued every 15 s
+                // until a restart).
+                renamed.state = kept.state.clone();
+                renamed.outcomes = kept.outcomes.clone();
                 Arc::new(renamed)
             }
             _ => Arc::new(Self::new(stage, queue, prefetch)),
@@ -777,6 +780,40 @@ mod tests {
         assert_eq!(
             next.recall(&again, next.fingerprint(&again)),
             Recall::Routed
+        );
+    }
+
+    /// Review R42b F6: a copy the old stage had in doubt when a reload renamed its pipeline
+    /// ends through the old stage's publisher, which tells the old memory; the renamed stage's
+    /// redelivery waited on it for ever (requeued every 15 s until a restart). Both memories
+    /// hold the same entries, so the outcome reaches the waiting redelivery.
+    #[test]
+    fn a_copy_in_doubt_at_a_rename_ends_for_the_renamed_stage() {
+        let c = Arc::new(copies());
+        assert_eq!(c.link_up(), 1);
+        let d = delivery(1, 5, false, "bad");
+        let f = c.fingerprint(&d);
+        assert_eq!(c.publishing(&[(1, 5, f)]), [true]);
+        c.in_doubt(&[(1, 5)]);
+        let next = Copies::carry_on(
+            Some(c.clone()),
+            StageId::new("users_v2", Stage::Main),
+            "users_q",
+            4,
+        );
+        assert_eq!(next.link_up(), 2);
+        let again = delivery(2, 1, true, "bad");
+        assert_eq!(next.recall(&again, f), Recall::Pending);
+        let woken = next.outcome();
+        c.published(&[(1, 5, false)]);
+        assert!(
+            futures::FutureExt::now_or_never(woken).is_some(),
+            "the waiting redelivery is woken"
+        );
+        assert_eq!(
+            next.recall(&again, f),
+            Recall::Unknown,
+            "routed, not waited on"
         );
     }
 }
