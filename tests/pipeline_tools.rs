@@ -511,6 +511,56 @@ async fn pipelines_test_db_takes_a_key_a_trigger_folds_as_the_run_does() {
     );
 }
 
+/// Review R42a F2: a trigger that refuses a row with a plain `RAISE EXCEPTION` (P0001, a code
+/// warren cannot class) is retried by the run, in place and through the retry queue, and then
+/// parked `retries_exhausted`; `pipelines test --db` said `db_permanent`. It says what the run
+/// does; a refusal of a known class (23514) is still `db_permanent`.
+#[tokio::test(flavor = "multi_thread")]
+async fn pipelines_test_db_names_a_raise_as_the_run_parks_it() {
+    let env = TestEnv::new("tools_test_raise").await;
+    let names = PipelineNames::of(&env, "orders");
+    create_nested_tables(&env).await;
+    env.db
+        .batch_execute(
+            "CREATE FUNCTION refuse_qty() RETURNS trigger LANGUAGE plpgsql AS $$
+                 BEGIN
+                   IF NEW.qty = 66 THEN RAISE EXCEPTION 'no 66'; END IF;
+                   IF NEW.qty = 67 THEN
+                     RAISE EXCEPTION 'no 67' USING ERRCODE = '23514';
+                   END IF;
+                   RETURN NEW;
+                 END $$;
+             CREATE TRIGGER refuse_qty BEFORE INSERT ON order_items
+                 FOR EACH ROW EXECUTE FUNCTION refuse_qty();",
+        )
+        .await
+        .expect("the trigger");
+    let file = ConfigFile::new(&nested_toml(&names, ""));
+    let order = |qty: i64| {
+        String::from_utf8(nested_order(Uuid::new_v4(), 1, &[("A-1", qty)])).expect("utf-8")
+    };
+    let lines = [order(66), order(67), order(1)];
+    let (code, out, err) = with_stdin(
+        &env,
+        &["--config", file.at(), "pipelines", "test", "orders", "--db"],
+        lines.join("\n").as_bytes(),
+    )
+    .await;
+    assert_eq!(code, 1, "{out}{err}");
+    assert!(
+        out.lines().any(|l| l
+            .starts_with("1: retries_exhausted the database refuses it: P0001 no 66")
+            && l.contains("a code warren retries")),
+        "{out}"
+    );
+    assert!(
+        out.lines()
+            .any(|l| l.starts_with("2: db_permanent the database refuses it: 23514 no 67")),
+        "{out}"
+    );
+    assert!(out.lines().any(|l| l.starts_with("3: ok ")), "{out}");
+}
+
 /// Review R40b F4: a parent table's BEFORE trigger that writes the row into an inheritance
 /// child itself and returns NULL (classic trigger partitioning) stores the row where the table
 /// shows it, as the run finds it; `pipelines test --db` said it was discarded (and the API's

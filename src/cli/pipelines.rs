@@ -514,6 +514,22 @@ pub async fn test(
                         )
                     })?;
                 match tried {
+                    // A code the run retries (a trigger's RAISE, P0001, is no class warren
+                    // knows): retried in place and through the retry queue, then parked
+                    // `retries_exhausted` if it persists (review R42a F2: said db_permanent).
+                    Trial::Refused(r)
+                        if crate::db::error::classify_sqlstate(&r.code)
+                            == crate::db::ErrorClass::Transient =>
+                    {
+                        Err(crate::domain::Rejection {
+                            kind: crate::domain::ErrorKind::RetriesExhausted,
+                            reason: format!(
+                                "the database refuses it: {r} (a code warren retries: tried \
+                                 again in place and through the retry queue, then parked \
+                                 retries_exhausted if it persists)"
+                            ),
+                        })
+                    }
                     Trial::Refused(r) => {
                         Err(refused_by_db(format!("the database refuses it: {r}")))
                     }
