@@ -175,10 +175,24 @@ pub struct StageStats {
 static STAGES: std::sync::RwLock<std::collections::BTreeMap<StageId, std::sync::Arc<StageStats>>> =
     std::sync::RwLock::new(std::collections::BTreeMap::new());
 
-/// The counts of `stage`, created on first use.
+/// The stages a reload removed ([`forget`]) and none brought back ([`revive`]).
+static FORGOTTEN: Mutex<std::collections::BTreeSet<StageId>> =
+    Mutex::new(std::collections::BTreeSet::new());
+
+/// The counts of `stage`, created on first use. A stage a reload removed is not made live
+/// again by what its parts still count while they end (a consumer whose link has not closed
+/// yet, a late publish outcome): they count into counts of their own, shown nowhere (review
+/// R42b F7: the old name's stage stayed in the record and `warren status` after a rename).
 pub fn stage(stage: &StageId) -> std::sync::Arc<StageStats> {
     if let Some(s) = STAGES.read().ok().and_then(|m| m.get(stage).cloned()) {
         return s;
+    }
+    if FORGOTTEN
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .contains(stage)
+    {
+        return Default::default();
     }
     let mut map = STAGES
         .write()
@@ -218,6 +232,10 @@ pub fn totals() -> Totals {
 /// A stage a reload removed leaves the live stages (the registry's lines): its counts stay in
 /// the process's totals, its open breaker (if any) no longer counts.
 pub fn forget(id: &StageId) {
+    FORGOTTEN
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .insert(id.clone());
     let gone = STAGES
         .write()
         .unwrap_or_else(std::sync::PoisonError::into_inner)
@@ -233,6 +251,15 @@ pub fn forget(id: &StageId) {
     }
     gauge!(PIPELINE_CONCURRENCY, id.labels(&[])).set(0.0);
     gauge!(BREAKER_OPEN, id.labels(&[])).set(0.0);
+}
+
+/// `id`, removed by a reload, is added again: live again ([`stage`] creates its counts).
+pub fn revive(id: &StageId) {
+    FORGOTTEN
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .remove(id);
+    stage(id);
 }
 
 /// Every stage's counts, in the order of their names.
@@ -670,7 +697,7 @@ pub fn preregister(stages: &[StageId]) {
 /// Registers one stage's labelled series at 0 (at start, or when a reload adds the stage):
 /// called once per stage in a process, since it sets its counters to 0.
 pub fn preregister_stage(p: &StageId) {
-    stage(p);
+    revive(p);
     counter!(RECEIVED, p.labels(&[])).absolute(0);
     counter!(INSERTED, p.labels(&[])).absolute(0);
     counter!(RETRIED, p.labels(&[("reason", "db_transient")])).absolute(0);
@@ -721,6 +748,26 @@ pub fn queue_polled(queue: &str, messages: u32, consumers: u32) {
 #[cfg(test)]
 mod tests {
     use super::{STATS, Stage, StageId};
+
+    /// Review R42b F7: what a removed stage's parts count while they end does not bring it
+    /// back among the live stages (the record, `warren status`); adding it again does.
+    #[test]
+    fn a_forgotten_stage_stays_gone_until_revived() {
+        let id = StageId::new("forgotten_stage_test", Stage::Main);
+        let live = |id: &StageId| super::stages().iter().any(|(s, _)| s == id);
+        super::preregister_stage(&id);
+        assert!(live(&id));
+        super::forget(&id);
+        assert!(!live(&id));
+        super::messages_routed(&id, "retry", 1);
+        super::stage(&id)
+            .received
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        assert!(!live(&id), "made live again by a late count");
+        super::revive(&id);
+        assert!(live(&id));
+        super::forget(&id);
+    }
     use std::sync::atomic::Ordering;
 
     #[test]

@@ -799,7 +799,7 @@ impl Pipelines {
                 } else {
                     // Added again after a reload removed it: live again (its counters go on
                     // from where they were; registering would set them back to 0).
-                    crate::metrics::stage(&id);
+                    crate::metrics::revive(&id);
                 }
             }
             let stages = self.launch(&d);

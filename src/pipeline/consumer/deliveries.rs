@@ -186,7 +186,7 @@ impl Consumer {
         if self.received > received {
             let delta = self.received - received;
             self.received_counter.increment(delta);
-            crate::metrics::stage(&self.config.stage)
+            self.stats
                 .received
                 .fetch_add(delta, std::sync::atomic::Ordering::Relaxed);
         }

@@ -208,6 +208,10 @@ pub struct Consumer {
     held_window: (u64, u32),
     /// The received counter, resolved once.
     received_counter: metrics::Counter,
+    /// The stage's counts for the registry, resolved once: a stage a reload removed, whose
+    /// consumer still runs until its link closes, never makes itself live again by counting
+    /// (review R42b F7: the old name's stage stayed in the record and `warren status`).
+    stats: std::sync::Arc<crate::metrics::StageStats>,
     /// The in-flight gauge, resolved once.
     inflight_gauge: metrics::Gauge,
     /// What the stop did with the deliveries so far (counted once stopping).
@@ -259,6 +263,7 @@ impl Consumer {
             idle: (0, 0),
             held_window: (0, 0),
             received_counter,
+            stats: crate::metrics::stage(&config.stage),
             inflight_gauge: crate::metrics::inflight_gauge(),
             stop_counts: StopCounts::default(),
             cancelled: Vec::new(),
