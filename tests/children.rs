@@ -1392,6 +1392,47 @@ async fn a_copy_behind_a_guard_against_deletes_is_done_when_the_guard_lets_the_r
     assert!(format!("{err:?}").contains("never deleted"), "{err:?}");
 }
 
+/// Review R42a F6: a deadlock (40P01) inside the re-insert that tells a trigger's rows apart
+/// was taken for a refusal, and a copy equal to its stored rows was parked `id_conflict`. An
+/// error of the moment (a deadlock, a timeout, a lost connection) fails the batch as the
+/// transient error it is, to be tried again; nothing is taken as a conflict.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_deadlock_in_the_reask_fails_the_batch_for_a_retry_not_a_conflict() {
+    let env = TestEnv::new("ch_reask_deadlock").await;
+    tables(&env).await;
+    env.db
+        .batch_execute(
+            "CREATE FUNCTION audit_line() RETURNS trigger LANGUAGE plpgsql AS \
+               $$ BEGIN INSERT INTO order_items (order_id, line, sku, qty) \
+                 VALUES (NEW.order_id, 0, 'AUDIT', 1); RETURN NULL; END $$;
+             CREATE TRIGGER audit_line AFTER INSERT ON orders \
+               FOR EACH ROW EXECUTE FUNCTION audit_line();
+             CREATE FUNCTION deadlocked() RETURNS trigger LANGUAGE plpgsql AS \
+               $$ BEGIN IF current_setting('warren.reask', true) = 'on' THEN \
+                 RAISE EXCEPTION 'deadlock detected' USING ERRCODE = '40P01'; END IF; \
+                 RETURN OLD; END $$;
+             CREATE TRIGGER deadlocked BEFORE DELETE ON orders \
+               FOR EACH ROW EXECUTE FUNCTION deadlocked()",
+        )
+        .await
+        .expect("the triggers");
+    let pool = pool(&env).await;
+    let m = keep();
+    let id = Uuid::new_v4();
+    let body = order(id, 1, &[("a-1", 2)]);
+    let first = insert(&m, &pool, std::slice::from_ref(&body))
+        .await
+        .expect("insert");
+    assert_eq!(first.rows, 1, "{first:?}");
+    match insert(&m, &pool, &[body]).await {
+        Err(e) => {
+            assert_eq!(e.class(), warren::db::ErrorClass::Transient, "{e}");
+            assert!(e.to_string().contains("40P01"), "{e}");
+        }
+        Ok(done) => panic!("the copy was decided without an answer: {done:?}"),
+    }
+}
+
 /// Review R40b F3, F6, F10: a child column that carries the parent's key under another type,
 /// modifier or collation (`text` under a `citext` key, `numeric` under `numeric(6,2)`) found
 /// the stored child rows by the other type's equality, and kept another version's rows or

@@ -199,6 +199,21 @@ fn flatten(e: &dyn std::error::Error) -> String {
 
 /// The class of a SQLSTATE. Unknown codes are treated as transient: a bounded number of
 /// retries, then the DLQ, is the safe default for an error nobody has classified.
+/// Whether `e` is about the moment, not the statement's rows: a deadlock or serialization
+/// failure (40), a cancel or timeout (57), the connection (08, or no answer at all), the
+/// server's resources (53, 58) or state (25). A question warren asks in a savepoint (is this
+/// copy the same once the table's triggers ran?) that fails so has no answer: the batch is
+/// tried again, never the question taken as "not the same" (review R42a F6: a deadlock in the
+/// re-insert of copies parked copies `id_conflict` beside their rows).
+pub fn of_the_moment(e: &tokio_postgres::Error) -> bool {
+    match e.as_db_error() {
+        Some(db) => ["08", "25", "40", "53", "57", "58"]
+            .iter()
+            .any(|class| db.code().code().starts_with(class)),
+        None => true,
+    }
+}
+
 pub fn classify_sqlstate(code: &str) -> ErrorClass {
     const TRANSIENT: &[&str] = &[
         "40001", "40P01", "53300", "57P01", "57P02", "57P03", "57014",

@@ -158,7 +158,7 @@ pub(super) async fn folded_after_triggers(
         .map_err(DbError::from_pg)?;
     match found {
         Ok(row) => Ok(row.map(|r| (r.get(0), r.get(1), r.get(2)))),
-        Err(e) if e.as_db_error().is_some() => Ok(None),
+        Err(e) if !crate::db::error::of_the_moment(&e) => Ok(None),
         Err(e) => Err(DbError::from_pg(e)),
     }
 }
@@ -176,7 +176,7 @@ async fn same_by(sql: &str, client: &deadpool_postgres::Client, ord: i64) -> Res
         .map_err(DbError::from_pg)?;
     match same {
         Ok(rows) => Ok(!rows.is_empty()),
-        Err(e) if e.as_db_error().is_some() => Ok(false),
+        Err(e) if !crate::db::error::of_the_moment(&e) => Ok(false),
         Err(e) => Err(DbError::from_pg(e)),
     }
 }

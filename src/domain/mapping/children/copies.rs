@@ -244,7 +244,7 @@ pub(in crate::domain::mapping) async fn rounds(
         .map_err(DbError::from_pg)?;
     let found = match found {
         Ok(found) => found,
-        Err(e) if e.as_db_error().is_some() => return Ok(alone()),
+        Err(e) if !crate::db::error::of_the_moment(&e) => return Ok(alone()),
         Err(e) => return Err(DbError::from_pg(e)),
     };
     let mut rounds: Vec<Vec<usize>> = Vec::new();
@@ -291,7 +291,7 @@ async fn same_after_triggers_many(
                     same.extend(rows.iter().map(|r| (r.get::<_, i64>(0) - 1) as usize));
                     continue;
                 }
-                Err(e) if e.as_db_error().is_some() => {}
+                Err(e) if !crate::db::error::of_the_moment(&e) => {}
                 Err(e) => return Err(DbError::from_pg(e)),
             }
         }
@@ -326,7 +326,7 @@ async fn same_after_triggers(
         .map_err(DbError::from_pg)?;
     match same {
         Ok(row) => Ok(row.get::<_, Option<bool>>(0).unwrap_or(false)),
-        Err(e) if e.as_db_error().is_some() => Ok(false),
+        Err(e) if !crate::db::error::of_the_moment(&e) => Ok(false),
         Err(e) => Err(DbError::from_pg(e)),
     }
 }

@@ -101,6 +101,9 @@ async fn in_savepoint(
         .map_err(DbError::from_pg)?;
     match same {
         Ok(answer) => Ok(answer),
+        // A deadlock, a timeout, a lost connection: no answer, the batch is tried again
+        // (review R42a F6: taken as a refusal, a copy was parked `id_conflict`).
+        Err(e) if crate::db::error::of_the_moment(&e) => Err(DbError::from_pg(e)),
         Err(e) => match e.as_db_error() {
             Some(db) => Ok(Err(format!("{} {}", db.code().code(), db.message()))),
             None => Err(DbError::from_pg(e)),
