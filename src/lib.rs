@@ -50,9 +50,7 @@
 //!   configuration, the CLI); below every other module.
 //! - [`error_kind`]: [`error_kind::ErrorKind`], the one list of why a message is dead-lettered
 //!   or parked (stages, metrics, parking, API and CLI); below every other module.
-//! - [`allocator`]: glibc malloc's mmap and trim thresholds, set once by `main` (peak RSS).
 
-pub mod allocator;
 pub mod amqp;
 pub mod app;
 pub mod cli;

@@ -2,7 +2,6 @@
 //! and hand over to the subcommand in `cli/`.
 
 fn main() {
-    warren::allocator::tune();
     let cli = warren::cli::Cli::parse_args();
     // `warren run`: SIGHUP, SIGUSR1 and SIGCONT are caught from here on (before the settings
     // load), kept and applied in order once the roles run; before this line they end it.
