@@ -56,7 +56,7 @@ pub(in super::super) async fn reask(
         return Ok(asked.iter().map(|&i| (i, Reask::Differs)).collect());
     }
     let mut answers = Vec::with_capacity(asked.len());
-    for round in super::copies::rounds(mapping, client, asked).await? {
+    for round in super::rounds(mapping, client, asked).await? {
         if round.len() > 1
             && let Ok(same) = in_savepoint(mapping, client, records, &round).await?
         {
