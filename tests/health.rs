@@ -134,12 +134,13 @@ async fn the_runtime_pings_the_systemd_watchdog() {
     let mut pings = 0;
     let mut seen = Vec::new();
     let mut buf = vec![0u8; 4096];
-    while pings < 3 {
+    // READY=1 comes once the pipelines run, which may be after the first pings: wait for both.
+    while pings < 3 || !seen.iter().any(|s| s == "READY=1") {
         let n = tokio::time::timeout(Duration::from_secs(30), socket.recv(&mut buf))
             .await
             .unwrap_or_else(|_| {
                 panic!(
-                    "3 WATCHDOG=1 within 30 s; got {seen:?}; log:\n{}",
+                    "3 WATCHDOG=1 and READY=1 within 30 s; got {seen:?}; log:\n{}",
                     warren.logs()
                 )
             })
