@@ -1202,6 +1202,148 @@ async fn a_trigger_that_keeps_rows_warren_deletes_refuses_the_whole_message() {
     assert_eq!(tombstone(&env, good).await, Some(2));
 }
 
+/// Review R42a F4, F5: delete guards of two more shapes. An AFTER DELETE trigger that puts the
+/// row back (`INSERT ... VALUES (OLD.*)`) deletes every row and keeps them all: the message is
+/// refused whole, as for a BEFORE DELETE guard (on the old code a newer version was stored
+/// beside the old version's restored line, a delete left its order beside its tombstone). A
+/// statement-level BEFORE DELETE trigger that raises fires on a delete of no rows too: a batch
+/// with nothing to delete runs no delete (on the old code every batch was refused, new orders
+/// included), and one with rows to delete is refused by it.
+#[tokio::test(flavor = "multi_thread")]
+async fn delete_guards_that_put_rows_back_or_fire_per_statement_are_seen() {
+    let env = TestEnv::new("ver_put_back").await;
+    tables(&env).await;
+    env.db
+        .batch_execute(
+            "CREATE FUNCTION put_shipped_back() RETURNS trigger LANGUAGE plpgsql AS \
+               $$ BEGIN IF OLD.sku = 'SHIPPED' THEN INSERT INTO order_items VALUES (OLD.*); \
+                 END IF; RETURN NULL; END $$;
+             CREATE TRIGGER put_shipped_back AFTER DELETE ON order_items \
+               FOR EACH ROW EXECUTE FUNCTION put_shipped_back();
+             CREATE FUNCTION put_paid_back() RETURNS trigger LANGUAGE plpgsql AS \
+               $$ BEGIN IF OLD.total = 99 THEN INSERT INTO orders VALUES (OLD.*); END IF; \
+                 RETURN NULL; END $$;
+             CREATE TRIGGER put_paid_back AFTER DELETE ON orders \
+               FOR EACH ROW EXECUTE FUNCTION put_paid_back()",
+        )
+        .await
+        .expect("the guards");
+    let m = mapping(true, true);
+    m.declare_tombstones(&env.db).await.expect("declare");
+    let pool = pool(&env).await;
+    let msg = |key: Uuid, version: i64, delete: bool, total: &str, items: &[&str]| Msg {
+        key,
+        version,
+        delete,
+        total: total.into(),
+        items: items.iter().map(|s| s.to_string()).collect(),
+    };
+    let (shipped, paid, good) = (Uuid::new_v4(), Uuid::new_v4(), Uuid::new_v4());
+    let first = [
+        msg(shipped, 1, false, "10", &["x", "SHIPPED"]),
+        msg(paid, 1, false, "99", &["z"]),
+        msg(good, 1, false, "5", &["g"]),
+    ];
+    let bodies: Vec<Vec<u8>> = first.iter().map(Msg::body).collect();
+    let done = insert(&m, &pool, &bodies)
+        .await
+        .expect("the first versions");
+    assert_eq!(done.rows, 3, "{done:?}");
+    let cases = [
+        (
+            "a newer version of an order with a shipped line",
+            msg(shipped, 2, false, "11", &["y"]),
+            "order_items kept 1 of the",
+        ),
+        (
+            "a delete of an order with a shipped line",
+            msg(shipped, 3, true, "", &[]),
+            "order_items kept 1 of the",
+        ),
+        (
+            "a delete of a paid order",
+            msg(paid, 2, true, "", &[]),
+            "orders kept 1 of the",
+        ),
+    ];
+    for (what, bad, words) in cases {
+        for batch in [
+            vec![bad.body()],
+            vec![msg(good, 9, false, "6", &["h"]).body(), bad.body()],
+        ] {
+            match insert(&m, &pool, &batch).await {
+                Err(e) => {
+                    assert_eq!(e.class(), warren::db::ErrorClass::Permanent, "{what}: {e}");
+                    assert!(e.to_string().contains(words), "{what}: {e}");
+                }
+                Ok(done) => panic!("{what}: done, though a trigger put rows back: {done:?}"),
+            }
+        }
+    }
+    assert_eq!(
+        stored(&env, shipped).await,
+        Some(("10".into(), 1, vec!["x".into(), "SHIPPED".into()]))
+    );
+    assert_eq!(
+        stored(&env, paid).await,
+        Some(("99".into(), 1, vec!["z".into()]))
+    );
+    assert_eq!(
+        stored(&env, good).await,
+        Some(("5".into(), 1, vec!["g".into()]))
+    );
+    for key in [shipped, paid, good] {
+        assert_eq!(
+            tombstone(&env, key).await,
+            None,
+            "a tombstone beside a live row"
+        );
+    }
+
+    // A statement-level guard that raises: it fires for any delete statement, also of no rows.
+    env.db
+        .batch_execute(
+            "DROP TRIGGER put_shipped_back ON order_items;
+             DROP TRIGGER put_paid_back ON orders;
+             CREATE FUNCTION no_deletes() RETURNS trigger LANGUAGE plpgsql AS \
+               $$ BEGIN RAISE EXCEPTION 'deletes are closed'; END $$;
+             CREATE TRIGGER no_item_deletes BEFORE DELETE ON order_items \
+               FOR EACH STATEMENT EXECUTE FUNCTION no_deletes();
+             CREATE TRIGGER no_order_deletes BEFORE DELETE ON orders \
+               FOR EACH STATEMENT EXECUTE FUNCTION no_deletes()",
+        )
+        .await
+        .expect("the statement guards");
+    let fresh: Vec<Uuid> = (0..5).map(|_| Uuid::new_v4()).collect();
+    let bodies: Vec<Vec<u8>> = fresh
+        .iter()
+        .map(|&k| msg(k, 1, false, "1", &["a", "b"]).body())
+        .collect();
+    let done = insert(&m, &pool, &bodies)
+        .await
+        .expect("new orders: nothing to delete, no delete run");
+    assert_eq!(done.rows, 5, "{done:?}");
+    for &k in &fresh {
+        assert_eq!(
+            stored(&env, k).await,
+            Some(("1".into(), 1, vec!["a".into(), "b".into()]))
+        );
+    }
+    for (what, bad) in [
+        ("a newer version", msg(good, 2, false, "7", &["i"])),
+        ("a delete", msg(good, 2, true, "", &[])),
+    ] {
+        let e = insert(&m, &pool, &[bad.body()])
+            .await
+            .expect_err("the guard refuses a delete of stored rows");
+        assert!(e.to_string().contains("deletes are closed"), "{what}: {e}");
+    }
+    assert_eq!(
+        stored(&env, good).await,
+        Some(("5".into(), 1, vec!["g".into()]))
+    );
+}
+
 /// Review R41b F2: with `update` and a BEFORE INSERT trigger that folds the key
 /// (`lower(email)`), a message whose key as sent holds nothing was taken for a discarded one
 /// when it was not written: an older version, or the same version with other content, was

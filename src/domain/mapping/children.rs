@@ -30,6 +30,7 @@ use tokio_postgres::types::ToSql;
 use super::arrays::Array;
 use super::statements::ORD;
 use super::values::{found, lookup, pointer_segments, raw_json};
+use super::whole_delete::{CountedDelete, kept_message};
 use super::{
     Cell, ChildRows, ChildSpec, ColType, Column, Envelope, MAX_ROWS_DEFAULT, Mapping, OnConflict,
     Problem, Property, Row, Source, TableName, UnknownFields, ValueError, identifier, quote,
@@ -540,7 +541,7 @@ impl Child {
 
     /// `update`: the stored child rows of the keys whose row this transaction wrote (read from
     /// the parents' probe), deleted.
-    pub(super) fn delete_probe(&self) -> &str {
+    pub(super) fn delete_probe(&self) -> &CountedDelete {
         &self.statements.delete_probe
     }
 
@@ -551,7 +552,7 @@ impl Child {
     }
 
     /// Deletes: the child rows of the keys whose tombstone this transaction wrote, deleted.
-    pub(super) fn delete_tombstoned(&self) -> &str {
+    pub(super) fn delete_tombstoned(&self) -> &CountedDelete {
         &self.statements.delete_tombstoned
     }
 
@@ -867,14 +868,11 @@ pub(super) async fn trial(
     let mut written = 0;
     for (n, child) in mapping.children.iter().enumerate() {
         if mapping.on_conflict == OnConflict::Update {
-            let row = client
-                .query_one(child.statements.delete_counted.as_str(), key)
-                .await?;
-            let (deleted, meant) = (row.get::<_, i64>(0), row.get::<_, i64>(1));
-            if deleted < meant {
+            let done = child.statements.delete_counted.run(client, key).await?;
+            if done.kept > 0 {
                 return Ok(Err(Discarded {
                     code: DISCARDED_CODE,
-                    message: kept_message(&child.table, meant - deleted, meant),
+                    message: kept_message(&child.table, done),
                     table: child.table.to_string(),
                 }));
             }
@@ -903,40 +901,6 @@ pub(super) async fn trial(
         written += rows;
     }
     Ok(Ok(written))
-}
-
-/// `statement`, a counted delete of `table`'s rows (`statements::counted_delete`), run once:
-/// every row it meant to delete deleted, or the refusal of the message, some of whose rows a
-/// trigger kept (SQLSTATE 23000, permanent: the batch is split down to the message, which is
-/// parked `db_permanent` with nothing of it written).
-pub(super) async fn delete_whole(
-    client: &deadpool_postgres::Client,
-    statement: &str,
-    table: &TableName,
-) -> Result<(), DbError> {
-    let row = client
-        .query_one(statement, &[])
-        .await
-        .map_err(DbError::from_pg)?;
-    let (deleted, meant) = (row.get::<_, i64>(0), row.get::<_, i64>(1));
-    if deleted < meant {
-        return Err(DbError::Server {
-            code: DISCARDED_CODE.into(),
-            message: kept_message(table, meant - deleted, meant),
-        });
-    }
-    Ok(())
-}
-
-/// What a message is refused for when a trigger of `table` kept `kept` of the `meant` rows its
-/// write or delete removes.
-pub(super) fn kept_message(table: &TableName, kept: i64, meant: i64) -> String {
-    format!(
-        "a trigger of {table} kept {kept} of the {meant} rows the message removes (a BEFORE \
-         DELETE trigger that returns NULL): a newer version replaces its key's child rows, a \
-         delete removes its row and them; warren writes a message whole or not at all; \
-         nothing of it was written"
-    )
 }
 
 /// A child table's trigger discarded rows of a trial's message (`trial`): the refusal the run

@@ -35,6 +35,7 @@ mod strict;
 mod times;
 mod values;
 mod versions;
+mod whole_delete;
 pub use versions::{TombstoneTable, tombstone_tables};
 
 pub use strict::parse as parse_strict;

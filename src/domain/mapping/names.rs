@@ -100,3 +100,8 @@ pub(super) fn identifier(name: &str) -> Result<(), NameError> {
 pub fn quote(name: &str) -> String {
     format!("\"{}\"", name.replace('"', "\"\""))
 }
+
+/// `s` as an SQL string literal.
+pub(super) fn sql_text(s: &str) -> String {
+    format!("'{}'", s.replace('\'', "''"))
+}

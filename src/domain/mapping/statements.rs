@@ -3,6 +3,8 @@
 //! a `text` column is an enum ([`statements`]). Only text: what runs them is `insert.rs`,
 //! `probe.rs` and `versions.rs`, above this file.
 
+use super::names::sql_text;
+use super::whole_delete::CountedDelete;
 use super::{ColType, Column, Mapping, TableName, quote};
 use crate::db::error::DbError;
 
@@ -477,28 +479,6 @@ pub(super) fn written_here(table: &str, row: &str, of: &str, keys: &[String]) ->
     )
 }
 
-/// `DELETE FROM {table} AS {alias} USING {using} WHERE {cond}` that answers two counts: the
-/// rows it deleted, and the rows it was to delete. Fewer deleted than meant: a BEFORE DELETE
-/// row trigger of the table (or of a table under it) discarded some, returning NULL (review
-/// R41b F7, F8: a "never delete shipped lines" guard left a new version stored with the old
-/// one's lines, and a delete's children gone beside a parent kept). The second count is made
-/// only when such a trigger exists (read in the same statement: a `CASE` runs one branch);
-/// else it is the first.
-pub(super) fn counted_delete(table: &str, alias: &str, using: &str, cond: &str) -> String {
-    format!(
-        "WITH d AS (DELETE FROM {table} AS {alias} USING {using} WHERE {cond} RETURNING 1) \
-         SELECT (SELECT count(*) FROM d), CASE WHEN EXISTS (SELECT 1 FROM pg_catalog.pg_trigger \
-           AS tg WHERE tg.tgrelid IN (WITH RECURSIVE tree(r) AS (SELECT {t}::regclass::oid \
-             UNION ALL SELECT i.inhrelid FROM pg_catalog.pg_inherits AS i \
-             JOIN tree ON i.inhparent = tree.r) SELECT r FROM tree) \
-           AND NOT tg.tgisinternal AND tg.tgenabled <> 'D' AND tg.tgtype & 11 = 11) \
-         THEN (SELECT count(*) FROM (SELECT DISTINCT {alias}.tableoid, {alias}.ctid \
-           FROM {table} AS {alias}, {using} WHERE {cond}) AS h) \
-         ELSE (SELECT count(*) FROM d) END",
-        t = sql_text(table),
-    )
-}
-
 /// The statements of an `update` mapping's probe path, built once with its other statements.
 #[derive(Debug, Clone)]
 pub(super) struct VersionStatements {
@@ -514,9 +494,9 @@ pub(super) struct VersionStatements {
     pub(super) upsert: String,
     /// With deletes: each key's winning delete's tombstone, unless a row as new holds it back.
     pub(super) tomb_write: String,
-    /// With deletes: the rows whose tombstone this transaction wrote, deleted; answers the
-    /// rows deleted and the rows meant ([`counted_delete`]).
-    pub(super) rows_gone: String,
+    /// With deletes: the rows whose tombstone this transaction wrote, deleted, every one
+    /// ([`CountedDelete`]).
+    pub(super) rows_gone: CountedDelete,
     /// With deletes: the tombstones of keys whose row this transaction wrote, removed.
     pub(super) tomb_clear: String,
     /// Per record: ordinal, delete?, written?, older than the key holds?, is the stored row at
@@ -647,7 +627,7 @@ impl VersionStatements {
                     // fence (`OFFSET 0`) keeps the `xmin` test above the lookup, else
                     // PostgreSQL scanned the whole table for it (R36-F2: 24 and 39 ms a
                     // batch of 100 at 200,000 rows and tombstones; 0.4 ms so).
-                    counted_delete(
+                    CountedDelete::new(
                         &t,
                         "s",
                         &format!(
@@ -724,9 +704,4 @@ impl VersionStatements {
             classify,
         }
     }
-}
-
-/// `s` as an SQL string literal.
-pub(super) fn sql_text(s: &str) -> String {
-    format!("'{}'", s.replace('\'', "''"))
 }

@@ -28,8 +28,10 @@ use tokio_postgres::types::ToSql;
 
 use super::arrays::{self, Array, key_text, shown};
 use super::children::{self, Child};
+use super::names::sql_text;
 use super::probe::{folded_after_triggers, in_probe, same_after_triggers};
-use super::statements::{Statements, sql_text};
+use super::statements::Statements;
+use super::whole_delete;
 use super::{Mapping, Op, Row, quote};
 use crate::db::error::DbError;
 use crate::domain::Inserted;
@@ -146,9 +148,9 @@ async fn run(
         if vs.lock.is_some() {
             exec(client, &vs.tomb_write, &[]).await?;
             for child in &mapping.children {
-                children::delete_whole(client, child.delete_tombstoned(), &child.table).await?;
+                whole_delete::delete_whole(client, child.delete_tombstoned(), &child.table).await?;
             }
-            children::delete_whole(client, &vs.rows_gone, &mapping.table).await?;
+            whole_delete::delete_whole(client, &vs.rows_gone, &mapping.table).await?;
             exec(client, &vs.tomb_clear, &[]).await?;
         }
         let mut found: Vec<(usize, Found)> = Vec::with_capacity(records.len());
@@ -478,7 +480,7 @@ async fn replace_children(
     client: &deadpool_postgres::Client,
     writes: &[(usize, &Row)],
 ) -> Result<(), DbError> {
-    children::delete_whole(client, child.delete_probe(), &child.table).await?;
+    whole_delete::delete_whole(client, child.delete_probe(), &child.table).await?;
     let (arrays, ords) =
         children::child_arrays(child, n, writes.iter().map(|(i, r)| (*i as i64 + 1, *r)));
     let mut params: Vec<&(dyn ToSql + Sync)> = arrays.iter().map(Array::as_param).collect();

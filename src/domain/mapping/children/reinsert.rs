@@ -27,7 +27,8 @@ use tokio_postgres::types::ToSql;
 
 use super::super::arrays::{Array, arrays};
 use super::super::names::quote;
-use super::super::statements::{ORD, counted_delete, statements};
+use super::super::statements::{ORD, statements};
+use super::super::whole_delete::CountedDelete;
 use super::super::{Mapping, Row, Source};
 use super::child_arrays;
 use crate::db::error::DbError;
@@ -174,14 +175,12 @@ async fn reinserted_same(
             (child.table.sql(), cols.join(", "), link.join(" AND "))
         })
         .collect();
-    // A row a guard keeps (a BEFORE DELETE trigger returning NULL) is a refusal too: what the
-    // re-insert writes would be compared with it still there.
+    // A row a guard keeps (a BEFORE DELETE trigger returning NULL, or an AFTER DELETE trigger
+    // that puts it back) is a refusal too: what the re-insert writes would be compared with it
+    // still there.
     let delete_all = |table: &str, cond: &str| {
-        let sql = counted_delete(table, "s", "pg_temp.warren_probe AS p", cond);
-        async move {
-            let row = client.query_one(sql.as_str(), &[]).await?;
-            Ok::<_, tokio_postgres::Error>(row.get::<_, i64>(0) == row.get::<_, i64>(1))
-        }
+        let delete = CountedDelete::new(table, "s", "pg_temp.warren_probe AS p", cond);
+        async move { Ok::<_, tokio_postgres::Error>(delete.run(client, &[]).await?.kept == 0) }
     };
     for (n, (ct, cols, link)) in tables.iter().enumerate() {
         client
@@ -256,5 +255,5 @@ async fn reinserted_same(
 
 /// What a re-insert says when a trigger of `table` kept a row it deletes.
 fn kept(table: &str) -> String {
-    format!("a trigger of {table} kept a row the re-insert deletes (a BEFORE DELETE trigger)")
+    format!("a trigger of {table} kept a row the re-insert deletes (a DELETE trigger)")
 }

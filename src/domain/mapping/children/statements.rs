@@ -3,9 +3,7 @@
 //! children of the keys whose parent row this transaction wrote (told by `xmin`).
 
 use super::*;
-use crate::domain::mapping::statements::{
-    TOID, XMIN, counted_delete, param, types_on_path, written_here,
-};
+use crate::domain::mapping::statements::{TOID, XMIN, param, types_on_path, written_here};
 
 /// The statements of one child table, built once (see the module's doc).
 #[derive(Debug, Clone)]
@@ -19,15 +17,15 @@ pub(super) struct ChildStatements {
     /// parent row this transaction wrote, deleted.
     pub(super) delete: String,
     /// [`ChildStatements::delete`] answering the rows deleted and the rows meant
-    /// ([`counted_delete`]): `pipelines test --db`.
-    pub(super) delete_counted: String,
+    /// ([`CountedDelete`]): `pipelines test --db`.
+    pub(super) delete_counted: CountedDelete,
     /// `update`: the child rows (`$1..$n`, then `$n+1` each row's record ordinal) of each key's
     /// winning record (`$n+2..`: the parent key's arrays, then the versions), when this
     /// transaction wrote its parent row; answers the rows written and the rows of the winners.
     pub(super) insert_won: String,
     /// `delete` for the keys of the parents' probe (`pg_temp.warren_probe`), counted
-    /// ([`counted_delete`]).
-    pub(super) delete_probe: String,
+    /// ([`CountedDelete`]).
+    pub(super) delete_probe: CountedDelete,
     /// `insert_won` with the winners read from the parents' probe (`$1..$n`, `$n+1`); answers
     /// the same two counts.
     pub(super) insert_won_probe: String,
@@ -51,8 +49,8 @@ pub(super) struct ChildStatements {
     /// at once: the ordinals of those whose rows are the same (review R41b F10).
     pub(super) probe_same_many: String,
     /// Deletes: the child rows of the keys whose tombstone this transaction wrote (empty
-    /// without deletes), counted ([`counted_delete`]).
-    pub(super) delete_tombstoned: String,
+    /// without deletes), counted ([`CountedDelete`]).
+    pub(super) delete_tombstoned: CountedDelete,
 }
 
 /// `a = b AND ...` of `left.<columns[i]>` and `right.<names[j]>`, pairwise.
@@ -97,8 +95,8 @@ fn moved(ct: &str, t: &str, pk: &[String], lk: &[String], probe: bool) -> String
              AND tg.tgenabled <> 'D' AND tg.tgtype & 7 = 7) \
          THEN (SELECT count(*) FROM ins WHERE NOT EXISTS (SELECT 1 FROM (SELECT {fenced} \
            FROM {t} AS s WHERE {on} OFFSET 0) AS s WHERE {ours})) ELSE 0 END",
-        ct_text = crate::domain::mapping::statements::sql_text(ct),
-        t_text = crate::domain::mapping::statements::sql_text(t),
+        ct_text = crate::domain::mapping::names::sql_text(ct),
+        t_text = crate::domain::mapping::names::sql_text(t),
         on = joined("s", pk, "ins", lk),
     )
 }
@@ -170,7 +168,7 @@ impl ChildStatements {
             format!("s.{XMIN} = {OURS} AND {}", joined("c", &lk, "s", &pk)),
         );
         let delete = format!("DELETE FROM {ct} AS c USING {using} WHERE {cond}");
-        let delete_counted = counted_delete(&ct, "c", &using, &cond);
+        let delete_counted = CountedDelete::new(&ct, "c", &using, &cond);
         let won_rows = format!(
             "UNNEST({}, {ord_param}) AS v({list}, {ORD}) WHERE v.{ORD} IN (SELECT {ORD} FROM won)",
             c_params.join(", ")
@@ -219,7 +217,7 @@ impl ChildStatements {
             }
             None => (String::new(), String::new()),
         };
-        let delete_probe = counted_delete(
+        let delete_probe = CountedDelete::new(
             &ct,
             "c",
             &format!(
@@ -311,7 +309,7 @@ impl ChildStatements {
             .map(|tomb| {
                 // The tombstones this transaction wrote, found from the batch's deletes.
                 let tb_pk: Vec<String> = pk.iter().map(|k| format!("tb.{k}")).collect();
-                counted_delete(
+                CountedDelete::new(
                     &ct,
                     "c",
                     &format!(

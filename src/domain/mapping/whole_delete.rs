@@ -1,0 +1,143 @@
+//! A delete every row of which must go: the stored child rows a newer version replaces, the row
+//! and child rows of a key a delete message removes, the rows a copy's re-insert asks again.
+//! Where a table's trigger keeps some of them, warren would store a message beside rows it
+//! meant to remove (review R41b F7, F8: a "never delete shipped lines" guard left a new
+//! version stored with the old one's lines, a delete's children gone beside a parent kept), so
+//! the message is refused whole instead (SQLSTATE 23000, permanent: the batch is split down to
+//! it, and it is parked `db_permanent` with nothing of it written).
+//!
+//! A [`CountedDelete`] is three statements, built once with the mapping's others:
+//! - **ask** whether any row is to go at all, and whether the table (or a table under it) has
+//!   a DELETE trigger: nothing to go, no delete is run, for a statement-level trigger fires on
+//!   a delete of no rows too (review R42a F5: a statement-level guard that raises refused every
+//!   batch of an `update` pipeline with child tables, new keys included);
+//! - **delete**, answering the rows it deleted and the rows it was to delete (fewer deleted: a
+//!   row-level BEFORE DELETE trigger returned NULL);
+//! - with a DELETE trigger, **left**: the rows still there after it (an AFTER DELETE trigger
+//!   that puts the row back, `INSERT ... VALUES (OLD.*)`, deletes every row and keeps them all:
+//!   review R42a F4).
+
+use tokio_postgres::types::ToSql;
+
+use super::TableName;
+use super::names::sql_text;
+use crate::db::error::DbError;
+
+/// The statements of one delete of `table`'s rows `USING {using} WHERE {cond}` (see the
+/// module). Every one takes the same parameters.
+#[derive(Debug, Clone, Default)]
+pub(super) struct CountedDelete {
+    ask: String,
+    delete: String,
+    left: String,
+}
+
+/// What a [`CountedDelete`] did: the rows it was to delete, and how many of them are still
+/// there.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) struct Deleted {
+    pub meant: i64,
+    pub kept: i64,
+}
+
+impl CountedDelete {
+    /// `DELETE FROM {table} AS {alias} USING {using} WHERE {cond}`, `table` as SQL.
+    pub(super) fn new(table: &str, alias: &str, using: &str, cond: &str) -> Self {
+        // The table and the tables under it (inheritance children, partitions): a trigger of
+        // any of them acts on the delete.
+        let tree = format!(
+            "(WITH RECURSIVE tree(r) AS (SELECT {t}::regclass::oid UNION ALL \
+               SELECT i.inhrelid FROM pg_catalog.pg_inherits AS i JOIN tree ON i.inhparent = tree.r) \
+             SELECT r FROM tree)",
+            t = sql_text(table),
+        );
+        // tgtype bits: 1 row, 2 before, 8 delete.
+        let triggers = |bits: u8| {
+            format!(
+                "EXISTS (SELECT 1 FROM pg_catalog.pg_trigger AS tg WHERE tg.tgrelid IN {tree} \
+                   AND NOT tg.tgisinternal AND tg.tgenabled <> 'D' AND tg.tgtype & {bits} = {bits})"
+            )
+        };
+        let rows = format!(
+            "(SELECT DISTINCT {alias}.tableoid, {alias}.ctid FROM {table} AS {alias}, {using} \
+               WHERE {cond}) AS h"
+        );
+        Self {
+            ask: format!(
+                "SELECT EXISTS (SELECT 1 FROM {table} AS {alias}, {using} WHERE {cond}), {}",
+                triggers(8)
+            ),
+            // The second count is made only when a row-level BEFORE DELETE trigger exists
+            // (read in the same statement: a `CASE` runs one branch); else it is the first.
+            delete: format!(
+                "WITH d AS (DELETE FROM {table} AS {alias} USING {using} WHERE {cond} \
+                   RETURNING 1) \
+                 SELECT (SELECT count(*) FROM d), CASE WHEN {} \
+                   THEN (SELECT count(*) FROM {rows}) ELSE (SELECT count(*) FROM d) END",
+                triggers(11)
+            ),
+            left: format!("SELECT count(*) FROM {rows}"),
+        }
+    }
+
+    /// Run with `params`, in the caller's transaction: what it deleted and kept (nothing
+    /// meant: no statement was run but the question).
+    pub(super) async fn run(
+        &self,
+        client: &tokio_postgres::Client,
+        params: &[&(dyn ToSql + Sync)],
+    ) -> Result<Deleted, tokio_postgres::Error> {
+        let row = client.query_one(self.ask.as_str(), params).await?;
+        let (any, triggers) = (row.get::<_, bool>(0), row.get::<_, bool>(1));
+        if !any {
+            return Ok(Deleted { meant: 0, kept: 0 });
+        }
+        let row = client.query_one(self.delete.as_str(), params).await?;
+        let (deleted, meant) = (row.get::<_, i64>(0), row.get::<_, i64>(1));
+        let left = if triggers {
+            client
+                .query_one(self.left.as_str(), params)
+                .await?
+                .get::<_, i64>(0)
+        } else {
+            0
+        };
+        Ok(Deleted {
+            meant,
+            kept: (meant - deleted).max(left).min(meant),
+        })
+    }
+}
+
+/// `delete` of `table`'s rows run once (no parameters): every row it meant to delete gone, or
+/// the refusal of the message, some of whose rows a trigger kept (see the module).
+pub(super) async fn delete_whole(
+    client: &deadpool_postgres::Client,
+    delete: &CountedDelete,
+    table: &TableName,
+) -> Result<(), DbError> {
+    let done = delete.run(client, &[]).await.map_err(DbError::from_pg)?;
+    if done.kept > 0 {
+        return Err(DbError::Server {
+            code: KEPT_CODE.into(),
+            message: kept_message(table, done),
+        });
+    }
+    Ok(())
+}
+
+/// The SQLSTATE of a message some of whose rows a trigger kept (`integrity_constraint_violation`:
+/// permanent, so the message is parked `db_permanent`).
+pub(super) const KEPT_CODE: &str = "23000";
+
+/// What a message is refused for when a trigger of `table` kept rows its write or delete
+/// removes.
+pub(super) fn kept_message(table: &TableName, done: Deleted) -> String {
+    format!(
+        "a trigger of {table} kept {} of the {} rows the message removes (a BEFORE DELETE \
+         trigger that returns NULL, or one that puts the row back): a newer version replaces \
+         its key's child rows, a delete removes its row and them; warren writes a message \
+         whole or not at all; nothing of it was written",
+        done.kept, done.meant
+    )
+}
