@@ -291,20 +291,32 @@ async fn with_children(
                 // table too (its insert returns no system column).
                 return versions::write(mapping, st, client, records).await;
             }
-            if !mapping.children.is_empty() && versions::parent_triggers(mapping, client).await? {
+            if !mapping.children.is_empty()
+                && mapping.triggers.load(std::sync::atomic::Ordering::Relaxed)
+            {
                 // A trigger may write the parent row under another key than the message's, or
                 // update other parent rows: only the probe can tell which rows its upsert wrote
                 // (`versions::write`), before any child row is written.
                 return versions::write(mapping, st, client, records).await;
             }
-            client
-                .batch_execute(&begin)
-                .await
-                .map_err(DbError::from_pg)?;
+            // Whether a trigger was created since: asked in the transaction, behind its BEGIN
+            // (one round trip for both).
+            let (begun, triggers) = tokio::join!(client.batch_execute(&begin), async {
+                if mapping.children.is_empty() {
+                    Ok(false)
+                } else {
+                    versions::parent_triggers(mapping, client).await
+                }
+            });
+            begun.map_err(DbError::from_pg)?;
             let key_arrays: Vec<&(dyn ToSql + Sync)> =
                 mapping.key.iter().map(|&i| params[i]).collect();
             let version = mapping.version.map(|v| params[v]);
             let upsert = async {
+                if triggers? {
+                    // Rolled back, then through the probe.
+                    return Ok(None);
+                }
                 let prepared = client
                     .prepare_cached(&st.insert)
                     .await

@@ -369,9 +369,10 @@ pub struct Mapping {
     children: Vec<children::Child>,
     /// Which messages delete their key's row, and the table of its tombstones (`delete.rs`).
     delete: Option<delete::Delete>,
-    /// Whether the table or a child table has an enabled trigger of its own, learnt when an
-    /// `update` mapping with child tables first writes (`versions::parent_triggers`).
-    triggers: std::sync::Arc<tokio::sync::OnceCell<bool>>,
+    /// Whether the table or a child table was found with an enabled trigger of its own by an
+    /// `update` mapping with child tables (`versions::parent_triggers`, asked by every batch
+    /// until one is found).
+    triggers: std::sync::Arc<std::sync::atomic::AtomicBool>,
     /// Whether the table is partitioned, learnt when an `update` mapping first writes
     /// (`versions::partitioned`).
     partitioned: std::sync::Arc<tokio::sync::OnceCell<bool>>,

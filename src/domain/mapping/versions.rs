@@ -416,35 +416,43 @@ pub(super) fn key_rewritten_words(mapping: &Mapping) -> (String, String) {
 }
 
 /// Whether `mapping`'s table or one of its child tables has an enabled trigger of its own (not
-/// a foreign key's), of any kind (asked once). Then the upsert's fast path cannot tell the
-/// parent rows it wrote by their `xmin`: a BEFORE trigger may write the parent row under
-/// another key than the message's, and any trigger may update other parent rows (review R40b
-/// F14: a "latest order per customer" trigger made a stale order's row look written, and its
-/// child rows were replaced by the stale ones). Only the probe tells (`versions::write`),
-/// before any child row is written.
+/// a foreign key's), of any kind. Then the upsert's fast path cannot tell the parent rows it
+/// wrote by their `xmin`: a BEFORE trigger may write the parent row under another key than the
+/// message's, and any trigger may update other parent rows (review R40b F14: a "latest order
+/// per customer" trigger made a stale order's row look written, and its child rows were
+/// replaced by the stale ones). Only the probe tells (`versions::write`), before any child row
+/// is written. Asked by every batch (pipelined with its `BEGIN`: no round trip of its own), so
+/// a trigger created while warren runs is seen by the next batch; once one is found, every
+/// batch goes through the probe without asking again (a trigger dropped later leaves the
+/// slower path in place until the pipeline starts again).
 pub(super) async fn parent_triggers(
     mapping: &Mapping,
     client: &deadpool_postgres::Client,
 ) -> Result<bool, DbError> {
-    mapping
-        .triggers
-        .get_or_try_init(|| async {
-            let tables: Vec<String> = std::iter::once(mapping.table.sql())
-                .chain(mapping.children.iter().map(|c| c.table.sql()))
-                .collect();
-            let row = client
-                .query_one(
-                    "SELECT EXISTS (SELECT 1 FROM pg_trigger t \
-                       WHERE t.tgrelid IN (SELECT to_regclass(n)::oid FROM unnest($1::text[]) AS n) \
-                         AND NOT t.tgisinternal AND t.tgenabled <> 'D')",
-                    &[&tables],
-                )
-                .await
-                .map_err(DbError::from_pg)?;
-            Ok(row.get::<_, bool>(0))
-        })
+    use std::sync::atomic::Ordering;
+    if mapping.triggers.load(Ordering::Relaxed) {
+        return Ok(true);
+    }
+    let tables: Vec<String> = std::iter::once(mapping.table.sql())
+        .chain(mapping.children.iter().map(|c| c.table.sql()))
+        .collect();
+    let statement = client
+        .prepare_cached(
+            "SELECT EXISTS (SELECT 1 FROM pg_trigger t \
+               WHERE t.tgrelid IN (SELECT to_regclass(n)::oid FROM unnest($1::text[]) AS n) \
+                 AND NOT t.tgisinternal AND t.tgenabled <> 'D')",
+        )
         .await
-        .copied()
+        .map_err(DbError::from_pg)?;
+    let found = client
+        .query_one(&statement, &[&tables])
+        .await
+        .map_err(DbError::from_pg)?
+        .get::<_, bool>(0);
+    if found {
+        mapping.triggers.store(true, Ordering::Relaxed);
+    }
+    Ok(found)
 }
 
 /// Whether `mapping`'s table is partitioned (asked once): an insert into one cannot return a
