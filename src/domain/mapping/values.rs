@@ -541,13 +541,18 @@ pub fn line_problem(text: &str) -> Option<String> {
             _ => None,
         }
     };
+    // Printable ASCII has none of them (the common case, read without decoding a char).
+    if text.bytes().all(|b| (0x20..0x7f).contains(&b)) {
+        return None;
+    }
     let joiner = |c: char| c == '\u{200C}' || c == '\u{200D}';
-    let chars: Vec<char> = text.chars().collect();
     // Inside a word: a neighbour that is shown (not a space, not refused, not a joiner).
-    let shown = |at: Option<&char>| {
-        at.is_some_and(|&c| !c.is_whitespace() && refused(c).is_none() && !joiner(c))
+    let shown = |at: Option<char>| {
+        at.is_some_and(|c| !c.is_whitespace() && refused(c).is_none() && !joiner(c))
     };
-    for (i, &c) in chars.iter().enumerate() {
+    let mut before = None;
+    let mut chars = text.chars().peekable();
+    while let Some(c) = chars.next() {
         if let Some(what) = refused(c) {
             return Some(if c.is_control() {
                 format!("{what} {c:?}")
@@ -555,12 +560,13 @@ pub fn line_problem(text: &str) -> Option<String> {
                 format!("{what} U+{:04X}", u32::from(c))
             });
         }
-        if joiner(c) && !(i > 0 && shown(chars.get(i - 1)) && shown(chars.get(i + 1))) {
+        if joiner(c) && !(shown(before) && shown(chars.peek().copied())) {
             return Some(format!(
                 "the zero width joiner U+{:04X} outside a word",
                 u32::from(c)
             ));
         }
+        before = Some(c);
     }
     None
 }
