@@ -1635,3 +1635,85 @@ async fn a_trigger_that_updates_other_parent_rows_never_makes_them_written() {
         );
     }
 }
+
+/// Review R43 F2 and F1: what acts on the delete of a key's stored child rows is found where it
+/// lives and when it comes. A guard on a table under the child table (an inheritance child an
+/// archiver moves lines into; a partition is the same) and a DO INSTEAD rule created while warren
+/// runs (which the check at start cannot see) keep rows a newer version replaces: the message
+/// is refused whole. On the old code, an `update` pipeline without deletes asked about
+/// triggers of the named tables only, once, and stored the newer version beside the kept rows.
+#[tokio::test(flavor = "multi_thread")]
+async fn guards_under_the_child_table_and_rules_created_while_warren_runs_are_seen() {
+    let env = TestEnv::new("ch_tree_guard").await;
+    tables(&env).await;
+    env.db
+        .batch_execute(
+            "CREATE TABLE order_items_old () INHERITS (order_items);
+             CREATE FUNCTION never() RETURNS trigger LANGUAGE plpgsql AS \
+               $$ BEGIN RETURN NULL; END $$;
+             CREATE TRIGGER never BEFORE DELETE ON order_items_old \
+               FOR EACH ROW EXECUTE FUNCTION never()",
+        )
+        .await
+        .expect("the archive and its guard");
+    let pool = pool(&env).await;
+    let m = update();
+    let a = Uuid::new_v4();
+    let done = insert(&m, &pool, &[order(a, 1, &[("A", 1), ("B", 2)])])
+        .await
+        .expect("a's first version");
+    assert_eq!(done.rows, 1, "{done:?}");
+    // The archiver moves a's second line under the guard (it stays one of a's items).
+    env.db
+        .execute(
+            "WITH d AS (DELETE FROM ONLY order_items WHERE order_id = $1 AND line = 2 \
+               RETURNING *) INSERT INTO order_items_old SELECT * FROM d",
+            &[&a],
+        )
+        .await
+        .expect("archive a line");
+    match insert(&m, &pool, &[order(a, 2, &[("Y", 1)])]).await {
+        Err(e) => {
+            assert_eq!(e.class(), warren::db::ErrorClass::Permanent, "{e}");
+            assert!(e.to_string().contains("order_items kept 1 of the"), "{e}");
+        }
+        Ok(done) => panic!("a's newer version stored beside its archived line: {done:?}"),
+    }
+    assert_eq!(items(&env, a).await, owned(&[(1, "A", 1), (2, "B", 2)]));
+
+    // A rule created while the pipeline runs, after a batch found no trigger and no rule.
+    env.db
+        .batch_execute("DROP TABLE order_items_old")
+        .await
+        .expect("drop the archive");
+    let m = update();
+    let b = Uuid::new_v4();
+    let done = insert(&m, &pool, &[order(b, 1, &[("P", 1), ("Q", 2)])])
+        .await
+        .expect("b's first version");
+    assert_eq!(done.rows, 1, "{done:?}");
+    env.db
+        .batch_execute(
+            "CREATE RULE keep_items AS ON DELETE TO order_items DO INSTEAD \
+               UPDATE order_items SET qty = order_items.qty \
+               WHERE order_items.order_id = OLD.order_id AND order_items.line = OLD.line \
+               RETURNING order_items.*",
+        )
+        .await
+        .expect("the rule");
+    match insert(&m, &pool, &[order(b, 2, &[])]).await {
+        Err(e) => {
+            assert_eq!(e.class(), warren::db::ErrorClass::Permanent, "{e}");
+            assert!(e.to_string().contains("order_items kept 2 of the"), "{e}");
+        }
+        Ok(done) => panic!("b's newer version stored beside the rows the rule kept: {done:?}"),
+    }
+    assert_eq!(items(&env, b).await, owned(&[(1, "P", 1), (2, "Q", 2)]));
+    let version: i64 = env
+        .db
+        .query_one("SELECT version FROM orders WHERE order_id = $1", &[&b])
+        .await
+        .expect("b's row")
+        .get(0);
+    assert_eq!(version, 1, "nothing of b's newer version written");
+}

@@ -13,9 +13,12 @@
 //!   batch of an `update` pipeline with child tables, new keys included);
 //! - **delete**, answering the rows it deleted and the rows it was to delete (fewer deleted: a
 //!   row-level BEFORE DELETE trigger returned NULL);
-//! - with a DELETE trigger, **left**: the rows still there after it (an AFTER DELETE trigger
-//!   that puts the row back, `INSERT ... VALUES (OLD.*)`, deletes every row and keeps them all:
-//!   review R42a F4).
+//! - with a DELETE trigger or rule, **left**: the rows still there after it (an AFTER DELETE
+//!   trigger that puts the row back, `INSERT ... VALUES (OLD.*)`, deletes every row and keeps
+//!   them all: review R42a F4; a DO INSTEAD rule created while warren runs: R43 F1).
+//!
+//! Not seen: a deferred constraint trigger (`DEFERRABLE INITIALLY DEFERRED`) that puts rows
+//! back, which runs at the commit, after the question (review R43 F5, docs/pipelines.md).
 
 use tokio_postgres::types::ToSql;
 
@@ -62,9 +65,16 @@ impl CountedDelete {
             "(SELECT DISTINCT {alias}.tableoid, {alias}.ctid FROM {table} AS {alias}, {using} \
                WHERE {cond}) AS h"
         );
+        // A DELETE rule of the tree acts on it too: a DO INSTEAD rule that keeps the row is a
+        // guard (review R43 F1: a rule created while warren runs, which the check at start
+        // cannot see, kept a newer version's old child rows beside its own).
+        let rules = format!(
+            "EXISTS (SELECT 1 FROM pg_catalog.pg_rewrite AS rw WHERE rw.ev_class IN {tree} \
+               AND rw.ev_type = '4')"
+        );
         Self {
             ask: format!(
-                "SELECT EXISTS (SELECT 1 FROM {table} AS {alias}, {using} WHERE {cond}), {}",
+                "SELECT EXISTS (SELECT 1 FROM {table} AS {alias}, {using} WHERE {cond}), {} OR {rules}",
                 triggers(8)
             ),
             // The second count is made only when a row-level BEFORE DELETE trigger exists
