@@ -674,8 +674,9 @@ async fn pipelines_test_db_refuses_a_rewritten_key_in_the_runs_words() {
     for n in [2, 3] {
         assert!(
             line(n).starts_with(&format!(
-                "{n}: db_permanent the database refuses it: 23000 a BEFORE trigger of "
-            )) && line(n).contains("orders rewrote its key"),
+                "{n}: db_permanent the database refuses it: 23000 the row its write stored is \
+                 not under the key it sends"
+            )) && line(n).contains("a BEFORE trigger of orders rewrote its key"),
             "line {n}:\n{out}"
         );
     }

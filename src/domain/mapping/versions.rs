@@ -407,16 +407,18 @@ pub(super) fn key_rewritten_words(mapping: &Mapping) -> (String, String) {
     (
         "23000".into(),
         format!(
-            "a BEFORE trigger of {} rewrote its key: with on_conflict = \"update\", warren \
-             tells versions and child rows by the key a message sends; nothing of it was \
-             written",
+            "the row its write stored is not under the key it sends once the batch's \
+             statements ran (a BEFORE trigger of {} rewrote its key, or a trigger deleted or \
+             moved the row): with on_conflict = \"update\", warren tells versions and child \
+             rows by the key a message sends; nothing of it was written",
             mapping.table
         ),
     )
 }
 
-/// Whether `mapping`'s table or one of its child tables has an enabled trigger of its own (not
-/// a foreign key's), of any kind. Then the upsert's fast path cannot tell the parent rows it
+/// Whether `mapping`'s table or one of its child tables (or a table under one: a partition, an
+/// inheritance child) has an enabled trigger of its own (not a foreign key's), of any kind, or
+/// a rule. Then the upsert's fast path cannot tell the parent rows it
 /// wrote by their `xmin`: a BEFORE trigger may write the parent row under another key than the
 /// message's, and any trigger may update other parent rows (review R40b F14: a "latest order
 /// per customer" trigger made a stale order's row look written, and its child rows were
@@ -436,11 +438,18 @@ pub(super) async fn parent_triggers(
     let tables: Vec<String> = std::iter::once(mapping.table.sql())
         .chain(mapping.children.iter().map(|c| c.table.sql()))
         .collect();
+    // The tables and the tables under them (partitions, inheritance children: review R43 F2, a
+    // guard on a child table's partition was not seen), and their rules (R43 F1).
     let statement = client
         .prepare_cached(
-            "SELECT EXISTS (SELECT 1 FROM pg_trigger t \
-               WHERE t.tgrelid IN (SELECT to_regclass(n)::oid FROM unnest($1::text[]) AS n) \
-                 AND NOT t.tgisinternal AND t.tgenabled <> 'D')",
+            "WITH RECURSIVE tree(r) AS (SELECT to_regclass(n)::oid FROM unnest($1::text[]) AS n \
+               UNION ALL SELECT i.inhrelid FROM pg_catalog.pg_inherits AS i \
+               JOIN tree ON i.inhparent = tree.r) \
+             SELECT EXISTS (SELECT 1 FROM pg_catalog.pg_trigger AS t \
+               WHERE t.tgrelid IN (SELECT r FROM tree) AND NOT t.tgisinternal \
+                 AND t.tgenabled <> 'D') \
+             OR EXISTS (SELECT 1 FROM pg_catalog.pg_rewrite AS rw \
+               WHERE rw.ev_class IN (SELECT r FROM tree) AND rw.ev_type IN ('2', '3', '4'))",
         )
         .await
         .map_err(DbError::from_pg)?;
