@@ -61,9 +61,15 @@ impl CountedDelete {
                    AND NOT tg.tgisinternal AND tg.tgenabled <> 'D' AND tg.tgtype & {bits} = {bits})"
             )
         };
+        // The rows to go, looked up from each of the batch's keys (`using`): a fenced lateral
+        // subquery is a lookup by the table's index whatever its statistics say. A plain join,
+        // or an EXISTS over one, was planned without statistics (a table never analysed) as a
+        // scan of the whole table for each key (review R43 F8: 4,000 new orders in 202 s, a
+        // full scan of a 166,689-row child table per order).
         let rows = format!(
-            "(SELECT DISTINCT {alias}.tableoid, {alias}.ctid FROM {table} AS {alias}, {using} \
-               WHERE {cond}) AS h"
+            "(SELECT DISTINCT x.t, x.c FROM {using} CROSS JOIN LATERAL \
+               (SELECT {alias}.tableoid AS t, {alias}.ctid AS c FROM {table} AS {alias} \
+                 WHERE {cond} OFFSET 0) AS x) AS h"
         );
         // A DELETE rule of the tree acts on it too: a DO INSTEAD rule that keeps the row is a
         // guard (review R43 F1: a rule created while warren runs, which the check at start
@@ -74,7 +80,8 @@ impl CountedDelete {
         );
         Self {
             ask: format!(
-                "SELECT EXISTS (SELECT 1 FROM {table} AS {alias}, {using} WHERE {cond}), {} OR {rules}",
+                "SELECT EXISTS (SELECT 1 FROM {using} CROSS JOIN LATERAL \
+                   (SELECT 1 FROM {table} AS {alias} WHERE {cond} LIMIT 1) AS x), {} OR {rules}",
                 triggers(8)
             ),
             // The second count is made only when a row-level BEFORE DELETE trigger exists
