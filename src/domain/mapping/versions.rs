@@ -440,17 +440,14 @@ pub(super) async fn parent_triggers(
         .collect();
     // The tables and the tables under them (partitions, inheritance children: review R43 F2, a
     // guard on a child table's partition was not seen), and their rules (R43 F1).
+    let tree = whole_delete::tree("SELECT to_regclass(n)::oid FROM unnest($1::text[]) AS n");
     let statement = client
-        .prepare_cached(
-            "WITH RECURSIVE tree(r) AS (SELECT to_regclass(n)::oid FROM unnest($1::text[]) AS n \
-               UNION ALL SELECT i.inhrelid FROM pg_catalog.pg_inherits AS i \
-               JOIN tree ON i.inhparent = tree.r) \
-             SELECT EXISTS (SELECT 1 FROM pg_catalog.pg_trigger AS t \
-               WHERE t.tgrelid IN (SELECT r FROM tree) AND NOT t.tgisinternal \
-                 AND t.tgenabled <> 'D') \
+        .prepare_cached(&format!(
+            "SELECT EXISTS (SELECT 1 FROM pg_catalog.pg_trigger AS t \
+               WHERE t.tgrelid IN {tree} AND NOT t.tgisinternal AND t.tgenabled <> 'D') \
              OR EXISTS (SELECT 1 FROM pg_catalog.pg_rewrite AS rw \
-               WHERE rw.ev_class IN (SELECT r FROM tree) AND rw.ev_type IN ('2', '3', '4'))",
-        )
+               WHERE rw.ev_class IN {tree} AND rw.ev_type IN ('2', '3', '4'))"
+        ))
         .await
         .map_err(DbError::from_pg)?;
     let found = client

@@ -35,6 +35,17 @@ pub(super) struct CountedDelete {
     left: String,
 }
 
+/// The oids of the tables `roots` selects (one `oid` column) and of every table under them
+/// (inheritance children, partitions, at any depth), as a parenthesised subquery: what acts on
+/// a write or delete of a table is found on these (a trigger of a partition fires for its rows).
+pub(super) fn tree(roots: &str) -> String {
+    format!(
+        "(WITH RECURSIVE tree(r) AS ({roots} UNION ALL \
+           SELECT i.inhrelid FROM pg_catalog.pg_inherits AS i JOIN tree ON i.inhparent = tree.r) \
+         SELECT r FROM tree)"
+    )
+}
+
 /// What a [`CountedDelete`] did: the rows it was to delete, and how many of them are still
 /// there.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -48,12 +59,7 @@ impl CountedDelete {
     pub(super) fn new(table: &str, alias: &str, using: &str, cond: &str) -> Self {
         // The table and the tables under it (inheritance children, partitions): a trigger of
         // any of them acts on the delete.
-        let tree = format!(
-            "(WITH RECURSIVE tree(r) AS (SELECT {t}::regclass::oid UNION ALL \
-               SELECT i.inhrelid FROM pg_catalog.pg_inherits AS i JOIN tree ON i.inhparent = tree.r) \
-             SELECT r FROM tree)",
-            t = sql_text(table),
-        );
+        let tree = tree(&format!("SELECT {}::regclass::oid", sql_text(table)));
         // tgtype bits: 1 row, 2 before, 8 delete.
         let triggers = |bits: u8| {
             format!(
