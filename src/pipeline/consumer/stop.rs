@@ -58,6 +58,20 @@ impl Consumer {
         self.maybe_finish(ctx);
     }
 
+    /// A stop that does not wait for the cancelled subscription's stream (a body still
+    /// arriving, or none asked for yet without a body limit): it is taken as ended now, and what
+    /// still arrives on it is left to the broker.
+    fn leave_stream(&mut self, ctx: &mut Context<Self>) {
+        info!(
+            pipeline = self.config.stage.pipeline(),
+            stage = self.config.stage.stage().as_str(),
+            body_on_its_way = self.body_on_its_way(),
+            "stopping without waiting for the cancelled subscription's stream; what still \
+             arrives on it goes back to the broker with the channel"
+        );
+        self.stream_done(ctx);
+    }
+
     /// Once stopping, the stream ended and nothing is in flight: sends the last acks and
     /// answers `Settled`.
     pub(super) fn maybe_finish(&mut self, ctx: &mut Context<Self>) {
@@ -116,10 +130,10 @@ impl Handler<Cancel> for Consumer {
                             // held the stop to SHUTDOWN_TIMEOUT_MS and an exit 1.)
                             self.unsubscribe();
                             if leave {
-                                self.stream_done(ctx);
+                                self.leave_stream(ctx);
                             }
                         }
-                        Subscription::Cancelling(..) if leave => self.stream_done(ctx),
+                        Subscription::Cancelling(..) if leave => self.leave_stream(ctx),
                         // Its end (`Event::Ended`) goes on with the stop.
                         Subscription::Cancelling(..) => {}
                         Subscription::None | Subscription::Pending => self.stream_done(ctx),
