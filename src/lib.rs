@@ -20,7 +20,8 @@
 //! - [`pipeline`]: the stages, wired in flow order in `pipeline/mod.rs` with the one shutdown
 //!   sequence: message, consumer (broker link, a folder), acks, processor, batcher (flush rules), sink
 //!   (insert, retry in place, row isolation), breaker, router (outcome policy), copies (so a
-//!   copy whose ack was lost is not routed twice), dlq; a pipeline is started with its spec
+//!   copy whose ack was lost is not routed twice), acked (the acks a reload's successor asks the
+//!   old table about), dlq; a pipeline is started with its spec
 //!   and its `Links` (the broker link's and the database's settings), and `shutdown` holds the
 //!   graceful stop's bound.
 //! - [`domain`]: the seam the pipeline stores through, and the users domain behind it.

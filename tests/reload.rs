@@ -296,13 +296,18 @@ struct TableLock(tokio_postgres::Client);
 
 impl TableLock {
     async fn take(env: &TestEnv, table: &str) -> Self {
+        Self::take_in(env, table, "SHARE").await
+    }
+
+    /// The lock in `mode` (`ACCESS EXCLUSIVE` keeps reads out too).
+    async fn take_in(env: &TestEnv, table: &str, mode: &str) -> Self {
         let (client, connection) = tokio_postgres::connect(&database_url(), tokio_postgres::NoTls)
             .await
             .expect("connect");
         tokio::spawn(connection);
         client
             .batch_execute(&format!(
-                "SET search_path TO {}; BEGIN; LOCK TABLE {table} IN SHARE MODE",
+                "SET search_path TO {}; BEGIN; LOCK TABLE {table} IN {mode} MODE",
                 env.schema
             ))
             .await
@@ -2224,6 +2229,286 @@ async fn a_reload_renaming_a_pipeline_while_the_old_links_acks_are_lost_parks_ea
             "redeliveries acked as done: a stage a reload replaced had parked them",
         )
         .await;
+    let mut warren = warren;
+    warren.terminate_ok(Duration::from_secs(25));
+}
+
+/// Review R44 F5 (a loss): a stage a reload starts asked the tables of the stages it replaced
+/// about every redelivery, also one the old stage never settled (given back by a pause, a
+/// breaker, a stop). With versions, a message older than what the old table held for its key
+/// was taken as settled there (stale) and acked, never stored in the new table. Now only the
+/// redeliveries of acks the old stage may have lost are asked (none here: its close was
+/// answered). The redelivery is made by a `basic.get` left unacked while the pipeline is paused.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_redelivery_the_replaced_stage_never_settled_is_stored_in_the_new_table() {
+    let env = TestEnv::new("rl_unsettled").await;
+    let fx = Fixture::new(&env, &["orders", "orders_new"]).await;
+    let (orders, path, file) = (fx.names(0), fx.path.clone(), fx.file.clone());
+    for table in ["orders", "orders_new"] {
+        env.db
+            .batch_execute(&format!("ALTER TABLE {table} ADD COLUMN version int8"))
+            .await
+            .expect("alter table");
+    }
+    let versioned = |table: &str| {
+        entry("orders", &orders, 50, 1000)
+            .replace(r#"table = "orders""#, &format!("table = \"{table}\""))
+            .replace(
+                "retry_ttls_ms = [1000]",
+                "retry_ttls_ms = [1000]\non_conflict = \"update\"\nversion_column = \"version\"",
+            )
+            .replace(
+                "[pipelines.columns]",
+                "[pipelines.columns]\nversion = { path = \"/v\", type = \"int8\" }",
+            )
+    };
+    std::fs::write(&path, versioned("orders")).expect("write");
+    let (code, out, err) = env.run_async(&["--config", &file, "declare"]).await;
+    assert_eq!(code, 0, "{out}{err}");
+    let warren = env.start(&["--config", &file, "--roles", "consumer"]);
+    let _logs = LogsOnPanic(vec![warren.log.clone()]);
+    one_consumer(&orders.queue).await;
+    let key = Uuid::new_v4();
+    let message = |v: u32| {
+        let body = format!(r#"{{"id":"{key}","qty":1,"v":{v}}}"#).into_bytes();
+        (body, props(key))
+    };
+    env.publish_pipelined_to(&orders.exchange, &orders.queue, [message(5)])
+        .await;
+    let stored = |table: &'static str| {
+        let env = &env;
+        async move {
+            count_of(
+                env,
+                &format!("SELECT count(*) FROM {table} WHERE id = '{key}' AND version IS NOT NULL"),
+            )
+            .await
+        }
+    };
+    wait_until(
+        "version 5 stored in orders",
+        Duration::from_secs(30),
+        || async { stored("orders").await == 1 },
+    )
+    .await;
+
+    // Paused: an older version waits in the queue, taken once and given back (redelivered).
+    warren.signal("USR1");
+    wait_until("orders paused", Duration::from_secs(20), || async {
+        tags(&orders.queue).await.is_empty()
+    })
+    .await;
+    env.publish_pipelined_to(&orders.exchange, &orders.queue, [message(3)])
+        .await;
+    let taken = env.peek(&orders.queue, 1).await;
+    assert_eq!(taken.len(), 1, "the older version to take and give back");
+    std::fs::write(&path, versioned("orders_new")).expect("write");
+    let event = reload(&env, &warren, "reloaded", 1).await;
+    assert_eq!(names_of(&event["changed"]), ["orders"], "{event}");
+    warren.signal("CONT");
+    wait_until(
+        "the redelivery settled",
+        Duration::from_secs(30),
+        || async { queue_counts(&orders.queue).await == (0, 0) },
+    )
+    .await;
+    let version: Option<i64> = env
+        .db
+        .query_opt(
+            &format!("SELECT version FROM orders_new WHERE id = '{key}'"),
+            &[],
+        )
+        .await
+        .expect("read orders_new")
+        .map(|r| r.get(0));
+    assert_eq!(
+        version,
+        Some(3),
+        "the redelivery the old stage never settled is stored in the new table; log:\n{}",
+        tail(&warren.logs(), 30)
+    );
+    assert!(
+        !warren.logs().contains("redeliveries acked as done"),
+        "{}",
+        tail(&warren.logs(), 30)
+    );
+    let mut warren = warren;
+    warren.terminate_ok(Duration::from_secs(25));
+}
+
+/// Review R44 F6 (a stall): the redeliveries of acks the old stage lost are asked of its table;
+/// locked (an operator migrating the retired table), the question waited for the statement
+/// bound, and the live pipeline behind it, then stored them again in the new table. Now it
+/// waits 2 s for the lock, gives those redeliveries back to their queue (asked again when they
+/// come back) and lets the rest go on: new messages are stored meanwhile, and once the lock
+/// goes each redelivery is found stored in the old table and acked, none stored twice.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_locked_retired_table_holds_back_only_the_redeliveries_asked_of_it() {
+    let amqp = TcpProxy::start(&amqp_url(), 5672).await;
+    let mut env = TestEnv::new("rl_locked_before").await;
+    env.set("SHUTDOWN_TIMEOUT_MS", "15000");
+    let fx = Fixture::new(&env, &["orders", "orders_new"]).await;
+    let (orders, path, file) = (fx.names(0), fx.path.clone(), fx.file.clone());
+    let (code, out, err) = env.run_async(&["--config", &file, "declare"]).await;
+    assert_eq!(code, 0, "{out}{err}");
+    env.set("AMQP_URL", amqp.url());
+    let warren = env.start(&["--config", &file, "--roles", "consumer"]);
+    let _logs = LogsOnPanic(vec![warren.log.clone()]);
+    one_consumer(&orders.queue).await;
+    let warm = new_ids(50);
+    publish(&env, &orders, &warm).await;
+    let mut all: HashSet<Uuid> = warm.iter().copied().collect();
+    assert_table(&env, "orders", &all, &warren).await;
+    amqp.hold_busiest_from_client();
+    let held = new_ids(100);
+    publish(&env, &orders, &held).await;
+    all.extend(held.iter().copied());
+    assert_table(&env, "orders", &all, &warren).await;
+    wait_until(
+        "the stored messages still unacked on the broker",
+        Duration::from_secs(30),
+        || async { queue_counts(&orders.queue).await == (0, held.len() as u64) },
+    )
+    .await;
+
+    let switched = entry("orders", &orders, 50, 1000)
+        .replace(r#"table = "orders""#, r#"table = "orders_new""#);
+    std::fs::write(&path, switched).expect("write");
+    let event = reload(&env, &warren, "reloaded", 1).await;
+    assert_eq!(names_of(&event["changed"]), ["orders"], "{event}");
+    assert!(
+        warren
+            .logs()
+            .contains("the broker link did not answer its close"),
+        "{}",
+        tail(&warren.logs(), 40)
+    );
+    let lock = TableLock::take_in(&env, "orders", "ACCESS EXCLUSIVE").await;
+    amqp.cut();
+    amqp.restore();
+    // The pipeline goes on meanwhile.
+    let fresh = new_ids(20);
+    publish(&env, &orders, &fresh).await;
+    let fresh: HashSet<Uuid> = fresh.into_iter().collect();
+    wait_until(
+        "the new messages stored behind the lock",
+        Duration::from_secs(30),
+        || async {
+            let stored: HashSet<Uuid> = ids_in(&env, "orders_new").await.into_iter().collect();
+            fresh.is_subset(&stored)
+        },
+    )
+    .await;
+    warren
+        .wait_for_log(
+            "the redeliveries given back behind the lock",
+            "the table of a stage a reload replaced is locked",
+        )
+        .await;
+    lock.release().await;
+    wait_until(
+        "every message settled on the broker",
+        Duration::from_secs(60),
+        || async { queue_counts(&orders.queue).await == (0, 0) },
+    )
+    .await;
+    assert_table(&env, "orders_new", &fresh, &warren).await;
+    assert_table(&env, "orders", &all, &warren).await;
+    warren
+        .wait_for_log(
+            "the redeliveries acked as done",
+            "redeliveries acked as done: a stage a reload replaced had settled them",
+        )
+        .await;
+    let mut warren = warren;
+    warren.terminate_ok(Duration::from_secs(25));
+}
+
+/// Review R44 F3 (a duplicate): a rename done as two reloads, a removal and then an addition
+/// under the new name on the same queues, while the old consumer's link is silent. The old
+/// stage had routed refused messages to the DLQ (their copies confirmed) and its acks were lost;
+/// the broker delivers them again to the stage added later, which must know them as routed.
+/// Before, the memory of copies lived only through one reload, and each was routed twice.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_rename_done_as_a_removal_and_an_addition_routes_each_message_once() {
+    let amqp = TcpProxy::start(&amqp_url(), 5672).await;
+    let mut env = TestEnv::new("rl_two_step_rename").await;
+    env.set("SHUTDOWN_TIMEOUT_MS", "15000");
+    let fx = Fixture::new(&env, &["orders"]).await;
+    let (orders, path, file) = (fx.names(0), fx.path.clone(), fx.file.clone());
+    let (code, out, err) = env.run_async(&["--config", &file, "declare"]).await;
+    assert_eq!(code, 0, "{out}{err}");
+    env.set("AMQP_URL", amqp.url());
+    let warren = env.start(&["--config", &file, "--roles", "consumer"]);
+    let _logs = LogsOnPanic(vec![warren.log.clone()]);
+    one_consumer(&orders.queue).await;
+    // Refused for good (qty over its maximum): routed to the DLQ, their originals acked.
+    let refused = |ids: &[Uuid]| -> Vec<(Vec<u8>, BasicProperties)> {
+        ids.iter().map(|id| (body(*id, 5000), props(*id))).collect()
+    };
+    let warm = new_ids(20);
+    env.publish_pipelined_to(&orders.exchange, &orders.queue, refused(&warm))
+        .await;
+    wait_until("the first ones routed", Duration::from_secs(30), || async {
+        queue_counts(&orders.dlq).await.0 == warm.len() as u64
+    })
+    .await;
+    amqp.hold_busiest_from_client();
+    let held = new_ids(100);
+    env.publish_pipelined_to(&orders.exchange, &orders.queue, refused(&held))
+        .await;
+    let all = warm.len() + held.len();
+    wait_until(
+        "every copy in the DLQ, the held originals unacked",
+        Duration::from_secs(30),
+        || async {
+            queue_counts(&orders.dlq).await.0 == all as u64
+                && queue_counts(&orders.queue).await == (0, held.len() as u64)
+        },
+    )
+    .await;
+
+    // Removed (its close unanswered), then, once the broker has the originals back, added
+    // under another name on the same queues.
+    std::fs::write(&path, "").expect("write");
+    let removed = reload(&env, &warren, "reloaded", 1).await;
+    assert_eq!(names_of(&removed["removed"]), ["orders"], "{removed}");
+    assert!(
+        warren
+            .logs()
+            .contains("the broker link did not answer its close"),
+        "{}",
+        tail(&warren.logs(), 40)
+    );
+    amqp.cut();
+    amqp.restore();
+    wait_until(
+        "the originals back in the queue",
+        Duration::from_secs(60),
+        || async { queue_counts(&orders.queue).await == (held.len() as u64, 0) },
+    )
+    .await;
+    let renamed =
+        entry("orders", &orders, 50, 1000).replace(r#"name = "orders""#, r#"name = "orders_v2""#);
+    std::fs::write(&path, renamed).expect("write");
+    let added = reload(&env, &warren, "reloaded", 2).await;
+    assert_eq!(names_of(&added["added"]), ["orders_v2"], "{added}");
+    wait_until(
+        "the redeliveries settled",
+        Duration::from_secs(60),
+        || async { queue_counts(&orders.queue).await == (0, 0) },
+    )
+    .await;
+    let copies = env.drain_queue(&orders.dlq, all * 3).await;
+    let ids: Vec<Uuid> = copies
+        .iter()
+        .map(|m| {
+            let id = m.properties.message_id().as_ref().expect("a message id");
+            id.as_str().parse().expect("a uuid")
+        })
+        .collect();
+    let expected: HashSet<Uuid> = warm.iter().chain(&held).copied().collect();
+    assert_same_ids("the DLQ's copies", &expected, &ids);
     let mut warren = warren;
     warren.terminate_ok(Duration::from_secs(25));
 }

@@ -312,11 +312,6 @@ pub(super) struct Pipelines {
     /// The pipelines a reload in progress stops or starts again, each with whether it removes
     /// it ([`Pipelines::reloading`]).
     reloading: Vec<(String, bool)>,
-    /// The memories of copies of the stages a reload in progress stops: a stage it starts in
-    /// the place of one (same pipeline and stage, same queue) takes its memory over, so the
-    /// redeliveries of what the stopped one left are still recognised (`pipeline/copies.rs`).
-    /// Each with the mapping its stage ran.
-    kept: Vec<(Arc<Copies>, Arc<Mapping>)>,
     /// The stages this process's reloads stopped, newest first, at most
     /// `sink::PREDECESSORS` per queue and kind: a stage started on the same queue asks their
     /// tables and parking about the redeliveries it gets (`pipeline::sink::Predecessor`), for
@@ -332,6 +327,14 @@ struct Retired {
     queue: String,
     pipeline: String,
     mapping: Arc<Mapping>,
+    /// Its start: the acks it left unproven are recorded under it (`pipeline/acked.rs`).
+    incarnation: u64,
+    /// Its memory of copies and acks, until a stage started on the same queue (of the same
+    /// kind: the same pipeline, one renamed, or one added later in a removed one's place)
+    /// takes it over, once: the redeliveries of what it left are still recognised
+    /// (`pipeline/copies.rs`). Kept across reloads (review R44 F3: a rename done as a removal
+    /// and an addition lost it, and the copies' redeliveries were parked a second time).
+    copies: Option<Arc<Copies>>,
 }
 
 /// Puts `stopped` first in `retired`, keeping the newest `sink::PREDECESSORS` of its queue and
@@ -399,7 +402,6 @@ impl Pipelines {
             registered: BTreeSet::new(),
             records,
             reloading: Vec::new(),
-            kept: Vec::new(),
             retired: Vec::new(),
         };
         let stages: Vec<StageId> = declared
@@ -445,7 +447,7 @@ impl Pipelines {
     }
 
     /// Starts the roles' stages of `d`, held if the holds hold it.
-    fn launch(&self, d: &Declared) -> Vec<Pipeline> {
+    fn launch(&mut self, d: &Declared) -> Vec<Pipeline> {
         let stages: Vec<Pipeline> = self
             .stage_ids(&d.name)
             .into_iter()
@@ -454,17 +456,7 @@ impl Pipelines {
                     Stage::Main => Spec::main(&d.spec),
                     Stage::Dlq => Spec::dlq(&d.spec),
                 };
-                // The stopped stage of the same kind on the same queue: the same pipeline, or
-                // one renamed (its memory, and with an unanswered close, what it settled).
-                let replaced = self
-                    .kept
-                    .iter()
-                    .find(|(c, _)| c.stage() == &id)
-                    .or_else(|| {
-                        self.kept.iter().find(|(c, _)| {
-                            c.stage().stage() == id.stage() && c.queue() == spec.queue
-                        })
-                    });
+                let kept = self.take_memory(&id, &spec.queue);
                 let before: Vec<pipeline::sink::Predecessor<Mapping>> = self
                     .retired
                     .iter()
@@ -472,9 +464,9 @@ impl Pipelines {
                     .map(|r| pipeline::sink::Predecessor {
                         domain: r.mapping.clone(),
                         parks_as: r.pipeline.clone(),
+                        incarnation: r.incarnation,
                     })
                     .collect();
-                let kept = replaced.map(|(c, _)| c.clone());
                 pipeline::start(
                     &self.links,
                     spec,
@@ -497,6 +489,20 @@ impl Pipelines {
                 .store(own, std::sync::atomic::Ordering::Relaxed);
         }
         stages
+    }
+
+    /// The memory of copies and acks a stage `id` started on `queue` takes over: the newest
+    /// stopped stage's of the same pipeline and kind on that queue, else the newest of the same
+    /// kind on it (a pipeline renamed, in one reload or as a removal and an addition); each
+    /// memory once (two live stages never share one).
+    fn take_memory(&mut self, id: &StageId, queue: &str) -> Option<Arc<Copies>> {
+        let on_queue = |r: &Retired| r.kind == id.stage() && r.queue == queue && r.copies.is_some();
+        let at = self
+            .retired
+            .iter()
+            .position(|r| on_queue(r) && r.pipeline == id.pipeline())
+            .or_else(|| self.retired.iter().position(on_queue))?;
+        self.retired[at].copies.take()
     }
 
     /// Every running stage: each pipeline's main stage, then its DLQ stage.
@@ -721,24 +727,20 @@ impl Pipelines {
             .into_iter()
             .partition(|r| !plan.report.unchanged.contains(&r.declared.name));
         self.running = kept;
-        self.kept = stopping
-            .iter()
-            .flat_map(|r| {
-                r.stages
-                    .iter()
-                    .map(|p| (p.copies.clone(), r.declared.mapping.clone()))
-            })
-            .collect();
-        for (copies, mapping) in &self.kept {
-            retire(
-                &mut self.retired,
-                Retired {
-                    kind: copies.stage().stage(),
-                    queue: copies.queue().to_string(),
-                    pipeline: copies.stage().pipeline().to_string(),
-                    mapping: mapping.clone(),
-                },
-            );
+        for r in &stopping {
+            for p in &r.stages {
+                retire(
+                    &mut self.retired,
+                    Retired {
+                        kind: p.id.stage(),
+                        queue: p.copies.queue().to_string(),
+                        pipeline: p.id.pipeline().to_string(),
+                        mapping: r.declared.mapping.clone(),
+                        incarnation: p.incarnation,
+                        copies: Some(p.copies.clone()),
+                    },
+                );
+            }
         }
         let removed = plan.report.removed.iter().map(|n| (n.clone(), true));
         let again = plan.report.changed.iter().chain(&plan.report.added);
@@ -805,7 +807,6 @@ impl Pipelines {
             let stages = self.launch(&d);
             self.running.push(Running::new(d, stages));
         }
-        self.kept.clear();
         if self.stages().is_empty() {
             crate::metrics::unneed(&["router".to_string()]);
         }

@@ -46,8 +46,11 @@
 //! takes it over ([`Copies::carry_on`]), and the generations of its links go on from the old
 //! stage's, so a redelivery of what the old stage left is still recognised. What the stopped
 //! stages stored or parked may come again too (the acks of their last commits lost with their
-//! link): a stage a reload starts asks their tables and parking (`sink::settled_before`,
-//! `Fallback::parked_before`; the app keeps them, `app/pipelines.rs`). A redelivery to another
+//! link): the memory also holds the acks that may be lost (`acked.rs`), and a stage a reload
+//! starts asks the stopped stages' tables about those redeliveries (`sink::settled_before`) and
+//! their parking (`Fallback::parked_before`; the app keeps them, `app/pipelines.rs`). A stage
+//! no reload replaced at once (a pipeline removed) leaves its memory with the app until a stage
+//! is started on its queue. A redelivery to another
 //! instance, or after warren itself restarted, is routed as any other.
 
 use std::collections::VecDeque;
@@ -59,6 +62,7 @@ use lapin::BasicProperties;
 use tokio::sync::Notify;
 use tracing::{info, warn};
 
+use super::acked::Acked;
 use super::message::Delivery;
 use crate::metrics::StageId;
 
@@ -132,6 +136,9 @@ pub struct Copies {
     /// Woken when the consumer's channel goes: a backoff holding its deliveries ends
     /// ([`Copies::gone`]).
     links: Notify,
+    /// The deliveries its consumer acked whose ack may not have reached the broker
+    /// (`acked.rs`), handed on with the rest of the memory.
+    acked: Arc<Acked>,
 }
 
 impl Copies {
@@ -147,6 +154,7 @@ impl Copies {
             state: Default::default(),
             outcomes: Default::default(),
             links: Notify::new(),
+            acked: Arc::new(Acked::new(prefetch)),
         }
     }
 
@@ -166,6 +174,7 @@ impl Copies {
             Some(kept) if kept.stage.stage() == stage.stage() && kept.queue == queue => {
                 kept.capacity
                     .fetch_max(capacity(prefetch), Ordering::AcqRel);
+                kept.acked.widen(prefetch);
                 kept.link_down();
                 if kept.stage == stage {
                     return kept;
@@ -183,10 +192,16 @@ impl Copies {
                 // until a restart).
                 renamed.state = kept.state.clone();
                 renamed.outcomes = kept.outcomes.clone();
+                renamed.acked = kept.acked.clone();
                 Arc::new(renamed)
             }
             _ => Arc::new(Self::new(stage, queue, prefetch)),
         }
+    }
+
+    /// The deliveries the stage's consumers acked whose acks may be lost (`acked.rs`).
+    pub fn acked(&self) -> &Acked {
+        &self.acked
     }
 
     /// The queue the stage consumes.
@@ -225,6 +240,7 @@ impl Copies {
     /// The consumer's channel is gone: what it left unproven is the broker's again, and comes
     /// back redelivered.
     pub fn link_down(&self) {
+        self.acked.link_down();
         let (moved, forgotten) = {
             let mut state = self.state();
             state.live = 0;

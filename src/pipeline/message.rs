@@ -271,6 +271,9 @@ pub struct Settle {
     /// The bytes these deliveries held, bodies and parsed properties (the consumer's byte
     /// budget frees them).
     pub bytes: u64,
+    /// The prints of the deliveries acked (`acked.rs`): a reload's successor asks the old
+    /// table about the redeliveries of those whose ack the broker may not have handled.
+    pub acked: Vec<super::acked::AckPrint>,
 }
 
 impl Settle {
@@ -280,16 +283,23 @@ impl Settle {
         let mut out: Vec<Settle> = Vec::with_capacity(1);
         for (d, disposition) in items {
             let bytes = d.held_bytes;
-            match out.iter_mut().find(|s| s.generation == d.generation) {
-                Some(s) => {
-                    s.items.push((d.tag, disposition));
-                    s.bytes += bytes;
+            let at = match out.iter().position(|s| s.generation == d.generation) {
+                Some(at) => at,
+                None => {
+                    out.push(Settle {
+                        generation: d.generation,
+                        items: Vec::new(),
+                        bytes: 0,
+                        acked: Vec::new(),
+                    });
+                    out.len() - 1
                 }
-                None => out.push(Settle {
-                    generation: d.generation,
-                    items: vec![(d.tag, disposition)],
-                    bytes,
-                }),
+            };
+            let s = &mut out[at];
+            s.items.push((d.tag, disposition));
+            s.bytes += bytes;
+            if disposition == Disposition::Ack {
+                s.acked.push(super::acked::print(d));
             }
         }
         out

@@ -22,7 +22,8 @@
 //! - `router.rs`: the outcome policy (`router/republisher.rs`: the confirmed republishing);
 //!   `dlq.rs`: the DLQ consumer's stage;
 //!   `copies.rs`: the copies whose ack may be lost with the consumer's link, so their
-//!   redeliveries are not routed twice.
+//!   redeliveries are not routed twice; `acked.rs`: the acks that may be lost, so a stage a
+//!   reload starts asks the old stage's table about those redeliveries, and only those.
 //! - `balance.rs`: how many batch inserts a main stage has in flight (balancing, its bounds).
 //! - `shutdown.rs`: the bound on the graceful stop ([`shutdown::ShutdownConfig`]).
 //!
@@ -30,6 +31,7 @@
 //! Backpressure: the prefetch window bounds the deliveries in the pipeline; each sink works on
 //! one batch at a time; the broker sends nothing new until acks free room.
 
+pub mod acked;
 pub mod acks;
 pub mod balance;
 pub mod batcher;
@@ -215,9 +217,13 @@ pub struct Pipeline {
     /// A main stage's batch inserts in flight (balancing, `warren ctl scale --min/--max`);
     /// `None` for a DLQ stage.
     pub concurrency: Option<Arc<balance::Concurrency>>,
-    /// The stage's memory of copies whose original's ack may be lost: a reload hands it to the
-    /// stage it starts in this one's place ([`start`]'s `kept`).
+    /// The stage's memory of copies whose original's ack may be lost, and of its acks that
+    /// may be lost (`acked.rs`): a reload hands it to the stage it starts in this one's place
+    /// ([`start`]'s `kept`).
     pub copies: Arc<copies::Copies>,
+    /// This start of the stage: what its consumer acked is recorded under it, and a stage a
+    /// reload starts on the same queue asks this one's table about those redeliveries only.
+    pub incarnation: u64,
 }
 
 /// What a pipeline's stages connect with, beside the pool they are given: the broker link's
@@ -258,6 +264,7 @@ pub fn start<D: Domain>(
     before: Vec<sink::Predecessor<D>>,
 ) -> Pipeline {
     let id = StageId::new(&spec.pipeline, spec.stage);
+    let incarnation = acked::incarnation();
     let stopping = CancellationToken::new();
     let statements = crate::db::Statements::new();
 
@@ -329,6 +336,7 @@ pub fn start<D: Domain>(
         statements: statements.clone(),
         settle: consumer_addr.clone().recipient(),
         leftovers,
+        copies: copies.clone(),
         predecessors: before,
     });
 
@@ -398,6 +406,7 @@ pub fn start<D: Domain>(
         db_bound,
         concurrency,
         copies: copies.clone(),
+        incarnation,
     };
     let chunks = pipeline.processors(spec.processors);
     crate::metrics::stage(&pipeline.id)
@@ -414,6 +423,7 @@ pub fn start<D: Domain>(
         rate_limit_per_s: spec.rate_limit_per_s,
         depths,
         copies,
+        incarnation,
         oversize: links.oversize.clone(),
         decoded,
     };

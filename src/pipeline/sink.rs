@@ -18,6 +18,7 @@ use deadpool_postgres::Pool;
 use tokio_util::sync::CancellationToken;
 use tracing::{error, info, warn};
 
+use super::acked::AckPrint;
 use super::breaker::Breaker;
 use super::message::{Batch, Delivery, Disposition, Failure, Leftovers, Settle};
 use crate::db::{DbError, ErrorClass};
@@ -53,8 +54,11 @@ pub struct SinkConfig<D: Domain> {
     pub settle: Recipient<Settle>,
     /// The fallback stage, for every message not inserted.
     pub leftovers: Recipient<Leftovers>,
+    /// The stage's memory, shared with its consumer: what the stages before it on the queue
+    /// acked whose acks may be lost (`acked.rs`).
+    pub copies: Arc<super::copies::Copies>,
     /// The stages this process's reloads stopped on the same queue before starting this one
-    /// (of the same kind; newest first, at most [`PREDECESSORS`]): what one of them settled may
+    /// (of the same kind; newest first, at most [`PREDECESSORS`]): what one of them acked may
     /// come again ([`settled_before`]).
     pub predecessors: Vec<Predecessor<D>>,
 }
@@ -69,6 +73,8 @@ pub const PREDECESSORS: usize = 4;
 pub struct Predecessor<D: Domain> {
     pub domain: Arc<D>,
     pub parks_as: String,
+    /// Its start (`acked::incarnation`): the acks it recorded are under it.
+    pub incarnation: u64,
 }
 
 /// The sink actor.
@@ -104,12 +110,12 @@ async fn sink<D: Domain>(config: Arc<SinkConfig<D>>, batch: Batch<D::Record>) {
     let (mut deliveries, results): (Vec<Delivery>, Vec<_>) =
         entries.into_iter().map(|e| (e.delivery, e.result)).unzip();
     // Acked: settled by the stage a reload replaced, stored (`committed`), stale or deleted.
-    let mut inserted = settled_before(&config, &deliveries).await;
+    let mut failures: Vec<Option<Failure>> = (0..n).map(|_| None).collect();
+    let mut inserted = settled_before(&config, &deliveries, &mut failures).await;
     let mut acked = inserted.iter().filter(|done| **done).count();
     let mut records: Vec<(usize, D::Record)> = Vec::with_capacity(n);
-    let mut failures: Vec<Option<Failure>> = (0..n).map(|_| None).collect();
     for (i, result) in results.into_iter().enumerate() {
-        if inserted[i] {
+        if inserted[i] || failures[i].is_some() {
             continue;
         }
         match result {
@@ -567,7 +573,14 @@ impl<'r, D: Domain> Isolation<'_, 'r, D> {
             // stored as it is is done; the rest goes back, as all of it does when the
             // table cannot be asked.
             Err(e) if self.config.stopping.is_cancelled() && e.outcome_unknown() => {
-                let stored = stored_of(self.config, &self.config.domain, &group).await;
+                let stored = stored_of(
+                    self.config,
+                    &self.config.domain,
+                    self.config.stage.pipeline(),
+                    &group,
+                )
+                .await
+                .unwrap_or_else(|_| vec![false; group.len()]);
                 let (done, rest): (Vec<_>, Vec<_>) = group
                     .into_iter()
                     .zip(stored)
@@ -634,25 +647,43 @@ async fn already_stored<D: Domain>(config: &Arc<SinkConfig<D>>, record: &D::Reco
 /// Of `deliveries`, those a stage this process's reloads stopped on the same queue settled
 /// already, acked as done. The acks of a stopped stage's last commits may never have reached
 /// the broker (its link silent at the close, or reset before it), which delivers those
-/// messages again (redelivered), to whatever consumes the queue next. Each redelivery is
-/// decoded with each predecessor's mapping in turn (newest first) and asked of its table
-/// ([`Domain::settled`]: stored exactly, or older than what its key holds). Without it, a
-/// reload that changed the table, the name or the mapping stored them in the new table too,
-/// or parked them `id_conflict` beside their rows (review R40a F4, F6); asked only after an
-/// unanswered close, a reset link, a second reload or a pipeline removed and added back
-/// escaped it (review R42b F1-F3). What cannot be asked (the old table gone, the database
-/// silent) goes on as any message.
+/// messages again (redelivered), to whatever consumes the queue next. A redelivery whose print
+/// is among the acks a predecessor left unproven (`acked.rs`, each used up once) is decoded
+/// with that predecessor's mapping and asked of its table ([`Domain::settled`]: stored exactly,
+/// or older than what its key holds). Without it, a reload that changed the table, the name or
+/// the mapping stored them in the new table too, or parked them `id_conflict` beside their rows
+/// (review R40a F4, F6; R42b F1-F3 for a reset link, a second reload, a pipeline removed and
+/// added back). Only those: asked of every redelivery, a message given back unsettled whose key
+/// the old table held newer was acked as stale and never stored (review R44 F5). What cannot
+/// be asked (the old table gone or locked, the database silent) goes on as any message.
 async fn settled_before<D: Domain>(
     config: &Arc<SinkConfig<D>>,
     deliveries: &[Delivery],
+    failures: &mut [Option<Failure>],
 ) -> Vec<bool> {
     let mut done = vec![false; deliveries.len()];
+    let acked = config.copies.acked();
+    if config.predecessors.is_empty() || !acked.any_lost() {
+        return done;
+    }
+    let asked: Vec<(usize, AckPrint)> = deliveries
+        .iter()
+        .enumerate()
+        .filter(|(_, d)| d.redelivered)
+        .map(|(i, d)| (i, super::acked::print(d)))
+        .collect();
+    if asked.is_empty() {
+        return done;
+    }
+    let prints: std::collections::HashMap<usize, AckPrint> = asked.iter().copied().collect();
+    let owners: Vec<u64> = config.predecessors.iter().map(|b| b.incarnation).collect();
+    let found = acked.take_lost(&asked, &owners);
     for before in &config.predecessors {
-        let decoded: Vec<(usize, D::Record)> = deliveries
+        let decoded: Vec<(usize, D::Record)> = found
             .iter()
-            .enumerate()
-            .filter(|(i, d)| d.redelivered && !done[*i])
-            .filter_map(|(i, d)| {
+            .filter(|(_, owner)| *owner == before.incarnation)
+            .filter_map(|&(i, _)| {
+                let d = &deliveries[i];
                 let properties = d.properties.full();
                 let envelope = d.envelope(&properties);
                 before
@@ -666,7 +697,45 @@ async fn settled_before<D: Domain>(
             continue;
         }
         let group: Vec<(usize, &D::Record)> = decoded.iter().map(|(i, r)| (*i, r)).collect();
-        let settled = stored_of(config, &before.domain, &group).await;
+        let settled = match stored_of(config, &before.domain, &before.parks_as, &group).await {
+            Ok(settled) => settled,
+            // The old table is locked (an operator's migration, a `LOCK TABLE`): these
+            // redeliveries go back to their queue, their acks remembered again, and are asked
+            // again when they come back; the rest of the batch goes on (review R44 F6: the
+            // question waited for the statement bound, and the live pipeline behind it).
+            Err(e) if e.sqlstate() == Some(LOCK_NOT_AVAILABLE) => {
+                let back: Vec<AckPrint> = group
+                    .iter()
+                    .filter_map(|(i, _)| prints.get(i).copied())
+                    .collect();
+                acked.give_back(before.incarnation, &back);
+                warn!(
+                    pipeline = config.stage.pipeline(),
+                    stage = config.stage.stage().as_str(),
+                    before = %before.parks_as,
+                    count = group.len(),
+                    error = %e,
+                    "the table of a stage a reload replaced is locked: redeliveries whose acks \
+                     it may have lost go back to their queue, to be asked again when they come \
+                     back; the rest goes on"
+                );
+                let reason: Arc<str> = format!(
+                    "the table of {}, which a reload replaced, was locked for over {}: asked \
+                     again when the message comes back",
+                    before.parks_as, PREDECESSOR_LOCK_TIMEOUT
+                )
+                .into();
+                for (i, _) in &group {
+                    failures[*i] = Some(Failure::Db {
+                        class: ErrorClass::Systemic,
+                        server_answered: true,
+                        reason: reason.clone(),
+                    });
+                }
+                continue;
+            }
+            Err(_) => vec![false; group.len()],
+        };
         let mut ids = Vec::new();
         for ((i, _), yes) in group.iter().zip(settled) {
             if yes {
@@ -690,36 +759,73 @@ async fn settled_before<D: Domain>(
     done
 }
 
+/// How long the question to a predecessor's table waits for a lock (an operator's migration
+/// of the retired table, a `LOCK TABLE`): the live pipeline's batch waits behind it (review R44
+/// F6: for the whole statement bound). Past it, the redeliveries go on as any message.
+const PREDECESSOR_LOCK_TIMEOUT: &str = "2s";
+
+/// SQLSTATE `lock_not_available`: a `lock_timeout` passed.
+const LOCK_NOT_AVAILABLE: &str = "55P03";
+
 /// For each record of `group`, whether `domain`'s table already decides it
 /// ([`Domain::settled`]: stored exactly, or, with versions, older than what its key holds),
 /// asked on one connection within the statement bound; all `false` when it cannot tell.
 async fn stored_of<D: Domain>(
     config: &Arc<SinkConfig<D>>,
     domain: &D,
+    whose: &str,
     group: &[(usize, &D::Record)],
-) -> Vec<bool> {
-    let none = vec![false; group.len()];
-    let Ok(client) = config.pool.get().await else {
-        return none;
-    };
-    let Ok(running) = config.statements.enter(&client) else {
-        return none;
-    };
+) -> Result<Vec<bool>, DbError> {
+    let client = config.pool.get().await.map_err(DbError::from_pool)?;
+    let running = config.statements.enter(&client)?;
     let records: Vec<&D::Record> = group.iter().map(|(_, r)| *r).collect();
-    let asked = tokio::time::timeout(config.db_bound, domain.settled(&client, &records)).await;
+    // Set for this question only; `reset` tells whether the connection is back as it came.
+    let ask = async {
+        let set = format!("SET lock_timeout = '{PREDECESSOR_LOCK_TIMEOUT}'");
+        if let Err(e) = client.batch_execute(&set).await {
+            return (Err(DbError::from_pg(e)), true);
+        }
+        let answer = domain.settled(&client, &records).await;
+        let reset = client.batch_execute("RESET lock_timeout").await.is_ok();
+        (answer, reset)
+    };
+    let asked = tokio::time::timeout(config.db_bound, ask).await;
     drop(running);
     match asked {
-        Ok(result) => {
-            crate::db::release(&config.pool, client, &result);
+        Ok((result, reset)) => {
+            if let Err(e) = &result {
+                warn!(
+                    pipeline = config.stage.pipeline(),
+                    stage = config.stage.stage().as_str(),
+                    table_of = whose,
+                    count = group.len(),
+                    error = %e,
+                    "cannot ask a table whether it stored these deliveries already; they go on \
+                     as any message (one it had stored may be stored again)"
+                );
+            }
+            if reset {
+                crate::db::release(&config.pool, client, &result);
+            } else {
+                // Its lock_timeout would bind the next inserts on it.
+                drop(deadpool_postgres::Object::take(client));
+            }
             // An answer of other records than asked cannot be read.
-            result
-                .ok()
-                .filter(|s| s.len() == none.len())
-                .unwrap_or(none)
+            result.and_then(|s| match s.len() == group.len() {
+                true => Ok(s),
+                false => Err(DbError::Connection(format!(
+                    "{} answers for {} records asked",
+                    s.len(),
+                    group.len()
+                ))),
+            })
         }
         Err(_) => {
             let _ = crate::db::abandon(client, config.db_bound);
-            none
+            Err(DbError::Connection(format!(
+                "no answer within {} ms",
+                config.db_bound.as_millis()
+            )))
         }
     }
 }

@@ -221,6 +221,10 @@ impl Handler<Settle> for Consumer {
         }
         if current && let Some(acker) = self.linked().and_then(|l| l.acker.as_mut()) {
             acker.settle(&msg.items);
+            self.config
+                .copies
+                .acked()
+                .acked(msg.generation, self.config.incarnation, &msg.acked);
         } else {
             debug!(
                 pipeline = self.config.stage.pipeline(),

@@ -115,6 +115,9 @@ pub struct ConsumerConfig {
     /// again, and republished it would be republished twice); a link's end hands its unproven
     /// copies to the memory of lost ones, and its acker proves the others (`copies.rs`).
     pub copies: Arc<crate::pipeline::copies::Copies>,
+    /// This start of the stage (`acked.rs`): the acks it records are its own, and a stage a
+    /// reload starts in its place asks its table only about those.
+    pub incarnation: u64,
     /// The process's one permit to hold a body over `MAX_MESSAGE_BYTES` (shared by every stage
     /// of every pipeline): the body limit is lifted only by its holder (`oversize.rs`).
     pub oversize: OversizePermit,

@@ -7,7 +7,7 @@ use actix::prelude::*;
 use tokio::sync::oneshot;
 use tracing::{info, warn};
 
-use super::link::{Link, Phase, Subscription};
+use super::link::{Link, Linked, Phase, Subscription};
 use super::{Cancel, Close, Consumer, Settled};
 use crate::amqp::{self};
 use crate::pipeline::message::Disposition;
@@ -187,15 +187,29 @@ impl Handler<Close> for Consumer {
         let counts = self.stop_counts;
         let link = std::mem::replace(&mut self.link, Link::Down);
         let stage = self.config.stage.clone();
+        let (copies, generation) = (self.config.copies.clone(), self.generation);
         Box::pin(
             async move {
                 if let Link::Up(linked) = link {
-                    drop(linked.acker);
+                    // Taken and closed by the drain (`maybe_finish`): every ack was sent before
+                    // the close. Still here, its task may still be sending them.
+                    let Linked {
+                        acker,
+                        channel,
+                        connection,
+                        ..
+                    } = *linked;
+                    let acks_sent = acker.is_none();
+                    drop(acker);
                     // Bounded: a link that does not answer (a body still arriving on a stalled
                     // link: review R38j F2) must not keep the counts from the stop, whose wait
                     // for this answer is 5 s (`Pipeline::shutdown`). The broker has back what
                     // was not acked once the process ends.
-                    let close = amqp::close(Some(linked.channel), Some(linked.connection));
+                    let close = async {
+                        let answered = channel.close(200, "bye".into()).await.is_ok();
+                        amqp::close(None, Some(connection)).await;
+                        answered
+                    };
                     // Unanswered, the close proves nothing of the acks sent before it: those of
                     // the last commits may never have reached the broker, which delivers those
                     // messages again once it drops the link. The next consumer finds them in its
@@ -203,7 +217,14 @@ impl Handler<Close> for Consumer {
                     // another spec (table, name or mapping) asks this one's table and parking
                     // first (`sink::settled_before`; review R40a F4, F6: stored in both tables,
                     // parked under both names, or stored and parked id_conflict).
-                    if tokio::time::timeout(CLOSE_WITHIN, close).await.is_err() {
+                    let answered = tokio::time::timeout(CLOSE_WITHIN, close).await;
+                    if answered == Ok(true) && acks_sent {
+                        // The channel's close-ok: every ack sent before the close was handled,
+                        // none of those messages comes again, and the stage a reload starts
+                        // asks nothing about them (`acked.rs`). A channel already gone proves
+                        // nothing: its acks stay lost.
+                        copies.acked().handled(generation);
+                    } else if answered.is_err() {
                         warn!(
                             pipeline = stage.pipeline(),
                             stage = stage.stage().as_str(),

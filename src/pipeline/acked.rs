@@ -1,0 +1,290 @@
+//! The deliveries a stage acked whose ack the broker may not have handled: the memory that
+//! lets a stage a reload starts in another's place ask the old stage's table and parking about
+//! exactly those redeliveries, and no other.
+//!
+//! A reload stops a stage and starts another on the same queue (another table, name or
+//! mapping). The old stage's last acks may never reach the broker (its link silent at the
+//! close, or reset before it), which then delivers those messages again, redelivered, to the
+//! new stage: stored or parked again under the new spec, they would be a second copy. So the new
+//! stage asks the old one's table about them (`sink::settled_before`). Asked about *every*
+//! redelivery, it took messages the old stage never settled for done: a delivery given back
+//! (a breaker's hand-back, a stop) whose key the old table held newer was acked as stale and
+//! never stored in the new table (review R44 F5, a loss), and every later redelivery paid a
+//! question to tables long retired.
+//!
+//! Per stage (shared with the stage a reload starts in its place, as [`super::copies::Copies`]
+//! is), [`Acked`] remembers:
+//! - *recent*: the [`AckPrint`] of each delivery the open channel's consumer settled with an ack,
+//!   the newest first out of the bound: the broker counts a delivery whose ack it has not
+//!   handled among the channel's unacknowledged ones, at most its window, so the acks not
+//!   handled are always among the last window's worth (twice the largest window, as the copies'
+//!   bound: a cancelled subscription's window beside the new one's);
+//! - *lost*: what a channel left in *recent* when it went without a proof. An answered close
+//!   proves every ack sent before it handled (the broker handles a channel's frames in order):
+//!   its entries go ([`Acked::handled`]).
+//!
+//! Each entry names the stage incarnation that acked it (each start of a stage is one,
+//! [`incarnation`]), so a stage asks a predecessor only about what that predecessor acked. A
+//! redelivery with the print of a lost entry of a predecessor is asked of that predecessor, and
+//! the entry is used up (one redelivery per ack). A redelivery matching nothing goes its way as
+//! any message.
+
+use std::collections::VecDeque;
+use std::hash::{BuildHasher, Hasher, RandomState};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Mutex, OnceLock};
+
+use super::message::Delivery;
+
+/// What the memory knows an acked delivery by: a keyed hash (random keys per process) of its
+/// body, message id and timestamp. Cheaper than the copies' [`super::copies::Fingerprint`] of
+/// every property (computed for every ack, by the stage that settles it); a print two
+/// messages share only sends the second to be asked of the old table, which answers for its
+/// content.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct AckPrint(u64);
+
+/// The print of `d`.
+pub fn print(d: &Delivery) -> AckPrint {
+    static KEYS: OnceLock<RandomState> = OnceLock::new();
+    let mut h = KEYS.get_or_init(RandomState::new).build_hasher();
+    h.write(&d.body);
+    let bare = d.properties.bare();
+    match bare.message_id() {
+        Some(id) => {
+            h.write_u8(1);
+            h.write(id.as_str().as_bytes());
+        }
+        None => h.write_u8(0),
+    }
+    match bare.timestamp() {
+        Some(ts) => {
+            h.write_u8(1);
+            h.write_u64(*ts);
+        }
+        None => h.write_u8(0),
+    }
+    AckPrint(h.finish())
+}
+
+/// A new incarnation: each start of a stage is one, so what a stopped stage acked is told from
+/// what its successor (the same pipeline and stage, changed by a reload) acks.
+pub fn incarnation() -> u64 {
+    static NEXT: AtomicU64 = AtomicU64::new(1);
+    NEXT.fetch_add(1, Ordering::Relaxed)
+}
+
+/// One acked delivery.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Entry {
+    generation: u64,
+    owner: u64,
+    print: AckPrint,
+}
+
+/// What the lock guards.
+#[derive(Debug, Default)]
+struct Lists {
+    /// Acks of the open channel, oldest first.
+    recent: VecDeque<Entry>,
+    /// Acks of channels gone without a proof, oldest first.
+    lost: VecDeque<Entry>,
+}
+
+/// One stage's memory of its acks (see the module doc).
+#[derive(Debug)]
+pub struct Acked {
+    lists: Mutex<Lists>,
+    /// Entries each list keeps at most: twice the largest window.
+    capacity: AtomicUsize,
+    /// Entries in `lost`: while 0, a redelivery is never looked up (no lock).
+    lost: AtomicUsize,
+}
+
+impl Acked {
+    /// The memory of a stage whose window is at most `prefetch`.
+    pub fn new(prefetch: u16) -> Self {
+        Self {
+            lists: Mutex::default(),
+            capacity: AtomicUsize::new(capacity(prefetch)),
+            lost: AtomicUsize::new(0),
+        }
+    }
+
+    /// A successor's window may be larger: the bound follows the largest.
+    pub fn widen(&self, prefetch: u16) {
+        self.capacity
+            .fetch_max(capacity(prefetch), Ordering::AcqRel);
+    }
+
+    fn lists(&self) -> std::sync::MutexGuard<'_, Lists> {
+        // Each change is one call: a panic while holding the lock leaves the lists consistent.
+        self.lists.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// The consumer of incarnation `owner` acked these deliveries (by print) on the channel
+    /// of `generation`, its open one.
+    pub fn acked(&self, generation: u64, owner: u64, prints: &[AckPrint]) {
+        if prints.is_empty() {
+            return;
+        }
+        let cap = self.capacity.load(Ordering::Acquire);
+        let mut lists = self.lists();
+        lists.recent.extend(prints.iter().map(|&print| Entry {
+            generation,
+            owner,
+            print,
+        }));
+        let over = lists.recent.len().saturating_sub(cap);
+        lists.recent.drain(..over);
+    }
+
+    /// The channel went without a proof that the broker handled its acks: they are lost, and
+    /// their messages may come again.
+    pub fn link_down(&self) {
+        let cap = self.capacity.load(Ordering::Acquire);
+        let mut lists = self.lists();
+        let recent = std::mem::take(&mut lists.recent);
+        lists.lost.extend(recent);
+        let over = lists.lost.len().saturating_sub(cap);
+        lists.lost.drain(..over);
+        self.lost.store(lists.lost.len(), Ordering::Release);
+    }
+
+    /// The channel of `generation` closed with an answer: the broker handled every ack sent on
+    /// it, none of its messages comes again.
+    pub fn handled(&self, generation: u64) {
+        let mut lists = self.lists();
+        lists.recent.retain(|e| e.generation != generation);
+        lists.lost.retain(|e| e.generation != generation);
+        self.lost.store(lists.lost.len(), Ordering::Release);
+    }
+
+    /// Whether any lost ack is remembered (a redelivery needs looking up).
+    pub fn any_lost(&self) -> bool {
+        self.lost.load(Ordering::Acquire) > 0
+    }
+
+    /// Of `asked` (an index and the print of a redelivery), those a lost ack of one of `owners`
+    /// settled: each with that owner. Each entry found is used up.
+    pub fn take_lost(&self, asked: &[(usize, AckPrint)], owners: &[u64]) -> Vec<(usize, u64)> {
+        if !self.any_lost() {
+            return Vec::new();
+        }
+        let mut lists = self.lists();
+        let mut found = Vec::new();
+        for &(i, print) in asked {
+            let at = lists
+                .lost
+                .iter()
+                .position(|e| e.print == print && owners.contains(&e.owner));
+            if let Some(at) = at
+                && let Some(e) = lists.lost.remove(at)
+            {
+                found.push((i, e.owner));
+            }
+        }
+        self.lost.store(lists.lost.len(), Ordering::Release);
+        found
+    }
+}
+
+impl Acked {
+    /// Lost acks of `owner` taken by [`Acked::take_lost`] whose question could not be answered
+    /// (the old table locked): remembered again, for when those messages come back.
+    pub fn give_back(&self, owner: u64, prints: &[AckPrint]) {
+        let mut lists = self.lists();
+        // Generation 0 is no channel's: no close proves them.
+        lists.lost.extend(prints.iter().map(|&print| Entry {
+            generation: 0,
+            owner,
+            print,
+        }));
+        self.lost.store(lists.lost.len(), Ordering::Release);
+    }
+}
+
+/// The entries a list keeps for a window of `prefetch`: twice the prefetch.
+fn capacity(prefetch: u16) -> usize {
+    usize::from(prefetch.max(1)) * 2
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use lapin::BasicProperties;
+    use lapin::types::ShortString;
+    use std::time::Instant;
+
+    fn delivery(body: &str, id: Option<&str>) -> Delivery {
+        let mut p = BasicProperties::default();
+        if let Some(id) = id {
+            p = p.with_message_id(ShortString::from(id));
+        }
+        Delivery {
+            generation: 1,
+            tag: 1,
+            redelivered: false,
+            body: body.as_bytes().to_vec().into(),
+            properties: p.into(),
+            published_ms: None,
+            exchange: Default::default(),
+            routing_key: Default::default(),
+            held_bytes: 0,
+            received_at: Instant::now(),
+            decoded: Default::default(),
+        }
+    }
+
+    #[test]
+    fn a_print_tells_bodies_and_message_ids_apart() {
+        let a = print(&delivery("body", Some("m-1")));
+        assert_eq!(a, print(&delivery("body", Some("m-1"))));
+        assert_ne!(a, print(&delivery("bodz", Some("m-1"))));
+        assert_ne!(a, print(&delivery("body", Some("m-2"))));
+        assert_ne!(a, print(&delivery("body", None)));
+    }
+
+    #[test]
+    fn only_what_a_lost_link_acked_is_found_and_each_once() {
+        let m = Acked::new(4);
+        let (a, b) = (print(&delivery("a", None)), print(&delivery("b", None)));
+        m.acked(1, 7, &[a, b]);
+        // Not lost yet: the link is up.
+        assert!(m.take_lost(&[(0, a)], &[7]).is_empty());
+        m.link_down();
+        // Another owner's question finds nothing; the owner's finds each once.
+        assert!(m.take_lost(&[(0, a)], &[8]).is_empty());
+        assert_eq!(m.take_lost(&[(0, a), (1, b)], &[7]), [(0, 7), (1, 7)]);
+        assert!(m.take_lost(&[(0, a), (1, b)], &[7]).is_empty());
+        assert!(!m.any_lost());
+    }
+
+    #[test]
+    fn an_answered_close_proves_its_channels_acks() {
+        let m = Acked::new(4);
+        let a = print(&delivery("a", None));
+        m.acked(1, 7, &[a]);
+        m.link_down();
+        m.acked(2, 7, &[a]);
+        // The close of channel 2 was answered, before or after the successor took the memory.
+        m.handled(2);
+        m.link_down();
+        assert_eq!(m.take_lost(&[(0, a)], &[7]), [(0, 7)]);
+        assert!(m.take_lost(&[(0, a)], &[7]).is_empty());
+    }
+
+    #[test]
+    fn the_memory_keeps_twice_the_window_newest_last() {
+        let m = Acked::new(2);
+        let prints: Vec<AckPrint> = (0..6)
+            .map(|i| print(&delivery(&i.to_string(), None)))
+            .collect();
+        m.acked(1, 7, &prints);
+        m.link_down();
+        // Only the last four (twice the window of two) can be unhandled.
+        assert!(m.take_lost(&[(0, prints[1])], &[7]).is_empty());
+        assert_eq!(m.take_lost(&[(0, prints[2])], &[7]), [(0, 7)]);
+        assert_eq!(m.take_lost(&[(5, prints[5])], &[7]), [(5, 7)]);
+    }
+}
