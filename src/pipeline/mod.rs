@@ -337,6 +337,7 @@ pub fn start<D: Domain>(
         settle: consumer_addr.clone().recipient(),
         leftovers,
         copies: copies.clone(),
+        incarnation,
         predecessors: before,
     });
 

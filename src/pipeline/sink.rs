@@ -57,6 +57,9 @@ pub struct SinkConfig<D: Domain> {
     /// The stage's memory, shared with its consumer: what the stages before it on the queue
     /// acked whose acks may be lost (`acked.rs`).
     pub copies: Arc<super::copies::Copies>,
+    /// This start of the stage (`acked::incarnation`): a redelivery of an ack its own link lost
+    /// uses that entry up, asking nothing (its own table decides it as any copy).
+    pub incarnation: u64,
     /// The stages this process's reloads stopped on the same queue before starting this one
     /// (of the same kind; newest first, at most [`PREDECESSORS`]): what one of them acked may
     /// come again ([`settled_before`]).
@@ -663,7 +666,7 @@ async fn settled_before<D: Domain>(
 ) -> Vec<bool> {
     let mut done = vec![false; deliveries.len()];
     let acked = config.copies.acked();
-    if config.predecessors.is_empty() || !acked.any_lost() {
+    if !acked.any_lost() {
         return done;
     }
     let asked: Vec<(usize, AckPrint)> = deliveries
@@ -676,7 +679,14 @@ async fn settled_before<D: Domain>(
         return done;
     }
     let prints: std::collections::HashMap<usize, AckPrint> = asked.iter().copied().collect();
-    let owners: Vec<u64> = config.predecessors.iter().map(|b| b.incarnation).collect();
+    let owners: Vec<u64> = config
+        .predecessors
+        .iter()
+        .map(|b| b.incarnation)
+        .chain([config.incarnation])
+        .collect();
+    // Its own lost acks' redeliveries are used up here: left, one would be taken for a later
+    // message of the same print once a reload made this stage a predecessor.
     let found = acked.take_lost(&asked, &owners);
     for before in &config.predecessors {
         let decoded: Vec<(usize, D::Record)> = found
