@@ -8,8 +8,8 @@ use super::{Cell, ColType, Mapping, Row};
 use crate::db::error::DbError;
 
 /// One column of a batch, as the array its parameter is sent as.
-pub(super) enum Array {
-    Text(Vec<Option<String>>),
+pub(super) enum Array<'a> {
+    Text(Vec<Option<&'a str>>),
     Uuid(Vec<Option<uuid::Uuid>>),
     Int4(Vec<Option<i32>>),
     Int8(Vec<Option<i64>>),
@@ -17,7 +17,7 @@ pub(super) enum Array {
     Bool(Vec<Option<bool>>),
 }
 
-impl Array {
+impl<'a> Array<'a> {
     pub(super) fn new(ty: ColType, n: usize) -> Self {
         match ty {
             ColType::Text
@@ -33,11 +33,11 @@ impl Array {
         }
     }
 
-    pub(super) fn push(&mut self, cell: &Cell) {
+    pub(super) fn push(&mut self, cell: &'a Cell) {
         match (self, cell) {
             (Array::Text(v), Cell::Text(s) | Cell::Numeric(s))
             | (Array::Text(v), Cell::Timestamptz(s) | Cell::Date(s) | Cell::Jsonb(s)) => {
-                v.push(Some(s.clone()))
+                v.push(Some(s.as_str()))
             }
             (Array::Uuid(v), Cell::Uuid(u)) => v.push(Some(*u)),
             (Array::Int4(v), Cell::Int4(n)) => v.push(Some(*n)),
@@ -72,8 +72,8 @@ impl Array {
 }
 
 /// The parameter arrays of `records`, one per column.
-pub(super) fn arrays(mapping: &Mapping, records: &[&Row]) -> Vec<Array> {
-    let mut arrays: Vec<Array> = mapping
+pub(super) fn arrays<'a>(mapping: &Mapping, records: &[&'a Row]) -> Vec<Array<'a>> {
+    let mut arrays: Vec<Array<'a>> = mapping
         .columns
         .iter()
         .map(|c| Array::new(c.ty, records.len()))
@@ -118,7 +118,7 @@ pub(super) fn key_text(mapping: &Mapping, row: &Row) -> String {
 pub(super) async fn run(
     client: &deadpool_postgres::Client,
     statement: &str,
-    arrays: &[Array],
+    arrays: &[Array<'_>],
     more: &[&(dyn ToSql + Sync)],
 ) -> Result<u64, DbError> {
     let mut params: Vec<&(dyn ToSql + Sync)> = arrays.iter().map(Array::as_param).collect();

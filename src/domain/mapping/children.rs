@@ -397,7 +397,7 @@ impl Child {
     pub(super) async fn insert_all(
         &self,
         client: &deadpool_postgres::Client,
-        arrays: &[Array],
+        arrays: &[Array<'_>],
         rows: usize,
     ) -> Result<(), DbError> {
         let params: Vec<&(dyn ToSql + Sync)> = arrays.iter().map(Array::as_param).collect();
@@ -840,8 +840,8 @@ pub(super) fn child_arrays<'a>(
     child: &Child,
     n: usize,
     records: impl Iterator<Item = (i64, &'a Row)>,
-) -> (Vec<Array>, Vec<i64>) {
-    let mut arrays: Vec<Array> = child.columns.iter().map(|c| Array::new(c.ty, 0)).collect();
+) -> (Vec<Array<'a>>, Vec<i64>) {
+    let mut arrays: Vec<Array<'a>> = child.columns.iter().map(|c| Array::new(c.ty, 0)).collect();
     let mut ords = Vec::new();
     for (ord, r) in records {
         for row in r.1.get(n).into_iter().flatten() {
