@@ -188,25 +188,40 @@ pub const SHOWN_LINES: usize = 5;
 
 impl ReloadError {
     /// The same error on one line (a configuration error may quote several): its lines joined
-    /// with ` | `, for the one error line and the event; past [`SHOWN_LINES`] of them, how
-    /// many more there are (a file of 3,000 pipelines on missing tables made a line of
-    /// 350 KB).
+    /// with ` | `, each at most [`crate::text::SHOWN_MAX`] bytes, for the one error line and
+    /// the event; past [`SHOWN_LINES`] of them, how many more there are and where to see them
+    /// all (a file of 3,000 pipelines on missing tables made a line of 350 KB; review R44 F9:
+    /// "and N more" said nowhere to see them).
     pub fn one_line(self) -> Self {
-        let join = |text: String| {
+        let join = |text: String, all: &str| {
             let lines: Vec<&str> = text
                 .lines()
                 .map(str::trim)
                 .filter(|l| !l.is_empty())
                 .collect();
-            let mut shown = lines[..lines.len().min(SHOWN_LINES)].join(" | ");
+            let mut shown = lines[..lines.len().min(SHOWN_LINES)]
+                .iter()
+                .map(|l| crate::text::shown(l))
+                .collect::<Vec<_>>()
+                .join(" | ");
             if lines.len() > SHOWN_LINES {
-                shown.push_str(&format!(" | and {} more", lines.len() - SHOWN_LINES));
+                shown.push_str(&format!(
+                    " | and {} more ({all})",
+                    lines.len() - SHOWN_LINES
+                ));
             }
             shown
         };
         match self {
-            ReloadError::Config(text) => ReloadError::Config(join(text)),
-            ReloadError::Prepare(text) => ReloadError::Prepare(join(text)),
+            ReloadError::Config(text) => ReloadError::Config(join(
+                text,
+                "`warren config` with this configuration shows them all",
+            )),
+            ReloadError::Prepare(text) => ReloadError::Prepare(join(
+                text,
+                "`warren declare --dry-run` with this configuration names them all, changing \
+                 nothing",
+            )),
             other @ (ReloadError::NoPipeline { .. } | ReloadError::Api { .. }) => other,
         }
     }

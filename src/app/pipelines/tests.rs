@@ -321,3 +321,23 @@ fn a_report_names_what_changed() {
          went back to its queue"
     );
 }
+/// Review R44 F9: a reload refused for many problems says the first five in full, then how
+/// many more and where to see them all; a single line is capped too.
+#[test]
+fn a_refusal_for_many_problems_is_one_short_line() {
+    let many: Vec<String> = (0..3000)
+        .map(|i| format!("w.toml: pipeline p{i}: table shop.t{i} does not exist"))
+        .collect();
+    let line = ReloadError::Prepare(many.join("\n")).one_line().to_string();
+    assert!(line.len() < 2048, "{} bytes: {line}", line.len());
+    assert!(line.contains("pipeline p4: table"), "{line}");
+    assert!(!line.contains("pipeline p5:"), "{line}");
+    assert!(
+        line.contains("and 2995 more") && line.contains("warren declare --dry-run"),
+        "{line}"
+    );
+    let long = ReloadError::Config("x".repeat(40_000))
+        .one_line()
+        .to_string();
+    assert!(long.len() < 2048, "{} bytes", long.len());
+}
