@@ -652,10 +652,14 @@ impl Pipelines {
             .map(|r| r.declared.name.as_str())
             .collect();
         refuse_empty(&running, &wanted)?;
-        if self.base.has_role(Role::Api) {
+        // What this process's HTTP API serves: the pipelines it started with.
+        let served = if self.base.has_role(Role::Api) {
             let api = declared(&self.base).map_err(|e| ReloadError::Config(e.to_string()))?;
             api_kept(&api, &wanted)?;
-        }
+            api
+        } else {
+            Vec::new()
+        };
         let mut report = ReloadReport {
             restart_needed: restart,
             drained: true,
@@ -682,6 +686,13 @@ impl Pipelines {
             self.running.iter().map(|r| &r.declared),
             &wanted,
         ));
+        let removed = self
+            .running
+            .iter()
+            .map(|r| &r.declared)
+            .filter(|d| report.removed.contains(&d.name));
+        let behind = left_behind(removed, &wanted, &self.base.database_schema);
+        report.left_behind = behind;
         let starts: HashSet<&String> = report.added.iter().chain(&report.changed).collect();
         let starting = |name: &String| starts.contains(name);
         // What starts is checked against its tables first, as at start.
@@ -717,6 +728,7 @@ impl Pipelines {
                 .chain(report.unchanged.iter().filter(|n| api_changed(n)))
                 .cloned()
                 .collect();
+            report.api_notes = api_notes(&report.api_unchanged, &served, &wanted);
         }
         Ok(Plan {
             next,
@@ -910,7 +922,9 @@ impl Loaded {
 mod plan;
 #[cfg(test)]
 use plan::Left;
-pub(super) use plan::{ReloadReport, api_kept, left_queues, same};
+pub(super) use plan::{
+    MOVE_CAVEAT, ReloadReport, api_kept, api_notes, left_behind, left_queues, same,
+};
 
 #[cfg(test)]
 mod tests;
