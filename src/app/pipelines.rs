@@ -317,7 +317,8 @@ pub(super) struct Pipelines {
     decisions: mpsc::UnboundedSender<Decision>,
     /// The queue poller of the current pipelines' queues (restarted when they change).
     poller: Option<JoinHandle<()>>,
-    /// The queues it polls: those a reload stops polling have their gauges set to 0.
+    /// The queues it polls: those a reload stops polling leave the scrape
+    /// (`metrics::queues_polled`).
     polled: Vec<String>,
     /// Stages whose series were registered, once each in a process (registering sets the
     /// counters to 0).
@@ -583,12 +584,17 @@ impl Pipelines {
             old.abort();
         }
         // The queues of the pipelines a reload removed (or renamed) are no longer polled: their
-        // gauges go to 0, not frozen at their last value, which kept an alert on a queue no
-        // pipeline serves firing until a restart (review R35g F2). The exporter cannot drop a
-        // series.
-        for gone in self.polled.iter().filter(|q| !queues.contains(q)) {
-            crate::metrics::queue_polled(gone, 0, 0);
-        }
+        // series leave the scrape, neither frozen at their last value, which kept an alert on a
+        // queue no pipeline serves firing until a restart (review R35g F2), nor at 0 consumers,
+        // which fired WarrenMainQueueNoConsumers for a pipeline that no longer exists (review
+        // R44 F8).
+        let gone: Vec<String> = self
+            .polled
+            .iter()
+            .filter(|q| !queues.contains(q))
+            .cloned()
+            .collect();
+        crate::metrics::queues_polled(&queues, &gone);
         self.polled = queues.clone();
         self.poller = Some(tokio::spawn(crate::amqp::monitor::poll_queues(
             self.links.amqp.clone(),
