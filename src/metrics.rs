@@ -745,6 +745,63 @@ pub fn queue_polled(queue: &str, messages: u32, consumers: u32) {
     gauge!(QUEUE_CONSUMERS, "queue" => queue.to_string()).set(consumers as f64);
 }
 
+/// The queues no longer polled since a reload removed (or moved) their pipelines: their series
+/// leave the scrape ([`render`]). The exporter has no way to delete a series (the
+/// metrics-exporter-prometheus 0.18 handle only renders; metrics-rs issue 243), and an idle
+/// timeout would drop every series not updated for a while, the counters at 0 among them.
+static UNPOLLED: Mutex<std::collections::BTreeSet<String>> =
+    Mutex::new(std::collections::BTreeSet::new());
+
+/// `gone` are no longer polled, `polled` are (again): the series of the first leave the scrape,
+/// those of the second are back with their next poll. Exported at 0, a queue of a removed
+/// pipeline fired WarrenMainQueueNoConsumers (critical) for a pipeline that no longer exists
+/// (review R44 F8); frozen at their last value, a depth alert (review R35g F2).
+pub fn queues_polled(polled: &[String], gone: &[String]) {
+    let mut unpolled = UNPOLLED.lock().unwrap_or_else(|p| p.into_inner());
+    for queue in gone {
+        queue_polled(queue, 0, 0);
+        unpolled.insert(queue.clone());
+    }
+    for queue in polled {
+        unpolled.remove(queue);
+    }
+}
+
+/// The scrape: what `handle` renders, without the series of the queues no longer polled
+/// ([`queues_polled`]).
+pub fn render(handle: &PrometheusHandle) -> String {
+    let text = handle.render();
+    let unpolled = UNPOLLED.lock().unwrap_or_else(|p| p.into_inner()).clone();
+    if unpolled.is_empty() {
+        return text;
+    }
+    without_queues(&text, &unpolled)
+}
+
+/// `text` without the lines of `warren_queue_messages` and `warren_queue_consumers` of the
+/// queues `gone` (each line `name{queue="..."} value`, the value escaped as the exporter
+/// writes it).
+fn without_queues(text: &str, gone: &std::collections::BTreeSet<String>) -> String {
+    use metrics_exporter_prometheus::formatting::sanitize_label_value;
+    let series: std::collections::HashSet<String> = gone
+        .iter()
+        .flat_map(|q| {
+            let value = sanitize_label_value(q);
+            [QUEUE_MESSAGES, QUEUE_CONSUMERS].map(|name| format!("{name}{{queue=\"{value}\"}} "))
+        })
+        .collect();
+    text.split_inclusive('\n')
+        .filter(|line| {
+            let series_of = if line.starts_with("warren_queue_") {
+                line.rfind("} ").map(|end| &line[..end + 2])
+            } else {
+                None
+            };
+            !series_of.is_some_and(|s| series.contains(s))
+        })
+        .collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::{STATS, Stage, StageId};
@@ -795,6 +852,31 @@ mod tests {
             ]
         );
         assert!(StageId::new("a", Stage::Main) < StageId::new("a", Stage::Dlq));
+    }
+
+    /// Review R44 F8: the series of the queues no longer polled leave the scrape, exactly
+    /// theirs: another queue whose name starts the same, and every other series, stay.
+    #[test]
+    fn the_series_of_queues_no_longer_polled_leave_the_scrape() {
+        let text = "# TYPE warren_queue_consumers gauge\n\
+                    warren_queue_consumers{queue=\"refunds_queue\"} 0\n\
+                    warren_queue_consumers{queue=\"refunds_queue_2\"} 1\n\
+                    warren_queue_consumers{queue=\"q\\\"x\"} 0\n\
+                    # TYPE warren_queue_messages gauge\n\
+                    warren_queue_messages{queue=\"refunds_queue\"} 5\n\
+                    warren_queue_messages{queue=\"orders_queue\"} 3\n\
+                    warren_messages_received_total{pipeline=\"refunds\",stage=\"main\"} 7\n";
+        let gone = ["refunds_queue".to_string(), "q\"x".to_string()]
+            .into_iter()
+            .collect();
+        assert_eq!(
+            super::without_queues(text, &gone),
+            "# TYPE warren_queue_consumers gauge\n\
+             warren_queue_consumers{queue=\"refunds_queue_2\"} 1\n\
+             # TYPE warren_queue_messages gauge\n\
+             warren_queue_messages{queue=\"orders_queue\"} 3\n\
+             warren_messages_received_total{pipeline=\"refunds\",stage=\"main\"} 7\n"
+        );
     }
 
     /// Two stages' breakers are counted apart: one closing leaves the other open (a bit per

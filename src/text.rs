@@ -3,7 +3,7 @@
 //! [`shown`] is that cut wherever such text reaches an event, a log line or a stored error;
 //! [`percent_decoded`] reads `%XX` escapes as the clients do (the API's path key, a URL's
 //! parameter names when redacting); [`closest`] is the "did you mean" of every error that
-//! names a choice.
+//! names a choice; [`listed`] names the first few of a list in one line.
 //! Neutral ground: the broker link, the database layer and the events all use it, and it
 //! imports nothing of theirs.
 
@@ -19,6 +19,26 @@ pub const SHOWN_MAX: usize = 1024;
 /// field goes through here, so neither grows with what a publisher sends.
 pub fn shown(text: &str) -> Cow<'_, str> {
     capped(text, SHOWN_MAX)
+}
+
+/// How many items of a list one line names before it says how many more ([`listed`]).
+pub const LISTED: usize = 5;
+
+/// `items` for one line: the first [`LISTED`] joined with `, `, then ` and N more` when there
+/// are more. A line that named every problem grew with the configuration (review R44 F9: a
+/// reload of a thousand pipelines on undeclared queues logged one line of 36 KB); the caller
+/// says where to see them all.
+pub fn listed<S: AsRef<str>>(items: &[S]) -> String {
+    let mut line = items
+        .iter()
+        .take(LISTED)
+        .map(AsRef::as_ref)
+        .collect::<Vec<_>>()
+        .join(", ");
+    if items.len() > LISTED {
+        line.push_str(&format!(" and {} more", items.len() - LISTED));
+    }
+    line
 }
 
 /// `text` cut to at most `max` bytes on a character boundary, with `…` when cut.

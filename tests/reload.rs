@@ -1395,18 +1395,30 @@ async fn after_reloads_the_record_and_metrics_say_what_runs() {
             "{link} is on no node"
         );
     }
-    // Its queues are no longer polled: their gauges go to 0, not frozen at their last value
-    // (review R35g F2), though the messages still wait there.
+    // Its queues are no longer polled: their series leave the scrape, neither frozen at their
+    // last value (review R35g F2) nor at 0 consumers, which fired WarrenMainQueueNoConsumers
+    // for a pipeline that no longer exists (review R44 F8), though the messages still wait
+    // there.
+    let queue_series = |queue: String| {
+        let env = &env;
+        async move {
+            let scrape = Scrape::parse(scrape_text(env).await.expect("metrics endpoint"));
+            ["warren_queue_messages", "warren_queue_consumers"]
+                .iter()
+                .map(|name| scrape.matching(name, &[("queue", &queue)]).count())
+                .sum::<usize>()
+        }
+    };
     wait_until(
-        "refunds' queue gauges at 0",
+        "refunds' queue series gone from the scrape",
         Duration::from_secs(20),
         || async {
-            depth(refunds.queue.clone()).await == Some(0.0)
-                && try_metric(&env, "warren_queue_consumers", &[("queue", &refunds.queue)]).await
-                    == Some(0.0)
+            queue_series(refunds.queue.clone()).await == 0
+                && queue_series(refunds.dlq.clone()).await == 0
         },
     )
     .await;
+    assert_eq!(queue_series(orders.queue.clone()).await, 2, "orders' stay");
     assert_eq!(
         env.queue_state(&refunds.queue).await,
         (5, 0),
@@ -1436,6 +1448,13 @@ async fn after_reloads_the_record_and_metrics_say_what_runs() {
         "refunds",
         &ids.into_iter().chain(held).collect(),
         &warren,
+    )
+    .await;
+    // Polled again, its queues' series are back.
+    wait_until(
+        "refunds' queue series back",
+        Duration::from_secs(20),
+        || async { queue_series(refunds.queue.clone()).await == 2 },
     )
     .await;
 

@@ -52,10 +52,34 @@ pub enum ControlError {
         "pipeline {name:?} is being removed by a reload in progress: there is nothing to pause or resume (added again later, it starts as the instance's pause says)"
     )]
     Removing { name: String },
+    /// `scale`, `rate` or `concurrency` without `--pipeline` while a reload in progress stops
+    /// and starts pipelines again (`again`): they start with their entries' values, so the
+    /// command would miss them; refused whole (review R44 F4: answered `executed`).
+    #[error(
+        "{command} applies to every pipeline, and a reload in progress stops and starts again {}: they start with their entries' values, not this command's, so nothing was applied; send it again once the reload is done (`warren events --type reloaded`){}",
+        quoted(again),
+        if kept.is_empty() { String::new() } else { format!(", or name the pipelines it keeps with --pipeline ({})", kept.join(", ")) }
+    )]
+    ReloadingSome {
+        command: Command,
+        again: Vec<String>,
+        kept: Vec<String>,
+    },
     /// A reload that changed nothing: the configuration does not load or check, or a table
     /// does not fit.
     #[error("reload failed, nothing changed: {0}")]
     Reload(#[from] ReloadError),
+}
+
+/// `pipeline "a"`, `pipelines "a", "b"`: names as the refusals quote them.
+fn quoted(names: &[String]) -> String {
+    let list: Vec<String> = names.iter().map(|n| format!("{n:?}")).collect();
+    let list = crate::text::listed(&list);
+    if names.len() == 1 {
+        format!("pipeline {list}")
+    } else {
+        format!("pipelines {list}")
+    }
 }
 
 /// What an applied command says beside `executed` (a reload's changes), or why it failed.
@@ -71,7 +95,8 @@ pub(super) type Control = (CtlCommand, Command, oneshot::Sender<Answer>);
 /// whether it removes it: their stages are not in `pipelines`; a pause or resume of one it
 /// starts again by name changes its hold (the pipeline started again takes it), of one it
 /// removes is refused ([`ControlError::Removing`]), anything else naming one is refused
-/// ([`ControlError::Reloading`]).
+/// ([`ControlError::Reloading`]); a `scale`, `rate` or `concurrency` for every pipeline while it
+/// starts some again is refused too, naming them ([`ControlError::ReloadingSome`]).
 pub(super) fn apply(
     command: Command,
     pipeline: Option<&str>,
@@ -126,6 +151,33 @@ pub(super) fn apply(
         }
     };
     let whole = pipeline.is_none();
+    // For every pipeline, while a reload stops and starts some again: those start with their
+    // entries' values, so a scale or a rate would miss them (a pause is the holds', which they
+    // take). Those it only removes miss nothing.
+    let again: Vec<String> = reloading
+        .iter()
+        .filter(|(_, removed)| !removed)
+        .map(|(name, _)| name.clone())
+        .collect();
+    if whole
+        && !again.is_empty()
+        && matches!(
+            command,
+            Command::Scale { .. } | Command::Rate { .. } | Command::Concurrency { .. }
+        )
+    {
+        let mut kept: Vec<String> = Vec::new();
+        for p in pipelines {
+            if !kept.iter().any(|k| k == p.id.pipeline()) {
+                kept.push(p.id.pipeline().to_string());
+            }
+        }
+        return Err(ControlError::ReloadingSome {
+            command,
+            again,
+            kept,
+        });
+    }
     // `paused` / `resumed`: once for the instance, or once for the pipeline named.
     let announce = |kind: Kind| {
         events::emit(pipeline, kind);
@@ -353,6 +405,69 @@ mod tests {
         assert!(
             waits.contains("is being stopped or started again"),
             "{waits}"
+        );
+    }
+
+    /// Review R44 F4: `scale`, `rate` or `concurrency` for every pipeline while a reload stops
+    /// and starts a pipeline again was answered `executed`, though that pipeline starts with
+    /// its entry's values: refused, naming it and why, nothing applied. A reload that only
+    /// removes pipelines leaves nothing to miss the command.
+    #[test]
+    fn a_command_for_every_pipeline_during_a_reload_names_what_would_miss_it() {
+        let (report, _) = watch::channel(Report {
+            status: Status::Running,
+            processors: 1,
+            rate_limit_per_s: 0,
+        });
+        let mut holds = Holds::default();
+        let reloading = [("gone".to_string(), true), ("again".to_string(), false)];
+        for command in [
+            Command::Rate { per_s: 5 },
+            Command::Scale { processors: 2 },
+            Command::Concurrency {
+                min: Some(1),
+                max: Some(2),
+            },
+        ] {
+            let refused = apply(command, None, &[], &reloading, &mut holds, &report, 8)
+                .map_err(|e| e.to_string());
+            let Err(refused) = refused else {
+                panic!("{command}: {refused:?}, though pipeline again misses it");
+            };
+            assert!(
+                refused.contains("\"again\"")
+                    && refused.contains("reload in progress")
+                    && refused.contains("nothing was applied"),
+                "{refused}"
+            );
+            assert!(!refused.contains("\"gone\""), "{refused}");
+        }
+        assert_eq!(report.borrow().rate_limit_per_s, 0, "nothing applied");
+        // The instance's pause is the holds', which what a reload starts takes.
+        assert_eq!(
+            apply(
+                Command::Pause,
+                None,
+                &[],
+                &reloading,
+                &mut holds,
+                &report,
+                8
+            ),
+            Ok(())
+        );
+        let removing = [("gone".to_string(), true)];
+        assert_eq!(
+            apply(
+                Command::Rate { per_s: 5 },
+                None,
+                &[],
+                &removing,
+                &mut holds,
+                &report,
+                8
+            ),
+            Ok(())
         );
     }
 

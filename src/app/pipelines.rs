@@ -188,25 +188,40 @@ pub const SHOWN_LINES: usize = 5;
 
 impl ReloadError {
     /// The same error on one line (a configuration error may quote several): its lines joined
-    /// with ` | `, for the one error line and the event; past [`SHOWN_LINES`] of them, how
-    /// many more there are (a file of 3,000 pipelines on missing tables made a line of
-    /// 350 KB).
+    /// with ` | `, each at most [`crate::text::SHOWN_MAX`] bytes, for the one error line and
+    /// the event; past [`SHOWN_LINES`] of them, how many more there are and where to see them
+    /// all (a file of 3,000 pipelines on missing tables made a line of 350 KB; review R44 F9:
+    /// "and N more" said nowhere to see them).
     pub fn one_line(self) -> Self {
-        let join = |text: String| {
+        let join = |text: String, all: &str| {
             let lines: Vec<&str> = text
                 .lines()
                 .map(str::trim)
                 .filter(|l| !l.is_empty())
                 .collect();
-            let mut shown = lines[..lines.len().min(SHOWN_LINES)].join(" | ");
+            let mut shown = lines[..lines.len().min(SHOWN_LINES)]
+                .iter()
+                .map(|l| crate::text::shown(l))
+                .collect::<Vec<_>>()
+                .join(" | ");
             if lines.len() > SHOWN_LINES {
-                shown.push_str(&format!(" | and {} more", lines.len() - SHOWN_LINES));
+                shown.push_str(&format!(
+                    " | and {} more ({all})",
+                    lines.len() - SHOWN_LINES
+                ));
             }
             shown
         };
         match self {
-            ReloadError::Config(text) => ReloadError::Config(join(text)),
-            ReloadError::Prepare(text) => ReloadError::Prepare(join(text)),
+            ReloadError::Config(text) => ReloadError::Config(join(
+                text,
+                "`warren config` with this configuration shows them all",
+            )),
+            ReloadError::Prepare(text) => ReloadError::Prepare(join(
+                text,
+                "`warren declare --dry-run` with this configuration names them all, changing \
+                 nothing",
+            )),
             other @ (ReloadError::NoPipeline { .. } | ReloadError::Api { .. }) => other,
         }
     }
@@ -302,7 +317,8 @@ pub(super) struct Pipelines {
     decisions: mpsc::UnboundedSender<Decision>,
     /// The queue poller of the current pipelines' queues (restarted when they change).
     poller: Option<JoinHandle<()>>,
-    /// The queues it polls: those a reload stops polling have their gauges set to 0.
+    /// The queues it polls: those a reload stops polling leave the scrape
+    /// (`metrics::queues_polled`).
     polled: Vec<String>,
     /// Stages whose series were registered, once each in a process (registering sets the
     /// counters to 0).
@@ -574,12 +590,17 @@ impl Pipelines {
             old.abort();
         }
         // The queues of the pipelines a reload removed (or renamed) are no longer polled: their
-        // gauges go to 0, not frozen at their last value, which kept an alert on a queue no
-        // pipeline serves firing until a restart (review R35g F2). The exporter cannot drop a
-        // series.
-        for gone in self.polled.iter().filter(|q| !queues.contains(q)) {
-            crate::metrics::queue_polled(gone, 0, 0);
-        }
+        // series leave the scrape, neither frozen at their last value, which kept an alert on a
+        // queue no pipeline serves firing until a restart (review R35g F2), nor at 0 consumers,
+        // which fired WarrenMainQueueNoConsumers for a pipeline that no longer exists (review
+        // R44 F8).
+        let gone: Vec<String> = self
+            .polled
+            .iter()
+            .filter(|q| !queues.contains(q))
+            .cloned()
+            .collect();
+        crate::metrics::queues_polled(&queues, &gone);
         self.polled = queues.clone();
         self.poller = Some(tokio::spawn(crate::amqp::monitor::poll_queues(
             self.links.amqp.clone(),
@@ -643,10 +664,14 @@ impl Pipelines {
             .map(|r| r.declared.name.as_str())
             .collect();
         refuse_empty(&running, &wanted)?;
-        if self.base.has_role(Role::Api) {
+        // What this process's HTTP API serves: the pipelines it started with.
+        let served = if self.base.has_role(Role::Api) {
             let api = declared(&self.base).map_err(|e| ReloadError::Config(e.to_string()))?;
             api_kept(&api, &wanted)?;
-        }
+            api
+        } else {
+            Vec::new()
+        };
         let mut report = ReloadReport {
             restart_needed: restart,
             drained: true,
@@ -673,6 +698,13 @@ impl Pipelines {
             self.running.iter().map(|r| &r.declared),
             &wanted,
         ));
+        let removed = self
+            .running
+            .iter()
+            .map(|r| &r.declared)
+            .filter(|d| report.removed.contains(&d.name));
+        let behind = left_behind(removed, &wanted, &self.base.database_schema);
+        report.left_behind = behind;
         let starts: HashSet<&String> = report.added.iter().chain(&report.changed).collect();
         let starting = |name: &String| starts.contains(name);
         // What starts is checked against its tables first, as at start.
@@ -708,6 +740,7 @@ impl Pipelines {
                 .chain(report.unchanged.iter().filter(|n| api_changed(n)))
                 .cloned()
                 .collect();
+            report.api_notes = api_notes(&report.api_unchanged, &served, &wanted);
         }
         Ok(Plan {
             next,
@@ -896,7 +929,9 @@ impl Loaded {
 mod plan;
 #[cfg(test)]
 use plan::Left;
-pub(super) use plan::{ReloadReport, api_kept, left_queues, same};
+pub(super) use plan::{
+    MOVE_CAVEAT, ReloadReport, api_kept, api_notes, left_behind, left_queues, same,
+};
 
 #[cfg(test)]
 mod tests;

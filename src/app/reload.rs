@@ -248,11 +248,16 @@ fn reloaded(by: &str, report: &ReloadReport) -> Answer {
     }
     if !report.api_unchanged.is_empty() {
         warn!(by, pipelines = %report.api_unchanged.join(", "),
-            "reload: the HTTP API serves the pipelines it started with until a restart");
+            "reload: the HTTP API serves the pipelines it started with until a restart: {}",
+            report.api_notes.join("; "));
     }
     if !report.left_queues.is_empty() {
         warn!(by, queues = %report.left_queues.join(", "), moves = %report.moves.join("; "),
-            "reload: no pipeline consumes these queues now; what they hold (and what their retry queues dead-letter back to them) waits there until moved");
+            "reload: no pipeline consumes these queues now; what they hold (and what their retry queues dead-letter back to them) waits there until moved; {}",
+            super::pipelines::MOVE_CAVEAT);
+    }
+    for behind in &report.left_behind {
+        warn!(by, "reload: {behind}");
     }
     info!(by, added = %report.added.join(","), removed = %report.removed.join(","),
         changed = %report.changed.join(","), unchanged = %report.unchanged.join(","),

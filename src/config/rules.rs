@@ -205,14 +205,24 @@ pub(super) fn suggest(key: &str, rule: &Rule, value: &Value) -> Option<String> {
     };
     match rule {
         Rule::OrEmpty(inner) => suggest(key, inner, value),
-        Rule::Int { .. } => match value {
-            // `5.0`: the integer it means.
-            Value::Num(_, n) => n
-                .to_f64()
-                .filter(|f| f.fract() == 0.0 && *f >= 0.0 && *f < 1e15)
-                .map(|f| format!("{}", f as u64)),
-            _ => number_hint(text?, key),
-        },
+        Rule::Int { min, max } => {
+            let meant = match value {
+                // `5.0`: the integer it means.
+                Value::Num(_, n) => n
+                    .to_f64()
+                    .filter(|f| f.fract() == 0.0 && *f >= 0.0 && *f < 1e15)
+                    .map(|f| format!("{}", f as u64)),
+                _ => number_hint(text?, key),
+            }?;
+            // Only a value the setting takes: the integer meant is no suggestion when it is
+            // outside the range too (review R44 F2: `proc_concurrency = 1e3`, range 1 to 256, was
+            // answered "did you mean 1000?"); the error names the range anyway.
+            meant
+                .parse::<u64>()
+                .ok()
+                .filter(|n| (*min..=*max).contains(n))
+                .map(|n| n.to_string())
+        }
         Rule::Bool => match value {
             Value::Num(_, n) => n.to_u128().and_then(|n| bool_hint(&n.to_string())),
             _ => bool_hint(text?),

@@ -918,3 +918,43 @@ fn the_api_and_the_metrics_listener_on_one_address_are_refused() {
     ])
     .expect("port 0: each listener gets a free port of its own");
 }
+
+/// Review R44 F2: the value a refused number probably meant is offered only when the setting
+/// takes it. `1e3` (a float) and `"1,000"` (separated) mean 1000, outside the 1 to 256 of a
+/// concurrency: no "did you mean 1000?", the error names the setting, the value and the range;
+/// a meant value inside the range is still offered.
+#[test]
+fn a_suggestion_is_a_value_the_setting_takes_or_none() {
+    let from_file = |text: &str| {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("w.toml");
+        std::fs::write(&path, text).unwrap();
+        Settings::load(&Sources {
+            file: Some(path),
+            use_env: false,
+            ..Sources::default()
+        })
+        .unwrap_err()
+        .to_string()
+    };
+    for (text, got) in [
+        ("proc_concurrency = 1e3\n", "got 1000.0"),
+        ("proc_concurrency = \"1,000\"\n", "got \"1,000\""),
+        ("batch_concurrency = 100.0\n", "got 100.0"),
+        (
+            "[[pipelines]]\nname = \"orders\"\ntable = \"orders\"\nkey = [\"id\"]\n\
+             proc_concurrency = 1e3\n[pipelines.columns]\nid = { path = \"/id\", type = \"uuid\" }\n",
+            "got 1000.0",
+        ),
+    ] {
+        let err = from_file(text);
+        assert!(
+            err.contains("expected an integer from 1 to ") && err.contains(got),
+            "{text}: {err}"
+        );
+        assert!(err.contains("concurrency"), "{text}: {err}");
+        assert!(!err.contains("did you mean"), "{text}: {err}");
+    }
+    let err = from_file("proc_concurrency = \"1_00\"\n");
+    assert!(err.contains("(did you mean 100?)"), "{err}");
+}

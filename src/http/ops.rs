@@ -153,7 +153,7 @@ async fn answer(
 
 /// The Prometheus text exposition, rendered off the runtime's thread (it walks every series).
 async fn scrape(metrics: PrometheusHandle) -> Response<Full<Bytes>> {
-    match tokio::task::spawn_blocking(move || metrics.render()).await {
+    match tokio::task::spawn_blocking(move || crate::metrics::render(&metrics)).await {
         Ok(text) => {
             let mut response = Response::new(Full::new(Bytes::from(text)));
             response.headers_mut().insert(

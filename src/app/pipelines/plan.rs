@@ -1,6 +1,7 @@
 //! A reload's plan, apart from the running pipelines: what counts as a pipeline's change
 //! ([`same`]), what the process's HTTP API needs kept ([`api_kept`]), the queues a reload leaves
-//! ([`left_queues`]) and the report of what it did ([`ReloadReport`]).
+//! ([`left_queues`]), what a removed pipeline leaves under its name ([`left_behind`]), what the
+//! API does until a restart ([`api_notes`]) and the report of what it did ([`ReloadReport`]).
 
 use std::collections::HashSet;
 
@@ -144,6 +145,79 @@ pub(in crate::app) fn left_queues<'a>(
         .collect()
 }
 
+/// What the advice to move a left queue adds (review R44 F1): after an unanswered close the old
+/// stage's last acks may be lost, and those messages come back to the left queue, stored
+/// already, once the broker drops the link; moved to a pipeline on another table, they are
+/// stored again there (review R42b F8).
+pub(in crate::app) const MOVE_CAVEAT: &str = "before a move, if a stopped stage warned \"the \
+     broker link did not answer its close\", wait until the broker dropped that link \
+     (AMQP_HEARTBEAT_S): its last acks may not have reached the broker, which then puts those \
+     messages, stored already by the old stage, back in its queue, and a move republishes them \
+     as new messages (a pipeline on another table stores them again: where the table changed, \
+     drain the queue with the old configuration instead)";
+
+/// What the pipelines `removed` leave behind under their names, one sentence each, for the
+/// reload's report (review R44 F7: a rename by reload was silent about them). A pipeline's
+/// parked messages are `dead_letters` rows filed under its name: the pipeline of another name
+/// neither lists nor replays them, and parks what it refuses under its own name. With deletes,
+/// its tombstones are in `<schema>.tombstones_<name>`, which the pipeline now writing its table
+/// (of another name) does not read: an older copy of a deleted row (retried, in the DLQ,
+/// parked and replayed) writes the row again.
+pub(in crate::app) fn left_behind<'a>(
+    removed: impl Iterator<Item = &'a Declared>,
+    wanted: &[Declared],
+    schema: &str,
+) -> Vec<String> {
+    removed
+        .map(|r| {
+            let name = &r.name;
+            let mut said = format!(
+                "pipeline {name}'s parked messages, if any, stay filed under {name} (`warren dlq \
+                 --pipeline {name} parked list` lists them; a replay needs a configuration that \
+                 declares {name})"
+            );
+            if r.spec.mapping.delete.is_some() {
+                let table = &r.spec.mapping.table;
+                let now = wanted
+                    .iter()
+                    .find(|d| &d.spec.mapping.table == table)
+                    .map_or("no pipeline".to_string(), |d| {
+                        format!("pipeline {}", d.name)
+                    });
+                said.push_str(&format!(
+                    ", and its tombstones stay in {schema}.tombstones_{name}, which {now} (writing \
+                     {table}) does not read: its deletes no longer hold back older copies of \
+                     the rows (a retried, dead-lettered or replayed one writes a deleted row \
+                     again); move them to the new name with warren stopped, or drop the table \
+                     (docs/pipelines.md#deletes, \"A renamed or removed pipeline\")"
+                ));
+            }
+            said
+        })
+        .collect()
+}
+
+/// What the HTTP API does until a restart for each pipeline of `changed` (added, changed or
+/// with other `api` keys, with `api = true` before or after), whose API `served` says it
+/// started with: a pipeline it did not serve answers 404 (review R44 F10: silent); one it
+/// served is served as it started.
+pub(in crate::app) fn api_notes(
+    changed: &[String],
+    served: &[Declared],
+    wanted: &[Declared],
+) -> Vec<String> {
+    let is_api = |name: &String| wanted.iter().any(|d| &d.name == name && d.spec.api.enabled);
+    let was_served = |name: &String| served.iter().any(|d| &d.name == name && d.spec.api.enabled);
+    changed
+        .iter()
+        .map(|name| match (was_served(name), is_api(name)) {
+            (false, _) => format!("/api/v1/{name} answers 404 until then"),
+            (true, false) => format!("/api/v1/{name} is still served until then"),
+            (true, true) => format!("/api/v1/{name} checks and publishes as it started until then"),
+        })
+        .collect()
+}
+
 /// A queue a reload leaves ([`left_queues`]).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(in crate::app) struct Left {
@@ -167,6 +241,13 @@ pub(in crate::app) struct ReloadReport {
     /// Added, removed or changed pipelines with `api = true`: the HTTP API serves the pipelines
     /// it started with until a restart.
     pub api_unchanged: Vec<String>,
+    /// What each of [`ReloadReport::api_unchanged`] means for its routes until a restart
+    /// ([`api_notes`]): `/api/v1/refunds answers 404 ...` for one the API did not serve at the
+    /// start (review R44 F10: silent).
+    pub api_notes: Vec<String>,
+    /// What each removed pipeline leaves behind under its name ([`left_behind`]): its parked
+    /// messages, its tombstones (review R44 F7: a rename was silent about them).
+    pub left_behind: Vec<String>,
     /// Whether every stage it stopped settled all its deliveries within `SHUTDOWN_TIMEOUT_MS`
     /// (what one did not settle goes back to its queue).
     pub drained: bool,
@@ -232,9 +313,17 @@ impl ReloadReport {
         }
         if !self.left_queues.is_empty() {
             parts.push(format!(
-                "no pipeline consumes {} now: what they hold waits there until moved ({})",
+                "no pipeline consumes {} now: what they hold waits there until moved ({}); {}",
                 self.left_queues.join(", "),
-                self.moves.join("; ")
+                self.moves.join("; "),
+                MOVE_CAVEAT
+            ));
+        }
+        parts.extend(self.left_behind.iter().cloned());
+        if !self.api_notes.is_empty() {
+            parts.push(format!(
+                "the HTTP API serves the pipelines it started with until a restart: {}",
+                self.api_notes.join("; ")
             ));
         }
         if !self.drained {

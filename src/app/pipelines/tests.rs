@@ -321,3 +321,120 @@ fn a_report_names_what_changed() {
          went back to its queue"
     );
 }
+
+/// Review R44 F9: a reload refused for many problems says the first five in full, then how
+/// many more and where to see them all; a single line is capped too.
+#[test]
+fn a_refusal_for_many_problems_is_one_short_line() {
+    let many: Vec<String> = (0..3000)
+        .map(|i| format!("w.toml: pipeline p{i}: table shop.t{i} does not exist"))
+        .collect();
+    let line = ReloadError::Prepare(many.join("\n")).one_line().to_string();
+    assert!(line.len() < 2048, "{} bytes: {line}", line.len());
+    assert!(line.contains("pipeline p4: table"), "{line}");
+    assert!(!line.contains("pipeline p5:"), "{line}");
+    assert!(
+        line.contains("and 2995 more") && line.contains("warren declare --dry-run"),
+        "{line}"
+    );
+    let long = ReloadError::Config("x".repeat(40_000))
+        .one_line()
+        .to_string();
+    assert!(long.len() < 2048, "{} bytes", long.len());
+}
+
+/// Review R44 F1: the advice to move a queue a reload left says to wait for the old stage's
+/// link to end after an unanswered close, or a move republishes what it already stored.
+#[test]
+fn the_advice_to_move_a_left_queue_warns_of_an_unanswered_close() {
+    let report = ReloadReport {
+        removed: vec!["orders".into()],
+        left_queues: vec!["orders_queue (orders)".into()],
+        moves: vec!["warren move --from orders_queue --to EXCHANGE/ROUTING_KEY".into()],
+        left_names: vec!["orders_queue".into()],
+        drained: true,
+        ..ReloadReport::default()
+    };
+    let summary = report.summary();
+    assert!(
+        summary.contains("warren move --from orders_queue")
+            && summary.contains("did not answer its close")
+            && summary.contains("AMQP_HEARTBEAT_S"),
+        "{summary}"
+    );
+}
+
+/// The running set of `settings` (roles `api`: no stage starts, nothing connects) and what a
+/// reload to `next` plans.
+async fn planned(settings: Settings, next: Settings) -> Result<Plan, ReloadError> {
+    let pool = crate::db::pool(&settings.database()).unwrap();
+    let (decisions, _) = mpsc::unbounded_channel();
+    let (records, _) = watch::channel(Vec::new());
+    let running = declared(&settings).unwrap();
+    let pipelines = Pipelines::start(
+        settings,
+        running,
+        pool,
+        Depths::default(),
+        decisions,
+        records,
+    );
+    let loaded = Loaded {
+        wanted: declared(&next).unwrap(),
+        next,
+        restart: Vec::new(),
+    };
+    pipelines.plan(loaded)
+}
+
+const ORDERS_DELETES: &str = r#"
+roles = "api"
+[[pipelines]]
+name = "orders"
+table = "orders"
+key = ["id"]
+on_conflict = "update"
+version_column = "version"
+delete = { field = "/op", value = "delete" }
+[pipelines.columns]
+id = { path = "/id", type = "uuid" }
+version = { path = "/version", type = "int8" }
+"#;
+
+/// Review R44 F7: a reload renaming a pipeline with deletes says what the old name leaves: its
+/// tombstones, in a table the new name does not read, and its parked messages, filed under
+/// the old name.
+#[tokio::test]
+async fn a_reload_renaming_a_pipeline_with_deletes_says_what_the_old_name_leaves() {
+    let renamed = ORDERS_DELETES.replace(r#"name = "orders""#, r#"name = "sales""#);
+    let plan = planned(with(ORDERS_DELETES), with(&renamed)).await.unwrap();
+    assert_eq!(plan.report.removed, ["orders"]);
+    let summary = plan.report.summary();
+    assert!(
+        summary.contains("public.tombstones_orders") && summary.contains("sales"),
+        "{summary}"
+    );
+    assert!(
+        summary.contains("parked") && summary.contains("--pipeline orders"),
+        "{summary}"
+    );
+}
+
+/// Review R44 F10: a reload adding a pipeline with `api = true` on an instance that runs the
+/// API says in its answer that the API serves it only after a restart (its routes answer 404
+/// until then).
+#[tokio::test]
+async fn a_reload_adding_a_pipeline_with_the_api_says_it_waits_for_a_restart() {
+    let with_api = format!(
+        "roles = \"api\"\n{}",
+        ORDERS.replace("batch_size = 50", "batch_size = 50\napi = true")
+    );
+    let base = with("roles = \"api\"\n");
+    let plan = planned(base, with(&with_api)).await.unwrap();
+    assert_eq!(plan.report.added, ["orders"]);
+    let summary = plan.report.summary();
+    assert!(
+        summary.contains("until a restart: /api/v1/orders answers 404 until then"),
+        "{summary}"
+    );
+}
