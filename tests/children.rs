@@ -1717,3 +1717,41 @@ async fn guards_under_the_child_table_and_rules_created_while_warren_runs_are_se
         .get(0);
     assert_eq!(version, 1, "nothing of b's newer version written");
 }
+
+/// Review R45 F1: the usual rule that keeps rows, `DO INSTEAD NOTHING` on DELETE (no
+/// RETURNING), makes PostgreSQL refuse warren's `DELETE ... RETURNING` (0A000): the refusal is
+/// the message's, for good, its reason naming the rule; a new key, which deletes nothing,
+/// still goes in. On the old code the refusal was taken for a passing error: retried in place,
+/// the breaker opened, every retry tier spent, then parked `retries_exhausted`.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_rule_without_returning_refuses_a_replacement_for_good() {
+    let env = TestEnv::new("ch_rule_nothing").await;
+    tables(&env).await;
+    let pool = pool(&env).await;
+    let m = update();
+    let a = Uuid::new_v4();
+    insert(&m, &pool, &[order(a, 1, &[("A", 1)])])
+        .await
+        .expect("a's first version");
+    env.db
+        .batch_execute("CREATE RULE no_deletes AS ON DELETE TO order_items DO INSTEAD NOTHING")
+        .await
+        .expect("the rule");
+    match insert(&m, &pool, &[order(a, 2, &[("B", 1)])]).await {
+        Err(e) => {
+            assert_eq!(e.class(), warren::db::ErrorClass::Permanent, "{e}");
+            assert!(
+                e.short_reason().contains("a DO INSTEAD rule without RETURNING"),
+                "{}",
+                e.short_reason()
+            );
+        }
+        Ok(done) => panic!("a's newer version stored under a rule that keeps rows: {done:?}"),
+    }
+    assert_eq!(items(&env, a).await, owned(&[(1, "A", 1)]));
+    let b = Uuid::new_v4();
+    let done = insert(&m, &pool, &[order(b, 1, &[("N", 1)])])
+        .await
+        .expect("a new key deletes nothing and goes in");
+    assert_eq!(done.rows, 1, "{done:?}");
+}

@@ -44,6 +44,9 @@ pub enum DbError {
     Migration(String),
 }
 
+/// The most bytes of a reason ([`DbError::short_reason`]).
+pub const REASON_CAP: usize = 1024;
+
 impl DbError {
     pub fn from_pg(e: tokio_postgres::Error) -> Self {
         match e.as_db_error() {
@@ -91,6 +94,11 @@ impl DbError {
 
     pub fn class(&self) -> ErrorClass {
         match self {
+            // A DO INSTEAD rule without RETURNING on the table (`cannot perform DELETE RETURNING
+            // on relation "order_items"`): the statement cannot work on the table as it is, for
+            // the messages that need it; the rest of the batch can (review R45 F1: retried as
+            // transient, it opened the breaker and spent every retry tier on each message).
+            DbError::Server { .. } if self.is_returning_refused() => ErrorClass::Permanent,
             DbError::Server { code, .. } => classify_sqlstate(code),
             DbError::Connection(_) | DbError::Outlasted { .. } => ErrorClass::Transient,
             DbError::Config(_) | DbError::Migration(_) => ErrorClass::Systemic,
@@ -132,6 +140,14 @@ impl DbError {
             .is_some_and(|code| code == "25006" || code.starts_with("57P"))
     }
 
+    /// Whether the server refused a statement's `RETURNING` on a table (0A000 `cannot perform
+    /// DELETE RETURNING on relation ...`): a DO INSTEAD rule without a RETURNING clause on it.
+    pub fn is_returning_refused(&self) -> bool {
+        matches!(self, DbError::Server { code, message }
+            if code == "0A000" && message.starts_with("cannot perform ")
+                && message.contains(" RETURNING on relation "))
+    }
+
     /// Whether the server refused a prepared statement because a table it reads or writes
     /// changed under it (`ALTER TABLE .. ALTER .. TYPE`): 0A000 `cached plan must not change
     /// result type`. The statement, not the row nor the moment, is at fault: it fails the same
@@ -167,12 +183,19 @@ impl DbError {
     /// A short reason for headers and logs: `db_error: connection refused`.
     pub fn short_reason(&self) -> String {
         let text = match self {
+            DbError::Server { code, message } if self.is_returning_refused() => format!(
+                "{code} {message} (a DO INSTEAD rule without RETURNING on that table: warren \
+                 needs the rows a statement writes or deletes returned; drop the rule, or give \
+                 it a RETURNING clause)"
+            ),
             DbError::Server { code, message } => format!("{code} {message}"),
             other => other.to_string(),
         };
         let mut reason = format!("db_error: {text}");
-        if reason.len() > 200 {
-            let mut cut = 200;
+        // The 1 KiB every reason is capped at (`x-retry-reason`, `x-error-reason`, parking):
+        // cut at 200, warren's own reasons lost their second half, what to do (review R45 F2).
+        if reason.len() > REASON_CAP {
+            let mut cut = REASON_CAP;
             while !reason.is_char_boundary(cut) {
                 cut -= 1;
             }
@@ -318,7 +341,7 @@ mod tests {
         assert!(e.server_answered(), "counted as a DLQ attempt");
         assert!(!e.discards_connection(), "already dropped");
         let reason = e.short_reason();
-        assert!(reason.len() <= 200, "{reason}");
+        assert!(reason.len() <= REASON_CAP, "{reason}");
         assert!(
             reason.contains("5000 ms") && reason.contains("DATABASE_STATEMENT_TIMEOUT_MS"),
             "{reason}"
@@ -370,11 +393,31 @@ mod tests {
     }
 
     #[test]
+    fn a_rule_without_returning_refuses_the_messages_not_the_moment() {
+        let e = DbError::Server {
+            code: "0A000".into(),
+            message: "cannot perform DELETE RETURNING on relation \"order_items\"".into(),
+        };
+        assert_eq!(e.class(), ErrorClass::Permanent);
+        assert!(e.short_reason().contains("DO INSTEAD rule"), "{}", e.short_reason());
+        // Other 0A000 stay as they were: a stale plan is replanned, the rest retried.
+        let stale = DbError::Server {
+            code: "0A000".into(),
+            message: "cached plan must not change result type".into(),
+        };
+        assert_eq!(stale.class(), ErrorClass::Transient);
+        assert!(stale.is_stale_plan());
+    }
+
+    #[test]
     fn connection_errors_are_transient_and_reasons_are_short() {
         let e = DbError::Connection("connection refused".into());
         assert!(e.is_transient());
         assert_eq!(e.short_reason(), "db_error: connection refused");
-        let long = DbError::Connection("é".repeat(300));
-        assert!(long.short_reason().len() <= 200);
+        let long = DbError::Connection("é".repeat(1000));
+        assert!(long.short_reason().len() <= REASON_CAP);
+        // A reason of warren's own is kept whole up to the cap.
+        let own = DbError::Connection("x".repeat(900));
+        assert_eq!(own.short_reason().len(), "db_error: ".len() + 900);
     }
 }
