@@ -1741,7 +1741,8 @@ async fn a_rule_without_returning_refuses_a_replacement_for_good() {
         Err(e) => {
             assert_eq!(e.class(), warren::db::ErrorClass::Permanent, "{e}");
             assert!(
-                e.short_reason().contains("a DO INSTEAD rule without RETURNING"),
+                e.short_reason()
+                    .contains("a DO INSTEAD rule without RETURNING"),
                 "{}",
                 e.short_reason()
             );

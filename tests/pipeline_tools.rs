@@ -444,7 +444,7 @@ async fn pipelines_test_db_refuses_an_order_whose_old_items_a_guard_keeps() {
     assert_eq!(code, 1, "{out}{err}");
     assert!(
         out.lines().any(|l| l.starts_with(
-            "1: db_permanent the database refuses it: 23000 a trigger of order_items kept 1 of \
+            "1: db_permanent the database refuses it: 23000 a trigger or rule of order_items kept 1 of \
              the 2 rows the message removes"
         )),
         "{out}"

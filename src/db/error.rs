@@ -399,7 +399,11 @@ mod tests {
             message: "cannot perform DELETE RETURNING on relation \"order_items\"".into(),
         };
         assert_eq!(e.class(), ErrorClass::Permanent);
-        assert!(e.short_reason().contains("DO INSTEAD rule"), "{}", e.short_reason());
+        assert!(
+            e.short_reason().contains("DO INSTEAD rule"),
+            "{}",
+            e.short_reason()
+        );
         // Other 0A000 stay as they were: a stale plan is replanned, the rest retried.
         let stale = DbError::Server {
             code: "0A000".into(),

@@ -157,8 +157,9 @@ pub(super) const KEPT_CODE: &str = "23000";
 /// removes.
 pub(super) fn kept_message(table: &TableName, done: Deleted) -> String {
     format!(
-        "a trigger of {table} kept {} of the {} rows the message removes (a BEFORE DELETE \
-         trigger that returns NULL, or one that puts the row back): a newer version replaces \
+        "a trigger or rule of {table} kept {} of the {} rows the message removes (a BEFORE \
+         DELETE trigger that returns NULL, one that puts the row back, or a DO INSTEAD rule on \
+         DELETE): a newer version replaces \
          its key's child rows, a delete removes its row and them; warren writes a message \
          whole or not at all; nothing of it was written",
         done.kept, done.meant
