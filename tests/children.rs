@@ -1756,3 +1756,52 @@ async fn a_rule_without_returning_refuses_a_replacement_for_good() {
         .expect("a new key deletes nothing and goes in");
     assert_eq!(done.rows, 1, "{done:?}");
 }
+
+/// Review R45 F4: a DO INSTEAD rule on INSERT of a child table, created while warren runs (the
+/// check at start refuses such a table), took every order's items into another table: each
+/// order stored and acked without its items. Every batch now asks, and the message is refused
+/// whole for good, nothing of it written, with `keep` and with `update`.
+#[tokio::test(flavor = "multi_thread")]
+async fn an_insert_rule_created_while_warren_runs_refuses_the_message_whole() {
+    let env = TestEnv::new("ch_insert_rule").await;
+    tables(&env).await;
+    let pool = pool(&env).await;
+    for (what, m) in [("keep", keep()), ("update", update())] {
+        // A first batch before the rule: its orders and items go in.
+        let a = Uuid::new_v4();
+        insert(&m, &pool, &[order(a, 1, &[("A", 1)])])
+            .await
+            .expect("a batch before the rule");
+        env.db
+            .batch_execute(
+                "CREATE TABLE items_elsewhere (LIKE order_items);
+                 CREATE RULE elsewhere AS ON INSERT TO order_items DO INSTEAD \
+                   INSERT INTO items_elsewhere VALUES (NEW.*) RETURNING items_elsewhere.*",
+            )
+            .await
+            .expect("the rule");
+        let b = Uuid::new_v4();
+        match insert(&m, &pool, &[order(b, 1, &[("B", 2)])]).await {
+            Err(e) => {
+                assert_eq!(e.class(), warren::db::ErrorClass::Permanent, "{e}");
+                assert!(
+                    e.to_string()
+                        .contains("a DO INSTEAD rule on INSERT of order_items"),
+                    "{e}"
+                );
+            }
+            Ok(done) => panic!("{what}: an order stored, its items taken elsewhere: {done:?}"),
+        }
+        let orders = count_of(
+            &env,
+            &format!("SELECT count(*) FROM orders WHERE order_id = '{b}'"),
+        )
+        .await;
+        let elsewhere = count_of(&env, "SELECT count(*) FROM items_elsewhere").await;
+        assert_eq!((orders, elsewhere), (0, 0), "{what}: nothing of b written");
+        env.db
+            .batch_execute("DROP TABLE items_elsewhere CASCADE")
+            .await
+            .expect("drop the rule's table and the rule");
+    }
+}

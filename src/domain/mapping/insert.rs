@@ -245,11 +245,18 @@ async fn with_children(
     let begin = format!("BEGIN; {}", types_on_path(&mapping.table));
     match mapping.on_conflict {
         OnConflict::Keep => {
-            // Every parent new (the common case): the parents, then every child row.
-            client
-                .batch_execute(&begin)
-                .await
-                .map_err(DbError::from_pg)?;
+            // Every parent new (the common case): the parents, then every child row; whether a
+            // rule takes inserted rows elsewhere, asked behind the BEGIN (one round trip).
+            let (begun, rules) = tokio::join!(
+                client.batch_execute(&begin),
+                versions::insert_rules(mapping, client)
+            );
+            begun.map_err(DbError::from_pg)?;
+            if let Err(e) = rules {
+                return end(client, Err::<Option<()>, _>(e))
+                    .await
+                    .map(|_| Inserted::default());
+            }
             let fast = async {
                 let Some(sql) = &st.insert_new else {
                     return Ok(None);
@@ -287,6 +294,7 @@ async fn with_children(
         }
         OnConflict::Update => {
             if mapping.delete.is_some() || versions::partitioned(mapping, client).await? {
+                versions::insert_rules(mapping, client).await?;
                 // Deletes: every batch through the probe, under a lock per key; a partitioned
                 // table too (its insert returns no system column).
                 return versions::write(mapping, st, client, records).await;
@@ -294,6 +302,7 @@ async fn with_children(
             if !mapping.children.is_empty()
                 && mapping.triggers.load(std::sync::atomic::Ordering::Relaxed)
             {
+                versions::insert_rules(mapping, client).await?;
                 // A trigger may write the parent row under another key than the message's, or
                 // update other parent rows: only the probe can tell which rows its upsert wrote
                 // (`versions::write`), before any child row is written.
@@ -301,14 +310,23 @@ async fn with_children(
             }
             // Whether a trigger was created since: asked in the transaction, behind its BEGIN
             // (one round trip for both).
-            let (begun, triggers) = tokio::join!(client.batch_execute(&begin), async {
-                if mapping.children.is_empty() {
-                    Ok(false)
-                } else {
-                    versions::parent_triggers(mapping, client).await
-                }
-            });
+            let (begun, triggers, rules) = tokio::join!(
+                client.batch_execute(&begin),
+                async {
+                    if mapping.children.is_empty() {
+                        Ok(false)
+                    } else {
+                        versions::parent_triggers(mapping, client).await
+                    }
+                },
+                versions::insert_rules(mapping, client)
+            );
             begun.map_err(DbError::from_pg)?;
+            if let Err(e) = rules {
+                return end(client, Err::<Option<()>, _>(e))
+                    .await
+                    .map(|_| Inserted::default());
+            }
             let key_arrays: Vec<&(dyn ToSql + Sync)> =
                 mapping.key.iter().map(|&i| params[i]).collect();
             let version = mapping.version.map(|v| params[v]);

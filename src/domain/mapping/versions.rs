@@ -461,6 +461,46 @@ pub(super) async fn parent_triggers(
     Ok(found)
 }
 
+/// Refuses the batch when the table of `mapping` with child tables, a child table, or a table
+/// under one has a DO INSTEAD rule on INSERT: the rows written to it go elsewhere, and the
+/// insert's RETURNING answers as if they were there (review R45 F4: a rule created while warren
+/// runs took every order's items into another table, each order stored and acked without
+/// them). The check at start refuses such a table; this one, asked by every batch (behind its
+/// `BEGIN` where there is one), sees a rule created since. The refusal is each message's, for
+/// good (the batch is split, each parked `db_permanent` with this reason), nothing written.
+pub(super) async fn insert_rules(
+    mapping: &Mapping,
+    client: &deadpool_postgres::Client,
+) -> Result<(), DbError> {
+    let tables: Vec<String> = std::iter::once(mapping.table.sql())
+        .chain(mapping.children.iter().map(|c| c.table.sql()))
+        .collect();
+    let tree = whole_delete::tree("SELECT to_regclass(n)::oid FROM unnest($1::text[]) AS n");
+    let statement = client
+        .prepare_cached(&format!(
+            "SELECT rw.ev_class::regclass::text FROM pg_catalog.pg_rewrite AS rw \
+             WHERE rw.ev_class IN {tree} AND rw.ev_type = '3' AND rw.is_instead LIMIT 1"
+        ))
+        .await
+        .map_err(DbError::from_pg)?;
+    let found = client
+        .query_opt(&statement, &[&tables])
+        .await
+        .map_err(DbError::from_pg)?;
+    match found {
+        None => Ok(()),
+        Some(row) => Err(DbError::Server {
+            code: whole_delete::KEPT_CODE.into(),
+            message: format!(
+                "a DO INSTEAD rule on INSERT of {} takes the rows written to it elsewhere \
+                 (created while warren runs: the check at start refuses such a table); warren \
+                 writes a message whole or not at all; nothing of it was written; drop the rule",
+                row.get::<_, String>(0)
+            ),
+        }),
+    }
+}
+
 /// Whether `mapping`'s table is partitioned (asked once): an insert into one cannot return a
 /// system column (`0A000`), which the upsert's fast path tells new rows by (`xmax = 0`), so its
 /// batches go through the probe (review R39-F10: every batch of such an `update` pipeline
