@@ -1805,3 +1805,72 @@ async fn an_insert_rule_created_while_warren_runs_refuses_the_message_whole() {
             .expect("drop the rule's table and the rule");
     }
 }
+
+/// Review R45 F5: a DELETE trigger created after a batch asked about triggers (behind its
+/// BEGIN) and before its delete of the replaced child rows ran (that delete waiting for the
+/// lock the trigger's creator held) fires in the delete: an AFTER DELETE trigger that puts a
+/// shipped line back left the newer version stored beside it. The delete now asks again in its
+/// own statement, and the batch goes through the probe, which counts the rows kept: refused
+/// whole, nothing of it written.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_trigger_created_while_the_delete_waits_for_its_lock_is_counted() {
+    let env = TestEnv::new("ch_trigger_window").await;
+    tables(&env).await;
+    let pool = pool(&env).await;
+    let m = update();
+    let a = Uuid::new_v4();
+    insert(&m, &pool, &[order(a, 1, &[("A", 1), ("SHIP", 1)])])
+        .await
+        .expect("a's first version");
+    env.db
+        .batch_execute(
+            "CREATE FUNCTION put_back() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN \
+               INSERT INTO order_items SELECT * FROM gone WHERE sku = 'SHIP'; RETURN NULL; END $$",
+        )
+        .await
+        .expect("the function");
+    let (locker, connection) = tokio_postgres::connect(&database_url(), tokio_postgres::NoTls)
+        .await
+        .expect("connect");
+    tokio::spawn(connection);
+    locker
+        .batch_execute(&format!(
+            "SET search_path TO {}; BEGIN; LOCK TABLE order_items IN SHARE MODE",
+            env.schema
+        ))
+        .await
+        .expect("lock");
+    let create = async {
+        wait_until(
+            "the batch's delete waiting for the lock",
+            Duration::from_secs(30),
+            || async {
+                let sql = format!(
+                    "SELECT count(*) FROM pg_locks \
+                       WHERE NOT granted AND relation = '{}.order_items'::regclass",
+                    env.schema
+                );
+                count_of(&env, &sql).await > 0
+            },
+        )
+        .await;
+        locker
+            .batch_execute(
+                "CREATE TRIGGER put_back AFTER DELETE ON order_items \
+                   REFERENCING OLD TABLE AS gone FOR EACH STATEMENT EXECUTE FUNCTION put_back(); \
+                 COMMIT",
+            )
+            .await
+            .expect("the trigger, committed");
+    };
+    let newer = [order(a, 2, &[("C", 1)])];
+    let (written, ()) = tokio::join!(insert(&m, &pool, &newer), create);
+    match written {
+        Err(e) => {
+            assert_eq!(e.class(), warren::db::ErrorClass::Permanent, "{e}");
+            assert!(e.to_string().contains("order_items kept 1 of the"), "{e}");
+        }
+        Ok(done) => panic!("a's newer version stored beside the line put back: {done:?}"),
+    }
+    assert_eq!(items(&env, a).await, owned(&[(1, "A", 1), (2, "SHIP", 1)]));
+}

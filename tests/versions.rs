@@ -1439,3 +1439,86 @@ name  = { path = "/name", type = "text" }
         ("ann@x.org".to_string(), 4, "Ann C.".to_string())
     );
 }
+
+/// Review R45 F5, with deletes (every batch through the probe): a DELETE trigger created after
+/// the counted delete asked whether any acts on it, and before the delete itself ran (waiting
+/// for the lock the trigger's creator held), fires in it; the delete asks again in its own
+/// statement, and the rows the trigger put back refuse the message whole. On the old code the
+/// newer version was stored beside the shipped line the trigger put back.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_trigger_created_while_a_counted_delete_waits_for_its_lock_is_counted() {
+    let env = TestEnv::new("ver_trigger_window").await;
+    tables(&env).await;
+    let m = mapping(true, true);
+    m.declare_tombstones(&env.db).await.expect("declare");
+    let pool = pool(&env).await;
+    let key = Uuid::new_v4();
+    let body = |version: i64, items: &[&str]| {
+        Msg {
+            key,
+            version,
+            delete: false,
+            total: "10".into(),
+            items: items.iter().map(|s| s.to_string()).collect(),
+        }
+        .body()
+    };
+    insert(&m, &pool, &[body(1, &["A", "SHIP"])])
+        .await
+        .expect("the first version");
+    env.db
+        .batch_execute(
+            "CREATE FUNCTION put_back() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN \
+               INSERT INTO order_items SELECT * FROM gone WHERE sku = 'SHIP'; RETURN NULL; END $$",
+        )
+        .await
+        .expect("the function");
+    let (locker, connection) = tokio_postgres::connect(&database_url(), tokio_postgres::NoTls)
+        .await
+        .expect("connect");
+    tokio::spawn(connection);
+    locker
+        .batch_execute(&format!(
+            "SET search_path TO {}; BEGIN; LOCK TABLE order_items IN SHARE MODE",
+            env.schema
+        ))
+        .await
+        .expect("lock");
+    let create = async {
+        wait_until(
+            "the delete waiting for the lock",
+            Duration::from_secs(30),
+            || async {
+                let sql = format!(
+                    "SELECT count(*) FROM pg_locks \
+                       WHERE NOT granted AND relation = '{}.order_items'::regclass",
+                    env.schema
+                );
+                count_of(&env, &sql).await > 0
+            },
+        )
+        .await;
+        locker
+            .batch_execute(
+                "CREATE TRIGGER put_back AFTER DELETE ON order_items \
+                   REFERENCING OLD TABLE AS gone FOR EACH STATEMENT EXECUTE FUNCTION put_back(); \
+                 COMMIT",
+            )
+            .await
+            .expect("the trigger, committed");
+    };
+    let newer = [body(2, &["C"])];
+    let (written, ()) = tokio::join!(insert(&m, &pool, &newer), create);
+    match written {
+        Err(e) => {
+            assert_eq!(e.class(), warren::db::ErrorClass::Permanent, "{e}");
+            assert!(e.to_string().contains("order_items kept 1 of the"), "{e}");
+        }
+        Ok(done) => panic!("the newer version stored beside the line put back: {done:?}"),
+    }
+    assert_eq!(
+        items_of(&env, key).await,
+        2,
+        "the first version's items stay"
+    );
+}

@@ -13,9 +13,11 @@
 //!   batch of an `update` pipeline with child tables, new keys included);
 //! - **delete**, answering the rows it deleted and the rows it was to delete (fewer deleted: a
 //!   row-level BEFORE DELETE trigger returned NULL);
-//! - with a DELETE trigger or rule, **left**: the rows still there after it (an AFTER DELETE
-//!   trigger that puts the row back, `INSERT ... VALUES (OLD.*)`, deletes every row and keeps
-//!   them all: review R42a F4; a DO INSTEAD rule created while warren runs: R43 F1).
+//! - with a DELETE trigger or rule (asked again by the delete itself: one created between the
+//!   question and the delete fires in it, review R45 F5), **left**: the rows still there after
+//!   it (an AFTER DELETE trigger that puts the row back, `INSERT ... VALUES (OLD.*)`, deletes
+//!   every row and keeps them all: review R42a F4; a DO INSTEAD rule created while warren runs:
+//!   R43 F1).
 //!
 //! Not seen: a deferred constraint trigger (`DEFERRABLE INITIALLY DEFERRED`) that puts rows
 //! back, which runs at the commit, after the question (review R43 F5, docs/pipelines.md).
@@ -43,6 +45,28 @@ pub(super) fn tree(roots: &str) -> String {
         "(WITH RECURSIVE tree(r) AS ({roots} UNION ALL \
            SELECT i.inhrelid FROM pg_catalog.pg_inherits AS i JOIN tree ON i.inhparent = tree.r) \
          SELECT r FROM tree)"
+    )
+}
+
+/// Whether a DELETE rule of the tables `tree` selects acts on a delete of them: a DO INSTEAD
+/// rule that keeps the row is a guard (review R43 F1: a rule created while warren runs, which
+/// the check at start cannot see, kept a newer version's old child rows beside its own).
+fn delete_rules(tree: &str) -> String {
+    format!(
+        "EXISTS (SELECT 1 FROM pg_catalog.pg_rewrite AS rw WHERE rw.ev_class IN {tree} \
+           AND rw.ev_type = '4')"
+    )
+}
+
+/// Whether any DELETE trigger (enabled, of any kind) or DELETE rule acts on a delete of
+/// `table` (SQL) or a table under it, as a boolean SQL expression: read by a delete statement
+/// itself, it sees what was created while the statement waited for its lock.
+pub(super) fn acted_on(table: &str) -> String {
+    let tree = tree(&format!("SELECT {}::regclass::oid", sql_text(table)));
+    format!(
+        "(EXISTS (SELECT 1 FROM pg_catalog.pg_trigger AS tg WHERE tg.tgrelid IN {tree} \
+           AND NOT tg.tgisinternal AND tg.tgenabled <> 'D' AND tg.tgtype & 8 = 8) OR {})",
+        delete_rules(&tree)
     )
 }
 
@@ -77,13 +101,7 @@ impl CountedDelete {
                (SELECT {alias}.tableoid AS t, {alias}.ctid AS c FROM {table} AS {alias} \
                  WHERE {cond} OFFSET 0) AS x) AS h"
         );
-        // A DELETE rule of the tree acts on it too: a DO INSTEAD rule that keeps the row is a
-        // guard (review R43 F1: a rule created while warren runs, which the check at start
-        // cannot see, kept a newer version's old child rows beside its own).
-        let rules = format!(
-            "EXISTS (SELECT 1 FROM pg_catalog.pg_rewrite AS rw WHERE rw.ev_class IN {tree} \
-               AND rw.ev_type = '4')"
-        );
+        let rules = delete_rules(&tree);
         Self {
             ask: format!(
                 "SELECT EXISTS (SELECT 1 FROM {using} CROSS JOIN LATERAL \
@@ -92,12 +110,19 @@ impl CountedDelete {
             ),
             // The second count is made only when a row-level BEFORE DELETE trigger exists
             // (read in the same statement: a `CASE` runs one branch); else it is the first.
+            // The third column asks again, in the delete's own statement, whether a DELETE
+            // trigger or rule acts on it: one created between the question and the delete (its
+            // lock waited for) fires in it, and must be counted after it (review R45 F5: an AFTER
+            // DELETE trigger committed in that window put a line back, and the newer version
+            // was stored beside it).
             delete: format!(
                 "WITH d AS (DELETE FROM {table} AS {alias} USING {using} WHERE {cond} \
                    RETURNING 1) \
                  SELECT (SELECT count(*) FROM d), CASE WHEN {} \
-                   THEN (SELECT count(*) FROM {rows}) ELSE (SELECT count(*) FROM d) END",
-                triggers(11)
+                   THEN (SELECT count(*) FROM {rows}) ELSE (SELECT count(*) FROM d) END, \
+                   {} OR {rules}",
+                triggers(11),
+                triggers(8)
             ),
             left: format!("SELECT count(*) FROM {rows}"),
         }
@@ -117,7 +142,7 @@ impl CountedDelete {
         }
         let row = client.query_one(self.delete.as_str(), params).await?;
         let (deleted, meant) = (row.get::<_, i64>(0), row.get::<_, i64>(1));
-        let left = if triggers {
+        let left = if triggers || row.get::<_, bool>(2) {
             client
                 .query_one(self.left.as_str(), params)
                 .await?

@@ -4,6 +4,7 @@
 
 use super::*;
 use crate::domain::mapping::statements::{TOID, XMIN, param, types_on_path, written_here};
+use crate::domain::mapping::whole_delete;
 
 /// The statements of one child table, built once (see the module's doc).
 #[derive(Debug, Clone)]
@@ -167,7 +168,15 @@ impl ChildStatements {
             ),
             format!("s.{XMIN} = {OURS} AND {}", joined("c", &lk, "s", &pk)),
         );
-        let delete = format!("DELETE FROM {ct} AS c USING {using} WHERE {cond}");
+        // It answers whether a DELETE trigger or rule acts on it, read in its own statement: one
+        // created after the batch's question (behind its BEGIN) and before this delete fires
+        // in it, and the batch goes through the probe instead (review R45 F5: an AFTER DELETE
+        // trigger created in that window put a line back beside the newer version's).
+        let delete = format!(
+            "WITH d AS (DELETE FROM {ct} AS c USING {using} WHERE {cond} RETURNING 1) \
+             SELECT {}",
+            whole_delete::acted_on(&ct)
+        );
         let delete_counted = CountedDelete::new(&ct, "c", &using, &cond);
         let won_rows = format!(
             "UNNEST({}, {ord_param}) AS v({list}, {ORD}) WHERE v.{ORD} IN (SELECT {ORD} FROM won)",
