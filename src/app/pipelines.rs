@@ -329,8 +329,8 @@ pub(super) struct Pipelines {
     /// it ([`Pipelines::reloading`]).
     reloading: Vec<(String, bool)>,
     /// The stages this process's reloads stopped, newest first, at most
-    /// `sink::PREDECESSORS` per queue and kind: a stage started on the same queue asks their
-    /// tables and parking about the redeliveries it gets (`pipeline::sink::Predecessor`), for
+    /// `predecessors::PREDECESSORS` per queue and kind: a stage started on the same queue asks their
+    /// tables and parking about the redeliveries it gets (`pipeline::predecessors::Predecessor`), for
     /// the acks of their last commits may have been lost with their link (review R42b F1-F3:
     /// asked only of the one stage replaced, after an unanswered close, a reset link, a second
     /// reload or a pipeline removed and added back stored the window twice).
@@ -353,7 +353,7 @@ struct Retired {
     copies: Option<Arc<Copies>>,
 }
 
-/// Puts `stopped` first in `retired`, keeping the newest `sink::PREDECESSORS` of its queue and
+/// Puts `stopped` first in `retired`, keeping the newest `predecessors::PREDECESSORS` of its queue and
 /// kind.
 fn retire(retired: &mut Vec<Retired>, stopped: Retired) {
     retired.insert(0, stopped);
@@ -364,7 +364,7 @@ fn retire(retired: &mut Vec<Retired>, stopped: Retired) {
             return true;
         }
         seen += 1;
-        seen <= pipeline::sink::PREDECESSORS
+        seen <= pipeline::predecessors::PREDECESSORS
     });
 }
 
@@ -473,11 +473,11 @@ impl Pipelines {
                     Stage::Dlq => Spec::dlq(&d.spec),
                 };
                 let kept = self.take_memory(&id, &spec.queue);
-                let before: Vec<pipeline::sink::Predecessor<Mapping>> = self
+                let before: Vec<pipeline::predecessors::Predecessor<Mapping>> = self
                     .retired
                     .iter()
                     .filter(|r| r.kind == id.stage() && r.queue == spec.queue)
-                    .map(|r| pipeline::sink::Predecessor {
+                    .map(|r| pipeline::predecessors::Predecessor {
                         domain: r.mapping.clone(),
                         parks_as: r.pipeline.clone(),
                         incarnation: r.incarnation,

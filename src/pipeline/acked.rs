@@ -6,7 +6,7 @@
 //! mapping). The old stage's last acks may never reach the broker (its link silent at the
 //! close, or reset before it), which then delivers those messages again, redelivered, to the
 //! new stage: stored or parked again under the new spec, they would be a second copy. So the new
-//! stage asks the old one's table about them (`sink::settled_before`). Asked about *every*
+//! stage asks the old one's table about them (`predecessors::settled_before`). Asked about *every*
 //! redelivery, it took messages the old stage never settled for done: a delivery given back
 //! (a breaker's hand-back, a stop) whose key the old table held newer was acked as stale and
 //! never stored in the new table (review R44 F5, a loss), and every later redelivery paid a
@@ -34,7 +34,7 @@ use std::hash::{BuildHasher, Hasher, RandomState};
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Mutex, OnceLock};
 
-use super::message::Delivery;
+use lapin::BasicProperties;
 
 /// What the memory knows an acked delivery by: a keyed hash (random keys per process) of its
 /// body, message id and timestamp. Cheaper than the copies' [`super::copies::Fingerprint`] of
@@ -44,12 +44,11 @@ use super::message::Delivery;
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct AckPrint(u64);
 
-/// The print of `d`.
-pub fn print(d: &Delivery) -> AckPrint {
+/// The print of a delivery's `body` and properties (`bare`: its headers are not read).
+pub fn print(body: &[u8], bare: &BasicProperties) -> AckPrint {
     static KEYS: OnceLock<RandomState> = OnceLock::new();
     let mut h = KEYS.get_or_init(RandomState::new).build_hasher();
-    h.write(&d.body);
-    let bare = d.properties.bare();
+    h.write(body);
     match bare.message_id() {
         Some(id) => {
             h.write_u8(1);
@@ -212,43 +211,30 @@ fn capacity(prefetch: u16) -> usize {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use lapin::BasicProperties;
     use lapin::types::ShortString;
-    use std::time::Instant;
 
-    fn delivery(body: &str, id: Option<&str>) -> Delivery {
+    /// The print of a delivery of `body` with the message id `id`.
+    fn printed(body: &str, id: Option<&str>) -> AckPrint {
         let mut p = BasicProperties::default();
         if let Some(id) = id {
             p = p.with_message_id(ShortString::from(id));
         }
-        Delivery {
-            generation: 1,
-            tag: 1,
-            redelivered: false,
-            body: body.as_bytes().to_vec().into(),
-            properties: p.into(),
-            published_ms: None,
-            exchange: Default::default(),
-            routing_key: Default::default(),
-            held_bytes: 0,
-            received_at: Instant::now(),
-            decoded: Default::default(),
-        }
+        print(body.as_bytes(), &p)
     }
 
     #[test]
     fn a_print_tells_bodies_and_message_ids_apart() {
-        let a = print(&delivery("body", Some("m-1")));
-        assert_eq!(a, print(&delivery("body", Some("m-1"))));
-        assert_ne!(a, print(&delivery("bodz", Some("m-1"))));
-        assert_ne!(a, print(&delivery("body", Some("m-2"))));
-        assert_ne!(a, print(&delivery("body", None)));
+        let a = printed("body", Some("m-1"));
+        assert_eq!(a, printed("body", Some("m-1")));
+        assert_ne!(a, printed("bodz", Some("m-1")));
+        assert_ne!(a, printed("body", Some("m-2")));
+        assert_ne!(a, printed("body", None));
     }
 
     #[test]
     fn only_what_a_lost_link_acked_is_found_and_each_once() {
         let m = Acked::new(4);
-        let (a, b) = (print(&delivery("a", None)), print(&delivery("b", None)));
+        let (a, b) = (printed("a", None), printed("b", None));
         m.acked(1, 7, &[a, b]);
         // Not lost yet: the link is up.
         assert!(m.take_lost(&[(0, a)], &[7]).is_empty());
@@ -263,7 +249,7 @@ mod tests {
     #[test]
     fn an_answered_close_proves_its_channels_acks() {
         let m = Acked::new(4);
-        let a = print(&delivery("a", None));
+        let a = printed("a", None);
         m.acked(1, 7, &[a]);
         m.link_down();
         m.acked(2, 7, &[a]);
@@ -277,9 +263,7 @@ mod tests {
     #[test]
     fn the_memory_keeps_twice_the_window_newest_last() {
         let m = Acked::new(2);
-        let prints: Vec<AckPrint> = (0..6)
-            .map(|i| print(&delivery(&i.to_string(), None)))
-            .collect();
+        let prints: Vec<AckPrint> = (0..6).map(|i| printed(&i.to_string(), None)).collect();
         m.acked(1, 7, &prints);
         m.link_down();
         // Only the last four (twice the window of two) can be unhandled.

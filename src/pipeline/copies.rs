@@ -47,7 +47,7 @@
 //! stage's, so a redelivery of what the old stage left is still recognised. What the stopped
 //! stages stored or parked may come again too (the acks of their last commits lost with their
 //! link): the memory also holds the acks that may be lost (`acked.rs`), and a stage a reload
-//! starts asks the stopped stages' tables about those redeliveries (`sink::settled_before`) and
+//! starts asks the stopped stages' tables about those redeliveries (`predecessors::settled_before`) and
 //! their parking (`Fallback::parked_before`; the app keeps them, `app/pipelines.rs`). A stage
 //! no reload replaced at once (a pipeline removed) leaves its memory with the app until a stage
 //! is started on its queue. A redelivery to another

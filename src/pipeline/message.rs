@@ -299,7 +299,8 @@ impl Settle {
             s.items.push((d.tag, disposition));
             s.bytes += bytes;
             if disposition == Disposition::Ack {
-                s.acked.push(super::acked::print(d));
+                s.acked
+                    .push(super::acked::print(&d.body, d.properties.bare()));
             }
         }
         out

@@ -18,7 +18,8 @@
 //!   pipeline's thread, or several on threads of their own (`Pipeline::processors`).
 //! - `batcher.rs`: flush rules only (a free sink takes what waits, up to the size; the minimum
 //!   wait; drain).
-//! - `sink.rs`: one insert statement per batch, in-place retry, row isolation; `breaker.rs`.
+//! - `sink.rs`: one insert statement per batch, in-place retry, row isolation; `breaker.rs`;
+//!   `predecessors.rs`: what a stage a reload started asks of the stages stopped before it.
 //! - `router.rs`: the outcome policy (`router/republisher.rs`: the confirmed republishing);
 //!   `dlq.rs`: the DLQ consumer's stage;
 //!   `copies.rs`: the copies whose ack may be lost with the consumer's link, so their
@@ -41,6 +42,7 @@ pub mod copies;
 pub mod dispatch;
 pub mod dlq;
 pub mod message;
+pub mod predecessors;
 pub mod processor;
 pub mod router;
 pub mod shutdown;
@@ -253,7 +255,7 @@ pub struct Links {
 /// redeliveries of what that one left are still recognised (`copies.rs`); `before` are the
 /// domains and names of the stages of this kind this process's reloads stopped on the queue
 /// (newest first): a redelivery one of them stored or parked is acked as done, not stored or
-/// parked again under this spec (`sink::settled_before`).
+/// parked again under this spec (`predecessors::settled_before`).
 pub fn start<D: Domain>(
     links: &Links,
     spec: Spec,
@@ -261,7 +263,7 @@ pub fn start<D: Domain>(
     pool: Pool,
     depths: Depths,
     kept: Option<Arc<copies::Copies>>,
-    before: Vec<sink::Predecessor<D>>,
+    before: Vec<predecessors::Predecessor<D>>,
 ) -> Pipeline {
     let id = StageId::new(&spec.pipeline, spec.stage);
     let incarnation = acked::incarnation();

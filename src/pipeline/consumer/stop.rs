@@ -215,7 +215,7 @@ impl Handler<Close> for Consumer {
                     // messages again once it drops the link. The next consumer finds them in its
                     // table (a copy); a stage this process's reloads start on the queue under
                     // another spec (table, name or mapping) asks this one's table and parking
-                    // first (`sink::settled_before`; review R40a F4, F6: stored in both tables,
+                    // first (`predecessors::settled_before`; review R40a F4, F6: stored in both tables,
                     // parked under both names, or stored and parked id_conflict).
                     let answered = tokio::time::timeout(CLOSE_WITHIN, close).await;
                     if answered == Ok(true) && acks_sent {

@@ -1,0 +1,235 @@
+//! What a stage a reload started asks of the stages this process's reloads stopped on its
+//! queue before it: a redelivery of an ack one of them may have lost (`acked.rs`) is asked of
+//! that stage's table, and acked as done when it was settled there ([`settled_before`]);
+//! [`stored_of`] asks a table, also the stage's own about a statement that got no answer at a
+//! stop (`sink.rs`).
+
+use std::sync::Arc;
+
+use deadpool_postgres::Pool;
+use tracing::{info, warn};
+
+use super::acked::AckPrint;
+use super::copies::Copies;
+use super::message::{Delivery, Failure};
+use crate::db::{DbError, ErrorClass, Statements};
+use crate::domain::Domain;
+use crate::metrics::{self, StageId};
+
+/// The most stages of one kind on one queue a stage started by a reload asks about its
+/// redeliveries (the newest): reloads in a row, a pipeline removed and added back.
+pub const PREDECESSORS: usize = 4;
+
+/// A stage of the same kind on the same queue that a reload of this process stopped before it
+/// started this one (another table, name or mapping, or only other settings): its domain, and
+/// the name it parked under.
+pub struct Predecessor<D: Domain> {
+    pub domain: Arc<D>,
+    pub parks_as: String,
+    /// Its start (`acked::incarnation`): the acks it recorded are under it.
+    pub incarnation: u64,
+}
+
+/// Of `deliveries`, those a stage this process's reloads stopped on the same queue settled
+/// already, acked as done. The acks of a stopped stage's last commits may never have reached
+/// the broker (its link silent at the close, or reset before it), which delivers those
+/// messages again (redelivered), to whatever consumes the queue next. A redelivery whose print
+/// is among the acks a predecessor left unproven (`acked.rs`, each used up once) is decoded
+/// with that predecessor's mapping and asked of its table ([`Domain::settled`]: stored exactly,
+/// or older than what its key holds). Without it, a reload that changed the table, the name or
+/// the mapping stored them in the new table too, or parked them `id_conflict` beside their rows
+/// (review R40a F4, F6; R42b F1-F3 for a reset link, a second reload, a pipeline removed and
+/// added back). Only those: asked of every redelivery, a message given back unsettled whose key
+/// the old table held newer was acked as stale and never stored (review R44 F5). What cannot
+/// be asked (the old table gone or locked, the database silent) goes on as any message.
+pub(super) async fn settled_before<D: Domain>(
+    config: &Asker<'_>,
+    (copies, incarnation): (&Copies, u64),
+    predecessors: &[Predecessor<D>],
+    deliveries: &[Delivery],
+    failures: &mut [Option<Failure>],
+) -> Vec<bool> {
+    let mut done = vec![false; deliveries.len()];
+    let acked = copies.acked();
+    if !acked.any_lost() {
+        return done;
+    }
+    let asked: Vec<(usize, AckPrint)> = deliveries
+        .iter()
+        .enumerate()
+        .filter(|(_, d)| d.redelivered)
+        .map(|(i, d)| (i, super::acked::print(&d.body, d.properties.bare())))
+        .collect();
+    if asked.is_empty() {
+        return done;
+    }
+    let prints: std::collections::HashMap<usize, AckPrint> = asked.iter().copied().collect();
+    let owners: Vec<u64> = predecessors
+        .iter()
+        .map(|b| b.incarnation)
+        .chain([incarnation])
+        .collect();
+    // Its own lost acks' redeliveries are used up here: left, one would be taken for a later
+    // message of the same print once a reload made this stage a predecessor.
+    let found = acked.take_lost(&asked, &owners);
+    for before in predecessors {
+        let decoded: Vec<(usize, D::Record)> = found
+            .iter()
+            .filter(|(_, owner)| *owner == before.incarnation)
+            .filter_map(|&(i, _)| {
+                let d = &deliveries[i];
+                let properties = d.properties.full();
+                let envelope = d.envelope(&properties);
+                before
+                    .domain
+                    .decode_with(&d.body, &envelope)
+                    .ok()
+                    .map(|r| (i, r))
+            })
+            .collect();
+        if decoded.is_empty() {
+            continue;
+        }
+        let group: Vec<(usize, &D::Record)> = decoded.iter().map(|(i, r)| (*i, r)).collect();
+        let settled =
+            match stored_of(config, before.domain.as_ref(), &before.parks_as, &group).await {
+                Ok(settled) => settled,
+                // The old table is locked (an operator's migration, a `LOCK TABLE`): these
+                // redeliveries go back to their queue, their acks remembered again, and are asked
+                // again when they come back; the rest of the batch goes on (review R44 F6: the
+                // question waited for the statement bound, and the live pipeline behind it).
+                Err(e) if e.sqlstate() == Some(LOCK_NOT_AVAILABLE) => {
+                    let back: Vec<AckPrint> = group
+                        .iter()
+                        .filter_map(|(i, _)| prints.get(i).copied())
+                        .collect();
+                    acked.give_back(before.incarnation, &back);
+                    warn!(
+                        pipeline = config.stage.pipeline(),
+                        stage = config.stage.stage().as_str(),
+                        before = %before.parks_as,
+                        count = group.len(),
+                        error = %e,
+                        "the table of a stage a reload replaced is locked: redeliveries whose acks \
+                         it may have lost go back to their queue, to be asked again when they come \
+                         back; the rest goes on"
+                    );
+                    let reason: Arc<str> = format!(
+                        "the table of {}, which a reload replaced, was locked for over {}: asked \
+                     again when the message comes back",
+                        before.parks_as, PREDECESSOR_LOCK_TIMEOUT
+                    )
+                    .into();
+                    for (i, _) in &group {
+                        failures[*i] = Some(Failure::Db {
+                            class: ErrorClass::Systemic,
+                            server_answered: true,
+                            reason: reason.clone(),
+                        });
+                    }
+                    continue;
+                }
+                Err(_) => vec![false; group.len()],
+            };
+        let mut ids = Vec::new();
+        for ((i, _), yes) in group.iter().zip(settled) {
+            if yes {
+                done[*i] = true;
+                ids.push(deliveries[*i].message_id());
+            }
+        }
+        if !ids.is_empty() {
+            metrics::redeliveries(config.stage, "settled_before_reload", ids.len() as u64);
+            info!(
+                pipeline = config.stage.pipeline(),
+                stage = config.stage.stage().as_str(),
+                before = %before.parks_as,
+                count = ids.len(),
+                message_ids = ?ids.iter().take(10).collect::<Vec<_>>(),
+                "redeliveries acked as done: a stage a reload replaced had settled them (their \
+                 acks may have been lost with its link)"
+            );
+        }
+    }
+    done
+}
+
+/// How long the question to a predecessor's table waits for a lock (an operator's migration
+/// of the retired table, a `LOCK TABLE`): the live pipeline's batch waits behind it (review R44
+/// F6: for the whole statement bound). Past it, the redeliveries go on as any message.
+pub(super) const PREDECESSOR_LOCK_TIMEOUT: &str = "2s";
+
+/// SQLSTATE `lock_not_available`: a `lock_timeout` passed.
+const LOCK_NOT_AVAILABLE: &str = "55P03";
+
+/// What a question to a table needs of the stage that asks: its pool, its statements in
+/// flight (its stop cancels them), the client's bound on one statement, its labels.
+pub(super) struct Asker<'a> {
+    pub pool: &'a Pool,
+    pub statements: &'a Arc<Statements>,
+    pub db_bound: std::time::Duration,
+    pub stage: &'a StageId,
+}
+
+/// For each record of `group`, whether `domain`'s table already decides it
+/// ([`Domain::settled`]: stored exactly, or, with versions, older than what its key holds),
+/// asked on one connection within the statement bound; all `false` when it cannot tell.
+pub(super) async fn stored_of<D: Domain>(
+    config: &Asker<'_>,
+    domain: &D,
+    whose: &str,
+    group: &[(usize, &D::Record)],
+) -> Result<Vec<bool>, DbError> {
+    let client = config.pool.get().await.map_err(DbError::from_pool)?;
+    let running = config.statements.enter(&client)?;
+    let records: Vec<&D::Record> = group.iter().map(|(_, r)| *r).collect();
+    // Set for this question only; `reset` tells whether the connection is back as it came.
+    let ask = async {
+        let set = format!("SET lock_timeout = '{}'", PREDECESSOR_LOCK_TIMEOUT);
+        if let Err(e) = client.batch_execute(&set).await {
+            return (Err(DbError::from_pg(e)), true);
+        }
+        let answer = domain.settled(&client, &records).await;
+        let reset = client.batch_execute("RESET lock_timeout").await.is_ok();
+        (answer, reset)
+    };
+    let asked = tokio::time::timeout(config.db_bound, ask).await;
+    drop(running);
+    match asked {
+        Ok((result, reset)) => {
+            if let Err(e) = &result {
+                warn!(
+                    pipeline = config.stage.pipeline(),
+                    stage = config.stage.stage().as_str(),
+                    table_of = whose,
+                    count = group.len(),
+                    error = %e,
+                    "cannot ask a table whether it stored these deliveries already; they go on \
+                     as any message (one it had stored may be stored again)"
+                );
+            }
+            if reset {
+                crate::db::release(config.pool, client, &result);
+            } else {
+                // Its lock_timeout would bind the next inserts on it.
+                drop(deadpool_postgres::Object::take(client));
+            }
+            // An answer of other records than asked cannot be read.
+            result.and_then(|s| match s.len() == group.len() {
+                true => Ok(s),
+                false => Err(DbError::Connection(format!(
+                    "{} answers for {} records asked",
+                    s.len(),
+                    group.len()
+                ))),
+            })
+        }
+        Err(_) => {
+            let _ = crate::db::abandon(client, config.db_bound);
+            Err(DbError::Connection(format!(
+                "no answer within {} ms",
+                config.db_bound.as_millis()
+            )))
+        }
+    }
+}
