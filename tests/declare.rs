@@ -1052,9 +1052,17 @@ async fn a_broker_gone_during_the_wait_holds_the_consumers_until_the_check() {
             .await
             .expect("delete the retry queue");
         let mut run = env.start(&["--roles", "consumer,dlq"]);
-        run.wait_for_log(
+        let _logs = LogsOnPanic(vec![run.log.clone()]);
+        // A start under the full suite's load (two lanes on two cores, other tests' warrens
+        // starting and migrating beside it) once took over 30 s to reach this line (its log
+        // was not kept then; it is now).
+        wait_until(
             "the wait for the retry queue",
-            "waiting for the pipelines' exchanges and queues to be declared",
+            Duration::from_secs(90),
+            || async {
+                run.logs()
+                    .contains("waiting for the pipelines' exchanges and queues to be declared")
+            },
         )
         .await;
         let (status, body) = metrics_get(&env, "/readyz").await.expect("/readyz answers");
