@@ -1822,49 +1822,9 @@ async fn a_trigger_created_while_the_delete_waits_for_its_lock_is_counted() {
     insert(&m, &pool, &[order(a, 1, &[("A", 1), ("SHIP", 1)])])
         .await
         .expect("a's first version");
-    env.db
-        .batch_execute(
-            "CREATE FUNCTION put_back() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN \
-               INSERT INTO order_items SELECT * FROM gone WHERE sku = 'SHIP'; RETURN NULL; END $$",
-        )
-        .await
-        .expect("the function");
-    let (locker, connection) = tokio_postgres::connect(&database_url(), tokio_postgres::NoTls)
-        .await
-        .expect("connect");
-    tokio::spawn(connection);
-    locker
-        .batch_execute(&format!(
-            "SET search_path TO {}; BEGIN; LOCK TABLE order_items IN SHARE MODE",
-            env.schema
-        ))
-        .await
-        .expect("lock");
-    let create = async {
-        wait_until(
-            "the batch's delete waiting for the lock",
-            Duration::from_secs(30),
-            || async {
-                let sql = format!(
-                    "SELECT count(*) FROM pg_locks \
-                       WHERE NOT granted AND relation = '{}.order_items'::regclass",
-                    env.schema
-                );
-                count_of(&env, &sql).await > 0
-            },
-        )
-        .await;
-        locker
-            .batch_execute(
-                "CREATE TRIGGER put_back AFTER DELETE ON order_items \
-                   REFERENCING OLD TABLE AS gone FOR EACH STATEMENT EXECUTE FUNCTION put_back(); \
-                 COMMIT",
-            )
-            .await
-            .expect("the trigger, committed");
-    };
+    let window = PutBackWindow::open(&env).await;
     let newer = [order(a, 2, &[("C", 1)])];
-    let (written, ()) = tokio::join!(insert(&m, &pool, &newer), create);
+    let (written, ()) = tokio::join!(insert(&m, &pool, &newer), window.close(&env));
     match written {
         Err(e) => {
             assert_eq!(e.class(), warren::db::ErrorClass::Permanent, "{e}");

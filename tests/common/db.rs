@@ -394,3 +394,61 @@ pub async fn refuse_big_parks(env: &TestEnv) {
         .await
         .expect("the trigger refusing big parks");
 }
+
+/// The window between a batch's question about `order_items`' DELETE triggers and its delete
+/// (review R45 F5): another session holds a SHARE lock on `order_items` (reads pass, the delete
+/// waits), and [`PutBackWindow::close`] creates, in that session, an AFTER DELETE trigger that
+/// puts the deleted `SHIP` lines back, and commits once the delete waits for the lock.
+pub struct PutBackWindow(tokio_postgres::Client);
+
+impl PutBackWindow {
+    /// Creates the trigger's function, then takes the lock in a session of its own.
+    pub async fn open(env: &TestEnv) -> Self {
+        env.db
+            .batch_execute(
+                "CREATE FUNCTION put_back() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN \
+                   INSERT INTO order_items SELECT * FROM gone WHERE sku = 'SHIP'; \
+                   RETURN NULL; END $$",
+            )
+            .await
+            .expect("the function");
+        let (locker, connection) = tokio_postgres::connect(&database_url(), NoTls)
+            .await
+            .expect("connect");
+        tokio::spawn(connection);
+        locker
+            .batch_execute(&format!(
+                "SET search_path TO {}; BEGIN; LOCK TABLE order_items IN SHARE MODE",
+                env.schema
+            ))
+            .await
+            .expect("lock");
+        Self(locker)
+    }
+
+    /// Waits until a session waits for the lock on `order_items`, then creates the trigger and
+    /// commits (the lock goes, the waiting delete runs with the trigger in place).
+    pub async fn close(self, env: &TestEnv) {
+        wait_until(
+            "a delete waiting for the lock",
+            Duration::from_secs(30),
+            || async {
+                let sql = format!(
+                    "SELECT count(*) FROM pg_locks \
+                       WHERE NOT granted AND relation = '{}.order_items'::regclass",
+                    env.schema
+                );
+                count_of(env, &sql).await > 0
+            },
+        )
+        .await;
+        self.0
+            .batch_execute(
+                "CREATE TRIGGER put_back AFTER DELETE ON order_items \
+                   REFERENCING OLD TABLE AS gone FOR EACH STATEMENT EXECUTE FUNCTION put_back(); \
+                 COMMIT",
+            )
+            .await
+            .expect("the trigger, committed");
+    }
+}

@@ -194,6 +194,13 @@ pub(super) async fn settled(
     Ok(done)
 }
 
+/// The batch refused with `e` in its transaction, which is rolled back (`end`).
+async fn refused(client: &deadpool_postgres::Client, e: DbError) -> Result<Inserted, DbError> {
+    end(client, Err::<Option<()>, _>(e))
+        .await
+        .map(|_| Inserted::default())
+}
+
 /// Ends the transaction `work` ran in: committed when it succeeded with `Some`, else rolled
 /// back. A transaction that cannot be ended is the connection's failure.
 async fn end<T>(
@@ -253,9 +260,7 @@ async fn with_children(
             );
             begun.map_err(DbError::from_pg)?;
             if let Err(e) = rules {
-                return end(client, Err::<Option<()>, _>(e))
-                    .await
-                    .map(|_| Inserted::default());
+                return refused(client, e).await;
             }
             let fast = async {
                 let Some(sql) = &st.insert_new else {
@@ -323,9 +328,7 @@ async fn with_children(
             );
             begun.map_err(DbError::from_pg)?;
             if let Err(e) = rules {
-                return end(client, Err::<Option<()>, _>(e))
-                    .await
-                    .map(|_| Inserted::default());
+                return refused(client, e).await;
             }
             let key_arrays: Vec<&(dyn ToSql + Sync)> =
                 mapping.key.iter().map(|&i| params[i]).collect();

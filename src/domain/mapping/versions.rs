@@ -435,12 +435,10 @@ pub(super) async fn parent_triggers(
     if mapping.triggers.load(Ordering::Relaxed) {
         return Ok(true);
     }
-    let tables: Vec<String> = std::iter::once(mapping.table.sql())
-        .chain(mapping.children.iter().map(|c| c.table.sql()))
-        .collect();
+    let tables = named_tables(mapping);
     // The tables and the tables under them (partitions, inheritance children: review R43 F2, a
     // guard on a child table's partition was not seen), and their rules (R43 F1).
-    let tree = whole_delete::tree("SELECT to_regclass(n)::oid FROM unnest($1::text[]) AS n");
+    let tree = named_tree();
     let statement = client
         .prepare_cached(&format!(
             "SELECT EXISTS (SELECT 1 FROM pg_catalog.pg_trigger AS t \
@@ -472,10 +470,8 @@ pub(super) async fn insert_rules(
     mapping: &Mapping,
     client: &deadpool_postgres::Client,
 ) -> Result<(), DbError> {
-    let tables: Vec<String> = std::iter::once(mapping.table.sql())
-        .chain(mapping.children.iter().map(|c| c.table.sql()))
-        .collect();
-    let tree = whole_delete::tree("SELECT to_regclass(n)::oid FROM unnest($1::text[]) AS n");
+    let tables = named_tables(mapping);
+    let tree = named_tree();
     let statement = client
         .prepare_cached(&format!(
             "SELECT rw.ev_class::regclass::text FROM pg_catalog.pg_rewrite AS rw \
@@ -499,6 +495,20 @@ pub(super) async fn insert_rules(
             ),
         }),
     }
+}
+
+/// The tables `mapping` writes (its table, then its child tables), the parameter of
+/// [`named_tree`].
+fn named_tables(mapping: &Mapping) -> Vec<String> {
+    std::iter::once(mapping.table.sql())
+        .chain(mapping.children.iter().map(|c| c.table.sql()))
+        .collect()
+}
+
+/// The tables named by the text array `$1` ([`named_tables`]) and every table under them, as
+/// [`whole_delete::tree`] gives them.
+fn named_tree() -> String {
+    whole_delete::tree("SELECT to_regclass(n)::oid FROM unnest($1::text[]) AS n")
 }
 
 /// Whether `mapping`'s table is partitioned (asked once): an insert into one cannot return a
