@@ -267,3 +267,141 @@ async fn a_batch_reads_its_keys_rows_without_statistics() {
         wanted / 2
     );
 }
+
+/// Review R45 F3: the deletes of child rows (a newer version's replaced items, a delete
+/// message's items) on tables never analysed. As a join of the batch's keys to the child table
+/// they were planned as a hash join over the whole child table, once per batch (20,000 deletes
+/// of stored orders with 4 million items took 22-24 s). Batches of newer versions and deletes
+/// of stored orders (through the probe, as a batch with deletes goes), and a batch of newer
+/// versions alone (the fast path): a few rows read a record.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_batch_deletes_its_keys_child_rows_without_statistics() {
+    let env = TestEnv::new("scan_nostats_del").await;
+    env.db
+        .batch_execute(&format!(
+            "CREATE TABLE orders (order_id uuid PRIMARY KEY, total numeric NOT NULL, \
+               version int8 NOT NULL) WITH (autovacuum_enabled = false);
+             CREATE TABLE order_items (order_id uuid NOT NULL REFERENCES orders, \
+               line int4 NOT NULL, sku text NOT NULL, PRIMARY KEY (order_id, line)) \
+               WITH (autovacuum_enabled = false);
+             INSERT INTO orders SELECT gen_random_uuid(), 1, 1 FROM generate_series(1, {BIG});
+             INSERT INTO order_items SELECT order_id, l, 'A' FROM orders, generate_series(1, 4) AS l;"
+        ))
+        .await
+        .expect("the big tables, never analysed");
+    let m = mapping();
+    m.declare_tombstones(&env.db).await.expect("declare");
+    let keys: Vec<Uuid> = uuids_of(&env, "SELECT order_id FROM orders LIMIT 600").await;
+    let pool = mapping_pool(&env, "warren-scans-test");
+    let before = rows_read(&env, "order_items").await;
+    let write = |k: &Uuid| {
+        format!(r#"{{"order_id":"{k}","total":"2","version":2,"items":[{{"sku":"B"}}]}}"#)
+            .into_bytes()
+    };
+    let delete =
+        |k: &Uuid| format!(r#"{{"op":"delete","order_id":"{k}","version":2}}"#).into_bytes();
+    // Two batches of 200 writes and 200 deletes, then one of 200 writes alone.
+    let batches: Vec<Vec<Vec<u8>>> = vec![
+        keys[0..100]
+            .iter()
+            .map(write)
+            .chain(keys[100..200].iter().map(delete))
+            .collect(),
+        keys[200..300]
+            .iter()
+            .map(write)
+            .chain(keys[300..400].iter().map(delete))
+            .collect(),
+        keys[400..600].iter().map(write).collect(),
+    ];
+    let before_deleted = count_of(
+        &env,
+        "SELECT n_tup_del FROM pg_stat_user_tables \
+         WHERE schemaname = current_schema() AND relname = 'order_items'",
+    )
+    .await;
+    for bodies in &batches {
+        let client = pool.get().await.expect("client");
+        let rows: Vec<_> = bodies.iter().map(|b| m.decode(b).expect("valid")).collect();
+        let refs: Vec<_> = rows.iter().collect();
+        m.insert(&client, &refs).await.expect("the batch");
+        client
+            .batch_execute("SELECT pg_stat_force_next_flush()")
+            .await
+            .expect("flush the statistics");
+    }
+    // 600 stored orders lose their 4 items each.
+    wait_until(
+        "the batches' statistics",
+        Duration::from_secs(30),
+        || async {
+            env.db
+                .batch_execute("SELECT pg_stat_clear_snapshot()")
+                .await
+                .expect("clear the stats snapshot");
+            count_of(
+                &env,
+                "SELECT n_tup_del FROM pg_stat_user_tables \
+                 WHERE schemaname = current_schema() AND relname = 'order_items'",
+            )
+            .await
+                >= before_deleted + 600 * 4
+        },
+    )
+    .await;
+    let read = rows_read(&env, "order_items").await - before;
+    // A few rows a record (its items, found and deleted; the foreign key's checks), far from
+    // the 4 x 200,000 of one scan.
+    assert!(
+        read < 20_000,
+        "order_items: {read} rows read by 1,000 records in 3 batches without statistics"
+    );
+    // What the batches did: the writes' one item each, the deletes' none.
+    let of = |ks: &[Uuid]| {
+        ks.iter()
+            .map(|k| format!("'{k}'"))
+            .collect::<Vec<_>>()
+            .join(",")
+    };
+    let written: Vec<Uuid> = keys[0..100]
+        .iter()
+        .chain(&keys[200..300])
+        .chain(&keys[400..600])
+        .copied()
+        .collect();
+    let deleted: Vec<Uuid> = keys[100..200]
+        .iter()
+        .chain(&keys[300..400])
+        .copied()
+        .collect();
+    assert_eq!(
+        uuids_of(
+            &env,
+            &format!(
+                "SELECT order_id FROM order_items WHERE order_id IN ({}) ORDER BY order_id, line",
+                of(&written)
+            )
+        )
+        .await,
+        {
+            let mut w = written.clone();
+            w.sort();
+            w
+        },
+        "each written order has its one new item"
+    );
+    for table in ["orders", "order_items"] {
+        assert_eq!(
+            uuids_of(
+                &env,
+                &format!(
+                    "SELECT order_id FROM {table} WHERE order_id IN ({})",
+                    of(&deleted)
+                )
+            )
+            .await,
+            Vec::<Uuid>::new(),
+            "{table}: the deleted orders' rows"
+        );
+    }
+}

@@ -1489,3 +1489,107 @@ async fn a_trigger_created_while_a_counted_delete_waits_for_its_lock_is_counted(
         .collect();
     assert_eq!(skus, ["A", "SHIP"], "the first version's items stay");
 }
+
+/// Review R45 F3's fix deletes child rows by the first column of the parent's key (`= ANY`,
+/// through the child table's index) and the whole key (a hashed `IN`): with a key of two
+/// columns, a newer version and a delete of one order replace and delete its items only, not
+/// those of the orders that share its first column, nor of those that share its second.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_two_column_key_replaces_and_deletes_only_its_own_child_rows() {
+    let env = TestEnv::new("versions_two_column_key").await;
+    env.db
+        .batch_execute(
+            "CREATE TABLE orders (region text NOT NULL, order_no int8 NOT NULL, \
+               version int8 NOT NULL, PRIMARY KEY (region, order_no));
+             CREATE TABLE order_items (region text NOT NULL, order_no int8 NOT NULL, \
+               line int4 NOT NULL, sku text NOT NULL, PRIMARY KEY (region, order_no, line), \
+               FOREIGN KEY (region, order_no) REFERENCES orders);",
+        )
+        .await
+        .expect("create the tables");
+    let spec: MappingSpec = toml::from_str(
+        r#"
+table = "orders"
+key = ["region", "order_no"]
+on_conflict = "update"
+version_column = "version"
+unknown_fields = "ignore"
+delete = { field = "/op", value = "delete" }
+
+[columns]
+region   = { path = "/region", type = "text" }
+order_no = { path = "/order_no", type = "int8" }
+version  = { path = "/version", type = "int8" }
+
+[[children]]
+table = "order_items"
+rows = "/items"
+key = ["region", "order_no", "line"]
+optional = true
+
+[children.columns]
+region   = { parent = "region" }
+order_no = { parent = "order_no" }
+line     = { index = true }
+sku      = { path = "/sku", type = "text" }
+"#,
+    )
+    .expect("spec");
+    let m = Mapping::compile("orders", &spec).expect("compiles");
+    m.declare_tombstones(&env.db).await.expect("declare");
+    let pool = pool(&env).await;
+    let write = |region: &str, no: i64, version: i64, skus: &[&str]| {
+        let items: Vec<String> = skus.iter().map(|s| format!(r#"{{"sku":"{s}"}}"#)).collect();
+        format!(
+            r#"{{"region":"{region}","order_no":{no},"version":{version},"items":[{}]}}"#,
+            items.join(",")
+        )
+        .into_bytes()
+    };
+    let delete = |region: &str, no: i64| {
+        format!(r#"{{"op":"delete","region":"{region}","order_no":{no},"version":2}}"#).into_bytes()
+    };
+    let orders = [
+        ("eu", 1),
+        ("eu", 2),
+        ("eu", 3),
+        ("us", 1),
+        ("us", 2),
+        ("us", 3),
+    ];
+    let first: Vec<Vec<u8>> = orders
+        .iter()
+        .map(|(r, n)| write(r, *n, 1, &["A", "B"]))
+        .collect();
+    insert(&m, &pool, &first).await.expect("the first versions");
+    // Through the probe (a batch with a delete), then the fast path (newer versions alone).
+    insert(&m, &pool, &[write("eu", 1, 2, &["C"]), delete("eu", 2)])
+        .await
+        .expect("a newer version and a delete");
+    insert(&m, &pool, &[write("us", 2, 2, &["D"])])
+        .await
+        .expect("a newer version");
+    let items: Vec<(String, i64, String)> = env
+        .db
+        .query(
+            "SELECT region, order_no, string_agg(sku, ',' ORDER BY line) FROM order_items \
+             GROUP BY region, order_no ORDER BY region, order_no",
+            &[],
+        )
+        .await
+        .expect("the items")
+        .iter()
+        .map(|r| (r.get(0), r.get(1), r.get(2)))
+        .collect();
+    let want = |r: &str, n: i64, s: &str| (r.to_string(), n, s.to_string());
+    assert_eq!(
+        items,
+        vec![
+            want("eu", 1, "C"),
+            want("eu", 3, "A,B"),
+            want("us", 1, "A,B"),
+            want("us", 2, "D"),
+            want("us", 3, "A,B"),
+        ]
+    );
+}

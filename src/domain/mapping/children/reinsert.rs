@@ -149,9 +149,18 @@ async fn reinserted_same(
 ) -> Result<Result<Vec<usize>, String>, tokio_postgres::Error> {
     let ords: Vec<String> = asked.iter().map(|i| (*i as i64 + 1).to_string()).collect();
     let ords = format!("'{{{}}}'::int8[]", ords.join(","));
-    let of_probe = format!("pg_temp.warren_probe AS p WHERE p.{ORD} = ANY({ords})");
+    let probe = "pg_temp.warren_probe AS p";
+    let asked_here = format!("p.{ORD} = ANY({ords})");
     // Per child table: its mapped columns of the stored rows, and how its rows name the parent.
-    let tables: Vec<(String, String, String)> = mapping
+    struct Child {
+        table: String,
+        cols: String,
+        /// The stored rows of the asked keys, as (ordinal, mapped columns).
+        stored: String,
+        lk: Vec<String>,
+        pk: Vec<String>,
+    }
+    let tables: Vec<Child> = mapping
         .children
         .iter()
         .map(|child| {
@@ -160,37 +169,58 @@ async fn reinserted_same(
                 .iter()
                 .map(|c| format!("s.{}", quote(&c.name)))
                 .collect();
-            let link: Vec<String> = child
+            // The child columns carrying the parent's key, and the probe's columns of it.
+            let (lk, pk): (Vec<String>, Vec<String>) = child
                 .columns
                 .iter()
                 .filter_map(|c| match c.source {
-                    Source::Parent(i) => Some(format!(
-                        "s.{} = p.{}",
+                    Source::Parent(i) => Some((
                         quote(&c.name),
-                        quote(&mapping.columns[i].name)
+                        format!("p.{}", quote(&mapping.columns[i].name)),
                     )),
                     _ => None,
                 })
+                .unzip();
+            let table = child.table.sql();
+            let cols = cols.join(", ");
+            // The stored rows of the asked keys, each key's looked up by the child table's
+            // index (a fenced lateral subquery) whatever its statistics say, as the delete
+            // below does (review R45 F3).
+            let link: Vec<String> = lk
+                .iter()
+                .zip(&pk)
+                .map(|(c, k)| format!("s.{c} = {k}"))
                 .collect();
-            (child.table.sql(), cols.join(", "), link.join(" AND "))
+            let stored = format!(
+                "SELECT p.{ORD}, {cols} FROM {probe} CROSS JOIN LATERAL \
+                   (SELECT * FROM {table} AS s WHERE {} OFFSET 0) AS s WHERE {asked_here}",
+                link.join(" AND ")
+            );
+            Child {
+                table,
+                cols,
+                stored,
+                lk,
+                pk,
+            }
         })
         .collect();
     // A row a guard keeps (a BEFORE DELETE trigger returning NULL, or an AFTER DELETE trigger
     // that puts it back) is a refusal too: what the re-insert writes would be compared with it
     // still there.
-    let delete_all = |table: &str, cond: &str| {
-        let delete = CountedDelete::new(table, "s", "pg_temp.warren_probe AS p", cond);
-        async move { Ok::<_, tokio_postgres::Error>(delete.run(client, &[]).await?.kept == 0) }
+    let deleted_whole = |delete: CountedDelete| async move {
+        Ok::<_, tokio_postgres::Error>(delete.run(client, &[]).await?.kept == 0)
     };
-    for (n, (ct, cols, link)) in tables.iter().enumerate() {
+    for (n, c) in tables.iter().enumerate() {
         client
             .batch_execute(&format!(
-                "CREATE TEMPORARY TABLE warren_snapshot_{n} ON COMMIT DROP AS \
-                 SELECT p.{ORD}, {cols} FROM {ct} AS s, {of_probe} AND {link}"
+                "CREATE TEMPORARY TABLE warren_snapshot_{n} ON COMMIT DROP AS {}",
+                c.stored
             ))
             .await?;
-        if !delete_all(ct, &format!("p.{ORD} = ANY({ords}) AND {link}")).await? {
-            return Ok(Err(kept(ct)));
+        let delete = CountedDelete::of_keys(&c.table, "s", &c.lk, probe, &asked_here, &c.pk);
+        if !deleted_whole(delete).await? {
+            return Ok(Err(kept(&c.table)));
         }
     }
     let key: Vec<String> = mapping
@@ -202,12 +232,13 @@ async fn reinserted_same(
         })
         .collect();
     let t = mapping.table.sql();
-    if !delete_all(
+    let delete = CountedDelete::new(
         &t,
-        &format!("p.{ORD} = ANY({ords}) AND {}", key.join(" AND ")),
-    )
-    .await?
-    {
+        "s",
+        probe,
+        &format!("{asked_here} AND {}", key.join(" AND ")),
+    );
+    if !deleted_whole(delete).await? {
         return Ok(Err(kept(&t)));
     }
     // With the casts of the table's enum columns, when it has them.
@@ -234,8 +265,8 @@ async fn reinserted_same(
     // Each table's rows of every asked key as (ordinal, mapped columns), before and after, as
     // multisets: one hashed set operation (a correlated comparison per record was quadratic).
     let mut same: std::collections::BTreeSet<usize> = asked.iter().copied().collect();
-    for (n, (ct, cols, link)) in tables.iter().enumerate() {
-        let now = format!("SELECT p.{ORD}, {cols} FROM {ct} AS s, {of_probe} AND {link}");
+    for (n, c) in tables.iter().enumerate() {
+        let (cols, now) = (&c.cols, &c.stored);
         let then = format!("SELECT s.{ORD}, {cols} FROM pg_temp.warren_snapshot_{n} AS s");
         for row in client
             .query(

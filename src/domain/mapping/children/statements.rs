@@ -157,27 +157,25 @@ impl ChildStatements {
         // The parents this transaction wrote are found from the batch's keys through the
         // key's index; the fence (`OFFSET 0`) keeps the `xmin` test above that lookup, else
         // PostgreSQL may scan the whole parent table for it (R36-F2).
-        let s_pk: Vec<String> = pk.iter().map(|k| format!("s.{k}")).collect();
-        let s_pk = s_pk.join(", ");
-        let (using, cond) = (
-            format!(
-                "(SELECT {s_pk}, s.xmin AS {XMIN} \
-                   FROM UNNEST({}) AS w({pks}) JOIN {t} AS s ON {} OFFSET 0) AS s",
-                pk_params(1).join(", "),
-                joined("s", &pk, "w", &pk),
-            ),
-            format!("s.{XMIN} = {OURS} AND {}", joined("c", &lk, "s", &pk)),
+        let s_keys: Vec<String> = pk.iter().map(|k| format!("s.{k}")).collect();
+        let s_pk = s_keys.join(", ");
+        let using = format!(
+            "(SELECT {s_pk}, s.xmin AS {XMIN} \
+               FROM UNNEST({}) AS w({pks}) JOIN {t} AS s ON {} OFFSET 0) AS s",
+            pk_params(1).join(", "),
+            joined("s", &pk, "w", &pk),
         );
+        let ours = format!("s.{XMIN} = {OURS}");
         // It answers whether a DELETE trigger or rule acts on it, read in its own statement: one
         // created after the batch's question (behind its BEGIN) and before this delete fires
         // in it, and the batch goes through the probe instead (review R45 F5: an AFTER DELETE
         // trigger created in that window put a line back beside the newer version's).
         let delete = format!(
-            "WITH d AS (DELETE FROM {ct} AS c USING {using} WHERE {cond} RETURNING 1) \
-             SELECT {}",
+            "WITH d AS (DELETE FROM {ct} AS c WHERE {} RETURNING 1) SELECT {}",
+            whole_delete::by_keys("c", &lk, &using, &ours, &s_keys),
             whole_delete::acted_on(&ct)
         );
-        let delete_counted = CountedDelete::new(&ct, "c", &using, &cond);
+        let delete_counted = CountedDelete::of_keys(&ct, "c", &lk, &using, &ours, &s_keys);
         let won_rows = format!(
             "UNNEST({}, {ord_param}) AS v({list}, {ORD}) WHERE v.{ORD} IN (SELECT {ORD} FROM won)",
             c_params.join(", ")
@@ -226,19 +224,17 @@ impl ChildStatements {
             }
             None => (String::new(), String::new()),
         };
-        let delete_probe = CountedDelete::new(
+        let delete_probe = CountedDelete::of_keys(
             &ct,
             "c",
+            &lk,
             &format!(
                 "(SELECT {s_pk}, s.xmin AS {XMIN}, s.tableoid AS {TOID} \
                    FROM pg_temp.warren_probe AS w JOIN {t} AS s ON {} OFFSET 0) AS s",
                 joined("s", &pk, "w", &pk),
             ),
-            &format!(
-                "{} AND {}",
-                written_here(&t, "s", "s", &pk),
-                joined("c", &lk, "s", &pk),
-            ),
+            &written_here(&t, "s", "s", &pk),
+            &s_keys,
         );
         let probe_table = format!(
             "{path} CREATE TEMPORARY TABLE {probe} ON COMMIT DROP AS \
@@ -318,9 +314,10 @@ impl ChildStatements {
             .map(|tomb| {
                 // The tombstones this transaction wrote, found from the batch's deletes.
                 let tb_pk: Vec<String> = pk.iter().map(|k| format!("tb.{k}")).collect();
-                CountedDelete::new(
+                CountedDelete::of_keys(
                     &ct,
                     "c",
+                    &lk,
                     &format!(
                         "(SELECT {}, tb.xmin AS {XMIN} \
                            FROM pg_temp.warren_probe_del AS d JOIN {tomb} AS tb ON {} OFFSET 0) \
@@ -329,7 +326,8 @@ impl ChildStatements {
                         joined("tb", &pk, "d", &pk),
                         tomb = tomb.sql(),
                     ),
-                    &format!("{} AND tb.{XMIN} = {OURS}", joined("c", &lk, "tb", &pk)),
+                    &format!("tb.{XMIN} = {OURS}"),
+                    &tb_pk,
                 )
             })
             .unwrap_or_default();
