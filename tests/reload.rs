@@ -453,6 +453,17 @@ async fn sighup_adds_changes_and_removes_pipelines_and_touches_no_other() {
     lock.release().await;
     let event = wait_for_event(&env, &warren, "reloaded", 3).await;
     assert_eq!(names_of(&event["removed"]), ["refunds"], "{event}");
+    // Its close answered, its acks are proven: the advice to move its queue has no caveat
+    // (review R44 F1: it came always).
+    let logs = warren.logs();
+    let advice = logs
+        .lines()
+        .find(|l| l.contains("no pipeline consumes these queues now"))
+        .unwrap_or_else(|| panic!("no advice to move refunds' queue: {}", tail(&logs, 30)));
+    assert!(
+        advice.contains(&refunds.queue) && !advice.contains("wait until the broker dropped"),
+        "{advice}"
+    );
     // Its stage ends: nothing of it runs on (its consumer's actor stops; this instance runs
     // no DLQ stage).
     warren
@@ -2084,12 +2095,16 @@ async fn a_reload_switching_the_table_while_the_old_links_acks_are_lost_stores_e
 /// messages to the third stage, which asks every stage this process's reloads stopped on the
 /// queue (the second's table and the first's), finds them stored in the first table and acks
 /// them as done. Before, only the stage replaced last was asked, after its own close went
-/// unanswered: each was stored in the first and the third table.
+/// unanswered: each was stored in the first and the third table. The second stage loses a
+/// window's worth of acks too (review R46a F1: its lost acks pushed the first stage's out).
 #[tokio::test(flavor = "multi_thread")]
 async fn two_reloads_before_the_old_link_drops_store_each_message_once() {
     let amqp = TcpProxy::start(&amqp_url(), 5672).await;
     let mut env = TestEnv::new("rl_two_reloads").await;
     env.set("SHUTDOWN_TIMEOUT_MS", "15000");
+    // A window of 200: each stage remembers its last 400 acks, fewer than the second stage
+    // makes.
+    env.set("PREFETCH", "200");
     let fx = Fixture::new(&env, &["orders", "orders_new", "orders_third"]).await;
     let (orders, path, file) = (fx.names(0), fx.path.clone(), fx.file.clone());
     let (code, out, err) = env.run_async(&["--config", &file, "declare"]).await;
@@ -2129,6 +2144,26 @@ async fn two_reloads_before_the_old_link_drops_store_each_message_once() {
         "{}",
         tail(&warren.logs(), 40)
     );
+    // The second stage stores more than its window with its acks answered, then more with
+    // its link held too: a window's worth of its own acks are lost, which must not push the
+    // first stage's out of the memory (review R46a F1: the last stopped stage's lost acks
+    // replaced the earlier ones', and the first stage's were stored again in the third table).
+    let between = new_ids(600);
+    publish(&env, &orders, &between).await;
+    let mut second_table: HashSet<Uuid> = between.iter().copied().collect();
+    assert_table(&env, "orders_new", &second_table, &warren).await;
+    amqp.hold_busiest_from_client();
+    let held_second = new_ids(200);
+    publish(&env, &orders, &held_second).await;
+    second_table.extend(held_second.iter().copied());
+    assert_table(&env, "orders_new", &second_table, &warren).await;
+    let unacked = (held.len() + held_second.len()) as u64;
+    wait_until(
+        "both stages' stored messages unacked on the broker",
+        Duration::from_secs(30),
+        || async { queue_counts(&orders.queue).await == (0, unacked) },
+    )
+    .await;
     std::fs::write(&path, table("orders_third")).expect("write");
     let second = reload(&env, &warren, "reloaded", 2).await;
     assert_eq!(names_of(&second["changed"]), ["orders"], "{second}");
@@ -2149,7 +2184,7 @@ async fn two_reloads_before_the_old_link_drops_store_each_message_once() {
         &warren,
     )
     .await;
-    assert_table(&env, "orders_new", &HashSet::new(), &warren).await;
+    assert_table(&env, "orders_new", &second_table, &warren).await;
     assert_table(&env, "orders", &all, &warren).await;
     warren
         .wait_for_log(
@@ -2498,6 +2533,15 @@ async fn a_rename_done_as_a_removal_and_an_addition_routes_each_message_once() {
             .contains("the broker link did not answer its close"),
         "{}",
         tail(&warren.logs(), 40)
+    );
+    // Its close unanswered: the advice to move its queues says to wait for the link's end.
+    let logs = warren.logs();
+    assert!(
+        logs.lines()
+            .any(|l| l.contains("no pipeline consumes these queues now")
+                && l.contains("wait until the broker dropped the link")),
+        "{}",
+        tail(&logs, 40)
     );
     amqp.cut();
     amqp.restore();

@@ -808,6 +808,14 @@ impl Pipelines {
             ..
         } = plan;
         report.drained = drained;
+        // A stage that consumed a queue now left stopped without a proof that the broker
+        // handled its acks: the advice to move that queue says to wait (review R44 F1).
+        report.acks_unproven = self.retired.iter().any(|r| {
+            report.left_names.contains(&r.queue)
+                && r.copies
+                    .as_ref()
+                    .is_some_and(|c| c.acked().unproven(r.incarnation))
+        });
         self.reloading.clear();
         // What is removed leaves the readiness, the live stages and the metrics' links.
         for name in &report.removed {
@@ -929,9 +937,7 @@ impl Loaded {
 mod plan;
 #[cfg(test)]
 use plan::Left;
-pub(super) use plan::{
-    MOVE_CAVEAT, ReloadReport, api_kept, api_notes, left_behind, left_queues, same,
-};
+pub(super) use plan::{ReloadReport, api_kept, api_notes, left_behind, left_queues, same};
 
 #[cfg(test)]
 mod tests;

@@ -253,8 +253,8 @@ fn reloaded(by: &str, report: &ReloadReport) -> Answer {
     }
     if !report.left_queues.is_empty() {
         warn!(by, queues = %report.left_queues.join(", "), moves = %report.moves.join("; "),
-            "reload: no pipeline consumes these queues now; what they hold (and what their retry queues dead-letter back to them) waits there until moved; {}",
-            super::pipelines::MOVE_CAVEAT);
+            "reload: no pipeline consumes these queues now; what they hold (and what their retry queues dead-letter back to them) waits there until moved{}",
+            report.move_caveat());
     }
     for behind in &report.left_behind {
         warn!(by, "reload: {behind}");

@@ -139,15 +139,16 @@ impl Acked {
     }
 
     /// The channel went without a proof that the broker handled its acks: they are lost, and
-    /// their messages may come again.
-    pub fn link_down(&self) {
+    /// their messages may come again. Answers how many lost entries were forgotten to keep
+    /// the bound ([`trim_lost`]).
+    pub fn link_down(&self) -> usize {
         let cap = self.capacity.load(Ordering::Acquire);
         let mut lists = self.lists();
         let recent = std::mem::take(&mut lists.recent);
         lists.lost.extend(recent);
-        let over = lists.lost.len().saturating_sub(cap);
-        lists.lost.drain(..over);
+        let forgotten = trim_lost(&mut lists.lost, cap);
         self.lost.store(lists.lost.len(), Ordering::Release);
+        forgotten
     }
 
     /// The channel of `generation` closed with an answer: the broker handled every ack sent on
@@ -157,6 +158,18 @@ impl Acked {
         lists.recent.retain(|e| e.generation != generation);
         lists.lost.retain(|e| e.generation != generation);
         self.lost.store(lists.lost.len(), Ordering::Release);
+    }
+
+    /// Whether the consumer of incarnation `owner` acked deliveries that no answered close
+    /// proved handled (those messages may come again: its close went unanswered, or its
+    /// channel went without one).
+    pub fn unproven(&self, owner: u64) -> bool {
+        let lists = self.lists();
+        lists
+            .recent
+            .iter()
+            .chain(&lists.lost)
+            .any(|e| e.owner == owner)
     }
 
     /// Whether any lost ack is remembered (a redelivery needs looking up).
@@ -199,8 +212,43 @@ impl Acked {
             owner,
             print,
         }));
+        trim_lost(&mut lists.lost, self.capacity.load(Ordering::Acquire));
         self.lost.store(lists.lost.len(), Ordering::Release);
     }
+}
+
+/// The most stages of one kind on one queue a stage started by a reload asks about its
+/// redeliveries (the newest): reloads in a row, a pipeline removed and added back.
+pub const PREDECESSORS: usize = 4;
+
+/// Keeps the newest `cap` lost entries of each stage incarnation, and the newest
+/// `cap x (PREDECESSORS + 1)` in all (a stage and the predecessors it asks); answers how many
+/// it forgot. One bound for all (the newest `cap`) forgot an earlier stage's lost acks once the
+/// next stopped stage lost its own (review R46a F1: two reloads in a row behind a stalled link,
+/// and the first stage's whole window was stored again in the third table).
+fn trim_lost(lost: &mut VecDeque<Entry>, cap: usize) -> usize {
+    let limit = cap.saturating_mul(PREDECESSORS + 1);
+    if lost.len() <= cap {
+        return 0;
+    }
+    let mut per_owner: std::collections::HashMap<u64, usize> = std::collections::HashMap::new();
+    let mut kept = 0;
+    let mut keep = vec![false; lost.len()];
+    for (i, e) in lost.iter().enumerate().rev() {
+        let n = per_owner.entry(e.owner).or_insert(0);
+        if *n < cap && kept < limit {
+            *n += 1;
+            kept += 1;
+            keep[i] = true;
+        }
+    }
+    let before = lost.len();
+    let mut at = 0;
+    lost.retain(|_| {
+        at += 1;
+        keep[at - 1]
+    });
+    before - lost.len()
 }
 
 /// The entries a list keeps for a window of `prefetch`: twice the prefetch.
@@ -270,5 +318,48 @@ mod tests {
         assert!(m.take_lost(&[(0, prints[1])], &[7]).is_empty());
         assert_eq!(m.take_lost(&[(0, prints[2])], &[7]), [(0, 7)]);
         assert_eq!(m.take_lost(&[(5, prints[5])], &[7]), [(5, 7)]);
+    }
+
+    /// Review R46a F1: two stages in a row that lost their acks (reloads behind a stalled
+    /// link) are both remembered, each up to twice its window; only past the bound of all the
+    /// stages a successor asks are the oldest forgotten.
+    #[test]
+    fn each_stopped_stage_keeps_its_own_lost_acks() {
+        let a = Acked::new(2); // 4 a stage
+        let prints: Vec<AckPrint> = (0..40).map(|i| printed(&format!("m{i}"), None)).collect();
+        // Stage 1 acks 4 and loses its link; stage 2 acks 4 more (then 2 more, pushing its
+        // own oldest 2 out of `recent`) and loses its link.
+        a.acked(1, 1, &prints[0..4]);
+        assert_eq!(a.link_down(), 0);
+        a.acked(2, 2, &prints[4..10]);
+        assert_eq!(a.link_down(), 0);
+        let asked: Vec<(usize, AckPrint)> = prints[0..10].iter().copied().enumerate().collect();
+        let found = a.take_lost(&asked, &[1, 2]);
+        assert_eq!(
+            found,
+            [
+                (0, 1),
+                (1, 1),
+                (2, 1),
+                (3, 1),
+                (6, 2),
+                (7, 2),
+                (8, 2),
+                (9, 2)
+            ],
+            "stage 1's four and stage 2's newest four"
+        );
+        // Six stages of 4 lost acks each: the oldest stage's are forgotten.
+        let mut forgotten = 0;
+        for stage in 0..6u64 {
+            let from = 10 + stage as usize * 4;
+            a.acked(stage + 10, stage + 10, &prints[from..from + 4]);
+            forgotten += a.link_down();
+        }
+        assert_eq!(forgotten, 4);
+        let asked: Vec<(usize, AckPrint)> = prints[10..34].iter().copied().enumerate().collect();
+        let found = a.take_lost(&asked, &(10..16).collect::<Vec<u64>>());
+        assert_eq!(found.len(), 20, "{found:?}");
+        assert!(found.iter().all(|(i, _)| *i >= 4), "{found:?}");
     }
 }

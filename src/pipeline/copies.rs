@@ -240,7 +240,17 @@ impl Copies {
     /// The consumer's channel is gone: what it left unproven is the broker's again, and comes
     /// back redelivered.
     pub fn link_down(&self) {
-        self.acked.link_down();
+        let acks_forgotten = self.acked.link_down();
+        if acks_forgotten > 0 {
+            warn!(
+                pipeline = self.stage.pipeline(),
+                stage = self.stage.stage().as_str(),
+                count = acks_forgotten,
+                "more acks the broker may not have handled than this stage and the stages it \
+                 replaced can remember (twice the prefetch each): the oldest are forgotten, \
+                 and a redelivery of one is taken as a new message"
+            );
+        }
         let (moved, forgotten) = {
             let mut state = self.state();
             state.live = 0;
@@ -283,10 +293,13 @@ impl Copies {
 
     /// Forgets the oldest of `lost` past the capacity: answers how many.
     fn trim(&self, state: &mut State) -> usize {
-        let over = state
-            .lost
-            .len()
-            .saturating_sub(self.capacity.load(Ordering::Acquire));
+        // A stage and the stages it replaced (`acked::PREDECESSORS`), each a window's worth
+        // twice: the copies of several reloads in a row behind a stalled link.
+        let bound = self
+            .capacity
+            .load(Ordering::Acquire)
+            .saturating_mul(super::acked::PREDECESSORS + 1);
+        let over = state.lost.len().saturating_sub(bound);
         state.lost.drain(..over);
         over
     }
@@ -300,7 +313,8 @@ impl Copies {
                 stage = self.stage.stage().as_str(),
                 count = forgotten,
                 capacity = self.capacity.load(Ordering::Acquire),
-                "more copies with unproven acks than twice the prefetch: the oldest are \
+                "more copies with unproven acks than this stage and the stages it replaced can \
+                 remember (twice the prefetch each): the oldest are \
                  forgotten, and their redeliveries are routed again"
             );
         }
@@ -698,18 +712,21 @@ mod tests {
     }
 
     #[test]
-    fn past_twice_the_prefetch_the_oldest_copies_are_forgotten() {
-        let c = copies(); // prefetch 2: 4 kept
+    fn past_the_bound_the_oldest_copies_are_forgotten() {
+        // Prefetch 2: twice that for the stage and each of the four it may replace, 20 kept.
+        let c = copies();
         assert_eq!(c.link_up(), 1);
-        for tag in 1..=5 {
+        for tag in 1..=21 {
             confirmed(&c, &delivery(1, tag, false, &format!("bad {tag}")));
         }
         c.link_down();
         assert_eq!(c.link_up(), 2);
         let oldest = delivery(2, 1, true, "bad 1");
         assert_eq!(c.recall(&oldest, c.fingerprint(&oldest)), Recall::Unknown);
-        let newest = delivery(2, 2, true, "bad 5");
-        assert_eq!(c.recall(&newest, c.fingerprint(&newest)), Recall::Routed);
+        for kept in ["bad 2", "bad 21"] {
+            let d = delivery(2, 2, true, kept);
+            assert_eq!(c.recall(&d, c.fingerprint(&d)), Recall::Routed, "{kept}");
+        }
     }
 
     #[test]

@@ -16,9 +16,7 @@ use crate::db::{DbError, ErrorClass, Statements};
 use crate::domain::Domain;
 use crate::metrics::{self, StageId};
 
-/// The most stages of one kind on one queue a stage started by a reload asks about its
-/// redeliveries (the newest): reloads in a row, a pipeline removed and added back.
-pub const PREDECESSORS: usize = 4;
+pub use super::acked::PREDECESSORS;
 
 /// A stage of the same kind on the same queue that a reload of this process stopped before it
 /// started this one (another table, name or mapping, or only other settings): its domain, and

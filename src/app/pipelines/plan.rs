@@ -145,16 +145,17 @@ pub(in crate::app) fn left_queues<'a>(
         .collect()
 }
 
-/// What the advice to move a left queue adds (review R44 F1): after an unanswered close the old
-/// stage's last acks may be lost, and those messages come back to the left queue, stored
-/// already, once the broker drops the link; moved to a pipeline on another table, they are
-/// stored again there (review R42b F8).
-pub(in crate::app) const MOVE_CAVEAT: &str = "before a move, if a stopped stage warned \"the \
-     broker link did not answer its close\", wait until the broker dropped that link \
-     (AMQP_HEARTBEAT_S): its last acks may not have reached the broker, which then puts those \
-     messages, stored already by the old stage, back in its queue, and a move republishes them \
-     as new messages (a pipeline on another table stores them again: where the table changed, \
-     drain the queue with the old configuration instead)";
+/// What the advice to move a left queue adds when a stage that consumed one stopped without a
+/// proof that the broker handled its acks (review R44 F1: said always before, also when every
+/// close was answered): its last acks may be lost, and those messages come back to the left
+/// queue, stored already, once the broker drops the link; moved to a pipeline on another table,
+/// they are stored again there (review R42b F8).
+pub(in crate::app) const MOVE_CAVEAT: &str = "before a move, wait until the broker dropped the \
+     link of the stage that consumed it (AMQP_HEARTBEAT_S; it warned \"the broker link did not \
+     answer its close\", or its link was gone): its last acks may not have reached the broker, \
+     which then puts those messages, stored already by the old stage, back in its queue, and a \
+     move republishes them as new messages (a pipeline on another table stores them again: \
+     where the table changed, drain the queue with the old configuration instead)";
 
 /// What the pipelines `removed` leave behind under their names, one sentence each, for the
 /// reload's report (review R44 F7: a rename by reload was silent about them). A pipeline's
@@ -260,6 +261,9 @@ pub(in crate::app) struct ReloadReport {
     pub moves: Vec<String>,
     /// For each of [`ReloadReport::left_queues`], its name on the broker.
     pub left_names: Vec<String>,
+    /// Whether a stage that consumed one of [`ReloadReport::left_queues`] stopped without a
+    /// proof that the broker handled its acks ([`MOVE_CAVEAT`]).
+    pub acks_unproven: bool,
 }
 
 impl ReloadReport {
@@ -284,6 +288,15 @@ impl ReloadReport {
         for list in [&mut self.left_queues, &mut self.moves, &mut self.left_names] {
             let mut kept = keep.iter();
             list.retain(|_| *kept.next().unwrap_or(&true));
+        }
+    }
+
+    /// `; ` and [`MOVE_CAVEAT`] when it applies, else nothing.
+    pub fn move_caveat(&self) -> String {
+        if self.acks_unproven {
+            format!("; {MOVE_CAVEAT}")
+        } else {
+            String::new()
         }
     }
 
@@ -313,10 +326,10 @@ impl ReloadReport {
         }
         if !self.left_queues.is_empty() {
             parts.push(format!(
-                "no pipeline consumes {} now: what they hold waits there until moved ({}); {}",
+                "no pipeline consumes {} now: what they hold waits there until moved ({}){}",
                 self.left_queues.join(", "),
                 self.moves.join("; "),
-                MOVE_CAVEAT
+                self.move_caveat()
             ));
         }
         parts.extend(self.left_behind.iter().cloned());

@@ -344,15 +344,17 @@ fn a_refusal_for_many_problems_is_one_short_line() {
 }
 
 /// Review R44 F1: the advice to move a queue a reload left says to wait for the old stage's
-/// link to end after an unanswered close, or a move republishes what it already stored.
+/// link to end when its acks were not proven handled (an unanswered close, a link gone), or a
+/// move republishes what it already stored; only then.
 #[test]
-fn the_advice_to_move_a_left_queue_warns_of_an_unanswered_close() {
-    let report = ReloadReport {
+fn the_advice_to_move_a_left_queue_warns_of_unproven_acks_only_then() {
+    let mut report = ReloadReport {
         removed: vec!["orders".into()],
         left_queues: vec!["orders_queue (orders)".into()],
         moves: vec!["warren move --from orders_queue --to EXCHANGE/ROUTING_KEY".into()],
         left_names: vec!["orders_queue".into()],
         drained: true,
+        acks_unproven: true,
         ..ReloadReport::default()
     };
     let summary = report.summary();
@@ -360,6 +362,13 @@ fn the_advice_to_move_a_left_queue_warns_of_an_unanswered_close() {
         summary.contains("warren move --from orders_queue")
             && summary.contains("did not answer its close")
             && summary.contains("AMQP_HEARTBEAT_S"),
+        "{summary}"
+    );
+    report.acks_unproven = false;
+    let summary = report.summary();
+    assert!(
+        summary.contains("warren move --from orders_queue")
+            && !summary.contains("AMQP_HEARTBEAT_S"),
         "{summary}"
     );
 }
