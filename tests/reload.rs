@@ -1603,6 +1603,73 @@ async fn a_reload_switching_the_table_while_an_inserts_answer_is_lost_stores_eac
     warren.terminate_ok(Duration::from_secs(25));
 }
 
+/// Review R46a F6 (a duplicate): the same lost answer, and the stage's other connections to
+/// PostgreSQL half-open too (nothing the server sends reaches them), so the stop cannot ask
+/// its table whether the batch committed. Its messages go back to the queue remembered as acks
+/// the old stage may have made; the stage the reload starts asks the old table about their
+/// redeliveries (on connections of its own) and acks those stored there. Before, they were
+/// given back as "not inserted" and stored again in the new table.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_reload_switching_the_table_while_every_old_link_is_half_open_stores_each_message_once() {
+    let pg = TcpProxy::start(&database_url(), 5432).await;
+    let mut env = TestEnv::new("rl_lost_commit_all").await;
+    // The drain's deadline comes before the held statement's bound (3 s), as with the
+    // defaults (20 s against 32 s): the stop waits for the statement past its deadline.
+    env.set("DATABASE_URL", pg.url())
+        .set("DATABASE_STATEMENT_TIMEOUT_MS", "1000")
+        .set("SHUTDOWN_TIMEOUT_MS", "1000");
+    let fx = Fixture::new(&env, &["orders", "orders_new"]).await;
+    let (orders, path, file) = (fx.names(0), fx.path.clone(), fx.file.clone());
+    let warren = env.start(&["--config", &file, "--declare", "--roles", "consumer"]);
+    let _logs = LogsOnPanic(vec![warren.log.clone()]);
+    one_consumer(&orders.queue).await;
+    let warm = new_ids(100);
+    publish(&env, &orders, &warm).await;
+    assert_table(&env, "orders", &warm.iter().copied().collect(), &warren).await;
+
+    pg.hold_after_next_send("warren-pipeline");
+    let held = new_ids(200);
+    publish(&env, &orders, &held).await;
+    wait_until(
+        "an insert's answer held",
+        Duration::from_secs(30),
+        || async { pg.hold_fired() },
+    )
+    .await;
+    // Every live connection of the pipelines' pool goes half-open; new ones pass.
+    pg.hold_named("warren-pipeline");
+    let switched = entry("orders", &orders, 50, 1000)
+        .replace(r#"table = "orders""#, r#"table = "orders_new""#);
+    std::fs::write(&path, switched).expect("write");
+    let event = reload(&env, &warren, "reloaded", 1).await;
+    assert_eq!(names_of(&event["changed"]), ["orders"], "{event}");
+    let all: HashSet<Uuid> = warm.iter().chain(&held).copied().collect();
+    wait_until("every message stored", Duration::from_secs(90), || async {
+        let mut stored: HashSet<Uuid> = ids_in(&env, "orders").await.into_iter().collect();
+        stored.extend(ids_in(&env, "orders_new").await);
+        stored == all
+    })
+    .await;
+    wait_until(
+        "every message settled on the broker",
+        Duration::from_secs(60),
+        || async { queue_counts(&orders.queue).await == (0, 0) },
+    )
+    .await;
+    pg.release();
+    let old: HashSet<Uuid> = ids_in(&env, "orders").await.into_iter().collect();
+    let new: HashSet<Uuid> = ids_in(&env, "orders_new").await.into_iter().collect();
+    let both: Vec<&Uuid> = old.intersection(&new).collect();
+    assert!(
+        both.is_empty(),
+        "{} messages in both tables; log:\n{}",
+        both.len(),
+        tail(&warren.logs(), 40)
+    );
+    let mut warren = warren;
+    warren.terminate_ok(Duration::from_secs(25));
+}
+
 /// A reload that switches a pipeline's table while a batch's insert is on its way to the
 /// server (held in the proxy: the server has not received it) (review R38-F2): the statement
 /// outlasts its bound during the stop and its batch goes back to the queue, to be stored in the

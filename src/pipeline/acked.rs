@@ -221,21 +221,25 @@ impl Acked {
 /// redeliveries (the newest): reloads in a row, a pipeline removed and added back.
 pub const PREDECESSORS: usize = 4;
 
-/// Keeps the newest `cap` lost entries of each stage incarnation, and the newest
-/// `cap x (PREDECESSORS + 1)` in all (a stage and the predecessors it asks); answers how many
-/// it forgot. One bound for all (the newest `cap`) forgot an earlier stage's lost acks once the
-/// next stopped stage lost its own (review R46a F1: two reloads in a row behind a stalled link,
-/// and the first stage's whole window was stored again in the third table).
+/// Keeps, of each stage incarnation, the newest `cap` lost acks and the newest `cap` entries
+/// given back ([`Acked::give_back`], generation 0: a statement's outcome unknown at its stop,
+/// a question a locked table did not answer), and the newest `2 x cap x (PREDECESSORS + 1)` in
+/// all (a stage and the predecessors it asks); answers how many it forgot. One bound for all
+/// (the newest `cap`) forgot an earlier stage's lost acks once the next stopped stage lost its
+/// own (review R46a F1: two reloads in a row behind a stalled link, and the first stage's whole
+/// window was stored again in the third table); and a stage's last acks, moved here after what
+/// its stop gave back, would push that out.
 fn trim_lost(lost: &mut VecDeque<Entry>, cap: usize) -> usize {
-    let limit = cap.saturating_mul(PREDECESSORS + 1);
+    let limit = cap.saturating_mul(2 * (PREDECESSORS + 1));
     if lost.len() <= cap {
         return 0;
     }
-    let mut per_owner: std::collections::HashMap<u64, usize> = std::collections::HashMap::new();
+    let mut per_owner: std::collections::HashMap<(u64, bool), usize> =
+        std::collections::HashMap::new();
     let mut kept = 0;
     let mut keep = vec![false; lost.len()];
     for (i, e) in lost.iter().enumerate().rev() {
-        let n = per_owner.entry(e.owner).or_insert(0);
+        let n = per_owner.entry((e.owner, e.generation == 0)).or_insert(0);
         if *n < cap && kept < limit {
             *n += 1;
             kept += 1;
@@ -326,7 +330,7 @@ mod tests {
     #[test]
     fn each_stopped_stage_keeps_its_own_lost_acks() {
         let a = Acked::new(2); // 4 a stage
-        let prints: Vec<AckPrint> = (0..40).map(|i| printed(&format!("m{i}"), None)).collect();
+        let prints: Vec<AckPrint> = (0..64).map(|i| printed(&format!("m{i}"), None)).collect();
         // Stage 1 acks 4 and loses its link; stage 2 acks 4 more (then 2 more, pushing its
         // own oldest 2 out of `recent`) and loses its link.
         a.acked(1, 1, &prints[0..4]);
@@ -349,17 +353,25 @@ mod tests {
             ],
             "stage 1's four and stage 2's newest four"
         );
-        // Six stages of 4 lost acks each: the oldest stage's are forgotten.
+        // What a stop gave back (a statement's outcome unknown) beside a full window of lost
+        // acks of the same stage: both kept (review R46a F6).
+        a.give_back(3, &prints[10..14]);
+        a.acked(3, 3, &prints[14..18]);
+        assert_eq!(a.link_down(), 0);
+        let asked: Vec<(usize, AckPrint)> = prints[10..18].iter().copied().enumerate().collect();
+        assert_eq!(a.take_lost(&asked, &[3]).len(), 8);
+        // Eleven stages of 4 lost acks each, past 2 x 4 x (PREDECESSORS + 1) = 40: the oldest
+        // stage's are forgotten.
         let mut forgotten = 0;
-        for stage in 0..6u64 {
-            let from = 10 + stage as usize * 4;
+        for stage in 0..11u64 {
+            let from = 20 + stage as usize * 4;
             a.acked(stage + 10, stage + 10, &prints[from..from + 4]);
             forgotten += a.link_down();
         }
         assert_eq!(forgotten, 4);
-        let asked: Vec<(usize, AckPrint)> = prints[10..34].iter().copied().enumerate().collect();
-        let found = a.take_lost(&asked, &(10..16).collect::<Vec<u64>>());
-        assert_eq!(found.len(), 20, "{found:?}");
+        let asked: Vec<(usize, AckPrint)> = prints[20..64].iter().copied().enumerate().collect();
+        let found = a.take_lost(&asked, &(10..21).collect::<Vec<u64>>());
+        assert_eq!(found.len(), 40, "{found:?}");
         assert!(found.iter().all(|(i, _)| *i >= 4), "{found:?}");
     }
 }

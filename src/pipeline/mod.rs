@@ -586,6 +586,12 @@ impl Pipeline {
                     "statements still running after their bound; the server's statement_timeout \
                      ends them"
                 );
+            } else {
+                // The sinks settle what those statements ended with before the channel
+                // closes: a batch whose outcome is unknown is remembered as acks this stage
+                // may have made before its deliveries go back (review R46a F6), so that a
+                // stage a reload starts asks this table about their redeliveries.
+                let _ = tokio::time::timeout(SETTLE_AFTER_END, &mut drain).await;
             }
         }
         // A consumer that does not answer (it never does but in a broken process) counts
@@ -612,6 +618,10 @@ impl Pipeline {
         (drained, counts)
     }
 }
+
+/// How long a stop past its deadline waits, once its statements ended, for the sinks to
+/// settle what they ended with (milliseconds: no statement starts any more).
+const SETTLE_AFTER_END: Duration = Duration::from_secs(2);
 
 /// How long before the drain's deadline `timeout` the statements still running are cancelled:
 /// a quarter of it, at most 5 s (a cancel takes milliseconds; the settle that follows it, every

@@ -89,46 +89,57 @@ pub(super) async fn settled_before<D: Domain>(
             continue;
         }
         let group: Vec<(usize, &D::Record)> = decoded.iter().map(|(i, r)| (*i, r)).collect();
-        let settled =
-            match stored_of(config, before.domain.as_ref(), &before.parks_as, &group).await {
-                Ok(settled) => settled,
-                // The old table is locked (an operator's migration, a `LOCK TABLE`): these
-                // redeliveries go back to their queue, their acks remembered again, and are asked
-                // again when they come back; the rest of the batch goes on (review R44 F6: the
-                // question waited for the statement bound, and the live pipeline behind it).
-                Err(e) if e.sqlstate() == Some(LOCK_NOT_AVAILABLE) => {
-                    let back: Vec<AckPrint> = group
-                        .iter()
-                        .filter_map(|(i, _)| prints.get(i).copied())
-                        .collect();
-                    acked.give_back(before.incarnation, &back);
-                    warn!(
-                        pipeline = config.stage.pipeline(),
-                        stage = config.stage.stage().as_str(),
-                        before = %before.parks_as,
-                        count = group.len(),
-                        error = %e,
-                        "the table of a stage a reload replaced is locked: redeliveries whose acks \
-                         it may have lost go back to their queue, to be asked again when they come \
-                         back; the rest goes on"
-                    );
-                    let reason: Arc<str> = format!(
-                        "the table of {}, which a reload replaced, was locked for over {}: asked \
+        let settled = match stored_of(config, before.domain.as_ref(), &group).await {
+            Ok(settled) => settled,
+            // The old table is locked (an operator's migration, a `LOCK TABLE`): these
+            // redeliveries go back to their queue, their acks remembered again, and are asked
+            // again when they come back; the rest of the batch goes on (review R44 F6: the
+            // question waited for the statement bound, and the live pipeline behind it).
+            Err(e) if e.sqlstate() == Some(LOCK_NOT_AVAILABLE) => {
+                let back: Vec<AckPrint> = group
+                    .iter()
+                    .filter_map(|(i, _)| prints.get(i).copied())
+                    .collect();
+                acked.give_back(before.incarnation, &back);
+                warn!(
+                    pipeline = config.stage.pipeline(),
+                    stage = config.stage.stage().as_str(),
+                    before = %before.parks_as,
+                    count = group.len(),
+                    error = %e,
+                    "the table of a stage a reload replaced is locked: redeliveries whose acks \
+                     it may have lost go back to their queue, to be asked again when they come \
+                     back; the rest goes on"
+                );
+                let reason: Arc<str> = format!(
+                    "the table of {}, which a reload replaced, was locked for over {}: asked \
                      again when the message comes back",
-                        before.parks_as, PREDECESSOR_LOCK_TIMEOUT
-                    )
-                    .into();
-                    for (i, _) in &group {
-                        failures[*i] = Some(Failure::Db {
-                            class: ErrorClass::Systemic,
-                            server_answered: true,
-                            reason: reason.clone(),
-                        });
-                    }
-                    continue;
+                    before.parks_as, PREDECESSOR_LOCK_TIMEOUT
+                )
+                .into();
+                for (i, _) in &group {
+                    failures[*i] = Some(Failure::Db {
+                        class: ErrorClass::Systemic,
+                        server_answered: true,
+                        reason: reason.clone(),
+                    });
                 }
-                Err(_) => vec![false; group.len()],
-            };
+                continue;
+            }
+            Err(e) => {
+                warn!(
+                    pipeline = config.stage.pipeline(),
+                    stage = config.stage.stage().as_str(),
+                    before = %before.parks_as,
+                    count = group.len(),
+                    error = %e,
+                    "cannot ask the table of a stage a reload replaced whether it settled \
+                     these redeliveries; they go on as any message (one it had stored may be \
+                     stored again)"
+                );
+                vec![false; group.len()]
+            }
+        };
         let mut ids = Vec::new();
         for ((i, _), yes) in group.iter().zip(settled) {
             if yes {
@@ -175,7 +186,6 @@ pub(super) struct Asker<'a> {
 pub(super) async fn stored_of<D: Domain>(
     config: &Asker<'_>,
     domain: &D,
-    whose: &str,
     group: &[(usize, &D::Record)],
 ) -> Result<Vec<bool>, DbError> {
     let client = config.pool.get().await.map_err(DbError::from_pool)?;
@@ -194,18 +204,10 @@ pub(super) async fn stored_of<D: Domain>(
     let asked = tokio::time::timeout(config.db_bound, ask).await;
     drop(running);
     match asked {
+        // The callers say what an error means for their deliveries (review R46a F2: a locked
+        // table was said here as "they go on as any message", then by the caller as "they go
+        // back to their queue").
         Ok((result, reset)) => {
-            if let Err(e) = &result {
-                warn!(
-                    pipeline = config.stage.pipeline(),
-                    stage = config.stage.stage().as_str(),
-                    table_of = whose,
-                    count = group.len(),
-                    error = %e,
-                    "cannot ask a table whether it stored these deliveries already; they go on \
-                     as any message (one it had stored may be stored again)"
-                );
-            }
             if reset {
                 crate::db::release(config.pool, client, &result);
             } else {

@@ -146,11 +146,11 @@ async fn sink<D: Domain>(config: Arc<SinkConfig<D>>, batch: Batch<D::Record>) {
             deliveries.iter().map(|d| d.received_at).min(),
             config.hand_back_after,
         );
-        let results = if config.stopping.is_cancelled()
+        let untried = config.stopping.is_cancelled()
             && config
                 .silent_at_stop
-                .load(std::sync::atomic::Ordering::Relaxed)
-        {
+                .load(std::sync::atomic::Ordering::Relaxed);
+        let results = if untried {
             let all = refs.iter().map(|(i, _)| *i).collect();
             let untried = DbError::Connection(
                 "not tried: the database did not answer another batch during the stop".into(),
@@ -197,6 +197,22 @@ async fn sink<D: Domain>(config: Arc<SinkConfig<D>>, batch: Batch<D::Record>) {
                 }
                 Err(e) => {
                     let reason: Arc<str> = e.short_reason().into();
+                    if config.stopping.is_cancelled() && e.outcome_unknown() && !untried {
+                        // Their statement may have committed, and the table could not say (its
+                        // link half-open: the question on the pool's connections got no answer
+                        // either) or said not yet: they go back to their queue remembered as
+                        // acks this stage may have made, so that a stage a reload starts there
+                        // asks this table about their redeliveries (review R46a F6: a batch the
+                        // old table committed, its answer lost, was stored again in the new one).
+                        let prints: Vec<super::acked::AckPrint> = indices
+                            .iter()
+                            .map(|&i| {
+                                let d = &deliveries[i];
+                                super::acked::print(&d.body, d.properties.bare())
+                            })
+                            .collect();
+                        config.copies.acked().give_back(config.incarnation, &prints);
+                    }
                     for i in indices {
                         failures[i] = Some(Failure::Db {
                             class: e.class(),
@@ -572,11 +588,23 @@ impl<'r, D: Domain> Isolation<'_, 'r, D> {
                 let stored = predecessors::stored_of(
                     &asker(self.config),
                     self.config.domain.as_ref(),
-                    self.config.stage.pipeline(),
                     &group,
                 )
                 .await
-                .unwrap_or_else(|_| vec![false; group.len()]);
+                .unwrap_or_else(|asked| {
+                    info!(
+                        pipeline = self.config.stage.pipeline(),
+                        stage = self.config.stage.stage().as_str(),
+                        batch_id = self.batch_id,
+                        error = %e,
+                        asked = %asked,
+                        rows = group.len(),
+                        "rows whose statement got no answer at the stop: the table cannot say \
+                         whether it stored them; they go back to their queue, and a stage a \
+                         reload starts there asks this table about them"
+                    );
+                    vec![false; group.len()]
+                });
                 let (done, rest): (Vec<_>, Vec<_>) = group
                     .into_iter()
                     .zip(stored)
