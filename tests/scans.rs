@@ -405,3 +405,121 @@ async fn a_batch_deletes_its_keys_child_rows_without_statistics() {
         );
     }
 }
+
+/// Review R46b F4: a key of two columns whose first has few values (a tenant). The child rows'
+/// deletes compared that column with `= ANY` and the whole key with a hashed `IN`, which read
+/// every child row of the batch's tenants: the whole table. Analysed (as autovacuum keeps
+/// them), batches of newer versions and deletes read a few rows a record.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_two_column_key_with_few_tenants_deletes_its_keys_child_rows() {
+    let env = TestEnv::new("scan_tenants").await;
+    env.db
+        .batch_execute(&format!(
+            "CREATE TABLE orders (tenant text NOT NULL, order_no int8 NOT NULL, \
+               version int8 NOT NULL, PRIMARY KEY (tenant, order_no));
+             CREATE TABLE order_items (tenant text NOT NULL, order_no int8 NOT NULL, \
+               line int4 NOT NULL, sku text NOT NULL, PRIMARY KEY (tenant, order_no, line));
+             INSERT INTO orders SELECT 't' || (n % 3), n, 1 FROM generate_series(1, {BIG}) AS n;
+             INSERT INTO order_items SELECT tenant, order_no, 1, 'A' FROM orders;
+             ANALYZE orders; ANALYZE order_items;"
+        ))
+        .await
+        .expect("the big tables");
+    let spec: MappingSpec = toml::from_str(
+        r#"
+table = "orders"
+key = ["tenant", "order_no"]
+on_conflict = "update"
+version_column = "version"
+unknown_fields = "ignore"
+delete = { field = "/op", value = "delete" }
+
+[columns]
+tenant   = { path = "/tenant", type = "text" }
+order_no = { path = "/order_no", type = "int8" }
+version  = { path = "/version", type = "int8" }
+
+[[children]]
+table = "order_items"
+rows = "/items"
+key = ["tenant", "order_no", "line"]
+optional = true
+
+[children.columns]
+tenant   = { parent = "tenant" }
+order_no = { parent = "order_no" }
+line     = { index = true }
+sku      = { path = "/sku", type = "text" }
+"#,
+    )
+    .expect("spec");
+    let m = Mapping::compile("orders", &spec).expect("compiles");
+    m.declare_tombstones(&env.db).await.expect("declare");
+    let pool = mapping_pool(&env, "warren-scans-test");
+    let before = rows_read(&env, "order_items").await;
+    let key = |n: i64| format!(r#""tenant":"t{}","order_no":{n}"#, n % 3);
+    let batches: Vec<Vec<Vec<u8>>> = vec![
+        // Through the probe (writes and deletes), then the fast path (writes alone).
+        (1..=100)
+            .map(|n| format!(r#"{{{},"version":2,"items":[{{"sku":"B"}}]}}"#, key(n)))
+            .chain((101..=200).map(|n| format!(r#"{{"op":"delete",{},"version":2}}"#, key(n))))
+            .map(String::into_bytes)
+            .collect(),
+        (201..=300)
+            .map(|n| format!(r#"{{{},"version":2,"items":[{{"sku":"B"}}]}}"#, key(n)).into_bytes())
+            .collect(),
+    ];
+    for bodies in &batches {
+        let client = pool.get().await.expect("client");
+        let rows: Vec<_> = bodies.iter().map(|b| m.decode(b).expect("valid")).collect();
+        let refs: Vec<_> = rows.iter().collect();
+        m.insert(&client, &refs).await.expect("the batch");
+        client
+            .batch_execute("SELECT pg_stat_force_next_flush()")
+            .await
+            .expect("flush the statistics");
+    }
+    wait_until(
+        "the batches' statistics",
+        Duration::from_secs(30),
+        || async {
+            env.db
+                .batch_execute("SELECT pg_stat_clear_snapshot()")
+                .await
+                .expect("clear the stats snapshot");
+            count_of(
+                &env,
+                "SELECT n_tup_del FROM pg_stat_user_tables \
+                 WHERE schemaname = current_schema() AND relname = 'order_items'",
+            )
+            .await
+                >= 300
+        },
+    )
+    .await;
+    let read = rows_read(&env, "order_items").await - before;
+    assert!(
+        read < 5_000,
+        "order_items: {read} rows read by 300 records in 2 batches (a tenant's share of the \
+         table is {})",
+        BIG / 3
+    );
+    assert_eq!(
+        count_of(
+            &env,
+            "SELECT count(*) FROM order_items WHERE order_no <= 300 AND sku = 'A'"
+        )
+        .await,
+        0,
+        "every replaced or deleted order's old item gone"
+    );
+    assert_eq!(
+        count_of(
+            &env,
+            "SELECT count(*) FROM order_items WHERE order_no <= 300"
+        )
+        .await,
+        200,
+        "the written orders' new items"
+    );
+}

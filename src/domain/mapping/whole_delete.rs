@@ -79,15 +79,18 @@ pub(super) struct Deleted {
 }
 
 /// The rows of a child table (`alias`) whose columns `cols` hold the keys (`keys`, columns of
-/// `using`'s rows that pass `of_using`, pairwise), as a delete's `WHERE` without a join: the
-/// first column compared with `= ANY` of the keys gathered once (an index of the table led by
-/// that column answers it, with or without statistics), the others, when the key has more
-/// columns, with a hashed `IN` of the whole key. As a join (`USING ... WHERE`) PostgreSQL
-/// planned it, on a child table never analysed, as a hash join over a scan of the whole table
-/// (review R45 F3: 20,000 deletes of stored orders with 4 million items, 22-24 s); a join that
-/// also had the `= ANY` was a nested loop testing the whole array at each key (quadratic in the
-/// batch). The test of each row is a value's: a row another session updates meanwhile is
-/// tested again as it is then (a delete by `ctid` would miss it).
+/// `using`'s rows that pass `of_using`, pairwise), as what follows `DELETE FROM {table} AS
+/// {alias}`. A key of one column is compared with `= ANY` of the keys gathered once, without a
+/// join: an index led by that column answers it, with or without statistics. As a join
+/// PostgreSQL planned it, on a child table never analysed, as a hash join over a scan of the
+/// whole table (review R45 F3: 20,000 deletes of stored orders with 4 million items, 22-24 s);
+/// a join that also had the `= ANY` was a nested loop testing the whole array at each key
+/// (quadratic in the batch). Each row is tested by its value: a row another session updates
+/// meanwhile is tested again as it is then (a delete by `ctid` misses it). A key of several
+/// columns stays a join, which PostgreSQL plans as a lookup a key once the table is analysed:
+/// `= ANY` on its first column read the whole table when that column has few values (a tenant:
+/// review R46b F4), and `= ANY` on each column is a lookup for each combination of their values
+/// (quadratic in the batch when both vary).
 pub(super) fn by_keys(
     alias: &str,
     cols: &[String],
@@ -95,26 +98,17 @@ pub(super) fn by_keys(
     of_using: &str,
     keys: &[String],
 ) -> String {
-    let first = format!(
-        "{alias}.{} = ANY(ARRAY(SELECT {} FROM {using} WHERE {of_using}))",
-        cols[0], keys[0]
-    );
-    if cols.len() == 1 {
-        return first;
+    if let ([col], [key]) = (cols, keys) {
+        return format!(
+            "WHERE {alias}.{col} = ANY(ARRAY(SELECT {key} FROM {using} WHERE {of_using}))"
+        );
     }
-    // `COALESCE` keeps the `IN` from being turned into a join: a hashed subplan, one lookup a
-    // row (a key is never NULL).
-    let of = |a: &str, c: &[String]| {
-        c.iter()
-            .map(|c| format!("{a}.{c}"))
-            .collect::<Vec<_>>()
-            .join(", ")
-    };
-    format!(
-        "{first} AND COALESCE(({}) IN (SELECT {} FROM {using} WHERE {of_using}), false)",
-        of(alias, cols),
-        keys.join(", ")
-    )
+    let on: Vec<String> = cols
+        .iter()
+        .zip(keys)
+        .map(|(c, k)| format!("{alias}.{c} = {k}"))
+        .collect();
+    format!("USING {using} WHERE {of_using} AND {}", on.join(" AND "))
 }
 
 impl CountedDelete {
@@ -151,7 +145,7 @@ impl CountedDelete {
             alias,
             using,
             &format!("{of_using} AND {}", on.join(" AND ")),
-            &format!("WHERE {}", by_keys(alias, cols, using, of_using, keys)),
+            &by_keys(alias, cols, using, of_using, keys),
         )
     }
 

@@ -171,7 +171,7 @@ impl ChildStatements {
         // in it, and the batch goes through the probe instead (review R45 F5: an AFTER DELETE
         // trigger created in that window put a line back beside the newer version's).
         let delete = format!(
-            "WITH d AS (DELETE FROM {ct} AS c WHERE {} RETURNING 1) SELECT {}",
+            "WITH d AS (DELETE FROM {ct} AS c {} RETURNING 1) SELECT {}",
             whole_delete::by_keys("c", &lk, &using, &ours, &s_keys),
             whole_delete::acted_on(&ct)
         );
