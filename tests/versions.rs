@@ -1593,3 +1593,46 @@ sku      = { path = "/sku", type = "text" }
         ]
     );
 }
+
+/// Review R46b F1: a rule ON INSERT of any kind (an audit `DO ALSO NOTIFY`) created on the
+/// table while warren runs makes `INSERT ... ON CONFLICT` fail (0A000) for every message
+/// alike: a systemic error (the pipeline holds its batch, nothing goes to the DLQ), whose reason
+/// says which kind of rule to drop. Before, it was transient: every message was retried, then
+/// parked `retries_exhausted`.
+#[tokio::test(flavor = "multi_thread")]
+async fn an_insert_rule_of_any_kind_is_the_tables_condition_not_the_messages() {
+    let env = TestEnv::new("versions_rule_kind").await;
+    tables(&env).await;
+    let m = mapping(false, true);
+    m.declare_tombstones(&env.db).await.expect("declare");
+    let pool = pool(&env).await;
+    let key = Uuid::new_v4();
+    let write = |v: i64| {
+        format!(r#"{{"order_id":"{key}","total":"1","version":{v},"items":[{{"sku":"A"}}]}}"#)
+            .into_bytes()
+    };
+    insert(&m, &pool, &[write(1)])
+        .await
+        .expect("the first version");
+    env.db
+        .batch_execute("CREATE RULE audit AS ON INSERT TO orders DO ALSO NOTIFY warren_audit")
+        .await
+        .expect("the rule");
+    let e = insert(&m, &pool, &[write(2)])
+        .await
+        .expect_err("refused while the rule is there");
+    assert_eq!(e.class(), warren::db::ErrorClass::Systemic, "{e}");
+    let reason = e.short_reason();
+    assert!(
+        reason.contains("0A000") && reason.contains("drop the rule"),
+        "{reason}"
+    );
+    env.db
+        .batch_execute("DROP RULE audit ON orders")
+        .await
+        .expect("drop the rule");
+    insert(&m, &pool, &[write(2)])
+        .await
+        .expect("the newer version");
+    assert_eq!(stored(&env, key).await.map(|s| s.1), Some(2));
+}

@@ -99,6 +99,12 @@ impl DbError {
             // the messages that need it; the rest of the batch can (review R45 F1: retried as
             // transient, it opened the breaker and spent every retry tier on each message).
             DbError::Server { .. } if self.is_returning_refused() => ErrorClass::Permanent,
+            // An INSERT or UPDATE rule on the table (any kind: a `DO ALSO NOTIFY` audit rule):
+            // `INSERT ... ON CONFLICT` cannot run on it at all, for every message alike, until
+            // the rule goes: the table's condition, as a missing privilege (review R46b F1:
+            // retried as transient, it opened the breaker and parked every message
+            // `retries_exhausted`).
+            DbError::Server { .. } if self.is_rule_refused() => ErrorClass::Systemic,
             DbError::Server { code, .. } => classify_sqlstate(code),
             DbError::Connection(_) | DbError::Outlasted { .. } => ErrorClass::Transient,
             DbError::Config(_) | DbError::Migration(_) => ErrorClass::Systemic,
@@ -148,6 +154,15 @@ impl DbError {
                 && message.contains(" RETURNING on relation "))
     }
 
+    /// Whether the server refused an `INSERT ... ON CONFLICT` for a rule on the table (0A000
+    /// `INSERT with ON CONFLICT clause cannot be used with table that has INSERT or UPDATE
+    /// rules`).
+    pub fn is_rule_refused(&self) -> bool {
+        matches!(self, DbError::Server { code, message }
+            if code == "0A000"
+                && message.contains("cannot be used with table that has INSERT or UPDATE rules"))
+    }
+
     /// Whether the server refused a prepared statement because a table it reads or writes
     /// changed under it (`ALTER TABLE .. ALTER .. TYPE`): 0A000 `cached plan must not change
     /// result type`. The statement, not the row nor the moment, is at fault: it fails the same
@@ -185,8 +200,14 @@ impl DbError {
         let text = match self {
             DbError::Server { code, message } if self.is_returning_refused() => format!(
                 "{code} {message} (a DO INSTEAD rule without RETURNING on that table: warren \
-                 needs the rows a statement writes or deletes returned; drop the rule, or give \
-                 it a RETURNING clause)"
+                 needs the rows a statement writes or deletes returned; drop the rule, or, \
+                 unless it is conditional, give it a RETURNING clause)"
+            ),
+            DbError::Server { code, message } if self.is_rule_refused() => format!(
+                "{code} {message} (a rule ON INSERT or ON UPDATE of a table warren writes, \
+                 created while warren runs: warren writes with INSERT ... ON CONFLICT, which no \
+                 such rule allows; drop the rule (a trigger is allowed), and the pipeline goes \
+                 on)"
             ),
             DbError::Server { code, message } => format!("{code} {message}"),
             other => other.to_string(),

@@ -463,9 +463,12 @@ pub(super) async fn parent_triggers(
 /// under one has a DO INSTEAD rule on INSERT: the rows written to it go elsewhere, and the
 /// insert's RETURNING answers as if they were there (review R45 F4: a rule created while warren
 /// runs took every order's items into another table, each order stored and acked without
-/// them). The check at start refuses such a table; this one, asked by every batch (behind its
-/// `BEGIN` where there is one), sees a rule created since. The refusal is each message's, for
-/// good (the batch is split, each parked `db_permanent` with this reason), nothing written.
+/// them). The check at start refuses such a rule on the tables themselves; this one, asked by
+/// every batch (behind its `BEGIN` where there is one), sees one created since, or on an
+/// inheritance child a routing trigger writes by name. Not on a partition: tuple routing never
+/// applies a partition's rules (review R46b F2: a harmless rule left on a partition parked
+/// every message). The refusal is each message's, for good (the batch is split, each parked
+/// `db_permanent` with this reason), nothing written.
 pub(super) async fn insert_rules(
     mapping: &Mapping,
     client: &deadpool_postgres::Client,
@@ -474,8 +477,13 @@ pub(super) async fn insert_rules(
     let tree = named_tree();
     let statement = client
         .prepare_cached(&format!(
-            "SELECT rw.ev_class::regclass::text FROM pg_catalog.pg_rewrite AS rw \
-             WHERE rw.ev_class IN {tree} AND rw.ev_type = '3' AND rw.is_instead LIMIT 1"
+            "SELECT rw.rulename::text, format('%I.%I', n.nspname, c.relname) \
+             FROM pg_catalog.pg_rewrite AS rw \
+               JOIN pg_catalog.pg_class AS c ON c.oid = rw.ev_class \
+               JOIN pg_catalog.pg_namespace AS n ON n.oid = c.relnamespace \
+             WHERE rw.ev_class IN {tree} AND rw.ev_type = '3' AND rw.is_instead \
+               AND NOT c.relispartition \
+             ORDER BY 2, 1 LIMIT 1"
         ))
         .await
         .map_err(DbError::from_pg)?;
@@ -488,10 +496,11 @@ pub(super) async fn insert_rules(
         Some(row) => Err(DbError::Server {
             code: whole_delete::KEPT_CODE.into(),
             message: format!(
-                "a DO INSTEAD rule on INSERT of {} takes the rows written to it elsewhere \
-                 (created while warren runs: the check at start refuses such a table); warren \
-                 writes a message whole or not at all; nothing of it was written; drop the rule",
-                row.get::<_, String>(0)
+                "the DO INSTEAD rule {:?} on INSERT of {} takes the rows written to it elsewhere, \
+                 where the statement's answer cannot see them; warren writes a message whole or \
+                 not at all; nothing of it was written; drop the rule",
+                row.get::<_, String>(0),
+                row.get::<_, String>(1)
             ),
         }),
     }
