@@ -2460,14 +2460,18 @@ async fn a_redelivery_the_replaced_stage_never_settled_is_stored_in_the_new_tabl
 /// Review R44 F6 (a stall): the redeliveries of acks the old stage lost are asked of its table;
 /// locked (an operator migrating the retired table), the question waited for the statement
 /// bound, and the live pipeline behind it, then stored them again in the new table. Now it
-/// waits 2 s for the lock, gives those redeliveries back to their queue (asked again when they
-/// come back) and lets the rest go on: new messages are stored meanwhile, and once the lock
-/// goes each redelivery is found stored in the old table and acked, none stored twice.
+/// waits 2 s for the lock, sends those redeliveries through the retry queue, their retries not
+/// counted (asked again when they come back) and lets the rest go on: new messages are stored
+/// meanwhile, and once the lock goes each is found stored in the old table and acked, none
+/// stored twice. The redeliveries fill the whole window (review R46a F7: given back to the head
+/// of their queue, they filled it again at once, and nothing else was stored while the lock
+/// lasted; F8: a quorum queue counted each give-back towards its delivery limit).
 #[tokio::test(flavor = "multi_thread")]
 async fn a_locked_retired_table_holds_back_only_the_redeliveries_asked_of_it() {
     let amqp = TcpProxy::start(&amqp_url(), 5672).await;
     let mut env = TestEnv::new("rl_locked_before").await;
     env.set("SHUTDOWN_TIMEOUT_MS", "15000");
+    env.set("PREFETCH", "100");
     let fx = Fixture::new(&env, &["orders", "orders_new"]).await;
     let (orders, path, file) = (fx.names(0), fx.path.clone(), fx.file.clone());
     let (code, out, err) = env.run_async(&["--config", &file, "declare"]).await;
@@ -2526,15 +2530,25 @@ async fn a_locked_retired_table_holds_back_only_the_redeliveries_asked_of_it() {
             "the table of a stage a reload replaced is locked",
         )
         .await;
+    // Behind the lock, some time: several rounds through the retry queue, none counted.
+    tokio::time::sleep(Duration::from_secs(5)).await;
     lock.release().await;
     wait_until(
-        "every message settled on the broker",
+        "every message settled on the broker, none waiting in the retry queue",
         Duration::from_secs(60),
-        || async { queue_counts(&orders.queue).await == (0, 0) },
+        || async {
+            queue_counts(&orders.queue).await == (0, 0)
+                && queue_counts(&orders.retry).await == (0, 0)
+        },
     )
     .await;
     assert_table(&env, "orders_new", &fresh, &warren).await;
     assert_table(&env, "orders", &all, &warren).await;
+    assert_eq!(
+        queue_counts(&orders.dlq).await,
+        (0, 0),
+        "nothing dead-lettered"
+    );
     warren
         .wait_for_log(
             "the redeliveries acked as done",

@@ -23,6 +23,11 @@ pub fn dlq_fate(failure: &Failure, attempts_so_far: &Retries, max_attempts: u32)
             kind: *kind,
             reason: reason.clone(),
         },
+        // Asked again when it comes back to the DLQ, its attempts not counted.
+        Failure::Waits { reason } => Fate::Route(Route::DlqAttempt {
+            attempts: attempts_so_far.count(),
+            reason: reason.to_string(),
+        }),
         Failure::Db { class, reason, .. } if *class == ErrorClass::Permanent => Fate::Park {
             kind: ErrorKind::DbPermanent,
             reason: reason.to_string(),

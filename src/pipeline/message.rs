@@ -225,13 +225,20 @@ pub enum Failure {
         /// Formatted once per failing group.
         reason: Arc<str>,
     },
+    /// Not decided yet: a redelivery to ask of the table of a stage a reload replaced, which
+    /// was locked (`predecessors::settled_before`). Asked again once it comes back through the
+    /// retry queue (or the DLQ, for a DLQ stage), its retries not counted: given back to the
+    /// head of its queue it filled the window again at once and held the live pipeline for as
+    /// long as the lock lasted, and a quorum queue counted each give-back towards its delivery
+    /// limit (review R46a F7, F8).
+    Waits { reason: Arc<str> },
 }
 
 impl std::fmt::Display for Failure {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
             Failure::Refused { kind, reason } => write!(f, "{kind}: {reason}"),
-            Failure::Db { reason, .. } => f.write_str(reason),
+            Failure::Db { reason, .. } | Failure::Waits { reason } => f.write_str(reason),
         }
     }
 }

@@ -12,7 +12,7 @@ use tracing::{info, warn};
 use super::acked::AckPrint;
 use super::copies::Copies;
 use super::message::{Delivery, Failure};
-use crate::db::{DbError, ErrorClass, Statements};
+use crate::db::{DbError, Statements};
 use crate::domain::Domain;
 use crate::metrics::{self, StageId};
 
@@ -55,7 +55,8 @@ pub(super) async fn settled_before<D: Domain>(
     let asked: Vec<(usize, AckPrint)> = deliveries
         .iter()
         .enumerate()
-        .filter(|(_, d)| d.redelivered)
+        // Redelivered, or back from the retry queue after the old table was locked (a copy,
+        // not a redelivery: `Failure::Waits`).
         .map(|(i, d)| (i, super::acked::print(&d.body, d.properties.bare())))
         .collect();
     if asked.is_empty() {
@@ -108,8 +109,9 @@ pub(super) async fn settled_before<D: Domain>(
                     count = group.len(),
                     error = %e,
                     "the table of a stage a reload replaced is locked: redeliveries whose acks \
-                     it may have lost go back to their queue, to be asked again when they come \
-                     back; the rest goes on"
+                     it may have lost go through the retry queue (a DLQ stage's back to the \
+                     DLQ), their retries not counted, to be asked again when they come back; \
+                     the rest goes on"
                 );
                 let reason: Arc<str> = format!(
                     "the table of {}, which a reload replaced, was locked for over {}: asked \
@@ -118,9 +120,7 @@ pub(super) async fn settled_before<D: Domain>(
                 )
                 .into();
                 for (i, _) in &group {
-                    failures[*i] = Some(Failure::Db {
-                        class: ErrorClass::Systemic,
-                        server_answered: true,
+                    failures[*i] = Some(Failure::Waits {
                         reason: reason.clone(),
                     });
                 }

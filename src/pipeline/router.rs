@@ -37,6 +37,9 @@ pub use republisher::{InDoubt, ROUTE_KIB, Republisher, Sent, send_isolating};
 pub enum Route {
     /// A transient failure: through the retry queue, unless its retries are spent.
     Retry { reason: String },
+    /// Asked again later ([`Failure::Waits`]): through the first retry tier, its `x-retries`
+    /// as they are.
+    Wait { reason: String },
     /// Straight to the DLQ with this `x-error-kind`.
     DeadLetter { kind: ErrorKind, reason: String },
     /// The DLQ consumer tries again later: back to the DLQ with `x-dlq-attempts` = `attempts`.
@@ -81,6 +84,9 @@ pub fn main_fate(failure: &Failure, oversize: bool) -> Fate {
             // the broker's consumer_timeout: the message stays with the broker.
             ErrorClass::Systemic => Fate::Settled(Disposition::Requeue),
         },
+        Failure::Waits { reason } => Fate::Route(Route::Wait {
+            reason: reason.to_string(),
+        }),
     }
 }
 

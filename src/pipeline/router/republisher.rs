@@ -109,6 +109,12 @@ impl Republisher {
                 ),
                 ErrorKind::RetriesExhausted.as_str(),
             ),
+            Route::Wait { reason } => (
+                &self.retry_exchange,
+                &self.retry_queues[retry_tier(1, self.retry_queues.len())],
+                republish::for_retry(&full, count, reason, &self.main_queue),
+                "retry",
+            ),
             Route::DeadLetter { kind, reason } => (
                 &self.dlx_exchange,
                 &self.dlq_queue,

@@ -84,3 +84,26 @@ fn requeue_backoff_grows_from_200ms_to_30s() {
         "{capped:?}"
     );
 }
+
+/// Review R46a F7, F8: a redelivery the locked table of a replaced stage could not answer for
+/// goes through the retry queue without counting a retry (the main stage), or back to the DLQ
+/// without counting an attempt (the DLQ stage): never back to the head of its queue.
+#[test]
+fn a_message_waiting_for_a_locked_table_is_asked_again_uncounted() {
+    let waits = Failure::Waits {
+        reason: "locked".into(),
+    };
+    assert_eq!(
+        main_fate(&waits, false),
+        Fate::Route(Route::Wait {
+            reason: "locked".into()
+        })
+    );
+    assert_eq!(
+        crate::pipeline::dlq::dlq_fate(&waits, &crate::amqp::headers::Retries::Count(3), 10),
+        Fate::Route(Route::DlqAttempt {
+            attempts: 3,
+            reason: "locked".into()
+        })
+    );
+}
