@@ -88,6 +88,20 @@ struct Lists {
     recent: VecDeque<Entry>,
     /// Acks of channels gone without a proof, oldest first.
     lost: VecDeque<Entry>,
+    /// How many entries of `lost` have each print: every delivery of a batch is looked up
+    /// while `lost` holds anything (one back from the retry queue is no redelivery), in
+    /// constant time, where a scan of `lost` (up to ten windows) for each was quadratic.
+    index: std::collections::HashMap<AckPrint, u32>,
+}
+
+impl Lists {
+    /// `index` made again from `lost` (after a change of many entries: rare).
+    fn reindex(&mut self) {
+        self.index.clear();
+        for e in &self.lost {
+            *self.index.entry(e.print).or_insert(0) += 1;
+        }
+    }
 }
 
 /// One stage's memory of its acks (see the module doc).
@@ -147,6 +161,7 @@ impl Acked {
         let recent = std::mem::take(&mut lists.recent);
         lists.lost.extend(recent);
         let forgotten = trim_lost(&mut lists.lost, cap);
+        lists.reindex();
         self.lost.store(lists.lost.len(), Ordering::Release);
         forgotten
     }
@@ -157,6 +172,7 @@ impl Acked {
         let mut lists = self.lists();
         lists.recent.retain(|e| e.generation != generation);
         lists.lost.retain(|e| e.generation != generation);
+        lists.reindex();
         self.lost.store(lists.lost.len(), Ordering::Release);
     }
 
@@ -186,6 +202,9 @@ impl Acked {
         let mut lists = self.lists();
         let mut found = Vec::new();
         for &(i, print) in asked {
+            if !lists.index.contains_key(&print) {
+                continue;
+            }
             let at = lists
                 .lost
                 .iter()
@@ -193,6 +212,12 @@ impl Acked {
             if let Some(at) = at
                 && let Some(e) = lists.lost.remove(at)
             {
+                if let Some(n) = lists.index.get_mut(&print) {
+                    *n -= 1;
+                    if *n == 0 {
+                        lists.index.remove(&print);
+                    }
+                }
                 found.push((i, e.owner));
             }
         }
@@ -213,6 +238,7 @@ impl Acked {
             print,
         }));
         trim_lost(&mut lists.lost, self.capacity.load(Ordering::Acquire));
+        lists.reindex();
         self.lost.store(lists.lost.len(), Ordering::Release);
     }
 }
