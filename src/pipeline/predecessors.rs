@@ -93,9 +93,10 @@ pub(super) async fn settled_before<D: Domain>(
         let settled = match stored_of(config, before.domain.as_ref(), &group).await {
             Ok(settled) => settled,
             // The old table is locked (an operator's migration, a `LOCK TABLE`): these
-            // redeliveries go back to their queue, their acks remembered again, and are asked
-            // again when they come back; the rest of the batch goes on (review R44 F6: the
-            // question waited for the statement bound, and the live pipeline behind it).
+            // redeliveries go through the retry queue uncounted (`Failure::Waits`), their acks
+            // remembered again, and are asked again when they come back; the rest of the batch
+            // goes on (review R44 F6: the question waited for the statement bound, and the live
+            // pipeline behind it; R46a F7: given back to the head of the queue, they held it).
             Err(e) if e.sqlstate() == Some(LOCK_NOT_AVAILABLE) => {
                 let back: Vec<AckPrint> = group
                     .iter()
