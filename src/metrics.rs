@@ -492,7 +492,8 @@ pub fn requeued(stage: &StageId, reason: &'static str, n: u64) {
 }
 
 /// `n` copies whose ack was lost with the consumer's link ended this way (`already_routed`,
-/// `forgotten`).
+/// `forgotten`), or redeliveries of acks a stage a reload replaced may have lost
+/// (`settled_before_reload`, `waits_for_retired_table`).
 pub fn redeliveries(stage: &StageId, outcome: &'static str, n: u64) {
     counter!(REDELIVERIES, stage.labels(&[("outcome", outcome)])).increment(n);
 }

@@ -1,6 +1,7 @@
 //! What a stage a reload started asks of the stages this process's reloads stopped on its
 //! queue before it: a redelivery of an ack one of them may have lost (`acked.rs`) is asked of
-//! that stage's table, and acked as done when it was settled there ([`settled_before`]);
+//! that stage's table (a DLQ stage's also of the parking under its name), and acked as done
+//! when it was settled there ([`settled_before`]);
 //! [`stored_of`] asks a table, also the stage's own about a statement that got no answer at a
 //! stop (`sink.rs`).
 
@@ -12,9 +13,10 @@ use tracing::{info, warn};
 use super::acked::AckPrint;
 use super::copies::Copies;
 use super::message::{Delivery, Failure};
-use crate::db::{DbError, Statements};
+use crate::amqp::headers;
+use crate::db::{DbError, Statements, dead_letters};
 use crate::domain::Domain;
-use crate::metrics::{self, StageId};
+use crate::metrics::{self, Stage, StageId};
 
 pub use super::acked::PREDECESSORS;
 
@@ -34,7 +36,8 @@ pub struct Predecessor<D: Domain> {
 /// messages again (redelivered), to whatever consumes the queue next. A redelivery whose print
 /// is among the acks a predecessor left unproven (`acked.rs`, each used up once) is decoded
 /// with that predecessor's mapping and asked of its table ([`Domain::settled`]: stored exactly,
-/// or older than what its key holds). Without it, a reload that changed the table, the name or
+/// or older than what its key holds); a DLQ stage's also of the parking under the
+/// predecessor's name (it parked what its mapping or its table refused). Without it, a reload that changed the table, the name or
 /// the mapping stored them in the new table too, or parked them `id_conflict` beside their rows
 /// (review R40a F4, F6; R42b F1-F3 for a reset link, a second reload, a pipeline removed and
 /// added back). Only those: asked of every redelivery, a message given back unsettled whose key
@@ -72,10 +75,17 @@ pub(super) async fn settled_before<D: Domain>(
     // message of the same print once a reload made this stage a predecessor.
     let found = acked.take_lost(&asked, &owners);
     for before in predecessors {
-        let decoded: Vec<(usize, D::Record)> = found
+        let mine: Vec<usize> = found
             .iter()
             .filter(|(_, owner)| *owner == before.incarnation)
-            .filter_map(|&(i, _)| {
+            .map(|&(i, _)| i)
+            .collect();
+        if mine.is_empty() {
+            continue;
+        }
+        let decoded: Vec<(usize, D::Record)> = mine
+            .iter()
+            .filter_map(|&i| {
                 let d = &deliveries[i];
                 let properties = d.properties.full();
                 let envelope = d.envelope(&properties);
@@ -86,11 +96,8 @@ pub(super) async fn settled_before<D: Domain>(
                     .map(|r| (i, r))
             })
             .collect();
-        if decoded.is_empty() {
-            continue;
-        }
         let group: Vec<(usize, &D::Record)> = decoded.iter().map(|(i, r)| (*i, r)).collect();
-        let settled = match stored_of(config, before.domain.as_ref(), &group).await {
+        let settled = match asked_of_table(config, before, &group).await {
             Ok(settled) => settled,
             // The old table is locked (an operator's migration, a `LOCK TABLE`): these
             // redeliveries go through the retry queue uncounted (`Failure::Waits`), their acks
@@ -103,6 +110,7 @@ pub(super) async fn settled_before<D: Domain>(
                     .filter_map(|(i, _)| prints.get(i).copied())
                     .collect();
                 acked.give_back(before.incarnation, &back);
+                metrics::redeliveries(config.stage, "waits_for_retired_table", back.len() as u64);
                 warn!(
                     pipeline = config.stage.pipeline(),
                     stage = config.stage.stage().as_str(),
@@ -148,6 +156,22 @@ pub(super) async fn settled_before<D: Domain>(
                 ids.push(deliveries[*i].message_id());
             }
         }
+        // A DLQ stage settles a message also by parking it: one its mapping refused (not
+        // decoded above) or its table refused. Asked of the parking under its name, which may
+        // be this stage's own (review R46a F10: a reload that kept the name and changed the
+        // mapping to accept what the old one parked stored it too, and it was both stored and
+        // parked; only other names were asked, when this stage was about to park).
+        if config.stage.stage() == Stage::Dlq {
+            let open: Vec<usize> = mine
+                .iter()
+                .copied()
+                .filter(|i| !done[*i] && !matches!(failures[*i], Some(Failure::Waits { .. })))
+                .collect();
+            for i in parked_before(config, &before.parks_as, deliveries, &open).await {
+                done[i] = true;
+                ids.push(deliveries[i].message_id());
+            }
+        }
         if !ids.is_empty() {
             metrics::redeliveries(config.stage, "settled_before_reload", ids.len() as u64);
             info!(
@@ -162,6 +186,75 @@ pub(super) async fn settled_before<D: Domain>(
         }
     }
     done
+}
+
+/// The table question of [`settled_before`]: none when nothing decoded.
+async fn asked_of_table<D: Domain>(
+    config: &Asker<'_>,
+    before: &Predecessor<D>,
+    group: &[(usize, &D::Record)],
+) -> Result<Vec<bool>, DbError> {
+    if group.is_empty() {
+        return Ok(Vec::new());
+    }
+    stored_of(config, before.domain.as_ref(), group).await
+}
+
+/// Of `open` (indices into `deliveries`), those parked under `name`, by the fingerprint the
+/// router parks them with. What cannot be asked goes on as any message, with a warning.
+async fn parked_before(
+    config: &Asker<'_>,
+    name: &str,
+    deliveries: &[Delivery],
+    open: &[usize],
+) -> Vec<usize> {
+    if open.is_empty() {
+        return Vec::new();
+    }
+    let prints: Vec<Vec<u8>> = open
+        .iter()
+        .map(|&i| {
+            let d = &deliveries[i];
+            let properties = d.properties.full();
+            dead_letters::fingerprint(
+                d.properties
+                    .bare()
+                    .message_id()
+                    .as_ref()
+                    .map(|m| m.as_str()),
+                &d.body,
+                &headers::parked_json(&properties, d.exchange.as_str(), d.routing_key.as_str()),
+            )
+        })
+        .collect();
+    match dead_letters::parked_of(
+        config.pool,
+        config.db_bound,
+        config.statements,
+        name,
+        &prints,
+    )
+    .await
+    {
+        Ok(parked) => open
+            .iter()
+            .zip(&prints)
+            .filter(|(_, p)| parked.contains(*p))
+            .map(|(i, _)| *i)
+            .collect(),
+        Err(e) => {
+            warn!(
+                pipeline = config.stage.pipeline(),
+                stage = config.stage.stage().as_str(),
+                before = %name,
+                count = open.len(),
+                error = %e,
+                "cannot ask the parking whether a stage a reload replaced parked these \
+                 redeliveries; they go on as any message (one it had parked may be stored too)"
+            );
+            Vec::new()
+        }
+    }
 }
 
 /// How long the question to a predecessor's table waits for a lock (an operator's migration
