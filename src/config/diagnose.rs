@@ -471,7 +471,14 @@ fn entry_error(file: &FileText, index: usize, field: &[String], kind: Kind) -> C
             closest(&got, expected.iter().copied(), true).map(Into::into),
         ),
         Kind::InvalidType(actual, expected) | Kind::InvalidValue(actual, expected) => {
-            let hint = value_hint(&actual, &expected);
+            // The setting's own name (`retry_ttls_ms` for `retry_ttls_ms.0`): a duration with a
+            // unit means a number only for a setting in `_ms` or `_s`.
+            let name = field
+                .iter()
+                .rev()
+                .find(|f| f.parse::<usize>().is_err())
+                .map_or("", String::as_str);
+            let hint = value_hint(&actual, &expected, name);
             invalid(in_words(&expected), shown(&actual), hint)
         }
         Kind::MissingField(key) => ConfigError::At {
@@ -524,17 +531,18 @@ fn shown(actual: &Actual) -> String {
 
 /// What was probably meant by a value of the wrong type: a number written as a string, a
 /// boolean as a word, a list as a comma-separated string.
-fn value_hint(actual: &Actual, expected: &str) -> Option<String> {
+fn value_hint(actual: &Actual, expected: &str, key: &str) -> Option<String> {
     let Actual::Str(text) = actual else {
         return None;
     };
     match in_words(expected).as_str() {
-        "a whole number" | "an integer" | "a number" => number_hint(text, ""),
+        "a whole number" | "an integer" | "a number" => number_hint(text, key),
         "true or false" => bool_hint(text),
         "a list" => {
+            // `"1s,1m"` for `retry_ttls_ms`: `[1000, 60000]` (review R46a F4).
             let items: Option<Vec<u64>> = text
                 .split(',')
-                .map(|t| t.trim().parse::<u64>().ok())
+                .map(|t| number_hint(t, key).and_then(|n| n.parse::<u64>().ok()))
                 .collect();
             items.map(|items| {
                 let items: Vec<String> = items.iter().map(u64::to_string).collect();
@@ -550,18 +558,23 @@ fn value_hint(actual: &Actual, expected: &str) -> Option<String> {
 pub(super) fn number_hint(text: &str, key: &str) -> Option<String> {
     let text = text.trim();
     let plain: String = text.chars().filter(|c| !matches!(c, '_' | ',')).collect();
-    if let Ok(n) = plain.parse::<u64>() {
+    // `1_000`, `1,000`, `"5.0"`: the integer it means.
+    if let Some(n) = scaled(&plain, 1) {
         return Some(n.to_string());
     }
-    let digits = text.chars().take_while(char::is_ascii_digit).count();
-    let n: u64 = text[..digits].parse().ok()?;
-    let ms = match text[digits..].trim() {
-        "ms" => n,
-        "s" => n.checked_mul(1000)?,
-        "m" | "min" => n.checked_mul(60_000)?,
-        "h" => n.checked_mul(3_600_000)?,
+    let digits = text
+        .chars()
+        .take_while(|c| c.is_ascii_digit() || *c == '.')
+        .count();
+    let unit = match text[digits..].trim() {
+        "ms" => 1,
+        "s" => 1000,
+        "m" | "min" => 60_000,
+        "h" => 3_600_000,
         _ => return None,
     };
+    // `1.5s`: 1500 ms (review R46a F4: no suggestion for a decimal with a unit).
+    let ms = scaled(&text[..digits], unit)?;
     if key.ends_with("_ms") {
         Some(ms.to_string())
     } else if key.ends_with("_s") && ms.is_multiple_of(1000) {
@@ -569,6 +582,45 @@ pub(super) fn number_hint(text: &str, key: &str) -> Option<String> {
     } else {
         None
     }
+}
+
+/// `number` (digits, at most one decimal point) times `unit`, when that is a whole number:
+/// computed in decimal, not in floats (`1.1` s is 1100 ms, not 1100.0000000000002).
+fn scaled(number: &str, unit: u64) -> Option<u64> {
+    let (whole, fraction) = number.split_once('.').unwrap_or((number, ""));
+    let digits = |s: &str| s.chars().all(|c| c.is_ascii_digit());
+    if (whole.is_empty() && fraction.is_empty())
+        || !digits(whole)
+        || !digits(fraction)
+        || fraction.len() > 18
+    {
+        return None;
+    }
+    let parse = |s: &str| match s {
+        "" => Some(0u128),
+        _ => s.parse::<u128>().ok(),
+    };
+    let scale = 10u128.pow(fraction.len() as u32);
+    let total = parse(whole)?
+        .checked_mul(scale)?
+        .checked_add(parse(fraction)?)?
+        .checked_mul(u128::from(unit))?;
+    match total % scale {
+        0 => u64::try_from(total / scale).ok(),
+        _ => None,
+    }
+}
+
+/// The list of retry TTLs meant by `text`, each entry as [`number_hint`] reads a value in ms
+/// (`"1s,1m"`: `1000,60000`); none unless every entry means one.
+pub(super) fn ttls_hint(text: &str) -> Option<String> {
+    let entries: Option<Vec<String>> = text
+        .split(',')
+        .map(|entry| number_hint(entry, "ttl_ms"))
+        .collect();
+    let entries = entries?;
+    let meant = entries.join(",");
+    (meant != text.trim()).then_some(meant)
 }
 
 /// The boolean meant by a word: `yes`, `on`, `1` are true; `no`, `off`, `0` false.
@@ -586,6 +638,37 @@ mod tests {
 
     fn file(text: &str) -> FileText {
         FileText::new(PathBuf::from("w.toml"), text.into())
+    }
+
+    /// Review R46a F4: a decimal, a decimal with a unit and a list of durations are offered
+    /// the value meant; what means no whole value is offered nothing.
+    #[test]
+    fn decimals_and_lists_of_durations_get_the_value_meant() {
+        for (text, key, meant) in [
+            ("5.0", "batch_size", Some("5")),
+            ("1_000", "batch_size", Some("1000")),
+            ("5.5", "batch_size", None),
+            ("1.5s", "batch_timeout_ms", Some("1500")),
+            ("1.1s", "batch_timeout_ms", Some("1100")),
+            ("0.25m", "batch_timeout_ms", Some("15000")),
+            ("1.0005s", "batch_timeout_ms", None),
+            ("1.5s", "timeout_s", None),
+            ("2.0s", "timeout_s", Some("2")),
+            (".", "batch_size", None),
+            ("1..5s", "batch_timeout_ms", None),
+            ("99999999999999999999999s", "batch_timeout_ms", None),
+        ] {
+            assert_eq!(number_hint(text, key).as_deref(), meant, "{text} for {key}");
+        }
+        for (text, meant) in [
+            ("1s,1m", Some("1000,60000")),
+            ("1s, 10s, 1.5m", Some("1000,10000,90000")),
+            ("1000,60000", None),
+            ("1s,x", None),
+            ("", None),
+        ] {
+            assert_eq!(ttls_hint(text).as_deref(), meant, "{text}");
+        }
     }
 
     /// A byte that is not UTF-8 is named by its line and column (review R35h F10: the

@@ -5,7 +5,7 @@ use std::net::SocketAddr;
 
 use figment::value::Value;
 
-use super::diagnose::{bool_hint, number_hint};
+use super::diagnose::{bool_hint, number_hint, ttls_hint};
 use super::values::{RETRY_TTL_RANGE, Role, ValueError};
 use super::{ConfigError, MAX_RETRY_TIERS, RetryTtls, Roles, redact_url};
 use crate::text::closest;
@@ -242,6 +242,10 @@ pub(super) fn suggest(key: &str, rule: &Rule, value: &Value) -> Option<String> {
                 _ => text?.trim().trim_start_matches(':').parse::<u16>().ok(),
             };
             port.map(|p| format!("127.0.0.1:{p}"))
+        }
+        // Only a list the setting takes (`"1s,1m"` is `1000,60000`).
+        Rule::TtlList => {
+            ttls_hint(text?).filter(|meant| check(key, rule, &Value::from(meant.clone())).is_ok())
         }
         Rule::Ident => {
             let lower = text?.to_ascii_lowercase();

@@ -101,6 +101,31 @@ fn every_mistake_in_a_pipeline_is_named() {
             "colour = \"red\"",
             "line 6: unknown key `colour` in pipeline orders",
         ),
+        // Review R46a F4: durations with units are offered the numbers meant.
+        (
+            "batch_size = 500",
+            "retry_ttls_ms = \"1s,1.5m\"",
+            "pipelines.orders.retry_ttls_ms: expected a list, got \"1s,1.5m\" (did you mean \
+             [1000, 90000]?)",
+        ),
+        (
+            "batch_size = 500",
+            "retry_ttls_ms = [\"1s\", \"1m\"]",
+            "pipelines.orders.retry_ttls_ms.0: expected a whole number, got \"1s\" (did you mean \
+             1000?)",
+        ),
+        (
+            "batch_size = 500",
+            "batch_timeout_ms = \"1.5s\"",
+            "pipelines.orders.batch_timeout_ms: expected an integer from 0 to 600000, got \
+             \"1.5s\" (did you mean 1500?)",
+        ),
+        (
+            "batch_size = 500",
+            "batch_size = \"5.0\"",
+            "pipelines.orders.batch_size: expected an integer from 1 to 10000, got \"5.0\" (did \
+             you mean 5?)",
+        ),
         (
             "type = \"numeric\"",
             "type = \"money\"",
