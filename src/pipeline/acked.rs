@@ -136,16 +136,17 @@ impl Acked {
     }
 
     /// The consumer of incarnation `owner` acked these deliveries (by print) on the channel
-    /// of `generation`, its open one.
-    pub fn acked(&self, generation: u64, owner: u64, prints: &[AckPrint]) {
+    /// of `generation`, its open one; each under the predecessor that settled it, if one did
+    /// (its table or parking answers for it if this ack is lost too).
+    pub fn acked(&self, generation: u64, owner: u64, prints: &[(AckPrint, Option<u64>)]) {
         if prints.is_empty() {
             return;
         }
         let cap = self.capacity.load(Ordering::Acquire);
         let mut lists = self.lists();
-        lists.recent.extend(prints.iter().map(|&print| Entry {
+        lists.recent.extend(prints.iter().map(|&(print, by)| Entry {
             generation,
-            owner,
+            owner: by.unwrap_or(owner),
             print,
         }));
         let over = lists.recent.len().saturating_sub(cap);
@@ -227,6 +228,24 @@ impl Acked {
 }
 
 impl Acked {
+    /// Acks of a channel that closed before they were sent (the settlement came too late):
+    /// the broker delivers those messages again. Those a predecessor settled are remembered
+    /// again under it; their entries were used up when they were found, and the next
+    /// redelivery, taken as new, was stored in the new table too (found by the test
+    /// `reload two_reloads_before_the_old_link_drops_store_each_message_once`: the new stage's
+    /// link cut while it acked the old stages' window).
+    pub fn dropped(&self, prints: &[(AckPrint, Option<u64>)]) {
+        let mut by: Vec<(u64, AckPrint)> = prints
+            .iter()
+            .filter_map(|&(print, by)| by.map(|owner| (owner, print)))
+            .collect();
+        by.sort_by_key(|(owner, _)| *owner);
+        for group in by.chunk_by(|a, b| a.0 == b.0) {
+            let prints: Vec<AckPrint> = group.iter().map(|(_, p)| *p).collect();
+            self.give_back(group[0].0, &prints);
+        }
+    }
+
     /// Lost acks of `owner` taken by [`Acked::take_lost`] whose question could not be answered
     /// (the old table locked): remembered again, for when those messages come back.
     pub fn give_back(&self, owner: u64, prints: &[AckPrint]) {
@@ -291,6 +310,11 @@ mod tests {
     use super::*;
     use lapin::types::ShortString;
 
+    /// Prints acked by the stage itself (no predecessor settled them).
+    fn own(prints: &[AckPrint]) -> Vec<(AckPrint, Option<u64>)> {
+        prints.iter().map(|&p| (p, None)).collect()
+    }
+
     /// The print of a delivery of `body` with the message id `id`.
     fn printed(body: &str, id: Option<&str>) -> AckPrint {
         let mut p = BasicProperties::default();
@@ -313,7 +337,7 @@ mod tests {
     fn only_what_a_lost_link_acked_is_found_and_each_once() {
         let m = Acked::new(4);
         let (a, b) = (printed("a", None), printed("b", None));
-        m.acked(1, 7, &[a, b]);
+        m.acked(1, 7, &own(&[a, b]));
         // Not lost yet: the link is up.
         assert!(m.take_lost(&[(0, a)], &[7]).is_empty());
         m.link_down();
@@ -324,13 +348,36 @@ mod tests {
         assert!(!m.any_lost());
     }
 
+    /// A redelivery a predecessor settled, acked by its successor on the predecessor's
+    /// behalf: when that ack is lost too (the link down) or never sent (the channel closed
+    /// before the settlement), the next redelivery is found under the predecessor again. Found
+    /// by the test `reload two_reloads_before_the_old_link_drops_store_each_message_once`:
+    /// used up at the first redelivery, the second was taken as new and stored again.
+    #[test]
+    fn an_ack_made_on_a_predecessors_behalf_stays_its_when_lost_or_dropped() {
+        let m = Acked::new(4);
+        let (a, b) = (printed("a", None), printed("b", None));
+        m.acked(1, 7, &own(&[a, b]));
+        m.link_down();
+        assert_eq!(m.take_lost(&[(0, a), (1, b)], &[7, 8]), [(0, 7), (1, 7)]);
+        // Stage 8 acks a for 7 on its channel 2, which goes without a proof; its settlement of
+        // b comes after its channel closed.
+        m.acked(2, 8, &[(a, Some(7))]);
+        m.dropped(&[(b, Some(7))]);
+        m.link_down();
+        assert_eq!(m.take_lost(&[(0, a), (1, b)], &[7, 8]), [(0, 7), (1, 7)]);
+        // Its own dropped settlements are not remembered: its own table answers for them.
+        m.dropped(&own(&[a]));
+        assert!(!m.any_lost());
+    }
+
     #[test]
     fn an_answered_close_proves_its_channels_acks() {
         let m = Acked::new(4);
         let a = printed("a", None);
-        m.acked(1, 7, &[a]);
+        m.acked(1, 7, &own(&[a]));
         m.link_down();
-        m.acked(2, 7, &[a]);
+        m.acked(2, 7, &own(&[a]));
         // The close of channel 2 was answered, before or after the successor took the memory.
         m.handled(2);
         m.link_down();
@@ -342,7 +389,7 @@ mod tests {
     fn the_memory_keeps_twice_the_window_newest_last() {
         let m = Acked::new(2);
         let prints: Vec<AckPrint> = (0..6).map(|i| printed(&i.to_string(), None)).collect();
-        m.acked(1, 7, &prints);
+        m.acked(1, 7, &own(&prints));
         m.link_down();
         // Only the last four (twice the window of two) can be unhandled.
         assert!(m.take_lost(&[(0, prints[1])], &[7]).is_empty());
@@ -359,9 +406,9 @@ mod tests {
         let prints: Vec<AckPrint> = (0..64).map(|i| printed(&format!("m{i}"), None)).collect();
         // Stage 1 acks 4 and loses its link; stage 2 acks 4 more (then 2 more, pushing its
         // own oldest 2 out of `recent`) and loses its link.
-        a.acked(1, 1, &prints[0..4]);
+        a.acked(1, 1, &own(&prints[0..4]));
         assert_eq!(a.link_down(), 0);
-        a.acked(2, 2, &prints[4..10]);
+        a.acked(2, 2, &own(&prints[4..10]));
         assert_eq!(a.link_down(), 0);
         let asked: Vec<(usize, AckPrint)> = prints[0..10].iter().copied().enumerate().collect();
         let found = a.take_lost(&asked, &[1, 2]);
@@ -382,7 +429,7 @@ mod tests {
         // What a stop gave back (a statement's outcome unknown) beside a full window of lost
         // acks of the same stage: both kept (review R46a F6).
         a.give_back(3, &prints[10..14]);
-        a.acked(3, 3, &prints[14..18]);
+        a.acked(3, 3, &own(&prints[14..18]));
         assert_eq!(a.link_down(), 0);
         let asked: Vec<(usize, AckPrint)> = prints[10..18].iter().copied().enumerate().collect();
         assert_eq!(a.take_lost(&asked, &[3]).len(), 8);
@@ -391,7 +438,7 @@ mod tests {
         let mut forgotten = 0;
         for stage in 0..11u64 {
             let from = 20 + stage as usize * 4;
-            a.acked(stage + 10, stage + 10, &prints[from..from + 4]);
+            a.acked(stage + 10, stage + 10, &own(&prints[from..from + 4]));
             forgotten += a.link_down();
         }
         assert_eq!(forgotten, 4);

@@ -279,16 +279,30 @@ pub struct Settle {
     /// budget frees them).
     pub bytes: u64,
     /// The prints of the deliveries acked (`acked.rs`): a reload's successor asks the old
-    /// table about the redeliveries of those whose ack the broker may not have handled.
-    pub acked: Vec<super::acked::AckPrint>,
+    /// table about the redeliveries of those whose ack the broker may not have handled. Each
+    /// with the stage incarnation that settled it when not this stage: a predecessor whose
+    /// table or parking held it (`predecessors::settled_before`), to be asked again if this
+    /// ack is lost too.
+    pub acked: Vec<(super::acked::AckPrint, Option<u64>)>,
 }
 
 impl Settle {
     /// Groups deliveries and how each ended into one `Settle` per channel generation present
     /// (normally exactly one), in order.
     pub fn group<'a>(items: impl IntoIterator<Item = (&'a Delivery, Disposition)>) -> Vec<Settle> {
+        Self::group_settled(
+            items
+                .into_iter()
+                .map(|(d, disposition)| (d, disposition, None)),
+        )
+    }
+
+    /// As [`Settle::group`], each delivery with the predecessor that settled it, if one did.
+    pub fn group_settled<'a>(
+        items: impl IntoIterator<Item = (&'a Delivery, Disposition, Option<u64>)>,
+    ) -> Vec<Settle> {
         let mut out: Vec<Settle> = Vec::with_capacity(1);
-        for (d, disposition) in items {
+        for (d, disposition, settled_by) in items {
             let bytes = d.held_bytes;
             let at = match out.iter().position(|s| s.generation == d.generation) {
                 Some(at) => at,
@@ -306,8 +320,10 @@ impl Settle {
             s.items.push((d.tag, disposition));
             s.bytes += bytes;
             if disposition == Disposition::Ack {
-                s.acked
-                    .push(super::acked::print(&d.body, d.properties.bare()));
+                s.acked.push((
+                    super::acked::print(&d.body, d.properties.bare()),
+                    settled_by,
+                ));
             }
         }
         out

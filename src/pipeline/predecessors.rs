@@ -49,8 +49,8 @@ pub(super) async fn settled_before<D: Domain>(
     predecessors: &[Predecessor<D>],
     deliveries: &[Delivery],
     failures: &mut [Option<Failure>],
-) -> Vec<bool> {
-    let mut done = vec![false; deliveries.len()];
+) -> Vec<Option<u64>> {
+    let mut done: Vec<Option<u64>> = vec![None; deliveries.len()];
     let acked = copies.acked();
     if !acked.any_lost() {
         return done;
@@ -152,7 +152,7 @@ pub(super) async fn settled_before<D: Domain>(
         let mut ids = Vec::new();
         for ((i, _), yes) in group.iter().zip(settled) {
             if yes {
-                done[*i] = true;
+                done[*i] = Some(before.incarnation);
                 ids.push(deliveries[*i].message_id());
             }
         }
@@ -165,10 +165,12 @@ pub(super) async fn settled_before<D: Domain>(
             let open: Vec<usize> = mine
                 .iter()
                 .copied()
-                .filter(|i| !done[*i] && !matches!(failures[*i], Some(Failure::Waits { .. })))
+                .filter(|i| {
+                    done[*i].is_none() && !matches!(failures[*i], Some(Failure::Waits { .. }))
+                })
                 .collect();
             for i in parked_before(config, &before.parks_as, deliveries, &open).await {
-                done[i] = true;
+                done[i] = Some(before.incarnation);
                 ids.push(deliveries[i].message_id());
             }
         }

@@ -100,7 +100,8 @@ async fn sink<D: Domain>(config: Arc<SinkConfig<D>>, batch: Batch<D::Record>) {
         entries.into_iter().map(|e| (e.delivery, e.result)).unzip();
     // Acked: settled by the stage a reload replaced, stored (`committed`), stale or deleted.
     let mut failures: Vec<Option<Failure>> = (0..n).map(|_| None).collect();
-    let mut inserted = predecessors::settled_before(
+    // Each with the predecessor that settled it, if one did: its ack is remembered under it.
+    let settled_by = predecessors::settled_before(
         &asker(&config),
         (&config.copies, config.incarnation),
         &config.predecessors,
@@ -108,6 +109,7 @@ async fn sink<D: Domain>(config: Arc<SinkConfig<D>>, batch: Batch<D::Record>) {
         &mut failures,
     )
     .await;
+    let mut inserted: Vec<bool> = settled_by.iter().map(Option::is_some).collect();
     let mut acked = inserted.iter().filter(|done| **done).count();
     let mut records: Vec<(usize, D::Record)> = Vec::with_capacity(n);
     for (i, result) in results.into_iter().enumerate() {
@@ -295,12 +297,13 @@ async fn sink<D: Domain>(config: Arc<SinkConfig<D>>, batch: Batch<D::Record>) {
         }
     }
 
-    for settle in Settle::group(
+    for settle in Settle::group_settled(
         deliveries
             .iter()
             .zip(&inserted)
-            .filter(|(_, ok)| **ok)
-            .map(|(d, _)| (d, Disposition::Ack)),
+            .zip(&settled_by)
+            .filter(|((_, ok), _)| **ok)
+            .map(|((d, _), by)| (d, Disposition::Ack, *by)),
     ) {
         config.settle.do_send(settle);
     }

@@ -232,6 +232,7 @@ impl Handler<Settle> for Consumer {
                 generation = msg.generation,
                 "settlement for a closed channel dropped; the broker redelivers those messages"
             );
+            self.config.copies.acked().dropped(&msg.acked);
         }
         // A body held whole with the process's permit settled: the permit goes.
         self.oversize_settle(msg.generation, &msg.items);
