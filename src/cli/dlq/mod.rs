@@ -553,10 +553,12 @@ mod tests {
             replay_headers(&serde_json::Value::Null).unwrap(),
             only_retries
         );
-        let err = replay_headers(&serde_json::json!([1])).unwrap_err();
+        let err = replay_headers(&serde_json::json!([1]))
+            .unwrap_err()
+            .to_string();
         assert!(err.contains("JSON object"), "{err}");
         let long_name = serde_json::json!({ "h".repeat(256): 1 });
-        let err = replay_headers(&long_name).unwrap_err();
+        let err = replay_headers(&long_name).unwrap_err().to_string();
         assert!(err.contains("256 bytes"), "{err}");
     }
 

@@ -153,7 +153,7 @@ pub(super) async fn parked_list(settings: &Settings, args: ParkedListArgs) -> an
 /// beyond `i64`, null, arrays, objects) its JSON text; every `x-error-*` header and
 /// `x-dlq-attempts` are left out and `x-retries` is 0. A JSON null column means no headers; a
 /// column that is not an object, or a name longer than AMQP allows (255 bytes), is refused.
-pub fn replay_headers(json: &serde_json::Value) -> Result<FieldTable, String> {
+pub fn replay_headers(json: &serde_json::Value) -> Result<FieldTable, ReplayError> {
     let mut table = FieldTable::default();
     match json {
         serde_json::Value::Null => {}
@@ -162,23 +162,17 @@ pub fn replay_headers(json: &serde_json::Value) -> Result<FieldTable, String> {
                 if name.starts_with("x-error-") || name == X_DLQ_ATTEMPTS {
                     continue;
                 }
-                let key = headers::short(name.as_str()).map_err(|e| {
-                    format!(
-                        "header name of {} bytes is longer than AMQP allows ({})",
-                        e.len,
-                        headers::SHORT_MAX
-                    )
+                let key = headers::short(name.as_str())
+                    .map_err(|e| ReplayError::LongName { len: e.len })?;
+                let value = headers::json_value(value).map_err(|error| ReplayError::Header {
+                    name: name.clone(),
+                    error,
                 })?;
-                let value =
-                    headers::json_value(value).map_err(|e| format!("header {name}: {e}"))?;
                 table.insert(key, value);
             }
         }
         other => {
-            return Err(format!(
-                "headers must be a JSON object, got {}",
-                preview(&other.to_string(), 40)
-            ));
+            return Err(ReplayError::NotAnObject(preview(&other.to_string(), 40)));
         }
     }
     table.insert(
@@ -188,21 +182,35 @@ pub fn replay_headers(json: &serde_json::Value) -> Result<FieldTable, String> {
     Ok(table)
 }
 
+/// Why a parked row cannot be replayed as it is: a problem of that row only (the replay leaves
+/// it and goes on with the others).
+#[derive(Debug, thiserror::Error)]
+pub enum ReplayError {
+    /// Its `headers` column could not be read.
+    #[error("{0}")]
+    Unreadable(String),
+    #[error("headers must be a JSON object, got {0}")]
+    NotAnObject(String),
+    #[error("header name of {len} bytes is longer than AMQP allows ({max})", max = headers::SHORT_MAX)]
+    LongName { len: usize },
+    #[error("header {name}: {error}")]
+    Header {
+        name: String,
+        error: headers::MalformedHeader,
+    },
+    #[error("message_id of {len} bytes is longer than AMQP allows ({max})", max = headers::SHORT_MAX)]
+    LongMessageId { len: usize },
+}
+
 /// Properties of a replayed parked message: persistent JSON, the row's message id and the
 /// headers of [`replay_headers`]. A message id longer than AMQP allows (255 bytes) cannot be
 /// published.
 pub(super) fn parked_properties(
     message_id: Option<&str>,
     headers_json: &serde_json::Value,
-) -> Result<BasicProperties, String> {
+) -> Result<BasicProperties, ReplayError> {
     let id = match message_id.map(headers::short) {
-        Some(Err(e)) => {
-            return Err(format!(
-                "message_id of {} bytes is longer than AMQP allows ({})",
-                e.len,
-                headers::SHORT_MAX
-            ));
-        }
+        Some(Err(e)) => return Err(ReplayError::LongMessageId { len: e.len }),
         Some(Ok(id)) => Some(id),
         None => None,
     };
@@ -388,7 +396,7 @@ async fn parked_replay_on(
             let properties = match row
                 .headers
                 .as_ref()
-                .map_err(ToString::to_string)
+                .map_err(|e| ReplayError::Unreadable(e.to_string()))
                 .and_then(|h| parked_properties(row.message_id.as_deref(), h))
             {
                 Ok(p) => p,
