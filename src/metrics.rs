@@ -612,7 +612,7 @@ pub fn message_routed(
     delivery_tag: u64,
     traceparent: Option<&str>,
 ) {
-    if kind != "retry" {
+    if !is_retry_kind(kind) {
         // The id is a short string (255 bytes at most) and a traceparent is carried only up to
         // 512 bytes (`amqp::headers::TRACEPARENT_MAX`): both bounded already.
         warn!(
@@ -627,9 +627,20 @@ pub fn message_routed(
     }
 }
 
-/// `n` messages of one batch were republished as `kind` (`retry`, `dlq_retry` or an
-/// `x-error-kind`).
+/// Whether a route's `kind` sends the message round to be tried again (`retry`, `dlq_retry`,
+/// or `wait`: asked again once a locked retired table may answer), not to the DLQ.
+pub fn is_retry_kind(kind: &str) -> bool {
+    matches!(kind, "retry" | "dlq_retry" | "wait")
+}
+
+/// `n` messages of one batch were republished as `kind` (`retry`, `dlq_retry`, `wait` or an
+/// `x-error-kind`). A `wait` is counted where it is decided
+/// (`warren_redeliveries_total{outcome="waits_for_retired_table"}`), not as a retry: no
+/// transient error, no retry or attempt spent (review R47a F7).
 pub fn messages_routed(id: &StageId, kind: &'static str, n: u64) {
+    if kind == "wait" {
+        return;
+    }
     if kind == "retry" || kind == "dlq_retry" {
         counter!(RETRIED, id.labels(&[("reason", "db_transient")])).increment(n);
         stage(id).retried.fetch_add(n, Ordering::Relaxed);

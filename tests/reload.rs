@@ -2650,6 +2650,14 @@ async fn a_locked_retired_table_holds_back_only_the_redeliveries_asked_of_it() {
         "{waits} redeliveries counted as waiting for the locked table; {} were held",
         held.len()
     );
+    // Not counted as retries after a transient error either (review R47a F7: each was).
+    let retried = metric(
+        &env,
+        "warren_messages_retried_total",
+        &[("pipeline", "orders"), ("stage", "main")],
+    )
+    .await;
+    assert_eq!(retried, 0.0, "waits counted as retries");
     lock.release().await;
     wait_until(
         "every message settled on the broker, none waiting in the retry queue",
@@ -2771,6 +2779,83 @@ async fn a_rename_done_as_a_removal_and_an_addition_routes_each_message_once() {
         .collect();
     let expected: HashSet<Uuid> = warm.iter().chain(&held).copied().collect();
     assert_same_ids("the DLQ's copies", &expected, &ids);
+    let mut warren = warren;
+    warren.terminate_ok(Duration::from_secs(25));
+}
+
+/// Review R47a F1 (a duplicate): the main stage routed refused messages to the DLQ (their
+/// copies confirmed) and their acks were lost with its silent link; a reload that widened the
+/// mapping (qty up to 10,000) gave the redeliveries to a stage whose mapping accepts them, and
+/// they were stored while their copies waited in the DLQ: stored, and later parked too. The
+/// memory of copies was asked only when a message was routed. Now a redelivery whose copy was
+/// confirmed is acked as already routed before any insert.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_reload_that_accepts_what_the_old_stage_routed_while_its_acks_are_lost_stores_none_of_it()
+{
+    let amqp = TcpProxy::start(&amqp_url(), 5672).await;
+    let mut env = TestEnv::new("rl_routed_accept").await;
+    env.set("SHUTDOWN_TIMEOUT_MS", "15000");
+    let fx = Fixture::new(&env, &["orders"]).await;
+    let (orders, path, file) = (fx.names(0), fx.path.clone(), fx.file.clone());
+    let (code, out, err) = env.run_async(&["--config", &file, "declare"]).await;
+    assert_eq!(code, 0, "{out}{err}");
+    env.set("AMQP_URL", amqp.url());
+    let warren = env.start(&["--config", &file, "--roles", "consumer"]);
+    let _logs = LogsOnPanic(vec![warren.log.clone()]);
+    one_consumer(&orders.queue).await;
+    let warm = new_ids(20);
+    env.publish_pipelined_to(&orders.exchange, &orders.queue, refused(&warm))
+        .await;
+    wait_until("the first ones routed", Duration::from_secs(30), || async {
+        queue_counts(&orders.dlq).await.0 == warm.len() as u64
+    })
+    .await;
+    amqp.hold_busiest_from_client();
+    let held = new_ids(100);
+    env.publish_pipelined_to(&orders.exchange, &orders.queue, refused(&held))
+        .await;
+    let all = warm.len() + held.len();
+    wait_until(
+        "every copy in the DLQ, the held originals unacked",
+        Duration::from_secs(30),
+        || async {
+            queue_counts(&orders.dlq).await.0 == all as u64
+                && queue_counts(&orders.queue).await == (0, held.len() as u64)
+        },
+    )
+    .await;
+    let event = reload_behind_a_silent_link(
+        &env,
+        &warren,
+        &amqp,
+        &path,
+        &entry("orders", &orders, 50, 10_000),
+        &orders.queue,
+    )
+    .await;
+    assert_eq!(names_of(&event["changed"]), ["orders"], "{event}");
+    // What comes now is accepted and stored; nothing routed before is.
+    let fresh = new_ids(10);
+    env.publish_pipelined_to(&orders.exchange, &orders.queue, refused(&fresh))
+        .await;
+    let fresh: HashSet<Uuid> = fresh.into_iter().collect();
+    assert_table(&env, "orders", &fresh, &warren).await;
+    let copies = env.drain_queue(&orders.dlq, all * 3).await;
+    let ids: Vec<Uuid> = copies
+        .iter()
+        .map(|m| {
+            let id = m.properties.message_id().as_ref().expect("a message id");
+            id.as_str().parse().expect("a uuid")
+        })
+        .collect();
+    let expected: HashSet<Uuid> = warm.iter().chain(&held).copied().collect();
+    assert_same_ids("the DLQ's copies", &expected, &ids);
+    warren
+        .wait_for_log(
+            "the redeliveries acked as already routed",
+            "redeliveries acked as already routed before any insert",
+        )
+        .await;
     let mut warren = warren;
     warren.terminate_ok(Duration::from_secs(25));
 }

@@ -353,19 +353,45 @@ struct Retired {
     copies: Option<Arc<Copies>>,
 }
 
-/// Puts `stopped` first in `retired`, keeping the newest `predecessors::PREDECESSORS` of its queue and
-/// kind.
+/// Puts `stopped` first in `retired`, keeping the newest `predecessors::PREDECESSORS` of its
+/// queue and kind. The acks a stage pushed out left unproven are forgotten with a warning and counted
+/// (`warren_redeliveries_total{outcome="forgotten"}`): their redeliveries are taken as new
+/// messages (review R47a F3: five reloads in a row behind stalled links stored 93 messages
+/// twice, and nothing said so).
 fn retire(retired: &mut Vec<Retired>, stopped: Retired) {
+    let acked = stopped.copies.as_ref().map(|c| c.acked_memory());
+    let newest = StageId::new(&stopped.pipeline, stopped.kind);
     retired.insert(0, stopped);
     let mut seen = 0;
     let (kind, queue) = (retired[0].kind, retired[0].queue.clone());
+    let mut dropped = Vec::new();
     retired.retain(|r| {
         if r.kind != kind || r.queue != queue {
             return true;
         }
         seen += 1;
-        seen <= pipeline::predecessors::PREDECESSORS
+        let kept = seen <= pipeline::predecessors::PREDECESSORS;
+        if !kept {
+            dropped.push(r.incarnation);
+        }
+        kept
     });
+    let Some(acked) = acked else { return };
+    let forgotten: usize = dropped.iter().map(|owner| acked.forget(*owner)).sum();
+    if forgotten > 0 {
+        crate::metrics::redeliveries(&newest, "forgotten", forgotten as u64);
+        warn!(
+            pipeline = newest.pipeline(),
+            stage = newest.stage().as_str(),
+            queue = %queue,
+            count = forgotten,
+            "more acks the broker may not have handled than this process can remember: a stage \
+             stopped more than {} reloads ago on this queue is forgotten, and a redelivery of \
+             one of its acks is taken as a new message (it may be stored or parked twice); let \
+             a stalled link end before reloading again",
+            pipeline::predecessors::PREDECESSORS
+        );
+    }
 }
 
 /// The pool size the pipelines of `declared` need: a connection for each insert that can be in

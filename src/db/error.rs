@@ -26,6 +26,12 @@ pub enum DbError {
     /// No connection: refused, dropped, timed out, pool exhausted.
     #[error("{0}")]
     Connection(String),
+    /// Never sent: the stage is stopping (its statements were cancelled, or the database did
+    /// not answer another batch of the stop). Nothing of it can be stored, unlike a statement
+    /// that got no answer (review R47a F5: said "the table cannot say whether it stored them",
+    /// and asked about by the stage that followed).
+    #[error("not started: {0}")]
+    NotStarted(&'static str),
     /// The work ran past warren's own bound on it (the server's `statement_timeout` plus a
     /// margin: several statements each under the server's timeout, one message's huge child
     /// arrays) and was cancelled, while the database answered a question asked right after:
@@ -106,7 +112,9 @@ impl DbError {
             // `retries_exhausted`).
             DbError::Server { .. } if self.is_rule_refused() => ErrorClass::Systemic,
             DbError::Server { code, .. } => classify_sqlstate(code),
-            DbError::Connection(_) | DbError::Outlasted { .. } => ErrorClass::Transient,
+            DbError::Connection(_) | DbError::NotStarted(_) | DbError::Outlasted { .. } => {
+                ErrorClass::Transient
+            }
             DbError::Config(_) | DbError::Migration(_) => ErrorClass::Systemic,
         }
     }
@@ -285,6 +293,21 @@ pub fn classify_sqlstate(code: &str) -> ErrorClass {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Review R47a F5: a statement never sent is transient (its messages go back) and its
+    /// outcome is known (nothing of it stored), unlike a connection that failed after sending.
+    #[test]
+    fn a_statement_not_started_stored_nothing() {
+        let e = DbError::NotStarted("the stage is stopping and its statements were cancelled");
+        assert!(e.is_transient());
+        assert!(!e.outcome_unknown());
+        assert!(!e.server_answered());
+        assert!(
+            e.to_string()
+                .starts_with("not started: the stage is stopping")
+        );
+        assert!(DbError::Connection("reset".into()).outcome_unknown());
+    }
 
     /// The pool's timeouts say what an operator reads as the cause (the full suite once: a
     /// frozen link failed a batch at a new connection, `pool: Timeout occurred while creating

@@ -61,14 +61,24 @@ impl Statements {
         self.state.lock().unwrap_or_else(|p| p.into_inner())
     }
 
+    /// `Err` once the stage's statements were cancelled: none starts any more.
+    pub fn check_open(&self) -> Result<(), DbError> {
+        match self.lock().cancelled {
+            true => Err(DbError::NotStarted(
+                "the stage is stopping and its statements were cancelled",
+            )),
+            false => Ok(()),
+        }
+    }
+
     /// Enters a statement about to run on `client`; once the stage's statements were cancelled
     /// none starts any more: a transient error (its messages go back to the broker), so nothing
     /// the stop cancelled is tried again behind its back.
     pub fn enter(self: &Arc<Self>, client: &Client) -> Result<Running, DbError> {
         let mut state = self.lock();
         if state.cancelled {
-            return Err(DbError::Connection(
-                "not started: the stage is stopping and its statements were cancelled".into(),
+            return Err(DbError::NotStarted(
+                "the stage is stopping and its statements were cancelled",
             ));
         }
         let id = state.next;

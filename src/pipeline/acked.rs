@@ -189,6 +189,18 @@ impl Acked {
             .any(|e| e.owner == owner)
     }
 
+    /// Forgets every entry of the stage incarnation `owner`, which no stage asks about any
+    /// more (more stages stopped on its queue than [`PREDECESSORS`]); answers how many went.
+    pub fn forget(&self, owner: u64) -> usize {
+        let mut lists = self.lists();
+        let before = lists.recent.len() + lists.lost.len();
+        lists.recent.retain(|e| e.owner != owner);
+        lists.lost.retain(|e| e.owner != owner);
+        lists.reindex();
+        self.lost.store(lists.lost.len(), Ordering::Release);
+        before - lists.recent.len() - lists.lost.len()
+    }
+
     /// Whether any lost ack is remembered (a redelivery needs looking up).
     pub fn any_lost(&self) -> bool {
         self.lost.load(Ordering::Acquire) > 0
@@ -369,6 +381,21 @@ mod tests {
         // Its own dropped settlements are not remembered: its own table answers for them.
         m.dropped(&own(&[a]));
         assert!(!m.any_lost());
+    }
+
+    /// A stage pushed out of the stages a successor asks (more than `PREDECESSORS` stopped on
+    /// its queue) has its entries forgotten, counted; the others' stay.
+    #[test]
+    fn a_forgotten_stages_entries_go_and_are_counted() {
+        let m = Acked::new(4);
+        let (a, b, c) = (printed("a", None), printed("b", None), printed("c", None));
+        m.acked(1, 7, &own(&[a, b]));
+        m.acked(1, 8, &own(&[c]));
+        m.link_down();
+        assert_eq!(m.forget(7), 2);
+        assert_eq!(m.forget(7), 0);
+        assert!(m.take_lost(&[(0, a), (1, b)], &[7, 8]).is_empty());
+        assert_eq!(m.take_lost(&[(0, c)], &[8]), [(0, 8)]);
     }
 
     #[test]

@@ -204,6 +204,11 @@ impl Copies {
         &self.acked
     }
 
+    /// The memory of acks, shared by every stage carried on from this one.
+    pub fn acked_memory(&self) -> Arc<Acked> {
+        self.acked.clone()
+    }
+
     /// The queue the stage consumes.
     pub fn queue(&self) -> &str {
         &self.queue
@@ -407,6 +412,12 @@ impl Copies {
             self.trim(&mut state)
         };
         self.forgot(forgotten);
+    }
+
+    /// Whether copies whose ack may be lost are remembered: while not, no redelivery needs
+    /// looking up.
+    pub fn remembers_lost(&self) -> bool {
+        !self.state().lost.is_empty()
     }
 
     /// What is known of `d`, a redelivery about to be routed, whose fingerprint is

@@ -27,6 +27,7 @@ pub fn dlq_fate(failure: &Failure, attempts_so_far: &Retries, max_attempts: u32)
         Failure::Waits { reason } => Fate::Route(Route::DlqAttempt {
             attempts: attempts_so_far.count(),
             reason: reason.to_string(),
+            waits: true,
         }),
         Failure::Db { class, reason, .. } if *class == ErrorClass::Permanent => Fate::Park {
             kind: ErrorKind::DbPermanent,
@@ -60,6 +61,7 @@ pub fn dlq_fate(failure: &Failure, attempts_so_far: &Retries, max_attempts: u32)
                 Fate::Route(Route::DlqAttempt {
                     attempts,
                     reason: reason.to_string(),
+                    waits: false,
                 })
             }
         }
@@ -201,7 +203,8 @@ mod tests {
             dlq_fate(&db(ErrorClass::Transient, true), &Retries::Count(3), 10),
             Fate::Route(Route::DlqAttempt {
                 attempts: 4,
-                reason: "boom".into()
+                reason: "boom".into(),
+                waits: false,
             })
         );
         assert!(matches!(

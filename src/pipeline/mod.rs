@@ -301,6 +301,7 @@ pub fn start<D: Domain>(
         parks_as: spec.pipeline.clone(),
         park_over: spec.max_message_bytes,
         copies: copies.clone(),
+        incarnation,
         hand_back_after: links.amqp.hand_back_after(),
         parked_before: {
             let mut names: Vec<String> = Vec::new();
@@ -620,8 +621,11 @@ impl Pipeline {
 }
 
 /// How long a stop past its deadline waits, once its statements ended, for the sinks to
-/// settle what they ended with (milliseconds: no statement starts any more).
-const SETTLE_AFTER_END: Duration = Duration::from_secs(2);
+/// settle what they ended with: no statement starts any more, but a sink asking its table
+/// about a batch whose answer was lost may wait for a connection first, up to the pool's wait
+/// (review R47a F2: with 2 s, a frozen database link kept two sinks past it, the reload
+/// started the next stage, and what they remembered too late was stored in both tables).
+const SETTLE_AFTER_END: Duration = Duration::from_secs(crate::db::POOL_WAIT.as_secs() + 1);
 
 /// How long before the drain's deadline `timeout` the statements still running are cancelled:
 /// a quarter of it, at most 5 s (a cancel takes milliseconds; the settle that follows it, every

@@ -284,6 +284,9 @@ pub(super) async fn stored_of<D: Domain>(
     domain: &D,
     group: &[(usize, &D::Record)],
 ) -> Result<Vec<bool>, DbError> {
+    // Once the stop cancelled the stage's statements none starts: said at once, not after
+    // waiting for a connection (the stop waits for this answer).
+    config.statements.check_open()?;
     let client = config.pool.get().await.map_err(DbError::from_pool)?;
     let running = config.statements.enter(&client)?;
     let records: Vec<&D::Record> = group.iter().map(|(_, r)| *r).collect();

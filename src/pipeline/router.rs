@@ -43,7 +43,13 @@ pub enum Route {
     /// Straight to the DLQ with this `x-error-kind`.
     DeadLetter { kind: ErrorKind, reason: String },
     /// The DLQ consumer tries again later: back to the DLQ with `x-dlq-attempts` = `attempts`.
-    DlqAttempt { attempts: u32, reason: String },
+    /// `waits`: asked again because it waits ([`Failure::Waits`]), its attempts as they were:
+    /// counted as a wait, not as an attempt spent.
+    DlqAttempt {
+        attempts: u32,
+        reason: String,
+        waits: bool,
+    },
 }
 
 /// How one message that was not inserted ends, before its settlement.
@@ -118,6 +124,9 @@ pub struct Fallback {
     /// The generation of the consumer's open channel, and the copies whose ack is not proven
     /// handled by the broker (shared with the consumer).
     pub copies: Arc<Copies>,
+    /// This stage's start (`acked::incarnation`): a park whose outcome the stop cannot know is
+    /// remembered under it.
+    pub incarnation: u64,
     /// The names the stages this process's reloads stopped on the same queue parked under,
     /// when other than this one's (a pipeline renamed on the same queue): a redelivery one of
     /// them parked, whose ack may be lost, is not parked again under the new name (review R40a
@@ -268,7 +277,7 @@ impl Fallback {
                         d.tag,
                         trace.as_deref(),
                     );
-                    if kind != "retry" && kind != "dlq_retry" {
+                    if !metrics::is_retry_kind(kind) {
                         crate::events::emit(
                             Some(self.stage.pipeline()),
                             crate::events::Kind::DeadLettered {
@@ -494,6 +503,24 @@ impl Fallback {
                          lock, a slow server); its messages go back to their queue unparked, and \
                          the next consumer parks them"
                     );
+                } else if e.outcome_unknown() {
+                    // The park may have committed, its answer lost (the link half-open): they
+                    // go back remembered as acks this stage may have made, so that a DLQ stage
+                    // a reload starts asks the parking about them (review R47a F4: said "not
+                    // parked", they were parked, and the next stage, whose mapping accepted
+                    // them, stored them too; or parked them under its new name).
+                    let prints: Vec<super::acked::AckPrint> = indices
+                        .iter()
+                        .map(|&i| {
+                            let d = &items[i].0;
+                            super::acked::print(&d.body, d.properties.bare())
+                        })
+                        .collect();
+                    self.copies.acked().give_back(self.incarnation, &prints);
+                    info!(pipeline, stage, count, reason = %e,
+                        "messages whose park got no answer at the stop: the parking may hold \
+                         them; they go back to their queue, and a stage a reload starts there \
+                         asks the parking about them");
                 } else {
                     info!(pipeline, stage, count, reason = %e,
                         "messages not parked during the stop; they go back to their queue \

@@ -91,6 +91,58 @@ impl<D: Domain> Handler<Batch<D::Record>> for Sink<D> {
     }
 }
 
+/// Marks as done the redeliveries whose copy this stage (or one a reload replaced) routed and
+/// saw confirmed before the link that delivered them went down with their acks: acked as
+/// already routed, never inserted, also when the mapping now accepts them (review R47a F1: a
+/// reload that widened the mapping stored what the old stage had dead-lettered, and its DLQ
+/// stage had parked: both stored and parked). One whose copy is still being published goes
+/// back to its queue until the outcome is known. The fallback stage asks the same memory
+/// about what it routes (`router.rs`).
+fn already_routed<D: Domain>(
+    config: &SinkConfig<D>,
+    deliveries: &[Delivery],
+    inserted: &mut [bool],
+    failures: &mut [Option<Failure>],
+) {
+    let asked: Vec<usize> = (0..deliveries.len())
+        .filter(|&i| deliveries[i].redelivered && !inserted[i] && failures[i].is_none())
+        .collect();
+    if asked.is_empty() || !config.copies.remembers_lost() {
+        return;
+    }
+    let mut ids = Vec::new();
+    for i in asked {
+        let d = &deliveries[i];
+        match config.copies.recall(d, config.copies.fingerprint(d)) {
+            super::copies::Recall::Routed => {
+                inserted[i] = true;
+                ids.push(d.message_id());
+            }
+            super::copies::Recall::Pending => {
+                failures[i] = Some(Failure::Db {
+                    class: ErrorClass::Systemic,
+                    server_answered: false,
+                    reason: "a copy of it made before its link went down is still being \
+                             published: given back until the outcome is known"
+                        .into(),
+                });
+            }
+            super::copies::Recall::Unknown => {}
+        }
+    }
+    if !ids.is_empty() {
+        metrics::redeliveries(&config.stage, "already_routed", ids.len() as u64);
+        info!(
+            pipeline = config.stage.pipeline(),
+            stage = config.stage.stage().as_str(),
+            count = ids.len(),
+            message_ids = ?ids.iter().take(10).collect::<Vec<_>>(),
+            "redeliveries acked as already routed before any insert: their copies were \
+             confirmed before the link that delivered them went down with their acks"
+        );
+    }
+}
+
 /// Inserts, settles what committed, and hands the rest to the fallback stage.
 async fn sink<D: Domain>(config: Arc<SinkConfig<D>>, batch: Batch<D::Record>) {
     let started = Instant::now();
@@ -110,6 +162,7 @@ async fn sink<D: Domain>(config: Arc<SinkConfig<D>>, batch: Batch<D::Record>) {
     )
     .await;
     let mut inserted: Vec<bool> = settled_by.iter().map(Option::is_some).collect();
+    already_routed(&config, &deliveries, &mut inserted, &mut failures);
     let mut acked = inserted.iter().filter(|done| **done).count();
     let mut records: Vec<(usize, D::Record)> = Vec::with_capacity(n);
     for (i, result) in results.into_iter().enumerate() {
@@ -154,9 +207,8 @@ async fn sink<D: Domain>(config: Arc<SinkConfig<D>>, batch: Batch<D::Record>) {
                 .load(std::sync::atomic::Ordering::Relaxed);
         let results = if untried {
             let all = refs.iter().map(|(i, _)| *i).collect();
-            let untried = DbError::Connection(
-                "not tried: the database did not answer another batch during the stop".into(),
-            );
+            let untried =
+                DbError::NotStarted("the database did not answer another batch during the stop");
             vec![(all, Err(untried))]
         } else {
             insert_isolating(&config, refs, &id, give_back_at).await

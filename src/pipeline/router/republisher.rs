@@ -113,7 +113,7 @@ impl Republisher {
                 &self.retry_exchange,
                 &self.retry_queues[retry_tier(1, self.retry_queues.len())],
                 republish::for_retry(&full, count, reason, &self.main_queue),
-                "retry",
+                "wait",
             ),
             Route::DeadLetter { kind, reason } => (
                 &self.dlx_exchange,
@@ -121,11 +121,15 @@ impl Republisher {
                 republish::for_dead_letter(&full, written, kind.as_str(), reason),
                 kind.as_str(),
             ),
-            Route::DlqAttempt { attempts, reason } => (
+            Route::DlqAttempt {
+                attempts,
+                reason,
+                waits,
+            } => (
                 &self.dlx_exchange,
                 &self.dlq_queue,
                 republish::for_dlq_attempt(&full, *attempts, reason),
-                "dlq_retry",
+                if *waits { "wait" } else { "dlq_retry" },
             ),
         };
         // Where the original was published, for a property column of the copy.

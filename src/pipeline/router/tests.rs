@@ -103,7 +103,8 @@ fn a_message_waiting_for_a_locked_table_is_asked_again_uncounted() {
         crate::pipeline::dlq::dlq_fate(&waits, &crate::amqp::headers::Retries::Count(3), 10),
         Fate::Route(Route::DlqAttempt {
             attempts: 3,
-            reason: "locked".into()
+            reason: "locked".into(),
+            waits: true,
         })
     );
 }
