@@ -2234,19 +2234,31 @@ async fn two_reloads_before_the_old_link_drops_store_each_message_once() {
     std::fs::write(&path, table("orders_third")).expect("write");
     let second = reload(&env, &warren, "reloaded", 2).await;
     assert_eq!(names_of(&second["changed"]), ["orders"], "{second}");
+    let mark = warren.logs().len();
     amqp.cut();
     amqp.restore();
     // The third stage's own acks of the redeliveries it takes as done are lost too: its link
     // held once it has taken some, then cut. Their next redelivery must be asked of the old
     // tables again: the memory's entries were used up at the first, and the second was taken
     // as new and stored in the third table too (once by chance in this test's run, before the
-    // acks a stage makes for a predecessor were remembered under it).
-    warren
-        .wait_for_log(
-            "the first redeliveries acked as done",
-            "redeliveries acked as done: a stage a reload replaced had settled them",
-        )
-        .await;
+    // acks a stage makes for a predecessor were remembered under it). Awaited on the link
+    // made after the cut (a line of the link the cut ended held the wrong connection).
+    wait_until(
+        "the third stage's new link acking redeliveries as done",
+        Duration::from_secs(30),
+        || async {
+            let logs = warren.logs();
+            let after = &logs[mark.min(logs.len())..];
+            after
+                .find(r#"connected pipeline="orders" stage="main""#)
+                .is_some_and(|at| {
+                    after[at..].contains(
+                        "redeliveries acked as done: a stage a reload replaced had settled them",
+                    )
+                })
+        },
+    )
+    .await;
     amqp.hold_busiest_from_client();
     wait_until(
         "the third stage's window settled, its acks held",
