@@ -104,36 +104,26 @@ pub(super) async fn settled_before<D: Domain>(
             // remembered again, and are asked again when they come back; the rest of the batch
             // goes on (review R44 F6: the question waited for the statement bound, and the live
             // pipeline behind it; R46a F7: given back to the head of the queue, they held it).
-            Err(e) if e.sqlstate() == Some(LOCK_NOT_AVAILABLE) => {
-                let back: Vec<AckPrint> = group
-                    .iter()
-                    .filter_map(|(i, _)| prints.get(i).copied())
-                    .collect();
-                acked.give_back(before.incarnation, &back);
-                metrics::redeliveries(config.stage, "waits_for_retired_table", back.len() as u64);
-                warn!(
-                    pipeline = config.stage.pipeline(),
-                    stage = config.stage.stage().as_str(),
-                    before = %before.parks_as,
-                    count = group.len(),
-                    error = %e,
-                    "the table of a stage a reload replaced is locked: redeliveries whose acks \
-                     it may have lost go through the retry queue (a DLQ stage's back to the \
-                     DLQ), their retries not counted, to be asked again when they come back; \
-                     the rest goes on"
+            // The old table is locked (an operator's migration, a `LOCK TABLE`), or the
+            // question got no answer (no connection, a silent link): these redeliveries go
+            // through the retry queue uncounted (`Failure::Waits`), their acks remembered
+            // again, and are asked again when they come back; the rest of the batch goes on
+            // (review R44 F6: the question waited for the statement bound, and the live
+            // pipeline behind it; R46a F7: given back to the head of the queue, they held it;
+            // R47a's rerun: a question with no answer went on, and 2 of 8,000 were stored or
+            // parked twice).
+            Err(e) if waits_on(&e) => {
+                let indices: Vec<usize> = group.iter().map(|(i, _)| *i).collect();
+                wait(
+                    config,
+                    before,
+                    &e,
+                    &indices,
+                    (acked, &prints),
+                    failures,
+                    "table",
                 );
-                let reason: Arc<str> = format!(
-                    "the table of {}, which a reload replaced, was locked for over {}: asked \
-                     again when the message comes back",
-                    before.parks_as, PREDECESSOR_LOCK_TIMEOUT
-                )
-                .into();
-                for (i, _) in &group {
-                    failures[*i] = Some(Failure::Waits {
-                        reason: reason.clone(),
-                    });
-                }
-                continue;
+                vec![false; group.len()]
             }
             Err(e) => {
                 warn!(
@@ -169,9 +159,34 @@ pub(super) async fn settled_before<D: Domain>(
                     done[*i].is_none() && !matches!(failures[*i], Some(Failure::Waits { .. }))
                 })
                 .collect();
-            for i in parked_before(config, &before.parks_as, deliveries, &open).await {
-                done[i] = Some(before.incarnation);
-                ids.push(deliveries[i].message_id());
+            match parked_before(config, &before.parks_as, deliveries, &open).await {
+                Ok(parked) => {
+                    for i in parked {
+                        done[i] = Some(before.incarnation);
+                        ids.push(deliveries[i].message_id());
+                    }
+                }
+                Err(e) if waits_on(&e) => {
+                    wait(
+                        config,
+                        before,
+                        &e,
+                        &open,
+                        (acked, &prints),
+                        failures,
+                        "parking",
+                    );
+                }
+                Err(e) => warn!(
+                    pipeline = config.stage.pipeline(),
+                    stage = config.stage.stage().as_str(),
+                    before = %before.parks_as,
+                    count = open.len(),
+                    error = %e,
+                    "cannot ask the parking whether a stage a reload replaced parked these \
+                     redeliveries; they go on as any message (one it had parked may be stored \
+                     too)"
+                ),
             }
         }
         if !ids.is_empty() {
@@ -209,9 +224,9 @@ async fn parked_before(
     name: &str,
     deliveries: &[Delivery],
     open: &[usize],
-) -> Vec<usize> {
+) -> Result<Vec<usize>, DbError> {
     if open.is_empty() {
-        return Vec::new();
+        return Ok(Vec::new());
     }
     let prints: Vec<Vec<u8>> = open
         .iter()
@@ -229,33 +244,72 @@ async fn parked_before(
             )
         })
         .collect();
-    match dead_letters::parked_of(
+    config.statements.check_open()?;
+    let parked = dead_letters::parked_of(
         config.pool,
         config.db_bound,
         config.statements,
         name,
         &prints,
     )
-    .await
-    {
-        Ok(parked) => open
-            .iter()
-            .zip(&prints)
-            .filter(|(_, p)| parked.contains(*p))
-            .map(|(i, _)| *i)
-            .collect(),
-        Err(e) => {
-            warn!(
-                pipeline = config.stage.pipeline(),
-                stage = config.stage.stage().as_str(),
-                before = %name,
-                count = open.len(),
-                error = %e,
-                "cannot ask the parking whether a stage a reload replaced parked these \
-                 redeliveries; they go on as any message (one it had parked may be stored too)"
-            );
-            Vec::new()
-        }
+    .await?;
+    Ok(open
+        .iter()
+        .zip(&prints)
+        .filter(|(_, p)| parked.contains(*p))
+        .map(|(i, _)| *i)
+        .collect())
+}
+
+/// Whether a question to a predecessor's table or parking that failed with `e` is asked again
+/// later rather than given up: the table locked, or no answer at all (no connection, a silent
+/// link, past the bound). Not a dropped table, nor a stop (`NotStarted`).
+fn waits_on(e: &DbError) -> bool {
+    e.sqlstate() == Some(LOCK_NOT_AVAILABLE) || e.outcome_unknown()
+}
+
+/// The redeliveries at `indices`, whose question to `before`'s `what` (table or parking) failed
+/// with `e`, wait: their acks remembered again under `before`, sent round uncounted
+/// (`Failure::Waits`), counted as `waits_for_retired_table`, said in one warning.
+fn wait<D: Domain>(
+    config: &Asker<'_>,
+    before: &Predecessor<D>,
+    e: &DbError,
+    indices: &[usize],
+    (acked, prints): (
+        &super::acked::Acked,
+        &std::collections::HashMap<usize, AckPrint>,
+    ),
+    failures: &mut [Option<Failure>],
+    what: &str,
+) {
+    let back: Vec<AckPrint> = indices
+        .iter()
+        .filter_map(|i| prints.get(i).copied())
+        .collect();
+    acked.give_back(before.incarnation, &back);
+    metrics::redeliveries(config.stage, "waits_for_retired_table", back.len() as u64);
+    warn!(
+        pipeline = config.stage.pipeline(),
+        stage = config.stage.stage().as_str(),
+        before = %before.parks_as,
+        count = indices.len(),
+        error = %e,
+        "the {what} of a stage a reload replaced is locked or did not answer: redeliveries \
+         whose acks it may have lost go through the retry queue (a DLQ stage's back to the \
+         DLQ), their retries not counted, to be asked again when they come back; the rest goes \
+         on"
+    );
+    let reason: Arc<str> = format!(
+        "the {what} of {}, which a reload replaced, was locked for over {} or did not answer: \
+         asked again when the message comes back",
+        before.parks_as, PREDECESSOR_LOCK_TIMEOUT
+    )
+    .into();
+    for i in indices {
+        failures[*i] = Some(Failure::Waits {
+            reason: reason.clone(),
+        });
     }
 }
 
