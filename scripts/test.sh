@@ -17,32 +17,26 @@ CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$PWD/target}" cargo test -q --manifest-pat
 # The patched AMQP parser's and generator's own tests (vendor/amq-protocol-types/WARREN-PATCH.md).
 CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$PWD/target}" cargo test -q \
   --manifest-path vendor/amq-protocol-types/Cargo.toml --lib
-# Three lanes run at once, so the suite takes about as long as its longest lane rather than the
-# sum of all files (CI has 30 minutes; one lane took 25, two lanes 20 and CI 35 with the build).
-# The main lane is one `cargo test` over the lib, the bins, the examples and most test files. The
-# two lanes beside run their files one after the other, without cargo (whose lock on the build
-# directory would hold one lane behind the other): BESIDE holds every file that uses the RabbitMQ
-# test cluster (they stop its nodes and change their settings, so never two at once) and some
-# that spend their minutes waiting; THIRD the longest of the rest. `broker_faults` closes every
-# connection of the broker, so it runs alone, after the lanes. Any other argument than
+# Two lanes run at once, so the suite takes about as long as its longer lane rather than the sum
+# of all files (CI has 30 minutes; one lane took 25). The lane beside runs its files one after the
+# other, without cargo (whose lock on the build directory would hold one lane behind the other):
+# every file that uses the RabbitMQ test cluster (they stop its nodes and change their settings,
+# so never two at once), and the longest that spend their minutes waiting (reload and db_faults
+# moved here when CI took 29 of its 30 minutes: the main lane was about twice the other). `broker_faults` closes
+# every connection of the broker, so it runs alone, after both lanes. Any other argument than
 # --no-fail-fast (a filter, a --test) runs everything in one `cargo test`, as before.
-BESIDE="cluster consumer_timeout endpoints failover properties retry ledger_pipelines held reload db_faults"
-THIRD="memory ledger balance hostile shutdown fallbacks"
+BESIDE="cluster consumer_timeout endpoints failover properties retry memory ledger_pipelines held reload db_faults"
 ALONE="broker_faults"
 if [ "$#" -gt 1 ] || { [ "$#" -eq 1 ] && [ "$1" != "--no-fail-fast" ]; }; then
   exec cargo test --all-targets "$@"
 fi
 beside=()
-third=()
 alone=()
 others=(--lib --bins --examples)
 for file in tests/*.rs; do
   name="$(basename "$file" .rs)"
   case " $BESIDE " in
     *" $name "*) beside+=(--test "$name"); continue ;;
-  esac
-  case " $THIRD " in
-    *" $name "*) third+=(--test "$name"); continue ;;
   esac
   case " $ALONE " in
     *" $name "*) alone+=(--test "$name") ;;
@@ -52,18 +46,14 @@ done
 cargo test --all-targets --no-run
 lane="$(mktemp -d)"
 trap 'rm -rf "$lane"' EXIT
-# The test harnesses (targets of kind "test", not the warren binary they use) of the test
-# files named by `--test NAME` arguments, one path a line (none found is said below).
-executables() {
-  cargo test "$@" --no-run --message-format=json 2>/dev/null |
-    grep -F '"kind":["test"]' | grep -o '"executable":"[^"]*"' |
-    sed 's/"executable":"\(.*\)"/\1/' || true
-}
-# Runs the given executables (one path a line) one after the other, each one's output into
-# $lane/NAME.log and a line into $lane/summary; exit 1 if one failed.
+# Runs the executables of the test files named by `--test NAME` arguments one after the other,
+# each one's output into $lane/NAME.log and a line into $lane/summary; exit 1 if one failed.
 run_files() {
-  local failed=0 exe name start
-  for exe in $1; do
+  local executables failed=0 exe name start
+  # The test harnesses only (targets of kind "test"), not the warren binary they use.
+  executables="$(cargo test "$@" --no-run --message-format=json 2>/dev/null |
+    grep -F '"kind":["test"]' | grep -o '"executable":"[^"]*"' | sed 's/"executable":"\(.*\)"/\1/')"
+  for exe in $executables; do
     name="$(basename "$exe")"
     name="${name%-*}"
     start=$SECONDS
@@ -79,33 +69,13 @@ run_files() {
 }
 fail_fast=1
 [ "${1:-}" = "--no-fail-fast" ] && fail_fast=0
-# The lanes' executables are listed before any lane starts: `cargo test --no-run` takes the
-# build directory's lock, which the main lane's `cargo test` holds while it runs.
-beside_exes="$(executables "${beside[@]}")"
-third_exes="$(executables "${third[@]}")"
-alone_exes="$(executables "${alone[@]}")"
-# Each lane runs as many executables as it names files (an empty list would pass unseen).
-for listed in "beside:${#beside[@]}:$beside_exes" "third:${#third[@]}:$third_exes" \
-  "alone:${#alone[@]}:$alone_exes"; do
-  name="${listed%%:*}"
-  rest="${listed#*:}"
-  files=$((${rest%%:*} / 2))
-  found="$(printf '%s\n' "${rest#*:}" | grep -c . || true)"
-  if [ "$found" != "$files" ]; then
-    echo "test.sh: the $name lane names $files test files but $found executables were built" >&2
-    exit 1
-  fi
-done
-run_files "$beside_exes" &
+run_files "${beside[@]}" &
 beside_pid=$!
-run_files "$third_exes" &
-third_pid=$!
 status=0
 cargo test "${others[@]}" "$@" || status=$?
 wait "$beside_pid" || status=1
-wait "$third_pid" || status=1
 if [ "$status" = 0 ] || [ "$fail_fast" = 0 ]; then
-  run_files "$alone_exes" || status=1
+  run_files "${alone[@]}" || status=1
 fi
 for log in "$lane"/*.log; do
   [ -e "$log" ] || continue
